@@ -1,0 +1,9 @@
+"""Mesh axis names: the only place these strings are spelled.
+
+The mesh is 2-D: ``DP`` splits the batch (data parallel), ``MP`` splits weights Megatron-style
+(model / tensor parallel). Layers never name axes; they call methods of ``meshlm.parallel.Parallel``.
+"""
+
+DP = "dp"  # data-parallel axis: the global batch is split over it
+MP = "mp"  # model-parallel axis: heads, hidden units and the vocabulary are split over it
+MESH_AXES = (DP, MP)

@@ -1,0 +1,169 @@
+"""Model configuration: one frozen dataclass, named presets, strict parsing.
+
+Unknown preset names and unknown fields are errors that list the valid ones: a typo never silently
+falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from meshlm.errors import ConfigError
+
+FAMILIES = ("ff", "gptj", "llama")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str = "ff"  # "ff": the prototype's feed-forward stack; "gptj" / "llama": transformer blocks
+    vocab_size: int = 256  # number of token ids; byte-level models use 256
+    d_model: int = 128  # residual stream width
+    n_layers: int = 2  # number of blocks (stacked with hk.experimental.layer_stack)
+    d_ff: int = 512  # hidden width of the feed-forward / MLP (the prototype: 4 x d_model)
+    n_heads: int = 0  # attention heads (transformers only; 0 for "ff")
+    n_kv_heads: int = 0  # key/value heads; < n_heads is grouped-query attention; 0 means n_heads
+    head_dim: int = 0  # per-head width; 0 means d_model // n_heads
+    rotary_dim: int = 0  # gptj: rotary dims at the start of each head (interleaved); 0 = head_dim
+    rotary_style: str = ""  # "interleaved" (GPT-J) or "half" (Llama); "" = the family's own
+    rope_theta: float = 10000.0  # rotary base frequency
+    max_seq_len: int = 256  # longest context; positions beyond it are an error
+    norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
+    tie_embeddings: bool = False  # llama: output projection reuses the embedding table
+    embed_bias: bool = False  # ff: the prototype's embedding had a bias (added once, after the sum)
+    z_loss: float = 0.0  # coefficient of the z-loss term coeff * log(Z)^2 (0 disables it)
+    remat: bool = False  # rematerialise each layer's activations in the backward pass
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ConfigError(f"unknown family {self.family!r}; valid: {', '.join(FAMILIES)}")
+        for name in ("vocab_size", "d_model", "n_layers", "d_ff"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.family != "ff":
+            self._check_attention()
+
+    def _check_attention(self):
+        if self.n_heads < 1:
+            raise ConfigError(f"family {self.family!r} needs n_heads >= 1")
+        if not self.head_dim and self.d_model % self.n_heads:
+            raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}")
+        if self.rotary_style not in ("", "interleaved", "half"):
+            raise ConfigError(f"rotary_style={self.rotary_style!r}; valid: interleaved, half")
+        if self.rotary_dim % 2 or self.rotary_dim > self.dim_per_head:
+            raise ConfigError(f"rotary_dim={self.rotary_dim} must be even and <= head_dim")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or (self.d_model // self.n_heads if self.n_heads else 0)
+
+    @property
+    def rot_dim(self) -> int:
+        return self.rotary_dim or self.dim_per_head
+
+    def replace(self, **changes) -> ModelConfig:
+        return from_dict({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(ModelConfig)]
+
+
+def from_dict(d: dict[str, Any]) -> ModelConfig:
+    """Build a config from a dict; unknown keys are an error listing the valid ones."""
+    unknown = sorted(set(d) - set(field_names()))
+    if unknown:
+        raise ConfigError(f"unknown config field(s) {unknown}; valid: {', '.join(field_names())}")
+    return ModelConfig(**d)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # The prototype exactly: byte vocab, width 128, two residual 4x-GELU feed-forward blocks.
+    "seed": ModelConfig(family="ff", vocab_size=256, d_model=128, n_layers=2, d_ff=512, embed_bias=True),
+    # Small enough for tests on 8 fake devices (every dim divisible by 8).
+    "tiny": ModelConfig(family="ff", vocab_size=64, d_model=32, n_layers=2, d_ff=128, embed_bias=True),
+    "tiny-gptj": ModelConfig(
+        family="gptj",
+        vocab_size=64,
+        d_model=64,
+        n_layers=2,
+        d_ff=256,
+        n_heads=8,
+        rotary_dim=4,
+        max_seq_len=64,
+    ),
+    # n_kv_heads=4 < n_heads: grouped-query attention; on mp=8 the KV heads are replicated.
+    "tiny-llama": ModelConfig(
+        family="llama",
+        vocab_size=64,
+        d_model=64,
+        n_layers=2,
+        d_ff=128,
+        n_heads=8,
+        n_kv_heads=4,
+        max_seq_len=64,
+        norm_eps=1e-6,
+    ),
+    # What CPU training defaults to: about 3.2M parameters, trains visibly in minutes on 2 cores.
+    "cpu": ModelConfig(
+        family="llama",
+        vocab_size=256,
+        d_model=256,
+        n_layers=4,
+        d_ff=768,
+        n_heads=8,
+        max_seq_len=128,
+        norm_eps=1e-6,
+    ),
+    "small": ModelConfig(
+        family="llama",
+        vocab_size=256,
+        d_model=512,
+        n_layers=8,
+        d_ff=1536,
+        n_heads=8,
+        max_seq_len=256,
+        norm_eps=1e-6,
+    ),
+    # Real shapes (not trained here; verify and memory reports accept them).
+    "gptj-6b": ModelConfig(
+        family="gptj",
+        vocab_size=50400,
+        d_model=4096,
+        n_layers=28,
+        d_ff=16384,
+        n_heads=16,
+        rotary_dim=64,
+        max_seq_len=2048,
+    ),
+    "llama2-7b": ModelConfig(
+        family="llama",
+        vocab_size=32000,
+        d_model=4096,
+        n_layers=32,
+        d_ff=11008,
+        n_heads=32,
+        max_seq_len=4096,
+        norm_eps=1e-5,
+    ),
+}
+
+
+def get_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown config {name!r}; valid: {', '.join(PRESETS)}")
+    return PRESETS[name]

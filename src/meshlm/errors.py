@@ -1,0 +1,33 @@
+"""User-facing errors. The CLI prints these as one line and exits non-zero; anything else is a bug."""
+
+
+class MeshlmError(Exception):
+    """Base class for errors caused by user input or environment, each naming the problem and fix."""
+
+
+class ConfigError(MeshlmError):
+    """An unknown preset, an unknown field, or a value that cannot work."""
+
+
+class MeshError(MeshlmError):
+    """A mesh that does not fit the devices, or a dimension the mesh cannot divide."""
+
+
+class ShardingError(MeshlmError):
+    """A parameter no sharding rule matches, or one whose dimension the mesh does not divide."""
+
+
+class TokenRangeError(MeshlmError):
+    """A token id outside [0, vocab_size): JAX would silently clamp it."""
+
+
+class CheckpointError(MeshlmError):
+    """A missing, incomplete, corrupt or mismatched checkpoint."""
+
+
+class DataError(MeshlmError):
+    """Unreadable or unusable training data."""
+
+
+class DistributedError(MeshlmError):
+    """Bad multi-process arguments, or peers that could not be reached in time."""
