@@ -199,10 +199,13 @@ def _target_problem(key: str, leaf: Any) -> str | None:
     return None
 
 
-def _check_abstract(saved: dict[str, dict], abstract: Any, where: str) -> None:
-    """Structure, shape, dtype and sharding of the target against the checkpoint, by parameter."""
+def _check_abstract(saved: dict[str, dict], abstract: Any, where: str, partial: bool = False) -> None:
+    """Structure, shape, dtype and sharding of the target against the checkpoint, by parameter.
+    With ``partial``, the target may be a subtree (e.g. parameters without optimizer state)."""
     want = {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
-    problems = [f"{k}: in the checkpoint, not in the model" for k in saved if k not in want]
+    problems = (
+        [] if partial else [f"{k}: in the checkpoint, not in the model" for k in saved if k not in want]
+    )
     problems += [f"{k}: in the model, not in the checkpoint" for k in want if k not in saved]
     for key in (k for k in want if k in saved):
         have = (tuple(saved[key]["shape"]), saved[key]["dtype"])
@@ -275,9 +278,12 @@ class Checkpointer:
         # reports "no checkpoint" instead of leaving an empty directory behind. No max_to_keep:
         # orbax would prune before knowing the new step committed; _prune runs after.
         options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=(STATE, META, INTEGRITY)
-        )
+        handlers = {
+            STATE: ocp.StandardCheckpointHandler(),
+            META: ocp.JsonCheckpointHandler(),
+            INTEGRITY: ocp.JsonCheckpointHandler(),
+        }
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def close(self) -> None:
         self._manager.close()
@@ -364,12 +370,17 @@ class Checkpointer:
     # ------------------------------------------------------------ restore
 
     def restore(
-        self, abstract_state: Any, step: int | None = None, expect_meta: dict | None = None
+        self,
+        abstract_state: Any,
+        step: int | None = None,
+        expect_meta: dict | None = None,
+        partial: bool = False,
     ) -> tuple[Any, dict, int]:
         """Load ``step`` (default: the newest loadable) onto the shardings in ``abstract_state``,
         a pytree of ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``. Returns
-        (state, meta, step). ``expect_meta`` keys must equal the saved ones."""
-        load = lambda s: self._restore_step(abstract_state, s, expect_meta)
+        (state, meta, step). ``expect_meta`` keys must equal the saved ones. ``partial`` loads
+        only the subtree ``abstract_state`` names (e.g. ``{"params": ...}`` for inference)."""
+        load = lambda s: self._restore_step(abstract_state, s, expect_meta, partial)
         return load(self._check_step(step)) if step is not None else self._newest(load)
 
     def read_meta(self, step: int | None = None) -> dict:
@@ -416,15 +427,17 @@ class Checkpointer:
             raise _CorruptCheckpoint(f"cannot read {path}: not a JSON object")
         return value
 
-    def _restore_step(self, abstract: Any, step: int, expect_meta: dict | None) -> tuple[Any, dict, int]:
+    def _restore_step(
+        self, abstract: Any, step: int, expect_meta: dict | None, partial: bool = False
+    ) -> tuple[Any, dict, int]:
         where = self.step_dir(step)
         meta = self._read_json(step, META)
         _check_meta(meta, expect_meta, f"checkpoint {where}")
         integrity = self._read_json(step, INTEGRITY)
         if integrity.get("format") != _FORMAT or not isinstance(integrity.get("arrays"), dict):
             raise _CorruptCheckpoint(f"{where / INTEGRITY / _JSON_FILE} is not a meshlm record")
-        _check_abstract(integrity["arrays"], abstract, f"checkpoint {where}")
-        state, error = self._read_arrays(step, abstract)
+        _check_abstract(integrity["arrays"], abstract, f"checkpoint {where}", partial)
+        state, error = self._read_arrays(step, abstract, partial)
         if not _agree(error is None):
             raise _CorruptCheckpoint(
                 f"cannot read arrays of {where / STATE}: " + (error or "failed on another process")
@@ -432,9 +445,14 @@ class Checkpointer:
         _verify(state, integrity["arrays"], where / STATE)
         return state, meta, step
 
-    def _read_arrays(self, step: int, abstract: Any) -> tuple[Any, str | None]:
+    def _read_arrays(self, step: int, abstract: Any, partial: bool = False) -> tuple[Any, str | None]:
         args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract)})
         try:
+            if partial:  # read only the subtree asked for (e.g. parameters, not optimizer state)
+                restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+                part = ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args, partial_restore=True)
+                with ocp.PyTreeCheckpointer() as reader:
+                    return reader.restore(self.step_dir(step) / STATE, args=part), None
             return self._manager.restore(step, args=args)[STATE], None
         except Exception as e:  # tensorstore reports damage as ValueError, Exception, ...
             line = _error_line(e)

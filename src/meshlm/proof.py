@@ -295,7 +295,7 @@ def model_problem(cfg, name: str, mp: int, batch_size: int, seq_len: int, seed: 
     from meshlm.model import loss_fn
     from meshlm.sharding import model_specs
 
-    rebuild = lambda c: (lambda par: loss_fn(c, par))
+    rebuild = lambda c: lambda par: loss_fn(c, par)
     return Problem(
         build_loss=rebuild(cfg),
         specs_fn=lambda abstract: model_specs(cfg, abstract, mp),
@@ -309,16 +309,26 @@ def model_problem(cfg, name: str, mp: int, batch_size: int, seq_len: int, seed: 
 
 def format_report(r: Report) -> str:
     """The human-readable proof: one row per parameter, then the loss, the controls and a verdict."""
-    rows = [f"meshlm verify: config={r.config} mesh={r.dp}x{r.mp} dtype={r.dtype} steps={r.steps} "
-            f"tolerance: max|s-r| <= {r.atol:g} + {r.rtol:g}*max|r| (normwise)", ""]
+    rows = [
+        f"meshlm verify: config={r.config} mesh={r.dp}x{r.mp} dtype={r.dtype} steps={r.steps} "
+        f"tolerance: max|s-r| <= {r.atol:g} + {r.rtol:g}*max|r| (normwise)",
+        "",
+    ]
     head = f"{'parameter':<28} {'global shape':<18} {'spec':<28} {'max abs err':>11} {'max rel err':>11}  ok"
     rows += [head, "-" * len(head)]
     for p in r.params:
-        rows.append(f"{p.path:<28} {str(tuple(p.shape)):<18} {p.spec:<28} {p.max_abs_err:>11.3e} "
-                    f"{p.max_rel_err:>11.3e}  {'PASS' if p.ok else 'FAIL'}")
+        rows.append(
+            f"{p.path:<28} {str(tuple(p.shape)):<18} {p.spec:<28} {p.max_abs_err:>11.3e} "
+            f"{p.max_rel_err:>11.3e}  {'PASS' if p.ok else 'FAIL'}"
+        )
     worst = max((p.max_rel_err for p in r.params), default=0.0)
-    rows += ["", f"loss: sharded {r.loss_sharded:.10g}  reference {r.loss_reference:.10g}  "
-                 f"{'PASS' if r.loss_ok else 'FAIL'}", f"worst relative error: {worst:.3e}", ""]
+    rows += [
+        "",
+        f"loss: sharded {r.loss_sharded:.10g}  reference {r.loss_reference:.10g}  "
+        f"{'PASS' if r.loss_ok else 'FAIL'}",
+        f"worst relative error: {worst:.3e}",
+        "",
+    ]
     if not r.controls:
         rows.append("controls: none apply on this mesh (collective faults need mp > 1, dp faults dp > 1)")
     for c in r.controls:

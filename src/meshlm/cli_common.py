@@ -1,0 +1,47 @@
+"""Flags every command shares, and the start-up order: devices, distributed runtime, mesh.
+
+No JAX import at module level: ``--devices`` must set ``XLA_FLAGS`` before JAX starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from meshlm.devices import DEFAULT_DEVICES, force_host_devices, parse_mesh
+
+
+def add_common(p: argparse.ArgumentParser, config: str | None = None) -> None:
+    if config is not None:
+        p.add_argument("--config", default=config, help="model preset name (see `meshlm configs`)")
+    p.add_argument("--mesh", default=None, help="DPxMP, e.g. 1x4 or 2x2 (default: 1 x all devices)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help=f"fake host CPU devices (default {DEFAULT_DEVICES}; ignored on accelerators)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--coordinator", default=None, help="multi-process: HOST:PORT of process 0")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-process: process count")
+    p.add_argument("--process-id", type=int, default=None, help="multi-process: this process's index")
+
+
+def setup(args) -> tuple:
+    """Devices, distributed runtime, mesh, in that order, before anything touches a device.
+
+    Returns (mesh, dp, mp). The default mesh is 1 x (all devices).
+    """
+    force_host_devices(args.devices if args.devices is not None else DEFAULT_DEVICES)
+    from meshlm import distributed
+
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    import jax
+
+    from meshlm.devices import accelerator_note, make_mesh
+
+    if args.devices is not None and (note := accelerator_note()):
+        print(note, file=sys.stderr)
+    dp, mp = parse_mesh(args.mesh) if args.mesh else (1, jax.device_count())
+    return make_mesh(dp, mp), dp, mp
