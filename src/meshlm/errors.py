@@ -31,3 +31,7 @@ class DataError(MeshlmError):
 
 class DistributedError(MeshlmError):
     """Bad multi-process arguments, or peers that could not be reached in time."""
+
+
+class GenerationError(MeshlmError):
+    """Unusable generation input: an empty or too-long prompt, a bad sampling setting or prompt file."""

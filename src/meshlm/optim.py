@@ -62,7 +62,7 @@ def adamw(ocfg: OptimConfig, params) -> optax.GradientTransformation:
 
 def clip_by_global_norm(grads, max_norm: float):
     """Scale ``grads`` so their global L2 norm is at most ``max_norm`` (optax's formula)."""
-    norm = optax.global_norm(grads)
+    norm = optax.tree.norm(grads)
     if not max_norm:
         return grads, norm
     scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)

@@ -27,6 +27,7 @@ from meshlm.optim import OptimConfig, adamw, clip_by_global_norm, make_step
 from meshlm.parallel import Parallel
 from meshlm.sharding import BATCH_SPEC, flat_params
 from meshlm.spmd import reference_value_and_grad, sharded_value_and_grad
+from meshlm.tokens import check_batch
 
 # (rtol, atol), normwise. float32: summation order differs between layouts and Adam's division by
 # sqrt(v) amplifies rounding in near-zero gradients over steps; float64 shows the result is exact.
@@ -229,6 +230,8 @@ def verify(
     """Prove ``problem`` sharded on ``mesh`` equals it unsharded; see the module docstring."""
     dname = jnp.dtype(dtype).name
     rtol, atol = TOLERANCE[dname]
+    if problem.cfg is not None:
+        check_batch(problem.batch, problem.cfg.vocab_size)
     report = Report(problem.name, mesh.shape[DP], mesh.shape[MP], steps, dname, rtol, atol)
     runs = _Runs(problem, mesh, dtype, seed)
     (ls, gs), (lr, gr) = runs.grads(problem.build_loss), runs.reference_grads()

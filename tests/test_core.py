@@ -1,0 +1,184 @@
+"""Core proof: sharded == unsharded on every mesh, controls detected, init bitwise, bad inputs."""
+
+import subprocess
+import sys
+
+import chex
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshlm.config import ModelConfig, from_dict, get_config
+from meshlm.devices import make_mesh, parse_mesh
+from meshlm.errors import ConfigError, MeshError, ShardingError, TokenRangeError
+from meshlm.parallel import Parallel
+from meshlm.proof import format_report, model_problem, verify
+from meshlm.sharding import spec_for
+from meshlm.spmd import reference_value_and_grad
+from meshlm.tokens import check_token_range
+from meshlm.train_step import init_model
+
+MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (8, 1)]
+
+
+def _verify(name, dp, mp, dtype=jnp.float32, steps=0, batch=8, seq=16, **kw):
+    cfg = get_config(name)
+    return verify(model_problem(cfg, name, mp, batch, seq), make_mesh(dp, mp), steps=steps, dtype=dtype, **kw)
+
+
+@pytest.mark.parametrize("dp,mp", MESHES)
+def test_verify_ff_every_mesh_float64_exact(dp, mp):
+    """Exactness: float64 worst relative error <= 1e-12 (controls run in the float32 sweep)."""
+    with jax.enable_x64(True):
+        report = _verify("tiny", dp, mp, jnp.float64, controls=())
+    assert report.ok, format_report(report)
+    assert max(p.max_rel_err for p in report.params) <= 1e-12
+
+
+@pytest.mark.parametrize("dp,mp", MESHES)
+def test_verify_ff_every_mesh_float32_with_controls(dp, mp):
+    report = _verify("tiny", dp, mp)
+    assert report.ok, format_report(report)
+    assert max(p.max_rel_err for p in report.params) <= 2e-4
+    names = {c["name"] for c in report.controls}
+    if mp > 1:
+        assert {"dropped all-reduce", "row-parallel bias counted mp times",
+                "shard reads wrong vocab slice"} <= names
+    if dp > 1:
+        assert "missing data-parallel mean" in names
+    assert all(c["detected"] for c in report.controls)
+
+
+def test_verify_seed_json_schema_and_table():
+    report = _verify("seed", 1, 4)
+    j = report.to_json()
+    assert set(j) >= {"ok", "config", "mesh", "steps", "dtype", "tolerance", "loss", "params", "controls"}
+    assert j["mesh"] == {"dp": 1, "mp": 4} and j["ok"]
+    paths = {p["path"] for p in j["params"]}
+    assert paths == {"embed/embeddings", "embed/b", "layers/mlp/w_in", "layers/mlp/b_in",
+                     "layers/mlp/w_out", "layers/mlp/b_out", "head/w", "head/b"}
+    row = next(p for p in j["params"] if p["path"] == "embed/embeddings")
+    assert row["shape"] == [256, 128] and row["spec"] == "P('mp', None)"
+    assert "OK: sharded == unsharded" in format_report(report)
+
+
+def test_verify_with_adamw_steps_on_data_x_model_mesh():
+    with jax.enable_x64(True):
+        report = _verify("tiny", 2, 2, jnp.float64, steps=2)
+    assert report.ok, format_report(report)
+    assert any(p.path.startswith("opt_state") for p in report.params)  # step counters compared too
+    assert any(c["name"] == "per-shard gradient-norm clipping" for c in report.controls)
+
+
+def test_different_inputs_give_different_gradients():
+    """The comparison is not vacuous: the gradients depend on the batch."""
+    cfg = get_config("tiny")
+    a = model_problem(cfg, "tiny", 1, 4, 16, seed=0)
+    b = model_problem(cfg, "tiny", 1, 4, 16, seed=1)
+    params, _ = init_model(cfg, make_mesh(1, 1), 0)
+    grad = jax.jit(reference_value_and_grad(a.build_loss))
+    (la, ga), (lb, gb) = grad(params, a.batch), grad(params, b.batch)
+    assert float(la) != float(lb)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        assert not np.allclose(x, y)
+
+
+@pytest.mark.parametrize("name", ["seed", "tiny-gptj", "tiny-llama"])
+@pytest.mark.parametrize("dp,mp", [(1, 4), (2, 2), (1, 8)])
+def test_init_on_mesh_is_bitwise_one_device(name, dp, mp):
+    cfg = get_config(name)
+    if cfg.family != "ff" and cfg.n_heads % mp:
+        pytest.skip("heads not divisible")
+    one, _ = init_model(cfg, make_mesh(1, 1), 7)
+    many, specs = init_model(cfg, make_mesh(dp, mp), 7)
+    chex.assert_trees_all_equal(jax.device_get(one), jax.device_get(many))
+    assert any("mp" in str(s) for s in jax.tree.leaves(specs, is_leaf=lambda x: hasattr(x, "index")))
+
+
+def test_sharded_params_are_split_over_mp():
+    params, _ = init_model(get_config("seed"), make_mesh(1, 4), 0)
+    emb = params["embed"]["embeddings"]
+    assert emb.addressable_shards[0].data.shape == (64, 128)  # V/mp rows per device
+
+
+def test_vocab_parallel_xent_matches_log_softmax_and_z_loss():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(2, 5, 16)) * 10, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 16, (2, 5)))
+    from meshlm.layers import vocab_parallel_xent
+
+    got = vocab_parallel_xent(Parallel(), logits, targets, z_loss=1e-2)
+    logz = jax.nn.logsumexp(logits, -1)
+    want = logz - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0] + 1e-2 * logz**2
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_token_out_of_range_names_id_and_position():
+    ids = np.array([[1, 2, 3], [4, 300, 5]])
+    with pytest.raises(TokenRangeError, match=r"300 at position \(1, 1\)"):
+        check_token_range(ids, 256)
+    with pytest.raises(TokenRangeError, match="-1"):
+        check_token_range(np.array([-1]), 256)
+    problem = model_problem(get_config("tiny"), "tiny", 1, 2, 8)
+    problem.batch["inputs"][0, 3] = 64  # tiny has vocab 64
+    with pytest.raises(TokenRangeError, match=r"64 at position \(0, 3\)"):
+        verify(problem, make_mesh(1, 1))
+
+
+def test_bad_mesh_and_dims():
+    with pytest.raises(MeshError, match="needs 16 devices"):
+        make_mesh(4, 4)
+    with pytest.raises(MeshError, match="DPxMP"):
+        parse_mesh("4")
+    with pytest.raises(ShardingError, match=r"'embed/embeddings' dimension 0 \(size 256\).*mp=3"):
+        _verify("seed", 1, 3)
+    with pytest.raises(ShardingError, match="no sharding rule matches parameter 'mystery/w'"):
+        spec_for("mystery/w", (4, 4), 2)
+    with pytest.raises(ShardingError, match="n_heads=8 is not divisible by mp=3"):
+        from meshlm.sharding import model_specs
+
+        model_specs(get_config("tiny-llama"), {}, 3)
+
+
+def test_bad_config_names_and_fields():
+    with pytest.raises(ConfigError, match="unknown config 'nope'; valid: seed, tiny"):
+        get_config("nope")
+    with pytest.raises(ConfigError, match=r"unknown config field\(s\) \['d_modle'\]; valid: family"):
+        from_dict({"d_modle": 3})
+    with pytest.raises(ConfigError, match="n_heads"):
+        ModelConfig(family="llama", n_heads=0)
+    assert get_config("seed").replace(d_model=64).d_model == 64
+
+
+def test_seed_preset_is_the_prototype():
+    cfg = get_config("seed")
+    assert (cfg.family, cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.d_ff) == ("ff", 256, 128, 2, 512)
+    params = hk.transform(lambda b: None)  # noqa: F841 - shape check below via init_model
+    p, _ = init_model(cfg, make_mesh(1, 1), 0)
+    shapes = {f"{m}/{n}": v.shape for m, d in p.items() for n, v in d.items()}
+    assert shapes["embed/embeddings"] == (256, 128) and shapes["head/w"] == (128, 256)
+    assert shapes["layers/mlp/w_in"] == (2, 128, 512)
+
+
+def _cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "meshlm", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_verify_seed_1x4_json():
+    out = _cli("verify", "--config", "seed", "--mesh", "1x4", "--devices", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    import json
+
+    j = json.loads(out.stdout)
+    assert j["ok"] and all(c["detected"] for c in j["controls"]) and len(j["controls"]) >= 3
+
+
+def test_cli_bad_input_is_one_line_no_traceback():
+    for args, text in [(("verify", "--config", "nope"), "unknown config"),
+                       (("verify", "--mesh", "2x4", "--devices", "4"), "needs 8 devices"),
+                       (("verify", "--mesh", "1x3", "--devices", "3"), "not divisible by mp=3")]:
+        out = _cli(*args)
+        assert out.returncode == 2 and text in out.stderr and "Traceback" not in out.stderr, out.stderr

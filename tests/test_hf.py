@@ -1,0 +1,224 @@
+"""Hugging Face conversion: our logits equal transformers' for imported GPT-J / Llama models,
+unsharded and on meshes; exports load in transformers with the same logits; bad configs fail loudly."""
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import haiku as hk  # noqa: E402
+import jax  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from meshlm import hf  # noqa: E402
+from meshlm.commands import convert  # noqa: E402
+from meshlm.config import get_config  # noqa: E402
+from meshlm.devices import make_mesh  # noqa: E402
+from meshlm.errors import CheckpointError, ConfigError  # noqa: E402
+from meshlm.model import logits_fn  # noqa: E402
+from meshlm.parallel import Parallel  # noqa: E402
+from meshlm.sharding import model_specs, shardings, unflatten  # noqa: E402
+from meshlm.spmd import mesh_parallel  # noqa: E402
+
+ATOL = 1e-4
+VOCAB = 64
+SMALL = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)  # token ids must fit the vocabulary
+HF_CONFIGS = {
+    "gptj": lambda: transformers.GPTJConfig(
+        n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=32, **SMALL
+    ),
+    "llama": lambda: transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,  # grouped-query attention
+        intermediate_size=128,
+        max_position_embeddings=32,
+        rope_theta=500.0,  # not the default, so a dropped theta shows
+        **SMALL,
+    ),
+    "llama-tied-hd": lambda: transformers.LlamaConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,  # not hidden_size / heads
+        intermediate_size=64,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+        **SMALL,
+    ),
+}
+MODEL_CLASSES = {"gptj": "GPTJForCausalLM", "llama": "LlamaForCausalLM", "llama-tied-hd": "LlamaForCausalLM"}
+
+
+def _hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+def _our_logits(cfg, flat, tokens) -> np.ndarray:
+    return np.asarray(hk.transform(logits_fn(cfg, Parallel())).apply(unflatten(flat), None, tokens))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(0, VOCAB, (4, 16))
+
+
+@pytest.fixture(scope="module", params=list(HF_CONFIGS))
+def hf_model(request, tmp_path_factory, tokens):
+    """(name, saved directory, transformers logits) of a tiny random model.
+
+    Every parameter is perturbed (biases and norm weights too, which start at 0 / 1) so that a
+    wrong mapping of any one tensor shows in the logits.
+    """
+    torch.manual_seed(0)
+    model = getattr(transformers, MODEL_CLASSES[request.param])(HF_CONFIGS[request.param]()).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path, safe_serialization=True)
+    return request.param, path, _hf_logits(model, tokens)
+
+
+def test_import_matches_transformers(hf_model, tokens):
+    _, path, want = hf_model
+    cfg, flat = hf.load_hf(path)
+    np.testing.assert_allclose(_our_logits(cfg, flat, tokens), want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 4)])
+def test_import_matches_transformers_sharded(hf_model, tokens, mesh_shape):
+    _, path, want = hf_model
+    cfg, flat = hf.load_hf(path)
+    mesh = make_mesh(*mesh_shape)
+    params = unflatten(flat)
+    specs = model_specs(cfg, params, mesh_shape[1])
+    apply = hk.transform(logits_fn(cfg, mesh_parallel(mesh))).apply
+    # Each model shard returns its own gathered copy of the logits (a leading axis over mp), so
+    # every copy is compared, not just the first.
+    fn = jax.shard_map(
+        lambda p, t: apply(p, None, t)[None],
+        mesh=mesh,
+        in_specs=(specs, P("dp", None)),
+        out_specs=P("mp", "dp", None, None),
+    )
+    got = np.asarray(jax.jit(fn)(jax.device_put(params, shardings(specs, mesh)), tokens))
+    assert got.shape == (mesh_shape[1], *want.shape)
+    for copy in got:
+        np.testing.assert_allclose(copy, want, atol=ATOL, rtol=0)
+
+
+def test_export_loads_in_transformers(hf_model, tokens, tmp_path):
+    name, path, want = hf_model
+    cfg, flat = hf.load_hf(path)
+    hf.save_hf(cfg, flat, tmp_path)
+    with open(tmp_path / hf.WEIGHTS_FILE, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert ("lm_head.weight" in header) == (name != "llama-tied-hd")  # tied: no lm_head written
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    np.testing.assert_allclose(_hf_logits(model, tokens), want, atol=ATOL, rtol=0)
+    assert hf.load_hf(tmp_path)[0] == cfg
+
+
+def test_sharded_index_and_bfloat16(tmp_path, tokens):
+    """Several safetensors files behind an index; bfloat16 weights arrive as float32."""
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(HF_CONFIGS["llama"]()).to(torch.bfloat16)
+    model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
+    assert (tmp_path / hf.INDEX_FILE).is_file() and len(list(tmp_path.glob("*.safetensors"))) > 1
+    cfg, flat = hf.load_hf(tmp_path)
+    assert all(v.dtype == np.float32 for v in flat.values())
+    want = model.state_dict()["model.layers.1.mlp.down_proj.weight"].float().numpy()
+    np.testing.assert_array_equal(flat["layers/mlp/w_down"][1], want.T)
+
+
+def _run_convert(*argv) -> int:
+    parser = argparse.ArgumentParser()
+    convert.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["convert", *argv])
+    return args.fn(args)
+
+
+@pytest.mark.parametrize("hf_model", ["llama"], indirect=True)  # the command is the same for every family
+def test_cli_round_trip(hf_model, tokens, tmp_path, capsys):
+    _, path, want = hf_model
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    assert _run_convert("--from-hf", str(path), "--out", str(ckpt), "--mesh", "2x2") == 0
+    assert _run_convert("--to-hf", str(ckpt), "--out", str(out), "--mesh", "1x4") == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and "parameters" in lines[0] and str(ckpt) in lines[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    np.testing.assert_allclose(_hf_logits(model, tokens), want, atol=ATOL, rtol=0)
+    with pytest.raises(ConfigError, match="not an empty directory"):
+        _run_convert("--to-hf", str(ckpt), "--out", str(out))
+
+
+def _llama_dict(**changes) -> dict:
+    return {**hf.config_to_hf(get_config("tiny-llama")), **changes}
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling.rope_type"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_parameters.rope_type"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"attention_dropout": 0.1}, "attention_dropout"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
+    ],
+)
+def test_unsupported_llama_config(changes, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        hf.config_from_hf(_llama_dict(**changes))
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"activation_function": "relu"}, "activation_function"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+        ({"rotary_dim": None}, "rotary_dim"),
+        ({"resid_pdrop": 0.1}, "resid_pdrop"),
+    ],
+)
+def test_unsupported_gptj_config(changes, field):
+    with pytest.raises(ConfigError, match=field):
+        hf.config_from_hf({**hf.config_to_hf(get_config("tiny-gptj")), **changes})
+
+
+@pytest.mark.parametrize("preset", ["tiny-gptj", "tiny-llama", "gptj-6b", "llama2-7b", "cpu"])
+def test_config_round_trip(preset):
+    cfg = get_config(preset)
+    assert hf.config_from_hf(hf.config_to_hf(cfg)) == cfg
+
+
+def test_unexportable_configs():
+    with pytest.raises(ConfigError, match="family 'ff'"):
+        hf.config_to_hf(get_config("tiny"))
+    with pytest.raises(ConfigError, match="rotary_style"):
+        hf.config_to_hf(get_config("tiny-llama").replace(rotary_style="interleaved"))
+
+
+@pytest.mark.parametrize("hf_model", ["gptj"], indirect=True)
+def test_missing_and_unexpected_tensors(hf_model, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    _, path, _ = hf_model
+    (tmp_path / hf.CONFIG_FILE).write_text((path / hf.CONFIG_FILE).read_text())
+    tensors = load_file(path / hf.WEIGHTS_FILE)
+    tensors["transformer.h.0.attn.q_proj.bias"] = tensors.pop("transformer.h.1.mlp.fc_in.bias")
+    save_file(tensors, tmp_path / hf.WEIGHTS_FILE)
+    with pytest.raises(CheckpointError, match=r"missing \['transformer.h.1.mlp.fc_in.bias'\].*q_proj.bias"):
+        hf.load_hf(tmp_path)
