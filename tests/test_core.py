@@ -44,8 +44,11 @@ def test_verify_ff_every_mesh_float32_with_controls(dp, mp):
     assert max(p.max_rel_err for p in report.params) <= 2e-4
     names = {c["name"] for c in report.controls}
     if mp > 1:
-        assert {"dropped all-reduce", "row-parallel bias counted mp times",
-                "shard reads wrong vocab slice"} <= names
+        assert {
+            "dropped all-reduce",
+            "row-parallel bias counted mp times",
+            "shard reads wrong vocab slice",
+        } <= names
     if dp > 1:
         assert "missing data-parallel mean" in names
     assert all(c["detected"] for c in report.controls)
@@ -57,8 +60,16 @@ def test_verify_seed_json_schema_and_table():
     assert set(j) >= {"ok", "config", "mesh", "steps", "dtype", "tolerance", "loss", "params", "controls"}
     assert j["mesh"] == {"dp": 1, "mp": 4} and j["ok"]
     paths = {p["path"] for p in j["params"]}
-    assert paths == {"embed/embeddings", "embed/b", "layers/mlp/w_in", "layers/mlp/b_in",
-                     "layers/mlp/w_out", "layers/mlp/b_out", "head/w", "head/b"}
+    assert paths == {
+        "embed/embeddings",
+        "embed/b",
+        "layers/mlp/w_in",
+        "layers/mlp/b_in",
+        "layers/mlp/w_out",
+        "layers/mlp/b_out",
+        "head/w",
+        "head/b",
+    }
     row = next(p for p in j["params"] if p["path"] == "embed/embeddings")
     assert row["shape"] == [256, 128] and row["spec"] == "P('mp', None)"
     assert "OK: sharded == unsharded" in format_report(report)
@@ -163,8 +174,9 @@ def test_seed_preset_is_the_prototype():
 
 
 def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "meshlm", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "meshlm", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_cli_verify_seed_1x4_json():
@@ -177,8 +189,10 @@ def test_cli_verify_seed_1x4_json():
 
 
 def test_cli_bad_input_is_one_line_no_traceback():
-    for args, text in [(("verify", "--config", "nope"), "unknown config"),
-                       (("verify", "--mesh", "2x4", "--devices", "4"), "needs 8 devices"),
-                       (("verify", "--mesh", "1x3", "--devices", "3"), "not divisible by mp=3")]:
+    for args, text in [
+        (("verify", "--config", "nope"), "unknown config"),
+        (("verify", "--mesh", "2x4", "--devices", "4"), "needs 8 devices"),
+        (("verify", "--mesh", "1x3", "--devices", "3"), "not divisible by mp=3"),
+    ]:
         out = _cli(*args)
         assert out.returncode == 2 and text in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -23,9 +23,11 @@ from meshlm.data import EOD
 from meshlm.devices import make_mesh
 from meshlm.errors import CheckpointError, ConfigError, GenerationError, TokenRangeError
 from meshlm.generate import (
+    ByteTokenizer,
     Generator,
     Sampling,
     _ByteStream,
+    _DiffStream,
     _Row,
     bench_generation,
     cache_bytes,
@@ -168,9 +170,9 @@ def test_stop_string_eod_and_streaming():
 
 
 def test_stream_decodes_utf8_incrementally_and_holds_back_stop_prefixes():
-    def run(data: bytes, stops=()):
+    def run(data: bytes, stops=(), stream=_ByteStream):
         pieces = []
-        row = _Row(0, _ByteStream(), stops, EOD, lambda i, t, p: pieces.append(p))
+        row = _Row(0, stream(), stops, EOD, lambda i, t, p: pieces.append(p))
         for i, b in enumerate(data):
             if row.finish is None:
                 row.push(b, i == len(data) - 1)
@@ -180,6 +182,8 @@ def test_stream_decodes_utf8_incrementally_and_holds_back_stop_prefixes():
     row, pieces = run(text.encode())
     assert "".join(pieces) == row.text == text and all("\ufffd" not in p for p in pieces)
     assert pieces[1:3] == ["", "é"]  # two bytes, one character once both arrived
+    diff = run(text.encode(), stream=lambda: _DiffStream(ByteTokenizer()))[1]  # any-tokenizer path
+    assert diff == pieces
     row, pieces = run(b"ab STxSTOP cd", ("STOP",))
     assert "".join(pieces) == row.text == "ab STx" and row.finish == "stop"
     assert pieces[3:6] == ["", "", "STx"]  # "S", "ST" could begin STOP: held back until "x"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshlm.commands import convert, verify
+from meshlm.commands import convert, generate, train, verify
 from meshlm.errors import MeshlmError
 
-COMMANDS = [verify, convert]
+COMMANDS = [train, verify, generate, convert]
 
 
 def _configs(args) -> int:

@@ -118,6 +118,17 @@ PRESETS: dict[str, ModelConfig] = {
         max_seq_len=64,
         norm_eps=1e-6,
     ),
+    # A byte-level transformer small enough for training tests.
+    "tiny-lm": ModelConfig(
+        family="llama",
+        vocab_size=256,
+        d_model=64,
+        n_layers=2,
+        d_ff=128,
+        n_heads=4,
+        max_seq_len=64,
+        norm_eps=1e-6,
+    ),
     # What CPU training defaults to: about 3.2M parameters, trains visibly in minutes on 2 cores.
     "cpu": ModelConfig(
         family="llama",

@@ -35,3 +35,7 @@ class DistributedError(MeshlmError):
 
 class GenerationError(MeshlmError):
     """Unusable generation input: an empty or too-long prompt, a bad sampling setting or prompt file."""
+
+
+class TrainingError(MeshlmError):
+    """Training cannot continue (e.g. a non-finite loss); the last good state has been saved."""

@@ -481,11 +481,8 @@ class Generator:
         sampling.check()
         ids = [self.encode_prompt(i, p) for i, p in enumerate(prompts)]
         self._check_budget(ids, max_new_tokens)
-        stream = (
-            _ByteStream if isinstance(self.tokenizer, ByteTokenizer) else partial(_DiffStream, self.tokenizer)
-        )
         stops = _check_stops(stop)
-        rows = [_Row(i, stream(), stops, self.eod, on_token) for i in range(len(ids))]
+        rows = [_Row(i, self._stream(), stops, self.eod, on_token) for i in range(len(ids))]
         tokens, lengths = self._pad(ids)
         self._executables(len(tokens))
         t0 = time.perf_counter()

@@ -91,8 +91,13 @@ def make_step(grad_fn, optimizer: optax.GradientTransformation, ocfg: OptimConfi
     def step(params, opt_state, batch):
         loss, grads = accumulate(grad_fn, params, batch, ocfg.accum_steps)
         grads, grad_norm = clip_fn(grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        updates, new_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # A non-finite loss or gradient leaves the state untouched, so the caller can stop and save
+        # the last good state (the inputs are donated: without this they would be gone).
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jnp.where(finite, new, old)
+        params, opt_state = jax.tree.map(keep, (new_params, new_state), (params, opt_state))
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
 
     return step

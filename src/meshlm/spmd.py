@@ -50,3 +50,11 @@ def sharded_value_and_grad(build_loss: LossBuilder, mesh, specs, par_cls=Paralle
     apply = hk.without_apply_rng(hk.transform(build_loss(mesh_parallel(mesh, par_cls)))).apply
     body = jax.value_and_grad(with_compute_dtype(apply, compute_dtype))
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, BATCH_SPEC), out_specs=(P(), specs))
+
+
+def sharded_loss(build_loss: LossBuilder, mesh, specs, compute_dtype=None):
+    """fn(params, batch) -> loss on the mesh (evaluation: no gradients)."""
+    apply = hk.without_apply_rng(hk.transform(build_loss(mesh_parallel(mesh)))).apply
+    return jax.shard_map(
+        with_compute_dtype(apply, compute_dtype), mesh=mesh, in_specs=(specs, BATCH_SPEC), out_specs=P()
+    )

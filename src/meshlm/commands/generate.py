@@ -51,9 +51,18 @@ def _default_new(gen, prompts) -> int:
     return max(1, min(DEFAULT_MAX_NEW, gen.max_len - longest))  # 1: let generate explain a full context
 
 
-def _stream(index: int, token: int, piece: str) -> None:
-    sys.stdout.write(piece)
-    sys.stdout.flush()
+def _streamer(prompt: str):
+    """An on_token callback printing the prompt, then each piece as it comes. The prompt waits for
+    the first token so that an input error is not printed after it."""
+    started = False
+
+    def on_token(index: int, token: int, piece: str) -> None:
+        nonlocal started
+        sys.stdout.write(piece if started else prompt + piece)
+        sys.stdout.flush()
+        started = True
+
+    return on_token
 
 
 def run(args) -> int:
@@ -66,8 +75,6 @@ def run(args) -> int:
     cfg, params, _ = load_model(args.checkpoint, mesh)
     gen = Generator(cfg, params, mesh)
     streaming = not args.json and len(prompts) == 1 and is_main()
-    if streaming:
-        print(prompts[0], end="", flush=True)
     results = gen.generate(
         prompts,
         args.max_new_tokens if args.max_new_tokens is not None else _default_new(gen, prompts),
@@ -76,7 +83,7 @@ def run(args) -> int:
         top_p=args.top_p,
         seed=args.seed,
         stop=args.stop,
-        on_token=_stream if streaming else None,
+        on_token=_streamer(prompts[0]) if streaming else None,
     )
     if args.json:
         objs = [r.to_json() for r in results]

@@ -1,0 +1,200 @@
+"""Training: a short run learns and logs; exact resume after SIGKILL; resume on another mesh; errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from meshlm.checkpoint import Checkpointer
+from meshlm.devices import make_mesh
+from meshlm.errors import CheckpointError, TokenRangeError, TrainingError
+from meshlm.optim import clip_by_global_norm
+from meshlm.train import _one_step, build_run, save, train
+from meshlm.train_config import TrainConfig
+
+TEXT = "def f(x):\n    return x * 2 + 1  # a comment\n" * 400
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    for i in range(6):
+        (d / f"f{i}.py").write_text(TEXT.replace("f(", f"g{i}("))
+    return str(d)
+
+
+def _tcfg(corpus, out, **kw):
+    base = dict(
+        config="tiny-lm",
+        data=(corpus,),
+        steps=12,
+        batch_size=8,
+        seq_len=32,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_every=6,
+        eval_batches=2,
+        save_every=6,
+        sample_tokens=0,
+        out=str(out),
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def test_short_run_learns_and_writes_outputs(corpus, tmp_path):
+    summary = train(_tcfg(corpus, tmp_path, steps=16), make_mesh(2, 2))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    eval_rows = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, 17))
+    assert set(train_rows[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
+    assert set(eval_rows[0]) == {"step", "val_loss", "val_bpb"}
+    assert np.mean([r["loss"] for r in train_rows[-3:]]) < train_rows[0]["loss"] - 0.5
+    assert eval_rows[-1]["val_bpb"] < eval_rows[0]["val_bpb"]
+    assert summary["val_bpb_end"] == eval_rows[-1]["val_bpb"]
+    assert (tmp_path / "loss_curve.png").stat().st_size > 1000
+    assert any((tmp_path / "tensorboard").iterdir())
+    assert Checkpointer(tmp_path).all_steps() == [6, 12, 16]
+
+
+def test_resume_on_another_mesh_continues_allclose(corpus, tmp_path):
+    ref = train(_tcfg(corpus, tmp_path / "ref", steps=8, eval_every=0, save_every=0), make_mesh(2, 2))
+    assert ref["step"] == 8
+    tcfg = _tcfg(corpus, tmp_path / "cut", steps=8, eval_every=0, save_every=0)
+    run = build_run(tcfg, make_mesh(2, 2))
+    for _ in range(4):
+        _one_step(run)
+    save(run)
+    run.ckpt.close()
+    for mesh in [(1, 4), (4, 1)]:
+        resumed = build_run(tcfg, make_mesh(*mesh))
+        assert resumed.step == 4
+    resumed = build_run(tcfg, make_mesh(1, 4))
+    losses = [float(_one_step(resumed)["loss"]) for _ in range(4)]
+    want = [
+        json.loads(line)["loss"]
+        for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in line
+    ][4:8]
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+
+
+def test_fresh_refuses_existing_checkpoints_and_resume_checks_settings(corpus, tmp_path):
+    train(_tcfg(corpus, tmp_path, steps=2, eval_every=0, save_every=0), make_mesh(1, 2))
+    with pytest.raises(CheckpointError, match="--fresh.*already holds checkpoints"):
+        build_run(_tcfg(corpus, tmp_path, steps=4, fresh=True), make_mesh(1, 2))
+    with pytest.raises(CheckpointError, match="lr: saved 0.003, now 0.01"):
+        build_run(_tcfg(corpus, tmp_path, steps=4, lr=1e-2), make_mesh(1, 2))
+
+
+def test_out_of_vocab_data_is_refused(corpus, tmp_path):
+    with pytest.raises(TokenRangeError, match="outside the vocabulary \\[0, 64\\)"):
+        build_run(_tcfg(corpus, tmp_path, config="tiny-llama"), make_mesh(1, 2))
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_state(corpus, tmp_path):
+    with pytest.raises(TrainingError, match="non-finite loss .* at step"):
+        train(
+            _tcfg(
+                corpus, tmp_path, steps=30, lr=1e9, clip_norm=0, warmup_steps=1, eval_every=0, save_every=0
+            ),
+            make_mesh(1, 2),
+        )
+    steps = Checkpointer(tmp_path).all_steps()
+    assert steps, "the last good state must be saved"
+    from meshlm.model_io import load_model
+
+    _, params, _ = load_model(tmp_path, make_mesh(1, 1))
+    assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(params))
+
+
+def test_clipping_equals_optax():
+    rng = np.random.default_rng(0)
+    grads = {"a": {"w": rng.normal(size=(4, 5)).astype(np.float32)}, "b": {"v": rng.normal(size=7)}}
+    for max_norm in (0.1, 1.0, 100.0):
+        ours, _ = clip_by_global_norm(grads, max_norm)
+        theirs, _ = optax.clip_by_global_norm(max_norm).update(grads, optax.EmptyState())
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), ours, theirs)
+
+
+def _cli_train(out, corpus, steps):
+    args = [
+        sys.executable,
+        "-m",
+        "meshlm",
+        "train",
+        "--config",
+        "tiny-lm",
+        "--data",
+        corpus,
+        "--steps",
+        str(steps),
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "32",
+        "--warmup-steps",
+        "2",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "3",
+        "--sample-tokens",
+        "0",
+        "--mesh",
+        "2x2",
+        "--devices",
+        "4",
+        "--out",
+        str(out),
+    ]
+    return args
+
+
+def _losses(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def test_sigkill_then_resume_is_bitwise_identical(corpus, tmp_path):
+    steps = 14
+    ref = subprocess.run(
+        _cli_train(tmp_path / "ref", corpus, steps), capture_output=True, text=True, timeout=300
+    )
+    assert ref.returncode == 0, ref.stderr
+    victim = subprocess.Popen(_cli_train(tmp_path / "cut", corpus, steps), stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 7):
+        time.sleep(0.05)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    resumed = subprocess.run(
+        _cli_train(tmp_path / "cut", corpus, steps), capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stderr
+    got, want = _losses(tmp_path / "cut"), _losses(tmp_path / "ref")
+    assert [s for s, _ in got] == list(range(1, steps + 1))  # no duplicated or missing steps
+    assert got == want  # bitwise: same floats from the resume point on (and before)
+
+
+def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
+    proc = subprocess.Popen(_cli_train(tmp_path, corpus, 200), stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "SIGTERM: saved a checkpoint at step" in err
+    last = _losses(tmp_path)[-1][0]
+    assert Checkpointer(tmp_path).latest_step() == last
