@@ -17,3 +17,8 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+# Start the backend now, so that no in-process CLI call (``--devices``) can change the device count later.
+import jax  # noqa: E402
+
+jax.devices()

@@ -42,9 +42,10 @@ def _positive(x) -> bool:
     return isinstance(x, int | float) and math.isfinite(x) and x > 0
 
 
-def _check_result(r: dict, mp: int) -> None:
+def _check_result(r: dict) -> None:
     for key in ("step_s_median", "step_s_min", "step_s_max", "tokens_per_s", "mfu"):
         assert _positive(r[key]), (r["impl"], key, r[key])
+    assert len(r["step_s"]) == 5 and all(_positive(t) for t in r["step_s"])
     assert r["step_s_min"] <= r["step_s_median"] <= r["step_s_max"]
     assert math.isfinite(r["loss"])
     mem = r["bytes_per_device"]
@@ -55,30 +56,29 @@ def _check_result(r: dict, mp: int) -> None:
     assert (all_reduces > 0) == (r["impl"] != "unsharded")
 
 
-@pytest.mark.parametrize("config", ["tiny-llama", "tiny-gptj"])
-def test_bench_json_schema_and_values(config, capsys, tmp_path):
+@pytest.mark.parametrize(("config", "gen_tokens"), [("tiny-llama", "4"), ("tiny-gptj", "0")])
+def test_bench_json_schema_and_values(config, gen_tokens, capsys, tmp_path):
     argv = ["--config", config, "--mesh", "2x2", "--json", "--steps", "5", "--peak-n", "256"]
-    report = _run_cli([*argv, "--out", str(tmp_path)], capsys)
+    report = _run_cli([*argv, "--gen-tokens", gen_tokens, "--out", str(tmp_path)], capsys)
     assert {"config", "mesh", "peak_flops", "results", "generation"} <= set(report)
     assert report["config"] == config and report["mesh"] == {"dp": 2, "mp": 2}
     assert all(_positive(report["peak_flops"][d]) for d in ("float32", "bfloat16"))
     assert [r["impl"] for r in report["results"]] == list(IMPLS)
     for r in report["results"]:
-        _check_result(r, mp=2)
+        _check_result(r)
+    for ratio in report["step_time_ratios"].values():
+        assert _positive(ratio["of_medians"]) and _positive(ratio["paired"])
     losses = [r["loss"] for r in report["results"]]
     assert max(losses) - min(losses) < 1e-3 * max(abs(x) for x in losses)  # same start, same steps
+    ours = report["results"][0]["bytes_per_device"]["params"]
+    assert abs(ours / report["param_bytes"]["ideal_per_device"] - 1) < 0.05  # split over mp
     gen = report["generation"]
-    assert gen is None or all(_positive(gen[k]) for k in ("prefill_tokens_per_s", "decode_tokens_per_s"))
+    if gen_tokens == "0":
+        assert gen is None
+    else:  # null only while meshlm.generate is missing
+        assert gen is None or all(_positive(gen[k]) for k in ("prefill_tokens_per_s", "decode_tokens_per_s"))
     assert json.loads((tmp_path / "bench.json").read_text())["config"] == config
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_sharded_params_are_split_over_mp(capsys):
-    report = _run_cli(["--config", "tiny-llama", "--mesh", "1x4", "--json", "--gen-tokens", "0"], capsys)
-    ours = {r["impl"]: r for r in report["results"]}["meshlm"]
-    ideal = report["param_bytes"]["ideal_per_device"]
-    assert abs(ours["bytes_per_device"]["params"] / ideal - 1) < 0.05
-    assert report["generation"] is None
 
 
 @pytest.mark.parametrize(

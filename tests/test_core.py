@@ -196,3 +196,10 @@ def test_cli_bad_input_is_one_line_no_traceback():
     ]:
         out = _cli(*args)
         assert out.returncode == 2 and text in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_cli_import_does_not_import_jax():
+    """--devices must set XLA_FLAGS before JAX loads: building the CLI may not import it."""
+    code = "import sys, meshlm.cli; meshlm.cli.build_parser(); print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr

@@ -207,7 +207,7 @@ def test_no_compilation_per_token_or_prompt_length():
         for prompts in ([[1, 2, 3], [4] * 9], [[7] * 30, [9]], [[3] * 44, [5] * 17]):
             out = gen.generate(prompts, 20, temperature=0.8, top_k=5, seed=len(prompts[0]))
             assert sum(map(len, tokens_of(out))) > 20
-        assert compiles == [] and gen.compilations == before == 2
+        assert compiles == [] and gen.compilations == before and before % 2 == 0  # shared by all Generators
         jax.jit(lambda x: x + 1)(np.ones(3))  # control: the listener does see a compilation
         assert compiles
     finally:

@@ -58,7 +58,8 @@ from meshlm.train_step import batch_sharding, init_model, init_opt_state, refere
 
 IMPLS = ("meshlm", "unsharded", "gspmd")
 MIN_STEPS = 5  # fewer timed steps give a median that is mostly noise on a shared machine
-# Defaults that keep a `small` bench under ~3 minutes on 2 CPU cores (about 3-4 s per step).
+# Defaults that keep a `small` bench near 1.5 minutes on 2 CPU cores (a step takes 1.7 s on an idle
+# machine, 4 s on a loaded one; batch 8 x 256 doubles that).
 DEFAULT_BATCH = 4
 DEFAULT_SEQ = 256
 
@@ -346,6 +347,7 @@ def impl_result(impl: Impl, seconds: list[float], flops: float, tokens: int, pea
         "step_s_median": median,
         "step_s_min": min(seconds),
         "step_s_max": max(seconds),
+        "step_s": seconds,  # every timed repetition, in order (repetition i of each impl ran together)
         "tokens_per_s": tokens / median,
         "mfu": flops / median / peak32,
         "loss": float(impl.metrics["loss"]) if impl.metrics else None,
@@ -374,6 +376,20 @@ def generation_bench(cfg: ModelConfig, params, mesh, settings: BenchSettings) ->
     prompt = min(settings.seq_len, cfg.max_seq_len - new)
     rates = bench_generation(cfg, params, mesh, settings.batch_size, prompt, new)
     return {"batch": settings.batch_size, "prompt_len": prompt, "new_tokens": new, **rates}
+
+
+def step_time_ratios(seconds: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """meshlm's step time over each other implementation's, two ways: the ratio of the medians, and
+    the median of the per-repetition ratios. The second pairs steps that ran seconds apart, so slow
+    drifts in the machine's load cancel; on a shared machine it is the steadier of the two."""
+    out = {}
+    for other in IMPLS[1:]:
+        pairs = zip(seconds["meshlm"], seconds[other], strict=True)
+        out[f"meshlm/{other}"] = {
+            "of_medians": statistics.median(seconds["meshlm"]) / statistics.median(seconds[other]),
+            "paired": statistics.median(a / b for a, b in pairs),
+        }
+    return out
 
 
 def run_bench(
@@ -406,6 +422,7 @@ def run_bench(
         "param_bytes": {"total": total, "ideal_per_device": total / mp},
         "theoretical_collectives": theoretical_collectives(cfg, dp, mp),
         "results": [impl_result(i, seconds[i.name], flops, tokens, peak["float32"], device) for i in impls],
+        "step_time_ratios": step_time_ratios(seconds),
         "generation": generation_bench(cfg, impls[0].params, mesh, settings),
     }
 
@@ -415,11 +432,6 @@ def run_bench(
 
 def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}"
-
-
-def _ratio(report: dict, a: str, b: str) -> float:
-    by = {r["impl"]: r for r in report["results"]}
-    return by[a]["step_s_median"] / by[b]["step_s_median"]
 
 
 def format_bench(report: dict) -> str:
@@ -445,11 +457,11 @@ def format_bench(report: dict) -> str:
             f"{r['tokens_per_s']:>9.0f} {r['mfu']:>6.3f} {_mib(mem['params']):>10} "
             f"{_mib(mem['opt_state']):>8} {_mib(mem['peak']):>9} {ar['count']:>15} {_mib(ar['bytes']):>9}"
         )
-    theory = report["theoretical_collectives"]
+    theory, ratios = report["theoretical_collectives"], report["step_time_ratios"]
     rows += [
         "",
-        f"step time ratios: meshlm/gspmd {_ratio(report, 'meshlm', 'gspmd'):.3f}x, "
-        f"meshlm/unsharded {_ratio(report, 'meshlm', 'unsharded'):.3f}x",
+        "step time ratios (of medians; median of per-repetition ratios): "
+        + ", ".join(f"{k} {v['of_medians']:.3f}x; {v['paired']:.3f}x" for k, v in ratios.items()),
         f"theoretical all-reduces/step: {theory['total']} "
         f"({', '.join(f'{k} {v}' for k, v in theory.items() if k != 'total' and v)})",
         f"parameter bytes: total {_mib(report['param_bytes']['total'])} MiB, "

@@ -152,10 +152,17 @@ def _fingerprint(x: jax.Array) -> jax.Array:
     return jnp.stack([weighted, mixed])
 
 
+@jax.jit
+def _fingerprints(leaves: list) -> list:
+    return [_fingerprint(leaf) for leaf in leaves]
+
+
 def _describe(state: Any) -> dict[str, dict[str, Any]]:
     """{path: {shape, dtype, fingerprint}} for every leaf of ``state``."""
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    prints = [_fingerprint(leaf) for _, leaf in leaves]  # dispatch all before waiting on any
+    # One program for the whole tree: every process of a job runs the same single computation
+    # (per-leaf programs were seen to deadlock a 2-process gloo job mid-save).
+    prints = _fingerprints([leaf for _, leaf in leaves])
     out = {}
     for (path, leaf), fingerprint in zip(leaves, prints, strict=True):
         a, b = (int(v) for v in np.asarray(fingerprint))

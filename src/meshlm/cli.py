@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshlm.commands import convert, generate, train, verify
+from meshlm.commands import bench, convert, generate, launch, train, verify
 from meshlm.errors import MeshlmError
 
-COMMANDS = [train, verify, generate, convert]
+COMMANDS = [train, verify, generate, convert, launch, bench]
 
 
 def _configs(args) -> int:
@@ -32,7 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        code = args.fn(args)
     except MeshlmError as e:
         print(f"meshlm: error: {e}", file=sys.stderr)
-        return 2
+        code = 2
+    return _exit_code(code)
+
+
+def _exit_code(code: int) -> int:
+    """In a multi-process job, a failing process must not wait at JAX's shutdown barrier for peers
+    that are stuck waiting for it: leave at once (``distributed.exit_process``)."""
+    if code and "jax" in sys.modules:
+        import jax
+
+        if jax.process_count() > 1:
+            from meshlm.distributed import exit_process
+
+            exit_process(code)
+    return code

@@ -6,6 +6,7 @@ No JAX import at module level: ``--devices`` must set ``XLA_FLAGS`` before JAX s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from meshlm.devices import DEFAULT_DEVICES, force_host_devices, parse_mesh
@@ -26,6 +27,12 @@ def add_common(p: argparse.ArgumentParser, config: str | None = None) -> None:
     p.add_argument("--coordinator", default=None, help="multi-process: HOST:PORT of process 0")
     p.add_argument("--num-processes", type=int, default=None, help="multi-process: process count")
     p.add_argument("--process-id", type=int, default=None, help="multi-process: this process's index")
+    p.add_argument(
+        "--init-timeout",
+        type=int,
+        default=60,
+        help="multi-process: seconds to wait for every process to join (and heartbeat timeout)",
+    )
 
 
 def setup(args) -> tuple:
@@ -34,9 +41,15 @@ def setup(args) -> tuple:
     Returns (mesh, dp, mp). The default mesh is 1 x (all devices).
     """
     force_host_devices(args.devices if args.devices is not None else DEFAULT_DEVICES)
+    if args.coordinator or args.num_processes:
+        # Seen here: with a persistent compilation cache, processes of one job can disagree on
+        # which programs they load or compile and deadlock in a collective. Compile afresh instead.
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
     from meshlm import distributed
 
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    distributed.initialize(
+        args.coordinator, args.num_processes, args.process_id, init_timeout_s=args.init_timeout
+    )
     import jax
 
     from meshlm.devices import accelerator_note, make_mesh

@@ -30,16 +30,10 @@ def force_host_devices(n: int | None) -> None:
         return
     if n < 1:
         raise MeshError(f"--devices must be >= 1, got {n}")
-    if "jax" in sys.modules and _backend_started():
-        return  # too late to change; make_mesh reports any mismatch clearly
+    if "jax" in sys.modules:
+        return  # JAX already loaded (library use): its device count stands; make_mesh reports a mismatch
     flags = re.sub(rf"{_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
     os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={n}".strip()
-
-
-def _backend_started() -> bool:
-    from jax._src import xla_bridge  # noqa: PLC0415 - only when jax is already imported
-
-    return bool(getattr(xla_bridge, "_backends", {}))
 
 
 def accelerator_note() -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import socket
 import sys
 import threading
 from typing import Any, NoReturn
@@ -56,6 +57,8 @@ def initialize(
             _join({}, init_timeout_s, "the job described by the environment")
         return
     _validate(coordinator, num_processes, process_id)
+    if process_id == 0:
+        _check_port_free(coordinator)
     where = f"process {process_id} of {num_processes} at coordinator {coordinator}"
     args = dict(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
     _join(args, init_timeout_s, where)
@@ -74,6 +77,20 @@ def exit_process(code: int = 0) -> NoReturn:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _check_port_free(coordinator: str) -> None:
+    """Process 0 serves the coordinator: a port already taken is a clear error here (inside JAX's
+    gRPC server it was seen to end the process with a segmentation fault)."""
+    port = int(coordinator.rsplit(":", 1)[1])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            raise DistributedError(
+                f"coordinator port {port} is already in use on this host ({e.strerror}); "
+                "choose another --coordinator port"
+            ) from e
 
 
 def is_main() -> bool:
@@ -135,10 +152,14 @@ def _join(args: dict[str, Any], init_timeout_s: int, where: str) -> None:
             shutdown_timeout_seconds=init_timeout_s,
         )
     except (RuntimeError, ValueError, TypeError) as err:
-        raise DistributedError(
-            f"could not join {where} ({err}); call meshlm.distributed.initialize once, before "
-            "any JAX computation or jax.devices(), with coordinator, num_processes and process_id"
-        ) from err
+        if "Failed to start RPC server" in str(err):
+            hint = "the coordinator port is already in use on this host: choose another --coordinator port"
+        else:
+            hint = (
+                "call meshlm.distributed.initialize once, before any JAX computation or jax.devices(), "
+                "with coordinator, num_processes and process_id"
+            )
+        raise DistributedError(f"could not join {where} ({err}); {hint}") from err
     finally:
         watchdog.cancel()
     sys.excepthook = _exit_after(sys.excepthook)

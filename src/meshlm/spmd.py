@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import haiku as hk
 import jax
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshlm.axes import DP, MP
@@ -42,13 +43,25 @@ def reference_value_and_grad(build_loss: LossBuilder, compute_dtype=None):
     return jax.value_and_grad(with_compute_dtype(apply, compute_dtype))
 
 
+def _dp_varying(apply):
+    """Cast every parameter to DP-varying once, at entry. Left implicit, JAX casts each weight where
+    it meets the (DP-varying) batch -- inside the layer loop -- so the forward saves a stacked copy of
+    every layer's weights and the backward all-reduces the DP gradient once per layer. The transpose of
+    this one cast is the single data-parallel gradient all-reduce."""
+
+    def wrapped(params, batch):
+        return apply(jax.tree.map(lambda p: lax.pcast(p, DP, to="varying"), params), batch)
+
+    return wrapped
+
+
 def sharded_value_and_grad(build_loss: LossBuilder, mesh, specs, par_cls=Parallel, compute_dtype=None):
     """fn(params, batch) -> (loss, grads) on the mesh: params laid out by ``specs``, batch rows over DP.
 
     Inputs: global arrays. Outputs: the loss (replicated) and gradients in the parameters' layout.
     """
     apply = hk.without_apply_rng(hk.transform(build_loss(mesh_parallel(mesh, par_cls)))).apply
-    body = jax.value_and_grad(with_compute_dtype(apply, compute_dtype))
+    body = jax.value_and_grad(_dp_varying(with_compute_dtype(apply, compute_dtype)))
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, BATCH_SPEC), out_specs=(P(), specs))
 
 

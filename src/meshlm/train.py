@@ -65,6 +65,7 @@ class Run:
     val: list
     ckpt: Checkpointer
     log: MetricsLog
+    saved_step: int = -1  # newest step this run saved or resumed from (same on every process)
 
 
 def model_config(tcfg: TrainConfig) -> ModelConfig:
@@ -184,6 +185,7 @@ def build_run(tcfg: TrainConfig, mesh) -> Run:
         eval_arrays(val, mesh),
         ckpt,
         log,
+        saved_step=step if step else -1,
     )
 
 
@@ -194,10 +196,13 @@ def evaluate(run: Run) -> dict:
 
 
 def save(run: Run) -> None:
-    if run.step in run.ckpt.all_steps():
+    """A checkpoint of the current step, once. The decision uses in-memory state, not the directory
+    listing, so every process of a multi-process job takes the same branch of this collective save."""
+    if run.saved_step == run.step:
         return
     state = {"params": run.params, "opt_state": run.opt_state}
     run.ckpt.save(run.step, state, _meta(run.tcfg, run.cfg, run.step, run.mesh))
+    run.saved_step = run.step
 
 
 class _Stop:

@@ -6,7 +6,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
-from meshlm.optim import OptimConfig
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,10 @@ class TrainConfig:
     def micro_batch(self) -> int:
         return self.batch_size // self.accum_steps
 
-    def optim(self) -> OptimConfig:
+    def optim(self):
+        """The optax-side settings (imported lazily: this module must not import JAX)."""
+        from meshlm.optim import OptimConfig
+
         return OptimConfig(
             lr=self.lr,
             warmup_steps=self.warmup_steps,
