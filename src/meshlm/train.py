@@ -276,7 +276,7 @@ def _loop(run: Run, stop: _Stop) -> None:
             row = _train_row(run, metrics, time.perf_counter() - t0)
             if run.step % tcfg.log_every == 0 or run.step == tcfg.steps:
                 run.log.write(row)
-            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
             bar.update(1)
             if tcfg.eval_every and run.step % tcfg.eval_every == 0 and run.step < tcfg.steps:
                 _eval_and_log(run, bar)

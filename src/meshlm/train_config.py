@@ -12,18 +12,18 @@ from meshlm.errors import ConfigError
 class TrainConfig:
     config: str = "cpu"  # model preset (see `meshlm configs`)
     data: tuple[str, ...] = ()  # files, directories or globs; () = the Python stdlib's .py files
-    steps: int = 600  # optimizer steps
+    steps: int = 200  # optimizer steps (default: ~5 min on a 2-core CPU, val bpb 8.1 -> ~2.8)
     batch_size: int = 32  # global sequences per optimizer step (split over dp and micro-batches)
     seq_len: int = 128  # tokens per sequence (bytes)
     lr: float = 3e-3  # peak learning rate (warm-up then cosine decay to lr * 0.1)
-    warmup_steps: int = 30  # linear warm-up steps
+    warmup_steps: int = 20  # linear warm-up steps
     weight_decay: float = 0.1  # AdamW decay on weight matrices only
     clip_norm: float = 1.0  # global gradient-norm clip (0 disables)
     accum_steps: int = 1  # micro-batches per step (gradient accumulation)
     compute_dtype: str = "float32"  # "bfloat16": bf16 compute, float32 master weights
-    eval_every: int = 100  # steps between validation evaluations (0: only at the end)
+    eval_every: int = 50  # steps between validation evaluations (0: only at the end)
     eval_batches: int = 8  # validation batches per evaluation
-    save_every: int = 200  # steps between checkpoints (0: only at the end)
+    save_every: int = 100  # steps between checkpoints (0: only at the end)
     keep: int = 3  # checkpoints to keep
     log_every: int = 1  # steps between metrics.jsonl train rows
     seed: int = 0  # parameter init and data order

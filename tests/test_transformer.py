@@ -1,0 +1,67 @@
+"""Transformers (gptj, llama with GQA): the proof on data x model meshes, its attention controls,
+parameter bytes per device, and the rules' errors for meshes that cannot split the heads."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshlm.config import get_config
+from meshlm.devices import make_mesh
+from meshlm.errors import ShardingError
+from meshlm.proof import format_report, model_problem, verify
+
+ATTENTION_CONTROLS = {"shard uses another shard's heads", "wrong rotary convention"}
+
+
+def _verify(name, dp, mp, dtype=jnp.float32, steps=0, **kw):
+    cfg = get_config(name)
+    return verify(model_problem(cfg, name, mp, 4 * dp, 16), make_mesh(dp, mp), steps=steps, dtype=dtype, **kw)
+
+
+@pytest.mark.parametrize("name", ["tiny-gptj", "tiny-llama"])
+@pytest.mark.parametrize("dp,mp", [(1, 2), (2, 2), (1, 8), (4, 2)])
+def test_transformer_float32_with_controls(name, dp, mp):
+    report = _verify(name, dp, mp)
+    assert report.ok, format_report(report)
+    names = {c["name"] for c in report.controls}
+    assert ATTENTION_CONTROLS <= names and all(c["detected"] for c in report.controls)
+    if name == "tiny-llama" and mp == 8:  # 4 KV heads on 8 shards: replicated, one per query group
+        assert "KV heads not replicated per query group" in names
+
+
+@pytest.mark.parametrize("name", ["tiny-gptj", "tiny-llama"])
+@pytest.mark.parametrize("dp,mp", [(1, 4), (2, 4), (8, 1)])
+def test_transformer_float64_exact(name, dp, mp):
+    with jax.enable_x64(True):
+        report = _verify(name, dp, mp, jnp.float64, controls=())
+    assert report.ok, format_report(report)
+    assert max(p.max_rel_err for p in report.params) <= 1e-12
+
+
+@pytest.mark.parametrize("name", ["tiny-gptj", "tiny-llama"])
+def test_transformer_training_steps_float64_on_2x2(name):
+    with jax.enable_x64(True):
+        report = _verify(name, 2, 2, jnp.float64, steps=3)
+    assert report.ok, format_report(report)
+    assert max(p.max_rel_err for p in report.params) <= 1e-12
+    assert any(c["name"] == "per-shard gradient-norm clipping" for c in report.controls)
+
+
+def test_param_bytes_per_device_is_total_over_mp_plus_replicated():
+    """1xMP: per-device bytes within 5% of total/mp + the replicated norms (KV heads >= mp)."""
+    report = _verify("tiny-llama", 1, 4, controls=())
+    j = report.to_json()
+    norms = sum(
+        np.prod(p["shape"]) * 4 for p in j["params"] if p["path"].split("/")[-2] in ("ln", "ln2", "final_ln")
+    )
+    ideal = (j["param_bytes_total"] - norms) / 4 + norms
+    assert abs(j["param_bytes_per_device"] - ideal) <= 0.05 * ideal
+
+
+def test_mesh_that_cannot_split_heads_is_a_clear_error():
+    with pytest.raises(ShardingError, match="n_heads=8 is not divisible by mp=3"):
+        _verify("tiny-gptj", 1, 3)
+    cfg = get_config("tiny-llama").replace(n_heads=6, n_kv_heads=3, d_model=48)
+    with pytest.raises(ShardingError, match="n_kv_heads=3 and mp=2"):
+        verify(model_problem(cfg, "x", 2, 2, 8), make_mesh(1, 2))
