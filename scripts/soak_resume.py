@@ -32,6 +32,7 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"
 COMMIT_MARKER = "commit_success.txt"
 POLL_S = 0.01  # steps take tens of milliseconds here: poll finer than that to aim kills
 SUB_STEP_MAX_S = 0.3  # random delay after the target step: spans a few steps and a save
+FINISH_MAX_S = 2.0  # after the last step the run still saves, evaluates and plots: aim there too
 TIME_MODE_P = 0.3  # share of kills aimed by time since start (start-up, compile, restore)
 MAX_MISSES = 8  # consecutive attempts that finish before the kill: the timing is off, give up
 
@@ -242,7 +243,8 @@ def plan(rng: random.Random, resume_from: int | None, steps: int, startup_s: flo
     """(mode, target step, delay): a random time since start, or a random step plus a sub-step delay."""
     if rng.random() < TIME_MODE_P:
         return "time", None, rng.uniform(0.0, max(5.0, 1.2 * startup_s))
-    return "step", rng.randint((resume_from or 0) + 1, steps), rng.uniform(0.0, SUB_STEP_MAX_S)
+    target = rng.randint((resume_from or 0) + 1, steps)
+    return "step", target, rng.uniform(0.0, FINISH_MAX_S if target == steps else SUB_STEP_MAX_S)
 
 
 def strike(proc: subprocess.Popen, out: Path, mode: str, target: int | None, delay: float, limit: float):
@@ -487,7 +489,7 @@ def report(summary: dict) -> int:
     for v in bad:
         for problem in v["problems"] + v["other_problems"]:
             print(f"soak: FAIL {v['dir']} (kills {v['kills']}): {problem}")
-    print(json.dumps({key: val for key, val in summary.items() if key != "kill_log"}, indent=1))
+    print(json.dumps({key: val for key, val in summary.items() if key != "kill_log"}))
     Path(summary["out"], "summary.json").write_text(json.dumps(summary, indent=1))
     return 0 if not bad and summary["exact_resumes"] == k else 1
 

@@ -4,13 +4,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import jax
 import numpy as np
 import optax
 import pytest
+from helpers import meshlm_argv, train_args, write_corpus
 
 from meshlm.checkpoint import Checkpointer
 from meshlm.devices import make_mesh
@@ -19,15 +19,10 @@ from meshlm.optim import clip_by_global_norm
 from meshlm.train import _one_step, build_run, save, train
 from meshlm.train_config import TrainConfig
 
-TEXT = "def f(x):\n    return x * 2 + 1  # a comment\n" * 400
-
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    for i in range(6):
-        (d / f"f{i}.py").write_text(TEXT.replace("f(", f"g{i}("))
-    return str(d)
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _tcfg(corpus, out, **kw):
@@ -125,37 +120,7 @@ def test_clipping_equals_optax():
 
 
 def _cli_train(out, corpus, steps):
-    args = [
-        sys.executable,
-        "-m",
-        "meshlm",
-        "train",
-        "--config",
-        "tiny-lm",
-        "--data",
-        corpus,
-        "--steps",
-        str(steps),
-        "--batch-size",
-        "8",
-        "--seq-len",
-        "32",
-        "--warmup-steps",
-        "2",
-        "--eval-every",
-        "0",
-        "--save-every",
-        "3",
-        "--sample-tokens",
-        "0",
-        "--mesh",
-        "2x2",
-        "--devices",
-        "4",
-        "--out",
-        str(out),
-    ]
-    return args
+    return meshlm_argv(*train_args(corpus, out, steps), "--devices", "4")
 
 
 def _losses(out):

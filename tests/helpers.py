@@ -1,0 +1,25 @@
+"""Shared by the tests that train: a small deterministic corpus and the `meshlm train` argv for it."""
+
+import sys
+from pathlib import Path
+
+TEXT = "def f(x):\n    return x * 2 + 1  # a comment\n" * 400
+
+
+def write_corpus(directory: Path) -> str:
+    for i in range(6):
+        (directory / f"f{i}.py").write_text(TEXT.replace("f(", f"g{i}("))
+    return str(directory)
+
+
+def train_args(corpus: str, out, steps: int, *, save_every: int = 3, eval_every: int = 0) -> list[str]:
+    """`meshlm train` of the tiny-lm preset on a 2x2 mesh (add --devices or run under launch)."""
+    flags = (
+        f"--config tiny-lm --steps {steps} --batch-size 8 --seq-len 32 --warmup-steps 2 "
+        f"--eval-every {eval_every} --save-every {save_every} --sample-tokens 0 --mesh 2x2"
+    )
+    return ["train", "--data", corpus, *flags.split(), "--out", str(out)]
+
+
+def meshlm_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "meshlm", *args]
