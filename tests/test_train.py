@@ -163,3 +163,21 @@ def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
     assert "SIGTERM: saved a checkpoint at step" in err
     last = _losses(tmp_path)[-1][0]
     assert Checkpointer(tmp_path).latest_step() == last
+
+
+def test_accumulation_equals_one_big_batch(corpus, tmp_path):
+    """2 micro-batches of 4 rows = one batch of 8 rows: same data, same mean gradient (allclose)."""
+    mesh = make_mesh(2, 2)
+    one = build_run(_tcfg(corpus, tmp_path / "a", steps=3, accum_steps=1), mesh)
+    two = build_run(_tcfg(corpus, tmp_path / "b", steps=3, accum_steps=2), mesh)
+    for _ in range(3):
+        np.testing.assert_allclose(float(_one_step(one)["loss"]), float(_one_step(two)["loss"]), rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(one.params), jax.tree.leaves(two.params), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+
+
+def test_bf16_compute_keeps_float32_master_weights(corpus, tmp_path):
+    run = build_run(_tcfg(corpus, tmp_path, steps=3, compute_dtype="bfloat16"), make_mesh(1, 2))
+    losses = [float(_one_step(run)["loss"]) for _ in range(3)]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert {p.dtype for p in jax.tree.leaves(run.params)} == {np.dtype("float32")}

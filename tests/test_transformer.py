@@ -65,3 +65,19 @@ def test_mesh_that_cannot_split_heads_is_a_clear_error():
     cfg = get_config("tiny-llama").replace(n_heads=6, n_kv_heads=3, d_model=48)
     with pytest.raises(ShardingError, match="n_kv_heads=3 and mp=2"):
         verify(model_problem(cfg, "x", 2, 2, 8), make_mesh(1, 2))
+
+
+@pytest.mark.parametrize("name,count", [("llama2-7b", 6_738_415_616), ("gptj-6b", 6_050_882_784)])
+def test_real_size_presets_in_memory_reports(name, count):
+    """The real shapes: exact parameter counts, sharded bytes = total/mp + replicated (no allocation)."""
+    from meshlm.memory import memory_report
+
+    report = memory_report(get_config(name), make_mesh(2, 4))
+    assert report["params"] == count
+    assert report["param_bytes_per_device"] == pytest.approx(report["param_bytes_ideal_per_device"], rel=0.05)
+
+
+def test_remat_layers_are_proven_too():
+    cfg = get_config("tiny-llama").replace(remat=True)
+    report = verify(model_problem(cfg, "remat", 2, 8, 16), make_mesh(2, 2), controls=())
+    assert report.ok, format_report(report)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshlm.commands import bench, convert, generate, launch, train, verify
+from meshlm.commands import bench, convert, generate, launch, memory, train, verify
 from meshlm.errors import MeshlmError
 
-COMMANDS = [train, verify, generate, convert, launch, bench]
+COMMANDS = [train, verify, generate, convert, launch, bench, memory]
 
 
 def _configs(args) -> int:
