@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -121,18 +122,22 @@ def read_rows(out: Path) -> list[dict]:
     return rows
 
 
-def metrics_lines(out: Path) -> set[str]:
+def metrics_lines(out: Path) -> frozenset[str]:
     path = out / "metrics.jsonl"
-    return set(path.read_text().splitlines()) if path.exists() else set()
+    return frozenset(path.read_text().splitlines()) if path.exists() else frozenset()
 
 
 def train_losses(rows: list[dict]) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
-def last_train_step(out: Path) -> int:
-    steps = [s for s, _ in train_losses(read_rows(out))]
-    return max(steps, default=0)
+def last_train_step(out: Path, old_lines: frozenset[str] = frozenset()) -> int:
+    """Newest train step in metrics.jsonl, ignoring ``old_lines``: rows an earlier attempt wrote past
+    its last checkpoint stay until the resume truncates them, and must not trigger a kill."""
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    new = [line for line in lines if line not in old_lines]
+    return max((s for s, _ in train_losses(_rows_of(new))), default=0)
 
 
 def complete_steps(out: Path) -> list[int]:
@@ -247,12 +252,12 @@ def plan(rng: random.Random, resume_from: int | None, steps: int, startup_s: flo
     return "step", target, rng.uniform(0.0, FINISH_MAX_S if target == steps else SUB_STEP_MAX_S)
 
 
-def strike(proc: subprocess.Popen, out: Path, mode: str, target: int | None, delay: float, limit: float):
+def strike(proc: subprocess.Popen, out: Path, old_lines: frozenset[str], aim: tuple, limit: float):
     """Wait per the plan, SIGKILL, reap. Returns (return code, seconds since start at the kill, hung):
     hung if the target step did not come within ``limit`` seconds (the kill then ends the run)."""
-    t0, hung = time.monotonic(), False
+    (mode, target, delay), t0, hung = aim, time.monotonic(), False
     if mode == "step":
-        while last_train_step(out) < target and proc.poll() is None:
+        while last_train_step(out, old_lines) < target and proc.poll() is None:
             if hung := time.monotonic() - t0 > limit:
                 break
             time.sleep(POLL_S)
@@ -265,18 +270,17 @@ def strike(proc: subprocess.Popen, out: Path, mode: str, target: int | None, del
     return finish(proc, timeout=60), killed_at, hung
 
 
-def phase_of(out: Path, before_lines: set[str], resume_from: int | None, new_tmp: list, steps: int) -> str:
+def phase_of(out: Path, before_lines: frozenset[str], new_tmp: list, steps: int) -> str:
+    """Where the kill landed, from what the attempt left behind."""
     if new_tmp:
         return "save"
-    fresh = [
-        r for r in train_losses(_rows_of(metrics_lines(out) - before_lines)) if r[0] > (resume_from or 0)
-    ]
-    if not fresh:
+    newest = last_train_step(out, before_lines)  # rows this attempt wrote (all past its resume step)
+    if not newest:
         return "startup"
-    return "finish" if max(s for s, _ in fresh) == steps else "mid_step"
+    return "finish" if newest == steps else "mid_step"
 
 
-def _rows_of(lines: set[str]) -> list[dict]:
+def _rows_of(lines: Iterable[str]) -> list[dict]:
     rows = []
     for line in lines:
         try:
@@ -352,10 +356,10 @@ class Soak:
         """One attempt on ``v``; True if the kill hit a live run."""
         resume_from = max(complete_steps(v.path), default=None)
         before_lines, before_tmp = metrics_lines(v.path), tmp_dirs(v.path)
-        mode, target, delay = plan(self.rng, resume_from, self.args.steps, self.startup_s)
+        mode, target, delay = aim = plan(self.rng, resume_from, self.args.steps, self.startup_s)
         log = self.attempt_log(v)
         proc = start(self.cmd(v.path), log)
-        rc, at, hung = strike(proc, v.path, mode, target, delay, self.args.timeout)
+        rc, at, hung = strike(proc, v.path, before_lines, aim, self.args.timeout)
         if rc != -signal.SIGKILL:
             self.conclude(v, rc, log, resume_from)
             return False
@@ -379,7 +383,7 @@ class Soak:
             last_row_step=last_train_step(v.path),
             checkpoints=ckpts,
             new_tmp=new_tmp,
-            phase=phase_of(v.path, before_lines, resume_from, new_tmp, self.args.steps),
+            phase=phase_of(v.path, before_lines, new_tmp, self.args.steps),
             before_first_checkpoint=not ckpts,
         )
         self.kills.append(kill)
@@ -396,6 +400,12 @@ class Soak:
         self.reference()
         v, misses = self.new_victim(), 0
         while len(self.kills) < self.args.kills:
+            if max(complete_steps(v.path), default=0) >= self.args.steps:
+                # Killed after its final save: the rest is only an evaluation, so more kills here
+                # would all land in start-up. Finish it and aim at a fresh run instead.
+                self.complete(v)
+                v = self.new_victim()
+                continue
             if self.kill_round(v):
                 misses = 0
                 continue

@@ -21,7 +21,10 @@ def _configs(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshlm", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="meshlm",
+        description="Model-parallel LM training in JAX + Haiku, proven equal to the unsharded model.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub)

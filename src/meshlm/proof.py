@@ -132,7 +132,7 @@ def _leaf_label(keypath) -> str:
     keys = [k.key for k in keypath if isinstance(k, jax.tree_util.DictKey)]
     if len(keys) >= 2:
         return f"{keys[-2]}/{keys[-1]}".replace("/~/", "/")
-    return "opt_state" + jax.tree_util.keystr(keypath)
+    return "opt_state" + jax.tree_util.keystr(keypath)  # e.g. the step counters
 
 
 def _compare_into(results: dict, sharded, reference, rtol, atol) -> None:
