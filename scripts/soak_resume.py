@@ -32,9 +32,13 @@ from pathlib import Path
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 COMMIT_MARKER = "commit_success.txt"
 POLL_S = 0.01  # steps take tens of milliseconds here: poll finer than that to aim kills
-SUB_STEP_MAX_S = 0.3  # random delay after the target step: spans a few steps and a save
+# Random delay after the target step. Saves take longer than steps here, so a delay spanning several
+# steps mostly lands in a save; half the kills use a delay shorter than one step to hit the step itself.
+SUB_STEP_MAX_S = (0.03, 0.3)
 FINISH_MAX_S = 2.0  # after the last step the run still saves, evaluates and plots: aim there too
-TIME_MODE_P = 0.3  # share of kills aimed by time since start (start-up, compile, restore)
+# Share of kills aimed by time since start (start-up, compile, restore); higher on a fresh run, the
+# only place to kill before the first checkpoint.
+TIME_MODE_P = {"fresh": 0.5, "resumed": 0.3}
 MAX_MISSES = 8  # consecutive attempts that finish before the kill: the timing is off, give up
 
 _children: set[subprocess.Popen] = set()
@@ -246,10 +250,11 @@ class Kill:
 
 def plan(rng: random.Random, resume_from: int | None, steps: int, startup_s: float) -> tuple:
     """(mode, target step, delay): a random time since start, or a random step plus a sub-step delay."""
-    if rng.random() < TIME_MODE_P:
+    if rng.random() < TIME_MODE_P["fresh" if resume_from is None else "resumed"]:
         return "time", None, rng.uniform(0.0, max(5.0, 1.2 * startup_s))
     target = rng.randint((resume_from or 0) + 1, steps)
-    return "step", target, rng.uniform(0.0, FINISH_MAX_S if target == steps else SUB_STEP_MAX_S)
+    longest = FINISH_MAX_S if target == steps else rng.choice(SUB_STEP_MAX_S)
+    return "step", target, rng.uniform(0.0, longest)
 
 
 def strike(proc: subprocess.Popen, out: Path, old_lines: frozenset[str], aim: tuple, limit: float):

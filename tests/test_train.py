@@ -181,3 +181,19 @@ def test_bf16_compute_keeps_float32_master_weights(corpus, tmp_path):
     losses = [float(_one_step(run)["loss"]) for _ in range(3)]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
     assert {p.dtype for p in jax.tree.leaves(run.params)} == {np.dtype("float32")}
+
+
+def test_restarts_never_duplicate_metrics_rows(corpus, tmp_path):
+    """Found by scripts/soak_resume.py: a kill before the first checkpoint left the step-0 eval row,
+    and re-running a finished command appended a second final eval row."""
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 0, "val_loss": 5.5, "val_bpb": 8.0}\n{"step": 1, "loss": 5.4, "lr": 0.0, "grad_norm": 1.0,'
+        ' "tokens_per_s": 1.0}\n{"step": 2, "lo'  # a torn line, as a SIGKILL mid-write leaves it
+    )
+    tcfg = _tcfg(corpus, tmp_path, steps=4, eval_every=2, save_every=2)
+    train(tcfg, make_mesh(1, 2))
+    train(tcfg, make_mesh(1, 2))  # already finished: resumes at step 4, evaluates it again
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["step"] for r in rows if "val_loss" in r]
+    trains = [r["step"] for r in rows if "loss" in r]
+    assert evals == [0, 2, 4] and trains == [1, 2, 3, 4]

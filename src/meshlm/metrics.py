@@ -21,8 +21,10 @@ class MetricsLog:
 
             self._tb = SummaryWriter(str(out / "tensorboard"))
 
-    def truncate_after(self, step: int) -> None:
-        """Keep rows with step <= ``step`` (and drop a torn last line); atomic rewrite."""
+    def truncate_after(self, step: int, redo_eval: bool = False) -> None:
+        """Keep rows with step <= ``step`` (and drop a torn last line); atomic rewrite. With
+        ``redo_eval`` the evaluation at ``step`` itself is dropped too, because the run does it again
+        (a fresh start evaluates at step 0; a finished run evaluates at its last step)."""
         if not self.enabled or not self.path.exists():
             return
         rows = []
@@ -31,7 +33,8 @@ class MetricsLog:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line torn by a crash mid-write
-            if row.get("step", 0) <= step:
+            again = redo_eval and row.get("step") == step and "val_loss" in row
+            if row.get("step", 0) <= step and not again:
                 rows.append(line)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(r + "\n" for r in rows))

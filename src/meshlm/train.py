@@ -12,6 +12,7 @@ import math
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,7 +126,9 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, mesh, ckpt: Checkpointer
                 f"--fresh: {ckpt.directory} already holds checkpoints (steps "
                 f"{ckpt.all_steps()}); choose a new --out or delete them yourself"
             )
-        meta = ckpt.read_meta()
+        with warnings.catch_warnings():  # restore() below warns about interrupted saves once
+            warnings.simplefilter("ignore")
+            meta = ckpt.read_meta()
         _check_resumable(meta, tcfg, ckpt.directory)
     specs = model_specs(cfg, abstract_params(cfg, mesh), mesh.shape["mp"])
     if tcfg.checkpoint:
@@ -168,7 +171,7 @@ def build_run(tcfg: TrainConfig, mesh) -> Run:
     if distributed.is_main():
         out.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(out, enabled=distributed.is_main())
-    log.truncate_after(step)
+    log.truncate_after(step, redo_eval=step == 0 or step >= tcfg.steps)
     dtype = COMPUTE_DTYPES[tcfg.compute_dtype]
     eval_fn = jax.jit(sharded_loss(lambda par: loss_fn(cfg, par), mesh, specs, dtype))
     return Run(
