@@ -333,3 +333,33 @@ def test_greedy_equals_transformers_generate(name, mesh, tmp_path):
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
         assert got.tokens == out[0, len(prompt) :].tolist() and len(set(got.tokens)) > 3
+
+
+def test_cli_generate_uses_the_requested_devices(tmp_path):
+    """`generate` reads prompts (importing JAX) before setting up devices: --devices must still apply."""
+    import subprocess
+    import sys
+
+    from meshlm.config import get_config
+    from meshlm.devices import make_mesh
+    from meshlm.model_io import save_model
+    from meshlm.train_step import init_model
+
+    cfg = get_config("tiny-lm")
+    save_model(tmp_path / "ckpt", cfg, init_model(cfg, make_mesh(1, 1), 0)[0])
+    argv = [
+        sys.executable,
+        "-m",
+        "meshlm",
+        "generate",
+        "--checkpoint",
+        str(tmp_path / "ckpt"),
+        "--prompt",
+        "ab",
+        "--max-new-tokens",
+        "4",
+        "--devices",
+        "4",
+    ]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "mesh 1x4" in out.stderr + out.stdout, out.stderr[-2000:]

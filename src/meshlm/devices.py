@@ -30,10 +30,17 @@ def force_host_devices(n: int | None) -> None:
         return
     if n < 1:
         raise MeshError(f"--devices must be >= 1, got {n}")
-    if "jax" in sys.modules:
-        return  # JAX already loaded (library use): its device count stands; make_mesh reports a mismatch
+    if "jax" in sys.modules and _backend_started():
+        return  # too late: the device count is fixed; make_mesh reports a mismatch clearly
     flags = re.sub(rf"{_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
     os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={n}".strip()
+
+
+def _backend_started() -> bool:
+    """Whether JAX has created its backends (XLA_FLAGS is read then, not at import)."""
+    from jax._src import xla_bridge
+
+    return bool(getattr(xla_bridge, "_backends", {}))
 
 
 def accelerator_note() -> str | None:
