@@ -23,3 +23,15 @@ def train_args(corpus: str, out, steps: int, *, save_every: int = 3, eval_every:
 
 def meshlm_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "meshlm", *args]
+
+
+def wait_for(predicate, timeout_s: float = 240.0, poll_s: float = 0.05) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout_s`` passes (waiting on a subprocess, not timing it)."""
+    import time
+
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > end:
+            return False
+        time.sleep(poll_s)
+    return True

@@ -8,11 +8,10 @@ import os
 import signal
 import socket
 import subprocess
-import time
 
 import numpy as np
 import pytest
-from helpers import meshlm_argv, train_args, write_corpus
+from helpers import meshlm_argv, train_args, wait_for, write_corpus
 
 from meshlm.checkpoint import Checkpointer
 
@@ -91,9 +90,7 @@ def test_peer_killed_mid_run_stops_all_and_keeps_checkpoint(corpus, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.time() + 240  # waiting for the run to get going, not a speed requirement
-    while time.time() < deadline and not Checkpointer(tmp_path).all_steps():
-        time.sleep(0.2)
+    wait_for(lambda: bool(Checkpointer(tmp_path).all_steps()), poll_s=0.2)
     assert Checkpointer(tmp_path).all_steps(), "no checkpoint was written"
     victim = next(pid for pid, line in _children(launcher.pid).items() if "--process-id 1" in line)
     os.kill(victim, signal.SIGKILL)

@@ -4,13 +4,12 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import jax
 import numpy as np
 import optax
 import pytest
-from helpers import meshlm_argv, train_args, write_corpus
+from helpers import meshlm_argv, train_args, wait_for, write_corpus
 
 from meshlm.checkpoint import Checkpointer
 from meshlm.devices import make_mesh
@@ -136,9 +135,7 @@ def test_sigkill_then_resume_is_bitwise_identical(corpus, tmp_path):
     assert ref.returncode == 0, ref.stderr
     victim = subprocess.Popen(_cli_train(tmp_path / "cut", corpus, steps), stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "cut" / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 7):
-        time.sleep(0.05)
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 7)
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait()
     resumed = subprocess.run(
@@ -154,9 +151,7 @@ def test_sigkill_then_resume_is_bitwise_identical(corpus, tmp_path):
 def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
     proc = subprocess.Popen(_cli_train(tmp_path, corpus, 200), stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-        time.sleep(0.05)
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
