@@ -293,17 +293,10 @@ def _to_torch(w: np.ndarray, kind: str) -> np.ndarray:
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Our flat parameter path -> (global shape, dtype), from the model itself (no device memory)."""
-    import haiku as hk
-    import jax
-    import jax.numpy as jnp
-
-    from meshlm.model import loss_fn
-    from meshlm.parallel import Parallel
+    from meshlm.model import param_shapes
     from meshlm.sharding import flat_params
 
-    example = {k: jnp.zeros((1, 1), jnp.int32) for k in ("inputs", "targets")}
-    shapes = jax.eval_shape(hk.transform(loss_fn(cfg, Parallel())).init, jax.random.PRNGKey(0), example)
-    return {path: (tuple(s.shape), np.dtype(s.dtype)) for path, s in flat_params(shapes).items()}
+    return {path: (tuple(s.shape), np.dtype(s.dtype)) for path, s in flat_params(param_shapes(cfg)).items()}
 
 
 # --- safetensors files --------------------------------------------------------------------------

@@ -115,3 +115,19 @@ def logits_fn(cfg: ModelConfig, par: Parallel):
         return par.gather_last(local)
 
     return logits
+
+
+def init_fn(cfg: ModelConfig):
+    """(Haiku init of the unsharded model, an example batch for it). Parameter shapes do not depend on
+    the batch, so a tiny one serves for ``eval_shape`` and for sharded initialisation alike."""
+    t = min(cfg.max_seq_len, 8)
+    example = {k: jnp.zeros((1, t), jnp.int32) for k in ("inputs", "targets")}
+    return hk.transform(loss_fn(cfg, Parallel())).init, example
+
+
+def param_shapes(cfg: ModelConfig):
+    """The global parameter shapes (ShapeDtypeStructs) of ``cfg``'s model; nothing is allocated."""
+    import jax
+
+    init, example = init_fn(cfg)
+    return jax.eval_shape(init, jax.random.PRNGKey(0), example)

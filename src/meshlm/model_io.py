@@ -21,14 +21,9 @@ FORMAT = "meshlm-checkpoint-v1"
 
 def abstract_params(cfg: ModelConfig, mesh, dtype=None):
     """ShapeDtypeStructs of the parameters, with their NamedShardings on ``mesh``."""
-    import haiku as hk
-    import jax.numpy as jnp
+    from meshlm.model import param_shapes
 
-    from meshlm.model import loss_fn
-    from meshlm.parallel import Parallel
-
-    example = {k: jnp.zeros((1, min(cfg.max_seq_len, 8)), jnp.int32) for k in ("inputs", "targets")}
-    shapes = jax.eval_shape(hk.transform(loss_fn(cfg, Parallel())).init, jax.random.PRNGKey(0), example)
+    shapes = param_shapes(cfg)
     sh = shardings(model_specs(cfg, shapes, mesh.shape["mp"]), mesh)
     return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, dtype or s.dtype, sharding=h), shapes, sh)
 

@@ -8,6 +8,7 @@ same command continues bit for bit (on the same mesh).
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import sys
@@ -235,7 +236,9 @@ def _train_row(run: Run, metrics: dict, seconds: float) -> dict:
     }
 
 
+@functools.cache
 def _lr(tcfg: TrainConfig):
+    """The learning-rate schedule, built once per config (it is logged every step)."""
     from meshlm.optim import schedule
 
     return schedule(tcfg.optim())

@@ -28,14 +28,10 @@ def batch_sharding(mesh, accum_steps: int) -> NamedSharding:
 
 def init_model(cfg: ModelConfig, mesh, seed: int, dtype=None):
     """Parameters created already sharded on ``mesh``: returns (params, specs)."""
-    import haiku as hk
-
-    from meshlm.parallel import Parallel
+    from meshlm.model import init_fn
     from meshlm.sharding import init_sharded
 
-    init = hk.transform(loss_fn(cfg, Parallel())).init
-    t = min(cfg.max_seq_len, 8)
-    example = {k: jnp.zeros((1, t), jnp.int32) for k in ("inputs", "targets")}
+    init, example = init_fn(cfg)
     mp = mesh.shape["mp"]
     return init_sharded(
         init,
