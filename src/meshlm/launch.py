@@ -124,14 +124,14 @@ def _supervise(procs: list[subprocess.Popen[bytes]], kill_after_s: float) -> int
                 _say(f"meshlm launch: got signal {received[0]}; stopped all processes")
                 return 128 + received[0]
             codes = [p.poll() for p in procs]
-            failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is not None:
-                code = codes[failed]
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                # Name every process that has failed by now: a peer's death can make others fail
+                # within the same poll, and the lowest index is not necessarily the cause.
+                code = codes[failed[0]]
                 others = sum(c is None for c in codes)
-                _say(
-                    f"meshlm launch: process {failed} exited with code {code}; "
-                    f"stopping the {others} still running"
-                )
+                which = ", ".join(f"process {i} exited with code {codes[i]}" for i in failed)
+                _say(f"meshlm launch: {which}; stopping the {others} still running")
                 _stop(procs, kill_after_s)
                 return code if code > 0 else 128 - code  # killed by signal s: 128 + s
             if all(c == 0 for c in codes):
