@@ -34,7 +34,7 @@ def main() -> None:
     if args.mode == "sleep":
         print(f"sleeping {args.process_id}", flush=True)
         time.sleep(120)
-    from meshlm import distributed
+    from meshlm.parallel import distributed
 
     distributed.initialize(
         args.coordinator, args.num_processes, args.process_id, init_timeout_s=args.init_timeout

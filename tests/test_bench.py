@@ -12,8 +12,12 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshlm.axes import DP, MP
-from meshlm.bench import (
+from meshlm.cli import bench as bench_command
+from meshlm.errors import ConfigError
+from meshlm.model.config import get_config
+from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.mesh import make_mesh
+from meshlm.perf.bench import (
     IMPLS,
     BenchSettings,
     collectives_per_step,
@@ -21,11 +25,7 @@ from meshlm.bench import (
     run_bench,
     theoretical_collectives,
 )
-from meshlm.commands import bench as bench_command
-from meshlm.config import get_config
-from meshlm.devices import make_mesh
-from meshlm.errors import ConfigError
-from meshlm.hlo import COLLECTIVES
+from meshlm.perf.hlo import COLLECTIVES
 
 BYTES_KEYS = {"params", "opt_state", "peak", "compiled"}
 

@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshlm.checkpoint import (
+from meshlm.errors import CheckpointError
+from meshlm.io.checkpoint import (
     COMMIT_MARKER,
     TMP_SUFFIX,
     Checkpointer,
@@ -22,7 +23,6 @@ from meshlm.checkpoint import (
     is_checkpoint_dir,
     resolve,
 )
-from meshlm.errors import CheckpointError
 
 # After a read or write error orbax leaves coroutines un-awaited and posts to closed event loops;
 # Python reports those as "unraisable" when it collects them. They are orbax's, and harmless.

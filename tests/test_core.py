@@ -10,15 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshlm.config import ModelConfig, from_dict, get_config
-from meshlm.devices import make_mesh, parse_mesh
+from meshlm.data.tokens import check_token_range
 from meshlm.errors import ConfigError, MeshError, ShardingError, TokenRangeError
-from meshlm.parallel import Parallel
-from meshlm.proof import format_report, model_problem, verify
-from meshlm.sharding import spec_for
-from meshlm.spmd import reference_value_and_grad
-from meshlm.tokens import check_token_range
-from meshlm.train_step import init_model
+from meshlm.model.config import ModelConfig, from_dict, get_config
+from meshlm.parallel.context import Parallel
+from meshlm.parallel.mesh import make_mesh, parse_mesh
+from meshlm.parallel.rules import spec_for
+from meshlm.parallel.spmd import reference_value_and_grad
+from meshlm.proof.prover import format_report, model_problem, verify
+from meshlm.train.step import init_model
 
 MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (8, 1)]
 
@@ -118,7 +118,7 @@ def test_vocab_parallel_xent_matches_log_softmax_and_z_loss():
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(2, 5, 16)) * 10, jnp.float32)
     targets = jnp.asarray(rng.integers(0, 16, (2, 5)))
-    from meshlm.layers import vocab_parallel_xent
+    from meshlm.model.layers import vocab_parallel_xent
 
     got = vocab_parallel_xent(Parallel(), logits, targets, z_loss=1e-2)
     logz = jax.nn.logsumexp(logits, -1)
@@ -148,7 +148,7 @@ def test_bad_mesh_and_dims():
     with pytest.raises(ShardingError, match="no sharding rule matches parameter 'mystery/w'"):
         spec_for("mystery/w", (4, 4), 2)
     with pytest.raises(ShardingError, match="n_heads=8 is not divisible by mp=3"):
-        from meshlm.sharding import model_specs
+        from meshlm.parallel.rules import model_specs
 
         model_specs(get_config("tiny-llama"), {}, 3)
 

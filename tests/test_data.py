@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshlm import data
-from meshlm.data import EOD, Batcher, TokenStream, bits_per_byte, decode, encode, load_splits
+from meshlm.data import corpus as data
+from meshlm.data.corpus import EOD, Batcher, TokenStream, bits_per_byte, decode, encode, load_splits
 from meshlm.errors import DataError
 
 

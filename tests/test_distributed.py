@@ -10,10 +10,10 @@ from pathlib import Path
 import jax
 import pytest
 
-from meshlm import distributed
-from meshlm.distributed import TIMEOUT_EXIT_CODE
 from meshlm.errors import DistributedError
-from meshlm.launch import free_port, main_launch
+from meshlm.parallel import distributed
+from meshlm.parallel.distributed import TIMEOUT_EXIT_CODE
+from meshlm.parallel.launch import free_port, main_launch
 
 WORKER = str(Path(__file__).with_name("mp_worker.py"))
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -97,7 +97,7 @@ def test_missing_peer_fails_with_clear_error_in_bounded_time():
 
 def test_launcher_forwards_sigterm(tmp_path):
     code = (
-        "import sys; from meshlm.launch import main_launch; "
+        "import sys; from meshlm.parallel.launch import main_launch; "
         f"sys.exit(main_launch(2, 1, sys.argv[1:], prefix=[sys.executable, {WORKER!r}]))"
     )
     argv = ["--mode", "sleep", "--pid-dir", str(tmp_path)]

@@ -17,12 +17,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshlm.commands import generate as generate_cmd
-from meshlm.config import get_config
-from meshlm.data import EOD
-from meshlm.devices import make_mesh
+from meshlm.cli import generate as generate_cmd
+from meshlm.data.corpus import EOD
 from meshlm.errors import CheckpointError, ConfigError, GenerationError, TokenRangeError
-from meshlm.generate import (
+from meshlm.generate.generator import (
     ByteTokenizer,
     Generator,
     Sampling,
@@ -34,9 +32,11 @@ from meshlm.generate import (
     read_prompt_file,
     sample,
 )
-from meshlm.model import logits_fn, loss_fn
-from meshlm.model_io import save_model
-from meshlm.parallel import Parallel
+from meshlm.io.model_io import save_model
+from meshlm.model.config import get_config
+from meshlm.model.transformer import logits_fn, loss_fn
+from meshlm.parallel.context import Parallel
+from meshlm.parallel.mesh import make_mesh
 
 MESHES = {"tiny-gptj": [(1, 1), (1, 4), (2, 2)], "tiny-llama": [(1, 1), (1, 4), (2, 2), (1, 8)]}
 CASES = [(n, m) for n, ms in MESHES.items() for m in ms] + [("tiny", (1, 1)), ("tiny", (1, 4))]
@@ -317,8 +317,8 @@ HF_PRESETS = {
 def test_greedy_equals_transformers_generate(name, mesh, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from meshlm.hf import load_hf
-    from meshlm.sharding import unflatten
+    from meshlm.io.hf import load_hf
+    from meshlm.parallel.rules import unflatten
 
     torch.manual_seed(0)
     hf_cfg = HF_PRESETS[name](transformers)
@@ -340,10 +340,10 @@ def test_cli_generate_uses_the_requested_devices(tmp_path):
     import subprocess
     import sys
 
-    from meshlm.config import get_config
-    from meshlm.devices import make_mesh
-    from meshlm.model_io import save_model
-    from meshlm.train_step import init_model
+    from meshlm.io.model_io import save_model
+    from meshlm.model.config import get_config
+    from meshlm.parallel.mesh import make_mesh
+    from meshlm.train.step import init_model
 
     cfg = get_config("tiny-lm")
     save_model(tmp_path / "ckpt", cfg, init_model(cfg, make_mesh(1, 1), 0)[0])

@@ -14,15 +14,15 @@ import haiku as hk  # noqa: E402
 import jax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from meshlm import hf  # noqa: E402
-from meshlm.commands import convert  # noqa: E402
-from meshlm.config import get_config  # noqa: E402
-from meshlm.devices import make_mesh  # noqa: E402
+from meshlm.cli import convert  # noqa: E402
 from meshlm.errors import CheckpointError, ConfigError  # noqa: E402
-from meshlm.model import logits_fn  # noqa: E402
-from meshlm.parallel import Parallel  # noqa: E402
-from meshlm.sharding import model_specs, shardings, unflatten  # noqa: E402
-from meshlm.spmd import mesh_parallel  # noqa: E402
+from meshlm.io import hf  # noqa: E402
+from meshlm.model.config import get_config  # noqa: E402
+from meshlm.model.transformer import logits_fn  # noqa: E402
+from meshlm.parallel.context import Parallel  # noqa: E402
+from meshlm.parallel.mesh import make_mesh  # noqa: E402
+from meshlm.parallel.rules import model_specs, shardings, unflatten  # noqa: E402
+from meshlm.parallel.spmd import mesh_parallel  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 64

@@ -7,8 +7,8 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshlm.axes import DP, MP
-from meshlm.hlo import COLLECTIVES, collectives_from_text, collectives_of, shape_bytes
+from meshlm.parallel.axes import DP, MP
+from meshlm.perf.hlo import COLLECTIVES, collectives_from_text, collectives_of, shape_bytes
 
 F32_8x16 = 8 * 16 * 4
 

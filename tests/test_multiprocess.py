@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import meshlm_argv, train_args, wait_for, write_corpus
 
-from meshlm.checkpoint import Checkpointer
+from meshlm.io.checkpoint import Checkpointer
 
 LAUNCH = ["launch", "-n", "2", "--devices-per-process", "2", "--"]
 

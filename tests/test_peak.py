@@ -5,7 +5,7 @@ import math
 import pytest
 
 from meshlm.errors import ConfigError
-from meshlm.peak import matmul_peak_flops
+from meshlm.perf.peak import matmul_peak_flops
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

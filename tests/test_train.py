@@ -11,12 +11,12 @@ import optax
 import pytest
 from helpers import meshlm_argv, train_args, wait_for, write_corpus
 
-from meshlm.checkpoint import Checkpointer
-from meshlm.devices import make_mesh
 from meshlm.errors import CheckpointError, TokenRangeError, TrainingError
-from meshlm.optim import clip_by_global_norm
-from meshlm.train import _one_step, build_run, save, train
-from meshlm.train_config import TrainConfig
+from meshlm.io.checkpoint import Checkpointer
+from meshlm.parallel.mesh import make_mesh
+from meshlm.train.config import TrainConfig
+from meshlm.train.loop import _one_step, build_run, save, train
+from meshlm.train.optim import clip_by_global_norm
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_state(corpus, tmp_path):
         )
     steps = Checkpointer(tmp_path).all_steps()
     assert steps, "the last good state must be saved"
-    from meshlm.model_io import load_model
+    from meshlm.io.model_io import load_model
 
     _, params, _ = load_model(tmp_path, make_mesh(1, 1))
     assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(params))

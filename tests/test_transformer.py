@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshlm.config import get_config
-from meshlm.devices import make_mesh
 from meshlm.errors import ShardingError
-from meshlm.proof import format_report, model_problem, verify
+from meshlm.model.config import get_config
+from meshlm.parallel.mesh import make_mesh
+from meshlm.proof.prover import format_report, model_problem, verify
 
 ATTENTION_CONTROLS = {"shard uses another shard's heads", "wrong rotary convention"}
 
@@ -70,7 +70,7 @@ def test_mesh_that_cannot_split_heads_is_a_clear_error():
 @pytest.mark.parametrize("name,count", [("llama2-7b", 6_738_415_616), ("gptj-6b", 6_050_882_784)])
 def test_real_size_presets_in_memory_reports(name, count):
     """The real shapes: exact parameter counts, sharded bytes = total/mp + replicated (no allocation)."""
-    from meshlm.memory import memory_report
+    from meshlm.perf.memory import memory_report
 
     report = memory_report(get_config(name), make_mesh(2, 4))
     assert report["params"] == count

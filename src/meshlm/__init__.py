@@ -9,11 +9,11 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "verify": ("meshlm.proof", "verify"),
-    "get_config": ("meshlm.config", "get_config"),
-    "ModelConfig": ("meshlm.config", "ModelConfig"),
-    "Parallel": ("meshlm.parallel", "Parallel"),
-    "make_mesh": ("meshlm.devices", "make_mesh"),
+    "verify": ("meshlm.proof.prover", "verify"),
+    "get_config": ("meshlm.model.config", "get_config"),
+    "ModelConfig": ("meshlm.model.config", "ModelConfig"),
+    "Parallel": ("meshlm.parallel.context", "Parallel"),
+    "make_mesh": ("meshlm.parallel.mesh", "make_mesh"),
 }
 
 

@@ -1,0 +1,55 @@
+"""The ``meshlm`` command line. Each subcommand lives in ``meshlm.commands.<name>``: a parser and a
+short ``run`` that builds configs and calls the library. User errors print one line, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from meshlm.cli import bench, convert, generate, launch, memory, train, verify
+from meshlm.errors import MeshlmError
+
+COMMANDS = [train, verify, generate, convert, launch, bench, memory]
+
+
+def _configs(args) -> int:
+    from meshlm.model.config import PRESETS
+
+    for name, cfg in PRESETS.items():
+        print(f"{name:<11} {cfg.to_json()}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshlm",
+        description="Model-parallel LM training in JAX + Haiku, proven equal to the unsharded model.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    sub.add_parser("configs", help="list the model presets").set_defaults(fn=_configs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code = args.fn(args)
+    except MeshlmError as e:
+        print(f"meshlm: error: {e}", file=sys.stderr)
+        code = 2
+    return _exit_code(code)
+
+
+def _exit_code(code: int) -> int:
+    """In a multi-process job, a failing process must not wait at JAX's shutdown barrier for peers
+    that are stuck waiting for it: leave at once (``distributed.exit_process``)."""
+    if code and "jax" in sys.modules:
+        import jax
+
+        if jax.process_count() > 1:
+            from meshlm.parallel.distributed import exit_process
+
+            exit_process(code)
+    return code

@@ -1,0 +1,103 @@
+"""meshlm generate: continue prompts with a checkpointed model, KV-cached and sharded on the mesh.
+
+One prompt streams to stdout (the prompt, then the text as it is produced); several are printed one
+after another once the batch is done; --json prints the result object (a list of them for several).
+Throughput goes to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from meshlm.cli.common import add_common, setup
+
+DEFAULT_MAX_NEW = 128  # without --max-new-tokens: this many, or as many as the context still holds
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a checkpoint (KV cache, sharded)")
+    add_common(p, None)
+    p.add_argument("--checkpoint", required=True, help="run directory (newest step) or one step's directory")
+    p.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for a batch")
+    p.add_argument(
+        "--prompt-file", action="append", default=[], help="UTF-8 file whose whole text is one prompt"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"tokens to generate per prompt (default {DEFAULT_MAX_NEW}, capped to fit the context)",
+    )
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
+    p.add_argument("--stop", action="append", default=[], help="stop at this string; repeatable")
+    p.set_defaults(fn=run)
+
+
+def _prompts(args) -> list[str]:
+    from meshlm.errors import GenerationError
+    from meshlm.generate.generator import read_prompt_file
+
+    prompts = list(args.prompt) + [read_prompt_file(f) for f in args.prompt_file]
+    if not prompts:
+        raise GenerationError("no prompt: pass --prompt TEXT or --prompt-file FILE")
+    return prompts
+
+
+def _default_new(gen, prompts) -> int:
+    longest = max(len(gen.encode_prompt(i, p)) for i, p in enumerate(prompts))
+    return max(1, min(DEFAULT_MAX_NEW, gen.max_len - longest))  # 1: let generate explain a full context
+
+
+def _streamer(prompt: str):
+    """An on_token callback printing the prompt, then each piece as it comes. The prompt waits for
+    the first token so that an input error is not printed after it."""
+    started = False
+
+    def on_token(index: int, token: int, piece: str) -> None:
+        nonlocal started
+        sys.stdout.write(piece if started else prompt + piece)
+        sys.stdout.flush()
+        started = True
+
+    return on_token
+
+
+def run(args) -> int:
+    prompts = _prompts(args)  # file errors before the slow parts
+    mesh, dp, mp = setup(args)
+    from meshlm.generate.generator import Generator
+    from meshlm.io.model_io import load_model
+    from meshlm.parallel.distributed import is_main, print0
+
+    cfg, params, _ = load_model(args.checkpoint, mesh)
+    gen = Generator(cfg, params, mesh)
+    streaming = not args.json and len(prompts) == 1 and is_main()
+    results = gen.generate(
+        prompts,
+        args.max_new_tokens if args.max_new_tokens is not None else _default_new(gen, prompts),
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        on_token=_streamer(prompts[0]) if streaming else None,
+    )
+    if args.json:
+        objs = [r.to_json() for r in results]
+        print0(json.dumps(objs if len(objs) > 1 else objs[0]))
+    elif streaming:
+        print()
+    else:
+        for i, r in enumerate(results):
+            print0(f"--- prompt {i} ({r.finish_reason}) ---\n{r.prompt}{r.text}")
+    r = results[0]
+    if is_main():
+        print(
+            f"[{sum(len(x.tokens) for x in results)} tokens; prefill {r.prefill_tokens_per_s:.0f} tok/s, "
+            f"decode {r.decode_tokens_per_s:.0f} tok/s; mesh {dp}x{mp}]",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,40 @@
+"""meshlm memory: parameter and optimizer-state bytes per device for a preset on a mesh (shapes only)."""
+
+from __future__ import annotations
+
+import json
+
+from meshlm.cli.common import add_common, setup
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("memory", help="bytes per device of parameters and AdamW state (nothing allocated)")
+    add_common(p, "llama2-7b")
+    p.set_defaults(fn=run)
+
+
+def run(args) -> int:
+    _, dp, mp = setup(args)
+    from meshlm.model.config import get_config
+    from meshlm.parallel.mesh import make_mesh
+    from meshlm.perf.memory import memory_report
+
+    report = {
+        "config": args.config,
+        "mesh": {"dp": dp, "mp": mp},
+        **memory_report(get_config(args.config), make_mesh(dp, mp)),
+    }
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    gib = 2**30
+    print(
+        f"{args.config} on {dp}x{mp}: {report['params']:,} parameters, "
+        f"{report['param_bytes_total'] / gib:.2f} GiB float32 in all"
+    )
+    print(
+        f"  per device: params {report['param_bytes_per_device'] / gib:.3f} GiB "
+        f"(ideal total/mp + replicated: {report['param_bytes_ideal_per_device'] / gib:.3f}), "
+        f"params + AdamW moments {report['train_state_bytes_per_device'] / gib:.3f} GiB"
+    )
+    return 0

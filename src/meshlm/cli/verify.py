@@ -1,0 +1,45 @@
+"""meshlm verify: prove the sharded model equals the unsharded one, parameter by parameter."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from meshlm.cli.common import add_common, setup
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("verify", help="prove sharded == unsharded for every parameter")
+    add_common(p, "seed")
+    p.add_argument("--steps", type=int, default=0, help="also compare K full training steps")
+    p.add_argument("--x64", action="store_true", help="float64: worst relative error must be <= 1e-12")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default 2 x dp)")
+    p.add_argument("--seq-len", type=int, default=64, help="sequence length")
+    p.add_argument("--checkpoint", default=None, help="prove with these parameters (run dir or step dir)")
+    p.set_defaults(fn=run)
+
+
+def run(args) -> int:
+    mesh, dp, mp = setup(args)
+    import jax
+    import jax.numpy as jnp
+
+    from meshlm.model.config import get_config
+    from meshlm.parallel.distributed import print0
+    from meshlm.proof.prover import format_report, model_problem, verify
+
+    if args.x64:
+        jax.config.update("jax_enable_x64", True)
+    cfg, name = get_config(args.config), args.config
+    if args.checkpoint:
+        from meshlm.io.model_io import load_model, read_config
+
+        cfg, name = read_config(args.checkpoint)[0], args.checkpoint
+    batch = args.batch_size or 2 * dp
+    problem = model_problem(cfg, name, mp, batch, min(args.seq_len, cfg.max_seq_len), args.seed)
+    if args.checkpoint:
+        problem = dataclasses.replace(problem, load_params=lambda m: load_model(args.checkpoint, m)[1])
+    dtype = jnp.float64 if args.x64 else jnp.float32
+    report = verify(problem, mesh, steps=args.steps, dtype=dtype, seed=args.seed)
+    print0(json.dumps(report.to_json()) if args.json else format_report(report))
+    return 0 if report.ok else 1

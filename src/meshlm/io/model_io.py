@@ -1,0 +1,58 @@
+"""Model checkpoints as users load them: a config plus parameters, sharded onto any mesh.
+
+A meshlm checkpoint (``meshlm.checkpoint``) holds ``state = {"params", ["opt_state", "step"]}`` and
+``meta = {"format", "model_config", ...}``. ``meshlm train --out DIR`` and ``meshlm convert`` both
+write it; ``generate``, ``verify``, ``convert --to-hf`` and ``train --checkpoint`` read it here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+
+from meshlm.errors import CheckpointError
+from meshlm.io.checkpoint import Checkpointer, resolve
+from meshlm.model.config import ModelConfig, from_dict
+from meshlm.parallel.rules import model_specs, shardings
+
+FORMAT = "meshlm-checkpoint-v1"
+
+
+def abstract_params(cfg: ModelConfig, mesh, dtype=None):
+    """ShapeDtypeStructs of the parameters, with their NamedShardings on ``mesh``."""
+    from meshlm.model.transformer import param_shapes
+
+    shapes = param_shapes(cfg)
+    sh = shardings(model_specs(cfg, shapes, mesh.shape["mp"]), mesh)
+    return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, dtype or s.dtype, sharding=h), shapes, sh)
+
+
+def save_model(out: str | Path, cfg: ModelConfig, params, *, step: int = 0, meta: dict | None = None) -> None:
+    """A parameters-only checkpoint (what ``meshlm convert --from-hf`` writes)."""
+    with Checkpointer(out, keep=1) as ckpt:
+        ckpt.save(step, {"params": params}, {"format": FORMAT, "model_config": cfg.to_dict(), **(meta or {})})
+
+
+def read_config(path: str | Path) -> tuple[ModelConfig, dict]:
+    """The model config and meta of the checkpoint at ``path`` (a run directory or one step's)."""
+    directory, step = resolve(path)
+    with Checkpointer(directory) as ckpt:
+        meta = ckpt.read_meta(step)
+    if meta.get("format") != FORMAT or "model_config" not in meta:
+        raise CheckpointError(f"{path} is not a meshlm checkpoint (meta format {meta.get('format')!r})")
+    return from_dict(meta["model_config"]), meta
+
+
+def load_model(path: str | Path, mesh, dtype=None) -> tuple[ModelConfig, dict, int]:
+    """(config, params sharded on ``mesh``, step) from a run directory (its newest complete
+    checkpoint) or one step's directory. Optimizer state, if saved, is not read."""
+    directory, step = resolve(path)
+    cfg, _ = read_config(path)
+    target = {"params": abstract_params(cfg, mesh)}
+    with Checkpointer(directory) as ckpt:
+        state, _, step = ckpt.restore(target, step, expect_meta={"format": FORMAT}, partial=True)
+    params = state["params"]
+    if dtype is not None:
+        params = jax.tree.map(lambda p: p.astype(dtype), params)
+    return cfg, params, step

@@ -1,0 +1,101 @@
+"""Causal self-attention sharded by heads (Megatron): column-parallel Q/K/V, row-parallel output.
+
+Per shard (``/mp`` = per-shard size; see ``layers`` for the glossary):
+  wq [D, H/mp, E]    wk, wv [D, K/mp, E] (or [D, K, E] replicated when mp > K)    wo [H/mp, E, D]
+
+Grouped-query attention: each KV head serves H/K query heads. When mp > K the KV projections are
+replicated (as Megatron does) and each shard computes only the one KV head its query heads need;
+the gradient contributions of the shards to the replicated weights are summed by JAX's transpose of
+the implicit replicated-to-per-shard cast.
+"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from meshlm.errors import ShardingError
+from meshlm.model.config import ModelConfig
+from meshlm.model.layers import _normal, apply_rotary, rotary_angles, upcast
+from meshlm.parallel.context import Parallel
+
+ROTARY_STYLE = {"gptj": "interleaved", "llama": "half"}
+
+
+def kv_replicated(n_kv_heads: int, mp: int) -> bool:
+    """True when KV heads are replicated over the model axis (mp > K); errors if neither works."""
+    if n_kv_heads % mp == 0:
+        return False
+    if mp % n_kv_heads == 0:
+        return True
+    raise ShardingError(
+        f"n_kv_heads={n_kv_heads} and mp={mp}: mp must divide n_kv_heads or be a multiple of it"
+    )
+
+
+class Attention(hk.Module):
+    """Returns the per-shard partial output [B, T, D] (reduce with ``par.row_out``)."""
+
+    def __init__(self, cfg: ModelConfig, par: Parallel, stddev: float, name: str = "attn"):
+        super().__init__(name=name)
+        self.cfg, self.par, self.stddev = cfg, par, stddev
+        self.style = cfg.rotary_style or ROTARY_STYLE[cfg.family]
+
+    def _proj(self, name, xf, heads, hook=lambda w: w):  # xf [B, T, D] -> [B, T, heads, E]
+        w = hk.get_parameter(name, [xf.shape[-1], heads, self.cfg.dim_per_head], init=_normal(self.stddev))
+        return jnp.einsum("btd,dhe->bthe", xf, hook(w))
+
+    def _kv(self, xf):  # -> k, v [B, T, K_local, E]
+        cfg, par = self.cfg, self.par
+        if not kv_replicated(cfg.kv_heads, par.mp):
+            kl = cfg.kv_heads // par.mp
+            return self._proj("wk", xf, kl), self._proj("wv", xf, kl)
+        idx = par.kv_head_index(cfg.n_heads, cfg.kv_heads)
+        out = []
+        for name in ("wk", "wv"):
+            w = hk.get_parameter(
+                name, [xf.shape[-1], cfg.kv_heads, cfg.dim_per_head], init=_normal(self.stddev)
+            )
+            w1 = lax.dynamic_slice_in_dim(w, idx, 1, axis=1)  # [D, 1, E]: this shard's KV head
+            out.append(jnp.einsum("btd,dhe->bthe", xf, w1))
+        return out
+
+    def __call__(self, xf, positions, cache=None):
+        """xf: [B, T, D] per-shard view; positions: [B, T] absolute positions.
+
+        cache: None (training) or {"k", "v": [B, S, K_local, E]}: new keys/values are written at
+        ``positions`` and queries attend to every cached slot at or before their position.
+        Returns (partial [B, T, D], new cache or None).
+        """
+        cfg = self.cfg
+        hl = cfg.n_heads // self.par.mp
+        q = self._proj("wq", xf, hl, self.par.own_heads)  # [B, T, H/mp, E]
+        k, v = self._kv(xf)  # [B, T, K_local, E]
+        cos, sin = rotary_angles(positions, cfg.rot_dim, cfg.rope_theta, q.dtype)
+        q = apply_rotary(q, cos, sin, cfg.rot_dim, self.style)
+        k = apply_rotary(k, cos, sin, cfg.rot_dim, self.style)
+        key_pos = positions
+        if cache is not None:
+            write = jax.vmap(lambda c, new, p: c.at[p].set(new.astype(c.dtype)))
+            cache = {"k": write(cache["k"], k, positions), "v": write(cache["v"], v, positions)}
+            k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
+            key_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
+        out = _attend(q, k, v, positions, key_pos)  # [B, T, H/mp, E]
+        wo = hk.get_parameter("wo", [hl, cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
+        return jnp.einsum("bthe,hed->btd", out, wo), cache
+
+
+def _attend(q, k, v, q_pos, k_pos):
+    """Causal grouped attention, softmax in float32. q [B,T,h,E]; k, v [B,S,kv,E]; pos [B,T]/[B,S]."""
+    b, t, h, e = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, e)
+    scores = upcast(jnp.einsum("btkge,bske->bkgts", qg, k))
+    scores = scores / jnp.sqrt(jnp.asarray(e, scores.dtype))
+    visible = k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]  # [B,1,1,T,S]
+    scores = jnp.where(visible, scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bske->btkge", probs, v)
+    return out.reshape(b, t, h, e)

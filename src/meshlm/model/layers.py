@@ -1,0 +1,212 @@
+"""Haiku modules for Megatron-style tensor parallelism.
+
+Shape glossary (``/mp`` marks a per-shard size; everything else is global):
+  B  batch rows on this data-parallel shard     T  sequence length      D  d_model
+  V  vocabulary size                             F  feed-forward width   H  query heads
+  K  key/value heads                             E  head width (head_dim)
+
+Parameters are requested in their *per-shard* shape (``V/mp`` rows of the embedding, ``F/mp``
+hidden units, ``H/mp`` heads). Unsharded, ``mp == 1`` and per-shard equals global, so one code path
+serves both; Haiku checks every provided parameter against the requested shape.
+
+Activations named ``x`` are replicated over the model axis; ``xf`` is ``par.f(x)`` (per-shard view,
+all-reduce in backward); modules ending in a row-parallel matmul return *partial* sums that the
+caller reduces with ``par.row_out`` so a block can fuse several into one all-reduce.
+"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from meshlm.parallel.context import Parallel
+
+
+def _normal(stddev: float):
+    return hk.initializers.TruncatedNormal(stddev=stddev)
+
+
+def upcast(x):
+    """At least float32 (float64 stays float64, so the x64 proof is exact)."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+class VocabEmbed(hk.Module):
+    """Vocabulary-parallel embedding: each shard owns a contiguous slice of V/mp rows.
+
+    Lookup gathers the rows this shard owns (ids outside the slice give zeros) and sums over shards:
+    O(tokens x D) work per shard, never a [tokens, V] one-hot matmul.
+    """
+
+    def __init__(
+        self,
+        vocab: int,
+        d_model: int,
+        par: Parallel,
+        stddev: float,
+        bias: bool = False,
+        name: str = "embed",
+    ):
+        super().__init__(name=name)
+        self.vocab, self.d_model, self.par, self.stddev, self.bias = (
+            vocab,
+            d_model,
+            par,
+            stddev,
+            bias,
+        )
+
+    def _table(self):  # [V/mp, D]
+        return hk.get_parameter(
+            "embeddings", [self.vocab // self.par.mp, self.d_model], init=_normal(self.stddev)
+        )
+
+    def __call__(self, tokens):  # tokens: [B, T] global ids -> [B, T, D] replicated
+        table = self._table()
+        local = tokens - self.par.vocab_start(table.shape[0])
+        inside = (local >= 0) & (local < table.shape[0])
+        rows = jnp.take(table, jnp.where(inside, local, 0), axis=0)  # [B, T, D] partial
+        rows = jnp.where(inside[..., None], rows, jnp.zeros((), rows.dtype))
+        b = hk.get_parameter("b", [self.d_model], init=jnp.zeros) if self.bias else None
+        return self.par.row_out(rows, b)
+
+    def local_logits(self, xf):  # tied output projection: [B, T, D] -> [B, T, V/mp] per-shard
+        return jnp.einsum("btd,vd->btv", xf, self._table())
+
+
+class VocabHead(hk.Module):
+    """Vocabulary-parallel output projection: w [D, V/mp], b [V/mp] per shard."""
+
+    def __init__(self, vocab: int, par: Parallel, stddev: float, bias: bool, name: str = "head"):
+        super().__init__(name=name)
+        self.vocab, self.par, self.stddev, self.bias = vocab, par, stddev, bias
+
+    def local_logits(self, xf):  # [B, T, D] -> [B, T, V/mp] per-shard
+        vs = self.vocab // self.par.mp
+        w = hk.get_parameter("w", [xf.shape[-1], vs], init=_normal(self.stddev))
+        out = xf @ w
+        if self.bias:
+            out = out + hk.get_parameter("b", [vs], init=jnp.zeros)
+        return out
+
+
+def vocab_parallel_xent(par: Parallel, logits, targets, z_loss: float = 0.0):
+    """Softmax cross-entropy over a vocabulary split across shards, never gathering full logits.
+
+    logits: [B, T, V/mp] per-shard (any float dtype; computed in float32); targets: [B, T] global ids.
+    Returns per-token loss [B, T] (replicated). The global max comes from pmax under stop_gradient:
+    it only shifts logits for stability, and log Z does not depend on it.
+    """
+    logits = upcast(logits)
+    vs = logits.shape[-1]
+    m = lax.stop_gradient(par.pmax(jnp.max(lax.stop_gradient(logits), axis=-1)))  # [B, T]
+    shifted = logits - m[..., None]
+    local = targets - par.vocab_start(vs)
+    inside = (local >= 0) & (local < vs)
+    picked = jnp.take_along_axis(shifted, jnp.where(inside, local, 0)[..., None], axis=-1)[..., 0]
+    target_logit = par.g(jnp.where(inside, picked, jnp.zeros((), picked.dtype)))  # [B, T]
+    log_sum = jnp.log(par.g(jnp.sum(jnp.exp(shifted), axis=-1)))  # [B, T]
+    loss = log_sum - target_logit
+    if z_loss:
+        loss = loss + z_loss * jnp.square(log_sum + m)  # log Z = log_sum + m
+    return loss
+
+
+class MLP(hk.Module):
+    """Column-then-row-parallel feed-forward: w_in [D, F/mp] (+ b_in), act, w_out [F/mp, D].
+
+    ``kind`` is "gelu" (two matmuls, biases optional) or "swiglu" (gate and up, no biases).
+    Returns (partial [B, T, D], bias [D] or None): the bias is added once, after the all-reduce.
+    """
+
+    def __init__(
+        self,
+        d_ff: int,
+        par: Parallel,
+        kind: str,
+        bias: bool,
+        stddev_in: float,
+        stddev_out: float,
+        name: str = "mlp",
+    ):
+        super().__init__(name=name)
+        self.d_ff, self.par, self.kind, self.bias = d_ff, par, kind, bias
+        self.stddev_in, self.stddev_out = stddev_in, stddev_out
+
+    def _dense(self, name, x, cols, stddev, bias):
+        w = hk.get_parameter(f"w_{name}", [x.shape[-1], cols], init=_normal(stddev))
+        y = x @ w
+        return y + hk.get_parameter(f"b_{name}", [cols], init=jnp.zeros) if bias else y
+
+    def __call__(self, xf):
+        fl = self.d_ff // self.par.mp
+        if self.kind == "swiglu":
+            h = jax.nn.silu(self._dense("gate", xf, fl, self.stddev_in, False))
+            h = h * self._dense("up", xf, fl, self.stddev_in, False)
+            out_name = "down"
+        else:
+            h = jax.nn.gelu(self._dense("in", xf, fl, self.stddev_in, self.bias), approximate=True)
+            out_name = "out"
+        d = xf.shape[-1]
+        w_out = hk.get_parameter(f"w_{out_name}", [fl, d], init=_normal(self.stddev_out))
+        b_out = hk.get_parameter(f"b_{out_name}", [d], init=jnp.zeros) if self.bias else None
+        return h @ w_out, b_out
+
+
+class LayerNorm(hk.Module):
+    """LayerNorm with scale and offset, computed in float32 (replicated parameters)."""
+
+    def __init__(self, eps: float, name: str = "ln"):
+        super().__init__(name=name)
+        self.eps = eps
+
+    def __call__(self, x):
+        d = x.shape[-1]
+        x32 = upcast(x)
+        mean = jnp.mean(x32, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), -1, keepdims=True)
+        y = (x32 - mean) * lax.rsqrt(var + self.eps)
+        scale = hk.get_parameter("scale", [d], init=jnp.ones)
+        offset = hk.get_parameter("offset", [d], init=jnp.zeros)
+        return (y * scale + offset).astype(x.dtype)
+
+
+class RMSNorm(hk.Module):
+    """RMSNorm (Llama): x / rms(x) * scale, computed in float32 (replicated parameters)."""
+
+    def __init__(self, eps: float, name: str = "ln"):
+        super().__init__(name=name)
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = upcast(x)
+        y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.eps)
+        scale = hk.get_parameter("scale", [x.shape[-1]], init=jnp.ones)
+        return (scale * y.astype(x.dtype)).astype(x.dtype)
+
+
+def rotary_angles(positions, rot_dim: int, theta: float, dtype):
+    """positions: [B, T] int -> (cos, sin) each [B, T, rot_dim // 2], at least float32."""
+    dtype = jnp.promote_types(dtype, jnp.float32)
+    inv_freq = 1.0 / (theta ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim))
+    ang = positions.astype(dtype)[..., None] * jnp.asarray(inv_freq, dtype)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rotary(x, cos, sin, rot_dim: int, style: str):
+    """Rotate the first ``rot_dim`` dims of each head. x: [B, T, h, E]; cos/sin: [B, T, rot_dim/2].
+
+    style "interleaved" (GPT-J): pairs (x0, x1), (x2, x3), ...; "half" (Llama): pairs (x_i, x_{i+r/2}).
+    """
+    rot, rest = x[..., :rot_dim], x[..., rot_dim:]
+    c, s = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    if style == "interleaved":
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(rot.shape)
+    else:
+        x1, x2 = rot[..., : rot_dim // 2], rot[..., rot_dim // 2 :]
+        out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return jnp.concatenate([out, rest], axis=-1)

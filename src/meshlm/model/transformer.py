@@ -1,0 +1,133 @@
+"""The model: one Haiku forward for every family, run unsharded or inside ``shard_map`` unchanged.
+
+Families (``ModelConfig.family``):
+  ff     the prototype: embedding (+bias), residual feed-forward blocks, vocabulary projection.
+  gptj   LayerNorm; attention and MLP in parallel off one norm, one all-reduce per layer forward.
+  llama  RMSNorm; sequential pre-norm attention then SwiGLU MLP, two all-reduces per layer.
+
+Shapes: tokens [B, T] global ids; hidden x [B, T, D] replicated over the model axis.
+"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax.numpy as jnp
+import numpy as np
+
+from meshlm.errors import ConfigError
+from meshlm.model.attention import Attention
+from meshlm.model.config import ModelConfig
+from meshlm.model.layers import MLP, LayerNorm, RMSNorm, VocabEmbed, VocabHead, vocab_parallel_xent
+from meshlm.parallel.context import Parallel
+
+GPT_STDDEV = 0.02  # GPT-J / Llama initialisation
+
+
+def _ff_layer(cfg: ModelConfig, par: Parallel):
+    s = 1.0 / np.sqrt(cfg.d_model)  # the prototype's hk.Linear default and its output init
+
+    def layer(x, cache=None):
+        partial, b = MLP(cfg.d_ff, par, "gelu", True, s, s, name="mlp")(par.f(x))
+        return x + par.row_out(partial, b), cache
+
+    return layer
+
+
+def _gptj_layer(cfg: ModelConfig, par: Parallel):
+    def layer(x, positions, cache=None):
+        xf = par.f(LayerNorm(cfg.norm_eps, name="ln")(x))  # one f for both branches
+        attn, cache = Attention(cfg, par, GPT_STDDEV)(xf, positions, cache)
+        mlp, b = MLP(cfg.d_ff, par, "gelu", True, GPT_STDDEV, GPT_STDDEV, name="mlp")(xf)
+        return x + par.row_out(attn + mlp, b), cache  # one all-reduce for both branches
+
+    return layer
+
+
+def _llama_layer(cfg: ModelConfig, par: Parallel):
+    def layer(x, positions, cache=None):
+        xf = par.f(RMSNorm(cfg.norm_eps, name="ln")(x))
+        attn, cache = Attention(cfg, par, GPT_STDDEV)(xf, positions, cache)
+        x = x + par.row_out(attn)
+        xf = par.f(RMSNorm(cfg.norm_eps, name="ln2")(x))
+        mlp, _ = MLP(cfg.d_ff, par, "swiglu", False, GPT_STDDEV, GPT_STDDEV, name="mlp")(xf)
+        return x + par.row_out(mlp), cache
+
+    return layer
+
+
+def _stack(cfg: ModelConfig, layer, x, positions, cache):
+    """Apply n_layers copies of ``layer`` with stacked parameters [L, ...] (flat compile time)."""
+    if cfg.family == "ff":
+        body = lambda x, c: layer(x, c)
+    else:
+        body = lambda x, c: layer(x, positions, c)
+    if cfg.remat:
+        body = hk.remat(body)
+    if cache is None:
+        stacked = hk.experimental.layer_stack(cfg.n_layers, name="layers")(lambda x: body(x, None)[0])
+        return stacked(x), None
+    stacked = hk.experimental.layer_stack(cfg.n_layers, with_per_layer_inputs=True, name="layers")
+    return stacked(body)(x, cache)
+
+
+LAYERS = {"ff": _ff_layer, "gptj": _gptj_layer, "llama": _llama_layer}
+
+
+def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=None):
+    """tokens [B, T] -> (per-shard logits [B, T, V/mp], new cache or None)."""
+    if tokens.shape[-1] > cfg.max_seq_len and cfg.family != "ff":
+        raise ConfigError(f"sequence length {tokens.shape[-1]} exceeds max_seq_len={cfg.max_seq_len}")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+    ff = cfg.family == "ff"
+    stddev = 1.0 / np.sqrt(cfg.vocab_size) if ff else GPT_STDDEV
+    embed = VocabEmbed(cfg.vocab_size, cfg.d_model, par, stddev, bias=cfg.embed_bias)
+    x = embed(tokens)  # [B, T, D]
+    x, cache = _stack(cfg, LAYERS[cfg.family](cfg, par), x, positions, cache)
+    if cfg.family == "gptj":
+        x = LayerNorm(cfg.norm_eps, name="final_ln")(x)
+    elif cfg.family == "llama":
+        x = RMSNorm(cfg.norm_eps, name="final_ln")(x)
+    xf = par.f(x)
+    if cfg.tie_embeddings:
+        return embed.local_logits(xf), cache
+    head_stddev = 1.0 / np.sqrt(cfg.d_model) if ff else GPT_STDDEV
+    head = VocabHead(cfg.vocab_size, par, head_stddev, bias=cfg.family in ("ff", "gptj"))
+    return head.local_logits(xf), cache
+
+
+def loss_fn(cfg: ModelConfig, par: Parallel):
+    """A Haiku function: batch {"inputs", "targets": [B, T]} -> mean loss over the global batch."""
+
+    def loss(batch):
+        logits, _ = local_logits(cfg, par, batch["inputs"])
+        per_token = vocab_parallel_xent(par, logits, batch["targets"], cfg.z_loss)  # [B, T]
+        return par.batch_mean(jnp.mean(per_token))
+
+    return loss
+
+
+def logits_fn(cfg: ModelConfig, par: Parallel):
+    """A Haiku function: tokens [B, T] -> full logits [B, T, V] (gathered over the model axis)."""
+
+    def logits(tokens, positions=None):
+        local, _ = local_logits(cfg, par, tokens, positions)
+        return par.gather_last(local)
+
+    return logits
+
+
+def init_fn(cfg: ModelConfig):
+    """(Haiku init of the unsharded model, an example batch for it). Parameter shapes do not depend on
+    the batch, so a tiny one serves for ``eval_shape`` and for sharded initialisation alike."""
+    t = min(cfg.max_seq_len, 8)
+    example = {k: jnp.zeros((1, t), jnp.int32) for k in ("inputs", "targets")}
+    return hk.transform(loss_fn(cfg, Parallel())).init, example
+
+
+def param_shapes(cfg: ModelConfig):
+    """The global parameter shapes (ShapeDtypeStructs) of ``cfg``'s model; nothing is allocated."""
+    import jax
+
+    init, example = init_fn(cfg)
+    return jax.eval_shape(init, jax.random.PRNGKey(0), example)

@@ -1,0 +1,76 @@
+"""Device set-up that must happen before JAX is imported, and mesh construction after.
+
+``force_host_devices`` edits ``XLA_FLAGS``; it only has an effect if JAX's backend has not started yet,
+so the CLI calls it before importing any module that imports jax.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+from meshlm.errors import MeshError
+
+DEFAULT_DEVICES = 4  # the prototype's 4 CPU devices
+_FLAG = "--xla_force_host_platform_device_count"
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """'2x4' -> (dp=2, mp=4)."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text or "")
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise MeshError(f"bad --mesh {text!r}: expected DPxMP with positive integers, e.g. 1x4 or 2x2")
+    return int(m.group(1)), int(m.group(2))
+
+
+def force_host_devices(n: int | None) -> None:
+    """Ask XLA for ``n`` host CPU devices (fake devices for development). Call before importing jax."""
+    if n is None:
+        return
+    if n < 1:
+        raise MeshError(f"--devices must be >= 1, got {n}")
+    if "jax" in sys.modules and _backend_started():
+        return  # too late: the device count is fixed; make_mesh reports a mismatch clearly
+    flags = re.sub(rf"{_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
+    os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={n}".strip()
+
+
+def _backend_started() -> bool:
+    """Whether JAX has created its backends (XLA_FLAGS is read then, not at import)."""
+    from jax._src import xla_bridge
+
+    return bool(getattr(xla_bridge, "_backends", {}))
+
+
+def accelerator_note() -> str | None:
+    """A note for users when --devices is moot because real accelerators are present."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return f"note: --devices ignored: using {jax.device_count()} {jax.default_backend()} device(s)"
+    return None
+
+
+def make_mesh(dp: int, mp: int):
+    """A (dp, mp) mesh over the first dp*mp devices (all processes' devices, process-major).
+
+    Axis types are Auto: our own code is explicit through ``shard_map``; Auto lets plain ``jit`` code
+    outside it (the optimizer update, the GSPMD baseline) be partitioned by XLA from shardings.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    from meshlm.parallel.axes import MESH_AXES
+
+    n = dp * mp
+    devices = jax.devices()
+    if n > len(devices):
+        raise MeshError(
+            f"mesh {dp}x{mp} needs {n} devices but only {len(devices)} exist; "
+            f"pass --devices {n} (CPU) or choose a smaller mesh"
+        )
+    kind = AxisType.Auto
+    grid = np.array(devices[:n]).reshape(dp, mp)
+    return Mesh(grid, MESH_AXES, axis_types=(kind, kind))

@@ -1,0 +1,132 @@
+"""Parameter sharding: one ordered table from parameter path to PartitionSpec, first match wins.
+
+Specs are written for a parameter's own dimensions; parameters stacked by ``layer_stack`` (paths
+starting with ``layers/``) get a leading replicated layer dimension. A parameter no rule matches, or
+a sharded dimension the mesh does not divide, is an error naming both: nothing is quietly replicated.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshlm.errors import ShardingError
+from meshlm.parallel.axes import DP, MP
+
+KV = "kv_heads"  # placeholder: MP when mp divides the KV heads, replicated when they are repeated
+
+# (regex on "module/param", spec of the parameter's own dims). Global shapes in the comments.
+RULES: tuple[tuple[str, tuple], ...] = (
+    (r"^embed/embeddings$", (MP, None)),  # [V, D]: contiguous vocab slices
+    (r"^embed/b$", (None,)),  # [D]: added once after the all-reduce
+    (r"^head/w$", (None, MP)),  # [D, V]
+    (r"^head/b$", (MP,)),  # [V]
+    (r"/attn/wq$", (None, MP, None)),  # [D, H, E]: by heads
+    (r"/attn/w[kv]$", (None, KV, None)),  # [D, K, E]: by KV heads, or replicated when mp > K
+    (r"/attn/wo$", (MP, None, None)),  # [H, E, D]: row-parallel
+    (r"/mlp/w_(in|gate|up)$", (None, MP)),  # [D, F]: column-parallel
+    (r"/mlp/b_in$", (MP,)),  # [F]
+    (r"/mlp/w_(out|down)$", (MP, None)),  # [F, D]: row-parallel
+    (r"/mlp/b_out$", (None,)),  # [D]: added once after the all-reduce
+    (r"(^|/)(ln|ln2|final_ln)/(scale|offset)$", (None,)),  # [D]: norms are replicated
+)
+
+STACKED_PREFIX = "layers/"
+BATCH_SPEC = P(DP, None)  # inputs / targets [B, T]: rows split over data-parallel shards
+
+
+def param_path(module: str, name: str) -> str:
+    return f"{module}/{name}".replace("/~/", "/")
+
+
+def spec_for(path: str, shape: Sequence[int], mp: int, rules=RULES, kv_axis=MP) -> P:
+    """The PartitionSpec of one parameter, checking that the mesh divides every sharded dim."""
+    matched = [dims for pattern, dims in rules if re.search(pattern, path)]
+    if not matched:
+        raise ShardingError(
+            f"no sharding rule matches parameter {path!r} {tuple(shape)}; "
+            f"add a (regex, spec) row to the rules table"
+        )
+    dims = tuple(kv_axis if d == KV else d for d in matched[0])  # first match wins
+    if path.startswith(STACKED_PREFIX):
+        dims = (None, *dims)
+    if len(dims) != len(shape):
+        raise ShardingError(
+            f"rule for {path!r} has {len(dims)} dims but the parameter has shape {tuple(shape)}"
+        )
+    for i, (axis, size) in enumerate(zip(dims, shape, strict=True)):
+        if axis == MP and size % mp:
+            raise ShardingError(
+                f"parameter {path!r} dimension {i} (size {size}) is not divisible by "
+                f"mp={mp}; choose an mp that divides {size}"
+            )
+    return P(*dims)
+
+
+def param_specs(params, mp: int, rules=RULES, kv_axis=MP):
+    """Map a Haiku params dict (arrays or ShapeDtypeStructs) to a dict of PartitionSpecs."""
+    return {
+        mod: {
+            name: spec_for(param_path(mod, name), p.shape, mp, rules, kv_axis) for name, p in leaves.items()
+        }
+        for mod, leaves in params.items()
+    }
+
+
+def model_specs(cfg, abstract_params, mp: int):
+    """Specs for a meshlm model, resolving the KV placeholder for its config."""
+    from meshlm.model.attention import kv_replicated
+
+    kv_axis = MP
+    if cfg.family != "ff":
+        if cfg.n_heads % mp:
+            raise ShardingError(
+                f"n_heads={cfg.n_heads} is not divisible by mp={mp}: the mesh cannot "
+                f"split the attention heads; choose an mp that divides {cfg.n_heads}"
+            )
+        kv_axis = None if kv_replicated(cfg.kv_heads, mp) else MP
+    return param_specs(abstract_params, mp, RULES, kv_axis)
+
+
+def shardings(specs, mesh):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def init_sharded(init_fn, rng, *example_args, specs_fn, mesh, dtype=None):
+    """Create parameters already sharded: eval_shape -> specs -> jit(init, out_shardings=...).
+
+    ``init_fn`` is a Haiku ``transform(...).init``; ``specs_fn(abstract_params) -> specs``. The values
+    do not depend on the mesh (JAX's partitionable threefry), so any mesh gives the one-device bits.
+    """
+    abstract = jax.eval_shape(init_fn, rng, *example_args)
+    specs = specs_fn(abstract)
+
+    def init(rng, *args):
+        params = init_fn(rng, *args)
+        return params if dtype is None else jax.tree.map(lambda p: p.astype(dtype), params)
+
+    params = jax.jit(init, out_shardings=shardings(specs, mesh))(rng, *example_args)
+    return params, specs
+
+
+def param_count(params) -> int:
+    return sum(int(jnp.size(p)) for p in jax.tree.leaves(params))
+
+
+def flat_params(params) -> dict[str, object]:
+    """{"module/param": leaf} in Haiku's sorted order (for tables and conversion)."""
+    return {param_path(m, n): v for m, leaves in sorted(params.items()) for n, v in sorted(leaves.items())}
+
+
+def unflatten(flat: dict[str, object]) -> hk.Params:
+    out: dict[str, dict] = {}
+    for path, v in flat.items():
+        mod, name = path.rsplit("/", 1)
+        out.setdefault(mod, {})[name] = v
+    return out

@@ -1,0 +1,73 @@
+"""Running one Haiku loss two ways: sharded with ``jax.shard_map`` and as the unsharded reference.
+
+``build_loss(par)`` returns a Haiku function ``loss(batch) -> scalar`` written with meshlm layers;
+the *same* builder gives the reference (``Parallel()``: plain arrays, one device) and the sharded
+version (inside ``shard_map`` over the (DP, MP) mesh, ``check_vma=True``).
+
+Gradients in the sharded version come out of JAX's transposes alone: the data-parallel sum is the
+transpose of the implicit replicated-to-per-shard cast of parameters, the Megatron collectives are
+``pcast``/``psum`` (see ``parallel``). No hand-written gradient communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import haiku as hk
+import jax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.context import Parallel
+from meshlm.parallel.rules import BATCH_SPEC
+
+LossBuilder = Callable[[Parallel], Callable]
+
+
+def mesh_parallel(mesh, par_cls: type[Parallel] = Parallel) -> Parallel:
+    return par_cls(mp=mesh.shape[MP], dp=mesh.shape[DP], sharded=True)
+
+
+def with_compute_dtype(apply, dtype):
+    """Run ``apply`` on parameters cast to ``dtype`` (e.g. bf16) while gradients stay in the master
+    (float32) dtype: the cast is differentiable."""
+    if dtype is None:
+        return apply
+    return lambda params, batch: apply(jax.tree.map(lambda p: p.astype(dtype), params), batch)
+
+
+def reference_value_and_grad(build_loss: LossBuilder, compute_dtype=None):
+    """fn(params, batch) -> (loss, grads) of the unsharded model (run it under jit on one device)."""
+    apply = hk.without_apply_rng(hk.transform(build_loss(Parallel()))).apply
+    return jax.value_and_grad(with_compute_dtype(apply, compute_dtype))
+
+
+def _dp_varying(apply):
+    """Cast every parameter to DP-varying once, at entry. Left implicit, JAX casts each weight where
+    it meets the (DP-varying) batch -- inside the layer loop -- so the forward saves a stacked copy of
+    every layer's weights and the backward all-reduces the DP gradient once per layer. The transpose of
+    this one cast is the single data-parallel gradient all-reduce."""
+
+    def wrapped(params, batch):
+        return apply(jax.tree.map(lambda p: lax.pcast(p, DP, to="varying"), params), batch)
+
+    return wrapped
+
+
+def sharded_value_and_grad(build_loss: LossBuilder, mesh, specs, par_cls=Parallel, compute_dtype=None):
+    """fn(params, batch) -> (loss, grads) on the mesh: params laid out by ``specs``, batch rows over DP.
+
+    Inputs: global arrays. Outputs: the loss (replicated) and gradients in the parameters' layout.
+    """
+    apply = hk.without_apply_rng(hk.transform(build_loss(mesh_parallel(mesh, par_cls)))).apply
+    body = jax.value_and_grad(_dp_varying(with_compute_dtype(apply, compute_dtype)))
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, BATCH_SPEC), out_specs=(P(), specs))
+
+
+def sharded_loss(build_loss: LossBuilder, mesh, specs, compute_dtype=None):
+    """fn(params, batch) -> loss on the mesh (evaluation: no gradients)."""
+    apply = hk.without_apply_rng(hk.transform(build_loss(mesh_parallel(mesh)))).apply
+    return jax.shard_map(
+        with_compute_dtype(apply, compute_dtype), mesh=mesh, in_specs=(specs, BATCH_SPEC), out_specs=P()
+    )

@@ -1,0 +1,31 @@
+"""Per-device memory of a model on a mesh, from shapes alone (``jax.eval_shape``: nothing allocated),
+so that real-size presets (gptj-6b, llama2-7b) can be planned on a laptop."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from meshlm.model.config import ModelConfig
+
+
+def memory_report(cfg: ModelConfig, mesh, param_dtype=np.float32) -> dict:
+    """Bytes of parameters and AdamW state (2 moments), total and on one device, by sharding rules."""
+    from meshlm.io.model_io import abstract_params
+
+    params = abstract_params(cfg, mesh, param_dtype)
+    leaves = jax.tree.leaves(params)
+    total = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in leaves)
+    per_device = sum(int(np.prod(p.sharding.shard_shape(p.shape))) * p.dtype.itemsize for p in leaves)
+    replicated = sum(
+        int(np.prod(p.shape)) * p.dtype.itemsize for p in leaves if p.sharding.is_fully_replicated
+    )
+    mp = mesh.shape["mp"]
+    return {
+        "params": sum(int(np.prod(p.shape)) for p in leaves),
+        "param_bytes_total": total,
+        "param_bytes_per_device": per_device,
+        "param_bytes_ideal_per_device": (total - replicated) / mp + replicated,
+        "adam_state_bytes_per_device": 2 * per_device,
+        "train_state_bytes_per_device": 3 * per_device,
+    }

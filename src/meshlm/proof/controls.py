@@ -1,0 +1,119 @@
+"""Negative controls: planted faults the proof must detect (a control that passes is a failure).
+
+Each control changes exactly one thing in the *sharded* run: a ``Parallel`` subclass overriding one
+method, a config change, or a training-step fault. Layers are unchanged. A control only runs where
+its fault can change the result (e.g. collective faults need mp > 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from meshlm.model.attention import kv_replicated
+from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.context import Parallel
+
+
+class DroppedAllReduce(Parallel):
+    """The row-parallel all-reduce keeps one shard's partial sum, dropping the others."""
+
+    def row_out(self, partial, bias=None):
+        mine = jnp.where(self.shard_index() == 0, partial, jnp.zeros_like(partial))
+        out = self.g(mine)
+        return out if bias is None else out + bias
+
+
+class BiasCountedMpTimes(Parallel):
+    """The prototype's bug: every shard adds the row-parallel bias before the all-reduce."""
+
+    def row_out(self, partial, bias=None):
+        return self.g(partial if bias is None else partial + bias)
+
+
+class WrongVocabSlice(Parallel):
+    """Each shard reads the vocabulary slice of its neighbour."""
+
+    def vocab_start(self, vocab_per_shard: int):
+        return ((self.shard_index() + 1) % self.mp) * vocab_per_shard
+
+
+class MissingDpMean(Parallel):
+    """The loss is summed over data-parallel shards instead of averaged."""
+
+    def batch_mean(self, x):
+        return lax.psum(x, DP)
+
+
+class OtherShardsHeads(Parallel):
+    """Each shard computes its queries with the next shard's query-head weights."""
+
+    def own_heads(self, w):
+        return lax.ppermute(w, MP, [(i, (i + 1) % self.mp) for i in range(self.mp)])
+
+
+class KvNotReplicated(Parallel):
+    """With mp > K, a shard takes KV head (shard % K) instead of the one its query group needs."""
+
+    def kv_head_index(self, n_heads: int, n_kv_heads: int):
+        return self.shard_index() % n_kv_heads
+
+
+def per_shard_clip(mesh, specs, max_norm: float):
+    """Clipping by the norm of one shard's local gradient slices instead of the full gradient."""
+    from jax.sharding import PartitionSpec as P
+
+    def local(grads):
+        sq = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
+        sq = lax.psum(jnp.where(lax.axis_index(MP) == 0, sq, 0.0), MP)  # shard 0's view
+        norm = jnp.sqrt(sq)
+        scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda g: g * scale, grads), norm
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=(specs, P()))
+
+
+@dataclass(frozen=True)
+class Control:
+    name: str  # shown in verify's output
+    applies: Callable  # (cfg or None, dp, mp, has_row_bias) -> bool
+    par_cls: type[Parallel] = Parallel  # the sharded run's parallel context
+    cfg_change: Callable | None = None  # cfg -> cfg for the sharded run
+    per_shard_clip: bool = False  # clip by a per-shard gradient norm (training step)
+
+
+def _swap_rotary(cfg):
+    own = cfg.rotary_style or {"gptj": "interleaved", "llama": "half"}[cfg.family]
+    return cfg.replace(rotary_style="half" if own == "interleaved" else "interleaved")
+
+
+def _attn(cfg) -> bool:
+    return cfg is not None and cfg.family != "ff"
+
+
+CONTROLS: tuple[Control, ...] = (
+    Control("dropped all-reduce", lambda c, dp, mp, rb: mp > 1, DroppedAllReduce),
+    Control(
+        "row-parallel bias counted mp times",
+        lambda c, dp, mp, rb: mp > 1 and rb,
+        BiasCountedMpTimes,
+    ),
+    Control("shard reads wrong vocab slice", lambda c, dp, mp, rb: mp > 1, WrongVocabSlice),
+    Control("missing data-parallel mean", lambda c, dp, mp, rb: dp > 1, MissingDpMean),
+    Control(
+        "shard uses another shard's heads",
+        lambda c, dp, mp, rb: mp > 1 and _attn(c),
+        OtherShardsHeads,
+    ),
+    Control("wrong rotary convention", lambda c, dp, mp, rb: _attn(c), cfg_change=_swap_rotary),
+    Control(
+        "KV heads not replicated per query group",
+        lambda c, dp, mp, rb: _attn(c) and c.kv_heads > 1 and kv_replicated(c.kv_heads, mp),
+        KvNotReplicated,
+    ),
+    Control("per-shard gradient-norm clipping", lambda c, dp, mp, rb: mp > 1, per_shard_clip=True),
+)

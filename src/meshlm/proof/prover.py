@@ -1,0 +1,367 @@
+"""The proof: a sharded computation equals the unsharded one, parameter by parameter.
+
+``verify`` runs one Haiku loss (written with meshlm layers) twice on the same inputs and initial
+parameters: sharded with ``shard_map`` on a (DP, MP) mesh, and unsharded under ``jit`` on one device.
+It compares the loss and every parameter's gradient, and with ``steps=K`` every parameter and
+optimizer-state leaf after each of K training steps. Then it runs planted faults (``controls``) and
+requires each one to be detected, so a passing proof is known to be able to fail.
+
+Error measure per leaf: max_abs_err = max|s - r|; max_rel_err = max|s - r| / max|r| (normwise).
+A leaf passes when max_abs_err <= atol + rtol * max|r|.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from meshlm.data.tokens import check_batch
+from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.context import Parallel
+from meshlm.parallel.rules import BATCH_SPEC, flat_params
+from meshlm.parallel.spmd import reference_value_and_grad, sharded_value_and_grad
+from meshlm.proof.controls import CONTROLS, Control, per_shard_clip
+from meshlm.train.optim import OptimConfig, adamw, clip_by_global_norm, make_step
+
+# (rtol, atol), normwise. float32: summation order differs between layouts and Adam's division by
+# sqrt(v) amplifies rounding in near-zero gradients over steps; float64 shows the result is exact.
+TOLERANCE = {"float32": (2e-4, 1e-6), "float64": (1e-12, 1e-15)}
+
+
+@dataclass
+class LeafResult:
+    path: str
+    shape: tuple
+    spec: str
+    max_abs_err: float = 0.0
+    max_rel_err: float = 0.0
+    ok: bool = True
+
+    def update(self, s, r, rtol, atol):
+        s, r = np.asarray(s, np.float64), np.asarray(r, np.float64)
+        err = float(np.max(np.abs(s - r))) if r.size else 0.0
+        scale = float(np.max(np.abs(r))) if r.size else 0.0
+        rel = err / scale if scale else (0.0 if err == 0 else float("inf"))
+        self.max_abs_err = max(self.max_abs_err, err)
+        self.max_rel_err = max(self.max_rel_err, rel)
+        self.ok = self.ok and bool(np.isfinite(err)) and err <= atol + rtol * scale
+
+
+@dataclass
+class Report:
+    config: str
+    dp: int
+    mp: int
+    steps: int
+    dtype: str
+    rtol: float
+    atol: float
+    loss_sharded: float = 0.0
+    loss_reference: float = 0.0
+    loss_ok: bool = True
+    params: list[LeafResult] = field(default_factory=list)
+    controls: list[dict] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.loss_ok and all(p.ok for p in self.params) and all(c["detected"] for c in self.controls)
+
+    def to_json(self) -> dict:
+        return {
+            "ok": self.ok,
+            "config": self.config,
+            "mesh": {"dp": self.dp, "mp": self.mp},
+            "steps": self.steps,
+            "dtype": self.dtype,
+            "tolerance": {"rtol": self.rtol, "atol": self.atol},
+            "loss": {"sharded": self.loss_sharded, "reference": self.loss_reference},
+            "params": [
+                {
+                    "path": p.path,
+                    "shape": list(p.shape),
+                    "spec": p.spec,
+                    "max_abs_err": p.max_abs_err,
+                    "max_rel_err": p.max_rel_err,
+                    "ok": p.ok,
+                }
+                for p in self.params
+            ],
+            "controls": self.controls,
+            **self.extra,
+        }
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What to prove: a loss builder, its parameters' specs, inputs and (optionally) a config."""
+
+    build_loss: Callable[[Parallel], Callable]  # par -> Haiku fn(batch) -> scalar loss
+    specs_fn: Callable  # abstract params -> PartitionSpec tree (from a rules table)
+    batch: dict  # {"inputs", "targets"}: global [B, T] host arrays
+    name: str = "model"
+    cfg: object = None  # a ModelConfig enables the config-level controls
+    rebuild: Callable | None = None  # cfg -> build_loss, for config-level controls
+    has_row_bias: bool = True  # whether row-parallel biases exist (for that control)
+    load_params: Callable | None = None  # mesh -> params to prove with, instead of a fresh init
+
+
+def _host(x) -> np.ndarray:
+    """A global array's full value on this host (gathered from all processes when multi-process)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def param_bytes_per_device(params) -> int:
+    """Bytes of parameters one device holds (its shard of each leaf)."""
+    return sum(
+        int(np.prod(p.sharding.shard_shape(p.shape))) * p.dtype.itemsize for p in jax.tree.leaves(params)
+    )
+
+
+def _leaf_label(keypath) -> str:
+    keys = [k.key for k in keypath if isinstance(k, jax.tree_util.DictKey)]
+    if len(keys) >= 2:
+        return f"{keys[-2]}/{keys[-1]}".replace("/~/", "/")
+    return "opt_state" + jax.tree_util.keystr(keypath)  # e.g. the step counters
+
+
+def _compare_into(results: dict, sharded, reference, rtol, atol) -> None:
+    """Fold the leaf-wise errors of two same-structure trees into ``results`` (by parameter path)."""
+    s_leaves = jax.tree_util.tree_flatten_with_path(sharded)[0]
+    r_leaves = jax.tree.leaves(reference)
+    for (kp, s), r in zip(s_leaves, r_leaves, strict=True):
+        label = _leaf_label(kp)
+        if label not in results:
+            results[label] = LeafResult(label, tuple(np.shape(r)), "P()")
+        results[label].update(_host(s), _host(r), rtol, atol)
+
+
+def _random_batch(vocab: int, shape: tuple[int, ...], seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {k: rng.integers(0, vocab, size=shape, dtype=np.int32) for k in ("inputs", "targets")}
+
+
+def _put(batch, mesh, accum: bool):
+    """Host batch -> global arrays (each process supplies the rows of its own devices)."""
+    spec = BATCH_SPEC if not accum else jax.sharding.PartitionSpec(None, *BATCH_SPEC)
+    sharding = NamedSharding(mesh, spec)
+    return {k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i]) for k, v in batch.items()}
+
+
+class _Runs:
+    """The reference and sharded runs of one Problem on one mesh, sharing inputs and parameters."""
+
+    def __init__(self, problem: Problem, mesh, dtype, seed: int):
+        from meshlm.parallel.rules import init_sharded
+
+        self.problem, self.mesh = problem, mesh
+        self.device = jax.local_devices()[0]  # the reference runs on one device of this process
+        init = hk.transform(problem.build_loss(Parallel())).init
+        example = jax.tree.map(jnp.asarray, problem.batch)
+        self.params, self.specs = init_sharded(
+            init,
+            jax.random.PRNGKey(seed),
+            example,
+            specs_fn=problem.specs_fn,
+            mesh=mesh,
+            dtype=dtype,
+        )
+        if problem.load_params is not None:  # e.g. a checkpoint: same specs, loaded onto this mesh
+            self.params = jax.tree.map(lambda p: p.astype(dtype), problem.load_params(mesh))
+        self.ref_params = jax.device_put(jax.tree.map(_host, self.params), self.device)
+
+    def grads(self, build_loss, par_cls=Parallel):
+        fn = sharded_value_and_grad(build_loss, self.mesh, self.specs, par_cls)
+        return jax.jit(fn)(self.params, _put(self.problem.batch, self.mesh, False))
+
+    def reference_grads(self):
+        """The unsharded loss and gradients (computed once: every control compares against them)."""
+        if not hasattr(self, "_ref_grads"):
+            fn = jax.jit(reference_value_and_grad(self.problem.build_loss))
+            self._ref_grads = fn(self.ref_params, jax.device_put(self.problem.batch, self.device))
+        return self._ref_grads
+
+    def reference_train(self, ocfg: OptimConfig, batches) -> list:
+        """The unsharded (params, opt_state, metrics) after each step, computed once per config."""
+        key = (ocfg, len(batches))
+        cache = self.__dict__.setdefault("_ref_train", {})
+        if key not in cache:
+            opt = adamw(ocfg, self.params)
+            step = jax.jit(make_step(reference_value_and_grad(self.problem.build_loss), opt, ocfg))
+            state, out = (self.ref_params, jax.jit(opt.init)(self.ref_params)), []
+            for b in batches:
+                *state, metrics = step(*state, jax.device_put(b, self.device))
+                out.append((*state, metrics))
+            cache[key] = out
+        return cache[key]
+
+    def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False):
+        """Yield ((params, opt_state, metrics) sharded, the same unsharded) after each step."""
+        opt = adamw(ocfg, self.params)
+        grad = sharded_value_and_grad(self.problem.build_loss, self.mesh, self.specs)
+        clip = per_shard_clip(self.mesh, self.specs, ocfg.clip_norm) if clip_fault else None
+        step = jax.jit(make_step(grad, opt, ocfg, clip))
+        state = (self.params, jax.jit(opt.init)(self.params))
+        accum = ocfg.accum_steps > 1
+        for b, ref in zip(batches, self.reference_train(ocfg, batches), strict=True):
+            *state, metrics = step(*state, _put(b, self.mesh, accum))
+            yield (*state, metrics), ref
+
+
+def _step_batches(problem: Problem, steps: int, accum: int, seed: int) -> list[dict]:
+    b, t = problem.batch["inputs"].shape
+    vocab = int(problem.batch["inputs"].max()) + 1 if problem.cfg is None else problem.cfg.vocab_size
+    shape = (accum, b, t) if accum > 1 else (b, t)
+    return [_random_batch(vocab, shape, seed + 1000 + k) for k in range(steps)]
+
+
+def default_optim(steps: int, ref_grad_norm: float) -> OptimConfig:
+    """The proof's optimizer: warm-up and decay inside K steps, 2 micro-batches, weight decay, and a
+    clip at a tenth of the initial gradient norm, so that clipping (and its norm) is exercised on every step
+    (an inactive clip would hide a wrong norm; batches of the steps can have smaller norms than the first)."""
+    return OptimConfig(
+        lr=1e-2,
+        warmup_steps=1,
+        total_steps=max(steps, 2),
+        weight_decay=0.1,
+        clip_norm=0.1 * ref_grad_norm,
+        accum_steps=2,
+    )
+
+
+def verify(
+    problem: Problem,
+    mesh,
+    *,
+    steps: int = 0,
+    dtype=jnp.float32,
+    seed: int = 0,
+    ocfg: OptimConfig | None = None,
+    controls: tuple[Control, ...] = CONTROLS,
+) -> Report:
+    """Prove ``problem`` sharded on ``mesh`` equals it unsharded; see the module docstring."""
+    dname = jnp.dtype(dtype).name
+    rtol, atol = TOLERANCE[dname]
+    if problem.cfg is not None:
+        check_batch(problem.batch, problem.cfg.vocab_size)
+    report = Report(problem.name, mesh.shape[DP], mesh.shape[MP], steps, dname, rtol, atol)
+    runs = _Runs(problem, mesh, dtype, seed)
+    (ls, gs), (lr, gr) = runs.grads(problem.build_loss), runs.reference_grads()
+    report.loss_sharded, report.loss_reference = float(_host(ls)), float(_host(lr))
+    loss_check = LeafResult("loss", (), "P()")
+    loss_check.update(ls, lr, rtol, atol)
+    report.loss_ok = loss_check.ok
+    results: dict[str, LeafResult] = {}
+    _compare_into(results, gs, gr, rtol, atol)
+    if steps:
+        ocfg = ocfg or default_optim(steps, float(clip_by_global_norm(gr, 0)[1]))
+        batches = _step_batches(problem, steps, ocfg.accum_steps, seed)
+        for (ps, ss, ms), (pr, sr, mr) in runs.train(ocfg, batches):
+            _compare_into(results, (ps, ss), (pr, sr), rtol, atol)
+            loss_check.update(_host(ms["loss"]), _host(mr["loss"]), rtol, atol)
+        report.loss_ok = loss_check.ok
+    _fill_specs(results, runs.specs)
+    report.params = list(results.values())
+    report.extra["param_bytes_per_device"] = param_bytes_per_device(runs.params)
+    report.extra["param_bytes_total"] = sum(
+        int(p.size) * p.dtype.itemsize for p in jax.tree.leaves(runs.params)
+    )
+    report.controls = [
+        _run_control(c, runs, ocfg, rtol, atol)
+        for c in controls
+        if c.applies(problem.cfg, report.dp, report.mp, problem.has_row_bias)
+    ]
+    return report
+
+
+def _fill_specs(results: dict[str, LeafResult], specs) -> None:
+    for path, spec in flat_params(specs).items():
+        if path in results:
+            results[path].spec = str(spec)
+
+
+def _run_control(control: Control, runs: _Runs, ocfg, rtol, atol) -> dict:
+    """Run one planted fault sharded; detected when anything differs from the reference (or when
+    JAX's varying-axis type check rejects the program outright)."""
+    problem = runs.problem
+    build = problem.build_loss
+    if control.cfg_change is not None:
+        build = problem.rebuild(control.cfg_change(problem.cfg))
+    results: dict[str, LeafResult] = {}
+    try:
+        if control.per_shard_clip:
+            (_, gr) = runs.reference_grads()
+            ocfg = ocfg or default_optim(1, float(clip_by_global_norm(gr, 0)[1]))
+            batches = _step_batches(problem, 1, ocfg.accum_steps, 0)
+            for (ps, ss, _), (pr, sr, _) in runs.train(ocfg, batches, clip_fault=True):
+                _compare_into(results, (ps, ss), (pr, sr), rtol, atol)
+        else:
+            (ls, gs), (lr, gr) = runs.grads(build, control.par_cls), runs.reference_grads()
+            _compare_into(results, {"loss": {"value": ls}, **gs}, {"loss": {"value": lr}, **gr}, rtol, atol)
+    except Exception as e:  # noqa: BLE001 - a rejected faulty program counts as detected
+        return {
+            "name": control.name,
+            "detected": True,
+            "how": f"rejected: {str(e).splitlines()[0]}",
+        }
+    bad = [r.path for r in results.values() if not r.ok]
+    how = f"{len(bad)} leaves differ, e.g. {bad[0]}" if bad else "no difference"
+    return {"name": control.name, "detected": bool(bad), "how": how}
+
+
+def model_problem(cfg, name: str, mp: int, batch_size: int, seq_len: int, seed: int = 0) -> Problem:
+    """A Problem for a meshlm model config: random token inputs and targets (global [B, T])."""
+    from meshlm.model.transformer import loss_fn
+    from meshlm.parallel.rules import model_specs
+
+    rebuild = lambda c: lambda par: loss_fn(c, par)
+    return Problem(
+        build_loss=rebuild(cfg),
+        specs_fn=lambda abstract: model_specs(cfg, abstract, mp),
+        batch=_random_batch(cfg.vocab_size, (batch_size, seq_len), seed),
+        name=name,
+        cfg=cfg,
+        rebuild=rebuild,
+        has_row_bias=cfg.family in ("ff", "gptj") or cfg.embed_bias,
+    )
+
+
+def format_report(r: Report) -> str:
+    """The human-readable proof: one row per parameter, then the loss, the controls and a verdict."""
+    rows = [
+        f"meshlm verify: config={r.config} mesh={r.dp}x{r.mp} dtype={r.dtype} steps={r.steps} "
+        f"tolerance: max|s-r| <= {r.atol:g} + {r.rtol:g}*max|r| (normwise)",
+        "",
+    ]
+    head = f"{'parameter':<28} {'global shape':<18} {'spec':<28} {'max abs err':>11} {'max rel err':>11}  ok"
+    rows += [head, "-" * len(head)]
+    for p in r.params:
+        rows.append(
+            f"{p.path:<28} {str(tuple(p.shape)):<18} {p.spec:<28} {p.max_abs_err:>11.3e} "
+            f"{p.max_rel_err:>11.3e}  {'PASS' if p.ok else 'FAIL'}"
+        )
+    worst = max((p.max_rel_err for p in r.params), default=0.0)
+    rows += [
+        "",
+        f"loss: sharded {r.loss_sharded:.10g}  reference {r.loss_reference:.10g}  "
+        f"{'PASS' if r.loss_ok else 'FAIL'}",
+        f"worst relative error: {worst:.3e}",
+        "",
+    ]
+    if not r.controls:
+        rows.append("controls: none apply on this mesh (collective faults need mp > 1, dp faults dp > 1)")
+    for c in r.controls:
+        verdict = "detected" if c["detected"] else "NOT DETECTED (verifier failure)"
+        rows.append(f"control {c['name']:<42} {verdict}  ({c['how']})")
+    rows += ["", "OK: sharded == unsharded" if r.ok else "FAILED"]
+    return "\n".join(rows)

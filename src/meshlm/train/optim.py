@@ -1,0 +1,103 @@
+"""Optimizer and the training step, shared by the sharded run and the unsharded reference.
+
+The step is ``grads -> clip by global norm -> AdamW``. Clipping runs on global ``jax.Array``s
+under ``jit``, so the norm is of the *full* gradient whatever the sharding (XLA inserts the
+reduction); a per-shard norm is the classic silent bug, planted as a control in ``meshlm verify``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from meshlm.parallel.rules import flat_params, unflatten
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-3  # peak learning rate
+    warmup_steps: int = 50  # linear warm-up from 0 to lr
+    total_steps: int = 1000  # cosine decay ends here
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    weight_decay: float = 0.1  # decoupled (AdamW); never on norms, biases or embeddings
+    b1: float = 0.9  # Adam beta1
+    b2: float = 0.95  # Adam beta2
+    eps: float = 1e-8  # Adam epsilon
+    clip_norm: float = 1.0  # global gradient-norm clip (0 disables)
+    accum_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
+
+
+def schedule(ocfg: OptimConfig):
+    warmup = min(ocfg.warmup_steps, max(ocfg.total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        0.0,
+        ocfg.lr,
+        warmup,
+        max(ocfg.total_steps, warmup + 1),
+        end_value=ocfg.lr * ocfg.min_lr_ratio,
+    )
+
+
+def decay_mask(params):
+    """True where weight decay applies: weight matrices, not norms, biases or embeddings."""
+    flat = flat_params(params)
+    return unflatten(
+        {path: path.rsplit("/", 1)[1].startswith("w") and not path.startswith("embed/") for path in flat}
+    )
+
+
+def adamw(ocfg: OptimConfig, params) -> optax.GradientTransformation:
+    return optax.adamw(
+        schedule(ocfg),
+        b1=ocfg.b1,
+        b2=ocfg.b2,
+        eps=ocfg.eps,
+        weight_decay=ocfg.weight_decay,
+        mask=decay_mask(params),
+    )
+
+
+def clip_by_global_norm(grads, max_norm: float):
+    """Scale ``grads`` so their global L2 norm is at most ``max_norm`` (optax's formula)."""
+    norm = optax.tree.norm(grads)
+    if not max_norm:
+        return grads, norm
+    scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), norm
+
+
+def accumulate(grad_fn, params, batch, accum_steps: int):
+    """Mean loss and gradient over ``accum_steps`` micro-batches (batch leaves [A, B, T])."""
+    if accum_steps == 1:
+        return grad_fn(params, batch)
+
+    def body(carry, micro):
+        loss, grads = grad_fn(params, micro)
+        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    dtype = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+    zero = (jnp.zeros((), dtype), jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(body, zero, batch)
+    return jax.tree.map(lambda x: x / accum_steps, (loss, grads))
+
+
+def make_step(grad_fn, optimizer: optax.GradientTransformation, ocfg: OptimConfig, clip_fn=None):
+    """(params, opt_state, batch) -> (params, opt_state, metrics); jit it with donated buffers."""
+    clip_fn = clip_fn or (lambda g: clip_by_global_norm(g, ocfg.clip_norm))
+
+    def step(params, opt_state, batch):
+        loss, grads = accumulate(grad_fn, params, batch, ocfg.accum_steps)
+        grads, grad_norm = clip_fn(grads)
+        updates, new_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # A non-finite loss or gradient leaves the state untouched, so the caller can stop and save
+        # the last good state (the inputs are donated: without this they would be gone).
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jnp.where(finite, new, old)
+        params, opt_state = jax.tree.map(keep, (new_params, new_state), (params, opt_state))
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
+
+    return step

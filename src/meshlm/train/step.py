@@ -1,0 +1,90 @@
+"""The jitted training step of a meshlm model on a mesh, and of the same model unsharded.
+
+Both use ``optim.make_step`` (accumulate -> clip by global norm -> AdamW); only the gradient
+function differs. Parameters and optimizer state are donated: the step updates them in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshlm.model.config import ModelConfig
+from meshlm.model.transformer import loss_fn
+from meshlm.parallel.axes import DP
+from meshlm.parallel.rules import BATCH_SPEC, model_specs, shardings
+from meshlm.parallel.spmd import reference_value_and_grad, sharded_value_and_grad
+from meshlm.train.optim import OptimConfig, adamw, make_step
+
+COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
+
+
+def batch_sharding(mesh, accum_steps: int) -> NamedSharding:
+    """Host batches are [B, T], or [A, B, T] with gradient accumulation; rows split over DP."""
+    return NamedSharding(mesh, BATCH_SPEC if accum_steps == 1 else P(None, DP, None))
+
+
+def init_model(cfg: ModelConfig, mesh, seed: int, dtype=None):
+    """Parameters created already sharded on ``mesh``: returns (params, specs)."""
+    from meshlm.model.transformer import init_fn
+    from meshlm.parallel.rules import init_sharded
+
+    init, example = init_fn(cfg)
+    mp = mesh.shape["mp"]
+    return init_sharded(
+        init,
+        jax.random.PRNGKey(seed),
+        example,
+        specs_fn=lambda a: model_specs(cfg, a, mp),
+        mesh=mesh,
+        dtype=dtype,
+    )
+
+
+def sharded_step(cfg: ModelConfig, ocfg: OptimConfig, mesh, specs, params, compute_dtype=None):
+    """(step_fn, optimizer): step_fn(params, opt_state, batch) -> (params, opt_state, metrics)."""
+    opt = adamw(ocfg, params)
+    grad = sharded_value_and_grad(lambda par: loss_fn(cfg, par), mesh, specs, compute_dtype=compute_dtype)
+    return jax.jit(make_step(grad, opt, ocfg), donate_argnums=(0, 1)), opt
+
+
+def reference_step(cfg: ModelConfig, ocfg: OptimConfig, params, compute_dtype=None):
+    """The same step for the unsharded model (plain arrays; GSPMD partitions it if they're sharded)."""
+    opt = adamw(ocfg, params)
+    grad = reference_value_and_grad(lambda par: loss_fn(cfg, par), compute_dtype)
+    return jax.jit(make_step(grad, opt, ocfg), donate_argnums=(0, 1)), opt
+
+
+def init_opt_state(opt, params, specs, mesh):
+    """Optimizer state laid out like the parameters (moments) and replicated (counters)."""
+    param_sh = shardings(specs, mesh)
+    abstract = jax.eval_shape(opt.init, params)
+    out = _like_params(abstract, param_sh, NamedSharding(mesh, P()))
+    return jax.jit(opt.init, out_shardings=out)(params)
+
+
+def _like_params(tree, param_sh, replicated):
+    """Map each optimizer-state leaf to its parameter's sharding (found by structure), else replicated."""
+    flat_sh = jax.tree.leaves(param_sh)
+    n = len(flat_sh)
+
+    def visit(node):
+        leaves, treedef = jax.tree.flatten(node)
+        if len(leaves) == n and treedef == jax.tree.structure(param_sh):
+            return jax.tree.unflatten(treedef, flat_sh)
+        return None
+
+    def walk(node):
+        got = visit(node)
+        if got is not None:
+            return got
+        if isinstance(node, tuple | list) or hasattr(node, "_fields"):
+            children = [walk(c) for c in node]
+            return type(node)(*children) if hasattr(node, "_fields") else type(node)(children)
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        return replicated
+
+    return walk(tree)
