@@ -318,7 +318,7 @@ def test_greedy_equals_transformers_generate(name, mesh, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from meshlm.io.hf import load_hf
-    from meshlm.parallel.rules import unflatten
+    from meshlm.model.params import unflatten
 
     torch.manual_seed(0)
     hf_cfg = HF_PRESETS[name](transformers)

@@ -44,19 +44,16 @@ def _line(s: dict) -> str:
 
 def _from_hf(args, mesh) -> dict:
     """Load the HF weights on the host, place each array sharded on the mesh, save a checkpoint."""
-    import jax
 
     from meshlm.io.hf import load_hf
     from meshlm.io.model_io import abstract_params, save_model
-    from meshlm.parallel.rules import flat_params, unflatten
+    from meshlm.model.params import flat_params, unflatten
+    from meshlm.parallel.placement import put_global
 
     cfg, flat = load_hf(args.from_hf)
     targets = flat_params(abstract_params(cfg, mesh))
-    # make_array_from_callback copies only each device's own slice, and works multi-process.
-    placed = {
-        path: jax.make_array_from_callback(value.shape, targets[path].sharding, lambda idx, v=value: v[idx])
-        for path, value in flat.items()
-    }
+    # put_global copies only each device's own slice, and works multi-process.
+    placed = {path: put_global(value, targets[path].sharding) for path, value in flat.items()}
     save_model(args.out, cfg, unflatten(placed), meta={"converted_from": str(Path(args.from_hf).absolute())})
     return _summary(args.from_hf, args.out, "meshlm checkpoint", cfg, flat)
 
@@ -68,7 +65,7 @@ def _to_hf(args, mesh) -> dict:
 
     from meshlm.io.hf import config_to_hf, save_hf
     from meshlm.io.model_io import load_model, read_config
-    from meshlm.parallel.rules import flat_params
+    from meshlm.model.params import flat_params
 
     config_to_hf(read_config(args.to_hf)[0])  # an unexportable config fails before loading weights
     cfg, params, _ = load_model(args.to_hf, mesh)

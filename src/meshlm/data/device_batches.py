@@ -11,7 +11,8 @@ import jax
 import numpy as np
 
 from meshlm.data.corpus import Batcher
-from meshlm.train.step import batch_sharding
+from meshlm.parallel.placement import put_global
+from meshlm.parallel.rules import batch_sharding
 
 
 def _rows(batcher: Batcher, step: int, rows: slice, total: int, accum: int, cache: dict) -> dict:
@@ -47,7 +48,4 @@ def device_batch(batcher: Batcher, step: int, mesh, accum: int) -> dict:
 def eval_arrays(batches: list[dict], mesh) -> list[dict]:
     """Validation batches placed once, rows over DP."""
     sharding = batch_sharding(mesh, 1)
-    return [
-        {k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i]) for k, v in b.items()}
-        for b in batches
-    ]
+    return [{k: put_global(v, sharding) for k, v in b.items()} for b in batches]

@@ -60,6 +60,7 @@ from meshlm.model.layers import upcast
 from meshlm.model.transformer import local_logits
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.context import Parallel
+from meshlm.parallel.placement import to_host
 from meshlm.parallel.rules import model_specs, shardings
 from meshlm.parallel.spmd import mesh_parallel
 
@@ -316,15 +317,6 @@ def _check_stops(stop) -> tuple[str, ...]:
     return stops
 
 
-def _host(x) -> np.ndarray:
-    """A global array on the host (every process's shards in a multi-process job)."""
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
 # --- the generator -------------------------------------------------------------------------------
 
 
@@ -487,13 +479,13 @@ class Generator:
         self._executables(len(tokens))
         t0 = time.perf_counter()
         nxt, _, cache = self.prefill(tokens, lengths, sampling)
-        nxt = _host(nxt)
+        nxt = to_host(nxt)
         t1 = time.perf_counter()
         self._push(rows, nxt, max_new_tokens == 1)
         steps, decoded = 1, 0
         while steps < max_new_tokens and any(r.finish is None for r in rows):
             nxt, _, cache = self.decode_step(nxt, lengths + steps - 1, cache, sampling, steps)
-            nxt = _host(nxt)
+            nxt = to_host(nxt)
             steps += 1
             decoded += self._push(rows, nxt, steps == max_new_tokens)
         t2 = time.perf_counter()
@@ -535,11 +527,11 @@ class Generator:
         feed[: len(ids), :t] = tokens
         greedy = Sampling()
         _, logits, cache = self.prefill(padded, lens, greedy)
-        out = [_host(logits)]
+        out = [to_host(logits)]
         for j in range(t - int(lengths.min())):
             pos = np.minimum(lens + j, self.max_len - 1)
             _, logits, cache = self.decode_step(feed[np.arange(len(pos)), pos], pos, cache, greedy, j + 1)
-            out.append(_host(logits))
+            out.append(to_host(logits))
         stacked = np.stack(out, axis=1)  # [B', steps + 1, V]
         return [stacked[b, : t - n + 1] for b, n in enumerate(lengths)]
 

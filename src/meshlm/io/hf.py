@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.model.config import ModelConfig
+from meshlm.model.config import FAMILY_ROTARY, ModelConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -145,7 +145,7 @@ def config_from_hf(hf_cfg: dict[str, Any]) -> ModelConfig:
 
 def _check_exportable(cfg: ModelConfig) -> None:
     """Configs meshlm can train but transformers' GPT-J / Llama cannot express."""
-    own = {"gptj": "interleaved", "llama": "half"}.get(cfg.family)
+    own = FAMILY_ROTARY.get(cfg.family)
     if own is None:
         raise ConfigError(f"family {cfg.family!r} has no transformers equivalent; only gptj and llama export")
     if cfg.rotary_style not in ("", own):
@@ -293,8 +293,8 @@ def _to_torch(w: np.ndarray, kind: str) -> np.ndarray:
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Our flat parameter path -> (global shape, dtype), from the model itself (no device memory)."""
+    from meshlm.model.params import flat_params
     from meshlm.model.transformer import param_shapes
-    from meshlm.parallel.rules import flat_params
 
     return {path: (tuple(s.shape), np.dtype(s.dtype)) for path, s in flat_params(param_shapes(cfg)).items()}
 

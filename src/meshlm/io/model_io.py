@@ -14,6 +14,7 @@ import jax
 from meshlm.errors import CheckpointError
 from meshlm.io.checkpoint import Checkpointer, resolve
 from meshlm.model.config import ModelConfig, from_dict
+from meshlm.parallel.axes import MP
 from meshlm.parallel.rules import model_specs, shardings
 
 FORMAT = "meshlm-checkpoint-v1"
@@ -24,7 +25,7 @@ def abstract_params(cfg: ModelConfig, mesh, dtype=None):
     from meshlm.model.transformer import param_shapes
 
     shapes = param_shapes(cfg)
-    sh = shardings(model_specs(cfg, shapes, mesh.shape["mp"]), mesh)
+    sh = shardings(model_specs(cfg, shapes, mesh.shape[MP]), mesh)
     return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, dtype or s.dtype, sharding=h), shapes, sh)
 
 

@@ -21,8 +21,6 @@ from meshlm.model.config import ModelConfig
 from meshlm.model.layers import _normal, apply_rotary, rotary_angles, upcast
 from meshlm.parallel.context import Parallel
 
-ROTARY_STYLE = {"gptj": "interleaved", "llama": "half"}
-
 
 def kv_replicated(n_kv_heads: int, mp: int) -> bool:
     """True when KV heads are replicated over the model axis (mp > K); errors if neither works."""
@@ -41,7 +39,7 @@ class Attention(hk.Module):
     def __init__(self, cfg: ModelConfig, par: Parallel, stddev: float, name: str = "attn"):
         super().__init__(name=name)
         self.cfg, self.par, self.stddev = cfg, par, stddev
-        self.style = cfg.rotary_style or ROTARY_STYLE[cfg.family]
+        self.style = cfg.rotary_kind
 
     def _proj(self, name, xf, heads, hook=lambda w: w):  # xf [B, T, D] -> [B, T, heads, E]
         w = hk.get_parameter(name, [xf.shape[-1], heads, self.cfg.dim_per_head], init=_normal(self.stddev))

@@ -14,6 +14,8 @@ from typing import Any
 from meshlm.errors import ConfigError
 
 FAMILIES = ("ff", "gptj", "llama")
+# Each attention family's own rotary convention (the one transformers uses for it).
+FAMILY_ROTARY = {"gptj": "interleaved", "llama": "half"}
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,11 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or (self.d_model // self.n_heads if self.n_heads else 0)
+
+    @property
+    def rotary_kind(self) -> str | None:
+        """The rotary convention the model uses: ``rotary_style``, else its family's (None for ff)."""
+        return self.rotary_style or FAMILY_ROTARY.get(self.family)
 
     @property
     def rot_dim(self) -> int:

@@ -10,13 +10,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-import haiku as hk
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ShardingError
+from meshlm.model.params import is_stacked, param_path
 from meshlm.parallel.axes import DP, MP
 
 KV = "kv_heads"  # placeholder: MP when mp divides the KV heads, replicated when they are repeated
@@ -37,12 +36,8 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"(^|/)(ln|ln2|final_ln)/(scale|offset)$", (None,)),  # [D]: norms are replicated
 )
 
-STACKED_PREFIX = "layers/"
 BATCH_SPEC = P(DP, None)  # inputs / targets [B, T]: rows split over data-parallel shards
-
-
-def param_path(module: str, name: str) -> str:
-    return f"{module}/{name}".replace("/~/", "/")
+ACCUM_BATCH_SPEC = P(None, DP, None)  # [A, B, T] with gradient accumulation: micro-batch major
 
 
 def spec_for(path: str, shape: Sequence[int], mp: int, rules=RULES, kv_axis=MP) -> P:
@@ -54,7 +49,7 @@ def spec_for(path: str, shape: Sequence[int], mp: int, rules=RULES, kv_axis=MP) 
             f"add a (regex, spec) row to the rules table"
         )
     dims = tuple(kv_axis if d == KV else d for d in matched[0])  # first match wins
-    if path.startswith(STACKED_PREFIX):
+    if is_stacked(path):
         dims = (None, *dims)
     if len(dims) != len(shape):
         raise ShardingError(
@@ -94,6 +89,11 @@ def model_specs(cfg, abstract_params, mp: int):
     return param_specs(abstract_params, mp, RULES, kv_axis)
 
 
+def batch_sharding(mesh, accum_steps: int) -> NamedSharding:
+    """Host batches are [B, T], or [A, B, T] with gradient accumulation; rows split over DP."""
+    return NamedSharding(mesh, BATCH_SPEC if accum_steps == 1 else ACCUM_BATCH_SPEC)
+
+
 def shardings(specs, mesh):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
@@ -113,20 +113,3 @@ def init_sharded(init_fn, rng, *example_args, specs_fn, mesh, dtype=None):
 
     params = jax.jit(init, out_shardings=shardings(specs, mesh))(rng, *example_args)
     return params, specs
-
-
-def param_count(params) -> int:
-    return sum(int(jnp.size(p)) for p in jax.tree.leaves(params))
-
-
-def flat_params(params) -> dict[str, object]:
-    """{"module/param": leaf} in Haiku's sorted order (for tables and conversion)."""
-    return {param_path(m, n): v for m, leaves in sorted(params.items()) for n, v in sorted(leaves.items())}
-
-
-def unflatten(flat: dict[str, object]) -> hk.Params:
-    out: dict[str, dict] = {}
-    for path, v in flat.items():
-        mod, name = path.rsplit("/", 1)
-        out.setdefault(mod, {})[name] = v
-    return out

@@ -48,13 +48,15 @@ import jax
 import numpy as np
 
 from meshlm.errors import ConfigError
+from meshlm.model.attention import kv_replicated
 from meshlm.model.config import ModelConfig
+from meshlm.model.params import flat_params, is_embedding, is_matmul_weight, leaf_name
 from meshlm.parallel.axes import DP, MP
-from meshlm.parallel.rules import flat_params, shardings
+from meshlm.parallel.rules import batch_sharding, shardings
 from meshlm.perf.hlo import COLLECTIVES, collectives_from_text, collectives_of
 from meshlm.perf.peak import matmul_peak_flops
 from meshlm.train.optim import OptimConfig
-from meshlm.train.step import batch_sharding, init_model, init_opt_state, reference_step, sharded_step
+from meshlm.train.step import init_model, init_opt_state, reference_step, sharded_step
 
 IMPLS = ("meshlm", "unsharded", "gspmd")
 MIN_STEPS = 5  # fewer timed steps give a median that is mostly noise on a shared machine
@@ -93,10 +95,9 @@ def matmul_param_count(cfg: ModelConfig, params) -> int:
     """N of the FLOPs formula: weights used in matmuls (see the module docstring); global sizes."""
     total = 0
     for path, p in flat_params(params).items():
-        name = path.rsplit("/", 1)[1]
-        if path.startswith("embed/"):
-            total += p.size if cfg.tie_embeddings and name == "embeddings" else 0
-        elif name.startswith("w"):  # weights are w*, never norms (scale/offset) or biases (b*)
+        if is_embedding(path):  # the lookup is no matmul; the table is one when tied to the output
+            total += p.size if cfg.tie_embeddings and leaf_name(path) == "embeddings" else 0
+        elif is_matmul_weight(path):
             total += p.size
     return int(total)
 
@@ -143,7 +144,7 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int) -> dict[str, int
     """
     per_layer = 2 if cfg.family == "llama" else 1
     sharded = mp > 1
-    kv_rep = cfg.family != "ff" and sharded and cfg.kv_heads % mp != 0
+    kv_rep = cfg.family != "ff" and sharded and kv_replicated(cfg.kv_heads, mp)
     out = {
         "layer_forward": cfg.n_layers * per_layer * (2 if cfg.remat else 1) * sharded,
         "layer_backward": cfg.n_layers * per_layer * sharded,

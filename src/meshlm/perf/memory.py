@@ -7,6 +7,8 @@ import jax
 import numpy as np
 
 from meshlm.model.config import ModelConfig
+from meshlm.parallel.axes import MP
+from meshlm.parallel.placement import bytes_per_device, total_bytes
 
 
 def memory_report(cfg: ModelConfig, mesh, param_dtype=np.float32) -> dict:
@@ -15,12 +17,9 @@ def memory_report(cfg: ModelConfig, mesh, param_dtype=np.float32) -> dict:
 
     params = abstract_params(cfg, mesh, param_dtype)
     leaves = jax.tree.leaves(params)
-    total = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in leaves)
-    per_device = sum(int(np.prod(p.sharding.shard_shape(p.shape))) * p.dtype.itemsize for p in leaves)
-    replicated = sum(
-        int(np.prod(p.shape)) * p.dtype.itemsize for p in leaves if p.sharding.is_fully_replicated
-    )
-    mp = mesh.shape["mp"]
+    total, per_device = total_bytes(params), bytes_per_device(params)
+    replicated = total_bytes([p for p in leaves if p.sharding.is_fully_replicated])
+    mp = mesh.shape[MP]
     return {
         "params": sum(int(np.prod(p.shape)) for p in leaves),
         "param_bytes_total": total,

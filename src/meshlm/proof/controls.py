@@ -87,8 +87,7 @@ class Control:
 
 
 def _swap_rotary(cfg):
-    own = cfg.rotary_style or {"gptj": "interleaved", "llama": "half"}[cfg.family]
-    return cfg.replace(rotary_style="half" if own == "interleaved" else "interleaved")
+    return cfg.replace(rotary_style="half" if cfg.rotary_kind == "interleaved" else "interleaved")
 
 
 def _attn(cfg) -> bool:

@@ -19,12 +19,13 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from meshlm.data.tokens import check_batch
+from meshlm.model.params import flat_params
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.context import Parallel
-from meshlm.parallel.rules import BATCH_SPEC, flat_params
+from meshlm.parallel.placement import bytes_per_device, put_global, to_host, total_bytes
+from meshlm.parallel.rules import batch_sharding
 from meshlm.parallel.spmd import reference_value_and_grad, sharded_value_and_grad
 from meshlm.proof.controls import CONTROLS, Control, per_shard_clip
 from meshlm.train.optim import OptimConfig, adamw, clip_by_global_norm, make_step
@@ -112,22 +113,6 @@ class Problem:
     load_params: Callable | None = None  # mesh -> params to prove with, instead of a fresh init
 
 
-def _host(x) -> np.ndarray:
-    """A global array's full value on this host (gathered from all processes when multi-process)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
-
-
-def param_bytes_per_device(params) -> int:
-    """Bytes of parameters one device holds (its shard of each leaf)."""
-    return sum(
-        int(np.prod(p.sharding.shard_shape(p.shape))) * p.dtype.itemsize for p in jax.tree.leaves(params)
-    )
-
-
 def _leaf_label(keypath) -> str:
     keys = [k.key for k in keypath if isinstance(k, jax.tree_util.DictKey)]
     if len(keys) >= 2:
@@ -143,7 +128,7 @@ def _compare_into(results: dict, sharded, reference, rtol, atol) -> None:
         label = _leaf_label(kp)
         if label not in results:
             results[label] = LeafResult(label, tuple(np.shape(r)), "P()")
-        results[label].update(_host(s), _host(r), rtol, atol)
+        results[label].update(to_host(s), to_host(r), rtol, atol)
 
 
 def _random_batch(vocab: int, shape: tuple[int, ...], seed: int) -> dict:
@@ -153,9 +138,8 @@ def _random_batch(vocab: int, shape: tuple[int, ...], seed: int) -> dict:
 
 def _put(batch, mesh, accum: bool):
     """Host batch -> global arrays (each process supplies the rows of its own devices)."""
-    spec = BATCH_SPEC if not accum else jax.sharding.PartitionSpec(None, *BATCH_SPEC)
-    sharding = NamedSharding(mesh, spec)
-    return {k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i]) for k, v in batch.items()}
+    sharding = batch_sharding(mesh, 2 if accum else 1)
+    return {k: put_global(v, sharding) for k, v in batch.items()}
 
 
 class _Runs:
@@ -178,7 +162,7 @@ class _Runs:
         )
         if problem.load_params is not None:  # e.g. a checkpoint: same specs, loaded onto this mesh
             self.params = jax.tree.map(lambda p: p.astype(dtype), problem.load_params(mesh))
-        self.ref_params = jax.device_put(jax.tree.map(_host, self.params), self.device)
+        self.ref_params = jax.device_put(jax.tree.map(to_host, self.params), self.device)
 
     def grads(self, build_loss, par_cls=Parallel):
         fn = sharded_value_and_grad(build_loss, self.mesh, self.specs, par_cls)
@@ -257,7 +241,7 @@ def verify(
     report = Report(problem.name, mesh.shape[DP], mesh.shape[MP], steps, dname, rtol, atol)
     runs = _Runs(problem, mesh, dtype, seed)
     (ls, gs), (lr, gr) = runs.grads(problem.build_loss), runs.reference_grads()
-    report.loss_sharded, report.loss_reference = float(_host(ls)), float(_host(lr))
+    report.loss_sharded, report.loss_reference = float(to_host(ls)), float(to_host(lr))
     loss_check = LeafResult("loss", (), "P()")
     loss_check.update(ls, lr, rtol, atol)
     report.loss_ok = loss_check.ok
@@ -268,14 +252,12 @@ def verify(
         batches = _step_batches(problem, steps, ocfg.accum_steps, seed)
         for (ps, ss, ms), (pr, sr, mr) in runs.train(ocfg, batches):
             _compare_into(results, (ps, ss), (pr, sr), rtol, atol)
-            loss_check.update(_host(ms["loss"]), _host(mr["loss"]), rtol, atol)
+            loss_check.update(to_host(ms["loss"]), to_host(mr["loss"]), rtol, atol)
         report.loss_ok = loss_check.ok
     _fill_specs(results, runs.specs)
     report.params = list(results.values())
-    report.extra["param_bytes_per_device"] = param_bytes_per_device(runs.params)
-    report.extra["param_bytes_total"] = sum(
-        int(p.size) * p.dtype.itemsize for p in jax.tree.leaves(runs.params)
-    )
+    report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
+    report.extra["param_bytes_total"] = total_bytes(runs.params)
     report.controls = [
         _run_control(c, runs, ocfg, rtol, atol)
         for c in controls

@@ -28,6 +28,7 @@ from meshlm.io.model_io import FORMAT, abstract_params, load_model
 from meshlm.model.config import ModelConfig, get_config
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel import distributed
+from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.rules import model_specs
 from meshlm.parallel.spmd import sharded_loss
 from meshlm.train.config import TrainConfig
@@ -131,7 +132,7 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, mesh, ckpt: Checkpointer
             warnings.simplefilter("ignore")
             meta = ckpt.read_meta()
         _check_resumable(meta, tcfg, ckpt.directory)
-    specs = model_specs(cfg, abstract_params(cfg, mesh), mesh.shape["mp"])
+    specs = model_specs(cfg, abstract_params(cfg, mesh), mesh.shape[MP])
     if tcfg.checkpoint:
         loaded_cfg, params, _ = load_model(tcfg.checkpoint, mesh)
         if loaded_cfg != cfg:
@@ -161,7 +162,7 @@ def _abstract(x):
 def build_run(tcfg: TrainConfig, mesh) -> Run:
     cfg = model_config(tcfg)
     out = Path(tcfg.out)
-    batcher, val, info = _load_data(tcfg, cfg, mesh.shape["dp"])
+    batcher, val, info = _load_data(tcfg, cfg, mesh.shape[DP])
     distributed.print0(
         f"data: {info['source']}; train {info['train_bytes']:,} bytes in {info['train_files']} "
         f"files, validation {info['val_bytes']:,} bytes in {info['val_files']}",

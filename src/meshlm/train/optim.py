@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from meshlm.parallel.rules import flat_params, unflatten
+from meshlm.model.params import decays, flat_params, unflatten
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,7 @@ def schedule(ocfg: OptimConfig):
 
 def decay_mask(params):
     """True where weight decay applies: weight matrices, not norms, biases or embeddings."""
-    flat = flat_params(params)
-    return unflatten(
-        {path: path.rsplit("/", 1)[1].startswith("w") and not path.startswith("embed/") for path in flat}
-    )
+    return unflatten({path: decays(path) for path in flat_params(params)})
 
 
 def adamw(ocfg: OptimConfig, params) -> optax.GradientTransformation:

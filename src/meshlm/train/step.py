@@ -13,17 +13,12 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import loss_fn
-from meshlm.parallel.axes import DP
-from meshlm.parallel.rules import BATCH_SPEC, model_specs, shardings
+from meshlm.parallel.axes import MP
+from meshlm.parallel.rules import model_specs, shardings
 from meshlm.parallel.spmd import reference_value_and_grad, sharded_value_and_grad
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
 COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
-
-
-def batch_sharding(mesh, accum_steps: int) -> NamedSharding:
-    """Host batches are [B, T], or [A, B, T] with gradient accumulation; rows split over DP."""
-    return NamedSharding(mesh, BATCH_SPEC if accum_steps == 1 else P(None, DP, None))
 
 
 def init_model(cfg: ModelConfig, mesh, seed: int, dtype=None):
@@ -32,7 +27,7 @@ def init_model(cfg: ModelConfig, mesh, seed: int, dtype=None):
     from meshlm.parallel.rules import init_sharded
 
     init, example = init_fn(cfg)
-    mp = mesh.shape["mp"]
+    mp = mesh.shape[MP]
     return init_sharded(
         init,
         jax.random.PRNGKey(seed),

@@ -1,0 +1,51 @@
+"""Facts about parameter paths, in one place: how Haiku names are joined, and what kind of parameter a
+path names. Every module that asks "is this a weight matrix?" or "is this the embedding?" calls these.
+
+A path is ``"module/param"`` with Haiku's ``/~/`` separators collapsed, e.g. ``layers/attn/wq``.
+Naming convention of meshlm's layers: matmul weights are ``w*``; biases ``b*``; norms ``scale`` /
+``offset``; the embedding table is ``embed/embeddings``.
+"""
+
+from __future__ import annotations
+
+STACKED_PREFIX = "layers/"  # parameters stacked by layer_stack: a leading [n_layers] dimension
+EMBED_PREFIX = "embed/"
+
+
+def param_path(module: str, name: str) -> str:
+    return f"{module}/{name}".replace("/~/", "/")
+
+
+def leaf_name(path: str) -> str:
+    return path.rsplit("/", 1)[1]
+
+
+def is_stacked(path: str) -> bool:
+    return path.startswith(STACKED_PREFIX)
+
+
+def is_embedding(path: str) -> bool:
+    return path.startswith(EMBED_PREFIX)
+
+
+def is_matmul_weight(path: str) -> bool:
+    """A weight used in a matmul (``w*``): never a norm's scale/offset or a bias (``b*``)."""
+    return leaf_name(path).startswith("w")
+
+
+def decays(path: str) -> bool:
+    """Whether AdamW's weight decay applies: matmul weights, not norms, biases or embeddings."""
+    return is_matmul_weight(path) and not is_embedding(path)
+
+
+def flat_params(params) -> dict[str, object]:
+    """{"module/param": leaf} in Haiku's sorted order (for tables and conversion)."""
+    return {param_path(m, n): v for m, leaves in sorted(params.items()) for n, v in sorted(leaves.items())}
+
+
+def unflatten(flat: dict[str, object]) -> dict[str, dict[str, object]]:
+    out: dict[str, dict] = {}
+    for path, v in flat.items():
+        mod, name = path.rsplit("/", 1)
+        out.setdefault(mod, {})[name] = v
+    return out
