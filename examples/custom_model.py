@@ -15,7 +15,7 @@ from meshlm.model.layers import MLP, VocabEmbed, VocabHead, vocab_parallel_xent 
 from meshlm.parallel.axes import MP  # noqa: E402
 from meshlm.parallel.mesh import make_mesh  # noqa: E402
 from meshlm.parallel.rules import param_specs  # noqa: E402
-from meshlm.proof.prover import Problem, format_report, verify  # noqa: E402
+from meshlm.proof import Problem, format_report, verify  # noqa: E402
 
 VOCAB, WIDTH, HIDDEN = 128, 64, 256
 
@@ -36,10 +36,16 @@ def build_loss(par):
     """par -> Haiku loss(batch): the same code runs unsharded and inside shard_map."""
 
     def loss(batch):
-        x = VocabEmbed(VOCAB, WIDTH, par, stddev=0.05, bias=True, name="tok")(batch["inputs"])
-        partial, b = MLP(HIDDEN, par, "gelu", True, 0.05, 0.05, name="ffn")(par.f(x))
+        x = VocabEmbed(vocab_size=VOCAB, d_model=WIDTH, par=par, stddev=0.05, bias=True, name="tok")(
+            batch["inputs"]
+        )
+        partial, b = MLP(
+            hidden_dim=HIDDEN, par=par, kind="gelu", bias=True, stddev_in=0.05, stddev_out=0.05, name="ffn"
+        )(par.f(x))
         x = x + par.row_out(partial, b)
-        logits = VocabHead(VOCAB, par, 0.05, bias=True, name="out").local_logits(par.f(x))
+        logits = VocabHead(vocab_size=VOCAB, par=par, stddev=0.05, bias=True, name="out").local_logits(
+            par.f(x)
+        )
         return par.batch_mean(jnp.mean(vocab_parallel_xent(par, logits, batch["targets"], z_loss=1e-4)))
 
     return loss

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# Names orbax-checkpoint 0.12 uses (see src/meshlm/checkpoint.py). Spelled out here rather than
+# Names orbax-checkpoint 0.12 uses (see src/meshlm/io/layout.py). Spelled out here rather than
 # imported so that this script does not start JAX and checks the layout independently.
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 COMMIT_MARKER = "commit_success.txt"

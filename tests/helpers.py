@@ -35,3 +35,33 @@ def wait_for(predicate, timeout_s: float = 240.0, poll_s: float = 0.05) -> bool:
             return False
         time.sleep(poll_s)
     return True
+
+
+def run_cli(*argv: str) -> int:
+    """``meshlm ARGV`` in this process, through ``meshlm.cli.main``: the real error path (a user error
+    is one line on stderr and exit code 2). Read the output with pytest's ``capsys``."""
+    from meshlm.cli import main
+
+    return main(list(argv))
+
+
+def run_meshlm(*args: str, timeout: float = 300, **kwargs):
+    """``python -m meshlm ARGS`` in a subprocess (a fresh JAX, its own devices); text output captured."""
+    import subprocess
+
+    return subprocess.run(meshlm_argv(*args), capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def read_metrics(out) -> list[dict]:
+    """Every row of a run directory's metrics.jsonl."""
+    import json
+
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_rows(out) -> list[dict]:
+    return [r for r in read_metrics(out) if "loss" in r]
+
+
+def eval_rows(out) -> list[dict]:
+    return [r for r in read_metrics(out) if "val_loss" in r]

@@ -11,18 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import CheckpointError
-from meshlm.io.checkpoint import (
-    COMMIT_MARKER,
-    TMP_SUFFIX,
-    Checkpointer,
-    _fingerprint,
-    is_checkpoint_dir,
-    resolve,
-)
+from meshlm.io.checkpoint import Checkpointer
+from meshlm.io.integrity import _fingerprint
+from meshlm.io.layout import COMMIT_MARKER, TMP_SUFFIX, is_checkpoint_dir, resolve
+from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.mesh import make_mesh
 
 # After a read or write error orbax leaves coroutines un-awaited and posts to closed event loops;
 # Python reports those as "unraisable" when it collects them. They are orbax's, and harmless.
@@ -37,19 +34,14 @@ def _collect_orbax_garbage():
 
 SPECS = {
     "params": {
-        "w": P(None, "mp"),  # float32, columns split
-        "emb": P("mp"),  # bfloat16, rows split
-        "big": P("dp", "mp"),  # float32, large enough to live in its own chunk file
+        "w": P(None, MP),  # float32, columns split
+        "emb": P(MP),  # bfloat16, rows split
+        "big": P(DP, MP),  # float32, large enough to live in its own chunk file
     },
-    "opt_state": {"mu": {"w": P(None, "mp")}, "count": P()},
+    "opt_state": {"mu": {"w": P(None, MP)}, "count": P()},
     "step": P(),  # int32 scalar, replicated
 }
 META = {"model_config": {"d_model": 16, "n_layers": 2}, "seed": 0, "data_position": 123}
-
-
-def make_mesh(dp: int, mp: int) -> Mesh:
-    devices = np.array(jax.devices()[: dp * mp]).reshape(dp, mp)
-    return Mesh(devices, ("dp", "mp"), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
 def host_state(seed: int = 0) -> dict:
@@ -138,7 +130,7 @@ def test_round_trip_of_narrow_dtypes(tmp_path):
         "f8": rng.standard_normal((4, 8)).astype(jnp.float8_e4m3fn),
         "u32": rng.integers(0, 2**32, (4, 8), dtype=np.uint32),
     }
-    sharding = NamedSharding(mesh, P("dp", "mp"))
+    sharding = NamedSharding(mesh, P(DP, MP))
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, jax.tree.map(lambda a: jax.device_put(a, sharding), host), {})
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), host)
@@ -359,7 +351,7 @@ def test_fingerprint_ignores_sharding_but_not_bits():
     x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
     prints = {
         tuple(np.asarray(_fingerprint(jax.device_put(x, NamedSharding(make_mesh(*m), spec)))))
-        for m, spec in [((2, 2), P("dp", "mp")), ((1, 4), P(None, "mp")), ((1, 1), P())]
+        for m, spec in [((2, 2), P(DP, MP)), ((1, 4), P(None, MP)), ((1, 1), P())]
     }
     assert len(prints) == 1
     y = x.copy()

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run_meshlm
 
 from meshlm.data.tokens import check_token_range
 from meshlm.errors import ConfigError, MeshError, ShardingError, TokenRangeError
@@ -17,7 +18,7 @@ from meshlm.parallel.context import Parallel
 from meshlm.parallel.mesh import make_mesh, parse_mesh
 from meshlm.parallel.rules import spec_for
 from meshlm.parallel.spmd import reference_value_and_grad
-from meshlm.proof.prover import format_report, model_problem, verify
+from meshlm.proof import format_report, model_problem, verify
 from meshlm.train.step import init_model
 
 MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (8, 1)]
@@ -173,14 +174,8 @@ def test_seed_preset_is_the_prototype():
     assert shapes["layers/mlp/w_in"] == (2, 128, 512)
 
 
-def _cli(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "meshlm", *args], capture_output=True, text=True, timeout=timeout
-    )
-
-
 def test_cli_verify_seed_1x4_json():
-    out = _cli("verify", "--config", "seed", "--mesh", "1x4", "--devices", "4", "--json")
+    out = run_meshlm("verify", "--config", "seed", "--mesh", "1x4", "--devices", "4", "--json")
     assert out.returncode == 0, out.stderr
     import json
 
@@ -194,7 +189,7 @@ def test_cli_bad_input_is_one_line_no_traceback():
         (("verify", "--mesh", "2x4", "--devices", "4"), "needs 8 devices"),
         (("verify", "--mesh", "1x3", "--devices", "3"), "not divisible by mp=3"),
     ]:
-        out = _cli(*args)
+        out = run_meshlm(*args)
         assert out.returncode == 2 and text in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import math
 import shutil
 from pathlib import Path
@@ -10,8 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshlm.data import corpus as data
-from meshlm.data.corpus import EOD, Batcher, TokenStream, bits_per_byte, decode, encode, load_splits
+from meshlm.data import sources, tokenizer
+from meshlm.data.corpus import load_splits
+from meshlm.data.stream import Batcher, TokenStream
+from meshlm.data.tokenizer import EOD, bits_per_byte, decode, encode
 from meshlm.errors import DataError
 
 
@@ -59,7 +62,7 @@ def test_decode_never_raises() -> None:
 
 def test_encode_drops_nul_so_eod_is_unambiguous() -> None:
     assert encode("a\0b").tolist() == [ord("a"), ord("b")]
-    assert EOD == 0 and data.VOCAB_SIZE == 256
+    assert EOD == 0 and tokenizer.VOCAB_SIZE == 256
 
 
 def test_bits_per_byte() -> None:
@@ -94,15 +97,15 @@ def test_default_corpus_is_the_stdlib_subset() -> None:
     assert len(train) > 100_000 and len(val) > 1000
     assert info["train_files"] >= 1 and info["val_files"] >= 1
     assert not set(train.files) & set(val.files)  # disjoint by file
-    assert info["train_bytes"] + info["val_bytes"] <= data.DEFAULT_MAX_BYTES + len(train.files) * 2
+    assert info["train_bytes"] + info["val_bytes"] <= sources.DEFAULT_MAX_BYTES + len(train.files) * 2
     assert all(f.suffix == ".py" for f in train.files + val.files)
     assert not any("site-packages" in f.parts for f in train.files + val.files)
     assert "standard library" in info["source"]
 
 
 def test_default_cap_is_a_parameter_and_deterministic() -> None:
-    small = data.resolve_files(None, max_bytes=200_000)
-    assert small == data.resolve_files(None, max_bytes=200_000)
+    small = sources.resolve_files(None, max_bytes=200_000)
+    assert small == sources.resolve_files(None, max_bytes=200_000)
     assert sum(f.stat().st_size for f in small) <= 200_000
     assert small == sorted(set(small))
 
@@ -153,10 +156,10 @@ def test_resolve_dedupes_globs_and_skips_hidden(corpus: Path) -> None:
     (corpus / ".hidden").mkdir()
     (corpus / ".hidden" / "x.txt").write_text("secret")
     (corpus / ".dotfile").write_text("secret")
-    files = data.resolve_files([str(corpus), str(corpus / "sub0" / "*.txt"), str(corpus)])
+    files = sources.resolve_files([str(corpus), str(corpus / "sub0" / "*.txt"), str(corpus)])
     assert files == sorted(corpus.rglob("doc*.txt"))
     pattern = str(corpus / "**" / "doc0?.txt")
-    assert data.resolve_files([pattern]) == sorted(corpus.rglob("doc0?.txt"))
+    assert sources.resolve_files([pattern]) == sorted(corpus.rglob("doc0?.txt"))
 
 
 def test_large_files_in_directories_are_skipped_with_a_warning(
@@ -164,11 +167,11 @@ def test_large_files_in_directories_are_skipped_with_a_warning(
 ) -> None:
     big = corpus / "big.txt"
     big.write_text("x" * 5000)
-    monkeypatch.setattr(data, "MAX_FILE_BYTES", 4000)
+    monkeypatch.setattr(sources, "MAX_FILE_BYTES", 4000)
     with pytest.warns(UserWarning, match="big.txt"):
-        files = data.resolve_files([str(corpus)])
+        files = sources.resolve_files([str(corpus)])
     assert big not in files and len(files) == 20
-    assert data.resolve_files([str(big)]) == [big]  # named directly: the user means it
+    assert sources.resolve_files([str(big)]) == [big]  # named directly: the user means it
 
 
 def test_source_errors_are_helpful(tmp_path: Path) -> None:
@@ -184,7 +187,7 @@ def test_source_errors_are_helpful(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="val_fraction"):
         load_splits(None, val_fraction=1.5)
     with pytest.raises(DataError, match="max_bytes"):
-        data.resolve_files(None, max_bytes=0)
+        sources.resolve_files(None, max_bytes=0)
     (tmp_path / "small.txt").write_text("more than ten bytes")
     with pytest.raises(DataError, match="max_bytes=10 is smaller than every data file; raise it"):
         load_splits([str(tmp_path / "small.txt")], max_bytes=10)
@@ -266,9 +269,10 @@ def test_batch_errors_are_helpful(stream: TokenStream) -> None:
         Batcher(stream, 16, 8, seed=0).batch(0, shard=4, num_shards=4)
 
 
-def test_module_does_not_import_jax() -> None:
+@pytest.mark.parametrize("module", ["tokenizer", "sources", "stream", "corpus"])
+def test_module_does_not_import_jax(module: str) -> None:
     # The CLI imports data before it has chosen the device count; importing jax would fix it early.
-    tree = ast.parse(Path(data.__file__).read_text())
+    tree = ast.parse(Path(importlib.import_module(f"meshlm.data.{module}").__file__).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not any(name.split(".")[0] in ("jax", "haiku") for name in imported)

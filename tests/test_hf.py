@@ -1,7 +1,6 @@
 """Hugging Face conversion: our logits equal transformers' for imported GPT-J / Llama models,
 unsharded and on meshes; exports load in transformers with the same logits; bad configs fail loudly."""
 
-import argparse
 import json
 
 import numpy as np
@@ -12,16 +11,17 @@ transformers = pytest.importorskip("transformers")
 
 import haiku as hk  # noqa: E402
 import jax  # noqa: E402
+from helpers import run_cli  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from meshlm.cli import convert  # noqa: E402
 from meshlm.errors import CheckpointError, ConfigError  # noqa: E402
-from meshlm.io import hf  # noqa: E402
+from meshlm.io import hf_config, hf_weights  # noqa: E402
 from meshlm.model.config import get_config  # noqa: E402
+from meshlm.model.params import unflatten  # noqa: E402
 from meshlm.model.transformer import logits_fn  # noqa: E402
 from meshlm.parallel.context import Parallel  # noqa: E402
 from meshlm.parallel.mesh import make_mesh  # noqa: E402
-from meshlm.parallel.rules import model_specs, shardings, unflatten  # noqa: E402
+from meshlm.parallel.rules import model_specs, shardings  # noqa: E402
 from meshlm.parallel.spmd import mesh_parallel  # noqa: E402
 
 ATOL = 1e-4
@@ -89,14 +89,14 @@ def hf_model(request, tmp_path_factory, tokens):
 
 def test_import_matches_transformers(hf_model, tokens):
     _, path, want = hf_model
-    cfg, flat = hf.load_hf(path)
+    cfg, flat = hf_weights.load_hf(path)
     np.testing.assert_allclose(_our_logits(cfg, flat, tokens), want, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 4)])
 def test_import_matches_transformers_sharded(hf_model, tokens, mesh_shape):
     _, path, want = hf_model
-    cfg, flat = hf.load_hf(path)
+    cfg, flat = hf_weights.load_hf(path)
     mesh = make_mesh(*mesh_shape)
     params = unflatten(flat)
     specs = model_specs(cfg, params, mesh_shape[1])
@@ -117,14 +117,14 @@ def test_import_matches_transformers_sharded(hf_model, tokens, mesh_shape):
 
 def test_export_loads_in_transformers(hf_model, tokens, tmp_path):
     name, path, want = hf_model
-    cfg, flat = hf.load_hf(path)
-    hf.save_hf(cfg, flat, tmp_path)
-    with open(tmp_path / hf.WEIGHTS_FILE, "rb") as f:
+    cfg, flat = hf_weights.load_hf(path)
+    hf_weights.save_hf(cfg, flat, tmp_path)
+    with open(tmp_path / hf_weights.WEIGHTS_FILE, "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     assert ("lm_head.weight" in header) == (name != "llama-tied-hd")  # tied: no lm_head written
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     np.testing.assert_allclose(_hf_logits(model, tokens), want, atol=ATOL, rtol=0)
-    assert hf.load_hf(tmp_path)[0] == cfg
+    assert hf_weights.load_hf(tmp_path)[0] == cfg
 
 
 def test_sharded_index_and_bfloat16(tmp_path, tokens):
@@ -132,36 +132,29 @@ def test_sharded_index_and_bfloat16(tmp_path, tokens):
     torch.manual_seed(1)
     model = transformers.LlamaForCausalLM(HF_CONFIGS["llama"]()).to(torch.bfloat16)
     model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
-    assert (tmp_path / hf.INDEX_FILE).is_file() and len(list(tmp_path.glob("*.safetensors"))) > 1
-    cfg, flat = hf.load_hf(tmp_path)
+    assert (tmp_path / hf_weights.INDEX_FILE).is_file() and len(list(tmp_path.glob("*.safetensors"))) > 1
+    cfg, flat = hf_weights.load_hf(tmp_path)
     assert all(v.dtype == np.float32 for v in flat.values())
     want = model.state_dict()["model.layers.1.mlp.down_proj.weight"].float().numpy()
     np.testing.assert_array_equal(flat["layers/mlp/w_down"][1], want.T)
-
-
-def _run_convert(*argv) -> int:
-    parser = argparse.ArgumentParser()
-    convert.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["convert", *argv])
-    return args.fn(args)
 
 
 @pytest.mark.parametrize("hf_model", ["llama"], indirect=True)  # the command is the same for every family
 def test_cli_round_trip(hf_model, tokens, tmp_path, capsys):
     _, path, want = hf_model
     ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
-    assert _run_convert("--from-hf", str(path), "--out", str(ckpt), "--mesh", "2x2") == 0
-    assert _run_convert("--to-hf", str(ckpt), "--out", str(out), "--mesh", "1x4") == 0
+    assert run_cli("convert", "--from-hf", str(path), "--out", str(ckpt), "--mesh", "2x2") == 0
+    assert run_cli("convert", "--to-hf", str(ckpt), "--out", str(out), "--mesh", "1x4") == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and "parameters" in lines[0] and str(ckpt) in lines[0]
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     np.testing.assert_allclose(_hf_logits(model, tokens), want, atol=ATOL, rtol=0)
-    with pytest.raises(ConfigError, match="not an empty directory"):
-        _run_convert("--to-hf", str(ckpt), "--out", str(out))
+    assert run_cli("convert", "--to-hf", str(ckpt), "--out", str(out)) == 2
+    assert "not an empty directory" in capsys.readouterr().err
 
 
 def _llama_dict(**changes) -> dict:
-    return {**hf.config_to_hf(get_config("tiny-llama")), **changes}
+    return {**hf_config.config_to_hf(get_config("tiny-llama")), **changes}
 
 
 @pytest.mark.parametrize(
@@ -181,7 +174,7 @@ def _llama_dict(**changes) -> dict:
 )
 def test_unsupported_llama_config(changes, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        hf.config_from_hf(_llama_dict(**changes))
+        hf_config.config_from_hf(_llama_dict(**changes))
 
 
 @pytest.mark.parametrize(
@@ -195,20 +188,20 @@ def test_unsupported_llama_config(changes, field):
 )
 def test_unsupported_gptj_config(changes, field):
     with pytest.raises(ConfigError, match=field):
-        hf.config_from_hf({**hf.config_to_hf(get_config("tiny-gptj")), **changes})
+        hf_config.config_from_hf({**hf_config.config_to_hf(get_config("tiny-gptj")), **changes})
 
 
 @pytest.mark.parametrize("preset", ["tiny-gptj", "tiny-llama", "gptj-6b", "llama2-7b", "cpu"])
 def test_config_round_trip(preset):
     cfg = get_config(preset)
-    assert hf.config_from_hf(hf.config_to_hf(cfg)) == cfg
+    assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg
 
 
 def test_unexportable_configs():
     with pytest.raises(ConfigError, match="family 'ff'"):
-        hf.config_to_hf(get_config("tiny"))
+        hf_config.config_to_hf(get_config("tiny"))
     with pytest.raises(ConfigError, match="rotary_style"):
-        hf.config_to_hf(get_config("tiny-llama").replace(rotary_style="interleaved"))
+        hf_config.config_to_hf(get_config("tiny-llama").replace(rotary_style="interleaved"))
 
 
 @pytest.mark.parametrize("hf_model", ["gptj"], indirect=True)
@@ -216,9 +209,9 @@ def test_missing_and_unexpected_tensors(hf_model, tmp_path):
     from safetensors.numpy import load_file, save_file
 
     _, path, _ = hf_model
-    (tmp_path / hf.CONFIG_FILE).write_text((path / hf.CONFIG_FILE).read_text())
-    tensors = load_file(path / hf.WEIGHTS_FILE)
+    (tmp_path / hf_weights.CONFIG_FILE).write_text((path / hf_weights.CONFIG_FILE).read_text())
+    tensors = load_file(path / hf_weights.WEIGHTS_FILE)
     tensors["transformer.h.0.attn.q_proj.bias"] = tensors.pop("transformer.h.1.mlp.fc_in.bias")
-    save_file(tensors, tmp_path / hf.WEIGHTS_FILE)
+    save_file(tensors, tmp_path / hf_weights.WEIGHTS_FILE)
     with pytest.raises(CheckpointError, match=r"missing \['transformer.h.1.mlp.fc_in.bias'\].*q_proj.bias"):
-        hf.load_hf(tmp_path)
+        hf_weights.load_hf(tmp_path)

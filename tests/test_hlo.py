@@ -2,20 +2,26 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshlm.parallel.axes import DP, MP
-from meshlm.perf.hlo import COLLECTIVES, collectives_from_text, collectives_of, shape_bytes
+from meshlm.parallel.mesh import make_mesh
+from meshlm.perf.hlo import (
+    COLLECTIVES,
+    collectives_from_text,
+    collectives_of,
+    collectives_per_step,
+    group_size,
+    shape_bytes,
+)
 
 F32_8x16 = 8 * 16 * 4
 
 
 @pytest.fixture(scope="module")
 def mesh():
-    return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), (DP, MP))
+    return make_mesh(2, 2)
 
 
 def _count(mesh, body, out_specs, x_shape=(16, 32)):
@@ -152,3 +158,26 @@ def test_shape_bytes(shape, nbytes):
 def test_ragged_all_to_all_is_not_all_to_all():
     text = "  %r = f32[8]{0} ragged-all-to-all(%a, %b, %c, %d, %e, %f)\n"
     assert collectives_from_text(text)["all-to-all"]["count"] == 0
+
+
+def test_group_size_formats():
+    assert group_size("x = f32[] all-reduce(y), replica_groups={{0,1},{2,3}}, to_apply=%a") == 2
+    assert group_size("x = f32[] all-reduce(y), replica_groups={{0},{1},{2},{3}}, to_apply=%a") == 1
+    assert group_size("x = f32[] all-reduce(y), replica_groups=[4,1]<=[4], to_apply=%a") == 1
+    mesh_line = "x = f32[] all-reduce(y), replica_groups=mesh['axis_0'=1,'axis_1'=4] {'axis_1'}, to_apply=%a"
+    assert group_size(mesh_line) == 4
+    assert group_size(mesh_line.replace("{'axis_1'}", "{'axis_0'}")) == 1
+    assert group_size("x = f32[] add(y, z)") is None
+
+
+def test_per_step_counts_loop_bodies_times_trips():
+    mesh = make_mesh(2, 2)
+
+    def body(x):  # the sine keeps the three psums from being merged or hoisted
+        return jax.lax.fori_loop(0, 3, lambda i, a: jnp.sin(jax.lax.psum(a, MP)), x)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P(DP, MP), out_specs=P(DP, MP), check_vma=False)
+    text = jax.jit(f).lower(jnp.ones((8, 16), jnp.float32)).compile().as_text()
+    counts = collectives_per_step(text)
+    assert counts["all-reduce"] == {"count": 3, "bytes": 3 * 4 * 8 * 4}
+    assert counts["trivial"] == 0

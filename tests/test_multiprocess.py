@@ -11,9 +11,10 @@ import subprocess
 
 import numpy as np
 import pytest
-from helpers import meshlm_argv, train_args, wait_for, write_corpus
+from helpers import meshlm_argv, run_meshlm, train_args, train_rows, wait_for, write_corpus
 
 from meshlm.io.checkpoint import Checkpointer
+from meshlm.parallel.launch import free_port
 
 LAUNCH = ["launch", "-n", "2", "--devices-per-process", "2", "--"]
 
@@ -23,19 +24,8 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-def _meshlm(*args, timeout=300):
-    return subprocess.run(meshlm_argv(*args), capture_output=True, text=True, timeout=timeout)
-
-
 def _losses(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return [r["loss"] for r in train_rows(out)]
 
 
 def _lone_process_zero(port: int, *extra: str) -> list[str]:
@@ -45,7 +35,7 @@ def _lone_process_zero(port: int, *extra: str) -> list[str]:
 
 
 def test_launch_verify_spans_both_processes():
-    out = _meshlm(*LAUNCH, "verify", "--config", "tiny", "--mesh", "2x2", "--json")
+    out = run_meshlm(*LAUNCH, "verify", "--config", "tiny", "--mesh", "2x2", "--json")
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["ok"] and report["mesh"] == {"dp": 2, "mp": 2}
@@ -53,19 +43,21 @@ def test_launch_verify_spans_both_processes():
 
 
 def test_two_processes_train_like_one_and_checkpoint_restores_in_one(corpus, tmp_path):
-    two = _meshlm(*LAUNCH, *train_args(corpus, tmp_path / "two", 10, save_every=5, eval_every=5))
+    two = run_meshlm(*LAUNCH, *train_args(corpus, tmp_path / "two", 10, save_every=5, eval_every=5))
     assert two.returncode == 0, two.stderr[-2000:]
-    one = _meshlm(*train_args(corpus, tmp_path / "one", 10, save_every=5, eval_every=5), "--devices", "4")
+    one = run_meshlm(*train_args(corpus, tmp_path / "one", 10, save_every=5, eval_every=5), "--devices", "4")
     assert one.returncode == 0, one.stderr[-2000:]
     np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-6)
     assert Checkpointer(tmp_path / "two").all_steps() == [5, 10]
     # written by 2 processes, read by 1 on a different mesh: the proof runs from it
-    v = _meshlm("verify", "--checkpoint", str(tmp_path / "two"), "--mesh", "1x4", "--devices", "4", "--json")
+    v = run_meshlm(
+        "verify", "--checkpoint", str(tmp_path / "two"), "--mesh", "1x4", "--devices", "4", "--json"
+    )
     assert v.returncode == 0 and json.loads(v.stdout)["ok"], v.stdout[-3000:] + v.stderr[-2000:]
 
 
 def test_wrong_process_count_fails_fast():
-    out = _meshlm(*_lone_process_zero(_free_port(), "--init-timeout", "5"), timeout=60)
+    out = run_meshlm(*_lone_process_zero(free_port(), "--init-timeout", "5"), timeout=60)
     assert out.returncode != 0 and "not all processes joined" in out.stderr, out.stderr[-1000:]
 
 
@@ -73,7 +65,7 @@ def test_coordinator_port_in_use_is_a_clear_error():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        out = _meshlm(*_lone_process_zero(s.getsockname()[1]), timeout=60)
+        out = run_meshlm(*_lone_process_zero(s.getsockname()[1]), timeout=60)
     assert out.returncode == 2 and "is already in use" in out.stderr, out.stderr[-1000:]
 
 
@@ -98,5 +90,5 @@ def test_peer_killed_mid_run_stops_all_and_keeps_checkpoint(corpus, tmp_path):
     assert launcher.returncode != 0 and "process 1 exited with code -9" in err, err[-2000:]
     steps = Checkpointer(tmp_path).all_steps()
     assert steps
-    resumed = _meshlm(*train_args(corpus, tmp_path, steps[-1] + 2), "--devices", "4")
+    resumed = run_meshlm(*train_args(corpus, tmp_path, steps[-1] + 2), "--devices", "4")
     assert resumed.returncode == 0 and "resuming from" in resumed.stderr, resumed.stderr[-2000:]

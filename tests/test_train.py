@@ -1,6 +1,7 @@
 """Training: a short run learns and logs; exact resume after SIGKILL; resume on another mesh; errors."""
 
-import json
+import argparse
+import dataclasses
 import os
 import signal
 import subprocess
@@ -9,14 +10,25 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import meshlm_argv, train_args, wait_for, write_corpus
+from helpers import (
+    eval_rows,
+    meshlm_argv,
+    read_metrics,
+    run_cli,
+    train_args,
+    train_rows,
+    wait_for,
+    write_corpus,
+)
 
-from meshlm.errors import CheckpointError, TokenRangeError, TrainingError
+from meshlm.cli.train import add_parser, train_config
+from meshlm.errors import CheckpointError, ConfigError, TokenRangeError, TrainingError
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.parallel.mesh import make_mesh
-from meshlm.train.config import TrainConfig
-from meshlm.train.loop import _one_step, build_run, save, train
+from meshlm.train.config import CLI_HIDDEN, TrainConfig, resolve, resume_must_match
+from meshlm.train.loop import _one_step, save, train
 from meshlm.train.optim import clip_by_global_norm
+from meshlm.train.run import build_run
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +56,14 @@ def _tcfg(corpus, out, **kw):
 
 def test_short_run_learns_and_writes_outputs(corpus, tmp_path):
     summary = train(_tcfg(corpus, tmp_path, steps=16), make_mesh(2, 2))
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    train_rows = [r for r in rows if "loss" in r]
-    eval_rows = [r for r in rows if "val_loss" in r]
-    assert [r["step"] for r in train_rows] == list(range(1, 17))
-    assert set(train_rows[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
-    assert set(eval_rows[0]) == {"step", "val_loss", "val_bpb"}
-    assert np.mean([r["loss"] for r in train_rows[-3:]]) < train_rows[0]["loss"] - 0.5
-    assert eval_rows[-1]["val_bpb"] < eval_rows[0]["val_bpb"]
-    assert summary["val_bpb_end"] == eval_rows[-1]["val_bpb"]
+    trains, evals = train_rows(tmp_path), eval_rows(tmp_path)
+    assert len(trains) + len(evals) == len(read_metrics(tmp_path))
+    assert [r["step"] for r in trains] == list(range(1, 17))
+    assert set(trains[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
+    assert set(evals[0]) == {"step", "val_loss", "val_bpb"}
+    assert np.mean([r["loss"] for r in trains[-3:]]) < trains[0]["loss"] - 0.5
+    assert evals[-1]["val_bpb"] < evals[0]["val_bpb"]
+    assert summary["val_bpb_end"] == evals[-1]["val_bpb"]
     assert (tmp_path / "loss_curve.png").stat().st_size > 1000
     assert any((tmp_path / "tensorboard").iterdir())
     assert Checkpointer(tmp_path).all_steps() == [6, 12, 16]
@@ -72,11 +83,7 @@ def test_resume_on_another_mesh_continues_allclose(corpus, tmp_path):
         assert resumed.step == 4
     resumed = build_run(tcfg, make_mesh(1, 4))
     losses = [float(_one_step(resumed)["loss"]) for _ in range(4)]
-    want = [
-        json.loads(line)["loss"]
-        for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
-        if '"loss"' in line
-    ][4:8]
+    want = [r["loss"] for r in train_rows(tmp_path / "ref")][4:8]
     np.testing.assert_allclose(losses, want, rtol=1e-5)
 
 
@@ -123,8 +130,7 @@ def _cli_train(out, corpus, steps):
 
 
 def _losses(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    return [(r["step"], r["loss"]) for r in train_rows(out)]
 
 
 def test_sigkill_then_resume_is_bitwise_identical(corpus, tmp_path):
@@ -188,7 +194,73 @@ def test_restarts_never_duplicate_metrics_rows(corpus, tmp_path):
     tcfg = _tcfg(corpus, tmp_path, steps=4, eval_every=2, save_every=2)
     train(tcfg, make_mesh(1, 2))
     train(tcfg, make_mesh(1, 2))  # already finished: resumes at step 4, evaluates it again
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    evals = [r["step"] for r in rows if "val_loss" in r]
-    trains = [r["step"] for r in rows if "loss" in r]
+    evals = [r["step"] for r in eval_rows(tmp_path)]
+    trains = [r["step"] for r in train_rows(tmp_path)]
     assert evals == [0, 2, 4] and trains == [1, 2, 3, 4]
+
+
+def test_seq_len_defaults_to_the_presets_context(corpus, tmp_path):
+    """`meshlm train --config tiny-llama` used to fail: the default 128 exceeded its max_seq_len 64."""
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    parsed = sub.choices["train"].parse_args(["--config", "tiny-llama"])
+    assert resolve(train_config(parsed))[0].seq_len == 64
+    assert resolve(TrainConfig(config="cpu"))[0].seq_len == 128
+    assert resolve(TrainConfig(config="small"))[0].seq_len == 128  # max_seq_len 256: still 128
+    with pytest.raises(ConfigError, match="seq_len=128 exceeds the tiny-llama config's max_seq_len=64"):
+        resolve(TrainConfig(config="tiny-llama", seq_len=128))
+    # The checkpoint meta records the resolved length, so explicit and default both resume from it.
+    run = build_run(_tcfg(corpus, tmp_path, seq_len=0), make_mesh(1, 2))
+    save(run)
+    run.ckpt.close()
+    assert Checkpointer(tmp_path).read_meta()["train_config"]["seq_len"] == 64
+    for seq_len in (0, 64):
+        resumed = build_run(_tcfg(corpus, tmp_path, seq_len=seq_len), make_mesh(1, 2))
+        assert resumed.tcfg.seq_len == 64
+        resumed.ckpt.close()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_byte_data_on_a_small_vocabulary_fails_up_front(preset, tmp_path, monkeypatch, capsys):
+    def too_late(*args, **kwargs):
+        raise AssertionError("the vocabulary check must come before devices and data")
+
+    monkeypatch.setattr("meshlm.cli.train.setup", too_late)
+    monkeypatch.setattr("meshlm.train.run.load_splits", too_late)
+    code = run_cli("train", "--config", preset, "--out", str(tmp_path / "out"))
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    assert f"the {preset} preset has vocab_size=64" in err and "tiny-lm" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_must_match_comes_from_field_metadata():
+    assert set(resume_must_match()) == {
+        "config",
+        "data",
+        "batch_size",
+        "seq_len",
+        "lr",
+        "warmup_steps",
+        "weight_decay",
+        "clip_norm",
+        "accum_steps",
+        "compute_dtype",
+        "seed",
+    }
+
+
+def test_every_train_config_field_has_help_and_a_flag():
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    parser = sub.choices["train"]
+    dests = vars(parser.parse_args([]))
+    for f in dataclasses.fields(TrainConfig):
+        assert f.metadata.get("help"), f"{f.name} has no help"
+        assert f.name in dests or f.metadata["cli"] == CLI_HIDDEN, f"{f.name} has no flag"
+    assert train_config(parser.parse_args([])) == TrainConfig()  # flag defaults = field defaults
+    flags = parser.parse_args(["--bf16", "--data", "a", "b", "--seq-len", "32", "--fresh", "--seed", "3"])
+    assert train_config(flags) == TrainConfig(
+        compute_dtype="bfloat16", data=("a", "b"), seq_len=32, fresh=True, seed=3
+    )

@@ -9,7 +9,7 @@ import pytest
 from meshlm.errors import ShardingError
 from meshlm.model.config import get_config
 from meshlm.parallel.mesh import make_mesh
-from meshlm.proof.prover import format_report, model_problem, verify
+from meshlm.proof import format_report, model_problem, verify
 
 ATTENTION_CONTROLS = {"shard uses another shard's heads", "wrong rotary convention"}
 
@@ -49,14 +49,14 @@ def test_transformer_training_steps_float64_on_2x2(name):
 
 
 def test_param_bytes_per_device_is_total_over_mp_plus_replicated():
-    """1xMP: per-device bytes within 5% of total/mp + the replicated norms (KV heads >= mp)."""
+    """1xMP: per-device bytes are exactly total/mp + the replicated norms (KV heads >= mp)."""
     report = _verify("tiny-llama", 1, 4, controls=())
     j = report.to_json()
     norms = sum(
         np.prod(p["shape"]) * 4 for p in j["params"] if p["path"].split("/")[-2] in ("ln", "ln2", "final_ln")
     )
     ideal = (j["param_bytes_total"] - norms) / 4 + norms
-    assert abs(j["param_bytes_per_device"] - ideal) <= 0.05 * ideal
+    assert j["param_bytes_per_device"] == ideal
 
 
 def test_mesh_that_cannot_split_heads_is_a_clear_error():
@@ -74,7 +74,7 @@ def test_real_size_presets_in_memory_reports(name, count):
 
     report = memory_report(get_config(name), make_mesh(2, 4))
     assert report["params"] == count
-    assert report["param_bytes_per_device"] == pytest.approx(report["param_bytes_ideal_per_device"], rel=0.05)
+    assert report["param_bytes_per_device"] == report["param_bytes_ideal_per_device"]
 
 
 def test_remat_layers_are_proven_too():

@@ -9,7 +9,7 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "verify": ("meshlm.proof.prover", "verify"),
+    "verify": ("meshlm.proof", "verify"),
     "get_config": ("meshlm.model.config", "get_config"),
     "ModelConfig": ("meshlm.model.config", "ModelConfig"),
     "Parallel": ("meshlm.parallel.context", "Parallel"),

@@ -1,5 +1,11 @@
-"""The ``meshlm`` command line. Each subcommand lives in ``meshlm.commands.<name>``: a parser and a
-short ``run`` that builds configs and calls the library. User errors print one line, exit 2."""
+"""The ``meshlm`` command line. Each subcommand lives in ``meshlm.cli.<name>``: ``add_parser(sub)``
+registers it and a short ``run(args)`` builds configs and calls the library. User errors print one
+line and exit 2.
+
+No module of this package may import JAX at module level: every parser is built before ``--devices``
+sets ``XLA_FLAGS``. Each ``run`` calls ``meshlm.cli.common.setup(args)`` first, then imports what it
+needs. Nothing in the library imports ``meshlm.cli``.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """meshlm bench: time our sharded train step against the unsharded model and GSPMD, with MFU, memory
-per device and collectives; see ``meshlm.bench`` for what is measured and how."""
+per device and collectives; see ``meshlm.perf.bench`` for what is measured and how."""
 
 from __future__ import annotations
 
@@ -29,14 +29,8 @@ def run(args) -> int:
     mesh, dp, _ = setup(args)
     from meshlm.model.config import get_config
     from meshlm.parallel.distributed import is_main, print0
-    from meshlm.perf.bench import (
-        DEFAULT_BATCH,
-        DEFAULT_SEQ,
-        BenchSettings,
-        format_bench,
-        run_bench,
-        write_outputs,
-    )
+    from meshlm.perf.bench import DEFAULT_BATCH, DEFAULT_SEQ, BenchSettings, run_bench
+    from meshlm.perf.bench_report import format_bench, write_outputs
 
     cfg = get_config(args.config)
     settings = BenchSettings(

@@ -44,8 +44,7 @@ def _line(s: dict) -> str:
 
 def _from_hf(args, mesh) -> dict:
     """Load the HF weights on the host, place each array sharded on the mesh, save a checkpoint."""
-
-    from meshlm.io.hf import load_hf
+    from meshlm.io.hf_weights import load_hf
     from meshlm.io.model_io import abstract_params, save_model
     from meshlm.model.params import flat_params, unflatten
     from meshlm.parallel.placement import put_global
@@ -61,19 +60,16 @@ def _from_hf(args, mesh) -> dict:
 def _to_hf(args, mesh) -> dict:
     """Load the checkpoint sharded, gather every array to the host, write on process 0 only."""
     import jax
-    import numpy as np
 
-    from meshlm.io.hf import config_to_hf, save_hf
+    from meshlm.io.hf_config import config_to_hf
+    from meshlm.io.hf_weights import save_hf
     from meshlm.io.model_io import load_model, read_config
     from meshlm.model.params import flat_params
+    from meshlm.parallel.placement import to_host
 
     config_to_hf(read_config(args.to_hf)[0])  # an unexportable config fails before loading weights
     cfg, params, _ = load_model(args.to_hf, mesh)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        params = multihost_utils.process_allgather(params, tiled=True)
-    flat = {path: np.asarray(v) for path, v in flat_params(params).items()}
+    flat = {path: to_host(v) for path, v in flat_params(params).items()}  # every process gathers
     if jax.process_index() == 0:
         save_hf(cfg, flat, args.out)
     return _summary(args.to_hf, args.out, "transformers", cfg, flat)

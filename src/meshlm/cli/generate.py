@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
 
 def _prompts(args) -> list[str]:
     from meshlm.errors import GenerationError
-    from meshlm.generate.generator import read_prompt_file
+    from meshlm.generate.inputs import read_prompt_file
 
     prompts = list(args.prompt) + [read_prompt_file(f) for f in args.prompt_file]
     if not prompts:

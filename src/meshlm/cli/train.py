@@ -1,90 +1,91 @@
-"""meshlm train: the main job. Defaults train the `cpu` preset on the Python stdlib in about 5 minutes."""
+"""meshlm train: the main job. Defaults train the `cpu` preset on the Python stdlib in about 5 minutes.
+
+The flags and the TrainConfig built from them are derived from TrainConfig's fields (see
+``meshlm.train.config``): each flag is the field name in kebab case, and its value lands under the
+field's own name in ``args``.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import sys
 
 from meshlm.cli.common import add_common, setup
-from meshlm.train.config import TrainConfig
+from meshlm.train.config import CLI_FLAG, CLI_HIDDEN, TrainConfig, check_byte_vocab, resolve
 
 D = TrainConfig()
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train (or resume) a model; writes checkpoints and metrics to --out")
-    add_common(p, D.config)
-    p.add_argument(
-        "--data", nargs="+", default=None, help="text files, directories or globs (default: stdlib)"
-    )
-    for flag, kind in (
-        ("steps", int),
-        ("batch-size", int),
-        ("seq-len", int),
-        ("lr", float),
-        ("warmup-steps", int),
-        ("weight-decay", float),
-        ("clip-norm", float),
-        ("accum-steps", int),
-        ("eval-every", int),
-        ("eval-batches", int),
-        ("save-every", int),
-        ("keep", int),
-        ("log-every", int),
-        ("sample-tokens", int),
-    ):
-        name = flag.replace("-", "_")
-        p.add_argument(f"--{flag}", type=kind, default=getattr(D, name), help=f"default {getattr(D, name)}")
-    p.add_argument("--bf16", action="store_true", help="bf16 compute with float32 master weights")
-    p.add_argument(
-        "--out", default=D.out, help=f"run directory (default {D.out}); resumes if it has checkpoints"
-    )
-    p.add_argument("--fresh", action="store_true", help="start over; refuses if --out holds checkpoints")
-    p.add_argument(
-        "--checkpoint", default="", help="initial parameters from a checkpoint (e.g. converted HF)"
-    )
+    add_common(p, D.config)  # also --config and --seed (fields marked CLI_COMMON)
+    for f in dataclasses.fields(TrainConfig):
+        if f.metadata["cli"] == CLI_FLAG:
+            _add_flag(p, f)
     p.set_defaults(fn=run)
 
 
+def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field) -> None:
+    switch = f.metadata["switch"]
+    if switch is not None:
+        # Under the field's own dest, like every other flag, so `train_config` needs no special case.
+        p.add_argument(switch.flag, dest=f.name, action="store_const", const=switch.value, help=switch.help)
+        p.set_defaults(**{f.name: f.default})
+        return
+    flag = "--" + f.name.replace("_", "-")
+    if isinstance(f.default, bool):
+        p.add_argument(flag, action="store_true", help=_help(f))
+    elif isinstance(f.default, tuple):
+        p.add_argument(flag, nargs="+", default=f.default, help=_help(f))
+    else:
+        p.add_argument(flag, type=type(f.default), default=f.default, help=_help(f))
+
+
+def _help(f: dataclasses.Field) -> str:
+    """The field's help, with its default unless that is empty (or a flag without a value)."""
+    shown = f.metadata["shown_default"]
+    if shown is None and f.default not in ("", ()) and not isinstance(f.default, bool):
+        shown = f.default
+    text = f.metadata["help"] if shown is None else f"{f.metadata['help']} (default: {shown})"
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig the flags describe (each field not CLI-hidden is in ``args`` under its name)."""
+    values = {}
+    for f in dataclasses.fields(TrainConfig):
+        if f.metadata["cli"] != CLI_HIDDEN:
+            value = getattr(args, f.name)
+            values[f.name] = tuple(value) if isinstance(f.default, tuple) else value
+    return TrainConfig(**values)
+
+
 def run(args) -> int:
+    tcfg, cfg = resolve(train_config(args))
+    # Before devices, data or model: a preset that cannot train on bytes fails in a second, not after
+    # the corpus is read.
+    check_byte_vocab(tcfg, cfg)
     mesh, _, _ = setup(args)
     from meshlm.parallel.distributed import print0
     from meshlm.train.loop import train
 
-    tcfg = TrainConfig(
-        config=args.config,
-        data=tuple(args.data or ()),
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay,
-        clip_norm=args.clip_norm,
-        accum_steps=args.accum_steps,
-        compute_dtype="bfloat16" if args.bf16 else "float32",
-        eval_every=args.eval_every,
-        eval_batches=args.eval_batches,
-        save_every=args.save_every,
-        keep=args.keep,
-        log_every=args.log_every,
-        seed=args.seed,
-        out=args.out,
-        fresh=args.fresh,
-        checkpoint=args.checkpoint,
-        sample_tokens=args.sample_tokens,
-    )
     summary = train(tcfg, mesh)
     if args.json:
         print0(json.dumps(summary))
     elif "interrupted" not in summary:
-        if summary.get("sample"):
-            print0("--- sample ---\n" + summary["sample"] + "\n--------------")
-        start = summary["val_bpb_start"]
-        print0(
-            f"done: step {summary['step']} in {summary['wall_s']:.0f} s; val_bpb "
-            f"{'' if start is None else f'{start:.3f} -> '}{summary['val_bpb_end']:.3f}; "
-            f"outputs in {summary['out']}",
-            file=sys.stderr,
-        )
+        _print_summary(summary, print0)
     return 0
+
+
+def _print_summary(summary: dict, print0) -> None:
+    if summary.get("sample"):
+        print0("--- sample ---\n" + summary["sample"] + "\n--------------")
+    start = summary["val_bpb_start"]
+    print0(
+        f"done: step {summary['step']} in {summary['wall_s']:.0f} s; val_bpb "
+        f"{'' if start is None else f'{start:.3f} -> '}{summary['val_bpb_end']:.3f}; "
+        f"outputs in {summary['out']}",
+        file=sys.stderr,
+    )

@@ -26,7 +26,7 @@ def run(args) -> int:
 
     from meshlm.model.config import get_config
     from meshlm.parallel.distributed import print0
-    from meshlm.proof.prover import format_report, model_problem, verify
+    from meshlm.proof import format_report, model_problem, verify
 
     if args.x64:
         jax.config.update("jax_enable_x64", True)

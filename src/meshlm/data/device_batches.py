@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from meshlm.data.corpus import Batcher
+from meshlm.data.stream import Batcher
 from meshlm.parallel.placement import put_global
 from meshlm.parallel.rules import batch_sharding
 

@@ -1,6 +1,6 @@
 """Model checkpoints as users load them: a config plus parameters, sharded onto any mesh.
 
-A meshlm checkpoint (``meshlm.checkpoint``) holds ``state = {"params", ["opt_state", "step"]}`` and
+A meshlm checkpoint (``meshlm.io.checkpoint``) holds ``state = {"params", ["opt_state", "step"]}`` and
 ``meta = {"format", "model_config", ...}``. ``meshlm train --out DIR`` and ``meshlm convert`` both
 write it; ``generate``, ``verify``, ``convert --to-hf`` and ``train --checkpoint`` read it here.
 """
@@ -12,7 +12,8 @@ from pathlib import Path
 import jax
 
 from meshlm.errors import CheckpointError
-from meshlm.io.checkpoint import Checkpointer, resolve
+from meshlm.io.checkpoint import Checkpointer
+from meshlm.io.layout import resolve
 from meshlm.model.config import ModelConfig, from_dict
 from meshlm.parallel.axes import MP
 from meshlm.parallel.rules import model_specs, shardings

@@ -36,7 +36,7 @@ def kv_replicated(n_kv_heads: int, mp: int) -> bool:
 class Attention(hk.Module):
     """Returns the per-shard partial output [B, T, D] (reduce with ``par.row_out``)."""
 
-    def __init__(self, cfg: ModelConfig, par: Parallel, stddev: float, name: str = "attn"):
+    def __init__(self, *, cfg: ModelConfig, par: Parallel, stddev: float, name: str = "attn"):
         super().__init__(name=name)
         self.cfg, self.par, self.stddev = cfg, par, stddev
         self.style = cfg.rotary_kind

@@ -42,22 +42,10 @@ class VocabEmbed(hk.Module):
     """
 
     def __init__(
-        self,
-        vocab: int,
-        d_model: int,
-        par: Parallel,
-        stddev: float,
-        bias: bool = False,
-        name: str = "embed",
+        self, *, vocab_size: int, d_model: int, par: Parallel, stddev: float, bias: bool = False, name="embed"
     ):
         super().__init__(name=name)
-        self.vocab, self.d_model, self.par, self.stddev, self.bias = (
-            vocab,
-            d_model,
-            par,
-            stddev,
-            bias,
-        )
+        self.vocab, self.d_model, self.par, self.stddev, self.bias = vocab_size, d_model, par, stddev, bias
 
     def _table(self):  # [V/mp, D]
         return hk.get_parameter(
@@ -80,9 +68,9 @@ class VocabEmbed(hk.Module):
 class VocabHead(hk.Module):
     """Vocabulary-parallel output projection: w [D, V/mp], b [V/mp] per shard."""
 
-    def __init__(self, vocab: int, par: Parallel, stddev: float, bias: bool, name: str = "head"):
+    def __init__(self, *, vocab_size: int, par: Parallel, stddev: float, bias: bool, name: str = "head"):
         super().__init__(name=name)
-        self.vocab, self.par, self.stddev, self.bias = vocab, par, stddev, bias
+        self.vocab, self.par, self.stddev, self.bias = vocab_size, par, stddev, bias
 
     def local_logits(self, xf):  # [B, T, D] -> [B, T, V/mp] per-shard
         vs = self.vocab // self.par.mp
@@ -124,7 +112,8 @@ class MLP(hk.Module):
 
     def __init__(
         self,
-        d_ff: int,
+        *,
+        hidden_dim: int,
         par: Parallel,
         kind: str,
         bias: bool,
@@ -133,7 +122,9 @@ class MLP(hk.Module):
         name: str = "mlp",
     ):
         super().__init__(name=name)
-        self.d_ff, self.par, self.kind, self.bias = d_ff, par, kind, bias
+        if kind not in ("gelu", "swiglu"):
+            raise ValueError(f"MLP kind must be 'gelu' or 'swiglu', got {kind!r}")
+        self.d_ff, self.par, self.kind, self.bias = hidden_dim, par, kind, bias
         self.stddev_in, self.stddev_out = stddev_in, stddev_out
 
     def _dense(self, name, x, cols, stddev, bias):
@@ -159,7 +150,7 @@ class MLP(hk.Module):
 class LayerNorm(hk.Module):
     """LayerNorm with scale and offset, computed in float32 (replicated parameters)."""
 
-    def __init__(self, eps: float, name: str = "ln"):
+    def __init__(self, *, eps: float, name: str = "ln"):
         super().__init__(name=name)
         self.eps = eps
 
@@ -177,7 +168,7 @@ class LayerNorm(hk.Module):
 class RMSNorm(hk.Module):
     """RMSNorm (Llama): x / rms(x) * scale, computed in float32 (replicated parameters)."""
 
-    def __init__(self, eps: float, name: str = "ln"):
+    def __init__(self, *, eps: float, name: str = "ln"):
         super().__init__(name=name)
         self.eps = eps
 

@@ -27,17 +27,26 @@ def _ff_layer(cfg: ModelConfig, par: Parallel):
     s = 1.0 / np.sqrt(cfg.d_model)  # the prototype's hk.Linear default and its output init
 
     def layer(x, cache=None):
-        partial, b = MLP(cfg.d_ff, par, "gelu", True, s, s, name="mlp")(par.f(x))
+        partial, b = MLP(hidden_dim=cfg.d_ff, par=par, kind="gelu", bias=True, stddev_in=s, stddev_out=s)(
+            par.f(x)
+        )
         return x + par.row_out(partial, b), cache
 
     return layer
 
 
+def _mlp(cfg: ModelConfig, par: Parallel, *, kind: str, bias: bool) -> MLP:
+    """The transformer families' MLP (GPT-J/Llama initialisation)."""
+    return MLP(
+        hidden_dim=cfg.d_ff, par=par, kind=kind, bias=bias, stddev_in=GPT_STDDEV, stddev_out=GPT_STDDEV
+    )
+
+
 def _gptj_layer(cfg: ModelConfig, par: Parallel):
     def layer(x, positions, cache=None):
-        xf = par.f(LayerNorm(cfg.norm_eps, name="ln")(x))  # one f for both branches
-        attn, cache = Attention(cfg, par, GPT_STDDEV)(xf, positions, cache)
-        mlp, b = MLP(cfg.d_ff, par, "gelu", True, GPT_STDDEV, GPT_STDDEV, name="mlp")(xf)
+        xf = par.f(LayerNorm(eps=cfg.norm_eps, name="ln")(x))  # one f for both branches
+        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(xf, positions, cache)
+        mlp, b = _mlp(cfg, par, kind="gelu", bias=True)(xf)
         return x + par.row_out(attn + mlp, b), cache  # one all-reduce for both branches
 
     return layer
@@ -45,11 +54,11 @@ def _gptj_layer(cfg: ModelConfig, par: Parallel):
 
 def _llama_layer(cfg: ModelConfig, par: Parallel):
     def layer(x, positions, cache=None):
-        xf = par.f(RMSNorm(cfg.norm_eps, name="ln")(x))
-        attn, cache = Attention(cfg, par, GPT_STDDEV)(xf, positions, cache)
+        xf = par.f(RMSNorm(eps=cfg.norm_eps, name="ln")(x))
+        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(xf, positions, cache)
         x = x + par.row_out(attn)
-        xf = par.f(RMSNorm(cfg.norm_eps, name="ln2")(x))
-        mlp, _ = MLP(cfg.d_ff, par, "swiglu", False, GPT_STDDEV, GPT_STDDEV, name="mlp")(xf)
+        xf = par.f(RMSNorm(eps=cfg.norm_eps, name="ln2")(x))
+        mlp, _ = _mlp(cfg, par, kind="swiglu", bias=False)(xf)
         return x + par.row_out(mlp), cache
 
     return layer
@@ -81,18 +90,22 @@ def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
     ff = cfg.family == "ff"
     stddev = 1.0 / np.sqrt(cfg.vocab_size) if ff else GPT_STDDEV
-    embed = VocabEmbed(cfg.vocab_size, cfg.d_model, par, stddev, bias=cfg.embed_bias)
+    embed = VocabEmbed(
+        vocab_size=cfg.vocab_size, d_model=cfg.d_model, par=par, stddev=stddev, bias=cfg.embed_bias
+    )
     x = embed(tokens)  # [B, T, D]
     x, cache = _stack(cfg, LAYERS[cfg.family](cfg, par), x, positions, cache)
     if cfg.family == "gptj":
-        x = LayerNorm(cfg.norm_eps, name="final_ln")(x)
+        x = LayerNorm(eps=cfg.norm_eps, name="final_ln")(x)
     elif cfg.family == "llama":
-        x = RMSNorm(cfg.norm_eps, name="final_ln")(x)
+        x = RMSNorm(eps=cfg.norm_eps, name="final_ln")(x)
     xf = par.f(x)
     if cfg.tie_embeddings:
         return embed.local_logits(xf), cache
     head_stddev = 1.0 / np.sqrt(cfg.d_model) if ff else GPT_STDDEV
-    head = VocabHead(cfg.vocab_size, par, head_stddev, bias=cfg.family in ("ff", "gptj"))
+    head = VocabHead(
+        vocab_size=cfg.vocab_size, par=par, stddev=head_stddev, bias=cfg.family in ("ff", "gptj")
+    )
     return head.local_logits(xf), cache
 
 

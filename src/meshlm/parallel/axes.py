@@ -1,7 +1,9 @@
-"""Mesh axis names: the only place these strings are spelled.
+"""Mesh axis names: the only place these strings are spelled as axes (JSON reports reuse the words
+"dp"/"mp" as keys, which are output names, not axis lookups).
 
 The mesh is 2-D: ``DP`` splits the batch (data parallel), ``MP`` splits weights Megatron-style
-(model / tensor parallel). Layers never name axes; they call methods of ``meshlm.parallel.Parallel``.
+(model / tensor parallel). Layers never name axes; they call methods of
+``meshlm.parallel.context.Parallel``.
 """
 
 DP = "dp"  # data-parallel axis: the global batch is split over it

@@ -1,12 +1,16 @@
 """Count the collectives in a compiled XLA program, to check what a sharding really costs.
 
-The count is static: an op inside a loop body (e.g. a scan over layers) counts once, however
-many times the loop runs. Only instructions are counted, never computation or operand names, so
-``%all-reduce.3 = f32[8] all-reduce(%x), to_apply=%add`` is one all-reduce.
+Two counts. ``collectives_from_text`` / ``collectives_of`` are static: an op inside a loop body
+(e.g. a scan over layers) counts once, however many times the loop runs. ``collectives_per_step``
+counts what one execution runs: loop bodies times their known trip count, called computations
+followed, and no-op collectives (replica groups of one device) set aside. Only instructions are
+counted, never computation or operand names, so ``%all-reduce.3 = f32[8] all-reduce(%x),
+to_apply=%add`` is one all-reduce.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -17,6 +21,15 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*")
 _OPCODE = re.compile(r"\s*([\w\-]+)\(")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
 _BITS = re.compile(r"^[a-z]+?(\d+)")
+# Per step: computation headers, what an instruction calls, how many devices take part.
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLS = re.compile(r"\b(?:calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([^}]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
 
 def collectives_from_text(hlo_text: str) -> dict[str, dict[str, int]]:
@@ -49,6 +62,78 @@ def collectives_of(compiled: Any) -> dict[str, dict[str, int]]:
         # Some backends cannot print their executable; counting nothing would be a silent lie.
         raise ValueError(f"{type(compiled).__name__}.as_text() returned no HLO text")
     return collectives_from_text(text)
+
+
+# --- per step: loops times their trip counts ------------------------------------------------------
+
+
+def collectives_per_step(hlo_text: str) -> dict[str, Any]:
+    """Collectives one execution runs: loop bodies times their known trip count (the static count
+    takes each op once), leaving out trivial ones whose replica groups have one device (no-ops) but
+    counting them under ``trivial``. Per kind {"count", "bytes"} (result bytes, as statically)."""
+    comps, entry = _computations(hlo_text)
+    memo: dict[str, tuple[dict, int]] = {}
+
+    def total(name: str) -> tuple[dict, int]:
+        if name not in memo:
+            lines = comps.get(name, [])
+            real = [ln for ln in lines if group_size(ln) != 1]
+            counts, trivial = collectives_from_text("\n".join(real)), len(lines) - len(real)
+            for line in lines:
+                for callee, times in _callees(line):
+                    sub, sub_trivial = total(callee)
+                    trivial += times * sub_trivial
+                    for kind in COLLECTIVES:
+                        for key in ("count", "bytes"):
+                            counts[kind][key] += times * sub[kind][key]
+            memo[name] = (counts, trivial)
+        return memo[name]
+
+    counts, trivial = total(entry)
+    return {**counts, "trivial": trivial}
+
+
+def group_size(line: str) -> int | None:
+    """Participants per replica group of a collective instruction line; None if not printed."""
+    if m := _GROUPS_LIST.search(line):
+        return len([x for x in m.group(1).split(",") if x.strip()])
+    if m := _GROUPS_IOTA.search(line):
+        return int(m.group(1))
+    if m := _GROUPS_MESH.search(line):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes.get(a, 1)) for a in re.findall(r"'(\w+)'", m.group(2)))
+    return None
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """{computation name: its instruction lines} and the entry computation's name."""
+    comps: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in hlo_text.splitlines():
+        if current is None and (m := _HEADER.match(line)):
+            current = m.group(2)
+            comps[current] = []
+            entry = current if m.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    return comps, entry
+
+
+def _callees(line: str) -> list[tuple[str, int]]:
+    """(computation, times it runs) called by one instruction; while bodies run their trip count."""
+    parsed = _parse_instruction(line)
+    if parsed is not None and parsed[0] == "while" and (body := _BODY.search(line)):
+        trip = _TRIP.search(line)
+        return [(body.group(1), int(trip.group(1)) if trip else 1)]
+    out = [(name, 1) for name in _CALLS.findall(line)]
+    if m := _BRANCHES.search(line):
+        out += [(b.strip().lstrip("%"), 1) for b in m.group(1).split(",") if b.strip()]
+    return out
+
+
+# --- parsing one instruction -----------------------------------------------------------------------
 
 
 def shape_bytes(type_text: str) -> int:

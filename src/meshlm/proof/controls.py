@@ -77,10 +77,29 @@ def per_shard_clip(mesh, specs, max_norm: float):
     return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=(specs, P()))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class Where:
+    """What a control's applicability depends on: the model and the mesh it is proven on."""
+
+    cfg: object  # the ModelConfig, or None for a user-defined Problem without one
+    dp: int  # data-parallel shards
+    mp: int  # model-parallel shards
+    has_row_bias: bool  # whether row-parallel biases exist (added once, after the all-reduce)
+
+    @property
+    def attention(self) -> bool:
+        return self.cfg is not None and self.cfg.family != "ff"
+
+    @property
+    def kv_replicated(self) -> bool:
+        """KV heads replicated over mp (mp > n_kv_heads > 1): each shard picks its query group's head."""
+        return self.attention and self.cfg.kv_heads > 1 and kv_replicated(self.cfg.kv_heads, self.mp)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Control:
     name: str  # shown in verify's output
-    applies: Callable  # (cfg or None, dp, mp, has_row_bias) -> bool
+    applies: Callable[[Where], bool]  # whether the fault can change the result on this model and mesh
     par_cls: type[Parallel] = Parallel  # the sharded run's parallel context
     cfg_change: Callable | None = None  # cfg -> cfg for the sharded run
     per_shard_clip: bool = False  # clip by a per-shard gradient norm (training step)
@@ -90,29 +109,25 @@ def _swap_rotary(cfg):
     return cfg.replace(rotary_style="half" if cfg.rotary_kind == "interleaved" else "interleaved")
 
 
-def _attn(cfg) -> bool:
-    return cfg is not None and cfg.family != "ff"
-
-
 CONTROLS: tuple[Control, ...] = (
-    Control("dropped all-reduce", lambda c, dp, mp, rb: mp > 1, DroppedAllReduce),
+    Control(name="dropped all-reduce", applies=lambda w: w.mp > 1, par_cls=DroppedAllReduce),
     Control(
-        "row-parallel bias counted mp times",
-        lambda c, dp, mp, rb: mp > 1 and rb,
-        BiasCountedMpTimes,
+        name="row-parallel bias counted mp times",
+        applies=lambda w: w.mp > 1 and w.has_row_bias,
+        par_cls=BiasCountedMpTimes,
     ),
-    Control("shard reads wrong vocab slice", lambda c, dp, mp, rb: mp > 1, WrongVocabSlice),
-    Control("missing data-parallel mean", lambda c, dp, mp, rb: dp > 1, MissingDpMean),
+    Control(name="shard reads wrong vocab slice", applies=lambda w: w.mp > 1, par_cls=WrongVocabSlice),
+    Control(name="missing data-parallel mean", applies=lambda w: w.dp > 1, par_cls=MissingDpMean),
     Control(
-        "shard uses another shard's heads",
-        lambda c, dp, mp, rb: mp > 1 and _attn(c),
-        OtherShardsHeads,
+        name="shard uses another shard's heads",
+        applies=lambda w: w.mp > 1 and w.attention,
+        par_cls=OtherShardsHeads,
     ),
-    Control("wrong rotary convention", lambda c, dp, mp, rb: _attn(c), cfg_change=_swap_rotary),
+    Control(name="wrong rotary convention", applies=lambda w: w.attention, cfg_change=_swap_rotary),
     Control(
-        "KV heads not replicated per query group",
-        lambda c, dp, mp, rb: _attn(c) and c.kv_heads > 1 and kv_replicated(c.kv_heads, mp),
-        KvNotReplicated,
+        name="KV heads not replicated per query group",
+        applies=lambda w: w.kv_replicated,
+        par_cls=KvNotReplicated,
     ),
-    Control("per-shard gradient-norm clipping", lambda c, dp, mp, rb: mp > 1, per_shard_clip=True),
+    Control(name="per-shard gradient-norm clipping", applies=lambda w: w.mp > 1, per_shard_clip=True),
 )

@@ -12,13 +12,9 @@ A leaf passes when max_abs_err <= atol + rtol * max|r|.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
 import haiku as hk
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from meshlm.data.tokens import check_batch
 from meshlm.model.params import flat_params
@@ -27,113 +23,14 @@ from meshlm.parallel.context import Parallel
 from meshlm.parallel.placement import bytes_per_device, put_global, to_host, total_bytes
 from meshlm.parallel.rules import batch_sharding
 from meshlm.parallel.spmd import reference_value_and_grad, sharded_value_and_grad
-from meshlm.proof.controls import CONTROLS, Control, per_shard_clip
+from meshlm.proof.controls import CONTROLS, Control, Where, per_shard_clip
+from meshlm.proof.problem import Problem, random_batch
+from meshlm.proof.report import LeafResult, Report, compare_into
 from meshlm.train.optim import OptimConfig, adamw, clip_by_global_norm, make_step
 
 # (rtol, atol), normwise. float32: summation order differs between layouts and Adam's division by
 # sqrt(v) amplifies rounding in near-zero gradients over steps; float64 shows the result is exact.
 TOLERANCE = {"float32": (2e-4, 1e-6), "float64": (1e-12, 1e-15)}
-
-
-@dataclass
-class LeafResult:
-    path: str
-    shape: tuple
-    spec: str
-    max_abs_err: float = 0.0
-    max_rel_err: float = 0.0
-    ok: bool = True
-
-    def update(self, s, r, rtol, atol):
-        s, r = np.asarray(s, np.float64), np.asarray(r, np.float64)
-        err = float(np.max(np.abs(s - r))) if r.size else 0.0
-        scale = float(np.max(np.abs(r))) if r.size else 0.0
-        rel = err / scale if scale else (0.0 if err == 0 else float("inf"))
-        self.max_abs_err = max(self.max_abs_err, err)
-        self.max_rel_err = max(self.max_rel_err, rel)
-        self.ok = self.ok and bool(np.isfinite(err)) and err <= atol + rtol * scale
-
-
-@dataclass
-class Report:
-    config: str
-    dp: int
-    mp: int
-    steps: int
-    dtype: str
-    rtol: float
-    atol: float
-    loss_sharded: float = 0.0
-    loss_reference: float = 0.0
-    loss_ok: bool = True
-    params: list[LeafResult] = field(default_factory=list)
-    controls: list[dict] = field(default_factory=list)
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.loss_ok and all(p.ok for p in self.params) and all(c["detected"] for c in self.controls)
-
-    def to_json(self) -> dict:
-        return {
-            "ok": self.ok,
-            "config": self.config,
-            "mesh": {"dp": self.dp, "mp": self.mp},
-            "steps": self.steps,
-            "dtype": self.dtype,
-            "tolerance": {"rtol": self.rtol, "atol": self.atol},
-            "loss": {"sharded": self.loss_sharded, "reference": self.loss_reference},
-            "params": [
-                {
-                    "path": p.path,
-                    "shape": list(p.shape),
-                    "spec": p.spec,
-                    "max_abs_err": p.max_abs_err,
-                    "max_rel_err": p.max_rel_err,
-                    "ok": p.ok,
-                }
-                for p in self.params
-            ],
-            "controls": self.controls,
-            **self.extra,
-        }
-
-
-@dataclass(frozen=True)
-class Problem:
-    """What to prove: a loss builder, its parameters' specs, inputs and (optionally) a config."""
-
-    build_loss: Callable[[Parallel], Callable]  # par -> Haiku fn(batch) -> scalar loss
-    specs_fn: Callable  # abstract params -> PartitionSpec tree (from a rules table)
-    batch: dict  # {"inputs", "targets"}: global [B, T] host arrays
-    name: str = "model"
-    cfg: object = None  # a ModelConfig enables the config-level controls
-    rebuild: Callable | None = None  # cfg -> build_loss, for config-level controls
-    has_row_bias: bool = True  # whether row-parallel biases exist (for that control)
-    load_params: Callable | None = None  # mesh -> params to prove with, instead of a fresh init
-
-
-def _leaf_label(keypath) -> str:
-    keys = [k.key for k in keypath if isinstance(k, jax.tree_util.DictKey)]
-    if len(keys) >= 2:
-        return f"{keys[-2]}/{keys[-1]}".replace("/~/", "/")
-    return "opt_state" + jax.tree_util.keystr(keypath)  # e.g. the step counters
-
-
-def _compare_into(results: dict, sharded, reference, rtol, atol) -> None:
-    """Fold the leaf-wise errors of two same-structure trees into ``results`` (by parameter path)."""
-    s_leaves = jax.tree_util.tree_flatten_with_path(sharded)[0]
-    r_leaves = jax.tree.leaves(reference)
-    for (kp, s), r in zip(s_leaves, r_leaves, strict=True):
-        label = _leaf_label(kp)
-        if label not in results:
-            results[label] = LeafResult(label, tuple(np.shape(r)), "P()")
-        results[label].update(to_host(s), to_host(r), rtol, atol)
-
-
-def _random_batch(vocab: int, shape: tuple[int, ...], seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    return {k: rng.integers(0, vocab, size=shape, dtype=np.int32) for k in ("inputs", "targets")}
 
 
 def _put(batch, mesh, accum: bool):
@@ -206,7 +103,7 @@ def _step_batches(problem: Problem, steps: int, accum: int, seed: int) -> list[d
     b, t = problem.batch["inputs"].shape
     vocab = int(problem.batch["inputs"].max()) + 1 if problem.cfg is None else problem.cfg.vocab_size
     shape = (accum, b, t) if accum > 1 else (b, t)
-    return [_random_batch(vocab, shape, seed + 1000 + k) for k in range(steps)]
+    return [random_batch(vocab, shape, seed + 1000 + k) for k in range(steps)]
 
 
 def default_optim(steps: int, ref_grad_norm: float) -> OptimConfig:
@@ -238,31 +135,36 @@ def verify(
     rtol, atol = TOLERANCE[dname]
     if problem.cfg is not None:
         check_batch(problem.batch, problem.cfg.vocab_size)
-    report = Report(problem.name, mesh.shape[DP], mesh.shape[MP], steps, dname, rtol, atol)
+    report = Report(
+        config=problem.name,
+        dp=mesh.shape[DP],
+        mp=mesh.shape[MP],
+        steps=steps,
+        dtype=dname,
+        rtol=rtol,
+        atol=atol,
+    )
     runs = _Runs(problem, mesh, dtype, seed)
     (ls, gs), (lr, gr) = runs.grads(problem.build_loss), runs.reference_grads()
     report.loss_sharded, report.loss_reference = float(to_host(ls)), float(to_host(lr))
-    loss_check = LeafResult("loss", (), "P()")
+    loss_check = LeafResult(path="loss", shape=(), spec="P()")
     loss_check.update(ls, lr, rtol, atol)
     report.loss_ok = loss_check.ok
     results: dict[str, LeafResult] = {}
-    _compare_into(results, gs, gr, rtol, atol)
+    compare_into(results, gs, gr, rtol, atol)
     if steps:
         ocfg = ocfg or default_optim(steps, float(clip_by_global_norm(gr, 0)[1]))
         batches = _step_batches(problem, steps, ocfg.accum_steps, seed)
         for (ps, ss, ms), (pr, sr, mr) in runs.train(ocfg, batches):
-            _compare_into(results, (ps, ss), (pr, sr), rtol, atol)
+            compare_into(results, (ps, ss), (pr, sr), rtol, atol)
             loss_check.update(to_host(ms["loss"]), to_host(mr["loss"]), rtol, atol)
         report.loss_ok = loss_check.ok
     _fill_specs(results, runs.specs)
     report.params = list(results.values())
     report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
     report.extra["param_bytes_total"] = total_bytes(runs.params)
-    report.controls = [
-        _run_control(c, runs, ocfg, rtol, atol)
-        for c in controls
-        if c.applies(problem.cfg, report.dp, report.mp, problem.has_row_bias)
-    ]
+    where = Where(cfg=problem.cfg, dp=report.dp, mp=report.mp, has_row_bias=problem.has_row_bias)
+    report.controls = [_run_control(c, runs, ocfg, rtol, atol) for c in controls if c.applies(where)]
     return report
 
 
@@ -286,10 +188,10 @@ def _run_control(control: Control, runs: _Runs, ocfg, rtol, atol) -> dict:
             ocfg = ocfg or default_optim(1, float(clip_by_global_norm(gr, 0)[1]))
             batches = _step_batches(problem, 1, ocfg.accum_steps, 0)
             for (ps, ss, _), (pr, sr, _) in runs.train(ocfg, batches, clip_fault=True):
-                _compare_into(results, (ps, ss), (pr, sr), rtol, atol)
+                compare_into(results, (ps, ss), (pr, sr), rtol, atol)
         else:
             (ls, gs), (lr, gr) = runs.grads(build, control.par_cls), runs.reference_grads()
-            _compare_into(results, {"loss": {"value": ls}, **gs}, {"loss": {"value": lr}, **gr}, rtol, atol)
+            compare_into(results, {"loss": {"value": ls}, **gs}, {"loss": {"value": lr}, **gr}, rtol, atol)
     except Exception as e:  # noqa: BLE001 - a rejected faulty program counts as detected
         return {
             "name": control.name,
@@ -299,51 +201,3 @@ def _run_control(control: Control, runs: _Runs, ocfg, rtol, atol) -> dict:
     bad = [r.path for r in results.values() if not r.ok]
     how = f"{len(bad)} leaves differ, e.g. {bad[0]}" if bad else "no difference"
     return {"name": control.name, "detected": bool(bad), "how": how}
-
-
-def model_problem(cfg, name: str, mp: int, batch_size: int, seq_len: int, seed: int = 0) -> Problem:
-    """A Problem for a meshlm model config: random token inputs and targets (global [B, T])."""
-    from meshlm.model.transformer import loss_fn
-    from meshlm.parallel.rules import model_specs
-
-    rebuild = lambda c: lambda par: loss_fn(c, par)
-    return Problem(
-        build_loss=rebuild(cfg),
-        specs_fn=lambda abstract: model_specs(cfg, abstract, mp),
-        batch=_random_batch(cfg.vocab_size, (batch_size, seq_len), seed),
-        name=name,
-        cfg=cfg,
-        rebuild=rebuild,
-        has_row_bias=cfg.family in ("ff", "gptj") or cfg.embed_bias,
-    )
-
-
-def format_report(r: Report) -> str:
-    """The human-readable proof: one row per parameter, then the loss, the controls and a verdict."""
-    rows = [
-        f"meshlm verify: config={r.config} mesh={r.dp}x{r.mp} dtype={r.dtype} steps={r.steps} "
-        f"tolerance: max|s-r| <= {r.atol:g} + {r.rtol:g}*max|r| (normwise)",
-        "",
-    ]
-    head = f"{'parameter':<28} {'global shape':<18} {'spec':<28} {'max abs err':>11} {'max rel err':>11}  ok"
-    rows += [head, "-" * len(head)]
-    for p in r.params:
-        rows.append(
-            f"{p.path:<28} {str(tuple(p.shape)):<18} {p.spec:<28} {p.max_abs_err:>11.3e} "
-            f"{p.max_rel_err:>11.3e}  {'PASS' if p.ok else 'FAIL'}"
-        )
-    worst = max((p.max_rel_err for p in r.params), default=0.0)
-    rows += [
-        "",
-        f"loss: sharded {r.loss_sharded:.10g}  reference {r.loss_reference:.10g}  "
-        f"{'PASS' if r.loss_ok else 'FAIL'}",
-        f"worst relative error: {worst:.3e}",
-        "",
-    ]
-    if not r.controls:
-        rows.append("controls: none apply on this mesh (collective faults need mp > 1, dp faults dp > 1)")
-    for c in r.controls:
-        verdict = "detected" if c["detected"] else "NOT DETECTED (verifier failure)"
-        rows.append(f"control {c['name']:<42} {verdict}  ({c['how']})")
-    rows += ["", "OK: sharded == unsharded" if r.ok else "FAILED"]
-    return "\n".join(rows)

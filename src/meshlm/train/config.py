@@ -1,42 +1,114 @@
-"""The training configuration: one frozen dataclass; unknown keys are errors listing valid ones."""
+"""The training configuration: one frozen dataclass whose fields describe themselves.
+
+Each field's metadata (built by ``_field``) holds its help text, whether a resumed run must use the same
+value, and how ``meshlm train`` exposes it. The command's flags, its ``TrainConfig`` construction and the
+resume check are all derived from it, so a new field is declared in one place.
+
+This module must not import JAX: the CLI builds its parser from it before choosing devices.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from meshlm.errors import ConfigError
+from meshlm.model.config import PRESETS, ModelConfig, get_config
+
+# seq_len=0 means min(DEFAULT_SEQ_LEN, the preset's max_seq_len), resolved by `resolve`.
+DEFAULT_SEQ_LEN = 128
+
+# How `meshlm train` exposes a field: a flag of its own, a flag the shared `add_common` already adds
+# (same dest), or not at all.
+CLI_FLAG, CLI_COMMON, CLI_HIDDEN = "flag", "common", "hidden"
+
+
+class Switch(NamedTuple):
+    """A value-less flag that sets its field to ``value`` (``--bf16`` -> compute_dtype="bfloat16")."""
+
+    flag: str  # e.g. "--bf16"
+    value: Any  # the field's value when the flag is given
+    help: str  # the flag's help text
+
+
+def _field(
+    default: Any,
+    help: str,
+    *,
+    resume_must_match: bool = False,
+    cli: str = CLI_FLAG,
+    switch: Switch | None = None,
+    shown_default: str | None = None,
+) -> Any:
+    """A dataclass field whose metadata says what it means and how the CLI and resume treat it.
+
+    ``resume_must_match``: the value changes the computation, so a resumed run must use the saved one.
+    ``shown_default``: what the help says the default is, where the literal value would mislead.
+    """
+    metadata = {
+        "help": help,
+        "resume_must_match": resume_must_match,
+        "cli": cli,
+        "switch": switch,
+        "shown_default": shown_default,
+    }
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    config: str = "cpu"  # model preset (see `meshlm configs`)
-    data: tuple[str, ...] = ()  # files, directories or globs; () = the Python stdlib's .py files
-    steps: int = 200  # optimizer steps (default: ~5 min on a 2-core CPU, val bpb 8.1 -> ~2.8)
-    batch_size: int = 32  # global sequences per optimizer step (split over dp and micro-batches)
-    seq_len: int = 128  # tokens per sequence (bytes)
-    lr: float = 3e-3  # peak learning rate (warm-up then cosine decay to lr * 0.1)
-    warmup_steps: int = 20  # linear warm-up steps
-    weight_decay: float = 0.1  # AdamW decay on weight matrices only
-    clip_norm: float = 1.0  # global gradient-norm clip (0 disables)
-    accum_steps: int = 1  # micro-batches per step (gradient accumulation)
-    compute_dtype: str = "float32"  # "bfloat16": bf16 compute, float32 master weights
-    eval_every: int = 50  # steps between validation evaluations (0: only at the end)
-    eval_batches: int = 8  # validation batches per evaluation
-    save_every: int = 100  # steps between checkpoints (0: only at the end)
-    keep: int = 3  # checkpoints to keep
-    log_every: int = 1  # steps between metrics.jsonl train rows
-    seed: int = 0  # parameter init and data order
-    out: str = "runs/main"  # run directory: checkpoints, metrics.jsonl, TensorBoard, loss curve
-    fresh: bool = False  # start over; refuses if `out` already holds checkpoints
-    checkpoint: str = ""  # initial parameters from this checkpoint (e.g. a converted HF model)
-    sample_tokens: int = 200  # bytes generated at the end as a sample (0: none)
+    config: str = _field("cpu", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)
+    data: tuple[str, ...] = _field(
+        (),
+        "text files, directories or globs",
+        resume_must_match=True,
+        shown_default="the Python stdlib's .py files",
+    )
+    steps: int = _field(200, "optimizer steps; the defaults take ~5 min on a 2-core CPU")
+    batch_size: int = _field(
+        32, "global sequences per optimizer step, split over dp and micro-batches", resume_must_match=True
+    )
+    seq_len: int = _field(
+        0,
+        "tokens (bytes) per sequence",
+        resume_must_match=True,
+        shown_default=f"min({DEFAULT_SEQ_LEN}, the preset's max_seq_len)",
+    )
+    lr: float = _field(
+        3e-3, "peak learning rate: warm-up, then cosine decay to lr * 0.1", resume_must_match=True
+    )
+    warmup_steps: int = _field(20, "linear warm-up steps", resume_must_match=True)
+    weight_decay: float = _field(0.1, "AdamW decay on weight matrices only", resume_must_match=True)
+    clip_norm: float = _field(1.0, "global gradient-norm clip; 0 disables", resume_must_match=True)
+    accum_steps: int = _field(1, "micro-batches per step, for gradient accumulation", resume_must_match=True)
+    compute_dtype: str = _field(
+        "float32",
+        "float32, or bfloat16: bf16 compute with float32 master weights",
+        resume_must_match=True,
+        switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights"),
+    )
+    eval_every: int = _field(50, "steps between validation evaluations; 0: only at the end")
+    eval_batches: int = _field(8, "validation batches per evaluation")
+    save_every: int = _field(100, "steps between checkpoints; 0: only at the end")
+    keep: int = _field(3, "checkpoints to keep")
+    log_every: int = _field(1, "steps between metrics.jsonl train rows")
+    seed: int = _field(0, "parameter init and data order", resume_must_match=True, cli=CLI_COMMON)
+    out: str = _field(
+        "runs/main",
+        "run directory: checkpoints, metrics.jsonl, TensorBoard, loss curve; resumes if it has checkpoints",
+    )
+    fresh: bool = _field(False, "start over; refuses if --out holds checkpoints")
+    checkpoint: str = _field("", "initial parameters from a checkpoint (e.g. converted HF)")
+    sample_tokens: int = _field(200, "bytes generated at the end as a sample; 0: none")
 
     def __post_init__(self):
-        positive = ("steps", "batch_size", "seq_len", "accum_steps", "eval_batches", "keep", "log_every")
+        positive = ("steps", "batch_size", "accum_steps", "eval_batches", "keep", "log_every")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 0:
+            raise ConfigError(f"seq_len must be >= 1 (or 0 for the preset's default), got {self.seq_len}")
         if self.batch_size % self.accum_steps:
             raise ConfigError(
                 f"batch_size={self.batch_size} is not divisible by accum_steps={self.accum_steps}"
@@ -67,12 +139,35 @@ class TrainConfig:
         return d
 
 
-def train_config_from_dict(d: dict) -> TrainConfig:
-    valid = [f.name for f in dataclasses.fields(TrainConfig)]
-    unknown = sorted(set(d) - set(valid))
-    if unknown:
-        raise ConfigError(f"unknown train config field(s) {unknown}; valid: {', '.join(valid)}")
-    d = dict(d)
-    if "data" in d:
-        d["data"] = tuple(d["data"])
-    return TrainConfig(**d)
+def resume_must_match() -> tuple[str, ...]:
+    """The fields that change the computation: a resumed run must use the values it was saved with."""
+    return tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["resume_must_match"])
+
+
+def resolve(tcfg: TrainConfig) -> tuple[TrainConfig, ModelConfig]:
+    """``tcfg`` with its preset-dependent defaults filled in, and the preset's ModelConfig.
+
+    The one place ``seq_len=0`` becomes a length: the run, its checkpoint meta and the resume check
+    all see the resolved value, so a default run resumes under an explicit ``--seq-len`` and back.
+    """
+    cfg = get_config(tcfg.config)
+    seq_len = tcfg.seq_len or min(DEFAULT_SEQ_LEN, cfg.max_seq_len)
+    if seq_len > cfg.max_seq_len:
+        raise ConfigError(
+            f"seq_len={seq_len} exceeds the {tcfg.config} config's max_seq_len="
+            f"{cfg.max_seq_len}; use --seq-len {cfg.max_seq_len} or less"
+        )
+    return dataclasses.replace(tcfg, seq_len=seq_len), cfg
+
+
+def check_byte_vocab(tcfg: TrainConfig, cfg: ModelConfig) -> None:
+    """Training data is bytes: a smaller vocabulary would only fail once the data is loaded and
+    checked, so refuse it from the config alone."""
+    from meshlm.data.tokenizer import VOCAB_SIZE  # lazy: building the parser needs none of its imports
+
+    if cfg.vocab_size < VOCAB_SIZE:
+        fits = ", ".join(name for name, c in PRESETS.items() if c.vocab_size == VOCAB_SIZE)
+        raise ConfigError(
+            f"the {tcfg.config} preset has vocab_size={cfg.vocab_size}, but the training data is bytes "
+            f"(needs {VOCAB_SIZE}); use a byte-vocabulary preset ({fits})"
+        )

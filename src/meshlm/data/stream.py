@@ -1,0 +1,150 @@
+"""Token streams (the tokens of one split) and stateless batches of random windows.
+
+The batch at step s is a pure function of (seed, s), so training resumes without any data-loader
+state, and each data-parallel shard slices only its own rows.
+
+This module must not import jax: it runs before the CLI has chosen the devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from meshlm.data.tokenizer import EOD, VOCAB_SIZE
+from meshlm.errors import DataError
+
+EVAL_SEED = 0x5EED_E7A1  # validation batches must not move when the training seed changes
+
+
+# --- token streams -----------------------------------------------------------------------------
+
+
+def read_document(path: Path) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise DataError(
+            f"cannot read data file {path}: {err.strerror}; fix it or leave it out of the paths"
+        ) from err
+    return data.replace(b"\0", b"")  # NUL is EOD: a stray NUL must not end a document early
+
+
+class TokenStream:
+    """The tokens of one split: each document followed by EOD. Stored as uint8, served as int32."""
+
+    def __init__(self, tokens: np.ndarray | Sequence[int], files: Sequence[Path] = ()):
+        arr = np.asarray(tokens)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise DataError(f"tokens must be a 1-D integer array, got {arr.dtype} {arr.shape}")
+        if arr.size and (arr.min() < 0 or arr.max() >= VOCAB_SIZE):
+            raise DataError(f"token ids must be in [0, {VOCAB_SIZE}) for the byte vocabulary")
+        self.tokens = arr.astype(np.uint8)  # a private copy, a quarter of int32's memory
+        self.tokens.setflags(write=False)
+        self.files = tuple(files)  # the files it was read from (for reports and tests)
+
+    @classmethod
+    def from_documents(cls, docs: Iterable[bytes], files: Sequence[Path] = ()) -> TokenStream:
+        """Concatenate byte documents, dropping NULs and ending each with EOD."""
+        parts = []
+        for doc in docs:
+            parts += [doc.replace(b"\0", b""), bytes([EOD])]
+        return cls(np.frombuffer(b"".join(parts), dtype=np.uint8), files)
+
+    @classmethod
+    def from_files(cls, paths: Sequence[Path]) -> TokenStream:
+        """One document per file, in the given order."""
+        return cls.from_documents((read_document(p) for p in paths), paths)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_docs(self) -> int:
+        return int(np.count_nonzero(self.tokens == EOD))
+
+    def windows(self, starts: np.ndarray | Sequence[int], length: int) -> np.ndarray:
+        """int32[len(starts), length]: the tokens at starts[i] : starts[i] + length."""
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        if starts.size and (starts.min() < 0 or starts.max() + length > len(self)):
+            raise DataError(f"window of {length} tokens out of range of a {len(self)}-token stream")
+        return self.tokens[starts[:, None] + np.arange(length)].astype(np.int32)
+
+
+# --- batches -----------------------------------------------------------------------------------
+
+
+StreamLike = TokenStream | np.ndarray
+
+
+class Batcher:
+    """Random windows of a stream; the batch at a step depends only on (seed, step).
+
+    Row r of step s starts at offset ``default_rng([seed, s]).integers(0, len - seq_len, B)[r]``;
+    inputs are tokens [o, o + seq_len) and targets the same window shifted by one token.
+    """
+
+    def __init__(self, stream: StreamLike, seq_len: int, global_batch: int, seed: int = 0):
+        self.stream = stream if isinstance(stream, TokenStream) else TokenStream(stream)
+        if seq_len < 1:
+            raise DataError(f"seq_len must be >= 1, got {seq_len}")
+        if global_batch < 1:
+            raise DataError(f"global_batch must be >= 1, got {global_batch}")
+        if seed < 0:
+            raise DataError(f"seed must be >= 0 (numpy seeds are non-negative), got {seed}")
+        n = len(self.stream)
+        if seq_len >= n - 1:
+            raise DataError(
+                f"seq_len={seq_len} needs at least {seq_len + 2} tokens but this split has {n};"
+                " use a shorter seq_len or more data (for validation: a larger val_fraction)"
+            )
+        self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
+        self._num_offsets = n - seq_len  # offsets 0 .. n-seq_len-1: a window needs seq_len+1
+
+    def offsets(self, step: int) -> np.ndarray:
+        """Start offsets of all global rows of ``step`` (cheap: B integers)."""
+        if step < 0:
+            raise DataError(f"step must be >= 0, got {step}")
+        return self._draw(np.random.default_rng([self.seed, step]))
+
+    def _draw(self, rng: np.random.Generator) -> np.ndarray:
+        return rng.integers(0, self._num_offsets, size=self.global_batch, dtype=np.int64)
+
+    def _rows(self, shard: int, num_shards: int) -> slice:
+        if num_shards < 1 or not 0 <= shard < num_shards:
+            raise DataError(f"need 0 <= shard < num_shards, got shard={shard} of {num_shards}")
+        if self.global_batch % num_shards:
+            up = -(-self.global_batch // num_shards) * num_shards
+            raise DataError(
+                f"global_batch={self.global_batch} is not divisible by {num_shards} data shards;"
+                f" use a multiple of {num_shards}, e.g. {up}"
+            )
+        per = self.global_batch // num_shards
+        return slice(shard * per, (shard + 1) * per)
+
+    def _make(self, offsets: np.ndarray) -> dict[str, np.ndarray]:
+        window = self.stream.windows(offsets, self.seq_len + 1)
+        return {
+            "inputs": np.ascontiguousarray(window[:, :-1]),
+            "targets": np.ascontiguousarray(window[:, 1:]),
+        }
+
+    def batch(self, step: int, *, shard: int = 0, num_shards: int = 1) -> dict[str, np.ndarray]:
+        """{"inputs", "targets"}: int32[global_batch // num_shards, seq_len], rows of ``shard``.
+
+        All offsets are drawn (so every shard agrees) but only this shard's windows are built.
+        """
+        rows = self._rows(shard, num_shards)
+        return self._make(self.offsets(step)[rows])
+
+    def eval_batches(self, num_batches: int) -> list[dict[str, np.ndarray]]:
+        """``num_batches`` full batches from ``EVAL_SEED``: the same for every seed and step."""
+        if num_batches < 0:
+            raise DataError(f"num_batches must be >= 0, got {num_batches}")
+        batches = []
+        for i in range(num_batches):
+            rng = np.random.default_rng([EVAL_SEED, i])
+            batches.append(self._make(self._draw(rng)))
+        return batches

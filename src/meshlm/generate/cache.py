@@ -1,0 +1,60 @@
+"""The KV cache of generation: its layout on the mesh, its size, and an empty one.
+
+KV cache ``{"k", "v"}``: global [L, B, S, Kc, E], spec ``P(None, DP, None, MP, None)``, per shard
+[L, B/dp, S, Kc/mp, E]. ``Kc = n_kv_heads`` when mp divides them, so each device holds total/(dp*mp)
+bytes. When KV heads are replicated (mp > n_kv_heads, see ``attention.kv_replicated``) ``Kc = mp``:
+each shard stores only the one KV head its query heads use (per shard Kc/mp = 1). Prefill writes all
+S slots, padding included; a padding slot is either overwritten by ``decode_step`` before any query
+can see it (a step writes slot p, then attends to slots <= p) or stays masked.
+
+The "ff" family has no attention and no positions, so it needs no cache (an empty dict): see
+``programs`` for why running it on the last token alone is exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from meshlm.model.attention import kv_replicated
+from meshlm.model.config import ModelConfig
+from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.context import Parallel
+
+CACHE_SPEC = P(None, DP, None, MP, None)  # global [L, B, S, Kc, E]
+
+
+def cache_specs(cfg: ModelConfig) -> dict:
+    return {} if cfg.family == "ff" else {"k": CACHE_SPEC, "v": CACHE_SPEC}
+
+
+def cache_heads(cfg: ModelConfig, mp: int) -> tuple[int, int]:
+    """(global Kc, per-shard Kc/mp) of the cache's KV-head dimension."""
+    if kv_replicated(cfg.kv_heads, mp):
+        return mp, 1  # one stored KV head per shard: the one its queries use
+    return cfg.kv_heads, cfg.kv_heads // mp
+
+
+def cache_shape(cfg: ModelConfig, mp: int, batch: int, max_len: int) -> tuple[int, ...]:
+    """Global shape [L, B, S, Kc, E] of the K (and of the V) cache for a global ``batch``."""
+    return (cfg.n_layers, batch, max_len, cache_heads(cfg, mp)[0], cfg.dim_per_head)
+
+
+def cache_bytes(cfg: ModelConfig, mesh, batch: int, max_len: int, dtype=jnp.float32) -> dict:
+    """{"total", "per_device"} bytes of the K and V caches for a global ``batch`` on ``mesh``."""
+    if cfg.family == "ff":
+        return {"total": 0, "per_device": 0}
+    shape = cache_shape(cfg, mesh.shape[MP], batch, max_len)
+    total = 2 * math.prod(shape) * jnp.dtype(dtype).itemsize
+    return {"total": total, "per_device": total // (mesh.shape[DP] * mesh.shape[MP])}
+
+
+def empty_cache(cfg: ModelConfig, par: Parallel, shard_batch: int, max_len: int, dtype) -> dict:
+    """Zeros of the per-shard shape [L, B/dp, S, Kc/mp, E], ``shard_batch`` = B/dp (made on device,
+    inside shard_map)."""
+    if cfg.family == "ff":
+        return {}
+    shape = (cfg.n_layers, shard_batch, max_len, cache_heads(cfg, par.mp)[1], cfg.dim_per_head)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

@@ -1,0 +1,156 @@
+"""The compiled programs of generation: prefill and one decode step, as ``jax.shard_map`` functions
+over the (DP, MP) mesh, with sampling inside them.
+
+Prefill runs the whole padded prompt batch [B, S] in ONE pass and samples each row's first new token
+from the logits at that row's own last prompt position; ``decode_step`` feeds one token per row at
+the row's own position. Both are compiled ahead of time once per global batch size (``Programs``),
+so neither prompt lengths nor the number of new tokens ever trigger a compilation.
+
+The "ff" family has no attention and no positions: the logits at a position depend on that token
+alone, so running the model on the last token IS the full recomputation (exact, O(1) per step). It
+needs no cache (an empty dict).
+
+Sampling (inside the same ``shard_map``, on full-vocabulary logits replicated over MP): temperature 0
+is greedy (argmax); otherwise logits / temperature, restricted to the top-k tokens (0: all) and to the
+smallest set of most likely tokens whose probability reaches top-p (1.0: all). Ties at a cut-off are
+kept. Row r at step s draws with ``fold_in(fold_in(PRNGKey(seed), s), r)``: reproducible, and the same
+on every mesh. Settings are traced values: changing them does not recompile.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshlm.generate.cache import cache_shape, cache_specs, empty_cache
+from meshlm.generate.inputs import Sampling
+from meshlm.model.config import ModelConfig
+from meshlm.model.layers import upcast
+from meshlm.model.transformer import local_logits
+from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.context import Parallel
+from meshlm.parallel.spmd import mesh_parallel
+
+# --- sharded functions ---------------------------------------------------------------------------
+
+
+def _full_vocab(par: Parallel, vocab: int, local):
+    """[B, V/mp] per shard -> [B, V] replicated. A psum of disjoint slices rather than all_gather,
+    whose result shard_map types as still varying over MP; adding zeros is exact."""
+    if not par.sharded:
+        return local
+    full = jnp.zeros((*local.shape[:-1], vocab), local.dtype)
+    full = lax.dynamic_update_slice_in_dim(full, local, par.vocab_start(local.shape[-1]), axis=-1)
+    return par.g(full)
+
+
+def _forward(cfg: ModelConfig, par: Parallel, tokens, positions, last, cache):
+    """Haiku fn. tokens, positions [B, T] per shard; last [B]: the column whose logits each row needs.
+    Returns (logits [B, V] float32 replicated over MP, new cache)."""
+    local, cache = local_logits(cfg, par, tokens, positions, cache or None)  # [B, T, V/mp]
+    picked = jnp.take_along_axis(local, last[:, None, None], axis=1)[:, 0]  # [B, V/mp]
+    return _full_vocab(par, cfg.vocab_size, upcast(picked)), cache or {}
+
+
+def _filter(logits, top_k, top_p):
+    """Logits outside the top-k / top-p set -> -inf. One sort serves both cut-offs."""
+    v = logits.shape[-1]
+    desc = -jnp.sort(-logits, axis=-1)  # [B, V]
+    in_k = jnp.arange(v) < jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
+    keep = in_k & ((before < top_p) | (top_p >= 1.0))  # the most likely token is always kept
+    cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= cutoff, logits, -jnp.inf)
+
+
+def sample(logits, key, rows, step, sampling):
+    """logits [B, V] float32; rows [B] global row ids; sampling (temperature, top_k, top_p) -> [B]."""
+    temperature, top_k, top_p = sampling
+    greedy = jnp.argmax(logits, axis=-1)
+    scaled = _filter(logits / jnp.maximum(temperature, 1e-6), top_k, top_p)
+    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, step), r))(rows)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled)
+    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+def sharded_fns(cfg: ModelConfig, mesh, specs, cache_dtype):
+    """(prefill, decode_step): ``shard_map`` functions over ``mesh``; params laid out by ``specs``.
+
+    prefill(params, tokens [B, S], lengths [B], rows [B], key, sampling) -> (next [B], logits [B, V], cache)
+    decode_step(params, tokens [B], positions [B], rows [B], cache, key, step, sampling) -> same
+    Global shapes; rows split over DP. Only params and the cache are sharded over MP.
+    """
+    par = mesh_parallel(mesh)
+    apply = hk.without_apply_rng(hk.transform(partial(_forward, cfg, par))).apply
+
+    def prefill(params, tokens, lengths, rows, key, sampling):  # tokens [B/dp, S], lengths [B/dp] per shard
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        cache = empty_cache(cfg, par, tokens.shape[0], tokens.shape[1], cache_dtype)
+        logits, cache = apply(params, tokens, positions, lengths - 1, cache)
+        return sample(logits, key, rows, 0, sampling), logits, cache
+
+    def decode_step(params, tokens, positions, rows, cache, key, step, sampling):  # tokens [B/dp] per shard
+        last = jnp.zeros_like(positions)
+        logits, cache = apply(params, tokens[:, None], positions[:, None], last, cache)
+        return sample(logits, key, rows, step, sampling), logits, cache
+
+    row, cspec = P(DP), cache_specs(cfg)
+    out = (row, P(DP, None), cspec)
+    prefill_in = (specs, P(DP, None), row, row, P(), P())
+    decode_in = (specs, row, row, row, cspec, P(), P(), P())
+    return (
+        jax.shard_map(prefill, mesh=mesh, in_specs=prefill_in, out_specs=out),
+        jax.shard_map(decode_step, mesh=mesh, in_specs=decode_in, out_specs=out),
+    )
+
+
+# --- compiled, per batch size --------------------------------------------------------------------
+
+
+class Programs:
+    """The jitted prefill and decode of one (config, mesh, max_len, parameter dtypes), and their
+    executables per global batch size. Shared by every Generator of that model (``programs_for``)."""
+
+    def __init__(self, cfg: ModelConfig, mesh, specs, max_len: int, cache_dtype):
+        self.cfg, self.mesh, self.max_len, self.cache_dtype = cfg, mesh, max_len, cache_dtype
+        prefill, decode = sharded_fns(cfg, mesh, specs, cache_dtype)
+        self.jit = {"prefill": jax.jit(prefill), "decode": jax.jit(decode, donate_argnums=(4,))}
+        self.by_batch: dict[int, dict] = {}  # global batch -> {"prefill", "decode"} executables
+
+    def _abstract(self, shape, dtype, spec):
+        """A global ``shape`` laid out by ``spec`` on the mesh, for lowering."""
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, spec))
+
+    def executables(self, params, batch: int) -> dict:
+        """Compile prefill and decode for a global ``batch`` (ahead of time: never inside a timing)."""
+        if batch not in self.by_batch:
+            row = self._abstract((batch,), jnp.int32, P(DP))
+            key = self._abstract(jax.eval_shape(jax.random.PRNGKey, 0).shape, jnp.uint32, P())
+            sampling = tuple(self._abstract((), x.dtype, P()) for x in Sampling().args())
+            tokens = self._abstract((batch, self.max_len), jnp.int32, P(DP, None))
+            cshape = cache_shape(self.cfg, self.mesh.shape[MP], batch, self.max_len)
+            cache = {k: self._abstract(cshape, self.cache_dtype, s) for k, s in cache_specs(self.cfg).items()}
+            step = self._abstract((), jnp.int32, P())
+            prefill = self.jit["prefill"].lower(params, tokens, row, row, key, sampling)
+            decode = self.jit["decode"].lower(params, row, row, row, cache, key, step, sampling)
+            self.by_batch[batch] = {"prefill": prefill.compile(), "decode": decode.compile()}
+        return self.by_batch[batch]
+
+
+_PROGRAMS: dict[tuple, Programs] = {}
+
+
+def programs_for(cfg: ModelConfig, mesh, specs, max_len: int, params) -> Programs:
+    """The shared ``Programs`` of this model (made on first use); ``params`` give the dtypes."""
+    dtypes = tuple(str(p.dtype) for p in jax.tree.leaves(params))
+    key = (cfg, mesh, max_len, dtypes)
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = Programs(cfg, mesh, specs, max_len, params["embed"]["embeddings"].dtype)
+    return _PROGRAMS[key]

@@ -1,0 +1,136 @@
+"""Host-side outputs of generation: tokenizers, incremental decoding to text, stopping, results.
+
+Stopping (host side, per step): ``max_new_tokens``, the end-of-document id (``data.EOD``; kept in
+``tokens``, not in ``text``), or a stop string (``text`` ends before it; generation stops at the step
+that completes it). Text streams through ``on_token(index, token, piece)``: bytes are decoded
+incrementally (a multi-byte UTF-8 character arrives whole) and text that could begin a stop string is
+held back until it cannot, so the pieces of a row always join to exactly its ``text``.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from meshlm.data.tokenizer import decode as byte_decode
+from meshlm.data.tokenizer import encode as byte_encode
+
+OnToken = Callable[[int, int, str], None]  # (prompt index, token id, newly printable text)
+
+
+class ByteTokenizer:
+    """meshlm's tokenizer: one id per UTF-8 byte (``meshlm.data``)."""
+
+    encode = staticmethod(byte_encode)
+    decode = staticmethod(byte_decode)
+
+
+class ByteStream:
+    """Incremental UTF-8: a multi-byte character comes out once its last byte arrives."""
+
+    def __init__(self):
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token: int) -> str:
+        return self._dec.decode(bytes([token])) if 0 <= token < 256 else "\ufffd"
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)
+
+
+class DiffStream:
+    """Any tokenizer with ``decode(ids) -> str``: emit what decoding all ids adds; wait while the
+    text ends in U+FFFD (a partial character) or earlier text changed."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.out = tokenizer, [], ""
+
+    def feed(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.out):
+            return ""
+        new, self.out = text[len(self.out) :], text
+        return new
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        return text[len(self.out) :] if text.startswith(self.out) else ""
+
+
+def make_stream(tokenizer) -> ByteStream | DiffStream:
+    """A fresh incremental decoder for one row: bytes directly, any other tokenizer by differences."""
+    return ByteStream() if isinstance(tokenizer, ByteTokenizer) else DiffStream(tokenizer)
+
+
+def _holdback(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    longest = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest
+
+
+@dataclass
+class GenerationResult:
+    prompt: str | list[int]
+    tokens: list[int]  # generated ids (a final EOD included)
+    text: str  # generated text (without EOD, ending before a stop string)
+    prefill_tokens_per_s: float  # whole batch: real prompt tokens / prefill wall time
+    decode_tokens_per_s: float  # whole batch: tokens made by decode steps / their wall time (0: none)
+    finish_reason: str  # "length", "eod" or "stop"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class OutputRow:
+    """One prompt's output: its ids, its text so far, why it ended; streams through ``on_token``."""
+
+    def __init__(self, index: int, stream, stops: Sequence[str], eod: int | None, on_token: OnToken | None):
+        self.index, self.stream, self.stops, self.eod, self.on_token = index, stream, stops, eod, on_token
+        self.ids: list[int] = []
+        self.text, self.sent, self.finish = "", 0, None
+
+    def push(self, token: int, last: bool) -> None:
+        self.ids.append(token)
+        start = len(self.text)
+        if token == self.eod:
+            self.finish = "eod"
+        else:
+            self.text += self.stream.feed(token)
+        if last and self.finish is None:
+            self.finish = "length"
+        if self.finish:
+            self.text += self.stream.flush()
+        self._find_stop(start)
+        end = len(self.text) if self.finish else len(self.text) - _holdback(self.text, self.stops)
+        piece, self.sent = self.text[self.sent : end], max(self.sent, end)
+        if self.on_token is not None:
+            self.on_token(self.index, token, piece)
+
+    def _find_stop(self, start: int) -> None:
+        hits = [self.text.find(s, max(0, start - len(s) + 1)) for s in self.stops]
+        hits = [i for i in hits if i >= 0]
+        if hits:
+            self.text, self.finish = self.text[: min(hits)], "stop"
+
+    def result(self, prompt, rates: tuple[float, float]) -> GenerationResult:
+        """This row's result; ``rates``: the whole batch's (prefill, decode) tokens per second."""
+        prompt = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
+        return GenerationResult(prompt, self.ids, self.text, rates[0], rates[1], self.finish)
+
+
+def push_tokens(rows: list[OutputRow], nxt: np.ndarray, last: bool) -> int:
+    """Give each unfinished row its new token (``nxt`` [B'] host ids, global); returns how many rows
+    were still running."""
+    live = [r for r in rows if r.finish is None]
+    for r in live:
+        r.push(int(nxt[r.index]), last)
+    return len(live)

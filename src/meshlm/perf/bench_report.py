@@ -1,0 +1,96 @@
+"""The benchmark's report (``bench.run_bench``) for people: a text table, a PNG chart, and both
+written with the JSON into an output directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def format_bench(report: dict) -> str:
+    """The human-readable report: one row per implementation, then ratios, collectives, generation."""
+    return "\n".join([*_header(report), "", *_table(report), "", *_summary(report)])
+
+
+def _header(report: dict) -> list[str]:
+    dp, mp = report["mesh"]["dp"], report["mesh"]["mp"]
+    peak = report["peak_flops"]
+    return [
+        f"meshlm bench: config={report['config']} mesh={dp}x{mp} batch={report['batch_size']} "
+        f"seq={report['seq_len']} timed steps={report['timed_steps']} (median, interleaved)",
+        f"matmul peak: float32 {peak['float32'] / 1e9:.1f} GFLOP/s, bfloat16 {peak['bfloat16'] / 1e9:.1f}"
+        f" GFLOP/s; model FLOPs/step {report['model_flops_per_step'] / 1e9:.2f} G",
+    ]
+
+
+def _table(report: dict) -> list[str]:
+    """One row per implementation: times, throughput, memory and all-reduces per step (per device)."""
+    head = (
+        f"{'impl':<10} {'median s':>9} {'min s':>7} {'max s':>7} {'tokens/s':>9} {'MFU':>6} "
+        f"{'params MiB':>10} {'opt MiB':>8} {'peak MiB':>9} {'all-reduce/step':>15} {'MiB/step':>9}"
+    )
+    rows = [head, "-" * len(head)]
+    for r in report["results"]:
+        mem, ar = r["bytes_per_device"], r["collectives"]["per_step"]["all-reduce"]
+        rows.append(
+            f"{r['impl']:<10} {r['step_s_median']:>9.3f} {r['step_s_min']:>7.3f} {r['step_s_max']:>7.3f} "
+            f"{r['tokens_per_s']:>9.0f} {r['mfu']:>6.3f} {_mib(mem['params']):>10} "
+            f"{_mib(mem['opt_state']):>8} {_mib(mem['peak']):>9} {ar['count']:>15} {_mib(ar['bytes']):>9}"
+        )
+    return rows
+
+
+def _summary(report: dict) -> list[str]:
+    theory, ratios = report["theoretical_collectives"], report["step_time_ratios"]
+    rows = [
+        "step time ratios (of medians; median of per-repetition ratios): "
+        + ", ".join(f"{k} {v['of_medians']:.3f}x; {v['paired']:.3f}x" for k, v in ratios.items()),
+        f"theoretical all-reduces/step: {theory['total']} "
+        f"({', '.join(f'{k} {v}' for k, v in theory.items() if k != 'total' and v)})",
+        f"parameter bytes: total {_mib(report['param_bytes']['total'])} MiB, "
+        f"total/mp {_mib(report['param_bytes']['ideal_per_device'])} MiB",
+    ]
+    gen = report["generation"]
+    if gen is not None:
+        rows.append(
+            f"generation (meshlm, batch {gen['batch']}, prompt {gen['prompt_len']}, +{gen['new_tokens']}): "
+            f"prefill {gen['prefill_tokens_per_s']:.0f} tokens/s, "
+            f"decode {gen['decode_tokens_per_s']:.0f} tokens/s"
+        )
+    return rows
+
+
+def plot_bench(report: dict, path: str | Path) -> None:
+    """A PNG bar chart of tokens/s and MFU per implementation (Agg canvas: no display needed)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = [r["impl"] for r in report["results"]]
+    fig = Figure(figsize=(9, 3.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    panels = (("tokens_per_s", "tokens / s"), ("mfu", "MFU (fp32 peak)"))
+    for ax, (key, label) in zip(fig.subplots(1, 2), panels, strict=True):
+        values = [r[key] for r in report["results"]]
+        bars = ax.bar(names, values, color=["tab:blue", "tab:gray", "tab:orange"][: len(names)])
+        ax.bar_label(bars, fmt="%.3g")
+        ax.margins(y=0.15)  # room for the labels above the tallest bar
+        ax.set_ylabel(label)
+    mesh = report["mesh"]
+    fig.suptitle(
+        f"meshlm bench: {report['config']} on {mesh['dp']}x{mesh['mp']}, "
+        f"batch {report['batch_size']} x seq {report['seq_len']}"
+    )
+    fig.savefig(path, dpi=100)
+
+
+def write_outputs(report: dict, out_dir: str | Path) -> list[Path]:
+    """bench.json and bench.png in ``out_dir`` (created if missing); returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot_bench(report, out / "bench.png")
+    return [out / "bench.json", out / "bench.png"]

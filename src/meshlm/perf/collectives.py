@@ -1,0 +1,60 @@
+"""The fewest collectives a training step needs under Megatron tensor parallelism, by cause.
+
+``bench`` reports this next to what XLA actually compiled (``hlo.collectives_per_step``). The two
+may differ where XLA combines independent all-reduces over the same devices into one: e.g. with
+dp > 1 the scalar loss mean over DP travels in the DP gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+from meshlm.model.attention import kv_replicated
+from meshlm.model.config import ModelConfig
+
+
+def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int) -> dict[str, int]:
+    """The fewest all-reduces one training step needs under Megatron tensor parallelism, by cause.
+
+    Per step (a layer loop that runs L times counts L times). With mp > 1 activations between blocks
+    are replicated over MP and the weights split, so per layer:
+
+    * forward, one all-reduce per exit from a row-parallel matmul (``par.g`` / ``row_out``): gptj's
+      parallel block sums the attention and MLP partials in one (1); llama's sequential attention
+      then MLP needs two (2); the ff prototype's MLP one (1). With ``remat`` the backward pass
+      recomputes the forward, its all-reduces included, so these count twice.
+    * backward, one per entry into a column-parallel region (``par.f``, whose transpose sums the
+      input gradient over MP): again 1 / 2 / 1.
+    * KV projections replicated because mp > n_kv_heads: their gradients summed over MP (1; XLA may
+      combine it with the layer's backward all-reduce, which is independent of it).
+
+    Outside the layers, with mp > 1:
+
+    * embedding: the vocabulary-parallel lookup sums partial rows forward (1); its backward is
+      local (each shard scatters into its own rows): none.
+    * output projection: its input enters a column-parallel region: 1 backward.
+    * vocabulary-parallel cross-entropy: max, target logit and sum of exp over the shards, three
+      small [B, T] all-reduces forward (3; the last two are independent and may be combined). Their
+      backward is local (the max is under stop_gradient; a psum transposes to the identity).
+    * gradient clipping: the squared norm of the MP-sharded gradients summed over MP (1 scalar;
+      we assume clipping is on, ``OptimConfig``'s default).
+
+    With dp > 1: the gradient all-reduce over DP (1 if every gradient goes in one tuple; the bytes
+    are those of one device's parameters whatever the count) and the loss mean over DP (1 scalar,
+    for reporting the loss). Replicated parameters (norms, biases added after an all-reduce) need
+    no MP all-reduce: they act on replicated activations. Returns counts by cause and ``total``.
+    """
+    per_layer = 2 if cfg.family == "llama" else 1
+    sharded = mp > 1
+    kv_rep = cfg.family != "ff" and sharded and kv_replicated(cfg.kv_heads, mp)
+    out = {
+        "layer_forward": cfg.n_layers * per_layer * (2 if cfg.remat else 1) * sharded,
+        "layer_backward": cfg.n_layers * per_layer * sharded,
+        "kv_replicated_grads": cfg.n_layers * kv_rep,
+        "embedding": int(sharded),
+        "head_backward": int(sharded),
+        "loss": 3 * sharded,
+        "grad_norm": int(sharded),
+        "dp_gradients": int(dp > 1),
+        "dp_loss": int(dp > 1),
+    }
+    out["total"] = sum(out.values())
+    return out

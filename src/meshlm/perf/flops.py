@@ -1,0 +1,36 @@
+"""Model FLOPs of one training step, the numerator of MFU.
+
+Model FLOPs per step (PaLM, Chowdhery et al. 2022, appendix B; as in Chinchilla)::
+
+    6 * N * tokens  +  12 * n_layers * T * d_model * tokens
+
+N counts the weights of every matmul: attention Q/K/V/O, the MLP and the output projection (or the
+embedding table when it is tied to the output); not the embedding lookup, norms or biases. The
+second term is attention's two T x T matmuls (QK^T and AV: 2 * 2 * T * d_model FLOPs per token per
+layer forward, x3 with the backward), counting the full score matrix although causal masking makes
+half of it unnecessary. Rematerialisation's recomputation is not counted: it is not model work.
+MFU = model FLOPs per step / median step time / measured float32 matmul peak (``peak.py``).
+"""
+
+from __future__ import annotations
+
+from meshlm.model.config import ModelConfig
+from meshlm.model.params import flat_params, is_embedding, is_matmul_weight, leaf_name
+
+
+def matmul_param_count(cfg: ModelConfig, params) -> int:
+    """N of the FLOPs formula: weights used in matmuls (see the module docstring); global sizes."""
+    total = 0
+    for path, p in flat_params(params).items():
+        if is_embedding(path):  # the lookup is no matmul; the table is one when tied to the output
+            total += p.size if cfg.tie_embeddings and leaf_name(path) == "embeddings" else 0
+        elif is_matmul_weight(path):
+            total += p.size
+    return int(total)
+
+
+def model_flops_per_step(cfg: ModelConfig, params, batch_size: int, seq_len: int) -> float:
+    """The formula above for a global batch of ``batch_size`` rows of ``seq_len`` tokens."""
+    tokens = batch_size * seq_len
+    attention = 12 * cfg.n_layers * seq_len * cfg.d_model if cfg.family != "ff" else 0
+    return float((6 * matmul_param_count(cfg, params) + attention) * tokens)

@@ -1,0 +1,47 @@
+"""What the proof proves: a loss builder, its parameters' specs and the inputs (``Problem``), and
+``model_problem`` for a meshlm model config."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshlm.parallel.context import Parallel
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What to prove: a loss builder, its parameters' specs, inputs and (optionally) a config."""
+
+    build_loss: Callable[[Parallel], Callable]  # par -> Haiku fn(batch) -> scalar loss
+    specs_fn: Callable  # abstract params -> PartitionSpec tree (from a rules table)
+    batch: dict  # {"inputs", "targets"}: global [B, T] host arrays
+    name: str = "model"
+    cfg: object = None  # a ModelConfig enables the config-level controls
+    rebuild: Callable | None = None  # cfg -> build_loss, for config-level controls
+    has_row_bias: bool = True  # whether row-parallel biases exist (for that control)
+    load_params: Callable | None = None  # mesh -> params to prove with, instead of a fresh init
+
+
+def random_batch(vocab: int, shape: tuple[int, ...], seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {k: rng.integers(0, vocab, size=shape, dtype=np.int32) for k in ("inputs", "targets")}
+
+
+def model_problem(cfg, name: str, mp: int, batch_size: int, seq_len: int, seed: int = 0) -> Problem:
+    """A Problem for a meshlm model config: random token inputs and targets (global [B, T])."""
+    from meshlm.model.transformer import loss_fn
+    from meshlm.parallel.rules import model_specs
+
+    rebuild = lambda c: lambda par: loss_fn(c, par)
+    return Problem(
+        build_loss=rebuild(cfg),
+        specs_fn=lambda abstract: model_specs(cfg, abstract, mp),
+        batch=random_batch(cfg.vocab_size, (batch_size, seq_len), seed),
+        name=name,
+        cfg=cfg,
+        rebuild=rebuild,
+        has_row_bias=cfg.family in ("ff", "gptj") or cfg.embed_bias,
+    )

@@ -1,0 +1,176 @@
+"""Building a training run: the resolved configs, the data, the initial or resumed state, the jitted steps.
+
+``build_run`` does everything that happens once before the loop (``meshlm.train.loop``) starts.
+A run resumes from the newest checkpoint in ``--out`` when the settings that change the computation
+(``resume_must_match``) are the ones it was saved with.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from meshlm.data.corpus import load_splits
+from meshlm.data.device_batches import eval_arrays
+from meshlm.data.stream import Batcher
+from meshlm.data.tokens import check_token_range
+from meshlm.errors import CheckpointError, ConfigError
+from meshlm.io.checkpoint import Checkpointer
+from meshlm.io.model_io import FORMAT, abstract_params, load_model
+from meshlm.model.config import ModelConfig
+from meshlm.model.transformer import loss_fn
+from meshlm.parallel import distributed
+from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.rules import model_specs
+from meshlm.parallel.spmd import sharded_loss
+from meshlm.train.config import TrainConfig, resolve, resume_must_match
+from meshlm.train.metrics import MetricsLog
+from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step
+
+
+@dataclass(kw_only=True)
+class Run:
+    """Everything the loop needs, built once. Mutable: the loop advances params, opt_state and step."""
+
+    tcfg: TrainConfig  # resolved (see `resolve`): what the checkpoint meta records
+    cfg: ModelConfig  # the preset's model
+    mesh: Mesh  # dp x mp devices
+    specs: dict  # parameter PartitionSpecs
+    params: dict  # current parameters, sharded per specs
+    opt_state: Any  # current optimizer state, sharded like params
+    step: int  # optimizer steps completed
+    step_fn: Callable  # (params, opt_state, batch) -> (params, opt_state, metrics), jitted and sharded
+    eval_fn: Callable  # (params, batch) -> mean loss, jitted and sharded
+    batcher: Batcher  # training batches: a pure function of (seed, step)
+    val: list  # validation batches, already on the mesh
+    ckpt: Checkpointer  # the run directory's checkpoints
+    log: MetricsLog  # metrics.jsonl and TensorBoard
+    saved_step: int = -1  # newest step this run saved or resumed from (same on every process)
+
+
+def _load_data(tcfg: TrainConfig, cfg: ModelConfig, dp: int):
+    train, val, info = load_splits(list(tcfg.data) or None)
+    check_token_range(train.tokens, cfg.vocab_size, "training data")
+    check_token_range(val.tokens, cfg.vocab_size, "validation data")
+    if tcfg.micro_batch % dp:
+        raise ConfigError(
+            f"batch_size/accum_steps={tcfg.micro_batch} is not divisible by dp={dp}; "
+            f"use a batch size that is a multiple of {dp * tcfg.accum_steps}"
+        )
+    batcher = Batcher(train, tcfg.seq_len, tcfg.batch_size, tcfg.seed)
+    val_batches = Batcher(val, tcfg.seq_len, tcfg.micro_batch, tcfg.seed).eval_batches(tcfg.eval_batches)
+    return batcher, val_batches, info
+
+
+def checkpoint_meta(tcfg: TrainConfig, cfg: ModelConfig, step: int, mesh: Mesh) -> dict:
+    """The meta saved with every checkpoint; ``_check_resumable`` reads its ``train_config`` back."""
+    return {
+        "format": FORMAT,
+        "model_config": cfg.to_dict(),
+        "train_config": tcfg.to_dict(),
+        "data": {"next_step": step, "seed": tcfg.seed},
+        "mesh": dict(mesh.shape),
+        "process_count": jax.process_count(),
+    }
+
+
+def _check_resumable(meta: dict, tcfg: TrainConfig, where: Path) -> None:
+    saved, now = meta.get("train_config", {}), tcfg.to_dict()
+    diffs = [
+        f"{k}: saved {saved.get(k)!r}, now {now[k]!r}"
+        for k in resume_must_match()
+        if k in saved and saved[k] != now[k]
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"cannot resume from {where}: its run used different settings ({'; '.join(diffs)});"
+            " pass the same flags, or a new --out to start another run"
+        )
+
+
+def _check_existing(tcfg: TrainConfig, ckpt: Checkpointer) -> None:
+    """Checks before resuming from ``ckpt``'s checkpoints, if it holds any (cheap: meta only)."""
+    if not ckpt.all_steps():
+        return
+    if tcfg.fresh:
+        raise CheckpointError(
+            f"--fresh: {ckpt.directory} already holds checkpoints (steps "
+            f"{ckpt.all_steps()}); choose a new --out or delete them yourself"
+        )
+    with warnings.catch_warnings():  # restore() warns about interrupted saves later, once
+        warnings.simplefilter("ignore")
+        meta = ckpt.read_meta()
+    _check_resumable(meta, tcfg, ckpt.directory)
+
+
+def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, ckpt: Checkpointer):
+    """(params, opt_state, step, specs, step_fn): resumed from ``ckpt``'s newest checkpoint, else
+    fresh (initialised, or loaded from ``tcfg.checkpoint``) at step 0."""
+    _check_existing(tcfg, ckpt)
+    specs = model_specs(cfg, abstract_params(cfg, mesh), mesh.shape[MP])
+    if tcfg.checkpoint:
+        loaded_cfg, params, _ = load_model(tcfg.checkpoint, mesh)
+        if loaded_cfg != cfg:
+            raise CheckpointError(
+                f"--checkpoint {tcfg.checkpoint} holds a different model than --config "
+                f"{tcfg.config}; pass the config it was made with"
+            )
+    else:
+        params, specs = init_model(cfg, mesh, tcfg.seed)
+    step_fn, opt = sharded_step(cfg, tcfg.optim(), mesh, specs, params, COMPUTE_DTYPES[tcfg.compute_dtype])
+    opt_state = init_opt_state(opt, params, specs, mesh)
+    step = 0
+    if ckpt.all_steps():
+        target = {"params": params, "opt_state": opt_state}
+        state, meta, step = ckpt.restore(
+            jax.tree.map(_abstract, target), expect_meta={"format": FORMAT, "model_config": cfg.to_dict()}
+        )
+        params, opt_state = state["params"], state["opt_state"]
+        distributed.print0(f"resuming from {ckpt.step_dir(step)} (step {step})", file=sys.stderr)
+    return params, opt_state, step, specs, step_fn
+
+
+def _abstract(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+def build_run(tcfg: TrainConfig, mesh: Mesh) -> Run:
+    """Resolve ``tcfg``, load the data, and initialise or resume the state on ``mesh``."""
+    tcfg, cfg = resolve(tcfg)
+    out = Path(tcfg.out)
+    batcher, val, info = _load_data(tcfg, cfg, mesh.shape[DP])
+    distributed.print0(
+        f"data: {info['source']}; train {info['train_bytes']:,} bytes in {info['train_files']} "
+        f"files, validation {info['val_bytes']:,} bytes in {info['val_files']}",
+        file=sys.stderr,
+    )
+    ckpt = Checkpointer(out, keep=tcfg.keep)
+    params, opt_state, step, specs, step_fn = _initial_state(tcfg, cfg, mesh, ckpt)
+    if distributed.is_main():
+        out.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(out, enabled=distributed.is_main())
+    log.truncate_after(step, redo_eval=step == 0 or step >= tcfg.steps)
+    dtype = COMPUTE_DTYPES[tcfg.compute_dtype]
+    return Run(
+        tcfg=tcfg,
+        cfg=cfg,
+        mesh=mesh,
+        specs=specs,
+        params=params,
+        opt_state=opt_state,
+        step=step,
+        step_fn=step_fn,
+        eval_fn=jax.jit(sharded_loss(lambda par: loss_fn(cfg, par), mesh, specs, dtype)),
+        batcher=batcher,
+        val=eval_arrays(val, mesh),
+        ckpt=ckpt,
+        log=log,
+        saved_step=step if step else -1,
+    )
