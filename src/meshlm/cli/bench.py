@@ -4,28 +4,54 @@ per device and collectives; see ``meshlm.perf.bench`` for what is measured and h
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from meshlm.cli.common import add_common, setup
+from meshlm.cli.common import add_common, check_batch_split, non_negative_int, positive_int, setup
+from meshlm.errors import ConfigError
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="step time, MFU, memory and collectives: meshlm vs unsharded vs GSPMD")
     add_common(p, "small")
-    p.add_argument("--batch-size", type=int, default=None, help="global batch (default 4, a multiple of dp)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default min(256, max_seq_len))")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per implementation (>= 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per implementation first")
     p.add_argument(
-        "--gen-tokens", type=int, default=16, help="new tokens per row in the generation bench (0: skip)"
+        "--batch-size", type=positive_int, default=None, help="global batch (default 4, a multiple of dp)"
     )
     p.add_argument(
-        "--peak-n", type=int, default=2048, help="matmul size of the peak measurement (raise on accelerators)"
+        "--seq-len", type=positive_int, default=None, help="tokens per row (default min(256, max_seq_len))"
+    )
+    # The >= 5 floor is BenchSettings.check's (this module may not import meshlm.perf: it imports JAX).
+    p.add_argument("--steps", type=positive_int, default=5, help="timed steps per implementation (>= 5)")
+    p.add_argument(
+        "--warmup", type=non_negative_int, default=1, help="untimed steps per implementation first"
+    )
+    p.add_argument(
+        "--gen-tokens",
+        type=non_negative_int,
+        default=16,
+        help="new tokens per row in the generation bench (0: skip)",
+    )
+    p.add_argument(
+        "--peak-n",
+        type=positive_int,
+        default=2048,
+        help="matmul size of the peak measurement (raise on accelerators)",
     )
     p.add_argument("--out", default=None, help="also write bench.json and bench.png into this directory")
     p.set_defaults(fn=run)
 
 
+def check_out(out: str | None) -> None:
+    """bench.json and bench.png go into --out: a file there would fail only after the whole benchmark."""
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(
+            f"--out {out} is an existing file, but bench writes bench.json and bench.png into a "
+            "directory; choose a directory path (new or existing)"
+        )
+
+
 def run(args) -> int:
+    check_out(args.out)
+    check_batch_split(args.batch_size, args.mesh)
     mesh, dp, _ = setup(args)
     from meshlm.model.config import get_config
     from meshlm.parallel.distributed import is_main, print0

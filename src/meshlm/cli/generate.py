@@ -10,7 +10,14 @@ from __future__ import annotations
 import json
 import sys
 
-from meshlm.cli.common import add_common, setup
+from meshlm.cli.common import (
+    add_common,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    probability,
+    setup,
+)
 
 DEFAULT_MAX_NEW = 128  # without --max-new-tokens: this many, or as many as the context still holds
 
@@ -25,13 +32,16 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--max-new-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help=f"tokens to generate per prompt (default {DEFAULT_MAX_NEW}, capped to fit the context)",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
+    # Checked while parsing, before the checkpoint loads (the generator checks them again for library use).
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 is greedy")
+    p.add_argument(
+        "--top-k", type=non_negative_int, default=0, help="sample from the k most likely tokens (0: all)"
+    )
+    p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass in (0, 1] (1: all)")
     p.add_argument("--stop", action="append", default=[], help="stop at this string; repeatable")
     p.set_defaults(fn=run)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from meshlm.cli.common import device_count, positive_int
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -11,8 +13,12 @@ def add_parser(sub) -> None:
         help="run a command as N local processes (JAX distributed runtime)",
         description="e.g. meshlm launch -n 2 --devices-per-process 2 -- verify --mesh 2x2",
     )
-    p.add_argument("-n", "--num-processes", type=int, required=True, help="number of local processes")
-    p.add_argument("--devices-per-process", type=int, default=2, help="fake CPU devices in each process")
+    p.add_argument(
+        "-n", "--num-processes", type=positive_int, required=True, help="number of local processes"
+    )
+    p.add_argument(
+        "--devices-per-process", type=device_count, default=2, help="fake CPU devices in each process"
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- <command> [args] (a meshlm subcommand)")
     p.set_defaults(fn=run)
 

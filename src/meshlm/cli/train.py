@@ -12,7 +12,7 @@ import dataclasses
 import json
 import sys
 
-from meshlm.cli.common import add_common, setup
+from meshlm.cli.common import add_common, arg_type, check_batch_split, setup
 from meshlm.train.config import CLI_FLAG, CLI_HIDDEN, TrainConfig, check_byte_vocab, resolve
 
 D = TrainConfig()
@@ -40,7 +40,9 @@ def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field) -> None:
     elif isinstance(f.default, tuple):
         p.add_argument(flag, nargs="+", default=f.default, help=_help(f))
     else:
-        p.add_argument(flag, type=type(f.default), default=f.default, help=_help(f))
+        valid = f.metadata["valid"]
+        kind = arg_type(valid) if valid is not None else type(f.default)
+        p.add_argument(flag, type=kind, default=f.default, help=_help(f))
 
 
 def _help(f: dataclasses.Field) -> str:
@@ -67,6 +69,8 @@ def run(args) -> int:
     # Before devices, data or model: a preset that cannot train on bytes fails in a second, not after
     # the corpus is read.
     check_byte_vocab(tcfg, cfg)
+    if tcfg.accum_steps == 1:  # with accumulation, run.py names the micro-batch size it cannot split
+        check_batch_split(tcfg.batch_size, args.mesh)
     mesh, _, _ = setup(args)
     from meshlm.parallel.distributed import print0
     from meshlm.train.loop import train

@@ -5,21 +5,34 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from meshlm.cli.common import add_common, setup
+from meshlm.cli.common import add_common, arg_type, check_batch_split, non_negative_int, positive_int, setup
+from meshlm.ranges import Range
+
+# One token attends only to itself: the causal mask and attention across positions would go unproven
+# (and 0 tokens give a NaN loss, reported as a FAIL).
+MIN_SEQ_LEN = 2
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="prove sharded == unsharded for every parameter")
     add_common(p, "seed")
-    p.add_argument("--steps", type=int, default=0, help="also compare K full training steps")
+    p.add_argument("--steps", type=non_negative_int, default=0, help="also compare K full training steps")
     p.add_argument("--x64", action="store_true", help="float64: worst relative error must be <= 1e-12")
-    p.add_argument("--batch-size", type=int, default=None, help="global batch (default 2 x dp)")
-    p.add_argument("--seq-len", type=int, default=64, help="sequence length")
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=None,
+        help="global batch, a multiple of dp (default 2 x dp)",
+    )
+    p.add_argument(
+        "--seq-len", type=arg_type(Range(int, MIN_SEQ_LEN)), default=64, help="sequence length (>= 2)"
+    )
     p.add_argument("--checkpoint", default=None, help="prove with these parameters (run dir or step dir)")
     p.set_defaults(fn=run)
 
 
 def run(args) -> int:
+    check_batch_split(args.batch_size, args.mesh)
     mesh, dp, mp = setup(args)
     import jax
     import jax.numpy as jnp
@@ -35,7 +48,7 @@ def run(args) -> int:
         from meshlm.io.model_io import load_model, read_config
 
         cfg, name = read_config(args.checkpoint)[0], args.checkpoint
-    batch = args.batch_size or 2 * dp
+    batch = args.batch_size if args.batch_size is not None else 2 * dp
     problem = model_problem(cfg, name, mp, batch, min(args.seq_len, cfg.max_seq_len), args.seed)
     if args.checkpoint:
         problem = dataclasses.replace(problem, load_params=lambda m: load_model(args.checkpoint, m)[1])

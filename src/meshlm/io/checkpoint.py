@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from meshlm.errors import CheckpointError
@@ -32,6 +31,8 @@ from meshlm.io.layout import (
     require_step,
     warn_interrupted,
 )
+from meshlm.io.set_aside import set_aside_newer
+from meshlm.parallel.distributed import agree
 
 _T = TypeVar("_T")
 
@@ -87,15 +88,6 @@ def _sized_like(error: str, directory: Path) -> str:
         return ""
     files = [p for p in directory.rglob("*") if p.is_file() and p.stat().st_size == int(m.group(1))]
     return f" (damaged file: {files[0]})" if len(files) == 1 else ""
-
-
-def _agree(ok: bool) -> bool:
-    """True only if every process succeeded, so all processes fall back to the same step."""
-    if jax.process_count() == 1:
-        return ok
-    from jax.experimental import multihost_utils  # noqa: PLC0415 - multi-process only
-
-    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
 
 
 # ---------------------------------------------------------------- orbax reads and writes
@@ -172,11 +164,13 @@ def _load(directory: Path, load: Callable[[int], _T], step: int | None) -> _T:
     return load(require_step(directory, step)) if step is not None else _load_newest(directory, load)
 
 
-def _load_newest(directory: Path, load: Callable[[int], _T]) -> _T:
-    """``load`` the newest step that loads, warning about each one skipped."""
+def _load_newest(directory: Path, load: Callable[[int], _T], skipped: dict | None = None) -> _T:
+    """``load`` the newest step that loads, warning about each one skipped. With ``skipped`` the
+    caller reports them instead (``resume`` moves them aside): each corrupt step's error goes there,
+    and interrupted saves with a step's name are left to it."""
     steps = complete_steps(directory)
-    # stacklevel: this function, _load, the Checkpointer method, then its caller.
-    warn_interrupted(directory, steps, stacklevel=4)
+    # stacklevel: this function, _load, the Checkpointer method, its caller (from resume: one less)
+    warn_interrupted(directory, steps, stacklevel=4 if skipped is None else 3, numeric=skipped is None)
     if not steps:
         raise no_checkpoint(directory)
     failures = []
@@ -184,10 +178,14 @@ def _load_newest(directory: Path, load: Callable[[int], _T]) -> _T:
         try:
             return load(step)
         except CorruptCheckpoint as e:
-            warnings.warn(f"skipping corrupt checkpoint step {step}: {e}", stacklevel=4)
+            if skipped is None:
+                warnings.warn(f"skipping corrupt checkpoint step {step}: {e}", stacklevel=4)
+            else:
+                skipped[step] = str(e)
             failures.append(f"step {step}: {e}")
     raise CheckpointError(
-        f"no loadable checkpoint in {directory}, all of steps {steps} failed; newest {failures[0]}"
+        f"no loadable checkpoint in {directory}, all of steps {steps} failed; newest {failures[0]}. "
+        "Move the damaged step directories out of it, or use another directory"
     )
 
 
@@ -266,6 +264,19 @@ class Checkpointer:
         load = lambda s: self._restore_step(abstract_state, s, expect_meta, partial)
         return _load(self.directory, load, step)
 
+    def resume(self, abstract_state: Any, expect_meta: dict | None = None) -> tuple[Any, dict, int] | None:
+        """``restore`` the newest loadable step (None if there is no complete step), then move
+        aside every step directory newer than it (corrupt, or an interrupted save): left in place,
+        it would stop the resumed run from saving that step again. Call from every process."""
+        skipped: dict[int, str] = {}
+        resumed = None
+        if self.all_steps():
+            load = lambda s: self._restore_step(abstract_state, s, expect_meta)
+            resumed = _load_newest(self.directory, load, skipped)
+        set_aside_newer(self.directory, resumed[2] if resumed else 0, skipped)
+        self._manager.reload()  # orbax lists steps once: it would still refuse to save those moved
+        return resumed
+
     def read_meta(self, step: int | None = None) -> dict:
         """The saved meta dict, without reading any array."""
         return _load(self.directory, lambda s: _read_json(self._manager, s, self.step_dir(s), META), step)
@@ -280,7 +291,7 @@ class Checkpointer:
         saved = saved_arrays(record, where / INTEGRITY / JSON_FILE)
         check_abstract(saved, abstract, f"checkpoint {where}", partial)
         state, error = _read_arrays(self._manager, step, where, abstract, partial)
-        if not _agree(error is None):
+        if not agree(error is None):  # all processes fall back to the same step
             raise CorruptCheckpoint(
                 f"cannot read arrays of {where / STATE}: " + (error or "failed on another process")
             )

@@ -3,6 +3,8 @@
 Layout written by orbax-checkpoint 0.12.8 on a local filesystem (``DIR`` is the run directory)::
 
     DIR/<step>.orbax-checkpoint-tmp/   a save in progress, or one that crashed: never loaded
+    DIR/<step>.corrupt-<UTC time>/     a step directory a resumed run moved aside: never loaded
+                                       (``meshlm.io.set_aside``)
     DIR/<step>/                        a finished save: the tmp directory renamed atomically
         commit_success.txt             written just before the rename: our completion marker
         _CHECKPOINT_METADATA           orbax's step metadata (item handlers, timestamps)
@@ -30,6 +32,7 @@ STATE, META, INTEGRITY = "state", "meta", "integrity"  # orbax item names = subd
 COMMIT_MARKER = ocp.path.atomicity.COMMIT_SUCCESS_FILE  # "commit_success.txt"
 TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp"
 JSON_FILE = "metadata"  # the file name orbax's JSON handler uses inside its item directory
+SET_ASIDE_TAG = ".corrupt-"  # <step>.corrupt-<time>: not a number, so never taken for a step
 
 
 def how_to_make(directory: Path) -> str:
@@ -79,9 +82,12 @@ def step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def warn_interrupted(directory: Path, steps: list[int], stacklevel: int) -> None:
-    """Warn about each interrupted save newer than the newest of the complete ``steps``."""
+def warn_interrupted(directory: Path, steps: list[int], stacklevel: int, numeric: bool = True) -> None:
+    """Warn about each interrupted save newer than the newest of the complete ``steps``. With
+    ``numeric=False`` only about tmp directories: the caller reports the numeric ones."""
     for path in incomplete_saves(directory):
+        if not numeric and TMP_SUFFIX not in path.name:
+            continue
         if not steps or (step_of(path) or -1) > steps[-1]:
             why = "never renamed to its final name" if TMP_SUFFIX in path.name else f"no {COMMIT_MARKER}"
             warnings.warn(f"ignoring {path}: an interrupted save ({why})", stacklevel=stacklevel + 1)
@@ -102,6 +108,11 @@ def resolve(path: str | Path) -> tuple[Path, int | None]:
     if not p.exists():
         raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
     interrupted = p.name.isdigit() and (p / STATE).is_dir() and not is_complete_step(p)
+    if SET_ASIDE_TAG in p.name:
+        raise CheckpointError(
+            f"{p} was moved aside by a resumed run (corrupt or incomplete); "
+            f"pass {p.parent} to load the latest complete checkpoint"
+        )
     if TMP_SUFFIX in p.name or interrupted:
         raise CheckpointError(
             f"{p} is an incomplete checkpoint (its save was interrupted); "

@@ -98,6 +98,17 @@ def is_main() -> bool:
     return jax.process_index() == 0
 
 
+def agree(ok: bool) -> bool:
+    """True only if ``ok`` on every process (a collective: call it on all of them), so that all
+    processes take the same branch after a step that can fail on some of them only."""
+    if jax.process_count() == 1:
+        return ok
+    import numpy as np  # noqa: PLC0415 - multi-process only
+    from jax.experimental import multihost_utils  # noqa: PLC0415 - multi-process only
+
+    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+
+
 def print0(*args: Any, **kwargs: Any) -> None:
     """``print`` on process 0 only, so N processes do not print N copies."""
     if is_main():

@@ -13,6 +13,8 @@ import sys
 from meshlm.errors import MeshError
 
 DEFAULT_DEVICES = 4  # the prototype's 4 CPU devices
+# Fake host devices beyond this are a typo, not a plan: XLA creates each one and seems to hang.
+MAX_HOST_DEVICES = 4096
 _FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -28,8 +30,8 @@ def force_host_devices(n: int | None) -> None:
     """Ask XLA for ``n`` host CPU devices (fake devices for development). Call before importing jax."""
     if n is None:
         return
-    if n < 1:
-        raise MeshError(f"--devices must be >= 1, got {n}")
+    if not 1 <= n <= MAX_HOST_DEVICES:
+        raise MeshError(f"--devices must be in [1, {MAX_HOST_DEVICES}], got {n}")
     if "jax" in sys.modules and _backend_started():
         return  # too late: the device count is fixed; make_mesh reports a mismatch clearly
     flags = re.sub(rf"{_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()

@@ -73,11 +73,15 @@ class BenchSettings:
                 f"--steps must be >= {MIN_STEPS} (a median of fewer is noise), got {self.steps}"
             )
         if self.warmup < 0:
-            raise ConfigError(f"warmup must be >= 0, got {self.warmup}")
+            raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
         if self.batch_size < 1 or self.batch_size % dp:
             raise ConfigError(f"--batch-size {self.batch_size} must be a positive multiple of dp={dp}")
         if not 1 <= self.seq_len <= cfg.max_seq_len:
             raise ConfigError(f"--seq-len {self.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
+        if self.gen_new_tokens < 0:
+            raise ConfigError(
+                f"--gen-tokens must be >= 0 (0 skips the generation bench), got {self.gen_new_tokens}"
+            )
 
 
 # --- the three implementations --------------------------------------------------------------------
@@ -233,6 +237,8 @@ def run_bench(
     """Build, time and inspect the three implementations; the JSON-ready report (see ``--json``)."""
     dp, mp = mesh.shape[DP], mesh.shape[MP]
     settings.check(cfg, dp)
+    if peak_n < 1:
+        raise ConfigError(f"--peak-n must be >= 1 (the matmul size of the peak measurement), got {peak_n}")
     impls = build_impls(cfg, ocfg or OptimConfig(), mesh, settings)
     peak_fn = lambda dtype: matmul_peak_flops(dtype, n=peak_n, repeats=3)
     seconds, peaks = time_interleaved(impls, settings.steps, settings.warmup, peak_fn)

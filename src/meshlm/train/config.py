@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import PRESETS, ModelConfig, get_config
+from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
 # seq_len=0 means min(DEFAULT_SEQ_LEN, the preset's max_seq_len), resolved by `resolve`.
 DEFAULT_SEQ_LEN = 128
@@ -40,11 +41,13 @@ def _field(
     cli: str = CLI_FLAG,
     switch: Switch | None = None,
     shown_default: str | None = None,
+    valid: Range | None = None,
 ) -> Any:
     """A dataclass field whose metadata says what it means and how the CLI and resume treat it.
 
     ``resume_must_match``: the value changes the computation, so a resumed run must use the saved one.
     ``shown_default``: what the help says the default is, where the literal value would mislead.
+    ``valid``: the values a number accepts; ``__post_init__`` and the CLI's flag type both enforce it.
     """
     metadata = {
         "help": help,
@@ -52,6 +55,7 @@ def _field(
         "cli": cli,
         "switch": switch,
         "shown_default": shown_default,
+        "valid": valid,
     }
     return dataclasses.field(default=default, metadata=metadata)
 
@@ -65,53 +69,81 @@ class TrainConfig:
         resume_must_match=True,
         shown_default="the Python stdlib's .py files",
     )
-    steps: int = _field(200, "optimizer steps; the defaults take ~5 min on a 2-core CPU")
+    steps: int = _field(200, "optimizer steps; the defaults take ~5 min on a 2-core CPU", valid=POSITIVE_INT)
     batch_size: int = _field(
-        32, "global sequences per optimizer step, split over dp and micro-batches", resume_must_match=True
+        32,
+        "global sequences per optimizer step, split over dp and micro-batches",
+        resume_must_match=True,
+        valid=POSITIVE_INT,
     )
     seq_len: int = _field(
         0,
         "tokens (bytes) per sequence",
         resume_must_match=True,
         shown_default=f"min({DEFAULT_SEQ_LEN}, the preset's max_seq_len)",
+        valid=Range(int, 0, note="0: the preset's default"),
     )
     lr: float = _field(
-        3e-3, "peak learning rate: warm-up, then cosine decay to lr * 0.1", resume_must_match=True
+        3e-3,
+        "peak learning rate: warm-up, then cosine decay to lr * 0.1",
+        resume_must_match=True,
+        valid=POSITIVE_FLOAT,
     )
-    warmup_steps: int = _field(20, "linear warm-up steps", resume_must_match=True)
-    weight_decay: float = _field(0.1, "AdamW decay on weight matrices only", resume_must_match=True)
-    clip_norm: float = _field(1.0, "global gradient-norm clip; 0 disables", resume_must_match=True)
-    accum_steps: int = _field(1, "micro-batches per step, for gradient accumulation", resume_must_match=True)
+    warmup_steps: int = _field(20, "linear warm-up steps", resume_must_match=True, valid=NON_NEGATIVE_INT)
+    weight_decay: float = _field(
+        0.1, "AdamW decay on weight matrices only", resume_must_match=True, valid=NON_NEGATIVE_FLOAT
+    )
+    clip_norm: float = _field(
+        1.0,
+        "global gradient-norm clip; 0 disables",
+        resume_must_match=True,
+        valid=Range(float, 0, note="0 disables"),
+    )
+    accum_steps: int = _field(
+        1, "micro-batches per step, for gradient accumulation", resume_must_match=True, valid=POSITIVE_INT
+    )
     compute_dtype: str = _field(
         "float32",
         "float32, or bfloat16: bf16 compute with float32 master weights",
         resume_must_match=True,
         switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights"),
     )
-    eval_every: int = _field(50, "steps between validation evaluations; 0: only at the end")
-    eval_batches: int = _field(8, "validation batches per evaluation")
-    save_every: int = _field(100, "steps between checkpoints; 0: only at the end")
-    keep: int = _field(3, "checkpoints to keep")
-    log_every: int = _field(1, "steps between metrics.jsonl train rows")
-    seed: int = _field(0, "parameter init and data order", resume_must_match=True, cli=CLI_COMMON)
+    eval_every: int = _field(
+        50,
+        "steps between validation evaluations; 0: only at the end",
+        valid=Range(int, 0, note="0: only at the end"),
+    )
+    eval_batches: int = _field(8, "validation batches per evaluation", valid=POSITIVE_INT)
+    save_every: int = _field(
+        100, "steps between checkpoints; 0: only at the end", valid=Range(int, 0, note="0: only at the end")
+    )
+    keep: int = _field(3, "checkpoints to keep", valid=POSITIVE_INT)
+    log_every: int = _field(1, "steps between metrics.jsonl train rows", valid=POSITIVE_INT)
+    seed: int = _field(
+        0, "parameter init and data order", resume_must_match=True, cli=CLI_COMMON, valid=NON_NEGATIVE_INT
+    )
     out: str = _field(
         "runs/main",
         "run directory: checkpoints, metrics.jsonl, TensorBoard, loss curve; resumes if it has checkpoints",
     )
-    fresh: bool = _field(False, "start over; refuses if --out holds checkpoints")
+    fresh: bool = _field(False, "start over; refuses if --out holds checkpoints or other run outputs")
     checkpoint: str = _field("", "initial parameters from a checkpoint (e.g. converted HF)")
-    sample_tokens: int = _field(200, "bytes generated at the end as a sample; 0: none")
+    sample_tokens: int = _field(
+        200, "bytes generated at the end as a sample; 0: none", valid=Range(int, 0, note="0: none")
+    )
 
     def __post_init__(self):
-        positive = ("steps", "batch_size", "accum_steps", "eval_batches", "keep", "log_every")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.seq_len < 0:
-            raise ConfigError(f"seq_len must be >= 1 (or 0 for the preset's default), got {self.seq_len}")
+        # Library users never pass argparse's checks: every range is enforced here too, before any work.
+        for f in dataclasses.fields(self):
+            valid = f.metadata["valid"]
+            if valid is not None and (problem := valid.problem(f.name, getattr(self, f.name))):
+                flag = "--" + f.name.replace("_", "-")
+                raise ConfigError(f"{problem} (the default is {flag} {f.default})")
         if self.batch_size % self.accum_steps:
+            fit = (self.batch_size // self.accum_steps + 1) * self.accum_steps
             raise ConfigError(
-                f"batch_size={self.batch_size} is not divisible by accum_steps={self.accum_steps}"
+                f"batch_size={self.batch_size} is not divisible by accum_steps={self.accum_steps}; "
+                f"use e.g. --batch-size {fit}"
             )
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"compute_dtype={self.compute_dtype!r}; valid: float32, bfloat16")

@@ -136,6 +136,13 @@ def _eval_and_log(run: Run, bar=None) -> dict:
 def train(tcfg: TrainConfig, mesh) -> dict:
     """Train (or resume) per ``tcfg`` on ``mesh``; returns a summary dict."""
     run = build_run(tcfg, mesh)
+    try:
+        return _train(run)
+    finally:
+        run.release()  # the run directory's lock: another run may use it now
+
+
+def _train(run: Run) -> dict:
     start_step, t0 = run.step, time.perf_counter()
     first = _eval_and_log(run) if run.step == 0 else None
     stop = _Stop()

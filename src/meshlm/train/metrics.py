@@ -10,6 +10,8 @@ import json
 import os
 from pathlib import Path
 
+OUTPUTS = ("metrics.jsonl", "tensorboard", "loss_curve.png")  # what a run writes besides checkpoints
+
 
 class MetricsLog:
     def __init__(self, out: Path, enabled: bool = True):

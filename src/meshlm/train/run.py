@@ -24,6 +24,7 @@ from meshlm.data.tokens import check_token_range
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.model_io import FORMAT, abstract_params, load_model
+from meshlm.io.run_lock import RunLock, lock_run
 from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel import distributed
@@ -31,7 +32,7 @@ from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.rules import model_specs
 from meshlm.parallel.spmd import sharded_loss
 from meshlm.train.config import TrainConfig, resolve, resume_must_match
-from meshlm.train.metrics import MetricsLog
+from meshlm.train.metrics import OUTPUTS, MetricsLog
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step
 
 
@@ -53,6 +54,12 @@ class Run:
     ckpt: Checkpointer  # the run directory's checkpoints
     log: MetricsLog  # metrics.jsonl and TensorBoard
     saved_step: int = -1  # newest step this run saved or resumed from (same on every process)
+    lock: RunLock | None = None  # held on process 0 until the loop ends (see `release`)
+
+    def release(self) -> None:
+        """Let another run use the directory."""
+        if self.lock is not None:
+            self.lock.release()
 
 
 def _load_data(tcfg: TrainConfig, cfg: ModelConfig, dp: int):
@@ -95,16 +102,26 @@ def _check_resumable(meta: dict, tcfg: TrainConfig, where: Path) -> None:
         )
 
 
+def _check_fresh(ckpt: Checkpointer) -> None:
+    """--fresh starts over: refuse a directory holding anything of a previous run, which the
+    new run would mix its rows into or overwrite."""
+    steps = ckpt.all_steps()
+    found = [f"checkpoints (steps {steps})"] if steps else []
+    found += [name for name in OUTPUTS if (ckpt.directory / name).exists()]
+    if found:
+        raise CheckpointError(
+            f"--fresh: {ckpt.directory} already holds {', '.join(found)} of a previous run; "
+            "choose a new --out or delete them yourself"
+        )
+
+
 def _check_existing(tcfg: TrainConfig, ckpt: Checkpointer) -> None:
     """Checks before resuming from ``ckpt``'s checkpoints, if it holds any (cheap: meta only)."""
+    if tcfg.fresh:
+        _check_fresh(ckpt)
     if not ckpt.all_steps():
         return
-    if tcfg.fresh:
-        raise CheckpointError(
-            f"--fresh: {ckpt.directory} already holds checkpoints (steps "
-            f"{ckpt.all_steps()}); choose a new --out or delete them yourself"
-        )
-    with warnings.catch_warnings():  # restore() warns about interrupted saves later, once
+    with warnings.catch_warnings():  # resume() reports interrupted and corrupt steps later, once
         warnings.simplefilter("ignore")
         meta = ckpt.read_meta()
     _check_resumable(meta, tcfg, ckpt.directory)
@@ -127,11 +144,13 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, ckpt: Checkp
     step_fn, opt = sharded_step(cfg, tcfg.optim(), mesh, specs, params, COMPUTE_DTYPES[tcfg.compute_dtype])
     opt_state = init_opt_state(opt, params, specs, mesh)
     step = 0
-    if ckpt.all_steps():
-        target = {"params": params, "opt_state": opt_state}
-        state, meta, step = ckpt.restore(
-            jax.tree.map(_abstract, target), expect_meta={"format": FORMAT, "model_config": cfg.to_dict()}
-        )
+    target = {"params": params, "opt_state": opt_state}
+    # resume() also moves aside newer step directories it could not use, which would block saves.
+    resumed = ckpt.resume(
+        jax.tree.map(_abstract, target), expect_meta={"format": FORMAT, "model_config": cfg.to_dict()}
+    )
+    if resumed:
+        state, _, step = resumed
         params, opt_state = state["params"], state["opt_state"]
         distributed.print0(f"resuming from {ckpt.step_dir(step)} (step {step})", file=sys.stderr)
     return params, opt_state, step, specs, step_fn
@@ -151,10 +170,19 @@ def build_run(tcfg: TrainConfig, mesh: Mesh) -> Run:
         f"files, validation {info['val_bytes']:,} bytes in {info['val_files']}",
         file=sys.stderr,
     )
+    lock = lock_run(out)  # before anything in `out` is read or written; creates it
+    try:
+        return _build(tcfg, cfg, mesh, out, batcher, val, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _build(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, out: Path, batcher, val, lock) -> Run:
+    """The state and outputs in ``out``, which this run has locked."""
     ckpt = Checkpointer(out, keep=tcfg.keep)
     params, opt_state, step, specs, step_fn = _initial_state(tcfg, cfg, mesh, ckpt)
-    if distributed.is_main():
-        out.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(out, enabled=distributed.is_main())
     log.truncate_after(step, redo_eval=step == 0 or step >= tcfg.steps)
     dtype = COMPUTE_DTYPES[tcfg.compute_dtype]
@@ -173,4 +201,5 @@ def build_run(tcfg: TrainConfig, mesh: Mesh) -> Run:
         ckpt=ckpt,
         log=log,
         saved_step=step if step else -1,
+        lock=lock,
     )

@@ -1,0 +1,139 @@
+"""An advisory lock on a run directory, so that two `meshlm train` never write one ``--out``.
+
+``DIR/.lock`` holds the owner's pid and host, and the owner holds ``fcntl.flock`` on it. The kernel
+drops a flock when its holder exits, however it dies, so a lock file nobody holds was left by a dead
+run: it is taken over, with a warning naming that run. Releasing removes the file while still
+holding the lock; whoever opened the old file meanwhile notices it was replaced and tries again.
+
+Only process 0 of a multi-process run locks (``lock_run``); the others follow its outcome.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import warnings
+from pathlib import Path
+
+from meshlm.errors import CheckpointError, MeshlmError
+from meshlm.parallel import distributed
+
+LOCK_FILE = ".lock"
+_HELD: dict[str, list[int]] = {}  # lock path -> [fd, holders]: re-entrant within one process
+
+
+class RunLock:
+    """A held lock on ``directory`` (see the module doc). ``release`` is idempotent."""
+
+    def __init__(self, directory: Path):
+        self.path = Path(directory).absolute() / LOCK_FILE
+        self._held = False
+
+    def acquire(self) -> RunLock:
+        if self._held:
+            return self
+        key = str(self.path)
+        if key not in _HELD:
+            _HELD[key] = [_take(self.path), 0]
+        _HELD[key][1] += 1
+        self._held = True
+        return self
+
+    def release(self) -> None:
+        key = str(self.path)
+        if not self._held or key not in _HELD:
+            return
+        self._held = False
+        _HELD[key][1] -= 1
+        if _HELD[key][1] == 0:
+            fd = _HELD.pop(key)[0]
+            self.path.unlink(missing_ok=True)  # while still locked: see the module doc
+            os.close(fd)  # drops the flock
+
+
+def lock_run(directory: Path) -> RunLock | None:
+    """Process 0 locks ``directory`` (creating it); every process raises if that failed. A
+    collective: call it on all processes. Returns the lock on process 0, None on the others."""
+    lock, error = None, None
+    if distributed.is_main():
+        try:
+            lock = RunLock(directory).acquire()
+        except MeshlmError as e:
+            error = e
+    if not distributed.agree(error is None):
+        raise error or CheckpointError(f"process 0 could not lock {directory}; see its error")
+    return lock
+
+
+def _take(path: Path) -> int:
+    """An fd of ``path`` holding its flock, the file naming this process."""
+    for _ in range(20):
+        fd = _open(path)
+        if not _flock(fd, path):
+            return fd  # no flock on this filesystem: unprotected, as _flock warned
+        if _is_current(fd, path):
+            _claim(fd, path)
+            return fd
+        os.close(fd)  # released and removed by its owner after we opened it: try the new one
+    raise CheckpointError(f"cannot lock {path}: it keeps being replaced; choose another --out")
+
+
+def _open(path: Path) -> int:
+    if path.parent.exists() and not path.parent.is_dir():
+        raise CheckpointError(
+            f"cannot use {path.parent} as a run directory: not a directory; choose another --out"
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot create the run lock {path}: {e.strerror}; choose a writable --out"
+        ) from e
+
+
+def _flock(fd: int, path: Path) -> bool:
+    """Lock ``fd`` without waiting: True when held, False when the filesystem cannot lock."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        owner = _owner(fd)
+        os.close(fd)
+        raise CheckpointError(
+            f"{path.parent} is in use by another run ({owner or 'owner unknown'}, lock {path}): "
+            "wait for it or choose another --out"
+        ) from None
+    except OSError as e:  # e.g. ENOLCK on some network filesystems
+        warnings.warn(f"cannot lock {path} ({e.strerror}): nothing stops a second run there", stacklevel=5)
+        return False
+
+
+def _is_current(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == path.stat().st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _claim(fd: int, path: Path) -> None:
+    """Write this process into the file; warn if it named another (a run that died holding it)."""
+    previous = _owner(fd)
+    if previous:
+        warnings.warn(
+            f"took over the stale run lock {path} of {previous}, which no longer holds it "
+            "(that run ended without releasing it)",
+            stacklevel=5,
+        )
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+
+
+def _owner(fd: int) -> str:
+    """'pid P on host H' from the lock file, '' if empty."""
+    text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    parts = text.split()
+    if len(parts) == 2 and parts[0].isdigit():
+        return f"pid {parts[0]} on host {parts[1]}"
+    return f"owner {text!r}" if text else ""
