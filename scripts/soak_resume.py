@@ -9,6 +9,13 @@ points (during start-up and compilation, in the training loop, during checkpoint
 the same command after each kill. When a victim run completes, its metrics.jsonl must match the
 reference bit for bit (train losses, steps 1..N exactly once, eval rows) and its newest checkpoint
 must be step N; the next kills go to a fresh victim directory. Exit status 0 only if all match.
+
+A share (``--fault-p``) of the kills also damage the victim directory before the restart:
+"corrupt" flips a byte in the largest array file of the newest good checkpoint; "empty" creates
+the next step the run will save as an empty directory, or empties the newest step. The restart
+must then resume from the newest step still good, move the bad one aside as
+``<step>.corrupt-<time>`` (never delete it), and still end bit for bit equal to the reference.
+The report counts the kills of each kind ("kill": no damage) that ran and passed.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import atexit
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +39,9 @@ from pathlib import Path
 # imported so that this script does not start JAX and checks the layout independently.
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 COMMIT_MARKER = "commit_success.txt"
+SET_ASIDE_TAG = ".corrupt-"  # <step>.corrupt-<time>: a bad step a resumed run moved aside
+SAVE_EVERY = 3
+KINDS = ("kill", "corrupt", "empty")  # what a kill does to the victim directory besides killing
 POLL_S = 0.01  # steps take tens of milliseconds here: poll finer than that to aim kills
 # Random delay after the target step. Saves take longer than steps here, so a delay spanning several
 # steps mostly lands in a save; half the kills use a delay shorter than one step to hit the step itself.
@@ -90,8 +101,8 @@ def finish(proc: subprocess.Popen, timeout: float) -> int:
 def train_cmd(out: Path, corpus: Path, steps: int) -> list[str]:
     """The command of tests/test_train.py::test_sigkill_then_resume_is_bitwise_identical."""
     flags = (
-        "--config tiny-lm --batch-size 8 --seq-len 32 --warmup-steps 2 --eval-every 0 --save-every 3 "
-        "--sample-tokens 0 --mesh 2x2 --devices 4"
+        "--config tiny-lm --batch-size 8 --seq-len 32 --warmup-steps 2 --eval-every 0 "
+        f"--save-every {SAVE_EVERY} --sample-tokens 0 --mesh 2x2 --devices 4"
     ).split()
     data = ["--data", str(corpus), "--steps", str(steps), "--out", str(out)]
     return [sys.executable, "-m", "meshlm", "train", *flags, *data]
@@ -219,6 +230,60 @@ def log_tail(log: Path, lines: int = 15) -> str:
     return "\n".join(line for line in text.splitlines()[-lines:])
 
 
+# ---------------------------------------------------------------- faults
+
+
+@dataclass
+class Fault:
+    kill: int  # the kill after which it was applied
+    kind: str  # "corrupt" or "empty"
+    step: int  # the step directory damaged or created
+    how: str  # what was done, for the log
+    asides_before: int  # <step>.corrupt-* directories before: one more means the run set it aside
+    set_aside: bool = False
+
+
+def set_aside_count(out: Path, step: int) -> int:
+    return sum(p.name.startswith(f"{step}{SET_ASIDE_TAG}") for p in out.iterdir()) if out.is_dir() else 0
+
+
+def flip_byte(step_dir: Path) -> Path:
+    """Flip one byte in the middle of the largest array file (chunk data under ``state/**/d/``)."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+    victim = max([p for p in files if p.parent.name == "d"] or files, key=lambda p: p.stat().st_size)
+    with victim.open("r+b") as f:
+        f.seek(victim.stat().st_size // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0xFF]))
+    return victim
+
+
+def next_save(good: int | None, steps: int) -> int:
+    return min(((good or 0) // SAVE_EVERY + 1) * SAVE_EVERY, steps)
+
+
+def damage(out: Path, kind: str, good: int | None, steps: int, rng: random.Random) -> tuple | None:
+    """Apply ``kind`` to ``out``, whose newest good step is ``good``: (step, what was done), or None
+    if it does not apply (nothing to corrupt yet)."""
+    if kind == "corrupt":
+        if good is None:
+            return None
+        return good, f"flipped a byte of {flip_byte(out / str(good)).relative_to(out)}"
+    nxt = next_save(good, steps)
+    if nxt > (good or 0) and not (out / str(nxt)).exists() and (good is None or rng.random() < 0.5):
+        (out / str(nxt)).mkdir(parents=True)
+        return nxt, f"created the next save step {nxt}/ empty"
+    if good is None:
+        return None
+    for entry in (out / str(good)).iterdir():  # our own victim directory: its files are ours
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    return good, f"emptied the newest step {good}/"
+
+
 # ---------------------------------------------------------------- one victim directory
 
 
@@ -229,6 +294,19 @@ class Victim:
     kills: list[int] = field(default_factory=list)  # kill numbers that hit this directory
     problems: list[str] = field(default_factory=list)  # train-loss / step / checkpoint problems
     other: list[str] = field(default_factory=list)  # eval rows, debris, resume lines, crashes
+    faults: list[Fault] = field(default_factory=list)
+
+    def pending(self) -> list[Fault]:
+        return [f for f in self.faults if not f.set_aside]
+
+    def good_step(self) -> int | None:
+        """The step a restart must resume from: the newest complete one not corrupted by us."""
+        bad = {f.step for f in self.pending() if f.kind == "corrupt"}
+        return max((s for s in complete_steps(self.path) if s not in bad), default=None)
+
+    def note_set_aside(self) -> None:
+        for f in self.pending():
+            f.set_aside = set_aside_count(self.path, f.step) > f.asides_before
 
 
 @dataclass
@@ -246,6 +324,8 @@ class Kill:
     new_tmp: list[str]  # save directories this attempt created or touched (killed mid-save)
     phase: str  # "save"; "startup" (no train row yet); "mid_step" (in the step loop); "finish"
     before_first_checkpoint: bool
+    kind: str = "kill"  # one of KINDS: the damage done after the kill
+    fault: str = ""  # what the damage was
 
 
 def plan(rng: random.Random, resume_from: int | None, steps: int, startup_s: float) -> tuple:
@@ -343,12 +423,18 @@ class Soak:
 
     def conclude(self, v: Victim, rc: int, log: Path, resume_from: int | None) -> None:
         """An attempt that ran to its end: check its resume and, if it succeeded, the directory."""
+        v.note_set_aside()
         if rc != 0:
             v.problems.append(f"{log.name}: exited with {rc} instead of completing:\n{log_tail(log)}")
             return
         if problem := resume_problem(log, resume_from):
             v.other.append(problem)
         train, other = verify(v.path, self.ref_rows, self.args.steps)
+        other += [
+            f"after kill {f.kill} ({f.how}) the run completed without moving step {f.step} "
+            f"aside as {f.step}{SET_ASIDE_TAG}<time>"
+            for f in v.pending()
+        ]
         v.problems += train
         v.other += other
         state = "exact" if not train else "MISMATCH"
@@ -359,7 +445,7 @@ class Soak:
 
     def kill_round(self, v: Victim) -> bool:
         """One attempt on ``v``; True if the kill hit a live run."""
-        resume_from = max(complete_steps(v.path), default=None)
+        resume_from = v.good_step()
         before_lines, before_tmp = metrics_lines(v.path), tmp_dirs(v.path)
         mode, target, delay = aim = plan(self.rng, resume_from, self.args.steps, self.startup_s)
         log = self.attempt_log(v)
@@ -368,6 +454,7 @@ class Soak:
         if rc != -signal.SIGKILL:
             self.conclude(v, rc, log, resume_from)
             return False
+        v.note_set_aside()
         if hung:
             v.other.append(f"{log.name}: no train step {target} within {self.args.timeout:.0f} s (hung?)")
         if "resuming from" in log.read_text(errors="replace"):  # only checkable if it got that far
@@ -393,13 +480,37 @@ class Soak:
         )
         self.kills.append(kill)
         v.kills.append(kill.number)
+        self.inject(v, kill)
         print(
             f"soak: kill {kill.number:2d}/{self.args.kills} {v.path.name} attempt {v.attempts}: {mode} "
             f"target={target} delay={delay:.2f}s at {at:.1f}s; resume_from={resume_from} last_row="
-            f"{kill.last_row_step} ckpts={ckpts} phase={kill.phase} new_tmp={new_tmp}",
+            f"{kill.last_row_step} ckpts={ckpts} phase={kill.phase} new_tmp={new_tmp}"
+            + (f"; then {kill.fault}" if kill.fault else ""),
             flush=True,
         )
         return True
+
+    def choose_kind(self) -> str:
+        """A random kind; the last kills go to fault kinds not applied yet, so that a short soak
+        still tries each."""
+        done = {k.kind for k in self.kills}
+        missing = [k for k in KINDS[1:] if k not in done]
+        if missing and self.args.fault_p > 0 and self.args.kills - len(self.kills) <= len(missing):
+            return missing[0]
+        p = self.args.fault_p
+        return self.rng.choices(KINDS, weights=(1 - p, p / 2, p / 2))[0]
+
+    def inject(self, v: Victim, kill: Kill) -> None:
+        """Damage ``v`` after ``kill`` (recorded in it) per a randomly chosen kind."""
+        kind = self.choose_kind()
+        if kind == "kill":
+            return
+        done = damage(v.path, kind, v.good_step(), self.args.steps, self.rng)
+        if done is None:
+            return  # nothing to corrupt yet: a plain kill
+        step, how = done
+        v.faults.append(Fault(kill.number, kind, step, how, set_aside_count(v.path, step)))
+        kill.kind, kill.fault = kind, how
 
     def run(self) -> None:
         self.reference()
@@ -422,13 +533,17 @@ class Soak:
 
     def complete(self, v: Victim) -> None:
         """Run the last victim to completion after the final kill."""
-        resume_from = max(complete_steps(v.path), default=None)
+        resume_from = v.good_step()
         log = self.attempt_log(v)
         rc = finish(start(self.cmd(v.path), log), timeout=self.args.timeout)
         self.conclude(v, rc, log, resume_from)
 
     def summary(self, wall_s: float) -> dict:
         exact = sum(1 for k in self.kills if not self._victim(k.victim).problems)
+        kinds = {kind: {"ran": 0, "passed": 0} for kind in KINDS}
+        for k in self.kills:
+            kinds[k.kind]["ran"] += 1
+            kinds[k.kind]["passed"] += self._passed(k)
         phases = {p: sum(k.phase == p for k in self.kills) for p in ("startup", "mid_step", "save", "finish")}
         return {
             "kills": len(self.kills),
@@ -437,6 +552,7 @@ class Soak:
             "before_first_checkpoint": sum(k.before_first_checkpoint for k in self.kills),
             "phases": phases,
             "modes": {m: sum(k.mode == m for k in self.kills) for m in ("time", "step")},
+            "kinds": kinds,
             "victim_dirs": [
                 {
                     "dir": v.path.name,
@@ -444,6 +560,7 @@ class Soak:
                     "kills": v.kills,
                     "problems": v.problems,
                     "other_problems": v.other,
+                    "faults": [asdict(f) for f in v.faults],
                 }
                 for v in self.victims
             ],
@@ -458,6 +575,12 @@ class Soak:
     def _victim(self, name: str) -> Victim:
         return next(v for v in self.victims if v.path.name == name)
 
+    def _passed(self, k: Kill) -> bool:
+        """The victim it hit ended exact and clean, and its fault (if any) was set aside."""
+        v = self._victim(k.victim)
+        faults = [f for f in v.faults if f.kill == k.number]
+        return not (v.problems or v.other) and all(f.set_aside for f in faults)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -466,9 +589,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the corpus and the kill schedule")
     p.add_argument("--out", default=None, help="work directory (must not exist; default: a new temp dir)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds any one training process may run")
+    p.add_argument(
+        "--fault-p",
+        type=float,
+        default=0.5,
+        help="share of kills that also corrupt or empty a step directory (default 0.5; 0: plain kills)",
+    )
     args = p.parse_args(argv)
     if args.kills < 1 or args.steps < 4:
-        p.error("--kills must be >= 1 and --steps >= 4 (the runs save every 3 steps)")
+        p.error(f"--kills must be >= 1 and --steps >= 4 (the runs save every {SAVE_EVERY} steps)")
+    if not 0.0 <= args.fault_p <= 1.0:
+        p.error(f"--fault-p must be in [0, 1], got {args.fault_p}")
     return args
 
 
@@ -497,6 +628,8 @@ def report(summary: dict) -> int:
     bad = [v for v in summary["victim_dirs"] if v["problems"] or v["other_problems"]]
     k = summary["kills"]
     print(f"soak: {summary['exact_resumes']}/{k} exact resumes")
+    by_kind = (f"{n} {c['passed']}/{c['ran']} passed" for n, c in summary["kinds"].items())
+    print("soak: kills by kind: " + ", ".join(by_kind))
     print(
         f"soak: {summary['during_save']} kills during a save, {summary['before_first_checkpoint']} "
         f"before the first checkpoint, phases {summary['phases']}, {summary['wall_s']:.0f} s"
@@ -506,7 +639,8 @@ def report(summary: dict) -> int:
             print(f"soak: FAIL {v['dir']} (kills {v['kills']}): {problem}")
     print(json.dumps({key: val for key, val in summary.items() if key != "kill_log"}))
     Path(summary["out"], "summary.json").write_text(json.dumps(summary, indent=1))
-    return 0 if not bad and summary["exact_resumes"] == k else 1
+    passed = sum(c["passed"] for c in summary["kinds"].values())
+    return 0 if not bad and summary["exact_resumes"] == k and passed == k else 1
 
 
 if __name__ == "__main__":

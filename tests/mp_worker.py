@@ -17,7 +17,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--process-id", type=int)
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--init-timeout", type=int, default=20)
-    parser.add_argument("--mode", choices=["psum", "fail", "raise", "sleep"], default="psum")
+    # spin: psum until killed (a peer to freeze); linger: process 0 stays 3 timeouts after the psum
+    # while its peer exits at once (a finished peer must not be reported as frozen).
+    modes = ["psum", "fail", "raise", "sleep", "spin", "linger"]
+    parser.add_argument("--mode", choices=modes, default="psum")
     parser.add_argument("--fail-process", type=int, default=1)
     parser.add_argument("--fail-code", type=int, default=3)
     parser.add_argument("--pid-dir")
@@ -47,7 +50,12 @@ def main() -> None:
         if args.mode == "raise":
             raise RuntimeError("worker failed on purpose")
     result = psum_everything()
+    while args.mode == "spin":
+        psum_everything()
+        time.sleep(0.1)
     distributed.print0("RESULT", result)
+    if args.mode == "linger" and args.process_id == 0:
+        time.sleep(3 * args.init_timeout)
 
 
 def psum_everything() -> list:

@@ -196,10 +196,10 @@ def test_truncated_or_deleted_array_file(tmp_path, damage):
         victim = largest_data_file(ckpt.step_dir(2))  # chunks of ['params']['big']
         if damage == "truncate":
             os.truncate(victim, victim.stat().st_size // 2)
-            names = f"damaged file: {victim}"  # found from the size tensorstore reports
+            names = rf"damaged file: {victim} is truncated .*holds array params\.big"
         else:
             victim.unlink()
-            names = rf"{ckpt.step_dir(2) / 'state'}.*params\.big"  # tensorstore names the store
+            names = rf"missing file: {victim} \(deleted or moved\); it holds array params\.big"
         with pytest.raises(CheckpointError, match=names):
             ckpt.restore(abstract(mesh), step=2)
         with pytest.warns(UserWarning, match="skipping corrupt checkpoint step 2"):
@@ -210,8 +210,9 @@ def test_truncated_or_deleted_array_file(tmp_path, damage):
 
 def test_deleted_manifest_names_the_file(tmp_path):
     with saved(tmp_path) as ckpt:
-        (ckpt.step_dir(2) / "state" / "manifest.ocdbt").unlink()
-        with pytest.raises(CheckpointError, match=f"{ckpt.step_dir(2) / 'state'}.*does not exist"):
+        manifest = ckpt.step_dir(2) / "state" / "manifest.ocdbt"
+        manifest.unlink()
+        with pytest.raises(CheckpointError, match=f"missing file: {manifest}"):
             ckpt.restore(abstract(make_mesh(2, 2)), step=2)
 
 
@@ -234,6 +235,21 @@ def test_missing_or_garbled_meta(tmp_path):
             ckpt.read_meta(2)
         with pytest.warns(UserWarning), pytest.raises(CheckpointError, match="all of steps .1, 2. failed"):
             ckpt.restore(abstract(make_mesh(2, 2)))
+
+
+def test_edited_meta_is_corrupt_and_resume_sets_it_aside(tmp_path):
+    """The meta is covered by the integrity record: an edit is damage, like a flipped array byte."""
+    with saved(tmp_path) as ckpt:
+        meta_file = ckpt.step_dir(2) / "meta" / "metadata"
+        meta_file.write_text(meta_file.read_text().replace('"data_position": 123', '"data_position": 124'))
+        modified = rf"{ckpt.step_dir(2)} \(meta/metadata\) was modified or damaged after saving"
+        with pytest.raises(CheckpointError, match=modified):
+            ckpt.read_meta(2)
+        with pytest.warns(UserWarning, match=f"skipping corrupt checkpoint step 2: .*{modified}"):
+            assert ckpt.read_meta()["step"] == 1
+        with pytest.warns(UserWarning, match=rf"moved .*2 aside to 2\.corrupt-.*{modified}"):
+            _, meta, step = ckpt.resume(abstract(make_mesh(2, 2)))
+        assert (step, meta["step"]) == (1, 1) and ckpt.all_steps() == [1]
 
 
 def test_meta_mismatch_names_each_field(tmp_path):

@@ -50,8 +50,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _exit_code(code: int) -> int:
     """In a multi-process job, a failing process must not wait at JAX's shutdown barrier for peers
-    that are stuck waiting for it: leave at once (``distributed.exit_process``)."""
-    if code and "jax" in sys.modules:
+    that are stuck waiting for it: leave at once (``distributed.exit_process``). An interrupted run
+    (128 + SIGINT/SIGTERM) is no failure: every process stopped and saved at the same step, so all
+    leave through the barrier together."""
+    from meshlm.parallel.launch import INTERRUPTED_CODES
+
+    if code and code not in INTERRUPTED_CODES and "jax" in sys.modules:
         import jax
 
         if jax.process_count() > 1:

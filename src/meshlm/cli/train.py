@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 
 from meshlm.cli.common import add_common, arg_type, check_batch_split, setup
@@ -80,7 +81,8 @@ def run(args) -> int:
         print0(json.dumps(summary))
     elif "interrupted" not in summary:
         _print_summary(summary, print0)
-    return 0
+    # 0 only for a finished run: interrupted (and saved) is 128 + the signal, as a shell reports it.
+    return 128 + signal.Signals[summary["interrupted"]] if "interrupted" in summary else 0
 
 
 def _print_summary(summary: dict, print0) -> None:

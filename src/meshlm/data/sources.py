@@ -19,6 +19,7 @@ import glob
 import hashlib
 import os
 import posixpath
+import stat
 import sysconfig
 import warnings
 from collections.abc import Iterator, Sequence
@@ -33,6 +34,12 @@ _GLOB_CHARS = "*?["
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 PathArg = str | os.PathLike[str]
+_SPECIAL = {  # st_mode file types that are neither regular files nor directories
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+}
 
 
 # --- sources -----------------------------------------------------------------------------------
@@ -135,10 +142,23 @@ def _expand(raw: str) -> list[Source]:
         return sources
     if path.is_file():
         return [Source(path.resolve(), path.name)]
-    raise DataError(
-        f"data path {raw!r} does not exist; check the spelling, or omit data paths to train on"
-        " the default corpus (the Python standard library)"
-    )
+    raise DataError(_not_usable(raw))
+
+
+def _not_usable(raw: str) -> str:
+    """Why ``raw``, neither a regular file nor a directory, cannot be data. Only stat, never open:
+    opening a FIFO would block until a writer came."""
+    try:
+        mode = os.stat(raw).st_mode
+    except OSError:
+        if os.path.islink(raw):
+            return f"data path {raw!r} is a broken symbolic link (to {os.readlink(raw)}); fix or remove it"
+        return (
+            f"data path {raw!r} does not exist; check the spelling, or omit data paths to train on"
+            " the default corpus (the Python standard library)"
+        )
+    what = _SPECIAL.get(stat.S_IFMT(mode), "a special file")
+    return f"data path {raw!r} is not a regular file ({what}): pass text files, directories or globs"
 
 
 def _user_sources(paths: Sequence[PathArg]) -> list[Source]:

@@ -8,7 +8,6 @@ every array, so that a restore notices damaged data that orbax decodes without a
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +17,14 @@ import jax
 import orbax.checkpoint as ocp
 
 from meshlm.errors import CheckpointError
-from meshlm.io.integrity import CorruptCheckpoint, check_abstract, make_record, saved_arrays, verify
+from meshlm.io.integrity import (
+    CorruptCheckpoint,
+    check_abstract,
+    check_meta,
+    make_record,
+    saved_arrays,
+    verify,
+)
 from meshlm.io.layout import (
     INTEGRITY,
     JSON_FILE,
@@ -32,6 +38,7 @@ from meshlm.io.layout import (
     warn_interrupted,
 )
 from meshlm.io.set_aside import set_aside_newer
+from meshlm.io.state_files import array_names, error_line, file_of, missing_data
 from meshlm.parallel.distributed import agree
 
 _T = TypeVar("_T")
@@ -66,28 +73,6 @@ def _check_meta(saved: dict, expect: dict | None, where: str) -> None:
     problems = [m for k in expect for m in _diff(saved.get(k, "<missing>"), expect[k], k)]
     if problems:
         raise CheckpointError(f"{where} was saved with a different configuration: " + "; ".join(problems))
-
-
-def _error_line(e: BaseException) -> str:
-    """The informative line of an orbax/tensorstore error (those embed pages of spec dumps)."""
-    chain = []
-    while e is not None and len(chain) < 8:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    lines = [line for err in reversed(chain) for line in str(err).splitlines()]  # root cause first
-    named = [line for line in lines if re.search(r"local file|No such file|not found", line)]
-    line = (named or lines or [type(chain[-1]).__name__])[0]
-    return line.split(" [tensorstore_spec")[0].strip()[:400]
-
-
-def _sized_like(error: str, directory: Path) -> str:
-    """Tensorstore names only the OCDBT database when a chunk file is short ("not valid for value of
-    size N"); the file of that size under ``directory`` is the damaged one."""
-    m = re.search(r"for value of size (\d+)", error)
-    if not m:
-        return ""
-    files = [p for p in directory.rglob("*") if p.is_file() and p.stat().st_size == int(m.group(1))]
-    return f" (damaged file: {files[0]})" if len(files) == 1 else ""
 
 
 # ---------------------------------------------------------------- orbax reads and writes
@@ -136,7 +121,7 @@ def _read_json(manager: ocp.CheckpointManager, step: int, step_dir: Path, item: 
         out = manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))
         value = out[item]
     except Exception as e:  # missing or garbled file: orbax raises assorted types
-        raise CorruptCheckpoint(f"cannot read {path}: {_error_line(e)}") from e
+        raise CorruptCheckpoint(f"cannot read {path}: {error_line(e)}") from e
     if not isinstance(value, dict):
         raise CorruptCheckpoint(f"cannot read {path}: not a JSON object")
     return value
@@ -146,6 +131,9 @@ def _read_arrays(
     manager: ocp.CheckpointManager, step: int, step_dir: Path, abstract: Any, partial: bool = False
 ) -> tuple[Any, str | None]:
     """(state, None), or (None, the error) so that all processes can agree on failure first."""
+    # Checked first: orbax names no file for a missing one, and its failed reads print tracebacks.
+    if problem := missing_data(step_dir / STATE, array_names(abstract) if partial else None):
+        return None, problem
     args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract)})
     try:
         if partial:  # read only the subtree asked for (e.g. parameters, not optimizer state)
@@ -155,8 +143,16 @@ def _read_arrays(
                 return reader.restore(step_dir / STATE, args=part), None
         return manager.restore(step, args=args)[STATE], None
     except Exception as e:  # tensorstore reports damage as ValueError, Exception, ...
-        line = _error_line(e)
-        return None, line + _sized_like(line, step_dir / STATE)
+        line = error_line(e)
+        return None, line + file_of(step_dir / STATE, line)
+
+
+def _read_checked_meta(manager: ocp.CheckpointManager, step: int, step_dir: Path) -> tuple[dict, dict]:
+    """(meta, integrity record) of ``step``, the meta checked against the record's digest."""
+    meta = _read_json(manager, step, step_dir, META)
+    record = _read_json(manager, step, step_dir, INTEGRITY)
+    check_meta(record, meta, step_dir, step_dir / INTEGRITY / JSON_FILE)
+    return meta, record
 
 
 def _load(directory: Path, load: Callable[[int], _T], step: int | None) -> _T:
@@ -230,7 +226,7 @@ class Checkpointer:
         Call from every process. A failure leaves only a tmp directory that loading ignores."""
         step = int(step)
         _check_saveable(self.directory, step, meta)
-        self._write(step, _save_args(state, meta, make_record(state)))
+        self._write(step, _save_args(state, meta, make_record(state, meta)))
         if not is_complete_step(self.step_dir(step)):
             raise CheckpointError(f"save of step {step} to {self.directory} did not commit")
         _prune(self._manager, self.directory, self.keep)
@@ -245,7 +241,7 @@ class Checkpointer:
         except Exception as e:  # any failure here is a failed save; the cause stays chained
             raise CheckpointError(
                 f"could not save step {step} to {self.directory} (unwritable or full?): "
-                f"{_error_line(e)}; earlier checkpoints there are untouched"
+                f"{error_line(e)}; earlier checkpoints there are untouched"
             ) from e
 
     # ------------------------------------------------------------ restore
@@ -278,16 +274,20 @@ class Checkpointer:
         return resumed
 
     def read_meta(self, step: int | None = None) -> dict:
-        """The saved meta dict, without reading any array."""
-        return _load(self.directory, lambda s: _read_json(self._manager, s, self.step_dir(s), META), step)
+        """The saved meta dict (checked against its integrity record), without reading any array."""
+        return self.read_meta_at(step)[0]
+
+    def read_meta_at(self, step: int | None = None) -> tuple[dict, int]:
+        """(meta, the step it was read from): ``read_meta``, also saying which step loaded."""
+        load = lambda s: (_read_checked_meta(self._manager, s, self.step_dir(s))[0], s)
+        return _load(self.directory, load, step)
 
     def _restore_step(
         self, abstract: Any, step: int, expect_meta: dict | None, partial: bool = False
     ) -> tuple[Any, dict, int]:
         where = self.step_dir(step)
-        meta = _read_json(self._manager, step, where, META)
-        _check_meta(meta, expect_meta, f"checkpoint {where}")
-        record = _read_json(self._manager, step, where, INTEGRITY)
+        meta, record = _read_checked_meta(self._manager, step, where)
+        _check_meta(meta, expect_meta, f"checkpoint {where}")  # after the digest: edits are damage
         saved = saved_arrays(record, where / INTEGRITY / JSON_FILE)
         check_abstract(saved, abstract, f"checkpoint {where}", partial)
         state, error = _read_arrays(self._manager, step, where, abstract, partial)

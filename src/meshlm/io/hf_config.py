@@ -18,6 +18,7 @@ from typing import Any
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import FAMILY_ROTARY, ModelConfig
+from meshlm.ranges import Range
 
 ARCHITECTURES = {"gptj": "GPTJForCausalLM", "llama": "LlamaForCausalLM"}
 # Activation names transformers' ACT2FN maps to the very function meshlm computes.
@@ -25,15 +26,36 @@ ACTIVATIONS = {"gptj": ("gelu_new", "gelu_pytorch_tanh"), "llama": ("silu", "swi
 GPTJ_ROPE_THETA = 10000.0  # hard-coded in transformers' GPT-J
 DROPOUT_FIELDS = {"gptj": ("resid_pdrop", "embd_pdrop", "attn_pdrop"), "llama": ("attention_dropout",)}
 ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+# What each numeric field read from config.json accepts; messages use HF's field names, the ones the
+# user sees in the file. A float where an int belongs, a bool or a string is refused, never coerced.
+SIZE = Range(int, 1)
+POSITIVE = Range(float, 0, low_open=True)
+DROPOUT = Range(float, 0, 1)
+_REQUIRED = object()
 
 
 # --- from transformers ---------------------------------------------------------------------------
 
 
-def _required(hf: dict, key: str):
-    if hf.get(key) is None:
-        raise ConfigError(f"HF config has no {key!r}; a {hf.get('model_type')} config.json must set it")
-    return hf[key]
+def _field(hf: dict, key: str, valid: Range, default: Any = _REQUIRED, nullable: bool = False):
+    """hf[key] if ``valid`` accepts it; ``default`` when absent (or null, where transformers itself
+    reads null as "the default"); a required field that is absent or null is an error."""
+    value = hf.get(key)
+    if key not in hf or (value is None and (nullable or default is _REQUIRED)):
+        if default is _REQUIRED:
+            raise ConfigError(f"HF config has no {key!r}; a {hf.get('model_type')} config.json must set it")
+        return default
+    problem = valid.problem(key, value)
+    if problem:
+        raise ConfigError(f"HF config {problem}; correct it in config.json")
+    return value
+
+
+def _flag(hf: dict, key: str) -> bool:
+    value = hf.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"HF config {key} must be true or false, got {value!r}; correct it in config.json")
+    return value
 
 
 def _unsupported(field: str, value, fix: str) -> ConfigError:
@@ -50,10 +72,10 @@ def _check_common(hf: dict, family: str) -> None:
     if act not in ACTIVATIONS[family]:
         raise _unsupported(act_key, act, f"{family} models use {ACTIVATIONS[family][0]!r}")
     for key in DROPOUT_FIELDS[family]:
-        if hf.get(key):
+        if _field(hf, key, DROPOUT, 0.0):
             raise _unsupported(key, hf[key], "meshlm trains without dropout; set it to 0.0 to convert")
     for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
+        if _flag(hf, key):
             raise _unsupported(key, hf[key], f"meshlm's {family} has no such biases")
 
 
@@ -62,7 +84,7 @@ def _rope_theta(hf: dict) -> float:
 
     Only plain RoPE ("default") is supported; every other key is an error, never dropped.
     """
-    theta = float(hf.get("rope_theta") or 10000.0)
+    theta = float(_field(hf, "rope_theta", POSITIVE, 10000.0, nullable=True))
     factor = hf.get("partial_rotary_factor")
     for field in ("rope_parameters", "rope_scaling"):
         rope = hf.get(field)
@@ -76,60 +98,78 @@ def _rope_theta(hf: dict) -> float:
         extra = sorted(set(rope) - ROPE_KEYS)
         if extra:
             raise _unsupported(f"{field} keys", extra, f"known keys: {sorted(ROPE_KEYS)}")
-        theta = float(rope.get("rope_theta", theta))
+        theta = float(_field(rope, "rope_theta", POSITIVE, theta))
         factor = rope.get("partial_rotary_factor", factor)
-    if factor not in (None, 1, 1.0):
+    if factor is not None and (isinstance(factor, bool) or factor != 1):  # True == 1 in Python
         raise _unsupported("partial_rotary_factor", factor, "Llama rotates the whole head dim in meshlm")
     return theta
 
 
+def _check_heads(d: int, heads: int, names: tuple[str, str], head_dim: int | None) -> int:
+    """The per-head width; messages name HF's fields (meshlm's own checks would name ours)."""
+    if head_dim is None and d % heads:
+        raise ConfigError(f"HF config {names[0]}={d} is not divisible by {names[1]}={heads}; fix config.json")
+    return head_dim or d // heads
+
+
 def _gptj_config(hf: dict) -> ModelConfig:
-    d, heads = _required(hf, "n_embd"), _required(hf, "n_head")
-    if hf.get("tie_word_embeddings"):
+    d, heads = _field(hf, "n_embd", SIZE), _field(hf, "n_head", SIZE)
+    if _flag(hf, "tie_word_embeddings"):
         raise _unsupported("tie_word_embeddings", True, "meshlm's gptj head is untied (it has a bias)")
     if "rotary_dim" in hf and hf["rotary_dim"] is None:
         raise _unsupported("rotary_dim", None, "set rotary_dim to the number of rotated dims per head")
     theta = _rope_theta(hf)
     if theta != GPTJ_ROPE_THETA:
         raise _unsupported("rope_theta", theta, f"transformers' GPT-J always uses {GPTJ_ROPE_THETA}")
-    rotary = int(hf.get("rotary_dim", 64))
+    per_head = _check_heads(d, heads, ("n_embd", "n_head"), None)
+    rotary = _field(hf, "rotary_dim", SIZE, 64)
+    if rotary % 2 or rotary > per_head:
+        raise ConfigError(f"HF config rotary_dim={rotary} must be even and <= n_embd/n_head={per_head}")
     return ModelConfig(
         family="gptj",
-        vocab_size=_required(hf, "vocab_size"),
+        vocab_size=_field(hf, "vocab_size", SIZE),
         d_model=d,
-        n_layers=_required(hf, "n_layer"),
-        d_ff=hf.get("n_inner") or 4 * d,  # HF: n_inner None means 4 * n_embd
+        n_layers=_field(hf, "n_layer", SIZE),
+        d_ff=_field(hf, "n_inner", SIZE, 4 * d, nullable=True),  # HF: n_inner None means 4 * n_embd
         n_heads=heads,
-        rotary_dim=0 if rotary == d // heads else rotary,  # 0 = the whole head, our canonical form
-        max_seq_len=hf.get("n_positions", 2048),
-        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        rotary_dim=0 if rotary == per_head else rotary,  # 0 = the whole head, our canonical form
+        max_seq_len=_field(hf, "n_positions", SIZE, 2048),
+        norm_eps=float(_field(hf, "layer_norm_epsilon", POSITIVE, 1e-5)),
     )
 
 
 def _llama_config(hf: dict) -> ModelConfig:
-    d, heads = _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
-    kv = hf.get("num_key_value_heads") or heads
-    head_dim = hf.get("head_dim") or d // heads
+    d, heads = _field(hf, "hidden_size", SIZE), _field(hf, "num_attention_heads", SIZE)
+    kv = _field(hf, "num_key_value_heads", SIZE, heads, nullable=True)
+    if heads % kv:
+        raise ConfigError(
+            f"HF config num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}; "
+            "correct config.json"
+        )
+    head_dim = _field(hf, "head_dim", SIZE, None, nullable=True)
+    head_dim = _check_heads(d, heads, ("hidden_size", "num_attention_heads"), head_dim)
     return ModelConfig(
         family="llama",
-        vocab_size=_required(hf, "vocab_size"),
+        vocab_size=_field(hf, "vocab_size", SIZE),
         d_model=d,
-        n_layers=_required(hf, "num_hidden_layers"),
-        d_ff=_required(hf, "intermediate_size"),
+        n_layers=_field(hf, "num_hidden_layers", SIZE),
+        d_ff=_field(hf, "intermediate_size", SIZE),
         n_heads=heads,
         n_kv_heads=0 if kv == heads else kv,  # 0 = n_heads, our canonical form
         head_dim=0 if d % heads == 0 and head_dim == d // heads else head_dim,
         rope_theta=_rope_theta(hf),
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_seq_len=_field(hf, "max_position_embeddings", SIZE, 2048),
+        norm_eps=float(_field(hf, "rms_norm_eps", POSITIVE, 1e-6)),
+        tie_embeddings=_flag(hf, "tie_word_embeddings"),
     )
 
 
 def config_from_hf(hf_cfg: dict[str, Any]) -> ModelConfig:
     """A meshlm ModelConfig from a transformers config.json dict (model_type "gptj" or "llama")."""
+    if not isinstance(hf_cfg, dict):
+        raise ConfigError(f"HF config must be a JSON object of fields, got a {type(hf_cfg).__name__}")
     family = hf_cfg.get("model_type")
-    if family not in ARCHITECTURES:
+    if not isinstance(family, str) or family not in ARCHITECTURES:  # a list is not even hashable
         raise _unsupported("model_type", family, f"meshlm converts {sorted(ARCHITECTURES)}")
     _check_common(hf_cfg, family)
     return _gptj_config(hf_cfg) if family == "gptj" else _llama_config(hf_cfg)

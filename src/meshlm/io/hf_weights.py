@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from meshlm.errors import CheckpointError
+from meshlm.errors import CheckpointError, ConfigError
 from meshlm.io.hf_config import ARCHITECTURES, config_from_hf, config_to_hf
 from meshlm.model.config import ModelConfig
 from meshlm.model.params import STACKED_PREFIX, is_stacked
@@ -115,27 +115,89 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], np.dty
 # --- safetensors files --------------------------------------------------------------------------
 
 
+def _inside(directory: Path, name: str, source: Path) -> Path:
+    """directory/name, refused unless it is a file inside the model directory: a downloaded index
+    (absolute paths, "..") or symlink must never make meshlm read a file elsewhere. The exception is
+    the Hugging Face hub cache, whose snapshots/<rev>/ files link to ../../blobs/."""
+    path = directory / name
+    try:
+        real, root = path.resolve(), directory.resolve()
+        roots = [root, root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [root]
+        inside = not Path(name).is_absolute() and ".." not in Path(name).parts
+        inside = inside and any(real.is_relative_to(r) for r in roots)
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte in the name
+        real, inside = None, False
+    if not inside:
+        what = f"{path} is a link to" if source == directory else f"{source} names"
+        raise CheckpointError(
+            f"{what} a file outside the model directory ({name!r} -> {real}); meshlm reads only files "
+            f"inside {directory}: copy them into it"
+        )
+    return path
+
+
+def _read_json(path: Path, error: type) -> dict:
+    """The JSON object in ``path``, or one line (an ``error``) naming the file and what is wrong."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8 or bad JSON
+        raise error(f"{path} is not readable JSON ({' '.join(str(e).split())}); re-download it") from None
+    if not isinstance(data, dict):
+        what = {list: "an array", str: "a string"}.get(type(data), f"the value {data!r}")
+        raise error(f"{path} holds {what}, not a JSON object of fields; re-download it")
+    return data
+
+
+def _index_files(directory: Path) -> list[Path]:
+    """Every file the sharded index's weight_map names (a {tensor name: file name} object)."""
+    index = _inside(directory, INDEX_FILE, directory)
+    weight_map = _read_json(index, CheckpointError).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(
+            f"{index} has no weight_map object naming each tensor's file (got {weight_map!r:.80}); "
+            "re-download it or re-save the model with save_pretrained"
+        )
+    for tensor, name in weight_map.items():
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"{index}: weight_map[{tensor!r}] must be a file name, got {name!r:.80}")
+    return [_inside(directory, name, index) for name in sorted(set(weight_map.values()))]
+
+
 def _weight_files(directory: Path) -> list[Path]:
     """model.safetensors, or every file the sharded index names."""
     if (directory / WEIGHTS_FILE).is_file():
-        return [directory / WEIGHTS_FILE]
+        return [_inside(directory, WEIGHTS_FILE, directory)]
     if (directory / INDEX_FILE).is_file():
-        weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
-        return [directory / f for f in sorted(set(weight_map.values()))]
+        return _index_files(directory)
     raise CheckpointError(
         f"{directory} has neither {WEIGHTS_FILE} nor {INDEX_FILE}; save the model with "
         f"save_pretrained(..., safe_serialization=True) (meshlm reads safetensors only)"
     )
 
 
-def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
+def _load_file(path: Path) -> dict[str, np.ndarray]:
+    import safetensors.numpy
 
+    try:
+        return safetensors.numpy.load_file(path)  # bfloat16 arrives as ml_dtypes.bfloat16
+    # AttributeError: what it raises for a dtype numpy lacks (float8).
+    except (safetensors.SafetensorError, OSError, ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(
+            f"{path} is not a readable safetensors file ({' '.join(str(e).split())}); "
+            "re-download it or re-save it with save_pretrained"
+        ) from None
+
+
+def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
     tensors: dict[str, np.ndarray] = {}
+    seen: dict[str, Path] = {}
     for path in _weight_files(directory):
         if not path.is_file():
             raise CheckpointError(f"{path} is listed in {INDEX_FILE} but missing; re-download the model")
-        tensors.update(load_file(path))  # bfloat16 arrives as ml_dtypes.bfloat16
+        for name, value in _load_file(path).items():
+            if name in seen:  # two shards, one tensor: which one is right is unknowable
+                raise CheckpointError(f"tensor {name} is in both {seen[name]} and {path}; re-download")
+            tensors[name], seen[name] = value, path
     return tensors
 
 
@@ -159,6 +221,33 @@ def _untie(tensors: dict, directory: Path) -> None:
         )
 
 
+def _is_float(dtype: np.dtype) -> bool:
+    import ml_dtypes
+
+    try:  # bfloat16 and float8 are ml_dtypes floats, of kind "V" to numpy
+        return dtype.kind == "f" or (dtype.kind == "V" and ml_dtypes.finfo(dtype) is not None)
+    except ValueError:
+        return False
+
+
+def _checked(name: str, w: np.ndarray, dtype, where: Path) -> np.ndarray:
+    """``w`` as ``dtype``; integer / bool tensors and NaN or Inf values are corrupt weights, refused."""
+    if not _is_float(w.dtype):
+        raise CheckpointError(
+            f"{where}: tensor {name} has dtype {w.dtype}, not floating point; re-save the model's weights "
+            "in float32, float16 or bfloat16"
+        )
+    with np.errstate(over="ignore", invalid="ignore"):  # float64 overflow: counted just below
+        out = w.astype(dtype)
+    bad = out.size - int(np.count_nonzero(np.isfinite(out)))
+    if bad:
+        raise CheckpointError(
+            f"{where}: tensor {name} has {bad} non-finite value(s) (NaN or Inf) of {out.size}; "
+            "the weights are corrupt: re-download them"
+        )
+    return out
+
+
 def _convert(tensors: dict, hf_names: list[str], kind: str, shape, dtype, stacked: bool, where: Path):
     """HF tensors (one per layer when ``stacked``) -> our array of ``shape`` (global) and ``dtype``."""
     one = shape[1:] if stacked else shape
@@ -170,7 +259,7 @@ def _convert(tensors: dict, hf_names: list[str], kind: str, shape, dtype, stacke
                 f"{where}: tensor {name} has shape {tuple(w.shape)} but config.json implies "
                 f"{_torch_shape(one, kind)}; the weights do not belong to this config"
             )
-        parts.append(_from_torch(w, kind, one).astype(dtype))
+        parts.append(_checked(name, _from_torch(w, kind, one), dtype, where))
     return np.ascontiguousarray(np.stack(parts) if stacked else parts[0])
 
 
@@ -180,7 +269,12 @@ def load_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     directory = Path(directory)
     if not (directory / CONFIG_FILE).is_file():
         raise CheckpointError(f"{directory} has no {CONFIG_FILE}: not a transformers model directory")
-    cfg = config_from_hf(json.loads((directory / CONFIG_FILE).read_text()))
+    config_path = _inside(directory, CONFIG_FILE, directory)
+    hf_cfg = _read_json(config_path, ConfigError)
+    try:
+        cfg = config_from_hf(hf_cfg)
+    except ConfigError as e:  # name the file: the user edits it, not meshlm's ModelConfig
+        raise ConfigError(f"{config_path}: {e}") from None
     tensors = _read_tensors(directory)
     if cfg.tie_embeddings:
         _untie(tensors, directory)

@@ -1,12 +1,17 @@
-"""Integrity records: the shape, dtype and a bit fingerprint of every array of a checkpoint, written
-with each save (``integrity/metadata``) and checked against the target and the data on restore.
+"""Integrity records: the shape, dtype and a bit fingerprint of every array of a checkpoint, and a
+SHA-256 of its meta dict, written with each save (``integrity/metadata``) and checked on restore.
 
 The fingerprint exists because orbax does not notice every corruption: a flipped byte inside a
-chunk file decodes (zstd without checksums) into wrong values without any error.
+chunk file decodes (zstd without checksums) into wrong values without any error. The meta digest
+exists because the meta holds the model config: an edited ``rope_theta`` loads fine and generates
+different text.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm.errors import CheckpointError
+from meshlm.io.layout import JSON_FILE, META
 
-FORMAT = 1  # version of the integrity record, bumped if its meaning changes
+# Version of the integrity record, bumped if its meaning changes. 2 added "meta_sha256"; records of
+# format 1 (older meshlm) are still read, with a warning that their meta is unprotected.
+FORMAT = 2
+READABLE = (1, 2)
+_warned_unprotected: set[str] = set()  # step directories warned about once per process
 
 
 class CorruptCheckpoint(CheckpointError):
@@ -87,16 +97,54 @@ def describe(state: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def make_record(state: Any) -> dict[str, Any]:
-    """The integrity record saved next to ``state``."""
-    return {"format": FORMAT, "arrays": describe(state)}
+def meta_digest(meta: dict) -> str:
+    """SHA-256 of the canonical JSON of ``meta`` as it reads back (tuples as lists, keys as strings)."""
+    canonical = json.dumps(json.loads(json.dumps(meta)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def make_record(state: Any, meta: dict) -> dict[str, Any]:
+    """The integrity record saved next to ``state`` and ``meta``."""
+    return {"format": FORMAT, "arrays": describe(state), "meta_sha256": meta_digest(meta)}
+
+
+def _check_format(record: dict, where: Path) -> None:
+    fmt = record.get("format")
+    if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt > FORMAT:
+        # Not corruption (resume must not set it aside): a newer meshlm wrote it.
+        raise CheckpointError(
+            f"{where} has integrity format {fmt}, newer than this meshlm reads ({FORMAT}); "
+            "upgrade meshlm to load this checkpoint"
+        )
+    if fmt not in READABLE or not isinstance(record.get("arrays"), dict):
+        raise CorruptCheckpoint(f"{where} is not a meshlm record")
 
 
 def saved_arrays(record: dict, where: Path) -> dict[str, dict]:
     """The per-array entries of a record read from ``where``; a foreign record is corruption."""
-    if record.get("format") != FORMAT or not isinstance(record.get("arrays"), dict):
-        raise CorruptCheckpoint(f"{where} is not a meshlm record")
+    _check_format(record, where)
     return record["arrays"]
+
+
+def check_meta(record: dict, meta: dict, step_dir: Path, record_path: Path) -> None:
+    """Raise ``CorruptCheckpoint`` if ``meta`` (read from ``step_dir``) is not what was saved."""
+    _check_format(record, record_path)
+    if record["format"] == 1:
+        if str(step_dir) not in _warned_unprotected:
+            _warned_unprotected.add(str(step_dir))
+            warnings.warn(
+                f"checkpoint {step_dir} was saved by an older meshlm (integrity format 1): its "
+                "metadata (model config) is not protected against edits or damage; "
+                "save it again with this version to protect it",
+                stacklevel=5,
+            )
+        return
+    if record.get("meta_sha256") != meta_digest(meta):
+        raise CorruptCheckpoint(
+            f"the metadata of checkpoint {step_dir} ({META}/{JSON_FILE}) was modified or damaged "
+            "after saving (it does not match the SHA-256 in its integrity record), so the checkpoint "
+            "cannot be trusted; restore from an older step or re-create it"
+        )
 
 
 # ---------------------------------------------------------------- checks on restore

@@ -13,7 +13,8 @@ Layout written by orbax-checkpoint 0.12.8 on a local filesystem (``DIR`` is the 
             ocdbt.process_<i>/d/*      the chunk data each process wrote
             _METADATA, _sharding       tree structure and the sharding it was saved with
         meta/metadata                  the caller's JSON dict (configs, data position, seed, ...)
-        integrity/metadata             ours: shape, dtype and a bit fingerprint of every array
+        integrity/metadata             ours: shape, dtype and a bit fingerprint of every array,
+                                       and a SHA-256 of meta/metadata
                                        (``meshlm.io.integrity``)
 """
 
@@ -107,6 +108,12 @@ def resolve(path: str | Path) -> tuple[Path, int | None]:
     p = Path(path).absolute()
     if not p.exists():
         raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
+    if not p.is_dir():
+        raise CheckpointError(
+            f"{p} is a file, not a checkpoint directory: pass a run directory (the --out of "
+            "`meshlm train` or `meshlm convert`, which loads its newest step) or one step's "
+            "directory in it (e.g. RUN/100)"
+        )
     interrupted = p.name.isdigit() and (p / STATE).is_dir() and not is_complete_step(p)
     if SET_ASIDE_TAG in p.name:
         raise CheckpointError(

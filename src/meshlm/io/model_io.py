@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 
-from meshlm.errors import CheckpointError
+from meshlm.errors import CheckpointError, ConfigError
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.layout import resolve
 from meshlm.model.config import ModelConfig, from_dict
@@ -40,10 +40,16 @@ def read_config(path: str | Path) -> tuple[ModelConfig, dict]:
     """The model config and meta of the checkpoint at ``path`` (a run directory or one step's)."""
     directory, step = resolve(path)
     with Checkpointer(directory) as ckpt:
-        meta = ckpt.read_meta(step)
-    if meta.get("format") != FORMAT or "model_config" not in meta:
+        meta, step = ckpt.read_meta_at(step)
+    if meta.get("format") != FORMAT or not isinstance(meta.get("model_config"), dict):
         raise CheckpointError(f"{path} is not a meshlm checkpoint (meta format {meta.get('format')!r})")
-    return from_dict(meta["model_config"]), meta
+    try:
+        return from_dict(meta["model_config"]), meta
+    except ConfigError as e:  # say which checkpoint: the message alone reads like a flag's
+        raise CheckpointError(
+            f"checkpoint {directory / str(step)} holds an invalid model config: {e}; "
+            "it cannot be loaded: use another step or re-create it"
+        ) from e
 
 
 def load_model(path: str | Path, mesh, dtype=None) -> tuple[ModelConfig, dict, int]:

@@ -84,9 +84,14 @@ def _open(path: Path) -> int:
         raise CheckpointError(
             f"cannot use {path.parent} as a run directory: not a directory; choose another --out"
         )
+    if path.is_symlink():  # never write through a link planted in the run directory
+        raise CheckpointError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); remove it and rerun "
+            "(a run writes only inside its --out, never through a link)"
+        )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
         raise CheckpointError(
             f"cannot create the run lock {path}: {e.strerror}; choose a writable --out"

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshlm.errors import ConfigError
+from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
 FAMILIES = ("ff", "gptj", "llama")
 # Each attention family's own rotary convention (the one transformers uses for it).
@@ -39,11 +40,10 @@ class ModelConfig:
     remat: bool = False  # rematerialise each layer's activations in the backward pass
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):  # every construction path: presets, JSON, HF import
+            object.__setattr__(self, f.name, _checked(f.name, f.type, getattr(self, f.name)))
         if self.family not in FAMILIES:
             raise ConfigError(f"unknown family {self.family!r}; valid: {', '.join(FAMILIES)}")
-        for name in ("vocab_size", "d_model", "n_layers", "d_ff"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.family != "ff":
             self._check_attention()
 
@@ -84,6 +84,33 @@ class ModelConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+
+# What each numeric field accepts; the others must just have their annotated type (str or bool).
+RANGES: dict[str, Range] = {
+    **dict.fromkeys(("vocab_size", "d_model", "n_layers", "d_ff", "max_seq_len"), POSITIVE_INT),
+    "n_heads": NON_NEGATIVE_INT,
+    "n_kv_heads": Range(int, 0, note="0: n_heads"),
+    "head_dim": Range(int, 0, note="0: d_model // n_heads"),
+    "rotary_dim": Range(int, 0, note="0: head_dim"),
+    "rope_theta": POSITIVE_FLOAT,
+    "norm_eps": POSITIVE_FLOAT,
+    "z_loss": NON_NEGATIVE_FLOAT,
+}
+_TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
+
+
+def _checked(name: str, kind: str, value: Any) -> Any:
+    """``value`` as the plain int/float/str/bool field ``name`` holds, or a ConfigError naming
+    the field, the value and what it must be (a config read from JSON may hold anything)."""
+    if name in RANGES:
+        if problem := RANGES[name].problem(name, value):
+            raise ConfigError(problem)
+        return int(value) if RANGES[name].kind is int else float(value)  # numpy scalars -> JSON-able
+    want, noun = _TYPES[kind]
+    if not isinstance(value, want):
+        raise ConfigError(f"{name} must be {noun}, got {value!r}")
+    return value
 
 
 def field_names() -> list[str]:

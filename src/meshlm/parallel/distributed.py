@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -18,12 +19,18 @@ from typing import Any, NoReturn
 import jax
 
 from meshlm.errors import DistributedError
+from meshlm.parallel import heartbeat
 
 # Exit status of a process whose peers never showed up (the watchdog cannot raise; see below).
 TIMEOUT_EXIT_CODE = 75
+# Exit status (76) of a process whose peer joined but later stopped responding for init_timeout_s
+# seconds (frozen, hung host); one line names the peer (see meshlm.parallel.heartbeat).
+HEARTBEAT_EXIT_CODE = heartbeat.HEARTBEAT_EXIT_CODE
 # JAX gets this much longer than our own deadline, so our clear message wins the race against
 # the C++ client's LOG(FATAL) abort, which otherwise ends the process with a stack dump.
 _JAX_GRACE_S = 10
+_MIN_SHUTDOWN_S = 300  # JAX's own default shutdown timeout
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 _COORDINATOR = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-_]*):(\d{1,5})$")
 # Environments in which plain ``jax.distributed.initialize()`` finds its own arguments.
 _SLURM_VARS = (
@@ -61,7 +68,7 @@ def initialize(
         _check_port_free(coordinator)
     where = f"process {process_id} of {num_processes} at coordinator {coordinator}"
     args = dict(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
-    _join(args, init_timeout_s, where)
+    _join({**args, **_bind_loopback(coordinator)}, init_timeout_s, where)
 
 
 def exit_process(code: int = 0) -> NoReturn:
@@ -77,6 +84,15 @@ def exit_process(code: int = 0) -> NoReturn:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _bind_loopback(coordinator: str) -> dict[str, str]:
+    """Peers reach a loopback coordinator only from this host: its service listens there, not on
+    every interface (JAX's default, ``[::]:PORT``), unless the user chose a bind address."""
+    host = coordinator.rsplit(":", 1)[0]
+    if host in _LOOPBACK_HOSTS and not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        return {"coordinator_bind_address": coordinator}
+    return {}
 
 
 def _check_port_free(coordinator: str) -> None:
@@ -107,6 +123,16 @@ def agree(ok: bool) -> bool:
     from jax.experimental import multihost_utils  # noqa: PLC0415 - multi-process only
 
     return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+
+
+def max_over_processes(value: int) -> int:
+    """The largest of every process's ``value`` (a collective: call it on all of them)."""
+    if jax.process_count() == 1:
+        return value
+    import numpy as np  # noqa: PLC0415 - multi-process only
+    from jax.experimental import multihost_utils  # noqa: PLC0415 - multi-process only
+
+    return int(np.max(multihost_utils.process_allgather(np.array(value, dtype=np.int32))))
 
 
 def print0(*args: Any, **kwargs: Any) -> None:
@@ -159,8 +185,12 @@ def _join(args: dict[str, Any], init_timeout_s: int, where: str) -> None:
         jax.distributed.initialize(
             **args,
             initialization_timeout=init_timeout_s + _JAX_GRACE_S,
-            heartbeat_timeout_seconds=init_timeout_s,
-            shutdown_timeout_seconds=init_timeout_s,
+            # Our heartbeat (below) reports a silent peer after init_timeout_s. JAX counts from
+            # the last beat it received, which can be well before the peer froze (its clients
+            # beat only a few times per timeout), so it gets twice ours plus the grace: its C++
+            # abort must never come first.
+            heartbeat_timeout_seconds=2 * init_timeout_s + _JAX_GRACE_S,
+            shutdown_timeout_seconds=_shutdown_s(init_timeout_s) + _JAX_GRACE_S,
         )
     except (RuntimeError, ValueError, TypeError) as err:
         if "Failed to start RPC server" in str(err):
@@ -174,6 +204,30 @@ def _join(args: dict[str, Any], init_timeout_s: int, where: str) -> None:
     finally:
         watchdog.cancel()
     sys.excepthook = _exit_after(sys.excepthook)
+    _restore_sigterm()
+    _start_heartbeat(init_timeout_s)
+
+
+def _restore_sigterm() -> None:
+    """JAX's preemption notifier (started by initialize) catches SIGTERM in C++ and only logs it:
+    a launched process would ignore the launcher's SIGTERM. Give it back its usual meaning (the
+    training loop installs its own save-and-exit handler over this, as in a single process)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _shutdown_s(init_timeout_s: int) -> int:
+    """How long a finished process waits at exit for its peers to finish too. They are alive
+    (the heartbeat watches that meanwhile), just slower: writing the loss curve, for instance."""
+    return max(init_timeout_s, _MIN_SHUTDOWN_S)
+
+
+def _start_heartbeat(timeout_s: int) -> None:
+    from jax._src.distributed import global_state  # noqa: PLC0415 - the client JAX connected
+
+    if global_state.num_processes and global_state.num_processes > 1:
+        client, me, n = global_state.client, global_state.process_id, global_state.num_processes
+        heartbeat.Heartbeat(client, me, n, timeout_s, _shutdown_s(timeout_s)).start()
 
 
 def _configure_cpu_backend(init_timeout_s: int) -> None:

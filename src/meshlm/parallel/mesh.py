@@ -54,6 +54,17 @@ def accelerator_note() -> str | None:
     return None
 
 
+def _more_devices_hint(n: int, processes: int) -> str:
+    """How to get ``n`` devices: under ``meshlm launch`` it sets each process's --devices itself
+    (and says so in the environment), so the flag to change is the launcher's."""
+    from meshlm.parallel.launch import DEVICES_ENV
+
+    if os.environ.get(DEVICES_ENV):
+        per = -(-n // processes)  # ceil: every process gets the same count
+        return f"pass --devices-per-process {per} to meshlm launch (-n {processes})"
+    return f"pass --devices {n} (CPU)"
+
+
 def make_mesh(dp: int, mp: int):
     """A (dp, mp) mesh over the first dp*mp devices (all processes' devices, process-major).
 
@@ -71,7 +82,7 @@ def make_mesh(dp: int, mp: int):
     if n > len(devices):
         raise MeshError(
             f"mesh {dp}x{mp} needs {n} devices but only {len(devices)} exist; "
-            f"pass --devices {n} (CPU) or choose a smaller mesh"
+            f"{_more_devices_hint(n, jax.process_count())} or choose a smaller mesh"
         )
     kind = AxisType.Auto
     grid = np.array(devices[:n]).reshape(dp, mp)

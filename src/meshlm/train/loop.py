@@ -46,11 +46,20 @@ class _Stop:
     """SIGINT/SIGTERM set a flag; the loop saves a checkpoint at the next step boundary and exits."""
 
     def __init__(self):
-        self.signal = None
+        self.signal = None  # set by the handler, in this process
+        self.agreed = None  # the signal every process acts on
         self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def _handle(self, signum, frame):
         self.signal = signum
+
+    def requested(self) -> bool:
+        """Whether any process got a signal. Processes see a signal at different step boundaries,
+        but the save is a collective: all must stop at the same step, so they agree first (one
+        tiny collective per step; nothing in a single-process run)."""
+        if self.agreed is None:
+            self.agreed = distributed.max_over_processes(self.signal or 0) or None
+        return self.agreed is not None
 
     def restore(self):
         for s, h in self._old.items():
@@ -109,7 +118,7 @@ def _loop(run: Run, stop: _Stop) -> None:
     tcfg = run.tcfg
     bar = _progress(run)
     try:
-        while run.step < tcfg.steps and stop.signal is None:
+        while run.step < tcfg.steps and not stop.requested():
             t0 = time.perf_counter()
             metrics = _one_step(run)
             row = _train_row(run, metrics, time.perf_counter() - t0)
@@ -151,8 +160,8 @@ def _train(run: Run) -> dict:
     finally:
         stop.restore()
     save(run)
-    if stop.signal is not None:
-        name = signal.Signals(stop.signal).name
+    if stop.agreed is not None:
+        name = signal.Signals(stop.agreed).name
         distributed.print0(
             f"{name}: saved a checkpoint at step {run.step} in {run.ckpt.directory}; "
             "run the same command to resume",

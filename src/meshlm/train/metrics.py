@@ -2,35 +2,53 @@
 
 Only process 0 writes. On resume, rows after the restored step (written after the last checkpoint,
 before a crash) are dropped, so the file has no duplicated or missing steps.
+
+Nothing is written through a symbolic link: opening the log first refuses outputs that are links
+or special files, and every write goes through ``meshlm.train.outputs`` (see its doc for the rule).
 """
 
 from __future__ import annotations
 
 import json
-import os
+import secrets
 from pathlib import Path
 
-OUTPUTS = ("metrics.jsonl", "tensorboard", "loss_curve.png")  # what a run writes besides checkpoints
+from meshlm.train import outputs
+
+METRICS, TENSORBOARD, LOSS_CURVE = "metrics.jsonl", "tensorboard", "loss_curve.png"
+OUTPUTS = (METRICS, TENSORBOARD, LOSS_CURVE)  # what a run writes besides checkpoints
+
+
+def check_run_outputs(out: Path) -> None:
+    """Refuse outputs of ``out`` that are links or special files (``outputs.check_outputs``). A
+    collective; opening a MetricsLog calls it, before anything is written."""
+    outputs.check_outputs(out, files=(METRICS, LOSS_CURVE), dirs=(TENSORBOARD,))
 
 
 class MetricsLog:
     def __init__(self, out: Path, enabled: bool = True):
-        self.path = out / "metrics.jsonl"
+        """A collective (the output check): construct it on every process, enabled on process 0."""
+        self.path = out / METRICS
         self.enabled = enabled
         self._tb = None
+        check_run_outputs(out)
         if enabled:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(out / "tensorboard"))
+            # A random suffix: the default event file name (second and host) is guessable, so a
+            # link planted under it could be written through.
+            suffix = f".{secrets.token_hex(4)}"
+            self._tb = SummaryWriter(str(out / TENSORBOARD), filename_suffix=suffix)
 
     def truncate_after(self, step: int, redo_eval: bool = False) -> None:
         """Keep rows with step <= ``step`` (and drop a torn last line); atomic rewrite. With
         ``redo_eval`` the evaluation at ``step`` itself is dropped too, because the run does it again
         (a fresh start evaluates at step 0; a finished run evaluates at its last step)."""
-        if not self.enabled or not self.path.exists():
+        text = outputs.read_text(self.path) if self.enabled else None
+        if text is None:
             return
         rows = []
-        for line in self.path.read_text().splitlines():
+        for line in text.splitlines():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
@@ -38,15 +56,13 @@ class MetricsLog:
             again = redo_eval and row.get("step") == step and "val_loss" in row
             if row.get("step", 0) <= step and not again:
                 rows.append(line)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(r + "\n" for r in rows))
-        os.replace(tmp, self.path)
+        # A new file even when nothing is dropped: this also breaks a hard link to a copy elsewhere.
+        outputs.replace_text(self.path, "".join(r + "\n" for r in rows))
 
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        outputs.append_text(self.path, json.dumps(row) + "\n")
         for key, value in row.items():
             if key != "step" and isinstance(value, int | float):
                 self._tb.add_scalar(key, value, row["step"])
@@ -56,9 +72,7 @@ class MetricsLog:
             self._tb.close()
 
     def rows(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return [json.loads(line) for line in outputs.lines(self.path) if line.strip()]
 
 
 def plot_loss_curve(rows: list[dict], out: Path) -> Path:
@@ -79,7 +93,9 @@ def plot_loss_curve(rows: list[dict], out: Path) -> Path:
     ax.set_ylabel("loss (nats/byte)")
     ax.legend()
     ax.grid(alpha=0.3)
-    path = out / "loss_curve.png"
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    try:
+        return outputs.replace_file(
+            out / LOSS_CURVE, lambda f: fig.savefig(f, format="png", dpi=100, bbox_inches="tight")
+        )
+    finally:
+        plt.close(fig)
