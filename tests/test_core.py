@@ -181,6 +181,9 @@ def test_cli_verify_seed_1x4_json():
 
     j = json.loads(out.stdout)
     assert j["ok"] and all(c["detected"] for c in j["controls"]) and len(j["controls"]) >= 3
+    checks = {c["name"]: c["ok"] for c in j["checks"]}  # the CLI adds communication and data checks
+    assert all(checks.values()) and {"all-reduces per step", "data pipeline (accumulation 1)"} <= set(checks)
+    assert "extra all-reduce after each row-parallel one" in {c["name"] for c in j["controls"]}
 
 
 def test_cli_bad_input_is_one_line_no_traceback():

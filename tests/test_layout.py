@@ -19,7 +19,7 @@ ALLOWED = {
     "train": {"model", "parallel", "data", "io", "generate"},  # the loop saves and samples
     "io": {"model", "parallel"},
     "generate": {"model", "parallel", "data"},
-    "proof": {"model", "parallel", "data", "train"},  # the proof runs the real optimizer step
+    "proof": {"model", "parallel", "data", "train", "perf"},  # the real step; collective counts
     "perf": {"model", "parallel", "data", "train", "generate", "io"},
     "cli": {"model", "parallel", "data", "train", "io", "generate", "proof", "perf"},
 }

@@ -40,6 +40,9 @@ def test_launch_verify_spans_both_processes():
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["ok"] and report["mesh"] == {"dp": 2, "mp": 2}
     assert len(report["controls"]) >= 4 and all(c["detected"] for c in report["controls"])
+    # Across 2 processes: each builds its own rows; assembled, they equal the one-device batch.
+    data = [c for c in report["checks"] if c["name"].startswith("data pipeline")]
+    assert len(data) == 2 and all(c["ok"] for c in data)
 
 
 def test_two_processes_train_like_one_and_checkpoint_restores_in_one(corpus, tmp_path):

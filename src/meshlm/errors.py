@@ -39,3 +39,13 @@ class GenerationError(MeshlmError):
 
 class TrainingError(MeshlmError):
     """Training cannot continue (e.g. a non-finite loss); the last good state has been saved."""
+
+
+class VerifierError(MeshlmError):
+    """The verifier itself failed (e.g. a control crashed): not a detection, and not a proof.
+
+    The CLI exits with ``VERIFIER_EXIT_CODE`` for it, apart from user errors (2) and failed proofs (1).
+    """
+
+
+VERIFIER_EXIT_CODE = 3

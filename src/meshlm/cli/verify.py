@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
-from meshlm.cli.common import add_common, arg_type, check_batch_split, non_negative_int, positive_int, setup
+from meshlm.cli.common import (
+    add_common,
+    arg_type,
+    check_batch_split,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    setup,
+)
 from meshlm.ranges import Range
 
 # One token attends only to itself: the causal mask and attention across positions would go unproven
 # (and 0 tokens give a NaN loss, reported as a FAIL).
 MIN_SEQ_LEN = 2
+DATA_STEPS = 3  # steps of the data-pipeline check (cheap: host arrays only)
 
 
 def add_parser(sub) -> None:
@@ -28,11 +38,56 @@ def add_parser(sub) -> None:
         "--seq-len", type=arg_type(Range(int, MIN_SEQ_LEN)), default=64, help="sequence length (>= 2)"
     )
     p.add_argument("--checkpoint", default=None, help="prove with these parameters (run dir or step dir)")
+    p.add_argument(
+        "--z-loss", type=non_negative_float, default=None, help="prove with this z-loss coefficient"
+    )
+    p.add_argument(
+        "--no-collectives",
+        dest="collectives",
+        action="store_false",
+        help="skip the communication check (compiling the train step and counting its collectives)",
+    )
+    p.add_argument("--matrix", action="store_true", help="prove every preset x mesh x option that fits")
+    p.add_argument("--md", action="store_true", help="with --matrix: print the table as markdown")
     p.set_defaults(fn=run)
 
 
 def run(args) -> int:
+    from meshlm.errors import VERIFIER_EXIT_CODE, VerifierError
+
     check_batch_split(args.batch_size, args.mesh)
+    try:
+        return _matrix(args) if args.matrix else _verify(args)
+    except VerifierError as e:
+        print(f"meshlm: verifier error: {e}", file=sys.stderr)
+        return VERIFIER_EXIT_CODE
+
+
+def _matrix(args) -> int:
+    import os
+    import tempfile
+
+    # Before JAX starts (setup): see meshlm.proof.matrix for why these are safe and worth it.
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    setup(args)
+    import jax
+
+    if not jax.config.jax_compilation_cache_dir:  # a cache for this run only, removed at exit
+        cache = tempfile.TemporaryDirectory(prefix="meshlm-verify-matrix-")
+        jax.config.update("jax_compilation_cache_dir", cache.name)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+    from meshlm.parallel.distributed import print0
+    from meshlm.proof.matrix import format_matrix, run_matrix
+
+    if args.x64:
+        jax.config.update("jax_enable_x64", True)
+    rows = run_matrix(jax.device_count(), x64=args.x64, steps=args.steps, seed=args.seed)
+    print0(json.dumps(rows) if args.json else format_matrix(rows, markdown=args.md))
+    return 0 if all(r["ok"] in (True, None) for r in rows) else 1
+
+
+def _verify(args) -> int:
     mesh, dp, mp = setup(args)
     import jax
     import jax.numpy as jnp
@@ -48,11 +103,21 @@ def run(args) -> int:
         from meshlm.io.model_io import load_model, read_config
 
         cfg, name = read_config(args.checkpoint)[0], args.checkpoint
+    if args.z_loss is not None:
+        cfg = cfg.replace(z_loss=args.z_loss)
     batch = args.batch_size if args.batch_size is not None else 2 * dp
     problem = model_problem(cfg, name, mp, batch, min(args.seq_len, cfg.max_seq_len), args.seed)
     if args.checkpoint:
         problem = dataclasses.replace(problem, load_params=lambda m: load_model(args.checkpoint, m)[1])
     dtype = jnp.float64 if args.x64 else jnp.float32
-    report = verify(problem, mesh, steps=args.steps, dtype=dtype, seed=args.seed)
+    report = verify(
+        problem,
+        mesh,
+        steps=args.steps,
+        dtype=dtype,
+        seed=args.seed,
+        collectives=args.collectives,
+        data_steps=3,
+    )
     print0(json.dumps(report.to_json()) if args.json else format_report(report))
     return 0 if report.ok else 1

@@ -207,6 +207,10 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 
+# Grouped-query attention with 2 KV heads: on mp = 4 (or 8) the KV heads are replicated, so the
+# replication path is proven on the 4 devices of a laptop, not only on 8.
+PRESETS["tiny-gqa"] = PRESETS["tiny-llama"].replace(n_kv_heads=2)
+
 
 def get_config(name: str) -> ModelConfig:
     if name not in PRESETS:

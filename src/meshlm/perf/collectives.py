@@ -58,3 +58,35 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int) -> dict[str, int
     }
     out["total"] = sum(out.values())
     return out
+
+
+def theoretical_bytes(
+    cfg: ModelConfig, dp: int, mp: int, *, batch: int, seq_len: int, itemsize: int, param_bytes: int
+) -> dict[str, int]:
+    """Result bytes of those all-reduces in one step, by the same causes (per device; global batch
+    ``batch`` split over dp, activations of ``itemsize`` bytes, ``param_bytes`` of parameters on one
+    device). Combining all-reduces changes their count, never their bytes, so this is the firmer
+    check. The scalars (the clip's squared norm, the DP loss mean) count 1 value each here; XLA may
+    send the clip's norm as one partial sum per sharded leaf, a few bytes more (see ``scalar_slack``).
+    """
+    counts = theoretical_collectives(cfg, dp, mp)
+    act = (batch // dp) * seq_len * cfg.d_model * itemsize  # [B/dp, T, D]: one activation all-reduce
+    kv_grads = 2 * cfg.d_model * cfg.kv_heads * cfg.dim_per_head * itemsize if cfg.family != "ff" else 0
+    out = {
+        "layer_forward": counts["layer_forward"] * act,
+        "layer_backward": counts["layer_backward"] * act,
+        "kv_replicated_grads": counts["kv_replicated_grads"] * kv_grads,
+        "embedding": counts["embedding"] * act,
+        "head_backward": counts["head_backward"] * act,
+        "loss": counts["loss"] * (batch // dp) * seq_len * itemsize,  # [B/dp, T] each
+        "grad_norm": counts["grad_norm"] * itemsize,
+        "dp_gradients": counts["dp_gradients"] * param_bytes,
+        "dp_loss": counts["dp_loss"] * itemsize,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def scalar_slack(n_param_leaves: int, itemsize: int) -> int:
+    """Bytes XLA may add by reducing the clip's squared norm as one partial sum per parameter leaf."""
+    return n_param_leaves * itemsize

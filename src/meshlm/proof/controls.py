@@ -3,6 +3,10 @@
 Each control changes exactly one thing in the *sharded* run: a ``Parallel`` subclass overriding one
 method, a config change, or a training-step fault. Layers are unchanged. A control only runs where
 its fault can change the result (e.g. collective faults need mp > 1).
+
+Most faults change values and are detected by the comparison with the reference. One is invisible
+to values by construction (a redundant all-reduce) and is detected by the communication check,
+which compares the compiled step's collectives with the Megatron minimum.
 """
 
 from __future__ import annotations
@@ -63,6 +67,17 @@ class KvNotReplicated(Parallel):
         return self.shard_index() % n_kv_heads
 
 
+class ExtraAllReduce(Parallel):
+    """A redundant second all-reduce after every row-parallel one: same values (the sum of mp copies
+    divided by mp; exact for power-of-two mp), twice the communication in forward and backward."""
+
+    def g(self, x):
+        out = super().g(x)
+        if not self.sharded:
+            return out
+        return lax.psum(lax.pcast(out, MP, to="varying") / self.mp, MP)
+
+
 def per_shard_clip(mesh, specs, max_norm: float):
     """Clipping by the norm of one shard's local gradient slices instead of the full gradient."""
     from jax.sharding import PartitionSpec as P
@@ -85,6 +100,7 @@ class Where:
     dp: int  # data-parallel shards
     mp: int  # model-parallel shards
     has_row_bias: bool  # whether row-parallel biases exist (added once, after the all-reduce)
+    collectives: bool = False  # whether the communication check runs (it detects extra collectives)
 
     @property
     def attention(self) -> bool:
@@ -103,6 +119,7 @@ class Control:
     par_cls: type[Parallel] = Parallel  # the sharded run's parallel context
     cfg_change: Callable | None = None  # cfg -> cfg for the sharded run
     per_shard_clip: bool = False  # clip by a per-shard gradient norm (training step)
+    by_collectives: bool = False  # detected by the communication check, not by values
 
 
 def _swap_rotary(cfg):
@@ -130,4 +147,10 @@ CONTROLS: tuple[Control, ...] = (
         par_cls=KvNotReplicated,
     ),
     Control(name="per-shard gradient-norm clipping", applies=lambda w: w.mp > 1, per_shard_clip=True),
+    Control(
+        name="extra all-reduce after each row-parallel one",
+        applies=lambda w: w.mp > 1 and w.collectives and w.cfg is not None,
+        par_cls=ExtraAllReduce,
+        by_collectives=True,
+    ),
 )

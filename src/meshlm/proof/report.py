@@ -47,11 +47,13 @@ class Report:
     loss_ok: bool = True
     params: list[LeafResult] = field(default_factory=list)
     controls: list[dict] = field(default_factory=list)
+    checks: list[dict] = field(default_factory=list)  # {"name", "ok", "detail"}: beyond the values
     extra: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return self.loss_ok and all(p.ok for p in self.params) and all(c["detected"] for c in self.controls)
+        values = self.loss_ok and all(p.ok for p in self.params)
+        return values and all(c["ok"] for c in self.checks) and all(c["detected"] for c in self.controls)
 
     def to_json(self) -> dict:
         return {
@@ -74,6 +76,7 @@ class Report:
                 for p in self.params
             ],
             "controls": self.controls,
+            "checks": self.checks,
             **self.extra,
         }
 
@@ -118,6 +121,9 @@ def format_report(r: Report) -> str:
         f"worst relative error: {worst:.3e}",
         "",
     ]
+    for c in r.checks:
+        rows.append(f"check {c['name']:<44} {'PASS' if c['ok'] else 'FAIL'}  ({c['detail']})")
+    rows.append("")
     if not r.controls:
         rows.append("controls: none apply on this mesh (collective faults need mp > 1, dp faults dp > 1)")
     for c in r.controls:

@@ -1,0 +1,95 @@
+"""Running one planted fault, and deciding honestly whether it was detected.
+
+A control is *detected* when some leaf differs from the reference beyond tolerance, when the
+communication check fails (for faults that only waste communication), or when JAX's varying-axis
+type check (``shard_map(check_vma=True)``) rejects the faulty program: that rejection is JAX proving
+the program wrong. Any other exception is not a detection: it means the control or the verifier is
+broken, and it is raised as ``VerifierError`` (exit code 3), never counted as a success.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from meshlm.errors import VerifierError
+from meshlm.parallel.axes import DP, MP
+from meshlm.proof.communication import communication_checks, step_collectives
+from meshlm.proof.controls import Control
+from meshlm.proof.report import LeafResult, compare_into
+from meshlm.proof.runs import Runs, default_optim, step_batches
+from meshlm.train.optim import clip_by_global_norm
+
+# What JAX's varying-axis type check says when it rejects a program (JAX 0.10): a primitive whose
+# operands disagree on varying axes, outputs whose replication out_specs demand cannot be inferred, or
+# a cast a value's varying type does not allow (e.g. `f` applied to an already per-shard value).
+VMA_REJECTIONS = (
+    "requires varying manual axes",
+    "out_specs which require replication",
+    "Unsupported pcast from=",
+)
+
+
+def is_vma_rejection(e: BaseException) -> bool:
+    return isinstance(e, ValueError) and any(s in str(e) for s in VMA_REJECTIONS)
+
+
+def run_control(control: Control, runs: Runs, ocfg, rtol, atol) -> dict:
+    """{"name", "detected", "how"} for one planted fault run sharded against the reference."""
+    try:
+        if control.by_collectives:
+            return _by_collectives(control, runs)
+        bad = _differing_leaves(control, runs, ocfg, rtol, atol)
+    except Exception as e:
+        if not is_vma_rejection(e):
+            raise VerifierError(
+                f"control {control.name!r} crashed ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                "a crash is not a detection: the control or the verifier is broken"
+            ) from e
+        first = str(e).splitlines()[0]
+        return {"name": control.name, "detected": True, "how": f"rejected by JAX's check_vma: {first}"}
+    how = f"{len(bad)} leaves differ, e.g. {bad[0]}" if bad else "no difference"
+    return {"name": control.name, "detected": bool(bad), "how": how}
+
+
+def _differing_leaves(control: Control, runs: Runs, ocfg, rtol, atol) -> list[str]:
+    problem = runs.problem
+    build = problem.build_loss
+    if control.cfg_change is not None:
+        build = problem.rebuild(control.cfg_change(problem.cfg))
+    results: dict[str, LeafResult] = {}
+    if control.per_shard_clip:
+        (_, gr) = runs.reference_grads()
+        ocfg = ocfg or default_optim(1, float(clip_by_global_norm(gr, 0)[1]))
+        batches = step_batches(problem, 1, ocfg.accum_steps, 0)
+        for (ps, ss, _), (pr, sr, _) in runs.train(ocfg, batches, clip_fault=True):
+            compare_into(results, (ps, ss), (pr, sr), rtol, atol)
+    else:
+        (ls, gs), (lr, gr) = runs.grads(build, control.par_cls), runs.reference_grads()
+        compare_into(results, {"loss": {"value": ls}, **gs}, {"loss": {"value": lr}, **gr}, rtol, atol)
+    return [r.path for r in results.values() if not r.ok]
+
+
+def _by_collectives(control: Control, runs: Runs) -> dict:
+    got = step_collectives(
+        runs.problem.build_loss, runs.mesh, runs.specs, runs.params, runs.batch, control.par_cls
+    )
+    rows = communication_rows(runs, got)
+    failed = [r for r in rows if not r["ok"]]
+    how = f"{failed[0]['name']}: {failed[0]['detail']}" if failed else "communication within the minimum"
+    return {"name": control.name, "detected": bool(failed), "how": how}
+
+
+def communication_rows(runs: Runs, got: dict) -> list[dict]:
+    """The communication check's rows for this run's model, mesh and batch."""
+    p = runs.problem
+    # Activations and the loss are computed at least in float32 (float64 in the x64 proof).
+    itemsize = max(jax.tree.leaves(runs.params)[0].dtype.itemsize, 4)
+    return communication_checks(
+        p.cfg,
+        runs.mesh.shape[DP],
+        runs.mesh.shape[MP],
+        got,
+        batch_shape=p.batch["inputs"].shape,
+        itemsize=itemsize,
+        params=runs.params,
+    )

@@ -1,0 +1,91 @@
+"""The reference must be independent of the sharded program, or the proof proves nothing.
+
+If the "unsharded" reference were (by a refactor) computed by the sharded program itself, every
+comparison would pass with an error of exactly 0, every control would still be "detected", and real
+sharding bugs would go through. So the proof checks, and reports, three facts:
+
+* the reference's traced program names no mesh axis: no ``shard_map`` and no collective or
+  axis-index primitive anywhere in its jaxpr (sub-jaxprs of scans, jits and remat included);
+* every reference result (loss, gradients, training state) lives on one device;
+* the sharded program does communicate where the mesh is bigger than one device (its compiled HLO
+  has collectives), so what is compared really is a sharded computation.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.extend import core as jex_core
+
+from meshlm.perf.hlo import collectives_from_text
+
+# Primitives that only exist with a mesh axis in scope (JAX 0.10 names; older spellings included).
+MESH_PRIMITIVES = frozenset(
+    {
+        "shard_map",
+        "axis_index",
+        "psum",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+        "pvary",
+        "pcast",
+        "pbroadcast",
+        "ppermute",
+        "all_gather",
+        "all_gather_invariant",
+        "psum_scatter",
+        "reduce_scatter",
+        "all_to_all",
+    }
+)
+
+
+def primitives(jaxpr, found: set[str] | None = None) -> set[str]:
+    """Every primitive name in ``jaxpr`` and the jaxprs nested in its equations' parameters."""
+    found = set() if found is None else found
+    for eqn in jaxpr.eqns:
+        found.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(sub, jex_core.ClosedJaxpr):
+                    primitives(sub.jaxpr, found)
+                elif isinstance(sub, jex_core.Jaxpr):
+                    primitives(sub, found)
+    return found
+
+
+def _check(name: str, ok: bool, detail: str) -> dict:
+    return {"name": name, "ok": bool(ok), "detail": detail}
+
+
+def reference_checks(ref_fn, ref_args, ref_outputs) -> list[dict]:
+    """Rows for the reference: its program names no mesh axis, and its results sit on one device."""
+    used = primitives(jax.make_jaxpr(ref_fn)(*ref_args).jaxpr) & MESH_PRIMITIVES
+    devices = {d for x in jax.tree.leaves(ref_outputs) for d in x.sharding.device_set}
+    return [
+        _check(
+            "reference names no mesh axis",
+            not used,
+            f"uses {sorted(used)}: the reference must be the plain unsharded program"
+            if used
+            else "no shard_map or collective in its jaxpr",
+        ),
+        _check(
+            "reference runs on one device",
+            len(devices) == 1,
+            f"its results live on {len(devices)} devices" if len(devices) != 1 else "results on one device",
+        ),
+    ]
+
+
+def sharded_check(compiled_text: str, n_devices: int) -> dict:
+    """Row for the sharded program: with more than one device it must communicate."""
+    counts = collectives_from_text(compiled_text)
+    total = sum(c["count"] for c in counts.values())
+    if n_devices == 1:
+        return _check("sharded program communicates", True, "one device: nothing to communicate")
+    return _check(
+        "sharded program communicates",
+        total > 0,
+        f"{total} collectives in its compiled HLO" if total else "no collective: it is not sharded",
+    )

@@ -1,0 +1,119 @@
+"""The two runs the proof compares: the sharded program on the mesh and the reference on one device.
+
+Both start from the same parameters (created sharded, then copied whole to one device for the
+reference) and see the same host batches. The reference is built from ``Parallel()`` (no mesh axis)
+and run under plain ``jit`` on one device; ``independence`` checks that it really is.
+"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from meshlm.parallel.context import Parallel
+from meshlm.parallel.placement import put_global, to_host
+from meshlm.parallel.rules import batch_sharding, init_sharded
+from meshlm.parallel.spmd import reference_value_and_grad, sharded_value_and_grad
+from meshlm.proof.controls import per_shard_clip
+from meshlm.proof.problem import Problem
+from meshlm.train.optim import OptimConfig, adamw, make_step
+
+
+def put_batch(batch, mesh, accum: bool):
+    """Host batch -> global arrays (each process supplies the rows of its own devices)."""
+    sharding = batch_sharding(mesh, 2 if accum else 1)
+    return {k: put_global(v, sharding) for k, v in batch.items()}
+
+
+class Runs:
+    """The reference and sharded runs of one Problem on one mesh, sharing inputs and parameters."""
+
+    def __init__(self, problem: Problem, mesh, dtype, seed: int):
+        self.problem, self.mesh = problem, mesh
+        self.device = jax.local_devices()[0]  # the reference runs on one device of this process
+        init = hk.transform(problem.build_loss(Parallel())).init
+        example = jax.tree.map(jnp.asarray, problem.batch)
+        self.params, self.specs = init_sharded(
+            init, jax.random.PRNGKey(seed), example, specs_fn=problem.specs_fn, mesh=mesh, dtype=dtype
+        )
+        if problem.load_params is not None:  # e.g. a checkpoint: same specs, loaded onto this mesh
+            self.params = jax.tree.map(lambda p: p.astype(dtype), problem.load_params(mesh))
+        self.ref_params = jax.device_put(jax.tree.map(to_host, self.params), self.device)
+        self.batch = put_batch(problem.batch, mesh, False)  # the global batch on the mesh
+
+    def sharded_fn(self, build_loss, par_cls=Parallel):
+        return jax.jit(sharded_value_and_grad(build_loss, self.mesh, self.specs, par_cls))
+
+    def grads(self, build_loss, par_cls=Parallel):
+        return self.sharded_fn(build_loss, par_cls)(self.params, self.batch)
+
+    def proven_grads(self):
+        """The sharded loss and gradients of the problem itself, compiled once: the same executable
+        gives the values and, for the independence check, its HLO (``sharded_hlo``)."""
+        compiled = self.sharded_fn(self.problem.build_loss).lower(self.params, self.batch).compile()
+        self.sharded_hlo = compiled.as_text()
+        return compiled(self.params, self.batch)
+
+    def reference_program(self):
+        """(function, arguments) of the reference: the unsharded loss and gradients on one device."""
+        fn = jax.jit(reference_value_and_grad(self.problem.build_loss))
+        return fn, (self.ref_params, jax.device_put(self.problem.batch, self.device))
+
+    def reference_grads(self):
+        """The unsharded loss and gradients (computed once: every control compares against them)."""
+        if not hasattr(self, "_ref_grads"):
+            fn, args = self.reference_program()
+            self._ref_grads = fn(*args)
+        return self._ref_grads
+
+    def reference_train(self, ocfg: OptimConfig, batches) -> list:
+        """The unsharded (params, opt_state, metrics) after each step, computed once per config."""
+        key = (ocfg, len(batches))
+        cache = self.__dict__.setdefault("_ref_train", {})
+        if key not in cache:
+            opt = adamw(ocfg, self.params)
+            step = jax.jit(make_step(reference_value_and_grad(self.problem.build_loss), opt, ocfg))
+            state, out = (self.ref_params, jax.jit(opt.init)(self.ref_params)), []
+            for b in batches:
+                *state, metrics = step(*state, jax.device_put(b, self.device))
+                out.append((*state, metrics))
+            cache[key] = out
+        return cache[key]
+
+    def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False):
+        """Yield ((params, opt_state, metrics) sharded, the same unsharded) after each step."""
+        opt = adamw(ocfg, self.params)
+        grad = sharded_value_and_grad(self.problem.build_loss, self.mesh, self.specs)
+        clip = per_shard_clip(self.mesh, self.specs, ocfg.clip_norm) if clip_fault else None
+        step = jax.jit(make_step(grad, opt, ocfg, clip))
+        state = (self.params, jax.jit(opt.init)(self.params))
+        accum = ocfg.accum_steps > 1
+        for b, ref in zip(batches, self.reference_train(ocfg, batches), strict=True):
+            *state, metrics = step(*state, put_batch(b, self.mesh, accum))
+            yield (*state, metrics), ref
+
+
+def step_batches(problem: Problem, steps: int, accum: int, seed: int) -> list[dict]:
+    """Fresh random batches for the proof's training steps ([A, B, T] with accumulation)."""
+    from meshlm.proof.problem import random_batch
+
+    b, t = problem.batch["inputs"].shape
+    vocab = int(problem.batch["inputs"].max()) + 1 if problem.cfg is None else problem.cfg.vocab_size
+    shape = (accum, b, t) if accum > 1 else (b, t)
+    return [random_batch(vocab, shape, seed + 1000 + k) for k in range(steps)]
+
+
+def default_optim(steps: int, ref_grad_norm: float) -> OptimConfig:
+    """The proof's optimizer: warm-up and decay inside K steps, 2 micro-batches, weight decay, and a
+    clip at a tenth of the initial gradient norm, so that clipping (and its norm) is exercised on every
+    step (an inactive clip would hide a wrong norm; batches of the steps can have smaller norms than
+    the first)."""
+    return OptimConfig(
+        lr=1e-2,
+        warmup_steps=1,
+        total_steps=max(steps, 2),
+        weight_decay=0.1,
+        clip_norm=0.1 * ref_grad_norm,
+        accum_steps=2,
+    )

@@ -1,0 +1,231 @@
+"""The prover proven: each way `verify` itself could be wrong, planted, must make it fail.
+
+1. A reference that is not independent (built from the sharded program) must fail verify's
+   independence checks, although its values then agree exactly.
+2. Controls must be able to fail: a no-op fault is "not detected"; a crash is a verifier error, never
+   a detection; only JAX's varying-axis type check counts as a rejection.
+3. What the proof covers must include z-loss, KV-head replication on 4 devices, the data pipeline,
+   wrong sharding rules (a failing row, not a traceback) and wasted communication.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import run_cli
+from jax import lax
+
+from meshlm.errors import VerifierError
+from meshlm.model.config import get_config
+from meshlm.model.layers import VocabEmbed, upcast
+from meshlm.parallel.axes import MP
+from meshlm.parallel.context import Parallel
+from meshlm.parallel.mesh import make_mesh
+from meshlm.parallel.rules import RULES, param_specs
+from meshlm.proof import format_report, model_problem, verify
+from meshlm.proof.controls import Control
+from meshlm.proof.data_pipeline import data_checks
+from meshlm.proof.runs import Runs
+
+
+def _verify(name, dp, mp, *, steps=0, dtype=jnp.float32, cfg=None, **kw):
+    cfg = cfg or get_config(name)
+    return verify(model_problem(cfg, name, mp, 2 * dp, 16), make_mesh(dp, mp), steps=steps, dtype=dtype, **kw)
+
+
+def _check(report, name) -> dict:
+    (row,) = [c for c in report.checks if c["name"] == name]
+    return row
+
+
+# ---------------------------------------------------------------- 1. independence of the reference
+
+
+def test_independence_is_checked_and_reported():
+    report = _verify("tiny-llama", 2, 2, controls=())
+    assert report.ok, format_report(report)
+    for name in (
+        "reference names no mesh axis",
+        "reference runs on one device",
+        "sharded program communicates",
+    ):
+        assert _check(report, name)["ok"]
+    assert "check reference runs on one device" in format_report(report)
+
+
+def test_reference_computed_by_the_sharded_program_fails(monkeypatch):
+    """The mutant: every value then agrees exactly, so only the independence check can catch it."""
+    monkeypatch.setattr(Runs, "reference_grads", lambda self: self.grads(self.problem.build_loss))
+    report = _verify("tiny-llama", 1, 2, controls=())
+    assert all(p.max_abs_err == 0 for p in report.params)  # the values alone would pass
+    assert not report.ok
+    assert not _check(report, "reference runs on one device")["ok"]
+
+
+def test_reference_program_with_a_mesh_axis_fails(monkeypatch):
+    def sharded_reference(self):
+        return self.sharded_fn(self.problem.build_loss), (self.params, self.batch)
+
+    monkeypatch.setattr(Runs, "reference_program", sharded_reference)
+    report = _verify("tiny", 1, 2, controls=())
+    row = _check(report, "reference names no mesh axis")
+    assert not row["ok"] and "shard_map" in row["detail"]
+    assert not report.ok
+
+
+def _embed_without_mask(self, tokens):
+    """A sharding-specific bug in layer code: ids outside this shard's slice are not zeroed, so every
+    shard adds its row 0 (unsharded, every id is inside: the reference is unaffected)."""
+    table = self._table()
+    local = tokens - self.par.vocab_start(table.shape[0])
+    rows = jnp.take(table, jnp.clip(local, 0, table.shape[0] - 1), axis=0)
+    return self.par.row_out(rows)
+
+
+@pytest.mark.parametrize(("dp", "mp", "caught"), [(1, 1, False), (1, 2, True), (2, 2, True)])
+def test_canary_in_layer_code_fails_verify_when_sharded(monkeypatch, dp, mp, caught):
+    monkeypatch.setattr(VocabEmbed, "__call__", _embed_without_mask)
+    report = _verify("tiny-llama", dp, mp, controls=())
+    assert report.ok is not caught, format_report(report)
+    if caught:
+        assert not {p.path: p for p in report.params}["embed/embeddings"].ok
+
+
+# ---------------------------------------------------------------- 2. controls that can fail
+
+
+def test_a_no_op_control_is_not_detected_and_fails_the_proof():
+    noop = Control(name="no-op", applies=lambda w: True, par_cls=Parallel)
+    report = _verify("tiny-llama", 2, 2, controls=(noop,))
+    assert report.controls == [{"name": "no-op", "detected": False, "how": "no difference"}]
+    assert not report.ok and "NOT DETECTED" in format_report(report)
+
+
+class _Crashes(Parallel):
+    def row_out(self, partial, bias=None):
+        raise RuntimeError("a bug in the control")
+
+
+class _NotReduced(Parallel):
+    """Leaves the row-parallel output per-shard: JAX's check_vma rejects the program."""
+
+    def g(self, x):
+        return x
+
+
+def test_a_crashing_control_is_a_verifier_error_not_a_detection():
+    crash = Control(name="crash", applies=lambda w: True, par_cls=_Crashes)
+    with pytest.raises(VerifierError, match="control 'crash' crashed .*not a detection"):
+        _verify("tiny", 1, 2, controls=(crash,))
+
+
+def test_cli_exit_code_3_for_a_verifier_error(monkeypatch, capsys):
+    monkeypatch.setattr("meshlm.proof.controls.DroppedAllReduce.row_out", _Crashes.row_out)
+    assert run_cli("verify", "--config", "tiny", "--mesh", "1x2", "--no-collectives") == 3
+    assert "verifier error: control 'dropped all-reduce' crashed" in capsys.readouterr().err
+
+
+def test_only_the_varying_axis_type_check_counts_as_a_rejection():
+    reject = Control(name="not reduced", applies=lambda w: True, par_cls=_NotReduced)
+    report = _verify("tiny", 1, 2, controls=(reject,))
+    (c,) = report.controls
+    assert c["detected"] and c["how"].startswith("rejected by JAX's check_vma")
+
+
+# ---------------------------------------------------------------- 3. coverage
+
+
+def _xent_z_loss_summed_twice(par, logits, targets, z_loss=0.0):
+    """The z-loss bug: the term is added on every shard and summed over them (mp times too big)."""
+    logits = upcast(logits)
+    vs = logits.shape[-1]
+    m = lax.stop_gradient(par.pmax(jnp.max(lax.stop_gradient(logits), axis=-1)))
+    shifted = logits - m[..., None]
+    local = targets - par.vocab_start(vs)
+    inside = (local >= 0) & (local < vs)
+    picked = jnp.take_along_axis(shifted, jnp.where(inside, local, 0)[..., None], axis=-1)[..., 0]
+    target_logit = par.g(jnp.where(inside, picked, 0.0))
+    log_sum = jnp.log(par.g(jnp.sum(jnp.exp(shifted), axis=-1)))
+    z = z_loss * jnp.square(log_sum + m)
+    return log_sum - target_logit + par.g(lax.pcast(z, MP, to="varying") if par.sharded else z)
+
+
+def test_z_loss_is_proven_sharded_and_its_bug_is_caught(monkeypatch):
+    cfg = get_config("tiny-llama").replace(z_loss=1e-2)
+    with jax.enable_x64(True):
+        report = _verify("z", 1, 4, cfg=cfg, dtype=jnp.float64, controls=())
+        assert report.ok and max(p.max_rel_err for p in report.params) <= 1e-12, format_report(report)
+        monkeypatch.setattr("meshlm.model.transformer.vocab_parallel_xent", _xent_z_loss_summed_twice)
+        assert not _verify("z", 1, 4, cfg=cfg, dtype=jnp.float64, controls=()).ok
+        assert _verify("tiny-llama", 1, 4, dtype=jnp.float64, controls=()).ok  # the bug needs z_loss > 0
+
+
+def test_kv_heads_replicated_on_four_devices():
+    """tiny-gqa has 2 KV heads: on mp = 4 they are replicated, and that control applies."""
+    with jax.enable_x64(True):
+        report = _verify("tiny-gqa", 1, 4, dtype=jnp.float64)
+    assert report.ok, format_report(report)
+    assert max(p.max_rel_err for p in report.params) <= 1e-12
+    assert any(c["name"] == "KV heads not replicated per query group" for c in report.controls)
+
+
+@pytest.mark.parametrize(("dp", "mp"), [(1, 4), (2, 2), (4, 1)])
+def test_data_pipeline_rows_assemble_to_the_one_device_batch(dp, mp):
+    rows = data_checks(make_mesh(dp, mp), batch=8, seq_len=16, steps=4)
+    assert [r["name"] for r in rows] == ["data pipeline (accumulation 1)", "data pipeline (accumulation 2)"]
+    assert all(r["ok"] for r in rows), rows
+
+
+def test_data_pipeline_check_catches_swapped_rows(monkeypatch):
+    from meshlm.proof import data_pipeline
+
+    real = data_pipeline.device_batch
+
+    def swapped(batcher, step, mesh, accum):  # shard 0 reads shard 1's offsets
+        out = real(batcher, step, mesh, accum)
+        return {k: jnp.roll(v, v.shape[-2] // 2, axis=-2) for k, v in out.items()}
+
+    monkeypatch.setattr(data_pipeline, "device_batch", swapped)
+    rows = data_checks(make_mesh(2, 2), batch=8, seq_len=16, steps=2)
+    assert not any(r["ok"] for r in rows) and "differ" in rows[0]["detail"]
+
+
+def test_a_rule_with_the_wrong_per_shard_shape_is_a_failing_row():
+    """The MLP's input weights split along D instead of F: the layer asks for [D, F/mp]."""
+    cfg = get_config("tiny-llama")
+    wrong = tuple(
+        (r"/mlp/w_(in|gate|up)$", (MP, None)) if p == r"/mlp/w_(in|gate|up)$" else (p, s) for p, s in RULES
+    )
+    problem = model_problem(cfg, "wrong rule", 2, 2, 16)
+    problem = dataclasses.replace(problem, specs_fn=lambda a: param_specs(a, 2, wrong))
+    report = verify(problem, make_mesh(1, 2), controls=())
+    assert not report.ok
+    (row,) = report.params
+    assert row.path in ("layers/mlp/w_gate", "layers/mlp/w_up") and not row.ok
+    detail = _check(report, "sharding rules")["detail"]
+    assert "P(None, 'mp', None)" in detail and "holds (32, 128)" in detail and "with (64, 64)" in detail
+
+
+@pytest.mark.parametrize("name", ["tiny-gptj", "tiny-llama"])
+def test_communication_is_minimal_and_an_extra_all_reduce_is_caught(name):
+    report = _verify(name, 2, 2, collectives=True)
+    assert report.ok, format_report(report)
+    assert _check(report, "all-reduces per step")["ok"] and _check(report, "all-gathers per step")["ok"]
+    (extra,) = [c for c in report.controls if c["name"] == "extra all-reduce after each row-parallel one"]
+    assert extra["detected"] and "all-reduces per step" in extra["how"]
+
+
+def test_matrix_rows_and_table():
+    from meshlm.proof.matrix import _cell, format_matrix, meshes
+
+    assert meshes(8) == [(8, 1), (4, 2), (2, 4), (1, 8)]
+    rows = [
+        _cell("tiny-gqa", 1, 2, "plain", {}, x64=False, steps=0, seed=0),
+        _cell("tiny-gptj", 1, 3, "plain", {}, x64=False, steps=0, seed=0),
+    ]
+    assert rows[0]["ok"] is True and rows[1]["ok"] is None and "n_heads=8" in rows[1]["skipped"]
+    table = format_matrix(rows, markdown=True)
+    assert table.splitlines()[0].startswith("| preset | mesh |") and "| PASS |" in table
+    assert np.all([len(line.split("|")) == 9 for line in table.splitlines()])
