@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Plant each kind of verifier bug (issue 13) in a scratch worktree of HEAD and show that a test fails.
+# Usage: bash scripts/plant_verifier_bugs.sh [PYTHON]   (default: .venv/bin/python). About a minute.
+# Prints one line per mutant, "caught" when its test fails; exits non-zero if any mutant survives.
+set -u
+repo=$(git rev-parse --show-toplevel) || exit 2
+given=${1:-$repo/.venv/bin/python}
+python="$(cd "$(dirname "$given")" && pwd)/$(basename "$given")"  # absolute, links kept (a venv's python)
+scratch=$(mktemp -d)/meshlm-mutants
+git -C "$repo" worktree add -q --detach "$scratch" HEAD || exit 2
+trap 'git -C "$repo" worktree remove --force "$scratch"' EXIT
+cd "$scratch" || exit 2
+survivors=0
+
+plant() {  # name, file, old text, new text, pytest selection
+  git checkout -q -- src
+  "$python" - "$2" "$3" "$4" <<'PY' || exit 2
+import pathlib, sys
+path, old, new = sys.argv[1:]
+text = pathlib.Path(path).read_text()
+if old not in text:
+    sys.exit(f"the code to mutate moved: {old!r} not in {path}")
+pathlib.Path(path).write_text(text.replace(old, new, 1))
+PY
+  # shellcheck disable=SC2086
+  PYTHONPATH="$scratch/src" "$python" -m pytest -q -x -p no:cacheprovider $5 >"$scratch/log" 2>&1
+  case $? in
+    1) echo "caught    $1  ($5: $(tail -n 1 "$scratch/log"))" ;;
+    0) echo "SURVIVED  $1  ($5 passed)"; survivors=$((survivors + 1)) ;;
+    *) echo "BROKEN    $1  ($5 did not run: $(tail -n 1 "$scratch/log"))"; survivors=$((survivors + 1)) ;;
+  esac
+}
+
+plant "reference computed by the sharded program" src/meshlm/proof/runs.py \
+  "            self._ref_grads = fn(*args)" \
+  "            self._ref_grads = self.grads(self.problem.build_loss)" \
+  "tests/test_core.py -k verify_ff_every_mesh_float32"
+plant "controls always detected" src/meshlm/proof/control_runs.py \
+  '    return {"name": control.name, "detected": bool(bad), "how": how}' \
+  '    return {"name": control.name, "detected": True, "how": how}' \
+  "tests/test_prover.py -k no_op"
+plant "any exception in a control counts as detected" src/meshlm/proof/control_runs.py \
+  "        if not is_vma_rejection(e):" \
+  "        if False:" \
+  "tests/test_prover.py -k crashing"
+plant "z-loss summed over the shards" src/meshlm/model/layers.py \
+  "        loss = loss + z_loss * jnp.square(log_sum + m)  # log Z = log_sum + m" \
+  "        loss = loss + par.g(lax.pcast(z_loss * jnp.square(log_sum + m), 'mp', to='varying') if par.sharded else z_loss * jnp.square(log_sum + m))" \
+  "tests/test_prover.py -k z_loss"
+plant "wrong KV head when KV heads are replicated" src/meshlm/parallel/context.py \
+  "        return self.shard_index() * heads_per_shard // (n_heads // n_kv_heads)" \
+  "        return self.shard_index() % n_kv_heads" \
+  "tests/test_prover.py -k kv_heads_replicated"
+plant "a data-parallel shard builds another shard's rows" src/meshlm/data/device_batches.py \
+  "        b = batcher.batch(step, shard=start // width, num_shards=total // width)" \
+  "        b = batcher.batch(step, shard=(start // width + 1) % (total // width), num_shards=total // width)" \
+  "tests/test_prover.py -k data_pipeline_rows"
+git checkout -q -- src
+exit $((survivors > 0))
