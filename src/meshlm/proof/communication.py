@@ -23,6 +23,7 @@ from meshlm.parallel.context import Parallel
 from meshlm.parallel.spmd import sharded_value_and_grad
 from meshlm.perf.collectives import scalar_slack, theoretical_bytes, theoretical_collectives
 from meshlm.perf.hlo import COLLECTIVES, collectives_per_step
+from meshlm.proof.report import check_row
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
 PER_LAYER = {"ff": "1 forward, 1 backward", "gptj": "1 forward, 1 backward", "llama": "2 forward, 2 backward"}
@@ -57,8 +58,10 @@ def communication_checks(cfg, dp: int, mp: int, got: dict, *, batch_shape, items
     where = f"{cfg.family} on {dp}x{mp} (per layer: {PER_LAYER[cfg.family]} with mp > 1)"
     ar = got["all-reduce"]
     rows = [
-        _row("all-reduces per step", ar["count"] <= count, f"{ar['count']}, at most {count} for {where}"),
-        _row(
+        check_row(
+            "all-reduces per step", ar["count"] <= count, f"{ar['count']}, at most {count} for {where}"
+        ),
+        check_row(
             "all-reduce bytes per step",
             ar["bytes"] <= nbytes + slack,
             f"{ar['bytes']:,}, at most {nbytes:,} (+{slack} for the clip's per-leaf scalars)",
@@ -66,9 +69,7 @@ def communication_checks(cfg, dp: int, mp: int, got: dict, *, batch_shape, items
     ]
     for kind in COLLECTIVES[1:]:
         n = got[kind]["count"]
-        rows.append(_row(f"{kind}s per step", n == 0, f"{n}, expected 0 for Megatron tensor parallelism"))
+        rows.append(
+            check_row(f"{kind}s per step", n == 0, f"{n}, expected 0 for Megatron tensor parallelism")
+        )
     return rows
-
-
-def _row(name: str, ok: bool, detail: str) -> dict:
-    return {"name": name, "ok": bool(ok), "detail": detail}

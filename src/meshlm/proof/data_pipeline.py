@@ -16,6 +16,7 @@ from meshlm.data.device_batches import device_batch
 from meshlm.data.stream import Batcher, TokenStream
 from meshlm.parallel.axes import DP
 from meshlm.parallel.placement import to_host
+from meshlm.proof.report import check_row
 
 STREAM_TOKENS = 4096  # a synthetic byte stream: the proof is about placement, not file reading
 
@@ -49,7 +50,7 @@ def data_checks(mesh, *, batch: int, seq_len: int, steps: int = 3, seed: int = 0
             if bad
             else f"{steps} steps of {batch} x {seq_len}: per-device rows assemble to the one-device batch"
         )
-        rows.append({"name": f"data pipeline (accumulation {accum})", "ok": not bad, "detail": detail})
+        rows.append(check_row(f"data pipeline (accumulation {accum})", not bad, detail))
     return rows
 
 

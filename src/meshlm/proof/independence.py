@@ -17,6 +17,7 @@ import jax
 from jax.extend import core as jex_core
 
 from meshlm.perf.hlo import collectives_from_text
+from meshlm.proof.report import check_row
 
 # Primitives that only exist with a mesh axis in scope (JAX 0.10 names; older spellings included).
 MESH_PRIMITIVES = frozenset(
@@ -54,23 +55,19 @@ def primitives(jaxpr, found: set[str] | None = None) -> set[str]:
     return found
 
 
-def _check(name: str, ok: bool, detail: str) -> dict:
-    return {"name": name, "ok": bool(ok), "detail": detail}
-
-
 def reference_checks(ref_fn, ref_args, ref_outputs) -> list[dict]:
     """Rows for the reference: its program names no mesh axis, and its results sit on one device."""
     used = primitives(jax.make_jaxpr(ref_fn)(*ref_args).jaxpr) & MESH_PRIMITIVES
     devices = {d for x in jax.tree.leaves(ref_outputs) for d in x.sharding.device_set}
     return [
-        _check(
+        check_row(
             "reference names no mesh axis",
             not used,
             f"uses {sorted(used)}: the reference must be the plain unsharded program"
             if used
             else "no shard_map or collective in its jaxpr",
         ),
-        _check(
+        check_row(
             "reference runs on one device",
             len(devices) == 1,
             f"its results live on {len(devices)} devices" if len(devices) != 1 else "results on one device",
@@ -83,8 +80,8 @@ def sharded_check(compiled_text: str, n_devices: int) -> dict:
     counts = collectives_from_text(compiled_text)
     total = sum(c["count"] for c in counts.values())
     if n_devices == 1:
-        return _check("sharded program communicates", True, "one device: nothing to communicate")
-    return _check(
+        return check_row("sharded program communicates", True, "one device: nothing to communicate")
+    return check_row(
         "sharded program communicates",
         total > 0,
         f"{total} collectives in its compiled HLO" if total else "no collective: it is not sharded",

@@ -21,11 +21,13 @@ from meshlm.data.tokens import check_batch
 from meshlm.model.params import flat_params
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.placement import bytes_per_device, to_host, total_bytes
+from meshlm.proof.communication import step_collectives
 from meshlm.proof.control_runs import communication_rows, run_control
 from meshlm.proof.controls import CONTROLS, Control, Where
+from meshlm.proof.data_pipeline import data_checks
 from meshlm.proof.independence import reference_checks, sharded_check
 from meshlm.proof.problem import Problem
-from meshlm.proof.report import LeafResult, Report, compare_into
+from meshlm.proof.report import LeafResult, Report, check_row, compare_into
 from meshlm.proof.rule_errors import rule_mismatch
 from meshlm.proof.runs import Runs, default_optim, step_batches
 from meshlm.train.optim import OptimConfig, clip_by_global_norm
@@ -64,7 +66,7 @@ def verify(
         if (mismatch := rule_mismatch(e, runs.params, runs.specs)) is None:
             raise
         report.params, report.loss_ok = [mismatch[0]], False
-        report.checks = [{"name": "sharding rules", "ok": False, "detail": mismatch[1]}]
+        report.checks = [check_row("sharding rules", False, mismatch[1])]
         return report
     ocfg = _compare_values(report, runs, sharded, steps, ocfg, seed)
     collectives = collectives and problem.cfg is not None
@@ -109,14 +111,10 @@ def _checks(runs: Runs, steps: int, ocfg, collectives: bool, data_steps: int, se
     rows = reference_checks(fn, args, outputs)
     rows.append(sharded_check(runs.sharded_hlo, runs.mesh.size))
     if collectives:
-        from meshlm.proof.communication import step_collectives
-
         p = runs.problem
         got = step_collectives(p.build_loss, runs.mesh, runs.specs, runs.params, runs.batch)
         rows += communication_rows(runs, got)
     if data_steps:
-        from meshlm.proof.data_pipeline import data_checks
-
         b, t = runs.problem.batch["inputs"].shape
         rows += data_checks(runs.mesh, batch=b, seq_len=t, steps=data_steps, seed=seed)
     return rows

@@ -81,6 +81,12 @@ class Report:
         }
 
 
+def check_row(name: str, ok: bool, detail: str) -> dict:
+    """One row of ``Report.checks``: a property of the proof beyond the values (independence,
+    communication, data pipeline, sharding rules)."""
+    return {"name": name, "ok": bool(ok), "detail": detail}
+
+
 def _leaf_label(keypath) -> str:
     keys = [k.key for k in keypath if isinstance(k, jax.tree_util.DictKey)]
     if len(keys) >= 2:
