@@ -20,10 +20,10 @@ def add_parser(sub) -> None:
     actions = p.add_subparsers(dest="action", required=True)
     t = actions.add_parser("train", help="train a byte-level BPE on text files; writes tokenizer.json")
     t.add_argument(
-        "--data", nargs="+", default=None, help="text files, directories or globs (default: the Python stdlib)"
+        "--data", nargs="+", default=None, help="text files, directories or globs (default: the stdlib)"
     )
     t.add_argument("--vocab-size", type=positive_int, required=True, help="ids, the 257 base ones included")
-    t.add_argument("--out", required=True, help="the tokenizer.json to write (a directory: DIR/tokenizer.json)")
+    t.add_argument("--out", required=True, help="tokenizer.json to write (a directory: DIR/tokenizer.json)")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
     t.set_defaults(fn=run)
 
