@@ -95,7 +95,7 @@ def _train_bpe_into(tcfg, vocab_size: int) -> Tokenizer:
     saved = Path(tcfg.out) / TOKENIZER_FILE
     if saved.is_file():
         tok = load_tokenizer(saved)
-        if tok.vocab_size == vocab_size:
+        if tok.vocab_size <= vocab_size:  # a small corpus can have fewer merges than asked for
             return tok
     train, _, info = load_splits(list(tcfg.data) or None)
     docs = bytes(train.tokens).split(b"\0")[:-1]  # the byte stream: documents end with NUL
@@ -133,7 +133,7 @@ def run_tokenizer(tcfg, cfg: ModelConfig) -> tuple[Tokenizer, ModelConfig]:
     existing, where = _existing(tcfg)
     bpe = BPE_SPEC.match(tcfg.tokenizer)
     if existing is not None and bpe:  # resuming a bpe-N run: it must be that run's tokenizer
-        same = isinstance(existing, HFTokenizer) and existing.vocab_size == int(bpe.group(1))
+        same = isinstance(existing, HFTokenizer) and existing.vocab_size <= int(bpe.group(1))
         tok = existing if same else None
         if not same:
             _differs(tcfg, existing, where)
