@@ -85,6 +85,7 @@ def test_generate_prints_transformers_text(converted, mesh, capsys):
     assert capsys.readouterr().out == PROMPT + want + "\n"
 
 
+@pytest.mark.parametrize("converted", ["llama"], indirect=True)  # the same commands for both families
 def test_stop_string_and_export_loads_with_auto_tokenizer(converted, hf_tokenizer, tmp_path, capsys):
     hf_dir, ckpt, want = converted
     stop = want[len(want) // 2 : len(want) // 2 + 2]
@@ -100,6 +101,7 @@ def test_stop_string_and_export_loads_with_auto_tokenizer(converted, hf_tokenize
     assert json.loads((tmp_path / "export" / "config.json").read_text())["eos_token_id"] == 0
 
 
+@pytest.mark.parametrize("converted", ["gptj"], indirect=True)
 def test_model_without_tokenizer_takes_ids_only(converted, tmp_path, capsys):
     hf_dir, _, _ = converted
     bare = tmp_path / "bare"

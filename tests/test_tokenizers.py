@@ -148,3 +148,15 @@ def test_training_run_carries_its_bpe_tokenizer(tmp_path):
         checkpoint_tokenizer(out)
     with Checkpointer(out) as ckpt:
         assert ckpt.latest_step() == 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(min_size=1))
+def test_stream_never_splits_a_character_or_a_merge(bpe, text):
+    from meshlm.generate.streaming import DiffStream
+
+    ids = bpe.encode(text + " 日本語🎉")  # byte-level BPE: CJK and emoji span several byte tokens
+    stream = DiffStream(bpe)
+    pieces = [stream.feed(int(t)) for t in ids] + [stream.flush()]
+    assert "".join(pieces) == text + " 日本語🎉"
+    assert all("\ufffd" not in p for p in pieces) or "\ufffd" in text
