@@ -144,5 +144,6 @@ def run_tokenizer(tcfg, cfg: ModelConfig) -> tuple[Tokenizer, ModelConfig]:
     tok = tok or existing or ByteTokenizer()
     if not tcfg.checkpoint and not isinstance(tok, ByteTokenizer):
         cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size)
-    check_vocab(cfg, tok, f"the {tcfg.config} model")
+    if tcfg.checkpoint:  # from scratch the data's own range check names the ids (bytes on a small preset)
+        check_vocab(cfg, tok, f"--checkpoint {tcfg.checkpoint}")
     return tok, cfg
