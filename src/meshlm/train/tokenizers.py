@@ -133,10 +133,9 @@ def run_tokenizer(tcfg, cfg: ModelConfig) -> tuple[Tokenizer, ModelConfig]:
     existing, where = _existing(tcfg)
     bpe = BPE_SPEC.match(tcfg.tokenizer)
     if existing is not None and bpe:  # resuming a bpe-N run: it must be that run's tokenizer
-        same = isinstance(existing, HFTokenizer) and existing.vocab_size <= int(bpe.group(1))
-        tok = existing if same else None
-        if not same:
+        if not (isinstance(existing, HFTokenizer) and existing.vocab_size <= int(bpe.group(1))):
             _differs(tcfg, existing, where)
+        tok = existing
     else:
         tok = _requested(tcfg)
     if existing is not None and tok is not None and tok.fingerprint != existing.fingerprint:
