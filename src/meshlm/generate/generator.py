@@ -51,8 +51,8 @@ class Generator:
 
     ``max_len``: the cache length S (default ``cfg.max_seq_len``): prompt + new tokens must fit in it.
     ``tokenizer``: ``encode(str) -> ids`` / ``decode(ids) -> str`` (default: bytes). ``eod``: the id
-    that ends generation (default: the tokenizer's ``eod_id``; None: never stop on a token). Compiled programs are shared by Generators of
-    the same config, mesh, max_len and parameter dtypes.
+    that ends generation (default: the tokenizer's ``eod_id``; None: never stop on a token). Compiled
+    programs are shared by Generators of the same config, mesh, max_len and parameter dtypes.
     """
 
     def __init__(self, cfg: ModelConfig, params, mesh, *, max_len=None, tokenizer=None, eod="tokenizer"):
