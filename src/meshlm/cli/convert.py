@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from meshlm.cli.common import add_common, setup
@@ -67,24 +66,20 @@ def _from_hf(args, mesh) -> dict:
 
 
 def _hf_tokenizer(directory: str):
-    """The model directory's tokenizer.json (its EOD from tokenizer_config.json), or None."""
+    """The model directory's tokenizer.json (its EOD from tokenizer_config.json), or None: the
+    summary line then says that the model takes token ids only."""
     from meshlm.data.tokenizer import load_tokenizer
-    from meshlm.parallel.distributed import print0
 
     path = Path(directory) / "tokenizer.json"
-    if path.is_file():
-        return load_tokenizer(path)
-    print0(
-        f"warning: {directory} has no tokenizer.json: the converted model can only take token ids "
-        "(generate and train need --tokenizer or a checkpoint that carries one)",
-        file=sys.stderr,
-    )
-    return None
+    return load_tokenizer(path) if path.is_file() else None
 
 
 def _says(tok) -> str:
     if tok is None:
-        return "none: the model takes token ids only"
+        return (
+            "none (no tokenizer.json in the model directory): the model can only take token ids; "
+            "generate and train need a tokenizer (train --tokenizer, or convert with tokenizer.json)"
+        )
     return tok.describe() + ("" if tok.kind == "bytes" else ": tokenizer.json")
 
 
