@@ -103,7 +103,7 @@ def test_stop_string_and_export_loads_with_auto_tokenizer(converted, hf_tokenize
 
 @pytest.mark.parametrize("converted", ["gptj"], indirect=True)
 def test_model_without_tokenizer_takes_ids_only(converted, tmp_path, capsys):
-    hf_dir, _, _ = converted
+    hf_dir, _, want = converted
     bare = tmp_path / "bare"
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -114,5 +114,13 @@ def test_model_without_tokenizer_takes_ids_only(converted, tmp_path, capsys):
         "tokenizer: none (no tokenizer.json in the model directory): the model can only take token ids"
         in (capsys.readouterr().out)
     )
-    assert run_cli("generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "x", "--mesh", "1x1") == 2
+    argv = ["generate", "--checkpoint", str(tmp_path / "ckpt"), "--mesh", "1x1", "--temperature", "0"]
+    assert run_cli(*argv, "--prompt", "x") == 2
     assert "has no tokenizer" in capsys.readouterr().err
+    # Given the tokenizer it was made with, it generates what the converted-with-tokenizer one does.
+    assert run_cli(*argv, "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--tokenizer", str(hf_dir)) == 0
+    assert capsys.readouterr().out == PROMPT + want + "\n"
+    assert run_cli(*argv, "--prompt", "x", "--tokenizer", "bytes") == 0  # 320 ids take bytes
+    _, ckpt, _ = converted
+    assert run_cli("generate", "--checkpoint", str(ckpt), "--prompt", "x", "--tokenizer", "bytes") == 2
+    assert "differs from the tokenizer checkpoint" in capsys.readouterr().err

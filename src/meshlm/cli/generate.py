@@ -43,6 +43,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass in (0, 1] (1: all)")
     p.add_argument("--stop", action="append", default=[], help="stop at this string; repeatable")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json for a checkpoint converted without one (default: the checkpoint's own)",
+    )
     p.set_defaults(fn=run)
 
 
@@ -75,15 +80,34 @@ def _streamer(prompt: str):
     return on_token
 
 
+def _tokenizer(args):
+    """The checkpoint's tokenizer; ``--tokenizer`` only where it has none, or the same one."""
+    from meshlm.data.tokenizer import load_tokenizer
+    from meshlm.errors import ConfigError
+    from meshlm.io.model_io import read_config
+    from meshlm.train.tokenizers import check_vocab, checkpoint_tokenizer
+
+    own = checkpoint_tokenizer(args.checkpoint, required=args.tokenizer is None)
+    if args.tokenizer is None:
+        return own
+    tok = load_tokenizer(args.tokenizer)
+    if own is not None and own.fingerprint != tok.fingerprint:
+        raise ConfigError(
+            f"--tokenizer {args.tokenizer} differs from the tokenizer checkpoint {args.checkpoint} "
+            f"carries ({own.describe()}); leave out --tokenizer to use that one"
+        )
+    check_vocab(read_config(args.checkpoint)[0], tok, f"checkpoint {args.checkpoint}")
+    return tok
+
+
 def run(args) -> int:
     prompts = _prompts(args)  # file errors before the slow parts
     mesh, dp, mp = setup(args)
     from meshlm.generate.generator import Generator
     from meshlm.io.model_io import load_model
     from meshlm.parallel.distributed import is_main, print0
-    from meshlm.train.tokenizers import checkpoint_tokenizer
 
-    tok = checkpoint_tokenizer(args.checkpoint)  # the checkpoint's own: bytes, or its tokenizer.json
+    tok = _tokenizer(args)  # the checkpoint's own: bytes, or its tokenizer.json
     cfg, params, _ = load_model(args.checkpoint, mesh)
     gen = Generator(cfg, params, mesh, tokenizer=tok, eod=tok.eod_id)
     streaming = not args.json and len(prompts) == 1 and is_main()
