@@ -20,7 +20,7 @@ from meshlm.data.hf_tokenizer import HFTokenizer
 from meshlm.data.tokenizer import BYTES, ByteTokenizer, Tokenizer, load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.io.checkpoint import Checkpointer
-from meshlm.io.layout import resolve
+from meshlm.io.layout import complete_steps, resolve
 from meshlm.io.model_io import read_config
 from meshlm.io.tokenizer_file import TOKENIZER_FILE, read_tokenizer_text, save_tokenizer
 from meshlm.model.config import ModelConfig
@@ -77,11 +77,12 @@ def checkpoint_tokenizer(path: str | Path, required: bool = True) -> Tokenizer |
 def _existing(tcfg) -> tuple[Tokenizer | None, str]:
     """The tokenizer the run already has: its run directory's newest checkpoint, else --checkpoint's."""
     out = Path(tcfg.out)
-    if out.is_dir() and not tcfg.fresh:
+    # complete_steps reads the listing only: every process of a job must take the same branch, and
+    # a Checkpointer (orbax syncs processes when it opens a directory) only where steps exist.
+    if not tcfg.fresh and out.is_dir() and complete_steps(out):
         with Checkpointer(out) as ckpt, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # resuming reports interrupted and corrupt steps, once
-            if ckpt.all_steps():
-                return tokenizer_from_meta(out, ckpt.read_meta(), str(out)), f"--out {out}"
+            return tokenizer_from_meta(out, ckpt.read_meta(), str(out)), f"--out {out}"
     if tcfg.checkpoint:  # one converted without a tokenizer takes any --tokenizer that fits it
         tok = checkpoint_tokenizer(tcfg.checkpoint, required=not tcfg.tokenizer)
         return tok, f"--checkpoint {tcfg.checkpoint}"
