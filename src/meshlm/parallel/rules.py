@@ -78,6 +78,12 @@ def model_specs(cfg, abstract_params, mp: int):
     """Specs for a meshlm model, resolving the KV placeholder for its config."""
     from meshlm.model.attention import kv_replicated
 
+    if cfg.padded_vocab % mp:
+        raise ShardingError(
+            f"the padded vocabulary ({cfg.vocab_size} rounded up to a multiple of vocab_multiple="
+            f"{cfg.vocab_multiple}: {cfg.padded_vocab}) is not divisible by mp={mp}; choose an mp that "
+            f"divides {cfg.padded_vocab}"
+        )
     kv_axis = MP
     if cfg.family != "ff":
         if cfg.n_heads % mp:
