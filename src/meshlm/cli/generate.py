@@ -81,9 +81,11 @@ def run(args) -> int:
     from meshlm.generate.generator import Generator
     from meshlm.io.model_io import load_model
     from meshlm.parallel.distributed import is_main, print0
+    from meshlm.train.tokenizers import checkpoint_tokenizer
 
+    tok = checkpoint_tokenizer(args.checkpoint)  # the checkpoint's own: bytes, or its tokenizer.json
     cfg, params, _ = load_model(args.checkpoint, mesh)
-    gen = Generator(cfg, params, mesh)
+    gen = Generator(cfg, params, mesh, tokenizer=tok, eod=tok.eod_id)
     streaming = not args.json and len(prompts) == 1 and is_main()
     results = gen.generate(
         prompts,

@@ -1,6 +1,6 @@
-"""Byte-level training data, loaded: the train and validation token streams of a corpus.
+"""Training data, loaded: the train and validation token streams of a corpus (bytes, or any tokenizer).
 
-The pieces: the byte tokenizer (``meshlm.data.tokenizer``), file sources and the split by file
+The pieces: the tokenizers (``meshlm.data.tokenizer``), file sources and the split by file
 (``meshlm.data.sources``), token streams and stateless batches (``meshlm.data.stream``).
 
 This module must not import jax: it runs before the CLI has chosen the devices.
@@ -23,18 +23,19 @@ from meshlm.data.sources import (
     stdlib_root,
 )
 from meshlm.data.stream import TokenStream, read_document
+from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.errors import DataError
 
 
-def _split_single(path: Path, val_fraction: float) -> tuple[TokenStream, TokenStream]:
+def _split_single(path: Path, val_fraction: float, tok: Tokenizer) -> tuple[TokenStream, TokenStream]:
     """One file: the first (1 - val_fraction) of its bytes train, the rest validate."""
     data = read_document(path)
     if len(data) < 2:
         raise DataError(f"data file {path} has {len(data)} bytes; one file needs >= 2 to split")
     val_len = min(len(data) - 1, max(1, round(len(data) * val_fraction)))
     cut = len(data) - val_len
-    train = TokenStream.from_documents([data[:cut]], [path])
-    return train, TokenStream.from_documents([data[cut:]], [path])
+    train = TokenStream.from_texts([data[:cut]], tok, [path])
+    return train, TokenStream.from_texts([data[cut:]], tok, [path])
 
 
 def _describe(paths: Sequence[PathArg] | None, n_files: int, max_bytes: int | None) -> str:
@@ -51,23 +52,28 @@ def _describe(paths: Sequence[PathArg] | None, n_files: int, max_bytes: int | No
 
 
 def load_splits(
-    paths: Sequence[PathArg] | None, val_fraction: float = 0.05, max_bytes: int | None = None
+    paths: Sequence[PathArg] | None,
+    val_fraction: float = 0.05,
+    max_bytes: int | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> tuple[TokenStream, TokenStream, dict[str, Any]]:
-    """(train, validation, info) token streams of ``paths``; see ``resolve_sources``.
+    """(train, validation, info) token streams of ``paths`` through ``tokenizer`` (default: bytes);
+    see ``resolve_sources``.
 
     Files are split by ``split_sources``; a single file is split by bytes (its last
-    ``val_fraction`` is validation). ``info`` counts files and bytes (= tokens, EOD included).
+    ``val_fraction`` is validation). ``info`` counts files, bytes and tokens (EOD included).
     """
     check_fraction(val_fraction)
+    tok = tokenizer or ByteTokenizer()
     sources = resolve_sources(paths, max_bytes)
     source = _describe(paths, len(sources), max_bytes)
     if len(sources) == 1:
-        train, val = _split_single(sources[0].path, val_fraction)
+        train, val = _split_single(sources[0].path, val_fraction, tok)
         how = f"one file: its last {val_fraction:.0%} of bytes is validation"
     else:
         train_src, val_src = split_sources(sources, val_fraction)
-        train = TokenStream.from_files([s.path for s in train_src])
-        val = TokenStream.from_files([s.path for s in val_src])
+        train = TokenStream.from_files([s.path for s in train_src], tok)
+        val = TokenStream.from_files([s.path for s in val_src], tok)
         how = "by file (sha1 of relative path)"
     if len(train) <= train.num_docs:
         raise DataError(f"the training data is empty: {source}; pass non-empty files")
@@ -76,7 +82,10 @@ def load_splits(
         "split": how,
         "train_files": len(train.files),
         "val_files": len(val.files),
-        "train_bytes": len(train),
-        "val_bytes": len(val),
+        "train_bytes": train.text_bytes,
+        "val_bytes": val.text_bytes,
+        "train_tokens": len(train),
+        "val_tokens": len(val),
+        "tokenizer": tok.describe(),
     }
     return train, val, info

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshlm.data.tokenizer import EOD, VOCAB_SIZE
+from meshlm.data.tokenizer import EOD, VOCAB_SIZE, ByteTokenizer, Tokenizer, token_dtype
 from meshlm.errors import DataError
 
 EVAL_SEED = 0x5EED_E7A1  # validation batches must not move when the training seed changes
@@ -33,17 +33,33 @@ def read_document(path: Path) -> bytes:
 
 
 class TokenStream:
-    """The tokens of one split: each document followed by EOD. Stored as uint8, served as int32."""
+    """The tokens of one split: each document followed by EOD, served as int32.
 
-    def __init__(self, tokens: np.ndarray | Sequence[int], files: Sequence[Path] = ()):
+    Stored in the smallest dtype of the vocabulary (``token_dtype``: uint8 for bytes, uint16 when it
+    fits, else uint32). ``text_bytes``: UTF-8 bytes of the text it holds, each EOD counted as one
+    (default: one per token, as for bytes).
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray | Sequence[int],
+        files: Sequence[Path] = (),
+        *,
+        vocab_size: int = VOCAB_SIZE,
+        eod_id: int = EOD,
+        text_bytes: int | None = None,
+    ):
         arr = np.asarray(tokens)
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
             raise DataError(f"tokens must be a 1-D integer array, got {arr.dtype} {arr.shape}")
-        if arr.size and (arr.min() < 0 or arr.max() >= VOCAB_SIZE):
-            raise DataError(f"token ids must be in [0, {VOCAB_SIZE}) for the byte vocabulary")
-        self.tokens = arr.astype(np.uint8)  # a private copy, a quarter of int32's memory
+        if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+            what = "the byte vocabulary" if vocab_size == VOCAB_SIZE else "the tokenizer's vocabulary"
+            raise DataError(f"token ids must be in [0, {vocab_size}) for {what}")
+        self.vocab_size, self.eod_id = vocab_size, eod_id
+        self.tokens = arr.astype(token_dtype(vocab_size))  # a private copy, compact
         self.tokens.setflags(write=False)
         self.files = tuple(files)  # the files it was read from (for reports and tests)
+        self.text_bytes = len(self.tokens) if text_bytes is None else int(text_bytes)
 
     @classmethod
     def from_documents(cls, docs: Iterable[bytes], files: Sequence[Path] = ()) -> TokenStream:
@@ -54,16 +70,36 @@ class TokenStream:
         return cls(np.frombuffer(b"".join(parts), dtype=np.uint8), files)
 
     @classmethod
-    def from_files(cls, paths: Sequence[Path]) -> TokenStream:
-        """One document per file, in the given order."""
-        return cls.from_documents((read_document(p) for p in paths), paths)
+    def from_texts(
+        cls, docs: Sequence[bytes], tokenizer: Tokenizer, files: Sequence[Path] = ()
+    ) -> TokenStream:
+        """Documents (UTF-8 bytes; invalid bytes become U+FFFD) through ``tokenizer``, each ended by its
+        EOD. The byte tokenizer takes the byte path (``from_documents``): the same stream as before."""
+        if isinstance(tokenizer, ByteTokenizer):
+            return cls.from_documents(docs, files)
+        texts = [d.decode("utf-8", errors="replace") for d in docs]
+        batch = getattr(tokenizer, "encode_batch", None)
+        encoded = batch(texts) if batch else [tokenizer.encode(t) for t in texts]
+        eod = np.array([tokenizer.eod_id], np.int64)
+        parts = [p for ids in encoded for p in (np.asarray(ids, np.int64), eod)]
+        tokens = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        n_bytes = sum(len(t.encode("utf-8", errors="replace")) + 1 for t in texts)
+        kw = {"vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id, "text_bytes": n_bytes}
+        return cls(tokens, files, **kw)
+
+    @classmethod
+    def from_files(cls, paths: Sequence[Path], tokenizer: Tokenizer | None = None) -> TokenStream:
+        """One document per file, in the given order (default: bytes)."""
+        if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
+            return cls.from_documents((read_document(p) for p in paths), paths)
+        return cls.from_texts([read_document(p) for p in paths], tokenizer, paths)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
     @property
     def num_docs(self) -> int:
-        return int(np.count_nonzero(self.tokens == EOD))
+        return int(np.count_nonzero(self.tokens == self.eod_id))
 
     def windows(self, starts: np.ndarray | Sequence[int], length: int) -> np.ndarray:
         """int32[len(starts), length]: the tokens at starts[i] : starts[i] + length."""

@@ -64,7 +64,8 @@ def check_stops(stop) -> tuple[str, ...]:
 
 def encode_prompt(tokenizer, vocab_size: int, index: int, prompt) -> np.ndarray:
     """Prompt ``index`` (text, or token ids) -> its ids [n], checked against the vocabulary."""
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    encode = getattr(tokenizer, "encode_prompt", tokenizer.encode)  # e.g. with the tokenizer's BOS
+    ids = encode(prompt) if isinstance(prompt, str) else prompt
     ids = np.asarray(ids)
     if ids.ndim != 1:
         raise GenerationError(f"prompt {index} must be a string or a flat list of token ids")

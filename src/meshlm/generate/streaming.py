@@ -15,17 +15,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from meshlm.data.tokenizer import decode as byte_decode
-from meshlm.data.tokenizer import encode as byte_encode
+from meshlm.data.tokenizer import ByteTokenizer
+
+__all__ = ["ByteTokenizer", "ByteStream", "DiffStream", "GenerationResult", "OutputRow", "make_stream"]
 
 OnToken = Callable[[int, int, str], None]  # (prompt index, token id, newly printable text)
-
-
-class ByteTokenizer:
-    """meshlm's tokenizer: one id per UTF-8 byte (``meshlm.data``)."""
-
-    encode = staticmethod(byte_encode)
-    decode = staticmethod(byte_decode)
 
 
 class ByteStream:

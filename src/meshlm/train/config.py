@@ -131,6 +131,12 @@ class TrainConfig:
     sample_tokens: int = _field(
         200, "bytes generated at the end as a sample; 0: none", valid=Range(int, 0, note="0: none")
     )
+    tokenizer: str = _field(
+        "",
+        "a tokenizer.json (see `meshlm tokenizer train`), 'bytes', or bpe-N: train an N-id byte-level "
+        "BPE into --out first; from scratch it sets the model's vocab_size",
+        shown_default="the checkpoint's, else bytes",
+    )
 
     def __post_init__(self):
         # Library users never pass argparse's checks: every range is enforced here too, before any work.
@@ -197,7 +203,7 @@ def check_byte_vocab(tcfg: TrainConfig, cfg: ModelConfig) -> None:
     checked, so refuse it from the config alone."""
     from meshlm.data.tokenizer import VOCAB_SIZE  # lazy: building the parser needs none of its imports
 
-    if cfg.vocab_size < VOCAB_SIZE:
+    if cfg.vocab_size < VOCAB_SIZE and not tcfg.tokenizer:  # a tokenizer sets the vocabulary
         fits = ", ".join(name for name, c in PRESETS.items() if c.vocab_size == VOCAB_SIZE)
         raise ConfigError(
             f"the {tcfg.config} preset has vocab_size={cfg.vocab_size}, but the training data is bytes "

@@ -29,7 +29,8 @@ from meshlm.train.run import Run, build_run, checkpoint_meta
 def evaluate(run: Run) -> dict:
     losses = [float(run.eval_fn(run.params, b)) for b in run.val]
     val_loss = sum(losses) / len(losses)
-    return {"step": run.step, "val_loss": val_loss, "val_bpb": bits_per_byte(val_loss)}
+    bpb = bits_per_byte(val_loss, run.val_bytes_per_token)  # per byte of text, whatever the tokenizer
+    return {"step": run.step, "val_loss": val_loss, "val_bpb": bpb}
 
 
 def save(run: Run) -> None:
@@ -38,7 +39,7 @@ def save(run: Run) -> None:
     if run.saved_step == run.step:
         return
     state = {"params": run.params, "opt_state": run.opt_state}
-    run.ckpt.save(run.step, state, checkpoint_meta(run.tcfg, run.cfg, run.step, run.mesh))
+    run.ckpt.save(run.step, state, checkpoint_meta(run.tcfg, run.cfg, run.step, run.mesh, run.tokenizer_meta))
     run.saved_step = run.step
 
 
@@ -192,7 +193,7 @@ def _finish(run: Run, summary: dict) -> None:
 
 
 def _sample(run: Run) -> str:
-    gen = Generator(run.cfg, run.params, run.mesh)
+    gen = Generator(run.cfg, run.params, run.mesh, tokenizer=run.tokenizer, eod=run.tokenizer.eod_id)
     n = min(run.tcfg.sample_tokens, run.cfg.max_seq_len - 8)
     result = gen.generate(["def "], max_new_tokens=n, temperature=0.8, top_k=40, seed=run.tcfg.seed)[0]
     return "def " + result.text

@@ -7,6 +7,7 @@ A run resumes from the newest checkpoint in ``--out`` when the settings that cha
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from jax.sharding import Mesh
 from meshlm.data.corpus import load_splits
 from meshlm.data.device_batches import eval_arrays
 from meshlm.data.stream import Batcher
+from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.data.tokens import check_token_range
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.io.checkpoint import Checkpointer
@@ -34,6 +36,7 @@ from meshlm.parallel.spmd import sharded_loss
 from meshlm.train.config import TrainConfig, resolve, resume_must_match
 from meshlm.train.metrics import OUTPUTS, MetricsLog
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step
+from meshlm.train.tokenizers import run_tokenizer, tokenizer_meta
 
 
 @dataclass(kw_only=True)
@@ -55,6 +58,9 @@ class Run:
     log: MetricsLog  # metrics.jsonl and TensorBoard
     saved_step: int = -1  # newest step this run saved or resumed from (same on every process)
     lock: RunLock | None = None  # held on process 0 until the loop ends (see `release`)
+    tokenizer: Tokenizer = dataclasses.field(default_factory=ByteTokenizer)  # the data's tokenizer
+    tokenizer_meta: dict | None = None  # its checkpoint meta entry (``train.tokenizers``)
+    val_bytes_per_token: float = 1.0  # UTF-8 bytes per validation target: val_bpb's denominator
 
     def release(self) -> None:
         """Let another run use the directory."""
@@ -62,8 +68,8 @@ class Run:
             self.lock.release()
 
 
-def _load_data(tcfg: TrainConfig, cfg: ModelConfig, dp: int):
-    train, val, info = load_splits(list(tcfg.data) or None)
+def _load_data(tcfg: TrainConfig, cfg: ModelConfig, dp: int, tok: Tokenizer):
+    train, val, info = load_splits(list(tcfg.data) or None, tokenizer=tok)
     check_token_range(train.tokens, cfg.vocab_size, "training data")
     check_token_range(val.tokens, cfg.vocab_size, "validation data")
     if tcfg.micro_batch % dp:
@@ -73,12 +79,18 @@ def _load_data(tcfg: TrainConfig, cfg: ModelConfig, dp: int):
         )
     batcher = Batcher(train, tcfg.seq_len, tcfg.batch_size, tcfg.seed)
     val_batches = Batcher(val, tcfg.seq_len, tcfg.micro_batch, tcfg.seed).eval_batches(tcfg.eval_batches)
+    targets = sum(b["targets"].size for b in val_batches)
+    info["val_bytes_per_token"] = sum(int(tok.token_bytes[b["targets"]].sum()) for b in val_batches) / targets
     return batcher, val_batches, info
 
 
-def checkpoint_meta(tcfg: TrainConfig, cfg: ModelConfig, step: int, mesh: Mesh) -> dict:
-    """The meta saved with every checkpoint; ``_check_resumable`` reads its ``train_config`` back."""
+def checkpoint_meta(
+    tcfg: TrainConfig, cfg: ModelConfig, step: int, mesh: Mesh, tokenizer: dict | None = None
+) -> dict:
+    """The meta saved with every checkpoint; ``_check_resumable`` reads its ``train_config`` back.
+    ``tokenizer``: the entry ``tokenizer_meta`` returned (default: bytes)."""
     return {
+        "tokenizer": tokenizer or {"kind": "bytes"},
         "format": FORMAT,
         "model_config": cfg.to_dict(),
         "train_config": tcfg.to_dict(),
@@ -163,16 +175,20 @@ def _abstract(x):
 def build_run(tcfg: TrainConfig, mesh: Mesh) -> Run:
     """Resolve ``tcfg``, load the data, and initialise or resume the state on ``mesh``."""
     tcfg, cfg = resolve(tcfg)
+    tok, cfg = run_tokenizer(tcfg, cfg)
     out = Path(tcfg.out)
-    batcher, val, info = _load_data(tcfg, cfg, mesh.shape[DP])
+    batcher, val, info = _load_data(tcfg, cfg, mesh.shape[DP], tok)
     distributed.print0(
         f"data: {info['source']}; train {info['train_bytes']:,} bytes in {info['train_files']} "
-        f"files, validation {info['val_bytes']:,} bytes in {info['val_files']}",
+        f"files, validation {info['val_bytes']:,} bytes in {info['val_files']}; {info['tokenizer']}",
         file=sys.stderr,
     )
     lock = lock_run(out)  # before anything in `out` is read or written; creates it
     try:
-        return _build(tcfg, cfg, mesh, out, batcher, val, lock)
+        run = _build(tcfg, cfg, mesh, out, batcher, val, lock)
+        run.tokenizer, run.tokenizer_meta = tok, tokenizer_meta(out, tok)
+        run.val_bytes_per_token = info["val_bytes_per_token"]
+        return run
     except BaseException:
         if lock is not None:
             lock.release()

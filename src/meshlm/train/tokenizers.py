@@ -1,0 +1,135 @@
+"""Which tokenizer a run, or a checkpoint, uses: recorded with every checkpoint, found without being told.
+
+A checkpoint carries its tokenizer (``meshlm.io.tokenizer_file``): ``checkpoint_tokenizer`` loads it
+for ``generate``, ``verify`` and ``convert``. ``run_tokenizer`` picks a training run's: the one its run
+directory or ``--checkpoint`` already has, else ``--tokenizer`` (a tokenizer.json, a directory holding
+one, "bytes", or ``bpe-N``: a byte-level BPE of N ids trained on the run's training split and saved into
+the run directory), else bytes. From scratch the tokenizer sets the model's ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+from meshlm.data.bpe import check_vocab_size, train_bpe
+from meshlm.data.hf_tokenizer import HFTokenizer
+from meshlm.data.tokenizer import BYTES, ByteTokenizer, Tokenizer, load_tokenizer
+from meshlm.errors import CheckpointError, ConfigError
+from meshlm.io.checkpoint import Checkpointer
+from meshlm.io.layout import resolve
+from meshlm.io.model_io import read_config
+from meshlm.io.tokenizer_file import TOKENIZER_FILE, read_tokenizer_text, save_tokenizer
+from meshlm.model.config import ModelConfig
+from meshlm.parallel import distributed
+
+BPE_SPEC = re.compile(r"^bpe-(\d+)$")
+
+
+def tokenizer_meta(directory: str | Path, tok: Tokenizer) -> dict:
+    """Save ``tok`` into the run directory (unless bytes) and return the checkpoint meta entry."""
+    entry = {"fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size}
+    if isinstance(tok, HFTokenizer):
+        entry["eod_token"] = tok.eod_token
+    return save_tokenizer(directory, entry, tok.to_json())
+
+
+def tokenizer_from_meta(directory: str | Path, meta: dict, where: str) -> Tokenizer:
+    entry, text = read_tokenizer_text(directory, meta)
+    if text is None:
+        return ByteTokenizer()
+    source = f"the tokenizer of checkpoint {where}"
+    return HFTokenizer.from_str(text, eod_token=entry.get("eod_token"), source=source)
+
+
+def check_vocab(cfg: ModelConfig, tok: Tokenizer, where: str) -> None:
+    """A model must take every id its tokenizer makes."""
+    if cfg.vocab_size < tok.vocab_size:
+        raise CheckpointError(
+            f"{where} has vocab_size={cfg.vocab_size}, smaller than its tokenizer's {tok.vocab_size} "
+            "ids, so some tokens have no embedding; use the tokenizer the model was made with"
+        )
+
+
+def checkpoint_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of the checkpoint at ``path`` (run or step directory), checked against its model."""
+    directory, _ = resolve(path)
+    cfg, meta = read_config(path)
+    tok = tokenizer_from_meta(directory, meta, str(path))
+    check_vocab(cfg, tok, f"checkpoint {path}")
+    return tok
+
+
+def _existing(tcfg) -> tuple[Tokenizer | None, str]:
+    """The tokenizer the run already has: its run directory's newest checkpoint, else --checkpoint's."""
+    out = Path(tcfg.out)
+    if out.is_dir() and not tcfg.fresh:
+        with Checkpointer(out) as ckpt:
+            if ckpt.all_steps():
+                return tokenizer_from_meta(out, ckpt.read_meta(), str(out)), f"--out {out}"
+    if tcfg.checkpoint:
+        return checkpoint_tokenizer(tcfg.checkpoint), f"--checkpoint {tcfg.checkpoint}"
+    return None, ""
+
+
+def _train_bpe_into(tcfg, vocab_size: int) -> Tokenizer:
+    """``bpe-N``: reuse DIR/tokenizer.json of an earlier attempt, else train on the training split."""
+    from meshlm.data.corpus import load_splits
+
+    check_vocab_size(vocab_size)
+    saved = Path(tcfg.out) / TOKENIZER_FILE
+    if saved.is_file():
+        tok = load_tokenizer(saved)
+        if tok.vocab_size == vocab_size:
+            return tok
+    train, _, info = load_splits(list(tcfg.data) or None)
+    docs = bytes(train.tokens).split(b"\0")[:-1]  # the byte stream: documents end with NUL
+    distributed.print0(
+        f"training a {vocab_size}-id byte-level BPE on {info['train_bytes']:,} bytes", file=sys.stderr
+    )
+    return train_bpe([d.decode("utf-8", errors="replace") for d in docs], vocab_size, length=len(docs))
+
+
+def _requested(tcfg) -> Tokenizer | None:
+    spec = tcfg.tokenizer
+    if not spec:
+        return None
+    if match := BPE_SPEC.match(spec):
+        return _train_bpe_into(tcfg, int(match.group(1)))
+    return load_tokenizer(spec) if spec == BYTES or Path(spec).exists() else _no_tokenizer(spec)
+
+
+def _no_tokenizer(spec: str):
+    raise ConfigError(
+        f"--tokenizer {spec}: no such file; pass a tokenizer.json (see `meshlm tokenizer train`), "
+        f"a directory holding one, '{BYTES}', or bpe-N to train an N-id BPE into the run directory"
+    )
+
+
+def _differs(tcfg, existing: Tokenizer, where: str):
+    raise ConfigError(
+        f"--tokenizer {tcfg.tokenizer} differs from the tokenizer {where} already has "
+        f"({existing.describe()}); leave out --tokenizer to use that one"
+    )
+
+
+def run_tokenizer(tcfg, cfg: ModelConfig) -> tuple[Tokenizer, ModelConfig]:
+    """(the run's tokenizer, the model config it trains): see the module docstring."""
+    existing, where = _existing(tcfg)
+    bpe = BPE_SPEC.match(tcfg.tokenizer)
+    if existing is not None and bpe:  # resuming a bpe-N run: it must be that run's tokenizer
+        same = isinstance(existing, HFTokenizer) and existing.vocab_size == int(bpe.group(1))
+        tok = existing if same else None
+        if not same:
+            _differs(tcfg, existing, where)
+    else:
+        tok = _requested(tcfg)
+    if existing is not None and tok is not None and tok.fingerprint != existing.fingerprint:
+        _differs(tcfg, existing, where)
+    tok = tok or existing or ByteTokenizer()
+    if not tcfg.checkpoint and not isinstance(tok, ByteTokenizer):
+        cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size)
+    check_vocab(cfg, tok, f"the {tcfg.config} model")
+    return tok, cfg

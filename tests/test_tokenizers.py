@@ -1,0 +1,96 @@
+"""Tokenizers: the byte tokenizer and a trained byte-level BPE behind one interface; token streams
+through either; loading errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshlm.data.bpe import train_bpe
+from meshlm.data.corpus import load_splits
+from meshlm.data.hf_tokenizer import EOD_TOKEN, HFTokenizer
+from meshlm.data.stream import Batcher, TokenStream
+from meshlm.data.tokenizer import ByteTokenizer, load_tokenizer, token_dtype
+from meshlm.errors import DataError
+
+TEXT = "def add(a, b):\n    return a + b\n\nclass Thing:\n    pass\n# héllo wörld, ünïcode: 日本語 🎉\n" * 20
+
+
+@pytest.fixture(scope="module")
+def bpe() -> HFTokenizer:
+    return train_bpe([TEXT, "import os\nimport sys\n" * 10], 320)
+
+
+@pytest.fixture(scope="module")
+def bpe_file(bpe, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    path.write_text(bpe.to_json())
+    return path
+
+
+def test_bpe_has_all_bytes_and_eod(bpe):
+    assert bpe.vocab_size == 320 and bpe.eod_id == 0
+    assert bpe.tok.id_to_token(0) == EOD_TOKEN
+    assert bpe.dtype == np.uint16 and ByteTokenizer().dtype == np.uint8 and token_dtype(70000) == np.uint32
+    # Merges make text shorter than its bytes; token_bytes adds back up to the bytes exactly.
+    ids = bpe.encode(TEXT)
+    assert len(ids) < len(TEXT.encode()) // 2
+    assert int(bpe.token_bytes[ids].sum()) == len(TEXT.encode())
+    assert bpe.token_bytes[bpe.eod_id] == 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text())
+def test_bpe_round_trips_any_text(bpe, text):
+    ids = bpe.encode(text)
+    assert bpe.decode(ids) == text
+    assert int(bpe.token_bytes[ids].sum()) == len(text.encode("utf-8"))
+
+
+def test_load_tokenizer_specs(bpe, bpe_file):
+    assert isinstance(load_tokenizer("bytes"), ByteTokenizer) and isinstance(
+        load_tokenizer(None), ByteTokenizer
+    )
+    loaded = load_tokenizer(bpe_file)
+    assert loaded.fingerprint == bpe.fingerprint and loaded.vocab_size == bpe.vocab_size
+    assert load_tokenizer(bpe_file.parent).fingerprint == bpe.fingerprint  # a directory holding one
+    assert bpe.fingerprint != ByteTokenizer().fingerprint
+
+
+def test_unloadable_tokenizers_are_one_line_errors(tmp_path, bpe):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"model": {"type": "nonsense"}}')
+    with pytest.raises(DataError, match="does not load as a Hugging Face tokenizer.json") as e:
+        load_tokenizer(bad)
+    assert "\n" not in str(e.value)
+    with pytest.raises(DataError, match="no such file"):
+        load_tokenizer(tmp_path / "missing.json")
+    no_eod = json.loads(bpe.to_json())
+    no_eod["added_tokens"] = []
+    bad.write_text(json.dumps(no_eod))
+    with pytest.raises(DataError, match="no end-of-document special token"):
+        load_tokenizer(bad)
+
+
+def test_streams_through_a_tokenizer(bpe, tmp_path):
+    files = []
+    for i in range(6):
+        files.append(tmp_path / f"f{i}.py")
+        files[-1].write_text(TEXT[: 200 + 50 * i])
+    stream = TokenStream.from_files(files, bpe)
+    assert stream.tokens.dtype == np.uint16 and stream.num_docs == 6
+    assert stream.text_bytes == sum(len(f.read_bytes()) + 1 for f in files)
+    docs = bpe.decode(stream.tokens).split(EOD_TOKEN)
+    assert docs[:-1] == [f.read_text() for f in files] and docs[-1] == ""
+    batch = Batcher(stream, 16, 4, seed=1).batch(3)
+    assert batch["inputs"].dtype == np.int32 and batch["inputs"].max() < bpe.vocab_size
+    train, val, info = load_splits([str(tmp_path)], val_fraction=0.3, tokenizer=bpe)
+    assert info["train_tokens"] == len(train) and info["train_bytes"] == train.text_bytes > len(train)
+    # The byte path is unchanged: same stream as before, bytes == tokens.
+    b_train, _, b_info = load_splits([str(tmp_path)], val_fraction=0.3)
+    assert b_train.tokens.dtype == np.uint8 and b_info["train_bytes"] == len(b_train)
+    assert len(b_train) == train.text_bytes
