@@ -97,7 +97,8 @@ class ModelConfig:
 
 # What each numeric field accepts; the others must just have their annotated type (str or bool).
 RANGES: dict[str, Range] = {
-    **dict.fromkeys(("vocab_size", "d_model", "n_layers", "d_ff", "max_seq_len", "vocab_multiple"), POSITIVE_INT),
+    **dict.fromkeys(("vocab_size", "d_model", "n_layers", "d_ff", "max_seq_len"), POSITIVE_INT),
+    "vocab_multiple": POSITIVE_INT,
     "n_heads": NON_NEGATIVE_INT,
     "n_kv_heads": Range(int, 0, note="0: n_heads"),
     "head_dim": Range(int, 0, note="0: d_model // n_heads"),
