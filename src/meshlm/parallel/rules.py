@@ -80,9 +80,9 @@ def model_specs(cfg, abstract_params, mp: int):
 
     if cfg.padded_vocab % mp:
         raise ShardingError(
-            f"the padded vocabulary ({cfg.vocab_size} rounded up to a multiple of vocab_multiple="
-            f"{cfg.vocab_multiple}: {cfg.padded_vocab}) is not divisible by mp={mp}; choose an mp that "
-            f"divides {cfg.padded_vocab}"
+            f"parameter 'embed/embeddings' dimension 0 (size {cfg.padded_vocab}) is not divisible by "
+            f"mp={mp}: the padded vocabulary ({cfg.vocab_size} ids rounded up to a multiple of "
+            f"vocab_multiple={cfg.vocab_multiple}); choose an mp that divides {cfg.padded_vocab}"
         )
     kv_axis = MP
     if cfg.family != "ff":
