@@ -94,3 +94,69 @@ def test_streams_through_a_tokenizer(bpe, tmp_path):
     b_train, _, b_info = load_splits([str(tmp_path)], val_fraction=0.3)
     assert b_train.tokens.dtype == np.uint8 and b_info["train_bytes"] == len(b_train)
     assert len(b_train) == train.text_bytes
+
+
+# --- training runs and checkpoints with a tokenizer -------------------------------------------
+
+
+def _tcfg(corpus, out, **kw):
+    from meshlm.train.config import TrainConfig
+
+    base = dict(config="tiny-lm", data=(corpus,), steps=2, batch_size=4, seq_len=16, warmup_steps=1)
+    base.update(eval_every=0, eval_batches=1, save_every=2, sample_tokens=8, out=str(out))
+    return TrainConfig(**{**base, **kw})
+
+
+def test_training_run_carries_its_bpe_tokenizer(tmp_path):
+    from helpers import read_metrics, write_corpus
+
+    from meshlm.errors import CheckpointError, ConfigError
+    from meshlm.io.checkpoint import Checkpointer
+    from meshlm.io.model_io import read_config, save_model
+    from meshlm.model.config import get_config
+    from meshlm.parallel.mesh import make_mesh
+    from meshlm.train.loop import train
+    from meshlm.train.step import init_model
+    from meshlm.train.tokenizers import checkpoint_tokenizer, tokenizer_meta
+
+    (tmp_path / "c").mkdir()
+    corpus, out = write_corpus(tmp_path / "c"), tmp_path / "run"
+    summary = train(_tcfg(corpus, out, tokenizer="bpe-300"), make_mesh(1, 2))
+    tok = load_tokenizer(out / "tokenizer.json")
+    assert 257 < tok.vocab_size <= 300 and summary["sample"].startswith("def ")
+    cfg, meta = read_config(out)
+    assert cfg.vocab_size == tok.vocab_size  # from scratch, the tokenizer sets the vocabulary
+    assert meta["tokenizer"]["kind"] == "hf" and meta["tokenizer"]["fingerprint"] == tok.fingerprint
+    assert checkpoint_tokenizer(out).fingerprint == tok.fingerprint
+    # val_bpb is per byte of text: below the loss in bits per token, since a token is several bytes
+    last = [r for r in read_metrics(out) if "val_bpb" in r][-1]
+    assert last["val_bpb"] < last["val_loss"] / np.log(2) / 2
+    # Resuming (bpe-N again, or no --tokenizer) keeps it; another tokenizer is refused.
+    assert train(_tcfg(corpus, out, steps=3, tokenizer="bpe-300"), make_mesh(1, 2))["step"] == 3
+    with pytest.raises(ConfigError, match="differs from the tokenizer --out .* already has"):
+        train(_tcfg(corpus, out, steps=4, tokenizer="bytes"), make_mesh(1, 2))
+    with pytest.raises(ConfigError, match="differs from the tokenizer --checkpoint"):
+        train(_tcfg(corpus, tmp_path / "ft", checkpoint=str(out), tokenizer="bytes"), make_mesh(1, 2))
+    # A checkpoint whose model has fewer ids than its tokenizer, and a tampered tokenizer.json.
+    small = get_config("tiny-lm")  # vocab 256
+    meta = {"tokenizer": tokenizer_meta(tmp_path / "small", tok)}
+    save_model(tmp_path / "small", small, init_model(small, make_mesh(1, 1), 0)[0], meta=meta)
+    with pytest.raises(CheckpointError, match="vocab_size=256, smaller than its tokenizer's"):
+        checkpoint_tokenizer(tmp_path / "small")
+    (out / "tokenizer.json").write_text(tok.to_json().replace("return", "retvrn"))
+    with pytest.raises(CheckpointError, match="modified or damaged after the checkpoint was saved"):
+        checkpoint_tokenizer(out)
+    with Checkpointer(out) as ckpt:
+        assert ckpt.latest_step() == 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(min_size=1))
+def test_stream_never_splits_a_character_or_a_merge(bpe, text):
+    from meshlm.generate.streaming import DiffStream
+
+    ids = bpe.encode(text + " 日本語🎉")  # byte-level BPE: CJK and emoji span several byte tokens
+    stream = DiffStream(bpe)
+    pieces = [stream.feed(int(t)) for t in ids] + [stream.flush()]
+    assert "".join(pieces) == text + " 日本語🎉"
+    assert all("\ufffd" not in p for p in pieces) or "\ufffd" in text

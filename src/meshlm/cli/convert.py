@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from meshlm.cli.common import add_common, setup
@@ -39,22 +40,52 @@ def run(args) -> int:
 def _line(s: dict) -> str:
     c = s["config"]
     shape = f"{c['family']} d_model={c['d_model']} n_layers={c['n_layers']} vocab={c['vocab_size']}"
-    return f"converted {s['from']} -> {s['to']} ({s['format']}): {shape}, {s['params']:,} parameters"
+    line = f"converted {s['from']} -> {s['to']} ({s['format']}): {shape}, {s['params']:,} parameters"
+    return f"{line}; tokenizer: {s['tokenizer']}"
 
 
 def _from_hf(args, mesh) -> dict:
     """Load the HF weights on the host, place each array sharded on the mesh, save a checkpoint."""
     from meshlm.io.hf_weights import load_hf
     from meshlm.io.model_io import abstract_params, save_model
+    from meshlm.io.tokenizer_file import NONE_ENTRY
     from meshlm.model.params import flat_params, unflatten
     from meshlm.parallel.placement import put_global
+    from meshlm.train.tokenizers import check_vocab, tokenizer_meta
 
+    tok = _hf_tokenizer(args.from_hf)  # before any weight is read: a bad tokenizer.json fails fast
     cfg, flat = load_hf(args.from_hf)
+    if tok is not None:
+        check_vocab(cfg, tok, f"the model in {args.from_hf}")
     targets = flat_params(abstract_params(cfg, mesh))
     # put_global copies only each device's own slice, and works multi-process.
     placed = {path: put_global(value, targets[path].sharding) for path, value in flat.items()}
-    save_model(args.out, cfg, unflatten(placed), meta={"converted_from": str(Path(args.from_hf).absolute())})
-    return _summary(args.from_hf, args.out, "meshlm checkpoint", cfg, flat)
+    entry = tokenizer_meta(args.out, tok) if tok is not None else dict(NONE_ENTRY)
+    meta = {"converted_from": str(Path(args.from_hf).absolute()), "tokenizer": entry}
+    save_model(args.out, cfg, unflatten(placed), meta=meta)
+    return {**_summary(args.from_hf, args.out, "meshlm checkpoint", cfg, flat), "tokenizer": _says(tok)}
+
+
+def _hf_tokenizer(directory: str):
+    """The model directory's tokenizer.json (its EOD from tokenizer_config.json), or None."""
+    from meshlm.data.tokenizer import load_tokenizer
+    from meshlm.parallel.distributed import print0
+
+    path = Path(directory) / "tokenizer.json"
+    if path.is_file():
+        return load_tokenizer(path)
+    print0(
+        f"warning: {directory} has no tokenizer.json: the converted model can only take token ids "
+        "(generate and train need --tokenizer or a checkpoint that carries one)",
+        file=sys.stderr,
+    )
+    return None
+
+
+def _says(tok) -> str:
+    if tok is None:
+        return "none: the model takes token ids only"
+    return tok.describe() + ("" if tok.kind == "bytes" else ": tokenizer.json")
 
 
 def _to_hf(args, mesh) -> dict:
@@ -66,13 +97,34 @@ def _to_hf(args, mesh) -> dict:
     from meshlm.io.model_io import load_model, read_config
     from meshlm.model.params import flat_params
     from meshlm.parallel.placement import to_host
+    from meshlm.train.tokenizers import checkpoint_tokenizer
 
     config_to_hf(read_config(args.to_hf)[0])  # an unexportable config fails before loading weights
+    tok = checkpoint_tokenizer(args.to_hf, required=False)
     cfg, params, _ = load_model(args.to_hf, mesh)
     flat = {path: to_host(v) for path, v in flat_params(params).items()}  # every process gathers
     if jax.process_index() == 0:
         save_hf(cfg, flat, args.out)
-    return _summary(args.to_hf, args.out, "transformers", cfg, flat)
+        _write_hf_tokenizer(Path(args.out), tok, cfg)
+    return {**_summary(args.to_hf, args.out, "transformers", cfg, flat), "tokenizer": _says(tok)}
+
+
+def _write_hf_tokenizer(out: Path, tok, cfg) -> None:
+    """tokenizer.json + tokenizer_config.json (``AutoTokenizer.from_pretrained(out)`` loads them), and
+    the EOD as config.json's eos_token_id so that transformers' generate stops where meshlm's does."""
+    if tok is None or tok.kind == "bytes":
+        return  # bytes: transformers has no byte tokenizer to name; ids are the UTF-8 bytes
+    (out / "tokenizer.json").write_text(tok.to_json(), encoding="utf-8")
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": tok.eod_token,
+        "model_max_length": cfg.max_seq_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    config = json.loads((out / "config.json").read_text())
+    config["eos_token_id"] = tok.eod_id
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _summary(src, out, fmt: str, cfg, flat: dict) -> dict:

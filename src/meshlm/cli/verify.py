@@ -103,6 +103,7 @@ def _verify(args) -> int:
         from meshlm.io.model_io import load_model, read_config
 
         cfg, name = read_config(args.checkpoint)[0], args.checkpoint
+        _check_tokenizer(args.checkpoint, print0)
     if args.z_loss is not None:
         cfg = cfg.replace(z_loss=args.z_loss)
     batch = args.batch_size if args.batch_size is not None else 2 * dp
@@ -121,3 +122,13 @@ def _verify(args) -> int:
     )
     print0(json.dumps(report.to_json()) if args.json else format_report(report))
     return 0 if report.ok else 1
+
+
+def _check_tokenizer(checkpoint: str, print0) -> None:
+    """The checkpoint's tokenizer must load, match its SHA-256 and fit the model's vocabulary."""
+    import sys
+
+    from meshlm.train.tokenizers import checkpoint_tokenizer
+
+    tok = checkpoint_tokenizer(checkpoint, required=False)
+    print0(f"tokenizer: {tok.describe() if tok else 'none (token ids only)'}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Data: byte tokenizer, corpus sources and split, stateless batches, device placement, token checks.
+"""Data: tokenizers (bytes, tokenizer.json, BPE), corpus sources and split, stateless batches,
+device placement, token checks.
 
 Nothing is imported here: importing a subpackage must not start JAX before the CLI sets devices.
 """

@@ -36,23 +36,32 @@ class ByteStream:
 
 
 class DiffStream:
-    """Any tokenizer with ``decode(ids) -> str``: emit what decoding all ids adds; wait while the
-    text ends in U+FFFD (a partial character) or earlier text changed."""
+    """Any tokenizer with ``decode(ids) -> str``: emit only completed text, never half a character or
+    half a merge. Decodes the growing tail ``ids[prefix:]`` and emits what it adds to the text of
+    ``ids[prefix:read]`` (already emitted; kept as context for decoders that look at the previous
+    token), waiting while the text ends in U+FFFD (a partial character) or earlier text changed.
+    Work per token is bounded by the tail, not the whole sequence."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.out = tokenizer, [], ""
+        self.tokenizer, self.ids = tokenizer, []
+        self.prefix = self.read = 0  # ids[prefix:read]: the context, already emitted
+
+    def _pending(self) -> str | None:
+        """Text the tail adds to the context, or None while it is not final."""
+        done = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix :])
+        return text[len(done) :] if text.startswith(done) else None
 
     def feed(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd") or not text.startswith(self.out):
+        new = self._pending()
+        if not new or new.endswith("\ufffd"):
             return ""
-        new, self.out = text[len(self.out) :], text
+        self.prefix, self.read = self.read, len(self.ids)
         return new
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        return text[len(self.out) :] if text.startswith(self.out) else ""
+        return self._pending() or ""
 
 
 def make_stream(tokenizer) -> ByteStream | DiffStream:

@@ -1,7 +1,8 @@
 """The tokenizer a checkpoint carries: ``DIR/tokenizer.json`` in its run directory, or "bytes".
 
-Every step's meta holds a ``tokenizer`` entry: ``{"kind": "bytes"}``, or ``{"kind": "hf", "file":
-"tokenizer.json", "sha256", "fingerprint", "vocab_size", "eod_token"}``. The meta is covered by the
+Every step's meta holds a ``tokenizer`` entry: ``{"kind": "bytes"}``, ``{"kind": "none"}`` (a model
+converted without a tokenizer: it takes token ids only), or ``{"kind": "hf", "file": "tokenizer.json",
+"sha256", "fingerprint", "vocab_size", "eod_token"}``. The meta is covered by the
 integrity record's SHA-256 (``meshlm.io.integrity``), and the file by the ``sha256`` in the meta, so an
 edited or damaged tokenizer.json is found before it can turn ids into the wrong text. One run directory
 holds one tokenizer: a different one is refused rather than replacing it under older steps. Meta
@@ -22,6 +23,8 @@ from meshlm.errors import CheckpointError
 
 TOKENIZER_FILE = "tokenizer.json"
 BYTES_ENTRY = {"kind": "bytes"}
+NONE_ENTRY = {"kind": "none"}
+KINDS = ("bytes", "none", "hf")
 
 
 def sha256(text: str) -> str:
@@ -58,16 +61,16 @@ def _digest_of(path: Path) -> str | None:
 def tokenizer_entry(meta: dict) -> dict:
     """The meta's tokenizer entry (bytes for checkpoints saved before tokenizers were recorded)."""
     entry = meta.get("tokenizer", BYTES_ENTRY)
-    if not isinstance(entry, dict) or entry.get("kind") not in ("bytes", "hf"):
+    if not isinstance(entry, dict) or entry.get("kind") not in KINDS:
         raise CheckpointError(f"checkpoint meta has an unknown tokenizer entry {entry!r}; re-create it")
     return entry
 
 
 def read_tokenizer_text(directory: str | Path, meta: dict) -> tuple[dict, str | None]:
-    """(entry, tokenizer.json text or None for bytes) of a checkpoint in run directory ``directory``,
-    the text checked against the SHA-256 in its meta."""
+    """(entry, tokenizer.json text, or None for bytes and none) of a checkpoint in run directory
+    ``directory``, the text checked against the SHA-256 in its meta."""
     entry = tokenizer_entry(meta)
-    if entry["kind"] == "bytes":
+    if entry["kind"] != "hf":
         return entry, None
     path = Path(directory) / str(entry.get("file", TOKENIZER_FILE))
     try:

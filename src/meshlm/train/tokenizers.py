@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+import warnings
 from pathlib import Path
 
 from meshlm.data.bpe import check_vocab_size, train_bpe
@@ -36,10 +37,11 @@ def tokenizer_meta(directory: str | Path, tok: Tokenizer) -> dict:
     return save_tokenizer(directory, entry, tok.to_json())
 
 
-def tokenizer_from_meta(directory: str | Path, meta: dict, where: str) -> Tokenizer:
+def tokenizer_from_meta(directory: str | Path, meta: dict, where: str) -> Tokenizer | None:
+    """The checkpoint's tokenizer; None for a model converted without one (it takes ids only)."""
     entry, text = read_tokenizer_text(directory, meta)
     if text is None:
-        return ByteTokenizer()
+        return ByteTokenizer() if entry["kind"] == "bytes" else None
     source = f"the tokenizer of checkpoint {where}"
     return HFTokenizer.from_str(text, eod_token=entry.get("eod_token"), source=source)
 
@@ -53,12 +55,21 @@ def check_vocab(cfg: ModelConfig, tok: Tokenizer, where: str) -> None:
         )
 
 
-def checkpoint_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer of the checkpoint at ``path`` (run or step directory), checked against its model."""
+def checkpoint_tokenizer(path: str | Path, required: bool = True) -> Tokenizer | None:
+    """The tokenizer of the checkpoint at ``path`` (run or step directory), checked against its model.
+    A checkpoint without one (converted from a directory without tokenizer.json) is an error when
+    ``required``, else None."""
     directory, _ = resolve(path)
     cfg, meta = read_config(path)
     tok = tokenizer_from_meta(directory, meta, str(path))
-    check_vocab(cfg, tok, f"checkpoint {path}")
+    if tok is None and required:
+        raise CheckpointError(
+            f"checkpoint {path} has no tokenizer (it was converted from a model directory without "
+            "tokenizer.json), so it takes token ids only; convert it again with the tokenizer.json "
+            "next to config.json, or pass --tokenizer where the command has it"
+        )
+    if tok is not None:
+        check_vocab(cfg, tok, f"checkpoint {path}")
     return tok
 
 
@@ -66,11 +77,13 @@ def _existing(tcfg) -> tuple[Tokenizer | None, str]:
     """The tokenizer the run already has: its run directory's newest checkpoint, else --checkpoint's."""
     out = Path(tcfg.out)
     if out.is_dir() and not tcfg.fresh:
-        with Checkpointer(out) as ckpt:
+        with Checkpointer(out) as ckpt, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # resuming reports interrupted and corrupt steps, once
             if ckpt.all_steps():
                 return tokenizer_from_meta(out, ckpt.read_meta(), str(out)), f"--out {out}"
-    if tcfg.checkpoint:
-        return checkpoint_tokenizer(tcfg.checkpoint), f"--checkpoint {tcfg.checkpoint}"
+    if tcfg.checkpoint:  # one converted without a tokenizer takes any --tokenizer that fits it
+        tok = checkpoint_tokenizer(tcfg.checkpoint, required=not tcfg.tokenizer)
+        return tok, f"--checkpoint {tcfg.checkpoint}"
     return None, ""
 
 
@@ -82,7 +95,7 @@ def _train_bpe_into(tcfg, vocab_size: int) -> Tokenizer:
     saved = Path(tcfg.out) / TOKENIZER_FILE
     if saved.is_file():
         tok = load_tokenizer(saved)
-        if tok.vocab_size == vocab_size:
+        if tok.vocab_size <= vocab_size:  # a small corpus can have fewer merges than asked for
             return tok
     train, _, info = load_splits(list(tcfg.data) or None)
     docs = bytes(train.tokens).split(b"\0")[:-1]  # the byte stream: documents end with NUL
@@ -120,10 +133,9 @@ def run_tokenizer(tcfg, cfg: ModelConfig) -> tuple[Tokenizer, ModelConfig]:
     existing, where = _existing(tcfg)
     bpe = BPE_SPEC.match(tcfg.tokenizer)
     if existing is not None and bpe:  # resuming a bpe-N run: it must be that run's tokenizer
-        same = isinstance(existing, HFTokenizer) and existing.vocab_size == int(bpe.group(1))
-        tok = existing if same else None
-        if not same:
+        if not (isinstance(existing, HFTokenizer) and existing.vocab_size <= int(bpe.group(1))):
             _differs(tcfg, existing, where)
+        tok = existing
     else:
         tok = _requested(tcfg)
     if existing is not None and tok is not None and tok.fingerprint != existing.fingerprint:
@@ -131,5 +143,6 @@ def run_tokenizer(tcfg, cfg: ModelConfig) -> tuple[Tokenizer, ModelConfig]:
     tok = tok or existing or ByteTokenizer()
     if not tcfg.checkpoint and not isinstance(tok, ByteTokenizer):
         cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size)
-    check_vocab(cfg, tok, f"the {tcfg.config} model")
+    if tcfg.checkpoint:  # from scratch the data's own range check names the ids (bytes on a small preset)
+        check_vocab(cfg, tok, f"--checkpoint {tcfg.checkpoint}")
     return tok, cfg
