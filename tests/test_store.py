@@ -55,7 +55,7 @@ def test_prepare_matches_the_loader(corpus, bpe_file, tmp_path, capsys, tokenize
     tok = load_tokenizer(spec)
     store = open_store(tmp_path / "s")
     assert store.index["dtype"] == "<u2" and store.tokenizer == tokenizer_entry(tok)
-    train, val, info = store.splits(tok)
+    train, val, info = store.splits(tok, tok.vocab_size)
     want_train, want_val, want_info = load_splits([corpus], tokenizer=tok)
     for got, want in ((train, want_train), (val, want_val)):
         assert isinstance(got.tokens, np.memmap) and got.tokens.dtype == np.uint16
@@ -77,7 +77,7 @@ def test_prepare_matches_the_loader(corpus, bpe_file, tmp_path, capsys, tokenize
 def test_prepare_one_file_splits_by_bytes(corpus, tmp_path, capsys):
     one = corpus / "m05.py"
     _prepare(capsys, "--data", str(one), "--out", str(tmp_path / "s"), "--workers", "1", "--json")
-    train, val, _ = open_store(tmp_path / "s").splits(ByteTokenizer())
+    train, val, _ = open_store(tmp_path / "s").splits(ByteTokenizer(), 256)
     want_train, want_val, _ = load_splits([one])
     np.testing.assert_array_equal(np.asarray(train.tokens), want_train.tokens)
     np.testing.assert_array_equal(np.asarray(val.tokens), want_val.tokens)
@@ -129,7 +129,9 @@ def test_damaged_store_is_refused(store):
 def test_store_of_another_tokenizer_is_refused(store, bpe_file, tmp_path, capsys):
     bpe = load_tokenizer(bpe_file)
     with pytest.raises(DataError, match="made with another tokenizer"):
-        open_store(store).splits(bpe)
+        open_store(store).splits(bpe, 512)
+    with pytest.raises(DataError, match="holds ids up to 255 .* but the model has vocab_size=64"):
+        open_store(store).splits(ByteTokenizer(), 64)
     with pytest.raises(DataError, match="pass it alone"):
         store_arg([store, bpe_file])
     argv = [

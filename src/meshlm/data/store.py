@@ -139,9 +139,15 @@ class TokenStore:
                 "model's tokenizer"
             )
 
-    def splits(self, tok: Tokenizer) -> tuple[StoredStream, StoredStream, dict[str, Any]]:
-        """(train, validation, info) as ``load_splits`` returns them, after the tokenizer check."""
+    def splits(self, tok: Tokenizer, vocab_size: int) -> tuple[StoredStream, StoredStream, dict[str, Any]]:
+        """(train, validation, info) as ``load_splits`` returns them, for a model of ``vocab_size``
+        ids, after the tokenizer check (the store's ids are below its tokenizer's vocabulary size)."""
         self.check_tokenizer(tok)
+        if tok.vocab_size > vocab_size:
+            raise DataError(
+                f"token store {self.directory} holds ids up to {tok.vocab_size - 1} ({tok.describe()}), "
+                f"but the model has vocab_size={vocab_size}; use a config whose vocab_size covers them"
+            )
         train, val = self.stream("train"), self.stream("val")
         if len(train) <= train.num_docs:
             raise DataError(

@@ -70,8 +70,8 @@ class Run:
 
 
 def _load_data(tcfg: TrainConfig, cfg: ModelConfig, dp: int, tok: Tokenizer, store: TokenStore | None):
-    if store is not None:  # memory-mapped; its ids were checked when it was made, by this tokenizer
-        train, val, info = store.splits(tok)
+    if store is not None:  # memory-mapped; its ids are the tokenizer's, never scanned here
+        train, val, info = store.splits(tok, cfg.vocab_size)
     else:
         train, val, info = load_splits(list(tcfg.data) or None, tokenizer=tok)
         check_token_range(train.tokens, cfg.vocab_size, "training data")
