@@ -16,7 +16,15 @@ from helpers import meshlm_argv, run_cli
 
 from meshlm.data.bpe import train_bpe
 from meshlm.data.corpus import load_splits
-from meshlm.data.store import FORMAT, INDEX, open_store, store_arg, tokenizer_entry, write_index
+from meshlm.data.store import (
+    FORMAT,
+    INDEX,
+    open_store,
+    store_arg,
+    store_dtype,
+    tokenizer_entry,
+    write_index,
+)
 from meshlm.data.stream import Batcher
 from meshlm.data.tokenizer import ByteTokenizer, load_tokenizer
 from meshlm.errors import DataError
@@ -72,6 +80,11 @@ def test_prepare_matches_the_loader(corpus, bpe_file, tmp_path, capsys, tokenize
         assert all(np.array_equal(half[k], full[k][2:]) for k in full)
     if tokenizer == "bpe":
         assert load_tokenizer(tmp_path / "s" / "tokenizer.json").fingerprint == tok.fingerprint
+
+
+def test_token_dtype():
+    assert store_dtype(256) == store_dtype(2**16) == np.dtype("<u2")
+    assert store_dtype(2**16 + 1) == store_dtype(152_064) == np.dtype("<u4")
 
 
 def test_prepare_one_file_splits_by_bytes(corpus, tmp_path, capsys):
