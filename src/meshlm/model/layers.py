@@ -112,19 +112,26 @@ def zero_padding(init, par: Parallel, vocab: int, axis: int):
     return padded
 
 
-def vocab_parallel_xent(par: Parallel, logits, targets, z_loss: float = 0.0, vocab_size: int | None = None):
+def mask_vocab_padding(par: Parallel, logits, vocab_size: int):
+    """logits [B, T, V/mp] per-shard, V padded -> the same with the padded columns (global ids >=
+    ``vocab_size``) at -inf: out of the softmax of ``vocab_parallel_xent``, with zero gradient."""
+    vs = logits.shape[-1]
+    if vocab_size >= vs * par.mp:
+        return logits
+    real = par.real_vocab_columns(vs, vocab_size)  # [V/mp]
+    return jnp.where(real, logits, jnp.asarray(-jnp.inf, logits.dtype))
+
+
+def vocab_parallel_xent(par: Parallel, logits, targets, z_loss: float = 0.0):
     """Softmax cross-entropy over a vocabulary split across shards, never gathering full logits.
 
     logits: [B, T, V/mp] per-shard (any float dtype; computed in float32); targets: [B, T] global ids.
     Returns per-token loss [B, T] (replicated). The global max comes from pmax under stop_gradient:
-    it only shifts logits for stability, and log Z does not depend on it. With ``vocab_size`` below
-    the padded V, the padded columns' logits are -inf: out of the softmax, with zero gradient.
+    it only shifts logits for stability, and log Z does not depend on it. A padded vocabulary's
+    logits come masked (``mask_vocab_padding``): -inf adds exactly 0 to the sum of exponentials.
     """
     logits = upcast(logits)
     vs = logits.shape[-1]
-    if vocab_size is not None and vocab_size < vs * par.mp:
-        real = par.real_vocab_columns(vs, vocab_size)  # [V/mp]
-        logits = jnp.where(real, logits, jnp.asarray(-jnp.inf, logits.dtype))
     m = lax.stop_gradient(par.pmax(jnp.max(lax.stop_gradient(logits), axis=-1)))  # [B, T]
     shifted = logits - m[..., None]
     local = targets - par.vocab_start(vs)

@@ -17,7 +17,15 @@ import numpy as np
 from meshlm.errors import ConfigError
 from meshlm.model.attention import Attention
 from meshlm.model.config import ModelConfig
-from meshlm.model.layers import MLP, LayerNorm, RMSNorm, VocabEmbed, VocabHead, vocab_parallel_xent
+from meshlm.model.layers import (
+    MLP,
+    LayerNorm,
+    RMSNorm,
+    VocabEmbed,
+    VocabHead,
+    mask_vocab_padding,
+    vocab_parallel_xent,
+)
 from meshlm.parallel.context import Parallel
 
 GPT_STDDEV = 0.02  # GPT-J / Llama initialisation
@@ -124,7 +132,8 @@ def loss_fn(cfg: ModelConfig, par: Parallel):
 
     def loss(batch):
         logits, _ = local_logits(cfg, par, batch["inputs"])
-        per_token = vocab_parallel_xent(par, logits, batch["targets"], cfg.z_loss, cfg.vocab_size)  # [B, T]
+        logits = mask_vocab_padding(par, logits, cfg.vocab_size)  # padded ids never chosen
+        per_token = vocab_parallel_xent(par, logits, batch["targets"], cfg.z_loss)  # [B, T]
         return par.batch_mean(jnp.mean(per_token))
 
     return loss
