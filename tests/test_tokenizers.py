@@ -160,3 +160,20 @@ def test_stream_never_splits_a_character_or_a_merge(bpe, text):
     pieces = [stream.feed(int(t)) for t in ids] + [stream.flush()]
     assert "".join(pieces) == text + " 日本語🎉"
     assert all("\ufffd" not in p for p in pieces) or "\ufffd" in text
+
+
+def test_tokenizer_train_cli(tmp_path, capsys):
+    from helpers import run_cli
+
+    (tmp_path / "a.txt").write_text(TEXT)
+    out = tmp_path / "tok.json"
+    argv = ["tokenizer", "train", "--data", str(tmp_path / "a.txt"), "--out", str(out), "--json"]
+    assert run_cli(*argv, "--vocab-size", "300") == 0
+    summary = json.loads(capsys.readouterr().out)
+    tok = load_tokenizer(out)
+    assert summary["vocab_size"] == tok.vocab_size == 300 and summary["fingerprint"] == tok.fingerprint
+    assert summary["bytes_per_token"] > 2
+    assert run_cli(*argv, "--vocab-size", "300") == 2  # never overwrites
+    assert "exists; choose a new path" in capsys.readouterr().err
+    assert run_cli(*argv[:-3], "--out", str(tmp_path / "x.json"), "--vocab-size", "100") == 2
+    assert "--vocab-size 100 is out of range" in capsys.readouterr().err

@@ -68,6 +68,8 @@ class HFTokenizer(Tokenizer):
         vocab = tokenizer.get_vocab(with_added_tokens=True)  # text -> id
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
         self.specials = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        if eod_token and eod_token not in self.specials and tokenizer.token_to_id(eod_token) is not None:
+            self.specials[eod_token] = tokenizer.token_to_id(eod_token)  # named as EOS, not marked special
         names = [eod_token] if eod_token else [n for n in EOD_NAMES if n in self.specials]
         if not names or names[0] not in self.specials:
             have = ", ".join(sorted(self.specials)) or "none"

@@ -78,8 +78,7 @@ class TokenStream:
         if isinstance(tokenizer, ByteTokenizer):
             return cls.from_documents(docs, files)
         texts = [d.decode("utf-8", errors="replace") for d in docs]
-        batch = getattr(tokenizer, "encode_batch", None)
-        encoded = batch(texts) if batch else [tokenizer.encode(t) for t in texts]
+        encoded = tokenizer.encode_batch(texts)
         eod = np.array([tokenizer.eod_id], np.int64)
         parts = [p for ids in encoded for p in (np.asarray(ids, np.int64), eod)]
         tokens = np.concatenate(parts) if parts else np.zeros(0, np.int64)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +83,10 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         """int32 ids of ``text`` (a document's tokens, no special tokens added)."""
         raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """``encode`` of each text (implementations may run them in parallel)."""
+        return [self.encode(t) for t in texts]
 
     def encode_prompt(self, text: str) -> np.ndarray:
         """int32 ids of a prompt: what the tokenizer adds by default (e.g. a BOS) included."""

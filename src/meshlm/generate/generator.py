@@ -51,16 +51,18 @@ class Generator:
 
     ``max_len``: the cache length S (default ``cfg.max_seq_len``): prompt + new tokens must fit in it.
     ``tokenizer``: ``encode(str) -> ids`` / ``decode(ids) -> str`` (default: bytes). ``eod``: the id
-    that ends generation (None: never stop on a token). Compiled programs are shared by Generators of
-    the same config, mesh, max_len and parameter dtypes.
+    that ends generation (default: the tokenizer's ``eod_id``; None: never stop on a token). Compiled
+    programs are shared by Generators of the same config, mesh, max_len and parameter dtypes.
     """
 
-    def __init__(self, cfg: ModelConfig, params, mesh, *, max_len=None, tokenizer=None, eod=EOD):
-        self.cfg, self.mesh, self.eod = cfg, mesh, eod
+    def __init__(self, cfg: ModelConfig, params, mesh, *, max_len=None, tokenizer=None, eod="tokenizer"):
+        self.cfg, self.mesh = cfg, mesh
+        tokenizer = tokenizer or ByteTokenizer()
+        self.eod = getattr(tokenizer, "eod_id", EOD) if eod == "tokenizer" else eod
         self.max_len = cfg.max_seq_len if max_len is None else int(max_len)
         if not 1 <= self.max_len <= cfg.max_seq_len:
             raise ConfigError(f"max_len={max_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
-        self.tokenizer = tokenizer or ByteTokenizer()
+        self.tokenizer = tokenizer
         self.dp = mesh.shape[DP]
         specs = model_specs(cfg, params, mesh.shape[MP])
         self.params = jax.device_put(params, shardings(specs, mesh))  # a no-op when already laid out
