@@ -26,6 +26,7 @@ from meshlm.generate.programs import sample
 from meshlm.generate.streaming import ByteStream, ByteTokenizer, DiffStream, OutputRow
 from meshlm.io.model_io import save_model
 from meshlm.model.config import get_config
+from meshlm.model.padding import resize_tree
 from meshlm.model.transformer import logits_fn, loss_fn
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.mesh import make_mesh
@@ -44,14 +45,15 @@ def host_params(name: str, scale: float = 0.35) -> dict:
     large enough that greedy decoding does not collapse into one repeated token."""
     cfg = get_config(name)
     example = {k: jnp.zeros((1, 8), jnp.int32) for k in ("inputs", "targets")}
-    shapes = jax.eval_shape(hk.transform(loss_fn(cfg, Parallel())).init, jax.random.PRNGKey(0), example)
+    unpadded = loss_fn(cfg.replace(vocab_multiple=1), Parallel())  # drawn unpadded, then zero-padded
+    shapes = jax.eval_shape(hk.transform(unpadded).init, jax.random.PRNGKey(0), example)
     rng = np.random.default_rng(0)
 
     def leaf(path, s):
         base = 1.0 if path[-1].key == "scale" else 0.0
         return (base + scale * rng.standard_normal(s.shape)).astype(np.float32)
 
-    return jax.tree_util.tree_map_with_path(leaf, shapes)
+    return resize_tree(jax.tree_util.tree_map_with_path(leaf, shapes), cfg.padded_vocab)
 
 
 @functools.cache
@@ -155,7 +157,7 @@ def test_stop_string_eod_and_streaming():
     assert out[0].tokens == full.tokens[: cut + len(stop)]  # one byte per token: through the stop
     for i in (0, 1):
         assert "".join(pieces[i]) == out[i].text and streamed[i] == out[i].tokens
-    head = {**host_params("tiny-gptj")["head"], "b": np.eye(64, dtype=np.float32)[EOD] * 1e3}
+    head = {**host_params("tiny-gptj")["head"], "b": np.eye(128, dtype=np.float32)[EOD] * 1e3}
     params = {**host_params("tiny-gptj"), "head": head}
     eod = Generator(get_config("tiny-gptj"), params, make_mesh(1, 1)).generate(PROMPTS, NEW)
     assert [(r.tokens, r.text, r.finish_reason) for r in eod] == [([EOD], "", "eod")] * 2

@@ -97,8 +97,15 @@ def test_import_matches_transformers(hf_model, tokens):
 def test_import_matches_transformers_sharded(hf_model, tokens, mesh_shape):
     _, path, want = hf_model
     cfg, flat = hf_weights.load_hf(path)
+    got = _sharded_logits(cfg, unflatten(flat), mesh_shape, tokens)
+    assert got.shape == (mesh_shape[1], *want.shape)
+    for copy in got:
+        np.testing.assert_allclose(copy, want, atol=ATOL, rtol=0)
+
+
+def _sharded_logits(cfg, params, mesh_shape, tokens) -> np.ndarray:
+    """[mp, B, T, V]: the full logits as each model shard returns them (params placed on the mesh)."""
     mesh = make_mesh(*mesh_shape)
-    params = unflatten(flat)
     specs = model_specs(cfg, params, mesh_shape[1])
     apply = hk.transform(logits_fn(cfg, mesh_parallel(mesh))).apply
     # Each model shard returns its own gathered copy of the logits (a leading axis over mp), so
@@ -109,10 +116,7 @@ def test_import_matches_transformers_sharded(hf_model, tokens, mesh_shape):
         in_specs=(specs, P("dp", None)),
         out_specs=P("mp", "dp", None, None),
     )
-    got = np.asarray(jax.jit(fn)(jax.device_put(params, shardings(specs, mesh)), tokens))
-    assert got.shape == (mesh_shape[1], *want.shape)
-    for copy in got:
-        np.testing.assert_allclose(copy, want, atol=ATOL, rtol=0)
+    return np.asarray(jax.jit(fn)(jax.device_put(params, shardings(specs, mesh)), tokens))
 
 
 def test_export_loads_in_transformers(hf_model, tokens, tmp_path):
@@ -215,3 +219,44 @@ def test_missing_and_unexpected_tensors(hf_model, tmp_path):
     save_file(tensors, tmp_path / hf_weights.WEIGHTS_FILE)
     with pytest.raises(CheckpointError, match=r"missing \['transformer.h.1.mlp.fc_in.bias'\].*q_proj.bias"):
         hf_weights.load_hf(tmp_path)
+
+
+def test_gpt2_vocabulary_converts_and_runs_on_mp_2_and_4(tmp_path, tokens, capsys):
+    """Vocab 50257 (prime to every mp > 1): imported padded to 50304 rows (zeros), runs sharded with
+    transformers' logits over the real vocabulary, and exports with the padding stripped."""
+    from safetensors.numpy import load_file
+
+    from meshlm.io.model_io import load_model
+
+    hf_cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        vocab_size=50257,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    ids = tokens.copy()
+    ids[:, -1] = 50256  # the last real id
+    want = _hf_logits(model, ids)
+    ckpt = tmp_path / "ckpt"
+    assert run_cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(ckpt), "--mesh", "1x2") == 0
+    for mesh_shape in [(1, 2), (2, 2), (1, 4)]:
+        cfg, params, _ = load_model(ckpt, make_mesh(*mesh_shape))
+        assert (cfg.vocab_size, cfg.padded_vocab) == (50257, 50304)
+        assert params["embed"]["embeddings"].shape == (50304, 32)
+        assert not np.any(np.asarray(params["head"]["w"])[:, 50257:])  # the padding is zeros
+        host = jax.tree.map(np.asarray, params)
+        for copy in _sharded_logits(cfg, host, mesh_shape, ids):
+            np.testing.assert_allclose(copy, want, atol=ATOL, rtol=0)
+    assert run_cli("convert", "--to-hf", str(ckpt), "--out", str(tmp_path / "back"), "--mesh", "1x4") == 0
+    tensors = load_file(tmp_path / "back" / hf_weights.WEIGHTS_FILE)
+    assert tensors["model.embed_tokens.weight"].shape == (50257, 32)
+    assert tensors["lm_head.weight"].shape == (50257, 32)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    np.testing.assert_allclose(_hf_logits(back, ids), want, atol=ATOL, rtol=0)

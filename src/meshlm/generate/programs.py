@@ -52,10 +52,11 @@ def _full_vocab(par: Parallel, vocab: int, local):
 
 def _forward(cfg: ModelConfig, par: Parallel, tokens, positions, last, cache):
     """Haiku fn. tokens, positions [B, T] per shard; last [B]: the column whose logits each row needs.
-    Returns (logits [B, V] float32 replicated over MP, new cache)."""
-    local, cache = local_logits(cfg, par, tokens, positions, cache or None)  # [B, T, V/mp]
-    picked = jnp.take_along_axis(local, last[:, None, None], axis=1)[:, 0]  # [B, V/mp]
-    return _full_vocab(par, cfg.vocab_size, upcast(picked)), cache or {}
+    Returns (logits [B, V] float32 replicated over MP, new cache): V is the real vocabulary, the
+    padding stripped, so a padded id is never sampled."""
+    local, cache = local_logits(cfg, par, tokens, positions, cache or None)  # [B, T, Vpad/mp]
+    picked = jnp.take_along_axis(local, last[:, None, None], axis=1)[:, 0]  # [B, Vpad/mp]
+    return _full_vocab(par, cfg.padded_vocab, upcast(picked))[:, : cfg.vocab_size], cache or {}
 
 
 def _filter(logits, top_k, top_p):

@@ -17,6 +17,7 @@ import numpy as np
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.io.hf_config import ARCHITECTURES, config_from_hf, config_to_hf
 from meshlm.model.config import ModelConfig
+from meshlm.model.padding import VOCAB_AXIS, resize, resize_flat
 from meshlm.model.params import STACKED_PREFIX, is_stacked
 
 CONFIG_FILE = "config.json"
@@ -265,7 +266,8 @@ def _convert(tensors: dict, hf_names: list[str], kind: str, shape, dtype, stacke
 
 def load_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """(config, flat params {"module/param": numpy array} in meshlm's layout and dtype, float32)
-    from a transformers directory: config.json plus model.safetensors or a sharded index."""
+    from a transformers directory: config.json plus model.safetensors or a sharded index. The
+    vocabulary is padded to ``cfg.padded_vocab`` rows (zeros; never chosen: masked out)."""
     directory = Path(directory)
     if not (directory / CONFIG_FILE).is_file():
         raise CheckpointError(f"{directory} has no {CONFIG_FILE}: not a transformers model directory")
@@ -281,17 +283,18 @@ def load_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     names = name_map(cfg)
     _check_names(tensors, {n for hf_names, _ in names.values() for n in hf_names}, directory)
     flat = {}
-    for path, (shape, dtype) in expected_shapes(cfg).items():
+    for path, (shape, dtype) in expected_shapes(cfg.replace(vocab_multiple=1)).items():  # HF: unpadded
         hf_names, kind = names[path]
         flat[path] = _convert(tensors, hf_names, kind, shape, dtype, is_stacked(path), directory)
-    return cfg, flat
+    return cfg, resize_flat(flat, cfg.padded_vocab)  # zero rows: the padding is masked out
 
 
 def save_hf(cfg: ModelConfig, flat_params: dict[str, Any], out_dir: str | Path) -> Path:
     """Write config.json + model.safetensors (float32) that transformers' from_pretrained loads.
 
     ``flat_params``: {"module/param": array} in meshlm's layout (numpy or fully addressable jax
-    arrays). Tied embeddings write no lm_head (transformers ties it on load).
+    arrays), vocabulary padded; the padding is stripped (transformers sees ``cfg.vocab_size`` rows).
+    Tied embeddings write no lm_head (transformers ties it on load).
     """
     from safetensors.numpy import save_file
 
@@ -307,6 +310,8 @@ def save_hf(cfg: ModelConfig, flat_params: dict[str, Any], out_dir: str | Path) 
             raise CheckpointError(
                 f"parameter {path} has shape {value.shape}, but the config implies {shapes[path][0]}"
             )
+        if path in VOCAB_AXIS:
+            value = resize(value, VOCAB_AXIS[path], cfg.vocab_size)
         parts = list(value) if is_stacked(path) else [value]
         for name, part in zip(hf_names, parts, strict=True):
             tensors[name] = np.ascontiguousarray(_to_torch(part, kind))

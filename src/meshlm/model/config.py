@@ -38,6 +38,10 @@ class ModelConfig:
     embed_bias: bool = False  # ff: the prototype's embedding had a bias (added once, after the sum)
     z_loss: float = 0.0  # coefficient of the z-loss term coeff * log(Z)^2 (0 disables it)
     remat: bool = False  # rematerialise each layer's activations in the backward pass
+    # Embedding/head rows are padded to a multiple of this (Megatron's make-vocab-size-divisible-by),
+    # so every power-of-two mp up to it splits them; padded logits are masked out. 1: no padding. A
+    # config saved without this field (before padding existed) loads as 1: exactly as it was.
+    vocab_multiple: int = 128
 
     def __post_init__(self):
         for f in dataclasses.fields(self):  # every construction path: presets, JSON, HF import
@@ -76,6 +80,11 @@ class ModelConfig:
     def rot_dim(self) -> int:
         return self.rotary_dim or self.dim_per_head
 
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding / columns of the head: vocab_size rounded up to vocab_multiple."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
     def replace(self, **changes) -> ModelConfig:
         return from_dict({**self.to_dict(), **changes})
 
@@ -89,6 +98,7 @@ class ModelConfig:
 # What each numeric field accepts; the others must just have their annotated type (str or bool).
 RANGES: dict[str, Range] = {
     **dict.fromkeys(("vocab_size", "d_model", "n_layers", "d_ff", "max_seq_len"), POSITIVE_INT),
+    "vocab_multiple": POSITIVE_INT,
     "n_heads": NON_NEGATIVE_INT,
     "n_kv_heads": Range(int, 0, note="0: n_heads"),
     "head_dim": Range(int, 0, note="0: d_model // n_heads"),
@@ -117,12 +127,17 @@ def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(ModelConfig)]
 
 
+# A saved config without "vocab_multiple" predates vocabulary padding: its parameters are unpadded.
+UNPADDED_BEFORE_FIELD = {"vocab_multiple": 1}
+
+
 def from_dict(d: dict[str, Any]) -> ModelConfig:
-    """Build a config from a dict; unknown keys are an error listing the valid ones."""
+    """Build a config from a dict (a saved one: see ``UNPADDED_BEFORE_FIELD``); unknown keys are an
+    error listing the valid ones."""
     unknown = sorted(set(d) - set(field_names()))
     if unknown:
         raise ConfigError(f"unknown config field(s) {unknown}; valid: {', '.join(field_names())}")
-    return ModelConfig(**d)
+    return ModelConfig(**{**UNPADDED_BEFORE_FIELD, **d})
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -210,6 +225,8 @@ PRESETS: dict[str, ModelConfig] = {
 # Grouped-query attention with 2 KV heads: on mp = 4 (or 8) the KV heads are replicated, so the
 # replication path is proven on the 4 devices of a laptop, not only on 8.
 PRESETS["tiny-gqa"] = PRESETS["tiny-llama"].replace(n_kv_heads=2)
+# GPT-2's vocabulary (50257, prime to every mp > 1), padded to 50304: the padding proven on mp = 2, 4, 8.
+PRESETS["tiny-gpt2vocab"] = PRESETS["tiny-gptj"].replace(vocab_size=50257, d_model=32, d_ff=64)
 
 
 def get_config(name: str) -> ModelConfig:

@@ -42,15 +42,23 @@ class VocabEmbed(hk.Module):
     """
 
     def __init__(
-        self, *, vocab_size: int, d_model: int, par: Parallel, stddev: float, bias: bool = False, name="embed"
+        self,
+        *,
+        vocab_size: int,
+        d_model: int,
+        par: Parallel,
+        stddev: float,
+        bias: bool = False,
+        real_vocab: int | None = None,
+        name="embed",
     ):
         super().__init__(name=name)
         self.vocab, self.d_model, self.par, self.stddev, self.bias = vocab_size, d_model, par, stddev, bias
+        self.real_vocab = real_vocab or vocab_size  # rows from real_vocab on are padding (zero at init)
 
     def _table(self):  # [V/mp, D]
-        return hk.get_parameter(
-            "embeddings", [self.vocab // self.par.mp, self.d_model], init=_normal(self.stddev)
-        )
+        init = zero_padding(_normal(self.stddev), self.par, self.real_vocab, axis=0)
+        return hk.get_parameter("embeddings", [self.vocab // self.par.mp, self.d_model], init=init)
 
     def __call__(self, tokens):  # tokens: [B, T] global ids -> [B, T, D] replicated
         table = self._table()
@@ -68,17 +76,50 @@ class VocabEmbed(hk.Module):
 class VocabHead(hk.Module):
     """Vocabulary-parallel output projection: w [D, V/mp], b [V/mp] per shard."""
 
-    def __init__(self, *, vocab_size: int, par: Parallel, stddev: float, bias: bool, name: str = "head"):
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        par: Parallel,
+        stddev: float,
+        bias: bool,
+        real_vocab: int | None = None,
+        name: str = "head",
+    ):
         super().__init__(name=name)
         self.vocab, self.par, self.stddev, self.bias = vocab_size, par, stddev, bias
+        self.real_vocab = real_vocab or vocab_size  # columns from real_vocab on are padding
 
     def local_logits(self, xf):  # [B, T, D] -> [B, T, V/mp] per-shard
         vs = self.vocab // self.par.mp
-        w = hk.get_parameter("w", [xf.shape[-1], vs], init=_normal(self.stddev))
+        init = zero_padding(_normal(self.stddev), self.par, self.real_vocab, axis=1)
+        w = hk.get_parameter("w", [xf.shape[-1], vs], init=init)
         out = xf @ w
         if self.bias:
             out = out + hk.get_parameter("b", [vs], init=jnp.zeros)
         return out
+
+
+def zero_padding(init, par: Parallel, vocab: int, axis: int):
+    """``init`` with the vocabulary padding (global ids >= ``vocab`` along ``axis``) set to zero."""
+
+    def padded(shape, dtype):
+        w = init(shape, dtype)
+        ids = par.vocab_start(shape[axis]) + jnp.arange(shape[axis])
+        real = (ids < vocab).reshape([-1 if d == axis else 1 for d in range(len(shape))])
+        return jnp.where(real, w, jnp.zeros((), w.dtype))
+
+    return padded
+
+
+def mask_vocab_padding(par: Parallel, logits, vocab_size: int):
+    """logits [B, T, V/mp] per-shard, V padded -> the same with the padded columns (global ids >=
+    ``vocab_size``) at -inf: out of the softmax of ``vocab_parallel_xent``, with zero gradient."""
+    vs = logits.shape[-1]
+    if vocab_size >= vs * par.mp:
+        return logits
+    real = par.real_vocab_columns(vs, vocab_size)  # [V/mp]
+    return jnp.where(real, logits, jnp.asarray(-jnp.inf, logits.dtype))
 
 
 def vocab_parallel_xent(par: Parallel, logits, targets, z_loss: float = 0.0):
@@ -86,7 +127,8 @@ def vocab_parallel_xent(par: Parallel, logits, targets, z_loss: float = 0.0):
 
     logits: [B, T, V/mp] per-shard (any float dtype; computed in float32); targets: [B, T] global ids.
     Returns per-token loss [B, T] (replicated). The global max comes from pmax under stop_gradient:
-    it only shifts logits for stability, and log Z does not depend on it.
+    it only shifts logits for stability, and log Z does not depend on it. A padded vocabulary's
+    logits come masked (``mask_vocab_padding``): -inf adds exactly 0 to the sum of exponentials.
     """
     logits = upcast(logits)
     vs = logits.shape[-1]

@@ -17,7 +17,15 @@ import numpy as np
 from meshlm.errors import ConfigError
 from meshlm.model.attention import Attention
 from meshlm.model.config import ModelConfig
-from meshlm.model.layers import MLP, LayerNorm, RMSNorm, VocabEmbed, VocabHead, vocab_parallel_xent
+from meshlm.model.layers import (
+    MLP,
+    LayerNorm,
+    RMSNorm,
+    VocabEmbed,
+    VocabHead,
+    mask_vocab_padding,
+    vocab_parallel_xent,
+)
 from meshlm.parallel.context import Parallel
 
 GPT_STDDEV = 0.02  # GPT-J / Llama initialisation
@@ -83,7 +91,8 @@ LAYERS = {"ff": _ff_layer, "gptj": _gptj_layer, "llama": _llama_layer}
 
 
 def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=None):
-    """tokens [B, T] -> (per-shard logits [B, T, V/mp], new cache or None)."""
+    """tokens [B, T] -> (per-shard logits [B, T, V/mp], new cache or None); V is the padded vocabulary
+    (``cfg.padded_vocab``): columns from ``cfg.vocab_size`` on are padding, for callers to mask."""
     if tokens.shape[-1] > cfg.max_seq_len and cfg.family != "ff":
         raise ConfigError(f"sequence length {tokens.shape[-1]} exceeds max_seq_len={cfg.max_seq_len}")
     if positions is None:
@@ -91,7 +100,12 @@ def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=
     ff = cfg.family == "ff"
     stddev = 1.0 / np.sqrt(cfg.vocab_size) if ff else GPT_STDDEV
     embed = VocabEmbed(
-        vocab_size=cfg.vocab_size, d_model=cfg.d_model, par=par, stddev=stddev, bias=cfg.embed_bias
+        vocab_size=cfg.padded_vocab,
+        d_model=cfg.d_model,
+        par=par,
+        stddev=stddev,
+        bias=cfg.embed_bias,
+        real_vocab=cfg.vocab_size,
     )
     x = embed(tokens)  # [B, T, D]
     x, cache = _stack(cfg, LAYERS[cfg.family](cfg, par), x, positions, cache)
@@ -104,7 +118,11 @@ def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=
         return embed.local_logits(xf), cache
     head_stddev = 1.0 / np.sqrt(cfg.d_model) if ff else GPT_STDDEV
     head = VocabHead(
-        vocab_size=cfg.vocab_size, par=par, stddev=head_stddev, bias=cfg.family in ("ff", "gptj")
+        vocab_size=cfg.padded_vocab,
+        par=par,
+        stddev=head_stddev,
+        bias=cfg.family in ("ff", "gptj"),
+        real_vocab=cfg.vocab_size,
     )
     return head.local_logits(xf), cache
 
@@ -114,6 +132,7 @@ def loss_fn(cfg: ModelConfig, par: Parallel):
 
     def loss(batch):
         logits, _ = local_logits(cfg, par, batch["inputs"])
+        logits = mask_vocab_padding(par, logits, cfg.vocab_size)  # padded ids never chosen
         per_token = vocab_parallel_xent(par, logits, batch["targets"], cfg.z_loss)  # [B, T]
         return par.batch_mean(jnp.mean(per_token))
 
@@ -121,11 +140,12 @@ def loss_fn(cfg: ModelConfig, par: Parallel):
 
 
 def logits_fn(cfg: ModelConfig, par: Parallel):
-    """A Haiku function: tokens [B, T] -> full logits [B, T, V] (gathered over the model axis)."""
+    """A Haiku function: tokens [B, T] -> full logits [B, T, V] (gathered over the model axis; the
+    vocabulary padding stripped: V = ``cfg.vocab_size``)."""
 
     def logits(tokens, positions=None):
         local, _ = local_logits(cfg, par, tokens, positions)
-        return par.gather_last(local)
+        return par.gather_last(local)[..., : cfg.vocab_size]
 
     return logits
 

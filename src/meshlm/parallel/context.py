@@ -61,6 +61,10 @@ class Parallel:
         """First global vocabulary id owned by this shard (contiguous slices)."""
         return self.shard_index() * vocab_per_shard
 
+    def real_vocab_columns(self, vocab_per_shard: int, vocab_size: int):
+        """[V/mp] bool: which of this shard's vocabulary columns are real ids, not padding."""
+        return self.vocab_start(vocab_per_shard) + jnp.arange(vocab_per_shard) < vocab_size
+
     def own_heads(self, w):
         """The query-head weights this shard computes with: its own slice (a hook for controls)."""
         return w

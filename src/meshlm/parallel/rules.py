@@ -86,6 +86,12 @@ def model_specs(cfg, abstract_params, mp: int):
                 f"split the attention heads; choose an mp that divides {cfg.n_heads}"
             )
         kv_axis = None if kv_replicated(cfg.kv_heads, mp) else MP
+    if cfg.padded_vocab % mp:
+        raise ShardingError(
+            f"parameter 'embed/embeddings' dimension 0 (size {cfg.padded_vocab}) is not divisible by "
+            f"mp={mp}: the padded vocabulary ({cfg.vocab_size} ids rounded up to a multiple of "
+            f"vocab_multiple={cfg.vocab_multiple}); choose an mp that divides {cfg.padded_vocab}"
+        )
     return param_specs(abstract_params, mp, RULES, kv_axis)
 
 

@@ -154,3 +154,19 @@ CONTROLS: tuple[Control, ...] = (
         by_collectives=True,
     ),
 )
+
+
+class PaddingNotMasked(Parallel):
+    """The vocabulary padding's logits stay in the softmax: every column is taken for a real id."""
+
+    def real_vocab_columns(self, vocab_per_shard: int, vocab_size: int):
+        return jnp.ones((vocab_per_shard,), bool)
+
+
+CONTROLS += (
+    Control(
+        name="padded logits not masked",
+        applies=lambda w: w.cfg is not None and w.cfg.padded_vocab != w.cfg.vocab_size,
+        par_cls=PaddingNotMasked,
+    ),
+)

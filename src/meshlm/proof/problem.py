@@ -23,6 +23,11 @@ class Problem:
     rebuild: Callable | None = None  # cfg -> build_loss, for config-level controls
     has_row_bias: bool = True  # whether row-parallel biases exist (for that control)
     load_params: Callable | None = None  # mesh -> params to prove with, instead of a fresh init
+    # The reference's own loss when it is another model than the sharded one: the unpadded model of a
+    # padded vocabulary (None: build_loss). Trees move between the two shapes with these maps.
+    reference_loss: Callable | None = None  # par -> Haiku fn(batch) -> scalar loss
+    to_reference: Callable = lambda tree: tree  # sharded-shaped tree -> the reference's shapes
+    from_reference: Callable = lambda tree: tree  # the reference's tree -> sharded shapes
 
 
 def random_batch(vocab: int, shape: tuple[int, ...], seed: int) -> dict:
@@ -32,10 +37,18 @@ def random_batch(vocab: int, shape: tuple[int, ...], seed: int) -> dict:
 
 def model_problem(cfg, name: str, mp: int, batch_size: int, seq_len: int, seed: int = 0) -> Problem:
     """A Problem for a meshlm model config: random token inputs and targets (global [B, T])."""
+    from meshlm.model.padding import resize_tree
     from meshlm.model.transformer import loss_fn
     from meshlm.parallel.rules import model_specs
 
     rebuild = lambda c: lambda par: loss_fn(c, par)
+    padding = {}
+    if cfg.padded_vocab != cfg.vocab_size:  # the proof: padded sharded model == the unpadded one
+        padding = dict(
+            reference_loss=rebuild(cfg.replace(vocab_multiple=1)),
+            to_reference=lambda tree: resize_tree(tree, cfg.vocab_size),
+            from_reference=lambda tree: resize_tree(tree, cfg.padded_vocab),
+        )
     return Problem(
         build_loss=rebuild(cfg),
         specs_fn=lambda abstract: model_specs(cfg, abstract, mp),
@@ -44,4 +57,5 @@ def model_problem(cfg, name: str, mp: int, batch_size: int, seq_len: int, seed: 
         cfg=cfg,
         rebuild=rebuild,
         has_row_bias=cfg.family in ("ff", "gptj") or cfg.embed_bias,
+        **padding,
     )

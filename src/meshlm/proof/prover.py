@@ -26,6 +26,7 @@ from meshlm.proof.control_runs import communication_rows, run_control
 from meshlm.proof.controls import CONTROLS, Control, Where
 from meshlm.proof.data_pipeline import data_checks
 from meshlm.proof.independence import reference_checks, sharded_check
+from meshlm.proof.padding import padding_rows
 from meshlm.proof.problem import Problem
 from meshlm.proof.report import LeafResult, Report, check_row, compare_into
 from meshlm.proof.rule_errors import rule_mismatch
@@ -71,6 +72,7 @@ def verify(
     ocfg = _compare_values(report, runs, sharded, steps, ocfg, seed)
     collectives = collectives and problem.cfg is not None
     report.checks = _checks(runs, steps, ocfg, collectives, data_steps, seed)
+    report.checks += padding_rows(problem, sharded[1])
     report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
     report.extra["param_bytes_total"] = total_bytes(runs.params)
     where = Where(cfg=problem.cfg, dp=dp, mp=mp, has_row_bias=problem.has_row_bias, collectives=collectives)

@@ -39,7 +39,9 @@ class Runs:
         )
         if problem.load_params is not None:  # e.g. a checkpoint: same specs, loaded onto this mesh
             self.params = jax.tree.map(lambda p: p.astype(dtype), problem.load_params(mesh))
-        self.ref_params = jax.device_put(jax.tree.map(to_host, self.params), self.device)
+        host = problem.to_reference(jax.tree.map(to_host, self.params))
+        self.ref_params = jax.device_put(host, self.device)
+        self.ref_loss = problem.reference_loss or problem.build_loss
         self.batch = put_batch(problem.batch, mesh, False)  # the global batch on the mesh
 
     def sharded_fn(self, build_loss, par_cls=Parallel):
@@ -57,14 +59,14 @@ class Runs:
 
     def reference_program(self):
         """(function, arguments) of the reference: the unsharded loss and gradients on one device."""
-        fn = jax.jit(reference_value_and_grad(self.problem.build_loss))
+        fn = jax.jit(reference_value_and_grad(self.ref_loss))
         return fn, (self.ref_params, jax.device_put(self.problem.batch, self.device))
 
     def reference_grads(self):
         """The unsharded loss and gradients (computed once: every control compares against them)."""
         if not hasattr(self, "_ref_grads"):
             fn, args = self.reference_program()
-            self._ref_grads = fn(*args)
+            self._ref_grads = self.problem.from_reference(fn(*args))
         return self._ref_grads
 
     def reference_train(self, ocfg: OptimConfig, batches) -> list:
@@ -72,12 +74,12 @@ class Runs:
         key = (ocfg, len(batches))
         cache = self.__dict__.setdefault("_ref_train", {})
         if key not in cache:
-            opt = adamw(ocfg, self.params)
-            step = jax.jit(make_step(reference_value_and_grad(self.problem.build_loss), opt, ocfg))
+            opt = adamw(ocfg, self.ref_params)
+            step = jax.jit(make_step(reference_value_and_grad(self.ref_loss), opt, ocfg))
             state, out = (self.ref_params, jax.jit(opt.init)(self.ref_params)), []
             for b in batches:
                 *state, metrics = step(*state, jax.device_put(b, self.device))
-                out.append((*state, metrics))
+                out.append(self.problem.from_reference((*state, metrics)))
             cache[key] = out
         return cache[key]
 

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from meshlm.data.corpus import load_splits
 from meshlm.data.device_batches import eval_arrays
+from meshlm.data.store import TokenStore, store_arg
 from meshlm.data.stream import Batcher
 from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.data.tokens import check_token_range
@@ -68,10 +69,13 @@ class Run:
             self.lock.release()
 
 
-def _load_data(tcfg: TrainConfig, cfg: ModelConfig, dp: int, tok: Tokenizer):
-    train, val, info = load_splits(list(tcfg.data) or None, tokenizer=tok)
-    check_token_range(train.tokens, cfg.vocab_size, "training data")
-    check_token_range(val.tokens, cfg.vocab_size, "validation data")
+def _load_data(tcfg: TrainConfig, cfg: ModelConfig, dp: int, tok: Tokenizer, store: TokenStore | None):
+    if store is not None:  # memory-mapped; its ids are the tokenizer's, never scanned here
+        train, val, info = store.splits(tok, cfg.vocab_size)
+    else:
+        train, val, info = load_splits(list(tcfg.data) or None, tokenizer=tok)
+        check_token_range(train.tokens, cfg.vocab_size, "training data")
+        check_token_range(val.tokens, cfg.vocab_size, "validation data")
     if tcfg.micro_batch % dp:
         raise ConfigError(
             f"batch_size/accum_steps={tcfg.micro_batch} is not divisible by dp={dp}; "
@@ -175,9 +179,10 @@ def _abstract(x):
 def build_run(tcfg: TrainConfig, mesh: Mesh) -> Run:
     """Resolve ``tcfg``, load the data, and initialise or resume the state on ``mesh``."""
     tcfg, cfg = resolve(tcfg)
+    store = store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store (checked) or None
     tok, cfg = run_tokenizer(tcfg, cfg)
     out = Path(tcfg.out)
-    batcher, val, info = _load_data(tcfg, cfg, mesh.shape[DP], tok)
+    batcher, val, info = _load_data(tcfg, cfg, mesh.shape[DP], tok, store)
     distributed.print0(
         f"data: {info['source']}; train {info['train_bytes']:,} bytes in {info['train_files']} "
         f"files, validation {info['val_bytes']:,} bytes in {info['val_files']}; {info['tokenizer']}",

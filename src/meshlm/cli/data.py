@@ -1,0 +1,79 @@
+"""meshlm data prepare: tokenize a corpus once into a memory-mapped token store for ``train --data DIR``.
+
+The corpus is split into train and validation exactly as ``train --data PATHS`` splits it, and each
+document is tokenized as the loader would: training on the store sees the same tokens, without
+reading the corpus into memory. See ``meshlm.data.store`` for the directory's layout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from meshlm.cli.common import arg_type, non_negative_int, positive_int
+from meshlm.ranges import Range
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("data", help="prepare a memory-mapped token store for train --data DIR")
+    actions = p.add_subparsers(dest="action", required=True)
+    t = actions.add_parser("prepare", help="tokenize text files once into a token store directory")
+    t.add_argument(
+        "--data", nargs="+", default=None, help="text files, directories or globs (default: the stdlib)"
+    )
+    t.add_argument(
+        "--tokenizer", default="bytes", help="a tokenizer.json, a directory holding one, or 'bytes' (default)"
+    )
+    t.add_argument("--out", required=True, help="the store directory to write: new or empty")
+    t.add_argument(
+        "--val-fraction",
+        type=arg_type(Range(float, 0.0, 1.0, low_open=True)),
+        default=0.05,
+        help="validation share, by file as train --data splits (default 0.05, train's)",
+    )
+    t.add_argument(
+        "--max-bytes", type=positive_int, default=None, help="cap the corpus at about this many bytes"
+    )
+    t.add_argument(
+        "--workers", type=non_negative_int, default=0, help="tokenizing processes (0: one per CPU)"
+    )
+    t.add_argument("--json", action="store_true", help="print the summary as JSON")
+    t.set_defaults(fn=run)
+
+
+def run(args) -> int:
+    from meshlm.data.prepare import check_out, plan, prepare
+    from meshlm.data.tokenizer import load_tokenizer
+
+    check_out(args.out)  # bad input fails before any work: the output, the tokenizer, the corpus
+    tok = load_tokenizer(args.tokenizer)
+    plan(args.data, args.val_fraction, args.max_bytes)
+    t0 = time.perf_counter()
+    index = prepare(
+        args.data,
+        tok,
+        args.out,
+        val_fraction=args.val_fraction,
+        max_bytes=args.max_bytes,
+        workers=args.workers,
+    )
+    splits = index["splits"]
+    summary = {
+        "out": args.out,
+        "tokenizer": tok.describe(),
+        "dtype": index["dtype"],
+        **{f"{s}_{k}": splits[s][k] for s in ("train", "val") for k in ("tokens", "bytes")},
+        **{f"{s}_documents": len(splits[s]["documents"]) for s in ("train", "val")},
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(
+            f"prepared {summary['train_tokens']:,} train + {summary['val_tokens']:,} validation tokens "
+            f"({index['dtype']}) of {summary['train_bytes'] + summary['val_bytes']:,} bytes with the "
+            f"{tok.describe()} in {summary['seconds']:.1f} s: {args.out}",
+            file=sys.stderr,
+        )
+    return 0
