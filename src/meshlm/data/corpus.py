@@ -22,7 +22,7 @@ from meshlm.data.sources import (
     split_sources,
     stdlib_root,
 )
-from meshlm.data.stream import TokenStream, read_document
+from meshlm.data.stream import TokenStream, read_document, splits_info
 from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.errors import DataError
 
@@ -77,15 +77,4 @@ def load_splits(
         how = "by file (sha1 of relative path)"
     if len(train) <= train.num_docs:
         raise DataError(f"the training data is empty: {source}; pass non-empty files")
-    info = {
-        "source": source,
-        "split": how,
-        "train_files": len(train.files),
-        "val_files": len(val.files),
-        "train_bytes": train.text_bytes,
-        "val_bytes": val.text_bytes,
-        "train_tokens": len(train),
-        "val_tokens": len(val),
-        "tokenizer": tok.describe(),
-    }
-    return train, val, info
+    return train, val, splits_info(source, how, train, val, tok)

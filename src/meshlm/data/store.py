@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from meshlm.data.stream import TokenStream
+from meshlm.data.stream import TokenStream, splits_info
 from meshlm.data.tokenizer import Tokenizer
 from meshlm.errors import DataError
 
@@ -153,18 +153,8 @@ class TokenStore:
             raise DataError(
                 f"token store {self.directory} has no training tokens; prepare it from non-empty files"
             )
-        info = {
-            "source": f"token store {self.directory} ({self.index['source']})",
-            "split": self.index["split"],
-            "train_files": len(train.files),
-            "val_files": len(val.files),
-            "train_bytes": train.text_bytes,
-            "val_bytes": val.text_bytes,
-            "train_tokens": len(train),
-            "val_tokens": len(val),
-            "tokenizer": tok.describe(),
-        }
-        return train, val, info
+        source = f"token store {self.directory} ({self.index['source']})"
+        return train, val, splits_info(source, self.index["split"], train, val, tok)
 
 
 def _damaged(directory: Path, problem: str) -> DataError:

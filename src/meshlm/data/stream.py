@@ -183,3 +183,18 @@ class Batcher:
             rng = np.random.default_rng([EVAL_SEED, i])
             batches.append(self._make(self._draw(rng)))
         return batches
+
+
+def splits_info(source: str, split: str, train: TokenStream, val: TokenStream, tok) -> dict:
+    """What a loaded corpus or token store reports about its two splits (train rows, run logs)."""
+    return {
+        "source": source,
+        "split": split,
+        "train_files": len(train.files),
+        "val_files": len(val.files),
+        "train_bytes": train.text_bytes,
+        "val_bytes": val.text_bytes,
+        "train_tokens": len(train),
+        "val_tokens": len(val),
+        "tokenizer": tok.describe(),
+    }
