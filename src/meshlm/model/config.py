@@ -48,7 +48,7 @@ class ModelConfig:
         if self.family not in FAMILIES:
             raise ConfigError(f"unknown family {self.family!r}; valid: {', '.join(FAMILIES)}")
         if self.remat not in REMAT:
-            raise ConfigError(f"remat={self.remat!r}; valid: {', '.join(REMAT)}")
+            raise ConfigError(f"remat must be one of {', '.join(REMAT)}, got {self.remat!r}")
         if self.family != "ff":
             self._check_attention()
 
