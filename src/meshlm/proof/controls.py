@@ -67,6 +67,20 @@ class KvNotReplicated(Parallel):
         return self.shard_index() % n_kv_heads
 
 
+class ExtraAllReduce(Parallel):
+    """A redundant second all-reduce after every row-parallel one: same values (the sum of mp copies
+    divided by mp; exact for power-of-two mp), twice the communication in forward and backward. With
+    sequence parallelism the redundant pair is an all-gather and a reduce-scatter of the slices."""
+
+    def row_sum(self, partial):
+        out = super().row_sum(partial)
+        if not self.sharded:
+            return out
+        if self.sp:
+            return lax.psum_scatter(self.gather_seq(out), MP, scatter_dimension=1, tiled=True) / self.mp
+        return lax.psum(lax.pcast(out, MP, to="varying") / self.mp, MP)
+
+
 class FsdpGradFromOneShard(Parallel):
     """FSDP: each data shard keeps its own gradient of its weight slice instead of the reduce-scatter
     (the sum over data shards): the gathered weight's gradient reaches only the local slice."""
@@ -100,20 +114,6 @@ class SpSeqWrongOrder(Parallel):
     def gather_seq(self, x):
         parts = jnp.roll(lax.all_gather(x, MP, axis=0, tiled=False), 1, axis=0)  # [mp, B, T/mp, ...]
         return jnp.concatenate([parts[i] for i in range(self.mp)], axis=1)
-
-
-class ExtraAllReduce(Parallel):
-    """A redundant second all-reduce after every row-parallel one: same values (the sum of mp copies
-    divided by mp; exact for power-of-two mp), twice the communication in forward and backward. With
-    sequence parallelism the redundant pair is an all-gather and a reduce-scatter of the slices."""
-
-    def row_sum(self, partial):
-        out = super().row_sum(partial)
-        if not self.sharded:
-            return out
-        if self.sp:
-            return lax.psum_scatter(self.gather_seq(out), MP, scatter_dimension=1, tiled=True) / self.mp
-        return lax.psum(lax.pcast(out, MP, to="varying") / self.mp, MP)
 
 
 def per_shard_clip(mesh, specs, max_norm: float):
