@@ -93,6 +93,8 @@ def test_old_boolean_remat_loads_and_bad_values_are_one_line_errors(capsys):
         TrainConfig(remat="some")
     assert run_cli("verify", "--config", "tiny-llama", "--mesh", "1x4", "--sp", "--seq-len", "30") == 2
     assert "--seq-len 30 is not divisible" in capsys.readouterr().err
+    assert run_cli("train", "--config", "tiny-lm", "--mesh", "1x4", "--sp", "--seq-len", "30") == 2
+    assert "seq_len=30 is not divisible by it" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from meshlm.parallel import distributed
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.rules import model_specs, shardings
 from meshlm.parallel.spmd import sharded_loss
-from meshlm.train.config import TrainConfig, resolve, resume_must_match
+from meshlm.train.config import TrainConfig, check_seq_split, resolve, resume_must_match
 from meshlm.train.metrics import OUTPUTS, MetricsLog
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step
 
@@ -170,11 +170,7 @@ def run_specs(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh) -> dict:
     """The parameter specs of this run (with ``--fsdp``, weights split over dp); a dimension the mesh
     cannot split, or (``--sp``) a sequence mp cannot split, is a one-line error before any work."""
     dp, mp = mesh.shape[DP], mesh.shape[MP]
-    if tcfg.sp and tcfg.seq_len % mp:
-        raise ConfigError(
-            f"--sp splits the sequence over mp={mp}, but seq_len={tcfg.seq_len} is not divisible "
-            f"by it; use a --seq-len that is a multiple of {mp}"
-        )
+    check_seq_split(tcfg, mp)
     return model_specs(cfg, abstract_params(cfg, mesh), mp, dp=dp, fsdp=tcfg.fsdp)
 
 
