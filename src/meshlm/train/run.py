@@ -28,13 +28,13 @@ from meshlm.errors import CheckpointError, ConfigError
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.model_io import FORMAT, abstract_params, load_model
 from meshlm.io.run_lock import RunLock, lock_run
-from meshlm.model.config import ModelConfig
+from meshlm.model.config import ModelConfig, from_dict
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel import distributed
 from meshlm.parallel.axes import DP, MP
-from meshlm.parallel.rules import model_specs
+from meshlm.parallel.rules import model_specs, shardings
 from meshlm.parallel.spmd import sharded_loss
-from meshlm.train.config import TrainConfig, resolve, resume_must_match
+from meshlm.train.config import TrainConfig, check_seq_split, resolve, resume_must_match
 from meshlm.train.metrics import OUTPUTS, MetricsLog
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step
 from meshlm.train.tokenizers import run_tokenizer, tokenizer_meta
@@ -131,45 +131,83 @@ def _check_fresh(ckpt: Checkpointer) -> None:
         )
 
 
-def _check_existing(tcfg: TrainConfig, ckpt: Checkpointer) -> None:
-    """Checks before resuming from ``ckpt``'s checkpoints, if it holds any (cheap: meta only)."""
+def _check_existing(tcfg: TrainConfig, ckpt: Checkpointer) -> dict | None:
+    """Checks before resuming from ``ckpt``'s checkpoints, if it holds any (cheap: meta only);
+    returns the newest checkpoint's meta (None without checkpoints)."""
     if tcfg.fresh:
         _check_fresh(ckpt)
     if not ckpt.all_steps():
-        return
+        return None
     with warnings.catch_warnings():  # resume() reports interrupted and corrupt steps later, once
         warnings.simplefilter("ignore")
         meta = ckpt.read_meta()
     _check_resumable(meta, tcfg, ckpt.directory)
+    return meta
+
+
+def _model_meta(meta: dict | None, cfg: ModelConfig) -> dict:
+    """The model config a resumed checkpoint must hold, as it was saved: an older spelling of the
+    same config (e.g. ``remat: false`` before remat had policies) is the same model."""
+    saved = (meta or {}).get("model_config")
+    try:
+        same = isinstance(saved, dict) and from_dict(saved) == cfg
+    except ConfigError:
+        same = False
+    return saved if same else cfg.to_dict()
 
 
 def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, ckpt: Checkpointer):
     """(params, opt_state, step, specs, step_fn): resumed from ``ckpt``'s newest checkpoint, else
     fresh (initialised, or loaded from ``tcfg.checkpoint``) at step 0."""
-    _check_existing(tcfg, ckpt)
-    specs = model_specs(cfg, abstract_params(cfg, mesh), mesh.shape[MP])
+    meta = _check_existing(tcfg, ckpt)
+    specs = run_specs(tcfg, cfg, mesh)
     if tcfg.checkpoint:
         loaded_cfg, params, _ = load_model(tcfg.checkpoint, mesh)
+        params = jax.device_put(params, shardings(specs, mesh))  # onto FSDP slices, if asked
         if loaded_cfg != cfg:
             raise CheckpointError(
                 f"--checkpoint {tcfg.checkpoint} holds a different model than --config "
                 f"{tcfg.config}; pass the config it was made with"
             )
     else:
-        params, specs = init_model(cfg, mesh, tcfg.seed)
-    step_fn, opt = sharded_step(cfg, tcfg.optim(), mesh, specs, params, COMPUTE_DTYPES[tcfg.compute_dtype])
+        params, specs = init_model(cfg, mesh, tcfg.seed, fsdp=tcfg.fsdp)
+    step_fn, opt = sharded_step(
+        step_config(tcfg, cfg),
+        tcfg.optim(),
+        mesh,
+        specs,
+        params,
+        COMPUTE_DTYPES[tcfg.compute_dtype],
+        fsdp=tcfg.fsdp,
+        sp=tcfg.sp,
+    )
     opt_state = init_opt_state(opt, params, specs, mesh)
     step = 0
     target = {"params": params, "opt_state": opt_state}
     # resume() also moves aside newer step directories it could not use, which would block saves.
     resumed = ckpt.resume(
-        jax.tree.map(_abstract, target), expect_meta={"format": FORMAT, "model_config": cfg.to_dict()}
+        jax.tree.map(_abstract, target),
+        expect_meta={"format": FORMAT, "model_config": _model_meta(meta, cfg)},
     )
     if resumed:
         state, _, step = resumed
         params, opt_state = state["params"], state["opt_state"]
         distributed.print0(f"resuming from {ckpt.step_dir(step)} (step {step})", file=sys.stderr)
     return params, opt_state, step, specs, step_fn
+
+
+def run_specs(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """The parameter specs of this run (with ``--fsdp``, weights split over dp); a dimension the mesh
+    cannot split, or (``--sp``) a sequence mp cannot split, is a one-line error before any work."""
+    dp, mp = mesh.shape[DP], mesh.shape[MP]
+    check_seq_split(tcfg, mp)
+    return model_specs(cfg, abstract_params(cfg, mesh), mp, dp=dp, fsdp=tcfg.fsdp)
+
+
+def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
+    """The model the step computes: the preset with the run's ``--remat`` (recomputation changes
+    memory, not values, so checkpoints keep the preset's config and resume under any remat)."""
+    return cfg.replace(remat=tcfg.remat)
 
 
 def _abstract(x):
@@ -180,6 +218,7 @@ def build_run(tcfg: TrainConfig, mesh: Mesh) -> Run:
     """Resolve ``tcfg``, load the data, and initialise or resume the state on ``mesh``."""
     tcfg, cfg = resolve(tcfg)
     store = store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store (checked) or None
+    run_specs(tcfg, cfg, mesh)  # bad --fsdp / --sp combinations fail before the data is read
     tok, cfg = run_tokenizer(tcfg, cfg)
     out = Path(tcfg.out)
     batcher, val, info = _load_data(tcfg, cfg, mesh.shape[DP], tok, store)
@@ -216,7 +255,7 @@ def _build(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, out: Path, batcher, 
         opt_state=opt_state,
         step=step,
         step_fn=step_fn,
-        eval_fn=jax.jit(sharded_loss(lambda par: loss_fn(cfg, par), mesh, specs, dtype)),
+        eval_fn=jax.jit(sharded_loss(lambda par: loss_fn(cfg, par), mesh, specs, dtype, sp=tcfg.sp)),
         batcher=batcher,
         val=eval_arrays(val, mesh),
         ckpt=ckpt,
