@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshlm.cli import bench, convert, generate, launch, memory, train, verify
+from meshlm.cli import bench, convert, generate, launch, memory, plan, train, verify
 from meshlm.errors import MeshlmError
 
-COMMANDS = [train, verify, generate, convert, launch, bench, memory]
+COMMANDS = [train, verify, generate, convert, launch, bench, memory, plan]
 
 
 def _configs(args) -> int:

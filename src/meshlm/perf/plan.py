@@ -1,0 +1,219 @@
+"""The memory planner: one device's memory for a training run, compiled ahead of time and estimated.
+
+``measure`` builds the *real* train step (``train.step.sharded_step``) from abstract shapes:
+parameters, AdamW state and the batch are ``jax.ShapeDtypeStruct``s carrying their NamedShardings,
+and ``jax.jit(step).lower(...).compile()`` runs XLA's partitioner, scheduler and buffer assignment
+without allocating anything of the model. ``compiled.memory_analysis()`` then gives one device's
+argument, output, alias and temporary bytes; the peak is argument + output + temp - alias (outputs
+written into donated parameter/optimizer buffers are not counted twice), as in ``meshlm bench``.
+
+Compiled on host CPU devices, the temporaries are XLA *CPU*'s plan: an accelerator's compiler fuses
+and schedules differently, and its runtime adds its own overheads (context, allocator), so on CPU
+the figure is an estimate of an accelerator's. Next to it, ``analytic`` estimates the same from
+shapes: parameters and AdamW moments from the shardings, gradients like the parameters, and
+activations from Korthikanti et al. 2022 (``perf.activations``).
+
+Options beyond main's step (``fsdp``, ``sp``, ``remat="selective"``) are used only when the
+installed step builder supports them (``supported``); otherwise asking for them is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshlm.errors import ConfigError
+from meshlm.model.config import ModelConfig
+from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.placement import bytes_per_device, total_bytes
+from meshlm.perf.activations import REMAT_POLICIES, activation_bytes
+
+PARAM_DTYPE = np.float32  # master weights (and so gradients and AdamW moments) are float32
+ADAM_MOMENTS = 2
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    batch_size: int  # global batch rows per optimizer step (split over dp, then into accum_steps)
+    seq_len: int  # tokens per row
+    accum_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    compute_dtype: str = "float32"  # "float32" or "bfloat16" (bf16 compute, float32 master weights)
+    fsdp: bool = False  # also shard weights and AdamW moments over dp (needs a step that supports it)
+    sp: bool = False  # Megatron sequence parallelism over mp (needs a step that supports it)
+    remat: str = "none"  # "none" | "full" | "selective" ("selective" needs a model that supports it)
+
+    def micro_batch(self, dp: int) -> int:
+        """Rows one device processes at once (its data shard of one micro-batch)."""
+        return self.batch_size // (dp * self.accum_steps)
+
+    def label(self) -> str:
+        """Short name of the options: "fsdp+sp+remat=full+accum=2", or "plain"."""
+        parts = [name for name in ("fsdp", "sp") if getattr(self, name)]
+        parts += [f"remat={self.remat}"] if self.remat != "none" else []
+        parts += [f"accum={self.accum_steps}"] if self.accum_steps > 1 else []
+        return "+".join(parts) or "plain"
+
+    def check(self, cfg: ModelConfig, dp: int, mp: int) -> None:
+        """One-line errors for settings that cannot compile, before any work."""
+        if self.remat not in REMAT_POLICIES:
+            raise ConfigError(f"--remat {self.remat!r}; valid: {', '.join(REMAT_POLICIES)}")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"compute_dtype={self.compute_dtype!r}; valid: float32, bfloat16")
+        if not 1 <= self.seq_len <= cfg.max_seq_len:
+            raise ConfigError(f"--seq-len {self.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
+        rows = dp * self.accum_steps
+        if self.batch_size % rows:
+            raise ConfigError(
+                f"--batch-size {self.batch_size} is not a multiple of dp x accum_steps = {dp} x "
+                f"{self.accum_steps}; use e.g. --batch-size {(self.batch_size // rows + 1) * rows}"
+            )
+        if self.sp and self.seq_len % mp:
+            raise ConfigError(
+                f"--sp splits the sequence over mp={mp}, but --seq-len {self.seq_len} is not a "
+                f"multiple of it; use e.g. --seq-len {(self.seq_len // mp + 1) * mp}"
+            )
+        check_supported(self)
+
+
+def supported() -> dict[str, bool]:
+    """Which of the memory options the installed step builder, rules table and model accept."""
+    from meshlm.parallel.rules import model_specs
+    from meshlm.train.step import sharded_step
+
+    step_args = inspect.signature(sharded_step).parameters
+    spec_args = inspect.signature(model_specs).parameters
+    remat_type = {f.name: f.type for f in dataclasses.fields(ModelConfig)}["remat"]
+    return {
+        "fsdp": "fsdp" in step_args and "fsdp" in spec_args,
+        "sp": "sp" in step_args,
+        "selective": remat_type not in (bool, "bool"),
+    }
+
+
+def check_supported(settings: PlanSettings) -> None:
+    have = supported()
+    asked = {"fsdp": settings.fsdp, "sp": settings.sp, "selective": settings.remat == "selective"}
+    missing = [name for name, on in asked.items() if on and not have[name]]
+    if missing:
+        flags = ", ".join("--remat selective" if m == "selective" else f"--{m}" for m in missing)
+        raise ConfigError(
+            f"{flags}: this meshlm's train step does not support it yet, so it cannot be planned; "
+            "plan without it"
+        )
+
+
+def remat_policy(cfg: ModelConfig) -> str:
+    """The config's own remat as a policy name (it is a bool where only none/full exist)."""
+    if isinstance(cfg.remat, bool):
+        return "full" if cfg.remat else "none"
+    return cfg.remat
+
+
+def with_remat(cfg: ModelConfig, policy: str) -> ModelConfig:
+    if supported()["selective"]:
+        return cfg.replace(remat=policy)
+    return cfg.replace(remat=policy == "full")
+
+
+def _option_kwargs(settings: PlanSettings, dp: int) -> tuple[dict, dict]:
+    """Keyword arguments for model_specs and sharded_step: only the options in use are passed, so
+    the planner runs on a step builder that does not know them."""
+    specs_kw = {"dp": dp, "fsdp": True} if settings.fsdp else {}
+    step_kw = {name: True for name in ("fsdp", "sp") if getattr(settings, name)}
+    return specs_kw, step_kw
+
+
+def abstract_step(cfg: ModelConfig, mesh, settings: PlanSettings):
+    """(jitted step, params, opt_state, batch): the train step and ShapeDtypeStruct arguments."""
+    from meshlm.parallel.rules import batch_sharding
+    from meshlm.train.optim import OptimConfig
+    from meshlm.train.step import COMPUTE_DTYPES, abstract_opt_state, sharded_step
+
+    cfg = with_remat(cfg, settings.remat)
+    _, step_kw = _option_kwargs(settings, mesh.shape[DP])
+    specs, params = abstract_params(cfg, mesh, settings)
+    ocfg = OptimConfig(accum_steps=settings.accum_steps)
+    dtype = COMPUTE_DTYPES[settings.compute_dtype]
+    step, opt = sharded_step(cfg, ocfg, mesh, specs, params, dtype, **step_kw)
+    opt_state = abstract_opt_state(opt, params, specs, mesh)
+    micro = settings.batch_size // settings.accum_steps
+    shape = (
+        (micro, settings.seq_len)
+        if settings.accum_steps == 1
+        else (settings.accum_steps, micro, settings.seq_len)
+    )
+    rows = batch_sharding(mesh, settings.accum_steps)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows) for k in ("inputs", "targets")}
+    return step, params, opt_state, batch
+
+
+def measure(cfg: ModelConfig, mesh, settings: PlanSettings) -> dict:
+    """Compile the step ahead of time; one device's bytes by layout and by XLA's memory analysis."""
+    from meshlm.perf.bench import compiled_memory
+
+    step, params, opt_state, batch = abstract_step(cfg, mesh, settings)
+    start = time.perf_counter()
+    compiled = step.lower(params, opt_state, batch).compile()
+    seconds = time.perf_counter() - start
+    memory = compiled_memory(compiled)
+    if memory is None:
+        raise ConfigError(f"XLA's {jax.default_backend()} compiler reports no memory analysis; plan on CPU")
+    return {
+        "params": bytes_per_device(params),
+        "opt_state": bytes_per_device(opt_state),
+        **memory,
+        "compile_s": seconds,
+    }
+
+
+def abstract_params(cfg: ModelConfig, mesh, settings: PlanSettings):
+    """(specs, params): the rules table's specs and float32 ShapeDtypeStructs with their shardings."""
+    from meshlm.model.transformer import param_shapes
+    from meshlm.parallel.rules import model_specs, shardings
+
+    specs_kw, _ = _option_kwargs(settings, mesh.shape[DP])
+    shapes = param_shapes(cfg)
+    specs = model_specs(cfg, shapes, mesh.shape[MP], **specs_kw)
+    params = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, PARAM_DTYPE, sharding=sh), shapes, shardings(specs, mesh)
+    )
+    return specs, params
+
+
+def state_bytes(cfg: ModelConfig, mesh, settings: PlanSettings) -> dict:
+    """Parameter bytes, unsharded and on one device, from the shapes and the rules table's specs."""
+    _, params = abstract_params(cfg, mesh, settings)
+    return {"params_total": total_bytes(params), "params_per_device": bytes_per_device(params)}
+
+
+def analytic(cfg: ModelConfig, mesh, settings: PlanSettings) -> dict:
+    """One device's bytes estimated from shapes: the state, gradients and activations (see above)."""
+    dp, mp = mesh.shape[DP], mesh.shape[MP]
+    params = state_bytes(cfg, mesh, settings)["params_per_device"]
+    act_bytes = 2 if settings.compute_dtype == "bfloat16" else 4
+    acts = activation_bytes(
+        cfg,
+        seq=settings.seq_len,
+        micro_batch=settings.micro_batch(dp),
+        mp=mp,
+        sp=settings.sp,
+        remat=settings.remat,
+        act_bytes=act_bytes,
+    )
+    gradients = params * (2 if settings.accum_steps > 1 else 1)  # + the accumulator's running sum
+    opt_state = ADAM_MOMENTS * params
+    temporaries = gradients + acts["total"]
+    return {
+        "params": params,
+        "opt_state": opt_state,
+        "gradients": gradients,
+        "activations": acts,
+        "temp": temporaries,
+        "peak": params + opt_state + temporaries,
+    }
