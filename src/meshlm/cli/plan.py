@@ -11,6 +11,7 @@ import re
 
 from meshlm.cli.common import add_common, positive_int, setup
 from meshlm.errors import ConfigError
+from meshlm.parallel.mesh import parse_mesh
 
 REMAT_CHOICES = ("none", "full", "selective")  # perf.activations.REMAT_POLICIES (no JAX import here)
 UNITS = {"TiB": 2**40, "GiB": 2**30, "MiB": 2**20, "TB": 10**12, "GB": 10**9, "MB": 10**6}
@@ -66,8 +67,8 @@ def add_parser(sub) -> None:
     p.set_defaults(fn=run)
 
 
-def _model(args):
-    """(config, its name): the preset, or the checkpoint's model config."""
+def _preset(args):
+    """(config, its name) of a preset (no JAX needed), or None for a checkpoint's model."""
     from meshlm.model.config import get_config
 
     if args.checkpoint is None:
@@ -75,20 +76,13 @@ def _model(args):
         return get_config(name), name
     if args.config is not None:
         raise ConfigError("give --config or --checkpoint, not both (a checkpoint names its own model)")
-    from meshlm.io.model_io import read_config
-
-    cfg, _ = read_config(args.checkpoint)
-    return cfg, f"checkpoint {args.checkpoint}"
+    return None
 
 
-def run(args) -> int:
-    mesh, _, _ = setup(args)
-    from meshlm.perf.plan import PlanSettings, remat_policy
-    from meshlm.perf.plan_report import format_plan
-    from meshlm.perf.plan_search import plan
+def _settings(args, cfg):
+    from meshlm.perf.plan_settings import PlanSettings, remat_policy
 
-    cfg, name = _model(args)
-    settings = PlanSettings(
+    return PlanSettings(
         batch_size=args.batch_size,
         seq_len=args.seq_len or cfg.max_seq_len,
         accum_steps=args.accum_steps,
@@ -97,6 +91,23 @@ def run(args) -> int:
         sp=args.sp,
         remat=args.remat or remat_policy(cfg),
     )
-    report = plan(cfg, name, mesh, settings, device_bytes=args.device_memory, max_compiles=args.max_compiles)
+
+
+def run(args) -> int:
+    model = _preset(args)
+    if model is not None and args.mesh:  # what needs no devices is checked before them
+        _settings(args, model[0]).check(model[0], *parse_mesh(args.mesh))
+    mesh, _, _ = setup(args)
+    from meshlm.perf.plan_report import format_plan
+    from meshlm.perf.plan_search import plan
+
+    if model is None:
+        from meshlm.io.model_io import read_config
+
+        model = (read_config(args.checkpoint)[0], f"checkpoint {args.checkpoint}")
+    cfg, name = model
+    report = plan(
+        cfg, name, mesh, _settings(args, cfg), device_bytes=args.device_memory, max_compiles=args.max_compiles
+    )
     print(json.dumps(report) if args.json else format_plan(report))
     return 0

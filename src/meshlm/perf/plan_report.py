@@ -52,15 +52,17 @@ def _breakdown(row: dict) -> list[str]:
     return out
 
 
-def _verdict(row: dict, device: int) -> str:
+def _verdict(row: dict) -> str:
     if "error" in row:
         return f"cannot be built: {row['error']}"
     margin = row["margin"]
-    return f"fits ({gib(margin)} free)" if margin >= 0 else f"does NOT fit ({gib(-margin)} over)"
+    if margin < 0:
+        return f"does NOT fit ({gib(-margin)} over)"
+    return f"fits, tight ({gib(margin)} free)" if row["tight"] else f"fits ({gib(margin)} free)"
 
 
 def _candidates(report: dict) -> list[str]:
-    dp, device = report["mesh"]["dp"], report["device_memory"]
+    dp = report["mesh"]["dp"]
     head = f"  {'options':<34}{'rows/device':>12}{'analytic peak':>15}{'compiled peak':>15}  verdict"
     out = ["candidates (each one compiled):", head]
     for row in report["candidates"]:
@@ -68,7 +70,7 @@ def _candidates(report: dict) -> list[str]:
         micro = s["batch_size"] // (dp * s["accum_steps"])
         analytic = gib(row["analytic"]["peak"]) if "analytic" in row else "-"
         compiled = gib(row["compiled"]["peak"]) if "compiled" in row else "-"
-        out.append(f"  {flags(s):<34}{micro:>12}{analytic:>15}{compiled:>15}  {_verdict(row, device)}")
+        out.append(f"  {flags(s):<34}{micro:>12}{analytic:>15}{compiled:>15}  {_verdict(row)}")
     return out
 
 
@@ -76,7 +78,7 @@ def format_plan(report: dict) -> str:
     row, device = report["plan"], report["device_memory"]
     lines = _header(report) + _breakdown(row)
     if device is not None:
-        lines.append(f"device memory {gib(device)}: {_verdict(row, device)}")
+        lines.append(f"device memory {gib(device)}: {_verdict(row)}")
     if report["candidates"]:
         lines += _candidates(report)
         if report["compiles"] >= report["max_compiles"]:

@@ -13,7 +13,8 @@ stops at ``max_compiles``):
 The order is the cost in step time: sequence parallelism costs no extra communication volume,
 FSDP gathers weights, selective remat recomputes the cheap attention work, a smaller micro-batch
 makes smaller matmuls, full remat recomputes every layer's forward (about a third more compute).
-The recommendation is the cheapest candidate that fits.
+The recommendation is the cheapest candidate that fits with 10% of the device to spare (else the
+cheapest that fits at all).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import jax
 from meshlm.errors import MeshlmError
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.axes import DP, MP
-from meshlm.perf.plan import ADAM_MOMENTS, PlanSettings, analytic, measure, state_bytes, supported
+from meshlm.perf.plan import ADAM_MOMENTS, analytic, check_supported, measure, state_bytes, supported
+from meshlm.perf.plan_settings import PlanSettings
 
 CPU_NOTE = (
     "compiled by XLA for host CPU devices: the temporaries and peak are XLA CPU's buffer plan, an "
@@ -35,6 +37,9 @@ CPU_NOTE = (
 COSTS = {"sp": 0, "fsdp": 1, "selective": 2, "accum": 3, "full": 4}  # step-time cost of each option
 STACK_ORDER = ("sp", "fsdp", "selective", "full", "accum")
 DEFAULT_MAX_COMPILES = 8
+# A fit with less than this fraction of the device free is "tight": the CPU-compiled peak is an
+# estimate, so a looser fit is recommended over a cheaper tight one.
+TIGHT = 0.1
 
 
 def moves(settings: PlanSettings, dp: int, mp: int) -> list[tuple[str, PlanSettings]]:
@@ -101,6 +106,7 @@ class Planner:
         if self.device_bytes is not None:
             row["margin"] = self.device_bytes - compiled["peak"]
             row["fits"] = row["margin"] >= 0
+            row["tight"] = row["fits"] and row["margin"] < TIGHT * self.device_bytes
         return row
 
     def search(self, base: PlanSettings) -> list[dict]:
@@ -140,11 +146,11 @@ def _unique(rows: list[dict | None]) -> list[dict]:
 
 
 def recommended(rows: list[dict], base: PlanSettings) -> dict | None:
-    """The cheapest fitting row (then the smallest peak), or None."""
+    """The cheapest fitting row that is not tight (then the smallest peak), or None."""
     fitting = [r for r in rows if r.get("fits")]
     if not fitting:
         return None
-    key = lambda r: (cost(PlanSettings(**r["settings"]), base), r["compiled"]["peak"])
+    key = lambda r: (r["tight"], cost(PlanSettings(**r["settings"]), base), r["compiled"]["peak"])
     return min(fitting, key=key)
 
 
@@ -160,6 +166,7 @@ def plan(
     """The planner's report (one JSON-able dict): the given settings, and the search if they don't fit."""
     dp, mp = mesh.shape[DP], mesh.shape[MP]
     settings.check(cfg, dp, mp)
+    check_supported(settings)
     planner = Planner(cfg=cfg, mesh=mesh, device_bytes=device_bytes, max_compiles=max(1, max_compiles))
     row = planner.evaluate(settings, strict=True)
     candidates = planner.search(settings) if row.get("fits") is False else []
