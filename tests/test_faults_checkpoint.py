@@ -138,7 +138,8 @@ BAD_CONFIGS = [
     ("rope_theta", "10000", "a finite number > 0"),
     ("z_loss", -0.5, "a finite number >= 0"),
     ("tie_embeddings", 1, "true or false"),
-    ("remat", "false", "true or false"),
+    ("remat", "false", "one of none, full, selective"),
+    ("remat", 1, "a string"),
     ("rotary_style", None, "a string"),
     ("family", 3, "a string"),
 ]

@@ -43,7 +43,7 @@ def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field) -> None:
     else:
         valid = f.metadata["valid"]
         kind = arg_type(valid) if valid is not None else type(f.default)
-        p.add_argument(flag, type=kind, default=f.default, help=_help(f))
+        p.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"], help=_help(f))
 
 
 def _help(f: dataclasses.Field) -> str:

@@ -15,6 +15,7 @@ from meshlm.errors import ConfigError
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
 FAMILIES = ("ff", "gptj", "llama")
+REMAT = ("none", "full", "selective")  # see meshlm.model.memory
 # Each attention family's own rotary convention (the one transformers uses for it).
 FAMILY_ROTARY = {"gptj": "interleaved", "llama": "half"}
 
@@ -37,13 +38,17 @@ class ModelConfig:
     tie_embeddings: bool = False  # llama: output projection reuses the embedding table
     embed_bias: bool = False  # ff: the prototype's embedding had a bias (added once, after the sum)
     z_loss: float = 0.0  # coefficient of the z-loss term coeff * log(Z)^2 (0 disables it)
-    remat: bool = False  # rematerialise each layer's activations in the backward pass
+    remat: str = "none"  # per-layer recomputation in the backward: "none" | "full" | "selective"
 
     def __post_init__(self):
+        if isinstance(self.remat, bool):  # checkpoints written before remat had policies
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
         for f in dataclasses.fields(self):  # every construction path: presets, JSON, HF import
             object.__setattr__(self, f.name, _checked(f.name, f.type, getattr(self, f.name)))
         if self.family not in FAMILIES:
             raise ConfigError(f"unknown family {self.family!r}; valid: {', '.join(FAMILIES)}")
+        if self.remat not in REMAT:
+            raise ConfigError(f"remat must be one of {', '.join(REMAT)}, got {self.remat!r}")
         if self.family != "ff":
             self._check_attention()
 

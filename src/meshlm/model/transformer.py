@@ -18,6 +18,7 @@ from meshlm.errors import ConfigError
 from meshlm.model.attention import Attention
 from meshlm.model.config import ModelConfig
 from meshlm.model.layers import MLP, LayerNorm, RMSNorm, VocabEmbed, VocabHead, vocab_parallel_xent
+from meshlm.model.memory import parallel_getter, remat_body
 from meshlm.parallel.context import Parallel
 
 GPT_STDDEV = 0.02  # GPT-J / Llama initialisation
@@ -70,8 +71,7 @@ def _stack(cfg: ModelConfig, layer, x, positions, cache):
         body = lambda x, c: layer(x, c)
     else:
         body = lambda x, c: layer(x, positions, c)
-    if cfg.remat:
-        body = hk.remat(body)
+    body = remat_body(cfg.remat, body)
     if cache is None:
         stacked = hk.experimental.layer_stack(cfg.n_layers, name="layers")(lambda x: body(x, None)[0])
         return stacked(x), None
@@ -86,6 +86,12 @@ def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=
     """tokens [B, T] -> (per-shard logits [B, T, V/mp], new cache or None)."""
     if tokens.shape[-1] > cfg.max_seq_len and cfg.family != "ff":
         raise ConfigError(f"sequence length {tokens.shape[-1]} exceeds max_seq_len={cfg.max_seq_len}")
+    par.seq_len_check(tokens.shape[-1])
+    with hk.custom_getter(parallel_getter(par)):  # FSDP gathers, SP norm hook (``Parallel.param``)
+        return _local_logits(cfg, par, tokens, positions, cache)
+
+
+def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache):
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
     ff = cfg.family == "ff"
@@ -93,7 +99,7 @@ def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=
     embed = VocabEmbed(
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, par=par, stddev=stddev, bias=cfg.embed_bias
     )
-    x = embed(tokens)  # [B, T, D]
+    x = embed(tokens)  # [B, T, D]; with sp [B, T/mp, D] per shard
     x, cache = _stack(cfg, LAYERS[cfg.family](cfg, par), x, positions, cache)
     if cfg.family == "gptj":
         x = LayerNorm(eps=cfg.norm_eps, name="final_ln")(x)

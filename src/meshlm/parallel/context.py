@@ -10,6 +10,12 @@ Megatron's pair, made varying-axis-correct for ``shard_map(check_vma=True)``:
 * ``g`` (all-reduce forward, identity backward) is ``lax.psum(x, MP)`` of a per-shard value: the
   transpose of a varying-to-invariant ``psum`` is a ``pcast`` back to varying, i.e. the identity.
 
+Memory options (``meshlm.parallel.memory`` documents them): with FSDP a weight is stored sliced over
+DP and ``param`` all-gathers it where a layer asks for it (the transpose, a reduce-scatter over DP,
+is the gradient's data-parallel sum); with sequence parallelism (``sp``) the activations between
+blocks are split over the sequence on MP, ``f`` all-gathers them (reduce-scatter backward) and
+``row_sum`` reduce-scatters the row-parallel partials (all-gather backward).
+
 We do not write custom VJPs: JAX's own transposes are exact (``meshlm verify`` proves it, in float64,
 and its planted-fault controls show that the proof can fail). Negative controls subclass this class
 and override one method each; layers stay unchanged.
@@ -30,20 +36,69 @@ class Parallel:
     mp: int = 1  # number of model-parallel shards (1: unsharded)
     dp: int = 1  # number of data-parallel shards
     sharded: bool = False  # True inside shard_map over the (DP, MP) mesh
+    sp: bool = False  # sequence parallelism: activations between blocks are [B, T/mp, D] per shard
 
     # --- Megatron collectives over the model axis -------------------------------------------
     def f(self, x):
-        """Identity forward, all-reduce backward: entering a column-parallel region."""
-        return lax.pcast(x, MP, to="varying") if self.sharded else x
+        """Identity forward, all-reduce backward: entering a column-parallel region. With ``sp``:
+        x [B, T/mp, D] per shard -> [B, T, D], all-gather forward, reduce-scatter backward."""
+        if not self.sharded:
+            return x
+        return self.gather_seq(x) if self.sp else lax.pcast(x, MP, to="varying")
 
     def g(self, x):
         """All-reduce forward, identity backward: leaving a row-parallel region."""
         return lax.psum(x, MP) if self.sharded else x
 
+    def row_sum(self, partial):
+        """Sum row-parallel partials [B, T, D] over shards: ``g``, or with ``sp`` a reduce-scatter
+        over the sequence to [B, T/mp, D] (all-gather backward)."""
+        if self.sp and self.sharded:
+            return lax.psum_scatter(partial, MP, scatter_dimension=1, tiled=True)
+        return self.g(partial)
+
     def row_out(self, partial, bias=None):
         """Sum row-parallel partial outputs over shards, then add the (replicated) bias once."""
-        out = self.g(partial)
+        out = self.row_sum(partial)
         return out if bias is None else out + bias
+
+    # --- memory options: sequence parallelism and FSDP ---------------------------------------
+    def gather_seq(self, x):
+        """[B, T/mp, ...] sequence slices -> [B, T, ...] in shard order (reduce-scatter backward)."""
+        return lax.all_gather(x, MP, axis=1, tiled=True)
+
+    def seq_len_check(self, seq_len: int):
+        """With ``sp`` the sequence is split over MP: it must divide (a one-line error otherwise)."""
+        if self.sp and self.sharded and seq_len % self.mp:
+            from meshlm.errors import ShardingError
+
+            raise ShardingError(
+                f"sequence length {seq_len} is not divisible by mp={self.mp} under sequence "
+                f"parallelism (--sp); use a --seq-len that is a multiple of {self.mp}"
+            )
+
+    def param(self, value, shape, norm: bool):
+        """A parameter as a layer uses it (called by a Haiku getter for every ``get_parameter``).
+
+        ``value``: what this shard stores; ``shape``: what the layer asked for. A stored slice
+        smaller than the request is an FSDP slice over DP: all-gathered along that dimension
+        (``gather_weight``). ``norm``: a norm's scale/offset, which with ``sp`` meets the sequence
+        slices of every shard, so JAX sums its gradient over MP (``norm_param`` is that hook)."""
+        if not self.sharded:
+            return value
+        if tuple(value.shape) != tuple(shape):
+            dims = [i for i, (a, b) in enumerate(zip(value.shape, shape, strict=True)) if a != b]
+            return self.gather_weight(value, dims[0])
+        return self.norm_param(value) if norm and self.sp else value
+
+    def gather_weight(self, w, dim: int):
+        """FSDP: this shard's slice of a weight -> the whole weight along ``dim`` (all-gather over
+        DP; its transpose reduce-scatters the gradient: each shard keeps the DP sum of its slice)."""
+        return lax.all_gather(w, DP, axis=dim, tiled=True)
+
+    def norm_param(self, p):
+        """A replicated norm parameter under ``sp`` (a hook for controls): used as it is."""
+        return p
 
     def pmax(self, x):
         return lax.pmax(x, MP) if self.sharded else x

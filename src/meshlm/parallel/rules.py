@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ShardingError
-from meshlm.model.params import is_stacked, param_path
+from meshlm.model.params import is_embedding, is_matmul_weight, is_stacked, param_path
 from meshlm.parallel.axes import DP, MP
 
 KV = "kv_heads"  # placeholder: MP when mp divides the KV heads, replicated when they are repeated
@@ -34,6 +34,18 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"/mlp/w_(out|down)$", (MP, None)),  # [F, D]: row-parallel
     (r"/mlp/b_out$", (None,)),  # [D]: added once after the all-reduce
     (r"(^|/)(ln|ln2|final_ln)/(scale|offset)$", (None,)),  # [D]: norms are replicated
+)
+
+# FSDP (``--fsdp``): the dimension of each weight's own dims that is additionally split over DP (the
+# model width D everywhere: never a dimension MP uses). A weight no row names takes its largest
+# dimension MP does not use; norms and biases stay replicated over DP. Global shapes in the comments.
+FSDP_RULES: tuple[tuple[str, int], ...] = (
+    (r"^embed/embeddings$", 1),  # [V, D]
+    (r"^head/w$", 0),  # [D, V]
+    (r"/attn/w[qkv]$", 0),  # [D, H, E] / [D, K, E]
+    (r"/attn/wo$", 2),  # [H, E, D]
+    (r"/mlp/w_(in|gate|up)$", 0),  # [D, F]
+    (r"/mlp/w_(out|down)$", 1),  # [F, D]
 )
 
 BATCH_SPEC = P(DP, None)  # inputs / targets [B, T]: rows split over data-parallel shards
@@ -74,8 +86,30 @@ def param_specs(params, mp: int, rules=RULES, kv_axis=MP):
     }
 
 
-def model_specs(cfg, abstract_params, mp: int):
-    """Specs for a meshlm model, resolving the KV placeholder for its config."""
+def fsdp_spec(path: str, shape: Sequence[int], spec: P, dp: int) -> P:
+    """``spec`` with DP added on the FSDP dimension of a weight (``FSDP_RULES``, else its largest
+    dimension MP does not use); norms and biases unchanged. Errors name a dimension dp cannot split."""
+    if not (is_matmul_weight(path) or is_embedding(path)):
+        return spec
+    dims = list(spec) + [None] * (len(shape) - len(spec))
+    offset = 1 if is_stacked(path) else 0
+    named = [d for pattern, d in FSDP_RULES if re.search(pattern, path)]
+    free = [i for i in range(offset, len(shape)) if dims[i] is None]
+    dim = named[0] + offset if named else max(free, key=lambda i: shape[i], default=None)
+    if dim is None or dims[dim] is not None:
+        raise ShardingError(f"parameter {path!r} {tuple(shape)} has no dimension free for --fsdp")
+    if shape[dim] % dp:
+        raise ShardingError(
+            f"parameter {path!r} dimension {dim} (size {shape[dim]}) is not divisible by dp={dp} "
+            f"under --fsdp; choose a dp that divides {shape[dim]}, or drop --fsdp"
+        )
+    dims[dim] = DP
+    return P(*dims)
+
+
+def model_specs(cfg, abstract_params, mp: int, *, dp: int = 1, fsdp: bool = False):
+    """Specs for a meshlm model, resolving the KV placeholder for its config; with ``fsdp`` every
+    weight is also split over ``dp`` (``fsdp_spec``)."""
     from meshlm.model.attention import kv_replicated
 
     kv_axis = MP
@@ -86,7 +120,21 @@ def model_specs(cfg, abstract_params, mp: int):
                 f"split the attention heads; choose an mp that divides {cfg.n_heads}"
             )
         kv_axis = None if kv_replicated(cfg.kv_heads, mp) else MP
-    return param_specs(abstract_params, mp, RULES, kv_axis)
+    specs = param_specs(abstract_params, mp, RULES, kv_axis)
+    if not fsdp:
+        return specs
+    return {
+        mod: {
+            name: fsdp_spec(param_path(mod, name), abstract_params[mod][name].shape, spec, dp)
+            for name, spec in leaves.items()
+        }
+        for mod, leaves in specs.items()
+    }
+
+
+def dp_sharded(spec: P) -> bool:
+    """Whether a parameter is stored split over DP (FSDP)."""
+    return any(d == DP or (isinstance(d, tuple) and DP in d) for d in spec)
 
 
 def batch_sharding(mesh, accum_steps: int) -> NamedSharding:

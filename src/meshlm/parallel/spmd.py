@@ -20,13 +20,13 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.context import Parallel
-from meshlm.parallel.rules import BATCH_SPEC
+from meshlm.parallel.rules import BATCH_SPEC, dp_sharded
 
 LossBuilder = Callable[[Parallel], Callable]
 
 
-def mesh_parallel(mesh, par_cls: type[Parallel] = Parallel) -> Parallel:
-    return par_cls(mp=mesh.shape[MP], dp=mesh.shape[DP], sharded=True)
+def mesh_parallel(mesh, par_cls: type[Parallel] = Parallel, *, sp: bool = False) -> Parallel:
+    return par_cls(mp=mesh.shape[MP], dp=mesh.shape[DP], sharded=True, sp=sp)
 
 
 def with_compute_dtype(apply, dtype):
@@ -43,31 +43,38 @@ def reference_value_and_grad(build_loss: LossBuilder, compute_dtype=None):
     return jax.value_and_grad(with_compute_dtype(apply, compute_dtype))
 
 
-def _dp_varying(apply):
+def _dp_varying(apply, specs):
     """Cast every parameter to DP-varying once, at entry. Left implicit, JAX casts each weight where
     it meets the (DP-varying) batch -- inside the layer loop -- so the forward saves a stacked copy of
     every layer's weights and the backward all-reduces the DP gradient once per layer. The transpose of
-    this one cast is the single data-parallel gradient all-reduce."""
+    this one cast is the single data-parallel gradient all-reduce. Parameters stored split over DP
+    (FSDP) are DP-varying already: their gradients are reduce-scattered where they are gathered."""
+
+    def cast(p, spec):
+        return p if dp_sharded(spec) else lax.pcast(p, DP, to="varying")
 
     def wrapped(params, batch):
-        return apply(jax.tree.map(lambda p: lax.pcast(p, DP, to="varying"), params), batch)
+        return apply(jax.tree.map(cast, params, specs, is_leaf=lambda x: isinstance(x, P)), batch)
 
     return wrapped
 
 
-def sharded_value_and_grad(build_loss: LossBuilder, mesh, specs, par_cls=Parallel, compute_dtype=None):
-    """fn(params, batch) -> (loss, grads) on the mesh: params laid out by ``specs``, batch rows over DP.
+def sharded_value_and_grad(
+    build_loss: LossBuilder, mesh, specs, par_cls=Parallel, compute_dtype=None, *, sp: bool = False
+):
+    """fn(params, batch) -> (loss, grads) on the mesh: params laid out by ``specs``, batch rows over DP
+    (``sp``: activations between blocks split over the sequence on MP).
 
     Inputs: global arrays. Outputs: the loss (replicated) and gradients in the parameters' layout.
     """
-    apply = hk.without_apply_rng(hk.transform(build_loss(mesh_parallel(mesh, par_cls)))).apply
-    body = jax.value_and_grad(_dp_varying(with_compute_dtype(apply, compute_dtype)))
+    apply = hk.without_apply_rng(hk.transform(build_loss(mesh_parallel(mesh, par_cls, sp=sp)))).apply
+    body = jax.value_and_grad(_dp_varying(with_compute_dtype(apply, compute_dtype), specs))
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, BATCH_SPEC), out_specs=(P(), specs))
 
 
-def sharded_loss(build_loss: LossBuilder, mesh, specs, compute_dtype=None):
+def sharded_loss(build_loss: LossBuilder, mesh, specs, compute_dtype=None, *, sp: bool = False):
     """fn(params, batch) -> loss on the mesh (evaluation: no gradients)."""
-    apply = hk.without_apply_rng(hk.transform(build_loss(mesh_parallel(mesh)))).apply
+    apply = hk.without_apply_rng(hk.transform(build_loss(mesh_parallel(mesh, sp=sp)))).apply
     return jax.shard_map(
         with_compute_dtype(apply, compute_dtype), mesh=mesh, in_specs=(specs, BATCH_SPEC), out_specs=P()
     )

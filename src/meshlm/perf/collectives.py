@@ -46,7 +46,7 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int) -> dict[str, int
     sharded = mp > 1
     kv_rep = cfg.family != "ff" and sharded and kv_replicated(cfg.kv_heads, mp)
     out = {
-        "layer_forward": cfg.n_layers * per_layer * (2 if cfg.remat else 1) * sharded,
+        "layer_forward": cfg.n_layers * per_layer * (2 if cfg.remat != "none" else 1) * sharded,
         "layer_backward": cfg.n_layers * per_layer * sharded,
         "kv_replicated_grads": cfg.n_layers * kv_rep,
         "embedding": int(sharded),

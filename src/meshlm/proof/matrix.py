@@ -24,7 +24,7 @@ from meshlm.proof.problem import model_problem
 from meshlm.proof.prover import verify
 
 PRESETS = ("tiny", "tiny-gptj", "tiny-llama")
-OPTIONS = {"plain": {}, "z-loss + remat": {"z_loss": 1e-3, "remat": True}}
+OPTIONS = {"plain": {}, "z-loss + remat": {"z_loss": 1e-3, "remat": "full"}}
 SEQ_LEN = 16
 
 

@@ -23,6 +23,8 @@ class Problem:
     rebuild: Callable | None = None  # cfg -> build_loss, for config-level controls
     has_row_bias: bool = True  # whether row-parallel biases exist (for that control)
     load_params: Callable | None = None  # mesh -> params to prove with, instead of a fresh init
+    fsdp: bool = False  # weights (and their optimizer moments) split over DP; specs_fn says where
+    sp: bool = False  # sequence parallelism over MP in the sharded run
 
 
 def random_batch(vocab: int, shape: tuple[int, ...], seed: int) -> dict:
@@ -30,18 +32,32 @@ def random_batch(vocab: int, shape: tuple[int, ...], seed: int) -> dict:
     return {k: rng.integers(0, vocab, size=shape, dtype=np.int32) for k in ("inputs", "targets")}
 
 
-def model_problem(cfg, name: str, mp: int, batch_size: int, seq_len: int, seed: int = 0) -> Problem:
-    """A Problem for a meshlm model config: random token inputs and targets (global [B, T])."""
+def model_problem(
+    cfg,
+    name: str,
+    mp: int,
+    batch_size: int,
+    seq_len: int,
+    seed: int = 0,
+    *,
+    dp: int = 1,
+    fsdp: bool = False,
+    sp: bool = False,
+) -> Problem:
+    """A Problem for a meshlm model config: random token inputs and targets (global [B, T]);
+    ``fsdp`` (over ``dp``) and ``sp`` are the memory options the sharded run uses."""
     from meshlm.model.transformer import loss_fn
     from meshlm.parallel.rules import model_specs
 
     rebuild = lambda c: lambda par: loss_fn(c, par)
     return Problem(
         build_loss=rebuild(cfg),
-        specs_fn=lambda abstract: model_specs(cfg, abstract, mp),
+        specs_fn=lambda abstract: model_specs(cfg, abstract, mp, dp=dp, fsdp=fsdp),
         batch=random_batch(cfg.vocab_size, (batch_size, seq_len), seed),
         name=name,
         cfg=cfg,
         rebuild=rebuild,
         has_row_bias=cfg.family in ("ff", "gptj") or cfg.embed_bias,
+        fsdp=fsdp,
+        sp=sp,
     )

@@ -43,7 +43,7 @@ class Runs:
         self.batch = put_batch(problem.batch, mesh, False)  # the global batch on the mesh
 
     def sharded_fn(self, build_loss, par_cls=Parallel):
-        return jax.jit(sharded_value_and_grad(build_loss, self.mesh, self.specs, par_cls))
+        return jax.jit(sharded_value_and_grad(build_loss, self.mesh, self.specs, par_cls, sp=self.problem.sp))
 
     def grads(self, build_loss, par_cls=Parallel):
         return self.sharded_fn(build_loss, par_cls)(self.params, self.batch)
@@ -84,7 +84,7 @@ class Runs:
     def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False):
         """Yield ((params, opt_state, metrics) sharded, the same unsharded) after each step."""
         opt = adamw(ocfg, self.params)
-        grad = sharded_value_and_grad(self.problem.build_loss, self.mesh, self.specs)
+        grad = sharded_value_and_grad(self.problem.build_loss, self.mesh, self.specs, sp=self.problem.sp)
         clip = per_shard_clip(self.mesh, self.specs, ocfg.clip_norm) if clip_fault else None
         step = jax.jit(make_step(grad, opt, ocfg, clip))
         state = (self.params, jax.jit(opt.init)(self.params))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from meshlm.errors import ConfigError
-from meshlm.model.config import PRESETS, ModelConfig, get_config
+from meshlm.model.config import PRESETS, REMAT, ModelConfig, get_config
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
 # seq_len=0 means min(DEFAULT_SEQ_LEN, the preset's max_seq_len), resolved by `resolve`.
@@ -42,12 +42,14 @@ def _field(
     switch: Switch | None = None,
     shown_default: str | None = None,
     valid: Range | None = None,
+    choices: tuple[str, ...] | None = None,
 ) -> Any:
     """A dataclass field whose metadata says what it means and how the CLI and resume treat it.
 
     ``resume_must_match``: the value changes the computation, so a resumed run must use the saved one.
     ``shown_default``: what the help says the default is, where the literal value would mislead.
     ``valid``: the values a number accepts; ``__post_init__`` and the CLI's flag type both enforce it.
+    ``choices``: the values a string accepts (enforced the same two ways).
     """
     metadata = {
         "help": help,
@@ -56,6 +58,7 @@ def _field(
         "switch": switch,
         "shown_default": shown_default,
         "valid": valid,
+        "choices": choices,
     }
     return dataclasses.field(default=default, metadata=metadata)
 
@@ -131,6 +134,13 @@ class TrainConfig:
     sample_tokens: int = _field(
         200, "bytes generated at the end as a sample; 0: none", valid=Range(int, 0, note="0: none")
     )
+    fsdp: bool = _field(False, "FSDP (ZeRO-3): weights and AdamW moments also split over dp")
+    sp: bool = _field(False, "sequence parallelism: activations between blocks split over mp")
+    remat: str = _field(
+        "none",
+        "per-layer recomputation in the backward: none, full or selective (keep matmul outputs)",
+        choices=REMAT,
+    )
 
     def __post_init__(self):
         # Library users never pass argparse's checks: every range is enforced here too, before any work.
@@ -145,6 +155,10 @@ class TrainConfig:
                 f"batch_size={self.batch_size} is not divisible by accum_steps={self.accum_steps}; "
                 f"use e.g. --batch-size {fit}"
             )
+        for f in dataclasses.fields(self):
+            if f.metadata["choices"] and getattr(self, f.name) not in f.metadata["choices"]:
+                valid = ", ".join(f.metadata["choices"])
+                raise ConfigError(f"{f.name}={getattr(self, f.name)!r}; valid: {valid}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"compute_dtype={self.compute_dtype!r}; valid: float32, bfloat16")
 

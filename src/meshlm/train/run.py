@@ -29,7 +29,7 @@ from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel import distributed
 from meshlm.parallel.axes import DP, MP
-from meshlm.parallel.rules import model_specs
+from meshlm.parallel.rules import model_specs, shardings
 from meshlm.parallel.spmd import sharded_loss
 from meshlm.train.config import TrainConfig, resolve, resume_must_match
 from meshlm.train.metrics import OUTPUTS, MetricsLog
@@ -131,17 +131,27 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, ckpt: Checkp
     """(params, opt_state, step, specs, step_fn): resumed from ``ckpt``'s newest checkpoint, else
     fresh (initialised, or loaded from ``tcfg.checkpoint``) at step 0."""
     _check_existing(tcfg, ckpt)
-    specs = model_specs(cfg, abstract_params(cfg, mesh), mesh.shape[MP])
+    specs = run_specs(tcfg, cfg, mesh)
     if tcfg.checkpoint:
         loaded_cfg, params, _ = load_model(tcfg.checkpoint, mesh)
+        params = jax.device_put(params, shardings(specs, mesh))  # onto FSDP slices, if asked
         if loaded_cfg != cfg:
             raise CheckpointError(
                 f"--checkpoint {tcfg.checkpoint} holds a different model than --config "
                 f"{tcfg.config}; pass the config it was made with"
             )
     else:
-        params, specs = init_model(cfg, mesh, tcfg.seed)
-    step_fn, opt = sharded_step(cfg, tcfg.optim(), mesh, specs, params, COMPUTE_DTYPES[tcfg.compute_dtype])
+        params, specs = init_model(cfg, mesh, tcfg.seed, fsdp=tcfg.fsdp)
+    step_fn, opt = sharded_step(
+        step_config(tcfg, cfg),
+        tcfg.optim(),
+        mesh,
+        specs,
+        params,
+        COMPUTE_DTYPES[tcfg.compute_dtype],
+        fsdp=tcfg.fsdp,
+        sp=tcfg.sp,
+    )
     opt_state = init_opt_state(opt, params, specs, mesh)
     step = 0
     target = {"params": params, "opt_state": opt_state}
@@ -156,6 +166,24 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, ckpt: Checkp
     return params, opt_state, step, specs, step_fn
 
 
+def run_specs(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """The parameter specs of this run (with ``--fsdp``, weights split over dp); a dimension the mesh
+    cannot split, or (``--sp``) a sequence mp cannot split, is a one-line error before any work."""
+    dp, mp = mesh.shape[DP], mesh.shape[MP]
+    if tcfg.sp and tcfg.seq_len % mp:
+        raise ConfigError(
+            f"--sp splits the sequence over mp={mp}, but seq_len={tcfg.seq_len} is not divisible "
+            f"by it; use a --seq-len that is a multiple of {mp}"
+        )
+    return model_specs(cfg, abstract_params(cfg, mesh), mp, dp=dp, fsdp=tcfg.fsdp)
+
+
+def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
+    """The model the step computes: the preset with the run's ``--remat`` (recomputation changes
+    memory, not values, so checkpoints keep the preset's config and resume under any remat)."""
+    return cfg.replace(remat=tcfg.remat)
+
+
 def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
@@ -163,6 +191,7 @@ def _abstract(x):
 def build_run(tcfg: TrainConfig, mesh: Mesh) -> Run:
     """Resolve ``tcfg``, load the data, and initialise or resume the state on ``mesh``."""
     tcfg, cfg = resolve(tcfg)
+    run_specs(tcfg, cfg, mesh)  # bad --fsdp / --sp combinations fail before the data is read
     out = Path(tcfg.out)
     batcher, val, info = _load_data(tcfg, cfg, mesh.shape[DP])
     distributed.print0(
@@ -195,7 +224,7 @@ def _build(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, out: Path, batcher, 
         opt_state=opt_state,
         step=step,
         step_fn=step_fn,
-        eval_fn=jax.jit(sharded_loss(lambda par: loss_fn(cfg, par), mesh, specs, dtype)),
+        eval_fn=jax.jit(sharded_loss(lambda par: loss_fn(cfg, par), mesh, specs, dtype, sp=tcfg.sp)),
         batcher=batcher,
         val=eval_arrays(val, mesh),
         ckpt=ckpt,

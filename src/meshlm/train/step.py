@@ -11,38 +11,67 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshlm.errors import ShardingError
 from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import loss_fn
-from meshlm.parallel.axes import MP
-from meshlm.parallel.rules import model_specs, shardings
+from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.rules import dp_sharded, model_specs, shardings
 from meshlm.parallel.spmd import reference_value_and_grad, sharded_value_and_grad
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
 COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 
 
-def init_model(cfg: ModelConfig, mesh, seed: int, dtype=None):
-    """Parameters created already sharded on ``mesh``: returns (params, specs)."""
+def init_model(cfg: ModelConfig, mesh, seed: int, dtype=None, *, fsdp: bool = False):
+    """Parameters created already sharded on ``mesh`` (``fsdp``: weights also split over DP):
+    returns (params, specs)."""
     from meshlm.model.transformer import init_fn
     from meshlm.parallel.rules import init_sharded
 
     init, example = init_fn(cfg)
-    mp = mesh.shape[MP]
+    mp, dp = mesh.shape[MP], mesh.shape[DP]
     return init_sharded(
         init,
         jax.random.PRNGKey(seed),
         example,
-        specs_fn=lambda a: model_specs(cfg, a, mp),
+        specs_fn=lambda a: model_specs(cfg, a, mp, dp=dp, fsdp=fsdp),
         mesh=mesh,
         dtype=dtype,
     )
 
 
-def sharded_step(cfg: ModelConfig, ocfg: OptimConfig, mesh, specs, params, compute_dtype=None):
-    """(step_fn, optimizer): step_fn(params, opt_state, batch) -> (params, opt_state, metrics)."""
+def sharded_step(
+    cfg: ModelConfig,
+    ocfg: OptimConfig,
+    mesh,
+    specs,
+    params,
+    compute_dtype=None,
+    *,
+    fsdp: bool = False,
+    sp: bool = False,
+):
+    """(step_fn, optimizer): step_fn(params, opt_state, batch) -> (params, opt_state, metrics).
+
+    ``params`` may be arrays or ShapeDtypeStructs (ahead-of-time compilation). ``fsdp``: ``specs``
+    split weights over DP (``model_specs(..., fsdp=True)``; checked); ``sp``: sequence parallelism."""
+    check_fsdp_specs(specs, fsdp)
     opt = adamw(ocfg, params)
-    grad = sharded_value_and_grad(lambda par: loss_fn(cfg, par), mesh, specs, compute_dtype=compute_dtype)
+    grad = sharded_value_and_grad(
+        lambda par: loss_fn(cfg, par), mesh, specs, compute_dtype=compute_dtype, sp=sp
+    )
     return jax.jit(make_step(grad, opt, ocfg), donate_argnums=(0, 1)), opt
+
+
+def check_fsdp_specs(specs, fsdp: bool) -> None:
+    """``fsdp`` must agree with the specs: FSDP specs split weights over DP, plain ones do not."""
+    split = any(dp_sharded(s) for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
+    if split != fsdp:
+        have = "split weights over dp" if split else "do not split weights over dp"
+        raise ShardingError(
+            f"fsdp={fsdp} but the parameter specs {have}; build them with "
+            f"model_specs(..., fsdp={fsdp}) (or init_model(..., fsdp={fsdp}))"
+        )
 
 
 def reference_step(cfg: ModelConfig, ocfg: OptimConfig, params, compute_dtype=None):

@@ -1,0 +1,51 @@
+"""How the model meets the memory options: rematerialisation policies, and the Haiku getter through
+which every parameter passes (FSDP all-gathers, the sequence-parallel norm hook: ``Parallel.param``).
+
+Remat (``ModelConfig.remat``), per layer of the stack:
+  none       keep every activation the backward needs (with FSDP, never the all-gathered weights:
+             they are gathered again in the backward, as ZeRO-3 does)
+  full       keep only each layer's input; recompute the layer in the backward
+  selective  keep the matmul outputs (dots without batch dimensions: the Q/K/V/O projections and the
+             MLP), recompute the attention scores and softmax (batched dots) and the elementwise work
+"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from meshlm.model.config import REMAT  # noqa: F401 - the choices, re-exported with their meaning
+from meshlm.model.params import leaf_name
+from meshlm.parallel.context import Parallel
+
+GATHERED = "fsdp_gathered"  # checkpoint name of an all-gathered FSDP weight: never saved
+NORM_PARAMS = ("scale", "offset")
+
+
+def _policy(remat: str):
+    if remat == "full":
+        return None  # jax.checkpoint's default: save nothing but the inputs
+    if remat == "selective":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+
+
+def remat_body(remat: str, body):
+    """``body`` (one layer) under the checkpoint policy of ``remat``. "none" saves everything but
+    the FSDP-gathered weights (without FSDP there are none, and it is the plain layer)."""
+    return hk.remat(body, policy=_policy(remat))
+
+
+def parallel_getter(par: Parallel):
+    """A Haiku custom getter: each parameter as ``par`` has the layers use it (``Parallel.param``);
+    the value a layer asked for has the shape it requested, so layers are unchanged."""
+
+    def getter(next_getter, value, context):
+        shape = context.original_shape
+        out = par.param(value, shape, leaf_name(context.full_name) in NORM_PARAMS)
+        if out is not value:
+            out = checkpoint_name(out, GATHERED)
+        return next_getter(out)
+
+    return getter
