@@ -61,23 +61,13 @@ def test_compiled_state_matches_the_layout_and_the_estimate():
     assert report["candidates"] == [] and "fits" not in row  # no --device-memory: no verdict
 
 
-def test_full_remat_shrinks_the_compiled_temporaries():
-    mesh = make_mesh(1, 8)
-    none = plan(TINY, "tiny-llama", mesh, TINY_RUN)["plan"]
-    full = plan(TINY, "tiny-llama", mesh, PlanSettings(batch_size=32, seq_len=64, remat="full"))["plan"]
-    assert full["compiled"]["temp"] < none["compiled"]["temp"]
-    assert full["analytic"]["temp"] < none["analytic"]["temp"]
-    assert full["compiled"]["argument"] == none["compiled"]["argument"]
-
-
 def test_search_finds_a_fit_and_recommends_it():
-    mesh = make_mesh(1, 8)
+    mesh = make_mesh(2, 4)
     peaks = {
-        remat: plan(TINY, "t", mesh, PlanSettings(batch_size=32, seq_len=64, remat=remat))["plan"][
-            "compiled"
-        ]["peak"]
+        remat: plan(TINY, "tiny-llama", mesh, PlanSettings(batch_size=32, seq_len=64, remat=remat))
         for remat in ("none", "full")
     }
+    peaks = {remat: report["plan"]["compiled"]["peak"] for remat, report in peaks.items()}
     device = (peaks["none"] + peaks["full"]) // 2
     report = plan(TINY, "tiny-llama", mesh, TINY_RUN, device_bytes=device)
     assert report["plan"]["fits"] is False and report["plan"]["margin"] < 0
@@ -89,7 +79,7 @@ def test_search_finds_a_fit_and_recommends_it():
 
 
 def test_nothing_fits_within_the_compile_budget(capsys):
-    assert run_cli(*"plan --config tiny-llama --mesh 1x8 --batch-size 32 --seq-len 64".split(),
+    assert run_cli(*"plan --config tiny-llama --mesh 2x4 --batch-size 32 --seq-len 64".split(),
                    "--device-memory", "0.01MiB", "--max-compiles", "3") == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "no candidate tried fits this device" in out
@@ -163,13 +153,48 @@ def test_bad_plan_is_refused_before_setup(argv, message, no_setup, capsys):
 
 
 @pytest.mark.parametrize("flag", ["--fsdp", "--sp", "--remat selective"])
-def test_options_the_step_lacks_are_errors_not_ignored(flag, capsys):
+def test_options_the_step_lacks_are_errors_not_ignored(flag, monkeypatch, capsys):
+    """On a meshlm whose step builder lacks an option, asking for it is a one-line error."""
     name = {"--fsdp": "fsdp", "--sp": "sp", "--remat selective": "selective"}[flag]
-    if supported()[name]:
-        pytest.skip(f"this meshlm's step supports {flag}")
+    monkeypatch.setattr(
+        "meshlm.perf.plan.supported", lambda: {"fsdp": True, "sp": True, "selective": True, name: False}
+    )
     argv = f"plan --config tiny-llama --mesh 2x4 --batch-size 8 --seq-len 64 {flag}"
     assert run_cli(*argv.split()) == 2
-    assert "does not support it yet" in capsys.readouterr().err
+    assert f"{flag}: this meshlm's train step does not support it yet" in capsys.readouterr().err
+
+
+def test_fsdp_sp_and_selective_remat_are_planned():
+    """FSDP halves the state on dp=2; SP and selective remat shrink the compiled temporaries; all
+    three together leave 1/8 of the state on each of 8 devices."""
+    assert all(supported().values())
+    mesh = make_mesh(2, 4)
+    rows = {}
+    for label, options in {
+        "plain": {},
+        "fsdp": {"fsdp": True},
+        "sp": {"sp": True},
+        "selective": {"remat": "selective"},
+        "full": {"remat": "full"},
+        "all": {"fsdp": True, "sp": True, "remat": "selective"},
+    }.items():
+        rows[label] = plan(TINY, "tiny-llama", mesh, PlanSettings(batch_size=32, seq_len=64, **options))[
+            "plan"
+        ]
+    temp = {label: row["compiled"]["temp"] for label, row in rows.items()}
+    assert rows["fsdp"]["compiled"]["params"] < 0.52 * rows["plain"]["compiled"]["params"]
+    assert rows["fsdp"]["analytic"]["gathered"] > 0 and rows["plain"]["analytic"]["gathered"] == 0
+    assert temp["sp"] < temp["plain"] and temp["full"] < temp["selective"] < temp["plain"]
+    assert rows["all"]["state_fraction"] == pytest.approx(1 / 8, rel=0.05)
+    assert rows["sp"]["analytic"]["temp"] < rows["plain"]["analytic"]["temp"]
+
+
+def test_search_tries_fsdp_when_dp_splits_the_data():
+    mesh = make_mesh(2, 4)
+    report = plan(TINY, "tiny-llama", mesh, TINY_RUN, device_bytes=1, max_compiles=4)
+    labels = [row["label"] for row in report["candidates"]]
+    assert labels[:3] == ["sp", "fsdp", "remat=selective"]
+    assert report["recommended"] is None and report["compiles"] == report["max_compiles"]
 
 
 def test_llama2_7b_on_one_by_eight():

@@ -10,8 +10,9 @@ written into donated parameter/optimizer buffers are not counted twice), as in `
 Compiled on host CPU devices, the temporaries are XLA *CPU*'s plan: an accelerator's compiler fuses
 and schedules differently, and its runtime adds its own overheads (context, allocator), so on CPU
 the figure is an estimate of an accelerator's. Next to it, ``analytic`` estimates the same from
-shapes: parameters and AdamW moments from the shardings, gradients like the parameters, and
-activations from Korthikanti et al. 2022 (``perf.activations``).
+shapes: parameters and AdamW moments from the shardings, gradients like the parameters (twice with
+gradient accumulation: the running sum), with FSDP one layer's all-gathered weights, and activations
+from Korthikanti et al. 2022 (``perf.activations``).
 
 Options beyond main's step (``fsdp``, ``sp``, ``remat="selective"``) are used only when the
 installed step builder supports them (``supported``); otherwise asking for them is an error.
@@ -158,11 +159,16 @@ def analytic(cfg: ModelConfig, mesh, settings: PlanSettings) -> dict:
     )
     gradients = params * (2 if settings.accum_steps > 1 else 1)  # + the accumulator's running sum
     opt_state = ADAM_MOMENTS * params
-    temporaries = gradients + acts["total"]
+    gathered = 0.0
+    if settings.fsdp:  # ZeRO-3 gathers one layer's weights at a time: what FSDP took off, per layer
+        plain = state_bytes(cfg, mesh, dataclasses.replace(settings, fsdp=False))["params_per_device"]
+        gathered = (plain - params) / cfg.n_layers
+    temporaries = gradients + acts["total"] + gathered
     return {
         "params": params,
         "opt_state": opt_state,
         "gradients": gradients,
+        "gathered": gathered,
         "activations": acts,
         "temp": temporaries,
         "peak": params + opt_state + temporaries,

@@ -6,7 +6,13 @@ GIB = 2**30
 
 
 def gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / GIB:.2f} GiB"
+    """Bytes in GiB, or MiB / KiB when smaller (tiny test models)."""
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", GIB), ("MiB", 2**20)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 2**10:.2f} KiB"
 
 
 def flags(settings: dict) -> str:
@@ -31,17 +37,19 @@ def _header(report: dict) -> list[str]:
 
 def _breakdown(row: dict) -> list[str]:
     a, c = row["analytic"], row["compiled"]
-    inside = "(in temporaries)"
+    inside, accum = "(in temporaries)", row["settings"]["accum_steps"] > 1
     lines = [
         ("parameters", gib(a["params"]), gib(c["params"])),
         ("optimizer state (AdamW)", gib(a["opt_state"]), gib(c["opt_state"])),
         ("  arguments (+ batch)", gib(a["params"] + a["opt_state"]), gib(c["argument"])),
-        ("gradients", gib(a["gradients"]), inside),
+        ("gradients" + (" (+ accum. sum)" if accum else ""), gib(a["gradients"]), inside),
         ("activations (Korthikanti)", gib(a["activations"]["layers"]), inside),
         ("logits", gib(a["activations"]["logits"]), inside),
         ("temporaries", gib(a["temp"]), gib(c["temp"])),
         ("peak", gib(a["peak"]), gib(c["peak"])),
     ]
+    if row["settings"]["fsdp"]:
+        lines.insert(4, ("one layer's gathered weights", gib(a["gathered"]), inside))
     out = [f"  {'per device':<28}{'analytic':>14}{'compiled (XLA)':>18}"]
     out += [f"  {name:<28}{left:>14}{right:>18}" for name, left, right in lines]
     frac = row["state_fraction"]

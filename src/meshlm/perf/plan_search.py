@@ -69,6 +69,17 @@ def cost(settings: PlanSettings, base: PlanSettings) -> int:
     return total + COSTS["accum"] * halvings
 
 
+_MEASURED: dict = {}  # (config, mesh, settings) -> measure(...): each step compiled once per process
+
+
+def measured(cfg: ModelConfig, mesh, settings: PlanSettings) -> dict:
+    """``measure``, remembered for this process (a plan's candidates recur across plans)."""
+    key = (cfg, mesh, settings)
+    if key not in _MEASURED:
+        _MEASURED[key] = measure(cfg, mesh, settings)
+    return dict(_MEASURED[key])
+
+
 class Planner:
     """Compiles and estimates candidates for one model on one mesh, each at most once."""
 
@@ -88,7 +99,7 @@ class Planner:
             return None
         row = {"label": settings.label(), "settings": dataclasses.asdict(settings)}
         try:
-            row["compiled"] = measure(self.cfg, self.mesh, settings)
+            row["compiled"] = measured(self.cfg, self.mesh, settings)
             row["analytic"] = analytic(self.cfg, self.mesh, settings)
         except MeshlmError as e:
             if strict:
