@@ -69,13 +69,18 @@ def test_search_finds_a_fit_and_recommends_it():
     }
     peaks = {remat: report["plan"]["compiled"]["peak"] for remat, report in peaks.items()}
     device = (peaks["none"] + peaks["full"]) // 2
-    report = plan(TINY, "tiny-llama", mesh, TINY_RUN, device_bytes=device)
-    assert report["plan"]["fits"] is False and report["plan"]["margin"] < 0
-    by_label = {row["label"]: row for row in report["candidates"]}
+    every = plan(TINY, "tiny-llama", mesh, TINY_RUN, device_bytes=device, every_option=True)
+    assert every["plan"]["fits"] is False and every["plan"]["margin"] < 0
+    by_label = {row["label"]: row for row in every["candidates"]}
+    assert list(by_label) == ["sp", "fsdp", "remat=selective", "accum=2", "remat=full"]
     assert by_label["remat=full"]["fits"] is True
-    assert all("fits" in row for row in report["candidates"])
-    assert report["recommended"] in {label for label, row in by_label.items() if row["fits"]}
-    assert report["compiles"] <= report["max_compiles"]
+    assert every["recommended"] in {label for label, row in by_label.items() if row["fits"]}
+    # By default the options are tried cheapest first, up to the first that fits with room to spare.
+    first = plan(TINY, "tiny-llama", mesh, TINY_RUN, device_bytes=device)
+    rows = first["candidates"]
+    assert [row["label"] for row in rows] == list(by_label)[: len(rows)]
+    assert rows[-1]["fits"] and not rows[-1]["tight"] and first["recommended"] == rows[-1]["label"]
+    assert not any(row["fits"] and not row["tight"] for row in rows[:-1])
 
 
 def test_nothing_fits_within_the_compile_budget(capsys):

@@ -4,9 +4,10 @@ Every candidate is a compile of the real step (a few seconds for llama2-7b on 2 
 search is short and each candidate is compiled once (``Planner.evaluate`` caches by settings, and
 stops at ``max_compiles``):
 
-  1. each option alone on top of the given settings: --sp, --fsdp, --remat selective, twice the
-     --accum-steps (half the micro-batch), --remat full (only the options this meshlm supports,
-     and that the mesh and sizes allow: fsdp needs dp > 1, sp needs mp > 1);
+  1. each option alone on top of the given settings, cheapest first, until one fits with room to
+     spare: --sp, --fsdp, --remat selective, twice the --accum-steps (half the micro-batch),
+     --remat full (only the options this meshlm supports, and that the mesh and sizes allow:
+     fsdp needs dp > 1, sp needs mp > 1); with ``every_option`` all of them;
   2. if none of them fits, the options stacked in that order, then the micro-batch halved again
      until it fits or is one row per device.
 
@@ -83,10 +84,13 @@ def measured(cfg: ModelConfig, mesh, settings: PlanSettings) -> dict:
 class Planner:
     """Compiles and estimates candidates for one model on one mesh, each at most once."""
 
-    def __init__(self, *, cfg: ModelConfig, mesh, device_bytes: int | None, max_compiles: int):
+    def __init__(
+        self, *, cfg: ModelConfig, mesh, device_bytes: int | None, max_compiles: int, every_option: bool
+    ):
         self.cfg, self.mesh = cfg, mesh
         self.device_bytes = device_bytes
         self.max_compiles = max_compiles
+        self.every_option = every_option  # step 1 tries every option, not only up to the first fit
         self.rows: dict[PlanSettings, dict] = {}
         self.unsharded = state_bytes(cfg, mesh, PlanSettings(batch_size=1, seq_len=1))["params_total"]
 
@@ -123,7 +127,11 @@ class Planner:
     def search(self, base: PlanSettings) -> list[dict]:
         """Candidates around ``base`` (module docstring), in the order they were tried."""
         dp, mp = self.mesh.shape[DP], self.mesh.shape[MP]
-        tried = [self.evaluate(s) for _, s in moves(base, dp, mp)]
+        tried = []
+        for _, settings in moves(base, dp, mp):
+            tried.append(self.evaluate(settings))
+            if not self.every_option and tried[-1] and tried[-1]["fits"] and not tried[-1]["tight"]:
+                break  # the costlier options are not needed
         if not any(r and r["fits"] for r in tried):
             tried += self._stacked(base, dp, mp)
         return _unique(tried)
@@ -173,12 +181,19 @@ def plan(
     *,
     device_bytes: int | None = None,
     max_compiles: int = DEFAULT_MAX_COMPILES,
+    every_option: bool = False,
 ) -> dict:
     """The planner's report (one JSON-able dict): the given settings, and the search if they don't fit."""
     dp, mp = mesh.shape[DP], mesh.shape[MP]
     settings.check(cfg, dp, mp)
     check_supported(settings)
-    planner = Planner(cfg=cfg, mesh=mesh, device_bytes=device_bytes, max_compiles=max(1, max_compiles))
+    planner = Planner(
+        cfg=cfg,
+        mesh=mesh,
+        device_bytes=device_bytes,
+        max_compiles=max(1, max_compiles),
+        every_option=every_option,
+    )
     row = planner.evaluate(settings, strict=True)
     candidates = planner.search(settings) if row.get("fits") is False else []
     best = recommended([row, *candidates], settings)
