@@ -41,7 +41,7 @@ def add_parser(sub) -> None:
         "--config", default=None, help="model preset name (default llama2-7b; see `meshlm configs`)"
     )
     p.add_argument("--checkpoint", default=None, help="plan the model of this checkpoint instead of --config")
-    add_common(p)
+    add_common(p)  # --devices defaults to the --mesh's size here: the planner runs nothing
     p.add_argument(
         "--batch-size", type=positive_int, default=8, help="global batch rows per step (default 8)"
     )
@@ -111,6 +111,9 @@ def run(args) -> int:
     model = _preset(args)
     if model is not None and args.mesh:  # what needs no devices is checked before them
         _settings(args, model[0]).check(model[0], *parse_mesh(args.mesh))
+    if args.mesh and args.devices is None:  # nothing runs: as many fake devices as the mesh needs
+        dp, mp = parse_mesh(args.mesh)
+        args.devices = dp * mp
     _fast_compiles()
     mesh, _, _ = setup(args)
     from meshlm.perf.plan_report import format_plan
