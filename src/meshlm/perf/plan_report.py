@@ -96,6 +96,7 @@ def format_plan(report: dict) -> str:
         lines.append(
             f"recommended: {flags(best[0]['settings'])}" if best else "no candidate tried fits this device"
         )
+    lines.append(f"note: {report['analytic_note']}")
     if report["note"]:
         lines.append(f"note: {report['note']}")
     return "\n".join(lines)
