@@ -209,3 +209,18 @@ def test_llama2_7b_on_one_by_eight():
     assert compiled["argument"] / GIB == pytest.approx(9.42, abs=0.05)
     assert compiled["temp"] > 80 * GIB
     assert report["plan"]["state_fraction"] == pytest.approx(1 / 8, rel=0.01)
+
+
+def test_options_are_stacked_when_none_fits_alone():
+    mesh = make_mesh(2, 4)
+    singles = plan(TINY, "tiny-llama", mesh, TINY_RUN, device_bytes=1, every_option=True, max_compiles=6)
+    assert len(singles["candidates"]) == 5  # sp, fsdp, selective, accum=2, full
+    best_single = min(row["compiled"]["peak"] for row in singles["candidates"])
+    stacked = PlanSettings(batch_size=32, seq_len=64, fsdp=True, sp=True, remat="selective")
+    stacked_peak = plan(TINY, "tiny-llama", mesh, stacked)["plan"]["compiled"]["peak"]
+    assert stacked_peak < best_single
+    report = plan(TINY, "tiny-llama", mesh, TINY_RUN, device_bytes=(stacked_peak + best_single) // 2)
+    labels = [row["label"] for row in report["candidates"]]
+    assert labels[-2:] == ["fsdp+sp", "fsdp+sp+remat=selective"]
+    assert report["recommended"] == "fsdp+sp+remat=selective"
+    assert not any(row["fits"] for row in report["candidates"][:-1])
