@@ -17,7 +17,7 @@ def remat_policy(cfg: ModelConfig) -> str:
     return cfg.remat
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanSettings:
     batch_size: int  # global batch rows per optimizer step (split over dp, then into accum_steps)
     seq_len: int  # tokens per row
