@@ -15,6 +15,7 @@ from meshlm.cli.common import (
     positive_int,
     setup,
 )
+from meshlm.model.config import REMAT
 from meshlm.ranges import Range
 
 # One token attends only to itself: the causal mask and attention across positions would go unproven
@@ -47,6 +48,14 @@ def add_parser(sub) -> None:
         action="store_false",
         help="skip the communication check (compiling the train step and counting its collectives)",
     )
+    p.add_argument("--fsdp", action="store_true", help="prove FSDP: weights and moments split over dp")
+    p.add_argument("--sp", action="store_true", help="prove sequence parallelism over mp")
+    p.add_argument(
+        "--remat",
+        choices=REMAT,
+        default=None,
+        help="prove with this recomputation policy (default: the config's)",
+    )
     p.add_argument("--matrix", action="store_true", help="prove every preset x mesh x option that fits")
     p.add_argument("--md", action="store_true", help="with --matrix: print the table as markdown")
     p.set_defaults(fn=run)
@@ -56,11 +65,25 @@ def run(args) -> int:
     from meshlm.errors import VERIFIER_EXIT_CODE, VerifierError
 
     check_batch_split(args.batch_size, args.mesh)
+    _check_sp(args)
     try:
         return _matrix(args) if args.matrix else _verify(args)
     except VerifierError as e:
         print(f"meshlm: verifier error: {e}", file=sys.stderr)
         return VERIFIER_EXIT_CODE
+
+
+def _check_sp(args) -> None:
+    """--sp splits the sequence over mp: refuse a --seq-len it cannot split, before any work."""
+    from meshlm.errors import ConfigError
+    from meshlm.parallel.mesh import parse_mesh
+
+    mp = parse_mesh(args.mesh)[1] if args.mesh else None
+    if args.sp and mp and args.seq_len % mp:
+        raise ConfigError(
+            f"--sp splits the sequence over mp={mp}, but --seq-len {args.seq_len} is not divisible "
+            f"by it; use a multiple of {mp}"
+        )
 
 
 def _matrix(args) -> int:
@@ -105,8 +128,11 @@ def _verify(args) -> int:
         cfg, name = read_config(args.checkpoint)[0], args.checkpoint
     if args.z_loss is not None:
         cfg = cfg.replace(z_loss=args.z_loss)
+    if args.remat is not None:
+        cfg = cfg.replace(remat=args.remat)
     batch = args.batch_size if args.batch_size is not None else 2 * dp
-    problem = model_problem(cfg, name, mp, batch, min(args.seq_len, cfg.max_seq_len), args.seed)
+    seq_len = min(args.seq_len, cfg.max_seq_len)
+    problem = model_problem(cfg, name, mp, batch, seq_len, args.seed, dp=dp, fsdp=args.fsdp, sp=args.sp)
     if args.checkpoint:
         problem = dataclasses.replace(problem, load_params=lambda m: load_model(args.checkpoint, m)[1])
     dtype = jnp.float64 if args.x64 else jnp.float32

@@ -2,8 +2,9 @@
 which every parameter passes (FSDP all-gathers, the sequence-parallel norm hook: ``Parallel.param``).
 
 Remat (``ModelConfig.remat``), per layer of the stack:
-  none       keep every activation the backward needs (with FSDP, never the all-gathered weights:
-             they are gathered again in the backward, as ZeRO-3 does)
+  none       keep every activation the backward needs but all-gather results: FSDP weights are
+             gathered again in the backward (ZeRO-3), and with SP so is each block's input
+             (Korthikanti et al. 2022 keep the sequence slice, not the gathered sequence)
   full       keep only each layer's input; recompute the layer in the backward
   selective  keep the matmul outputs (dots without batch dimensions: the Q/K/V/O projections and the
              MLP), recompute the attention scores and softmax (batched dots) and the elementwise work
@@ -13,13 +14,11 @@ from __future__ import annotations
 
 import haiku as hk
 import jax
-from jax.ad_checkpoint import checkpoint_name
 
 from meshlm.model.config import REMAT  # noqa: F401 - the choices, re-exported with their meaning
 from meshlm.model.params import leaf_name
 from meshlm.parallel.context import Parallel
 
-GATHERED = "fsdp_gathered"  # checkpoint name of an all-gathered FSDP weight: never saved
 NORM_PARAMS = ("scale", "offset")
 
 
@@ -28,12 +27,17 @@ def _policy(remat: str):
         return None  # jax.checkpoint's default: save nothing but the inputs
     if remat == "selective":
         return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    return jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+    return _all_but_gathers
+
+
+def _all_but_gathers(prim, *_, **__) -> bool:
+    """A checkpoint policy: save every intermediate except the results of all-gathers."""
+    return prim.name != "all_gather"
 
 
 def remat_body(remat: str, body):
     """``body`` (one layer) under the checkpoint policy of ``remat``. "none" saves everything but
-    the FSDP-gathered weights (without FSDP there are none, and it is the plain layer)."""
+    all-gather results (without FSDP or SP there are none, and it is the plain layer)."""
     return hk.remat(body, policy=_policy(remat))
 
 
@@ -43,9 +47,6 @@ def parallel_getter(par: Parallel):
 
     def getter(next_getter, value, context):
         shape = context.original_shape
-        out = par.param(value, shape, leaf_name(context.full_name) in NORM_PARAMS)
-        if out is not value:
-            out = checkpoint_name(out, GATHERED)
-        return next_getter(out)
+        return next_getter(par.param(value, shape, leaf_name(context.full_name) in NORM_PARAMS))
 
     return getter

@@ -10,7 +10,9 @@ bodies times their trip counts; ``perf.hlo``) and compares them with the Megatro
   devices, so fewer is fine) and their bytes at most the minimum's bytes (combining never changes
   bytes; the clip's squared norm may travel as one scalar per parameter leaf, allowed for);
 * no all-gather, reduce-scatter, all-to-all or collective-permute appears: Megatron tensor
-  parallelism over replicated activations needs none.
+  parallelism over replicated activations needs none. Under FSDP and sequence parallelism the
+  all-gathers and reduce-scatters that replace layer all-reduces are counted against their own
+  expected numbers (``perf.memory_collectives``), and the all-reduces SP replaces are not allowed.
 
 A control plants one redundant all-reduce after each row-parallel one and must fail this check.
 """
@@ -21,41 +23,38 @@ import jax
 
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.spmd import sharded_value_and_grad
-from meshlm.perf.collectives import scalar_slack, theoretical_bytes, theoretical_collectives
+from meshlm.perf.collectives import scalar_slack
 from meshlm.perf.hlo import COLLECTIVES, collectives_per_step
+from meshlm.perf.memory_collectives import expected_all_reduce_bytes, expected_collectives
 from meshlm.proof.report import check_row
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
 PER_LAYER = {"ff": "1 forward, 1 backward", "gptj": "1 forward, 1 backward", "llama": "2 forward, 2 backward"}
 
 
-def step_collectives(build_loss, mesh, specs, params, batch, par_cls=Parallel) -> dict:
+def step_collectives(build_loss, mesh, specs, params, batch, par_cls=Parallel, *, sp: bool = False) -> dict:
     """Collectives per step of the compiled sharded train step (clip on, no accumulation: the
     setting the minimum is derived for)."""
     ocfg = OptimConfig(accum_steps=1)
     opt = adamw(ocfg, params)
-    grad = sharded_value_and_grad(build_loss, mesh, specs, par_cls)
+    grad = sharded_value_and_grad(build_loss, mesh, specs, par_cls, sp=sp)
     step = jax.jit(make_step(grad, opt, ocfg))
     opt_state = jax.jit(opt.init)(params)
     return collectives_per_step(step.lower(params, opt_state, batch).compile().as_text())
 
 
-def communication_checks(cfg, dp: int, mp: int, got: dict, *, batch_shape, itemsize, params) -> list[dict]:
-    """Rows comparing ``got`` (``step_collectives``) with the minimum for ``cfg`` on a dp x mp mesh."""
-    from meshlm.parallel.placement import bytes_per_device
-
-    count = theoretical_collectives(cfg, dp, mp)["total"]
-    nbytes = theoretical_bytes(
-        cfg,
-        dp,
-        mp,
-        batch=batch_shape[0],
-        seq_len=batch_shape[1],
-        itemsize=itemsize,
-        param_bytes=bytes_per_device(params),
-    )["total"]
+def communication_checks(
+    cfg, dp: int, mp: int, got: dict, *, batch_shape, itemsize, params, sp: bool = False
+) -> list[dict]:
+    """Rows comparing ``got`` (``step_collectives``) with the minimum for ``cfg`` on a dp x mp mesh
+    (with FSDP, read from ``params``' shardings, and ``sp``: ``perf.memory_collectives``)."""
+    want = expected_collectives(cfg, dp, mp, sp=sp, params=params)
+    count = want["all-reduce"]["total"]
+    shape = {"batch": batch_shape[0], "seq_len": batch_shape[1], "itemsize": itemsize}
+    nbytes = expected_all_reduce_bytes(cfg, dp, mp, sp=sp, params=params, **shape)
     slack = scalar_slack(len(jax.tree.leaves(params)), itemsize)
-    where = f"{cfg.family} on {dp}x{mp} (per layer: {PER_LAYER[cfg.family]} with mp > 1)"
+    options = "".join(f" + {o}" for o, on in (("FSDP", bool(want["all-gather"])), ("SP", sp)) if on)
+    where = f"{cfg.family} on {dp}x{mp}{options} (per layer: {PER_LAYER[cfg.family]} with mp > 1)"
     ar = got["all-reduce"]
     rows = [
         check_row(
@@ -68,8 +67,10 @@ def communication_checks(cfg, dp: int, mp: int, got: dict, *, batch_shape, items
         ),
     ]
     for kind in COLLECTIVES[1:]:
-        n = got[kind]["count"]
-        rows.append(
-            check_row(f"{kind}s per step", n == 0, f"{n}, expected 0 for Megatron tensor parallelism")
+        n, causes = got[kind]["count"], want.get(kind, {"total": 0})
+        limit = causes["total"]
+        why = (
+            ", ".join(f"{k} {v}" for k, v in causes.items() if k != "total") or "Megatron tensor parallelism"
         )
+        rows.append(check_row(f"{kind}s per step", n <= limit, f"{n}, at most {limit} ({why})"))
     return rows

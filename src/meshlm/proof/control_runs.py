@@ -71,7 +71,13 @@ def _differing_leaves(control: Control, runs: Runs, ocfg, rtol, atol) -> list[st
 
 def _by_collectives(control: Control, runs: Runs) -> dict:
     got = step_collectives(
-        runs.problem.build_loss, runs.mesh, runs.specs, runs.params, runs.batch, control.par_cls
+        runs.problem.build_loss,
+        runs.mesh,
+        runs.specs,
+        runs.params,
+        runs.batch,
+        control.par_cls,
+        sp=runs.problem.sp,
     )
     rows = communication_rows(runs, got)
     failed = [r for r in rows if not r["ok"]]
@@ -92,4 +98,5 @@ def communication_rows(runs: Runs, got: dict) -> list[dict]:
         batch_shape=p.batch["inputs"].shape,
         itemsize=itemsize,
         params=runs.params,
+        sp=p.sp,
     )

@@ -69,13 +69,51 @@ class KvNotReplicated(Parallel):
 
 class ExtraAllReduce(Parallel):
     """A redundant second all-reduce after every row-parallel one: same values (the sum of mp copies
-    divided by mp; exact for power-of-two mp), twice the communication in forward and backward."""
+    divided by mp; exact for power-of-two mp), twice the communication in forward and backward. With
+    sequence parallelism the redundant pair is an all-gather and a reduce-scatter of the slices."""
 
-    def g(self, x):
-        out = super().g(x)
+    def row_sum(self, partial):
+        out = super().row_sum(partial)
         if not self.sharded:
             return out
+        if self.sp:
+            return lax.psum_scatter(self.gather_seq(out), MP, scatter_dimension=1, tiled=True) / self.mp
         return lax.psum(lax.pcast(out, MP, to="varying") / self.mp, MP)
+
+
+class FsdpGradFromOneShard(Parallel):
+    """FSDP: each data shard keeps its own gradient of its weight slice instead of the reduce-scatter
+    (the sum over data shards): the gathered weight's gradient reaches only the local slice."""
+
+    def gather_weight(self, w, dim: int):
+        full = lax.stop_gradient(super().gather_weight(w, dim))
+        own = w - lax.stop_gradient(w)  # zero, with the identity as gradient
+        start = lax.axis_index(DP) * w.shape[dim]
+        return full + lax.dynamic_update_slice_in_dim(jnp.zeros_like(full), own, start, dim)
+
+
+class FsdpGatherWrongOrder(Parallel):
+    """FSDP: the all-gather concatenates the data shards' slices rotated by one."""
+
+    def gather_weight(self, w, dim: int):
+        parts = jnp.roll(lax.all_gather(w, DP, axis=0, tiled=False), 1, axis=0)  # [dp, ...]
+        return jnp.concatenate([parts[i] for i in range(self.dp)], axis=dim)
+
+
+class SpNormGradNotSummed(Parallel):
+    """SP: a norm parameter's gradient is one shard's (its own sequence slice), not the sum over mp."""
+
+    def norm_param(self, p):
+        keep = self.shard_index() == 0
+        return lax.stop_gradient(p) + jnp.where(keep, p - lax.stop_gradient(p), jnp.zeros_like(p))
+
+
+class SpSeqWrongOrder(Parallel):
+    """SP: the sequence all-gather concatenates the shards' slices rotated by one."""
+
+    def gather_seq(self, x):
+        parts = jnp.roll(lax.all_gather(x, MP, axis=0, tiled=False), 1, axis=0)  # [mp, B, T/mp, ...]
+        return jnp.concatenate([parts[i] for i in range(self.mp)], axis=1)
 
 
 def per_shard_clip(mesh, specs, max_norm: float):
@@ -101,6 +139,8 @@ class Where:
     mp: int  # model-parallel shards
     has_row_bias: bool  # whether row-parallel biases exist (added once, after the all-reduce)
     collectives: bool = False  # whether the communication check runs (it detects extra collectives)
+    fsdp: bool = False  # weights split over DP (FSDP)
+    sp: bool = False  # sequence parallelism over MP
 
     @property
     def attention(self) -> bool:
@@ -152,5 +192,25 @@ CONTROLS: tuple[Control, ...] = (
         applies=lambda w: w.mp > 1 and w.collectives and w.cfg is not None,
         par_cls=ExtraAllReduce,
         by_collectives=True,
+    ),
+    Control(
+        name="FSDP gradient kept from one data shard",
+        applies=lambda w: w.fsdp and w.dp > 1,
+        par_cls=FsdpGradFromOneShard,
+    ),
+    Control(
+        name="FSDP all-gather in the wrong order",
+        applies=lambda w: w.fsdp and w.dp > 1,
+        par_cls=FsdpGatherWrongOrder,
+    ),
+    Control(
+        name="SP norm gradients not summed over mp",
+        applies=lambda w: w.sp and w.mp > 1 and w.attention,
+        par_cls=SpNormGradNotSummed,
+    ),
+    Control(
+        name="SP sequence shards gathered in the wrong order",
+        applies=lambda w: w.sp and w.mp > 1,
+        par_cls=SpSeqWrongOrder,
     ),
 )

@@ -73,7 +73,15 @@ def verify(
     report.checks = _checks(runs, steps, ocfg, collectives, data_steps, seed)
     report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
     report.extra["param_bytes_total"] = total_bytes(runs.params)
-    where = Where(cfg=problem.cfg, dp=dp, mp=mp, has_row_bias=problem.has_row_bias, collectives=collectives)
+    where = Where(
+        cfg=problem.cfg,
+        dp=dp,
+        mp=mp,
+        has_row_bias=problem.has_row_bias,
+        collectives=collectives,
+        fsdp=problem.fsdp,
+        sp=problem.sp,
+    )
     report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in controls if c.applies(where)]
     return report
 
@@ -112,7 +120,7 @@ def _checks(runs: Runs, steps: int, ocfg, collectives: bool, data_steps: int, se
     rows.append(sharded_check(runs.sharded_hlo, runs.mesh.size))
     if collectives:
         p = runs.problem
-        got = step_collectives(p.build_loss, runs.mesh, runs.specs, runs.params, runs.batch)
+        got = step_collectives(p.build_loss, runs.mesh, runs.specs, runs.params, runs.batch, sp=p.sp)
         rows += communication_rows(runs, got)
     if data_steps:
         b, t = runs.problem.batch["inputs"].shape

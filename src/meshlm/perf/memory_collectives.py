@@ -1,0 +1,87 @@
+"""The collectives a training step needs under the memory options (FSDP over DP, sequence
+parallelism over MP), by cause: what the communication check and ``bench`` hold the compiled step to.
+
+Counts are per step (a layer loop that runs L times counts L times) and are upper bounds: XLA may
+combine independent collectives over the same devices, or (with remat) not recompute one whose result
+the backward does not need. With ``f`` = entries into column-parallel regions per layer (llama 2,
+gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers):
+
+* SP (mp > 1) replaces the layer all-reduces. All-gathers: ``f`` per layer forward, again in the
+  backward (the gathered sequence is not kept: Korthikanti et al. 2022), the head's input (1), and
+  the backward of every reduce-scatter: ``r`` per layer plus the embedding's (1). Reduce-scatters:
+  ``r`` per layer forward (again in the backward's recomputation with remat) plus the embedding's
+  (1), and the backward of every all-gather: ``f`` per layer plus the head's (1). Norm parameters
+  meet sequence slices: their gradients are all-reduced over MP (one per norm leaf, at most).
+* FSDP (dp > 1): each DP-split weight of a layer is all-gathered in the forward and again in the
+  backward (ZeRO-3; weights outside the layer stack once), and its gradient reduce-scattered once.
+  Norms and biases stay replicated and keep the data-parallel gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+from meshlm.model.config import ModelConfig
+from meshlm.model.params import flat_params, is_stacked
+from meshlm.parallel.rules import dp_sharded
+from meshlm.perf.collectives import theoretical_bytes, theoretical_collectives
+
+PER_LAYER = {"ff": 1, "gptj": 1, "llama": 2}  # f entries = r exits per layer
+SP_REPLACES = ("layer_forward", "layer_backward", "embedding", "head_backward")  # all-reduce causes
+
+
+def norm_leaves(cfg: ModelConfig) -> int:
+    """Norm parameter leaves whose gradient SP sums over MP (stacked leaves count once per layer)."""
+    if cfg.family == "ff":
+        return 0
+    per_norm = 2 if cfg.family == "gptj" else 1  # LayerNorm: scale and offset; RMSNorm: scale
+    norms = 1 if cfg.family == "gptj" else 2
+    return cfg.n_layers * norms * per_norm + per_norm
+
+
+def fsdp_weights(params) -> tuple[int, int]:
+    """(DP-split weights per layer, DP-split weights outside the layer stack) of ``params``."""
+    split = [
+        path
+        for path, p in flat_params(params).items()
+        if dp_sharded(getattr(getattr(p, "sharding", None), "spec", ()))
+    ]
+    stacked = sum(is_stacked(path) for path in split)
+    return stacked, len(split) - stacked
+
+
+def expected_collectives(cfg: ModelConfig, dp: int, mp: int, *, sp: bool, params) -> dict[str, dict]:
+    """Per kind ("all-reduce", "all-gather", "reduce-scatter") the causes and their ``total``."""
+    ar = dict(theoretical_collectives(cfg, dp, mp))
+    ag: dict[str, int] = {}
+    rs: dict[str, int] = {}
+    n, pl = cfg.n_layers, PER_LAYER[cfg.family]
+    if sp and mp > 1:
+        for cause in SP_REPLACES:
+            ar[cause] = 0
+        ar["sp_norm_grads"] = norm_leaves(cfg)
+        recompute = 2 if cfg.remat != "none" else 1
+        ag.update(sp_forward=2 * pl * n + 1, sp_backward=pl * n + 1)
+        rs.update(sp_forward=recompute * pl * n + 1, sp_backward=pl * n + 1)
+    per_layer, outside = fsdp_weights(params)
+    if dp > 1 and per_layer + outside:
+        ag.update(fsdp_layers=2 * per_layer * n, fsdp_outside=outside)
+        rs.update(fsdp_gradients=per_layer * n + outside)
+    for causes in (ar, ag, rs):
+        causes.pop("total", None)
+        causes["total"] = sum(causes.values())
+    return {"all-reduce": ar, "all-gather": ag, "reduce-scatter": rs}
+
+
+def expected_all_reduce_bytes(cfg: ModelConfig, dp: int, mp: int, *, sp: bool, params, **shape) -> int:
+    """Result bytes of the all-reduces (``theoretical_bytes``'s causes), without those SP replaces
+    and with its norm gradients (``shape``: batch, seq_len, itemsize)."""
+    from meshlm.parallel.placement import bytes_per_device
+
+    out = theoretical_bytes(cfg, dp, mp, param_bytes=bytes_per_device(params), **shape)
+    total = out["total"]
+    if sp and mp > 1:
+        total -= sum(out[c] for c in SP_REPLACES)
+        norms = [
+            p for path, p in flat_params(params).items() if path.rsplit("/", 1)[1] in ("scale", "offset")
+        ]
+        total += sum(p.size for p in norms) * shape["itemsize"]
+    return total
