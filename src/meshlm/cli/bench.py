@@ -37,6 +37,11 @@ def add_parser(sub) -> None:
         help="matmul size of the peak measurement (raise on accelerators)",
     )
     p.add_argument("--out", default=None, help="also write bench.json and bench.png into this directory")
+    p.add_argument(
+        "--memory-options",
+        action="store_true",
+        help="also time FSDP and sequence parallelism against tensor parallelism and GSPMD",
+    )
     p.set_defaults(fn=run)
 
 
@@ -47,6 +52,14 @@ def check_out(out: str | None) -> None:
             f"--out {out} is an existing file, but bench writes bench.json and bench.png into a "
             "directory; choose a directory path (new or existing)"
         )
+
+
+def _format(report: dict, format_bench) -> str:
+    if "memory_options" not in report:
+        return format_bench(report)
+    from meshlm.perf.memory_bench import format_memory_options
+
+    return format_bench(report) + "\n\n" + format_memory_options(report["memory_options"])
 
 
 def run(args) -> int:
@@ -68,7 +81,11 @@ def run(args) -> int:
         gen_new_tokens=args.gen_tokens,
     )
     report = run_bench(cfg, args.config, mesh, settings, peak_n=args.peak_n)
-    print0(json.dumps(report) if args.json else format_bench(report))
+    if args.memory_options:
+        from meshlm.perf.memory_bench import memory_options_bench
+
+        report["memory_options"] = memory_options_bench(cfg, mesh, settings)
+    print0(json.dumps(report) if args.json else _format(report, format_bench))
     if args.out and is_main():
         write_outputs(report, args.out)
     return 0

@@ -1,0 +1,124 @@
+"""FSDP over dp, sequence parallelism over mp and remat policies: specs, bytes, the proof with its
+controls, exact resume and restore onto a mesh without them, and the one-line errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import run_cli, write_corpus
+from jax.sharding import PartitionSpec as P
+
+from meshlm.errors import ConfigError, ShardingError
+from meshlm.model.config import from_dict, get_config
+from meshlm.model.params import flat_params
+from meshlm.model.transformer import param_shapes
+from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.mesh import make_mesh
+from meshlm.parallel.placement import bytes_per_device
+from meshlm.parallel.rules import model_specs
+from meshlm.proof.controls import CONTROLS
+from meshlm.proof.problem import model_problem
+from meshlm.proof.prover import verify
+from meshlm.train.config import TrainConfig
+from meshlm.train.loop import _one_step, save
+from meshlm.train.run import build_run
+from meshlm.train.step import init_model, init_opt_state, sharded_step
+
+NEW_CONTROLS = (
+    "FSDP gradient kept from one data shard",
+    "FSDP all-gather in the wrong order",
+    "SP norm gradients not summed over mp",
+    "SP sequence shards gathered in the wrong order",
+    "extra all-reduce after each row-parallel one",
+)
+
+
+def test_fsdp_specs_split_every_weight_over_dp_and_name_a_dimension_dp_cannot_split():
+    cfg = get_config("tiny-llama")
+    specs = flat_params(model_specs(cfg, param_shapes(cfg), 2, dp=2, fsdp=True))
+    assert specs["layers/attn/wq"] == P(None, DP, MP, None)  # [L, D, H, E]: D over dp, heads over mp
+    assert specs["layers/attn/wo"] == P(None, MP, None, DP)
+    assert specs["embed/embeddings"] == P(MP, DP)
+    assert specs["layers/ln/scale"] == P(None, None)  # norms stay replicated
+    with pytest.raises(ShardingError, match=r"parameter 'embed/embeddings' dimension 1 \(size 64\).*dp=3"):
+        model_specs(cfg, param_shapes(cfg), 1, dp=3, fsdp=True)
+
+
+def test_fsdp_parameter_and_optimizer_bytes_fall_by_dp():
+    cfg, mesh = get_config("tiny-llama"), make_mesh(4, 1)
+    plain, plain_specs = init_model(cfg, mesh, 0)
+    fsdp, specs = init_model(cfg, mesh, 0, fsdp=True)
+    _, opt = sharded_step(cfg, TrainConfig().optim(), mesh, specs, fsdp, fsdp=True)
+    norms = sum(p.size * 4 for k, p in flat_params(plain).items() if k.endswith("scale"))
+    assert bytes_per_device(fsdp) == (bytes_per_device(plain) - norms) // 4 + norms
+    moments = init_opt_state(opt, fsdp, specs, mesh)
+    assert bytes_per_device(moments) <= 2 * bytes_per_device(fsdp) + 64  # mu, nu (+ counters)
+    with pytest.raises(ShardingError, match="fsdp=False but the parameter specs split"):
+        sharded_step(cfg, TrainConfig().optim(), mesh, specs, fsdp)
+    del plain_specs
+
+
+@pytest.mark.parametrize(("preset", "remat"), [("tiny-llama", "selective"), ("tiny-gptj", "full")])
+def test_fsdp_and_sp_proven_with_every_new_control_detected(preset, remat):
+    cfg = get_config(preset).replace(remat=remat)
+    problem = model_problem(cfg, preset, 2, 4, 8, dp=2, fsdp=True, sp=True)
+    controls = tuple(c for c in CONTROLS if c.name in NEW_CONTROLS)
+    with jax.enable_x64(True):
+        report = verify(
+            problem, make_mesh(2, 2), steps=1, dtype=jnp.float64, controls=controls, collectives=True
+        )
+    assert report.ok, [c for c in report.checks if not c["ok"]]
+    assert max(p.max_rel_err for p in report.params) <= 1e-12
+    assert {c["name"] for c in report.controls} == set(NEW_CONTROLS) - (
+        {"SP norm gradients not summed over mp"} if cfg.family == "ff" else set()
+    )
+    assert all(c["detected"] for c in report.controls), report.controls
+    names = {c["name"] for c in report.checks}
+    assert {"all-gathers per step", "reduce-scatters per step"} <= names
+
+
+def test_old_boolean_remat_loads_and_bad_values_are_one_line_errors(capsys):
+    base = get_config("tiny-llama").to_dict()
+    assert from_dict({**base, "remat": True}).remat == "full"
+    assert from_dict({**base, "remat": False}).remat == "none"
+    with pytest.raises(ConfigError, match="remat=.some.; valid: none, full, selective"):
+        TrainConfig(remat="some")
+    assert run_cli("verify", "--config", "tiny-llama", "--mesh", "1x4", "--sp", "--seq-len", "30") == 2
+    assert "--seq-len 30 is not divisible" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def _tcfg(corpus, out, **kw):
+    base = dict(config="tiny-lm", data=(corpus,), steps=4, batch_size=4, seq_len=16, warmup_steps=1)
+    return TrainConfig(
+        **{**base, "eval_every": 0, "eval_batches": 1, "sample_tokens": 0, "out": str(out), **kw}
+    )
+
+
+def _state(run):
+    return [np.asarray(x) for x in jax.tree.leaves((run.params, run.opt_state))]
+
+
+def test_fsdp_sp_training_resumes_bitwise_and_restores_onto_a_mesh_without_them(corpus, tmp_path):
+    mesh = make_mesh(2, 2)
+    opts = dict(fsdp=True, sp=True, remat="selective")
+    ref = build_run(_tcfg(corpus, tmp_path / "ref", **opts), mesh)
+    ref_losses = [float(_one_step(ref)["loss"]) for _ in range(4)]
+    cut = build_run(_tcfg(corpus, tmp_path / "cut", **opts), mesh)
+    [_one_step(cut) for _ in range(2)]
+    save(cut)  # the checkpoint a killed run leaves; nothing after it survives
+    cut.ckpt.close()
+    cut.release()
+    resumed = build_run(_tcfg(corpus, tmp_path / "cut", **opts), mesh)
+    assert resumed.step == 2
+    assert [float(_one_step(resumed)["loss"]) for _ in range(2)] == ref_losses[2:]
+    assert all(np.array_equal(a, b) for a, b in zip(_state(resumed), _state(ref), strict=True))
+    resumed.ckpt.close()
+    resumed.release()
+    plain = build_run(_tcfg(corpus, tmp_path / "cut"), make_mesh(1, 4))  # no fsdp, no sp, other mesh
+    assert plain.step == 2 and plain.specs["layers/attn"]["wq"] == P(None, None, MP, None)
+    np.testing.assert_allclose([float(_one_step(plain)["loss"]) for _ in range(2)], ref_losses[2:], rtol=1e-5)
