@@ -58,23 +58,31 @@ def test_fsdp_parameter_and_optimizer_bytes_fall_by_dp():
     del plain_specs
 
 
-@pytest.mark.parametrize(("preset", "remat"), [("tiny-llama", "selective"), ("tiny-gptj", "full")])
-def test_fsdp_and_sp_proven_with_every_new_control_detected(preset, remat):
+@pytest.mark.parametrize(
+    ("preset", "remat", "steps", "collectives"),
+    [("tiny-llama", "selective", 1, True), ("tiny-gptj", "full", 0, False)],
+)
+def test_fsdp_and_sp_proven_with_every_new_control_detected(preset, remat, steps, collectives):
     cfg = get_config(preset).replace(remat=remat)
     problem = model_problem(cfg, preset, 2, 4, 8, dp=2, fsdp=True, sp=True)
-    controls = tuple(c for c in CONTROLS if c.name in NEW_CONTROLS)
+    names = NEW_CONTROLS if collectives else NEW_CONTROLS[:-1]  # the last is seen by the collectives
+    controls = tuple(c for c in CONTROLS if c.name in names)
     with jax.enable_x64(True):
         report = verify(
-            problem, make_mesh(2, 2), steps=1, dtype=jnp.float64, controls=controls, collectives=True
+            problem,
+            make_mesh(2, 2),
+            steps=steps,
+            dtype=jnp.float64,
+            controls=controls,
+            collectives=collectives,
         )
     assert report.ok, [c for c in report.checks if not c["ok"]]
     assert max(p.max_rel_err for p in report.params) <= 1e-12
-    assert {c["name"] for c in report.controls} == set(NEW_CONTROLS) - (
-        {"SP norm gradients not summed over mp"} if cfg.family == "ff" else set()
-    )
+    assert {c["name"] for c in report.controls} == set(names)
     assert all(c["detected"] for c in report.controls), report.controls
-    names = {c["name"] for c in report.checks}
-    assert {"all-gathers per step", "reduce-scatters per step"} <= names
+    if collectives:
+        rows = {c["name"] for c in report.checks}
+        assert {"all-gathers per step", "reduce-scatters per step"} <= rows
 
 
 def test_old_boolean_remat_loads_and_bad_values_are_one_line_errors(capsys):
@@ -85,6 +93,8 @@ def test_old_boolean_remat_loads_and_bad_values_are_one_line_errors(capsys):
         TrainConfig(remat="some")
     assert run_cli("verify", "--config", "tiny-llama", "--mesh", "1x4", "--sp", "--seq-len", "30") == 2
     assert "--seq-len 30 is not divisible" in capsys.readouterr().err
+    assert run_cli("train", "--config", "tiny-lm", "--mesh", "1x4", "--sp", "--seq-len", "30") == 2
+    assert "seq_len=30 is not divisible by it" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +132,22 @@ def test_fsdp_sp_training_resumes_bitwise_and_restores_onto_a_mesh_without_them(
     plain = build_run(_tcfg(corpus, tmp_path / "cut"), make_mesh(1, 4))  # no fsdp, no sp, other mesh
     assert plain.step == 2 and plain.specs["layers/attn"]["wq"] == P(None, None, MP, None)
     np.testing.assert_allclose([float(_one_step(plain)["loss"]) for _ in range(2)], ref_losses[2:], rtol=1e-5)
+
+
+def test_sharded_step_compiles_ahead_of_time_from_abstract_params():
+    """What ``meshlm plan`` does: abstract parameters with FSDP shardings, no array allocated."""
+    from meshlm.parallel.rules import batch_sharding, shardings
+
+    cfg, mesh = get_config("tiny-llama").replace(remat="selective"), make_mesh(2, 2)
+    shapes = param_shapes(cfg)
+    specs = model_specs(cfg, shapes, 2, dp=2, fsdp=True)
+    sh = shardings(specs, mesh)
+    abstract = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, sh)
+    step, opt = sharded_step(cfg, TrainConfig().optim(), mesh, specs, abstract, fsdp=True, sp=True)
+    opt_state = jax.eval_shape(opt.init, abstract)
+    batch = {
+        k: jax.ShapeDtypeStruct((4, 16), jnp.int32, sharding=batch_sharding(mesh, 1))
+        for k in ("inputs", "targets")
+    }
+    memory = step.lower(abstract, opt_state, batch).compile().memory_analysis()
+    assert memory.argument_size_in_bytes > 0

@@ -14,7 +14,8 @@ import signal
 import sys
 
 from meshlm.cli.common import add_common, arg_type, check_batch_split, setup
-from meshlm.train.config import CLI_FLAG, CLI_HIDDEN, TrainConfig, check_byte_vocab, resolve
+from meshlm.parallel.mesh import parse_mesh
+from meshlm.train.config import CLI_FLAG, CLI_HIDDEN, TrainConfig, check_byte_vocab, check_seq_split, resolve
 
 D = TrainConfig()
 
@@ -72,6 +73,8 @@ def run(args) -> int:
     check_byte_vocab(tcfg, cfg)
     if tcfg.accum_steps == 1:  # with accumulation, run.py names the micro-batch size it cannot split
         check_batch_split(tcfg.batch_size, args.mesh)
+    if args.mesh:  # without --mesh, mp is the device count: run.py checks once devices exist
+        check_seq_split(tcfg, parse_mesh(args.mesh)[1])
     mesh, _, _ = setup(args)
     from meshlm.parallel.distributed import print0
     from meshlm.train.loop import train

@@ -2,7 +2,8 @@
 
 Presets: one tiny model per block family (ff, gptj, llama; tiny-llama's 4 KV heads replicate on
 mp = 8). Meshes: every dp x mp that uses all the devices (N x 1 ... 1 x N). Options: plain, and
-z-loss with rematerialised layers (the loss term and the recomputation both proven sharded). Each
+z-loss with rematerialised layers (the loss term and the recomputation both proven sharded), and on
+meshes with dp > 1 and mp > 1 FSDP + sequence parallelism + selective remat together. Each
 cell is the full proof (values, independence, communication, data pipeline, controls); cells the
 mesh cannot split (heads not divisible by mp) are listed as skipped with the reason.
 
@@ -25,6 +26,9 @@ from meshlm.proof.prover import verify
 
 PRESETS = ("tiny", "tiny-gptj", "tiny-llama")
 OPTIONS = {"plain": {}, "z-loss + remat": {"z_loss": 1e-3, "remat": "full"}}
+# The memory options, on meshes with dp > 1 and mp > 1 only (elsewhere FSDP or SP has nothing to
+# split): config changes, then the problem's options.
+MEMORY_OPTION = ("fsdp + sp + selective remat", {"remat": "selective"}, {"fsdp": True, "sp": True})
 SEQ_LEN = 16
 
 
@@ -40,15 +44,18 @@ def run_matrix(n_devices: int, *, x64: bool = False, steps: int = 0, seed: int =
         for dp, mp in meshes(n_devices):
             for option, changes in OPTIONS.items():
                 rows.append(_cell(preset, dp, mp, option, changes, x64=x64, steps=steps, seed=seed))
+            if dp > 1 and mp > 1:
+                option, changes, memory = MEMORY_OPTION
+                rows.append(_cell(preset, dp, mp, option, changes, x64=x64, steps=steps, seed=seed, **memory))
     return rows
 
 
-def _cell(preset, dp, mp, option, changes, *, x64, steps, seed) -> dict:
+def _cell(preset, dp, mp, option, changes, *, x64, steps, seed, fsdp=False, sp=False) -> dict:
     row = {"preset": preset, "mesh": f"{dp}x{mp}", "options": option}
     cfg = get_config(preset).replace(**changes)
     start = time.perf_counter()
     try:
-        problem = model_problem(cfg, preset, mp, 2 * dp, SEQ_LEN, seed)
+        problem = model_problem(cfg, preset, mp, 2 * dp, SEQ_LEN, seed, dp=dp, fsdp=fsdp, sp=sp)
         report = verify(
             problem,
             make_mesh(dp, mp),

@@ -25,13 +25,13 @@ from meshlm.errors import CheckpointError, ConfigError
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.model_io import FORMAT, abstract_params, load_model
 from meshlm.io.run_lock import RunLock, lock_run
-from meshlm.model.config import ModelConfig
+from meshlm.model.config import ModelConfig, from_dict
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel import distributed
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.rules import model_specs, shardings
 from meshlm.parallel.spmd import sharded_loss
-from meshlm.train.config import TrainConfig, resolve, resume_must_match
+from meshlm.train.config import TrainConfig, check_seq_split, resolve, resume_must_match
 from meshlm.train.metrics import OUTPUTS, MetricsLog
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step
 
@@ -115,22 +115,35 @@ def _check_fresh(ckpt: Checkpointer) -> None:
         )
 
 
-def _check_existing(tcfg: TrainConfig, ckpt: Checkpointer) -> None:
-    """Checks before resuming from ``ckpt``'s checkpoints, if it holds any (cheap: meta only)."""
+def _check_existing(tcfg: TrainConfig, ckpt: Checkpointer) -> dict | None:
+    """Checks before resuming from ``ckpt``'s checkpoints, if it holds any (cheap: meta only);
+    returns the newest checkpoint's meta (None without checkpoints)."""
     if tcfg.fresh:
         _check_fresh(ckpt)
     if not ckpt.all_steps():
-        return
+        return None
     with warnings.catch_warnings():  # resume() reports interrupted and corrupt steps later, once
         warnings.simplefilter("ignore")
         meta = ckpt.read_meta()
     _check_resumable(meta, tcfg, ckpt.directory)
+    return meta
+
+
+def _model_meta(meta: dict | None, cfg: ModelConfig) -> dict:
+    """The model config a resumed checkpoint must hold, as it was saved: an older spelling of the
+    same config (e.g. ``remat: false`` before remat had policies) is the same model."""
+    saved = (meta or {}).get("model_config")
+    try:
+        same = isinstance(saved, dict) and from_dict(saved) == cfg
+    except ConfigError:
+        same = False
+    return saved if same else cfg.to_dict()
 
 
 def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, ckpt: Checkpointer):
     """(params, opt_state, step, specs, step_fn): resumed from ``ckpt``'s newest checkpoint, else
     fresh (initialised, or loaded from ``tcfg.checkpoint``) at step 0."""
-    _check_existing(tcfg, ckpt)
+    meta = _check_existing(tcfg, ckpt)
     specs = run_specs(tcfg, cfg, mesh)
     if tcfg.checkpoint:
         loaded_cfg, params, _ = load_model(tcfg.checkpoint, mesh)
@@ -157,7 +170,8 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, ckpt: Checkp
     target = {"params": params, "opt_state": opt_state}
     # resume() also moves aside newer step directories it could not use, which would block saves.
     resumed = ckpt.resume(
-        jax.tree.map(_abstract, target), expect_meta={"format": FORMAT, "model_config": cfg.to_dict()}
+        jax.tree.map(_abstract, target),
+        expect_meta={"format": FORMAT, "model_config": _model_meta(meta, cfg)},
     )
     if resumed:
         state, _, step = resumed
@@ -170,11 +184,7 @@ def run_specs(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh) -> dict:
     """The parameter specs of this run (with ``--fsdp``, weights split over dp); a dimension the mesh
     cannot split, or (``--sp``) a sequence mp cannot split, is a one-line error before any work."""
     dp, mp = mesh.shape[DP], mesh.shape[MP]
-    if tcfg.sp and tcfg.seq_len % mp:
-        raise ConfigError(
-            f"--sp splits the sequence over mp={mp}, but seq_len={tcfg.seq_len} is not divisible "
-            f"by it; use a --seq-len that is a multiple of {mp}"
-        )
+    check_seq_split(tcfg, mp)
     return model_specs(cfg, abstract_params(cfg, mesh), mp, dp=dp, fsdp=tcfg.fsdp)
 
 
