@@ -10,31 +10,37 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers):
   backward (the gathered sequence is not kept: Korthikanti et al. 2022), the head's input (1), and
   the backward of every reduce-scatter: ``r`` per layer plus the embedding's (1). Reduce-scatters:
   ``r`` per layer forward (again in the backward's recomputation with remat) plus the embedding's
-  (1), and the backward of every all-gather: ``f`` per layer plus the head's (1). Norm parameters
-  meet sequence slices: their gradients are all-reduced over MP (one per norm leaf, at most).
+  (1), and the backward of every all-gather: ``f`` per layer plus the head's (1). Parameters
+  replicated over MP that meet sequence slices (norms, biases added after a row-parallel sum) have
+  their gradients all-reduced over MP (one per leaf and layer, at most).
 * FSDP (dp > 1): each DP-split weight of a layer is all-gathered in the forward and again in the
-  backward (ZeRO-3; weights outside the layer stack once), and its gradient reduce-scattered once.
+  backward (ZeRO-3; outside the layer stack XLA may keep the gathered weight or gather it again),
+  and its gradient reduce-scattered once.
   Norms and biases stay replicated and keep the data-parallel gradient all-reduce.
 """
 
 from __future__ import annotations
 
 from meshlm.model.config import ModelConfig
-from meshlm.model.params import flat_params, is_stacked
-from meshlm.parallel.rules import dp_sharded
+from meshlm.model.params import flat_params, is_matmul_weight, is_stacked
+from meshlm.parallel.axes import MP
+from meshlm.parallel.rules import dp_sharded, spec_for
 from meshlm.perf.collectives import theoretical_bytes, theoretical_collectives
 
 PER_LAYER = {"ff": 1, "gptj": 1, "llama": 2}  # f entries = r exits per layer
 SP_REPLACES = ("layer_forward", "layer_backward", "embedding", "head_backward")  # all-reduce causes
 
 
-def norm_leaves(cfg: ModelConfig) -> int:
-    """Norm parameter leaves whose gradient SP sums over MP (stacked leaves count once per layer)."""
-    if cfg.family == "ff":
-        return 0
-    per_norm = 2 if cfg.family == "gptj" else 1  # LayerNorm: scale and offset; RMSNorm: scale
-    norms = 1 if cfg.family == "gptj" else 2
-    return cfg.n_layers * norms * per_norm + per_norm
+def sp_replicated(params, n_layers: int) -> dict[str, int]:
+    """Parameters replicated over MP that meet the sequence slices under SP (norms, and biases added
+    after a row-parallel sum): path -> how many gradient all-reduces over MP (once per layer for
+    stacked leaves, at most). Read from the rules table, so it follows the model's parameters."""
+    out = {}
+    for path, p in flat_params(params).items():
+        if is_matmul_weight(path) or MP in spec_for(path, p.shape, 1):
+            continue
+        out[path] = n_layers if is_stacked(path) else 1
+    return out
 
 
 def fsdp_weights(params) -> tuple[int, int]:
@@ -57,13 +63,13 @@ def expected_collectives(cfg: ModelConfig, dp: int, mp: int, *, sp: bool, params
     if sp and mp > 1:
         for cause in SP_REPLACES:
             ar[cause] = 0
-        ar["sp_norm_grads"] = norm_leaves(cfg)
+        ar["sp_replicated_grads"] = sum(sp_replicated(params, n).values())
         recompute = 2 if cfg.remat != "none" else 1
         ag.update(sp_forward=2 * pl * n + 1, sp_backward=pl * n + 1)
         rs.update(sp_forward=recompute * pl * n + 1, sp_backward=pl * n + 1)
     per_layer, outside = fsdp_weights(params)
     if dp > 1 and per_layer + outside:
-        ag.update(fsdp_layers=2 * per_layer * n, fsdp_outside=outside)
+        ag.update(fsdp_layers=2 * per_layer * n, fsdp_outside=2 * outside)
         rs.update(fsdp_gradients=per_layer * n + outside)
     for causes in (ar, ag, rs):
         causes.pop("total", None)
