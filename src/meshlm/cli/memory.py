@@ -1,4 +1,7 @@
-"""meshlm memory: parameter and optimizer-state bytes per device for a preset on a mesh (shapes only)."""
+"""meshlm memory: parameter and optimizer-state bytes per device for a preset on a mesh (shapes only).
+
+The quick, compile-free part of ``meshlm plan``, which adds gradients, activations and the compiled
+step's peak, and says whether a run fits a device."""
 
 from __future__ import annotations
 
@@ -8,7 +11,10 @@ from meshlm.cli.common import add_common, setup
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("memory", help="bytes per device of parameters and AdamW state (nothing allocated)")
+    p = sub.add_parser(
+        "memory",
+        help="parameter and AdamW bytes per device (nothing allocated; see `plan`)",
+    )
     add_common(p, "llama2-7b")
     p.set_defaults(fn=run)
 
@@ -37,4 +43,5 @@ def run(args) -> int:
         f"(ideal total/mp + replicated: {report['param_bytes_ideal_per_device'] / gib:.3f}), "
         f"params + AdamW moments {report['train_state_bytes_per_device'] / gib:.3f} GiB"
     )
+    print("  gradients, activations and the compiled step's peak: meshlm plan")
     return 0

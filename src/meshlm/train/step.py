@@ -112,3 +112,11 @@ def _like_params(tree, param_sh, replicated):
         return replicated
 
     return walk(tree)
+
+
+def abstract_opt_state(opt, params, specs, mesh):
+    """``init_opt_state``'s result as ShapeDtypeStructs with its shardings: nothing is allocated
+    (``params`` may be ShapeDtypeStructs; the memory planner compiles a step from these)."""
+    abstract = jax.eval_shape(opt.init, params)
+    layout = _like_params(abstract, shardings(specs, mesh), NamedSharding(mesh, P()))
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, layout)

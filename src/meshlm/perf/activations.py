@@ -1,0 +1,82 @@
+"""Activation memory per device, from Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models" (arXiv:2205.05198), section 4 and table 2.
+
+Their count for one transformer layer at 16 bits, s = sequence, b = micro-batch rows, h = d_model,
+a = heads, t = tensor-parallel size (our ``mp``):
+
+  attention  11·sbh + 5·as²b   (QKV input 2, Q and K 4, softmax 2as²b, its dropout mask as²b,
+                               dropout output 2as²b, V 2, output-projection input 2, dropout mask 1)
+  MLP        19·sbh            (input 2, GeLU input 8, GeLU output 8, dropout mask 1)
+  norms       4·sbh            (two LayerNorm inputs, 2 each)
+
+Under tensor parallelism 10·sbh of it (block inputs, norms, dropout masks) is replicated on every
+device and the rest is split t ways; sequence parallelism splits the replicated part too:
+
+  policy     TP                          TP + SP
+  none       sbh·(10 + 24/t + 5as/(ht))  sbh/t·(34 + 5as/h)
+  selective  sbh·(10 + 24/t)             sbh/t·34          (the as²b terms are recomputed)
+  full       2·sbh                       2·sbh/t           (only each layer's input is kept)
+
+Full recompute also holds one layer's activations while that layer is recomputed in the backward
+pass; we add them (the paper's table counts only the stored inputs).
+
+What the formula assumes, and how meshlm differs:
+  * 16-bit activations: we scale by the compute dtype (float32 doubles every term; ``--bf16`` keeps
+    them). Dropout masks (1 byte each) are counted although meshlm has no dropout: an over-count
+    of (2·sbh + as²b)·(1 or 1/t) per layer.
+  * A GPT MLP of width 4h with one GeLU. Llama's SwiGLU keeps three d_ff-wide tensors instead of
+    two 4h-wide ones: for llama2-7b 3·11008 ≈ 8·4096, so the figure is close; gptj's MLP matches.
+  * Multi-head attention: grouped-query attention (n_kv_heads < n_heads) keeps smaller K and V.
+  * The ff prototype has no attention: its layer is the MLP and one norm (replicated 5·sbh,
+    split 16·sbh), from the same component list.
+Outside the layers we add the head's logits and their softmax in float32 (2 · 4 · s·b·V/t bytes,
+the vocabulary is split over mp); the paper neglects the embedding and head.
+"""
+
+from __future__ import annotations
+
+from meshlm.errors import ConfigError
+from meshlm.model.config import ModelConfig
+
+REMAT_POLICIES = ("none", "full", "selective")
+PAPER_BYTES = 2  # the paper's activation width (16-bit)
+# Per-layer coefficients of s·b·h at 16 bits: (replicated under TP, split by t).
+COEFFS = {"transformer": (10, 24), "ff": (5, 16)}
+ATTENTION_COEFF = 5  # the attention scores' terms: 5·a·s²·b (softmax, its dropout mask, dropout output)
+FULL_REMAT_COEFF = 2  # full recompute keeps each layer's input: 2·sbh
+LOGIT_COPIES = 2  # logits and their softmax, in float32
+
+
+def layer_bytes(
+    cfg: ModelConfig, *, seq: int, micro_batch: int, mp: int, sp: bool, remat: str, act_bytes: int
+) -> float:
+    """Bytes one device keeps for one layer's backward pass (the table above, scaled to act_bytes).
+
+    ``micro_batch`` is the rows one device processes at once (global batch / (dp · accum_steps)).
+    """
+    if remat not in REMAT_POLICIES:
+        raise ConfigError(f"remat={remat!r}; valid: {', '.join(REMAT_POLICIES)}")
+    s, b, h, t = seq, micro_batch, cfg.d_model, mp
+    sbh = s * b * h
+    scale = act_bytes / PAPER_BYTES
+    if remat == "full":
+        return FULL_REMAT_COEFF * sbh / (t if sp else 1) * scale
+    replicated, split = COEFFS["ff" if cfg.family == "ff" else "transformer"]
+    attention = 0.0
+    if remat == "none" and cfg.family != "ff":
+        attention = ATTENTION_COEFF * cfg.n_heads * s * s * b / t
+    kept = replicated * sbh / (t if sp else 1) + split * sbh / t
+    return (kept + attention) * scale
+
+
+def activation_bytes(
+    cfg: ModelConfig, *, seq: int, micro_batch: int, mp: int, sp: bool, remat: str, act_bytes: int
+) -> dict[str, float]:
+    """Activation bytes on one device for one micro-batch: per layer, all layers, the head's logits."""
+    shape = dict(seq=seq, micro_batch=micro_batch, mp=mp, sp=sp, act_bytes=act_bytes)
+    per_layer = layer_bytes(cfg, remat=remat, **shape)
+    layers = cfg.n_layers * per_layer
+    if remat == "full":  # the layer being recomputed holds its full activations meanwhile
+        layers += layer_bytes(cfg, remat="none", **shape)
+    logits = LOGIT_COPIES * 4 * seq * micro_batch * cfg.vocab_size / mp
+    return {"per_layer": per_layer, "layers": layers, "logits": logits, "total": layers + logits}

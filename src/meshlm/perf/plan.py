@@ -1,0 +1,175 @@
+"""The memory planner: one device's memory for a training run, compiled ahead of time and estimated.
+
+``measure`` builds the *real* train step (``train.step.sharded_step``) from abstract shapes:
+parameters, AdamW state and the batch are ``jax.ShapeDtypeStruct``s carrying their NamedShardings,
+and ``jax.jit(step).lower(...).compile()`` runs XLA's partitioner, scheduler and buffer assignment
+without allocating anything of the model. ``compiled.memory_analysis()`` then gives one device's
+argument, output, alias and temporary bytes; the peak is argument + output + temp - alias (outputs
+written into donated parameter/optimizer buffers are not counted twice), as in ``meshlm bench``.
+
+Compiled on host CPU devices, the temporaries are XLA *CPU*'s plan: an accelerator's compiler fuses
+and schedules differently, and its runtime adds its own overheads (context, allocator), so on CPU
+the figure is an estimate of an accelerator's. Next to it, ``analytic`` estimates the same from
+shapes: parameters and AdamW moments from the shardings, gradients like the parameters (twice with
+gradient accumulation: the running sum), with FSDP one layer's all-gathered weights, and activations
+from Korthikanti et al. 2022 (``perf.activations``).
+
+Options beyond main's step (``fsdp``, ``sp``, ``remat="selective"``) are used only when the
+installed step builder supports them (``supported``); otherwise asking for them is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshlm.errors import ConfigError
+from meshlm.model.config import ModelConfig
+from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.placement import bytes_per_device, total_bytes
+from meshlm.perf.activations import activation_bytes
+from meshlm.perf.plan_settings import PlanSettings
+
+PARAM_DTYPE = np.float32  # master weights (and so gradients and AdamW moments) are float32
+ADAM_MOMENTS = 2
+
+
+def supported() -> dict[str, bool]:
+    """Which of the memory options the installed step builder, rules table and model accept."""
+    from meshlm.parallel.rules import model_specs
+    from meshlm.train.step import sharded_step
+
+    step_args = inspect.signature(sharded_step).parameters
+    spec_args = inspect.signature(model_specs).parameters
+    remat_type = {f.name: f.type for f in dataclasses.fields(ModelConfig)}["remat"]
+    return {
+        "fsdp": "fsdp" in step_args and "fsdp" in spec_args,
+        "sp": "sp" in step_args,
+        "selective": remat_type not in (bool, "bool"),
+    }
+
+
+def check_supported(settings: PlanSettings) -> None:
+    have = supported()
+    asked = {"fsdp": settings.fsdp, "sp": settings.sp, "selective": settings.remat == "selective"}
+    missing = [name for name, on in asked.items() if on and not have[name]]
+    if missing:
+        flags = ", ".join("--remat selective" if m == "selective" else f"--{m}" for m in missing)
+        raise ConfigError(
+            f"{flags}: this meshlm's train step does not support it yet, so it cannot be planned; "
+            "plan without it"
+        )
+
+
+def with_remat(cfg: ModelConfig, policy: str) -> ModelConfig:
+    if supported()["selective"]:
+        return cfg.replace(remat=policy)
+    return cfg.replace(remat=policy == "full")
+
+
+def _option_kwargs(settings: PlanSettings, dp: int) -> tuple[dict, dict]:
+    """Keyword arguments for model_specs and sharded_step: only the options in use are passed, so
+    the planner runs on a step builder that does not know them."""
+    specs_kw = {"dp": dp, "fsdp": True} if settings.fsdp else {}
+    step_kw = {name: True for name in ("fsdp", "sp") if getattr(settings, name)}
+    return specs_kw, step_kw
+
+
+def abstract_step(cfg: ModelConfig, mesh, settings: PlanSettings):
+    """(jitted step, params, opt_state, batch): the train step and ShapeDtypeStruct arguments."""
+    from meshlm.parallel.rules import batch_sharding
+    from meshlm.train.optim import OptimConfig
+    from meshlm.train.step import COMPUTE_DTYPES, abstract_opt_state, sharded_step
+
+    cfg = with_remat(cfg, settings.remat)
+    _, step_kw = _option_kwargs(settings, mesh.shape[DP])
+    specs, params = abstract_params(cfg, mesh, settings)
+    ocfg = OptimConfig(accum_steps=settings.accum_steps)
+    dtype = COMPUTE_DTYPES[settings.compute_dtype]
+    step, opt = sharded_step(cfg, ocfg, mesh, specs, params, dtype, **step_kw)
+    opt_state = abstract_opt_state(opt, params, specs, mesh)
+    micro = settings.batch_size // settings.accum_steps
+    shape = (
+        (micro, settings.seq_len)
+        if settings.accum_steps == 1
+        else (settings.accum_steps, micro, settings.seq_len)
+    )
+    rows = batch_sharding(mesh, settings.accum_steps)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows) for k in ("inputs", "targets")}
+    return step, params, opt_state, batch
+
+
+def measure(cfg: ModelConfig, mesh, settings: PlanSettings) -> dict:
+    """Compile the step ahead of time; one device's bytes by layout and by XLA's memory analysis."""
+    from meshlm.perf.bench import compiled_memory
+
+    step, params, opt_state, batch = abstract_step(cfg, mesh, settings)
+    start = time.perf_counter()
+    compiled = step.lower(params, opt_state, batch).compile()
+    seconds = time.perf_counter() - start
+    memory = compiled_memory(compiled)
+    if memory is None:
+        raise ConfigError(f"XLA's {jax.default_backend()} compiler reports no memory analysis; plan on CPU")
+    return {
+        "params": bytes_per_device(params),
+        "opt_state": bytes_per_device(opt_state),
+        **memory,
+        "compile_s": seconds,
+    }
+
+
+def abstract_params(cfg: ModelConfig, mesh, settings: PlanSettings):
+    """(specs, params): the rules table's specs and float32 ShapeDtypeStructs with their shardings."""
+    from meshlm.model.transformer import param_shapes
+    from meshlm.parallel.rules import model_specs, shardings
+
+    specs_kw, _ = _option_kwargs(settings, mesh.shape[DP])
+    shapes = param_shapes(cfg)
+    specs = model_specs(cfg, shapes, mesh.shape[MP], **specs_kw)
+    params = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, PARAM_DTYPE, sharding=sh), shapes, shardings(specs, mesh)
+    )
+    return specs, params
+
+
+def state_bytes(cfg: ModelConfig, mesh, settings: PlanSettings) -> dict:
+    """Parameter bytes, unsharded and on one device, from the shapes and the rules table's specs."""
+    _, params = abstract_params(cfg, mesh, settings)
+    return {"params_total": total_bytes(params), "params_per_device": bytes_per_device(params)}
+
+
+def analytic(cfg: ModelConfig, mesh, settings: PlanSettings) -> dict:
+    """One device's bytes estimated from shapes: the state, gradients and activations (see above)."""
+    dp, mp = mesh.shape[DP], mesh.shape[MP]
+    params = state_bytes(cfg, mesh, settings)["params_per_device"]
+    act_bytes = 2 if settings.compute_dtype == "bfloat16" else 4
+    acts = activation_bytes(
+        cfg,
+        seq=settings.seq_len,
+        micro_batch=settings.micro_batch(dp),
+        mp=mp,
+        sp=settings.sp,
+        remat=settings.remat,
+        act_bytes=act_bytes,
+    )
+    gradients = params * (2 if settings.accum_steps > 1 else 1)  # + the accumulator's running sum
+    opt_state = ADAM_MOMENTS * params
+    gathered = 0.0
+    if settings.fsdp:  # ZeRO-3 gathers one layer's weights at a time: what FSDP took off, per layer
+        plain = state_bytes(cfg, mesh, dataclasses.replace(settings, fsdp=False))["params_per_device"]
+        gathered = (plain - params) / cfg.n_layers
+    temporaries = gradients + acts["total"] + gathered
+    return {
+        "params": params,
+        "opt_state": opt_state,
+        "gradients": gradients,
+        "gathered": gathered,
+        "activations": acts,
+        "temp": temporaries,
+        "peak": params + opt_state + temporaries,
+    }

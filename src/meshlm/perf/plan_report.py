@@ -1,0 +1,102 @@
+"""The planner's report as text: one device's memory, analytic next to compiled, and the candidates."""
+
+from __future__ import annotations
+
+GIB = 2**30
+
+
+def gib(n: float | None) -> str:
+    """Bytes in GiB, or MiB / KiB when smaller (tiny test models)."""
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", GIB), ("MiB", 2**20)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 2**10:.2f} KiB"
+
+
+def flags(settings: dict) -> str:
+    """The command-line options that select ``settings`` (a PlanSettings as a dict)."""
+    out = [f"--{name}" for name in ("fsdp", "sp") if settings[name]]
+    out += [f"--remat {settings['remat']}"] if settings["remat"] != "none" else []
+    out += [f"--accum-steps {settings['accum_steps']}"] if settings["accum_steps"] > 1 else []
+    return " ".join(out) or "(as given)"
+
+
+def _header(report: dict) -> list[str]:
+    s, mesh = report["plan"]["settings"], report["mesh"]
+    total = report["unsharded"]
+    return [
+        f"meshlm plan: {report['config']} on mesh {mesh['dp']}x{mesh['mp']} (dp={mesh['dp']}, "
+        f"mp={mesh['mp']}), batch {s['batch_size']} x {s['seq_len']}, accum {s['accum_steps']}, "
+        f"{s['compute_dtype']} compute, options: {report['plan']['label']}",
+        f"unsharded: parameters {gib(total['params'])} float32 "
+        f"({total['params'] // 4:,}), AdamW moments {gib(total['opt_state'])}",
+    ]
+
+
+def _breakdown(row: dict) -> list[str]:
+    a, c = row["analytic"], row["compiled"]
+    inside, accum = "(in temporaries)", row["settings"]["accum_steps"] > 1
+    lines = [
+        ("parameters", gib(a["params"]), gib(c["params"])),
+        ("optimizer state (AdamW)", gib(a["opt_state"]), gib(c["opt_state"])),
+        ("  arguments (+ batch)", gib(a["params"] + a["opt_state"]), gib(c["argument"])),
+        ("gradients" + (" (+ accum. sum)" if accum else ""), gib(a["gradients"]), inside),
+        ("activations (Korthikanti)", gib(a["activations"]["layers"]), inside),
+        ("logits", gib(a["activations"]["logits"]), inside),
+        ("temporaries", gib(a["temp"]), gib(c["temp"])),
+        ("peak", gib(a["peak"]), gib(c["peak"])),
+    ]
+    if row["settings"]["fsdp"]:
+        lines.insert(4, ("one layer's gathered weights", gib(a["gathered"]), inside))
+    out = [f"  {'per device':<28}{'analytic':>14}{'compiled (XLA)':>18}"]
+    out += [f"  {name:<28}{left:>14}{right:>18}" for name, left, right in lines]
+    frac = row["state_fraction"]
+    out.append(
+        f"  parameters + optimizer state: {frac:.1%} of the unsharded total (1/{1 / frac:.1f}); "
+        f"compiled in {c['compile_s']:.1f} s"
+    )
+    return out
+
+
+def _verdict(row: dict) -> str:
+    if "error" in row:
+        return f"cannot be built: {row['error']}"
+    margin = row["margin"]
+    if margin < 0:
+        return f"does NOT fit ({gib(-margin)} over)"
+    return f"fits, tight ({gib(margin)} free)" if row["tight"] else f"fits ({gib(margin)} free)"
+
+
+def _candidates(report: dict) -> list[str]:
+    dp = report["mesh"]["dp"]
+    head = f"  {'options':<34}{'rows/device':>12}{'analytic peak':>15}{'compiled peak':>15}  verdict"
+    out = ["candidates (each one compiled):", head]
+    for row in report["candidates"]:
+        s = row["settings"]
+        micro = s["batch_size"] // (dp * s["accum_steps"])
+        analytic = gib(row["analytic"]["peak"]) if "analytic" in row else "-"
+        compiled = gib(row["compiled"]["peak"]) if "compiled" in row else "-"
+        out.append(f"  {flags(s):<34}{micro:>12}{analytic:>15}{compiled:>15}  {_verdict(row)}")
+    return out
+
+
+def format_plan(report: dict) -> str:
+    row, device = report["plan"], report["device_memory"]
+    lines = _header(report) + _breakdown(row)
+    if device is not None:
+        lines.append(f"device memory {gib(device)}: {_verdict(row)}")
+    if report["candidates"]:
+        lines += _candidates(report)
+        if report["compiles"] >= report["max_compiles"]:
+            lines.append(f"  (stopped at --max-compiles {report['max_compiles']})")
+    if device is not None and not row["fits"]:
+        best = [r for r in report["candidates"] if r["label"] == report["recommended"]]
+        lines.append(
+            f"recommended: {flags(best[0]['settings'])}" if best else "no candidate tried fits this device"
+        )
+    lines.append(f"note: {report['analytic_note']}")
+    if report["note"]:
+        lines.append(f"note: {report['note']}")
+    return "\n".join(lines)

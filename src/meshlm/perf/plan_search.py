@@ -1,0 +1,218 @@
+"""The planner's report, and its search for settings that fit a device's memory.
+
+Every candidate is a compile of the real step (a few seconds for llama2-7b on 2 CPU cores), so the
+search is short and each candidate is compiled once (``Planner.evaluate`` caches by settings, and
+stops at ``max_compiles``):
+
+  1. each option alone on top of the given settings, cheapest first, until one fits with room to
+     spare: --sp, --fsdp, --remat selective, twice the --accum-steps (half the micro-batch),
+     --remat full (only the options this meshlm supports, and that the mesh and sizes allow:
+     fsdp needs dp > 1, sp needs mp > 1); with ``every_option`` all of them;
+  2. if none of them fits, the options stacked in that order, then the micro-batch halved again
+     until it fits or is one row per device.
+
+The order is the cost in step time: sequence parallelism costs no extra communication volume,
+FSDP gathers weights, selective remat recomputes the cheap attention work, a smaller micro-batch
+makes smaller matmuls, full remat recomputes every layer's forward (about a third more compute).
+The recommendation is the cheapest candidate that fits with 10% of the device to spare (else the
+cheapest that fits at all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from meshlm.errors import MeshlmError
+from meshlm.model.config import ModelConfig
+from meshlm.parallel.axes import DP, MP
+from meshlm.perf.plan import ADAM_MOMENTS, analytic, check_supported, measure, state_bytes, supported
+from meshlm.perf.plan_settings import PlanSettings
+
+CPU_NOTE = (
+    "compiled by XLA for host CPU devices: the temporaries and peak are XLA CPU's buffer plan, an "
+    "estimate of an accelerator's (whose compiler fuses and schedules differently); runtime overheads "
+    "(CUDA context, allocator fragmentation) are not included"
+)
+ANALYTIC_NOTE = (
+    "analytic activations: Korthikanti et al. 2022 per layer (a GPT block: 4h GeLU MLP, multi-head "
+    "attention, dropout masks), their 16-bit figures scaled to the compute dtype, + float32 logits"
+)
+COSTS = {"sp": 0, "fsdp": 1, "selective": 2, "accum": 3, "full": 4}  # step-time cost of each option
+STACK_ORDER = ("sp", "fsdp", "selective", "full", "accum")
+DEFAULT_MAX_COMPILES = 8
+# A fit with less than this fraction of the device free is "tight": the CPU-compiled peak is an
+# estimate, so a looser fit is recommended over a cheaper tight one.
+TIGHT = 0.1
+
+
+def moves(settings: PlanSettings, dp: int, mp: int) -> list[tuple[str, PlanSettings]]:
+    """The single changes to ``settings`` worth trying, cheapest first: (option, new settings)."""
+    have = supported()
+    replace = lambda **kw: dataclasses.replace(settings, **kw)
+    found = []
+    if have["sp"] and not settings.sp and mp > 1 and settings.seq_len % mp == 0:
+        found.append(("sp", replace(sp=True)))
+    if have["fsdp"] and not settings.fsdp and dp > 1:
+        found.append(("fsdp", replace(fsdp=True)))
+    if have["selective"] and settings.remat == "none":
+        found.append(("selective", replace(remat="selective")))
+    if settings.batch_size % (dp * settings.accum_steps * 2) == 0:
+        found.append(("accum", replace(accum_steps=settings.accum_steps * 2)))
+    if settings.remat != "full":
+        found.append(("full", replace(remat="full")))
+    return found
+
+
+def cost(settings: PlanSettings, base: PlanSettings) -> int:
+    """How much step time ``settings`` gives up against ``base`` (for ranking; 0 = the same)."""
+    total = COSTS["sp"] * (settings.sp > base.sp) + COSTS["fsdp"] * (settings.fsdp > base.fsdp)
+    if settings.remat != base.remat:
+        total += COSTS["full" if settings.remat == "full" else "selective"]
+    halvings = (settings.accum_steps // base.accum_steps).bit_length() - 1
+    return total + COSTS["accum"] * halvings
+
+
+_MEASURED: dict = {}  # (config, mesh, settings) -> measure(...): each step compiled once per process
+
+
+def measured(cfg: ModelConfig, mesh, settings: PlanSettings) -> dict:
+    """``measure``, remembered for this process (a plan's candidates recur across plans)."""
+    key = (cfg, mesh, settings)
+    if key not in _MEASURED:
+        _MEASURED[key] = measure(cfg, mesh, settings)
+    return dict(_MEASURED[key])
+
+
+class Planner:
+    """Compiles and estimates candidates for one model on one mesh, each at most once."""
+
+    def __init__(
+        self, *, cfg: ModelConfig, mesh, device_bytes: int | None, max_compiles: int, every_option: bool
+    ):
+        self.cfg, self.mesh = cfg, mesh
+        self.device_bytes = device_bytes
+        self.max_compiles = max_compiles
+        self.every_option = every_option  # step 1 tries every option, not only up to the first fit
+        self.rows: dict[PlanSettings, dict] = {}
+        self.unsharded = state_bytes(cfg, mesh, PlanSettings(batch_size=1, seq_len=1))["params_total"]
+
+    def evaluate(self, settings: PlanSettings, *, strict: bool = False) -> dict | None:
+        """The row for ``settings`` (compiled once); None when the compile budget is spent. A
+        candidate that cannot be built is a row with its error, unless ``strict`` (the user's own)."""
+        if settings in self.rows:
+            return self.rows[settings]
+        if len(self.rows) >= self.max_compiles:
+            return None
+        row = {"label": settings.label(), "settings": dataclasses.asdict(settings)}
+        try:
+            row["compiled"] = measured(self.cfg, self.mesh, settings)
+            row["analytic"] = analytic(self.cfg, self.mesh, settings)
+        except MeshlmError as e:
+            if strict:
+                raise
+            row["error"] = str(e)
+        self.rows[settings] = self._judged(row)
+        return self.rows[settings]
+
+    def _judged(self, row: dict) -> dict:
+        if "error" in row:
+            return {**row, "fits": False}
+        compiled = row["compiled"]
+        state = compiled["params"] + compiled["opt_state"]
+        row["state_fraction"] = state / ((1 + ADAM_MOMENTS) * self.unsharded)
+        if self.device_bytes is not None:
+            row["margin"] = self.device_bytes - compiled["peak"]
+            row["fits"] = row["margin"] >= 0
+            row["tight"] = row["fits"] and row["margin"] < TIGHT * self.device_bytes
+        return row
+
+    def search(self, base: PlanSettings) -> list[dict]:
+        """Candidates around ``base`` (module docstring), in the order they were tried."""
+        dp, mp = self.mesh.shape[DP], self.mesh.shape[MP]
+        tried = []
+        for _, settings in moves(base, dp, mp):
+            tried.append(self.evaluate(settings))
+            if not self.every_option and tried[-1] and tried[-1]["fits"] and not tried[-1]["tight"]:
+                break  # the costlier options are not needed
+        if not any(r and r["fits"] for r in tried):
+            tried += self._stacked(base, dp, mp)
+        return _unique(tried)
+
+    def _stacked(self, base: PlanSettings, dp: int, mp: int) -> list[dict]:
+        """The options applied one after another (the micro-batch halved as often as it takes)."""
+        current, rows = base, []
+        for option in STACK_ORDER:
+            while (step := dict(moves(current, dp, mp)).get(option)) is not None:
+                row = self.evaluate(step)
+                if row is None:
+                    return rows
+                rows.append(row)
+                if "error" in row:
+                    break  # this option cannot be built here: go on without it
+                current = step
+                if row["fits"]:
+                    return rows
+                if option != "accum":
+                    break
+        return rows
+
+
+def _unique(rows: list[dict | None]) -> list[dict]:
+    seen, out = set(), []
+    for row in rows:
+        if row is not None and id(row) not in seen:
+            seen.add(id(row))
+            out.append(row)
+    return out
+
+
+def recommended(rows: list[dict], base: PlanSettings) -> dict | None:
+    """The cheapest fitting row that is not tight (then the smallest peak), or None."""
+    fitting = [r for r in rows if r.get("fits")]
+    if not fitting:
+        return None
+    key = lambda r: (r["tight"], cost(PlanSettings(**r["settings"]), base), r["compiled"]["peak"])
+    return min(fitting, key=key)
+
+
+def plan(
+    cfg: ModelConfig,
+    name: str,
+    mesh,
+    settings: PlanSettings,
+    *,
+    device_bytes: int | None = None,
+    max_compiles: int = DEFAULT_MAX_COMPILES,
+    every_option: bool = False,
+) -> dict:
+    """The planner's report (one JSON-able dict): the given settings, and the search if they don't fit."""
+    dp, mp = mesh.shape[DP], mesh.shape[MP]
+    settings.check(cfg, dp, mp)
+    check_supported(settings)
+    planner = Planner(
+        cfg=cfg,
+        mesh=mesh,
+        device_bytes=device_bytes,
+        max_compiles=max(1, max_compiles),
+        every_option=every_option,
+    )
+    row = planner.evaluate(settings, strict=True)
+    candidates = planner.search(settings) if row.get("fits") is False else []
+    best = recommended([row, *candidates], settings)
+    return {
+        "config": name,
+        "mesh": {"dp": dp, "mp": mp},
+        "backend": jax.default_backend(),
+        "note": CPU_NOTE if jax.default_backend() == "cpu" else None,
+        "analytic_note": ANALYTIC_NOTE,
+        "supported": supported(),
+        "unsharded": {"params": planner.unsharded, "opt_state": ADAM_MOMENTS * planner.unsharded},
+        "device_memory": device_bytes,
+        "plan": row,
+        "candidates": candidates,
+        "recommended": best["label"] if best else None,
+        "compiles": len(planner.rows),
+        "max_compiles": planner.max_compiles,
+    }

@@ -1,0 +1,59 @@
+"""What the memory planner plans: one training run's sizes and memory options (no JAX here, so the
+CLI checks them before it sets up devices)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshlm.errors import ConfigError
+from meshlm.model.config import ModelConfig
+from meshlm.perf.activations import REMAT_POLICIES
+
+
+def remat_policy(cfg: ModelConfig) -> str:
+    """The config's own remat as a policy name (it is a bool where only none/full exist)."""
+    if isinstance(cfg.remat, bool):
+        return "full" if cfg.remat else "none"
+    return cfg.remat
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    batch_size: int  # global batch rows per optimizer step (split over dp, then into accum_steps)
+    seq_len: int  # tokens per row
+    accum_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    compute_dtype: str = "float32"  # "float32" or "bfloat16" (bf16 compute, float32 master weights)
+    fsdp: bool = False  # also shard weights and AdamW moments over dp (needs a step that supports it)
+    sp: bool = False  # Megatron sequence parallelism over mp (needs a step that supports it)
+    remat: str = "none"  # "none" | "full" | "selective" ("selective" needs a model that supports it)
+
+    def micro_batch(self, dp: int) -> int:
+        """Rows one device processes at once (its data shard of one micro-batch)."""
+        return self.batch_size // (dp * self.accum_steps)
+
+    def label(self) -> str:
+        """Short name of the options: "fsdp+sp+remat=full+accum=2", or "plain"."""
+        parts = [name for name in ("fsdp", "sp") if getattr(self, name)]
+        parts += [f"remat={self.remat}"] if self.remat != "none" else []
+        parts += [f"accum={self.accum_steps}"] if self.accum_steps > 1 else []
+        return "+".join(parts) or "plain"
+
+    def check(self, cfg: ModelConfig, dp: int, mp: int) -> None:
+        """One-line errors for settings that cannot compile, before any work."""
+        if self.remat not in REMAT_POLICIES:
+            raise ConfigError(f"--remat {self.remat!r}; valid: {', '.join(REMAT_POLICIES)}")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"compute_dtype={self.compute_dtype!r}; valid: float32, bfloat16")
+        if not 1 <= self.seq_len <= cfg.max_seq_len:
+            raise ConfigError(f"--seq-len {self.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
+        rows = dp * self.accum_steps
+        if self.batch_size % rows:
+            raise ConfigError(
+                f"--batch-size {self.batch_size} is not a multiple of dp x accum_steps = {dp} x "
+                f"{self.accum_steps}; use e.g. --batch-size {(self.batch_size // rows + 1) * rows}"
+            )
+        if self.sp and self.seq_len % mp:
+            raise ConfigError(
+                f"--sp splits the sequence over mp={mp}, but --seq-len {self.seq_len} is not a "
+                f"multiple of it; use e.g. --seq-len {(self.seq_len // mp + 1) * mp}"
+            )
