@@ -38,6 +38,9 @@ class ModelConfig:
     embed_bias: bool = False  # ff: the prototype's embedding had a bias (added once, after the sum)
     z_loss: float = 0.0  # coefficient of the z-loss term coeff * log(Z)^2 (0 disables it)
     remat: bool = False  # rematerialise each layer's activations in the backward pass
+    # Layers per iteration of the layer loop (scan unroll); 0: all of them, straight-line code (the
+    # faster on CPU: ~1.2x on the cpu preset). Changes speed and compile time, never results.
+    unroll: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):  # every construction path: presets, JSON, HF import
@@ -73,6 +76,11 @@ class ModelConfig:
         return self.rotary_style or FAMILY_ROTARY.get(self.family)
 
     @property
+    def layer_unroll(self) -> int:
+        """The layer loop's scan unroll: ``unroll``, or every layer when it is 0."""
+        return self.unroll or self.n_layers
+
+    @property
     def rot_dim(self) -> int:
         return self.rotary_dim or self.dim_per_head
 
@@ -96,6 +104,7 @@ RANGES: dict[str, Range] = {
     "rope_theta": POSITIVE_FLOAT,
     "norm_eps": POSITIVE_FLOAT,
     "z_loss": NON_NEGATIVE_FLOAT,
+    "unroll": Range(int, 0, note="0: all layers"),
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 

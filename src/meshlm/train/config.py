@@ -131,6 +131,12 @@ class TrainConfig:
     sample_tokens: int = _field(
         200, "bytes generated at the end as a sample; 0: none", valid=Range(int, 0, note="0: none")
     )
+    unroll: int = _field(
+        0,
+        "layers per iteration of the layer loop; 0: all (straight-line code, the faster on CPU); "
+        "changes speed and compile time, never results",
+        valid=Range(int, 0, note="0: all layers"),
+    )
 
     def __post_init__(self):
         # Library users never pass argparse's checks: every range is enforced here too, before any work.

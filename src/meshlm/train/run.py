@@ -141,7 +141,8 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, ckpt: Checkp
             )
     else:
         params, specs = init_model(cfg, mesh, tcfg.seed)
-    step_fn, opt = sharded_step(cfg, tcfg.optim(), mesh, specs, params, COMPUTE_DTYPES[tcfg.compute_dtype])
+    dtype = COMPUTE_DTYPES[tcfg.compute_dtype]
+    step_fn, opt = sharded_step(_exec_cfg(tcfg, cfg), tcfg.optim(), mesh, specs, params, dtype)
     opt_state = init_opt_state(opt, params, specs, mesh)
     step = 0
     target = {"params": params, "opt_state": opt_state}
@@ -154,6 +155,12 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, ckpt: Checkp
         params, opt_state = state["params"], state["opt_state"]
         distributed.print0(f"resuming from {ckpt.step_dir(step)} (step {step})", file=sys.stderr)
     return params, opt_state, step, specs, step_fn
+
+
+def _exec_cfg(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` as the jitted programs run it: with ``--unroll``. Run.cfg (saved in checkpoint meta and
+    compared on resume) stays the preset's, since unrolling changes speed, not the model."""
+    return cfg.replace(unroll=tcfg.unroll)
 
 
 def _abstract(x):
@@ -195,7 +202,7 @@ def _build(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, out: Path, batcher, 
         opt_state=opt_state,
         step=step,
         step_fn=step_fn,
-        eval_fn=jax.jit(sharded_loss(lambda par: loss_fn(cfg, par), mesh, specs, dtype)),
+        eval_fn=jax.jit(sharded_loss(lambda par: loss_fn(_exec_cfg(tcfg, cfg), par), mesh, specs, dtype)),
         batcher=batcher,
         val=eval_arrays(val, mesh),
         ckpt=ckpt,
