@@ -37,6 +37,7 @@ CANDIDATES: dict[str, list[str]] = {
     "2x2-lr6e-3": flags("2x2", 32, 240, 6e-3),
     "b16-lr6e-3": flags("2x2", 16, 480, 6e-3),
     "b16-lr1e-2": flags("2x2", 16, 480, 1e-2),
+    "b16-lr2e-2": flags("2x2", 16, 480, 2e-2),
     "4x1-b16-lr1e-2": flags("4x1", 16, 480, 1e-2),
 }
 

@@ -14,7 +14,7 @@ import signal
 import sys
 
 from meshlm.cli.common import add_common, arg_type, check_batch_split, setup
-from meshlm.train.config import CLI_FLAG, CLI_HIDDEN, TrainConfig, check_byte_vocab, resolve
+from meshlm.train.config import CLI_FLAG, CLI_HIDDEN, DEFAULT_DP, TrainConfig, check_byte_vocab, resolve
 
 D = TrainConfig()
 
@@ -72,7 +72,7 @@ def run(args) -> int:
     check_byte_vocab(tcfg, cfg)
     if tcfg.accum_steps == 1:  # with accumulation, run.py names the micro-batch size it cannot split
         check_batch_split(tcfg.batch_size, args.mesh)
-    mesh, _, _ = setup(args)
+    mesh, _, _ = setup(args, default_dp=DEFAULT_DP)
     from meshlm.parallel.distributed import print0
     from meshlm.train.loop import train
 

@@ -19,6 +19,9 @@ from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, 
 
 # seq_len=0 means min(DEFAULT_SEQ_LEN, the preset's max_seq_len), resolved by `resolve`.
 DEFAULT_SEQ_LEN = 128
+# `meshlm train` without --mesh: DEFAULT_DP x (devices / DEFAULT_DP), 2x2 on the default 4 fake devices,
+# the fastest data x model mesh on a 2-core CPU (README, "Choosing the main job's defaults").
+DEFAULT_DP = 2
 
 # How `meshlm train` exposes a field: a flag of its own, a flag the shared `add_common` already adds
 # (same dest), or not at all.
@@ -69,9 +72,13 @@ class TrainConfig:
         resume_must_match=True,
         shown_default="the Python stdlib's .py files",
     )
-    steps: int = _field(200, "optimizer steps; the defaults take ~5 min on a 2-core CPU", valid=POSITIVE_INT)
+    # The main job's defaults (steps, batch_size, lr, warmup_steps; mesh: DEFAULT_DP) come from the sweep in
+    # scripts/sweep_main.py (README, "Choosing the main job's defaults").
+    steps: int = _field(
+        480, "optimizer steps; the defaults take ~4-5 min on a 2-core CPU", valid=POSITIVE_INT
+    )
     batch_size: int = _field(
-        32,
+        16,
         "global sequences per optimizer step, split over dp and micro-batches",
         resume_must_match=True,
         valid=POSITIVE_INT,
@@ -84,7 +91,7 @@ class TrainConfig:
         valid=Range(int, 0, note="0: the preset's default"),
     )
     lr: float = _field(
-        3e-3,
+        1e-2,
         "peak learning rate: warm-up, then cosine decay to lr * 0.1",
         resume_must_match=True,
         valid=POSITIVE_FLOAT,
@@ -109,13 +116,13 @@ class TrainConfig:
         switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights"),
     )
     eval_every: int = _field(
-        50,
+        120,
         "steps between validation evaluations; 0: only at the end",
         valid=Range(int, 0, note="0: only at the end"),
     )
     eval_batches: int = _field(8, "validation batches per evaluation", valid=POSITIVE_INT)
     save_every: int = _field(
-        100, "steps between checkpoints; 0: only at the end", valid=Range(int, 0, note="0: only at the end")
+        240, "steps between checkpoints; 0: only at the end", valid=Range(int, 0, note="0: only at the end")
     )
     keep: int = _field(3, "checkpoints to keep", valid=POSITIVE_INT)
     log_every: int = _field(1, "steps between metrics.jsonl train rows", valid=POSITIVE_INT)
