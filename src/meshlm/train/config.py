@@ -75,10 +75,10 @@ class TrainConfig:
     # The main job's defaults (steps, batch_size, lr, warmup_steps; mesh: DEFAULT_DP) come from the sweep in
     # scripts/sweep_main.py (README, "Choosing the main job's defaults").
     steps: int = _field(
-        480, "optimizer steps; the defaults take ~4-5 min on a 2-core CPU", valid=POSITIVE_INT
+        240, "optimizer steps; the defaults take ~4-5 min on a 2-core CPU", valid=POSITIVE_INT
     )
     batch_size: int = _field(
-        16,
+        32,
         "global sequences per optimizer step, split over dp and micro-batches",
         resume_must_match=True,
         valid=POSITIVE_INT,
@@ -91,7 +91,7 @@ class TrainConfig:
         valid=Range(int, 0, note="0: the preset's default"),
     )
     lr: float = _field(
-        1e-2,
+        3e-3,
         "peak learning rate: warm-up, then cosine decay to lr * 0.1",
         resume_must_match=True,
         valid=POSITIVE_FLOAT,
