@@ -49,9 +49,10 @@ def _check_collectives(report: dict) -> None:
     theory = report["theoretical_collectives"]
     per_step = {r["impl"]: r["collectives"]["per_step"] for r in report["results"]}
     ours = per_step["meshlm"]
-    # XLA's all-reduce combiner puts the scalar loss mean over DP into the DP gradient all-reduce (same
-    # devices, independent values); every other all-reduce of the theoretical minimum is its own op.
-    assert ours["all-reduce"]["count"] == theory["total"] - theory["dp_loss"]
+    # XLA's all-reduce combiner may put the scalar loss mean over DP into the DP gradient all-reduce (same
+    # devices, independent values: it did with a rolled layer loop, not unrolled); every other all-reduce
+    # of the theoretical minimum is its own op.
+    assert theory["total"] - theory["dp_loss"] <= ours["all-reduce"]["count"] <= theory["total"]
     assert all(ours[kind]["count"] == 0 for kind in COLLECTIVES if kind != "all-reduce")
     for one_device in ("unsharded", "plain"):
         assert all(per_step[one_device][kind] == {"count": 0, "bytes": 0} for kind in COLLECTIVES)
