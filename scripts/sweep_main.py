@@ -8,7 +8,7 @@ inflated: compare candidates run side by side (--parallel runs several at once, 
 load alike) and against the `today` row, the defaults before the sweep, run in the same batch.
 
     python scripts/sweep_main.py --out runs/sweep                     # every candidate, one at a time
-    python scripts/sweep_main.py --out runs/sweep --only today,b16-lr1e-2 --parallel 2
+    python scripts/sweep_main.py --out runs/sweep --only today,default --parallel 2
 
 Prints a Markdown table (also written to OUT/sweep.md, with every summary in OUT/sweep.json).
 """
@@ -30,9 +30,11 @@ def flags(mesh: str, batch: int, steps: int, lr: float, warmup: int = 20, *extra
             "--warmup-steps", str(warmup), *extra]  # fmt: skip
 
 
-# name -> `meshlm train` flags. `today`: the defaults before this sweep (1x4, rolled layer loop).
+# name -> `meshlm train` flags. `today`: the defaults before this sweep (1x4, rolled layer loop, evaluations
+# every 50 steps, checkpoints every 100); `default`: no flags, the defaults it chose.
 CANDIDATES: dict[str, list[str]] = {
-    "today": flags("1x4", 32, 200, 3e-3, 20, "--unroll", "1"),
+    "today": flags("1x4", 32, 200, 3e-3, 20, "--unroll", "1", "--eval-every", "50", "--save-every", "100"),
+    "default": [],
     "2x2-lr3e-3": flags("2x2", 32, 240, 3e-3),
     "2x2-lr6e-3": flags("2x2", 32, 240, 6e-3),
     "b16-lr6e-3": flags("2x2", 16, 480, 6e-3),
