@@ -49,11 +49,13 @@ def _check_collectives(report: dict) -> None:
     theory = report["theoretical_collectives"]
     per_step = {r["impl"]: r["collectives"]["per_step"] for r in report["results"]}
     ours = per_step["meshlm"]
-    # XLA's all-reduce combiner puts the scalar loss mean over DP into the DP gradient all-reduce (same
-    # devices, independent values); every other all-reduce of the theoretical minimum is its own op.
-    assert ours["all-reduce"]["count"] == theory["total"] - theory["dp_loss"]
+    # XLA's all-reduce combiner may put the scalar loss mean over DP into the DP gradient all-reduce (same
+    # devices, independent values: it did with a rolled layer loop, not unrolled); every other all-reduce
+    # of the theoretical minimum is its own op.
+    assert theory["total"] - theory["dp_loss"] <= ours["all-reduce"]["count"] <= theory["total"]
     assert all(ours[kind]["count"] == 0 for kind in COLLECTIVES if kind != "all-reduce")
-    assert all(per_step["unsharded"][kind] == {"count": 0, "bytes": 0} for kind in COLLECTIVES)
+    for one_device in ("unsharded", "plain"):
+        assert all(per_step[one_device][kind] == {"count": 0, "bytes": 0} for kind in COLLECTIVES)
     assert per_step["gspmd"]["all-reduce"]["count"] > 0
     assert all(p["trivial"] == 0 for p in per_step.values())  # 2x2: no one-device replica groups
 
@@ -71,7 +73,7 @@ def _expected_bytes(config: str) -> dict[str, dict[str, int]]:
     assert per_device == mem["param_bytes_ideal_per_device"]  # total/mp + replicated: nothing wasted
     sharded = {"params": per_device, "opt_state": 2 * per_device + counters}
     whole = {"params": total, "opt_state": 2 * total + counters}
-    return {"meshlm": sharded, "gspmd": sharded, "unsharded": whole}
+    return {"meshlm": sharded, "gspmd": sharded, "unsharded": whole, "plain": whole}
 
 
 @pytest.mark.parametrize(("config", "gen_tokens"), [("tiny-llama", "4"), ("tiny-gptj", "0")])
@@ -84,6 +86,7 @@ def test_bench_json_schema_and_values(config, gen_tokens, capsys, tmp_path):
     assert [r["impl"] for r in report["results"]] == list(IMPLS)
     for r in report["results"]:
         _check_result(r)
+    assert set(report["step_time_ratios"]) == {f"meshlm/{i}" for i in IMPLS[1:]} | {"unsharded/plain"}
     for ratio in report["step_time_ratios"].values():
         assert _positive(ratio["of_medians"]) and _positive(ratio["paired"])
     losses = [r["loss"] for r in report["results"]]

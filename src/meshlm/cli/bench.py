@@ -36,6 +36,12 @@ def add_parser(sub) -> None:
         default=2048,
         help="matmul size of the peak measurement (raise on accelerators)",
     )
+    p.add_argument(
+        "--unroll",
+        type=non_negative_int,
+        default=0,
+        help="layers per iteration of the layer loop (0: all, the default; 1: a rolled loop)",
+    )
     p.add_argument("--out", default=None, help="also write bench.json and bench.png into this directory")
     p.add_argument(
         "--memory-options",
@@ -71,7 +77,7 @@ def run(args) -> int:
     from meshlm.perf.bench import DEFAULT_BATCH, DEFAULT_SEQ, BenchSettings, run_bench
     from meshlm.perf.bench_report import format_bench, write_outputs
 
-    cfg = get_config(args.config)
+    cfg = get_config(args.config).replace(unroll=args.unroll)
     settings = BenchSettings(
         batch_size=args.batch_size or -(-DEFAULT_BATCH // dp) * dp,  # rounded up to a multiple of dp
         seq_len=args.seq_len or min(DEFAULT_SEQ, cfg.max_seq_len),

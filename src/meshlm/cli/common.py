@@ -84,10 +84,11 @@ def check_batch_split(batch_size: int | None, mesh: str | None) -> None:
         )
 
 
-def setup(args) -> tuple:
+def setup(args, default_dp: int = 1) -> tuple:
     """Devices, distributed runtime, mesh, in that order, before anything touches a device.
 
-    Returns (mesh, dp, mp). The default mesh is 1 x (all devices).
+    Returns (mesh, dp, mp). The default mesh is default_dp x (all devices / default_dp), or 1 x (all
+    devices) when default_dp does not divide the device count.
     """
     force_host_devices(args.devices if args.devices is not None else DEFAULT_DEVICES)
     if args.coordinator or args.num_processes:
@@ -105,5 +106,7 @@ def setup(args) -> tuple:
 
     if args.devices is not None and (note := accelerator_note()):
         print(note, file=sys.stderr)
-    dp, mp = parse_mesh(args.mesh) if args.mesh else (1, jax.device_count())
+    n = jax.device_count()
+    dp = default_dp if n % default_dp == 0 else 1
+    dp, mp = parse_mesh(args.mesh) if args.mesh else (dp, n // dp)
     return make_mesh(dp, mp), dp, mp

@@ -15,7 +15,15 @@ import sys
 
 from meshlm.cli.common import add_common, arg_type, check_batch_split, setup
 from meshlm.parallel.mesh import parse_mesh
-from meshlm.train.config import CLI_FLAG, CLI_HIDDEN, TrainConfig, check_byte_vocab, check_seq_split, resolve
+from meshlm.train.config import (
+    CLI_FLAG,
+    CLI_HIDDEN,
+    DEFAULT_DP,
+    TrainConfig,
+    check_byte_vocab,
+    check_seq_split,
+    resolve,
+)
 
 D = TrainConfig()
 
@@ -75,7 +83,7 @@ def run(args) -> int:
         check_batch_split(tcfg.batch_size, args.mesh)
     if args.mesh:  # without --mesh, mp is the device count: run.py checks once devices exist
         check_seq_split(tcfg, parse_mesh(args.mesh)[1])
-    mesh, _, _ = setup(args)
+    mesh, _, _ = setup(args, default_dp=DEFAULT_DP)
     from meshlm.parallel.distributed import print0
     from meshlm.train.loop import train
 

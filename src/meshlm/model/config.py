@@ -43,6 +43,9 @@ class ModelConfig:
     # so every power-of-two mp up to it splits them; padded logits are masked out. 1: no padding. A
     # config saved without this field (before padding existed) loads as 1: exactly as it was.
     vocab_multiple: int = 128
+    # Layers per iteration of the layer loop (scan unroll); 0: all of them, straight-line code (the
+    # faster on CPU: ~1.2x on the cpu preset). Changes speed and compile time, never results.
+    unroll: int = 0
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
@@ -82,6 +85,11 @@ class ModelConfig:
         return self.rotary_style or FAMILY_ROTARY.get(self.family)
 
     @property
+    def layer_unroll(self) -> int:
+        """The layer loop's scan unroll: ``unroll``, or every layer when it is 0."""
+        return self.unroll or self.n_layers
+
+    @property
     def rot_dim(self) -> int:
         return self.rotary_dim or self.dim_per_head
 
@@ -111,6 +119,7 @@ RANGES: dict[str, Range] = {
     "rope_theta": POSITIVE_FLOAT,
     "norm_eps": POSITIVE_FLOAT,
     "z_loss": NON_NEGATIVE_FLOAT,
+    "unroll": Range(int, 0, note="0: all layers"),
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 

@@ -81,9 +81,12 @@ def _stack(cfg: ModelConfig, layer, x, positions, cache):
         body = lambda x, c: layer(x, positions, c)
     body = remat_body(cfg.remat, body)
     if cache is None:
-        stacked = hk.experimental.layer_stack(cfg.n_layers, name="layers")(lambda x: body(x, None)[0])
+        stack = hk.experimental.layer_stack(cfg.n_layers, unroll=cfg.layer_unroll, name="layers")
+        stacked = stack(lambda x: body(x, None)[0])
         return stacked(x), None
-    stacked = hk.experimental.layer_stack(cfg.n_layers, with_per_layer_inputs=True, name="layers")
+    stacked = hk.experimental.layer_stack(
+        cfg.n_layers, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers"
+    )
     return stacked(body)(x, cache)
 
 

@@ -1,12 +1,14 @@
 """Benchmark of our sharded train step against the same model unsharded and partitioned by GSPMD.
 
-Three implementations of one training step (``optim.make_step``: grads -> clip -> AdamW), all from
+Four implementations of one training step (``optim.make_step``: grads -> clip -> AdamW), all from
 the same initial parameters, on the same batch:
 
   meshlm     ``train_step.sharded_step``: our ``shard_map`` (Megatron) step on the (DP, MP) mesh.
   unsharded  ``train_step.reference_step`` with parameters, optimizer state and batch on device 0.
   gspmd      ``reference_step`` (the unsharded model code) with parameters, optimizer state and
              batch placed with *our* NamedShardings on the Auto mesh: XLA's GSPMD partitions it.
+  plain      ``plain.plain_step``: the same model hand-written in plain JAX (no Haiku, no shard_map),
+             on device 0: the speed a hand-written model gets, the yardstick for the other three.
 
 Timing is interleaved: every repetition runs one step of each implementation (rotating the order)
 and one float32 and one bfloat16 matmul-peak measurement, so load from other processes on a shared
@@ -47,10 +49,11 @@ from meshlm.perf.collectives import theoretical_collectives
 from meshlm.perf.flops import model_flops_per_step
 from meshlm.perf.hlo import collectives_of, collectives_per_step
 from meshlm.perf.peak import matmul_peak_flops
+from meshlm.perf.plain import plain_step
 from meshlm.train.optim import OptimConfig
 from meshlm.train.step import init_model, init_opt_state, reference_step, sharded_step
 
-IMPLS = ("meshlm", "unsharded", "gspmd")
+IMPLS = ("meshlm", "unsharded", "gspmd", "plain")
 MIN_STEPS = 5  # fewer timed steps give a median that is mostly noise on a shared machine
 # Defaults that keep a `small` bench near 1.5 minutes on 2 CPU cores (a step takes 1.7 s on an idle
 # machine, 4 s on a loaded one; batch 8 x 256 doubles that).
@@ -127,7 +130,11 @@ def build_impls(cfg: ModelConfig, ocfg: OptimConfig, mesh, settings: BenchSettin
     unsharded = _compiled("unsharded", ref, one_params, one_opt, jax.device_put(host, device))
     gref, gref_opt = reference_step(cfg, ocfg, gspmd_params)
     gopt = init_opt_state(gref_opt, gspmd_params, specs, mesh)
-    return [ours, unsharded, _compiled("gspmd", gref, gspmd_params, gopt, mesh_batch)]
+    gspmd = _compiled("gspmd", gref, gspmd_params, gopt, mesh_batch)
+    plain_params = jax.device_put(host_params, device)  # its own copy: the step donates it
+    hand, hand_opt = plain_step(cfg, ocfg, plain_params)
+    plain = _compiled("plain", hand, plain_params, jax.jit(hand_opt.init)(plain_params), unsharded.batch)
+    return [ours, unsharded, gspmd, plain]
 
 
 def _compiled(name: str, jitted, params, opt_state, batch) -> Impl:
@@ -213,17 +220,19 @@ def generation_bench(cfg: ModelConfig, params, mesh, settings: BenchSettings) ->
 
 
 def step_time_ratios(seconds: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    """meshlm's step time over each other implementation's, two ways: the ratio of the medians, and
-    the median of the per-repetition ratios. The second pairs steps that ran seconds apart, so slow
-    drifts in the machine's load cancel; on a shared machine it is the steadier of the two."""
-    out = {}
-    for other in IMPLS[1:]:
-        pairs = zip(seconds["meshlm"], seconds[other], strict=True)
-        out[f"meshlm/{other}"] = {
-            "of_medians": statistics.median(seconds["meshlm"]) / statistics.median(seconds[other]),
-            "paired": statistics.median(a / b for a, b in pairs),
-        }
-    return out
+    """meshlm's step time over each other implementation's (and unsharded's over plain's), two ways:
+    the ratio of the medians, and the median of the per-repetition ratios. The second pairs steps that
+    ran seconds apart, so slow drifts in the machine's load cancel; on a shared machine it is the
+    steadier of the two."""
+    pairs = [("meshlm", other) for other in IMPLS[1:]] + [("unsharded", "plain")]
+    return {f"{a}/{b}": _ratio(seconds[a], seconds[b]) for a, b in pairs}
+
+
+def _ratio(a: list[float], b: list[float]) -> dict[str, float]:
+    return {
+        "of_medians": statistics.median(a) / statistics.median(b),
+        "paired": statistics.median(x / y for x, y in zip(a, b, strict=True)),
+    }
 
 
 def run_bench(

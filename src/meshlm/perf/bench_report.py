@@ -75,7 +75,7 @@ def plot_bench(report: dict, path: str | Path) -> None:
     panels = (("tokens_per_s", "tokens / s"), ("mfu", "MFU (fp32 peak)"))
     for ax, (key, label) in zip(fig.subplots(1, 2), panels, strict=True):
         values = [r[key] for r in report["results"]]
-        bars = ax.bar(names, values, color=["tab:blue", "tab:gray", "tab:orange"][: len(names)])
+        bars = ax.bar(names, values, color=["tab:blue", "tab:gray", "tab:orange", "tab:green"][: len(names)])
         ax.bar_label(bars, fmt="%.3g")
         ax.margins(y=0.15)  # room for the labels above the tallest bar
         ax.set_ylabel(label)

@@ -19,6 +19,9 @@ from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, 
 
 # seq_len=0 means min(DEFAULT_SEQ_LEN, the preset's max_seq_len), resolved by `resolve`.
 DEFAULT_SEQ_LEN = 128
+# `meshlm train` without --mesh: DEFAULT_DP x (devices / DEFAULT_DP), 2x2 on the default 4 fake devices,
+# the fastest data x model mesh on a 2-core CPU (README, "Choosing the main job's defaults").
+DEFAULT_DP = 2
 
 # How `meshlm train` exposes a field: a flag of its own, a flag the shared `add_common` already adds
 # (same dest), or not at all.
@@ -72,7 +75,11 @@ class TrainConfig:
         resume_must_match=True,
         shown_default="the Python stdlib's .py files",
     )
-    steps: int = _field(200, "optimizer steps; the defaults take ~5 min on a 2-core CPU", valid=POSITIVE_INT)
+    # The main job's defaults (steps, batch_size, lr, warmup_steps; mesh: DEFAULT_DP) come from the sweep in
+    # scripts/sweep_main.py (README, "Choosing the main job's defaults").
+    steps: int = _field(
+        240, "optimizer steps; the defaults take ~4-5 min on a 2-core CPU", valid=POSITIVE_INT
+    )
     batch_size: int = _field(
         32,
         "global sequences per optimizer step, split over dp and micro-batches",
@@ -110,15 +117,16 @@ class TrainConfig:
         "float32, or bfloat16: bf16 compute with float32 master weights",
         resume_must_match=True,
         switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights"),
+        choices=("float32", "bfloat16"),
     )
     eval_every: int = _field(
-        50,
+        120,
         "steps between validation evaluations; 0: only at the end",
         valid=Range(int, 0, note="0: only at the end"),
     )
     eval_batches: int = _field(8, "validation batches per evaluation", valid=POSITIVE_INT)
     save_every: int = _field(
-        100, "steps between checkpoints; 0: only at the end", valid=Range(int, 0, note="0: only at the end")
+        240, "steps between checkpoints; 0: only at the end", valid=Range(int, 0, note="0: only at the end")
     )
     keep: int = _field(3, "checkpoints to keep", valid=POSITIVE_INT)
     log_every: int = _field(1, "steps between metrics.jsonl train rows", valid=POSITIVE_INT)
@@ -147,26 +155,15 @@ class TrainConfig:
         "BPE into --out first; from scratch it sets the model's vocab_size",
         shown_default="the checkpoint's, else bytes",
     )
+    unroll: int = _field(
+        0,
+        "layers per iteration of the layer loop; 0: all (straight-line code, the faster on CPU); "
+        "changes speed and compile time, never results",
+        valid=Range(int, 0, note="0: all layers"),
+    )
 
     def __post_init__(self):
-        # Library users never pass argparse's checks: every range is enforced here too, before any work.
-        for f in dataclasses.fields(self):
-            valid = f.metadata["valid"]
-            if valid is not None and (problem := valid.problem(f.name, getattr(self, f.name))):
-                flag = "--" + f.name.replace("_", "-")
-                raise ConfigError(f"{problem} (the default is {flag} {f.default})")
-        if self.batch_size % self.accum_steps:
-            fit = (self.batch_size // self.accum_steps + 1) * self.accum_steps
-            raise ConfigError(
-                f"batch_size={self.batch_size} is not divisible by accum_steps={self.accum_steps}; "
-                f"use e.g. --batch-size {fit}"
-            )
-        for f in dataclasses.fields(self):
-            if f.metadata["choices"] and getattr(self, f.name) not in f.metadata["choices"]:
-                valid = ", ".join(f.metadata["choices"])
-                raise ConfigError(f"{f.name}={getattr(self, f.name)!r}; valid: {valid}")
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"compute_dtype={self.compute_dtype!r}; valid: float32, bfloat16")
+        _validate(self)  # library users never pass argparse's checks: enforced here too, before any work
 
     @property
     def micro_batch(self) -> int:
@@ -189,6 +186,23 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         d["data"] = list(self.data)
         return d
+
+
+def _validate(tcfg: TrainConfig) -> None:
+    """Every field's range and choices, and the batch split: one-line errors naming the flag."""
+    for f in dataclasses.fields(tcfg):
+        value, valid, choices = getattr(tcfg, f.name), f.metadata["valid"], f.metadata["choices"]
+        if valid is not None and (problem := valid.problem(f.name, value)):
+            flag = "--" + f.name.replace("_", "-")
+            raise ConfigError(f"{problem} (the default is {flag} {f.default})")
+        if choices and value not in choices:
+            raise ConfigError(f"{f.name}={value!r}; valid: {', '.join(choices)}")
+    if tcfg.batch_size % tcfg.accum_steps:
+        fit = (tcfg.batch_size // tcfg.accum_steps + 1) * tcfg.accum_steps
+        raise ConfigError(
+            f"batch_size={tcfg.batch_size} is not divisible by accum_steps={tcfg.accum_steps}; "
+            f"use e.g. --batch-size {fit}"
+        )
 
 
 def resume_must_match() -> tuple[str, ...]:

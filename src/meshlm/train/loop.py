@@ -14,20 +14,30 @@ import math
 import signal
 import sys
 import time
+from collections import deque
 from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshlm.data.device_batches import device_batch
 from meshlm.data.tokenizer import bits_per_byte
 from meshlm.errors import TrainingError
 from meshlm.generate.generator import Generator
 from meshlm.parallel import distributed
+from meshlm.parallel.placement import put_global
 from meshlm.train.config import TrainConfig
 from meshlm.train.metrics import plot_loss_curve
 from meshlm.train.run import Run, build_run, checkpoint_meta
 
+LAG = 1  # steps in flight beyond the one being read back (see _InFlight)
+
 
 def evaluate(run: Run) -> dict:
-    losses = [float(run.eval_fn(run.params, b)) for b in run.val]
+    pending = [run.eval_fn(run.params, b) for b in run.val]  # all dispatched, then read
+    losses = [float(x) for x in pending]
     val_loss = sum(losses) / len(losses)
     bpb = bits_per_byte(val_loss, run.val_bytes_per_token)  # per byte of text, whatever the tokenizer
     return {"step": run.step, "val_loss": val_loss, "val_bpb": bpb}
@@ -67,37 +77,58 @@ class _Stop:
             signal.signal(s, h)
 
 
-def _train_row(run: Run, metrics: dict, seconds: float) -> dict:
+def _train_row(run: Run, step: int, metrics: dict, seconds: float) -> dict:
+    """Step ``step``'s metrics.jsonl row (reads its metrics: waits for that step, not later ones)."""
     tokens = run.tcfg.batch_size * run.tcfg.seq_len
-    lr = float(_lr(run.tcfg)(run.step - 1))
     return {
-        "step": run.step,
+        "step": step,
         "loss": float(metrics["loss"]),
-        "lr": lr,
+        "lr": float(_lr(run.tcfg)[step - 1]),
         "grad_norm": float(metrics["grad_norm"]),
         "tokens_per_s": tokens / max(seconds, 1e-9),
     }
 
 
 @functools.cache
-def _lr(tcfg: TrainConfig):
-    """The learning-rate schedule, built once per config (it is logged every step)."""
+def _lr(tcfg: TrainConfig) -> np.ndarray:
+    """The learning rate of every step, computed once per config (it is logged every step; evaluating
+    the schedule each time would dispatch a few tiny device computations per step)."""
     from meshlm.train.optim import schedule
 
-    return schedule(tcfg.optim())
+    return np.asarray(jax.vmap(schedule(tcfg.optim()))(np.arange(tcfg.steps)))
+
+
+def _healthy(run: Run):
+    """A replicated device True: the first step's "previous step was finite" flag."""
+    return put_global(np.array(True), NamedSharding(run.mesh, P()))
+
+
+def _dispatch(run: Run, healthy) -> dict:
+    """Start the next step (JAX dispatches asynchronously) and advance ``run.step``; its metrics stay
+    on device. With ``healthy`` False (a previous step was non-finite) the step keeps the state."""
+    batch = device_batch(run.batcher, run.step, run.mesh, run.tcfg.accum_steps)
+    run.params, run.opt_state, metrics = run.step_fn(run.params, run.opt_state, batch, healthy)
+    run.step += 1
+    return metrics
+
+
+def _non_finite(run: Run, step: int, loss: float) -> TrainingError:
+    """Step ``step`` was not finite, and left the state untouched, as did every step after it
+    (``healthy``): the state is step ``step - 1``'s, the last good one. Save it; the error to raise."""
+    run.step = step - 1
+    save(run)
+    return TrainingError(
+        f"non-finite loss ({loss}) at step {step}; the last good state (step "
+        f"{run.step}) is saved in {run.ckpt.directory}. Lower --lr or check the data"
+    )
 
 
 def _one_step(run: Run) -> dict:
-    batch = device_batch(run.batcher, run.step, run.mesh, run.tcfg.accum_steps)
-    run.params, run.opt_state, metrics = run.step_fn(run.params, run.opt_state, batch)
+    """One step, waited for (tests and tools; the loop keeps one step in flight instead)."""
+    metrics = _dispatch(run, _healthy(run))
     loss = float(metrics["loss"])  # waits for the step
-    if not math.isfinite(loss) or not math.isfinite(float(metrics["grad_norm"])):
-        save(run)  # the step left the state untouched: this is the last good state
-        raise TrainingError(
-            f"non-finite loss ({loss}) at step {run.step + 1}; the last good state (step "
-            f"{run.step}) is saved in {run.ckpt.directory}. Lower --lr or check the data"
-        )
-    run.step += 1
+    if not bool(metrics["ok"]):
+        raise _non_finite(run, run.step, loss)
     return metrics
 
 
@@ -115,24 +146,79 @@ def _progress(run: Run):
     )
 
 
+class _InFlight:
+    """Steps dispatched but not yet read back: at most ``LAG`` after each dispatch, so the host reads
+    step s's metrics (and writes its row) while step s + 1 computes, and the device never waits for
+    logging. Rows are written in step order; ``drain`` reads every step left (before an evaluation,
+    a checkpoint, the end, or on the way out of a crash), so no row is lost."""
+
+    def __init__(self, run: Run, bar):
+        self.run, self.bar = run, bar
+        self.steps: deque[tuple[int, dict]] = deque()  # (step, metrics on device)
+        self.healthy = _healthy(run)  # the last dispatched step's metrics["ok"], on device
+        self.clock = time.perf_counter()  # when the previous step was read back (or the loop began)
+
+    def dispatch(self) -> None:
+        metrics = _dispatch(self.run, self.healthy)
+        self.healthy = metrics["ok"]
+        self.steps.append((self.run.step, metrics))
+        while len(self.steps) > LAG:
+            self._read_one()
+
+    def drain(self) -> None:
+        while self.steps:
+            self._read_one()
+
+    def _read_one(self) -> None:
+        run, tcfg = self.run, self.run.tcfg
+        step, metrics = self.steps.popleft()
+        metrics["loss"].block_until_ready()  # waits for step `step` only; later ones keep running
+        now = time.perf_counter()
+        row = _train_row(run, step, metrics, now - self.clock)
+        self.clock = now
+        if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
+            self.steps.clear()  # later steps kept the state (healthy was False): nothing to log
+            raise _non_finite(run, step, row["loss"])
+        if step % tcfg.log_every == 0 or step == tcfg.steps:
+            run.log.write(row)
+        self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
+        self.bar.update(1)
+
+
 def _loop(run: Run, stop: _Stop) -> None:
     tcfg = run.tcfg
     bar = _progress(run)
+    flight = _InFlight(run, bar)
     try:
         while run.step < tcfg.steps and not stop.requested():
-            t0 = time.perf_counter()
-            metrics = _one_step(run)
-            row = _train_row(run, metrics, time.perf_counter() - t0)
-            if run.step % tcfg.log_every == 0 or run.step == tcfg.steps:
-                run.log.write(row)
-            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
-            bar.update(1)
-            if tcfg.eval_every and run.step % tcfg.eval_every == 0 and run.step < tcfg.steps:
+            flight.dispatch()
+            evals = tcfg.eval_every and run.step % tcfg.eval_every == 0 and run.step < tcfg.steps
+            saves = tcfg.save_every and run.step % tcfg.save_every == 0
+            if evals or saves or run.step == tcfg.steps:
+                flight.drain()  # a checkpoint holds only steps known to be finite
+            if evals:
                 _eval_and_log(run, bar)
-            if tcfg.save_every and run.step % tcfg.save_every == 0:
+            if saves:
                 save(run)
+            if evals or saves:
+                flight.clock = time.perf_counter()  # evaluations and checkpoints are not step time
+        flight.drain()
+    except TrainingError:
+        raise
+    except BaseException:
+        _drain_quietly(flight)  # rows of the steps that finished before the crash
+        raise
     finally:
         bar.close()
+
+
+def _drain_quietly(flight: _InFlight) -> None:
+    """On the way out of another error: log what can still be read, without masking that error. The
+    state is not saved here (a crash is not a clean stop; the newest checkpoint is the resume point)."""
+    try:
+        flight.drain()
+    except Exception as e:  # noqa: BLE001 - the original error is the one to report
+        print(f"note: could not log the last steps ({type(e).__name__}: {e})", file=sys.stderr)
 
 
 def _eval_and_log(run: Run, bar=None) -> dict:

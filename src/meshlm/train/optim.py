@@ -82,10 +82,11 @@ def accumulate(grad_fn, params, batch, accum_steps: int):
 
 
 def make_step(grad_fn, optimizer: optax.GradientTransformation, ocfg: OptimConfig, clip_fn=None):
-    """(params, opt_state, batch) -> (params, opt_state, metrics); jit it with donated buffers."""
+    """(params, opt_state, batch[, healthy]) -> (params, opt_state, metrics); jit it with donated
+    buffers. metrics: "loss", "grad_norm", and "ok" (whether this step updated the state)."""
     clip_fn = clip_fn or (lambda g: clip_by_global_norm(g, ocfg.clip_norm))
 
-    def step(params, opt_state, batch):
+    def step(params, opt_state, batch, healthy=None):
         loss, grads = accumulate(grad_fn, params, batch, ocfg.accum_steps)
         grads, grad_norm = clip_fn(grads)
         updates, new_state = optimizer.update(grads, opt_state, params)
@@ -93,8 +94,12 @@ def make_step(grad_fn, optimizer: optax.GradientTransformation, ocfg: OptimConfi
         # A non-finite loss or gradient leaves the state untouched, so the caller can stop and save
         # the last good state (the inputs are donated: without this they would be gone).
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if healthy is not None:
+            # ``healthy``: the previous step's metrics["ok"]. A loop that reads metrics a step late
+            # passes it, so every step after a non-finite one keeps the state too (sticky).
+            finite = finite & healthy
         keep = lambda new, old: jnp.where(finite, new, old)
         params, opt_state = jax.tree.map(keep, (new_params, new_state), (params, opt_state))
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "ok": finite}
 
     return step

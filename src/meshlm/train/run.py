@@ -205,9 +205,10 @@ def run_specs(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh) -> dict:
 
 
 def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
-    """The model the step computes: the preset with the run's ``--remat`` (recomputation changes
-    memory, not values, so checkpoints keep the preset's config and resume under any remat)."""
-    return cfg.replace(remat=tcfg.remat)
+    """The model the jitted programs compute: the preset with the run's ``--remat`` and ``--unroll``.
+    Both change memory or speed, never values, so checkpoints keep the preset's config (Run.cfg,
+    compared on resume) and a run resumes under any remat or unroll."""
+    return cfg.replace(remat=tcfg.remat, unroll=tcfg.unroll)
 
 
 def _abstract(x):
@@ -255,7 +256,9 @@ def _build(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, out: Path, batcher, 
         opt_state=opt_state,
         step=step,
         step_fn=step_fn,
-        eval_fn=jax.jit(sharded_loss(lambda par: loss_fn(cfg, par), mesh, specs, dtype, sp=tcfg.sp)),
+        eval_fn=jax.jit(
+            sharded_loss(lambda par: loss_fn(step_config(tcfg, cfg), par), mesh, specs, dtype, sp=tcfg.sp)
+        ),
         batcher=batcher,
         val=eval_arrays(val, mesh),
         ckpt=ckpt,

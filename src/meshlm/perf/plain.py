@@ -1,0 +1,135 @@
+"""A hand-written plain-JAX reference of meshlm's models: the ``plain`` row of ``meshlm bench``.
+
+The same architecture, parameters (meshlm's own parameter tree, layers stacked [L, ...]) and AdamW
+step (``optim.make_step``) as meshlm, written the way one writes a small transformer by hand: no
+Haiku, no ``shard_map``, no ``Parallel`` context, a Python loop over the layers (fully unrolled),
+rotary tables and the causal mask built once per step, attention as [B, H, T, T] scores, and a plain
+``log_softmax`` cross-entropy. It is what meshlm's step is measured against: the gap between the two
+is the cost of meshlm's generality (one model code for every mesh), which should be close to none.
+
+Every family is covered (``ff``, ``gptj``, ``llama``, grouped-query attention, tied embeddings,
+z-loss); its loss equals meshlm's unsharded loss up to float rounding (tests/test_plain.py).
+Shapes are global (one device): tokens [B, T], hidden x [B, T, D].
+"""
+
+from __future__ import annotations
+
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshlm.model.config import ModelConfig
+from meshlm.train.optim import OptimConfig, adamw, make_step
+
+GELU = lambda x: jax.nn.gelu(x, approximate=True)
+
+
+def _rms_norm(x, scale, eps):  # [B, T, D]
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + eps)
+    return (scale * y.astype(x.dtype)).astype(x.dtype)
+
+
+def _layer_norm(x, scale, offset, eps):  # [B, T, D]
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    mean = jnp.mean(x32, -1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), -1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps) * scale + offset).astype(x.dtype)
+
+
+def _rotary_tables(cfg: ModelConfig, t: int, dtype):
+    """cos, sin [T, rot_dim/2] for positions 0..T-1, once per step (not once per layer)."""
+    r = cfg.rot_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, r, 2, dtype=np.float64) / r))
+    ang = np.arange(t, dtype=np.float64)[:, None] * inv_freq  # host constants
+    dt = jnp.promote_types(dtype, jnp.float32)
+    return jnp.asarray(np.cos(ang), dt), jnp.asarray(np.sin(ang), dt)
+
+
+def _rotate(cfg: ModelConfig, x, cos, sin):  # x [B, T, h, E]; cos/sin [T, r/2]
+    r = cfg.rot_dim
+    rot, rest = x[..., :r], x[..., r:]
+    c, s = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+    if cfg.rotary_kind == "interleaved":
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(rot.shape)
+    else:
+        x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
+        out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+
+def _attention(cfg: ModelConfig, p, x, cos, sin, mask):
+    """Causal multi-head attention of x [B, T, D]; K/V heads repeated for grouped queries."""
+    q = _rotate(cfg, jnp.einsum("btd,dhe->bthe", x, p["wq"]), cos, sin)  # [B, T, H, E]
+    k = _rotate(cfg, jnp.einsum("btd,dhe->bthe", x, p["wk"]), cos, sin)  # [B, T, K, E]
+    v = jnp.einsum("btd,dhe->bthe", x, p["wv"])
+    groups = cfg.n_heads // cfg.kv_heads
+    if groups > 1:
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bqhe,bkhe->bhqk", q, k).astype(jnp.promote_types(q.dtype, jnp.float32))
+    scores = jnp.where(mask, scores / np.sqrt(cfg.dim_per_head), jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, H, T, T]
+    out = jnp.einsum("bhqk,bkhe->bqhe", probs, v)
+    return jnp.einsum("bqhe,hed->bqd", out, p["wo"])
+
+
+def _mlp(p, x, kind: str):
+    if kind == "swiglu":
+        return (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
+    return GELU(x @ p["w_in"] + p["b_in"]) @ p["w_out"] + p["b_out"]
+
+
+def _block(cfg: ModelConfig, lp, x, cos, sin, mask):
+    """One layer; lp: this layer's parameters {"attn", "mlp", "ln", "ln2"}."""
+    eps = cfg.norm_eps
+    if cfg.family == "ff":
+        return x + _mlp(lp["mlp"], x, "gelu")
+    if cfg.family == "gptj":  # attention and MLP in parallel off one LayerNorm
+        h = _layer_norm(x, lp["ln"]["scale"], lp["ln"]["offset"], eps)
+        return x + _attention(cfg, lp["attn"], h, cos, sin, mask) + _mlp(lp["mlp"], h, "gelu")
+    x = x + _attention(cfg, lp["attn"], _rms_norm(x, lp["ln"]["scale"], eps), cos, sin, mask)
+    return x + _mlp(lp["mlp"], _rms_norm(x, lp["ln2"]["scale"], eps), "swiglu")
+
+
+def logits(cfg: ModelConfig, params, tokens):
+    """tokens [B, T] -> logits [B, T, V] from meshlm's parameter tree."""
+    t = tokens.shape[-1]
+    table = params["embed"]["embeddings"]  # [V, D]
+    x = table[tokens]
+    if "b" in params["embed"]:
+        x = x + params["embed"]["b"]
+    cos, sin = _rotary_tables(cfg, t, x.dtype) if cfg.family != "ff" else (None, None)
+    mask = jnp.asarray(np.tril(np.ones((t, t), bool)))  # [T, T] query >= key
+    layers = {m.removeprefix("layers/"): p for m, p in params.items() if m.startswith("layers/")}
+    for i in range(cfg.n_layers):
+        x = _block(cfg, jax.tree.map(operator.itemgetter(i), layers), x, cos, sin, mask)
+    if cfg.family == "gptj":
+        x = _layer_norm(x, params["final_ln"]["scale"], params["final_ln"]["offset"], cfg.norm_eps)
+    elif cfg.family == "llama":
+        x = _rms_norm(x, params["final_ln"]["scale"], cfg.norm_eps)
+    if cfg.tie_embeddings:
+        return x @ table.T
+    out = x @ params["head"]["w"]
+    return out + params["head"]["b"] if "b" in params["head"] else out
+
+
+def loss(cfg: ModelConfig, params, batch):
+    """Mean next-token cross-entropy (+ z-loss) over batch {"inputs", "targets": [B, T]}."""
+    z = logits(cfg, params, batch["inputs"])
+    z = z.astype(jnp.promote_types(z.dtype, jnp.float32))
+    log_z = jax.nn.logsumexp(z, axis=-1)  # [B, T]
+    picked = jnp.take_along_axis(z, batch["targets"][..., None], axis=-1)[..., 0]
+    per_token = log_z - picked
+    if cfg.z_loss:
+        per_token = per_token + cfg.z_loss * jnp.square(log_z)
+    return jnp.mean(per_token)
+
+
+def plain_step(cfg: ModelConfig, ocfg: OptimConfig, params):
+    """(jitted step, optimizer): the same AdamW step as meshlm's, on the hand-written model."""
+    opt = adamw(ocfg, params)
+    grad = jax.value_and_grad(lambda p, b: loss(cfg, p, b))
+    return jax.jit(make_step(grad, opt, ocfg), donate_argnums=(0, 1)), opt
