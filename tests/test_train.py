@@ -227,7 +227,7 @@ def test_byte_data_on_a_small_vocabulary_fails_up_front(preset, tmp_path, monkey
 
     monkeypatch.setattr("meshlm.cli.train.setup", too_late)
     monkeypatch.setattr("meshlm.train.run.load_splits", too_late)
-    code = run_cli("train", "--config", preset, "--out", str(tmp_path / "out"))
+    code = run_cli("train", "--config", preset, "--tokenizer", "bytes", "--out", str(tmp_path / "out"))
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1, err

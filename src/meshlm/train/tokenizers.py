@@ -4,7 +4,8 @@ A checkpoint carries its tokenizer (``meshlm.io.tokenizer_file``): ``checkpoint_
 for ``generate``, ``verify`` and ``convert``. ``run_tokenizer`` picks a training run's: the one its run
 directory or ``--checkpoint`` already has, else ``--tokenizer`` (a tokenizer.json, a directory holding
 one, "bytes", or ``bpe-N``: a byte-level BPE of N ids trained on the run's training split and saved into
-the run directory), else bytes. From scratch the tokenizer sets the model's ``vocab_size``.
+the run directory), else ``bpe-1024`` when training on the embedded stdlib corpus (the main job's
+default), else bytes. From scratch the tokenizer sets the model's ``vocab_size``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from meshlm.io.model_io import read_config
 from meshlm.io.tokenizer_file import TOKENIZER_FILE, read_tokenizer_text, save_tokenizer
 from meshlm.model.config import ModelConfig
 from meshlm.parallel import distributed
+from meshlm.train.config import from_scratch_tokenizer
 
 BPE_SPEC = re.compile(r"^bpe-(\d+)$")
 
@@ -123,6 +125,13 @@ def _no_tokenizer(spec: str):
     )
 
 
+def _from_scratch(tcfg) -> Tokenizer:
+    """Neither the run directory nor --checkpoint has a tokenizer: the default (``bpe-1024`` on the
+    embedded corpus, bytes with --data)."""
+    spec = from_scratch_tokenizer(tcfg)
+    return _requested(dataclasses.replace(tcfg, tokenizer=spec)) if spec else ByteTokenizer()
+
+
 def _differs(tcfg, existing: Tokenizer, where: str):
     raise ConfigError(
         f"--tokenizer {tcfg.tokenizer} differs from the tokenizer {where} already has "
@@ -142,7 +151,7 @@ def run_tokenizer(tcfg, cfg: ModelConfig) -> tuple[Tokenizer, ModelConfig]:
         tok = _requested(tcfg)
     if existing is not None and tok is not None and tok.fingerprint != existing.fingerprint:
         _differs(tcfg, existing, where)
-    tok = tok or existing or ByteTokenizer()
+    tok = tok or existing or _from_scratch(tcfg)
     if not tcfg.checkpoint and not isinstance(tok, ByteTokenizer):
         cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size)
     if tcfg.checkpoint:  # from scratch the data's own range check names the ids (bytes on a small preset)
