@@ -95,7 +95,8 @@ def _block(cfg: ModelConfig, lp, x, cos, sin, mask):
 
 
 def logits(cfg: ModelConfig, params, tokens):
-    """tokens [B, T] -> logits [B, T, V] from meshlm's parameter tree."""
+    """tokens [B, T] -> logits [B, T, V] from meshlm's parameter tree (V the real vocabulary: the
+    padded rows' columns are dropped, so they take no part in the softmax, as meshlm masks them)."""
     t = tokens.shape[-1]
     table = params["embed"]["embeddings"]  # [V, D]
     x = table[tokens]
@@ -111,9 +112,10 @@ def logits(cfg: ModelConfig, params, tokens):
     elif cfg.family == "llama":
         x = _rms_norm(x, params["final_ln"]["scale"], cfg.norm_eps)
     if cfg.tie_embeddings:
-        return x @ table.T
+        return (x @ table.T)[..., : cfg.vocab_size]
     out = x @ params["head"]["w"]
-    return out + params["head"]["b"] if "b" in params["head"] else out
+    out = out + params["head"]["b"] if "b" in params["head"] else out
+    return out[..., : cfg.vocab_size]
 
 
 def loss(cfg: ModelConfig, params, batch):
