@@ -105,3 +105,13 @@ def test_unhealthy_previous_step_keeps_the_state():
     kept, kept_state, bad = step(params, state, batch, jnp.bool_(False))
     assert not bool(bad["ok"]) and np.isfinite(float(bad["loss"]))
     jax.tree.map(np.testing.assert_array_equal, (kept, kept_state), (params, state))
+
+
+def test_auto_unroll_rolls_the_loop_for_fsdp_and_remat():
+    from meshlm.train.step import step_model
+
+    cfg = get_config("tiny-llama")
+    assert step_model(cfg, remat="none", unroll=0, fsdp=False).layer_unroll == cfg.n_layers
+    assert step_model(cfg, remat="none", unroll=0, fsdp=True).layer_unroll == 1
+    assert step_model(cfg, remat="selective", unroll=0, fsdp=False).layer_unroll == 1
+    assert step_model(cfg, remat="full", unroll=2, fsdp=True).layer_unroll == 2  # explicit wins

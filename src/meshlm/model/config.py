@@ -44,7 +44,8 @@ class ModelConfig:
     # config saved without this field (before padding existed) loads as 1: exactly as it was.
     vocab_multiple: int = 128
     # Layers per iteration of the layer loop (scan unroll); 0: all of them, straight-line code (the
-    # faster on CPU: ~1.2x on the cpu preset). Changes speed and compile time, never results.
+    # faster on CPU: ~1.2x on the cpu preset); a train step under FSDP or remat resolves 0 to 1
+    # (train.step.step_model). Changes speed, memory and compile time, never results.
     unroll: int = 0
 
     def __post_init__(self):

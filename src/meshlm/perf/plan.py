@@ -66,12 +66,6 @@ def check_supported(settings: PlanSettings) -> None:
         )
 
 
-def with_remat(cfg: ModelConfig, policy: str) -> ModelConfig:
-    if supported()["selective"]:
-        return cfg.replace(remat=policy)
-    return cfg.replace(remat=policy == "full")
-
-
 def _option_kwargs(settings: PlanSettings, dp: int) -> tuple[dict, dict]:
     """Keyword arguments for model_specs and sharded_step: only the options in use are passed, so
     the planner runs on a step builder that does not know them."""
@@ -84,9 +78,9 @@ def abstract_step(cfg: ModelConfig, mesh, settings: PlanSettings):
     """(jitted step, params, opt_state, batch): the train step and ShapeDtypeStruct arguments."""
     from meshlm.parallel.rules import batch_sharding
     from meshlm.train.optim import OptimConfig
-    from meshlm.train.step import COMPUTE_DTYPES, abstract_opt_state, sharded_step
+    from meshlm.train.step import COMPUTE_DTYPES, abstract_opt_state, sharded_step, step_model
 
-    cfg = with_remat(cfg, settings.remat)
+    cfg = step_model(cfg, remat=settings.remat, unroll=cfg.unroll, fsdp=settings.fsdp)
     _, step_kw = _option_kwargs(settings, mesh.shape[DP])
     specs, params = abstract_params(cfg, mesh, settings)
     ocfg = OptimConfig(accum_steps=settings.accum_steps)

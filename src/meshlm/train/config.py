@@ -157,16 +157,13 @@ class TrainConfig:
         "",
         "a tokenizer.json (see `meshlm tokenizer train`), 'bytes', or bpe-N: train an N-id byte-level "
         "BPE into --out first; from scratch it sets the model's vocab_size",
-        shown_default=(
-            f"the run's or --checkpoint's; from scratch {MAIN_JOB_TOKENIZER} on the embedded stdlib "
-            "corpus, bytes with --data"
-        ),
+        shown_default=f"the run's or checkpoint's; new: {MAIN_JOB_TOKENIZER} on stdlib code, else bytes",
     )
     unroll: int = _field(
         0,
-        "layers per iteration of the layer loop; 0: all (straight-line code, the faster on CPU); "
-        "changes speed and compile time, never results",
-        valid=Range(int, 0, note="0: all layers"),
+        "layers per iteration of the layer loop; 0: all (faster on CPU), but 1 under --fsdp or --remat "
+        "(their memory saving needs the loop); changes speed and memory, never results",
+        valid=Range(int, 0, note="0: auto"),
     )
 
     def __post_init__(self):

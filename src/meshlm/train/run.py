@@ -36,7 +36,7 @@ from meshlm.parallel.rules import model_specs, shardings
 from meshlm.parallel.spmd import sharded_loss
 from meshlm.train.config import TrainConfig, check_seq_split, resolve, resume_must_match
 from meshlm.train.metrics import OUTPUTS, MetricsLog
-from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step
+from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step, step_model
 from meshlm.train.tokenizers import run_tokenizer, tokenizer_meta
 
 
@@ -208,7 +208,7 @@ def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
     """The model the jitted programs compute: the preset with the run's ``--remat`` and ``--unroll``.
     Both change memory or speed, never values, so checkpoints keep the preset's config (Run.cfg,
     compared on resume) and a run resumes under any remat or unroll."""
-    return cfg.replace(remat=tcfg.remat, unroll=tcfg.unroll)
+    return step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp)
 
 
 def _abstract(x):
