@@ -125,28 +125,28 @@ def test_clipping_equals_optax():
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), ours, theirs)
 
 
-def _cli_train(out, corpus, steps):
-    return meshlm_argv(*train_args(corpus, out, steps), "--devices", "4")
+def _cli_train(out, corpus, steps, *extra):
+    return meshlm_argv(*train_args(corpus, out, steps), "--devices", "4", *extra)
 
 
 def _losses(out):
     return [(r["step"], r["loss"]) for r in train_rows(out)]
 
 
-def test_sigkill_then_resume_is_bitwise_identical(corpus, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--fsdp", "--sp")], ids=["tp", "fsdp-sp"])
+def test_sigkill_then_resume_is_bitwise_identical(extra, corpus, tmp_path):
     steps = 14
     ref = subprocess.run(
-        _cli_train(tmp_path / "ref", corpus, steps), capture_output=True, text=True, timeout=300
+        _cli_train(tmp_path / "ref", corpus, steps, *extra), capture_output=True, text=True, timeout=300
     )
     assert ref.returncode == 0, ref.stderr
-    victim = subprocess.Popen(_cli_train(tmp_path / "cut", corpus, steps), stderr=subprocess.PIPE, text=True)
+    cut = _cli_train(tmp_path / "cut", corpus, steps, *extra)
+    victim = subprocess.Popen(cut, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "cut" / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 7)
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait()
-    resumed = subprocess.run(
-        _cli_train(tmp_path / "cut", corpus, steps), capture_output=True, text=True, timeout=300
-    )
+    resumed = subprocess.run(cut, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stderr
     got, want = _losses(tmp_path / "cut"), _losses(tmp_path / "ref")
