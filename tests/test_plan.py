@@ -9,7 +9,6 @@ from helpers import run_cli
 from meshlm.model.config import get_config
 from meshlm.parallel.mesh import make_mesh
 from meshlm.perf.activations import activation_bytes, layer_bytes
-from meshlm.perf.plan import supported
 from meshlm.perf.plan_search import plan
 from meshlm.perf.plan_settings import PlanSettings
 
@@ -157,22 +156,9 @@ def test_bad_plan_is_refused_before_setup(argv, message, no_setup, capsys):
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("flag", ["--fsdp", "--sp", "--remat selective"])
-def test_options_the_step_lacks_are_errors_not_ignored(flag, monkeypatch, capsys):
-    """On a meshlm whose step builder lacks an option, asking for it is a one-line error."""
-    name = {"--fsdp": "fsdp", "--sp": "sp", "--remat selective": "selective"}[flag]
-    monkeypatch.setattr(
-        "meshlm.perf.plan.supported", lambda: {"fsdp": True, "sp": True, "selective": True, name: False}
-    )
-    argv = f"plan --config tiny-llama --mesh 2x4 --batch-size 8 --seq-len 64 {flag}"
-    assert run_cli(*argv.split()) == 2
-    assert f"{flag}: this meshlm's train step does not support it yet" in capsys.readouterr().err
-
-
 def test_fsdp_sp_and_selective_remat_are_planned():
     """FSDP halves the state on dp=2; SP and selective remat shrink the compiled temporaries; all
     three together leave 1/8 of the state on each of 8 devices."""
-    assert all(supported().values())
     mesh = make_mesh(2, 4)
     rows = {}
     for label, options in {

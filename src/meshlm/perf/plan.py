@@ -13,15 +13,11 @@ the figure is an estimate of an accelerator's. Next to it, ``analytic`` estimate
 shapes: parameters and AdamW moments from the shardings, gradients like the parameters (twice with
 gradient accumulation: the running sum), with FSDP one layer's all-gathered weights, and activations
 from Korthikanti et al. 2022 (``perf.activations``).
-
-Options beyond main's step (``fsdp``, ``sp``, ``remat="selective"``) are used only when the
-installed step builder supports them (``supported``); otherwise asking for them is an error.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 
 import jax
@@ -39,41 +35,6 @@ PARAM_DTYPE = np.float32  # master weights (and so gradients and AdamW moments) 
 ADAM_MOMENTS = 2
 
 
-def supported() -> dict[str, bool]:
-    """Which of the memory options the installed step builder, rules table and model accept."""
-    from meshlm.parallel.rules import model_specs
-    from meshlm.train.step import sharded_step
-
-    step_args = inspect.signature(sharded_step).parameters
-    spec_args = inspect.signature(model_specs).parameters
-    remat_type = {f.name: f.type for f in dataclasses.fields(ModelConfig)}["remat"]
-    return {
-        "fsdp": "fsdp" in step_args and "fsdp" in spec_args,
-        "sp": "sp" in step_args,
-        "selective": remat_type not in (bool, "bool"),
-    }
-
-
-def check_supported(settings: PlanSettings) -> None:
-    have = supported()
-    asked = {"fsdp": settings.fsdp, "sp": settings.sp, "selective": settings.remat == "selective"}
-    missing = [name for name, on in asked.items() if on and not have[name]]
-    if missing:
-        flags = ", ".join("--remat selective" if m == "selective" else f"--{m}" for m in missing)
-        raise ConfigError(
-            f"{flags}: this meshlm's train step does not support it yet, so it cannot be planned; "
-            "plan without it"
-        )
-
-
-def _option_kwargs(settings: PlanSettings, dp: int) -> tuple[dict, dict]:
-    """Keyword arguments for model_specs and sharded_step: only the options in use are passed, so
-    the planner runs on a step builder that does not know them."""
-    specs_kw = {"dp": dp, "fsdp": True} if settings.fsdp else {}
-    step_kw = {name: True for name in ("fsdp", "sp") if getattr(settings, name)}
-    return specs_kw, step_kw
-
-
 def abstract_step(cfg: ModelConfig, mesh, settings: PlanSettings):
     """(jitted step, params, opt_state, batch): the train step and ShapeDtypeStruct arguments."""
     from meshlm.parallel.rules import batch_sharding
@@ -81,11 +42,10 @@ def abstract_step(cfg: ModelConfig, mesh, settings: PlanSettings):
     from meshlm.train.step import COMPUTE_DTYPES, abstract_opt_state, sharded_step, step_model
 
     cfg = step_model(cfg, remat=settings.remat, unroll=cfg.unroll, fsdp=settings.fsdp)
-    _, step_kw = _option_kwargs(settings, mesh.shape[DP])
     specs, params = abstract_params(cfg, mesh, settings)
     ocfg = OptimConfig(accum_steps=settings.accum_steps)
     dtype = COMPUTE_DTYPES[settings.compute_dtype]
-    step, opt = sharded_step(cfg, ocfg, mesh, specs, params, dtype, **step_kw)
+    step, opt = sharded_step(cfg, ocfg, mesh, specs, params, dtype, fsdp=settings.fsdp, sp=settings.sp)
     opt_state = abstract_opt_state(opt, params, specs, mesh)
     micro = settings.batch_size // settings.accum_steps
     shape = (
@@ -122,9 +82,8 @@ def abstract_params(cfg: ModelConfig, mesh, settings: PlanSettings):
     from meshlm.model.transformer import param_shapes
     from meshlm.parallel.rules import model_specs, shardings
 
-    specs_kw, _ = _option_kwargs(settings, mesh.shape[DP])
     shapes = param_shapes(cfg)
-    specs = model_specs(cfg, shapes, mesh.shape[MP], **specs_kw)
+    specs = model_specs(cfg, shapes, mesh.shape[MP], dp=mesh.shape[DP], fsdp=settings.fsdp)
     params = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, PARAM_DTYPE, sharding=sh), shapes, shardings(specs, mesh)
     )

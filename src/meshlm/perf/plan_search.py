@@ -27,7 +27,7 @@ import jax
 from meshlm.errors import MeshlmError
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.axes import DP, MP
-from meshlm.perf.plan import ADAM_MOMENTS, analytic, check_supported, measure, state_bytes, supported
+from meshlm.perf.plan import ADAM_MOMENTS, analytic, measure, state_bytes
 from meshlm.perf.plan_settings import PlanSettings
 
 CPU_NOTE = (
@@ -49,14 +49,13 @@ TIGHT = 0.1
 
 def moves(settings: PlanSettings, dp: int, mp: int) -> list[tuple[str, PlanSettings]]:
     """The single changes to ``settings`` worth trying, cheapest first: (option, new settings)."""
-    have = supported()
     replace = lambda **kw: dataclasses.replace(settings, **kw)
     found = []
-    if have["sp"] and not settings.sp and mp > 1 and settings.seq_len % mp == 0:
+    if not settings.sp and mp > 1 and settings.seq_len % mp == 0:
         found.append(("sp", replace(sp=True)))
-    if have["fsdp"] and not settings.fsdp and dp > 1:
+    if not settings.fsdp and dp > 1:
         found.append(("fsdp", replace(fsdp=True)))
-    if have["selective"] and settings.remat == "none":
+    if settings.remat == "none":
         found.append(("selective", replace(remat="selective")))
     if settings.batch_size % (dp * settings.accum_steps * 2) == 0:
         found.append(("accum", replace(accum_steps=settings.accum_steps * 2)))
@@ -190,7 +189,6 @@ def plan(
     """The planner's report (one JSON-able dict): the given settings, and the search if they don't fit."""
     dp, mp = mesh.shape[DP], mesh.shape[MP]
     settings.check(cfg, dp, mp)
-    check_supported(settings)
     planner = Planner(
         cfg=cfg,
         mesh=mesh,
@@ -207,7 +205,6 @@ def plan(
         "backend": jax.default_backend(),
         "note": CPU_NOTE if jax.default_backend() == "cpu" else None,
         "analytic_note": ANALYTIC_NOTE,
-        "supported": supported(),
         "unsharded": {"params": planner.unsharded, "opt_state": ADAM_MOMENTS * planner.unsharded},
         "device_memory": device_bytes,
         "plan": row,
