@@ -60,11 +60,11 @@ def _check_collectives(report: dict) -> None:
     assert all(p["trivial"] == 0 for p in per_step.values())  # 2x2: no one-device replica groups
 
 
-def _expected_bytes(config: str) -> dict[str, dict[str, int]]:
+def _expected_bytes(cfg) -> dict[str, dict[str, int]]:
     """Bytes one device holds per implementation on the 2x2 mesh, from shapes alone: parameters by the
     sharding rules (meshlm and gspmd use the same layout; unsharded holds everything), AdamW's two
     moments laid out like them, and its scalar step counters replicated."""
-    cfg, mesh = get_config(config), make_mesh(2, 2)
+    mesh = make_mesh(2, 2)
     mem = memory_report(cfg, mesh)
     params = abstract_params(cfg, mesh)
     total = mem["param_bytes_total"]
@@ -76,12 +76,17 @@ def _expected_bytes(config: str) -> dict[str, dict[str, int]]:
     return {"meshlm": sharded, "gspmd": sharded, "unsharded": whole, "plain": whole}
 
 
-@pytest.mark.parametrize(("config", "gen_tokens"), [("tiny-llama", "4"), ("tiny-gptj", "0")])
-def test_bench_json_schema_and_values(config, gen_tokens, capsys, tmp_path):
+@pytest.mark.parametrize(
+    ("config", "gen_tokens", "vocab"), [("tiny-llama", "4", None), ("tiny-gptj", "0", 200)]
+)
+def test_bench_json_schema_and_values(config, gen_tokens, vocab, capsys, tmp_path):
     argv = ["--config", config, "--mesh", "2x2", "--json", "--steps", "5", "--peak-n", "256"]
+    argv += ["--vocab-size", str(vocab)] if vocab else []  # another vocabulary (200, padded to 256)
     report = _bench_json([*argv, "--gen-tokens", gen_tokens, "--out", str(tmp_path)], capsys)
+    cfg = get_config(config).replace(vocab_size=vocab) if vocab else get_config(config)
+    name = f"{config} (vocab {vocab})" if vocab else config
     assert {"config", "mesh", "peak_flops", "results", "generation"} <= set(report)
-    assert report["config"] == config and report["mesh"] == {"dp": 2, "mp": 2}
+    assert report["config"] == name and report["mesh"] == {"dp": 2, "mp": 2}
     assert all(_positive(report["peak_flops"][d]) for d in ("float32", "bfloat16"))
     assert [r["impl"] for r in report["results"]] == list(IMPLS)
     for r in report["results"]:
@@ -92,7 +97,7 @@ def test_bench_json_schema_and_values(config, gen_tokens, capsys, tmp_path):
     losses = [r["loss"] for r in report["results"]]
     assert max(losses) - min(losses) < 1e-3 * max(abs(x) for x in losses)  # same start, same steps
     _check_collectives(report)
-    expected = _expected_bytes(config)
+    expected = _expected_bytes(cfg)
     for r in report["results"]:
         got = r["bytes_per_device"]
         assert {k: got[k] for k in ("params", "opt_state")} == expected[r["impl"]], r["impl"]
@@ -108,7 +113,7 @@ def test_bench_json_schema_and_values(config, gen_tokens, capsys, tmp_path):
             "new_tokens": 4,
         }
         assert all(_positive(gen[k]) for k in ("prefill_tokens_per_s", "decode_tokens_per_s"))
-    assert json.loads((tmp_path / "bench.json").read_text())["config"] == config
+    assert json.loads((tmp_path / "bench.json").read_text())["config"] == name
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

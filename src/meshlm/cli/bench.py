@@ -42,6 +42,12 @@ def add_parser(sub) -> None:
         default=0,
         help="layers per iteration of the layer loop (0: all, the default; 1: a rolled loop)",
     )
+    p.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        default=None,
+        help="token ids of the model instead of the preset's (e.g. the main job's 1024-id BPE)",
+    )
     p.add_argument("--out", default=None, help="also write bench.json and bench.png into this directory")
     p.add_argument(
         "--memory-options",
@@ -78,6 +84,8 @@ def run(args) -> int:
     from meshlm.perf.bench_report import format_bench, write_outputs
 
     cfg = get_config(args.config).replace(unroll=args.unroll)
+    if args.vocab_size is not None:  # the embedding and head follow (padded to vocab_multiple)
+        cfg = cfg.replace(vocab_size=args.vocab_size)
     settings = BenchSettings(
         batch_size=args.batch_size or -(-DEFAULT_BATCH // dp) * dp,  # rounded up to a multiple of dp
         seq_len=args.seq_len or min(DEFAULT_SEQ, cfg.max_seq_len),
@@ -86,7 +94,8 @@ def run(args) -> int:
         seed=args.seed,
         gen_new_tokens=args.gen_tokens,
     )
-    report = run_bench(cfg, args.config, mesh, settings, peak_n=args.peak_n)
+    name = args.config if args.vocab_size is None else f"{args.config} (vocab {args.vocab_size})"
+    report = run_bench(cfg, name, mesh, settings, peak_n=args.peak_n)
     if args.memory_options:
         from meshlm.perf.memory_bench import memory_options_bench
 

@@ -18,6 +18,7 @@ from jax import lax
 
 from meshlm.errors import ShardingError
 from meshlm.model.config import ModelConfig
+from meshlm.model.dense import dense_heads_in, dense_heads_out
 from meshlm.model.layers import _normal, apply_rotary, rotary_angles, upcast
 from meshlm.parallel.context import Parallel
 
@@ -43,7 +44,7 @@ class Attention(hk.Module):
 
     def _proj(self, name, xf, heads, hook=lambda w: w):  # xf [B, T, D] -> [B, T, heads, E]
         w = hk.get_parameter(name, [xf.shape[-1], heads, self.cfg.dim_per_head], init=_normal(self.stddev))
-        return jnp.einsum("btd,dhe->bthe", xf, hook(w))
+        return dense_heads_in(xf, hook(w))
 
     def _kv(self, xf):  # -> k, v [B, T, K_local, E]
         cfg, par = self.cfg, self.par
@@ -57,7 +58,7 @@ class Attention(hk.Module):
                 name, [xf.shape[-1], cfg.kv_heads, cfg.dim_per_head], init=_normal(self.stddev)
             )
             w1 = lax.dynamic_slice_in_dim(w, idx, 1, axis=1)  # [D, 1, E]: this shard's KV head
-            out.append(jnp.einsum("btd,dhe->bthe", xf, w1))
+            out.append(dense_heads_in(xf, w1))
         return out
 
     def __call__(self, xf, positions, cache=None):
@@ -82,7 +83,7 @@ class Attention(hk.Module):
             key_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
         out = _attend(q, k, v, positions, key_pos)  # [B, T, H/mp, E]
         wo = hk.get_parameter("wo", [hl, cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
-        return jnp.einsum("bthe,hed->btd", out, wo), cache
+        return dense_heads_out(out, wo), cache
 
 
 def _attend(q, k, v, q_pos, k_pos):

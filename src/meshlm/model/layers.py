@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from meshlm.model.dense import dense
 from meshlm.parallel.context import Parallel
 
 
@@ -70,7 +71,7 @@ class VocabEmbed(hk.Module):
         return self.par.row_out(rows, b)
 
     def local_logits(self, xf):  # tied output projection: [B, T, D] -> [B, T, V/mp] per-shard
-        return jnp.einsum("btd,vd->btv", xf, self._table())
+        return dense(xf, self._table().T)
 
 
 class VocabHead(hk.Module):
@@ -94,7 +95,7 @@ class VocabHead(hk.Module):
         vs = self.vocab // self.par.mp
         init = zero_padding(_normal(self.stddev), self.par, self.real_vocab, axis=1)
         w = hk.get_parameter("w", [xf.shape[-1], vs], init=init)
-        out = xf @ w
+        out = dense(xf, w)
         if self.bias:
             out = out + hk.get_parameter("b", [vs], init=jnp.zeros)
         return out
@@ -171,7 +172,7 @@ class MLP(hk.Module):
 
     def _dense(self, name, x, cols, stddev, bias):
         w = hk.get_parameter(f"w_{name}", [x.shape[-1], cols], init=_normal(stddev))
-        y = x @ w
+        y = dense(x, w)
         return y + hk.get_parameter(f"b_{name}", [cols], init=jnp.zeros) if bias else y
 
     def __call__(self, xf):
@@ -186,7 +187,7 @@ class MLP(hk.Module):
         d = xf.shape[-1]
         w_out = hk.get_parameter(f"w_{out_name}", [fl, d], init=_normal(self.stddev_out))
         b_out = hk.get_parameter(f"b_{out_name}", [d], init=jnp.zeros) if self.bias else None
-        return h @ w_out, b_out
+        return dense(h, w_out), b_out
 
 
 class LayerNorm(hk.Module):

@@ -16,9 +16,10 @@ is the gradient's data-parallel sum); with sequence parallelism (``sp``) the act
 blocks are split over the sequence on MP, ``f`` all-gathers them (reduce-scatter backward) and
 ``row_sum`` reduce-scatters the row-parallel partials (all-gather backward).
 
-We do not write custom VJPs: JAX's own transposes are exact (``meshlm verify`` proves it, in float64,
-and its planted-fault controls show that the proof can fail). Negative controls subclass this class
-and override one method each; layers stay unchanged.
+No collective has a custom VJP: JAX's own transposes are exact (``meshlm verify`` proves it, in
+float64, and its planted-fault controls show that the proof can fail). The model's one custom VJP is
+the weight matmul's backward (``model.dense``, for XLA:CPU's fast matmul path), under the same
+proof. Negative controls subclass this class and override one method each; layers stay unchanged.
 """
 
 from __future__ import annotations
