@@ -1,5 +1,5 @@
 """Step time of model/mesh variants, timed side by side in one process: the speed half of the sweep
-that chose the main job's defaults (README, "Choosing the main job's defaults").
+that chose the main job's defaults (docs/training.md, "Choosing the main job's defaults").
 
 Each variant is compiled once; then every repetition runs one step of each variant (rotating the order),
 recording wall time and this process's CPU time. On a shared machine the CPU time and the per-repetition

@@ -20,11 +20,11 @@ from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, 
 # seq_len=0 means min(DEFAULT_SEQ_LEN, the preset's max_seq_len), resolved by `resolve`.
 DEFAULT_SEQ_LEN = 128
 # `meshlm train` without --mesh: DEFAULT_DP x (devices / DEFAULT_DP), 2x2 on the default 4 fake devices,
-# the fastest data x model mesh on a 2-core CPU (README, "Choosing the main job's defaults").
+# the fastest data x model mesh on a 2-core CPU (docs/training.md, "Choosing the main job's defaults").
 DEFAULT_DP = 2
 
 # The tokenizer of a run from scratch on the embedded stdlib corpus (the main job): a 1024-id byte-level BPE
-# trained on its training split reaches a lower val_bpb in the same time than bytes (README, main job).
+# trained on its training split reaches a lower val_bpb in the same time than bytes (docs/training.md, main job).
 MAIN_JOB_TOKENIZER = "bpe-1024"
 
 # How `meshlm train` exposes a field: a flag of its own, a flag the shared `add_common` already adds
@@ -80,7 +80,7 @@ class TrainConfig:
         shown_default="the Python stdlib's .py files",
     )
     # The main job's defaults (steps, batch_size, lr, warmup_steps; mesh: DEFAULT_DP) come from the sweep in
-    # scripts/sweep_main.py (README, "Choosing the main job's defaults").
+    # scripts/sweep_main.py (docs/training.md, "Choosing the main job's defaults").
     steps: int = _field(
         240, "optimizer steps; the defaults take ~4-5 min on a 2-core CPU", valid=POSITIVE_INT
     )
