@@ -15,6 +15,7 @@ from meshlm.data.tokens import check_token_range
 from meshlm.errors import ConfigError, MeshError, ShardingError, TokenRangeError
 from meshlm.model.config import ModelConfig, from_dict, get_config
 from meshlm.parallel.context import Parallel
+from meshlm.parallel.layout import Layout
 from meshlm.parallel.mesh import make_mesh, parse_mesh
 from meshlm.parallel.rules import spec_for
 from meshlm.parallel.spmd import reference_value_and_grad
@@ -151,7 +152,7 @@ def test_bad_mesh_and_dims():
     with pytest.raises(ShardingError, match="n_heads=8 is not divisible by mp=3"):
         from meshlm.parallel.rules import model_specs
 
-        model_specs(get_config("tiny-llama"), {}, 3)
+        model_specs(get_config("tiny-llama"), {}, Layout(mp=3))
 
 
 def test_bad_config_names_and_fields():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshlm.cli.common import add_common, check_batch_split, non_negative_int, positive_int, setup
+from meshlm.cli.common import add_common, flag_layout, non_negative_int, positive_int, setup
 from meshlm.errors import ConfigError
 
 
@@ -76,8 +76,10 @@ def _format(report: dict, format_bench) -> str:
 
 def run(args) -> int:
     check_out(args.out)
-    check_batch_split(args.batch_size, args.mesh)
-    mesh, dp, _ = setup(args)
+    if (layout := flag_layout(args)) and args.batch_size is not None:  # before devices and compiling
+        layout.check_batch(args.batch_size)
+    layout = setup(args)
+    dp = layout.dp
     from meshlm.model.config import get_config
     from meshlm.parallel.distributed import is_main, print0
     from meshlm.perf.bench import DEFAULT_BATCH, DEFAULT_SEQ, BenchSettings, run_bench
@@ -95,11 +97,11 @@ def run(args) -> int:
         gen_new_tokens=args.gen_tokens,
     )
     name = args.config if args.vocab_size is None else f"{args.config} (vocab {args.vocab_size})"
-    report = run_bench(cfg, name, mesh, settings, peak_n=args.peak_n)
+    report = run_bench(cfg, name, layout, settings, peak_n=args.peak_n)
     if args.memory_options:
         from meshlm.perf.memory_bench import memory_options_bench
 
-        report["memory_options"] = memory_options_bench(cfg, mesh, settings)
+        report["memory_options"] = memory_options_bench(cfg, layout, settings)
     print0(json.dumps(report) if args.json else _format(report, format_bench))
     if args.out and is_main():
         write_outputs(report, args.out)

@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from meshlm.errors import ConfigError
+from meshlm.parallel.layout import Layout
 from meshlm.parallel.mesh import DEFAULT_DEVICES, MAX_HOST_DEVICES, force_host_devices, parse_mesh
 from meshlm.ranges import (
     NON_NEGATIVE_FLOAT,
@@ -73,22 +73,17 @@ def add_common(p: argparse.ArgumentParser, config: str | None = None) -> None:
     )
 
 
-def check_batch_split(batch_size: int | None, mesh: str | None) -> None:
-    """Refuse a --batch-size the --mesh cannot split, before devices and compilation: each of the dp
-    data-parallel groups takes an equal share. Without --mesh, dp is 1 and any batch splits."""
-    dp = parse_mesh(mesh)[0] if mesh else 1
-    if batch_size is not None and batch_size % dp:
-        raise ConfigError(
-            f"--batch-size {batch_size} is not a multiple of dp={dp} (--mesh {mesh} is DPxMP); "
-            f"use e.g. --batch-size {(batch_size // dp + 1) * dp}"
-        )
+def flag_layout(args, **options) -> Layout | None:
+    """The Layout that --mesh and ``options`` (--fsdp, --sp) describe, before any device exists (None
+    without --mesh: the mesh then depends on the device count, known after ``setup``)."""
+    return Layout(*parse_mesh(args.mesh), **options) if args.mesh else None
 
 
-def setup(args, default_dp: int = 1) -> tuple:
+def setup(args, default_dp: int = 1, **options) -> Layout:
     """Devices, distributed runtime, mesh, in that order, before anything touches a device.
 
-    Returns (mesh, dp, mp). The default mesh is default_dp x (all devices / default_dp), or 1 x (all
-    devices) when default_dp does not divide the device count.
+    Returns the Layout: --mesh, or default_dp x (all devices / default_dp), or 1 x (all devices) when
+    default_dp does not divide the device count; with ``options`` (fsdp, sp); its mesh built.
     """
     force_host_devices(args.devices if args.devices is not None else DEFAULT_DEVICES)
     if args.coordinator or args.num_processes:
@@ -109,4 +104,4 @@ def setup(args, default_dp: int = 1) -> tuple:
     n = jax.device_count()
     dp = default_dp if n % default_dp == 0 else 1
     dp, mp = parse_mesh(args.mesh) if args.mesh else (dp, n // dp)
-    return make_mesh(dp, mp), dp, mp
+    return Layout.of(make_mesh(dp, mp), **options)

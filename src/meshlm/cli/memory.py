@@ -20,15 +20,15 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    _, dp, mp = setup(args)
+    layout = setup(args)
+    dp, mp = layout.dp, layout.mp
     from meshlm.model.config import get_config
-    from meshlm.parallel.mesh import make_mesh
     from meshlm.perf.memory import memory_report
 
     report = {
         "config": args.config,
-        "mesh": {"dp": dp, "mp": mp},
-        **memory_report(get_config(args.config), make_mesh(dp, mp)),
+        "mesh": layout.shape,
+        **memory_report(get_config(args.config), layout),
     }
     if args.json:
         print(json.dumps(report))

@@ -10,9 +10,8 @@ import math
 import os
 import re
 
-from meshlm.cli.common import add_common, positive_int, setup
+from meshlm.cli.common import add_common, flag_layout, positive_int, setup
 from meshlm.errors import ConfigError
-from meshlm.parallel.mesh import parse_mesh
 
 REMAT_CHOICES = ("none", "full", "selective")  # perf.activations.REMAT_POLICIES (no JAX import here)
 UNITS = {"TiB": 2**40, "GiB": 2**30, "MiB": 2**20, "TB": 10**12, "GB": 10**9, "MB": 10**6}
@@ -109,13 +108,13 @@ def _fast_compiles() -> None:
 
 def run(args) -> int:
     model = _preset(args)
-    if model is not None and args.mesh:  # what needs no devices is checked before them
-        _settings(args, model[0]).check(model[0], *parse_mesh(args.mesh))
-    if args.mesh and args.devices is None:  # nothing runs: as many fake devices as the mesh needs
-        dp, mp = parse_mesh(args.mesh)
-        args.devices = dp * mp
+    layout = flag_layout(args)
+    if model is not None and layout:  # what needs no devices is checked before them
+        _settings(args, model[0]).check(model[0], layout)
+    if layout and args.devices is None:  # nothing runs: as many fake devices as the mesh needs
+        args.devices = layout.devices
     _fast_compiles()
-    mesh, _, _ = setup(args)
+    layout = setup(args)
     from meshlm.perf.plan_report import format_plan
     from meshlm.perf.plan_search import plan
 
@@ -127,7 +126,7 @@ def run(args) -> int:
     report = plan(
         cfg,
         name,
-        mesh,
+        layout,
         _settings(args, cfg),
         device_bytes=args.device_memory,
         max_compiles=args.max_compiles,

@@ -13,15 +13,13 @@ import json
 import signal
 import sys
 
-from meshlm.cli.common import add_common, arg_type, check_batch_split, setup
-from meshlm.parallel.mesh import parse_mesh
+from meshlm.cli.common import add_common, arg_type, flag_layout, setup
 from meshlm.train.config import (
     CLI_FLAG,
     CLI_HIDDEN,
     DEFAULT_DP,
     TrainConfig,
     check_byte_vocab,
-    check_seq_split,
     resolve,
 )
 
@@ -79,15 +77,15 @@ def run(args) -> int:
     # Before devices, data or model: a preset that cannot train on bytes fails in a second, not after
     # the corpus is read.
     check_byte_vocab(tcfg, cfg)
-    if tcfg.accum_steps == 1:  # with accumulation, run.py names the micro-batch size it cannot split
-        check_batch_split(tcfg.batch_size, args.mesh)
-    if args.mesh:  # without --mesh, mp is the device count: run.py checks once devices exist
-        check_seq_split(tcfg, parse_mesh(args.mesh)[1])
-    mesh, _, _ = setup(args, default_dp=DEFAULT_DP)
+    # Without --mesh, the mesh depends on the device count: run.py checks once devices exist.
+    if layout := flag_layout(args, fsdp=tcfg.fsdp, sp=tcfg.sp):
+        layout.check_batch(tcfg.batch_size, tcfg.accum_steps if tcfg.accum_steps > 1 else None)
+        layout.check_seq_len(tcfg.seq_len)
+    layout = setup(args, default_dp=DEFAULT_DP, fsdp=tcfg.fsdp, sp=tcfg.sp)
     from meshlm.parallel.distributed import print0
     from meshlm.train.loop import train
 
-    summary = train(tcfg, mesh)
+    summary = train(tcfg, layout)
     if args.json:
         print0(json.dumps(summary))
     elif "interrupted" not in summary:

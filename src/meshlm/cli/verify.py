@@ -9,7 +9,7 @@ import sys
 from meshlm.cli.common import (
     add_common,
     arg_type,
-    check_batch_split,
+    flag_layout,
     non_negative_float,
     non_negative_int,
     positive_int,
@@ -64,26 +64,15 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from meshlm.errors import VERIFIER_EXIT_CODE, VerifierError
 
-    check_batch_split(args.batch_size, args.mesh)
-    _check_sp(args)
+    if layout := flag_layout(args, fsdp=args.fsdp, sp=args.sp):  # before any work
+        if args.batch_size is not None:
+            layout.check_batch(args.batch_size)
+        layout.check_seq_len(args.seq_len)
     try:
         return _matrix(args) if args.matrix else _verify(args)
     except VerifierError as e:
         print(f"meshlm: verifier error: {e}", file=sys.stderr)
         return VERIFIER_EXIT_CODE
-
-
-def _check_sp(args) -> None:
-    """--sp splits the sequence over mp: refuse a --seq-len it cannot split, before any work."""
-    from meshlm.errors import ConfigError
-    from meshlm.parallel.mesh import parse_mesh
-
-    mp = parse_mesh(args.mesh)[1] if args.mesh else None
-    if args.sp and mp and args.seq_len % mp:
-        raise ConfigError(
-            f"--sp splits the sequence over mp={mp}, but --seq-len {args.seq_len} is not divisible "
-            f"by it; use a multiple of {mp}"
-        )
 
 
 def _matrix(args) -> int:
@@ -111,7 +100,8 @@ def _matrix(args) -> int:
 
 
 def _verify(args) -> int:
-    mesh, dp, mp = setup(args)
+    layout = setup(args, fsdp=args.fsdp, sp=args.sp)
+    dp, mp = layout.dp, layout.mp
     import jax
     import jax.numpy as jnp
 
@@ -133,13 +123,13 @@ def _verify(args) -> int:
         cfg = cfg.replace(remat=args.remat)
     batch = args.batch_size if args.batch_size is not None else 2 * dp
     seq_len = min(args.seq_len, cfg.max_seq_len)
-    problem = model_problem(cfg, name, mp, batch, seq_len, args.seed, dp=dp, fsdp=args.fsdp, sp=args.sp)
+    problem = model_problem(cfg, name, mp, batch, seq_len, args.seed, dp=dp, fsdp=layout.fsdp, sp=layout.sp)
     if args.checkpoint:
         problem = dataclasses.replace(problem, load_params=lambda m: load_model(args.checkpoint, m)[1])
     dtype = jnp.float64 if args.x64 else jnp.float32
     report = verify(
         problem,
-        mesh,
+        layout,
         steps=args.steps,
         dtype=dtype,
         seed=args.seed,

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from meshlm.errors import ShardingError
 from meshlm.model.params import is_embedding, is_matmul_weight, is_stacked, param_path
 from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.layout import Layout
 
 KV = "kv_heads"  # placeholder: MP when mp divides the KV heads, replicated when they are repeated
 
@@ -107,11 +108,12 @@ def fsdp_spec(path: str, shape: Sequence[int], spec: P, dp: int) -> P:
     return P(*dims)
 
 
-def model_specs(cfg, abstract_params, mp: int, *, dp: int = 1, fsdp: bool = False):
-    """Specs for a meshlm model, resolving the KV placeholder for its config; with ``fsdp`` every
-    weight is also split over ``dp`` (``fsdp_spec``)."""
+def model_specs(cfg, abstract_params, layout: Layout):
+    """Specs for a meshlm model on ``layout``, resolving the KV placeholder for its config; with
+    ``layout.fsdp`` every weight is also split over dp (``fsdp_spec``)."""
     from meshlm.model.attention import kv_replicated
 
+    mp, dp = layout.mp, layout.dp
     kv_axis = MP
     if cfg.family != "ff":
         if cfg.n_heads % mp:
@@ -127,7 +129,7 @@ def model_specs(cfg, abstract_params, mp: int, *, dp: int = 1, fsdp: bool = Fals
             f"vocab_multiple={cfg.vocab_multiple}); choose an mp that divides {cfg.padded_vocab}"
         )
     specs = param_specs(abstract_params, mp, RULES, kv_axis)
-    if not fsdp:
+    if not layout.fsdp:
         return specs
     return {
         mod: {
@@ -143,9 +145,9 @@ def dp_sharded(spec: P) -> bool:
     return any(d == DP or (isinstance(d, tuple) and DP in d) for d in spec)
 
 
-def batch_sharding(mesh, accum_steps: int) -> NamedSharding:
+def batch_sharding(layout: Layout, accum_steps: int) -> NamedSharding:
     """Host batches are [B, T], or [A, B, T] with gradient accumulation; rows split over DP."""
-    return NamedSharding(mesh, BATCH_SPEC if accum_steps == 1 else ACCUM_BATCH_SPEC)
+    return NamedSharding(layout.mesh, BATCH_SPEC if accum_steps == 1 else ACCUM_BATCH_SPEC)
 
 
 def shardings(specs, mesh):

@@ -42,7 +42,7 @@ import numpy as np
 from meshlm.errors import ConfigError
 from meshlm.generate.generator import bench_generation
 from meshlm.model.config import ModelConfig
-from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import bytes_per_device, total_bytes
 from meshlm.parallel.rules import batch_sharding, shardings
 from meshlm.perf.collectives import theoretical_collectives
@@ -70,15 +70,16 @@ class BenchSettings:
     seed: int = 0
     gen_new_tokens: int = 16  # generation benchmark: tokens decoded per row (0 skips it)
 
-    def check(self, cfg: ModelConfig, dp: int) -> None:
+    def check(self, cfg: ModelConfig, layout: Layout) -> None:
         if self.steps < MIN_STEPS:
             raise ConfigError(
                 f"--steps must be >= {MIN_STEPS} (a median of fewer is noise), got {self.steps}"
             )
         if self.warmup < 0:
             raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
-        if self.batch_size < 1 or self.batch_size % dp:
-            raise ConfigError(f"--batch-size {self.batch_size} must be a positive multiple of dp={dp}")
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
+        layout.check_batch(self.batch_size)
         if not 1 <= self.seq_len <= cfg.max_seq_len:
             raise ConfigError(f"--seq-len {self.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
         if self.gen_new_tokens < 0:
@@ -107,9 +108,10 @@ class Impl:
         jax.block_until_ready((self.params, self.opt_state, self.metrics))
 
 
-def build_impls(cfg: ModelConfig, ocfg: OptimConfig, mesh, settings: BenchSettings) -> list[Impl]:
+def build_impls(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: BenchSettings) -> list[Impl]:
     """The three implementations, from one set of initial parameters and one random batch."""
-    params, specs = init_model(cfg, mesh, settings.seed)
+    mesh = layout.mesh
+    params, specs = init_model(cfg, layout, settings.seed)
     param_sh = shardings(specs, mesh)
     # Copies through the host before anything is donated: each implementation consumes its own
     # buffers. (device_put to one device reuses a replicated leaf's device-0 shard, even with
@@ -121,9 +123,9 @@ def build_impls(cfg: ModelConfig, ocfg: OptimConfig, mesh, settings: BenchSettin
     rng = np.random.default_rng(settings.seed)
     shape = (settings.batch_size, settings.seq_len)
     host = {k: rng.integers(0, cfg.vocab_size, shape, dtype=np.int32) for k in ("inputs", "targets")}
-    mesh_batch = jax.device_put(host, batch_sharding(mesh, 1))
+    mesh_batch = jax.device_put(host, batch_sharding(layout, 1))
 
-    step, opt = sharded_step(cfg, ocfg, mesh, specs, params)
+    step, opt = sharded_step(cfg, ocfg, layout, specs, params)
     ours = _compiled("meshlm", step, params, init_opt_state(opt, params, specs, mesh), mesh_batch)
     ref, ref_opt = reference_step(cfg, ocfg, one_params)
     one_opt = jax.jit(ref_opt.init)(one_params)
@@ -209,13 +211,13 @@ def impl_result(impl: Impl, seconds: list[float], flops: float, tokens: int, pea
     }
 
 
-def generation_bench(cfg: ModelConfig, params, mesh, settings: BenchSettings) -> dict | None:
+def generation_bench(cfg: ModelConfig, params, layout: Layout, settings: BenchSettings) -> dict | None:
     """Prefill and decode throughput of ``generate.bench_generation``; None when it is skipped."""
     if not settings.gen_new_tokens:
         return None
     new = min(settings.gen_new_tokens, cfg.max_seq_len // 2)
     prompt = min(settings.seq_len, cfg.max_seq_len - new)
-    rates = bench_generation(cfg, params, mesh, settings.batch_size, prompt, new)
+    rates = bench_generation(cfg, params, layout, settings.batch_size, prompt, new)
     return {"batch": settings.batch_size, "prompt_len": prompt, "new_tokens": new, **rates}
 
 
@@ -238,17 +240,19 @@ def _ratio(a: list[float], b: list[float]) -> dict[str, float]:
 def run_bench(
     cfg: ModelConfig,
     name: str,
-    mesh,
+    where,
     settings: BenchSettings,
     ocfg: OptimConfig | None = None,
     peak_n: int = 2048,
 ) -> dict:
-    """Build, time and inspect the three implementations; the JSON-ready report (see ``--json``)."""
-    dp, mp = mesh.shape[DP], mesh.shape[MP]
-    settings.check(cfg, dp)
+    """Build, time and inspect the three implementations on ``where`` (a Layout or a jax Mesh); the
+    JSON-ready report (see ``--json``)."""
+    layout = Layout.of(where)
+    dp, mp = layout.dp, layout.mp
+    settings.check(cfg, layout)
     if peak_n < 1:
         raise ConfigError(f"--peak-n must be >= 1 (the matmul size of the peak measurement), got {peak_n}")
-    impls = build_impls(cfg, ocfg or OptimConfig(), mesh, settings)
+    impls = build_impls(cfg, ocfg or OptimConfig(), layout, settings)
     peak_fn = lambda dtype: matmul_peak_flops(dtype, n=peak_n, repeats=3)
     seconds, peaks = time_interleaved(impls, settings.steps, settings.warmup, peak_fn)
     peak = {dtype: statistics.median(values) for dtype, values in peaks.items()}
@@ -257,7 +261,7 @@ def run_bench(
     total = total_bytes(impls[0].params)
     return {
         "config": name,
-        "mesh": {"dp": dp, "mp": mp},
+        "mesh": layout.shape,
         "batch_size": settings.batch_size,
         "seq_len": settings.seq_len,
         "timed_steps": settings.steps,
@@ -267,5 +271,5 @@ def run_bench(
         "theoretical_collectives": theoretical_collectives(cfg, dp, mp),
         "results": [impl_result(i, seconds[i.name], flops, tokens, peak["float32"]) for i in impls],
         "step_time_ratios": step_time_ratios(seconds),
-        "generation": generation_bench(cfg, impls[0].params, mesh, settings),
+        "generation": generation_bench(cfg, impls[0].params, layout, settings),
     }

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import loss_fn
+from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import bytes_per_device
 from meshlm.parallel.rules import batch_sharding, shardings
 from meshlm.parallel.spmd import reference_value_and_grad
@@ -46,20 +47,21 @@ OPTIONS = {
 TARGET_VS_TP, TARGET_VS_GSPMD = 1.15, 1.05
 
 
-def build(cfg: ModelConfig, ocfg: OptimConfig, mesh, settings: BenchSettings) -> list[Impl]:
+def build(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: BenchSettings) -> list[Impl]:
+    mesh = layout.mesh
     rng = np.random.default_rng(settings.seed)
     shape = (settings.batch_size, settings.seq_len)
     host = {k: rng.integers(0, cfg.vocab_size, shape, dtype=np.int32) for k in ("inputs", "targets")}
-    batch = jax.device_put(host, batch_sharding(mesh, 1))
+    batch = jax.device_put(host, batch_sharding(layout, 1))
     impls = []
     for fsdp in (False, True):
-        params, specs = init_model(cfg, mesh, settings.seed, fsdp=fsdp)
+        params, specs = init_model(cfg, layout.replace(fsdp=fsdp), settings.seed)
         host_params = jax.device_get(params)
         for name, (f, sp, _) in OPTIONS.items():
             if f != fsdp:
                 continue
             own = jax.device_put(host_params, shardings(specs, mesh))  # donated: a private copy
-            step, opt = sharded_step(cfg, ocfg, mesh, specs, own, fsdp=fsdp, sp=sp)
+            step, opt = sharded_step(cfg, ocfg, layout.replace(fsdp=fsdp, sp=sp), specs, own)
             impls.append(_compiled(name, step, own, init_opt_state(opt, own, specs, mesh), batch))
         name = "gspmd-fsdp" if fsdp else "gspmd"
         impls.append(_gspmd(name, cfg, ocfg, mesh, specs, host_params, batch))
@@ -83,9 +85,10 @@ def _paired(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
-def memory_options_bench(cfg: ModelConfig, mesh, settings: BenchSettings, ocfg=None) -> dict:
-    """Rows per implementation (see the module docstring); JSON-ready."""
-    impls = build(cfg, ocfg or OptimConfig(), mesh, settings)
+def memory_options_bench(cfg: ModelConfig, where, settings: BenchSettings, ocfg=None) -> dict:
+    """Rows per implementation (see the module docstring) on ``where`` (a Layout or a jax Mesh: its
+    memory options are the rows'); JSON-ready."""
+    impls = build(cfg, ocfg or OptimConfig(), Layout.of(where), settings)
     seconds, _ = time_interleaved(impls, settings.steps, settings.warmup, lambda dtype: 0.0)
     rows = []
     for impl in impls:

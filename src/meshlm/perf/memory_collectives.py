@@ -24,6 +24,7 @@ from __future__ import annotations
 from meshlm.model.config import ModelConfig
 from meshlm.model.params import flat_params, is_matmul_weight, is_stacked
 from meshlm.parallel.axes import MP
+from meshlm.parallel.layout import Layout
 from meshlm.parallel.rules import dp_sharded, spec_for
 from meshlm.perf.collectives import theoretical_bytes, theoretical_collectives
 
@@ -54,8 +55,10 @@ def fsdp_weights(params) -> tuple[int, int]:
     return stacked, len(split) - stacked
 
 
-def expected_collectives(cfg: ModelConfig, dp: int, mp: int, *, sp: bool, params) -> dict[str, dict]:
-    """Per kind ("all-reduce", "all-gather", "reduce-scatter") the causes and their ``total``."""
+def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[str, dict]:
+    """Per kind ("all-reduce", "all-gather", "reduce-scatter") the causes and their ``total`` on
+    ``layout`` (FSDP read from ``params``' shardings)."""
+    dp, mp, sp = layout.dp, layout.mp, layout.sp
     ar = dict(theoretical_collectives(cfg, dp, mp))
     ag: dict[str, int] = {}
     rs: dict[str, int] = {}
@@ -77,14 +80,14 @@ def expected_collectives(cfg: ModelConfig, dp: int, mp: int, *, sp: bool, params
     return {"all-reduce": ar, "all-gather": ag, "reduce-scatter": rs}
 
 
-def expected_all_reduce_bytes(cfg: ModelConfig, dp: int, mp: int, *, sp: bool, params, **shape) -> int:
+def expected_all_reduce_bytes(cfg: ModelConfig, layout: Layout, *, params, **shape) -> int:
     """Result bytes of the all-reduces (``theoretical_bytes``'s causes), without those SP replaces
     and with its norm gradients (``shape``: batch, seq_len, itemsize)."""
     from meshlm.parallel.placement import bytes_per_device
 
-    out = theoretical_bytes(cfg, dp, mp, param_bytes=bytes_per_device(params), **shape)
+    out = theoretical_bytes(cfg, layout.dp, layout.mp, param_bytes=bytes_per_device(params), **shape)
     total = out["total"]
-    if sp and mp > 1:
+    if layout.sp and layout.mp > 1:
         total -= sum(out[c] for c in SP_REPLACES)
         norms = [
             p for path, p in flat_params(params).items() if path.rsplit("/", 1)[1] in ("scale", "offset")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig
+from meshlm.parallel.layout import Layout
 from meshlm.perf.activations import REMAT_POLICIES
 
 
@@ -38,22 +39,18 @@ class PlanSettings:
         parts += [f"accum={self.accum_steps}"] if self.accum_steps > 1 else []
         return "+".join(parts) or "plain"
 
-    def check(self, cfg: ModelConfig, dp: int, mp: int) -> None:
-        """One-line errors for settings that cannot compile, before any work."""
+    def on(self, layout: Layout) -> Layout:
+        """``layout`` (the mesh) with these settings' memory options."""
+        return layout.replace(fsdp=self.fsdp, sp=self.sp)
+
+    def check(self, cfg: ModelConfig, layout: Layout) -> None:
+        """One-line errors for settings that cannot compile on ``layout``'s mesh, before any work."""
+        layout = self.on(layout)
         if self.remat not in REMAT_POLICIES:
             raise ConfigError(f"--remat {self.remat!r}; valid: {', '.join(REMAT_POLICIES)}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"compute_dtype={self.compute_dtype!r}; valid: float32, bfloat16")
         if not 1 <= self.seq_len <= cfg.max_seq_len:
             raise ConfigError(f"--seq-len {self.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
-        rows = dp * self.accum_steps
-        if self.batch_size % rows:
-            raise ConfigError(
-                f"--batch-size {self.batch_size} is not a multiple of dp x accum_steps = {dp} x "
-                f"{self.accum_steps}; use e.g. --batch-size {(self.batch_size // rows + 1) * rows}"
-            )
-        if self.sp and self.seq_len % mp:
-            raise ConfigError(
-                f"--sp splits the sequence over mp={mp}, but --seq-len {self.seq_len} is not a "
-                f"multiple of it; use e.g. --seq-len {(self.seq_len // mp + 1) * mp}"
-            )
+        layout.check_batch(self.batch_size, self.accum_steps)
+        layout.check_seq_len(self.seq_len)

@@ -249,12 +249,3 @@ def check_byte_vocab(tcfg: TrainConfig, cfg: ModelConfig) -> None:
             f"the {tcfg.config} preset has vocab_size={cfg.vocab_size}, but the training data is bytes "
             f"(needs {VOCAB_SIZE}); use a byte-vocabulary preset ({fits})"
         )
-
-
-def check_seq_split(tcfg: TrainConfig, mp: int) -> None:
-    """``--sp`` splits the sequence over mp: a length it cannot split is an error naming the fix."""
-    if tcfg.sp and tcfg.seq_len % mp:
-        raise ConfigError(
-            f"--sp splits the sequence over mp={mp}, but seq_len={tcfg.seq_len} is not divisible "
-            f"by it; use a --seq-len that is a multiple of {mp}"
-        )
