@@ -4,6 +4,7 @@ CLI, and no module or class grows past what a reader takes in at once."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,25 @@ def test_checker_sees_function_level_imports(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from meshlm.train.loop import train\n    import meshlm.io.hf\n")
     assert _meshlm_imports(module) == {"train", "io"}
+
+
+def _lines_matching(pattern: str) -> list[str]:
+    found = []
+    for path in _modules():
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(pattern, line):
+                found.append(f"{path.relative_to(SRC)}:{i}: {line.strip()}")
+    return found
+
+
+def test_families_are_looked_up_not_branched_on():
+    """A family's facts are its ``Family`` record (``model/family.py``): code outside it never
+    compares a family's name, so a new family is a record (plus any new layer code)."""
+    hits = [h for h in _lines_matching(r"family\s*(==|!=|in\s)") if not h.startswith("model/family.py")]
+    assert hits == []
+
+
+def test_only_the_layout_reads_a_mesh_shape():
+    """Axis sizes travel as a ``Layout``; ``Layout.of`` is the one place a mesh's shape is read."""
+    hits = [h for h in _lines_matching(r"mesh\.shape\[") if not h.startswith("parallel/layout.py")]
+    assert hits == []

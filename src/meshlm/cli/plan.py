@@ -12,8 +12,8 @@ import re
 
 from meshlm.cli.common import add_common, flag_layout, positive_int, setup
 from meshlm.errors import ConfigError
+from meshlm.model.family import REMAT
 
-REMAT_CHOICES = ("none", "full", "selective")  # perf.activations.REMAT_POLICIES (no JAX import here)
 UNITS = {"TiB": 2**40, "GiB": 2**30, "MiB": 2**20, "TB": 10**12, "GB": 10**9, "MB": 10**6}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]+)\s*")
 
@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
     p.add_argument("--fsdp", action="store_true", help="also shard weights and AdamW state over dp")
     p.add_argument("--sp", action="store_true", help="sequence parallelism over mp")
     p.add_argument(
-        "--remat", choices=REMAT_CHOICES, default=None, help="rematerialisation (default: the config's own)"
+        "--remat", choices=REMAT, default=None, help="rematerialisation (default: the config's own)"
     )
     p.add_argument(
         "--device-memory",

@@ -15,7 +15,7 @@ from meshlm.cli.common import (
     positive_int,
     setup,
 )
-from meshlm.model.config import REMAT
+from meshlm.model.family import REMAT
 from meshlm.ranges import Range
 
 # One token attends only to itself: the causal mask and attention across positions would go unproven

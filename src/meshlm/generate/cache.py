@@ -28,7 +28,7 @@ CACHE_SPEC = P(None, DP, None, MP, None)  # global [L, B, S, Kc, E]
 
 
 def cache_specs(cfg: ModelConfig) -> dict:
-    return {} if cfg.family == "ff" else {"k": CACHE_SPEC, "v": CACHE_SPEC}
+    return {"k": CACHE_SPEC, "v": CACHE_SPEC} if cfg.arch.attention else {}
 
 
 def cache_heads(cfg: ModelConfig, mp: int) -> tuple[int, int]:
@@ -46,7 +46,7 @@ def cache_shape(cfg: ModelConfig, mp: int, batch: int, max_len: int) -> tuple[in
 def cache_bytes(cfg: ModelConfig, where, batch: int, max_len: int, dtype=jnp.float32) -> dict:
     """{"total", "per_device"} bytes of the K and V caches for a global ``batch`` on ``where`` (a
     Layout or a jax Mesh)."""
-    if cfg.family == "ff":
+    if not cfg.arch.attention:
         return {"total": 0, "per_device": 0}
     layout = Layout.of(where)
     shape = cache_shape(cfg, layout.mp, batch, max_len)
@@ -57,7 +57,7 @@ def cache_bytes(cfg: ModelConfig, where, batch: int, max_len: int, dtype=jnp.flo
 def empty_cache(cfg: ModelConfig, par: Parallel, shard_batch: int, max_len: int, dtype) -> dict:
     """Zeros of the per-shard shape [L, B/dp, S, Kc/mp, E], ``shard_batch`` = B/dp (made on device,
     inside shard_map)."""
-    if cfg.family == "ff":
+    if not cfg.arch.attention:
         return {}
     shape = (cfg.n_layers, shard_batch, max_len, cache_heads(cfg, par.mp)[1], cfg.dim_per_head)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

@@ -115,7 +115,7 @@ def model_specs(cfg, abstract_params, layout: Layout):
 
     mp, dp = layout.mp, layout.dp
     kv_axis = MP
-    if cfg.family != "ff":
+    if cfg.arch.attention:
         if cfg.n_heads % mp:
             raise ShardingError(
                 f"n_heads={cfg.n_heads} is not divisible by mp={mp}: the mesh cannot "

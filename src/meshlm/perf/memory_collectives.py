@@ -4,7 +4,7 @@ parallelism over MP), by cause: what the communication check and ``bench`` hold 
 Counts are per step (a layer loop that runs L times counts L times) and are upper bounds: XLA may
 combine independent collectives over the same devices, or (with remat) not recompute one whose result
 the backward does not need. With ``f`` = entries into column-parallel regions per layer (llama 2,
-gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers):
+gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Family.row_sums``):
 
 * SP (mp > 1) replaces the layer all-reduces. All-gathers: ``f`` per layer forward, again in the
   backward (the gathered sequence is not kept: Korthikanti et al. 2022), the head's input (1), and
@@ -28,7 +28,6 @@ from meshlm.parallel.layout import Layout
 from meshlm.parallel.rules import dp_sharded, spec_for
 from meshlm.perf.collectives import theoretical_bytes, theoretical_collectives
 
-PER_LAYER = {"ff": 1, "gptj": 1, "llama": 2}  # f entries = r exits per layer
 SP_REPLACES = ("layer_forward", "layer_backward", "embedding", "head_backward")  # all-reduce causes
 
 
@@ -62,7 +61,7 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
     ar = dict(theoretical_collectives(cfg, dp, mp))
     ag: dict[str, int] = {}
     rs: dict[str, int] = {}
-    n, pl = cfg.n_layers, PER_LAYER[cfg.family]
+    n, pl = cfg.n_layers, cfg.arch.row_sums  # f entries = r exits per layer
     if sp and mp > 1:
         for cause in SP_REPLACES:
             ar[cause] = 0

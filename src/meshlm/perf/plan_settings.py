@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.layout import Layout
-from meshlm.perf.activations import REMAT_POLICIES
 
 
 def remat_policy(cfg: ModelConfig) -> str:
@@ -46,10 +45,12 @@ class PlanSettings:
     def check(self, cfg: ModelConfig, layout: Layout) -> None:
         """One-line errors for settings that cannot compile on ``layout``'s mesh, before any work."""
         layout = self.on(layout)
-        if self.remat not in REMAT_POLICIES:
-            raise ConfigError(f"--remat {self.remat!r}; valid: {', '.join(REMAT_POLICIES)}")
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"compute_dtype={self.compute_dtype!r}; valid: float32, bfloat16")
+        if self.remat not in cfg.arch.remat:
+            raise ConfigError(f"--remat {self.remat!r}; valid: {', '.join(cfg.arch.remat)}")
+        if self.compute_dtype not in cfg.arch.compute_dtypes:
+            raise ConfigError(
+                f"compute_dtype={self.compute_dtype!r}; valid: {', '.join(cfg.arch.compute_dtypes)}"
+            )
         if not 1 <= self.seq_len <= cfg.max_seq_len:
             raise ConfigError(f"--seq-len {self.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
         layout.check_batch(self.batch_size, self.accum_steps)

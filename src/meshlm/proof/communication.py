@@ -30,8 +30,6 @@ from meshlm.perf.memory_collectives import expected_all_reduce_bytes, expected_c
 from meshlm.proof.report import check_row
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
-PER_LAYER = {"ff": "1 forward, 1 backward", "gptj": "1 forward, 1 backward", "llama": "2 forward, 2 backward"}
-
 
 def step_collectives(build_loss, layout: Layout, specs, params, batch, par_cls=Parallel) -> dict:
     """Collectives per step of the compiled sharded train step (clip on, no accumulation: the
@@ -52,7 +50,7 @@ def communication_checks(cfg, layout: Layout, got: dict, *, batch_shape, itemsiz
     shape = {"batch": batch_shape[0], "seq_len": batch_shape[1], "itemsize": itemsize}
     nbytes = expected_all_reduce_bytes(cfg, layout, params=params, **shape)
     slack = scalar_slack(len(jax.tree.leaves(params)), itemsize)
-    where = f"{cfg.family} on {layout.label()} (per layer: {PER_LAYER[cfg.family]} with mp > 1)"
+    where = f"{cfg.family} on {layout.label()} (per layer: {cfg.arch.per_layer_text()} with mp > 1)"
     ar = got["all-reduce"]
     rows = [
         check_row(

@@ -71,7 +71,7 @@ def model_problem(
         name=name,
         cfg=cfg,
         rebuild=rebuild,
-        has_row_bias=cfg.family in ("ff", "gptj") or cfg.embed_bias,
+        has_row_bias=cfg.arch.biases or cfg.embed_bias,
         **padding,
         fsdp=fsdp,
         sp=sp,

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from meshlm.errors import ConfigError
-from meshlm.model.config import PRESETS, REMAT, ModelConfig, get_config
+from meshlm.model.config import PRESETS, ModelConfig, get_config
+from meshlm.model.family import COMPUTE_DTYPES, REMAT
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
 # seq_len=0 means min(DEFAULT_SEQ_LEN, the preset's max_seq_len), resolved by `resolve`.
@@ -121,7 +122,7 @@ class TrainConfig:
         "float32, or bfloat16: bf16 compute with float32 master weights",
         resume_must_match=True,
         switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights"),
-        choices=("float32", "bfloat16"),
+        choices=COMPUTE_DTYPES,
     )
     eval_every: int = _field(
         120,

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ShardingError
+from meshlm.model import family
 from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel.layout import Layout
@@ -19,7 +20,8 @@ from meshlm.parallel.rules import dp_sharded, model_specs, shardings
 from meshlm.parallel.spmd import reference_value_and_grad, sharded_value_and_grad
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
-COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
+# The compute dtypes (``model.family.COMPUTE_DTYPES``) as arrays' dtypes; float32: the master weights'.
+COMPUTE_DTYPES = dict(zip(family.COMPUTE_DTYPES, (None, jnp.bfloat16), strict=True))
 
 
 def step_model(cfg: ModelConfig, *, remat: str, unroll: int, fsdp: bool) -> ModelConfig:
