@@ -26,7 +26,7 @@ def build(variant: str, cfg, host_params, host_batch):
     import jax
 
     from meshlm.parallel.layout import Layout
-    from meshlm.parallel.rules import batch_sharding
+    from meshlm.parallel.placement import batch_sharding
     from meshlm.perf.plain import plain_step
     from meshlm.train.optim import OptimConfig
     from meshlm.train.step import init_model, init_opt_state, reference_step, sharded_step

@@ -17,9 +17,9 @@ from meshlm.model.config import ModelConfig, from_dict, get_config
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.mesh import make_mesh, parse_mesh
-from meshlm.parallel.rules import spec_for
-from meshlm.parallel.spmd import reference_value_and_grad
 from meshlm.proof import format_report, model_problem, verify
+from meshlm.sharding.rules import spec_for
+from meshlm.sharding.spmd import reference_value_and_grad
 from meshlm.train.step import init_model
 
 MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (8, 1)]
@@ -150,7 +150,7 @@ def test_bad_mesh_and_dims():
     with pytest.raises(ShardingError, match="no sharding rule matches parameter 'mystery/w'"):
         spec_for("mystery/w", (4, 4), 2)
     with pytest.raises(ShardingError, match="n_heads=8 is not divisible by mp=3"):
-        from meshlm.parallel.rules import model_specs
+        from meshlm.sharding.rules import model_specs
 
         model_specs(get_config("tiny-llama"), {}, Layout(mp=3))
 

@@ -22,7 +22,7 @@ from meshlm.model.transformer import logits_fn  # noqa: E402
 from meshlm.parallel.context import Parallel  # noqa: E402
 from meshlm.parallel.layout import Layout  # noqa: E402
 from meshlm.parallel.mesh import make_mesh  # noqa: E402
-from meshlm.parallel.rules import model_specs, shardings  # noqa: E402
+from meshlm.sharding.rules import model_specs, shardings  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 64

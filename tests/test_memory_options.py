@@ -16,10 +16,10 @@ from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.mesh import make_mesh
 from meshlm.parallel.placement import bytes_per_device
-from meshlm.parallel.rules import model_specs
 from meshlm.proof.controls import CONTROLS
 from meshlm.proof.problem import model_problem
 from meshlm.proof.prover import verify
+from meshlm.sharding.rules import model_specs
 from meshlm.train.config import TrainConfig
 from meshlm.train.loop import _one_step, save
 from meshlm.train.run import build_run
@@ -137,7 +137,8 @@ def test_fsdp_sp_training_resumes_bitwise_and_restores_onto_a_mesh_without_them(
 
 def test_sharded_step_compiles_ahead_of_time_from_abstract_params():
     """What ``meshlm plan`` does: abstract parameters with FSDP shardings, no array allocated."""
-    from meshlm.parallel.rules import batch_sharding, shardings
+    from meshlm.parallel.placement import batch_sharding
+    from meshlm.sharding.rules import shardings
 
     cfg, mesh = get_config("tiny-llama").replace(remat="selective"), make_mesh(2, 2)
     shapes = param_shapes(cfg)

@@ -23,11 +23,11 @@ from meshlm.model.layers import VocabEmbed, upcast
 from meshlm.parallel.axes import MP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.mesh import make_mesh
-from meshlm.parallel.rules import RULES, param_specs
 from meshlm.proof import format_report, model_problem, verify
 from meshlm.proof.controls import Control
 from meshlm.proof.data_pipeline import data_checks
 from meshlm.proof.runs import Runs
+from meshlm.sharding.rules import RULES, param_specs
 
 
 def _verify(name, dp, mp, *, steps=0, dtype=jnp.float32, cfg=None, **kw):

@@ -18,9 +18,9 @@ from meshlm.model.transformer import logits_fn, loss_fn, param_shapes
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.mesh import make_mesh
-from meshlm.parallel.rules import model_specs
 from meshlm.proof import model_problem, verify
 from meshlm.proof.controls import CONTROLS
+from meshlm.sharding.rules import model_specs
 
 
 def test_padded_vocab_and_old_configs():

@@ -11,8 +11,7 @@ import jax
 import numpy as np
 
 from meshlm.data.stream import Batcher
-from meshlm.parallel.placement import put_global
-from meshlm.parallel.rules import batch_sharding
+from meshlm.parallel.placement import batch_sharding, put_global
 
 
 def _rows(batcher: Batcher, step: int, rows: slice, total: int, accum: int, cache: dict) -> dict:

@@ -44,7 +44,7 @@ from meshlm.model.config import ModelConfig
 from meshlm.parallel.axes import DP
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import to_host
-from meshlm.parallel.rules import model_specs, shardings
+from meshlm.sharding.rules import model_specs, shardings
 
 
 class Generator:

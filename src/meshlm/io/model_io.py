@@ -16,7 +16,7 @@ from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.layout import resolve
 from meshlm.model.config import ModelConfig, from_dict
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.rules import model_specs, shardings
+from meshlm.sharding.rules import model_specs, shardings
 
 FORMAT = "meshlm-checkpoint-v1"
 

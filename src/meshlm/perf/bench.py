@@ -43,13 +43,13 @@ from meshlm.errors import ConfigError
 from meshlm.generate.generator import bench_generation
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.placement import bytes_per_device, total_bytes
-from meshlm.parallel.rules import batch_sharding, shardings
+from meshlm.parallel.placement import batch_sharding, bytes_per_device, total_bytes
 from meshlm.perf.collectives import theoretical_collectives
 from meshlm.perf.flops import model_flops_per_step
 from meshlm.perf.hlo import collectives_of, collectives_per_step
 from meshlm.perf.peak import matmul_peak_flops
 from meshlm.perf.plain import plain_step
+from meshlm.sharding.rules import shardings
 from meshlm.train.optim import OptimConfig
 from meshlm.train.step import init_model, init_opt_state, reference_step, sharded_step
 

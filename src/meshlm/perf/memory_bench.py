@@ -29,11 +29,11 @@ from jax.sharding import PartitionSpec as P
 from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.placement import bytes_per_device
-from meshlm.parallel.rules import batch_sharding, shardings
-from meshlm.parallel.spmd import reference_value_and_grad
+from meshlm.parallel.placement import batch_sharding, bytes_per_device
 from meshlm.perf.bench import BenchSettings, Impl, _compiled, compiled_memory, time_interleaved
 from meshlm.perf.hlo import COLLECTIVES, collectives_per_step
+from meshlm.sharding.rules import shardings
+from meshlm.sharding.spmd import reference_value_and_grad
 from meshlm.train.optim import OptimConfig, adamw, make_step
 from meshlm.train.step import init_model, init_opt_state, sharded_step
 

@@ -25,8 +25,8 @@ from meshlm.model.config import ModelConfig
 from meshlm.model.params import flat_params, is_matmul_weight, is_stacked
 from meshlm.parallel.axes import MP
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.rules import dp_sharded, spec_for
 from meshlm.perf.collectives import theoretical_bytes, theoretical_collectives
+from meshlm.sharding.rules import dp_sharded, spec_for
 
 SP_REPLACES = ("layer_forward", "layer_backward", "embedding", "head_backward")  # all-reduce causes
 

@@ -38,7 +38,7 @@ ADAM_MOMENTS = 2
 def abstract_step(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
     """(jitted step, params, opt_state, batch): the train step on ``layout``'s mesh with the
     settings' memory options, and ShapeDtypeStruct arguments."""
-    from meshlm.parallel.rules import batch_sharding
+    from meshlm.parallel.placement import batch_sharding
     from meshlm.train.optim import OptimConfig
     from meshlm.train.step import COMPUTE_DTYPES, abstract_opt_state, sharded_step, step_model
 
@@ -83,7 +83,7 @@ def planned_params(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
     """(specs, params): the rules table's specs on ``layout`` with the settings' memory options, and
     float32 ShapeDtypeStructs with their shardings."""
     from meshlm.model.transformer import param_shapes
-    from meshlm.parallel.rules import model_specs, shardings
+    from meshlm.sharding.rules import model_specs, shardings
 
     layout = settings.on(layout)
     shapes = param_shapes(cfg)

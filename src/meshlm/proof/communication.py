@@ -23,11 +23,11 @@ import jax
 
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.spmd import sharded_value_and_grad
 from meshlm.perf.collectives import scalar_slack
 from meshlm.perf.hlo import COLLECTIVES, collectives_per_step
 from meshlm.perf.memory_collectives import expected_all_reduce_bytes, expected_collectives
 from meshlm.proof.report import check_row
+from meshlm.sharding.spmd import sharded_value_and_grad
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
 

@@ -54,7 +54,7 @@ def model_problem(
     from meshlm.model.padding import resize_tree
     from meshlm.model.transformer import loss_fn
     from meshlm.parallel.layout import Layout
-    from meshlm.parallel.rules import model_specs
+    from meshlm.sharding.rules import model_specs
 
     rebuild = lambda c: lambda par: loss_fn(c, par)
     padding = {}

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.placement import put_global, to_host
-from meshlm.parallel.rules import batch_sharding, init_sharded
-from meshlm.parallel.spmd import reference_value_and_grad, sharded_value_and_grad
+from meshlm.parallel.placement import batch_sharding, put_global, to_host
 from meshlm.proof.controls import per_shard_clip
 from meshlm.proof.problem import Problem
+from meshlm.sharding.rules import init_sharded
+from meshlm.sharding.spmd import reference_value_and_grad, sharded_value_and_grad
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
 

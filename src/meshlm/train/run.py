@@ -31,8 +31,8 @@ from meshlm.model.config import ModelConfig, from_dict
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel import distributed
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.rules import model_specs, shardings
-from meshlm.parallel.spmd import sharded_loss
+from meshlm.sharding.rules import model_specs, shardings
+from meshlm.sharding.spmd import sharded_loss
 from meshlm.train.config import TrainConfig, resolve, resume_must_match
 from meshlm.train.metrics import OUTPUTS, MetricsLog
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step, step_model

@@ -16,8 +16,8 @@ from meshlm.model import family
 from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.rules import dp_sharded, model_specs, shardings
-from meshlm.parallel.spmd import reference_value_and_grad, sharded_value_and_grad
+from meshlm.sharding.rules import dp_sharded, model_specs, shardings
+from meshlm.sharding.spmd import reference_value_and_grad, sharded_value_and_grad
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
 # The compute dtypes (``model.family.COMPUTE_DTYPES``) as arrays' dtypes; float32: the master weights'.
@@ -39,7 +39,7 @@ def init_model(cfg: ModelConfig, where, seed: int, dtype=None):
     """Parameters created already sharded on ``where``, a Layout (with ``fsdp``, weights also split
     over DP) or a jax Mesh: returns (params, specs)."""
     from meshlm.model.transformer import init_fn
-    from meshlm.parallel.rules import init_sharded
+    from meshlm.sharding.rules import init_sharded
 
     layout = Layout.of(where)
     init, example = init_fn(cfg)

@@ -49,9 +49,6 @@ FSDP_RULES: tuple[tuple[str, int], ...] = (
     (r"/mlp/w_(out|down)$", 1),  # [F, D]
 )
 
-BATCH_SPEC = P(DP, None)  # inputs / targets [B, T]: rows split over data-parallel shards
-ACCUM_BATCH_SPEC = P(None, DP, None)  # [A, B, T] with gradient accumulation: micro-batch major
-
 
 def spec_for(path: str, shape: Sequence[int], mp: int, rules=RULES, kv_axis=MP) -> P:
     """The PartitionSpec of one parameter, checking that the mesh divides every sharded dim."""
@@ -143,11 +140,6 @@ def model_specs(cfg, abstract_params, layout: Layout):
 def dp_sharded(spec: P) -> bool:
     """Whether a parameter is stored split over DP (FSDP)."""
     return any(d == DP or (isinstance(d, tuple) and DP in d) for d in spec)
-
-
-def batch_sharding(layout: Layout, accum_steps: int) -> NamedSharding:
-    """Host batches are [B, T], or [A, B, T] with gradient accumulation; rows split over DP."""
-    return NamedSharding(layout.mesh, BATCH_SPEC if accum_steps == 1 else ACCUM_BATCH_SPEC)
 
 
 def shardings(specs, mesh):

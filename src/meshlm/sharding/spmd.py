@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 from meshlm.parallel.axes import DP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.rules import BATCH_SPEC, dp_sharded
+from meshlm.parallel.placement import BATCH_SPEC
+from meshlm.sharding.rules import dp_sharded
 
 LossBuilder = Callable[[Parallel], Callable]
 
