@@ -245,6 +245,14 @@ PRESETS["tiny-gqa"] = PRESETS["tiny-llama"].replace(n_kv_heads=2)
 PRESETS["tiny-gpt2vocab"] = PRESETS["tiny-gptj"].replace(vocab_size=50257, d_model=32, d_ff=64)
 
 
+def default_seq_len(cfg: ModelConfig, seq_len: int = 0) -> int:
+    """``seq_len``, or when it is 0 every command's default: min(128, ``cfg.max_seq_len``)
+    (``meshlm.settings.DEFAULT_SEQ_LEN``)."""
+    from meshlm.settings import DEFAULT_SEQ_LEN
+
+    return seq_len or min(DEFAULT_SEQ_LEN, cfg.max_seq_len)
+
+
 def get_config(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown config {name!r}; valid: {', '.join(PRESETS)}")

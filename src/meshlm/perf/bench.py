@@ -30,6 +30,7 @@ temporaries. So it is the most the executable holds at once, excluding code and 
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -39,11 +40,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from meshlm.errors import ConfigError
 from meshlm.generate.generator import bench_generation
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding, bytes_per_device, total_bytes
+from meshlm.perf.bench_settings import BenchSettings
 from meshlm.perf.collectives import theoretical_collectives
 from meshlm.perf.flops import model_flops_per_step
 from meshlm.perf.hlo import collectives_of, collectives_per_step
@@ -54,38 +55,6 @@ from meshlm.train.optim import OptimConfig
 from meshlm.train.step import init_model, init_opt_state, reference_step, sharded_step
 
 IMPLS = ("meshlm", "unsharded", "gspmd", "plain")
-MIN_STEPS = 5  # fewer timed steps give a median that is mostly noise on a shared machine
-# Defaults that keep a `small` bench near 1.5 minutes on 2 CPU cores (a step takes 1.7 s on an idle
-# machine, 4 s on a loaded one; batch 8 x 256 doubles that).
-DEFAULT_BATCH = 4
-DEFAULT_SEQ = 256
-
-
-@dataclass(frozen=True)
-class BenchSettings:
-    batch_size: int = DEFAULT_BATCH  # global batch rows (split over DP)
-    seq_len: int = DEFAULT_SEQ  # tokens per row (capped at the config's max_seq_len by the CLI)
-    steps: int = MIN_STEPS  # timed repetitions of each implementation
-    warmup: int = 1  # untimed repetitions first (first-touch allocation, caches)
-    seed: int = 0
-    gen_new_tokens: int = 16  # generation benchmark: tokens decoded per row (0 skips it)
-
-    def check(self, cfg: ModelConfig, layout: Layout) -> None:
-        if self.steps < MIN_STEPS:
-            raise ConfigError(
-                f"--steps must be >= {MIN_STEPS} (a median of fewer is noise), got {self.steps}"
-            )
-        if self.warmup < 0:
-            raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
-        if self.batch_size < 1:
-            raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
-        layout.check_batch(self.batch_size)
-        if not 1 <= self.seq_len <= cfg.max_seq_len:
-            raise ConfigError(f"--seq-len {self.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
-        if self.gen_new_tokens < 0:
-            raise ConfigError(
-                f"--gen-tokens must be >= 0 (0 skips the generation bench), got {self.gen_new_tokens}"
-            )
 
 
 # --- the three implementations --------------------------------------------------------------------
@@ -243,17 +212,18 @@ def run_bench(
     where,
     settings: BenchSettings,
     ocfg: OptimConfig | None = None,
-    peak_n: int = 2048,
+    peak_n: int | None = None,
 ) -> dict:
     """Build, time and inspect the three implementations on ``where`` (a Layout or a jax Mesh); the
     JSON-ready report (see ``--json``)."""
     layout = Layout.of(where)
     dp, mp = layout.dp, layout.mp
+    if peak_n is not None:  # the settings' own, unless given here
+        settings = dataclasses.replace(settings, peak_n=peak_n)
     settings.check(cfg, layout)
-    if peak_n < 1:
-        raise ConfigError(f"--peak-n must be >= 1 (the matmul size of the peak measurement), got {peak_n}")
+    settings = settings.resolved(cfg, layout)
     impls = build_impls(cfg, ocfg or OptimConfig(), layout, settings)
-    peak_fn = lambda dtype: matmul_peak_flops(dtype, n=peak_n, repeats=3)
+    peak_fn = lambda dtype: matmul_peak_flops(dtype, n=settings.peak_n, repeats=3)
     seconds, peaks = time_interleaved(impls, settings.steps, settings.warmup, peak_fn)
     peak = {dtype: statistics.median(values) for dtype, values in peaks.items()}
     tokens = settings.batch_size * settings.seq_len

@@ -30,12 +30,14 @@ from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding, bytes_per_device
-from meshlm.perf.bench import BenchSettings, Impl, _compiled, compiled_memory, time_interleaved
+from meshlm.perf.bench import Impl, _compiled, compiled_memory, time_interleaved
+from meshlm.perf.bench_settings import BenchSettings
 from meshlm.perf.hlo import COLLECTIVES, collectives_per_step
 from meshlm.sharding.rules import shardings
 from meshlm.sharding.spmd import reference_value_and_grad
 from meshlm.train.optim import OptimConfig, adamw, make_step
 from meshlm.train.step import init_model, init_opt_state, sharded_step
+from meshlm.units import format_bytes
 
 # name -> (fsdp, sp, the GSPMD run with the same parameter shardings)
 OPTIONS = {
@@ -88,7 +90,9 @@ def _paired(a: list[float], b: list[float]) -> float:
 def memory_options_bench(cfg: ModelConfig, where, settings: BenchSettings, ocfg=None) -> dict:
     """Rows per implementation (see the module docstring) on ``where`` (a Layout or a jax Mesh: its
     memory options are the rows'); JSON-ready."""
-    impls = build(cfg, ocfg or OptimConfig(), Layout.of(where), settings)
+    layout = Layout.of(where)
+    settings.check(cfg, layout)
+    impls = build(cfg, ocfg or OptimConfig(), layout, settings.resolved(cfg, layout))
     seconds, _ = time_interleaved(impls, settings.steps, settings.warmup, lambda dtype: 0.0)
     rows = []
     for impl in impls:
@@ -115,7 +119,7 @@ def memory_options_bench(cfg: ModelConfig, where, settings: BenchSettings, ocfg=
 def format_memory_options(report: dict) -> str:
     head = ["impl", "step s", "vs tp", "vs gspmd (same shardings)", "params/dev", "opt/dev", "peak/dev"]
     head += ["all-reduce", "all-gather", "reduce-scatter"]
-    mib = lambda b: "-" if b is None else f"{b / 2**20:.2f} MiB"
+    mib = lambda b: format_bytes(b, "MiB")
     body = []
     for r in report["rows"]:
         vs = f"{r['vs_gspmd']:.2f}x {r['gspmd_same_shardings']}" if "vs_gspmd" in r else "-"

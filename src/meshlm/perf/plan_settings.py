@@ -6,8 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
-from meshlm.model.config import ModelConfig
+from meshlm.model.config import ModelConfig, default_seq_len
+from meshlm.model.family import REMAT
 from meshlm.parallel.layout import Layout
+from meshlm.ranges import POSITIVE_INT
+from meshlm.settings import SEQ_LEN_DEFAULT_TEXT, Switch, setting
+from meshlm.units import parse_bytes
+
+DEFAULT_CONFIG = "llama2-7b"
 
 
 def remat_policy(cfg: ModelConfig) -> str:
@@ -55,3 +61,50 @@ class PlanSettings:
             raise ConfigError(f"--seq-len {self.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
         layout.check_batch(self.batch_size, self.accum_steps)
         layout.check_seq_len(self.seq_len)
+
+
+@dataclass(frozen=True)
+class PlanCommand:
+    """What ``meshlm plan`` is asked: the model, one run's settings (``settings``) and the search; the
+    command's flags are built from these fields (``meshlm.cli.common.add_flags``)."""
+
+    config: str | None = setting(
+        None, "model preset name (see `meshlm configs`)", shown_default=DEFAULT_CONFIG
+    )
+    checkpoint: str | None = setting(None, "plan the model of this checkpoint instead of --config")
+    batch_size: int = setting(8, "global batch rows per step", valid=POSITIVE_INT)
+    seq_len: int | None = setting(
+        None, "tokens per row", shown_default=SEQ_LEN_DEFAULT_TEXT, valid=POSITIVE_INT
+    )
+    accum_steps: int = setting(1, "micro-batches per optimizer step", valid=POSITIVE_INT)
+    compute_dtype: str = setting(
+        "float32",
+        "float32, or bfloat16: bf16 compute with float32 master weights",
+        switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights"),
+    )
+    fsdp: bool = setting(False, "also shard weights and AdamW state over dp")
+    sp: bool = setting(False, "sequence parallelism over mp")
+    remat: str | None = setting(None, "rematerialisation", shown_default="the config's own", choices=REMAT)
+    device_memory: int | None = setting(
+        None,
+        "memory of one device, e.g. 80GiB: say whether the run fits and search options that do",
+        parse=parse_bytes,
+    )
+    max_compiles: int = setting(
+        8, "most step compiles, the given settings and the candidates together", valid=POSITIVE_INT
+    )
+    every_option: bool = setting(
+        False, "try each option alone, not only up to the cheapest that fits (more compiles)"
+    )
+
+    def settings(self, cfg: ModelConfig) -> PlanSettings:
+        """The run to plan for the model ``cfg``: its remat unless --remat, the default sequence rule."""
+        return PlanSettings(
+            batch_size=self.batch_size,
+            seq_len=default_seq_len(cfg, self.seq_len or 0),
+            accum_steps=self.accum_steps,
+            compute_dtype=self.compute_dtype,
+            fsdp=self.fsdp,
+            sp=self.sp,
+            remat=self.remat or remat_policy(cfg),
+        )

@@ -29,7 +29,7 @@ def step_model(cfg: ModelConfig, *, remat: str, unroll: int, fsdp: bool) -> Mode
     every layer (straight-line code, ~1.2x faster on CPU) unless FSDP or remat is on: their memory
     saving needs the rolled loop (1), since XLA schedules straight-line code to hold every layer's
     gathered weights or recomputed activations at once (``meshlm plan``, tiny-llama on 2x4: full remat
-    peak 8.6 MB unrolled, 5.4 MB rolled; ``small`` on 8x1 with FSDP: temporaries 153 MB, 56 MB)."""
+    peak 8.6 MiB unrolled, 5.4 MiB rolled; ``small`` on 8x1 with FSDP: temporaries 153 MiB, 56 MiB)."""
     if not unroll:
         unroll = 1 if fsdp or remat != "none" else cfg.n_layers
     return cfg.replace(remat=remat, unroll=unroll)
