@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_meshlm
+from helpers import run_meshlm, verify_preset
 
 from meshlm.data.tokens import check_token_range
 from meshlm.errors import ConfigError, MeshError, ShardingError, TokenRangeError
@@ -26,8 +26,7 @@ MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (8, 1)]
 
 
 def _verify(name, dp, mp, dtype=jnp.float32, steps=0, batch=8, seq=16, **kw):
-    cfg = get_config(name)
-    return verify(model_problem(cfg, name, mp, batch, seq), make_mesh(dp, mp), steps=steps, dtype=dtype, **kw)
+    return verify_preset(name, dp, mp, batch=batch, seq=seq, dtype=dtype, steps=steps, **kw)
 
 
 @pytest.mark.parametrize("dp,mp", MESHES)

@@ -1,11 +1,13 @@
 """FSDP over dp, sequence parallelism over mp and remat policies: specs, bytes, the proof with its
 controls, exact resume and restore onto a mesh without them, and the one-line errors."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_cli, write_corpus
+from helpers import run_cli, tiny_lm_config, write_corpus
 from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ConfigError, ShardingError
@@ -103,11 +105,7 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-def _tcfg(corpus, out, **kw):
-    base = dict(config="tiny-lm", data=(corpus,), steps=4, batch_size=4, seq_len=16, warmup_steps=1)
-    return TrainConfig(
-        **{**base, "eval_every": 0, "eval_batches": 1, "sample_tokens": 0, "out": str(out), **kw}
-    )
+_tcfg = partial(tiny_lm_config, steps=4, batch_size=4, seq_len=16, save_every=TrainConfig.save_every)
 
 
 def _state(run):
