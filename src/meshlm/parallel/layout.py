@@ -11,8 +11,9 @@ A ``Layout`` is built from sizes (``Layout(dp=2, mp=2, fsdp=True)``, validated b
 touched) or from an existing mesh (``Layout.of(mesh, ...)``: the one place a mesh's shape is read).
 Its ``mesh`` is made from the sizes on first use, or is the one it was built from.
 
-Adding an axis (pipeline, context parallelism) is: a field here (and in ``AXES``), its rules-table
-entries, its collectives in ``parallel.context``, its proof controls.
+Adding an axis (pipeline, context parallelism) is: a field here and its name in ``axes.MESH_AXES``
+(sizes, the mesh, reports and checkpoint meta follow them), its rules-table entries, its
+collectives in ``parallel.context``, its proof controls.
 
 This module must not import JAX at module level: the CLI validates layouts before choosing devices.
 """
@@ -20,11 +21,12 @@ This module must not import JAX at module level: the CLI validates layouts befor
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from meshlm.errors import ConfigError, MeshError
-from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.axes import MESH_AXES
 
 OPTIONS = ("fsdp", "sp")  # the memory options, by their field (and flag) names
 
@@ -39,7 +41,7 @@ class Layout:
     built_mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        for name in (DP, MP):
+        for name in MESH_AXES:
             size = getattr(self, name)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise MeshError(f"mesh axis {name} must be a positive integer, got {size!r}")
@@ -53,7 +55,7 @@ class Layout:
         (the memory options default off)."""
         if isinstance(where, Layout):
             return dataclasses.replace(where, **options) if options else where
-        return cls(dp=where.shape[DP], mp=where.shape[MP], built_mesh=where, **options)
+        return cls(**{axis: where.shape[axis] for axis in MESH_AXES}, built_mesh=where, **options)
 
     @property
     def mesh(self):
@@ -61,17 +63,17 @@ class Layout:
         if self.built_mesh is None:
             from meshlm.parallel.mesh import make_mesh
 
-            object.__setattr__(self, "built_mesh", make_mesh(self.dp, self.mp))
+            object.__setattr__(self, "built_mesh", make_mesh(*self.shape.values()))
         return self.built_mesh
 
     @property
     def devices(self) -> int:
-        return self.dp * self.mp
+        return math.prod(self.shape.values())
 
     @property
     def shape(self) -> dict[str, int]:
         """{axis name: size}, e.g. {"dp": 2, "mp": 2} (what reports and checkpoint meta show)."""
-        return {DP: self.dp, MP: self.mp}
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
 
     def replace(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -83,8 +85,10 @@ class Layout:
         return (par_cls or Parallel)(mp=self.mp, dp=self.dp, sharded=True, sp=self.sp)
 
     def label(self) -> str:
-        """ "2x2", "2x2 + FSDP + SP": the mesh and the options that are on."""
-        return f"{self.dp}x{self.mp}" + "".join(f" + {o.upper()}" for o in OPTIONS if getattr(self, o))
+        """The mesh and the options that are on: "2x2", "2x2 + FSDP + SP"."""
+        return "x".join(map(str, self.shape.values())) + "".join(
+            f" + {o.upper()}" for o in OPTIONS if getattr(self, o)
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """What checkpoint metadata records (``from_dict`` reads it back)."""
@@ -92,9 +96,10 @@ class Layout:
 
     @classmethod
     def from_dict(cls, d: dict) -> Layout:
-        unknown = sorted(set(d) - {DP, MP, *OPTIONS})
+        unknown = sorted(set(d) - {*MESH_AXES, *OPTIONS})
         if unknown:
-            raise ConfigError(f"unknown layout field(s) {unknown}; valid: {DP}, {MP}, {', '.join(OPTIONS)}")
+            valid = ", ".join((*MESH_AXES, *OPTIONS))
+            raise ConfigError(f"unknown layout field(s) {unknown}; valid: {valid}")
         return cls(**d)
 
     # --- the divisibility rules of sizes outside the model ------------------------------------
