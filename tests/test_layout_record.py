@@ -8,7 +8,7 @@ import jax
 import pytest
 from helpers import meshlm_argv
 
-from meshlm.errors import ConfigError, MeshError
+from meshlm.errors import ConfigError, MeshError, ShardingError
 from meshlm.model.config import get_config
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
@@ -26,7 +26,7 @@ def test_a_layout_is_validated_where_it_is_built():
     with pytest.raises(ConfigError, match="fsdp must be true or false"):
         Layout(fsdp="yes")
     with pytest.raises(
-        ConfigError, match="--sp splits the sequence over mp=4, but --seq-len 30 .* --seq-len 32"
+        ShardingError, match="--sp splits the sequence over mp=4, but --seq-len 30 .* --seq-len 32"
     ):
         Layout(mp=4, sp=True).check_seq_len(30)
     Layout(mp=4).check_seq_len(30)  # without --sp the sequence is not split

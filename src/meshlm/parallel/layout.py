@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from meshlm.errors import ConfigError, MeshError
+from meshlm.errors import ConfigError, MeshError, ShardingError
 from meshlm.parallel.axes import MESH_AXES
 
 OPTIONS = ("fsdp", "sp")  # the memory options, by their field (and flag) names
@@ -104,9 +104,10 @@ class Layout:
 
     # --- the divisibility rules of sizes outside the model ------------------------------------
     def check_seq_len(self, seq_len: int) -> None:
-        """With ``sp`` the sequence is split over mp: it must divide."""
+        """With ``sp`` the sequence is split over mp: it must divide (a ShardingError, as for any
+        dimension the mesh does not divide: ``verify --matrix`` lists such cells as skipped)."""
         if self.sp and self.mp > 1 and seq_len % self.mp:
-            raise ConfigError(
+            raise ShardingError(
                 f"--sp splits the sequence over mp={self.mp}, but --seq-len {seq_len} is not divisible "
                 f"by it; use e.g. --seq-len {_next_multiple(seq_len, self.mp)}"
             )
