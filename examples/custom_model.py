@@ -14,8 +14,8 @@ import numpy as np  # noqa: E402
 from meshlm.model.layers import MLP, VocabEmbed, VocabHead, vocab_parallel_xent  # noqa: E402
 from meshlm.parallel.axes import MP  # noqa: E402
 from meshlm.parallel.mesh import make_mesh  # noqa: E402
-from meshlm.parallel.rules import param_specs  # noqa: E402
 from meshlm.proof import Problem, format_report, verify  # noqa: E402
+from meshlm.sharding.rules import param_specs  # noqa: E402
 
 VOCAB, WIDTH, HIDDEN = 128, 64, 256
 

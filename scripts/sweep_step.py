@@ -25,8 +25,8 @@ def build(variant: str, cfg, host_params, host_batch):
     """(compiled step, params, opt_state, batch) of one variant."""
     import jax
 
-    from meshlm.parallel.mesh import make_mesh
-    from meshlm.parallel.rules import batch_sharding
+    from meshlm.parallel.layout import Layout
+    from meshlm.parallel.placement import batch_sharding
     from meshlm.perf.plain import plain_step
     from meshlm.train.optim import OptimConfig
     from meshlm.train.step import init_model, init_opt_state, reference_step, sharded_step
@@ -43,11 +43,11 @@ def build(variant: str, cfg, host_params, host_batch):
     elif kind == "mesh":
         shape, _, unroll = arg.partition("/")
         dp, mp = map(int, shape.split("x"))
-        mesh, mcfg = make_mesh(dp, mp), cfg.replace(unroll=int(unroll or 0))
-        params, specs = init_model(mcfg, mesh, 0)
-        step, opt = sharded_step(mcfg, OptimConfig(), mesh, specs, params)
-        opt_state = init_opt_state(opt, params, specs, mesh)
-        batch = jax.device_put(host_batch, batch_sharding(mesh, 1))
+        layout, mcfg = Layout(dp=dp, mp=mp), cfg.replace(unroll=int(unroll or 0))
+        params, specs = init_model(mcfg, layout, 0)
+        step, opt = sharded_step(mcfg, OptimConfig(), layout, specs, params)
+        opt_state = init_opt_state(opt, params, specs, layout.mesh)
+        batch = jax.device_put(host_batch, batch_sharding(layout, 1))
     else:
         raise SystemExit(f"unknown variant {variant!r}: plain, ref:U or mesh:DPxMP[/U]")
     return step.lower(params, opt_state, batch).compile(), params, opt_state, batch

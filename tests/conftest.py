@@ -1,7 +1,9 @@
 """Force 8 fake CPU devices before anything imports jax (meshes up to 1x8, 2x4, 4x2, 8x1)."""
 
+import gc
 import os
 import re
+from pathlib import Path
 
 _flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
 # Tiny test models: XLA's compile time dominates, so skip the backend's expensive optimisations. Both sides of
@@ -20,5 +22,23 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # Start the backend now, so that no in-process CLI call (``--devices``) can change the device count later.
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.devices()
+
+
+@pytest.fixture
+def collect_orbax_garbage():
+    """After a read or write error orbax leaves coroutines un-awaited and posts to closed event loops;
+    Python reports those as "unraisable" when it collects them (they are orbax's, and harmless).
+    Collecting after each test lands the reports in the modules that use this fixture and filter them
+    (``pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")``)."""
+    yield
+    gc.collect()
+
+
+@pytest.fixture
+def children_import_meshlm(monkeypatch):
+    """Subprocesses import this checkout's meshlm even when it is not pip-installed."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))

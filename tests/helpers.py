@@ -65,3 +65,29 @@ def train_rows(out) -> list[dict]:
 
 def eval_rows(out) -> list[dict]:
     return [r for r in read_metrics(out) if "val_loss" in r]
+
+
+def tiny_lm_config(corpus: str, out, **kw):
+    """The TrainConfig the training tests start from: the tiny-lm preset on ``corpus``, writing to
+    ``out``, batch 8 x 32, one warm-up step, no evaluation, checkpoint or sample until the end;
+    ``kw`` changes what a test needs (each test file fixes its own steps and sizes)."""
+    from meshlm.train.config import TrainConfig
+
+    base = dict(config="tiny-lm", data=(corpus,), batch_size=8, seq_len=32, warmup_steps=1)
+    base |= dict(eval_every=0, eval_batches=1, save_every=0, sample_tokens=0)
+    return TrainConfig(**{**base, **kw, "out": str(out)})
+
+
+def verify_preset(
+    name: str, dp: int, mp: int, *, batch: int, seq: int = 16, steps: int = 0, dtype=None, cfg=None, **kw
+):
+    """``meshlm.verify`` of the preset ``name`` (or ``cfg``) on a dp x mp mesh: random [batch, seq]
+    tokens, float32 unless ``dtype``; ``kw`` goes to ``verify`` (controls, collectives, ...)."""
+    import jax.numpy as jnp
+
+    from meshlm.model.config import get_config
+    from meshlm.parallel.mesh import make_mesh
+    from meshlm.proof import model_problem, verify
+
+    problem = model_problem(cfg or get_config(name), name, mp, batch, seq)
+    return verify(problem, make_mesh(dp, mp), steps=steps, dtype=dtype or jnp.float32, **kw)

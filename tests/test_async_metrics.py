@@ -4,13 +4,12 @@ in order, up to a crash or a non-finite step; a non-finite step saves the exact 
 import re
 
 import pytest
-from helpers import train_rows, write_corpus
+from helpers import tiny_lm_config, train_rows, write_corpus
 
 from meshlm.errors import TrainingError
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.parallel.mesh import make_mesh
 from meshlm.train import loop
-from meshlm.train.config import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -18,9 +17,7 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-def _tcfg(corpus, out, **kw):
-    base = dict(config="tiny-lm", data=(corpus,), batch_size=8, seq_len=32, warmup_steps=1, eval_batches=1)
-    return TrainConfig(**{**base, "eval_every": 0, "save_every": 0, "sample_tokens": 0, **kw}, out=str(out))
+_tcfg = tiny_lm_config
 
 
 def test_rows_of_finished_steps_survive_a_crash(corpus, tmp_path, monkeypatch):

@@ -167,11 +167,12 @@ def test_train_config_keeps_its_special_zeros():
 
 def test_bench_settings_reject_negative_gen_tokens_and_peak_n():
     from meshlm.model.config import get_config
+    from meshlm.parallel.layout import Layout
     from meshlm.parallel.mesh import make_mesh
     from meshlm.perf.bench import BenchSettings, run_bench
 
     with pytest.raises(ConfigError, match="--gen-tokens must be >= 0"):
-        BenchSettings(seq_len=8, gen_new_tokens=-1).check(get_config("tiny-llama"), 2)
+        BenchSettings(seq_len=8, gen_new_tokens=-1).check(get_config("tiny-llama"), Layout(dp=2))
     # Refused before the implementations are built or compiled.
     with pytest.raises(ConfigError, match="--peak-n must be >= 1"):
         run_bench(get_config("tiny-llama"), "tiny-llama", make_mesh(2, 2), BenchSettings(seq_len=8), peak_n=0)

@@ -1,6 +1,5 @@
 """Checkpoints: bitwise round trips across meshes, pruning, crashes, corruption, mismatches."""
 
-import gc
 import os
 import resource
 import shutil
@@ -21,15 +20,12 @@ from meshlm.io.layout import COMMIT_MARKER, TMP_SUFFIX, is_checkpoint_dir, resol
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.mesh import make_mesh
 
-# After a read or write error orbax leaves coroutines un-awaited and posts to closed event loops;
-# Python reports those as "unraisable" when it collects them. They are orbax's, and harmless.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
-
-@pytest.fixture(autouse=True)
-def _collect_orbax_garbage():
-    yield
-    gc.collect()  # so the reports above land in this module's tests, where they are filtered
+# orbax's "unraisable" reports after read/write errors, collected into this module's tests and
+# filtered here (the ``collect_orbax_garbage`` fixture, conftest.py).
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+    pytest.mark.usefixtures("collect_orbax_garbage"),
+]
 
 
 SPECS = {

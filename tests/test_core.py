@@ -9,24 +9,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_meshlm
+from helpers import run_meshlm, verify_preset
 
 from meshlm.data.tokens import check_token_range
 from meshlm.errors import ConfigError, MeshError, ShardingError, TokenRangeError
 from meshlm.model.config import ModelConfig, from_dict, get_config
 from meshlm.parallel.context import Parallel
+from meshlm.parallel.layout import Layout
 from meshlm.parallel.mesh import make_mesh, parse_mesh
-from meshlm.parallel.rules import spec_for
-from meshlm.parallel.spmd import reference_value_and_grad
 from meshlm.proof import format_report, model_problem, verify
+from meshlm.sharding.rules import spec_for
+from meshlm.sharding.spmd import reference_value_and_grad
 from meshlm.train.step import init_model
 
 MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (8, 1)]
 
 
 def _verify(name, dp, mp, dtype=jnp.float32, steps=0, batch=8, seq=16, **kw):
-    cfg = get_config(name)
-    return verify(model_problem(cfg, name, mp, batch, seq), make_mesh(dp, mp), steps=steps, dtype=dtype, **kw)
+    return verify_preset(name, dp, mp, batch=batch, seq=seq, dtype=dtype, steps=steps, **kw)
 
 
 @pytest.mark.parametrize("dp,mp", MESHES)
@@ -149,9 +149,9 @@ def test_bad_mesh_and_dims():
     with pytest.raises(ShardingError, match="no sharding rule matches parameter 'mystery/w'"):
         spec_for("mystery/w", (4, 4), 2)
     with pytest.raises(ShardingError, match="n_heads=8 is not divisible by mp=3"):
-        from meshlm.parallel.rules import model_specs
+        from meshlm.sharding.rules import model_specs
 
-        model_specs(get_config("tiny-llama"), {}, 3)
+        model_specs(get_config("tiny-llama"), {}, Layout(mp=3))
 
 
 def test_bad_config_names_and_fields():

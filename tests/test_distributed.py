@@ -16,14 +16,10 @@ from meshlm.parallel.distributed import TIMEOUT_EXIT_CODE
 from meshlm.parallel.launch import free_port, main_launch
 
 WORKER = str(Path(__file__).with_name("mp_worker.py"))
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 PREFIX = [sys.executable, WORKER]
 
 
-@pytest.fixture(autouse=True)
-def _children_import_meshlm(monkeypatch):
-    # Children must import this checkout's meshlm even when it is not pip-installed.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
+pytestmark = pytest.mark.usefixtures("children_import_meshlm")  # conftest.py
 
 
 def _gone(pid: int) -> bool:

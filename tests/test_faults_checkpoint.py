@@ -3,7 +3,6 @@ an edited metadata (the model config) fails its digest; an invalid config names 
 checkpoint; a missing or truncated array file is named; a file passed as --checkpoint is refused.
 """
 
-import gc
 import json
 import math
 import shutil
@@ -19,14 +18,12 @@ from meshlm.io.model_io import load_model, read_config, save_model
 from meshlm.model.config import from_dict, get_config
 from meshlm.parallel.mesh import make_mesh
 
-# After a failed read orbax may leave coroutines un-awaited; Python reports those when it collects them.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
-
-@pytest.fixture(autouse=True)
-def _collect_orbax_garbage():
-    yield
-    gc.collect()  # so the reports above land in this module's tests, where they are filtered
+# orbax's "unraisable" reports after failed reads, collected into this module's tests and filtered
+# here (the ``collect_orbax_garbage`` fixture, conftest.py).
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+    pytest.mark.usefixtures("collect_orbax_garbage"),
+]
 
 
 STEP = 3

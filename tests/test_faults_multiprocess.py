@@ -21,7 +21,6 @@ from meshlm.parallel.launch import DEVICES_ENV, free_port
 from meshlm.parallel.mesh import _more_devices_hint
 
 WORKER = str(Path(__file__).with_name("mp_worker.py"))
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 LAUNCH = ["launch", "-n", "2", "--devices-per-process", "2", "--"]
 # `main_launch` of tests/mp_worker.py in a process of its own, so a test can signal it.
 LAUNCH_WORKER = (
@@ -30,9 +29,7 @@ LAUNCH_WORKER = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _children_import_meshlm(monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
+pytestmark = pytest.mark.usefixtures("children_import_meshlm")  # conftest.py
 
 
 @pytest.fixture(scope="module")

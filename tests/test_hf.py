@@ -20,9 +20,9 @@ from meshlm.model.config import get_config  # noqa: E402
 from meshlm.model.params import unflatten  # noqa: E402
 from meshlm.model.transformer import logits_fn  # noqa: E402
 from meshlm.parallel.context import Parallel  # noqa: E402
+from meshlm.parallel.layout import Layout  # noqa: E402
 from meshlm.parallel.mesh import make_mesh  # noqa: E402
-from meshlm.parallel.rules import model_specs, shardings  # noqa: E402
-from meshlm.parallel.spmd import mesh_parallel  # noqa: E402
+from meshlm.sharding.rules import model_specs, shardings  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 64
@@ -105,9 +105,10 @@ def test_import_matches_transformers_sharded(hf_model, tokens, mesh_shape):
 
 def _sharded_logits(cfg, params, mesh_shape, tokens) -> np.ndarray:
     """[mp, B, T, V]: the full logits as each model shard returns them (params placed on the mesh)."""
-    mesh = make_mesh(*mesh_shape)
-    specs = model_specs(cfg, params, mesh_shape[1])
-    apply = hk.transform(logits_fn(cfg, mesh_parallel(mesh))).apply
+    layout = Layout(*mesh_shape)
+    mesh = layout.mesh
+    specs = model_specs(cfg, params, layout)
+    apply = hk.transform(logits_fn(cfg, layout.parallel())).apply
     # Each model shard returns its own gathered copy of the logits (a leading axis over mp), so
     # every copy is compared, not just the first.
     fn = jax.shard_map(

@@ -4,6 +4,7 @@ CLI, and no module or class grows past what a reader takes in at once."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -11,17 +12,20 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshlm"
 
 # What each subpackage may import from meshlm (besides itself and ``meshlm.errors``). Lower layers
-# first: the model and the parallel machinery know nothing of training, files, the proof or the CLI.
+# first: the parallel ground floor (axes, the ``Parallel`` context, ``Layout``, placement) imports no
+# other package; the model builds on it; the rules table and the shard_map'd loss (``sharding``) read
+# the model; nothing below training knows of training, files, the proof or the CLI.
 ALLOWED = {
-    "parallel": {"model"},  # the rules table resolves the model's KV-head layout
-    "model": {"parallel"},
-    "data": {"parallel"},  # device batches are laid out by the rules module's batch shardings
-    "train": {"model", "parallel", "data", "io", "generate"},  # the loop saves and samples
-    "io": {"model", "parallel"},
-    "generate": {"model", "parallel", "data"},
-    "proof": {"model", "parallel", "data", "train", "perf"},  # the real step; collective counts
-    "perf": {"model", "parallel", "data", "train", "generate", "io"},
-    "cli": {"model", "parallel", "data", "train", "io", "generate", "proof", "perf"},
+    "parallel": set(),
+    "model": {"parallel"},  # layers compute in the ``Parallel`` context
+    "sharding": {"model", "parallel"},  # the rules table resolves the model's KV-head layout
+    "data": {"parallel"},  # device batches are placed by the ground floor's batch shardings
+    "io": {"model", "parallel", "sharding"},
+    "generate": {"model", "parallel", "sharding", "data"},
+    "train": {"model", "parallel", "sharding", "data", "io", "generate"},  # the loop saves and samples
+    "proof": {"model", "parallel", "sharding", "data", "train", "perf"},  # the real step; collective counts
+    "perf": {"model", "parallel", "sharding", "data", "train", "generate", "io"},
+    "cli": {"model", "parallel", "sharding", "data", "train", "io", "generate", "proof", "perf"},
 }
 MAX_MODULE_LINES = 350
 MAX_CLASS_LINES = 120
@@ -50,6 +54,52 @@ def _meshlm_imports(path: Path) -> set[str]:
             if parts[0] == "meshlm" and len(parts) > 1 and (SRC / parts[1]).is_dir():
                 found.add(parts[1])
     return found
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Package -> the other meshlm packages its modules import (module level or in functions)."""
+    graph: dict[str, set[str]] = {}
+    for path in _modules():
+        pkg = _package(path)
+        if pkg:
+            graph.setdefault(pkg, set()).update(_meshlm_imports(path) - {pkg})
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A dependency cycle of ``graph`` as [a, b, ..., a], or None (depth-first search)."""
+    state: dict[str, str] = {}  # "open" while on the search path, "done" once every successor is
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = "open"
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                return path[path.index(dep) :] + [dep]
+            if dep not in state and (cycle := visit(dep, [*path, dep])):
+                return cycle
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [node])):
+            return cycle
+    return None
+
+
+def test_no_package_cycle():
+    """No package imports one that imports it back, directly or through others: no exceptions."""
+    assert find_cycle(package_graph()) is None, f"package cycle: {' -> '.join(find_cycle(package_graph()))}"
+    assert find_cycle(ALLOWED) is None  # the intended layering is a ladder too
+
+
+def test_the_cycle_check_finds_planted_cycles():
+    """The checker fails on a cycle: a real package graph with one planted back edge, and a long one."""
+    graph = {pkg: set(deps) for pkg, deps in package_graph().items()}
+    assert find_cycle(graph) is None
+    graph["parallel"].add("model")  # what ``parallel.rules`` importing the model used to be
+    assert find_cycle(graph) in (["model", "parallel", "model"], ["parallel", "model", "parallel"])
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
 def test_layering():
@@ -93,3 +143,25 @@ def test_checker_sees_function_level_imports(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from meshlm.train.loop import train\n    import meshlm.io.hf\n")
     assert _meshlm_imports(module) == {"train", "io"}
+
+
+def _lines_matching(pattern: str) -> list[str]:
+    found = []
+    for path in _modules():
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(pattern, line):
+                found.append(f"{path.relative_to(SRC)}:{i}: {line.strip()}")
+    return found
+
+
+def test_families_are_looked_up_not_branched_on():
+    """A family's facts are its ``Family`` record (``model/family.py``): code outside it never
+    compares a family's name, so a new family is a record (plus any new layer code)."""
+    hits = [h for h in _lines_matching(r"family\s*(==|!=|in\s)") if not h.startswith("model/family.py")]
+    assert hits == []
+
+
+def test_only_the_layout_reads_a_mesh_shape():
+    """Axis sizes travel as a ``Layout``; ``Layout.of`` is the one place a mesh's shape is read."""
+    hits = [h for h in _lines_matching(r"mesh\.shape\[") if not h.startswith("parallel/layout.py")]
+    assert hits == []

@@ -1,11 +1,13 @@
 """FSDP over dp, sequence parallelism over mp and remat policies: specs, bytes, the proof with its
 controls, exact resume and restore onto a mesh without them, and the one-line errors."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_cli, write_corpus
+from helpers import run_cli, tiny_lm_config, write_corpus
 from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ConfigError, ShardingError
@@ -13,12 +15,13 @@ from meshlm.model.config import from_dict, get_config
 from meshlm.model.params import flat_params
 from meshlm.model.transformer import param_shapes
 from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.layout import Layout
 from meshlm.parallel.mesh import make_mesh
 from meshlm.parallel.placement import bytes_per_device
-from meshlm.parallel.rules import model_specs
 from meshlm.proof.controls import CONTROLS
 from meshlm.proof.problem import model_problem
 from meshlm.proof.prover import verify
+from meshlm.sharding.rules import model_specs
 from meshlm.train.config import TrainConfig
 from meshlm.train.loop import _one_step, save
 from meshlm.train.run import build_run
@@ -35,26 +38,26 @@ NEW_CONTROLS = (
 
 def test_fsdp_specs_split_every_weight_over_dp_and_name_a_dimension_dp_cannot_split():
     cfg = get_config("tiny-llama")
-    specs = flat_params(model_specs(cfg, param_shapes(cfg), 2, dp=2, fsdp=True))
+    specs = flat_params(model_specs(cfg, param_shapes(cfg), Layout(dp=2, mp=2, fsdp=True)))
     assert specs["layers/attn/wq"] == P(None, DP, MP, None)  # [L, D, H, E]: D over dp, heads over mp
     assert specs["layers/attn/wo"] == P(None, MP, None, DP)
     assert specs["embed/embeddings"] == P(MP, DP)
     assert specs["layers/ln/scale"] == P(None, None)  # norms stay replicated
     with pytest.raises(ShardingError, match=r"parameter 'embed/embeddings' dimension 1 \(size 64\).*dp=3"):
-        model_specs(cfg, param_shapes(cfg), 1, dp=3, fsdp=True)
+        model_specs(cfg, param_shapes(cfg), Layout(dp=3, mp=1, fsdp=True))
 
 
 def test_fsdp_parameter_and_optimizer_bytes_fall_by_dp():
     cfg, mesh = get_config("tiny-llama"), make_mesh(4, 1)
     plain, plain_specs = init_model(cfg, mesh, 0)
-    fsdp, specs = init_model(cfg, mesh, 0, fsdp=True)
-    _, opt = sharded_step(cfg, TrainConfig().optim(), mesh, specs, fsdp, fsdp=True)
+    fsdp, specs = init_model(cfg, Layout.of(mesh, fsdp=True), 0)
+    _, opt = sharded_step(cfg, TrainConfig().optim(), Layout.of(mesh, fsdp=True), specs, fsdp)
     norms = sum(p.size * 4 for k, p in flat_params(plain).items() if k.endswith("scale"))
     assert bytes_per_device(fsdp) == (bytes_per_device(plain) - norms) // 4 + norms
     moments = init_opt_state(opt, fsdp, specs, mesh)
     assert bytes_per_device(moments) <= 2 * bytes_per_device(fsdp) + 64  # mu, nu (+ counters)
     with pytest.raises(ShardingError, match="fsdp=False but the parameter specs split"):
-        sharded_step(cfg, TrainConfig().optim(), mesh, specs, fsdp)
+        sharded_step(cfg, TrainConfig().optim(), Layout.of(mesh), specs, fsdp)
     del plain_specs
 
 
@@ -94,7 +97,7 @@ def test_old_boolean_remat_loads_and_bad_values_are_one_line_errors(capsys):
     assert run_cli("verify", "--config", "tiny-llama", "--mesh", "1x4", "--sp", "--seq-len", "30") == 2
     assert "--seq-len 30 is not divisible" in capsys.readouterr().err
     assert run_cli("train", "--config", "tiny-lm", "--mesh", "1x4", "--sp", "--seq-len", "30") == 2
-    assert "seq_len=30 is not divisible by it" in capsys.readouterr().err
+    assert "--seq-len 30 is not divisible by it" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +105,7 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-def _tcfg(corpus, out, **kw):
-    base = dict(config="tiny-lm", data=(corpus,), steps=4, batch_size=4, seq_len=16, warmup_steps=1)
-    return TrainConfig(
-        **{**base, "eval_every": 0, "eval_batches": 1, "sample_tokens": 0, "out": str(out), **kw}
-    )
+_tcfg = partial(tiny_lm_config, steps=4, batch_size=4, seq_len=16, save_every=TrainConfig.save_every)
 
 
 def _state(run):
@@ -136,17 +135,19 @@ def test_fsdp_sp_training_resumes_bitwise_and_restores_onto_a_mesh_without_them(
 
 def test_sharded_step_compiles_ahead_of_time_from_abstract_params():
     """What ``meshlm plan`` does: abstract parameters with FSDP shardings, no array allocated."""
-    from meshlm.parallel.rules import batch_sharding, shardings
+    from meshlm.parallel.placement import batch_sharding
+    from meshlm.sharding.rules import shardings
 
     cfg, mesh = get_config("tiny-llama").replace(remat="selective"), make_mesh(2, 2)
     shapes = param_shapes(cfg)
-    specs = model_specs(cfg, shapes, 2, dp=2, fsdp=True)
+    layout = Layout.of(mesh, fsdp=True, sp=True)
+    specs = model_specs(cfg, shapes, layout)
     sh = shardings(specs, mesh)
     abstract = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, sh)
-    step, opt = sharded_step(cfg, TrainConfig().optim(), mesh, specs, abstract, fsdp=True, sp=True)
+    step, opt = sharded_step(cfg, TrainConfig().optim(), layout, specs, abstract)
     opt_state = jax.eval_shape(opt.init, abstract)
     batch = {
-        k: jax.ShapeDtypeStruct((4, 16), jnp.int32, sharding=batch_sharding(mesh, 1))
+        k: jax.ShapeDtypeStruct((4, 16), jnp.int32, sharding=batch_sharding(layout, 1))
         for k in ("inputs", "targets")
     }
     memory = step.lower(abstract, opt_state, batch).compile().memory_analysis()

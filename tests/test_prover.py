@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_cli
+from helpers import run_cli, verify_preset
 from jax import lax
 
 from meshlm.errors import VerifierError
@@ -23,16 +23,15 @@ from meshlm.model.layers import VocabEmbed, upcast
 from meshlm.parallel.axes import MP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.mesh import make_mesh
-from meshlm.parallel.rules import RULES, param_specs
 from meshlm.proof import format_report, model_problem, verify
 from meshlm.proof.controls import Control
 from meshlm.proof.data_pipeline import data_checks
 from meshlm.proof.runs import Runs
+from meshlm.sharding.rules import RULES, param_specs
 
 
 def _verify(name, dp, mp, *, steps=0, dtype=jnp.float32, cfg=None, **kw):
-    cfg = cfg or get_config(name)
-    return verify(model_problem(cfg, name, mp, 2 * dp, 16), make_mesh(dp, mp), steps=steps, dtype=dtype, **kw)
+    return verify_preset(name, dp, mp, batch=2 * dp, dtype=dtype, cfg=cfg, steps=steps, **kw)
 
 
 def _check(report, name) -> dict:

@@ -8,7 +8,7 @@ import sys
 import warnings
 
 import pytest
-from helpers import run_cli, run_meshlm, train_args, train_rows, write_corpus
+from helpers import run_cli, run_meshlm, tiny_lm_config, train_args, train_rows, write_corpus
 
 from meshlm.errors import CheckpointError
 from meshlm.io.checkpoint import Checkpointer
@@ -16,7 +16,6 @@ from meshlm.io.layout import COMMIT_MARKER, complete_steps, resolve
 from meshlm.io.run_lock import LOCK_FILE
 from meshlm.io.set_aside import set_aside_newer
 from meshlm.parallel.mesh import make_mesh
-from meshlm.train.config import TrainConfig
 from meshlm.train.loop import train
 from meshlm.train.run import build_run
 
@@ -29,9 +28,7 @@ def corpus(tmp_path_factory):
 
 
 def _tcfg(corpus, out, steps, **kw):
-    base = dict(config="tiny-lm", data=(corpus,), batch_size=8, seq_len=32, warmup_steps=2)
-    base |= dict(eval_every=0, eval_batches=1, save_every=2, sample_tokens=0)
-    return TrainConfig(**base, steps=steps, out=str(out), **kw)
+    return tiny_lm_config(corpus, out, steps=steps, **{"warmup_steps": 2, "save_every": 2, **kw})
 
 
 def _train(corpus, out, steps, **kw):

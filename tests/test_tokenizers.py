@@ -4,9 +4,11 @@ through either; loading errors."""
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import numpy as np
 import pytest
+from helpers import tiny_lm_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -99,12 +101,7 @@ def test_streams_through_a_tokenizer(bpe, tmp_path):
 # --- training runs and checkpoints with a tokenizer -------------------------------------------
 
 
-def _tcfg(corpus, out, **kw):
-    from meshlm.train.config import TrainConfig
-
-    base = dict(config="tiny-lm", data=(corpus,), steps=2, batch_size=4, seq_len=16, warmup_steps=1)
-    base.update(eval_every=0, eval_batches=1, save_every=2, sample_tokens=8, out=str(out))
-    return TrainConfig(**{**base, **kw})
+_tcfg = partial(tiny_lm_config, steps=2, batch_size=4, seq_len=16, save_every=2, sample_tokens=8)
 
 
 def test_training_run_carries_its_bpe_tokenizer(tmp_path):

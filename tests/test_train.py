@@ -5,6 +5,7 @@ import dataclasses
 import os
 import signal
 import subprocess
+from functools import partial
 
 import jax
 import numpy as np
@@ -15,6 +16,7 @@ from helpers import (
     meshlm_argv,
     read_metrics,
     run_cli,
+    tiny_lm_config,
     train_args,
     train_rows,
     wait_for,
@@ -36,22 +38,7 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-def _tcfg(corpus, out, **kw):
-    base = dict(
-        config="tiny-lm",
-        data=(corpus,),
-        steps=12,
-        batch_size=8,
-        seq_len=32,
-        lr=3e-3,
-        warmup_steps=2,
-        eval_every=6,
-        eval_batches=2,
-        save_every=6,
-        sample_tokens=0,
-        out=str(out),
-    )
-    return TrainConfig(**{**base, **kw})
+_tcfg = partial(tiny_lm_config, steps=12, lr=3e-3, warmup_steps=2, eval_every=6, eval_batches=2, save_every=6)
 
 
 def test_short_run_learns_and_writes_outputs(corpus, tmp_path):

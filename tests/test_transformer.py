@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import verify_preset
 
 from meshlm.errors import ShardingError
 from meshlm.model.config import get_config
@@ -15,8 +16,7 @@ ATTENTION_CONTROLS = {"shard uses another shard's heads", "wrong rotary conventi
 
 
 def _verify(name, dp, mp, dtype=jnp.float32, steps=0, **kw):
-    cfg = get_config(name)
-    return verify(model_problem(cfg, name, mp, 4 * dp, 16), make_mesh(dp, mp), steps=steps, dtype=dtype, **kw)
+    return verify_preset(name, dp, mp, batch=4 * dp, dtype=dtype, steps=steps, **kw)
 
 
 @pytest.mark.parametrize("name", ["tiny-gptj", "tiny-llama"])

@@ -16,10 +16,11 @@ from meshlm.model.config import PRESETS, from_dict, get_config
 from meshlm.model.padding import padding_of, resize_tree
 from meshlm.model.transformer import logits_fn, loss_fn, param_shapes
 from meshlm.parallel.context import Parallel
+from meshlm.parallel.layout import Layout
 from meshlm.parallel.mesh import make_mesh
-from meshlm.parallel.rules import model_specs
 from meshlm.proof import model_problem, verify
 from meshlm.proof.controls import CONTROLS
+from meshlm.sharding.rules import model_specs
 
 
 def test_padded_vocab_and_old_configs():
@@ -39,7 +40,7 @@ def test_padded_vocab_and_old_configs():
 @pytest.mark.parametrize("mp", [2, 4, 8, 16, 32, 64, 128])
 def test_every_power_of_two_mp_divides_the_padding(mp):
     cfg = get_config("tiny").replace(vocab_size=50257)  # ff: no heads to split; d_ff = 128
-    specs = model_specs(cfg, param_shapes(cfg), mp)
+    specs = model_specs(cfg, param_shapes(cfg), Layout(mp=mp))
     assert specs["embed"]["embeddings"] == jax.sharding.PartitionSpec("mp", None)
 
 
@@ -48,12 +49,12 @@ def test_mp_that_does_not_divide_the_padded_vocab_is_an_error():
     with pytest.raises(
         ShardingError, match=r"\(size 50257\) is not divisible by mp=2: the padded vocabulary"
     ):
-        model_specs(cfg, param_shapes(cfg), 2)
+        model_specs(cfg, param_shapes(cfg), Layout(mp=2))
     cfg = get_config("tiny").replace(vocab_size=50257, d_ff=80)  # everything else divisible by 5
     with pytest.raises(
         ShardingError, match=r"\(size 50304\) is not divisible by mp=5: the padded vocabulary \(50257 ids"
     ):
-        model_specs(cfg, param_shapes(cfg), 5)
+        model_specs(cfg, param_shapes(cfg), Layout(mp=5))
 
 
 def test_loss_and_gradients_equal_the_unpadded_model():

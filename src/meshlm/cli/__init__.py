@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from meshlm.cli import bench, convert, data, generate, launch, memory, plan, tokenizer, train, verify
 from meshlm.errors import MeshlmError
@@ -38,13 +39,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def user_warning(message, category, filename, lineno, line=None) -> str:
+    """Warnings as the command line shows them: one line, ``meshlm: warning: ...``; no source file,
+    line number or quoted code (those are for library users' tracebacks, not for a run's log)."""
+    return f"meshlm: warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    shown, warnings.formatwarning = warnings.formatwarning, user_warning
     try:
         code = args.fn(args)
     except MeshlmError as e:
         print(f"meshlm: error: {e}", file=sys.stderr)
         code = 2
+    finally:
+        warnings.formatwarning = shown  # in-process callers (tests) keep their own format
     return _exit_code(code)
 
 

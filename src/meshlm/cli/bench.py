@@ -6,54 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshlm.cli.common import add_common, check_batch_split, non_negative_int, positive_int, setup
+from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
 from meshlm.errors import ConfigError
+from meshlm.perf.bench_settings import BenchSettings
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="step time, MFU, memory and collectives: meshlm vs unsharded vs GSPMD")
-    add_common(p, "small")
-    p.add_argument(
-        "--batch-size", type=positive_int, default=None, help="global batch (default 4, a multiple of dp)"
-    )
-    p.add_argument(
-        "--seq-len", type=positive_int, default=None, help="tokens per row (default min(256, max_seq_len))"
-    )
-    # The >= 5 floor is BenchSettings.check's (this module may not import meshlm.perf: it imports JAX).
-    p.add_argument("--steps", type=positive_int, default=5, help="timed steps per implementation (>= 5)")
-    p.add_argument(
-        "--warmup", type=non_negative_int, default=1, help="untimed steps per implementation first"
-    )
-    p.add_argument(
-        "--gen-tokens",
-        type=non_negative_int,
-        default=16,
-        help="new tokens per row in the generation bench (0: skip)",
-    )
-    p.add_argument(
-        "--peak-n",
-        type=positive_int,
-        default=2048,
-        help="matmul size of the peak measurement (raise on accelerators)",
-    )
-    p.add_argument(
-        "--unroll",
-        type=non_negative_int,
-        default=0,
-        help="layers per iteration of the layer loop (0: all, the default; 1: a rolled loop)",
-    )
-    p.add_argument(
-        "--vocab-size",
-        type=positive_int,
-        default=None,
-        help="token ids of the model instead of the preset's (e.g. the main job's 1024-id BPE)",
-    )
-    p.add_argument("--out", default=None, help="also write bench.json and bench.png into this directory")
-    p.add_argument(
-        "--memory-options",
-        action="store_true",
-        help="also time FSDP and sequence parallelism against tensor parallelism and GSPMD",
-    )
+    add_common(p, BenchSettings.config)  # also --config and --seed (fields marked CLI_COMMON)
+    add_flags(p, BenchSettings)
     p.set_defaults(fn=run)
 
 
@@ -75,32 +36,27 @@ def _format(report: dict, format_bench) -> str:
 
 
 def run(args) -> int:
-    check_out(args.out)
-    check_batch_split(args.batch_size, args.mesh)
-    mesh, dp, _ = setup(args)
+    bs = settings_from(args, BenchSettings)
+    check_out(bs.out)
+    if (layout := flag_layout(args)) and bs.batch_size is not None:  # before devices and compiling
+        layout.check_batch(bs.batch_size)
+    layout = setup(args)
     from meshlm.model.config import get_config
     from meshlm.parallel.distributed import is_main, print0
-    from meshlm.perf.bench import DEFAULT_BATCH, DEFAULT_SEQ, BenchSettings, run_bench
+    from meshlm.perf.bench import run_bench
     from meshlm.perf.bench_report import format_bench, write_outputs
 
-    cfg = get_config(args.config).replace(unroll=args.unroll)
-    if args.vocab_size is not None:  # the embedding and head follow (padded to vocab_multiple)
-        cfg = cfg.replace(vocab_size=args.vocab_size)
-    settings = BenchSettings(
-        batch_size=args.batch_size or -(-DEFAULT_BATCH // dp) * dp,  # rounded up to a multiple of dp
-        seq_len=args.seq_len or min(DEFAULT_SEQ, cfg.max_seq_len),
-        steps=args.steps,
-        warmup=args.warmup,
-        seed=args.seed,
-        gen_new_tokens=args.gen_tokens,
-    )
-    name = args.config if args.vocab_size is None else f"{args.config} (vocab {args.vocab_size})"
-    report = run_bench(cfg, name, mesh, settings, peak_n=args.peak_n)
-    if args.memory_options:
+    cfg = get_config(bs.config).replace(unroll=bs.unroll)
+    if bs.vocab_size is not None:  # the embedding and head follow (padded to vocab_multiple)
+        cfg = cfg.replace(vocab_size=bs.vocab_size)
+    settings = bs.resolved(cfg, layout)
+    name = bs.config if bs.vocab_size is None else f"{bs.config} (vocab {bs.vocab_size})"
+    report = run_bench(cfg, name, layout, settings)
+    if bs.memory_options:
         from meshlm.perf.memory_bench import memory_options_bench
 
-        report["memory_options"] = memory_options_bench(cfg, mesh, settings)
+        report["memory_options"] = memory_options_bench(cfg, layout, settings)
     print0(json.dumps(report) if args.json else _format(report, format_bench))
-    if args.out and is_main():
-        write_outputs(report, args.out)
+    if bs.out and is_main():
+        write_outputs(report, bs.out)
     return 0

@@ -6,11 +6,13 @@ No JAX import at module level: ``--devices`` must set ``XLA_FLAGS`` before JAX s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
-from meshlm.errors import ConfigError
+from meshlm.parallel.layout import Layout
 from meshlm.parallel.mesh import DEFAULT_DEVICES, MAX_HOST_DEVICES, force_host_devices, parse_mesh
 from meshlm.ranges import (
     NON_NEGATIVE_FLOAT,
@@ -19,6 +21,7 @@ from meshlm.ranges import (
     PROBABILITY,
     Range,
 )
+from meshlm.settings import CLI_FLAG, CLI_HIDDEN, flag_name
 
 
 def arg_type(valid: Range) -> Callable[[str], int | float]:
@@ -73,22 +76,82 @@ def add_common(p: argparse.ArgumentParser, config: str | None = None) -> None:
     )
 
 
-def check_batch_split(batch_size: int | None, mesh: str | None) -> None:
-    """Refuse a --batch-size the --mesh cannot split, before devices and compilation: each of the dp
-    data-parallel groups takes an equal share. Without --mesh, dp is 1 and any batch splits."""
-    dp = parse_mesh(mesh)[0] if mesh else 1
-    if batch_size is not None and batch_size % dp:
-        raise ConfigError(
-            f"--batch-size {batch_size} is not a multiple of dp={dp} (--mesh {mesh} is DPxMP); "
-            f"use e.g. --batch-size {(batch_size // dp + 1) * dp}"
+def argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` (raising ValueError with a message) as an argparse ``type=``: a bad value is one line
+    naming the flag and the message, exit code 2."""
+
+    def wrapped(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    wrapped.__name__ = parse.__name__
+    return wrapped
+
+
+def add_flags(p: argparse.ArgumentParser, settings_cls) -> None:
+    """A flag for each field of the settings dataclass ``settings_cls`` built with ``meshlm.settings.setting``
+    (those marked CLI_FLAG): the field name in kebab case, its value under the field's own name."""
+    for f in dataclasses.fields(settings_cls):
+        if f.metadata["cli"] == CLI_FLAG:
+            _add_flag(p, f)
+
+
+def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field) -> None:
+    switch = f.metadata["switch"]
+    if switch is not None:
+        # Under the field's own dest, like every other flag, so `settings_from` needs no special case.
+        p.add_argument(switch.flag, dest=f.name, action="store_const", const=switch.value, help=switch.help)
+        p.set_defaults(**{f.name: f.default})
+        return
+    flag, dest = flag_name(f), f.name
+    if isinstance(f.default, bool):
+        p.add_argument(flag, dest=dest, action="store_true", help=_help(f))
+    elif isinstance(f.default, tuple):
+        p.add_argument(flag, dest=dest, nargs="+", default=f.default, help=_help(f))
+    else:
+        valid, parse = f.metadata["valid"], f.metadata["parse"]
+        kind = (
+            argparse_type(parse)
+            if parse
+            else (arg_type(valid) if valid is not None else str if f.default is None else type(f.default))
         )
+        choices = f.metadata["choices"]
+        p.add_argument(flag, dest=dest, type=kind, default=f.default, choices=choices, help=_help(f))
 
 
-def setup(args, default_dp: int = 1) -> tuple:
+def _help(f: dataclasses.Field) -> str:
+    """The field's help, with its default unless that is empty (or a flag without a value)."""
+    shown = f.metadata["shown_default"]
+    if shown is None and f.default not in ("", (), None) and not isinstance(f.default, bool):
+        shown = f.default
+    text = f.metadata["help"] if shown is None else f"{f.metadata['help']} (default: {shown})"
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
+def settings_from(args: argparse.Namespace, settings_cls, **given):
+    """The ``settings_cls`` the flags describe (each field not CLI-hidden is in ``args`` under its
+    name; ``given`` fills or overrides fields)."""
+    values = {}
+    for f in dataclasses.fields(settings_cls):
+        if f.metadata["cli"] != CLI_HIDDEN:
+            value = getattr(args, f.name)
+            values[f.name] = tuple(value) if isinstance(f.default, tuple) else value
+    return settings_cls(**{**values, **given})
+
+
+def flag_layout(args, **options) -> Layout | None:
+    """The Layout that --mesh and ``options`` (--fsdp, --sp) describe, before any device exists (None
+    without --mesh: the mesh then depends on the device count, known after ``setup``)."""
+    return Layout(*parse_mesh(args.mesh), **options) if args.mesh else None
+
+
+def setup(args, default_dp: int = 1, **options) -> Layout:
     """Devices, distributed runtime, mesh, in that order, before anything touches a device.
 
-    Returns (mesh, dp, mp). The default mesh is default_dp x (all devices / default_dp), or 1 x (all
-    devices) when default_dp does not divide the device count.
+    Returns the Layout: --mesh, or default_dp x (all devices / default_dp), or 1 x (all devices) when
+    default_dp does not divide the device count; with ``options`` (fsdp, sp); its mesh built.
     """
     force_host_devices(args.devices if args.devices is not None else DEFAULT_DEVICES)
     if args.coordinator or args.num_processes:
@@ -109,4 +172,4 @@ def setup(args, default_dp: int = 1) -> tuple:
     n = jax.device_count()
     dp = default_dp if n % default_dp == 0 else 1
     dp, mp = parse_mesh(args.mesh) if args.mesh else (dp, n // dp)
-    return make_mesh(dp, mp), dp, mp
+    return Layout.of(make_mesh(dp, mp), **options)

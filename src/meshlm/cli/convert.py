@@ -28,10 +28,10 @@ def _check_out(out: str) -> None:
 
 def run(args) -> int:
     _check_out(args.out)
-    mesh, _, _ = setup(args)
+    layout = setup(args)
     from meshlm.parallel.distributed import print0
 
-    summary = _from_hf(args, mesh) if args.from_hf else _to_hf(args, mesh)
+    summary = _from_hf(args, layout) if args.from_hf else _to_hf(args, layout)
     print0(json.dumps(summary) if args.json else _line(summary))
     return 0
 
@@ -43,7 +43,7 @@ def _line(s: dict) -> str:
     return f"{line}; tokenizer: {s['tokenizer']}"
 
 
-def _from_hf(args, mesh) -> dict:
+def _from_hf(args, layout) -> dict:
     """Load the HF weights on the host, place each array sharded on the mesh, save a checkpoint."""
     from meshlm.io.hf_weights import load_hf
     from meshlm.io.model_io import abstract_params, save_model
@@ -56,7 +56,7 @@ def _from_hf(args, mesh) -> dict:
     cfg, flat = load_hf(args.from_hf)
     if tok is not None:
         check_vocab(cfg, tok, f"the model in {args.from_hf}")
-    targets = flat_params(abstract_params(cfg, mesh))
+    targets = flat_params(abstract_params(cfg, layout))
     # put_global copies only each device's own slice, and works multi-process.
     placed = {path: put_global(value, targets[path].sharding) for path, value in flat.items()}
     entry = tokenizer_meta(args.out, tok) if tok is not None else dict(NONE_ENTRY)
@@ -83,7 +83,7 @@ def _says(tok) -> str:
     return tok.describe() + ("" if tok.kind == "bytes" else ": tokenizer.json")
 
 
-def _to_hf(args, mesh) -> dict:
+def _to_hf(args, layout) -> dict:
     """Load the checkpoint sharded, gather every array to the host, write on process 0 only."""
     import jax
 
@@ -96,7 +96,7 @@ def _to_hf(args, mesh) -> dict:
 
     config_to_hf(read_config(args.to_hf)[0])  # an unexportable config fails before loading weights
     tok = checkpoint_tokenizer(args.to_hf, required=False)
-    cfg, params, _ = load_model(args.to_hf, mesh)
+    cfg, params, _ = load_model(args.to_hf, layout)
     flat = {path: to_host(v) for path, v in flat_params(params).items()}  # every process gathers
     if jax.process_index() == 0:
         save_hf(cfg, flat, args.out)

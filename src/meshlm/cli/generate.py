@@ -102,14 +102,14 @@ def _tokenizer(args):
 
 def run(args) -> int:
     prompts = _prompts(args)  # file errors before the slow parts
-    mesh, dp, mp = setup(args)
+    layout = setup(args)
     from meshlm.generate.generator import Generator
     from meshlm.io.model_io import load_model
     from meshlm.parallel.distributed import is_main, print0
 
     tok = _tokenizer(args)  # the checkpoint's own: bytes, or its tokenizer.json
-    cfg, params, _ = load_model(args.checkpoint, mesh)
-    gen = Generator(cfg, params, mesh, tokenizer=tok, eod=tok.eod_id)
+    cfg, params, _ = load_model(args.checkpoint, layout)
+    gen = Generator(cfg, params, layout, tokenizer=tok, eod=tok.eod_id)
     streaming = not args.json and len(prompts) == 1 and is_main()
     results = gen.generate(
         prompts,
@@ -133,7 +133,7 @@ def run(args) -> int:
     if is_main():
         print(
             f"[{sum(len(x.tokens) for x in results)} tokens; prefill {r.prefill_tokens_per_s:.0f} tok/s, "
-            f"decode {r.decode_tokens_per_s:.0f} tok/s; mesh {dp}x{mp}]",
+            f"decode {r.decode_tokens_per_s:.0f} tok/s; mesh {layout.label()}]",
             file=sys.stderr,
         )
     return 0

@@ -20,28 +20,29 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    _, dp, mp = setup(args)
+    layout = setup(args)
+    dp, mp = layout.dp, layout.mp
     from meshlm.model.config import get_config
-    from meshlm.parallel.mesh import make_mesh
     from meshlm.perf.memory import memory_report
 
     report = {
         "config": args.config,
-        "mesh": {"dp": dp, "mp": mp},
-        **memory_report(get_config(args.config), make_mesh(dp, mp)),
+        "mesh": layout.shape,
+        **memory_report(get_config(args.config), layout),
     }
     if args.json:
         print(json.dumps(report))
         return 0
-    gib = 2**30
+    from meshlm.units import format_bytes, in_unit
+
     print(
         f"{args.config} on {dp}x{mp}: {report['params']:,} parameters, "
-        f"{report['param_bytes_total'] / gib:.2f} GiB float32 in all"
+        f"{format_bytes(report['param_bytes_total'], 'GiB')} float32 in all"
     )
     print(
-        f"  per device: params {report['param_bytes_per_device'] / gib:.3f} GiB "
-        f"(ideal total/mp + replicated: {report['param_bytes_ideal_per_device'] / gib:.3f}), "
-        f"params + AdamW moments {report['train_state_bytes_per_device'] / gib:.3f} GiB"
+        f"  per device: params {format_bytes(report['param_bytes_per_device'], 'GiB', 3)} "
+        f"(ideal total/mp + replicated: {in_unit(report['param_bytes_ideal_per_device'], 'GiB'):.3f}), "
+        f"params + AdamW moments {format_bytes(report['train_state_bytes_per_device'], 'GiB', 3)}"
     )
     print("  gradients, activations and the compiled step's peak: meshlm plan")
     return 0

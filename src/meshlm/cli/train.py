@@ -8,22 +8,12 @@ field's own name in ``args``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import signal
 import sys
 
-from meshlm.cli.common import add_common, arg_type, check_batch_split, setup
-from meshlm.parallel.mesh import parse_mesh
-from meshlm.train.config import (
-    CLI_FLAG,
-    CLI_HIDDEN,
-    DEFAULT_DP,
-    TrainConfig,
-    check_byte_vocab,
-    check_seq_split,
-    resolve,
-)
+from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
+from meshlm.train.config import DEFAULT_DP, TrainConfig, check_byte_vocab, resolve
 
 D = TrainConfig()
 
@@ -31,47 +21,13 @@ D = TrainConfig()
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train (or resume) a model; writes checkpoints and metrics to --out")
     add_common(p, D.config)  # also --config and --seed (fields marked CLI_COMMON)
-    for f in dataclasses.fields(TrainConfig):
-        if f.metadata["cli"] == CLI_FLAG:
-            _add_flag(p, f)
+    add_flags(p, TrainConfig)
     p.set_defaults(fn=run)
-
-
-def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field) -> None:
-    switch = f.metadata["switch"]
-    if switch is not None:
-        # Under the field's own dest, like every other flag, so `train_config` needs no special case.
-        p.add_argument(switch.flag, dest=f.name, action="store_const", const=switch.value, help=switch.help)
-        p.set_defaults(**{f.name: f.default})
-        return
-    flag = "--" + f.name.replace("_", "-")
-    if isinstance(f.default, bool):
-        p.add_argument(flag, action="store_true", help=_help(f))
-    elif isinstance(f.default, tuple):
-        p.add_argument(flag, nargs="+", default=f.default, help=_help(f))
-    else:
-        valid = f.metadata["valid"]
-        kind = arg_type(valid) if valid is not None else type(f.default)
-        p.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"], help=_help(f))
-
-
-def _help(f: dataclasses.Field) -> str:
-    """The field's help, with its default unless that is empty (or a flag without a value)."""
-    shown = f.metadata["shown_default"]
-    if shown is None and f.default not in ("", ()) and not isinstance(f.default, bool):
-        shown = f.default
-    text = f.metadata["help"] if shown is None else f"{f.metadata['help']} (default: {shown})"
-    return text.replace("%", "%%")  # argparse formats help with %
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig the flags describe (each field not CLI-hidden is in ``args`` under its name)."""
-    values = {}
-    for f in dataclasses.fields(TrainConfig):
-        if f.metadata["cli"] != CLI_HIDDEN:
-            value = getattr(args, f.name)
-            values[f.name] = tuple(value) if isinstance(f.default, tuple) else value
-    return TrainConfig(**values)
+    return settings_from(args, TrainConfig)
 
 
 def run(args) -> int:
@@ -79,15 +35,15 @@ def run(args) -> int:
     # Before devices, data or model: a preset that cannot train on bytes fails in a second, not after
     # the corpus is read.
     check_byte_vocab(tcfg, cfg)
-    if tcfg.accum_steps == 1:  # with accumulation, run.py names the micro-batch size it cannot split
-        check_batch_split(tcfg.batch_size, args.mesh)
-    if args.mesh:  # without --mesh, mp is the device count: run.py checks once devices exist
-        check_seq_split(tcfg, parse_mesh(args.mesh)[1])
-    mesh, _, _ = setup(args, default_dp=DEFAULT_DP)
+    # Without --mesh, the mesh depends on the device count: run.py checks once devices exist.
+    if layout := flag_layout(args, fsdp=tcfg.fsdp, sp=tcfg.sp):
+        layout.check_batch(tcfg.batch_size, tcfg.accum_steps if tcfg.accum_steps > 1 else None)
+        layout.check_seq_len(tcfg.seq_len)
+    layout = setup(args, default_dp=DEFAULT_DP, fsdp=tcfg.fsdp, sp=tcfg.sp)
     from meshlm.parallel.distributed import print0
     from meshlm.train.loop import train
 
-    summary = train(tcfg, mesh)
+    summary = train(tcfg, layout)
     if args.json:
         print0(json.dumps(summary))
     elif "interrupted" not in summary:

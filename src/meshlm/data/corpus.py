@@ -25,6 +25,7 @@ from meshlm.data.sources import (
 from meshlm.data.stream import TokenStream, read_document, splits_info
 from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.errors import DataError
+from meshlm.units import format_bytes
 
 
 def _split_single(path: Path, val_fraction: float, tok: Tokenizer) -> tuple[TokenStream, TokenStream]:
@@ -39,9 +40,9 @@ def _split_single(path: Path, val_fraction: float, tok: Tokenizer) -> tuple[Toke
 
 
 def _describe(paths: Sequence[PathArg] | None, n_files: int, max_bytes: int | None) -> str:
-    cap = f", capped at {max_bytes / 2**20:g} MB" if max_bytes is not None else ""
+    cap = f", capped at {format_bytes(max_bytes, 'MiB', None)}" if max_bytes is not None else ""
     if paths is None:
-        cap = f", capped at {(max_bytes or DEFAULT_MAX_BYTES) / 2**20:g} MB"
+        cap = f", capped at {format_bytes(max_bytes or DEFAULT_MAX_BYTES, 'MiB', None)}"
         where = f"Python {sys.version.split()[0]} standard library .py files under {stdlib_root()}"
         return f"{where} ({n_files} files{cap})"
     if isinstance(paths, str | os.PathLike):

@@ -11,8 +11,7 @@ import jax
 import numpy as np
 
 from meshlm.data.stream import Batcher
-from meshlm.parallel.placement import put_global
-from meshlm.parallel.rules import batch_sharding
+from meshlm.parallel.placement import batch_sharding, put_global
 
 
 def _rows(batcher: Batcher, step: int, rows: slice, total: int, accum: int, cache: dict) -> dict:
@@ -27,11 +26,11 @@ def _rows(batcher: Batcher, step: int, rows: slice, total: int, accum: int, cach
     return cache[key]
 
 
-def device_batch(batcher: Batcher, step: int, mesh, accum: int) -> dict:
+def device_batch(batcher: Batcher, step: int, layout, accum: int) -> dict:
     """{"inputs", "targets"}: global [B, T] (or [A, B/A, T] with accumulation), rows over DP."""
     total = batcher.global_batch // accum
     shape = (total, batcher.seq_len) if accum == 1 else (accum, total, batcher.seq_len)
-    sharding = batch_sharding(mesh, accum)
+    sharding = batch_sharding(layout, accum)
     cache: dict = {}
 
     def make(key):
@@ -45,7 +44,7 @@ def device_batch(batcher: Batcher, step: int, mesh, accum: int) -> dict:
     return {k: make(k) for k in ("inputs", "targets")}
 
 
-def eval_arrays(batches: list[dict], mesh) -> list[dict]:
-    """Validation batches placed once, rows over DP."""
-    sharding = batch_sharding(mesh, 1)
+def eval_arrays(batches: list[dict], layout) -> list[dict]:
+    """Validation batches placed once on the ``Layout``'s mesh, rows over DP."""
+    sharding = batch_sharding(layout, 1)
     return [{k: put_global(v, sharding) for k, v in b.items()} for b in batches]

@@ -31,6 +31,7 @@ from meshlm.data.store import FORMAT, TOKENIZER_JSON, store_dtype, tokenizer_ent
 from meshlm.data.stream import read_document
 from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.errors import DataError
+from meshlm.units import format_bytes
 
 
 class Doc(NamedTuple):
@@ -183,7 +184,7 @@ def prepare(
 def _describe(paths, n_files: int, cap: int | None) -> str:
     where = "the Python standard library's .py files" if not paths else ", ".join(map(str, list(paths)[:3]))
     more = f" and {len(paths) - 3} more" if paths and len(paths) > 3 else ""
-    capped = f", capped at {cap / 2**20:g} MB" if cap is not None else ""
+    capped = f", capped at {format_bytes(cap, 'MiB', None)}" if cap is not None else ""
     return f"{where}{more} ({n_files} files{capped})"
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from meshlm.errors import DataError
+from meshlm.units import format_bytes
 
 DEFAULT_MAX_BYTES = 8 * 2**20  # default corpus cap: loads in well under 2 s
 MAX_FILE_BYTES = 50 * 2**20  # larger files inside directories/globs are skipped with a warning
@@ -64,7 +65,8 @@ def _small_enough(path: Path) -> bool:
     if size <= MAX_FILE_BYTES:
         return True
     warnings.warn(
-        f"skipping {path}: {size / 2**20:.0f} MB is over the {MAX_FILE_BYTES / 2**20:.0f} MB limit"
+        f"skipping {path}: {format_bytes(size, 'MiB', 0)} is over the "
+        f"{format_bytes(MAX_FILE_BYTES, 'MiB', 0)} limit"
         " for files found in directories or globs; name the file directly to include it",
         stacklevel=2,
     )
@@ -137,7 +139,7 @@ def _expand(raw: str) -> list[Source]:
         if not sources:
             raise DataError(
                 f"data directory {raw!r} holds no usable files (hidden files and files over"
-                f" {MAX_FILE_BYTES // 2**20} MB are skipped); add text files or pass other paths"
+                f" {format_bytes(MAX_FILE_BYTES, 'MiB', 0)} are skipped); add text files or pass other paths"
             )
         return sources
     if path.is_file():

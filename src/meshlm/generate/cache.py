@@ -22,12 +22,13 @@ from meshlm.model.attention import kv_replicated
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.context import Parallel
+from meshlm.parallel.layout import Layout
 
 CACHE_SPEC = P(None, DP, None, MP, None)  # global [L, B, S, Kc, E]
 
 
 def cache_specs(cfg: ModelConfig) -> dict:
-    return {} if cfg.family == "ff" else {"k": CACHE_SPEC, "v": CACHE_SPEC}
+    return {"k": CACHE_SPEC, "v": CACHE_SPEC} if cfg.arch.attention else {}
 
 
 def cache_heads(cfg: ModelConfig, mp: int) -> tuple[int, int]:
@@ -42,19 +43,21 @@ def cache_shape(cfg: ModelConfig, mp: int, batch: int, max_len: int) -> tuple[in
     return (cfg.n_layers, batch, max_len, cache_heads(cfg, mp)[0], cfg.dim_per_head)
 
 
-def cache_bytes(cfg: ModelConfig, mesh, batch: int, max_len: int, dtype=jnp.float32) -> dict:
-    """{"total", "per_device"} bytes of the K and V caches for a global ``batch`` on ``mesh``."""
-    if cfg.family == "ff":
+def cache_bytes(cfg: ModelConfig, where, batch: int, max_len: int, dtype=jnp.float32) -> dict:
+    """{"total", "per_device"} bytes of the K and V caches for a global ``batch`` on ``where`` (a
+    Layout or a jax Mesh)."""
+    if not cfg.arch.attention:
         return {"total": 0, "per_device": 0}
-    shape = cache_shape(cfg, mesh.shape[MP], batch, max_len)
+    layout = Layout.of(where)
+    shape = cache_shape(cfg, layout.mp, batch, max_len)
     total = 2 * math.prod(shape) * jnp.dtype(dtype).itemsize
-    return {"total": total, "per_device": total // (mesh.shape[DP] * mesh.shape[MP])}
+    return {"total": total, "per_device": total // layout.devices}
 
 
 def empty_cache(cfg: ModelConfig, par: Parallel, shard_batch: int, max_len: int, dtype) -> dict:
     """Zeros of the per-shard shape [L, B/dp, S, Kc/mp, E], ``shard_batch`` = B/dp (made on device,
     inside shard_map)."""
-    if cfg.family == "ff":
+    if not cfg.arch.attention:
         return {}
     shape = (cfg.n_layers, shard_batch, max_len, cache_heads(cfg, par.mp)[1], cfg.dim_per_head)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

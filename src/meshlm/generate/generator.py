@@ -41,13 +41,15 @@ from meshlm.generate.streaming import (
     push_tokens,
 )
 from meshlm.model.config import ModelConfig
-from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.axes import DP
+from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import to_host
-from meshlm.parallel.rules import model_specs, shardings
+from meshlm.sharding.rules import model_specs, shardings
 
 
 class Generator:
-    """Sharded KV-cached generation for a model ``cfg`` with ``params`` on ``mesh`` (axes dp, mp).
+    """Sharded KV-cached generation for a model ``cfg`` with ``params`` on ``where``: a Layout or a jax
+    Mesh (axes dp, mp; generation keeps whole weights: a layout's memory options do not apply).
 
     ``max_len``: the cache length S (default ``cfg.max_seq_len``): prompt + new tokens must fit in it.
     ``tokenizer``: ``encode(str) -> ids`` / ``decode(ids) -> str`` (default: bytes). ``eod``: the id
@@ -55,18 +57,19 @@ class Generator:
     programs are shared by Generators of the same config, mesh, max_len and parameter dtypes.
     """
 
-    def __init__(self, cfg: ModelConfig, params, mesh, *, max_len=None, tokenizer=None, eod="tokenizer"):
-        self.cfg, self.mesh = cfg, mesh
+    def __init__(self, cfg: ModelConfig, params, where, *, max_len=None, tokenizer=None, eod="tokenizer"):
+        self.cfg, self.layout = cfg, Layout.of(where, fsdp=False, sp=False)
+        self.mesh = self.layout.mesh
         tokenizer = tokenizer or ByteTokenizer()
         self.eod = getattr(tokenizer, "eod_id", EOD) if eod == "tokenizer" else eod
         self.max_len = cfg.max_seq_len if max_len is None else int(max_len)
         if not 1 <= self.max_len <= cfg.max_seq_len:
             raise ConfigError(f"max_len={max_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
         self.tokenizer = tokenizer
-        self.dp = mesh.shape[DP]
-        specs = model_specs(cfg, params, mesh.shape[MP])
-        self.params = jax.device_put(params, shardings(specs, mesh))  # a no-op when already laid out
-        self._prog = programs_for(cfg, mesh, specs, self.max_len, self.params)
+        self.dp = self.layout.dp
+        specs = model_specs(cfg, params, self.layout)
+        self.params = jax.device_put(params, shardings(specs, self.mesh))  # a no-op when already laid out
+        self._prog = programs_for(cfg, self.layout, specs, self.max_len, self.params)
         self._last_constants: tuple = (None, None)
 
     @property
@@ -166,11 +169,11 @@ class Generator:
         return [stacked[b, : t - n + 1] for b, n in enumerate(lengths)]
 
 
-def bench_generation(cfg: ModelConfig, params, mesh, batch: int, prompt_len: int, new_tokens: int) -> dict:
+def bench_generation(cfg: ModelConfig, params, where, batch: int, prompt_len: int, new_tokens: int) -> dict:
     """Throughput of ``batch`` random prompts of ``prompt_len`` tokens, ``new_tokens`` each, with the
     cache sized to exactly prompt_len + new_tokens (prefill runs over all of it: fixed shapes). A first
     short run compiles and warms up outside the timing. Never stops early (no EOD)."""
-    gen = Generator(cfg, params, mesh, max_len=prompt_len + new_tokens, eod=None)
+    gen = Generator(cfg, params, where, max_len=prompt_len + new_tokens, eod=None)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
     gen.generate(prompts, min(2, new_tokens))

@@ -33,9 +33,9 @@ from meshlm.generate.inputs import Sampling
 from meshlm.model.config import ModelConfig
 from meshlm.model.layers import upcast
 from meshlm.model.transformer import local_logits
-from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.axes import DP
 from meshlm.parallel.context import Parallel
-from meshlm.parallel.spmd import mesh_parallel
+from meshlm.parallel.layout import Layout
 
 # --- sharded functions ---------------------------------------------------------------------------
 
@@ -81,14 +81,15 @@ def sample(logits, key, rows, step, sampling):
     return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
 
 
-def sharded_fns(cfg: ModelConfig, mesh, specs, cache_dtype):
-    """(prefill, decode_step): ``shard_map`` functions over ``mesh``; params laid out by ``specs``.
+def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype):
+    """(prefill, decode_step): ``shard_map`` functions over the layout's mesh; params laid out by
+    ``specs``.
 
     prefill(params, tokens [B, S], lengths [B], rows [B], key, sampling) -> (next [B], logits [B, V], cache)
     decode_step(params, tokens [B], positions [B], rows [B], cache, key, step, sampling) -> same
     Global shapes; rows split over DP. Only params and the cache are sharded over MP.
     """
-    par = mesh_parallel(mesh)
+    par, mesh = layout.parallel(), layout.mesh
     apply = hk.without_apply_rng(hk.transform(partial(_forward, cfg, par))).apply
 
     def prefill(params, tokens, lengths, rows, key, sampling):  # tokens [B/dp, S], lengths [B/dp] per shard
@@ -116,18 +117,18 @@ def sharded_fns(cfg: ModelConfig, mesh, specs, cache_dtype):
 
 
 class Programs:
-    """The jitted prefill and decode of one (config, mesh, max_len, parameter dtypes), and their
+    """The jitted prefill and decode of one (config, layout, max_len, parameter dtypes), and their
     executables per global batch size. Shared by every Generator of that model (``programs_for``)."""
 
-    def __init__(self, cfg: ModelConfig, mesh, specs, max_len: int, cache_dtype):
-        self.cfg, self.mesh, self.max_len, self.cache_dtype = cfg, mesh, max_len, cache_dtype
-        prefill, decode = sharded_fns(cfg, mesh, specs, cache_dtype)
+    def __init__(self, cfg: ModelConfig, layout: Layout, specs, max_len: int, cache_dtype):
+        self.cfg, self.layout, self.max_len, self.cache_dtype = cfg, layout, max_len, cache_dtype
+        prefill, decode = sharded_fns(cfg, layout, specs, cache_dtype)
         self.jit = {"prefill": jax.jit(prefill), "decode": jax.jit(decode, donate_argnums=(4,))}
         self.by_batch: dict[int, dict] = {}  # global batch -> {"prefill", "decode"} executables
 
     def _abstract(self, shape, dtype, spec):
         """A global ``shape`` laid out by ``spec`` on the mesh, for lowering."""
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, spec))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.layout.mesh, spec))
 
     def executables(self, params, batch: int) -> dict:
         """Compile prefill and decode for a global ``batch`` (ahead of time: never inside a timing)."""
@@ -136,7 +137,7 @@ class Programs:
             key = self._abstract(jax.eval_shape(jax.random.PRNGKey, 0).shape, jnp.uint32, P())
             sampling = tuple(self._abstract((), x.dtype, P()) for x in Sampling().args())
             tokens = self._abstract((batch, self.max_len), jnp.int32, P(DP, None))
-            cshape = cache_shape(self.cfg, self.mesh.shape[MP], batch, self.max_len)
+            cshape = cache_shape(self.cfg, self.layout.mp, batch, self.max_len)
             cache = {k: self._abstract(cshape, self.cache_dtype, s) for k, s in cache_specs(self.cfg).items()}
             step = self._abstract((), jnp.int32, P())
             prefill = self.jit["prefill"].lower(params, tokens, row, row, key, sampling)
@@ -148,10 +149,10 @@ class Programs:
 _PROGRAMS: dict[tuple, Programs] = {}
 
 
-def programs_for(cfg: ModelConfig, mesh, specs, max_len: int, params) -> Programs:
+def programs_for(cfg: ModelConfig, layout: Layout, specs, max_len: int, params) -> Programs:
     """The shared ``Programs`` of this model (made on first use); ``params`` give the dtypes."""
     dtypes = tuple(str(p.dtype) for p in jax.tree.leaves(params))
-    key = (cfg, mesh, max_len, dtypes)
+    key = (cfg, layout, layout.mesh, max_len, dtypes)
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = Programs(cfg, mesh, specs, max_len, params["embed"]["embeddings"].dtype)
+        _PROGRAMS[key] = Programs(cfg, layout, specs, max_len, params["embed"]["embeddings"].dtype)
     return _PROGRAMS[key]

@@ -17,14 +17,14 @@ from __future__ import annotations
 from typing import Any
 
 from meshlm.errors import ConfigError
-from meshlm.model.config import FAMILY_ROTARY, ModelConfig
+from meshlm.model.config import ModelConfig
+from meshlm.model.family import FAMILIES, HFNames
 from meshlm.ranges import Range
 
-ARCHITECTURES = {"gptj": "GPTJForCausalLM", "llama": "LlamaForCausalLM"}
-# Activation names transformers' ACT2FN maps to the very function meshlm computes.
-ACTIVATIONS = {"gptj": ("gelu_new", "gelu_pytorch_tanh"), "llama": ("silu", "swish")}
+# The families transformers can express, by model_type (= our family name): their ``HFNames``.
+HF: dict[str, HFNames] = {name: f.hf for name, f in FAMILIES.items() if f.hf is not None}
+ARCHITECTURES = {name: names.architecture for name, names in HF.items()}
 GPTJ_ROPE_THETA = 10000.0  # hard-coded in transformers' GPT-J
-DROPOUT_FIELDS = {"gptj": ("resid_pdrop", "embd_pdrop", "attn_pdrop"), "llama": ("attention_dropout",)}
 ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 # What each numeric field read from config.json accepts; messages use HF's field names, the ones the
 # user sees in the file. A float where an int belongs, a bool or a string is refused, never coerced.
@@ -64,14 +64,15 @@ def _unsupported(field: str, value, fix: str) -> ConfigError:
 
 def _check_common(hf: dict, family: str) -> None:
     """Fields whose non-default values would change the model we compute."""
-    archs = hf.get("architectures") or [ARCHITECTURES[family]]
-    if archs != [ARCHITECTURES[family]]:
-        raise _unsupported("architectures", archs, f"only [{ARCHITECTURES[family]!r}] converts")
-    act_key = "activation_function" if family == "gptj" else "hidden_act"
-    act = hf.get(act_key, ACTIVATIONS[family][0])
-    if act not in ACTIVATIONS[family]:
-        raise _unsupported(act_key, act, f"{family} models use {ACTIVATIONS[family][0]!r}")
-    for key in DROPOUT_FIELDS[family]:
+    names = HF[family]
+    archs = hf.get("architectures") or [names.architecture]
+    if archs != [names.architecture]:
+        raise _unsupported("architectures", archs, f"only [{names.architecture!r}] converts")
+    act_key = names.activation_key
+    act = hf.get(act_key, names.activations[0])
+    if act not in names.activations:
+        raise _unsupported(act_key, act, f"{family} models use {names.activations[0]!r}")
+    for key in names.dropout_fields:
         if _field(hf, key, DROPOUT, 0.0):
             raise _unsupported(key, hf[key], "meshlm trains without dropout; set it to 0.0 to convert")
     for key in ("attention_bias", "mlp_bias"):
@@ -172,7 +173,7 @@ def config_from_hf(hf_cfg: dict[str, Any]) -> ModelConfig:
     if not isinstance(family, str) or family not in ARCHITECTURES:  # a list is not even hashable
         raise _unsupported("model_type", family, f"meshlm converts {sorted(ARCHITECTURES)}")
     _check_common(hf_cfg, family)
-    return _gptj_config(hf_cfg) if family == "gptj" else _llama_config(hf_cfg)
+    return READERS[family](hf_cfg)
 
 
 # --- to transformers -----------------------------------------------------------------------------
@@ -180,28 +181,35 @@ def config_from_hf(hf_cfg: dict[str, Any]) -> ModelConfig:
 
 def _check_exportable(cfg: ModelConfig) -> None:
     """Configs meshlm can train but transformers' GPT-J / Llama cannot express."""
-    own = FAMILY_ROTARY.get(cfg.family)
-    if own is None:
-        raise ConfigError(f"family {cfg.family!r} has no transformers equivalent; only gptj and llama export")
+    if cfg.family not in HF:
+        exports = " and ".join(HF)
+        raise ConfigError(f"family {cfg.family!r} has no transformers equivalent; only {exports} export")
+    own = cfg.arch.rotary
     if cfg.rotary_style not in ("", own):
         raise ConfigError(f"rotary_style={cfg.rotary_style!r}: transformers' {cfg.family} uses {own!r}")
     if cfg.embed_bias:
         raise ConfigError("embed_bias=True has no transformers equivalent; only embed_bias=False exports")
-    if cfg.family == "llama" and cfg.rot_dim != cfg.dim_per_head:
+    WRITERS[cfg.family][0](cfg)
+
+
+def _gptj_exportable(cfg: ModelConfig) -> None:
+    if cfg.tie_embeddings or cfg.kv_heads != cfg.n_heads or cfg.dim_per_head * cfg.n_heads != cfg.d_model:
+        raise ConfigError(
+            "transformers' GPT-J needs tie_embeddings=False, n_kv_heads=n_heads and "
+            f"head_dim=d_model/n_heads; got {cfg.tie_embeddings}, {cfg.kv_heads}, {cfg.dim_per_head}"
+        )
+    if cfg.rope_theta != GPTJ_ROPE_THETA:
+        raise ConfigError(f"rope_theta={cfg.rope_theta}: transformers' GPT-J uses {GPTJ_ROPE_THETA}")
+
+
+def _llama_exportable(cfg: ModelConfig) -> None:
+    if cfg.rot_dim != cfg.dim_per_head:
         raise ConfigError(f"rotary_dim={cfg.rotary_dim}: transformers' Llama rotates the whole head")
-    if cfg.family == "gptj":
-        if cfg.tie_embeddings or cfg.kv_heads != cfg.n_heads or cfg.dim_per_head * cfg.n_heads != cfg.d_model:
-            raise ConfigError(
-                "transformers' GPT-J needs tie_embeddings=False, n_kv_heads=n_heads and "
-                f"head_dim=d_model/n_heads; got {cfg.tie_embeddings}, {cfg.kv_heads}, {cfg.dim_per_head}"
-            )
-        if cfg.rope_theta != GPTJ_ROPE_THETA:
-            raise ConfigError(f"rope_theta={cfg.rope_theta}: transformers' GPT-J uses {GPTJ_ROPE_THETA}")
 
 
 def _gptj_fields(cfg: ModelConfig) -> dict[str, Any]:
     return {
-        **{k: 0.0 for k in DROPOUT_FIELDS["gptj"]},
+        **{k: 0.0 for k in HF["gptj"].dropout_fields},
         "n_embd": cfg.d_model,
         "n_layer": cfg.n_layers,
         "n_head": cfg.n_heads,
@@ -237,7 +245,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     not know the tokenizer, so bos/eos/pad are null)."""
     _check_exportable(cfg)
     common = {
-        "architectures": [ARCHITECTURES[cfg.family]],
+        "architectures": [HF[cfg.family].architecture],
         "model_type": cfg.family,
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": cfg.tie_embeddings,
@@ -247,4 +255,10 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "dtype": "float32",
         "torch_dtype": "float32",  # the name transformers < 4.56 reads
     }
-    return {**common, **(_gptj_fields(cfg) if cfg.family == "gptj" else _llama_fields(cfg))}
+    return {**common, **WRITERS[cfg.family][1](cfg)}
+
+
+# The family-specific halves of the converter, by model_type: config.json -> ModelConfig, and
+# ModelConfig -> (export checks, config.json fields).
+READERS = {"gptj": _gptj_config, "llama": _llama_config}
+WRITERS = {"gptj": (_gptj_exportable, _gptj_fields), "llama": (_llama_exportable, _llama_fields)}

@@ -17,6 +17,7 @@ import numpy as np
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.io.hf_config import ARCHITECTURES, config_from_hf, config_to_hf
 from meshlm.model.config import ModelConfig
+from meshlm.model.family import LLAMA_HF
 from meshlm.model.padding import VOCAB_AXIS, resize, resize_flat
 from meshlm.model.params import STACKED_PREFIX, is_stacked
 
@@ -26,55 +27,17 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 # --- tensor names and layouts -------------------------------------------------------------------
-
-# our path -> (HF name, layout). Layouts: "copy" same array; "linear" torch [out, in] <-> ours
-# [in, out]; "q" / "kv" [heads*E, D] <-> [D, heads, E]; "o" [D, H*E] <-> [H, E, D].
-GPTJ_TOP = {
-    "embed/embeddings": ("transformer.wte.weight", "copy"),
-    "final_ln/scale": ("transformer.ln_f.weight", "copy"),
-    "final_ln/offset": ("transformer.ln_f.bias", "copy"),
-    "head/w": ("lm_head.weight", "linear"),
-    "head/b": ("lm_head.bias", "copy"),
-}
-GPTJ_LAYER = {
-    "ln/scale": ("ln_1.weight", "copy"),
-    "ln/offset": ("ln_1.bias", "copy"),
-    "attn/wq": ("attn.q_proj.weight", "q"),
-    "attn/wk": ("attn.k_proj.weight", "kv"),
-    "attn/wv": ("attn.v_proj.weight", "kv"),
-    "attn/wo": ("attn.out_proj.weight", "o"),
-    "mlp/w_in": ("mlp.fc_in.weight", "linear"),
-    "mlp/b_in": ("mlp.fc_in.bias", "copy"),
-    "mlp/w_out": ("mlp.fc_out.weight", "linear"),
-    "mlp/b_out": ("mlp.fc_out.bias", "copy"),
-}
-LLAMA_TOP = {
-    "embed/embeddings": ("model.embed_tokens.weight", "copy"),
-    "final_ln/scale": ("model.norm.weight", "copy"),
-    "head/w": ("lm_head.weight", "linear"),
-}
-LLAMA_LAYER = {
-    "ln/scale": ("input_layernorm.weight", "copy"),
-    "ln2/scale": ("post_attention_layernorm.weight", "copy"),
-    "attn/wq": ("self_attn.q_proj.weight", "q"),
-    "attn/wk": ("self_attn.k_proj.weight", "kv"),
-    "attn/wv": ("self_attn.v_proj.weight", "kv"),
-    "attn/wo": ("self_attn.o_proj.weight", "o"),
-    "mlp/w_gate": ("mlp.gate_proj.weight", "linear"),
-    "mlp/w_up": ("mlp.up_proj.weight", "linear"),
-    "mlp/w_down": ("mlp.down_proj.weight", "linear"),
-}
-LAYER_PREFIX = {"gptj": "transformer.h.{i}.", "llama": "model.layers.{i}."}
+# Each family's tensor names and layouts are its ``HFNames`` (``model.family``).
 
 
 def name_map(cfg: ModelConfig) -> dict[str, tuple[list[str], str]]:
     """Our path -> (HF names, one per layer for stacked parameters, layout)."""
-    top, layer = (GPTJ_TOP, GPTJ_LAYER) if cfg.family == "gptj" else (LLAMA_TOP, LLAMA_LAYER)
-    out = {path: ([name], kind) for path, (name, kind) in top.items()}
+    names = cfg.arch.hf  # the family's transformers names (``model.family.HFNames``)
+    out = {path: ([name], kind) for path, (name, kind) in names.top.items()}
     if cfg.tie_embeddings:
         del out["head/w"]  # logits reuse the embedding table
-    prefix = LAYER_PREFIX[cfg.family]
-    for path, (name, kind) in layer.items():
+    prefix = names.layer_prefix
+    for path, (name, kind) in names.layer.items():
         out[f"{STACKED_PREFIX}{path}"] = ([prefix.format(i=i) + name for i in range(cfg.n_layers)], kind)
     return out
 
@@ -215,7 +178,7 @@ def _check_names(tensors: dict, wanted: set[str], directory: Path) -> None:
 def _untie(tensors: dict, directory: Path) -> None:
     """A tied model may still store lm_head.weight; accept it only if it is the embedding table."""
     head = tensors.pop("lm_head.weight", None)
-    if head is not None and not np.array_equal(head, tensors.get(LLAMA_TOP["embed/embeddings"][0])):
+    if head is not None and not np.array_equal(head, tensors.get(LLAMA_HF.top["embed/embeddings"][0])):
         raise CheckpointError(
             f"{directory}: tie_word_embeddings is true but lm_head.weight differs from the embedding "
             f"table; set tie_word_embeddings=false in config.json"

@@ -15,18 +15,20 @@ from meshlm.errors import CheckpointError, ConfigError
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.layout import resolve
 from meshlm.model.config import ModelConfig, from_dict
-from meshlm.parallel.axes import MP
-from meshlm.parallel.rules import model_specs, shardings
+from meshlm.parallel.layout import Layout
+from meshlm.sharding.rules import model_specs, shardings
 
 FORMAT = "meshlm-checkpoint-v1"
 
 
-def abstract_params(cfg: ModelConfig, mesh, dtype=None):
-    """ShapeDtypeStructs of the parameters, with their NamedShardings on ``mesh``."""
+def abstract_params(cfg: ModelConfig, where, dtype=None):
+    """ShapeDtypeStructs of the parameters, with their NamedShardings on ``where`` (a Layout, or a jax
+    Mesh): the rules table's specs, with weights split over dp when the layout has ``fsdp``."""
     from meshlm.model.transformer import param_shapes
 
+    layout = Layout.of(where)
     shapes = param_shapes(cfg)
-    sh = shardings(model_specs(cfg, shapes, mesh.shape[MP]), mesh)
+    sh = shardings(model_specs(cfg, shapes, layout), layout.mesh)
     return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, dtype or s.dtype, sharding=h), shapes, sh)
 
 
@@ -52,12 +54,13 @@ def read_config(path: str | Path) -> tuple[ModelConfig, dict]:
         ) from e
 
 
-def load_model(path: str | Path, mesh, dtype=None) -> tuple[ModelConfig, dict, int]:
-    """(config, params sharded on ``mesh``, step) from a run directory (its newest complete
-    checkpoint) or one step's directory. Optimizer state, if saved, is not read."""
+def load_model(path: str | Path, where, dtype=None) -> tuple[ModelConfig, dict, int]:
+    """(config, params sharded on ``where``, step) from a run directory (its newest complete
+    checkpoint) or one step's directory: ``where`` is a Layout or a jax Mesh (then no FSDP).
+    Optimizer state, if saved, is not read."""
     directory, step = resolve(path)
     cfg, _ = read_config(path)
-    target = {"params": abstract_params(cfg, mesh)}
+    target = {"params": abstract_params(cfg, where)}
     with Checkpointer(directory) as ckpt:
         state, _, step = ckpt.restore(target, step, expect_meta={"format": FORMAT}, partial=True)
     params = state["params"]

@@ -12,12 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshlm.errors import ConfigError
+from meshlm.model.family import FAMILIES, Family
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
-
-FAMILIES = ("ff", "gptj", "llama")
-REMAT = ("none", "full", "selective")  # see meshlm.model.memory
-# Each attention family's own rotary convention (the one transformers uses for it).
-FAMILY_ROTARY = {"gptj": "interleaved", "llama": "half"}
 
 
 @dataclass(frozen=True)
@@ -55,9 +51,9 @@ class ModelConfig:
             object.__setattr__(self, f.name, _checked(f.name, f.type, getattr(self, f.name)))
         if self.family not in FAMILIES:
             raise ConfigError(f"unknown family {self.family!r}; valid: {', '.join(FAMILIES)}")
-        if self.remat not in REMAT:
-            raise ConfigError(f"remat must be one of {', '.join(REMAT)}, got {self.remat!r}")
-        if self.family != "ff":
+        if self.remat not in self.arch.remat:
+            raise ConfigError(f"remat must be one of {', '.join(self.arch.remat)}, got {self.remat!r}")
+        if self.arch.attention:
             self._check_attention()
 
     def _check_attention(self):
@@ -73,6 +69,11 @@ class ModelConfig:
             raise ConfigError(f"rotary_dim={self.rotary_dim} must be even and <= head_dim")
 
     @property
+    def arch(self) -> Family:
+        """The record of this config's family (``model.family``): the facts that differ by family."""
+        return FAMILIES[self.family]
+
+    @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
@@ -83,7 +84,7 @@ class ModelConfig:
     @property
     def rotary_kind(self) -> str | None:
         """The rotary convention the model uses: ``rotary_style``, else its family's (None for ff)."""
-        return self.rotary_style or FAMILY_ROTARY.get(self.family)
+        return self.rotary_style or self.arch.rotary
 
     @property
     def layer_unroll(self) -> int:
@@ -242,6 +243,14 @@ PRESETS: dict[str, ModelConfig] = {
 PRESETS["tiny-gqa"] = PRESETS["tiny-llama"].replace(n_kv_heads=2)
 # GPT-2's vocabulary (50257, prime to every mp > 1), padded to 50304: the padding proven on mp = 2, 4, 8.
 PRESETS["tiny-gpt2vocab"] = PRESETS["tiny-gptj"].replace(vocab_size=50257, d_model=32, d_ff=64)
+
+
+def default_seq_len(cfg: ModelConfig, seq_len: int = 0) -> int:
+    """``seq_len``, or when it is 0 every command's default: min(128, ``cfg.max_seq_len``)
+    (``meshlm.settings.DEFAULT_SEQ_LEN``)."""
+    from meshlm.settings import DEFAULT_SEQ_LEN
+
+    return seq_len or min(DEFAULT_SEQ_LEN, cfg.max_seq_len)
 
 
 def get_config(name: str) -> ModelConfig:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import haiku as hk
 import jax
 
-from meshlm.model.config import REMAT  # noqa: F401 - the choices, re-exported with their meaning
+from meshlm.model.family import REMAT  # noqa: F401 - the choices, re-exported with their meaning
 from meshlm.model.params import leaf_name
 from meshlm.parallel.context import Parallel
 

@@ -1,9 +1,9 @@
 """The model: one Haiku forward for every family, run unsharded or inside ``shard_map`` unchanged.
 
-Families (``ModelConfig.family``):
-  ff     the prototype: embedding (+bias), residual feed-forward blocks, vocabulary projection.
-  gptj   LayerNorm; attention and MLP in parallel off one norm, one all-reduce per layer forward.
-  llama  RMSNorm; sequential pre-norm attention then SwiGLU MLP, two all-reduces per layer.
+Families (``ModelConfig.family``; their facts: ``model.family``) differ in their blocks (``BLOCKS``):
+  ff          the prototype: residual feed-forward blocks (ff).
+  parallel    norm; attention and MLP in parallel off one norm, one all-reduce per layer (gptj).
+  sequential  pre-norm attention, then pre-norm MLP, two all-reduces per layer (llama).
 
 Shapes: tokens [B, T] global ids; hidden x [B, T, D] replicated over the model axis.
 """
@@ -35,7 +35,7 @@ GPT_STDDEV = 0.02  # GPT-J / Llama initialisation
 def _ff_layer(cfg: ModelConfig, par: Parallel):
     s = 1.0 / np.sqrt(cfg.d_model)  # the prototype's hk.Linear default and its output init
 
-    def layer(x, cache=None):
+    def layer(x, positions, cache=None):  # no attention: positions unused
         partial, b = MLP(hidden_dim=cfg.d_ff, par=par, kind="gelu", bias=True, stddev_in=s, stddev_out=s)(
             par.f(x)
         )
@@ -44,42 +44,48 @@ def _ff_layer(cfg: ModelConfig, par: Parallel):
     return layer
 
 
-def _mlp(cfg: ModelConfig, par: Parallel, *, kind: str, bias: bool) -> MLP:
+def _mlp(cfg: ModelConfig, par: Parallel) -> MLP:
     """The transformer families' MLP (GPT-J/Llama initialisation)."""
+    fam = cfg.arch
     return MLP(
-        hidden_dim=cfg.d_ff, par=par, kind=kind, bias=bias, stddev_in=GPT_STDDEV, stddev_out=GPT_STDDEV
+        hidden_dim=cfg.d_ff,
+        par=par,
+        kind=fam.mlp,
+        bias=fam.biases,
+        stddev_in=GPT_STDDEV,
+        stddev_out=GPT_STDDEV,
     )
 
 
-def _gptj_layer(cfg: ModelConfig, par: Parallel):
+def _norm(cfg: ModelConfig, name: str):
+    return NORMS[cfg.arch.norm](eps=cfg.norm_eps, name=name)
+
+
+def _parallel_layer(cfg: ModelConfig, par: Parallel):
     def layer(x, positions, cache=None):
-        xf = par.f(LayerNorm(eps=cfg.norm_eps, name="ln")(x))  # one f for both branches
+        xf = par.f(_norm(cfg, "ln")(x))  # one f for both branches
         attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(xf, positions, cache)
-        mlp, b = _mlp(cfg, par, kind="gelu", bias=True)(xf)
+        mlp, b = _mlp(cfg, par)(xf)
         return x + par.row_out(attn + mlp, b), cache  # one all-reduce for both branches
 
     return layer
 
 
-def _llama_layer(cfg: ModelConfig, par: Parallel):
+def _sequential_layer(cfg: ModelConfig, par: Parallel):
     def layer(x, positions, cache=None):
-        xf = par.f(RMSNorm(eps=cfg.norm_eps, name="ln")(x))
+        xf = par.f(_norm(cfg, "ln")(x))
         attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(xf, positions, cache)
         x = x + par.row_out(attn)
-        xf = par.f(RMSNorm(eps=cfg.norm_eps, name="ln2")(x))
-        mlp, _ = _mlp(cfg, par, kind="swiglu", bias=False)(xf)
-        return x + par.row_out(mlp), cache
+        xf = par.f(_norm(cfg, "ln2")(x))
+        mlp, b = _mlp(cfg, par)(xf)
+        return x + par.row_out(mlp, b), cache
 
     return layer
 
 
 def _stack(cfg: ModelConfig, layer, x, positions, cache):
     """Apply n_layers copies of ``layer`` with stacked parameters [L, ...] (flat compile time)."""
-    if cfg.family == "ff":
-        body = lambda x, c: layer(x, c)
-    else:
-        body = lambda x, c: layer(x, positions, c)
-    body = remat_body(cfg.remat, body)
+    body = remat_body(cfg.remat, lambda x, c: layer(x, positions, c))
     if cache is None:
         stack = hk.experimental.layer_stack(cfg.n_layers, unroll=cfg.layer_unroll, name="layers")
         stacked = stack(lambda x: body(x, None)[0])
@@ -90,13 +96,14 @@ def _stack(cfg: ModelConfig, layer, x, positions, cache):
     return stacked(body)(x, cache)
 
 
-LAYERS = {"ff": _ff_layer, "gptj": _gptj_layer, "llama": _llama_layer}
+BLOCKS = {"ff": _ff_layer, "parallel": _parallel_layer, "sequential": _sequential_layer}  # Family.block
+NORMS = {"layer": LayerNorm, "rms": RMSNorm}  # Family.norm
 
 
 def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=None):
     """tokens [B, T] -> (per-shard logits [B, T, V/mp], new cache or None); V is the padded vocabulary
     (``cfg.padded_vocab``): columns from ``cfg.vocab_size`` on are padding, for callers to mask."""
-    if tokens.shape[-1] > cfg.max_seq_len and cfg.family != "ff":
+    if tokens.shape[-1] > cfg.max_seq_len and cfg.arch.attention:
         raise ConfigError(f"sequence length {tokens.shape[-1]} exceeds max_seq_len={cfg.max_seq_len}")
     par.seq_len_check(tokens.shape[-1])
     with hk.custom_getter(parallel_getter(par)):  # FSDP gathers, SP norm hook (``Parallel.param``)
@@ -106,8 +113,8 @@ def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=
 def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache):
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
-    ff = cfg.family == "ff"
-    stddev = 1.0 / np.sqrt(cfg.vocab_size) if ff else GPT_STDDEV
+    gpt = cfg.arch.gpt_init
+    stddev = GPT_STDDEV if gpt else 1.0 / np.sqrt(cfg.vocab_size)
     embed = VocabEmbed(
         vocab_size=cfg.padded_vocab,
         d_model=cfg.d_model,
@@ -117,20 +124,18 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache):
         real_vocab=cfg.vocab_size,
     )
     x = embed(tokens)  # [B, T, D]; with sp [B, T/mp, D] per shard
-    x, cache = _stack(cfg, LAYERS[cfg.family](cfg, par), x, positions, cache)
-    if cfg.family == "gptj":
-        x = LayerNorm(eps=cfg.norm_eps, name="final_ln")(x)
-    elif cfg.family == "llama":
-        x = RMSNorm(eps=cfg.norm_eps, name="final_ln")(x)
+    x, cache = _stack(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, cache)
+    if cfg.arch.norm is not None:
+        x = _norm(cfg, "final_ln")(x)
     xf = par.f(x)
     if cfg.tie_embeddings:
         return embed.local_logits(xf), cache
-    head_stddev = 1.0 / np.sqrt(cfg.d_model) if ff else GPT_STDDEV
+    head_stddev = GPT_STDDEV if gpt else 1.0 / np.sqrt(cfg.d_model)
     head = VocabHead(
         vocab_size=cfg.padded_vocab,
         par=par,
         stddev=head_stddev,
-        bias=cfg.family in ("ff", "gptj"),
+        bias=cfg.arch.biases,
         real_vocab=cfg.vocab_size,
     )
     return head.local_logits(xf), cache

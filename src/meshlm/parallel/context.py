@@ -69,14 +69,11 @@ class Parallel:
         return lax.all_gather(x, MP, axis=1, tiled=True)
 
     def seq_len_check(self, seq_len: int):
-        """With ``sp`` the sequence is split over MP: it must divide (a one-line error otherwise)."""
-        if self.sp and self.sharded and seq_len % self.mp:
-            from meshlm.errors import ShardingError
+        """With ``sp`` the sequence is split over MP: it must divide (``Layout.check_seq_len``)."""
+        if self.sharded:
+            from meshlm.parallel.layout import Layout
 
-            raise ShardingError(
-                f"sequence length {seq_len} is not divisible by mp={self.mp} under sequence "
-                f"parallelism (--sp); use a --seq-len that is a multiple of {self.mp}"
-            )
+            Layout(dp=self.dp, mp=self.mp, sp=self.sp).check_seq_len(seq_len)
 
     def param(self, value, shape, norm: bool):
         """A parameter as a layer uses it (called by a Haiku getter for every ``get_parameter``).

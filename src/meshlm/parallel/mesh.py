@@ -6,6 +6,7 @@ so the CLI calls it before importing any module that imports jax.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -65,8 +66,9 @@ def _more_devices_hint(n: int, processes: int) -> str:
     return f"pass --devices {n} (CPU)"
 
 
-def make_mesh(dp: int, mp: int):
-    """A (dp, mp) mesh over the first dp*mp devices (all processes' devices, process-major).
+def make_mesh(*sizes: int):
+    """A (dp, mp) mesh (one size per ``axes.MESH_AXES``) over the first dp*mp devices (all processes'
+    devices, process-major).
 
     Axis types are Auto: our own code is explicit through ``shard_map``; Auto lets plain ``jit`` code
     outside it (the optimizer update, the GSPMD baseline) be partitioned by XLA from shardings.
@@ -77,13 +79,14 @@ def make_mesh(dp: int, mp: int):
 
     from meshlm.parallel.axes import MESH_AXES
 
-    n = dp * mp
+    if len(sizes) != len(MESH_AXES):
+        raise MeshError(f"a mesh has {len(MESH_AXES)} axes ({', '.join(MESH_AXES)}), got sizes {sizes}")
+    n = math.prod(sizes)
     devices = jax.devices()
     if n > len(devices):
         raise MeshError(
-            f"mesh {dp}x{mp} needs {n} devices but only {len(devices)} exist; "
+            f"mesh {'x'.join(map(str, sizes))} needs {n} devices but only {len(devices)} exist; "
             f"{_more_devices_hint(n, jax.process_count())} or choose a smaller mesh"
         )
-    kind = AxisType.Auto
-    grid = np.array(devices[:n]).reshape(dp, mp)
-    return Mesh(grid, MESH_AXES, axis_types=(kind, kind))
+    grid = np.array(devices[:n]).reshape(sizes)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

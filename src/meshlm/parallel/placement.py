@@ -9,6 +9,19 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshlm.parallel.axes import DP
+
+BATCH_SPEC = P(DP, None)  # inputs / targets [B, T]: rows split over data-parallel shards
+ACCUM_BATCH_SPEC = P(None, DP, None)  # [A, B, T] with gradient accumulation: micro-batch major
+
+
+def batch_sharding(layout, accum_steps: int) -> NamedSharding:
+    """Host batches are [B, T], or [A, B, T] with gradient accumulation, on the ``Layout``'s mesh;
+    rows split over DP."""
+    return NamedSharding(layout.mesh, BATCH_SPEC if accum_steps == 1 else ACCUM_BATCH_SPEC)
 
 
 def put_global(value, sharding) -> jax.Array:

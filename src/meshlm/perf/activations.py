@@ -37,8 +37,8 @@ from __future__ import annotations
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig
+from meshlm.model.family import REMAT
 
-REMAT_POLICIES = ("none", "full", "selective")
 PAPER_BYTES = 2  # the paper's activation width (16-bit)
 # Per-layer coefficients of s·b·h at 16 bits: (replicated under TP, split by t).
 COEFFS = {"transformer": (10, 24), "ff": (5, 16)}
@@ -54,16 +54,16 @@ def layer_bytes(
 
     ``micro_batch`` is the rows one device processes at once (global batch / (dp · accum_steps)).
     """
-    if remat not in REMAT_POLICIES:
-        raise ConfigError(f"remat={remat!r}; valid: {', '.join(REMAT_POLICIES)}")
+    if remat not in REMAT:
+        raise ConfigError(f"remat={remat!r}; valid: {', '.join(REMAT)}")
     s, b, h, t = seq, micro_batch, cfg.d_model, mp
     sbh = s * b * h
     scale = act_bytes / PAPER_BYTES
     if remat == "full":
         return FULL_REMAT_COEFF * sbh / (t if sp else 1) * scale
-    replicated, split = COEFFS["ff" if cfg.family == "ff" else "transformer"]
+    replicated, split = COEFFS["transformer" if cfg.arch.attention else "ff"]
     attention = 0.0
-    if remat == "none" and cfg.family != "ff":
+    if remat == "none" and cfg.arch.attention:
         attention = ATTENTION_COEFF * cfg.n_heads * s * s * b / t
     kept = replicated * sbh / (t if sp else 1) + split * sbh / t
     return (kept + attention) * scale

@@ -30,6 +30,7 @@ temporaries. So it is the most the executable holds at once, excluding code and 
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -39,52 +40,21 @@ from typing import Any
 import jax
 import numpy as np
 
-from meshlm.errors import ConfigError
 from meshlm.generate.generator import bench_generation
 from meshlm.model.config import ModelConfig
-from meshlm.parallel.axes import DP, MP
-from meshlm.parallel.placement import bytes_per_device, total_bytes
-from meshlm.parallel.rules import batch_sharding, shardings
+from meshlm.parallel.layout import Layout
+from meshlm.parallel.placement import batch_sharding, bytes_per_device, total_bytes
+from meshlm.perf.bench_settings import BenchSettings
 from meshlm.perf.collectives import theoretical_collectives
 from meshlm.perf.flops import model_flops_per_step
 from meshlm.perf.hlo import collectives_of, collectives_per_step
 from meshlm.perf.peak import matmul_peak_flops
 from meshlm.perf.plain import plain_step
+from meshlm.sharding.rules import shardings
 from meshlm.train.optim import OptimConfig
 from meshlm.train.step import init_model, init_opt_state, reference_step, sharded_step
 
 IMPLS = ("meshlm", "unsharded", "gspmd", "plain")
-MIN_STEPS = 5  # fewer timed steps give a median that is mostly noise on a shared machine
-# Defaults that keep a `small` bench near 1.5 minutes on 2 CPU cores (a step takes 1.7 s on an idle
-# machine, 4 s on a loaded one; batch 8 x 256 doubles that).
-DEFAULT_BATCH = 4
-DEFAULT_SEQ = 256
-
-
-@dataclass(frozen=True)
-class BenchSettings:
-    batch_size: int = DEFAULT_BATCH  # global batch rows (split over DP)
-    seq_len: int = DEFAULT_SEQ  # tokens per row (capped at the config's max_seq_len by the CLI)
-    steps: int = MIN_STEPS  # timed repetitions of each implementation
-    warmup: int = 1  # untimed repetitions first (first-touch allocation, caches)
-    seed: int = 0
-    gen_new_tokens: int = 16  # generation benchmark: tokens decoded per row (0 skips it)
-
-    def check(self, cfg: ModelConfig, dp: int) -> None:
-        if self.steps < MIN_STEPS:
-            raise ConfigError(
-                f"--steps must be >= {MIN_STEPS} (a median of fewer is noise), got {self.steps}"
-            )
-        if self.warmup < 0:
-            raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
-        if self.batch_size < 1 or self.batch_size % dp:
-            raise ConfigError(f"--batch-size {self.batch_size} must be a positive multiple of dp={dp}")
-        if not 1 <= self.seq_len <= cfg.max_seq_len:
-            raise ConfigError(f"--seq-len {self.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
-        if self.gen_new_tokens < 0:
-            raise ConfigError(
-                f"--gen-tokens must be >= 0 (0 skips the generation bench), got {self.gen_new_tokens}"
-            )
 
 
 # --- the three implementations --------------------------------------------------------------------
@@ -107,9 +77,10 @@ class Impl:
         jax.block_until_ready((self.params, self.opt_state, self.metrics))
 
 
-def build_impls(cfg: ModelConfig, ocfg: OptimConfig, mesh, settings: BenchSettings) -> list[Impl]:
+def build_impls(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: BenchSettings) -> list[Impl]:
     """The three implementations, from one set of initial parameters and one random batch."""
-    params, specs = init_model(cfg, mesh, settings.seed)
+    mesh = layout.mesh
+    params, specs = init_model(cfg, layout, settings.seed)
     param_sh = shardings(specs, mesh)
     # Copies through the host before anything is donated: each implementation consumes its own
     # buffers. (device_put to one device reuses a replicated leaf's device-0 shard, even with
@@ -121,9 +92,9 @@ def build_impls(cfg: ModelConfig, ocfg: OptimConfig, mesh, settings: BenchSettin
     rng = np.random.default_rng(settings.seed)
     shape = (settings.batch_size, settings.seq_len)
     host = {k: rng.integers(0, cfg.vocab_size, shape, dtype=np.int32) for k in ("inputs", "targets")}
-    mesh_batch = jax.device_put(host, batch_sharding(mesh, 1))
+    mesh_batch = jax.device_put(host, batch_sharding(layout, 1))
 
-    step, opt = sharded_step(cfg, ocfg, mesh, specs, params)
+    step, opt = sharded_step(cfg, ocfg, layout, specs, params)
     ours = _compiled("meshlm", step, params, init_opt_state(opt, params, specs, mesh), mesh_batch)
     ref, ref_opt = reference_step(cfg, ocfg, one_params)
     one_opt = jax.jit(ref_opt.init)(one_params)
@@ -209,13 +180,13 @@ def impl_result(impl: Impl, seconds: list[float], flops: float, tokens: int, pea
     }
 
 
-def generation_bench(cfg: ModelConfig, params, mesh, settings: BenchSettings) -> dict | None:
+def generation_bench(cfg: ModelConfig, params, layout: Layout, settings: BenchSettings) -> dict | None:
     """Prefill and decode throughput of ``generate.bench_generation``; None when it is skipped."""
     if not settings.gen_new_tokens:
         return None
     new = min(settings.gen_new_tokens, cfg.max_seq_len // 2)
     prompt = min(settings.seq_len, cfg.max_seq_len - new)
-    rates = bench_generation(cfg, params, mesh, settings.batch_size, prompt, new)
+    rates = bench_generation(cfg, params, layout, settings.batch_size, prompt, new)
     return {"batch": settings.batch_size, "prompt_len": prompt, "new_tokens": new, **rates}
 
 
@@ -238,18 +209,21 @@ def _ratio(a: list[float], b: list[float]) -> dict[str, float]:
 def run_bench(
     cfg: ModelConfig,
     name: str,
-    mesh,
+    where,
     settings: BenchSettings,
     ocfg: OptimConfig | None = None,
-    peak_n: int = 2048,
+    peak_n: int | None = None,
 ) -> dict:
-    """Build, time and inspect the three implementations; the JSON-ready report (see ``--json``)."""
-    dp, mp = mesh.shape[DP], mesh.shape[MP]
-    settings.check(cfg, dp)
-    if peak_n < 1:
-        raise ConfigError(f"--peak-n must be >= 1 (the matmul size of the peak measurement), got {peak_n}")
-    impls = build_impls(cfg, ocfg or OptimConfig(), mesh, settings)
-    peak_fn = lambda dtype: matmul_peak_flops(dtype, n=peak_n, repeats=3)
+    """Build, time and inspect the three implementations on ``where`` (a Layout or a jax Mesh); the
+    JSON-ready report (see ``--json``)."""
+    layout = Layout.of(where)
+    dp, mp = layout.dp, layout.mp
+    if peak_n is not None:  # the settings' own, unless given here
+        settings = dataclasses.replace(settings, peak_n=peak_n)
+    settings.check(cfg, layout)
+    settings = settings.resolved(cfg, layout)
+    impls = build_impls(cfg, ocfg or OptimConfig(), layout, settings)
+    peak_fn = lambda dtype: matmul_peak_flops(dtype, n=settings.peak_n, repeats=3)
     seconds, peaks = time_interleaved(impls, settings.steps, settings.warmup, peak_fn)
     peak = {dtype: statistics.median(values) for dtype, values in peaks.items()}
     tokens = settings.batch_size * settings.seq_len
@@ -257,7 +231,7 @@ def run_bench(
     total = total_bytes(impls[0].params)
     return {
         "config": name,
-        "mesh": {"dp": dp, "mp": mp},
+        "mesh": layout.shape,
         "batch_size": settings.batch_size,
         "seq_len": settings.seq_len,
         "timed_steps": settings.steps,
@@ -267,5 +241,5 @@ def run_bench(
         "theoretical_collectives": theoretical_collectives(cfg, dp, mp),
         "results": [impl_result(i, seconds[i.name], flops, tokens, peak["float32"]) for i in impls],
         "step_time_ratios": step_time_ratios(seconds),
-        "generation": generation_bench(cfg, impls[0].params, mesh, settings),
+        "generation": generation_bench(cfg, impls[0].params, layout, settings),
     }

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from meshlm.units import in_unit
+
 
 def _mib(n: float | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.1f}"
+    """Bytes as a number of MiB (the column says the unit)."""
+    return "-" if n is None else f"{in_unit(n, 'MiB'):.1f}"
 
 
 def format_bench(report: dict) -> str:

@@ -17,10 +17,10 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int) -> dict[str, int
     Per step (a layer loop that runs L times counts L times). With mp > 1 activations between blocks
     are replicated over MP and the weights split, so per layer:
 
-    * forward, one all-reduce per exit from a row-parallel matmul (``par.g`` / ``row_out``): gptj's
-      parallel block sums the attention and MLP partials in one (1); llama's sequential attention
-      then MLP needs two (2); the ff prototype's MLP one (1). With ``remat`` the backward pass
-      recomputes the forward, its all-reduces included, so these count twice.
+    * forward, one all-reduce per exit from a row-parallel matmul (``par.g`` / ``row_out``;
+      ``Family.row_sums``): gptj's parallel block sums the attention and MLP partials in one (1);
+      llama's sequential attention then MLP needs two (2); the ff prototype's MLP one (1). With
+      ``remat`` the backward pass recomputes the forward, its all-reduces included, so these count twice.
     * backward, one per entry into a column-parallel region (``par.f``, whose transpose sums the
       input gradient over MP): again 1 / 2 / 1.
     * KV projections replicated because mp > n_kv_heads: their gradients summed over MP (1; XLA may
@@ -42,9 +42,9 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int) -> dict[str, int
     for reporting the loss). Replicated parameters (norms, biases added after an all-reduce) need
     no MP all-reduce: they act on replicated activations. Returns counts by cause and ``total``.
     """
-    per_layer = 2 if cfg.family == "llama" else 1
+    per_layer = cfg.arch.row_sums
     sharded = mp > 1
-    kv_rep = cfg.family != "ff" and sharded and kv_replicated(cfg.kv_heads, mp)
+    kv_rep = cfg.arch.attention and sharded and kv_replicated(cfg.kv_heads, mp)
     out = {
         "layer_forward": cfg.n_layers * per_layer * (2 if cfg.remat != "none" else 1) * sharded,
         "layer_backward": cfg.n_layers * per_layer * sharded,
@@ -71,7 +71,7 @@ def theoretical_bytes(
     """
     counts = theoretical_collectives(cfg, dp, mp)
     act = (batch // dp) * seq_len * cfg.d_model * itemsize  # [B/dp, T, D]: one activation all-reduce
-    kv_grads = 2 * cfg.d_model * cfg.kv_heads * cfg.dim_per_head * itemsize if cfg.family != "ff" else 0
+    kv_grads = 2 * cfg.d_model * cfg.kv_heads * cfg.dim_per_head * itemsize if cfg.arch.attention else 0
     out = {
         "layer_forward": counts["layer_forward"] * act,
         "layer_backward": counts["layer_backward"] * act,

@@ -32,5 +32,5 @@ def matmul_param_count(cfg: ModelConfig, params) -> int:
 def model_flops_per_step(cfg: ModelConfig, params, batch_size: int, seq_len: int) -> float:
     """The formula above for a global batch of ``batch_size`` rows of ``seq_len`` tokens."""
     tokens = batch_size * seq_len
-    attention = 12 * cfg.n_layers * seq_len * cfg.d_model if cfg.family != "ff" else 0
+    attention = 12 * cfg.n_layers * seq_len * cfg.d_model if cfg.arch.attention else 0
     return float((6 * matmul_param_count(cfg, params) + attention) * tokens)

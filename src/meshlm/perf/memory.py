@@ -7,19 +7,21 @@ import jax
 import numpy as np
 
 from meshlm.model.config import ModelConfig
-from meshlm.parallel.axes import MP
+from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import bytes_per_device, total_bytes
 
 
-def memory_report(cfg: ModelConfig, mesh, param_dtype=np.float32) -> dict:
-    """Bytes of parameters and AdamW state (2 moments), total and on one device, by sharding rules."""
+def memory_report(cfg: ModelConfig, where, param_dtype=np.float32) -> dict:
+    """Bytes of parameters and AdamW state (2 moments), total and on one device, by sharding rules,
+    on ``where`` (a Layout or a jax Mesh)."""
     from meshlm.io.model_io import abstract_params
 
-    params = abstract_params(cfg, mesh, param_dtype)
+    layout = Layout.of(where)
+    params = abstract_params(cfg, layout, param_dtype)
     leaves = jax.tree.leaves(params)
     total, per_device = total_bytes(params), bytes_per_device(params)
     replicated = total_bytes([p for p in leaves if p.sharding.is_fully_replicated])
-    mp = mesh.shape[MP]
+    mp = layout.mp
     return {
         "params": sum(int(np.prod(p.shape)) for p in leaves),
         "param_bytes_total": total,

@@ -28,13 +28,16 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import loss_fn
-from meshlm.parallel.placement import bytes_per_device
-from meshlm.parallel.rules import batch_sharding, shardings
-from meshlm.parallel.spmd import reference_value_and_grad
-from meshlm.perf.bench import BenchSettings, Impl, _compiled, compiled_memory, time_interleaved
+from meshlm.parallel.layout import Layout
+from meshlm.parallel.placement import batch_sharding, bytes_per_device
+from meshlm.perf.bench import Impl, _compiled, compiled_memory, time_interleaved
+from meshlm.perf.bench_settings import BenchSettings
 from meshlm.perf.hlo import COLLECTIVES, collectives_per_step
+from meshlm.sharding.rules import shardings
+from meshlm.sharding.spmd import reference_value_and_grad
 from meshlm.train.optim import OptimConfig, adamw, make_step
 from meshlm.train.step import init_model, init_opt_state, sharded_step
+from meshlm.units import format_bytes
 
 # name -> (fsdp, sp, the GSPMD run with the same parameter shardings)
 OPTIONS = {
@@ -46,20 +49,21 @@ OPTIONS = {
 TARGET_VS_TP, TARGET_VS_GSPMD = 1.15, 1.05
 
 
-def build(cfg: ModelConfig, ocfg: OptimConfig, mesh, settings: BenchSettings) -> list[Impl]:
+def build(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: BenchSettings) -> list[Impl]:
+    mesh = layout.mesh
     rng = np.random.default_rng(settings.seed)
     shape = (settings.batch_size, settings.seq_len)
     host = {k: rng.integers(0, cfg.vocab_size, shape, dtype=np.int32) for k in ("inputs", "targets")}
-    batch = jax.device_put(host, batch_sharding(mesh, 1))
+    batch = jax.device_put(host, batch_sharding(layout, 1))
     impls = []
     for fsdp in (False, True):
-        params, specs = init_model(cfg, mesh, settings.seed, fsdp=fsdp)
+        params, specs = init_model(cfg, layout.replace(fsdp=fsdp), settings.seed)
         host_params = jax.device_get(params)
         for name, (f, sp, _) in OPTIONS.items():
             if f != fsdp:
                 continue
             own = jax.device_put(host_params, shardings(specs, mesh))  # donated: a private copy
-            step, opt = sharded_step(cfg, ocfg, mesh, specs, own, fsdp=fsdp, sp=sp)
+            step, opt = sharded_step(cfg, ocfg, layout.replace(fsdp=fsdp, sp=sp), specs, own)
             impls.append(_compiled(name, step, own, init_opt_state(opt, own, specs, mesh), batch))
         name = "gspmd-fsdp" if fsdp else "gspmd"
         impls.append(_gspmd(name, cfg, ocfg, mesh, specs, host_params, batch))
@@ -83,9 +87,12 @@ def _paired(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
-def memory_options_bench(cfg: ModelConfig, mesh, settings: BenchSettings, ocfg=None) -> dict:
-    """Rows per implementation (see the module docstring); JSON-ready."""
-    impls = build(cfg, ocfg or OptimConfig(), mesh, settings)
+def memory_options_bench(cfg: ModelConfig, where, settings: BenchSettings, ocfg=None) -> dict:
+    """Rows per implementation (see the module docstring) on ``where`` (a Layout or a jax Mesh: its
+    memory options are the rows'); JSON-ready."""
+    layout = Layout.of(where)
+    settings.check(cfg, layout)
+    impls = build(cfg, ocfg or OptimConfig(), layout, settings.resolved(cfg, layout))
     seconds, _ = time_interleaved(impls, settings.steps, settings.warmup, lambda dtype: 0.0)
     rows = []
     for impl in impls:
@@ -112,7 +119,7 @@ def memory_options_bench(cfg: ModelConfig, mesh, settings: BenchSettings, ocfg=N
 def format_memory_options(report: dict) -> str:
     head = ["impl", "step s", "vs tp", "vs gspmd (same shardings)", "params/dev", "opt/dev", "peak/dev"]
     head += ["all-reduce", "all-gather", "reduce-scatter"]
-    mib = lambda b: "-" if b is None else f"{b / 2**20:.2f} MiB"
+    mib = lambda b: format_bytes(b, "MiB")
     body = []
     for r in report["rows"]:
         vs = f"{r['vs_gspmd']:.2f}x {r['gspmd_same_shardings']}" if "vs_gspmd" in r else "-"

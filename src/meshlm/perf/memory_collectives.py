@@ -4,7 +4,7 @@ parallelism over MP), by cause: what the communication check and ``bench`` hold 
 Counts are per step (a layer loop that runs L times counts L times) and are upper bounds: XLA may
 combine independent collectives over the same devices, or (with remat) not recompute one whose result
 the backward does not need. With ``f`` = entries into column-parallel regions per layer (llama 2,
-gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers):
+gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Family.row_sums``):
 
 * SP (mp > 1) replaces the layer all-reduces. All-gathers: ``f`` per layer forward, again in the
   backward (the gathered sequence is not kept: Korthikanti et al. 2022), the head's input (1), and
@@ -24,10 +24,10 @@ from __future__ import annotations
 from meshlm.model.config import ModelConfig
 from meshlm.model.params import flat_params, is_matmul_weight, is_stacked
 from meshlm.parallel.axes import MP
-from meshlm.parallel.rules import dp_sharded, spec_for
+from meshlm.parallel.layout import Layout
 from meshlm.perf.collectives import theoretical_bytes, theoretical_collectives
+from meshlm.sharding.rules import dp_sharded, spec_for
 
-PER_LAYER = {"ff": 1, "gptj": 1, "llama": 2}  # f entries = r exits per layer
 SP_REPLACES = ("layer_forward", "layer_backward", "embedding", "head_backward")  # all-reduce causes
 
 
@@ -54,12 +54,14 @@ def fsdp_weights(params) -> tuple[int, int]:
     return stacked, len(split) - stacked
 
 
-def expected_collectives(cfg: ModelConfig, dp: int, mp: int, *, sp: bool, params) -> dict[str, dict]:
-    """Per kind ("all-reduce", "all-gather", "reduce-scatter") the causes and their ``total``."""
+def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[str, dict]:
+    """Per kind ("all-reduce", "all-gather", "reduce-scatter") the causes and their ``total`` on
+    ``layout`` (FSDP read from ``params``' shardings)."""
+    dp, mp, sp = layout.dp, layout.mp, layout.sp
     ar = dict(theoretical_collectives(cfg, dp, mp))
     ag: dict[str, int] = {}
     rs: dict[str, int] = {}
-    n, pl = cfg.n_layers, PER_LAYER[cfg.family]
+    n, pl = cfg.n_layers, cfg.arch.row_sums  # f entries = r exits per layer
     if sp and mp > 1:
         for cause in SP_REPLACES:
             ar[cause] = 0
@@ -77,14 +79,14 @@ def expected_collectives(cfg: ModelConfig, dp: int, mp: int, *, sp: bool, params
     return {"all-reduce": ar, "all-gather": ag, "reduce-scatter": rs}
 
 
-def expected_all_reduce_bytes(cfg: ModelConfig, dp: int, mp: int, *, sp: bool, params, **shape) -> int:
+def expected_all_reduce_bytes(cfg: ModelConfig, layout: Layout, *, params, **shape) -> int:
     """Result bytes of the all-reduces (``theoretical_bytes``'s causes), without those SP replaces
     and with its norm gradients (``shape``: batch, seq_len, itemsize)."""
     from meshlm.parallel.placement import bytes_per_device
 
-    out = theoretical_bytes(cfg, dp, mp, param_bytes=bytes_per_device(params), **shape)
+    out = theoretical_bytes(cfg, layout.dp, layout.mp, param_bytes=bytes_per_device(params), **shape)
     total = out["total"]
-    if sp and mp > 1:
+    if layout.sp and layout.mp > 1:
         total -= sum(out[c] for c in SP_REPLACES)
         norms = [
             p for path, p in flat_params(params).items() if path.rsplit("/", 1)[1] in ("scale", "offset")

@@ -82,16 +82,23 @@ def _mlp(p, x, kind: str):
     return GELU(x @ p["w_in"] + p["b_in"]) @ p["w_out"] + p["b_out"]
 
 
+def _norm(cfg: ModelConfig, p, x):
+    """The family's norm (``Family.norm``) with parameters ``p``."""
+    if cfg.arch.norm == "layer":
+        return _layer_norm(x, p["scale"], p["offset"], cfg.norm_eps)
+    return _rms_norm(x, p["scale"], cfg.norm_eps)
+
+
 def _block(cfg: ModelConfig, lp, x, cos, sin, mask):
-    """One layer; lp: this layer's parameters {"attn", "mlp", "ln", "ln2"}."""
-    eps = cfg.norm_eps
-    if cfg.family == "ff":
-        return x + _mlp(lp["mlp"], x, "gelu")
-    if cfg.family == "gptj":  # attention and MLP in parallel off one LayerNorm
-        h = _layer_norm(x, lp["ln"]["scale"], lp["ln"]["offset"], eps)
-        return x + _attention(cfg, lp["attn"], h, cos, sin, mask) + _mlp(lp["mlp"], h, "gelu")
-    x = x + _attention(cfg, lp["attn"], _rms_norm(x, lp["ln"]["scale"], eps), cos, sin, mask)
-    return x + _mlp(lp["mlp"], _rms_norm(x, lp["ln2"]["scale"], eps), "swiglu")
+    """One layer (``Family.block``); lp: this layer's parameters {"attn", "mlp", "ln", "ln2"}."""
+    block, mlp = cfg.arch.block, cfg.arch.mlp
+    if block == "ff":
+        return x + _mlp(lp["mlp"], x, mlp)
+    h = _norm(cfg, lp["ln"], x)
+    if block == "parallel":  # attention and MLP in parallel off one norm
+        return x + _attention(cfg, lp["attn"], h, cos, sin, mask) + _mlp(lp["mlp"], h, mlp)
+    x = x + _attention(cfg, lp["attn"], h, cos, sin, mask)
+    return x + _mlp(lp["mlp"], _norm(cfg, lp["ln2"], x), mlp)
 
 
 def logits(cfg: ModelConfig, params, tokens):
@@ -102,15 +109,13 @@ def logits(cfg: ModelConfig, params, tokens):
     x = table[tokens]
     if "b" in params["embed"]:
         x = x + params["embed"]["b"]
-    cos, sin = _rotary_tables(cfg, t, x.dtype) if cfg.family != "ff" else (None, None)
+    cos, sin = _rotary_tables(cfg, t, x.dtype) if cfg.arch.attention else (None, None)
     mask = jnp.asarray(np.tril(np.ones((t, t), bool)))  # [T, T] query >= key
     layers = {m.removeprefix("layers/"): p for m, p in params.items() if m.startswith("layers/")}
     for i in range(cfg.n_layers):
         x = _block(cfg, jax.tree.map(operator.itemgetter(i), layers), x, cos, sin, mask)
-    if cfg.family == "gptj":
-        x = _layer_norm(x, params["final_ln"]["scale"], params["final_ln"]["offset"], cfg.norm_eps)
-    elif cfg.family == "llama":
-        x = _rms_norm(x, params["final_ln"]["scale"], cfg.norm_eps)
+    if cfg.arch.norm is not None:
+        x = _norm(cfg, params["final_ln"], x)
     if cfg.tie_embeddings:
         return (x @ table.T)[..., : cfg.vocab_size]
     out = x @ params["head"]["w"]

@@ -26,7 +26,7 @@ import numpy as np
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig
-from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import bytes_per_device, total_bytes
 from meshlm.perf.activations import activation_bytes
 from meshlm.perf.plan_settings import PlanSettings
@@ -35,34 +35,36 @@ PARAM_DTYPE = np.float32  # master weights (and so gradients and AdamW moments) 
 ADAM_MOMENTS = 2
 
 
-def abstract_step(cfg: ModelConfig, mesh, settings: PlanSettings):
-    """(jitted step, params, opt_state, batch): the train step and ShapeDtypeStruct arguments."""
-    from meshlm.parallel.rules import batch_sharding
+def abstract_step(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
+    """(jitted step, params, opt_state, batch): the train step on ``layout``'s mesh with the
+    settings' memory options, and ShapeDtypeStruct arguments."""
+    from meshlm.parallel.placement import batch_sharding
     from meshlm.train.optim import OptimConfig
     from meshlm.train.step import COMPUTE_DTYPES, abstract_opt_state, sharded_step, step_model
 
     cfg = step_model(cfg, remat=settings.remat, unroll=cfg.unroll, fsdp=settings.fsdp)
-    specs, params = abstract_params(cfg, mesh, settings)
+    layout = settings.on(layout)
+    specs, params = planned_params(cfg, layout, settings)
     ocfg = OptimConfig(accum_steps=settings.accum_steps)
     dtype = COMPUTE_DTYPES[settings.compute_dtype]
-    step, opt = sharded_step(cfg, ocfg, mesh, specs, params, dtype, fsdp=settings.fsdp, sp=settings.sp)
-    opt_state = abstract_opt_state(opt, params, specs, mesh)
+    step, opt = sharded_step(cfg, ocfg, layout, specs, params, dtype)
+    opt_state = abstract_opt_state(opt, params, specs, layout.mesh)
     micro = settings.batch_size // settings.accum_steps
     shape = (
         (micro, settings.seq_len)
         if settings.accum_steps == 1
         else (settings.accum_steps, micro, settings.seq_len)
     )
-    rows = batch_sharding(mesh, settings.accum_steps)
+    rows = batch_sharding(layout, settings.accum_steps)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows) for k in ("inputs", "targets")}
     return step, params, opt_state, batch
 
 
-def measure(cfg: ModelConfig, mesh, settings: PlanSettings) -> dict:
+def measure(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
     """Compile the step ahead of time; one device's bytes by layout and by XLA's memory analysis."""
     from meshlm.perf.bench import compiled_memory
 
-    step, params, opt_state, batch = abstract_step(cfg, mesh, settings)
+    step, params, opt_state, batch = abstract_step(cfg, layout, settings)
     start = time.perf_counter()
     compiled = step.lower(params, opt_state, batch).compile()
     seconds = time.perf_counter() - start
@@ -77,29 +79,33 @@ def measure(cfg: ModelConfig, mesh, settings: PlanSettings) -> dict:
     }
 
 
-def abstract_params(cfg: ModelConfig, mesh, settings: PlanSettings):
-    """(specs, params): the rules table's specs and float32 ShapeDtypeStructs with their shardings."""
+def planned_params(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
+    """(specs, params): the rules table's specs on ``layout`` with the settings' memory options, and
+    float32 ShapeDtypeStructs with their shardings."""
     from meshlm.model.transformer import param_shapes
-    from meshlm.parallel.rules import model_specs, shardings
+    from meshlm.sharding.rules import model_specs, shardings
 
+    layout = settings.on(layout)
     shapes = param_shapes(cfg)
-    specs = model_specs(cfg, shapes, mesh.shape[MP], dp=mesh.shape[DP], fsdp=settings.fsdp)
+    specs = model_specs(cfg, shapes, layout)
     params = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, PARAM_DTYPE, sharding=sh), shapes, shardings(specs, mesh)
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, PARAM_DTYPE, sharding=sh),
+        shapes,
+        shardings(specs, layout.mesh),
     )
     return specs, params
 
 
-def state_bytes(cfg: ModelConfig, mesh, settings: PlanSettings) -> dict:
+def state_bytes(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
     """Parameter bytes, unsharded and on one device, from the shapes and the rules table's specs."""
-    _, params = abstract_params(cfg, mesh, settings)
+    _, params = planned_params(cfg, layout, settings)
     return {"params_total": total_bytes(params), "params_per_device": bytes_per_device(params)}
 
 
-def analytic(cfg: ModelConfig, mesh, settings: PlanSettings) -> dict:
+def analytic(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
     """One device's bytes estimated from shapes: the state, gradients and activations (see above)."""
-    dp, mp = mesh.shape[DP], mesh.shape[MP]
-    params = state_bytes(cfg, mesh, settings)["params_per_device"]
+    dp, mp = layout.dp, layout.mp
+    params = state_bytes(cfg, layout, settings)["params_per_device"]
     act_bytes = 2 if settings.compute_dtype == "bfloat16" else 4
     acts = activation_bytes(
         cfg,
@@ -114,7 +120,7 @@ def analytic(cfg: ModelConfig, mesh, settings: PlanSettings) -> dict:
     opt_state = ADAM_MOMENTS * params
     gathered = 0.0
     if settings.fsdp:  # ZeRO-3 gathers one layer's weights at a time: what FSDP took off, per layer
-        plain = state_bytes(cfg, mesh, dataclasses.replace(settings, fsdp=False))["params_per_device"]
+        plain = state_bytes(cfg, layout, dataclasses.replace(settings, fsdp=False))["params_per_device"]
         gathered = (plain - params) / cfg.n_layers
     temporaries = gradients + acts["total"] + gathered
     return {

@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-GIB = 2**30
+from meshlm.units import format_bytes
 
-
-def gib(n: float | None) -> str:
-    """Bytes in GiB, or MiB / KiB when smaller (tiny test models)."""
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", GIB), ("MiB", 2**20)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n / 2**10:.2f} KiB"
+gib = format_bytes  # bytes in GiB, or MiB / KiB when smaller (tiny test models)
 
 
 def flags(settings: dict) -> str:

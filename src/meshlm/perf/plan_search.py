@@ -26,7 +26,7 @@ import jax
 
 from meshlm.errors import MeshlmError
 from meshlm.model.config import ModelConfig
-from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.layout import Layout
 from meshlm.perf.plan import ADAM_MOMENTS, analytic, measure, state_bytes
 from meshlm.perf.plan_settings import PlanSettings
 
@@ -73,29 +73,36 @@ def cost(settings: PlanSettings, base: PlanSettings) -> int:
     return total + COSTS["accum"] * halvings
 
 
-_MEASURED: dict = {}  # (config, mesh, settings) -> measure(...): each step compiled once per process
+_MEASURED: dict = {}  # (config, layout, mesh, settings) -> measure(...): compiled once per process
 
 
-def measured(cfg: ModelConfig, mesh, settings: PlanSettings) -> dict:
+def measured(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
     """``measure``, remembered for this process (a plan's candidates recur across plans)."""
-    key = (cfg, mesh, settings)
+    key = (cfg, layout, layout.mesh, settings)
     if key not in _MEASURED:
-        _MEASURED[key] = measure(cfg, mesh, settings)
+        _MEASURED[key] = measure(cfg, layout, settings)
     return dict(_MEASURED[key])
 
 
 class Planner:
-    """Compiles and estimates candidates for one model on one mesh, each at most once."""
+    """Compiles and estimates candidates for one model on one mesh (``layout``; each candidate's
+    settings give the memory options), each at most once."""
 
     def __init__(
-        self, *, cfg: ModelConfig, mesh, device_bytes: int | None, max_compiles: int, every_option: bool
+        self,
+        *,
+        cfg: ModelConfig,
+        layout: Layout,
+        device_bytes: int | None,
+        max_compiles: int,
+        every_option: bool,
     ):
-        self.cfg, self.mesh = cfg, mesh
+        self.cfg, self.layout = cfg, layout
         self.device_bytes = device_bytes
         self.max_compiles = max_compiles
         self.every_option = every_option  # step 1 tries every option, not only up to the first fit
         self.rows: dict[PlanSettings, dict] = {}
-        self.unsharded = state_bytes(cfg, mesh, PlanSettings(batch_size=1, seq_len=1))["params_total"]
+        self.unsharded = state_bytes(cfg, layout, PlanSettings(batch_size=1, seq_len=1))["params_total"]
 
     def evaluate(self, settings: PlanSettings, *, strict: bool = False) -> dict | None:
         """The row for ``settings`` (compiled once); None when the compile budget is spent. A
@@ -106,8 +113,8 @@ class Planner:
             return None
         row = {"label": settings.label(), "settings": dataclasses.asdict(settings)}
         try:
-            row["compiled"] = measured(self.cfg, self.mesh, settings)
-            row["analytic"] = analytic(self.cfg, self.mesh, settings)
+            row["compiled"] = measured(self.cfg, self.layout, settings)
+            row["analytic"] = analytic(self.cfg, self.layout, settings)
         except MeshlmError as e:
             if strict:
                 raise
@@ -129,7 +136,7 @@ class Planner:
 
     def search(self, base: PlanSettings) -> list[dict]:
         """Candidates around ``base`` (module docstring), in the order they were tried."""
-        dp, mp = self.mesh.shape[DP], self.mesh.shape[MP]
+        dp, mp = self.layout.dp, self.layout.mp
         tried = []
         for _, settings in moves(base, dp, mp):
             tried.append(self.evaluate(settings))
@@ -179,19 +186,20 @@ def recommended(rows: list[dict], base: PlanSettings) -> dict | None:
 def plan(
     cfg: ModelConfig,
     name: str,
-    mesh,
+    where,
     settings: PlanSettings,
     *,
     device_bytes: int | None = None,
     max_compiles: int = DEFAULT_MAX_COMPILES,
     every_option: bool = False,
 ) -> dict:
-    """The planner's report (one JSON-able dict): the given settings, and the search if they don't fit."""
-    dp, mp = mesh.shape[DP], mesh.shape[MP]
-    settings.check(cfg, dp, mp)
+    """The planner's report (one JSON-able dict) on ``where`` (a Layout or a jax Mesh; the memory
+    options are the settings'): the given settings, and the search if they don't fit."""
+    layout = Layout.of(where)
+    settings.check(cfg, layout)
     planner = Planner(
         cfg=cfg,
-        mesh=mesh,
+        layout=layout,
         device_bytes=device_bytes,
         max_compiles=max(1, max_compiles),
         every_option=every_option,
@@ -201,7 +209,7 @@ def plan(
     best = recommended([row, *candidates], settings)
     return {
         "config": name,
-        "mesh": {"dp": dp, "mp": mp},
+        "mesh": layout.shape,
         "backend": jax.default_backend(),
         "note": CPU_NOTE if jax.default_backend() == "cpu" else None,
         "analytic_note": ANALYTIC_NOTE,

@@ -6,8 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
-from meshlm.model.config import ModelConfig
-from meshlm.perf.activations import REMAT_POLICIES
+from meshlm.model.config import ModelConfig, default_seq_len
+from meshlm.model.family import REMAT
+from meshlm.parallel.layout import Layout
+from meshlm.ranges import POSITIVE_INT
+from meshlm.settings import SEQ_LEN_DEFAULT_TEXT, Switch, setting
+from meshlm.units import parse_bytes
+
+DEFAULT_CONFIG = "llama2-7b"
 
 
 def remat_policy(cfg: ModelConfig) -> str:
@@ -38,22 +44,67 @@ class PlanSettings:
         parts += [f"accum={self.accum_steps}"] if self.accum_steps > 1 else []
         return "+".join(parts) or "plain"
 
-    def check(self, cfg: ModelConfig, dp: int, mp: int) -> None:
-        """One-line errors for settings that cannot compile, before any work."""
-        if self.remat not in REMAT_POLICIES:
-            raise ConfigError(f"--remat {self.remat!r}; valid: {', '.join(REMAT_POLICIES)}")
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"compute_dtype={self.compute_dtype!r}; valid: float32, bfloat16")
+    def on(self, layout: Layout) -> Layout:
+        """``layout`` (the mesh) with these settings' memory options."""
+        return layout.replace(fsdp=self.fsdp, sp=self.sp)
+
+    def check(self, cfg: ModelConfig, layout: Layout) -> None:
+        """One-line errors for settings that cannot compile on ``layout``'s mesh, before any work."""
+        layout = self.on(layout)
+        if self.remat not in cfg.arch.remat:
+            raise ConfigError(f"--remat {self.remat!r}; valid: {', '.join(cfg.arch.remat)}")
+        if self.compute_dtype not in cfg.arch.compute_dtypes:
+            raise ConfigError(
+                f"compute_dtype={self.compute_dtype!r}; valid: {', '.join(cfg.arch.compute_dtypes)}"
+            )
         if not 1 <= self.seq_len <= cfg.max_seq_len:
             raise ConfigError(f"--seq-len {self.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
-        rows = dp * self.accum_steps
-        if self.batch_size % rows:
-            raise ConfigError(
-                f"--batch-size {self.batch_size} is not a multiple of dp x accum_steps = {dp} x "
-                f"{self.accum_steps}; use e.g. --batch-size {(self.batch_size // rows + 1) * rows}"
-            )
-        if self.sp and self.seq_len % mp:
-            raise ConfigError(
-                f"--sp splits the sequence over mp={mp}, but --seq-len {self.seq_len} is not a "
-                f"multiple of it; use e.g. --seq-len {(self.seq_len // mp + 1) * mp}"
-            )
+        layout.check_batch(self.batch_size, self.accum_steps)
+        layout.check_seq_len(self.seq_len)
+
+
+@dataclass(frozen=True)
+class PlanCommand:
+    """What ``meshlm plan`` is asked: the model, one run's settings (``settings``) and the search; the
+    command's flags are built from these fields (``meshlm.cli.common.add_flags``)."""
+
+    config: str | None = setting(
+        None, "model preset name (see `meshlm configs`)", shown_default=DEFAULT_CONFIG
+    )
+    checkpoint: str | None = setting(None, "plan the model of this checkpoint instead of --config")
+    batch_size: int = setting(8, "global batch rows per step", valid=POSITIVE_INT)
+    seq_len: int | None = setting(
+        None, "tokens per row", shown_default=SEQ_LEN_DEFAULT_TEXT, valid=POSITIVE_INT
+    )
+    accum_steps: int = setting(1, "micro-batches per optimizer step", valid=POSITIVE_INT)
+    compute_dtype: str = setting(
+        "float32",
+        "float32, or bfloat16: bf16 compute with float32 master weights",
+        switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights"),
+    )
+    fsdp: bool = setting(False, "also shard weights and AdamW state over dp")
+    sp: bool = setting(False, "sequence parallelism over mp")
+    remat: str | None = setting(None, "rematerialisation", shown_default="the config's own", choices=REMAT)
+    device_memory: int | None = setting(
+        None,
+        "memory of one device, e.g. 80GiB: say whether the run fits and search options that do",
+        parse=parse_bytes,
+    )
+    max_compiles: int = setting(
+        8, "most step compiles, the given settings and the candidates together", valid=POSITIVE_INT
+    )
+    every_option: bool = setting(
+        False, "try each option alone, not only up to the cheapest that fits (more compiles)"
+    )
+
+    def settings(self, cfg: ModelConfig) -> PlanSettings:
+        """The run to plan for the model ``cfg``: its remat unless --remat, the default sequence rule."""
+        return PlanSettings(
+            batch_size=self.batch_size,
+            seq_len=default_seq_len(cfg, self.seq_len or 0),
+            accum_steps=self.accum_steps,
+            compute_dtype=self.compute_dtype,
+            fsdp=self.fsdp,
+            sp=self.sp,
+            remat=self.remat or remat_policy(cfg),
+        )

@@ -22,39 +22,35 @@ from __future__ import annotations
 import jax
 
 from meshlm.parallel.context import Parallel
-from meshlm.parallel.spmd import sharded_value_and_grad
+from meshlm.parallel.layout import Layout
 from meshlm.perf.collectives import scalar_slack
 from meshlm.perf.hlo import COLLECTIVES, collectives_per_step
 from meshlm.perf.memory_collectives import expected_all_reduce_bytes, expected_collectives
 from meshlm.proof.report import check_row
+from meshlm.sharding.spmd import sharded_value_and_grad
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
-PER_LAYER = {"ff": "1 forward, 1 backward", "gptj": "1 forward, 1 backward", "llama": "2 forward, 2 backward"}
 
-
-def step_collectives(build_loss, mesh, specs, params, batch, par_cls=Parallel, *, sp: bool = False) -> dict:
+def step_collectives(build_loss, layout: Layout, specs, params, batch, par_cls=Parallel) -> dict:
     """Collectives per step of the compiled sharded train step (clip on, no accumulation: the
     setting the minimum is derived for)."""
     ocfg = OptimConfig(accum_steps=1)
     opt = adamw(ocfg, params)
-    grad = sharded_value_and_grad(build_loss, mesh, specs, par_cls, sp=sp)
+    grad = sharded_value_and_grad(build_loss, layout, specs, par_cls)
     step = jax.jit(make_step(grad, opt, ocfg))
     opt_state = jax.jit(opt.init)(params)
     return collectives_per_step(step.lower(params, opt_state, batch).compile().as_text())
 
 
-def communication_checks(
-    cfg, dp: int, mp: int, got: dict, *, batch_shape, itemsize, params, sp: bool = False
-) -> list[dict]:
-    """Rows comparing ``got`` (``step_collectives``) with the minimum for ``cfg`` on a dp x mp mesh
-    (with FSDP, read from ``params``' shardings, and ``sp``: ``perf.memory_collectives``)."""
-    want = expected_collectives(cfg, dp, mp, sp=sp, params=params)
+def communication_checks(cfg, layout: Layout, got: dict, *, batch_shape, itemsize, params) -> list[dict]:
+    """Rows comparing ``got`` (``step_collectives``) with the minimum for ``cfg`` on the ``layout``
+    (with FSDP, read from ``params``' shardings, and SP: ``perf.memory_collectives``)."""
+    want = expected_collectives(cfg, layout, params=params)
     count = want["all-reduce"]["total"]
     shape = {"batch": batch_shape[0], "seq_len": batch_shape[1], "itemsize": itemsize}
-    nbytes = expected_all_reduce_bytes(cfg, dp, mp, sp=sp, params=params, **shape)
+    nbytes = expected_all_reduce_bytes(cfg, layout, params=params, **shape)
     slack = scalar_slack(len(jax.tree.leaves(params)), itemsize)
-    options = "".join(f" + {o}" for o, on in (("FSDP", bool(want["all-gather"])), ("SP", sp)) if on)
-    where = f"{cfg.family} on {dp}x{mp}{options} (per layer: {PER_LAYER[cfg.family]} with mp > 1)"
+    where = f"{cfg.family} on {layout.label()} (per layer: {cfg.arch.per_layer_text()} with mp > 1)"
     ar = got["all-reduce"]
     rows = [
         check_row(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import jax
 
 from meshlm.errors import VerifierError
-from meshlm.parallel.axes import DP, MP
 from meshlm.proof.communication import communication_checks, step_collectives
 from meshlm.proof.controls import Control
 from meshlm.proof.report import LeafResult, compare_into
@@ -71,13 +70,7 @@ def _differing_leaves(control: Control, runs: Runs, ocfg, rtol, atol) -> list[st
 
 def _by_collectives(control: Control, runs: Runs) -> dict:
     got = step_collectives(
-        runs.problem.build_loss,
-        runs.mesh,
-        runs.specs,
-        runs.params,
-        runs.batch,
-        control.par_cls,
-        sp=runs.problem.sp,
+        runs.problem.build_loss, runs.layout, runs.specs, runs.params, runs.batch, control.par_cls
     )
     rows = communication_rows(runs, got)
     failed = [r for r in rows if not r["ok"]]
@@ -91,12 +84,5 @@ def communication_rows(runs: Runs, got: dict) -> list[dict]:
     # Activations and the loss are computed at least in float32 (float64 in the x64 proof).
     itemsize = max(jax.tree.leaves(runs.params)[0].dtype.itemsize, 4)
     return communication_checks(
-        p.cfg,
-        runs.mesh.shape[DP],
-        runs.mesh.shape[MP],
-        got,
-        batch_shape=p.batch["inputs"].shape,
-        itemsize=itemsize,
-        params=runs.params,
-        sp=p.sp,
+        p.cfg, runs.layout, got, batch_shape=p.batch["inputs"].shape, itemsize=itemsize, params=runs.params
     )

@@ -144,7 +144,7 @@ class Where:
 
     @property
     def attention(self) -> bool:
-        return self.cfg is not None and self.cfg.family != "ff"
+        return self.cfg is not None and self.cfg.arch.attention
 
     @property
     def kv_replicated(self) -> bool:

@@ -14,7 +14,7 @@ import numpy as np
 
 from meshlm.data.device_batches import device_batch
 from meshlm.data.stream import Batcher, TokenStream
-from meshlm.parallel.axes import DP
+from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import to_host
 from meshlm.proof.report import check_row
 
@@ -31,9 +31,11 @@ def one_device_batch(batcher: Batcher, step: int, accum: int) -> dict[str, np.nd
     return {k: v.reshape(rows, accum, -1).transpose(1, 0, 2) for k, v in full.items()}
 
 
-def data_checks(mesh, *, batch: int, seq_len: int, steps: int = 3, seed: int = 0) -> list[dict]:
-    """One row per accumulation setting that ``batch`` allows on this mesh (1, and 2 when it splits)."""
-    dp = mesh.shape[DP]
+def data_checks(where, *, batch: int, seq_len: int, steps: int = 3, seed: int = 0) -> list[dict]:
+    """One row per accumulation setting that ``batch`` allows on ``where`` (a Layout or a jax Mesh):
+    1, and 2 when it splits."""
+    layout = Layout.of(where)
+    dp = layout.dp
     stream = TokenStream(np.random.default_rng(seed).integers(0, 256, STREAM_TOKENS))
     rows = []
     for accum in (1, 2):
@@ -43,7 +45,7 @@ def data_checks(mesh, *, batch: int, seq_len: int, steps: int = 3, seed: int = 0
         bad = [
             step
             for step in range(steps)
-            if not _equal(device_batch(batcher, step, mesh, accum), one_device_batch(batcher, step, accum))
+            if not _equal(device_batch(batcher, step, layout, accum), one_device_batch(batcher, step, accum))
         ]
         detail = (
             f"steps {bad} differ from the one-device batch"

@@ -53,7 +53,8 @@ def model_problem(
     ``fsdp`` (over ``dp``) and ``sp`` are the memory options the sharded run uses."""
     from meshlm.model.padding import resize_tree
     from meshlm.model.transformer import loss_fn
-    from meshlm.parallel.rules import model_specs
+    from meshlm.parallel.layout import Layout
+    from meshlm.sharding.rules import model_specs
 
     rebuild = lambda c: lambda par: loss_fn(c, par)
     padding = {}
@@ -65,12 +66,12 @@ def model_problem(
         )
     return Problem(
         build_loss=rebuild(cfg),
-        specs_fn=lambda abstract: model_specs(cfg, abstract, mp, dp=dp, fsdp=fsdp),
+        specs_fn=lambda abstract: model_specs(cfg, abstract, Layout(dp=dp, mp=mp, fsdp=fsdp)),
         batch=random_batch(cfg.vocab_size, (batch_size, seq_len), seed),
         name=name,
         cfg=cfg,
         rebuild=rebuild,
-        has_row_bias=cfg.family in ("ff", "gptj") or cfg.embed_bias,
+        has_row_bias=cfg.arch.biases or cfg.embed_bias,
         **padding,
         fsdp=fsdp,
         sp=sp,

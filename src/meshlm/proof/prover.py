@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from meshlm.data.tokens import check_batch
 from meshlm.model.params import flat_params
-from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import bytes_per_device, to_host, total_bytes
 from meshlm.proof.communication import step_collectives
 from meshlm.proof.control_runs import communication_rows, run_control
@@ -40,7 +40,7 @@ TOLERANCE = {"float32": (2e-4, 1e-6), "float64": (1e-12, 1e-15)}
 
 def verify(
     problem: Problem,
-    mesh,
+    where,
     *,
     steps: int = 0,
     dtype=jnp.float32,
@@ -50,7 +50,8 @@ def verify(
     collectives: bool = False,
     data_steps: int = 0,
 ) -> Report:
-    """Prove ``problem`` sharded on ``mesh`` equals it unsharded; see the module docstring.
+    """Prove ``problem`` sharded on ``where`` (a jax Mesh or a Layout, with the problem's memory
+    options) equals it unsharded; see the module docstring.
 
     ``collectives`` adds the communication check (needs ``problem.cfg``); ``data_steps`` > 0 adds
     the data-pipeline check over that many steps."""
@@ -58,9 +59,10 @@ def verify(
     rtol, atol = TOLERANCE[dname]
     if problem.cfg is not None:
         check_batch(problem.batch, problem.cfg.vocab_size)
-    dp, mp = mesh.shape[DP], mesh.shape[MP]
+    layout = Layout.of(where, fsdp=problem.fsdp, sp=problem.sp)
+    dp, mp = layout.dp, layout.mp
     report = Report(config=problem.name, dp=dp, mp=mp, steps=steps, dtype=dname, rtol=rtol, atol=atol)
-    runs = Runs(problem, mesh, dtype, seed)
+    runs = Runs(problem, layout, dtype, seed)
     try:
         sharded = runs.proven_grads()
     except ValueError as e:
@@ -122,9 +124,9 @@ def _checks(runs: Runs, steps: int, ocfg, collectives: bool, data_steps: int, se
     rows.append(sharded_check(runs.sharded_hlo, runs.mesh.size))
     if collectives:
         p = runs.problem
-        got = step_collectives(p.build_loss, runs.mesh, runs.specs, runs.params, runs.batch, sp=p.sp)
+        got = step_collectives(p.build_loss, runs.layout, runs.specs, runs.params, runs.batch)
         rows += communication_rows(runs, got)
     if data_steps:
         b, t = runs.problem.batch["inputs"].shape
-        rows += data_checks(runs.mesh, batch=b, seq_len=t, steps=data_steps, seed=seed)
+        rows += data_checks(runs.layout, batch=b, seq_len=t, steps=data_steps, seed=seed)
     return rows

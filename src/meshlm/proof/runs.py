@@ -12,25 +12,27 @@ import jax
 import jax.numpy as jnp
 
 from meshlm.parallel.context import Parallel
-from meshlm.parallel.placement import put_global, to_host
-from meshlm.parallel.rules import batch_sharding, init_sharded
-from meshlm.parallel.spmd import reference_value_and_grad, sharded_value_and_grad
+from meshlm.parallel.layout import Layout
+from meshlm.parallel.placement import batch_sharding, put_global, to_host
 from meshlm.proof.controls import per_shard_clip
 from meshlm.proof.problem import Problem
+from meshlm.sharding.rules import init_sharded
+from meshlm.sharding.spmd import reference_value_and_grad, sharded_value_and_grad
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
 
-def put_batch(batch, mesh, accum: bool):
+def put_batch(batch, layout: Layout, accum: bool):
     """Host batch -> global arrays (each process supplies the rows of its own devices)."""
-    sharding = batch_sharding(mesh, 2 if accum else 1)
+    sharding = batch_sharding(layout, 2 if accum else 1)
     return {k: put_global(v, sharding) for k, v in batch.items()}
 
 
 class Runs:
-    """The reference and sharded runs of one Problem on one mesh, sharing inputs and parameters."""
+    """The reference and sharded runs of one Problem on one layout, sharing inputs and parameters."""
 
-    def __init__(self, problem: Problem, mesh, dtype, seed: int):
-        self.problem, self.mesh = problem, mesh
+    def __init__(self, problem: Problem, layout: Layout, dtype, seed: int):
+        self.problem, self.layout, self.mesh = problem, layout, layout.mesh
+        mesh = self.mesh
         self.device = jax.local_devices()[0]  # the reference runs on one device of this process
         init = hk.transform(problem.build_loss(Parallel())).init
         example = jax.tree.map(jnp.asarray, problem.batch)
@@ -42,10 +44,10 @@ class Runs:
         host = problem.to_reference(jax.tree.map(to_host, self.params))
         self.ref_params = jax.device_put(host, self.device)
         self.ref_loss = problem.reference_loss or problem.build_loss
-        self.batch = put_batch(problem.batch, mesh, False)  # the global batch on the mesh
+        self.batch = put_batch(problem.batch, layout, False)  # the global batch on the mesh
 
     def sharded_fn(self, build_loss, par_cls=Parallel):
-        return jax.jit(sharded_value_and_grad(build_loss, self.mesh, self.specs, par_cls, sp=self.problem.sp))
+        return jax.jit(sharded_value_and_grad(build_loss, self.layout, self.specs, par_cls))
 
     def grads(self, build_loss, par_cls=Parallel):
         return self.sharded_fn(build_loss, par_cls)(self.params, self.batch)
@@ -86,13 +88,13 @@ class Runs:
     def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False):
         """Yield ((params, opt_state, metrics) sharded, the same unsharded) after each step."""
         opt = adamw(ocfg, self.params)
-        grad = sharded_value_and_grad(self.problem.build_loss, self.mesh, self.specs, sp=self.problem.sp)
+        grad = sharded_value_and_grad(self.problem.build_loss, self.layout, self.specs)
         clip = per_shard_clip(self.mesh, self.specs, ocfg.clip_norm) if clip_fault else None
         step = jax.jit(make_step(grad, opt, ocfg, clip))
         state = (self.params, jax.jit(opt.init)(self.params))
         accum = ocfg.accum_steps > 1
         for b, ref in zip(batches, self.reference_train(ocfg, batches), strict=True):
-            *state, metrics = step(*state, put_batch(b, self.mesh, accum))
+            *state, metrics = step(*state, put_batch(b, self.layout, accum))
             yield (*state, metrics), ref
 
 

@@ -11,14 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, NamedTuple
 
 from meshlm.errors import ConfigError
-from meshlm.model.config import PRESETS, REMAT, ModelConfig, get_config
+from meshlm.model.config import PRESETS, ModelConfig, default_seq_len, get_config
+from meshlm.model.family import COMPUTE_DTYPES, REMAT
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
+from meshlm.settings import (  # noqa: F401 - CLI_* and Switch: the train CLI reads them from here
+    CLI_COMMON,
+    CLI_FLAG,
+    CLI_HIDDEN,
+    SEQ_LEN_DEFAULT_TEXT,
+    Switch,
+    check_fields,
+    setting,
+)
 
-# seq_len=0 means min(DEFAULT_SEQ_LEN, the preset's max_seq_len), resolved by `resolve`.
-DEFAULT_SEQ_LEN = 128
 # `meshlm train` without --mesh: DEFAULT_DP x (devices / DEFAULT_DP), 2x2 on the default 4 fake devices,
 # the fastest data x model mesh on a 2-core CPU (docs/training.md, "Choosing the main job's defaults").
 DEFAULT_DP = 2
@@ -27,47 +34,7 @@ DEFAULT_DP = 2
 # trained on its training split reaches a lower val_bpb in the same time than bytes (docs/training.md, main job).
 MAIN_JOB_TOKENIZER = "bpe-1024"
 
-# How `meshlm train` exposes a field: a flag of its own, a flag the shared `add_common` already adds
-# (same dest), or not at all.
-CLI_FLAG, CLI_COMMON, CLI_HIDDEN = "flag", "common", "hidden"
-
-
-class Switch(NamedTuple):
-    """A value-less flag that sets its field to ``value`` (``--bf16`` -> compute_dtype="bfloat16")."""
-
-    flag: str  # e.g. "--bf16"
-    value: Any  # the field's value when the flag is given
-    help: str  # the flag's help text
-
-
-def _field(
-    default: Any,
-    help: str,
-    *,
-    resume_must_match: bool = False,
-    cli: str = CLI_FLAG,
-    switch: Switch | None = None,
-    shown_default: str | None = None,
-    valid: Range | None = None,
-    choices: tuple[str, ...] | None = None,
-) -> Any:
-    """A dataclass field whose metadata says what it means and how the CLI and resume treat it.
-
-    ``resume_must_match``: the value changes the computation, so a resumed run must use the saved one.
-    ``shown_default``: what the help says the default is, where the literal value would mislead.
-    ``valid``: the values a number accepts; ``__post_init__`` and the CLI's flag type both enforce it.
-    ``choices``: the values a string accepts (enforced the same two ways).
-    """
-    metadata = {
-        "help": help,
-        "resume_must_match": resume_must_match,
-        "cli": cli,
-        "switch": switch,
-        "shown_default": shown_default,
-        "valid": valid,
-        "choices": choices,
-    }
-    return dataclasses.field(default=default, metadata=metadata)
+_field = setting  # a field that describes itself (``meshlm.settings``)
 
 
 @dataclass(frozen=True)
@@ -94,7 +61,7 @@ class TrainConfig:
         0,
         "tokens (bytes) per sequence",
         resume_must_match=True,
-        shown_default=f"min({DEFAULT_SEQ_LEN}, the preset's max_seq_len)",
+        shown_default=SEQ_LEN_DEFAULT_TEXT,
         valid=Range(int, 0, note="0: the preset's default"),
     )
     lr: float = _field(
@@ -121,7 +88,7 @@ class TrainConfig:
         "float32, or bfloat16: bf16 compute with float32 master weights",
         resume_must_match=True,
         switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights"),
-        choices=("float32", "bfloat16"),
+        choices=COMPUTE_DTYPES,
     )
     eval_every: int = _field(
         120,
@@ -194,13 +161,7 @@ class TrainConfig:
 
 def _validate(tcfg: TrainConfig) -> None:
     """Every field's range and choices, and the batch split: one-line errors naming the flag."""
-    for f in dataclasses.fields(tcfg):
-        value, valid, choices = getattr(tcfg, f.name), f.metadata["valid"], f.metadata["choices"]
-        if valid is not None and (problem := valid.problem(f.name, value)):
-            flag = "--" + f.name.replace("_", "-")
-            raise ConfigError(f"{problem} (the default is {flag} {f.default})")
-        if choices and value not in choices:
-            raise ConfigError(f"{f.name}={value!r}; valid: {', '.join(choices)}")
+    check_fields(tcfg)
     if tcfg.batch_size % tcfg.accum_steps:
         fit = (tcfg.batch_size // tcfg.accum_steps + 1) * tcfg.accum_steps
         raise ConfigError(
@@ -221,7 +182,7 @@ def resolve(tcfg: TrainConfig) -> tuple[TrainConfig, ModelConfig]:
     all see the resolved value, so a default run resumes under an explicit ``--seq-len`` and back.
     """
     cfg = get_config(tcfg.config)
-    seq_len = tcfg.seq_len or min(DEFAULT_SEQ_LEN, cfg.max_seq_len)
+    seq_len = default_seq_len(cfg, tcfg.seq_len)
     if seq_len > cfg.max_seq_len:
         raise ConfigError(
             f"seq_len={seq_len} exceeds the {tcfg.config} config's max_seq_len="
@@ -248,13 +209,4 @@ def check_byte_vocab(tcfg: TrainConfig, cfg: ModelConfig) -> None:
         raise ConfigError(
             f"the {tcfg.config} preset has vocab_size={cfg.vocab_size}, but the training data is bytes "
             f"(needs {VOCAB_SIZE}); use a byte-vocabulary preset ({fits})"
-        )
-
-
-def check_seq_split(tcfg: TrainConfig, mp: int) -> None:
-    """``--sp`` splits the sequence over mp: a length it cannot split is an error naming the fix."""
-    if tcfg.sp and tcfg.seq_len % mp:
-        raise ConfigError(
-            f"--sp splits the sequence over mp={mp}, but seq_len={tcfg.seq_len} is not divisible "
-            f"by it; use a --seq-len that is a multiple of {mp}"
         )

@@ -49,7 +49,9 @@ def save(run: Run) -> None:
     if run.saved_step == run.step:
         return
     state = {"params": run.params, "opt_state": run.opt_state}
-    run.ckpt.save(run.step, state, checkpoint_meta(run.tcfg, run.cfg, run.step, run.mesh, run.tokenizer_meta))
+    run.ckpt.save(
+        run.step, state, checkpoint_meta(run.tcfg, run.cfg, run.step, run.layout, run.tokenizer_meta)
+    )
     run.saved_step = run.step
 
 
@@ -106,7 +108,7 @@ def _healthy(run: Run):
 def _dispatch(run: Run, healthy) -> dict:
     """Start the next step (JAX dispatches asynchronously) and advance ``run.step``; its metrics stay
     on device. With ``healthy`` False (a previous step was non-finite) the step keeps the state."""
-    batch = device_batch(run.batcher, run.step, run.mesh, run.tcfg.accum_steps)
+    batch = device_batch(run.batcher, run.step, run.layout, run.tcfg.accum_steps)
     run.params, run.opt_state, metrics = run.step_fn(run.params, run.opt_state, batch, healthy)
     run.step += 1
     return metrics
@@ -229,9 +231,10 @@ def _eval_and_log(run: Run, bar=None) -> dict:
     return row
 
 
-def train(tcfg: TrainConfig, mesh) -> dict:
-    """Train (or resume) per ``tcfg`` on ``mesh``; returns a summary dict."""
-    run = build_run(tcfg, mesh)
+def train(tcfg: TrainConfig, where) -> dict:
+    """Train (or resume) per ``tcfg`` on ``where`` (a Layout or a jax Mesh; --fsdp and --sp are
+    ``tcfg``'s); returns a summary dict."""
+    run = build_run(tcfg, where)
     try:
         return _train(run)
     finally:
@@ -279,7 +282,7 @@ def _finish(run: Run, summary: dict) -> None:
 
 
 def _sample(run: Run) -> str:
-    gen = Generator(run.cfg, run.params, run.mesh, tokenizer=run.tokenizer, eod=run.tokenizer.eod_id)
+    gen = Generator(run.cfg, run.params, run.layout, tokenizer=run.tokenizer, eod=run.tokenizer.eod_id)
     n = min(run.tcfg.sample_tokens, run.cfg.max_seq_len - 8)
     result = gen.generate(["def "], max_new_tokens=n, temperature=0.8, top_k=40, seed=run.tcfg.seed)[0]
     return "def " + result.text

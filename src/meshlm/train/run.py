@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
 
 from meshlm.data.corpus import load_splits
 from meshlm.data.device_batches import eval_arrays
@@ -31,10 +30,10 @@ from meshlm.io.run_lock import RunLock, lock_run
 from meshlm.model.config import ModelConfig, from_dict
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel import distributed
-from meshlm.parallel.axes import DP, MP
-from meshlm.parallel.rules import model_specs, shardings
-from meshlm.parallel.spmd import sharded_loss
-from meshlm.train.config import TrainConfig, check_seq_split, resolve, resume_must_match
+from meshlm.parallel.layout import Layout
+from meshlm.sharding.rules import model_specs, shardings
+from meshlm.sharding.spmd import sharded_loss
+from meshlm.train.config import TrainConfig, resolve, resume_must_match
 from meshlm.train.metrics import OUTPUTS, MetricsLog
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step, step_model
 from meshlm.train.tokenizers import run_tokenizer, tokenizer_meta
@@ -46,7 +45,7 @@ class Run:
 
     tcfg: TrainConfig  # resolved (see `resolve`): what the checkpoint meta records
     cfg: ModelConfig  # the preset's model
-    mesh: Mesh  # dp x mp devices
+    layout: Layout  # dp x mp devices and the memory options (fsdp, sp: the run's --fsdp, --sp)
     specs: dict  # parameter PartitionSpecs
     params: dict  # current parameters, sharded per specs
     opt_state: Any  # current optimizer state, sharded like params
@@ -63,24 +62,24 @@ class Run:
     tokenizer_meta: dict | None = None  # its checkpoint meta entry (``train.tokenizers``)
     val_bytes_per_token: float = 1.0  # UTF-8 bytes per validation target: val_bpb's denominator
 
+    @property
+    def mesh(self):
+        return self.layout.mesh
+
     def release(self) -> None:
         """Let another run use the directory."""
         if self.lock is not None:
             self.lock.release()
 
 
-def _load_data(tcfg: TrainConfig, cfg: ModelConfig, dp: int, tok: Tokenizer, store: TokenStore | None):
+def _load_data(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, tok: Tokenizer, store: TokenStore | None):
     if store is not None:  # memory-mapped; its ids are the tokenizer's, never scanned here
         train, val, info = store.splits(tok, cfg.vocab_size)
     else:
         train, val, info = load_splits(list(tcfg.data) or None, tokenizer=tok)
         check_token_range(train.tokens, cfg.vocab_size, "training data")
         check_token_range(val.tokens, cfg.vocab_size, "validation data")
-    if tcfg.micro_batch % dp:
-        raise ConfigError(
-            f"batch_size/accum_steps={tcfg.micro_batch} is not divisible by dp={dp}; "
-            f"use a batch size that is a multiple of {dp * tcfg.accum_steps}"
-        )
+    layout.check_batch(tcfg.batch_size, tcfg.accum_steps)
     batcher = Batcher(train, tcfg.seq_len, tcfg.batch_size, tcfg.seed)
     val_batches = Batcher(val, tcfg.seq_len, tcfg.micro_batch, tcfg.seed).eval_batches(tcfg.eval_batches)
     targets = sum(b["targets"].size for b in val_batches)
@@ -89,17 +88,19 @@ def _load_data(tcfg: TrainConfig, cfg: ModelConfig, dp: int, tok: Tokenizer, sto
 
 
 def checkpoint_meta(
-    tcfg: TrainConfig, cfg: ModelConfig, step: int, mesh: Mesh, tokenizer: dict | None = None
+    tcfg: TrainConfig, cfg: ModelConfig, step: int, layout: Layout, tokenizer: dict | None = None
 ) -> dict:
     """The meta saved with every checkpoint; ``_check_resumable`` reads its ``train_config`` back.
-    ``tokenizer``: the entry ``tokenizer_meta`` returned (default: bytes)."""
+    ``tokenizer``: the entry ``tokenizer_meta`` returned (default: bytes). ``layout`` is recorded
+    (``Layout.to_dict``); checkpoints saved before it have only ``mesh`` and load the same."""
     return {
         "tokenizer": tokenizer or {"kind": "bytes"},
         "format": FORMAT,
         "model_config": cfg.to_dict(),
         "train_config": tcfg.to_dict(),
         "data": {"next_step": step, "seed": tcfg.seed},
-        "mesh": dict(mesh.shape),
+        "mesh": layout.shape,
+        "layout": layout.to_dict(),
         "process_count": jax.process_count(),
     }
 
@@ -156,32 +157,25 @@ def _model_meta(meta: dict | None, cfg: ModelConfig) -> dict:
     return saved if same else cfg.to_dict()
 
 
-def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, ckpt: Checkpointer):
+def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, ckpt: Checkpointer):
     """(params, opt_state, step, specs, step_fn): resumed from ``ckpt``'s newest checkpoint, else
     fresh (initialised, or loaded from ``tcfg.checkpoint``) at step 0."""
     meta = _check_existing(tcfg, ckpt)
-    specs = run_specs(tcfg, cfg, mesh)
+    specs = run_specs(tcfg, cfg, layout)
     if tcfg.checkpoint:
-        loaded_cfg, params, _ = load_model(tcfg.checkpoint, mesh)
-        params = jax.device_put(params, shardings(specs, mesh))  # onto FSDP slices, if asked
+        loaded_cfg, params, _ = load_model(tcfg.checkpoint, layout)
+        params = jax.device_put(params, shardings(specs, layout.mesh))  # onto FSDP slices, if asked
         if loaded_cfg != cfg:
             raise CheckpointError(
                 f"--checkpoint {tcfg.checkpoint} holds a different model than --config "
                 f"{tcfg.config}; pass the config it was made with"
             )
     else:
-        params, specs = init_model(cfg, mesh, tcfg.seed, fsdp=tcfg.fsdp)
+        params, specs = init_model(cfg, layout, tcfg.seed)
     step_fn, opt = sharded_step(
-        step_config(tcfg, cfg),
-        tcfg.optim(),
-        mesh,
-        specs,
-        params,
-        COMPUTE_DTYPES[tcfg.compute_dtype],
-        fsdp=tcfg.fsdp,
-        sp=tcfg.sp,
+        step_config(tcfg, cfg), tcfg.optim(), layout, specs, params, COMPUTE_DTYPES[tcfg.compute_dtype]
     )
-    opt_state = init_opt_state(opt, params, specs, mesh)
+    opt_state = init_opt_state(opt, params, specs, layout.mesh)
     step = 0
     target = {"params": params, "opt_state": opt_state}
     # resume() also moves aside newer step directories it could not use, which would block saves.
@@ -196,12 +190,16 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, ckpt: Checkp
     return params, opt_state, step, specs, step_fn
 
 
-def run_specs(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh) -> dict:
+def run_layout(tcfg: TrainConfig, where) -> Layout:
+    """The run's Layout: ``where`` (a Layout, or a jax Mesh) with the run's --fsdp and --sp."""
+    return Layout.of(where, fsdp=tcfg.fsdp, sp=tcfg.sp)
+
+
+def run_specs(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout) -> dict:
     """The parameter specs of this run (with ``--fsdp``, weights split over dp); a dimension the mesh
     cannot split, or (``--sp``) a sequence mp cannot split, is a one-line error before any work."""
-    dp, mp = mesh.shape[DP], mesh.shape[MP]
-    check_seq_split(tcfg, mp)
-    return model_specs(cfg, abstract_params(cfg, mesh), mp, dp=dp, fsdp=tcfg.fsdp)
+    layout.check_seq_len(tcfg.seq_len)
+    return model_specs(cfg, abstract_params(cfg, layout), layout)
 
 
 def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
@@ -215,14 +213,16 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
-def build_run(tcfg: TrainConfig, mesh: Mesh) -> Run:
-    """Resolve ``tcfg``, load the data, and initialise or resume the state on ``mesh``."""
+def build_run(tcfg: TrainConfig, where) -> Run:
+    """Resolve ``tcfg``, load the data, and initialise or resume the state on ``where`` (a Layout or
+    a jax Mesh; the run's --fsdp and --sp are ``tcfg``'s)."""
     tcfg, cfg = resolve(tcfg)
+    layout = run_layout(tcfg, where)
     store = store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store (checked) or None
-    run_specs(tcfg, cfg, mesh)  # bad --fsdp / --sp combinations fail before the data is read
+    run_specs(tcfg, cfg, layout)  # bad --fsdp / --sp combinations fail before the data is read
     tok, cfg = run_tokenizer(tcfg, cfg)
     out = Path(tcfg.out)
-    batcher, val, info = _load_data(tcfg, cfg, mesh.shape[DP], tok, store)
+    batcher, val, info = _load_data(tcfg, cfg, layout, tok, store)
     distributed.print0(
         f"data: {info['source']}; train {info['train_bytes']:,} bytes in {info['train_files']} "
         f"files, validation {info['val_bytes']:,} bytes in {info['val_files']}; {info['tokenizer']}",
@@ -230,7 +230,7 @@ def build_run(tcfg: TrainConfig, mesh: Mesh) -> Run:
     )
     lock = lock_run(out)  # before anything in `out` is read or written; creates it
     try:
-        run = _build(tcfg, cfg, mesh, out, batcher, val, lock)
+        run = _build(tcfg, cfg, layout, out, batcher, val, lock)
         run.tokenizer, run.tokenizer_meta = tok, tokenizer_meta(out, tok)
         run.val_bytes_per_token = info["val_bytes_per_token"]
         return run
@@ -240,27 +240,25 @@ def build_run(tcfg: TrainConfig, mesh: Mesh) -> Run:
         raise
 
 
-def _build(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, out: Path, batcher, val, lock) -> Run:
+def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, out: Path, batcher, val, lock) -> Run:
     """The state and outputs in ``out``, which this run has locked."""
     ckpt = Checkpointer(out, keep=tcfg.keep)
-    params, opt_state, step, specs, step_fn = _initial_state(tcfg, cfg, mesh, ckpt)
+    params, opt_state, step, specs, step_fn = _initial_state(tcfg, cfg, layout, ckpt)
     log = MetricsLog(out, enabled=distributed.is_main())
     log.truncate_after(step, redo_eval=step == 0 or step >= tcfg.steps)
     dtype = COMPUTE_DTYPES[tcfg.compute_dtype]
     return Run(
         tcfg=tcfg,
         cfg=cfg,
-        mesh=mesh,
+        layout=layout,
         specs=specs,
         params=params,
         opt_state=opt_state,
         step=step,
         step_fn=step_fn,
-        eval_fn=jax.jit(
-            sharded_loss(lambda par: loss_fn(step_config(tcfg, cfg), par), mesh, specs, dtype, sp=tcfg.sp)
-        ),
+        eval_fn=jax.jit(sharded_loss(lambda par: loss_fn(step_config(tcfg, cfg), par), layout, specs, dtype)),
         batcher=batcher,
-        val=eval_arrays(val, mesh),
+        val=eval_arrays(val, layout),
         ckpt=ckpt,
         log=log,
         saved_step=step if step else -1,

@@ -12,14 +12,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ShardingError
+from meshlm.model import family
 from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import loss_fn
-from meshlm.parallel.axes import DP, MP
-from meshlm.parallel.rules import dp_sharded, model_specs, shardings
-from meshlm.parallel.spmd import reference_value_and_grad, sharded_value_and_grad
+from meshlm.parallel.layout import Layout
+from meshlm.sharding.rules import dp_sharded, model_specs, shardings
+from meshlm.sharding.spmd import reference_value_and_grad, sharded_value_and_grad
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
-COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
+# The compute dtypes (``model.family.COMPUTE_DTYPES``) as arrays' dtypes; float32: the master weights'.
+COMPUTE_DTYPES = dict(zip(family.COMPUTE_DTYPES, (None, jnp.bfloat16), strict=True))
 
 
 def step_model(cfg: ModelConfig, *, remat: str, unroll: int, fsdp: bool) -> ModelConfig:
@@ -27,50 +29,38 @@ def step_model(cfg: ModelConfig, *, remat: str, unroll: int, fsdp: bool) -> Mode
     every layer (straight-line code, ~1.2x faster on CPU) unless FSDP or remat is on: their memory
     saving needs the rolled loop (1), since XLA schedules straight-line code to hold every layer's
     gathered weights or recomputed activations at once (``meshlm plan``, tiny-llama on 2x4: full remat
-    peak 8.6 MB unrolled, 5.4 MB rolled; ``small`` on 8x1 with FSDP: temporaries 153 MB, 56 MB)."""
+    peak 8.6 MiB unrolled, 5.4 MiB rolled; ``small`` on 8x1 with FSDP: temporaries 153 MiB, 56 MiB)."""
     if not unroll:
         unroll = 1 if fsdp or remat != "none" else cfg.n_layers
     return cfg.replace(remat=remat, unroll=unroll)
 
 
-def init_model(cfg: ModelConfig, mesh, seed: int, dtype=None, *, fsdp: bool = False):
-    """Parameters created already sharded on ``mesh`` (``fsdp``: weights also split over DP):
-    returns (params, specs)."""
+def init_model(cfg: ModelConfig, where, seed: int, dtype=None):
+    """Parameters created already sharded on ``where``, a Layout (with ``fsdp``, weights also split
+    over DP) or a jax Mesh: returns (params, specs)."""
     from meshlm.model.transformer import init_fn
-    from meshlm.parallel.rules import init_sharded
+    from meshlm.sharding.rules import init_sharded
 
+    layout = Layout.of(where)
     init, example = init_fn(cfg)
-    mp, dp = mesh.shape[MP], mesh.shape[DP]
     return init_sharded(
         init,
         jax.random.PRNGKey(seed),
         example,
-        specs_fn=lambda a: model_specs(cfg, a, mp, dp=dp, fsdp=fsdp),
-        mesh=mesh,
+        specs_fn=lambda a: model_specs(cfg, a, layout),
+        mesh=layout.mesh,
         dtype=dtype,
     )
 
 
-def sharded_step(
-    cfg: ModelConfig,
-    ocfg: OptimConfig,
-    mesh,
-    specs,
-    params,
-    compute_dtype=None,
-    *,
-    fsdp: bool = False,
-    sp: bool = False,
-):
+def sharded_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, specs, params, compute_dtype=None):
     """(step_fn, optimizer): step_fn(params, opt_state, batch) -> (params, opt_state, metrics).
 
-    ``params`` may be arrays or ShapeDtypeStructs (ahead-of-time compilation). ``fsdp``: ``specs``
-    split weights over DP (``model_specs(..., fsdp=True)``; checked); ``sp``: sequence parallelism."""
-    check_fsdp_specs(specs, fsdp)
+    ``params`` may be arrays or ShapeDtypeStructs (ahead-of-time compilation). With ``layout.fsdp``
+    ``specs`` must split weights over DP (``model_specs`` on that layout; checked)."""
+    check_fsdp_specs(specs, layout.fsdp)
     opt = adamw(ocfg, params)
-    grad = sharded_value_and_grad(
-        lambda par: loss_fn(cfg, par), mesh, specs, compute_dtype=compute_dtype, sp=sp
-    )
+    grad = sharded_value_and_grad(lambda par: loss_fn(cfg, par), layout, specs, compute_dtype=compute_dtype)
     return jax.jit(make_step(grad, opt, ocfg), donate_argnums=(0, 1)), opt
 
 
@@ -80,8 +70,8 @@ def check_fsdp_specs(specs, fsdp: bool) -> None:
     if split != fsdp:
         have = "split weights over dp" if split else "do not split weights over dp"
         raise ShardingError(
-            f"fsdp={fsdp} but the parameter specs {have}; build them with "
-            f"model_specs(..., fsdp={fsdp}) (or init_model(..., fsdp={fsdp}))"
+            f"fsdp={fsdp} but the parameter specs {have}; build them with model_specs (or "
+            f"init_model) on a Layout with fsdp={fsdp}"
         )
 
 

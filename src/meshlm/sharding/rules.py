@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from meshlm.errors import ShardingError
 from meshlm.model.params import is_embedding, is_matmul_weight, is_stacked, param_path
 from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.layout import Layout
 
 KV = "kv_heads"  # placeholder: MP when mp divides the KV heads, replicated when they are repeated
 
@@ -47,9 +48,6 @@ FSDP_RULES: tuple[tuple[str, int], ...] = (
     (r"/mlp/w_(in|gate|up)$", 0),  # [D, F]
     (r"/mlp/w_(out|down)$", 1),  # [F, D]
 )
-
-BATCH_SPEC = P(DP, None)  # inputs / targets [B, T]: rows split over data-parallel shards
-ACCUM_BATCH_SPEC = P(None, DP, None)  # [A, B, T] with gradient accumulation: micro-batch major
 
 
 def spec_for(path: str, shape: Sequence[int], mp: int, rules=RULES, kv_axis=MP) -> P:
@@ -107,13 +105,14 @@ def fsdp_spec(path: str, shape: Sequence[int], spec: P, dp: int) -> P:
     return P(*dims)
 
 
-def model_specs(cfg, abstract_params, mp: int, *, dp: int = 1, fsdp: bool = False):
-    """Specs for a meshlm model, resolving the KV placeholder for its config; with ``fsdp`` every
-    weight is also split over ``dp`` (``fsdp_spec``)."""
+def model_specs(cfg, abstract_params, layout: Layout):
+    """Specs for a meshlm model on ``layout``, resolving the KV placeholder for its config; with
+    ``layout.fsdp`` every weight is also split over dp (``fsdp_spec``)."""
     from meshlm.model.attention import kv_replicated
 
+    mp, dp = layout.mp, layout.dp
     kv_axis = MP
-    if cfg.family != "ff":
+    if cfg.arch.attention:
         if cfg.n_heads % mp:
             raise ShardingError(
                 f"n_heads={cfg.n_heads} is not divisible by mp={mp}: the mesh cannot "
@@ -127,7 +126,7 @@ def model_specs(cfg, abstract_params, mp: int, *, dp: int = 1, fsdp: bool = Fals
             f"vocab_multiple={cfg.vocab_multiple}); choose an mp that divides {cfg.padded_vocab}"
         )
     specs = param_specs(abstract_params, mp, RULES, kv_axis)
-    if not fsdp:
+    if not layout.fsdp:
         return specs
     return {
         mod: {
@@ -141,11 +140,6 @@ def model_specs(cfg, abstract_params, mp: int, *, dp: int = 1, fsdp: bool = Fals
 def dp_sharded(spec: P) -> bool:
     """Whether a parameter is stored split over DP (FSDP)."""
     return any(d == DP or (isinstance(d, tuple) and DP in d) for d in spec)
-
-
-def batch_sharding(mesh, accum_steps: int) -> NamedSharding:
-    """Host batches are [B, T], or [A, B, T] with gradient accumulation; rows split over DP."""
-    return NamedSharding(mesh, BATCH_SPEC if accum_steps == 1 else ACCUM_BATCH_SPEC)
 
 
 def shardings(specs, mesh):

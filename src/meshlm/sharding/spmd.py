@@ -18,15 +18,13 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.axes import DP
 from meshlm.parallel.context import Parallel
-from meshlm.parallel.rules import BATCH_SPEC, dp_sharded
+from meshlm.parallel.layout import Layout
+from meshlm.parallel.placement import BATCH_SPEC
+from meshlm.sharding.rules import dp_sharded
 
 LossBuilder = Callable[[Parallel], Callable]
-
-
-def mesh_parallel(mesh, par_cls: type[Parallel] = Parallel, *, sp: bool = False) -> Parallel:
-    return par_cls(mp=mesh.shape[MP], dp=mesh.shape[DP], sharded=True, sp=sp)
 
 
 def with_compute_dtype(apply, dtype):
@@ -60,21 +58,24 @@ def _dp_varying(apply, specs):
 
 
 def sharded_value_and_grad(
-    build_loss: LossBuilder, mesh, specs, par_cls=Parallel, compute_dtype=None, *, sp: bool = False
+    build_loss: LossBuilder, layout: Layout, specs, par_cls=Parallel, compute_dtype=None
 ):
-    """fn(params, batch) -> (loss, grads) on the mesh: params laid out by ``specs``, batch rows over DP
-    (``sp``: activations between blocks split over the sequence on MP).
+    """fn(params, batch) -> (loss, grads) on the layout's mesh: params laid out by ``specs``, batch rows
+    over DP (``layout.sp``: activations between blocks split over the sequence on MP).
 
     Inputs: global arrays. Outputs: the loss (replicated) and gradients in the parameters' layout.
     """
-    apply = hk.without_apply_rng(hk.transform(build_loss(mesh_parallel(mesh, par_cls, sp=sp)))).apply
+    apply = hk.without_apply_rng(hk.transform(build_loss(layout.parallel(par_cls)))).apply
     body = jax.value_and_grad(_dp_varying(with_compute_dtype(apply, compute_dtype), specs))
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, BATCH_SPEC), out_specs=(P(), specs))
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=(specs, BATCH_SPEC), out_specs=(P(), specs))
 
 
-def sharded_loss(build_loss: LossBuilder, mesh, specs, compute_dtype=None, *, sp: bool = False):
-    """fn(params, batch) -> loss on the mesh (evaluation: no gradients)."""
-    apply = hk.without_apply_rng(hk.transform(build_loss(mesh_parallel(mesh, sp=sp)))).apply
+def sharded_loss(build_loss: LossBuilder, layout: Layout, specs, compute_dtype=None):
+    """fn(params, batch) -> loss on the layout's mesh (evaluation: no gradients)."""
+    apply = hk.without_apply_rng(hk.transform(build_loss(layout.parallel()))).apply
     return jax.shard_map(
-        with_compute_dtype(apply, compute_dtype), mesh=mesh, in_specs=(specs, BATCH_SPEC), out_specs=P()
+        with_compute_dtype(apply, compute_dtype),
+        mesh=layout.mesh,
+        in_specs=(specs, BATCH_SPEC),
+        out_specs=P(),
     )

@@ -1,0 +1,52 @@
+"""What ``meshlm verify`` proves, as one settings dataclass: its flags are built from the fields
+(``meshlm.cli.common.add_flags``), as ``meshlm train``'s are from ``TrainConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshlm.model.family import REMAT
+from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_INT, Range
+from meshlm.settings import CLI_COMMON, SEQ_LEN_DEFAULT_TEXT, Switch, check_fields, setting
+
+# One token attends only to itself: the causal mask and attention across positions would go unproven
+# (and 0 tokens give a NaN loss, reported as a FAIL).
+MIN_SEQ_LEN = 2
+
+
+@dataclass(frozen=True)
+class VerifySettings:
+    config: str = setting("seed", "model preset (see `meshlm configs`)", cli=CLI_COMMON)
+    seed: int = setting(0, "random seed", cli=CLI_COMMON, valid=NON_NEGATIVE_INT)
+    steps: int = setting(0, "also compare K full training steps", valid=NON_NEGATIVE_INT)
+    x64: bool = setting(False, "float64: worst relative error must be <= 1e-12")
+    batch_size: int | None = setting(
+        None, "global batch, a multiple of dp", shown_default="2 x dp", valid=POSITIVE_INT
+    )
+    seq_len: int | None = setting(
+        None,
+        f"sequence length (>= {MIN_SEQ_LEN}; at most the model's max_seq_len)",
+        shown_default=SEQ_LEN_DEFAULT_TEXT,
+        valid=Range(int, MIN_SEQ_LEN),
+    )
+    checkpoint: str | None = setting(None, "prove with these parameters (run dir or step dir)")
+    z_loss: float | None = setting(None, "prove with this z-loss coefficient", valid=NON_NEGATIVE_FLOAT)
+    collectives: bool = setting(
+        True,
+        "the communication check",
+        switch=Switch(
+            "--no-collectives",
+            False,
+            "skip the communication check (compiling the train step and counting its collectives)",
+        ),
+    )
+    fsdp: bool = setting(False, "prove FSDP: weights and moments split over dp")
+    sp: bool = setting(False, "prove sequence parallelism over mp")
+    remat: str | None = setting(
+        None, "prove with this recomputation policy", shown_default="the config's", choices=REMAT
+    )
+    matrix: bool = setting(False, "prove every preset x mesh x option that fits")
+    md: bool = setting(False, "with --matrix: print the table as markdown")
+
+    def __post_init__(self):
+        check_fields(self)  # library users never pass argparse's checks

@@ -1,0 +1,133 @@
+"""``Layout``: the mesh's axis sizes and the parallelism options, one validated value.
+
+Everything that depends on how the computation is laid out over devices takes a ``Layout``: the
+rules table (which axes split which parameter dimensions), the parallel context layers compute in
+(``parallel()``), the train step, the proof, the planner, generation, and checkpoint metadata. The
+divisibility rules a layout imposes on sizes outside the model (the batch over ``dp``, the sequence
+over ``mp`` under ``sp``) are stated here, once, as one-line errors; the model's own dimensions are
+the rules table's (``sharding.rules``).
+
+A ``Layout`` is built from sizes (``Layout(dp=2, mp=2, fsdp=True)``, validated before any device is
+touched) or from an existing mesh (``Layout.of(mesh, ...)``: the one place a mesh's shape is read).
+Its ``mesh`` is made from the sizes on first use, or is the one it was built from.
+
+Adding an axis (pipeline, context parallelism) is: a field here and its name in ``axes.MESH_AXES``
+(sizes, the mesh, reports and checkpoint meta follow them), its rules-table entries, its
+collectives in ``parallel.context``, its proof controls.
+
+This module must not import JAX at module level: the CLI validates layouts before choosing devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from meshlm.errors import ConfigError, MeshError, ShardingError
+from meshlm.parallel.axes import MESH_AXES
+
+OPTIONS = ("fsdp", "sp")  # the memory options, by their field (and flag) names
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1  # data-parallel shards: the batch's rows (and, with fsdp, weights) split over them
+    mp: int = 1  # model-parallel shards: heads, hidden units and the vocabulary split over them
+    fsdp: bool = False  # FSDP (ZeRO-3): weights and AdamW moments also split over dp
+    sp: bool = False  # sequence parallelism: activations between blocks split over the sequence on mp
+    # The mesh this layout was built from (``of``), or made on first use: not part of the value.
+    built_mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        for name in MESH_AXES:
+            size = getattr(self, name)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise MeshError(f"mesh axis {name} must be a positive integer, got {size!r}")
+        for name in OPTIONS:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    @classmethod
+    def of(cls, where, **options) -> Layout:
+        """``where`` as a Layout: a Layout (with ``options`` replaced), or a jax Mesh with ``options``
+        (the memory options default off)."""
+        if isinstance(where, Layout):
+            return dataclasses.replace(where, **options) if options else where
+        return cls(**{axis: where.shape[axis] for axis in MESH_AXES}, built_mesh=where, **options)
+
+    @property
+    def mesh(self):
+        """The jax Mesh (dp, mp) of this layout (``parallel.mesh.make_mesh`` on first use)."""
+        if self.built_mesh is None:
+            from meshlm.parallel.mesh import make_mesh
+
+            object.__setattr__(self, "built_mesh", make_mesh(*self.shape.values()))
+        return self.built_mesh
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.shape.values())
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """{axis name: size}, e.g. {"dp": 2, "mp": 2} (what reports and checkpoint meta show)."""
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+    def replace(self, **changes) -> Layout:
+        return dataclasses.replace(self, **changes)
+
+    def parallel(self, par_cls=None):
+        """The parallel context layers compute in, inside ``shard_map`` over this layout's mesh."""
+        from meshlm.parallel.context import Parallel
+
+        return (par_cls or Parallel)(mp=self.mp, dp=self.dp, sharded=True, sp=self.sp)
+
+    def label(self) -> str:
+        """The mesh and the options that are on: "2x2", "2x2 + FSDP + SP"."""
+        return "x".join(map(str, self.shape.values())) + "".join(
+            f" + {o.upper()}" for o in OPTIONS if getattr(self, o)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """What checkpoint metadata records (``from_dict`` reads it back)."""
+        return {**self.shape, **{o: getattr(self, o) for o in OPTIONS}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Layout:
+        unknown = sorted(set(d) - {*MESH_AXES, *OPTIONS})
+        if unknown:
+            valid = ", ".join((*MESH_AXES, *OPTIONS))
+            raise ConfigError(f"unknown layout field(s) {unknown}; valid: {valid}")
+        return cls(**d)
+
+    # --- the divisibility rules of sizes outside the model ------------------------------------
+    def check_seq_len(self, seq_len: int) -> None:
+        """With ``sp`` the sequence is split over mp: it must divide (a ShardingError, as for any
+        dimension the mesh does not divide: ``verify --matrix`` lists such cells as skipped)."""
+        if self.sp and self.mp > 1 and seq_len % self.mp:
+            raise ShardingError(
+                f"--sp splits the sequence over mp={self.mp}, but --seq-len {seq_len} is not divisible "
+                f"by it; use e.g. --seq-len {_next_multiple(seq_len, self.mp)}"
+            )
+
+    def check_batch(self, batch_size: int, accum_steps: int | None = None) -> None:
+        """The global batch splits into ``accum_steps`` micro-batches, each over dp."""
+        rows = self.dp * (accum_steps or 1)
+        if batch_size % rows == 0:
+            return
+        fix = f"use e.g. --batch-size {_next_multiple(batch_size, rows)}"
+        if accum_steps is None:
+            raise ConfigError(
+                f"--batch-size {batch_size} is not a multiple of dp={self.dp} (--mesh {self.dp}x{self.mp} "
+                f"is DPxMP); {fix}"
+            )
+        raise ConfigError(
+            f"--batch-size {batch_size} is not a multiple of dp x accum_steps = {self.dp} x "
+            f"{accum_steps}; {fix}"
+        )
+
+
+def _next_multiple(n: int, k: int) -> int:
+    return (n // k + 1) * k

@@ -1,0 +1,89 @@
+"""What ``meshlm bench`` measures, as one settings dataclass: the library's ``run_bench`` reads it and
+the command's flags are built from its fields (``meshlm.cli.common.add_flags``). No JAX here: the CLI
+builds its parser from it before choosing devices.
+
+Unlike ``TrainConfig`` it is not checked when built: ``check`` runs against the model and the mesh
+(the batch must split over dp, the sequence fit the model), before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from meshlm.errors import ConfigError
+from meshlm.model.config import ModelConfig, default_seq_len
+from meshlm.parallel.layout import Layout
+from meshlm.ranges import NON_NEGATIVE_INT, POSITIVE_INT
+from meshlm.settings import CLI_COMMON, SEQ_LEN_DEFAULT_TEXT, setting
+
+MIN_STEPS = 5  # fewer timed steps give a median that is mostly noise on a shared machine
+# Keeps a `small` bench near 1.5 minutes on 2 CPU cores (a step takes 1.7 s on an idle machine at
+# seq 256, 4 s on a loaded one).
+DEFAULT_BATCH = 4
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    config: str = setting("small", "model preset (see `meshlm configs`)", cli=CLI_COMMON)
+    batch_size: int | None = setting(
+        None,
+        "global batch rows, split over dp",
+        shown_default=f"{DEFAULT_BATCH}, rounded up to a multiple of dp",
+        valid=POSITIVE_INT,
+    )
+    seq_len: int | None = setting(
+        None, "tokens per row", shown_default=SEQ_LEN_DEFAULT_TEXT, valid=POSITIVE_INT
+    )
+    steps: int = setting(MIN_STEPS, f"timed steps per implementation (>= {MIN_STEPS})", valid=POSITIVE_INT)
+    warmup: int = setting(1, "untimed steps per implementation first", valid=NON_NEGATIVE_INT)
+    seed: int = setting(0, "random seed", cli=CLI_COMMON, valid=NON_NEGATIVE_INT)
+    gen_new_tokens: int = setting(
+        16,
+        "new tokens per row in the generation bench (0: skip)",
+        valid=NON_NEGATIVE_INT,
+        flag="--gen-tokens",
+    )
+    peak_n: int = setting(
+        2048, "matmul size of the peak measurement (raise on accelerators)", valid=POSITIVE_INT
+    )
+    unroll: int = setting(
+        0,
+        "layers per iteration of the layer loop (0: all, the default; 1: a rolled loop)",
+        valid=NON_NEGATIVE_INT,
+    )
+    vocab_size: int | None = setting(
+        None,
+        "token ids of the model instead of the preset's (e.g. the main job's 1024-id BPE)",
+        valid=POSITIVE_INT,
+    )
+    out: str | None = setting(None, "also write bench.json and bench.png into this directory")
+    memory_options: bool = setting(
+        False, "also time FSDP and sequence parallelism against tensor parallelism and GSPMD"
+    )
+
+    def resolved(self, cfg: ModelConfig, layout: Layout) -> BenchSettings:
+        """The sizes left open filled in: the batch rounded up to a multiple of dp, the sequence by
+        every command's rule (``default_seq_len``)."""
+        batch = self.batch_size or -(-DEFAULT_BATCH // layout.dp) * layout.dp
+        return dataclasses.replace(self, batch_size=batch, seq_len=default_seq_len(cfg, self.seq_len or 0))
+
+    def check(self, cfg: ModelConfig, layout: Layout) -> None:
+        s = self.resolved(cfg, layout)
+        if s.steps < MIN_STEPS:
+            raise ConfigError(f"--steps must be >= {MIN_STEPS} (a median of fewer is noise), got {s.steps}")
+        if s.warmup < 0:
+            raise ConfigError(f"--warmup must be >= 0, got {s.warmup}")
+        if s.batch_size < 1:
+            raise ConfigError(f"--batch-size must be >= 1, got {s.batch_size}")
+        layout.check_batch(s.batch_size)
+        if not 1 <= s.seq_len <= cfg.max_seq_len:
+            raise ConfigError(f"--seq-len {s.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
+        if s.gen_new_tokens < 0:
+            raise ConfigError(
+                f"--gen-tokens must be >= 0 (0 skips the generation bench), got {s.gen_new_tokens}"
+            )
+        if s.peak_n < 1:
+            raise ConfigError(
+                f"--peak-n must be >= 1 (the matmul size of the peak measurement), got {s.peak_n}"
+            )
