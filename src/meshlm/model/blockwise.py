@@ -66,6 +66,19 @@ def _safe_inv(x):
     return jnp.where(x > 0, 1.0 / jnp.where(x > 0, x, 1.0), 0.0)
 
 
+def _varying_like(tree, *refs):
+    """``tree`` typed as varying over every manual mesh axis that one of ``refs`` varies over (inside
+    ``shard_map`` a loop carry and both branches of a cond must agree; outside it: unchanged)."""
+    varying = lambda x: jax.typeof(x).manual_axis_type.varying
+    axes = set().union(*(varying(r) for r in jax.tree.leaves(refs)))
+
+    def cast(x):
+        missing = tuple(sorted(axes - varying(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
 # ---- the per-block pieces (small and separate, so that the tests can plant the classic bugs) ----
 
 
@@ -113,6 +126,7 @@ def _attend_qblock(q_i, qp_i, kb, vb, kpb, kvb, causal, scale):
         jnp.full((b, kh, g, bq), -jnp.inf, f),
         jnp.zeros((b, kh, g, bq), f),
     )
+    init = _varying_like(init, q_i, qp_i, kb, vb, kpb, kvb)
 
     def body(j, state):
         def compute(state):
@@ -214,11 +228,11 @@ def partial_grads(q, k, v, q_pos, k_pos, out, lse, dout, *, block: int = DEFAULT
             needed = _needed(x.qpb[i], kp_j, kvalid_j, causal)
             return lax.cond(needed, compute, lambda c: c, carry)
 
-        zeros = jnp.zeros(k_j.shape, f)
+        zeros = _varying_like(jnp.zeros(k_j.shape, f), x, dob, lse_b, d_b)
         dk_j, dv_j, dq = lax.fori_loop(0, x.qb.shape[0], q_step, (zeros, zeros, dq))
         return dq, (dk_j, dv_j)
 
-    dq0 = jnp.zeros(x.qb.shape, f)
+    dq0 = _varying_like(jnp.zeros(x.qb.shape, f), x, dob, lse_b, d_b)
     dq, (dkb, dvb) = lax.scan(kv_step, dq0, (x.kb, x.vb, x.kpb, x.kvb))
     tq, tk = q.shape[1], k.shape[1]
     dq = _unblock(dq, tq).reshape(q.shape)

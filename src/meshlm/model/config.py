@@ -16,6 +16,7 @@ from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, 
 
 FAMILIES = ("ff", "gptj", "llama")
 REMAT = ("none", "full", "selective")  # see meshlm.model.memory
+ATTENTION = ("plain", "blockwise")  # see meshlm.model.attention and meshlm.model.blockwise
 # Each attention family's own rotary convention (the one transformers uses for it).
 FAMILY_ROTARY = {"gptj": "interleaved", "llama": "half"}
 
@@ -47,6 +48,10 @@ class ModelConfig:
     # faster on CPU: ~1.2x on the cpu preset); a train step under FSDP or remat resolves 0 to 1
     # (train.step.step_model). Changes speed, memory and compile time, never results.
     unroll: int = 0
+    # "plain": [B, H, T, T] scores; "blockwise": flash attention in blocks of attn_block queries and
+    # keys, memory O(T) (model.blockwise; a ragged last block is padded, so any block size works).
+    attention: str = "plain"
+    attn_block: int = 512
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
@@ -57,6 +62,8 @@ class ModelConfig:
             raise ConfigError(f"unknown family {self.family!r}; valid: {', '.join(FAMILIES)}")
         if self.remat not in REMAT:
             raise ConfigError(f"remat must be one of {', '.join(REMAT)}, got {self.remat!r}")
+        if self.attention not in ATTENTION:
+            raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
         if self.family != "ff":
             self._check_attention()
 
@@ -121,6 +128,7 @@ RANGES: dict[str, Range] = {
     "norm_eps": POSITIVE_FLOAT,
     "z_loss": NON_NEGATIVE_FLOAT,
     "unroll": Range(int, 0, note="0: all layers"),
+    "attn_block": POSITIVE_INT,
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 
