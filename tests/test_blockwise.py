@@ -195,6 +195,23 @@ def test_model_loss_and_gradients_equal_plain():
         assert len(errs) == len(jax.tree.leaves(params)) and max(errs) <= TOL
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-lm"], ids=["padded vocab", "unpadded"])
+def test_the_proof_compares_blockwise_with_plain_attention(name):
+    """``meshlm verify`` of a blockwise model: the sharded program runs the blocks (their lax.cond
+    skips), the reference is the plain model (no cond anywhere), with or without vocabulary padding."""
+    from meshlm.proof import model_problem
+
+    problem = model_problem(get_config(name).replace(attention="blockwise", attn_block=16), name, 1, 2, 64)
+    batch = {k: jnp.zeros((2, 64), jnp.int32) for k in ("inputs", "targets")}
+
+    def conds(build):
+        f = hk.transform(build(Parallel()))
+        params = jax.eval_shape(f.init, jax.random.PRNGKey(0), batch)
+        return str(jax.make_jaxpr(jax.grad(f.apply))(params, None, batch)).count("cond[")
+
+    assert conds(problem.build_loss) > 0 and conds(problem.reference_loss) == 0
+
+
 def test_config_values_are_checked():
     cfg = get_config("tiny-llama")
     with pytest.raises(ConfigError, match="attention must be one of plain, blockwise"):
