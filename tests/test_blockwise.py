@@ -174,10 +174,12 @@ def test_planted_bugs_are_detected(monkeypatch, patches):
 # ---- in the model ----
 
 
-def test_model_loss_and_gradients_equal_plain():
-    """tiny-gqa (8 query heads on 2 KV heads), 64 tokens in blocks of 16: loss and every parameter
-    gradient of the blockwise model equal the plain one's."""
-    plain = get_config("tiny-gqa").replace(vocab_multiple=1)
+@pytest.mark.parametrize("name", ["tiny-gqa", "tiny-gptj"])
+def test_model_loss_and_gradients_equal_plain(name):
+    """tiny-gqa (llama: 8 query heads on 2 KV heads, rotate-half rotary) and tiny-gptj (interleaved
+    rotary on 4 dims), 64 tokens in blocks of 16: loss and every parameter gradient of the blockwise
+    model equal the plain one's."""
+    plain = get_config(name).replace(vocab_multiple=1)
     blocky = plain.replace(attention="blockwise", attn_block=16)
     with jax.enable_x64(True):
         r = np.random.default_rng(0)
