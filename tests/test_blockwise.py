@@ -120,6 +120,26 @@ def test_chunks_combined_equal_full_attention(sizes):
         assert not bool(jnp.all(jnp.isfinite(parts[-1].m)))  # early queries see nothing of the last chunk
 
 
+def test_a_query_chunk_against_past_own_and_future_kv_chunks():
+    """A context-parallel device's view: queries at 16..31, K/V chunks 0..15 (all visible), 16..31 (the
+    diagonal) and 32..47 (all future: an empty partial, m = -inf, and exactly zero dk, dv)."""
+    with jax.enable_x64(True):
+        q, k, v, ct = inputs(2, 16, 48, 4, 2, 8)
+        qp, kp = positions(2, 16, 16), positions(2, 48)
+        chunks = [slice(0, 16), slice(16, 32), slice(32, 48)]
+
+        def ring(q, k, v):
+            ks, vs = [k[:, s] for s in chunks], [v[:, s] for s in chunks]
+            return chunked_attention(q, ks, vs, qp, [kp[:, s] for s in chunks], block=8)
+
+        want = value_and_grads(lambda q, k, v: _attend(q, k, v, qp, kp), q, k, v, ct)
+        got = value_and_grads(ring, q, k, v, ct)
+        assert max(rel_err(g, w) for g, w in zip(got, want, strict=True)) <= TOL
+        assert not bool(jnp.any(got[2][:, 32:])) and not bool(jnp.any(got[3][:, 32:]))
+        future = jax.jit(lambda: attend_partial(q, k[:, 32:], v[:, 32:], qp, kp[:, 32:], block=8))()
+        assert bool(jnp.all(future.m == -jnp.inf)) and not bool(jnp.any(future.lsum))
+
+
 def test_blocks_above_the_diagonal_are_skipped_not_masked():
     """NaN keys and values in blocks no query can see: plain attention (mask after the product) turns
     NaN; blockwise never reads those blocks, in the forward or the backward."""
