@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshlm.errors import ShardingError
+from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.config import ModelConfig
 from meshlm.model.dense import dense_heads_in, dense_heads_out
 from meshlm.model.layers import _normal, apply_rotary, rotary_angles, upcast
@@ -81,7 +82,10 @@ class Attention(hk.Module):
             cache = {"k": write(cache["k"], k, positions), "v": write(cache["v"], v, positions)}
             k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
             key_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
-        out = _attend(q, k, v, positions, key_pos)  # [B, T, H/mp, E]
+        if cfg.attention == "blockwise":
+            out = blockwise_attention(q, k, v, positions, key_pos, block=cfg.attn_block)
+        else:
+            out = _attend(q, k, v, positions, key_pos)  # [B, T, H/mp, E]
         wo = hk.get_parameter("wo", [hl, cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
         return dense_heads_out(out, wo), cache
 

@@ -15,6 +15,8 @@ from meshlm.errors import ConfigError
 from meshlm.model.family import FAMILIES, Family
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
+ATTENTION = ("plain", "blockwise")  # see meshlm.model.attention and meshlm.model.blockwise
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -43,6 +45,10 @@ class ModelConfig:
     # faster on CPU: ~1.2x on the cpu preset); a train step under FSDP or remat resolves 0 to 1
     # (train.step.step_model). Changes speed, memory and compile time, never results.
     unroll: int = 0
+    # "plain": [B, H, T, T] scores; "blockwise": flash attention in blocks of attn_block queries and
+    # keys, memory O(T) (model.blockwise; a ragged last block is padded, so any block size works).
+    attention: str = "plain"
+    attn_block: int = 512
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
@@ -53,6 +59,8 @@ class ModelConfig:
             raise ConfigError(f"unknown family {self.family!r}; valid: {', '.join(FAMILIES)}")
         if self.remat not in self.arch.remat:
             raise ConfigError(f"remat must be one of {', '.join(self.arch.remat)}, got {self.remat!r}")
+        if self.attention not in ATTENTION:
+            raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
         if self.arch.attention:
             self._check_attention()
 
@@ -122,6 +130,7 @@ RANGES: dict[str, Range] = {
     "norm_eps": POSITIVE_FLOAT,
     "z_loss": NON_NEGATIVE_FLOAT,
     "unroll": Range(int, 0, note="0: all layers"),
+    "attn_block": POSITIVE_INT,
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 

@@ -58,9 +58,11 @@ def model_problem(
 
     rebuild = lambda c: lambda par: loss_fn(c, par)
     padding = {}
+    if cfg.attention != "plain":  # the proof: blockwise attention == the plain softmax of [T, T] scores
+        padding = dict(reference_loss=rebuild(cfg.replace(attention="plain")))
     if cfg.padded_vocab != cfg.vocab_size:  # the proof: padded sharded model == the unpadded one
         padding = dict(
-            reference_loss=rebuild(cfg.replace(vocab_multiple=1)),
+            reference_loss=rebuild(cfg.replace(vocab_multiple=1, attention="plain")),
             to_reference=lambda tree: resize_tree(tree, cfg.vocab_size),
             from_reference=lambda tree: resize_tree(tree, cfg.padded_vocab),
         )

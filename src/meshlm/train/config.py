@@ -31,7 +31,7 @@ from meshlm.settings import (  # noqa: F401 - CLI_* and Switch: the train CLI re
 DEFAULT_DP = 2
 
 # The tokenizer of a run from scratch on the embedded stdlib corpus (the main job): a 1024-id byte-level BPE
-# trained on its training split reaches a lower val_bpb in the same time than bytes (docs/training.md, main job).
+# trained on its training split reaches a lower val_bpb in the same time than bytes (docs/training.md).
 MAIN_JOB_TOKENIZER = "bpe-1024"
 
 _field = setting  # a field that describes itself (``meshlm.settings``)

@@ -1,0 +1,279 @@
+"""Blockwise (flash) attention: no [T, T] tensor in the forward or the backward.
+
+Shapes (as ``attention._attend``): q [B, Tq, H, E]; k, v [B, Tk, K, E] with H a multiple of K (grouped
+query attention: query head h reads KV head h // (H / K)); positions q_pos [B, Tq], k_pos [B, Tk] are
+absolute token positions (rotary is applied outside, to q and k). Causal: a query sees the keys at or
+before its position, so the KV-cache prefill (queries at offset..offset+Tq, keys 0..Tk) and a context-
+parallel chunk (any contiguous query and key ranges) are the same call with other positions.
+
+Forward: queries in blocks of ``block`` rows, each visiting the K/V blocks of ``block`` keys with an
+online softmax (running max ``m`` and sum ``lsum``; the accumulator and ``lsum`` are rescaled by
+exp(m_old - m_new) when the max grows). A block pair with no visible (query, key) pair is skipped by a
+``lax.cond``: not computed, not masked. A ragged last block is padded (padded keys are never visible,
+padded query rows are dropped), so any block size works with any length.
+
+Backward (the flash-attention one, custom VJP): from the saved q, k, v, the output and its log-sum-exp
+L, each visible block pair recomputes P = exp(S - L) and accumulates dV += P^T dO, dS = P (dO V^T - D)
+with D = rowsum(dO * O), dQ += dS K, dK += dS^T Q. Nothing of size [T, T] is stored.
+
+Context parallelism builds on the pieces: ``attend_partial`` attends one query set to one K/V set and
+returns a ``Partial`` (out, m, lsum); ``combine`` merges partials of disjoint K/V sets exactly;
+``partial_grads`` is the backward of one K/V set given the final output and log-sum-exp (a ring passes
+K/V and their gradients around and sums dQ). ``chunked_attention`` is that composition on one device
+over a list of K/V chunks: a ring whose steps are a Python loop.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from meshlm.model.layers import upcast
+
+DEFAULT_BLOCK = 512  # rows per query block and keys per K/V block
+
+
+class Partial(NamedTuple):
+    """Attention of queries to one K/V set: out normalised by lsum (zero where nothing is visible)."""
+
+    out: jax.Array  # [B, Tq, H, E] in the softmax dtype (float32 or float64)
+    m: jax.Array  # [B, Tq, H] running max of the visible scores (-inf: none visible)
+    lsum: jax.Array  # [B, Tq, H] sum over the visible keys of exp(score - m)
+
+    @property
+    def lse(self) -> jax.Array:
+        """log sum exp of the visible scores (-inf where none is visible)."""
+        pos = self.lsum > 0
+        return jnp.where(pos, self.m + jnp.log(jnp.where(pos, self.lsum, 1.0)), -jnp.inf)
+
+
+def combine(a: Partial, b: Partial) -> Partial:
+    """The partial of the union of two disjoint K/V sets (exact: the online-softmax merge)."""
+    m = jnp.maximum(a.m, b.m)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    wa, wb = a.lsum * jnp.exp(a.m - m_safe), b.lsum * jnp.exp(b.m - m_safe)
+    lsum = wa + wb
+    inv = _safe_inv(lsum)
+    out = (wa * inv)[..., None] * a.out + (wb * inv)[..., None] * b.out
+    return Partial(out, m, lsum)
+
+
+def _safe_inv(x):
+    """1 / x, and 0 where x == 0 (rows that see no key)."""
+    return jnp.where(x > 0, 1.0 / jnp.where(x > 0, x, 1.0), 0.0)
+
+
+def _varying_like(tree, *refs):
+    """``tree`` typed as varying over every manual mesh axis that one of ``refs`` varies over (inside
+    ``shard_map`` a loop carry and both branches of a cond must agree; outside it: unchanged)."""
+    varying = lambda x: jax.typeof(x).manual_axis_type.varying
+    axes = set().union(*(varying(r) for r in jax.tree.leaves(refs)))
+
+    def cast(x):
+        missing = tuple(sorted(axes - varying(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+# ---- the per-block pieces (small and separate, so that the tests can plant the classic bugs) ----
+
+
+def _visible(qp, kp, kvalid, causal: bool):
+    """[B, bq, bk]: which (query, key) pairs of a block pair count."""
+    vis = kvalid[:, None, :]
+    return vis & (kp[:, None, :] <= qp[:, :, None]) if causal else vis
+
+
+def _needed(qp, kp, kvalid, causal: bool):
+    """Scalar: whether a block pair has any visible pair (else it is skipped, not computed)."""
+    if not causal:
+        return jnp.any(kvalid)
+    first_key = jnp.min(jnp.where(kvalid, kp, jnp.iinfo(kp.dtype).max), axis=-1)  # [B]
+    return jnp.any(first_key <= jnp.max(qp, axis=-1))
+
+
+def _rescale(m_old, m_new):
+    """The factor that moves sums taken relative to ``m_old`` to ``m_new``."""
+    return jnp.exp(m_old - m_new)
+
+
+def _online_update(state, s, vis, v):
+    """One K/V block into the running (acc, m, lsum). s: scores [B, K, G, bq, bk]; v [B, bk, K, E]."""
+    acc, m, lsum = state
+    s = jnp.where(vis, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # nothing visible yet: everything stays 0
+    alpha = _rescale(m, m_safe)
+    p = jnp.exp(s - m_safe[..., None])
+    pv = jnp.einsum("bkgqs,bske->bkgqe", p.astype(v.dtype), v, preferred_element_type=acc.dtype)
+    return alpha[..., None] * acc + pv, m_new, alpha * lsum + jnp.sum(p, axis=-1)
+
+
+def _scores(q_i, k_j, scale):  # q_i [B, bq, K, G, E], k_j [B, bk, K, E] -> [B, K, G, bq, bk]
+    return upcast(jnp.einsum("bqkge,bske->bkgqs", q_i, k_j)) * scale
+
+
+def _attend_qblock(q_i, qp_i, kb, vb, kpb, kvb, causal, scale):
+    """One query block against every K/V block: (acc, m, lsum) with acc [B, K, G, bq, E]."""
+    b, bq, kh, g, e = q_i.shape
+    f = upcast(q_i[:0]).dtype
+    init = (
+        jnp.zeros((b, kh, g, bq, e), f),
+        jnp.full((b, kh, g, bq), -jnp.inf, f),
+        jnp.zeros((b, kh, g, bq), f),
+    )
+    init = _varying_like(init, q_i, qp_i, kb, vb, kpb, kvb)
+
+    def body(j, state):
+        def compute(state):
+            vis = _visible(qp_i, kpb[j], kvb[j], causal)[:, None, None]
+            return _online_update(state, _scores(q_i, kb[j], scale), vis, vb[j])
+
+        return lax.cond(_needed(qp_i, kpb[j], kvb[j], causal), compute, lambda st: st, state)
+
+    return lax.fori_loop(0, kb.shape[0], body, init)
+
+
+# ---- blocking: [B, T, ...] <-> [n, B, b, ...], a ragged end padded ----
+
+
+def _blocks(x, b: int, fill=0):
+    t = x.shape[1]
+    n = -(-t // b)
+    x = jnp.pad(x, [(0, 0), (0, n * b - t)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+    return jnp.moveaxis(x.reshape(x.shape[0], n, b, *x.shape[2:]), 1, 0)
+
+
+def _unblock(x, t: int):  # [n, B, b, ...] -> [B, t, ...]
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :t]
+
+
+class _Blocked(NamedTuple):
+    qb: jax.Array  # [nq, B, bq, K, G, E]
+    qpb: jax.Array  # [nq, B, bq]
+    kb: jax.Array  # [nk, B, bk, K, E]
+    vb: jax.Array
+    kpb: jax.Array  # [nk, B, bk]
+    kvb: jax.Array  # [nk, B, bk] real (not padding) keys
+    scale: jax.Array
+
+
+def _block_inputs(q, k, v, q_pos, k_pos, block: int) -> _Blocked:
+    (b, tq, h, e), (tk, kh) = q.shape, k.shape[1:3]
+    bq, bk = min(block, tq), min(block, tk)
+    ipos = jnp.iinfo(q_pos.dtype)
+    return _Blocked(
+        qb=_blocks(q.reshape(b, tq, kh, h // kh, e), bq),
+        qpb=_blocks(q_pos, bq, fill=ipos.min),  # padded query rows see nothing (and are dropped)
+        kb=_blocks(k, bk),
+        vb=_blocks(v, bk),
+        kpb=_blocks(k_pos, bk, fill=ipos.max),
+        kvb=_blocks(jnp.ones((b, tk), bool), bk, fill=False),
+        scale=1.0 / jnp.sqrt(jnp.asarray(e, upcast(q[:0]).dtype)),
+    )
+
+
+def _to_tokens(x, t: int, h: int):  # [n, B, K, G, b, ...] -> [B, t, H, ...]
+    x = jnp.moveaxis(x, 4, 2)  # [n, B, b, K, G, ...]
+    x = x.reshape(*x.shape[:3], h, *x.shape[5:])
+    return _unblock(x, t)
+
+
+def _from_tokens(x, b: int, kh: int):  # [B, T, H, ...] -> [n, B, K, G, b, ...]
+    x = _blocks(x.reshape(x.shape[0], x.shape[1], kh, -1, *x.shape[3:]), b)
+    return jnp.moveaxis(x, 2, 4)
+
+
+def attend_partial(q, k, v, q_pos, k_pos, *, block: int = DEFAULT_BLOCK, causal: bool = True) -> Partial:
+    """Attend queries to one K/V set (not differentiable on its own: see ``chunked_attention``)."""
+    x = _block_inputs(q, k, v, q_pos, k_pos, block)
+    row = lambda a: _attend_qblock(a[0], a[1], x.kb, x.vb, x.kpb, x.kvb, causal, x.scale)
+    acc, m, lsum = lax.map(row, (x.qb, x.qpb))  # [nq, B, K, G, bq, ...]
+    out = acc * _safe_inv(lsum)[..., None]
+    tq, h = q.shape[1:3]
+    return Partial(_to_tokens(out, tq, h), _to_tokens(m, tq, h), _to_tokens(lsum, tq, h))
+
+
+def partial_grads(q, k, v, q_pos, k_pos, out, lse, dout, *, block: int = DEFAULT_BLOCK, causal: bool = True):
+    """The flash-attention backward for one K/V set: (dq, dk, dv) given the final ``out`` [B, Tq, H, E]
+    and ``lse`` [B, Tq, H] over all K/V sets (dq is this set's share: sum it over the sets)."""
+    x = _block_inputs(q, k, v, q_pos, k_pos, block)
+    bq, kh = x.qb.shape[2], k.shape[2]
+    f = x.scale.dtype
+    dout = upcast(dout).astype(f)
+    dob = _blocks(dout.reshape(*dout.shape[:2], kh, -1, dout.shape[-1]), bq)  # [nq, B, bq, K, G, E]
+    lse_b = _from_tokens(jnp.where(jnp.isfinite(lse), lse, 0.0).astype(f), bq, kh)  # [nq, B, K, G, bq]
+    d_b = _from_tokens(jnp.sum(dout * upcast(out).astype(f), axis=-1), bq, kh)
+
+    def kv_step(dq, kv):
+        k_j, v_j, kp_j, kvalid_j = kv
+
+        def q_step(i, carry):
+            def compute(carry):
+                dk_j, dv_j, dq = carry
+                q_i, do_i = x.qb[i], dob[i]
+                vis = _visible(x.qpb[i], kp_j, kvalid_j, causal)[:, None, None]
+                p = jnp.where(vis, jnp.exp(_scores(q_i, k_j, x.scale) - lse_b[i][..., None]), 0.0)
+                dp = jnp.einsum("bqkge,bske->bkgqs", do_i, upcast(v_j).astype(f))
+                ds = p * (dp - d_b[i][..., None]) * x.scale
+                dq = dq.at[i].add(jnp.einsum("bkgqs,bske->bqkge", ds, upcast(k_j).astype(f)))
+                dk_j = dk_j + jnp.einsum("bkgqs,bqkge->bske", ds, upcast(q_i).astype(f))
+                return dk_j, dv_j + jnp.einsum("bkgqs,bqkge->bske", p, do_i), dq
+
+            needed = _needed(x.qpb[i], kp_j, kvalid_j, causal)
+            return lax.cond(needed, compute, lambda c: c, carry)
+
+        zeros = _varying_like(jnp.zeros(k_j.shape, f), x, dob, lse_b, d_b)
+        dk_j, dv_j, dq = lax.fori_loop(0, x.qb.shape[0], q_step, (zeros, zeros, dq))
+        return dq, (dk_j, dv_j)
+
+    dq0 = _varying_like(jnp.zeros(x.qb.shape, f), x, dob, lse_b, d_b)
+    dq, (dkb, dvb) = lax.scan(kv_step, dq0, (x.kb, x.vb, x.kpb, x.kvb))
+    tq, tk = q.shape[1], k.shape[1]
+    dq = _unblock(dq, tq).reshape(q.shape)
+    return dq.astype(q.dtype), _unblock(dkb, tk).astype(k.dtype), _unblock(dvb, tk).astype(v.dtype)
+
+
+# ---- the differentiable entry points ----
+
+
+def _chunked_fwd(q, ks, vs, q_pos, k_poss, block, causal):
+    part = None
+    for k, v, kp in zip(ks, vs, k_poss, strict=True):  # a ring's steps
+        p = attend_partial(q, k, v, q_pos, kp, block=block, causal=causal)
+        part = p if part is None else combine(part, p)
+    out = part.out.astype(q.dtype)
+    return out, (q, ks, vs, q_pos, k_poss, out, part.lse)
+
+
+def _chunked_bwd(block, causal, res, dout):
+    q, ks, vs, q_pos, k_poss, out, lse = res
+    dq, dks, dvs = jnp.zeros(q.shape, upcast(q[:0]).dtype), [], []
+    for k, v, kp in zip(ks, vs, k_poss, strict=True):
+        dq_c, dk, dv = partial_grads(q, k, v, q_pos, kp, out, lse, dout, block=block, causal=causal)
+        dq, dks, dvs = dq + dq_c, dks + [dk], dvs + [dv]
+    return dq.astype(q.dtype), tuple(dks), tuple(dvs), None, None
+
+
+def _chunked(q, ks, vs, q_pos, k_poss, block, causal):
+    return _chunked_fwd(q, ks, vs, q_pos, k_poss, block, causal)[0]
+
+
+_chunked = jax.custom_vjp(_chunked, nondiff_argnums=(5, 6))
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def chunked_attention(q, ks, vs, q_pos, k_poss, *, block: int = DEFAULT_BLOCK, causal: bool = True):
+    """Attention of q to the concatenation of K/V chunks, computed chunk by chunk (partials merged by
+    ``combine``; backward per chunk by ``partial_grads``): the single-device form of a ring."""
+    return _chunked(q, tuple(ks), tuple(vs), q_pos, tuple(k_poss), int(block), bool(causal))
+
+
+def blockwise_attention(q, k, v, q_pos, k_pos, *, block: int = DEFAULT_BLOCK, causal: bool = True):
+    """Softmax attention [B, Tq, H, E] (in q's dtype; softmax in at least float32), memory O(T)."""
+    return _chunked(q, (k,), (v,), q_pos, (k_pos,), int(block), bool(causal))
