@@ -57,15 +57,21 @@ class Pipeline:
     config: PipelineConfig
     fill: float = 0.0  # what bubbles send and buffers start as (NaN in tests: it must never leak)
 
-    def send_forward(self, x):
-        """Activations one stage on: device d -> d + 1, and pp - 1 -> 0 (the next virtual stage)."""
+    def hops(self) -> list[tuple[int, int]]:
+        """(source, destination) device pairs one stage on: d -> d + 1, and with virtual stages also
+        pp - 1 -> 0 (into the next virtual stage)."""
         p = self.config.pp
-        return lax.ppermute(x, PP, [(i, (i + 1) % p) for i in range(p)])
+        ring = self.config.virtual_stages > 1
+        return [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
+
+    def send_forward(self, x):
+        """Activations one stage on (a device no one sends to receives zeros: device 0, which reads its
+        micro-batches from the input instead)."""
+        return lax.ppermute(x, PP, self.hops())
 
     def send_backward(self, ct):
-        """Cotangents one stage back: device d -> d - 1, and 0 -> pp - 1."""
-        p = self.config.pp
-        return lax.ppermute(ct, PP, [((i + 1) % p, i) for i in range(p)])
+        """Cotangents one stage back: the forward hops reversed."""
+        return lax.ppermute(ct, PP, [(b, a) for a, b in self.hops()])
 
     def mask(self, valid, x):
         """A bubble's value replaced by zeros (stage inputs, cotangents, gradient contributions)."""
