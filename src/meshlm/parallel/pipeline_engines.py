@@ -59,6 +59,10 @@ def _split(job: Job, params, x, targets):
 
 
 def _chunk(params, j):
+    """Virtual stage j's layers [c, ...] of this device's [V, c, ...]. With V = 1 a static index: the
+    weights stay loop-invariant, so GPipe's scan does not save a copy of them per tick."""
+    if jax.tree.leaves(params)[0].shape[0] == 1:
+        return jax.tree.map(lambda a: a[0], params)
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, 0, keepdims=False), params)
 
 
