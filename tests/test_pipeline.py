@@ -222,6 +222,13 @@ def test_shapes_the_pipeline_cannot_split_are_one_line_errors(cfg, layers, batch
     assert "\n" not in str(e.value)
 
 
+def test_targets_of_another_batch_are_refused():
+    params, x, targets = _problem(4, 8)
+    fn = pipeline_value_and_grad(stage_fn, loss_fn, _mesh(2), Pipeline(PipelineConfig(2, 2)))
+    with pytest.raises(ConfigError, match="targets have \\[6\\] rows but the input has 8"):
+        jax.eval_shape(fn, params, x, targets[:6])
+
+
 def test_mesh_without_the_pipeline_axis_or_of_another_size_is_refused():
     with pytest.raises(MeshError, match="axes"):
         pipeline_value_and_grad(

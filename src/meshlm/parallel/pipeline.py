@@ -145,6 +145,11 @@ def pipeline_value_and_grad(stage_fn, loss_fn, mesh, pipe: Pipeline):
             raise ConfigError(f"stacked layer parameters disagree on the layer count: {sorted(layers)}")
         check_layers(cfg, layers.pop())
         check_batch(cfg, x.shape[0], job.n_dp)
+        rows = {a.shape[0] for a in jax.tree.leaves(targets)}
+        if rows - {x.shape[0]}:
+            raise ConfigError(
+                f"targets have {sorted(rows)} rows but the input has {x.shape[0]}; pass one per row"
+            )
         staged = to_stages(pipe, params)
         specs = jax.tree.map(lambda _: P(PP), staged)
         fn = jax.shard_map(
