@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ConfigError, MeshError
 from meshlm.parallel.axes import DP, PP
@@ -229,8 +230,17 @@ def test_targets_of_another_batch_are_refused():
         jax.eval_shape(fn, params, x, targets[:6])
 
 
+def test_specs_splitting_the_layer_dimension_are_refused():
+    params, x, targets = _problem(4, 8)
+    specs = {"w1": P(DP), "b1": P(), "w2": P()}
+    fn = pipeline_value_and_grad(stage_fn, loss_fn, _mesh(2, 2), Pipeline(PipelineConfig(2, 2)), specs=specs)
+    with pytest.raises(ConfigError, match="splits the layer dimension; the pipeline does") as e:
+        jax.eval_shape(fn, params, x, targets)
+    assert "\n" not in str(e.value)
+
+
 def test_mesh_without_the_pipeline_axis_or_of_another_size_is_refused():
-    with pytest.raises(MeshError, match="axes"):
+    with pytest.raises(MeshError, match="the axis 'pp'"):
         pipeline_value_and_grad(
             stage_fn, loss_fn, Mesh(np.array(jax.devices()[:2]), (DP,)), Pipeline(PipelineConfig(2, 2))
         )

@@ -39,7 +39,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ConfigError, MeshError
-from meshlm.parallel.axes import DP, PP
+from meshlm.parallel.axes import DP, MP, PP
 from meshlm.parallel.pipeline_engines import Job, gpipe, one_f_one_b
 from meshlm.parallel.pipeline_schedule import PipelineConfig, check_batch, check_layers
 
@@ -122,16 +122,23 @@ def sequential_value_and_grad(stage_fn, loss_fn):
     return jax.value_and_grad(loss, argnums=(0, 1))
 
 
-def pipeline_value_and_grad(stage_fn, loss_fn, mesh, pipe: Pipeline):
-    """fn(params, x, targets, head=None) -> (loss, (param_grads, x_grad)) on ``mesh`` (axes pp, or pp and
-    dp), with params' leaves stacked [L, ...] and x, targets' leaves [B, ...] (rows split over dp). Jit it.
+def pipeline_value_and_grad(stage_fn, loss_fn, mesh, pipe: Pipeline, *, specs=None, head_specs=None):
+    """fn(params, x, targets, head=None) -> (loss, (param_grads, x_grad)) on ``mesh``, with params' leaves
+    stacked [L, ...] and x, targets' leaves [B, ...] (rows split over dp, replicated over mp). Jit it.
 
-    With ``head`` (parameters of the last stage's head, replicated): ``loss_fn(head, y, targets)``, and
-    the result is (loss, (param_grads, x_grad, head_grads))."""
+    The mesh has the ``pp`` axis and optionally ``dp`` and ``mp``. ``specs`` (a tree like params, of
+    PartitionSpecs of the [L, ...] leaves, the layer dimension unsplit: the rules table's) places each
+    parameter within a stage; the default replicates it. Stages then call their own collectives over mp
+    (``Parallel``); a parameter split over dp (FSDP) is gathered by the stage and its gradient comes back
+    reduce-scattered. With ``head`` (the last stage's parameters, replicated over pp, placed by
+    ``head_specs``): ``loss_fn(head, y, targets)``, and the result is (loss, (param_grads, x_grad,
+    head_grads))."""
     cfg = pipe.config
     names = tuple(mesh.axis_names)
-    if PP not in names or set(names) - {PP, DP}:
-        raise MeshError(f"the pipeline needs a mesh with axes ('{PP}',) or ('{PP}', '{DP}'), got {names}")
+    if PP not in names or set(names) - {PP, DP, MP}:
+        raise MeshError(
+            f"the pipeline needs a mesh with the axis '{PP}' and at most '{DP}', '{MP}'; got {names}"
+        )
     if mesh.shape[PP] != cfg.pp:
         raise MeshError(f"the mesh's {PP} axis has {mesh.shape[PP]} devices but pp={cfg.pp}; make them equal")
     has_dp = DP in names
@@ -150,17 +157,33 @@ def pipeline_value_and_grad(stage_fn, loss_fn, mesh, pipe: Pipeline):
             raise ConfigError(
                 f"targets have {sorted(rows)} rows but the input has {x.shape[0]}; pass one per row"
             )
-        staged = to_stages(pipe, params)
-        specs = jax.tree.map(lambda _: P(PP), staged)
+        with_head, head = head is not None, () if head is None else head
+        staged_specs = _staged_specs(params, specs)
+        h_specs = jax.tree.map(lambda _: P(), head) if head_specs is None else head_specs
         fn = jax.shard_map(
-            partial(body, with_head=head is not None),
+            partial(body, with_head=with_head),
             mesh=mesh,
-            in_specs=(specs, P(), data, data),
-            out_specs=(P(), (specs, data, P())),
+            in_specs=(staged_specs, h_specs, data, data),
+            out_specs=(P(), (staged_specs, data, h_specs)),
             check_vma=True,
         )
-        loss, (grads, dx, head_grads) = fn(staged, () if head is None else head, x, targets)
+        loss, (grads, dx, head_grads) = fn(to_stages(pipe, params), head, x, targets)
         grads = from_stages(pipe, grads)
-        return loss, (grads, dx) if head is None else (grads, dx, head_grads)
+        return loss, (grads, dx, head_grads) if with_head else (grads, dx)
 
     return run
+
+
+def _staged_specs(params, specs):
+    """Specs of the [pp, V, c, ...] staged leaves: pp-split, then the leaf's own spec."""
+    if specs is None:
+        return jax.tree.map(lambda _: P(PP), params)
+
+    def one(spec):
+        if len(spec) and spec[0] is not None:
+            raise ConfigError(
+                f"a stacked parameter's spec {spec} splits the layer dimension; the pipeline does"
+            )
+        return P(PP, None, *spec)
+
+    return jax.tree.map(one, specs, is_leaf=lambda x: isinstance(x, P))

@@ -34,16 +34,33 @@ class Job:
         return (PP, DP) if self.has_dp else (PP,)
 
 
+def _varying(a) -> frozenset:
+    """The mesh axes ``a`` varies over (inside shard_map)."""
+    aval = jax.typeof(a)
+    return frozenset(aval.vma if hasattr(aval, "vma") else aval.mat.varying)  # renamed across JAX versions
+
+
 def _vary(tree, axes):
-    """Mark values varying over ``axes`` (scan carries must keep one type across ticks)."""
+    """Mark values varying over ``axes`` (scan carries must keep one type across ticks; for parameters
+    the cast's transpose is the gradient's sum over those axes)."""
 
     def one(a):
-        aval = jax.typeof(a)
-        varying = aval.vma if hasattr(aval, "vma") else aval.mat.varying  # the name moved across JAX versions
-        missing = tuple(ax for ax in axes if ax not in varying)
+        missing = tuple(ax for ax in axes if ax not in _varying(a))
         return lax.pcast(a, missing, to="varying") if missing else a
 
     return jax.tree.map(one, tree)
+
+
+def _sum_where_cast(grads, entry, axes):
+    """Sum each gradient over the ``axes`` its parameter was cast to vary over at entry (``entry``: the
+    parameters as they came in). A parameter stored split over DP (FSDP) is DP-varying already: its
+    gradient came out of the all-gather's transpose, a reduce-scatter, summed."""
+
+    def one(g, a):
+        cast = tuple(ax for ax in axes if ax not in _varying(a))
+        return lax.psum(g, cast) if cast else g
+
+    return jax.tree.map(one, grads, entry)
 
 
 def _head_loss(job: Job, with_head: bool):
@@ -126,6 +143,7 @@ def _gpipe_loss(job: Job, head_loss, tgs, params, head, xs):
 def one_f_one_b(job: Job, params, head, x, targets, *, with_head: bool):
     pipe, cfg = job.pipe, job.pipe.config
     params, xs, tgs = _split(job, params, x, targets)
+    entry = params, head
     params, head = _vary(params, job.axes), _vary(head, job.axes)
     head_loss = _head_loss(job, with_head)
     loss_type = jax.eval_shape(head_loss, head, xs[0], _at(tgs, 0))
@@ -147,9 +165,9 @@ def one_f_one_b(job: Job, params, head, x, targets, *, with_head: bool):
     for lo, hi, do_f, do_b in phases:
         tick = partial(_tick, job, (params, head, head_loss), xs, tgs, do_f, do_b)
         state, _ = lax.scan(tick, state, jnp.arange(lo, hi))
-    grads = jax.tree.map(lambda g: lax.psum(g, DP), state["grads"]) if job.has_dp else state["grads"]
+    grads = _sum_where_cast(state["grads"], entry[0], job.axes)
     dx = lax.psum(state["dxs"], PP)  # written on device 0 only
-    head_grads = jax.tree.map(lambda g: lax.psum(g, job.axes), state["head_grads"])  # the last stage's
+    head_grads = _sum_where_cast(state["head_grads"], entry[1], job.axes)  # from the last stage
     return _reduce_loss(job, state["loss"]), (
         jax.tree.map(lambda g: g[None], grads),
         dx.reshape(x.shape),
