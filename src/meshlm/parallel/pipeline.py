@@ -8,12 +8,13 @@ The caller supplies
       mean of the M micro-batch losses is the batch's loss).
 ``pipeline_value_and_grad(...)(params, x, targets)`` returns ``(loss, (param_grads, x_grad))`` like
 ``jax.value_and_grad`` of the sequential model; ``x_grad`` lets a first-stage embedding be chained (its
-VJP applied to ``x_grad``), and a head can be folded into ``loss_fn``.
+VJP applied to ``x_grad``); a head's parameters can be passed too (``loss_fn(head, y, targets)``).
 
-Everything runs in one ``jax.shard_map(check_vma=True)`` over ``pp`` (optionally ``pp x dp``, the batch
-split over ``dp``). Chunk ``k = j * pp + d`` of the layer stack lives on device ``d`` as virtual stage
-``j`` (``pipeline_schedule`` has the tick formulas). Activations go one stage on and cotangents one back
-with ``lax.ppermute`` once per tick.
+Everything runs in one ``jax.shard_map(check_vma=True)`` over ``pp``, ``pp x dp`` (the batch split over
+``dp``) or ``pp x dp x mp`` (stages run their own Megatron collectives over ``mp``; parameters placed by
+the rules table within each stage, FSDP included). Chunk ``k = j * pp + d`` of the layer stack lives on
+device ``d`` as virtual stage ``j`` (``pipeline_schedule`` has the tick formulas). Activations go one
+stage on and cotangents one back with ``lax.ppermute`` once per tick.
 
 * GPipe: a scan over the forward ticks, differentiated by JAX: its residuals, all M micro-batches', live
   until the backward.
@@ -24,7 +25,7 @@ with ``lax.ppermute`` once per tick.
 Bubbles: every device computes every tick (SPMD). A slot with no micro-batch is *masked*: its input is
 zeroed before the chunk runs, its gradient contributions are zeroed, and what it sends on is ``fill``.
 Tests set ``fill`` to NaN: a result that is finite and exact shows that no bubble reaches it.
-Controls (``meshlm.proof.pipeline_controls``) override one hook of ``Pipeline`` each.
+Controls (``meshlm.proof.pipeline_proof``) override one hook of ``Pipeline`` each.
 """
 
 from __future__ import annotations
