@@ -13,6 +13,7 @@ from meshlm.errors import ConfigError, MeshError
 from meshlm.parallel.axes import DP, PP
 from meshlm.parallel.pipeline import Pipeline, pipeline_value_and_grad
 from meshlm.parallel.pipeline_schedule import PipelineConfig, schedule_facts, schedule_table
+from meshlm.perf.schedule_png import draw_schedule, schedule_boxes
 from meshlm.proof.pipeline_proof import CONTROLS, applicable_controls, prove_pipeline
 
 D, H = 4, 8  # width and hidden width of the test stage's layers
@@ -136,6 +137,20 @@ def test_live_activations_flat_in_m_for_1f1b_and_growing_for_gpipe():
     assert one_f_one_b[8] == one_f_one_b[16] == one_f_one_b[32] == (7, 5, 3, 1)  # 2 (pp - 1 - d) + 1
     assert all(gpipe[m] == (m,) * 4 for m in gpipe)
     assert max(schedule_table(PipelineConfig(4, 8, "interleaved", 2)).live_activations()) <= 2 * 8 - 1
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "m", "v"), [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2)]
+)
+def test_schedule_picture_is_the_table_and_its_idle_area_the_bubble(schedule, pp, m, v, tmp_path):
+    cfg = PipelineConfig(pp, m, schedule, v)
+    boxes, units = schedule_boxes(schedule_table(cfg))
+    for d in range(pp):
+        starts = sorted(b.start for b in boxes if b.stage == d)
+        assert len(starts) == len(set(starts)) == 2 * m * v  # every slot once, no two at one time
+    assert 1 - len(boxes) / (units * pp) == pytest.approx(schedule_facts(cfg).bubble_fraction, rel=1e-12)
+    path = draw_schedule(schedule_table(cfg), tmp_path / "schedule.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _permutes(jaxpr, times=1) -> int:
