@@ -54,7 +54,7 @@ def _prove(schedule, pp, m, v=1, dp=1, controls=True, layers_per_chunk=2):
         return prove_pipeline(stage_fn, loss_fn, _mesh(pp, dp), cfg, params, x, targets, controls=controls)
 
 
-CASES = [  # schedule, pp, microbatches, virtual stages: pp = 4 runs every control, pp = 2 the proof alone
+CASES = [  # schedule, pp, microbatches, virtual stages
     ("gpipe", 2, 4, 1),
     ("gpipe", 4, 3, 1),  # M < pp: a larger bubble, still exact
     ("1f1b", 2, 4, 1),
@@ -62,13 +62,16 @@ CASES = [  # schedule, pp, microbatches, virtual stages: pp = 4 runs every contr
     ("interleaved", 2, 4, 2),
     ("interleaved", 4, 4, 2),
 ]
+DP_OF = {2: 2, 4: 1}  # pp = 2 runs on pp x dp = 2 x 2 (interleaved 2 x 4); pp = 4 alone, with every control
 
 
 @pytest.mark.parametrize(("schedule", "pp", "m", "v"), CASES)
 def test_schedule_equals_sequential_with_nan_bubbles(schedule, pp, m, v):
-    """Every bubble holds NaN: a finite, exact result shows that none reaches it. At pp = 4 each planted
-    fault (the controls) must make the comparison fail."""
-    proof = _prove(schedule, pp, m, v, controls=pp == 4)
+    """Every bubble holds NaN: a finite, exact result shows that none reaches it. At pp = 2 the batch's rows
+    are split over dp too (each dp shard's rows into M micro-batches); at pp = 4 each planted fault (the
+    controls) must make the comparison fail."""
+    dp = 4 if schedule == "interleaved" and pp == 2 else DP_OF[pp]
+    proof = _prove(schedule, pp, m, v, dp=dp, controls=pp == 4)
     assert proof.finite, "a bubble's NaN reached the result"
     assert proof.max_rel_err <= 1e-12, proof.errors
     assert set(proof.errors) == {"loss", "x", "['b1']", "['w1']", "['w2']"}
@@ -86,13 +89,8 @@ def test_every_control_applies_somewhere():
     )
 
 
-@pytest.mark.parametrize(
-    ("schedule", "pp", "dp", "m", "v"),
-    [("gpipe", 2, 2, 4, 1), ("1f1b", 4, 2, 2, 1), ("interleaved", 2, 4, 4, 2)],
-)
-def test_composes_with_data_parallel(schedule, pp, dp, m, v):
-    """The batch's rows over dp, each dp shard's rows split into M micro-batches (1F1B here with M < pp)."""
-    proof = _prove(schedule, pp, m, v, dp=dp, controls=False)
+def test_1f1b_with_fewer_micro_batches_than_stages_and_data_parallel():
+    proof = _prove("1f1b", 4, 2, 1, dp=2, controls=False)
     assert proof.finite and proof.max_rel_err <= 1e-12, proof.errors
 
 
