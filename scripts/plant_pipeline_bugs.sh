@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Plant bugs in the pipeline engine (issue 23) in a scratch worktree of HEAD and show that a test fails.
+# Usage: bash scripts/plant_pipeline_bugs.sh [PYTHON]   (default: .venv/bin/python). A few minutes.
+# Prints one line per mutant, "caught" when its test fails; exits non-zero if any mutant survives.
+# (The engine's own hooks are broken by the controls in meshlm.proof.pipeline_proof; these are bugs in
+# the code around them: the schedule arithmetic, buffers, scales, reductions.)
+set -u
+repo=$(git rev-parse --show-toplevel) || exit 2
+given=${1:-$repo/.venv/bin/python}
+python="$(cd "$(dirname "$given")" && pwd)/$(basename "$given")"  # absolute, links kept (a venv's python)
+scratch=$(mktemp -d)/meshlm-pipeline-mutants
+git -C "$repo" worktree add -q --detach "$scratch" HEAD || exit 2
+trap 'git -C "$repo" worktree remove --force "$scratch"' EXIT
+cd "$scratch" || exit 2
+survivors=0
+
+plant() {  # name, file, old text, new text, pytest selection
+  git checkout -q -- src
+  "$python" - "$2" "$3" "$4" <<'PY' || exit 2
+import pathlib, sys
+path, old, new = sys.argv[1:]
+text = pathlib.Path(path).read_text()
+if old not in text:
+    sys.exit(f"the code to mutate moved: {old!r} not in {path}")
+pathlib.Path(path).write_text(text.replace(old, new, 1))
+PY
+  # shellcheck disable=SC2086
+  PYTHONPATH="$scratch/src" "$python" -m pytest -q -x -p no:cacheprovider $5 >"$scratch/log" 2>&1
+  case $? in
+    1) echo "caught    $1  ($5: $(tail -n 1 "$scratch/log"))" ;;
+    0) echo "SURVIVED  $1  ($5 passed)"; survivors=$((survivors + 1)) ;;
+    *) echo "BROKEN    $1  ($5 did not run: $(tail -n 1 "$scratch/log"))"; survivors=$((survivors + 1)) ;;
+  esac
+}
+
+S=src/meshlm/parallel/pipeline_schedule.py
+E=src/meshlm/parallel/pipeline_engines.py
+B="tests/test_pipeline.py -k nan_bubbles"
+plant "backward slots one tick late" $S \
+  "_decode(cfg, t - (cfg.chunks - 1) - (cfg.pp - 1 - d))" "_decode(cfg, t - cfg.chunks - (cfg.pp - 1 - d))" "$B"
+plant "1F1B stash ring one slot short" $S \
+  "return min(2 * self.chunks - 1," "return min(2 * self.chunks - 2," "$B"
+plant "1F1B cotangent not scaled by 1/M" $E \
+  "scale = pipe.loss_scale() / job.n_dp" "scale = 1.0 / job.n_dp" "$B"
+plant "input gradient written by every stage" $E \
+  "jnp.where(valid & first, gx," "jnp.where(valid, gx," "$B"
+plant "GPipe loss summed over every stage" $E \
+  "jnp.where(d == cfg.pp - 1, pipe.loss_scale()" "jnp.where(d >= 0, pipe.loss_scale()" "$B"
+plant "FSDP gradients summed over dp again" $E \
+  "return lax.psum(g, cast) if cast else g" "return lax.psum(g, axes)" \
+  "tests/test_pipeline_model.py -k interleaved-2-2-2"
+plant "stated bubble without the fill" $S \
+  "bubble_fraction=(p - 1) / (v * m + p - 1)" "bubble_fraction=(p - 1) / (v * m)" \
+  "tests/test_pipeline.py -k bubble_fraction"
+
+echo "$survivors mutant(s) survived"
+[ "$survivors" -eq 0 ]

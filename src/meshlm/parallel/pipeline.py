@@ -1,0 +1,190 @@
+"""Pipeline parallelism over the ``pp`` mesh axis: GPipe, 1F1B and interleaved 1F1B, generic over a stage.
+
+The caller supplies
+  ``stage_fn(stage_params, x) -> y``: one chunk of consecutive layers, its parameters stacked on a leading
+      layer dimension (any chunk length: the sequential reference runs all layers as one chunk); ``y`` has
+      ``x``'s shape and dtype;
+  ``loss_fn(y, targets) -> scalar``: the last stage's loss of one micro-batch, a mean over its rows (so the
+      mean of the M micro-batch losses is the batch's loss).
+``pipeline_value_and_grad(...)(params, x, targets)`` returns ``(loss, (param_grads, x_grad))`` like
+``jax.value_and_grad`` of the sequential model; ``x_grad`` lets a first-stage embedding be chained (its
+VJP applied to ``x_grad``); a head's parameters can be passed too (``loss_fn(head, y, targets)``).
+
+Everything runs in one ``jax.shard_map(check_vma=True)`` over ``pp``, ``pp x dp`` (the batch split over
+``dp``) or ``pp x dp x mp`` (stages run their own Megatron collectives over ``mp``; parameters placed by
+the rules table within each stage, FSDP included). Chunk ``k = j * pp + d`` of the layer stack lives on
+device ``d`` as virtual stage ``j`` (``pipeline_schedule`` has the tick formulas). Activations go one
+stage on and cotangents one back with ``lax.ppermute`` once per tick.
+
+* GPipe: a scan over the forward ticks, differentiated by JAX: its residuals, all M micro-batches', live
+  until the backward.
+* 1F1B and interleaved: an explicit schedule. Each tick runs one forward slot and one backward slot; the
+  backward re-runs the chunk from its stashed input under ``jax.vjp`` (so only stage inputs are kept,
+  a ring of ``2 pp V - 1``: memory flat in M), seeded on the last chunk by the loss's gradient.
+
+Bubbles: every device computes every tick (SPMD). A slot with no micro-batch is *masked*: its input is
+zeroed before the chunk runs, its gradient contributions are zeroed, and what it sends on is ``fill``.
+Tests set ``fill`` to NaN: a result that is finite and exact shows that no bubble reaches it.
+Controls (``meshlm.proof.pipeline_proof``) override one hook of ``Pipeline`` each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from meshlm.errors import ConfigError, MeshError
+from meshlm.parallel.axes import DP, MP, PP
+from meshlm.parallel.pipeline_engines import Job, gpipe, one_f_one_b
+from meshlm.parallel.pipeline_schedule import PipelineConfig, check_batch, check_layers
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A schedule and the engine's hooks (each control overrides one)."""
+
+    config: PipelineConfig
+    fill: float = 0.0  # what bubbles send and buffers start as (NaN in tests: it must never leak)
+
+    def hops(self) -> list[tuple[int, int]]:
+        """(source, destination) device pairs one stage on: d -> d + 1, and with virtual stages also
+        pp - 1 -> 0 (into the next virtual stage)."""
+        p = self.config.pp
+        ring = self.config.virtual_stages > 1
+        return [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
+
+    def send_forward(self, x):
+        """Activations one stage on (a device no one sends to receives zeros: device 0, which reads its
+        micro-batches from the input instead)."""
+        return lax.ppermute(x, PP, self.hops())
+
+    def send_backward(self, ct):
+        """Cotangents one stage back: the forward hops reversed."""
+        return lax.ppermute(ct, PP, [(b, a) for a, b in self.hops()])
+
+    def mask(self, valid, x):
+        """A bubble's value replaced by zeros (stage inputs, cotangents, gradient contributions)."""
+        return jnp.where(valid, x, jnp.zeros_like(x))
+
+    def loss_scale(self):
+        """The step's loss is the mean of the micro-batch losses."""
+        return 1.0 / self.config.microbatches
+
+    def keeps_grad(self, m):
+        """Whether micro-batch ``m``'s loss contributes gradients (always)."""
+        return jnp.ones_like(m, dtype=bool)
+
+    def chunk_ids(self) -> np.ndarray:
+        """[pp, V]: the chunk of layers device d holds as virtual stage j: j * pp + d."""
+        c = self.config
+        return np.arange(c.chunks).reshape(c.virtual_stages, c.pp).T
+
+
+# --- layout: the stacked layer dimension <-> [pp, V, layers per chunk] ------------------------------------
+def to_stages(pipe: Pipeline, params):
+    """Leaves [L, ...] -> [pp, V, L / (pp V), ...] by ``chunk_ids`` (a reshape when V = 1)."""
+    ids, n = pipe.chunk_ids(), pipe.config.chunks
+
+    def one(a):
+        chunks = a.reshape(n, a.shape[0] // n, *a.shape[1:])
+        if np.array_equal(ids.ravel(), np.arange(n)):
+            return chunks.reshape(*ids.shape, *chunks.shape[1:])
+        return chunks[ids]
+
+    return jax.tree.map(one, params)
+
+
+def from_stages(pipe: Pipeline, staged):
+    """The inverse of ``to_stages``: [pp, V, c, ...] -> [L, ...]."""
+    ids = pipe.chunk_ids().ravel()
+    order = np.argsort(ids)
+
+    def one(a):
+        flat = a.reshape(ids.size, *a.shape[2:])
+        flat = flat if np.array_equal(order, np.arange(ids.size)) else flat[order]
+        return flat.reshape(-1, *flat.shape[2:])
+
+    return jax.tree.map(one, staged)
+
+
+def sequential_value_and_grad(stage_fn, loss_fn):
+    """The reference: fn(params, x, targets) -> (loss, (param_grads, x_grad)), all layers as one chunk on
+    the whole batch."""
+
+    def loss(params, x, targets):
+        return loss_fn(stage_fn(params, x), targets)
+
+    return jax.value_and_grad(loss, argnums=(0, 1))
+
+
+def pipeline_value_and_grad(stage_fn, loss_fn, mesh, pipe: Pipeline, *, specs=None, head_specs=None):
+    """fn(params, x, targets, head=None) -> (loss, (param_grads, x_grad)) on ``mesh``, with params' leaves
+    stacked [L, ...] and x, targets' leaves [B, ...] (rows split over dp, replicated over mp). Jit it.
+
+    The mesh has the ``pp`` axis and optionally ``dp`` and ``mp``. ``specs`` (a tree like params, of
+    PartitionSpecs of the [L, ...] leaves, the layer dimension unsplit: the rules table's) places each
+    parameter within a stage; the default replicates it. Stages then call their own collectives over mp
+    (``Parallel``); a parameter split over dp (FSDP) is gathered by the stage and its gradient comes back
+    reduce-scattered. With ``head`` (the last stage's parameters, replicated over pp, placed by
+    ``head_specs``): ``loss_fn(head, y, targets)``, and the result is (loss, (param_grads, x_grad,
+    head_grads))."""
+    cfg = pipe.config
+    names = tuple(mesh.axis_names)
+    if PP not in names or set(names) - {PP, DP, MP}:
+        raise MeshError(
+            f"the pipeline needs a mesh with the axis '{PP}' and at most '{DP}', '{MP}'; got {names}"
+        )
+    if mesh.shape[PP] != cfg.pp:
+        raise MeshError(f"the mesh's {PP} axis has {mesh.shape[PP]} devices but pp={cfg.pp}; make them equal")
+    has_dp = DP in names
+    job = Job(stage_fn, loss_fn, pipe, has_dp, mesh.shape[DP] if has_dp else 1)
+    data = P(DP) if has_dp else P()
+    body = partial(gpipe if cfg.schedule == "gpipe" else one_f_one_b, job)
+
+    def run(params, x, targets, head=None):
+        layers = {a.shape[0] for a in jax.tree.leaves(params)}
+        if len(layers) != 1:
+            raise ConfigError(f"stacked layer parameters disagree on the layer count: {sorted(layers)}")
+        check_layers(cfg, layers.pop())
+        check_batch(cfg, x.shape[0], job.n_dp)
+        rows = {a.shape[0] for a in jax.tree.leaves(targets)}
+        if rows - {x.shape[0]}:
+            raise ConfigError(
+                f"targets have {sorted(rows)} rows but the input has {x.shape[0]}; pass one per row"
+            )
+        with_head, head = head is not None, () if head is None else head
+        staged_specs = _staged_specs(params, specs)
+        h_specs = jax.tree.map(lambda _: P(), head) if head_specs is None else head_specs
+        fn = jax.shard_map(
+            partial(body, with_head=with_head),
+            mesh=mesh,
+            in_specs=(staged_specs, h_specs, data, data),
+            out_specs=(P(), (staged_specs, data, h_specs)),
+            check_vma=True,
+        )
+        loss, (grads, dx, head_grads) = fn(to_stages(pipe, params), head, x, targets)
+        grads = from_stages(pipe, grads)
+        return loss, (grads, dx, head_grads) if with_head else (grads, dx)
+
+    return run
+
+
+def _staged_specs(params, specs):
+    """Specs of the [pp, V, c, ...] staged leaves: pp-split, then the leaf's own spec."""
+    if specs is None:
+        return jax.tree.map(lambda _: P(PP), params)
+
+    def one(spec):
+        if len(spec) and spec[0] is not None:
+            raise ConfigError(
+                f"a stacked parameter's spec {spec} splits the layer dimension; the pipeline does"
+            )
+        return P(PP, None, *spec)
+
+    return jax.tree.map(one, specs, is_leaf=lambda x: isinstance(x, P))

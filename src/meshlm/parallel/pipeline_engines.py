@@ -1,0 +1,228 @@
+"""The pipeline's two engines, run inside ``jax.shard_map`` by ``meshlm.parallel.pipeline``.
+
+``gpipe``: a scan over the forward ticks, differentiated by JAX. ``one_f_one_b`` (1F1B and interleaved):
+three scans -- forward-only warm-up, forward-and-backward ticks, backward-only drain -- each tick running
+one forward slot and one backward slot (``pipeline_schedule`` says which) with per-chunk VJPs. Every
+buffer starts as ``pipe.fill`` and every bubble slot is masked through ``pipe.mask``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from meshlm.parallel.axes import DP, PP
+from meshlm.parallel.pipeline_schedule import PipelineConfig, backward_slot, forward_counter, forward_slot
+
+
+# --- what both engines run ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    stage_fn: object
+    loss_fn: object
+    pipe: object  # a meshlm.parallel.pipeline.Pipeline
+    has_dp: bool  # the mesh has a dp axis (the batch's rows are split over it)
+    n_dp: int  # dp shards (1 without a dp axis)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The axes activations vary over."""
+        return (PP, DP) if self.has_dp else (PP,)
+
+
+def _varying(a) -> frozenset:
+    """The mesh axes ``a`` varies over (inside shard_map)."""
+    aval = jax.typeof(a)
+    return frozenset(aval.vma if hasattr(aval, "vma") else aval.mat.varying)  # renamed across JAX versions
+
+
+def _vary(tree, axes):
+    """Mark values varying over ``axes`` (scan carries must keep one type across ticks; for parameters
+    the cast's transpose is the gradient's sum over those axes)."""
+
+    def one(a):
+        missing = tuple(ax for ax in axes if ax not in _varying(a))
+        return lax.pcast(a, missing, to="varying") if missing else a
+
+    return jax.tree.map(one, tree)
+
+
+def _sum_where_cast(grads, entry, axes):
+    """Sum each gradient over the ``axes`` its parameter was cast to vary over at entry (``entry``: the
+    parameters as they came in). A parameter stored split over DP (FSDP) is DP-varying already: its
+    gradient came out of the all-gather's transpose, a reduce-scatter, summed."""
+
+    def one(g, a):
+        cast = tuple(ax for ax in axes if ax not in _varying(a))
+        return lax.psum(g, cast) if cast else g
+
+    return jax.tree.map(one, grads, entry)
+
+
+def _head_loss(job: Job, with_head: bool):
+    """loss_fn as loss(head, y, targets) either way."""
+    return job.loss_fn if with_head else (lambda head, y, targets: job.loss_fn(y, targets))
+
+
+def _split(job: Job, params, x, targets):
+    """This device's chunks [V, c, ...] and its rows as [M, rows / M, ...] micro-batches."""
+    m = job.pipe.config.microbatches
+    split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])
+    return jax.tree.map(lambda a: a[0], params), split(x), jax.tree.map(split, targets)
+
+
+def _chunk(params, j):
+    """Virtual stage j's layers [c, ...] of this device's [V, c, ...]. With V = 1 a static index: the
+    weights stay loop-invariant, so GPipe's scan does not save a copy of them per tick."""
+    if jax.tree.leaves(params)[0].shape[0] == 1:
+        return jax.tree.map(lambda a: a[0], params)
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, 0, keepdims=False), params)
+
+
+def _ends(cfg: PipelineConfig, d, j):
+    """(first chunk, last chunk) of the pipeline: device 0's j = 0, device pp-1's j = V-1."""
+    return (d == 0) & (j == 0), (d == cfg.pp - 1) & (j == cfg.virtual_stages - 1)
+
+
+def _at(tree, m):
+    return jax.tree.map(lambda a: a[m], tree)
+
+
+def _reduce_loss(job: Job, local):
+    loss = lax.psum(local, PP)
+    return lax.pmean(loss, DP) if job.has_dp else loss
+
+
+def _forward_input(job: Job, xs, recv, t, d):
+    """The forward slot at tick t: (valid, micro-batch (clipped), virtual stage, masked chunk input)."""
+    cfg = job.pipe.config
+    valid, m, j = forward_slot(cfg, t, d)
+    m = jnp.clip(m, 0, cfg.microbatches - 1)
+    first, _ = _ends(cfg, d, j)
+    return valid, m, j, job.pipe.mask(valid, jnp.where(first, xs[m], recv))
+
+
+# --- GPipe: the forward loop, differentiated by JAX ---------------------------------------------------------
+def gpipe(job: Job, params, head, x, targets, *, with_head: bool):
+    params, xs, tgs = _split(job, params, x, targets)
+    loss_fn = partial(_gpipe_loss, job, _head_loss(job, with_head), tgs)
+    (loss, (gp, gh, gx)) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(params, head, xs)
+    return loss, (jax.tree.map(lambda g: g[None], gp), gx.reshape(-1, *gx.shape[2:]), gh)
+
+
+def _gpipe_loss(job: Job, head_loss, tgs, params, head, xs):
+    pipe, cfg = job.pipe, job.pipe.config
+    # One cast at entry each: the transposes are the one data-parallel sum of the gradients (and for the
+    # replicated head, the sum over stages, all zero but the last's).
+    params = _vary(params, job.axes)
+    head = _vary(head, job.axes)
+    d = lax.axis_index(PP)
+    fill = _vary(jnp.full(xs.shape[1:], pipe.fill, xs.dtype), job.axes)
+
+    def tick(carry, t):
+        recv, outputs = carry
+        valid, m, j, inp = _forward_input(job, xs, recv, t, d)
+        y = job.stage_fn(_chunk(params, j), inp)
+        _, last = _ends(cfg, d, j)
+        outputs = outputs.at[m].set(jnp.where(valid & last, y, outputs[m]))
+        return (pipe.send_forward(jnp.where(valid, y, fill)), outputs), None
+
+    outputs = _vary(jnp.zeros(xs.shape, xs.dtype), job.axes)
+    (_, outputs), _ = lax.scan(tick, (fill, outputs), jnp.arange(cfg.forward_ticks))
+    losses = jax.vmap(head_loss, in_axes=(None, 0, 0))(head, outputs, tgs)  # [M]; used on the last device
+    losses = jnp.where(pipe.keeps_grad(jnp.arange(cfg.microbatches)), losses, lax.stop_gradient(losses))
+    local = jnp.where(d == cfg.pp - 1, pipe.loss_scale() * jnp.sum(losses), 0.0)
+    return _reduce_loss(job, local)
+
+
+# --- 1F1B and interleaved: an explicit schedule with per-chunk VJPs ----------------------------------------
+def one_f_one_b(job: Job, params, head, x, targets, *, with_head: bool):
+    pipe, cfg = job.pipe, job.pipe.config
+    params, xs, tgs = _split(job, params, x, targets)
+    entry = params, head
+    params, head = _vary(params, job.axes), _vary(head, job.axes)
+    head_loss = _head_loss(job, with_head)
+    loss_type = jax.eval_shape(head_loss, head, xs[0], _at(tgs, 0))
+    fill = jnp.full(xs.shape[1:], pipe.fill, xs.dtype)
+    state = _vary(
+        {
+            "recv_x": fill,
+            "recv_ct": fill,
+            "stash": jnp.full((cfg.stash_slots, *xs.shape[1:]), pipe.fill, xs.dtype),
+            "grads": jax.tree.map(jnp.zeros_like, params),
+            "head_grads": jax.tree.map(jnp.zeros_like, head),
+            "dxs": jnp.zeros_like(xs),
+            "loss": jnp.zeros((), loss_type.dtype),
+        },
+        job.axes,
+    )
+    warm, both = cfg.chunks - 1, cfg.forward_ticks  # ticks [0, warm) forward only, [both, end) backward only
+    phases = ((0, warm, True, False), (warm, both, True, True), (both, both + warm, False, True))
+    for lo, hi, do_f, do_b in phases:
+        tick = partial(_tick, job, (params, head, head_loss), xs, tgs, do_f, do_b)
+        state, _ = lax.scan(tick, state, jnp.arange(lo, hi))
+    grads = _sum_where_cast(state["grads"], entry[0], job.axes)
+    dx = lax.psum(state["dxs"], PP)  # written on device 0 only
+    head_grads = _sum_where_cast(state["head_grads"], entry[1], job.axes)  # from the last stage
+    return _reduce_loss(job, state["loss"]), (
+        jax.tree.map(lambda g: g[None], grads),
+        dx.reshape(x.shape),
+        head_grads,
+    )
+
+
+def _tick(job: Job, model, xs, tgs, do_f: bool, do_b: bool, state, t):
+    pipe = job.pipe
+    params, head, head_loss = model
+    d = lax.axis_index(PP)
+    state = dict(state)
+    ct_loss = jnp.zeros_like(state["recv_ct"])
+    if do_f:
+        valid, m, j, inp = _forward_input(job, xs, state["recv_x"], t, d)
+        slot = (t - d) % pipe.config.stash_slots
+        state["stash"] = state["stash"].at[slot].set(jnp.where(valid, inp, state["stash"][slot]))
+        y = job.stage_fn(_chunk(params, j), inp)
+        if do_b:  # the last chunk runs a micro-batch's backward in the tick of its forward
+            last = valid & _ends(pipe.config, d, j)[1]
+            ct_loss = _loss_grad(job, state, (head, head_loss), y, _at(tgs, m), last, m)
+        send_x = jnp.where(valid, y, pipe.fill)
+    if do_b:
+        send_ct = _backward(job, params, state, t, d, ct_loss)
+    if do_f:
+        state["recv_x"] = pipe.send_forward(send_x)
+    if do_b:
+        state["recv_ct"] = pipe.send_backward(send_ct)
+    return state, None
+
+
+def _loss_grad(job: Job, state, head, y, targets, last, m):
+    """Add micro-batch m's loss (on the last chunk) to the state, and its gradient w.r.t. the head; return
+    the cotangent it seeds."""
+    pipe, (head, head_loss) = job.pipe, head
+    value, (gh, ct) = jax.value_and_grad(head_loss, argnums=(0, 1))(head, y, targets)
+    state["loss"] = state["loss"] + jnp.where(last, pipe.loss_scale() * value, 0.0)
+    keep = last & pipe.keeps_grad(m)
+    scale = pipe.loss_scale() / job.n_dp  # the gradient of the mean over micro-batches and dp shards
+    state["head_grads"] = jax.tree.map(
+        lambda acc, g: acc + jnp.where(keep, scale * g, jnp.zeros_like(g)), state["head_grads"], gh
+    )
+    return jnp.where(keep, scale * ct, jnp.zeros_like(ct))
+
+
+def _backward(job: Job, params, state, t, d, ct_loss):
+    """The backward slot at tick t: the chunk's VJP from its stashed input; returns what to send back."""
+    pipe, cfg = job.pipe, job.pipe.config
+    valid, m, j = backward_slot(cfg, t, d)
+    m = jnp.clip(m, 0, cfg.microbatches - 1)
+    first, last = _ends(cfg, d, j)
+    x_in = pipe.mask(valid, state["stash"][forward_counter(cfg, m, j) % cfg.stash_slots])
+    ct = pipe.mask(valid, jnp.where(last, ct_loss, state["recv_ct"]))
+    _, vjp = jax.vjp(job.stage_fn, _chunk(params, j), x_in)
+    gp, gx = vjp(ct)
+    state["grads"] = jax.tree.map(lambda acc, g: acc.at[j].add(pipe.mask(valid, g)), state["grads"], gp)
+    state["dxs"] = state["dxs"].at[m].set(jnp.where(valid & first, gx, state["dxs"][m]))
+    return jnp.where(valid, gx, pipe.fill)
