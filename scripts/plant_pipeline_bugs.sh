@@ -44,8 +44,8 @@ plant "1F1B cotangent not scaled by 1/M" $E \
   "scale = pipe.loss_scale() / job.n_dp" "scale = 1.0 / job.n_dp" "$B"
 plant "input gradient written by every stage" $E \
   "jnp.where(valid & first, gx," "jnp.where(valid, gx," "$B"
-plant "GPipe loss summed over every stage" $E \
-  "jnp.where(d == cfg.pp - 1, pipe.loss_scale()" "jnp.where(d >= 0, pipe.loss_scale()" "$B"
+plant "head run on the first stage, not the last" $E \
+  "lax.cond(lax.axis_index(PP) == job.pipe.config.pp - 1," "lax.cond(lax.axis_index(PP) == 0," "$B"
 plant "FSDP gradients summed over dp again" $E \
   "return lax.psum(g, cast) if cast else g" "return lax.psum(g, axes)" \
   "tests/test_pipeline_model.py -k interleaved-2-2-2"

@@ -22,8 +22,9 @@ stage on and cotangents one back with ``lax.ppermute`` once per tick.
   backward re-runs the chunk from its stashed input under ``jax.vjp`` (so only stage inputs are kept,
   a ring of ``2 pp V - 1``: memory flat in M), seeded on the last chunk by the loss's gradient.
 
-Bubbles: every device computes every tick (SPMD). A slot with no micro-batch is *masked*: its input is
-zeroed before the chunk runs, its gradient contributions are zeroed, and what it sends on is ``fill``.
+Bubbles: every device runs its chunk every tick (SPMD). A slot with no micro-batch is *masked*: its input
+is zeroed before the chunk runs, its gradient contributions are zeroed, and what it sends on is ``fill``.
+The head (``loss_fn``) runs on the last stage only (``lax.cond`` on the stage index).
 Tests set ``fill`` to NaN: a result that is finite and exact shows that no bubble reaches it.
 Controls (``meshlm.proof.pipeline_proof``) override one hook of ``Pipeline`` each.
 """

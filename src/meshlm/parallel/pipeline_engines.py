@@ -40,6 +40,12 @@ def _varying(a) -> frozenset:
     return frozenset(aval.vma if hasattr(aval, "vma") else aval.mat.varying)  # renamed across JAX versions
 
 
+def _type_axes(s) -> tuple:
+    """The axes a ShapeDtypeStruct from ``jax.eval_shape`` inside shard_map varies over."""
+    mat = getattr(s, "manual_axis_type", None)
+    return tuple(sorted(mat.varying)) if mat is not None else tuple(getattr(s, "vma", ()))
+
+
 def _vary(tree, axes):
     """Mark values varying over ``axes`` (scan carries must keep one type across ticks; for parameters
     the cast's transpose is the gradient's sum over those axes)."""
@@ -81,6 +87,18 @@ def _chunk(params, j):
     if jax.tree.leaves(params)[0].shape[0] == 1:
         return jax.tree.map(lambda a: a[0], params)
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, 0, keepdims=False), params)
+
+
+def _on_last_stage(job: Job, fn, *args):
+    """``fn(*args)`` on the last stage, zeros of its types elsewhere: the head (final norm, output
+    projection, loss) runs where it counts instead of masked on every stage. Its collectives over mp stay
+    within one stage, which takes one branch."""
+
+    def zeros(*args):
+        types = jax.eval_shape(fn, *args)
+        return jax.tree.map(lambda s: _vary(jnp.zeros(s.shape, s.dtype), _type_axes(s)), types)
+
+    return lax.cond(lax.axis_index(PP) == job.pipe.config.pp - 1, fn, zeros, *args)
 
 
 def _ends(cfg: PipelineConfig, d, j):
@@ -133,10 +151,13 @@ def _gpipe_loss(job: Job, head_loss, tgs, params, head, xs):
 
     outputs = _vary(jnp.zeros(xs.shape, xs.dtype), job.axes)
     (_, outputs), _ = lax.scan(tick, (fill, outputs), jnp.arange(cfg.forward_ticks))
-    losses = jax.vmap(head_loss, in_axes=(None, 0, 0))(head, outputs, tgs)  # [M]; used on the last device
-    losses = jnp.where(pipe.keeps_grad(jnp.arange(cfg.microbatches)), losses, lax.stop_gradient(losses))
-    local = jnp.where(d == cfg.pp - 1, pipe.loss_scale() * jnp.sum(losses), 0.0)
-    return _reduce_loss(job, local)
+
+    def losses(head, outputs):
+        each = jax.vmap(head_loss, in_axes=(None, 0, 0))(head, outputs, tgs)  # [M]
+        each = jnp.where(pipe.keeps_grad(jnp.arange(cfg.microbatches)), each, lax.stop_gradient(each))
+        return pipe.loss_scale() * jnp.sum(each)
+
+    return _reduce_loss(job, _on_last_stage(job, losses, head, outputs))
 
 
 # --- 1F1B and interleaved: an explicit schedule with per-chunk VJPs ----------------------------------------
@@ -203,7 +224,8 @@ def _loss_grad(job: Job, state, head, y, targets, last, m):
     """Add micro-batch m's loss (on the last chunk) to the state, and its gradient w.r.t. the head; return
     the cotangent it seeds."""
     pipe, (head, head_loss) = job.pipe, head
-    value, (gh, ct) = jax.value_and_grad(head_loss, argnums=(0, 1))(head, y, targets)
+    value_and_grad = jax.value_and_grad(head_loss, argnums=(0, 1))
+    value, (gh, ct) = _on_last_stage(job, value_and_grad, head, y, targets)
     state["loss"] = state["loss"] + jnp.where(last, pipe.loss_scale() * value, 0.0)
     keep = last & pipe.keeps_grad(m)
     scale = pipe.loss_scale() / job.n_dp  # the gradient of the mean over micro-batches and dp shards
