@@ -4,7 +4,7 @@ their Megatron collectives and FSDP gathers inside the pipeline's shard_map. Los
 gradient equal the unsharded model's (``spmd.reference_value_and_grad``) in float64.
 
 This is how ``--pp`` will plug in: the three pieces below are what ``model/transformer.py`` is to expose
-(here rebuilt from its parts: the embedding, ``_stack`` of ``LAYERS[family]``, and the head)."""
+(here rebuilt from its parts: the embedding, ``_stack`` of ``BLOCKS[family.block]``, and the head)."""
 
 import haiku as hk
 import jax
@@ -16,13 +16,14 @@ from jax.sharding import Mesh
 from meshlm.model.config import get_config
 from meshlm.model.layers import RMSNorm, VocabEmbed, VocabHead, mask_vocab_padding, vocab_parallel_xent
 from meshlm.model.memory import parallel_getter
-from meshlm.model.transformer import GPT_STDDEV, LAYERS, _stack, init_fn, loss_fn
+from meshlm.model.transformer import BLOCKS, GPT_STDDEV, _stack, init_fn, loss_fn
 from meshlm.parallel.axes import DP, MP, PP
 from meshlm.parallel.context import Parallel
+from meshlm.parallel.layout import Layout
 from meshlm.parallel.pipeline import Pipeline, pipeline_value_and_grad
 from meshlm.parallel.pipeline_schedule import PipelineConfig
-from meshlm.parallel.rules import model_specs
-from meshlm.parallel.spmd import reference_value_and_grad
+from meshlm.sharding.rules import model_specs
+from meshlm.sharding.spmd import reference_value_and_grad
 
 PAR = Parallel()
 
@@ -47,7 +48,7 @@ def _pieces(cfg, par: Parallel):
 
         def layers_fn(x):
             with hk.custom_getter(parallel_getter(par)):  # FSDP gathers
-                return _stack(chunk, LAYERS[cfg.family](chunk, par), x, positions, None)[0]
+                return _stack(chunk, BLOCKS[cfg.arch.block](chunk, par), x, positions, None)[0]
 
         return hk.without_apply_rng(hk.transform(layers_fn)).apply(params, x)
 
@@ -92,7 +93,7 @@ def _errors(schedule, pp, dp, m, v, n_layers, mp=1, fsdp=False) -> dict:
         mesh, par = _mesh(pp, dp, mp)
         embed_apply, stage_fn, head_apply = _pieces(cfg, par)
         _, layer_specs, head_specs = (
-            _split(model_specs(cfg, params, mp, dp=dp, fsdp=fsdp)) if mp > 1 else (0, None, None)
+            _split(model_specs(cfg, params, Layout(dp=dp, mp=mp, fsdp=fsdp))) if mp > 1 else (0, None, None)
         )
         pipe = Pipeline(PipelineConfig(pp, m, schedule, v), fill=float("nan"))
         step = pipeline_value_and_grad(
