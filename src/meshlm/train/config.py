@@ -75,10 +75,11 @@ class TrainConfig:
     config: str = _field("cpu", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)
     data: tuple[str, ...] = _field(
         (),
-        "text files, directories or globs",
+        "text, JSONL(.gz/.zst), Parquet files, directories (or saved datasets), globs, or a token store",
         resume_must_match=True,
         shown_default="the Python stdlib's .py files",
     )
+    text_field: str = _field("text", "text field of JSONL / Parquet / dataset rows", resume_must_match=True)
     # The main job's defaults (steps, batch_size, lr, warmup_steps; mesh: DEFAULT_DP) come from the sweep in
     # scripts/sweep_main.py (README, "Choosing the main job's defaults").
     steps: int = _field(

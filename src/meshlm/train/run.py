@@ -73,7 +73,7 @@ def _load_data(tcfg: TrainConfig, cfg: ModelConfig, dp: int, tok: Tokenizer, sto
     if store is not None:  # memory-mapped; its ids are the tokenizer's, never scanned here
         train, val, info = store.splits(tok, cfg.vocab_size)
     else:
-        train, val, info = load_splits(list(tcfg.data) or None, tokenizer=tok)
+        train, val, info = load_splits(list(tcfg.data) or None, tokenizer=tok, text_field=tcfg.text_field)
         check_token_range(train.tokens, cfg.vocab_size, "training data")
         check_token_range(val.tokens, cfg.vocab_size, "validation data")
     if tcfg.micro_batch % dp:
@@ -225,7 +225,8 @@ def build_run(tcfg: TrainConfig, mesh: Mesh) -> Run:
     batcher, val, info = _load_data(tcfg, cfg, mesh.shape[DP], tok, store)
     distributed.print0(
         f"data: {info['source']}; train {info['train_bytes']:,} bytes in {info['train_files']} "
-        f"files, validation {info['val_bytes']:,} bytes in {info['val_files']}; {info['tokenizer']}",
+        f"files, validation {info['val_bytes']:,} bytes in {info['val_files']}; {info['tokenizer']}"
+        + (f"; {info['skipped']}" if info.get("skipped") else ""),
         file=sys.stderr,
     )
     lock = lock_run(out)  # before anything in `out` is read or written; creates it
