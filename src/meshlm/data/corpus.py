@@ -116,3 +116,15 @@ def load_splits(
     info = splits_info(source, how, train, val, tok)
     info["skipped"] = skipped.describe(text_field) if skipped else ""
     return train, val, info
+
+
+def load_all(
+    paths: Sequence[PathArg], tokenizer: Tokenizer, text_field: str = DEFAULT_FIELD
+) -> tuple[TokenStream, str]:
+    """(every document of ``paths``, in path order, as one stream; its description): an evaluation set,
+    not split. Text files are one document each, record files one per row."""
+    sources = resolve_sources(paths)
+    skipped = Skipped()
+    stream = _from_files([s.path for s in sources], tokenizer, text_field, skipped)
+    note = f"; {skipped.describe(text_field)}" if skipped else ""
+    return stream, _describe(paths, len(sources), None) + note
