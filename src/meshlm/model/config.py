@@ -47,6 +47,10 @@ class ModelConfig:
     # faster on CPU: ~1.2x on the cpu preset); a train step under FSDP or remat resolves 0 to 1
     # (train.step.step_model). Changes speed, memory and compile time, never results.
     unroll: int = 0
+    # Document masking (``--doc-mask``): >= 0 is the id that ends every document (the tokenizer's EOD);
+    # attention then stays inside a document and positions restart at each (the EOD is the next
+    # document's first input). Applies to training and evaluation, not to KV-cached generation. -1: off.
+    doc_mask: int = -1
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
@@ -59,6 +63,8 @@ class ModelConfig:
             raise ConfigError(f"remat must be one of {', '.join(REMAT)}, got {self.remat!r}")
         if self.family != "ff":
             self._check_attention()
+        if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and self.family == "ff"):
+            raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
 
     def _check_attention(self):
         if self.n_heads < 1:
@@ -121,6 +127,7 @@ RANGES: dict[str, Range] = {
     "norm_eps": POSITIVE_FLOAT,
     "z_loss": NON_NEGATIVE_FLOAT,
     "unroll": Range(int, 0, note="0: all layers"),
+    "doc_mask": Range(int, -1, note="-1: off"),
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm.errors import ConfigError
-from meshlm.model.attention import Attention
+from meshlm.model.attention import Attention, doc_positions
 from meshlm.model.config import ModelConfig
 from meshlm.model.layers import (
     MLP,
@@ -106,6 +106,8 @@ def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=
 def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache):
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+        if cfg.doc_mask >= 0:
+            positions = doc_positions(tokens, cfg.doc_mask)
     ff = cfg.family == "ff"
     stddev = 1.0 / np.sqrt(cfg.vocab_size) if ff else GPT_STDDEV
     embed = VocabEmbed(

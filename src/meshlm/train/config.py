@@ -80,8 +80,8 @@ class TrainConfig:
         shown_default="the Python stdlib's .py files",
     )
     text_field: str = _field("text", "text field of JSONL / Parquet / dataset rows", resume_must_match=True)
-    # The main job's defaults (steps, batch_size, lr, warmup_steps; mesh: DEFAULT_DP) come from the sweep in
-    # scripts/sweep_main.py (README, "Choosing the main job's defaults").
+    doc_mask: bool = _field(False, "attention within documents, positions restart", resume_must_match=True)
+    # Defaults of steps, batch_size, lr, warmup_steps (mesh: DEFAULT_DP): scripts/sweep_main.py's sweep.
     steps: int = _field(
         240, "optimizer steps; the defaults take ~4-5 min on a 2-core CPU", valid=POSITIVE_INT
     )

@@ -164,7 +164,7 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, ckpt: Checkp
     if tcfg.checkpoint:
         loaded_cfg, params, _ = load_model(tcfg.checkpoint, mesh)
         params = jax.device_put(params, shardings(specs, mesh))  # onto FSDP slices, if asked
-        if loaded_cfg != cfg:
+        if loaded_cfg.replace(doc_mask=cfg.doc_mask) != cfg:  # --doc-mask may be added to any model
             raise CheckpointError(
                 f"--checkpoint {tcfg.checkpoint} holds a different model than --config "
                 f"{tcfg.config}; pass the config it was made with"
@@ -221,6 +221,8 @@ def build_run(tcfg: TrainConfig, mesh: Mesh) -> Run:
     store = store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store (checked) or None
     run_specs(tcfg, cfg, mesh)  # bad --fsdp / --sp combinations fail before the data is read
     tok, cfg = run_tokenizer(tcfg, cfg)
+    if tcfg.doc_mask:  # recorded in the checkpoint's model config: eval and verify --checkpoint apply it
+        cfg = cfg.replace(doc_mask=tok.eod_id)
     out = Path(tcfg.out)
     batcher, val, info = _load_data(tcfg, cfg, mesh.shape[DP], tok, store)
     distributed.print0(
