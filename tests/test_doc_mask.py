@@ -45,30 +45,33 @@ def _packed(rng, lengths: list[int], vocab: int) -> tuple[np.ndarray, list[np.nd
 
 def _one_by_one(plain, params, stream: np.ndarray, docs: list[np.ndarray]) -> np.ndarray:
     """Each document alone through the plain (unmasked) model: its inputs from the EOD before it (the
-    first one from the window start), its targets up to the token after it."""
-    out, lo = [], 0
-    for d in docs:
+    first one from the window start), its targets up to the token after it. One row per document,
+    padded at the end (a causal model's earlier positions never see the padding)."""
+    t = len(stream) - 1
+    x, y, spans, lo = np.zeros((3, t), np.int64), np.zeros((3, t), np.int64), [], 0
+    for row, d in enumerate(docs):
         hi = lo + len(d) + (lo > 0)  # the EOD before it, then the document
-        x, y = stream[lo:hi][None], stream[lo + 1 : hi + 1][None]
-        out.append(np.asarray(plain(params, x, y))[0])
+        x[row, : hi - lo], y[row, : hi - lo] = stream[lo:hi], stream[lo + 1 : hi + 1]
+        spans.append(hi - lo)
         lo = hi
-    return np.concatenate(out)
+    losses = np.asarray(plain(params, x, y))
+    return np.concatenate([losses[row, :n] for row, n in enumerate(spans)])
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gptj"])
 def test_packed_window_equals_documents_one_by_one(preset):
     with jax.enable_x64(True):
         cfg = get_config(preset)
-        masked = cfg.replace(doc_mask=EOD)
+        masked, plain = _per_token(cfg.replace(doc_mask=EOD)), _per_token(cfg)
         init, example = init_fn(cfg)
         params = jax.tree.map(lambda p: p.astype(np.float64), init(jax.random.PRNGKey(0), example))
         rng = np.random.default_rng(0)
-        for lengths in ([5, 7, 4], [1, 1, 30], [20]):
+        for lengths in ([5, 7, 4], [1, 1, 14], [18]):  # windows of 18 tokens
             stream, docs = _packed(rng, lengths, cfg.vocab_size)
-            got = np.asarray(_per_token(masked)(params, stream[None, :-1], stream[None, 1:]))[0]
-            want = _one_by_one(_per_token(cfg), params, stream, docs)
+            got = np.asarray(masked(params, stream[None, :-1], stream[None, 1:]))[0]
+            want = _one_by_one(plain, params, stream, docs)
             np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
-            unmasked = np.asarray(_per_token(cfg)(params, stream[None, :-1], stream[None, 1:]))[0]
+            unmasked = np.asarray(plain(params, stream[None, :-1], stream[None, 1:]))[0]
             if len(docs) > 1:  # the control: without the mask, later documents see earlier ones
                 assert np.max(np.abs(unmasked - want) / want) > 1e-3
 
