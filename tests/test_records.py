@@ -260,3 +260,12 @@ def test_train_on_records(corpora, tmp_path, capsys, via):
     summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["step"] == 1 and 0 < summary["val_bpb_end"] < 20
     assert "skipped" in captured.err and "whose 'content' is not a string" in captured.err
+
+
+def test_tokenizer_train_on_rows(corpora, tmp_path, capsys):
+    """``meshlm tokenizer train`` reads record files' rows too (one document each)."""
+    argv = ["tokenizer", "train", "--data", corpora["parquet glob"], "--text-field", "content"]
+    assert run_cli(*argv, "--vocab-size", "300", "--out", str(tmp_path / "t.json"), "--json") == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    texts = [t for k in range(6) for i, t in enumerate(_texts(40, k)) if i not in (3, 7, 11)]  # 3 null
+    assert summary["documents"] == len(texts) and summary["bytes"] == sum(len(t.encode()) for t in texts)

@@ -128,3 +128,13 @@ def load_all(
     stream = _from_files([s.path for s in sources], tokenizer, text_field, skipped)
     note = f"; {skipped.describe(text_field)}" if skipped else ""
     return stream, _describe(paths, len(sources), None) + note
+
+
+def corpus_documents(paths: Sequence[PathArg] | None, text_field: str = DEFAULT_FIELD) -> list[bytes]:
+    """Every document of ``paths`` (default: the stdlib subset): a text file's bytes, a record file's rows."""
+    docs = []
+    for src in resolve_sources(paths):
+        docs += (
+            list(documents(src.path, text_field)) if is_record_file(src.path) else [read_document(src.path)]
+        )
+    return docs
