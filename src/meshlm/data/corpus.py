@@ -61,10 +61,14 @@ def _from_files(paths: Sequence[Path], tok: Tokenizer, field: str, skipped: Skip
     """One document per text file, one per row of a record file, in order."""
     if not any(map(is_record_file, paths)):
         return TokenStream.from_files(paths, tok)
+    return TokenStream.from_texts(_documents(paths, field, skipped), tok, paths)
+
+
+def _documents(paths: Sequence[Path], field: str, skipped: Skipped | None = None) -> list[bytes]:
     docs = []
     for path in paths:
         docs += documents(path, field, skipped) if is_record_file(path) else [read_document(path)]
-    return TokenStream.from_texts(docs, tok, paths)
+    return docs
 
 
 def _describe(paths: Sequence[PathArg] | None, n_files: int, max_bytes: int | None) -> str:
@@ -132,9 +136,4 @@ def load_all(
 
 def corpus_documents(paths: Sequence[PathArg] | None, text_field: str = DEFAULT_FIELD) -> list[bytes]:
     """Every document of ``paths`` (default: the stdlib subset): a text file's bytes, a record file's rows."""
-    docs = []
-    for src in resolve_sources(paths):
-        docs += (
-            list(documents(src.path, text_field)) if is_record_file(src.path) else [read_document(src.path)]
-        )
-    return docs
+    return _documents([s.path for s in resolve_sources(paths)], text_field)

@@ -226,7 +226,9 @@ def prepare(
         (out / TOKENIZER_JSON).write_text(text, encoding="utf-8")
         eos = json.dumps({"eos_token": tokenizer.eod_token})
         (out / "tokenizer_config.json").write_text(eos + "\n", encoding="utf-8")
-    workers = max(1, min(workers or multiprocessing.cpu_count(), len(work.units) * 64))
+    workers = workers or multiprocessing.cpu_count()
+    if not any(is_record_file(u[1]) for u in work.units):  # one piece per text file: no more workers
+        workers = max(1, min(workers, len(work.units)))
     progress = progress_bar(sum(u[-1] for u in work.units), progress_stream)
     init = (text, getattr(tokenizer, "eod_token", None))
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
