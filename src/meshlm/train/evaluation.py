@@ -26,7 +26,7 @@ import numpy as np
 
 from meshlm.data.corpus import load_all
 from meshlm.data.records import DEFAULT_FIELD
-from meshlm.data.store import SPLITS, open_store, store_arg
+from meshlm.data.store import SPLITS, store_arg
 from meshlm.data.stream import TokenStream
 from meshlm.data.tokenizer import Tokenizer, load_tokenizer
 from meshlm.data.tokens import check_token_range
@@ -191,7 +191,7 @@ def eval_stream(ecfg: EvalConfig, tok: Tokenizer, cfg: ModelConfig) -> tuple[Tok
     """(the evaluation set's tokens, what it is): a store's split, or every document of the paths."""
     store = store_arg(ecfg.data)
     if store is not None:
-        train, val, info = open_store(store.directory).splits(tok, cfg.vocab_size)
+        train, val, info = store.splits(tok, cfg.vocab_size)
         return (train if ecfg.split == "train" else val), f"{info['source']}, {ecfg.split} split"
     stream, source = load_all(list(ecfg.data), tok, ecfg.text_field)
     check_token_range(stream.tokens, cfg.vocab_size, "evaluation data")
