@@ -226,6 +226,7 @@ def test_resume_must_match_comes_from_field_metadata():
     assert set(resume_must_match()) == {
         "config",
         "data",
+        "text_field",
         "batch_size",
         "seq_len",
         "lr",

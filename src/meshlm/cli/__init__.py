@@ -13,10 +13,22 @@ import argparse
 import sys
 import warnings
 
-from meshlm.cli import bench, convert, data, generate, launch, memory, plan, tokenizer, train, verify
+from meshlm.cli import (
+    bench,
+    convert,
+    data,
+    evaluate,
+    generate,
+    launch,
+    memory,
+    plan,
+    tokenizer,
+    train,
+    verify,
+)
 from meshlm.errors import MeshlmError
 
-COMMANDS = [train, verify, generate, convert, launch, bench, memory, plan, tokenizer, data]
+COMMANDS = [train, verify, generate, evaluate, convert, launch, bench, memory, plan, tokenizer, data]
 
 
 def _configs(args) -> int:

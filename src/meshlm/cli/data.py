@@ -20,7 +20,16 @@ def add_parser(sub) -> None:
     actions = p.add_subparsers(dest="action", required=True)
     t = actions.add_parser("prepare", help="tokenize text files once into a token store directory")
     t.add_argument(
-        "--data", nargs="+", default=None, help="text files, directories or globs (default: the stdlib)"
+        "--data",
+        nargs="+",
+        default=None,
+        help="text, .jsonl(.gz/.zst), .parquet or .arrow files, directories (also a datasets save_to_disk "
+        "directory) or globs (default: the stdlib)",
+    )
+    t.add_argument(
+        "--text-field",
+        default="text",
+        help="the field holding the text in JSONL / Parquet / saved-dataset rows (default: text)",
     )
     t.add_argument(
         "--tokenizer", default="bytes", help="a tokenizer.json, a directory holding one, or 'bytes' (default)"
@@ -44,11 +53,12 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from meshlm.data.prepare import check_out, plan, prepare
+    from meshlm.data.records import Skipped
     from meshlm.data.tokenizer import load_tokenizer
 
     check_out(args.out)  # bad input fails before any work: the output, the tokenizer, the corpus
     tok = load_tokenizer(args.tokenizer)
-    plan(args.data, args.val_fraction, args.max_bytes)
+    plan(args.data, args.val_fraction, args.max_bytes, args.text_field)
     t0 = time.perf_counter()
     index = prepare(
         args.data,
@@ -57,6 +67,7 @@ def run(args) -> int:
         val_fraction=args.val_fraction,
         max_bytes=args.max_bytes,
         workers=args.workers,
+        text_field=args.text_field,
     )
     splits = index["splits"]
     summary = {
@@ -64,7 +75,8 @@ def run(args) -> int:
         "tokenizer": tok.describe(),
         "dtype": index["dtype"],
         **{f"{s}_{k}": splits[s][k] for s in ("train", "val") for k in ("tokens", "bytes")},
-        **{f"{s}_documents": len(splits[s]["documents"]) for s in ("train", "val")},
+        **{f"{s}_documents": sum(d.get("rows", 1) for d in splits[s]["documents"]) for s in ("train", "val")},
+        "skipped_rows": index["skipped_rows"],
         "seconds": round(time.perf_counter() - t0, 2),
     }
     if args.json:
@@ -76,4 +88,6 @@ def run(args) -> int:
             f"{tok.describe()} in {summary['seconds']:.1f} s: {args.out}",
             file=sys.stderr,
         )
+        if index["skipped_rows"]:
+            print(Skipped(index["skipped_rows"]).describe(args.text_field), file=sys.stderr)
     return 0

@@ -20,7 +20,13 @@ def add_parser(sub) -> None:
     actions = p.add_subparsers(dest="action", required=True)
     t = actions.add_parser("train", help="train a byte-level BPE on text files; writes tokenizer.json")
     t.add_argument(
-        "--data", nargs="+", default=None, help="text files, directories or globs (default: the stdlib)"
+        "--data",
+        nargs="+",
+        default=None,
+        help="text, JSONL or Parquet files, directories or globs (default: the stdlib)",
+    )
+    t.add_argument(
+        "--text-field", default="text", help="the text field of JSONL / Parquet rows (default text)"
     )
     t.add_argument("--vocab-size", type=positive_int, required=True, help="ids, the 257 base ones included")
     t.add_argument("--out", required=True, help="tokenizer.json to write (a directory: DIR/tokenizer.json)")
@@ -40,14 +46,12 @@ def _out_path(out: str) -> Path:
 
 def run(args) -> int:
     from meshlm.data.bpe import check_vocab_size, train_bpe
-    from meshlm.data.sources import resolve_sources
-    from meshlm.data.stream import read_document
+    from meshlm.data.corpus import corpus_documents
 
     check_vocab_size(args.vocab_size)  # bad input fails before the corpus is read
     out = _out_path(args.out)
     t0 = time.perf_counter()
-    sources = resolve_sources(args.data)
-    texts = [read_document(s.path).decode("utf-8", errors="replace") for s in sources]
+    texts = [d.decode("utf-8", errors="replace") for d in corpus_documents(args.data, args.text_field)]
     tok = train_bpe(texts, args.vocab_size, length=len(texts))
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(tok.to_json(), encoding="utf-8")
@@ -57,7 +61,7 @@ def run(args) -> int:
     summary = {
         "out": str(out),
         "vocab_size": tok.vocab_size,
-        "files": len(texts),
+        "documents": len(texts),  # a text file is one, a JSONL / Parquet row one
         "bytes": n_bytes,
         "bytes_per_token": n_bytes / max(1, n_tokens),
         "fingerprint": tok.fingerprint,
@@ -67,7 +71,7 @@ def run(args) -> int:
         print(json.dumps(summary))
     else:
         print(
-            f"trained a {tok.vocab_size}-id byte-level BPE on {n_bytes:,} bytes in {len(texts)} files "
+            f"trained a {tok.vocab_size}-id byte-level BPE on {n_bytes:,} bytes in {len(texts)} documents "
             f"({summary['bytes_per_token']:.2f} bytes/token on them) in {summary['seconds']:.1f} s: {out}",
             file=sys.stderr,
         )

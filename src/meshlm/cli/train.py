@@ -62,3 +62,9 @@ def _print_summary(summary: dict, print0) -> None:
         f"outputs in {summary['out']}",
         file=sys.stderr,
     )
+    if summary.get("next"):
+        print0(
+            "next: sample, prove the sharding with these weights, measure on the validation split:",
+            file=sys.stderr,
+        )
+        print0("\n".join(f"  {line}" for line in summary["next"]), file=sys.stderr)

@@ -2,11 +2,13 @@
 (``meshlm.data.store``).
 
 The corpus is resolved and split exactly as the training loader does (``resolve_sources``,
-``split_sources`` by file; one file: its last ``val_fraction`` of bytes validates), and each document
-is tokenized exactly as ``TokenStream.from_files`` would, so a store trains on the same tokens, in
-the same order, as ``--data`` on the raw files. A process pool tokenizes the documents; the parent
-writes them in order as they arrive (a bounded window of them in flight: memory does not grow with
-the corpus), checksumming each token file as it writes it, with a progress bar on stderr.
+``split_sources`` by file; one text file: its last ``val_fraction`` of bytes validates; one record
+file: by row, ``row_is_val``), and each document is tokenized exactly as ``load_splits`` would, so a
+store trains on the same tokens, in the same order, as ``--data`` on the raw files. The parent reads
+record files a batch of rows at a time (``meshlm.data.records``); a process pool tokenizes the pieces
+(a text file's document, or a batch of rows); the parent writes them in order as they arrive (a
+bounded window of them in flight: memory does not grow with the corpus), checksumming each token file
+as it writes it, with a progress bar on stderr.
 
 This module must not import jax: it runs before the CLI has chosen the devices.
 """
@@ -26,21 +28,34 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from meshlm.data.records import (
+    DEFAULT_FIELD,
+    ROW_SPLIT,
+    Skipped,
+    check_file,
+    is_record_file,
+    one_sided,
+    read_rows,
+    row_is_val,
+)
 from meshlm.data.sources import DEFAULT_MAX_BYTES, PathArg, check_fraction, resolve_sources, split_sources
-from meshlm.data.store import FORMAT, TOKENIZER_JSON, store_dtype, tokenizer_entry, write_index
+from meshlm.data.store import FORMAT, SPLITS, TOKENIZER_JSON, store_dtype, tokenizer_entry, write_index
 from meshlm.data.stream import read_document
 from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.errors import DataError
 from meshlm.units import format_bytes
 
 
-class Doc(NamedTuple):
-    """One document to tokenize: a file, or a byte range of the single file (after NULs are dropped)."""
+class Piece(NamedTuple):
+    """One piece of work: a text file's document (a byte range, after NULs are dropped), or a batch of
+    a record file's rows, for one split."""
 
+    split: str  # "train" or "val"
     path: str  # the file
-    start: int  # first byte
+    start: int  # first byte (text files)
     end: int | None  # one past the last byte (None: to the end)
-    size: int  # bytes, for the progress bar
+    size: int  # bytes of the file this piece accounts for, for the progress bar
+    docs: tuple[bytes, ...] | None = None  # a record file's documents (None: read the text file)
 
 
 # --- the workers ---------------------------------------------------------------------------------
@@ -58,19 +73,30 @@ def _init(tokenizer_json: str | None, eod_token: str | None) -> None:
         _TOKENIZER = HFTokenizer.from_str(tokenizer_json, eod_token=eod_token)
 
 
-def tokenize(doc: Doc, dtype: str) -> tuple[bytes, int, int]:
-    """(the document's ids then EOD, as ``dtype`` bytes; their number; its text bytes, EOD counted 1):
-    what ``TokenStream.from_texts`` makes of the same document."""
-    tok = _TOKENIZER
-    data = read_document(Path(doc.path))[doc.start : doc.end]
+def _ids(tok: Tokenizer, data: bytes) -> tuple[np.ndarray, int]:
+    """(ids of one document, its text bytes with EOD counted 1), as ``TokenStream.from_texts``."""
     if isinstance(tok, ByteTokenizer):
-        ids, n_bytes = np.frombuffer(data, np.uint8), len(data) + 1
-    else:
-        text = data.decode("utf-8", errors="replace")
-        ids, n_bytes = tok.encode(text), len(text.encode("utf-8", errors="replace")) + 1
-    out = np.empty(len(ids) + 1, dtype)
-    out[:-1], out[-1] = ids, tok.eod_id
-    return out.tobytes(), len(out), n_bytes
+        return np.frombuffer(data, np.uint8), len(data) + 1
+    text = data.decode("utf-8", errors="replace")
+    return tok.encode(text), len(text.encode("utf-8", errors="replace")) + 1
+
+
+def tokenize(piece: Piece, dtype: str) -> tuple[bytes, int, int, int]:
+    """(the piece's documents' ids, each then EOD, as ``dtype`` bytes; their number; text bytes, each
+    EOD counted 1; documents): what ``TokenStream.from_texts`` makes of the same documents."""
+    tok = _TOKENIZER
+    docs = piece.docs
+    if docs is None:
+        docs = [read_document(Path(piece.path))[piece.start : piece.end]]
+    parts, n_bytes = [], 0
+    for data in docs:
+        ids, doc_bytes = _ids(tok, data)
+        out = np.empty(len(ids) + 1, dtype)
+        out[:-1], out[-1] = ids, tok.eod_id
+        parts.append(out.tobytes())
+        n_bytes += doc_bytes
+    data = b"".join(parts)
+    return data, len(data) // np.dtype(dtype).itemsize, n_bytes, len(docs)
 
 
 # --- the parent ----------------------------------------------------------------------------------
@@ -83,51 +109,101 @@ def progress_bar(total_bytes: int, stream=None):
     return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", file=stream or sys.stderr)
 
 
-def _in_order(pool, docs: Iterable[Doc], dtype: str, ahead: int) -> Iterator[tuple[bytes, int, int]]:
-    """Results of ``tokenize`` in document order, with at most ``ahead`` documents in flight."""
-    it, pending = iter(docs), deque()
-    for doc in islice(it, ahead):
-        pending.append(pool.submit(tokenize, doc, dtype))
+def _in_order(pool, pieces: Iterable[Piece], dtype: str, ahead: int) -> Iterator[tuple[Piece, tuple]]:
+    """(piece, ``tokenize``'s result) in order, with at most ``ahead`` pieces in flight."""
+    it, pending = iter(pieces), deque()
+    for piece in islice(it, ahead):
+        pending.append((piece, pool.submit(tokenize, piece, dtype)))
     while pending:
-        yield pending.popleft().result()
-        for doc in islice(it, 1):
-            pending.append(pool.submit(tokenize, doc, dtype))
+        piece, future = pending.popleft()
+        yield piece, future.result()
+        for nxt in islice(it, 1):
+            pending.append((nxt, pool.submit(tokenize, nxt, dtype)))
 
 
-def _write_split(path: Path, docs: Sequence[Doc], results, progress) -> dict[str, Any]:
-    """Write one split's token file; its index entry."""
-    crc, documents, tokens, n_bytes = 0, [], 0, 0
-    with open(path, "wb") as f:
-        for doc, (data, n_tokens, doc_bytes) in zip(docs, results, strict=True):
-            f.write(data)
-            crc = zlib.crc32(data, crc)
-            documents.append({"path": doc.path, "tokens": n_tokens, "bytes": doc_bytes})
-            tokens, n_bytes = tokens + n_tokens, n_bytes + doc_bytes
-            progress.update(doc.size)
-    return {
-        "file": path.name,
-        "tokens": tokens,
-        "bytes": n_bytes,
-        "crc32": f"{crc:08x}",
-        "documents": documents,
-    }
+def _write_splits(out: Path, results, progress) -> dict[str, dict[str, Any]]:
+    """Write both splits' token files from the pieces in order; their index entries. A text file's
+    document is one entry; a record file's rows in a split are one entry with their number ("rows")."""
+    files = {name: open(out / f"{name}.tokens", "wb") for name in SPLITS}  # noqa: SIM115 - closed below
+    empty = lambda name: {"file": f"{name}.tokens", "tokens": 0, "bytes": 0, "crc": 0, "documents": []}
+    splits = {name: empty(name) for name in SPLITS}
+    try:
+        for piece, (data, n_tokens, n_bytes, n_docs) in results:
+            files[piece.split].write(data)
+            s = splits[piece.split]
+            s["crc"] = zlib.crc32(data, s["crc"])
+            s["tokens"], s["bytes"] = s["tokens"] + n_tokens, s["bytes"] + n_bytes
+            docs = s["documents"]
+            if piece.docs is None:
+                docs.append({"path": piece.path, "tokens": n_tokens, "bytes": n_bytes})
+            elif docs and docs[-1]["path"] == piece.path and "rows" in docs[-1]:
+                for key, n in (("tokens", n_tokens), ("bytes", n_bytes), ("rows", n_docs)):
+                    docs[-1][key] += n
+            else:
+                docs.append({"path": piece.path, "tokens": n_tokens, "bytes": n_bytes, "rows": n_docs})
+            progress.update(piece.size)
+    finally:
+        for f in files.values():
+            f.close()
+    for s in splits.values():
+        s["crc32"] = f"{s.pop('crc'):08x}"
+    return splits
 
 
-def plan(paths: Sequence[PathArg] | None, val_fraction: float, max_bytes: int | None) -> tuple[dict, str]:
-    """({"train": docs, "val": docs}, how the corpus was split): the loader's split, as documents."""
+class Plan(NamedTuple):
+    """What ``prepare`` reads, in order: (split, path, start, end, size) per text-file document or
+    record file; split None: one record file, split by row (``row_is_val``)."""
+
+    units: list[tuple[str | None, str, int, int | None, int]]
+    how: str  # how the corpus was split, for the index
+    files: int  # source files
+
+
+def plan(
+    paths: Sequence[PathArg] | None,
+    val_fraction: float,
+    max_bytes: int | None,
+    text_field: str = DEFAULT_FIELD,
+) -> Plan:
+    """The loader's split, as units of work; every record file's field is checked (fails before work)."""
     check_fraction(val_fraction)
     sources = resolve_sources(paths, max_bytes)
+    for src in sources:
+        if is_record_file(src.path):
+            check_file(src.path, text_field)
     if len(sources) == 1:
         path = sources[0].path
+        if is_record_file(path):
+            return Plan([(None, str(path), 0, None, path.stat().st_size)], ROW_SPLIT.format(val_fraction), 1)
         n = len(read_document(path))
         if n < 2:
             raise DataError(f"data file {path} has {n} bytes; one file needs >= 2 to split")
         cut = n - min(n - 1, max(1, round(n * val_fraction)))
-        docs = {"train": [Doc(str(path), 0, cut, cut)], "val": [Doc(str(path), cut, None, n - cut)]}
-        return docs, f"one file: its last {val_fraction:.0%} of bytes is validation"
+        units = [("train", str(path), 0, cut, cut), ("val", str(path), cut, None, n - cut)]
+        return Plan(units, f"one file: its last {val_fraction:.0%} of bytes is validation", 1)
     train, val = split_sources(sources, val_fraction)
-    as_docs = lambda srcs: [Doc(str(s.path), 0, None, s.path.stat().st_size) for s in srcs]
-    return {"train": as_docs(train), "val": as_docs(val)}, "by file (sha1 of relative path)"
+    parts = (("train", train), ("val", val))
+    units = [(name, str(s.path), 0, None, s.path.stat().st_size) for name, part in parts for s in part]
+    return Plan(units, "by file (sha1 of relative path)", len(sources))
+
+
+def pieces(p: Plan, text_field: str, val_fraction: float, skipped: Skipped) -> Iterator[Piece]:
+    """The plan's pieces of work in order; record files are read here, a batch of rows at a time."""
+    for split, path, start, end, size in p.units:
+        if not is_record_file(path):
+            yield Piece(split, path, start, end, size)
+            continue
+        done = 0
+        for docs, position in read_rows(Path(path), text_field, skipped):
+            step, done = position - done, position
+            if split is not None:
+                yield Piece(split, path, 0, None, step, tuple(docs))
+                continue
+            sides = {True: [], False: []}
+            for d in docs:
+                sides[row_is_val(d, val_fraction)].append(d)
+            yield Piece("train", path, 0, None, step, tuple(sides[False]))
+            yield Piece("val", path, 0, None, 0, tuple(sides[True]))
 
 
 def prepare(
@@ -138,12 +214,12 @@ def prepare(
     val_fraction: float = 0.05,
     max_bytes: int | None = None,
     workers: int = 0,
+    text_field: str = DEFAULT_FIELD,
     progress_stream=None,
 ) -> dict[str, Any]:
     """Tokenize the corpus into the (new or empty) directory ``out``; returns the index written."""
     out = Path(out)
-    docs, how = plan(paths, val_fraction, max_bytes)
-    all_docs = docs["train"] + docs["val"]
+    work = plan(paths, val_fraction, max_bytes, text_field)
     dtype = store_dtype(tokenizer.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     text = tokenizer.to_json()
@@ -151,30 +227,32 @@ def prepare(
         (out / TOKENIZER_JSON).write_text(text, encoding="utf-8")
         eos = json.dumps({"eos_token": tokenizer.eod_token})
         (out / "tokenizer_config.json").write_text(eos + "\n", encoding="utf-8")
-    workers = max(1, min(workers or multiprocessing.cpu_count(), len(all_docs)))
-    progress = progress_bar(sum(d.size for d in all_docs), progress_stream)
+    workers = workers or multiprocessing.cpu_count()
+    if not any(is_record_file(u[1]) for u in work.units):  # one piece per text file: no more workers
+        workers = max(1, min(workers, len(work.units)))
+    progress = progress_bar(sum(u[-1] for u in work.units), progress_stream)
     init = (text, getattr(tokenizer, "eod_token", None))
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init, initargs=init)
+    skipped = Skipped()
     with pool, progress:
-        splits = {
-            name: _write_split(
-                out / f"{name}.tokens",
-                docs[name],
-                _in_order(pool, docs[name], dtype.str, 4 * workers),
-                progress,
-            )
-            for name in ("train", "val")
-        }
+        work_pieces = pieces(work, text_field, val_fraction, skipped)
+        splits = _write_splits(out, _in_order(pool, work_pieces, dtype.str, 4 * workers), progress)
+    if work.units[0][0] is None:  # one record file, split by row: both sides need rows
+        rows = [sum(d.get("rows", 1) for d in splits[name]["documents"]) for name in SPLITS]
+        if not all(rows):
+            raise one_sided(Path(work.units[0][1]), *rows, val_fraction)
     cap = max_bytes if max_bytes is not None or paths else DEFAULT_MAX_BYTES
     index = {
         "format": FORMAT,
         "tokenizer": tokenizer_entry(tokenizer),
         "dtype": dtype.str,
-        "source": _describe(paths, len(all_docs), cap),
-        "split": how,
+        "source": _describe(paths, work.files, cap),
+        "split": work.how,
         "val_fraction": val_fraction,
         "max_bytes": cap,
+        "text_field": text_field,
+        "skipped_rows": dict(sorted(skipped.items())),
         "splits": splits,
     }
     write_index(out, index)

@@ -5,10 +5,15 @@ and glob patterns. With no paths the corpus is the ``.py`` files of the running 
 standard library: present on every machine, no download. It is capped at a deterministic subset
 of about ``DEFAULT_MAX_BYTES``.
 
+Record files (JSONL, Parquet, Arrow; ``meshlm.data.records``) are found the same way, and a directory
+``datasets``' ``save_to_disk`` wrote stands for its arrow shards; they are exempt from the size limit
+for files found in directories (they are read in batches).
+
 Split. Files, not bytes, go to train or validation, by a stable hash of each file's path relative
 to the directory (or glob base) it was found under, so the split does not depend on where the
 corpus lives or on the order of the paths. A single file is the exception: its last
-``val_fraction`` of bytes is validation (``meshlm.data.corpus.load_splits``).
+``val_fraction`` of bytes is validation (``meshlm.data.corpus.load_splits``); a single record file
+is split by row, by a hash of each row's text (``meshlm.data.records.row_is_val``).
 
 This module must not import jax: it runs before the CLI has chosen the devices.
 """
@@ -26,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from meshlm.data.records import dataset_files, is_record_file, is_saved_dataset
 from meshlm.errors import DataError
 from meshlm.units import format_bytes
 
@@ -62,7 +68,7 @@ def _stable_hash(key: str, salt: str = "") -> int:
 
 def _small_enough(path: Path) -> bool:
     size = path.stat().st_size
-    if size <= MAX_FILE_BYTES:
+    if size <= MAX_FILE_BYTES or is_record_file(path):  # record files are read in batches
         return True
     warnings.warn(
         f"skipping {path}: {format_bytes(size, 'MiB', 0)} is over the "
@@ -89,6 +95,10 @@ def _walk(
 
     base = root.resolve()
     for dirpath, dirnames, filenames in os.walk(base, onerror=fail):
+        if is_saved_dataset(dirpath):  # `datasets`' save_to_disk: its arrow shards, not its JSON
+            dirnames[:] = []
+            yield from (Source(p, p.relative_to(base).as_posix()) for p in dataset_files(dirpath))
+            continue
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in skip)
         for name in sorted(filenames):
             path = Path(dirpath, name)

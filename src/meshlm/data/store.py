@@ -4,7 +4,8 @@ the streams ``meshlm train --data DIR`` samples windows from without reading the
 A store directory holds:
   ``index.json``     format, tokenizer (kind, fingerprint, vocab_size, eod_id), token dtype, how the
                      corpus was split, and per split: its token file, token and text-byte counts, the
-                     file's CRC-32 and its documents ({path, tokens, bytes}); ``index_sha256`` covers
+                     file's CRC-32 and its documents ({path, tokens, bytes}; a record file's rows in
+                     the split are one entry, with their number under "rows"); ``index_sha256`` covers
                      the rest of the index (an edited count or fingerprint is refused, as in checkpoints)
   ``train.tokens``, ``val.tokens``  each split's documents, each ended by the tokenizer's EOD, as raw
                      little-endian uint16 (when the vocabulary fits) or uint32: what the loader's
@@ -31,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from meshlm.data.records import Skipped
 from meshlm.data.stream import TokenStream, splits_info
 from meshlm.data.tokenizer import Tokenizer
 from meshlm.errors import DataError
@@ -98,7 +100,7 @@ class StoredStream(TokenStream):
         self.vocab_size, self.eod_id = int(tokenizer["vocab_size"]), int(tokenizer["eod_id"])
         self.files = tuple(Path(d["path"]) for d in split["documents"])
         self.text_bytes = int(split["bytes"])
-        self._num_docs = len(split["documents"])
+        self._num_docs = sum(int(d.get("rows", 1)) for d in split["documents"])  # rows: a record file
 
     @property
     def num_docs(self) -> int:
@@ -154,7 +156,10 @@ class TokenStore:
                 f"token store {self.directory} has no training tokens; prepare it from non-empty files"
             )
         source = f"token store {self.directory} ({self.index['source']})"
-        return train, val, splits_info(source, self.index["split"], train, val, tok)
+        info = splits_info(source, self.index["split"], train, val, tok)
+        skipped = self.index.get("skipped_rows")  # rows `prepare` left out (record files)
+        info["skipped"] = Skipped(skipped).describe(self.index["text_field"]) if skipped else ""
+        return train, val, info
 
 
 def _damaged(directory: Path, problem: str) -> DataError:

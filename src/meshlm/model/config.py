@@ -49,6 +49,10 @@ class ModelConfig:
     # keys, memory O(T) (model.blockwise; a ragged last block is padded, so any block size works).
     attention: str = "plain"
     attn_block: int = 512
+    # Document masking (``--doc-mask``): >= 0 is the id that ends every document (the tokenizer's EOD);
+    # attention then stays inside a document and positions restart at each (the EOD is the next
+    # document's first input). Applies to training and evaluation, not to KV-cached generation. -1: off.
+    doc_mask: int = -1
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
@@ -63,6 +67,12 @@ class ModelConfig:
             raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
         if self.arch.attention:
             self._check_attention()
+        if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
+            raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
+        if self.doc_mask >= 0 and self.attention != "plain":
+            raise ConfigError(
+                "doc_mask needs attention='plain' (blockwise attention has no document mask yet)"
+            )
 
     def _check_attention(self):
         if self.n_heads < 1:
@@ -131,6 +141,7 @@ RANGES: dict[str, Range] = {
     "z_loss": NON_NEGATIVE_FLOAT,
     "unroll": Range(int, 0, note="0: all layers"),
     "attn_block": POSITIVE_INT,
+    "doc_mask": Range(int, -1, note="-1: off"),
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 

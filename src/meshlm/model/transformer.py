@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm.errors import ConfigError
-from meshlm.model.attention import Attention
+from meshlm.model.attention import Attention, doc_positions
 from meshlm.model.config import ModelConfig
 from meshlm.model.layers import (
     MLP,
@@ -113,6 +113,8 @@ def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=
 def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache):
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+        if cfg.doc_mask >= 0:
+            positions = doc_positions(tokens, cfg.doc_mask)
     gpt = cfg.arch.gpt_init
     stddev = GPT_STDDEV if gpt else 1.0 / np.sqrt(cfg.vocab_size)
     embed = VocabEmbed(

@@ -55,7 +55,8 @@ class Layout:
         (the memory options default off)."""
         if isinstance(where, Layout):
             return dataclasses.replace(where, **options) if options else where
-        return cls(**{axis: where.shape[axis] for axis in MESH_AXES}, built_mesh=where, **options)
+        sizes = axis_sizes(where)
+        return cls(**{axis: sizes[axis] for axis in MESH_AXES}, built_mesh=where, **options)
 
     @property
     def mesh(self):
@@ -131,3 +132,9 @@ class Layout:
 
 def _next_multiple(n: int, k: int) -> int:
     return (n // k + 1) * k
+
+
+def axis_sizes(mesh) -> dict[str, int]:
+    """Each axis of a jax ``mesh`` and its size: with ``Layout.of``, the one place a mesh's shape is
+    read (a pipeline's mesh, whose ``pp`` axis is not yet a Layout field, is read here too)."""
+    return {name: mesh.shape[name] for name in mesh.axis_names}

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ConfigError, MeshError
 from meshlm.parallel.axes import DP, MP, PP
+from meshlm.parallel.layout import axis_sizes
 from meshlm.parallel.pipeline_engines import Job, gpipe, one_f_one_b
 from meshlm.parallel.pipeline_schedule import PipelineConfig, check_batch, check_layers
 
@@ -141,10 +142,11 @@ def pipeline_value_and_grad(stage_fn, loss_fn, mesh, pipe: Pipeline, *, specs=No
         raise MeshError(
             f"the pipeline needs a mesh with the axis '{PP}' and at most '{DP}', '{MP}'; got {names}"
         )
-    if mesh.shape[PP] != cfg.pp:
-        raise MeshError(f"the mesh's {PP} axis has {mesh.shape[PP]} devices but pp={cfg.pp}; make them equal")
+    sizes = axis_sizes(mesh)
+    if sizes[PP] != cfg.pp:
+        raise MeshError(f"the mesh's {PP} axis has {sizes[PP]} devices but pp={cfg.pp}; make them equal")
     has_dp = DP in names
-    job = Job(stage_fn, loss_fn, pipe, has_dp, mesh.shape[DP] if has_dp else 1)
+    job = Job(stage_fn, loss_fn, pipe, has_dp, sizes.get(DP, 1))
     data = P(DP) if has_dp else P()
     body = partial(gpipe if cfg.schedule == "gpipe" else one_f_one_b, job)
 

@@ -42,12 +42,13 @@ class TrainConfig:
     config: str = _field("cpu", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)
     data: tuple[str, ...] = _field(
         (),
-        "text files, directories or globs",
+        "text, JSONL(.gz/.zst), Parquet files, directories (or saved datasets), globs, or a token store",
         resume_must_match=True,
         shown_default="the Python stdlib's .py files",
     )
-    # The main job's defaults (steps, batch_size, lr, warmup_steps; mesh: DEFAULT_DP) come from the sweep in
-    # scripts/sweep_main.py (docs/training.md, "Choosing the main job's defaults").
+    text_field: str = _field("text", "text field of JSONL / Parquet / dataset rows", resume_must_match=True)
+    doc_mask: bool = _field(False, "attention within documents, positions restart", resume_must_match=True)
+    # Defaults of steps, batch_size, lr, warmup_steps (mesh: DEFAULT_DP): scripts/sweep_main.py's sweep.
     steps: int = _field(
         240, "optimizer steps; the defaults take ~4-5 min on a 2-core CPU", valid=POSITIVE_INT
     )

@@ -23,12 +23,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshlm.data.device_batches import device_batch
-from meshlm.data.tokenizer import bits_per_byte
+from meshlm.data.tokenizer import ByteTokenizer, bits_per_byte
 from meshlm.errors import TrainingError
 from meshlm.generate.generator import Generator
+from meshlm.io.tokenizer_file import TOKENIZER_FILE
 from meshlm.parallel import distributed
 from meshlm.parallel.placement import put_global
 from meshlm.train.config import TrainConfig
+from meshlm.train.explain import next_commands, start_line
 from meshlm.train.metrics import plot_loss_curve
 from meshlm.train.run import Run, build_run, checkpoint_meta
 
@@ -243,6 +245,8 @@ def train(tcfg: TrainConfig, where) -> dict:
 
 def _train(run: Run) -> dict:
     start_step, t0 = run.step, time.perf_counter()
+    n_params = sum(int(p.size) for p in jax.tree.leaves(run.params))
+    distributed.print0(start_line(run.tcfg, run.cfg, run.layout, n_params), file=sys.stderr)
     first = _eval_and_log(run) if run.step == 0 else None
     stop = _Stop()
     try:
@@ -274,8 +278,12 @@ def _train(run: Run) -> dict:
 def _finish(run: Run, summary: dict) -> None:
     """Loss curve, a generated sample, and the summary line (process 0 prints)."""
     run.log.close()
+    byte_level = isinstance(run.tokenizer, ByteTokenizer)
     if distributed.is_main():
-        summary["loss_curve"] = str(plot_loss_curve(run.log.rows(), Path(run.tcfg.out)))
+        unit = "nats/byte (byte tokens)" if byte_level else "nats/token"
+        summary["loss_curve"] = str(plot_loss_curve(run.log.rows(), Path(run.tcfg.out), unit=unit))
+    saved_tokenizer = None if byte_level else str(Path(run.tcfg.out) / TOKENIZER_FILE)
+    summary["next"] = next_commands(run.tcfg, run.layout, saved_tokenizer)
     if run.tcfg.sample_tokens:
         summary["sample"] = _sample(run)
     run.ckpt.close()

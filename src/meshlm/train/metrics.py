@@ -75,8 +75,22 @@ class MetricsLog:
         return [json.loads(line) for line in outputs.lines(self.path) if line.strip()]
 
 
-def plot_loss_curve(rows: list[dict], out: Path) -> Path:
-    """loss_curve.png: train loss per step and validation loss at each evaluation."""
+def plot_loss_curve(rows: list[dict], out: Path, unit: str = "nats/token") -> Path:
+    """loss_curve.png: train and validation loss per token (``unit``) on the left axis, validation bits
+    per byte (comparable across tokenizers) on its own right axis."""
+    fig = loss_figure(rows, unit)  # selects the Agg backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
+    try:
+        return outputs.replace_file(
+            out / LOSS_CURVE, lambda f: fig.savefig(f, format="png", dpi=100, bbox_inches="tight")
+        )
+    finally:
+        plt.close(fig)
+
+
+def loss_figure(rows: list[dict], unit: str):
+    """The loss curve's matplotlib figure (see ``plot_loss_curve``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,18 +98,20 @@ def plot_loss_curve(rows: list[dict], out: Path) -> Path:
 
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    bpb = [(r["step"], r["val_bpb"]) for r in rows if "val_bpb" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
+    lines = []
     if train:
-        ax.plot(*zip(*train, strict=True), label="train loss", lw=1)
+        lines += ax.plot(*zip(*train, strict=True), label="train loss", lw=1)
     if val:
-        ax.plot(*zip(*val, strict=True), "o-", label="validation loss")
+        lines += ax.plot(*zip(*val, strict=True), "o-", label="validation loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/byte)")
-    ax.legend()
+    ax.set_ylabel(f"loss ({unit})")
+    if bpb:
+        right = ax.twinx()
+        lines += right.plot(*zip(*bpb, strict=True), "s--", color="tab:green", label="val_bpb (right)")
+        right.set_ylabel("validation bits per byte")
+    if lines:
+        ax.legend(lines, [line.get_label() for line in lines])
     ax.grid(alpha=0.3)
-    try:
-        return outputs.replace_file(
-            out / LOSS_CURVE, lambda f: fig.savefig(f, format="png", dpi=100, bbox_inches="tight")
-        )
-    finally:
-        plt.close(fig)
+    return fig

@@ -76,7 +76,7 @@ def _load_data(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, tok: Tokeniz
     if store is not None:  # memory-mapped; its ids are the tokenizer's, never scanned here
         train, val, info = store.splits(tok, cfg.vocab_size)
     else:
-        train, val, info = load_splits(list(tcfg.data) or None, tokenizer=tok)
+        train, val, info = load_splits(list(tcfg.data) or None, tokenizer=tok, text_field=tcfg.text_field)
         check_token_range(train.tokens, cfg.vocab_size, "training data")
         check_token_range(val.tokens, cfg.vocab_size, "validation data")
     layout.check_batch(tcfg.batch_size, tcfg.accum_steps)
@@ -165,7 +165,7 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, ckpt: Ch
     if tcfg.checkpoint:
         loaded_cfg, params, _ = load_model(tcfg.checkpoint, layout)
         params = jax.device_put(params, shardings(specs, layout.mesh))  # onto FSDP slices, if asked
-        if loaded_cfg != cfg:
+        if loaded_cfg.replace(doc_mask=cfg.doc_mask) != cfg:  # --doc-mask may be added to any model
             raise CheckpointError(
                 f"--checkpoint {tcfg.checkpoint} holds a different model than --config "
                 f"{tcfg.config}; pass the config it was made with"
@@ -221,11 +221,14 @@ def build_run(tcfg: TrainConfig, where) -> Run:
     store = store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store (checked) or None
     run_specs(tcfg, cfg, layout)  # bad --fsdp / --sp combinations fail before the data is read
     tok, cfg = run_tokenizer(tcfg, cfg)
+    if tcfg.doc_mask:  # recorded in the checkpoint's model config: eval and verify --checkpoint apply it
+        cfg = cfg.replace(doc_mask=tok.eod_id)
     out = Path(tcfg.out)
     batcher, val, info = _load_data(tcfg, cfg, layout, tok, store)
     distributed.print0(
         f"data: {info['source']}; train {info['train_bytes']:,} bytes in {info['train_files']} "
-        f"files, validation {info['val_bytes']:,} bytes in {info['val_files']}; {info['tokenizer']}",
+        f"files, validation {info['val_bytes']:,} bytes in {info['val_files']}; {info['tokenizer']}"
+        + (f"; {info['skipped']}" if info.get("skipped") else ""),
         file=sys.stderr,
     )
     lock = lock_run(out)  # before anything in `out` is read or written; creates it

@@ -101,7 +101,7 @@ def _train_bpe_into(tcfg, vocab_size: int) -> Tokenizer:
         tok = load_tokenizer(saved)
         if tok.vocab_size <= vocab_size:  # a small corpus can have fewer merges than asked for
             return tok
-    train, _, info = load_splits(list(tcfg.data) or None)
+    train, _, info = load_splits(list(tcfg.data) or None, text_field=tcfg.text_field)
     docs = bytes(train.tokens).split(b"\0")[:-1]  # the byte stream: documents end with NUL
     distributed.print0(
         f"training a {vocab_size}-id byte-level BPE on {info['train_bytes']:,} bytes", file=sys.stderr

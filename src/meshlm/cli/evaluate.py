@@ -1,0 +1,49 @@
+"""meshlm eval: a checkpoint's loss, perplexity and bits per byte over a whole data set, on any mesh.
+
+Every token of the set is predicted once (non-overlapping windows, the last partial one included; no
+sampling): see ``meshlm.train.evaluation``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
+from meshlm.train.eval_settings import EvalConfig
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a checkpoint over a data set")
+    add_common(p, None)
+    add_flags(p, EvalConfig)
+    p.set_defaults(fn=run)
+
+
+def run(args) -> int:
+    ecfg = settings_from(args, EvalConfig)
+    if layout := flag_layout(args):  # before devices start
+        layout.check_batch(ecfg.batch_size)
+    layout = setup(args)
+    from meshlm.parallel.distributed import print0
+    from meshlm.train.evaluation import evaluate
+
+    t0 = time.perf_counter()
+    result, source = evaluate(ecfg, layout)
+    summary = {
+        "checkpoint": args.checkpoint,
+        "data": source,
+        **result.to_json(),
+        "mesh": f"{layout.dp}x{layout.mp}",
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    if args.json:
+        print0(json.dumps(summary))
+    else:
+        print0(
+            f"loss {result.loss:.4f} nats/token, perplexity {result.perplexity:.3f}, "
+            f"{result.bits_per_byte:.4f} bits/byte over {result.tokens:,} tokens ({result.bytes:,} bytes) "
+            f"in {result.windows:,} windows of {result.seq_len} on a {layout.dp}x{layout.mp} mesh, "
+            f"{summary['seconds']:.1f} s; data: {source}"
+        )
+    return 0

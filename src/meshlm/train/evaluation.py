@@ -1,0 +1,202 @@
+"""``meshlm eval``: a model's loss on a whole data set, every token predicted exactly once.
+
+The set is a token stream (each document then EOD: raw text, record files or one split of a token
+store). Preceded by one EOD, as every document in training is, the stream is cut into
+non-overlapping windows of ``seq_len`` tokens: window k's inputs are tokens [kT - 1, kT + T - 1) of
+that stream and its targets the next T, so every token of the set (EOD included) is a target exactly
+once, the last, partial window too (its padding is masked out). Each window is read without the
+context of the previous one: the standard non-overlapping evaluation, no sampling.
+
+Reported: the loss (mean nats per target token, z-loss excluded), perplexity exp(loss), and bits per
+byte: the summed loss / ln 2 / the UTF-8 bytes of the targets (``Tokenizer.token_bytes``, EOD one
+byte), comparable across tokenizers. Windows run ``batch_size`` at a time, rows over dp, the model
+split over mp as in training; per-token losses come back to the host and are summed in float64.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import haiku as hk
+import jax
+import numpy as np
+
+from meshlm.data.corpus import load_all
+from meshlm.data.store import store_arg
+from meshlm.data.stream import TokenStream
+from meshlm.data.tokenizer import Tokenizer, load_tokenizer
+from meshlm.data.tokens import check_token_range
+from meshlm.errors import ConfigError
+from meshlm.io.model_io import load_model, read_config
+from meshlm.model.config import ModelConfig, default_seq_len
+from meshlm.model.layers import mask_vocab_padding, vocab_parallel_xent
+from meshlm.model.transformer import local_logits
+from meshlm.parallel import distributed
+from meshlm.parallel.layout import Layout
+from meshlm.parallel.placement import BATCH_SPEC, batch_sharding, put_global, to_host
+from meshlm.train.eval_settings import EvalConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalResult:
+    """What ``evaluate_stream`` measured. ``per_token``: every target's loss in stream order (only when
+    asked for: it is as long as the set)."""
+
+    tokens: int  # targets scored: every token of the set, EOD included
+    bytes: int  # their UTF-8 bytes (EOD: 1)
+    loss: float  # mean nats per token
+    windows: int  # windows of seq_len evaluated (the last may be partial)
+    seq_len: int
+    per_token: np.ndarray | None = None
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss) if self.loss < 700 else math.inf
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.loss * self.tokens / math.log(2) / max(1, self.bytes)
+
+    def to_json(self) -> dict:
+        keys = ("tokens", "bytes", "loss", "perplexity", "bits_per_byte", "windows", "seq_len")
+        return {k: getattr(self, k) for k in keys}
+
+
+def per_token_loss_fn(cfg: ModelConfig, layout: Layout, params):
+    """jitted (params, {"inputs", "targets": [B, T]}) -> per-token cross-entropy [B, T] (no z-loss), on
+    ``layout``: rows over dp, the model as ``params`` are laid out (their shardings' specs)."""
+    specs = jax.tree.map(lambda p: p.sharding.spec, params)
+    par = layout.parallel()
+
+    def per_token(batch):
+        logits, _ = local_logits(cfg, par, batch["inputs"])
+        logits = mask_vocab_padding(par, logits, cfg.vocab_size)
+        return vocab_parallel_xent(par, logits, batch["targets"])
+
+    apply = hk.without_apply_rng(hk.transform(per_token)).apply
+    sharded = jax.shard_map(apply, mesh=layout.mesh, in_specs=(specs, BATCH_SPEC), out_specs=BATCH_SPEC)
+    return jax.jit(sharded)
+
+
+def windows(tokens: np.ndarray, eod_id: int, seq_len: int, batch: int) -> Iterator[dict[str, np.ndarray]]:
+    """Batches of ``batch`` windows (see the module doc): {"inputs", "targets": int32 [batch, T],
+    "mask": bool [batch, T]}; padding (the last window's tail, whole windows at the end) is masked."""
+    n, t = len(tokens), seq_len
+    count = -(-n // t)
+    for first in range(0, count, batch):
+        inputs = np.full((batch, t), eod_id, np.int32)
+        targets = np.zeros((batch, t), np.int32)
+        mask = np.zeros((batch, t), bool)
+        for row, k in enumerate(range(first, min(first + batch, count))):
+            lo, hi = k * t, min(k * t + t, n)
+            targets[row, : hi - lo] = tokens[lo:hi]
+            mask[row, : hi - lo] = True
+            inputs[row, 1 : hi - lo] = tokens[lo : hi - 1]
+            inputs[row, 0] = tokens[lo - 1] if k else eod_id
+        yield {"inputs": inputs, "targets": targets, "mask": mask}
+
+
+def check_shape(seq_len: int, batch_size: int, cfg: ModelConfig, layout: Layout) -> None:
+    if seq_len > cfg.max_seq_len and cfg.arch.attention:
+        raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}; lower it")
+    layout.check_batch(batch_size)
+
+
+def evaluate_stream(
+    cfg: ModelConfig,
+    params,
+    where,
+    stream: TokenStream,
+    tokenizer: Tokenizer,
+    *,
+    seq_len: int,
+    batch_size: int,
+    keep_per_token: bool = False,
+    progress: bool = True,
+) -> EvalResult:
+    """The loss of ``params`` (laid out on ``where``, a Layout or a jax Mesh) over every token of
+    ``stream`` (see the module doc)."""
+    layout = Layout.of(where)
+    check_shape(seq_len, batch_size, cfg, layout)
+    n = len(stream)
+    if n < 1:
+        raise ConfigError("the evaluation set holds no tokens; pass non-empty data")
+    fn, sharding = per_token_loss_fn(cfg, layout, params), batch_sharding(layout, 1)
+    token_bytes = np.asarray(tokenizer.token_bytes, np.int64)
+    total, n_bytes, kept = 0.0, 0, []
+    count = -(-n // seq_len)
+    bar = _bar(count, progress)
+    with bar:
+        for b in windows(stream.tokens, stream.eod_id, seq_len, batch_size):
+            placed = {k: put_global(b[k], sharding) for k in ("inputs", "targets")}
+            losses = to_host(fn(params, placed)).astype(np.float64)[b["mask"]]
+            total += float(losses.sum())
+            n_bytes += int(token_bytes[b["targets"][b["mask"]]].sum())
+            if keep_per_token:
+                kept.append(losses)
+            bar.update(int(b["mask"].any(axis=1).sum()))
+    per_token = np.concatenate(kept) if keep_per_token else None
+    return EvalResult(
+        tokens=n, bytes=n_bytes, loss=total / n, windows=count, seq_len=seq_len, per_token=per_token
+    )
+
+
+def eval_tokenizer(ecfg: EvalConfig) -> Tokenizer:
+    """The checkpoint's tokenizer; ``ecfg.tokenizer`` only for one converted without any (or the same)."""
+    from meshlm.train.tokenizers import check_vocab, checkpoint_tokenizer
+
+    own = checkpoint_tokenizer(ecfg.checkpoint, required=not ecfg.tokenizer)
+    if not ecfg.tokenizer:
+        return own
+    tok = load_tokenizer(ecfg.tokenizer)
+    if own is not None and own.fingerprint != tok.fingerprint:
+        raise ConfigError(
+            f"--tokenizer {ecfg.tokenizer} differs from the tokenizer checkpoint {ecfg.checkpoint} carries "
+            f"({own.describe()}); leave out --tokenizer to use that one"
+        )
+    check_vocab(read_config(ecfg.checkpoint)[0], tok, f"checkpoint {ecfg.checkpoint}")
+    return tok
+
+
+def eval_stream(ecfg: EvalConfig, tok: Tokenizer, cfg: ModelConfig) -> tuple[TokenStream, str]:
+    """(the evaluation set's tokens, what it is): a store's split, or every document of the paths."""
+    store = store_arg(ecfg.data)
+    if store is not None:
+        train, val, info = store.splits(tok, cfg.vocab_size)
+        return (train if ecfg.split == "train" else val), f"{info['source']}, {ecfg.split} split"
+    stream, source = load_all(list(ecfg.data), tok, ecfg.text_field)
+    check_token_range(stream.tokens, cfg.vocab_size, "evaluation data")
+    return stream, source
+
+
+def evaluate(ecfg: EvalConfig, where, *, keep_per_token: bool = False) -> tuple[EvalResult, str]:
+    """(the result, the data's description): ``ecfg.checkpoint`` on ``where`` (a Layout or a jax Mesh)
+    over ``ecfg.data``."""
+    layout = Layout.of(where)
+    tok = eval_tokenizer(ecfg)
+    cfg, _ = read_config(ecfg.checkpoint)
+    seq_len = default_seq_len(cfg, ecfg.seq_len)
+    check_shape(seq_len, ecfg.batch_size, cfg, layout)  # before the data and weights load
+    stream, source = eval_stream(ecfg, tok, cfg)
+    cfg, params, _ = load_model(ecfg.checkpoint, layout)
+    result = evaluate_stream(
+        cfg,
+        params,
+        layout,
+        stream,
+        tok,
+        seq_len=seq_len,
+        batch_size=ecfg.batch_size,
+        keep_per_token=keep_per_token,
+    )
+    return result, source
+
+
+def _bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    disable = not (enabled and distributed.is_main())
+    return tqdm(total=total, desc="eval", unit="window", file=sys.stderr, disable=disable, dynamic_ncols=True)
