@@ -1,7 +1,8 @@
 """The proof's result: per-leaf errors, the report, and its table.
 
 Error measure per leaf: max_abs_err = max|s - r|; max_rel_err = max|s - r| / max|r| (normwise).
-A leaf passes when max_abs_err <= atol + rtol * max|r|.
+A leaf passes when max_abs_err <= atol + rtol * max|r|; ``tol_ratio`` is max_abs_err in units of that
+bound (a control's margin: how far its fault moved the result, in tolerances).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class LeafResult:
     spec: str
     max_abs_err: float = 0.0
     max_rel_err: float = 0.0
+    tol_ratio: float = 0.0  # max_abs_err / (atol + rtol * max|r|), worst over updates
     ok: bool = True
 
     def update(self, s, r, rtol, atol):
@@ -30,6 +32,8 @@ class LeafResult:
         rel = err / scale if scale else (0.0 if err == 0 else float("inf"))
         self.max_abs_err = max(self.max_abs_err, err)
         self.max_rel_err = max(self.max_rel_err, rel)
+        ratio = err / (atol + rtol * scale) if np.isfinite(err) else float("inf")
+        self.tol_ratio = max(self.tol_ratio, ratio)
         self.ok = self.ok and bool(np.isfinite(err)) and err <= atol + rtol * scale
 
 
@@ -134,6 +138,17 @@ def format_report(r: Report) -> str:
         rows.append("controls: none apply on this mesh (collective faults need mp > 1, dp faults dp > 1)")
     for c in r.controls:
         verdict = "detected" if c["detected"] else "NOT DETECTED (verifier failure)"
+        verdict = f"{verdict}: {margin_text(c)}"
         rows.append(f"control {c['name']:<42} {verdict}  ({c['how']})")
     rows += ["", "OK: sharded == unsharded" if r.ok else "FAILED"]
     return "\n".join(rows)
+
+
+def margin_text(control: dict) -> str:
+    """How far a detected control moved the result: ``3.1e5 x tolerance`` (values), or how else it
+    was detected (the type check, communication, non-finite values)."""
+    margin = control.get("margin")
+    if margin is None:
+        return control.get("by", "values")
+    mantissa, exponent = f"{margin:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)} x tolerance"

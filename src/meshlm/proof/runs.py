@@ -47,8 +47,9 @@ class Runs:
     def sharded_fn(self, build_loss, par_cls=Parallel):
         return jax.jit(sharded_value_and_grad(build_loss, self.mesh, self.specs, par_cls, sp=self.problem.sp))
 
-    def grads(self, build_loss, par_cls=Parallel):
-        return self.sharded_fn(build_loss, par_cls)(self.params, self.batch)
+    def grads(self, build_loss, par_cls=Parallel, params=None):
+        """The sharded loss and gradients of ``build_loss`` (at ``params``, default the proof's)."""
+        return self.sharded_fn(build_loss, par_cls)(self.params if params is None else params, self.batch)
 
     def proven_grads(self):
         """The sharded loss and gradients of the problem itself, compiled once: the same executable
