@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Plant each kind of verifier bug (issue 13) in a scratch worktree of HEAD and show that a test fails.
-# Usage: bash scripts/plant_verifier_bugs.sh [PYTHON]   (default: .venv/bin/python). About a minute.
+# Plant each kind of verifier bug (issues 13, 22) in a scratch worktree of HEAD and show that a test fails.
+# Usage: bash scripts/plant_verifier_bugs.sh [PYTHON]   (default: .venv/bin/python). A few minutes.
 # Prints one line per mutant, "caught" when its test fails; exits non-zero if any mutant survives.
 set -u
 repo=$(git rev-parse --show-toplevel) || exit 2
@@ -32,7 +32,7 @@ PY
 }
 
 plant "reference computed by the sharded program" src/meshlm/proof/runs.py \
-  "            self._ref_grads = fn(*args)" \
+  "            self._ref_grads = self.problem.from_reference(program(*args))" \
   "            self._ref_grads = self.grads(self.problem.build_loss)" \
   "tests/test_core.py -k verify_ff_every_mesh_float32"
 plant "controls always detected" src/meshlm/proof/control_runs.py \
@@ -55,5 +55,29 @@ plant "a data-parallel shard builds another shard's rows" src/meshlm/data/device
   "        b = batcher.batch(step, shard=start // width, num_shards=total // width)" \
   "        b = batcher.batch(step, shard=(start // width + 1) % (total // width), num_shards=total // width)" \
   "tests/test_prover.py -k data_pipeline_rows"
+plant "padded-logits control at zero padded weights (hidden by float32)" src/meshlm/proof/controls.py \
+  "        params_change=large_padded_logits," \
+  "" \
+  "tests/test_controls_margin.py -k gpt2vocab"
+plant "no exactness check (reference may be the sharded program)" src/meshlm/proof/independence.py \
+  '    return [check_row("reference is not the sharded program", bool(differ), detail)]' \
+  '    return [check_row("reference is not the sharded program", True, detail)]' \
+  "tests/test_reference.py -k sharded_results_on_one_device"
+plant "reference returns the sharded results moved to one device" src/meshlm/proof/runs.py \
+  "            self._ref_grads = self.problem.from_reference(program(*args))" \
+  "            self._ref_grads = jax.device_put(self.grads(self.problem.build_loss), self.device)" \
+  "tests/test_reference.py -k correct_reference"
+plant "reference train step not the checked program" src/meshlm/proof/runs.py \
+  '            program = self._checked(CheckedProgram("train step", step, *state, first))' \
+  '            program = CheckedProgram("train step", step, *state, first)' \
+  "tests/test_reference.py -k train_step"
+plant "reference shares meshlm's clip and step" src/meshlm/proof/runs.py \
+  "            step = reference_step(reference_value_and_grad(self.ref_loss), ocfg, opt)" \
+  "            step = make_step(reference_value_and_grad(self.ref_loss), opt, ocfg)" \
+  "tests/test_reference.py -k wrong_norm"
+plant "reference shares the sharded run's remat policy" src/meshlm/proof/problem.py \
+  '    plain = cfg.replace(remat="none", unroll=0)' \
+  "    plain = cfg" \
+  "tests/test_reference.py -k remat_path"
 git checkout -q -- src
 exit $((survivors > 0))

@@ -56,10 +56,13 @@ def model_problem(
     from meshlm.parallel.rules import model_specs
 
     rebuild = lambda c: lambda par: loss_fn(c, par)
+    # The reference is the plainest program: no recomputation, every layer unrolled (the sharded
+    # side's remat policy and layer loop are proven against code they do not share).
+    plain = cfg.replace(remat="none", unroll=0)
     padding = {}
     if cfg.padded_vocab != cfg.vocab_size:  # the proof: padded sharded model == the unpadded one
+        plain = plain.replace(vocab_multiple=1)
         padding = dict(
-            reference_loss=rebuild(cfg.replace(vocab_multiple=1)),
             to_reference=lambda tree: resize_tree(tree, cfg.vocab_size),
             from_reference=lambda tree: resize_tree(tree, cfg.padded_vocab),
         )
@@ -70,6 +73,7 @@ def model_problem(
         name=name,
         cfg=cfg,
         rebuild=rebuild,
+        reference_loss=rebuild(plain),
         has_row_bias=cfg.family in ("ff", "gptj") or cfg.embed_bias,
         **padding,
         fsdp=fsdp,

@@ -25,7 +25,7 @@ from meshlm.proof.communication import step_collectives
 from meshlm.proof.control_runs import communication_rows, run_control
 from meshlm.proof.controls import CONTROLS, Control, Where
 from meshlm.proof.data_pipeline import data_checks
-from meshlm.proof.independence import reference_checks, sharded_check
+from meshlm.proof.independence import exactness_check, reference_checks, sharded_check
 from meshlm.proof.padding import padding_rows
 from meshlm.proof.problem import Problem
 from meshlm.proof.report import LeafResult, Report, check_row, compare_into
@@ -71,7 +71,7 @@ def verify(
         return report
     ocfg = _compare_values(report, runs, sharded, steps, ocfg, seed)
     collectives = collectives and problem.cfg is not None
-    report.checks = _checks(runs, steps, ocfg, collectives, data_steps, seed)
+    report.checks = _checks(runs, steps, ocfg, collectives, data_steps, seed) + report.checks
     report.checks += padding_rows(problem, sharded[1])
     report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
     report.extra["param_bytes_total"] = total_bytes(runs.params)
@@ -109,16 +109,16 @@ def _compare_values(report: Report, runs: Runs, sharded, steps: int, ocfg, seed:
         if path in results:
             results[path].spec = str(spec)
     report.params = list(results.values())
+    report.checks = exactness_check([loss_check, *report.params], report.dtype, runs.mesh.size)
     return ocfg
 
 
 def _checks(runs: Runs, steps: int, ocfg, collectives: bool, data_steps: int, seed: int) -> list[dict]:
     """Independence of the reference, and optionally communication and the data pipeline."""
-    fn, args = runs.reference_program()
     outputs = [runs.reference_grads()]
     if steps:
         outputs.append(runs.reference_train(ocfg, step_batches(runs.problem, steps, ocfg.accum_steps, seed)))
-    rows = reference_checks(fn, args, outputs)
+    rows = reference_checks(runs.checked, outputs)
     rows.append(sharded_check(runs.sharded_hlo, runs.mesh.size))
     if collectives:
         p = runs.problem
