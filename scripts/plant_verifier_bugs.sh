@@ -79,5 +79,13 @@ plant "reference shares the sharded run's remat policy" src/meshlm/proof/problem
   '    plain = cfg.replace(remat="none", unroll=0)' \
   "    plain = cfg" \
   "tests/test_reference.py -k remat_path"
+plant "any ValueError in a control counts as a rejection" src/meshlm/proof/control_runs.py \
+  "        if not is_vma_rejection(e):" \
+  "        if not isinstance(e, ValueError):" \
+  "tests/test_control_errors.py"
+plant "any JAX error in a control counts as a rejection" src/meshlm/proof/control_runs.py \
+  "        if not is_vma_rejection(e):" \
+  "        if not (is_vma_rejection(e) or type(e).__module__.startswith('jax')):" \
+  "tests/test_control_errors.py"
 git checkout -q -- src
 exit $((survivors > 0))
