@@ -87,5 +87,9 @@ plant "any JAX error in a control counts as a rejection" src/meshlm/proof/contro
   "        if not is_vma_rejection(e):" \
   "        if not (is_vma_rejection(e) or type(e).__module__.startswith('jax')):" \
   "tests/test_control_errors.py"
+plant "a varying-axis type error in the proven program is a traceback" src/meshlm/proof/prover.py \
+  '        for name, explain in (("sharding rules", rule_mismatch), ("varying-axis types", vma_error)):' \
+  '        for name, explain in (("sharding rules", rule_mismatch),):' \
+  "tests/test_type_error_rows.py"
 git checkout -q -- src
 exit $((survivors > 0))

@@ -22,21 +22,9 @@ from meshlm.parallel.axes import DP, MP
 from meshlm.proof.communication import communication_checks, step_collectives
 from meshlm.proof.controls import Control
 from meshlm.proof.report import LeafResult, compare_into
+from meshlm.proof.rule_errors import VMA_REJECTIONS, is_vma_rejection  # noqa: F401 - re-exported
 from meshlm.proof.runs import Runs, default_optim, step_batches
 from meshlm.train.optim import clip_by_global_norm
-
-# What JAX's varying-axis type check says when it rejects a program (JAX 0.10): a primitive whose
-# operands disagree on varying axes, outputs whose replication out_specs demand cannot be inferred, or
-# a cast a value's varying type does not allow (e.g. `f` applied to an already per-shard value).
-VMA_REJECTIONS = (
-    "requires varying manual axes",
-    "out_specs which require replication",
-    "Unsupported pcast from=",
-)
-
-
-def is_vma_rejection(e: BaseException) -> bool:
-    return isinstance(e, ValueError) and any(s in str(e) for s in VMA_REJECTIONS)
 
 
 def run_control(control: Control, runs: Runs, ocfg, rtol, atol) -> dict:

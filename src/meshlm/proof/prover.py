@@ -29,7 +29,7 @@ from meshlm.proof.independence import exactness_check, reference_checks, sharded
 from meshlm.proof.padding import padding_rows
 from meshlm.proof.problem import Problem
 from meshlm.proof.report import LeafResult, Report, check_row, compare_into
-from meshlm.proof.rule_errors import rule_mismatch
+from meshlm.proof.rule_errors import rule_mismatch, vma_error
 from meshlm.proof.runs import Runs, default_optim, step_batches
 from meshlm.train.optim import OptimConfig, clip_by_global_norm
 
@@ -63,12 +63,13 @@ def verify(
     runs = Runs(problem, mesh, dtype, seed)
     try:
         sharded = runs.proven_grads()
-    except ValueError as e:
-        if (mismatch := rule_mismatch(e, runs.params, runs.specs)) is None:
-            raise
-        report.params, report.loss_ok = [mismatch[0]], False
-        report.checks = [check_row("sharding rules", False, mismatch[1])]
-        return report
+    except ValueError as e:  # a wrong rule or a varying-axis type error: a failing row, not a traceback
+        for name, explain in (("sharding rules", rule_mismatch), ("varying-axis types", vma_error)):
+            if (found := explain(e, runs.params, runs.specs)) is not None:
+                report.params, report.loss_ok = [found[0]], False
+                report.checks = [check_row(name, False, found[1])]
+                return report
+        raise
     ocfg = _compare_values(report, runs, sharded, steps, ocfg, seed)
     collectives = collectives and problem.cfg is not None
     report.checks = _checks(runs, steps, ocfg, collectives, data_steps, seed) + report.checks
