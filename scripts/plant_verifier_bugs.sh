@@ -91,5 +91,21 @@ plant "a varying-axis type error in the proven program is a traceback" src/meshl
   '        for name, explain in (("sharding rules", rule_mismatch), ("varying-axis types", vma_error)):' \
   '        for name, explain in (("sharding rules", rule_mismatch),):' \
   "tests/test_type_error_rows.py"
+plant "accumulation rows reshaped row-major (1 row per shard hides it)" src/meshlm/data/device_batches.py \
+  "        cache[key] = {k: v.reshape(width, accum, -1).transpose(1, 0, 2) for k, v in b.items()}" \
+  "        cache[key] = {k: v.reshape(accum, width, -1) for k, v in b.items()}" \
+  "tests/test_data_check.py -k accumulation_reshape"
+plant "data check on verify's small batch (1 row per shard per micro-batch)" src/meshlm/proof/prover.py \
+  "        rows += data_checks(runs.mesh, seq_len=t, steps=data_steps, seed=seed)" \
+  "        rows += data_checks(runs.mesh, batch=runs.problem.batch['inputs'].shape[0], seq_len=t, steps=data_steps, seed=seed)" \
+  "tests/test_data_check.py -k accumulation_reshape"
+plant "val_bpb: end-of-document counted as 0 bytes" src/meshlm/data/hf_tokenizer.py \
+  "                out[i] = 1 if i == self.eod_id else 0" \
+  "                out[i] = 0" \
+  "tests/test_data_check.py -k val_bpb"
+plant "val_bpb: bytes of the inputs, not the targets" src/meshlm/train/run.py \
+  'int(tok.token_bytes[b["targets"]].sum())' \
+  'int(tok.token_bytes[b["inputs"]].sum())' \
+  "tests/test_data_check.py -k val_bpb"
 git checkout -q -- src
 exit $((survivors > 0))

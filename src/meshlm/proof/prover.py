@@ -126,6 +126,6 @@ def _checks(runs: Runs, steps: int, ocfg, collectives: bool, data_steps: int, se
         got = step_collectives(p.build_loss, runs.mesh, runs.specs, runs.params, runs.batch, sp=p.sp)
         rows += communication_rows(runs, got)
     if data_steps:
-        b, t = runs.problem.batch["inputs"].shape
-        rows += data_checks(runs.mesh, batch=b, seq_len=t, steps=data_steps, seed=seed)
+        t = runs.problem.batch["inputs"].shape[1]  # its own batch: >= 3 rows per shard per micro-batch
+        rows += data_checks(runs.mesh, seq_len=t, steps=data_steps, seed=seed)
     return rows
