@@ -88,9 +88,7 @@ class Runs:
             state, out = (self.ref_params, jax.jit(opt.init)(self.ref_params)), []
             step = reference_step(reference_value_and_grad(self.ref_loss), ocfg, opt)
             first = jax.device_put(batches[0], self.device)
-            program = self._checked(
-                CheckedProgram(f"train step ({ocfg.accum_steps} micro)", step, *state, first)
-            )
+            program = self._checked(CheckedProgram("train step", step, *state, first))
             for b in batches:
                 *state, metrics = program(*state, jax.device_put(b, self.device))
                 out.append(self.problem.from_reference((*state, metrics)))
