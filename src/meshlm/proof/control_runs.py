@@ -26,6 +26,8 @@ from meshlm.proof.rule_errors import VMA_REJECTIONS, is_vma_rejection  # noqa: F
 from meshlm.proof.runs import Runs, default_optim, step_batches
 from meshlm.train.optim import clip_by_global_norm
 
+REJECTED = "rejected by the type system"  # how a control refused by JAX's varying-axis check is detected
+
 
 def run_control(control: Control, runs: Runs, ocfg, rtol, atol) -> dict:
     """{"name", "detected", "how", "margin", "by"} for one planted fault run sharded against the
@@ -54,9 +56,6 @@ def run_control(control: Control, runs: Runs, ocfg, rtol, atol) -> dict:
         "margin": margin if finite else None,
         "by": "values" if finite else "non-finite values",
     }
-
-
-REJECTED = "rejected by the type system"
 
 
 def _first_line(e: BaseException) -> str:

@@ -110,6 +110,7 @@ def _compare_values(report: Report, runs: Runs, sharded, steps: int, ocfg, seed:
         if path in results:
             results[path].spec = str(spec)
     report.params = list(results.values())
+    # A check row: every compared leaf bitwise equal is suspicious (``independence.exactness_check``).
     report.checks = exactness_check([loss_check, *report.params], report.dtype, runs.mesh.size)
     return ocfg
 
