@@ -60,7 +60,7 @@ plant "padded-logits control at zero padded weights (hidden by float32)" src/mes
   "" \
   "tests/test_controls_margin.py -k gpt2vocab"
 plant "no exactness check (reference may be the sharded program)" src/meshlm/proof/independence.py \
-  '    return [check_row("reference is not the sharded program", bool(differ), detail)]' \
+  '    return [check_row("reference is not the sharded program", not exact, detail)]' \
   '    return [check_row("reference is not the sharded program", True, detail)]' \
   "tests/test_reference.py -k sharded_results_on_one_device"
 plant "reference returns the sharded results moved to one device" src/meshlm/proof/runs.py \
@@ -94,7 +94,7 @@ plant "a varying-axis type error in the proven program is a traceback" src/meshl
 plant "accumulation rows reshaped row-major (1 row per shard hides it)" src/meshlm/data/device_batches.py \
   "        cache[key] = {k: v.reshape(width, accum, -1).transpose(1, 0, 2) for k, v in b.items()}" \
   "        cache[key] = {k: v.reshape(accum, width, -1) for k, v in b.items()}" \
-  "tests/test_data_check.py -k accumulation_reshape"
+  "tests/test_prover.py -k data_pipeline_rows"
 plant "data check on verify's small batch (1 row per shard per micro-batch)" src/meshlm/proof/prover.py \
   "        rows += data_checks(runs.mesh, seq_len=t, steps=data_steps, seed=seed)" \
   "        rows += data_checks(runs.mesh, batch=runs.problem.batch['inputs'].shape[0], seq_len=t, steps=data_steps, seed=seed)" \

@@ -81,21 +81,23 @@ def reference_checks(programs, ref_outputs) -> list[dict]:
     ]
 
 
-def exactness_check(results, dtype: str, n_devices: int) -> list[dict]:
-    """[] unless float32 on several devices; then a row failing when every compared leaf agrees
-    bitwise. Two programs that sum in different orders differ in rounding somewhere; agreement to
-    the last bit means the reference is the sharded program (e.g. its results moved to one device)."""
+def exactness_check(counts: dict[str, tuple[int, int]], dtype: str, n_devices: int) -> list[dict]:
+    """[] unless float32 on several devices; then a row failing when, in any comparison (``counts``:
+    name -> (leaves that differ at all, leaves compared)), every leaf agrees bitwise. Two programs that
+    sum in different orders differ in rounding somewhere; agreement to the last bit means that part
+    of the reference is the sharded program (e.g. its results moved to one device)."""
     if dtype != "float32" or n_devices == 1:
         return []
-    differ = sum(r.max_abs_err != 0 for r in results)
-    detail = (
-        f"{differ} of {len(results)} leaves differ in rounding, as two programs summing in different "
-        "orders do"
-        if differ
-        else f"all {len(results)} leaves bitwise equal on {n_devices} devices in float32: suspiciously "
-        "exact: is the reference the sharded program?"
-    )
-    return [check_row("reference is not the sharded program", bool(differ), detail)]
+    exact = [f"{name}: all {n} leaves" for name, (differ, n) in counts.items() if not differ]
+    if exact:
+        detail = (
+            f"{'; '.join(exact)} bitwise equal on {n_devices} devices in float32: suspiciously exact: "
+            "is the reference the sharded program?"
+        )
+    else:
+        found = ", ".join(f"{name} {differ} of {n} leaves" for name, (differ, n) in counts.items())
+        detail = f"{found} differ in rounding, as two programs summing in different orders do"
+    return [check_row("reference is not the sharded program", not exact, detail)]
 
 
 def sharded_check(compiled_text: str, n_devices: int) -> dict:

@@ -25,7 +25,8 @@ class LeafResult:
     tol_ratio: float = 0.0  # max_abs_err / (atol + rtol * max|r|), worst over updates
     ok: bool = True
 
-    def update(self, s, r, rtol, atol):
+    def update(self, s, r, rtol, atol) -> float:
+        """Fold in one comparison of ``s`` (sharded) with ``r`` (reference); returns its max|s - r|."""
         s, r = np.asarray(s, np.float64), np.asarray(r, np.float64)
         err = float(np.max(np.abs(s - r))) if r.size else 0.0
         scale = float(np.max(np.abs(r))) if r.size else 0.0
@@ -35,6 +36,7 @@ class LeafResult:
         ratio = err / (atol + rtol * scale) if np.isfinite(err) else float("inf")
         self.tol_ratio = max(self.tol_ratio, ratio)
         self.ok = self.ok and bool(np.isfinite(err)) and err <= atol + rtol * scale
+        return err
 
 
 @dataclass(kw_only=True)
@@ -98,15 +100,18 @@ def _leaf_label(keypath) -> str:
     return "opt_state" + jax.tree_util.keystr(keypath)  # e.g. the step counters
 
 
-def compare_into(results: dict, sharded, reference, rtol, atol) -> None:
-    """Fold the leaf-wise errors of two same-structure trees into ``results`` (by parameter path)."""
+def compare_into(results: dict, sharded, reference, rtol, atol) -> tuple[int, int]:
+    """Fold the leaf-wise errors of two same-structure trees into ``results`` (by parameter path);
+    returns (leaves that differ at all, leaves compared)."""
     s_leaves = jax.tree_util.tree_flatten_with_path(sharded)[0]
     r_leaves = jax.tree.leaves(reference)
+    differ = 0
     for (kp, s), r in zip(s_leaves, r_leaves, strict=True):
         label = _leaf_label(kp)
         if label not in results:
             results[label] = LeafResult(path=label, shape=tuple(np.shape(r)), spec="P()")
-        results[label].update(to_host(s), to_host(r), rtol, atol)
+        differ += results[label].update(to_host(s), to_host(r), rtol, atol) != 0
+    return differ, len(r_leaves)
 
 
 def format_report(r: Report) -> str:
