@@ -46,6 +46,7 @@ def test_cli_exit_1_not_a_traceback(monkeypatch, capsys):
     assert run_cli(*args) == 1
     out = capsys.readouterr()
     assert "check varying-axis types" in out.out and "FAILED" in out.out and "Traceback" not in out.err
+    assert "controls: not run (the sharded program could not be traced)" in out.out
 
 
 class _NotReduced(Parallel):

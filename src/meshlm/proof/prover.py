@@ -68,6 +68,7 @@ def verify(
             if (found := explain(e, runs.params, runs.specs)) is not None:
                 report.params, report.loss_ok = [found[0]], False
                 report.checks = [check_row(name, False, found[1])]
+                report.halted = "the sharded program could not be traced"
                 return report
         raise
     ocfg = _compare_values(report, runs, sharded, steps, ocfg, seed)

@@ -55,6 +55,7 @@ class Report:
     controls: list[dict] = field(default_factory=list)
     checks: list[dict] = field(default_factory=list)  # {"name", "ok", "detail"}: beyond the values
     extra: dict = field(default_factory=dict)
+    halted: str = ""  # why the proof stopped before the values and controls (a failing check says how)
 
     @property
     def ok(self) -> bool:
@@ -139,7 +140,9 @@ def format_report(r: Report) -> str:
     for c in r.checks:
         rows.append(f"check {c['name']:<44} {'PASS' if c['ok'] else 'FAIL'}  ({c['detail']})")
     rows.append("")
-    if not r.controls:
+    if r.halted:
+        rows.append(f"controls: not run ({r.halted})")
+    elif not r.controls:
         rows.append("controls: none apply on this mesh (collective faults need mp > 1, dp faults dp > 1)")
     for c in r.controls:
         verdict = "detected" if c["detected"] else "NOT DETECTED (verifier failure)"
