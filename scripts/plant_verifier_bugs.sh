@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Plant each kind of verifier bug (issue 13) in a scratch worktree of HEAD and show that a test fails.
-# Usage: bash scripts/plant_verifier_bugs.sh [PYTHON]   (default: .venv/bin/python). About a minute.
+# Plant each kind of verifier bug (issues 13, 22) in a scratch worktree of HEAD and show that a test fails.
+# Usage: bash scripts/plant_verifier_bugs.sh [PYTHON]   (default: .venv/bin/python). A few minutes.
 # Prints one line per mutant, "caught" when its test fails; exits non-zero if any mutant survives.
 set -u
 repo=$(git rev-parse --show-toplevel) || exit 2
@@ -32,12 +32,12 @@ PY
 }
 
 plant "reference computed by the sharded program" src/meshlm/proof/runs.py \
-  "            self._ref_grads = fn(*args)" \
+  "            self._ref_grads = self.problem.from_reference(program(*args))" \
   "            self._ref_grads = self.grads(self.problem.build_loss)" \
   "tests/test_core.py -k verify_ff_every_mesh_float32"
 plant "controls always detected" src/meshlm/proof/control_runs.py \
-  '    return {"name": control.name, "detected": bool(bad), "how": how}' \
-  '    return {"name": control.name, "detected": True, "how": how}' \
+  '        "detected": bool(bad),' \
+  '        "detected": True,' \
   "tests/test_prover.py -k no_op"
 plant "any exception in a control counts as detected" src/meshlm/proof/control_runs.py \
   "        if not is_vma_rejection(e):" \
@@ -55,5 +55,57 @@ plant "a data-parallel shard builds another shard's rows" src/meshlm/data/device
   "        b = batcher.batch(step, shard=start // width, num_shards=total // width)" \
   "        b = batcher.batch(step, shard=(start // width + 1) % (total // width), num_shards=total // width)" \
   "tests/test_prover.py -k data_pipeline_rows"
+plant "padded-logits control at zero padded weights (hidden by float32)" src/meshlm/proof/controls.py \
+  "        params_change=large_padded_logits," \
+  "" \
+  "tests/test_controls_margin.py -k gpt2vocab"
+plant "no exactness check (reference may be the sharded program)" src/meshlm/proof/independence.py \
+  '    return [check_row("reference is not the sharded program", not exact, detail)]' \
+  '    return [check_row("reference is not the sharded program", True, detail)]' \
+  "tests/test_reference.py -k sharded_results_on_one_device"
+plant "reference returns the sharded results moved to one device" src/meshlm/proof/runs.py \
+  "            self._ref_grads = self.problem.from_reference(program(*args))" \
+  "            self._ref_grads = jax.device_put(self.grads(self.problem.build_loss), self.device)" \
+  "tests/test_reference.py -k correct_reference"
+plant "reference train step not the checked program" src/meshlm/proof/runs.py \
+  '            program = self._checked(CheckedProgram("train step", step, *state, first))' \
+  '            program = CheckedProgram("train step", step, *state, first)' \
+  "tests/test_reference.py -k train_step"
+plant "reference shares meshlm's clip and step" src/meshlm/proof/runs.py \
+  "            step = reference_step(reference_value_and_grad(self.ref_loss), ocfg, opt)" \
+  "            step = make_step(reference_value_and_grad(self.ref_loss), opt, ocfg)" \
+  "tests/test_reference.py -k wrong_norm"
+plant "reference shares the sharded run's remat policy" src/meshlm/proof/problem.py \
+  '    plain = cfg.replace(remat="none", unroll=0)' \
+  "    plain = cfg" \
+  "tests/test_reference.py -k remat_path"
+plant "any ValueError in a control counts as a rejection" src/meshlm/proof/control_runs.py \
+  "        if not is_vma_rejection(e):" \
+  "        if not isinstance(e, ValueError):" \
+  "tests/test_control_errors.py"
+plant "any JAX error in a control counts as a rejection" src/meshlm/proof/control_runs.py \
+  "        if not is_vma_rejection(e):" \
+  "        if not (is_vma_rejection(e) or type(e).__module__.startswith('jax')):" \
+  "tests/test_control_errors.py"
+plant "a varying-axis type error in the proven program is a traceback" src/meshlm/proof/prover.py \
+  '        for name, explain in (("sharding rules", rule_mismatch), ("varying-axis types", vma_error)):' \
+  '        for name, explain in (("sharding rules", rule_mismatch),):' \
+  "tests/test_type_error_rows.py"
+plant "accumulation rows reshaped row-major (1 row per shard hides it)" src/meshlm/data/device_batches.py \
+  "        cache[key] = {k: v.reshape(width, accum, -1).transpose(1, 0, 2) for k, v in b.items()}" \
+  "        cache[key] = {k: v.reshape(accum, width, -1) for k, v in b.items()}" \
+  "tests/test_prover.py -k data_pipeline_rows"
+plant "data check on verify's small batch (1 row per shard per micro-batch)" src/meshlm/proof/prover.py \
+  "        rows += data_checks(runs.layout, seq_len=t, steps=data_steps, seed=seed)" \
+  "        rows += data_checks(runs.layout, batch=runs.problem.batch['inputs'].shape[0], seq_len=t, steps=data_steps, seed=seed)" \
+  "tests/test_data_check.py -k accumulation_reshape"
+plant "val_bpb: end-of-document counted as 0 bytes" src/meshlm/data/hf_tokenizer.py \
+  "                out[i] = 1 if i == self.eod_id else 0" \
+  "                out[i] = 0" \
+  "tests/test_data_check.py -k val_bpb"
+plant "val_bpb: bytes of the inputs, not the targets" src/meshlm/train/run.py \
+  'int(tok.token_bytes[b["targets"]].sum())' \
+  'int(tok.token_bytes[b["inputs"]].sum())' \
+  "tests/test_data_check.py -k val_bpb"
 git checkout -q -- src
 exit $((survivors > 0))

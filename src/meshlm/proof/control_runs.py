@@ -5,52 +5,63 @@ communication check fails (for faults that only waste communication), or when JA
 type check (``shard_map(check_vma=True)``) rejects the faulty program: that rejection is JAX proving
 the program wrong. Any other exception is not a detection: it means the control or the verifier is
 broken, and it is raised as ``VerifierError`` (exit code 3), never counted as a success.
+
+Each value control also reports its *margin*: the worst leaf's error in units of its tolerance
+(``LeafResult.tol_ratio``). A control detected at 2x tolerance would be a fault the proof barely
+sees; the controls are designed to move the result by orders of magnitude on any model verify
+accepts, and ``tests/test_controls_margin.py`` holds them to at least 100x in float32.
 """
 
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from meshlm.errors import VerifierError
 from meshlm.proof.communication import communication_checks, step_collectives
 from meshlm.proof.controls import Control
 from meshlm.proof.report import LeafResult, compare_into
+from meshlm.proof.rule_errors import VMA_REJECTIONS, is_vma_rejection  # noqa: F401 - re-exported
 from meshlm.proof.runs import Runs, default_optim, step_batches
 from meshlm.train.optim import clip_by_global_norm
 
-# What JAX's varying-axis type check says when it rejects a program (JAX 0.10): a primitive whose
-# operands disagree on varying axes, outputs whose replication out_specs demand cannot be inferred, or
-# a cast a value's varying type does not allow (e.g. `f` applied to an already per-shard value).
-VMA_REJECTIONS = (
-    "requires varying manual axes",
-    "out_specs which require replication",
-    "Unsupported pcast from=",
-)
-
-
-def is_vma_rejection(e: BaseException) -> bool:
-    return isinstance(e, ValueError) and any(s in str(e) for s in VMA_REJECTIONS)
+REJECTED = "rejected by the type system"  # how a control refused by JAX's varying-axis check is detected
 
 
 def run_control(control: Control, runs: Runs, ocfg, rtol, atol) -> dict:
-    """{"name", "detected", "how"} for one planted fault run sharded against the reference."""
+    """{"name", "detected", "how", "margin", "by"} for one planted fault run sharded against the
+    reference. ``margin``: the worst leaf's error in tolerances (None where values do not decide:
+    a type-check rejection, the communication check, or non-finite values; ``by`` says which)."""
     try:
         if control.by_collectives:
             return _by_collectives(control, runs)
-        bad = _differing_leaves(control, runs, ocfg, rtol, atol)
+        results = _control_results(control, runs, ocfg, rtol, atol)
     except Exception as e:
         if not is_vma_rejection(e):
             raise VerifierError(
-                f"control {control.name!r} crashed ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                f"control {control.name!r} crashed ({type(e).__name__}: {_first_line(e)}); "
                 "a crash is not a detection: the control or the verifier is broken"
             ) from e
-        first = str(e).splitlines()[0]
-        return {"name": control.name, "detected": True, "how": f"rejected by JAX's check_vma: {first}"}
+        how = f"rejected by JAX's check_vma: {_first_line(e)}"
+        return {"name": control.name, "detected": True, "how": how, "margin": None, "by": REJECTED}
+    bad = [r.path for r in results if not r.ok]
+    margin = max((r.tol_ratio for r in results), default=0.0)
     how = f"{len(bad)} leaves differ, e.g. {bad[0]}" if bad else "no difference"
-    return {"name": control.name, "detected": bool(bad), "how": how}
+    finite = bool(np.isfinite(margin))
+    return {
+        "name": control.name,
+        "detected": bool(bad),
+        "how": how,
+        "margin": margin if finite else None,
+        "by": "values" if finite else "non-finite values",
+    }
 
 
-def _differing_leaves(control: Control, runs: Runs, ocfg, rtol, atol) -> list[str]:
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [""])[0]
+
+
+def _control_results(control: Control, runs: Runs, ocfg, rtol, atol) -> list[LeafResult]:
     problem = runs.problem
     build = problem.build_loss
     if control.cfg_change is not None:
@@ -63,9 +74,10 @@ def _differing_leaves(control: Control, runs: Runs, ocfg, rtol, atol) -> list[st
         for (ps, ss, _), (pr, sr, _) in runs.train(ocfg, batches, clip_fault=True):
             compare_into(results, (ps, ss), (pr, sr), rtol, atol)
     else:
-        (ls, gs), (lr, gr) = runs.grads(build, control.par_cls), runs.reference_grads()
+        params = None if control.params_change is None else control.params_change(problem.cfg, runs.params)
+        (ls, gs), (lr, gr) = runs.grads(build, control.par_cls, params), runs.reference_grads()
         compare_into(results, {"loss": {"value": ls}, **gs}, {"loss": {"value": lr}, **gr}, rtol, atol)
-    return [r.path for r in results.values() if not r.ok]
+    return list(results.values())
 
 
 def _by_collectives(control: Control, runs: Runs) -> dict:
@@ -75,7 +87,7 @@ def _by_collectives(control: Control, runs: Runs) -> dict:
     rows = communication_rows(runs, got)
     failed = [r for r in rows if not r["ok"]]
     how = f"{failed[0]['name']}: {failed[0]['detail']}" if failed else "communication within the minimum"
-    return {"name": control.name, "detected": bool(failed), "how": how}
+    return {"name": control.name, "detected": bool(failed), "how": how, "margin": None, "by": "communication"}
 
 
 def communication_rows(runs: Runs, got: dict) -> list[dict]:

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from meshlm.model.attention import kv_replicated
+from meshlm.model.params import param_path
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.context import Parallel
 
@@ -160,6 +162,7 @@ class Control:
     cfg_change: Callable | None = None  # cfg -> cfg for the sharded run
     per_shard_clip: bool = False  # clip by a per-shard gradient norm (training step)
     by_collectives: bool = False  # detected by the communication check, not by values
+    params_change: Callable | None = None  # (cfg, params) -> the sharded run's parameters
 
 
 def _swap_rotary(cfg):
@@ -223,10 +226,40 @@ class PaddingNotMasked(Parallel):
         return jnp.ones((vocab_per_shard,), bool)
 
 
+PADDED_LOGIT_SCALE = 1e3
+
+
+def large_padded_logits(cfg, params):
+    """The output projection's padded columns set to +-``PADDED_LOGIT_SCALE`` times real columns
+    (in pairs, + and -, so one of each pair has a logit >= 1000 |real logit| for every token).
+
+    Padded columns start at zero, and zero logits hide: 47 of them beside GPT-2's 50257 move the loss
+    by log(50304/50257) ~ 1e-4 relative, inside float32's tolerance. A masked model ignores whatever
+    the padded columns hold (the proof's own values show it); an unmasked one is now far off."""
+    from meshlm.model.padding import VOCAB_AXIS
+    from meshlm.parallel.placement import put_global, to_host
+
+    head = ("embed/embeddings",) if cfg.tie_embeddings else ("head/w", "head/b")
+
+    def plant(path, x):
+        if path not in head:
+            return x
+        axis, real = VOCAB_AXIS[path], cfg.vocab_size
+        host = np.moveaxis(np.array(to_host(x)), axis, 0)  # [V_padded, ...]
+        n_pad = host.shape[0] - real
+        sources = np.linspace(0, real - 1, (n_pad + 1) // 2).astype(int).repeat(2)[:n_pad]
+        signs = np.where(np.arange(n_pad) % 2, -1.0, 1.0).reshape([-1] + [1] * (host.ndim - 1))
+        host[real:] = PADDED_LOGIT_SCALE * signs * host[sources]
+        return put_global(np.moveaxis(host, 0, axis), x.sharding)
+
+    return {m: {n: plant(param_path(m, n), x) for n, x in leaves.items()} for m, leaves in params.items()}
+
+
 CONTROLS += (
     Control(
         name="padded logits not masked",
         applies=lambda w: w.cfg is not None and w.cfg.padded_vocab != w.cfg.vocab_size,
         par_cls=PaddingNotMasked,
+        params_change=large_padded_logits,
     ),
 )

@@ -2,11 +2,13 @@
 
 If the "unsharded" reference were (by a refactor) computed by the sharded program itself, every
 comparison would pass with an error of exactly 0, every control would still be "detected", and real
-sharding bugs would go through. So the proof checks, and reports, three facts:
+sharding bugs would go through. So the proof checks, and reports, four facts (the values compared
+are computed by the very jaxprs the first one reads: ``reference.CheckedProgram``):
 
 * the reference's traced program names no mesh axis: no ``shard_map`` and no collective or
   axis-index primitive anywhere in its jaxpr (sub-jaxprs of scans, jits and remat included);
 * every reference result (loss, gradients, training state) lives on one device;
+* in float32 on several devices, not every compared leaf agrees bitwise (``exactness_check``);
 * the sharded program does communicate where the mesh is bigger than one device (its compiled HLO
   has collectives), so what is compared really is a sharded computation.
 """
@@ -55,24 +57,47 @@ def primitives(jaxpr, found: set[str] | None = None) -> set[str]:
     return found
 
 
-def reference_checks(ref_fn, ref_args, ref_outputs) -> list[dict]:
-    """Rows for the reference: its program names no mesh axis, and its results sit on one device."""
-    used = primitives(jax.make_jaxpr(ref_fn)(*ref_args).jaxpr) & MESH_PRIMITIVES
+def reference_checks(programs, ref_outputs) -> list[dict]:
+    """Rows for the reference: the checked programs that computed its values (``CheckedProgram``:
+    the jaxpr read here is the one evaluated) name no mesh axis, and its results sit on one device."""
+    used = set()
+    for program in programs:
+        used |= primitives(program.jaxpr) & MESH_PRIMITIVES
     devices = {d for x in jax.tree.leaves(ref_outputs) for d in x.sharding.device_set}
+    names = ", ".join(p.name for p in programs)
+    if not programs:
+        axis_detail = "no checked program computed the reference values"
+    elif used:
+        axis_detail = f"uses {sorted(used)}: the reference must be the plain unsharded program"
+    else:
+        axis_detail = f"no shard_map or collective in the jaxprs that computed them ({names})"
     return [
-        check_row(
-            "reference names no mesh axis",
-            not used,
-            f"uses {sorted(used)}: the reference must be the plain unsharded program"
-            if used
-            else "no shard_map or collective in its jaxpr",
-        ),
+        check_row("reference names no mesh axis", bool(programs) and not used, axis_detail),
         check_row(
             "reference runs on one device",
             len(devices) == 1,
             f"its results live on {len(devices)} devices" if len(devices) != 1 else "results on one device",
         ),
     ]
+
+
+def exactness_check(counts: dict[str, tuple[int, int]], dtype: str, n_devices: int) -> list[dict]:
+    """[] unless float32 on several devices; then a row failing when, in any comparison (``counts``:
+    name -> (leaves that differ at all, leaves compared)), every leaf agrees bitwise. Two programs that
+    sum in different orders differ in rounding somewhere; agreement to the last bit means that part
+    of the reference is the sharded program (e.g. its results moved to one device)."""
+    if dtype != "float32" or n_devices == 1:
+        return []
+    exact = [f"{name}: all {n} leaves" for name, (differ, n) in counts.items() if not differ]
+    if exact:
+        detail = (
+            f"{'; '.join(exact)} bitwise equal on {n_devices} devices in float32: suspiciously exact: "
+            "is the reference the sharded program?"
+        )
+    else:
+        found = ", ".join(f"{name} {differ} of {n} leaves" for name, (differ, n) in counts.items())
+        detail = f"{found} differ in rounding, as two programs summing in different orders do"
+    return [check_row("reference is not the sharded program", not exact, detail)]
 
 
 def sharded_check(compiled_text: str, n_devices: int) -> dict:

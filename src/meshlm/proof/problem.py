@@ -22,7 +22,7 @@ class Problem:
     cfg: object = None  # a ModelConfig enables the config-level controls
     rebuild: Callable | None = None  # cfg -> build_loss, for config-level controls
     has_row_bias: bool = True  # whether row-parallel biases exist (for that control)
-    load_params: Callable | None = None  # mesh -> params to prove with, instead of a fresh init
+    load_params: Callable | None = None  # Layout -> params to prove with, instead of a fresh init
     # The reference's own loss when it is another model than the sharded one: the unpadded model of a
     # padded vocabulary (None: build_loss). Trees move between the two shapes with these maps.
     reference_loss: Callable | None = None  # par -> Haiku fn(batch) -> scalar loss
@@ -57,12 +57,14 @@ def model_problem(
     from meshlm.sharding.rules import model_specs
 
     rebuild = lambda c: lambda par: loss_fn(c, par)
+    # The reference is the plainest program: no recomputation, every layer unrolled (the sharded
+    # side's remat policy and layer loop are proven against code they do not share).
+    # Blockwise attention is proven against the plain softmax of [T, T] scores.
+    plain = cfg.replace(remat="none", unroll=0, attention="plain")
     padding = {}
-    if cfg.attention != "plain":  # the proof: blockwise attention == the plain softmax of [T, T] scores
-        padding = dict(reference_loss=rebuild(cfg.replace(attention="plain")))
     if cfg.padded_vocab != cfg.vocab_size:  # the proof: padded sharded model == the unpadded one
+        plain = plain.replace(vocab_multiple=1)
         padding = dict(
-            reference_loss=rebuild(cfg.replace(vocab_multiple=1, attention="plain")),
             to_reference=lambda tree: resize_tree(tree, cfg.vocab_size),
             from_reference=lambda tree: resize_tree(tree, cfg.padded_vocab),
         )
@@ -73,6 +75,7 @@ def model_problem(
         name=name,
         cfg=cfg,
         rebuild=rebuild,
+        reference_loss=rebuild(plain),
         has_row_bias=cfg.arch.biases or cfg.embed_bias,
         **padding,
         fsdp=fsdp,

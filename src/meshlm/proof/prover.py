@@ -25,11 +25,11 @@ from meshlm.proof.communication import step_collectives
 from meshlm.proof.control_runs import communication_rows, run_control
 from meshlm.proof.controls import CONTROLS, Control, Where
 from meshlm.proof.data_pipeline import data_checks
-from meshlm.proof.independence import reference_checks, sharded_check
+from meshlm.proof.independence import exactness_check, reference_checks, sharded_check
 from meshlm.proof.padding import padding_rows
 from meshlm.proof.problem import Problem
 from meshlm.proof.report import LeafResult, Report, check_row, compare_into
-from meshlm.proof.rule_errors import rule_mismatch
+from meshlm.proof.rule_errors import rule_mismatch, vma_error
 from meshlm.proof.runs import Runs, default_optim, step_batches
 from meshlm.train.optim import OptimConfig, clip_by_global_norm
 
@@ -65,15 +65,17 @@ def verify(
     runs = Runs(problem, layout, dtype, seed)
     try:
         sharded = runs.proven_grads()
-    except ValueError as e:
-        if (mismatch := rule_mismatch(e, runs.params, runs.specs)) is None:
-            raise
-        report.params, report.loss_ok = [mismatch[0]], False
-        report.checks = [check_row("sharding rules", False, mismatch[1])]
-        return report
+    except ValueError as e:  # a wrong rule or a varying-axis type error: a failing row, not a traceback
+        for name, explain in (("sharding rules", rule_mismatch), ("varying-axis types", vma_error)):
+            if (found := explain(e, runs.params, runs.specs)) is not None:
+                report.params, report.loss_ok = [found[0]], False
+                report.checks = [check_row(name, False, found[1])]
+                report.halted = "the sharded program could not be traced"
+                return report
+        raise
     ocfg = _compare_values(report, runs, sharded, steps, ocfg, seed)
     collectives = collectives and problem.cfg is not None
-    report.checks = _checks(runs, steps, ocfg, collectives, data_steps, seed)
+    report.checks = _checks(runs, steps, ocfg, collectives, data_steps, seed) + report.checks
     report.checks += padding_rows(problem, sharded[1])
     report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
     report.extra["param_bytes_total"] = total_bytes(runs.params)
@@ -97,36 +99,40 @@ def _compare_values(report: Report, runs: Runs, sharded, steps: int, ocfg, seed:
     (ls, gs), (lr, gr) = sharded, runs.reference_grads()
     report.loss_sharded, report.loss_reference = float(to_host(ls)), float(to_host(lr))
     loss_check = LeafResult(path="loss", shape=(), spec="P()")
-    loss_check.update(ls, lr, rtol, atol)
     results: dict[str, LeafResult] = {}
-    compare_into(results, gs, gr, rtol, atol)
+    differ, total = compare_into(results, gs, gr, rtol, atol)
+    counts = {"loss and gradients": (differ + (loss_check.update(ls, lr, rtol, atol) != 0), total + 1)}
     if steps:
         ocfg = ocfg or default_optim(steps, float(clip_by_global_norm(gr, 0)[1]))
         batches = step_batches(runs.problem, steps, ocfg.accum_steps, seed)
+        differ = total = 0
         for (ps, ss, ms), (pr, sr, mr) in runs.train(ocfg, batches):
-            compare_into(results, (ps, ss), (pr, sr), rtol, atol)
-            loss_check.update(to_host(ms["loss"]), to_host(mr["loss"]), rtol, atol)
+            d, n = compare_into(results, (ps, ss), (pr, sr), rtol, atol)
+            d += loss_check.update(to_host(ms["loss"]), to_host(mr["loss"]), rtol, atol) != 0
+            differ, total = differ + d, total + n + 1
+        counts["training steps"] = (differ, total)
     report.loss_ok = loss_check.ok
     for path, spec in flat_params(runs.specs).items():
         if path in results:
             results[path].spec = str(spec)
     report.params = list(results.values())
+    # A check row: a comparison whose every leaf is bitwise equal is suspicious (``independence``).
+    report.checks = exactness_check(counts, report.dtype, runs.mesh.size)
     return ocfg
 
 
 def _checks(runs: Runs, steps: int, ocfg, collectives: bool, data_steps: int, seed: int) -> list[dict]:
     """Independence of the reference, and optionally communication and the data pipeline."""
-    fn, args = runs.reference_program()
     outputs = [runs.reference_grads()]
     if steps:
         outputs.append(runs.reference_train(ocfg, step_batches(runs.problem, steps, ocfg.accum_steps, seed)))
-    rows = reference_checks(fn, args, outputs)
+    rows = reference_checks(runs.checked, outputs)
     rows.append(sharded_check(runs.sharded_hlo, runs.mesh.size))
     if collectives:
         p = runs.problem
         got = step_collectives(p.build_loss, runs.layout, runs.specs, runs.params, runs.batch)
         rows += communication_rows(runs, got)
     if data_steps:
-        b, t = runs.problem.batch["inputs"].shape
-        rows += data_checks(runs.layout, batch=b, seq_len=t, steps=data_steps, seed=seed)
+        t = runs.problem.batch["inputs"].shape[1]  # its own batch: >= 3 rows per shard per micro-batch
+        rows += data_checks(runs.layout, seq_len=t, steps=data_steps, seed=seed)
     return rows

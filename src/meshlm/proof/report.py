@@ -1,7 +1,8 @@
 """The proof's result: per-leaf errors, the report, and its table.
 
 Error measure per leaf: max_abs_err = max|s - r|; max_rel_err = max|s - r| / max|r| (normwise).
-A leaf passes when max_abs_err <= atol + rtol * max|r|.
+A leaf passes when max_abs_err <= atol + rtol * max|r|; ``tol_ratio`` is max_abs_err in units of that
+bound (a control's margin: how far its fault moved the result, in tolerances).
 """
 
 from __future__ import annotations
@@ -21,16 +22,21 @@ class LeafResult:
     spec: str
     max_abs_err: float = 0.0
     max_rel_err: float = 0.0
+    tol_ratio: float = 0.0  # max_abs_err / (atol + rtol * max|r|), worst over updates
     ok: bool = True
 
-    def update(self, s, r, rtol, atol):
+    def update(self, s, r, rtol, atol) -> float:
+        """Fold in one comparison of ``s`` (sharded) with ``r`` (reference); returns its max|s - r|."""
         s, r = np.asarray(s, np.float64), np.asarray(r, np.float64)
         err = float(np.max(np.abs(s - r))) if r.size else 0.0
         scale = float(np.max(np.abs(r))) if r.size else 0.0
         rel = err / scale if scale else (0.0 if err == 0 else float("inf"))
         self.max_abs_err = max(self.max_abs_err, err)
         self.max_rel_err = max(self.max_rel_err, rel)
+        ratio = err / (atol + rtol * scale) if np.isfinite(err) else float("inf")
+        self.tol_ratio = max(self.tol_ratio, ratio)
         self.ok = self.ok and bool(np.isfinite(err)) and err <= atol + rtol * scale
+        return err
 
 
 @dataclass(kw_only=True)
@@ -49,6 +55,7 @@ class Report:
     controls: list[dict] = field(default_factory=list)
     checks: list[dict] = field(default_factory=list)  # {"name", "ok", "detail"}: beyond the values
     extra: dict = field(default_factory=dict)
+    halted: str = ""  # why the proof stopped before the values and controls (a failing check says how)
 
     @property
     def ok(self) -> bool:
@@ -94,15 +101,18 @@ def _leaf_label(keypath) -> str:
     return "opt_state" + jax.tree_util.keystr(keypath)  # e.g. the step counters
 
 
-def compare_into(results: dict, sharded, reference, rtol, atol) -> None:
-    """Fold the leaf-wise errors of two same-structure trees into ``results`` (by parameter path)."""
+def compare_into(results: dict, sharded, reference, rtol, atol) -> tuple[int, int]:
+    """Fold the leaf-wise errors of two same-structure trees into ``results`` (by parameter path);
+    returns (leaves that differ at all, leaves compared)."""
     s_leaves = jax.tree_util.tree_flatten_with_path(sharded)[0]
     r_leaves = jax.tree.leaves(reference)
+    differ = 0
     for (kp, s), r in zip(s_leaves, r_leaves, strict=True):
         label = _leaf_label(kp)
         if label not in results:
             results[label] = LeafResult(path=label, shape=tuple(np.shape(r)), spec="P()")
-        results[label].update(to_host(s), to_host(r), rtol, atol)
+        differ += results[label].update(to_host(s), to_host(r), rtol, atol) != 0
+    return differ, len(r_leaves)
 
 
 def format_report(r: Report) -> str:
@@ -130,10 +140,23 @@ def format_report(r: Report) -> str:
     for c in r.checks:
         rows.append(f"check {c['name']:<44} {'PASS' if c['ok'] else 'FAIL'}  ({c['detail']})")
     rows.append("")
-    if not r.controls:
+    if r.halted:
+        rows.append(f"controls: not run ({r.halted})")
+    elif not r.controls:
         rows.append("controls: none apply on this mesh (collective faults need mp > 1, dp faults dp > 1)")
     for c in r.controls:
         verdict = "detected" if c["detected"] else "NOT DETECTED (verifier failure)"
+        verdict = f"{verdict}: {margin_text(c)}"
         rows.append(f"control {c['name']:<42} {verdict}  ({c['how']})")
     rows += ["", "OK: sharded == unsharded" if r.ok else "FAILED"]
     return "\n".join(rows)
+
+
+def margin_text(control: dict) -> str:
+    """How far a detected control moved the result: ``3.1e5 x tolerance`` (values), or how else it
+    was detected (the type check, communication, non-finite values)."""
+    margin = control.get("margin")
+    if margin is None:
+        return control.get("by", "values")
+    mantissa, exponent = f"{margin:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)} x tolerance"

@@ -16,6 +16,7 @@ from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding, put_global, to_host
 from meshlm.proof.controls import per_shard_clip
 from meshlm.proof.problem import Problem
+from meshlm.proof.reference import CheckedProgram, reference_optimizer, reference_step
 from meshlm.sharding.rules import init_sharded
 from meshlm.sharding.spmd import reference_value_and_grad, sharded_value_and_grad
 from meshlm.train.optim import OptimConfig, adamw, make_step
@@ -39,18 +40,20 @@ class Runs:
         self.params, self.specs = init_sharded(
             init, jax.random.PRNGKey(seed), example, specs_fn=problem.specs_fn, mesh=mesh, dtype=dtype
         )
-        if problem.load_params is not None:  # e.g. a checkpoint: same specs, loaded onto this mesh
-            self.params = jax.tree.map(lambda p: p.astype(dtype), problem.load_params(mesh))
+        if problem.load_params is not None:  # e.g. a checkpoint: same specs (FSDP too), on this layout
+            self.params = jax.tree.map(lambda p: p.astype(dtype), problem.load_params(layout))
         host = problem.to_reference(jax.tree.map(to_host, self.params))
         self.ref_params = jax.device_put(host, self.device)
         self.ref_loss = problem.reference_loss or problem.build_loss
         self.batch = put_batch(problem.batch, layout, False)  # the global batch on the mesh
+        self.checked: list[CheckedProgram] = []  # the programs that computed the reference's values
 
     def sharded_fn(self, build_loss, par_cls=Parallel):
         return jax.jit(sharded_value_and_grad(build_loss, self.layout, self.specs, par_cls))
 
-    def grads(self, build_loss, par_cls=Parallel):
-        return self.sharded_fn(build_loss, par_cls)(self.params, self.batch)
+    def grads(self, build_loss, par_cls=Parallel, params=None):
+        """The sharded loss and gradients of ``build_loss`` (at ``params``, default the proof's)."""
+        return self.sharded_fn(build_loss, par_cls)(self.params if params is None else params, self.batch)
 
     def proven_grads(self):
         """The sharded loss and gradients of the problem itself, compiled once: the same executable
@@ -61,26 +64,35 @@ class Runs:
 
     def reference_program(self):
         """(function, arguments) of the reference: the unsharded loss and gradients on one device."""
-        fn = jax.jit(reference_value_and_grad(self.ref_loss))
+        fn = reference_value_and_grad(self.ref_loss)
         return fn, (self.ref_params, jax.device_put(self.problem.batch, self.device))
 
     def reference_grads(self):
-        """The unsharded loss and gradients (computed once: every control compares against them)."""
+        """The unsharded loss and gradients (computed once: every control compares against them), by
+        the checked program itself (``checked``: what the independence check reads)."""
         if not hasattr(self, "_ref_grads"):
             fn, args = self.reference_program()
-            self._ref_grads = self.problem.from_reference(fn(*args))
+            program = self._checked(CheckedProgram("loss and gradients", fn, *args))
+            self._ref_grads = self.problem.from_reference(program(*args))
         return self._ref_grads
 
+    def _checked(self, program: CheckedProgram) -> CheckedProgram:
+        self.checked.append(program)
+        return program
+
     def reference_train(self, ocfg: OptimConfig, batches) -> list:
-        """The unsharded (params, opt_state, metrics) after each step, computed once per config."""
+        """The unsharded (params, opt_state, metrics) after each step, computed once per config by a
+        checked program: the plain step of ``proof.reference`` (optax's clip and AdamW)."""
         key = (ocfg, len(batches))
         cache = self.__dict__.setdefault("_ref_train", {})
         if key not in cache:
-            opt = adamw(ocfg, self.ref_params)
-            step = jax.jit(make_step(reference_value_and_grad(self.ref_loss), opt, ocfg))
+            opt = reference_optimizer(ocfg, self.ref_params)
             state, out = (self.ref_params, jax.jit(opt.init)(self.ref_params)), []
+            step = reference_step(reference_value_and_grad(self.ref_loss), ocfg, opt)
+            first = jax.device_put(batches[0], self.device)
+            program = self._checked(CheckedProgram("train step", step, *state, first))
             for b in batches:
-                *state, metrics = step(*state, jax.device_put(b, self.device))
+                *state, metrics = program(*state, jax.device_put(b, self.device))
                 out.append(self.problem.from_reference((*state, metrics)))
             cache[key] = out
         return cache[key]

@@ -1,0 +1,75 @@
+"""The reference: the plainest program, and the very program whose jaxpr the independence check reads.
+
+``CheckedProgram`` traces a reference function once and computes its values *from that jaxpr*
+(``jaxpr_as_fun`` under ``jit``, on one device): the program the independence check inspects is,
+by construction, the one that produced the values verify compares. A refactor cannot compute the
+values one way and show the check another.
+
+The reference training step shares as little with the sharded one as the comparison allows:
+
+* the loss is the model without recomputation (remat "none") with every layer unrolled, whatever
+  the sharded side's remat policy and layer loop (``model_problem``'s ``reference_loss``);
+* gradient accumulation is a Python loop over the micro-batches, not ``train.optim.accumulate``'s
+  scan;
+* the clip is ``optax.clip_by_global_norm`` and the optimizer ``optax.adamw``, called here, not
+  ``train.optim.clip_by_global_norm`` / ``make_step``. What both share, on purpose: the learning-rate
+  schedule (``train.optim.schedule``) and the weight-decay mask (``train.optim.decay_mask``), the
+  settings of the run being proven; ``docs`` say why each is trusted.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.extend.core import jaxpr_as_fun
+
+from meshlm.train.optim import OptimConfig, decay_mask, schedule
+
+
+class CheckedProgram:
+    """``fn`` traced once at ``example`` arguments; calling it evaluates that jaxpr under ``jit``."""
+
+    def __init__(self, name: str, fn, *example):
+        self.name = name
+        self.closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(*example)
+        self._out_tree = jax.tree.structure(out_shapes)
+        self._run = jax.jit(jaxpr_as_fun(self.closed))
+
+    @property
+    def jaxpr(self):
+        return self.closed.jaxpr
+
+    def __call__(self, *args):
+        return jax.tree.unflatten(self._out_tree, self._run(*jax.tree.leaves(args)))
+
+
+def reference_optimizer(ocfg: OptimConfig, params) -> optax.GradientTransformation:
+    """AdamW from optax itself, with the proven run's schedule and weight-decay mask."""
+    return optax.adamw(
+        schedule(ocfg),
+        b1=ocfg.b1,
+        b2=ocfg.b2,
+        eps=ocfg.eps,
+        weight_decay=ocfg.weight_decay,
+        mask=decay_mask(params),
+    )
+
+
+def reference_step(grad_fn, ocfg: OptimConfig, optimizer: optax.GradientTransformation):
+    """(params, opt_state, batch) -> (params, opt_state, {"loss"}): mean over micro-batches (a Python
+    loop), ``optax.clip_by_global_norm``, then ``optimizer``. Batch leaves are [A, B, T] with
+    accumulation (A = ``ocfg.accum_steps``), else [B, T]."""
+    clip = optax.clip_by_global_norm(ocfg.clip_norm) if ocfg.clip_norm else optax.identity()
+    accum = ocfg.accum_steps
+
+    def step(params, opt_state, batch):
+        micro = [batch] if accum == 1 else [jax.tree.map(lambda x, a=a: x[a], batch) for a in range(accum)]
+        losses, grads = zip(*(grad_fn(params, m) for m in micro), strict=True)
+        loss = sum(losses) / accum
+        grads = jax.tree.map(lambda *g: sum(g) / accum, *grads)
+        grads, _ = clip.update(grads, clip.init(params))
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": jnp.asarray(loss)}
+
+    return step

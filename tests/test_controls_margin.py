@@ -1,0 +1,122 @@
+"""Every control falsifiable where it runs: each planted fault moves the result by at least 100x the
+float32 tolerance on the models verify proves, vocabulary-padded ones included (``tiny-gpt2vocab`` and
+a Llama converted from ``transformers`` with GPT-2's 50257 ids). A control that moves the result by
+only a few tolerances would fail a correct model on a slightly different one, or pass a wrong one.
+
+One mesh (2x4: dp > 1, mp > n_kv_heads), the smallest shapes, float32; the communication control's
+effect is a count of collectives, not a value (``test_prover.py`` covers it).
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from meshlm.model.config import get_config
+from meshlm.model.params import unflatten
+from meshlm.parallel.layout import Layout
+from meshlm.parallel.mesh import make_mesh
+from meshlm.proof import format_report, model_problem, verify
+from meshlm.proof.controls import CONTROLS
+from meshlm.proof.report import margin_text
+from meshlm.sharding.rules import model_specs, shardings
+
+DP, MP, SEQ_LEN, MARGIN = 2, 4, 8, 100.0
+
+
+def hf_llama_50257(directory) -> None:
+    """A tiny random Llama with GPT-2's vocabulary (50257: padded to 50304 on import), grouped-query
+    attention (2 KV heads, replicated on mp = 4), every weight perturbed, saved as transformers does."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        vocab_size=50257,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(directory, safe_serialization=True)
+
+
+def _hf_problem(tmp_path_factory):
+    from meshlm.io.hf_weights import load_hf
+
+    directory = tmp_path_factory.mktemp("hf-llama-50257")
+    hf_llama_50257(directory)
+    cfg, flat = load_hf(directory)
+    assert (cfg.vocab_size, cfg.padded_vocab) == (50257, 50304)
+    params = unflatten(flat)
+    place = lambda layout: jax.device_put(params, shardings(model_specs(cfg, params, layout), layout.mesh))
+    problem = model_problem(cfg, "hf-llama-50257", MP, 2 * DP, SEQ_LEN, dp=DP)
+    return dataclasses.replace(problem, load_params=place)
+
+
+def _preset(name, **options):
+    return lambda _: model_problem(get_config(name), name, MP, 2 * DP, SEQ_LEN, dp=DP, **options)
+
+
+def _named(*names):
+    return tuple(c for c in CONTROLS if c.name in names)
+
+
+# Each control on the models it is about (a control runs one sharded program: compiling them all on
+# every model would multiply the runtime for no new coverage).
+ATTENTION = ("shard uses another shard's heads", "wrong rotary convention", "padded logits not masked")
+CASES = {
+    "tiny": (_preset("tiny"), tuple(c for c in CONTROLS if not c.by_collectives)),
+    "tiny-gpt2vocab": (_preset("tiny-gpt2vocab"), _named(*ATTENTION)),
+    "hf-llama-50257": (_hf_problem, _named(*ATTENTION, "KV heads not replicated per query group")),
+    "tiny-llama fsdp+sp": (
+        _preset("tiny-llama", fsdp=True, sp=True),
+        tuple(c for c in CONTROLS if c.name.startswith(("FSDP", "SP"))),
+    ),
+}
+RAN: dict[str, set] = {}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_control_moves_the_result_by_100x_the_tolerance(case, tmp_path_factory):
+    make_problem, controls = CASES[case]
+    report = verify(make_problem(tmp_path_factory), make_mesh(DP, MP), controls=controls)
+    assert report.ok, format_report(report)
+    for c in report.controls:
+        assert c["detected"], c
+        if c["by"] == "values":  # a rejection by the type system or non-finite values: no tolerance
+            assert c["margin"] >= MARGIN, f"{case}: {c['name']} moved the result by {c['margin']:.3g}x"
+            assert f"detected: {margin_text(c)}" in format_report(report)
+        print(case, c["name"], c["by"], c["margin"])
+    RAN[case] = {c["name"] for c in report.controls}
+
+
+def test_the_sweep_covered_every_value_control():
+    if set(RAN) != set(CASES):
+        pytest.skip("runs after the sweep (the whole module)")
+    value_controls = {c.name for c in CONTROLS if not c.by_collectives}
+    assert set().union(*RAN.values()) == value_controls
+
+
+def test_padded_logits_control_is_seen_even_where_zero_padding_hides():
+    """At zero padded weights the unmasked padding moves the loss by ~log(50304/50257): the control
+    plants large padded logits (+-1000x real columns), so its effect is orders of magnitude larger."""
+    from meshlm.proof.controls import large_padded_logits
+    from meshlm.proof.runs import Runs
+
+    cfg = get_config("tiny-gpt2vocab")
+    problem = model_problem(cfg, "tiny-gpt2vocab", 2, 2, SEQ_LEN)
+    runs = Runs(problem, Layout.of(make_mesh(1, 2)), np.float32, 0)
+    planted = large_padded_logits(cfg, runs.params)
+    w0, w1 = np.asarray(runs.params["head"]["w"]), np.asarray(planted["head"]["w"])
+    np.testing.assert_array_equal(w1[:, : cfg.vocab_size], w0[:, : cfg.vocab_size])  # real columns kept
+    assert not w0[:, cfg.vocab_size :].any() and np.abs(w1[:, cfg.vocab_size :]).max() > 10
+    assert planted["head"]["w"].sharding == runs.params["head"]["w"].sharding
