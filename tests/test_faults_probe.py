@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
+import pytest
+from helpers import run_cli, write_corpus
 
+from meshlm.data import prepare as prepare_mod
+from meshlm.data.store import open_store
+from meshlm.data.tokenizer import ByteTokenizer
 from meshlm.io import hf_weights
+from meshlm.io.run_lock import LOCK_FILE
 from meshlm.model.config import get_config
 
 
@@ -22,9 +31,13 @@ def _mode(path) -> int:
 # ---------------------------------------------------------------- convert --to-hf: file modes
 
 
+def _zeros(cfg) -> dict:
+    return {p: np.zeros(s, d) for p, (s, d) in hf_weights.expected_shapes(cfg).items()}
+
+
 def test_exported_weights_have_the_mode_of_every_other_output(tmp_path):
     cfg = get_config("tiny-llama")
-    flat = {p: np.zeros(s, d) for p, (s, d) in hf_weights.expected_shapes(cfg).items()}
+    flat = _zeros(cfg)
     old = os.umask(0o022)
     try:
         out = hf_weights.save_hf(cfg, flat, tmp_path / "hf")
@@ -33,3 +46,66 @@ def test_exported_weights_have_the_mode_of_every_other_output(tmp_path):
     assert _mode(out / hf_weights.CONFIG_FILE) == 0o644
     assert _mode(out / hf_weights.WEIGHTS_FILE) == 0o644  # safetensors alone wrote 0600
     assert sorted(p.name for p in out.iterdir()) == [hf_weights.CONFIG_FILE, hf_weights.WEIGHTS_FILE]
+
+
+# ---------------------------------------------------------------- one owner per output directory
+
+_HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from meshlm.io.run_lock import RunLock
+RunLock(Path(sys.argv[1])).acquire()
+print("locked", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def _other_prepare_meanwhile(monkeypatch, out, corpus):
+    """Make ``plan`` (called after the --out check, before any write) first let another `data prepare`
+    run to the end on the same --out: two prepares started at once."""
+    real = prepare_mod.plan
+    calls = []
+
+    def plan(*args, **kwargs):
+        if not calls:
+            calls.append(1)
+            prepare_mod.prepare([str(Path(corpus) / "f0.py")], ByteTokenizer(), out, workers=1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prepare_mod, "plan", plan)
+
+
+def test_two_prepares_on_one_out_one_is_refused(corpus, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "store"
+    _other_prepare_meanwhile(monkeypatch, out, corpus)
+    code = run_cli("data", "prepare", "--data", corpus, "--out", str(out), "--workers", "1")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "not an empty directory" in err[-1] and "prepared" not in "\n".join(err), err
+    store = open_store(out)  # the other prepare's store, whole and untouched
+    assert [d["path"] for d in store.index["splits"]["train"]["documents"]] == [str(Path(corpus) / "f0.py")]
+    assert not (out / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("command", ["prepare", "convert"])
+def test_a_locked_out_is_refused_naming_its_owner(corpus, tmp_path, capsys, command):
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        if command == "prepare":
+            code = run_cli("data", "prepare", "--data", corpus, "--out", str(out), "--workers", "1")
+        else:
+            cfg = get_config("tiny-llama")
+            hf = hf_weights.save_hf(cfg, _zeros(cfg), tmp_path / "hf")
+            code = run_cli("convert", "--from-hf", str(hf), "--out", str(out), "--mesh", "1x2")
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and f"in use by another run (pid {holder.pid} on host" in err[-1], err
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # nothing written

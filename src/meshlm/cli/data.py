@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 from meshlm.cli.common import arg_type, non_negative_int, positive_int
 from meshlm.ranges import Range
@@ -45,19 +46,26 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from meshlm.data.prepare import check_out, plan, prepare
     from meshlm.data.tokenizer import load_tokenizer
+    from meshlm.io.run_lock import LOCK_FILE, lock_new_dir
 
-    check_out(args.out)  # bad input fails before any work: the output, the tokenizer, the corpus
+    # Bad input fails before any work: the output, the tokenizer, the corpus. A live prepare's
+    # lock is not "not empty": taking the lock names its owner.
+    check_out(args.out, ignore=(LOCK_FILE,))
     tok = load_tokenizer(args.tokenizer)
     plan(args.data, args.val_fraction, args.max_bytes)
     t0 = time.perf_counter()
-    index = prepare(
-        args.data,
-        tok,
-        args.out,
-        val_fraction=args.val_fraction,
-        max_bytes=args.max_bytes,
-        workers=args.workers,
-    )
+    lock = lock_new_dir(Path(args.out), multi_process=False)  # one prepare per --out
+    try:
+        index = prepare(
+            args.data,
+            tok,
+            args.out,
+            val_fraction=args.val_fraction,
+            max_bytes=args.max_bytes,
+            workers=args.workers,
+        )
+    finally:
+        lock.release()
     splits = index["splits"]
     summary = {
         "out": args.out,

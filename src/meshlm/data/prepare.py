@@ -187,8 +187,8 @@ def _describe(paths, n_files: int, cap: int | None) -> str:
     return f"{where}{more} ({n_files} files{capped})"
 
 
-def check_out(out: str | Path) -> None:
-    """Never mix a store into existing files."""
+def check_out(out: str | Path, ignore: tuple[str, ...] = ()) -> None:
+    """Never mix a store into existing files (entries named in ``ignore`` aside: the run lock)."""
     path = Path(out)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+    if path.exists() and (not path.is_dir() or any(p.name not in ignore for p in path.iterdir())):
         raise DataError(f"--out {out} exists and is not an empty directory; choose a new path or remove it")
