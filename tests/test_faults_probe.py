@@ -14,11 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_cli, write_corpus
+from helpers import run_cli, train_args, write_corpus
 
 from meshlm.data import prepare as prepare_mod
-from meshlm.data.store import open_store
+from meshlm.data.bpe import train_bpe
+from meshlm.data.store import open_store, store_arg
 from meshlm.data.tokenizer import ByteTokenizer
+from meshlm.errors import DataError
 from meshlm.io import hf_weights
 from meshlm.io.run_lock import LOCK_FILE
 from meshlm.model.config import get_config
@@ -109,3 +111,30 @@ def test_a_locked_out_is_refused_naming_its_owner(corpus, tmp_path, capsys, comm
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and f"in use by another run (pid {holder.pid} on host" in err[-1], err
     assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # nothing written
+
+
+# ---------------------------------------------------------------- an interrupted prepare is no store
+
+
+@pytest.mark.parametrize("stage", ["write_index", "progress_bar"])
+def test_interrupted_prepare_is_refused_by_train(corpus, tmp_path, capsys, monkeypatch, stage):
+    """Killed before its commit record (index.json): with the token files written, or (a BPE) with
+    only tokenizer.json there. Neither is read as raw text by `train --data DIR`."""
+    out = tmp_path / "store"
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # stands for a kill at this point: nothing after it runs
+
+    tok = ByteTokenizer() if stage == "write_index" else train_bpe([Path(corpus, "f0.py").read_text()], 300)
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(prepare_mod, stage, killed)
+        prepare_mod.prepare([corpus], tok, out, workers=1)
+    with pytest.raises(DataError, match="incomplete token store .*no index.json.*re-run `meshlm data"):
+        store_arg([out])
+    code = run_cli(*train_args(str(out), tmp_path / "run", 2), "--devices", "4")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "incomplete token store" in err[-1], err[-3:]
+    assert not (tmp_path / "run").exists()  # refused before the run directory was made
+    code = run_cli("data", "prepare", "--data", corpus, "--out", str(out))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "interrupted `meshlm data prepare`" in err[-1], err[-3:]

@@ -27,7 +27,16 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from meshlm.data.sources import DEFAULT_MAX_BYTES, PathArg, check_fraction, resolve_sources, split_sources
-from meshlm.data.store import FORMAT, TOKENIZER_JSON, store_dtype, tokenizer_entry, write_index
+from meshlm.data.store import (
+    FORMAT,
+    INDEX,
+    TOKENIZER_JSON,
+    looks_like_store,
+    store_dtype,
+    tokenizer_entry,
+    write_index,
+    write_marker,
+)
 from meshlm.data.stream import read_document
 from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.errors import DataError
@@ -145,6 +154,7 @@ def prepare(
     all_docs = docs["train"] + docs["val"]
     dtype = store_dtype(tokenizer.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
+    write_marker(out)  # first: until index.json seals it, this is an incomplete store, never text
     text = tokenizer.to_json()
     if text is not None:  # with its EOD named, so loading DIR/tokenizer.json gives the same tokenizer
         (out / TOKENIZER_JSON).write_text(text, encoding="utf-8")
@@ -190,5 +200,9 @@ def _describe(paths, n_files: int, cap: int | None) -> str:
 def check_out(out: str | Path, ignore: tuple[str, ...] = ()) -> None:
     """Never mix a store into existing files (entries named in ``ignore`` aside: the run lock)."""
     path = Path(out)
+    if looks_like_store(path) and not (path / INDEX).exists():
+        raise DataError(
+            f"--out {out} holds an interrupted `meshlm data prepare` (no {INDEX}); remove it and rerun"
+        )
     if path.exists() and (not path.is_dir() or any(p.name not in ignore for p in path.iterdir())):
         raise DataError(f"--out {out} exists and is not an empty directory; choose a new path or remove it")
