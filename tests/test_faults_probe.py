@@ -6,6 +6,7 @@ nothing asserts on timing."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_cli, train_args, write_corpus
+from helpers import run_cli, train_args, train_rows, write_corpus
 
 from meshlm.data import prepare as prepare_mod
 from meshlm.data.bpe import train_bpe
@@ -24,6 +25,9 @@ from meshlm.errors import DataError
 from meshlm.io import hf_weights
 from meshlm.io.run_lock import LOCK_FILE
 from meshlm.model.config import get_config
+from meshlm.parallel.mesh import make_mesh
+from meshlm.train.config import TrainConfig
+from meshlm.train.loop import train
 
 
 def _mode(path) -> int:
@@ -138,3 +142,23 @@ def test_interrupted_prepare_is_refused_by_train(corpus, tmp_path, capsys, monke
     code = run_cli("data", "prepare", "--data", corpus, "--out", str(out))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "interrupted `meshlm data prepare`" in err[-1], err[-3:]
+
+
+# ---------------------------------------------------------------- metrics of an earlier run, no checkpoint
+
+
+def test_earlier_metrics_without_a_checkpoint_are_set_aside_not_rewritten(corpus, tmp_path):
+    rows = "".join(
+        json.dumps({"step": s, "loss": 5.0, "lr": 0.1, "grad_norm": 1.0}) + "\n" for s in range(1, 13)
+    )
+    (tmp_path / "metrics.jsonl").write_text(rows)
+    moved = r"metrics.jsonl holds 12 rows of an earlier run.*no checkpoint.*moved it aside to metrics"
+    tcfg = TrainConfig(
+        config="tiny-lm", data=(corpus,), batch_size=8, seq_len=32, warmup_steps=2, eval_every=0,
+        eval_batches=1, save_every=2, sample_tokens=0, steps=2, out=str(tmp_path),
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=moved):
+        train(tcfg, make_mesh(1, 2))
+    (aside,) = tmp_path.glob("metrics.jsonl.earlier-*")
+    assert aside.read_text() == rows  # nothing lost
+    assert [r["step"] for r in train_rows(tmp_path)] == [1, 2]

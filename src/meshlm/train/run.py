@@ -245,7 +245,10 @@ def _build(tcfg: TrainConfig, cfg: ModelConfig, mesh: Mesh, out: Path, batcher, 
     ckpt = Checkpointer(out, keep=tcfg.keep)
     params, opt_state, step, specs, step_fn = _initial_state(tcfg, cfg, mesh, ckpt)
     log = MetricsLog(out, enabled=distributed.is_main())
-    log.truncate_after(step, redo_eval=step == 0 or step >= tcfg.steps)
+    if step == 0:
+        log.set_aside_earlier()  # rows without a checkpoint: an earlier run's, never rewritten
+    else:
+        log.truncate_after(step, redo_eval=step >= tcfg.steps)
     dtype = COMPUTE_DTYPES[tcfg.compute_dtype]
     return Run(
         tcfg=tcfg,
