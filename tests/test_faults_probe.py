@@ -23,11 +23,14 @@ from meshlm.data.store import open_store, store_arg
 from meshlm.data.tokenizer import ByteTokenizer
 from meshlm.errors import DataError
 from meshlm.io import hf_weights
+from meshlm.io.model_io import save_model
 from meshlm.io.run_lock import LOCK_FILE
 from meshlm.model.config import get_config
 from meshlm.parallel.mesh import make_mesh
 from meshlm.train.config import TrainConfig
 from meshlm.train.loop import train
+from meshlm.train.step import init_model
+from meshlm.train.tokenizers import tokenizer_meta
 
 
 def _mode(path) -> int:
@@ -162,3 +165,25 @@ def test_earlier_metrics_without_a_checkpoint_are_set_aside_not_rewritten(corpus
     (aside,) = tmp_path.glob("metrics.jsonl.earlier-*")
     assert aside.read_text() == rows  # nothing lost
     assert [r["step"] for r in train_rows(tmp_path)] == [1, 2]
+
+
+# ---------------------------------------------------------------- generate: a prompt that is not UTF-8
+
+
+@pytest.fixture(scope="module")
+def bpe_checkpoint(tmp_path_factory, corpus):
+    out = tmp_path_factory.mktemp("bpe") / "ckpt"
+    tok = train_bpe([Path(corpus, "f0.py").read_text()], 300)
+    cfg = get_config("tiny-lm").replace(vocab_size=tok.vocab_size)
+    save_model(out, cfg, init_model(cfg, make_mesh(1, 1), 0)[0], meta={"tokenizer": tokenizer_meta(out, tok)})
+    return out
+
+
+def test_generate_refuses_a_prompt_that_is_not_utf8(bpe_checkpoint, capsys):
+    prompt = b"def \xff(".decode("utf-8", "surrogateescape")  # what Python makes of such an argv
+    argv = ["generate", "--checkpoint", str(bpe_checkpoint), "--max-new-tokens", "2", "--mesh", "1x1"]
+    code = run_cli(*argv, "--prompt", "def ", "--prompt", prompt)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("meshlm: error: prompt 1 is not valid UTF-8"), err[-3:]
+    assert "0xff at byte 4" in err[-1] and "Traceback" not in "\n".join(err)
+    assert run_cli(*argv, "--prompt", "def ") == 0  # the checkpoint itself generates

@@ -53,8 +53,10 @@ def add_parser(sub) -> None:
 
 def _prompts(args) -> list[str]:
     from meshlm.errors import GenerationError
-    from meshlm.generate.inputs import read_prompt_file
+    from meshlm.generate.inputs import check_utf8, read_prompt_file
 
+    for i, prompt in enumerate(args.prompt):  # before the checkpoint loads
+        check_utf8(prompt, f"prompt {i}")
     prompts = list(args.prompt) + [read_prompt_file(f) for f in args.prompt_file]
     if not prompts:
         raise GenerationError("no prompt: pass --prompt TEXT or --prompt-file FILE")
