@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_cli, train_args, train_rows, write_corpus
+from helpers import meshlm_argv, run_cli, train_args, train_rows, wait_for, write_corpus
 
 from meshlm.data import prepare as prepare_mod
 from meshlm.data.bpe import train_bpe
@@ -23,6 +24,7 @@ from meshlm.data.store import open_store, store_arg
 from meshlm.data.tokenizer import ByteTokenizer
 from meshlm.errors import DataError
 from meshlm.io import hf_weights
+from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.model_io import save_model
 from meshlm.io.run_lock import LOCK_FILE
 from meshlm.model.config import get_config
@@ -187,3 +189,71 @@ def test_generate_refuses_a_prompt_that_is_not_utf8(bpe_checkpoint, capsys):
     assert code == 2 and err[-1].startswith("meshlm: error: prompt 1 is not valid UTF-8"), err[-3:]
     assert "0xff at byte 4" in err[-1] and "Traceback" not in "\n".join(err)
     assert run_cli(*argv, "--prompt", "def ") == 0  # the checkpoint itself generates
+
+
+# ---------------------------------------------------------------- Ctrl-C at any moment of start-up
+
+
+def _jax_loaded(pid: int) -> bool:
+    try:
+        return "jaxlib" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+_POINTS = {  # a moment of start-up, seen from outside: what must exist before the signal is sent
+    "importing jax": lambda proc, out, err: _jax_loaded(proc.pid),
+    "data loaded": lambda proc, out, err: "data: " in err.read_text(),
+    "outputs opened": lambda proc, out, err: (out / "tensorboard").exists(),
+}
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc")
+@pytest.mark.parametrize(
+    "sig, point",
+    [(signal.SIGINT, "importing jax"), (signal.SIGINT, "data loaded"), (signal.SIGTERM, "outputs opened")],
+)
+def test_a_signal_during_startup_is_one_line_and_128_plus_signal(corpus, tmp_path, sig, point):
+    out, err = tmp_path / "run", tmp_path / "stderr"
+    with err.open("w") as f:
+        argv = meshlm_argv(*train_args(corpus, out, 30), "--devices", "4")
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=f)
+    try:
+        reached = wait_for(lambda: proc.poll() is not None or _POINTS[point](proc, out, err), timeout_s=120)
+        assert reached and proc.poll() is None, err.read_text()[-2000:]
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    name, text = signal.Signals(sig).name, err.read_text()
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith(("data: ", "train:"))]
+    assert proc.returncode == 128 + sig, text[-3000:]  # not 139 (a segfault), not 0 (a run that went on)
+    assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
+    ckpts = Checkpointer(out).all_steps() if out.exists() else []
+    if ckpts:  # the signal came after start-up: the loop saved and stopped at once
+        assert lines[0].startswith(f"{name}: saved a checkpoint at step {ckpts[-1]}"), lines
+        assert train_rows(out)[-1]["step"] == ckpts[-1]
+    else:
+        assert lines[0].startswith(f"meshlm: {name} during start-up: stopped before the first step"), lines
+        assert not (out / "metrics.jsonl").exists() or not train_rows(out)
+    assert not (out / LOCK_FILE).exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc")
+def test_ctrl_c_in_another_command_is_one_line_and_130(tmp_path):
+    err = tmp_path / "stderr"
+    with err.open("w") as f:
+        argv = meshlm_argv("verify", "--config", "tiny", "--mesh", "1x2", "--devices", "2", "--steps", "3")
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=f)
+    try:
+        assert wait_for(lambda: proc.poll() is not None or _jax_loaded(proc.pid), timeout_s=120)
+        assert proc.poll() is None, err.read_text()[-2000:]
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130 and err.read_text().strip() == "meshlm: SIGINT: stopped", err.read_text()[
+        -2000:
+    ]

@@ -1,5 +1,7 @@
 """User-facing errors. The CLI prints these as one line and exits non-zero; anything else is a bug."""
 
+import signal
+
 
 class MeshlmError(Exception):
     """Base class for errors caused by user input or environment, each naming the problem and fix."""
@@ -49,3 +51,16 @@ class VerifierError(MeshlmError):
 
 
 VERIFIER_EXIT_CODE = 3
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM during start-up: the run stopped before its first step, so there was nothing
+    to save. A BaseException, as KeyboardInterrupt is, so that no ``except Exception`` swallows it;
+    the CLI prints it as one line and exits ``code`` (128 + the signal, as a shell reports it)."""
+
+    def __init__(self, signum: int):
+        self.signum, self.code = signum, 128 + signum
+        super().__init__(
+            f"{signal.Signals(signum).name} during start-up: stopped before the first step, nothing "
+            "needed saving; run the same command to start (or resume) again"
+        )

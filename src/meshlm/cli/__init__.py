@@ -10,10 +10,13 @@ needs. Nothing in the library imports ``meshlm.cli``.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+from typing import NoReturn
 
 from meshlm.cli import bench, convert, data, generate, launch, memory, plan, tokenizer, train, verify
-from meshlm.errors import MeshlmError
+from meshlm.errors import Interrupted, MeshlmError
 
 COMMANDS = [train, verify, generate, convert, launch, bench, memory, plan, tokenizer, data]
 
@@ -39,13 +42,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         code = args.fn(args)
     except MeshlmError as e:
         print(f"meshlm: error: {e}", file=sys.stderr)
         code = 2
+    except Interrupted as e:  # train, before its first step: one line, 128 + the signal
+        print(f"meshlm: {e}", file=sys.stderr)
+        code = e.code
+    except KeyboardInterrupt:  # Ctrl-C in any other command: it stops, and says so in one line
+        _leave_interrupted()
     return _exit_code(code)
+
+
+def _leave_interrupted() -> NoReturn:
+    """Exit 130 at once. The KeyboardInterrupt may have left JAX mid-compile, with XLA's threads
+    still running: the interpreter's teardown then crashed (a segmentation fault) now and then."""
+    print("meshlm: SIGINT: stopped", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGINT)
 
 
 def _exit_code(code: int) -> int:

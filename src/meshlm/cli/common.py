@@ -85,11 +85,19 @@ def check_batch_split(batch_size: int | None, mesh: str | None) -> None:
 
 
 def setup(args, default_dp: int = 1) -> tuple:
-    """Devices, distributed runtime, mesh, in that order, before anything touches a device.
+    """Devices, distributed runtime, mesh, in that order, before anything touches a device. A signal
+    meanwhile is delivered once they are ready (``deferred_signals``).
 
     Returns (mesh, dp, mp). The default mesh is default_dp x (all devices / default_dp), or 1 x (all
     devices) when default_dp does not divide the device count.
     """
+    from meshlm.train.stop import deferred_signals
+
+    with deferred_signals():
+        return _setup(args, default_dp)
+
+
+def _setup(args, default_dp: int) -> tuple:
     force_host_devices(args.devices if args.devices is not None else DEFAULT_DEVICES)
     if args.coordinator or args.num_processes:
         # Seen here: with a persistent compilation cache, processes of one job can disagree on

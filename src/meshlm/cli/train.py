@@ -24,6 +24,7 @@ from meshlm.train.config import (
     check_seq_split,
     resolve,
 )
+from meshlm.train.stop import Stop
 
 D = TrainConfig()
 
@@ -75,6 +76,14 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args) -> int:
+    stop = Stop()  # first: from here on SIGINT/SIGTERM are acted on at safe points (train.stop)
+    try:
+        return _run(args, stop)
+    finally:
+        stop.restore()
+
+
+def _run(args, stop: Stop) -> int:
     tcfg, cfg = resolve(train_config(args))
     # Before devices, data or model: a preset that cannot train on bytes fails in a second, not after
     # the corpus is read.
@@ -84,10 +93,11 @@ def run(args) -> int:
     if args.mesh:  # without --mesh, mp is the device count: run.py checks once devices exist
         check_seq_split(tcfg, parse_mesh(args.mesh)[1])
     mesh, _, _ = setup(args, default_dp=DEFAULT_DP)
+    stop.check_startup()
     from meshlm.parallel.distributed import print0
     from meshlm.train.loop import train
 
-    summary = train(tcfg, mesh)
+    summary = train(tcfg, mesh, stop=stop)
     if args.json:
         print0(json.dumps(summary))
     elif "interrupted" not in summary:

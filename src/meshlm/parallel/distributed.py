@@ -210,10 +210,11 @@ def _join(args: dict[str, Any], init_timeout_s: int, where: str) -> None:
 
 def _restore_sigterm() -> None:
     """JAX's preemption notifier (started by initialize) catches SIGTERM in C++ and only logs it:
-    a launched process would ignore the launcher's SIGTERM. Give it back its usual meaning (the
-    training loop installs its own save-and-exit handler over this, as in a single process)."""
+    a launched process would ignore the launcher's SIGTERM. Give it back its usual meaning, or the
+    Python handler installed before (``meshlm train`` sets its flag before joining the job)."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        handler = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, handler if callable(handler) else signal.SIG_DFL)
 
 
 def _shutdown_s(init_timeout_s: int) -> int:

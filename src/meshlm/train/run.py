@@ -215,8 +215,9 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
-def build_run(tcfg: TrainConfig, mesh: Mesh) -> Run:
-    """Resolve ``tcfg``, load the data, and initialise or resume the state on ``mesh``."""
+def build_run(tcfg: TrainConfig, mesh: Mesh, startup_check: Callable[[], None] = lambda: None) -> Run:
+    """Resolve ``tcfg``, load the data, and initialise or resume the state on ``mesh``.
+    ``startup_check`` is called after the data and after the state (``Stop.check_startup``)."""
     tcfg, cfg = resolve(tcfg)
     store = store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store (checked) or None
     run_specs(tcfg, cfg, mesh)  # bad --fsdp / --sp combinations fail before the data is read
@@ -228,11 +229,13 @@ def build_run(tcfg: TrainConfig, mesh: Mesh) -> Run:
         f"files, validation {info['val_bytes']:,} bytes in {info['val_files']}; {info['tokenizer']}",
         file=sys.stderr,
     )
+    startup_check()
     lock = lock_run(out)  # before anything in `out` is read or written; creates it
     try:
         run = _build(tcfg, cfg, mesh, out, batcher, val, lock)
         run.tokenizer, run.tokenizer_meta = tok, tokenizer_meta(out, tok)
         run.val_bytes_per_token = info["val_bytes_per_token"]
+        startup_check()
         return run
     except BaseException:
         if lock is not None:
