@@ -6,6 +6,7 @@ nothing asserts on timing."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ from meshlm.io.model_io import save_model
 from meshlm.io.run_lock import LOCK_FILE
 from meshlm.model.config import get_config
 from meshlm.parallel.mesh import make_mesh
+from meshlm.train import outputs
 from meshlm.train.config import TrainConfig
 from meshlm.train.loop import train
 from meshlm.train.step import init_model
@@ -257,3 +259,71 @@ def test_ctrl_c_in_another_command_is_one_line_and_130(tmp_path):
     assert proc.returncode == 130 and err.read_text().strip() == "meshlm: SIGINT: stopped", err.read_text()[
         -2000:
     ]
+
+
+# ---------------------------------------------------------------- a full disk
+
+_FULL_DISK = """
+set -u
+mount -t tmpfs -o size=700k tmpfs "$1" || exit 97
+shift
+"$@" > "$LOGS/1.out" 2> "$LOGS/1.err"; echo $? > "$LOGS/1.rc"
+dd if=/dev/zero of="$MNT/filler" bs=4k 2> /dev/null  # the rest of the disk: it stays full
+"$@" > "$LOGS/2.out" 2> "$LOGS/2.err"; echo $? > "$LOGS/2.rc"
+"""
+
+
+def _in_a_small_filesystem(mnt: Path, logs: Path, argv: list[str]) -> None:
+    """Run ``argv`` twice on a 700 KiB tmpfs at ``mnt`` (a mount namespace of its own: nothing to clean
+    up), the second time with the disk full. Skips where user namespaces are not allowed."""
+    mnt.mkdir()
+    logs.mkdir()
+    env = {**os.environ, "LOGS": str(logs), "MNT": str(mnt)}
+    cmd = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", _FULL_DISK, "sh", str(mnt), *argv]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    except FileNotFoundError:
+        pytest.skip("no unshare(1) to make a small filesystem")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs in a user namespace here: {done.stderr.strip()[:200]}")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a tmpfs in a Linux mount namespace")
+def test_a_full_disk_is_one_line_then_and_on_the_rerun(corpus, tmp_path):
+    out = tmp_path / "mnt" / "run"
+    argv = meshlm_argv(*train_args(corpus, out, 3), "--devices", "4")
+    _in_a_small_filesystem(tmp_path / "mnt", tmp_path / "logs", argv)
+    for run, says in (("1", "could not save step 3 to "), ("2", "cannot write the run lock ")):
+        err = (tmp_path / "logs" / f"{run}.err").read_text()
+        lines = [
+            line for line in err.splitlines() if line.strip() and not line.startswith(("data: ", "train:"))
+        ]
+        rc = int((tmp_path / "logs" / f"{run}.rc").read_text())
+        assert rc == 2 and lines[-1].startswith(f"meshlm: error: {says}"), err[-3000:]
+        assert "no space left on device" in lines[-1].lower() and "free space" in lines[-1], lines[-1]
+        noise = [line for line in lines[:-1] if not line.startswith("step 0: val_loss")]
+        assert not noise and "Traceback" not in err, err[-3000:]
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "the/file")
+
+
+def test_disk_full_while_writing_metrics_is_one_line(corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(outputs, "append_text", _disk_full)
+    code = run_cli(*train_args(corpus, tmp_path, 3), "--devices", "4")
+    err = [
+        line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("data")
+    ]
+    assert code == 2 and err[-1].startswith("meshlm: error: no space left on device writing the/file"), err
+    assert len([line for line in err if not line.startswith("train:")]) == 1, err
+
+
+def test_disk_full_while_preparing_is_one_line_and_no_store(corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(prepare_mod, "_write_split", _disk_full)
+    code = run_cli("data", "prepare", "--data", corpus, "--out", str(tmp_path / "s"), "--workers", "1")
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "prepare:" not in line]
+    assert code == 2 and err == ["meshlm: error: no space left on device writing the/file; free space (or "
+                                 "choose another --out), then run the same command again"], err  # fmt: skip
+    with pytest.raises(DataError, match="incomplete token store"):
+        store_arg([tmp_path / "s"])

@@ -16,7 +16,7 @@ import sys
 from typing import NoReturn
 
 from meshlm.cli import bench, convert, data, generate, launch, memory, plan, tokenizer, train, verify
-from meshlm.errors import Interrupted, MeshlmError
+from meshlm.errors import Interrupted, MeshlmError, is_disk_full
 
 COMMANDS = [train, verify, generate, convert, launch, bench, memory, plan, tokenizer, data]
 
@@ -47,6 +47,16 @@ def main(argv: list[str] | None = None) -> int:
         code = args.fn(args)
     except MeshlmError as e:
         print(f"meshlm: error: {e}", file=sys.stderr)
+        code = 2
+    except OSError as e:
+        if not is_disk_full(e):
+            raise  # a bug: its traceback is wanted
+        where = f" writing {e.filename}" if e.filename else ""
+        print(
+            f"meshlm: error: no space left on device{where}; free space (or choose another --out), "
+            "then run the same command again",
+            file=sys.stderr,
+        )
         code = 2
     except Interrupted as e:  # train, before its first step: one line, 128 + the signal
         print(f"meshlm: {e}", file=sys.stderr)

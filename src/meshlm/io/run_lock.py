@@ -150,8 +150,14 @@ def _claim(fd: int, path: Path) -> None:
             "(that run ended without releasing it)",
             stacklevel=5,
         )
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    except OSError as e:  # e.g. a full disk: this process holds the lock but cannot say so
+        os.close(fd)
+        raise CheckpointError(
+            f"cannot write the run lock {path}: {e.strerror}; free space or choose a writable --out"
+        ) from e
 
 
 def _owner(fd: int) -> str:
