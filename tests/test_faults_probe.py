@@ -327,3 +327,41 @@ def test_disk_full_while_preparing_is_one_line_and_no_store(corpus, tmp_path, ca
                                  "choose another --out), then run the same command again"], err  # fmt: skip
     with pytest.raises(DataError, match="incomplete token store"):
         store_arg([tmp_path / "s"])
+
+
+# ---------------------------------------------------------------- a SIGKILLed prepare leaves no workers
+
+
+def _workers(pid: int) -> list[int]:
+    ps = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(line.split()[0]) for line in ps.stdout.splitlines() if "multiprocessing" in line]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_sigkilled_prepare_leaves_no_pool_workers(corpus, tmp_path):
+    argv = meshlm_argv("data", "prepare", "--data", corpus, "--out", str(tmp_path / "s"), "--workers", "2")
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    found: set[int] = set()
+
+    def both_started() -> bool:  # they start as the first documents are handed out
+        found.update(_workers(proc.pid))
+        return len(found) >= 2
+
+    try:
+        assert wait_for(both_started, timeout_s=120)
+        proc.kill()
+        proc.wait()
+        assert wait_for(lambda: not any(map(_alive, found)), timeout_s=60), "workers outlived their prepare"
+    finally:
+        proc.kill()
+        for pid in found:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

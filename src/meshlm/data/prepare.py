@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import sys
+import threading
+import time
 import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -56,14 +59,27 @@ class Doc(NamedTuple):
 _TOKENIZER: Tokenizer | None = None  # each worker's own tokenizer (set by _init)
 
 
-def _init(tokenizer_json: str | None, eod_token: str | None) -> None:
+def _init(tokenizer_json: str | None, eod_token: str | None, parent: int) -> None:
     global _TOKENIZER
+    _die_with(parent)
     if tokenizer_json is None:
         _TOKENIZER = ByteTokenizer()
     else:
         from meshlm.data.hf_tokenizer import HFTokenizer
 
         _TOKENIZER = HFTokenizer.from_str(tokenizer_json, eod_token=eod_token)
+
+
+def _die_with(parent: int) -> None:
+    """End this worker soon after ``parent`` (the prepare) is gone, however it died: a SIGKILLed
+    parent never tells its pool, whose workers then lived on for minutes."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="meshlm-prepare-parent", daemon=True).start()
 
 
 def tokenize(doc: Doc, dtype: str) -> tuple[bytes, int, int]:
@@ -162,7 +178,7 @@ def prepare(
         (out / "tokenizer_config.json").write_text(eos + "\n", encoding="utf-8")
     workers = max(1, min(workers or multiprocessing.cpu_count(), len(all_docs)))
     progress = progress_bar(sum(d.size for d in all_docs), progress_stream)
-    init = (text, getattr(tokenizer, "eod_token", None))
+    init = (text, getattr(tokenizer, "eod_token", None), os.getpid())
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init, initargs=init)
     with pool, progress:
