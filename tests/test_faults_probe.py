@@ -365,3 +365,19 @@ def test_sigkilled_prepare_leaves_no_pool_workers(corpus, tmp_path):
         for pid in found:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- the probe's unclear cases, decided
+
+
+def test_verify_refuses_an_absurd_step_count(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run_cli("verify", "--steps", "99999999999999999999")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and "argument --steps: must be an integer in [0, 10000]" in err[-1], err
+
+
+def test_generate_help_says_an_explicit_max_new_tokens_must_fit(capsys):
+    with pytest.raises(SystemExit):
+        run_cli("generate", "--help")
+    assert "a value given here must fit" in " ".join(capsys.readouterr().out.split())

@@ -11,7 +11,6 @@ from meshlm.cli.common import (
     arg_type,
     check_batch_split,
     non_negative_float,
-    non_negative_int,
     positive_int,
     setup,
 )
@@ -22,12 +21,19 @@ from meshlm.ranges import Range
 # (and 0 tokens give a NaN loss, reported as a FAIL).
 MIN_SEQ_LEN = 2
 DATA_STEPS = 3  # steps of the data-pipeline check (cheap: host arrays only)
+# Each proof step runs sharded and unsharded and compares every leaf: 10,000 is hours; more is a typo.
+MAX_PROOF_STEPS = Range(int, 0, 10_000)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="prove sharded == unsharded for every parameter")
     add_common(p, "seed")
-    p.add_argument("--steps", type=non_negative_int, default=0, help="also compare K full training steps")
+    p.add_argument(
+        "--steps",
+        type=arg_type(MAX_PROOF_STEPS),
+        default=0,
+        help=f"also compare K full training steps (K <= {MAX_PROOF_STEPS.high:g}: each runs sharded and not)",
+    )
     p.add_argument("--x64", action="store_true", help="float64: worst relative error must be <= 1e-12")
     p.add_argument(
         "--batch-size",
