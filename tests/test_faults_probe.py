@@ -6,6 +6,7 @@ nothing asserts on timing."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -22,6 +23,7 @@ from helpers import meshlm_argv, run_cli, train_args, train_rows, wait_for, writ
 from meshlm.data import prepare as prepare_mod
 from meshlm.data.bpe import train_bpe
 from meshlm.data.store import open_store, store_arg
+from meshlm.data.stream import TokenStream
 from meshlm.data.tokenizer import ByteTokenizer
 from meshlm.errors import DataError
 from meshlm.io import hf_weights
@@ -33,6 +35,7 @@ from meshlm.parallel.mesh import make_mesh
 from meshlm.train import outputs
 from meshlm.train.config import TrainConfig
 from meshlm.train.loop import train
+from meshlm.train.run import _check_resumable, build_run
 from meshlm.train.step import init_model
 from meshlm.train.tokenizers import tokenizer_meta
 
@@ -381,3 +384,31 @@ def test_generate_help_says_an_explicit_max_new_tokens_must_fit(capsys):
     with pytest.raises(SystemExit):
         run_cli("generate", "--help")
     assert "a value given here must fit" in " ".join(capsys.readouterr().out.split())
+
+
+def test_resuming_with_other_steps_says_the_schedule_changes(capsys):
+    meta = {"train_config": TrainConfig(steps=10).to_dict(), "data": {"next_step": 4}}
+    _check_resumable(meta, TrainConfig(steps=10), Path("runs/x"))
+    assert capsys.readouterr().err == ""
+    _check_resumable(meta, TrainConfig(steps=20), Path("runs/x"))
+    err = capsys.readouterr().err
+    assert err.startswith("note: --steps 20 differs from the 10 the run in runs/x was started with") and (
+        "schedule" in err and "from step 4 on" in err
+    )
+
+
+def test_fsdp_on_dp_1_says_it_saves_nothing(corpus, tmp_path, capsys):
+    tcfg = TrainConfig(config="tiny-lm", data=(corpus,), batch_size=2, seq_len=16, steps=1, out=str(tmp_path))
+    build_run(dataclasses.replace(tcfg, fsdp=True), make_mesh(1, 2)).release()
+    assert "note: --fsdp on a mesh with dp=1 saves no memory" in capsys.readouterr().err
+
+
+def test_invalid_utf8_through_a_bpe_is_counted(corpus, tmp_path, capsys):
+    tok = train_bpe([Path(corpus, "f0.py").read_text()], 300)
+    with pytest.warns(UserWarning, match=r"1 of 2 documents are not valid UTF-8: 2 invalid byte sequences"):
+        TokenStream.from_texts([b"ok \xef\xbf\xbd", b"def f(x): \xfe\xfe"], tok)  # U+FFFD itself is text
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.py").write_bytes(b"x = 1\n\xff\n")
+    (tmp_path / "c" / "b.py").write_bytes(b"y = 2\n")
+    with pytest.warns(UserWarning, match=r"1 of 2 documents are not valid UTF-8: 1 invalid byte sequences"):
+        prepare_mod.prepare([tmp_path / "c"], tok, tmp_path / "s", workers=1)

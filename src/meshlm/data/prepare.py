@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -40,7 +41,7 @@ from meshlm.data.store import (
     write_index,
     write_marker,
 )
-from meshlm.data.stream import read_document
+from meshlm.data.stream import invalid_utf8, read_document
 from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.errors import DataError
 
@@ -82,19 +83,22 @@ def _die_with(parent: int) -> None:
     threading.Thread(target=watch, name="meshlm-prepare-parent", daemon=True).start()
 
 
-def tokenize(doc: Doc, dtype: str) -> tuple[bytes, int, int]:
-    """(the document's ids then EOD, as ``dtype`` bytes; their number; its text bytes, EOD counted 1):
-    what ``TokenStream.from_texts`` makes of the same document."""
+def tokenize(doc: Doc, dtype: str) -> tuple[bytes, int, int, int]:
+    """(the document's ids then EOD, as ``dtype`` bytes; their number; its text bytes, EOD counted 1;
+    its invalid UTF-8 sequences, each a U+FFFD for a text tokenizer): what ``TokenStream.from_texts``
+    makes of the same document."""
     tok = _TOKENIZER
     data = read_document(Path(doc.path))[doc.start : doc.end]
+    invalid = 0
     if isinstance(tok, ByteTokenizer):
         ids, n_bytes = np.frombuffer(data, np.uint8), len(data) + 1
     else:
         text = data.decode("utf-8", errors="replace")
         ids, n_bytes = tok.encode(text), len(text.encode("utf-8", errors="replace")) + 1
+        invalid = invalid_utf8(data, text)
     out = np.empty(len(ids) + 1, dtype)
     out[:-1], out[-1] = ids, tok.eod_id
-    return out.tobytes(), len(out), n_bytes
+    return out.tobytes(), len(out), n_bytes, invalid
 
 
 # --- the parent ----------------------------------------------------------------------------------
@@ -120,10 +124,11 @@ def _in_order(pool, docs: Iterable[Doc], dtype: str, ahead: int) -> Iterator[tup
 
 def _write_split(path: Path, docs: Sequence[Doc], results, progress) -> dict[str, Any]:
     """Write one split's token file; its index entry."""
-    crc, documents, tokens, n_bytes = 0, [], 0, 0
+    crc, documents, tokens, n_bytes, invalid = 0, [], 0, 0, []
     with open(path, "wb") as f:
-        for doc, (data, n_tokens, doc_bytes) in zip(docs, results, strict=True):
+        for doc, (data, n_tokens, doc_bytes, doc_invalid) in zip(docs, results, strict=True):
             f.write(data)
+            invalid += [doc_invalid] if doc_invalid else []
             crc = zlib.crc32(data, crc)
             documents.append({"path": doc.path, "tokens": n_tokens, "bytes": doc_bytes})
             tokens, n_bytes = tokens + n_tokens, n_bytes + doc_bytes
@@ -134,6 +139,7 @@ def _write_split(path: Path, docs: Sequence[Doc], results, progress) -> dict[str
         "bytes": n_bytes,
         "crc32": f"{crc:08x}",
         "documents": documents,
+        "invalid_utf8": invalid,  # for the note; not in the index
     }
 
 
@@ -191,6 +197,14 @@ def prepare(
             )
             for name in ("train", "val")
         }
+    invalid = [n for split in splits.values() for n in split.pop("invalid_utf8")]
+    if invalid:
+        warnings.warn(
+            f"{len(invalid)} of {len(all_docs)} documents are not valid UTF-8: {sum(invalid):,} invalid "
+            f"byte sequences became U+FFFD for the {tokenizer.describe()} (re-encode them as UTF-8 to "
+            "keep their text; the byte tokenizer keeps every byte)",
+            stacklevel=2,
+        )
     cap = max_bytes if max_bytes is not None or paths else DEFAULT_MAX_BYTES
     index = {
         "format": FORMAT,

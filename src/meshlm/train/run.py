@@ -116,6 +116,14 @@ def _check_resumable(meta: dict, tcfg: TrainConfig, where: Path) -> None:
             f"cannot resume from {where}: its run used different settings ({'; '.join(diffs)});"
             " pass the same flags, or a new --out to start another run"
         )
+    if "steps" in saved and saved["steps"] != now["steps"]:  # allowed, but never silent
+        step = meta.get("data", {}).get("next_step", "?")
+        distributed.print0(
+            f"note: --steps {now['steps']} differs from the {saved['steps']} the run in {where} was "
+            f"started with: the learning-rate schedule (warm-up, cosine decay to the last step) is "
+            f"re-derived for {now['steps']} steps, so the rate changes from step {step} on",
+            file=sys.stderr,
+        )
 
 
 def _check_fresh(ckpt: Checkpointer) -> None:
@@ -221,6 +229,12 @@ def build_run(tcfg: TrainConfig, mesh: Mesh, startup_check: Callable[[], None] =
     tcfg, cfg = resolve(tcfg)
     store = store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store (checked) or None
     run_specs(tcfg, cfg, mesh)  # bad --fsdp / --sp combinations fail before the data is read
+    if tcfg.fsdp and mesh.shape[DP] == 1:
+        distributed.print0(
+            "note: --fsdp on a mesh with dp=1 saves no memory (it splits weights and AdamW state over "
+            "dp, here 1 device); use a mesh with dp > 1, e.g. --mesh 2x2",
+            file=sys.stderr,
+        )
     tok, cfg = run_tokenizer(tcfg, cfg)
     out = Path(tcfg.out)
     batcher, val, info = _load_data(tcfg, cfg, mesh.shape[DP], tok, store)
