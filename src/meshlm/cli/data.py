@@ -8,6 +8,7 @@ reading the corpus into memory. See ``meshlm.data.store`` for the directory's la
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -64,6 +65,15 @@ def run(args) -> int:
             max_bytes=args.max_bytes,
             workers=args.workers,
         )
+    except KeyboardInterrupt:
+        # No JAX here: a normal exit (not the CLI's immediate one), so that the pool's semaphores
+        # are released, not reported leaked by multiprocessing's resource tracker.
+        print(
+            f"meshlm: SIGINT: stopped; {args.out} holds an unfinished store (no index.json): remove it "
+            "and rerun",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGINT
     finally:
         lock.release()
     splits = index["splits"]
