@@ -16,7 +16,7 @@ from helpers import meshlm_argv, run_meshlm, train_args, train_rows, wait_for, w
 
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.parallel import distributed
-from meshlm.parallel.heartbeat import HEARTBEAT_EXIT_CODE, Heartbeat
+from meshlm.parallel.heartbeat import HEARTBEAT_EXIT_CODE, Heartbeat, _report_if_stopped
 from meshlm.parallel.launch import DEVICES_ENV, free_port
 from meshlm.parallel.mesh import _more_devices_hint
 
@@ -158,9 +158,9 @@ def test_a_frozen_peer_continued_after_the_others_gave_up_says_nothing_more():
 def test_a_process_continued_after_its_peers_gave_up_reports_itself():
     reports: list[str] = []
     beat = Heartbeat(_FakeClient(), 1, 2, timeout_s=3, shutdown_s=3, on_stale=reports.append)
-    beat._continued()  # continued at once: not stopped long enough for anyone to give up
+    _report_if_stopped(beat)  # continued at once: not stopped long enough for anyone to give up
     beat.ticked -= 7  # stopped for 7 s
-    beat._continued()
+    _report_if_stopped(beat)
     assert reports == [
         "this process (process 1) was stopped for 7 s, longer than the 3 s heartbeat timeout: "
         "its peers have given up on it"

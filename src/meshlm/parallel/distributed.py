@@ -228,7 +228,8 @@ def _start_heartbeat(timeout_s: int) -> None:
 
     if global_state.num_processes and global_state.num_processes > 1:
         client, me, n = global_state.client, global_state.process_id, global_state.num_processes
-        heartbeat.Heartbeat(client, me, n, timeout_s, _shutdown_s(timeout_s)).introduce().start()
+        beat = heartbeat.Heartbeat(client, me, n, timeout_s, _shutdown_s(timeout_s))
+        heartbeat.introduce(beat).start()
 
 
 def _configure_cpu_backend(init_timeout_s: int) -> None:

@@ -76,40 +76,11 @@ class Heartbeat:
     def start(self) -> Heartbeat:
         for thread in self._threads:
             thread.start()
-        _on_continue(self._continued)
+        _on_continue(lambda: _report_if_stopped(self))
         # atexit runs handlers last-in first-out, and JAX registered its shutdown (with the
         # barrier) at import: ours runs before it.
         atexit.register(self.finish)
         return self
-
-    def introduce(self) -> Heartbeat:
-        """Before ``start``: publish this process's first beat and wait (at most ``timeout_s``) for
-        every peer's, so that each peer's pid and host are known even if it freezes at once."""
-        self._put(self._beat_value(0))
-        deadline = time.monotonic() + self.timeout_s
-        while len(self.owners) < len(self.peers) and time.monotonic() < deadline:
-            try:
-                self._record(self.client.key_value_dir_get(_PREFIX), time.monotonic())
-            except Exception:  # noqa: BLE001 - as in _put
-                pass
-            time.sleep(0.05)
-        return self
-
-    def _beat_value(self, count: int) -> str:
-        """A beat names its process (pid, host): a peer on this host that stops responding is ended by
-        whoever gives up on it (``_end``), so that it never continues alone."""
-        return _DONE if self.finished_at is not None else f"{count} {os.getpid()} {socket.gethostname()}"
-
-    def _continued(self) -> None:
-        """SIGCONT: this process was stopped. Stopped longer than the timeout, its peers have given up
-        on it (or are about to): say so and leave at once, before JAX's client finds the job gone
-        and aborts with a C++ stack dump (or a collective fails with a Gloo traceback)."""
-        gap = time.monotonic() - self.ticked
-        if gap > self.timeout_s and not self._stop.is_set():
-            self.on_stale(
-                f"this process (process {self.me}) was stopped for {gap:.0f} s, longer than the "
-                f"{self.timeout_s:g} s heartbeat timeout: its peers have given up on it"
-            )
 
     def finish(self) -> None:
         """Tell the peers this process is finished, not frozen; keep watching those still busy."""
@@ -134,7 +105,7 @@ class Heartbeat:
         while not self._stop.is_set():
             count += 1
             entries = None
-            if self._put(self._beat_value(count)):
+            if self._put(_beat_value(self, count)):
                 try:
                     entries = self.client.key_value_dir_get(_PREFIX)
                 except Exception:  # noqa: BLE001 - as in _put
@@ -170,27 +141,8 @@ class Heartbeat:
             last = self.ticked = now
             message = self.stale_message(now)
             if message is not None and not self._stop.is_set():
-                self.on_stale(message + self._end(now))
+                self.on_stale(message + _end_silent(self, now))
                 return
-
-    def _end(self, now: float) -> str:
-        """SIGKILL the peers on this host whose heartbeat stopped (frozen: stopped, hung), as
-        ``meshlm launch`` does: continued later, one would find its peers gone and die with a Gloo
-        traceback and a C++ abort. Returns what to add to the report ("" if none)."""
-        busy = [p for p in self.peers if p not in self.done]
-        silent = [p for p in busy if now - self.seen[p] > self.timeout_s]
-        if now - self.answered > self.timeout_s and 0 in busy:
-            silent = [0]  # the coordinator: with it, every peer looks silent
-        host, ended = socket.gethostname(), []
-        for peer in silent:
-            pid, where = self.owners.get(peer, (0, ""))
-            if pid and where == host:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    ended.append(f"pid {pid}")
-                except OSError:
-                    pass  # gone already, or not ours to end
-        return f", so it was ended ({', '.join(ended)} on this host)" if ended else ""
 
     def stale_message(self, now: float) -> str | None:
         """The line to report if a peer (or the coordinator) is overdue at ``now``, else None."""
@@ -208,6 +160,58 @@ class Heartbeat:
         if not stale:
             return None
         return f"{_processes(stale)} stopped responding (no heartbeat for {seconds})"
+
+
+def _beat_value(beat: Heartbeat, count: int) -> str:
+    """A beat names its process (pid, host): a peer on this host that stops responding is ended by
+    whoever gives up on it (``_end``), so that it never continues alone."""
+    return _DONE if beat.finished_at is not None else f"{count} {os.getpid()} {socket.gethostname()}"
+
+
+def introduce(beat: Heartbeat) -> Heartbeat:
+    """Before ``start``: publish this process's first beat and wait (at most ``timeout_s``) for
+    every peer's, so that each peer's pid and host are known even if it freezes at once."""
+    beat._put(_beat_value(beat, 0))
+    deadline = time.monotonic() + beat.timeout_s
+    while len(beat.owners) < len(beat.peers) and time.monotonic() < deadline:
+        try:
+            beat._record(beat.client.key_value_dir_get(_PREFIX), time.monotonic())
+        except Exception:  # noqa: BLE001 - as in _put
+            pass
+        time.sleep(0.05)
+    return beat
+
+
+def _report_if_stopped(beat: Heartbeat) -> None:
+    """SIGCONT: this process was stopped. Stopped longer than the timeout, its peers have given up
+    on it (or are about to): say so and leave at once, before JAX's client finds the job gone
+    and aborts with a C++ stack dump (or a collective fails with a Gloo traceback)."""
+    gap = time.monotonic() - beat.ticked
+    if gap > beat.timeout_s and not beat._stop.is_set():
+        beat.on_stale(
+            f"this process (process {beat.me}) was stopped for {gap:.0f} s, longer than the "
+            f"{beat.timeout_s:g} s heartbeat timeout: its peers have given up on it"
+        )
+
+
+def _end_silent(beat: Heartbeat, now: float) -> str:
+    """SIGKILL the peers on this host whose heartbeat stopped (frozen: stopped, hung), as
+    ``meshlm launch`` does: continued later, one would find its peers gone and die with a Gloo
+    traceback and a C++ abort. Returns what to add to the report ("" if none)."""
+    busy = [p for p in beat.peers if p not in beat.done]
+    silent = [p for p in busy if now - beat.seen[p] > beat.timeout_s]
+    if now - beat.answered > beat.timeout_s and 0 in busy:
+        silent = [0]  # the coordinator: with it, every peer looks silent
+    host, ended = socket.gethostname(), []
+    for peer in silent:
+        pid, where = beat.owners.get(peer, (0, ""))
+        if pid and where == host:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                ended.append(f"pid {pid}")
+            except OSError:
+                pass  # gone already, or not ours to end
+    return f", so it was ended ({', '.join(ended)} on this host)" if ended else ""
 
 
 def _on_continue(callback: Callable[[], None]) -> None:
