@@ -229,7 +229,7 @@ def _train(run: Run, stop: Stop) -> dict:
     stop.check_startup()  # a signal during the first evaluation (or its compile): nothing ran yet
     _loop(run, stop)
     save(run)
-    if stop.agreed is not None:
+    if stop.requested():  # also a signal during the last save: stop there, saved
         name = signal.Signals(stop.agreed).name
         distributed.print0(
             f"{name}: saved a checkpoint at step {run.step} in {run.ckpt.directory}; "
