@@ -29,7 +29,7 @@ BAD_FLAGS = [
     ("train --steps 0", "--steps", "must be an integer >= 1, got 0"),
     ("train --steps abc", "--steps", "must be an integer >= 1, got 'abc'"),
     ("train --seed -1", "--seed", "must be an integer >= 0, got -1"),
-    ("verify --steps -5", "--steps", "must be an integer >= 0, got -5"),
+    ("verify --steps -5", "--steps", "must be an integer in [0, 10000], got -5"),
     ("verify --batch-size 0", "--batch-size", "must be an integer >= 1, got 0"),
     ("verify --batch-size -2", "--batch-size", "must be an integer >= 1, got -2"),
     ("verify --seq-len -3", "--seq-len", "must be an integer >= 2, got -3"),

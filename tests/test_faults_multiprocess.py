@@ -16,7 +16,7 @@ from helpers import meshlm_argv, run_meshlm, train_args, train_rows, wait_for, w
 
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.parallel import distributed
-from meshlm.parallel.heartbeat import HEARTBEAT_EXIT_CODE, Heartbeat
+from meshlm.parallel.heartbeat import HEARTBEAT_EXIT_CODE, Heartbeat, _report_if_stopped
 from meshlm.parallel.launch import DEVICES_ENV, free_port
 from meshlm.parallel.mesh import _more_devices_hint
 
@@ -98,7 +98,7 @@ def test_launcher_names_a_stopped_process_and_stops_all(tmp_path):
         _, err = launcher.communicate(timeout=120)
     finally:
         _kill(launcher)
-    assert launcher.returncode == 128 + signal.SIGSTOP, err[-2000:]
+    assert launcher.returncode == HEARTBEAT_EXIT_CODE, err[-2000:]  # 76: a peer stopped responding
     assert "process 1 was stopped (SIGSTOP)" in err, err[-2000:]
     assert "Check failure" not in err and "Traceback" not in err, err[-2000:]
     for pid in (int((tmp_path / f"{i}.pid").read_text()) for i in range(2)):
@@ -124,8 +124,44 @@ def test_heartbeat_without_launcher_names_the_frozen_peer(victim, message):
         for proc in procs:
             _kill(proc)
     assert procs[1 - victim].returncode == HEARTBEAT_EXIT_CODE, err[-2000:]
-    assert message in err.splitlines() and "Check failure" not in err, err[-2000:]
+    # The frozen peer is on this host: the survivor ends it (it could never go on alone).
+    ended = (
+        f"{message[: -len('; stopping')]}, so it was ended (pid {procs[victim].pid} on this host); stopping"
+    )
+    assert ended in err.splitlines() and "Check failure" not in err, err[-2000:]
+    assert procs[victim].wait(timeout=60) == -signal.SIGKILL
     assert distributed.HEARTBEAT_EXIT_CODE == HEARTBEAT_EXIT_CODE != distributed.TIMEOUT_EXIT_CODE
+
+
+def test_a_frozen_peer_continued_after_the_others_gave_up_says_nothing_more():
+    """SIGCONT after its peer gave up: no Gloo traceback, no C++ abort. On this host the peer ended it
+    (SIGKILL works on a stopped process); on another host it reports itself in one line (below)."""
+    port = free_port()
+    procs = [_worker(port, i, "--mode", "spin", "--init-timeout", "3") for i in range(2)]
+    try:
+        assert _joined(procs[1]), "the victim never joined"
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        _, err0 = procs[0].communicate(timeout=120)
+        os.kill(procs[1].pid, signal.SIGCONT)
+        _, err1 = procs[1].communicate(timeout=120)
+    finally:
+        for proc in procs:
+            _kill(proc)
+    assert procs[0].returncode == HEARTBEAT_EXIT_CODE and "so it was ended" in err0, err0[-2000:]
+    assert procs[1].returncode == -signal.SIGKILL, err1[-2000:]
+    assert "Traceback" not in err1 and "Check failure" not in err1 and "Gloo" not in err1, err1[-2000:]
+
+
+def test_a_process_continued_after_its_peers_gave_up_reports_itself():
+    reports: list[str] = []
+    beat = Heartbeat(_FakeClient(), 1, 2, timeout_s=3, shutdown_s=3, on_stale=reports.append)
+    _report_if_stopped(beat)  # continued at once: not stopped long enough for anyone to give up
+    beat.ticked -= 7  # stopped for 7 s
+    _report_if_stopped(beat)
+    assert reports == [
+        "this process (process 1) was stopped for 7 s, longer than the 3 s heartbeat timeout: "
+        "its peers have given up on it"
+    ]
 
 
 def test_a_finished_peer_is_not_reported_as_frozen():

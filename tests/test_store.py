@@ -134,8 +134,9 @@ def test_damaged_store_is_refused(store):
     with pytest.raises(DataError, match="not readable JSON"):
         open_store(store)
     (store / INDEX).unlink()
-    assert store_arg([store]) is None  # no index: not a store (the raw-text loader would read it)
-    with pytest.raises(DataError, match="not a token store"):
+    with pytest.raises(DataError, match="incomplete token store"):  # never read as raw text
+        store_arg([store])
+    with pytest.raises(DataError, match="incomplete token store"):
         open_store(store)
 
 

@@ -1,8 +1,25 @@
 """User-facing errors. The CLI prints these as one line and exits non-zero; anything else is a bug."""
 
+import errno
+import signal
+
 
 class MeshlmError(Exception):
     """Base class for errors caused by user input or environment, each naming the problem and fix."""
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) is a full disk or an exceeded quota: an
+    OSError with ENOSPC / EDQUOT, or a message that says so (tensorstore reports it in text)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(error) or "Disk quota exceeded" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class ConfigError(MeshlmError):
@@ -49,3 +66,16 @@ class VerifierError(MeshlmError):
 
 
 VERIFIER_EXIT_CODE = 3
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM during start-up: the run stopped before its first step, so there was nothing
+    to save. A BaseException, as KeyboardInterrupt is, so that no ``except Exception`` swallows it;
+    the CLI prints it as one line and exits ``code`` (128 + the signal, as a shell reports it)."""
+
+    def __init__(self, signum: int):
+        self.signum, self.code = signum, 128 + signum
+        super().__init__(
+            f"{signal.Signals(signum).name} during start-up: stopped before the first step, nothing "
+            "needed saving; run the same command to start (or resume) again"
+        )

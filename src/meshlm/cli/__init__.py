@@ -10,8 +10,11 @@ needs. Nothing in the library imports ``meshlm.cli``.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import warnings
+from typing import NoReturn
 
 from meshlm.cli import (
     bench,
@@ -26,7 +29,7 @@ from meshlm.cli import (
     train,
     verify,
 )
-from meshlm.errors import MeshlmError
+from meshlm.errors import Interrupted, MeshlmError, is_disk_full
 
 COMMANDS = [train, verify, generate, evaluate, convert, launch, bench, memory, plan, tokenizer, data]
 
@@ -58,16 +61,40 @@ def user_warning(message, category, filename, lineno, line=None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     shown, warnings.formatwarning = warnings.formatwarning, user_warning
     try:
+        args = build_parser().parse_args(argv)
         code = args.fn(args)
     except MeshlmError as e:
         print(f"meshlm: error: {e}", file=sys.stderr)
         code = 2
+    except OSError as e:
+        if not is_disk_full(e):
+            raise  # a bug: its traceback is wanted
+        where = f" writing {e.filename}" if e.filename else ""
+        print(
+            f"meshlm: error: no space left on device{where}; free space (or choose another --out), "
+            "then run the same command again",
+            file=sys.stderr,
+        )
+        code = 2
+    except Interrupted as e:  # train, before its first step: one line, 128 + the signal
+        print(f"meshlm: {e}", file=sys.stderr)
+        code = e.code
+    except KeyboardInterrupt:  # Ctrl-C in any other command: it stops, and says so in one line
+        _leave_interrupted()
     finally:
         warnings.formatwarning = shown  # in-process callers (tests) keep their own format
     return _exit_code(code)
+
+
+def _leave_interrupted() -> NoReturn:
+    """Exit 130 at once. The KeyboardInterrupt may have left JAX mid-compile, with XLA's threads
+    still running: the interpreter's teardown then crashed (a segmentation fault) now and then."""
+    print("meshlm: SIGINT: stopped", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGINT)
 
 
 def _exit_code(code: int) -> int:

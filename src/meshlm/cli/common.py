@@ -148,11 +148,19 @@ def flag_layout(args, **options) -> Layout | None:
 
 
 def setup(args, default_dp: int = 1, **options) -> Layout:
-    """Devices, distributed runtime, mesh, in that order, before anything touches a device.
+    """Devices, distributed runtime, mesh, in that order, before anything touches a device. A signal
+    meanwhile is delivered once they are ready (``deferred_signals``).
 
     Returns the Layout: --mesh, or default_dp x (all devices / default_dp), or 1 x (all devices) when
     default_dp does not divide the device count; with ``options`` (fsdp, sp); its mesh built.
     """
+    from meshlm.train.stop import deferred_signals
+
+    with deferred_signals():
+        return _setup(args, default_dp, **options)
+
+
+def _setup(args, default_dp: int, **options) -> Layout:
     force_host_devices(args.devices if args.devices is not None else DEFAULT_DEVICES)
     if args.coordinator or args.num_processes:
         # Seen here: with a persistent compilation cache, processes of one job can disagree on

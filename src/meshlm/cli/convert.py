@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -20,9 +21,12 @@ def add_parser(sub) -> None:
 
 
 def _check_out(out: str) -> None:
-    """Never mix a conversion into existing files (a checkpoint directory would gain a step)."""
+    """Never mix a conversion into existing files (a checkpoint directory would gain a step). A live
+    command's lock is not "not empty": taking the lock names its owner."""
+    from meshlm.io.run_lock import LOCK_FILE
+
     path = Path(out)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+    if path.exists() and (not path.is_dir() or any(p.name != LOCK_FILE for p in path.iterdir())):
         raise ConfigError(f"--out {out} exists and is not an empty directory; choose a new path or remove it")
 
 
@@ -34,6 +38,20 @@ def run(args) -> int:
     summary = _from_hf(args, layout) if args.from_hf else _to_hf(args, layout)
     print0(json.dumps(summary) if args.json else _line(summary))
     return 0
+
+
+@contextlib.contextmanager
+def _owned(out: str):
+    """One command per --out, as `train` locks its run: taken once the inputs have been read (a bad
+    input leaves no --out behind), held while writing. A collective."""
+    from meshlm.io.run_lock import lock_new_dir
+
+    lock = lock_new_dir(Path(out))
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _line(s: dict) -> str:
@@ -61,7 +79,8 @@ def _from_hf(args, layout) -> dict:
     placed = {path: put_global(value, targets[path].sharding) for path, value in flat.items()}
     entry = tokenizer_meta(args.out, tok) if tok is not None else dict(NONE_ENTRY)
     meta = {"converted_from": str(Path(args.from_hf).absolute()), "tokenizer": entry}
-    save_model(args.out, cfg, unflatten(placed), meta=meta)
+    with _owned(args.out):
+        save_model(args.out, cfg, unflatten(placed), meta=meta)
     return {**_summary(args.from_hf, args.out, "meshlm checkpoint", cfg, flat), "tokenizer": _says(tok)}
 
 
@@ -98,9 +117,10 @@ def _to_hf(args, layout) -> dict:
     tok = checkpoint_tokenizer(args.to_hf, required=False)
     cfg, params, _ = load_model(args.to_hf, layout)
     flat = {path: to_host(v) for path, v in flat_params(params).items()}  # every process gathers
-    if jax.process_index() == 0:
-        save_hf(cfg, flat, args.out)
-        _write_hf_tokenizer(Path(args.out), tok, cfg)
+    with _owned(args.out):
+        if jax.process_index() == 0:
+            save_hf(cfg, flat, args.out)
+            _write_hf_tokenizer(Path(args.out), tok, cfg)
     return {**_summary(args.to_hf, args.out, "transformers", cfg, flat), "tokenizer": _says(tok)}
 
 

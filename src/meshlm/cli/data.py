@@ -8,8 +8,10 @@ reading the corpus into memory. See ``meshlm.data.store`` for the directory's la
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
+from pathlib import Path
 
 from meshlm.cli.common import arg_type, non_negative_int, positive_int
 from meshlm.ranges import Range
@@ -55,20 +57,36 @@ def run(args) -> int:
     from meshlm.data.prepare import check_out, plan, prepare
     from meshlm.data.records import Skipped
     from meshlm.data.tokenizer import load_tokenizer
+    from meshlm.io.run_lock import LOCK_FILE, lock_new_dir
 
-    check_out(args.out)  # bad input fails before any work: the output, the tokenizer, the corpus
+    # Bad input fails before any work: the output, the tokenizer, the corpus. A live prepare's
+    # lock is not "not empty": taking the lock names its owner.
+    check_out(args.out, ignore=(LOCK_FILE,))
     tok = load_tokenizer(args.tokenizer)
     plan(args.data, args.val_fraction, args.max_bytes, args.text_field)
     t0 = time.perf_counter()
-    index = prepare(
-        args.data,
-        tok,
-        args.out,
-        val_fraction=args.val_fraction,
-        max_bytes=args.max_bytes,
-        workers=args.workers,
-        text_field=args.text_field,
-    )
+    lock = lock_new_dir(Path(args.out), multi_process=False)  # one prepare per --out
+    try:
+        index = prepare(
+            args.data,
+            tok,
+            args.out,
+            val_fraction=args.val_fraction,
+            max_bytes=args.max_bytes,
+            workers=args.workers,
+            text_field=args.text_field,
+        )
+    except KeyboardInterrupt:
+        # No JAX here: a normal exit (not the CLI's immediate one), so that the pool's semaphores
+        # are released, not reported leaked by multiprocessing's resource tracker.
+        print(
+            f"meshlm: SIGINT: stopped; {args.out} holds an unfinished store (no index.json): remove it "
+            "and rerun",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGINT
+    finally:
+        lock.release()
     splits = index["splits"]
     summary = {
         "out": args.out,

@@ -34,7 +34,10 @@ def add_parser(sub) -> None:
         "--max-new-tokens",
         type=positive_int,
         default=None,
-        help=f"tokens to generate per prompt (default {DEFAULT_MAX_NEW}, capped to fit the context)",
+        help=(
+            f"tokens to generate per prompt (default: {DEFAULT_MAX_NEW}, or fewer to fit the context; "
+            "a value given here must fit: prompt + new tokens <= the model's context)"
+        ),
     )
     # Checked while parsing, before the checkpoint loads (the generator checks them again for library use).
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 is greedy")
@@ -53,8 +56,10 @@ def add_parser(sub) -> None:
 
 def _prompts(args) -> list[str]:
     from meshlm.errors import GenerationError
-    from meshlm.generate.inputs import read_prompt_file
+    from meshlm.generate.inputs import check_utf8, read_prompt_file
 
+    for i, prompt in enumerate(args.prompt):  # before the checkpoint loads
+        check_utf8(prompt, f"prompt {i}")
     prompts = list(args.prompt) + [read_prompt_file(f) for f in args.prompt_file]
     if not prompts:
         raise GenerationError("no prompt: pass --prompt TEXT or --prompt-file FILE")

@@ -72,4 +72,7 @@ def run(args) -> int:
         every_option=pc.every_option,
     )
     print(json.dumps(report) if args.json else format_plan(report))
-    return 0
+    # The answer to "will it fit?" as the exit status, for scripts: 1 when the run does not fit
+    # --device-memory and no option tried makes it fit (the report says so), else 0.
+    row = report["plan"]
+    return 1 if report["device_memory"] is not None and not row["fits"] and not report["recommended"] else 0

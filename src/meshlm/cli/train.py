@@ -14,6 +14,7 @@ import sys
 
 from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
 from meshlm.train.config import DEFAULT_DP, TrainConfig, check_byte_vocab, resolve
+from meshlm.train.stop import Stop
 
 D = TrainConfig()
 
@@ -31,6 +32,14 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args) -> int:
+    stop = Stop()  # first: from here on SIGINT/SIGTERM are acted on at safe points (train.stop)
+    try:
+        return _run(args, stop)
+    finally:
+        stop.restore()
+
+
+def _run(args, stop: Stop) -> int:
     tcfg, cfg = resolve(train_config(args))
     # Before devices, data or model: a preset that cannot train on bytes fails in a second, not after
     # the corpus is read.
@@ -40,10 +49,11 @@ def run(args) -> int:
         layout.check_batch(tcfg.batch_size, tcfg.accum_steps if tcfg.accum_steps > 1 else None)
         layout.check_seq_len(tcfg.seq_len)
     layout = setup(args, default_dp=DEFAULT_DP, fsdp=tcfg.fsdp, sp=tcfg.sp)
+    stop.check_startup()
     from meshlm.parallel.distributed import print0
     from meshlm.train.loop import train
 
-    summary = train(tcfg, layout)
+    summary = train(tcfg, layout, stop=stop)
     if args.json:
         print0(json.dumps(summary))
     elif "interrupted" not in summary:

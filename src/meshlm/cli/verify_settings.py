@@ -13,12 +13,17 @@ from meshlm.settings import CLI_COMMON, SEQ_LEN_DEFAULT_TEXT, Switch, check_fiel
 # (and 0 tokens give a NaN loss, reported as a FAIL).
 MIN_SEQ_LEN = 2
 
+# Each proof step runs sharded and unsharded and compares every leaf: 10,000 is hours; more is a typo.
+MAX_PROOF_STEPS = Range(int, 0, 10_000)
+
 
 @dataclass(frozen=True)
 class VerifySettings:
     config: str = setting("seed", "model preset (see `meshlm configs`)", cli=CLI_COMMON)
     seed: int = setting(0, "random seed", cli=CLI_COMMON, valid=NON_NEGATIVE_INT)
-    steps: int = setting(0, "also compare K full training steps", valid=NON_NEGATIVE_INT)
+    steps: int = setting(
+        0, "also compare K full training steps (each runs sharded and not; <= 10000)", valid=MAX_PROOF_STEPS
+    )
     x64: bool = setting(False, "float64: worst relative error must be <= 1e-12")
     batch_size: int | None = setting(
         None, "global batch, a multiple of dp", shown_default="2 x dp", valid=POSITIVE_INT

@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import sys
+import threading
+import time
+import warnings
 import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -39,8 +43,18 @@ from meshlm.data.records import (
     row_is_val,
 )
 from meshlm.data.sources import DEFAULT_MAX_BYTES, PathArg, check_fraction, resolve_sources, split_sources
-from meshlm.data.store import FORMAT, SPLITS, TOKENIZER_JSON, store_dtype, tokenizer_entry, write_index
-from meshlm.data.stream import read_document
+from meshlm.data.store import (
+    FORMAT,
+    INDEX,
+    SPLITS,
+    TOKENIZER_JSON,
+    looks_like_store,
+    store_dtype,
+    tokenizer_entry,
+    write_index,
+    write_marker,
+)
+from meshlm.data.stream import invalid_utf8, read_document
 from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.errors import DataError
 from meshlm.units import format_bytes
@@ -63,8 +77,9 @@ class Piece(NamedTuple):
 _TOKENIZER: Tokenizer | None = None  # each worker's own tokenizer (set by _init)
 
 
-def _init(tokenizer_json: str | None, eod_token: str | None) -> None:
+def _init(tokenizer_json: str | None, eod_token: str | None, parent: int) -> None:
     global _TOKENIZER
+    _die_with(parent)
     if tokenizer_json is None:
         _TOKENIZER = ByteTokenizer()
     else:
@@ -73,30 +88,45 @@ def _init(tokenizer_json: str | None, eod_token: str | None) -> None:
         _TOKENIZER = HFTokenizer.from_str(tokenizer_json, eod_token=eod_token)
 
 
-def _ids(tok: Tokenizer, data: bytes) -> tuple[np.ndarray, int]:
-    """(ids of one document, its text bytes with EOD counted 1), as ``TokenStream.from_texts``."""
+def _die_with(parent: int) -> None:
+    """End this worker soon after ``parent`` (the prepare) is gone, however it died: a SIGKILLed
+    parent never tells its pool, whose workers then lived on for minutes."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="meshlm-prepare-parent", daemon=True).start()
+
+
+def _ids(tok: Tokenizer, data: bytes) -> tuple[np.ndarray, int, int]:
+    """(ids of one document, its text bytes with EOD counted 1, its invalid UTF-8 sequences: each a
+    U+FFFD for a text tokenizer), as ``TokenStream.from_texts``."""
     if isinstance(tok, ByteTokenizer):
-        return np.frombuffer(data, np.uint8), len(data) + 1
+        return np.frombuffer(data, np.uint8), len(data) + 1, 0
     text = data.decode("utf-8", errors="replace")
-    return tok.encode(text), len(text.encode("utf-8", errors="replace")) + 1
+    return tok.encode(text), len(text.encode("utf-8", errors="replace")) + 1, invalid_utf8(data, text)
 
 
-def tokenize(piece: Piece, dtype: str) -> tuple[bytes, int, int, int]:
+def tokenize(piece: Piece, dtype: str) -> tuple[bytes, int, int, int, list[int]]:
     """(the piece's documents' ids, each then EOD, as ``dtype`` bytes; their number; text bytes, each
-    EOD counted 1; documents): what ``TokenStream.from_texts`` makes of the same documents."""
+    EOD counted 1; documents; the invalid UTF-8 sequences of each document that has some): what
+    ``TokenStream.from_texts`` makes of the same documents."""
     tok = _TOKENIZER
     docs = piece.docs
     if docs is None:
         docs = [read_document(Path(piece.path))[piece.start : piece.end]]
-    parts, n_bytes = [], 0
+    parts, n_bytes, invalid = [], 0, []
     for data in docs:
-        ids, doc_bytes = _ids(tok, data)
+        ids, doc_bytes, doc_invalid = _ids(tok, data)
         out = np.empty(len(ids) + 1, dtype)
         out[:-1], out[-1] = ids, tok.eod_id
         parts.append(out.tobytes())
         n_bytes += doc_bytes
+        invalid += [doc_invalid] if doc_invalid else []
     data = b"".join(parts)
-    return data, len(data) // np.dtype(dtype).itemsize, n_bytes, len(docs)
+    return data, len(data) // np.dtype(dtype).itemsize, n_bytes, len(docs), invalid
 
 
 # --- the parent ----------------------------------------------------------------------------------
@@ -121,15 +151,18 @@ def _in_order(pool, pieces: Iterable[Piece], dtype: str, ahead: int) -> Iterator
             pending.append((nxt, pool.submit(tokenize, nxt, dtype)))
 
 
-def _write_splits(out: Path, results, progress) -> dict[str, dict[str, Any]]:
-    """Write both splits' token files from the pieces in order; their index entries. A text file's
+def _write_splits(out: Path, results, progress) -> tuple[dict[str, dict[str, Any]], list[int]]:
+    """Write both splits' token files from the pieces in order; (their index entries, the invalid UTF-8
+    sequences of each document that has some). A text file's
     document is one entry; a record file's rows in a split are one entry with their number ("rows")."""
     files = {name: open(out / f"{name}.tokens", "wb") for name in SPLITS}  # noqa: SIM115 - closed below
     empty = lambda name: {"file": f"{name}.tokens", "tokens": 0, "bytes": 0, "crc": 0, "documents": []}
+    invalid = []  # per document with invalid UTF-8: how many sequences became U+FFFD (for the note)
     splits = {name: empty(name) for name in SPLITS}
     try:
-        for piece, (data, n_tokens, n_bytes, n_docs) in results:
+        for piece, (data, n_tokens, n_bytes, n_docs, piece_invalid) in results:
             files[piece.split].write(data)
+            invalid += piece_invalid
             s = splits[piece.split]
             s["crc"] = zlib.crc32(data, s["crc"])
             s["tokens"], s["bytes"] = s["tokens"] + n_tokens, s["bytes"] + n_bytes
@@ -147,7 +180,7 @@ def _write_splits(out: Path, results, progress) -> dict[str, dict[str, Any]]:
             f.close()
     for s in splits.values():
         s["crc32"] = f"{s.pop('crc'):08x}"
-    return splits
+    return splits, invalid
 
 
 class Plan(NamedTuple):
@@ -222,6 +255,7 @@ def prepare(
     work = plan(paths, val_fraction, max_bytes, text_field)
     dtype = store_dtype(tokenizer.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
+    write_marker(out)  # first: until index.json seals it, this is an incomplete store, never text
     text = tokenizer.to_json()
     if text is not None:  # with its EOD named, so loading DIR/tokenizer.json gives the same tokenizer
         (out / TOKENIZER_JSON).write_text(text, encoding="utf-8")
@@ -231,17 +265,25 @@ def prepare(
     if not any(is_record_file(u[1]) for u in work.units):  # one piece per text file: no more workers
         workers = max(1, min(workers, len(work.units)))
     progress = progress_bar(sum(u[-1] for u in work.units), progress_stream)
-    init = (text, getattr(tokenizer, "eod_token", None))
+    init = (text, getattr(tokenizer, "eod_token", None), os.getpid())
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init, initargs=init)
     skipped = Skipped()
     with pool, progress:
         work_pieces = pieces(work, text_field, val_fraction, skipped)
-        splits = _write_splits(out, _in_order(pool, work_pieces, dtype.str, 4 * workers), progress)
+        splits, invalid = _write_splits(out, _in_order(pool, work_pieces, dtype.str, 4 * workers), progress)
     if work.units[0][0] is None:  # one record file, split by row: both sides need rows
         rows = [sum(d.get("rows", 1) for d in splits[name]["documents"]) for name in SPLITS]
         if not all(rows):
             raise one_sided(Path(work.units[0][1]), *rows, val_fraction)
+    if invalid:
+        documents = sum(d.get("rows", 1) for s in splits.values() for d in s["documents"])
+        warnings.warn(
+            f"{len(invalid)} of {documents} documents are not valid UTF-8: {sum(invalid):,} invalid "
+            f"byte sequences became U+FFFD for the {tokenizer.describe()} (re-encode them as UTF-8 to "
+            "keep their text; the byte tokenizer keeps every byte)",
+            stacklevel=2,
+        )
     cap = max_bytes if max_bytes is not None or paths else DEFAULT_MAX_BYTES
     index = {
         "format": FORMAT,
@@ -266,8 +308,12 @@ def _describe(paths, n_files: int, cap: int | None) -> str:
     return f"{where}{more} ({n_files} files{capped})"
 
 
-def check_out(out: str | Path) -> None:
-    """Never mix a store into existing files."""
+def check_out(out: str | Path, ignore: tuple[str, ...] = ()) -> None:
+    """Never mix a store into existing files (entries named in ``ignore`` aside: the run lock)."""
     path = Path(out)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+    if looks_like_store(path) and not (path / INDEX).exists():
+        raise DataError(
+            f"--out {out} holds an interrupted `meshlm data prepare` (no {INDEX}); remove it and rerun"
+        )
+    if path.exists() and (not path.is_dir() or any(p.name not in ignore for p in path.iterdir())):
         raise DataError(f"--out {out} exists and is not an empty directory; choose a new path or remove it")

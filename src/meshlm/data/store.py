@@ -11,11 +11,13 @@ A store directory holds:
                      little-endian uint16 (when the vocabulary fits) or uint32: what the loader's
                      ``TokenStream`` would hold for the same corpus and tokenizer, in the same order
   ``tokenizer.json`` the tokenizer (Hugging Face ones), for ``--tokenizer DIR/tokenizer.json``
+  ``.meshlm-token-store``  written first: a directory holding it but no index is an unfinished store
 
 Opening a store checks the index and every token file's size and CRC-32 (read in chunks, not mapped:
 resident memory stays flat; CRC-32, as zip and gzip use, catches damage at the speed of reading a
 multi-GB corpus, where SHA-256 would take several seconds per GB); ``index.json`` is written last,
-so an interrupted ``prepare`` leaves no loadable store.
+so an interrupted ``prepare`` leaves no loadable store; and ``.meshlm-token-store`` first, so that
+such a directory is refused as an incomplete store, never read as text files.
 
 This module must not import jax: it runs before the CLI has chosen the devices.
 """
@@ -39,6 +41,7 @@ from meshlm.errors import DataError
 
 FORMAT = "meshlm-token-store-v1"
 INDEX = "index.json"
+MARKER = ".meshlm-token-store"  # written first; hidden, so never read as text
 TOKENIZER_JSON = "tokenizer.json"
 SPLITS = ("train", "val")
 CHUNK = 16 * 2**20  # bytes per read when checksumming: memory independent of the corpus size
@@ -76,6 +79,18 @@ def index_digest(index: dict) -> str:
 def is_store(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a token store directory (it has an index.json)."""
     return Path(path).is_dir() and (Path(path) / INDEX).is_file()
+
+
+def looks_like_store(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a token store, complete or not: ``prepare`` writes ``MARKER`` before anything
+    else, so a store it never sealed (killed, disk full) is never taken for a directory of text."""
+    names = (INDEX, MARKER, *(f"{s}.tokens" for s in SPLITS))
+    return Path(path).is_dir() and any((Path(path) / n).exists() for n in names)
+
+
+def write_marker(directory: Path) -> None:
+    """The first file of a new store (see ``looks_like_store``)."""
+    (directory / MARKER).write_text(FORMAT + "\n", encoding="utf-8")
 
 
 def write_index(directory: Path, index: dict) -> None:
@@ -170,6 +185,11 @@ def _damaged(directory: Path, problem: str) -> DataError:
 
 def _read_index(directory: Path) -> dict:
     path = directory / INDEX
+    if not path.is_file() and looks_like_store(directory):
+        raise DataError(
+            f"{directory} is an incomplete token store (no {INDEX}: its `meshlm data prepare` was "
+            "interrupted or failed); re-run `meshlm data prepare` into a new or empty --out"
+        )
     if not path.is_file():
         raise DataError(
             f"{directory} is not a token store (no {INDEX}): pass a directory `meshlm data prepare` "
@@ -220,14 +240,14 @@ def store_arg(paths, tokenizer_spec: str = "") -> TokenStore | None:
     """``train --data``: a single token store directory opens it; anything else is raw text (None).
     ``tokenizer_spec``: train's --tokenizer; ``bpe-N`` trains on raw text, which a store is not."""
     paths = list(paths or ())
-    if len(paths) == 1 and is_store(paths[0]):
+    if len(paths) == 1 and looks_like_store(paths[0]):
         if tokenizer_spec.startswith("bpe-"):
             raise DataError(
                 f"--tokenizer {tokenizer_spec} trains a tokenizer on raw text, but --data {paths[0]} is a "
                 f"token store, already tokenized; pass --tokenizer {Path(paths[0]) / TOKENIZER_JSON} or bytes"
             )
         return open_store(paths[0])
-    stores = [p for p in paths if is_store(p)]
+    stores = [p for p in paths if looks_like_store(p)]
     if stores:
         raise DataError(
             f"--data {stores[0]} is a token store: pass it alone (a store is the whole corpus, already split)"

@@ -8,6 +8,7 @@ This module must not import jax: it runs before the CLI has chosen the devices.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -30,6 +31,24 @@ def read_document(path: Path) -> bytes:
             f"cannot read data file {path}: {err.strerror}; fix it or leave it out of the paths"
         ) from err
     return data.replace(b"\0", b"")  # NUL is EOD: a stray NUL must not end a document early
+
+
+def invalid_utf8(data: bytes, text: str) -> int:
+    """How many U+FFFD ``text`` (``data`` decoded with errors="replace") holds that ``data`` did not."""
+    return text.count("\ufffd") - data.count("\ufffd".encode())
+
+
+def note_invalid_utf8(docs: Sequence[bytes], texts: Sequence[str], tokenizer: Tokenizer) -> None:
+    """One warning (a count, never silence) when documents that are not valid UTF-8 reach a text
+    tokenizer: each invalid sequence becomes U+FFFD there (the byte tokenizer keeps every byte)."""
+    bad = [n for n in map(invalid_utf8, docs, texts) if n]
+    if bad:
+        warnings.warn(
+            f"{len(bad)} of {len(docs)} documents are not valid UTF-8: {sum(bad):,} invalid byte "
+            f"sequences became U+FFFD for the {tokenizer.describe()} (re-encode them as UTF-8 to keep "
+            "their text; the byte tokenizer keeps every byte)",
+            stacklevel=3,
+        )
 
 
 class TokenStream:
@@ -78,6 +97,7 @@ class TokenStream:
         if isinstance(tokenizer, ByteTokenizer):
             return cls.from_documents(docs, files)
         texts = [d.decode("utf-8", errors="replace") for d in docs]
+        note_invalid_utf8(docs, texts, tokenizer)
         encoded = tokenizer.encode_batch(texts)
         eod = np.array([tokenizer.eod_id], np.int64)
         parts = [p for ids in encoded for p in (np.asarray(ids, np.int64), eod)]

@@ -54,6 +54,20 @@ def read_prompt_file(path: str | Path) -> str:
         ) from None
 
 
+def check_utf8(text: str, what: str) -> None:
+    """Refuse text that was not UTF-8: Python keeps an argument's invalid bytes as lone surrogates,
+    which a tokenizer would reject with a TypeError or silently replace."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        offset, code = len(text[: e.start].encode("utf-8")), ord(text[e.start])
+        byte = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise GenerationError(
+            f"{what} is not valid UTF-8 ({byte} at byte {offset}); pass UTF-8 text "
+            "(re-encode it, e.g. with iconv -t UTF-8)"
+        ) from None
+
+
 def check_stops(stop) -> tuple[str, ...]:
     """One stop string, several, or None -> a tuple of non-empty strings."""
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -65,6 +79,8 @@ def check_stops(stop) -> tuple[str, ...]:
 def encode_prompt(tokenizer, vocab_size: int, index: int, prompt) -> np.ndarray:
     """Prompt ``index`` (text, or token ids) -> its ids [n], checked against the vocabulary."""
     encode = getattr(tokenizer, "encode_prompt", tokenizer.encode)  # e.g. with the tokenizer's BOS
+    if isinstance(prompt, str):
+        check_utf8(prompt, f"prompt {index}")
     ids = encode(prompt) if isinstance(prompt, str) else prompt
     ids = np.asarray(ids)
     if ids.ndim != 1:

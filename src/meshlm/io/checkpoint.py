@@ -8,6 +8,8 @@ every array, so that a restore notices damaged data that orbax decodes without a
 from __future__ import annotations
 
 import json
+import logging
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Any, TypeVar
 import jax
 import orbax.checkpoint as ocp
 
-from meshlm.errors import CheckpointError
+from meshlm.errors import CheckpointError, is_disk_full
 from meshlm.io.integrity import (
     CorruptCheckpoint,
     check_abstract,
@@ -185,6 +187,32 @@ def _load_newest(directory: Path, load: Callable[[int], _T], skipped: dict | Non
     )
 
 
+class _NoThreadErrors(logging.Filter):
+    """orbax logs each failed save thread's error with its traceback; the save's own error reports it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "_SignalingThread.run() raised" not in str(record.msg)
+
+
+def _quiet_orbax_threads() -> None:
+    """A failed save is one line, not pages: drop orbax's per-thread error logs, and the "Event loop
+    is closed" errors of tensorstore's callbacks for writes that finish after orbax gave up (reported
+    as unraisable, some at exit). Every other record and unraisable error passes. Idempotent."""
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _NoThreadErrors) for f in absl.filters):
+        absl.addFilter(_NoThreadErrors())
+    previous = sys.unraisablehook
+    if getattr(previous, "_meshlm", False):
+        return
+
+    def hook(unraisable) -> None:
+        if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook._meshlm = True
+    sys.unraisablehook = hook
+
+
 # ---------------------------------------------------------------- the checkpointer
 
 
@@ -234,11 +262,19 @@ class Checkpointer:
             remove_interrupted(self.directory, up_to=step)
 
     def _write(self, step: int, args: ocp.args.Composite) -> None:
+        _quiet_orbax_threads()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._manager.save(step, args=args, force=True)
             self._manager.wait_until_finished()
         except Exception as e:  # any failure here is a failed save; the cause stays chained
+            if is_disk_full(e):
+                newest = self.latest_step()
+                then = "start again" if newest is None else f"resume from step {newest}"
+                raise CheckpointError(
+                    f"could not save step {step} to {self.directory}: no space left on device; free "
+                    f"space (earlier checkpoints there are untouched), then run the same command to {then}"
+                ) from e
             raise CheckpointError(
                 f"could not save step {step} to {self.directory} (unwritable or full?): "
                 f"{error_line(e)}; earlier checkpoints there are untouched"

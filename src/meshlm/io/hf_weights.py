@@ -9,6 +9,8 @@ conventions that make this hold are in ``meshlm.io.hf_config``):
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -281,5 +283,13 @@ def save_hf(cfg: ModelConfig, flat_params: dict[str, Any], out_dir: str | Path) 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})  # transformers checks "format"
+    # Through a temporary name (a half-written file is never taken for the weights), then given
+    # config.json's mode: safetensors creates its file 0600, every other output follows the umask.
+    tmp = out / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})  # transformers checks "format"
+        os.chmod(tmp, stat.S_IMODE(os.stat(out / CONFIG_FILE).st_mode))
+        os.replace(tmp, out / WEIGHTS_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out

@@ -1,4 +1,5 @@
-"""An advisory lock on a run directory, so that two `meshlm train` never write one ``--out``.
+"""An advisory lock on a run directory, so that two `meshlm train` never write one ``--out`` (and two
+``data prepare`` or ``convert`` never one output directory: ``lock_new_dir``).
 
 ``DIR/.lock`` holds the owner's pid and host, and the owner holds ``fcntl.flock`` on it. The kernel
 drops a flock when its holder exits, however it dies, so a lock file nobody holds was left by a dead
@@ -17,7 +18,6 @@ import warnings
 from pathlib import Path
 
 from meshlm.errors import CheckpointError, MeshlmError
-from meshlm.parallel import distributed
 
 LOCK_FILE = ".lock"
 _HELD: dict[str, list[int]] = {}  # lock path -> [fd, holders]: re-entrant within one process
@@ -55,6 +55,8 @@ class RunLock:
 def lock_run(directory: Path) -> RunLock | None:
     """Process 0 locks ``directory`` (creating it); every process raises if that failed. A
     collective: call it on all processes. Returns the lock on process 0, None on the others."""
+    from meshlm.parallel import distributed  # here: `data prepare` locks without starting JAX
+
     lock, error = None, None
     if distributed.is_main():
         try:
@@ -63,6 +65,23 @@ def lock_run(directory: Path) -> RunLock | None:
             error = e
     if not distributed.agree(error is None):
         raise error or CheckpointError(f"process 0 could not lock {directory}; see its error")
+    return lock
+
+
+def lock_new_dir(directory: Path, *, multi_process: bool = True) -> RunLock | None:
+    """Lock ``directory`` (creating it) for a command that writes a new output there, then check it
+    holds nothing but the lock: another command that passed its own emptiness check a moment ago and
+    wrote first is refused here, never mixed into. ``multi_process``: a collective (``lock_run``);
+    False locks in this process alone (no JAX). Returns the lock (None on processes other than 0)."""
+    lock = lock_run(directory) if multi_process else RunLock(directory).acquire()
+    others = sorted(p.name for p in Path(directory).iterdir() if p.name != LOCK_FILE)
+    if others:
+        if lock is not None:
+            lock.release()
+        raise CheckpointError(
+            f"--out {directory} exists and is not an empty directory (another command wrote "
+            f"{others[0]} meanwhile); choose a new path or remove it"
+        )
     return lock
 
 
@@ -131,8 +150,14 @@ def _claim(fd: int, path: Path) -> None:
             "(that run ended without releasing it)",
             stacklevel=5,
         )
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    except OSError as e:  # e.g. a full disk: this process holds the lock but cannot say so
+        os.close(fd)
+        raise CheckpointError(
+            f"cannot write the run lock {path}: {e.strerror}; free space or choose a writable --out"
+        ) from e
 
 
 def _owner(fd: int) -> str:

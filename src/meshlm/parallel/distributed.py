@@ -210,10 +210,11 @@ def _join(args: dict[str, Any], init_timeout_s: int, where: str) -> None:
 
 def _restore_sigterm() -> None:
     """JAX's preemption notifier (started by initialize) catches SIGTERM in C++ and only logs it:
-    a launched process would ignore the launcher's SIGTERM. Give it back its usual meaning (the
-    training loop installs its own save-and-exit handler over this, as in a single process)."""
+    a launched process would ignore the launcher's SIGTERM. Give it back its usual meaning, or the
+    Python handler installed before (``meshlm train`` sets its flag before joining the job)."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        handler = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, handler if callable(handler) else signal.SIG_DFL)
 
 
 def _shutdown_s(init_timeout_s: int) -> int:
@@ -227,7 +228,8 @@ def _start_heartbeat(timeout_s: int) -> None:
 
     if global_state.num_processes and global_state.num_processes > 1:
         client, me, n = global_state.client, global_state.process_id, global_state.num_processes
-        heartbeat.Heartbeat(client, me, n, timeout_s, _shutdown_s(timeout_s)).start()
+        beat = heartbeat.Heartbeat(client, me, n, timeout_s, _shutdown_s(timeout_s))
+        heartbeat.introduce(beat).start()
 
 
 def _configure_cpu_backend(init_timeout_s: int) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -60,8 +62,10 @@ class Heartbeat:
         self.peers = [p for p in range(num_processes) if p != process_id]
         self.seen = dict.fromkeys(self.peers, now)  # when each peer's counter last moved
         self.values: dict[int, str] = {}
+        self.owners: dict[int, tuple[int, str]] = {}  # peer -> (pid, host), from its beats
         self.done: set[int] = set()
         self.answered = now  # when the coordinator last answered a whole beat
+        self.ticked = now  # when the watch last ran: a later gap means this process was stopped
         self.finished_at: float | None = None  # when this process finished (then it beats "done")
         self._stop = threading.Event()
         self._threads = [
@@ -72,6 +76,7 @@ class Heartbeat:
     def start(self) -> Heartbeat:
         for thread in self._threads:
             thread.start()
+        _on_continue(lambda: _report_if_stopped(self))
         # atexit runs handlers last-in first-out, and JAX registered its shutdown (with the
         # barrier) at import: ours runs before it.
         atexit.register(self.finish)
@@ -100,7 +105,7 @@ class Heartbeat:
         while not self._stop.is_set():
             count += 1
             entries = None
-            if self._put(_DONE if self.finished_at is not None else str(count)):
+            if self._put(_beat_value(self, count)):
                 try:
                     entries = self.client.key_value_dir_get(_PREFIX)
                 except Exception:  # noqa: BLE001 - as in _put
@@ -119,6 +124,9 @@ class Heartbeat:
                 self.values[peer], self.seen[peer] = value, now
                 if value == _DONE:
                     self.done.add(peer)
+                parts = value.split()
+                if len(parts) == 3 and parts[1].isdigit():
+                    self.owners[peer] = (int(parts[1]), parts[2])
 
     def _watch(self) -> None:
         period = min(1.0, self.timeout_s / 10)  # well below the jump that resets the clocks
@@ -130,10 +138,10 @@ class Heartbeat:
                 # for that time, so give them a fresh window rather than a false alarm.
                 self.answered = now
                 self.seen = dict.fromkeys(self.seen, now)
-            last = now
+            last = self.ticked = now
             message = self.stale_message(now)
             if message is not None and not self._stop.is_set():
-                self.on_stale(message)
+                self.on_stale(message + _end_silent(self, now))
                 return
 
     def stale_message(self, now: float) -> str | None:
@@ -152,6 +160,78 @@ class Heartbeat:
         if not stale:
             return None
         return f"{_processes(stale)} stopped responding (no heartbeat for {seconds})"
+
+
+def _beat_value(beat: Heartbeat, count: int) -> str:
+    """A beat names its process (pid, host): a peer on this host that stops responding is ended by
+    whoever gives up on it (``_end``), so that it never continues alone."""
+    return _DONE if beat.finished_at is not None else f"{count} {os.getpid()} {socket.gethostname()}"
+
+
+def introduce(beat: Heartbeat) -> Heartbeat:
+    """Before ``start``: publish this process's first beat and wait (at most ``timeout_s``) for
+    every peer's, so that each peer's pid and host are known even if it freezes at once."""
+    beat._put(_beat_value(beat, 0))
+    deadline = time.monotonic() + beat.timeout_s
+    while len(beat.owners) < len(beat.peers) and time.monotonic() < deadline:
+        try:
+            beat._record(beat.client.key_value_dir_get(_PREFIX), time.monotonic())
+        except Exception:  # noqa: BLE001 - as in _put
+            pass
+        time.sleep(0.05)
+    return beat
+
+
+def _report_if_stopped(beat: Heartbeat) -> None:
+    """SIGCONT: this process was stopped. Stopped longer than the timeout, its peers have given up
+    on it (or are about to): say so and leave at once, before JAX's client finds the job gone
+    and aborts with a C++ stack dump (or a collective fails with a Gloo traceback)."""
+    gap = time.monotonic() - beat.ticked
+    if gap > beat.timeout_s and not beat._stop.is_set():
+        beat.on_stale(
+            f"this process (process {beat.me}) was stopped for {gap:.0f} s, longer than the "
+            f"{beat.timeout_s:g} s heartbeat timeout: its peers have given up on it"
+        )
+
+
+def _end_silent(beat: Heartbeat, now: float) -> str:
+    """SIGKILL the peers on this host whose heartbeat stopped (frozen: stopped, hung), as
+    ``meshlm launch`` does: continued later, one would find its peers gone and die with a Gloo
+    traceback and a C++ abort. Returns what to add to the report ("" if none)."""
+    busy = [p for p in beat.peers if p not in beat.done]
+    silent = [p for p in busy if now - beat.seen[p] > beat.timeout_s]
+    if now - beat.answered > beat.timeout_s and 0 in busy:
+        silent = [0]  # the coordinator: with it, every peer looks silent
+    host, ended = socket.gethostname(), []
+    for peer in silent:
+        pid, where = beat.owners.get(peer, (0, ""))
+        if pid and where == host:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                ended.append(f"pid {pid}")
+            except OSError:
+                pass  # gone already, or not ours to end
+    return f", so it was ended ({', '.join(ended)} on this host)" if ended else ""
+
+
+def _on_continue(callback: Callable[[], None]) -> None:
+    """Call ``callback`` in a thread of its own the moment this process is continued (SIGCONT), even
+    while the main thread is blocked in a collective: Python's C-level handler writes each signal
+    to the wakeup fd at once, and that thread is waiting on it. Only from the main thread (where
+    handlers are set); the wakeup fd is this process's only one from then on."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.signal(signal.SIGCONT, lambda signum, frame: None)  # a Python handler: the C trampoline
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def wait() -> None:
+        while True:
+            if signal.SIGCONT in os.read(read, 64):
+                callback()
+
+    threading.Thread(target=wait, name="meshlm-continued", daemon=True).start()
 
 
 def _processes(indices: list[int]) -> str:

@@ -6,8 +6,10 @@ every other stream is prefixed ``[i] `` and goes to our stderr. If any process f
 stopped (SIGSTOP) for more than a few seconds, the rest are stopped at once, so a crashed or
 frozen peer never leaves the others hanging in a collective.
 
-Exit status: 0 iff every process exited 0; a failed process's code; 128 + s after our signal s
-(forwarded, so each process saves and exits 128 + s itself) or for a process stopped by signal s.
+Exit status: 0 iff every process exited 0; a failed process's code (128 + s for one killed by
+signal s); 128 + s after our signal s (forwarded, so each process saves and exits 128 + s itself);
+76 (``HEARTBEAT_EXIT_CODE``, as a process that gives up on a peer exits) for a process stopped
+(SIGSTOP, SIGTSTP) past the grace time.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from meshlm.errors import DistributedError
+from meshlm.parallel.heartbeat import HEARTBEAT_EXIT_CODE
 
 _POLL_S = 0.05
 # The environment variable telling a launched process its --devices come from the launcher.
@@ -219,7 +222,7 @@ def _after_freeze(procs: list[subprocess.Popen[bytes]], i: int, sig: int) -> int
             proc.kill()
     for proc in procs:
         proc.wait()
-    return 128 + sig
+    return HEARTBEAT_EXIT_CODE  # a peer stopped responding, whatever stopped it
 
 
 def _forward_signals(procs: list[subprocess.Popen[bytes]], received: list[int]) -> Any:

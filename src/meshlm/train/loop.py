@@ -33,6 +33,7 @@ from meshlm.train.config import TrainConfig
 from meshlm.train.explain import next_commands, start_line
 from meshlm.train.metrics import plot_loss_curve
 from meshlm.train.run import Run, build_run, checkpoint_meta
+from meshlm.train.stop import Stop
 
 LAG = 1  # steps in flight beyond the one being read back (see _InFlight)
 
@@ -55,30 +56,6 @@ def save(run: Run) -> None:
         run.step, state, checkpoint_meta(run.tcfg, run.cfg, run.step, run.layout, run.tokenizer_meta)
     )
     run.saved_step = run.step
-
-
-class _Stop:
-    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint at the next step boundary and exits."""
-
-    def __init__(self):
-        self.signal = None  # set by the handler, in this process
-        self.agreed = None  # the signal every process acts on
-        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def _handle(self, signum, frame):
-        self.signal = signum
-
-    def requested(self) -> bool:
-        """Whether any process got a signal. Processes see a signal at different step boundaries,
-        but the save is a collective: all must stop at the same step, so they agree first (one
-        tiny collective per step; nothing in a single-process run)."""
-        if self.agreed is None:
-            self.agreed = distributed.max_over_processes(self.signal or 0) or None
-        return self.agreed is not None
-
-    def restore(self):
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 def _train_row(run: Run, step: int, metrics: dict, seconds: float) -> dict:
@@ -189,7 +166,7 @@ class _InFlight:
         self.bar.update(1)
 
 
-def _loop(run: Run, stop: _Stop) -> None:
+def _loop(run: Run, stop: Stop) -> None:
     tcfg = run.tcfg
     bar = _progress(run)
     flight = _InFlight(run, bar)
@@ -233,28 +210,33 @@ def _eval_and_log(run: Run, bar=None) -> dict:
     return row
 
 
-def train(tcfg: TrainConfig, where) -> dict:
+def train(tcfg: TrainConfig, where, stop: Stop | None = None) -> dict:
     """Train (or resume) per ``tcfg`` on ``where`` (a Layout or a jax Mesh; --fsdp and --sp are
-    ``tcfg``'s); returns a summary dict."""
-    run = build_run(tcfg, where)
+    ``tcfg``'s); returns a summary dict. ``stop``: the signal flag (``meshlm.train.stop``) the caller
+    installed earlier; by default one installed here, for the run. A signal during start-up raises
+    ``Interrupted``; in the loop it saves and returns."""
+    own = stop is None
+    stop = stop or Stop()
     try:
-        return _train(run)
+        run = build_run(tcfg, where, startup_check=stop.check_startup)
+        try:
+            return _train(run, stop)
+        finally:
+            run.release()  # the run directory's lock: another run may use it now
     finally:
-        run.release()  # the run directory's lock: another run may use it now
+        if own:
+            stop.restore()
 
 
-def _train(run: Run) -> dict:
+def _train(run: Run, stop: Stop) -> dict:
     start_step, t0 = run.step, time.perf_counter()
     n_params = sum(int(p.size) for p in jax.tree.leaves(run.params))
     distributed.print0(start_line(run.tcfg, run.cfg, run.layout, n_params), file=sys.stderr)
     first = _eval_and_log(run) if run.step == 0 else None
-    stop = _Stop()
-    try:
-        _loop(run, stop)
-    finally:
-        stop.restore()
+    stop.check_startup()  # a signal during the first evaluation (or its compile): nothing ran yet
+    _loop(run, stop)
     save(run)
-    if stop.agreed is not None:
+    if stop.requested():  # also a signal during the last save: stop there, saved
         name = signal.Signals(stop.agreed).name
         distributed.print0(
             f"{name}: saved a checkpoint at step {run.step} in {run.ckpt.directory}; "

@@ -10,7 +10,10 @@ or special files, and every write goes through ``meshlm.train.outputs`` (see its
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import time
+import warnings
 from pathlib import Path
 
 from meshlm.train import outputs
@@ -58,6 +61,26 @@ class MetricsLog:
                 rows.append(line)
         # A new file even when nothing is dropped: this also breaks a hard link to a copy elsewhere.
         outputs.replace_text(self.path, "".join(r + "\n" for r in rows))
+
+    def set_aside_earlier(self) -> None:
+        """A run starting at step 0 (no checkpoint to resume from) in a directory whose metrics.jsonl
+        holds rows: an earlier run's, which rewriting would lose. Rename the file aside, with a
+        warning, as resume moves a bad step aside: nothing is lost and the run does not dead-end."""
+        text = outputs.read_text(self.path) if self.enabled else None
+        rows = sum(1 for line in (text or "").splitlines() if line.strip())
+        if not rows:
+            return
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target, n = self.path.with_name(f"{METRICS}.earlier-{stamp}"), 1
+        while target.exists():
+            n += 1
+            target = self.path.with_name(f"{METRICS}.earlier-{stamp}-{n}")
+        os.rename(self.path, target)
+        warnings.warn(
+            f"{self.path} holds {rows} rows of an earlier run, but {self.path.parent} has no checkpoint "
+            f"to resume from; moved it aside to {target.name} and starting at step 0",
+            stacklevel=2,
+        )
 
     def write(self, row: dict) -> None:
         if not self.enabled:

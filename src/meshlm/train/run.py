@@ -117,6 +117,14 @@ def _check_resumable(meta: dict, tcfg: TrainConfig, where: Path) -> None:
             f"cannot resume from {where}: its run used different settings ({'; '.join(diffs)});"
             " pass the same flags, or a new --out to start another run"
         )
+    if "steps" in saved and saved["steps"] != now["steps"]:  # allowed, but never silent
+        step = meta.get("data", {}).get("next_step", "?")
+        distributed.print0(
+            f"note: --steps {now['steps']} differs from the {saved['steps']} the run in {where} was "
+            f"started with: the learning-rate schedule (warm-up, cosine decay to the last step) is "
+            f"re-derived for {now['steps']} steps, so the rate changes from step {step} on",
+            file=sys.stderr,
+        )
 
 
 def _check_fresh(ckpt: Checkpointer) -> None:
@@ -213,13 +221,20 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
-def build_run(tcfg: TrainConfig, where) -> Run:
+def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lambda: None) -> Run:
     """Resolve ``tcfg``, load the data, and initialise or resume the state on ``where`` (a Layout or
-    a jax Mesh; the run's --fsdp and --sp are ``tcfg``'s)."""
+    a jax Mesh; the run's --fsdp and --sp are ``tcfg``'s). ``startup_check`` is called after the data
+    and after the state (``Stop.check_startup``)."""
     tcfg, cfg = resolve(tcfg)
     layout = run_layout(tcfg, where)
     store = store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store (checked) or None
     run_specs(tcfg, cfg, layout)  # bad --fsdp / --sp combinations fail before the data is read
+    if tcfg.fsdp and layout.dp == 1:
+        distributed.print0(
+            "note: --fsdp on a mesh with dp=1 saves no memory (it splits weights and AdamW state over "
+            "dp, here 1 device); use a mesh with dp > 1, e.g. --mesh 2x2",
+            file=sys.stderr,
+        )
     tok, cfg = run_tokenizer(tcfg, cfg)
     if tcfg.doc_mask:  # recorded in the checkpoint's model config: eval and verify --checkpoint apply it
         cfg = cfg.replace(doc_mask=tok.eod_id)
@@ -231,11 +246,13 @@ def build_run(tcfg: TrainConfig, where) -> Run:
         + (f"; {info['skipped']}" if info.get("skipped") else ""),
         file=sys.stderr,
     )
+    startup_check()
     lock = lock_run(out)  # before anything in `out` is read or written; creates it
     try:
         run = _build(tcfg, cfg, layout, out, batcher, val, lock)
         run.tokenizer, run.tokenizer_meta = tok, tokenizer_meta(out, tok)
         run.val_bytes_per_token = info["val_bytes_per_token"]
+        startup_check()
         return run
     except BaseException:
         if lock is not None:
@@ -248,7 +265,10 @@ def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, out: Path, batch
     ckpt = Checkpointer(out, keep=tcfg.keep)
     params, opt_state, step, specs, step_fn = _initial_state(tcfg, cfg, layout, ckpt)
     log = MetricsLog(out, enabled=distributed.is_main())
-    log.truncate_after(step, redo_eval=step == 0 or step >= tcfg.steps)
+    if step == 0:
+        log.set_aside_earlier()  # rows without a checkpoint: an earlier run's, never rewritten
+    else:
+        log.truncate_after(step, redo_eval=step >= tcfg.steps)
     dtype = COMPUTE_DTYPES[tcfg.compute_dtype]
     return Run(
         tcfg=tcfg,
