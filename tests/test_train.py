@@ -228,6 +228,7 @@ def test_resume_must_match_comes_from_field_metadata():
         "config",
         "data",
         "text_field",
+        "doc_mask",
         "batch_size",
         "seq_len",
         "lr",

@@ -77,9 +77,9 @@ def _from_hf(args, layout) -> dict:
     targets = flat_params(abstract_params(cfg, layout))
     # put_global copies only each device's own slice, and works multi-process.
     placed = {path: put_global(value, targets[path].sharding) for path, value in flat.items()}
-    entry = tokenizer_meta(args.out, tok) if tok is not None else dict(NONE_ENTRY)
-    meta = {"converted_from": str(Path(args.from_hf).absolute()), "tokenizer": entry}
-    with _owned(args.out):
+    with _owned(args.out):  # the tokenizer is written into --out too: only once it is ours
+        entry = tokenizer_meta(args.out, tok) if tok is not None else dict(NONE_ENTRY)
+        meta = {"converted_from": str(Path(args.from_hf).absolute()), "tokenizer": entry}
         save_model(args.out, cfg, unflatten(placed), meta=meta)
     return {**_summary(args.from_hf, args.out, "meshlm checkpoint", cfg, flat), "tokenizer": _says(tok)}
 
