@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.extend.core import jaxpr_as_fun
 
-from meshlm.train.optim import OptimConfig, decay_mask, schedule
+from meshlm.train.optim import OptimConfig, adamw
 
 
 class CheckedProgram:
@@ -45,15 +45,9 @@ class CheckedProgram:
 
 
 def reference_optimizer(ocfg: OptimConfig, params) -> optax.GradientTransformation:
-    """AdamW from optax itself, with the proven run's schedule and weight-decay mask."""
-    return optax.adamw(
-        schedule(ocfg),
-        b1=ocfg.b1,
-        b2=ocfg.b2,
-        eps=ocfg.eps,
-        weight_decay=ocfg.weight_decay,
-        mask=decay_mask(params),
-    )
+    """AdamW from optax itself (``train.optim.adamw`` is optax's, no code of ours), with the proven
+    run's schedule and weight-decay mask."""
+    return adamw(ocfg, params)
 
 
 def reference_step(grad_fn, ocfg: OptimConfig, optimizer: optax.GradientTransformation):
