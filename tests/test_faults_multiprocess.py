@@ -212,6 +212,20 @@ def test_heartbeat_names_an_unreachable_coordinator():
     assert _first_report(_FakeClient(down=True), process_id=1).startswith("process 0 (the coordinator)")
 
 
+def test_a_frozen_coordinator_is_named_whichever_clock_crosses_first():
+    # Process 0's beat is read once per period, so its value goes stale before our last answer
+    # does: with the service quiet for several periods as well, the report names the coordinator.
+    beat = Heartbeat(_FakeClient(), 1, 2, timeout_s=5, shutdown_s=1, on_stale=lambda m: None)
+    start = beat.answered
+    beat.seen[0], beat.answered = start, start + 1.0
+    expected = "process 0 (the coordinator) stopped responding (no answer for 5 s)"
+    assert beat.stale_message(start + 5.5) == expected
+    # The service still answering (a beat a moment ago) while process 0's counter stands still:
+    # process 0's own loop is stuck, and that is what the report says.
+    beat.answered = start + 5.2
+    assert beat.stale_message(start + 5.5) == "process 0 stopped responding (no heartbeat for 5 s)"
+
+
 def test_finished_process_gives_up_on_peers_that_never_finish():
     client = _FakeClient()
     reports: list[str] = []
