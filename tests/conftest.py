@@ -14,9 +14,10 @@ os.environ["XLA_FLAGS"] = (
 
 # Identical XLA programs recur across tests (the unsharded reference on every mesh, the same controls):
 # a persistent compilation cache for this session compiles each once.
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")
-)
+# One directory per pytest-xdist worker: two processes never write one cache entry at once.
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+_cache = os.path.join(os.path.dirname(__file__), "..", ".jax_cache", _worker)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

@@ -144,16 +144,6 @@ class Heartbeat:
                 self.on_stale(message + _end_silent(self, now))
                 return
 
-    def coordinator_silent(self, now: float) -> bool:
-        """Whether process 0's coordination service stopped answering. Its own beat goes stale up to
-        two beat periods before our last answer does (we read its value once per period), so once
-        process 0 is overdue, an answer missing for longer than a few periods already means the
-        service is down with it: the report names the coordinator, whichever clock crosses first."""
-        if now - self.answered > self.timeout_s:
-            return True
-        quiet = now - self.answered > min(3 * self.interval, self.timeout_s / 2)
-        return quiet and 0 in self.peers and 0 not in self.done and now - self.seen[0] > self.timeout_s
-
     def stale_message(self, now: float) -> str | None:
         """The line to report if a peer (or the coordinator) is overdue at ``now``, else None."""
         seconds = f"{self.timeout_s:g} s"
@@ -163,13 +153,24 @@ class Heartbeat:
                 f"{_processes(busy)} did not finish within {self.shutdown_s:g} s after this one "
                 f"(process {self.me}) did"
             )
-        if self.coordinator_silent(now):
+        if _coordinator_silent(self, now):
             # Every key-value call goes through the coordination service in process 0.
             return f"process 0 (the coordinator) stopped responding (no answer for {seconds})"
         stale = [p for p in busy if now - self.seen[p] > self.timeout_s]
         if not stale:
             return None
         return f"{_processes(stale)} stopped responding (no heartbeat for {seconds})"
+
+
+def _coordinator_silent(beat: Heartbeat, now: float) -> bool:
+    """Whether process 0's coordination service stopped answering. Its own beat goes stale up to
+    two beat periods before our last answer does (we read its value once per period), so once
+    process 0 is overdue, an answer missing for longer than a few periods already means the
+    service is down with it: the report names the coordinator, whichever clock crosses first."""
+    if now - beat.answered > beat.timeout_s:
+        return True
+    quiet = now - beat.answered > min(3 * beat.interval, beat.timeout_s / 2)
+    return quiet and 0 in beat.peers and 0 not in beat.done and now - beat.seen[0] > beat.timeout_s
 
 
 def _beat_value(beat: Heartbeat, count: int) -> str:
@@ -210,7 +211,7 @@ def _end_silent(beat: Heartbeat, now: float) -> str:
     traceback and a C++ abort. Returns what to add to the report ("" if none)."""
     busy = [p for p in beat.peers if p not in beat.done]
     silent = [p for p in busy if now - beat.seen[p] > beat.timeout_s]
-    if beat.coordinator_silent(now) and 0 in busy:
+    if _coordinator_silent(beat, now) and 0 in busy:
         silent = [0]  # the coordinator: with it, every peer looks silent
     host, ended = socket.gethostname(), []
     for peer in silent:
