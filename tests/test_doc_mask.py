@@ -1,8 +1,8 @@
 """Document-masked packing (``--doc-mask``): attention never crosses an end-of-document token inside a
 window and positions restart at each document, so the per-token losses of a packed window equal those
 of its documents run one by one through the plain model (float64, 1e-12: a check independent of the
-mask's code); sharded equals unsharded with the mask (float64), and a mask that ignores one boundary
-is caught; ``train --doc-mask`` records it in the checkpoint's model config."""
+mask's code); ``verify --doc-mask``'s proof passes on EOD-rich batches with its controls detected, and
+fails when the mask changes nothing; ``train --doc-mask`` records it in the checkpoint's model config."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ from meshlm.io.model_io import read_config
 from meshlm.model import transformer
 from meshlm.model.config import get_config
 from meshlm.model.layers import mask_vocab_padding, vocab_parallel_xent
-from meshlm.model.transformer import init_fn, local_logits, loss_fn
+from meshlm.model.transformer import init_fn, local_logits
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
-from meshlm.sharding.spmd import reference_value_and_grad, sharded_value_and_grad
-from meshlm.train.step import init_model
+from meshlm.proof import format_report, model_problem, verify
+from meshlm.proof.controls import CONTROLS
+from meshlm.proof.documents import document_batch
 
 EOD = 0
 
@@ -76,41 +77,47 @@ def test_packed_window_equals_documents_one_by_one(preset):
                 assert np.max(np.abs(unmasked - want) / want) > 1e-3
 
 
-def _eod_rich_batch(cfg, seed: int, b: int = 4, t: int = 32) -> dict:
-    tokens = np.random.default_rng(seed).integers(0, 6, (b, t + 1))  # ids < 6: about one EOD in six
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+def test_document_batch_is_eod_rich_and_deterministic():
+    batch = document_batch(64, EOD, (4, 32), seed=1)
+    inputs = batch["inputs"]
+    assert inputs.shape == (4, 32) and np.array_equal(inputs[:, 1:], batch["targets"][:, :-1])
+    assert ((inputs == EOD).sum(axis=1) >= 3).all()  # several documents in every row
+    assert len({tuple(np.flatnonzero(r == EOD)) for r in inputs}) == 4  # boundaries differ per row
+    assert np.array_equal(inputs, document_batch(64, EOD, (4, 32), seed=1)["inputs"])
+    assert document_batch(64, EOD, (2, 3, 8), seed=1)["inputs"].shape == (2, 3, 8)  # accumulation
 
 
-def _ignore_first_boundary(tokens, eod):
-    """A faulty mask for the control: the first EOD of each row does not start a document."""
-    t = jax.numpy.arange(tokens.shape[-1])
-    is_eod = tokens == eod
-    first_eod = jax.numpy.argmax(is_eod, axis=-1)[:, None]
-    kept = is_eod & (t[None, :] != first_eod)
-    return t - jax.lax.cummax(jax.numpy.where(kept, t, 0), axis=tokens.ndim - 1)
+LAYOUT = Layout(dp=2, mp=2, fsdp=True, sp=True)
+DOC_CONTROLS = tuple(c for c in CONTROLS if c.name.startswith("document mask"))
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_sharded_equals_unsharded_with_the_mask_and_a_faulty_mask_is_caught(sp, monkeypatch):
+@pytest.fixture(scope="module")
+def doc_problem():
+    cfg = get_config("tiny-llama").replace(doc_mask=EOD)
+    return model_problem(cfg, "tiny-llama", mp=2, batch_size=4, seq_len=16, dp=2, fsdp=True, sp=True)
+
+
+def test_verify_doc_mask_passes_and_its_controls_are_detected(doc_problem):
+    """``meshlm verify --doc-mask``'s proof on 2x2 with FSDP and SP, float64: sharded == unsharded
+    on EOD-rich batches, and each planted mask fault (and the mask switched off) is detected."""
     with jax.enable_x64(True):
-        cfg = get_config("tiny-llama").replace(doc_mask=EOD)
-        layout = Layout(dp=2, mp=2, sp=sp)
-        params, specs = init_model(cfg, layout, 0, dtype=np.float64)
-        batch = _eod_rich_batch(cfg, 1)
-        build = lambda par: loss_fn(cfg, par)
-        want_loss, want_grads = jax.jit(reference_value_and_grad(build))(jax.device_get(params), batch)
+        report = verify(doc_problem, LAYOUT, dtype=np.float64, controls=DOC_CONTROLS)
+    assert report.ok, format_report(report)
+    assert max(p.max_rel_err for p in report.params) <= 1e-12
+    assert [c["name"] for c in report.controls] == [c.name for c in DOC_CONTROLS]
+    for c in report.controls:
+        assert c["detected"] and c["margin"] > 1e6, c  # far beyond the tolerance
 
-        def worst(loss, grads) -> float:
-            errs = [abs(float(loss) - float(want_loss)) / abs(float(want_loss))]
-            for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
-                errs.append(float(np.max(np.abs(np.asarray(g) - w)) / max(np.max(np.abs(w)), 1e-300)))
-            return max(errs)
 
-        got = jax.jit(sharded_value_and_grad(build, layout, specs))(params, batch)
-        assert worst(*got) <= 1e-12
-        monkeypatch.setattr(transformer, "doc_positions", _ignore_first_boundary)
-        faulty = jax.jit(sharded_value_and_grad(build, layout, specs))(params, batch)
-        assert worst(*faulty) > 1e-6  # the control is detected
+def test_verify_doc_mask_fails_when_the_mask_changes_nothing(doc_problem, monkeypatch):
+    """The planted bug: the model's mask does nothing (every document starts at 0). Sharded still
+    equals unsharded, but the control *document mask off* is not detected, so the proof fails."""
+    monkeypatch.setattr(transformer, "doc_starts", lambda tokens, eod: jax.numpy.zeros_like(tokens))
+    off = tuple(c for c in DOC_CONTROLS if "off" in c.name)
+    with jax.enable_x64(True):
+        report = verify(doc_problem, LAYOUT, dtype=np.float64, controls=off)
+    assert report.loss_ok and not report.ok
+    assert report.controls[0]["detected"] is False
 
 
 def test_doc_mask_config_is_checked():
