@@ -51,7 +51,7 @@ class ModelConfig:
     attn_block: int = 512
     # Document masking (``--doc-mask``): >= 0 is the id that ends every document (the tokenizer's EOD);
     # attention then stays inside a document and positions restart at each (the EOD is the next
-    # document's first input). Applies to training and evaluation, not to KV-cached generation. -1: off.
+    # document's first input). Applies to training, evaluation and KV-cached generation. -1: off.
     doc_mask: int = -1
 
     def __post_init__(self):
