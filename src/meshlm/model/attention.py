@@ -86,7 +86,7 @@ class Attention(hk.Module):
             k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
             key_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
         if cfg.attention == "blockwise":
-            out = blockwise_attention(q, k, v, positions, key_pos, block=cfg.attn_block)
+            out = blockwise_attention(q, k, v, positions, key_pos, block=cfg.attn_block, q_start=starts)
         else:
             out = _attend(q, k, v, positions, key_pos, starts)  # [B, T, H/mp, E]
         wo = hk.get_parameter("wo", [hl, cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))

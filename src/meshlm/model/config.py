@@ -69,10 +69,6 @@ class ModelConfig:
             self._check_attention()
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
-        if self.doc_mask >= 0 and self.attention != "plain":
-            raise ConfigError(
-                "doc_mask needs attention='plain' (blockwise attention has no document mask yet)"
-            )
 
     def _check_attention(self):
         if self.n_heads < 1:
