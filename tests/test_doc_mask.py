@@ -121,11 +121,13 @@ def test_verify_doc_mask_fails_when_the_mask_changes_nothing(doc_problem, monkey
     assert report.controls[0]["detected"] is False
 
 
-def test_doc_mask_config_is_checked():
+def test_doc_mask_config_is_checked(capsys):
     with pytest.raises(ConfigError, match="doc_mask=.* needs attention"):
         get_config("tiny").replace(doc_mask=0)  # the ff family has no attention
     with pytest.raises(ConfigError, match="doc_mask=64 needs attention and an id below vocab_size"):
         get_config("tiny-llama").replace(doc_mask=64)
+    assert run_cli("verify", "--config", "tiny", "--mesh", "1x1", "--doc-mask") == 2  # before any proof
+    assert "doc_mask=0 needs attention" in capsys.readouterr().err
 
 
 def test_train_doc_mask_is_recorded_in_the_checkpoint(tmp_path, capsys):
