@@ -159,15 +159,15 @@ def _no_rescale(m_old, m_new):
     return jnp.ones_like(m_old)  # the running sums are not moved to the new max
 
 
-def _block_local_mask(qp, kp, kvalid, causal):
+def _block_local_mask(qp, kp, kvalid, causal, qs=None):
     # the causal mask from positions within the block pair, every block pair computed
     local = (kp - kp[:, :1])[:, None, :] <= (qp - qp[:, :1])[:, :, None]
     return kvalid[:, None, :] & local if causal else kvalid[:, None, :]
 
 
 def _drop_last_kv_block(original):
-    def attend(q_i, qp_i, kb, vb, kpb, kvb, causal, scale):
-        return original(q_i, qp_i, kb[:-1], vb[:-1], kpb[:-1], kvb[:-1], causal, scale)
+    def attend(q_i, qp_i, kb, vb, kpb, kvb, causal, scale, qs_i=None):
+        return original(q_i, qp_i, kb[:-1], vb[:-1], kpb[:-1], kvb[:-1], causal, scale, qs_i)
 
     return attend
 
@@ -176,7 +176,7 @@ PLANTED = {
     "rescale skipped when the running max changes": {"_rescale": _no_rescale},
     "future block visible (block-local causal mask)": {
         "_visible": _block_local_mask,
-        "_needed": lambda qp, kp, kvalid, causal: jnp.any(kvalid),
+        "_needed": lambda qp, kp, kvalid, causal, qs=None: jnp.any(kvalid),
     },
     "last K/V block dropped": {"_attend_qblock": _drop_last_kv_block(blockwise._attend_qblock)},
 }

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from meshlm.data.tokenizer import EOD
 from meshlm.model.config import get_config
 from meshlm.model.params import unflatten
 from meshlm.parallel.layout import Layout
@@ -62,8 +63,9 @@ def _hf_problem(tmp_path_factory):
     return dataclasses.replace(problem, load_params=place)
 
 
-def _preset(name, **options):
-    return lambda _: model_problem(get_config(name), name, MP, 2 * DP, SEQ_LEN, dp=DP, **options)
+def _preset(name, doc_mask=-1, **options):
+    cfg = get_config(name).replace(doc_mask=doc_mask)
+    return lambda _: model_problem(cfg, name, MP, 2 * DP, SEQ_LEN, dp=DP, **options)
 
 
 def _named(*names):
@@ -77,9 +79,9 @@ CASES = {
     "tiny": (_preset("tiny"), tuple(c for c in CONTROLS if not c.by_collectives)),
     "tiny-gpt2vocab": (_preset("tiny-gpt2vocab"), _named(*ATTENTION)),
     "hf-llama-50257": (_hf_problem, _named(*ATTENTION, "KV heads not replicated per query group")),
-    "tiny-llama fsdp+sp": (
-        _preset("tiny-llama", fsdp=True, sp=True),
-        tuple(c for c in CONTROLS if c.name.startswith(("FSDP", "SP"))),
+    "tiny-llama fsdp+sp doc-mask": (  # the document mask's controls on its EOD-rich batches
+        _preset("tiny-llama", fsdp=True, sp=True, doc_mask=EOD),
+        tuple(c for c in CONTROLS if c.name.startswith(("FSDP", "SP", "document mask"))),
     ),
 }
 RAN: dict[str, set] = {}

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.data.tokenizer import EOD
 from meshlm.errors import ConfigError, GenerationError, TokenRangeError
+from meshlm.generate import generator as generator_module
 from meshlm.generate.cache import cache_bytes
 from meshlm.generate.generator import Generator, bench_generation
 from meshlm.generate.inputs import Sampling, read_prompt_file
@@ -350,3 +351,34 @@ def test_cli_generate_uses_the_requested_devices(tmp_path):
     ]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "mesh 1x4" in out.stderr + out.stdout, out.stderr[-2000:]
+
+
+def test_doc_mask_cached_decode_masks_the_prompts_documents(monkeypatch):
+    """A --doc-mask model: with EODs inside the prompt and among the fed tokens, the cached logits and
+    greedy decode equal the uncached masked forward (attention and positions restart at each EOD);
+    the planted bug, decode steps that ignore the prompt's EOD (documents all start at 0), is caught."""
+    cfg = get_config("tiny-llama").replace(doc_mask=EOD)
+    gen = Generator(cfg, host_params("tiny-llama"), make_mesh(2, 2))
+    ref = jax.jit(hk.without_apply_rng(hk.transform(logits_fn(cfg, Parallel()))).apply)
+    full = lambda tokens: np.asarray(ref(host_params("tiny-llama"), np.asarray(tokens, np.int32)))
+    tokens = TOKENS.copy()
+    tokens[0, [1, 8]] = tokens[1, [4, 15]] = EOD  # in each prompt (lengths 3, 11), and fed later
+
+    def cached_error(gen) -> float:
+        got, want = gen.logits_with_cache(tokens, LENGTHS), full(tokens)
+        return max(
+            np.abs(g - want[b, n - 1 :]).max() / np.abs(want).max()
+            for b, (g, n) in enumerate(zip(got, LENGTHS, strict=True))
+        )
+
+    assert cached_error(gen) <= 1e-5
+    prompts = [p[:n] for p, n in zip(tokens.tolist(), LENGTHS, strict=True)]
+    seqs = [list(p) for p in prompts]  # greedy by full recomputation, the masked model
+    for _ in range(NEW):
+        logits = full([q + [1] * (cfg.max_seq_len - len(q)) for q in seqs])
+        seqs = [q + [int(np.argmax(logits[b, len(q) - 1]))] for b, q in enumerate(seqs)]
+    want = [q[len(p) :] for q, p in zip(seqs, prompts, strict=True)]
+    want = [t[: t.index(EOD) + 1] if EOD in t else t for t in want]
+    assert tokens_of(gen.generate(prompts, NEW)) == want
+    monkeypatch.setattr(generator_module, "prompt_doc_starts", lambda tokens, *_: np.zeros(len(tokens), int))
+    assert cached_error(gen) > 1e-3  # the planted bug: a decode step attends across the prompt's EOD

@@ -8,6 +8,7 @@ import sys
 
 from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
 from meshlm.cli.verify_settings import VerifySettings
+from meshlm.data.tokenizer import EOD
 from meshlm.model.config import default_seq_len, get_config
 
 DATA_STEPS = 3  # steps of the data-pipeline check (cheap: host arrays only)
@@ -76,12 +77,15 @@ def _verify(args, vs: VerifySettings) -> int:
 
     if vs.x64:
         jax.config.update("jax_enable_x64", True)
-    cfg, name = get_config(vs.config), vs.config
+    cfg, name, eod = get_config(vs.config), vs.config, EOD
     if vs.checkpoint:
         from meshlm.io.model_io import load_model, read_config
 
         cfg, name = read_config(vs.checkpoint)[0], vs.checkpoint
-        _check_tokenizer(vs.checkpoint, print0)
+        if (tok_eod := _check_tokenizer(vs.checkpoint, print0)) is not None:
+            eod = tok_eod
+    if vs.doc_mask and cfg.doc_mask < 0:  # a checkpoint trained with --doc-mask has it already
+        cfg = cfg.replace(doc_mask=eod)
     if vs.z_loss is not None:
         cfg = cfg.replace(z_loss=vs.z_loss)
     if vs.remat is not None:
@@ -106,11 +110,13 @@ def _verify(args, vs: VerifySettings) -> int:
     return 0 if report.ok else 1
 
 
-def _check_tokenizer(checkpoint: str, print0) -> None:
-    """The checkpoint's tokenizer must load, match its SHA-256 and fit the model's vocabulary."""
+def _check_tokenizer(checkpoint: str, print0) -> int | None:
+    """The checkpoint's tokenizer must load, match its SHA-256 and fit the model's vocabulary;
+    returns its EOD id (None: the checkpoint has no tokenizer)."""
     import sys
 
     from meshlm.train.tokenizers import checkpoint_tokenizer
 
     tok = checkpoint_tokenizer(checkpoint, required=False)
     print0(f"tokenizer: {tok.describe() if tok else 'none (token ids only)'}", file=sys.stderr)
+    return tok.eod_id if tok else None

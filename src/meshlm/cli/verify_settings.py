@@ -47,6 +47,11 @@ class VerifySettings:
     )
     fsdp: bool = setting(False, "prove FSDP: weights and moments split over dp")
     sp: bool = setting(False, "prove sequence parallelism over mp")
+    doc_mask: bool = setting(
+        False,
+        "prove document masking on EOD-rich batches (EOD: a checkpoint's tokenizer's, else the byte "
+        "tokenizer's 0), with its controls",
+    )
     remat: str | None = setting(
         None, "prove with this recomputation policy", shown_default="the config's", choices=REMAT
     )

@@ -29,7 +29,9 @@ from meshlm.generate.inputs import (
     check_stops,
     check_teacher_forced,
     encode_prompt,
+    next_doc_starts,
     pad_prompts,
+    prompt_doc_starts,
 )
 from meshlm.generate.programs import programs_for
 from meshlm.generate.streaming import (
@@ -99,16 +101,13 @@ class Generator:
         run = self._executables(tokens.shape[0])["prefill"]
         return run(self.params, tokens_d, lengths_d, rows, key, settings)
 
-    def decode_step(self, tokens, positions, cache, sampling: Sampling, step: int):
-        """tokens, positions [B] host ids -> device (next [B], logits [B, V], cache). ``cache`` is donated."""
-        tokens = np.asarray(tokens, np.int32)
-        rows, key, settings = self._constants(sampling, tokens.shape[0])
-        tokens_d = self._put(tokens, P(DP))
-        positions_d = self._put(np.minimum(positions, self.max_len - 1).astype(np.int32), P(DP))
-        run = self._executables(tokens.shape[0])["decode"]
-        return run(
-            self.params, tokens_d, positions_d, rows, cache, key, self._put(np.int32(step), P()), settings
-        )
+    def decode_step(self, tokens, positions, cache, sampling: Sampling, step: int, starts):
+        """tokens, positions, doc starts [B] host ids -> device (next [B], logits [B, V], cache: donated)."""
+        rows, key, settings = self._constants(sampling, len(tokens))
+        put = lambda x: self._put(np.asarray(x, np.int32), P(DP))
+        at = np.minimum(positions, self.max_len - 1)
+        run, step_d = self._executables(len(tokens))["decode"], self._put(np.int32(step), P())
+        return run(self.params, put(tokens), put(at), rows, cache, key, step_d, settings, put(starts))
 
     def encode_prompt(self, index: int, prompt) -> np.ndarray:
         return encode_prompt(self.tokenizer, self.cfg.vocab_size, index, prompt)
@@ -138,9 +137,10 @@ class Generator:
         nxt = to_host(nxt)
         t1 = time.perf_counter()
         push_tokens(rows, nxt, max_new_tokens == 1)
-        steps, decoded = 1, 0
+        steps, decoded, starts = 1, 0, prompt_doc_starts(tokens, lengths, self.cfg.doc_mask)
         while steps < max_new_tokens and any(r.finish is None for r in rows):
-            nxt, _, cache = self.decode_step(nxt, lengths + steps - 1, cache, sampling, steps)
+            starts = next_doc_starts(starts, nxt, lengths + steps - 1, self.cfg.doc_mask)
+            nxt, _, cache = self.decode_step(nxt, lengths + steps - 1, cache, sampling, steps, starts)
             nxt = to_host(nxt)
             steps += 1
             decoded += push_tokens(rows, nxt, steps == max_new_tokens)
@@ -160,10 +160,12 @@ class Generator:
         feed[: len(ids), :t] = tokens
         greedy = Sampling()
         _, logits, cache = self.prefill(padded, lens, greedy)
-        out = [to_host(logits)]
+        out, starts = [to_host(logits)], prompt_doc_starts(padded, lens, self.cfg.doc_mask)
         for j in range(t - int(lengths.min())):
             pos = np.minimum(lens + j, self.max_len - 1)
-            _, logits, cache = self.decode_step(feed[np.arange(len(pos)), pos], pos, cache, greedy, j + 1)
+            fed = feed[np.arange(len(pos)), pos]
+            starts = next_doc_starts(starts, fed, pos, self.cfg.doc_mask)
+            _, logits, cache = self.decode_step(fed, pos, cache, greedy, j + 1, starts)
             out.append(to_host(logits))
         stacked = np.stack(out, axis=1)  # [B', steps + 1, V]
         return [stacked[b, : t - n + 1] for b, n in enumerate(lengths)]

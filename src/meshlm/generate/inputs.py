@@ -119,6 +119,20 @@ def pad_prompts(ids: list[np.ndarray], dp: int, max_len: int) -> tuple[np.ndarra
     return tokens, lengths
 
 
+def prompt_doc_starts(tokens: np.ndarray, lengths: np.ndarray, eod: int) -> np.ndarray:
+    """[B]: where the last document of each right-padded prompt (tokens [B, S], lengths [B]) starts:
+    its last EOD, else 0 (``--doc-mask``, ``eod`` >= 0; -1: zeros, unused)."""
+    t = np.arange(tokens.shape[1])
+    inside = t[None, :] < np.asarray(lengths)[:, None]
+    return np.max(np.where(inside & (tokens == eod) & (eod >= 0), t, 0), axis=1)
+
+
+def next_doc_starts(starts: np.ndarray, fed, positions, eod: int) -> np.ndarray:
+    """[B]: where each row's document starts once ``fed`` [B] is fed at ``positions`` [B]: an EOD starts
+    a new document, so generation masks the documents as training did (``--doc-mask``)."""
+    return np.where((np.asarray(fed) == eod) & (eod >= 0), positions, starts)
+
+
 def check_teacher_forced(tokens, lengths, vocab_size: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [B, T], lengths [B]) as arrays, checked for ``Generator.logits_with_cache``."""
     tokens, lengths = np.asarray(tokens), np.asarray(lengths, np.int64)

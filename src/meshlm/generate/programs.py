@@ -50,11 +50,12 @@ def _full_vocab(par: Parallel, vocab: int, local):
     return par.g(full)
 
 
-def _forward(cfg: ModelConfig, par: Parallel, tokens, positions, last, cache):
-    """Haiku fn. tokens, positions [B, T] per shard; last [B]: the column whose logits each row needs.
+def _forward(cfg: ModelConfig, par: Parallel, tokens, positions, last, cache, starts=None):
+    """Haiku fn. tokens, positions [B, T] per shard; last [B]: the column whose logits each row needs;
+    starts [B, T] or None: where each token's document starts (``--doc-mask``; None: from ``tokens``).
     Returns (logits [B, V] float32 replicated over MP, new cache): V is the real vocabulary, the
     padding stripped, so a padded id is never sampled."""
-    local, cache = local_logits(cfg, par, tokens, positions, cache or None)  # [B, T, Vpad/mp]
+    local, cache = local_logits(cfg, par, tokens, positions, cache or None, starts)  # [B, T, Vpad/mp]
     picked = jnp.take_along_axis(local, last[:, None, None], axis=1)[:, 0]  # [B, Vpad/mp]
     return _full_vocab(par, cfg.padded_vocab, upcast(picked))[:, : cfg.vocab_size], cache or {}
 
@@ -86,7 +87,9 @@ def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype):
     ``specs``.
 
     prefill(params, tokens [B, S], lengths [B], rows [B], key, sampling) -> (next [B], logits [B, V], cache)
-    decode_step(params, tokens [B], positions [B], rows [B], cache, key, step, sampling) -> same
+    decode_step(params, tokens [B], positions [B], rows [B], cache, key, step, sampling, starts [B]) -> same
+    (``starts``: where each row's current document starts, for ``--doc-mask``; the prefill finds the
+    prompt's documents in its tokens).
     Global shapes; rows split over DP. Only params and the cache are sharded over MP.
     """
     par, mesh = layout.parallel(), layout.mesh
@@ -98,15 +101,15 @@ def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype):
         logits, cache = apply(params, tokens, positions, lengths - 1, cache)
         return sample(logits, key, rows, 0, sampling), logits, cache
 
-    def decode_step(params, tokens, positions, rows, cache, key, step, sampling):  # tokens [B/dp] per shard
+    def decode_step(params, tokens, positions, rows, cache, key, step, sampling, starts):  # [B/dp] per shard
         last = jnp.zeros_like(positions)
-        logits, cache = apply(params, tokens[:, None], positions[:, None], last, cache)
+        logits, cache = apply(params, tokens[:, None], positions[:, None], last, cache, starts[:, None])
         return sample(logits, key, rows, step, sampling), logits, cache
 
     row, cspec = P(DP), cache_specs(cfg)
     out = (row, P(DP, None), cspec)
     prefill_in = (specs, P(DP, None), row, row, P(), P())
-    decode_in = (specs, row, row, row, cspec, P(), P(), P())
+    decode_in = (specs, row, row, row, cspec, P(), P(), P(), row)
     return (
         jax.shard_map(prefill, mesh=mesh, in_specs=prefill_in, out_specs=out),
         jax.shard_map(decode_step, mesh=mesh, in_specs=decode_in, out_specs=out),
@@ -141,7 +144,7 @@ class Programs:
             cache = {k: self._abstract(cshape, self.cache_dtype, s) for k, s in cache_specs(self.cfg).items()}
             step = self._abstract((), jnp.int32, P())
             prefill = self.jit["prefill"].lower(params, tokens, row, row, key, sampling)
-            decode = self.jit["decode"].lower(params, row, row, row, cache, key, step, sampling)
+            decode = self.jit["decode"].lower(params, row, row, row, cache, key, step, sampling, row)
             self.by_batch[batch] = {"prefill": prefill.compile(), "decode": decode.compile()}
         return self.by_batch[batch]
 

@@ -62,18 +62,21 @@ class Attention(hk.Module):
             out.append(dense_heads_in(xf, w1))
         return out
 
-    def __call__(self, xf, positions, cache=None):
+    def __call__(self, xf, positions, cache=None, starts=None):
         """xf: [B, T, D] per-shard view; positions: [B, T] absolute positions.
 
         cache: None (training) or {"k", "v": [B, S, K_local, E]}: new keys/values are written at
         ``positions`` and queries attend to every cached slot at or before their position.
+        starts: None, or [B, T] (``--doc-mask``) the absolute position where each query's document
+        starts: it sees only keys at or after it, and its rotary position restarts there.
         Returns (partial [B, T, D], new cache or None).
         """
         cfg = self.cfg
         hl = cfg.n_heads // self.par.mp
         q = self._proj("wq", xf, hl, self.par.own_heads)  # [B, T, H/mp, E]
         k, v = self._kv(xf)  # [B, T, K_local, E]
-        cos, sin = rotary_angles(positions, cfg.rot_dim, cfg.rope_theta, q.dtype)
+        rotary = positions if starts is None else positions - starts
+        cos, sin = rotary_angles(rotary, cfg.rot_dim, cfg.rope_theta, q.dtype)
         q = apply_rotary(q, cos, sin, cfg.rot_dim, self.style)
         k = apply_rotary(k, cos, sin, cfg.rot_dim, self.style)
         key_pos = positions
@@ -82,34 +85,33 @@ class Attention(hk.Module):
             cache = {"k": write(cache["k"], k, positions), "v": write(cache["v"], v, positions)}
             k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
             key_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
-        # Document masking: a position-0 token (an EOD, or the window's first) starts a document.
-        docs = jnp.cumsum(positions == 0, axis=-1) if cfg.doc_mask >= 0 and cache is None else None
         if cfg.attention == "blockwise":
-            out = blockwise_attention(q, k, v, positions, key_pos, block=cfg.attn_block)
+            out = blockwise_attention(q, k, v, positions, key_pos, block=cfg.attn_block, q_start=starts)
         else:
-            out = _attend(q, k, v, positions, key_pos, docs)  # [B, T, H/mp, E]
+            out = _attend(q, k, v, positions, key_pos, starts)  # [B, T, H/mp, E]
         wo = hk.get_parameter("wo", [hl, cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
         return dense_heads_out(out, wo), cache
 
 
-def doc_positions(tokens, eod: int):
-    """[B, T] -> each token's position in its document: an EOD restarts at 0 (it is the first input of
-    the document it precedes, as in training on each document alone); a window's first token is 0."""
+def doc_starts(tokens, eod: int):
+    """[B, T] window -> where each token's document starts: an EOD starts a document (it is the first
+    input of the document it precedes, as in training on each document alone), and so does the
+    window's first token. Documents are contiguous, so [start, own position] is a token's document."""
     t = jnp.arange(tokens.shape[-1])
-    return t - lax.cummax(jnp.where(tokens == eod, t, 0), axis=tokens.ndim - 1)
+    return lax.cummax(jnp.where(tokens == eod, t, 0), axis=tokens.ndim - 1)
 
 
-def _attend(q, k, v, q_pos, k_pos, docs=None):
+def _attend(q, k, v, q_pos, k_pos, starts=None):
     """Causal grouped attention, softmax in float32. q [B,T,h,E]; k, v [B,S,kv,E]; pos [B,T]/[B,S].
-    ``docs`` [B, T] (T == S): document numbers; a query sees only keys of its own document."""
+    ``starts`` [B, T]: where each query's document starts; it sees only keys from there on."""
     b, t, h, e = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, e)
     scores = upcast(jnp.einsum("btkge,bske->bkgts", qg, k))
     scores = scores / jnp.sqrt(jnp.asarray(e, scores.dtype))
     visible = k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]  # [B,1,1,T,S]
-    if docs is not None:
-        visible = visible & (docs[:, None, None, None, :] == docs[:, None, None, :, None])
+    if starts is not None:
+        visible = visible & (k_pos[:, None, None, None, :] >= starts[:, None, None, :, None])
     scores = jnp.where(visible, scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bske->btkge", probs, v)

@@ -5,6 +5,8 @@ query attention: query head h reads KV head h // (H / K)); positions q_pos [B, T
 absolute token positions (rotary is applied outside, to q and k). Causal: a query sees the keys at or
 before its position, so the KV-cache prefill (queries at offset..offset+Tq, keys 0..Tk) and a context-
 parallel chunk (any contiguous query and key ranges) are the same call with other positions.
+With ``q_start`` [B, Tq] (``--doc-mask``: where each query's document starts) a query sees only keys
+from there on, and a K/V block wholly before every document of a query block is skipped as well.
 
 Forward: queries in blocks of ``block`` rows, each visiting the K/V blocks of ``block`` keys with an
 online softmax (running max ``m`` and sum ``lsum``; the accumulator and ``lsum`` are rescaled by
@@ -82,18 +84,26 @@ def _varying_like(tree, *refs):
 # ---- the per-block pieces (small and separate, so that the tests can plant the classic bugs) ----
 
 
-def _visible(qp, kp, kvalid, causal: bool):
-    """[B, bq, bk]: which (query, key) pairs of a block pair count."""
+def _visible(qp, kp, kvalid, causal: bool, qs=None):
+    """[B, bq, bk]: which (query, key) pairs of a block pair count. ``qs`` [B, bq] (``--doc-mask``):
+    where each query's document starts; keys before it are not visible."""
     vis = kvalid[:, None, :]
-    return vis & (kp[:, None, :] <= qp[:, :, None]) if causal else vis
+    vis = vis & (kp[:, None, :] <= qp[:, :, None]) if causal else vis
+    return vis if qs is None else vis & (kp[:, None, :] >= qs[:, :, None])
 
 
-def _needed(qp, kp, kvalid, causal: bool):
-    """Scalar: whether a block pair has any visible pair (else it is skipped, not computed)."""
+def _needed(qp, kp, kvalid, causal: bool, qs=None):
+    """Scalar: whether a block pair has any visible pair (else it is skipped, not computed). With
+    document starts ``qs`` (causal only) a K/V block wholly before the query block's documents is
+    skipped too."""
     if not causal:
         return jnp.any(kvalid)
     first_key = jnp.min(jnp.where(kvalid, kp, jnp.iinfo(kp.dtype).max), axis=-1)  # [B]
-    return jnp.any(first_key <= jnp.max(qp, axis=-1))
+    needed = first_key <= jnp.max(qp, axis=-1)
+    if qs is not None:
+        last_key = jnp.max(jnp.where(kvalid, kp, jnp.iinfo(kp.dtype).min), axis=-1)
+        needed = needed & (last_key >= jnp.min(qs, axis=-1))
+    return jnp.any(needed)
 
 
 def _rescale(m_old, m_new):
@@ -117,7 +127,7 @@ def _scores(q_i, k_j, scale):  # q_i [B, bq, K, G, E], k_j [B, bk, K, E] -> [B, 
     return upcast(jnp.einsum("bqkge,bske->bkgqs", q_i, k_j)) * scale
 
 
-def _attend_qblock(q_i, qp_i, kb, vb, kpb, kvb, causal, scale):
+def _attend_qblock(q_i, qp_i, kb, vb, kpb, kvb, causal, scale, qs_i=None):
     """One query block against every K/V block: (acc, m, lsum) with acc [B, K, G, bq, E]."""
     b, bq, kh, g, e = q_i.shape
     f = upcast(q_i[:0]).dtype
@@ -126,14 +136,14 @@ def _attend_qblock(q_i, qp_i, kb, vb, kpb, kvb, causal, scale):
         jnp.full((b, kh, g, bq), -jnp.inf, f),
         jnp.zeros((b, kh, g, bq), f),
     )
-    init = _varying_like(init, q_i, qp_i, kb, vb, kpb, kvb)
+    init = _varying_like(init, q_i, qp_i, kb, vb, kpb, kvb, qs_i)
 
     def body(j, state):
         def compute(state):
-            vis = _visible(qp_i, kpb[j], kvb[j], causal)[:, None, None]
+            vis = _visible(qp_i, kpb[j], kvb[j], causal, qs_i)[:, None, None]
             return _online_update(state, _scores(q_i, kb[j], scale), vis, vb[j])
 
-        return lax.cond(_needed(qp_i, kpb[j], kvb[j], causal), compute, lambda st: st, state)
+        return lax.cond(_needed(qp_i, kpb[j], kvb[j], causal, qs_i), compute, lambda st: st, state)
 
     return lax.fori_loop(0, kb.shape[0], body, init)
 
@@ -161,9 +171,10 @@ class _Blocked(NamedTuple):
     kpb: jax.Array  # [nk, B, bk]
     kvb: jax.Array  # [nk, B, bk] real (not padding) keys
     scale: jax.Array
+    qsb: jax.Array | None = None  # [nq, B, bq] where each query's document starts (None: no mask)
 
 
-def _block_inputs(q, k, v, q_pos, k_pos, block: int) -> _Blocked:
+def _block_inputs(q, k, v, q_pos, k_pos, block: int, q_start=None) -> _Blocked:
     (b, tq, h, e), (tk, kh) = q.shape, k.shape[1:3]
     bq, bk = min(block, tq), min(block, tk)
     ipos = jnp.iinfo(q_pos.dtype)
@@ -175,6 +186,7 @@ def _block_inputs(q, k, v, q_pos, k_pos, block: int) -> _Blocked:
         kpb=_blocks(k_pos, bk, fill=ipos.max),
         kvb=_blocks(jnp.ones((b, tk), bool), bk, fill=False),
         scale=1.0 / jnp.sqrt(jnp.asarray(e, upcast(q[:0]).dtype)),
+        qsb=None if q_start is None else _blocks(q_start, bq, fill=ipos.max),  # padding: sees nothing
     )
 
 
@@ -189,20 +201,26 @@ def _from_tokens(x, b: int, kh: int):  # [B, T, H, ...] -> [n, B, K, G, b, ...]
     return jnp.moveaxis(x, 2, 4)
 
 
-def attend_partial(q, k, v, q_pos, k_pos, *, block: int = DEFAULT_BLOCK, causal: bool = True) -> Partial:
-    """Attend queries to one K/V set (not differentiable on its own: see ``chunked_attention``)."""
-    x = _block_inputs(q, k, v, q_pos, k_pos, block)
-    row = lambda a: _attend_qblock(a[0], a[1], x.kb, x.vb, x.kpb, x.kvb, causal, x.scale)
-    acc, m, lsum = lax.map(row, (x.qb, x.qpb))  # [nq, B, K, G, bq, ...]
+def attend_partial(
+    q, k, v, q_pos, k_pos, *, block: int = DEFAULT_BLOCK, causal: bool = True, q_start=None
+) -> Partial:
+    """Attend queries to one K/V set (not differentiable on its own: see ``chunked_attention``).
+    ``q_start`` [B, Tq] (``--doc-mask``): where each query's document starts (absolute position)."""
+    x = _block_inputs(q, k, v, q_pos, k_pos, block, q_start)
+    row = lambda a: _attend_qblock(a[0], a[1], x.kb, x.vb, x.kpb, x.kvb, causal, x.scale, a[2])
+    acc, m, lsum = lax.map(row, (x.qb, x.qpb, x.qsb))  # [nq, B, K, G, bq, ...]
     out = acc * _safe_inv(lsum)[..., None]
     tq, h = q.shape[1:3]
     return Partial(_to_tokens(out, tq, h), _to_tokens(m, tq, h), _to_tokens(lsum, tq, h))
 
 
-def partial_grads(q, k, v, q_pos, k_pos, out, lse, dout, *, block: int = DEFAULT_BLOCK, causal: bool = True):
+def partial_grads(
+    q, k, v, q_pos, k_pos, out, lse, dout, *, block: int = DEFAULT_BLOCK, causal: bool = True, q_start=None
+):
     """The flash-attention backward for one K/V set: (dq, dk, dv) given the final ``out`` [B, Tq, H, E]
     and ``lse`` [B, Tq, H] over all K/V sets (dq is this set's share: sum it over the sets)."""
-    x = _block_inputs(q, k, v, q_pos, k_pos, block)
+    x = _block_inputs(q, k, v, q_pos, k_pos, block, q_start)
+    qs = (lambda i: None) if x.qsb is None else (lambda i: x.qsb[i])
     bq, kh = x.qb.shape[2], k.shape[2]
     f = x.scale.dtype
     dout = upcast(dout).astype(f)
@@ -217,7 +235,7 @@ def partial_grads(q, k, v, q_pos, k_pos, out, lse, dout, *, block: int = DEFAULT
             def compute(carry):
                 dk_j, dv_j, dq = carry
                 q_i, do_i = x.qb[i], dob[i]
-                vis = _visible(x.qpb[i], kp_j, kvalid_j, causal)[:, None, None]
+                vis = _visible(x.qpb[i], kp_j, kvalid_j, causal, qs(i))[:, None, None]
                 p = jnp.where(vis, jnp.exp(_scores(q_i, k_j, x.scale) - lse_b[i][..., None]), 0.0)
                 dp = jnp.einsum("bqkge,bske->bkgqs", do_i, upcast(v_j).astype(f))
                 ds = p * (dp - d_b[i][..., None]) * x.scale
@@ -225,7 +243,7 @@ def partial_grads(q, k, v, q_pos, k_pos, out, lse, dout, *, block: int = DEFAULT
                 dk_j = dk_j + jnp.einsum("bkgqs,bqkge->bske", ds, upcast(q_i).astype(f))
                 return dk_j, dv_j + jnp.einsum("bkgqs,bqkge->bske", p, do_i), dq
 
-            needed = _needed(x.qpb[i], kp_j, kvalid_j, causal)
+            needed = _needed(x.qpb[i], kp_j, kvalid_j, causal, qs(i))
             return lax.cond(needed, compute, lambda c: c, carry)
 
         zeros = _varying_like(jnp.zeros(k_j.shape, f), x, dob, lse_b, d_b)
@@ -242,38 +260,41 @@ def partial_grads(q, k, v, q_pos, k_pos, out, lse, dout, *, block: int = DEFAULT
 # ---- the differentiable entry points ----
 
 
-def _chunked_fwd(q, ks, vs, q_pos, k_poss, block, causal):
+def _chunked_fwd(q, ks, vs, q_pos, k_poss, q_start, block, causal):
     part = None
     for k, v, kp in zip(ks, vs, k_poss, strict=True):  # a ring's steps
-        p = attend_partial(q, k, v, q_pos, kp, block=block, causal=causal)
+        p = attend_partial(q, k, v, q_pos, kp, block=block, causal=causal, q_start=q_start)
         part = p if part is None else combine(part, p)
     out = part.out.astype(q.dtype)
-    return out, (q, ks, vs, q_pos, k_poss, out, part.lse)
+    return out, (q, ks, vs, q_pos, k_poss, q_start, out, part.lse)
 
 
 def _chunked_bwd(block, causal, res, dout):
-    q, ks, vs, q_pos, k_poss, out, lse = res
+    q, ks, vs, q_pos, k_poss, q_start, out, lse = res
     dq, dks, dvs = jnp.zeros(q.shape, upcast(q[:0]).dtype), [], []
     for k, v, kp in zip(ks, vs, k_poss, strict=True):
-        dq_c, dk, dv = partial_grads(q, k, v, q_pos, kp, out, lse, dout, block=block, causal=causal)
-        dq, dks, dvs = dq + dq_c, dks + [dk], dvs + [dv]
-    return dq.astype(q.dtype), tuple(dks), tuple(dvs), None, None
+        grads = partial_grads(q, k, v, q_pos, kp, out, lse, dout, block=block, causal=causal, q_start=q_start)
+        dq, dks, dvs = dq + grads[0], dks + [grads[1]], dvs + [grads[2]]
+    return dq.astype(q.dtype), tuple(dks), tuple(dvs), None, None, None
 
 
-def _chunked(q, ks, vs, q_pos, k_poss, block, causal):
-    return _chunked_fwd(q, ks, vs, q_pos, k_poss, block, causal)[0]
+def _chunked(q, ks, vs, q_pos, k_poss, q_start, block, causal):
+    return _chunked_fwd(q, ks, vs, q_pos, k_poss, q_start, block, causal)[0]
 
 
-_chunked = jax.custom_vjp(_chunked, nondiff_argnums=(5, 6))
+_chunked = jax.custom_vjp(_chunked, nondiff_argnums=(6, 7))
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def chunked_attention(q, ks, vs, q_pos, k_poss, *, block: int = DEFAULT_BLOCK, causal: bool = True):
     """Attention of q to the concatenation of K/V chunks, computed chunk by chunk (partials merged by
     ``combine``; backward per chunk by ``partial_grads``): the single-device form of a ring."""
-    return _chunked(q, tuple(ks), tuple(vs), q_pos, tuple(k_poss), int(block), bool(causal))
+    return _chunked(q, tuple(ks), tuple(vs), q_pos, tuple(k_poss), None, int(block), bool(causal))
 
 
-def blockwise_attention(q, k, v, q_pos, k_pos, *, block: int = DEFAULT_BLOCK, causal: bool = True):
-    """Softmax attention [B, Tq, H, E] (in q's dtype; softmax in at least float32), memory O(T)."""
-    return _chunked(q, (k,), (v,), q_pos, (k_pos,), int(block), bool(causal))
+def blockwise_attention(
+    q, k, v, q_pos, k_pos, *, block: int = DEFAULT_BLOCK, causal: bool = True, q_start=None
+):
+    """Softmax attention [B, Tq, H, E] (in q's dtype; softmax in at least float32), memory O(T).
+    ``q_start`` [B, Tq] (``--doc-mask``): where each query's document starts; keys before it are masked."""
+    return _chunked(q, (k,), (v,), q_pos, (k_pos,), q_start, int(block), bool(causal))

@@ -51,7 +51,7 @@ class ModelConfig:
     attn_block: int = 512
     # Document masking (``--doc-mask``): >= 0 is the id that ends every document (the tokenizer's EOD);
     # attention then stays inside a document and positions restart at each (the EOD is the next
-    # document's first input). Applies to training and evaluation, not to KV-cached generation. -1: off.
+    # document's first input). Applies to training, evaluation and KV-cached generation. -1: off.
     doc_mask: int = -1
 
     def __post_init__(self):
@@ -69,10 +69,6 @@ class ModelConfig:
             self._check_attention()
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
-        if self.doc_mask >= 0 and self.attention != "plain":
-            raise ConfigError(
-                "doc_mask needs attention='plain' (blockwise attention has no document mask yet)"
-            )
 
     def _check_attention(self):
         if self.n_heads < 1:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm.errors import ConfigError
-from meshlm.model.attention import Attention, doc_positions
+from meshlm.model.attention import Attention, doc_starts
 from meshlm.model.config import ModelConfig
 from meshlm.model.layers import (
     MLP,
@@ -35,7 +35,7 @@ GPT_STDDEV = 0.02  # GPT-J / Llama initialisation
 def _ff_layer(cfg: ModelConfig, par: Parallel):
     s = 1.0 / np.sqrt(cfg.d_model)  # the prototype's hk.Linear default and its output init
 
-    def layer(x, positions, cache=None):  # no attention: positions unused
+    def layer(x, positions, cache=None, starts=None):  # no attention: positions unused
         partial, b = MLP(hidden_dim=cfg.d_ff, par=par, kind="gelu", bias=True, stddev_in=s, stddev_out=s)(
             par.f(x)
         )
@@ -62,9 +62,9 @@ def _norm(cfg: ModelConfig, name: str):
 
 
 def _parallel_layer(cfg: ModelConfig, par: Parallel):
-    def layer(x, positions, cache=None):
+    def layer(x, positions, cache=None, starts=None):
         xf = par.f(_norm(cfg, "ln")(x))  # one f for both branches
-        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(xf, positions, cache)
+        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(xf, positions, cache, starts)
         mlp, b = _mlp(cfg, par)(xf)
         return x + par.row_out(attn + mlp, b), cache  # one all-reduce for both branches
 
@@ -72,9 +72,9 @@ def _parallel_layer(cfg: ModelConfig, par: Parallel):
 
 
 def _sequential_layer(cfg: ModelConfig, par: Parallel):
-    def layer(x, positions, cache=None):
+    def layer(x, positions, cache=None, starts=None):
         xf = par.f(_norm(cfg, "ln")(x))
-        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(xf, positions, cache)
+        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(xf, positions, cache, starts)
         x = x + par.row_out(attn)
         xf = par.f(_norm(cfg, "ln2")(x))
         mlp, b = _mlp(cfg, par)(xf)
@@ -83,9 +83,9 @@ def _sequential_layer(cfg: ModelConfig, par: Parallel):
     return layer
 
 
-def _stack(cfg: ModelConfig, layer, x, positions, cache):
+def _stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
     """Apply n_layers copies of ``layer`` with stacked parameters [L, ...] (flat compile time)."""
-    body = remat_body(cfg.remat, lambda x, c: layer(x, positions, c))
+    body = remat_body(cfg.remat, lambda x, c: layer(x, positions, c, starts))
     if cache is None:
         stack = hk.experimental.layer_stack(cfg.n_layers, unroll=cfg.layer_unroll, name="layers")
         stacked = stack(lambda x: body(x, None)[0])
@@ -100,21 +100,23 @@ BLOCKS = {"ff": _ff_layer, "parallel": _parallel_layer, "sequential": _sequentia
 NORMS = {"layer": LayerNorm, "rms": RMSNorm}  # Family.norm
 
 
-def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=None):
+def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=None, starts=None):
     """tokens [B, T] -> (per-shard logits [B, T, V/mp], new cache or None); V is the padded vocabulary
-    (``cfg.padded_vocab``): columns from ``cfg.vocab_size`` on are padding, for callers to mask."""
+    (``cfg.padded_vocab``): columns from ``cfg.vocab_size`` on are padding, for callers to mask.
+    With ``cfg.doc_mask``: ``starts`` [B, T], where each token's document starts (absolute positions;
+    default: from the EOD ids in ``tokens``, a window whose first token is at position 0)."""
     if tokens.shape[-1] > cfg.max_seq_len and cfg.arch.attention:
         raise ConfigError(f"sequence length {tokens.shape[-1]} exceeds max_seq_len={cfg.max_seq_len}")
     par.seq_len_check(tokens.shape[-1])
     with hk.custom_getter(parallel_getter(par)):  # FSDP gathers, SP norm hook (``Parallel.param``)
-        return _local_logits(cfg, par, tokens, positions, cache)
+        return _local_logits(cfg, par, tokens, positions, cache, starts)
 
 
-def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache):
+def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, starts):
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
-        if cfg.doc_mask >= 0:
-            positions = doc_positions(tokens, cfg.doc_mask)
+    if cfg.doc_mask >= 0:
+        starts = par.doc_starts(doc_starts(tokens, cfg.doc_mask) if starts is None else starts)
     gpt = cfg.arch.gpt_init
     stddev = GPT_STDDEV if gpt else 1.0 / np.sqrt(cfg.vocab_size)
     embed = VocabEmbed(
@@ -126,7 +128,7 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache):
         real_vocab=cfg.vocab_size,
     )
     x = embed(tokens)  # [B, T, D]; with sp [B, T/mp, D] per shard
-    x, cache = _stack(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, cache)
+    x, cache = _stack(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, cache, starts)
     if cfg.arch.norm is not None:
         x = _norm(cfg, "final_ln")(x)
     xf = par.f(x)

@@ -127,6 +127,11 @@ class Parallel:
         heads_per_shard = n_heads // self.mp
         return self.shard_index() * heads_per_shard // (n_heads // n_kv_heads)
 
+    def doc_starts(self, starts):
+        """[B, T] where each token's document starts (``--doc-mask``), as attention and the rotary
+        positions use it (a hook for controls)."""
+        return starts
+
     # --- data parallel ---------------------------------------------------------------------
     def batch_mean(self, x):
         """Mean over data-parallel shards of per-shard means: the mean over the global batch."""

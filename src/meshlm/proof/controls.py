@@ -23,6 +23,7 @@ from meshlm.model.attention import kv_replicated
 from meshlm.model.params import param_path
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.context import Parallel
+from meshlm.proof.documents import DocMaskCrossesOnOneShard, DocMaskIgnoresBoundary, doc_mask_off
 
 
 class DroppedAllReduce(Parallel):
@@ -262,4 +263,19 @@ CONTROLS += (
         par_cls=PaddingNotMasked,
         params_change=large_padded_logits,
     ),
+)
+
+
+def _doc_masked(w: Where) -> bool:
+    return w.cfg is not None and w.cfg.doc_mask >= 0
+
+
+CONTROLS += (  # --doc-mask (``proof.documents``): the batches are EOD-rich there
+    Control(name="document mask ignores one boundary", applies=_doc_masked, par_cls=DocMaskIgnoresBoundary),
+    Control(
+        name="document mask crosses a boundary on one shard",
+        applies=lambda w: _doc_masked(w) and w.mp > 1,
+        par_cls=DocMaskCrossesOnOneShard,
+    ),
+    Control(name="document mask off (the mask must matter)", applies=_doc_masked, cfg_change=doc_mask_off),
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -30,6 +31,8 @@ class Problem:
     from_reference: Callable = lambda tree: tree  # the reference's tree -> sharded shapes
     fsdp: bool = False  # weights (and their optimizer moments) split over DP; specs_fn says where
     sp: bool = False  # sequence parallelism over MP in the sharded run
+    # (shape, seed) -> a batch like ``batch``, for the training steps; None: uniform random ids
+    batch_fn: Callable | None = None
 
 
 def random_batch(vocab: int, shape: tuple[int, ...], seed: int) -> dict:
@@ -54,9 +57,13 @@ def model_problem(
     from meshlm.model.padding import resize_tree
     from meshlm.model.transformer import loss_fn
     from meshlm.parallel.layout import Layout
+    from meshlm.proof.documents import document_batch
     from meshlm.sharding.rules import model_specs
 
     rebuild = lambda c: lambda par: loss_fn(c, par)
+    batch_fn = None  # uniform random ids; with the document mask, windows of many documents
+    if cfg.doc_mask >= 0:
+        batch_fn = lambda shape, s: document_batch(cfg.vocab_size, cfg.doc_mask, shape, s)
     # The reference is the plainest program: no recomputation, every layer unrolled (the sharded
     # side's remat policy and layer loop are proven against code they do not share).
     # Blockwise attention is proven against the plain softmax of [T, T] scores.
@@ -71,7 +78,8 @@ def model_problem(
     return Problem(
         build_loss=rebuild(cfg),
         specs_fn=lambda abstract: model_specs(cfg, abstract, Layout(dp=dp, mp=mp, fsdp=fsdp)),
-        batch=random_batch(cfg.vocab_size, (batch_size, seq_len), seed),
+        batch=(batch_fn or partial(random_batch, cfg.vocab_size))((batch_size, seq_len), seed),
+        batch_fn=batch_fn,
         name=name,
         cfg=cfg,
         rebuild=rebuild,

@@ -111,13 +111,15 @@ class Runs:
 
 
 def step_batches(problem: Problem, steps: int, accum: int, seed: int) -> list[dict]:
-    """Fresh random batches for the proof's training steps ([A, B, T] with accumulation)."""
+    """Fresh batches for the proof's training steps ([A, B, T] with accumulation): random ids, or
+    ``problem.batch_fn``'s."""
     from meshlm.proof.problem import random_batch
 
     b, t = problem.batch["inputs"].shape
     vocab = int(problem.batch["inputs"].max()) + 1 if problem.cfg is None else problem.cfg.vocab_size
     shape = (accum, b, t) if accum > 1 else (b, t)
-    return [random_batch(vocab, shape, seed + 1000 + k) for k in range(steps)]
+    make = problem.batch_fn or (lambda shape, s: random_batch(vocab, shape, s))
+    return [make(shape, seed + 1000 + k) for k in range(steps)]
 
 
 def default_optim(steps: int, ref_grad_norm: float) -> OptimConfig:
