@@ -53,6 +53,11 @@ class ModelConfig:
     # attention then stays inside a document and positions restart at each (the EOD is the next
     # document's first input). Applies to training and evaluation, not to KV-cached generation. -1: off.
     doc_mask: int = -1
+    # Sliding-window attention (Mistral): a query at position i sees the keys at positions j with
+    # i - sliding_window < j <= i (transformers' definition: the window counts the query itself), in
+    # training and in the KV cache (a full cache, masked). 0: off (full causal attention). A saved
+    # config without this field predates it and loads as 0: exactly as it was.
+    sliding_window: int = 0
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
@@ -72,6 +77,11 @@ class ModelConfig:
         if self.doc_mask >= 0 and self.attention != "plain":
             raise ConfigError(
                 "doc_mask needs attention='plain' (blockwise attention has no document mask yet)"
+            )
+        if self.sliding_window and not (self.arch.attention and self.attention == "plain"):
+            raise ConfigError(
+                f"sliding_window={self.sliding_window} needs a family with attention and attention='plain' "
+                "(blockwise attention has no window yet); set sliding_window=0 or attention='plain'"
             )
 
     def _check_attention(self):
@@ -142,6 +152,7 @@ RANGES: dict[str, Range] = {
     "unroll": Range(int, 0, note="0: all layers"),
     "attn_block": POSITIVE_INT,
     "doc_mask": Range(int, -1, note="-1: off"),
+    "sliding_window": Range(int, 0, note="0: off"),
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 

@@ -12,7 +12,7 @@ This module must not import JAX: configs are validated (and the CLI built) befor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Per-layer recomputation policies (``model.memory`` says what each keeps); every family has all three.
 REMAT = ("none", "full", "selective")
@@ -108,6 +108,8 @@ LLAMA_HF = HFNames(
     },
     layer_prefix="model.layers.{i}.",
 )
+# Mistral's tensors are Llama's; its config adds ``sliding_window`` (``ModelConfig.sliding_window``).
+MISTRAL_HF = replace(LLAMA_HF, architecture="MistralForCausalLM")
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -149,6 +151,19 @@ FAMILIES: dict[str, Family] = {
             row_sums=2,
             gpt_init=True,
             hf=LLAMA_HF,
+        ),
+        # Llama's blocks; what differs is in its config: a sliding attention window (none on v0.3).
+        Family(
+            name="mistral",
+            block="sequential",
+            attention=True,
+            rotary="half",
+            norm="rms",
+            mlp="swiglu",
+            biases=False,
+            row_sums=2,
+            gpt_init=True,
+            hf=MISTRAL_HF,
         ),
     )
 }

@@ -110,7 +110,9 @@ def logits(cfg: ModelConfig, params, tokens):
     if "b" in params["embed"]:
         x = x + params["embed"]["b"]
     cos, sin = _rotary_tables(cfg, t, x.dtype) if cfg.arch.attention else (None, None)
-    mask = jnp.asarray(np.tril(np.ones((t, t), bool)))  # [T, T] query >= key
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    window = (j > i - cfg.sliding_window) if cfg.sliding_window else True  # i - window < j
+    mask = jnp.asarray((j <= i) & window)  # [T, T] query >= key (within the window)
     layers = {m.removeprefix("layers/"): p for m, p in params.items() if m.startswith("layers/")}
     for i in range(cfg.n_layers):
         x = _block(cfg, jax.tree.map(operator.itemgetter(i), layers), x, cos, sin, mask)
