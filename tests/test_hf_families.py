@@ -18,7 +18,7 @@ from meshlm.data.bpe import train_bpe  # noqa: E402
 from meshlm.data.hf_tokenizer import EOD_TOKEN  # noqa: E402
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config, hf_weights  # noqa: E402
-from meshlm.model import attention  # noqa: E402
+from meshlm.model import attention, transformer  # noqa: E402
 from meshlm.model.params import unflatten  # noqa: E402
 from meshlm.model.transformer import logits_fn  # noqa: E402
 from meshlm.parallel.context import Parallel  # noqa: E402
@@ -39,6 +39,14 @@ HF_CONFIGS = {
         max_position_embeddings=64,
         sliding_window=WINDOW,
         rope_theta=500.0,
+        eos_token_id=0,
+        **SMALL,
+    ),
+    "gemma": lambda: transformers.GemmaConfig(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,  # not hidden_size / heads (Gemma-7b: 256 x 16 heads on d_model 3072)
+        max_position_embeddings=64,
         eos_token_id=0,
         **SMALL,
     ),
@@ -140,13 +148,20 @@ def test_export_loads_in_transformers(family, tokens, tmp_path):
     assert hf_weights.load_hf(tmp_path)[0] == cfg
 
 
-@pytest.mark.parametrize("family", ["mistral"], indirect=True)
-def test_window_off_by_one_fails_the_transformers_comparison(family, tokens, monkeypatch):
-    """A window one key too wide (i - window <= j) runs the same in the sharded and the unsharded
-    model, so verify cannot see it; transformers' logits do."""
+# Bugs in code the sharded and the unsharded model share: verify cannot see them, transformers can.
+SHARED_BUGS = {
+    # the window one key too wide: i - window <= j
+    "mistral": (attention, "window_visible", lambda q, k, w: (k <= q) & (k >= q - w)),
+    # the embeddings not scaled by sqrt(d_model)
+    "gemma": (transformer, "embed_scale", lambda d: 1.0),
+}
+
+
+@pytest.mark.parametrize("family", list(SHARED_BUGS), indirect=True)
+def test_a_bug_common_to_both_runs_fails_the_transformers_comparison(family, tokens, monkeypatch):
     cfg, flat = hf_weights.load_hf(family["hf"])
-    assert cfg.sliding_window == WINDOW
-    monkeypatch.setattr(attention, "window_visible", lambda q, k, w: (k <= q) & (k >= q - w))
+    assert cfg.sliding_window == (WINDOW if family["name"] == "mistral" else 0)
+    monkeypatch.setattr(*SHARED_BUGS[family["name"]])
     assert _rel(_our_logits(cfg, flat, tokens), family["logits"]) > 100 * RTOL
 
 
@@ -162,6 +177,27 @@ def test_unsupported_mistral_config(changes, field):
     from meshlm.model.config import get_config
 
     base = hf_config.config_to_hf(get_config("tiny-llama").replace(family="mistral", sliding_window=8))
+    with pytest.raises(ConfigError, match=field):
+        hf_config.config_from_hf({**base, **changes})
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+        ({"sliding_window": 4096}, "sliding_window"),
+        ({"query_pre_attn_scalar": 256}, "query_pre_attn_scalar"),
+        ({"hidden_activation": "gelu"}, "hidden_activation"),
+        ({"hidden_act": "silu"}, "hidden_act"),
+        ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model_type"),
+    ],
+)
+def test_unsupported_gemma_config(changes, field):
+    from meshlm.model.config import get_config
+
+    base = hf_config.config_to_hf(get_config("tiny-gemma"))
     with pytest.raises(ConfigError, match=field):
         hf_config.config_from_hf({**base, **changes})
 

@@ -33,6 +33,18 @@ POSITIVE = Range(float, 0, low_open=True)
 DROPOUT = Range(float, 0, 1)
 _REQUIRED = object()
 MISTRAL_WINDOW = 4096  # transformers' MistralConfig.sliding_window when config.json has none
+# transformers' defaults for fields a config.json may leave out, where they are not Llama's.
+MISTRAL_DEFAULTS = {"max_position_embeddings": 4096 * 32}
+GEMMA_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 8192, "tie_word_embeddings": True}
+# Fields of Gemma 2 (and later) that a model_type "gemma" config must not set: never silently dropped.
+GEMMA2_FIELDS = (
+    "final_logit_softcapping",
+    "attn_logit_softcapping",
+    "query_pre_attn_scalar",
+    "sliding_window",
+    "layer_types",
+    "use_bidirectional_attention",
+)
 
 
 # --- from transformers ---------------------------------------------------------------------------
@@ -175,7 +187,19 @@ def _mistral_config(hf: dict) -> ModelConfig:
         )
     null = "sliding_window" in hf and hf["sliding_window"] is None
     window = 0 if null else _field(hf, "sliding_window", SIZE, MISTRAL_WINDOW)
-    return _llama_config(hf).replace(family="mistral", sliding_window=window)
+    return _llama_config({**MISTRAL_DEFAULTS, **hf}).replace(family="mistral", sliding_window=window)
+
+
+def _gemma_config(hf: dict) -> ModelConfig:
+    """Llama's fields with GemmaConfig's defaults; Gemma 2's fields (soft-capping, alternating local
+    and global layers, ...) are refused by name: transformers' Gemma would ignore them."""
+    for key in GEMMA2_FIELDS:
+        if hf.get(key) not in (None, False):
+            raise _unsupported(key, hf[key], "it is Gemma 2's; meshlm implements Gemma 1 (model_type gemma)")
+    act = hf.get("hidden_activation")  # the legacy key; transformers 5 reads hidden_act only
+    if act not in (None, HF["gemma"].activations[0]):
+        raise _unsupported("hidden_activation", act, f"Gemma uses {HF['gemma'].activations[0]!r}")
+    return _llama_config({**GEMMA_DEFAULTS, **hf}).replace(family="gemma")
 
 
 def config_from_hf(hf_cfg: dict[str, Any]) -> ModelConfig:
@@ -257,6 +281,10 @@ def _mistral_fields(cfg: ModelConfig) -> dict[str, Any]:
     return {**_llama_fields(cfg), "sliding_window": cfg.sliding_window or None}  # null: no window
 
 
+def _gemma_fields(cfg: ModelConfig) -> dict[str, Any]:
+    return {**_llama_fields(cfg), "hidden_act": HF["gemma"].activations[0]}
+
+
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The transformers config.json dict for ``cfg`` (float32 weights; no tokenizer ids: meshlm does
     not know the tokenizer, so bos/eos/pad are null)."""
@@ -283,9 +311,10 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 # The family-specific halves of the converter, by model_type: config.json -> ModelConfig, and
 # ModelConfig -> (export checks, config.json fields).
-READERS = {"gptj": _gptj_config, "llama": _llama_config, "mistral": _mistral_config}
+READERS = {"gptj": _gptj_config, "llama": _llama_config, "mistral": _mistral_config, "gemma": _gemma_config}
 WRITERS = {
     "gptj": (_gptj_exportable, _gptj_fields),
     "llama": (_llama_exportable, _llama_fields),
     "mistral": (_llama_exportable, _mistral_fields),
+    "gemma": (_llama_exportable, _gemma_fields),
 }

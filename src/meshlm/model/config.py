@@ -20,7 +20,7 @@ ATTENTION = ("plain", "blockwise")  # see meshlm.model.attention and meshlm.mode
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str = "ff"  # "ff": the prototype's feed-forward stack; "gptj" / "llama": transformer blocks
+    family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.family``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
     d_model: int = 128  # residual stream width
     n_layers: int = 2  # number of blocks (stacked with hk.experimental.layer_stack)
@@ -274,6 +274,30 @@ PRESETS: dict[str, ModelConfig] = {
 PRESETS["tiny-gqa"] = PRESETS["tiny-llama"].replace(n_kv_heads=2)
 # GPT-2's vocabulary (50257, prime to every mp > 1), padded to 50304: the padding proven on mp = 2, 4, 8.
 PRESETS["tiny-gpt2vocab"] = PRESETS["tiny-gptj"].replace(vocab_size=50257, d_model=32, d_ff=64)
+
+# Mistral: Llama's blocks with a sliding window (16 < verify's 64 positions: the window is exercised).
+PRESETS["tiny-mistral"] = PRESETS["tiny-llama"].replace(family="mistral", sliding_window=16)
+# Gemma: head_dim 32 != d_model / n_heads = 16 (as Gemma-7b's 256 != 3072 / 16), tied head.
+PRESETS["tiny-gemma"] = PRESETS["tiny-llama"].replace(
+    family="gemma", n_heads=4, n_kv_heads=0, head_dim=32, tie_embeddings=True
+)
+# Mistral-7B v0.1 (its config.json; v0.3 differs: vocab 32768, rope_theta 1e6, no window).
+PRESETS["mistral-7b"] = PRESETS["llama2-7b"].replace(
+    family="mistral", d_ff=14336, n_kv_heads=8, max_seq_len=32768, sliding_window=4096
+)
+# Gemma-7B (its config.json): 16 heads of 256 on d_model 3072, vocabulary 256000, tied head.
+PRESETS["gemma-7b"] = ModelConfig(
+    family="gemma",
+    vocab_size=256000,
+    d_model=3072,
+    n_layers=28,
+    d_ff=24576,
+    n_heads=16,
+    head_dim=256,
+    max_seq_len=8192,
+    norm_eps=1e-6,
+    tie_embeddings=True,
+)
 
 
 def default_seq_len(cfg: ModelConfig, seq_len: int = 0) -> int:
