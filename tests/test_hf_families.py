@@ -218,3 +218,11 @@ def test_mistral_config_window_defaults_and_export_refusals():
     saved = cfg.to_dict()
     del saved["sliding_window"]  # a checkpoint written before the field: no window
     assert from_dict(saved).sliding_window == 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-mistral", "tiny-gemma", "mistral-7b", "gemma-7b"])
+def test_preset_config_round_trip(preset):
+    from meshlm.model.config import get_config
+
+    cfg = get_config(preset)
+    assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg
