@@ -203,7 +203,7 @@ def _gemma_config(hf: dict) -> ModelConfig:
 
 
 def config_from_hf(hf_cfg: dict[str, Any]) -> ModelConfig:
-    """A meshlm ModelConfig from a transformers config.json dict (model_type "gptj" or "llama")."""
+    """A meshlm ModelConfig from a transformers config.json dict (model_type: a key of ``READERS``)."""
     if not isinstance(hf_cfg, dict):
         raise ConfigError(f"HF config must be a JSON object of fields, got a {type(hf_cfg).__name__}")
     family = hf_cfg.get("model_type")
