@@ -272,9 +272,6 @@ PRESETS: dict[str, ModelConfig] = {
 # Grouped-query attention with 2 KV heads: on mp = 4 (or 8) the KV heads are replicated, so the
 # replication path is proven on the 4 devices of a laptop, not only on 8.
 PRESETS["tiny-gqa"] = PRESETS["tiny-llama"].replace(n_kv_heads=2)
-# GPT-2's vocabulary (50257, prime to every mp > 1), padded to 50304: the padding proven on mp = 2, 4, 8.
-PRESETS["tiny-gpt2vocab"] = PRESETS["tiny-gptj"].replace(vocab_size=50257, d_model=32, d_ff=64)
-
 # Mistral: Llama's blocks with a sliding window (16 < verify's 64 positions: the window is exercised).
 PRESETS["tiny-mistral"] = PRESETS["tiny-llama"].replace(family="mistral", sliding_window=16)
 # Gemma: head_dim 32 != d_model / n_heads = 16 (as Gemma-7b's 256 != 3072 / 16), tied head.
@@ -298,6 +295,8 @@ PRESETS["gemma-7b"] = ModelConfig(
     norm_eps=1e-6,
     tie_embeddings=True,
 )
+# GPT-2's vocabulary (50257, prime to every mp > 1), padded to 50304: the padding proven on mp = 2, 4, 8.
+PRESETS["tiny-gpt2vocab"] = PRESETS["tiny-gptj"].replace(vocab_size=50257, d_model=32, d_ff=64)
 
 
 def default_seq_len(cfg: ModelConfig, seq_len: int = 0) -> int:
