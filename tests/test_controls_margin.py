@@ -79,6 +79,13 @@ CASES = {
     "tiny": (_preset("tiny"), tuple(c for c in CONTROLS if not c.by_collectives)),
     "tiny-gpt2vocab": (_preset("tiny-gpt2vocab"), _named(*ATTENTION)),
     "hf-llama-50257": (_hf_problem, _named(*ATTENTION, "KV heads not replicated per query group")),
+    # Gemma with a window inside the 8 positions: both families' controls in one run.
+    "tiny-gemma window 3": (
+        lambda _: model_problem(
+            get_config("tiny-gemma").replace(sliding_window=3), "g", MP, 2 * DP, SEQ_LEN, dp=DP
+        ),
+        _named("sliding window off by one", "embedding scale applied twice"),
+    ),
     "tiny-llama fsdp+sp doc-mask": (  # the document mask's controls on its EOD-rich batches
         _preset("tiny-llama", fsdp=True, sp=True, doc_mask=EOD),
         tuple(c for c in CONTROLS if c.name.startswith(("FSDP", "SP", "document mask"))),

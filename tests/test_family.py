@@ -25,7 +25,7 @@ def test_every_family_names_existing_layer_code(name):
     assert fam.name == name
     assert fam.block in BLOCKS
     assert fam.norm is None or fam.norm in NORMS
-    assert fam.mlp in ("gelu", "swiglu")
+    assert fam.mlp in ("gelu", "swiglu", "geglu")
     assert (fam.rotary is not None) == fam.attention  # positions enter only through rotary attention
     assert fam.row_sums == (2 if fam.block == "sequential" else 1)
     assert set(fam.remat) <= set(REMAT)

@@ -20,6 +20,9 @@ CASES = {  # every family, grouped-query attention, tied embeddings, z-loss, par
     "tiny-gqa": {"tie_embeddings": True, "z_loss": 1e-3},
     "tiny-gptj": {"z_loss": 1e-3},
     "seed": {},
+    # GeGLU, RMSNorm times (1 + w), the embedding scale, head_dim != d_model / heads; and Mistral's
+    # sliding window (any attention family's), inside the test's 16 positions
+    "tiny-gemma": {"sliding_window": 5},
 }
 
 

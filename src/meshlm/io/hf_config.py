@@ -1,4 +1,4 @@
-"""Hugging Face transformers configs (GPT-J, Llama) to and from meshlm's ``ModelConfig``.
+"""Hugging Face transformers configs (GPT-J, Llama, Mistral, Gemma) to and from meshlm's ``ModelConfig``.
 
 Our conventions were chosen to be HF's (the weights then map by transpose and reshape only, see
 ``meshlm.io.hf_weights``):
@@ -32,6 +32,19 @@ SIZE = Range(int, 1)
 POSITIVE = Range(float, 0, low_open=True)
 DROPOUT = Range(float, 0, 1)
 _REQUIRED = object()
+MISTRAL_WINDOW = 4096  # transformers' MistralConfig.sliding_window when config.json has none
+# transformers' defaults for fields a config.json may leave out, where they are not Llama's.
+MISTRAL_DEFAULTS = {"max_position_embeddings": 4096 * 32}
+GEMMA_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 8192, "tie_word_embeddings": True}
+# Fields of Gemma 2 (and later) that a model_type "gemma" config must not set: never silently dropped.
+GEMMA2_FIELDS = (
+    "final_logit_softcapping",
+    "attn_logit_softcapping",
+    "query_pre_attn_scalar",
+    "sliding_window",
+    "layer_types",
+    "use_bidirectional_attention",
+)
 
 
 # --- from transformers ---------------------------------------------------------------------------
@@ -165,8 +178,32 @@ def _llama_config(hf: dict) -> ModelConfig:
     )
 
 
+def _mistral_config(hf: dict) -> ModelConfig:
+    """Llama's fields plus ``sliding_window``: absent means transformers' default (``MISTRAL_WINDOW``),
+    null means none (v0.3)."""
+    if hf.get("layer_types") is not None:
+        raise _unsupported(
+            "layer_types", hf["layer_types"], "meshlm's mistral uses one window in every layer"
+        )
+    null = "sliding_window" in hf and hf["sliding_window"] is None
+    window = 0 if null else _field(hf, "sliding_window", SIZE, MISTRAL_WINDOW)
+    return _llama_config({**MISTRAL_DEFAULTS, **hf}).replace(family="mistral", sliding_window=window)
+
+
+def _gemma_config(hf: dict) -> ModelConfig:
+    """Llama's fields with GemmaConfig's defaults; Gemma 2's fields (soft-capping, alternating local
+    and global layers, ...) are refused by name: transformers' Gemma would ignore them."""
+    for key in GEMMA2_FIELDS:
+        if hf.get(key) not in (None, False):
+            raise _unsupported(key, hf[key], "it is Gemma 2's; meshlm implements Gemma 1 (model_type gemma)")
+    act = hf.get("hidden_activation")  # the legacy key; transformers 5 reads hidden_act only
+    if act not in (None, HF["gemma"].activations[0]):
+        raise _unsupported("hidden_activation", act, f"Gemma uses {HF['gemma'].activations[0]!r}")
+    return _llama_config({**GEMMA_DEFAULTS, **hf}).replace(family="gemma")
+
+
 def config_from_hf(hf_cfg: dict[str, Any]) -> ModelConfig:
-    """A meshlm ModelConfig from a transformers config.json dict (model_type "gptj" or "llama")."""
+    """A meshlm ModelConfig from a transformers config.json dict (model_type: a key of ``READERS``)."""
     if not isinstance(hf_cfg, dict):
         raise ConfigError(f"HF config must be a JSON object of fields, got a {type(hf_cfg).__name__}")
     family = hf_cfg.get("model_type")
@@ -240,6 +277,14 @@ def _llama_fields(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _mistral_fields(cfg: ModelConfig) -> dict[str, Any]:
+    return {**_llama_fields(cfg), "sliding_window": cfg.sliding_window or None}  # null: no window
+
+
+def _gemma_fields(cfg: ModelConfig) -> dict[str, Any]:
+    return {**_llama_fields(cfg), "hidden_act": HF["gemma"].activations[0]}
+
+
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The transformers config.json dict for ``cfg`` (float32 weights; no tokenizer ids: meshlm does
     not know the tokenizer, so bos/eos/pad are null)."""
@@ -255,10 +300,21 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "dtype": "float32",
         "torch_dtype": "float32",  # the name transformers < 4.56 reads
     }
-    return {**common, **WRITERS[cfg.family][1](cfg)}
+    fields = WRITERS[cfg.family][1](cfg)
+    if cfg.sliding_window and "sliding_window" not in fields:
+        raise ConfigError(
+            f"sliding_window={cfg.sliding_window}: transformers' {cfg.family} has no sliding window "
+            "(mistral has); set sliding_window=0 to export"
+        )
+    return {**common, **fields}
 
 
 # The family-specific halves of the converter, by model_type: config.json -> ModelConfig, and
 # ModelConfig -> (export checks, config.json fields).
-READERS = {"gptj": _gptj_config, "llama": _llama_config}
-WRITERS = {"gptj": (_gptj_exportable, _gptj_fields), "llama": (_llama_exportable, _llama_fields)}
+READERS = {"gptj": _gptj_config, "llama": _llama_config, "mistral": _mistral_config, "gemma": _gemma_config}
+WRITERS = {
+    "gptj": (_gptj_exportable, _gptj_fields),
+    "llama": (_llama_exportable, _llama_fields),
+    "mistral": (_llama_exportable, _mistral_fields),
+    "gemma": (_llama_exportable, _gemma_fields),
+}

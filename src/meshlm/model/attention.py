@@ -88,7 +88,7 @@ class Attention(hk.Module):
         if cfg.attention == "blockwise":
             out = blockwise_attention(q, k, v, positions, key_pos, block=cfg.attn_block, q_start=starts)
         else:
-            out = _attend(q, k, v, positions, key_pos, starts)  # [B, T, H/mp, E]
+            out = _attend(q, k, v, positions, key_pos, starts, cfg.sliding_window)  # [B, T, H/mp, E]
         wo = hk.get_parameter("wo", [hl, cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
         return dense_heads_out(out, wo), cache
 
@@ -101,15 +101,24 @@ def doc_starts(tokens, eod: int):
     return lax.cummax(jnp.where(tokens == eod, t, 0), axis=tokens.ndim - 1)
 
 
-def _attend(q, k, v, q_pos, k_pos, starts=None):
+def window_visible(q_pos, k_pos, window: int):
+    """Whether a query at ``q_pos`` sees a key at ``k_pos`` (broadcast): causal, and with ``window`` > 0
+    also ``q_pos - window < k_pos`` (transformers' ``sliding_window_overlay``: window keys, itself
+    included). Positions are absolute (or within a document), so the cache and every mesh agree."""
+    visible = k_pos <= q_pos
+    return visible & (k_pos > q_pos - window) if window else visible
+
+
+def _attend(q, k, v, q_pos, k_pos, starts=None, window: int = 0):
     """Causal grouped attention, softmax in float32. q [B,T,h,E]; k, v [B,S,kv,E]; pos [B,T]/[B,S].
-    ``starts`` [B, T]: where each query's document starts; it sees only keys from there on."""
+    ``starts`` [B, T]: where each query's document starts; it sees only keys from there on.
+    ``window`` > 0: a query at position i sees keys j with i - window < j <= i (``window_visible``)."""
     b, t, h, e = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, e)
     scores = upcast(jnp.einsum("btkge,bske->bkgts", qg, k))
     scores = scores / jnp.sqrt(jnp.asarray(e, scores.dtype))
-    visible = k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]  # [B,1,1,T,S]
+    visible = window_visible(q_pos[:, None, None, :, None], k_pos[:, None, None, None, :], window)
     if starts is not None:
         visible = visible & (k_pos[:, None, None, None, :] >= starts[:, None, None, :, None])
     scores = jnp.where(visible, scores, jnp.finfo(scores.dtype).min)

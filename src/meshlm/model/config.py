@@ -20,7 +20,7 @@ ATTENTION = ("plain", "blockwise")  # see meshlm.model.attention and meshlm.mode
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str = "ff"  # "ff": the prototype's feed-forward stack; "gptj" / "llama": transformer blocks
+    family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.family``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
     d_model: int = 128  # residual stream width
     n_layers: int = 2  # number of blocks (stacked with hk.experimental.layer_stack)
@@ -53,6 +53,11 @@ class ModelConfig:
     # attention then stays inside a document and positions restart at each (the EOD is the next
     # document's first input). Applies to training, evaluation and KV-cached generation. -1: off.
     doc_mask: int = -1
+    # Sliding-window attention (Mistral): a query at position i sees the keys at positions j with
+    # i - sliding_window < j <= i (transformers' definition: the window counts the query itself), in
+    # training and in the KV cache (a full cache, masked). 0: off (full causal attention). A saved
+    # config without this field predates it and loads as 0: exactly as it was.
+    sliding_window: int = 0
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
@@ -69,6 +74,11 @@ class ModelConfig:
             self._check_attention()
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
+        if self.sliding_window and not (self.arch.attention and self.attention == "plain"):
+            raise ConfigError(
+                f"sliding_window={self.sliding_window} needs a family with attention and attention='plain' "
+                "(blockwise attention has no window yet); set sliding_window=0 or attention='plain'"
+            )
 
     def _check_attention(self):
         if self.n_heads < 1:
@@ -138,6 +148,7 @@ RANGES: dict[str, Range] = {
     "unroll": Range(int, 0, note="0: all layers"),
     "attn_block": POSITIVE_INT,
     "doc_mask": Range(int, -1, note="-1: off"),
+    "sliding_window": Range(int, 0, note="0: off"),
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 
@@ -257,6 +268,29 @@ PRESETS: dict[str, ModelConfig] = {
 # Grouped-query attention with 2 KV heads: on mp = 4 (or 8) the KV heads are replicated, so the
 # replication path is proven on the 4 devices of a laptop, not only on 8.
 PRESETS["tiny-gqa"] = PRESETS["tiny-llama"].replace(n_kv_heads=2)
+# Mistral: Llama's blocks with a sliding window (16 < verify's 64 positions: the window is exercised).
+PRESETS["tiny-mistral"] = PRESETS["tiny-llama"].replace(family="mistral", sliding_window=16)
+# Gemma: head_dim 32 != d_model / n_heads = 16 (as Gemma-7b's 256 != 3072 / 16), tied head.
+PRESETS["tiny-gemma"] = PRESETS["tiny-llama"].replace(
+    family="gemma", n_heads=4, n_kv_heads=0, head_dim=32, tie_embeddings=True
+)
+# Mistral-7B v0.1 (its config.json; v0.3 differs: vocab 32768, rope_theta 1e6, no window).
+PRESETS["mistral-7b"] = PRESETS["llama2-7b"].replace(
+    family="mistral", d_ff=14336, n_kv_heads=8, max_seq_len=32768, sliding_window=4096
+)
+# Gemma-7B (its config.json): 16 heads of 256 on d_model 3072, vocabulary 256000, tied head.
+PRESETS["gemma-7b"] = ModelConfig(
+    family="gemma",
+    vocab_size=256000,
+    d_model=3072,
+    n_layers=28,
+    d_ff=24576,
+    n_heads=16,
+    head_dim=256,
+    max_seq_len=8192,
+    norm_eps=1e-6,
+    tie_embeddings=True,
+)
 # GPT-2's vocabulary (50257, prime to every mp > 1), padded to 50304: the padding proven on mp = 2, 4, 8.
 PRESETS["tiny-gpt2vocab"] = PRESETS["tiny-gptj"].replace(vocab_size=50257, d_model=32, d_ff=64)
 

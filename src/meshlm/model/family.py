@@ -12,7 +12,7 @@ This module must not import JAX: configs are validated (and the CLI built) befor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Per-layer recomputation policies (``model.memory`` says what each keeps); every family has all three.
 REMAT = ("none", "full", "selective")
@@ -43,8 +43,10 @@ class Family:
     block: str  # the layer code (``transformer.BLOCKS``): "ff", "parallel" or "sequential"
     attention: bool  # heads, positions and a KV cache; False: the prototype's feed-forward stack
     rotary: str | None  # the rotary convention transformers uses for it: "interleaved", "half" (None: none)
-    norm: str | None  # "layer" (LayerNorm) or "rms" (RMSNorm) before each branch and at the end
-    mlp: str  # "gelu" or "swiglu"
+    # "layer" (LayerNorm), "rms" (RMSNorm) or "rms_plus_one" (Gemma's: times 1 + w, w starting at 0)
+    # before each branch and at the end
+    norm: str | None
+    mlp: str  # "gelu", "swiglu" or "geglu" (gated, tanh GELU: Gemma)
     biases: bool  # MLP and output-projection biases (the MLP's output bias is a row-parallel bias)
     # Row-parallel sums per layer = entries into column-parallel regions (``par.row_out`` / ``par.f``):
     # a parallel block sums attention and MLP in one, a sequential block needs one per branch.
@@ -53,6 +55,7 @@ class Family:
     hf: HFNames | None = None  # transformers' names; None: no transformers equivalent
     remat: tuple[str, ...] = REMAT  # the recomputation policies its blocks support
     compute_dtypes: tuple[str, ...] = COMPUTE_DTYPES  # the compute dtypes it trains in
+    embed_scale: bool = False  # embeddings multiplied by sqrt(d_model) (Gemma; in the embedding dtype)
 
     def per_layer_text(self) -> str:
         """The minimum's per-layer all-reduces, as the communication check words them."""
@@ -108,6 +111,15 @@ LLAMA_HF = HFNames(
     },
     layer_prefix="model.layers.{i}.",
 )
+# Mistral's tensors are Llama's; its config adds ``sliding_window`` (``ModelConfig.sliding_window``).
+MISTRAL_HF = replace(LLAMA_HF, architecture="MistralForCausalLM")
+# Gemma's tensors are Llama's too; its config's activation is tanh GELU ("gelu" is transformers'
+# legacy spelling of the same: GemmaConfig turns it into "gelu_pytorch_tanh").
+GEMMA_HF = replace(
+    LLAMA_HF,
+    architecture="GemmaForCausalLM",
+    activations=("gelu_pytorch_tanh", "gelu"),
+)
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -149,6 +161,34 @@ FAMILIES: dict[str, Family] = {
             row_sums=2,
             gpt_init=True,
             hf=LLAMA_HF,
+        ),
+        # Llama's blocks; what differs is in its config: a sliding attention window (none on v0.3).
+        Family(
+            name="mistral",
+            block="sequential",
+            attention=True,
+            rotary="half",
+            norm="rms",
+            mlp="swiglu",
+            biases=False,
+            row_sums=2,
+            gpt_init=True,
+            hf=MISTRAL_HF,
+        ),
+        # Gemma 1: sequential blocks, GeGLU MLP, RMSNorm times (1 + w), embeddings times sqrt(d_model),
+        # a tied head (its presets), head_dim 256 whatever d_model / n_heads.
+        Family(
+            name="gemma",
+            block="sequential",
+            attention=True,
+            rotary="half",
+            norm="rms_plus_one",
+            mlp="geglu",
+            biases=False,
+            row_sums=2,
+            gpt_init=True,
+            hf=GEMMA_HF,
+            embed_scale=True,
         ),
     )
 }

@@ -146,10 +146,16 @@ def vocab_parallel_xent(par: Parallel, logits, targets, z_loss: float = 0.0):
     return loss
 
 
+# The gated MLPs' activations (of the gate): SwiGLU (Llama) and GeGLU with tanh GELU (Gemma's
+# ``gelu_pytorch_tanh``).
+GATED = {"swiglu": jax.nn.silu, "geglu": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class MLP(hk.Module):
     """Column-then-row-parallel feed-forward: w_in [D, F/mp] (+ b_in), act, w_out [F/mp, D].
 
-    ``kind`` is "gelu" (two matmuls, biases optional) or "swiglu" (gate and up, no biases).
+    ``kind`` is "gelu" (two matmuls, biases optional), "swiglu" (silu(gate) * up, no biases) or
+    "geglu" (Gemma: gelu_tanh(gate) * up, no biases).
     Returns (partial [B, T, D], bias [D] or None): the bias is added once, after the all-reduce.
     """
 
@@ -165,8 +171,8 @@ class MLP(hk.Module):
         name: str = "mlp",
     ):
         super().__init__(name=name)
-        if kind not in ("gelu", "swiglu"):
-            raise ValueError(f"MLP kind must be 'gelu' or 'swiglu', got {kind!r}")
+        if kind not in GATED and kind != "gelu":
+            raise ValueError(f"MLP kind must be 'gelu', 'swiglu' or 'geglu', got {kind!r}")
         self.d_ff, self.par, self.kind, self.bias = hidden_dim, par, kind, bias
         self.stddev_in, self.stddev_out = stddev_in, stddev_out
 
@@ -177,8 +183,8 @@ class MLP(hk.Module):
 
     def __call__(self, xf):
         fl = self.d_ff // self.par.mp
-        if self.kind == "swiglu":
-            h = jax.nn.silu(self._dense("gate", xf, fl, self.stddev_in, False))
+        if self.kind in GATED:
+            h = GATED[self.kind](self._dense("gate", xf, fl, self.stddev_in, False))
             h = h * self._dense("up", xf, fl, self.stddev_in, False)
             out_name = "down"
         else:
@@ -220,6 +226,21 @@ class RMSNorm(hk.Module):
         y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.eps)
         scale = hk.get_parameter("scale", [x.shape[-1]], init=jnp.ones)
         return (scale * y.astype(x.dtype)).astype(x.dtype)
+
+
+class RMSNormPlusOne(hk.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + scale), in float32 then cast (transformers' ``GemmaRMSNorm``:
+    the product before the cast, unlike Llama's); ``scale`` starts at zero: the identity scale."""
+
+    def __init__(self, *, eps: float, name: str = "ln"):
+        super().__init__(name=name)
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = upcast(x)
+        y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.eps)
+        scale = hk.get_parameter("scale", [x.shape[-1]], init=jnp.zeros)
+        return (y * (1.0 + upcast(scale))).astype(x.dtype)
 
 
 def rotary_angles(positions, rot_dim: int, theta: float, dtype):

@@ -21,6 +21,7 @@ from meshlm.model.layers import (
     MLP,
     LayerNorm,
     RMSNorm,
+    RMSNormPlusOne,
     VocabEmbed,
     VocabHead,
     mask_vocab_padding,
@@ -97,7 +98,7 @@ def _stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
 
 
 BLOCKS = {"ff": _ff_layer, "parallel": _parallel_layer, "sequential": _sequential_layer}  # Family.block
-NORMS = {"layer": LayerNorm, "rms": RMSNorm}  # Family.norm
+NORMS = {"layer": LayerNorm, "rms": RMSNorm, "rms_plus_one": RMSNormPlusOne}  # Family.norm
 
 
 def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=None, starts=None):
@@ -128,6 +129,8 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, sta
         real_vocab=cfg.vocab_size,
     )
     x = embed(tokens)  # [B, T, D]; with sp [B, T/mp, D] per shard
+    if cfg.arch.embed_scale:  # Gemma: sqrt(d_model), rounded to float32, in the embedding's dtype
+        x = x * jnp.asarray(embed_scale(cfg.d_model), x.dtype)
     x, cache = _stack(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, cache, starts)
     if cfg.arch.norm is not None:
         x = _norm(cfg, "final_ln")(x)
@@ -143,6 +146,12 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, sta
         real_vocab=cfg.vocab_size,
     )
     return head.local_logits(xf), cache
+
+
+def embed_scale(d_model: int) -> np.float32:
+    """Gemma's embedding multiplier: sqrt(d_model) as transformers makes it (a float32 tensor, then
+    cast to the embedding's dtype)."""
+    return np.float32(np.sqrt(d_model))
 
 
 def loss_fn(cfg: ModelConfig, par: Parallel):

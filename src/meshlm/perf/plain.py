@@ -7,8 +7,9 @@ rotary tables and the causal mask built once per step, attention as [B, H, T, T]
 ``log_softmax`` cross-entropy. It is what meshlm's step is measured against: the gap between the two
 is the cost of meshlm's generality (one model code for every mesh), which should be close to none.
 
-Every family is covered (``ff``, ``gptj``, ``llama``, grouped-query attention, tied embeddings,
-z-loss); its loss equals meshlm's unsharded loss up to float rounding (tests/test_plain.py).
+Every family is covered (``ff``, ``gptj``, ``llama``, ``mistral``'s window, ``gemma``, grouped-query
+attention, tied embeddings, z-loss); its loss equals meshlm's unsharded loss up to float rounding
+(tests/test_plain.py).
 Shapes are global (one device): tokens [B, T], hidden x [B, T, D].
 """
 
@@ -77,8 +78,9 @@ def _attention(cfg: ModelConfig, p, x, cos, sin, mask):
 
 
 def _mlp(p, x, kind: str):
-    if kind == "swiglu":
-        return (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
+    if kind in ("swiglu", "geglu"):
+        act = jax.nn.silu if kind == "swiglu" else GELU
+        return (act(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
     return GELU(x @ p["w_in"] + p["b_in"]) @ p["w_out"] + p["b_out"]
 
 
@@ -86,6 +88,10 @@ def _norm(cfg: ModelConfig, p, x):
     """The family's norm (``Family.norm``) with parameters ``p``."""
     if cfg.arch.norm == "layer":
         return _layer_norm(x, p["scale"], p["offset"], cfg.norm_eps)
+    if cfg.arch.norm == "rms_plus_one":  # Gemma: times (1 + w) in float32, then cast
+        x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + cfg.norm_eps)
+        return (y * (1.0 + p["scale"].astype(y.dtype))).astype(x.dtype)
     return _rms_norm(x, p["scale"], cfg.norm_eps)
 
 
@@ -109,8 +115,12 @@ def logits(cfg: ModelConfig, params, tokens):
     x = table[tokens]
     if "b" in params["embed"]:
         x = x + params["embed"]["b"]
+    if cfg.arch.embed_scale:  # Gemma
+        x = x * jnp.asarray(np.float32(np.sqrt(cfg.d_model)), x.dtype)
     cos, sin = _rotary_tables(cfg, t, x.dtype) if cfg.arch.attention else (None, None)
-    mask = jnp.asarray(np.tril(np.ones((t, t), bool)))  # [T, T] query >= key
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    window = (j > i - cfg.sliding_window) if cfg.sliding_window else True  # i - window < j
+    mask = jnp.asarray((j <= i) & window)  # [T, T] query >= key (within the window)
     layers = {m.removeprefix("layers/"): p for m, p in params.items() if m.startswith("layers/")}
     for i in range(cfg.n_layers):
         x = _block(cfg, jax.tree.map(operator.itemgetter(i), layers), x, cos, sin, mask)

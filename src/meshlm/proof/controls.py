@@ -144,6 +144,7 @@ class Where:
     collectives: bool = False  # whether the communication check runs (it detects extra collectives)
     fsdp: bool = False  # weights split over DP (FSDP)
     sp: bool = False  # sequence parallelism over MP
+    seq_len: int = 0  # positions per row of the proof's batch (0: not known)
 
     @property
     def attention(self) -> bool:
@@ -278,4 +279,38 @@ CONTROLS += (  # --doc-mask (``proof.documents``): the batches are EOD-rich ther
         par_cls=DocMaskCrossesOnOneShard,
     ),
     Control(name="document mask off (the mask must matter)", applies=_doc_masked, cfg_change=doc_mask_off),
+)
+
+
+def _window_off_by_one(cfg):
+    """The sliding window one key wider (i - window <= j) in the sharded run."""
+    return cfg.replace(sliding_window=cfg.sliding_window + 1)
+
+
+def embedding_scaled_twice(cfg, params):
+    """The embedding table times sqrt(d_model) in the sharded run: Gemma's scale applied twice (as a
+    converter folding it into the weights while the model still applies it), the tied head's logits
+    scaled once."""
+    from meshlm.model.transformer import embed_scale
+
+    def plant(path, x):
+        if path != "embed/embeddings":
+            return x
+        return jax.device_put(x * jnp.asarray(embed_scale(cfg.d_model), x.dtype), x.sharding)
+
+    return {m: {n: plant(param_path(m, n), x) for n, x in leaves.items()} for m, leaves in params.items()}
+
+
+CONTROLS += (
+    # Detectable only where some query has a key exactly ``window`` positions back: window < seq_len.
+    Control(
+        name="sliding window off by one",
+        applies=lambda w: w.attention and 0 < w.cfg.sliding_window < w.seq_len,
+        cfg_change=_window_off_by_one,
+    ),
+    Control(
+        name="embedding scale applied twice",
+        applies=lambda w: w.cfg is not None and w.cfg.arch.embed_scale,
+        params_change=embedding_scaled_twice,
+    ),
 )

@@ -87,6 +87,7 @@ def verify(
         collectives=collectives,
         fsdp=problem.fsdp,
         sp=problem.sp,
+        seq_len=int(jnp.shape(problem.batch.get("inputs", ()))[-1]),
     )
     report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in controls if c.applies(where)]
     return report
