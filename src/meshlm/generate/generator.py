@@ -53,7 +53,8 @@ class Generator:
 
     ``max_len``: the cache length S (default ``cfg.max_seq_len``): prompt + new tokens must fit in it.
     ``tokenizer``: ``encode(str) -> ids`` / ``decode(ids) -> str`` (default: bytes). ``eod``: the id
-    that ends generation (default: the tokenizer's ``eod_id``; None: never stop on a token). Compiled
+    that ends generation, or a list of ids any of which ends it (Llama 3's EOS ids; default: the
+    tokenizer's ``eod_id``; None: never stop on a token). Compiled
     programs are shared by Generators of the same config, mesh, max_len and parameter dtypes.
     """
 
