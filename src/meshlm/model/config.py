@@ -94,8 +94,6 @@ class ModelConfig:
             raise ConfigError(f"rotary_style={self.rotary_style!r}; valid: interleaved, half")
         if self.rotary_dim % 2 or self.rotary_dim > self.dim_per_head:
             raise ConfigError(f"rotary_dim={self.rotary_dim} must be even and <= head_dim")
-        if self.rope_scaling is not None and self.rotary_kind != "half":
-            raise ConfigError("rope_scaling (Llama 3's) needs rotary_style 'half'")
 
     @property
     def arch(self) -> Family:
