@@ -3,6 +3,7 @@ or with --json one JSON object per preset: {"name", "params", "config"}."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 
@@ -12,6 +13,7 @@ def add_parser(sub) -> None:
     p.set_defaults(fn=run)
 
 
+@functools.cache
 def param_count(cfg) -> int:
     """Parameters of the real model (the vocabulary unpadded, a tied head counted once), from the
     model's own shapes: nothing is allocated."""
