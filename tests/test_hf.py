@@ -205,7 +205,9 @@ def test_unsupported_gptj_config(changes, field):
         hf_config.config_from_hf({**hf_config.config_to_hf(get_config("tiny-gptj")), **changes})
 
 
-@pytest.mark.parametrize("preset", ["tiny-gptj", "tiny-llama", "gptj-6b", "llama2-7b", "cpu"])
+@pytest.mark.parametrize(
+    "preset", ["tiny-gptj", "tiny-llama", "gptj-6b", "llama2-7b", "cpu", "llama3.1-70b", "qwen2.5-7b"]
+)
 def test_config_round_trip(preset):
     cfg = get_config(preset)
     assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg

@@ -275,6 +275,7 @@ def _llama_fields(cfg: ModelConfig) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "rope_parameters": _rope_fields(cfg),
         "rope_theta": cfg.rope_theta,  # where transformers 4.x reads it
+        **({"rope_scaling": _rope_fields(cfg)} if cfg.rope_scaling else {}),  # and its scaling
     }
 
 
