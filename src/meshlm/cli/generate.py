@@ -107,11 +107,13 @@ def _tokenizer(args):
 
 def _stop_ids(args, tok):
     """The model's own EOS ids where a conversion recorded them (Llama 3: any of several ends the
-    text, as in transformers' generate), else the tokenizer's end-of-document id."""
+    text, as in transformers' generate), else (or if none is in the vocabulary) the tokenizer's
+    end-of-document id."""
     from meshlm.cli.convert import EOS_KEY
     from meshlm.io.model_io import read_config
 
-    return read_config(args.checkpoint)[1].get(EOS_KEY) or tok.eod_id
+    cfg, meta = read_config(args.checkpoint)
+    return [i for i in meta.get(EOS_KEY, []) if i < cfg.vocab_size] or tok.eod_id
 
 
 def run(args) -> int:
