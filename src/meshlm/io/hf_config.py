@@ -112,6 +112,14 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     return theta, scaling
 
 
+def _rope_theta(hf: dict, family: str = "gptj") -> float:
+    """The rotary base of a family with plain RoPE only: Llama 3's scaling there is an error."""
+    theta, scaling = _rope(hf)
+    if scaling is not None:
+        raise _unsupported("rope_parameters.rope_type", "llama3", f"transformers' {family} has plain RoPE")
+    return theta
+
+
 def _llama3_scaling(rope: dict, field: str, hf: dict) -> RopeScaling:
     """transformers' llama3 parameters; original_max_position_embeddings defaults, as there, to
     max_position_embeddings."""
@@ -140,9 +148,7 @@ def _gptj_config(hf: dict) -> ModelConfig:
         raise _unsupported("tie_word_embeddings", True, "meshlm's gptj head is untied (it has a bias)")
     if "rotary_dim" in hf and hf["rotary_dim"] is None:
         raise _unsupported("rotary_dim", None, "set rotary_dim to the number of rotated dims per head")
-    theta, scaling = _rope(hf)
-    if scaling is not None:
-        raise _unsupported("rope_parameters.rope_type", "llama3", "transformers' GPT-J has plain RoPE")
+    theta = _rope_theta(hf, "GPT-J")
     if theta != GPTJ_ROPE_THETA:
         raise _unsupported("rope_theta", theta, f"transformers' GPT-J always uses {GPTJ_ROPE_THETA}")
     per_head = _check_heads(d, heads, ("n_embd", "n_head"), None)
