@@ -158,6 +158,10 @@ def test_cli_round_trip(hf_model, tokens, tmp_path, capsys):
     assert "not an empty directory" in capsys.readouterr().err
 
 
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+LLAMA3["original_max_position_embeddings"] = 16
+
+
 def _llama_dict(**changes) -> dict:
     return {**hf_config.config_to_hf(get_config("tiny-llama")), **changes}
 
@@ -166,7 +170,12 @@ def _llama_dict(**changes) -> dict:
     "changes, field",
     [
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling.rope_type"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_parameters.rope_type"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5}}, "rope_parameters.rope_type"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_parameters of rope_type"),
+        ({"rope_scaling": {"rope_type": "llama3", **LLAMA3, "beta": 1.0}}, "rope_scaling keys"),
+        ({"rope_scaling": {"rope_type": "llama3", **LLAMA3, "factor": -1.0}}, "factor"),
+        ({"model_type": "qwen2", "architectures": None, "use_sliding_window": True}, "use_sliding_window"),
+        ({"model_type": "qwen2", "architectures": None, "layer_types": ["sliding_attention"]}, "layer_types"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type"),
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
@@ -196,7 +205,9 @@ def test_unsupported_gptj_config(changes, field):
         hf_config.config_from_hf({**hf_config.config_to_hf(get_config("tiny-gptj")), **changes})
 
 
-@pytest.mark.parametrize("preset", ["tiny-gptj", "tiny-llama", "gptj-6b", "llama2-7b", "cpu"])
+@pytest.mark.parametrize(
+    "preset", ["tiny-gptj", "tiny-llama", "gptj-6b", "llama2-7b", "cpu", "llama3.1-70b", "qwen2.5-7b"]
+)
 def test_config_round_trip(preset):
     cfg = get_config(preset)
     assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg

@@ -18,6 +18,7 @@ from typing import NoReturn
 
 from meshlm.cli import (
     bench,
+    configs,
     convert,
     data,
     evaluate,
@@ -31,15 +32,7 @@ from meshlm.cli import (
 )
 from meshlm.errors import Interrupted, MeshlmError, is_disk_full
 
-COMMANDS = [train, verify, generate, evaluate, convert, launch, bench, memory, plan, tokenizer, data]
-
-
-def _configs(args) -> int:
-    from meshlm.model.config import PRESETS
-
-    for name, cfg in PRESETS.items():
-        print(f"{name:<11} {cfg.to_json()}")
-    return 0
+COMMANDS = [train, verify, generate, evaluate, convert, launch, bench, memory, plan, tokenizer, data, configs]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub)
-    sub.add_parser("configs", help="list the model presets").set_defaults(fn=_configs)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""meshlm convert: transformers GPT-J / Llama directories to meshlm checkpoints, and back."""
+"""meshlm convert: transformers GPT-J / Llama / Qwen2 directories to meshlm checkpoints, and back."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from meshlm.errors import ConfigError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("convert", help="convert Hugging Face GPT-J / Llama <-> meshlm checkpoints")
+    p = sub.add_parser("convert", help="convert Hugging Face GPT-J / Llama / Qwen2 <-> meshlm checkpoints")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="a transformers directory (config.json + safetensors)")
     src.add_argument("--to-hf", metavar="CKPT", help="a meshlm checkpoint (run or step directory)")
@@ -80,6 +80,9 @@ def _from_hf(args, layout) -> dict:
     with _owned(args.out):  # the tokenizer is written into --out too: only once it is ours
         entry = tokenizer_meta(args.out, tok) if tok is not None else dict(NONE_ENTRY)
         meta = {"converted_from": str(Path(args.from_hf).absolute()), "tokenizer": entry}
+        eos = _hf_eos_ids(Path(args.from_hf))
+        if eos:
+            meta[EOS_KEY] = eos  # generate stops at any of them, as transformers' generate does
         save_model(args.out, cfg, unflatten(placed), meta=meta)
     return {**_summary(args.from_hf, args.out, "meshlm checkpoint", cfg, flat), "tokenizer": _says(tok)}
 
@@ -91,6 +94,27 @@ def _hf_tokenizer(directory: str):
 
     path = Path(directory) / "tokenizer.json"
     return load_tokenizer(path) if path.is_file() else None
+
+
+EOS_KEY = "eos_token_ids"  # a converted checkpoint's meta: the model's own EOS ids (config.json's)
+
+
+def _hf_eos_ids(directory: Path) -> list[int]:
+    """The ids ``generate(do_sample=False)`` stops at: generation_config.json's eos_token_id, else
+    config.json's; an int or a list (Llama 3 Instruct: three). [] where neither names one."""
+    for name in ("generation_config.json", "config.json"):
+        path = directory / name
+        try:
+            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):  # absent or unreadable: config.json's own
+            continue  # errors were reported by load_hf already
+        ids = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
+        if eos is None:
+            continue
+        if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
+            raise ConfigError(f"{path}: eos_token_id={eos!r} must be a token id or a list of ids; correct it")
+        return ids  # an id >= the vocabulary (GPT-J's default 50256 on a small model) is never produced
+    return []
 
 
 def _says(tok) -> str:
@@ -120,13 +144,16 @@ def _to_hf(args, layout) -> dict:
     with _owned(args.out):
         if jax.process_index() == 0:
             save_hf(cfg, flat, args.out)
-            _write_hf_tokenizer(Path(args.out), tok, cfg)
+            _write_hf_tokenizer(Path(args.out), tok, cfg, read_config(args.to_hf)[1].get(EOS_KEY))
     return {**_summary(args.to_hf, args.out, "transformers", cfg, flat), "tokenizer": _says(tok)}
 
 
-def _write_hf_tokenizer(out: Path, tok, cfg) -> None:
+def _write_hf_tokenizer(out: Path, tok, cfg, eos: list[int] | None) -> None:
     """tokenizer.json + tokenizer_config.json (``AutoTokenizer.from_pretrained(out)`` loads them), and
-    the EOD as config.json's eos_token_id so that transformers' generate stops where meshlm's does."""
+    the EOD (or the model's own EOS ids, ``eos``) as config.json's eos_token_id so that transformers'
+    generate stops where meshlm's does."""
+    if eos:
+        _set_eos(out, eos if len(eos) > 1 else eos[0])
     if tok is None or tok.kind == "bytes":
         return  # bytes: transformers has no byte tokenizer to name; ids are the UTF-8 bytes
     (out / "tokenizer.json").write_text(tok.to_json(), encoding="utf-8")
@@ -137,8 +164,13 @@ def _write_hf_tokenizer(out: Path, tok, cfg) -> None:
         "clean_up_tokenization_spaces": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    if not eos:
+        _set_eos(out, tok.eod_id)
+
+
+def _set_eos(out: Path, eos: int | list[int]) -> None:
     config = json.loads((out / "config.json").read_text())
-    config["eos_token_id"] = tok.eod_id
+    config["eos_token_id"] = eos
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

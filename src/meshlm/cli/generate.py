@@ -105,6 +105,17 @@ def _tokenizer(args):
     return tok
 
 
+def _stop_ids(args, tok):
+    """The model's own EOS ids where a conversion recorded them (Llama 3: any of several ends the
+    text, as in transformers' generate), else (or if none is in the vocabulary) the tokenizer's
+    end-of-document id."""
+    from meshlm.cli.convert import EOS_KEY
+    from meshlm.io.model_io import read_config
+
+    cfg, meta = read_config(args.checkpoint)
+    return [i for i in meta.get(EOS_KEY, []) if i < cfg.vocab_size] or tok.eod_id
+
+
 def run(args) -> int:
     prompts = _prompts(args)  # file errors before the slow parts
     layout = setup(args)
@@ -114,7 +125,7 @@ def run(args) -> int:
 
     tok = _tokenizer(args)  # the checkpoint's own: bytes, or its tokenizer.json
     cfg, params, _ = load_model(args.checkpoint, layout)
-    gen = Generator(cfg, params, layout, tokenizer=tok, eod=tok.eod_id)
+    gen = Generator(cfg, params, layout, tokenizer=tok, eod=_stop_ids(args, tok))
     streaming = not args.json and len(prompts) == 1 and is_main()
     results = gen.generate(
         prompts,

@@ -107,7 +107,13 @@ class HFTokenizer(Tokenizer):
         return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
     def encode_prompt(self, text: str) -> np.ndarray:
-        return np.asarray(self.tok.encode(text).ids, dtype=np.int32)  # as AutoTokenizer(text) does
+        """As AutoTokenizer(text) does: with what the post-processor adds (Llama 3's BOS) — never
+        dropped; but a prompt whose text already starts with that token keeps one, never two."""
+        full = self.tok.encode(text).ids
+        plain = self.tok.encode(text, add_special_tokens=False).ids
+        if plain and len(full) > len(plain) and full[0] == plain[0] and full[1 : len(plain) + 1] == plain:
+            full = full[1:]  # the text's own BOS, and the post-processor's again
+        return np.asarray(full, dtype=np.int32)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """``encode`` of each text, in parallel threads."""

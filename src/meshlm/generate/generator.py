@@ -54,8 +54,8 @@ class Generator:
     Mesh (axes dp, mp; generation keeps whole weights: a layout's memory options do not apply).
 
     ``max_len``: the cache length S (default ``cfg.max_seq_len``): prompt + new tokens must fit in it.
-    ``tokenizer``: ``encode(str) -> ids`` / ``decode(ids) -> str`` (default: bytes). ``eod``: the id
-    that ends generation (default: the tokenizer's ``eod_id``; None: never stop on a token). Compiled
+    ``tokenizer``: ``encode(str) -> ids`` / ``decode(ids) -> str`` (default: bytes). ``eod``: the id(s)
+    ending generation (default: the tokenizer's ``eod_id``; a list: any; None: none). Compiled
     programs are shared by Generators of the same config, mesh, max_len and parameter dtypes.
     """
 

@@ -1,17 +1,19 @@
 """Host-side outputs of generation: tokenizers, incremental decoding to text, stopping, results.
 
-Stopping (host side, per step): ``max_new_tokens``, the end-of-document id (``data.EOD``; kept in
-``tokens``, not in ``text``), or a stop string (``text`` ends before it; generation stops at the step
-that completes it). Text streams through ``on_token(index, token, piece)``: bytes are decoded
-incrementally (a multi-byte UTF-8 character arrives whole) and text that could begin a stop string is
-held back until it cannot, so the pieces of a row always join to exactly its ``text``.
+Stopping (host side, per step): ``max_new_tokens``, an end-of-document id (``data.EOD``, or any of a
+model's list of EOS ids; kept in ``tokens``, not in ``text``), or a stop string (``text`` ends before
+it; generation stops at the step that completes it). Text streams through ``on_token(index, token,
+piece)``: bytes are decoded incrementally (a multi-byte UTF-8 character arrives whole) and text that
+could begin a stop string is held back until it cannot, so the pieces of a row always join to exactly
+its ``text``.
 """
 
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
+from numbers import Integral
 
 import numpy as np
 
@@ -20,6 +22,7 @@ from meshlm.data.tokenizer import ByteTokenizer
 __all__ = ["ByteTokenizer", "ByteStream", "DiffStream", "GenerationResult", "OutputRow", "make_stream"]
 
 OnToken = Callable[[int, int, str], None]  # (prompt index, token id, newly printable text)
+Stops = int | Iterable[int] | None  # the id(s) that end generation (None: none)
 
 
 class ByteStream:
@@ -96,15 +99,16 @@ class GenerationResult:
 class OutputRow:
     """One prompt's output: its ids, its text so far, why it ended; streams through ``on_token``."""
 
-    def __init__(self, index: int, stream, stops: Sequence[str], eod: int | None, on_token: OnToken | None):
-        self.index, self.stream, self.stops, self.eod, self.on_token = index, stream, stops, eod, on_token
+    def __init__(self, index: int, stream, stops: Sequence[str], eod: Stops, on_token: OnToken | None):
+        self.index, self.stream, self.stops, self.on_token = index, stream, stops, on_token
+        self.eod = stop_ids(eod)
         self.ids: list[int] = []
         self.text, self.sent, self.finish = "", 0, None
 
     def push(self, token: int, last: bool) -> None:
         self.ids.append(token)
         start = len(self.text)
-        if token == self.eod:
+        if token in self.eod:
             self.finish = "eod"
         else:
             self.text += self.stream.feed(token)
@@ -128,6 +132,14 @@ class OutputRow:
         """This row's result; ``rates``: the whole batch's (prefill, decode) tokens per second."""
         prompt = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
         return GenerationResult(prompt, self.ids, self.text, rates[0], rates[1], self.finish)
+
+
+def stop_ids(eod: Stops) -> frozenset[int]:
+    """The ids that end generation: one end-of-document id, several (Llama 3's ``eos_token_id`` list:
+    any of them stops), or None: none."""
+    if eod is None:
+        return frozenset()
+    return frozenset([int(eod)] if isinstance(eod, Integral) else (int(i) for i in eod))
 
 
 def push_tokens(rows: list[OutputRow], nxt: np.ndarray, last: bool) -> int:

@@ -1,4 +1,5 @@
-"""Hugging Face transformers configs (GPT-J, Llama, Mistral, Gemma) to and from meshlm's ``ModelConfig``.
+"""Hugging Face transformers configs (GPT-J, Llama 2/3.x, Qwen2/2.5, Mistral, Gemma) to and from meshlm's
+``ModelConfig``.
 
 Our conventions were chosen to be HF's (the weights then map by transpose and reshape only, see
 ``meshlm.io.hf_weights``):
@@ -7,18 +8,20 @@ Our conventions were chosen to be HF's (the weights then map by transpose and re
   * HF Llama q/k weights are stored for ``rotate_half`` (Meta's permutation is undone when a Meta
     checkpoint is converted to HF format); meshlm's "half" style is rotate_half over the whole head.
 
-Anything HF can express that meshlm does not compute (rope scaling, biases we do not have, other
-activations, dropout) is a ``ConfigError`` naming the field: a conversion never silently changes
-the model.
+Anything HF can express that meshlm does not compute (rope scaling other than Llama 3's, biases we do
+not have, sliding windows, other activations, dropout) is a ``ConfigError`` naming the field: a
+conversion never silently changes the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig
 from meshlm.model.family import FAMILIES, HFNames
+from meshlm.model.rope import RopeScaling
 from meshlm.ranges import Range
 
 # The families transformers can express, by model_type (= our family name): their ``HFNames``.
@@ -26,6 +29,8 @@ HF: dict[str, HFNames] = {name: f.hf for name, f in FAMILIES.items() if f.hf is 
 ARCHITECTURES = {name: names.architecture for name, names in HF.items()}
 GPTJ_ROPE_THETA = 10000.0  # hard-coded in transformers' GPT-J
 ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+# Llama 3's rope_type "llama3" parameters (``model.rope.RopeScaling``), in transformers' names.
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # What each numeric field read from config.json accepts; messages use HF's field names, the ones the
 # user sees in the file. A float where an int belongs, a bool or a string is refused, never coerced.
 SIZE = Range(int, 1)
@@ -93,30 +98,55 @@ def _check_common(hf: dict, family: str) -> None:
             raise _unsupported(key, hf[key], f"meshlm's {family} has no such biases")
 
 
-def _rope_theta(hf: dict) -> float:
-    """The rotary base, from rope_parameters / rope_scaling (transformers 5) or top-level rope_theta.
-
-    Only plain RoPE ("default") is supported; every other key is an error, never dropped.
-    """
+def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
+    """(rotary base, Llama 3 scaling or None) from rope_parameters / rope_scaling (transformers 5) or
+    top-level rope_theta. Plain RoPE ("default") and "llama3" convert; any other rope_type, and any
+    key the type does not use, is an error naming the field, never dropped."""
     theta = float(_field(hf, "rope_theta", POSITIVE, 10000.0, nullable=True))
-    factor = hf.get("partial_rotary_factor")
+    factor, scaling = hf.get("partial_rotary_factor"), None
     for field in ("rope_parameters", "rope_scaling"):
         rope = hf.get(field)
         if rope is None:
             continue
         if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
-            raise _unsupported(field, rope, "only one flat dict of default RoPE parameters converts")
+            raise _unsupported(field, rope, "only one flat dict of RoPE parameters converts")
         kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            raise _unsupported(f"{field}.rope_type", kind, "meshlm implements only plain RoPE ('default')")
-        extra = sorted(set(rope) - ROPE_KEYS)
+        if kind not in ("default", "llama3"):
+            raise _unsupported(f"{field}.rope_type", kind, "meshlm implements 'default' and 'llama3' RoPE")
+        known = ROPE_KEYS | (set(LLAMA3_KEYS) if kind == "llama3" else set())
+        extra = sorted(set(rope) - known)
         if extra:
-            raise _unsupported(f"{field} keys", extra, f"known keys: {sorted(ROPE_KEYS)}")
+            raise _unsupported(f"{field} keys", extra, f"known keys for {kind!r}: {sorted(known)}")
         theta = float(_field(rope, "rope_theta", POSITIVE, theta))
         factor = rope.get("partial_rotary_factor", factor)
+        if kind == "llama3":
+            scaling = _llama3_scaling(rope, field, hf)
     if factor is not None and (isinstance(factor, bool) or factor != 1):  # True == 1 in Python
         raise _unsupported("partial_rotary_factor", factor, "Llama rotates the whole head dim in meshlm")
+    return theta, scaling
+
+
+def _rope_theta(hf: dict, family: str = "gptj") -> float:
+    """The rotary base of a family with plain RoPE only: Llama 3's scaling there is an error."""
+    theta, scaling = _rope(hf)
+    if scaling is not None:
+        raise _unsupported("rope_parameters.rope_type", "llama3", f"transformers' {family} has plain RoPE")
     return theta
+
+
+def _llama3_scaling(rope: dict, field: str, hf: dict) -> RopeScaling:
+    """transformers' llama3 parameters; original_max_position_embeddings defaults, as there, to
+    max_position_embeddings."""
+    values = {k: _field(rope, k, POSITIVE if k != LLAMA3_KEYS[-1] else SIZE, None) for k in LLAMA3_KEYS}
+    if values[LLAMA3_KEYS[-1]] is None:
+        values[LLAMA3_KEYS[-1]] = _field(hf, "max_position_embeddings", SIZE, 2048)
+    missing = [k for k, v in values.items() if v is None]
+    if missing:
+        raise ConfigError(f"HF config {field} of rope_type 'llama3' has no {missing}; correct config.json")
+    try:
+        return RopeScaling(**values)
+    except ConfigError as e:
+        raise ConfigError(f"HF config {field}: {e}; correct config.json") from None
 
 
 def _check_heads(d: int, heads: int, names: tuple[str, str], head_dim: int | None) -> int:
@@ -132,7 +162,7 @@ def _gptj_config(hf: dict) -> ModelConfig:
         raise _unsupported("tie_word_embeddings", True, "meshlm's gptj head is untied (it has a bias)")
     if "rotary_dim" in hf and hf["rotary_dim"] is None:
         raise _unsupported("rotary_dim", None, "set rotary_dim to the number of rotated dims per head")
-    theta = _rope_theta(hf)
+    theta = _rope_theta(hf, "GPT-J")
     if theta != GPTJ_ROPE_THETA:
         raise _unsupported("rope_theta", theta, f"transformers' GPT-J always uses {GPTJ_ROPE_THETA}")
     per_head = _check_heads(d, heads, ("n_embd", "n_head"), None)
@@ -152,7 +182,20 @@ def _gptj_config(hf: dict) -> ModelConfig:
     )
 
 
-def _llama_config(hf: dict) -> ModelConfig:
+def _qwen2_config(hf: dict) -> ModelConfig:
+    """Qwen2 / Qwen2.5: Llama's fields (its q/k/v biases are the family's); no sliding window."""
+    if _flag(hf, "use_sliding_window"):
+        raise _unsupported("use_sliding_window", True, "meshlm's qwen2 attends to the whole context")
+    for key in ("use_mrope",):  # Qwen2-VL's multimodal rotary
+        if _flag(hf, key):
+            raise _unsupported(key, True, "meshlm's qwen2 has plain 1-D rotary positions")
+    kinds = hf.get("layer_types") or []
+    if not isinstance(kinds, list) or any(k != "full_attention" for k in kinds):
+        raise _unsupported("layer_types", kinds, "meshlm's qwen2 has only 'full_attention' layers")
+    return _llama_config(hf, "qwen2")
+
+
+def _llama_config(hf: dict, family: str = "llama") -> ModelConfig:
     d, heads = _field(hf, "hidden_size", SIZE), _field(hf, "num_attention_heads", SIZE)
     kv = _field(hf, "num_key_value_heads", SIZE, heads, nullable=True)
     if heads % kv:
@@ -162,8 +205,9 @@ def _llama_config(hf: dict) -> ModelConfig:
         )
     head_dim = _field(hf, "head_dim", SIZE, None, nullable=True)
     head_dim = _check_heads(d, heads, ("hidden_size", "num_attention_heads"), head_dim)
+    theta, scaling = _rope(hf)
     return ModelConfig(
-        family="llama",
+        family=family,
         vocab_size=_field(hf, "vocab_size", SIZE),
         d_model=d,
         n_layers=_field(hf, "num_hidden_layers", SIZE),
@@ -171,7 +215,8 @@ def _llama_config(hf: dict) -> ModelConfig:
         n_heads=heads,
         n_kv_heads=0 if kv == heads else kv,  # 0 = n_heads, our canonical form
         head_dim=0 if d % heads == 0 and head_dim == d // heads else head_dim,
-        rope_theta=_rope_theta(hf),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_seq_len=_field(hf, "max_position_embeddings", SIZE, 2048),
         norm_eps=float(_field(hf, "rms_norm_eps", POSITIVE, 1e-6)),
         tie_embeddings=_flag(hf, "tie_word_embeddings"),
@@ -272,8 +317,9 @@ def _llama_fields(cfg: ModelConfig) -> dict[str, Any]:
         "attention_bias": False,
         "mlp_bias": False,
         "attention_dropout": 0.0,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": _rope_fields(cfg),
         "rope_theta": cfg.rope_theta,  # where transformers 4.x reads it
+        **({"rope_scaling": _rope_fields(cfg)} if cfg.rope_scaling else {}),  # and its scaling
     }
 
 
@@ -283,6 +329,18 @@ def _mistral_fields(cfg: ModelConfig) -> dict[str, Any]:
 
 def _gemma_fields(cfg: ModelConfig) -> dict[str, Any]:
     return {**_llama_fields(cfg), "hidden_act": HF["gemma"].activations[0]}
+
+
+def _rope_fields(cfg: ModelConfig) -> dict[str, Any]:
+    if cfg.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, **dataclasses.asdict(cfg.rope_scaling)}
+
+
+def _qwen2_fields(cfg: ModelConfig) -> dict[str, Any]:
+    fields = {k: v for k, v in _llama_fields(cfg).items() if k not in ("attention_bias", "mlp_bias")}
+    window = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers}
+    return {**fields, **window, "layer_types": ["full_attention"] * cfg.n_layers}
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -311,10 +369,17 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 # The family-specific halves of the converter, by model_type: config.json -> ModelConfig, and
 # ModelConfig -> (export checks, config.json fields).
-READERS = {"gptj": _gptj_config, "llama": _llama_config, "mistral": _mistral_config, "gemma": _gemma_config}
+READERS = {
+    "gptj": _gptj_config,
+    "llama": _llama_config,
+    "qwen2": _qwen2_config,
+    "mistral": _mistral_config,
+    "gemma": _gemma_config,
+}
 WRITERS = {
     "gptj": (_gptj_exportable, _gptj_fields),
     "llama": (_llama_exportable, _llama_fields),
+    "qwen2": (_llama_exportable, _qwen2_fields),
     "mistral": (_llama_exportable, _mistral_fields),
     "gemma": (_llama_exportable, _gemma_fields),
 }

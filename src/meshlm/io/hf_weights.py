@@ -19,7 +19,6 @@ import numpy as np
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.io.hf_config import ARCHITECTURES, config_from_hf, config_to_hf
 from meshlm.model.config import ModelConfig
-from meshlm.model.family import LLAMA_HF
 from meshlm.model.padding import VOCAB_AXIS, resize, resize_flat
 from meshlm.model.params import STACKED_PREFIX, is_stacked
 
@@ -52,6 +51,8 @@ def _torch_shape(shape: tuple[int, ...], kind: str) -> tuple[int, ...]:
         return (shape[1] * shape[2], shape[0])
     if kind == "o":  # ours [H, E, D]
         return (shape[2], shape[0] * shape[1])
+    if kind == "heads":  # ours [heads, E]
+        return (shape[0] * shape[1],)
     return shape
 
 
@@ -59,10 +60,14 @@ def _from_torch(w: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:
     """HF tensor -> ours with per-layer ``shape`` (the caller checked ``_torch_shape``)."""
     if kind == "copy":
         return w
+    if kind == "heads":
+        return w.reshape(shape)
     return w.T.reshape(shape)  # heads split head-major, as HF's view(..., -1, head_dim)
 
 
 def _to_torch(w: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "heads":
+        return w.reshape(-1)
     if kind in ("q", "kv"):
         return w.reshape(w.shape[0], -1).T
     if kind == "o":
@@ -177,10 +182,10 @@ def _check_names(tensors: dict, wanted: set[str], directory: Path) -> None:
         )
 
 
-def _untie(tensors: dict, directory: Path) -> None:
+def _untie(cfg: ModelConfig, tensors: dict, directory: Path) -> None:
     """A tied model may still store lm_head.weight; accept it only if it is the embedding table."""
-    head = tensors.pop("lm_head.weight", None)
-    if head is not None and not np.array_equal(head, tensors.get(LLAMA_HF.top["embed/embeddings"][0])):
+    head = tensors.pop(cfg.arch.hf.top["head/w"][0], None)
+    if head is not None and not np.array_equal(head, tensors.get(cfg.arch.hf.top["embed/embeddings"][0])):
         raise CheckpointError(
             f"{directory}: tie_word_embeddings is true but lm_head.weight differs from the embedding "
             f"table; set tie_word_embeddings=false in config.json"
@@ -244,7 +249,7 @@ def load_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         raise ConfigError(f"{config_path}: {e}") from None
     tensors = _read_tensors(directory)
     if cfg.tie_embeddings:
-        _untie(tensors, directory)
+        _untie(cfg, tensors, directory)
     names = name_map(cfg)
     _check_names(tensors, {n for hf_names, _ in names.values() for n in hf_names}, directory)
     flat = {}

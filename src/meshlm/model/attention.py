@@ -2,6 +2,7 @@
 
 Per shard (``/mp`` = per-shard size; see ``layers`` for the glossary):
   wq [D, H/mp, E]    wk, wv [D, K/mp, E] (or [D, K, E] replicated when mp > K)    wo [H/mp, E, D]
+  bq [H/mp, E]       bk, bv [K/mp, E] (or [K, E] replicated)    (Qwen2's q/k/v biases; no bias on wo)
 
 Grouped-query attention: each KV head serves H/K query heads. When mp > K the KV projections are
 replicated (as Megatron does) and each shard computes only the one KV head its query heads need;
@@ -45,7 +46,18 @@ class Attention(hk.Module):
 
     def _proj(self, name, xf, heads, hook=lambda w: w):  # xf [B, T, D] -> [B, T, heads, E]
         w = hk.get_parameter(name, [xf.shape[-1], heads, self.cfg.dim_per_head], init=_normal(self.stddev))
-        return dense_heads_in(xf, hook(w))
+        return self._biased(name, dense_heads_in(xf, hook(w)), heads)
+
+    def _biased(self, name, y, heads, index=None):
+        """y [B, T, h, E] plus the projection's bias (Qwen2's q/k/v; ``Family.qkv_bias``): column-
+        parallel, [heads, E] per shard; replicated KV heads' bias [K, E] is sliced at ``index`` as its
+        weight is. The bias is added on every shard: each holds different heads, no sum follows."""
+        if not self.cfg.arch.qkv_bias:
+            return y
+        b = hk.get_parameter("b" + name[1:], [heads, self.cfg.dim_per_head], init=jnp.zeros)
+        if index is not None:
+            b = lax.dynamic_slice_in_dim(b, index, 1, axis=0)  # [1, E]: this shard's KV head
+        return y + self.par.head_bias(b)
 
     def _kv(self, xf):  # -> k, v [B, T, K_local, E]
         cfg, par = self.cfg, self.par
@@ -59,7 +71,7 @@ class Attention(hk.Module):
                 name, [xf.shape[-1], cfg.kv_heads, cfg.dim_per_head], init=_normal(self.stddev)
             )
             w1 = lax.dynamic_slice_in_dim(w, idx, 1, axis=1)  # [D, 1, E]: this shard's KV head
-            out.append(dense_heads_in(xf, w1))
+            out.append(self._biased(name, dense_heads_in(xf, w1), cfg.kv_heads, idx))
         return out
 
     def __call__(self, xf, positions, cache=None, starts=None):
@@ -76,7 +88,7 @@ class Attention(hk.Module):
         q = self._proj("wq", xf, hl, self.par.own_heads)  # [B, T, H/mp, E]
         k, v = self._kv(xf)  # [B, T, K_local, E]
         rotary = positions if starts is None else positions - starts
-        cos, sin = rotary_angles(rotary, cfg.rot_dim, cfg.rope_theta, q.dtype)
+        cos, sin = rotary_angles(rotary, cfg.inv_freq(), q.dtype)
         q = apply_rotary(q, cos, sin, cfg.rot_dim, self.style)
         k = apply_rotary(k, cos, sin, cfg.rot_dim, self.style)
         key_pos = positions

@@ -13,6 +13,9 @@ from typing import Any
 
 from meshlm.errors import ConfigError
 from meshlm.model.family import FAMILIES, Family
+from meshlm.model.presets import FAMILY_PRESETS
+from meshlm.model.rope import RopeScaling
+from meshlm.model.rope import inv_freq as rope_inv_freq
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
 ATTENTION = ("plain", "blockwise")  # see meshlm.model.attention and meshlm.model.blockwise
@@ -33,7 +36,7 @@ class ModelConfig:
     rope_theta: float = 10000.0  # rotary base frequency
     max_seq_len: int = 256  # longest context; positions beyond it are an error
     norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
-    tie_embeddings: bool = False  # llama: output projection reuses the embedding table
+    tie_embeddings: bool = False  # llama / qwen2: output projection reuses the embedding table
     embed_bias: bool = False  # ff: the prototype's embedding had a bias (added once, after the sum)
     z_loss: float = 0.0  # coefficient of the z-loss term coeff * log(Z)^2 (0 disables it)
     remat: str = "none"  # per-layer recomputation in the backward: "none" | "full" | "selective"
@@ -58,11 +61,17 @@ class ModelConfig:
     # training and in the KV cache (a full cache, masked). 0: off (full causal attention). A saved
     # config without this field predates it and loads as 0: exactly as it was.
     sliding_window: int = 0
+    # Llama 3.x's rotary frequency scaling (transformers' rope_type "llama3"; ``model.rope``), or None:
+    # plain RoPE. A config saved before this field existed loads as None, exactly as it was.
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
             object.__setattr__(self, "remat", "full" if self.remat else "none")
+        object.__setattr__(self, "rope_scaling", RopeScaling.of(self.rope_scaling))  # JSON: a dict
         for f in dataclasses.fields(self):  # every construction path: presets, JSON, HF import
+            if f.name == "rope_scaling":
+                continue
             object.__setattr__(self, f.name, _checked(f.name, f.type, getattr(self, f.name)))
         if self.family not in FAMILIES:
             raise ConfigError(f"unknown family {self.family!r}; valid: {', '.join(FAMILIES)}")
@@ -118,6 +127,10 @@ class ModelConfig:
     @property
     def rot_dim(self) -> int:
         return self.rotary_dim or self.dim_per_head
+
+    def inv_freq(self):
+        """The rotary inverse frequencies [rot_dim / 2] (float64 numpy; ``model.rope``)."""
+        return rope_inv_freq(self.rot_dim, self.rope_theta, self.rope_scaling)
 
     @property
     def padded_vocab(self) -> int:
@@ -265,6 +278,8 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 
+# Llama 3.x and Qwen2.5, tiny and at real size (``model.presets``).
+PRESETS.update({name: ModelConfig(**fields) for name, fields in FAMILY_PRESETS.items()})
 # Grouped-query attention with 2 KV heads: on mp = 4 (or 8) the KV heads are replicated, so the
 # replication path is proven on the 4 devices of a laptop, not only on 8.
 PRESETS["tiny-gqa"] = PRESETS["tiny-llama"].replace(n_kv_heads=2)

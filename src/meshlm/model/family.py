@@ -25,7 +25,8 @@ class HFNames:
     """How transformers spells a family: its config and its tensors (``io.hf_config``, ``io.hf_weights``).
 
     Tensor maps: our path -> (HF name, layout), layouts "copy" (same array), "linear" (torch [out, in]
-    <-> ours [in, out]), "q" / "kv" ([heads*E, D] <-> [D, heads, E]) and "o" ([D, H*E] <-> [H, E, D]).
+    <-> ours [in, out]), "q" / "kv" ([heads*E, D] <-> [D, heads, E]), "o" ([D, H*E] <-> [H, E, D]) and
+    "heads" (a head projection's bias: [heads*E] <-> [heads, E]).
     """
 
     architecture: str  # config.json "architectures"
@@ -56,6 +57,9 @@ class Family:
     remat: tuple[str, ...] = REMAT  # the recomputation policies its blocks support
     compute_dtypes: tuple[str, ...] = COMPUTE_DTYPES  # the compute dtypes it trains in
     embed_scale: bool = False  # embeddings multiplied by sqrt(d_model) (Gemma; in the embedding dtype)
+    # Biases on the q/k/v projections (Qwen2): column-parallel, sharded with their heads (the KV
+    # biases replicated and sliced with their heads where the KV heads are); no output-projection bias.
+    qkv_bias: bool = False
 
     def per_layer_text(self) -> str:
         """The minimum's per-layer all-reduces, as the communication check words them."""
@@ -121,6 +125,22 @@ GEMMA_HF = replace(
     activations=("gelu_pytorch_tanh", "gelu"),
 )
 
+# Qwen2 / Qwen2.5: Llama's tensors plus q/k/v biases ("heads": ours [heads, E] <-> HF [heads*E]).
+QWEN2_HF = HFNames(
+    architecture="Qwen2ForCausalLM",
+    activation_key="hidden_act",
+    activations=("silu", "swish"),
+    dropout_fields=("attention_dropout",),
+    top=LLAMA_HF.top,
+    layer={
+        **LLAMA_HF.layer,
+        "attn/bq": ("self_attn.q_proj.bias", "heads"),
+        "attn/bk": ("self_attn.k_proj.bias", "heads"),
+        "attn/bv": ("self_attn.v_proj.bias", "heads"),
+    },
+    layer_prefix=LLAMA_HF.layer_prefix,
+)
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -161,6 +181,20 @@ FAMILIES: dict[str, Family] = {
             row_sums=2,
             gpt_init=True,
             hf=LLAMA_HF,
+        ),
+        # Llama's blocks with biases on q/k/v (column-parallel: sliced with their heads).
+        Family(
+            name="qwen2",
+            block="sequential",
+            attention=True,
+            rotary="half",
+            norm="rms",
+            mlp="swiglu",
+            biases=False,
+            row_sums=2,
+            gpt_init=True,
+            hf=QWEN2_HF,
+            qkv_bias=True,
         ),
         # Llama's blocks; what differs is in its config: a sliding attention window (none on v0.3).
         Family(

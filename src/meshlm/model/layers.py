@@ -71,7 +71,7 @@ class VocabEmbed(hk.Module):
         return self.par.row_out(rows, b)
 
     def local_logits(self, xf):  # tied output projection: [B, T, D] -> [B, T, V/mp] per-shard
-        return dense(xf, self._table().T)
+        return dense(xf, self.par.tied_table(self._table()).T)
 
 
 class VocabHead(hk.Module):
@@ -243,10 +243,10 @@ class RMSNormPlusOne(hk.Module):
         return (y * (1.0 + upcast(scale))).astype(x.dtype)
 
 
-def rotary_angles(positions, rot_dim: int, theta: float, dtype):
-    """positions: [B, T] int -> (cos, sin) each [B, T, rot_dim // 2], at least float32."""
+def rotary_angles(positions, inv_freq: np.ndarray, dtype):
+    """positions: [B, T] int; inv_freq [rot_dim // 2] (``ModelConfig.inv_freq``: plain or scaled
+    RoPE) -> (cos, sin) each [B, T, rot_dim // 2], at least float32."""
     dtype = jnp.promote_types(dtype, jnp.float32)
-    inv_freq = 1.0 / (theta ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim))
     ang = positions.astype(dtype)[..., None] * jnp.asarray(inv_freq, dtype)
     return jnp.cos(ang), jnp.sin(ang)
 

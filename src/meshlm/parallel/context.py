@@ -122,6 +122,15 @@ class Parallel:
         """The query-head weights this shard computes with: its own slice (a hook for controls)."""
         return w
 
+    def tied_table(self, table):
+        """The embedding slice [V/mp, D] a tied head projects onto: this shard's own, the very array
+        the lookup reads, so both uses' gradients add up in it (a hook for controls)."""
+        return table
+
+    def head_bias(self, b):
+        """The q/k/v bias [heads, E] this shard adds: its own heads' slice (a hook for controls)."""
+        return b
+
     def kv_head_index(self, n_heads: int, n_kv_heads: int):
         """With replicated KV heads (mp > n_kv_heads): the one KV head this shard's queries use."""
         heads_per_shard = n_heads // self.mp

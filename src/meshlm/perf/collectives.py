@@ -23,8 +23,8 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int) -> dict[str, int
       ``remat`` the backward pass recomputes the forward, its all-reduces included, so these count twice.
     * backward, one per entry into a column-parallel region (``par.f``, whose transpose sums the
       input gradient over MP): again 1 / 2 / 1.
-    * KV projections replicated because mp > n_kv_heads: their gradients summed over MP (1; XLA may
-      combine it with the layer's backward all-reduce, which is independent of it).
+    * KV projections replicated because mp > n_kv_heads: their gradients (with Qwen2's KV biases)
+      summed over MP (1; XLA may combine it with the layer's backward all-reduce, independent of it).
 
     Outside the layers, with mp > 1:
 
@@ -71,7 +71,8 @@ def theoretical_bytes(
     """
     counts = theoretical_collectives(cfg, dp, mp)
     act = (batch // dp) * seq_len * cfg.d_model * itemsize  # [B/dp, T, D]: one activation all-reduce
-    kv_grads = 2 * cfg.d_model * cfg.kv_heads * cfg.dim_per_head * itemsize if cfg.arch.attention else 0
+    kv_rows = cfg.d_model + cfg.arch.qkv_bias  # replicated wk, wv [D, K, E] (and Qwen2's bk, bv [K, E])
+    kv_grads = 2 * kv_rows * cfg.kv_heads * cfg.dim_per_head * itemsize if cfg.arch.attention else 0
     out = {
         "layer_forward": counts["layer_forward"] * act,
         "layer_backward": counts["layer_backward"] * act,

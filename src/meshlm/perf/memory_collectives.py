@@ -15,7 +15,7 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Fami
   their gradients all-reduced over MP (one per leaf and layer, at most).
 * FSDP (dp > 1): each DP-split weight of a layer is all-gathered in the forward and again in the
   backward (ZeRO-3; outside the layer stack XLA may keep the gathered weight or gather it again),
-  and its gradient reduce-scattered once.
+  and its gradient reduce-scattered once (a tied embedding table: once per use, lookup and head).
   Norms and biases stay replicated and keep the data-parallel gradient all-reduce.
 """
 
@@ -70,6 +70,8 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
         ag.update(sp_forward=2 * pl * n + 1, sp_backward=pl * n + 1)
         rs.update(sp_forward=recompute * pl * n + 1, sp_backward=pl * n + 1)
     per_layer, outside = fsdp_weights(params)
+    if cfg.tie_embeddings and outside:  # the tied table is gathered for the lookup and for the head
+        outside += 1
     if dp > 1 and per_layer + outside:
         ag.update(fsdp_layers=2 * per_layer * n, fsdp_outside=2 * outside)
         rs.update(fsdp_gradients=per_layer * n + outside)

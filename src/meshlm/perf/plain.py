@@ -42,9 +42,7 @@ def _layer_norm(x, scale, offset, eps):  # [B, T, D]
 
 def _rotary_tables(cfg: ModelConfig, t: int, dtype):
     """cos, sin [T, rot_dim/2] for positions 0..T-1, once per step (not once per layer)."""
-    r = cfg.rot_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, r, 2, dtype=np.float64) / r))
-    ang = np.arange(t, dtype=np.float64)[:, None] * inv_freq  # host constants
+    ang = np.arange(t, dtype=np.float64)[:, None] * cfg.inv_freq()  # host constants
     dt = jnp.promote_types(dtype, jnp.float32)
     return jnp.asarray(np.cos(ang), dt), jnp.asarray(np.sin(ang), dt)
 
@@ -64,9 +62,12 @@ def _rotate(cfg: ModelConfig, x, cos, sin):  # x [B, T, h, E]; cos/sin [T, r/2]
 
 def _attention(cfg: ModelConfig, p, x, cos, sin, mask):
     """Causal multi-head attention of x [B, T, D]; K/V heads repeated for grouped queries."""
-    q = _rotate(cfg, jnp.einsum("btd,dhe->bthe", x, p["wq"]), cos, sin)  # [B, T, H, E]
-    k = _rotate(cfg, jnp.einsum("btd,dhe->bthe", x, p["wk"]), cos, sin)  # [B, T, K, E]
-    v = jnp.einsum("btd,dhe->bthe", x, p["wv"])
+
+    def proj(n):  # [B, T, heads, E], plus Qwen2's bias [heads, E] where the family has one
+        y = jnp.einsum("btd,dhe->bthe", x, p[f"w{n}"])
+        return y + p[f"b{n}"] if f"b{n}" in p else y
+
+    q, k, v = _rotate(cfg, proj("q"), cos, sin), _rotate(cfg, proj("k"), cos, sin), proj("v")
     groups = cfg.n_heads // cfg.kv_heads
     if groups > 1:
         k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)

@@ -119,6 +119,29 @@ class SpSeqWrongOrder(Parallel):
         return jnp.concatenate([parts[i] for i in range(self.mp)], axis=1)
 
 
+class HeadBiasOfNextShard(Parallel):
+    """Qwen2's q/k/v biases not sliced with their heads: each shard adds the next shard's slice."""
+
+    def head_bias(self, b):
+        return lax.ppermute(b, MP, [(i, (i + 1) % self.mp) for i in range(self.mp)])
+
+
+class TiedHeadOtherSlice(Parallel):
+    """A tied head projects onto the next shard's embedding slice: its logits' columns are the wrong
+    vocabulary ids (the lookup still reads the right rows)."""
+
+    def tied_table(self, table):
+        return lax.ppermute(table, MP, [(i, (i + 1) % self.mp) for i in range(self.mp)])
+
+
+class TiedHeadGradDropped(Parallel):
+    """A tied head's gradient is not added to the embedding's (the head uses a detached copy, as when
+    the tied copies' gradients are never summed): the table learns from the lookup alone."""
+
+    def tied_table(self, table):
+        return lax.stop_gradient(table)
+
+
 def per_shard_clip(mesh, specs, max_norm: float):
     """Clipping by the norm of one shard's local gradient slices instead of the full gradient."""
     from jax.sharding import PartitionSpec as P
@@ -217,6 +240,31 @@ CONTROLS: tuple[Control, ...] = (
         name="SP sequence shards gathered in the wrong order",
         applies=lambda w: w.sp and w.mp > 1,
         par_cls=SpSeqWrongOrder,
+    ),
+)
+
+
+def _qkv_bias(w: Where) -> bool:
+    return w.attention and w.cfg.arch.qkv_bias
+
+
+def _tied(w: Where) -> bool:
+    return w.cfg is not None and w.cfg.tie_embeddings
+
+
+CONTROLS += (
+    Control(
+        name="q/k/v bias not sliced with its heads",
+        applies=lambda w: w.mp > 1 and _qkv_bias(w),
+        par_cls=HeadBiasOfNextShard,
+    ),
+    Control(
+        name="tied head reads another shard's vocab slice",
+        applies=lambda w: w.mp > 1 and _tied(w),
+        par_cls=TiedHeadOtherSlice,
+    ),
+    Control(
+        name="tied head's gradient not added to the embedding", applies=_tied, par_cls=TiedHeadGradDropped
     ),
 )
 

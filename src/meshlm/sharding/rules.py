@@ -30,6 +30,8 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"/attn/wq$", (None, MP, None)),  # [D, H, E]: by heads
     (r"/attn/w[kv]$", (None, KV, None)),  # [D, K, E]: by KV heads, or replicated when mp > K
     (r"/attn/wo$", (MP, None, None)),  # [H, E, D]: row-parallel
+    (r"/attn/bq$", (MP, None)),  # [H, E]: Qwen2's q bias, sliced with its heads
+    (r"/attn/b[kv]$", (KV, None)),  # [K, E]: with the KV heads, or replicated when mp > K
     (r"/mlp/w_(in|gate|up)$", (None, MP)),  # [D, F]: column-parallel
     (r"/mlp/b_in$", (MP,)),  # [F]
     (r"/mlp/w_(out|down)$", (MP, None)),  # [F, D]: row-parallel

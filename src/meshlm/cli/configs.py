@@ -1,0 +1,72 @@
+"""meshlm configs: the model presets as a table (family, layers, width, heads, vocabulary, parameters),
+or with --json one JSON object per preset: {"name", "params", "config"}."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("configs", help="list the model presets (a table; --json: one object per line)")
+    p.add_argument("--json", action="store_true", help="one JSON object per preset instead of the table")
+    p.set_defaults(fn=run)
+
+
+@functools.cache
+def param_count(cfg) -> int:
+    """Parameters of the real model (the vocabulary unpadded, a tied head counted once), from the
+    model's own shapes: nothing is allocated."""
+    import numpy as np
+
+    from meshlm.model.params import flat_params
+    from meshlm.model.transformer import param_shapes
+
+    return sum(
+        int(np.prod(s.shape)) for s in flat_params(param_shapes(cfg.replace(vocab_multiple=1))).values()
+    )
+
+
+def _human(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def rows() -> list[dict]:
+    from meshlm.model.config import PRESETS
+
+    return [
+        {"name": name, "params": param_count(cfg), "config": cfg.to_dict()} for name, cfg in PRESETS.items()
+    ]
+
+
+def table(entries: list[dict]) -> str:
+    head = ("preset", "family", "layers", "d_model", "heads/KV", "vocab", "parameters")
+    lines = [head]
+    for e in entries:
+        c = e["config"]
+        heads = f"{c['n_heads']}/{c['n_kv_heads'] or c['n_heads']}" if c["n_heads"] else "-"
+        extra = " tied" if c["tie_embeddings"] else ""
+        lines.append(
+            (
+                e["name"],
+                c["family"],
+                str(c["n_layers"]),
+                str(c["d_model"]),
+                heads,
+                str(c["vocab_size"]),
+                _human(e["params"]) + extra,
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(f"{v:<{w}}" for v, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
+
+
+def run(args) -> int:
+    entries = rows()
+    print("\n".join(json.dumps(e, sort_keys=True) for e in entries) if args.json else table(entries))
+    return 0
