@@ -9,4 +9,6 @@ The mesh is 2-D: ``DP`` splits the batch (data parallel), ``MP`` splits weights 
 DP = "dp"  # data-parallel axis: the global batch is split over it
 MP = "mp"  # model-parallel axis: heads, hidden units and the vocabulary are split over it
 MESH_AXES = (DP, MP)
-PP = "pp"  # pipeline axis: consecutive layer chunks over it (``parallel.pipeline``; not yet in MESH_AXES)
+PP = "pp"  # pipeline axis: consecutive layer chunks over it (``parallel.pipeline``); outermost when present
+# A layout with pp > 1 has the mesh (pp, dp, mp); without, (dp, mp) as always (``Layout.shape``).
+PIPELINE_MESH_AXES = (PP, DP, MP)

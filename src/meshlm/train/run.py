@@ -31,6 +31,7 @@ from meshlm.model.config import ModelConfig, from_dict
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel import distributed
 from meshlm.parallel.layout import Layout
+from meshlm.parallel.pipeline_schedule import pipeline_options
 from meshlm.sharding.rules import model_specs, shardings
 from meshlm.sharding.spmd import sharded_loss
 from meshlm.train.config import TrainConfig, resolve, resume_must_match
@@ -199,8 +200,9 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, ckpt: Ch
 
 
 def run_layout(tcfg: TrainConfig, where) -> Layout:
-    """The run's Layout: ``where`` (a Layout, or a jax Mesh) with the run's --fsdp and --sp."""
-    return Layout.of(where, fsdp=tcfg.fsdp, sp=tcfg.sp)
+    """The run's Layout: ``where`` (a Layout, or a jax Mesh) with the run's --fsdp, --sp and --pp (and
+    its schedule)."""
+    return Layout.of(where, fsdp=tcfg.fsdp, sp=tcfg.sp, **pipeline_options(tcfg))
 
 
 def run_specs(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout) -> dict:
