@@ -100,7 +100,13 @@ def _verify(args, vs: VerifySettings) -> int:
     )
     seq_len = _seq_len(vs, cfg)
     layout.check_seq_len(seq_len)
-    problem = model_problem(cfg, name, mp, batch, seq_len, vs.seed, dp=dp, fsdp=layout.fsdp, sp=layout.sp)
+    if layout.pp > 1:
+        from meshlm.sharding.pipelined import check_pipelined
+
+        check_pipelined(cfg, layout)
+    problem = model_problem(
+        cfg, name, mp, batch, seq_len, vs.seed, dp=dp, fsdp=layout.fsdp, sp=layout.sp, pp=layout.pp
+    )
     if vs.checkpoint:
         problem = dataclasses.replace(problem, load_params=lambda m: load_model(vs.checkpoint, m)[1])
     dtype = jnp.float64 if vs.x64 else jnp.float32
