@@ -166,9 +166,8 @@ def flag_layout(args, **options) -> Layout | None:
     ``setup``; with --pp a Layout of dp=1 is built to check the pipeline's options early)."""
     if args.mesh:
         return Layout(*parse_mesh(args.mesh), **options)
-    if options.get("pp", 1) > 1:
-        return Layout(**options)
-    return None
+    options_alone = Layout(**options)  # their own rules (e.g. --microbatches without --pp), no devices
+    return options_alone if options_alone.pp > 1 else None
 
 
 def setup(args, default_dp: int = 1, **options) -> Layout:
