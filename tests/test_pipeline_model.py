@@ -43,10 +43,10 @@ def _errors(config, layout: Layout) -> dict:
     [
         # tiny-deep (8 layers): pp = 4, interleaved over 2 virtual stages, unsharded stages.
         ("tiny-deep", Layout(pp=4, microbatches=4, pp_schedule="interleaved", virtual_stages=2), 12),
-        ("tiny-gptj", Layout(pp=2, mp=2, microbatches=2, pp_schedule="1f1b"), 15),
-        ("tiny", Layout(pp=2, dp=2, mp=2, fsdp=True, microbatches=2, pp_schedule="gpipe"), 8),
+        ("tiny-gptj", Layout(pp=2, mp=2, microbatches=2, pp_schedule="gpipe"), 15),
+        ("tiny", Layout(pp=2, dp=2, mp=2, fsdp=True, microbatches=2, pp_schedule="1f1b"), 8),
     ],
-    ids=["llama-interleaved-pp4", "gptj-1f1b-pp2x1x2", "ff-gpipe-pp2x2x2-fsdp"],
+    ids=["llama-interleaved-pp4", "gptj-gpipe-pp2x1x2", "ff-1f1b-pp2x2x2-fsdp"],
 )
 def test_real_model_through_the_pipeline_equals_the_unsharded_model(config, layout, leaves):
     """Float64, NaN in every bubble; the loss and every parameter (embedding and head included). Worst
