@@ -74,8 +74,11 @@ class Layout:
     def of(cls, where, **options) -> Layout:
         """``where`` as a Layout: a Layout (with ``options`` replaced), or a jax Mesh with ``options``
         (the memory options default off)."""
+        if isinstance(where, Layout) and not options:
+            return where
         if isinstance(where, Layout):
-            return dataclasses.replace(where, **options) if options else where
+            resized = any(options.get(a, getattr(where, a)) != getattr(where, a) for a in PIPELINE_MESH_AXES)
+            return dataclasses.replace(where, **options, **({"built_mesh": None} if resized else {}))
         sizes = axis_sizes(where)
         pp = options.pop("pp", sizes.get(PP, 1))
         if pp != sizes.get(PP, 1):
