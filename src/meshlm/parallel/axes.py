@@ -2,7 +2,8 @@
 "dp"/"mp" as keys, which are output names, not axis lookups).
 
 The mesh is 2-D: ``DP`` splits the batch (data parallel), ``MP`` splits weights Megatron-style
-(model / tensor parallel). Layers never name axes; they call methods of
+(model / tensor parallel); with a pipeline (``--pp``) ``PP`` is a third, outermost axis over which
+the stacked layers are split into stages. Layers never name axes; they call methods of
 ``meshlm.parallel.context.Parallel``.
 """
 
