@@ -64,11 +64,7 @@ class Layout:
     @property
     def pipeline(self):
         """The schedule (``PipelineConfig``) of a layout with pp > 1, else None."""
-        if self.pp == 1:
-            return None
-        from meshlm.parallel.pipeline_schedule import PipelineConfig
-
-        return PipelineConfig(self.pp, self.microbatches, self.pp_schedule, self.virtual_stages)
+        return _pipeline_config(self) if self.pp > 1 else None
 
     @classmethod
     def of(cls, where, **options) -> Layout:
@@ -182,6 +178,12 @@ def _check_batch(layout: Layout, batch_size: int, accum_steps: int | None) -> No
         f"--batch-size {batch_size} is not a multiple of dp x accum_steps = {layout.dp} x "
         f"{accum_steps}; {fix}"
     )
+
+
+def _pipeline_config(layout: Layout):
+    from meshlm.parallel.pipeline_schedule import PipelineConfig
+
+    return PipelineConfig(layout.pp, layout.microbatches, layout.pp_schedule, layout.virtual_stages)
 
 
 def _check_layers(cfg, n_layers: int) -> None:
