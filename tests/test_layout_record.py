@@ -48,7 +48,7 @@ def test_a_layout_is_one_value_from_a_mesh_or_from_sizes():
     par = Layout(dp=2, mp=4, sp=True).parallel()
     assert par == Parallel(mp=4, dp=2, sharded=True, sp=True)
     with pytest.raises(ConfigError, match="unknown layout field"):
-        Layout.from_dict({"dp": 1, "mp": 1, "pp": 2})
+        Layout.from_dict({"dp": 1, "mp": 1, "zz": 2})
 
 
 def test_checkpoint_meta_records_the_layout():

@@ -1,114 +1,34 @@
-"""The pipeline engine on the real model: meshlm's Llama layers as the stage, the embedding chained on
-stage 0 through the input gradient, final norm + head + loss on the last stage; with mp the stages run
-their Megatron collectives and FSDP gathers inside the pipeline's shard_map. Loss and every parameter's
-gradient equal the unsharded model's (``spmd.reference_value_and_grad``) in float64.
+"""The pipeline engine on the real model (``sharding.pipelined``: ``model.transformer``'s embedding, layer
+chunks and head): loss and every parameter's gradient equal the unsharded model's
+(``spmd.reference_value_and_grad``) in float64, with NaN in every bubble, for each family; with mp the
+stages run their Megatron collectives and with FSDP their all-gathers inside the pipeline's shard_map."""
 
-This is how ``--pp`` will plug in: the three pieces below are what ``model/transformer.py`` is to expose
-(here rebuilt from its parts: the embedding, ``_stack`` of ``BLOCKS[family.block]``, and the head)."""
-
-import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 from meshlm.model.config import get_config
-from meshlm.model.layers import RMSNorm, VocabEmbed, VocabHead, mask_vocab_padding, vocab_parallel_xent
-from meshlm.model.memory import parallel_getter
-from meshlm.model.transformer import BLOCKS, GPT_STDDEV, _stack, init_fn, loss_fn
-from meshlm.parallel.axes import DP, MP, PP
-from meshlm.parallel.context import Parallel
+from meshlm.model.transformer import init_fn, loss_fn
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.pipeline import Pipeline, pipeline_value_and_grad
-from meshlm.parallel.pipeline_schedule import PipelineConfig
+from meshlm.sharding.pipelined import pipelined_value_and_grad
 from meshlm.sharding.rules import model_specs
 from meshlm.sharding.spmd import reference_value_and_grad
 
-PAR = Parallel()
 
-
-def _pieces(cfg, par: Parallel):
-    """(embed(params, tokens), stage_fn(layer params, x), head_loss(head params, y, targets)) of ``cfg``;
-    the embedding runs unsharded (plain jit on global arrays), stage and head in ``par``."""
-
-    def embed(tokens):
-        return VocabEmbed(
-            vocab_size=cfg.padded_vocab,
-            d_model=cfg.d_model,
-            par=PAR,
-            stddev=GPT_STDDEV,
-            real_vocab=cfg.vocab_size,
-        )(tokens)
-
-    def stage_fn(params, x):  # one chunk: as many layers as its parameters stack
-        layers = jax.tree.leaves(params)[0].shape[0]
-        chunk = cfg.replace(n_layers=layers)
-        positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
-
-        def layers_fn(x):
-            with hk.custom_getter(parallel_getter(par)):  # FSDP gathers
-                return _stack(chunk, BLOCKS[cfg.arch.block](chunk, par), x, positions, None)[0]
-
-        return hk.without_apply_rng(hk.transform(layers_fn)).apply(params, x)
-
-    def head_loss(y, targets):
-        with hk.custom_getter(parallel_getter(par)):
-            x = par.f(RMSNorm(eps=cfg.norm_eps, name="final_ln")(y))
-            head = VocabHead(
-                vocab_size=cfg.padded_vocab, par=par, stddev=GPT_STDDEV, bias=False, real_vocab=cfg.vocab_size
-            )
-            logits = mask_vocab_padding(par, head.local_logits(x), cfg.vocab_size)
-        return jnp.mean(vocab_parallel_xent(par, logits, targets, cfg.z_loss))
-
-    embed_apply = hk.without_apply_rng(hk.transform(embed)).apply
-    head_apply = hk.without_apply_rng(hk.transform(head_loss)).apply
-    return embed_apply, stage_fn, head_apply
-
-
-def _split(params):
-    layers = {k: v for k, v in params.items() if k.startswith("layers/")}
-    head = {k: params[k] for k in ("final_ln", "head")}
-    return {"embed": params["embed"]}, layers, head
-
-
-def _mesh(pp, dp, mp):
-    """(mesh, Parallel for the stages): pp alone, pp x dp, or pp x dp x mp with Megatron stages."""
-    devices = np.array(jax.devices()[: pp * dp * mp])
-    if mp > 1:
-        return Mesh(devices.reshape(pp, dp, mp), (PP, DP, MP)), Parallel(mp=mp, dp=dp, sharded=True)
-    return (Mesh(devices.reshape(pp, dp), (PP, DP)) if dp > 1 else Mesh(devices, (PP,))), PAR
-
-
-def _errors(schedule, pp, dp, m, v, n_layers, mp=1, fsdp=False) -> dict:
+def _errors(config, layout: Layout) -> dict:
     """Normwise relative error of the loss and each gradient leaf (inf where not finite)."""
-    cfg = get_config("tiny-llama").replace(n_layers=n_layers)
+    cfg = get_config(config)
     init, _ = init_fn(cfg)
     with jax.enable_x64(True):
-        tokens = jax.random.randint(jax.random.PRNGKey(1), (2 * m * dp, 9), 0, cfg.vocab_size)
+        tokens = jax.random.randint(jax.random.PRNGKey(1), (2 * layout.microbatches * layout.dp, 9), 0, 64)
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
         params = jax.tree.map(lambda a: a.astype(jnp.float64), init(jax.random.PRNGKey(0), batch))
         ref_loss, ref_grads = jax.jit(reference_value_and_grad(lambda par: loss_fn(cfg, par)))(params, batch)
-
-        mesh, par = _mesh(pp, dp, mp)
-        embed_apply, stage_fn, head_apply = _pieces(cfg, par)
-        _, layer_specs, head_specs = (
-            _split(model_specs(cfg, params, Layout(dp=dp, mp=mp, fsdp=fsdp))) if mp > 1 else (0, None, None)
-        )
-        pipe = Pipeline(PipelineConfig(pp, m, schedule, v), fill=float("nan"))
-        step = pipeline_value_and_grad(
-            stage_fn, head_apply, mesh, pipe, specs=layer_specs, head_specs=head_specs
-        )
-
-        @jax.jit
-        def run(embed_params, layer_params, head_params, batch):
-            x, embed_vjp = jax.vjp(lambda p: embed_apply(p, batch["inputs"]), embed_params)
-            loss, (g_layers, dx, g_head) = step(layer_params, x, batch["targets"], head_params)
-            (g_embed,) = embed_vjp(dx)  # the embedding chained through the pipeline's input gradient
-            return loss, {**g_embed, **g_layers, **g_head}
-
-        loss, grads = run(*_split(params), batch)
-    assert set(grads) == set(ref_grads) and all(set(grads[k]) == set(ref_grads[k]) for k in grads)
+        specs = model_specs(cfg, params, layout)
+        fn = pipelined_value_and_grad(cfg, layout, specs, fill=float("nan"))
+        loss, grads = jax.jit(fn)(params, batch)
+    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
     errors = {"loss": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))}
     for name in ref_grads:
         for leaf in ref_grads[name]:
@@ -119,21 +39,18 @@ def _errors(schedule, pp, dp, m, v, n_layers, mp=1, fsdp=False) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("schedule", "pp", "dp", "mp", "m", "v", "n_layers", "fsdp"),
+    ("config", "layout", "leaves"),
     [
-        ("interleaved", 4, 1, 1, 4, 2, 8, False),  # the issue's tiny-deep: 8 layers, unsharded stages
-        ("1f1b", 2, 1, 2, 4, 1, 4, False),
-        ("gpipe", 2, 2, 2, 2, 1, 4, True),
-        ("interleaved", 2, 2, 2, 2, 2, 4, True),
+        # tiny-deep (8 layers): pp = 4, interleaved over 2 virtual stages, unsharded stages.
+        ("tiny-deep", Layout(pp=4, microbatches=4, pp_schedule="interleaved", virtual_stages=2), 12),
+        ("tiny-gptj", Layout(pp=2, mp=2, microbatches=2, pp_schedule="gpipe"), 15),
+        ("tiny", Layout(pp=2, dp=2, mp=2, fsdp=True, microbatches=2, pp_schedule="1f1b"), 8),
     ],
+    ids=["llama-interleaved-pp4", "gptj-gpipe-pp2x1x2", "ff-1f1b-pp2x2x2-fsdp"],
 )
-def test_real_model_through_the_pipeline_equals_the_unsharded_model(
-    schedule, pp, dp, mp, m, v, n_layers, fsdp
-):
-    """Float64, NaN in every bubble. With mp the parameters are placed by the rules table within each stage
-    and the layers' f/g collectives over mp (and with fsdp the all-gathers over dp) run inside the
-    pipeline's shard_map. Worst errors measured: 1.6e-15, 1.2e-15, 1.2e-15, 1.2e-15 (the loss and every
-    parameter, embedding and head included)."""
-    errors = _errors(schedule, pp, dp, m, v, n_layers, mp=mp, fsdp=fsdp)
-    assert len(errors) == 13  # the loss and all 12 parameter leaves of the Llama model
+def test_real_model_through_the_pipeline_equals_the_unsharded_model(config, layout, leaves):
+    """Float64, NaN in every bubble; the loss and every parameter (embedding and head included). Worst
+    errors measured: ~1e-15 each."""
+    errors = _errors(config, layout)
+    assert len(errors) == 1 + leaves
     assert max(errors.values()) <= 1e-12, errors

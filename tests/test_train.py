@@ -120,7 +120,9 @@ def _losses(out):
     return [(r["step"], r["loss"]) for r in train_rows(out)]
 
 
-@pytest.mark.parametrize("extra", [(), ("--fsdp", "--sp")], ids=["tp", "fsdp-sp"])
+@pytest.mark.parametrize(
+    "extra", [(), ("--fsdp", "--sp"), ("--pp", "2", "--mesh", "1x2")], ids=["tp", "fsdp-sp", "pp"]
+)
 def test_sigkill_then_resume_is_bitwise_identical(extra, corpus, tmp_path):
     steps = 14
     ref = subprocess.run(

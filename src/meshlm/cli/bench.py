@@ -8,6 +8,7 @@ from pathlib import Path
 
 from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
 from meshlm.errors import ConfigError
+from meshlm.parallel.pipeline_schedule import pipeline_options
 from meshlm.perf.bench_settings import BenchSettings
 
 
@@ -38,9 +39,10 @@ def _format(report: dict, format_bench) -> str:
 def run(args) -> int:
     bs = settings_from(args, BenchSettings)
     check_out(bs.out)
-    if (layout := flag_layout(args)) and bs.batch_size is not None:  # before devices and compiling
+    options = pipeline_options(bs)
+    if (layout := flag_layout(args, **options)) and bs.batch_size is not None:  # before devices, compiles
         layout.check_batch(bs.batch_size)
-    layout = setup(args)
+    layout = setup(args, **options)
     from meshlm.model.config import get_config
     from meshlm.parallel.distributed import is_main, print0
     from meshlm.perf.bench import run_bench

@@ -76,6 +76,25 @@ def add_common(p: argparse.ArgumentParser, config: str | None = None) -> None:
     )
 
 
+def add_refused_pp(p: argparse.ArgumentParser, command: str) -> None:
+    """``--pp`` on a command that runs without a pipeline (generate, eval): accepted as a flag so that
+    ``refuse_pp`` can say what to do instead (checkpoints written under --pp load on any mesh)."""
+    p.add_argument("--pp", type=positive_int, default=1, help=f"refused: {command} runs without a pipeline")
+
+
+def refuse_pp(args, command: str) -> None:
+    """One line naming the mesh to use instead of ``--pp N`` (the same devices as dp x mp)."""
+    from meshlm.errors import ConfigError
+
+    if args.pp > 1:
+        dp, mp = parse_mesh(args.mesh) if args.mesh else (1, None)
+        mesh = f"{dp}x{args.pp * mp}" if mp else f"1x{args.pp} (or any DPxMP)"
+        raise ConfigError(
+            f"meshlm {command} has no pipeline (--pp {args.pp}); a checkpoint trained with --pp loads on "
+            f"any mesh: drop --pp and use --mesh {mesh}"
+        )
+
+
 def argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """``parse`` (raising ValueError with a message) as an argparse ``type=``: a bad value is one line
     naming the flag and the message, exit code 2."""
@@ -142,9 +161,13 @@ def settings_from(args: argparse.Namespace, settings_cls, **given):
 
 
 def flag_layout(args, **options) -> Layout | None:
-    """The Layout that --mesh and ``options`` (--fsdp, --sp) describe, before any device exists (None
-    without --mesh: the mesh then depends on the device count, known after ``setup``)."""
-    return Layout(*parse_mesh(args.mesh), **options) if args.mesh else None
+    """The Layout that --mesh and ``options`` (--fsdp, --sp, --pp and its schedule) describe, before any
+    device exists (None without --mesh: the mesh then depends on the device count, known after
+    ``setup``; with --pp a Layout of dp=1 is built to check the pipeline's options early)."""
+    if args.mesh:
+        return Layout(*parse_mesh(args.mesh), **options)
+    options_alone = Layout(**options)  # their own rules (e.g. --microbatches without --pp), no devices
+    return options_alone if options_alone.pp > 1 else None
 
 
 def setup(args, default_dp: int = 1, **options) -> Layout:
@@ -152,7 +175,8 @@ def setup(args, default_dp: int = 1, **options) -> Layout:
     meanwhile is delivered once they are ready (``deferred_signals``).
 
     Returns the Layout: --mesh, or default_dp x (all devices / default_dp), or 1 x (all devices) when
-    default_dp does not divide the device count; with ``options`` (fsdp, sp); its mesh built.
+    default_dp does not divide the device count; with ``options`` (fsdp, sp; pp: the outermost axis, the
+    mesh then pp x dp x mp and without --mesh 1 x (devices / pp)); its mesh built.
     """
     from meshlm.train.stop import deferred_signals
 
@@ -177,7 +201,12 @@ def _setup(args, default_dp: int, **options) -> Layout:
 
     if args.devices is not None and (note := accelerator_note()):
         print(note, file=sys.stderr)
-    n = jax.device_count()
-    dp = default_dp if n % default_dp == 0 else 1
-    dp, mp = parse_mesh(args.mesh) if args.mesh else (dp, n // dp)
+    pp = options.get("pp", 1)
+    n = jax.device_count() // pp
+    dp = default_dp if n % default_dp == 0 and pp == 1 else 1
+    dp, mp = parse_mesh(args.mesh) if args.mesh else (dp, max(n // dp, 1))
+    if pp > 1:
+        layout = Layout(dp=dp, mp=mp, **options)
+        layout.mesh  # noqa: B018 -- built now (a device-count error before any work)
+        return layout
     return Layout.of(make_mesh(dp, mp), **options)

@@ -9,18 +9,28 @@ from __future__ import annotations
 import json
 import time
 
-from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
+from meshlm.cli.common import (
+    add_common,
+    add_flags,
+    add_refused_pp,
+    flag_layout,
+    refuse_pp,
+    settings_from,
+    setup,
+)
 from meshlm.train.eval_settings import EvalConfig
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a checkpoint over a data set")
     add_common(p, None)
+    add_refused_pp(p, "eval")
     add_flags(p, EvalConfig)
     p.set_defaults(fn=run)
 
 
 def run(args) -> int:
+    refuse_pp(args, "eval")
     ecfg = settings_from(args, EvalConfig)
     if layout := flag_layout(args):  # before devices start
         layout.check_batch(ecfg.batch_size)

@@ -12,10 +12,12 @@ import sys
 
 from meshlm.cli.common import (
     add_common,
+    add_refused_pp,
     non_negative_float,
     non_negative_int,
     positive_int,
     probability,
+    refuse_pp,
     setup,
 )
 
@@ -25,6 +27,7 @@ DEFAULT_MAX_NEW = 128  # without --max-new-tokens: this many, or as many as the 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a checkpoint (KV cache, sharded)")
     add_common(p, None)
+    add_refused_pp(p, "generate")
     p.add_argument("--checkpoint", required=True, help="run directory (newest step) or one step's directory")
     p.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for a batch")
     p.add_argument(
@@ -117,6 +120,7 @@ def _stop_ids(args, tok):
 
 
 def run(args) -> int:
+    refuse_pp(args, "generate")
     prompts = _prompts(args)  # file errors before the slow parts
     layout = setup(args)
     from meshlm.generate.generator import Generator

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 from meshlm.cli.common import add_common, add_flags, argparse_type, flag_layout, settings_from, setup
 from meshlm.errors import ConfigError
+from meshlm.parallel.pipeline_schedule import pipeline_options
 from meshlm.perf.plan_settings import DEFAULT_CONFIG, PlanCommand
 from meshlm.units import parse_bytes
 
@@ -47,13 +49,16 @@ def _fast_compiles() -> None:
 def run(args) -> int:
     pc = settings_from(args, PlanCommand)
     model = _preset(pc)
-    layout = flag_layout(args)
+    options = pipeline_options(pc)
+    if pc.schedule_png and options["pp"] == 1:
+        raise ConfigError("--schedule-png draws a pipeline schedule; add --pp 2 (or more)")
+    layout = flag_layout(args, **options)
     if model is not None and layout:  # what needs no devices is checked before them
         pc.settings(model[0]).check(model[0], layout)
     if layout and args.devices is None:  # nothing runs: as many fake devices as the mesh needs
         args.devices = layout.devices
     _fast_compiles()
-    layout = setup(args)
+    layout = setup(args, **options)
     from meshlm.perf.plan_report import format_plan
     from meshlm.perf.plan_search import plan
 
@@ -71,6 +76,12 @@ def run(args) -> int:
         max_compiles=pc.max_compiles,
         every_option=pc.every_option,
     )
+    if pc.schedule_png:
+        from meshlm.parallel.pipeline_schedule import schedule_table
+        from meshlm.perf.schedule_png import draw_schedule
+
+        path = draw_schedule(schedule_table(layout.pipeline), Path(pc.schedule_png))
+        report["schedule_png"] = str(path)
     print(json.dumps(report) if args.json else format_plan(report))
     # The answer to "will it fit?" as the exit status, for scripts: 1 when the run does not fit
     # --device-memory and no option tried makes it fit (the report says so), else 0.

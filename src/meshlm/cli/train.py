@@ -13,6 +13,7 @@ import signal
 import sys
 
 from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
+from meshlm.parallel.pipeline_schedule import pipeline_options
 from meshlm.train.config import DEFAULT_DP, TrainConfig, check_byte_vocab, resolve
 from meshlm.train.stop import Stop
 
@@ -45,10 +46,12 @@ def _run(args, stop: Stop) -> int:
     # the corpus is read.
     check_byte_vocab(tcfg, cfg)
     # Without --mesh, the mesh depends on the device count: run.py checks once devices exist.
-    if layout := flag_layout(args, fsdp=tcfg.fsdp, sp=tcfg.sp):
+    options = dict(fsdp=tcfg.fsdp, sp=tcfg.sp, **pipeline_options(tcfg))
+    if layout := flag_layout(args, **options):
         layout.check_batch(tcfg.batch_size, tcfg.accum_steps if tcfg.accum_steps > 1 else None)
         layout.check_seq_len(tcfg.seq_len)
-    layout = setup(args, default_dp=DEFAULT_DP, fsdp=tcfg.fsdp, sp=tcfg.sp)
+        layout.check_layers(cfg.n_layers)
+    layout = setup(args, default_dp=DEFAULT_DP, **options)
     stop.check_startup()
     from meshlm.parallel.distributed import print0
     from meshlm.train.loop import train

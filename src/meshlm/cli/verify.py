@@ -25,16 +25,25 @@ def run(args) -> int:
     from meshlm.errors import VERIFIER_EXIT_CODE, VerifierError
 
     vs = settings_from(args, VerifySettings)
-    if layout := flag_layout(args, fsdp=vs.fsdp, sp=vs.sp):  # before any work
+    if layout := flag_layout(args, **_options(vs)):  # before any work
         if vs.batch_size is not None:
             layout.check_batch(vs.batch_size)
         if vs.seq_len is not None or vs.checkpoint is None:  # else the checkpoint's model decides
             layout.check_seq_len(_seq_len(vs, get_config(vs.config)))
+        if vs.checkpoint is None:
+            layout.check_layers(get_config(vs.config).n_layers)
     try:
         return _matrix(args, vs) if vs.matrix else _verify(args, vs)
     except VerifierError as e:
         print(f"meshlm: verifier error: {e}", file=sys.stderr)
         return VERIFIER_EXIT_CODE
+
+
+def _options(vs: VerifySettings) -> dict:
+    """The Layout's options: --fsdp, --sp, --pp and its schedule."""
+    from meshlm.parallel.pipeline_schedule import pipeline_options
+
+    return dict(fsdp=vs.fsdp, sp=vs.sp, **pipeline_options(vs))
 
 
 def _seq_len(vs: VerifySettings, cfg) -> int:
@@ -67,7 +76,7 @@ def _matrix(args, vs: VerifySettings) -> int:
 
 
 def _verify(args, vs: VerifySettings) -> int:
-    layout = setup(args, fsdp=vs.fsdp, sp=vs.sp)
+    layout = setup(args, **_options(vs))
     dp, mp = layout.dp, layout.mp
     import jax
     import jax.numpy as jnp
@@ -90,10 +99,18 @@ def _verify(args, vs: VerifySettings) -> int:
         cfg = cfg.replace(z_loss=vs.z_loss)
     if vs.remat is not None:
         cfg = cfg.replace(remat=vs.remat)
-    batch = vs.batch_size if vs.batch_size is not None else 2 * dp
+    batch = (
+        vs.batch_size if vs.batch_size is not None else 2 * dp * (layout.microbatches if layout.pp > 1 else 1)
+    )
     seq_len = _seq_len(vs, cfg)
     layout.check_seq_len(seq_len)
-    problem = model_problem(cfg, name, mp, batch, seq_len, vs.seed, dp=dp, fsdp=layout.fsdp, sp=layout.sp)
+    if layout.pp > 1:
+        from meshlm.sharding.pipelined import check_pipelined
+
+        check_pipelined(cfg, layout)
+    problem = model_problem(
+        cfg, name, mp, batch, seq_len, vs.seed, dp=dp, fsdp=layout.fsdp, sp=layout.sp, pp=layout.pp
+    )
     if vs.checkpoint:
         problem = dataclasses.replace(problem, load_params=lambda m: load_model(vs.checkpoint, m)[1])
     dtype = jnp.float64 if vs.x64 else jnp.float32

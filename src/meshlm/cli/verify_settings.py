@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlm.model.family import REMAT
+from meshlm.parallel.pipeline_schedule import PipelineFlags
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_INT, Range
 from meshlm.settings import CLI_COMMON, SEQ_LEN_DEFAULT_TEXT, Switch, check_fields, setting
 
@@ -18,7 +19,7 @@ MAX_PROOF_STEPS = Range(int, 0, 10_000)
 
 
 @dataclass(frozen=True)
-class VerifySettings:
+class VerifySettings(PipelineFlags):  # --pp and its schedule: the base's fields
     config: str = setting("seed", "model preset (see `meshlm configs`)", cli=CLI_COMMON)
     seed: int = setting(0, "random seed", cli=CLI_COMMON, valid=NON_NEGATIVE_INT)
     steps: int = setting(

@@ -280,6 +280,8 @@ PRESETS: dict[str, ModelConfig] = {
 
 # Llama 3.x and Qwen2.5, tiny and at real size (``model.presets``).
 PRESETS.update({name: ModelConfig(**fields) for name, fields in FAMILY_PRESETS.items()})
+# tiny-llama with 8 layers: pipelines of pp = 4 and interleaved schedules (pp x V chunks) on 4-8 devices.
+PRESETS["tiny-deep"] = PRESETS["tiny-llama"].replace(n_layers=8)
 # Grouped-query attention with 2 KV heads: on mp = 4 (or 8) the KV heads are replicated, so the
 # replication path is proven on the 4 devices of a laptop, not only on 8.
 PRESETS["tiny-gqa"] = PRESETS["tiny-llama"].replace(n_kv_heads=2)

@@ -118,9 +118,21 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, sta
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
     if cfg.doc_mask >= 0:
         starts = par.doc_starts(doc_starts(tokens, cfg.doc_mask) if starts is None else starts)
-    gpt = cfg.arch.gpt_init
-    stddev = GPT_STDDEV if gpt else 1.0 / np.sqrt(cfg.vocab_size)
-    embed = VocabEmbed(
+    embed = _embed(cfg, par)
+    x = _scaled(cfg, embed(tokens))  # [B, T, D]; with sp [B, T/mp, D] per shard
+    x, cache = _stack(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, cache, starts)
+    return _head_logits(cfg, par, x, embed), cache
+
+
+def _scaled(cfg: ModelConfig, x):
+    if cfg.arch.embed_scale:  # Gemma: sqrt(d_model), rounded to float32, in the embedding's dtype
+        x = x * jnp.asarray(embed_scale(cfg.d_model), x.dtype)
+    return x
+
+
+def _embed(cfg: ModelConfig, par: Parallel) -> VocabEmbed:
+    stddev = GPT_STDDEV if cfg.arch.gpt_init else 1.0 / np.sqrt(cfg.vocab_size)
+    return VocabEmbed(
         vocab_size=cfg.padded_vocab,
         d_model=cfg.d_model,
         par=par,
@@ -128,16 +140,16 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, sta
         bias=cfg.embed_bias,
         real_vocab=cfg.vocab_size,
     )
-    x = embed(tokens)  # [B, T, D]; with sp [B, T/mp, D] per shard
-    if cfg.arch.embed_scale:  # Gemma: sqrt(d_model), rounded to float32, in the embedding's dtype
-        x = x * jnp.asarray(embed_scale(cfg.d_model), x.dtype)
-    x, cache = _stack(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, cache, starts)
+
+
+def _head_logits(cfg: ModelConfig, par: Parallel, x, embed: VocabEmbed | None):
+    """Final norm (if the family has one) and the output projection: per-shard logits [B, T, V/mp]."""
     if cfg.arch.norm is not None:
         x = _norm(cfg, "final_ln")(x)
     xf = par.f(x)
     if cfg.tie_embeddings:
-        return embed.local_logits(xf), cache
-    head_stddev = GPT_STDDEV if gpt else 1.0 / np.sqrt(cfg.d_model)
+        return embed.local_logits(xf)
+    head_stddev = GPT_STDDEV if cfg.arch.gpt_init else 1.0 / np.sqrt(cfg.d_model)
     head = VocabHead(
         vocab_size=cfg.padded_vocab,
         par=par,
@@ -145,7 +157,47 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, sta
         bias=cfg.arch.biases,
         real_vocab=cfg.vocab_size,
     )
-    return head.local_logits(xf), cache
+    return head.local_logits(xf)
+
+
+# --- the model in three pieces, for the pipeline (``sharding.pipelined``) ------------------------------
+# Each is a Haiku function whose parameters are the whole model's of the same names: ``embed``'s the
+# embedding, ``layers``' those under ``layers/`` (as many layers as ``cfg.n_layers``: a chunk), ``head``'s
+# the final norm and output projection. Chained, they compute ``loss_fn`` (without the mean over dp,
+# which the pipeline takes); every family's, from the same code (a tied head needs the embedding on the
+# last stage: not split).
+def embed_fn(cfg: ModelConfig, par: Parallel):
+    """tokens [B, T] -> hidden [B, T, D]."""
+
+    def embed(tokens):
+        if tokens.shape[-1] > cfg.max_seq_len and cfg.arch.attention:
+            raise ConfigError(f"sequence length {tokens.shape[-1]} exceeds max_seq_len={cfg.max_seq_len}")
+        with hk.custom_getter(parallel_getter(par)):
+            return _scaled(cfg, _embed(cfg, par)(tokens))
+
+    return embed
+
+
+def layers_fn(cfg: ModelConfig, par: Parallel):
+    """hidden [B, T, D] -> hidden: ``cfg.n_layers`` layers (positions 0.. T-1: no document mask)."""
+
+    def layers(x):
+        positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+        with hk.custom_getter(parallel_getter(par)):
+            return _stack(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, None)[0]
+
+    return layers
+
+
+def head_loss_fn(cfg: ModelConfig, par: Parallel):
+    """(hidden [B, T, D], targets [B, T]) -> the mean loss over this shard's rows."""
+
+    def head_loss(y, targets):
+        with hk.custom_getter(parallel_getter(par)):
+            logits = mask_vocab_padding(par, _head_logits(cfg, par, y, None), cfg.vocab_size)
+        return jnp.mean(vocab_parallel_xent(par, logits, targets, cfg.z_loss))
+
+    return head_loss
 
 
 def embed_scale(d_model: int) -> np.float32:

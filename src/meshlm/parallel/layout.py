@@ -11,7 +11,12 @@ A ``Layout`` is built from sizes (``Layout(dp=2, mp=2, fsdp=True)``, validated b
 touched) or from an existing mesh (``Layout.of(mesh, ...)``: the one place a mesh's shape is read).
 Its ``mesh`` is made from the sizes on first use, or is the one it was built from.
 
-Adding an axis (pipeline, context parallelism) is: a field here and its name in ``axes.MESH_AXES``
+The pipeline axis ``pp`` (``parallel.pipeline``) is the outermost: with ``pp > 1`` the mesh is
+(pp, dp, mp) and ``pipeline`` is the schedule (``--microbatches``, ``--pp-schedule``,
+``--virtual-stages``); with ``pp = 1`` nothing changes (the mesh, reports and checkpoint meta are
+(dp, mp) as before).
+
+Adding an axis (context parallelism) is: a field here and its name in ``axes.MESH_AXES``
 (sizes, the mesh, reports and checkpoint meta follow them), its rules-table entries, its
 collectives in ``parallel.context``, its proof controls.
 
@@ -26,9 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshlm.errors import ConfigError, MeshError, ShardingError
-from meshlm.parallel.axes import MESH_AXES
+from meshlm.parallel.axes import MESH_AXES, PIPELINE_MESH_AXES, PP
 
 OPTIONS = ("fsdp", "sp")  # the memory options, by their field (and flag) names
+# The pipeline's schedule fields, by their field names (flags: --microbatches, --pp-schedule, ...).
+PIPELINE_OPTIONS = ("microbatches", "pp_schedule", "virtual_stages")
 
 
 @dataclass(frozen=True)
@@ -37,34 +44,52 @@ class Layout:
     mp: int = 1  # model-parallel shards: heads, hidden units and the vocabulary split over them
     fsdp: bool = False  # FSDP (ZeRO-3): weights and AdamW moments also split over dp
     sp: bool = False  # sequence parallelism: activations between blocks split over the sequence on mp
+    pp: int = 1  # pipeline stages: consecutive layer chunks over the outermost mesh axis (1: no pp axis)
+    microbatches: int = 1  # with pp > 1: each step's (micro-)batch split into M pipeline micro-batches
+    pp_schedule: str = "1f1b"  # with pp > 1: gpipe | 1f1b | interleaved
+    virtual_stages: int = 1  # with pp > 1 and interleaved: layer chunks per device
     # The mesh this layout was built from (``of``), or made on first use: not part of the value.
     built_mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        for name in MESH_AXES:
+        for name in PIPELINE_MESH_AXES:
             size = getattr(self, name)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise MeshError(f"mesh axis {name} must be a positive integer, got {size!r}")
         for name in OPTIONS:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        _check_pipeline(self)
+
+    @property
+    def pipeline(self):
+        """The schedule (``PipelineConfig``) of a layout with pp > 1, else None."""
+        return _pipeline_config(self) if self.pp > 1 else None
 
     @classmethod
     def of(cls, where, **options) -> Layout:
         """``where`` as a Layout: a Layout (with ``options`` replaced), or a jax Mesh with ``options``
         (the memory options default off)."""
+        if isinstance(where, Layout) and not options:
+            return where
         if isinstance(where, Layout):
-            return dataclasses.replace(where, **options) if options else where
+            resized = any(options.get(a, getattr(where, a)) != getattr(where, a) for a in PIPELINE_MESH_AXES)
+            return dataclasses.replace(where, **options, **({"built_mesh": None} if resized else {}))
         sizes = axis_sizes(where)
-        return cls(**{axis: sizes[axis] for axis in MESH_AXES}, built_mesh=where, **options)
+        pp = options.pop("pp", sizes.get(PP, 1))
+        if pp != sizes.get(PP, 1):
+            raise MeshError(f"pp={pp} but the mesh has {sizes.get(PP, 1)} pipeline stage(s); make them equal")
+        return cls(**{axis: sizes[axis] for axis in MESH_AXES}, pp=pp, built_mesh=where, **options)
 
     @property
     def mesh(self):
-        """The jax Mesh (dp, mp) of this layout (``parallel.mesh.make_mesh`` on first use)."""
+        """The jax Mesh (dp, mp), or (pp, dp, mp), of this layout (``parallel.mesh.make_mesh`` on first
+        use)."""
         if self.built_mesh is None:
             from meshlm.parallel.mesh import make_mesh
 
-            object.__setattr__(self, "built_mesh", make_mesh(*self.shape.values()))
+            shape = self.shape
+            object.__setattr__(self, "built_mesh", make_mesh(*shape.values(), axes=tuple(shape)))
         return self.built_mesh
 
     @property
@@ -73,8 +98,10 @@ class Layout:
 
     @property
     def shape(self) -> dict[str, int]:
-        """{axis name: size}, e.g. {"dp": 2, "mp": 2} (what reports and checkpoint meta show)."""
-        return {axis: getattr(self, axis) for axis in MESH_AXES}
+        """{axis name: size}, e.g. {"dp": 2, "mp": 2}, with pp > 1 {"pp": 2, "dp": 2, "mp": 2} (what
+        reports and checkpoint meta show)."""
+        axes = PIPELINE_MESH_AXES if self.pp > 1 else MESH_AXES
+        return {axis: getattr(self, axis) for axis in axes}
 
     def replace(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -86,20 +113,27 @@ class Layout:
         return (par_cls or Parallel)(mp=self.mp, dp=self.dp, sharded=True, sp=self.sp)
 
     def label(self) -> str:
-        """The mesh and the options that are on: "2x2", "2x2 + FSDP + SP"."""
-        return "x".join(map(str, self.shape.values())) + "".join(
-            f" + {o.upper()}" for o in OPTIONS if getattr(self, o)
-        )
+        """The mesh and the options that are on: "2x2", "2x2 + FSDP + SP", "pp2x1x2 (1f1b, M=4)"."""
+        pipe = f"pp{self.pp}x" if self.pp > 1 else ""
+        text = pipe + "x".join(str(getattr(self, a)) for a in MESH_AXES)
+        text += "".join(f" + {o.upper()}" for o in OPTIONS if getattr(self, o))
+        if self.pp > 1:
+            v = f", V={self.virtual_stages}" if self.virtual_stages > 1 else ""
+            text += f" ({self.pp_schedule}, M={self.microbatches}{v})"
+        return text
 
     def to_dict(self) -> dict[str, Any]:
-        """What checkpoint metadata records (``from_dict`` reads it back)."""
-        return {**self.shape, **{o: getattr(self, o) for o in OPTIONS}}
+        """What checkpoint metadata records (``from_dict`` reads it back); the pipeline's fields only
+        with pp > 1 (a checkpoint's format does not depend on them: pp splits the layer dimension)."""
+        pipe = {o: getattr(self, o) for o in PIPELINE_OPTIONS} if self.pp > 1 else {}
+        return {**self.shape, **{o: getattr(self, o) for o in OPTIONS}, **pipe}
 
     @classmethod
     def from_dict(cls, d: dict) -> Layout:
-        unknown = sorted(set(d) - {*MESH_AXES, *OPTIONS})
+        known = (*PIPELINE_MESH_AXES, *OPTIONS, *PIPELINE_OPTIONS)
+        unknown = sorted(set(d) - set(known))
         if unknown:
-            valid = ", ".join((*MESH_AXES, *OPTIONS))
+            valid = ", ".join(known)
             raise ConfigError(f"unknown layout field(s) {unknown}; valid: {valid}")
         return cls(**d)
 
@@ -114,20 +148,66 @@ class Layout:
             )
 
     def check_batch(self, batch_size: int, accum_steps: int | None = None) -> None:
-        """The global batch splits into ``accum_steps`` micro-batches, each over dp."""
-        rows = self.dp * (accum_steps or 1)
-        if batch_size % rows == 0:
-            return
-        fix = f"use e.g. --batch-size {_next_multiple(batch_size, rows)}"
-        if accum_steps is None:
-            raise ConfigError(
-                f"--batch-size {batch_size} is not a multiple of dp={self.dp} (--mesh {self.dp}x{self.mp} "
-                f"is DPxMP); {fix}"
-            )
+        """The global batch splits into ``accum_steps`` micro-batches, each over dp (and with pp into
+        the pipeline's ``microbatches``)."""
+        _check_batch(self, batch_size, accum_steps)
+
+    def check_layers(self, n_layers: int) -> None:
+        """With pp, the layer stack splits into pp x virtual stages chunks of equal size."""
+        if self.pp > 1:
+            _check_layers(self.pipeline, n_layers)
+
+
+def _check_batch(layout: Layout, batch_size: int, accum_steps: int | None) -> None:
+    m = layout.microbatches if layout.pp > 1 else 1
+    rows = layout.dp * (accum_steps or 1) * m
+    if batch_size % rows == 0:
+        return
+    fix = f"use e.g. --batch-size {_next_multiple(batch_size, rows)}"
+    if m > 1:
         raise ConfigError(
-            f"--batch-size {batch_size} is not a multiple of dp x accum_steps = {self.dp} x "
-            f"{accum_steps}; {fix}"
+            f"--batch-size {batch_size} is not a multiple of dp x accum_steps x microbatches = "
+            f"{layout.dp} x {accum_steps or 1} x {m}; {fix}"
         )
+    if accum_steps is None:
+        raise ConfigError(
+            f"--batch-size {batch_size} is not a multiple of dp={layout.dp} (--mesh {layout.dp}x{layout.mp} "
+            f"is DPxMP); {fix}"
+        )
+    raise ConfigError(
+        f"--batch-size {batch_size} is not a multiple of dp x accum_steps = {layout.dp} x "
+        f"{accum_steps}; {fix}"
+    )
+
+
+def _pipeline_config(layout: Layout):
+    from meshlm.parallel.pipeline_schedule import PipelineConfig
+
+    return PipelineConfig(layout.pp, layout.microbatches, layout.pp_schedule, layout.virtual_stages)
+
+
+def _check_layers(cfg, n_layers: int) -> None:
+    from meshlm.parallel.pipeline_schedule import check_layers
+
+    check_layers(cfg, n_layers)
+
+
+def _check_pipeline(layout: Layout) -> None:
+    """The schedule's own one-line errors (``PipelineConfig``), and what pp does not combine with."""
+    if layout.pp == 1:
+        given = [f"--{o.replace('_', '-')}" for o in PIPELINE_OPTIONS if getattr(layout, o) != _DEFAULTS[o]]
+        if given:
+            raise ConfigError(f"{', '.join(given)} needs a pipeline; add --pp 2 (or more) or drop it")
+        return
+    layout.pipeline  # noqa: B018 -- validates the schedule (PipelineConfig raises one-line errors)
+    if layout.sp:
+        raise ConfigError(
+            "--sp cannot be combined with --pp: the pipeline passes activations between stages "
+            "replicated over mp, not split over the sequence; drop --sp (--fsdp works with --pp)"
+        )
+
+
+_DEFAULTS = {"microbatches": 1, "pp_schedule": "1f1b", "virtual_stages": 1}
 
 
 def _next_multiple(n: int, k: int) -> int:
@@ -136,5 +216,5 @@ def _next_multiple(n: int, k: int) -> int:
 
 def axis_sizes(mesh) -> dict[str, int]:
     """Each axis of a jax ``mesh`` and its size: with ``Layout.of``, the one place a mesh's shape is
-    read (a pipeline's mesh, whose ``pp`` axis is not yet a Layout field, is read here too)."""
+    read."""
     return {name: mesh.shape[name] for name in mesh.axis_names}

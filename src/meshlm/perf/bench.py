@@ -55,6 +55,7 @@ from meshlm.train.optim import OptimConfig
 from meshlm.train.step import init_model, init_opt_state, reference_step, sharded_step
 
 IMPLS = ("meshlm", "unsharded", "gspmd", "plain")
+NO_PP = "no-pp"  # with --pp: the same model on the dp x mp mesh without the pipeline
 
 
 # --- the three implementations --------------------------------------------------------------------
@@ -105,7 +106,42 @@ def build_impls(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: B
     plain_params = jax.device_put(host_params, device)  # its own copy: the step donates it
     hand, hand_opt = plain_step(cfg, ocfg, plain_params)
     plain = _compiled("plain", hand, plain_params, jax.jit(hand_opt.init)(plain_params), unsharded.batch)
+    if layout.pp > 1:  # the same model and batch on the dp x mp mesh without the pipeline
+        return [ours, unsharded, gspmd, plain, _without_pp(cfg, ocfg, layout, host_params, host)]
     return [ours, unsharded, gspmd, plain]
+
+
+def _without_pp(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params, host) -> Impl:
+    from meshlm.sharding.rules import model_specs
+
+    flat = Layout(dp=layout.dp, mp=layout.mp, fsdp=layout.fsdp)
+    specs = model_specs(cfg, host_params, flat)
+    params = jax.device_put(host_params, shardings(specs, flat.mesh))
+    step, opt = sharded_step(cfg, ocfg, flat, specs, params)
+    batch = jax.device_put(host, batch_sharding(flat, 1))
+    return _compiled(NO_PP, step, params, init_opt_state(opt, params, specs, flat.mesh), batch)
+
+
+def pipeline_overhead(layout: Layout, seconds: dict[str, list[float]]) -> dict | None:
+    """With pp: the schedule's ideal bubble next to the measured overhead, the share of the pipelined
+    step's time the same model without pp does not need: 1 - t(no pp) / t(pp), medians of per-repetition
+    ratios. On fake CPU devices sharing the host's cores every device's work runs on the same cores, so
+    bubbles (computed through, masked) cost their full share; 1F1B also recomputes each chunk's forward
+    in its backward slot (about a third more compute than GPipe)."""
+    if layout.pp == 1:
+        return None
+    from meshlm.parallel.pipeline_schedule import schedule_facts
+
+    facts = schedule_facts(layout.pipeline)
+    paired = statistics.median(n / p for n, p in zip(seconds[NO_PP], seconds["meshlm"], strict=True))
+    return {
+        "schedule": layout.pp_schedule,
+        "pp": layout.pp,
+        "microbatches": layout.microbatches,
+        "virtual_stages": layout.virtual_stages,
+        "ideal_bubble": facts.bubble_fraction,
+        "measured_overhead": 1 - paired,
+    }
 
 
 def _compiled(name: str, jitted, params, opt_state, batch) -> Impl:
@@ -182,7 +218,7 @@ def impl_result(impl: Impl, seconds: list[float], flops: float, tokens: int, pea
 
 def generation_bench(cfg: ModelConfig, params, layout: Layout, settings: BenchSettings) -> dict | None:
     """Prefill and decode throughput of ``generate.bench_generation``; None when it is skipped."""
-    if not settings.gen_new_tokens:
+    if not settings.gen_new_tokens or layout.pp > 1:  # generation has no pipeline
         return None
     new = min(settings.gen_new_tokens, cfg.max_seq_len // 2)
     prompt = min(settings.seq_len, cfg.max_seq_len - new)
@@ -195,7 +231,9 @@ def step_time_ratios(seconds: dict[str, list[float]]) -> dict[str, dict[str, flo
     the ratio of the medians, and the median of the per-repetition ratios. The second pairs steps that
     ran seconds apart, so slow drifts in the machine's load cancel; on a shared machine it is the
     steadier of the two."""
-    pairs = [("meshlm", other) for other in IMPLS[1:]] + [("unsharded", "plain")]
+    pairs = [("meshlm", other) for other in (*IMPLS[1:], NO_PP) if other in seconds] + [
+        ("unsharded", "plain")
+    ]
     return {f"{a}/{b}": _ratio(seconds[a], seconds[b]) for a, b in pairs}
 
 
@@ -242,4 +280,5 @@ def run_bench(
         "results": [impl_result(i, seconds[i.name], flops, tokens, peak["float32"]) for i in impls],
         "step_time_ratios": step_time_ratios(seconds),
         "generation": generation_bench(cfg, impls[0].params, layout, settings),
+        "pipeline": pipeline_overhead(layout, seconds),
     }

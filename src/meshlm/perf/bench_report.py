@@ -57,6 +57,12 @@ def _summary(report: dict) -> list[str]:
         f"parameter bytes: total {_mib(report['param_bytes']['total'])} MiB, "
         f"total/mp {_mib(report['param_bytes']['ideal_per_device'])} MiB",
     ]
+    if pipe := report.get("pipeline"):
+        rows.append(
+            f"pipeline ({pipe['schedule']}, pp={pipe['pp']}, M={pipe['microbatches']}): measured overhead "
+            f"{pipe['measured_overhead']:.1%} of the step against no-pp (1 - t(no-pp)/t(pp)); ideal bubble "
+            f"{pipe['ideal_bubble']:.1%}"
+        )
     gen = report["generation"]
     if gen is not None:
         rows.append(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig, default_seq_len
 from meshlm.parallel.layout import Layout
+from meshlm.parallel.pipeline_schedule import PipelineFlags
 from meshlm.ranges import NON_NEGATIVE_INT, POSITIVE_INT
 from meshlm.settings import CLI_COMMON, SEQ_LEN_DEFAULT_TEXT, setting
 
@@ -24,7 +25,7 @@ DEFAULT_BATCH = 4
 
 
 @dataclass(frozen=True)
-class BenchSettings:
+class BenchSettings(PipelineFlags):  # --pp and its schedule: the base's fields
     config: str = setting("small", "model preset (see `meshlm configs`)", cli=CLI_COMMON)
     batch_size: int | None = setting(
         None,
@@ -65,7 +66,8 @@ class BenchSettings:
     def resolved(self, cfg: ModelConfig, layout: Layout) -> BenchSettings:
         """The sizes left open filled in: the batch rounded up to a multiple of dp, the sequence by
         every command's rule (``default_seq_len``)."""
-        batch = self.batch_size or -(-DEFAULT_BATCH // layout.dp) * layout.dp
+        rows = layout.dp * (layout.microbatches if layout.pp > 1 else 1)
+        batch = self.batch_size or -(-DEFAULT_BATCH // rows) * rows
         return dataclasses.replace(self, batch_size=batch, seq_len=default_seq_len(cfg, self.seq_len or 0))
 
     def check(self, cfg: ModelConfig, layout: Layout) -> None:
@@ -77,6 +79,9 @@ class BenchSettings:
         if s.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1, got {s.batch_size}")
         layout.check_batch(s.batch_size)
+        layout.check_layers(cfg.n_layers)
+        if s.memory_options and layout.pp > 1:
+            raise ConfigError("--memory-options times fsdp and sp against tp; run it without --pp")
         if not 1 <= s.seq_len <= cfg.max_seq_len:
             raise ConfigError(f"--seq-len {s.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
         if s.gen_new_tokens < 0:

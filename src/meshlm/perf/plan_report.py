@@ -18,12 +18,27 @@ def flags(settings: dict) -> str:
 def _header(report: dict) -> list[str]:
     s, mesh = report["plan"]["settings"], report["mesh"]
     total = report["unsharded"]
+    pp = f"pp{mesh['pp']}x" if "pp" in mesh else ""
     return [
-        f"meshlm plan: {report['config']} on mesh {mesh['dp']}x{mesh['mp']} (dp={mesh['dp']}, "
+        f"meshlm plan: {report['config']} on mesh {pp}{mesh['dp']}x{mesh['mp']} (dp={mesh['dp']}, "
         f"mp={mesh['mp']}), batch {s['batch_size']} x {s['seq_len']}, accum {s['accum_steps']}, "
         f"{s['compute_dtype']} compute, options: {report['plan']['label']}",
         f"unsharded: parameters {gib(total['params'])} float32 "
         f"({total['params'] // 4:,}), AdamW moments {gib(total['opt_state'])}",
+        *_pipeline(report.get("pipeline")),
+    ]
+
+
+def _pipeline(p: dict | None) -> list[str]:
+    """The schedule's line: every stage runs the same SPMD program, so the compiled figures below are
+    each stage's (the largest: the first stage's, whose 1F1B stash is deepest)."""
+    if p is None:
+        return []
+    v = f", V={p['virtual_stages']}" if p["virtual_stages"] > 1 else ""
+    return [
+        f"pipeline: {p['pp_schedule']} over pp={p['pp']}, M={p['microbatches']}{v}: ideal bubble "
+        f"{p['bubble_fraction']:.1%}, {p['ticks']} ticks, {p['permutes_per_step']} collective-permutes "
+        f"per step, at most {p['stashed_inputs']} micro-batch inputs kept per stage; figures per stage"
     ]
 
 
@@ -88,6 +103,8 @@ def format_plan(report: dict) -> str:
         lines.append(
             f"recommended: {flags(best[0]['settings'])}" if best else "no candidate tried fits this device"
         )
+    if report.get("schedule_png"):
+        lines.append(f"schedule picture: {report['schedule_png']}")
     lines.append(f"note: {report['analytic_note']}")
     if report["note"]:
         lines.append(f"note: {report['note']}")

@@ -137,6 +137,7 @@ class Planner:
     def search(self, base: PlanSettings) -> list[dict]:
         """Candidates around ``base`` (module docstring), in the order they were tried."""
         dp, mp = self.layout.dp, self.layout.mp
+        mp = mp if self.layout.pp == 1 else 1  # --sp is not a move under --pp (it refuses sp)
         tried = []
         for _, settings in moves(base, dp, mp):
             tried.append(self.evaluate(settings))
@@ -220,4 +221,18 @@ def plan(
         "recommended": best["label"] if best else None,
         "compiles": len(planner.rows),
         "max_compiles": planner.max_compiles,
+        "pipeline": pipeline_facts(layout),
+    }
+
+
+def pipeline_facts(layout: Layout) -> dict | None:
+    """With pp: the schedule and its ideal bubble, ticks, stashed micro-batch inputs and permutes."""
+    if layout.pp == 1:
+        return None
+    from meshlm.parallel.pipeline_schedule import schedule_facts
+
+    facts = schedule_facts(layout.pipeline)
+    return {
+        **{k: getattr(layout, k) for k in ("pp", "microbatches", "pp_schedule", "virtual_stages")},
+        **dataclasses.asdict(facts),
     }

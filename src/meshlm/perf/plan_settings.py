@@ -9,6 +9,7 @@ from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig, default_seq_len
 from meshlm.model.family import REMAT
 from meshlm.parallel.layout import Layout
+from meshlm.parallel.pipeline_schedule import PipelineFlags
 from meshlm.ranges import POSITIVE_INT
 from meshlm.settings import SEQ_LEN_DEFAULT_TEXT, Switch, setting
 from meshlm.units import parse_bytes
@@ -57,6 +58,7 @@ class PlanSettings:
             raise ConfigError(
                 f"compute_dtype={self.compute_dtype!r}; valid: {', '.join(cfg.arch.compute_dtypes)}"
             )
+        layout.check_layers(cfg.n_layers)
         if not 1 <= self.seq_len <= cfg.max_seq_len:
             raise ConfigError(f"--seq-len {self.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
         layout.check_batch(self.batch_size, self.accum_steps)
@@ -64,7 +66,7 @@ class PlanSettings:
 
 
 @dataclass(frozen=True)
-class PlanCommand:
+class PlanCommand(PipelineFlags):  # --pp and its schedule: the base's fields
     """What ``meshlm plan`` is asked: the model, one run's settings (``settings``) and the search; the
     command's flags are built from these fields (``meshlm.cli.common.add_flags``)."""
 
@@ -96,6 +98,7 @@ class PlanCommand:
     every_option: bool = setting(
         False, "try each option alone, not only up to the cheapest that fits (more compiles)"
     )
+    schedule_png: str | None = setting(None, "with --pp: draw the schedule (stage x tick) into this PNG")
 
     def settings(self, cfg: ModelConfig) -> PlanSettings:
         """The run to plan for the model ``cfg``: its remat unless --remat, the default sequence rule."""

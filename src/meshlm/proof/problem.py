@@ -51,9 +51,11 @@ def model_problem(
     dp: int = 1,
     fsdp: bool = False,
     sp: bool = False,
+    pp: int = 1,
 ) -> Problem:
     """A Problem for a meshlm model config: random token inputs and targets (global [B, T]);
-    ``fsdp`` (over ``dp``) and ``sp`` are the memory options the sharded run uses."""
+    ``fsdp`` (over ``dp``) and ``sp`` are the memory options the sharded run uses; with ``pp`` the
+    stacked layers are stored split over the pipeline's stages."""
     from meshlm.model.padding import resize_tree
     from meshlm.model.transformer import loss_fn
     from meshlm.parallel.layout import Layout
@@ -77,7 +79,7 @@ def model_problem(
         )
     return Problem(
         build_loss=rebuild(cfg),
-        specs_fn=lambda abstract: model_specs(cfg, abstract, Layout(dp=dp, mp=mp, fsdp=fsdp)),
+        specs_fn=lambda abstract: model_specs(cfg, abstract, Layout(dp=dp, mp=mp, fsdp=fsdp, pp=pp)),
         batch=(batch_fn or partial(random_batch, cfg.vocab_size))((batch_size, seq_len), seed),
         batch_fn=batch_fn,
         name=name,

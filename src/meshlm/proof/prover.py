@@ -27,6 +27,7 @@ from meshlm.proof.controls import CONTROLS, Control, Where
 from meshlm.proof.data_pipeline import data_checks
 from meshlm.proof.independence import exactness_check, reference_checks, sharded_check
 from meshlm.proof.padding import padding_rows
+from meshlm.proof.pipeline_verify import permute_rows, pipeline_controls
 from meshlm.proof.problem import Problem
 from meshlm.proof.report import LeafResult, Report, check_row, compare_into
 from meshlm.proof.rule_errors import rule_mismatch, vma_error
@@ -62,6 +63,8 @@ def verify(
     layout = Layout.of(where, fsdp=problem.fsdp, sp=problem.sp)
     dp, mp = layout.dp, layout.mp
     report = Report(config=problem.name, dp=dp, mp=mp, steps=steps, dtype=dname, rtol=rtol, atol=atol)
+    if layout.pp > 1:
+        report.extra["mesh"] = layout.label()  # the pipeline: its stages and schedule
     runs = Runs(problem, layout, dtype, seed)
     try:
         sharded = runs.proven_grads()
@@ -89,6 +92,9 @@ def verify(
         sp=problem.sp,
         seq_len=int(jnp.shape(problem.batch.get("inputs", ()))[-1]),
     )
+    if layout.pp > 1:  # the pipeline's own faults (``pipeline_verify``)
+        report.controls = pipeline_controls(runs, rtol, atol)
+        return report
     report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in controls if c.applies(where)]
     return report
 
@@ -129,7 +135,9 @@ def _checks(runs: Runs, steps: int, ocfg, collectives: bool, data_steps: int, se
         outputs.append(runs.reference_train(ocfg, step_batches(runs.problem, steps, ocfg.accum_steps, seed)))
     rows = reference_checks(runs.checked, outputs)
     rows.append(sharded_check(runs.sharded_hlo, runs.mesh.size))
-    if collectives:
+    if collectives and runs.layout.pp > 1:
+        rows += permute_rows(runs)
+    elif collectives:
         p = runs.problem
         got = step_collectives(p.build_loss, runs.layout, runs.specs, runs.params, runs.batch)
         rows += communication_rows(runs, got)

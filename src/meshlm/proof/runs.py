@@ -48,8 +48,21 @@ class Runs:
         self.batch = put_batch(problem.batch, layout, False)  # the global batch on the mesh
         self.checked: list[CheckedProgram] = []  # the programs that computed the reference's values
 
-    def sharded_fn(self, build_loss, par_cls=Parallel):
-        return jax.jit(sharded_value_and_grad(build_loss, self.layout, self.specs, par_cls))
+    def value_and_grad(self, build_loss, par_cls=Parallel, pipe_cls=None):
+        """The sharded fn(params, batch) -> (loss, grads); with pp the problem's model through the
+        pipeline (``pipe_cls``: a control's engine), NaN in every bubble: it must never reach a result."""
+        if self.layout.pp > 1:
+            from meshlm.parallel.pipeline import Pipeline
+            from meshlm.sharding.pipelined import pipelined_value_and_grad
+
+            cfg, pipe_cls = self.problem.cfg, pipe_cls or Pipeline
+            return pipelined_value_and_grad(
+                cfg, self.layout, self.specs, pipe_cls=pipe_cls, par_cls=par_cls, fill=float("nan")
+            )
+        return sharded_value_and_grad(build_loss, self.layout, self.specs, par_cls)
+
+    def sharded_fn(self, build_loss, par_cls=Parallel, pipe_cls=None):
+        return jax.jit(self.value_and_grad(build_loss, par_cls, pipe_cls))
 
     def grads(self, build_loss, par_cls=Parallel, params=None):
         """The sharded loss and gradients of ``build_loss`` (at ``params``, default the proof's)."""
@@ -100,7 +113,7 @@ class Runs:
     def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False):
         """Yield ((params, opt_state, metrics) sharded, the same unsharded) after each step."""
         opt = adamw(ocfg, self.params)
-        grad = sharded_value_and_grad(self.problem.build_loss, self.layout, self.specs)
+        grad = self.value_and_grad(self.problem.build_loss)
         clip = per_shard_clip(self.mesh, self.specs, ocfg.clip_norm) if clip_fault else None
         step = jax.jit(make_step(grad, opt, ocfg, clip))
         state = (self.params, jax.jit(opt.init)(self.params))

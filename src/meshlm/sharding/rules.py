@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ShardingError
 from meshlm.model.params import is_embedding, is_matmul_weight, is_stacked, param_path
-from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.axes import DP, MP, PP
 from meshlm.parallel.layout import Layout
 
 KV = "kv_heads"  # placeholder: MP when mp divides the KV heads, replicated when they are repeated
@@ -128,15 +128,35 @@ def model_specs(cfg, abstract_params, layout: Layout):
             f"vocab_multiple={cfg.vocab_multiple}); choose an mp that divides {cfg.padded_vocab}"
         )
     specs = param_specs(abstract_params, mp, RULES, kv_axis)
-    if not layout.fsdp:
+    if layout.fsdp:
+        specs = {
+            mod: {
+                name: fsdp_spec(param_path(mod, name), abstract_params[mod][name].shape, spec, dp)
+                for name, spec in leaves.items()
+            }
+            for mod, leaves in specs.items()
+        }
+    return pp_specs(specs, layout)
+
+
+def pp_specs(specs, layout: Layout):
+    """With ``layout.pp > 1`` the stacked layer dimension of ``layers/`` parameters is split over PP
+    (consecutive layers per stage: the checkpoint format is unchanged); ``layer_specs`` undoes it."""
+    if layout.pp == 1:
         return specs
     return {
         mod: {
-            name: fsdp_spec(param_path(mod, name), abstract_params[mod][name].shape, spec, dp)
+            name: P(PP, *spec[1:]) if is_stacked(param_path(mod, name)) else spec
             for name, spec in leaves.items()
         }
         for mod, leaves in specs.items()
     }
+
+
+def without_pp(specs):
+    """``specs`` with PP removed (the layer dimension unsplit): what the pipeline places within a stage."""
+    strip = lambda s: P(*(None if d == PP else d for d in s))
+    return jax.tree.map(strip, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def dp_sharded(spec: P) -> bool:

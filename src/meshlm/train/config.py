@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from meshlm.errors import ConfigError
 from meshlm.model.config import PRESETS, ModelConfig, default_seq_len, get_config
 from meshlm.model.family import COMPUTE_DTYPES, REMAT
+from meshlm.parallel.pipeline_schedule import PipelineFlags
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 from meshlm.settings import (  # noqa: F401 - CLI_* and Switch: the train CLI reads them from here
     CLI_COMMON,
@@ -38,7 +39,7 @@ _field = setting  # a field that describes itself (``meshlm.settings``)
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(PipelineFlags):  # --pp and its schedule: the base's fields
     config: str = _field("cpu", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)
     data: tuple[str, ...] = _field(
         (),

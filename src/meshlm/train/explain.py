@@ -44,8 +44,9 @@ def _model_split(cfg: ModelConfig, mp: int) -> str:
 def start_line(tcfg: TrainConfig, cfg: ModelConfig, where, n_params: int) -> str:
     """model: preset, family, parameters; mesh: dp x mp on N devices (``where``: a Layout or a jax
     Mesh); what each axis splits."""
-    layout = Layout.of(where, fsdp=tcfg.fsdp, sp=tcfg.sp)
+    layout = Layout.of(where) if isinstance(where, Layout) else Layout.of(where, fsdp=tcfg.fsdp, sp=tcfg.sp)
     dp, mp = layout.dp, layout.mp
+    mesh = f"pp{layout.pp}x{dp}x{mp} (pp x dp x mp)" if layout.pp > 1 else f"{dp}x{mp} (dp x mp)"
     batch = (
         f"the batch of {tcfg.batch_size} sequences over dp={dp} ({tcfg.batch_size // dp} each)"
         if dp > 1
@@ -53,9 +54,14 @@ def start_line(tcfg: TrainConfig, cfg: ModelConfig, where, n_params: int) -> str
     )
     extra = "; weights and AdamW moments also split over dp (FSDP)" if layout.fsdp else ""
     extra += "; activations between blocks split by position over mp (sequence parallel)" if layout.sp else ""
+    if layout.pp > 1:
+        extra += (
+            f"; the {cfg.n_layers} layers in {layout.pp} pipeline stages over pp (schedule "
+            f"{layout.pp_schedule}, {layout.microbatches} micro-batches per step)"
+        )
     return (
         f"model: the {tcfg.config} preset, a {cfg.family} of {cfg.n_layers} layers, d_model {cfg.d_model}, "
-        f"{_count(n_params)} parameters; mesh {dp}x{mp} (dp x mp) on {_devices(layout.mesh)}: "
+        f"{_count(n_params)} parameters; mesh {mesh} on {_devices(layout.mesh)}: "
         f"{_model_split(cfg, mp)}; {batch}{extra}"
     )
 

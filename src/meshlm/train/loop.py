@@ -266,7 +266,13 @@ def _finish(run: Run, summary: dict) -> None:
         summary["loss_curve"] = str(plot_loss_curve(run.log.rows(), Path(run.tcfg.out), unit=unit))
     saved_tokenizer = None if byte_level else str(Path(run.tcfg.out) / TOKENIZER_FILE)
     summary["next"] = next_commands(run.tcfg, run.layout, saved_tokenizer)
-    if run.tcfg.sample_tokens:
+    if run.tcfg.sample_tokens and run.layout.pp > 1:  # generation has no pipeline
+        print0 = distributed.print0
+        print0(
+            "note: no sample under --pp; `meshlm generate` samples the checkpoint on any mesh",
+            file=sys.stderr,
+        )
+    elif run.tcfg.sample_tokens:
         summary["sample"] = _sample(run)
     run.ckpt.close()
 

@@ -31,6 +31,7 @@ from meshlm.model.config import ModelConfig, from_dict
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel import distributed
 from meshlm.parallel.layout import Layout
+from meshlm.parallel.pipeline_schedule import pipeline_options
 from meshlm.sharding.rules import model_specs, shardings
 from meshlm.sharding.spmd import sharded_loss
 from meshlm.train.config import TrainConfig, resolve, resume_must_match
@@ -199,14 +200,19 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, ckpt: Ch
 
 
 def run_layout(tcfg: TrainConfig, where) -> Layout:
-    """The run's Layout: ``where`` (a Layout, or a jax Mesh) with the run's --fsdp and --sp."""
-    return Layout.of(where, fsdp=tcfg.fsdp, sp=tcfg.sp)
+    """The run's Layout: ``where`` (a Layout, or a jax Mesh) with the run's --fsdp, --sp and --pp (and
+    its schedule)."""
+    return Layout.of(where, fsdp=tcfg.fsdp, sp=tcfg.sp, **pipeline_options(tcfg))
 
 
 def run_specs(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout) -> dict:
     """The parameter specs of this run (with ``--fsdp``, weights split over dp); a dimension the mesh
     cannot split, or (``--sp``) a sequence mp cannot split, is a one-line error before any work."""
     layout.check_seq_len(tcfg.seq_len)
+    if layout.pp > 1:
+        from meshlm.sharding.pipelined import check_pipelined
+
+        check_pipelined(cfg, layout)
     return model_specs(cfg, abstract_params(cfg, layout), layout)
 
 
@@ -260,6 +266,15 @@ def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lamb
         raise
 
 
+def _eval_loss(cfg: ModelConfig, layout: Layout, specs, dtype):
+    """The validation loss: sharded (``shard_map``), or under pp the plain model partitioned by XLA."""
+    if layout.pp > 1:
+        from meshlm.sharding.pipelined import pipelined_loss
+
+        return pipelined_loss(cfg, dtype)
+    return sharded_loss(lambda par: loss_fn(cfg, par), layout, specs, dtype)
+
+
 def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, out: Path, batcher, val, lock) -> Run:
     """The state and outputs in ``out``, which this run has locked."""
     ckpt = Checkpointer(out, keep=tcfg.keep)
@@ -279,7 +294,7 @@ def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, out: Path, batch
         opt_state=opt_state,
         step=step,
         step_fn=step_fn,
-        eval_fn=jax.jit(sharded_loss(lambda par: loss_fn(step_config(tcfg, cfg), par), layout, specs, dtype)),
+        eval_fn=jax.jit(_eval_loss(step_config(tcfg, cfg), layout, specs, dtype)),
         batcher=batcher,
         val=eval_arrays(val, layout),
         ckpt=ckpt,

@@ -60,7 +60,14 @@ def sharded_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, specs, par
     ``specs`` must split weights over DP (``model_specs`` on that layout; checked)."""
     check_fsdp_specs(specs, layout.fsdp)
     opt = adamw(ocfg, params)
-    grad = sharded_value_and_grad(lambda par: loss_fn(cfg, par), layout, specs, compute_dtype=compute_dtype)
+    if layout.pp > 1:  # the model through the pipeline's schedule (``sharding.pipelined``)
+        from meshlm.sharding.pipelined import pipelined_value_and_grad
+
+        grad = pipelined_value_and_grad(cfg, layout, specs, compute_dtype=compute_dtype)
+    else:
+        grad = sharded_value_and_grad(
+            lambda par: loss_fn(cfg, par), layout, specs, compute_dtype=compute_dtype
+        )
     return jax.jit(make_step(grad, opt, ocfg), donate_argnums=(0, 1)), opt
 
 

@@ -1,0 +1,102 @@
+"""The real model through the pipeline (``--pp``): ``fn(params, batch) -> (loss, grads)`` like
+``spmd.sharded_value_and_grad``, on a Layout with ``pp > 1``.
+
+The model runs as its three pieces (``model.transformer``): the embedding under plain ``jit`` on the
+global batch (XLA partitions it from the arrays' shardings; every stage holds it), chained through the
+pipeline's input gradient; the layer stack split into ``pp x V`` chunks that the schedule
+(``parallel.pipeline``) runs on the stages, each within its own ``dp x mp`` sub-mesh (the rules table's
+specs, FSDP included); the final norm, output projection and loss on the last stage. Parameters are
+stored as always, the stacked layer dimension split over ``pp`` (``rules.pp_specs``): a checkpoint's
+format does not depend on pp.
+"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+
+from meshlm.errors import ConfigError
+from meshlm.model.config import ModelConfig
+from meshlm.model.params import STACKED_PREFIX
+from meshlm.model.transformer import embed_fn, head_loss_fn, layers_fn, loss_fn
+from meshlm.parallel.context import Parallel
+from meshlm.parallel.layout import Layout
+from meshlm.parallel.pipeline import Pipeline, pipeline_value_and_grad
+from meshlm.sharding.rules import without_pp
+
+
+def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
+    """What ``--pp`` cannot split, as one-line errors before any work."""
+    layout.check_layers(cfg.n_layers)
+    if cfg.tie_embeddings:
+        raise ConfigError(
+            "--pp cannot split a model with tied embeddings (its head reads the embedding on the last "
+            "stage); run it without --pp"
+        )
+    if cfg.doc_mask >= 0:
+        raise ConfigError("--pp does not carry document positions (--doc-mask) between stages; drop one")
+
+
+def split_model(tree) -> tuple[dict, dict, dict]:
+    """A model's tree (params, specs, grads) as (embedding, stacked layers, head) by module name."""
+    embed = {k: v for k, v in tree.items() if k == "embed"}
+    layers = {k: v for k, v in tree.items() if k.startswith(STACKED_PREFIX)}
+    head = {k: v for k, v in tree.items() if k not in embed and k not in layers}
+    return embed, layers, head
+
+
+def stage_fn(cfg: ModelConfig, par: Parallel):
+    """One chunk of layers: as many as its parameters stack."""
+
+    def run(params, x):
+        n = jax.tree.leaves(params)[0].shape[0]
+        chunk = cfg.replace(n_layers=n, unroll=min(cfg.layer_unroll, n))
+        return hk.without_apply_rng(hk.transform(layers_fn(chunk, par))).apply(params, x)
+
+    return run
+
+
+def pipelined_value_and_grad(
+    cfg: ModelConfig,
+    layout: Layout,
+    specs,
+    *,
+    pipe_cls=Pipeline,
+    par_cls=Parallel,
+    fill: float = 0.0,
+    compute_dtype=None,
+):
+    """fn(params, batch) -> (loss, grads) of ``cfg``'s model on ``layout`` (pp > 1), grads in the
+    parameters' layout and dtype. ``pipe_cls`` / ``par_cls``: the engine's and the stages' hooks (the
+    proof's controls override one); ``fill``: what bubbles hold (NaN in the proof)."""
+    check_pipelined(cfg, layout)
+    par = layout.parallel(par_cls)
+    embed_apply = hk.without_apply_rng(hk.transform(embed_fn(cfg, Parallel()))).apply
+    head_apply = hk.without_apply_rng(hk.transform(head_loss_fn(cfg, par))).apply
+    _, layer_specs, head_specs = split_model(without_pp(specs))
+    pipe = pipe_cls(layout.pipeline, fill=fill)
+    step = pipeline_value_and_grad(
+        stage_fn(cfg, par), head_apply, layout.mesh, pipe, specs=layer_specs, head_specs=head_specs
+    )
+
+    def fn(params, batch):
+        master = params
+        if compute_dtype is not None:  # the cast's VJP is the cast back: grads in the master dtype
+            params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+        embed, layers, head = split_model(params)
+        x, embed_vjp = jax.vjp(lambda p: embed_apply(p, batch["inputs"]), embed)
+        loss, (g_layers, dx, g_head) = step(layers, x, batch["targets"], head)
+        (g_embed,) = embed_vjp(dx)
+        grads = {**g_embed, **g_layers, **g_head}
+        return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
+
+    return fn
+
+
+def pipelined_loss(cfg: ModelConfig, compute_dtype=None):
+    """fn(params, batch) -> loss for evaluation under pp: the unsharded model under ``jit``, partitioned
+    by XLA from the arrays' shardings (no schedule: nothing to differentiate)."""
+    apply = hk.without_apply_rng(hk.transform(loss_fn(cfg, Parallel()))).apply
+    if compute_dtype is None:
+        return apply
+    return lambda params, batch: apply(jax.tree.map(lambda p: p.astype(compute_dtype), params), batch)
