@@ -11,19 +11,23 @@ which compares the compiled step's collectives with the Megatron minimum.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from meshlm.model.attention import kv_replicated
 from meshlm.model.params import param_path
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.context import Parallel
+from meshlm.proof.control_record import Control, Where
 from meshlm.proof.documents import DocMaskCrossesOnOneShard, DocMaskIgnoresBoundary, doc_mask_off
+from meshlm.proof.family_faults import (
+    HeadBiasOfNextShard,
+    TiedHeadGradDropped,
+    TiedHeadOtherSlice,
+    embedding_scaled_twice,
+    window_off_by_one,
+)
 
 
 class DroppedAllReduce(Parallel):
@@ -119,29 +123,6 @@ class SpSeqWrongOrder(Parallel):
         return jnp.concatenate([parts[i] for i in range(self.mp)], axis=1)
 
 
-class HeadBiasOfNextShard(Parallel):
-    """Qwen2's q/k/v biases not sliced with their heads: each shard adds the next shard's slice."""
-
-    def head_bias(self, b):
-        return lax.ppermute(b, MP, [(i, (i + 1) % self.mp) for i in range(self.mp)])
-
-
-class TiedHeadOtherSlice(Parallel):
-    """A tied head projects onto the next shard's embedding slice: its logits' columns are the wrong
-    vocabulary ids (the lookup still reads the right rows)."""
-
-    def tied_table(self, table):
-        return lax.ppermute(table, MP, [(i, (i + 1) % self.mp) for i in range(self.mp)])
-
-
-class TiedHeadGradDropped(Parallel):
-    """A tied head's gradient is not added to the embedding's (the head uses a detached copy, as when
-    the tied copies' gradients are never summed): the table learns from the lookup alone."""
-
-    def tied_table(self, table):
-        return lax.stop_gradient(table)
-
-
 def per_shard_clip(mesh, specs, max_norm: float):
     """Clipping by the norm of one shard's local gradient slices instead of the full gradient."""
     from jax.sharding import PartitionSpec as P
@@ -154,40 +135,6 @@ def per_shard_clip(mesh, specs, max_norm: float):
         return jax.tree.map(lambda g: g * scale, grads), norm
 
     return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=(specs, P()))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Where:
-    """What a control's applicability depends on: the model and the mesh it is proven on."""
-
-    cfg: object  # the ModelConfig, or None for a user-defined Problem without one
-    dp: int  # data-parallel shards
-    mp: int  # model-parallel shards
-    has_row_bias: bool  # whether row-parallel biases exist (added once, after the all-reduce)
-    collectives: bool = False  # whether the communication check runs (it detects extra collectives)
-    fsdp: bool = False  # weights split over DP (FSDP)
-    sp: bool = False  # sequence parallelism over MP
-    seq_len: int = 0  # positions per row of the proof's batch (0: not known)
-
-    @property
-    def attention(self) -> bool:
-        return self.cfg is not None and self.cfg.arch.attention
-
-    @property
-    def kv_replicated(self) -> bool:
-        """KV heads replicated over mp (mp > n_kv_heads > 1): each shard picks its query group's head."""
-        return self.attention and self.cfg.kv_heads > 1 and kv_replicated(self.cfg.kv_heads, self.mp)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Control:
-    name: str  # shown in verify's output
-    applies: Callable[[Where], bool]  # whether the fault can change the result on this model and mesh
-    par_cls: type[Parallel] = Parallel  # the sharded run's parallel context
-    cfg_change: Callable | None = None  # cfg -> cfg for the sharded run
-    per_shard_clip: bool = False  # clip by a per-shard gradient norm (training step)
-    by_collectives: bool = False  # detected by the communication check, not by values
-    params_change: Callable | None = None  # (cfg, params) -> the sharded run's parameters
 
 
 def _swap_rotary(cfg):
@@ -330,31 +277,12 @@ CONTROLS += (  # --doc-mask (``proof.documents``): the batches are EOD-rich ther
 )
 
 
-def _window_off_by_one(cfg):
-    """The sliding window one key wider (i - window <= j) in the sharded run."""
-    return cfg.replace(sliding_window=cfg.sliding_window + 1)
-
-
-def embedding_scaled_twice(cfg, params):
-    """The embedding table times sqrt(d_model) in the sharded run: Gemma's scale applied twice (as a
-    converter folding it into the weights while the model still applies it), the tied head's logits
-    scaled once."""
-    from meshlm.model.transformer import embed_scale
-
-    def plant(path, x):
-        if path != "embed/embeddings":
-            return x
-        return jax.device_put(x * jnp.asarray(embed_scale(cfg.d_model), x.dtype), x.sharding)
-
-    return {m: {n: plant(param_path(m, n), x) for n, x in leaves.items()} for m, leaves in params.items()}
-
-
 CONTROLS += (
     # Detectable only where some query has a key exactly ``window`` positions back: window < seq_len.
     Control(
         name="sliding window off by one",
         applies=lambda w: w.attention and 0 < w.cfg.sliding_window < w.seq_len,
-        cfg_change=_window_off_by_one,
+        cfg_change=window_off_by_one,
     ),
     Control(
         name="embedding scale applied twice",
@@ -362,3 +290,5 @@ CONTROLS += (
         params_change=embedding_scaled_twice,
     ),
 )
+
+__all__ = ["CONTROLS", "Control", "Where", "per_shard_clip"]

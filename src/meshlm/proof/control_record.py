@@ -1,0 +1,44 @@
+"""The records of a negative control (``proof.controls``): ``Where`` a control is proven (model and
+mesh), and the ``Control`` itself: which one thing it changes in the sharded run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from meshlm.model.attention import kv_replicated
+from meshlm.parallel.context import Parallel
+
+
+@dataclass(frozen=True, kw_only=True)
+class Where:
+    """What a control's applicability depends on: the model and the mesh it is proven on."""
+
+    cfg: object  # the ModelConfig, or None for a user-defined Problem without one
+    dp: int  # data-parallel shards
+    mp: int  # model-parallel shards
+    has_row_bias: bool  # whether row-parallel biases exist (added once, after the all-reduce)
+    collectives: bool = False  # whether the communication check runs (it detects extra collectives)
+    fsdp: bool = False  # weights split over DP (FSDP)
+    sp: bool = False  # sequence parallelism over MP
+    seq_len: int = 0  # positions per row of the proof's batch (0: not known)
+
+    @property
+    def attention(self) -> bool:
+        return self.cfg is not None and self.cfg.arch.attention
+
+    @property
+    def kv_replicated(self) -> bool:
+        """KV heads replicated over mp (mp > n_kv_heads > 1): each shard picks its query group's head."""
+        return self.attention and self.cfg.kv_heads > 1 and kv_replicated(self.cfg.kv_heads, self.mp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Control:
+    name: str  # shown in verify's output
+    applies: Callable[[Where], bool]  # whether the fault can change the result on this model and mesh
+    par_cls: type[Parallel] = Parallel  # the sharded run's parallel context
+    cfg_change: Callable | None = None  # cfg -> cfg for the sharded run
+    per_shard_clip: bool = False  # clip by a per-shard gradient norm (training step)
+    by_collectives: bool = False  # detected by the communication check, not by values
+    params_change: Callable | None = None  # (cfg, params) -> the sharded run's parameters
