@@ -139,7 +139,7 @@ def test_logits_equal_transformers_unsharded_and_2x2(family, tokens):
         assert _rel(copy, want) <= RTOL
 
 
-@pytest.mark.parametrize("mesh", ["1x2", "2x2"])
+@pytest.mark.parametrize("mesh", ["1x1", "1x2", "2x2"])
 def test_greedy_text_equal_and_stops_at_an_eos_id(family, mesh, capsys):
     capsys.readouterr()
     argv = ["generate", "--checkpoint", str(family["root"] / "ckpt"), "--mesh", mesh, "--temperature", "0"]

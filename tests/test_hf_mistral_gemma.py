@@ -131,7 +131,7 @@ def test_logits_equal_transformers(family, tokens):
         assert _rel(copy, family["logits"]) <= RTOL
 
 
-@pytest.mark.parametrize("mesh", ["1x2", "2x2"])
+@pytest.mark.parametrize("mesh", ["1x1", "1x2", "2x2"])
 def test_generate_prints_transformers_text(family, mesh, capsys):
     capsys.readouterr()
     argv = ["generate", "--checkpoint", str(family["ckpt"]), "--mesh", mesh, "--temperature", "0"]
