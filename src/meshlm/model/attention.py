@@ -19,6 +19,7 @@ from jax import lax
 from meshlm.errors import ShardingError
 from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.config import ModelConfig
+from meshlm.model.context_parallel import context_attention
 from meshlm.model.dense import dense_heads_in, dense_heads_out
 from meshlm.model.layers import _normal, apply_rotary, rotary_angles, upcast
 from meshlm.parallel.context import Parallel
@@ -84,7 +85,12 @@ class Attention(hk.Module):
             key_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
         # Document masking: a position-0 token (an EOD, or the window's first) starts a document.
         docs = jnp.cumsum(positions == 0, axis=-1) if cfg.doc_mask >= 0 and cache is None else None
-        if cfg.attention == "blockwise":
+        if self.par.context_parallel and cache is None:  # the sequence split over cp: positions global
+            blockwise = cfg.attention == "blockwise"
+            out = context_attention(
+                q, k, v, positions, self.par, block=cfg.attn_block, blockwise=blockwise, plain_attend=_attend
+            )
+        elif cfg.attention == "blockwise":
             out = blockwise_attention(q, k, v, positions, key_pos, block=cfg.attn_block)
         else:
             out = _attend(q, k, v, positions, key_pos, docs)  # [B, T, H/mp, E]

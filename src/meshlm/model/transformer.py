@@ -105,14 +105,16 @@ def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=
     (``cfg.padded_vocab``): columns from ``cfg.vocab_size`` on are padding, for callers to mask."""
     if tokens.shape[-1] > cfg.max_seq_len and cfg.arch.attention:
         raise ConfigError(f"sequence length {tokens.shape[-1]} exceeds max_seq_len={cfg.max_seq_len}")
+    if par.context_parallel and cfg.doc_mask >= 0:
+        raise ConfigError("--cp does not support --doc-mask yet (documents across chunks); drop one of them")
     par.seq_len_check(tokens.shape[-1])
     with hk.custom_getter(parallel_getter(par)):  # FSDP gathers, SP norm hook (``Parallel.param``)
         return _local_logits(cfg, par, tokens, positions, cache)
 
 
 def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache):
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+    if positions is None:  # global positions: with cp, those of this shard's chunks
+        positions = jnp.broadcast_to(par.positions(tokens.shape[-1]), tokens.shape)
         if cfg.doc_mask >= 0:
             positions = doc_positions(tokens, cfg.doc_mask)
     gpt = cfg.arch.gpt_init
@@ -146,10 +148,11 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache):
 def loss_fn(cfg: ModelConfig, par: Parallel):
     """A Haiku function: batch {"inputs", "targets": [B, T]} -> mean loss over the global batch."""
 
-    def loss(batch):
-        logits, _ = local_logits(cfg, par, batch["inputs"])
-        logits = mask_vocab_padding(par, logits, cfg.vocab_size)  # padded ids never chosen
-        per_token = vocab_parallel_xent(par, logits, batch["targets"], cfg.z_loss)  # [B, T]
+    def loss(batch):  # with cp, each shard computes its own chunks of the sequence (``parallel.cp``)
+        logits, _ = local_logits(cfg, par, par.seq_local(batch["inputs"]))
+        logits = mask_vocab_padding(par, par.seq_out(logits), cfg.vocab_size)  # padded ids never chosen
+        targets = par.seq_local(batch["targets"])
+        per_token = vocab_parallel_xent(par, logits, targets, cfg.z_loss)  # [B, T] (with cp: [B, T/cp])
         return par.batch_mean(jnp.mean(per_token))
 
     return loss

@@ -9,4 +9,5 @@ The mesh is 2-D: ``DP`` splits the batch (data parallel), ``MP`` splits weights 
 DP = "dp"  # data-parallel axis: the global batch is split over it
 MP = "mp"  # model-parallel axis: heads, hidden units and the vocabulary are split over it
 MESH_AXES = (DP, MP)
+CP = "cp"  # context-parallel axis: the sequence split over it (a mesh has it only when cp > 1: ``Layout``)
 PP = "pp"  # pipeline axis: consecutive layer chunks over it (``parallel.pipeline``; not yet in MESH_AXES)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.axes import CP, DP, MP
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class Parallel:
     dp: int = 1  # number of data-parallel shards
     sharded: bool = False  # True inside shard_map over the (DP, MP) mesh
     sp: bool = False  # sequence parallelism: activations between blocks are [B, T/mp, D] per shard
+    cp: int = 1  # context-parallel shards: each holds sequence chunks i and 2cp-1-i (``parallel.cp``)
+    cp_strategy: str = "ring"  # ring (K/V ppermuted around cp) or allgather (K/V gathered per layer)
 
     # --- Megatron collectives over the model axis -------------------------------------------
     def f(self, x):
@@ -73,7 +75,7 @@ class Parallel:
         if self.sharded:
             from meshlm.parallel.layout import Layout
 
-            Layout(dp=self.dp, mp=self.mp, sp=self.sp).check_seq_len(seq_len)
+            Layout(dp=self.dp, mp=self.mp, sp=self.sp, cp=self.cp).check_seq_len(seq_len * self.cp)
 
     def param(self, value, shape, norm: bool):
         """A parameter as a layer uses it (called by a Haiku getter for every ``get_parameter``).
@@ -129,5 +131,53 @@ class Parallel:
 
     # --- data parallel ---------------------------------------------------------------------
     def batch_mean(self, x):
-        """Mean over data-parallel shards of per-shard means: the mean over the global batch."""
-        return lax.pmean(x, DP) if self.sharded else x
+        """Mean over data-parallel (and context-parallel) shards of per-shard means: the mean over
+        every token of the global batch (each shard holds as many tokens)."""
+        if not self.sharded:
+            return x
+        return lax.pmean(x, (DP, CP)) if self.context_parallel else lax.pmean(x, DP)
+
+    # --- context parallel (``parallel.cp`` documents the layout) ------------------------------
+    @property
+    def context_parallel(self) -> bool:
+        return self.sharded and self.cp > 1
+
+    def cp_index(self):
+        """This shard's position on the context axis."""
+        return lax.axis_index(CP)
+
+    def seq_local(self, x):
+        """[B, T] (the whole sequence on every cp shard) -> [B, T/cp]: this shard's chunks."""
+        if not self.context_parallel:
+            return x
+        from meshlm.parallel.cp import local_chunks
+
+        return local_chunks(x, self.cp_index(), self.cp)
+
+    def positions(self, t_local: int):
+        """[t_local] global positions of the tokens this shard holds (rotary, causal mask)."""
+        if not self.context_parallel:
+            return jnp.arange(t_local)
+        return self.kv_positions(self.cp_index(), t_local)
+
+    def kv_positions(self, origin, t_local: int):
+        """[t_local] global positions of the tokens cp shard ``origin`` holds (its keys' positions)."""
+        from meshlm.parallel.cp import chunk_positions
+
+        return chunk_positions(origin, self.cp, t_local)
+
+    def cp_shift(self, x):
+        """Pass ``x`` to the next shard around the context axis (a collective-permute)."""
+        return lax.ppermute(x, CP, [(i, (i + 1) % self.cp) for i in range(self.cp)])
+
+    def ring_steps(self) -> int:
+        """How many K/V chunks each query chunk meets in the ring: all cp of them."""
+        return self.cp
+
+    def gather_kv(self, x):
+        """[..., T/cp, K, E] -> [..., T, K, E]: every shard's keys and values, in cp-shard order."""
+        return lax.all_gather(x, CP, axis=x.ndim - 3, tiled=True)
+
+    def seq_out(self, x):
+        """Per-token outputs [B, T/cp, ...] as the loss meets them: in this shard's chunk order."""
+        return x

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshlm.errors import ConfigError, MeshError, ShardingError
-from meshlm.parallel.axes import MESH_AXES
+from meshlm.parallel.axes import CP, DP, MESH_AXES, MP
 
 OPTIONS = ("fsdp", "sp")  # the memory options, by their field (and flag) names
+CP_STRATEGIES = ("ring", "allgather")  # how attention reaches the other cp shards' keys and values
 
 
 @dataclass(frozen=True)
@@ -37,17 +38,23 @@ class Layout:
     mp: int = 1  # model-parallel shards: heads, hidden units and the vocabulary split over them
     fsdp: bool = False  # FSDP (ZeRO-3): weights and AdamW moments also split over dp
     sp: bool = False  # sequence parallelism: activations between blocks split over the sequence on mp
+    cp: int = 1  # context-parallel shards: the sequence split over them (load-balanced chunks i, 2cp-1-i)
+    cp_strategy: str = "ring"  # ring: K/V passed around cp (ppermute); allgather: K/V gathered per layer
     # The mesh this layout was built from (``of``), or made on first use: not part of the value.
     built_mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        for name in MESH_AXES:
+        for name in (*MESH_AXES, CP):
             size = getattr(self, name)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise MeshError(f"mesh axis {name} must be a positive integer, got {size!r}")
         for name in OPTIONS:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.cp_strategy not in CP_STRATEGIES:
+            raise ConfigError(
+                f"--cp-strategy {self.cp_strategy!r} is not one of {', '.join(CP_STRATEGIES)}; pick one of them"
+            )
 
     @classmethod
     def of(cls, where, **options) -> Layout:
@@ -56,7 +63,8 @@ class Layout:
         if isinstance(where, Layout):
             return dataclasses.replace(where, **options) if options else where
         sizes = axis_sizes(where)
-        return cls(**{axis: sizes[axis] for axis in MESH_AXES}, built_mesh=where, **options)
+        cp = {CP: sizes[CP]} if CP in sizes else {}
+        return cls(**{axis: sizes[axis] for axis in MESH_AXES}, **cp, built_mesh=where, **options)
 
     @property
     def mesh(self):
@@ -64,7 +72,8 @@ class Layout:
         if self.built_mesh is None:
             from meshlm.parallel.mesh import make_mesh
 
-            object.__setattr__(self, "built_mesh", make_mesh(*self.shape.values()))
+            shape = self.shape
+            object.__setattr__(self, "built_mesh", make_mesh(*shape.values(), axes=tuple(shape)))
         return self.built_mesh
 
     @property
@@ -73,8 +82,11 @@ class Layout:
 
     @property
     def shape(self) -> dict[str, int]:
-        """{axis name: size}, e.g. {"dp": 2, "mp": 2} (what reports and checkpoint meta show)."""
-        return {axis: getattr(self, axis) for axis in MESH_AXES}
+        """{axis name: size}, e.g. {"dp": 2, "mp": 2} (what reports and checkpoint meta show); the mesh's
+        axes in order: with cp > 1, {"dp", "cp", "mp"} (a cp of 1 is no axis: 2-D meshes are unchanged)."""
+        if self.cp == 1:
+            return {axis: getattr(self, axis) for axis in MESH_AXES}
+        return {DP: self.dp, CP: self.cp, MP: self.mp}
 
     def replace(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -83,34 +95,45 @@ class Layout:
         """The parallel context layers compute in, inside ``shard_map`` over this layout's mesh."""
         from meshlm.parallel.context import Parallel
 
-        return (par_cls or Parallel)(mp=self.mp, dp=self.dp, sharded=True, sp=self.sp)
+        cp = dict(cp=self.cp, cp_strategy=self.cp_strategy) if self.cp > 1 else {}
+        return (par_cls or Parallel)(mp=self.mp, dp=self.dp, sharded=True, sp=self.sp, **cp)
 
     def label(self) -> str:
-        """The mesh and the options that are on: "2x2", "2x2 + FSDP + SP"."""
-        return "x".join(map(str, self.shape.values())) + "".join(
-            f" + {o.upper()}" for o in OPTIONS if getattr(self, o)
-        )
+        """The mesh and the options that are on: "2x2", "2x2 + FSDP + SP", "1x2 + CP2 ring"."""
+        cp = f" + CP{self.cp} {self.cp_strategy}" if self.cp > 1 else ""
+        return f"{self.dp}x{self.mp}" + cp + "".join(f" + {o.upper()}" for o in OPTIONS if getattr(self, o))
 
     def to_dict(self) -> dict[str, Any]:
         """What checkpoint metadata records (``from_dict`` reads it back)."""
-        return {**self.shape, **{o: getattr(self, o) for o in OPTIONS}}
+        cp = {"cp_strategy": self.cp_strategy} if self.cp > 1 else {}
+        return {**self.shape, **{o: getattr(self, o) for o in OPTIONS}, **cp}
 
     @classmethod
     def from_dict(cls, d: dict) -> Layout:
-        unknown = sorted(set(d) - {*MESH_AXES, *OPTIONS})
+        unknown = sorted(set(d) - {*MESH_AXES, CP, *OPTIONS, "cp_strategy"})
         if unknown:
-            valid = ", ".join((*MESH_AXES, *OPTIONS))
+            valid = ", ".join((*MESH_AXES, CP, *OPTIONS, "cp_strategy"))
             raise ConfigError(f"unknown layout field(s) {unknown}; valid: {valid}")
         return cls(**d)
 
     # --- the divisibility rules of sizes outside the model ------------------------------------
     def check_seq_len(self, seq_len: int) -> None:
         """With ``sp`` the sequence is split over mp: it must divide (a ShardingError, as for any
-        dimension the mesh does not divide: ``verify --matrix`` lists such cells as skipped)."""
-        if self.sp and self.mp > 1 and seq_len % self.mp:
+        dimension the mesh does not divide: ``verify --matrix`` lists such cells as skipped). With cp
+        it is cut into 2 x cp chunks (each shard holds chunks i and 2cp-1-i), then over mp under sp."""
+        if self.cp > 1 and seq_len % (2 * self.cp):
             raise ShardingError(
-                f"--sp splits the sequence over mp={self.mp}, but --seq-len {seq_len} is not divisible "
-                f"by it; use e.g. --seq-len {_next_multiple(seq_len, self.mp)}"
+                f"--cp {self.cp} splits the sequence into 2 x cp = {2 * self.cp} load-balanced chunks, but "
+                f"--seq-len {seq_len} is not divisible by {2 * self.cp}; use e.g. --seq-len "
+                f"{_next_multiple(seq_len, 2 * self.cp)}"
+            )
+        per = self.cp * self.mp  # under sp each cp shard's part of the sequence splits over mp
+        if self.sp and self.mp > 1 and seq_len % per:
+            over = f"mp={self.mp}" if self.cp == 1 else f"cp x mp = {per}"
+            fix = _next_multiple(seq_len, math.lcm(per, 2 * self.cp if self.cp > 1 else 1))
+            raise ShardingError(
+                f"--sp splits the sequence over {over}, but --seq-len {seq_len} is not divisible "
+                f"by it; use e.g. --seq-len {fix}"
             )
 
     def check_batch(self, batch_size: int, accum_steps: int | None = None) -> None:

@@ -66,7 +66,7 @@ def _more_devices_hint(n: int, processes: int) -> str:
     return f"pass --devices {n} (CPU)"
 
 
-def make_mesh(*sizes: int):
+def make_mesh(*sizes: int, axes: tuple[str, ...] | None = None):
     """A (dp, mp) mesh (one size per ``axes.MESH_AXES``) over the first dp*mp devices (all processes'
     devices, process-major).
 
@@ -79,8 +79,9 @@ def make_mesh(*sizes: int):
 
     from meshlm.parallel.axes import MESH_AXES
 
-    if len(sizes) != len(MESH_AXES):
-        raise MeshError(f"a mesh has {len(MESH_AXES)} axes ({', '.join(MESH_AXES)}), got sizes {sizes}")
+    axes = MESH_AXES if axes is None else axes  # ``Layout.mesh`` adds CP between DP and MP when cp > 1
+    if len(sizes) != len(axes):
+        raise MeshError(f"a mesh has {len(axes)} axes ({', '.join(axes)}), got sizes {sizes}")
     n = math.prod(sizes)
     devices = jax.devices()
     if n > len(devices):
@@ -89,4 +90,4 @@ def make_mesh(*sizes: int):
             f"{_more_devices_hint(n, jax.process_count())} or choose a smaller mesh"
         )
     grid = np.array(devices[:n]).reshape(sizes)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
