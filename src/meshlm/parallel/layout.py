@@ -53,7 +53,7 @@ class Layout:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.cp_strategy not in CP_STRATEGIES:
             raise ConfigError(
-                f"--cp-strategy {self.cp_strategy!r} is not one of {', '.join(CP_STRATEGIES)}; pick one of them"
+                f"--cp-strategy {self.cp_strategy!r} is not one of {', '.join(CP_STRATEGIES)}; pick one"
             )
 
     @classmethod

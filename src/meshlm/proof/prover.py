@@ -24,6 +24,7 @@ from meshlm.parallel.placement import bytes_per_device, to_host, total_bytes
 from meshlm.proof.communication import step_collectives
 from meshlm.proof.control_runs import communication_rows, run_control
 from meshlm.proof.controls import CONTROLS, Control, Where
+from meshlm.proof.cp_controls import CP_CONTROLS
 from meshlm.proof.data_pipeline import data_checks
 from meshlm.proof.independence import exactness_check, reference_checks, sharded_check
 from meshlm.proof.padding import padding_rows
@@ -46,7 +47,7 @@ def verify(
     dtype=jnp.float32,
     seed: int = 0,
     ocfg: OptimConfig | None = None,
-    controls: tuple[Control, ...] = CONTROLS,
+    controls: tuple[Control, ...] = CONTROLS + CP_CONTROLS,
     collectives: bool = False,
     data_steps: int = 0,
 ) -> Report:
@@ -87,6 +88,9 @@ def verify(
         collectives=collectives,
         fsdp=problem.fsdp,
         sp=problem.sp,
+        seq_len=problem.batch["inputs"].shape[-1],
+        cp=layout.cp,
+        cp_strategy=layout.cp_strategy,
     )
     report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in controls if c.applies(where)]
     return report
