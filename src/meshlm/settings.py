@@ -87,3 +87,38 @@ def check_fields(obj) -> None:
             raise ConfigError(f"{problem} (the default is {flag_name(f)} {f.default})")
         if choices and value not in choices:
             raise ConfigError(f"{f.name}={value!r}; valid: {', '.join(choices)}")
+
+
+# ---- long context: the same four flags on train, verify, bench and plan (issue 24) ----
+ATTENTION_KINDS = ("plain", "blockwise")  # model.config.ATTENTION
+CP_STRATEGY_NAMES = ("ring", "allgather")  # parallel.layout.CP_STRATEGIES
+
+
+def attention_setting() -> Any:
+    return setting(
+        "plain",
+        "attention: plain (scores [B, H, T, T]) or blockwise (flash attention in blocks: memory O(T))",
+        choices=ATTENTION_KINDS,
+    )
+
+
+def attn_block_setting() -> Any:
+    return setting(
+        512, "queries and keys per block (blockwise attention, and each --cp ring step)", valid=Range(int, 1)
+    )
+
+
+def cp_setting() -> Any:
+    return setting(
+        1,
+        "context-parallel shards: the sequence split over them (devices = dp x cp x mp)",
+        valid=Range(int, 1),
+    )
+
+
+def cp_strategy_setting() -> Any:
+    return setting(
+        "ring",
+        "with --cp: ring (K/V passed around the cp axis) or allgather (K/V gathered once per layer)",
+        choices=CP_STRATEGY_NAMES,
+    )

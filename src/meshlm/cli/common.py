@@ -178,6 +178,11 @@ def _setup(args, default_dp: int, **options) -> Layout:
     if args.devices is not None and (note := accelerator_note()):
         print(note, file=sys.stderr)
     n = jax.device_count()
-    dp = default_dp if n % default_dp == 0 else 1
-    dp, mp = parse_mesh(args.mesh) if args.mesh else (dp, n // dp)
+    cp = options.get("cp", 1)  # the context axis: devices = dp x cp x mp
+    dp = default_dp if n % (default_dp * cp) == 0 else 1
+    dp, mp = parse_mesh(args.mesh) if args.mesh else (dp, max(n // (dp * cp), 1))
+    if cp > 1:
+        layout = Layout(dp, mp, **options)
+        layout.mesh  # noqa: B018 - made now: too few devices is an error here, before any work
+        return layout
     return Layout.of(make_mesh(dp, mp), **options)

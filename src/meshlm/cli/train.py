@@ -45,10 +45,11 @@ def _run(args, stop: Stop) -> int:
     # the corpus is read.
     check_byte_vocab(tcfg, cfg)
     # Without --mesh, the mesh depends on the device count: run.py checks once devices exist.
-    if layout := flag_layout(args, fsdp=tcfg.fsdp, sp=tcfg.sp):
+    options = dict(fsdp=tcfg.fsdp, sp=tcfg.sp, cp=tcfg.cp, cp_strategy=tcfg.cp_strategy)
+    if layout := flag_layout(args, **options):
         layout.check_batch(tcfg.batch_size, tcfg.accum_steps if tcfg.accum_steps > 1 else None)
         layout.check_seq_len(tcfg.seq_len)
-    layout = setup(args, default_dp=DEFAULT_DP, fsdp=tcfg.fsdp, sp=tcfg.sp)
+    layout = setup(args, default_dp=DEFAULT_DP, **options)
     stop.check_startup()
     from meshlm.parallel.distributed import print0
     from meshlm.train.loop import train

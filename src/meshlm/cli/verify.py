@@ -24,7 +24,7 @@ def run(args) -> int:
     from meshlm.errors import VERIFIER_EXIT_CODE, VerifierError
 
     vs = settings_from(args, VerifySettings)
-    if layout := flag_layout(args, fsdp=vs.fsdp, sp=vs.sp):  # before any work
+    if layout := flag_layout(args, **_options(vs)):  # before any work
         if vs.batch_size is not None:
             layout.check_batch(vs.batch_size)
         if vs.seq_len is not None or vs.checkpoint is None:  # else the checkpoint's model decides
@@ -34,6 +34,11 @@ def run(args) -> int:
     except VerifierError as e:
         print(f"meshlm: verifier error: {e}", file=sys.stderr)
         return VERIFIER_EXIT_CODE
+
+
+def _options(vs: VerifySettings) -> dict:
+    """The Layout's options from the flags: --fsdp, --sp, --cp, --cp-strategy."""
+    return dict(fsdp=vs.fsdp, sp=vs.sp, cp=vs.cp, cp_strategy=vs.cp_strategy)
 
 
 def _seq_len(vs: VerifySettings, cfg) -> int:
@@ -66,7 +71,7 @@ def _matrix(args, vs: VerifySettings) -> int:
 
 
 def _verify(args, vs: VerifySettings) -> int:
-    layout = setup(args, fsdp=vs.fsdp, sp=vs.sp)
+    layout = setup(args, **_options(vs))
     dp, mp = layout.dp, layout.mp
     import jax
     import jax.numpy as jnp
@@ -86,6 +91,7 @@ def _verify(args, vs: VerifySettings) -> int:
         cfg = cfg.replace(z_loss=vs.z_loss)
     if vs.remat is not None:
         cfg = cfg.replace(remat=vs.remat)
+    cfg = cfg.replace(attention=vs.attention, attn_block=vs.attn_block)
     batch = vs.batch_size if vs.batch_size is not None else 2 * dp
     seq_len = _seq_len(vs, cfg)
     layout.check_seq_len(seq_len)

@@ -7,7 +7,17 @@ from dataclasses import dataclass
 
 from meshlm.model.family import REMAT
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_INT, Range
-from meshlm.settings import CLI_COMMON, SEQ_LEN_DEFAULT_TEXT, Switch, check_fields, setting
+from meshlm.settings import (
+    CLI_COMMON,
+    SEQ_LEN_DEFAULT_TEXT,
+    Switch,
+    attention_setting,
+    attn_block_setting,
+    check_fields,
+    cp_setting,
+    cp_strategy_setting,
+    setting,
+)
 
 # One token attends only to itself: the causal mask and attention across positions would go unproven
 # (and 0 tokens give a NaN loss, reported as a FAIL).
@@ -50,6 +60,10 @@ class VerifySettings:
     remat: str | None = setting(
         None, "prove with this recomputation policy", shown_default="the config's", choices=REMAT
     )
+    attention: str = attention_setting()  # the sharded run's; the reference is always plain attention
+    attn_block: int = attn_block_setting()  # block size of blockwise attention and of the ring's steps
+    cp: int = cp_setting()  # context-parallel shards (devices = dp x cp x mp)
+    cp_strategy: str = cp_strategy_setting()  # ring or allgather
     matrix: bool = setting(False, "prove every preset x mesh x option that fits")
     md: bool = setting(False, "with --matrix: print the table as markdown")
 

@@ -61,6 +61,8 @@ class Layout:
         """``where`` as a Layout: a Layout (with ``options`` replaced), or a jax Mesh with ``options``
         (the memory options default off)."""
         if isinstance(where, Layout):
+            if options.get("cp", where.cp) != where.cp:  # another cp is another mesh (made on first use)
+                options = {**options, "built_mesh": None}
             return dataclasses.replace(where, **options) if options else where
         sizes = axis_sizes(where)
         cp = {CP: sizes[CP]} if CP in sizes else {}

@@ -199,8 +199,8 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, ckpt: Ch
 
 
 def run_layout(tcfg: TrainConfig, where) -> Layout:
-    """The run's Layout: ``where`` (a Layout, or a jax Mesh) with the run's --fsdp and --sp."""
-    return Layout.of(where, fsdp=tcfg.fsdp, sp=tcfg.sp)
+    """The run's Layout: ``where`` (a Layout, or a jax Mesh) with the run's --fsdp, --sp and --cp."""
+    return Layout.of(where, fsdp=tcfg.fsdp, sp=tcfg.sp, cp=tcfg.cp, cp_strategy=tcfg.cp_strategy)
 
 
 def run_specs(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout) -> dict:
@@ -214,7 +214,8 @@ def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
     """The model the jitted programs compute: the preset with the run's ``--remat`` and ``--unroll``.
     Both change memory or speed, never values, so checkpoints keep the preset's config (Run.cfg,
     compared on resume) and a run resumes under any remat or unroll."""
-    return step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp)
+    step = step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp)
+    return step.replace(attention=tcfg.attention, attn_block=tcfg.attn_block)
 
 
 def _abstract(x):
