@@ -8,7 +8,8 @@ import sys
 
 from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
 from meshlm.cli.verify_settings import VerifySettings
-from meshlm.model.config import default_seq_len, get_config
+from meshlm.errors import ConfigError
+from meshlm.model.config import beyond_max_seq_len, default_seq_len, get_config
 
 DATA_STEPS = 3  # steps of the data-pipeline check (cheap: host arrays only)
 
@@ -42,8 +43,14 @@ def _options(vs: VerifySettings) -> dict:
 
 
 def _seq_len(vs: VerifySettings, cfg) -> int:
-    """--seq-len (at most the model's max_seq_len), or the default rule."""
-    return min(default_seq_len(cfg, vs.seq_len or 0), cfg.max_seq_len)
+    """--seq-len (above the model's max_seq_len only for rotary models: ``beyond_max_seq_len``), or the
+    default rule."""
+    seq_len = default_seq_len(cfg, vs.seq_len or 0)
+    try:
+        beyond_max_seq_len(cfg, seq_len)
+    except ConfigError:
+        return cfg.max_seq_len
+    return seq_len
 
 
 def _matrix(args, vs: VerifySettings) -> int:

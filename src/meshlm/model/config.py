@@ -273,6 +273,22 @@ def default_seq_len(cfg: ModelConfig, seq_len: int = 0) -> int:
     return seq_len or min(DEFAULT_SEQ_LEN, cfg.max_seq_len)
 
 
+def beyond_max_seq_len(cfg: ModelConfig, seq_len: int, name: str = "model") -> str | None:
+    """A note when ``seq_len`` exceeds ``cfg.max_seq_len`` on a rotary model (the limit is then the
+    configuration's, not a learned position table's: accepted); an error where positions are learned."""
+    if seq_len <= cfg.max_seq_len:
+        return None
+    if cfg.arch.attention and cfg.arch.rotary is None:
+        raise ConfigError(
+            f"seq_len={seq_len} exceeds the {name} config's max_seq_len={cfg.max_seq_len}; "
+            f"use --seq-len {cfg.max_seq_len} or less"
+        )
+    return (
+        f"note: --seq-len {seq_len} is above the {name} config's max_seq_len={cfg.max_seq_len}: accepted, "
+        "rotary positions have no learned table (quality beyond the trained length is not guaranteed)"
+    )
+
+
 def get_config(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown config {name!r}; valid: {', '.join(PRESETS)}")

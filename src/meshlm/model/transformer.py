@@ -103,7 +103,7 @@ NORMS = {"layer": LayerNorm, "rms": RMSNorm}  # Family.norm
 def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=None):
     """tokens [B, T] -> (per-shard logits [B, T, V/mp], new cache or None); V is the padded vocabulary
     (``cfg.padded_vocab``): columns from ``cfg.vocab_size`` on are padding, for callers to mask."""
-    if tokens.shape[-1] > cfg.max_seq_len and cfg.arch.attention:
+    if tokens.shape[-1] > cfg.max_seq_len and cfg.arch.attention and cfg.arch.rotary is None:  # learned
         raise ConfigError(f"sequence length {tokens.shape[-1]} exceeds max_seq_len={cfg.max_seq_len}")
     if par.context_parallel and cfg.doc_mask >= 0:
         raise ConfigError("--cp does not support --doc-mask yet (documents across chunks); drop one of them")

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
-from meshlm.model.config import ModelConfig, default_seq_len
+from meshlm.model.config import ModelConfig, beyond_max_seq_len, default_seq_len
 from meshlm.parallel.layout import Layout
 from meshlm.ranges import NON_NEGATIVE_INT, POSITIVE_INT
 from meshlm.settings import CLI_COMMON, SEQ_LEN_DEFAULT_TEXT, setting
@@ -77,8 +77,9 @@ class BenchSettings:
         if s.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1, got {s.batch_size}")
         layout.check_batch(s.batch_size)
-        if not 1 <= s.seq_len <= cfg.max_seq_len:
-            raise ConfigError(f"--seq-len {s.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
+        if s.seq_len < 1:
+            raise ConfigError(f"--seq-len {s.seq_len} must be >= 1")
+        beyond_max_seq_len(cfg, s.seq_len)  # above max_seq_len: accepted for rotary models
         if s.gen_new_tokens < 0:
             raise ConfigError(
                 f"--gen-tokens must be >= 0 (0 skips the generation bench), got {s.gen_new_tokens}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
-from meshlm.model.config import ModelConfig, default_seq_len
+from meshlm.model.config import ModelConfig, beyond_max_seq_len, default_seq_len
 from meshlm.model.family import REMAT
 from meshlm.parallel.layout import Layout
 from meshlm.ranges import POSITIVE_INT
@@ -57,8 +57,9 @@ class PlanSettings:
             raise ConfigError(
                 f"compute_dtype={self.compute_dtype!r}; valid: {', '.join(cfg.arch.compute_dtypes)}"
             )
-        if not 1 <= self.seq_len <= cfg.max_seq_len:
-            raise ConfigError(f"--seq-len {self.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
+        if self.seq_len < 1:
+            raise ConfigError(f"--seq-len {self.seq_len} must be >= 1")
+        beyond_max_seq_len(cfg, self.seq_len)  # above max_seq_len: accepted for rotary models
         layout.check_batch(self.batch_size, self.accum_steps)
         layout.check_seq_len(self.seq_len)
 

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
-from meshlm.model.config import PRESETS, ModelConfig, default_seq_len, get_config
+from meshlm.model.config import PRESETS, ModelConfig, beyond_max_seq_len, default_seq_len, get_config
 from meshlm.model.family import COMPUTE_DTYPES, REMAT
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 from meshlm.settings import (  # noqa: F401 - CLI_* and Switch: the train CLI reads them from here
@@ -193,11 +193,10 @@ def resolve(tcfg: TrainConfig) -> tuple[TrainConfig, ModelConfig]:
     """
     cfg = get_config(tcfg.config)
     seq_len = default_seq_len(cfg, tcfg.seq_len)
-    if seq_len > cfg.max_seq_len:
-        raise ConfigError(
-            f"seq_len={seq_len} exceeds the {tcfg.config} config's max_seq_len="
-            f"{cfg.max_seq_len}; use --seq-len {cfg.max_seq_len} or less"
-        )
+    if note := beyond_max_seq_len(cfg, seq_len, tcfg.config):  # rotary: a limit of the config, not a table
+        import sys
+
+        print(note, file=sys.stderr)
     return dataclasses.replace(tcfg, seq_len=seq_len), cfg
 
 
