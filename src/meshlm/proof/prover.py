@@ -63,6 +63,8 @@ def verify(
     layout = Layout.of(where, fsdp=problem.fsdp, sp=problem.sp)
     dp, mp = layout.dp, layout.mp
     report = Report(config=problem.name, dp=dp, mp=mp, steps=steps, dtype=dname, rtol=rtol, atol=atol)
+    if layout.cp > 1:  # the header names the context axis: "1x2 + CP2 ring"
+        report.extra["layout"] = layout.label()
     runs = Runs(problem, layout, dtype, seed)
     try:
         sharded = runs.proven_grads()

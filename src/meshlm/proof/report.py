@@ -118,7 +118,8 @@ def compare_into(results: dict, sharded, reference, rtol, atol) -> tuple[int, in
 def format_report(r: Report) -> str:
     """The human-readable proof: one row per parameter, then the loss, the controls and a verdict."""
     rows = [
-        f"meshlm verify: config={r.config} mesh={r.dp}x{r.mp} dtype={r.dtype} steps={r.steps} "
+        f"meshlm verify: config={r.config} mesh={r.extra.get('layout', f'{r.dp}x{r.mp}')} dtype={r.dtype} "
+        f"steps={r.steps} "
         f"tolerance: max|s-r| <= {r.atol:g} + {r.rtol:g}*max|r| (normwise)",
         "",
     ]
