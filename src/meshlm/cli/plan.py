@@ -47,13 +47,14 @@ def _fast_compiles() -> None:
 def run(args) -> int:
     pc = settings_from(args, PlanCommand)
     model = _preset(pc)
-    layout = flag_layout(args)
+    cp = dict(cp=pc.cp, cp_strategy=pc.cp_strategy)
+    layout = flag_layout(args, **cp)
     if model is not None and layout:  # what needs no devices is checked before them
         pc.settings(model[0]).check(model[0], layout)
     if layout and args.devices is None:  # nothing runs: as many fake devices as the mesh needs
         args.devices = layout.devices
     _fast_compiles()
-    layout = setup(args)
+    layout = setup(args, **cp)
     from meshlm.perf.plan_report import format_plan
     from meshlm.perf.plan_search import plan
 
@@ -62,6 +63,7 @@ def run(args) -> int:
 
         model = (read_config(pc.checkpoint)[0], f"checkpoint {pc.checkpoint}")
     cfg, name = model
+    cfg = cfg.replace(attention=pc.attention, attn_block=pc.attn_block)
     report = plan(
         cfg,
         name,
