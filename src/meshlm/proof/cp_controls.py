@@ -6,6 +6,8 @@ Context parallelism (``Parallel`` subclasses overriding one method each, as ``pr
   a future chunk is visible                 other shards' keys taken as position 0: no causal mask
                                             across chunks (the classic ring bug)
   the ring stops one step short             each query chunk meets cp - 1 K/V chunks, not cp
+  ring permutes each step thrice            same values, 3x the collective-permutes (the
+                                            communication check)
   chunk order undone on the way out         the logits put back into natural sequence order (and
                                             this shard's contiguous slice taken) before the loss
                                             meets the load-balanced targets
@@ -42,6 +44,16 @@ class FutureChunkVisible(Parallel):
 class RingOneStepShort(Parallel):
     def ring_steps(self) -> int:
         return self.cp - 1
+
+
+class RingPermutesThrice(Parallel):
+    """Each ring step's K/V travels forward, back and forward again: the same values, three times the
+    collective-permutes (detected by the communication check only)."""
+
+    def cp_shift(self, x):
+        there = super().cp_shift(x)
+        back = lax.ppermute(there, CP, [(i, (i - 1) % self.cp) for i in range(self.cp)])
+        return super().cp_shift(back)
 
 
 class ChunkOrderUndone(Parallel):
@@ -115,4 +127,10 @@ CP_CONTROLS: tuple[Control, ...] = (
         par_cls=RingOneStepShort,
     ),
     Control(name="chunk order undone on the way out", applies=lambda w: w.cp > 1, par_cls=ChunkOrderUndone),
+    Control(
+        name="ring permutes each step thrice",
+        applies=lambda w: w.cp > 1 and w.attention and w.cp_strategy == "ring" and w.collectives,
+        par_cls=RingPermutesThrice,
+        by_collectives=True,
+    ),
 )
