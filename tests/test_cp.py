@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_lm_config, train_rows, write_corpus
+from helpers import run_cli, tiny_lm_config, train_rows, write_corpus
 
 from meshlm.errors import ConfigError, ShardingError
 from meshlm.model.config import get_config
-from meshlm.model.transformer import loss_fn
+from meshlm.model.transformer import local_logits, loss_fn
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.cp import chunk_positions, local_chunks, shard_order
 from meshlm.parallel.layout import Layout
@@ -92,18 +92,25 @@ def test_bad_combinations_are_one_line_errors():
     with pytest.raises(ConfigError, match="--cp-strategy 'star' is not one of ring, allgather"):
         Layout(cp=2, cp_strategy="star")
     cfg = get_config("tiny-llama").replace(doc_mask=0)
-    layout = Layout(cp=2)
-    batch = {k: jnp.zeros((1, 8), jnp.int32) for k in ("inputs", "targets")}
-    specs = model_specs(
-        cfg, hk.transform(loss_fn(cfg, Parallel())).init(jax.random.PRNGKey(0), batch), layout
-    )
-    fn = sharded_value_and_grad(lambda par: loss_fn(cfg, par), layout, specs)
+    forward = hk.transform(lambda tokens: local_logits(cfg, Parallel(cp=2, sharded=True), tokens))
     with pytest.raises(ConfigError, match="--cp does not support --doc-mask"):
-        jax.eval_shape(
-            fn,
-            jax.eval_shape(hk.transform(loss_fn(cfg, Parallel())).init, jax.random.PRNGKey(0), batch),
-            batch,
-        )
+        forward.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+
+
+CLI_ERRORS = {
+    "verify": ("verify --config tiny-llama --mesh 1x1 --cp 4 --seq-len 36", "--seq-len 36 is not divisible"),
+    "train": ("train --config tiny-llama --mesh 1x4 --cp 2 --sp --seq-len 20", "over cp x mp = 8"),
+    "plan": ("plan --config tiny-llama --mesh 1x1 --cp 4 --seq-len 20", "--seq-len 20 is not divisible by 8"),
+}
+
+
+@pytest.mark.parametrize("case", CLI_ERRORS.values(), ids=CLI_ERRORS.keys())
+def test_cli_refuses_a_sequence_cp_cannot_split_in_one_line(case, monkeypatch, capsys):
+    argv, message = case
+    monkeypatch.setattr("meshlm.cli.common._setup", lambda *a, **k: pytest.fail("refused before devices"))
+    assert run_cli(*argv.split()) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,9 @@ class Layout:
             return dataclasses.replace(where, **options) if options else where
         sizes = axis_sizes(where)
         cp = {CP: sizes[CP]} if CP in sizes else {}
-        return cls(**{axis: sizes[axis] for axis in MESH_AXES}, **cp, built_mesh=where, **options)
+        # A cp the mesh lacks: a (dp, cp, mp) mesh of the same dp and mp, made on first use.
+        mesh = where if options.get(CP, sizes.get(CP, 1)) == sizes.get(CP, 1) else None
+        return cls(**{axis: sizes[axis] for axis in MESH_AXES}, **{**cp, **options}, built_mesh=mesh)
 
     @property
     def mesh(self):
