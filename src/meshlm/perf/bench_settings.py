@@ -15,7 +15,15 @@ from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig, beyond_max_seq_len, default_seq_len
 from meshlm.parallel.layout import Layout
 from meshlm.ranges import NON_NEGATIVE_INT, POSITIVE_INT
-from meshlm.settings import CLI_COMMON, SEQ_LEN_DEFAULT_TEXT, setting
+from meshlm.settings import (
+    CLI_COMMON,
+    SEQ_LEN_DEFAULT_TEXT,
+    attention_setting,
+    attn_block_setting,
+    cp_setting,
+    cp_strategy_setting,
+    setting,
+)
 
 MIN_STEPS = 5  # fewer timed steps give a median that is mostly noise on a shared machine
 # Keeps a `small` bench near 1.5 minutes on 2 CPU cores (a step takes 1.7 s on an idle machine at
@@ -57,6 +65,10 @@ class BenchSettings:
         "token ids of the model instead of the preset's (e.g. the main job's 1024-id BPE)",
         valid=POSITIVE_INT,
     )
+    attention: str = attention_setting()  # plain or blockwise attention in every implementation's model
+    attn_block: int = attn_block_setting()  # queries and keys per block
+    cp: int = cp_setting()  # context-parallel shards of meshlm's step (devices = dp x cp x mp)
+    cp_strategy: str = cp_strategy_setting()  # ring or allgather
     out: str | None = setting(None, "also write bench.json and bench.png into this directory")
     memory_options: bool = setting(
         False, "also time FSDP and sequence parallelism against tensor parallelism and GSPMD"
@@ -77,6 +89,7 @@ class BenchSettings:
         if s.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1, got {s.batch_size}")
         layout.check_batch(s.batch_size)
+        layout.check_seq_len(s.seq_len)
         if s.seq_len < 1:
             raise ConfigError(f"--seq-len {s.seq_len} must be >= 1")
         beyond_max_seq_len(cfg, s.seq_len)  # above max_seq_len: accepted for rotary models
