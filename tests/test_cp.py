@@ -119,21 +119,21 @@ def corpus(tmp_path_factory):
 
 
 def test_train_under_cp_resumes_bitwise_and_restores_onto_another_cp(corpus, tmp_path):
+    """tiny-lm with blockwise attention (blocks of 8) under --cp 2 (ring): 4 steps in one go, and 2 steps
+    then a resume to 4, log the same losses bit for bit; the checkpoint then restores onto cp = 1."""
     from meshlm.parallel.mesh import make_mesh
-    from meshlm.train.loop import _one_step, save, train
+    from meshlm.train.loop import train
     from meshlm.train.run import build_run
 
-    tcfg = lambda out, cp: tiny_lm_config(corpus, out, steps=4, cp=cp, attention="blockwise", attn_block=8)
-    train(tcfg(tmp_path / "ref", 2), make_mesh(1, 1))
-    run = build_run(tcfg(tmp_path / "cut", 2), make_mesh(1, 1))
-    assert run.layout.cp == 2 and run.layout.devices == 2
-    for _ in range(2):
-        _one_step(run)
-    save(run)
-    run.ckpt.close()
-    run.release()
-    train(tcfg(tmp_path / "cut", 2), make_mesh(1, 1))  # resumes at step 2
+    tcfg = lambda out, steps, cp: tiny_lm_config(
+        corpus, out, steps=steps, cp=cp, attention="blockwise", attn_block=8, save_every=2
+    )
+    train(tcfg(tmp_path / "ref", 4, 2), make_mesh(1, 1))
+    train(tcfg(tmp_path / "cut", 2, 2), make_mesh(1, 1))
+    train(tcfg(tmp_path / "cut", 4, 2), make_mesh(1, 1))  # resumes at step 2
     losses = lambda out: [(r["step"], r["loss"]) for r in train_rows(out)]
+    assert [s for s, _ in losses(tmp_path / "cut")] == [1, 2, 3, 4]
     assert losses(tmp_path / "cut") == losses(tmp_path / "ref")  # bitwise
-    other = build_run(tcfg(tmp_path / "cut", 1), make_mesh(1, 2))  # the checkpoint onto cp = 1
+    other = build_run(tcfg(tmp_path / "cut", 4, 1), make_mesh(1, 2))  # the checkpoint onto cp = 1
     assert other.step == 4 and other.layout.cp == 1
+    other.release()

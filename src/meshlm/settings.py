@@ -94,30 +94,29 @@ ATTENTION_KINDS = ("plain", "blockwise")  # model.config.ATTENTION
 CP_STRATEGY_NAMES = ("ring", "allgather")  # parallel.layout.CP_STRATEGIES
 
 
-def attention_setting() -> Any:
-    return setting(
+@dataclasses.dataclass(frozen=True)
+class LongContext:
+    """The long-context settings, a base of each command's settings dataclass (their flags come first).
+    Like remat they change speed and memory, not the model: a run resumes under other values."""
+
+    # plain (scores [B, H, T, T]) or blockwise (flash attention in blocks: memory O(T))
+    attention: str = setting(
         "plain",
         "attention: plain (scores [B, H, T, T]) or blockwise (flash attention in blocks: memory O(T))",
         choices=ATTENTION_KINDS,
     )
-
-
-def attn_block_setting() -> Any:
-    return setting(
+    # queries and keys per block of blockwise attention (and of each --cp ring step)
+    attn_block: int = setting(
         512, "queries and keys per block (blockwise attention, and each --cp ring step)", valid=Range(int, 1)
     )
-
-
-def cp_setting() -> Any:
-    return setting(
+    # context-parallel shards: the sequence split over them (data, not weights)
+    cp: int = setting(
         1,
-        "context-parallel shards: the sequence split over them (devices = dp x cp x mp)",
+        "context-parallel shards: the sequence split over them (dp x cp x mp devices)",
         valid=Range(int, 1),
     )
-
-
-def cp_strategy_setting() -> Any:
-    return setting(
+    # ring (K/V passed around the cp axis) or allgather (K/V gathered once per layer)
+    cp_strategy: str = setting(
         "ring",
         "with --cp: ring (K/V passed around the cp axis) or allgather (K/V gathered once per layer)",
         choices=CP_STRATEGY_NAMES,

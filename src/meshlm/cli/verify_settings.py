@@ -10,12 +10,9 @@ from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_INT, Ra
 from meshlm.settings import (
     CLI_COMMON,
     SEQ_LEN_DEFAULT_TEXT,
+    LongContext,
     Switch,
-    attention_setting,
-    attn_block_setting,
     check_fields,
-    cp_setting,
-    cp_strategy_setting,
     setting,
 )
 
@@ -28,7 +25,7 @@ MAX_PROOF_STEPS = Range(int, 0, 10_000)
 
 
 @dataclass(frozen=True)
-class VerifySettings:
+class VerifySettings(LongContext):
     config: str = setting("seed", "model preset (see `meshlm configs`)", cli=CLI_COMMON)
     seed: int = setting(0, "random seed", cli=CLI_COMMON, valid=NON_NEGATIVE_INT)
     steps: int = setting(
@@ -60,10 +57,6 @@ class VerifySettings:
     remat: str | None = setting(
         None, "prove with this recomputation policy", shown_default="the config's", choices=REMAT
     )
-    attention: str = attention_setting()  # the sharded run's; the reference is always plain attention
-    attn_block: int = attn_block_setting()  # block size of blockwise attention and of the ring's steps
-    cp: int = cp_setting()  # context-parallel shards (devices = dp x cp x mp)
-    cp_strategy: str = cp_strategy_setting()  # ring or allgather
     matrix: bool = setting(False, "prove every preset x mesh x option that fits")
     md: bool = setting(False, "with --matrix: print the table as markdown")
 

@@ -30,10 +30,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshlm.parallel.axes import CP, DP, MP
+from meshlm.parallel.cp import ContextParallel
 
 
 @dataclass(frozen=True)
-class Parallel:
+class Parallel(ContextParallel):
     mp: int = 1  # number of model-parallel shards (1: unsharded)
     dp: int = 1  # number of data-parallel shards
     sharded: bool = False  # True inside shard_map over the (DP, MP) mesh
@@ -136,48 +137,3 @@ class Parallel:
         if not self.sharded:
             return x
         return lax.pmean(x, (DP, CP)) if self.context_parallel else lax.pmean(x, DP)
-
-    # --- context parallel (``parallel.cp`` documents the layout) ------------------------------
-    @property
-    def context_parallel(self) -> bool:
-        return self.sharded and self.cp > 1
-
-    def cp_index(self):
-        """This shard's position on the context axis."""
-        return lax.axis_index(CP)
-
-    def seq_local(self, x):
-        """[B, T] (the whole sequence on every cp shard) -> [B, T/cp]: this shard's chunks."""
-        if not self.context_parallel:
-            return x
-        from meshlm.parallel.cp import local_chunks
-
-        return local_chunks(x, self.cp_index(), self.cp)
-
-    def positions(self, t_local: int):
-        """[t_local] global positions of the tokens this shard holds (rotary, causal mask)."""
-        if not self.context_parallel:
-            return jnp.arange(t_local)
-        return self.kv_positions(self.cp_index(), t_local)
-
-    def kv_positions(self, origin, t_local: int):
-        """[t_local] global positions of the tokens cp shard ``origin`` holds (its keys' positions)."""
-        from meshlm.parallel.cp import chunk_positions
-
-        return chunk_positions(origin, self.cp, t_local)
-
-    def cp_shift(self, x):
-        """Pass ``x`` to the next shard around the context axis (a collective-permute)."""
-        return lax.ppermute(x, CP, [(i, (i + 1) % self.cp) for i in range(self.cp)])
-
-    def ring_steps(self) -> int:
-        """How many K/V chunks each query chunk meets in the ring: all cp of them."""
-        return self.cp
-
-    def gather_kv(self, x):
-        """[..., T/cp, K, E] -> [..., T, K, E]: every shard's keys and values, in cp-shard order."""
-        return lax.all_gather(x, CP, axis=x.ndim - 3, tiled=True)
-
-    def seq_out(self, x):
-        """Per-token outputs [B, T/cp, ...] as the loss meets them: in this shard's chunk order."""
-        return x

@@ -21,6 +21,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from meshlm.parallel.axes import CP
+
 
 def local_chunks(x, index, cp: int):
     """[B, T, ...] -> [B, T/cp, ...]: chunks ``index`` and 2cp-1-``index`` of the 2cp chunks."""
@@ -40,3 +42,49 @@ def chunk_positions(index, cp: int, t_local: int):
 def shard_order(cp: int) -> list[int]:
     """The chunks in the order the cp shards hold them, one after another (an all-gather's order)."""
     return [j for i in range(cp) for j in (i, 2 * cp - 1 - i)]
+
+
+class ContextParallel:
+    """``Parallel``'s context-parallel part (a mixin: ``Parallel`` has the fields ``cp``, ``sharded``):
+    the slices and collectives over the ``cp`` axis. Controls override one method each."""
+
+    cp: int
+    sharded: bool
+
+    @property
+    def context_parallel(self) -> bool:
+        return self.sharded and self.cp > 1
+
+    def cp_index(self):
+        """This shard's position on the context axis."""
+        return lax.axis_index(CP)
+
+    def seq_local(self, x):
+        """[B, T] (the whole sequence on every cp shard) -> [B, T/cp]: this shard's chunks."""
+        return local_chunks(x, self.cp_index(), self.cp) if self.context_parallel else x
+
+    def positions(self, t_local: int):
+        """[t_local] global positions of the tokens this shard holds (rotary, causal mask)."""
+        if not self.context_parallel:
+            return jnp.arange(t_local)
+        return self.kv_positions(self.cp_index(), t_local)
+
+    def kv_positions(self, origin, t_local: int):
+        """[t_local] global positions of the tokens cp shard ``origin`` holds (its keys' positions)."""
+        return chunk_positions(origin, self.cp, t_local)
+
+    def cp_shift(self, x):
+        """Pass ``x`` to the next shard around the context axis (a collective-permute)."""
+        return lax.ppermute(x, CP, [(i, (i + 1) % self.cp) for i in range(self.cp)])
+
+    def ring_steps(self) -> int:
+        """How many K/V chunks each query chunk meets in the ring: all cp of them."""
+        return self.cp
+
+    def gather_kv(self, x):
+        """[..., T/cp, K, E] -> [..., T, K, E]: every shard's keys and values, in cp-shard order."""
+        return lax.all_gather(x, CP, axis=x.ndim - 3, tiled=True)
+
+    def seq_out(self, x):
+        """Per-token outputs [B, T/cp, ...] as the loss meets them: in this shard's chunk order."""
+        return x

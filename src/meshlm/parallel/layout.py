@@ -51,10 +51,7 @@ class Layout:
         for name in OPTIONS:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.cp_strategy not in CP_STRATEGIES:
-            raise ConfigError(
-                f"--cp-strategy {self.cp_strategy!r} is not one of {', '.join(CP_STRATEGIES)}; pick one"
-            )
+        _check_strategy(self.cp_strategy)
 
     @classmethod
     def of(cls, where, **options) -> Layout:
@@ -155,6 +152,11 @@ class Layout:
             f"--batch-size {batch_size} is not a multiple of dp x accum_steps = {self.dp} x "
             f"{accum_steps}; {fix}"
         )
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in CP_STRATEGIES:
+        raise ConfigError(f"--cp-strategy {strategy!r} is not one of {', '.join(CP_STRATEGIES)}; pick one")
 
 
 def _next_multiple(n: int, k: int) -> int:

@@ -18,10 +18,7 @@ from meshlm.ranges import NON_NEGATIVE_INT, POSITIVE_INT
 from meshlm.settings import (
     CLI_COMMON,
     SEQ_LEN_DEFAULT_TEXT,
-    attention_setting,
-    attn_block_setting,
-    cp_setting,
-    cp_strategy_setting,
+    LongContext,
     setting,
 )
 
@@ -32,7 +29,7 @@ DEFAULT_BATCH = 4
 
 
 @dataclass(frozen=True)
-class BenchSettings:
+class BenchSettings(LongContext):
     config: str = setting("small", "model preset (see `meshlm configs`)", cli=CLI_COMMON)
     batch_size: int | None = setting(
         None,
@@ -65,10 +62,6 @@ class BenchSettings:
         "token ids of the model instead of the preset's (e.g. the main job's 1024-id BPE)",
         valid=POSITIVE_INT,
     )
-    attention: str = attention_setting()  # plain or blockwise attention in every implementation's model
-    attn_block: int = attn_block_setting()  # queries and keys per block
-    cp: int = cp_setting()  # context-parallel shards of meshlm's step (devices = dp x cp x mp)
-    cp_strategy: str = cp_strategy_setting()  # ring or allgather
     out: str | None = setting(None, "also write bench.json and bench.png into this directory")
     memory_options: bool = setting(
         False, "also time FSDP and sequence parallelism against tensor parallelism and GSPMD"

@@ -12,11 +12,8 @@ from meshlm.parallel.layout import Layout
 from meshlm.ranges import POSITIVE_INT
 from meshlm.settings import (
     SEQ_LEN_DEFAULT_TEXT,
+    LongContext,
     Switch,
-    attention_setting,
-    attn_block_setting,
-    cp_setting,
-    cp_strategy_setting,
     setting,
 )
 from meshlm.units import parse_bytes
@@ -73,7 +70,7 @@ class PlanSettings:
 
 
 @dataclass(frozen=True)
-class PlanCommand:
+class PlanCommand(LongContext):
     """What ``meshlm plan`` is asked: the model, one run's settings (``settings``) and the search; the
     command's flags are built from these fields (``meshlm.cli.common.add_flags``)."""
 
@@ -94,10 +91,6 @@ class PlanCommand:
     fsdp: bool = setting(False, "also shard weights and AdamW state over dp")
     sp: bool = setting(False, "sequence parallelism over mp")
     remat: str | None = setting(None, "rematerialisation", shown_default="the config's own", choices=REMAT)
-    attention: str = attention_setting()  # plain or blockwise attention in the planned step
-    attn_block: int = attn_block_setting()  # queries and keys per block
-    cp: int = cp_setting()  # context-parallel shards (devices = dp x cp x mp)
-    cp_strategy: str = cp_strategy_setting()  # ring or allgather
     device_memory: int | None = setting(
         None,
         "memory of one device, e.g. 80GiB: say whether the run fits and search options that do",

@@ -21,12 +21,9 @@ from meshlm.settings import (  # noqa: F401 - CLI_* and Switch: the train CLI re
     CLI_FLAG,
     CLI_HIDDEN,
     SEQ_LEN_DEFAULT_TEXT,
+    LongContext,
     Switch,
-    attention_setting,
-    attn_block_setting,
     check_fields,
-    cp_setting,
-    cp_strategy_setting,
     setting,
 )
 
@@ -42,7 +39,7 @@ _field = setting  # a field that describes itself (``meshlm.settings``)
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(LongContext):
     config: str = _field("cpu", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)
     data: tuple[str, ...] = _field(
         (),
@@ -120,11 +117,6 @@ class TrainConfig:
     )
     fsdp: bool = _field(False, "FSDP (ZeRO-3): weights and AdamW moments also split over dp")
     sp: bool = _field(False, "sequence parallelism: activations between blocks split over mp")
-    # Long context (like remat: speed and memory, not the model; a run resumes under other values).
-    attention: str = attention_setting()  # plain or blockwise attention in the train step
-    attn_block: int = attn_block_setting()  # queries and keys per block (blockwise, the ring's steps)
-    cp: int = cp_setting()  # context-parallel shards: the sequence split over them (data, not weights)
-    cp_strategy: str = cp_strategy_setting()  # ring or allgather
     remat: str = _field(
         "none",
         "per-layer recomputation in the backward: none, full or selective (keep matmul outputs)",
