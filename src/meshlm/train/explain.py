@@ -53,6 +53,8 @@ def start_line(tcfg: TrainConfig, cfg: ModelConfig, where, n_params: int) -> str
     )
     extra = "; weights and AdamW moments also split over dp (FSDP)" if layout.fsdp else ""
     extra += "; activations between blocks split by position over mp (sequence parallel)" if layout.sp else ""
+    if layout.cp > 1:
+        extra += f"; each sequence split over cp={layout.cp} ({layout.cp_strategy}; chunks i and 2cp-1-i)"
     return (
         f"model: the {tcfg.config} preset, a {cfg.family} of {cfg.n_layers} layers, d_model {cfg.d_model}, "
         f"{_count(n_params)} parameters; mesh {dp}x{mp} (dp x mp) on {_devices(layout.mesh)}: "
