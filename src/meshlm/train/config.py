@@ -10,6 +10,7 @@ This module must not import JAX: the CLI builds its parser from it before choosi
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
@@ -186,10 +187,16 @@ def resolve(tcfg: TrainConfig) -> tuple[TrainConfig, ModelConfig]:
     cfg = get_config(tcfg.config)
     seq_len = default_seq_len(cfg, tcfg.seq_len)
     if note := beyond_max_seq_len(cfg, seq_len, tcfg.config):  # rotary: a limit of the config, not a table
-        import sys
-
-        print(note, file=sys.stderr)
+        _print_once(note)
     return dataclasses.replace(tcfg, seq_len=seq_len), cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _print_once(note: str) -> None:
+    """A note on stderr once per process (``resolve`` runs in the CLI and again in ``build_run``)."""
+    import sys
+
+    print(note, file=sys.stderr)
 
 
 def from_scratch_tokenizer(tcfg: TrainConfig) -> str:
