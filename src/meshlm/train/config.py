@@ -191,7 +191,7 @@ def resolve(tcfg: TrainConfig) -> tuple[TrainConfig, ModelConfig]:
     return dataclasses.replace(tcfg, seq_len=seq_len), cfg
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _print_once(note: str) -> None:
     """A note on stderr once per process (``resolve`` runs in the CLI and again in ``build_run``)."""
     import sys
