@@ -34,7 +34,7 @@ class ModelConfig:
     rotary_dim: int = 0  # gptj: rotary dims at the start of each head (interleaved); 0 = head_dim
     rotary_style: str = ""  # "interleaved" (GPT-J) or "half" (Llama); "" = the family's own
     rope_theta: float = 10000.0  # rotary base frequency
-    max_seq_len: int = 256  # longest context; positions beyond it are an error
+    max_seq_len: int = 256  # longest context; beyond it: learned positions refuse, rotary ones a note
     norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
     tie_embeddings: bool = False  # llama / qwen2: output projection reuses the embedding table
     embed_bias: bool = False  # ff: the prototype's embedding had a bias (added once, after the sum)
@@ -80,7 +80,7 @@ class ModelConfig:
         if self.attention not in ATTENTION:
             raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
         if self.arch.attention:
-            self._check_attention()
+            _check_attention(self)
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
         if self.sliding_window and not (self.arch.attention and self.attention == "plain"):
@@ -88,18 +88,6 @@ class ModelConfig:
                 f"sliding_window={self.sliding_window} needs a family with attention and attention='plain' "
                 "(blockwise attention has no window yet); set sliding_window=0 or attention='plain'"
             )
-
-    def _check_attention(self):
-        if self.n_heads < 1:
-            raise ConfigError(f"family {self.family!r} needs n_heads >= 1")
-        if not self.head_dim and self.d_model % self.n_heads:
-            raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
-        if self.n_heads % self.kv_heads:
-            raise ConfigError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}")
-        if self.rotary_style not in ("", "interleaved", "half"):
-            raise ConfigError(f"rotary_style={self.rotary_style!r}; valid: interleaved, half")
-        if self.rotary_dim % 2 or self.rotary_dim > self.dim_per_head:
-            raise ConfigError(f"rotary_dim={self.rotary_dim} must be even and <= head_dim")
 
     @property
     def arch(self) -> Family:
@@ -145,6 +133,19 @@ class ModelConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def _check_attention(cfg: ModelConfig) -> None:
+    if cfg.n_heads < 1:
+        raise ConfigError(f"family {cfg.family!r} needs n_heads >= 1")
+    if not cfg.head_dim and cfg.d_model % cfg.n_heads:
+        raise ConfigError(f"d_model={cfg.d_model} is not divisible by n_heads={cfg.n_heads}")
+    if cfg.n_heads % cfg.kv_heads:
+        raise ConfigError(f"n_heads={cfg.n_heads} is not a multiple of n_kv_heads={cfg.kv_heads}")
+    if cfg.rotary_style not in ("", "interleaved", "half"):
+        raise ConfigError(f"rotary_style={cfg.rotary_style!r}; valid: interleaved, half")
+    if cfg.rotary_dim % 2 or cfg.rotary_dim > cfg.dim_per_head:
+        raise ConfigError(f"rotary_dim={cfg.rotary_dim} must be even and <= head_dim")
 
 
 # What each numeric field accepts; the others must just have their annotated type (str or bool).
@@ -318,6 +319,22 @@ def default_seq_len(cfg: ModelConfig, seq_len: int = 0) -> int:
     from meshlm.settings import DEFAULT_SEQ_LEN
 
     return seq_len or min(DEFAULT_SEQ_LEN, cfg.max_seq_len)
+
+
+def beyond_max_seq_len(cfg: ModelConfig, seq_len: int, name: str = "model") -> str | None:
+    """A note when ``seq_len`` exceeds ``cfg.max_seq_len`` on a rotary model (the limit is then the
+    configuration's, not a learned position table's: accepted); an error where positions are learned."""
+    if seq_len <= cfg.max_seq_len:
+        return None
+    if cfg.arch.attention and cfg.arch.rotary is None:
+        raise ConfigError(
+            f"seq_len={seq_len} exceeds the {name} config's max_seq_len={cfg.max_seq_len}; "
+            f"use --seq-len {cfg.max_seq_len} or less"
+        )
+    return (
+        f"note: --seq-len {seq_len} is above the {name} config's max_seq_len={cfg.max_seq_len}: accepted, "
+        "rotary positions have no learned table (quality beyond the trained length is not guaranteed)"
+    )
 
 
 def get_config(name: str) -> ModelConfig:
