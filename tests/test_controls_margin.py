@@ -86,6 +86,21 @@ CASES = {
         ),
         _named("sliding window off by one", "embedding scale applied twice"),
     ),
+    "tiny-qwen2 tied": (  # Qwen2's q/k/v biases and a tied head (family_faults)
+        lambda _: model_problem(
+            get_config("tiny-llama").replace(family="qwen2", tie_embeddings=True),
+            "q",
+            MP,
+            2 * DP,
+            SEQ_LEN,
+            dp=DP,
+        ),
+        _named(
+            "q/k/v bias not sliced with its heads",
+            "tied head reads another shard's vocab slice",
+            "tied head's gradient not added to the embedding",
+        ),
+    ),
     "tiny-llama fsdp+sp doc-mask": (  # the document mask's controls on its EOD-rich batches
         _preset("tiny-llama", fsdp=True, sp=True, doc_mask=EOD),
         tuple(c for c in CONTROLS if c.name.startswith(("FSDP", "SP", "document mask"))),

@@ -87,3 +87,37 @@ def check_fields(obj) -> None:
             raise ConfigError(f"{problem} (the default is {flag_name(f)} {f.default})")
         if choices and value not in choices:
             raise ConfigError(f"{f.name}={value!r}; valid: {', '.join(choices)}")
+
+
+# ---- long context: the same four flags on train, verify, bench and plan (issue 24) ----
+ATTENTION_KINDS = ("plain", "blockwise")  # model.config.ATTENTION
+CP_STRATEGY_NAMES = ("ring", "allgather")  # parallel.layout.CP_STRATEGIES
+
+
+@dataclasses.dataclass(frozen=True)
+class LongContext:
+    """The long-context settings, a base of each command's settings dataclass (their flags come first).
+    Like remat they change speed and memory, not the model: a run resumes under other values."""
+
+    # plain (scores [B, H, T, T]) or blockwise (flash attention in blocks: memory O(T))
+    attention: str = setting(
+        "plain",
+        "attention: plain (scores [B, H, T, T]) or blockwise (flash attention in blocks: memory O(T))",
+        choices=ATTENTION_KINDS,
+    )
+    # queries and keys per block of blockwise attention (and of each --cp ring step)
+    attn_block: int = setting(
+        512, "queries and keys per block (blockwise attention, and each --cp ring step)", valid=Range(int, 1)
+    )
+    # context-parallel shards: the sequence split over them (data, not weights)
+    cp: int = setting(
+        1,
+        "context-parallel shards: the sequence split over them (dp x cp x mp devices)",
+        valid=Range(int, 1),
+    )
+    # ring (K/V passed around the cp axis) or allgather (K/V gathered once per layer)
+    cp_strategy: str = setting(
+        "ring",
+        "with --cp: ring (K/V passed around the cp axis) or allgather (K/V gathered once per layer)",
+        choices=CP_STRATEGY_NAMES,
+    )

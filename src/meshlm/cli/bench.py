@@ -39,7 +39,7 @@ def _format(report: dict, format_bench) -> str:
 def run(args) -> int:
     bs = settings_from(args, BenchSettings)
     check_out(bs.out)
-    options = pipeline_options(bs)
+    options = dict(**pipeline_options(bs), cp=bs.cp, cp_strategy=bs.cp_strategy)
     if (layout := flag_layout(args, **options)) and bs.batch_size is not None:  # before devices, compiles
         layout.check_batch(bs.batch_size)
     layout = setup(args, **options)
@@ -48,7 +48,7 @@ def run(args) -> int:
     from meshlm.perf.bench import run_bench
     from meshlm.perf.bench_report import format_bench, write_outputs
 
-    cfg = get_config(bs.config).replace(unroll=bs.unroll)
+    cfg = get_config(bs.config).replace(unroll=bs.unroll, attention=bs.attention, attn_block=bs.attn_block)
     if bs.vocab_size is not None:  # the embedding and head follow (padded to vocab_multiple)
         cfg = cfg.replace(vocab_size=bs.vocab_size)
     settings = bs.resolved(cfg, layout)

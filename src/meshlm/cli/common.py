@@ -161,9 +161,9 @@ def settings_from(args: argparse.Namespace, settings_cls, **given):
 
 
 def flag_layout(args, **options) -> Layout | None:
-    """The Layout that --mesh and ``options`` (--fsdp, --sp, --pp and its schedule) describe, before any
-    device exists (None without --mesh: the mesh then depends on the device count, known after
-    ``setup``; with --pp a Layout of dp=1 is built to check the pipeline's options early)."""
+    """The Layout that --mesh and ``options`` (--fsdp, --sp, --pp and its schedule, --cp) describe,
+    before any device exists (None without --mesh: the mesh then depends on the device count, known
+    after ``setup``; with --pp a Layout of dp=1 is built to check the pipeline's options early)."""
     if args.mesh:
         return Layout(*parse_mesh(args.mesh), **options)
     options_alone = Layout(**options)  # their own rules (e.g. --microbatches without --pp), no devices
@@ -176,7 +176,8 @@ def setup(args, default_dp: int = 1, **options) -> Layout:
 
     Returns the Layout: --mesh, or default_dp x (all devices / default_dp), or 1 x (all devices) when
     default_dp does not divide the device count; with ``options`` (fsdp, sp; pp: the outermost axis, the
-    mesh then pp x dp x mp and without --mesh 1 x (devices / pp)); its mesh built.
+    mesh then pp x dp x mp and without --mesh 1 x (devices / pp); cp: dp x cp x mp, without --mesh
+    mp = devices / (dp x cp)); its mesh built.
     """
     from meshlm.train.stop import deferred_signals
 
@@ -201,11 +202,11 @@ def _setup(args, default_dp: int, **options) -> Layout:
 
     if args.devices is not None and (note := accelerator_note()):
         print(note, file=sys.stderr)
-    pp = options.get("pp", 1)
+    pp, cp = options.get("pp", 1), options.get("cp", 1)  # devices = pp x dp x cp x mp
     n = jax.device_count() // pp
-    dp = default_dp if n % default_dp == 0 and pp == 1 else 1
-    dp, mp = parse_mesh(args.mesh) if args.mesh else (dp, max(n // dp, 1))
-    if pp > 1:
+    dp = default_dp if n % (default_dp * cp) == 0 and pp == 1 else 1
+    dp, mp = parse_mesh(args.mesh) if args.mesh else (dp, max(n // (dp * cp), 1))
+    if pp > 1 or cp > 1:
         layout = Layout(dp=dp, mp=mp, **options)
         layout.mesh  # noqa: B018 -- built now (a device-count error before any work)
         return layout

@@ -49,7 +49,7 @@ def _fast_compiles() -> None:
 def run(args) -> int:
     pc = settings_from(args, PlanCommand)
     model = _preset(pc)
-    options = pipeline_options(pc)
+    options = dict(**pipeline_options(pc), cp=pc.cp, cp_strategy=pc.cp_strategy)
     if pc.schedule_png and options["pp"] == 1:
         raise ConfigError("--schedule-png draws a pipeline schedule; add --pp 2 (or more)")
     layout = flag_layout(args, **options)
@@ -67,6 +67,7 @@ def run(args) -> int:
 
         model = (read_config(pc.checkpoint)[0], f"checkpoint {pc.checkpoint}")
     cfg, name = model
+    cfg = cfg.replace(attention=pc.attention, attn_block=pc.attn_block)
     report = plan(
         cfg,
         name,

@@ -47,6 +47,7 @@ def _run(args, stop: Stop) -> int:
     check_byte_vocab(tcfg, cfg)
     # Without --mesh, the mesh depends on the device count: run.py checks once devices exist.
     options = dict(fsdp=tcfg.fsdp, sp=tcfg.sp, **pipeline_options(tcfg))
+    options.update(cp=tcfg.cp, cp_strategy=tcfg.cp_strategy)
     if layout := flag_layout(args, **options):
         layout.check_batch(tcfg.batch_size, tcfg.accum_steps if tcfg.accum_steps > 1 else None)
         layout.check_seq_len(tcfg.seq_len)

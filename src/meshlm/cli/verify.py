@@ -9,7 +9,8 @@ import sys
 from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
 from meshlm.cli.verify_settings import VerifySettings
 from meshlm.data.tokenizer import EOD
-from meshlm.model.config import default_seq_len, get_config
+from meshlm.errors import ConfigError
+from meshlm.model.config import beyond_max_seq_len, default_seq_len, get_config
 
 DATA_STEPS = 3  # steps of the data-pipeline check (cheap: host arrays only)
 
@@ -40,15 +41,21 @@ def run(args) -> int:
 
 
 def _options(vs: VerifySettings) -> dict:
-    """The Layout's options: --fsdp, --sp, --pp and its schedule."""
+    """The Layout's options: --fsdp, --sp, --pp and its schedule, --cp, --cp-strategy."""
     from meshlm.parallel.pipeline_schedule import pipeline_options
 
-    return dict(fsdp=vs.fsdp, sp=vs.sp, **pipeline_options(vs))
+    return dict(fsdp=vs.fsdp, sp=vs.sp, **pipeline_options(vs), cp=vs.cp, cp_strategy=vs.cp_strategy)
 
 
 def _seq_len(vs: VerifySettings, cfg) -> int:
-    """--seq-len (at most the model's max_seq_len), or the default rule."""
-    return min(default_seq_len(cfg, vs.seq_len or 0), cfg.max_seq_len)
+    """--seq-len (above the model's max_seq_len only for rotary models: ``beyond_max_seq_len``), or the
+    default rule."""
+    seq_len = default_seq_len(cfg, vs.seq_len or 0)
+    try:
+        beyond_max_seq_len(cfg, seq_len)
+    except ConfigError:
+        return cfg.max_seq_len
+    return seq_len
 
 
 def _matrix(args, vs: VerifySettings) -> int:
@@ -99,6 +106,7 @@ def _verify(args, vs: VerifySettings) -> int:
         cfg = cfg.replace(z_loss=vs.z_loss)
     if vs.remat is not None:
         cfg = cfg.replace(remat=vs.remat)
+    cfg = cfg.replace(attention=vs.attention, attn_block=vs.attn_block)
     batch = (
         vs.batch_size if vs.batch_size is not None else 2 * dp * (layout.microbatches if layout.pp > 1 else 1)
     )

@@ -8,7 +8,14 @@ from dataclasses import dataclass
 from meshlm.model.family import REMAT
 from meshlm.parallel.pipeline_schedule import PipelineFlags
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_INT, Range
-from meshlm.settings import CLI_COMMON, SEQ_LEN_DEFAULT_TEXT, Switch, check_fields, setting
+from meshlm.settings import (
+    CLI_COMMON,
+    SEQ_LEN_DEFAULT_TEXT,
+    LongContext,
+    Switch,
+    check_fields,
+    setting,
+)
 
 # One token attends only to itself: the causal mask and attention across positions would go unproven
 # (and 0 tokens give a NaN loss, reported as a FAIL).
@@ -19,7 +26,7 @@ MAX_PROOF_STEPS = Range(int, 0, 10_000)
 
 
 @dataclass(frozen=True)
-class VerifySettings(PipelineFlags):  # --pp and its schedule: the base's fields
+class VerifySettings(PipelineFlags, LongContext):  # --pp and its schedule, --cp ...: the bases' fields
     config: str = setting("seed", "model preset (see `meshlm configs`)", cli=CLI_COMMON)
     seed: int = setting(0, "random seed", cli=CLI_COMMON, valid=NON_NEGATIVE_INT)
     steps: int = setting(

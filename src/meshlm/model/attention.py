@@ -20,6 +20,7 @@ from jax import lax
 from meshlm.errors import ShardingError
 from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.config import ModelConfig
+from meshlm.model.context_parallel import context_attention
 from meshlm.model.dense import dense_heads_in, dense_heads_out
 from meshlm.model.layers import _normal, apply_rotary, rotary_angles, upcast
 from meshlm.parallel.context import Parallel
@@ -97,7 +98,12 @@ class Attention(hk.Module):
             cache = {"k": write(cache["k"], k, positions), "v": write(cache["v"], v, positions)}
             k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
             key_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
-        if cfg.attention == "blockwise":
+        if self.par.context_parallel and cache is None:  # the sequence split over cp: positions global
+            blockwise = cfg.attention == "blockwise"  # (no --doc-mask, no window with cp: ``transformer``)
+            out = context_attention(
+                q, k, v, positions, self.par, block=cfg.attn_block, blockwise=blockwise, plain_attend=_attend
+            )
+        elif cfg.attention == "blockwise":
             out = blockwise_attention(q, k, v, positions, key_pos, block=cfg.attn_block, q_start=starts)
         else:
             out = _attend(q, k, v, positions, key_pos, starts, cfg.sliding_window)  # [B, T, H/mp, E]

@@ -34,7 +34,7 @@ class ModelConfig:
     rotary_dim: int = 0  # gptj: rotary dims at the start of each head (interleaved); 0 = head_dim
     rotary_style: str = ""  # "interleaved" (GPT-J) or "half" (Llama); "" = the family's own
     rope_theta: float = 10000.0  # rotary base frequency
-    max_seq_len: int = 256  # longest context; positions beyond it are an error
+    max_seq_len: int = 256  # longest context; beyond it: learned positions refuse, rotary ones a note
     norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
     tie_embeddings: bool = False  # llama / qwen2: output projection reuses the embedding table
     embed_bias: bool = False  # ff: the prototype's embedding had a bias (added once, after the sum)
@@ -320,6 +320,22 @@ def default_seq_len(cfg: ModelConfig, seq_len: int = 0) -> int:
     from meshlm.settings import DEFAULT_SEQ_LEN
 
     return seq_len or min(DEFAULT_SEQ_LEN, cfg.max_seq_len)
+
+
+def beyond_max_seq_len(cfg: ModelConfig, seq_len: int, name: str = "model") -> str | None:
+    """A note when ``seq_len`` exceeds ``cfg.max_seq_len`` on a rotary model (the limit is then the
+    configuration's, not a learned position table's: accepted); an error where positions are learned."""
+    if seq_len <= cfg.max_seq_len:
+        return None
+    if cfg.arch.attention and cfg.arch.rotary is None:
+        raise ConfigError(
+            f"seq_len={seq_len} exceeds the {name} config's max_seq_len={cfg.max_seq_len}; "
+            f"use --seq-len {cfg.max_seq_len} or less"
+        )
+    return (
+        f"note: --seq-len {seq_len} is above the {name} config's max_seq_len={cfg.max_seq_len}: accepted, "
+        "rotary positions have no learned table (quality beyond the trained length is not guaranteed)"
+    )
 
 
 def get_config(name: str) -> ModelConfig:

@@ -106,22 +106,40 @@ def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=
     (``cfg.padded_vocab``): columns from ``cfg.vocab_size`` on are padding, for callers to mask.
     With ``cfg.doc_mask``: ``starts`` [B, T], where each token's document starts (absolute positions;
     default: from the EOD ids in ``tokens``, a window whose first token is at position 0)."""
-    if tokens.shape[-1] > cfg.max_seq_len and cfg.arch.attention:
-        raise ConfigError(f"sequence length {tokens.shape[-1]} exceeds max_seq_len={cfg.max_seq_len}")
+    _check_seq_len(cfg, tokens.shape[-1])
+    _check_context_parallel(cfg, par)
     par.seq_len_check(tokens.shape[-1])
     with hk.custom_getter(parallel_getter(par)):  # FSDP gathers, SP norm hook (``Parallel.param``)
         return _local_logits(cfg, par, tokens, positions, cache, starts)
 
 
 def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, starts):
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+    if positions is None:  # global positions: with cp, those of this shard's chunks
+        positions = jnp.broadcast_to(par.positions(tokens.shape[-1]), tokens.shape)
     if cfg.doc_mask >= 0:
         starts = par.doc_starts(doc_starts(tokens, cfg.doc_mask) if starts is None else starts)
     embed = _embed(cfg, par)
     x = _scaled(cfg, embed(tokens))  # [B, T, D]; with sp [B, T/mp, D] per shard
     x, cache = _stack(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, cache, starts)
     return _head_logits(cfg, par, x, embed), cache
+
+
+def _check_seq_len(cfg: ModelConfig, seq_len: int) -> None:
+    """Learned positions end at max_seq_len; rotary ones go on (``model.config.beyond_max_seq_len``)."""
+    if seq_len > cfg.max_seq_len and cfg.arch.attention and cfg.arch.rotary is None:  # learned
+        raise ConfigError(f"sequence length {seq_len} exceeds max_seq_len={cfg.max_seq_len}")
+
+
+def _check_context_parallel(cfg: ModelConfig, par: Parallel) -> None:
+    if not par.context_parallel:
+        return
+    if cfg.doc_mask >= 0:
+        raise ConfigError("--cp does not support --doc-mask yet (documents across chunks); drop one of them")
+    if cfg.sliding_window:
+        raise ConfigError(
+            f"--cp does not support a sliding window yet (sliding_window={cfg.sliding_window}: the ring "
+            "and the gathered keys attend causally only); drop --cp"
+        )
 
 
 def _scaled(cfg: ModelConfig, x):
@@ -170,8 +188,7 @@ def embed_fn(cfg: ModelConfig, par: Parallel):
     """tokens [B, T] -> hidden [B, T, D]."""
 
     def embed(tokens):
-        if tokens.shape[-1] > cfg.max_seq_len and cfg.arch.attention:
-            raise ConfigError(f"sequence length {tokens.shape[-1]} exceeds max_seq_len={cfg.max_seq_len}")
+        _check_seq_len(cfg, tokens.shape[-1])  # rotary models go beyond max_seq_len, as local_logits
         with hk.custom_getter(parallel_getter(par)):
             return _scaled(cfg, _embed(cfg, par)(tokens))
 
@@ -209,10 +226,11 @@ def embed_scale(d_model: int) -> np.float32:
 def loss_fn(cfg: ModelConfig, par: Parallel):
     """A Haiku function: batch {"inputs", "targets": [B, T]} -> mean loss over the global batch."""
 
-    def loss(batch):
-        logits, _ = local_logits(cfg, par, batch["inputs"])
-        logits = mask_vocab_padding(par, logits, cfg.vocab_size)  # padded ids never chosen
-        per_token = vocab_parallel_xent(par, logits, batch["targets"], cfg.z_loss)  # [B, T]
+    def loss(batch):  # with cp, each shard computes its own chunks of the sequence (``parallel.cp``)
+        logits, _ = local_logits(cfg, par, par.seq_local(batch["inputs"]))
+        logits = mask_vocab_padding(par, par.seq_out(logits), cfg.vocab_size)  # padded ids never chosen
+        targets = par.seq_local(batch["targets"])
+        per_token = vocab_parallel_xent(par, logits, targets, cfg.z_loss)  # [B, T] (with cp: [B, T/cp])
         return par.batch_mean(jnp.mean(per_token))
 
     return loss

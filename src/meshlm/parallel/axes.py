@@ -10,6 +10,8 @@ the stacked layers are split into stages. Layers never name axes; they call meth
 DP = "dp"  # data-parallel axis: the global batch is split over it
 MP = "mp"  # model-parallel axis: heads, hidden units and the vocabulary are split over it
 MESH_AXES = (DP, MP)
+CP = "cp"  # context-parallel axis: the sequence split over it (a mesh has it only when cp > 1: ``Layout``)
 PP = "pp"  # pipeline axis: consecutive layer chunks over it (``parallel.pipeline``); outermost when present
-# A layout with pp > 1 has the mesh (pp, dp, mp); without, (dp, mp) as always (``Layout.shape``).
+# A layout with pp > 1 has the mesh (pp, dp, mp); without, (dp, mp) as always (``Layout.shape``);
+# cp > 1 adds CP between DP and MP: (pp, dp, cp, mp), each axis present only when its size > 1.
 PIPELINE_MESH_AXES = (PP, DP, MP)

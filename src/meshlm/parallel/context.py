@@ -29,15 +29,18 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.axes import CP, DP, MP
+from meshlm.parallel.cp import ContextParallel
 
 
 @dataclass(frozen=True)
-class Parallel:
+class Parallel(ContextParallel):
     mp: int = 1  # number of model-parallel shards (1: unsharded)
     dp: int = 1  # number of data-parallel shards
     sharded: bool = False  # True inside shard_map over the (DP, MP) mesh
     sp: bool = False  # sequence parallelism: activations between blocks are [B, T/mp, D] per shard
+    cp: int = 1  # context-parallel shards: each holds sequence chunks i and 2cp-1-i (``parallel.cp``)
+    cp_strategy: str = "ring"  # ring (K/V ppermuted around cp) or allgather (K/V gathered per layer)
 
     # --- Megatron collectives over the model axis -------------------------------------------
     def f(self, x):
@@ -73,7 +76,7 @@ class Parallel:
         if self.sharded:
             from meshlm.parallel.layout import Layout
 
-            Layout(dp=self.dp, mp=self.mp, sp=self.sp).check_seq_len(seq_len)
+            Layout(dp=self.dp, mp=self.mp, sp=self.sp, cp=self.cp).check_seq_len(seq_len * self.cp)
 
     def param(self, value, shape, norm: bool):
         """A parameter as a layer uses it (called by a Haiku getter for every ``get_parameter``).
@@ -143,5 +146,8 @@ class Parallel:
 
     # --- data parallel ---------------------------------------------------------------------
     def batch_mean(self, x):
-        """Mean over data-parallel shards of per-shard means: the mean over the global batch."""
-        return lax.pmean(x, DP) if self.sharded else x
+        """Mean over data-parallel (and context-parallel) shards of per-shard means: the mean over
+        every token of the global batch (each shard holds as many tokens)."""
+        if not self.sharded:
+            return x
+        return lax.pmean(x, (DP, CP)) if self.context_parallel else lax.pmean(x, DP)

@@ -4,8 +4,8 @@ Everything that depends on how the computation is laid out over devices takes a 
 rules table (which axes split which parameter dimensions), the parallel context layers compute in
 (``parallel()``), the train step, the proof, the planner, generation, and checkpoint metadata. The
 divisibility rules a layout imposes on sizes outside the model (the batch over ``dp``, the sequence
-over ``mp`` under ``sp``) are stated here, once, as one-line errors; the model's own dimensions are
-the rules table's (``sharding.rules``).
+over ``mp`` under ``sp`` and into ``2 x cp`` chunks with ``cp``) are stated here, once, as one-line
+errors; the model's own dimensions are the rules table's (``sharding.rules``).
 
 A ``Layout`` is built from sizes (``Layout(dp=2, mp=2, fsdp=True)``, validated before any device is
 touched) or from an existing mesh (``Layout.of(mesh, ...)``: the one place a mesh's shape is read).
@@ -16,9 +16,12 @@ The pipeline axis ``pp`` (``parallel.pipeline``) is the outermost: with ``pp > 1
 ``--virtual-stages``); with ``pp = 1`` nothing changes (the mesh, reports and checkpoint meta are
 (dp, mp) as before).
 
-Adding an axis (context parallelism) is: a field here and its name in ``axes.MESH_AXES``
-(sizes, the mesh, reports and checkpoint meta follow them), its rules-table entries, its
-collectives in ``parallel.context``, its proof controls.
+The context-parallel axis ``cp`` (``parallel.cp``) sits between dp and mp: with ``cp > 1`` the mesh
+is (dp, cp, mp) (``--cp-strategy`` ring or allgather); with ``cp = 1`` it is no axis. The full order
+is (pp, dp, cp, mp), pp and cp each present only when > 1 (a pipeline does not yet combine with cp).
+
+Adding an axis is: a field here and its name in ``shape`` (sizes, the mesh, reports and checkpoint
+meta follow it), its rules-table entries, its collectives in ``parallel.context``, its proof controls.
 
 This module must not import JAX at module level: the CLI validates layouts before choosing devices.
 """
@@ -31,9 +34,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshlm.errors import ConfigError, MeshError, ShardingError
-from meshlm.parallel.axes import MESH_AXES, PIPELINE_MESH_AXES, PP
+from meshlm.parallel.axes import CP, DP, MESH_AXES, MP, PP
 
 OPTIONS = ("fsdp", "sp")  # the memory options, by their field (and flag) names
+CP_STRATEGIES = ("ring", "allgather")  # how attention reaches the other cp shards' keys and values
+ALL_AXES = (PP, DP, CP, MP)  # the mesh's axes in order; pp and cp only when > 1 (``Layout.shape``)
 # The pipeline's schedule fields, by their field names (flags: --microbatches, --pp-schedule, ...).
 PIPELINE_OPTIONS = ("microbatches", "pp_schedule", "virtual_stages")
 
@@ -48,17 +53,20 @@ class Layout:
     microbatches: int = 1  # with pp > 1: each step's (micro-)batch split into M pipeline micro-batches
     pp_schedule: str = "1f1b"  # with pp > 1: gpipe | 1f1b | interleaved
     virtual_stages: int = 1  # with pp > 1 and interleaved: layer chunks per device
+    cp: int = 1  # context-parallel shards: the sequence split over them (load-balanced chunks i, 2cp-1-i)
+    cp_strategy: str = "ring"  # ring: K/V passed around cp (ppermute); allgather: K/V gathered per layer
     # The mesh this layout was built from (``of``), or made on first use: not part of the value.
     built_mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        for name in PIPELINE_MESH_AXES:
+        for name in ALL_AXES:
             size = getattr(self, name)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise MeshError(f"mesh axis {name} must be a positive integer, got {size!r}")
         for name in OPTIONS:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        _check_strategy(self.cp_strategy)
         _check_pipeline(self)
 
     @property
@@ -73,18 +81,15 @@ class Layout:
         if isinstance(where, Layout) and not options:
             return where
         if isinstance(where, Layout):
-            resized = any(options.get(a, getattr(where, a)) != getattr(where, a) for a in PIPELINE_MESH_AXES)
+            # another pp or cp is another mesh (made on first use)
+            resized = any(options.get(a, getattr(where, a)) != getattr(where, a) for a in ALL_AXES)
             return dataclasses.replace(where, **options, **({"built_mesh": None} if resized else {}))
-        sizes = axis_sizes(where)
-        pp = options.pop("pp", sizes.get(PP, 1))
-        if pp != sizes.get(PP, 1):
-            raise MeshError(f"pp={pp} but the mesh has {sizes.get(PP, 1)} pipeline stage(s); make them equal")
-        return cls(**{axis: sizes[axis] for axis in MESH_AXES}, pp=pp, built_mesh=where, **options)
+        return _from_mesh(cls, where, options)
 
     @property
     def mesh(self):
-        """The jax Mesh (dp, mp), or (pp, dp, mp), of this layout (``parallel.mesh.make_mesh`` on first
-        use)."""
+        """The jax Mesh (dp, mp), (pp, dp, mp) or (dp, cp, mp) of this layout (``parallel.mesh.make_mesh``
+        on first use)."""
         if self.built_mesh is None:
             from meshlm.parallel.mesh import make_mesh
 
@@ -98,10 +103,10 @@ class Layout:
 
     @property
     def shape(self) -> dict[str, int]:
-        """{axis name: size}, e.g. {"dp": 2, "mp": 2}, with pp > 1 {"pp": 2, "dp": 2, "mp": 2} (what
-        reports and checkpoint meta show)."""
-        axes = PIPELINE_MESH_AXES if self.pp > 1 else MESH_AXES
-        return {axis: getattr(self, axis) for axis in axes}
+        """{axis name: size}, the mesh's axes in order (what reports and checkpoint meta show): e.g.
+        {"dp": 2, "mp": 2}; pp and cp only when > 1: {"pp": 2, "dp": 2, "mp": 2}, {"dp": 1, "cp": 2,
+        "mp": 2} (so 2-D meshes are unchanged)."""
+        return {a: getattr(self, a) for a in ALL_AXES if a in MESH_AXES or getattr(self, a) > 1}
 
     def replace(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -110,27 +115,25 @@ class Layout:
         """The parallel context layers compute in, inside ``shard_map`` over this layout's mesh."""
         from meshlm.parallel.context import Parallel
 
-        return (par_cls or Parallel)(mp=self.mp, dp=self.dp, sharded=True, sp=self.sp)
+        cp = dict(cp=self.cp, cp_strategy=self.cp_strategy) if self.cp > 1 else {}
+        return (par_cls or Parallel)(mp=self.mp, dp=self.dp, sharded=True, sp=self.sp, **cp)
 
     def label(self) -> str:
-        """The mesh and the options that are on: "2x2", "2x2 + FSDP + SP", "pp2x1x2 (1f1b, M=4)"."""
-        pipe = f"pp{self.pp}x" if self.pp > 1 else ""
-        text = pipe + "x".join(str(getattr(self, a)) for a in MESH_AXES)
-        text += "".join(f" + {o.upper()}" for o in OPTIONS if getattr(self, o))
-        if self.pp > 1:
-            v = f", V={self.virtual_stages}" if self.virtual_stages > 1 else ""
-            text += f" ({self.pp_schedule}, M={self.microbatches}{v})"
-        return text
+        """The mesh and the options that are on: "2x2", "2x2 + FSDP + SP", "1x2 + CP2 ring",
+        "pp2x1x2 (1f1b, M=4)"."""
+        return _label(self)
 
     def to_dict(self) -> dict[str, Any]:
         """What checkpoint metadata records (``from_dict`` reads it back); the pipeline's fields only
-        with pp > 1 (a checkpoint's format does not depend on them: pp splits the layer dimension)."""
+        with pp > 1 (a checkpoint's format does not depend on them: pp splits the layer dimension), the
+        cp strategy only with cp > 1."""
         pipe = {o: getattr(self, o) for o in PIPELINE_OPTIONS} if self.pp > 1 else {}
-        return {**self.shape, **{o: getattr(self, o) for o in OPTIONS}, **pipe}
+        cp = {"cp_strategy": self.cp_strategy} if self.cp > 1 else {}
+        return {**self.shape, **{o: getattr(self, o) for o in OPTIONS}, **pipe, **cp}
 
     @classmethod
     def from_dict(cls, d: dict) -> Layout:
-        known = (*PIPELINE_MESH_AXES, *OPTIONS, *PIPELINE_OPTIONS)
+        known = (*ALL_AXES, *OPTIONS, *PIPELINE_OPTIONS, "cp_strategy")
         unknown = sorted(set(d) - set(known))
         if unknown:
             valid = ", ".join(known)
@@ -140,12 +143,9 @@ class Layout:
     # --- the divisibility rules of sizes outside the model ------------------------------------
     def check_seq_len(self, seq_len: int) -> None:
         """With ``sp`` the sequence is split over mp: it must divide (a ShardingError, as for any
-        dimension the mesh does not divide: ``verify --matrix`` lists such cells as skipped)."""
-        if self.sp and self.mp > 1 and seq_len % self.mp:
-            raise ShardingError(
-                f"--sp splits the sequence over mp={self.mp}, but --seq-len {seq_len} is not divisible "
-                f"by it; use e.g. --seq-len {_next_multiple(seq_len, self.mp)}"
-            )
+        dimension the mesh does not divide: ``verify --matrix`` lists such cells as skipped). With cp
+        it is cut into 2 x cp chunks (each shard holds chunks i and 2cp-1-i), then over mp under sp."""
+        _check_seq_len(self, seq_len)
 
     def check_batch(self, batch_size: int, accum_steps: int | None = None) -> None:
         """The global batch splits into ``accum_steps`` micro-batches, each over dp (and with pp into
@@ -156,6 +156,46 @@ class Layout:
         """With pp, the layer stack splits into pp x virtual stages chunks of equal size."""
         if self.pp > 1:
             _check_layers(self.pipeline, n_layers)
+
+
+def _from_mesh(cls, mesh, options: dict) -> Layout:
+    sizes = axis_sizes(mesh)
+    pp = options.pop("pp", sizes.get(PP, 1))
+    if pp != sizes.get(PP, 1):
+        raise MeshError(f"pp={pp} but the mesh has {sizes.get(PP, 1)} pipeline stage(s); make them equal")
+    cp = {CP: sizes[CP]} if CP in sizes else {}
+    # A cp the mesh lacks: a (dp, cp, mp) mesh of the same dp and mp, made on first use.
+    built = mesh if options.get(CP, sizes.get(CP, 1)) == sizes.get(CP, 1) else None
+    return cls(**{axis: sizes[axis] for axis in MESH_AXES}, pp=pp, **{**cp, **options}, built_mesh=built)
+
+
+def _label(layout: Layout) -> str:
+    pipe = f"pp{layout.pp}x" if layout.pp > 1 else ""
+    text = pipe + "x".join(str(getattr(layout, a)) for a in MESH_AXES)
+    text += f" + CP{layout.cp} {layout.cp_strategy}" if layout.cp > 1 else ""
+    text += "".join(f" + {o.upper()}" for o in OPTIONS if getattr(layout, o))
+    if layout.pp > 1:
+        v = f", V={layout.virtual_stages}" if layout.virtual_stages > 1 else ""
+        text += f" ({layout.pp_schedule}, M={layout.microbatches}{v})"
+    return text
+
+
+def _check_seq_len(layout: Layout, seq_len: int) -> None:
+    cp, mp = layout.cp, layout.mp
+    if cp > 1 and seq_len % (2 * cp):
+        raise ShardingError(
+            f"--cp {cp} splits the sequence into 2 x cp = {2 * cp} load-balanced chunks, but "
+            f"--seq-len {seq_len} is not divisible by {2 * cp}; use e.g. --seq-len "
+            f"{_next_multiple(seq_len, 2 * cp)}"
+        )
+    per = cp * mp  # under sp each cp shard's part of the sequence splits over mp
+    if layout.sp and mp > 1 and seq_len % per:
+        over = f"mp={mp}" if cp == 1 else f"cp x mp = {per}"
+        fix = _next_multiple(seq_len, math.lcm(per, 2 * cp if cp > 1 else 1))
+        raise ShardingError(
+            f"--sp splits the sequence over {over}, but --seq-len {seq_len} is not divisible "
+            f"by it; use e.g. --seq-len {fix}"
+        )
 
 
 def _check_batch(layout: Layout, batch_size: int, accum_steps: int | None) -> None:
@@ -200,6 +240,11 @@ def _check_pipeline(layout: Layout) -> None:
             raise ConfigError(f"{', '.join(given)} needs a pipeline; add --pp 2 (or more) or drop it")
         return
     layout.pipeline  # noqa: B018 -- validates the schedule (PipelineConfig raises one-line errors)
+    if layout.cp > 1:
+        raise ConfigError(
+            f"--cp {layout.cp} cannot be combined with --pp {layout.pp}: the pipeline's stages do not "
+            "yet pass context-parallel activations; drop --cp (or --pp)"
+        )
     if layout.sp:
         raise ConfigError(
             "--sp cannot be combined with --pp: the pipeline passes activations between stages "
@@ -208,6 +253,11 @@ def _check_pipeline(layout: Layout) -> None:
 
 
 _DEFAULTS = {"microbatches": 1, "pp_schedule": "1f1b", "virtual_stages": 1}
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in CP_STRATEGIES:
+        raise ConfigError(f"--cp-strategy {strategy!r} is not one of {', '.join(CP_STRATEGIES)}; pick one")
 
 
 def _next_multiple(n: int, k: int) -> int:

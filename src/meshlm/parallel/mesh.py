@@ -67,8 +67,9 @@ def _more_devices_hint(n: int, processes: int) -> str:
 
 
 def make_mesh(*sizes: int, axes: tuple[str, ...] | None = None):
-    """A (dp, mp) mesh (one size per ``axes.MESH_AXES``, or per ``axes``: (pp, dp, mp) for a pipeline)
-    over the first dp*mp devices (all processes' devices, process-major).
+    """A (dp, mp) mesh (one size per ``axes.MESH_AXES``, or per ``axes``: ``Layout.mesh`` passes
+    (pp, dp, cp, mp), each axis present only when its size > 1) over the first prod(sizes) devices
+    (all processes' devices, process-major).
 
     Axis types are Auto: our own code is explicit through ``shard_map``; Auto lets plain ``jit`` code
     outside it (the optimizer update, the GSPMD baseline) be partitioned by XLA from shardings.

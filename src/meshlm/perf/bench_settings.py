@@ -12,11 +12,16 @@ import dataclasses
 from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
-from meshlm.model.config import ModelConfig, default_seq_len
+from meshlm.model.config import ModelConfig, beyond_max_seq_len, default_seq_len
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.pipeline_schedule import PipelineFlags
 from meshlm.ranges import NON_NEGATIVE_INT, POSITIVE_INT
-from meshlm.settings import CLI_COMMON, SEQ_LEN_DEFAULT_TEXT, setting
+from meshlm.settings import (
+    CLI_COMMON,
+    SEQ_LEN_DEFAULT_TEXT,
+    LongContext,
+    setting,
+)
 
 MIN_STEPS = 5  # fewer timed steps give a median that is mostly noise on a shared machine
 # Keeps a `small` bench near 1.5 minutes on 2 CPU cores (a step takes 1.7 s on an idle machine at
@@ -25,7 +30,7 @@ DEFAULT_BATCH = 4
 
 
 @dataclass(frozen=True)
-class BenchSettings(PipelineFlags):  # --pp and its schedule: the base's fields
+class BenchSettings(PipelineFlags, LongContext):  # --pp and its schedule, --cp ...: the bases' fields
     config: str = setting("small", "model preset (see `meshlm configs`)", cli=CLI_COMMON)
     batch_size: int | None = setting(
         None,
@@ -82,8 +87,10 @@ class BenchSettings(PipelineFlags):  # --pp and its schedule: the base's fields
         layout.check_layers(cfg.n_layers)
         if s.memory_options and layout.pp > 1:
             raise ConfigError("--memory-options times fsdp and sp against tp; run it without --pp")
-        if not 1 <= s.seq_len <= cfg.max_seq_len:
-            raise ConfigError(f"--seq-len {s.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
+        layout.check_seq_len(s.seq_len)
+        if s.seq_len < 1:
+            raise ConfigError(f"--seq-len {s.seq_len} must be >= 1")
+        beyond_max_seq_len(cfg, s.seq_len)  # above max_seq_len: accepted for rotary models
         if s.gen_new_tokens < 0:
             raise ConfigError(
                 f"--gen-tokens must be >= 0 (0 skips the generation bench), got {s.gen_new_tokens}"

@@ -11,7 +11,7 @@ from meshlm.model.attention import kv_replicated
 from meshlm.model.config import ModelConfig
 
 
-def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int) -> dict[str, int]:
+def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> dict[str, int]:
     """The fewest all-reduces one training step needs under Megatron tensor parallelism, by cause.
 
     Per step (a layer loop that runs L times counts L times). With mp > 1 activations between blocks
@@ -40,7 +40,9 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int) -> dict[str, int
     With dp > 1: the gradient all-reduce over DP (1 if every gradient goes in one tuple; the bytes
     are those of one device's parameters whatever the count) and the loss mean over DP (1 scalar,
     for reporting the loss). Replicated parameters (norms, biases added after an all-reduce) need
-    no MP all-reduce: they act on replicated activations. Returns counts by cause and ``total``.
+    no MP all-reduce: they act on replicated activations. With context parallelism (cp > 1) the
+    gradient and loss all-reduces run over dp x cp (one each, as for dp). Returns counts by cause and
+    ``total``.
     """
     per_layer = cfg.arch.row_sums
     sharded = mp > 1
@@ -53,15 +55,23 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int) -> dict[str, int
         "head_backward": int(sharded),
         "loss": 3 * sharded,
         "grad_norm": int(sharded),
-        "dp_gradients": int(dp > 1),
-        "dp_loss": int(dp > 1),
+        "dp_gradients": int(dp * cp > 1),
+        "dp_loss": int(dp * cp > 1),
     }
     out["total"] = sum(out.values())
     return out
 
 
 def theoretical_bytes(
-    cfg: ModelConfig, dp: int, mp: int, *, batch: int, seq_len: int, itemsize: int, param_bytes: int
+    cfg: ModelConfig,
+    dp: int,
+    mp: int,
+    *,
+    batch: int,
+    seq_len: int,
+    itemsize: int,
+    param_bytes: int,
+    cp: int = 1,
 ) -> dict[str, int]:
     """Result bytes of those all-reduces in one step, by the same causes (per device; global batch
     ``batch`` split over dp, activations of ``itemsize`` bytes, ``param_bytes`` of parameters on one
@@ -69,7 +79,8 @@ def theoretical_bytes(
     check. The scalars (the clip's squared norm, the DP loss mean) count 1 value each here; XLA may
     send the clip's norm as one partial sum per sharded leaf, a few bytes more (see ``scalar_slack``).
     """
-    counts = theoretical_collectives(cfg, dp, mp)
+    counts = theoretical_collectives(cfg, dp, mp, cp)
+    seq_len //= cp  # with context parallelism each device holds T/cp tokens of its rows
     act = (batch // dp) * seq_len * cfg.d_model * itemsize  # [B/dp, T, D]: one activation all-reduce
     kv_rows = cfg.d_model + cfg.arch.qkv_bias  # replicated wk, wv [D, K, E] (and Qwen2's bk, bv [K, E])
     kv_grads = 2 * kv_rows * cfg.kv_heads * cfg.dim_per_head * itemsize if cfg.arch.attention else 0

@@ -17,6 +17,10 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Fami
   backward (ZeRO-3; outside the layer stack XLA may keep the gathered weight or gather it again),
   and its gradient reduce-scattered once (a tied embedding table: once per use, lookup and head).
   Norms and biases stay replicated and keep the data-parallel gradient all-reduce.
+* Context parallelism (cp > 1; ``model.context_parallel``), per layer with K and V stacked into one
+  array: the ring passes it cp - 1 times forward (again with remat), and in the backward cp - 1 times
+  more plus cp passes of its gradient (the last one home): collective-permutes. All-gather: one
+  all-gather forward (again with remat) and its transpose, one reduce-scatter, backward.
 """
 
 from __future__ import annotations
@@ -58,15 +62,24 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
     """Per kind ("all-reduce", "all-gather", "reduce-scatter") the causes and their ``total`` on
     ``layout`` (FSDP read from ``params``' shardings)."""
     dp, mp, sp = layout.dp, layout.mp, layout.sp
-    ar = dict(theoretical_collectives(cfg, dp, mp))
+    ar = dict(theoretical_collectives(cfg, dp, mp, layout.cp))
     ag: dict[str, int] = {}
     rs: dict[str, int] = {}
+    cperm: dict[str, int] = {}
     n, pl = cfg.n_layers, cfg.arch.row_sums  # f entries = r exits per layer
+    recompute = 2 if cfg.remat != "none" else 1
+    if layout.cp > 1 and cfg.arch.attention:
+        if layout.cp_strategy == "ring":
+            cperm.update(
+                cp_ring_forward=recompute * (layout.cp - 1) * n, cp_ring_backward=(2 * layout.cp - 1) * n
+            )
+        else:
+            ag.update(cp_kv_forward=recompute * n)
+            rs.update(cp_kv_backward=n)
     if sp and mp > 1:
         for cause in SP_REPLACES:
             ar[cause] = 0
         ar["sp_replicated_grads"] = sum(sp_replicated(params, n).values())
-        recompute = 2 if cfg.remat != "none" else 1
         ag.update(sp_forward=2 * pl * n + 1, sp_backward=pl * n + 1)
         rs.update(sp_forward=recompute * pl * n + 1, sp_backward=pl * n + 1)
     per_layer, outside = fsdp_weights(params)
@@ -75,10 +88,10 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
     if dp > 1 and per_layer + outside:
         ag.update(fsdp_layers=2 * per_layer * n, fsdp_outside=2 * outside)
         rs.update(fsdp_gradients=per_layer * n + outside)
-    for causes in (ar, ag, rs):
+    for causes in (ar, ag, rs, cperm):
         causes.pop("total", None)
         causes["total"] = sum(causes.values())
-    return {"all-reduce": ar, "all-gather": ag, "reduce-scatter": rs}
+    return {"all-reduce": ar, "all-gather": ag, "reduce-scatter": rs, "collective-permute": cperm}
 
 
 def expected_all_reduce_bytes(cfg: ModelConfig, layout: Layout, *, params, **shape) -> int:
@@ -86,7 +99,9 @@ def expected_all_reduce_bytes(cfg: ModelConfig, layout: Layout, *, params, **sha
     and with its norm gradients (``shape``: batch, seq_len, itemsize)."""
     from meshlm.parallel.placement import bytes_per_device
 
-    out = theoretical_bytes(cfg, layout.dp, layout.mp, param_bytes=bytes_per_device(params), **shape)
+    out = theoretical_bytes(
+        cfg, layout.dp, layout.mp, param_bytes=bytes_per_device(params), cp=layout.cp, **shape
+    )
     total = out["total"]
     if layout.sp and layout.mp > 1:
         total -= sum(out[c] for c in SP_REPLACES)

@@ -19,9 +19,10 @@ def _header(report: dict) -> list[str]:
     s, mesh = report["plan"]["settings"], report["mesh"]
     total = report["unsharded"]
     pp = f"pp{mesh['pp']}x" if "pp" in mesh else ""
+    cp = f", cp={mesh['cp']}" if "cp" in mesh else ""  # the context axis, where there is one
     return [
         f"meshlm plan: {report['config']} on mesh {pp}{mesh['dp']}x{mesh['mp']} (dp={mesh['dp']}, "
-        f"mp={mesh['mp']}), batch {s['batch_size']} x {s['seq_len']}, accum {s['accum_steps']}, "
+        f"mp={mesh['mp']}{cp}), batch {s['batch_size']} x {s['seq_len']}, accum {s['accum_steps']}, "
         f"{s['compute_dtype']} compute, options: {report['plan']['label']}",
         f"unsharded: parameters {gib(total['params'])} float32 "
         f"({total['params'] // 4:,}), AdamW moments {gib(total['opt_state'])}",

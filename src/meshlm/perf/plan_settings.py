@@ -6,12 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
-from meshlm.model.config import ModelConfig, default_seq_len
+from meshlm.model.config import ModelConfig, beyond_max_seq_len, default_seq_len
 from meshlm.model.family import REMAT
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.pipeline_schedule import PipelineFlags
 from meshlm.ranges import POSITIVE_INT
-from meshlm.settings import SEQ_LEN_DEFAULT_TEXT, Switch, setting
+from meshlm.settings import (
+    SEQ_LEN_DEFAULT_TEXT,
+    LongContext,
+    Switch,
+    setting,
+)
 from meshlm.units import parse_bytes
 
 DEFAULT_CONFIG = "llama2-7b"
@@ -59,14 +64,15 @@ class PlanSettings:
                 f"compute_dtype={self.compute_dtype!r}; valid: {', '.join(cfg.arch.compute_dtypes)}"
             )
         layout.check_layers(cfg.n_layers)
-        if not 1 <= self.seq_len <= cfg.max_seq_len:
-            raise ConfigError(f"--seq-len {self.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
+        if self.seq_len < 1:
+            raise ConfigError(f"--seq-len {self.seq_len} must be >= 1")
+        beyond_max_seq_len(cfg, self.seq_len)  # above max_seq_len: accepted for rotary models
         layout.check_batch(self.batch_size, self.accum_steps)
         layout.check_seq_len(self.seq_len)
 
 
 @dataclass(frozen=True)
-class PlanCommand(PipelineFlags):  # --pp and its schedule: the base's fields
+class PlanCommand(PipelineFlags, LongContext):  # --pp and its schedule, --cp ...: the bases' fields
     """What ``meshlm plan`` is asked: the model, one run's settings (``settings``) and the search; the
     command's flags are built from these fields (``meshlm.cli.common.add_flags``)."""
 

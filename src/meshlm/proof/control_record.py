@@ -21,7 +21,10 @@ class Where:
     collectives: bool = False  # whether the communication check runs (it detects extra collectives)
     fsdp: bool = False  # weights split over DP (FSDP)
     sp: bool = False  # sequence parallelism over MP
-    seq_len: int = 0  # positions per row of the proof's batch (0: not known)
+    seq_len: int = 0  # positions per row of the proof's batch (0: not known; blockwise controls need
+    # several blocks)
+    cp: int = 1  # context-parallel shards
+    cp_strategy: str = "ring"  # ring or allgather (``Layout.cp_strategy``)
 
     @property
     def attention(self) -> bool:
@@ -42,3 +45,4 @@ class Control:
     per_shard_clip: bool = False  # clip by a per-shard gradient norm (training step)
     by_collectives: bool = False  # detected by the communication check, not by values
     params_change: Callable | None = None  # (cfg, params) -> the sharded run's parameters
+    plant: Callable | None = None  # () -> a context manager planting the fault while the sharded run traces

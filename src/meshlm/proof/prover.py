@@ -24,6 +24,7 @@ from meshlm.parallel.placement import bytes_per_device, to_host, total_bytes
 from meshlm.proof.communication import step_collectives
 from meshlm.proof.control_runs import communication_rows, run_control
 from meshlm.proof.controls import CONTROLS, Control, Where
+from meshlm.proof.cp_controls import CP_CONTROLS
 from meshlm.proof.data_pipeline import data_checks
 from meshlm.proof.independence import exactness_check, reference_checks, sharded_check
 from meshlm.proof.padding import padding_rows
@@ -47,7 +48,7 @@ def verify(
     dtype=jnp.float32,
     seed: int = 0,
     ocfg: OptimConfig | None = None,
-    controls: tuple[Control, ...] = CONTROLS,
+    controls: tuple[Control, ...] = CONTROLS + CP_CONTROLS,
     collectives: bool = False,
     data_steps: int = 0,
 ) -> Report:
@@ -63,8 +64,8 @@ def verify(
     layout = Layout.of(where, fsdp=problem.fsdp, sp=problem.sp)
     dp, mp = layout.dp, layout.mp
     report = Report(config=problem.name, dp=dp, mp=mp, steps=steps, dtype=dname, rtol=rtol, atol=atol)
-    if layout.pp > 1:
-        report.extra["mesh"] = layout.label()  # the pipeline: its stages and schedule
+    if layout.pp > 1 or layout.cp > 1:  # the header names the pipeline ("pp2x1x2 (1f1b, M=4)") or cp
+        report.extra["mesh"] = layout.label()  # ("1x2 + CP2 ring")
     runs = Runs(problem, layout, dtype, seed)
     try:
         sharded = runs.proven_grads()
@@ -91,6 +92,8 @@ def verify(
         fsdp=problem.fsdp,
         sp=problem.sp,
         seq_len=int(jnp.shape(problem.batch.get("inputs", ()))[-1]),
+        cp=layout.cp,
+        cp_strategy=layout.cp_strategy,
     )
     if layout.pp > 1:  # the pipeline's own faults (``pipeline_verify``)
         report.controls = pipeline_controls(runs, rtol, atol)

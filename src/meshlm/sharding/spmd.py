@@ -18,7 +18,7 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshlm.parallel.axes import DP
+from meshlm.parallel.axes import CP, DP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import BATCH_SPEC
@@ -41,15 +41,18 @@ def reference_value_and_grad(build_loss: LossBuilder, compute_dtype=None):
     return jax.value_and_grad(with_compute_dtype(apply, compute_dtype))
 
 
-def _dp_varying(apply, specs):
+def _dp_varying(apply, specs, cp: int = 1):
     """Cast every parameter to DP-varying once, at entry. Left implicit, JAX casts each weight where
     it meets the (DP-varying) batch -- inside the layer loop -- so the forward saves a stacked copy of
     every layer's weights and the backward all-reduces the DP gradient once per layer. The transpose of
     this one cast is the single data-parallel gradient all-reduce. Parameters stored split over DP
-    (FSDP) are DP-varying already: their gradients are reduce-scattered where they are gathered."""
+    (FSDP) are DP-varying already: their gradients are reduce-scattered where they are gathered. With
+    context parallelism (``cp`` > 1) parameters are cast to CP-varying too: one all-reduce over both."""
+    extra = (CP,) if cp > 1 else ()
 
     def cast(p, spec):
-        return p if dp_sharded(spec) else lax.pcast(p, DP, to="varying")
+        axes = extra if dp_sharded(spec) else (DP, *extra)
+        return lax.pcast(p, axes, to="varying") if axes else p
 
     def wrapped(params, batch):
         return apply(jax.tree.map(cast, params, specs, is_leaf=lambda x: isinstance(x, P)), batch)
@@ -66,7 +69,7 @@ def sharded_value_and_grad(
     Inputs: global arrays. Outputs: the loss (replicated) and gradients in the parameters' layout.
     """
     apply = hk.without_apply_rng(hk.transform(build_loss(layout.parallel(par_cls)))).apply
-    body = jax.value_and_grad(_dp_varying(with_compute_dtype(apply, compute_dtype), specs))
+    body = jax.value_and_grad(_dp_varying(with_compute_dtype(apply, compute_dtype), specs, layout.cp))
     return jax.shard_map(body, mesh=layout.mesh, in_specs=(specs, BATCH_SPEC), out_specs=(P(), specs))
 
 

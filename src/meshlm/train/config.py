@@ -10,10 +10,11 @@ This module must not import JAX: the CLI builds its parser from it before choosi
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
-from meshlm.model.config import PRESETS, ModelConfig, default_seq_len, get_config
+from meshlm.model.config import PRESETS, ModelConfig, beyond_max_seq_len, default_seq_len, get_config
 from meshlm.model.family import COMPUTE_DTYPES, REMAT
 from meshlm.parallel.pipeline_schedule import PipelineFlags
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
@@ -22,6 +23,7 @@ from meshlm.settings import (  # noqa: F401 - CLI_* and Switch: the train CLI re
     CLI_FLAG,
     CLI_HIDDEN,
     SEQ_LEN_DEFAULT_TEXT,
+    LongContext,
     Switch,
     check_fields,
     setting,
@@ -39,7 +41,7 @@ _field = setting  # a field that describes itself (``meshlm.settings``)
 
 
 @dataclass(frozen=True)
-class TrainConfig(PipelineFlags):  # --pp and its schedule: the base's fields
+class TrainConfig(PipelineFlags, LongContext):  # --pp and its schedule, --cp ...: the bases' fields
     config: str = _field("cpu", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)
     data: tuple[str, ...] = _field(
         (),
@@ -185,12 +187,17 @@ def resolve(tcfg: TrainConfig) -> tuple[TrainConfig, ModelConfig]:
     """
     cfg = get_config(tcfg.config)
     seq_len = default_seq_len(cfg, tcfg.seq_len)
-    if seq_len > cfg.max_seq_len:
-        raise ConfigError(
-            f"seq_len={seq_len} exceeds the {tcfg.config} config's max_seq_len="
-            f"{cfg.max_seq_len}; use --seq-len {cfg.max_seq_len} or less"
-        )
+    if note := beyond_max_seq_len(cfg, seq_len, tcfg.config):  # rotary: a limit of the config, not a table
+        _print_once(note)
     return dataclasses.replace(tcfg, seq_len=seq_len), cfg
+
+
+@functools.cache
+def _print_once(note: str) -> None:
+    """A note on stderr once per process (``resolve`` runs in the CLI and again in ``build_run``)."""
+    import sys
+
+    print(note, file=sys.stderr)
 
 
 def from_scratch_tokenizer(tcfg: TrainConfig) -> str:

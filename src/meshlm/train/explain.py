@@ -59,6 +59,8 @@ def start_line(tcfg: TrainConfig, cfg: ModelConfig, where, n_params: int) -> str
             f"; the {cfg.n_layers} layers in {layout.pp} pipeline stages over pp (schedule "
             f"{layout.pp_schedule}, {layout.microbatches} micro-batches per step)"
         )
+    if layout.cp > 1:
+        extra += f"; each sequence split over cp={layout.cp} ({layout.cp_strategy}; chunks i and 2cp-1-i)"
     return (
         f"model: the {tcfg.config} preset, a {cfg.family} of {cfg.n_layers} layers, d_model {cfg.d_model}, "
         f"{_count(n_params)} parameters; mesh {mesh} on {_devices(layout.mesh)}: "

@@ -200,9 +200,10 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, ckpt: Ch
 
 
 def run_layout(tcfg: TrainConfig, where) -> Layout:
-    """The run's Layout: ``where`` (a Layout, or a jax Mesh) with the run's --fsdp, --sp and --pp (and
-    its schedule)."""
-    return Layout.of(where, fsdp=tcfg.fsdp, sp=tcfg.sp, **pipeline_options(tcfg))
+    """The run's Layout: ``where`` (a Layout, or a jax Mesh) with the run's --fsdp, --sp, --pp (and
+    its schedule) and --cp."""
+    options = dict(fsdp=tcfg.fsdp, sp=tcfg.sp, **pipeline_options(tcfg))
+    return Layout.of(where, **options, cp=tcfg.cp, cp_strategy=tcfg.cp_strategy)
 
 
 def run_specs(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout) -> dict:
@@ -220,7 +221,8 @@ def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
     """The model the jitted programs compute: the preset with the run's ``--remat`` and ``--unroll``.
     Both change memory or speed, never values, so checkpoints keep the preset's config (Run.cfg,
     compared on resume) and a run resumes under any remat or unroll."""
-    return step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp)
+    step = step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp)
+    return step.replace(attention=tcfg.attention, attn_block=tcfg.attn_block)
 
 
 def _abstract(x):

@@ -1,0 +1,136 @@
+"""Planted faults of blockwise attention and context parallelism (``verify --attention blockwise``,
+``verify --cp N``): each must be detected by the comparison with the plain, unsharded reference.
+
+Context parallelism (``Parallel`` subclasses overriding one method each, as ``proof.controls``):
+  rotary positions restart in every chunk   each chunk's tokens numbered from 0 (rotary and mask)
+  a future chunk is visible                 other shards' keys taken as position 0: no causal mask
+                                            across chunks (the classic ring bug)
+  the ring stops one step short             each query chunk meets cp - 1 K/V chunks, not cp
+  ring permutes each step thrice            same values, 3x the collective-permutes (the
+                                            communication check)
+  chunk order undone on the way out         the logits put back into natural sequence order (and
+                                            this shard's contiguous slice taken) before the loss
+                                            meets the load-balanced targets
+Blockwise attention (planted in ``model.blockwise`` while the sharded program is traced):
+  online-softmax rescale skipped            the running sums not moved to a new running max
+  a future block visible                    the causal mask from positions within the block pair
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import jax.numpy as jnp
+from jax import lax
+
+from meshlm.model import blockwise
+from meshlm.parallel.axes import CP
+from meshlm.parallel.context import Parallel
+from meshlm.parallel.cp import shard_order
+from meshlm.proof.control_record import Control, Where
+
+
+class RotaryRestartsPerChunk(Parallel):
+    def positions(self, t_local: int):
+        return jnp.tile(jnp.arange(t_local // 2), 2)
+
+
+class FutureChunkVisible(Parallel):
+    def kv_positions(self, origin, t_local: int):
+        real = super().kv_positions(origin, t_local)
+        return jnp.where(origin == self.cp_index(), real, jnp.zeros_like(real))
+
+
+class RingOneStepShort(Parallel):
+    def ring_steps(self) -> int:
+        return self.cp - 1
+
+
+class RingPermutesThrice(Parallel):
+    """Each ring step's K/V travels forward, back and forward again: the same values, three times the
+    collective-permutes (detected by the communication check only)."""
+
+    def cp_shift(self, x):
+        there = super().cp_shift(x)
+        back = lax.ppermute(there, CP, [(i, (i - 1) % self.cp) for i in range(self.cp)])
+        return super().cp_shift(back)
+
+
+class ChunkOrderUndone(Parallel):
+    def seq_out(self, x):
+        full = lax.all_gather(x, CP, axis=1, tiled=True)  # [B, T, ...] chunks in shard order
+        chunks = jnp.split(full, 2 * self.cp, axis=1)
+        order = shard_order(self.cp)
+        natural = jnp.concatenate([chunks[order.index(j)] for j in range(2 * self.cp)], axis=1)
+        t = x.shape[1]
+        return lax.dynamic_slice_in_dim(natural, self.cp_index() * t, t, axis=1)
+
+
+@contextmanager
+def _planted(**fns):
+    """``model.blockwise``'s functions replaced by ``fns`` while the sharded program is traced."""
+    old = {name: getattr(blockwise, name) for name in fns}
+    try:
+        for name, fn in fns.items():
+            setattr(blockwise, name, fn)
+        yield
+    finally:
+        for name, fn in old.items():
+            setattr(blockwise, name, fn)
+
+
+def _no_rescale(m_old, m_new):
+    return jnp.ones_like(m_old)
+
+
+def _block_local_mask(qp, kp, kvalid, causal):
+    local = (kp - kp[:, :1])[:, None, :] <= (qp - qp[:, :1])[:, :, None]
+    return kvalid[:, None, :] & local if causal else kvalid[:, None, :]
+
+
+def _every_block_needed(qp, kp, kvalid, causal):
+    return jnp.any(kvalid)
+
+
+def _blocks_in_play(w: Where) -> bool:
+    """The blockwise kernel runs (blockwise attention, or the ring's steps) on several K/V blocks."""
+    if w.cfg is None or not w.attention:
+        return False
+    kernel = w.cfg.attention == "blockwise" or (w.cp > 1 and w.cp_strategy == "ring")
+    return kernel and w.seq_len // w.cp > w.cfg.attn_block
+
+
+CP_CONTROLS: tuple[Control, ...] = (
+    Control(
+        name="online-softmax rescale skipped",
+        applies=_blocks_in_play,
+        plant=lambda: _planted(_rescale=_no_rescale),
+    ),
+    Control(
+        name="a future block visible",
+        applies=_blocks_in_play,
+        plant=lambda: _planted(_visible=_block_local_mask, _needed=_every_block_needed),
+    ),
+    Control(
+        name="rotary positions restart in every chunk",
+        applies=lambda w: w.cp > 1 and w.attention,
+        par_cls=RotaryRestartsPerChunk,
+    ),
+    Control(
+        name="a future chunk is visible",
+        applies=lambda w: w.cp > 1 and w.attention,
+        par_cls=FutureChunkVisible,
+    ),
+    Control(
+        name="the ring stops one step short",
+        applies=lambda w: w.cp > 1 and w.attention and w.cp_strategy == "ring",
+        par_cls=RingOneStepShort,
+    ),
+    Control(name="chunk order undone on the way out", applies=lambda w: w.cp > 1, par_cls=ChunkOrderUndone),
+    Control(
+        name="ring permutes each step thrice",
+        applies=lambda w: w.cp > 1 and w.attention and w.cp_strategy == "ring" and w.collectives,
+        par_cls=RingPermutesThrice,
+        by_collectives=True,
+    ),
+)
