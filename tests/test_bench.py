@@ -122,7 +122,6 @@ def test_bench_json_schema_and_values(config, gen_tokens, vocab, capsys, tmp_pat
     [
         (BenchSettings(steps=4, seq_len=8), "--steps"),
         (BenchSettings(batch_size=3, seq_len=8), "multiple of dp"),
-        (BenchSettings(seq_len=65), "--seq-len"),
     ],
 )
 def test_bad_settings_are_config_errors(settings, match):
