@@ -141,6 +141,21 @@ QWEN2_HF = HFNames(
     layer_prefix=LLAMA_HF.layer_prefix,
 )
 
+# RMSNorm; sequential pre-norm attention then SwiGLU MLP: two all-reduces per layer. The newer
+# families below are Llama's blocks with one or two facts changed.
+LLAMA = Family(
+    name="llama",
+    block="sequential",
+    attention=True,
+    rotary="half",
+    norm="rms",
+    mlp="swiglu",
+    biases=False,
+    row_sums=2,
+    gpt_init=True,
+    hf=LLAMA_HF,
+)
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -169,60 +184,13 @@ FAMILIES: dict[str, Family] = {
             gpt_init=True,
             hf=GPTJ_HF,
         ),
-        # RMSNorm; sequential pre-norm attention then SwiGLU MLP: two all-reduces per layer.
-        Family(
-            name="llama",
-            block="sequential",
-            attention=True,
-            rotary="half",
-            norm="rms",
-            mlp="swiglu",
-            biases=False,
-            row_sums=2,
-            gpt_init=True,
-            hf=LLAMA_HF,
-        ),
+        LLAMA,
         # Llama's blocks with biases on q/k/v (column-parallel: sliced with their heads).
-        Family(
-            name="qwen2",
-            block="sequential",
-            attention=True,
-            rotary="half",
-            norm="rms",
-            mlp="swiglu",
-            biases=False,
-            row_sums=2,
-            gpt_init=True,
-            hf=QWEN2_HF,
-            qkv_bias=True,
-        ),
+        replace(LLAMA, name="qwen2", hf=QWEN2_HF, qkv_bias=True),
         # Llama's blocks; what differs is in its config: a sliding attention window (none on v0.3).
-        Family(
-            name="mistral",
-            block="sequential",
-            attention=True,
-            rotary="half",
-            norm="rms",
-            mlp="swiglu",
-            biases=False,
-            row_sums=2,
-            gpt_init=True,
-            hf=MISTRAL_HF,
-        ),
+        replace(LLAMA, name="mistral", hf=MISTRAL_HF),
         # Gemma 1: sequential blocks, GeGLU MLP, RMSNorm times (1 + w), embeddings times sqrt(d_model),
         # a tied head (its presets), head_dim 256 whatever d_model / n_heads.
-        Family(
-            name="gemma",
-            block="sequential",
-            attention=True,
-            rotary="half",
-            norm="rms_plus_one",
-            mlp="geglu",
-            biases=False,
-            row_sums=2,
-            gpt_init=True,
-            hf=GEMMA_HF,
-            embed_scale=True,
-        ),
+        replace(LLAMA, name="gemma", norm="rms_plus_one", mlp="geglu", hf=GEMMA_HF, embed_scale=True),
     )
 }
