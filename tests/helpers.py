@@ -91,3 +91,26 @@ def verify_preset(
 
     problem = model_problem(cfg or get_config(name), name, mp, batch, seq)
     return verify(problem, make_mesh(dp, mp), steps=steps, dtype=dtype or jnp.float32, **kw)
+
+
+def sharded_logits(cfg, params, tokens, mesh=(2, 2)):
+    """[mp, B, T, V] numpy: each model shard's gathered copy of the full logits."""
+    import haiku as hk
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from meshlm.model.transformer import logits_fn
+    from meshlm.parallel.layout import Layout
+    from meshlm.sharding.rules import model_specs, shardings
+
+    layout = Layout(*mesh)
+    specs = model_specs(cfg, params, layout)
+    apply = hk.transform(logits_fn(cfg, layout.parallel())).apply
+    fn = jax.shard_map(
+        lambda p, t: apply(p, None, t)[None],
+        mesh=layout.mesh,
+        in_specs=(specs, P("dp", None)),
+        out_specs=P("mp", "dp", None, None),
+    )
+    return np.asarray(jax.jit(fn)(jax.device_put(params, shardings(specs, layout.mesh)), tokens))

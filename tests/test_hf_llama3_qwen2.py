@@ -14,9 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import haiku as hk  # noqa: E402
-import jax  # noqa: E402
-from helpers import run_cli  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from helpers import run_cli, sharded_logits  # noqa: E402
 
 from meshlm.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from meshlm.io import hf_weights  # noqa: E402
@@ -24,8 +22,6 @@ from meshlm.model import config as model_config  # noqa: E402
 from meshlm.model.params import unflatten  # noqa: E402
 from meshlm.model.transformer import logits_fn  # noqa: E402
 from meshlm.parallel.context import Parallel  # noqa: E402
-from meshlm.parallel.layout import Layout  # noqa: E402
-from meshlm.sharding.rules import model_specs, shardings  # noqa: E402
 
 RTOL = 1e-5  # float32: max |ours - theirs| / max |theirs|
 CORPUS = ["def héllo(wörld):\n    return wörld + 1  # ünïcode\n" * 30, "import os\nclass A:\n    pass\n" * 20]
@@ -108,20 +104,6 @@ def _rel(got, want) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-def _sharded_logits(cfg, params, tokens, mesh=(2, 2)) -> np.ndarray:
-    """[mp, B, T, V]: each model shard's gathered copy of the logits."""
-    layout = Layout(*mesh)
-    specs = model_specs(cfg, params, layout)
-    apply = hk.transform(logits_fn(cfg, layout.parallel())).apply
-    fn = jax.shard_map(
-        lambda p, t: apply(p, None, t)[None],
-        mesh=layout.mesh,
-        in_specs=(specs, P("dp", None)),
-        out_specs=P("mp", "dp", None, None),
-    )
-    return np.asarray(jax.jit(fn)(jax.device_put(params, shardings(specs, layout.mesh)), tokens))
-
-
 @pytest.fixture(scope="module")
 def tokens(family):
     """[2, 40] ids: past the original context of 16 that llama3's scaling is relative to."""
@@ -135,7 +117,7 @@ def test_logits_equal_transformers_unsharded_and_2x2(family, tokens):
     want = _logits(family["model"], tokens)
     got = np.asarray(hk.transform(logits_fn(cfg, Parallel())).apply(unflatten(flat), None, tokens))
     assert _rel(got, want) <= RTOL
-    for copy in _sharded_logits(cfg, unflatten(flat), tokens):
+    for copy in sharded_logits(cfg, unflatten(flat), tokens):
         assert _rel(copy, want) <= RTOL
 
 
@@ -193,5 +175,5 @@ def test_rope_scaling_skipped_only_transformers_catches(family, tokens, monkeypa
     monkeypatch.setattr(model_config, "rope_inv_freq", lambda dim, theta, scaling: plain(dim, theta, None))
     cfg, flat = hf_weights.load_hf(family["root"] / "hf")
     got = np.asarray(hk.transform(logits_fn(cfg, Parallel())).apply(unflatten(flat), None, tokens))
-    assert _rel(_sharded_logits(cfg, unflatten(flat), tokens)[0], got) <= RTOL
+    assert _rel(sharded_logits(cfg, unflatten(flat), tokens)[0], got) <= RTOL
     assert _rel(got, _logits(family["model"], tokens)) > 100 * RTOL

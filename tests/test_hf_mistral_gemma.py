@@ -10,9 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import haiku as hk  # noqa: E402
-import jax  # noqa: E402
-from helpers import run_cli  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from helpers import run_cli, sharded_logits  # noqa: E402
 
 from meshlm.data.bpe import train_bpe  # noqa: E402
 from meshlm.data.hf_tokenizer import EOD_TOKEN  # noqa: E402
@@ -22,8 +20,6 @@ from meshlm.model import attention, transformer  # noqa: E402
 from meshlm.model.params import unflatten  # noqa: E402
 from meshlm.model.transformer import logits_fn  # noqa: E402
 from meshlm.parallel.context import Parallel  # noqa: E402
-from meshlm.parallel.layout import Layout  # noqa: E402
-from meshlm.sharding.rules import model_specs, shardings  # noqa: E402
 
 RTOL = 1e-5  # float32: worst |ours - theirs| relative to the largest |logit|
 VOCAB = 280
@@ -109,25 +105,11 @@ def family(request, tokenizer, tokens, tmp_path_factory):
     )  # fmt: skip
 
 
-def _sharded_logits(cfg, params, mesh_shape, tokens) -> np.ndarray:
-    """[mp, B, T, V]: the full logits as each model shard returns them."""
-    layout = Layout(*mesh_shape)
-    specs = model_specs(cfg, params, layout)
-    apply = hk.transform(logits_fn(cfg, layout.parallel())).apply
-    fn = jax.shard_map(
-        lambda p, t: apply(p, None, t)[None],
-        mesh=layout.mesh,
-        in_specs=(specs, P("dp", None)),
-        out_specs=P("mp", "dp", None, None),
-    )
-    return np.asarray(jax.jit(fn)(jax.device_put(params, shardings(specs, layout.mesh)), tokens))
-
-
 def test_logits_equal_transformers(family, tokens):
     cfg, flat = hf_weights.load_hf(family["hf"])
     assert cfg.family == family["name"]
     assert _rel(_our_logits(cfg, flat, tokens), family["logits"]) <= RTOL
-    for copy in _sharded_logits(cfg, unflatten(flat), (2, 2), tokens):
+    for copy in sharded_logits(cfg, unflatten(flat), tokens):
         assert _rel(copy, family["logits"]) <= RTOL
 
 

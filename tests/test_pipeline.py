@@ -15,6 +15,7 @@ from meshlm.parallel.pipeline import Pipeline, pipeline_value_and_grad
 from meshlm.parallel.pipeline_schedule import PipelineConfig, schedule_facts, schedule_table
 from meshlm.perf.schedule_png import draw_schedule, schedule_boxes
 from meshlm.proof.pipeline_proof import CONTROLS, applicable_controls, prove_pipeline
+from meshlm.proof.pipeline_verify import count_permutes
 
 D, H = 4, 8  # width and hidden width of the test stage's layers
 
@@ -154,20 +155,6 @@ def test_schedule_picture_is_the_table_and_its_idle_area_the_bubble(schedule, pp
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _permutes(jaxpr, times=1) -> int:
-    """ppermutes a program executes: each scan body's count times its length."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += times * (eqn.primitive.name == "ppermute")
-        reps = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    n += _permutes(inner, times * reps)
-    return n
-
-
 @pytest.mark.parametrize(
     ("schedule", "pp", "m", "v"), [("gpipe", 4, 3, 1), ("1f1b", 4, 6, 1), ("interleaved", 2, 4, 2)]
 )
@@ -175,7 +162,9 @@ def test_permutes_per_step_are_the_programs(schedule, pp, m, v):
     cfg = PipelineConfig(pp, m, schedule, v)
     params, x, targets = _problem(cfg.chunks, 2 * m)
     fn = pipeline_value_and_grad(stage_fn, loss_fn, _mesh(pp), Pipeline(cfg))
-    assert _permutes(jax.make_jaxpr(fn)(params, x, targets).jaxpr) == schedule_facts(cfg).permutes_per_step
+    assert (
+        count_permutes(jax.make_jaxpr(fn)(params, x, targets).jaxpr) == schedule_facts(cfg).permutes_per_step
+    )
 
 
 def test_compiled_memory_flat_in_m_for_1f1b_and_growing_for_gpipe():

@@ -221,26 +221,23 @@ class RMSNorm(hk.Module):
         super().__init__(name=name)
         self.eps = eps
 
-    def __call__(self, x):
+    def normalized(self, x):
+        """x / rms(x) in (at least) float32."""
         x32 = upcast(x)
-        y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.eps)
+        return x32 * lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.eps)
+
+    def __call__(self, x):
         scale = hk.get_parameter("scale", [x.shape[-1]], init=jnp.ones)
-        return (scale * y.astype(x.dtype)).astype(x.dtype)
+        return (scale * self.normalized(x).astype(x.dtype)).astype(x.dtype)
 
 
-class RMSNormPlusOne(hk.Module):
+class RMSNormPlusOne(RMSNorm):
     """Gemma's RMSNorm: x / rms(x) * (1 + scale), in float32 then cast (transformers' ``GemmaRMSNorm``:
     the product before the cast, unlike Llama's); ``scale`` starts at zero: the identity scale."""
 
-    def __init__(self, *, eps: float, name: str = "ln"):
-        super().__init__(name=name)
-        self.eps = eps
-
     def __call__(self, x):
-        x32 = upcast(x)
-        y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.eps)
         scale = hk.get_parameter("scale", [x.shape[-1]], init=jnp.zeros)
-        return (y * (1.0 + upcast(scale))).astype(x.dtype)
+        return (self.normalized(x) * (1.0 + upcast(scale))).astype(x.dtype)
 
 
 def rotary_angles(positions, inv_freq: np.ndarray, dtype):
