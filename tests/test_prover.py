@@ -9,6 +9,7 @@
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from meshlm.parallel.axes import MP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.mesh import make_mesh
 from meshlm.proof import format_report, model_problem, verify
-from meshlm.proof.controls import Control
+from meshlm.proof.controls import CONTROLS, Control
 from meshlm.proof.data_pipeline import data_checks
 from meshlm.proof.runs import Runs
 from meshlm.sharding.rules import RULES, param_specs
@@ -167,13 +168,24 @@ def test_z_loss_is_proven_sharded_and_its_bug_is_caught(monkeypatch):
         assert _verify("tiny-llama", 1, 4, dtype=jnp.float64, controls=()).ok  # the bug needs z_loss > 0
 
 
+def _controls(*names):
+    """The named controls only (each compiles a program of its own; test_transformer.py runs every
+    control of gptj and llama on 2x2)."""
+    found = tuple(c for c in CONTROLS if c.name in names)
+    assert len(found) == len(names), names
+    return found
+
+
+KV_REPLICATED = "KV heads not replicated per query group"
+
+
 def test_kv_heads_replicated_on_four_devices():
     """tiny-gqa has 2 KV heads: on mp = 4 they are replicated, and that control applies."""
     with jax.enable_x64(True):
-        report = _verify("tiny-gqa", 1, 4, dtype=jnp.float64)
+        report = _verify("tiny-gqa", 1, 4, dtype=jnp.float64, controls=_controls(KV_REPLICATED))
     assert report.ok, format_report(report)
     assert max(p.max_rel_err for p in report.params) <= 1e-12
-    assert any(c["name"] == "KV heads not replicated per query group" for c in report.controls)
+    assert [c["name"] for c in report.controls] == [KV_REPLICATED]
 
 
 @pytest.mark.parametrize(("dp", "mp"), [(1, 4), (2, 2), (4, 1)])
@@ -215,22 +227,28 @@ def test_a_rule_with_the_wrong_per_shard_shape_is_a_failing_row():
 
 @pytest.mark.parametrize("name", ["tiny-gptj", "tiny-llama"])
 def test_communication_is_minimal_and_an_extra_all_reduce_is_caught(name):
-    report = _verify(name, 2, 2, collectives=True)
+    extra_all_reduce = "extra all-reduce after each row-parallel one"
+    report = _verify(name, 2, 2, collectives=True, controls=_controls(extra_all_reduce))
     assert report.ok, format_report(report)
     assert _check(report, "all-reduces per step")["ok"] and _check(report, "all-gathers per step")["ok"]
-    (extra,) = [c for c in report.controls if c["name"] == "extra all-reduce after each row-parallel one"]
+    (extra,) = [c for c in report.controls if c["name"] == extra_all_reduce]
     assert extra["detected"] and "all-reduces per step" in extra["how"]
 
 
-def test_matrix_rows_and_table():
+def test_matrix_rows_and_table(monkeypatch):
+    """The rows and the table; a cell is the full proof (values, checks, communication, data pipeline)
+    with one control here (every control is tested above and in test_transformer.py)."""
+    from meshlm.proof import matrix
     from meshlm.proof.matrix import _cell, format_matrix, meshes
 
+    monkeypatch.setattr(matrix, "verify", functools.partial(verify, controls=_controls("dropped all-reduce")))
     assert meshes(8) == [(8, 1), (4, 2), (2, 4), (1, 8)]
     rows = [
         _cell("tiny-gqa", 1, 2, "plain", {}, x64=False, steps=0, seed=0),
         _cell("tiny-gptj", 1, 3, "plain", {}, x64=False, steps=0, seed=0),
     ]
     assert rows[0]["ok"] is True and rows[1]["ok"] is None and "n_heads=8" in rows[1]["skipped"]
+    assert rows[0]["controls"] == "1/1" and rows[0]["checks"].split("/")[0] == rows[0]["checks"].split("/")[1]
     table = format_matrix(rows, markdown=True)
     assert table.splitlines()[0].startswith("| preset | mesh |") and "| PASS |" in table
     assert np.all([len(line.split("|")) == 9 for line in table.splitlines()])
