@@ -27,6 +27,36 @@ import pytest  # noqa: E402
 
 jax.devices()
 
+# The longest files first. pytest-xdist (``--dist loadfile``) hands out whole files in collection order
+# (``--no-loadscope-reorder`` in pyproject.toml keeps this order; its default orders by test count, which
+# left the multi-process and pipeline files, a few long tests each, for last): a long file handed out last
+# keeps one worker busy while the others have finished. Longest first, by the suite's --durations; a file
+# whose tests take a minute or more in all belongs here. The other files follow in name order.
+SLOW_FIRST = (
+    "test_train.py",
+    "test_multiprocess.py",
+    "test_core.py",
+    "test_transformer.py",
+    "test_prover.py",
+    "test_reliability_runs.py",
+    "test_controls_margin.py",
+    "test_memory_options.py",
+    "test_cp.py",
+    "test_pp_verify.py",
+    "test_faults_multiprocess.py",
+    "test_distributed.py",
+    "test_plan.py",
+    "test_pipeline.py",
+    "test_pp_train.py",
+    "test_pp_cli.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """Whole files move (a file's own order is kept: a stable sort on the file alone)."""
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 @pytest.fixture
 def collect_orbax_garbage():
