@@ -55,7 +55,7 @@ plant "stated bubble without the fill" $S \
 # --pp wired into meshlm (the Layout, the model's pieces, checkpoints, the CLI's checks)
 plant "the embedding's gradient taken in every backward slot" $E \
   "_only_if(valid & first, partial(_embed_grad" "_only_if(valid, partial(_embed_grad" \
-  "tests/test_pipeline_model.py -k gptj"
+  "tests/test_pipeline_model.py -k fsdp"
 plant "the stacked layers stored unsplit over pp" src/meshlm/sharding/rules.py \
   "P(PP, *spec[1:]) if is_stacked" "spec if is_stacked" "tests/test_pp_train.py"
 plant "the batch check ignoring the micro-batches" src/meshlm/parallel/layout.py \
