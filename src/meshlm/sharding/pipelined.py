@@ -6,15 +6,16 @@ The model runs as its three pieces (``model.transformer``), all inside the sched
 included): the embedding of each micro-batch on the first stage (its lookup in the first chunk's
 forward slot, its backward in that chunk's backward slot: no whole-batch activation exists); the layer
 stack split into ``pp x V`` chunks run on the stages; the final norm, output projection and loss on the
-last stage. Parameters are
-stored as always, the stacked layer dimension split over ``pp`` (``rules.pp_specs``): a checkpoint's
-format does not depend on pp.
+last stage (with tied embeddings the last stage holds the table too, and its gradient is the sum of the
+first stage's and the last stage's). Parameters are stored as always, the stacked layer dimension split
+over ``pp`` (``rules.pp_specs``): a checkpoint's format does not depend on pp.
 """
 
 from __future__ import annotations
 
 import haiku as hk
 import jax
+import jax.numpy as jnp
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig
@@ -29,11 +30,6 @@ from meshlm.sharding.rules import without_pp
 def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
     """What ``--pp`` cannot split, as one-line errors before any work."""
     layout.check_layers(cfg.n_layers)
-    if cfg.tie_embeddings:
-        raise ConfigError(
-            "--pp cannot split a model with tied embeddings (its head reads the embedding on the last "
-            "stage); run it without --pp"
-        )
     if cfg.doc_mask >= 0:
         raise ConfigError("--pp does not carry document positions (--doc-mask) between stages; drop one")
 
@@ -75,6 +71,8 @@ def pipelined_value_and_grad(
     embed_apply = hk.without_apply_rng(hk.transform(embed_fn(cfg, par))).apply
     head_apply = hk.without_apply_rng(hk.transform(head_loss_fn(cfg, par))).apply
     embed_specs, layer_specs, head_specs = split_model(without_pp(specs))
+    tied = cfg.tie_embeddings  # the head projects onto the embedding table: the last stage holds it too
+    head_specs = {**head_specs, **embed_specs} if tied else head_specs
     pipe = pipe_cls(layout.pipeline, fill=fill)
     step = pipeline_value_and_grad(
         stage_fn(cfg, par),
@@ -92,7 +90,10 @@ def pipelined_value_and_grad(
         if compute_dtype is not None:  # the cast's VJP is the cast back: grads in the master dtype
             params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
         embed, layers, head = split_model(params)
+        head = {**head, **embed} if tied else head
         loss, (g_layers, g_embed, g_head) = step(layers, batch["inputs"], batch["targets"], head, embed)
+        if tied:  # the tied table's gradient: the first stage's lookup's plus the last stage's head's
+            g_embed = jax.tree.map(jnp.add, g_embed, {k: g_head.pop(k) for k in embed})
         grads = {**g_embed, **g_layers, **g_head}
         return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
 
