@@ -4,8 +4,8 @@ each detected with a margin (or non-finite values), and the communication check 
 collective-permutes. The stages run sequence parallelism over mp (activations [mb, T/mp, D] per shard
 between the stages, the embedding's reduce-scatter on the first stage, the head's all-gather on the
 last), and the model's embeddings are tied (tiny-llama3: the last stage's head projects onto the table
-too, whose gradient is the first stage's plus the last stage's). (Meshes with dp and FSDP: ``test_pipeline_model``; the CLI acceptance runs are in
-docs/pipeline.md.)"""
+too, whose gradient is the first stage's plus the last stage's). (Meshes with dp and FSDP:
+``test_pipeline_model``; the CLI acceptance runs are in docs/pipeline.md.)"""
 
 import jax
 import jax.numpy as jnp
