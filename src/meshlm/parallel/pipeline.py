@@ -7,8 +7,9 @@ The caller supplies
   ``loss_fn(y, targets) -> scalar``: the last stage's loss of one micro-batch, a mean over its rows (so the
       mean of the M micro-batch losses is the batch's loss).
 ``pipeline_value_and_grad(...)(params, x, targets)`` returns ``(loss, (param_grads, x_grad))`` like
-``jax.value_and_grad`` of the sequential model; ``x_grad`` lets a first-stage embedding be chained (its
-VJP applied to ``x_grad``); a head's parameters can be passed too (``loss_fn(head, y, targets)``).
+``jax.value_and_grad`` of the sequential model; a head's parameters can be passed too (``loss_fn(head,
+y, targets)``), and a first-stage embedding (``embed_fn(embed, inputs) -> x``), which then runs inside
+the schedule on each micro-batch, its gradients returned in place of ``x_grad``.
 
 Everything runs in one ``jax.shard_map(check_vma=True)`` over ``pp``, ``pp x dp`` (the batch split over
 ``dp``) or ``pp x dp x mp`` (stages run their own Megatron collectives over ``mp``; parameters placed by
