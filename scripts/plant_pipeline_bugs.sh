@@ -45,7 +45,7 @@ plant "1F1B cotangent not scaled by 1/M" $E \
 plant "input gradient written by every stage" $E \
   "jnp.where(valid & first, gx," "jnp.where(valid, gx," "$B"
 plant "head run on the first stage, not the last" $E \
-  "lax.cond(lax.axis_index(PP) == job.pipe.config.pp - 1," "lax.cond(lax.axis_index(PP) == 0," "$B"
+  "_only_if(lax.axis_index(PP) == job.pipe.config.pp - 1," "_only_if(lax.axis_index(PP) == 0," "$B"
 plant "FSDP gradients summed over dp again" $E \
   "return lax.psum(g, cast) if cast else g" "return lax.psum(g, axes)" \
   "tests/test_pipeline_model.py -k fsdp"
@@ -53,8 +53,12 @@ plant "stated bubble without the fill" $S \
   "bubble_fraction=(p - 1) / (v * m + p - 1)" "bubble_fraction=(p - 1) / (v * m)" \
   "tests/test_pipeline.py -k bubble_fraction"
 # --pp wired into meshlm (the Layout, the model's pieces, checkpoints, the CLI's checks)
-plant "the embedding's gradient not chained through the pipeline" src/meshlm/sharding/pipelined.py \
-  "(g_embed,) = embed_vjp(dx)" "(g_embed,) = embed_vjp(dx * 0)" "tests/test_pipeline_model.py -k gptj"
+plant "the embedding's gradient taken in every backward slot" $E \
+  "_only_if(valid & first, partial(_embed_grad" "_only_if(valid, partial(_embed_grad" \
+  "tests/test_pipeline_model.py -k fsdp"
+plant "the tied head's gradient not added to the embedding's" src/meshlm/sharding/pipelined.py \
+  "g_embed = jax.tree.map(jnp.add, g_embed," "g_embed = jax.tree.map(lambda a, b: a, g_embed," \
+  "tests/test_pp_verify.py"
 plant "the stacked layers stored unsplit over pp" src/meshlm/sharding/rules.py \
   "P(PP, *spec[1:]) if is_stacked" "spec if is_stacked" "tests/test_pp_train.py"
 plant "the batch check ignoring the micro-batches" src/meshlm/parallel/layout.py \

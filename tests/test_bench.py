@@ -13,7 +13,7 @@ from meshlm.io.model_io import abstract_params
 from meshlm.model.config import get_config
 from meshlm.parallel.mesh import make_mesh
 from meshlm.parallel.placement import total_bytes
-from meshlm.perf.bench import IMPLS, BenchSettings, run_bench
+from meshlm.perf.bench import IMPLS, NO_PP, BenchSettings, run_bench
 from meshlm.perf.collectives import theoretical_collectives
 from meshlm.perf.hlo import COLLECTIVES
 from meshlm.perf.memory import memory_report
@@ -115,6 +115,35 @@ def test_bench_json_schema_and_values(config, gen_tokens, vocab, capsys, tmp_pat
         assert all(_positive(gen[k]) for k in ("prefill_tokens_per_s", "decode_tokens_per_s"))
     assert json.loads((tmp_path / "bench.json").read_text())["config"] == name
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_pp_times_the_pipeline_against_no_pp(capsys):
+    """``--pp``: the pipelined step beside the others and ``no-pp`` (the same model and batch on the
+    dp x mp mesh without the pipeline); the report's pipeline entry puts the measured overhead, 1 -
+    t(no-pp)/t(pp) paired per repetition, next to the schedule's ideal bubble. The smallest run: pp 2 on
+    two devices, M = 2, one row per micro-batch, no warm-up, no generation."""
+    argv = ["--config", "tiny-llama", "--pp", "2", "--mesh", "1x1", "--json", "--steps", "5", "--warmup"]
+    argv += ["0", "--peak-n", "64", "--batch-size", "2", "--seq-len", "8", "--gen-tokens", "0"]
+    report = _bench_json(argv, capsys)
+    assert report["mesh"] == {"pp": 2, "dp": 1, "mp": 1} and report["generation"] is None
+    results = {r["impl"]: r for r in report["results"]}
+    assert list(results) == [*IMPLS, NO_PP]
+    for r in results.values():
+        _check_result(r)
+    losses = [results[i]["loss"] for i in ("meshlm", NO_PP)]  # same start, same steps
+    assert abs(losses[0] - losses[1]) < 1e-3 * abs(losses[1])
+    stage, whole = (results[i]["bytes_per_device"]["params"] for i in ("meshlm", NO_PP))
+    assert stage < whole  # a stage holds half the layers
+    pipe = report["pipeline"]
+    assert {k: pipe[k] for k in ("schedule", "pp", "microbatches", "virtual_stages")} == {
+        "schedule": "1f1b",
+        "pp": 2,
+        "microbatches": 2,
+        "virtual_stages": 1,
+    }
+    assert pipe["ideal_bubble"] == pytest.approx(1 / 3)  # (pp - 1) / (M + pp - 1)
+    paired = report["step_time_ratios"][f"meshlm/{NO_PP}"]["paired"]  # median of t(pp)/t(no-pp), 5 steps
+    assert pipe["measured_overhead"] == pytest.approx(1 - 1 / paired)
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,6 @@ BAD = [
         "verify --pp 2 --batch-size 6 --mesh 2x1",
         "not a multiple of dp x accum_steps x microbatches = 2 x 1 x 2",
     ),
-    ("verify --pp 2 --sp --mesh 1x2", "--sp cannot be combined with --pp"),
     ("verify --config tiny-llama --pp 2 --cp 2 --mesh 1x1", "--cp 2 cannot be combined with --pp 2"),
     ("verify --config tiny-llama --pp 2 --cp 2", "drop --cp (or --pp)"),
     ("train --config tiny-llama --pp 2 --cp 2 --mesh 1x1 --batch-size 2", "--cp 2 cannot be combined"),

@@ -1,8 +1,11 @@
 """``meshlm verify --pp`` as a library call: the model through the pipeline equals the unsharded model in
 float64 (loss, gradients, and after a step parameters and AdamW state), the pipeline's planted faults are
 each detected with a margin (or non-finite values), and the communication check counts the schedule's
-collective-permutes. (Meshes with mp, dp and FSDP: ``test_pipeline_model``; the CLI acceptance runs are in
-docs/pipeline.md.)"""
+collective-permutes. The stages run sequence parallelism over mp (activations [mb, T/mp, D] per shard
+between the stages, the embedding's reduce-scatter on the first stage, the head's all-gather on the
+last), and the model's embeddings are tied (tiny-llama3: the last stage's head projects onto the table
+too, whose gradient is the first stage's plus the last stage's). (Meshes with dp and FSDP:
+``test_pipeline_model``; the CLI acceptance runs are in docs/pipeline.md.)"""
 
 import jax
 import jax.numpy as jnp
@@ -14,14 +17,14 @@ from meshlm.proof.pipeline_proof import applicable_controls
 
 
 def test_verify_pp_proves_the_pipeline_and_detects_its_faults():
-    layout = Layout(pp=2, microbatches=2, pp_schedule="1f1b")
-    cfg = get_config("tiny-llama")
-    problem = model_problem(cfg, "tiny-llama", 1, 4, 8, pp=2)
+    layout = Layout(pp=2, mp=2, sp=True, microbatches=2, pp_schedule="1f1b")
+    cfg = get_config("tiny-llama3")
+    problem = model_problem(cfg, "tiny-llama3", 2, 4, 8, pp=2, sp=True)
     with jax.enable_x64(True):
         report = verify(problem, layout, steps=1, dtype=jnp.float64, collectives=True)
     assert report.ok and report.loss_ok
     assert max(p.max_rel_err for p in report.params) <= 1e-12
-    assert report.extra["mesh"] == "pp2x1x1 (1f1b, M=2)"
+    assert report.extra["mesh"] == "pp2x1x2 + SP (1f1b, M=2)"
     names = {c["name"] for c in report.controls}
     assert names == {f"pipeline: {n}" for n in applicable_controls(layout.pipeline)} and len(names) == 4
     assert all(c["detected"] and (c["margin"] is None or c["margin"] > 1e6) for c in report.controls)

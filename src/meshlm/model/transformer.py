@@ -182,10 +182,10 @@ def _head_logits(cfg: ModelConfig, par: Parallel, x, embed: VocabEmbed | None):
 # Each is a Haiku function whose parameters are the whole model's of the same names: ``embed``'s the
 # embedding, ``layers``' those under ``layers/`` (as many layers as ``cfg.n_layers``: a chunk), ``head``'s
 # the final norm and output projection. Chained, they compute ``loss_fn`` (without the mean over dp,
-# which the pipeline takes); every family's, from the same code (a tied head needs the embedding on the
-# last stage: not split).
+# which the pipeline takes); every family's, from the same code (a tied head's parameters include the
+# embedding table: the pipeline passes it to the last stage too and adds the two gradients).
 def embed_fn(cfg: ModelConfig, par: Parallel):
-    """tokens [B, T] -> hidden [B, T, D]."""
+    """tokens [B, T] -> hidden [B, T, D] (with ``sp`` [B, T/mp, D] per shard)."""
 
     def embed(tokens):
         _check_seq_len(cfg, tokens.shape[-1])  # rotary models go beyond max_seq_len, as local_logits
@@ -196,10 +196,12 @@ def embed_fn(cfg: ModelConfig, par: Parallel):
 
 
 def layers_fn(cfg: ModelConfig, par: Parallel):
-    """hidden [B, T, D] -> hidden: ``cfg.n_layers`` layers (positions 0.. T-1: no document mask)."""
+    """hidden [B, T, D] -> hidden: ``cfg.n_layers`` layers (positions 0.. T-1: no document mask). With
+    ``sp`` the hidden is [B, T/mp, D] per shard and the positions those of the whole sequence."""
 
     def layers(x):
-        positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+        t = x.shape[1] * (par.mp if par.sp and par.sharded else 1)
+        positions = jnp.broadcast_to(jnp.arange(t), (x.shape[0], t))
         with hk.custom_getter(parallel_getter(par)):
             return _stack(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, None)[0]
 
@@ -211,7 +213,8 @@ def head_loss_fn(cfg: ModelConfig, par: Parallel):
 
     def head_loss(y, targets):
         with hk.custom_getter(parallel_getter(par)):
-            logits = mask_vocab_padding(par, _head_logits(cfg, par, y, None), cfg.vocab_size)
+            embed = _embed(cfg, par) if cfg.tie_embeddings else None  # a tied head reads the table
+            logits = mask_vocab_padding(par, _head_logits(cfg, par, y, embed), cfg.vocab_size)
         return jnp.mean(vocab_parallel_xent(par, logits, targets, cfg.z_loss))
 
     return head_loss

@@ -245,11 +245,6 @@ def _check_pipeline(layout: Layout) -> None:
             f"--cp {layout.cp} cannot be combined with --pp {layout.pp}: the pipeline's stages do not "
             "yet pass context-parallel activations; drop --cp (or --pp)"
         )
-    if layout.sp:
-        raise ConfigError(
-            "--sp cannot be combined with --pp: the pipeline passes activations between stages "
-            "replicated over mp, not split over the sequence; drop --sp (--fsdp works with --pp)"
-        )
 
 
 _DEFAULTS = {"microbatches": 1, "pp_schedule": "1f1b", "virtual_stages": 1}

@@ -7,8 +7,9 @@ The caller supplies
   ``loss_fn(y, targets) -> scalar``: the last stage's loss of one micro-batch, a mean over its rows (so the
       mean of the M micro-batch losses is the batch's loss).
 ``pipeline_value_and_grad(...)(params, x, targets)`` returns ``(loss, (param_grads, x_grad))`` like
-``jax.value_and_grad`` of the sequential model; ``x_grad`` lets a first-stage embedding be chained (its
-VJP applied to ``x_grad``); a head's parameters can be passed too (``loss_fn(head, y, targets)``).
+``jax.value_and_grad`` of the sequential model; a head's parameters can be passed too (``loss_fn(head,
+y, targets)``), and a first-stage embedding (``embed_fn(embed, inputs) -> x``), which then runs inside
+the schedule on each micro-batch, its gradients returned in place of ``x_grad``.
 
 Everything runs in one ``jax.shard_map(check_vma=True)`` over ``pp``, ``pp x dp`` (the batch split over
 ``dp``) or ``pp x dp x mp`` (stages run their own Megatron collectives over ``mp``; parameters placed by
@@ -125,7 +126,9 @@ def sequential_value_and_grad(stage_fn, loss_fn):
     return jax.value_and_grad(loss, argnums=(0, 1))
 
 
-def pipeline_value_and_grad(stage_fn, loss_fn, mesh, pipe: Pipeline, *, specs=None, head_specs=None):
+def pipeline_value_and_grad(
+    stage_fn, loss_fn, mesh, pipe: Pipeline, *, specs=None, head_specs=None, embed_fn=None, embed_specs=None
+):
     """fn(params, x, targets, head=None) -> (loss, (param_grads, x_grad)) on ``mesh``, with params' leaves
     stacked [L, ...] and x, targets' leaves [B, ...] (rows split over dp, replicated over mp). Jit it.
 
@@ -135,7 +138,10 @@ def pipeline_value_and_grad(stage_fn, loss_fn, mesh, pipe: Pipeline, *, specs=No
     (``Parallel``); a parameter split over dp (FSDP) is gathered by the stage and its gradient comes back
     reduce-scattered. With ``head`` (the last stage's parameters, replicated over pp, placed by
     ``head_specs``): ``loss_fn(head, y, targets)``, and the result is (loss, (param_grads, x_grad,
-    head_grads))."""
+    head_grads)). With ``embed_fn(embed, inputs) -> x`` (``embed``: its parameters, replicated over pp,
+    placed by ``embed_specs``): ``fn(params, inputs, targets, head, embed)`` with ``inputs`` [B, ...] (token
+    ids) embedded per micro-batch on the first stage inside the schedule, and the embedding's gradients
+    in place of ``x_grad``."""
     cfg = pipe.config
     names = tuple(mesh.axis_names)
     if PP not in names or set(names) - {PP, DP, MP}:
@@ -146,11 +152,11 @@ def pipeline_value_and_grad(stage_fn, loss_fn, mesh, pipe: Pipeline, *, specs=No
     if sizes[PP] != cfg.pp:
         raise MeshError(f"the mesh's {PP} axis has {sizes[PP]} devices but pp={cfg.pp}; make them equal")
     has_dp = DP in names
-    job = Job(stage_fn, loss_fn, pipe, has_dp, sizes.get(DP, 1))
+    job = Job(stage_fn, loss_fn, pipe, has_dp, sizes.get(DP, 1), embed_fn)
     data = P(DP) if has_dp else P()
     body = partial(gpipe if cfg.schedule == "gpipe" else one_f_one_b, job)
 
-    def run(params, x, targets, head=None):
+    def run(params, x, targets, head=None, embed=None):
         layers = {a.shape[0] for a in jax.tree.leaves(params)}
         if len(layers) != 1:
             raise ConfigError(f"stacked layer parameters disagree on the layer count: {sorted(layers)}")
@@ -164,14 +170,16 @@ def pipeline_value_and_grad(stage_fn, loss_fn, mesh, pipe: Pipeline, *, specs=No
         with_head, head = head is not None, () if head is None else head
         staged_specs = _staged_specs(params, specs)
         h_specs = jax.tree.map(lambda _: P(), head) if head_specs is None else head_specs
+        embed = () if embed_fn is None else embed
+        e_specs = jax.tree.map(lambda _: P(), embed) if embed_specs is None else embed_specs
         fn = jax.shard_map(
             partial(body, with_head=with_head),
             mesh=mesh,
-            in_specs=(staged_specs, h_specs, data, data),
-            out_specs=(P(), (staged_specs, data, h_specs)),
+            in_specs=(staged_specs, h_specs, e_specs, data, data),
+            out_specs=(P(), (staged_specs, data if embed_fn is None else e_specs, h_specs)),
             check_vma=True,
         )
-        loss, (grads, dx, head_grads) = fn(to_stages(pipe, params), head, x, targets)
+        loss, (grads, dx, head_grads) = fn(to_stages(pipe, params), head, embed, x, targets)
         grads = from_stages(pipe, grads)
         return loss, (grads, dx, head_grads) if with_head else (grads, dx)
 

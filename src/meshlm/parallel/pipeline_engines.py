@@ -27,6 +27,7 @@ class Job:
     pipe: object  # a meshlm.parallel.pipeline.Pipeline
     has_dp: bool  # the mesh has a dp axis (the batch's rows are split over it)
     n_dp: int  # dp shards (1 without a dp axis)
+    embed_fn: object = None  # embed(embed_params, inputs) -> x on the first stage; None: x is the input
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -89,16 +90,36 @@ def _chunk(params, j):
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, 0, keepdims=False), params)
 
 
-def _on_last_stage(job: Job, fn, *args):
-    """``fn(*args)`` on the last stage, zeros of its types elsewhere: the head (final norm, output
-    projection, loss) runs where it counts instead of masked on every stage. Its collectives over mp stay
-    within one stage, which takes one branch."""
+def _only_if(pred, fn, *args):
+    """``fn(*args)`` where ``pred`` (the same on every device of a stage) holds, zeros of its types
+    elsewhere. Its collectives over dp and mp stay within one stage, which takes one branch."""
 
     def zeros(*args):
         types = jax.eval_shape(fn, *args)
         return jax.tree.map(lambda s: _vary(jnp.zeros(s.shape, s.dtype), _type_axes(s)), types)
 
-    return lax.cond(lax.axis_index(PP) == job.pipe.config.pp - 1, fn, zeros, *args)
+    return lax.cond(pred, fn, zeros, *args)
+
+
+def _on_last_stage(job: Job, fn, *args):
+    """``fn(*args)`` on the last stage, zeros of its types elsewhere: the head (final norm, output
+    projection, loss) runs where it counts instead of masked on every stage."""
+    return _only_if(lax.axis_index(PP) == job.pipe.config.pp - 1, fn, *args)
+
+
+def _enter(job: Job, embed, xs, m):
+    """Micro-batch m as the first chunk takes it: the input's rows, or with ``embed_fn`` their embedding
+    (computed on the first chunk's forward slot only, so no whole-batch activation exists)."""
+    if job.embed_fn is None:
+        return xs[m]
+    return job.embed_fn(embed, xs[m])
+
+
+def _activation(job: Job, embed, xs, fill):
+    """A micro-batch activation's buffer filled with ``fill``, typed as the chunks pass it (with sequence
+    parallelism varying over mp too)."""
+    s = jax.eval_shape(partial(_enter, job), embed, xs, 0)
+    return _vary(jnp.full(s.shape, fill, s.dtype), tuple(sorted(set(job.axes) | set(_type_axes(s)))))
 
 
 def _ends(cfg: PipelineConfig, d, j):
@@ -115,41 +136,46 @@ def _reduce_loss(job: Job, local):
     return lax.pmean(loss, DP) if job.has_dp else loss
 
 
-def _forward_input(job: Job, xs, recv, t, d):
+def _forward_input(job: Job, embed, xs, recv, t, d):
     """The forward slot at tick t: (valid, micro-batch (clipped), virtual stage, masked chunk input)."""
     cfg = job.pipe.config
     valid, m, j = forward_slot(cfg, t, d)
     m = jnp.clip(m, 0, cfg.microbatches - 1)
     first, _ = _ends(cfg, d, j)
-    return valid, m, j, job.pipe.mask(valid, jnp.where(first, xs[m], recv))
+    entered = _only_if(first, partial(_enter, job), embed, xs, m) if job.embed_fn else xs[m]
+    return valid, m, j, job.pipe.mask(valid, jnp.where(first, entered, recv))
 
 
 # --- GPipe: the forward loop, differentiated by JAX ---------------------------------------------------------
-def gpipe(job: Job, params, head, x, targets, *, with_head: bool):
+def gpipe(job: Job, params, head, embed, x, targets, *, with_head: bool):
+    """(loss, (param grads, the input's gradient -- with ``embed_fn`` the embedding's --, head grads))."""
     params, xs, tgs = _split(job, params, x, targets)
     loss_fn = partial(_gpipe_loss, job, _head_loss(job, with_head), tgs)
-    (loss, (gp, gh, gx)) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(params, head, xs)
+    if job.embed_fn is not None:
+        loss, (gp, gh, ge) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(params, head, embed, xs)
+        return loss, (jax.tree.map(lambda g: g[None], gp), ge, gh)
+    run = lambda params, head, xs: loss_fn(params, head, (), xs)
+    loss, (gp, gh, gx) = jax.value_and_grad(run, argnums=(0, 1, 2))(params, head, xs)
     return loss, (jax.tree.map(lambda g: g[None], gp), gx.reshape(-1, *gx.shape[2:]), gh)
 
 
-def _gpipe_loss(job: Job, head_loss, tgs, params, head, xs):
+def _gpipe_loss(job: Job, head_loss, tgs, params, head, embed, xs):
     pipe, cfg = job.pipe, job.pipe.config
     # One cast at entry each: the transposes are the one data-parallel sum of the gradients (and for the
-    # replicated head, the sum over stages, all zero but the last's).
-    params = _vary(params, job.axes)
-    head = _vary(head, job.axes)
+    # replicated head and embedding, the sum over stages, all zero but one).
+    params, head, embed = (_vary(tree, job.axes) for tree in (params, head, embed))
     d = lax.axis_index(PP)
-    fill = _vary(jnp.full(xs.shape[1:], pipe.fill, xs.dtype), job.axes)
+    fill = _activation(job, embed, xs, pipe.fill)
 
     def tick(carry, t):
         recv, outputs = carry
-        valid, m, j, inp = _forward_input(job, xs, recv, t, d)
+        valid, m, j, inp = _forward_input(job, embed, xs, recv, t, d)
         y = job.stage_fn(_chunk(params, j), inp)
         _, last = _ends(cfg, d, j)
         outputs = outputs.at[m].set(jnp.where(valid & last, y, outputs[m]))
         return (pipe.send_forward(jnp.where(valid, y, fill)), outputs), None
 
-    outputs = _vary(jnp.zeros(xs.shape, xs.dtype), job.axes)
+    outputs = _vary(jnp.zeros((cfg.microbatches, *fill.shape), fill.dtype), tuple(_varying(fill)))
     (_, outputs), _ = lax.scan(tick, (fill, outputs), jnp.arange(cfg.forward_ticks))
 
     def losses(head, outputs):
@@ -161,49 +187,51 @@ def _gpipe_loss(job: Job, head_loss, tgs, params, head, xs):
 
 
 # --- 1F1B and interleaved: an explicit schedule with per-chunk VJPs ----------------------------------------
-def one_f_one_b(job: Job, params, head, x, targets, *, with_head: bool):
+def one_f_one_b(job: Job, params, head, embed, x, targets, *, with_head: bool):
+    """(loss, (param grads, the input's gradient -- with ``embed_fn`` the embedding's --, head grads))."""
     pipe, cfg = job.pipe, job.pipe.config
     params, xs, tgs = _split(job, params, x, targets)
-    entry = params, head
-    params, head = _vary(params, job.axes), _vary(head, job.axes)
+    entry = params, head, embed
+    params, head, embed = (_vary(tree, job.axes) for tree in entry)
     head_loss = _head_loss(job, with_head)
-    loss_type = jax.eval_shape(head_loss, head, xs[0], _at(tgs, 0))
-    fill = jnp.full(xs.shape[1:], pipe.fill, xs.dtype)
-    state = _vary(
-        {
-            "recv_x": fill,
-            "recv_ct": fill,
-            "stash": jnp.full((cfg.stash_slots, *xs.shape[1:]), pipe.fill, xs.dtype),
-            "grads": jax.tree.map(jnp.zeros_like, params),
-            "head_grads": jax.tree.map(jnp.zeros_like, head),
-            "dxs": jnp.zeros_like(xs),
-            "loss": jnp.zeros((), loss_type.dtype),
-        },
-        job.axes,
-    )
+    fill = _activation(job, embed, xs, pipe.fill)
+    loss_type = jax.eval_shape(head_loss, head, fill, _at(tgs, 0))
+    state = {
+        "recv_x": fill,
+        "recv_ct": fill,
+        "stash": jnp.broadcast_to(fill, (cfg.stash_slots, *fill.shape)),
+        **_vary(
+            {
+                "grads": jax.tree.map(jnp.zeros_like, params),
+                "head_grads": jax.tree.map(jnp.zeros_like, head),
+                "entry_grads": jax.tree.map(jnp.zeros_like, embed if job.embed_fn else xs),
+                "loss": jnp.zeros((), loss_type.dtype),
+            },
+            job.axes,
+        ),
+    }
     warm, both = cfg.chunks - 1, cfg.forward_ticks  # ticks [0, warm) forward only, [both, end) backward only
     phases = ((0, warm, True, False), (warm, both, True, True), (both, both + warm, False, True))
     for lo, hi, do_f, do_b in phases:
-        tick = partial(_tick, job, (params, head, head_loss), xs, tgs, do_f, do_b)
+        tick = partial(_tick, job, (params, head, embed, head_loss), xs, tgs, do_f, do_b)
         state, _ = lax.scan(tick, state, jnp.arange(lo, hi))
     grads = _sum_where_cast(state["grads"], entry[0], job.axes)
-    dx = lax.psum(state["dxs"], PP)  # written on device 0 only
     head_grads = _sum_where_cast(state["head_grads"], entry[1], job.axes)  # from the last stage
-    return _reduce_loss(job, state["loss"]), (
-        jax.tree.map(lambda g: g[None], grads),
-        dx.reshape(x.shape),
-        head_grads,
-    )
+    if job.embed_fn is None:
+        entry_grads = lax.psum(state["entry_grads"], PP).reshape(x.shape)  # written on device 0 only
+    else:
+        entry_grads = _sum_where_cast(state["entry_grads"], entry[2], job.axes)  # from the first stage
+    return _reduce_loss(job, state["loss"]), (jax.tree.map(lambda g: g[None], grads), entry_grads, head_grads)
 
 
 def _tick(job: Job, model, xs, tgs, do_f: bool, do_b: bool, state, t):
     pipe = job.pipe
-    params, head, head_loss = model
+    params, head, embed, head_loss = model
     d = lax.axis_index(PP)
     state = dict(state)
     ct_loss = jnp.zeros_like(state["recv_ct"])
     if do_f:
-        valid, m, j, inp = _forward_input(job, xs, state["recv_x"], t, d)
+        valid, m, j, inp = _forward_input(job, embed, xs, state["recv_x"], t, d)
         slot = (t - d) % pipe.config.stash_slots
         state["stash"] = state["stash"].at[slot].set(jnp.where(valid, inp, state["stash"][slot]))
         y = job.stage_fn(_chunk(params, j), inp)
@@ -212,7 +240,7 @@ def _tick(job: Job, model, xs, tgs, do_f: bool, do_b: bool, state, t):
             ct_loss = _loss_grad(job, state, (head, head_loss), y, _at(tgs, m), last, m)
         send_x = jnp.where(valid, y, pipe.fill)
     if do_b:
-        send_ct = _backward(job, params, state, t, d, ct_loss)
+        send_ct = _backward(job, (params, embed), xs, state, t, d, ct_loss)
     if do_f:
         state["recv_x"] = pipe.send_forward(send_x)
     if do_b:
@@ -235,9 +263,11 @@ def _loss_grad(job: Job, state, head, y, targets, last, m):
     return jnp.where(keep, scale * ct, jnp.zeros_like(ct))
 
 
-def _backward(job: Job, params, state, t, d, ct_loss):
-    """The backward slot at tick t: the chunk's VJP from its stashed input; returns what to send back."""
+def _backward(job: Job, model, xs, state, t, d, ct_loss):
+    """The backward slot at tick t: the chunk's VJP from its stashed input (on the first chunk also the
+    embedding's); returns what to send back."""
     pipe, cfg = job.pipe, job.pipe.config
+    params, embed = model
     valid, m, j = backward_slot(cfg, t, d)
     m = jnp.clip(m, 0, cfg.microbatches - 1)
     first, last = _ends(cfg, d, j)
@@ -246,5 +276,16 @@ def _backward(job: Job, params, state, t, d, ct_loss):
     _, vjp = jax.vjp(job.stage_fn, _chunk(params, j), x_in)
     gp, gx = vjp(ct)
     state["grads"] = jax.tree.map(lambda acc, g: acc.at[j].add(pipe.mask(valid, g)), state["grads"], gp)
-    state["dxs"] = state["dxs"].at[m].set(jnp.where(valid & first, gx, state["dxs"][m]))
+    if job.embed_fn is None:
+        acc = state["entry_grads"]
+        state["entry_grads"] = acc.at[m].set(jnp.where(valid & first, gx, acc[m]))
+    else:
+        ge = _only_if(valid & first, partial(_embed_grad, job), embed, xs, m, gx)
+        state["entry_grads"] = jax.tree.map(jnp.add, state["entry_grads"], ge)
     return jnp.where(valid, gx, pipe.fill)
+
+
+def _embed_grad(job: Job, embed, xs, m, ct):
+    """The embedding's gradient from micro-batch m's first-chunk input cotangent."""
+    _, vjp = jax.vjp(lambda e: _enter(job, e, xs, m), embed)
+    return vjp(ct)[0]

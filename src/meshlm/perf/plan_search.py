@@ -137,7 +137,6 @@ class Planner:
     def search(self, base: PlanSettings) -> list[dict]:
         """Candidates around ``base`` (module docstring), in the order they were tried."""
         dp, mp = self.layout.dp, self.layout.mp
-        mp = mp if self.layout.pp == 1 else 1  # --sp is not a move under --pp (it refuses sp)
         tried = []
         for _, settings in moves(base, dp, mp):
             tried.append(self.evaluate(settings))

@@ -1,19 +1,21 @@
 """The real model through the pipeline (``--pp``): ``fn(params, batch) -> (loss, grads)`` like
 ``spmd.sharded_value_and_grad``, on a Layout with ``pp > 1``.
 
-The model runs as its three pieces (``model.transformer``): the embedding under plain ``jit`` on the
-global batch (XLA partitions it from the arrays' shardings; every stage holds it), chained through the
-pipeline's input gradient; the layer stack split into ``pp x V`` chunks that the schedule
-(``parallel.pipeline``) runs on the stages, each within its own ``dp x mp`` sub-mesh (the rules table's
-specs, FSDP included); the final norm, output projection and loss on the last stage. Parameters are
-stored as always, the stacked layer dimension split over ``pp`` (``rules.pp_specs``): a checkpoint's
-format does not depend on pp.
+The model runs as its three pieces (``model.transformer``), all inside the schedule
+(``parallel.pipeline``), each stage within its own ``dp x mp`` sub-mesh (the rules table's specs, FSDP
+included): the embedding of each micro-batch on the first stage (its lookup in the first chunk's
+forward slot, its backward in that chunk's backward slot: no whole-batch activation exists); the layer
+stack split into ``pp x V`` chunks run on the stages; the final norm, output projection and loss on the
+last stage (with tied embeddings the last stage holds the table too, and its gradient is the sum of the
+first stage's and the last stage's). Parameters are stored as always, the stacked layer dimension split
+over ``pp`` (``rules.pp_specs``): a checkpoint's format does not depend on pp.
 """
 
 from __future__ import annotations
 
 import haiku as hk
 import jax
+import jax.numpy as jnp
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig
@@ -28,11 +30,6 @@ from meshlm.sharding.rules import without_pp
 def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
     """What ``--pp`` cannot split, as one-line errors before any work."""
     layout.check_layers(cfg.n_layers)
-    if cfg.tie_embeddings:
-        raise ConfigError(
-            "--pp cannot split a model with tied embeddings (its head reads the embedding on the last "
-            "stage); run it without --pp"
-        )
     if cfg.doc_mask >= 0:
         raise ConfigError("--pp does not carry document positions (--doc-mask) between stages; drop one")
 
@@ -71,12 +68,21 @@ def pipelined_value_and_grad(
     proof's controls override one); ``fill``: what bubbles hold (NaN in the proof)."""
     check_pipelined(cfg, layout)
     par = layout.parallel(par_cls)
-    embed_apply = hk.without_apply_rng(hk.transform(embed_fn(cfg, Parallel()))).apply
+    embed_apply = hk.without_apply_rng(hk.transform(embed_fn(cfg, par))).apply
     head_apply = hk.without_apply_rng(hk.transform(head_loss_fn(cfg, par))).apply
-    _, layer_specs, head_specs = split_model(without_pp(specs))
+    embed_specs, layer_specs, head_specs = split_model(without_pp(specs))
+    tied = cfg.tie_embeddings  # the head projects onto the embedding table: the last stage holds it too
+    head_specs = {**head_specs, **embed_specs} if tied else head_specs
     pipe = pipe_cls(layout.pipeline, fill=fill)
     step = pipeline_value_and_grad(
-        stage_fn(cfg, par), head_apply, layout.mesh, pipe, specs=layer_specs, head_specs=head_specs
+        stage_fn(cfg, par),
+        head_apply,
+        layout.mesh,
+        pipe,
+        specs=layer_specs,
+        head_specs=head_specs,
+        embed_fn=embed_apply,
+        embed_specs=embed_specs,
     )
 
     def fn(params, batch):
@@ -84,9 +90,10 @@ def pipelined_value_and_grad(
         if compute_dtype is not None:  # the cast's VJP is the cast back: grads in the master dtype
             params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
         embed, layers, head = split_model(params)
-        x, embed_vjp = jax.vjp(lambda p: embed_apply(p, batch["inputs"]), embed)
-        loss, (g_layers, dx, g_head) = step(layers, x, batch["targets"], head)
-        (g_embed,) = embed_vjp(dx)
+        head = {**head, **embed} if tied else head
+        loss, (g_layers, g_embed, g_head) = step(layers, batch["inputs"], batch["targets"], head, embed)
+        if tied:  # the tied table's gradient: the first stage's lookup's plus the last stage's head's
+            g_embed = jax.tree.map(jnp.add, g_embed, {k: g_head.pop(k) for k in embed})
         grads = {**g_embed, **g_layers, **g_head}
         return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
 
