@@ -245,7 +245,9 @@ def test_config_values_are_checked():
 
 def test_no_t_by_t_buffer():
     """Compiled forward + backward at T = 1024: blockwise's temporaries (a few [T, E] arrays) stay under a
-    quarter of one head's [T, T] float32 score matrix; plain attention's exceed it (the measure sees them)."""
+    quarter of one head's [T, T] float32 score matrix; plain attention's exceed it (the measure sees them).
+    Inside a layer loop too: there the positions are loop-invariant, and JAX would hoist every block pair's
+    causal mask out of the loop ([nq, nk, ..., bq, bk]) unless the kernel ties them to the queries."""
     b, t, h, e = 1, 1024, 1, 32
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((b, t, h, e),) * 3]
     pos = positions(b, t)
@@ -257,6 +259,12 @@ def test_no_t_by_t_buffer():
     one_score_matrix = t * t * 4
     assert temp_bytes(lambda q, k, v: _attend(q, k, v, pos, pos)) > one_score_matrix
     assert temp_bytes(lambda q, k, v: blockwise_attention(q, k, v, pos, pos, block=64)) < one_score_matrix / 4
+
+    def layers(q, k, v):  # two layers: each one's output is the next one's queries
+        step = lambda x, _: (blockwise_attention(x, k, v, pos, pos, block=64), None)
+        return jax.lax.scan(step, q, None, length=2)[0]
+
+    assert temp_bytes(layers) < one_score_matrix  # 1.7 MB; the hoisted masks: 11.3 MB
 
 
 def test_generation_with_the_kv_cache_equals_the_plain_full_forward():

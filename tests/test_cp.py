@@ -61,7 +61,13 @@ LAYOUTS = {
         Layout(cp=4, cp_strategy="ring"),
         "plain",
     ),
-    "allgather cp2 x mp2, blockwise": (Layout(mp=2, cp=2, cp_strategy="allgather"), "blockwise"),
+    # --sp splits each cp shard's two chunks further over mp between blocks: positions and chunk order
+    # must survive the all-gather before attention; --fsdp's weights are gathered over dp inside.
+    "allgather cp2 x dp2 x mp2, fsdp + sp, blockwise": (
+        Layout(dp=2, mp=2, cp=2, cp_strategy="allgather", fsdp=True, sp=True),
+        "blockwise",
+    ),
+    "ring cp2 x dp2 x mp2, fsdp + sp": (Layout(dp=2, mp=2, cp=2, fsdp=True, sp=True), "plain"),
 }
 
 
@@ -82,6 +88,25 @@ FAULTS = {
 @pytest.mark.parametrize("fault", FAULTS.values(), ids=FAULTS.keys())
 def test_planted_cp_faults_are_detected(problem, fault):
     assert worst_error(problem, Layout(cp=2, cp_strategy="ring"), fault) > 1e-3
+
+
+def test_communication_under_cp_with_fsdp_is_within_the_minimum():
+    """With --fsdp the DP-split gradients are summed over cp alone after their reduce-scatter (other
+    replica groups than the norms' sum over dp x cp), and the clip's partial sums may travel per leaf
+    and axis: the compiled step's all-reduces stay within the minimum stated for it."""
+    from meshlm.proof import model_problem
+    from meshlm.proof.communication import step_collectives
+    from meshlm.proof.control_runs import communication_rows
+    from meshlm.proof.runs import Runs
+
+    cfg = get_config("tiny-gqa").replace(vocab_multiple=1, n_layers=1)
+    layout = Layout(dp=2, mp=2, cp=2, fsdp=True)
+    problem = model_problem(cfg, "tiny-gqa", 2, 4, 16, dp=2, fsdp=True)
+    runs = Runs(problem, layout, jnp.float32, 0)
+    rows = communication_rows(
+        runs, step_collectives(problem.build_loss, layout, runs.specs, runs.params, runs.batch)
+    )
+    assert all(r["ok"] for r in rows), rows
 
 
 def test_bad_combinations_are_one_line_errors():
@@ -105,6 +130,7 @@ CLI_ERRORS = {
     "verify": ("verify --config tiny-llama --mesh 1x1 --cp 4 --seq-len 36", "--seq-len 36 is not divisible"),
     "train": ("train --config tiny-llama --mesh 1x4 --cp 2 --sp --seq-len 20", "over cp x mp = 8"),
     "plan": ("plan --config tiny-llama --mesh 1x1 --cp 4 --seq-len 20", "--seq-len 20 is not divisible by 8"),
+    "eval": ("eval --checkpoint runs/x --mesh 1x2 --cp 2", "meshlm eval has no context parallelism yet"),
 }
 
 

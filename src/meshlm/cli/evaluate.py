@@ -14,10 +14,12 @@ from meshlm.cli.common import (
     add_flags,
     add_refused_pp,
     flag_layout,
+    positive_int,
     refuse_pp,
     settings_from,
     setup,
 )
+from meshlm.errors import ConfigError
 from meshlm.train.eval_settings import EvalConfig
 
 
@@ -25,12 +27,25 @@ def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a checkpoint over a data set")
     add_common(p, None)
     add_refused_pp(p, "eval")
+    p.add_argument(
+        "--cp", type=positive_int, default=1, help="refused: eval runs without context parallelism"
+    )
     add_flags(p, EvalConfig)
     p.set_defaults(fn=run)
 
 
+def refuse_cp(args) -> None:
+    """One line instead of an unknown flag: the per-token losses are not yet gathered back over cp."""
+    if args.cp > 1:
+        raise ConfigError(
+            f"meshlm eval has no context parallelism yet (--cp {args.cp}: its per-token losses are not "
+            "gathered back over cp); checkpoints do not depend on cp: drop --cp"
+        )
+
+
 def run(args) -> int:
     refuse_pp(args, "eval")
+    refuse_cp(args)
     ecfg = settings_from(args, EvalConfig)
     if layout := flag_layout(args):  # before devices start
         layout.check_batch(ecfg.batch_size)

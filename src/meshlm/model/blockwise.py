@@ -174,10 +174,19 @@ class _Blocked(NamedTuple):
     qsb: jax.Array | None = None  # [nq, B, bq] where each query's document starts (None: no mask)
 
 
+def _tied(q, *positions):
+    """The positions made to depend on ``q`` (an optimization barrier over all of them). Positions are
+    the same in every layer: left apart, JAX's scan partial evaluation hoists what depends on them
+    alone out of the layer loop -- the causal mask of every block pair, [nq, nk, ..., bq, bk], O(T^2)
+    bytes kept for the backward -- instead of computing each block's mask where it is used."""
+    return lax.optimization_barrier((q, *positions))
+
+
 def _block_inputs(q, k, v, q_pos, k_pos, block: int, q_start=None) -> _Blocked:
     (b, tq, h, e), (tk, kh) = q.shape, k.shape[1:3]
     bq, bk = min(block, tq), min(block, tk)
     ipos = jnp.iinfo(q_pos.dtype)
+    q, q_pos, k_pos, q_start = _tied(q, q_pos, k_pos, q_start)
     return _Blocked(
         qb=_blocks(q.reshape(b, tq, kh, h // kh, e), bq),
         qpb=_blocks(q_pos, bq, fill=ipos.min),  # padded query rows see nothing (and are dropped)

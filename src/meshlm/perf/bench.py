@@ -276,7 +276,7 @@ def run_bench(
         "model_flops_per_step": flops,
         "peak_flops": peak,
         "param_bytes": {"total": total, "ideal_per_device": total / mp},
-        "theoretical_collectives": theoretical_collectives(cfg, dp, mp),
+        "theoretical_collectives": theoretical_collectives(cfg, dp, mp, layout.cp),
         "results": [impl_result(i, seconds[i.name], flops, tokens, peak["float32"]) for i in impls],
         "step_time_ratios": step_time_ratios(seconds),
         "generation": generation_bench(cfg, impls[0].params, layout, settings),

@@ -7,6 +7,8 @@ dp > 1 the scalar loss mean over DP travels in the DP gradient all-reduce.
 
 from __future__ import annotations
 
+import jax
+
 from meshlm.model.attention import kv_replicated
 from meshlm.model.config import ModelConfig
 
@@ -77,7 +79,8 @@ def theoretical_bytes(
     ``batch`` split over dp, activations of ``itemsize`` bytes, ``param_bytes`` of parameters on one
     device). Combining all-reduces changes their count, never their bytes, so this is the firmer
     check. The scalars (the clip's squared norm, the DP loss mean) count 1 value each here; XLA may
-    send the clip's norm as one partial sum per sharded leaf, a few bytes more (see ``scalar_slack``).
+    send the clip's norm as one partial sum per sharded leaf and axis, a few bytes more
+    (``scalar_slack``).
     """
     counts = theoretical_collectives(cfg, dp, mp, cp)
     seq_len //= cp  # with context parallelism each device holds T/cp tokens of its rows
@@ -99,6 +102,13 @@ def theoretical_bytes(
     return out
 
 
-def scalar_slack(n_param_leaves: int, itemsize: int) -> int:
-    """Bytes XLA may add by reducing the clip's squared norm as one partial sum per parameter leaf."""
-    return n_param_leaves * itemsize
+def scalar_slack(params, itemsize: int) -> int:
+    """Bytes XLA may add by reducing the clip's squared norm as one partial sum per parameter leaf and
+    mesh axis the leaf is split over (a weight split over dp and mp under FSDP: its partial sums may
+    travel over each axis apart; replicated leaves one)."""
+
+    def axes(p) -> int:
+        spec = getattr(getattr(p, "sharding", None), "spec", ())
+        return sum(len(d) if isinstance(d, tuple) else d is not None for d in spec)
+
+    return sum(max(1, axes(p)) for p in jax.tree.leaves(params)) * itemsize

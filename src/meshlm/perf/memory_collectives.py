@@ -20,7 +20,10 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Fami
 * Context parallelism (cp > 1; ``model.context_parallel``), per layer with K and V stacked into one
   array: the ring passes it cp - 1 times forward (again with remat), and in the backward cp - 1 times
   more plus cp passes of its gradient (the last one home): collective-permutes. All-gather: one
-  all-gather forward (again with remat) and its transpose, one reduce-scatter, backward.
+  all-gather forward (again with remat) and its transpose, one reduce-scatter, backward. With FSDP the
+  DP-split gradients, reduce-scattered over dp, are then summed over cp alone (other replica groups than
+  the norms' sum over dp x cp): one all-reduce for the layer stack's and, at most, one per DP-split
+  weight outside it (each weight's reduce-scatter is its own; the bytes are the same ``dp_gradients``).
 """
 
 from __future__ import annotations
@@ -88,6 +91,8 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
     if dp > 1 and per_layer + outside:
         ag.update(fsdp_layers=2 * per_layer * n, fsdp_outside=2 * outside)
         rs.update(fsdp_gradients=per_layer * n + outside)
+        if layout.cp > 1:  # the DP-split gradients then summed over cp alone: the layer stack's, each outside
+            ar["cp_fsdp_gradients"] = 1 + outside
     for causes in (ar, ag, rs, cperm):
         causes.pop("total", None)
         causes["total"] = sum(causes.values())

@@ -49,7 +49,7 @@ def communication_checks(cfg, layout: Layout, got: dict, *, batch_shape, itemsiz
     count = want["all-reduce"]["total"]
     shape = {"batch": batch_shape[0], "seq_len": batch_shape[1], "itemsize": itemsize}
     nbytes = expected_all_reduce_bytes(cfg, layout, params=params, **shape)
-    slack = scalar_slack(len(jax.tree.leaves(params)), itemsize)
+    slack = scalar_slack(params, itemsize)
     where = f"{cfg.family} on {layout.label()} (per layer: {cfg.arch.per_layer_text()} with mp > 1)"
     ar = got["all-reduce"]
     rows = [
@@ -59,7 +59,7 @@ def communication_checks(cfg, layout: Layout, got: dict, *, batch_shape, itemsiz
         check_row(
             "all-reduce bytes per step",
             ar["bytes"] <= nbytes + slack,
-            f"{ar['bytes']:,}, at most {nbytes:,} (+{slack} for the clip's per-leaf scalars)",
+            f"{ar['bytes']:,}, at most {nbytes:,} (+{slack} for the clip's per-leaf, per-axis scalars)",
         ),
     ]
     for kind in COLLECTIVES[1:]:
