@@ -137,6 +137,7 @@ BAD_TRAIN_CONFIGS = [
     ({"weight_decay": float("nan")}, "weight_decay must be a finite number >= 0, got nan"),
     ({"clip_norm": -1.0}, "clip_norm must be a finite number >= 0 (0 disables), got -1.0"),
     ({"warmup_steps": -5}, "warmup_steps must be an integer >= 0, got -5"),
+    ({"min_lr_ratio": 1.5}, "min_lr_ratio must be a finite number in [0, 1], got 1.5"),
     ({"eval_every": -1}, "eval_every must be an integer >= 0 (0: only at the end), got -1"),
     ({"save_every": -1}, "save_every must be an integer >= 0 (0: only at the end), got -1"),
     ({"sample_tokens": -1}, "sample_tokens must be an integer >= 0 (0: none), got -1"),

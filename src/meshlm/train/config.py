@@ -70,11 +70,17 @@ class TrainConfig(PipelineFlags, LongContext):  # --pp and its schedule, --cp ..
     )
     lr: float = _field(
         3e-3,
-        "peak learning rate: warm-up, then cosine decay to lr * 0.1",
+        "peak learning rate: warm-up, then cosine decay to lr * --min-lr-ratio",
         resume_must_match=True,
         valid=POSITIVE_FLOAT,
     )
     warmup_steps: int = _field(20, "linear warm-up steps", resume_must_match=True, valid=NON_NEGATIVE_INT)
+    min_lr_ratio: float = _field(
+        0.1,
+        "the cosine's last learning rate, as a fraction of --lr",
+        resume_must_match=True,
+        valid=Range(float, 0, 1),
+    )
     weight_decay: float = _field(
         0.1, "AdamW decay on weight matrices only", resume_must_match=True, valid=NON_NEGATIVE_FLOAT
     )
@@ -152,6 +158,7 @@ class TrainConfig(PipelineFlags, LongContext):  # --pp and its schedule, --cp ..
             lr=self.lr,
             warmup_steps=self.warmup_steps,
             total_steps=self.steps,
+            min_lr_ratio=self.min_lr_ratio,
             weight_decay=self.weight_decay,
             clip_norm=self.clip_norm,
             accum_steps=self.accum_steps,
