@@ -49,6 +49,11 @@ CANDIDATES: dict[str, list[str]] = {
         f"s280-lr{lr}": flags("2x2", 32, 280, float(lr), 20, *_END)
         for lr in ("3e-3", "5e-3", "8e-3", "1.2e-2")
     },
+    # Against s280-lr3e-3: a 2048-id BPE (more bytes per token, a larger embedding and head); the schedule's
+    # ends (a 10-step warm-up, decay to 0 instead of lr * 0.1); no weight decay.
+    "s280-bpe2048": flags("2x2", 32, 280, 3e-3, 20, *_END, "--tokenizer", "bpe-2048"),
+    "s280-warm10-floor0": flags("2x2", 32, 280, 3e-3, 10, *_END, "--min-lr-ratio", "0"),
+    "s280-wd0": flags("2x2", 32, 280, 3e-3, 20, *_END, "--weight-decay", "0"),
 }
 
 
