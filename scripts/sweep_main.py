@@ -30,6 +30,8 @@ def flags(mesh: str, batch: int, steps: int, lr: float, warmup: int = 20, *extra
             "--warmup-steps", str(warmup), *extra]  # fmt: skip
 
 
+_END = ("--eval-every", "140", "--save-every", "280")  # evaluations at 0, 140, 280; a checkpoint at 280
+
 # name -> `meshlm train` flags. `today`: the defaults before this sweep (1x4, rolled layer loop, evaluations
 # every 50 steps, checkpoints every 100); `default`: no flags, the defaults it chose.
 CANDIDATES: dict[str, list[str]] = {
@@ -41,6 +43,17 @@ CANDIDATES: dict[str, list[str]] = {
     "b16-lr1e-2": flags("2x2", 16, 480, 1e-2),
     "b16-lr2e-2": flags("2x2", 16, 480, 2e-2),
     "4x1-b16-lr1e-2": flags("4x1", 16, 480, 1e-2),
+    # Issue 26's re-sweep (the step got faster: ~280 steps fit 5 minutes all in). Batch 32 on 2x2, an
+    # evaluation half-way and at the end, one checkpoint at the end; val_bpb is compared at equal steps.
+    **{
+        f"s280-lr{lr}": flags("2x2", 32, 280, float(lr), 20, *_END)
+        for lr in ("3e-3", "5e-3", "8e-3", "1.2e-2")
+    },
+    # Against s280-lr3e-3: a 2048-id BPE (more bytes per token, a larger embedding and head); the schedule's
+    # ends (a 10-step warm-up, decay to 0 instead of lr * 0.1); no weight decay.
+    "s280-bpe2048": flags("2x2", 32, 280, 3e-3, 20, *_END, "--tokenizer", "bpe-2048"),
+    "s280-warm10-floor0": flags("2x2", 32, 280, 3e-3, 10, *_END, "--min-lr-ratio", "0"),
+    "s280-wd0": flags("2x2", 32, 280, 3e-3, 20, *_END, "--weight-decay", "0"),
 }
 
 

@@ -9,7 +9,8 @@ ratios to the first variant are the steadier figures.
         plain ref:0 ref:1 mesh:1x4 mesh:2x2 mesh:4x1
 
 Variants: ``plain`` (perf/plain.py, one device), ``ref:U`` (meshlm unsharded, unroll U),
-``mesh:DPxMP[/U]`` (meshlm sharded on a DP x MP mesh, unroll U; default 0: every layer).
+``mesh:DPxMP[/U]`` (meshlm sharded on a DP x MP mesh, unroll U; default 0: every layer). A suffix ``@V``
+sets the vocabulary (embedding and head) to V ids, e.g. ``mesh:2x2@1024 mesh:2x2@2048`` for BPE sizes.
 """
 
 from __future__ import annotations
@@ -71,13 +72,20 @@ def main() -> int:
     from meshlm.model.config import get_config
     from meshlm.model.transformer import param_shapes
 
-    cfg = get_config(args.config)
-    shapes = param_shapes(cfg)
-    rng = np.random.default_rng(0)
-    host_params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype), shapes)
-    shape = (args.batch_size, args.seq_len)
-    host_batch = {k: rng.integers(0, cfg.vocab_size, shape, dtype=np.int32) for k in ("inputs", "targets")}
-    runs = {v: [*build(v, cfg, host_params, host_batch), []] for v in args.variants}
+    def inputs(variant: str):
+        """(variant without its @V, model config, host params, host batch)."""
+        name, _, vocab = variant.partition("@")
+        cfg = get_config(args.config)
+        cfg = cfg.replace(vocab_size=int(vocab)) if vocab else cfg
+        rng = np.random.default_rng(0)
+        params = jax.tree.map(
+            lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype), param_shapes(cfg)
+        )
+        shape = (args.batch_size, args.seq_len)
+        batch = {k: rng.integers(0, cfg.vocab_size, shape, dtype=np.int32) for k in ("inputs", "targets")}
+        return name, cfg, params, batch
+
+    runs = {v: [*build(*inputs(v)), []] for v in args.variants}
     for rep in range(args.reps + 1):  # the first repetition is a warm-up
         k = rep % len(runs)
         for name in list(runs)[k:] + list(runs)[:k]:

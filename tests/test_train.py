@@ -236,12 +236,30 @@ def test_resume_must_match_comes_from_field_metadata():
         "seq_len",
         "lr",
         "warmup_steps",
+        "min_lr_ratio",
         "weight_decay",
         "clip_norm",
         "accum_steps",
         "compute_dtype",
         "seed",
     }
+
+
+def test_optimizer_settings_reach_the_optimizer():
+    """Every TrainConfig field the optimizer also has is handed to it (one left out would train with
+    OptimConfig's default instead, silently)."""
+    from meshlm.train.optim import OptimConfig
+
+    shared = {f.name for f in dataclasses.fields(OptimConfig)} & {
+        f.name for f in dataclasses.fields(TrainConfig)
+    }
+    assert shared == {"lr", "warmup_steps", "min_lr_ratio", "weight_decay", "clip_norm", "accum_steps"}
+    tcfg = TrainConfig(
+        lr=0.5, warmup_steps=7, min_lr_ratio=0.25, weight_decay=0.3, clip_norm=2.0, accum_steps=2
+    )
+    ocfg = tcfg.optim()
+    assert {n: getattr(ocfg, n) for n in shared} == {n: getattr(tcfg, n) for n in shared}
+    assert ocfg.total_steps == tcfg.steps
 
 
 def test_every_train_config_field_has_help_and_a_flag():

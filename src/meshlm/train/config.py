@@ -52,9 +52,7 @@ class TrainConfig(PipelineFlags, LongContext):  # --pp and its schedule, --cp ..
     text_field: str = _field("text", "text field of JSONL / Parquet / dataset rows", resume_must_match=True)
     doc_mask: bool = _field(False, "attention within documents, positions restart", resume_must_match=True)
     # Defaults of steps, batch_size, lr, warmup_steps (mesh: DEFAULT_DP): scripts/sweep_main.py's sweep.
-    steps: int = _field(
-        240, "optimizer steps; the defaults take ~4-5 min on a 2-core CPU", valid=POSITIVE_INT
-    )
+    steps: int = _field(280, "optimizer steps; the defaults take ~5 min on a 2-core CPU", valid=POSITIVE_INT)
     batch_size: int = _field(
         32,
         "global sequences per optimizer step, split over dp and micro-batches",
@@ -70,11 +68,17 @@ class TrainConfig(PipelineFlags, LongContext):  # --pp and its schedule, --cp ..
     )
     lr: float = _field(
         3e-3,
-        "peak learning rate: warm-up, then cosine decay to lr * 0.1",
+        "peak learning rate: warm-up, then cosine decay to lr * --min-lr-ratio",
         resume_must_match=True,
         valid=POSITIVE_FLOAT,
     )
     warmup_steps: int = _field(20, "linear warm-up steps", resume_must_match=True, valid=NON_NEGATIVE_INT)
+    min_lr_ratio: float = _field(
+        0.1,
+        "the cosine's last learning rate, as a fraction of --lr",
+        resume_must_match=True,
+        valid=Range(float, 0, 1),
+    )
     weight_decay: float = _field(
         0.1, "AdamW decay on weight matrices only", resume_must_match=True, valid=NON_NEGATIVE_FLOAT
     )
@@ -95,13 +99,13 @@ class TrainConfig(PipelineFlags, LongContext):  # --pp and its schedule, --cp ..
         choices=COMPUTE_DTYPES,
     )
     eval_every: int = _field(
-        120,
+        140,
         "steps between validation evaluations; 0: only at the end",
         valid=Range(int, 0, note="0: only at the end"),
     )
     eval_batches: int = _field(8, "validation batches per evaluation", valid=POSITIVE_INT)
     save_every: int = _field(
-        240, "steps between checkpoints; 0: only at the end", valid=Range(int, 0, note="0: only at the end")
+        280, "steps between checkpoints; 0: only at the end", valid=Range(int, 0, note="0: only at the end")
     )
     keep: int = _field(3, "checkpoints to keep", valid=POSITIVE_INT)
     log_every: int = _field(1, "steps between metrics.jsonl train rows", valid=POSITIVE_INT)
@@ -152,6 +156,7 @@ class TrainConfig(PipelineFlags, LongContext):  # --pp and its schedule, --cp ..
             lr=self.lr,
             warmup_steps=self.warmup_steps,
             total_steps=self.steps,
+            min_lr_ratio=self.min_lr_ratio,
             weight_decay=self.weight_decay,
             clip_norm=self.clip_norm,
             accum_steps=self.accum_steps,
