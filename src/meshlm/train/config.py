@@ -55,7 +55,7 @@ class TrainConfig(PipelineFlags, LongContext):  # --pp and its schedule, --cp ..
     steps: int = _field(280, "optimizer steps; the defaults take ~5 min on a 2-core CPU", valid=POSITIVE_INT)
     batch_size: int = _field(
         32,
-        "global sequences per optimizer step, split over dp and micro-batches",
+        "global sequences per step, split over dp and micro-batches",
         resume_must_match=True,
         valid=POSITIVE_INT,
     )
@@ -67,17 +67,11 @@ class TrainConfig(PipelineFlags, LongContext):  # --pp and its schedule, --cp ..
         valid=Range(int, 0, note="0: the preset's default"),
     )
     lr: float = _field(
-        3e-3,
-        "peak learning rate: warm-up, then cosine decay to lr * --min-lr-ratio",
-        resume_must_match=True,
-        valid=POSITIVE_FLOAT,
+        3e-3, "peak lr: warm-up, cosine to lr * --min-lr-ratio", resume_must_match=True, valid=POSITIVE_FLOAT
     )
     warmup_steps: int = _field(20, "linear warm-up steps", resume_must_match=True, valid=NON_NEGATIVE_INT)
     min_lr_ratio: float = _field(
-        0.1,
-        "the cosine's last learning rate, as a fraction of --lr",
-        resume_must_match=True,
-        valid=Range(float, 0, 1),
+        0.1, "the cosine's last lr over --lr", resume_must_match=True, valid=Range(float, 0, 1)
     )
     weight_decay: float = _field(
         0.1, "AdamW decay on weight matrices only", resume_must_match=True, valid=NON_NEGATIVE_FLOAT
