@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     shown, warnings.formatwarning = warnings.formatwarning, user_warning
     try:
         args = build_parser().parse_args(argv)
+        if args.command in WRITE_NOTHING and argv is None:  # the command line, not an in-process caller
+            signal.signal(signal.SIGINT, _stop_at_once)
         code = args.fn(args)
     except MeshlmError as e:
         print(f"meshlm: error: {e}", file=sys.stderr)
@@ -78,6 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         warnings.formatwarning = shown  # in-process callers (tests) keep their own format
     return _exit_code(code)
+
+
+# Commands that write no file: Ctrl-C stops them at once, from the signal handler itself. A
+# KeyboardInterrupt raised instead can be swallowed by a library's bare ``except:`` (one run in CI went on
+# to exit 0 after a SIGINT sent while JAX was starting). train (safe points), data and tokenizer (their
+# unfinished outputs named), convert and launch keep the KeyboardInterrupt path.
+WRITE_NOTHING = frozenset({"verify", "generate", "eval", "bench", "memory", "plan", "configs"})
+
+
+def _stop_at_once(signum, frame) -> NoReturn:
+    _leave_interrupted()
 
 
 def _leave_interrupted() -> NoReturn:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from meshlm.train.outputs import replace_file
 from meshlm.units import in_unit
 
 
@@ -93,13 +94,14 @@ def plot_bench(report: dict, path: str | Path) -> None:
         f"meshlm bench: {report['config']} on {mesh['dp']}x{mesh['mp']}, "
         f"batch {report['batch_size']} x seq {report['seq_len']}"
     )
-    fig.savefig(path, dpi=100)
+    replace_file(Path(path), lambda f: fig.savefig(f, format="png", dpi=100))
 
 
 def write_outputs(report: dict, out_dir: str | Path) -> list[Path]:
     """bench.json and bench.png in ``out_dir`` (created if missing); returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    text = (json.dumps(report, indent=2) + "\n").encode()
+    replace_file(out / "bench.json", lambda f: f.write(text))  # whole or not at all (Ctrl-C: cli/__init__)
     plot_bench(report, out / "bench.png")
     return [out / "bench.json", out / "bench.png"]
