@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     shown, warnings.formatwarning = warnings.formatwarning, user_warning
     try:
         args = build_parser().parse_args(argv)
-        if args.command in WRITE_NOTHING and argv is None:  # the command line, not an in-process caller
+        if args.fn.__module__ in WRITE_NOTHING and argv is None:  # the command line, not in-process callers
             signal.signal(signal.SIGINT, _stop_at_once)
         code = args.fn(args)
     except MeshlmError as e:
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 # KeyboardInterrupt raised instead can be swallowed by a library's bare ``except:`` (one run in CI went on
 # to exit 0 after a SIGINT sent while JAX was starting). train (safe points), data and tokenizer (their
 # unfinished outputs named), convert and launch keep the KeyboardInterrupt path.
-WRITE_NOTHING = frozenset({"verify", "generate", "eval", "bench", "memory", "plan", "configs"})
+WRITE_NOTHING = frozenset(m.__name__ for m in (verify, generate, evaluate, bench, memory, plan, configs))
 
 
 def _stop_at_once(signum, frame) -> NoReturn:
