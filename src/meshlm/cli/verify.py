@@ -63,7 +63,8 @@ def _matrix(args, vs: VerifySettings) -> int:
     import tempfile
 
     # Before JAX starts (setup): see meshlm.proof.matrix for why these are safe and worth it.
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    fast = " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + fast
     setup(args)
     import jax
 
