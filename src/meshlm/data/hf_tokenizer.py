@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshlm.data.tokenizer import Tokenizer
+from meshlm.data.tokenizer_base import Tokenizer
 from meshlm.errors import DataError
 
 EOD_TOKEN = "<|endoftext|>"  # the special token `meshlm tokenizer train` adds

@@ -1,11 +1,12 @@
-"""Tokenizers: the interface every data and generation path uses, and the byte tokenizer.
+"""Tokenizers: the byte tokenizer and ``load_tokenizer``.
 
-``Tokenizer`` is what the rest of meshlm sees: ``vocab_size``, ``eod_id`` (the end-of-document id that
-ends every document in a token stream and stops generation), ``encode``/``decode``, ``token_bytes``
-(the UTF-8 length of each id's text, for bits per byte) and ``fingerprint`` (a stable hash of the
-tokenizer's definition). Two implementations: ``ByteTokenizer`` here (the default) and a Hugging Face
-``tokenizers`` one (``meshlm.data.hf_tokenizer``). ``load_tokenizer`` turns a spec ("bytes", a
-tokenizer.json, or a directory holding one) into either.
+``Tokenizer`` (the interface, in ``meshlm.data.tokenizer_base``; re-exported here) is what the rest of
+meshlm sees: ``vocab_size``, ``eod_id`` (the end-of-document id that ends every document in a token
+stream and stops generation), ``encode``/``decode``, ``token_bytes`` (the UTF-8 length of each id's
+text, for bits per byte) and ``fingerprint`` (a stable hash of the tokenizer's definition). Two
+implementations: ``ByteTokenizer`` here (the default) and a Hugging Face ``tokenizers`` one
+(``meshlm.data.hf_tokenizer``). ``load_tokenizer`` turns a spec ("bytes", a tokenizer.json, or a
+directory holding one) into either.
 
 The byte tokenizer: the vocabulary is ``VOCAB_SIZE = 256`` and one token is one byte (which is why
 ``bits_per_byte`` of its loss is just the loss in bits). Id ``EOD = 0``, the NUL byte, ends every
@@ -19,11 +20,12 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
+from meshlm.data.tokenizer_base import Tokenizer, token_dtype  # noqa: F401 - token_dtype: re-exported
 from meshlm.errors import DataError
 
 VOCAB_SIZE = 256
@@ -63,60 +65,6 @@ def bits_per_byte(loss_nats: float, bytes_per_token: float = 1.0) -> float:
     result is (sum of target losses) / ln 2 / (sum of target bytes): comparable across tokenizers.
     """
     return float(loss_nats) / math.log(2) / float(bytes_per_token)
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned dtype holding every id of a vocabulary (uint8 for bytes)."""
-    for dtype in (np.uint8, np.uint16, np.uint32):
-        if vocab_size <= np.iinfo(dtype).max + 1:
-            return np.dtype(dtype)
-    raise DataError(f"vocab_size={vocab_size} does not fit in uint32 token ids")
-
-
-class Tokenizer:
-    """The interface: subclasses set ``kind``, ``vocab_size``, ``eod_id`` and implement the methods."""
-
-    kind: str  # "bytes" or "hf": what checkpoint metadata records
-    vocab_size: int  # ids are in [0, vocab_size)
-    eod_id: int  # ends each document in a stream; generation stops on it
-
-    def encode(self, text: str) -> np.ndarray:
-        """int32 ids of ``text`` (a document's tokens, no special tokens added)."""
-        raise NotImplementedError
-
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """``encode`` of each text (implementations may run them in parallel)."""
-        return [self.encode(t) for t in texts]
-
-    def encode_prompt(self, text: str) -> np.ndarray:
-        """int32 ids of a prompt: what the tokenizer adds by default (e.g. a BOS) included."""
-        return self.encode(text)
-
-    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
-        """Text of ``ids``; never raises (invalid bytes become U+FFFD)."""
-        raise NotImplementedError
-
-    @property
-    def token_bytes(self) -> np.ndarray:
-        """int32[vocab_size]: UTF-8 bytes of each id's text (EOD counts 1, as the NUL byte)."""
-        raise NotImplementedError
-
-    @property
-    def fingerprint(self) -> str:
-        """A stable hash of the definition: equal tokenizers, equal fingerprints."""
-        raise NotImplementedError
-
-    def to_json(self) -> str | None:
-        """The tokenizer.json text that recreates it, or None for the byte tokenizer."""
-        raise NotImplementedError
-
-    @property
-    def dtype(self) -> np.dtype:
-        """The storage dtype of a token stream: uint8 for bytes, uint16 when it fits, else uint32."""
-        return token_dtype(self.vocab_size)
-
-    def describe(self) -> str:
-        return f"{self.kind} tokenizer ({self.vocab_size} ids, fingerprint {self.fingerprint[:12]})"
 
 
 class ByteTokenizer(Tokenizer):
