@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 
 from meshlm.model.config import ModelConfig
-from meshlm.model.family import FAMILIES, REMAT, Family
+from meshlm.model.families import FAMILIES
+from meshlm.model.family import REMAT, Family
 from meshlm.model.transformer import BLOCKS, NORMS
 from meshlm.parallel.mesh import make_mesh
 from meshlm.perf.collectives import theoretical_collectives

@@ -186,13 +186,14 @@ def test_unsupported_gemma_config(changes, field):
 
 def test_mistral_config_window_defaults_and_export_refusals():
     from meshlm.model.config import from_dict, get_config
+    from meshlm.model.families import mistral
 
     cfg = get_config("tiny-llama").replace(family="mistral", sliding_window=8)
     hf = hf_config.config_to_hf(cfg)
     assert hf["sliding_window"] == 8 and hf_config.config_from_hf(hf) == cfg
     assert hf_config.config_from_hf({**hf, "sliding_window": None}).sliding_window == 0  # v0.3
     del hf["sliding_window"]  # transformers' default
-    assert hf_config.config_from_hf(hf).sliding_window == hf_config.MISTRAL_WINDOW
+    assert hf_config.config_from_hf(hf).sliding_window == mistral.WINDOW
     with pytest.raises(ConfigError, match="sliding_window=8: transformers' llama"):
         hf_config.config_to_hf(cfg.replace(family="llama"))
     with pytest.raises(ConfigError, match="sliding_window=8 needs .*attention='plain'"):

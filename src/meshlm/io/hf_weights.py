@@ -1,7 +1,7 @@
 """Hugging Face transformers weights (GPT-J, Llama safetensors) to and from meshlm parameters.
 
 Our conventions were chosen to be HF's, so weights map by transpose and reshape only (the rotary
-conventions that make this hold are in ``meshlm.io.hf_config``):
+conventions that make this hold are in each family's module, ``meshlm.model.families``):
   * torch Linear weights are [out, in]; ours are [in, out]. Head projections split their output
     dimension head-major (index = head * head_dim + e), as HF's ``view(..., -1, head_dim)`` does.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.io.hf_config import ARCHITECTURES, config_from_hf, config_to_hf
+from meshlm.io.hf_config import architectures, config_from_hf, config_to_hf
 from meshlm.model.config import ModelConfig
 from meshlm.model.padding import VOCAB_AXIS, resize, resize_flat
 from meshlm.model.params import STACKED_PREFIX, is_stacked
@@ -28,7 +28,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 # --- tensor names and layouts -------------------------------------------------------------------
-# Each family's tensor names and layouts are its ``HFNames`` (``model.family``).
+# Each family's tensor names and layouts are its ``HFNames`` (its module in ``model.families``).
 
 
 def name_map(cfg: ModelConfig) -> dict[str, tuple[list[str], str]]:
@@ -178,7 +178,7 @@ def _check_names(tensors: dict, wanted: set[str], directory: Path) -> None:
         raise CheckpointError(
             f"{directory}: tensors do not match its config.json: missing {missing[:8]}"
             f"{' ...' if len(missing) > 8 else ''}, unexpected {unknown[:8]}"
-            f"{' ...' if len(unknown) > 8 else ''}; is this a {sorted(ARCHITECTURES.values())} checkpoint?"
+            f"{' ...' if len(unknown) > 8 else ''}; is this a {sorted(architectures().values())} checkpoint?"
         )
 
 

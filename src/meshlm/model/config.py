@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshlm.errors import ConfigError
-from meshlm.model.family import FAMILIES, Family
-from meshlm.model.presets import FAMILY_PRESETS
+from meshlm.model.families import FAMILIES, preset_fields
+from meshlm.model.family import Family
 from meshlm.model.rope import RopeScaling
 from meshlm.model.rope import inv_freq as rope_inv_freq
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
@@ -23,7 +23,7 @@ ATTENTION = ("plain", "blockwise")  # see meshlm.model.attention and meshlm.mode
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.family``)
+    family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
     d_model: int = 128  # residual stream width
     n_layers: int = 2  # number of blocks (stacked with hk.experimental.layer_stack)
@@ -91,7 +91,7 @@ class ModelConfig:
 
     @property
     def arch(self) -> Family:
-        """The record of this config's family (``model.family``): the facts that differ by family."""
+        """The record of this config's family (``model.families``): the facts that differ by family."""
         return FAMILIES[self.family]
 
     @property
@@ -198,120 +198,8 @@ def from_dict(d: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**{**UNPADDED_BEFORE_FIELD, **d})
 
 
-PRESETS: dict[str, ModelConfig] = {
-    # The prototype exactly: byte vocab, width 128, two residual 4x-GELU feed-forward blocks.
-    "seed": ModelConfig(family="ff", vocab_size=256, d_model=128, n_layers=2, d_ff=512, embed_bias=True),
-    # Small enough for tests on 8 fake devices (every dim divisible by 8).
-    "tiny": ModelConfig(family="ff", vocab_size=64, d_model=32, n_layers=2, d_ff=128, embed_bias=True),
-    "tiny-gptj": ModelConfig(
-        family="gptj",
-        vocab_size=64,
-        d_model=64,
-        n_layers=2,
-        d_ff=256,
-        n_heads=8,
-        rotary_dim=4,
-        max_seq_len=64,
-    ),
-    # n_kv_heads=4 < n_heads: grouped-query attention; on mp=8 the KV heads are replicated.
-    "tiny-llama": ModelConfig(
-        family="llama",
-        vocab_size=64,
-        d_model=64,
-        n_layers=2,
-        d_ff=128,
-        n_heads=8,
-        n_kv_heads=4,
-        max_seq_len=64,
-        norm_eps=1e-6,
-    ),
-    # A byte-level transformer small enough for training tests.
-    "tiny-lm": ModelConfig(
-        family="llama",
-        vocab_size=256,
-        d_model=64,
-        n_layers=2,
-        d_ff=128,
-        n_heads=4,
-        max_seq_len=64,
-        norm_eps=1e-6,
-    ),
-    # What CPU training defaults to: about 3.2M parameters, trains visibly in minutes on 2 cores.
-    "cpu": ModelConfig(
-        family="llama",
-        vocab_size=256,
-        d_model=256,
-        n_layers=4,
-        d_ff=768,
-        n_heads=8,
-        max_seq_len=128,
-        norm_eps=1e-6,
-    ),
-    "small": ModelConfig(
-        family="llama",
-        vocab_size=256,
-        d_model=512,
-        n_layers=8,
-        d_ff=1536,
-        n_heads=8,
-        max_seq_len=256,
-        norm_eps=1e-6,
-    ),
-    # Real shapes (not trained here; verify and memory reports accept them).
-    "gptj-6b": ModelConfig(
-        family="gptj",
-        vocab_size=50400,
-        d_model=4096,
-        n_layers=28,
-        d_ff=16384,
-        n_heads=16,
-        rotary_dim=64,
-        max_seq_len=2048,
-    ),
-    "llama2-7b": ModelConfig(
-        family="llama",
-        vocab_size=32000,
-        d_model=4096,
-        n_layers=32,
-        d_ff=11008,
-        n_heads=32,
-        max_seq_len=4096,
-        norm_eps=1e-5,
-    ),
-}
-
-# Llama 3.x and Qwen2.5, tiny and at real size (``model.presets``).
-PRESETS.update({name: ModelConfig(**fields) for name, fields in FAMILY_PRESETS.items()})
-# tiny-llama with 8 layers: pipelines of pp = 4 and interleaved schedules (pp x V chunks) on 4-8 devices.
-PRESETS["tiny-deep"] = PRESETS["tiny-llama"].replace(n_layers=8)
-# Grouped-query attention with 2 KV heads: on mp = 4 (or 8) the KV heads are replicated, so the
-# replication path is proven on the 4 devices of a laptop, not only on 8.
-PRESETS["tiny-gqa"] = PRESETS["tiny-llama"].replace(n_kv_heads=2)
-# Mistral: Llama's blocks with a sliding window (16 < verify's 64 positions: the window is exercised).
-PRESETS["tiny-mistral"] = PRESETS["tiny-llama"].replace(family="mistral", sliding_window=16)
-# Gemma: head_dim 32 != d_model / n_heads = 16 (as Gemma-7b's 256 != 3072 / 16), tied head.
-PRESETS["tiny-gemma"] = PRESETS["tiny-llama"].replace(
-    family="gemma", n_heads=4, n_kv_heads=0, head_dim=32, tie_embeddings=True
-)
-# Mistral-7B v0.1 (its config.json; v0.3 differs: vocab 32768, rope_theta 1e6, no window).
-PRESETS["mistral-7b"] = PRESETS["llama2-7b"].replace(
-    family="mistral", d_ff=14336, n_kv_heads=8, max_seq_len=32768, sliding_window=4096
-)
-# Gemma-7B (its config.json): 16 heads of 256 on d_model 3072, vocabulary 256000, tied head.
-PRESETS["gemma-7b"] = ModelConfig(
-    family="gemma",
-    vocab_size=256000,
-    d_model=3072,
-    n_layers=28,
-    d_ff=24576,
-    n_heads=16,
-    head_dim=256,
-    max_seq_len=8192,
-    norm_eps=1e-6,
-    tie_embeddings=True,
-)
-# GPT-2's vocabulary (50257, prime to every mp > 1), padded to 50304: the padding proven on mp = 2, 4, 8.
-PRESETS["tiny-gpt2vocab"] = PRESETS["tiny-gptj"].replace(vocab_size=50257, d_model=32, d_ff=64)
+# The presets, every family's (its module in ``model.families``), in the order ``meshlm configs`` lists.
+PRESETS: dict[str, ModelConfig] = {name: ModelConfig(**fields) for name, fields in preset_fields().items()}
 
 
 def default_seq_len(cfg: ModelConfig, seq_len: int = 0) -> int:

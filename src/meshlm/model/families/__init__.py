@@ -1,0 +1,73 @@
+"""The registry of families: one module each (``ff``, ``gptj``, ``llama``, ``qwen2``, ``mistral``,
+``gemma``), each holding its ``Family`` record (``model.family``), its Hugging Face names with the
+config.json reader and writer (``HFNames``: pure dict translation; the files are ``io.hf_config``'s)
+and its presets (``ModelConfig`` fields). Everything else finds a family here: ``FAMILIES`` by name,
+``by_model_type`` by transformers' model_type, ``preset_fields`` for the presets.
+
+A new family is a module here and one line in ``MODULES``. This package must not import JAX.
+"""
+
+from __future__ import annotations
+
+import meshlm.model.families.ff as ff
+import meshlm.model.families.gemma as gemma
+import meshlm.model.families.gptj as gptj
+import meshlm.model.families.llama as llama
+import meshlm.model.families.mistral as mistral
+import meshlm.model.families.qwen2 as qwen2
+from meshlm.errors import ConfigError
+from meshlm.model.family import Family
+
+# One line per family, in the order messages list them.
+MODULES = (ff, gptj, llama, qwen2, mistral, gemma)
+
+FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in MODULES}
+
+# The order ``meshlm configs`` (and an unknown preset's message) lists the presets in, kept from before
+# families were modules; a preset not named here follows these, in ``MODULES`` order.
+LISTED = (
+    "seed",
+    "tiny",
+    "tiny-gptj",
+    "tiny-llama",
+    "tiny-lm",
+    "cpu",
+    "small",
+    "gptj-6b",
+    "llama2-7b",
+    "tiny-llama3",
+    "tiny-qwen2",
+    "llama3-8b",
+    "llama3.1-70b",
+    "qwen2.5-7b",
+    "tiny-deep",
+    "tiny-gqa",
+    "tiny-mistral",
+    "tiny-gemma",
+    "mistral-7b",
+    "gemma-7b",
+    "tiny-gpt2vocab",
+)
+
+
+def preset_fields() -> dict[str, dict]:
+    """Every family's presets: name -> ``ModelConfig`` fields, ``family`` included (a module's presets
+    are of its family), in the listing order (``LISTED``, then the rest)."""
+    found: dict[str, dict] = {}
+    for m in MODULES:
+        for name, fields in m.PRESETS.items():
+            if name in found or "family" in fields:
+                raise ConfigError(
+                    f"preset {name!r} of model.families.{m.__name__.rsplit('.', 1)[-1]} is defined twice or "
+                    "names a family; give each preset one module, the one of its family"
+                )
+            found[name] = {"family": m.FAMILY.name, **fields}
+    missing = [name for name in LISTED if name not in found]
+    if missing:
+        raise ConfigError(f"LISTED names presets no family module defines: {missing}; remove them")
+    return {**{name: found[name] for name in LISTED}, **found}
+
+
+def by_model_type() -> dict[str, Family]:
+    """The families transformers can express, by config.json ``model_type``."""
+    return {f.hf.model_type: f for f in FAMILIES.values() if f.hf is not None}
