@@ -96,6 +96,12 @@ def test_fine_tune_a_converted_model_then_eval_and_generate(family, tokenizer, t
     moved = max(float(np.max(np.abs(after[k] - before[k]))) for k in before)
     assert 0 < moved <= 2.5 * LR, moved
 
+    # Resuming needs the same --checkpoint (the model is its): without it, one line saying so.
+    again = [a for a in argv if a not in ("--checkpoint", ck)]
+    assert run_cli(*again, *flags.replace("--steps 2", "--steps 3").split()) == 2
+    err = capsys.readouterr().err
+    assert f"fine-tunes the model of --checkpoint {ck}; pass --checkpoint {ck} again" in err, err
+
     mesh = FAMILIES[family][1].split()[-1]  # eval and generate have no pipeline; --cp stays out too
     assert (
         run_cli("eval", "--checkpoint", ft, "--data", str(tmp_path / "my.txt"), "--mesh", mesh, "--json") == 0

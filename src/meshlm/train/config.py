@@ -45,13 +45,8 @@ _field = setting  # a field that describes itself (``meshlm.settings``)
 
 @dataclass(frozen=True)
 class TrainConfig(PipelineFlags, LongContext):  # --pp and its schedule, --cp ...: the bases' fields
-    config: str = _field(
-        "",
-        "model preset (see `meshlm configs`); with --checkpoint only to check it is the checkpoint's model",
-        resume_must_match=True,
-        cli=CLI_COMMON,
-        shown_default=f"{DEFAULT_PRESET}; with --checkpoint its own model",
-    )
+    # "": the cpu preset, or with --checkpoint the checkpoint's own model (its CLI help: cli/train.py)
+    config: str = _field("", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)
     data: tuple[str, ...] = _field(
         (),
         "text, JSONL(.gz/.zst), Parquet files, directories (or saved datasets), globs, or a token store",

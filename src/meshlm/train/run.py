@@ -108,6 +108,11 @@ def checkpoint_meta(
 
 def _check_resumable(meta: dict, tcfg: TrainConfig, where: Path) -> None:
     saved, now = meta.get("train_config", {}), tcfg.to_dict()
+    if saved.get("checkpoint") and not tcfg.checkpoint:  # else its preset is compared: a misleading diff
+        raise CheckpointError(
+            f"cannot resume from {where}: its run fine-tunes the model of --checkpoint "
+            f"{saved['checkpoint']}; pass --checkpoint {saved['checkpoint']} again (with the same flags)"
+        )
     # Under --checkpoint the model is the checkpoint's, compared whole on resume (model_config):
     # whether --config named it too changes nothing.
     names = [k for k in resume_must_match() if not (k == "config" and tcfg.checkpoint)]
