@@ -55,6 +55,7 @@ SLOW_FIRST = (
     "test_pipeline.py",
     "test_pp_train.py",
     "test_pp_cli.py",
+    "test_finetune.py",
 )
 
 

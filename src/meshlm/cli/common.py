@@ -51,9 +51,11 @@ probability = arg_type(PROBABILITY)
 device_count = arg_type(Range(int, 1, MAX_HOST_DEVICES))
 
 
-def add_common(p: argparse.ArgumentParser, config: str | None = None) -> None:
+def add_common(p: argparse.ArgumentParser, config: str | None = None, config_help: str = "") -> None:
     if config is not None:
-        p.add_argument("--config", default=config, help="model preset name (see `meshlm configs`)")
+        p.add_argument(
+            "--config", default=config, help=config_help or "model preset name (see `meshlm configs`)"
+        )
     p.add_argument("--mesh", default=None, help="DPxMP, e.g. 1x4 or 2x2 (default: 1 x all devices)")
     p.add_argument(
         "--devices",

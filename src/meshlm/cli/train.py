@@ -13,8 +13,9 @@ import signal
 import sys
 
 from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
+from meshlm.model.config import get_config
 from meshlm.parallel.pipeline_schedule import pipeline_options
-from meshlm.train.config import DEFAULT_DP, TrainConfig, check_byte_vocab, resolve
+from meshlm.train.config import DEFAULT_DP, DEFAULT_PRESET, TrainConfig, check_byte_vocab, resolve
 from meshlm.train.stop import Stop
 
 D = TrainConfig()
@@ -22,7 +23,14 @@ D = TrainConfig()
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train (or resume) a model; writes checkpoints and metrics to --out")
-    add_common(p, D.config)  # also --config and --seed (fields marked CLI_COMMON)
+    # also --config and --seed (fields marked CLI_COMMON); --config defaults to "": the cpu preset, or
+    # with --checkpoint the checkpoint's own model
+    add_common(
+        p,
+        D.config,
+        f"model preset (see `meshlm configs`; default: {DEFAULT_PRESET}); with --checkpoint "
+        "the checkpoint's own model is trained and --config, if given, must name that model",
+    )
     add_flags(p, TrainConfig)
     p.set_defaults(fn=run)
 
@@ -41,17 +49,15 @@ def run(args) -> int:
 
 
 def _run(args, stop: Stop) -> int:
-    tcfg, cfg = resolve(train_config(args))
-    # Before devices, data or model: a preset that cannot train on bytes fails in a second, not after
-    # the corpus is read.
-    check_byte_vocab(tcfg, cfg)
+    tcfg, cfg = _preset_checks(train_config(args))
     # Without --mesh, the mesh depends on the device count: run.py checks once devices exist.
     options = dict(fsdp=tcfg.fsdp, sp=tcfg.sp, **pipeline_options(tcfg))
     options.update(cp=tcfg.cp, cp_strategy=tcfg.cp_strategy)
     if layout := flag_layout(args, **options):
         layout.check_batch(tcfg.batch_size, tcfg.accum_steps if tcfg.accum_steps > 1 else None)
-        layout.check_seq_len(tcfg.seq_len)
-        layout.check_layers(cfg.n_layers)
+        if cfg is not None:  # else the checkpoint's model: run.py checks it once read
+            layout.check_seq_len(tcfg.seq_len)
+            layout.check_layers(cfg.n_layers)
     layout = setup(args, default_dp=DEFAULT_DP, **options)
     stop.check_startup()
     from meshlm.parallel.distributed import print0
@@ -64,6 +70,19 @@ def _run(args, stop: Stop) -> int:
         _print_summary(summary, print0)
     # 0 only for a finished run: interrupted (and saved) is 128 + the signal, as a shell reports it.
     return 128 + signal.Signals[summary["interrupted"]] if "interrupted" in summary else 0
+
+
+def _preset_checks(tcfg: TrainConfig):
+    """Before devices, data or model: a preset that cannot train on bytes fails in a second, not after
+    the corpus is read. With --checkpoint the model is the checkpoint's (read with the devices, in
+    ``train.run``): (tcfg, None), a --config name only checked to exist."""
+    if tcfg.checkpoint:
+        if tcfg.config:
+            get_config(tcfg.config)
+        return tcfg, None
+    tcfg, cfg = resolve(tcfg)
+    check_byte_vocab(tcfg, cfg)
+    return tcfg, cfg
 
 
 def _print_summary(summary: dict, print0) -> None:

@@ -37,12 +37,16 @@ DEFAULT_DP = 2
 # trained on its training split reaches a lower val_bpb in the same time than bytes (docs/training.md).
 MAIN_JOB_TOKENIZER = "bpe-1024"
 
+# The model of a run without --config: this preset, or with --checkpoint the checkpoint's own model.
+DEFAULT_PRESET = "cpu"
+
 _field = setting  # a field that describes itself (``meshlm.settings``)
 
 
 @dataclass(frozen=True)
 class TrainConfig(PipelineFlags, LongContext):  # --pp and its schedule, --cp ...: the bases' fields
-    config: str = _field("cpu", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)
+    # "": the cpu preset, or with --checkpoint the checkpoint's own model (its CLI help: cli/train.py)
+    config: str = _field("", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)
     data: tuple[str, ...] = _field(
         (),
         "text, JSONL(.gz/.zst), Parquet files, directories (or saved datasets), globs, or a token store",
@@ -178,15 +182,20 @@ def resume_must_match() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["resume_must_match"])
 
 
-def resolve(tcfg: TrainConfig) -> tuple[TrainConfig, ModelConfig]:
-    """``tcfg`` with its preset-dependent defaults filled in, and the preset's ModelConfig.
+def resolve(tcfg: TrainConfig, model: ModelConfig | None = None) -> tuple[TrainConfig, ModelConfig]:
+    """``tcfg`` with its preset-dependent defaults filled in, and its ModelConfig: ``model`` (a
+    ``--checkpoint``'s own, read by ``train.run``), else ``--config``'s preset (``DEFAULT_PRESET``
+    without one).
 
     The one place ``seq_len=0`` becomes a length: the run, its checkpoint meta and the resume check
     all see the resolved value, so a default run resumes under an explicit ``--seq-len`` and back.
     """
-    cfg = get_config(tcfg.config)
+    if model is None and not tcfg.config:
+        tcfg = dataclasses.replace(tcfg, config=DEFAULT_PRESET)  # what runs before --checkpoint recorded
+    cfg = model or get_config(tcfg.config)
     seq_len = default_seq_len(cfg, tcfg.seq_len)
-    if note := beyond_max_seq_len(cfg, seq_len, tcfg.config):  # rotary: a limit of the config, not a table
+    name = tcfg.config if model is None else f"--checkpoint {tcfg.checkpoint}"
+    if note := beyond_max_seq_len(cfg, seq_len, name):  # rotary: a limit of the config, not a table
         _print_once(note)
     return dataclasses.replace(tcfg, seq_len=seq_len), cfg
 

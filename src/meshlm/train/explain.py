@@ -12,7 +12,7 @@ from meshlm.data.records import DEFAULT_FIELD
 from meshlm.data.store import is_store
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.layout import Layout
-from meshlm.train.config import TrainConfig
+from meshlm.train.config import DEFAULT_PRESET, TrainConfig
 
 
 def _count(n: int) -> str:
@@ -61,8 +61,10 @@ def start_line(tcfg: TrainConfig, cfg: ModelConfig, where, n_params: int) -> str
         )
     if layout.cp > 1:
         extra += f"; each sequence split over cp={layout.cp} ({layout.cp_strategy}; chunks i and 2cp-1-i)"
+    preset = f"the {tcfg.config or DEFAULT_PRESET} preset"
+    model = f"the model of --checkpoint {tcfg.checkpoint}" if tcfg.checkpoint else preset
     return (
-        f"model: the {tcfg.config} preset, a {cfg.family} of {cfg.n_layers} layers, d_model {cfg.d_model}, "
+        f"model: {model}, a {cfg.family} of {cfg.n_layers} layers, d_model {cfg.d_model}, "
         f"{_count(n_params)} parameters; mesh {mesh} on {_devices(layout.mesh)}: "
         f"{_model_split(cfg, mp)}; {batch}{extra}"
     )

@@ -25,9 +25,9 @@ from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.data.tokens import check_token_range
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.io.checkpoint import Checkpointer
-from meshlm.io.model_io import FORMAT, abstract_params, load_model
+from meshlm.io.model_io import FORMAT, abstract_params, load_model, read_config
 from meshlm.io.run_lock import RunLock, lock_run
-from meshlm.model.config import ModelConfig, from_dict
+from meshlm.model.config import ModelConfig, from_dict, get_config
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel import distributed
 from meshlm.parallel.layout import Layout
@@ -45,7 +45,7 @@ class Run:
     """Everything the loop needs, built once. Mutable: the loop advances params, opt_state and step."""
 
     tcfg: TrainConfig  # resolved (see `resolve`): what the checkpoint meta records
-    cfg: ModelConfig  # the preset's model
+    cfg: ModelConfig  # the model: --config's preset, or --checkpoint's own
     layout: Layout  # dp x mp devices and the memory options (fsdp, sp: the run's --fsdp, --sp)
     specs: dict  # parameter PartitionSpecs
     params: dict  # current parameters, sharded per specs
@@ -108,10 +108,16 @@ def checkpoint_meta(
 
 def _check_resumable(meta: dict, tcfg: TrainConfig, where: Path) -> None:
     saved, now = meta.get("train_config", {}), tcfg.to_dict()
+    if saved.get("checkpoint") and not tcfg.checkpoint:  # else its preset is compared: a misleading diff
+        raise CheckpointError(
+            f"cannot resume from {where}: its run fine-tunes the model of --checkpoint "
+            f"{saved['checkpoint']}; pass --checkpoint {saved['checkpoint']} again (with the same flags)"
+        )
+    # Under --checkpoint the model is the checkpoint's, compared whole on resume (model_config):
+    # whether --config named it too changes nothing.
+    names = [k for k in resume_must_match() if not (k == "config" and tcfg.checkpoint)]
     diffs = [
-        f"{k}: saved {saved.get(k)!r}, now {now[k]!r}"
-        for k in resume_must_match()
-        if k in saved and saved[k] != now[k]
+        f"{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in names if k in saved and saved[k] != now[k]
     ]
     if diffs:
         raise CheckpointError(
@@ -171,14 +177,9 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, ckpt: Ch
     fresh (initialised, or loaded from ``tcfg.checkpoint``) at step 0."""
     meta = _check_existing(tcfg, ckpt)
     specs = run_specs(tcfg, cfg, layout)
-    if tcfg.checkpoint:
-        loaded_cfg, params, _ = load_model(tcfg.checkpoint, layout)
+    if tcfg.checkpoint:  # its model is the run's (``run_model``)
+        _, params, _ = load_model(tcfg.checkpoint, layout)
         params = jax.device_put(params, shardings(specs, layout.mesh))  # onto FSDP slices, if asked
-        if loaded_cfg.replace(doc_mask=cfg.doc_mask) != cfg:  # --doc-mask may be added to any model
-            raise CheckpointError(
-                f"--checkpoint {tcfg.checkpoint} holds a different model than --config "
-                f"{tcfg.config}; pass the config it was made with"
-            )
     else:
         params, specs = init_model(cfg, layout, tcfg.seed)
     step_fn, opt = sharded_step(
@@ -197,6 +198,33 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, ckpt: Ch
         params, opt_state = state["params"], state["opt_state"]
         distributed.print0(f"resuming from {ckpt.step_dir(step)} (step {step})", file=sys.stderr)
     return params, opt_state, step, specs, step_fn
+
+
+def run_model(tcfg: TrainConfig) -> tuple[TrainConfig, ModelConfig]:
+    """(the resolved settings, the run's model): ``--config``'s preset, or under ``--checkpoint`` the
+    checkpoint's own model (a converted one matches no preset), which ``--config``, if given, must
+    name. The run's ``--doc-mask`` (not the checkpoint's) decides document masking."""
+    if not tcfg.checkpoint:
+        return resolve(tcfg)
+    model, meta = read_config(tcfg.checkpoint)
+    model = model.replace(doc_mask=-1)
+    if tcfg.config and meta.get("train_config", {}).get("config") != tcfg.config:  # not trained from it
+        _check_same_model(tcfg, get_config(tcfg.config), model)
+    return resolve(tcfg, model)
+
+
+def _check_same_model(tcfg: TrainConfig, preset: ModelConfig, model: ModelConfig) -> None:
+    diffs = [
+        f"{f.name} {getattr(preset, f.name)!r} vs {getattr(model, f.name)!r}"
+        for f in dataclasses.fields(ModelConfig)
+        if f.name != "doc_mask" and getattr(preset, f.name) != getattr(model, f.name)
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"--config {tcfg.config} is not the model of --checkpoint {tcfg.checkpoint} "
+            f"({'; '.join(diffs)}: preset vs checkpoint); leave out --config to train the checkpoint's "
+            "own model"
+        )
 
 
 def run_layout(tcfg: TrainConfig, where) -> Layout:
@@ -233,7 +261,7 @@ def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lamb
     """Resolve ``tcfg``, load the data, and initialise or resume the state on ``where`` (a Layout or
     a jax Mesh; the run's --fsdp and --sp are ``tcfg``'s). ``startup_check`` is called after the data
     and after the state (``Stop.check_startup``)."""
-    tcfg, cfg = resolve(tcfg)
+    tcfg, cfg = run_model(tcfg)
     layout = run_layout(tcfg, where)
     store = store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store (checked) or None
     run_specs(tcfg, cfg, layout)  # bad --fsdp / --sp combinations fail before the data is read
