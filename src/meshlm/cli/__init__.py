@@ -35,8 +35,17 @@ from meshlm.errors import Interrupted, MeshlmError, is_disk_full
 COMMANDS = [train, verify, generate, evaluate, convert, launch, bench, memory, plan, tokenizer, data, configs]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line, exit 2: ``meshlm train: error: argument --lr: ... (see meshlm train
+    --help)``, not argparse's usage block (6-22 lines) before it. Subcommands' parsers are of this
+    class too (``add_subparsers`` makes its parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="meshlm",
         description="Model-parallel LM training in JAX + Haiku, proven equal to the unsharded model.",
     )

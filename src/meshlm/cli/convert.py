@@ -22,10 +22,11 @@ def add_parser(sub) -> None:
 
 def _check_out(out: str) -> None:
     """Never mix a conversion into existing files (a checkpoint directory would gain a step). A live
-    command's lock is not "not empty": taking the lock names its owner."""
-    from meshlm.io.run_lock import LOCK_FILE
+    command's output is not "not empty": its owner is named (``check_free``)."""
+    from meshlm.io.run_lock import LOCK_FILE, check_free
 
     path = Path(out)
+    check_free(path)
     if path.exists() and (not path.is_dir() or any(p.name != LOCK_FILE for p in path.iterdir())):
         raise ConfigError(f"--out {out} exists and is not an empty directory; choose a new path or remove it")
 

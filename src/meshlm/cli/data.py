@@ -57,10 +57,11 @@ def run(args) -> int:
     from meshlm.data.prepare import check_out, plan, prepare
     from meshlm.data.records import Skipped
     from meshlm.data.tokenizer import load_tokenizer
-    from meshlm.io.run_lock import LOCK_FILE, lock_new_dir
+    from meshlm.io.run_lock import LOCK_FILE, check_free, lock_new_dir
 
     # Bad input fails before any work: the output, the tokenizer, the corpus. A live prepare's
-    # lock is not "not empty": taking the lock names its owner.
+    # store is not "interrupted" nor its lock "not empty": its owner is named.
+    check_free(Path(args.out))
     check_out(args.out, ignore=(LOCK_FILE,))
     tok = load_tokenizer(args.tokenizer)
     plan(args.data, args.val_fraction, args.max_bytes, args.text_field)

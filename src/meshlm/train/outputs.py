@@ -5,7 +5,8 @@ event files in it): before a run writes any of them, ``check_outputs`` refuses, 
 naming the path, where it points and the fix (remove it), if one is a symbolic link or not the
 kind of entry the run writes there (a FIFO where a file goes, a file where ``tensorboard/`` goes).
 Refusing, rather than replacing a link, leaves the user's entries untouched and one rule for all.
-``--out`` itself may be a link to a directory: the user chose that directory.
+``--out`` itself may not be a link either (``io.run_lock`` refuses it when locking): a run writes
+only inside the directory it is given.
 
 Writes then hold even if a link appears after the check: a whole file is written to a new
 temporary file in the same directory (a random name, ``O_CREAT | O_EXCL | O_NOFOLLOW``) that

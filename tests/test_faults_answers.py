@@ -1,0 +1,125 @@
+"""The fourth reliability pass (issue 36, cases 4 and 6): the wrong answers and unclear behaviours of
+a held-out probe, each reproduced. One owner per output directory, named; nothing written outside
+--out; a refused command leaves nothing that blocks its rerun; one error line per bad flag."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from helpers import run_cli, write_corpus
+
+from meshlm.data.store import write_marker
+from meshlm.io.run_lock import LOCK_FILE, RunLock
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def _last_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# ---------------------------------------------------------------- a live command's output is in use
+
+
+def _live_prepare(out: Path) -> RunLock:
+    """``out`` as a live `data prepare` leaves it mid-way: its lock held, its marker and a token file
+    written, no index.json yet. Held by this process: a second open of the lock conflicts all the same."""
+    lock = RunLock(out).acquire()
+    write_marker(out)
+    (out / "train.tokens").write_bytes(b"\0" * 64)
+    return lock
+
+
+def test_prepare_on_a_live_prepares_out_names_its_owner(corpus, tmp_path, capsys):
+    out = tmp_path / "store"
+    lock = _live_prepare(out)
+    try:
+        code = run_cli("data", "prepare", "--data", corpus, "--out", str(out), "--workers", "1")
+        line = _last_error(capsys)
+    finally:
+        lock.release()
+    assert code == 2 and f"in use by another run (pid {os.getpid()} on host " in line, line
+    assert "interrupted" not in line
+
+
+@pytest.mark.parametrize("direction", ["--to-hf", "--from-hf"])
+def test_convert_into_a_live_runs_out_names_its_owner(tmp_path, capsys, direction):
+    out = tmp_path / "hf"
+    lock = RunLock(out).acquire()
+    (out / "config.json").write_text("{}\n")  # what the live conversion wrote so far
+    try:
+        code = run_cli("convert", direction, str(tmp_path / "absent"), "--out", str(out))
+        line = _last_error(capsys)
+    finally:
+        lock.release()
+    assert code == 2 and f"in use by another run (pid {os.getpid()} on host " in line, line
+    assert "not an empty directory" not in line
+
+
+# ---------------------------------------------------------------- --out that is a symbolic link
+
+
+@pytest.mark.parametrize("command", ["prepare", "convert"])
+def test_out_that_is_a_link_is_refused_before_any_work(corpus, tmp_path, capsys, command):
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "real", target_is_directory=True)
+    if command == "prepare":
+        code = run_cli("data", "prepare", "--data", corpus, "--out", str(link), "--workers", "1")
+    else:
+        code = run_cli("convert", "--to-hf", str(tmp_path / "absent"), "--out", str(link))
+    line = _last_error(capsys)
+    assert code == 2 and f"--out {link} is a symbolic link (to {tmp_path / 'real'})" in line, line
+    assert list((tmp_path / "real").iterdir()) == []  # nothing written where it leads
+
+
+def test_the_run_lock_refuses_a_linked_directory(tmp_path):
+    from meshlm.errors import CheckpointError
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        RunLock(tmp_path / "link").acquire()
+    assert not (tmp_path / "real" / LOCK_FILE).exists()
+
+
+# ---------------------------------------------------------------- a bad flag is one line
+
+# (command line, the prog that answers): a bad value for every subcommand
+ONE_LINE = [
+    ("train --lr -1", "meshlm train"),
+    ("verify --steps -5", "meshlm verify"),
+    ("generate --checkpoint c --top-p 0", "meshlm generate"),
+    ("eval --checkpoint c --data d --batch-size 0", "meshlm eval"),
+    ("convert --to-hf c --out o --seed -1", "meshlm convert"),
+    ("launch -n 0 -- verify", "meshlm launch"),
+    ("bench --peak-n 0", "meshlm bench"),
+    ("memory --devices 0", "meshlm memory"),
+    ("plan --devices 0", "meshlm plan"),
+    ("tokenizer train --vocab-size 0 --out t", "meshlm tokenizer train"),
+    ("data prepare --out s --workers -1", "meshlm data prepare"),
+    ("configs --json=yes", "meshlm configs"),
+    ("train --no-such-flag", "meshlm"),
+    ("no-such-command", "meshlm"),
+]
+
+
+@pytest.mark.parametrize(("argv", "prog"), ONE_LINE, ids=[case[0] for case in ONE_LINE])
+def test_a_bad_flag_is_one_line_without_the_usage_block(argv, prog, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_cli(*argv.split())
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), captured.err
+    assert lines[0].endswith(f"(see {prog} --help)"), lines[0]
