@@ -123,3 +123,33 @@ def test_a_bad_flag_is_one_line_without_the_usage_block(argv, prog, capsys):
     lines = captured.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), captured.err
     assert lines[0].endswith(f"(see {prog} --help)"), lines[0]
+
+
+# ---------------------------------------------------------------- --cp-strategy without --cp
+
+NO_CP = [
+    "train --cp-strategy allgather",
+    "train --cp-strategy allgather --mesh 1x2",
+    "verify --cp-strategy allgather",
+    "bench --cp-strategy allgather",
+    "plan --cp-strategy allgather --mesh 1x2",
+]
+
+
+@pytest.mark.parametrize("argv", NO_CP)
+def test_cp_strategy_without_cp_is_refused_like_microbatches_without_pp(argv, monkeypatch, capsys):
+    def too_late(*args, **kwargs):
+        raise AssertionError("--cp-strategy without --cp must be refused before setup")
+
+    for command in ("train", "verify", "bench", "plan"):
+        monkeypatch.setattr(f"meshlm.cli.{command}.setup", too_late)
+    assert run_cli(*argv.split()) == 2
+    line = _last_error(capsys)
+    message = "--cp-strategy allgather needs context parallelism; add --cp 2 (or more) or drop it"
+    assert line == f"meshlm: error: {message}"
+
+
+def test_the_default_cp_strategy_is_accepted_without_cp():
+    from meshlm.parallel.layout import Layout
+
+    assert Layout(dp=2, cp_strategy="ring").cp == 1
