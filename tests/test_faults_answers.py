@@ -153,3 +153,27 @@ def test_the_default_cp_strategy_is_accepted_without_cp():
     from meshlm.parallel.layout import Layout
 
     assert Layout(dp=2, cp_strategy="ring").cp == 1
+
+
+# ---------------------------------------------------------------- --val-fraction: help and check agree
+
+
+def test_val_fraction_help_and_check_agree(capsys):
+    from meshlm.cli.data import VAL_FRACTION
+    from meshlm.data.sources import check_fraction
+    from meshlm.errors import DataError
+
+    for value in (1e-9, 0.05, 0.5, 0.999, 1.0, 0.0, -0.1, 1.5):
+        try:
+            check_fraction(value)
+            checked = True
+        except DataError:
+            checked = False
+        assert VAL_FRACTION.contains(value) == checked, value
+    with pytest.raises(SystemExit):
+        run_cli("data", "prepare", "--help")
+    assert "in (0, 1)," in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        run_cli("data", "prepare", "--out", "s", "--val-fraction", "1")
+    assert exc.value.code == 2
+    assert "argument --val-fraction: must be a finite number in (0, 1), got 1.0" in _last_error(capsys)

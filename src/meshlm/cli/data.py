@@ -16,6 +16,8 @@ from pathlib import Path
 from meshlm.cli.common import arg_type, non_negative_int, positive_int
 from meshlm.ranges import Range
 
+VAL_FRACTION = Range(float, 0.0, 1.0, low_open=True, high_open=True)  # data.sources.check_fraction's
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("data", help="prepare a memory-mapped token store for train --data DIR")
@@ -39,9 +41,10 @@ def add_parser(sub) -> None:
     t.add_argument("--out", required=True, help="the store directory to write: new or empty")
     t.add_argument(
         "--val-fraction",
-        type=arg_type(Range(float, 0.0, 1.0, low_open=True)),
+        type=arg_type(VAL_FRACTION),
         default=0.05,
-        help="validation share, by file as train --data splits (default 0.05, train's)",
+        help=f"validation share, {VAL_FRACTION.describe()}, by file as train --data splits (default 0.05, "
+        "train's)",
     )
     t.add_argument(
         "--max-bytes", type=positive_int, default=None, help="cap the corpus at about this many bytes"
