@@ -177,3 +177,28 @@ def test_val_fraction_help_and_check_agree(capsys):
         run_cli("data", "prepare", "--out", "s", "--val-fraction", "1")
     assert exc.value.code == 2
     assert "argument --val-fraction: must be a finite number in (0, 1), got 1.0" in _last_error(capsys)
+
+
+# ---------------------------------------------------------------- eval --split on raw text
+
+
+def test_eval_split_train_on_raw_text_is_refused_not_ignored(corpus, monkeypatch, capsys):
+    def too_late(*args, **kwargs):
+        raise AssertionError("--split train on raw text must be refused before setup")
+
+    monkeypatch.setattr("meshlm.cli.evaluate.setup", too_late)
+    assert run_cli("eval", "--checkpoint", "c", "--data", corpus, "--split", "train") == 2
+    line = _last_error(capsys)
+    assert "--split train picks a token store's split, but --data is raw text" in line, line
+
+
+def test_eval_split_is_checked_for_library_callers(corpus):
+    from meshlm.data.tokenizer import ByteTokenizer
+    from meshlm.errors import ConfigError
+    from meshlm.model.config import get_config
+    from meshlm.train.eval_settings import EvalConfig
+    from meshlm.train.evaluation import eval_stream
+
+    ecfg = EvalConfig(checkpoint="c", data=(corpus,), split="train")
+    with pytest.raises(ConfigError, match="--split train picks a token store's split"):
+        eval_stream(ecfg, ByteTokenizer(), get_config("tiny-lm"))
