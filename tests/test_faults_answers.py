@@ -202,3 +202,35 @@ def test_eval_split_is_checked_for_library_callers(corpus):
     ecfg = EvalConfig(checkpoint="c", data=(corpus,), split="train")
     with pytest.raises(ConfigError, match="--split train picks a token store's split"):
         eval_stream(ecfg, ByteTokenizer(), get_config("tiny-lm"))
+
+
+# ---------------------------------------------------------------- a refused prepare leaves nothing
+
+
+def _truncated_gz(path: Path) -> Path:
+    import gzip
+    import json
+
+    # Rows past the first batch that the check before work reads: the cut is found while writing.
+    rows = "".join(json.dumps({"text": os.urandom(50).hex()}) + "\n" for i in range(3000))
+    data = gzip.compress(rows.encode())
+    path.write_bytes(data[: len(data) * 3 // 4])
+    return path
+
+
+@pytest.mark.parametrize(
+    ("bad", "out_exists"), [("empty.jsonl", False), ("empty.jsonl", True), ("truncated.jsonl.gz", False)]
+)
+def test_a_refused_prepare_leaves_nothing_that_blocks_the_rerun(corpus, tmp_path, capsys, bad, out_exists):
+    data = tmp_path / bad
+    data.write_bytes(b"") if bad == "empty.jsonl" else _truncated_gz(data)
+    out = tmp_path / "store"
+    if out_exists:
+        out.mkdir()
+    code = run_cli("data", "prepare", "--data", str(data), "--out", str(out), "--workers", "1")
+    line = _last_error(capsys)
+    assert code == 2 and line.startswith("meshlm: error: "), line
+    assert (sorted(os.listdir(out)) == []) if out_exists else not out.exists()
+    code = run_cli("data", "prepare", "--data", corpus, "--out", str(out), "--workers", "1")
+    assert code == 0, capsys.readouterr().err
+    assert (out / "index.json").is_file()

@@ -7,6 +7,7 @@ reading the corpus into memory. See ``meshlm.data.store`` for the directory's la
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
@@ -69,6 +70,7 @@ def run(args) -> int:
     tok = load_tokenizer(args.tokenizer)
     plan(args.data, args.val_fraction, args.max_bytes, args.text_field)
     t0 = time.perf_counter()
+    made = not Path(args.out).exists()
     lock = lock_new_dir(Path(args.out), multi_process=False)  # one prepare per --out
     try:
         index = prepare(
@@ -89,6 +91,12 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return 128 + signal.SIGINT
+    except Exception:
+        lock.release()
+        if made:  # prepare removed what it wrote; the directory held the lock too
+            with contextlib.suppress(OSError):
+                Path(args.out).rmdir()
+        raise
     finally:
         lock.release()
     splits = index["splits"]
