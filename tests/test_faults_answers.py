@@ -234,3 +234,23 @@ def test_a_refused_prepare_leaves_nothing_that_blocks_the_rerun(corpus, tmp_path
     code = run_cli("data", "prepare", "--data", corpus, "--out", str(out), "--workers", "1")
     assert code == 0, capsys.readouterr().err
     assert (out / "index.json").is_file()
+
+
+# ---------------------------------------------------------------- nothing written under $HOME
+
+
+def test_a_first_train_with_a_fresh_home_writes_nothing_under_it(corpus, tmp_path):
+    """matplotlib's font cache and config directory went to $HOME/.cache and $HOME/.config."""
+    from helpers import run_meshlm
+
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir()
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MPL", "XDG_"))}
+    env |= {"HOME": str(home), "TMPDIR": str(tmp)}
+    flags = "--config tiny-lm --steps 1 --batch-size 2 --seq-len 16 --sample-tokens 0 --devices 1"
+    done = run_meshlm("train", "--data", corpus, *flags.split(), "--out", str(tmp_path / "run"), env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "run" / "loss_curve.png").is_file()
+    assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == []
+    assert sorted(p.name for p in tmp.iterdir() if p.name.startswith("meshlm-")) == []  # removed at exit

@@ -16,10 +16,14 @@ it. Appends and reads open with ``O_NOFOLLOW`` and ``O_NONBLOCK`` (a FIFO would 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import secrets
+import shutil
 import stat
+import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -136,3 +140,15 @@ def replace_text(path: Path, text: str) -> Path:
 def lines(path: Path) -> Iterator[str]:
     """The lines of ``path`` (none if it does not exist)."""
     yield from (read_text(path) or "").splitlines()
+
+
+def isolate_matplotlib() -> None:
+    """Call before importing matplotlib. On its first import it makes its config directory and writes
+    its font cache under $HOME (~/.config/matplotlib, ~/.cache/matplotlib): a write outside --out.
+    Unless the user chose a directory (MPLCONFIGDIR) or matplotlib is already imported, both go to a
+    temporary directory, removed when the process exits. Not the run directory: it stays the run's."""
+    if "matplotlib" in sys.modules or os.environ.get("MPLCONFIGDIR"):
+        return
+    tmp = tempfile.mkdtemp(prefix="meshlm-matplotlib-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    os.environ["MPLCONFIGDIR"] = tmp
