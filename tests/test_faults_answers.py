@@ -254,3 +254,49 @@ def test_a_first_train_with_a_fresh_home_writes_nothing_under_it(corpus, tmp_pat
     assert (tmp_path / "run" / "loss_curve.png").is_file()
     assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == []
     assert sorted(p.name for p in tmp.iterdir() if p.name.startswith("meshlm-")) == []  # removed at exit
+
+
+# ---------------------------------------------------------------- convert --to-hf says which step
+
+
+def _run_of_two_steps(ck: Path) -> None:
+    """A run directory holding steps 1 and 2 of a tiny model (no training: two saves)."""
+    from meshlm.io.checkpoint import Checkpointer
+    from meshlm.io.model_io import FORMAT
+    from meshlm.model.config import get_config
+    from meshlm.parallel.mesh import make_mesh
+    from meshlm.train.step import init_model
+
+    cfg = get_config("tiny-llama")
+    params, _ = init_model(cfg, make_mesh(1, 1), 0)
+    meta = {"format": FORMAT, "model_config": cfg.to_dict(), "tokenizer": {"kind": "bytes"}}
+    with Checkpointer(ck, keep=3) as ckpt:
+        ckpt.save(1, {"params": params}, meta)
+        ckpt.save(2, {"params": params}, meta)
+
+
+def _flip_byte(step_dir: Path) -> None:
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    victim = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+
+def test_convert_to_hf_says_which_step_it_exported(tmp_path, capsys):
+    import json
+
+    ck = tmp_path / "run"
+    _run_of_two_steps(ck)
+    assert run_cli("convert", "--to-hf", str(ck), "--out", str(tmp_path / "a"), "--mesh", "1x1") == 0
+    assert f"converted {ck} step 2 -> " in capsys.readouterr().out
+    _flip_byte(ck / "2")
+    with pytest.warns(UserWarning, match="skipping corrupt checkpoint step 2"):
+        code = run_cli("convert", "--to-hf", str(ck), "--out", str(tmp_path / "b"), "--mesh", "1x1", "--json")
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["step"], summary["skipped_steps"]) == (1, [2])
+    with pytest.warns(UserWarning, match="skipping corrupt checkpoint step 2"):
+        assert run_cli("convert", "--to-hf", str(ck), "--out", str(tmp_path / "c"), "--mesh", "1x1") == 0
+    out = capsys.readouterr().out
+    assert f"converted {ck} step 1 (not the newer step 2: damaged, see the warning above) -> " in out, out
