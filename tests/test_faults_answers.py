@@ -300,3 +300,42 @@ def test_convert_to_hf_says_which_step_it_exported(tmp_path, capsys):
         assert run_cli("convert", "--to-hf", str(ck), "--out", str(tmp_path / "c"), "--mesh", "1x1") == 0
     out = capsys.readouterr().out
     assert f"converted {ck} step 1 (not the newer step 2: damaged, see the warning above) -> " in out, out
+
+
+# ---------------------------------------------------------------- a refused train leaves nothing
+
+
+@pytest.fixture(scope="module")
+def bpe_file(tmp_path_factory, corpus):
+    """A tokenizer.json of a small BPE: a run copies it into its directory (bytes write none)."""
+    from meshlm.data.bpe import train_bpe
+
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    path.write_text(train_bpe([Path(corpus, "f0.py").read_text()], 260).to_json(), encoding="utf-8")
+    return path
+
+
+def _refuse(*args, **kwargs):
+    from meshlm.errors import ConfigError
+
+    raise ConfigError("planted: a value found bad while starting")
+
+
+@pytest.mark.parametrize("stage", ["building", "compiling"])
+@pytest.mark.parametrize("out_exists", [False, True])
+def test_a_refused_train_leaves_the_directory_as_it_was(
+    corpus, bpe_file, tmp_path, monkeypatch, capsys, stage, out_exists
+):
+    from helpers import train_args
+
+    out = tmp_path / "run"
+    if out_exists:
+        out.mkdir()
+        (out / "notes.txt").write_text("the user's\n")
+    # building: after tensorboard/ is made; compiling: the first evaluation, after tokenizer.json too
+    target = "meshlm.train.run.eval_arrays" if stage == "building" else "meshlm.train.loop._eval_and_log"
+    monkeypatch.setattr(target, _refuse)
+    argv = [*train_args(corpus, out, 2), "--mesh", "1x1", "--tokenizer", str(bpe_file), "--devices", "1"]
+    assert run_cli(*argv) == 2
+    assert "planted" in _last_error(capsys)
+    assert (sorted(os.listdir(out)) == ["notes.txt"]) if out_exists else not out.exists()

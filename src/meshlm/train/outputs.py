@@ -24,7 +24,7 @@ import shutil
 import stat
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -152,3 +152,31 @@ def isolate_matplotlib() -> None:
     tmp = tempfile.mkdtemp(prefix="meshlm-matplotlib-")
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     os.environ["MPLCONFIGDIR"] = tmp
+
+
+def entries(out: Path) -> frozenset[str] | None:
+    """The names ``out`` holds now (None: no such directory): what a refused start leaves as it was."""
+    try:
+        return frozenset(os.listdir(out))
+    except OSError:
+        return None
+
+
+def undo_refused_start(out: Path, before: frozenset[str] | None, names: Collection[str], release) -> None:
+    """A start refused before it saved anything (a bad value found while building the run or compiling
+    its first programs) leaves ``out`` as it found it: each of ``names`` (the run's outputs, its
+    tokenizer.json) that it holds now but not ``before`` is removed, never anything that was there;
+    then ``release()`` (the run lock), then ``out`` itself if the start made it and it is empty again.
+    Process 0 writes, so process 0 removes; call on every process (``release`` is a collective's)."""
+    if distributed.is_main():
+        for name in set(names) - (before or frozenset()):
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+    release()
+    if before is None and distributed.is_main():
+        with contextlib.suppress(OSError):  # not empty: another command's now
+            out.rmdir()
