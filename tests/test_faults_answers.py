@@ -108,7 +108,8 @@ ONE_LINE = [
     ("tokenizer train --vocab-size 0 --out t", "meshlm tokenizer train"),
     ("data prepare --out s --workers -1", "meshlm data prepare"),
     ("configs --json=yes", "meshlm configs"),
-    ("train --no-such-flag", "meshlm"),
+    ("train --no-such-flag", "meshlm train"),
+    ("data prepare --out s --no-such-flag", "meshlm data prepare"),
     ("no-such-command", "meshlm"),
 ]
 

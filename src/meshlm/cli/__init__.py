@@ -43,6 +43,16 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """As argparse's, with an unknown flag blamed on the subcommand it was given to (argparse
+        reports it from the top parser: ``meshlm: error: unrecognized arguments``)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            names = (getattr(parsed, "command", None), getattr(parsed, "action", None))
+            prog = " ".join([self.prog, *filter(None, names)])
+            self.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extras)} (see {prog} --help)\n")
+        return parsed
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
