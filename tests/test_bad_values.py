@@ -1,7 +1,7 @@
 """Every impossible value is refused before any work starts: one line naming the flag, exit code 2.
 
 Flags out of range fail while argparse parses them (``meshlm CMD: error: argument --FLAG: must be ...``,
-after the usage text); values only the mesh or the file system can rule out fail in the command's
+one line, no usage block); values only the mesh or the file system can rule out fail in the command's
 ``run`` before ``setup`` (``meshlm: error: ...``). Library users get the same ranges from the configs.
 Nothing here trains or compiles.
 """

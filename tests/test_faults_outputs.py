@@ -99,12 +99,14 @@ def test_fifo_as_an_output_is_refused_without_blocking(corpus, tmp_path, capsys)
     assert "metrics.jsonl is a FIFO, not a regular file" in _error_line(capsys.readouterr().err)
 
 
-def test_out_itself_may_be_a_link_to_a_directory(corpus, tmp_path):
+def test_out_itself_that_is_a_link_is_refused(corpus, tmp_path, capsys):
+    """Refused, not followed: a run writes only inside the directory it is given (issue 36)."""
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
-    assert _train(corpus, tmp_path / "link") == 0
-    assert [r["step"] for r in train_rows(tmp_path / "real")] == [1, 2]
-    assert (tmp_path / "real" / "loss_curve.png").is_file()
+    assert _train(corpus, tmp_path / "link") == 2
+    line = _error_line(capsys.readouterr().err)
+    assert f"--out {tmp_path / 'link'} is a symbolic link (to {tmp_path / 'real'})" in line, line
+    assert list((tmp_path / "real").iterdir()) == []
 
 
 # ---------------------------------------------------------------- a link that appears after the check

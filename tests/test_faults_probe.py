@@ -333,8 +333,7 @@ def test_disk_full_while_preparing_is_one_line_and_no_store(corpus, tmp_path, ca
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "prepare:" not in line]
     assert code == 2 and err == ["meshlm: error: no space left on device writing the/file; free space (or "
                                  "choose another --out), then run the same command again"], err  # fmt: skip
-    with pytest.raises(DataError, match="incomplete token store"):
-        store_arg([tmp_path / "s"])
+    assert not (tmp_path / "s").exists()  # what it wrote is removed: the same command can run again
 
 
 # ---------------------------------------------------------------- a SIGKILLed prepare leaves no workers

@@ -16,7 +16,8 @@ from numbers import Integral, Real
 
 @dataclass(frozen=True)
 class Range:
-    """Values of ``kind`` (int or float) in [low, high]; ``low_open`` excludes ``low`` itself.
+    """Values of ``kind`` (int or float) in [low, high]; ``low_open`` excludes ``low`` itself,
+    ``high_open`` ``high``.
 
     Floats must also be finite: NaN passes no comparison test loudly, it just trains to garbage.
     ``note`` says what a special value means (e.g. "0: only at the end") and is shown in messages.
@@ -27,13 +28,14 @@ class Range:
     high: float | None = None
     low_open: bool = False
     note: str = ""
+    high_open: bool = False
 
     def describe(self) -> str:
         """What a valid value is, e.g. "an integer >= 1" or "a finite number in (0, 1]"."""
         noun = "an integer" if self.kind is int else "a finite number"
         low, high = _show(self.low), _show(self.high)
         if self.low is not None and self.high is not None:
-            text = f"{noun} in {'(' if self.low_open else '['}{low}, {high}]"
+            text = f"{noun} in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
         elif self.low is not None:
             text = f"{noun} {'>' if self.low_open else '>='} {low}"
         elif self.high is not None:
@@ -49,7 +51,7 @@ class Range:
             return False
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
             return False
-        return self.high is None or value <= self.high
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
 
     def problem(self, name: str, value) -> str | None:
         """None if ``value`` is valid, else "NAME must be <description>, got VALUE"."""

@@ -35,8 +35,27 @@ from meshlm.errors import Interrupted, MeshlmError, is_disk_full
 COMMANDS = [train, verify, generate, evaluate, convert, launch, bench, memory, plan, tokenizer, data, configs]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line, exit 2: ``meshlm train: error: argument --lr: ... (see meshlm train
+    --help)``, not argparse's usage block (6-22 lines) before it. Subcommands' parsers are of this
+    class too (``add_subparsers`` makes its parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """As argparse's, with an unknown flag blamed on the subcommand it was given to (argparse
+        reports it from the top parser: ``meshlm: error: unrecognized arguments``)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            names = (getattr(parsed, "command", None), getattr(parsed, "action", None))
+            prog = " ".join([self.prog, *filter(None, names)])
+            self.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extras)} (see {prog} --help)\n")
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="meshlm",
         description="Model-parallel LM training in JAX + Haiku, proven equal to the unsharded model.",
     )

@@ -22,10 +22,11 @@ def add_parser(sub) -> None:
 
 def _check_out(out: str) -> None:
     """Never mix a conversion into existing files (a checkpoint directory would gain a step). A live
-    command's lock is not "not empty": taking the lock names its owner."""
-    from meshlm.io.run_lock import LOCK_FILE
+    command's output is not "not empty": its owner is named (``check_free``)."""
+    from meshlm.io.run_lock import LOCK_FILE, check_free
 
     path = Path(out)
+    check_free(path)
     if path.exists() and (not path.is_dir() or any(p.name != LOCK_FILE for p in path.iterdir())):
         raise ConfigError(f"--out {out} exists and is not an empty directory; choose a new path or remove it")
 
@@ -57,8 +58,20 @@ def _owned(out: str):
 def _line(s: dict) -> str:
     c = s["config"]
     shape = f"{c['family']} d_model={c['d_model']} n_layers={c['n_layers']} vocab={c['vocab_size']}"
-    line = f"converted {s['from']} -> {s['to']} ({s['format']}): {shape}, {s['params']:,} parameters"
+    line = f"converted {s['from']}{_which_step(s)} -> {s['to']} ({s['format']}): {shape}"
+    line += f", {s['params']:,} parameters"
     return f"{line}; tokenizer: {s['tokenizer']}"
+
+
+def _which_step(s: dict) -> str:
+    """' step N' for an export, and the newer steps it skipped (damaged: the warnings above say how)."""
+    if "step" not in s:
+        return ""
+    skipped = s["skipped_steps"]
+    if not skipped:
+        return f" step {s['step']}"
+    newer = f"step {skipped[0]}" if len(skipped) == 1 else f"steps {', '.join(map(str, skipped))}"
+    return f" step {s['step']} (not the newer {newer}: damaged, see the warning above)"
 
 
 def _from_hf(args, layout) -> dict:
@@ -132,6 +145,7 @@ def _to_hf(args, layout) -> dict:
 
     from meshlm.io.hf_config import config_to_hf
     from meshlm.io.hf_weights import save_hf
+    from meshlm.io.layout import complete_steps, resolve
     from meshlm.io.model_io import load_model, read_config
     from meshlm.model.params import flat_params
     from meshlm.parallel.placement import to_host
@@ -139,13 +153,17 @@ def _to_hf(args, layout) -> dict:
 
     config_to_hf(read_config(args.to_hf)[0])  # an unexportable config fails before loading weights
     tok = checkpoint_tokenizer(args.to_hf, required=False)
-    cfg, params, _ = load_model(args.to_hf, layout)
+    cfg, params, step = load_model(args.to_hf, layout)  # a run directory: its newest step that loads
+    directory, asked = resolve(args.to_hf)
+    skipped = [s for s in complete_steps(directory) if s > step] if asked is None else []
     flat = {path: to_host(v) for path, v in flat_params(params).items()}  # every process gathers
     with _owned(args.out):
         if jax.process_index() == 0:
             save_hf(cfg, flat, args.out)
-            _write_hf_tokenizer(Path(args.out), tok, cfg, read_config(args.to_hf)[1].get(EOS_KEY))
-    return {**_summary(args.to_hf, args.out, "transformers", cfg, flat), "tokenizer": _says(tok)}
+            eos = read_config(directory / str(step))[1].get(EOS_KEY)  # the exported step's meta
+            _write_hf_tokenizer(Path(args.out), tok, cfg, eos)
+    summary = _summary(args.to_hf, args.out, "transformers", cfg, flat)
+    return {**summary, "step": step, "skipped_steps": skipped, "tokenizer": _says(tok)}
 
 
 def _write_hf_tokenizer(out: Path, tok, cfg, eos: list[int] | None) -> None:

@@ -7,6 +7,7 @@ reading the corpus into memory. See ``meshlm.data.store`` for the directory's la
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
@@ -15,6 +16,8 @@ from pathlib import Path
 
 from meshlm.cli.common import arg_type, non_negative_int, positive_int
 from meshlm.ranges import Range
+
+VAL_FRACTION = Range(float, 0.0, 1.0, low_open=True, high_open=True)  # data.sources.check_fraction's
 
 
 def add_parser(sub) -> None:
@@ -39,9 +42,10 @@ def add_parser(sub) -> None:
     t.add_argument("--out", required=True, help="the store directory to write: new or empty")
     t.add_argument(
         "--val-fraction",
-        type=arg_type(Range(float, 0.0, 1.0, low_open=True)),
+        type=arg_type(VAL_FRACTION),
         default=0.05,
-        help="validation share, by file as train --data splits (default 0.05, train's)",
+        help=f"validation share, {VAL_FRACTION.describe()}, by file as train --data splits (default 0.05, "
+        "train's)",
     )
     t.add_argument(
         "--max-bytes", type=positive_int, default=None, help="cap the corpus at about this many bytes"
@@ -57,14 +61,16 @@ def run(args) -> int:
     from meshlm.data.prepare import check_out, plan, prepare
     from meshlm.data.records import Skipped
     from meshlm.data.tokenizer import load_tokenizer
-    from meshlm.io.run_lock import LOCK_FILE, lock_new_dir
+    from meshlm.io.run_lock import LOCK_FILE, check_free, lock_new_dir
 
     # Bad input fails before any work: the output, the tokenizer, the corpus. A live prepare's
-    # lock is not "not empty": taking the lock names its owner.
+    # store is not "interrupted" nor its lock "not empty": its owner is named.
+    check_free(Path(args.out))
     check_out(args.out, ignore=(LOCK_FILE,))
     tok = load_tokenizer(args.tokenizer)
     plan(args.data, args.val_fraction, args.max_bytes, args.text_field)
     t0 = time.perf_counter()
+    made = not Path(args.out).exists()
     lock = lock_new_dir(Path(args.out), multi_process=False)  # one prepare per --out
     try:
         index = prepare(
@@ -85,6 +91,12 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return 128 + signal.SIGINT
+    except Exception:
+        lock.release()
+        if made:  # prepare removed what it wrote; the directory held the lock too
+            with contextlib.suppress(OSError):
+                Path(args.out).rmdir()
+        raise
     finally:
         lock.release()
     splits = index["splits"]

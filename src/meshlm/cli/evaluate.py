@@ -20,7 +20,7 @@ from meshlm.cli.common import (
     setup,
 )
 from meshlm.errors import ConfigError
-from meshlm.train.eval_settings import EvalConfig
+from meshlm.train.eval_settings import EvalConfig, check_split
 
 
 def add_parser(sub) -> None:
@@ -47,6 +47,7 @@ def run(args) -> int:
     refuse_pp(args, "eval")
     refuse_cp(args)
     ecfg = settings_from(args, EvalConfig)
+    check_split(ecfg)  # before devices start
     if layout := flag_layout(args):  # before devices start
         layout.check_batch(ecfg.batch_size)
     layout = setup(args)

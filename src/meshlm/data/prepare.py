@@ -15,6 +15,7 @@ This module must not import jax: it runs before the CLI has chosen the devices.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -46,6 +47,7 @@ from meshlm.data.sources import DEFAULT_MAX_BYTES, PathArg, check_fraction, reso
 from meshlm.data.store import (
     FORMAT,
     INDEX,
+    MARKER,
     SPLITS,
     TOKENIZER_JSON,
     looks_like_store,
@@ -58,6 +60,8 @@ from meshlm.data.stream import invalid_utf8, read_document
 from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.errors import DataError
 from meshlm.units import format_bytes
+
+TOKENIZER_CONFIG = "tokenizer_config.json"  # the tokenizer's EOD, for loading DIR/tokenizer.json
 
 
 class Piece(NamedTuple):
@@ -250,8 +254,33 @@ def prepare(
     text_field: str = DEFAULT_FIELD,
     progress_stream=None,
 ) -> dict[str, Any]:
-    """Tokenize the corpus into the (new or empty) directory ``out``; returns the index written."""
+    """Tokenize the corpus into the (new or empty) directory ``out``; returns the index written. A
+    refusal or failure (an empty record file, a truncated .gz, a full disk) removes what it wrote,
+    ``out`` too if it made it: nothing is left to block the rerun. Ctrl-C or a kill leaves the unfinished
+    store, which its marker says is one (``meshlm.data.store``)."""
     out = Path(out)
+    existed = out.exists()
+    before = set(os.listdir(out)) if out.is_dir() else set()
+    try:
+        return _prepare(paths, tokenizer, out, val_fraction, max_bytes, workers, text_field, progress_stream)
+    except Exception:
+        _remove_written(out, before, existed)
+        raise
+
+
+def _remove_written(out: Path, before: set[str], existed: bool) -> None:
+    """Remove the entries ``prepare`` writes that were not in ``out`` before (never anything else)."""
+    ours = {MARKER, TOKENIZER_JSON, TOKENIZER_CONFIG, INDEX, f".{INDEX}.tmp"}
+    ours |= {f"{name}.tokens" for name in SPLITS}
+    for name in ours - before:
+        with contextlib.suppress(FileNotFoundError):
+            (out / name).unlink()
+    if not existed:
+        with contextlib.suppress(OSError):  # not empty (a run lock, others' files): left
+            out.rmdir()
+
+
+def _prepare(paths, tokenizer, out: Path, val_fraction, max_bytes, workers, text_field, progress_stream):
     work = plan(paths, val_fraction, max_bytes, text_field)
     dtype = store_dtype(tokenizer.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
@@ -260,7 +289,7 @@ def prepare(
     if text is not None:  # with its EOD named, so loading DIR/tokenizer.json gives the same tokenizer
         (out / TOKENIZER_JSON).write_text(text, encoding="utf-8")
         eos = json.dumps({"eos_token": tokenizer.eod_token})
-        (out / "tokenizer_config.json").write_text(eos + "\n", encoding="utf-8")
+        (out / TOKENIZER_CONFIG).write_text(eos + "\n", encoding="utf-8")
     workers = workers or multiprocessing.cpu_count()
     if not any(is_record_file(u[1]) for u in work.units):  # one piece per text file: no more workers
         workers = max(1, min(workers, len(work.units)))

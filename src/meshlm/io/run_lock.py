@@ -85,6 +85,36 @@ def lock_new_dir(directory: Path, *, multi_process: bool = True) -> RunLock | No
     return lock
 
 
+def check_free(directory: Path) -> None:
+    """Refuse ``directory`` as an output now, before any work, if it is a symbolic link (a run writes
+    only inside the directory it was given, never where a link leads) or a live command holds its lock
+    (one line naming the owner, whatever the directory already holds: a live command's partial output
+    is not an interrupted one). Writes nothing; the lock itself is taken later (``lock_new_dir``)."""
+    path = Path(directory).absolute() / LOCK_FILE
+    _refuse_link(path.parent)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return  # no lock file (or none to open): nobody holds it; taking it later says more if need be
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)  # free: only looked
+    except BlockingIOError:
+        raise _in_use(path, _owner(fd)) from None
+    except OSError:
+        pass  # no flock on this filesystem: taking the lock warns
+    finally:
+        os.close(fd)
+
+
+def _refuse_link(directory: Path) -> None:
+    if directory.is_symlink():
+        raise CheckpointError(
+            f"--out {directory} is a symbolic link (to {os.readlink(directory)}); pass the directory "
+            "it leads to, or another --out (a run writes only inside the directory it is given)"
+        )
+
+
 def _take(path: Path) -> int:
     """An fd of ``path`` holding its flock, the file naming this process."""
     for _ in range(20):
@@ -99,6 +129,7 @@ def _take(path: Path) -> int:
 
 
 def _open(path: Path) -> int:
+    _refuse_link(path.parent)
     if path.parent.exists() and not path.parent.is_dir():
         raise CheckpointError(
             f"cannot use {path.parent} as a run directory: not a directory; choose another --out"
@@ -125,13 +156,17 @@ def _flock(fd: int, path: Path) -> bool:
     except BlockingIOError:
         owner = _owner(fd)
         os.close(fd)
-        raise CheckpointError(
-            f"{path.parent} is in use by another run ({owner or 'owner unknown'}, lock {path}): "
-            "wait for it or choose another --out"
-        ) from None
+        raise _in_use(path, owner) from None
     except OSError as e:  # e.g. ENOLCK on some network filesystems
         warnings.warn(f"cannot lock {path} ({e.strerror}): nothing stops a second run there", stacklevel=5)
         return False
+
+
+def _in_use(path: Path, owner: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path.parent} is in use by another run ({owner or 'owner unknown'}, lock {path}): "
+        "wait for it or choose another --out"
+    )
 
 
 def _is_current(fd: int, path: Path) -> bool:

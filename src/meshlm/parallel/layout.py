@@ -66,7 +66,7 @@ class Layout:
         for name in OPTIONS:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        _check_strategy(self.cp_strategy)
+        _check_strategy(self.cp_strategy, self.cp)
         _check_pipeline(self)
 
     @property
@@ -250,9 +250,14 @@ def _check_pipeline(layout: Layout) -> None:
 _DEFAULTS = {"microbatches": 1, "pp_schedule": "1f1b", "virtual_stages": 1}
 
 
-def _check_strategy(strategy: str) -> None:
+def _check_strategy(strategy: str, cp: int) -> None:
+    """A known strategy, and (as the pipeline's options without pp) none but the default without cp."""
     if strategy not in CP_STRATEGIES:
         raise ConfigError(f"--cp-strategy {strategy!r} is not one of {', '.join(CP_STRATEGIES)}; pick one")
+    if cp == 1 and strategy != CP_STRATEGIES[0]:
+        raise ConfigError(
+            f"--cp-strategy {strategy} needs context parallelism; add --cp 2 (or more) or drop it"
+        )
 
 
 def _next_multiple(n: int, k: int) -> int:

@@ -76,6 +76,9 @@ def _summary(report: dict) -> list[str]:
 
 def plot_bench(report: dict, path: str | Path) -> None:
     """A PNG bar chart of tokens/s and MFU per implementation (Agg canvas: no display needed)."""
+    from meshlm.train.outputs import isolate_matplotlib
+
+    isolate_matplotlib()  # nothing written under $HOME
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

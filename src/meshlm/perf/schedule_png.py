@@ -40,6 +40,9 @@ def schedule_boxes(table: ScheduleTable) -> tuple[list[Box], int]:
 
 def draw_schedule(table: ScheduleTable, path: Path) -> Path:
     """Write the schedule's picture to ``path`` (PNG), replacing it whole."""
+    from meshlm.train.outputs import isolate_matplotlib
+
+    isolate_matplotlib()  # nothing written under $HOME
     import matplotlib
 
     matplotlib.use("Agg")

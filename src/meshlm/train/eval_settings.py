@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlm.data.records import DEFAULT_FIELD
-from meshlm.data.store import SPLITS
+from meshlm.data.store import SPLITS, looks_like_store
 from meshlm.errors import ConfigError
 from meshlm.ranges import NON_NEGATIVE_INT, POSITIVE_INT
 from meshlm.settings import SEQ_LEN_DEFAULT_TEXT, check_fields, setting
@@ -33,3 +33,14 @@ class EvalConfig:
             raise ConfigError("no checkpoint to evaluate: pass --checkpoint DIR")
         if not self.data:
             raise ConfigError("no data to evaluate: pass --data PATH (text, JSONL/Parquet, or a token store)")
+
+
+def check_split(ecfg: EvalConfig) -> None:
+    """``--split`` picks a token store's split; raw text has none (all of it is evaluated), so any split
+    but the default is refused there rather than ignored."""
+    raw = not (len(ecfg.data) == 1 and looks_like_store(ecfg.data[0]))
+    if raw and ecfg.split != "val":
+        raise ConfigError(
+            f"--split {ecfg.split} picks a token store's split, but --data is raw text, evaluated whole "
+            "(it has no splits); drop --split, or pass a store made by `meshlm data prepare`"
+        )

@@ -37,7 +37,7 @@ from meshlm.model.transformer import local_logits
 from meshlm.parallel import distributed
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import BATCH_SPEC, batch_sharding, put_global, to_host
-from meshlm.train.eval_settings import EvalConfig
+from meshlm.train.eval_settings import EvalConfig, check_split
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,6 +163,7 @@ def eval_tokenizer(ecfg: EvalConfig) -> Tokenizer:
 
 def eval_stream(ecfg: EvalConfig, tok: Tokenizer, cfg: ModelConfig) -> tuple[TokenStream, str]:
     """(the evaluation set's tokens, what it is): a store's split, or every document of the paths."""
+    check_split(ecfg)
     store = store_arg(ecfg.data)
     if store is not None:
         train, val, info = store.splits(tok, cfg.vocab_size)

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.data.device_batches import device_batch
 from meshlm.data.tokenizer import ByteTokenizer, bits_per_byte
-from meshlm.errors import TrainingError
+from meshlm.errors import MeshlmError, TrainingError
 from meshlm.generate.generator import Generator
 from meshlm.io.tokenizer_file import TOKENIZER_FILE
 from meshlm.parallel import distributed
@@ -221,6 +221,9 @@ def train(tcfg: TrainConfig, where, stop: Stop | None = None) -> dict:
         run = build_run(tcfg, where, startup_check=stop.check_startup)
         try:
             return _train(run, stop)
+        except MeshlmError:
+            run.undo_refused_start()  # refused before anything was saved: nothing left behind
+            raise
         finally:
             run.release()  # the run directory's lock: another run may use it now
     finally:

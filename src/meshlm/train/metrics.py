@@ -114,6 +114,7 @@ def plot_loss_curve(rows: list[dict], out: Path, unit: str = "nats/token") -> Pa
 
 def loss_figure(rows: list[dict], unit: str):
     """The loss curve's matplotlib figure (see ``plot_loss_curve``)."""
+    outputs.isolate_matplotlib()  # first: nothing written under $HOME
     import matplotlib
 
     matplotlib.use("Agg")

@@ -5,7 +5,8 @@ event files in it): before a run writes any of them, ``check_outputs`` refuses, 
 naming the path, where it points and the fix (remove it), if one is a symbolic link or not the
 kind of entry the run writes there (a FIFO where a file goes, a file where ``tensorboard/`` goes).
 Refusing, rather than replacing a link, leaves the user's entries untouched and one rule for all.
-``--out`` itself may be a link to a directory: the user chose that directory.
+``--out`` itself may not be a link either (``io.run_lock`` refuses it when locking): a run writes
+only inside the directory it is given.
 
 Writes then hold even if a link appears after the check: a whole file is written to a new
 temporary file in the same directory (a random name, ``O_CREAT | O_EXCL | O_NOFOLLOW``) that
@@ -15,11 +16,15 @@ it. Appends and reads open with ``O_NOFOLLOW`` and ``O_NONBLOCK`` (a FIFO would 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import secrets
+import shutil
 import stat
-from collections.abc import Callable, Iterator
+import sys
+import tempfile
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -135,3 +140,43 @@ def replace_text(path: Path, text: str) -> Path:
 def lines(path: Path) -> Iterator[str]:
     """The lines of ``path`` (none if it does not exist)."""
     yield from (read_text(path) or "").splitlines()
+
+
+def isolate_matplotlib() -> None:
+    """Call before importing matplotlib. On its first import it makes its config directory and writes
+    its font cache under $HOME (~/.config/matplotlib, ~/.cache/matplotlib): a write outside --out.
+    Unless the user chose a directory (MPLCONFIGDIR) or matplotlib is already imported, both go to a
+    temporary directory, removed when the process exits. Not the run directory: it stays the run's."""
+    if "matplotlib" in sys.modules or os.environ.get("MPLCONFIGDIR"):
+        return
+    tmp = tempfile.mkdtemp(prefix="meshlm-matplotlib-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    os.environ["MPLCONFIGDIR"] = tmp
+
+
+def entries(out: Path) -> frozenset[str] | None:
+    """The names ``out`` holds now (None: no such directory): what a refused start leaves as it was."""
+    try:
+        return frozenset(os.listdir(out))
+    except OSError:
+        return None
+
+
+def undo_refused_start(out: Path, before: frozenset[str] | None, names: Collection[str], release) -> None:
+    """A start refused before it saved anything (a bad value found while building the run or compiling
+    its first programs) leaves ``out`` as it found it: each of ``names`` (the run's outputs, its
+    tokenizer.json) that it holds now but not ``before`` is removed, never anything that was there;
+    then ``release()`` (the run lock), then ``out`` itself if the start made it and it is empty again.
+    Process 0 writes, so process 0 removes; call on every process (``release`` is a collective's)."""
+    if distributed.is_main():
+        for name in set(names) - (before or frozenset()):
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+    release()
+    if before is None and distributed.is_main():
+        with contextlib.suppress(OSError):  # not empty: another command's now
+            out.rmdir()

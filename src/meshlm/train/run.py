@@ -23,10 +23,11 @@ from meshlm.data.store import TokenStore, store_arg
 from meshlm.data.stream import Batcher
 from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.data.tokens import check_token_range
-from meshlm.errors import CheckpointError, ConfigError
+from meshlm.errors import CheckpointError, ConfigError, MeshlmError
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.model_io import FORMAT, abstract_params, load_model, read_config
 from meshlm.io.run_lock import RunLock, lock_run
+from meshlm.io.tokenizer_file import TOKENIZER_FILE
 from meshlm.model.config import ModelConfig, from_dict, get_config
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel import distributed
@@ -34,10 +35,13 @@ from meshlm.parallel.layout import Layout
 from meshlm.parallel.pipeline_schedule import pipeline_options
 from meshlm.sharding.rules import model_specs, shardings
 from meshlm.sharding.spmd import sharded_loss
+from meshlm.train import outputs
 from meshlm.train.config import TrainConfig, resolve, resume_must_match
 from meshlm.train.metrics import OUTPUTS, MetricsLog
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step, step_model
 from meshlm.train.tokenizers import run_tokenizer, tokenizer_meta
+
+START_OUTPUTS = (*OUTPUTS, TOKENIZER_FILE)  # what a refused start removes if it made them
 
 
 @dataclass(kw_only=True)
@@ -62,6 +66,14 @@ class Run:
     tokenizer: Tokenizer = dataclasses.field(default_factory=ByteTokenizer)  # the data's tokenizer
     tokenizer_meta: dict | None = None  # its checkpoint meta entry (``train.tokenizers``)
     val_bytes_per_token: float = 1.0  # UTF-8 bytes per validation target: val_bpb's denominator
+    out_before: frozenset[str] | None = None  # the run directory's entries before this start
+
+    def undo_refused_start(self) -> None:
+        """A start refused before it saved (e.g. while compiling): its outputs removed, the lock
+        released (``outputs.undo_refused_start``); only if nothing was saved or resumed."""
+        if self.saved_step == -1 and self.step == 0:
+            self.log.close()
+            outputs.undo_refused_start(self.ckpt.directory, self.out_before, START_OUTPUTS, self.release)
 
     @property
     def mesh(self):
@@ -283,13 +295,17 @@ def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lamb
         file=sys.stderr,
     )
     startup_check()
+    before = outputs.entries(out)  # what a refused start leaves as it was
     lock = lock_run(out)  # before anything in `out` is read or written; creates it
     try:
         run = _build(tcfg, cfg, layout, out, batcher, val, lock)
         run.tokenizer, run.tokenizer_meta = tok, tokenizer_meta(out, tok)
-        run.val_bytes_per_token = info["val_bytes_per_token"]
+        run.val_bytes_per_token, run.out_before = info["val_bytes_per_token"], before
         startup_check()
         return run
+    except MeshlmError:
+        outputs.undo_refused_start(out, before, START_OUTPUTS, lock.release if lock else lambda: None)
+        raise
     except BaseException:
         if lock is not None:
             lock.release()

@@ -1,0 +1,342 @@
+"""The fourth reliability pass (issue 36, cases 4 and 6): the wrong answers and unclear behaviours of
+a held-out probe, each reproduced. One owner per output directory, named; nothing written outside
+--out; a refused command leaves nothing that blocks its rerun; one error line per bad flag."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from helpers import run_cli, write_corpus
+
+from meshlm.data.store import write_marker
+from meshlm.io.run_lock import LOCK_FILE, RunLock
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def _last_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# ---------------------------------------------------------------- a live command's output is in use
+
+
+def _live_prepare(out: Path) -> RunLock:
+    """``out`` as a live `data prepare` leaves it mid-way: its lock held, its marker and a token file
+    written, no index.json yet. Held by this process: a second open of the lock conflicts all the same."""
+    lock = RunLock(out).acquire()
+    write_marker(out)
+    (out / "train.tokens").write_bytes(b"\0" * 64)
+    return lock
+
+
+def test_prepare_on_a_live_prepares_out_names_its_owner(corpus, tmp_path, capsys):
+    out = tmp_path / "store"
+    lock = _live_prepare(out)
+    try:
+        code = run_cli("data", "prepare", "--data", corpus, "--out", str(out), "--workers", "1")
+        line = _last_error(capsys)
+    finally:
+        lock.release()
+    assert code == 2 and f"in use by another run (pid {os.getpid()} on host " in line, line
+    assert "interrupted" not in line
+
+
+@pytest.mark.parametrize("direction", ["--to-hf", "--from-hf"])
+def test_convert_into_a_live_runs_out_names_its_owner(tmp_path, capsys, direction):
+    out = tmp_path / "hf"
+    lock = RunLock(out).acquire()
+    (out / "config.json").write_text("{}\n")  # what the live conversion wrote so far
+    try:
+        code = run_cli("convert", direction, str(tmp_path / "absent"), "--out", str(out))
+        line = _last_error(capsys)
+    finally:
+        lock.release()
+    assert code == 2 and f"in use by another run (pid {os.getpid()} on host " in line, line
+    assert "not an empty directory" not in line
+
+
+# ---------------------------------------------------------------- --out that is a symbolic link
+
+
+@pytest.mark.parametrize("command", ["prepare", "convert"])
+def test_out_that_is_a_link_is_refused_before_any_work(corpus, tmp_path, capsys, command):
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "real", target_is_directory=True)
+    if command == "prepare":
+        code = run_cli("data", "prepare", "--data", corpus, "--out", str(link), "--workers", "1")
+    else:
+        code = run_cli("convert", "--to-hf", str(tmp_path / "absent"), "--out", str(link))
+    line = _last_error(capsys)
+    assert code == 2 and f"--out {link} is a symbolic link (to {tmp_path / 'real'})" in line, line
+    assert list((tmp_path / "real").iterdir()) == []  # nothing written where it leads
+
+
+def test_the_run_lock_refuses_a_linked_directory(tmp_path):
+    from meshlm.errors import CheckpointError
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        RunLock(tmp_path / "link").acquire()
+    assert not (tmp_path / "real" / LOCK_FILE).exists()
+
+
+# ---------------------------------------------------------------- a bad flag is one line
+
+# (command line, the prog that answers): a bad value for every subcommand
+ONE_LINE = [
+    ("train --lr -1", "meshlm train"),
+    ("verify --steps -5", "meshlm verify"),
+    ("generate --checkpoint c --top-p 0", "meshlm generate"),
+    ("eval --checkpoint c --data d --batch-size 0", "meshlm eval"),
+    ("convert --to-hf c --out o --seed -1", "meshlm convert"),
+    ("launch -n 0 -- verify", "meshlm launch"),
+    ("bench --peak-n 0", "meshlm bench"),
+    ("memory --devices 0", "meshlm memory"),
+    ("plan --devices 0", "meshlm plan"),
+    ("tokenizer train --vocab-size 0 --out t", "meshlm tokenizer train"),
+    ("data prepare --out s --workers -1", "meshlm data prepare"),
+    ("configs --json=yes", "meshlm configs"),
+    ("train --no-such-flag", "meshlm train"),
+    ("data prepare --out s --no-such-flag", "meshlm data prepare"),
+    ("no-such-command", "meshlm"),
+]
+
+
+@pytest.mark.parametrize(("argv", "prog"), ONE_LINE, ids=[case[0] for case in ONE_LINE])
+def test_a_bad_flag_is_one_line_without_the_usage_block(argv, prog, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_cli(*argv.split())
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), captured.err
+    assert lines[0].endswith(f"(see {prog} --help)"), lines[0]
+
+
+# ---------------------------------------------------------------- --cp-strategy without --cp
+
+NO_CP = [
+    "train --cp-strategy allgather",
+    "train --cp-strategy allgather --mesh 1x2",
+    "verify --cp-strategy allgather",
+    "bench --cp-strategy allgather",
+    "plan --cp-strategy allgather --mesh 1x2",
+]
+
+
+@pytest.mark.parametrize("argv", NO_CP)
+def test_cp_strategy_without_cp_is_refused_like_microbatches_without_pp(argv, monkeypatch, capsys):
+    def too_late(*args, **kwargs):
+        raise AssertionError("--cp-strategy without --cp must be refused before setup")
+
+    for command in ("train", "verify", "bench", "plan"):
+        monkeypatch.setattr(f"meshlm.cli.{command}.setup", too_late)
+    assert run_cli(*argv.split()) == 2
+    line = _last_error(capsys)
+    message = "--cp-strategy allgather needs context parallelism; add --cp 2 (or more) or drop it"
+    assert line == f"meshlm: error: {message}"
+
+
+def test_the_default_cp_strategy_is_accepted_without_cp():
+    from meshlm.parallel.layout import Layout
+
+    assert Layout(dp=2, cp_strategy="ring").cp == 1
+
+
+# ---------------------------------------------------------------- --val-fraction: help and check agree
+
+
+def test_val_fraction_help_and_check_agree(capsys):
+    from meshlm.cli.data import VAL_FRACTION
+    from meshlm.data.sources import check_fraction
+    from meshlm.errors import DataError
+
+    for value in (1e-9, 0.05, 0.5, 0.999, 1.0, 0.0, -0.1, 1.5):
+        try:
+            check_fraction(value)
+            checked = True
+        except DataError:
+            checked = False
+        assert VAL_FRACTION.contains(value) == checked, value
+    with pytest.raises(SystemExit):
+        run_cli("data", "prepare", "--help")
+    assert "in (0, 1)," in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        run_cli("data", "prepare", "--out", "s", "--val-fraction", "1")
+    assert exc.value.code == 2
+    assert "argument --val-fraction: must be a finite number in (0, 1), got 1.0" in _last_error(capsys)
+
+
+# ---------------------------------------------------------------- eval --split on raw text
+
+
+def test_eval_split_train_on_raw_text_is_refused_not_ignored(corpus, monkeypatch, capsys):
+    def too_late(*args, **kwargs):
+        raise AssertionError("--split train on raw text must be refused before setup")
+
+    monkeypatch.setattr("meshlm.cli.evaluate.setup", too_late)
+    assert run_cli("eval", "--checkpoint", "c", "--data", corpus, "--split", "train") == 2
+    line = _last_error(capsys)
+    assert "--split train picks a token store's split, but --data is raw text" in line, line
+
+
+def test_eval_split_is_checked_for_library_callers(corpus):
+    from meshlm.data.tokenizer import ByteTokenizer
+    from meshlm.errors import ConfigError
+    from meshlm.model.config import get_config
+    from meshlm.train.eval_settings import EvalConfig
+    from meshlm.train.evaluation import eval_stream
+
+    ecfg = EvalConfig(checkpoint="c", data=(corpus,), split="train")
+    with pytest.raises(ConfigError, match="--split train picks a token store's split"):
+        eval_stream(ecfg, ByteTokenizer(), get_config("tiny-lm"))
+
+
+# ---------------------------------------------------------------- a refused prepare leaves nothing
+
+
+def _truncated_gz(path: Path) -> Path:
+    import gzip
+    import json
+
+    # Rows past the first batch that the check before work reads: the cut is found while writing.
+    rows = "".join(json.dumps({"text": os.urandom(50).hex()}) + "\n" for i in range(3000))
+    data = gzip.compress(rows.encode())
+    path.write_bytes(data[: len(data) * 3 // 4])
+    return path
+
+
+@pytest.mark.parametrize(
+    ("bad", "out_exists"), [("empty.jsonl", False), ("empty.jsonl", True), ("truncated.jsonl.gz", False)]
+)
+def test_a_refused_prepare_leaves_nothing_that_blocks_the_rerun(corpus, tmp_path, capsys, bad, out_exists):
+    data = tmp_path / bad
+    data.write_bytes(b"") if bad == "empty.jsonl" else _truncated_gz(data)
+    out = tmp_path / "store"
+    if out_exists:
+        out.mkdir()
+    code = run_cli("data", "prepare", "--data", str(data), "--out", str(out), "--workers", "1")
+    line = _last_error(capsys)
+    assert code == 2 and line.startswith("meshlm: error: "), line
+    assert (sorted(os.listdir(out)) == []) if out_exists else not out.exists()
+    code = run_cli("data", "prepare", "--data", corpus, "--out", str(out), "--workers", "1")
+    assert code == 0, capsys.readouterr().err
+    assert (out / "index.json").is_file()
+
+
+# ---------------------------------------------------------------- nothing written under $HOME
+
+
+def test_a_first_train_with_a_fresh_home_writes_nothing_under_it(corpus, tmp_path):
+    """matplotlib's font cache and config directory went to $HOME/.cache and $HOME/.config."""
+    from helpers import run_meshlm
+
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir()
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MPL", "XDG_"))}
+    env |= {"HOME": str(home), "TMPDIR": str(tmp)}
+    flags = "--config tiny-lm --steps 1 --batch-size 2 --seq-len 16 --sample-tokens 0 --devices 1"
+    done = run_meshlm("train", "--data", corpus, *flags.split(), "--out", str(tmp_path / "run"), env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "run" / "loss_curve.png").is_file()
+    assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == []
+    assert sorted(p.name for p in tmp.iterdir() if p.name.startswith("meshlm-")) == []  # removed at exit
+
+
+# ---------------------------------------------------------------- convert --to-hf says which step
+
+
+def _run_of_two_steps(ck: Path) -> None:
+    """A run directory holding steps 1 and 2 of a tiny model (no training: two saves)."""
+    from meshlm.io.checkpoint import Checkpointer
+    from meshlm.io.model_io import FORMAT
+    from meshlm.model.config import get_config
+    from meshlm.parallel.mesh import make_mesh
+    from meshlm.train.step import init_model
+
+    cfg = get_config("tiny-llama")
+    params, _ = init_model(cfg, make_mesh(1, 1), 0)
+    meta = {"format": FORMAT, "model_config": cfg.to_dict(), "tokenizer": {"kind": "bytes"}}
+    with Checkpointer(ck, keep=3) as ckpt:
+        ckpt.save(1, {"params": params}, meta)
+        ckpt.save(2, {"params": params}, meta)
+
+
+def _flip_byte(step_dir: Path) -> None:
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    victim = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+
+def test_convert_to_hf_says_which_step_it_exported(tmp_path, capsys):
+    import json
+
+    ck = tmp_path / "run"
+    _run_of_two_steps(ck)
+    assert run_cli("convert", "--to-hf", str(ck), "--out", str(tmp_path / "a"), "--mesh", "1x1") == 0
+    assert f"converted {ck} step 2 -> " in capsys.readouterr().out
+    _flip_byte(ck / "2")
+    with pytest.warns(UserWarning, match="skipping corrupt checkpoint step 2"):
+        code = run_cli("convert", "--to-hf", str(ck), "--out", str(tmp_path / "b"), "--mesh", "1x1", "--json")
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["step"], summary["skipped_steps"]) == (1, [2])
+    with pytest.warns(UserWarning, match="skipping corrupt checkpoint step 2"):
+        assert run_cli("convert", "--to-hf", str(ck), "--out", str(tmp_path / "c"), "--mesh", "1x1") == 0
+    out = capsys.readouterr().out
+    assert f"converted {ck} step 1 (not the newer step 2: damaged, see the warning above) -> " in out, out
+
+
+# ---------------------------------------------------------------- a refused train leaves nothing
+
+
+@pytest.fixture(scope="module")
+def bpe_file(tmp_path_factory, corpus):
+    """A tokenizer.json of a small BPE: a run copies it into its directory (bytes write none)."""
+    from meshlm.data.bpe import train_bpe
+
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    path.write_text(train_bpe([Path(corpus, "f0.py").read_text()], 260).to_json(), encoding="utf-8")
+    return path
+
+
+def _refuse(*args, **kwargs):
+    from meshlm.errors import ConfigError
+
+    raise ConfigError("planted: a value found bad while starting")
+
+
+@pytest.mark.parametrize("stage", ["building", "compiling"])
+@pytest.mark.parametrize("out_exists", [False, True])
+def test_a_refused_train_leaves_the_directory_as_it_was(
+    corpus, bpe_file, tmp_path, monkeypatch, capsys, stage, out_exists
+):
+    from helpers import train_args
+
+    out = tmp_path / "run"
+    if out_exists:
+        out.mkdir()
+        (out / "notes.txt").write_text("the user's\n")
+    # building: after tensorboard/ is made; compiling: the first evaluation, after tokenizer.json too
+    target = "meshlm.train.run.eval_arrays" if stage == "building" else "meshlm.train.loop._eval_and_log"
+    monkeypatch.setattr(target, _refuse)
+    argv = [*train_args(corpus, out, 2), "--mesh", "1x1", "--tokenizer", str(bpe_file), "--devices", "1"]
+    assert run_cli(*argv) == 2
+    assert "planted" in _last_error(capsys)
+    assert (sorted(os.listdir(out)) == ["notes.txt"]) if out_exists else not out.exists()
