@@ -13,7 +13,6 @@ import signal
 import sys
 
 from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
-from meshlm.parallel.pipeline_schedule import pipeline_options
 from meshlm.train.config import DEFAULT_DP, TrainConfig, check_byte_vocab, resolve
 from meshlm.train.stop import Stop
 
@@ -46,13 +45,11 @@ def _run(args, stop: Stop) -> int:
     # the corpus is read.
     check_byte_vocab(tcfg, cfg)
     # Without --mesh, the mesh depends on the device count: run.py checks once devices exist.
-    options = dict(fsdp=tcfg.fsdp, sp=tcfg.sp, **pipeline_options(tcfg))
-    options.update(cp=tcfg.cp, cp_strategy=tcfg.cp_strategy)
-    if layout := flag_layout(args, **options):
-        layout.check_batch(tcfg.batch_size, tcfg.accum_steps if tcfg.accum_steps > 1 else None)
-        layout.check_seq_len(tcfg.seq_len)
-        layout.check_layers(cfg.n_layers)
-    layout = setup(args, default_dp=DEFAULT_DP, **options)
+    if planned := flag_layout(args, tcfg):
+        planned.check_batch(tcfg.batch_size, tcfg.accum_steps if tcfg.accum_steps > 1 else None)
+        planned.check_seq_len(tcfg.seq_len)
+        planned.check_layers(cfg.n_layers)
+    layout = setup(args, tcfg, planned, default_dp=DEFAULT_DP)  # the run uses this Layout as it is
     stop.check_startup()
     from meshlm.parallel.distributed import print0
     from meshlm.train.loop import train

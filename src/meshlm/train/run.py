@@ -25,17 +25,18 @@ from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.data.tokens import check_token_range
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.io.checkpoint import Checkpointer
-from meshlm.io.model_io import FORMAT, abstract_params, load_model
+from meshlm.io.model_io import FORMAT, load_model
 from meshlm.io.run_lock import RunLock, lock_run
 from meshlm.model.config import ModelConfig, from_dict
-from meshlm.model.transformer import loss_fn
+from meshlm.model.transformer import loss_fn, param_shapes
 from meshlm.parallel import distributed
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.pipeline_schedule import pipeline_options
+from meshlm.settings import toml_text
 from meshlm.sharding.rules import model_specs, shardings
 from meshlm.sharding.spmd import sharded_loss
-from meshlm.train.config import TrainConfig, resolve, resume_must_match
-from meshlm.train.metrics import OUTPUTS, MetricsLog
+from meshlm.train.config import TrainConfig, recorded_settings, resolve, resume_must_match
+from meshlm.train.metrics import OUTPUTS, SETTINGS, MetricsLog
+from meshlm.train.outputs import replace_text
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step, step_model
 from meshlm.train.tokenizers import run_tokenizer, tokenizer_meta
 
@@ -166,11 +167,10 @@ def _model_meta(meta: dict | None, cfg: ModelConfig) -> dict:
     return saved if same else cfg.to_dict()
 
 
-def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, ckpt: Checkpointer):
-    """(params, opt_state, step, specs, step_fn): resumed from ``ckpt``'s newest checkpoint, else
-    fresh (initialised, or loaded from ``tcfg.checkpoint``) at step 0."""
+def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs: dict, ckpt: Checkpointer):
+    """(params, opt_state, step, step_fn): resumed from ``ckpt``'s newest checkpoint, else fresh
+    (initialised, or loaded from ``tcfg.checkpoint``) at step 0; sharded per ``specs`` (``run_specs``)."""
     meta = _check_existing(tcfg, ckpt)
-    specs = run_specs(tcfg, cfg, layout)
     if tcfg.checkpoint:
         loaded_cfg, params, _ = load_model(tcfg.checkpoint, layout)
         params = jax.device_put(params, shardings(specs, layout.mesh))  # onto FSDP slices, if asked
@@ -180,7 +180,7 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, ckpt: Ch
                 f"{tcfg.config}; pass the config it was made with"
             )
     else:
-        params, specs = init_model(cfg, layout, tcfg.seed)
+        params, _ = init_model(cfg, layout, tcfg.seed, specs=specs)
     step_fn, opt = sharded_step(
         step_config(tcfg, cfg), tcfg.optim(), layout, specs, params, COMPUTE_DTYPES[tcfg.compute_dtype]
     )
@@ -196,14 +196,17 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, ckpt: Ch
         state, _, step = resumed
         params, opt_state = state["params"], state["opt_state"]
         distributed.print0(f"resuming from {ckpt.step_dir(step)} (step {step})", file=sys.stderr)
-    return params, opt_state, step, specs, step_fn
+    return params, opt_state, step, step_fn
 
 
 def run_layout(tcfg: TrainConfig, where) -> Layout:
-    """The run's Layout: ``where`` (a Layout, or a jax Mesh) with the run's --fsdp, --sp, --pp (and
-    its schedule) and --cp."""
-    options = dict(fsdp=tcfg.fsdp, sp=tcfg.sp, **pipeline_options(tcfg))
-    return Layout.of(where, **options, cp=tcfg.cp, cp_strategy=tcfg.cp_strategy)
+    """The run's Layout: ``where`` itself when it is a Layout with the run's mesh options (the CLI's,
+    built once from the same flags), else ``where`` (a Layout, or a jax Mesh) with the run's --fsdp,
+    --sp, --pp (and its schedule) and --cp (``MeshFlags.layout_options``)."""
+    options = tcfg.layout_options()
+    if isinstance(where, Layout) and all(getattr(where, k) == v for k, v in options.items()):
+        return where
+    return Layout.of(where, **options)
 
 
 def run_specs(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout) -> dict:
@@ -214,7 +217,7 @@ def run_specs(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout) -> dict:
         from meshlm.sharding.pipelined import check_pipelined
 
         check_pipelined(cfg, layout)
-    return model_specs(cfg, abstract_params(cfg, layout), layout)
+    return model_specs(cfg, param_shapes(cfg), layout)
 
 
 def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
@@ -236,7 +239,7 @@ def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lamb
     tcfg, cfg = resolve(tcfg)
     layout = run_layout(tcfg, where)
     store = store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store (checked) or None
-    run_specs(tcfg, cfg, layout)  # bad --fsdp / --sp combinations fail before the data is read
+    specs = run_specs(tcfg, cfg, layout)  # bad --fsdp / --sp combinations fail before the data is read
     if tcfg.fsdp and layout.dp == 1:
         distributed.print0(
             "note: --fsdp on a mesh with dp=1 saves no memory (it splits weights and AdamW state over "
@@ -257,15 +260,27 @@ def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lamb
     startup_check()
     lock = lock_run(out)  # before anything in `out` is read or written; creates it
     try:
-        run = _build(tcfg, cfg, layout, out, batcher, val, lock)
+        run = _build(tcfg, cfg, layout, specs, out, batcher, val, lock)
         run.tokenizer, run.tokenizer_meta = tok, tokenizer_meta(out, tok)
         run.val_bytes_per_token = info["val_bytes_per_token"]
+        _write_settings(out, tcfg, layout)
         startup_check()
         return run
     except BaseException:
         if lock is not None:
             lock.release()
         raise
+
+
+def _write_settings(out: Path, tcfg: TrainConfig, layout: Layout) -> None:
+    """settings.toml: the run's resolved settings, rewritten at each start once resuming is allowed
+    (``meshlm train --settings out/settings.toml`` runs it again). --devices only where it counts:
+    fake CPU devices of one process."""
+    if distributed.is_main():
+        one_cpu = jax.process_count() == 1 and jax.default_backend() == "cpu"
+        values = recorded_settings(tcfg, f"{layout.dp}x{layout.mp}", layout.devices if one_cpu else None)
+        comment = "meshlm train's resolved settings: `meshlm train --settings FILE` runs it again"
+        replace_text(out / SETTINGS, toml_text(values, comment + " (flags given override the file)"))
 
 
 def _eval_loss(cfg: ModelConfig, layout: Layout, specs, dtype):
@@ -277,10 +292,10 @@ def _eval_loss(cfg: ModelConfig, layout: Layout, specs, dtype):
     return sharded_loss(lambda par: loss_fn(cfg, par), layout, specs, dtype)
 
 
-def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, out: Path, batcher, val, lock) -> Run:
+def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs, out: Path, batcher, val, lock) -> Run:
     """The state and outputs in ``out``, which this run has locked."""
     ckpt = Checkpointer(out, keep=tcfg.keep)
-    params, opt_state, step, specs, step_fn = _initial_state(tcfg, cfg, layout, ckpt)
+    params, opt_state, step, step_fn = _initial_state(tcfg, cfg, layout, specs, ckpt)
     log = MetricsLog(out, enabled=distributed.is_main())
     if step == 0:
         log.set_aside_earlier()  # rows without a checkpoint: an earlier run's, never rewritten
