@@ -94,20 +94,20 @@ def _of_kind(where: str, value: Any, kind: type, want: str) -> Any:
 
 def _scalar(where: str, action: argparse.Action, value: Any) -> Any:
     """One value as its flag's ``type`` reads it: a number stays a number (a string is refused), then
-    goes through the same check as the flag's text (ranges, "80GiB")."""
+    goes through the same check as the flag's text (ranges). A flag of its own parse (--device-memory
+    "80GiB") takes that text, or the number it stands for (bytes)."""
     parse = action.type
-    kind = {"int": int, "float": float}.get(
-        getattr(parse, "__name__", ""), str if parse in (None, str) else None
-    )
+    text = str if parse in (None, str) else None  # None: a parse of its own
+    kind = {"int": int, "float": float}.get(getattr(parse, "__name__", ""), text)
     if kind is int:
         _of_kind(where, value, int, "an integer")
     elif kind is float:
         _of_kind(where, value, int | float, "a number")
     elif kind is str:
         _of_kind(where, value, str, "a string")
-    elif isinstance(value, bool) or not isinstance(value, str | int):  # e.g. --device-memory "80GiB"
-        raise ConfigError(f"{where} must be a string, got {value!r}")
-    if parse not in (None, str):
+    elif isinstance(value, bool) or not isinstance(value, str | int):
+        raise ConfigError(f"{where} must be a string or a number, got {value!r}")
+    if parse not in (None, str) and (kind is not None or isinstance(value, str)):
         try:
             value = parse(str(value))
         except (argparse.ArgumentTypeError, ValueError) as e:
