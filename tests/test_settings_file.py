@@ -17,9 +17,20 @@ from meshlm.cli.common import settings_from
 from meshlm.cli.settings_file import parse_args
 from meshlm.cli.verify_settings import VerifySettings
 from meshlm.io.checkpoint import Checkpointer
+from meshlm.parallel.layout import CP_STRATEGIES
+from meshlm.parallel.pipeline_schedule import SCHEDULES
 from meshlm.perf.bench_settings import BenchSettings
 from meshlm.perf.plan_settings import PlanCommand
-from meshlm.settings import CLI_HIDDEN, MeshFlags, flag_name, toml_text
+from meshlm.settings import (
+    CLI_HIDDEN,
+    CP_STRATEGY_NAMES,
+    MESH_OPTIONS,
+    PP_SCHEDULE_NAMES,
+    WITHOUT,
+    MeshFlags,
+    flag_name,
+    toml_text,
+)
 from meshlm.train.config import TrainConfig, resolve
 from meshlm.train.eval_settings import EvalConfig
 
@@ -97,6 +108,8 @@ def test_a_bad_settings_file_is_one_line(text, message, tmp_path, monkeypatch, c
 def test_every_mesh_command_takes_the_same_mesh_flags(command):
     sub = build_parser()._subparsers._group_actions[0].choices[command]
     flags = {s for a in sub._actions for s in a.option_strings}
+    assert set(WITHOUT) == set(MESH_OPTIONS)  # each option says what a command lacking it runs without
+    assert (PP_SCHEDULE_NAMES, CP_STRATEGY_NAMES) == (SCHEDULES, CP_STRATEGIES)  # stated twice: no JAX here
     want = {flag_name(f) for f in dataclasses.fields(MeshFlags)} | {"--mesh", "--devices", "--settings"}
     assert want <= flags, sorted(want - flags)
     argv = "--mesh 2x1 --pp 2 --microbatches 4 --pp-schedule gpipe --cp 1 --cp-strategy allgather --fsdp --sp"

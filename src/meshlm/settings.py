@@ -156,6 +156,9 @@ class MeshFlags:
         return [f.name for f in dataclasses.fields(MeshFlags) if getattr(self, f.name) != f.default]
 
 
+MESH_OPTIONS = tuple(f.name for f in dataclasses.fields(MeshFlags))
+
+
 @dataclasses.dataclass(frozen=True)
 class LongContext:
     """The attention settings of train, verify, bench and plan, a base of their settings dataclasses.

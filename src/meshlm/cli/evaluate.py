@@ -19,11 +19,11 @@ from meshlm.cli.common import (
     setup,
 )
 from meshlm.errors import ConfigError
-from meshlm.settings import MeshFlags
+from meshlm.settings import MESH_OPTIONS, MeshFlags
 from meshlm.train.eval_settings import EvalConfig
 
 # The mesh options eval runs without (a checkpoint written under any of them loads on any mesh).
-REFUSED = ("pp", "microbatches", "pp_schedule", "virtual_stages", "cp", "cp_strategy", "fsdp", "sp")
+REFUSED = MESH_OPTIONS
 
 
 def add_parser(sub) -> None:

@@ -22,11 +22,11 @@ from meshlm.cli.common import (
     settings_from,
     setup,
 )
-from meshlm.settings import MeshFlags
+from meshlm.settings import MESH_OPTIONS, MeshFlags
 
 DEFAULT_MAX_NEW = 128  # without --max-new-tokens: this many, or as many as the context still holds
 # The mesh options generate runs without (a checkpoint written under any of them loads on any mesh).
-REFUSED = ("pp", "microbatches", "pp_schedule", "virtual_stages", "cp", "cp_strategy", "fsdp", "sp")
+REFUSED = MESH_OPTIONS
 
 
 def add_parser(sub) -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 
 from meshlm.cli.common import add_common, add_flags, refuse_options, settings_from, setup
-from meshlm.settings import MeshFlags
+from meshlm.settings import MESH_OPTIONS, MeshFlags
 
 # The mesh options memory does not count (``meshlm plan`` does: --fsdp, --sp, --pp, --cp).
-REFUSED = ("pp", "microbatches", "pp_schedule", "virtual_stages", "cp", "cp_strategy", "fsdp", "sp")
+REFUSED = MESH_OPTIONS
 
 
 def add_parser(sub) -> None:
