@@ -24,6 +24,7 @@ from meshlm.train.eval_settings import EvalConfig
 
 # The mesh options eval runs without (a checkpoint written under any of them loads on any mesh).
 REFUSED = MESH_OPTIONS
+PIPELINE = ("pp", "microbatches", "pp_schedule", "virtual_stages")
 
 
 def add_parser(sub) -> None:
@@ -45,8 +46,8 @@ def refuse_cp(flags: MeshFlags) -> None:
 
 def run(args) -> int:
     flags = settings_from(args, MeshFlags)
-    if flags.pp == 1:
-        refuse_cp(flags)  # eval's own line for --cp
+    refuse_options(args, flags, "eval", PIPELINE, ANY_MESH)  # --pp's line before --cp's, as before
+    refuse_cp(flags)  # eval's own line for --cp
     refuse_options(args, flags, "eval", REFUSED, ANY_MESH)
     ecfg = settings_from(args, EvalConfig)
     if planned := flag_layout(args, flags):  # before devices start
