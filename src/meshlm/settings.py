@@ -140,16 +140,18 @@ class MeshFlags:
     sp: bool = setting(False, "sequence parallelism: activations between blocks split over mp")
 
     def layout_options(self) -> dict[str, Any]:
-        """The Layout's fields these flags set: ``microbatches`` defaults to pp; without --pp (and
-        --microbatches) the layout's own pipeline defaults, so it has no pipeline."""
-        pipe = {"pp": self.pp, "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages}
-        if self.pp > 1 or self.microbatches is not None:
-            pipe["microbatches"] = self.microbatches or self.pp
-        return {**pipe, "cp": self.cp, "cp_strategy": self.cp_strategy, "fsdp": self.fsdp, "sp": self.sp}
-
-    def mesh_flags(self) -> MeshFlags:
-        """These fields alone (a command's settings object may hold more)."""
-        return MeshFlags(**{f.name: getattr(self, f.name) for f in dataclasses.fields(MeshFlags)})
+        """The Layout's fields these flags set. ``microbatches`` defaults to pp: 1 without --pp, the
+        layout's own default (a layout without a pipeline refuses any other)."""
+        return {
+            "pp": self.pp,
+            "microbatches": self.microbatches or self.pp,
+            "pp_schedule": self.pp_schedule,
+            "virtual_stages": self.virtual_stages,
+            "cp": self.cp,
+            "cp_strategy": self.cp_strategy,
+            "fsdp": self.fsdp,
+            "sp": self.sp,
+        }
 
     def given(self) -> list[str]:
         """The fields not at their defaults (what a command lacking them refuses)."""
