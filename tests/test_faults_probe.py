@@ -36,7 +36,8 @@ from meshlm.parallel.mesh import make_mesh
 from meshlm.train import outputs
 from meshlm.train.config import TrainConfig
 from meshlm.train.loop import train
-from meshlm.train.run import _check_resumable, build_run
+from meshlm.train.resume import check_resumable
+from meshlm.train.run import build_run
 from meshlm.train.step import init_model
 from meshlm.train.tokenizers import tokenizer_meta
 
@@ -392,9 +393,9 @@ def test_generate_help_says_an_explicit_max_new_tokens_must_fit(capsys):
 
 def test_resuming_with_other_steps_says_the_schedule_changes(capsys):
     meta = {"train_config": TrainConfig(steps=10).to_dict(), "data": {"next_step": 4}}
-    _check_resumable(meta, TrainConfig(steps=10), Path("runs/x"))
+    check_resumable(meta, TrainConfig(steps=10), Path("runs/x"))
     assert capsys.readouterr().err == ""
-    _check_resumable(meta, TrainConfig(steps=20), Path("runs/x"))
+    check_resumable(meta, TrainConfig(steps=20), Path("runs/x"))
     err = capsys.readouterr().err
     assert err.startswith("note: --steps 20 differs from the 10 the run in runs/x was started with") and (
         "schedule" in err and "from step 4 on" in err

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from meshlm.errors import ConfigError
-from meshlm.ranges import Range
+from meshlm.ranges import POSITIVE_INT, Range
 
 # How a command exposes a field: a flag of its own, a flag the shared ``add_common`` already adds
 # (same dest), or not at all.
@@ -89,14 +89,81 @@ def check_fields(obj) -> None:
             raise ConfigError(f"{f.name}={value!r}; valid: {', '.join(choices)}")
 
 
-# ---- long context: the same four flags on train, verify, bench and plan (issue 24) ----
+# ---- the mesh: the same flags on every command that takes one (issue 32) ----
 ATTENTION_KINDS = ("plain", "blockwise")  # model.config.ATTENTION
 CP_STRATEGY_NAMES = ("ring", "allgather")  # parallel.layout.CP_STRATEGIES
+PP_SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")  # parallel.pipeline_schedule.SCHEDULES
+# What a command that lacks an option runs without (its flag's help and its one-line refusal).
+WITHOUT = {
+    "pp": "a pipeline",
+    "microbatches": "a pipeline",
+    "pp_schedule": "a pipeline",
+    "virtual_stages": "a pipeline",
+    "cp": "context parallelism",
+    "cp_strategy": "context parallelism",
+    "fsdp": "FSDP",
+    "sp": "sequence parallelism",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshFlags:
+    """The mesh's options, one base of every mesh-taking command's settings (train, verify, bench,
+    plan; eval, generate and memory use it alone): --pp and its schedule, --cp and its strategy,
+    --fsdp, --sp. The mesh's DPxMP sizes are --mesh (``cli.common.add_common``). ``layout_options``
+    is what ``Layout(dp, mp, **options)`` takes: the one place these fields become a layout's.
+    They change speed and memory, not the model: a run resumes under other values."""
+
+    pp: int = setting(
+        1, "pipeline stages: the layer stack split over an outermost pp mesh axis", valid=POSITIVE_INT
+    )
+    microbatches: int | None = setting(
+        None, "with --pp: micro-batches per step", shown_default="pp", valid=POSITIVE_INT
+    )
+    pp_schedule: str = setting("1f1b", "with --pp: the pipeline schedule", choices=PP_SCHEDULE_NAMES)
+    virtual_stages: int = setting(
+        1, "with --pp-schedule interleaved: layer chunks per device (V)", valid=POSITIVE_INT
+    )
+    # context-parallel shards: the sequence split over them (data, not weights)
+    cp: int = setting(
+        1,
+        "context-parallel shards: the sequence split over them (dp x cp x mp devices)",
+        valid=POSITIVE_INT,
+    )
+    # ring (K/V passed around the cp axis) or allgather (K/V gathered once per layer)
+    cp_strategy: str = setting(
+        "ring",
+        "with --cp: ring (K/V passed around the cp axis) or allgather (K/V gathered once per layer)",
+        choices=CP_STRATEGY_NAMES,
+    )
+    fsdp: bool = setting(False, "FSDP (ZeRO-3): weights and AdamW moments also split over dp")
+    sp: bool = setting(False, "sequence parallelism: activations between blocks split over mp")
+
+    def layout_options(self) -> dict[str, Any]:
+        """The Layout's fields these flags set. ``microbatches`` defaults to pp: 1 without --pp, the
+        layout's own default (a layout without a pipeline refuses any other)."""
+        return {
+            "pp": self.pp,
+            "microbatches": self.microbatches or self.pp,
+            "pp_schedule": self.pp_schedule,
+            "virtual_stages": self.virtual_stages,
+            "cp": self.cp,
+            "cp_strategy": self.cp_strategy,
+            "fsdp": self.fsdp,
+            "sp": self.sp,
+        }
+
+    def given(self) -> list[str]:
+        """The fields not at their defaults (what a command lacking them refuses)."""
+        return [f.name for f in dataclasses.fields(MeshFlags) if getattr(self, f.name) != f.default]
+
+
+MESH_OPTIONS = tuple(f.name for f in dataclasses.fields(MeshFlags))
 
 
 @dataclasses.dataclass(frozen=True)
 class LongContext:
-    """The long-context settings, a base of each command's settings dataclass (their flags come first).
+    """The attention settings of train, verify, bench and plan, a base of their settings dataclasses.
     Like remat they change speed and memory, not the model: a run resumes under other values."""
 
     # plain (scores [B, H, T, T]) or blockwise (flash attention in blocks: memory O(T))
@@ -109,15 +176,33 @@ class LongContext:
     attn_block: int = setting(
         512, "queries and keys per block (blockwise attention, and each --cp ring step)", valid=Range(int, 1)
     )
-    # context-parallel shards: the sequence split over them (data, not weights)
-    cp: int = setting(
-        1,
-        "context-parallel shards: the sequence split over them (dp x cp x mp devices)",
-        valid=Range(int, 1),
-    )
-    # ring (K/V passed around the cp axis) or allgather (K/V gathered once per layer)
-    cp_strategy: str = setting(
-        "ring",
-        "with --cp: ring (K/V passed around the cp axis) or allgather (K/V gathered once per layer)",
-        choices=CP_STRATEGY_NAMES,
-    )
+
+
+# ---- settings files (``--settings FILE``): TOML, one key per flag ----
+def toml_text(values: dict[str, Any], comment: str = "") -> str:
+    """``values`` (str, bool, int, float or lists of them; None: left out, the flag's default) as TOML
+    ``key = value`` lines in order, after ``comment`` lines; ``tomllib`` reads them back equal."""
+    lines = [f"# {line}" for line in comment.splitlines()]
+    for key, value in values.items():
+        if value is not None:
+            lines.append(f"{key} = {_toml_value(key, value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(key: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)  # TOML writes floats as Python does: 0.003, 1e-05, inf, nan
+    if isinstance(value, str):
+        return '"' + "".join(_toml_char(c) for c in value) + '"'
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(key, v) for v in value) + "]"
+    raise ConfigError(f"setting {key}={value!r}: a settings file holds strings, numbers, booleans and lists")
+
+
+def _toml_char(c: str) -> str:
+    """A character of a TOML basic string: quote, backslash and control characters escaped."""
+    if c in '"\\':
+        return "\\" + c
+    return f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c

@@ -26,6 +26,7 @@ from meshlm.cli import (
     launch,
     memory,
     plan,
+    settings_file,
     tokenizer,
     train,
     verify,
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub)
+    settings_file.add_settings_flag(parser)
     return parser
 
 
@@ -74,7 +76,7 @@ def user_warning(message, category, filename, lineno, line=None) -> str:
 def main(argv: list[str] | None = None) -> int:
     shown, warnings.formatwarning = warnings.formatwarning, user_warning
     try:
-        args = build_parser().parse_args(argv)
+        args = settings_file.parse_args(build_parser(), argv)  # a --settings file's values, then the flags
         if args.fn.__module__ in WRITE_NOTHING and argv is None:  # the command line, not in-process callers
             signal.signal(signal.SIGINT, _stop_at_once)
         code = args.fn(args)

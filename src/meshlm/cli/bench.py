@@ -6,16 +6,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
+from meshlm.cli.common import add_common, add_flags, flag_layout, refuse_options, settings_from, setup
 from meshlm.errors import ConfigError
-from meshlm.parallel.pipeline_schedule import pipeline_options
 from meshlm.perf.bench_settings import BenchSettings
+
+# Timed with --memory-options instead (against tensor parallelism and GSPMD).
+REFUSED = ("fsdp", "sp")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="step time, MFU, memory and collectives: meshlm vs unsharded vs GSPMD")
     add_common(p, BenchSettings.config)  # also --config and --seed (fields marked CLI_COMMON)
-    add_flags(p, BenchSettings)
+    add_flags(p, BenchSettings, "bench", REFUSED)
     p.set_defaults(fn=run)
 
 
@@ -39,10 +41,10 @@ def _format(report: dict, format_bench) -> str:
 def run(args) -> int:
     bs = settings_from(args, BenchSettings)
     check_out(bs.out)
-    options = dict(**pipeline_options(bs), cp=bs.cp, cp_strategy=bs.cp_strategy)
-    if (layout := flag_layout(args, **options)) and bs.batch_size is not None:  # before devices, compiles
-        layout.check_batch(bs.batch_size)
-    layout = setup(args, **options)
+    refuse_options(args, bs, "bench", REFUSED, " (--memory-options times FSDP and SP against tp)")
+    if (planned := flag_layout(args, bs)) and bs.batch_size is not None:  # before devices, compiles
+        planned.check_batch(bs.batch_size)
+    layout = setup(args, bs, planned)
     from meshlm.model.config import get_config
     from meshlm.parallel.distributed import is_main, print0
     from meshlm.perf.bench import run_bench

@@ -21,7 +21,7 @@ from meshlm.ranges import (
     PROBABILITY,
     Range,
 )
-from meshlm.settings import CLI_FLAG, CLI_HIDDEN, flag_name
+from meshlm.settings import CLI_FLAG, CLI_HIDDEN, WITHOUT, MeshFlags, flag_name
 
 
 def arg_type(valid: Range) -> Callable[[str], int | float]:
@@ -78,23 +78,27 @@ def add_common(p: argparse.ArgumentParser, config: str | None = None, config_hel
     )
 
 
-def add_refused_pp(p: argparse.ArgumentParser, command: str) -> None:
-    """``--pp`` on a command that runs without a pipeline (generate, eval): accepted as a flag so that
-    ``refuse_pp`` can say what to do instead (checkpoints written under --pp load on any mesh)."""
-    p.add_argument("--pp", type=positive_int, default=1, help=f"refused: {command} runs without a pipeline")
+# The end of a refusal by a command that reads checkpoints (eval, generate).
+ANY_MESH = " (a checkpoint written under any mesh options loads on any mesh)"
 
 
-def refuse_pp(args, command: str) -> None:
-    """One line naming the mesh to use instead of ``--pp N`` (the same devices as dp x mp)."""
+def refuse_options(args, flags: MeshFlags, command: str, refused: tuple[str, ...], hint: str = "") -> None:
+    """One line for the first mesh option ``command`` runs without (``refused``) that is given, ending
+    in ``hint``; for --pp it names the mesh to use instead (the same devices as dp x mp)."""
     from meshlm.errors import ConfigError
 
-    if args.pp > 1:
+    if "pp" in refused and flags.pp > 1:
         dp, mp = parse_mesh(args.mesh) if args.mesh else (1, None)
-        mesh = f"{dp}x{args.pp * mp}" if mp else f"1x{args.pp} (or any DPxMP)"
+        mesh = f"{dp}x{flags.pp * mp}" if mp else f"1x{flags.pp} (or any DPxMP)"
         raise ConfigError(
-            f"meshlm {command} has no pipeline (--pp {args.pp}); a checkpoint trained with --pp loads on "
+            f"meshlm {command} has no pipeline (--pp {flags.pp}); a checkpoint trained with --pp loads on "
             f"any mesh: drop --pp and use --mesh {mesh}"
         )
+    for f in dataclasses.fields(MeshFlags):
+        if f.name in refused and f.name in flags.given():
+            value = getattr(flags, f.name)
+            given = flag_name(f) if isinstance(value, bool) else f"{flag_name(f)} {value}"
+            raise ConfigError(f"meshlm {command} runs without {WITHOUT[f.name]} ({given}); drop it{hint}")
 
 
 def argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -111,26 +115,33 @@ def argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return wrapped
 
 
-def add_flags(p: argparse.ArgumentParser, settings_cls) -> None:
+def add_flags(
+    p: argparse.ArgumentParser, settings_cls, command: str = "", refused: tuple[str, ...] = ()
+) -> None:
     """A flag for each field of the settings dataclass ``settings_cls`` built with ``meshlm.settings.setting``
-    (those marked CLI_FLAG): the field name in kebab case, its value under the field's own name."""
+    (those marked CLI_FLAG): the field name in kebab case, its value under the field's own name.
+
+    ``refused``: mesh options (``MeshFlags``) the command runs without, accepted as flags so that
+    ``refuse_options`` can say in one line what to do instead; their help says so."""
     for f in dataclasses.fields(settings_cls):
         if f.metadata["cli"] == CLI_FLAG:
-            _add_flag(p, f)
+            refusal = f"refused: {command} runs without {WITHOUT[f.name]}" if f.name in refused else None
+            _add_flag(p, f, refusal)
 
 
-def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field) -> None:
+def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field, help: str | None = None) -> None:
+    """``help``: instead of the field's own (with its default)."""
     switch = f.metadata["switch"]
     if switch is not None:
         # Under the field's own dest, like every other flag, so `settings_from` needs no special case.
         p.add_argument(switch.flag, dest=f.name, action="store_const", const=switch.value, help=switch.help)
         p.set_defaults(**{f.name: f.default})
         return
-    flag, dest = flag_name(f), f.name
+    flag, dest, text = flag_name(f), f.name, help or _help(f)
     if isinstance(f.default, bool):
-        p.add_argument(flag, dest=dest, action="store_true", help=_help(f))
+        p.add_argument(flag, dest=dest, action="store_true", help=text)
     elif isinstance(f.default, tuple):
-        p.add_argument(flag, dest=dest, nargs="+", default=f.default, help=_help(f))
+        p.add_argument(flag, dest=dest, nargs="+", default=f.default, help=text)
     else:
         valid, parse = f.metadata["valid"], f.metadata["parse"]
         kind = (
@@ -139,7 +150,7 @@ def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field) -> None:
             else (arg_type(valid) if valid is not None else str if f.default is None else type(f.default))
         )
         choices = f.metadata["choices"]
-        p.add_argument(flag, dest=dest, type=kind, default=f.default, choices=choices, help=_help(f))
+        p.add_argument(flag, dest=dest, type=kind, default=f.default, choices=choices, help=text)
 
 
 def _help(f: dataclasses.Field) -> str:
@@ -162,32 +173,34 @@ def settings_from(args: argparse.Namespace, settings_cls, **given):
     return settings_cls(**{**values, **given})
 
 
-def flag_layout(args, **options) -> Layout | None:
-    """The Layout that --mesh and ``options`` (--fsdp, --sp, --pp and its schedule, --cp) describe,
-    before any device exists (None without --mesh: the mesh then depends on the device count, known
-    after ``setup``; with --pp a Layout of dp=1 is built to check the pipeline's options early)."""
+def flag_layout(args, flags: MeshFlags | None = None) -> Layout | None:
+    """The Layout that --mesh and ``flags`` (--fsdp, --sp, --pp and its schedule, --cp) describe, before
+    any device exists, for a command's early checks; ``setup`` then uses this same Layout (built once).
+    None without --mesh: the mesh then depends on the device count, known after ``setup``; with --pp a
+    Layout of dp=1 is built to check the pipeline's options early."""
+    options = flags.layout_options() if flags is not None else {}
     if args.mesh:
         return Layout(*parse_mesh(args.mesh), **options)
     options_alone = Layout(**options)  # their own rules (e.g. --microbatches without --pp), no devices
     return options_alone if options_alone.pp > 1 else None
 
 
-def setup(args, default_dp: int = 1, **options) -> Layout:
+def setup(args, flags: MeshFlags | None = None, planned: Layout | None = None, default_dp: int = 1) -> Layout:
     """Devices, distributed runtime, mesh, in that order, before anything touches a device. A signal
     meanwhile is delivered once they are ready (``deferred_signals``).
 
-    Returns the Layout: --mesh, or default_dp x (all devices / default_dp), or 1 x (all devices) when
-    default_dp does not divide the device count; with ``options`` (fsdp, sp; pp: the outermost axis, the
-    mesh then pp x dp x mp and without --mesh 1 x (devices / pp); cp: dp x cp x mp, without --mesh
-    mp = devices / (dp x cp)); its mesh built.
+    Returns the Layout: with --mesh ``planned`` (what ``flag_layout`` returned), its mesh now built;
+    else default_dp x (all devices / default_dp), or 1 x (all devices) when default_dp does not divide
+    the device count, with ``flags``' options (pp: the outermost axis, the mesh then pp x dp x mp and
+    1 x (devices / pp); cp: dp x cp x mp, mp = devices / (dp x cp)).
     """
     from meshlm.train.stop import deferred_signals
 
     with deferred_signals():
-        return _setup(args, default_dp, **options)
+        return _setup(args, flags, planned, default_dp)
 
 
-def _setup(args, default_dp: int, **options) -> Layout:
+def _setup(args, flags: MeshFlags | None, planned: Layout | None, default_dp: int) -> Layout:
     force_host_devices(args.devices if args.devices is not None else DEFAULT_DEVICES)
     if args.coordinator or args.num_processes:
         # Seen here: with a persistent compilation cache, processes of one job can disagree on
@@ -200,16 +213,17 @@ def _setup(args, default_dp: int, **options) -> Layout:
     )
     import jax
 
-    from meshlm.parallel.mesh import accelerator_note, make_mesh
+    from meshlm.parallel.mesh import accelerator_note
 
     if args.devices is not None and (note := accelerator_note()):
         print(note, file=sys.stderr)
-    pp, cp = options.get("pp", 1), options.get("cp", 1)  # devices = pp x dp x cp x mp
-    n = jax.device_count() // pp
-    dp = default_dp if n % (default_dp * cp) == 0 and pp == 1 else 1
-    dp, mp = parse_mesh(args.mesh) if args.mesh else (dp, max(n // (dp * cp), 1))
-    if pp > 1 or cp > 1:
-        layout = Layout(dp=dp, mp=mp, **options)
-        layout.mesh  # noqa: B018 -- built now (a device-count error before any work)
-        return layout
-    return Layout.of(make_mesh(dp, mp), **options)
+    if args.mesh:
+        layout = planned if planned is not None else flag_layout(args, flags)
+    else:
+        options = flags.layout_options() if flags is not None else {}
+        pp, cp = options.get("pp", 1), options.get("cp", 1)  # devices = pp x dp x cp x mp
+        n = jax.device_count() // pp
+        dp = default_dp if n % (default_dp * cp) == 0 and pp == 1 else 1
+        layout = Layout(dp=dp, mp=max(n // (dp * cp), 1), **options)
+    layout.mesh  # noqa: B018 -- built now (a device-count error before any work)
+    return layout

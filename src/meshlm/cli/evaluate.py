@@ -10,47 +10,50 @@ import json
 import time
 
 from meshlm.cli.common import (
+    ANY_MESH,
     add_common,
     add_flags,
-    add_refused_pp,
     flag_layout,
-    positive_int,
-    refuse_pp,
+    refuse_options,
     settings_from,
     setup,
 )
 from meshlm.errors import ConfigError
+from meshlm.settings import MESH_OPTIONS, MeshFlags
 from meshlm.train.eval_settings import EvalConfig, check_split
+
+# The mesh options eval runs without (a checkpoint written under any of them loads on any mesh).
+REFUSED = MESH_OPTIONS
+PIPELINE = ("pp", "microbatches", "pp_schedule", "virtual_stages")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a checkpoint over a data set")
     add_common(p, None)
-    add_refused_pp(p, "eval")
-    p.add_argument(
-        "--cp", type=positive_int, default=1, help="refused: eval runs without context parallelism"
-    )
+    add_flags(p, MeshFlags, "eval", REFUSED)
     add_flags(p, EvalConfig)
     p.set_defaults(fn=run)
 
 
-def refuse_cp(args) -> None:
+def refuse_cp(flags: MeshFlags) -> None:
     """One line instead of an unknown flag: the per-token losses are not yet gathered back over cp."""
-    if args.cp > 1:
+    if flags.cp > 1:
         raise ConfigError(
-            f"meshlm eval has no context parallelism yet (--cp {args.cp}: its per-token losses are not "
+            f"meshlm eval has no context parallelism yet (--cp {flags.cp}: its per-token losses are not "
             "gathered back over cp); checkpoints do not depend on cp: drop --cp"
         )
 
 
 def run(args) -> int:
-    refuse_pp(args, "eval")
-    refuse_cp(args)
+    flags = settings_from(args, MeshFlags)
+    refuse_options(args, flags, "eval", PIPELINE, ANY_MESH)  # --pp's line before --cp's, as before
+    refuse_cp(flags)  # eval's own line for --cp
+    refuse_options(args, flags, "eval", REFUSED, ANY_MESH)
     ecfg = settings_from(args, EvalConfig)
     check_split(ecfg)  # before devices start
-    if layout := flag_layout(args):  # before devices start
-        layout.check_batch(ecfg.batch_size)
-    layout = setup(args)
+    if planned := flag_layout(args, flags):  # before devices start
+        planned.check_batch(ecfg.batch_size)
+    layout = setup(args, flags, planned)
     from meshlm.parallel.distributed import print0
     from meshlm.train.evaluation import evaluate
 

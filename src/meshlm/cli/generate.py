@@ -11,23 +11,28 @@ import json
 import sys
 
 from meshlm.cli.common import (
+    ANY_MESH,
     add_common,
-    add_refused_pp,
+    add_flags,
     non_negative_float,
     non_negative_int,
     positive_int,
     probability,
-    refuse_pp,
+    refuse_options,
+    settings_from,
     setup,
 )
+from meshlm.settings import MESH_OPTIONS, MeshFlags
 
 DEFAULT_MAX_NEW = 128  # without --max-new-tokens: this many, or as many as the context still holds
+# The mesh options generate runs without (a checkpoint written under any of them loads on any mesh).
+REFUSED = MESH_OPTIONS
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a checkpoint (KV cache, sharded)")
     add_common(p, None)
-    add_refused_pp(p, "generate")
+    add_flags(p, MeshFlags, "generate", REFUSED)
     p.add_argument("--checkpoint", required=True, help="run directory (newest step) or one step's directory")
     p.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for a batch")
     p.add_argument(
@@ -120,9 +125,10 @@ def _stop_ids(args, tok):
 
 
 def run(args) -> int:
-    refuse_pp(args, "generate")
+    flags = settings_from(args, MeshFlags)
+    refuse_options(args, flags, "generate", REFUSED, ANY_MESH)
     prompts = _prompts(args)  # file errors before the slow parts
-    layout = setup(args)
+    layout = setup(args, flags)
     from meshlm.generate.generator import Generator
     from meshlm.io.model_io import load_model
     from meshlm.parallel.distributed import is_main, print0

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 
-from meshlm.cli.common import add_common, setup
+from meshlm.cli.common import add_common, add_flags, refuse_options, settings_from, setup
+from meshlm.settings import MESH_OPTIONS, MeshFlags
+
+# The mesh options memory does not count (``meshlm plan`` does: --fsdp, --sp, --pp, --cp).
+REFUSED = MESH_OPTIONS
 
 
 def add_parser(sub) -> None:
@@ -16,11 +20,14 @@ def add_parser(sub) -> None:
         help="parameter and AdamW bytes per device (nothing allocated; see `plan`)",
     )
     add_common(p, "llama2-7b")
+    add_flags(p, MeshFlags, "memory", REFUSED)
     p.set_defaults(fn=run)
 
 
 def run(args) -> int:
-    layout = setup(args)
+    flags = settings_from(args, MeshFlags)
+    refuse_options(args, flags, "memory", REFUSED, " (meshlm plan counts it)")
+    layout = setup(args, flags)
     dp, mp = layout.dp, layout.mp
     from meshlm.model.config import get_config
     from meshlm.perf.memory import memory_report

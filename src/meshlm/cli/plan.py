@@ -10,7 +10,6 @@ from pathlib import Path
 
 from meshlm.cli.common import add_common, add_flags, argparse_type, flag_layout, settings_from, setup
 from meshlm.errors import ConfigError
-from meshlm.parallel.pipeline_schedule import pipeline_options
 from meshlm.perf.plan_settings import DEFAULT_CONFIG, PlanCommand
 from meshlm.units import parse_bytes
 
@@ -49,16 +48,16 @@ def _fast_compiles() -> None:
 def run(args) -> int:
     pc = settings_from(args, PlanCommand)
     model = _preset(pc)
-    options = dict(**pipeline_options(pc), cp=pc.cp, cp_strategy=pc.cp_strategy)
-    if pc.schedule_png and options["pp"] == 1:
+    if pc.schedule_png and pc.pp == 1:
         raise ConfigError("--schedule-png draws a pipeline schedule; add --pp 2 (or more)")
-    layout = flag_layout(args, **options)
-    if model is not None and layout:  # what needs no devices is checked before them
-        pc.settings(model[0]).check(model[0], layout)
-    if layout and args.devices is None:  # nothing runs: as many fake devices as the mesh needs
-        args.devices = layout.devices
+    # --fsdp and --sp are the planned run's (``PlanSettings.on`` puts each candidate's on the layout)
+    planned = flag_layout(args, pc)
+    if model is not None and planned:  # what needs no devices is checked before them
+        pc.settings(model[0]).check(model[0], planned)
+    if planned and args.devices is None:  # nothing runs: as many fake devices as the mesh needs
+        args.devices = planned.devices
     _fast_compiles()
-    layout = setup(args, **options)
+    layout = setup(args, pc, planned)
     from meshlm.perf.plan_report import format_plan
     from meshlm.perf.plan_search import plan
 

@@ -14,7 +14,6 @@ import sys
 
 from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
 from meshlm.model.config import get_config
-from meshlm.parallel.pipeline_schedule import pipeline_options
 from meshlm.train.config import DEFAULT_DP, DEFAULT_PRESET, TrainConfig, check_byte_vocab, resolve
 from meshlm.train.stop import Stop
 
@@ -51,14 +50,12 @@ def run(args) -> int:
 def _run(args, stop: Stop) -> int:
     tcfg, cfg = _preset_checks(train_config(args))
     # Without --mesh, the mesh depends on the device count: run.py checks once devices exist.
-    options = dict(fsdp=tcfg.fsdp, sp=tcfg.sp, **pipeline_options(tcfg))
-    options.update(cp=tcfg.cp, cp_strategy=tcfg.cp_strategy)
-    if layout := flag_layout(args, **options):
-        layout.check_batch(tcfg.batch_size, tcfg.accum_steps if tcfg.accum_steps > 1 else None)
+    if planned := flag_layout(args, tcfg):
+        planned.check_batch(tcfg.batch_size, tcfg.accum_steps if tcfg.accum_steps > 1 else None)
         if cfg is not None:  # else the checkpoint's model: run.py checks it once read
-            layout.check_seq_len(tcfg.seq_len)
-            layout.check_layers(cfg.n_layers)
-    layout = setup(args, default_dp=DEFAULT_DP, **options)
+            planned.check_seq_len(tcfg.seq_len)
+            planned.check_layers(cfg.n_layers)
+    layout = setup(args, tcfg, planned, default_dp=DEFAULT_DP)  # the run uses this Layout as it is
     stop.check_startup()
     from meshlm.parallel.distributed import print0
     from meshlm.train.loop import train

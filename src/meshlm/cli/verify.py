@@ -26,25 +26,18 @@ def run(args) -> int:
     from meshlm.errors import VERIFIER_EXIT_CODE, VerifierError
 
     vs = settings_from(args, VerifySettings)
-    if layout := flag_layout(args, **_options(vs)):  # before any work
+    if planned := flag_layout(args, vs):  # before any work
         if vs.batch_size is not None:
-            layout.check_batch(vs.batch_size)
+            planned.check_batch(vs.batch_size)
         if vs.seq_len is not None or vs.checkpoint is None:  # else the checkpoint's model decides
-            layout.check_seq_len(_seq_len(vs, get_config(vs.config)))
+            planned.check_seq_len(_seq_len(vs, get_config(vs.config)))
         if vs.checkpoint is None:
-            layout.check_layers(get_config(vs.config).n_layers)
+            planned.check_layers(get_config(vs.config).n_layers)
     try:
-        return _matrix(args, vs) if vs.matrix else _verify(args, vs)
+        return _matrix(args, vs) if vs.matrix else _verify(args, vs, planned)
     except VerifierError as e:
         print(f"meshlm: verifier error: {e}", file=sys.stderr)
         return VERIFIER_EXIT_CODE
-
-
-def _options(vs: VerifySettings) -> dict:
-    """The Layout's options: --fsdp, --sp, --pp and its schedule, --cp, --cp-strategy."""
-    from meshlm.parallel.pipeline_schedule import pipeline_options
-
-    return dict(fsdp=vs.fsdp, sp=vs.sp, **pipeline_options(vs), cp=vs.cp, cp_strategy=vs.cp_strategy)
 
 
 def _seq_len(vs: VerifySettings, cfg) -> int:
@@ -83,8 +76,8 @@ def _matrix(args, vs: VerifySettings) -> int:
     return 0 if all(r["ok"] in (True, None) for r in rows) else 1
 
 
-def _verify(args, vs: VerifySettings) -> int:
-    layout = setup(args, **_options(vs))
+def _verify(args, vs: VerifySettings, planned) -> int:
+    layout = setup(args, vs, planned)
     dp, mp = layout.dp, layout.mp
     import jax
     import jax.numpy as jnp

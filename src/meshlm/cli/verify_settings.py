@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlm.model.family import REMAT
-from meshlm.parallel.pipeline_schedule import PipelineFlags
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_INT, Range
 from meshlm.settings import (
     CLI_COMMON,
     SEQ_LEN_DEFAULT_TEXT,
     LongContext,
+    MeshFlags,
     Switch,
     check_fields,
     setting,
@@ -26,7 +26,7 @@ MAX_PROOF_STEPS = Range(int, 0, 10_000)
 
 
 @dataclass(frozen=True)
-class VerifySettings(PipelineFlags, LongContext):  # --pp and its schedule, --cp ...: the bases' fields
+class VerifySettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: the bases' fields
     config: str = setting("seed", "model preset (see `meshlm configs`)", cli=CLI_COMMON)
     seed: int = setting(0, "random seed", cli=CLI_COMMON, valid=NON_NEGATIVE_INT)
     steps: int = setting(
@@ -53,8 +53,6 @@ class VerifySettings(PipelineFlags, LongContext):  # --pp and its schedule, --cp
             "skip the communication check (compiling the train step and counting its collectives)",
         ),
     )
-    fsdp: bool = setting(False, "prove FSDP: weights and moments split over dp")
-    sp: bool = setting(False, "prove sequence parallelism over mp")
     doc_mask: bool = setting(
         False,
         "prove document masking on EOD-rich batches (EOD: a checkpoint's tokenizer's, else the byte "

@@ -19,38 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
-from meshlm.ranges import POSITIVE_INT
-from meshlm.settings import setting
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-
-
-# --- the settings of every command with --pp (train, verify, bench, plan): a base of their dataclasses ---
-@dataclass(frozen=True)
-class PipelineFlags:
-    pp: int = setting(
-        1, "pipeline stages: the layer stack split over an outermost pp mesh axis", valid=POSITIVE_INT
-    )
-    microbatches: int | None = setting(
-        None, "with --pp: micro-batches per step", shown_default="pp", valid=POSITIVE_INT
-    )
-    pp_schedule: str = setting("1f1b", "with --pp: the pipeline schedule", choices=SCHEDULES)
-    virtual_stages: int = setting(
-        1, "with --pp-schedule interleaved: layer chunks per device (V)", valid=POSITIVE_INT
-    )
-
-
-def pipeline_options(settings) -> dict:
-    """The Layout fields (``pp``, ``microbatches``, ...) of a settings object with the fields above:
-    ``microbatches`` defaults to pp; nothing but pp=1 without --pp."""
-    if settings.pp == 1 and settings.microbatches is None:
-        return {"pp": 1, "pp_schedule": settings.pp_schedule, "virtual_stages": settings.virtual_stages}
-    return {
-        "pp": settings.pp,
-        "microbatches": settings.microbatches or settings.pp,
-        "pp_schedule": settings.pp_schedule,
-        "virtual_stages": settings.virtual_stages,
-    }
 
 
 @dataclass(frozen=True)

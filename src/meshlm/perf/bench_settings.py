@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig, beyond_max_seq_len, default_seq_len
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.pipeline_schedule import PipelineFlags
 from meshlm.ranges import NON_NEGATIVE_INT, POSITIVE_INT
 from meshlm.settings import (
     CLI_COMMON,
     SEQ_LEN_DEFAULT_TEXT,
     LongContext,
+    MeshFlags,
     setting,
 )
 
@@ -30,7 +30,7 @@ DEFAULT_BATCH = 4
 
 
 @dataclass(frozen=True)
-class BenchSettings(PipelineFlags, LongContext):  # --pp and its schedule, --cp ...: the bases' fields
+class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: the bases' fields
     config: str = setting("small", "model preset (see `meshlm configs`)", cli=CLI_COMMON)
     batch_size: int | None = setting(
         None,

@@ -9,11 +9,11 @@ from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig, beyond_max_seq_len, default_seq_len
 from meshlm.model.family import REMAT
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.pipeline_schedule import PipelineFlags
 from meshlm.ranges import POSITIVE_INT
 from meshlm.settings import (
     SEQ_LEN_DEFAULT_TEXT,
     LongContext,
+    MeshFlags,
     Switch,
     setting,
 )
@@ -72,7 +72,7 @@ class PlanSettings:
 
 
 @dataclass(frozen=True)
-class PlanCommand(PipelineFlags, LongContext):  # --pp and its schedule, --cp ...: the bases' fields
+class PlanCommand(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: the bases' fields
     """What ``meshlm plan`` is asked: the model, one run's settings (``settings``) and the search; the
     command's flags are built from these fields (``meshlm.cli.common.add_flags``)."""
 
@@ -90,8 +90,6 @@ class PlanCommand(PipelineFlags, LongContext):  # --pp and its schedule, --cp ..
         "float32, or bfloat16: bf16 compute with float32 master weights",
         switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights"),
     )
-    fsdp: bool = setting(False, "also shard weights and AdamW state over dp")
-    sp: bool = setting(False, "sequence parallelism over mp")
     remat: str | None = setting(None, "rematerialisation", shown_default="the config's own", choices=REMAT)
     device_memory: int | None = setting(
         None,

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from meshlm.errors import ConfigError
 from meshlm.model.config import PRESETS, ModelConfig, beyond_max_seq_len, default_seq_len, get_config
 from meshlm.model.family import COMPUTE_DTYPES, REMAT
-from meshlm.parallel.pipeline_schedule import PipelineFlags
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 from meshlm.settings import (  # noqa: F401 - CLI_* and Switch: the train CLI reads them from here
     CLI_COMMON,
@@ -24,6 +23,7 @@ from meshlm.settings import (  # noqa: F401 - CLI_* and Switch: the train CLI re
     CLI_HIDDEN,
     SEQ_LEN_DEFAULT_TEXT,
     LongContext,
+    MeshFlags,
     Switch,
     check_fields,
     setting,
@@ -44,7 +44,7 @@ _field = setting  # a field that describes itself (``meshlm.settings``)
 
 
 @dataclass(frozen=True)
-class TrainConfig(PipelineFlags, LongContext):  # --pp and its schedule, --cp ...: the bases' fields
+class TrainConfig(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: the bases' fields
     # "": the cpu preset, or with --checkpoint the checkpoint's own model (its CLI help: cli/train.py)
     config: str = _field("", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)
     data: tuple[str, ...] = _field(
@@ -119,8 +119,6 @@ class TrainConfig(PipelineFlags, LongContext):  # --pp and its schedule, --cp ..
     sample_tokens: int = _field(
         200, "tokens generated at the end as a sample; 0: none", valid=Range(int, 0, note="0: none")
     )
-    fsdp: bool = _field(False, "FSDP (ZeRO-3): weights and AdamW moments also split over dp")
-    sp: bool = _field(False, "sequence parallelism: activations between blocks split over mp")
     remat: str = _field(
         "none",
         "per-layer recomputation in the backward: none, full or selective (keep matmul outputs)",
@@ -175,6 +173,18 @@ def _validate(tcfg: TrainConfig) -> None:
             f"batch_size={tcfg.batch_size} is not divisible by accum_steps={tcfg.accum_steps}; "
             f"use e.g. --batch-size {fit}"
         )
+
+
+# Not in a run's settings.toml: what its first start did, not what the run is (a resume would refuse).
+NOT_RECORDED = ("fresh",)
+
+
+def recorded_settings(tcfg: TrainConfig, mesh: str, devices: int | None) -> dict:
+    """What a run writes to its settings.toml (``meshlm.settings.toml_text``): its resolved fields under
+    their flags' names, with its ``--mesh`` (DPxMP) and ``--devices`` (None: left out), so that
+    ``meshlm train --settings FILE`` runs it again."""
+    fields = {k: v for k, v in tcfg.to_dict().items() if k not in NOT_RECORDED}
+    return {"mesh": mesh, "devices": devices, **fields}
 
 
 def resume_must_match() -> tuple[str, ...]:

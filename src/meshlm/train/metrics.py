@@ -19,13 +19,14 @@ from pathlib import Path
 from meshlm.train import outputs
 
 METRICS, TENSORBOARD, LOSS_CURVE = "metrics.jsonl", "tensorboard", "loss_curve.png"
-OUTPUTS = (METRICS, TENSORBOARD, LOSS_CURVE)  # what a run writes besides checkpoints
+SETTINGS = "settings.toml"  # the run's resolved settings (``meshlm train --settings`` reads it)
+OUTPUTS = (METRICS, TENSORBOARD, LOSS_CURVE, SETTINGS)  # what a run writes besides checkpoints
 
 
 def check_run_outputs(out: Path) -> None:
     """Refuse outputs of ``out`` that are links or special files (``outputs.check_outputs``). A
     collective; opening a MetricsLog calls it, before anything is written."""
-    outputs.check_outputs(out, files=(METRICS, LOSS_CURVE), dirs=(TENSORBOARD,))
+    outputs.check_outputs(out, files=(METRICS, LOSS_CURVE, SETTINGS), dirs=(TENSORBOARD,))
 
 
 class MetricsLog:

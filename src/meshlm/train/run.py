@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,21 +22,22 @@ from meshlm.data.store import TokenStore, store_arg
 from meshlm.data.stream import Batcher
 from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.data.tokens import check_token_range
-from meshlm.errors import CheckpointError, ConfigError, MeshlmError
+from meshlm.errors import CheckpointError, MeshlmError
 from meshlm.io.checkpoint import Checkpointer
-from meshlm.io.model_io import FORMAT, abstract_params, load_model, read_config
+from meshlm.io.model_io import FORMAT, load_model, read_config
 from meshlm.io.run_lock import RunLock, lock_run
 from meshlm.io.tokenizer_file import TOKENIZER_FILE
-from meshlm.model.config import ModelConfig, from_dict, get_config
-from meshlm.model.transformer import loss_fn
+from meshlm.model.config import ModelConfig, get_config
+from meshlm.model.transformer import loss_fn, param_shapes
 from meshlm.parallel import distributed
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.pipeline_schedule import pipeline_options
+from meshlm.settings import toml_text
 from meshlm.sharding.rules import model_specs, shardings
 from meshlm.sharding.spmd import sharded_loss
 from meshlm.train import outputs
-from meshlm.train.config import TrainConfig, resolve, resume_must_match
-from meshlm.train.metrics import OUTPUTS, MetricsLog
+from meshlm.train.config import TrainConfig, recorded_settings, resolve
+from meshlm.train.metrics import OUTPUTS, SETTINGS, MetricsLog
+from meshlm.train.resume import check_existing, model_meta
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step, step_model
 from meshlm.train.tokenizers import run_tokenizer, tokenizer_meta
 
@@ -103,7 +103,7 @@ def _load_data(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, tok: Tokeniz
 def checkpoint_meta(
     tcfg: TrainConfig, cfg: ModelConfig, step: int, layout: Layout, tokenizer: dict | None = None
 ) -> dict:
-    """The meta saved with every checkpoint; ``_check_resumable`` reads its ``train_config`` back.
+    """The meta saved with every checkpoint; ``resume.check_resumable`` reads its ``train_config`` back.
     ``tokenizer``: the entry ``tokenizer_meta`` returned (default: bytes). ``layout`` is recorded
     (``Layout.to_dict``); checkpoints saved before it have only ``mesh`` and load the same."""
     return {
@@ -118,82 +118,15 @@ def checkpoint_meta(
     }
 
 
-def _check_resumable(meta: dict, tcfg: TrainConfig, where: Path) -> None:
-    saved, now = meta.get("train_config", {}), tcfg.to_dict()
-    if saved.get("checkpoint") and not tcfg.checkpoint:  # else its preset is compared: a misleading diff
-        raise CheckpointError(
-            f"cannot resume from {where}: its run fine-tunes the model of --checkpoint "
-            f"{saved['checkpoint']}; pass --checkpoint {saved['checkpoint']} again (with the same flags)"
-        )
-    # Under --checkpoint the model is the checkpoint's, compared whole on resume (model_config):
-    # whether --config named it too changes nothing.
-    names = [k for k in resume_must_match() if not (k == "config" and tcfg.checkpoint)]
-    diffs = [
-        f"{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in names if k in saved and saved[k] != now[k]
-    ]
-    if diffs:
-        raise CheckpointError(
-            f"cannot resume from {where}: its run used different settings ({'; '.join(diffs)});"
-            " pass the same flags, or a new --out to start another run"
-        )
-    if "steps" in saved and saved["steps"] != now["steps"]:  # allowed, but never silent
-        step = meta.get("data", {}).get("next_step", "?")
-        distributed.print0(
-            f"note: --steps {now['steps']} differs from the {saved['steps']} the run in {where} was "
-            f"started with: the learning-rate schedule (warm-up, cosine decay to the last step) is "
-            f"re-derived for {now['steps']} steps, so the rate changes from step {step} on",
-            file=sys.stderr,
-        )
-
-
-def _check_fresh(ckpt: Checkpointer) -> None:
-    """--fresh starts over: refuse a directory holding anything of a previous run, which the
-    new run would mix its rows into or overwrite."""
-    steps = ckpt.all_steps()
-    found = [f"checkpoints (steps {steps})"] if steps else []
-    found += [name for name in OUTPUTS if (ckpt.directory / name).exists()]
-    if found:
-        raise CheckpointError(
-            f"--fresh: {ckpt.directory} already holds {', '.join(found)} of a previous run; "
-            "choose a new --out or delete them yourself"
-        )
-
-
-def _check_existing(tcfg: TrainConfig, ckpt: Checkpointer) -> dict | None:
-    """Checks before resuming from ``ckpt``'s checkpoints, if it holds any (cheap: meta only);
-    returns the newest checkpoint's meta (None without checkpoints)."""
-    if tcfg.fresh:
-        _check_fresh(ckpt)
-    if not ckpt.all_steps():
-        return None
-    with warnings.catch_warnings():  # resume() reports interrupted and corrupt steps later, once
-        warnings.simplefilter("ignore")
-        meta = ckpt.read_meta()
-    _check_resumable(meta, tcfg, ckpt.directory)
-    return meta
-
-
-def _model_meta(meta: dict | None, cfg: ModelConfig) -> dict:
-    """The model config a resumed checkpoint must hold, as it was saved: an older spelling of the
-    same config (e.g. ``remat: false`` before remat had policies) is the same model."""
-    saved = (meta or {}).get("model_config")
-    try:
-        same = isinstance(saved, dict) and from_dict(saved) == cfg
-    except ConfigError:
-        same = False
-    return saved if same else cfg.to_dict()
-
-
-def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, ckpt: Checkpointer):
-    """(params, opt_state, step, specs, step_fn): resumed from ``ckpt``'s newest checkpoint, else
-    fresh (initialised, or loaded from ``tcfg.checkpoint``) at step 0."""
-    meta = _check_existing(tcfg, ckpt)
-    specs = run_specs(tcfg, cfg, layout)
+def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs: dict, ckpt: Checkpointer):
+    """(params, opt_state, step, step_fn): resumed from ``ckpt``'s newest checkpoint, else fresh
+    (initialised, or loaded from ``tcfg.checkpoint``) at step 0; sharded per ``specs`` (``run_specs``)."""
+    meta = check_existing(tcfg, ckpt)
     if tcfg.checkpoint:  # its model is the run's (``run_model``)
         _, params, _ = load_model(tcfg.checkpoint, layout)
         params = jax.device_put(params, shardings(specs, layout.mesh))  # onto FSDP slices, if asked
     else:
-        params, specs = init_model(cfg, layout, tcfg.seed)
+        params, _ = init_model(cfg, layout, tcfg.seed, specs=specs)
     step_fn, opt = sharded_step(
         step_config(tcfg, cfg), tcfg.optim(), layout, specs, params, COMPUTE_DTYPES[tcfg.compute_dtype]
     )
@@ -203,13 +136,13 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, ckpt: Ch
     # resume() also moves aside newer step directories it could not use, which would block saves.
     resumed = ckpt.resume(
         jax.tree.map(_abstract, target),
-        expect_meta={"format": FORMAT, "model_config": _model_meta(meta, cfg)},
+        expect_meta={"format": FORMAT, "model_config": model_meta(meta, cfg)},
     )
     if resumed:
         state, _, step = resumed
         params, opt_state = state["params"], state["opt_state"]
         distributed.print0(f"resuming from {ckpt.step_dir(step)} (step {step})", file=sys.stderr)
-    return params, opt_state, step, specs, step_fn
+    return params, opt_state, step, step_fn
 
 
 def run_model(tcfg: TrainConfig) -> tuple[TrainConfig, ModelConfig]:
@@ -240,10 +173,13 @@ def _check_same_model(tcfg: TrainConfig, preset: ModelConfig, model: ModelConfig
 
 
 def run_layout(tcfg: TrainConfig, where) -> Layout:
-    """The run's Layout: ``where`` (a Layout, or a jax Mesh) with the run's --fsdp, --sp, --pp (and
-    its schedule) and --cp."""
-    options = dict(fsdp=tcfg.fsdp, sp=tcfg.sp, **pipeline_options(tcfg))
-    return Layout.of(where, **options, cp=tcfg.cp, cp_strategy=tcfg.cp_strategy)
+    """The run's Layout: ``where`` itself when it is a Layout with the run's mesh options (the CLI's,
+    built once from the same flags), else ``where`` (a Layout, or a jax Mesh) with the run's --fsdp,
+    --sp, --pp (and its schedule) and --cp (``MeshFlags.layout_options``)."""
+    options = tcfg.layout_options()
+    if isinstance(where, Layout) and all(getattr(where, k) == v for k, v in options.items()):
+        return where
+    return Layout.of(where, **options)
 
 
 def run_specs(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout) -> dict:
@@ -254,7 +190,7 @@ def run_specs(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout) -> dict:
         from meshlm.sharding.pipelined import check_pipelined
 
         check_pipelined(cfg, layout)
-    return model_specs(cfg, abstract_params(cfg, layout), layout)
+    return model_specs(cfg, param_shapes(cfg), layout)
 
 
 def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
@@ -276,7 +212,7 @@ def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lamb
     tcfg, cfg = run_model(tcfg)
     layout = run_layout(tcfg, where)
     store = store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store (checked) or None
-    run_specs(tcfg, cfg, layout)  # bad --fsdp / --sp combinations fail before the data is read
+    specs = run_specs(tcfg, cfg, layout)  # bad --fsdp / --sp combinations fail before the data is read
     if tcfg.fsdp and layout.dp == 1:
         distributed.print0(
             "note: --fsdp on a mesh with dp=1 saves no memory (it splits weights and AdamW state over "
@@ -298,9 +234,10 @@ def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lamb
     before = outputs.entries(out)  # what a refused start leaves as it was
     lock = lock_run(out)  # before anything in `out` is read or written; creates it
     try:
-        run = _build(tcfg, cfg, layout, out, batcher, val, lock)
+        run = _build(tcfg, cfg, layout, specs, out, batcher, val, lock)
         run.tokenizer, run.tokenizer_meta = tok, tokenizer_meta(out, tok)
         run.val_bytes_per_token, run.out_before = info["val_bytes_per_token"], before
+        _write_settings(out, tcfg, layout)
         startup_check()
         return run
     except MeshlmError:
@@ -312,6 +249,17 @@ def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lamb
         raise
 
 
+def _write_settings(out: Path, tcfg: TrainConfig, layout: Layout) -> None:
+    """settings.toml: the run's resolved settings, rewritten at each start once resuming is allowed
+    (``meshlm train --settings out/settings.toml`` runs it again). --devices only where it counts:
+    fake CPU devices of one process."""
+    if distributed.is_main():
+        one_cpu = jax.process_count() == 1 and jax.default_backend() == "cpu"
+        values = recorded_settings(tcfg, f"{layout.dp}x{layout.mp}", layout.devices if one_cpu else None)
+        comment = "meshlm train's resolved settings: `meshlm train --settings FILE` runs it again"
+        outputs.replace_text(out / SETTINGS, toml_text(values, comment + " (flags given override the file)"))
+
+
 def _eval_loss(cfg: ModelConfig, layout: Layout, specs, dtype):
     """The validation loss: sharded (``shard_map``), or under pp the plain model partitioned by XLA."""
     if layout.pp > 1:
@@ -321,10 +269,10 @@ def _eval_loss(cfg: ModelConfig, layout: Layout, specs, dtype):
     return sharded_loss(lambda par: loss_fn(cfg, par), layout, specs, dtype)
 
 
-def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, out: Path, batcher, val, lock) -> Run:
+def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs, out: Path, batcher, val, lock) -> Run:
     """The state and outputs in ``out``, which this run has locked."""
     ckpt = Checkpointer(out, keep=tcfg.keep)
-    params, opt_state, step, specs, step_fn = _initial_state(tcfg, cfg, layout, ckpt)
+    params, opt_state, step, step_fn = _initial_state(tcfg, cfg, layout, specs, ckpt)
     log = MetricsLog(out, enabled=distributed.is_main())
     if step == 0:
         log.set_aside_earlier()  # rows without a checkpoint: an earlier run's, never rewritten

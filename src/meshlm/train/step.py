@@ -35,9 +35,9 @@ def step_model(cfg: ModelConfig, *, remat: str, unroll: int, fsdp: bool) -> Mode
     return cfg.replace(remat=remat, unroll=unroll)
 
 
-def init_model(cfg: ModelConfig, where, seed: int, dtype=None):
+def init_model(cfg: ModelConfig, where, seed: int, dtype=None, specs: dict | None = None):
     """Parameters created already sharded on ``where``, a Layout (with ``fsdp``, weights also split
-    over DP) or a jax Mesh: returns (params, specs)."""
+    over DP) or a jax Mesh: returns (params, specs). ``specs``: the layout's, computed already."""
     from meshlm.model.transformer import init_fn
     from meshlm.sharding.rules import init_sharded
 
@@ -47,7 +47,7 @@ def init_model(cfg: ModelConfig, where, seed: int, dtype=None):
         init,
         jax.random.PRNGKey(seed),
         example,
-        specs_fn=lambda a: model_specs(cfg, a, layout),
+        specs_fn=lambda a: model_specs(cfg, a, layout) if specs is None else specs,
         mesh=layout.mesh,
         dtype=dtype,
     )
