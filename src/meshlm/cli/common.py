@@ -167,7 +167,7 @@ def flag_layout(args, **options) -> Layout | None:
     if args.mesh:
         return Layout(*parse_mesh(args.mesh), **options)
     options_alone = Layout(**options)  # their own rules (e.g. --microbatches without --pp), no devices
-    return options_alone if options_alone.pp > 1 else None
+    return options_alone if options_alone.pipelined else None
 
 
 def setup(args, default_dp: int = 1, **options) -> Layout:
@@ -202,11 +202,12 @@ def _setup(args, default_dp: int, **options) -> Layout:
 
     if args.devices is not None and (note := accelerator_note()):
         print(note, file=sys.stderr)
-    pp, cp = options.get("pp", 1), options.get("cp", 1)  # devices = pp x dp x cp x mp
+    alone = Layout(**options)  # devices = pp x dp x cp x mp
+    pp, cp = alone.pp, alone.cp
     n = jax.device_count() // pp
-    dp = default_dp if n % (default_dp * cp) == 0 and pp == 1 else 1
+    dp = default_dp if n % (default_dp * cp) == 0 and not alone.pipelined else 1
     dp, mp = parse_mesh(args.mesh) if args.mesh else (dp, max(n // (dp * cp), 1))
-    if pp > 1 or cp > 1:
+    if alone.extra_axes:
         layout = Layout(dp=dp, mp=mp, **options)
         layout.mesh  # noqa: B018 -- built now (a device-count error before any work)
         return layout

@@ -140,9 +140,10 @@ def model_specs(cfg, abstract_params, layout: Layout):
 
 
 def pp_specs(specs, layout: Layout):
-    """With ``layout.pp > 1`` the stacked layer dimension of ``layers/`` parameters is split over PP
-    (consecutive layers per stage: the checkpoint format is unchanged); ``layer_specs`` undoes it."""
-    if layout.pp == 1:
+    """With a pipeline (``layout.pipelined``) the stacked layer dimension of ``layers/`` parameters is
+    split over PP (consecutive layers per stage: the checkpoint format is unchanged); ``layer_specs``
+    undoes it."""
+    if not layout.pipelined:
         return specs
     return {
         mod: {

@@ -28,12 +28,11 @@ from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.model_io import FORMAT, abstract_params, load_model
 from meshlm.io.run_lock import RunLock, lock_run
 from meshlm.model.config import ModelConfig, from_dict
-from meshlm.model.transformer import loss_fn
 from meshlm.parallel import distributed
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.pipeline_schedule import pipeline_options
 from meshlm.sharding.rules import model_specs, shardings
-from meshlm.sharding.spmd import sharded_loss
+from meshlm.sharding.strategy import strategy
 from meshlm.train.config import TrainConfig, resolve, resume_must_match
 from meshlm.train.metrics import OUTPUTS, MetricsLog
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step, step_model
@@ -210,10 +209,7 @@ def run_specs(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout) -> dict:
     """The parameter specs of this run (with ``--fsdp``, weights split over dp); a dimension the mesh
     cannot split, or (``--sp``) a sequence mp cannot split, is a one-line error before any work."""
     layout.check_seq_len(tcfg.seq_len)
-    if layout.pp > 1:
-        from meshlm.sharding.pipelined import check_pipelined
-
-        check_pipelined(cfg, layout)
+    strategy(layout).check(cfg, layout)
     return model_specs(cfg, abstract_params(cfg, layout), layout)
 
 
@@ -270,11 +266,7 @@ def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lamb
 
 def _eval_loss(cfg: ModelConfig, layout: Layout, specs, dtype):
     """The validation loss: sharded (``shard_map``), or under pp the plain model partitioned by XLA."""
-    if layout.pp > 1:
-        from meshlm.sharding.pipelined import pipelined_loss
-
-        return pipelined_loss(cfg, dtype)
-    return sharded_loss(lambda par: loss_fn(cfg, par), layout, specs, dtype)
+    return strategy(layout).loss(cfg, layout, specs, dtype)
 
 
 def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, out: Path, batcher, val, lock) -> Run:
