@@ -34,6 +34,8 @@ PIPELINE_MESH_AXES = (PP, DP, MP)
 CP_STRATEGIES = ("ring", "allgather")  # how attention reaches the other cp shards' keys and values
 PIPELINE_OPTIONS = ("microbatches", "pp_schedule", "virtual_stages")
 PIPELINE_DEFAULTS = {"microbatches": 1, "pp_schedule": "1f1b", "virtual_stages": 1}
+# The logical dimensions of parameters (``sharding.rules``' rows name them); ``Axis.dims`` maps them.
+LOGICAL_DIMS = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers")
 
 
 def _nothing(layout) -> None:
@@ -57,6 +59,8 @@ class Axis:
     label: Callable[[Any], tuple[str, str, str]] = _no_label  # (before the sizes, after, after options)
     batch: bool = False  # the batch's tokens split over it: loss and gradients are means over it
     step: str = ""  # the step strategy it needs when on ("pipelined"); "" the sharded step
+    dims: tuple[str, ...] = ()  # the logical parameter dims it splits (``LOGICAL_DIMS``)
+    option_dims: tuple[tuple[str, str], ...] = ()  # (option, logical dim) it also splits with that on
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -111,8 +115,15 @@ AXES: tuple[Axis, ...] = (  # in mesh order
         check=_check_pipeline,
         label=_pipeline_label,
         step="pipelined",
+        dims=("layers",),
     ),
-    Axis(DP, "the batch's rows (with --fsdp also weights and AdamW moments)", always=True, batch=True),
+    Axis(
+        DP,
+        "the batch's rows (with --fsdp also weights and AdamW moments)",
+        always=True,
+        batch=True,
+        option_dims=(("fsdp", "embed"),),  # FSDP: each weight's model-width dim, never one mp splits
+    ),
     Axis(
         CP,
         "the sequence, in 2 x cp load-balanced chunks (each shard holds chunks i and 2cp-1-i)",
@@ -122,7 +133,10 @@ AXES: tuple[Axis, ...] = (  # in mesh order
         batch=True,
     ),
     Axis(
-        MP, "heads, hidden units and the vocabulary (with --sp also the sequence between blocks)", always=True
+        MP,
+        "heads, hidden units and the vocabulary (with --sp also the sequence between blocks)",
+        always=True,
+        dims=("vocab", "heads", "kv_heads", "mlp"),
     ),
 )
 AXIS_NAMES = tuple(a.name for a in AXES)  # the mesh's axes in order; pp and cp only when > 1
@@ -187,3 +201,12 @@ class AxisFacts:
     def batch_axes(self) -> tuple[str, ...]:
         """The mesh axes the batch's tokens are split over (dp, and cp when on)."""
         return tuple(a for a in self.shape if a in {x.name for x in AXES if x.batch})
+
+    def logical_axes(self) -> dict[str, str]:
+        """Logical parameter dim -> the mesh axis splitting it on this layout (``Axis.dims`` of the
+        axes in the mesh): {"vocab": "mp", ...}, with a pipeline also {"layers": "pp"}."""
+        return {d: a.name for a in AXES if a.name in self.shape for d in a.dims}
+
+    def option_axes(self) -> dict[str, str]:
+        """Logical dim -> the mesh axis an option that is on adds to it (``--fsdp``: {"embed": "dp"})."""
+        return {d: a.name for a in AXES if a.name in self.shape for o, d in a.option_dims if getattr(self, o)}
