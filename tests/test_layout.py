@@ -167,7 +167,8 @@ def mutual_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 def test_no_two_modules_import_each_other():
     """No module imports one that imports it back (e.g. ``Layout`` and ``Parallel`` used to)."""
-    assert mutual_imports(module_graph()) == [], "modules importing each other: split or move one import"
+    pairs = mutual_imports(module_graph())
+    assert pairs == [], f"modules importing each other: {pairs}; move what both need into one of them"
 
 
 def test_the_module_check_finds_a_planted_pair(tmp_path):
