@@ -101,12 +101,13 @@ def sharded_logits(cfg, params, tokens, mesh=(2, 2)):
     from jax.sharding import PartitionSpec as P
 
     from meshlm.model.transformer import logits_fn
+    from meshlm.parallel.context import Parallel
     from meshlm.parallel.layout import Layout
     from meshlm.sharding.rules import model_specs, shardings
 
     layout = Layout(*mesh)
     specs = model_specs(cfg, params, layout)
-    apply = hk.transform(logits_fn(cfg, layout.parallel())).apply
+    apply = hk.transform(logits_fn(cfg, Parallel.on(layout))).apply
     fn = jax.shard_map(
         lambda p, t: apply(p, None, t)[None],
         mesh=layout.mesh,

@@ -108,7 +108,7 @@ def _sharded_logits(cfg, params, mesh_shape, tokens) -> np.ndarray:
     layout = Layout(*mesh_shape)
     mesh = layout.mesh
     specs = model_specs(cfg, params, layout)
-    apply = hk.transform(logits_fn(cfg, layout.parallel())).apply
+    apply = hk.transform(logits_fn(cfg, Parallel.on(layout))).apply
     # Each model shard returns its own gathered copy of the logits (a leading axis over mp), so
     # every copy is compared, not just the first.
     fn = jax.shard_map(

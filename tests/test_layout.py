@@ -138,6 +138,54 @@ def test_module_and_class_sizes(path):
             assert size <= MAX_CLASS_LINES, f"class {node.name} has {size} lines"
 
 
+def module_graph(src: Path = SRC) -> dict[str, set[str]]:
+    """Module -> the meshlm modules it imports (module level or in functions): ``from meshlm.a import b``
+    is module ``meshlm.a.b`` when that is a module, else ``meshlm.a``."""
+    names = {}
+    for path in sorted(src.rglob("*.py")):
+        parts = path.relative_to(src.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names else node.module
+                    for a in node.names
+                }
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = {d for d in deps if d in names and d != name}
+    return graph
+
+
+def mutual_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every pair of modules that import each other (a two-module cycle), sorted."""
+    return sorted((a, b) for a in graph for b in graph[a] if a < b and a in graph.get(b, ()))
+
+
+def test_no_two_modules_import_each_other():
+    """No module imports one that imports it back (e.g. ``Layout`` and ``Parallel`` used to)."""
+    pairs = mutual_imports(module_graph())
+    assert pairs == [], f"modules importing each other: {pairs}; move what both need into one of them"
+
+
+def test_the_module_check_finds_a_planted_pair(tmp_path):
+    """The check sees a planted pair, one of the edges inside a function, and names it once."""
+    pkg = tmp_path / "meshlm" / "sub"
+    pkg.mkdir(parents=True)
+    (tmp_path / "meshlm" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from meshlm.sub.b import thing\n")
+    (pkg / "b.py").write_text("def f():\n    from meshlm.sub import a\n")
+    (pkg / "c.py").write_text("import meshlm.sub.a\n")
+    graph = module_graph(tmp_path / "meshlm")
+    assert mutual_imports(graph) == [("meshlm.sub.a", "meshlm.sub.b")]
+    graph["meshlm.sub.b"].clear()
+    assert mutual_imports(graph) == []
+
+
 def test_checker_sees_function_level_imports(tmp_path):
     """The import scan must see lazy imports inside functions (the CLI's and the library's habit)."""
     module = tmp_path / "m.py"

@@ -45,8 +45,8 @@ def test_a_layout_is_one_value_from_a_mesh_or_from_sizes():
     assert Layout.of(layout) is layout and Layout.of(layout, sp=True).mesh is mesh
     assert layout.label() == "2x2 + FSDP" and Layout(dp=2, mp=2, sp=True).label() == "2x2 + SP"
     assert Layout.from_dict(layout.to_dict()) == layout
-    par = Layout(dp=2, mp=4, sp=True).parallel()
-    assert par == Parallel(mp=4, dp=2, sharded=True, sp=True)
+    par = Parallel.on(Layout(dp=2, mp=4, sp=True))
+    assert par == Parallel(Layout(dp=2, mp=4, sp=True), sharded=True) and par.layout.mp == 4
     with pytest.raises(ConfigError, match="unknown layout field"):
         Layout.from_dict({"dp": 1, "mp": 1, "zz": 2})
 

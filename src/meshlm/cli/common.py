@@ -182,7 +182,7 @@ def flag_layout(args, flags: MeshFlags | None = None) -> Layout | None:
     if args.mesh:
         return Layout(*parse_mesh(args.mesh), **options)
     options_alone = Layout(**options)  # their own rules (e.g. --microbatches without --pp), no devices
-    return options_alone if options_alone.pp > 1 else None
+    return options_alone if options_alone.pipelined else None
 
 
 def setup(args, flags: MeshFlags | None = None, planned: Layout | None = None, default_dp: int = 1) -> Layout:
@@ -221,9 +221,9 @@ def _setup(args, flags: MeshFlags | None, planned: Layout | None, default_dp: in
         layout = planned if planned is not None else flag_layout(args, flags)
     else:
         options = flags.layout_options() if flags is not None else {}
-        pp, cp = options.get("pp", 1), options.get("cp", 1)  # devices = pp x dp x cp x mp
-        n = jax.device_count() // pp
-        dp = default_dp if n % (default_dp * cp) == 0 and pp == 1 else 1
-        layout = Layout(dp=dp, mp=max(n // (dp * cp), 1), **options)
+        alone = Layout(**options)  # devices = pp x dp x cp x mp
+        n = jax.device_count() // alone.pp
+        dp = default_dp if n % (default_dp * alone.cp) == 0 and not alone.pipelined else 1
+        layout = Layout(dp=dp, mp=max(n // (dp * alone.cp), 1), **options)
     layout.mesh  # noqa: B018 -- built now (a device-count error before any work)
     return layout

@@ -84,6 +84,7 @@ def _verify(args, vs: VerifySettings, planned) -> int:
 
     from meshlm.parallel.distributed import print0
     from meshlm.proof import format_report, model_problem, verify
+    from meshlm.sharding.strategy import strategy
 
     if vs.x64:
         jax.config.update("jax_enable_x64", True)
@@ -101,15 +102,10 @@ def _verify(args, vs: VerifySettings, planned) -> int:
     if vs.remat is not None:
         cfg = cfg.replace(remat=vs.remat)
     cfg = cfg.replace(attention=vs.attention, attn_block=vs.attn_block)
-    batch = (
-        vs.batch_size if vs.batch_size is not None else 2 * dp * (layout.microbatches if layout.pp > 1 else 1)
-    )
+    batch = vs.batch_size if vs.batch_size is not None else 2 * dp * layout.pipeline_microbatches
     seq_len = _seq_len(vs, cfg)
     layout.check_seq_len(seq_len)
-    if layout.pp > 1:
-        from meshlm.sharding.pipelined import check_pipelined
-
-        check_pipelined(cfg, layout)
+    strategy(layout).check(cfg, layout)  # e.g. layers a pipeline cannot split
     problem = model_problem(
         cfg, name, mp, batch, seq_len, vs.seed, dp=dp, fsdp=layout.fsdp, sp=layout.sp, pp=layout.pp
     )

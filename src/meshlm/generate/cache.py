@@ -59,5 +59,5 @@ def empty_cache(cfg: ModelConfig, par: Parallel, shard_batch: int, max_len: int,
     inside shard_map)."""
     if not cfg.arch.attention:
         return {}
-    shape = (cfg.n_layers, shard_batch, max_len, cache_heads(cfg, par.mp)[1], cfg.dim_per_head)
+    shape = (cfg.n_layers, shard_batch, max_len, cache_heads(cfg, par.layout.mp)[1], cfg.dim_per_head)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

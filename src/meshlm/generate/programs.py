@@ -19,7 +19,6 @@ on every mesh. Settings are traced values: changing them does not recompile.
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 
 import haiku as hk
@@ -94,7 +93,7 @@ def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype):
     Global shapes; rows split over DP. Only params and the cache are sharded over MP.
     """
     # A training layout's cp axis, if any, holds copies: a prompt is not split over the sequence.
-    par, mesh = dataclasses.replace(layout.parallel(), cp=1), layout.mesh
+    par, mesh = Parallel.on(Layout.of(layout, cp=1)), layout.mesh
     apply = hk.without_apply_rng(hk.transform(partial(_forward, cfg, par))).apply
 
     def prefill(params, tokens, lengths, rows, key, sampling):  # tokens [B/dp, S], lengths [B/dp] per shard

@@ -45,9 +45,9 @@ class Attention(hk.Module):
         self.cfg, self.par, self.stddev = cfg, par, stddev
         self.style = cfg.rotary_kind
 
-    def _proj(self, name, xf, heads, hook=lambda w: w):  # xf [B, T, D] -> [B, T, heads, E]
+    def _proj(self, name, xf, heads, tap=None):  # xf [B, T, D] -> [B, T, heads, E]
         w = hk.get_parameter(name, [xf.shape[-1], heads, self.cfg.dim_per_head], init=_normal(self.stddev))
-        return self._biased(name, dense_heads_in(xf, hook(w)), heads)
+        return self._biased(name, dense_heads_in(xf, w if tap is None else self.par.tap(tap, w)), heads)
 
     def _biased(self, name, y, heads, index=None):
         """y [B, T, h, E] plus the projection's bias (Qwen2's q/k/v; ``Family.qkv_bias``): column-
@@ -58,12 +58,12 @@ class Attention(hk.Module):
         b = hk.get_parameter("b" + name[1:], [heads, self.cfg.dim_per_head], init=jnp.zeros)
         if index is not None:
             b = lax.dynamic_slice_in_dim(b, index, 1, axis=0)  # [1, E]: this shard's KV head
-        return y + self.par.head_bias(b)
+        return y + self.par.tap("head_bias", b)  # [heads, E]: this shard's heads' slice
 
     def _kv(self, xf):  # -> k, v [B, T, K_local, E]
         cfg, par = self.cfg, self.par
-        if not kv_replicated(cfg.kv_heads, par.mp):
-            kl = cfg.kv_heads // par.mp
+        if not kv_replicated(cfg.kv_heads, par.layout.mp):
+            kl = cfg.kv_heads // par.layout.mp
             return self._proj("wk", xf, kl), self._proj("wv", xf, kl)
         idx = par.kv_head_index(cfg.n_heads, cfg.kv_heads)
         out = []
@@ -85,8 +85,8 @@ class Attention(hk.Module):
         Returns (partial [B, T, D], new cache or None).
         """
         cfg = self.cfg
-        hl = cfg.n_heads // self.par.mp
-        q = self._proj("wq", xf, hl, self.par.own_heads)  # [B, T, H/mp, E]
+        hl = cfg.n_heads // self.par.layout.mp
+        q = self._proj("wq", xf, hl, "own_heads")  # [B, T, H/mp, E]: this shard's query heads
         k, v = self._kv(xf)  # [B, T, K_local, E]
         rotary = positions if starts is None else positions - starts
         cos, sin = rotary_angles(rotary, cfg.inv_freq(), q.dtype)

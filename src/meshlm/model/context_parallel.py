@@ -3,7 +3,7 @@
 Each cp shard holds queries, keys and values of its own two chunks ([B, T/cp, ...]) and their global
 positions; the causal mask is by position, so the order in which key chunks arrive does not matter.
 
-- ``ring`` (``Parallel.cp_strategy``): the K/V chunk travels around the cp axis (a collective-permute
+- ``ring`` (``Layout.cp_ring``): the K/V chunk travels around the cp axis (a collective-permute
   per step, keys and values stacked into one array) and each step's ``attend_partial`` is merged into
   the running result with ``combine`` (the online softmax). cp - 1 permutes forward. The backward (a
   custom VJP) recomputes each step from the saved queries, output and log-sum-exp: the K/V chunk goes
@@ -26,10 +26,10 @@ from meshlm.model.layers import upcast
 
 def context_attention(q, k, v, q_pos, par, *, block: int, blockwise: bool, plain_attend):
     """q [B, T/cp, H, E], k, v [B, T/cp, K, E] this shard's chunks; q_pos [B, T/cp] global positions."""
-    if par.cp_strategy == "ring":
+    if par.cp_ring:
         return _ring(q, k, v, q_pos, par, block)
     t = k.shape[1]
-    k_pos = jnp.concatenate([par.kv_positions(o, t) for o in range(par.cp)])
+    k_pos = jnp.concatenate([par.kv_positions(o, t) for o in range(par.layout.cp)])
     k_pos = jnp.broadcast_to(k_pos, (k.shape[0], k_pos.shape[0]))
     k_all, v_all = par.gather_kv(jnp.stack([k, v]))  # one all-gather: [2, B, T/cp, K, E] -> [2, B, T, K, E]
     if blockwise:
@@ -39,7 +39,7 @@ def context_attention(q, k, v, q_pos, par, *, block: int, blockwise: bool, plain
 
 def _origin(par, step: int):
     """The cp shard whose K/V chunk this shard holds at ring step ``step``."""
-    return (par.cp_index() - step) % par.cp
+    return (par.cp_index() - step) % par.layout.cp
 
 
 def _kv_pos(par, step, like):
@@ -69,7 +69,7 @@ def _ring_bwd(par, block, res, dout):
         kp = _kv_pos(par, s, k)
         dq_s, dk_s, dv_s = partial_grads(q, kv[0], kv[1], q_pos, kp, out, lse, dout, block=block)
         dq, dkv = dq + dq_s, dkv + jnp.stack([dk_s, dv_s]).astype(f)
-    for _ in range(par.cp - steps + 1):  # the accumulators' way home to the shard of their chunk
+    for _ in range(par.layout.cp - steps + 1):  # the accumulators' way home to the shard of their chunk
         dkv = par.cp_shift(dkv)
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
 

@@ -59,7 +59,7 @@ class VocabEmbed(hk.Module):
 
     def _table(self):  # [V/mp, D]
         init = zero_padding(_normal(self.stddev), self.par, self.real_vocab, axis=0)
-        return hk.get_parameter("embeddings", [self.vocab // self.par.mp, self.d_model], init=init)
+        return hk.get_parameter("embeddings", [self.vocab // self.par.layout.mp, self.d_model], init=init)
 
     def __call__(self, tokens):  # tokens: [B, T] global ids -> [B, T, D] replicated
         table = self._table()
@@ -71,7 +71,7 @@ class VocabEmbed(hk.Module):
         return self.par.row_out(rows, b)
 
     def local_logits(self, xf):  # tied output projection: [B, T, D] -> [B, T, V/mp] per-shard
-        return dense(xf, self.par.tied_table(self._table()).T)
+        return dense(xf, self.par.tap("tied_table", self._table()).T)
 
 
 class VocabHead(hk.Module):
@@ -92,7 +92,7 @@ class VocabHead(hk.Module):
         self.real_vocab = real_vocab or vocab_size  # columns from real_vocab on are padding
 
     def local_logits(self, xf):  # [B, T, D] -> [B, T, V/mp] per-shard
-        vs = self.vocab // self.par.mp
+        vs = self.vocab // self.par.layout.mp
         init = zero_padding(_normal(self.stddev), self.par, self.real_vocab, axis=1)
         w = hk.get_parameter("w", [xf.shape[-1], vs], init=init)
         out = dense(xf, w)
@@ -117,7 +117,7 @@ def mask_vocab_padding(par: Parallel, logits, vocab_size: int):
     """logits [B, T, V/mp] per-shard, V padded -> the same with the padded columns (global ids >=
     ``vocab_size``) at -inf: out of the softmax of ``vocab_parallel_xent``, with zero gradient."""
     vs = logits.shape[-1]
-    if vocab_size >= vs * par.mp:
+    if vocab_size >= vs * par.layout.mp:
         return logits
     real = par.real_vocab_columns(vs, vocab_size)  # [V/mp]
     return jnp.where(real, logits, jnp.asarray(-jnp.inf, logits.dtype))
@@ -182,7 +182,7 @@ class MLP(hk.Module):
         return y + hk.get_parameter(f"b_{name}", [cols], init=jnp.zeros) if bias else y
 
     def __call__(self, xf):
-        fl = self.d_ff // self.par.mp
+        fl = self.d_ff // self.par.layout.mp
         if self.kind in GATED:
             h = GATED[self.kind](self._dense("gate", xf, fl, self.stddev_in, False))
             h = h * self._dense("up", xf, fl, self.stddev_in, False)

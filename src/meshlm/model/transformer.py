@@ -117,7 +117,7 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, sta
     if positions is None:  # global positions: with cp, those of this shard's chunks
         positions = jnp.broadcast_to(par.positions(tokens.shape[-1]), tokens.shape)
     if cfg.doc_mask >= 0:
-        starts = par.doc_starts(doc_starts(tokens, cfg.doc_mask) if starts is None else starts)
+        starts = par.tap("doc_starts", doc_starts(tokens, cfg.doc_mask) if starts is None else starts)
     embed = _embed(cfg, par)
     x = _scaled(cfg, embed(tokens))  # [B, T, D]; with sp [B, T/mp, D] per shard
     x, cache = _stack(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, cache, starts)
@@ -200,7 +200,7 @@ def layers_fn(cfg: ModelConfig, par: Parallel):
     ``sp`` the hidden is [B, T/mp, D] per shard and the positions those of the whole sequence."""
 
     def layers(x):
-        t = x.shape[1] * (par.mp if par.sp and par.sharded else 1)
+        t = x.shape[1] * (par.layout.mp if par.layout.sp and par.sharded else 1)
         positions = jnp.broadcast_to(jnp.arange(t), (x.shape[0], t))
         with hk.custom_getter(parallel_getter(par)):
             return _stack(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, None)[0]

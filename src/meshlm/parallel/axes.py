@@ -1,17 +1,216 @@
-"""Mesh axis names: the only place these strings are spelled as axes (JSON reports reuse the words
-"dp"/"mp" as keys, which are output names, not axis lookups).
+"""Mesh axes: the only place these strings are spelled as axes (JSON reports reuse the words
+"dp"/"mp" as keys, which are output names, not axis lookups), and each axis's declaration.
 
-The mesh is 2-D: ``DP`` splits the batch (data parallel), ``MP`` splits weights Megatron-style
-(model / tensor parallel); with a pipeline (``--pp``) ``PP`` is a third, outermost axis over which
-the stacked layers are split into stages. Layers never name axes; they call methods of
-``meshlm.parallel.context.Parallel``.
+``DP`` splits the batch (data parallel), ``MP`` splits weights Megatron-style (model / tensor
+parallel); with a pipeline (``--pp``) ``PP`` is the outermost axis, over which the stacked layers are
+split into stages; with context parallelism (``--cp``) ``CP`` splits the sequence, between DP and MP.
+Layers never name axes; they call methods of ``meshlm.parallel.context.Parallel``.
+
+``AXES`` declares each axis once, in mesh order: what it splits, whether a mesh has it at size 1,
+its options (``Layout`` fields, with flags of the same names), its checks, its piece of the label,
+whether the batch's tokens are split over it (then the loss and the gradients are means over it: the
+communication check expects one gradient all-reduce and one loss mean over all such axes together),
+and which step strategy it needs. ``parallel.layout.Layout`` reads it for its sizes, mesh, label,
+checkpoint record and validation; ``sharding.spmd`` and ``Parallel.batch_mean`` for the batch axes.
+Adding an axis (experts, ``ep``) starts with an entry here: docs/architecture.md, "Adding an axis".
 """
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 DP = "dp"  # data-parallel axis: the global batch is split over it
 MP = "mp"  # model-parallel axis: heads, hidden units and the vocabulary are split over it
-MESH_AXES = (DP, MP)
+MESH_AXES = (DP, MP)  # the axes every mesh has (a (dp, mp) mesh: ``make_mesh``'s default)
 CP = "cp"  # context-parallel axis: the sequence split over it (a mesh has it only when cp > 1: ``Layout``)
 PP = "pp"  # pipeline axis: consecutive layer chunks over it (``parallel.pipeline``); outermost when present
 # A layout with pp > 1 has the mesh (pp, dp, mp); without, (dp, mp) as always (``Layout.shape``);
 # cp > 1 adds CP between DP and MP: (pp, dp, cp, mp), each axis present only when its size > 1.
 PIPELINE_MESH_AXES = (PP, DP, MP)
+
+CP_STRATEGIES = ("ring", "allgather")  # how attention reaches the other cp shards' keys and values
+PIPELINE_OPTIONS = ("microbatches", "pp_schedule", "virtual_stages")
+PIPELINE_DEFAULTS = {"microbatches": 1, "pp_schedule": "1f1b", "virtual_stages": 1}
+# The logical dimensions of parameters (``sharding.rules``' rows name them); ``Axis.dims`` maps them.
+LOGICAL_DIMS = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers")
+
+
+def _nothing(layout) -> None:
+    return None
+
+
+def _no_label(layout) -> tuple[str, str, str]:
+    return "", "", ""
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One mesh axis. Its size is the ``Layout`` field ``name`` (flag ``--name``); callables take the
+    layout (duck-typed: this module imports nothing of meshlm)."""
+
+    name: str  # the mesh axis, the Layout field holding its size, its flag (--pp, --cp)
+    splits: str  # what it splits (reports and docs)
+    always: bool = False  # in every mesh (dp, mp), or only when its size is > 1 (so older meshes stay)
+    options: tuple[str, ...] = ()  # Layout fields configuring it (same-named flags); recorded when on
+    check: Callable[[Any], None] = _nothing  # its own one-line errors (ConfigError), given the layout
+    label: Callable[[Any], tuple[str, str, str]] = _no_label  # (before the sizes, after, after options)
+    batch: bool = False  # the batch's tokens split over it: loss and gradients are means over it
+    step: str = ""  # the step strategy it needs when on ("pipelined"); "" the sharded step
+    dims: tuple[str, ...] = ()  # the logical parameter dims it splits (``LOGICAL_DIMS``)
+    option_dims: tuple[tuple[str, str], ...] = ()  # (option, logical dim) it also splits with that on
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return tuple("--" + f.replace("_", "-") for f in (self.name, *self.options))
+
+
+def _check_pipeline(layout) -> None:
+    """Schedule options without a pipeline, and the schedule's own errors (``PipelineConfig``)."""
+    from meshlm.errors import ConfigError
+
+    if layout.pp == 1:
+        given = [
+            f"--{o.replace('_', '-')}" for o in PIPELINE_OPTIONS if getattr(layout, o) != PIPELINE_DEFAULTS[o]
+        ]
+        if given:
+            raise ConfigError(f"{', '.join(given)} needs a pipeline; add --pp 2 (or more) or drop it")
+        return
+    layout.pipeline  # noqa: B018 -- validates the schedule (PipelineConfig raises one-line errors)
+
+
+def _check_context(layout) -> None:
+    """The strategy's name, and what cp does not combine with."""
+    from meshlm.errors import ConfigError
+
+    if layout.cp_strategy not in CP_STRATEGIES:
+        raise ConfigError(
+            f"--cp-strategy {layout.cp_strategy!r} is not one of {', '.join(CP_STRATEGIES)}; pick one"
+        )
+    if layout.cp == 1 and layout.cp_strategy != CP_STRATEGIES[0]:  # as the pipeline's options without pp
+        raise ConfigError(
+            f"--cp-strategy {layout.cp_strategy} needs context parallelism; add --cp 2 (or more) or drop it"
+        )
+    if layout.cp > 1 and layout.pp > 1:
+        raise ConfigError(
+            f"--cp {layout.cp} cannot be combined with --pp {layout.pp}: the pipeline's stages do not "
+            "yet pass context-parallel activations; drop --cp (or --pp)"
+        )
+
+
+def _pipeline_label(layout) -> tuple[str, str, str]:
+    if layout.pp == 1:
+        return "", "", ""
+    v = f", V={layout.virtual_stages}" if layout.virtual_stages > 1 else ""
+    return f"pp{layout.pp}x", "", f" ({layout.pp_schedule}, M={layout.microbatches}{v})"
+
+
+def _context_label(layout) -> tuple[str, str, str]:
+    return ("", f" + CP{layout.cp} {layout.cp_strategy}", "") if layout.cp > 1 else ("", "", "")
+
+
+AXES: tuple[Axis, ...] = (  # in mesh order
+    Axis(
+        PP,
+        "consecutive layer chunks (the stacked layer dimension): pipeline stages",
+        options=PIPELINE_OPTIONS,
+        check=_check_pipeline,
+        label=_pipeline_label,
+        step="pipelined",
+        dims=("layers",),
+    ),
+    Axis(
+        DP,
+        "the batch's rows (with --fsdp also weights and AdamW moments)",
+        always=True,
+        batch=True,
+        option_dims=(("fsdp", "embed"),),  # FSDP: each weight's model-width dim, never one mp splits
+    ),
+    Axis(
+        CP,
+        "the sequence, in 2 x cp load-balanced chunks (each shard holds chunks i and 2cp-1-i)",
+        options=("cp_strategy",),
+        check=_check_context,
+        label=_context_label,
+        batch=True,
+    ),
+    Axis(
+        MP,
+        "heads, hidden units and the vocabulary (with --sp also the sequence between blocks)",
+        always=True,
+        dims=("vocab", "heads", "kv_heads", "mlp"),
+    ),
+)
+AXIS_NAMES = tuple(a.name for a in AXES)  # the mesh's axes in order; pp and cp only when > 1
+
+
+class AxisFacts:
+    """What the declarations say about a layout's sizes (``Layout``'s base: it has a field per axis and
+    option); code asks these instead of comparing sizes with 1."""
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.shape.values())
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """{axis name: size}, the mesh's axes in order (what reports and checkpoint meta show): e.g.
+        {"dp": 2, "mp": 2}; pp and cp only when > 1: {"pp": 2, "dp": 2, "mp": 2}, {"dp": 1, "cp": 2,
+        "mp": 2} (so 2-D meshes are unchanged)."""
+        return {a.name: getattr(self, a.name) for a in AXES if a.always or self.on(a.name)}
+
+    def on(self, axis: str) -> bool:
+        """Whether ``axis`` splits anything here (its size is > 1)."""
+        return getattr(self, axis) > 1
+
+    @property
+    def pipelined(self) -> bool:
+        """The step runs through the pipeline's schedule (pp > 1): the one strategy an axis picks
+        (``Axis.step``); ``sharding.strategy`` maps it to the value-and-grad, loss and generation."""
+        return self.strategy == "pipelined"
+
+    @property
+    def strategy(self) -> str:
+        """The step strategy the axes that are on need: "pipelined" or "sharded"."""
+        picked = sorted({a.step for a in AXES if a.step and self.on(a.name)})
+        if len(picked) > 1:
+            from meshlm.errors import ConfigError
+
+            raise ConfigError(f"the axes on need different step strategies ({', '.join(picked)}); drop one")
+        return picked[0] if picked else "sharded"
+
+    @property
+    def extra_axes(self) -> tuple[str, ...]:
+        """The axes on beyond the (dp, mp) every mesh has: ("pp",), ("cp",) or ()."""
+        return tuple(a.name for a in AXES if not a.always and self.on(a.name))
+
+    @property
+    def context_parallel(self) -> bool:
+        """The sequence is split over cp (cp > 1)."""
+        return self.on(CP)
+
+    @property
+    def cp_ring(self) -> bool:
+        """Context parallelism by the ring (K/V chunks passed around cp), not by all-gathers."""
+        return self.context_parallel and self.cp_strategy == "ring"
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Micro-batches each (accumulation) batch is cut into by the pipeline: 1 without one."""
+        return self.microbatches if self.pipelined else 1
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch's tokens are split over (dp, and cp when on)."""
+        return tuple(a for a in self.shape if a in {x.name for x in AXES if x.batch})
+
+    def logical_axes(self) -> dict[str, str]:
+        """Logical parameter dim -> the mesh axis splitting it on this layout (``Axis.dims`` of the
+        axes in the mesh): {"vocab": "mp", ...}, with a pipeline also {"layers": "pp"}."""
+        return {d: a.name for a in AXES if a.name in self.shape for d in a.dims}
+
+    def option_axes(self) -> dict[str, str]:
+        """Logical dim -> the mesh axis an option that is on adds to it (``--fsdp``: {"embed": "dp"})."""
+        return {d: a.name for a in AXES if a.name in self.shape for o, d in a.option_dims if getattr(self, o)}

@@ -20,27 +20,32 @@ No collective has a custom VJP: JAX's own transposes are exact (``meshlm verify`
 float64, and its planted-fault controls show that the proof can fail). The model's one custom VJP is
 the weight matmul's backward (``model.dense``, for XLA:CPU's fast matmul path), under the same
 proof. Negative controls subclass this class and override one method each; layers stay unchanged.
+Faults that have no real operation to override are planted at a named ``tap`` (identity here: the
+proof's ``proof.taps.Tapped`` gives each name a method its controls override).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.parallel.axes import CP, DP, MP
+from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.cp import ContextParallel
+from meshlm.parallel.layout import Layout
 
 
 @dataclass(frozen=True)
 class Parallel(ContextParallel):
-    mp: int = 1  # number of model-parallel shards (1: unsharded)
-    dp: int = 1  # number of data-parallel shards
-    sharded: bool = False  # True inside shard_map over the (DP, MP) mesh
-    sp: bool = False  # sequence parallelism: activations between blocks are [B, T/mp, D] per shard
-    cp: int = 1  # context-parallel shards: each holds sequence chunks i and 2cp-1-i (``parallel.cp``)
-    cp_strategy: str = "ring"  # ring (K/V ppermuted around cp) or allgather (K/V gathered per layer)
+    # The mesh's sizes and options (mp shards, sp, cp, ...); the default, 1x1, is the unsharded model.
+    layout: Layout = field(default_factory=Layout)
+    sharded: bool = False  # True inside shard_map over the layout's mesh
+
+    @classmethod
+    def on(cls, layout: Layout):
+        """The context layers compute in inside ``shard_map`` over ``layout``'s mesh."""
+        return cls(layout=layout, sharded=True)
 
     # --- Megatron collectives over the model axis -------------------------------------------
     def f(self, x):
@@ -48,7 +53,7 @@ class Parallel(ContextParallel):
         x [B, T/mp, D] per shard -> [B, T, D], all-gather forward, reduce-scatter backward."""
         if not self.sharded:
             return x
-        return self.gather_seq(x) if self.sp else lax.pcast(x, MP, to="varying")
+        return self.gather_seq(x) if self.layout.sp else lax.pcast(x, MP, to="varying")
 
     def g(self, x):
         """All-reduce forward, identity backward: leaving a row-parallel region."""
@@ -57,7 +62,7 @@ class Parallel(ContextParallel):
     def row_sum(self, partial):
         """Sum row-parallel partials [B, T, D] over shards: ``g``, or with ``sp`` a reduce-scatter
         over the sequence to [B, T/mp, D] (all-gather backward)."""
-        if self.sp and self.sharded:
+        if self.layout.sp and self.sharded:
             return lax.psum_scatter(partial, MP, scatter_dimension=1, tiled=True)
         return self.g(partial)
 
@@ -74,9 +79,7 @@ class Parallel(ContextParallel):
     def seq_len_check(self, seq_len: int):
         """With ``sp`` the sequence is split over MP: it must divide (``Layout.check_seq_len``)."""
         if self.sharded:
-            from meshlm.parallel.layout import Layout
-
-            Layout(dp=self.dp, mp=self.mp, sp=self.sp, cp=self.cp).check_seq_len(seq_len * self.cp)
+            self.layout.check_seq_len(seq_len * self.layout.cp)
 
     def param(self, value, shape, norm: bool):
         """A parameter as a layer uses it (called by a Haiku getter for every ``get_parameter``).
@@ -84,22 +87,23 @@ class Parallel(ContextParallel):
         ``value``: what this shard stores; ``shape``: what the layer asked for. A stored slice
         smaller than the request is an FSDP slice over DP: all-gathered along that dimension
         (``gather_weight``). ``norm``: a norm's scale/offset, which with ``sp`` meets the sequence
-        slices of every shard, so JAX sums its gradient over MP (``norm_param`` is that hook)."""
+        slices of every shard, so JAX sums its gradient over MP (the ``norm_param`` tap)."""
         if not self.sharded:
             return value
         if tuple(value.shape) != tuple(shape):
             dims = [i for i, (a, b) in enumerate(zip(value.shape, shape, strict=True)) if a != b]
             return self.gather_weight(value, dims[0])
-        return self.norm_param(value) if norm and self.sp else value
+        return self.tap("norm_param", value) if norm and self.layout.sp else value
 
     def gather_weight(self, w, dim: int):
         """FSDP: this shard's slice of a weight -> the whole weight along ``dim`` (all-gather over
         DP; its transpose reduce-scatters the gradient: each shard keeps the DP sum of its slice)."""
         return lax.all_gather(w, DP, axis=dim, tiled=True)
 
-    def norm_param(self, p):
-        """A replicated norm parameter under ``sp`` (a hook for controls): used as it is."""
-        return p
+    def tap(self, name: str, x):
+        """``x`` as the computation uses it at the point ``name`` (identity): where the proof plants a
+        fault that no real operation here can carry (``proof.taps`` names every tap)."""
+        return x
 
     def pmax(self, x):
         return lax.pmax(x, MP) if self.sharded else x
@@ -121,28 +125,10 @@ class Parallel(ContextParallel):
         """[V/mp] bool: which of this shard's vocabulary columns are real ids, not padding."""
         return self.vocab_start(vocab_per_shard) + jnp.arange(vocab_per_shard) < vocab_size
 
-    def own_heads(self, w):
-        """The query-head weights this shard computes with: its own slice (a hook for controls)."""
-        return w
-
-    def tied_table(self, table):
-        """The embedding slice [V/mp, D] a tied head projects onto: this shard's own, the very array
-        the lookup reads, so both uses' gradients add up in it (a hook for controls)."""
-        return table
-
-    def head_bias(self, b):
-        """The q/k/v bias [heads, E] this shard adds: its own heads' slice (a hook for controls)."""
-        return b
-
     def kv_head_index(self, n_heads: int, n_kv_heads: int):
         """With replicated KV heads (mp > n_kv_heads): the one KV head this shard's queries use."""
-        heads_per_shard = n_heads // self.mp
+        heads_per_shard = n_heads // self.layout.mp
         return self.shard_index() * heads_per_shard // (n_heads // n_kv_heads)
-
-    def doc_starts(self, starts):
-        """[B, T] where each token's document starts (``--doc-mask``), as attention and the rotary
-        positions use it (a hook for controls)."""
-        return starts
 
     # --- data parallel ---------------------------------------------------------------------
     def batch_mean(self, x):
@@ -150,4 +136,5 @@ class Parallel(ContextParallel):
         every token of the global batch (each shard holds as many tokens)."""
         if not self.sharded:
             return x
-        return lax.pmean(x, (DP, CP)) if self.context_parallel else lax.pmean(x, DP)
+        axes = self.layout.batch_axes  # dp, and cp when on (``Axis.batch``)
+        return lax.pmean(x, axes if len(axes) > 1 else axes[0])

@@ -45,15 +45,19 @@ def shard_order(cp: int) -> list[int]:
 
 
 class ContextParallel:
-    """``Parallel``'s context-parallel part (a mixin: ``Parallel`` has the fields ``cp``, ``sharded``):
-    the slices and collectives over the ``cp`` axis. Controls override one method each."""
+    """``Parallel``'s context-parallel part (a mixin: ``Parallel`` has the fields ``layout``,
+    ``sharded``): the slices and collectives over the ``cp`` axis. Controls override one method each."""
 
-    cp: int
     sharded: bool
 
     @property
     def context_parallel(self) -> bool:
-        return self.sharded and self.cp > 1
+        return self.sharded and self.layout.context_parallel
+
+    @property
+    def cp_ring(self) -> bool:
+        """K/V chunks passed around the cp axis (ring), not all-gathered per layer."""
+        return self.layout.cp_ring
 
     def cp_index(self):
         """This shard's position on the context axis."""
@@ -61,7 +65,7 @@ class ContextParallel:
 
     def seq_local(self, x):
         """[B, T] (the whole sequence on every cp shard) -> [B, T/cp]: this shard's chunks."""
-        return local_chunks(x, self.cp_index(), self.cp) if self.context_parallel else x
+        return local_chunks(x, self.cp_index(), self.layout.cp) if self.context_parallel else x
 
     def positions(self, t_local: int):
         """[t_local] global positions of the tokens this shard holds (rotary, causal mask)."""
@@ -71,15 +75,15 @@ class ContextParallel:
 
     def kv_positions(self, origin, t_local: int):
         """[t_local] global positions of the tokens cp shard ``origin`` holds (its keys' positions)."""
-        return chunk_positions(origin, self.cp, t_local)
+        return chunk_positions(origin, self.layout.cp, t_local)
 
     def cp_shift(self, x):
         """Pass ``x`` to the next shard around the context axis (a collective-permute)."""
-        return lax.ppermute(x, CP, [(i, (i + 1) % self.cp) for i in range(self.cp)])
+        return lax.ppermute(x, CP, [(i, (i + 1) % self.layout.cp) for i in range(self.layout.cp)])
 
     def ring_steps(self) -> int:
         """How many K/V chunks each query chunk meets in the ring: all cp of them."""
-        return self.cp
+        return self.layout.cp
 
     def gather_kv(self, x):
         """[..., T/cp, K, E] -> [..., T, K, E]: every shard's keys and values, in cp-shard order."""

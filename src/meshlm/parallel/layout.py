@@ -2,10 +2,10 @@
 
 Everything that depends on how the computation is laid out over devices takes a ``Layout``: the
 rules table (which axes split which parameter dimensions), the parallel context layers compute in
-(``parallel()``), the train step, the proof, the planner, generation, and checkpoint metadata. The
-divisibility rules a layout imposes on sizes outside the model (the batch over ``dp``, the sequence
-over ``mp`` under ``sp`` and into ``2 x cp`` chunks with ``cp``) are stated here, once, as one-line
-errors; the model's own dimensions are the rules table's (``sharding.rules``).
+(``Parallel.on(layout)``), the train step, the proof, the planner, generation, and checkpoint
+metadata. The divisibility rules a layout imposes on sizes outside the model (the batch over
+``dp``, the sequence over ``mp`` under ``sp`` and into ``2 x cp`` chunks with ``cp``) are stated
+here, once, as one-line errors; the model's own dimensions are the rules table's (``sharding.rules``).
 
 A ``Layout`` is built from sizes (``Layout(dp=2, mp=2, fsdp=True)``, validated before any device is
 touched) or from an existing mesh (``Layout.of(mesh, ...)``: the one place a mesh's shape is read).
@@ -20,8 +20,10 @@ The context-parallel axis ``cp`` (``parallel.cp``) sits between dp and mp: with 
 is (dp, cp, mp) (``--cp-strategy`` ring or allgather); with ``cp = 1`` it is no axis. The full order
 is (pp, dp, cp, mp), pp and cp each present only when > 1 (a pipeline does not yet combine with cp).
 
-Adding an axis is: a field here and its name in ``shape`` (sizes, the mesh, reports and checkpoint
-meta follow it), its rules-table entries, its collectives in ``parallel.context``, its proof controls.
+Each axis is declared once (``parallel.axes.AXES``: its place in the mesh, options, checks, label);
+``shape``, the mesh, ``label``, ``to_dict`` and validation read the declarations, and code asks the
+layout (``pipelined``, ``context_parallel``, ``strategy``: ``axes.AxisFacts``) rather than comparing
+sizes. Adding an axis: docs/architecture.md, "Adding an axis".
 
 This module must not import JAX at module level: the CLI validates layouts before choosing devices.
 """
@@ -34,17 +36,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshlm.errors import ConfigError, MeshError, ShardingError
-from meshlm.parallel.axes import CP, DP, MESH_AXES, MP, PP
+from meshlm.parallel.axes import (
+    AXES,
+    AXIS_NAMES,
+    CP,
+    CP_STRATEGIES,
+    MESH_AXES,
+    PIPELINE_OPTIONS,
+    PP,
+    AxisFacts,
+)
 
 OPTIONS = ("fsdp", "sp")  # the memory options, by their field (and flag) names
-CP_STRATEGIES = ("ring", "allgather")  # how attention reaches the other cp shards' keys and values
-ALL_AXES = (PP, DP, CP, MP)  # the mesh's axes in order; pp and cp only when > 1 (``Layout.shape``)
-# The pipeline's schedule fields, by their field names (flags: --microbatches, --pp-schedule, ...).
-PIPELINE_OPTIONS = ("microbatches", "pp_schedule", "virtual_stages")
+ALL_AXES = AXIS_NAMES  # the mesh's axes in order; pp and cp only when > 1 (``Layout.shape``)
+AXIS_OPTIONS = tuple(o for a in AXES for o in a.options)  # each axis's options, in mesh order
+__all__ = ["ALL_AXES", "CP_STRATEGIES", "OPTIONS", "PIPELINE_OPTIONS", "Layout", "axis_sizes"]
 
 
 @dataclass(frozen=True)
-class Layout:
+class Layout(AxisFacts):
     dp: int = 1  # data-parallel shards: the batch's rows (and, with fsdp, weights) split over them
     mp: int = 1  # model-parallel shards: heads, hidden units and the vocabulary split over them
     fsdp: bool = False  # FSDP (ZeRO-3): weights and AdamW moments also split over dp
@@ -66,13 +76,13 @@ class Layout:
         for name in OPTIONS:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        _check_strategy(self.cp_strategy, self.cp)
-        _check_pipeline(self)
+        for axis in AXES:
+            axis.check(self)
 
     @property
     def pipeline(self):
         """The schedule (``PipelineConfig``) of a layout with pp > 1, else None."""
-        return _pipeline_config(self) if self.pp > 1 else None
+        return _pipeline_config(self) if self.pipelined else None
 
     @classmethod
     def of(cls, where, **options) -> Layout:
@@ -97,26 +107,8 @@ class Layout:
             object.__setattr__(self, "built_mesh", make_mesh(*shape.values(), axes=tuple(shape)))
         return self.built_mesh
 
-    @property
-    def devices(self) -> int:
-        return math.prod(self.shape.values())
-
-    @property
-    def shape(self) -> dict[str, int]:
-        """{axis name: size}, the mesh's axes in order (what reports and checkpoint meta show): e.g.
-        {"dp": 2, "mp": 2}; pp and cp only when > 1: {"pp": 2, "dp": 2, "mp": 2}, {"dp": 1, "cp": 2,
-        "mp": 2} (so 2-D meshes are unchanged)."""
-        return {a: getattr(self, a) for a in ALL_AXES if a in MESH_AXES or getattr(self, a) > 1}
-
     def replace(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
-
-    def parallel(self, par_cls=None):
-        """The parallel context layers compute in, inside ``shard_map`` over this layout's mesh."""
-        from meshlm.parallel.context import Parallel
-
-        cp = dict(cp=self.cp, cp_strategy=self.cp_strategy) if self.cp > 1 else {}
-        return (par_cls or Parallel)(mp=self.mp, dp=self.dp, sharded=True, sp=self.sp, **cp)
 
     def label(self) -> str:
         """The mesh and the options that are on: "2x2", "2x2 + FSDP + SP", "1x2 + CP2 ring",
@@ -127,13 +119,12 @@ class Layout:
         """What checkpoint metadata records (``from_dict`` reads it back); the pipeline's fields only
         with pp > 1 (a checkpoint's format does not depend on them: pp splits the layer dimension), the
         cp strategy only with cp > 1."""
-        pipe = {o: getattr(self, o) for o in PIPELINE_OPTIONS} if self.pp > 1 else {}
-        cp = {"cp_strategy": self.cp_strategy} if self.cp > 1 else {}
-        return {**self.shape, **{o: getattr(self, o) for o in OPTIONS}, **pipe, **cp}
+        axes = {o: getattr(self, o) for a in AXES if self.on(a.name) for o in a.options}
+        return {**self.shape, **{o: getattr(self, o) for o in OPTIONS}, **axes}
 
     @classmethod
     def from_dict(cls, d: dict) -> Layout:
-        known = (*ALL_AXES, *OPTIONS, *PIPELINE_OPTIONS, "cp_strategy")
+        known = (*ALL_AXES, *OPTIONS, *AXIS_OPTIONS)
         unknown = sorted(set(d) - set(known))
         if unknown:
             valid = ", ".join(known)
@@ -154,7 +145,7 @@ class Layout:
 
     def check_layers(self, n_layers: int) -> None:
         """With pp, the layer stack splits into pp x virtual stages chunks of equal size."""
-        if self.pp > 1:
+        if self.pipelined:
             _check_layers(self.pipeline, n_layers)
 
 
@@ -170,14 +161,10 @@ def _from_mesh(cls, mesh, options: dict) -> Layout:
 
 
 def _label(layout: Layout) -> str:
-    pipe = f"pp{layout.pp}x" if layout.pp > 1 else ""
-    text = pipe + "x".join(str(getattr(layout, a)) for a in MESH_AXES)
-    text += f" + CP{layout.cp} {layout.cp_strategy}" if layout.cp > 1 else ""
-    text += "".join(f" + {o.upper()}" for o in OPTIONS if getattr(layout, o))
-    if layout.pp > 1:
-        v = f", V={layout.virtual_stages}" if layout.virtual_stages > 1 else ""
-        text += f" ({layout.pp_schedule}, M={layout.microbatches}{v})"
-    return text
+    """Each axis's (before, after, last) pieces around the always-present sizes and the options."""
+    before, after, last = ("".join(parts) for parts in zip(*(a.label(layout) for a in AXES), strict=True))
+    text = before + "x".join(str(getattr(layout, a.name)) for a in AXES if a.always) + after
+    return text + "".join(f" + {o.upper()}" for o in OPTIONS if getattr(layout, o)) + last
 
 
 def _check_seq_len(layout: Layout, seq_len: int) -> None:
@@ -199,7 +186,7 @@ def _check_seq_len(layout: Layout, seq_len: int) -> None:
 
 
 def _check_batch(layout: Layout, batch_size: int, accum_steps: int | None) -> None:
-    m = layout.microbatches if layout.pp > 1 else 1
+    m = layout.pipeline_microbatches
     rows = layout.dp * (accum_steps or 1) * m
     if batch_size % rows == 0:
         return
@@ -230,34 +217,6 @@ def _check_layers(cfg, n_layers: int) -> None:
     from meshlm.parallel.pipeline_schedule import check_layers
 
     check_layers(cfg, n_layers)
-
-
-def _check_pipeline(layout: Layout) -> None:
-    """The schedule's own one-line errors (``PipelineConfig``), and what pp does not combine with."""
-    if layout.pp == 1:
-        given = [f"--{o.replace('_', '-')}" for o in PIPELINE_OPTIONS if getattr(layout, o) != _DEFAULTS[o]]
-        if given:
-            raise ConfigError(f"{', '.join(given)} needs a pipeline; add --pp 2 (or more) or drop it")
-        return
-    layout.pipeline  # noqa: B018 -- validates the schedule (PipelineConfig raises one-line errors)
-    if layout.cp > 1:
-        raise ConfigError(
-            f"--cp {layout.cp} cannot be combined with --pp {layout.pp}: the pipeline's stages do not "
-            "yet pass context-parallel activations; drop --cp (or --pp)"
-        )
-
-
-_DEFAULTS = {"microbatches": 1, "pp_schedule": "1f1b", "virtual_stages": 1}
-
-
-def _check_strategy(strategy: str, cp: int) -> None:
-    """A known strategy, and (as the pipeline's options without pp) none but the default without cp."""
-    if strategy not in CP_STRATEGIES:
-        raise ConfigError(f"--cp-strategy {strategy!r} is not one of {', '.join(CP_STRATEGIES)}; pick one")
-    if cp == 1 and strategy != CP_STRATEGIES[0]:
-        raise ConfigError(
-            f"--cp-strategy {strategy} needs context parallelism; add --cp 2 (or more) or drop it"
-        )
 
 
 def _next_multiple(n: int, k: int) -> int:

@@ -51,6 +51,11 @@ class PipelineConfig:
             )
 
     @property
+    def staged(self) -> bool:
+        """More than one stage: activations pass between neighbours, and bubbles exist."""
+        return self.pp > 1
+
+    @property
     def chunks(self) -> int:
         """Chunks of consecutive layers along the pipeline: pp * V."""
         return self.pp * self.virtual_stages

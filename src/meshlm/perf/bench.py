@@ -51,6 +51,7 @@ from meshlm.perf.hlo import collectives_of, collectives_per_step
 from meshlm.perf.peak import matmul_peak_flops
 from meshlm.perf.plain import plain_step
 from meshlm.sharding.rules import shardings
+from meshlm.sharding.strategy import strategy
 from meshlm.train.optim import OptimConfig
 from meshlm.train.step import init_model, init_opt_state, reference_step, sharded_step
 
@@ -106,7 +107,7 @@ def build_impls(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: B
     plain_params = jax.device_put(host_params, device)  # its own copy: the step donates it
     hand, hand_opt = plain_step(cfg, ocfg, plain_params)
     plain = _compiled("plain", hand, plain_params, jax.jit(hand_opt.init)(plain_params), unsharded.batch)
-    if layout.pp > 1:  # the same model and batch on the dp x mp mesh without the pipeline
+    if layout.pipelined:  # the same model and batch on the dp x mp mesh without the pipeline
         return [ours, unsharded, gspmd, plain, _without_pp(cfg, ocfg, layout, host_params, host)]
     return [ours, unsharded, gspmd, plain]
 
@@ -128,7 +129,7 @@ def pipeline_overhead(layout: Layout, seconds: dict[str, list[float]]) -> dict |
     ratios. On fake CPU devices sharing the host's cores every device's work runs on the same cores, so
     bubbles (computed through, masked) cost their full share; 1F1B also recomputes each chunk's forward
     in its backward slot (about a third more compute than GPipe)."""
-    if layout.pp == 1:
+    if not layout.pipelined:
         return None
     from meshlm.parallel.pipeline_schedule import schedule_facts
 
@@ -218,7 +219,7 @@ def impl_result(impl: Impl, seconds: list[float], flops: float, tokens: int, pea
 
 def generation_bench(cfg: ModelConfig, params, layout: Layout, settings: BenchSettings) -> dict | None:
     """Prefill and decode throughput of ``generate.bench_generation``; None when it is skipped."""
-    if not settings.gen_new_tokens or layout.pp > 1:  # generation has no pipeline
+    if not settings.gen_new_tokens or not strategy(layout).generates:  # e.g. no pipelined generation
         return None
     new = min(settings.gen_new_tokens, cfg.max_seq_len // 2)
     prompt = min(settings.seq_len, cfg.max_seq_len - new)

@@ -71,7 +71,7 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
     def resolved(self, cfg: ModelConfig, layout: Layout) -> BenchSettings:
         """The sizes left open filled in: the batch rounded up to a multiple of dp, the sequence by
         every command's rule (``default_seq_len``)."""
-        rows = layout.dp * (layout.microbatches if layout.pp > 1 else 1)
+        rows = layout.dp * layout.pipeline_microbatches
         batch = self.batch_size or -(-DEFAULT_BATCH // rows) * rows
         return dataclasses.replace(self, batch_size=batch, seq_len=default_seq_len(cfg, self.seq_len or 0))
 
@@ -85,7 +85,7 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
             raise ConfigError(f"--batch-size must be >= 1, got {s.batch_size}")
         layout.check_batch(s.batch_size)
         layout.check_layers(cfg.n_layers)
-        if s.memory_options and layout.pp > 1:
+        if s.memory_options and layout.pipelined:
             raise ConfigError("--memory-options times fsdp and sp against tp; run it without --pp")
         layout.check_seq_len(s.seq_len)
         if s.seq_len < 1:

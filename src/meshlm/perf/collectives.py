@@ -42,12 +42,13 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> 
     With dp > 1: the gradient all-reduce over DP (1 if every gradient goes in one tuple; the bytes
     are those of one device's parameters whatever the count) and the loss mean over DP (1 scalar,
     for reporting the loss). Replicated parameters (norms, biases added after an all-reduce) need
-    no MP all-reduce: they act on replicated activations. With context parallelism (cp > 1) the
+    no MP all-reduce: they act on replicated activations. With context parallelism (``--cp``) the
     gradient and loss all-reduces run over dp x cp (one each, as for dp). Returns counts by cause and
     ``total``.
     """
     per_layer = cfg.arch.row_sums
     sharded = mp > 1
+    batch_shards = dp * cp  # the shards the loss and gradients are means over (``Axis.batch``)
     kv_rep = cfg.arch.attention and sharded and kv_replicated(cfg.kv_heads, mp)
     out = {
         "layer_forward": cfg.n_layers * per_layer * (2 if cfg.remat != "none" else 1) * sharded,
@@ -57,8 +58,8 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> 
         "head_backward": int(sharded),
         "loss": 3 * sharded,
         "grad_norm": int(sharded),
-        "dp_gradients": int(dp * cp > 1),
-        "dp_loss": int(dp * cp > 1),
+        "dp_gradients": int(batch_shards > 1),
+        "dp_loss": int(batch_shards > 1),
     }
     out["total"] = sum(out.values())
     return out

@@ -17,7 +17,7 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Fami
   backward (ZeRO-3; outside the layer stack XLA may keep the gathered weight or gather it again),
   and its gradient reduce-scattered once (a tied embedding table: once per use, lookup and head).
   Norms and biases stay replicated and keep the data-parallel gradient all-reduce.
-* Context parallelism (cp > 1; ``model.context_parallel``), per layer with K and V stacked into one
+* Context parallelism (``--cp``; ``model.context_parallel``), per layer with K and V stacked into one
   array: the ring passes it cp - 1 times forward (again with remat), and in the backward cp - 1 times
   more plus cp passes of its gradient (the last one home): collective-permutes. All-gather: one
   all-gather forward (again with remat) and its transpose, one reduce-scatter, backward. With FSDP the
@@ -71,8 +71,8 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
     cperm: dict[str, int] = {}
     n, pl = cfg.n_layers, cfg.arch.row_sums  # f entries = r exits per layer
     recompute = 2 if cfg.remat != "none" else 1
-    if layout.cp > 1 and cfg.arch.attention:
-        if layout.cp_strategy == "ring":
+    if layout.context_parallel and cfg.arch.attention:
+        if layout.cp_ring:
             cperm.update(
                 cp_ring_forward=recompute * (layout.cp - 1) * n, cp_ring_backward=(2 * layout.cp - 1) * n
             )
@@ -91,7 +91,7 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
     if dp > 1 and per_layer + outside:
         ag.update(fsdp_layers=2 * per_layer * n, fsdp_outside=2 * outside)
         rs.update(fsdp_gradients=per_layer * n + outside)
-        if layout.cp > 1:  # the DP-split gradients then summed over cp alone: the layer stack's, each outside
+        if layout.context_parallel:  # DP-split gradients then summed over cp alone: the stack's, each outside
             ar["cp_fsdp_gradients"] = 1 + outside
     for causes in (ar, ag, rs, cperm):
         causes.pop("total", None)

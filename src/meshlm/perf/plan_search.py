@@ -226,7 +226,7 @@ def plan(
 
 def pipeline_facts(layout: Layout) -> dict | None:
     """With pp: the schedule and its ideal bubble, ticks, stashed micro-batch inputs and permutes."""
-    if layout.pp == 1:
+    if not layout.pipelined:
         return None
     from meshlm.parallel.pipeline_schedule import schedule_facts
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from meshlm.model.attention import kv_replicated
 from meshlm.parallel.context import Parallel
+from meshlm.parallel.layout import Layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,16 +16,11 @@ class Where:
     """What a control's applicability depends on: the model and the mesh it is proven on."""
 
     cfg: object  # the ModelConfig, or None for a user-defined Problem without one
-    dp: int  # data-parallel shards
-    mp: int  # model-parallel shards
+    layout: Layout  # the mesh's axes and options the sharded run uses
     has_row_bias: bool  # whether row-parallel biases exist (added once, after the all-reduce)
     collectives: bool = False  # whether the communication check runs (it detects extra collectives)
-    fsdp: bool = False  # weights split over DP (FSDP)
-    sp: bool = False  # sequence parallelism over MP
     seq_len: int = 0  # positions per row of the proof's batch (0: not known; blockwise controls need
     # several blocks)
-    cp: int = 1  # context-parallel shards
-    cp_strategy: str = "ring"  # ring or allgather (``Layout.cp_strategy``)
 
     @property
     def attention(self) -> bool:
@@ -33,7 +29,7 @@ class Where:
     @property
     def kv_replicated(self) -> bool:
         """KV heads replicated over mp (mp > n_kv_heads > 1): each shard picks its query group's head."""
-        return self.attention and self.cfg.kv_heads > 1 and kv_replicated(self.cfg.kv_heads, self.mp)
+        return self.attention and self.cfg.kv_heads > 1 and kv_replicated(self.cfg.kv_heads, self.layout.mp)
 
 
 @dataclass(frozen=True, kw_only=True)

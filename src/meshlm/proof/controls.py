@@ -28,6 +28,7 @@ from meshlm.proof.family_faults import (
     embedding_scaled_twice,
     window_off_by_one,
 )
+from meshlm.proof.taps import Tapped
 
 
 class DroppedAllReduce(Parallel):
@@ -50,7 +51,7 @@ class WrongVocabSlice(Parallel):
     """Each shard reads the vocabulary slice of its neighbour."""
 
     def vocab_start(self, vocab_per_shard: int):
-        return ((self.shard_index() + 1) % self.mp) * vocab_per_shard
+        return ((self.shard_index() + 1) % self.layout.mp) * vocab_per_shard
 
 
 class MissingDpMean(Parallel):
@@ -60,11 +61,11 @@ class MissingDpMean(Parallel):
         return lax.psum(x, DP)
 
 
-class OtherShardsHeads(Parallel):
+class OtherShardsHeads(Tapped):
     """Each shard computes its queries with the next shard's query-head weights."""
 
     def own_heads(self, w):
-        return lax.ppermute(w, MP, [(i, (i + 1) % self.mp) for i in range(self.mp)])
+        return lax.ppermute(w, MP, [(i, (i + 1) % self.layout.mp) for i in range(self.layout.mp)])
 
 
 class KvNotReplicated(Parallel):
@@ -83,9 +84,11 @@ class ExtraAllReduce(Parallel):
         out = super().row_sum(partial)
         if not self.sharded:
             return out
-        if self.sp:
-            return lax.psum_scatter(self.gather_seq(out), MP, scatter_dimension=1, tiled=True) / self.mp
-        return lax.psum(lax.pcast(out, MP, to="varying") / self.mp, MP)
+        if self.layout.sp:
+            return (
+                lax.psum_scatter(self.gather_seq(out), MP, scatter_dimension=1, tiled=True) / self.layout.mp
+            )
+        return lax.psum(lax.pcast(out, MP, to="varying") / self.layout.mp, MP)
 
 
 class FsdpGradFromOneShard(Parallel):
@@ -104,10 +107,10 @@ class FsdpGatherWrongOrder(Parallel):
 
     def gather_weight(self, w, dim: int):
         parts = jnp.roll(lax.all_gather(w, DP, axis=0, tiled=False), 1, axis=0)  # [dp, ...]
-        return jnp.concatenate([parts[i] for i in range(self.dp)], axis=dim)
+        return jnp.concatenate([parts[i] for i in range(self.layout.dp)], axis=dim)
 
 
-class SpNormGradNotSummed(Parallel):
+class SpNormGradNotSummed(Tapped):
     """SP: a norm parameter's gradient is one shard's (its own sequence slice), not the sum over mp."""
 
     def norm_param(self, p):
@@ -120,7 +123,7 @@ class SpSeqWrongOrder(Parallel):
 
     def gather_seq(self, x):
         parts = jnp.roll(lax.all_gather(x, MP, axis=0, tiled=False), 1, axis=0)  # [mp, B, T/mp, ...]
-        return jnp.concatenate([parts[i] for i in range(self.mp)], axis=1)
+        return jnp.concatenate([parts[i] for i in range(self.layout.mp)], axis=1)
 
 
 def per_shard_clip(mesh, specs, max_norm: float):
@@ -142,17 +145,17 @@ def _swap_rotary(cfg):
 
 
 CONTROLS: tuple[Control, ...] = (
-    Control(name="dropped all-reduce", applies=lambda w: w.mp > 1, par_cls=DroppedAllReduce),
+    Control(name="dropped all-reduce", applies=lambda w: w.layout.mp > 1, par_cls=DroppedAllReduce),
     Control(
         name="row-parallel bias counted mp times",
-        applies=lambda w: w.mp > 1 and w.has_row_bias,
+        applies=lambda w: w.layout.mp > 1 and w.has_row_bias,
         par_cls=BiasCountedMpTimes,
     ),
-    Control(name="shard reads wrong vocab slice", applies=lambda w: w.mp > 1, par_cls=WrongVocabSlice),
-    Control(name="missing data-parallel mean", applies=lambda w: w.dp > 1, par_cls=MissingDpMean),
+    Control(name="shard reads wrong vocab slice", applies=lambda w: w.layout.mp > 1, par_cls=WrongVocabSlice),
+    Control(name="missing data-parallel mean", applies=lambda w: w.layout.dp > 1, par_cls=MissingDpMean),
     Control(
         name="shard uses another shard's heads",
-        applies=lambda w: w.mp > 1 and w.attention,
+        applies=lambda w: w.layout.mp > 1 and w.attention,
         par_cls=OtherShardsHeads,
     ),
     Control(name="wrong rotary convention", applies=lambda w: w.attention, cfg_change=_swap_rotary),
@@ -161,31 +164,31 @@ CONTROLS: tuple[Control, ...] = (
         applies=lambda w: w.kv_replicated,
         par_cls=KvNotReplicated,
     ),
-    Control(name="per-shard gradient-norm clipping", applies=lambda w: w.mp > 1, per_shard_clip=True),
+    Control(name="per-shard gradient-norm clipping", applies=lambda w: w.layout.mp > 1, per_shard_clip=True),
     Control(
         name="extra all-reduce after each row-parallel one",
-        applies=lambda w: w.mp > 1 and w.collectives and w.cfg is not None,
+        applies=lambda w: w.layout.mp > 1 and w.collectives and w.cfg is not None,
         par_cls=ExtraAllReduce,
         by_collectives=True,
     ),
     Control(
         name="FSDP gradient kept from one data shard",
-        applies=lambda w: w.fsdp and w.dp > 1,
+        applies=lambda w: w.layout.fsdp and w.layout.dp > 1,
         par_cls=FsdpGradFromOneShard,
     ),
     Control(
         name="FSDP all-gather in the wrong order",
-        applies=lambda w: w.fsdp and w.dp > 1,
+        applies=lambda w: w.layout.fsdp and w.layout.dp > 1,
         par_cls=FsdpGatherWrongOrder,
     ),
     Control(
         name="SP norm gradients not summed over mp",
-        applies=lambda w: w.sp and w.mp > 1 and w.attention,
+        applies=lambda w: w.layout.sp and w.layout.mp > 1 and w.attention,
         par_cls=SpNormGradNotSummed,
     ),
     Control(
         name="SP sequence shards gathered in the wrong order",
-        applies=lambda w: w.sp and w.mp > 1,
+        applies=lambda w: w.layout.sp and w.layout.mp > 1,
         par_cls=SpSeqWrongOrder,
     ),
 )
@@ -202,12 +205,12 @@ def _tied(w: Where) -> bool:
 CONTROLS += (
     Control(
         name="q/k/v bias not sliced with its heads",
-        applies=lambda w: w.mp > 1 and _qkv_bias(w),
+        applies=lambda w: w.layout.mp > 1 and _qkv_bias(w),
         par_cls=HeadBiasOfNextShard,
     ),
     Control(
         name="tied head reads another shard's vocab slice",
-        applies=lambda w: w.mp > 1 and _tied(w),
+        applies=lambda w: w.layout.mp > 1 and _tied(w),
         par_cls=TiedHeadOtherSlice,
     ),
     Control(
@@ -270,7 +273,7 @@ CONTROLS += (  # --doc-mask (``proof.documents``): the batches are EOD-rich ther
     Control(name="document mask ignores one boundary", applies=_doc_masked, par_cls=DocMaskIgnoresBoundary),
     Control(
         name="document mask crosses a boundary on one shard",
-        applies=lambda w: _doc_masked(w) and w.mp > 1,
+        applies=lambda w: _doc_masked(w) and w.layout.mp > 1,
         par_cls=DocMaskCrossesOnOneShard,
     ),
     Control(name="document mask off (the mask must matter)", applies=_doc_masked, cfg_change=doc_mask_off),

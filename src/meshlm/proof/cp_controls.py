@@ -43,7 +43,7 @@ class FutureChunkVisible(Parallel):
 
 class RingOneStepShort(Parallel):
     def ring_steps(self) -> int:
-        return self.cp - 1
+        return self.layout.cp - 1
 
 
 class RingPermutesThrice(Parallel):
@@ -52,16 +52,16 @@ class RingPermutesThrice(Parallel):
 
     def cp_shift(self, x):
         there = super().cp_shift(x)
-        back = lax.ppermute(there, CP, [(i, (i - 1) % self.cp) for i in range(self.cp)])
+        back = lax.ppermute(there, CP, [(i, (i - 1) % self.layout.cp) for i in range(self.layout.cp)])
         return super().cp_shift(back)
 
 
 class ChunkOrderUndone(Parallel):
     def seq_out(self, x):
         full = lax.all_gather(x, CP, axis=1, tiled=True)  # [B, T, ...] chunks in shard order
-        chunks = jnp.split(full, 2 * self.cp, axis=1)
-        order = shard_order(self.cp)
-        natural = jnp.concatenate([chunks[order.index(j)] for j in range(2 * self.cp)], axis=1)
+        chunks = jnp.split(full, 2 * self.layout.cp, axis=1)
+        order = shard_order(self.layout.cp)
+        natural = jnp.concatenate([chunks[order.index(j)] for j in range(2 * self.layout.cp)], axis=1)
         t = x.shape[1]
         return lax.dynamic_slice_in_dim(natural, self.cp_index() * t, t, axis=1)
 
@@ -96,8 +96,8 @@ def _blocks_in_play(w: Where) -> bool:
     """The blockwise kernel runs (blockwise attention, or the ring's steps) on several K/V blocks."""
     if w.cfg is None or not w.attention:
         return False
-    kernel = w.cfg.attention == "blockwise" or (w.cp > 1 and w.cp_strategy == "ring")
-    return kernel and w.seq_len // w.cp > w.cfg.attn_block
+    kernel = w.cfg.attention == "blockwise" or w.layout.cp_ring
+    return kernel and w.seq_len // w.layout.cp > w.cfg.attn_block
 
 
 CP_CONTROLS: tuple[Control, ...] = (
@@ -113,23 +113,27 @@ CP_CONTROLS: tuple[Control, ...] = (
     ),
     Control(
         name="rotary positions restart in every chunk",
-        applies=lambda w: w.cp > 1 and w.attention,
+        applies=lambda w: w.layout.context_parallel and w.attention,
         par_cls=RotaryRestartsPerChunk,
     ),
     Control(
         name="a future chunk is visible",
-        applies=lambda w: w.cp > 1 and w.attention,
+        applies=lambda w: w.layout.context_parallel and w.attention,
         par_cls=FutureChunkVisible,
     ),
     Control(
         name="the ring stops one step short",
-        applies=lambda w: w.cp > 1 and w.attention and w.cp_strategy == "ring",
+        applies=lambda w: w.layout.cp_ring and w.attention,
         par_cls=RingOneStepShort,
     ),
-    Control(name="chunk order undone on the way out", applies=lambda w: w.cp > 1, par_cls=ChunkOrderUndone),
+    Control(
+        name="chunk order undone on the way out",
+        applies=lambda w: w.layout.context_parallel,
+        par_cls=ChunkOrderUndone,
+    ),
     Control(
         name="ring permutes each step thrice",
-        applies=lambda w: w.cp > 1 and w.attention and w.cp_strategy == "ring" and w.collectives,
+        applies=lambda w: w.layout.cp_ring and w.attention and w.collectives,
         par_cls=RingPermutesThrice,
         by_collectives=True,
     ),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from meshlm.parallel.context import Parallel
+from meshlm.proof.taps import Tapped
 
 # The longest gap between two EODs in a document batch: documents of 0 to MAX_DOC_LEN - 1 tokens after
 # their EOD, so a row of T tokens holds about 2T / MAX_DOC_LEN documents.
@@ -48,18 +48,18 @@ def _first_boundary_ignored(starts):
     return jnp.where(starts == first, 0, starts)
 
 
-class DocMaskIgnoresBoundary(Parallel):
+class DocMaskIgnoresBoundary(Tapped):
     """The document mask ignores one boundary per row: a document attends to the one before it."""
 
     def doc_starts(self, starts):
         return _first_boundary_ignored(starts)
 
 
-class DocMaskCrossesOnOneShard(Parallel):
+class DocMaskCrossesOnOneShard(Tapped):
     """The last model shard's heads ignore one boundary per row; the other shards mask correctly."""
 
     def doc_starts(self, starts):
-        return jnp.where(self.shard_index() == self.mp - 1, _first_boundary_ignored(starts), starts)
+        return jnp.where(self.shard_index() == self.layout.mp - 1, _first_boundary_ignored(starts), starts)
 
 
 def doc_mask_off(cfg):

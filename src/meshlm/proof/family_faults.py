@@ -9,25 +9,25 @@ from jax import lax
 
 from meshlm.model.params import param_path
 from meshlm.parallel.axes import MP
-from meshlm.parallel.context import Parallel
+from meshlm.proof.taps import Tapped
 
 
-class HeadBiasOfNextShard(Parallel):
+class HeadBiasOfNextShard(Tapped):
     """Qwen2's q/k/v biases not sliced with their heads: each shard adds the next shard's slice."""
 
     def head_bias(self, b):
-        return lax.ppermute(b, MP, [(i, (i + 1) % self.mp) for i in range(self.mp)])
+        return lax.ppermute(b, MP, [(i, (i + 1) % self.layout.mp) for i in range(self.layout.mp)])
 
 
-class TiedHeadOtherSlice(Parallel):
+class TiedHeadOtherSlice(Tapped):
     """A tied head projects onto the next shard's embedding slice: its logits' columns are the wrong
     vocabulary ids (the lookup still reads the right rows)."""
 
     def tied_table(self, table):
-        return lax.ppermute(table, MP, [(i, (i + 1) % self.mp) for i in range(self.mp)])
+        return lax.ppermute(table, MP, [(i, (i + 1) % self.layout.mp) for i in range(self.layout.mp)])
 
 
-class TiedHeadGradDropped(Parallel):
+class TiedHeadGradDropped(Tapped):
     """A tied head's gradient is not added to the embedding's (the head uses a detached copy, as when
     the tied copies' gradients are never summed): the table learns from the lookup alone."""
 

@@ -76,7 +76,7 @@ def applicable_controls(cfg: PipelineConfig) -> list[str]:
     bubbles, one micro-batch no mean to get wrong, one virtual stage no placement to confuse; the ring of
     two devices that interleaving needs is the same in both directions."""
     skip = set()
-    if cfg.pp == 1:
+    if not cfg.staged:
         skip |= {"activations sent to the wrong stage", "a bubble's NaN let through"}
     if cfg.pp == 2 and cfg.virtual_stages > 1:
         skip.add("activations sent to the wrong stage")

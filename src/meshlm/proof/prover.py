@@ -64,7 +64,7 @@ def verify(
     layout = Layout.of(where, fsdp=problem.fsdp, sp=problem.sp)
     dp, mp = layout.dp, layout.mp
     report = Report(config=problem.name, dp=dp, mp=mp, steps=steps, dtype=dname, rtol=rtol, atol=atol)
-    if layout.pp > 1 or layout.cp > 1:  # the header names the pipeline ("pp2x1x2 (1f1b, M=4)") or cp
+    if layout.extra_axes:  # the header names the pipeline ("pp2x1x2 (1f1b, M=4)") or cp
         report.extra["mesh"] = layout.label()  # ("1x2 + CP2 ring")
     runs = Runs(problem, layout, dtype, seed)
     try:
@@ -85,17 +85,12 @@ def verify(
     report.extra["param_bytes_total"] = total_bytes(runs.params)
     where = Where(
         cfg=problem.cfg,
-        dp=dp,
-        mp=mp,
+        layout=layout,
         has_row_bias=problem.has_row_bias,
         collectives=collectives,
-        fsdp=problem.fsdp,
-        sp=problem.sp,
         seq_len=int(jnp.shape(problem.batch.get("inputs", ()))[-1]),
-        cp=layout.cp,
-        cp_strategy=layout.cp_strategy,
     )
-    if layout.pp > 1:  # the pipeline's own faults (``pipeline_verify``)
+    if layout.pipelined:  # the pipeline's own faults (``pipeline_verify``)
         report.controls = pipeline_controls(runs, rtol, atol)
         return report
     report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in controls if c.applies(where)]
@@ -138,7 +133,7 @@ def _checks(runs: Runs, steps: int, ocfg, collectives: bool, data_steps: int, se
         outputs.append(runs.reference_train(ocfg, step_batches(runs.problem, steps, ocfg.accum_steps, seed)))
     rows = reference_checks(runs.checked, outputs)
     rows.append(sharded_check(runs.sharded_hlo, runs.mesh.size))
-    if collectives and runs.layout.pp > 1:
+    if collectives and runs.layout.pipelined:
         rows += permute_rows(runs)
     elif collectives:
         p = runs.problem

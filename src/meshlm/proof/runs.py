@@ -18,7 +18,8 @@ from meshlm.proof.controls import per_shard_clip
 from meshlm.proof.problem import Problem
 from meshlm.proof.reference import CheckedProgram, reference_optimizer, reference_step
 from meshlm.sharding.rules import init_sharded
-from meshlm.sharding.spmd import reference_value_and_grad, sharded_value_and_grad
+from meshlm.sharding.spmd import reference_value_and_grad
+from meshlm.sharding.strategy import strategy
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
 
@@ -51,15 +52,15 @@ class Runs:
     def value_and_grad(self, build_loss, par_cls=Parallel, pipe_cls=None):
         """The sharded fn(params, batch) -> (loss, grads); with pp the problem's model through the
         pipeline (``pipe_cls``: a control's engine), NaN in every bubble: it must never reach a result."""
-        if self.layout.pp > 1:
-            from meshlm.parallel.pipeline import Pipeline
-            from meshlm.sharding.pipelined import pipelined_value_and_grad
-
-            cfg, pipe_cls = self.problem.cfg, pipe_cls or Pipeline
-            return pipelined_value_and_grad(
-                cfg, self.layout, self.specs, pipe_cls=pipe_cls, par_cls=par_cls, fill=float("nan")
-            )
-        return sharded_value_and_grad(build_loss, self.layout, self.specs, par_cls)
+        return strategy(self.layout).value_and_grad(
+            self.problem.cfg,
+            self.layout,
+            self.specs,
+            build_loss=build_loss,
+            par_cls=par_cls,
+            pipe_cls=pipe_cls,
+            fill=float("nan"),
+        )
 
     def sharded_fn(self, build_loss, par_cls=Parallel, pipe_cls=None):
         return jax.jit(self.value_and_grad(build_loss, par_cls, pipe_cls))

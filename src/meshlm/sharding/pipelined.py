@@ -1,5 +1,5 @@
 """The real model through the pipeline (``--pp``): ``fn(params, batch) -> (loss, grads)`` like
-``spmd.sharded_value_and_grad``, on a Layout with ``pp > 1``.
+``spmd.sharded_value_and_grad``, on a pipelined Layout (``--pp``; ``strategy.Pipelined``).
 
 The model runs as its three pieces (``model.transformer``), all inside the schedule
 (``parallel.pipeline``), each stage within its own ``dp x mp`` sub-mesh (the rules table's specs, FSDP
@@ -63,11 +63,11 @@ def pipelined_value_and_grad(
     fill: float = 0.0,
     compute_dtype=None,
 ):
-    """fn(params, batch) -> (loss, grads) of ``cfg``'s model on ``layout`` (pp > 1), grads in the
+    """fn(params, batch) -> (loss, grads) of ``cfg``'s model on ``layout`` (pipelined), grads in the
     parameters' layout and dtype. ``pipe_cls`` / ``par_cls``: the engine's and the stages' hooks (the
     proof's controls override one); ``fill``: what bubbles hold (NaN in the proof)."""
     check_pipelined(cfg, layout)
-    par = layout.parallel(par_cls)
+    par = par_cls.on(layout)
     embed_apply = hk.without_apply_rng(hk.transform(embed_fn(cfg, par))).apply
     head_apply = hk.without_apply_rng(hk.transform(head_loss_fn(cfg, par))).apply
     embed_specs, layer_specs, head_specs = split_model(without_pp(specs))

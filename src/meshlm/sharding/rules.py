@@ -1,8 +1,15 @@
-"""Parameter sharding: one ordered table from parameter path to PartitionSpec, first match wins.
+"""Parameter sharding: one ordered table from parameter path to its logical dimensions, first match
+wins; the layout maps logical dimensions to mesh axes.
 
-Specs are written for a parameter's own dimensions; parameters stacked by ``layer_stack`` (paths
-starting with ``layers/``) get a leading replicated layer dimension. A parameter no rule matches, or
-a sharded dimension the mesh does not divide, is an error naming both: nothing is quietly replicated.
+Rows name each of a parameter's own dimensions logically (``vocab``, ``embed``, ``heads``,
+``kv_heads``, ``head_dim``, ``mlp``); parameters stacked by ``layer_stack`` (paths starting with
+``layers/``) get a leading ``layers`` dimension. Which mesh axis splits a logical dimension is the
+axes' declaration (``parallel.axes.Axis.dims``: mp splits vocab, heads, kv_heads and mlp; pp, when
+on, the layers; with ``--fsdp`` dp also splits each weight's ``embed`` dimension), read through
+``Layout.logical_axes``: a new axis is a mapping entry there, not edits to the rows. KV heads are
+replicated instead when mp exceeds them (``model_specs``). A row may also name mesh axes directly
+(a user's table: ``examples/custom_model.py``). A parameter no rule matches, or a sharded dimension
+the mesh does not divide, is an error naming both: nothing is quietly replicated.
 """
 
 from __future__ import annotations
@@ -16,53 +23,54 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ShardingError
 from meshlm.model.params import is_embedding, is_matmul_weight, is_stacked, param_path
-from meshlm.parallel.axes import DP, MP, PP
+from meshlm.parallel.axes import DP, LOGICAL_DIMS, MP, PP
 from meshlm.parallel.layout import Layout
 
-KV = "kv_heads"  # placeholder: MP when mp divides the KV heads, replicated when they are repeated
+# The logical dimensions rows name (``parallel.axes.LOGICAL_DIMS``).
+VOCAB, EMBED, HEADS, KV, HEAD_DIM, MLP, LAYERS = LOGICAL_DIMS  # KV: on MP, or replicated when mp > K
 
-# (regex on "module/param", spec of the parameter's own dims). Global shapes in the comments.
+# (regex on "module/param", logical dims of the parameter's own dims). Global shapes in the comments.
 RULES: tuple[tuple[str, tuple], ...] = (
-    (r"^embed/embeddings$", (MP, None)),  # [V, D]: contiguous vocab slices
-    (r"^embed/b$", (None,)),  # [D]: added once after the all-reduce
-    (r"^head/w$", (None, MP)),  # [D, V]
-    (r"^head/b$", (MP,)),  # [V]
-    (r"/attn/wq$", (None, MP, None)),  # [D, H, E]: by heads
-    (r"/attn/w[kv]$", (None, KV, None)),  # [D, K, E]: by KV heads, or replicated when mp > K
-    (r"/attn/wo$", (MP, None, None)),  # [H, E, D]: row-parallel
-    (r"/attn/bq$", (MP, None)),  # [H, E]: Qwen2's q bias, sliced with its heads
-    (r"/attn/b[kv]$", (KV, None)),  # [K, E]: with the KV heads, or replicated when mp > K
-    (r"/mlp/w_(in|gate|up)$", (None, MP)),  # [D, F]: column-parallel
-    (r"/mlp/b_in$", (MP,)),  # [F]
-    (r"/mlp/w_(out|down)$", (MP, None)),  # [F, D]: row-parallel
-    (r"/mlp/b_out$", (None,)),  # [D]: added once after the all-reduce
-    (r"(^|/)(ln|ln2|final_ln)/(scale|offset)$", (None,)),  # [D]: norms are replicated
+    (r"^embed/embeddings$", (VOCAB, EMBED)),  # [V, D]: contiguous vocab slices
+    (r"^embed/b$", (EMBED,)),  # [D]: added once after the all-reduce
+    (r"^head/w$", (EMBED, VOCAB)),  # [D, V]
+    (r"^head/b$", (VOCAB,)),  # [V]
+    (r"/attn/wq$", (EMBED, HEADS, HEAD_DIM)),  # [D, H, E]: by heads
+    (r"/attn/w[kv]$", (EMBED, KV, HEAD_DIM)),  # [D, K, E]: by KV heads, or replicated when mp > K
+    (r"/attn/wo$", (HEADS, HEAD_DIM, EMBED)),  # [H, E, D]: row-parallel
+    (r"/attn/bq$", (HEADS, HEAD_DIM)),  # [H, E]: Qwen2's q bias, sliced with its heads
+    (r"/attn/b[kv]$", (KV, HEAD_DIM)),  # [K, E]: with the KV heads, or replicated when mp > K
+    (r"/mlp/w_(in|gate|up)$", (EMBED, MLP)),  # [D, F]: column-parallel
+    (r"/mlp/b_in$", (MLP,)),  # [F]
+    (r"/mlp/w_(out|down)$", (MLP, EMBED)),  # [F, D]: row-parallel
+    (r"/mlp/b_out$", (EMBED,)),  # [D]: added once after the all-reduce
+    (r"(^|/)(ln|ln2|final_ln)/(scale|offset)$", (EMBED,)),  # [D]: norms are replicated
 )
-
-# FSDP (``--fsdp``): the dimension of each weight's own dims that is additionally split over DP (the
-# model width D everywhere: never a dimension MP uses). A weight no row names takes its largest
-# dimension MP does not use; norms and biases stay replicated over DP. Global shapes in the comments.
-FSDP_RULES: tuple[tuple[str, int], ...] = (
-    (r"^embed/embeddings$", 1),  # [V, D]
-    (r"^head/w$", 0),  # [D, V]
-    (r"/attn/w[qkv]$", 0),  # [D, H, E] / [D, K, E]
-    (r"/attn/wo$", 2),  # [H, E, D]
-    (r"/mlp/w_(in|gate|up)$", 0),  # [D, F]
-    (r"/mlp/w_(out|down)$", 1),  # [F, D]
-)
+# Logical dims -> mesh axes where no layout is given (``spec_for``'s default): mp's dims.
+TENSOR_AXES = Layout().logical_axes()
 
 
-def spec_for(path: str, shape: Sequence[int], mp: int, rules=RULES, kv_axis=MP) -> P:
-    """The PartitionSpec of one parameter, checking that the mesh divides every sharded dim."""
-    matched = [dims for pattern, dims in rules if re.search(pattern, path)]
-    if not matched:
+def logical_dims(path: str, rules=RULES) -> tuple | None:
+    """The first matching row's dims of ``path`` (``layers`` first for a stacked parameter); None when
+    no row matches (``spec_for`` makes that an error)."""
+    matched = next((dims for pattern, dims in rules if re.search(pattern, path)), None)
+    if matched is None:
+        return None
+    return (LAYERS, *matched) if is_stacked(path) else tuple(matched)
+
+
+def spec_for(path: str, shape: Sequence[int], mp: int, rules=RULES, kv_axis=MP, axes=None) -> P:
+    """The PartitionSpec of one parameter, checking that the mesh divides every sharded dim. ``axes``:
+    logical dim -> mesh axis (``Layout.logical_axes``; default mp's), with KV heads on ``kv_axis``; a
+    row's mesh-axis names and None pass through."""
+    names = logical_dims(path, rules)
+    if names is None:
         raise ShardingError(
             f"no sharding rule matches parameter {path!r} {tuple(shape)}; "
             f"add a (regex, spec) row to the rules table"
         )
-    dims = tuple(kv_axis if d == KV else d for d in matched[0])  # first match wins
-    if is_stacked(path):
-        dims = (None, *dims)
+    axes = {**(TENSOR_AXES if axes is None else axes), KV: kv_axis}
+    dims = tuple(axes.get(d) if d in LOGICAL_DIMS else d for d in names)
     if len(dims) != len(shape):
         raise ShardingError(
             f"rule for {path!r} has {len(dims)} dims but the parameter has shape {tuple(shape)}"
@@ -76,26 +84,28 @@ def spec_for(path: str, shape: Sequence[int], mp: int, rules=RULES, kv_axis=MP) 
     return P(*dims)
 
 
-def param_specs(params, mp: int, rules=RULES, kv_axis=MP):
+def param_specs(params, mp: int, rules=RULES, kv_axis=MP, axes=None):
     """Map a Haiku params dict (arrays or ShapeDtypeStructs) to a dict of PartitionSpecs."""
     return {
         mod: {
-            name: spec_for(param_path(mod, name), p.shape, mp, rules, kv_axis) for name, p in leaves.items()
+            name: spec_for(param_path(mod, name), p.shape, mp, rules, kv_axis, axes)
+            for name, p in leaves.items()
         }
         for mod, leaves in params.items()
     }
 
 
-def fsdp_spec(path: str, shape: Sequence[int], spec: P, dp: int) -> P:
-    """``spec`` with DP added on the FSDP dimension of a weight (``FSDP_RULES``, else its largest
-    dimension MP does not use); norms and biases unchanged. Errors name a dimension dp cannot split."""
+def fsdp_spec(path: str, shape: Sequence[int], spec: P, dp: int, fsdp_dim: str = EMBED, axis: str = DP) -> P:
+    """``spec`` with ``axis`` (DP) added on the FSDP dimension of a weight (its logical ``fsdp_dim``: the
+    model width, never a dimension MP uses; else its largest dimension MP does not use); norms and
+    biases unchanged. Errors name a dimension dp cannot split."""
     if not (is_matmul_weight(path) or is_embedding(path)):
         return spec
     dims = list(spec) + [None] * (len(shape) - len(spec))
     offset = 1 if is_stacked(path) else 0
-    named = [d for pattern, d in FSDP_RULES if re.search(pattern, path)]
+    names = logical_dims(path) or ()  # model_specs has matched every path already (spec_for)
     free = [i for i in range(offset, len(shape)) if dims[i] is None]
-    dim = named[0] + offset if named else max(free, key=lambda i: shape[i], default=None)
+    dim = names.index(fsdp_dim) if fsdp_dim in names else max(free, key=lambda i: shape[i], default=None)
     if dim is None or dims[dim] is not None:
         raise ShardingError(f"parameter {path!r} {tuple(shape)} has no dimension free for --fsdp")
     if shape[dim] % dp:
@@ -103,7 +113,7 @@ def fsdp_spec(path: str, shape: Sequence[int], spec: P, dp: int) -> P:
             f"parameter {path!r} dimension {dim} (size {shape[dim]}) is not divisible by dp={dp} "
             f"under --fsdp; choose a dp that divides {shape[dim]}, or drop --fsdp"
         )
-    dims[dim] = DP
+    dims[dim] = axis
     return P(*dims)
 
 
@@ -127,30 +137,20 @@ def model_specs(cfg, abstract_params, layout: Layout):
             f"mp={mp}: the padded vocabulary ({cfg.vocab_size} ids rounded up to a multiple of "
             f"vocab_multiple={cfg.vocab_multiple}); choose an mp that divides {cfg.padded_vocab}"
         )
-    specs = param_specs(abstract_params, mp, RULES, kv_axis)
-    if layout.fsdp:
+    # With a pipeline the stacked ``layers`` dimension is split over PP (consecutive layers per stage:
+    # the checkpoint format is unchanged); ``without_pp`` undoes it.
+    specs = param_specs(abstract_params, mp, RULES, kv_axis, layout.logical_axes())
+    for fsdp_dim, axis in layout.option_axes().items():  # --fsdp: each weight's embed dim over dp
         specs = {
             mod: {
-                name: fsdp_spec(param_path(mod, name), abstract_params[mod][name].shape, spec, dp)
+                name: fsdp_spec(
+                    param_path(mod, name), abstract_params[mod][name].shape, spec, dp, fsdp_dim, axis
+                )
                 for name, spec in leaves.items()
             }
             for mod, leaves in specs.items()
         }
-    return pp_specs(specs, layout)
-
-
-def pp_specs(specs, layout: Layout):
-    """With ``layout.pp > 1`` the stacked layer dimension of ``layers/`` parameters is split over PP
-    (consecutive layers per stage: the checkpoint format is unchanged); ``layer_specs`` undoes it."""
-    if layout.pp == 1:
-        return specs
-    return {
-        mod: {
-            name: P(PP, *spec[1:]) if is_stacked(param_path(mod, name)) else spec
-            for name, spec in leaves.items()
-        }
-        for mod, leaves in specs.items()
-    }
+    return specs
 
 
 def without_pp(specs):

@@ -18,7 +18,7 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshlm.parallel.axes import CP, DP
+from meshlm.parallel.axes import DP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import BATCH_SPEC
@@ -41,14 +41,15 @@ def reference_value_and_grad(build_loss: LossBuilder, compute_dtype=None):
     return jax.value_and_grad(with_compute_dtype(apply, compute_dtype))
 
 
-def _dp_varying(apply, specs, cp: int = 1):
+def _dp_varying(apply, specs, batch_axes: tuple[str, ...] = (DP,)):
     """Cast every parameter to DP-varying once, at entry. Left implicit, JAX casts each weight where
     it meets the (DP-varying) batch -- inside the layer loop -- so the forward saves a stacked copy of
     every layer's weights and the backward all-reduces the DP gradient once per layer. The transpose of
     this one cast is the single data-parallel gradient all-reduce. Parameters stored split over DP
     (FSDP) are DP-varying already: their gradients are reduce-scattered where they are gathered. With
-    context parallelism (``cp`` > 1) parameters are cast to CP-varying too: one all-reduce over both."""
-    extra = (CP,) if cp > 1 else ()
+    context parallelism parameters are cast to CP-varying too: one all-reduce over every axis the
+    batch's tokens are split over (``batch_axes``: ``Layout.batch_axes``)."""
+    extra = tuple(a for a in batch_axes if a != DP)
 
     def cast(p, spec):
         axes = extra if dp_sharded(spec) else (DP, *extra)
@@ -68,14 +69,14 @@ def sharded_value_and_grad(
 
     Inputs: global arrays. Outputs: the loss (replicated) and gradients in the parameters' layout.
     """
-    apply = hk.without_apply_rng(hk.transform(build_loss(layout.parallel(par_cls)))).apply
-    body = jax.value_and_grad(_dp_varying(with_compute_dtype(apply, compute_dtype), specs, layout.cp))
+    apply = hk.without_apply_rng(hk.transform(build_loss(par_cls.on(layout)))).apply
+    body = jax.value_and_grad(_dp_varying(with_compute_dtype(apply, compute_dtype), specs, layout.batch_axes))
     return jax.shard_map(body, mesh=layout.mesh, in_specs=(specs, BATCH_SPEC), out_specs=(P(), specs))
 
 
 def sharded_loss(build_loss: LossBuilder, layout: Layout, specs, compute_dtype=None):
     """fn(params, batch) -> loss on the layout's mesh (evaluation: no gradients)."""
-    apply = hk.without_apply_rng(hk.transform(build_loss(layout.parallel()))).apply
+    apply = hk.without_apply_rng(hk.transform(build_loss(Parallel.on(layout)))).apply
     return jax.shard_map(
         with_compute_dtype(apply, compute_dtype),
         mesh=layout.mesh,

@@ -35,6 +35,7 @@ from meshlm.model.config import ModelConfig, default_seq_len
 from meshlm.model.layers import mask_vocab_padding, vocab_parallel_xent
 from meshlm.model.transformer import local_logits
 from meshlm.parallel import distributed
+from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import BATCH_SPEC, batch_sharding, put_global, to_host
 from meshlm.train.eval_settings import EvalConfig, check_split
@@ -69,7 +70,7 @@ def per_token_loss_fn(cfg: ModelConfig, layout: Layout, params):
     """jitted (params, {"inputs", "targets": [B, T]}) -> per-token cross-entropy [B, T] (no z-loss), on
     ``layout``: rows over dp, the model as ``params`` are laid out (their shardings' specs)."""
     specs = jax.tree.map(lambda p: p.sharding.spec, params)
-    par = layout.parallel()
+    par = Parallel.on(layout)
 
     def per_token(batch):
         logits, _ = local_logits(cfg, par, batch["inputs"])

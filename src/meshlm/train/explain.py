@@ -46,7 +46,7 @@ def start_line(tcfg: TrainConfig, cfg: ModelConfig, where, n_params: int) -> str
     Mesh); what each axis splits."""
     layout = Layout.of(where) if isinstance(where, Layout) else Layout.of(where, fsdp=tcfg.fsdp, sp=tcfg.sp)
     dp, mp = layout.dp, layout.mp
-    mesh = f"pp{layout.pp}x{dp}x{mp} (pp x dp x mp)" if layout.pp > 1 else f"{dp}x{mp} (dp x mp)"
+    mesh = f"pp{layout.pp}x{dp}x{mp} (pp x dp x mp)" if layout.pipelined else f"{dp}x{mp} (dp x mp)"
     batch = (
         f"the batch of {tcfg.batch_size} sequences over dp={dp} ({tcfg.batch_size // dp} each)"
         if dp > 1
@@ -54,12 +54,12 @@ def start_line(tcfg: TrainConfig, cfg: ModelConfig, where, n_params: int) -> str
     )
     extra = "; weights and AdamW moments also split over dp (FSDP)" if layout.fsdp else ""
     extra += "; activations between blocks split by position over mp (sequence parallel)" if layout.sp else ""
-    if layout.pp > 1:
+    if layout.pipelined:
         extra += (
             f"; the {cfg.n_layers} layers in {layout.pp} pipeline stages over pp (schedule "
             f"{layout.pp_schedule}, {layout.microbatches} micro-batches per step)"
         )
-    if layout.cp > 1:
+    if layout.context_parallel:
         extra += f"; each sequence split over cp={layout.cp} ({layout.cp_strategy}; chunks i and 2cp-1-i)"
     preset = f"the {tcfg.config or DEFAULT_PRESET} preset"
     model = f"the model of --checkpoint {tcfg.checkpoint}" if tcfg.checkpoint else preset

@@ -29,6 +29,7 @@ from meshlm.generate.generator import Generator
 from meshlm.io.tokenizer_file import TOKENIZER_FILE
 from meshlm.parallel import distributed
 from meshlm.parallel.placement import put_global
+from meshlm.sharding.strategy import strategy
 from meshlm.train.config import TrainConfig
 from meshlm.train.explain import next_commands, start_line
 from meshlm.train.metrics import plot_loss_curve
@@ -269,7 +270,7 @@ def _finish(run: Run, summary: dict) -> None:
         summary["loss_curve"] = str(plot_loss_curve(run.log.rows(), Path(run.tcfg.out), unit=unit))
     saved_tokenizer = None if byte_level else str(Path(run.tcfg.out) / TOKENIZER_FILE)
     summary["next"] = next_commands(run.tcfg, run.layout, saved_tokenizer)
-    if run.tcfg.sample_tokens and run.layout.pp > 1:  # generation has no pipeline
+    if run.tcfg.sample_tokens and not strategy(run.layout).generates:  # e.g. no pipelined generation
         print0 = distributed.print0
         print0(
             "note: no sample under --pp; `meshlm generate` samples the checkpoint on any mesh",

@@ -28,12 +28,12 @@ from meshlm.io.model_io import FORMAT, load_model, read_config
 from meshlm.io.run_lock import RunLock, lock_run
 from meshlm.io.tokenizer_file import TOKENIZER_FILE
 from meshlm.model.config import ModelConfig, get_config
-from meshlm.model.transformer import loss_fn, param_shapes
+from meshlm.model.transformer import param_shapes
 from meshlm.parallel import distributed
 from meshlm.parallel.layout import Layout
 from meshlm.settings import toml_text
 from meshlm.sharding.rules import model_specs, shardings
-from meshlm.sharding.spmd import sharded_loss
+from meshlm.sharding.strategy import strategy
 from meshlm.train import outputs
 from meshlm.train.config import TrainConfig, recorded_settings, resolve
 from meshlm.train.metrics import OUTPUTS, SETTINGS, MetricsLog
@@ -186,10 +186,7 @@ def run_specs(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout) -> dict:
     """The parameter specs of this run (with ``--fsdp``, weights split over dp); a dimension the mesh
     cannot split, or (``--sp``) a sequence mp cannot split, is a one-line error before any work."""
     layout.check_seq_len(tcfg.seq_len)
-    if layout.pp > 1:
-        from meshlm.sharding.pipelined import check_pipelined
-
-        check_pipelined(cfg, layout)
+    strategy(layout).check(cfg, layout)
     return model_specs(cfg, param_shapes(cfg), layout)
 
 
@@ -262,11 +259,7 @@ def _write_settings(out: Path, tcfg: TrainConfig, layout: Layout) -> None:
 
 def _eval_loss(cfg: ModelConfig, layout: Layout, specs, dtype):
     """The validation loss: sharded (``shard_map``), or under pp the plain model partitioned by XLA."""
-    if layout.pp > 1:
-        from meshlm.sharding.pipelined import pipelined_loss
-
-        return pipelined_loss(cfg, dtype)
-    return sharded_loss(lambda par: loss_fn(cfg, par), layout, specs, dtype)
+    return strategy(layout).loss(cfg, layout, specs, dtype)
 
 
 def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs, out: Path, batcher, val, lock) -> Run:

@@ -17,7 +17,8 @@ from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel.layout import Layout
 from meshlm.sharding.rules import dp_sharded, model_specs, shardings
-from meshlm.sharding.spmd import reference_value_and_grad, sharded_value_and_grad
+from meshlm.sharding.spmd import reference_value_and_grad
+from meshlm.sharding.strategy import strategy
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
 # The compute dtypes (``model.family.COMPUTE_DTYPES``) as arrays' dtypes; float32: the master weights'.
@@ -60,14 +61,8 @@ def sharded_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, specs, par
     ``specs`` must split weights over DP (``model_specs`` on that layout; checked)."""
     check_fsdp_specs(specs, layout.fsdp)
     opt = adamw(ocfg, params)
-    if layout.pp > 1:  # the model through the pipeline's schedule (``sharding.pipelined``)
-        from meshlm.sharding.pipelined import pipelined_value_and_grad
-
-        grad = pipelined_value_and_grad(cfg, layout, specs, compute_dtype=compute_dtype)
-    else:
-        grad = sharded_value_and_grad(
-            lambda par: loss_fn(cfg, par), layout, specs, compute_dtype=compute_dtype
-        )
+    # sharded (one shard_map) or, with a pipeline, through its schedule: the layout's strategy
+    grad = strategy(layout).value_and_grad(cfg, layout, specs, compute_dtype=compute_dtype)
     return jax.jit(make_step(grad, opt, ocfg), donate_argnums=(0, 1)), opt
 
 

@@ -1,0 +1,43 @@
+"""The named points (``Parallel.tap``) where controls plant faults that no real operation of
+``Parallel`` carries, each as a method of ``Tapped`` that a control overrides.
+
+The ground-floor ``Parallel`` keeps only real behaviour: a tap there is the identity. A control that
+changes a tap subclasses ``Tapped`` and overrides that tap's method; a tap name without a method here
+is an error (AttributeError while tracing), so a misspelt name cannot pass silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshlm.parallel.context import Parallel
+
+
+@dataclass(frozen=True)
+class Tapped(Parallel):
+    """``Parallel`` with each tap routed to its method (all identities here)."""
+
+    def tap(self, name: str, x):
+        return getattr(self, name)(x)
+
+    def norm_param(self, p):
+        """A replicated norm parameter under ``sp``, as layers use it."""
+        return p
+
+    def own_heads(self, w):
+        """The query-head weights [D, H/mp, E] this shard computes with: its own slice."""
+        return w
+
+    def tied_table(self, table):
+        """The embedding slice [V/mp, D] a tied head projects onto: this shard's own, the very array
+        the lookup reads, so both uses' gradients add up in it."""
+        return table
+
+    def head_bias(self, b):
+        """The q/k/v bias [heads, E] this shard adds: its own heads' slice."""
+        return b
+
+    def doc_starts(self, starts):
+        """[B, T] where each token's document starts (``--doc-mask``), as attention and the rotary
+        positions use it."""
+        return starts

@@ -1,0 +1,77 @@
+"""The step's strategy, picked once by the layout (``Layout.strategy``, from the axes' declarations):
+how the model's loss and gradients, its evaluation loss and its generation run on that layout.
+
+* ``sharded``: the model inside one ``shard_map`` over the layout's mesh (``spmd``).
+* ``pipelined`` (``--pp``): the model's pieces through the pipeline's schedule (``pipelined``); its
+  evaluation is the plain model partitioned by XLA, and it has no generation.
+
+Callers (the train step, start-up's checks, evaluation, the proof's runs, bench) ask
+``strategy(layout)`` instead of comparing axis sizes: a new strategy is one class and one entry.
+"""
+
+from __future__ import annotations
+
+from meshlm.model.config import ModelConfig
+from meshlm.model.transformer import loss_fn
+from meshlm.parallel.context import Parallel
+from meshlm.parallel.layout import Layout
+
+
+class Sharded:
+    """Every axis inside one ``shard_map`` (``spmd.sharded_value_and_grad``)."""
+
+    name = "sharded"
+    generates = True  # generation (``generate.programs``) runs on this layout
+
+    def check(self, cfg: ModelConfig, layout: Layout) -> None:
+        """What the layout cannot run of ``cfg``, as one-line errors before any work (nothing here)."""
+
+    def value_and_grad(
+        self, cfg, layout: Layout, specs, *, build_loss=None, par_cls=Parallel, compute_dtype=None, **_
+    ):
+        """fn(params, batch) -> (loss, grads); ``build_loss``: par -> Haiku loss (default ``cfg``'s)."""
+        from meshlm.sharding.spmd import sharded_value_and_grad
+
+        build = build_loss or (lambda par: loss_fn(cfg, par))
+        return sharded_value_and_grad(build, layout, specs, par_cls, compute_dtype=compute_dtype)
+
+    def loss(self, cfg: ModelConfig, layout: Layout, specs, compute_dtype=None):
+        """fn(params, batch) -> loss (evaluation: no gradients)."""
+        from meshlm.sharding.spmd import sharded_loss
+
+        return sharded_loss(lambda par: loss_fn(cfg, par), layout, specs, compute_dtype)
+
+
+class Pipelined:
+    """The layer stack over ``pp`` through the schedule (``pipelined.pipelined_value_and_grad``)."""
+
+    name = "pipelined"
+    generates = False  # generation has no pipeline
+
+    def check(self, cfg: ModelConfig, layout: Layout) -> None:
+        from meshlm.sharding.pipelined import check_pipelined
+
+        check_pipelined(cfg, layout)
+
+    def value_and_grad(self, cfg, layout: Layout, specs, *, par_cls=Parallel, compute_dtype=None, **kw):
+        """As ``Sharded.value_and_grad``, for ``cfg``'s model (``build_loss`` is not used: the pipeline
+        runs the model's own pieces); ``pipe_cls``, ``fill``: the engine's hooks (the proof's)."""
+        from meshlm.sharding.pipelined import pipelined_value_and_grad
+
+        engine = {k: v for k, v in kw.items() if k in ("pipe_cls", "fill") and v is not None}
+        return pipelined_value_and_grad(
+            cfg, layout, specs, par_cls=par_cls, compute_dtype=compute_dtype, **engine
+        )
+
+    def loss(self, cfg: ModelConfig, layout: Layout, specs, compute_dtype=None):
+        from meshlm.sharding.pipelined import pipelined_loss
+
+        return pipelined_loss(cfg, compute_dtype)
+
+
+STRATEGIES = {s.name: s for s in (Sharded(), Pipelined())}
+
+
+def strategy(layout: Layout) -> Sharded | Pipelined:
+    """The strategy ``layout`` runs its step with (``Layout.strategy``)."""
+    return STRATEGIES[layout.strategy]
