@@ -67,29 +67,41 @@ class ChunkOrderUndone(Parallel):
 
 
 @contextmanager
-def _planted(**fns):
-    """``model.blockwise``'s functions replaced by ``fns`` while the sharded program is traced."""
-    old = {name: getattr(blockwise, name) for name in fns}
+def _planted(**wrappers):
+    """``model.blockwise``'s functions replaced, while the sharded program is traced, by
+    ``wrapper(original)``: each fault calls the real function and changes one thing in its result, so
+    a parameter the kernel adds later (as ``qs`` for the document mask) is passed through, not a
+    ``TypeError`` when the control runs."""
+    old = {name: getattr(blockwise, name) for name in wrappers}
     try:
-        for name, fn in fns.items():
-            setattr(blockwise, name, fn)
+        for name, wrap in wrappers.items():
+            setattr(blockwise, name, wrap(old[name]))
         yield
     finally:
         for name, fn in old.items():
             setattr(blockwise, name, fn)
 
 
-def _no_rescale(m_old, m_new):
-    return jnp.ones_like(m_old)
+def _no_rescale(rescale):
+    """The running sums kept relative to the old max: a factor of one where exp(m_old - m_new) belongs."""
+    return lambda m_old, m_new, *args, **kwargs: jnp.ones_like(rescale(m_old, m_new, *args, **kwargs))
 
 
-def _block_local_mask(qp, kp, kvalid, causal):
-    local = (kp - kp[:, :1])[:, None, :] <= (qp - qp[:, :1])[:, :, None]
-    return kvalid[:, None, :] & local if causal else kvalid[:, None, :]
+def _block_local_mask(visible):
+    """The causal mask from positions within the block pair (every other rule of ``_visible``, the
+    document mask included, kept: it is the non-causal visibility of the same call)."""
+
+    def planted(qp, kp, kvalid, causal, *args, **kwargs):
+        vis = visible(qp, kp, kvalid, False, *args, **kwargs)
+        local = (kp - kp[:, :1])[:, None, :] <= (qp - qp[:, :1])[:, :, None]
+        return vis & local if causal else vis
+
+    return planted
 
 
-def _every_block_needed(qp, kp, kvalid, causal):
-    return jnp.any(kvalid)
+def _every_block_needed(needed):
+    """Every block pair with a real key computed (as for non-causal attention): none skipped."""
+    return lambda qp, kp, kvalid, causal, *args, **kwargs: needed(qp, kp, kvalid, False, *args, **kwargs)
 
 
 def _blocks_in_play(w: Where) -> bool:

@@ -26,11 +26,16 @@ def pipeline_controls(runs, rtol: float, atol: float) -> list[dict]:
     rows = []
     (lr, gr) = runs.reference_grads()
     for name in applicable_controls(runs.layout.pipeline):
-        ls, gs = runs.sharded_fn(runs.problem.build_loss, pipe_cls=CONTROLS[name])(runs.params, runs.batch)
+        ls, gs = pipeline_control_fn(runs, name)(runs.params, runs.batch)
         results: dict[str, LeafResult] = {}
         compare_into(results, {"loss": {"value": ls}, **gs}, {"loss": {"value": lr}, **gr}, rtol, atol)
         rows.append(control_row(name, list(results.values())))
     return rows
+
+
+def pipeline_control_fn(runs, name: str):
+    """The sharded loss and gradients (jitted, not yet traced) through the engine with fault ``name``."""
+    return runs.sharded_fn(runs.problem.build_loss, pipe_cls=CONTROLS[name])
 
 
 def control_row(name: str, results: list[LeafResult]) -> dict:

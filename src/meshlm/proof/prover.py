@@ -83,10 +83,20 @@ def verify(
     report.checks += padding_rows(problem, sharded[1])
     report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
     report.extra["param_bytes_total"] = total_bytes(runs.params)
-    where = Where(
+    where = where_of(problem, layout, collectives)
+    if layout.pp > 1:  # the pipeline's own faults (``pipeline_verify``)
+        report.controls = pipeline_controls(runs, rtol, atol)
+        return report
+    report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in controls if c.applies(where)]
+    return report
+
+
+def where_of(problem: Problem, layout: Layout, collectives: bool) -> Where:
+    """What the controls' applicability is decided on: the problem's model on this layout."""
+    return Where(
         cfg=problem.cfg,
-        dp=dp,
-        mp=mp,
+        dp=layout.dp,
+        mp=layout.mp,
         has_row_bias=problem.has_row_bias,
         collectives=collectives,
         fsdp=problem.fsdp,
@@ -95,11 +105,6 @@ def verify(
         cp=layout.cp,
         cp_strategy=layout.cp_strategy,
     )
-    if layout.pp > 1:  # the pipeline's own faults (``pipeline_verify``)
-        report.controls = pipeline_controls(runs, rtol, atol)
-        return report
-    report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in controls if c.applies(where)]
-    return report
 
 
 def _compare_values(report: Report, runs: Runs, sharded, steps: int, ocfg, seed: int):
