@@ -22,7 +22,7 @@ import numpy as np
 from meshlm.errors import VerifierError
 from meshlm.proof.communication import collectives_step, communication_checks, step_collectives
 from meshlm.proof.controls import Control
-from meshlm.proof.report import LeafResult, compare_into
+from meshlm.proof.report import LeafResult, compare_into, worst
 from meshlm.proof.rule_errors import VMA_REJECTIONS, is_vma_rejection  # noqa: F401 - re-exported
 from meshlm.proof.runs import Runs, default_optim, put_batch, step_batches
 from meshlm.train.optim import clip_by_global_norm
@@ -47,7 +47,7 @@ def run_control(control: Control, runs: Runs, ocfg, rtol, atol) -> dict:
         how = f"rejected by JAX's check_vma: {_first_line(e)}"
         return {"name": control.name, "detected": True, "how": how, "margin": None, "by": REJECTED}
     bad = [r.path for r in results if not r.ok]
-    margin = max((r.tol_ratio for r in results), default=0.0)
+    margin = worst(*(r.tol_ratio for r in results))
     how = f"{len(bad)} leaves differ, e.g. {bad[0]}" if bad else "no difference"
     finite = bool(np.isfinite(margin))
     return {

@@ -18,7 +18,7 @@ import numpy as np
 
 from meshlm.parallel.pipeline_schedule import schedule_facts
 from meshlm.proof.pipeline_proof import CONTROLS, applicable_controls
-from meshlm.proof.report import LeafResult, check_row, compare_into
+from meshlm.proof.report import LeafResult, check_row, compare_into, worst
 
 
 def pipeline_controls(runs, rtol: float, atol: float) -> list[dict]:
@@ -41,7 +41,7 @@ def pipeline_control_fn(runs, name: str):
 def control_row(name: str, results: list[LeafResult]) -> dict:
     """A control's row, as ``control_runs.run_control`` words it."""
     bad = [r.path for r in results if not r.ok]
-    margin = max((r.tol_ratio for r in results), default=0.0)
+    margin = worst(*(r.tol_ratio for r in results))
     finite = bool(np.isfinite(margin))
     return {
         "name": f"pipeline: {name}",
