@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from functools import partial
 
 from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
 from meshlm.cli.verify_settings import VerifySettings
 from meshlm.data.tokenizer import EOD
-from meshlm.errors import ConfigError
+from meshlm.errors import ConfigError, ShardingError
 from meshlm.model.config import beyond_max_seq_len, default_seq_len, get_config
+from meshlm.settings import LongContext
 
 DATA_STEPS = 3  # steps of the data-pipeline check (cheap: host arrays only)
 
@@ -30,7 +32,7 @@ def run(args) -> int:
         if vs.batch_size is not None:
             layout.check_batch(vs.batch_size)
         if vs.seq_len is not None or vs.checkpoint is None:  # else the checkpoint's model decides
-            layout.check_seq_len(_seq_len(vs, get_config(vs.config)))
+            layout.check_seq_len(_shapes(vs, get_config(vs.config), layout)[0])
         if vs.checkpoint is None:
             layout.check_layers(get_config(vs.config).n_layers)
     try:
@@ -41,10 +43,49 @@ def run(args) -> int:
 
 
 def _options(vs: VerifySettings) -> dict:
-    """The Layout's options: --fsdp, --sp, --pp and its schedule, --cp, --cp-strategy."""
+    """The Layout's options: --fsdp, --sp, --pp and its schedule (verify's defaults: ``proof.defaults``),
+    --cp, --cp-strategy."""
     from meshlm.parallel.pipeline_schedule import pipeline_options
+    from meshlm.proof import defaults
 
-    return dict(fsdp=vs.fsdp, sp=vs.sp, **pipeline_options(vs), cp=vs.cp, cp_strategy=vs.cp_strategy)
+    pipe = pipeline_options(dataclasses.replace(vs, virtual_stages=vs.virtual_stages or 1))
+    if vs.pp > 1 and vs.microbatches is None:
+        pipe["microbatches"] = defaults.microbatches(vs.pp)
+    if vs.pp_schedule == "interleaved" and vs.virtual_stages is None:
+        pipe["virtual_stages"] = defaults.virtual_stages(vs.pp, _model_config(vs).n_layers)
+    return dict(fsdp=vs.fsdp, sp=vs.sp, **pipe, cp=vs.cp, cp_strategy=vs.cp_strategy)
+
+
+def _model_config(vs: VerifySettings):
+    if vs.checkpoint:
+        from meshlm.io.model_io import read_config
+
+        return read_config(vs.checkpoint)[0]
+    return get_config(vs.config)
+
+
+def _shapes(vs: VerifySettings, cfg, layout) -> tuple[int, int]:
+    """(sequence length, attention block): the flags, else ``proof.defaults``' exposing choices where
+    the blockwise kernel runs (--attention blockwise, or a --cp ring)."""
+    seq_len = _seq_len(vs, cfg)
+    kernel = vs.attention == "blockwise" or (layout.cp > 1 and layout.cp_strategy == "ring")
+    if not kernel:
+        return seq_len, vs.attn_block or LongContext.attn_block  # unused: no blockwise kernel runs
+    from meshlm.proof import defaults
+
+    if vs.attn_block is None:
+        return seq_len, defaults.block_for(seq_len // layout.cp)
+    if vs.seq_len is None:
+        seq_len = defaults.ragged_seq_len(seq_len, vs.attn_block, layout.cp, partial(_fits, layout))
+    return seq_len, vs.attn_block
+
+
+def _fits(layout, seq_len: int) -> bool:
+    try:
+        layout.check_seq_len(seq_len)
+    except ShardingError:
+        return False
+    return True
 
 
 def _seq_len(vs: VerifySettings, cfg) -> int:
@@ -107,12 +148,15 @@ def _verify(args, vs: VerifySettings) -> int:
         cfg = cfg.replace(z_loss=vs.z_loss)
     if vs.remat is not None:
         cfg = cfg.replace(remat=vs.remat)
-    cfg = cfg.replace(attention=vs.attention, attn_block=vs.attn_block)
-    batch = (
-        vs.batch_size if vs.batch_size is not None else 2 * dp * (layout.microbatches if layout.pp > 1 else 1)
-    )
-    seq_len = _seq_len(vs, cfg)
+    from meshlm.proof import defaults
+
+    seq_len, block = _shapes(vs, cfg, layout)
+    cfg = cfg.replace(attention=vs.attention, attn_block=block)
+    m = layout.microbatches if layout.pp > 1 else 1
+    batch = vs.batch_size if vs.batch_size is not None else defaults.batch_rows(dp, m)
     layout.check_seq_len(seq_len)
+    kernel = f", blocks of {block}" if cfg.attention == "blockwise" or layout.cp > 1 else ""
+    print0(f"shapes: batch {batch} x {seq_len} tokens{kernel}", file=sys.stderr)
     if layout.pp > 1:
         from meshlm.sharding.pipelined import check_pipelined
 

@@ -6,6 +6,8 @@ Context parallelism (``Parallel`` subclasses overriding one method each, as ``pr
   a future chunk is visible                 other shards' keys taken as position 0: no causal mask
                                             across chunks (the classic ring bug)
   the ring stops one step short             each query chunk meets cp - 1 K/V chunks, not cp
+  the ring turns the wrong way              K/V sent to the previous shard, counted as from the
+                                            next (cp >= 3: on 2 shards both ways are one permutation)
   ring permutes each step thrice            same values, 3x the collective-permutes (the
                                             communication check)
   chunk order undone on the way out         the logits put back into natural sequence order (and
@@ -44,6 +46,15 @@ class FutureChunkVisible(Parallel):
 class RingOneStepShort(Parallel):
     def ring_steps(self) -> int:
         return self.cp - 1
+
+
+class RingReversed(Parallel):
+    """K/V passed to the previous shard while each step's origin is counted as from the next one: on
+    cp = 2 both directions are the same permutation (no proof can tell them apart there), from cp = 3 on
+    the keys arrive with the wrong positions."""
+
+    def cp_shift(self, x):
+        return lax.ppermute(x, CP, [(i, (i - 1) % self.cp) for i in range(self.cp)])
 
 
 class RingPermutesThrice(Parallel):
@@ -137,6 +148,11 @@ CP_CONTROLS: tuple[Control, ...] = (
         name="the ring stops one step short",
         applies=lambda w: w.cp > 1 and w.attention and w.cp_strategy == "ring",
         par_cls=RingOneStepShort,
+    ),
+    Control(
+        name="the ring turns the wrong way",
+        applies=lambda w: w.cp > 2 and w.attention and w.cp_strategy == "ring",
+        par_cls=RingReversed,
     ),
     Control(name="chunk order undone on the way out", applies=lambda w: w.cp > 1, par_cls=ChunkOrderUndone),
     Control(
