@@ -33,6 +33,35 @@ PY
   esac
 }
 
+# A classic bug that verify's old default shapes hid (issue 36): with the mutant, `meshlm verify` with
+# the defaults must fail (exit 1: caught); the same command with the old shapes (HIDDEN_BY) shows what
+# hid it (exit 0: "hidden by ...", informational). Exit 3 (a control crashed) or 2 is BROKEN.
+plant_verify() {  # name, file, old text, new text, verify flags (new defaults), old-default extra flags
+  git checkout -q -- src
+  "$python" - "$2" "$3" "$4" <<'PY' || exit 2
+import pathlib, sys
+path, old, new = sys.argv[1:]
+text = pathlib.Path(path).read_text()
+if old not in text:
+    sys.exit(f"the code to mutate moved: {old!r} not in {path}")
+pathlib.Path(path).write_text(text.replace(old, new, 1))
+PY
+  # shellcheck disable=SC2086
+  PYTHONPATH="$scratch/src" "$python" -m meshlm verify $5 --no-collectives >"$scratch/log" 2>&1
+  rc=$?
+  old="no old shapes to compare"
+  if [ -n "$6" ]; then
+    # shellcheck disable=SC2086
+    PYTHONPATH="$scratch/src" "$python" -m meshlm verify $5 $6 --no-collectives >"$scratch/log_old" 2>&1
+    old="with the old shapes ($6): exit $?"
+  fi
+  case $rc in
+    1) echo "caught    $1  (verify $5: $(grep -m1 -E 'FAIL|worst relative' "$scratch/log"); $old)" ;;
+    0) echo "SURVIVED  $1  (verify $5 passed; $old)"; survivors=$((survivors + 1)) ;;
+    *) echo "BROKEN    $1  (verify $5: exit $rc: $(tail -n 1 "$scratch/log"))"; survivors=$((survivors + 1)) ;;
+  esac
+}
+
 S=src/meshlm/parallel/pipeline_schedule.py
 E=src/meshlm/parallel/pipeline_engines.py
 B="tests/test_pipeline.py -k nan_bubbles"
@@ -64,5 +93,13 @@ plant "the stacked layers stored unsplit over pp" src/meshlm/sharding/rules.py \
 plant "the batch check ignoring the micro-batches" src/meshlm/parallel/layout.py \
   "m = layout.microbatches if layout.pp > 1 else 1" "m = 1" "tests/test_pp_cli.py"
 
+# Issue 36: bugs that verify --pp's old defaults hid (M = pp; interleaved with V = pp = 2)
+P=src/meshlm/parallel/pipeline.py
+plant_verify "1F1B stash ring one slot short (hidden by M = pp)" $S \
+  "return min(2 * self.chunks - 1," "return min(2 * self.chunks - 2," \
+  "--config tiny-llama --pp 2 --devices 2 --seq-len 8" "--microbatches 2"
+plant_verify "interleaved chunk permutation where its inverse belongs (hidden by pp = V = 2)" $P \
+  "else flat[order]" "else flat[ids]" \
+  "--config tiny-deep --pp 2 --pp-schedule interleaved --devices 2 --seq-len 8" "--virtual-stages 2"
 echo "$survivors mutant(s) survived"
 [ "$survivors" -eq 0 ]

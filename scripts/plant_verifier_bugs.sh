@@ -31,6 +31,35 @@ PY
   esac
 }
 
+# A classic bug that verify's old default shapes hid (issue 36): with the mutant, `meshlm verify` with
+# the defaults must fail (exit 1: caught); the same command with the old shapes (HIDDEN_BY) shows what
+# hid it (exit 0: "hidden by ...", informational). Exit 3 (a control crashed) or 2 is BROKEN.
+plant_verify() {  # name, file, old text, new text, verify flags (new defaults), old-default extra flags
+  git checkout -q -- src
+  "$python" - "$2" "$3" "$4" <<'PY' || exit 2
+import pathlib, sys
+path, old, new = sys.argv[1:]
+text = pathlib.Path(path).read_text()
+if old not in text:
+    sys.exit(f"the code to mutate moved: {old!r} not in {path}")
+pathlib.Path(path).write_text(text.replace(old, new, 1))
+PY
+  # shellcheck disable=SC2086
+  PYTHONPATH="$scratch/src" "$python" -m meshlm verify $5 --no-collectives >"$scratch/log" 2>&1
+  rc=$?
+  old="no old shapes to compare"
+  if [ -n "$6" ]; then
+    # shellcheck disable=SC2086
+    PYTHONPATH="$scratch/src" "$python" -m meshlm verify $5 $6 --no-collectives >"$scratch/log_old" 2>&1
+    old="with the old shapes ($6): exit $?"
+  fi
+  case $rc in
+    1) echo "caught    $1  (verify $5: $(grep -m1 -E 'FAIL|worst relative' "$scratch/log"); $old)" ;;
+    0) echo "SURVIVED  $1  (verify $5 passed; $old)"; survivors=$((survivors + 1)) ;;
+    *) echo "BROKEN    $1  (verify $5: exit $rc: $(tail -n 1 "$scratch/log"))"; survivors=$((survivors + 1)) ;;
+  esac
+}
+
 plant "reference computed by the sharded program" src/meshlm/proof/runs.py \
   "            self._ref_grads = self.problem.from_reference(program(*args))" \
   "            self._ref_grads = self.grads(self.problem.build_loss)" \
@@ -107,5 +136,20 @@ plant "val_bpb: bytes of the inputs, not the targets" src/meshlm/train/run.py \
   'int(tok.token_bytes[b["targets"]].sum())' \
   'int(tok.token_bytes[b["inputs"]].sum())' \
   "tests/test_data_check.py -k val_bpb"
+# Issue 36: bugs that verify's old default shapes hid
+K=src/meshlm/model/blockwise.py
+plant_verify "causal block skip off by one (hidden by block-aligned sequences)" $K \
+  "needed = first_key <= jnp.max(qp, axis=-1)" "needed = first_key < jnp.max(qp, axis=-1)" \
+  "--config tiny-llama --mesh 1x1 --devices 1 --attention blockwise" "--attn-block 16 --seq-len 64"
+plant_verify "document-mask block skip off by one (hidden by two rows per data shard)" $K \
+  "needed = needed & (last_key >= jnp.min(qs, axis=-1))" "needed = needed & (last_key > jnp.min(qs, axis=-1))" \
+  "--config tiny-llama --mesh 1x1 --devices 1 --attention blockwise --doc-mask" "--batch-size 2"
+plant_verify "ring turns the wrong way (hidden by cp 2)" src/meshlm/parallel/cp.py \
+  "[(i, (i + 1) % self.layout.cp) for i in range(self.layout.cp)]" "[(i, (i - 1) % self.layout.cp) for i in range(self.layout.cp)]" \
+  "--config tiny-llama --mesh 1x1 --cp 3 --devices 3 --seq-len 24" "--cp 2 --seq-len 24"
+plant_verify "reference returns the sharded results moved to one device, float64" src/meshlm/proof/runs.py \
+  "            self._ref_grads = self.problem.from_reference(program(*args))" \
+  "            self._ref_grads = jax.device_put(self.grads(self.problem.build_loss), self.device)" \
+  "--config tiny-llama --mesh 1x2 --devices 2 --seq-len 16 --x64" ""
 git checkout -q -- src
 exit $((survivors > 0))

@@ -285,3 +285,21 @@ def test_generation_with_the_kv_cache_equals_the_plain_full_forward():
     want = np.asarray(jax.jit(full)(params, jnp.asarray(tokens, jnp.int32)))
     for b, n in enumerate((3, 11)):
         np.testing.assert_allclose(got[b], want[b, n - 1 :], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_verify_blockwise_on_one_device_detects_both_kernel_controls():
+    """Issue 36: ``meshlm verify --attention blockwise`` crashed (exit 3) in the control *a future block
+    visible*: its planted ``_needed`` had lost step with the kernel's (``qs`` for the document mask).
+    The plants now wrap the real functions; with the document mask too (the ``qs`` path), a ragged last
+    block, every row passes and both kernel controls are detected."""
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof import model_problem, verify
+    from meshlm.proof.cp_controls import CP_CONTROLS
+
+    cfg = get_config("tiny-llama").replace(attention="blockwise", attn_block=4, doc_mask=0, n_layers=1)
+    problem = model_problem(cfg, "blockwise", 1, 1, 18)
+    with jax.enable_x64(True):
+        report = verify(problem, Layout(), dtype=jnp.float64, controls=CP_CONTROLS)
+    names = {c["name"] for c in report.controls}
+    assert names == {"online-softmax rescale skipped", "a future block visible"}
+    assert report.ok and all(c["detected"] for c in report.controls), report.controls

@@ -167,3 +167,20 @@ def test_train_under_cp_resumes_bitwise_and_restores_onto_another_cp(corpus, tmp
     other = build_run(tcfg(tmp_path / "cut", 4, 1), make_mesh(1, 2))  # the checkpoint onto cp = 1
     assert other.step == 4 and other.layout.cp == 1
     other.release()
+
+
+def test_a_ring_turning_the_wrong_way_is_detected_on_three_shards(problem):
+    """Issue 36: on cp = 2 a reversed ring is the same permutation (nothing can detect it there); the
+    control *the ring turns the wrong way* applies from cp = 3 and moves the result."""
+    from meshlm.proof.control_record import Where
+
+    cfg, batch, params, want = problem
+    b6 = {k: jnp.concatenate([v, v[:, :8]], axis=1) for k, v in batch.items()}  # 24 tokens: 6 chunks
+    with jax.enable_x64(True):
+        want6 = jax.jit(reference_value_and_grad(lambda par: loss_fn(cfg, par)))(params, b6)
+    ring = [c for c in cp_controls.CP_CONTROLS if c.name == "the ring turns the wrong way"][0]
+    where = dict(cfg=cfg, has_row_bias=False)
+    assert not ring.applies(Where(**where, layout=Layout(cp=2))) and ring.applies(
+        Where(**where, layout=Layout(cp=3))
+    )
+    assert worst_error((cfg, b6, params, want6), Layout(cp=3), ring.par_cls) > 1e-3

@@ -17,7 +17,14 @@ BAD = [
         "verify --config tiny-deep --pp 4 --pp-schedule interleaved --virtual-stages 2 --microbatches 2",
         "runs micro-batches in groups of pp=4, but microbatches=2; use a multiple of 4",
     ),
-    ("verify --pp 2 --pp-schedule interleaved", "the interleaved schedule needs --virtual-stages 2 or more"),
+    (
+        "verify --pp 2 --pp-schedule interleaved --virtual-stages 1",
+        "the interleaved schedule needs --virtual-stages 2",
+    ),
+    (
+        "verify --pp 2 --pp-schedule interleaved",
+        "2 layers cannot be split into pp x virtual stages = 2 x 2 chunks",
+    ),
     ("verify --pp 2 --virtual-stages 2", "--virtual-stages 2 needs --pp-schedule interleaved"),
     (
         "train --config tiny-llama --pp 2 --microbatches 3 --batch-size 8 --mesh 1x2",
@@ -26,7 +33,7 @@ BAD = [
     ),
     (
         "verify --pp 2 --batch-size 6 --mesh 2x1",
-        "not a multiple of dp x accum_steps x microbatches = 2 x 1 x 2",
+        "not a multiple of dp x accum_steps x microbatches = 2 x 1 x 4",  # verify: M = 2 pp
     ),
     ("verify --config tiny-llama --pp 2 --cp 2 --mesh 1x1", "--cp 2 cannot be combined with --pp 2"),
     ("verify --config tiny-llama --pp 2 --cp 2", "drop --cp (or --pp)"),

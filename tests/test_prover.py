@@ -252,3 +252,18 @@ def test_matrix_rows_and_table(monkeypatch):
     table = format_matrix(rows, markdown=True)
     assert table.splitlines()[0].startswith("| preset | mesh |") and "| PASS |" in table
     assert np.all([len(line.split("|")) == 9 for line in table.splitlines()])
+
+
+def test_a_nan_error_is_reported_as_nan_not_zero():
+    """Issue 36: Python's ``max(0.0, nan)`` is 0.0, so a NaN gradient row read "error 0.0 ... FAIL".
+    The verdict was right, the figure not: the row, the worst error and the JSON say NaN."""
+    from meshlm.proof.report import LeafResult, Report, worst
+
+    leaf = LeafResult(path="layers/w", shape=(2,), spec="P()")
+    leaf.update(np.array([1.0, 2.0]), np.array([1.0, 2.0]), 1e-12, 1e-15)  # a first, exact comparison
+    leaf.update(np.array([np.nan, 2.0]), np.array([1.0, 2.0]), 1e-12, 1e-15)
+    assert np.isnan(leaf.max_abs_err) and np.isnan(leaf.max_rel_err) and not leaf.ok
+    report = Report(config="c", dp=1, mp=1, steps=0, dtype="float64", rtol=1e-12, atol=1e-15, params=[leaf])
+    text = format_report(report)
+    assert "worst relative error: nan" in text and "FAIL" in text
+    assert np.isnan(worst(0.0, float("nan"), 1.0)) and worst() == 0.0

@@ -25,16 +25,18 @@ def _check(report, name) -> dict:
     return row
 
 
-@pytest.mark.parametrize("steps", [0, 1])
-def test_a_reference_returning_the_sharded_results_on_one_device_fails(monkeypatch, steps):
+@pytest.mark.parametrize("steps, x64", [(0, False), (1, False), (0, True)], ids=["f32", "f32 steps", "f64"])
+def test_a_reference_returning_the_sharded_results_on_one_device_fails(monkeypatch, steps, x64):
     """Every gradient then agrees exactly and sits on one device: only exactness can tell, also when
-    the training steps (compared separately) are a real reference's."""
+    the training steps (compared separately) are a real reference's, and in float64 (issue 36: the
+    row was float32's only, and such a reference passed ``--x64`` with an error of exactly 0)."""
 
     def borrowed(self):
         return jax.device_put(self.grads(self.problem.build_loss), self.device)
 
     monkeypatch.setattr(Runs, "reference_grads", borrowed)
-    report = _verify("tiny-llama", 1, 2, steps=steps)
+    with jax.enable_x64(x64):
+        report = _verify("tiny-llama", 1, 2, steps=steps, dtype=jnp.float64 if x64 else jnp.float32)
     assert all(p.ok for p in report.params)
     if not steps:
         assert all(p.max_abs_err == 0 for p in report.params)
@@ -53,9 +55,10 @@ def test_a_correct_reference_differs_in_rounding_and_passes():
     assert row["ok"] and "leaves differ in rounding" in row["detail"]
     detail = _check(report, "reference names no mesh axis")["detail"]  # the programs that computed them
     assert "loss and gradients" in detail and "train step" in detail
-    with jax.enable_x64(True):  # float64 may agree exactly: no such row
+    with jax.enable_x64(True):  # float64 rounds differently too: the row, passing
         report = _verify("tiny", 1, 2, dtype=jnp.float64)
-    assert not [c for c in report.checks if c["name"] == "reference is not the sharded program"]
+    row = _check(report, "reference is not the sharded program")
+    assert row["ok"] and "leaves differ in rounding" in row["detail"]
 
 
 def test_the_train_step_that_computes_reference_values_is_the_one_checked(monkeypatch):

@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from functools import partial
 
 from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
 from meshlm.cli.verify_settings import VerifySettings
 from meshlm.data.tokenizer import EOD
-from meshlm.errors import ConfigError
+from meshlm.errors import ConfigError, ShardingError
 from meshlm.model.config import beyond_max_seq_len, default_seq_len, get_config
+from meshlm.settings import LongContext
 
 DATA_STEPS = 3  # steps of the data-pipeline check (cheap: host arrays only)
 
@@ -25,12 +27,12 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from meshlm.errors import VERIFIER_EXIT_CODE, VerifierError
 
-    vs = settings_from(args, VerifySettings)
+    vs = _with_defaults(settings_from(args, VerifySettings))
     if planned := flag_layout(args, vs):  # before any work
         if vs.batch_size is not None:
             planned.check_batch(vs.batch_size)
         if vs.seq_len is not None or vs.checkpoint is None:  # else the checkpoint's model decides
-            planned.check_seq_len(_seq_len(vs, get_config(vs.config)))
+            planned.check_seq_len(_shapes(vs, get_config(vs.config), planned)[0])
         if vs.checkpoint is None:
             planned.check_layers(get_config(vs.config).n_layers)
     try:
@@ -38,6 +40,50 @@ def run(args) -> int:
     except VerifierError as e:
         print(f"meshlm: verifier error: {e}", file=sys.stderr)
         return VERIFIER_EXIT_CODE
+
+
+def _with_defaults(vs: VerifySettings) -> VerifySettings:
+    """--microbatches and --virtual-stages: the flags, else ``proof.defaults``' exposing choices (the
+    Layout's options then come from ``MeshFlags.layout_options`` as for every command)."""
+    from meshlm.proof import defaults
+
+    m = vs.microbatches if vs.microbatches is not None or vs.pp == 1 else defaults.microbatches(vs.pp)
+    v = vs.virtual_stages
+    if v is None:
+        interleaved = vs.pp_schedule == "interleaved"
+        v = defaults.virtual_stages(vs.pp, _model_config(vs).n_layers) if interleaved else 1
+    return dataclasses.replace(vs, microbatches=m, virtual_stages=v)
+
+
+def _model_config(vs: VerifySettings):
+    if vs.checkpoint:
+        from meshlm.io.model_io import read_config
+
+        return read_config(vs.checkpoint)[0]
+    return get_config(vs.config)
+
+
+def _shapes(vs: VerifySettings, cfg, layout) -> tuple[int, int]:
+    """(sequence length, attention block): the flags, else ``proof.defaults``' exposing choices where
+    the blockwise kernel runs (--attention blockwise, or a --cp ring)."""
+    seq_len = _seq_len(vs, cfg)
+    if not (vs.attention == "blockwise" or layout.cp_ring):
+        return seq_len, vs.attn_block or LongContext.attn_block  # unused: no blockwise kernel runs
+    from meshlm.proof import defaults
+
+    if vs.attn_block is None:
+        return seq_len, defaults.block_for(seq_len // layout.cp)
+    if vs.seq_len is None:
+        seq_len = defaults.ragged_seq_len(seq_len, vs.attn_block, layout.cp, partial(_fits, layout))
+    return seq_len, vs.attn_block
+
+
+def _fits(layout, seq_len: int) -> bool:
+    try:
+        layout.check_seq_len(seq_len)
+    except ShardingError:
+        return False
+    return True
 
 
 def _seq_len(vs: VerifySettings, cfg) -> int:
@@ -101,10 +147,16 @@ def _verify(args, vs: VerifySettings, planned) -> int:
         cfg = cfg.replace(z_loss=vs.z_loss)
     if vs.remat is not None:
         cfg = cfg.replace(remat=vs.remat)
-    cfg = cfg.replace(attention=vs.attention, attn_block=vs.attn_block)
-    batch = vs.batch_size if vs.batch_size is not None else 2 * dp * layout.pipeline_microbatches
-    seq_len = _seq_len(vs, cfg)
+    from meshlm.proof import defaults
+
+    seq_len, block = _shapes(vs, cfg, layout)
+    cfg = cfg.replace(attention=vs.attention, attn_block=block)
+    batch = (
+        vs.batch_size if vs.batch_size is not None else defaults.batch_rows(dp, layout.pipeline_microbatches)
+    )
     layout.check_seq_len(seq_len)
+    kernel = f", blocks of {block}" if cfg.attention == "blockwise" or layout.context_parallel else ""
+    print0(f"shapes: batch {batch} x {seq_len} tokens{kernel}", file=sys.stderr)
     strategy(layout).check(cfg, layout)  # e.g. layers a pipeline cannot split
     problem = model_problem(
         cfg, name, mp, batch, seq_len, vs.seed, dp=dp, fsdp=layout.fsdp, sp=layout.sp, pp=layout.pp

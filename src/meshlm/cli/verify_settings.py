@@ -34,7 +34,10 @@ class VerifySettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: t
     )
     x64: bool = setting(False, "float64: worst relative error must be <= 1e-12")
     batch_size: int | None = setting(
-        None, "global batch, a multiple of dp", shown_default="2 x dp", valid=POSITIVE_INT
+        None,
+        "global batch, a multiple of dp",
+        shown_default="one row per data shard (per micro-batch)",
+        valid=POSITIVE_INT,
     )
     seq_len: int | None = setting(
         None,
@@ -60,6 +63,22 @@ class VerifySettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: t
     )
     remat: str | None = setting(
         None, "prove with this recomputation policy", shown_default="the config's", choices=REMAT
+    )
+    # verify's defaults expose bugs that convenient shapes hide (``meshlm.proof.defaults``)
+    microbatches: int | None = setting(
+        None, "with --pp: micro-batches per step", shown_default="2 x pp", valid=POSITIVE_INT
+    )
+    virtual_stages: int | None = setting(
+        None,
+        "with --pp-schedule interleaved: layer chunks per device (V)",
+        shown_default="the smallest V >= 2 other than pp that splits the layers",
+        valid=POSITIVE_INT,
+    )
+    attn_block: int | None = setting(
+        None,
+        "queries and keys per block (blockwise attention, and each --cp ring step)",
+        shown_default="several blocks per shard, the last of one row",
+        valid=Range(int, 1),
     )
     matrix: bool = setting(False, "prove every preset x mesh x option that fits")
     md: bool = setting(False, "with --matrix: print the table as markdown")

@@ -34,12 +34,17 @@ from meshlm.train.optim import OptimConfig, adamw, make_step
 def step_collectives(build_loss, layout: Layout, specs, params, batch, par_cls=Parallel) -> dict:
     """Collectives per step of the compiled sharded train step (clip on, no accumulation: the
     setting the minimum is derived for)."""
+    step, opt_state = collectives_step(build_loss, layout, specs, params, par_cls)
+    return collectives_per_step(step.lower(params, opt_state, batch).compile().as_text())
+
+
+def collectives_step(build_loss, layout: Layout, specs, params, par_cls=Parallel):
+    """The train step whose collectives ``step_collectives`` counts (jitted, not yet traced), and its
+    initial optimizer state."""
     ocfg = OptimConfig(accum_steps=1)
     opt = adamw(ocfg, params)
     grad = sharded_value_and_grad(build_loss, layout, specs, par_cls)
-    step = jax.jit(make_step(grad, opt, ocfg))
-    opt_state = jax.jit(opt.init)(params)
-    return collectives_per_step(step.lower(params, opt_state, batch).compile().as_text())
+    return jax.jit(make_step(grad, opt, ocfg)), jax.jit(opt.init)(params)
 
 
 def communication_checks(cfg, layout: Layout, got: dict, *, batch_shape, itemsize, params) -> list[dict]:

@@ -20,11 +20,11 @@ import jax
 import numpy as np
 
 from meshlm.errors import VerifierError
-from meshlm.proof.communication import communication_checks, step_collectives
+from meshlm.proof.communication import collectives_step, communication_checks, step_collectives
 from meshlm.proof.controls import Control
-from meshlm.proof.report import LeafResult, compare_into
+from meshlm.proof.report import LeafResult, compare_into, worst
 from meshlm.proof.rule_errors import VMA_REJECTIONS, is_vma_rejection  # noqa: F401 - re-exported
-from meshlm.proof.runs import Runs, default_optim, step_batches
+from meshlm.proof.runs import Runs, default_optim, put_batch, step_batches
 from meshlm.train.optim import clip_by_global_norm
 
 REJECTED = "rejected by the type system"  # how a control refused by JAX's varying-axis check is detected
@@ -47,7 +47,7 @@ def run_control(control: Control, runs: Runs, ocfg, rtol, atol) -> dict:
         how = f"rejected by JAX's check_vma: {_first_line(e)}"
         return {"name": control.name, "detected": True, "how": how, "margin": None, "by": REJECTED}
     bad = [r.path for r in results if not r.ok]
-    margin = max((r.tol_ratio for r in results), default=0.0)
+    margin = worst(*(r.tol_ratio for r in results))
     how = f"{len(bad)} leaves differ, e.g. {bad[0]}" if bad else "no difference"
     finite = bool(np.isfinite(margin))
     return {
@@ -65,9 +65,6 @@ def _first_line(e: BaseException) -> str:
 
 def _control_results(control: Control, runs: Runs, ocfg, rtol, atol) -> list[LeafResult]:
     problem = runs.problem
-    build = problem.build_loss
-    if control.cfg_change is not None:
-        build = problem.rebuild(control.cfg_change(problem.cfg))
     results: dict[str, LeafResult] = {}
     if control.per_shard_clip:
         (_, gr) = runs.reference_grads()
@@ -76,12 +73,48 @@ def _control_results(control: Control, runs: Runs, ocfg, rtol, atol) -> list[Lea
         for (ps, ss, _), (pr, sr, _) in runs.train(ocfg, batches, clip_fault=True):
             compare_into(results, (ps, ss), (pr, sr), rtol, atol)
     else:
-        params = None if control.params_change is None else control.params_change(problem.cfg, runs.params)
         lr, gr = runs.reference_grads()  # outside the plant: the reference never runs the fault
-        with control.plant() if control.plant is not None else nullcontext():
-            ls, gs = runs.grads(build, control.par_cls, params)
+        fn, params = _planted_fn(control, runs)
+        with _plant(control):
+            ls, gs = fn(params, runs.batch)
         compare_into(results, {"loss": {"value": ls}, **gs}, {"loss": {"value": lr}, **gr}, rtol, atol)
     return list(results.values())
+
+
+def _plant(control: Control):
+    return control.plant() if control.plant is not None else nullcontext()
+
+
+def _planted_fn(control: Control, runs: Runs):
+    """The control's sharded loss and gradients (jitted, not yet traced) and the parameters to run
+    it at."""
+    problem = runs.problem
+    build = problem.build_loss
+    if control.cfg_change is not None:
+        build = problem.rebuild(control.cfg_change(problem.cfg))
+    params = runs.params if control.params_change is None else control.params_change(problem.cfg, runs.params)
+    return runs.sharded_fn(build, control.par_cls), params
+
+
+def trace_control(control: Control, runs: Runs, ocfg=None):
+    """Trace, without compiling or running, the sharded program ``run_control`` runs for ``control``
+    (its plant in place): a control out of step with the code it plants into (a ``TypeError`` from a
+    replaced function's signature) raises here, at the cost of a trace. JAX's varying-axis type check
+    rejects a program at trace time too (``is_vma_rejection``: a detection, not a crash)."""
+    problem = runs.problem
+    if control.per_shard_clip:
+        ocfg = ocfg or default_optim(1, 1.0)  # the clip norm's value does not change the program
+        step, state = runs.train_step(ocfg, clip_fault=True)
+        batch = step_batches(problem, 1, ocfg.accum_steps, 0)[0]
+        return step.trace(*state, put_batch(batch, runs.layout, ocfg.accum_steps > 1))
+    if control.by_collectives:  # the train step whose compiled collectives ``_by_collectives`` counts
+        step, opt_state = collectives_step(
+            problem.build_loss, runs.layout, runs.specs, runs.params, control.par_cls
+        )
+        return step.trace(runs.params, opt_state, runs.batch)
+    fn, params = _planted_fn(control, runs)
+    with _plant(control):
+        return fn.trace(params, runs.batch)
 
 
 def _by_collectives(control: Control, runs: Runs) -> dict:

@@ -6,6 +6,8 @@ Context parallelism (``Parallel`` subclasses overriding one method each, as ``pr
   a future chunk is visible                 other shards' keys taken as position 0: no causal mask
                                             across chunks (the classic ring bug)
   the ring stops one step short             each query chunk meets cp - 1 K/V chunks, not cp
+  the ring turns the wrong way              K/V sent to the previous shard, counted as from the
+                                            next (cp >= 3: on 2 shards both ways are one permutation)
   ring permutes each step thrice            same values, 3x the collective-permutes (the
                                             communication check)
   chunk order undone on the way out         the logits put back into natural sequence order (and
@@ -46,6 +48,16 @@ class RingOneStepShort(Parallel):
         return self.layout.cp - 1
 
 
+class RingReversed(Parallel):
+    """K/V passed to the previous shard while each step's origin is counted as from the next one: on
+    cp = 2 both directions are the same permutation (no proof can tell them apart there), from cp = 3 on
+    the keys arrive with the wrong positions."""
+
+    def cp_shift(self, x):
+        cp = self.layout.cp
+        return lax.ppermute(x, CP, [(i, (i - 1) % cp) for i in range(cp)])
+
+
 class RingPermutesThrice(Parallel):
     """Each ring step's K/V travels forward, back and forward again: the same values, three times the
     collective-permutes (detected by the communication check only)."""
@@ -67,29 +79,41 @@ class ChunkOrderUndone(Parallel):
 
 
 @contextmanager
-def _planted(**fns):
-    """``model.blockwise``'s functions replaced by ``fns`` while the sharded program is traced."""
-    old = {name: getattr(blockwise, name) for name in fns}
+def _planted(**wrappers):
+    """``model.blockwise``'s functions replaced, while the sharded program is traced, by
+    ``wrapper(original)``: each fault calls the real function and changes one thing in its result, so
+    a parameter the kernel adds later (as ``qs`` for the document mask) is passed through, not a
+    ``TypeError`` when the control runs."""
+    old = {name: getattr(blockwise, name) for name in wrappers}
     try:
-        for name, fn in fns.items():
-            setattr(blockwise, name, fn)
+        for name, wrap in wrappers.items():
+            setattr(blockwise, name, wrap(old[name]))
         yield
     finally:
         for name, fn in old.items():
             setattr(blockwise, name, fn)
 
 
-def _no_rescale(m_old, m_new):
-    return jnp.ones_like(m_old)
+def _no_rescale(rescale):
+    """The running sums kept relative to the old max: a factor of one where exp(m_old - m_new) belongs."""
+    return lambda m_old, m_new, *args, **kwargs: jnp.ones_like(rescale(m_old, m_new, *args, **kwargs))
 
 
-def _block_local_mask(qp, kp, kvalid, causal):
-    local = (kp - kp[:, :1])[:, None, :] <= (qp - qp[:, :1])[:, :, None]
-    return kvalid[:, None, :] & local if causal else kvalid[:, None, :]
+def _block_local_mask(visible):
+    """The causal mask from positions within the block pair (every other rule of ``_visible``, the
+    document mask included, kept: it is the non-causal visibility of the same call)."""
+
+    def planted(qp, kp, kvalid, causal, *args, **kwargs):
+        vis = visible(qp, kp, kvalid, False, *args, **kwargs)
+        local = (kp - kp[:, :1])[:, None, :] <= (qp - qp[:, :1])[:, :, None]
+        return vis & local if causal else vis
+
+    return planted
 
 
-def _every_block_needed(qp, kp, kvalid, causal):
-    return jnp.any(kvalid)
+def _every_block_needed(needed):
+    """Every block pair with a real key computed (as for non-causal attention): none skipped."""
+    return lambda qp, kp, kvalid, causal, *args, **kwargs: needed(qp, kp, kvalid, False, *args, **kwargs)
 
 
 def _blocks_in_play(w: Where) -> bool:
@@ -125,6 +149,11 @@ CP_CONTROLS: tuple[Control, ...] = (
         name="the ring stops one step short",
         applies=lambda w: w.layout.cp_ring and w.attention,
         par_cls=RingOneStepShort,
+    ),
+    Control(
+        name="the ring turns the wrong way",
+        applies=lambda w: w.layout.cp > 2 and w.attention and w.layout.cp_ring,
+        par_cls=RingReversed,
     ),
     Control(
         name="chunk order undone on the way out",

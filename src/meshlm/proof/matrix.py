@@ -25,6 +25,7 @@ from meshlm.model.config import get_config
 from meshlm.parallel.mesh import make_mesh
 from meshlm.proof.problem import model_problem
 from meshlm.proof.prover import verify
+from meshlm.proof.report import worst
 
 PRESETS = ("tiny", "tiny-gptj", "tiny-llama")
 OPTIONS = {"plain": {}, "z-loss + remat": {"z_loss": 1e-3, "remat": "full"}}
@@ -73,7 +74,7 @@ def _cell(preset, dp, mp, option, changes, *, x64, steps, seed, fsdp=False, sp=F
     return {
         **row,
         "ok": report.ok,
-        "worst_rel_err": max((p.max_rel_err for p in report.params), default=0.0),
+        "worst_rel_err": worst(*(p.max_rel_err for p in report.params)),
         "checks": f"{sum(c['ok'] for c in report.checks)}/{len(report.checks)}",
         "controls": f"{detected}/{len(report.controls)}",
         "seconds": round(time.perf_counter() - start, 1),

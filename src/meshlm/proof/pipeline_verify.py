@@ -18,7 +18,7 @@ import numpy as np
 
 from meshlm.parallel.pipeline_schedule import schedule_facts
 from meshlm.proof.pipeline_proof import CONTROLS, applicable_controls
-from meshlm.proof.report import LeafResult, check_row, compare_into
+from meshlm.proof.report import LeafResult, check_row, compare_into, worst
 
 
 def pipeline_controls(runs, rtol: float, atol: float) -> list[dict]:
@@ -26,17 +26,22 @@ def pipeline_controls(runs, rtol: float, atol: float) -> list[dict]:
     rows = []
     (lr, gr) = runs.reference_grads()
     for name in applicable_controls(runs.layout.pipeline):
-        ls, gs = runs.sharded_fn(runs.problem.build_loss, pipe_cls=CONTROLS[name])(runs.params, runs.batch)
+        ls, gs = pipeline_control_fn(runs, name)(runs.params, runs.batch)
         results: dict[str, LeafResult] = {}
         compare_into(results, {"loss": {"value": ls}, **gs}, {"loss": {"value": lr}, **gr}, rtol, atol)
         rows.append(control_row(name, list(results.values())))
     return rows
 
 
+def pipeline_control_fn(runs, name: str):
+    """The sharded loss and gradients (jitted, not yet traced) through the engine with fault ``name``."""
+    return runs.sharded_fn(runs.problem.build_loss, pipe_cls=CONTROLS[name])
+
+
 def control_row(name: str, results: list[LeafResult]) -> dict:
     """A control's row, as ``control_runs.run_control`` words it."""
     bad = [r.path for r in results if not r.ok]
-    margin = max((r.tol_ratio for r in results), default=0.0)
+    margin = worst(*(r.tol_ratio for r in results))
     finite = bool(np.isfinite(margin))
     return {
         "name": f"pipeline: {name}",

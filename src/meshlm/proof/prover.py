@@ -83,18 +83,23 @@ def verify(
     report.checks += padding_rows(problem, sharded[1])
     report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
     report.extra["param_bytes_total"] = total_bytes(runs.params)
-    where = Where(
+    where = where_of(problem, layout, collectives)
+    if layout.pipelined:  # the pipeline's own faults (``pipeline_verify``)
+        report.controls = pipeline_controls(runs, rtol, atol)
+        return report
+    report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in controls if c.applies(where)]
+    return report
+
+
+def where_of(problem: Problem, layout: Layout, collectives: bool) -> Where:
+    """What the controls' applicability is decided on: the problem's model on this layout."""
+    return Where(
         cfg=problem.cfg,
         layout=layout,
         has_row_bias=problem.has_row_bias,
         collectives=collectives,
         seq_len=int(jnp.shape(problem.batch.get("inputs", ()))[-1]),
     )
-    if layout.pipelined:  # the pipeline's own faults (``pipeline_verify``)
-        report.controls = pipeline_controls(runs, rtol, atol)
-        return report
-    report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in controls if c.applies(where)]
-    return report
 
 
 def _compare_values(report: Report, runs: Runs, sharded, steps: int, ocfg, seed: int):

@@ -28,15 +28,21 @@ class LeafResult:
     def update(self, s, r, rtol, atol) -> float:
         """Fold in one comparison of ``s`` (sharded) with ``r`` (reference); returns its max|s - r|."""
         s, r = np.asarray(s, np.float64), np.asarray(r, np.float64)
-        err = float(np.max(np.abs(s - r))) if r.size else 0.0
+        err = float(np.max(np.abs(s - r))) if r.size else 0.0  # NaN where any element is NaN
         scale = float(np.max(np.abs(r))) if r.size else 0.0
-        rel = err / scale if scale else (0.0 if err == 0 else float("inf"))
-        self.max_abs_err = max(self.max_abs_err, err)
-        self.max_rel_err = max(self.max_rel_err, rel)
+        rel = err / scale if scale or np.isnan(err) else (0.0 if err == 0 else float("inf"))
+        self.max_abs_err = worst(self.max_abs_err, err)
+        self.max_rel_err = worst(self.max_rel_err, rel)
         ratio = err / (atol + rtol * scale) if np.isfinite(err) else float("inf")
         self.tol_ratio = max(self.tol_ratio, ratio)
         self.ok = self.ok and bool(np.isfinite(err)) and err <= atol + rtol * scale
         return err
+
+
+def worst(*errors: float) -> float:
+    """The largest error, NaN if any is NaN (Python's ``max`` drops a NaN that is not first: a NaN
+    gradient row would read as error 0.0)."""
+    return float(np.max(errors)) if errors else 0.0
 
 
 @dataclass(kw_only=True)
@@ -130,12 +136,11 @@ def format_report(r: Report) -> str:
             f"{p.path:<28} {str(tuple(p.shape)):<18} {p.spec:<28} {p.max_abs_err:>11.3e} "
             f"{p.max_rel_err:>11.3e}  {'PASS' if p.ok else 'FAIL'}"
         )
-    worst = max((p.max_rel_err for p in r.params), default=0.0)
     rows += [
         "",
         f"loss: sharded {r.loss_sharded:.10g}  reference {r.loss_reference:.10g}  "
         f"{'PASS' if r.loss_ok else 'FAIL'}",
-        f"worst relative error: {worst:.3e}",
+        f"worst relative error: {worst(*(p.max_rel_err for p in r.params)):.3e}",
         "",
     ]
     for c in r.checks:

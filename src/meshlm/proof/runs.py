@@ -111,13 +111,16 @@ class Runs:
             cache[key] = out
         return cache[key]
 
-    def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False):
-        """Yield ((params, opt_state, metrics) sharded, the same unsharded) after each step."""
+    def train_step(self, ocfg: OptimConfig, clip_fault: bool = False):
+        """The sharded training step (jitted, not yet traced) and its initial (params, opt_state)."""
         opt = adamw(ocfg, self.params)
         grad = self.value_and_grad(self.problem.build_loss)
         clip = per_shard_clip(self.mesh, self.specs, ocfg.clip_norm) if clip_fault else None
-        step = jax.jit(make_step(grad, opt, ocfg, clip))
-        state = (self.params, jax.jit(opt.init)(self.params))
+        return jax.jit(make_step(grad, opt, ocfg, clip)), (self.params, jax.jit(opt.init)(self.params))
+
+    def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False):
+        """Yield ((params, opt_state, metrics) sharded, the same unsharded) after each step."""
+        step, state = self.train_step(ocfg, clip_fault)
         accum = ocfg.accum_steps > 1
         for b, ref in zip(batches, self.reference_train(ocfg, batches), strict=True):
             *state, metrics = step(*state, put_batch(b, self.layout, accum))

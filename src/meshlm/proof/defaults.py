@@ -1,0 +1,62 @@
+"""``meshlm verify``'s default shapes, chosen to expose bugs rather than hide them (issue 36).
+
+A held-out mutation test found classic bugs that the old defaults hid, each caught under a less
+convenient shape. The defaults below are those shapes; a flag given explicitly is always kept:
+
+* ``--microbatches``: 2 pp under ``--pp`` (M = pp hid a 1F1B stash one slot short: with as many
+  micro-batches as stages no stage ever holds more than pp activations);
+* ``--virtual-stages`` under ``--pp-schedule interleaved``: the smallest V >= 2 other than pp that
+  splits the layers (pp == V made the chunk permutation its own inverse, so using it where its inverse
+  belongs went unseen: pp 2 with V 2);
+* the batch: one row per data shard per micro-batch (two rows hid a document-mask block skip that
+  skips a block one row needs, because the skip is decided over the rows and the other row needed it);
+* ``--attn-block`` when the blockwise kernel runs (``--attention blockwise``, or a ``--cp`` ring): blocks
+  that cut each shard's sequence into several, the last of one row (with the old 512 every tiny proof
+  had one block, and no block-skip, rescale or ragged path ran); with ``--attn-block`` given and no
+  ``--seq-len``, a sequence length whose last block is ragged (block-aligned sequences hid an
+  off-by-one in the causal block skip: it needs a last query block whose one query is its key block's
+  first key).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def microbatches(pp: int) -> int:
+    """Micro-batches per step under ``--pp``: more than pp (2 pp: interleaved needs a multiple of pp)."""
+    return 2 * pp
+
+
+def virtual_stages(pp: int, n_layers: int) -> int:
+    """V for the interleaved schedule: the smallest V >= 2, V != pp, whose pp V chunks split the layers;
+    2 where none does (``check_layers`` then says what fits)."""
+    fits = [v for v in range(2, n_layers // pp + 1) if v != pp and n_layers % (pp * v) == 0]
+    return fits[0] if fits else 2
+
+
+def batch_rows(dp: int, microbatches: int) -> int:
+    """The proof's global batch: one row per data shard in each micro-batch."""
+    return dp * microbatches
+
+
+def block_for(local_len: int) -> int:
+    """Blocks for a shard's ``local_len`` tokens: the largest block that cuts them into at least 3 full
+    blocks and a last block of one row, else into 2 and one, else ``local_len - 1`` (one full block
+    and one row; 1 for fewer than 3 tokens)."""
+    for full in (3, 2):
+        fits = [b for b in range(2, local_len // full + 1) if local_len % b == 1]
+        if fits:
+            return fits[-1]
+    return max(local_len - 1, 1)
+
+
+def ragged_seq_len(default: int, block: int, cp: int, valid: Callable[[int], bool]) -> int:
+    """The longest sequence length <= ``default`` that the layout accepts (``valid``) whose per-shard
+    length (T / cp) leaves a last block of one row, else any ragged last block; else ``default``."""
+    lengths = [t for t in range(default, 1, -1) if valid(t) and t % cp == 0]
+    for ragged in (lambda r: r == 1, lambda r: r != 0):
+        for t in lengths:
+            if ragged((t // cp) % block):
+                return t
+    return default

@@ -1,0 +1,106 @@
+"""Every control planted on every configuration ``meshlm verify`` accepts, traced (issue 36).
+
+A control whose plant falls out of step with the code it replaces (``model.blockwise._needed`` gained a
+parameter; the planted function kept the old signature) crashes when verify runs it: exit 3 on every
+``--attention blockwise`` proof. So each configuration below builds the prover's own runs and traces
+(``jit(...).trace``: no compile, no execution) the planted sharded program of every control that applies
+there, exactly as ``run_control`` and ``pipeline_controls`` build it. A crash is a failure of this test;
+JAX's varying-axis type check rejecting the program is what verify counts as a detection, and passes.
+The configurations cover plain and blockwise attention, both cp strategies (ring on 2 and 3 shards),
+each pp schedule, the document mask, FSDP and SP, and every tiny family preset; the last test requires
+every control to apply on at least one of them, so a new control cannot go untested here."""
+
+import jax.numpy as jnp
+import pytest
+
+from meshlm.model.config import get_config
+from meshlm.parallel.layout import Layout
+from meshlm.proof import model_problem
+from meshlm.proof.control_runs import trace_control
+from meshlm.proof.controls import CONTROLS
+from meshlm.proof.cp_controls import CP_CONTROLS
+from meshlm.proof.pipeline_proof import CONTROLS as PIPELINE_CONTROLS
+from meshlm.proof.pipeline_proof import applicable_controls
+from meshlm.proof.pipeline_verify import pipeline_control_fn
+from meshlm.proof.prover import where_of
+from meshlm.proof.rule_errors import is_vma_rejection
+from meshlm.proof.runs import Runs
+
+BW = dict(attention="blockwise", attn_block=4)  # several K/V blocks per shard, a ragged last one
+FSDP_SP = Layout(dp=2, mp=2, fsdp=True, sp=True)
+# name: (preset, config changes, layout, batch, seq_len). Shapes tiny: only traced.
+CONFIGS = {
+    "seed ff 2x2 fsdp sp": ("seed", {}, FSDP_SP, 2, 8),
+    "tiny-gptj 2x2 plain": ("tiny-gptj", {}, Layout(dp=2, mp=2), 2, 8),
+    "tiny-gpt2vocab 1x2 (padded vocab)": ("tiny-gpt2vocab", {}, Layout(mp=2), 1, 8),
+    "tiny-gqa 1x4 blockwise (KV replicated)": ("tiny-gqa", BW, Layout(mp=4), 1, 10),
+    "tiny-mistral 1x2 (window)": ("tiny-mistral", {}, Layout(mp=2), 1, 18),
+    "tiny-gemma 1x2": ("tiny-gemma", {}, Layout(mp=2), 1, 8),
+    "tiny-llama3 2x2 fsdp sp doc-mask (tied)": ("tiny-llama3", {"doc_mask": 0}, FSDP_SP, 2, 8),
+    "tiny-qwen2 1x2 (q/k/v bias, tied)": ("tiny-qwen2", {}, Layout(mp=2), 1, 8),
+    "tiny-llama 1x1 blockwise doc-mask": ("tiny-llama", {**BW, "doc_mask": 0}, Layout(), 1, 18),
+    "tiny-llama 2x2 cp2 ring fsdp sp blockwise": (
+        "tiny-llama",
+        {**BW, "attn_block": 5},
+        Layout(dp=2, mp=2, cp=2, fsdp=True, sp=True),
+        2,
+        24,
+    ),
+    "tiny-gqa 1x2 cp2 allgather blockwise": (
+        "tiny-gqa",
+        BW,
+        Layout(mp=2, cp=2, cp_strategy="allgather"),
+        1,
+        20,
+    ),
+    "tiny-lm 1x1 cp3 ring": ("tiny-lm", {"attn_block": 4}, Layout(cp=3), 1, 30),
+    "tiny-llama pp2 gpipe": ("tiny-llama", {}, Layout(pp=2, microbatches=4, pp_schedule="gpipe"), 4, 8),
+    "tiny-llama pp2x1x2 sp 1f1b": ("tiny-llama", {}, Layout(pp=2, mp=2, sp=True, microbatches=4), 4, 8),
+    "tiny-deep pp2 interleaved V2": (
+        "tiny-deep",
+        {},
+        Layout(pp=2, microbatches=4, pp_schedule="interleaved", virtual_stages=2),
+        4,
+        8,
+    ),
+}
+
+
+def _problem(name):
+    preset, changes, layout, batch, seq = CONFIGS[name]
+    cfg = get_config(preset).replace(**changes)
+    kw = dict(dp=layout.dp, fsdp=layout.fsdp, sp=layout.sp, pp=layout.pp)
+    return model_problem(cfg, name, layout.mp, batch, seq, **kw), layout
+
+
+def _applicable(problem, layout) -> list:
+    """(name, trace) of each control verify runs on this configuration (``prover.verify``'s choice)."""
+    if layout.pp > 1:
+        return [(f"pipeline: {n}", n) for n in applicable_controls(layout.pipeline)]
+    where = where_of(problem, layout, collectives=True)
+    return [(c.name, c) for c in CONTROLS + CP_CONTROLS if c.applies(where)]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_applicable_control_runs(name):
+    problem, layout = _problem(name)
+    runs = Runs(problem, layout, jnp.float32, 0)
+    crashed = []
+    for label, control in _applicable(problem, layout):
+        try:
+            if isinstance(control, str):
+                pipeline_control_fn(runs, control).trace(runs.params, runs.batch)
+            else:
+                trace_control(control, runs)
+        except Exception as e:  # verify: exit 3, "control ... crashed"
+            if not is_vma_rejection(e):
+                crashed.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    assert not crashed, crashed
+
+
+def test_every_control_applies_on_some_configuration():
+    every = {c.name for c in CONTROLS + CP_CONTROLS} | {f"pipeline: {n}" for n in PIPELINE_CONTROLS}
+    applied = set()
+    for name in CONFIGS:
+        applied |= {label for label, _ in _applicable(*_problem(name))}
+    assert every - applied == set()
