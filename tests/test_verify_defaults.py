@@ -3,7 +3,7 @@
 data shard, several attention blocks per shard with a last block of one row. Flags given are kept.
 (The bugs themselves, planted and caught by verify with these defaults: scripts/plant_*_bugs.sh.)"""
 
-from meshlm.cli.verify import _options, _shapes
+from meshlm.cli.verify import _shapes, _with_defaults
 from meshlm.cli.verify_settings import VerifySettings
 from meshlm.model.config import get_config
 from meshlm.parallel.layout import Layout
@@ -11,12 +11,16 @@ from meshlm.proof import defaults
 
 
 def test_pipeline_defaults_more_microbatches_than_stages_and_v_not_pp():
-    got = _options(VerifySettings(config="tiny-llama", pp=2))
+    def options(**given):
+        return _with_defaults(VerifySettings(**given)).layout_options()
+
+    got = options(config="tiny-llama", pp=2)
     assert got["microbatches"] == 4 > got["pp"] == 2
-    got = _options(VerifySettings(config="tiny-deep", pp=2, pp_schedule="interleaved"))
+    got = options(config="tiny-deep", pp=2, pp_schedule="interleaved")
     assert (got["virtual_stages"], got["microbatches"]) == (4, 4)  # 8 layers: V 3 does not split them
     assert defaults.virtual_stages(3, 12) == 2 and defaults.virtual_stages(2, 12) == 3
-    assert _options(VerifySettings(pp=2, microbatches=2))["microbatches"] == 2  # given: kept
+    assert options(pp=2, microbatches=2)["microbatches"] == 2  # given: kept
+    assert (options()["microbatches"], options()["virtual_stages"]) == (1, 1)  # no pipeline: none
 
 
 def test_one_row_per_data_shard_per_microbatch():
