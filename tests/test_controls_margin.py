@@ -101,6 +101,10 @@ CASES = {
             "tied head's gradient not added to the embedding",
         ),
     ),
+    "tiny-qwen3": (  # the per-head q/k norm (family_faults); 2 KV heads replicated on mp = 4
+        _preset("tiny-qwen3"),
+        _named("q/k norm applied after rotary", "q/k norm gradient not summed over mp"),
+    ),
     "tiny-llama fsdp+sp doc-mask": (  # the document mask's controls on its EOD-rich batches
         _preset("tiny-llama", fsdp=True, sp=True, doc_mask=EOD),
         tuple(c for c in CONTROLS if c.name.startswith(("FSDP", "SP", "document mask"))),

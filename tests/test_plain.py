@@ -23,6 +23,7 @@ CASES = {  # every family, grouped-query attention, tied embeddings, z-loss, par
     # GeGLU, RMSNorm times (1 + w), the embedding scale, head_dim != d_model / heads; and Mistral's
     # sliding window (any attention family's), inside the test's 16 positions
     "tiny-gemma": {"sliding_window": 5},
+    "tiny-qwen3": {},  # the per-head q/k norm before rotary, head_dim != d_model / heads
 }
 
 

@@ -3,6 +3,7 @@
 Per shard (``/mp`` = per-shard size; see ``layers`` for the glossary):
   wq [D, H/mp, E]    wk, wv [D, K/mp, E] (or [D, K, E] replicated when mp > K)    wo [H/mp, E, D]
   bq [H/mp, E]       bk, bv [K/mp, E] (or [K, E] replicated)    (Qwen2's q/k/v biases; no bias on wo)
+  q_norm/scale, k_norm/scale [E] replicated                      (Qwen3's per-head q/k RMSNorm)
 
 Grouped-query attention: each KV head serves H/K query heads. When mp > K the KV projections are
 replicated (as Megatron does) and each shard computes only the one KV head its query heads need;
@@ -22,7 +23,7 @@ from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.config import ModelConfig
 from meshlm.model.context_parallel import context_attention
 from meshlm.model.dense import dense_heads_in, dense_heads_out
-from meshlm.model.layers import _normal, apply_rotary, rotary_angles, upcast
+from meshlm.model.layers import RMSNorm, _normal, apply_rotary, rotary_angles, upcast
 from meshlm.parallel.context import Parallel
 
 
@@ -90,8 +91,13 @@ class Attention(hk.Module):
         k, v = self._kv(xf)  # [B, T, K_local, E]
         rotary = positions if starts is None else positions - starts
         cos, sin = rotary_angles(rotary, cfg.inv_freq(), q.dtype)
-        q = apply_rotary(q, cos, sin, cfg.rot_dim, self.style)
-        k = apply_rotary(k, cos, sin, cfg.rot_dim, self.style)
+        rotate = lambda x: apply_rotary(x, cos, sin, cfg.rot_dim, self.style)
+        if cfg.arch.qk_norm is None:
+            q, k = rotate(q), rotate(k)
+        else:  # made here, not in a method: Haiku would scope their names under the method's
+            norm = QK_NORMS[cfg.arch.qk_norm]
+            q = norm_then_rotary(q, norm(eps=cfg.norm_eps, name="q_norm"), rotate)
+            k = norm_then_rotary(k, norm(eps=cfg.norm_eps, name="k_norm"), rotate)
         key_pos = positions
         if cache is not None:
             write = jax.vmap(lambda c, new, p: c.at[p].set(new.astype(c.dtype)))
@@ -109,6 +115,18 @@ class Attention(hk.Module):
             out = _attend(q, k, v, positions, key_pos, starts, cfg.sliding_window)  # [B, T, H/mp, E]
         wo = hk.get_parameter("wo", [hl, cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
         return dense_heads_out(out, wo), cache
+
+
+# The q/k norms (``Family.qk_norm``): "head" is Qwen3's RMSNorm over each head's E, its weights [E]
+# shared by every head (replicated over mp: used on this shard's heads, so JAX sums their gradient
+# over mp, the transpose of the replicated-to-per-shard cast).
+QK_NORMS = {"head": RMSNorm}
+
+
+def norm_then_rotary(x, norm, rotate):
+    """x [B, T, h, E] normalized, then rotated: transformers' order for Qwen3's q and k (rotary keeps
+    each head's norm but not its coordinates, so the weights must meet the unrotated ones)."""
+    return rotate(norm(x))
 
 
 def doc_starts(tokens, eod: int):

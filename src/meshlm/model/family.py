@@ -72,6 +72,10 @@ class Family:
     # Biases on the q/k/v projections (Qwen2): column-parallel, sharded with their heads (the KV
     # biases replicated and sliced with their heads where the KV heads are); no output-projection bias.
     qkv_bias: bool = False
+    # RMSNorm of the queries and keys before rotary: "head" (Qwen3: over each head's E, weights [E]
+    # shared by the heads, replicated; their gradient summed over mp, where the heads are split).
+    # None: none.
+    qk_norm: str | None = None
 
     def per_layer_text(self) -> str:
         """The minimum's per-layer all-reduces, as the communication check words them."""

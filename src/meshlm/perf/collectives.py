@@ -27,6 +27,8 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> 
       input gradient over MP): again 1 / 2 / 1.
     * KV projections replicated because mp > n_kv_heads: their gradients (with Qwen2's KV biases)
       summed over MP (1; XLA may combine it with the layer's backward all-reduce, independent of it).
+    * Qwen3's q/k norm weights (``Family.qk_norm`` "head"): replicated, used on this shard's heads,
+      so their gradients are summed over MP (2, q's and k's; only for such families).
 
     Outside the layers, with mp > 1:
 
@@ -60,6 +62,8 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> 
         "dp_gradients": int(dp * cp > 1),
         "dp_loss": int(dp * cp > 1),
     }
+    if cfg.arch.qk_norm:
+        out["qk_norm_grads"] = 2 * cfg.n_layers * sharded
     out["total"] = sum(out.values())
     return out
 
@@ -98,6 +102,8 @@ def theoretical_bytes(
         "dp_gradients": counts["dp_gradients"] * param_bytes,
         "dp_loss": counts["dp_loss"] * itemsize,
     }
+    if "qk_norm_grads" in counts:  # [E] each
+        out["qk_norm_grads"] = counts["qk_norm_grads"] * cfg.dim_per_head * itemsize
     out["total"] = sum(out.values())
     return out
 

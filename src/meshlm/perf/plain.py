@@ -67,7 +67,11 @@ def _attention(cfg: ModelConfig, p, x, cos, sin, mask):
         y = jnp.einsum("btd,dhe->bthe", x, p[f"w{n}"])
         return y + p[f"b{n}"] if f"b{n}" in p else y
 
-    q, k, v = _rotate(cfg, proj("q"), cos, sin), _rotate(cfg, proj("k"), cos, sin), proj("v")
+    def normed(n, y):  # Qwen3's per-head q/k norm (``Family.qk_norm``), before rotary
+        return _rms_norm(y, p[f"{n}_norm"], cfg.norm_eps) if f"{n}_norm" in p else y
+
+    q, k = (_rotate(cfg, normed(n, proj(n)), cos, sin) for n in ("q", "k"))
+    v = proj("v")
     groups = cfg.n_heads // cfg.kv_heads
     if groups > 1:
         k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
@@ -104,7 +108,9 @@ def _block(cfg: ModelConfig, lp, x, cos, sin, mask):
     h = _norm(cfg, lp["ln"], x)
     if block == "parallel":  # attention and MLP in parallel off one norm
         return x + _attention(cfg, lp["attn"], h, cos, sin, mask) + _mlp(lp["mlp"], h, mlp)
-    x = x + _attention(cfg, lp["attn"], h, cos, sin, mask)
+    qk_norms = {f"{n}_norm": lp[f"attn/{n}_norm"]["scale"] for n in "qk" if f"attn/{n}_norm" in lp}
+    attn = {**lp["attn"], **qk_norms}
+    x = x + _attention(cfg, attn, h, cos, sin, mask)
     return x + _mlp(lp["mlp"], _norm(cfg, lp["ln2"], x), mlp)
 
 

@@ -26,6 +26,8 @@ from meshlm.proof.family_faults import (
     TiedHeadGradDropped,
     TiedHeadOtherSlice,
     embedding_scaled_twice,
+    qk_norm_after_rotary,
+    qk_norm_grad_not_summed,
     window_off_by_one,
 )
 
@@ -288,6 +290,20 @@ CONTROLS += (
         name="embedding scale applied twice",
         applies=lambda w: w.cfg is not None and w.cfg.arch.embed_scale,
         params_change=embedding_scaled_twice,
+    ),
+)
+
+
+def _head_qk_norm(w: Where) -> bool:
+    return w.attention and w.cfg.arch.qk_norm == "head"
+
+
+CONTROLS += (  # Qwen3's per-head q/k norm (``proof.family_faults``)
+    Control(name="q/k norm applied after rotary", applies=_head_qk_norm, plant=qk_norm_after_rotary),
+    Control(
+        name="q/k norm gradient not summed over mp",
+        applies=lambda w: w.mp > 1 and _head_qk_norm(w),
+        plant=qk_norm_grad_not_summed,
     ),
 )
 

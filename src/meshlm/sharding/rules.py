@@ -32,6 +32,7 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"/attn/wo$", (MP, None, None)),  # [H, E, D]: row-parallel
     (r"/attn/bq$", (MP, None)),  # [H, E]: Qwen2's q bias, sliced with its heads
     (r"/attn/b[kv]$", (KV, None)),  # [K, E]: with the KV heads, or replicated when mp > K
+    (r"/attn/[qk]_norm/scale$", (None,)),  # [E]: Qwen3's per-head q/k norm, shared by every head
     (r"/mlp/w_(in|gate|up)$", (None, MP)),  # [D, F]: column-parallel
     (r"/mlp/b_in$", (MP,)),  # [F]
     (r"/mlp/w_(out|down)$", (MP, None)),  # [F, D]: row-parallel
