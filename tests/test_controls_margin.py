@@ -105,6 +105,10 @@ CASES = {
         _preset("tiny-qwen3"),
         _named("q/k norm applied after rotary", "q/k norm gradient not summed over mp"),
     ),
+    "tiny-olmo2": (  # OLMo 2's whole-projection q/k norm; its 2 KV heads replicated on mp = 4
+        _preset("tiny-olmo2"),
+        _named("OLMo 2's norm statistics from the local shard only"),
+    ),
     "tiny-llama fsdp+sp doc-mask": (  # the document mask's controls on its EOD-rich batches
         _preset("tiny-llama", fsdp=True, sp=True, doc_mask=EOD),
         tuple(c for c in CONTROLS if c.name.startswith(("FSDP", "SP", "document mask"))),

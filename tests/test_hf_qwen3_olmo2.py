@@ -1,9 +1,9 @@
-"""Qwen3 (per-head q/k RMSNorm before rotary, explicit head_dim) from transformers: a tiny random model
-(no download, every weight perturbed: the q/k norm weights away from 1) converts with logits equal to
+"""Qwen3 (per-head q/k RMSNorm before rotary, explicit head_dim) and OLMo 2 (norms after each branch, q/k
+RMSNorm over the whole projection) from transformers: a tiny random model of each (no download, every
+weight perturbed: the norm weights away from 1) converts with logits equal to
 transformers' (float32, unsharded and on 2x2), `meshlm generate --temperature 0` prints transformers'
 greedy text on 1x1 and 1x2, and the export loads back with equal logits. The q/k norm applied after
-rotary is common to the sharded and unsharded runs at the norm's initial weights: only this comparison
-sees it at any weights (shown)."""
+rotary in code both runs share is invisible to verify: only this comparison sees it (shown)."""
 
 import numpy as np
 import pytest
@@ -40,8 +40,17 @@ HF_CONFIGS = {
         eos_token_id=0,
         **SMALL,
     ),
+    "olmo2": lambda: transformers.Olmo2Config(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        eos_token_id=0,
+        pad_token_id=0,
+        **SMALL,
+    ),
 }
-MODEL_CLASSES = {"qwen3": "Qwen3ForCausalLM"}
+MODEL_CLASSES = {"qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 
 
 def _rel(got, want) -> float:
@@ -158,7 +167,26 @@ def test_qwen3_head_dim_default_is_transformers():
     assert hf_config.config_from_hf({**base, "hidden_size": 2048}).dim_per_head == 128
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "qwen3-8b", "qwen3-32b"])
+def test_unsupported_olmo2_config():
+    base = hf_config.config_to_hf(get_config("tiny-olmo2"))
+    with pytest.raises(ConfigError, match="attention_bias"):
+        hf_config.config_from_hf({**base, "attention_bias": True})
+
+
+def test_collective_minimum_counts_the_qk_norms():
+    """Qwen3: the replicated norm weights' gradients (q's, k's per layer); OLMo 2: the gathered mean
+    squares (2 forward, 2 backward per layer), and with replicated KV heads the k norm's gradient."""
+    from meshlm.perf.collectives import theoretical_collectives
+
+    qwen3, olmo2 = get_config("tiny-qwen3"), get_config("tiny-olmo2")  # 2 layers, 2 KV heads
+    assert theoretical_collectives(qwen3, 1, 2)["qk_norm_grads"] == 4
+    assert theoretical_collectives(qwen3, 1, 1)["total"] == 0
+    two, four = theoretical_collectives(olmo2, 1, 2), theoretical_collectives(olmo2, 1, 4)
+    assert (two["qk_norm_stats"], two["qk_norm_grads"], four["qk_norm_grads"]) == (8, 0, 2)
+    assert theoretical_collectives(olmo2.replace(remat="full"), 1, 2)["qk_norm_stats"] == 12
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "qwen3-8b", "qwen3-32b", "tiny-olmo2", "olmo2-7b"])
 def test_preset_config_round_trip(preset):
     cfg = get_config(preset)
     assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg

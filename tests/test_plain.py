@@ -24,6 +24,7 @@ CASES = {  # every family, grouped-query attention, tied embeddings, z-loss, par
     # sliding window (any attention family's), inside the test's 16 positions
     "tiny-gemma": {"sliding_window": 5},
     "tiny-qwen3": {},  # the per-head q/k norm before rotary, head_dim != d_model / heads
+    "tiny-olmo2": {},  # norms after each branch, the q/k norm over the whole projection
 }
 
 

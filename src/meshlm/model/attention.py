@@ -4,6 +4,7 @@ Per shard (``/mp`` = per-shard size; see ``layers`` for the glossary):
   wq [D, H/mp, E]    wk, wv [D, K/mp, E] (or [D, K, E] replicated when mp > K)    wo [H/mp, E, D]
   bq [H/mp, E]       bk, bv [K/mp, E] (or [K, E] replicated)    (Qwen2's q/k/v biases; no bias on wo)
   q_norm/scale, k_norm/scale [E] replicated                      (Qwen3's per-head q/k RMSNorm)
+  q_norm/scale_heads [H/mp, E]   k_norm/scale_heads [K/mp, E] (or [K, E])   (OLMo 2's, over H*E / K*E)
 
 Grouped-query attention: each KV head serves H/K query heads. When mp > K the KV projections are
 replicated (as Megatron does) and each shard computes only the one KV head its query heads need;
@@ -76,6 +77,16 @@ class Attention(hk.Module):
             out.append(self._biased(name, dense_heads_in(xf, w1), cfg.kv_heads, idx))
         return out
 
+    def _norm_args(self, keys: bool) -> dict:
+        """What OLMo 2's whole-projection norm of q (or of k) needs beyond its name (``ProjRMSNorm``)."""
+        cfg, par = self.cfg, self.par
+        if cfg.arch.qk_norm != "proj":
+            return {}
+        if not keys:
+            return dict(par=par, heads=cfg.n_heads, index=None)
+        index = par.kv_head_index(cfg.n_heads, cfg.kv_heads) if kv_replicated(cfg.kv_heads, par.mp) else None
+        return dict(par=par, heads=cfg.kv_heads, index=index)
+
     def __call__(self, xf, positions, cache=None, starts=None):
         """xf: [B, T, D] per-shard view; positions: [B, T] absolute positions.
 
@@ -96,8 +107,8 @@ class Attention(hk.Module):
             q, k = rotate(q), rotate(k)
         else:  # made here, not in a method: Haiku would scope their names under the method's
             norm = QK_NORMS[cfg.arch.qk_norm]
-            q = norm_then_rotary(q, norm(eps=cfg.norm_eps, name="q_norm"), rotate)
-            k = norm_then_rotary(k, norm(eps=cfg.norm_eps, name="k_norm"), rotate)
+            q = norm_then_rotary(q, norm(eps=cfg.norm_eps, name="q_norm", **self._norm_args(False)), rotate)
+            k = norm_then_rotary(k, norm(eps=cfg.norm_eps, name="k_norm", **self._norm_args(True)), rotate)
         key_pos = positions
         if cache is not None:
             write = jax.vmap(lambda c, new, p: c.at[p].set(new.astype(c.dtype)))
@@ -117,10 +128,42 @@ class Attention(hk.Module):
         return dense_heads_out(out, wo), cache
 
 
+class ProjRMSNorm(hk.Module):
+    """OLMo 2's q (or k) norm: RMSNorm over the whole projection, every head's E together, so its
+    statistic spans the shards the heads are split over.
+
+    x [B, T, h, E] is this shard's heads (h = heads/mp; with replicated KV heads the one KV head it
+    computes, ``index``); weights ``scale_heads`` [heads/mp, E] (or [heads, E] replicated, sliced at
+    ``index``: as Qwen2's KV bias). The sum of squares is this shard's, summed over mp (``par.g``: its
+    backward is the identity, and the transpose of the shared statistic's use sums its cotangent);
+    a KV head held by mp / K shards is counted that many times, so the sum is divided by that.
+    Computed in float32 (at least), the weight product before the cast, as transformers' Olmo2RMSNorm.
+    """
+
+    def __init__(self, *, eps: float, par: Parallel, heads: int, index=None, name: str):
+        super().__init__(name=name)
+        self.eps, self.par, self.heads, self.index = eps, par, heads, index
+
+    def mean_square(self, x32):
+        """[B, T, 1, 1]: the mean of x^2 over the whole projection (all heads, all shards)."""
+        local = jnp.sum(jnp.square(x32), axis=(-2, -1), keepdims=True)
+        copies = self.par.mp // self.heads if self.index is not None else 1
+        return self.par.g(local) / (copies * self.heads * x32.shape[-1])
+
+    def __call__(self, x):
+        stored = self.heads if self.index is not None else x.shape[-2]
+        w = hk.get_parameter("scale_heads", [stored, x.shape[-1]], init=jnp.ones)
+        if self.index is not None:
+            w = lax.dynamic_slice_in_dim(w, self.index, 1, axis=0)  # [1, E]: this shard's KV head
+        x32 = upcast(x)
+        y = x32 * lax.rsqrt(self.mean_square(x32) + self.eps)
+        return (upcast(w) * y).astype(x.dtype)
+
+
 # The q/k norms (``Family.qk_norm``): "head" is Qwen3's RMSNorm over each head's E, its weights [E]
 # shared by every head (replicated over mp: used on this shard's heads, so JAX sums their gradient
-# over mp, the transpose of the replicated-to-per-shard cast).
-QK_NORMS = {"head": RMSNorm}
+# over mp, the transpose of the replicated-to-per-shard cast); "proj" is OLMo 2's (``ProjRMSNorm``).
+QK_NORMS = {"head": RMSNorm, "proj": ProjRMSNorm}
 
 
 def norm_then_rotary(x, norm, rotate):

@@ -53,7 +53,9 @@ class HFNames:
 @dataclass(frozen=True)
 class Family:
     name: str  # ModelConfig.family
-    block: str  # the layer code (``transformer.BLOCKS``): "ff", "parallel" or "sequential"
+    # the layer code (``transformer.BLOCKS``): "ff", "parallel", "sequential" or "post_norm" (OLMo 2:
+    # x + norm(attn(x)), then x + norm(mlp(x)); no norm on a branch's input)
+    block: str
     attention: bool  # heads, positions and a KV cache; False: the prototype's feed-forward stack
     rotary: str | None  # the rotary convention transformers uses for it: "interleaved", "half" (None: none)
     # "layer" (LayerNorm), "rms" (RMSNorm) or "rms_plus_one" (Gemma's: times 1 + w, w starting at 0)
@@ -73,8 +75,9 @@ class Family:
     # biases replicated and sliced with their heads where the KV heads are); no output-projection bias.
     qkv_bias: bool = False
     # RMSNorm of the queries and keys before rotary: "head" (Qwen3: over each head's E, weights [E]
-    # shared by the heads, replicated; their gradient summed over mp, where the heads are split).
-    # None: none.
+    # shared by the heads, replicated; their gradient summed over mp, where the heads are split) or
+    # "proj" (OLMo 2: over the whole projection, H*E or K*E, weights [H, E] / [K, E] split with the
+    # heads; its mean square gathered over mp). None: none.
     qk_norm: str | None = None
 
     def per_layer_text(self) -> str:

@@ -4,6 +4,7 @@ Families (``ModelConfig.family``; their facts: ``model.family``) differ in their
   ff          the prototype: residual feed-forward blocks (ff).
   parallel    norm; attention and MLP in parallel off one norm, one all-reduce per layer (gptj).
   sequential  pre-norm attention, then pre-norm MLP, two all-reduces per layer (llama).
+  post_norm   attention, then MLP, each output normalized before its residual add (olmo2).
 
 Shapes: tokens [B, T] global ids; hidden x [B, T, D] replicated over the model axis.
 """
@@ -84,6 +85,19 @@ def _sequential_layer(cfg: ModelConfig, par: Parallel):
     return layer
 
 
+def _post_norm_layer(cfg: ModelConfig, par: Parallel):
+    """OLMo 2: each branch's output normalized before the residual add (its input is not). With sp the
+    norms see the sequence slices the row-parallel sums scatter to: per token, as unsharded."""
+
+    def layer(x, positions, cache=None, starts=None):
+        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(par.f(x), positions, cache, starts)
+        x = x + _norm(cfg, "post_attn_ln")(par.row_out(attn))
+        mlp, b = _mlp(cfg, par)(par.f(x))
+        return x + _norm(cfg, "post_mlp_ln")(par.row_out(mlp, b)), cache
+
+    return layer
+
+
 def _stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
     """Apply n_layers copies of ``layer`` with stacked parameters [L, ...] (flat compile time)."""
     body = remat_body(cfg.remat, lambda x, c: layer(x, positions, c, starts))
@@ -97,7 +111,12 @@ def _stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
     return stacked(body)(x, cache)
 
 
-BLOCKS = {"ff": _ff_layer, "parallel": _parallel_layer, "sequential": _sequential_layer}  # Family.block
+BLOCKS = {  # Family.block
+    "ff": _ff_layer,
+    "parallel": _parallel_layer,
+    "sequential": _sequential_layer,
+    "post_norm": _post_norm_layer,
+}
 NORMS = {"layer": LayerNorm, "rms": RMSNorm, "rms_plus_one": RMSNormPlusOne}  # Family.norm
 
 

@@ -67,8 +67,14 @@ def _attention(cfg: ModelConfig, p, x, cos, sin, mask):
         y = jnp.einsum("btd,dhe->bthe", x, p[f"w{n}"])
         return y + p[f"b{n}"] if f"b{n}" in p else y
 
-    def normed(n, y):  # Qwen3's per-head q/k norm (``Family.qk_norm``), before rotary
-        return _rms_norm(y, p[f"{n}_norm"], cfg.norm_eps) if f"{n}_norm" in p else y
+    def normed(n, y):  # the q/k norm (``Family.qk_norm``) before rotary: per head, or whole projection
+        if f"{n}_norm" not in p:
+            return y
+        w = p[f"{n}_norm"]
+        if w.ndim == 1:  # Qwen3: [E]
+            return _rms_norm(y, w, cfg.norm_eps)
+        b, t, h, e = y.shape  # OLMo 2: [heads, E], over heads * E
+        return _rms_norm(y.reshape(b, t, h * e), w.reshape(-1), cfg.norm_eps).reshape(y.shape)
 
     q, k = (_rotate(cfg, normed(n, proj(n)), cos, sin) for n in ("q", "k"))
     v = proj("v")
@@ -105,13 +111,21 @@ def _block(cfg: ModelConfig, lp, x, cos, sin, mask):
     block, mlp = cfg.arch.block, cfg.arch.mlp
     if block == "ff":
         return x + _mlp(lp["mlp"], x, mlp)
+    if block == "post_norm":  # OLMo 2: each branch's output normalized, its input not
+        x = x + _norm(cfg, lp["post_attn_ln"], _qk_normed_attention(cfg, lp, x, cos, sin, mask))
+        return x + _norm(cfg, lp["post_mlp_ln"], _mlp(lp["mlp"], x, mlp))
     h = _norm(cfg, lp["ln"], x)
     if block == "parallel":  # attention and MLP in parallel off one norm
         return x + _attention(cfg, lp["attn"], h, cos, sin, mask) + _mlp(lp["mlp"], h, mlp)
-    qk_norms = {f"{n}_norm": lp[f"attn/{n}_norm"]["scale"] for n in "qk" if f"attn/{n}_norm" in lp}
-    attn = {**lp["attn"], **qk_norms}
-    x = x + _attention(cfg, attn, h, cos, sin, mask)
+    x = x + _qk_normed_attention(cfg, lp, h, cos, sin, mask)
     return x + _mlp(lp["mlp"], _norm(cfg, lp["ln2"], x), mlp)
+
+
+def _qk_normed_attention(cfg: ModelConfig, lp, h, cos, sin, mask):
+    """Attention of h with the layer's q/k norm weights (Qwen3's, OLMo 2's), where the family has them."""
+    norms = {n: lp.get(f"attn/{n}_norm") for n in "qk"}
+    weights = {f"{n}_norm": next(iter(p.values())) for n, p in norms.items() if p is not None}
+    return _attention(cfg, {**lp["attn"], **weights}, h, cos, sin, mask)
 
 
 def logits(cfg: ModelConfig, params, tokens):

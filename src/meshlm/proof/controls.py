@@ -26,6 +26,7 @@ from meshlm.proof.family_faults import (
     TiedHeadGradDropped,
     TiedHeadOtherSlice,
     embedding_scaled_twice,
+    proj_norm_local_statistic,
     qk_norm_after_rotary,
     qk_norm_grad_not_summed,
     window_off_by_one,
@@ -298,12 +299,17 @@ def _head_qk_norm(w: Where) -> bool:
     return w.attention and w.cfg.arch.qk_norm == "head"
 
 
-CONTROLS += (  # Qwen3's per-head q/k norm (``proof.family_faults``)
+CONTROLS += (  # the q/k norms of Qwen3 (per head) and OLMo 2 (``proof.family_faults``)
     Control(name="q/k norm applied after rotary", applies=_head_qk_norm, plant=qk_norm_after_rotary),
     Control(
         name="q/k norm gradient not summed over mp",
         applies=lambda w: w.mp > 1 and _head_qk_norm(w),
         plant=qk_norm_grad_not_summed,
+    ),
+    Control(  # OLMo 2's norm over the whole projection: its heads split over mp
+        name="OLMo 2's norm statistics from the local shard only",
+        applies=lambda w: w.mp > 1 and w.attention and w.cfg.arch.qk_norm == "proj",
+        plant=proj_norm_local_statistic,
     ),
 )
 

@@ -1,6 +1,7 @@
 """Planted faults of the newer families' parts (``proof.controls`` runs them): Qwen2's q/k/v biases, tied
-embeddings, Mistral's sliding window, Gemma's embedding scale, Qwen3's q/k norm. Each changes one thing
-in the sharded run (the q/k norm's are planted in ``model.attention`` while it is traced)."""
+embeddings, Mistral's sliding window, Gemma's embedding scale, Qwen3's and OLMo 2's q/k norms. Each
+changes one thing in the sharded run (the q/k norms' are planted in ``model.attention`` while it is
+traced)."""
 
 from __future__ import annotations
 
@@ -91,3 +92,15 @@ class _HeadNormGradOfShard0(RMSNorm):
 def qk_norm_grad_not_summed():
     """Qwen3's replicated q/k norm weights keep one shard's gradient, not the sum over mp's heads."""
     return _in_attention("head", _HeadNormGradOfShard0, attention.QK_NORMS)
+
+
+class _ProjNormLocalStatistic(attention.ProjRMSNorm):
+    """OLMo 2's whole-projection q/k norm with the mean square of this shard's heads only."""
+
+    def mean_square(self, x32):
+        return jnp.mean(jnp.square(x32), axis=(-2, -1), keepdims=True)
+
+
+def proj_norm_local_statistic():
+    """OLMo 2's q/k norm statistics not gathered over mp: each shard normalizes by its own heads."""
+    return _in_attention("proj", _ProjNormLocalStatistic, attention.QK_NORMS)

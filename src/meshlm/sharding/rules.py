@@ -33,11 +33,13 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"/attn/bq$", (MP, None)),  # [H, E]: Qwen2's q bias, sliced with its heads
     (r"/attn/b[kv]$", (KV, None)),  # [K, E]: with the KV heads, or replicated when mp > K
     (r"/attn/[qk]_norm/scale$", (None,)),  # [E]: Qwen3's per-head q/k norm, shared by every head
+    (r"/attn/q_norm/scale_heads$", (MP, None)),  # [H, E]: OLMo 2's q norm over H*E, with its heads
+    (r"/attn/k_norm/scale_heads$", (KV, None)),  # [K, E]: OLMo 2's k norm, with the KV heads
     (r"/mlp/w_(in|gate|up)$", (None, MP)),  # [D, F]: column-parallel
     (r"/mlp/b_in$", (MP,)),  # [F]
     (r"/mlp/w_(out|down)$", (MP, None)),  # [F, D]: row-parallel
     (r"/mlp/b_out$", (None,)),  # [D]: added once after the all-reduce
-    (r"(^|/)(ln|ln2|final_ln)/(scale|offset)$", (None,)),  # [D]: norms are replicated
+    (r"(^|/)(ln|ln2|final_ln|post_attn_ln|post_mlp_ln)/(scale|offset)$", (None,)),  # [D]: replicated
 )
 
 # FSDP (``--fsdp``): the dimension of each weight's own dims that is additionally split over DP (the
