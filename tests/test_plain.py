@@ -25,6 +25,7 @@ CASES = {  # every family, grouped-query attention, tied embeddings, z-loss, par
     "tiny-gemma": {"sliding_window": 5},
     "tiny-qwen3": {},  # the per-head q/k norm before rotary, head_dim != d_model / heads
     "tiny-olmo2": {},  # norms after each branch, the q/k norm over the whole projection
+    "tiny-llama3": {"attn_softcap": 0.02, "final_softcap": 0.1},  # Gemma 2's soft-capping (tied head)
 }
 
 

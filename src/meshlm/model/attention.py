@@ -123,7 +123,7 @@ class Attention(hk.Module):
         elif cfg.attention == "blockwise":
             out = blockwise_attention(q, k, v, positions, key_pos, block=cfg.attn_block, q_start=starts)
         else:
-            out = _attend(q, k, v, positions, key_pos, starts, cfg.sliding_window)  # [B, T, H/mp, E]
+            out = _attend(q, k, v, positions, key_pos, starts, cfg.sliding_window, cfg.attn_softcap)
         wo = hk.get_parameter("wo", [hl, cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
         return dense_heads_out(out, wo), cache
 
@@ -188,15 +188,22 @@ def window_visible(q_pos, k_pos, window: int):
     return visible & (k_pos > q_pos - window) if window else visible
 
 
-def _attend(q, k, v, q_pos, k_pos, starts=None, window: int = 0):
+def soft_cap(x, cap: float):
+    """Gemma 2's soft-capping, ``cap * tanh(x / cap)`` (transformers' order: divide, tanh, multiply);
+    ``cap`` 0: x unchanged."""
+    return x if not cap else jnp.tanh(x / cap) * cap
+
+
+def _attend(q, k, v, q_pos, k_pos, starts=None, window: int = 0, softcap: float = 0.0):
     """Causal grouped attention, softmax in float32. q [B,T,h,E]; k, v [B,S,kv,E]; pos [B,T]/[B,S].
     ``starts`` [B, T]: where each query's document starts; it sees only keys from there on.
-    ``window`` > 0: a query at position i sees keys j with i - window < j <= i (``window_visible``)."""
+    ``window`` > 0: a query at position i sees keys j with i - window < j <= i (``window_visible``).
+    ``softcap`` > 0: the scaled scores soft-capped (``soft_cap``) before the mask, as transformers."""
     b, t, h, e = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, e)
     scores = upcast(jnp.einsum("btkge,bske->bkgts", qg, k))
-    scores = scores / jnp.sqrt(jnp.asarray(e, scores.dtype))
+    scores = soft_cap(scores / jnp.sqrt(jnp.asarray(e, scores.dtype)), softcap)
     visible = window_visible(q_pos[:, None, None, :, None], k_pos[:, None, None, None, :], window)
     if starts is not None:
         visible = visible & (k_pos[:, None, None, None, :] >= starts[:, None, None, :, None])

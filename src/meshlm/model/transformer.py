@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm.errors import ConfigError
-from meshlm.model.attention import Attention, doc_starts
+from meshlm.model.attention import Attention, doc_starts, soft_cap
 from meshlm.model.config import ModelConfig
 from meshlm.model.layers import (
     MLP,
@@ -154,6 +154,11 @@ def _check_context_parallel(cfg: ModelConfig, par: Parallel) -> None:
         return
     if cfg.doc_mask >= 0:
         raise ConfigError("--cp does not support --doc-mask yet (documents across chunks); drop one of them")
+    if cfg.attn_softcap:
+        raise ConfigError(
+            f"--cp does not support attention soft-capping yet (attn_softcap={cfg.attn_softcap}: the ring "
+            "and the gathered keys do not cap their scores); drop --cp"
+        )
     if cfg.sliding_window:
         raise ConfigError(
             f"--cp does not support a sliding window yet (sliding_window={cfg.sliding_window}: the ring "
@@ -185,7 +190,7 @@ def _head_logits(cfg: ModelConfig, par: Parallel, x, embed: VocabEmbed | None):
         x = _norm(cfg, "final_ln")(x)
     xf = par.f(x)
     if cfg.tie_embeddings:
-        return embed.local_logits(xf)
+        return soft_cap(embed.local_logits(xf), cfg.final_softcap)  # elementwise: any vocab slice
     head_stddev = GPT_STDDEV if cfg.arch.gpt_init else 1.0 / np.sqrt(cfg.d_model)
     head = VocabHead(
         vocab_size=cfg.padded_vocab,
@@ -194,7 +199,7 @@ def _head_logits(cfg: ModelConfig, par: Parallel, x, embed: VocabEmbed | None):
         bias=cfg.arch.biases,
         real_vocab=cfg.vocab_size,
     )
-    return head.local_logits(xf)
+    return soft_cap(head.local_logits(xf), cfg.final_softcap)
 
 
 # --- the model in three pieces, for the pipeline (``sharding.pipelined``) ------------------------------

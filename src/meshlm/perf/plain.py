@@ -82,7 +82,10 @@ def _attention(cfg: ModelConfig, p, x, cos, sin, mask):
     if groups > 1:
         k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     scores = jnp.einsum("bqhe,bkhe->bhqk", q, k).astype(jnp.promote_types(q.dtype, jnp.float32))
-    scores = jnp.where(mask, scores / np.sqrt(cfg.dim_per_head), jnp.finfo(scores.dtype).min)
+    scores = scores / np.sqrt(cfg.dim_per_head)
+    if cfg.attn_softcap:  # Gemma 2: c * tanh(s / c), before the mask
+        scores = jnp.tanh(scores / cfg.attn_softcap) * cfg.attn_softcap
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, H, T, T]
     out = jnp.einsum("bhqk,bkhe->bqhe", probs, v)
     return jnp.einsum("bqhe,hed->bqd", out, p["wo"])
@@ -148,9 +151,12 @@ def logits(cfg: ModelConfig, params, tokens):
     if cfg.arch.norm is not None:
         x = _norm(cfg, params["final_ln"], x)
     if cfg.tie_embeddings:
-        return (x @ table.T)[..., : cfg.vocab_size]
-    out = x @ params["head"]["w"]
-    out = out + params["head"]["b"] if "b" in params["head"] else out
+        out = x @ table.T
+    else:
+        out = x @ params["head"]["w"]
+        out = out + params["head"]["b"] if "b" in params["head"] else out
+    if cfg.final_softcap:  # Gemma 2: c * tanh(z / c)
+        out = jnp.tanh(out / cfg.final_softcap) * cfg.final_softcap
     return out[..., : cfg.vocab_size]
 
 

@@ -104,3 +104,13 @@ class _ProjNormLocalStatistic(attention.ProjRMSNorm):
 def proj_norm_local_statistic():
     """OLMo 2's q/k norm statistics not gathered over mp: each shard normalizes by its own heads."""
     return _in_attention("proj", _ProjNormLocalStatistic, attention.QK_NORMS)
+
+
+def attn_softcap_off(cfg):
+    """The attention scores not soft-capped in the sharded run (Gemma 2's ``attn_softcap`` ignored)."""
+    return cfg.replace(attn_softcap=0.0)
+
+
+def final_softcap_off(cfg):
+    """The output logits not soft-capped in the sharded run (``final_softcap`` ignored)."""
+    return cfg.replace(final_softcap=0.0)
