@@ -190,3 +190,32 @@ def test_collective_minimum_counts_the_qk_norms():
 def test_preset_config_round_trip(preset):
     cfg = get_config(preset)
     assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg
+
+
+def test_olmo2_norm_is_transformers_bit_for_bit_in_bfloat16():
+    """Olmo2RMSNorm multiplies by its weight in float32, then casts: so does ours ("rms_product_first");
+    Llama's order (cast, then multiply) differs in bfloat16."""
+    import jax.numpy as jnp
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from meshlm.model.layers import RMSNorm, RMSNormProductFirst
+
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 64).to(torch.bfloat16), (1 + 0.3 * torch.randn(64)).to(torch.bfloat16)
+    theirs = Olmo2RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        theirs.weight.copy_(w)
+        want = theirs(x).float().numpy()
+    params = {"n": {"scale": jnp.asarray(w.float().numpy(), jnp.bfloat16)}}
+    xj = jnp.asarray(x.float().numpy(), jnp.bfloat16)
+
+    def ours(cls):
+        out = hk.transform(lambda v: cls(eps=1e-6, name="n")(v)).apply(params, None, xj)
+        return np.asarray(out.astype(jnp.float32))
+
+    from meshlm.model.families import olmo2
+    from meshlm.model.transformer import NORMS
+
+    assert NORMS[olmo2.FAMILY.norm] is RMSNormProductFirst  # every OLMo 2 norm, the final one too
+    assert np.array_equal(ours(RMSNormProductFirst), want)
+    assert not np.array_equal(ours(RMSNorm), want)

@@ -58,8 +58,9 @@ class Family:
     block: str
     attention: bool  # heads, positions and a KV cache; False: the prototype's feed-forward stack
     rotary: str | None  # the rotary convention transformers uses for it: "interleaved", "half" (None: none)
-    # "layer" (LayerNorm), "rms" (RMSNorm) or "rms_plus_one" (Gemma's: times 1 + w, w starting at 0)
-    # before each branch and at the end
+    # "layer" (LayerNorm), "rms" (RMSNorm), "rms_plus_one" (Gemma's: times 1 + w, w starting at 0) or
+    # "rms_product_first" (OLMo 2's: the weight product in float32 before the cast), on each branch
+    # and at the end
     norm: str | None
     mlp: str  # "gelu", "swiglu" or "geglu" (gated, tanh GELU: Gemma)
     biases: bool  # MLP and output-projection biases (the MLP's output bias is a row-parallel bias)

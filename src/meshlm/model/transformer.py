@@ -23,6 +23,7 @@ from meshlm.model.layers import (
     LayerNorm,
     RMSNorm,
     RMSNormPlusOne,
+    RMSNormProductFirst,
     VocabEmbed,
     VocabHead,
     mask_vocab_padding,
@@ -117,7 +118,12 @@ BLOCKS = {  # Family.block
     "sequential": _sequential_layer,
     "post_norm": _post_norm_layer,
 }
-NORMS = {"layer": LayerNorm, "rms": RMSNorm, "rms_plus_one": RMSNormPlusOne}  # Family.norm
+NORMS = {  # Family.norm
+    "layer": LayerNorm,
+    "rms": RMSNorm,
+    "rms_plus_one": RMSNormPlusOne,
+    "rms_product_first": RMSNormProductFirst,
+}
 
 
 def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=None, starts=None):

@@ -102,6 +102,10 @@ def _norm(cfg: ModelConfig, p, x):
     """The family's norm (``Family.norm``) with parameters ``p``."""
     if cfg.arch.norm == "layer":
         return _layer_norm(x, p["scale"], p["offset"], cfg.norm_eps)
+    if cfg.arch.norm == "rms_product_first":  # OLMo 2: times w in float32, then cast
+        x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + cfg.norm_eps)
+        return (p["scale"].astype(y.dtype) * y).astype(x.dtype)
     if cfg.arch.norm == "rms_plus_one":  # Gemma: times (1 + w) in float32, then cast
         x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + cfg.norm_eps)

@@ -1,9 +1,8 @@
 """OLMo 2: Llama's attention and SwiGLU MLP with each branch's output normalized before the residual
 add (``x + norm(attn(x))``, ``x + norm(mlp(x))``; no norm on a branch's input: block "post_norm"), and
 an RMSNorm over the whole q and k projections before rotary (weights [H*E] and [K*E], split over mp
-with the heads, the mean square gathered: ``Family.qk_norm`` "proj"). RMSNorm's product with its weight
-is taken in float32 before the cast (transformers' Olmo2RMSNorm); meshlm's post-branch norms are
-Llama's (cast, then product): the same in float32, not bit for bit in bfloat16."""
+with the heads, the mean square gathered: ``Family.qk_norm`` "proj"). Every RMSNorm takes the product
+with its weight in float32 before the cast, as transformers' Olmo2RMSNorm ("rms_product_first")."""
 
 from __future__ import annotations
 
@@ -43,7 +42,9 @@ HF = replace(
         "attn/k_norm/scale_heads": ("self_attn.k_norm.weight", "heads"),
     },
 )
-FAMILY = replace(llama.FAMILY, name="olmo2", block="post_norm", qk_norm="proj", hf=HF)
+FAMILY = replace(
+    llama.FAMILY, name="olmo2", block="post_norm", norm="rms_product_first", qk_norm="proj", hf=HF
+)
 
 # ``ModelConfig`` fields by preset name (the registry adds ``family``); olmo2-7b: allenai/OLMo-2-1124-7B's
 # config.json (vocabulary 100352, a multiple of 128: no padding).
