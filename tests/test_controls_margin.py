@@ -63,6 +63,23 @@ def _hf_problem(tmp_path_factory):
     return dataclasses.replace(problem, load_params=place)
 
 
+def _softcapped_problem(_):
+    """tiny-gemma soft-capped, its q and k weights 20x their initial size: scores of a few units, as a
+    trained model's (at initialisation attention is nearly uniform, and no cap could matter)."""
+    import haiku as hk
+
+    from meshlm.model.transformer import init_fn
+
+    cfg = get_config("tiny-gemma").replace(attn_softcap=1.0, final_softcap=0.05)
+    init, example = init_fn(cfg)
+    params = hk.data_structures.to_mutable_dict(init(jax.random.PRNGKey(0), example))
+    for name in ("wq", "wk"):
+        params["layers/attn"][name] = params["layers/attn"][name] * 20
+    place = lambda layout: jax.device_put(params, shardings(model_specs(cfg, params, layout), layout.mesh))
+    problem = model_problem(cfg, "tiny-gemma softcap", MP, 2 * DP, SEQ_LEN, dp=DP)
+    return dataclasses.replace(problem, load_params=place)
+
+
 def _preset(name, doc_mask=-1, **options):
     cfg = get_config(name).replace(doc_mask=doc_mask)
     return lambda _: model_problem(cfg, name, MP, 2 * DP, SEQ_LEN, dp=DP, **options)
@@ -101,6 +118,15 @@ CASES = {
             "tied head's gradient not added to the embedding",
         ),
     ),
+    "tiny-qwen3": (  # the per-head q/k norm (family_faults); 2 KV heads replicated on mp = 4
+        _preset("tiny-qwen3"),
+        _named("q/k norm applied after rotary", "q/k norm gradient not summed over mp"),
+    ),
+    "tiny-olmo2": (  # OLMo 2's whole-projection q/k norm; its 2 KV heads replicated on mp = 4
+        _preset("tiny-olmo2"),
+        _named("OLMo 2's norm statistics from the local shard only"),
+    ),
+    "tiny-gemma softcap": (_softcapped_problem, _named("attention soft-cap off", "final-logit soft-cap off")),
     "tiny-llama fsdp+sp doc-mask": (  # the document mask's controls on its EOD-rich batches
         _preset("tiny-llama", fsdp=True, sp=True, doc_mask=EOD),
         tuple(c for c in CONTROLS if c.name.startswith(("FSDP", "SP", "document mask"))),

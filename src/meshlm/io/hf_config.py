@@ -74,6 +74,9 @@ def _check_exportable(cfg: ModelConfig) -> None:
     cfg.arch.hf.check_export(cfg)
 
 
+SOFTCAP_FINAL = "final_logit_softcapping"  # Gemma 2's config.json field
+
+
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The transformers config.json dict for ``cfg`` (float32 weights; no tokenizer ids: meshlm does
     not know the tokenizer, so bos/eos/pad are null)."""
@@ -96,4 +99,10 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             f"sliding_window={cfg.sliding_window}: transformers' {cfg.family} has no sliding window "
             "(mistral has); set sliding_window=0 to export"
         )
+    for ours, theirs in (("attn_softcap", "attn_logit_softcapping"), ("final_softcap", SOFTCAP_FINAL)):
+        if getattr(cfg, ours) and theirs not in fields:
+            raise ConfigError(
+                f"{ours}={getattr(cfg, ours)}: transformers' {cfg.family} has no soft-capping; set {ours}=0 "
+                "to export"
+            )
     return {**common, **fields}

@@ -3,6 +3,8 @@
 Per shard (``/mp`` = per-shard size; see ``layers`` for the glossary):
   wq [D, H/mp, E]    wk, wv [D, K/mp, E] (or [D, K, E] replicated when mp > K)    wo [H/mp, E, D]
   bq [H/mp, E]       bk, bv [K/mp, E] (or [K, E] replicated)    (Qwen2's q/k/v biases; no bias on wo)
+  q_norm/scale, k_norm/scale [E] replicated                      (Qwen3's per-head q/k RMSNorm)
+  q_norm/scale_heads [H/mp, E]   k_norm/scale_heads [K/mp, E] (or [K, E])   (OLMo 2's, over H*E / K*E)
 
 Grouped-query attention: each KV head serves H/K query heads. When mp > K the KV projections are
 replicated (as Megatron does) and each shard computes only the one KV head its query heads need;
@@ -22,7 +24,7 @@ from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.config import ModelConfig
 from meshlm.model.context_parallel import context_attention
 from meshlm.model.dense import dense_heads_in, dense_heads_out
-from meshlm.model.layers import _normal, apply_rotary, rotary_angles, upcast
+from meshlm.model.layers import RMSNorm, _normal, apply_rotary, rotary_angles, upcast
 from meshlm.parallel.context import Parallel
 
 
@@ -75,6 +77,17 @@ class Attention(hk.Module):
             out.append(self._biased(name, dense_heads_in(xf, w1), cfg.kv_heads, idx))
         return out
 
+    def _norm_args(self, keys: bool) -> dict:
+        """What OLMo 2's whole-projection norm of q (or of k) needs beyond its name (``ProjRMSNorm``)."""
+        cfg, par = self.cfg, self.par
+        if cfg.arch.qk_norm != "proj":
+            return {}
+        if not keys:
+            return dict(par=par, heads=cfg.n_heads, index=None)
+        replicated = kv_replicated(cfg.kv_heads, par.layout.mp)
+        index = par.kv_head_index(cfg.n_heads, cfg.kv_heads) if replicated else None
+        return dict(par=par, heads=cfg.kv_heads, index=index)
+
     def __call__(self, xf, positions, cache=None, starts=None):
         """xf: [B, T, D] per-shard view; positions: [B, T] absolute positions.
 
@@ -90,8 +103,13 @@ class Attention(hk.Module):
         k, v = self._kv(xf)  # [B, T, K_local, E]
         rotary = positions if starts is None else positions - starts
         cos, sin = rotary_angles(rotary, cfg.inv_freq(), q.dtype)
-        q = apply_rotary(q, cos, sin, cfg.rot_dim, self.style)
-        k = apply_rotary(k, cos, sin, cfg.rot_dim, self.style)
+        rotate = lambda x: apply_rotary(x, cos, sin, cfg.rot_dim, self.style)
+        if cfg.arch.qk_norm is None:
+            q, k = rotate(q), rotate(k)
+        else:  # made here, not in a method: Haiku would scope their names under the method's
+            norm = QK_NORMS[cfg.arch.qk_norm]
+            q = norm_then_rotary(q, norm(eps=cfg.norm_eps, name="q_norm", **self._norm_args(False)), rotate)
+            k = norm_then_rotary(k, norm(eps=cfg.norm_eps, name="k_norm", **self._norm_args(True)), rotate)
         key_pos = positions
         if cache is not None:
             write = jax.vmap(lambda c, new, p: c.at[p].set(new.astype(c.dtype)))
@@ -106,9 +124,53 @@ class Attention(hk.Module):
         elif cfg.attention == "blockwise":
             out = blockwise_attention(q, k, v, positions, key_pos, block=cfg.attn_block, q_start=starts)
         else:
-            out = _attend(q, k, v, positions, key_pos, starts, cfg.sliding_window)  # [B, T, H/mp, E]
+            out = _attend(q, k, v, positions, key_pos, starts, cfg.sliding_window, cfg.attn_softcap)
         wo = hk.get_parameter("wo", [hl, cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
         return dense_heads_out(out, wo), cache
+
+
+class ProjRMSNorm(hk.Module):
+    """OLMo 2's q (or k) norm: RMSNorm over the whole projection, every head's E together, so its
+    statistic spans the shards the heads are split over.
+
+    x [B, T, h, E] is this shard's heads (h = heads/mp; with replicated KV heads the one KV head it
+    computes, ``index``); weights ``scale_heads`` [heads/mp, E] (or [heads, E] replicated, sliced at
+    ``index``: as Qwen2's KV bias). The sum of squares is this shard's, summed over mp (``par.g``: its
+    backward is the identity, and the transpose of the shared statistic's use sums its cotangent);
+    a KV head held by mp / K shards is counted that many times, so the sum is divided by that.
+    Computed in float32 (at least), the weight product before the cast, as transformers' Olmo2RMSNorm.
+    """
+
+    def __init__(self, *, eps: float, par: Parallel, heads: int, index=None, name: str):
+        super().__init__(name=name)
+        self.eps, self.par, self.heads, self.index = eps, par, heads, index
+
+    def mean_square(self, x32):
+        """[B, T, 1, 1]: the mean of x^2 over the whole projection (all heads, all shards)."""
+        local = jnp.sum(jnp.square(x32), axis=(-2, -1), keepdims=True)
+        copies = self.par.layout.mp // self.heads if self.index is not None else 1
+        return self.par.g(local) / (copies * self.heads * x32.shape[-1])
+
+    def __call__(self, x):
+        stored = self.heads if self.index is not None else x.shape[-2]
+        w = hk.get_parameter("scale_heads", [stored, x.shape[-1]], init=jnp.ones)
+        if self.index is not None:
+            w = lax.dynamic_slice_in_dim(w, self.index, 1, axis=0)  # [1, E]: this shard's KV head
+        x32 = upcast(x)
+        y = x32 * lax.rsqrt(self.mean_square(x32) + self.eps)
+        return (upcast(w) * y).astype(x.dtype)
+
+
+# The q/k norms (``Family.qk_norm``): "head" is Qwen3's RMSNorm over each head's E, its weights [E]
+# shared by every head (replicated over mp: used on this shard's heads, so JAX sums their gradient
+# over mp, the transpose of the replicated-to-per-shard cast); "proj" is OLMo 2's (``ProjRMSNorm``).
+QK_NORMS = {"head": RMSNorm, "proj": ProjRMSNorm}
+
+
+def norm_then_rotary(x, norm, rotate):
+    """x [B, T, h, E] normalized, then rotated: transformers' order for Qwen3's q and k (rotary keeps
+    each head's norm but not its coordinates, so the weights must meet the unrotated ones)."""
+    return rotate(norm(x))
 
 
 def doc_starts(tokens, eod: int):
@@ -127,15 +189,22 @@ def window_visible(q_pos, k_pos, window: int):
     return visible & (k_pos > q_pos - window) if window else visible
 
 
-def _attend(q, k, v, q_pos, k_pos, starts=None, window: int = 0):
+def soft_cap(x, cap: float):
+    """Gemma 2's soft-capping, ``cap * tanh(x / cap)`` (transformers' order: divide, tanh, multiply);
+    ``cap`` 0: x unchanged."""
+    return x if not cap else jnp.tanh(x / cap) * cap
+
+
+def _attend(q, k, v, q_pos, k_pos, starts=None, window: int = 0, softcap: float = 0.0):
     """Causal grouped attention, softmax in float32. q [B,T,h,E]; k, v [B,S,kv,E]; pos [B,T]/[B,S].
     ``starts`` [B, T]: where each query's document starts; it sees only keys from there on.
-    ``window`` > 0: a query at position i sees keys j with i - window < j <= i (``window_visible``)."""
+    ``window`` > 0: a query at position i sees keys j with i - window < j <= i (``window_visible``).
+    ``softcap`` > 0: the scaled scores soft-capped (``soft_cap``) before the mask, as transformers."""
     b, t, h, e = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, e)
     scores = upcast(jnp.einsum("btkge,bske->bkgts", qg, k))
-    scores = scores / jnp.sqrt(jnp.asarray(e, scores.dtype))
+    scores = soft_cap(scores / jnp.sqrt(jnp.asarray(e, scores.dtype)), softcap)
     visible = window_visible(q_pos[:, None, None, :, None], k_pos[:, None, None, None, :], window)
     if starts is not None:
         visible = visible & (k_pos[:, None, None, None, :] >= starts[:, None, None, :, None])

@@ -64,6 +64,11 @@ class ModelConfig:
     # Llama 3.x's rotary frequency scaling (transformers' rope_type "llama3"; ``model.rope``), or None:
     # plain RoPE. A config saved before this field existed loads as None, exactly as it was.
     rope_scaling: RopeScaling | None = None
+    # Gemma 2's soft-capping: attention scores become c * tanh(s / c) before the mask and softmax
+    # (``attn_softcap``), the output logits c * tanh(z / c) (``final_softcap``). 0: off. A saved config
+    # without these fields predates them and loads as 0: exactly as it was. Plain attention only.
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
@@ -83,11 +88,7 @@ class ModelConfig:
             _check_attention(self)
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
-        if self.sliding_window and not (self.arch.attention and self.attention == "plain"):
-            raise ConfigError(
-                f"sliding_window={self.sliding_window} needs a family with attention and attention='plain' "
-                "(blockwise attention has no window yet); set sliding_window=0 or attention='plain'"
-            )
+        _check_plain_only(self)
 
     @property
     def arch(self) -> Family:
@@ -149,6 +150,17 @@ def _check_attention(cfg: ModelConfig) -> None:
         raise ConfigError(f"rotary_dim={cfg.rotary_dim} must be even and <= head_dim")
 
 
+def _check_plain_only(cfg: ModelConfig) -> None:
+    """What only plain attention implements (the blockwise kernel has neither yet)."""
+    for name, what in (("sliding_window", "window"), ("attn_softcap", "soft-capping")):
+        value = getattr(cfg, name)
+        if value and not (cfg.arch.attention and cfg.attention == "plain"):
+            raise ConfigError(
+                f"{name}={value} needs a family with attention and attention='plain' (blockwise attention "
+                f"has no {what} yet); set {name}=0 or attention='plain'"
+            )
+
+
 # What each numeric field accepts; the others must just have their annotated type (str or bool).
 RANGES: dict[str, Range] = {
     **dict.fromkeys(("vocab_size", "d_model", "n_layers", "d_ff", "max_seq_len"), POSITIVE_INT),
@@ -164,6 +176,8 @@ RANGES: dict[str, Range] = {
     "attn_block": POSITIVE_INT,
     "doc_mask": Range(int, -1, note="-1: off"),
     "sliding_window": Range(int, 0, note="0: off"),
+    "attn_softcap": Range(float, 0, note="0: off"),
+    "final_softcap": Range(float, 0, note="0: off"),
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 

@@ -53,11 +53,14 @@ class HFNames:
 @dataclass(frozen=True)
 class Family:
     name: str  # ModelConfig.family
-    block: str  # the layer code (``transformer.BLOCKS``): "ff", "parallel" or "sequential"
+    # the layer code (``transformer.BLOCKS``): "ff", "parallel", "sequential" or "post_norm" (OLMo 2:
+    # x + norm(attn(x)), then x + norm(mlp(x)); no norm on a branch's input)
+    block: str
     attention: bool  # heads, positions and a KV cache; False: the prototype's feed-forward stack
     rotary: str | None  # the rotary convention transformers uses for it: "interleaved", "half" (None: none)
-    # "layer" (LayerNorm), "rms" (RMSNorm) or "rms_plus_one" (Gemma's: times 1 + w, w starting at 0)
-    # before each branch and at the end
+    # "layer" (LayerNorm), "rms" (RMSNorm), "rms_plus_one" (Gemma's: times 1 + w, w starting at 0) or
+    # "rms_product_first" (OLMo 2's: the weight product in float32 before the cast), on each branch
+    # and at the end
     norm: str | None
     mlp: str  # "gelu", "swiglu" or "geglu" (gated, tanh GELU: Gemma)
     biases: bool  # MLP and output-projection biases (the MLP's output bias is a row-parallel bias)
@@ -72,6 +75,11 @@ class Family:
     # Biases on the q/k/v projections (Qwen2): column-parallel, sharded with their heads (the KV
     # biases replicated and sliced with their heads where the KV heads are); no output-projection bias.
     qkv_bias: bool = False
+    # RMSNorm of the queries and keys before rotary: "head" (Qwen3: over each head's E, weights [E]
+    # shared by the heads, replicated; their gradient summed over mp, where the heads are split) or
+    # "proj" (OLMo 2: over the whole projection, H*E or K*E, weights [H, E] / [K, E] split with the
+    # heads; its mean square gathered over mp). None: none.
+    qk_norm: str | None = None
 
     def per_layer_text(self) -> str:
         """The minimum's per-layer all-reduces, as the communication check words them."""

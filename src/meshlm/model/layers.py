@@ -231,6 +231,15 @@ class RMSNorm(hk.Module):
         return (scale * self.normalized(x).astype(x.dtype)).astype(x.dtype)
 
 
+class RMSNormProductFirst(RMSNorm):
+    """RMSNorm with the weight product in float32 before the cast (transformers' ``Olmo2RMSNorm``:
+    ``(w * x_normed).to(dtype)``, where Llama casts first); the same as ``RMSNorm`` in float32."""
+
+    def __call__(self, x):
+        scale = hk.get_parameter("scale", [x.shape[-1]], init=jnp.ones)
+        return (upcast(scale) * self.normalized(x)).astype(x.dtype)
+
+
 class RMSNormPlusOne(RMSNorm):
     """Gemma's RMSNorm: x / rms(x) * (1 + scale), in float32 then cast (transformers' ``GemmaRMSNorm``:
     the product before the cast, unlike Llama's); ``scale`` starts at zero: the identity scale."""

@@ -4,6 +4,7 @@ Families (``ModelConfig.family``; their facts: ``model.family``) differ in their
   ff          the prototype: residual feed-forward blocks (ff).
   parallel    norm; attention and MLP in parallel off one norm, one all-reduce per layer (gptj).
   sequential  pre-norm attention, then pre-norm MLP, two all-reduces per layer (llama).
+  post_norm   attention, then MLP, each output normalized before its residual add (olmo2).
 
 Shapes: tokens [B, T] global ids; hidden x [B, T, D] replicated over the model axis.
 """
@@ -15,13 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm.errors import ConfigError
-from meshlm.model.attention import Attention, doc_starts
+from meshlm.model.attention import Attention, doc_starts, soft_cap
 from meshlm.model.config import ModelConfig
 from meshlm.model.layers import (
     MLP,
     LayerNorm,
     RMSNorm,
     RMSNormPlusOne,
+    RMSNormProductFirst,
     VocabEmbed,
     VocabHead,
     mask_vocab_padding,
@@ -84,6 +86,19 @@ def _sequential_layer(cfg: ModelConfig, par: Parallel):
     return layer
 
 
+def _post_norm_layer(cfg: ModelConfig, par: Parallel):
+    """OLMo 2: each branch's output normalized before the residual add (its input is not). With sp the
+    norms see the sequence slices the row-parallel sums scatter to: per token, as unsharded."""
+
+    def layer(x, positions, cache=None, starts=None):
+        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(par.f(x), positions, cache, starts)
+        x = x + _norm(cfg, "post_attn_ln")(par.row_out(attn))
+        mlp, b = _mlp(cfg, par)(par.f(x))
+        return x + _norm(cfg, "post_mlp_ln")(par.row_out(mlp, b)), cache
+
+    return layer
+
+
 def _stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
     """Apply n_layers copies of ``layer`` with stacked parameters [L, ...] (flat compile time)."""
     body = remat_body(cfg.remat, lambda x, c: layer(x, positions, c, starts))
@@ -97,8 +112,18 @@ def _stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
     return stacked(body)(x, cache)
 
 
-BLOCKS = {"ff": _ff_layer, "parallel": _parallel_layer, "sequential": _sequential_layer}  # Family.block
-NORMS = {"layer": LayerNorm, "rms": RMSNorm, "rms_plus_one": RMSNormPlusOne}  # Family.norm
+BLOCKS = {  # Family.block
+    "ff": _ff_layer,
+    "parallel": _parallel_layer,
+    "sequential": _sequential_layer,
+    "post_norm": _post_norm_layer,
+}
+NORMS = {  # Family.norm
+    "layer": LayerNorm,
+    "rms": RMSNorm,
+    "rms_plus_one": RMSNormPlusOne,
+    "rms_product_first": RMSNormProductFirst,
+}
 
 
 def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=None, starts=None):
@@ -135,6 +160,11 @@ def _check_context_parallel(cfg: ModelConfig, par: Parallel) -> None:
         return
     if cfg.doc_mask >= 0:
         raise ConfigError("--cp does not support --doc-mask yet (documents across chunks); drop one of them")
+    if cfg.attn_softcap:
+        raise ConfigError(
+            f"--cp does not support attention soft-capping yet (attn_softcap={cfg.attn_softcap}: the ring "
+            "and the gathered keys do not cap their scores); drop --cp"
+        )
     if cfg.sliding_window:
         raise ConfigError(
             f"--cp does not support a sliding window yet (sliding_window={cfg.sliding_window}: the ring "
@@ -166,7 +196,7 @@ def _head_logits(cfg: ModelConfig, par: Parallel, x, embed: VocabEmbed | None):
         x = _norm(cfg, "final_ln")(x)
     xf = par.f(x)
     if cfg.tie_embeddings:
-        return embed.local_logits(xf)
+        return soft_cap(embed.local_logits(xf), cfg.final_softcap)  # elementwise: any vocab slice
     head_stddev = GPT_STDDEV if cfg.arch.gpt_init else 1.0 / np.sqrt(cfg.d_model)
     head = VocabHead(
         vocab_size=cfg.padded_vocab,
@@ -175,7 +205,7 @@ def _head_logits(cfg: ModelConfig, par: Parallel, x, embed: VocabEmbed | None):
         bias=cfg.arch.biases,
         real_vocab=cfg.vocab_size,
     )
-    return head.local_logits(xf)
+    return soft_cap(head.local_logits(xf), cfg.final_softcap)
 
 
 # --- the model in three pieces, for the pipeline (``sharding.pipelined``) ------------------------------

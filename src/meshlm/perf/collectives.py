@@ -27,6 +27,11 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> 
       input gradient over MP): again 1 / 2 / 1.
     * KV projections replicated because mp > n_kv_heads: their gradients (with Qwen2's KV biases)
       summed over MP (1; XLA may combine it with the layer's backward all-reduce, independent of it).
+    * Qwen3's q/k norm weights (``Family.qk_norm`` "head"): replicated, used on this shard's heads,
+      so their gradients are summed over MP (2, q's and k's; only for such families). OLMo 2's
+      ("proj"): the mean squares of q and k over the whole projection, [B, T] each, summed over MP
+      forward (2, twice with remat) and their shared cotangents backward (2); where the KV heads are
+      replicated, the k norm's replicated weights' gradient too (1).
 
     Outside the layers, with mp > 1:
 
@@ -61,6 +66,11 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> 
         "dp_gradients": int(batch_shards > 1),
         "dp_loss": int(batch_shards > 1),
     }
+    if cfg.arch.qk_norm == "head":
+        out["qk_norm_grads"] = 2 * cfg.n_layers * sharded
+    elif cfg.arch.qk_norm == "proj":
+        out["qk_norm_stats"] = cfg.n_layers * 2 * (3 if cfg.remat != "none" else 2) * sharded
+        out["qk_norm_grads"] = cfg.n_layers * kv_rep
     out["total"] = sum(out.values())
     return out
 
@@ -99,6 +109,11 @@ def theoretical_bytes(
         "dp_gradients": counts["dp_gradients"] * param_bytes,
         "dp_loss": counts["dp_loss"] * itemsize,
     }
+    if "qk_norm_grads" in counts:  # [E] each (Qwen3's), or [K, E] (OLMo 2's k norm, replicated)
+        width = cfg.kv_heads if cfg.arch.qk_norm == "proj" else 1
+        out["qk_norm_grads"] = counts["qk_norm_grads"] * width * cfg.dim_per_head * itemsize
+    if "qk_norm_stats" in counts:  # [B/dp, T] each
+        out["qk_norm_stats"] = counts["qk_norm_stats"] * (batch // dp) * seq_len * itemsize
     out["total"] = sum(out.values())
     return out
 

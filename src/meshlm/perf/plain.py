@@ -67,12 +67,25 @@ def _attention(cfg: ModelConfig, p, x, cos, sin, mask):
         y = jnp.einsum("btd,dhe->bthe", x, p[f"w{n}"])
         return y + p[f"b{n}"] if f"b{n}" in p else y
 
-    q, k, v = _rotate(cfg, proj("q"), cos, sin), _rotate(cfg, proj("k"), cos, sin), proj("v")
+    def normed(n, y):  # the q/k norm (``Family.qk_norm``) before rotary: per head, or whole projection
+        if f"{n}_norm" not in p:
+            return y
+        w = p[f"{n}_norm"]
+        if w.ndim == 1:  # Qwen3: [E]
+            return _rms_norm(y, w, cfg.norm_eps)
+        b, t, h, e = y.shape  # OLMo 2: [heads, E], over heads * E
+        return _rms_norm(y.reshape(b, t, h * e), w.reshape(-1), cfg.norm_eps).reshape(y.shape)
+
+    q, k = (_rotate(cfg, normed(n, proj(n)), cos, sin) for n in ("q", "k"))
+    v = proj("v")
     groups = cfg.n_heads // cfg.kv_heads
     if groups > 1:
         k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     scores = jnp.einsum("bqhe,bkhe->bhqk", q, k).astype(jnp.promote_types(q.dtype, jnp.float32))
-    scores = jnp.where(mask, scores / np.sqrt(cfg.dim_per_head), jnp.finfo(scores.dtype).min)
+    scores = scores / np.sqrt(cfg.dim_per_head)
+    if cfg.attn_softcap:  # Gemma 2: c * tanh(s / c), before the mask
+        scores = jnp.tanh(scores / cfg.attn_softcap) * cfg.attn_softcap
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, H, T, T]
     out = jnp.einsum("bhqk,bkhe->bqhe", probs, v)
     return jnp.einsum("bqhe,hed->bqd", out, p["wo"])
@@ -89,6 +102,10 @@ def _norm(cfg: ModelConfig, p, x):
     """The family's norm (``Family.norm``) with parameters ``p``."""
     if cfg.arch.norm == "layer":
         return _layer_norm(x, p["scale"], p["offset"], cfg.norm_eps)
+    if cfg.arch.norm == "rms_product_first":  # OLMo 2: times w in float32, then cast
+        x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + cfg.norm_eps)
+        return (p["scale"].astype(y.dtype) * y).astype(x.dtype)
     if cfg.arch.norm == "rms_plus_one":  # Gemma: times (1 + w) in float32, then cast
         x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + cfg.norm_eps)
@@ -101,11 +118,21 @@ def _block(cfg: ModelConfig, lp, x, cos, sin, mask):
     block, mlp = cfg.arch.block, cfg.arch.mlp
     if block == "ff":
         return x + _mlp(lp["mlp"], x, mlp)
+    if block == "post_norm":  # OLMo 2: each branch's output normalized, its input not
+        x = x + _norm(cfg, lp["post_attn_ln"], _qk_normed_attention(cfg, lp, x, cos, sin, mask))
+        return x + _norm(cfg, lp["post_mlp_ln"], _mlp(lp["mlp"], x, mlp))
     h = _norm(cfg, lp["ln"], x)
     if block == "parallel":  # attention and MLP in parallel off one norm
         return x + _attention(cfg, lp["attn"], h, cos, sin, mask) + _mlp(lp["mlp"], h, mlp)
-    x = x + _attention(cfg, lp["attn"], h, cos, sin, mask)
+    x = x + _qk_normed_attention(cfg, lp, h, cos, sin, mask)
     return x + _mlp(lp["mlp"], _norm(cfg, lp["ln2"], x), mlp)
+
+
+def _qk_normed_attention(cfg: ModelConfig, lp, h, cos, sin, mask):
+    """Attention of h with the layer's q/k norm weights (Qwen3's, OLMo 2's), where the family has them."""
+    norms = {n: lp.get(f"attn/{n}_norm") for n in "qk"}
+    weights = {f"{n}_norm": next(iter(p.values())) for n, p in norms.items() if p is not None}
+    return _attention(cfg, {**lp["attn"], **weights}, h, cos, sin, mask)
 
 
 def logits(cfg: ModelConfig, params, tokens):
@@ -128,9 +155,12 @@ def logits(cfg: ModelConfig, params, tokens):
     if cfg.arch.norm is not None:
         x = _norm(cfg, params["final_ln"], x)
     if cfg.tie_embeddings:
-        return (x @ table.T)[..., : cfg.vocab_size]
-    out = x @ params["head"]["w"]
-    out = out + params["head"]["b"] if "b" in params["head"] else out
+        out = x @ table.T
+    else:
+        out = x @ params["head"]["w"]
+        out = out + params["head"]["b"] if "b" in params["head"] else out
+    if cfg.final_softcap:  # Gemma 2: c * tanh(z / c)
+        out = jnp.tanh(out / cfg.final_softcap) * cfg.final_softcap
     return out[..., : cfg.vocab_size]
 
 

@@ -25,7 +25,12 @@ from meshlm.proof.family_faults import (
     HeadBiasOfNextShard,
     TiedHeadGradDropped,
     TiedHeadOtherSlice,
+    attn_softcap_off,
     embedding_scaled_twice,
+    final_softcap_off,
+    proj_norm_local_statistic,
+    qk_norm_after_rotary,
+    qk_norm_grad_not_summed,
     window_off_by_one,
 )
 from meshlm.proof.taps import Tapped
@@ -291,6 +296,38 @@ CONTROLS += (
         name="embedding scale applied twice",
         applies=lambda w: w.cfg is not None and w.cfg.arch.embed_scale,
         params_change=embedding_scaled_twice,
+    ),
+)
+
+
+def _head_qk_norm(w: Where) -> bool:
+    return w.attention and w.cfg.arch.qk_norm == "head"
+
+
+CONTROLS += (  # the q/k norms of Qwen3 (per head) and OLMo 2 (``proof.family_faults``)
+    Control(name="q/k norm applied after rotary", applies=_head_qk_norm, plant=qk_norm_after_rotary),
+    Control(
+        name="q/k norm gradient not summed over mp",
+        applies=lambda w: w.layout.mp > 1 and _head_qk_norm(w),
+        plant=qk_norm_grad_not_summed,
+    ),
+    Control(  # OLMo 2's norm over the whole projection: its heads split over mp
+        name="OLMo 2's norm statistics from the local shard only",
+        applies=lambda w: w.layout.mp > 1 and w.attention and w.cfg.arch.qk_norm == "proj",
+        plant=proj_norm_local_statistic,
+    ),
+)
+
+CONTROLS += (  # Gemma 2's soft-capping: the cap must matter (as the document mask's control)
+    Control(
+        name="attention soft-cap off",
+        applies=lambda w: w.attention and w.cfg.attn_softcap > 0,
+        cfg_change=attn_softcap_off,
+    ),
+    Control(
+        name="final-logit soft-cap off",
+        applies=lambda w: w.cfg is not None and w.cfg.final_softcap > 0,
+        cfg_change=final_softcap_off,
     ),
 )
 

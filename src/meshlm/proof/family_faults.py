@@ -1,12 +1,19 @@
 """Planted faults of the newer families' parts (``proof.controls`` runs them): Qwen2's q/k/v biases, tied
-embeddings, Mistral's sliding window, Gemma's embedding scale. Each changes one thing in the sharded run."""
+embeddings, Mistral's sliding window, Gemma's embedding scale, Qwen3's and OLMo 2's q/k norms. Each
+changes one thing in the sharded run (the q/k norms' are planted in ``model.attention`` while it is
+traced)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
+import haiku as hk
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from meshlm.model import attention
+from meshlm.model.layers import RMSNorm
 from meshlm.model.params import param_path
 from meshlm.parallel.axes import MP
 from meshlm.proof.taps import Tapped
@@ -52,3 +59,58 @@ def embedding_scaled_twice(cfg, params):
         return jax.device_put(x * jnp.asarray(embed_scale(cfg.d_model), x.dtype), x.sharding)
 
     return {m: {n: plant(param_path(m, n), x) for n, x in leaves.items()} for m, leaves in params.items()}
+
+
+@contextmanager
+def _in_attention(name: str, value, table: dict | None = None):
+    """``model.attention``'s ``name`` (or ``table[name]``) set to ``value`` while the sharded run traces."""
+    where = vars(attention) if table is None else table
+    old = where[name]
+    where[name] = value
+    try:
+        yield
+    finally:
+        where[name] = old
+
+
+def qk_norm_after_rotary():
+    """Qwen3's q/k norm applied to the rotated heads (rotary keeps a head's norm, not its coordinates:
+    the weights meet the wrong ones)."""
+    return _in_attention("norm_then_rotary", lambda x, norm, rotate: norm(rotate(x)))
+
+
+class _HeadNormGradOfShard0(RMSNorm):
+    """A per-head q/k norm whose replicated weights take the gradient of shard 0's heads only."""
+
+    def __call__(self, x):
+        scale = hk.get_parameter("scale", [x.shape[-1]], init=jnp.ones)
+        keep = lax.axis_index(MP) == 0
+        scale = lax.stop_gradient(scale) + jnp.where(keep, scale - lax.stop_gradient(scale), 0.0)
+        return (scale * self.normalized(x).astype(x.dtype)).astype(x.dtype)
+
+
+def qk_norm_grad_not_summed():
+    """Qwen3's replicated q/k norm weights keep one shard's gradient, not the sum over mp's heads."""
+    return _in_attention("head", _HeadNormGradOfShard0, attention.QK_NORMS)
+
+
+class _ProjNormLocalStatistic(attention.ProjRMSNorm):
+    """OLMo 2's whole-projection q/k norm with the mean square of this shard's heads only."""
+
+    def mean_square(self, x32):
+        return jnp.mean(jnp.square(x32), axis=(-2, -1), keepdims=True)
+
+
+def proj_norm_local_statistic():
+    """OLMo 2's q/k norm statistics not gathered over mp: each shard normalizes by its own heads."""
+    return _in_attention("proj", _ProjNormLocalStatistic, attention.QK_NORMS)
+
+
+def attn_softcap_off(cfg):
+    """The attention scores not soft-capped in the sharded run (Gemma 2's ``attn_softcap`` ignored)."""
+    return cfg.replace(attn_softcap=0.0)
+
+
+def final_softcap_off(cfg):
+    """The output logits not soft-capped in the sharded run (``final_softcap`` ignored)."""
+    return cfg.replace(final_softcap=0.0)

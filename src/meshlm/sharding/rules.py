@@ -40,11 +40,14 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"/attn/wo$", (HEADS, HEAD_DIM, EMBED)),  # [H, E, D]: row-parallel
     (r"/attn/bq$", (HEADS, HEAD_DIM)),  # [H, E]: Qwen2's q bias, sliced with its heads
     (r"/attn/b[kv]$", (KV, HEAD_DIM)),  # [K, E]: with the KV heads, or replicated when mp > K
+    (r"/attn/[qk]_norm/scale$", (HEAD_DIM,)),  # [E]: Qwen3's per-head q/k norm, shared by every head
+    (r"/attn/q_norm/scale_heads$", (HEADS, HEAD_DIM)),  # [H, E]: OLMo 2's q norm over H*E, with its heads
+    (r"/attn/k_norm/scale_heads$", (KV, HEAD_DIM)),  # [K, E]: OLMo 2's k norm, with the KV heads
     (r"/mlp/w_(in|gate|up)$", (EMBED, MLP)),  # [D, F]: column-parallel
     (r"/mlp/b_in$", (MLP,)),  # [F]
     (r"/mlp/w_(out|down)$", (MLP, EMBED)),  # [F, D]: row-parallel
     (r"/mlp/b_out$", (EMBED,)),  # [D]: added once after the all-reduce
-    (r"(^|/)(ln|ln2|final_ln)/(scale|offset)$", (EMBED,)),  # [D]: norms are replicated
+    (r"(^|/)(ln|ln2|final_ln|post_attn_ln|post_mlp_ln)/(scale|offset)$", (EMBED,)),  # [D]: replicated
 )
 # Logical dims -> mesh axes where no layout is given (``spec_for``'s default): mp's dims.
 TENSOR_AXES = Layout().logical_axes()

@@ -1,0 +1,221 @@
+"""Qwen3 (per-head q/k RMSNorm before rotary, explicit head_dim) and OLMo 2 (norms after each branch, q/k
+RMSNorm over the whole projection) from transformers: a tiny random model of each (no download, every
+weight perturbed: the norm weights away from 1) converts with logits equal to
+transformers' (float32, unsharded and on 2x2), `meshlm generate --temperature 0` prints transformers'
+greedy text on 1x1 and 1x2, and the export loads back with equal logits. The q/k norm applied after
+rotary in code both runs share is invisible to verify: only this comparison sees it (shown)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import haiku as hk  # noqa: E402
+from helpers import run_cli, sharded_logits  # noqa: E402
+
+from meshlm.data.bpe import train_bpe  # noqa: E402
+from meshlm.data.hf_tokenizer import EOD_TOKEN  # noqa: E402
+from meshlm.errors import ConfigError  # noqa: E402
+from meshlm.io import hf_config, hf_weights  # noqa: E402
+from meshlm.model import attention  # noqa: E402
+from meshlm.model.config import get_config  # noqa: E402
+from meshlm.model.params import unflatten  # noqa: E402
+from meshlm.model.transformer import logits_fn  # noqa: E402
+from meshlm.parallel.context import Parallel  # noqa: E402
+
+RTOL = 1e-5  # float32: worst |ours - theirs| relative to the largest |logit|
+VOCAB = 280
+PROMPT = "def héllo(wörld):\n    ret"
+NEW = 10
+CORPUS = ["def héllo(wörld):\n    return wörld + 1  # ünïcode\n" * 30, "import os\nclass A:\n    pass\n" * 20]
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, intermediate_size=64, bos_token_id=0)
+HF_CONFIGS = {
+    "qwen3": lambda: transformers.Qwen3Config(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,  # not hidden_size / heads (Qwen3-32B: 128 x 64 heads on 5120)
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        eos_token_id=0,
+        **SMALL,
+    ),
+    "olmo2": lambda: transformers.Olmo2Config(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        eos_token_id=0,
+        pad_token_id=0,
+        **SMALL,
+    ),
+}
+MODEL_CLASSES = {"qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+
+
+def _rel(got, want) -> float:
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def _hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+def _our_logits(cfg, flat, tokens) -> np.ndarray:
+    return np.asarray(hk.transform(logits_fn(cfg, Parallel())).apply(unflatten(flat), None, tokens))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=train_bpe(CORPUS, VOCAB).tok, eos_token=EOD_TOKEN
+    )
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+
+
+@pytest.fixture(scope="module", params=list(HF_CONFIGS))
+def family(request, tokenizer, tokens, tmp_path_factory):
+    """{name, hf (directory), ckpt (converted, 1x1), model, logits, text (greedy)}; every parameter
+    perturbed, the norm weights by 0.3 (far from 1, and unequal across a head's rotary pairs)."""
+    torch.manual_seed(0)
+    hf_cfg = HF_CONFIGS[request.param]()
+    hf_cfg.initializer_range = 0.3  # peaked logits: greedy is neither degenerate nor near a tie
+    model = getattr(transformers, MODEL_CLASSES[request.param])(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    root = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(root / "hf")
+    tokenizer.save_pretrained(root / "hf")
+    assert (
+        run_cli("convert", "--from-hf", str(root / "hf"), "--out", str(root / "ckpt"), "--mesh", "1x1") == 0
+    )
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert len(set(out[0, ids.shape[1] :].tolist())) > 3
+    return dict(
+        name=request.param, hf=root / "hf", ckpt=root / "ckpt", model=model, text=text,
+        logits=_hf_logits(model, tokens),
+    )  # fmt: skip
+
+
+def test_logits_equal_transformers(family, tokens):
+    cfg, flat = hf_weights.load_hf(family["hf"])
+    assert cfg.family == family["name"]
+    assert _rel(_our_logits(cfg, flat, tokens), family["logits"]) <= RTOL
+    for copy in sharded_logits(cfg, unflatten(flat), tokens):
+        assert _rel(copy, family["logits"]) <= RTOL
+
+
+@pytest.mark.parametrize("mesh", ["1x1", "1x2"])
+def test_generate_prints_transformers_text(family, mesh, capsys):
+    capsys.readouterr()
+    argv = ["generate", "--checkpoint", str(family["ckpt"]), "--mesh", mesh, "--temperature", "0"]
+    assert run_cli(*argv, "--prompt", PROMPT, "--max-new-tokens", str(NEW)) == 0
+    assert capsys.readouterr().out == PROMPT + family["text"] + "\n"
+
+
+def test_export_loads_in_transformers(family, tokens, tmp_path):
+    cfg, flat = hf_weights.load_hf(family["hf"])
+    hf_weights.save_hf(cfg, flat, tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(model).__name__ == MODEL_CLASSES[family["name"]]
+    assert _rel(_hf_logits(model, tokens), family["logits"]) <= RTOL
+    assert hf_weights.load_hf(tmp_path)[0] == cfg
+
+
+# Bugs in code the sharded and the unsharded model share: verify cannot see them, transformers can.
+SHARED_BUGS = {
+    # Qwen3's q/k norm after rotary: equal at weights 1, not at transformers' perturbed ones
+    "qwen3": (attention, "norm_then_rotary", lambda x, norm, rotate: norm(rotate(x))),
+}
+
+
+@pytest.mark.parametrize("family", list(SHARED_BUGS), indirect=True)
+def test_a_bug_common_to_both_runs_fails_the_transformers_comparison(family, tokens, monkeypatch):
+    cfg, flat = hf_weights.load_hf(family["hf"])
+    monkeypatch.setattr(*SHARED_BUGS[family["name"]])
+    assert _rel(_our_logits(cfg, flat, tokens), family["logits"]) > 100 * RTOL
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
+def test_unsupported_qwen3_config(changes, field):
+    base = hf_config.config_to_hf(get_config("tiny-qwen3"))
+    with pytest.raises(ConfigError, match=field):
+        hf_config.config_from_hf({**base, **changes})
+
+
+def test_qwen3_head_dim_default_is_transformers():
+    """A Qwen3 config.json without head_dim means 128 (Qwen3Config's default), not hidden / heads."""
+    base = hf_config.config_to_hf(get_config("qwen3-8b"))
+    del base["head_dim"]
+    assert hf_config.config_from_hf({**base, "hidden_size": 2048}).dim_per_head == 128
+
+
+def test_unsupported_olmo2_config():
+    base = hf_config.config_to_hf(get_config("tiny-olmo2"))
+    with pytest.raises(ConfigError, match="attention_bias"):
+        hf_config.config_from_hf({**base, "attention_bias": True})
+
+
+def test_collective_minimum_counts_the_qk_norms():
+    """Qwen3: the replicated norm weights' gradients (q's, k's per layer); OLMo 2: the gathered mean
+    squares (2 forward, 2 backward per layer), and with replicated KV heads the k norm's gradient."""
+    from meshlm.perf.collectives import theoretical_collectives
+
+    qwen3, olmo2 = get_config("tiny-qwen3"), get_config("tiny-olmo2")  # 2 layers, 2 KV heads
+    assert theoretical_collectives(qwen3, 1, 2)["qk_norm_grads"] == 4
+    assert theoretical_collectives(qwen3, 1, 1)["total"] == 0
+    two, four = theoretical_collectives(olmo2, 1, 2), theoretical_collectives(olmo2, 1, 4)
+    assert (two["qk_norm_stats"], two["qk_norm_grads"], four["qk_norm_grads"]) == (8, 0, 2)
+    assert theoretical_collectives(olmo2.replace(remat="full"), 1, 2)["qk_norm_stats"] == 12
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "qwen3-8b", "qwen3-32b", "tiny-olmo2", "olmo2-7b"])
+def test_preset_config_round_trip(preset):
+    cfg = get_config(preset)
+    assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg
+
+
+def test_olmo2_norm_is_transformers_bit_for_bit_in_bfloat16():
+    """Olmo2RMSNorm multiplies by its weight in float32, then casts: so does ours ("rms_product_first");
+    Llama's order (cast, then multiply) differs in bfloat16."""
+    import jax.numpy as jnp
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from meshlm.model.layers import RMSNorm, RMSNormProductFirst
+
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 64).to(torch.bfloat16), (1 + 0.3 * torch.randn(64)).to(torch.bfloat16)
+    theirs = Olmo2RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        theirs.weight.copy_(w)
+        want = theirs(x).float().numpy()
+    params = {"n": {"scale": jnp.asarray(w.float().numpy(), jnp.bfloat16)}}
+    xj = jnp.asarray(x.float().numpy(), jnp.bfloat16)
+
+    def ours(cls):
+        out = hk.transform(lambda v: cls(eps=1e-6, name="n")(v)).apply(params, None, xj)
+        return np.asarray(out.astype(jnp.float32))
+
+    from meshlm.model.families import olmo2
+    from meshlm.model.transformer import NORMS
+
+    assert NORMS[olmo2.FAMILY.norm] is RMSNormProductFirst  # every OLMo 2 norm, the final one too
+    assert np.array_equal(ours(RMSNormProductFirst), want)
+    assert not np.array_equal(ours(RMSNorm), want)
