@@ -38,6 +38,15 @@ CONFIGS = {
     "tiny-gemma 1x2": ("tiny-gemma", {}, Layout(mp=2), 1, 8),
     "tiny-llama3 2x2 fsdp sp doc-mask (tied)": ("tiny-llama3", {"doc_mask": 0}, FSDP_SP, 2, 8),
     "tiny-qwen2 1x2 (q/k/v bias, tied)": ("tiny-qwen2", {}, Layout(mp=2), 1, 8),
+    "tiny-qwen3 1x2 (per-head q/k norm)": ("tiny-qwen3", {}, Layout(mp=2), 1, 8),
+    "tiny-olmo2 2x2 (q/k norm over the projection)": ("tiny-olmo2", {}, Layout(dp=2, mp=2), 2, 8),
+    "tiny-gemma 1x2 soft-capped": (
+        "tiny-gemma",
+        {"attn_softcap": 50.0, "final_softcap": 30.0},
+        Layout(mp=2),
+        1,
+        8,
+    ),
     "tiny-llama 1x1 blockwise doc-mask": ("tiny-llama", {**BW, "doc_mask": 0}, Layout(), 1, 18),
     "tiny-llama 2x2 cp2 ring fsdp sp blockwise": (
         "tiny-llama",
@@ -75,7 +84,7 @@ def _problem(name):
 
 def _applicable(problem, layout) -> list:
     """(name, trace) of each control verify runs on this configuration (``prover.verify``'s choice)."""
-    if layout.pp > 1:
+    if layout.pipelined:
         return [(f"pipeline: {n}", n) for n in applicable_controls(layout.pipeline)]
     where = where_of(problem, layout, collectives=True)
     return [(c.name, c) for c in CONTROLS + CP_CONTROLS if c.applies(where)]
