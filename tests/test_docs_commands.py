@@ -25,6 +25,7 @@ from docs_extract import ROOT, doc_commands
 from helpers import TEXT, run_cli, run_meshlm, write_corpus
 
 DOCS = doc_commands()
+FIRST = {c.text: c.where for c in reversed(DOCS)}  # the page:line that shows a command first: its test id
 RUNS = [text for text in dict.fromkeys(c.text for c in DOCS) if isinstance(COMMANDS.get(text), Run)]
 
 
@@ -232,7 +233,7 @@ def _run(workspace, text: str, capfd) -> list[tuple[list[str], int, str]]:
 
 
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("text", RUNS)
+@pytest.mark.parametrize("text", RUNS, ids=[FIRST[text] for text in RUNS])
 def test_documented_command_runs(workspace, text, capfd, children_import_meshlm):
     entry = COMMANDS[text]
     if entry.costly and not os.environ.get("MESHLM_DOCS_ALL"):
