@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import pytest
 from docs_commands import COMMANDS, Run, Shown
-from docs_extract import ROOT, doc_commands
+from docs_extract import ROOT, doc_commands, page_commands
 from helpers import TEXT, run_cli, run_meshlm, write_corpus
 
 DOCS = doc_commands()
@@ -34,6 +34,22 @@ def test_every_documented_command_is_run_or_shown():
     assert not missing, "add each to tests/docs_commands.py (run, or shown with a reason):\n" + "\n".join(
         missing
     )
+
+
+def test_extraction_of_blocks_and_inline_spans(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text(
+        "Run `meshlm plan --config cpu\n--mesh 1x1` here, not `meshlm.cli`.\n\n  ```bash\n"
+        ".venv/bin/meshlm verify --mesh 2x2 \\\n    --x64   # float64\n"
+        "$ meshlm eval --json | head -1\nmeshlm verify: config=seed (a report)\n"
+        "for s in a b; do meshlm train --x $s; done\n  ```\n"
+    )
+    assert [(c.text, c.where, c.inline) for c in page_commands(page)] == [
+        ("meshlm verify --mesh 2x2 --x64", "p.md:5", False),
+        ("meshlm eval --json", "p.md:7", False),
+        ("meshlm train --x $s", "p.md:9", False),
+        ("meshlm plan --config cpu --mesh 1x1", "p.md:1", True),
+    ]
 
 
 def test_every_entry_is_still_documented():
