@@ -44,6 +44,7 @@ SLOW_FIRST = (
     "test_core.py",
     "test_transformer.py",
     "test_prover.py",
+    "test_docs_commands.py",
     "test_reliability_runs.py",
     "test_controls_margin.py",
     "test_memory_options.py",

@@ -1,0 +1,260 @@
+"""Executable docs: every `meshlm ...` command of README.md and docs/*.md is run here, with the tiny
+substitutions tests/docs_commands.py declares next to it, or is marked there as shown only, with the
+reason. A command the docs gain without an entry fails, and so does an entry no page has any more.
+
+The commands run in this process (``meshlm.cli.main``: one JAX, its 8 fake devices; a command's
+--devices is then moot where it names its --mesh) in one workspace directory whose inputs the
+``workspace`` fixture writes; a command that needs more than 8 devices runs in a subprocess. Commands
+that are the same after substitution run once; a command's ``after`` (say, the main job whose runs/main
+generate reads) runs first, once. A proof (``meshlm verify``: 20-60 s of CPU each) is run only with
+MESHLM_DOCS_ALL=1 where its entry names the test that proves its code path: all of them would add
+~15 minutes to the suite.
+"""
+
+import gzip
+import json
+import os
+import shlex
+import shutil
+from pathlib import Path
+
+import jax
+import pytest
+from docs_commands import COMMANDS, Run, Shown
+from docs_extract import ROOT, doc_commands, page_commands
+from helpers import TEXT, run_cli, run_meshlm, write_corpus
+
+DOCS = doc_commands()
+FIRST = {c.text: c.where for c in reversed(DOCS)}  # the page:line that shows a command first: its test id
+RUNS = [text for text in dict.fromkeys(c.text for c in DOCS) if isinstance(COMMANDS.get(text), Run)]
+
+
+def test_every_documented_command_is_run_or_shown():
+    missing = sorted({f"{c.where}: {c.text}" for c in DOCS if c.text not in COMMANDS})
+    assert not missing, "add each to tests/docs_commands.py (run, or shown with a reason):\n" + "\n".join(
+        missing
+    )
+
+
+def test_extraction_of_blocks_and_inline_spans(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text(
+        "Run `meshlm plan --config cpu\n--mesh 1x1` here, not `meshlm.cli`.\n\n  ```bash\n"
+        ".venv/bin/meshlm verify --mesh 2x2 \\\n    --x64   # float64\n"
+        "$ meshlm eval --json | head -1\nmeshlm verify: config=seed (a report)\n"
+        "for s in a b; do meshlm train --x $s; done\n  ```\n"
+    )
+    assert [(c.text, c.where, c.inline) for c in page_commands(page)] == [
+        ("meshlm verify --mesh 2x2 --x64", "p.md:5", False),
+        ("meshlm eval --json", "p.md:7", False),
+        ("meshlm train --x $s", "p.md:9", False),
+        ("meshlm plan --config cpu --mesh 1x1", "p.md:1", True),
+    ]
+
+
+def test_every_entry_is_still_documented():
+    documented = {c.text for c in DOCS}
+    stale = [text for text in COMMANDS if text not in documented]
+    assert not stale, f"no page shows these any more; drop them from tests/docs_commands.py: {stale}"
+
+
+def test_shown_only_says_why_and_substitutions_apply():
+    for text, entry in COMMANDS.items():
+        if isinstance(entry, Shown):
+            assert len(entry.why) > 20, text
+            continue
+        for old, _ in entry.subs:
+            assert old in text, f"{text!r}: the substitution {old!r} is not in the command"
+        for after in entry.after:
+            assert after.startswith("meshlm "), after
+        assert not entry.costly or os.path.exists(ROOT / entry.costly.split("::")[0]), entry.costly
+
+
+def _argv(text: str, entry: Run, loop: tuple) -> list[str]:
+    for old, new in (*entry.subs, *loop):
+        text = text.replace(old, new, 1)
+    return shlex.split(f"{text} {entry.add}")[1:]
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv[:-1] else None
+
+
+MESH_COMMANDS = ("train", "verify", "generate", "eval", "convert", "bench", "plan", "memory")
+
+
+def _with_default_mesh(argv: list[str]) -> list[str]:
+    """In this process (8 devices) a command without --mesh is given the mesh its default picks on its
+    --devices (default 4): dp x (devices / (pp dp cp)), dp 2 for train where it divides (cli/common.py)."""
+    if argv[0] not in MESH_COMMANDS or "--mesh" in argv or "--help" in argv or "--matrix" in argv:
+        return argv
+    n = int(_flag(argv, "--devices") or 4) // int(_flag(argv, "--pp") or 1)
+    cp = int(_flag(argv, "--cp") or 1)
+    dp = 2 if argv[0] == "train" and "--pp" not in argv and n % (2 * cp) == 0 else 1
+    return [*argv, "--mesh", f"{dp}x{max(n // (dp * cp), 1)}"]
+
+
+class Workspace:
+    """The directory the commands run in, and each command line's result (argv -> (code, output))."""
+
+    def __init__(self, root: Path):
+        self.root, self.results = root, {}
+
+    def run(self, argv: list[str], capfd) -> tuple[int, str]:
+        devices = int(_flag(argv, "--devices") or 0)
+        in_process = devices <= len(jax.devices())
+        if in_process:
+            argv = _with_default_mesh(argv)
+        key = tuple(argv)
+        if in_process and "--mesh" in argv and "--devices" in argv:  # the devices are this process's
+            i = argv.index("--devices")
+            key = tuple(argv[:i] + argv[i + 2 :])
+        if key not in self.results:
+            self._clear_out(argv)
+            self.results[key] = self._in_process(argv, capfd) if in_process else self._subprocess(argv)
+        return self.results[key]
+
+    def _clear_out(self, argv: list[str]) -> None:
+        """A command writes a new --out (train's default: runs/main): one left by a rerun is removed."""
+        out = _flag(argv, "--out") or ("runs/main" if argv[:1] == ["train"] else None)
+        path = self.root / out if out else None
+        if path is not None and path.is_dir():
+            shutil.rmtree(path)
+        elif path is not None and path.exists():
+            path.unlink()
+
+    def _in_process(self, argv: list[str], capfd) -> tuple[int, str]:
+        capfd.readouterr()
+        cwd = os.getcwd()
+        os.chdir(self.root)
+        try:
+            code = run_cli(*argv)
+        except SystemExit as e:  # --help
+            code = e.code
+        finally:
+            os.chdir(cwd)
+            jax.config.update("jax_enable_x64", False)  # --x64 sets it for the process
+        out, err = capfd.readouterr()
+        return code, out + err
+
+    def _subprocess(self, argv: list[str]) -> tuple[int, str]:
+        done = run_meshlm(*argv, cwd=self.root, timeout=600)
+        return done.returncode, done.stdout + done.stderr
+
+
+def _hf_llama(directory: Path) -> None:
+    """A tiny random Llama with its own BPE tokenizer (300 ids, 320 rows), as transformers saves it."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from meshlm.data.bpe import train_bpe
+    from meshlm.data.hf_tokenizer import EOD_TOKEN
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(directory)
+    bpe = train_bpe([TEXT, "import os\nclass A:\n    pass\n" * 20], 300)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe.tok, eos_token=EOD_TOKEN).save_pretrained(
+        directory
+    )
+
+
+def _bw_checkpoint(path: Path) -> None:
+    """docs/proof.md's snippet: a tiny-llama checkpoint whose config has blockwise attention."""
+    import haiku as hk
+    import jax.numpy as jnp
+
+    from meshlm.io.model_io import save_model
+    from meshlm.model.config import get_config
+    from meshlm.model.transformer import loss_fn
+    from meshlm.parallel.context import Parallel
+
+    cfg = get_config("tiny-llama").replace(attention="blockwise", attn_block=16)
+    batch = {k: jnp.zeros((1, 8), jnp.int32) for k in ("inputs", "targets")}
+    save_model(str(path), cfg, hk.transform(loss_fn(cfg, Parallel())).init(jax.random.PRNGKey(0), batch))
+
+
+def _records(root: Path) -> None:
+    """The corpora docs/data.md names: Parquet shards, JSONL (.gz, .zst), a saved dataset."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    texts = [TEXT[: 200 + 37 * i] + f" #{i}" for i in range(40)]
+    (root / "shards").mkdir()
+    for k in range(2):
+        pq.write_table(pa.table({"content": texts[k::2]}), root / "shards" / f"{k}.parquet")
+    rows = "".join(json.dumps({"text": t, "body": t}) + "\n" for t in texts).encode()
+    (root / "notes.jsonl.gz").write_bytes(gzip.compress(rows))
+    (root / "dump.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(rows))
+    (root / "wiki.test.jsonl").write_bytes(rows)
+    (root / "docs").mkdir()
+    (root / "docs" / "notes.jsonl").write_bytes(rows)
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(root / "my_dataset"))
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """Every input the docs' commands name, small: text, records, tokenizers, a Hugging Face model."""
+    root = tmp_path_factory.mktemp("docs")
+    write_corpus((root / "code").mkdir() or root / "code")
+    (root / "my.txt").write_text(TEXT)
+    for d in ("corpus/a", "corpus/b", "held_out"):
+        (root / d).mkdir(parents=True)
+    (root / "corpus/a/one.txt").write_text(TEXT)
+    (root / "corpus/b/two.txt").write_text(TEXT.upper())
+    (root / "held_out/x.py").write_text(TEXT[:3000])
+    _records(root)
+    for page in (ROOT / "docs").glob("*.md"):
+        shutil.copy(page, root / "docs" / page.name)
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        assert (
+            run_cli("tokenizer", "train", "--data", "my.txt", "--vocab-size", "300", "--out", "tok.json") == 0
+        )
+    finally:
+        os.chdir(cwd)
+    (root / "tok").mkdir()
+    shutil.copy(root / "tok.json", root / "tok" / "tokenizer.json")
+    _hf_llama(root / "path/to/hf-model")
+    shutil.copytree(root / "path/to/hf-model", root / "HF_DIR")
+    (root / "hf").mkdir()
+    shutil.copy(root / "HF_DIR/tokenizer.json", root / "hf/tokenizer.json")
+    assert (
+        run_cli("convert", "--from-hf", str(root / "HF_DIR"), "--out", str(root / "runs/llama-import")) == 0
+    )
+    _bw_checkpoint(root / "bw-ckpt")
+    return Workspace(root)
+
+
+def _run(workspace, text: str, capfd) -> list[tuple[list[str], int, str]]:
+    entry = COMMANDS[text]
+    for after in entry.after:
+        if isinstance(COMMANDS.get(after), Run):
+            _run(workspace, after, capfd)
+        else:
+            workspace.run(shlex.split(after)[1:], capfd)
+    return [(argv, *workspace.run(argv, capfd)) for argv in (_argv(text, entry, loop) for loop in entry.each)]
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("text", RUNS, ids=[FIRST[text] for text in RUNS])
+def test_documented_command_runs(workspace, text, capfd, children_import_meshlm):
+    entry = COMMANDS[text]
+    if entry.costly and not os.environ.get("MESHLM_DOCS_ALL"):
+        pytest.skip(f"over the budget (MESHLM_DOCS_ALL=1 runs it); its code path: {entry.costly}")
+    for argv, code, output in _run(workspace, text, capfd):
+        assert code == entry.code, f"meshlm {shlex.join(argv)}: exit {code}\n{output[-3000:]}"
+        for want in entry.expect:
+            assert want in output, f"meshlm {shlex.join(argv)}: no {want!r} in\n{output[-3000:]}"
