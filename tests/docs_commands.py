@@ -39,6 +39,7 @@ DOC = "tests/test_doc_mask.py::test_verify_doc_mask_passes_and_its_controls_are_
 BW = "tests/test_blockwise.py::test_the_proof_compares_blockwise_with_plain_attention"
 CK = "tests/test_multiprocess.py::test_two_processes_train_like_one_and_checkpoint_restores_in_one"
 MATRIX = "tests/test_prover.py::test_matrix_rows_and_table"
+QK = MARGIN  # its tiny-qwen3 and tiny-olmo2 cases
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ COMMANDS: dict[str, Run | Shown] = {
         "meshlm data prepare was interrupted or failed)",
         "meshlm data prepare into a new or empty --out",
         "meshlm data prepare (no index.json)",
+        "meshlm train --help)",  # reliability.md: "(see meshlm train --help)" inside a quoted error
     ),
     # README.md
     MAIN: run(add=f"--data code --tokenizer bpe-300 --mesh 2x2 {TINY}", expect=("next:",)),
@@ -214,6 +216,8 @@ COMMANDS: dict[str, Run | Shown] = {
         "small => tiny-lm", "256 => 32 --batch-size 4 --warmup 0", costly=BENCH
     ),
     # docs/models.md
+    "meshlm verify --config tiny-qwen3 --mesh 2x2 --devices 4 --steps 2 --x64": verify(costly=QK),
+    "meshlm verify --config tiny-olmo2 --mesh 2x2 --devices 4 --steps 2 --x64": verify(costly=QK),
     "meshlm train --config cpu --seq-len 4096 --mesh 1x1 --cp 4 --devices 4 --attention blockwise "
     "--batch-size 1 "
     "--steps 3 --warmup-steps 1 --eval-every 0 --save-every 0 --sample-tokens 40 --out runs/long": run(
@@ -326,10 +330,12 @@ COMMANDS: dict[str, Run | Shown] = {
     "--x64": verify(costly=CP),
     "meshlm verify --config tiny-gqa --mesh 1x2 --cp 4 --devices 8 --seq-len 64 --steps 1 --x64 "
     "--attn-block 8": verify(costly=CP),
-    # issue #36: a control crashes here (exit 3) until proof/cp_controls.py is fixed
+    # issue #36: a control crashed here (exit 3) before proof/cp_controls.py's plants forwarded new arguments
     "meshlm verify --config tiny-llama --mesh 1x1 --devices 1 --attention blockwise --attn-block 16 "
     "--seq-len 64 "
     "--steps 1 --x64": run(expect=(OK,)),
+    "meshlm verify --config tiny-llama --mesh 1x1 --devices 1 --attention blockwise --attn-block 16 "
+    "--seq-len 64 --steps 2 --x64": run(expect=(OK, "detected")),
     # docs/training.md
     "meshlm train --data 'docs/**/*.md' --config small --mesh 2x2 --steps 2000 --out runs/docs": run(
         "--config small => " + TINY, "--steps 2000 =>"
@@ -338,6 +344,22 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm train --checkpoint runs/llama-import --data my.txt --out runs/ft": run(
         add=TINY.replace("--config tiny-lm ", "")
     ),
+    "meshlm convert --from-hf path/to/hf-model --out runs/llama-import": Shown(
+        "the workspace fixture runs this very conversion (of HF_DIR, a copy of path/to/hf-model) before "
+        "any command"
+    ),
+    "meshlm eval --checkpoint runs/ft --data my.txt": run(
+        add="--seq-len 32",
+        expect=("bits/byte",),
+        after=("meshlm train --checkpoint runs/llama-import --data my.txt --out runs/ft",),
+    ),
+    "meshlm generate --checkpoint runs/ft --prompt 'def '": run(
+        add="--max-new-tokens 8",
+        after=("meshlm train --checkpoint runs/llama-import --data my.txt --out runs/ft",),
+    ),
+    "meshlm train --settings runs/main/settings.toml": run(after=(MAIN,)),
+    "meshlm train --settings runs/main/settings.toml --steps 560": run("560 => 3", after=(MAIN,)),
+    "meshlm train --settings runs/main/settings.toml --out runs/again": run(expect=("done",), after=(MAIN,)),
     "meshlm generate --checkpoint runs/main --prompt 'def '": run(add="--max-new-tokens 8", after=(MAIN,)),
     "meshlm verify --checkpoint runs/main --mesh 2x2": run(expect=(OK,), after=(MAIN,)),
     "meshlm train --data 'docs/*.jsonl' --doc-mask --out runs/masked": run(add=TINY),
