@@ -116,6 +116,8 @@ class Workspace:
 
     def _clear_out(self, argv: list[str]) -> None:
         """A command writes a new --out (train's default: runs/main): one left by a rerun is removed."""
+        if "--settings" in argv and not _flag(argv, "--out"):  # a run's own settings.toml: it resumes
+            return
         out = _flag(argv, "--out") or ("runs/main" if argv[:1] == ["train"] else None)
         path = self.root / out if out else None
         if path is not None and path.is_dir():
