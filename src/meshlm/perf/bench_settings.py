@@ -67,6 +67,11 @@ class BenchSettings(PipelineFlags, LongContext):  # --pp and its schedule, --cp 
     memory_options: bool = setting(
         False, "also time FSDP and sequence parallelism against tensor parallelism and GSPMD"
     )
+    compare_schedules: bool = setting(
+        False,
+        "with --pp: time every schedule (gpipe, 1f1b with and without --remat full, interleaved V=2) side "
+        "by side against no-pp, each overhead next to its ideal bubble, instead of the implementations",
+    )
 
     def resolved(self, cfg: ModelConfig, layout: Layout) -> BenchSettings:
         """The sizes left open filled in: the batch rounded up to a multiple of dp, the sequence by
@@ -85,6 +90,8 @@ class BenchSettings(PipelineFlags, LongContext):  # --pp and its schedule, --cp 
             raise ConfigError(f"--batch-size must be >= 1, got {s.batch_size}")
         layout.check_batch(s.batch_size)
         layout.check_layers(cfg.n_layers)
+        if s.compare_schedules and layout.pp == 1:
+            raise ConfigError("--compare-schedules times pipeline schedules; add --pp 2 (or more)")
         if s.memory_options and layout.pp > 1:
             raise ConfigError("--memory-options times fsdp and sp against tp; run it without --pp")
         layout.check_seq_len(s.seq_len)
