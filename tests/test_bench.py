@@ -146,6 +146,27 @@ def test_bench_pp_times_the_pipeline_against_no_pp(capsys):
     assert pipe["measured_overhead"] == pytest.approx(1 - 1 / paired)
 
 
+def test_bench_compare_schedules_times_each_schedule_against_no_pp(capsys):
+    """``--pp --compare-schedules``: every schedule of one pp and M side by side with no-pp in one run,
+    each overhead (1 - t(no-pp)/t(schedule), paired) next to its ideal bubble; all start from the same
+    parameters and batch, so their losses after the same steps agree. pp 2 on two devices, M = 2, 8
+    layers (interleaved V = 2 splits them into 4 chunks)."""
+    argv = ["--config", "tiny-deep", "--pp", "2", "--mesh", "1x1", "--json", "--steps", "5", "--warmup"]
+    argv += ["0", "--batch-size", "2", "--seq-len", "8", "--gen-tokens", "0", "--compare-schedules"]
+    report = _bench_json(argv, capsys)
+    rows = {r["name"]: r for r in report["schedules"]}
+    assert list(rows) == ["gpipe", "1f1b+remat", "1f1b", "interleaved"]
+    assert [rows[n]["schedule"] for n in rows] == ["gpipe", "1f1b", "1f1b", "interleaved"]
+    assert rows["interleaved"]["virtual_stages"] == 2
+    assert rows["1f1b"]["ideal_bubble"] == pytest.approx(1 / 3)  # (pp - 1) / (M + pp - 1)
+    assert rows["interleaved"]["ideal_bubble"] == pytest.approx(1 / 5)  # (pp - 1) / (V M + pp - 1)
+    losses = [r["loss"] for r in rows.values()]
+    assert max(losses) - min(losses) < 1e-3 * abs(losses[0])
+    for r in rows.values():
+        paired = sorted(report["no_pp_s"][i] / t for i, t in enumerate(r["step_s"]))[2]  # median of 5
+        assert r["measured_overhead"] == pytest.approx(1 - paired)
+
+
 @pytest.mark.parametrize(
     ("settings", "match"),
     [

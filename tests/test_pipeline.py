@@ -13,6 +13,7 @@ from meshlm.errors import ConfigError, MeshError
 from meshlm.parallel.axes import DP, PP
 from meshlm.parallel.pipeline import Pipeline, pipeline_value_and_grad
 from meshlm.parallel.pipeline_schedule import PipelineConfig, schedule_facts, schedule_table
+from meshlm.perf.hlo import ops_per_step
 from meshlm.perf.schedule_png import draw_schedule, schedule_boxes
 from meshlm.proof.pipeline_proof import CONTROLS, applicable_controls, prove_pipeline
 from meshlm.proof.pipeline_verify import count_permutes
@@ -165,6 +166,21 @@ def test_permutes_per_step_are_the_programs(schedule, pp, m, v):
     assert (
         count_permutes(jax.make_jaxpr(fn)(params, x, targets).jaxpr) == schedule_facts(cfg).permutes_per_step
     )
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_no_chunk_forward_runs_twice(schedule, v):
+    """The compiled step runs each forward tick's chunk once forward (2 dots a layer) and once backward (4:
+    two weight and two input gradients): 6 dots per layer and forward tick, GPipe's count. 1F1B keeps each
+    in-flight micro-batch's residuals; when its backward slot re-ran the chunk's forward from the stashed
+    input it had 8 (48 instead of 36 at M = 2)."""
+    sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    params = {"w1": sd(4, 8, 16), "b1": sd(4, 16), "w2": sd(4, 16, 8)}  # 4 layers, pp 2
+    for m in (2, 4):
+        cfg = PipelineConfig(2, m, schedule, v)
+        fn = pipeline_value_and_grad(stage_fn, loss_fn, _mesh(2), Pipeline(cfg))
+        text = jax.jit(fn).lower(params, sd(4 * m, 8), sd(4 * m, 8)).compile().as_text()
+        assert ops_per_step(text, "dot") == 6 * (4 // cfg.chunks) * cfg.forward_ticks
 
 
 def test_compiled_memory_flat_in_m_for_1f1b_and_growing_for_gpipe():

@@ -55,6 +55,13 @@ def run(args) -> int:
         cfg = cfg.replace(vocab_size=bs.vocab_size)
     settings = bs.resolved(cfg, layout)
     name = bs.config if bs.vocab_size is None else f"{bs.config} (vocab {bs.vocab_size})"
+    if bs.compare_schedules:
+        from meshlm.perf.bench_pp import compare_schedules, format_compare
+
+        bs.check(cfg, layout)
+        report = compare_schedules(cfg, name, layout, settings)
+        print0(json.dumps(report) if args.json else format_compare(report))
+        return 0
     report = run_bench(cfg, name, layout, settings)
     if bs.memory_options:
         from meshlm.perf.memory_bench import memory_options_bench

@@ -20,8 +20,9 @@ stage on and cotangents one back with ``lax.ppermute`` once per tick.
 * GPipe: a scan over the forward ticks, differentiated by JAX: its residuals, all M micro-batches', live
   until the backward.
 * 1F1B and interleaved: an explicit schedule. Each tick runs one forward slot and one backward slot; the
-  backward re-runs the chunk from its stashed input under ``jax.vjp`` (so only stage inputs are kept,
-  a ring of ``2 pp V - 1``: memory flat in M), seeded on the last chunk by the loss's gradient.
+  forward runs the chunk under ``jax.vjp`` and keeps its residuals (``pipeline_stash``: what the stage's
+  remat policy saves) in a ring of ``2 pp V - 1`` micro-batches (memory flat in M); the backward runs
+  that VJP, seeded on the last chunk by the loss's gradient. No chunk forward runs twice.
 
 Bubbles: every device runs its chunk every tick (SPMD). A slot with no micro-batch is *masked*: its input
 is zeroed before the chunk runs, its gradient contributions are zeroed, and what it sends on is ``fill``.

@@ -2,7 +2,8 @@
 
 ``gpipe``: a scan over the forward ticks, differentiated by JAX. ``one_f_one_b`` (1F1B and interleaved):
 three scans -- forward-only warm-up, forward-and-backward ticks, backward-only drain -- each tick running
-one forward slot and one backward slot (``pipeline_schedule`` says which) with per-chunk VJPs. Every
+one forward slot and one backward slot (``pipeline_schedule`` says which) with per-chunk VJPs, the
+forward's residuals kept until the backward (``pipeline_stash``). Every
 buffer starts as ``pipe.fill`` and every bubble slot is masked through ``pipe.mask``.
 """
 
@@ -17,6 +18,7 @@ from jax import lax
 
 from meshlm.parallel.axes import DP, PP
 from meshlm.parallel.pipeline_schedule import PipelineConfig, backward_slot, forward_counter, forward_slot
+from meshlm.parallel.pipeline_stash import residuals
 
 
 # --- what both engines run ---------------------------------------------------------------------------------
@@ -196,10 +198,11 @@ def one_f_one_b(job: Job, params, head, embed, x, targets, *, with_head: bool):
     head_loss = _head_loss(job, with_head)
     fill = _activation(job, embed, xs, pipe.fill)
     loss_type = jax.eval_shape(head_loss, head, fill, _at(tgs, 0))
+    kept = residuals(job.stage_fn, _chunk, params, fill)
     state = {
         "recv_x": fill,
         "recv_ct": fill,
-        "stash": jnp.broadcast_to(fill, (cfg.stash_slots, *fill.shape)),
+        "stash": kept.empty(cfg.stash_slots, pipe.fill, lambda a, s: _vary(a, _type_axes(s))),
         **_vary(
             {
                 "grads": jax.tree.map(jnp.zeros_like, params),
@@ -213,7 +216,7 @@ def one_f_one_b(job: Job, params, head, embed, x, targets, *, with_head: bool):
     warm, both = cfg.chunks - 1, cfg.forward_ticks  # ticks [0, warm) forward only, [both, end) backward only
     phases = ((0, warm, True, False), (warm, both, True, True), (both, both + warm, False, True))
     for lo, hi, do_f, do_b in phases:
-        tick = partial(_tick, job, (params, head, embed, head_loss), xs, tgs, do_f, do_b)
+        tick = partial(_tick, job, (params, head, embed, head_loss, kept), xs, tgs, do_f, do_b)
         state, _ = lax.scan(tick, state, jnp.arange(lo, hi))
     grads = _sum_where_cast(state["grads"], entry[0], job.axes)
     head_grads = _sum_where_cast(state["head_grads"], entry[1], job.axes)  # from the last stage
@@ -226,21 +229,22 @@ def one_f_one_b(job: Job, params, head, embed, x, targets, *, with_head: bool):
 
 def _tick(job: Job, model, xs, tgs, do_f: bool, do_b: bool, state, t):
     pipe = job.pipe
-    params, head, embed, head_loss = model
+    params, head, embed, head_loss, kept = model
     d = lax.axis_index(PP)
     state = dict(state)
     ct_loss = jnp.zeros_like(state["recv_ct"])
     if do_f:
         valid, m, j, inp = _forward_input(job, embed, xs, state["recv_x"], t, d)
+        y, vjp = jax.vjp(job.stage_fn, _chunk(params, j), inp)  # its residuals kept until the backward
         slot = (t - d) % pipe.config.stash_slots
-        state["stash"] = state["stash"].at[slot].set(jnp.where(valid, inp, state["stash"][slot]))
-        y = job.stage_fn(_chunk(params, j), inp)
+        new = zip(state["stash"], kept.split(vjp), strict=True)
+        state["stash"] = [buf.at[slot].set(jnp.where(valid, r, buf[slot])) for buf, r in new]
         if do_b:  # the last chunk runs a micro-batch's backward in the tick of its forward
             last = valid & _ends(pipe.config, d, j)[1]
             ct_loss = _loss_grad(job, state, (head, head_loss), y, _at(tgs, m), last, m)
         send_x = jnp.where(valid, y, pipe.fill)
     if do_b:
-        send_ct = _backward(job, (params, embed), xs, state, t, d, ct_loss)
+        send_ct = _backward(job, (params, embed, kept), xs, state, t, d, ct_loss)
     if do_f:
         state["recv_x"] = pipe.send_forward(send_x)
     if do_b:
@@ -264,17 +268,17 @@ def _loss_grad(job: Job, state, head, y, targets, last, m):
 
 
 def _backward(job: Job, model, xs, state, t, d, ct_loss):
-    """The backward slot at tick t: the chunk's VJP from its stashed input (on the first chunk also the
-    embedding's); returns what to send back."""
+    """The backward slot at tick t: the chunk's VJP rebuilt from the residuals its forward slot kept (on
+    the first chunk also the embedding's); returns what to send back. A bubble's residuals are ``fill``
+    (NaN in the proof): every value derived from them is masked."""
     pipe, cfg = job.pipe, job.pipe.config
-    params, embed = model
+    params, embed, kept = model
     valid, m, j = backward_slot(cfg, t, d)
     m = jnp.clip(m, 0, cfg.microbatches - 1)
     first, last = _ends(cfg, d, j)
-    x_in = pipe.mask(valid, state["stash"][forward_counter(cfg, m, j) % cfg.stash_slots])
+    slot = forward_counter(cfg, m, j) % cfg.stash_slots
     ct = pipe.mask(valid, jnp.where(last, ct_loss, state["recv_ct"]))
-    _, vjp = jax.vjp(job.stage_fn, _chunk(params, j), x_in)
-    gp, gx = vjp(ct)
+    gp, gx = kept.rebuild(params, j, _chunk(params, j), [buf[slot] for buf in state["stash"]])(ct)
     state["grads"] = jax.tree.map(lambda acc, g: acc.at[j].add(pipe.mask(valid, g)), state["grads"], gp)
     if job.embed_fn is None:
         acc = state["entry_grads"]

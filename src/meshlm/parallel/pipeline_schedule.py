@@ -67,7 +67,8 @@ class PipelineConfig:
 
     @property
     def stash_slots(self) -> int:
-        """Stage inputs 1F1B keeps per device: a ring of 2 pp V - 1 (or all V M, if fewer)."""
+        """Micro-batches whose chunk residuals 1F1B keeps per device: a ring of 2 pp V - 1 (or all V M,
+        if fewer)."""
         return min(2 * self.chunks - 1, self.virtual_stages * self.microbatches)
 
 
@@ -117,7 +118,7 @@ class ScheduleFacts:
     bubble_fraction: float  # ideal idle share of each device's time: (pp-1) / (V M + pp - 1)
     permutes_per_step: int  # lax.ppermute calls a training step executes: 2 (V M + pp - 1)
     ticks: int  # lock-step ticks per step
-    stashed_inputs: int  # micro-batch activations a device keeps at most (1F1B ring; GPipe: all V M)
+    stashed_inputs: int  # micro-batches whose chunk residuals a device keeps at most (1F1B ring; GPipe: V M)
 
 
 def schedule_facts(cfg: PipelineConfig) -> ScheduleFacts:

@@ -67,6 +67,11 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
     memory_options: bool = setting(
         False, "also time FSDP and sequence parallelism against tensor parallelism and GSPMD"
     )
+    compare_schedules: bool = setting(
+        False,
+        "with --pp: time every schedule (gpipe, 1f1b with and without --remat full, interleaved V=2) side "
+        "by side against no-pp, each overhead next to its ideal bubble, instead of the implementations",
+    )
 
     def resolved(self, cfg: ModelConfig, layout: Layout) -> BenchSettings:
         """The sizes left open filled in: the batch rounded up to a multiple of dp, the sequence by
@@ -85,6 +90,8 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
             raise ConfigError(f"--batch-size must be >= 1, got {s.batch_size}")
         layout.check_batch(s.batch_size)
         layout.check_layers(cfg.n_layers)
+        if s.compare_schedules and not layout.pipelined:
+            raise ConfigError("--compare-schedules times pipeline schedules; add --pp 2 (or more)")
         if s.memory_options and layout.pipelined:
             raise ConfigError("--memory-options times fsdp and sp against tp; run it without --pp")
         layout.check_seq_len(s.seq_len)

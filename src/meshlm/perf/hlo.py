@@ -93,6 +93,26 @@ def collectives_per_step(hlo_text: str) -> dict[str, Any]:
     return {**counts, "trivial": trivial}
 
 
+def ops_per_step(hlo_text: str, opcode: str) -> int:
+    """Instructions ``opcode`` (e.g. ``dot``) one execution runs: loop bodies times their known trip
+    count, called and fused computations followed (so a dot XLA fused into a kernel still counts)."""
+    comps, entry = _computations(hlo_text)
+    memo: dict[str, int] = {}
+
+    def total(name: str) -> int:
+        if name not in memo:
+            memo[name] = 0  # a computation never calls itself; this guards the recursion anyway
+            count = 0
+            for line in comps.get(name, []):
+                parsed = _parse_instruction(line)
+                count += parsed is not None and parsed[0] == opcode
+                count += sum(times * total(callee) for callee, times in _callees(line))
+            memo[name] = count
+        return memo[name]
+
+    return total(entry)
+
+
 def group_size(line: str) -> int | None:
     """Participants per replica group of a collective instruction line; None if not printed."""
     if m := _GROUPS_LIST.search(line):

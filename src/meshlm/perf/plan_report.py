@@ -39,7 +39,8 @@ def _pipeline(p: dict | None) -> list[str]:
     return [
         f"pipeline: {p['pp_schedule']} over pp={p['pp']}, M={p['microbatches']}{v}: ideal bubble "
         f"{p['bubble_fraction']:.1%}, {p['ticks']} ticks, {p['permutes_per_step']} collective-permutes "
-        f"per step, at most {p['stashed_inputs']} micro-batch inputs kept per stage; figures per stage"
+        f"per step, the residuals of at most {p['stashed_inputs']} micro-batches kept per stage (what "
+        "--remat keeps of each); figures per stage"
     ]
 
 

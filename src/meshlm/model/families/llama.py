@@ -135,6 +135,8 @@ PRESETS: dict[str, dict] = {
     "tiny-lm": _BYTES,
     # What CPU training defaults to: about 3.2M parameters, trains visibly in minutes on 2 cores.
     "cpu": dict(_BYTES, d_model=256, n_layers=4, d_ff=768, n_heads=8, max_seq_len=128),
+    # The cpu model with 8 layers: a pipeline's per-tick work dominates its fixed costs (bench --pp).
+    "cpu-deep": dict(_BYTES, d_model=256, n_layers=8, d_ff=768, n_heads=8, max_seq_len=128),
     "small": dict(_BYTES, d_model=512, n_layers=8, d_ff=1536, n_heads=8, max_seq_len=256),
     "llama2-7b": LLAMA2_7B,
     # Llama 3.2-style: tied embeddings, 2 KV heads (replicated on mp = 4), and Llama 3.1's frequency
