@@ -10,55 +10,8 @@ scratch=$(mktemp -d)/meshlm-mutants
 git -C "$repo" worktree add -q --detach "$scratch" HEAD || exit 2
 trap 'git -C "$repo" worktree remove --force "$scratch"' EXIT
 cd "$scratch" || exit 2
-survivors=0
-
-plant() {  # name, file, old text, new text, pytest selection
-  git checkout -q -- src
-  "$python" - "$2" "$3" "$4" <<'PY' || exit 2
-import pathlib, sys
-path, old, new = sys.argv[1:]
-text = pathlib.Path(path).read_text()
-if old not in text:
-    sys.exit(f"the code to mutate moved: {old!r} not in {path}")
-pathlib.Path(path).write_text(text.replace(old, new, 1))
-PY
-  # shellcheck disable=SC2086
-  PYTHONPATH="$scratch/src" "$python" -m pytest -q -x -p no:cacheprovider $5 >"$scratch/log" 2>&1
-  case $? in
-    1) echo "caught    $1  ($5: $(tail -n 1 "$scratch/log"))" ;;
-    0) echo "SURVIVED  $1  ($5 passed)"; survivors=$((survivors + 1)) ;;
-    *) echo "BROKEN    $1  ($5 did not run: $(tail -n 1 "$scratch/log"))"; survivors=$((survivors + 1)) ;;
-  esac
-}
-
-# A classic bug that verify's old default shapes hid (issue 36): with the mutant, `meshlm verify` with
-# the defaults must fail (exit 1: caught); the same command with the old shapes (HIDDEN_BY) shows what
-# hid it (exit 0: "hidden by ...", informational). Exit 3 (a control crashed) or 2 is BROKEN.
-plant_verify() {  # name, file, old text, new text, verify flags (new defaults), old-default extra flags
-  git checkout -q -- src
-  "$python" - "$2" "$3" "$4" <<'PY' || exit 2
-import pathlib, sys
-path, old, new = sys.argv[1:]
-text = pathlib.Path(path).read_text()
-if old not in text:
-    sys.exit(f"the code to mutate moved: {old!r} not in {path}")
-pathlib.Path(path).write_text(text.replace(old, new, 1))
-PY
-  # shellcheck disable=SC2086
-  PYTHONPATH="$scratch/src" "$python" -m meshlm verify $5 --no-collectives >"$scratch/log" 2>&1
-  rc=$?
-  old="no old shapes to compare"
-  if [ -n "$6" ]; then
-    # shellcheck disable=SC2086
-    PYTHONPATH="$scratch/src" "$python" -m meshlm verify $5 $6 --no-collectives >"$scratch/log_old" 2>&1
-    old="with the old shapes ($6): exit $?"
-  fi
-  case $rc in
-    1) echo "caught    $1  (verify $5: $(grep -m1 -E 'FAIL|worst relative' "$scratch/log"); $old)" ;;
-    0) echo "SURVIVED  $1  (verify $5 passed; $old)"; survivors=$((survivors + 1)) ;;
-    *) echo "BROKEN    $1  (verify $5: exit $rc: $(tail -n 1 "$scratch/log"))"; survivors=$((survivors + 1)) ;;
-  esac
-}
+# shellcheck source=scripts/plant_lib.sh
+. "$repo/scripts/plant_lib.sh"
 
 plant "reference computed by the sharded program" src/meshlm/proof/runs.py \
   "            self._ref_grads = self.problem.from_reference(program(*args))" \

@@ -24,6 +24,8 @@ PP_PLAN = (
 )
 BENCH = "tests/test_bench.py::test_bench_json_schema_and_values"
 BENCH_PP = "tests/test_bench.py::test_bench_pp_times_the_pipeline_against_no_pp"
+SCHEDULES = "tests/test_bench.py::test_bench_compare_schedules_times_each_schedule_against_no_pp"
+NO_RECOMPUTE = "tests/test_pipeline.py::test_no_chunk_forward_runs_twice"
 TR_STEPS = "tests/test_transformer.py::test_transformer_training_steps_float64_on_2x2"
 TR32 = "tests/test_transformer.py::test_transformer_float32"
 CP = "tests/test_cp.py::test_loss_and_every_gradient_equal_the_unsharded_model"
@@ -107,6 +109,7 @@ COMMANDS: dict[str, Run | Shown] = {
         "meshlm train --data DIR",
         "meshlm bench --pp N",
         "meshlm verify --cp N --cp-strategy ring|allgather",
+        "meshlm bench --pp N --compare-schedules",
         "meshlm train --pp 2 --mesh 1x2 --devices 4 ...",
     ),
     **_names(
@@ -282,6 +285,25 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm bench --config tiny-deep --pp 2 --mesh 1x1 --devices 2 --microbatches 4 --batch-size 8 "
     "--seq-len 32 "
     "--steps 5 --gen-tokens 0": run(expect=("pipeline (1f1b, pp=2, M=4)",), costly=BENCH_PP),
+    "meshlm bench --config cpu-deep --pp $pp --mesh 1x1 --devices $pp --microbatches $m --batch-size $m "
+    "--seq-len 64 --steps 5 --gen-tokens 0 --compare-schedules": run(
+        "--steps 5 => --steps 1",
+        each=((("$pp", "2"), ("$m", "4")), (("$pp", "4"), ("$m", "8"))),
+        costly=SCHEDULES,
+    ),
+    "meshlm verify --config tiny-deep --pp 2 --mesh 1x2 --devices 4 --steps 2 --x64 --pp-schedule 1f1b "
+    "--microbatches 4": verify(costly=NO_RECOMPUTE),
+    "meshlm verify --config tiny-deep --pp 2 --mesh 1x2 --devices 4 --steps 2 --x64 --pp-schedule 1f1b "
+    "--microbatches 4 --remat full": verify(costly=NO_RECOMPUTE),
+    "meshlm verify --config tiny-deep --pp 2 --mesh 1x2 --devices 4 --steps 2 --x64 --microbatches 4 "
+    "--pp-schedule interleaved --virtual-stages 2 --remat selective": verify(costly=NO_RECOMPUTE),
+    "meshlm plan --config small --pp 4 --mesh 1x1 --devices 4 --microbatches $m --pp-schedule 1f1b "
+    "--batch-size $((2 * m)) --seq-len 256 --remat $r": run(
+        "--seq-len 256 => --seq-len 64",
+        each=tuple(
+            (("$m", str(m)), ("$((2 * m))", str(2 * m)), ("$r", r)) for r in ("none", "full") for m in (4, 8)
+        ),
+    ),
     # docs/proof.md
     "meshlm verify --config seed --mesh 1x4 --devices 4": Shown(
         "same code path as tests/test_core.py::test_cli_verify_seed_1x4_json (this command with --json)"

@@ -64,8 +64,10 @@ def test_softcap_refused_under_cp():
 
     from meshlm.model.transformer import local_logits
     from meshlm.parallel.context import Parallel
+    from meshlm.parallel.layout import Layout
 
     cfg = get_config("tiny-gemma").replace(**CAPS)
-    forward = hk.transform(lambda tokens: local_logits(cfg, Parallel(cp=2, sharded=True), tokens))
+    par = Parallel(layout=Layout(cp=2), sharded=True)
+    forward = hk.transform(lambda tokens: local_logits(cfg, par, tokens))
     with pytest.raises(ConfigError, match="--cp does not support attention soft-capping yet"):
         forward.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
