@@ -287,8 +287,13 @@ COMMANDS: dict[str, Run | Shown] = {
     "--steps 5 --gen-tokens 0": run(expect=("pipeline (1f1b, pp=2, M=4)",), costly=BENCH_PP),
     "meshlm bench --config cpu-deep --pp $pp --mesh 1x1 --devices $pp --microbatches $m --batch-size $m "
     "--seq-len 64 --steps 5 --gen-tokens 0 --compare-schedules": run(
-        "--steps 5 => --steps 1",
-        each=((("$pp", "2"), ("$m", "4")), (("$pp", "4"), ("$m", "8"))),
+        each=tuple(  # each substitution replaces one occurrence: $pp and $m appear twice
+            (
+                ("--pp $pp --mesh 1x1 --devices $pp", f"--pp {pp} --mesh 1x1 --devices {pp}"),
+                ("--microbatches $m --batch-size $m", f"--microbatches {m} --batch-size {m}"),
+            )
+            for pp, m in ((2, 4), (4, 8))
+        ),
         costly=SCHEDULES,
     ),
     "meshlm verify --config tiny-deep --pp 2 --mesh 1x2 --devices 4 --steps 2 --x64 --pp-schedule 1f1b "
