@@ -12,6 +12,8 @@ transformers = pytest.importorskip("transformers")
 import haiku as hk  # noqa: E402
 import jax  # noqa: E402
 from helpers import run_cli  # noqa: E402
+from hf_helpers import hf_logits as _hf_logits  # noqa: E402
+from hf_helpers import our_logits as _our_logits  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from meshlm.errors import CheckpointError, ConfigError  # noqa: E402
@@ -54,15 +56,6 @@ HF_CONFIGS = {
     ),
 }
 MODEL_CLASSES = {"gptj": "GPTJForCausalLM", "llama": "LlamaForCausalLM", "llama-tied-hd": "LlamaForCausalLM"}
-
-
-def _hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens)).logits.numpy()
-
-
-def _our_logits(cfg, flat, tokens) -> np.ndarray:
-    return np.asarray(hk.transform(logits_fn(cfg, Parallel())).apply(unflatten(flat), None, tokens))
 
 
 @pytest.fixture(scope="module")

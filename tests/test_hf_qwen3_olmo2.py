@@ -13,6 +13,9 @@ transformers = pytest.importorskip("transformers")
 
 import haiku as hk  # noqa: E402
 from helpers import run_cli, sharded_logits  # noqa: E402
+from hf_helpers import hf_logits as _hf_logits  # noqa: E402
+from hf_helpers import our_logits as _our_logits  # noqa: E402
+from hf_helpers import rel as _rel  # noqa: E402
 
 from meshlm.data.bpe import train_bpe  # noqa: E402
 from meshlm.data.hf_tokenizer import EOD_TOKEN  # noqa: E402
@@ -21,8 +24,6 @@ from meshlm.io import hf_config, hf_weights  # noqa: E402
 from meshlm.model import attention  # noqa: E402
 from meshlm.model.config import get_config  # noqa: E402
 from meshlm.model.params import unflatten  # noqa: E402
-from meshlm.model.transformer import logits_fn  # noqa: E402
-from meshlm.parallel.context import Parallel  # noqa: E402
 
 RTOL = 1e-5  # float32: worst |ours - theirs| relative to the largest |logit|
 VOCAB = 280
@@ -51,19 +52,6 @@ HF_CONFIGS = {
     ),
 }
 MODEL_CLASSES = {"qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
-
-
-def _rel(got, want) -> float:
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-
-
-def _hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens)).logits.numpy()
-
-
-def _our_logits(cfg, flat, tokens) -> np.ndarray:
-    return np.asarray(hk.transform(logits_fn(cfg, Parallel())).apply(unflatten(flat), None, tokens))
 
 
 @pytest.fixture(scope="module")
