@@ -75,6 +75,9 @@ def test_flags_override_the_file(tmp_path):
     args = parse_args(build_parser(), ["train", "--settings", path, "--steps", "5", "--data", "b"])
     tcfg = settings_from(args, TrainConfig)
     assert (tcfg.steps, tcfg.fsdp, tcfg.data, args.mesh) == (5, True, ("b",), "2x2")
+    # a switch the file turns on, the command line turns off
+    args = parse_args(build_parser(), ["train", "--settings", path, "--no-fsdp"])
+    assert settings_from(args, TrainConfig).fsdp is False
     # a required flag may come from the file
     path = _file(tmp_path, {"checkpoint": "runs/x", "prompt": ["hi"]}, "g.toml")
     args = parse_args(build_parser(), ["generate", "--settings", path])

@@ -139,7 +139,8 @@ def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field, help: str | None
         return
     flag, dest, text = flag_name(f), f.name, help or _help(f)
     if isinstance(f.default, bool):
-        p.add_argument(flag, dest=dest, action="store_true", help=text)
+        # --x and --no-x: a value a --settings file (or a later default) turned on can be turned off.
+        p.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=f.default, help=text)
     elif isinstance(f.default, tuple):
         p.add_argument(flag, dest=dest, nargs="+", default=f.default, help=text)
     else:

@@ -3,7 +3,8 @@ written in Python (``--batch-size 8`` is ``batch_size = 8``, ``--bf16`` is ``com
 "bfloat16"``); flags given on the command line override the file.
 
 The file's values become the command's defaults, then the command line is parsed again: so a flag
-given there wins, and every value is checked as its flag is (the same ranges and choices). An unknown
+given there wins (``--no-fsdp`` turns off a file's ``fsdp = true``), and every value is checked as its
+flag is (the same ranges and choices). An unknown
 key, a value of the wrong type or out of range is one line naming the file, the key and what is valid.
 ``meshlm train`` writes such a file into its run directory (``settings.toml``).
 """
@@ -74,8 +75,11 @@ def read_settings(path: str, command: argparse.ArgumentParser) -> dict[str, Any]
     return {key: _value(f"{FLAG} {path}: {key}", actions[key], value) for key, value in data.items()}
 
 
+SWITCHES = argparse._StoreTrueAction | argparse._StoreFalseAction | argparse.BooleanOptionalAction
+
+
 def _value(where: str, action: argparse.Action, value: Any) -> Any:
-    if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+    if isinstance(action, SWITCHES):
         return _of_kind(where, value, bool, "true or false")
     if isinstance(action, argparse._StoreConstAction):  # a switch: --bf16 sets compute_dtype
         kind = type(action.const)
