@@ -114,8 +114,6 @@ COMMANDS: dict[str, Run | Shown] = {
     ),
     **_names(
         "prose or a quoted message that starts with 'meshlm', not a command",
-        "meshlm eval has no context parallelism yet (--cp 2: its per-token losses are not gathered "
-        "back over cp)",
         "meshlm converts ['gemma', 'gptj', 'llama', 'mistral']",
         "meshlm data prepare was interrupted or failed)",
         "meshlm data prepare into a new or empty --out",
