@@ -23,8 +23,10 @@ def test_eval_over_cp_equals_eval_without(strategy):
     plain, cp = Layout(1, 2), Layout(1, 2, cp=2, cp_strategy=strategy)
     params, _ = init_model(cfg, plain, seed=0)
     host = {m: {n: to_host(x) for n, x in leaves.items()} for m, leaves in params.items()}
-    on_cp = {m: {n: put_global(host[m][n], x.sharding.update(mesh=cp.mesh)) for n, x in leaves.items()}
-             for m, leaves in params.items()}
+    on_cp = {
+        m: {n: put_global(host[m][n], x.sharding.update(mesh=cp.mesh)) for n, x in leaves.items()}
+        for m, leaves in params.items()
+    }
     tokens = np.random.default_rng(0).integers(1, 256, 53).astype(np.int32)
     stream, tok = TokenStream(tokens, eod_id=0), load_tokenizer("bytes")
     run = lambda p, layout: evaluate_stream(

@@ -68,4 +68,3 @@ def run(args) -> int:
             f"{summary['seconds']:.1f} s; data: {source}"
         )
     return 0
-

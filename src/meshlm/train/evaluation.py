@@ -27,6 +27,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from meshlm.data.corpus import load_all
 from meshlm.data.store import store_arg
@@ -38,8 +39,6 @@ from meshlm.io.model_io import load_model, read_config
 from meshlm.model.config import ModelConfig, default_seq_len
 from meshlm.model.layers import mask_vocab_padding, vocab_parallel_xent
 from meshlm.model.transformer import local_logits
-from jax.sharding import PartitionSpec as P
-
 from meshlm.parallel import distributed
 from meshlm.parallel.axes import CP, DP
 from meshlm.parallel.context import Parallel
