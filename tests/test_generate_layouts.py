@@ -33,6 +33,7 @@ def test_generate_from_a_checkpoint_trained_under_cp_or_pp_on_any_mesh(name, cor
     except ConfigError as e:  # pp x cp before it is allowed: the refusal's own line
         pytest.skip(str(e))
     train(tiny_lm_config(corpus, tmp_path, steps=1, **axes, **model), layout)
+    capsys.readouterr()  # training's own lines
     out = {}
     for mesh in ("1x1", "2x2"):
         argv = ["--checkpoint", str(tmp_path), "--mesh", mesh, "--prompt", "def ", "--max-new-tokens", "6"]
