@@ -1,6 +1,7 @@
 """``meshlm generate`` from a checkpoint trained under --cp and under --pp, on another mesh: checkpoints do
 not depend on the layout they were trained on (cp splits data, pp the stacked layer dimension), so the
-greedy tokens are the same on every mesh. ``--pp 2 --cp 2`` together runs once the layout allows it
+greedy tokens are the same on every mesh; ``meshlm eval --cp 2`` of the cp checkpoint equals eval without
+cp. ``--pp 2 --cp 2`` together runs once the layout allows it
 (skipped with the layout's own reason until then)."""
 
 import json
@@ -40,3 +41,19 @@ def test_generate_from_a_checkpoint_trained_under_cp_or_pp_on_any_mesh(name, cor
         assert run_cli("generate", *argv, "--temperature", "0", "--json") == 0
         out[mesh] = json.loads(capsys.readouterr().out)["tokens"]  # one prompt: one object
     assert len(out["1x1"]) == 6 and out["1x1"] == out["2x2"]
+    if name == "cp2":  # meshlm eval --cp 2 on the same checkpoint and data equals eval without cp
+        losses = []
+        for cp in ([], ["--cp", "2"]):
+            argv = [
+                "--checkpoint",
+                str(tmp_path),
+                "--data",
+                f"{corpus}/f0.py",
+                "--mesh",
+                "1x2",
+                "--seq-len",
+                "32",
+            ]
+            assert run_cli("eval", *argv, *cp, "--batch-size", "2", "--json") == 0
+            losses.append(json.loads(capsys.readouterr().out.splitlines()[-1])["loss"])
+        assert losses[1] == pytest.approx(losses[0], rel=1e-6)
