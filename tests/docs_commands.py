@@ -322,6 +322,9 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-gqa --mesh 1x4 --z-loss 1e-3 --x64": verify(costly=Z),
     "meshlm verify --matrix --devices 8 --md": verify(costly=MATRIX),
     "meshlm verify --matrix --axes pp,cp": verify(costly=AXES_MATRIX),
+    "meshlm verify --config tiny-qwen2 --mesh 2x2 --pp 2 --devices 8 --fsdp --sp --steps 2 --x64 --seq-len 8": verify(
+        costly="tests/test_control_set.py::test_the_controls_with_a_path_of_their_own_under_pp_are_detected"
+    ),
     "meshlm verify --config tiny-gpt2vocab --mesh 1x8 --devices 8 --x64": verify(costly=GPT2),
     "meshlm verify --config tiny-llama3 --mesh 2x2 --devices 4 --x64 --steps 2": verify(costly=MARGIN),
     "meshlm verify --config tiny-qwen2 --mesh 2x2 --devices 4 --x64 --steps 2": verify(costly=MARGIN),
