@@ -130,7 +130,6 @@ CLI_ERRORS = {
     "verify": ("verify --config tiny-llama --mesh 1x1 --cp 4 --seq-len 36", "--seq-len 36 is not divisible"),
     "train": ("train --config tiny-llama --mesh 1x4 --cp 2 --sp --seq-len 20", "over cp x mp = 8"),
     "plan": ("plan --config tiny-llama --mesh 1x1 --cp 4 --seq-len 20", "--seq-len 20 is not divisible by 8"),
-    "eval": ("eval --checkpoint runs/x --mesh 1x2 --cp 2", "meshlm eval has no context parallelism yet"),
 }
 
 

@@ -22,7 +22,7 @@ from meshlm.proof.cp_controls import CP_CONTROLS
 from meshlm.proof.pipeline_proof import CONTROLS as PIPELINE_CONTROLS
 from meshlm.proof.pipeline_proof import applicable_controls
 from meshlm.proof.pipeline_verify import pipeline_control_fn
-from meshlm.proof.prover import where_of
+from meshlm.proof.prover import control_set, where_of
 from meshlm.proof.rule_errors import is_vma_rejection
 from meshlm.proof.runs import Runs
 
@@ -84,10 +84,10 @@ def _problem(name):
 
 def _applicable(problem, layout) -> list:
     """(name, trace) of each control verify runs on this configuration (``prover.verify``'s choice)."""
+    chosen = [(c.name, c) for c in control_set(where_of(problem, layout, collectives=True))]
     if layout.pipelined:
-        return [(f"pipeline: {n}", n) for n in applicable_controls(layout.pipeline)]
-    where = where_of(problem, layout, collectives=True)
-    return [(c.name, c) for c in CONTROLS + CP_CONTROLS if c.applies(where)]
+        chosen += [(f"pipeline: {n}", n) for n in applicable_controls(layout.pipeline)]
+    return chosen
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -267,3 +267,36 @@ def test_a_nan_error_is_reported_as_nan_not_zero():
     text = format_report(report)
     assert "worst relative error: nan" in text and "FAIL" in text
     assert np.isnan(worst(0.0, float("nan"), 1.0)) and worst() == 0.0
+
+
+def test_matrix_axes_cells_prove_or_refuse_with_the_layouts_reason(monkeypatch, capsys):
+    """``--matrix --axes pp,cp``: every schedule and cp strategy, plain and FSDP + SP, and their pairs;
+    a pair the layout refuses is a row with the layout's own line (here without running any proof:
+    ``verify`` is replaced), so when the pair is allowed the cell becomes a proof. --axes needs
+    --matrix, and names only pp and cp (one line each)."""
+    from meshlm.errors import ConfigError
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof import axes_matrix
+    from meshlm.proof.axes_matrix import _cell, axes_cells, parse_axes
+    from meshlm.proof.matrix import format_matrix
+
+    cells = dict(axes_cells(("pp", "cp")))
+    assert (
+        len(cells) == 3 * 2 + 2 * 2 + 3 * 2
+        and "pp2 1f1b, fsdp + sp" in cells
+        and "cp2 ring, fsdp + sp" in cells
+    )
+    monkeypatch.setattr(axes_matrix, "verify", lambda *a, **k: pytest.fail("a refused pair runs no proof"))
+    pair = cells["pp2 1f1b x cp2 ring"]
+    try:
+        Layout(**pair)
+    except ConfigError as e:
+        row = _cell("pp2 1f1b x cp2 ring", pair, 8, x64=False, steps=0, seed=0)
+        assert row["ok"] is None and row["refused"] == str(e)
+        assert f"refused: {e}" in format_matrix([row])
+    else:  # pp x cp allowed (after its merge): the cell is a proof, covered by verify --matrix --axes
+        pass
+    with pytest.raises(ConfigError, match="--axes pp,ep: ep is not one of pp, cp"):
+        parse_axes("pp,ep")
+    assert run_cli("verify", "--axes", "pp") == 2
+    assert "add --matrix or drop --axes" in capsys.readouterr().err

@@ -129,7 +129,6 @@ REFUSED = {
     "memory --pp 2": "meshlm memory has no pipeline (--pp 2)",
     "memory --sp": "meshlm memory runs without sequence parallelism (--sp); drop it (meshlm plan counts it)",
     "bench --fsdp": "meshlm bench runs without FSDP (--fsdp); drop it (--memory-options times FSDP",
-    "eval --checkpoint c --data d --cp 2": "meshlm eval has no context parallelism yet (--cp 2",
 }
 
 

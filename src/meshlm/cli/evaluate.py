@@ -18,12 +18,12 @@ from meshlm.cli.common import (
     settings_from,
     setup,
 )
-from meshlm.errors import ConfigError
 from meshlm.settings import MESH_OPTIONS, MeshFlags
 from meshlm.train.eval_settings import EvalConfig, check_split
 
-# The mesh options eval runs without (a checkpoint written under any of them loads on any mesh).
-REFUSED = MESH_OPTIONS
+# The mesh options eval runs without (a checkpoint written under any of them loads on any mesh); it
+# runs with --cp (the per-token losses gathered back over cp, ``train.evaluation.sequence_order``).
+REFUSED = tuple(name for name in MESH_OPTIONS if name not in ("cp", "cp_strategy"))
 PIPELINE = ("pp", "microbatches", "pp_schedule", "virtual_stages")
 
 
@@ -35,24 +35,16 @@ def add_parser(sub) -> None:
     p.set_defaults(fn=run)
 
 
-def refuse_cp(flags: MeshFlags) -> None:
-    """One line instead of an unknown flag: the per-token losses are not yet gathered back over cp."""
-    if flags.cp > 1:
-        raise ConfigError(
-            f"meshlm eval has no context parallelism yet (--cp {flags.cp}: its per-token losses are not "
-            "gathered back over cp); checkpoints do not depend on cp: drop --cp"
-        )
-
-
 def run(args) -> int:
     flags = settings_from(args, MeshFlags)
-    refuse_options(args, flags, "eval", PIPELINE, ANY_MESH)  # --pp's line before --cp's, as before
-    refuse_cp(flags)  # eval's own line for --cp
+    refuse_options(args, flags, "eval", PIPELINE, ANY_MESH)  # --pp's line first, naming the mesh to use
     refuse_options(args, flags, "eval", REFUSED, ANY_MESH)
     ecfg = settings_from(args, EvalConfig)
-    check_split(ecfg)  # before devices start
     if planned := flag_layout(args, flags):  # before devices start
         planned.check_batch(ecfg.batch_size)
+        if ecfg.seq_len:
+            planned.check_seq_len(ecfg.seq_len)
+    check_split(ecfg)  # before devices start
     layout = setup(args, flags, planned)
     from meshlm.parallel.distributed import print0
     from meshlm.train.evaluation import evaluate
@@ -63,7 +55,7 @@ def run(args) -> int:
         "checkpoint": args.checkpoint,
         "data": source,
         **result.to_json(),
-        "mesh": f"{layout.dp}x{layout.mp}",
+        "mesh": layout.label(),
         "seconds": round(time.perf_counter() - t0, 2),
     }
     if args.json:
@@ -72,7 +64,7 @@ def run(args) -> int:
         print0(
             f"loss {result.loss:.4f} nats/token, perplexity {result.perplexity:.3f}, "
             f"{result.bits_per_byte:.4f} bits/byte over {result.tokens:,} tokens ({result.bytes:,} bytes) "
-            f"in {result.windows:,} windows of {result.seq_len} on a {layout.dp}x{layout.mp} mesh, "
+            f"in {result.windows:,} windows of {result.seq_len} on a {layout.label()} mesh, "
             f"{summary['seconds']:.1f} s; data: {source}"
         )
     return 0

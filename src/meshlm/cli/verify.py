@@ -28,6 +28,7 @@ def run(args) -> int:
     from meshlm.errors import VERIFIER_EXIT_CODE, VerifierError
 
     vs = _with_defaults(settings_from(args, VerifySettings))
+    axes = _axes(vs)  # before any work
     if planned := flag_layout(args, vs):  # before any work
         if vs.batch_size is not None:
             planned.check_batch(vs.batch_size)
@@ -36,7 +37,7 @@ def run(args) -> int:
         if vs.checkpoint is None:
             planned.check_layers(get_config(vs.config).n_layers)
     try:
-        return _matrix(args, vs) if vs.matrix else _verify(args, vs, planned)
+        return _matrix(args, vs, axes) if vs.matrix else _verify(args, vs, planned)
     except VerifierError as e:
         print(f"meshlm: verifier error: {e}", file=sys.stderr)
         return VERIFIER_EXIT_CODE
@@ -97,7 +98,15 @@ def _seq_len(vs: VerifySettings, cfg) -> int:
     return seq_len
 
 
-def _matrix(args, vs: VerifySettings) -> int:
+def _axes(vs: VerifySettings) -> tuple[str, ...]:
+    if vs.axes and not vs.matrix:
+        raise ConfigError(f"--axes {vs.axes} picks --matrix's extra cells; add --matrix or drop --axes")
+    from meshlm.proof.axes_matrix import parse_axes
+
+    return parse_axes(vs.axes)
+
+
+def _matrix(args, vs: VerifySettings, axes: tuple[str, ...]) -> int:
     import os
     import tempfile
 
@@ -117,7 +126,7 @@ def _matrix(args, vs: VerifySettings) -> int:
 
     if vs.x64:
         jax.config.update("jax_enable_x64", True)
-    rows = run_matrix(jax.device_count(), x64=vs.x64, steps=vs.steps, seed=vs.seed)
+    rows = run_matrix(jax.device_count(), x64=vs.x64, steps=vs.steps, seed=vs.seed, axes=axes)
     print0(json.dumps(rows) if args.json else format_matrix(rows, markdown=vs.md))
     return 0 if all(r["ok"] in (True, None) for r in rows) else 1
 

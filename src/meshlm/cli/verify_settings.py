@@ -82,6 +82,12 @@ class VerifySettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: t
     )
     matrix: bool = setting(False, "prove every preset x mesh x option that fits")
     md: bool = setting(False, "with --matrix: print the table as markdown")
+    axes: str = setting(
+        "",
+        "with --matrix: also the cells of these axes (pp, cp or pp,cp: each schedule and cp strategy, "
+        "with FSDP + SP, and their pairs, proven or refused with the reason)",
+        shown_default="none",
+    )
 
     def __post_init__(self):
         check_fields(self)  # library users never pass argparse's checks

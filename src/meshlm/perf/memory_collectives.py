@@ -101,7 +101,9 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
 
 def expected_all_reduce_bytes(cfg: ModelConfig, layout: Layout, *, params, **shape) -> int:
     """Result bytes of the all-reduces (``theoretical_bytes``'s causes), without those SP replaces
-    and with its norm gradients (``shape``: batch, seq_len, itemsize)."""
+    and with the gradients of the parameters SP leaves replicated over MP (``sp_replicated``: norms,
+    and biases added after a row-parallel sum, e.g. the ff family's; each leaf's bytes once, its
+    layers stacked in it) (``shape``: batch, seq_len, itemsize)."""
     from meshlm.parallel.placement import bytes_per_device
 
     out = theoretical_bytes(
@@ -110,8 +112,8 @@ def expected_all_reduce_bytes(cfg: ModelConfig, layout: Layout, *, params, **sha
     total = out["total"]
     if layout.sp and layout.mp > 1:
         total -= sum(out[c] for c in SP_REPLACES)
-        norms = [
-            p for path, p in flat_params(params).items() if path.rsplit("/", 1)[1] in ("scale", "offset")
-        ]
-        total += sum(p.size for p in norms) * shape["itemsize"]
+        replicated = sp_replicated(params, cfg.n_layers)
+        total += (
+            sum(p.size for path, p in flat_params(params).items() if path in replicated) * shape["itemsize"]
+        )
     return total

@@ -42,3 +42,4 @@ class Control:
     by_collectives: bool = False  # detected by the communication check, not by values
     params_change: Callable | None = None  # (cfg, params) -> the sharded run's parameters
     plant: Callable | None = None  # () -> a context manager planting the fault while the sharded run traces
+    pipe_cls: Callable | None = None  # layout -> the engine's Pipeline subclass (a fault the pipeline holds)

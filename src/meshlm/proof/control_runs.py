@@ -89,11 +89,13 @@ def _planted_fn(control: Control, runs: Runs):
     """The control's sharded loss and gradients (jitted, not yet traced) and the parameters to run
     it at."""
     problem = runs.problem
-    build = problem.build_loss
+    build, cfg = problem.build_loss, None
     if control.cfg_change is not None:
-        build = problem.rebuild(control.cfg_change(problem.cfg))
+        cfg = control.cfg_change(problem.cfg)
+        build = problem.rebuild(cfg)
     params = runs.params if control.params_change is None else control.params_change(problem.cfg, runs.params)
-    return runs.sharded_fn(build, control.par_cls), params
+    pipe_cls = None if control.pipe_cls is None else control.pipe_cls(runs.layout)
+    return runs.sharded_fn(build, control.par_cls, pipe_cls, cfg), params
 
 
 def trace_control(control: Control, runs: Runs, ocfg=None):

@@ -33,6 +33,7 @@ from meshlm.proof.family_faults import (
     qk_norm_grad_not_summed,
     window_off_by_one,
 )
+from meshlm.proof.pipeline_verify import engine_sums_over_dp
 from meshlm.proof.taps import Tapped
 
 
@@ -157,7 +158,16 @@ CONTROLS: tuple[Control, ...] = (
         par_cls=BiasCountedMpTimes,
     ),
     Control(name="shard reads wrong vocab slice", applies=lambda w: w.layout.mp > 1, par_cls=WrongVocabSlice),
-    Control(name="missing data-parallel mean", applies=lambda w: w.layout.dp > 1, par_cls=MissingDpMean),
+    Control(
+        name="missing data-parallel mean",
+        applies=lambda w: w.layout.dp > 1 and not w.layout.pipelined,
+        par_cls=MissingDpMean,
+    ),
+    Control(  # under pp the engine takes the mean over dp (``pipeline_verify.EngineSumsOverDp``)
+        name="missing data-parallel mean",
+        applies=lambda w: w.layout.dp > 1 and w.layout.pipelined,
+        pipe_cls=engine_sums_over_dp,
+    ),
     Control(
         name="shard uses another shard's heads",
         applies=lambda w: w.layout.mp > 1 and w.attention,

@@ -28,10 +28,13 @@ class HeadBiasOfNextShard(Tapped):
 
 class TiedHeadOtherSlice(Tapped):
     """A tied head projects onto the next shard's embedding slice: its logits' columns are the wrong
-    vocabulary ids (the lookup still reads the right rows)."""
+    vocabulary ids (the lookup still reads the right rows). An all-gather over mp, not a permute: under
+    pp the head runs on the last stage only (a branch of a ``cond``), and XLA:CPU runs a permute over mp
+    as one collective of every device, which the other stages never join (a deadlock)."""
 
     def tied_table(self, table):
-        return lax.ppermute(table, MP, [(i, (i + 1) % self.layout.mp) for i in range(self.layout.mp)])
+        every = lax.all_gather(table, MP, axis=0, tiled=False)  # [mp, V/mp, D]
+        return every[(self.shard_index() + 1) % self.layout.mp]
 
 
 class TiedHeadGradDropped(Tapped):

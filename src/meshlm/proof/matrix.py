@@ -5,7 +5,9 @@ mp = 8). Meshes: every dp x mp that uses all the devices (N x 1 ... 1 x N). Opti
 z-loss with rematerialised layers (the loss term and the recomputation both proven sharded), and on
 meshes with dp > 1 and mp > 1 FSDP + sequence parallelism + selective remat together. Each
 cell is the full proof (values, independence, communication, data pipeline, controls); cells the
-mesh cannot split (heads not divisible by mp) are listed as skipped with the reason.
+mesh cannot split (heads not divisible by mp) are listed as skipped with the reason. ``--axes pp,cp``
+adds the pipeline's and the context axis's cells, and their pairs, proven or refused with the
+layout's own reason (``proof.axes_matrix``).
 
 Compile time dominates these tiny models, so the CLI compiles the matrix with XLA's backend
 optimisations off and, on CPU, with XLA's elemental fusion emitters (both sides of every comparison
@@ -40,8 +42,11 @@ def meshes(n_devices: int) -> list[tuple[int, int]]:
     return [(n_devices // mp, mp) for mp in range(1, n_devices + 1) if n_devices % mp == 0]
 
 
-def run_matrix(n_devices: int, *, x64: bool = False, steps: int = 0, seed: int = 0) -> list[dict]:
-    """One row per cell: {"preset", "mesh", "options", "ok" (None when skipped), ...}."""
+def run_matrix(
+    n_devices: int, *, x64: bool = False, steps: int = 0, seed: int = 0, axes: tuple[str, ...] = ()
+) -> list[dict]:
+    """One row per cell: {"preset", "mesh", "options", "ok" (None when skipped or refused), ...};
+    ``axes`` ("pp", "cp"): their cells too (``proof.axes_matrix``), after the others."""
     rows = []
     for preset in PRESETS:
         for dp, mp in meshes(n_devices):
@@ -50,6 +55,10 @@ def run_matrix(n_devices: int, *, x64: bool = False, steps: int = 0, seed: int =
             if dp > 1 and mp > 1:
                 option, changes, memory = MEMORY_OPTION
                 rows.append(_cell(preset, dp, mp, option, changes, x64=x64, steps=steps, seed=seed, **memory))
+    if axes:
+        from meshlm.proof.axes_matrix import run_axes_cells
+
+        rows += run_axes_cells(axes, n_devices, x64=x64, steps=steps, seed=seed)
     return rows
 
 
@@ -93,6 +102,8 @@ def format_matrix(rows: list[dict], *, markdown: bool = False) -> str:
 
 
 def _result(r: dict) -> list[str]:
+    if "refused" in r:  # a pair of axes or options the layout does not allow (yet): its own line
+        return ["-", "-", "-", f"refused: {r['refused']}"]
     if r["ok"] is None:
         return ["-", "-", "-", f"skipped: {r['skipped']}"]
     return [f"{r['worst_rel_err']:.1e}", r["checks"], r["controls"], "PASS" if r["ok"] else "FAIL"]

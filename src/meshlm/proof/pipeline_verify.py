@@ -16,9 +16,22 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from meshlm.parallel.pipeline import Pipeline
 from meshlm.parallel.pipeline_schedule import schedule_facts
 from meshlm.proof.pipeline_proof import CONTROLS, applicable_controls
 from meshlm.proof.report import LeafResult, check_row, compare_into, worst
+
+
+def engine_sums_over_dp(layout) -> type[Pipeline]:
+    """The data-parallel mean's fault under pp, where the engine (not ``Parallel.batch_mean``) takes it:
+    the loss and gradients summed over the dp shards instead of averaged (the scale of each micro-batch
+    times dp)."""
+
+    class EngineSumsOverDp(Pipeline):
+        def loss_scale(self):
+            return layout.dp * super().loss_scale()
+
+    return EngineSumsOverDp
 
 
 def pipeline_controls(runs, rtol: float, atol: float) -> list[dict]:

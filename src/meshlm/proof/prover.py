@@ -83,21 +83,28 @@ def verify(
     report.checks += padding_rows(problem, sharded[1])
     report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
     report.extra["param_bytes_total"] = total_bytes(runs.params)
-    where = where_of(problem, layout, collectives)
-    if layout.pipelined:  # the pipeline's own faults (``pipeline_verify``)
-        report.controls = pipeline_controls(runs, rtol, atol)
-        return report
-    report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in controls if c.applies(where)]
+    chosen = control_set(where_of(problem, layout, collectives), controls)
+    report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in chosen]
+    if layout.pipelined:  # and the pipeline's own faults (``pipeline_verify``)
+        report.controls += pipeline_controls(runs, rtol, atol)
     return report
 
 
+def control_set(where: Where, controls: tuple[Control, ...] = CONTROLS + CP_CONTROLS) -> list[Control]:
+    """The controls that apply to the model and options on ``where``'s layout, under pp and cp as
+    without them (the pipeline's own come on top under pp: ``pipeline_verify``)."""
+    return [c for c in controls if c.applies(where)]
+
+
 def where_of(problem: Problem, layout: Layout, collectives: bool) -> Where:
-    """What the controls' applicability is decided on: the problem's model on this layout."""
+    """What the controls' applicability is decided on: the problem's model on this layout. Under pp the
+    communication check counts the pipeline's permutes (``pipeline_verify.permute_rows``), not the
+    all-reduces the communication controls add: those do not run there."""
     return Where(
         cfg=problem.cfg,
         layout=layout,
         has_row_bias=problem.has_row_bias,
-        collectives=collectives,
+        collectives=collectives and not layout.pipelined,
         seq_len=int(jnp.shape(problem.batch.get("inputs", ()))[-1]),
     )
 

@@ -49,11 +49,12 @@ class Runs:
         self.batch = put_batch(problem.batch, layout, False)  # the global batch on the mesh
         self.checked: list[CheckedProgram] = []  # the programs that computed the reference's values
 
-    def value_and_grad(self, build_loss, par_cls=Parallel, pipe_cls=None):
-        """The sharded fn(params, batch) -> (loss, grads); with pp the problem's model through the
+    def value_and_grad(self, build_loss, par_cls=Parallel, pipe_cls=None, cfg=None):
+        """The sharded fn(params, batch) -> (loss, grads); with pp the problem's model (or ``cfg``, a
+        control's changed one: the pipeline runs the model's pieces, not ``build_loss``) through the
         pipeline (``pipe_cls``: a control's engine), NaN in every bubble: it must never reach a result."""
         return strategy(self.layout).value_and_grad(
-            self.problem.cfg,
+            cfg or self.problem.cfg,
             self.layout,
             self.specs,
             build_loss=build_loss,
@@ -62,8 +63,8 @@ class Runs:
             fill=float("nan"),
         )
 
-    def sharded_fn(self, build_loss, par_cls=Parallel, pipe_cls=None):
-        return jax.jit(self.value_and_grad(build_loss, par_cls, pipe_cls))
+    def sharded_fn(self, build_loss, par_cls=Parallel, pipe_cls=None, cfg=None):
+        return jax.jit(self.value_and_grad(build_loss, par_cls, pipe_cls, cfg))
 
     def grads(self, build_loss, par_cls=Parallel, params=None):
         """The sharded loss and gradients of ``build_loss`` (at ``params``, default the proof's)."""

@@ -11,6 +11,9 @@ Reported: the loss (mean nats per target token, z-loss excluded), perplexity exp
 byte: the summed loss / ln 2 / the UTF-8 bytes of the targets (``Tokenizer.token_bytes``, EOD one
 byte), comparable across tokenizers. Windows run ``batch_size`` at a time, rows over dp, the model
 split over mp as in training; per-token losses come back to the host and are summed in float64.
+With ``--cp N`` each window's sequence is split over cp as in training (each shard its two
+load-balanced chunks, ``parallel.cp``); the per-token losses come back from every cp shard and are put
+in sequence order before they reach the host, so every token is counted once, where it is.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from dataclasses import dataclass
 
 import haiku as hk
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from meshlm.data.corpus import load_all
 from meshlm.data.store import store_arg
@@ -35,7 +40,9 @@ from meshlm.model.config import ModelConfig, default_seq_len
 from meshlm.model.layers import mask_vocab_padding, vocab_parallel_xent
 from meshlm.model.transformer import local_logits
 from meshlm.parallel import distributed
+from meshlm.parallel.axes import CP, DP
 from meshlm.parallel.context import Parallel
+from meshlm.parallel.cp import shard_order
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import BATCH_SPEC, batch_sharding, put_global, to_host
 from meshlm.train.eval_settings import EvalConfig, check_split
@@ -68,18 +75,32 @@ class EvalResult:
 
 def per_token_loss_fn(cfg: ModelConfig, layout: Layout, params):
     """jitted (params, {"inputs", "targets": [B, T]}) -> per-token cross-entropy [B, T] (no z-loss), on
-    ``layout``: rows over dp, the model as ``params`` are laid out (their shardings' specs)."""
+    ``layout``: rows over dp, the model as ``params`` are laid out (their shardings' specs); with cp
+    the sequence split over cp as in training and the losses put back in sequence order."""
     specs = jax.tree.map(lambda p: p.sharding.spec, params)
     par = Parallel.on(layout)
 
     def per_token(batch):
-        logits, _ = local_logits(cfg, par, batch["inputs"])
-        logits = mask_vocab_padding(par, logits, cfg.vocab_size)
-        return vocab_parallel_xent(par, logits, batch["targets"])
+        logits, _ = local_logits(cfg, par, par.seq_local(batch["inputs"]))
+        logits = mask_vocab_padding(par, par.seq_out(logits), cfg.vocab_size)
+        return vocab_parallel_xent(par, logits, par.seq_local(batch["targets"]))  # [B, T/cp] per shard
 
     apply = hk.without_apply_rng(hk.transform(per_token)).apply
-    sharded = jax.shard_map(apply, mesh=layout.mesh, in_specs=(specs, BATCH_SPEC), out_specs=BATCH_SPEC)
-    return jax.jit(sharded)
+    # With cp each shard's [B, T/cp] (its two load-balanced chunks) is a column block of the global
+    # result: [B, T] with the chunks in shard order, put back in sequence order outside the shard_map.
+    out = P(DP, CP) if par.context_parallel else BATCH_SPEC
+    sharded = jax.shard_map(apply, mesh=layout.mesh, in_specs=(specs, BATCH_SPEC), out_specs=out)
+    if not par.context_parallel:
+        return jax.jit(sharded)
+    return jax.jit(lambda p, batch: sequence_order(sharded(p, batch), layout.cp))
+
+
+def sequence_order(held, cp: int):
+    """[B, T] per-token values with the 2 cp chunks in shard order (``parallel.cp.shard_order``: shard
+    i's chunks i and 2cp-1-i, one shard after another) -> the same in sequence order."""
+    chunks = jnp.split(held, 2 * cp, axis=1)
+    order = shard_order(cp)
+    return jnp.concatenate([chunks[order.index(j)] for j in range(2 * cp)], axis=1)
 
 
 def windows(tokens: np.ndarray, eod_id: int, seq_len: int, batch: int) -> Iterator[dict[str, np.ndarray]]:
@@ -104,6 +125,7 @@ def check_shape(seq_len: int, batch_size: int, cfg: ModelConfig, layout: Layout)
     if seq_len > cfg.max_seq_len and cfg.arch.attention:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}; lower it")
     layout.check_batch(batch_size)
+    layout.check_seq_len(seq_len)  # with cp: 2 cp chunks per row
 
 
 def evaluate_stream(
