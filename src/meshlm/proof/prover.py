@@ -28,7 +28,7 @@ from meshlm.proof.cp_controls import CP_CONTROLS
 from meshlm.proof.data_pipeline import data_checks
 from meshlm.proof.independence import exactness_check, reference_checks, sharded_check
 from meshlm.proof.padding import padding_rows
-from meshlm.proof.pipeline_verify import permute_rows, pipeline_controls
+from meshlm.proof.pipeline_verify import model_controls, permute_rows, pipeline_controls, run_model_control
 from meshlm.proof.problem import Problem
 from meshlm.proof.report import LeafResult, Report, check_row, compare_into
 from meshlm.proof.rule_errors import rule_mismatch, vma_error
@@ -84,8 +84,10 @@ def verify(
     report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
     report.extra["param_bytes_total"] = total_bytes(runs.params)
     where = where_of(problem, layout, collectives)
-    if layout.pipelined:  # the pipeline's own faults (``pipeline_verify``)
-        report.controls = pipeline_controls(runs, rtol, atol)
+    if layout.pipelined:  # the pipeline's own faults, and cp's and the document mask's (``pipeline_verify``)
+        report.controls = pipeline_controls(runs, rtol, atol) + [
+            run_model_control(c, runs, run_control, ocfg, rtol, atol) for c in model_controls(controls, where)
+        ]
         return report
     report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in controls if c.applies(where)]
     return report

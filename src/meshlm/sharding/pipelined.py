@@ -95,7 +95,8 @@ def pipelined_value_and_grad(
         # --doc-mask: each row's document starts from its EOD ids, computed before the pipeline on the
         # whole rows and passed with each micro-batch to every stage (positions stay the global ones)
         aux = {} if cfg.doc_mask < 0 else {"aux": doc_starts(batch["inputs"], cfg.doc_mask)}
-        loss, (g_layers, g_embed, g_head) = step(layers, batch["inputs"], batch["targets"], head, embed, **aux)
+        inputs, targets = batch["inputs"], batch["targets"]
+        loss, (g_layers, g_embed, g_head) = step(layers, inputs, targets, head, embed, **aux)
         if tied:  # the tied table's gradient: the first stage's lookup's plus the last stage's head's
             g_embed = jax.tree.map(jnp.add, g_embed, {k: g_head.pop(k) for k in embed})
         grads = {**g_embed, **g_layers, **g_head}
