@@ -122,6 +122,25 @@ def model_controls(controls, where) -> list:
     return [c for c in run if c.applies(where)]
 
 
+def _under_pp(control, runs):
+    """(control, runs) as run under pp: a config change (the mask off) made the problem's model (the
+    pipeline runs ``runs.problem.cfg``'s pieces, not a loss); the runs share the reference's results."""
+    if control.cfg_change is None:
+        return control, runs
+    runs = copy.copy(runs)
+    cfg = control.cfg_change(runs.problem.cfg)
+    runs.problem = dataclasses.replace(runs.problem, cfg=cfg, build_loss=runs.problem.rebuild(cfg))
+    return dataclasses.replace(control, cfg_change=None), runs
+
+
+def trace_model_control(control, runs, trace_control):
+    """Trace (no compile) the program ``run_model_control`` runs for ``control``."""
+    if control.by_collectives:
+        fn = runs.value_and_grad(runs.problem.build_loss, par_cls=control.par_cls)
+        return jax.make_jaxpr(fn)(runs.params, runs.batch)
+    return trace_control(*_under_pp(control, runs))
+
+
 def run_model_control(control, runs, run_control, *args) -> dict:
     """``run_control`` of ``control`` under pp: a config change (the mask off) becomes the problem's
     model (the pipeline runs ``runs.problem.cfg``'s pieces, not a loss); the ring's extra permutes are
@@ -131,9 +150,4 @@ def run_model_control(control, runs, run_control, *args) -> dict:
         how = f"{failed[0]['name']}: {failed[0]['detail']}" if failed else "communication as the schedule's"
         row = {"name": control.name, "detected": bool(failed), "how": how}
         return {**row, "margin": None, "by": "communication"}
-    if control.cfg_change is not None:
-        runs = copy.copy(runs)  # shares the reference's results, computed once
-        cfg = control.cfg_change(runs.problem.cfg)
-        runs.problem = dataclasses.replace(runs.problem, cfg=cfg, build_loss=runs.problem.rebuild(cfg))
-        control = dataclasses.replace(control, cfg_change=None)
-    return run_control(control, runs, *args)
+    return run_control(*_under_pp(control, runs), *args)
