@@ -42,6 +42,7 @@ BW = "tests/test_blockwise.py::test_the_proof_compares_blockwise_with_plain_atte
 CK = "tests/test_multiprocess.py::test_two_processes_train_like_one_and_checkpoint_restores_in_one"
 MATRIX = "tests/test_prover.py::test_matrix_rows_and_table"
 QK = MARGIN  # its tiny-qwen3 and tiny-olmo2 cases
+PPCP = "tests/test_pipeline_model.py::test_pp_with_cp_and_with_the_document_mask_equals_the_unsharded_model"
 
 
 @dataclass(frozen=True)
@@ -302,6 +303,14 @@ COMMANDS: dict[str, Run | Shown] = {
     "--microbatches 4 --remat full": verify(costly=NO_RECOMPUTE),
     "meshlm verify --config tiny-deep --pp 2 --mesh 1x2 --devices 4 --steps 2 --x64 --microbatches 4 "
     "--pp-schedule interleaved --virtual-stages 2 --remat selective": verify(costly=NO_RECOMPUTE),
+    "meshlm verify --config tiny-deep --pp 2 --cp 2 --mesh 1x2 --devices 8 --seq-len 64 --steps 2 --x64 "
+    "--pp-schedule $s --cp-strategy $c": verify(
+        costly=PPCP,
+        each=tuple(
+            (("$s", s), ("$c", c)) for s in ("1f1b", "gpipe", "interleaved") for c in ("ring", "allgather")
+        ),
+    ),
+    "meshlm verify --config tiny-deep --pp 2 --doc-mask --x64 --steps 2": verify(costly=PPCP),
     "meshlm plan --config small --pp 4 --mesh 1x1 --devices 4 --microbatches $m --pp-schedule 1f1b "
     "--batch-size $((2 * m)) --seq-len 256 --remat $r": run(
         "--seq-len 256 => --seq-len 64",
