@@ -70,7 +70,6 @@ def test_pp_with_cp_and_with_the_document_mask_equals_the_unsharded_model(layout
     """The stages attend across cp (each holds its chunks i and 2cp-1-i, at their global positions; the
     loss a mean over dp and cp), or mask documents (the starts computed before the pipeline and passed
     with each micro-batch): tiny-llama, float64, NaN in every bubble. Worst measured: ~1e-15. With the
-    layers at positions 0..T/cp-1 (the cp shard's own count), or the starts of the first micro-batch
-    passed to every slot, this fails."""
+    layers at positions 0..T/cp-1 (the cp shard's own count) the cp cases fail."""
     errors = _errors("tiny-llama", layout, vocab=8, **changes)
     assert max(errors.values()) <= 1e-12, errors
