@@ -43,6 +43,7 @@ CK = "tests/test_multiprocess.py::test_two_processes_train_like_one_and_checkpoi
 MATRIX = "tests/test_prover.py::test_matrix_rows_and_table"
 AXES_MATRIX = "tests/test_prover.py::test_matrix_axes_cells_prove_or_refuse_with_the_layouts_reason"
 QK = MARGIN  # its tiny-qwen3 and tiny-olmo2 cases
+PPCP = "tests/test_pipeline_model.py::test_pp_with_cp_and_with_the_document_mask_equals_the_unsharded_model"
 
 
 @dataclass(frozen=True)
@@ -301,6 +302,14 @@ COMMANDS: dict[str, Run | Shown] = {
     "--microbatches 4 --remat full": verify(costly=NO_RECOMPUTE),
     "meshlm verify --config tiny-deep --pp 2 --mesh 1x2 --devices 4 --steps 2 --x64 --microbatches 4 "
     "--pp-schedule interleaved --virtual-stages 2 --remat selective": verify(costly=NO_RECOMPUTE),
+    "meshlm verify --config tiny-deep --pp 2 --cp 2 --mesh 1x2 --devices 8 --seq-len 64 --steps 2 --x64 "
+    "--pp-schedule $s --cp-strategy $c": verify(
+        costly=PPCP,
+        each=tuple(
+            (("$s", s), ("$c", c)) for s in ("1f1b", "gpipe", "interleaved") for c in ("ring", "allgather")
+        ),
+    ),
+    "meshlm verify --config tiny-deep --pp 2 --doc-mask --x64 --steps 2": verify(costly=PPCP),
     "meshlm plan --config small --pp 4 --mesh 1x1 --devices 4 --microbatches $m --pp-schedule 1f1b "
     "--batch-size $((2 * m)) --seq-len 256 --remat $r": run(
         "--seq-len 256 => --seq-len 64",
@@ -320,7 +329,8 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-gqa --mesh 1x4 --z-loss 1e-3 --x64": verify(costly=Z),
     "meshlm verify --matrix --devices 8 --md": verify(costly=MATRIX),
     "meshlm verify --matrix --axes pp,cp": verify(costly=AXES_MATRIX),
-    "meshlm verify --config tiny-qwen2 --mesh 2x2 --pp 2 --devices 8 --fsdp --sp --steps 2 --x64 --seq-len 8": verify(
+    "meshlm verify --config tiny-qwen2 --mesh 2x2 --pp 2 --devices 8 --fsdp --sp --steps 2 --x64 "
+    "--seq-len 8": verify(
         costly="tests/test_control_set.py::test_the_controls_with_a_path_of_their_own_under_pp_are_detected"
     ),
     "meshlm verify --config tiny-gpt2vocab --mesh 1x8 --devices 8 --x64": verify(costly=GPT2),

@@ -68,8 +68,6 @@ def test_axis_checks_run_where_the_layout_is_built():
         Layout(cp=2, cp_strategy="spiral")
     with pytest.raises(ConfigError, match="--microbatches needs a pipeline"):
         Layout(microbatches=2)
-    with pytest.raises(ConfigError, match="--cp 2 cannot be combined with --pp 2"):
-        Layout(pp=2, cp=2, microbatches=2)
 
 
 def test_parallel_and_where_hold_a_layout_and_restate_none_of_it():

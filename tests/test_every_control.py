@@ -7,8 +7,9 @@ parameter; the planted function kept the old signature) crashes when verify runs
 there, exactly as ``run_control`` and ``pipeline_controls`` build it. A crash is a failure of this test;
 JAX's varying-axis type check rejecting the program is what verify counts as a detection, and passes.
 The configurations cover plain and blockwise attention, both cp strategies (ring on 2 and 3 shards),
-each pp schedule, the document mask, FSDP and SP, and every tiny family preset; the last test requires
-every control to apply on at least one of them, so a new control cannot go untested here."""
+each pp schedule, pp x cp and the document mask under pp (their controls through the pipeline), FSDP
+and SP, and every tiny family preset; the last test requires every control to apply on at least one of
+them, so a new control cannot go untested here."""
 
 import jax.numpy as jnp
 import pytest
@@ -21,7 +22,7 @@ from meshlm.proof.controls import CONTROLS
 from meshlm.proof.cp_controls import CP_CONTROLS
 from meshlm.proof.pipeline_proof import CONTROLS as PIPELINE_CONTROLS
 from meshlm.proof.pipeline_proof import applicable_controls
-from meshlm.proof.pipeline_verify import pipeline_control_fn
+from meshlm.proof.pipeline_verify import permute_controls, pipeline_control_fn, trace_model_control
 from meshlm.proof.prover import control_set, where_of
 from meshlm.proof.rule_errors import is_vma_rejection
 from meshlm.proof.runs import Runs
@@ -65,6 +66,20 @@ CONFIGS = {
     "tiny-lm 1x1 cp3 ring": ("tiny-lm", {"attn_block": 4}, Layout(cp=3), 1, 30),
     "tiny-llama pp2 gpipe": ("tiny-llama", {}, Layout(pp=2, microbatches=4, pp_schedule="gpipe"), 4, 8),
     "tiny-llama pp2x1x2 sp 1f1b": ("tiny-llama", {}, Layout(pp=2, mp=2, sp=True, microbatches=4), 4, 8),
+    "tiny-llama pp2x1x2 cp2 ring gpipe": (  # the ring's kernel on several K/V blocks (12 > 4 per shard)
+        "tiny-llama",
+        {"attn_block": 4},
+        Layout(pp=2, mp=2, cp=2, microbatches=2, pp_schedule="gpipe"),
+        2,
+        24,
+    ),
+    "tiny-llama pp2x1x2 doc-mask gpipe": (
+        "tiny-llama",
+        {"doc_mask": 0},
+        Layout(pp=2, mp=2, microbatches=2, pp_schedule="gpipe"),
+        2,
+        8,
+    ),
     "tiny-deep pp2 interleaved V2": (
         "tiny-deep",
         {},
@@ -84,8 +99,10 @@ def _problem(name):
 
 def _applicable(problem, layout) -> list:
     """(name, trace) of each control verify runs on this configuration (``prover.verify``'s choice)."""
-    chosen = [(c.name, c) for c in control_set(where_of(problem, layout, collectives=True))]
-    if layout.pipelined:
+    where = where_of(problem, layout, collectives=True)
+    chosen = [(c.name, c) for c in control_set(where)]
+    if layout.pipelined:  # the model's controls through the pipeline, the ring's by its permute count
+        chosen += [(c.name, c) for c in permute_controls(CONTROLS + CP_CONTROLS, where, True)]
         chosen += [(f"pipeline: {n}", n) for n in applicable_controls(layout.pipeline)]
     return chosen
 
@@ -99,6 +116,8 @@ def test_every_applicable_control_runs(name):
         try:
             if isinstance(control, str):
                 pipeline_control_fn(runs, control).trace(runs.params, runs.batch)
+            elif layout.pipelined:
+                trace_model_control(control, runs, trace_control)
             else:
                 trace_control(control, runs)
         except Exception as e:  # verify: exit 3, "control ... crashed"

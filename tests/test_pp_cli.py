@@ -35,11 +35,6 @@ BAD = [
         "verify --pp 2 --batch-size 6 --mesh 2x1",
         "not a multiple of dp x accum_steps x microbatches = 2 x 1 x 4",  # verify: M = 2 pp
     ),
-    ("verify --config tiny-llama --pp 2 --cp 2 --mesh 1x1", "--cp 2 cannot be combined with --pp 2"),
-    ("verify --config tiny-llama --pp 2 --cp 2", "drop --cp (or --pp)"),
-    ("train --config tiny-llama --pp 2 --cp 2 --mesh 1x1 --batch-size 2", "--cp 2 cannot be combined"),
-    ("bench --config tiny-llama --pp 2 --cp 2", "--cp 2 cannot be combined with --pp 2"),
-    ("plan --config tiny-llama --pp 2 --cp 2 --mesh 1x1", "--cp 2 cannot be combined with --pp 2"),
     ("bench --microbatches 4", "--microbatches needs a pipeline; add --pp 2 (or more) or drop it"),
     ("plan --config tiny-llama --schedule-png s.png", "--schedule-png draws a pipeline schedule; add --pp 2"),
     ("generate --checkpoint c --pp 2 --mesh 1x2", "has no pipeline (--pp 2)"),
@@ -77,10 +72,12 @@ def test_pp_is_the_outermost_axis_and_leaves_dp_mp_layouts_unchanged():
         Layout(dp=2, pp_schedule="gpipe")
 
 
-def test_pp_and_cp_keep_the_mesh_order_and_do_not_combine_yet():
-    """Axes in the order (pp, dp, cp, mp), each of pp and cp only when > 1; pp with cp > 1 is refused."""
+def test_pp_and_cp_keep_the_mesh_order_and_combine():
+    """Axes in the order (pp, dp, cp, mp), each of pp and cp only when > 1; pp x cp is one mesh."""
     assert tuple(Layout(dp=2, mp=2, cp=2).shape) == ("dp", "cp", "mp")
     assert tuple(Layout(pp=2, dp=2, mp=2).shape) == ("pp", "dp", "mp")
     assert tuple(Layout(dp=2, mp=2).shape) == ("dp", "mp")
-    with pytest.raises(ConfigError, match=r"--cp 2 cannot be combined with --pp 2: .*drop --cp \(or --pp\)"):
-        Layout(pp=2, cp=2, microbatches=2)
+    both = Layout(pp=2, cp=2, mp=2, microbatches=2, cp_strategy="allgather")
+    assert tuple(both.shape) == ("pp", "dp", "cp", "mp") and both.devices == 8
+    assert both.label() == "pp2x1x2 + CP2 allgather (1f1b, M=2)" and both.batch_axes == ("dp", "cp")
+    assert both.pipelined and both.context_parallel and Layout.from_dict(both.to_dict()) == both

@@ -31,8 +31,9 @@ def _steps(run, n):
 
 
 def test_checkpoints_restore_across_pp_sizes(corpus, tmp_path):
-    """pp2 (1F1B on 1x2) -> no pipeline (1x2) -> pp2 (GPipe on 1x1): each restore holds exactly the saved
-    parameters and AdamW state (a step under each writes the checkpoint the next one reads)."""
+    """pp2 (1F1B on 1x2) -> no pipeline (1x2) -> pp2 x cp2 (GPipe, the ring on 1x1): each restore holds
+    exactly the saved parameters and AdamW state (a step under each writes the checkpoint the next one
+    reads), and a step trains under pp x cp."""
     pp = dict(pp=2, microbatches=2)
     tcfg = lambda **kw: tiny_lm_config(corpus, tmp_path, steps=4, lr=3e-3, **kw)
     losses, saved = _steps(build_run(tcfg(**pp), Layout(mp=2, **pp)), 1)
@@ -40,12 +41,13 @@ def test_checkpoints_restore_across_pp_sizes(corpus, tmp_path):
     assert plain.step == 1 and plain.layout.pp == 1
     assert _equal(_host(plain), saved)
     more, saved = _steps(plain, 1)
-    gpipe = build_run(tcfg(**pp, pp_schedule="gpipe"), Layout(pp=2, microbatches=2, pp_schedule="gpipe"))
-    assert gpipe.step == 2 and gpipe.layout.pp == 2
-    assert gpipe.specs["layers/attn"]["wq"][0] == "pp"  # restored split over the stages
-    assert _equal(_host(gpipe), saved)
-    gpipe.ckpt.close()
-    assert np.all(np.isfinite(losses + more))
+    gpipe = dict(pp=2, cp=2, microbatches=2, pp_schedule="gpipe")
+    ppcp = build_run(tcfg(**gpipe), Layout(**gpipe))
+    assert ppcp.step == 2 and ppcp.layout.shape == {"pp": 2, "dp": 1, "cp": 2, "mp": 1}
+    assert ppcp.specs["layers/attn"]["wq"][0] == "pp"  # restored split over the stages
+    assert _equal(_host(ppcp), saved)
+    last, _ = _steps(ppcp, 1)
+    assert np.all(np.isfinite(losses + more + last))
 
 
 def _equal(a, b) -> bool:

@@ -172,6 +172,12 @@ def _check_context_parallel(cfg: ModelConfig, par: Parallel) -> None:
         )
 
 
+def check_context(cfg: ModelConfig, layout) -> None:
+    """What context parallelism on ``layout`` cannot run of ``cfg``, as one-line errors before any work
+    (the pipeline's start-up check: its pieces run inside the schedule)."""
+    _check_context_parallel(cfg, Parallel.on(layout))
+
+
 def _scaled(cfg: ModelConfig, x):
     if cfg.arch.embed_scale:  # Gemma: sqrt(d_model), rounded to float32, in the embedding's dtype
         x = x * jnp.asarray(embed_scale(cfg.d_model), x.dtype)
@@ -215,37 +221,47 @@ def _head_logits(cfg: ModelConfig, par: Parallel, x, embed: VocabEmbed | None):
 # which the pipeline takes); every family's, from the same code (a tied head's parameters include the
 # embedding table: the pipeline passes it to the last stage too and adds the two gradients).
 def embed_fn(cfg: ModelConfig, par: Parallel):
-    """tokens [B, T] -> hidden [B, T, D] (with ``sp`` [B, T/mp, D] per shard)."""
+    """tokens [B, T] -> hidden [B, T, D] (with ``sp`` [B, T/mp, D] per shard; with cp the tokens are
+    this cp shard's chunks first: [B, T/cp, D])."""
 
     def embed(tokens):
         _check_seq_len(cfg, tokens.shape[-1])  # rotary models go beyond max_seq_len, as local_logits
+        _check_context_parallel(cfg, par)
         with hk.custom_getter(parallel_getter(par)):
-            return _scaled(cfg, _embed(cfg, par)(tokens))
+            return _scaled(cfg, _embed(cfg, par)(par.seq_local(tokens)))
 
     return embed
 
 
 def layers_fn(cfg: ModelConfig, par: Parallel):
-    """hidden [B, T, D] -> hidden: ``cfg.n_layers`` layers (positions 0.. T-1: no document mask). With
-    ``sp`` the hidden is [B, T/mp, D] per shard and the positions those of the whole sequence."""
+    """hidden [B, T, D] -> hidden: ``cfg.n_layers`` layers at the global positions of the tokens this
+    shard holds (``Parallel.positions``: with cp its chunks'). With ``sp`` the hidden is [B, T/mp, D]
+    per shard and the positions those of the whole (cp shard's) sequence. With ``cfg.doc_mask`` the
+    layers take ``starts`` [B, T] too: where each token's document starts (``attention.doc_starts`` of
+    the inputs, computed before the pipeline and passed with each micro-batch)."""
 
-    def layers(x):
+    def layers(x, starts=None):
         t = x.shape[1] * (par.layout.mp if par.layout.sp and par.sharded else 1)
-        positions = jnp.broadcast_to(jnp.arange(t), (x.shape[0], t))
+        positions = jnp.broadcast_to(par.positions(t), (x.shape[0], t))
+        if cfg.doc_mask >= 0:
+            if starts is None:
+                raise ConfigError("--doc-mask needs the document starts of each micro-batch; pass starts")
+            starts = par.tap("doc_starts", starts)
         with hk.custom_getter(parallel_getter(par)):
-            return _stack(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, None)[0]
+            return _stack(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, None, starts)[0]
 
     return layers
 
 
 def head_loss_fn(cfg: ModelConfig, par: Parallel):
-    """(hidden [B, T, D], targets [B, T]) -> the mean loss over this shard's rows."""
+    """(hidden [B, T, D], targets [B, T]) -> the mean loss over this shard's rows (with cp: over this
+    shard's chunks of them, ``par.seq_local`` of the whole rows' targets)."""
 
     def head_loss(y, targets):
         with hk.custom_getter(parallel_getter(par)):
             embed = _embed(cfg, par) if cfg.tie_embeddings else None  # a tied head reads the table
-            logits = mask_vocab_padding(par, _head_logits(cfg, par, y, embed), cfg.vocab_size)
-        return jnp.mean(vocab_parallel_xent(par, logits, targets, cfg.z_loss))
+            logits = mask_vocab_padding(par, par.seq_out(_head_logits(cfg, par, y, embed)), cfg.vocab_size)
+        return jnp.mean(vocab_parallel_xent(par, logits, par.seq_local(targets), cfg.z_loss))
 
     return head_loss
 

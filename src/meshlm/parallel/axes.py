@@ -82,7 +82,8 @@ def _check_pipeline(layout) -> None:
 
 
 def _check_context(layout) -> None:
-    """The strategy's name, and what cp does not combine with."""
+    """The strategy's name, and the strategy without cp. (With pp the stages run context-parallel
+    attention: each passes its cp shard's chunks on, ``sharding.pipelined``.)"""
     from meshlm.errors import ConfigError
 
     if layout.cp_strategy not in CP_STRATEGIES:
@@ -92,11 +93,6 @@ def _check_context(layout) -> None:
     if layout.cp == 1 and layout.cp_strategy != CP_STRATEGIES[0]:  # as the pipeline's options without pp
         raise ConfigError(
             f"--cp-strategy {layout.cp_strategy} needs context parallelism; add --cp 2 (or more) or drop it"
-        )
-    if layout.cp > 1 and layout.pp > 1:
-        raise ConfigError(
-            f"--cp {layout.cp} cannot be combined with --pp {layout.pp}: the pipeline's stages do not "
-            "yet pass context-parallel activations; drop --cp (or --pp)"
         )
 
 

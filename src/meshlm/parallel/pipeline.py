@@ -43,7 +43,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ConfigError, MeshError
-from meshlm.parallel.axes import DP, MP, PP
+from meshlm.parallel.axes import CP, DP, MP, PP
 from meshlm.parallel.layout import axis_sizes
 from meshlm.parallel.pipeline_engines import Job, gpipe, one_f_one_b
 from meshlm.parallel.pipeline_schedule import PipelineConfig, check_batch, check_layers
@@ -128,7 +128,16 @@ def sequential_value_and_grad(stage_fn, loss_fn):
 
 
 def pipeline_value_and_grad(
-    stage_fn, loss_fn, mesh, pipe: Pipeline, *, specs=None, head_specs=None, embed_fn=None, embed_specs=None
+    stage_fn,
+    loss_fn,
+    mesh,
+    pipe: Pipeline,
+    *,
+    specs=None,
+    head_specs=None,
+    embed_fn=None,
+    embed_specs=None,
+    with_aux=False,
 ):
     """fn(params, x, targets, head=None) -> (loss, (param_grads, x_grad)) on ``mesh``, with params' leaves
     stacked [L, ...] and x, targets' leaves [B, ...] (rows split over dp, replicated over mp). Jit it.
@@ -142,22 +151,28 @@ def pipeline_value_and_grad(
     head_grads)). With ``embed_fn(embed, inputs) -> x`` (``embed``: its parameters, replicated over pp,
     placed by ``embed_specs``): ``fn(params, inputs, targets, head, embed)`` with ``inputs`` [B, ...] (token
     ids) embedded per micro-batch on the first stage inside the schedule, and the embedding's gradients
-    in place of ``x_grad``."""
+    in place of ``x_grad``.
+
+    With a ``cp`` axis (context parallelism) the rows arrive whole on every cp shard (replicated over cp,
+    as over mp); ``embed_fn`` and ``loss_fn`` take each shard's part of the sequence (``Parallel``'s
+    ``seq_local``), the stages attend across cp, and the loss is a mean over dp and cp. With
+    ``with_aux``: ``fn(..., aux=)`` takes rows [B, ...] the stages read (not differentiated: document
+    starts), split into micro-batches like ``targets``, and calls ``stage_fn(params, x, aux_rows)``."""
     cfg = pipe.config
     names = tuple(mesh.axis_names)
-    if PP not in names or set(names) - {PP, DP, MP}:
+    if PP not in names or set(names) - {PP, DP, CP, MP}:
         raise MeshError(
-            f"the pipeline needs a mesh with the axis '{PP}' and at most '{DP}', '{MP}'; got {names}"
+            f"the pipeline needs a mesh with the axis '{PP}' and at most '{DP}', '{CP}', '{MP}'; got {names}"
         )
     sizes = axis_sizes(mesh)
     if sizes[PP] != cfg.pp:
         raise MeshError(f"the mesh's {PP} axis has {sizes[PP]} devices but pp={cfg.pp}; make them equal")
     has_dp = DP in names
-    job = Job(stage_fn, loss_fn, pipe, has_dp, sizes.get(DP, 1), embed_fn)
-    data = P(DP) if has_dp else P()
+    job = Job(stage_fn, loss_fn, pipe, has_dp, sizes.get(DP, 1), embed_fn, sizes.get(CP, 1), with_aux)
+    data = P(DP) if has_dp else P()  # replicated over cp and mp: each cp shard slices its own chunks
     body = partial(gpipe if cfg.schedule == "gpipe" else one_f_one_b, job)
 
-    def run(params, x, targets, head=None, embed=None):
+    def run(params, x, targets, head=None, embed=None, aux=None):
         layers = {a.shape[0] for a in jax.tree.leaves(params)}
         if len(layers) != 1:
             raise ConfigError(f"stacked layer parameters disagree on the layer count: {sorted(layers)}")
@@ -173,18 +188,31 @@ def pipeline_value_and_grad(
         h_specs = jax.tree.map(lambda _: P(), head) if head_specs is None else head_specs
         embed = () if embed_fn is None else embed
         e_specs = jax.tree.map(lambda _: P(), embed) if embed_specs is None else embed_specs
+        aux = _check_aux(with_aux, aux, x.shape[0])
         fn = jax.shard_map(
             partial(body, with_head=with_head),
             mesh=mesh,
-            in_specs=(staged_specs, h_specs, e_specs, data, data),
+            in_specs=(staged_specs, h_specs, e_specs, data, data, jax.tree.map(lambda _: data, aux)),
             out_specs=(P(), (staged_specs, data if embed_fn is None else e_specs, h_specs)),
             check_vma=True,
         )
-        loss, (grads, dx, head_grads) = fn(to_stages(pipe, params), head, embed, x, targets)
+        loss, (grads, dx, head_grads) = fn(to_stages(pipe, params), head, embed, x, targets, aux)
         grads = from_stages(pipe, grads)
         return loss, (grads, dx, head_grads) if with_head else (grads, dx)
 
     return run
+
+
+def _check_aux(with_aux: bool, aux, rows: int):
+    """``aux`` as the engine takes it: () without ``with_aux``; with it, a tree of [rows, ...] leaves."""
+    if not with_aux:
+        if aux is not None:
+            raise ConfigError("aux rows were passed to a pipeline built without with_aux=True; build it so")
+        return ()
+    got = {a.shape[0] for a in jax.tree.leaves(aux)}
+    if not got or got - {rows}:
+        raise ConfigError(f"aux has {sorted(got)} rows but the input has {rows}; pass one per row")
+    return aux
 
 
 def _staged_specs(params, specs):

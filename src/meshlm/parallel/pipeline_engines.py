@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.parallel.axes import DP, PP
+from meshlm.parallel.axes import CP, DP, PP
 from meshlm.parallel.pipeline_schedule import PipelineConfig, backward_slot, forward_counter, forward_slot
 from meshlm.parallel.pipeline_stash import residuals
 
@@ -30,11 +30,28 @@ class Job:
     has_dp: bool  # the mesh has a dp axis (the batch's rows are split over it)
     n_dp: int  # dp shards (1 without a dp axis)
     embed_fn: object = None  # embed(embed_params, inputs) -> x on the first stage; None: x is the input
+    n_cp: int = 1  # cp shards (context parallelism: each holds its part of every row's sequence)
+    with_aux: bool = False  # stage_fn(params, x, aux) with each micro-batch's rows of ``aux``
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes the batch's tokens are split over: the loss is a mean over them."""
+        return ((DP,) if self.has_dp else ()) + ((CP,) if self.n_cp > 1 else ())
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """The axes activations vary over."""
-        return (PP, DP) if self.has_dp else (PP,)
+        """The axes activations vary over (parameters are cast to them at entry; the casts' transposes
+        sum the gradients over them)."""
+        return (PP, *self.batch_axes)
+
+    @property
+    def batch_shards(self) -> int:
+        """Shards of each micro-batch's tokens: dp x cp."""
+        return self.n_dp * self.n_cp
+
+    def stage(self, params, x, aux):
+        """The chunk on micro-batch activations ``x`` (with ``with_aux`` and its rows of ``aux``)."""
+        return self.stage_fn(params, x, aux) if self.with_aux else self.stage_fn(params, x)
 
 
 def _varying(a) -> frozenset:
@@ -77,11 +94,13 @@ def _head_loss(job: Job, with_head: bool):
     return job.loss_fn if with_head else (lambda head, y, targets: job.loss_fn(y, targets))
 
 
-def _split(job: Job, params, x, targets):
-    """This device's chunks [V, c, ...] and its rows as [M, rows / M, ...] micro-batches."""
+def _split(job: Job, params, x, targets, aux=()):
+    """This device's chunks [V, c, ...] and its rows (inputs, targets, aux) as [M, rows / M, ...]
+    micro-batches."""
     m = job.pipe.config.microbatches
     split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])
-    return jax.tree.map(lambda a: a[0], params), split(x), jax.tree.map(split, targets)
+    rows = (split(x), *(jax.tree.map(split, t) for t in (targets, aux)))
+    return jax.tree.map(lambda a: a[0], params), *rows
 
 
 def _chunk(params, j):
@@ -134,8 +153,10 @@ def _at(tree, m):
 
 
 def _reduce_loss(job: Job, local):
+    """The step's loss: the last stage's, a mean over the batch's shards (dp, and cp: each shard holds as
+    many tokens, so the mean over every token)."""
     loss = lax.psum(local, PP)
-    return lax.pmean(loss, DP) if job.has_dp else loss
+    return lax.pmean(loss, job.batch_axes) if job.batch_axes else loss
 
 
 def _forward_input(job: Job, embed, xs, recv, t, d):
@@ -149,10 +170,10 @@ def _forward_input(job: Job, embed, xs, recv, t, d):
 
 
 # --- GPipe: the forward loop, differentiated by JAX ---------------------------------------------------------
-def gpipe(job: Job, params, head, embed, x, targets, *, with_head: bool):
+def gpipe(job: Job, params, head, embed, x, targets, aux, *, with_head: bool):
     """(loss, (param grads, the input's gradient -- with ``embed_fn`` the embedding's --, head grads))."""
-    params, xs, tgs = _split(job, params, x, targets)
-    loss_fn = partial(_gpipe_loss, job, _head_loss(job, with_head), tgs)
+    params, xs, tgs, auxs = _split(job, params, x, targets, aux)
+    loss_fn = partial(_gpipe_loss, job, _head_loss(job, with_head), tgs, auxs)
     if job.embed_fn is not None:
         loss, (gp, gh, ge) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(params, head, embed, xs)
         return loss, (jax.tree.map(lambda g: g[None], gp), ge, gh)
@@ -161,7 +182,7 @@ def gpipe(job: Job, params, head, embed, x, targets, *, with_head: bool):
     return loss, (jax.tree.map(lambda g: g[None], gp), gx.reshape(-1, *gx.shape[2:]), gh)
 
 
-def _gpipe_loss(job: Job, head_loss, tgs, params, head, embed, xs):
+def _gpipe_loss(job: Job, head_loss, tgs, auxs, params, head, embed, xs):
     pipe, cfg = job.pipe, job.pipe.config
     # One cast at entry each: the transposes are the one data-parallel sum of the gradients (and for the
     # replicated head and embedding, the sum over stages, all zero but one).
@@ -172,7 +193,7 @@ def _gpipe_loss(job: Job, head_loss, tgs, params, head, embed, xs):
     def tick(carry, t):
         recv, outputs = carry
         valid, m, j, inp = _forward_input(job, embed, xs, recv, t, d)
-        y = job.stage_fn(_chunk(params, j), inp)
+        y = job.stage(_chunk(params, j), inp, _at(auxs, m))
         _, last = _ends(cfg, d, j)
         outputs = outputs.at[m].set(jnp.where(valid & last, y, outputs[m]))
         return (pipe.send_forward(jnp.where(valid, y, fill)), outputs), None
@@ -189,16 +210,16 @@ def _gpipe_loss(job: Job, head_loss, tgs, params, head, embed, xs):
 
 
 # --- 1F1B and interleaved: an explicit schedule with per-chunk VJPs ----------------------------------------
-def one_f_one_b(job: Job, params, head, embed, x, targets, *, with_head: bool):
+def one_f_one_b(job: Job, params, head, embed, x, targets, aux, *, with_head: bool):
     """(loss, (param grads, the input's gradient -- with ``embed_fn`` the embedding's --, head grads))."""
     pipe, cfg = job.pipe, job.pipe.config
-    params, xs, tgs = _split(job, params, x, targets)
+    params, xs, tgs, auxs = _split(job, params, x, targets, aux)
     entry = params, head, embed
     params, head, embed = (_vary(tree, job.axes) for tree in entry)
     head_loss = _head_loss(job, with_head)
     fill = _activation(job, embed, xs, pipe.fill)
     loss_type = jax.eval_shape(head_loss, head, fill, _at(tgs, 0))
-    kept = residuals(job.stage_fn, _chunk, params, fill)
+    kept = residuals(job.stage, _chunk, params, fill, _at(auxs, 0))
     state = {
         "recv_x": fill,
         "recv_ct": fill,
@@ -216,7 +237,7 @@ def one_f_one_b(job: Job, params, head, embed, x, targets, *, with_head: bool):
     warm, both = cfg.chunks - 1, cfg.forward_ticks  # ticks [0, warm) forward only, [both, end) backward only
     phases = ((0, warm, True, False), (warm, both, True, True), (both, both + warm, False, True))
     for lo, hi, do_f, do_b in phases:
-        tick = partial(_tick, job, (params, head, embed, head_loss, kept), xs, tgs, do_f, do_b)
+        tick = partial(_tick, job, (params, head, embed, head_loss, kept), xs, (tgs, auxs), do_f, do_b)
         state, _ = lax.scan(tick, state, jnp.arange(lo, hi))
     grads = _sum_where_cast(state["grads"], entry[0], job.axes)
     head_grads = _sum_where_cast(state["head_grads"], entry[1], job.axes)  # from the last stage
@@ -227,15 +248,16 @@ def one_f_one_b(job: Job, params, head, embed, x, targets, *, with_head: bool):
     return _reduce_loss(job, state["loss"]), (jax.tree.map(lambda g: g[None], grads), entry_grads, head_grads)
 
 
-def _tick(job: Job, model, xs, tgs, do_f: bool, do_b: bool, state, t):
-    pipe = job.pipe
+def _tick(job: Job, model, xs, rows, do_f: bool, do_b: bool, state, t):
+    pipe, (tgs, auxs) = job.pipe, rows
     params, head, embed, head_loss, kept = model
     d = lax.axis_index(PP)
     state = dict(state)
     ct_loss = jnp.zeros_like(state["recv_ct"])
     if do_f:
         valid, m, j, inp = _forward_input(job, embed, xs, state["recv_x"], t, d)
-        y, vjp = jax.vjp(job.stage_fn, _chunk(params, j), inp)  # its residuals kept until the backward
+        stage = lambda p, x: job.stage(p, x, _at(auxs, m))  # this micro-batch's aux rows
+        y, vjp = jax.vjp(stage, _chunk(params, j), inp)  # its residuals kept until the backward
         slot = (t - d) % pipe.config.stash_slots
         new = zip(state["stash"], kept.split(vjp), strict=True)
         state["stash"] = [buf.at[slot].set(jnp.where(valid, r, buf[slot])) for buf, r in new]
@@ -260,7 +282,7 @@ def _loss_grad(job: Job, state, head, y, targets, last, m):
     value, (gh, ct) = _on_last_stage(job, value_and_grad, head, y, targets)
     state["loss"] = state["loss"] + jnp.where(last, pipe.loss_scale() * value, 0.0)
     keep = last & pipe.keeps_grad(m)
-    scale = pipe.loss_scale() / job.n_dp  # the gradient of the mean over micro-batches and dp shards
+    scale = pipe.loss_scale() / job.batch_shards  # the gradient of the mean over micro-batches, dp and cp
     state["head_grads"] = jax.tree.map(
         lambda acc, g: acc + jnp.where(keep, scale * g, jnp.zeros_like(g)), state["head_grads"], gh
     )

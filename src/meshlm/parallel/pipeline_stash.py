@@ -68,24 +68,26 @@ class Residuals:
         return sum(s.size * s.dtype.itemsize for s in self.kept)
 
 
-def residuals(stage_fn, chunk_of, params, inp) -> Residuals:
-    """Trace ``jax.vjp(stage_fn, chunk_of(params, j), inp)`` (``j``: an int32 virtual stage) and sort its
+def residuals(stage_fn, chunk_of, params, inp, aux=()) -> Residuals:
+    """Trace ``jax.vjp(stage_fn(., ., aux), chunk_of(params, j), inp)`` (``j``: an int32 virtual stage;
+    ``aux``: a micro-batch's rows the stage reads, not differentiated, e.g. document starts) and sort its
     leaves: the chunk's parameters (by identity: JAX forwards an input used as a residual unchanged),
-    leaves computed from the parameters alone (their jaxpr does not use ``inp``) and the rest, kept per
-    micro-batch."""
+    leaves computed from the parameters alone (their jaxpr uses neither ``inp`` nor ``aux``) and the
+    rest, kept per micro-batch."""
     found = {}
 
-    def trace(params, inp, j):
+    def trace(params, inp, aux, j):
         chunk = chunk_of(params, j)
-        _, vjp = jax.vjp(stage_fn, chunk, inp)
+        _, vjp = jax.vjp(lambda p, x: stage_fn(p, x, aux), chunk, inp)
         leaves, found["treedef"] = jax.tree.flatten(vjp)
         index = {id(a): i for i, a in enumerate(jax.tree.leaves(chunk))}
         found["param"] = [index.get(id(a)) for a in leaves]
         return [a for a, i in zip(leaves, found["param"], strict=True) if i is None]
 
-    closed = jax.make_jaxpr(trace)(params, inp, jnp.zeros((), jnp.int32))
-    n_params = len(jax.tree.leaves(params))  # the jaxpr's inputs: params' leaves, inp, j
-    derived = [not _uses(closed.jaxpr, i, n_params) for i in range(len(closed.out_avals))]
+    closed = jax.make_jaxpr(trace)(params, inp, aux, jnp.zeros((), jnp.int32))
+    n_params = len(jax.tree.leaves(params))  # the jaxpr's inputs: params' leaves, inp, aux's leaves, j
+    inputs = range(n_params, n_params + 1 + len(jax.tree.leaves(aux)))
+    derived = [not _uses(closed.jaxpr, i, inputs) for i in range(len(closed.out_avals))]
     source, counts, out = [], {KEPT: 0, DERIVED: 0}, iter(derived)
     for i in found["param"]:
         if i is not None:
@@ -95,22 +97,23 @@ def residuals(stage_fn, chunk_of, params, inp) -> Residuals:
         source.append((kind, counts[kind]))
         counts[kind] += 1
     kept = tuple(a for a, d in zip(closed.out_avals, derived, strict=True) if not d)
-    return Residuals(found["treedef"], tuple(source), kept, _derive(closed, derived, n_params))
+    return Residuals(found["treedef"], tuple(source), kept, _derive(closed, derived, n_params, len(inputs)))
 
 
-def _uses(jaxpr, output: int, input_index: int) -> bool:
-    """Whether the jaxpr's ``output`` depends on its input number ``input_index``."""
+def _uses(jaxpr, output: int, inputs) -> bool:
+    """Whether the jaxpr's ``output`` depends on any of its inputs numbered ``inputs``."""
     _, used = dce_jaxpr(jaxpr, [k == output for k in range(len(jaxpr.outvars))])
-    return used[input_index]
+    return any(used[i] for i in inputs)
 
 
-def _derive(closed, derived, n_params):
+def _derive(closed, derived, n_params, n_inputs):
     """fn(*param leaves, j) -> the outputs marked ``derived``: the forward cut down to them (no use of
-    the input, which is dropped from its arguments)."""
+    the ``n_inputs`` activation inputs, which are dropped from its arguments)."""
     jaxpr, used = dce_jaxpr(closed.jaxpr, derived)
     fn = jaxpr_as_fun(ClosedJaxpr(jaxpr, closed.consts))
 
     def derive(*args):
-        return fn(*(a for a, u in zip((*args[:n_params], None, *args[n_params:]), used, strict=True) if u))
+        full = (*args[:n_params], *([None] * n_inputs), *args[n_params:])
+        return fn(*(a for a, u in zip(full, used, strict=True) if u))
 
     return derive

@@ -107,7 +107,7 @@ def build_impls(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: B
     plain_params = jax.device_put(host_params, device)  # its own copy: the step donates it
     hand, hand_opt = plain_step(cfg, ocfg, plain_params)
     plain = _compiled("plain", hand, plain_params, jax.jit(hand_opt.init)(plain_params), unsharded.batch)
-    if layout.pipelined:  # the same model and batch on the dp x mp mesh without the pipeline
+    if layout.pipelined:  # the same model and batch on the dp (x cp) x mp mesh without the pipeline
         return [ours, unsharded, gspmd, plain, _without_pp(cfg, ocfg, layout, host_params, host)]
     return [ours, unsharded, gspmd, plain]
 
@@ -115,7 +115,7 @@ def build_impls(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: B
 def _without_pp(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params, host) -> Impl:
     from meshlm.sharding.rules import model_specs
 
-    flat = Layout(dp=layout.dp, mp=layout.mp, fsdp=layout.fsdp)
+    flat = Layout(dp=layout.dp, mp=layout.mp, fsdp=layout.fsdp, cp=layout.cp, cp_strategy=layout.cp_strategy)
     specs = model_specs(cfg, host_params, flat)
     params = jax.device_put(host_params, shardings(specs, flat.mesh))
     step, opt = sharded_step(cfg, ocfg, flat, specs, params)

@@ -28,7 +28,7 @@ from meshlm.proof.cp_controls import CP_CONTROLS
 from meshlm.proof.data_pipeline import data_checks
 from meshlm.proof.independence import exactness_check, reference_checks, sharded_check
 from meshlm.proof.padding import padding_rows
-from meshlm.proof.pipeline_verify import permute_rows, pipeline_controls
+from meshlm.proof.pipeline_verify import permute_controls, permute_rows, pipeline_controls, run_model_control
 from meshlm.proof.problem import Problem
 from meshlm.proof.report import LeafResult, Report, check_row, compare_into
 from meshlm.proof.rule_errors import rule_mismatch, vma_error
@@ -83,10 +83,14 @@ def verify(
     report.checks += padding_rows(problem, sharded[1])
     report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
     report.extra["param_bytes_total"] = total_bytes(runs.params)
-    chosen = control_set(where_of(problem, layout, collectives), controls)
-    report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in chosen]
-    if layout.pipelined:  # and the pipeline's own faults (``pipeline_verify``)
+    where = where_of(problem, layout, collectives)
+    chosen = control_set(where, controls)
+    if layout.pipelined:  # every control through the pipeline, and its own faults (``pipeline_verify``)
+        chosen += permute_controls(controls, where, collectives)
+        report.controls = [run_model_control(c, runs, run_control, ocfg, rtol, atol) for c in chosen]
         report.controls += pipeline_controls(runs, rtol, atol)
+        return report
+    report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in chosen]
     return report
 
 

@@ -17,10 +17,10 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from meshlm.errors import ConfigError
+from meshlm.model.attention import doc_starts
 from meshlm.model.config import ModelConfig
 from meshlm.model.params import STACKED_PREFIX
-from meshlm.model.transformer import embed_fn, head_loss_fn, layers_fn, loss_fn
+from meshlm.model.transformer import check_context, embed_fn, head_loss_fn, layers_fn, loss_fn
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.pipeline import Pipeline, pipeline_value_and_grad
@@ -28,10 +28,10 @@ from meshlm.sharding.rules import without_pp
 
 
 def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
-    """What ``--pp`` cannot split, as one-line errors before any work."""
+    """What ``--pp`` cannot split, as one-line errors before any work (with cp also what context
+    parallelism cannot run of the model: the pieces run inside the schedule)."""
     layout.check_layers(cfg.n_layers)
-    if cfg.doc_mask >= 0:
-        raise ConfigError("--pp does not carry document positions (--doc-mask) between stages; drop one")
+    check_context(cfg, layout)
 
 
 def split_model(tree) -> tuple[dict, dict, dict]:
@@ -45,10 +45,10 @@ def split_model(tree) -> tuple[dict, dict, dict]:
 def stage_fn(cfg: ModelConfig, par: Parallel):
     """One chunk of layers: as many as its parameters stack."""
 
-    def run(params, x):
+    def run(params, x, starts=None):  # starts: the micro-batch's document starts (``--doc-mask``)
         n = jax.tree.leaves(params)[0].shape[0]
         chunk = cfg.replace(n_layers=n, unroll=min(cfg.layer_unroll, n))
-        return hk.without_apply_rng(hk.transform(layers_fn(chunk, par))).apply(params, x)
+        return hk.without_apply_rng(hk.transform(layers_fn(chunk, par))).apply(params, x, starts)
 
     return run
 
@@ -83,6 +83,7 @@ def pipelined_value_and_grad(
         head_specs=head_specs,
         embed_fn=embed_apply,
         embed_specs=embed_specs,
+        with_aux=cfg.doc_mask >= 0,
     )
 
     def fn(params, batch):
@@ -91,7 +92,11 @@ def pipelined_value_and_grad(
             params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
         embed, layers, head = split_model(params)
         head = {**head, **embed} if tied else head
-        loss, (g_layers, g_embed, g_head) = step(layers, batch["inputs"], batch["targets"], head, embed)
+        # --doc-mask: each row's document starts from its EOD ids, computed before the pipeline on the
+        # whole rows and passed with each micro-batch to every stage (positions stay the global ones)
+        aux = {} if cfg.doc_mask < 0 else {"aux": doc_starts(batch["inputs"], cfg.doc_mask)}
+        inputs, targets = batch["inputs"], batch["targets"]
+        loss, (g_layers, g_embed, g_head) = step(layers, inputs, targets, head, embed, **aux)
         if tied:  # the tied table's gradient: the first stage's lookup's plus the last stage's head's
             g_embed = jax.tree.map(jnp.add, g_embed, {k: g_head.pop(k) for k in embed})
         grads = {**g_embed, **g_layers, **g_head}
