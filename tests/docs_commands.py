@@ -41,6 +41,10 @@ DOC = "tests/test_doc_mask.py::test_verify_doc_mask_passes_and_its_controls_are_
 BW = "tests/test_blockwise.py::test_the_proof_compares_blockwise_with_plain_attention"
 CK = "tests/test_multiprocess.py::test_two_processes_train_like_one_and_checkpoint_restores_in_one"
 MATRIX = "tests/test_prover.py::test_matrix_rows_and_table"
+ONE_SET_PP = (
+    "meshlm verify --config tiny-qwen2 --mesh 2x2 --pp 2 --devices 8 --fsdp --sp --steps 2 --x64 --seq-len 8"
+)
+ONE_SET = "tests/test_control_set.py::test_the_controls_with_a_path_of_their_own_under_pp_are_detected"
 AXES_MATRIX = "tests/test_prover.py::test_matrix_axes_cells_prove_or_refuse_with_the_layouts_reason"
 QK = MARGIN  # its tiny-qwen3 and tiny-olmo2 cases
 PPCP = "tests/test_pipeline_model.py::test_pp_with_cp_and_with_the_document_mask_equals_the_unsharded_model"
@@ -329,10 +333,7 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-gqa --mesh 1x4 --z-loss 1e-3 --x64": verify(costly=Z),
     "meshlm verify --matrix --devices 8 --md": verify(costly=MATRIX),
     "meshlm verify --matrix --axes pp,cp": verify(costly=AXES_MATRIX),
-    "meshlm verify --config tiny-qwen2 --mesh 2x2 --pp 2 --devices 8 --fsdp --sp --steps 2 --x64 "
-    "--seq-len 8": verify(
-        costly="tests/test_control_set.py::test_the_controls_with_a_path_of_their_own_under_pp_are_detected"
-    ),
+    ONE_SET_PP: verify(costly=ONE_SET),
     "meshlm verify --config tiny-gpt2vocab --mesh 1x8 --devices 8 --x64": verify(costly=GPT2),
     "meshlm verify --config tiny-llama3 --mesh 2x2 --devices 4 --x64 --steps 2": verify(costly=MARGIN),
     "meshlm verify --config tiny-qwen2 --mesh 2x2 --devices 4 --x64 --steps 2": verify(costly=MARGIN),

@@ -77,8 +77,15 @@ def run_axes_cells(axes: tuple[str, ...], n_devices: int, *, x64: bool, steps: i
     ]
 
 
+def _mesh_text(fields: dict) -> str:
+    """The cell's mesh as the layout's label words it ("pp2x1x2 + CP2 ring"), for a layout refused."""
+    mesh = f"{fields.get('dp', 1)}x{fields['mp']}"
+    mesh = f"pp{fields['pp']}x{mesh}" if fields.get("pp", 1) > 1 else mesh
+    return mesh + (f" + CP{fields['cp']} {fields['cp_strategy']}" if fields.get("cp", 1) > 1 else "")
+
+
 def _cell(label: str, fields: dict, n_devices: int, *, x64: bool, steps: int, seed: int) -> dict:
-    row = {"preset": PRESET, "mesh": f"{fields.get('dp', 1)}x{fields['mp']}", "options": label}
+    row = {"preset": PRESET, "mesh": _mesh_text(fields), "options": label}
     try:
         layout = Layout(**fields)
     except ConfigError as e:  # the pair is not allowed (yet): the layout's own line
