@@ -219,7 +219,9 @@ def one_f_one_b(job: Job, params, head, embed, x, targets, aux, *, with_head: bo
     head_loss = _head_loss(job, with_head)
     fill = _activation(job, embed, xs, pipe.fill)
     loss_type = jax.eval_shape(head_loss, head, fill, _at(tgs, 0))
-    kept = residuals(job.stage, _chunk, params, fill, _at(auxs, 0))
+    # aux rows typed as a forward slot reads them (indexed by a micro-batch that depends on the stage): a
+    # fault varying them over mp (a control) must give the traced VJP the schedule's structure
+    kept = residuals(job.stage, _chunk, params, fill, _vary(_at(auxs, 0), (PP,)))
     state = {
         "recv_x": fill,
         "recv_ct": fill,
