@@ -117,12 +117,21 @@ class Attention(hk.Module):
             k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
             key_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
         if self.par.context_parallel and cache is None:  # the sequence split over cp: positions global
-            blockwise = cfg.attention == "blockwise"  # (no --doc-mask, no window with cp: ``transformer``)
+            blockwise = cfg.attention == "blockwise"  # (no --doc-mask with cp: ``transformer``)
             out = context_attention(
-                q, k, v, positions, self.par, block=cfg.attn_block, blockwise=blockwise, plain_attend=_attend
+                q,
+                k,
+                v,
+                positions,
+                self.par,
+                block=cfg.attn_block,
+                blockwise=blockwise,
+                plain_attend=_attend,
+                window=cfg.sliding_window,
             )
         elif cfg.attention == "blockwise":
-            out = blockwise_attention(q, k, v, positions, key_pos, block=cfg.attn_block, q_start=starts)
+            kw = dict(block=cfg.attn_block, q_start=starts, window=cfg.sliding_window)
+            out = blockwise_attention(q, k, v, positions, key_pos, **kw)
         else:
             out = _attend(q, k, v, positions, key_pos, starts, cfg.sliding_window, cfg.attn_softcap)
         wo = hk.get_parameter("wo", [hl, cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
@@ -186,7 +195,9 @@ def window_visible(q_pos, k_pos, window: int):
     also ``q_pos - window < k_pos`` (transformers' ``sliding_window_overlay``: window keys, itself
     included). Positions are absolute (or within a document), so the cache and every mesh agree."""
     visible = k_pos <= q_pos
-    return visible & (k_pos > q_pos - window) if window else visible
+    if isinstance(window, int) and not window:  # a traced (per-layer) window is always applied
+        return visible
+    return visible & (k_pos > q_pos - window)
 
 
 def soft_cap(x, cap: float):

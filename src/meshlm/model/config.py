@@ -151,8 +151,12 @@ def _check_attention(cfg: ModelConfig) -> None:
 
 
 def _check_plain_only(cfg: ModelConfig) -> None:
-    """What only plain attention implements (the blockwise kernel has neither yet)."""
-    for name, what in (("sliding_window", "window"), ("attn_softcap", "soft-capping")):
+    """What only plain attention implements (the blockwise kernel has no soft-capping yet)."""
+    if cfg.sliding_window and not cfg.arch.attention:
+        raise ConfigError(
+            f"sliding_window={cfg.sliding_window} needs a family with attention; set sliding_window=0"
+        )
+    for name, what in (("attn_softcap", "soft-capping"),):
         value = getattr(cfg, name)
         if value and not (cfg.arch.attention and cfg.attention == "plain"):
             raise ConfigError(
