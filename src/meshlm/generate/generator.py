@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.data.tokenizer import EOD
 from meshlm.errors import ConfigError
+from meshlm.generate.cache import cache_bytes
 from meshlm.generate.inputs import (
     Sampling,
     check_budget,
@@ -73,6 +74,13 @@ class Generator:
         self.params = jax.device_put(params, shardings(specs, self.mesh))  # a no-op when already laid out
         self._prog = programs_for(cfg, self.layout, specs, self.max_len, self.params)
         self._last_constants: tuple = (None, None)
+
+    def cache_memory(self, batch: int) -> dict:
+        """The decode KV cache of a global ``batch`` of prompts: {"slots" (positions held per layer:
+        the window for a rolling cache), "total", "per_device" (bytes, K and V)}."""
+        b = -(-batch // self.dp) * self.dp  # rows padded to a multiple of dp, as ``pad_prompts``
+        dtype = self.params["embed"]["embeddings"].dtype
+        return cache_bytes(self.cfg, self.layout, b, self.max_len, dtype)
 
     @property
     def compilations(self) -> int:
