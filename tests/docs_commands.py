@@ -42,6 +42,9 @@ BW = "tests/test_blockwise.py::test_the_proof_compares_blockwise_with_plain_atte
 CK = "tests/test_multiprocess.py::test_two_processes_train_like_one_and_checkpoint_restores_in_one"
 MATRIX = "tests/test_prover.py::test_matrix_rows_and_table"
 QK = MARGIN  # its tiny-qwen3 and tiny-olmo2 cases
+WINDOW_KERNEL = "tests/test_windows.py::test_both_window_off_by_ones_are_caught"
+WINDOW_CP = "tests/test_windows.py::test_cp_with_a_window_equals_the_unsharded_model"
+W10 = "meshlm verify --config tiny-mistral-w10 --attention blockwise --attn-block 8 --seq-len 64 "
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,12 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm bench --config cpu --vocab-size 1024 --mesh 2x2 --devices 4 --batch-size 32 --seq-len 128 "
     "--gen-tokens 0 --json": run("cpu => tiny-lm", "32 => 4", "128 => 32 --warmup 0", costly=BENCH),
     "meshlm plan --config cpu --mesh 1x1 --seq-len 16384 --batch-size 1": run(),
+    "meshlm bench --config tiny-mistral --attention blockwise --seq-len $t --compare-window 1024 "
+    "--batch-size 1 --steps 5 --mesh 1x1": run(
+        "--compare-window 1024 => --compare-window 10 --attn-block 8 --warmup 0",
+        each=((("--seq-len $t", "--seq-len 32"),),),
+        expect=("window 10",),
+    ),
     # docs/data.md
     "meshlm data prepare --data 'shards/*.parquet' --text-field content --out data/web": run(),
     "meshlm train --data data/web --config small --out runs/web": run(
@@ -349,6 +358,9 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm launch -n 2 -- verify": verify(costly=LAUNCH),
     "meshlm verify --config tiny-mistral --mesh 2x2 --devices 4 --x64 --steps 2": verify(costly=MARGIN),
     "meshlm verify --config tiny-mistral --mesh 2x2 --devices 4 --sp --fsdp": verify(costly=MEM),
+    W10 + "--x64 --steps 2": verify(costly=WINDOW_KERNEL),
+    W10 + "--x64 --steps 2 --mesh 1x2 --cp 2 --devices 4": verify(costly=WINDOW_CP),
+    W10 + "--x64 --steps 2 --mesh 1x2 --cp 2 --cp-strategy allgather --devices 4": verify(costly=WINDOW_CP),
     "meshlm verify --config tiny-llama --mesh 2x2 --devices 4 --x64 --fsdp --sp --remat selective": verify(
         costly=MEM
     ),

@@ -157,3 +157,4 @@ def test_rolling_cache_holds_the_window_and_equals_the_full_forward(attention):
     )
     for b, n in enumerate((3, 11)):
         np.testing.assert_allclose(got[b], want[b, n - 1 :], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
