@@ -135,7 +135,7 @@ def test_cp_with_a_window_equals_the_unsharded_model(windowed, strategy):
 def test_rolling_cache_holds_the_window_and_equals_the_full_forward(attention):
     """Window 4, a 32-slot context: the decode cache has 4 slots per layer; teacher-forced cached logits
     from prompts of 3 and 11 tokens up to position 19 (several windows on) equal the full forward's."""
-    from meshlm.generate.generator import Generator
+    from meshlm.generate.generator import Generator, cache_memory
     from meshlm.generate.inputs import Sampling
     from meshlm.parallel.mesh import make_mesh
 
@@ -146,7 +146,7 @@ def test_rolling_cache_holds_the_window_and_equals_the_full_forward(attention):
     )
     gen = Generator(cfg, params, make_mesh(1, 1), max_len=32)
     _, _, cache = gen.prefill(np.zeros((2, 32), np.int32), np.array([3, 11]), Sampling())
-    assert cache["k"].shape[2] == 4 and gen.cache_memory(2)["slots"] == 4
+    assert cache["k"].shape[2] == 4 and cache_memory(gen, 2)["slots"] == 4
     assert (
         cache_bytes(cfg, gen.mesh, 2, 32)["total"] * 8
         == cache_bytes(cfg.replace(sliding_window=0), gen.mesh, 2, 32)["total"]
@@ -157,4 +157,3 @@ def test_rolling_cache_holds_the_window_and_equals_the_full_forward(attention):
     )
     for b, n in enumerate((3, 11)):
         np.testing.assert_allclose(got[b], want[b, n - 1 :], rtol=1e-5, atol=1e-5 * np.abs(want).max())
-

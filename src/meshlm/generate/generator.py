@@ -75,13 +75,6 @@ class Generator:
         self._prog = programs_for(cfg, self.layout, specs, self.max_len, self.params)
         self._last_constants: tuple = (None, None)
 
-    def cache_memory(self, batch: int) -> dict:
-        """The decode KV cache of a global ``batch`` of prompts: {"slots" (positions held per layer:
-        the window for a rolling cache), "total", "per_device" (bytes, K and V)}."""
-        b = -(-batch // self.dp) * self.dp  # rows padded to a multiple of dp, as ``pad_prompts``
-        dtype = self.params["embed"]["embeddings"].dtype
-        return cache_bytes(self.cfg, self.layout, b, self.max_len, dtype)
-
     @property
     def compilations(self) -> int:
         """Executables built so far for this model: two per batch size, never per length or step."""
@@ -177,6 +170,13 @@ class Generator:
             out.append(to_host(logits))
         stacked = np.stack(out, axis=1)  # [B', steps + 1, V]
         return [stacked[b, : t - n + 1] for b, n in enumerate(lengths)]
+
+
+def cache_memory(gen: Generator, batch: int) -> dict:
+    """The decode KV cache of ``gen`` for a global ``batch`` of prompts: {"slots" (positions held per
+    layer: the window for a rolling cache), "total", "per_device" (bytes, K and V)}."""
+    b = -(-batch // gen.dp) * gen.dp  # rows padded to a multiple of dp, as ``pad_prompts``
+    return cache_bytes(gen.cfg, gen.layout, b, gen.max_len, gen.params["embed"]["embeddings"].dtype)
 
 
 def bench_generation(cfg: ModelConfig, params, where, batch: int, prompt_len: int, new_tokens: int) -> dict:
