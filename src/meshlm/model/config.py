@@ -58,7 +58,8 @@ class ModelConfig:
     doc_mask: int = -1
     # Sliding-window attention (Mistral): a query at position i sees the keys at positions j with
     # i - sliding_window < j <= i (transformers' definition: the window counts the query itself), in
-    # training and in the KV cache (a full cache, masked). 0: off (full causal attention). A saved
+    # plain and blockwise attention, under --cp, and in the KV cache (a rolling cache of the window's
+    # slots when the context is longer). 0: off (full causal attention). A saved
     # config without this field predates it and loads as 0: exactly as it was.
     sliding_window: int = 0
     # Llama 3.x's rotary frequency scaling (transformers' rope_type "llama3"; ``model.rope``), or None:
