@@ -232,7 +232,8 @@ def attend_partial(
     ``q_start`` [B, Tq] (``--doc-mask``): where each query's document starts (absolute position).
     ``window``: a sliding window (``_visible``; a Python int or a traced int32 scalar; None: none)."""
     x = _block_inputs(q, k, v, q_pos, k_pos, block, q_start)
-    row = lambda a: _attend_qblock(a[0], a[1], x.kb, x.vb, x.kpb, x.kvb, causal, x.scale, a[2], window)
+    kw = _win(window)
+    row = lambda a: _attend_qblock(a[0], a[1], x.kb, x.vb, x.kpb, x.kvb, causal, x.scale, a[2], **kw)
     acc, m, lsum = lax.map(row, (x.qb, x.qpb, x.qsb))  # [nq, B, K, G, bq, ...]
     out = acc * _safe_inv(lsum)[..., None]
     tq, h = q.shape[1:3]
@@ -320,7 +321,6 @@ def _chunked(q, ks, vs, q_pos, k_poss, q_start, block, causal, window=None):
     return _chunked_fwd(q, ks, vs, q_pos, k_poss, q_start, block, causal, window)[0]
 
 
-# ``window`` is a primal argument (it may be a traced per-layer scalar), without a cotangent (None).
 _chunked = jax.custom_vjp(_chunked, nondiff_argnums=(6, 7))
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
@@ -343,8 +343,8 @@ def blockwise_attention(
 
 
 def window_arg(window):
-    """The kernel's ``window``: None for a Python 0 (no window: the program is as without one),
-    else an int32 scalar (a Python int or a traced per-layer value alike)."""
+    """The kernel's ``window``: None for a Python 0 (no window: the program is as without one), else
+    an int32 scalar (a Python int or a traced per-layer value: a primal of the VJP, cotangent None)."""
     if isinstance(window, int) and not window:
         return None
     return jnp.asarray(window, jnp.int32)
