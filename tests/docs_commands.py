@@ -48,6 +48,10 @@ ONE_SET = "tests/test_control_set.py::test_the_controls_with_a_path_of_their_own
 AXES_MATRIX = "tests/test_prover.py::test_matrix_axes_cells_prove_or_refuse_with_the_layouts_reason"
 QK = MARGIN  # its tiny-qwen3 and tiny-olmo2 cases
 PPCP = "tests/test_pipeline_model.py::test_pp_with_cp_and_with_the_document_mask_equals_the_unsharded_model"
+WINDOW_KERNEL = "tests/test_windows.py::test_both_window_off_by_ones_are_caught"
+WINDOW_CP = "tests/test_windows.py::test_cp_with_a_window_equals_the_unsharded_model"
+WBENCH = "meshlm bench --config tiny-mistral --attention blockwise --seq-len "
+W10 = "meshlm verify --config tiny-mistral-w10 --attention blockwise --attn-block 8 --seq-len 64 "
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,7 @@ COMMANDS: dict[str, Run | Shown] = {
     **_names(
         "a placeholder, not a value (DIR, N, ring|allgather, ...): the forms with values are run",
         "meshlm train --data DIR",
+        "meshlm bench --attention blockwise --compare-window W",
         "meshlm bench --pp N",
         "meshlm verify --cp N --cp-strategy ring|allgather",
         "meshlm eval --cp N",
@@ -154,6 +159,13 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm bench --config cpu --vocab-size 1024 --mesh 2x2 --devices 4 --batch-size 32 --seq-len 128 "
     "--gen-tokens 0 --json": run("cpu => tiny-lm", "32 => 4", "128 => 32 --warmup 0", costly=BENCH),
     "meshlm plan --config cpu --mesh 1x1 --seq-len 16384 --batch-size 1": run(),
+    WBENCH + "4096 --compare-window 1024 --batch-size 1 --steps 5 --mesh 1x1": run(
+        "4096 --compare-window 1024 => 32 --compare-window 10 --attn-block 8 --warmup 0",
+        expect=("window 10",),
+    ),
+    WBENCH + "16384 --compare-window 1024 --batch-size 1 --steps 5 --warmup 0 --mesh 1x1": Shown(
+        "the same path as the 4096 line (run, on 32 tokens); a step takes minutes at 16384"
+    ),
     # docs/data.md
     "meshlm data prepare --data 'shards/*.parquet' --text-field content --out data/web": run(),
     "meshlm train --data data/web --config small --out runs/web": run(
@@ -363,6 +375,9 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm launch -n 2 -- verify": verify(costly=LAUNCH),
     "meshlm verify --config tiny-mistral --mesh 2x2 --devices 4 --x64 --steps 2": verify(costly=MARGIN),
     "meshlm verify --config tiny-mistral --mesh 2x2 --devices 4 --sp --fsdp": verify(costly=MEM),
+    W10 + "--x64 --steps 2": verify(costly=WINDOW_KERNEL),
+    W10 + "--x64 --steps 2 --mesh 1x2 --cp 2 --devices 4": verify(costly=WINDOW_CP),
+    W10 + "--x64 --steps 2 --mesh 1x2 --cp 2 --cp-strategy allgather --devices 4": verify(costly=WINDOW_CP),
     "meshlm verify --config tiny-llama --mesh 2x2 --devices 4 --x64 --fsdp --sp --remat selective": verify(
         costly=MEM
     ),

@@ -120,10 +120,6 @@ def test_bad_combinations_are_one_line_errors():
     forward = hk.transform(lambda tokens: local_logits(cfg, Parallel(Layout(cp=2), sharded=True), tokens))
     with pytest.raises(ConfigError, match="--cp does not support --doc-mask"):
         forward.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
-    mistral = get_config("tiny-mistral")
-    forward = hk.transform(lambda tokens: local_logits(mistral, Parallel(Layout(cp=2), sharded=True), tokens))
-    with pytest.raises(ConfigError, match="--cp does not support a sliding window yet"):
-        forward.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
 
 
 CLI_ERRORS = {

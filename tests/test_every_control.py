@@ -7,9 +7,9 @@ parameter; the planted function kept the old signature) crashes when verify runs
 there, exactly as ``run_control`` and ``pipeline_controls`` build it. A crash is a failure of this test;
 JAX's varying-axis type check rejecting the program is what verify counts as a detection, and passes.
 The configurations cover plain and blockwise attention, both cp strategies (ring on 2 and 3 shards),
-each pp schedule, pp x cp and the document mask under pp (their controls through the pipeline), FSDP
-and SP, and every tiny family preset; the last test requires every control to apply on at least one of
-them, so a new control cannot go untested here."""
+each pp schedule, pp x cp and the document mask under pp (their controls through the pipeline), a
+sliding window in the kernel and the ring, FSDP and SP, and every tiny family preset; the last test
+requires every control to apply on at least one of them, so a new control cannot go untested here."""
 
 import jax.numpy as jnp
 import pytest
@@ -36,6 +36,14 @@ CONFIGS = {
     "tiny-gpt2vocab 1x2 (padded vocab)": ("tiny-gpt2vocab", {}, Layout(mp=2), 1, 8),
     "tiny-gqa 1x4 blockwise (KV replicated)": ("tiny-gqa", BW, Layout(mp=4), 1, 10),
     "tiny-mistral 1x2 (window)": ("tiny-mistral", {}, Layout(mp=2), 1, 18),
+    # a window of 10 on blocks of 8: the kernel's window and its block-skip rule, through the ring
+    "tiny-mistral-w10 1x2 cp2 ring blockwise (window)": (
+        "tiny-mistral-w10",
+        {"attention": "blockwise", "attn_block": 8},
+        Layout(mp=2, cp=2),
+        1,
+        32,
+    ),
     "tiny-gemma 1x2": ("tiny-gemma", {}, Layout(mp=2), 1, 8),
     "tiny-llama3 2x2 fsdp sp doc-mask (tied)": ("tiny-llama3", {"doc_mask": 0}, FSDP_SP, 2, 8),
     "tiny-qwen2 1x2 (q/k/v bias, tied)": ("tiny-qwen2", {}, Layout(mp=2), 1, 8),

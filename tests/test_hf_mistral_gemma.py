@@ -183,8 +183,9 @@ def test_mistral_config_window_defaults_and_export_refusals():
     assert hf_config.config_from_hf(hf).sliding_window == mistral.WINDOW
     with pytest.raises(ConfigError, match="sliding_window=8: transformers' llama"):
         hf_config.config_to_hf(cfg.replace(family="llama"))
-    with pytest.raises(ConfigError, match="sliding_window=8 needs .*attention='plain'"):
-        cfg.replace(attention="blockwise")
+    assert cfg.replace(attention="blockwise").sliding_window == 8  # the kernel skips and masks by window
+    with pytest.raises(ConfigError, match="sliding_window=8 needs a family with attention"):
+        get_config("seed").replace(sliding_window=8)
     saved = cfg.to_dict()
     del saved["sliding_window"]  # a checkpoint written before the field: no window
     assert from_dict(saved).sliding_window == 0
@@ -196,3 +197,27 @@ def test_preset_config_round_trip(preset):
 
     cfg = get_config(preset)
     assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg
+
+
+@pytest.mark.parametrize("family", ["mistral"], indirect=True)
+def test_rolling_cache_holds_the_window_and_equals_transformers(family, tokens, capsys):
+    """Mistral's every layer is windowed: the decode cache holds WINDOW positions, not the 64-token
+    context (generate --json reports it), the greedy text past several windows is transformers', and
+    teacher-forced cached logits through 4 windows equal transformers' logits."""
+    import json
+
+    from meshlm.generate.generator import Generator, cache_memory
+    from meshlm.parallel.mesh import make_mesh
+
+    capsys.readouterr()
+    argv = ["generate", "--checkpoint", str(family["ckpt"]), "--mesh", "1x1", "--temperature", "0", "--json"]
+    assert run_cli(*argv, "--prompt", PROMPT, "--max-new-tokens", str(NEW)) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == family["text"] and out["kv_cache"]["slots"] == WINDOW
+    cfg, flat = hf_weights.load_hf(family["hf"])
+    gen = Generator(cfg, unflatten(flat), make_mesh(1, 1))
+    assert gen.max_len > 4 * WINDOW and cache_memory(gen, 2)["slots"] == WINDOW
+    lengths = np.array([1, WINDOW + 1])
+    got = gen.logits_with_cache(tokens, lengths)
+    for b, n in enumerate(lengths):
+        assert _rel(got[b], family["logits"][b, n - 1 :]) <= RTOL

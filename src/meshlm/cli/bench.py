@@ -62,6 +62,13 @@ def run(args) -> int:
         report = compare_schedules(cfg, name, layout, settings)
         print0(json.dumps(report) if args.json else format_compare(report))
         return 0
+    if bs.compare_window:
+        from meshlm.perf.bench_window import compare_window, format_window
+
+        bs.check(cfg, layout)
+        report = compare_window(cfg, name, layout, settings)
+        print0(json.dumps(report) if args.json else format_window(report))
+        return 0
     report = run_bench(cfg, name, layout, settings)
     if bs.memory_options:
         from meshlm.perf.memory_bench import memory_options_bench

@@ -129,7 +129,7 @@ def run(args) -> int:
     refuse_options(args, flags, "generate", REFUSED, ANY_MESH)
     prompts = _prompts(args)  # file errors before the slow parts
     layout = setup(args, flags)
-    from meshlm.generate.generator import Generator
+    from meshlm.generate.generator import Generator, cache_memory
     from meshlm.io.model_io import load_model
     from meshlm.parallel.distributed import is_main, print0
 
@@ -147,8 +147,9 @@ def run(args) -> int:
         stop=args.stop,
         on_token=_streamer(prompts[0]) if streaming else None,
     )
+    cache = cache_memory(gen, len(prompts))
     if args.json:
-        objs = [r.to_json() for r in results]
+        objs = [{**r.to_json(), "kv_cache": cache} for r in results]
         print0(json.dumps(objs if len(objs) > 1 else objs[0]))
     elif streaming:
         print()
@@ -159,7 +160,8 @@ def run(args) -> int:
     if is_main():
         print(
             f"[{sum(len(x.tokens) for x in results)} tokens; prefill {r.prefill_tokens_per_s:.0f} tok/s, "
-            f"decode {r.decode_tokens_per_s:.0f} tok/s; mesh {layout.label()}]",
+            f"decode {r.decode_tokens_per_s:.0f} tok/s; mesh {layout.label()}; KV cache {cache['slots']} "
+            f"positions per layer, {cache['total']:,} bytes]",
             file=sys.stderr,
         )
     return 0

@@ -7,6 +7,12 @@ each shard stores only the one KV head its query heads use (per shard Kc/mp = 1)
 S slots, padding included; a padding slot is either overwritten by ``decode_step`` before any query
 can see it (a step writes slot p, then attends to slots <= p) or stays masked.
 
+Rolling cache (``attention.cache_window``: every layer has a sliding window W, as Mistral): when S > W
+the decode cache has W slots, position p in slot p % W (``attention.cache_update``), so its memory is
+the window's, not the context's. The prefill still runs the whole padded prompt at once (its cache, S
+slots, lives only inside the prefill program) and keeps each row's last W prompt positions
+(``keep_window``): exactly the keys a later query can see.
+
 The "ff" family has no attention and no positions, so it needs no cache (an empty dict): see
 ``programs`` for why running it on the last token alone is exact.
 """
@@ -18,7 +24,7 @@ import math
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from meshlm.model.attention import kv_replicated
+from meshlm.model.attention import cache_window, kv_replicated
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.context import Parallel
@@ -38,20 +44,40 @@ def cache_heads(cfg: ModelConfig, mp: int) -> tuple[int, int]:
     return cfg.kv_heads, cfg.kv_heads // mp
 
 
+def cache_len(cfg: ModelConfig, max_len: int) -> int:
+    """Slots per layer of the decode cache: the window when it rolls (``cache_window``), else max_len."""
+    window = cache_window(cfg)
+    return min(window, max_len) if window else max_len
+
+
 def cache_shape(cfg: ModelConfig, mp: int, batch: int, max_len: int) -> tuple[int, ...]:
-    """Global shape [L, B, S, Kc, E] of the K (and of the V) cache for a global ``batch``."""
-    return (cfg.n_layers, batch, max_len, cache_heads(cfg, mp)[0], cfg.dim_per_head)
+    """Global shape [L, B, S, Kc, E] of the K (and of the V) decode cache for a global ``batch``
+    (S = ``cache_len``: the window for a rolling cache)."""
+    return (cfg.n_layers, batch, cache_len(cfg, max_len), cache_heads(cfg, mp)[0], cfg.dim_per_head)
 
 
 def cache_bytes(cfg: ModelConfig, where, batch: int, max_len: int, dtype=jnp.float32) -> dict:
-    """{"total", "per_device"} bytes of the K and V caches for a global ``batch`` on ``where`` (a
-    Layout or a jax Mesh)."""
+    """{"total", "per_device"} bytes of the K and V decode caches for a global ``batch`` on ``where`` (a
+    Layout or a jax Mesh), and "slots": positions held per layer (the window for a rolling cache)."""
     if not cfg.arch.attention:
-        return {"total": 0, "per_device": 0}
+        return {"total": 0, "per_device": 0, "slots": 0}
     layout = Layout.of(where)
     shape = cache_shape(cfg, layout.mp, batch, max_len)
     total = 2 * math.prod(shape) * jnp.dtype(dtype).itemsize
-    return {"total": total, "per_device": total // layout.devices}
+    return {"total": total, "per_device": total // layout.devices, "slots": shape[2]}
+
+
+def keep_window(cfg: ModelConfig, cache: dict, lengths) -> dict:
+    """A prefill's per-shard cache [L, B/dp, S, Kc/mp, E] -> the rolling one [L, B/dp, W, ...] when
+    S > W: slot s gets each row's newest prompt position congruent to s, (n - 1) - ((n - 1 - s) mod W)
+    for a row of ``lengths`` [B/dp] = n (one below 0: a slot no query sees, left as position 0's)."""
+    window, s = cache_window(cfg), cache["k"].shape[2] if cache else 0
+    if not window or s <= window:
+        return cache
+    last = lengths[:, None] - 1  # [B, 1]
+    held = last - (last - jnp.arange(window)) % window  # [B, W]
+    index = jnp.maximum(held, 0)[None, :, :, None, None]
+    return {name: jnp.take_along_axis(c, index, axis=2) for name, c in cache.items()}
 
 
 def empty_cache(cfg: ModelConfig, par: Parallel, shard_batch: int, max_len: int, dtype) -> dict:

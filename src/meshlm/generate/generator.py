@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.data.tokenizer import EOD
 from meshlm.errors import ConfigError
+from meshlm.generate.cache import cache_bytes
 from meshlm.generate.inputs import (
     Sampling,
     check_budget,
@@ -169,6 +170,13 @@ class Generator:
             out.append(to_host(logits))
         stacked = np.stack(out, axis=1)  # [B', steps + 1, V]
         return [stacked[b, : t - n + 1] for b, n in enumerate(lengths)]
+
+
+def cache_memory(gen: Generator, batch: int) -> dict:
+    """The decode KV cache of ``gen`` for a global ``batch`` of prompts: {"slots" (positions held per
+    layer: the window for a rolling cache), "total", "per_device" (bytes, K and V)}."""
+    b = -(-batch // gen.dp) * gen.dp  # rows padded to a multiple of dp, as ``pad_prompts``
+    return cache_bytes(gen.cfg, gen.layout, b, gen.max_len, gen.params["embed"]["embeddings"].dtype)
 
 
 def bench_generation(cfg: ModelConfig, params, where, batch: int, prompt_len: int, new_tokens: int) -> dict:

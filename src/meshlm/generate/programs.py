@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshlm.generate.cache import cache_shape, cache_specs, empty_cache
+from meshlm.generate.cache import cache_shape, cache_specs, empty_cache, keep_window
 from meshlm.generate.inputs import Sampling
 from meshlm.model.config import ModelConfig
 from meshlm.model.layers import upcast
@@ -100,7 +100,7 @@ def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype):
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         cache = empty_cache(cfg, par, tokens.shape[0], tokens.shape[1], cache_dtype)
         logits, cache = apply(params, tokens, positions, lengths - 1, cache)
-        return sample(logits, key, rows, 0, sampling), logits, cache
+        return sample(logits, key, rows, 0, sampling), logits, keep_window(cfg, cache, lengths)
 
     def decode_step(params, tokens, positions, rows, cache, key, step, sampling, starts):  # [B/dp] per shard
         last = jnp.zeros_like(positions)

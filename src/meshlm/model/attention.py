@@ -112,17 +112,24 @@ class Attention(hk.Module):
             k = norm_then_rotary(k, norm(eps=cfg.norm_eps, name="k_norm", **self._norm_args(True)), rotate)
         key_pos = positions
         if cache is not None:
-            write = jax.vmap(lambda c, new, p: c.at[p].set(new.astype(c.dtype)))
-            cache = {"k": write(cache["k"], k, positions), "v": write(cache["v"], v, positions)}
+            cache, key_pos = cache_update(cache, k, v, positions, cache_window(cfg))
             k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
-            key_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
         if self.par.context_parallel and cache is None:  # the sequence split over cp: positions global
-            blockwise = cfg.attention == "blockwise"  # (no --doc-mask, no window with cp: ``transformer``)
+            blockwise = cfg.attention == "blockwise"  # (no --doc-mask with cp: ``transformer``)
             out = context_attention(
-                q, k, v, positions, self.par, block=cfg.attn_block, blockwise=blockwise, plain_attend=_attend
+                q,
+                k,
+                v,
+                positions,
+                self.par,
+                block=cfg.attn_block,
+                blockwise=blockwise,
+                plain_attend=_attend,
+                window=cfg.sliding_window,
             )
         elif cfg.attention == "blockwise":
-            out = blockwise_attention(q, k, v, positions, key_pos, block=cfg.attn_block, q_start=starts)
+            kw = dict(block=cfg.attn_block, q_start=starts, window=cfg.sliding_window)
+            out = blockwise_attention(q, k, v, positions, key_pos, **kw)
         else:
             out = _attend(q, k, v, positions, key_pos, starts, cfg.sliding_window, cfg.attn_softcap)
         wo = hk.get_parameter("wo", [hl, cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
@@ -181,12 +188,42 @@ def doc_starts(tokens, eod: int):
     return lax.cummax(jnp.where(tokens == eod, t, 0), axis=tokens.ndim - 1)
 
 
+def cache_window(cfg: ModelConfig) -> int:
+    """The slots of a rolling KV cache: the sliding window when every layer has it (Mistral), else 0
+    (a full cache). (A model with windowed and full layers would keep a full cache in every layer.)"""
+    return cfg.sliding_window
+
+
+def cache_update(cache, k, v, positions, window: int):
+    """Write the new k, v [B, T, K_local, E] at ``positions`` [B, T] into ``cache`` {"k", "v": [B, S,
+    K_local, E]}: (new cache, key positions [B, S] of its slots).
+
+    A full cache (S != ``window``) holds position p in slot p. A rolling one (S == ``window``: memory
+    O(window), not O(context)) holds p in slot p % S: after writing position q, slot s holds the
+    newest position congruent to s, q - ((q - s) mod S), every one of them inside q's window; a slot
+    not yet written (that position < 0) gets a position no query sees. The two agree while positions
+    are below S (slot s holds s), so a prefill of S <= window tokens fills either."""
+    slots = cache["k"].shape[1]
+    rolling = bool(window) and slots == window
+    at = positions % slots if rolling else positions
+    write = jax.vmap(lambda c, new, p: c.at[p].set(new.astype(c.dtype)))
+    cache = {"k": write(cache["k"], k, at), "v": write(cache["v"], v, at)}
+    slot = jnp.arange(slots, dtype=positions.dtype)
+    if not rolling:
+        return cache, jnp.broadcast_to(slot, (positions.shape[0], slots))
+    last = positions[:, -1:]  # [B, 1]: the newest position written
+    held = last - (last - slot) % slots  # [B, S]
+    return cache, jnp.where(held < 0, jnp.iinfo(held.dtype).max, held)  # never written: never visible
+
+
 def window_visible(q_pos, k_pos, window: int):
     """Whether a query at ``q_pos`` sees a key at ``k_pos`` (broadcast): causal, and with ``window`` > 0
     also ``q_pos - window < k_pos`` (transformers' ``sliding_window_overlay``: window keys, itself
     included). Positions are absolute (or within a document), so the cache and every mesh agree."""
     visible = k_pos <= q_pos
-    return visible & (k_pos > q_pos - window) if window else visible
+    if isinstance(window, int) and not window:  # a traced (per-layer) window is always applied
+        return visible
+    return visible & (k_pos > q_pos - window)
 
 
 def soft_cap(x, cap: float):

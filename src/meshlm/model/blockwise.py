@@ -84,26 +84,40 @@ def _varying_like(tree, *refs):
 # ---- the per-block pieces (small and separate, so that the tests can plant the classic bugs) ----
 
 
-def _visible(qp, kp, kvalid, causal: bool, qs=None):
+def _visible(qp, kp, kvalid, causal: bool, qs=None, *, window=None):
     """[B, bq, bk]: which (query, key) pairs of a block pair count. ``qs`` [B, bq] (``--doc-mask``):
-    where each query's document starts; keys before it are not visible."""
+    where each query's document starts; keys before it are not visible. ``window`` (a sliding
+    window, a Python int or a traced int32 scalar; None: none): also ``qp - window < kp``."""
     vis = kvalid[:, None, :]
     vis = vis & (kp[:, None, :] <= qp[:, :, None]) if causal else vis
+    if window is not None:
+        vis = vis & (kp[:, None, :] > qp[:, :, None] - jnp.asarray(window, qp.dtype))
     return vis if qs is None else vis & (kp[:, None, :] >= qs[:, :, None])
 
 
-def _needed(qp, kp, kvalid, causal: bool, qs=None):
+def _needed(qp, kp, kvalid, causal: bool, qs=None, *, window=None):
     """Scalar: whether a block pair has any visible pair (else it is skipped, not computed). With
     document starts ``qs`` (causal only) a K/V block wholly before the query block's documents is
-    skipped too."""
+    skipped too; with a ``window``, a K/V block wholly before every query's window (its last key at
+    or before ``first query - window``): per query O(window / block) blocks are computed."""
     if not causal:
         return jnp.any(kvalid)
-    first_key = jnp.min(jnp.where(kvalid, kp, jnp.iinfo(kp.dtype).max), axis=-1)  # [B]
+    imax, imin = jnp.iinfo(kp.dtype).max, jnp.iinfo(kp.dtype).min
+    first_key = jnp.min(jnp.where(kvalid, kp, imax), axis=-1)  # [B]
     needed = first_key <= jnp.max(qp, axis=-1)
+    last_key = jnp.max(jnp.where(kvalid, kp, imin), axis=-1)
     if qs is not None:
-        last_key = jnp.max(jnp.where(kvalid, kp, jnp.iinfo(kp.dtype).min), axis=-1)
         needed = needed & (last_key >= jnp.min(qs, axis=-1))
+    if window is not None:  # padded query rows (position imin) left out of the first query
+        first_query = jnp.min(jnp.where(qp == imin, imax, qp), axis=-1)
+        needed = needed & (last_key > first_query - jnp.asarray(window, qp.dtype))
     return jnp.any(needed)
+
+
+def _win(window) -> dict:
+    """``window=`` for ``_visible`` / ``_needed`` only when there is one, so that the no-window
+    program is unchanged and a planted replacement without the keyword still runs."""
+    return {} if window is None else {"window": window}
 
 
 def _rescale(m_old, m_new):
@@ -127,7 +141,7 @@ def _scores(q_i, k_j, scale):  # q_i [B, bq, K, G, E], k_j [B, bk, K, E] -> [B, 
     return upcast(jnp.einsum("bqkge,bske->bkgqs", q_i, k_j)) * scale
 
 
-def _attend_qblock(q_i, qp_i, kb, vb, kpb, kvb, causal, scale, qs_i=None):
+def _attend_qblock(q_i, qp_i, kb, vb, kpb, kvb, causal, scale, qs_i=None, window=None):
     """One query block against every K/V block: (acc, m, lsum) with acc [B, K, G, bq, E]."""
     b, bq, kh, g, e = q_i.shape
     f = upcast(q_i[:0]).dtype
@@ -140,10 +154,11 @@ def _attend_qblock(q_i, qp_i, kb, vb, kpb, kvb, causal, scale, qs_i=None):
 
     def body(j, state):
         def compute(state):
-            vis = _visible(qp_i, kpb[j], kvb[j], causal, qs_i)[:, None, None]
+            vis = _visible(qp_i, kpb[j], kvb[j], causal, qs_i, **_win(window))[:, None, None]
             return _online_update(state, _scores(q_i, kb[j], scale), vis, vb[j])
 
-        return lax.cond(_needed(qp_i, kpb[j], kvb[j], causal, qs_i), compute, lambda st: st, state)
+        needed = _needed(qp_i, kpb[j], kvb[j], causal, qs_i, **_win(window))
+        return lax.cond(needed, compute, lambda st: st, state)
 
     return lax.fori_loop(0, kb.shape[0], body, init)
 
@@ -211,12 +226,14 @@ def _from_tokens(x, b: int, kh: int):  # [B, T, H, ...] -> [n, B, K, G, b, ...]
 
 
 def attend_partial(
-    q, k, v, q_pos, k_pos, *, block: int = DEFAULT_BLOCK, causal: bool = True, q_start=None
+    q, k, v, q_pos, k_pos, *, block: int = DEFAULT_BLOCK, causal: bool = True, q_start=None, window=None
 ) -> Partial:
     """Attend queries to one K/V set (not differentiable on its own: see ``chunked_attention``).
-    ``q_start`` [B, Tq] (``--doc-mask``): where each query's document starts (absolute position)."""
+    ``q_start`` [B, Tq] (``--doc-mask``): where each query's document starts (absolute position).
+    ``window``: a sliding window (``_visible``; a Python int or a traced int32 scalar; None: none)."""
     x = _block_inputs(q, k, v, q_pos, k_pos, block, q_start)
-    row = lambda a: _attend_qblock(a[0], a[1], x.kb, x.vb, x.kpb, x.kvb, causal, x.scale, a[2])
+    kw = _win(window)
+    row = lambda a: _attend_qblock(a[0], a[1], x.kb, x.vb, x.kpb, x.kvb, causal, x.scale, a[2], **kw)
     acc, m, lsum = lax.map(row, (x.qb, x.qpb, x.qsb))  # [nq, B, K, G, bq, ...]
     out = acc * _safe_inv(lsum)[..., None]
     tq, h = q.shape[1:3]
@@ -224,7 +241,19 @@ def attend_partial(
 
 
 def partial_grads(
-    q, k, v, q_pos, k_pos, out, lse, dout, *, block: int = DEFAULT_BLOCK, causal: bool = True, q_start=None
+    q,
+    k,
+    v,
+    q_pos,
+    k_pos,
+    out,
+    lse,
+    dout,
+    *,
+    block: int = DEFAULT_BLOCK,
+    causal: bool = True,
+    q_start=None,
+    window=None,
 ):
     """The flash-attention backward for one K/V set: (dq, dk, dv) given the final ``out`` [B, Tq, H, E]
     and ``lse`` [B, Tq, H] over all K/V sets (dq is this set's share: sum it over the sets)."""
@@ -244,7 +273,7 @@ def partial_grads(
             def compute(carry):
                 dk_j, dv_j, dq = carry
                 q_i, do_i = x.qb[i], dob[i]
-                vis = _visible(x.qpb[i], kp_j, kvalid_j, causal, qs(i))[:, None, None]
+                vis = _visible(x.qpb[i], kp_j, kvalid_j, causal, qs(i), **_win(window))[:, None, None]
                 p = jnp.where(vis, jnp.exp(_scores(q_i, k_j, x.scale) - lse_b[i][..., None]), 0.0)
                 dp = jnp.einsum("bqkge,bske->bkgqs", do_i, upcast(v_j).astype(f))
                 ds = p * (dp - d_b[i][..., None]) * x.scale
@@ -252,7 +281,7 @@ def partial_grads(
                 dk_j = dk_j + jnp.einsum("bkgqs,bqkge->bske", ds, upcast(q_i).astype(f))
                 return dk_j, dv_j + jnp.einsum("bkgqs,bqkge->bske", p, do_i), dq
 
-            needed = _needed(x.qpb[i], kp_j, kvalid_j, causal, qs(i))
+            needed = _needed(x.qpb[i], kp_j, kvalid_j, causal, qs(i), **_win(window))
             return lax.cond(needed, compute, lambda c: c, carry)
 
         zeros = _varying_like(jnp.zeros(k_j.shape, f), x, dob, lse_b, d_b)
@@ -269,26 +298,27 @@ def partial_grads(
 # ---- the differentiable entry points ----
 
 
-def _chunked_fwd(q, ks, vs, q_pos, k_poss, q_start, block, causal):
+def _chunked_fwd(q, ks, vs, q_pos, k_poss, q_start, block, causal, window=None):
     part = None
     for k, v, kp in zip(ks, vs, k_poss, strict=True):  # a ring's steps
-        p = attend_partial(q, k, v, q_pos, kp, block=block, causal=causal, q_start=q_start)
+        p = attend_partial(q, k, v, q_pos, kp, block=block, causal=causal, q_start=q_start, window=window)
         part = p if part is None else combine(part, p)
     out = part.out.astype(q.dtype)
-    return out, (q, ks, vs, q_pos, k_poss, q_start, out, part.lse)
+    return out, (q, ks, vs, q_pos, k_poss, q_start, window, out, part.lse)
 
 
 def _chunked_bwd(block, causal, res, dout):
-    q, ks, vs, q_pos, k_poss, q_start, out, lse = res
+    q, ks, vs, q_pos, k_poss, q_start, window, out, lse = res
     dq, dks, dvs = jnp.zeros(q.shape, upcast(q[:0]).dtype), [], []
+    extra = dict(block=block, causal=causal, q_start=q_start, window=window)
     for k, v, kp in zip(ks, vs, k_poss, strict=True):
-        grads = partial_grads(q, k, v, q_pos, kp, out, lse, dout, block=block, causal=causal, q_start=q_start)
+        grads = partial_grads(q, k, v, q_pos, kp, out, lse, dout, **extra)
         dq, dks, dvs = dq + grads[0], dks + [grads[1]], dvs + [grads[2]]
-    return dq.astype(q.dtype), tuple(dks), tuple(dvs), None, None, None
+    return dq.astype(q.dtype), tuple(dks), tuple(dvs), None, None, None, None
 
 
-def _chunked(q, ks, vs, q_pos, k_poss, q_start, block, causal):
-    return _chunked_fwd(q, ks, vs, q_pos, k_poss, q_start, block, causal)[0]
+def _chunked(q, ks, vs, q_pos, k_poss, q_start, block, causal, window=None):
+    return _chunked_fwd(q, ks, vs, q_pos, k_poss, q_start, block, causal, window)[0]
 
 
 _chunked = jax.custom_vjp(_chunked, nondiff_argnums=(6, 7))
@@ -302,8 +332,19 @@ def chunked_attention(q, ks, vs, q_pos, k_poss, *, block: int = DEFAULT_BLOCK, c
 
 
 def blockwise_attention(
-    q, k, v, q_pos, k_pos, *, block: int = DEFAULT_BLOCK, causal: bool = True, q_start=None
+    q, k, v, q_pos, k_pos, *, block: int = DEFAULT_BLOCK, causal: bool = True, q_start=None, window=0
 ):
     """Softmax attention [B, Tq, H, E] (in q's dtype; softmax in at least float32), memory O(T).
-    ``q_start`` [B, Tq] (``--doc-mask``): where each query's document starts; keys before it are masked."""
-    return _chunked(q, (k,), (v,), q_pos, (k_pos,), q_start, int(block), bool(causal))
+    ``q_start`` [B, Tq] (``--doc-mask``): where each query's document starts; keys before it are masked.
+    ``window``: a sliding window (a query at i sees keys j with i - window < j <= i; a Python int, 0:
+    none, or a traced int32 scalar, as a per-layer window in a layer loop): a K/V block wholly outside
+    every query's window is skipped, forward and backward."""
+    return _chunked(q, (k,), (v,), q_pos, (k_pos,), q_start, int(block), bool(causal), window_arg(window))
+
+
+def window_arg(window):
+    """The kernel's ``window``: None for a Python 0 (no window: the program is as without one), else
+    an int32 scalar (a Python int or a traced per-layer value: a primal of the VJP, cotangent None)."""
+    if isinstance(window, int) and not window:
+        return None
+    return jnp.asarray(window, jnp.int32)

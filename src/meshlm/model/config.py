@@ -58,7 +58,8 @@ class ModelConfig:
     doc_mask: int = -1
     # Sliding-window attention (Mistral): a query at position i sees the keys at positions j with
     # i - sliding_window < j <= i (transformers' definition: the window counts the query itself), in
-    # training and in the KV cache (a full cache, masked). 0: off (full causal attention). A saved
+    # plain and blockwise attention, under --cp, and in the KV cache (a rolling cache of the window's
+    # slots when the context is longer). 0: off (full causal attention). A saved
     # config without this field predates it and loads as 0: exactly as it was.
     sliding_window: int = 0
     # Llama 3.x's rotary frequency scaling (transformers' rope_type "llama3"; ``model.rope``), or None:
@@ -151,8 +152,12 @@ def _check_attention(cfg: ModelConfig) -> None:
 
 
 def _check_plain_only(cfg: ModelConfig) -> None:
-    """What only plain attention implements (the blockwise kernel has neither yet)."""
-    for name, what in (("sliding_window", "window"), ("attn_softcap", "soft-capping")):
+    """What only plain attention implements (the blockwise kernel has no soft-capping yet)."""
+    if cfg.sliding_window and not cfg.arch.attention:
+        raise ConfigError(
+            f"sliding_window={cfg.sliding_window} needs a family with attention; set sliding_window=0"
+        )
+    for name, what in (("attn_softcap", "soft-capping"),):
         value = getattr(cfg, name)
         if value and not (cfg.arch.attention and cfg.attention == "plain"):
             raise ConfigError(

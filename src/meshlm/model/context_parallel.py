@@ -20,21 +20,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from meshlm.model.blockwise import attend_partial, blockwise_attention, combine, partial_grads
+from meshlm.model.blockwise import attend_partial, blockwise_attention, combine, partial_grads, window_arg
 from meshlm.model.layers import upcast
 
 
-def context_attention(q, k, v, q_pos, par, *, block: int, blockwise: bool, plain_attend):
-    """q [B, T/cp, H, E], k, v [B, T/cp, K, E] this shard's chunks; q_pos [B, T/cp] global positions."""
+def context_attention(q, k, v, q_pos, par, *, block: int, blockwise: bool, plain_attend, window=0):
+    """q [B, T/cp, H, E], k, v [B, T/cp, K, E] this shard's chunks; q_pos [B, T/cp] global positions.
+    ``window``: a sliding window (a Python int, 0: none, or a traced int32 scalar), by global position."""
     if par.cp_ring:
-        return _ring(q, k, v, q_pos, par, block)
+        return _ring(q, k, v, q_pos, par, block, window_arg(window))
     t = k.shape[1]
     k_pos = jnp.concatenate([par.kv_positions(o, t) for o in range(par.layout.cp)])
     k_pos = jnp.broadcast_to(k_pos, (k.shape[0], k_pos.shape[0]))
     k_all, v_all = par.gather_kv(jnp.stack([k, v]))  # one all-gather: [2, B, T/cp, K, E] -> [2, B, T, K, E]
     if blockwise:
-        return blockwise_attention(q, k_all, v_all, q_pos, k_pos, block=block)
-    return plain_attend(q, k_all, v_all, q_pos, k_pos)
+        return blockwise_attention(q, k_all, v_all, q_pos, k_pos, block=block, window=window)
+    return plain_attend(q, k_all, v_all, q_pos, k_pos, window=window)
 
 
 def _origin(par, step: int):
@@ -47,19 +48,19 @@ def _kv_pos(par, step, like):
     return jnp.broadcast_to(pos, like.shape[:2])
 
 
-def _ring_fwd(q, k, v, q_pos, par, block):
+def _ring_fwd(q, k, v, q_pos, par, block, window=None):
     kv, part = jnp.stack([k, v]), None
     for s in range(par.ring_steps()):
         if s:
             kv = par.cp_shift(kv)
-        p = attend_partial(q, kv[0], kv[1], q_pos, _kv_pos(par, s, k), block=block)
+        p = attend_partial(q, kv[0], kv[1], q_pos, _kv_pos(par, s, k), block=block, window=window)
         part = p if part is None else combine(part, p)
     out = part.out.astype(q.dtype)
-    return out, (q, k, v, q_pos, out, part.lse)
+    return out, (q, k, v, q_pos, window, out, part.lse)
 
 
 def _ring_bwd(par, block, res, dout):
-    q, k, v, q_pos, out, lse = res
+    q, k, v, q_pos, window, out, lse = res
     f = upcast(q[:0]).dtype
     kv, dkv, dq = jnp.stack([k, v]), jnp.zeros((2, *k.shape), f), jnp.zeros(q.shape, f)
     steps = par.ring_steps()
@@ -67,15 +68,15 @@ def _ring_bwd(par, block, res, dout):
         if s:
             kv, dkv = par.cp_shift(kv), par.cp_shift(dkv)
         kp = _kv_pos(par, s, k)
-        dq_s, dk_s, dv_s = partial_grads(q, kv[0], kv[1], q_pos, kp, out, lse, dout, block=block)
+        dq_s, dk_s, dv_s = partial_grads(q, *kv, q_pos, kp, out, lse, dout, block=block, window=window)
         dq, dkv = dq + dq_s, dkv + jnp.stack([dk_s, dv_s]).astype(f)
     for _ in range(par.layout.cp - steps + 1):  # the accumulators' way home to the shard of their chunk
         dkv = par.cp_shift(dkv)
-    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None
 
 
-def _ring_impl(q, k, v, q_pos, par, block):
-    return _ring_fwd(q, k, v, q_pos, par, block)[0]
+def _ring_impl(q, k, v, q_pos, par, block, window=None):
+    return _ring_fwd(q, k, v, q_pos, par, block, window)[0]
 
 
 _ring = jax.custom_vjp(_ring_impl, nondiff_argnums=(4, 5))

@@ -165,11 +165,6 @@ def _check_context_parallel(cfg: ModelConfig, par: Parallel) -> None:
             f"--cp does not support attention soft-capping yet (attn_softcap={cfg.attn_softcap}: the ring "
             "and the gathered keys do not cap their scores); drop --cp"
         )
-    if cfg.sliding_window:
-        raise ConfigError(
-            f"--cp does not support a sliding window yet (sliding_window={cfg.sliding_window}: the ring "
-            "and the gathered keys attend causally only); drop --cp"
-        )
 
 
 def check_context(cfg: ModelConfig, layout) -> None:

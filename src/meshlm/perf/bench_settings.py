@@ -72,6 +72,12 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
         "with --pp: time every schedule (gpipe, 1f1b with and without --remat full, interleaved V=2) side "
         "by side against no-pp, each overhead next to its ideal bubble, instead of the implementations",
     )
+    compare_window: int = setting(
+        0,
+        "with --attention blockwise: time the step with a sliding window of this many positions side by "
+        "side against full attention, with the K/V block pairs each computes, instead of the implementations",
+        valid=NON_NEGATIVE_INT,
+    )
 
     def resolved(self, cfg: ModelConfig, layout: Layout) -> BenchSettings:
         """The sizes left open filled in: the batch rounded up to a multiple of dp, the sequence by

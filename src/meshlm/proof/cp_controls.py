@@ -16,6 +16,10 @@ Context parallelism (``Parallel`` subclasses overriding one method each, as ``pr
 Blockwise attention (planted in ``model.blockwise`` while the sharded program is traced):
   online-softmax rescale skipped            the running sums not moved to a new running max
   a future block visible                    the causal mask from positions within the block pair
+  kernel window off by one                  the kernel's window mask one key wider (i - W <= j)
+  block-skip rule off by one                a K/V block skipped when its last key is the first
+                                            query's oldest visible one (i - W + 1): only where a
+                                            block ends exactly there (``_skip_edge_met``)
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from meshlm.model import blockwise
 from meshlm.parallel.axes import CP
 from meshlm.parallel.context import Parallel
-from meshlm.parallel.cp import shard_order
+from meshlm.parallel.cp import chunk_positions, shard_order
 from meshlm.proof.control_record import Control, Where
 
 
@@ -116,6 +121,53 @@ def _every_block_needed(needed):
     return lambda qp, kp, kvalid, causal, *args, **kwargs: needed(qp, kp, kvalid, False, *args, **kwargs)
 
 
+def _window_wider(visible):
+    """The kernel's window mask one key wider: ``_visible`` called with window + 1."""
+
+    def planted(*args, window=None, **kwargs):
+        return visible(*args, **kwargs, **({} if window is None else {"window": window + 1}))
+
+    return planted
+
+
+def _skip_narrower(needed):
+    """The block-skip rule with window - 1: a block whose last key is exactly ``first query - window
+    + 1`` (visible to that query alone) is skipped."""
+
+    def planted(*args, window=None, **kwargs):
+        return needed(*args, **kwargs, **({} if window is None else {"window": window - 1}))
+
+    return planted
+
+
+def _windowed_kernel(w: Where) -> bool:
+    """The blockwise kernel runs with a window that some query's keys reach beyond."""
+    kernel = w.cfg is not None and (w.cfg.attention == "blockwise" or w.layout.cp_ring)
+    return kernel and w.attention and 0 < w.cfg.sliding_window < w.seq_len
+
+
+def _position_blocks(positions: np.ndarray, block: int) -> list[np.ndarray]:
+    return [positions[i : i + block] for i in range(0, len(positions), block)]
+
+
+def _skip_edge_met(w: Where) -> bool:
+    """Whether some block pair of the sharded run has a K/V block ending exactly at its first query's
+    oldest visible key (``first - window + 1``): only there is the skip rule's off-by-one visible. The
+    query blocks are each cp shard's (its two chunks); the key blocks the ring's chunks, the gathered
+    sequence (all-gather) or the whole sequence (no cp)."""
+    if not _windowed_kernel(w):
+        return False
+    cp, t, block, window = w.layout.cp, w.seq_len, w.cfg.attn_block, w.cfg.sliding_window
+    local = [np.asarray(chunk_positions(i, cp, t // cp)) for i in range(cp)] if cp > 1 else [np.arange(t)]
+    if w.layout.cp_ring or cp == 1:
+        keys = [kb for p in local for kb in _position_blocks(p, min(block, len(p)))]
+    else:
+        keys = _position_blocks(np.concatenate(local), min(block, t))
+    queries = [qb for p in local for qb in _position_blocks(p, min(block, len(p)))]
+    edges = {int(qb.min()) - window + 1 for qb in queries}
+    return any(int(kb.max()) in edges for kb in keys)
+
+
 def _blocks_in_play(w: Where) -> bool:
     """The blockwise kernel runs (blockwise attention, or the ring's steps) on several K/V blocks."""
     if w.cfg is None or not w.attention:
@@ -134,6 +186,16 @@ CP_CONTROLS: tuple[Control, ...] = (
         name="a future block visible",
         applies=_blocks_in_play,
         plant=lambda: _planted(_visible=_block_local_mask, _needed=_every_block_needed),
+    ),
+    Control(
+        name="kernel window off by one",
+        applies=_windowed_kernel,
+        plant=lambda: _planted(_visible=_window_wider),
+    ),
+    Control(
+        name="block-skip rule off by one",
+        applies=_skip_edge_met,
+        plant=lambda: _planted(_needed=_skip_narrower),
     ),
     Control(
         name="rotary positions restart in every chunk",

@@ -35,6 +35,10 @@ FAMILY = replace(llama.FAMILY, name="mistral", hf=HF)
 PRESETS: dict[str, dict] = {
     # Llama's blocks with a sliding window (16 < verify's 64 positions: the window is exercised).
     "tiny-mistral": dict(llama.TINY_LLAMA, sliding_window=16),
+    # A window of 10: with blocks of 8 a K/V block ends exactly at some query block's oldest visible
+    # key (8a - 10 + 1 = 8(a - 2) + 7), where the block-skip rule's off-by-one shows (a window that is
+    # a multiple of the block never puts the window's edge at a block's end).
+    "tiny-mistral-w10": dict(llama.TINY_LLAMA, sliding_window=10),
     # Mistral-7B v0.1 (its config.json; v0.3 differs: vocab 32768, rope_theta 1e6, no window).
     "mistral-7b": dict(llama.LLAMA2_7B, d_ff=14336, n_kv_heads=8, max_seq_len=32768, sliding_window=4096),
 }
