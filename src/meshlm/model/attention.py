@@ -118,11 +118,11 @@ class Attention(hk.Module):
             key_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
         if self.par.context_parallel and cache is None:  # the sequence split over cp: positions global
             blockwise = cfg.attention == "blockwise"  # (no --doc-mask, no window with cp: ``transformer``)
-            out = context_attention(
-                q, k, v, positions, self.par, block=cfg.attn_block, blockwise=blockwise, plain_attend=_attend
-            )
+            kernel = dict(block=cfg.attn_block, blockwise=blockwise, softcap=cfg.attn_softcap)
+            out = context_attention(q, k, v, positions, self.par, plain_attend=_attend, **kernel)
         elif cfg.attention == "blockwise":
-            out = blockwise_attention(q, k, v, positions, key_pos, block=cfg.attn_block, q_start=starts)
+            kernel = dict(block=cfg.attn_block, q_start=starts, softcap=cfg.attn_softcap)
+            out = blockwise_attention(q, k, v, positions, key_pos, **kernel)
         else:
             out = _attend(q, k, v, positions, key_pos, starts, cfg.sliding_window, cfg.attn_softcap)
         wo = hk.get_parameter("wo", [hl, cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))

@@ -127,8 +127,21 @@ def _scores(q_i, k_j, scale):  # q_i [B, bq, K, G, E], k_j [B, bk, K, E] -> [B, 
     return upcast(jnp.einsum("bqkge,bske->bkgqs", q_i, k_j)) * scale
 
 
-def _attend_qblock(q_i, qp_i, kb, vb, kpb, kvb, causal, scale, qs_i=None):
-    """One query block against every K/V block: (acc, m, lsum) with acc [B, K, G, bq, E]."""
+def _cap_scores(s, cap: float):
+    """Gemma 2's soft-cap of the scaled scores, cap * tanh(s / cap), taken before the mask and the
+    online softmax (transformers' order, as ``attention.soft_cap``); cap 0: s unchanged."""
+    return s if not cap else jnp.tanh(s / cap) * cap
+
+
+def _cap_slope(s, cap: float):
+    """d _cap_scores / d s at the uncapped scores s, 1 - tanh(s / cap)^2: the backward's chain rule
+    through the cap (dS of the capped scores times this is dS of the scores); cap 0: 1."""
+    return 1.0 if not cap else 1.0 - jnp.square(jnp.tanh(s / cap))
+
+
+def _attend_qblock(q_i, qp_i, kb, vb, kpb, kvb, causal, scale, qs_i=None, softcap: float = 0.0):
+    """One query block against every K/V block: (acc, m, lsum) with acc [B, K, G, bq, E]; the scores
+    soft-capped (``softcap`` > 0) before the mask and the online softmax."""
     b, bq, kh, g, e = q_i.shape
     f = upcast(q_i[:0]).dtype
     init = (
@@ -141,7 +154,8 @@ def _attend_qblock(q_i, qp_i, kb, vb, kpb, kvb, causal, scale, qs_i=None):
     def body(j, state):
         def compute(state):
             vis = _visible(qp_i, kpb[j], kvb[j], causal, qs_i)[:, None, None]
-            return _online_update(state, _scores(q_i, kb[j], scale), vis, vb[j])
+            s = _cap_scores(_scores(q_i, kb[j], scale), softcap)
+            return _online_update(state, s, vis, vb[j])
 
         return lax.cond(_needed(qp_i, kpb[j], kvb[j], causal, qs_i), compute, lambda st: st, state)
 
@@ -211,12 +225,13 @@ def _from_tokens(x, b: int, kh: int):  # [B, T, H, ...] -> [n, B, K, G, b, ...]
 
 
 def attend_partial(
-    q, k, v, q_pos, k_pos, *, block: int = DEFAULT_BLOCK, causal: bool = True, q_start=None
+    q, k, v, q_pos, k_pos, *, block: int = DEFAULT_BLOCK, causal: bool = True, q_start=None, softcap=0.0
 ) -> Partial:
     """Attend queries to one K/V set (not differentiable on its own: see ``chunked_attention``).
-    ``q_start`` [B, Tq] (``--doc-mask``): where each query's document starts (absolute position)."""
+    ``q_start`` [B, Tq] (``--doc-mask``): where each query's document starts (absolute position).
+    ``softcap`` > 0: the scaled scores soft-capped (``_cap_scores``) before the mask and the softmax."""
     x = _block_inputs(q, k, v, q_pos, k_pos, block, q_start)
-    row = lambda a: _attend_qblock(a[0], a[1], x.kb, x.vb, x.kpb, x.kvb, causal, x.scale, a[2])
+    row = lambda a: _attend_qblock(a[0], a[1], x.kb, x.vb, x.kpb, x.kvb, causal, x.scale, a[2], softcap)
     acc, m, lsum = lax.map(row, (x.qb, x.qpb, x.qsb))  # [nq, B, K, G, bq, ...]
     out = acc * _safe_inv(lsum)[..., None]
     tq, h = q.shape[1:3]
@@ -224,10 +239,11 @@ def attend_partial(
 
 
 def partial_grads(
-    q, k, v, q_pos, k_pos, out, lse, dout, *, block: int = DEFAULT_BLOCK, causal: bool = True, q_start=None
+    q, k, v, q_pos, k_pos, out, lse, dout, *, block=DEFAULT_BLOCK, causal=True, q_start=None, softcap=0.0
 ):
     """The flash-attention backward for one K/V set: (dq, dk, dv) given the final ``out`` [B, Tq, H, E]
-    and ``lse`` [B, Tq, H] over all K/V sets (dq is this set's share: sum it over the sets)."""
+    and ``lse`` [B, Tq, H] over all K/V sets (dq is this set's share: sum it over the sets). With
+    ``softcap`` P is recomputed from the capped scores and dS carries the cap's slope (d tanh)."""
     x = _block_inputs(q, k, v, q_pos, k_pos, block, q_start)
     qs = (lambda i: None) if x.qsb is None else (lambda i: x.qsb[i])
     bq, kh = x.qb.shape[2], k.shape[2]
@@ -245,9 +261,10 @@ def partial_grads(
                 dk_j, dv_j, dq = carry
                 q_i, do_i = x.qb[i], dob[i]
                 vis = _visible(x.qpb[i], kp_j, kvalid_j, causal, qs(i))[:, None, None]
-                p = jnp.where(vis, jnp.exp(_scores(q_i, k_j, x.scale) - lse_b[i][..., None]), 0.0)
+                raw = _scores(q_i, k_j, x.scale)  # before the cap: its slope is taken there
+                p = jnp.where(vis, jnp.exp(_cap_scores(raw, softcap) - lse_b[i][..., None]), 0.0)
                 dp = jnp.einsum("bqkge,bske->bkgqs", do_i, upcast(v_j).astype(f))
-                ds = p * (dp - d_b[i][..., None]) * x.scale
+                ds = p * (dp - d_b[i][..., None]) * _cap_slope(raw, softcap) * x.scale
                 dq = dq.at[i].add(jnp.einsum("bkgqs,bske->bqkge", ds, upcast(k_j).astype(f)))
                 dk_j = dk_j + jnp.einsum("bkgqs,bqkge->bske", ds, upcast(q_i).astype(f))
                 return dk_j, dv_j + jnp.einsum("bkgqs,bqkge->bske", p, do_i), dq
@@ -269,41 +286,46 @@ def partial_grads(
 # ---- the differentiable entry points ----
 
 
-def _chunked_fwd(q, ks, vs, q_pos, k_poss, q_start, block, causal):
+def _chunked_fwd(q, ks, vs, q_pos, k_poss, q_start, block, causal, softcap=0.0):
     part = None
     for k, v, kp in zip(ks, vs, k_poss, strict=True):  # a ring's steps
-        p = attend_partial(q, k, v, q_pos, kp, block=block, causal=causal, q_start=q_start)
+        p = attend_partial(q, k, v, q_pos, kp, block=block, causal=causal, q_start=q_start, softcap=softcap)
         part = p if part is None else combine(part, p)
     out = part.out.astype(q.dtype)
     return out, (q, ks, vs, q_pos, k_poss, q_start, out, part.lse)
 
 
-def _chunked_bwd(block, causal, res, dout):
+def _chunked_bwd(block, causal, softcap, res, dout):
     q, ks, vs, q_pos, k_poss, q_start, out, lse = res
     dq, dks, dvs = jnp.zeros(q.shape, upcast(q[:0]).dtype), [], []
+    kwargs = dict(block=block, causal=causal, q_start=q_start, softcap=softcap)
     for k, v, kp in zip(ks, vs, k_poss, strict=True):
-        grads = partial_grads(q, k, v, q_pos, kp, out, lse, dout, block=block, causal=causal, q_start=q_start)
+        grads = partial_grads(q, k, v, q_pos, kp, out, lse, dout, **kwargs)
         dq, dks, dvs = dq + grads[0], dks + [grads[1]], dvs + [grads[2]]
     return dq.astype(q.dtype), tuple(dks), tuple(dvs), None, None, None
 
 
-def _chunked(q, ks, vs, q_pos, k_poss, q_start, block, causal):
-    return _chunked_fwd(q, ks, vs, q_pos, k_poss, q_start, block, causal)[0]
+def _chunked(q, ks, vs, q_pos, k_poss, q_start, block, causal, softcap=0.0):
+    return _chunked_fwd(q, ks, vs, q_pos, k_poss, q_start, block, causal, softcap)[0]
 
 
-_chunked = jax.custom_vjp(_chunked, nondiff_argnums=(6, 7))
+_chunked = jax.custom_vjp(_chunked, nondiff_argnums=(6, 7, 8))
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def chunked_attention(q, ks, vs, q_pos, k_poss, *, block: int = DEFAULT_BLOCK, causal: bool = True):
+def chunked_attention(
+    q, ks, vs, q_pos, k_poss, *, block: int = DEFAULT_BLOCK, causal: bool = True, softcap: float = 0.0
+):
     """Attention of q to the concatenation of K/V chunks, computed chunk by chunk (partials merged by
     ``combine``; backward per chunk by ``partial_grads``): the single-device form of a ring."""
-    return _chunked(q, tuple(ks), tuple(vs), q_pos, tuple(k_poss), None, int(block), bool(causal))
+    chunks = (tuple(ks), tuple(vs), q_pos, tuple(k_poss), None)
+    return _chunked(q, *chunks, int(block), bool(causal), float(softcap))
 
 
 def blockwise_attention(
-    q, k, v, q_pos, k_pos, *, block: int = DEFAULT_BLOCK, causal: bool = True, q_start=None
+    q, k, v, q_pos, k_pos, *, block: int = DEFAULT_BLOCK, causal: bool = True, q_start=None, softcap=0.0
 ):
     """Softmax attention [B, Tq, H, E] (in q's dtype; softmax in at least float32), memory O(T).
-    ``q_start`` [B, Tq] (``--doc-mask``): where each query's document starts; keys before it are masked."""
-    return _chunked(q, (k,), (v,), q_pos, (k_pos,), q_start, int(block), bool(causal))
+    ``q_start`` [B, Tq] (``--doc-mask``): where each query's document starts; keys before it are masked.
+    ``softcap`` > 0 (Gemma 2): the scaled scores capped, cap * tanh(s / cap), before mask and softmax."""
+    return _chunked(q, (k,), (v,), q_pos, (k_pos,), q_start, int(block), bool(causal), float(softcap))

@@ -66,7 +66,8 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     # Gemma 2's soft-capping: attention scores become c * tanh(s / c) before the mask and softmax
     # (``attn_softcap``), the output logits c * tanh(z / c) (``final_softcap``). 0: off. A saved config
-    # without these fields predates them and loads as 0: exactly as it was. Plain attention only.
+    # without these fields predates them and loads as 0: exactly as it was. Every attention (plain,
+    # blockwise, --cp ring and allgather) and the KV cache cap.
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
 
@@ -151,14 +152,17 @@ def _check_attention(cfg: ModelConfig) -> None:
 
 
 def _check_plain_only(cfg: ModelConfig) -> None:
-    """What only plain attention implements (the blockwise kernel has neither yet)."""
-    for name, what in (("sliding_window", "window"), ("attn_softcap", "soft-capping")):
-        value = getattr(cfg, name)
-        if value and not (cfg.arch.attention and cfg.attention == "plain"):
-            raise ConfigError(
-                f"{name}={value} needs a family with attention and attention='plain' (blockwise attention "
-                f"has no {what} yet); set {name}=0 or attention='plain'"
-            )
+    """What only plain attention implements (the blockwise kernel has no window yet; soft-capping runs
+    in every attention: plain, blockwise, each --cp strategy), and what needs attention at all."""
+    if cfg.attn_softcap and not cfg.arch.attention:
+        raise ConfigError(
+            f"attn_softcap={cfg.attn_softcap} needs a family with attention; set attn_softcap=0"
+        )
+    if cfg.sliding_window and not (cfg.arch.attention and cfg.attention == "plain"):
+        raise ConfigError(
+            f"sliding_window={cfg.sliding_window} needs a family with attention and attention='plain' "
+            "(blockwise attention has no window yet); set sliding_window=0 or attention='plain'"
+        )
 
 
 # What each numeric field accepts; the others must just have their annotated type (str or bool).
