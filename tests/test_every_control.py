@@ -7,8 +7,9 @@ parameter; the planted function kept the old signature) crashes when verify runs
 there, exactly as ``run_control`` and ``pipeline_controls`` build it. A crash is a failure of this test;
 JAX's varying-axis type check rejecting the program is what verify counts as a detection, and passes.
 The configurations cover plain and blockwise attention, both cp strategies (ring on 2 and 3 shards),
-each pp schedule, the document mask, FSDP and SP, and every tiny family preset; the last test requires
-every control to apply on at least one of them, so a new control cannot go untested here."""
+each pp schedule, the document mask, FSDP and SP, soft-capping in the kernel and the ring, and every
+tiny family preset; the last test requires every control to apply on at least one of them, so a new
+control cannot go untested here."""
 
 import jax.numpy as jnp
 import pytest
@@ -40,6 +41,7 @@ CONFIGS = {
     "tiny-qwen2 1x2 (q/k/v bias, tied)": ("tiny-qwen2", {}, Layout(mp=2), 1, 8),
     "tiny-qwen3 1x2 (per-head q/k norm)": ("tiny-qwen3", {}, Layout(mp=2), 1, 8),
     "tiny-olmo2 2x2 (q/k norm over the projection)": ("tiny-olmo2", {}, Layout(dp=2, mp=2), 2, 8),
+    "tiny-phi3 1x2 (fused q/k/v and gate/up, window)": ("tiny-phi3", {}, Layout(mp=2), 1, 18),
     "tiny-gemma 1x2 soft-capped": (
         "tiny-gemma",
         {"attn_softcap": 50.0, "final_softcap": 30.0},
@@ -54,6 +56,13 @@ CONFIGS = {
         Layout(dp=2, mp=2, cp=2, fsdp=True, sp=True),
         2,
         24,
+    ),
+    "tiny-gemma-softcap 1x2 cp2 ring blockwise (soft-capped kernel)": (
+        "tiny-gemma-softcap",
+        BW,
+        Layout(mp=2, cp=2),
+        1,
+        16,
     ),
     "tiny-gqa 1x2 cp2 allgather blockwise": (
         "tiny-gqa",
