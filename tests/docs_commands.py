@@ -42,6 +42,12 @@ BW = "tests/test_blockwise.py::test_the_proof_compares_blockwise_with_plain_atte
 CK = "tests/test_multiprocess.py::test_two_processes_train_like_one_and_checkpoint_restores_in_one"
 MATRIX = "tests/test_prover.py::test_matrix_rows_and_table"
 QK = MARGIN  # its tiny-qwen3 and tiny-olmo2 cases
+PHI3 = MARGIN  # its tiny-mistral case: tiny-phi3 is the same blocks and window (its own is the converter's)
+SOFTCAP = "tests/test_softcap.py::test_softcap_proven_blockwise_under_the_cp_ring_with_its_controls_detected"
+SOFTCAP_BW = (
+    "meshlm verify --config tiny-gemma-softcap --attention blockwise --attn-block 8 "
+    "--seq-len 64 --x64 --steps 2"
+)
 
 
 @dataclass(frozen=True)
@@ -221,6 +227,11 @@ COMMANDS: dict[str, Run | Shown] = {
     # docs/models.md
     "meshlm verify --config tiny-qwen3 --mesh 2x2 --devices 4 --steps 2 --x64": verify(costly=QK),
     "meshlm verify --config tiny-olmo2 --mesh 2x2 --devices 4 --steps 2 --x64": verify(costly=QK),
+    "meshlm verify --config tiny-phi3 --x64 --steps 2": verify(costly=PHI3),
+    "meshlm verify --config tiny-phi3 --mesh 1x2 --x64 --steps 2": verify(costly=PHI3),
+    SOFTCAP_BW: verify(costly=SOFTCAP),
+    f"{SOFTCAP_BW} --mesh 1x2 --cp 2 --devices 4": verify(costly=SOFTCAP),
+    f"{SOFTCAP_BW} --mesh 1x2 --cp 2 --devices 4 --cp-strategy allgather": verify(costly=SOFTCAP),
     "meshlm train --config cpu --seq-len 4096 --mesh 1x1 --cp 4 --devices 4 --attention blockwise "
     "--batch-size 1 "
     "--steps 3 --warmup-steps 1 --eval-every 0 --save-every 0 --sample-tokens 40 --out runs/long": run(

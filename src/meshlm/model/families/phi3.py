@@ -62,7 +62,7 @@ def _without_partial(hf: dict) -> dict:
             raise unsupported(
                 f"{name}.rope_type",
                 kind,
-                "meshlm does not implement LongRoPE (the 128k models); use a 4k model",
+                "LongRoPE (the 128k models) is not implemented; use a 4k model",
             )
         if kind != "default":
             raise unsupported(
