@@ -16,7 +16,9 @@ padded query rows are dropped), so any block size works with any length.
 
 Backward (the flash-attention one, custom VJP): from the saved q, k, v, the output and its log-sum-exp
 L, each visible block pair recomputes P = exp(S - L) and accumulates dV += P^T dO, dS = P (dO V^T - D)
-with D = rowsum(dO * O), dQ += dS K, dK += dS^T Q. Nothing of size [T, T] is stored.
+with D = rowsum(dO * O), dQ += dS K, dK += dS^T Q. Nothing of size [T, T] is stored. With Gemma 2's
+soft-cap (``softcap`` c > 0) the scaled scores S become c * tanh(S / c) before the mask and the online
+softmax, P is recomputed from the capped scores, and dS is multiplied by the cap's slope 1 - tanh^2.
 
 Context parallelism builds on the pieces: ``attend_partial`` attends one query set to one K/V set and
 returns a ``Partial`` (out, m, lsum); ``combine`` merges partials of disjoint K/V sets exactly;
