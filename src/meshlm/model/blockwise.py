@@ -233,7 +233,9 @@ def attend_partial(
     ``q_start`` [B, Tq] (``--doc-mask``): where each query's document starts (absolute position).
     ``softcap`` > 0: the scaled scores soft-capped (``_cap_scores``) before the mask and the softmax."""
     x = _block_inputs(q, k, v, q_pos, k_pos, block, q_start)
-    row = lambda a: _attend_qblock(a[0], a[1], x.kb, x.vb, x.kpb, x.kvb, causal, x.scale, a[2], softcap)
+    row = lambda a: _attend_qblock(
+        a[0], a[1], x.kb, x.vb, x.kpb, x.kvb, causal, x.scale, a[2], softcap=softcap
+    )
     acc, m, lsum = lax.map(row, (x.qb, x.qpb, x.qsb))  # [nq, B, K, G, bq, ...]
     out = acc * _safe_inv(lsum)[..., None]
     tq, h = q.shape[1:3]
