@@ -50,19 +50,12 @@ CONFIGS = {
         8,
     ),
     "tiny-llama 1x1 blockwise doc-mask": ("tiny-llama", {**BW, "doc_mask": 0}, Layout(), 1, 18),
-    "tiny-llama 2x2 cp2 ring fsdp sp blockwise": (
+    "tiny-llama 2x2 cp2 ring fsdp sp blockwise soft-capped": (
         "tiny-llama",
-        {**BW, "attn_block": 5},
+        {**BW, "attn_block": 5, "attn_softcap": 0.05},  # the kernel's and the ring's soft-cap controls
         Layout(dp=2, mp=2, cp=2, fsdp=True, sp=True),
         2,
         24,
-    ),
-    "tiny-gemma-softcap 1x2 cp2 ring blockwise (soft-capped kernel)": (
-        "tiny-gemma-softcap",
-        BW,
-        Layout(mp=2, cp=2),
-        1,
-        16,
     ),
     "tiny-gqa 1x2 cp2 allgather blockwise": (
         "tiny-gqa",
