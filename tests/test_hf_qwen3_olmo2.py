@@ -172,6 +172,24 @@ def test_fused_rows_split_in_the_wrong_order_fail_the_transformers_comparison(
     assert _rel(_our_logits(cfg, flat, tokens), family["logits"]) > 100 * RTOL
 
 
+@pytest.mark.parametrize("family", ["phi3"], indirect=True)
+def test_fused_tensor_of_another_config_is_one_line(family, tmp_path):
+    """config.json saying 4 KV heads where qkv_proj holds 2 (rows 32 + 16 + 16): the split sizes come
+    from the config, so the fused tensor's shape is refused, naming it, its slices and their sum."""
+    import json
+    import shutil
+
+    from meshlm.errors import CheckpointError
+
+    shutil.copytree(family["hf"], tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 4}))
+    with pytest.raises(
+        CheckpointError, match=r"qkv_proj.weight has shape \(64, 32\) .* \(96, 32\) \(32 \+ 32 \+ 32 rows"
+    ):
+        hf_weights.load_hf(tmp_path)
+
+
 @pytest.mark.parametrize(
     "changes, field, message",
     [
