@@ -52,6 +52,12 @@ WINDOW_KERNEL = "tests/test_windows.py::test_both_window_off_by_ones_are_caught"
 WINDOW_CP = "tests/test_windows.py::test_cp_with_a_window_equals_the_unsharded_model"
 WBENCH = "meshlm bench --config tiny-mistral --attention blockwise --seq-len "
 W10 = "meshlm verify --config tiny-mistral-w10 --attention blockwise --attn-block 8 --seq-len 64 "
+PHI3 = MARGIN  # its tiny-mistral case: tiny-phi3 is the same blocks and window (its own is the converter's)
+SOFTCAP = "tests/test_softcap.py::test_softcap_proven_blockwise_under_the_cp_ring_with_its_controls_detected"
+SOFTCAP_BW = (
+    "meshlm verify --config tiny-gemma-softcap --attention blockwise --attn-block 8 "
+    "--seq-len 64 --x64 --steps 2"
+)
 
 
 @dataclass(frozen=True)
@@ -239,6 +245,11 @@ COMMANDS: dict[str, Run | Shown] = {
     # docs/models.md
     "meshlm verify --config tiny-qwen3 --mesh 2x2 --devices 4 --steps 2 --x64": verify(costly=QK),
     "meshlm verify --config tiny-olmo2 --mesh 2x2 --devices 4 --steps 2 --x64": verify(costly=QK),
+    "meshlm verify --config tiny-phi3 --x64 --steps 2": verify(costly=PHI3),
+    "meshlm verify --config tiny-phi3 --mesh 1x2 --x64 --steps 2": verify(costly=PHI3),
+    SOFTCAP_BW: verify(costly=SOFTCAP),
+    f"{SOFTCAP_BW} --mesh 1x2 --cp 2 --devices 4": verify(costly=SOFTCAP),
+    f"{SOFTCAP_BW} --mesh 1x2 --cp 2 --devices 4 --cp-strategy allgather": verify(costly=SOFTCAP),
     "meshlm train --config cpu --seq-len 4096 --mesh 1x1 --cp 4 --devices 4 --attention blockwise "
     "--batch-size 1 "
     "--steps 3 --warmup-steps 1 --eval-every 0 --save-every 0 --sample-tokens 40 --out runs/long": run(

@@ -166,8 +166,8 @@ def _block_local_mask(qp, kp, kvalid, causal, qs=None):
 
 
 def _drop_last_kv_block(original):
-    def attend(q_i, qp_i, kb, vb, kpb, kvb, causal, scale, qs_i=None):
-        return original(q_i, qp_i, kb[:-1], vb[:-1], kpb[:-1], kvb[:-1], causal, scale, qs_i)
+    def attend(q_i, qp_i, kb, vb, kpb, kvb, causal, scale, qs_i=None, **kwargs):  # kwargs: softcap
+        return original(q_i, qp_i, kb[:-1], vb[:-1], kpb[:-1], kvb[:-1], causal, scale, qs_i, **kwargs)
 
     return attend
 

@@ -8,8 +8,9 @@ there, exactly as ``run_control`` and ``pipeline_controls`` build it. A crash is
 JAX's varying-axis type check rejecting the program is what verify counts as a detection, and passes.
 The configurations cover plain and blockwise attention, both cp strategies (ring on 2 and 3 shards),
 each pp schedule, pp x cp and the document mask under pp (their controls through the pipeline), a
-sliding window in the kernel and the ring, FSDP and SP, and every tiny family preset; the last test
-requires every control to apply on at least one of them, so a new control cannot go untested here."""
+sliding window in the kernel and the ring, soft-capping in the kernel and the ring, FSDP and SP, and
+every tiny family preset; the last test requires every control to apply on at least one of them, so a
+new control cannot go untested here."""
 
 import jax.numpy as jnp
 import pytest
@@ -49,6 +50,7 @@ CONFIGS = {
     "tiny-qwen2 1x2 (q/k/v bias, tied)": ("tiny-qwen2", {}, Layout(mp=2), 1, 8),
     "tiny-qwen3 1x2 (per-head q/k norm)": ("tiny-qwen3", {}, Layout(mp=2), 1, 8),
     "tiny-olmo2 2x2 (q/k norm over the projection)": ("tiny-olmo2", {}, Layout(dp=2, mp=2), 2, 8),
+    "tiny-phi3 1x2 (fused q/k/v and gate/up, window)": ("tiny-phi3", {}, Layout(mp=2), 1, 18),
     "tiny-gemma 1x2 soft-capped": (
         "tiny-gemma",
         {"attn_softcap": 50.0, "final_softcap": 30.0},
@@ -57,9 +59,9 @@ CONFIGS = {
         8,
     ),
     "tiny-llama 1x1 blockwise doc-mask": ("tiny-llama", {**BW, "doc_mask": 0}, Layout(), 1, 18),
-    "tiny-llama 2x2 cp2 ring fsdp sp blockwise": (
+    "tiny-llama 2x2 cp2 ring fsdp sp blockwise soft-capped": (
         "tiny-llama",
-        {**BW, "attn_block": 5},
+        {**BW, "attn_block": 5, "attn_softcap": 0.05},  # the kernel's and the ring's soft-cap controls
         Layout(dp=2, mp=2, cp=2, fsdp=True, sp=True),
         2,
         24,

@@ -1,9 +1,11 @@
-"""Qwen3 (per-head q/k RMSNorm before rotary, explicit head_dim) and OLMo 2 (norms after each branch, q/k
-RMSNorm over the whole projection) from transformers: a tiny random model of each (no download, every
-weight perturbed: the norm weights away from 1) converts with logits equal to
+"""Qwen3 (per-head q/k RMSNorm before rotary, explicit head_dim), OLMo 2 (norms after each branch, q/k
+RMSNorm over the whole projection) and Phi-3 (fused qkv_proj and gate_up_proj, a sliding window, here
+with grouped-query attention and partial rotary) from transformers: a tiny random model of each (no
+download, every weight perturbed: the norm weights away from 1) converts with logits equal to
 transformers' (float32, unsharded and on 2x2), `meshlm generate --temperature 0` prints transformers'
 greedy text on 1x1 and 1x2, and the export loads back with equal logits. The q/k norm applied after
-rotary in code both runs share is invisible to verify: only this comparison sees it (shown)."""
+rotary in code both runs share is invisible to verify, and so is a fused tensor split in the wrong
+order (k and v are the same size): only this comparison sees them (shown)."""
 
 import numpy as np
 import pytest
@@ -50,8 +52,20 @@ HF_CONFIGS = {
         pad_token_id=0,
         **SMALL,
     ),
+    # A window of 6 (the generation runs past it), 2 KV heads (the fused q/k/v rows: 16 + 8 + 8),
+    # half of each head rotated (Phi-4-mini's partial rotary).
+    "phi3": lambda: transformers.Phi3Config(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+        eos_token_id=0,
+        pad_token_id=0,
+        **SMALL,
+    ),
 }
-MODEL_CLASSES = {"qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+MODEL_CLASSES = {"qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +147,90 @@ def test_a_bug_common_to_both_runs_fails_the_transformers_comparison(family, tok
     assert _rel(_our_logits(cfg, flat, tokens), family["logits"]) > 100 * RTOL
 
 
+def _swapped(layer: dict, a: str, b: str) -> dict:
+    """The tensor map with ``a`` and ``b`` in each other's places (so in each other's fused rows)."""
+    order = [{a: b, b: a}.get(k, k) for k in layer]
+    return {k: layer[k] for k in order}
+
+
+@pytest.mark.parametrize("family", ["phi3"], indirect=True)
+@pytest.mark.parametrize("a, b", [("attn/wk", "attn/wv"), ("mlp/w_gate", "mlp/w_up")])
+def test_fused_rows_split_in_the_wrong_order_fail_the_transformers_comparison(
+    family, tokens, a, b, monkeypatch
+):
+    """k and v (gate and up) have the same shape: taking each other's rows of qkv_proj (gate_up_proj)
+    converts without an error, and both runs would share it; transformers' logits tell."""
+    from dataclasses import replace
+
+    from meshlm.model.families import FAMILIES
+
+    phi3 = FAMILIES["phi3"]
+    monkeypatch.setitem(
+        FAMILIES, "phi3", replace(phi3, hf=replace(phi3.hf, layer=_swapped(phi3.hf.layer, a, b)))
+    )
+    cfg, flat = hf_weights.load_hf(family["hf"])
+    assert _rel(_our_logits(cfg, flat, tokens), family["logits"]) > 100 * RTOL
+
+
+@pytest.mark.parametrize("family", ["phi3"], indirect=True)
+def test_fused_tensor_of_another_config_is_one_line(family, tmp_path):
+    """config.json saying 4 KV heads where qkv_proj holds 2 (rows 32 + 16 + 16): the split sizes come
+    from the config, so the fused tensor's shape is refused, naming it, its slices and their sum."""
+    import json
+    import shutil
+
+    from meshlm.errors import CheckpointError
+
+    shutil.copytree(family["hf"], tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 4}))
+    with pytest.raises(
+        CheckpointError, match=r"qkv_proj.weight has shape \(64, 32\) .* \(96, 32\) \(32 \+ 32 \+ 32 rows"
+    ):
+        hf_weights.load_hf(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "changes, field, message",
+    [
+        (
+            {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+            "rope_scaling",
+            "LongRoPE",
+        ),
+        ({"rope_parameters": {"rope_type": "su"}}, "rope_parameters", "LongRoPE"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+            "rope_parameters",
+            "'default' or 'longrope'",
+        ),
+        ({"partial_rotary_factor": 0.2}, "partial_rotary_factor", "rotates an even number"),
+        ({"resid_pdrop": 0.1}, "resid_pdrop", "dropout"),
+        ({"hidden_act": "gelu"}, "hidden_act", "silu"),
+    ],
+)
+def test_unsupported_phi3_config(changes, field, message):
+    base = hf_config.config_to_hf(get_config("tiny-phi3"))
+    del base["rope_parameters"]["partial_rotary_factor"], base["partial_rotary_factor"]
+    with pytest.raises(ConfigError, match=f"(?s){field}.*{message}"):
+        hf_config.config_from_hf({**base, **changes})
+
+
+def test_phi3_config_fields():
+    """Phi-3-mini-4k's window and full rotary; a top-level partial_rotary_factor (Phi-4-mini's place) is
+    read, one in the rope dict wins (Phi3Config's precedence); no window when null."""
+    base = hf_config.config_to_hf(get_config("phi3-mini"))
+    assert base["sliding_window"] == 2047 and base["rope_parameters"]["partial_rotary_factor"] == 1.0
+    del base["rope_parameters"]["partial_rotary_factor"]
+    assert hf_config.config_from_hf({**base, "partial_rotary_factor": 0.75}).rotary_dim == 72
+    rope = {**base["rope_parameters"], "partial_rotary_factor": 0.5}
+    assert (
+        hf_config.config_from_hf({**base, "partial_rotary_factor": 0.75, "rope_parameters": rope}).rotary_dim
+        == 48
+    )
+    assert hf_config.config_from_hf({**base, "sliding_window": None}).sliding_window == 0
+
+
 @pytest.mark.parametrize(
     "changes, field",
     [
@@ -174,7 +272,9 @@ def test_collective_minimum_counts_the_qk_norms():
     assert theoretical_collectives(olmo2.replace(remat="full"), 1, 2)["qk_norm_stats"] == 12
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "qwen3-8b", "qwen3-32b", "tiny-olmo2", "olmo2-7b"])
+@pytest.mark.parametrize(
+    "preset", ["tiny-qwen3", "qwen3-8b", "qwen3-32b", "tiny-olmo2", "olmo2-7b", "tiny-phi3", "phi3-mini"]
+)
 def test_preset_config_round_trip(preset):
     cfg = get_config(preset)
     assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg

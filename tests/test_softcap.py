@@ -1,7 +1,8 @@
 """Gemma 2's soft-capping (``attn_softcap``, ``final_softcap``: c * tanh(x / c) on the attention scores
-and on the output logits), in plain attention: equal to the hand-written reference, proven sharded ==
-unsharded in float64 with its controls detected, refused in one line where it is not implemented
-(blockwise attention, --cp, an export to a family without it)."""
+and on the output logits), in every attention: plain, the blockwise kernel (forward, and its backward's
+d tanh) and each --cp strategy; equal to the hand-written reference, proven sharded == unsharded in
+float64 with its controls detected, refused in one line where it cannot be expressed (an export to a
+family without it, a family without attention)."""
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +45,8 @@ def test_softcapped_gemma_proven_on_2x2_in_float64():
 
 def test_softcap_refusals():
     cfg = get_config("tiny-gemma").replace(**CAPS)
-    with pytest.raises(ConfigError, match="attn_softcap=0.0001 needs .*attention='plain'"):
-        cfg.replace(attention="blockwise")
+    with pytest.raises(ConfigError, match="attn_softcap=0.0001 needs a family with attention"):
+        get_config("tiny").replace(attn_softcap=1e-4)
     from meshlm.io import hf_config
 
     with pytest.raises(ConfigError, match="attn_softcap=0.0001: transformers' gemma has no soft-capping"):
@@ -59,15 +60,55 @@ def test_softcap_refusals():
     assert from_dict(saved) == get_config("tiny-gemma")
 
 
-def test_softcap_refused_under_cp():
-    import haiku as hk
+def test_the_kernel_and_the_ring_cap_as_plain_attention_in_float64():
+    """The kernel in the ring's chunked form (two K/V chunks, ragged blocks; blockwise attention is its
+    one-chunk case): loss and q/k/v gradients equal plain attention's with the cap where tanh is
+    neither linear nor saturated (and the cap matters)."""
+    from meshlm.model.attention import _attend
+    from meshlm.model.blockwise import chunked_attention
 
-    from meshlm.model.transformer import local_logits
-    from meshlm.parallel.context import Parallel
+    with jax.enable_x64(True):
+        r = np.random.default_rng(0)
+        q, k, v = (jnp.asarray(r.normal(size=s)) for s in [(1, 12, 4, 8), (1, 12, 2, 8), (1, 12, 2, 8)])
+        pos = jnp.arange(12)[None]
+        split = lambda x: [x[:, :7], x[:, 7:]]
+        runs = {
+            "plain": lambda q, k, v, cap: _attend(q, k, v, pos, pos, softcap=cap),
+            "ring": lambda q, k, v, cap: chunked_attention(
+                q, split(k), split(v), pos, split(pos), block=4, softcap=cap
+            ),
+        }
+        loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, 0.7)))
+        grads = {name: jax.value_and_grad(loss(f), (0, 1, 2))(q, k, v) for name, f in runs.items()}
+        uncapped = float(jnp.sum(jnp.sin(runs["plain"](q, k, v, 0.0))))
+        grads = jax.tree.map(np.asarray, grads)
+    (want, want_grads) = grads.pop("plain")
+    assert want.dtype == np.float64 and abs(uncapped - want) > 1e-2
+    for got, got_grads in grads.values():
+        assert abs(got - want) <= 1e-12 * abs(want)
+        for a, b in zip(got_grads, want_grads, strict=True):
+            assert np.max(np.abs(a - b)) <= 1e-12 * np.max(np.abs(b))
+
+
+KERNEL_CONTROLS = (
+    "soft-cap applied after the softmax",
+    "soft-cap not applied in the backward",
+    "cap missing on the ring's remote blocks",
+)
+
+
+def test_softcap_proven_blockwise_under_the_cp_ring_with_its_controls_detected():
+    """tiny-gemma-softcap on a cp = 2 ring of blockwise attention, float64: sharded == unsharded (the
+    plain [T, T] reference), each soft-cap fault of the kernel and the ring detected."""
     from meshlm.parallel.layout import Layout
+    from meshlm.proof.cp_controls import CP_CONTROLS
 
-    cfg = get_config("tiny-gemma").replace(**CAPS)
-    par = Parallel(layout=Layout(cp=2), sharded=True)
-    forward = hk.transform(lambda tokens: local_logits(cfg, par, tokens))
-    with pytest.raises(ConfigError, match="--cp does not support attention soft-capping yet"):
-        forward.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+    cfg = get_config("tiny-gemma-softcap").replace(attention="blockwise", attn_block=4, n_layers=1)
+    controls = tuple(c for c in CONTROLS + CP_CONTROLS if c.name in KERNEL_CONTROLS)
+    with jax.enable_x64(True):
+        problem = model_problem(cfg, "tiny-gemma-softcap", 1, 1, 16)
+        report = verify(problem, Layout(cp=2), dtype=jnp.float64, controls=controls)
+    assert report.ok, format_report(report)
+    assert max(p.max_rel_err for p in report.params) <= 1e-12
+    assert sorted(c["name"] for c in report.controls) == sorted(KERNEL_CONTROLS)
+    assert all(c["detected"] for c in report.controls), report.controls

@@ -4,6 +4,8 @@ Our conventions were chosen to be HF's, so weights map by transpose and reshape 
 conventions that make this hold are in each family's module, ``meshlm.model.families``):
   * torch Linear weights are [out, in]; ours are [in, out]. Head projections split their output
     dimension head-major (index = head * head_dim + e), as HF's ``view(..., -1, head_dim)`` does.
+  * A fused HF tensor (Phi-3's ``qkv_proj``) is our parameters stacked on torch's output dimension, in
+    the family map's order: "fused_<layout>" is one row slice (sized by the config: q H*E, k and v K*E).
 """
 
 from __future__ import annotations
@@ -41,6 +43,47 @@ def name_map(cfg: ModelConfig) -> dict[str, tuple[list[str], str]]:
     for path, (name, kind) in names.layer.items():
         out[f"{STACKED_PREFIX}{path}"] = ([prefix.format(i=i) + name for i in range(cfg.n_layers)], kind)
     return out
+
+
+FUSED = "fused_"  # layout prefix: a row slice of an HF tensor that several parameters of ours share
+
+
+def _fused_parts(names: dict) -> dict[str, list[str]]:
+    """HF tensor name -> our paths that are row slices of it, in the map's order (q, k, v)."""
+    parts: dict[str, list[str]] = {}
+    for path, (hf_names, kind) in names.items():
+        if kind.startswith(FUSED):
+            for name in hf_names:
+                parts.setdefault(name, []).append(path)
+    return parts
+
+
+def _part(name: str, path: str) -> str:  # the key a row slice of fused ``name`` is held under
+    return f"{name}[{path}]"
+
+
+def _unfused(name_list: list[str], kind: str, path: str) -> tuple[list[str], str]:
+    """(HF names, layout) of our ``path``: for a fused layout its slices' keys and the slice's layout."""
+    fused = kind.startswith(FUSED)
+    return ([_part(n, path) for n in name_list], kind[len(FUSED) :]) if fused else (name_list, kind)
+
+
+def _split_fused(tensors: dict, names: dict, shapes: dict, where: Path) -> None:
+    """Each fused HF tensor replaced in ``tensors`` by its row slices (``_part`` keys), one per
+    parameter of ours; their sizes are our per-layer shapes' (``shapes``: global, [L, ...] stacked)."""
+    for name, paths in _fused_parts(names).items():
+        w = tensors.pop(name)
+        one = lambda path: shapes[path][0][1:] if is_stacked(path) else shapes[path][0]
+        parts = [_torch_shape(one(path), names[path][1][len(FUSED) :]) for path in paths]
+        rows = [p[0] for p in parts]
+        want = (sum(rows), *parts[0][1:])
+        if tuple(w.shape) != want:
+            raise CheckpointError(
+                f"{where}: tensor {name} has shape {tuple(w.shape)} but config.json implies {want} ("
+                f"{' + '.join(map(str, rows))} rows: {', '.join(paths)}); the weights do not belong to it"
+            )
+        for path, part in zip(paths, np.split(w, np.cumsum(rows)[:-1]), strict=True):
+            tensors[_part(name, path)] = part
 
 
 def _torch_shape(shape: tuple[int, ...], kind: str) -> tuple[int, ...]:
@@ -252,9 +295,10 @@ def load_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         _untie(cfg, tensors, directory)
     names = name_map(cfg)
     _check_names(tensors, {n for hf_names, _ in names.values() for n in hf_names}, directory)
-    flat = {}
-    for path, (shape, dtype) in expected_shapes(cfg.replace(vocab_multiple=1)).items():  # HF: unpadded
-        hf_names, kind = names[path]
+    shapes, flat = expected_shapes(cfg.replace(vocab_multiple=1)), {}  # HF: unpadded
+    _split_fused(tensors, names, shapes, directory)
+    for path, (shape, dtype) in shapes.items():
+        hf_names, kind = _unfused(*names[path], path)
         flat[path] = _convert(tensors, hf_names, kind, shape, dtype, is_stacked(path), directory)
     return cfg, resize_flat(flat, cfg.padded_vocab)  # zero rows: the padding is masked out
 
@@ -273,7 +317,7 @@ def save_hf(cfg: ModelConfig, flat_params: dict[str, Any], out_dir: str | Path) 
     missing, unknown = sorted(set(shapes) - set(flat_params)), sorted(set(flat_params) - set(shapes))
     if missing or unknown:
         raise CheckpointError(f"parameters do not match the config: missing {missing}, unexpected {unknown}")
-    tensors = {}
+    tensors: dict[str, Any] = {}
     for path, (hf_names, kind) in names.items():
         value = np.asarray(flat_params[path], dtype=np.float32)
         if value.shape != shapes[path][0]:
@@ -284,7 +328,13 @@ def save_hf(cfg: ModelConfig, flat_params: dict[str, Any], out_dir: str | Path) 
             value = resize(value, VOCAB_AXIS[path], cfg.vocab_size)
         parts = list(value) if is_stacked(path) else [value]
         for name, part in zip(hf_names, parts, strict=True):
-            tensors[name] = np.ascontiguousarray(_to_torch(part, kind))
+            if kind.startswith(FUSED):  # a row slice: the fused tensor is its slices in map order
+                tensors.setdefault(name, []).append(_to_torch(part, kind[len(FUSED) :]))
+            else:
+                tensors[name] = _to_torch(part, kind)
+    tensors = {
+        n: np.ascontiguousarray(np.concatenate(t) if isinstance(t, list) else t) for n, t in tensors.items()
+    }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")

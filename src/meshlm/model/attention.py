@@ -116,20 +116,13 @@ class Attention(hk.Module):
             k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
         if self.par.context_parallel and cache is None:  # the sequence split over cp: positions global
             blockwise = cfg.attention == "blockwise"  # (no --doc-mask with cp: ``transformer``)
+            kernel = dict(block=cfg.attn_block, blockwise=blockwise, softcap=cfg.attn_softcap)
             out = context_attention(
-                q,
-                k,
-                v,
-                positions,
-                self.par,
-                block=cfg.attn_block,
-                blockwise=blockwise,
-                plain_attend=_attend,
-                window=cfg.sliding_window,
+                q, k, v, positions, self.par, plain_attend=_attend, window=cfg.sliding_window, **kernel
             )
         elif cfg.attention == "blockwise":
-            kw = dict(block=cfg.attn_block, q_start=starts, window=cfg.sliding_window)
-            out = blockwise_attention(q, k, v, positions, key_pos, **kw)
+            kernel = dict(block=cfg.attn_block, q_start=starts, softcap=cfg.attn_softcap)
+            out = blockwise_attention(q, k, v, positions, key_pos, window=cfg.sliding_window, **kernel)
         else:
             out = _attend(q, k, v, positions, key_pos, starts, cfg.sliding_window, cfg.attn_softcap)
         wo = hk.get_parameter("wo", [hl, cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))

@@ -16,7 +16,9 @@ padded query rows are dropped), so any block size works with any length.
 
 Backward (the flash-attention one, custom VJP): from the saved q, k, v, the output and its log-sum-exp
 L, each visible block pair recomputes P = exp(S - L) and accumulates dV += P^T dO, dS = P (dO V^T - D)
-with D = rowsum(dO * O), dQ += dS K, dK += dS^T Q. Nothing of size [T, T] is stored.
+with D = rowsum(dO * O), dQ += dS K, dK += dS^T Q. Nothing of size [T, T] is stored. With Gemma 2's
+soft-cap (``softcap`` c > 0) the scaled scores S become c * tanh(S / c) before the mask and the online
+softmax, P is recomputed from the capped scores, and dS is multiplied by the cap's slope 1 - tanh^2.
 
 Context parallelism builds on the pieces: ``attend_partial`` attends one query set to one K/V set and
 returns a ``Partial`` (out, m, lsum); ``combine`` merges partials of disjoint K/V sets exactly;
@@ -141,8 +143,21 @@ def _scores(q_i, k_j, scale):  # q_i [B, bq, K, G, E], k_j [B, bk, K, E] -> [B, 
     return upcast(jnp.einsum("bqkge,bske->bkgqs", q_i, k_j)) * scale
 
 
-def _attend_qblock(q_i, qp_i, kb, vb, kpb, kvb, causal, scale, qs_i=None, window=None):
-    """One query block against every K/V block: (acc, m, lsum) with acc [B, K, G, bq, E]."""
+def _cap_scores(s, cap: float):
+    """Gemma 2's soft-cap of the scaled scores, cap * tanh(s / cap), taken before the mask and the
+    online softmax (transformers' order, as ``attention.soft_cap``); cap 0: s unchanged."""
+    return s if not cap else jnp.tanh(s / cap) * cap
+
+
+def _cap_slope(s, cap: float):
+    """d _cap_scores / d s at the uncapped scores s, 1 - tanh(s / cap)^2: the backward's chain rule
+    through the cap (dS of the capped scores times this is dS of the scores); cap 0: 1."""
+    return 1.0 if not cap else 1.0 - jnp.square(jnp.tanh(s / cap))
+
+
+def _attend_qblock(q_i, qp_i, kb, vb, kpb, kvb, causal, scale, qs_i=None, window=None, softcap=0.0):
+    """One query block against every K/V block: (acc, m, lsum) with acc [B, K, G, bq, E]; the scores
+    soft-capped (``softcap`` > 0) before the mask and the online softmax."""
     b, bq, kh, g, e = q_i.shape
     f = upcast(q_i[:0]).dtype
     init = (
@@ -155,7 +170,8 @@ def _attend_qblock(q_i, qp_i, kb, vb, kpb, kvb, causal, scale, qs_i=None, window
     def body(j, state):
         def compute(state):
             vis = _visible(qp_i, kpb[j], kvb[j], causal, qs_i, **_win(window))[:, None, None]
-            return _online_update(state, _scores(q_i, kb[j], scale), vis, vb[j])
+            s = _cap_scores(_scores(q_i, kb[j], scale), softcap)
+            return _online_update(state, s, vis, vb[j])
 
         needed = _needed(qp_i, kpb[j], kvb[j], causal, qs_i, **_win(window))
         return lax.cond(needed, compute, lambda st: st, state)
@@ -226,13 +242,24 @@ def _from_tokens(x, b: int, kh: int):  # [B, T, H, ...] -> [n, B, K, G, b, ...]
 
 
 def attend_partial(
-    q, k, v, q_pos, k_pos, *, block: int = DEFAULT_BLOCK, causal: bool = True, q_start=None, window=None
+    q,
+    k,
+    v,
+    q_pos,
+    k_pos,
+    *,
+    block: int = DEFAULT_BLOCK,
+    causal: bool = True,
+    q_start=None,
+    window=None,
+    softcap: float = 0.0,
 ) -> Partial:
     """Attend queries to one K/V set (not differentiable on its own: see ``chunked_attention``).
     ``q_start`` [B, Tq] (``--doc-mask``): where each query's document starts (absolute position).
-    ``window``: a sliding window (``_visible``; a Python int or a traced int32 scalar; None: none)."""
+    ``window``: a sliding window (``_visible``; a Python int or a traced int32 scalar; None: none).
+    ``softcap`` > 0: the scaled scores soft-capped (``_cap_scores``) before the mask and the softmax."""
     x = _block_inputs(q, k, v, q_pos, k_pos, block, q_start)
-    kw = _win(window)
+    kw = {**_win(window), **({"softcap": softcap} if softcap else {})}  # by keyword: plants forward them
     row = lambda a: _attend_qblock(a[0], a[1], x.kb, x.vb, x.kpb, x.kvb, causal, x.scale, a[2], **kw)
     acc, m, lsum = lax.map(row, (x.qb, x.qpb, x.qsb))  # [nq, B, K, G, bq, ...]
     out = acc * _safe_inv(lsum)[..., None]
@@ -254,9 +281,11 @@ def partial_grads(
     causal: bool = True,
     q_start=None,
     window=None,
+    softcap: float = 0.0,
 ):
     """The flash-attention backward for one K/V set: (dq, dk, dv) given the final ``out`` [B, Tq, H, E]
-    and ``lse`` [B, Tq, H] over all K/V sets (dq is this set's share: sum it over the sets)."""
+    and ``lse`` [B, Tq, H] over all K/V sets (dq is this set's share: sum it over the sets). With
+    ``softcap`` P is recomputed from the capped scores and dS carries the cap's slope (d tanh)."""
     x = _block_inputs(q, k, v, q_pos, k_pos, block, q_start)
     qs = (lambda i: None) if x.qsb is None else (lambda i: x.qsb[i])
     bq, kh = x.qb.shape[2], k.shape[2]
@@ -274,9 +303,10 @@ def partial_grads(
                 dk_j, dv_j, dq = carry
                 q_i, do_i = x.qb[i], dob[i]
                 vis = _visible(x.qpb[i], kp_j, kvalid_j, causal, qs(i), **_win(window))[:, None, None]
-                p = jnp.where(vis, jnp.exp(_scores(q_i, k_j, x.scale) - lse_b[i][..., None]), 0.0)
+                raw = _scores(q_i, k_j, x.scale)  # before the cap: its slope is taken there
+                p = jnp.where(vis, jnp.exp(_cap_scores(raw, softcap) - lse_b[i][..., None]), 0.0)
                 dp = jnp.einsum("bqkge,bske->bkgqs", do_i, upcast(v_j).astype(f))
-                ds = p * (dp - d_b[i][..., None]) * x.scale
+                ds = p * (dp - d_b[i][..., None]) * _cap_slope(raw, softcap) * x.scale
                 dq = dq.at[i].add(jnp.einsum("bkgqs,bske->bqkge", ds, upcast(k_j).astype(f)))
                 dk_j = dk_j + jnp.einsum("bkgqs,bqkge->bske", ds, upcast(q_i).astype(f))
                 return dk_j, dv_j + jnp.einsum("bkgqs,bqkge->bske", p, do_i), dq
@@ -298,48 +328,66 @@ def partial_grads(
 # ---- the differentiable entry points ----
 
 
-def _chunked_fwd(q, ks, vs, q_pos, k_poss, q_start, block, causal, window=None):
+def _chunked_fwd(q, ks, vs, q_pos, k_poss, q_start, block, causal, softcap, window):
     part = None
+    kw = dict(block=block, causal=causal, q_start=q_start, window=window, softcap=softcap)
     for k, v, kp in zip(ks, vs, k_poss, strict=True):  # a ring's steps
-        p = attend_partial(q, k, v, q_pos, kp, block=block, causal=causal, q_start=q_start, window=window)
+        p = attend_partial(q, k, v, q_pos, kp, **kw)
         part = p if part is None else combine(part, p)
     out = part.out.astype(q.dtype)
     return out, (q, ks, vs, q_pos, k_poss, q_start, window, out, part.lse)
 
 
-def _chunked_bwd(block, causal, res, dout):
+def _chunked_bwd(block, causal, softcap, res, dout):
     q, ks, vs, q_pos, k_poss, q_start, window, out, lse = res
     dq, dks, dvs = jnp.zeros(q.shape, upcast(q[:0]).dtype), [], []
-    extra = dict(block=block, causal=causal, q_start=q_start, window=window)
+    extra = dict(block=block, causal=causal, q_start=q_start, window=window, softcap=softcap)
     for k, v, kp in zip(ks, vs, k_poss, strict=True):
         grads = partial_grads(q, k, v, q_pos, kp, out, lse, dout, **extra)
         dq, dks, dvs = dq + grads[0], dks + [grads[1]], dvs + [grads[2]]
     return dq.astype(q.dtype), tuple(dks), tuple(dvs), None, None, None, None
 
 
-def _chunked(q, ks, vs, q_pos, k_poss, q_start, block, causal, window=None):
-    return _chunked_fwd(q, ks, vs, q_pos, k_poss, q_start, block, causal, window)[0]
+def _chunked(q, ks, vs, q_pos, k_poss, q_start, block, causal, softcap, window):
+    """Every argument positional (a custom VJP): ``block``, ``causal``, ``softcap`` static; ``window``
+    None or an int32 scalar (a primal whose cotangent is None)."""
+    return _chunked_fwd(q, ks, vs, q_pos, k_poss, q_start, block, causal, softcap, window)[0]
 
 
-_chunked = jax.custom_vjp(_chunked, nondiff_argnums=(6, 7))
+_chunked = jax.custom_vjp(_chunked, nondiff_argnums=(6, 7, 8))
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def chunked_attention(q, ks, vs, q_pos, k_poss, *, block: int = DEFAULT_BLOCK, causal: bool = True):
+def chunked_attention(
+    q, ks, vs, q_pos, k_poss, *, block: int = DEFAULT_BLOCK, causal: bool = True, softcap: float = 0.0
+):
     """Attention of q to the concatenation of K/V chunks, computed chunk by chunk (partials merged by
     ``combine``; backward per chunk by ``partial_grads``): the single-device form of a ring."""
-    return _chunked(q, tuple(ks), tuple(vs), q_pos, tuple(k_poss), None, int(block), bool(causal))
+    chunks = (tuple(ks), tuple(vs), q_pos, tuple(k_poss), None)
+    return _chunked(q, *chunks, int(block), bool(causal), float(softcap), None)
 
 
 def blockwise_attention(
-    q, k, v, q_pos, k_pos, *, block: int = DEFAULT_BLOCK, causal: bool = True, q_start=None, window=0
+    q,
+    k,
+    v,
+    q_pos,
+    k_pos,
+    *,
+    block: int = DEFAULT_BLOCK,
+    causal: bool = True,
+    q_start=None,
+    window=0,
+    softcap: float = 0.0,
 ):
     """Softmax attention [B, Tq, H, E] (in q's dtype; softmax in at least float32), memory O(T).
     ``q_start`` [B, Tq] (``--doc-mask``): where each query's document starts; keys before it are masked.
     ``window``: a sliding window (a query at i sees keys j with i - window < j <= i; a Python int, 0:
     none, or a traced int32 scalar, as a per-layer window in a layer loop): a K/V block wholly outside
-    every query's window is skipped, forward and backward."""
-    return _chunked(q, (k,), (v,), q_pos, (k_pos,), q_start, int(block), bool(causal), window_arg(window))
+    every query's window is skipped, forward and backward. ``softcap`` > 0 (Gemma 2): the scaled scores
+    capped, cap * tanh(s / cap), before mask and softmax."""
+    args = (q, (k,), (v,), q_pos, (k_pos,), q_start, int(block), bool(causal), float(softcap))
+    return _chunked(*args, window_arg(window))
 
 
 def window_arg(window):

@@ -67,7 +67,8 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     # Gemma 2's soft-capping: attention scores become c * tanh(s / c) before the mask and softmax
     # (``attn_softcap``), the output logits c * tanh(z / c) (``final_softcap``). 0: off. A saved config
-    # without these fields predates them and loads as 0: exactly as it was. Plain attention only.
+    # without these fields predates them and loads as 0: exactly as it was. Every attention (plain,
+    # blockwise, --cp ring and allgather) and the KV cache cap.
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
 
@@ -152,18 +153,12 @@ def _check_attention(cfg: ModelConfig) -> None:
 
 
 def _check_plain_only(cfg: ModelConfig) -> None:
-    """What only plain attention implements (the blockwise kernel has no soft-capping yet)."""
-    if cfg.sliding_window and not cfg.arch.attention:
-        raise ConfigError(
-            f"sliding_window={cfg.sliding_window} needs a family with attention; set sliding_window=0"
-        )
-    for name, what in (("attn_softcap", "soft-capping"),):
+    """What needs attention at all (windows and soft-capping run in every attention: plain, blockwise,
+    each --cp strategy)."""
+    for name in ("sliding_window", "attn_softcap"):
         value = getattr(cfg, name)
-        if value and not (cfg.arch.attention and cfg.attention == "plain"):
-            raise ConfigError(
-                f"{name}={value} needs a family with attention and attention='plain' (blockwise attention "
-                f"has no {what} yet); set {name}=0 or attention='plain'"
-            )
+        if value and not cfg.arch.attention:
+            raise ConfigError(f"{name}={value} needs a family with attention; set {name}=0")
 
 
 # What each numeric field accepts; the others must just have their annotated type (str or bool).

@@ -13,6 +13,10 @@ positions; the causal mask is by position, so the order in which key chunks arri
   with the configured attention (blockwise or plain); JAX's transpose reduce-scatters dK/dV.
 
 Only the collectives are ``Parallel``'s (``cp_shift``, ``gather_kv``): the controls plant faults there.
+Soft-capping (``softcap`` > 0, Gemma 2) is the kernel's (``blockwise``: each partial caps its scores
+before its online softmax, the backward carries the cap's slope); the ring asks ``_step_softcap`` for
+every step's cap, forward and backward, so the control "cap missing on the ring's remote blocks" has
+one place to plant.
 """
 
 from __future__ import annotations
@@ -24,18 +28,22 @@ from meshlm.model.blockwise import attend_partial, blockwise_attention, combine,
 from meshlm.model.layers import upcast
 
 
-def context_attention(q, k, v, q_pos, par, *, block: int, blockwise: bool, plain_attend, window=0):
+def context_attention(
+    q, k, v, q_pos, par, *, block: int, blockwise: bool, plain_attend, window=0, softcap: float = 0.0
+):
     """q [B, T/cp, H, E], k, v [B, T/cp, K, E] this shard's chunks; q_pos [B, T/cp] global positions.
-    ``window``: a sliding window (a Python int, 0: none, or a traced int32 scalar), by global position."""
+    ``window``: a sliding window (a Python int, 0: none, or a traced int32 scalar), by global position.
+    ``softcap`` > 0: the scaled scores capped, cap * tanh(s / cap), before the mask and softmax."""
     if par.cp_ring:
-        return _ring(q, k, v, q_pos, par, block, window_arg(window))
+        return _ring(q, k, v, q_pos, par, block, float(softcap), window_arg(window))
     t = k.shape[1]
     k_pos = jnp.concatenate([par.kv_positions(o, t) for o in range(par.layout.cp)])
     k_pos = jnp.broadcast_to(k_pos, (k.shape[0], k_pos.shape[0]))
     k_all, v_all = par.gather_kv(jnp.stack([k, v]))  # one all-gather: [2, B, T/cp, K, E] -> [2, B, T, K, E]
     if blockwise:
-        return blockwise_attention(q, k_all, v_all, q_pos, k_pos, block=block, window=window)
-    return plain_attend(q, k_all, v_all, q_pos, k_pos, window=window)
+        kernel = dict(block=block, window=window, softcap=softcap)
+        return blockwise_attention(q, k_all, v_all, q_pos, k_pos, **kernel)
+    return plain_attend(q, k_all, v_all, q_pos, k_pos, window=window, softcap=softcap)
 
 
 def _origin(par, step: int):
@@ -48,18 +56,26 @@ def _kv_pos(par, step, like):
     return jnp.broadcast_to(pos, like.shape[:2])
 
 
-def _ring_fwd(q, k, v, q_pos, par, block, window=None):
+def _step_softcap(softcap: float, step: int) -> float:
+    """The cap ring step ``step`` applies to its K/V chunk's scores: the same on every step, the
+    shard's own chunk (step 0) and the ones from the other shards alike."""
+    return softcap
+
+
+def _ring_fwd(q, k, v, q_pos, par, block, softcap, window):
     kv, part = jnp.stack([k, v]), None
     for s in range(par.ring_steps()):
         if s:
             kv = par.cp_shift(kv)
-        p = attend_partial(q, kv[0], kv[1], q_pos, _kv_pos(par, s, k), block=block, window=window)
+        cap = _step_softcap(softcap, s)
+        kw = dict(block=block, window=window, softcap=cap)
+        p = attend_partial(q, kv[0], kv[1], q_pos, _kv_pos(par, s, k), **kw)
         part = p if part is None else combine(part, p)
     out = part.out.astype(q.dtype)
     return out, (q, k, v, q_pos, window, out, part.lse)
 
 
-def _ring_bwd(par, block, res, dout):
+def _ring_bwd(par, block, softcap, res, dout):
     q, k, v, q_pos, window, out, lse = res
     f = upcast(q[:0]).dtype
     kv, dkv, dq = jnp.stack([k, v]), jnp.zeros((2, *k.shape), f), jnp.zeros(q.shape, f)
@@ -68,16 +84,17 @@ def _ring_bwd(par, block, res, dout):
         if s:
             kv, dkv = par.cp_shift(kv), par.cp_shift(dkv)
         kp = _kv_pos(par, s, k)
-        dq_s, dk_s, dv_s = partial_grads(q, *kv, q_pos, kp, out, lse, dout, block=block, window=window)
+        kw = dict(block=block, window=window, softcap=_step_softcap(softcap, s))
+        dq_s, dk_s, dv_s = partial_grads(q, kv[0], kv[1], q_pos, kp, out, lse, dout, **kw)
         dq, dkv = dq + dq_s, dkv + jnp.stack([dk_s, dv_s]).astype(f)
     for _ in range(par.layout.cp - steps + 1):  # the accumulators' way home to the shard of their chunk
         dkv = par.cp_shift(dkv)
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None
 
 
-def _ring_impl(q, k, v, q_pos, par, block, window=None):
-    return _ring_fwd(q, k, v, q_pos, par, block, window)[0]
+def _ring_impl(q, k, v, q_pos, par, block, softcap, window):
+    return _ring_fwd(q, k, v, q_pos, par, block, softcap, window)[0]
 
 
-_ring = jax.custom_vjp(_ring_impl, nondiff_argnums=(4, 5))
+_ring = jax.custom_vjp(_ring_impl, nondiff_argnums=(4, 5, 6))
 _ring.defvjp(_ring_fwd, _ring_bwd)

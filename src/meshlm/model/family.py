@@ -33,8 +33,9 @@ class HFNames:
     when transformers cannot express ``cfg``. ``io.hf_config`` adds what every family shares.
 
     Tensor maps: our path -> (HF name, layout), layouts "copy" (same array), "linear" (torch [out, in]
-    <-> ours [in, out]), "q" / "kv" ([heads*E, D] <-> [D, heads, E]), "o" ([D, H*E] <-> [H, E, D]) and
-    "heads" (a head projection's bias: [heads*E] <-> [heads, E]).
+    <-> ours [in, out]), "q" / "kv" ([heads*E, D] <-> [D, heads, E]), "o" ([D, H*E] <-> [H, E, D]),
+    "heads" (a head projection's bias: [heads*E] <-> [heads, E]) and "fused_<layout>" (one row slice
+    of an HF tensor several of our parameters share, as Phi-3's qkv_proj: the slices in map order).
     """
 
     model_type: str  # config.json "model_type"

@@ -160,11 +160,6 @@ def _check_context_parallel(cfg: ModelConfig, par: Parallel) -> None:
         return
     if cfg.doc_mask >= 0:
         raise ConfigError("--cp does not support --doc-mask yet (documents across chunks); drop one of them")
-    if cfg.attn_softcap:
-        raise ConfigError(
-            f"--cp does not support attention soft-capping yet (attn_softcap={cfg.attn_softcap}: the ring "
-            "and the gathered keys do not cap their scores); drop --cp"
-        )
 
 
 def check_context(cfg: ModelConfig, layout) -> None:

@@ -20,6 +20,13 @@ Blockwise attention (planted in ``model.blockwise`` while the sharded program is
   block-skip rule off by one                a K/V block skipped when its last key is the first
                                             query's oldest visible one (i - W + 1): only where a
                                             block ends exactly there (``_skip_edge_met``)
+Soft-capping in the kernel and the ring (``attn_softcap`` > 0; planted in ``model.blockwise`` and
+``model.context_parallel``):
+  soft-cap applied after the softmax        the softmax's weights exp(s) capped, not its scores s
+  soft-cap not applied in the backward      dS not multiplied by the cap's slope 1 - tanh^2 (the
+                                            forward is right: only the gradients tell)
+  cap missing on the ring's remote blocks   the ring's steps 1.. (the other shards' K/V chunks) attend
+                                            to uncapped scores, forward and backward
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from meshlm.model import blockwise
+from meshlm.model import blockwise, context_parallel
 from meshlm.parallel.axes import CP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.cp import chunk_positions, shard_order
@@ -84,19 +91,19 @@ class ChunkOrderUndone(Parallel):
 
 
 @contextmanager
-def _planted(**wrappers):
-    """``model.blockwise``'s functions replaced, while the sharded program is traced, by
-    ``wrapper(original)``: each fault calls the real function and changes one thing in its result, so
-    a parameter the kernel adds later (as ``qs`` for the document mask) is passed through, not a
-    ``TypeError`` when the control runs."""
-    old = {name: getattr(blockwise, name) for name in wrappers}
+def _planted(module=blockwise, **wrappers):
+    """``module``'s functions (``model.blockwise``'s unless named) replaced, while the sharded program
+    is traced, by ``wrapper(original)``: each fault calls the real function and changes one thing in
+    its result, so a parameter the kernel adds later (as ``qs`` for the document mask) is passed
+    through, not a ``TypeError`` when the control runs."""
+    old = {name: getattr(module, name) for name in wrappers}
     try:
         for name, wrap in wrappers.items():
-            setattr(blockwise, name, wrap(old[name]))
+            setattr(module, name, wrap(old[name]))
         yield
     finally:
         for name, fn in old.items():
-            setattr(blockwise, name, fn)
+            setattr(module, name, fn)
 
 
 def _no_rescale(rescale):
@@ -168,6 +175,31 @@ def _skip_edge_met(w: Where) -> bool:
     return any(int(kb.max()) in edges for kb in keys)
 
 
+def _cap_after_softmax(cap_scores):
+    """The cap taken on the softmax's weights exp(s) instead of its scores s: the kernel then
+    exponentiates log(cap(exp(s))), so each weight is cap * tanh(exp(s) / cap) (renormalised)."""
+    return lambda s, cap, *args, **kwargs: jnp.log(cap_scores(jnp.exp(s), cap, *args, **kwargs)) if cap else s
+
+
+def _no_cap_slope(slope):
+    """The backward's dS not multiplied by the cap's slope (the forward caps, its derivative is lost)."""
+    return lambda s, cap, *args, **kwargs: 1.0
+
+
+def _remote_blocks_uncapped(step_softcap):
+    """The ring's own chunk (step 0) capped, every chunk from another shard not."""
+    return lambda softcap, step, *args, **kwargs: (
+        step_softcap(softcap, step, *args, **kwargs) if step == 0 else 0.0
+    )
+
+
+def _cap_in_kernel(w: Where) -> bool:
+    """Soft-capped scores meet the blockwise kernel (blockwise attention, or the ring's steps)."""
+    if w.cfg is None or not w.attention or not w.cfg.attn_softcap:
+        return False
+    return w.cfg.attention == "blockwise" or w.layout.cp_ring
+
+
 def _blocks_in_play(w: Where) -> bool:
     """The blockwise kernel runs (blockwise attention, or the ring's steps) on several K/V blocks."""
     if w.cfg is None or not w.attention:
@@ -196,6 +228,21 @@ CP_CONTROLS: tuple[Control, ...] = (
         name="block-skip rule off by one",
         applies=_skip_edge_met,
         plant=lambda: _planted(_needed=_skip_narrower),
+    ),
+    Control(
+        name="soft-cap applied after the softmax",
+        applies=_cap_in_kernel,
+        plant=lambda: _planted(_cap_scores=_cap_after_softmax),
+    ),
+    Control(
+        name="soft-cap not applied in the backward",
+        applies=_cap_in_kernel,
+        plant=lambda: _planted(_cap_slope=_no_cap_slope),
+    ),
+    Control(
+        name="cap missing on the ring's remote blocks",
+        applies=lambda w: w.layout.cp_ring and _cap_in_kernel(w),
+        plant=lambda: _planted(context_parallel, _step_softcap=_remote_blocks_uncapped),
     ),
     Control(
         name="rotary positions restart in every chunk",

@@ -56,6 +56,18 @@ FAMILY = replace(llama.FAMILY, name="gemma", norm="rms_plus_one", mlp="geglu", h
 PRESETS: dict[str, dict] = {
     # head_dim 32 != d_model / n_heads = 16 (as Gemma-7b's 256 != 3072 / 16), tied head.
     "tiny-gemma": dict(llama.TINY_LLAMA, n_heads=4, n_kv_heads=0, head_dim=32, tie_embeddings=True),
+    # tiny-gemma with Gemma 2's two soft-caps, near the scores' and logits' size at initialisation
+    # (tanh neither linear nor saturated there, so the cap and its slope both matter): the proof of
+    # soft-capping in every attention (plain, blockwise, each --cp strategy). Not exportable.
+    "tiny-gemma-softcap": dict(
+        llama.TINY_LLAMA,
+        n_heads=4,
+        n_kv_heads=0,
+        head_dim=32,
+        tie_embeddings=True,
+        attn_softcap=0.05,
+        final_softcap=0.2,
+    ),
     # Gemma-7B (its config.json): 16 heads of 256 on d_model 3072, vocabulary 256000, tied head.
     "gemma-7b": dict(
         vocab_size=256000,
