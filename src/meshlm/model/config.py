@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from meshlm.errors import ConfigError
 from meshlm.model.families import FAMILIES, preset_fields
 from meshlm.model.family import Family
@@ -69,6 +71,18 @@ class ModelConfig:
     # without these fields predates them and loads as 0: exactly as it was. Plain attention only.
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
+    # Gemma 2/3's attention scale: scores divided by sqrt(attn_scalar) (transformers'
+    # query_pre_attn_scalar), not by sqrt(head_dim). 0: head_dim. Plain attention only.
+    attn_scalar: float = 0.0
+    # Gemma 2/3's local and global layers: layer i is global (whole causal context, rope_theta and
+    # rope_scaling / rope_linear) when (i + 1) % global_every == 0, else local (sliding_window and
+    # rope_local_theta, plain RoPE); transformers' layer_types. 0: every layer alike (sliding_window,
+    # if any, everywhere: Mistral). The kinds are per-layer inputs of the layer stack.
+    global_every: int = 0
+    rope_local_theta: float = 0.0  # the local layers' rotary base (Gemma 3's 1e4); 0: rope_theta
+    # Linear RoPE scaling (transformers' rope_type "linear", Gemma 3 4B+: positions divided by the
+    # factor) on the global layers (every layer when global_every is 0). 0: none.
+    rope_linear: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
@@ -86,6 +100,7 @@ class ModelConfig:
             raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
         if self.arch.attention:
             _check_attention(self)
+        _check_kinds(self)
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
         _check_plain_only(self)
@@ -118,8 +133,21 @@ class ModelConfig:
         return self.rotary_dim or self.dim_per_head
 
     def inv_freq(self):
-        """The rotary inverse frequencies [rot_dim / 2] (float64 numpy; ``model.rope``)."""
-        return rope_inv_freq(self.rot_dim, self.rope_theta, self.rope_scaling)
+        """The rotary inverse frequencies [rot_dim / 2] (float64 numpy; ``model.rope``): every layer's,
+        or with ``global_every`` the global layers'."""
+        freq = rope_inv_freq(self.rot_dim, self.rope_theta, self.rope_scaling)
+        return freq / self.rope_linear if self.rope_linear else freq
+
+    def local_inv_freq(self):
+        """The local layers' rotary inverse frequencies [rot_dim / 2]: plain RoPE of base
+        ``rope_local_theta`` (or ``rope_theta``), never scaled (Gemma 3 scales its global layers only)."""
+        return rope_inv_freq(self.rot_dim, self.rope_local_theta or self.rope_theta)
+
+    def global_layers(self):
+        """[n_layers] bool numpy: which layers are global (``global_every``); None: all layers alike."""
+        if not self.global_every:
+            return None
+        return (np.arange(self.n_layers) + 1) % self.global_every == 0
 
     @property
     def padded_vocab(self) -> int:
@@ -148,6 +176,26 @@ def _check_attention(cfg: ModelConfig) -> None:
         raise ConfigError(f"rotary_style={cfg.rotary_style!r}; valid: interleaved, half")
     if cfg.rotary_dim % 2 or cfg.rotary_dim > cfg.dim_per_head:
         raise ConfigError(f"rotary_dim={cfg.rotary_dim} must be even and <= head_dim")
+    if cfg.rope_local_theta and not cfg.global_every:
+        raise ConfigError(
+            f"rope_local_theta={cfg.rope_local_theta} needs local layers: set global_every, or "
+            "rope_local_theta=0"
+        )
+    if cfg.rope_linear and cfg.rope_scaling is not None:
+        raise ConfigError("rope_linear and rope_scaling are two RoPE scalings; set one (rope_linear=0)")
+
+
+def _check_kinds(cfg: ModelConfig) -> None:
+    """The per-layer fields need attention (an ff stack has no layers of two kinds); the blockwise
+    kernel scales its scores by 1/sqrt(head_dim) only."""
+    for name in ("global_every", "attn_scalar", "rope_local_theta", "rope_linear"):
+        if getattr(cfg, name) and not cfg.arch.attention:
+            raise ConfigError(f"{name}={getattr(cfg, name)} needs a family with attention; set {name}=0")
+    if cfg.attn_scalar and cfg.attention != "plain":
+        raise ConfigError(
+            f"attn_scalar={cfg.attn_scalar} needs attention='plain' (blockwise attention scales its scores "
+            "by 1/sqrt(head_dim) only); set attention='plain'"
+        )
 
 
 def _check_plain_only(cfg: ModelConfig) -> None:
@@ -178,6 +226,10 @@ RANGES: dict[str, Range] = {
     "sliding_window": Range(int, 0, note="0: off"),
     "attn_softcap": Range(float, 0, note="0: off"),
     "final_softcap": Range(float, 0, note="0: off"),
+    "attn_scalar": Range(float, 0, note="0: head_dim"),
+    "global_every": Range(int, 0, note="0: every layer alike"),
+    "rope_local_theta": Range(float, 0, note="0: rope_theta"),
+    "rope_linear": Range(float, 0, note="0: none"),
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 

@@ -32,6 +32,12 @@ def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
     layout.check_layers(cfg.n_layers)
     if cfg.doc_mask >= 0:
         raise ConfigError("--pp does not carry document positions (--doc-mask) between stages; drop one")
+    chunk = cfg.n_layers // (layout.pipeline.pp * layout.pipeline.virtual_stages)
+    if cfg.global_every and chunk % cfg.global_every:  # each chunk numbers its layers from 0
+        raise ConfigError(
+            f"--pp: chunks of {chunk} layers split the local/global pattern (global_every="
+            f"{cfg.global_every}); choose pp x virtual stages so that each chunk is a multiple of it"
+        )
 
 
 def split_model(tree) -> tuple[dict, dict, dict]:
