@@ -47,6 +47,8 @@ CONFIGS = {
         1,
         8,
     ),
+    "tiny-gemma2 1x2 (local/global layers, soft-capped)": ("tiny-gemma2", {}, Layout(mp=2), 1, 18),
+    "tiny-gemma3 1x2 (two rotary bases, (1 + w) q/k norm)": ("tiny-gemma3", {}, Layout(mp=2), 1, 18),
     "tiny-llama 1x1 blockwise doc-mask": ("tiny-llama", {**BW, "doc_mask": 0}, Layout(), 1, 18),
     "tiny-llama 2x2 cp2 ring fsdp sp blockwise": (
         "tiny-llama",

@@ -19,6 +19,7 @@ from meshlm.data.bpe import train_bpe  # noqa: E402
 from meshlm.data.hf_tokenizer import EOD_TOKEN  # noqa: E402
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config, hf_weights  # noqa: E402
+from meshlm.model import attention  # noqa: E402
 from meshlm.model.config import get_config  # noqa: E402
 from meshlm.model.params import unflatten  # noqa: E402
 
@@ -152,7 +153,7 @@ def test_released_gemma3_config_reads_as_transformers():
     del released["layer_types"]
     cfg = hf_config.config_from_hf(released)
     theirs = transformers.Gemma3TextConfig(**released)
-    assert cfg.global_layers().tolist() == [k == GLOBAL for k in theirs.layer_types]
+    assert attention.layer_kinds(cfg).tolist() == [int(k == GLOBAL) for k in theirs.layer_types]
     assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_linear) == (1e6, 1e4, 8.0)
     assert theirs.rope_parameters[GLOBAL]["factor"] == 8.0
     assert cfg == get_config("gemma3-1b").replace(rope_linear=8.0)

@@ -26,6 +26,7 @@ from meshlm.model.config import ModelConfig
 from meshlm.model.context_parallel import context_attention
 from meshlm.model.dense import dense_heads_in, dense_heads_out
 from meshlm.model.layers import RMSNorm, RMSNormPlusOne, _normal, apply_rotary, rotary_angles, upcast
+from meshlm.model.rope import inv_freq
 from meshlm.parallel.context import Parallel
 
 
@@ -140,8 +141,9 @@ class Attention(hk.Module):
 def layer_kinds(cfg: ModelConfig):
     """[n_layers] int32 numpy, each layer's kind (0 local, 1 global: ``ModelConfig.global_every``), the
     layer stack's per-layer input; None where every layer is alike (no per-layer input)."""
-    is_global = cfg.global_layers()
-    return None if is_global is None else is_global.astype(np.int32)
+    if not cfg.global_every:
+        return None
+    return ((np.arange(cfg.n_layers) + 1) % cfg.global_every == 0).astype(np.int32)
 
 
 def kind_tables(cfg: ModelConfig):
@@ -149,7 +151,8 @@ def kind_tables(cfg: ModelConfig):
     1 global): a local layer sees ``sliding_window`` keys with plain RoPE of ``rope_local_theta``, a
     global one the whole causal context (window 0) with ``rope_theta`` and its scaling."""
     windows = np.asarray([cfg.sliding_window, 0], np.int32)
-    return windows, np.stack([cfg.local_inv_freq(), cfg.inv_freq()])
+    local = inv_freq(cfg.rot_dim, cfg.rope_local_theta or cfg.rope_theta)  # never scaled (Gemma 3)
+    return windows, np.stack([local, cfg.inv_freq()])
 
 
 class ProjRMSNorm(hk.Module):

@@ -11,8 +11,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from meshlm.errors import ConfigError
 from meshlm.model.families import FAMILIES, preset_fields
 from meshlm.model.family import Family
@@ -71,17 +69,12 @@ class ModelConfig:
     # without these fields predates them and loads as 0: exactly as it was. Plain attention only.
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
-    # Gemma 2/3's attention scale: scores divided by sqrt(attn_scalar) (transformers'
-    # query_pre_attn_scalar), not by sqrt(head_dim). 0: head_dim. Plain attention only.
+    # Gemma 2/3 (``attention.kind_tables``; absent from a saved config: 0, as it was): scores/sqrt(attn_scalar
+    # or head_dim); layer i global (rope_theta, rope_scaling or rope_linear: positions / factor) if (i + 1) %
+    # global_every == 0, else local (sliding_window, plain RoPE of rope_local_theta); 0: layers alike.
     attn_scalar: float = 0.0
-    # Gemma 2/3's local and global layers: layer i is global (whole causal context, rope_theta and
-    # rope_scaling / rope_linear) when (i + 1) % global_every == 0, else local (sliding_window and
-    # rope_local_theta, plain RoPE); transformers' layer_types. 0: every layer alike (sliding_window,
-    # if any, everywhere: Mistral). The kinds are per-layer inputs of the layer stack.
     global_every: int = 0
-    rope_local_theta: float = 0.0  # the local layers' rotary base (Gemma 3's 1e4); 0: rope_theta
-    # Linear RoPE scaling (transformers' rope_type "linear", Gemma 3 4B+: positions divided by the
-    # factor) on the global layers (every layer when global_every is 0). 0: none.
+    rope_local_theta: float = 0.0
     rope_linear: float = 0.0
 
     def __post_init__(self):
@@ -133,21 +126,8 @@ class ModelConfig:
         return self.rotary_dim or self.dim_per_head
 
     def inv_freq(self):
-        """The rotary inverse frequencies [rot_dim / 2] (float64 numpy; ``model.rope``): every layer's,
-        or with ``global_every`` the global layers'."""
-        freq = rope_inv_freq(self.rot_dim, self.rope_theta, self.rope_scaling)
-        return freq / self.rope_linear if self.rope_linear else freq
-
-    def local_inv_freq(self):
-        """The local layers' rotary inverse frequencies [rot_dim / 2]: plain RoPE of base
-        ``rope_local_theta`` (or ``rope_theta``), never scaled (Gemma 3 scales its global layers only)."""
-        return rope_inv_freq(self.rot_dim, self.rope_local_theta or self.rope_theta)
-
-    def global_layers(self):
-        """[n_layers] bool numpy: which layers are global (``global_every``); None: all layers alike."""
-        if not self.global_every:
-            return None
-        return (np.arange(self.n_layers) + 1) % self.global_every == 0
+        """Rotary inverse frequencies [rot_dim / 2] (float64 numpy; ``model.rope``); global layers'."""
+        return rope_inv_freq(self.rot_dim, self.rope_theta, self.rope_scaling) / (self.rope_linear or 1.0)
 
     @property
     def padded_vocab(self) -> int:

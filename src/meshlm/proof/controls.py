@@ -22,18 +22,16 @@ from meshlm.parallel.context import Parallel
 from meshlm.proof.control_record import Control, Where
 from meshlm.proof.documents import DocMaskCrossesOnOneShard, DocMaskIgnoresBoundary, doc_mask_off
 from meshlm.proof.family_faults import (
+    GEMMA_CONTROLS,
     HeadBiasOfNextShard,
     TiedHeadGradDropped,
     TiedHeadOtherSlice,
     attn_softcap_off,
     embedding_scaled_twice,
     final_softcap_off,
-    layer_kinds_swapped,
-    local_rotary_on_global,
     proj_norm_local_statistic,
     qk_norm_after_rotary,
     qk_norm_grad_not_summed,
-    softcap_after_softmax,
     window_off_by_one,
 )
 from meshlm.proof.taps import Tapped
@@ -332,25 +330,7 @@ CONTROLS += (  # Gemma 2's soft-capping: the cap must matter (as the document ma
         applies=lambda w: w.cfg is not None and w.cfg.final_softcap > 0,
         cfg_change=final_softcap_off,
     ),
-    Control(  # plain attention's order (``attention.capped_softmax``): cap, mask, softmax
-        name="attention soft-cap applied after the softmax",
-        applies=lambda w: w.attention and w.cfg.attn_softcap > 0 and w.cfg.attention == "plain",
-        plant=softcap_after_softmax,
-    ),
 )
-
-
-def _kinds(w: Where) -> bool:
-    return w.attention and 0 < w.cfg.global_every <= w.cfg.n_layers
-
-
-CONTROLS += (  # Gemma 2/3's local and global layers (``attention.layer_kinds``, ``kind_tables``)
-    Control(name="local and global layers swapped", applies=_kinds, plant=layer_kinds_swapped),
-    Control(
-        name="local rotary base used on a global layer",
-        applies=lambda w: _kinds(w) and not np.array_equal(w.cfg.local_inv_freq(), w.cfg.inv_freq()),
-        plant=local_rotary_on_global,
-    ),
-)
+CONTROLS += GEMMA_CONTROLS  # the soft-cap's order, Gemma 2/3's local and global layers
 
 __all__ = ["CONTROLS", "Control", "Where", "per_shard_clip"]

@@ -18,6 +18,7 @@ from meshlm.model import attention
 from meshlm.model.layers import RMSNorm
 from meshlm.model.params import param_path
 from meshlm.parallel.axes import MP
+from meshlm.proof.control_record import Control, Where
 from meshlm.proof.taps import Tapped
 
 
@@ -158,3 +159,25 @@ def local_rotary_on_global():
         return windows, np.stack([freqs[0], freqs[0]])
 
     return _in_attention("kind_tables", planted)
+
+
+def _kinds(w: Where) -> bool:
+    return w.attention and 0 < w.cfg.global_every <= w.cfg.n_layers
+
+
+def _two_rotaries(w: Where) -> bool:
+    freqs = attention.kind_tables(w.cfg)[1]
+    return _kinds(w) and not np.array_equal(freqs[0], freqs[1])
+
+
+GEMMA_CONTROLS = (  # ``proof.controls`` runs them
+    Control(  # plain attention's order (``attention.capped_softmax``): cap, mask, softmax
+        name="attention soft-cap applied after the softmax",
+        applies=lambda w: w.attention and w.cfg.attn_softcap > 0 and w.cfg.attention == "plain",
+        plant=softcap_after_softmax,
+    ),
+    Control(name="local and global layers swapped", applies=_kinds, plant=layer_kinds_swapped),
+    Control(
+        name="local rotary base used on a global layer", applies=_two_rotaries, plant=local_rotary_on_global
+    ),
+)
