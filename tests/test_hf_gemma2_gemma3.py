@@ -181,3 +181,15 @@ def test_unsupported_config(preset, changes, field):
 def test_preset_config_round_trip(preset):
     cfg = get_config(preset)
     assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg
+
+
+def test_pipeline_chunks_keep_the_layer_pattern():
+    """Each pipeline chunk numbers its layers from 0: a chunk that splits the local/global pattern is
+    refused in one line (tiny-gemma3: 6 layers, every third global; pp 2 gives chunks of 3, pp 3 of 2)."""
+    from meshlm.parallel.layout import Layout
+    from meshlm.sharding.pipelined import check_pipelined
+
+    cfg = get_config("tiny-gemma3")
+    check_pipelined(cfg, Layout(pp=2, microbatches=2))
+    with pytest.raises(ConfigError, match="global_every=3"):
+        check_pipelined(cfg, Layout(pp=3, microbatches=3))
