@@ -28,7 +28,7 @@ CASES = {  # every family, grouped-query attention, tied embeddings, z-loss, par
     "tiny-llama3": {"attn_softcap": 0.02, "final_softcap": 0.1},  # Gemma 2's soft-capping (tied head)
     # the sandwich block, local (window 8 < 16) and global layers with two rotary bases (the global
     # one scaled), the (1 + w) q/k norm, the attention scalar (Gemma 2's soft-caps: tiny-llama3's)
-    "tiny-gemma3": {},
+    "tiny-gemma3": {"n_layers": 3},  # one pattern: local, local, global
 }
 
 
