@@ -46,7 +46,7 @@ ONE_SET_PP = (
 )
 ONE_SET = "tests/test_control_set.py::test_the_controls_with_a_path_of_their_own_under_pp_are_detected"
 AXES_MATRIX = "tests/test_prover.py::test_matrix_axes_cells_prove_or_refuse_with_the_layouts_reason"
-QK = MARGIN  # its tiny-qwen3 and tiny-olmo2 cases
+QK = MARGIN  # its tiny-qwen3, tiny-olmo2, tiny-gemma softcap and tiny-gemma3 cases
 PPCP = "tests/test_pipeline_model.py::test_pp_with_cp_and_with_the_document_mask_equals_the_unsharded_model"
 WINDOW_KERNEL = "tests/test_windows.py::test_both_window_off_by_ones_are_caught"
 WINDOW_CP = "tests/test_windows.py::test_cp_with_a_window_equals_the_unsharded_model"
@@ -250,6 +250,9 @@ COMMANDS: dict[str, Run | Shown] = {
     SOFTCAP_BW: verify(costly=SOFTCAP),
     f"{SOFTCAP_BW} --mesh 1x2 --cp 2 --devices 4": verify(costly=SOFTCAP),
     f"{SOFTCAP_BW} --mesh 1x2 --cp 2 --devices 4 --cp-strategy allgather": verify(costly=SOFTCAP),
+    "meshlm verify --config tiny-gemma2 --x64 --steps 2": verify(costly=QK),
+    "meshlm verify --config tiny-gemma2 --x64 --steps 2 --mesh 1x2": verify(costly=QK),
+    "meshlm verify --config tiny-gemma3 --x64 --steps 2": verify(costly=QK),
     "meshlm train --config cpu --seq-len 4096 --mesh 1x1 --cp 4 --devices 4 --attention blockwise "
     "--batch-size 1 "
     "--steps 3 --warmup-steps 1 --eval-every 0 --save-every 0 --sample-tokens 40 --out runs/long": run(

@@ -126,7 +126,20 @@ CASES = {
         _preset("tiny-olmo2"),
         _named("OLMo 2's norm statistics from the local shard only"),
     ),
-    "tiny-gemma softcap": (_softcapped_problem, _named("attention soft-cap off", "final-logit soft-cap off")),
+    "tiny-gemma softcap": (
+        _softcapped_problem,
+        _named(
+            "attention soft-cap off",
+            "final-logit soft-cap off",
+            "attention soft-cap applied after the softmax",
+        ),
+    ),
+    "tiny-gemma3 window 3": (  # local and global layers (family_faults): one pattern, local local global
+        lambda _: model_problem(
+            get_config("tiny-gemma3").replace(sliding_window=3, n_layers=3), "g3", MP, 2 * DP, SEQ_LEN, dp=DP
+        ),
+        _named("local and global layers swapped", "local rotary base used on a global layer"),
+    ),
     "tiny-llama fsdp+sp doc-mask": (  # the document mask's controls on its EOD-rich batches
         _preset("tiny-llama", fsdp=True, sp=True, doc_mask=EOD),
         tuple(c for c in CONTROLS if c.name.startswith(("FSDP", "SP", "document mask"))),

@@ -160,7 +160,8 @@ def test_unsupported_mistral_config(changes, field):
         ({"query_pre_attn_scalar": 256}, "query_pre_attn_scalar"),
         ({"hidden_activation": "gelu"}, "hidden_activation"),
         ({"hidden_act": "silu"}, "hidden_act"),
-        ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model_type"),
+        # the multimodal Gemma 3 (Gemma 2 and Gemma 3 text are families of their own)
+        ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}, "model_type"),
     ],
 )
 def test_unsupported_gemma_config(changes, field):

@@ -26,6 +26,9 @@ CASES = {  # every family, grouped-query attention, tied embeddings, z-loss, par
     "tiny-qwen3": {},  # the per-head q/k norm before rotary, head_dim != d_model / heads
     "tiny-olmo2": {},  # norms after each branch, the q/k norm over the whole projection
     "tiny-llama3": {"attn_softcap": 0.02, "final_softcap": 0.1},  # Gemma 2's soft-capping (tied head)
+    # the sandwich block, local (window 8 < 16) and global layers with two rotary bases (the global
+    # one scaled), the (1 + w) q/k norm, the attention scalar (Gemma 2's soft-caps: tiny-llama3's)
+    "tiny-gemma3": {"n_layers": 3},  # one pattern: local, local, global
 }
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from meshlm.errors import ShardingError
@@ -24,7 +25,8 @@ from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.config import ModelConfig
 from meshlm.model.context_parallel import context_attention
 from meshlm.model.dense import dense_heads_in, dense_heads_out
-from meshlm.model.layers import RMSNorm, _normal, apply_rotary, rotary_angles, upcast
+from meshlm.model.layers import RMSNorm, RMSNormPlusOne, _normal, apply_rotary, rotary_angles, upcast
+from meshlm.model.rope import inv_freq
 from meshlm.parallel.context import Parallel
 
 
@@ -88,21 +90,27 @@ class Attention(hk.Module):
         index = par.kv_head_index(cfg.n_heads, cfg.kv_heads) if replicated else None
         return dict(par=par, heads=cfg.kv_heads, index=index)
 
-    def __call__(self, xf, positions, cache=None, starts=None):
+    def __call__(self, xf, positions, cache=None, starts=None, kind=None):
         """xf: [B, T, D] per-shard view; positions: [B, T] absolute positions.
 
         cache: None (training) or {"k", "v": [B, S, K_local, E]}: new keys/values are written at
         ``positions`` and queries attend to every cached slot at or before their position.
         starts: None, or [B, T] (``--doc-mask``) the absolute position where each query's document
         starts: it sees only keys at or after it, and its rotary position restarts there.
+        kind: None (every layer alike), or this layer's kind, a traced int32 scalar (``layer_kinds``:
+        0 local, 1 global), which picks its window and rotary frequencies (``kind_tables``).
         Returns (partial [B, T, D], new cache or None).
         """
         cfg = self.cfg
         hl = cfg.n_heads // self.par.layout.mp
         q = self._proj("wq", xf, hl, "own_heads")  # [B, T, H/mp, E]: this shard's query heads
         k, v = self._kv(xf)  # [B, T, K_local, E]
+        window, inv_freq = cfg.sliding_window, cfg.inv_freq()
+        if kind is not None:  # Gemma 2/3: this layer's window and frequencies, indexed by its traced kind
+            windows, freqs = kind_tables(cfg)
+            window, inv_freq = jnp.asarray(windows)[kind], jnp.asarray(freqs)[kind]
         rotary = positions if starts is None else positions - starts
-        cos, sin = rotary_angles(rotary, cfg.inv_freq(), q.dtype)
+        cos, sin = rotary_angles(rotary, inv_freq, q.dtype)
         rotate = lambda x: apply_rotary(x, cos, sin, cfg.rot_dim, self.style)
         if cfg.arch.qk_norm is None:
             q, k = rotate(q), rotate(k)
@@ -117,16 +125,44 @@ class Attention(hk.Module):
         if self.par.context_parallel and cache is None:  # the sequence split over cp: positions global
             blockwise = cfg.attention == "blockwise"  # (no --doc-mask with cp: ``transformer``)
             kernel = dict(block=cfg.attn_block, blockwise=blockwise, softcap=cfg.attn_softcap)
-            out = context_attention(
-                q, k, v, positions, self.par, plain_attend=_attend, window=cfg.sliding_window, **kernel
-            )
+            q = scaled_for_kernels(cfg, q)
+            kernel.update(plain_attend=_attend, window=window)
+            out = context_attention(q, k, v, positions, self.par, **kernel)
         elif cfg.attention == "blockwise":
             kernel = dict(block=cfg.attn_block, q_start=starts, softcap=cfg.attn_softcap)
-            out = blockwise_attention(q, k, v, positions, key_pos, window=cfg.sliding_window, **kernel)
+            q = scaled_for_kernels(cfg, q)
+            out = blockwise_attention(q, k, v, positions, key_pos, window=window, **kernel)
         else:
-            out = _attend(q, k, v, positions, key_pos, starts, cfg.sliding_window, cfg.attn_softcap)
+            scale = dict(scalar=cfg.attn_scalar) if cfg.attn_scalar else {}
+            out = _attend(q, k, v, positions, key_pos, starts, window, cfg.attn_softcap, **scale)
         wo = hk.get_parameter("wo", [hl, cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
         return dense_heads_out(out, wo), cache
+
+
+def layer_kinds(cfg: ModelConfig):
+    """[n_layers] int32 numpy, each layer's kind (0 local, 1 global: ``ModelConfig.global_every``), the
+    layer stack's per-layer input; None where every layer is alike (no per-layer input)."""
+    if not cfg.global_every:
+        return None
+    return ((np.arange(cfg.n_layers) + 1) % cfg.global_every == 0).astype(np.int32)
+
+
+def scaled_for_kernels(cfg: ModelConfig, q):
+    """q as the blockwise kernel and the cp strategies take it: they divide the scores by sqrt(E); with
+    ``attn_scalar`` (Gemma 2/3's query_pre_attn_scalar) q is multiplied by sqrt(E / scalar) first, so
+    the scores are divided by sqrt(scalar), as plain attention's (``_attend``'s ``scalar``)."""
+    if not cfg.attn_scalar:
+        return q
+    return q * jnp.asarray(np.sqrt(cfg.dim_per_head / cfg.attn_scalar), q.dtype)
+
+
+def kind_tables(cfg: ModelConfig):
+    """(windows [2] int32, inverse frequencies [2, rot_dim / 2] float64), numpy, by kind (0 local,
+    1 global): a local layer sees ``sliding_window`` keys with plain RoPE of ``rope_local_theta``, a
+    global one the whole causal context (window 0) with ``rope_theta`` and its scaling."""
+    windows = np.asarray([cfg.sliding_window, 0], np.int32)
+    local = inv_freq(cfg.rot_dim, cfg.rope_local_theta or cfg.rope_theta)  # never scaled (Gemma 3)
+    return windows, np.stack([local, cfg.inv_freq()])
 
 
 class ProjRMSNorm(hk.Module):
@@ -163,8 +199,9 @@ class ProjRMSNorm(hk.Module):
 
 # The q/k norms (``Family.qk_norm``): "head" is Qwen3's RMSNorm over each head's E, its weights [E]
 # shared by every head (replicated over mp: used on this shard's heads, so JAX sums their gradient
-# over mp, the transpose of the replicated-to-per-shard cast); "proj" is OLMo 2's (``ProjRMSNorm``).
-QK_NORMS = {"head": RMSNorm, "proj": ProjRMSNorm}
+# over mp, the transpose of the replicated-to-per-shard cast); "head_plus_one" is Gemma 3's, the same
+# times (1 + w) (``RMSNormPlusOne``); "proj" is OLMo 2's (``ProjRMSNorm``).
+QK_NORMS = {"head": RMSNorm, "head_plus_one": RMSNormPlusOne, "proj": ProjRMSNorm}
 
 
 def norm_then_rotary(x, norm, rotate):
@@ -183,8 +220,8 @@ def doc_starts(tokens, eod: int):
 
 def cache_window(cfg: ModelConfig) -> int:
     """The slots of a rolling KV cache: the sliding window when every layer has it (Mistral), else 0
-    (a full cache). (A model with windowed and full layers would keep a full cache in every layer.)"""
-    return cfg.sliding_window
+    (a full cache: a model with windowed and full layers, Gemma 2/3, keeps one in every layer)."""
+    return 0 if cfg.global_every else cfg.sliding_window
 
 
 def cache_update(cache, k, v, positions, window: int):
@@ -209,14 +246,15 @@ def cache_update(cache, k, v, positions, window: int):
     return cache, jnp.where(held < 0, jnp.iinfo(held.dtype).max, held)  # never written: never visible
 
 
-def window_visible(q_pos, k_pos, window: int):
+def window_visible(q_pos, k_pos, window):
     """Whether a query at ``q_pos`` sees a key at ``k_pos`` (broadcast): causal, and with ``window`` > 0
     also ``q_pos - window < k_pos`` (transformers' ``sliding_window_overlay``: window keys, itself
-    included). Positions are absolute (or within a document), so the cache and every mesh agree."""
+    included). Positions are absolute (or within a document), so the cache and every mesh agree.
+    ``window``: an int, or a traced int32 scalar (a layer's, ``kind_tables``: 0 there is no window)."""
     visible = k_pos <= q_pos
-    if isinstance(window, int) and not window:  # a traced (per-layer) window is always applied
-        return visible
-    return visible & (k_pos > q_pos - window)
+    if isinstance(window, int):
+        return visible & (k_pos > q_pos - window) if window else visible
+    return visible & ((window == 0) | (k_pos > q_pos - window))
 
 
 def soft_cap(x, cap: float):
@@ -225,20 +263,28 @@ def soft_cap(x, cap: float):
     return x if not cap else jnp.tanh(x / cap) * cap
 
 
-def _attend(q, k, v, q_pos, k_pos, starts=None, window: int = 0, softcap: float = 0.0):
+def capped_softmax(scores, visible, softcap: float):
+    """The attention probabilities over the keys (last axis): the scaled scores soft-capped
+    (``soft_cap``), then masked (``visible``), then the softmax: transformers' order."""
+    scores = jnp.where(visible, soft_cap(scores, softcap), jnp.finfo(scores.dtype).min)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def _attend(q, k, v, q_pos, k_pos, starts=None, window=0, softcap: float = 0.0, scalar: float = 0.0):
     """Causal grouped attention, softmax in float32. q [B,T,h,E]; k, v [B,S,kv,E]; pos [B,T]/[B,S].
     ``starts`` [B, T]: where each query's document starts; it sees only keys from there on.
-    ``window`` > 0: a query at position i sees keys j with i - window < j <= i (``window_visible``).
-    ``softcap`` > 0: the scaled scores soft-capped (``soft_cap``) before the mask, as transformers."""
+    ``window`` > 0 (an int or a layer's traced scalar): a query at position i sees keys j with
+    i - window < j <= i (``window_visible``).
+    ``softcap`` > 0: the scaled scores soft-capped (``soft_cap``) before the mask, as transformers.
+    ``scalar`` > 0: scores divided by sqrt(scalar) (Gemma 2/3's query_pre_attn_scalar), else sqrt(E)."""
     b, t, h, e = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, e)
     scores = upcast(jnp.einsum("btkge,bske->bkgts", qg, k))
-    scores = soft_cap(scores / jnp.sqrt(jnp.asarray(e, scores.dtype)), softcap)
+    scores = scores / jnp.sqrt(jnp.asarray(scalar or e, scores.dtype))
     visible = window_visible(q_pos[:, None, None, :, None], k_pos[:, None, None, None, :], window)
     if starts is not None:
         visible = visible & (k_pos[:, None, None, None, :] >= starts[:, None, None, :, None])
-    scores = jnp.where(visible, scores, jnp.finfo(scores.dtype).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = capped_softmax(scores, visible, softcap).astype(v.dtype)
     out = jnp.einsum("bkgts,bske->btkge", probs, v)
     return out.reshape(b, t, h, e)

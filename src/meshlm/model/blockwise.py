@@ -92,8 +92,9 @@ def _visible(qp, kp, kvalid, causal: bool, qs=None, *, window=None):
     window, a Python int or a traced int32 scalar; None: none): also ``qp - window < kp``."""
     vis = kvalid[:, None, :]
     vis = vis & (kp[:, None, :] <= qp[:, :, None]) if causal else vis
-    if window is not None:
-        vis = vis & (kp[:, None, :] > qp[:, :, None] - jnp.asarray(window, qp.dtype))
+    if window is not None:  # a traced 0 (a global layer's, ``attention.kind_tables``): no window
+        w = jnp.asarray(window, qp.dtype)
+        vis = vis & ((w == 0) | (kp[:, None, :] > qp[:, :, None] - w))
     return vis if qs is None else vis & (kp[:, None, :] >= qs[:, :, None])
 
 
@@ -112,7 +113,8 @@ def _needed(qp, kp, kvalid, causal: bool, qs=None, *, window=None):
         needed = needed & (last_key >= jnp.min(qs, axis=-1))
     if window is not None:  # padded query rows (position imin) left out of the first query
         first_query = jnp.min(jnp.where(qp == imin, imax, qp), axis=-1)
-        needed = needed & (last_key > first_query - jnp.asarray(window, qp.dtype))
+        w = jnp.asarray(window, qp.dtype)  # 0: no window (as in ``_visible``)
+        needed = needed & ((w == 0) | (last_key > first_query - w))
     return jnp.any(needed)
 
 

@@ -71,6 +71,13 @@ class ModelConfig:
     # blockwise, --cp ring and allgather) and the KV cache cap.
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
+    # Gemma 2/3 (``attention.kind_tables``; absent from a saved config: 0, as it was): scores/sqrt(attn_scalar
+    # or head_dim); layer i global (rope_theta, rope_scaling or rope_linear: positions / factor) if (i + 1) %
+    # global_every == 0, else local (sliding_window, plain RoPE of rope_local_theta); 0: layers alike.
+    attn_scalar: float = 0.0
+    global_every: int = 0
+    rope_local_theta: float = 0.0
+    rope_linear: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
@@ -88,6 +95,7 @@ class ModelConfig:
             raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
         if self.arch.attention:
             _check_attention(self)
+        _check_kinds(self)
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
         _check_plain_only(self)
@@ -120,8 +128,8 @@ class ModelConfig:
         return self.rotary_dim or self.dim_per_head
 
     def inv_freq(self):
-        """The rotary inverse frequencies [rot_dim / 2] (float64 numpy; ``model.rope``)."""
-        return rope_inv_freq(self.rot_dim, self.rope_theta, self.rope_scaling)
+        """Rotary inverse frequencies [rot_dim / 2] (float64 numpy; ``model.rope``); global layers'."""
+        return rope_inv_freq(self.rot_dim, self.rope_theta, self.rope_scaling) / (self.rope_linear or 1.0)
 
     @property
     def padded_vocab(self) -> int:
@@ -150,6 +158,20 @@ def _check_attention(cfg: ModelConfig) -> None:
         raise ConfigError(f"rotary_style={cfg.rotary_style!r}; valid: interleaved, half")
     if cfg.rotary_dim % 2 or cfg.rotary_dim > cfg.dim_per_head:
         raise ConfigError(f"rotary_dim={cfg.rotary_dim} must be even and <= head_dim")
+    if cfg.rope_local_theta and not cfg.global_every:
+        raise ConfigError(
+            f"rope_local_theta={cfg.rope_local_theta} needs local layers: set global_every, or "
+            "rope_local_theta=0"
+        )
+    if cfg.rope_linear and cfg.rope_scaling is not None:
+        raise ConfigError("rope_linear and rope_scaling are two RoPE scalings; set one (rope_linear=0)")
+
+
+def _check_kinds(cfg: ModelConfig) -> None:
+    """The per-layer fields need attention (an ff stack has no layers of two kinds)."""
+    for name in ("global_every", "attn_scalar", "rope_local_theta", "rope_linear"):
+        if getattr(cfg, name) and not cfg.arch.attention:
+            raise ConfigError(f"{name}={getattr(cfg, name)} needs a family with attention; set {name}=0")
 
 
 def _check_plain_only(cfg: ModelConfig) -> None:
@@ -178,6 +200,10 @@ RANGES: dict[str, Range] = {
     "sliding_window": Range(int, 0, note="0: off"),
     "attn_softcap": Range(float, 0, note="0: off"),
     "final_softcap": Range(float, 0, note="0: off"),
+    "attn_scalar": Range(float, 0, note="0: head_dim"),
+    "global_every": Range(int, 0, note="0: every layer alike"),
+    "rope_local_theta": Range(float, 0, note="0: rope_theta"),
+    "rope_linear": Range(float, 0, note="0: none"),
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 

@@ -54,8 +54,9 @@ class HFNames:
 @dataclass(frozen=True)
 class Family:
     name: str  # ModelConfig.family
-    # the layer code (``transformer.BLOCKS``): "ff", "parallel", "sequential" or "post_norm" (OLMo 2:
-    # x + norm(attn(x)), then x + norm(mlp(x)); no norm on a branch's input)
+    # the layer code (``transformer.BLOCKS``): "ff", "parallel", "sequential", "post_norm" (OLMo 2:
+    # x + norm(attn(x)), then x + norm(mlp(x)); no norm on a branch's input) or "sandwich" (Gemma 2/3:
+    # x + norm(attn(norm(x))), then x + norm(mlp(norm(x))))
     block: str
     attention: bool  # heads, positions and a KV cache; False: the prototype's feed-forward stack
     rotary: str | None  # the rotary convention transformers uses for it: "interleaved", "half" (None: none)
@@ -79,7 +80,8 @@ class Family:
     # RMSNorm of the queries and keys before rotary: "head" (Qwen3: over each head's E, weights [E]
     # shared by the heads, replicated; their gradient summed over mp, where the heads are split) or
     # "proj" (OLMo 2: over the whole projection, H*E or K*E, weights [H, E] / [K, E] split with the
-    # heads; its mean square gathered over mp). None: none.
+    # heads; its mean square gathered over mp) or "head_plus_one" (Gemma 3: as "head", times (1 + w)).
+    # None: none.
     qk_norm: str | None = None
 
     def per_layer_text(self) -> str:

@@ -5,6 +5,7 @@ Families (``ModelConfig.family``; their facts: ``model.family``) differ in their
   parallel    norm; attention and MLP in parallel off one norm, one all-reduce per layer (gptj).
   sequential  pre-norm attention, then pre-norm MLP, two all-reduces per layer (llama).
   post_norm   attention, then MLP, each output normalized before its residual add (olmo2).
+  sandwich    attention, then MLP, each normalized before and after (gemma2, gemma3).
 
 Shapes: tokens [B, T] global ids; hidden x [B, T, D] replicated over the model axis.
 """
@@ -15,6 +16,7 @@ import haiku as hk
 import jax.numpy as jnp
 import numpy as np
 
+import meshlm.model.attention as attention
 from meshlm.errors import ConfigError
 from meshlm.model.attention import Attention, doc_starts, soft_cap
 from meshlm.model.config import ModelConfig
@@ -38,7 +40,7 @@ GPT_STDDEV = 0.02  # GPT-J / Llama initialisation
 def _ff_layer(cfg: ModelConfig, par: Parallel):
     s = 1.0 / np.sqrt(cfg.d_model)  # the prototype's hk.Linear default and its output init
 
-    def layer(x, positions, cache=None, starts=None):  # no attention: positions unused
+    def layer(x, positions, cache=None, starts=None, kind=None):  # no attention: positions unused
         partial, b = MLP(hidden_dim=cfg.d_ff, par=par, kind="gelu", bias=True, stddev_in=s, stddev_out=s)(
             par.f(x)
         )
@@ -65,9 +67,9 @@ def _norm(cfg: ModelConfig, name: str):
 
 
 def _parallel_layer(cfg: ModelConfig, par: Parallel):
-    def layer(x, positions, cache=None, starts=None):
+    def layer(x, positions, cache=None, starts=None, kind=None):
         xf = par.f(_norm(cfg, "ln")(x))  # one f for both branches
-        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(xf, positions, cache, starts)
+        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(xf, positions, cache, starts, kind)
         mlp, b = _mlp(cfg, par)(xf)
         return x + par.row_out(attn + mlp, b), cache  # one all-reduce for both branches
 
@@ -75,9 +77,9 @@ def _parallel_layer(cfg: ModelConfig, par: Parallel):
 
 
 def _sequential_layer(cfg: ModelConfig, par: Parallel):
-    def layer(x, positions, cache=None, starts=None):
+    def layer(x, positions, cache=None, starts=None, kind=None):
         xf = par.f(_norm(cfg, "ln")(x))
-        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(xf, positions, cache, starts)
+        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(xf, positions, cache, starts, kind)
         x = x + par.row_out(attn)
         xf = par.f(_norm(cfg, "ln2")(x))
         mlp, b = _mlp(cfg, par)(xf)
@@ -90,8 +92,8 @@ def _post_norm_layer(cfg: ModelConfig, par: Parallel):
     """OLMo 2: each branch's output normalized before the residual add (its input is not). With sp the
     norms see the sequence slices the row-parallel sums scatter to: per token, as unsharded."""
 
-    def layer(x, positions, cache=None, starts=None):
-        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(par.f(x), positions, cache, starts)
+    def layer(x, positions, cache=None, starts=None, kind=None):
+        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(par.f(x), positions, cache, starts, kind)
         x = x + _norm(cfg, "post_attn_ln")(par.row_out(attn))
         mlp, b = _mlp(cfg, par)(par.f(x))
         return x + _norm(cfg, "post_mlp_ln")(par.row_out(mlp, b)), cache
@@ -99,17 +101,40 @@ def _post_norm_layer(cfg: ModelConfig, par: Parallel):
     return layer
 
 
+def _sandwich_layer(cfg: ModelConfig, par: Parallel):
+    """Gemma 2/3: each branch's input normalized (ln, ln2) and its output too (post_attn_ln,
+    post_mlp_ln), before the residual add. With sp the output norms see the sequence slices the
+    row-parallel sums scatter to: per token, as unsharded."""
+
+    def layer(x, positions, cache=None, starts=None, kind=None):
+        xf = par.f(_norm(cfg, "ln")(x))
+        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(xf, positions, cache, starts, kind)
+        x = x + _norm(cfg, "post_attn_ln")(par.row_out(attn))
+        mlp, b = _mlp(cfg, par)(par.f(_norm(cfg, "ln2")(x)))
+        return x + _norm(cfg, "post_mlp_ln")(par.row_out(mlp, b)), cache
+
+    return layer
+
+
 def _stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
-    """Apply n_layers copies of ``layer`` with stacked parameters [L, ...] (flat compile time)."""
-    body = remat_body(cfg.remat, lambda x, c: layer(x, positions, c, starts))
-    if cache is None:
+    """Apply n_layers copies of ``layer`` with stacked parameters [L, ...] (flat compile time). The
+    per-layer inputs: the KV cache (generation) and each layer's kind (Gemma 2/3's local and global
+    layers, ``attention.layer_kinds``): traced values, so the parameters stay uniform."""
+    kinds = attention.layer_kinds(cfg)
+    body = remat_body(cfg.remat, lambda x, c, k: layer(x, positions, c, starts, k))
+    if cache is None and kinds is None:
         stack = hk.experimental.layer_stack(cfg.n_layers, unroll=cfg.layer_unroll, name="layers")
-        stacked = stack(lambda x: body(x, None)[0])
+        stacked = stack(lambda x: body(x, None, None)[0])
         return stacked(x), None
     stacked = hk.experimental.layer_stack(
         cfg.n_layers, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers"
     )
-    return stacked(body)(x, cache)
+    if kinds is None:
+        return stacked(lambda x, c: body(x, c, None))(x, cache)
+    kinds = jnp.asarray(kinds)
+    if cache is None:
+        return stacked(lambda x, k: (body(x, None, k)[0], None))(x, kinds)[0], None
+    return stacked(body)(x, cache, kinds)
 
 
 BLOCKS = {  # Family.block
@@ -117,6 +142,7 @@ BLOCKS = {  # Family.block
     "parallel": _parallel_layer,
     "sequential": _sequential_layer,
     "post_norm": _post_norm_layer,
+    "sandwich": _sandwich_layer,
 }
 NORMS = {  # Family.norm
     "layer": LayerNorm,

@@ -27,8 +27,9 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> 
       input gradient over MP): again 1 / 2 / 1.
     * KV projections replicated because mp > n_kv_heads: their gradients (with Qwen2's KV biases)
       summed over MP (1; XLA may combine it with the layer's backward all-reduce, independent of it).
-    * Qwen3's q/k norm weights (``Family.qk_norm`` "head"): replicated, used on this shard's heads,
-      so their gradients are summed over MP (2, q's and k's; only for such families). OLMo 2's
+    * Qwen3's and Gemma 3's q/k norm weights (``Family.qk_norm`` "head", "head_plus_one"): replicated,
+      used on this shard's heads, so their gradients are summed over MP (2, q's and k's; only for such
+      families). OLMo 2's
       ("proj"): the mean squares of q and k over the whole projection, [B, T] each, summed over MP
       forward (2, twice with remat) and their shared cotangents backward (2); where the KV heads are
       replicated, the k norm's replicated weights' gradient too (1).
@@ -66,7 +67,7 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> 
         "dp_gradients": int(batch_shards > 1),
         "dp_loss": int(batch_shards > 1),
     }
-    if cfg.arch.qk_norm == "head":
+    if cfg.arch.qk_norm in ("head", "head_plus_one"):
         out["qk_norm_grads"] = 2 * cfg.n_layers * sharded
     elif cfg.arch.qk_norm == "proj":
         out["qk_norm_stats"] = cfg.n_layers * 2 * (3 if cfg.remat != "none" else 2) * sharded

@@ -7,9 +7,9 @@ rotary tables and the causal mask built once per step, attention as [B, H, T, T]
 ``log_softmax`` cross-entropy. It is what meshlm's step is measured against: the gap between the two
 is the cost of meshlm's generality (one model code for every mesh), which should be close to none.
 
-Every family is covered (``ff``, ``gptj``, ``llama``, ``mistral``'s window, ``gemma``, grouped-query
-attention, tied embeddings, z-loss); its loss equals meshlm's unsharded loss up to float rounding
-(tests/test_plain.py).
+Every family is covered (``ff``, ``gptj``, ``llama``, ``mistral``'s window, ``gemma``, Gemma 2/3's
+local and global layers, grouped-query attention, tied embeddings, z-loss); its loss equals meshlm's
+unsharded loss up to float rounding (tests/test_plain.py).
 Shapes are global (one device): tokens [B, T], hidden x [B, T, D].
 """
 
@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshlm.model.attention import kind_tables, layer_kinds
 from meshlm.model.config import ModelConfig
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
@@ -40,9 +41,10 @@ def _layer_norm(x, scale, offset, eps):  # [B, T, D]
     return ((x32 - mean) * jax.lax.rsqrt(var + eps) * scale + offset).astype(x.dtype)
 
 
-def _rotary_tables(cfg: ModelConfig, t: int, dtype):
+def _rotary_tables(cfg: ModelConfig, t: int, dtype, inv_freq=None):
     """cos, sin [T, rot_dim/2] for positions 0..T-1, once per step (not once per layer)."""
-    ang = np.arange(t, dtype=np.float64)[:, None] * cfg.inv_freq()  # host constants
+    inv_freq = cfg.inv_freq() if inv_freq is None else inv_freq
+    ang = np.arange(t, dtype=np.float64)[:, None] * inv_freq  # host constants
     dt = jnp.promote_types(dtype, jnp.float32)
     return jnp.asarray(np.cos(ang), dt), jnp.asarray(np.sin(ang), dt)
 
@@ -71,8 +73,8 @@ def _attention(cfg: ModelConfig, p, x, cos, sin, mask):
         if f"{n}_norm" not in p:
             return y
         w = p[f"{n}_norm"]
-        if w.ndim == 1:  # Qwen3: [E]
-            return _rms_norm(y, w, cfg.norm_eps)
+        if w.ndim == 1:  # Qwen3, Gemma 3: [E], the family's RMSNorm
+            return _norm(cfg, {"scale": w}, y)
         b, t, h, e = y.shape  # OLMo 2: [heads, E], over heads * E
         return _rms_norm(y.reshape(b, t, h * e), w.reshape(-1), cfg.norm_eps).reshape(y.shape)
 
@@ -82,7 +84,7 @@ def _attention(cfg: ModelConfig, p, x, cos, sin, mask):
     if groups > 1:
         k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     scores = jnp.einsum("bqhe,bkhe->bhqk", q, k).astype(jnp.promote_types(q.dtype, jnp.float32))
-    scores = scores / np.sqrt(cfg.dim_per_head)
+    scores = scores / np.sqrt(cfg.attn_scalar or cfg.dim_per_head)
     if cfg.attn_softcap:  # Gemma 2: c * tanh(s / c), before the mask
         scores = jnp.tanh(scores / cfg.attn_softcap) * cfg.attn_softcap
     scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
@@ -122,6 +124,9 @@ def _block(cfg: ModelConfig, lp, x, cos, sin, mask):
         x = x + _norm(cfg, lp["post_attn_ln"], _qk_normed_attention(cfg, lp, x, cos, sin, mask))
         return x + _norm(cfg, lp["post_mlp_ln"], _mlp(lp["mlp"], x, mlp))
     h = _norm(cfg, lp["ln"], x)
+    if block == "sandwich":  # Gemma 2/3: each branch normalized before and after
+        x = x + _norm(cfg, lp["post_attn_ln"], _qk_normed_attention(cfg, lp, h, cos, sin, mask))
+        return x + _norm(cfg, lp["post_mlp_ln"], _mlp(lp["mlp"], _norm(cfg, lp["ln2"], x), mlp))
     if block == "parallel":  # attention and MLP in parallel off one norm
         return x + _attention(cfg, lp["attn"], h, cos, sin, mask) + _mlp(lp["mlp"], h, mlp)
     x = x + _qk_normed_attention(cfg, lp, h, cos, sin, mask)
@@ -145,13 +150,11 @@ def logits(cfg: ModelConfig, params, tokens):
         x = x + params["embed"]["b"]
     if cfg.arch.embed_scale:  # Gemma
         x = x * jnp.asarray(np.float32(np.sqrt(cfg.d_model)), x.dtype)
-    cos, sin = _rotary_tables(cfg, t, x.dtype) if cfg.arch.attention else (None, None)
-    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
-    window = (j > i - cfg.sliding_window) if cfg.sliding_window else True  # i - window < j
-    mask = jnp.asarray((j <= i) & window)  # [T, T] query >= key (within the window)
+    kinds = _kinds(cfg, t, x.dtype)
     layers = {m.removeprefix("layers/"): p for m, p in params.items() if m.startswith("layers/")}
     for i in range(cfg.n_layers):
-        x = _block(cfg, jax.tree.map(operator.itemgetter(i), layers), x, cos, sin, mask)
+        kind = kinds[0 if layer_kinds(cfg) is None else layer_kinds(cfg)[i]]
+        x = _block(cfg, jax.tree.map(operator.itemgetter(i), layers), x, *kind)
     if cfg.arch.norm is not None:
         x = _norm(cfg, params["final_ln"], x)
     if cfg.tie_embeddings:
@@ -162,6 +165,19 @@ def logits(cfg: ModelConfig, params, tokens):
     if cfg.final_softcap:  # Gemma 2: c * tanh(z / c)
         out = jnp.tanh(out / cfg.final_softcap) * cfg.final_softcap
     return out[..., : cfg.vocab_size]
+
+
+def _kinds(cfg: ModelConfig, t: int, dtype) -> list[tuple]:
+    """(cos, sin, mask [T, T]) by layer kind (``attention.kind_tables``: 0 local, 1 global; without
+    kinds one, every layer's), built once per step."""
+    windows, freqs = kind_tables(cfg) if cfg.global_every else ([cfg.sliding_window], [cfg.inv_freq()])
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    out = []
+    for window, inv_freq in zip(windows, freqs, strict=True):
+        cos, sin = _rotary_tables(cfg, t, dtype, inv_freq) if cfg.arch.attention else (None, None)
+        within = (j > i - window) if window else True  # i - window < j
+        out.append((cos, sin, jnp.asarray((j <= i) & within)))  # query >= key (within the window)
+    return out
 
 
 def loss(cfg: ModelConfig, params, batch):

@@ -22,6 +22,7 @@ from meshlm.parallel.context import Parallel
 from meshlm.proof.control_record import Control, Where
 from meshlm.proof.documents import DocMaskCrossesOnOneShard, DocMaskIgnoresBoundary, doc_mask_off
 from meshlm.proof.family_faults import (
+    GEMMA_CONTROLS,
     HeadBiasOfNextShard,
     TiedHeadGradDropped,
     TiedHeadOtherSlice,
@@ -311,7 +312,7 @@ CONTROLS += (
 
 
 def _head_qk_norm(w: Where) -> bool:
-    return w.attention and w.cfg.arch.qk_norm == "head"
+    return w.attention and w.cfg.arch.qk_norm in ("head", "head_plus_one")
 
 
 CONTROLS += (  # the q/k norms of Qwen3 (per head) and OLMo 2 (``proof.family_faults``)
@@ -340,5 +341,6 @@ CONTROLS += (  # Gemma 2's soft-capping: the cap must matter (as the document ma
         cfg_change=final_softcap_off,
     ),
 )
+CONTROLS += GEMMA_CONTROLS  # the soft-cap's order, Gemma 2/3's local and global layers
 
 __all__ = ["CONTROLS", "Control", "Where", "per_shard_clip"]

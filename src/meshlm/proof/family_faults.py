@@ -1,7 +1,8 @@
 """Planted faults of the newer families' parts (``proof.controls`` runs them): Qwen2's q/k/v biases, tied
-embeddings, Mistral's sliding window, Gemma's embedding scale, Qwen3's and OLMo 2's q/k norms. Each
-changes one thing in the sharded run (the q/k norms' are planted in ``model.attention`` while it is
-traced)."""
+embeddings, Mistral's sliding window, Gemma's embedding scale, Qwen3's, OLMo 2's and Gemma 3's q/k norms,
+Gemma 2's soft-caps, Gemma 2/3's local and global layers. Each changes one thing in the sharded run
+(the q/k norms', the soft-cap's order and the layer kinds' are planted in ``model.attention`` while it
+is traced)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from contextlib import contextmanager
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from meshlm.model import attention
 from meshlm.model.layers import RMSNorm
 from meshlm.model.params import param_path
 from meshlm.parallel.axes import MP
+from meshlm.proof.control_record import Control, Where
 from meshlm.proof.taps import Tapped
 
 
@@ -82,19 +85,32 @@ def qk_norm_after_rotary():
     return _in_attention("norm_then_rotary", lambda x, norm, rotate: norm(rotate(x)))
 
 
-class _HeadNormGradOfShard0(RMSNorm):
-    """A per-head q/k norm whose replicated weights take the gradient of shard 0's heads only."""
-
-    def __call__(self, x):
-        scale = hk.get_parameter("scale", [x.shape[-1]], init=jnp.ones)
-        keep = lax.axis_index(MP) == 0
-        scale = lax.stop_gradient(scale) + jnp.where(keep, scale - lax.stop_gradient(scale), 0.0)
-        return (scale * self.normalized(x).astype(x.dtype)).astype(x.dtype)
+def _grad_of_shard0(next_getter, value, context):
+    """A Haiku getter: the parameter's value, its gradient kept from shard 0 only."""
+    value = next_getter(value)
+    keep = lax.axis_index(MP) == 0
+    return lax.stop_gradient(value) + jnp.where(keep, value - lax.stop_gradient(value), 0.0)
 
 
+def _head_norm_grad_of_shard0(norm: type[RMSNorm]) -> type[RMSNorm]:
+    """``norm`` (a per-head q/k norm) whose replicated weights take the gradient of shard 0's heads only."""
+
+    class Planted(norm):
+        def __call__(self, x):
+            with hk.custom_getter(_grad_of_shard0):
+                return super().__call__(x)
+
+    return Planted
+
+
+@contextmanager
 def qk_norm_grad_not_summed():
-    """Qwen3's replicated q/k norm weights keep one shard's gradient, not the sum over mp's heads."""
-    return _in_attention("head", _HeadNormGradOfShard0, attention.QK_NORMS)
+    """Qwen3's (and Gemma 3's) replicated q/k norm weights keep one shard's gradient, not the sum over
+    mp's heads."""
+    table = attention.QK_NORMS
+    with _in_attention("head", _head_norm_grad_of_shard0(table["head"]), table):
+        with _in_attention("head_plus_one", _head_norm_grad_of_shard0(table["head_plus_one"]), table):
+            yield
 
 
 class _ProjNormLocalStatistic(attention.ProjRMSNorm):
@@ -117,3 +133,54 @@ def attn_softcap_off(cfg):
 def final_softcap_off(cfg):
     """The output logits not soft-capped in the sharded run (``final_softcap`` ignored)."""
     return cfg.replace(final_softcap=0.0)
+
+
+def softcap_after_softmax():
+    """The attention soft-cap applied to the probabilities after the softmax, not to the scores before it."""
+
+    def capped_after(scores, visible, softcap):
+        probs = jax.nn.softmax(jnp.where(visible, scores, jnp.finfo(scores.dtype).min), axis=-1)
+        return attention.soft_cap(probs, softcap)
+
+    return _in_attention("capped_softmax", capped_after)
+
+
+def layer_kinds_swapped():
+    """Gemma 2/3's local and global layers swapped: each local layer computed as a global one (no window,
+    the global rotary frequencies) and each global one as a local one."""
+    kinds = attention.layer_kinds
+    return _in_attention("layer_kinds", lambda cfg: None if kinds(cfg) is None else 1 - kinds(cfg))
+
+
+def local_rotary_on_global():
+    """Gemma 3's global layers rotated with the local layers' base (and unscaled): both kinds' tables
+    the local one."""
+    tables = attention.kind_tables
+
+    def planted(cfg):
+        windows, freqs = tables(cfg)
+        return windows, np.stack([freqs[0], freqs[0]])
+
+    return _in_attention("kind_tables", planted)
+
+
+def _kinds(w: Where) -> bool:
+    return w.attention and 0 < w.cfg.global_every <= w.cfg.n_layers
+
+
+def _two_rotaries(w: Where) -> bool:
+    freqs = attention.kind_tables(w.cfg)[1]
+    return _kinds(w) and not np.array_equal(freqs[0], freqs[1])
+
+
+GEMMA_CONTROLS = (  # ``proof.controls`` runs them
+    Control(  # plain attention's order (``attention.capped_softmax``): cap, mask, softmax
+        name="attention soft-cap applied after the softmax",
+        applies=lambda w: w.attention and w.cfg.attn_softcap > 0 and w.cfg.attention == "plain",
+        plant=softcap_after_softmax,
+    ),
+    Control(name="local and global layers swapped", applies=_kinds, plant=layer_kinds_swapped),
+    Control(
+        name="local rotary base used on a global layer", applies=_two_rotaries, plant=local_rotary_on_global
+    ),
+)

@@ -17,6 +17,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from meshlm.errors import ConfigError
 from meshlm.model.attention import doc_starts
 from meshlm.model.config import ModelConfig
 from meshlm.model.params import STACKED_PREFIX
@@ -32,6 +33,12 @@ def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
     parallelism cannot run of the model: the pieces run inside the schedule)."""
     layout.check_layers(cfg.n_layers)
     check_context(cfg, layout)
+    chunk = cfg.n_layers // (layout.pipeline.pp * layout.pipeline.virtual_stages)
+    if cfg.global_every and chunk % cfg.global_every:  # each chunk numbers its layers from 0
+        raise ConfigError(
+            f"--pp: chunks of {chunk} layers split the local/global pattern (global_every="
+            f"{cfg.global_every}); choose pp x virtual stages so that each chunk is a multiple of it"
+        )
 
 
 def split_model(tree) -> tuple[dict, dict, dict]:

@@ -1,0 +1,195 @@
+"""Gemma 2 (sandwich block, alternating local/global layers, query_pre_attn_scalar, attention and final
+soft-capping) and Gemma 3 (per-head (1 + w) q/k norm, local/global layers with two rotary bases, linear
+scaling on the global ones) from transformers: a tiny random model of each (eager attention, no
+download, every weight perturbed: the norm weights away from 0) converts with logits equal to
+transformers' on 16 tokens, 4 times the window (float32, unsharded and on 2x2), `meshlm generate
+--temperature 0` prints transformers' greedy text on 1x1 and 1x2, and the export loads back with equal
+logits."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from helpers import run_cli, sharded_logits  # noqa: E402
+from hf_helpers import hf_logits, our_logits, rel  # noqa: E402
+
+from meshlm.data.bpe import train_bpe  # noqa: E402
+from meshlm.data.hf_tokenizer import EOD_TOKEN  # noqa: E402
+from meshlm.errors import ConfigError  # noqa: E402
+from meshlm.io import hf_config, hf_weights  # noqa: E402
+from meshlm.model import attention  # noqa: E402
+from meshlm.model.config import get_config  # noqa: E402
+from meshlm.model.params import unflatten  # noqa: E402
+
+RTOL = 1e-5  # float32: worst |ours - theirs| relative to the largest |logit|
+VOCAB = 280
+PROMPT = "def héllo(wörld):\n    ret"
+NEW = 10
+CORPUS = ["def héllo(wörld):\n    return wörld + 1  # ünïcode\n" * 30, "import os\nclass A:\n    pass\n" * 20]
+WINDOW = 4  # < the 16 tokens compared and the prompt: every local layer's window matters
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    query_pre_attn_scalar=12,  # != head_dim: the scale matters
+    sliding_window=WINDOW,
+    max_position_embeddings=64,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+LOCAL, GLOBAL = "sliding_attention", "full_attention"
+HF_CONFIGS = {
+    "gemma2": lambda: transformers.Gemma2Config(
+        num_hidden_layers=4,  # local, global, local, global
+        attn_logit_softcapping=10.0,  # small enough to bend the perturbed model's scores and logits
+        final_logit_softcapping=15.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        **SMALL,
+    ),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        num_hidden_layers=6,
+        layer_types=[LOCAL, LOCAL, GLOBAL] * 2,
+        rope_parameters={
+            GLOBAL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            LOCAL: {"rope_type": "default", "rope_theta": 1e4},
+        },
+        **SMALL,
+    ),
+}
+MODEL_CLASSES = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=train_bpe(CORPUS, VOCAB).tok, eos_token=EOD_TOKEN
+    )
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+
+
+@pytest.fixture(scope="module", params=list(HF_CONFIGS))
+def family(request, tokenizer, tokens, tmp_path_factory):
+    """{name, hf (directory), ckpt (converted, 1x1), model, logits, text (greedy)}; every parameter
+    perturbed, the norm weights by 0.3 (far from 0: their (1 + w) far from 1)."""
+    torch.manual_seed(1)
+    hf_cfg = HF_CONFIGS[request.param]()
+    hf_cfg.initializer_range = 0.1  # greedy neither degenerate (0.3: one token repeated) nor near a tie
+    hf_cfg._attn_implementation = "eager"
+    model = getattr(transformers, MODEL_CLASSES[request.param])(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    root = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(root / "hf")
+    tokenizer.save_pretrained(root / "hf")
+    assert (
+        run_cli("convert", "--from-hf", str(root / "hf"), "--out", str(root / "ckpt"), "--mesh", "1x1") == 0
+    )
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    assert ids.shape[1] > WINDOW
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert len(set(out[0, ids.shape[1] :].tolist())) > 3
+    return dict(
+        name=request.param, hf=root / "hf", ckpt=root / "ckpt", model=model, text=text,
+        logits=hf_logits(model, tokens),
+    )  # fmt: skip
+
+
+def test_logits_equal_transformers(family, tokens):
+    cfg, flat = hf_weights.load_hf(family["hf"])
+    assert cfg.family == family["name"] and cfg.global_every in (2, 3) and cfg.sliding_window == WINDOW
+    assert rel(our_logits(cfg, flat, tokens), family["logits"]) <= RTOL
+    for copy in sharded_logits(cfg, unflatten(flat), tokens):
+        assert rel(copy, family["logits"]) <= RTOL
+
+
+@pytest.mark.parametrize("mesh", ["1x1", "1x2"])
+def test_generate_prints_transformers_text(family, mesh, capsys):
+    capsys.readouterr()
+    argv = ["generate", "--checkpoint", str(family["ckpt"]), "--mesh", mesh, "--temperature", "0"]
+    assert run_cli(*argv, "--prompt", PROMPT, "--max-new-tokens", str(NEW)) == 0
+    assert capsys.readouterr().out == PROMPT + family["text"] + "\n"
+
+
+def test_export_loads_in_transformers(family, tokens, tmp_path):
+    cfg, flat = hf_weights.load_hf(family["hf"])
+    hf_weights.save_hf(cfg, flat, tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert type(model).__name__ == MODEL_CLASSES[family["name"]]
+    assert rel(hf_logits(model, tokens), family["logits"]) <= RTOL
+    assert hf_weights.load_hf(tmp_path)[0] == cfg
+
+
+def test_each_layer_kind_matters(family, tokens):
+    """The same weights with every layer global (no window, the global rotary) are far from
+    transformers': the comparison above sees the kinds."""
+    cfg, flat = hf_weights.load_hf(family["hf"])
+    every_global = cfg.replace(global_every=1, rope_local_theta=0.0)
+    assert rel(our_logits(every_global, flat, tokens), family["logits"]) > 100 * RTOL
+
+
+def test_released_gemma3_config_reads_as_transformers():
+    """gemma-3's released config.json spelling (rope_theta, rope_local_base_freq, rope_scaling,
+    sliding_window_pattern, no layer_types) reads as transformers 5 reads it."""
+    released = {
+        **{k: v for k, v in hf_config.config_to_hf(get_config("gemma3-1b")).items() if "rope" not in k},
+        "rope_theta": 1000000,
+        "rope_local_base_freq": 10000,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "sliding_window_pattern": 6,
+    }
+    del released["layer_types"]
+    cfg = hf_config.config_from_hf(released)
+    theirs = transformers.Gemma3TextConfig(**released)
+    assert attention.layer_kinds(cfg).tolist() == [int(k == GLOBAL) for k in theirs.layer_types]
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_linear) == (1e6, 1e4, 8.0)
+    assert theirs.rope_parameters[GLOBAL]["factor"] == 8.0
+    assert cfg == get_config("gemma3-1b").replace(rope_linear=8.0)
+
+
+@pytest.mark.parametrize(
+    "preset, changes, field",
+    [
+        ("tiny-gemma2", {"layer_types": [LOCAL, GLOBAL, GLOBAL, LOCAL]}, "layer_types"),
+        ("tiny-gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ("tiny-gemma2", {"hidden_activation": "gelu"}, "hidden_activation"),
+        ("tiny-gemma2", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope"),
+        ("tiny-gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ("tiny-gemma3", {"rope_parameters": {LOCAL: {"rope_type": "linear", "factor": 2.0}}}, "rope_type"),
+        ("tiny-gemma3", {"rope_parameters": {GLOBAL: {"rope_type": "yarn", "factor": 2.0}}}, "rope_type"),
+    ],
+)
+def test_unsupported_config(preset, changes, field):
+    base = hf_config.config_to_hf(get_config(preset))
+    with pytest.raises(ConfigError, match=field):
+        hf_config.config_from_hf({**base, **changes})
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma2", "gemma2-9b", "gemma2-27b", "tiny-gemma3", "gemma3-1b"])
+def test_preset_config_round_trip(preset):
+    cfg = get_config(preset)
+    assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg
+
+
+def test_pipeline_chunks_keep_the_layer_pattern():
+    """Each pipeline chunk numbers its layers from 0: a chunk that splits the local/global pattern is
+    refused in one line (tiny-gemma3: 6 layers, every third global; pp 2 gives chunks of 3, pp 3 of 2)."""
+    from meshlm.parallel.layout import Layout
+    from meshlm.sharding.pipelined import check_pipelined
+
+    cfg = get_config("tiny-gemma3")
+    check_pipelined(cfg, Layout(pp=2, microbatches=2))
+    with pytest.raises(ConfigError, match="global_every=3"):
+        check_pipelined(cfg, Layout(pp=3, microbatches=3))
