@@ -253,6 +253,8 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-gemma2 --x64 --steps 2": verify(costly=QK),
     "meshlm verify --config tiny-gemma2 --x64 --steps 2 --mesh 1x2": verify(costly=QK),
     "meshlm verify --config tiny-gemma3 --x64 --steps 2": verify(costly=QK),
+    "meshlm verify --config tiny-gemma3 --mesh 1x1 --pp 2 --devices 2 --pp-schedule 1f1b "
+    "--steps 2 --x64": verify(costly=PP),
     "meshlm train --config cpu --seq-len 4096 --mesh 1x1 --cp 4 --devices 4 --attention blockwise "
     "--batch-size 1 "
     "--steps 3 --warmup-steps 1 --eval-every 0 --save-every 0 --sample-tokens 40 --out runs/long": run(
