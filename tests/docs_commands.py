@@ -392,6 +392,7 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-mistral --mesh 2x2 --devices 4 --x64 --steps 2": verify(costly=MARGIN),
     "meshlm verify --config tiny-mistral --mesh 2x2 --devices 4 --sp --fsdp": verify(costly=MEM),
     W10 + "--x64 --steps 2": verify(costly=WINDOW_KERNEL),
+    W10.replace("-w10", "") + "--x64 --steps 2": verify(costly=WINDOW_KERNEL),
     W10 + "--x64 --steps 2 --mesh 1x2 --cp 2 --devices 4": verify(costly=WINDOW_CP),
     W10 + "--x64 --steps 2 --mesh 1x2 --cp 2 --cp-strategy allgather --devices 4": verify(costly=WINDOW_CP),
     "meshlm verify --config tiny-llama --mesh 2x2 --devices 4 --x64 --fsdp --sp --remat selective": verify(
