@@ -21,13 +21,13 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshlm.errors import ShardingError
+from meshlm.errors import ConfigError, ShardingError
 from meshlm.model.params import is_embedding, is_matmul_weight, is_stacked, param_path
-from meshlm.parallel.axes import DP, LOGICAL_DIMS, MP, PP
+from meshlm.parallel.axes import DP, EP, LOGICAL_DIMS, MP, PP
 from meshlm.parallel.layout import Layout
 
 # The logical dimensions rows name (``parallel.axes.LOGICAL_DIMS``).
-VOCAB, EMBED, HEADS, KV, HEAD_DIM, MLP, LAYERS = LOGICAL_DIMS  # KV: on MP, or replicated when mp > K
+VOCAB, EMBED, HEADS, KV, HEAD_DIM, MLP, LAYERS, EXPERTS = LOGICAL_DIMS  # KV: on MP, or replicated when mp > K
 
 # (regex on "module/param", logical dims of the parameter's own dims). Global shapes in the comments.
 RULES: tuple[tuple[str, tuple], ...] = (
@@ -125,7 +125,7 @@ def model_specs(cfg, abstract_params, layout: Layout):
     ``layout.fsdp`` every weight is also split over dp (``fsdp_spec``)."""
     from meshlm.model.attention import kv_replicated
 
-    mp, dp = layout.mp, layout.dp
+    mp, dp = layout.mp, layout.mesh_shape[DP]  # FSDP splits over the mesh's DP axis: dp / ep shards
     kv_axis = MP
     if cfg.arch.attention:
         if cfg.n_heads % mp:
@@ -153,7 +153,29 @@ def model_specs(cfg, abstract_params, layout: Layout):
             }
             for mod, leaves in specs.items()
         }
+    if layout.experts_split:
+        check_experts_split(cfg, abstract_params, specs, layout.ep)
     return specs
+
+
+def check_experts_split(cfg, abstract_params, specs, ep: int) -> None:
+    """With --ep every expert dimension must divide over ep, and the model must have experts."""
+    split = 0
+    for mod, leaves in specs.items():
+        for name, spec in leaves.items():
+            shape = abstract_params[mod][name].shape
+            for i, axis in enumerate(spec):
+                if axis != EP:
+                    continue
+                split += 1
+                if shape[i] % ep:
+                    raise ShardingError(
+                        f"parameter {param_path(mod, name)!r} dimension {i} ({shape[i]} experts) is not "
+                        f"divisible by ep={ep}; choose an --ep that divides {shape[i]}"
+                    )
+    if not split:
+        family = getattr(cfg, "family", "this model")
+        raise ConfigError(f"--ep {ep} splits the experts, but {family} has none (no MoE layer); drop --ep")
 
 
 def without_pp(specs):
@@ -162,9 +184,14 @@ def without_pp(specs):
     return jax.tree.map(strip, specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def spec_axes(spec: P) -> set[str]:
+    """The mesh axes a parameter is stored split over."""
+    return {a for d in spec for a in (d if isinstance(d, tuple) else (d,)) if a is not None}
+
+
 def dp_sharded(spec: P) -> bool:
     """Whether a parameter is stored split over DP (FSDP)."""
-    return any(d == DP or (isinstance(d, tuple) and DP in d) for d in spec)
+    return DP in spec_axes(spec)
 
 
 def shardings(specs, mesh):

@@ -1,0 +1,81 @@
+"""The expert-parallel dispatch (``parallel.ep``): tokens sent to their experts' ep shard by a
+fixed-size all-to-all and brought back in their order equal the all-local computation, value and
+gradients, in float64, on random routing and on routing that sends every token to one shard's experts.
+(``meshlm verify --ep`` proves the whole model: docs/parallelism.md.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from meshlm.errors import ConfigError
+from meshlm.parallel.axes import EP
+from meshlm.parallel.context import Parallel
+from meshlm.parallel.ep import combine, dispatch
+from meshlm.parallel.layout import Layout
+
+E, K, N, D = 8, 2, 6, 3  # experts, choices per token, tokens per batch shard, width
+
+
+def routing(rng, n, one_shard: bool):
+    """[n, K] distinct global expert ids per token; with ``one_shard`` all among experts 0 and 1."""
+    pool = 2 if one_shard else E
+    return np.stack([rng.choice(pool, K, replace=False) for _ in range(n)]).astype(np.int32)
+
+
+def local(x, ids, w, weights):
+    """The all-local reference: every expert's output for every token, then the weighted choices."""
+    y = jnp.einsum("nd,edf->enf", x, weights)
+    return combine(y, ids, w)
+
+
+@pytest.mark.parametrize("ep,dp", [(2, 4), (4, 4)])
+@pytest.mark.parametrize("one_shard", [False, True])
+def test_dispatch_equals_all_local(ep, dp, one_shard):
+    layout = Layout(dp=dp, ep=ep)
+    par = Parallel.on(layout)
+    rng = np.random.default_rng(ep + 10 * one_shard)
+    with jax.enable_x64(True):
+        x = jnp.asarray(rng.normal(size=(dp * N, D)))
+        ids = jnp.asarray(routing(rng, dp * N, one_shard))
+        cw = jnp.asarray(rng.uniform(size=(dp * N, K)))
+        weights = jnp.asarray(rng.normal(size=(E, D, D)))
+        cot = jnp.asarray(rng.normal(size=(dp * N, D)))
+
+        def body(x, ids, cw, weights):
+            return dispatch(par, x, ids, cw, lambda xs: jnp.einsum("ecd,edf->ecf", xs, weights), E)
+
+        rows = P(layout.rows)
+        sharded = jax.shard_map(body, mesh=layout.mesh, in_specs=(rows, rows, rows, P(EP)), out_specs=rows)
+        loss = lambda f: lambda x, cw, w: jnp.sum(f(x, ids, cw, w) * cot)
+        got = jax.jit(jax.value_and_grad(loss(sharded), argnums=(0, 1, 2)))(x, cw, weights)
+        want = jax.value_and_grad(loss(local), argnums=(0, 1, 2))(x, cw, weights)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert float(jnp.max(jnp.abs(a - b))) <= 1e-12 * max(1.0, float(jnp.max(jnp.abs(b))))
+
+
+def test_ep_layout_errors():
+    with pytest.raises(ConfigError, match="must divide dp"):
+        Layout(dp=3, ep=2)
+    with pytest.raises(ConfigError, match="cannot be combined with --pp"):
+        Layout(dp=2, ep=2, pp=2)
+    layout = Layout(dp=4, mp=2, ep=2, fsdp=True)
+    assert layout.label() == "4x2 + EP2 + FSDP"
+    assert layout.mesh_shape == {"dp": 2, "ep": 2, "mp": 2} and layout.devices == 8
+    assert Layout.from_dict(layout.to_dict()) == layout
+    assert Layout.of(layout.mesh, fsdp=True) == layout
+
+
+def test_ep_refused_without_experts():
+    import haiku as hk
+
+    from meshlm.model.config import get_config
+    from meshlm.model.transformer import loss_fn
+    from meshlm.sharding.rules import model_specs
+
+    cfg = get_config("tiny")
+    batch = {k: jnp.zeros((2, 8), jnp.int32) for k in ("inputs", "targets")}
+    abstract = jax.eval_shape(hk.transform(loss_fn(cfg, Parallel())).init, jax.random.PRNGKey(0), batch)
+    with pytest.raises(ConfigError, match="has none"):
+        model_specs(cfg, abstract, Layout(dp=2, ep=2))
