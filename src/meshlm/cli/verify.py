@@ -159,7 +159,17 @@ def _verify(args, vs: VerifySettings, planned) -> int:
     print0(f"shapes: batch {batch} x {seq_len} tokens{kernel}", file=sys.stderr)
     strategy(layout).check(cfg, layout)  # e.g. layers a pipeline cannot split
     problem = model_problem(
-        cfg, name, mp, batch, seq_len, vs.seed, dp=dp, fsdp=layout.fsdp, sp=layout.sp, pp=layout.pp
+        cfg,
+        name,
+        mp,
+        batch,
+        seq_len,
+        vs.seed,
+        dp=dp,
+        fsdp=layout.fsdp,
+        sp=layout.sp,
+        pp=layout.pp,
+        ep=layout.ep,
     )
     if vs.checkpoint:
         problem = dataclasses.replace(problem, load_params=lambda m: load_model(vs.checkpoint, m)[1])

@@ -52,10 +52,11 @@ def model_problem(
     fsdp: bool = False,
     sp: bool = False,
     pp: int = 1,
+    ep: int = 1,
 ) -> Problem:
     """A Problem for a meshlm model config: random token inputs and targets (global [B, T]);
     ``fsdp`` (over ``dp``) and ``sp`` are the memory options the sharded run uses; with ``pp`` the
-    stacked layers are stored split over the pipeline's stages."""
+    stacked layers are stored split over the pipeline's stages; with ``ep`` the experts over ep."""
     from meshlm.model.padding import resize_tree
     from meshlm.model.transformer import loss_fn
     from meshlm.parallel.layout import Layout
@@ -79,7 +80,7 @@ def model_problem(
         )
     return Problem(
         build_loss=rebuild(cfg),
-        specs_fn=lambda abstract: model_specs(cfg, abstract, Layout(dp=dp, mp=mp, fsdp=fsdp, pp=pp)),
+        specs_fn=lambda abstract: model_specs(cfg, abstract, Layout(dp=dp, mp=mp, fsdp=fsdp, pp=pp, ep=ep)),
         batch=(batch_fn or partial(random_batch, cfg.vocab_size))((batch_size, seq_len), seed),
         batch_fn=batch_fn,
         name=name,

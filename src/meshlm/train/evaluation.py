@@ -37,7 +37,7 @@ from meshlm.model.transformer import local_logits
 from meshlm.parallel import distributed
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.placement import BATCH_SPEC, batch_sharding, put_global, to_host
+from meshlm.parallel.placement import batch_sharding, batch_spec, put_global, to_host
 from meshlm.train.eval_settings import EvalConfig, check_split
 
 
@@ -78,7 +78,8 @@ def per_token_loss_fn(cfg: ModelConfig, layout: Layout, params):
         return vocab_parallel_xent(par, logits, batch["targets"])
 
     apply = hk.without_apply_rng(hk.transform(per_token)).apply
-    sharded = jax.shard_map(apply, mesh=layout.mesh, in_specs=(specs, BATCH_SPEC), out_specs=BATCH_SPEC)
+    rows = batch_spec(layout)  # over dp (and ep: its shards are data shards)
+    sharded = jax.shard_map(apply, mesh=layout.mesh, in_specs=(specs, rows), out_specs=rows)
     return jax.jit(sharded)
 
 
