@@ -19,6 +19,7 @@ from meshlm.proof import model_problem
 from meshlm.proof.control_runs import trace_control
 from meshlm.proof.controls import CONTROLS
 from meshlm.proof.cp_controls import CP_CONTROLS
+from meshlm.proof.ep_controls import EP_CONTROLS
 from meshlm.proof.pipeline_proof import CONTROLS as PIPELINE_CONTROLS
 from meshlm.proof.pipeline_proof import applicable_controls
 from meshlm.proof.pipeline_verify import pipeline_control_fn
@@ -26,6 +27,7 @@ from meshlm.proof.prover import where_of
 from meshlm.proof.rule_errors import is_vma_rejection
 from meshlm.proof.runs import Runs
 
+ALL_CONTROLS = CONTROLS + CP_CONTROLS + EP_CONTROLS  # the prover's default list
 BW = dict(attention="blockwise", attn_block=4)  # several K/V blocks per shard, a ragged last one
 FSDP_SP = Layout(dp=2, mp=2, fsdp=True, sp=True)
 # name: (preset, config changes, layout, batch, seq_len). Shapes tiny: only traced.
@@ -87,7 +89,7 @@ def _applicable(problem, layout) -> list:
     if layout.pipelined:
         return [(f"pipeline: {n}", n) for n in applicable_controls(layout.pipeline)]
     where = where_of(problem, layout, collectives=True)
-    return [(c.name, c) for c in CONTROLS + CP_CONTROLS if c.applies(where)]
+    return [(c.name, c) for c in ALL_CONTROLS if c.applies(where)]
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -108,7 +110,7 @@ def test_every_applicable_control_runs(name):
 
 
 def test_every_control_applies_on_some_configuration():
-    every = {c.name for c in CONTROLS + CP_CONTROLS} | {f"pipeline: {n}" for n in PIPELINE_CONTROLS}
+    every = {c.name for c in ALL_CONTROLS} | {f"pipeline: {n}" for n in PIPELINE_CONTROLS}
     applied = set()
     for name in CONFIGS:
         applied |= {label for label, _ in _applicable(*_problem(name))}

@@ -26,6 +26,7 @@ from meshlm.proof.control_runs import communication_rows, run_control
 from meshlm.proof.controls import CONTROLS, Control, Where
 from meshlm.proof.cp_controls import CP_CONTROLS
 from meshlm.proof.data_pipeline import data_checks
+from meshlm.proof.ep_controls import EP_CONTROLS
 from meshlm.proof.independence import exactness_check, reference_checks, sharded_check
 from meshlm.proof.padding import padding_rows
 from meshlm.proof.pipeline_verify import permute_rows, pipeline_controls
@@ -48,7 +49,7 @@ def verify(
     dtype=jnp.float32,
     seed: int = 0,
     ocfg: OptimConfig | None = None,
-    controls: tuple[Control, ...] = CONTROLS + CP_CONTROLS,
+    controls: tuple[Control, ...] = CONTROLS + CP_CONTROLS + EP_CONTROLS,
     collectives: bool = False,
     data_steps: int = 0,
 ) -> Report:

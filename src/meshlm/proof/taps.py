@@ -41,3 +41,7 @@ class Tapped(Parallel):
         """[B, T] where each token's document starts (``--doc-mask``), as attention and the rotary
         positions use it."""
         return starts
+
+    def expert_weight(self, w):
+        """An expert weight [E/ep, ...] as the MoE layer uses it (after any FSDP gather)."""
+        return w
