@@ -24,13 +24,19 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Fami
   DP-split gradients, reduce-scattered over dp, are then summed over cp alone (other replica groups than
   the norms' sum over dp x cp): one all-reduce for the layer stack's and, at most, one per DP-split
   weight outside it (each weight's reduce-scatter is its own; the bytes are the same ``dp_gradients``).
+* Expert parallelism (``--ep``; ``parallel.ep``), per MoE layer: two all-to-alls forward (the tokens
+  to their experts' shard and the outputs back; again with remat) and their two transposes backward,
+  each of the fixed size E x N x D (``ep_all_to_all_bytes``). The expert weights' gradients are summed
+  over the data shards outside ep alone (other replica groups than the dense weights' sum over dp):
+  one more all-reduce where that axis is > 1 (no bytes beyond ``dp_gradients``'); under FSDP the dense
+  weights' DP-split gradients are then summed over ep (and cp) as cp's are.
 """
 
 from __future__ import annotations
 
 from meshlm.model.config import ModelConfig
 from meshlm.model.params import flat_params, is_matmul_weight, is_stacked
-from meshlm.parallel.axes import MP
+from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.layout import Layout
 from meshlm.perf.collectives import theoretical_bytes, theoretical_collectives
 from meshlm.sharding.rules import dp_sharded, spec_for
@@ -91,12 +97,46 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
     if dp > 1 and per_layer + outside:
         ag.update(fsdp_layers=2 * per_layer * n, fsdp_outside=2 * outside)
         rs.update(fsdp_gradients=per_layer * n + outside)
-        if layout.context_parallel:  # DP-split gradients then summed over cp alone: the stack's, each outside
+        if layout.context_parallel or layout.experts_split:  # DP-split gradients then summed over cp / ep
             ar["cp_fsdp_gradients"] = 1 + outside
-    for causes in (ar, ag, rs, cperm):
+    a2a = ep_all_to_alls(cfg, layout)
+    if a2a and layout.mesh_shape[DP] > 1 and not layout.fsdp:  # experts' gradients: over dp / ep alone
+        ar["ep_expert_gradients"] = 1
+    for causes in (ar, ag, rs, cperm, a2a):
         causes.pop("total", None)
         causes["total"] = sum(causes.values())
-    return {"all-reduce": ar, "all-gather": ag, "reduce-scatter": rs, "collective-permute": cperm}
+    return {
+        "all-reduce": ar,
+        "all-gather": ag,
+        "reduce-scatter": rs,
+        "collective-permute": cperm,
+        "all-to-all": a2a,
+    }
+
+
+def moe_layers(cfg: ModelConfig) -> int:
+    """The layers whose feed-forward is a mixture of experts."""
+    return cfg.n_layers if cfg.arch.moe else 0
+
+
+def ep_all_to_alls(cfg: ModelConfig, layout: Layout) -> dict[str, int]:
+    """The all-to-alls of expert parallelism per step, by cause ({} without ep)."""
+    if not layout.experts_split:
+        return {}
+    recompute = 2 if cfg.remat != "none" else 1
+    return {
+        "ep_dispatch_forward": 2 * recompute * moe_layers(cfg),
+        "ep_dispatch_backward": 2 * moe_layers(cfg),
+    }
+
+
+def ep_all_to_all_bytes(cfg: ModelConfig, layout: Layout, *, batch: int, seq_len: int, itemsize: int) -> int:
+    """Result bytes of those all-to-alls per step and device: each moves the fixed-size buffer
+    [ep, E / ep, N, D] = E x N x D values, N = (batch / dp) x (seq_len / cp) tokens of this shard (the
+    MoE layer's input is the column-parallel view: the whole sequence of its cp shard even under sp)."""
+    a2a = ep_all_to_alls(cfg, layout)
+    tokens = (batch // layout.dp) * (seq_len // layout.cp)
+    return sum(a2a.values()) * cfg.n_experts * tokens * cfg.d_model * itemsize
 
 
 def expected_all_reduce_bytes(cfg: ModelConfig, layout: Layout, *, params, **shape) -> int:
