@@ -67,6 +67,18 @@ class ExpertAxis:
     def expert_parallel(self) -> bool:
         return self.sharded and self.layout.experts_split
 
+    def local_experts(self, n_experts: int) -> int:
+        """The experts this shard holds (the leading dim of its expert weights): E / ep with ep on."""
+        if not self.expert_parallel:
+            return super().local_experts(n_experts)
+        return n_experts // self.layout.ep
+
+    def experts(self, x, ids, weights, expert_fn):
+        """[N, D] partial over mp: with ep on, ``dispatch`` (``expert_fn.n_local``: E / ep)."""
+        if not self.expert_parallel:
+            return super().experts(x, ids, weights, expert_fn)
+        return dispatch(self, x, ids, weights, expert_fn, expert_fn.n_local * self.layout.ep)
+
     def ep_index(self):
         """This shard's position on the expert axis (which E / ep experts it holds)."""
         return lax.axis_index(EP)

@@ -112,7 +112,7 @@ class FsdpGatherWrongOrder(Parallel):
 
     def gather_weight(self, w, dim: int):
         parts = jnp.roll(lax.all_gather(w, DP, axis=0, tiled=False), 1, axis=0)  # [dp, ...]
-        return jnp.concatenate([parts[i] for i in range(self.layout.dp)], axis=dim)
+        return jnp.concatenate(list(parts), axis=dim)  # the mesh's dp shards (dp / ep with ep on)
 
 
 class SpNormGradNotSummed(Tapped):
