@@ -41,3 +41,8 @@ class Tapped(Parallel):
         """[B, T] where each token's document starts (``--doc-mask``), as attention and the rotary
         positions use it."""
         return starts
+
+    def combine_weights(self, w):
+        """A mixture-of-experts layer's combine weights [B, T, k] as the column-parallel region uses
+        them (after ``f``: their gradient is the sum over mp of the experts' partial outputs)."""
+        return w
