@@ -80,7 +80,11 @@ class Family:
     # "proj" (OLMo 2: over the whole projection, H*E or K*E, weights [H, E] / [K, E] split with the
     # heads; its mean square gathered over mp). None: none.
     qk_norm: str | None = None
+    # The feed-forward is a mixture of experts (``model.moe``: a router, top-k of ``n_experts`` gated
+    # MLPs; ``ModelConfig``'s MoE fields size it); False: the dense MLP.
+    moe: bool = False
 
     def per_layer_text(self) -> str:
         """The minimum's per-layer all-reduces, as the communication check words them."""
-        return f"{self.row_sums} forward, {self.row_sums} backward"
+        moe = " + 1 backward: the MoE combine weights" if self.moe else ""
+        return f"{self.row_sums} forward, {self.row_sums} backward{moe}"

@@ -38,6 +38,7 @@ CP_STRATEGIES = ("ring", "allgather")  # how attention reaches the other cp shar
 PIPELINE_OPTIONS = ("microbatches", "pp_schedule", "virtual_stages")
 PIPELINE_DEFAULTS = {"microbatches": 1, "pp_schedule": "1f1b", "virtual_stages": 1}
 # The logical dimensions of parameters (``sharding.rules``' rows name them); ``Axis.dims`` maps them.
+# "experts": a mixture-of-experts weight's leading [E] dim (no axis splits it without ``ep``; mp never).
 LOGICAL_DIMS = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "experts")
 
 

@@ -34,11 +34,12 @@ from jax import lax
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.cp import ContextParallel
 from meshlm.parallel.ep import ExpertAxis
+from meshlm.parallel.experts import ExpertParallel
 from meshlm.parallel.layout import Layout
 
 
 @dataclass(frozen=True)
-class Parallel(ContextParallel, ExpertAxis):
+class Parallel(ContextParallel, ExpertAxis, ExpertParallel):  # ExpertAxis: ep's, before the all-local
     # The mesh's sizes and options (mp shards, sp, cp, ...); the default, 1x1, is the unsharded model.
     layout: Layout = field(default_factory=Layout)
     sharded: bool = False  # True inside shard_map over the layout's mesh

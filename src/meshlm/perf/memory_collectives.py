@@ -35,13 +35,15 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Fami
 from __future__ import annotations
 
 from meshlm.model.config import ModelConfig
+from meshlm.model.moe import moe_losses
 from meshlm.model.params import flat_params, is_matmul_weight, is_stacked
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.layout import Layout
 from meshlm.perf.collectives import theoretical_bytes, theoretical_collectives
 from meshlm.sharding.rules import dp_sharded, spec_for
 
-SP_REPLACES = ("layer_forward", "layer_backward", "embedding", "head_backward")  # all-reduce causes
+# all-reduce causes SP replaces (a MoE layer's combine weights: all-gathered, their gradient scattered)
+SP_REPLACES = ("layer_forward", "layer_backward", "embedding", "head_backward", "moe_weights_backward")
 
 
 def sp_replicated(params, n_layers: int) -> dict[str, int]:
@@ -87,10 +89,15 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
             rs.update(cp_kv_backward=n)
     if sp and mp > 1:
         for cause in SP_REPLACES:
-            ar[cause] = 0
+            if cause in ar:
+                ar[cause] = 0
         ar["sp_replicated_grads"] = sum(sp_replicated(params, n).values())
         ag.update(sp_forward=2 * pl * n + 1, sp_backward=pl * n + 1)
         rs.update(sp_forward=recompute * pl * n + 1, sp_backward=pl * n + 1)
+        if cfg.arch.moe:  # the combine weights and ids gathered (again in the backward), weights' grads
+            ag.update(moe_routing=4 * n)
+            rs.update(moe_routing=n)
+            ar["moe_statistics"] = int(moe_losses(cfg))  # over mp too: each shard routed its slice
     per_layer, outside = fsdp_weights(params)
     if cfg.tie_embeddings and outside:  # the tied table is gathered for the lookup and for the head
         outside += 1
@@ -149,7 +156,9 @@ def expected_all_reduce_bytes(cfg: ModelConfig, layout: Layout, *, params, **sha
     )
     total = out["total"]
     if layout.sp and layout.mp > 1:
-        total -= sum(out[c] for c in SP_REPLACES)
+        total -= sum(out.get(c, 0) for c in SP_REPLACES)
+        if moe_losses(cfg) and not out["moe_statistics"]:  # summed over mp alone (dp x cp = 1)
+            total += cfg.n_layers * (2 * cfg.n_experts + 2) * shape["itemsize"]
         norms = [
             p for path, p in flat_params(params).items() if path.rsplit("/", 1)[1] in ("scale", "offset")
         ]

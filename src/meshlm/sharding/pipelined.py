@@ -32,6 +32,11 @@ def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
     layout.check_layers(cfg.n_layers)
     if cfg.doc_mask >= 0:
         raise ConfigError("--pp does not carry document positions (--doc-mask) between stages; drop one")
+    if cfg.arch.moe:
+        raise ConfigError(
+            f"--pp does not carry the {cfg.family} experts' routing statistics (aux losses) between stages "
+            "yet; drop --pp (use --mp, --fsdp or --sp)"
+        )
 
 
 def split_model(tree) -> tuple[dict, dict, dict]:

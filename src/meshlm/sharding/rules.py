@@ -47,6 +47,14 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"/mlp/b_in$", (MLP,)),  # [F]
     (r"/mlp/w_(out|down)$", (MLP, EMBED)),  # [F, D]: row-parallel
     (r"/mlp/b_out$", (EMBED,)),  # [D]: added once after the all-reduce
+    # Mixture of experts (``model.moe``): the router replicated (no axis splits its E), each expert's
+    # hidden units split as the dense MLP's, the experts' leading dim on no axis without ``ep``.
+    (r"/moe/router/w$", (EMBED, None)),  # [D, E]
+    (r"/moe/experts/w_(gate|up)$", (EXPERTS, EMBED, MLP)),  # [E, D, I]: column-parallel
+    (r"/moe/experts/w_down$", (EXPERTS, MLP, EMBED)),  # [E, I, D]: row-parallel
+    (r"/moe/shared/w_(gate|up)$", (EMBED, MLP)),  # [D, I_shared]: Qwen2-MoE's shared expert
+    (r"/moe/shared/w_down$", (MLP, EMBED)),  # [I_shared, D]
+    (r"/moe/shared_gate/w$", (EMBED, None)),  # [D, 1]
     (r"(^|/)(ln|ln2|final_ln|post_attn_ln|post_mlp_ln)/(scale|offset)$", (EMBED,)),  # [D]: replicated
 )
 # Logical dims -> mesh axes where no layout is given (``spec_for``'s default): mp's dims.
