@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from meshlm.errors import ConfigError
 from meshlm.parallel.axes import EP
 from meshlm.parallel.context import Parallel
-from meshlm.parallel.ep import combine, dispatch
+from meshlm.parallel.experts import ExpertParallel
 from meshlm.parallel.layout import Layout
 
 E, K, N, D = 8, 2, 6, 3  # experts, choices per token, tokens per batch shard, width
@@ -24,10 +24,19 @@ def routing(rng, n, one_shard: bool):
     return np.stack([rng.choice(pool, K, replace=False) for _ in range(n)]).astype(np.int32)
 
 
-def local(x, ids, w, weights):
-    """The all-local reference: every expert's output for every token, then the weighted choices."""
-    y = jnp.einsum("nd,edf->enf", x, weights)
-    return combine(y, ids, w)
+class Linear:
+    """Expert e: x @ weights[e] on per-expert buffers [E_here, C, D] (``model.moe.Experts``' seam)."""
+
+    def __init__(self, weights):
+        self.weights, self.n_local = weights, weights.shape[0]
+
+    def __call__(self, xs):
+        return jnp.einsum("ecd,edf->ecf", xs, self.weights)
+
+
+def local(x, ids, cw, weights):
+    """The all-local default (``parallel.experts.ExpertParallel``: every expert on every token)."""
+    return ExpertParallel().experts(x, ids, cw, Linear(weights))
 
 
 @pytest.mark.parametrize("ep,dp", [(2, 4), (4, 4)])
@@ -44,7 +53,9 @@ def test_dispatch_equals_all_local(ep, dp, one_shard):
         cot = jnp.asarray(rng.normal(size=(dp * N, D)))
 
         def body(x, ids, cw, weights):
-            return dispatch(par, x, ids, cw, lambda xs: jnp.einsum("ecd,edf->ecf", xs, weights), E)
+            out = par.experts(x, ids, cw, Linear(weights))  # E / ep experts here: ``dispatch``
+            assert par.local_experts(E) == weights.shape[0] == E // ep
+            return out
 
         rows = P(layout.rows)
         sharded = jax.shard_map(body, mesh=layout.mesh, in_specs=(rows, rows, rows, P(EP)), out_specs=rows)

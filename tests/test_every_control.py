@@ -7,7 +7,8 @@ parameter; the planted function kept the old signature) crashes when verify runs
 there, exactly as ``run_control`` and ``pipeline_controls`` build it. A crash is a failure of this test;
 JAX's varying-axis type check rejecting the program is what verify counts as a detection, and passes.
 The configurations cover plain and blockwise attention, both cp strategies (ring on 2 and 3 shards),
-each pp schedule, the document mask, FSDP and SP, and every tiny family preset; the last test requires
+each pp schedule, the document mask, FSDP and SP, experts over ep (with FSDP over the rest of dp and SP),
+and every tiny family preset; the last test requires
 every control to apply on at least one of them, so a new control cannot go untested here."""
 
 import jax.numpy as jnp
@@ -65,6 +66,7 @@ CONFIGS = {
         20,
     ),
     "tiny-lm 1x1 cp3 ring": ("tiny-lm", {"attn_block": 4}, Layout(cp=3), 1, 30),
+    "tiny-mixtral 4x2 ep2 fsdp sp": ("tiny-mixtral", {}, Layout(dp=4, mp=2, ep=2, fsdp=True, sp=True), 4, 8),
     "tiny-llama pp2 gpipe": ("tiny-llama", {}, Layout(pp=2, microbatches=4, pp_schedule="gpipe"), 4, 8),
     "tiny-llama pp2x1x2 sp 1f1b": ("tiny-llama", {}, Layout(pp=2, mp=2, sp=True, microbatches=4), 4, 8),
     "tiny-deep pp2 interleaved V2": (
@@ -80,7 +82,7 @@ CONFIGS = {
 def _problem(name):
     preset, changes, layout, batch, seq = CONFIGS[name]
     cfg = get_config(preset).replace(**changes)
-    kw = dict(dp=layout.dp, fsdp=layout.fsdp, sp=layout.sp, pp=layout.pp)
+    kw = dict(dp=layout.dp, fsdp=layout.fsdp, sp=layout.sp, pp=layout.pp, ep=layout.ep)
     return model_problem(cfg, name, layout.mp, batch, seq, **kw), layout
 
 
