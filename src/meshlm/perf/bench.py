@@ -57,6 +57,7 @@ from meshlm.train.step import init_model, init_opt_state, reference_step, sharde
 
 IMPLS = ("meshlm", "unsharded", "gspmd", "plain")
 NO_PP = "no-pp"  # with --pp: the same model on the dp x mp mesh without the pipeline
+NO_EP = "no-ep"  # with --ep: the same model on the same devices, every expert on every data shard
 
 
 # --- the three implementations --------------------------------------------------------------------
@@ -109,10 +110,13 @@ def build_impls(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: B
     plain = _compiled("plain", hand, plain_params, jax.jit(hand_opt.init)(plain_params), unsharded.batch)
     if layout.pipelined:  # the same model and batch on the dp x mp mesh without the pipeline
         return [ours, unsharded, gspmd, plain, _without_pp(cfg, ocfg, layout, host_params, host)]
+    if layout.experts_split:  # the same model and batch on the dp x mp mesh, experts not split
+        return [ours, unsharded, gspmd, plain, _without_pp(cfg, ocfg, layout, host_params, host, NO_EP)]
     return [ours, unsharded, gspmd, plain]
 
 
-def _without_pp(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params, host) -> Impl:
+def _without_pp(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params, host, name=NO_PP) -> Impl:
+    """The step on the dp x mp mesh of the same devices without the pipeline (or ep: ``name``)."""
     from meshlm.sharding.rules import model_specs
 
     flat = Layout(dp=layout.dp, mp=layout.mp, fsdp=layout.fsdp)
@@ -120,7 +124,7 @@ def _without_pp(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params
     params = jax.device_put(host_params, shardings(specs, flat.mesh))
     step, opt = sharded_step(cfg, ocfg, flat, specs, params)
     batch = jax.device_put(host, batch_sharding(flat, 1))
-    return _compiled(NO_PP, step, params, init_opt_state(opt, params, specs, flat.mesh), batch)
+    return _compiled(name, step, params, init_opt_state(opt, params, specs, flat.mesh), batch)
 
 
 def pipeline_overhead(layout: Layout, seconds: dict[str, list[float]]) -> dict | None:
@@ -232,7 +236,7 @@ def step_time_ratios(seconds: dict[str, list[float]]) -> dict[str, dict[str, flo
     the ratio of the medians, and the median of the per-repetition ratios. The second pairs steps that
     ran seconds apart, so slow drifts in the machine's load cancel; on a shared machine it is the
     steadier of the two."""
-    pairs = [("meshlm", other) for other in (*IMPLS[1:], NO_PP) if other in seconds] + [
+    pairs = [("meshlm", other) for other in (*IMPLS[1:], NO_PP, NO_EP) if other in seconds] + [
         ("unsharded", "plain")
     ]
     return {f"{a}/{b}": _ratio(seconds[a], seconds[b]) for a, b in pairs}
@@ -282,4 +286,26 @@ def run_bench(
         "step_time_ratios": step_time_ratios(seconds),
         "generation": generation_bench(cfg, impls[0].params, layout, settings),
         "pipeline": pipeline_overhead(layout, seconds),
+        "expert_parallel": expert_parallel(cfg, layout, settings, impls, seconds),
+    }
+
+
+def expert_parallel(cfg: ModelConfig, layout: Layout, settings: BenchSettings, impls, seconds) -> dict | None:
+    """With ep: the all-to-alls of our step (count and bytes per step, per device, against the fixed
+    size ``ep_all_to_all_bytes`` states) and its time against the same model without ep (paired)."""
+    if not layout.experts_split:
+        return None
+    from meshlm.perf.memory_collectives import ep_all_to_all_bytes, ep_all_to_alls
+
+    got = collectives_per_step(impls[0].compiled.as_text())["all-to-all"]
+    shape = dict(batch=settings.batch_size, seq_len=settings.seq_len, itemsize=4)  # float32 activations
+    paired = statistics.median(n / e for n, e in zip(seconds[NO_EP], seconds["meshlm"], strict=True))
+    return {
+        "ep": layout.ep,
+        "all_to_all_per_step": got,
+        "expected_all_to_all": {
+            "count": sum(ep_all_to_alls(cfg, layout).values()),
+            "bytes": ep_all_to_all_bytes(cfg, layout, **shape),
+        },
+        "measured_overhead": 1 - paired,  # 1 - t(no-ep) / t(ep): what the dispatch costs (or saves)
     }
