@@ -39,8 +39,7 @@ def local(x, ids, cw, weights):
     return ExpertParallel().experts(x, ids, cw, Linear(weights))
 
 
-@pytest.mark.parametrize("ep,dp", [(2, 4), (4, 4)])
-@pytest.mark.parametrize("one_shard", [False, True])
+@pytest.mark.parametrize("ep,dp,one_shard", [(2, 4, False), (4, 4, True)])
 def test_dispatch_equals_all_local(ep, dp, one_shard):
     layout = Layout(dp=dp, ep=ep)
     par = Parallel.on(layout)

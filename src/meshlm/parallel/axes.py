@@ -118,11 +118,9 @@ def _check_experts(layout) -> None:
             f"--ep {layout.ep} cannot be combined with --pp {layout.pp}: the pipeline's stages do not "
             "yet dispatch tokens to experts over ep; drop --ep (or --pp)"
         )
-    if layout.ep > 1 and layout.fsdp and layout.dp == layout.ep:
-        raise ConfigError(
-            f"--fsdp splits weights over the data shards outside ep, dp / ep = {layout.dp} / {layout.ep} "
-            "= 1 here; use a dp that is a multiple of 2 x ep, or drop --fsdp"
-        )
+    # --fsdp splits weights over the mesh's DP axis: the data shards outside ep (dp / ep). With dp = ep
+    # that axis has size 1 and the weights stay whole on every data shard (docs/proof.md, "Expert
+    # parallelism"): accepted, so a plan can compare it, not refused.
 
 
 def _expert_label(layout) -> tuple[str, str, str]:
