@@ -89,3 +89,49 @@ def test_ep_refused_without_experts():
     abstract = jax.eval_shape(hk.transform(loss_fn(cfg, Parallel())).init, jax.random.PRNGKey(0), batch)
     with pytest.raises(ConfigError, match="has none"):
         model_specs(cfg, abstract, Layout(dp=2, ep=2))
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    """tiny-mixtral with one layer in float64, 4 x 8 tokens, its parameters and the reference's loss
+    and gradients (the aux and z losses on: their statistics are summed over ep too)."""
+    import haiku as hk
+
+    from meshlm.model.config import get_config
+    from meshlm.model.transformer import loss_fn
+    from meshlm.sharding.spmd import reference_value_and_grad
+
+    cfg = get_config("tiny-mixtral").replace(n_layers=1, router_z_loss_coef=1e-3)
+    with jax.enable_x64(True):
+        r = np.random.default_rng(0)
+        batch = {k: jnp.asarray(r.integers(0, 64, (4, 8)), jnp.int32) for k in ("inputs", "targets")}
+        params = hk.transform(loss_fn(cfg, Parallel())).init(jax.random.PRNGKey(0), batch)
+        params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
+        want = jax.jit(reference_value_and_grad(lambda par: loss_fn(cfg, par)))(params, batch)
+    return cfg, batch, params, want
+
+
+def _worst(mixtral, layout, par_cls=Parallel):
+    from meshlm.model.transformer import loss_fn
+    from meshlm.sharding.rules import model_specs
+    from meshlm.sharding.spmd import sharded_value_and_grad
+
+    cfg, batch, params, want = mixtral
+    with jax.enable_x64(True):
+        specs = model_specs(cfg, params, layout)
+        fn = sharded_value_and_grad(lambda par: loss_fn(cfg, par), layout, specs, par_cls)
+        got = jax.jit(fn)(params, batch)
+        err = lambda a, b: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+        return max(jax.tree.leaves(jax.tree.map(err, got, want)))
+
+
+def test_ep_with_fsdp_and_sp_equals_the_unsharded_model_and_its_faults_show(mixtral):
+    """ep 2 of dp 4 (the mesh (2, 2, 2)), FSDP over the rest of dp, SP: loss and every gradient equal
+    the one-device model's in float64; tokens sent to the neighbouring ep shard, and expert gradients
+    kept from one data shard outside ep, each move them by far more."""
+    from meshlm.proof.ep_controls import ExpertGradOneDataShard, TokensToNeighbour
+
+    layout = Layout(dp=4, mp=2, ep=2, fsdp=True, sp=True)
+    assert _worst(mixtral, layout) <= 1e-12
+    assert _worst(mixtral, layout, TokensToNeighbour) > 1e-3
+    assert _worst(mixtral, layout, ExpertGradOneDataShard) > 1e-3
