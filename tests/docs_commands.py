@@ -42,6 +42,7 @@ BW = "tests/test_blockwise.py::test_the_proof_compares_blockwise_with_plain_atte
 CK = "tests/test_multiprocess.py::test_two_processes_train_like_one_and_checkpoint_restores_in_one"
 MATRIX = "tests/test_prover.py::test_matrix_rows_and_table"
 QK = MARGIN  # its tiny-qwen3 and tiny-olmo2 cases
+EP = "tests/test_ep.py::test_ep_with_fsdp_and_sp_equals_the_unsharded_model_and_its_faults_show"
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ COMMANDS: dict[str, Run | Shown] = {
         "meshlm bench --pp",
         "meshlm plan --schedule-png",
         "meshlm verify --doc-mask",
+        "meshlm bench --ep 2",
     ),
     **_names(
         "a placeholder, not a value (DIR, N, ring|allgather, ...): the forms with values are run",
@@ -338,6 +340,16 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-llama --mesh 2x2 --cp 2 --cp-strategy allgather --devices 8 "
     "--seq-len 64 --fsdp "
     "--sp --steps 2 --x64": verify(costly=CPCOMM),
+    "meshlm verify --config tiny-mixtral --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
+    "meshlm verify --config tiny-mixtral --mesh 4x1 --ep 4 --devices 4 --steps 3 --x64": verify(costly=EP),
+    "meshlm verify --config tiny-mixtral --mesh 4x2 --ep 2 --devices 8 --fsdp --sp --steps 2 --x64": verify(
+        costly=EP
+    ),
+    "meshlm plan --config mixtral-8x7b --mesh 8x8 --ep 8 --devices 64 --fsdp --sp": run(
+        "--config mixtral-8x7b => --config tiny-mixtral",
+        "--mesh 8x8 --ep 8 --devices 64 => --mesh 2x2 --ep 2 --devices 4",
+        expect=("ep=2",),
+    ),
     "meshlm convert --from-hf HF_DIR --out ck": run(),
     "meshlm verify --checkpoint ck --mesh 1x4 --devices 4": verify(
         costly=CK, after=("meshlm convert --from-hf HF_DIR --out ck",)
