@@ -60,3 +60,17 @@ def test_refusals_name_the_field():
         get_config("tiny-llama").replace(n_experts=4)
     with pytest.raises(ConfigError, match="--pp"):
         check_pipelined(CFG, Layout(pp=2))
+
+
+def test_moe_proven_sharded_with_its_controls_detected():
+    """tiny-mixtral on 2x2 in float64: loss and every gradient (router, experts) equal the unsharded
+    model's, and the MoE controls detected (on the planted tie)."""
+    from helpers import verify_preset
+
+    from meshlm.proof import format_report
+    from meshlm.proof.moe_controls import MOE_CONTROLS
+
+    with jax.enable_x64(True):
+        report = verify_preset("tiny-mixtral", 2, 2, batch=2, seq=8, dtype=jnp.float64, controls=MOE_CONTROLS)
+    assert report.ok and max(p.max_rel_err for p in report.params) <= 1e-12, format_report(report)
+    assert len(report.controls) == len(MOE_CONTROLS)
