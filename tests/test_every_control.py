@@ -43,6 +43,7 @@ CONFIGS = {
     "tiny-qwen2 1x2 (q/k/v bias, tied)": ("tiny-qwen2", {}, Layout(mp=2), 1, 8),
     "tiny-qwen3 1x2 (per-head q/k norm)": ("tiny-qwen3", {}, Layout(mp=2), 1, 8),
     "tiny-olmo2 2x2 (q/k norm over the projection)": ("tiny-olmo2", {}, Layout(dp=2, mp=2), 2, 8),
+    "tiny-mixtral 2x2 (mixture of experts)": ("tiny-mixtral", {}, Layout(dp=2, mp=2), 2, 8),
     "tiny-gemma 1x2 soft-capped": (
         "tiny-gemma",
         {"attn_softcap": 50.0, "final_softcap": 30.0},

@@ -48,6 +48,10 @@ class HFNames:
     top: dict = field(default_factory=dict)  # tensors outside the layer stack
     layer: dict = field(default_factory=dict)  # tensors of one layer, under ``layer_prefix``
     layer_prefix: str = ""  # e.g. "model.layers.{i}."
+    # A mixture of experts: layer tensors per expert are named with "{e}" (layout "experts": [E, out,
+    # in] <-> ours [E, in, out]); ``fused``: transformers 5's in-memory names -> the per-expert names
+    # each concatenates along dim 1 (``io.hf_experts``), or a plain rename (one name without "{e}").
+    fused: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

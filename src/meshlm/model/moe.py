@@ -36,6 +36,9 @@ from meshlm.parallel.context import Parallel
 # The top-k of the routing: [.., E] -> (values, ids) [.., k], equal values in the order of their expert
 # ids (lax.top_k keeps the lower index first). A module attribute: the proof plants another tie rule.
 TOP_K = lax.top_k
+# The router's path suffix: a matmul weight replicated over mp (under sp its gradient is summed over mp,
+# as a norm's: ``perf.memory_collectives``).
+ROUTER = "moe/router/w"
 
 
 def _params(scope: str, shapes: dict, stddev: float) -> list:

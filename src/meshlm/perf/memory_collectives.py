@@ -11,8 +11,10 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Fami
   the backward of every reduce-scatter: ``r`` per layer plus the embedding's (1). Reduce-scatters:
   ``r`` per layer forward (again in the backward's recomputation with remat) plus the embedding's
   (1), and the backward of every all-gather: ``f`` per layer plus the head's (1). Parameters
-  replicated over MP that meet sequence slices (norms, biases added after a row-parallel sum) have
-  their gradients all-reduced over MP (one per leaf and layer, at most).
+  replicated over MP that meet sequence slices (norms, biases added after a row-parallel sum, a MoE
+  layer's router) have their gradients all-reduced over MP (one per leaf and layer, at most). A MoE
+  layer's combine weights and expert ids are all-gathered (again in the backward), the weights'
+  gradient reduce-scattered; its routing statistics summed over MP too (one all-reduce a step).
 * FSDP (dp > 1): each DP-split weight of a layer is all-gathered in the forward and again in the
   backward (ZeRO-3; outside the layer stack XLA may keep the gathered weight or gather it again),
   and its gradient reduce-scattered once (a tied embedding table: once per use, lookup and head).
@@ -35,7 +37,7 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Fami
 from __future__ import annotations
 
 from meshlm.model.config import ModelConfig
-from meshlm.model.moe import moe_losses
+from meshlm.model.moe import ROUTER, moe_losses
 from meshlm.model.params import flat_params, is_matmul_weight, is_stacked
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.layout import Layout
@@ -52,7 +54,8 @@ def sp_replicated(params, n_layers: int) -> dict[str, int]:
     stacked leaves, at most). Read from the rules table, so it follows the model's parameters."""
     out = {}
     for path, p in flat_params(params).items():
-        if is_matmul_weight(path) or MP in spec_for(path, p.shape, 1):
+        router = path.endswith(ROUTER)  # a weight replicated over mp that meets the slices (``model.moe``)
+        if (is_matmul_weight(path) and not router) or MP in spec_for(path, p.shape, 1):
             continue
         out[path] = n_layers if is_stacked(path) else 1
     return out
@@ -160,7 +163,9 @@ def expected_all_reduce_bytes(cfg: ModelConfig, layout: Layout, *, params, **sha
         if moe_losses(cfg) and not out["moe_statistics"]:  # summed over mp alone (dp x cp = 1)
             total += cfg.n_layers * (2 * cfg.n_experts + 2) * shape["itemsize"]
         norms = [
-            p for path, p in flat_params(params).items() if path.rsplit("/", 1)[1] in ("scale", "offset")
+            p
+            for path, p in flat_params(params).items()
+            if path.rsplit("/", 1)[1] in ("scale", "offset") or path.endswith(ROUTER)
         ]
         total += sum(p.size for p in norms) * shape["itemsize"]
     return total

@@ -33,6 +33,7 @@ from meshlm.proof.family_faults import (
     qk_norm_grad_not_summed,
     window_off_by_one,
 )
+from meshlm.proof.moe_controls import MOE_CONTROLS
 from meshlm.proof.taps import Tapped
 
 
@@ -330,5 +331,7 @@ CONTROLS += (  # Gemma 2's soft-capping: the cap must matter (as the document ma
         cfg_change=final_softcap_off,
     ),
 )
+
+CONTROLS += MOE_CONTROLS  # a mixture of experts' (``proof.moe_controls``)
 
 __all__ = ["CONTROLS", "Control", "Where", "per_shard_clip"]

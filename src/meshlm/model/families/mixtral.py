@@ -79,6 +79,14 @@ HF = replace(
         "moe/experts/w_up": ("block_sparse_moe.experts.{e}.w3.weight", "experts"),
         "moe/experts/w_down": ("block_sparse_moe.experts.{e}.w2.weight", "experts"),
     },
+    fused={
+        "mlp.gate.weight": ("block_sparse_moe.gate.weight",),
+        "mlp.experts.gate_up_proj": (
+            "block_sparse_moe.experts.{e}.w1.weight",
+            "block_sparse_moe.experts.{e}.w3.weight",
+        ),
+        "mlp.experts.down_proj": ("block_sparse_moe.experts.{e}.w2.weight",),
+    },
 )
 FAMILY = replace(mistral.FAMILY, name="mixtral", hf=HF, moe=True)
 
