@@ -128,10 +128,12 @@ def _worst(mixtral, layout, par_cls=Parallel):
 def test_ep_with_fsdp_and_sp_equals_the_unsharded_model_and_its_faults_show(mixtral):
     """ep 2 of dp 4 (the mesh (2, 2, 2)), FSDP over the rest of dp, SP: loss and every gradient equal
     the one-device model's in float64; tokens sent to the neighbouring ep shard, and expert gradients
-    kept from one data shard outside ep, each move them by far more."""
-    from meshlm.proof.ep_controls import ExpertGradOneDataShard, TokensToNeighbour
+    kept from one data shard outside ep, and routing statistics not summed over ep, each move them by
+    far more."""
+    from meshlm.proof.ep_controls import ExpertGradOneDataShard, StatisticsNotSummedOverEp, TokensToNeighbour
 
     layout = Layout(dp=4, mp=2, ep=2, fsdp=True, sp=True)
     assert _worst(mixtral, layout) <= 1e-12
     assert _worst(mixtral, layout, TokensToNeighbour) > 1e-3
     assert _worst(mixtral, layout, ExpertGradOneDataShard) > 1e-3
+    assert _worst(mixtral, layout, StatisticsNotSummedOverEp) > 1e-8  # the aux losses' small share

@@ -105,14 +105,17 @@ def build_impls(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: B
     gref, gref_opt = reference_step(cfg, ocfg, gspmd_params)
     gopt = init_opt_state(gref_opt, gspmd_params, specs, mesh)
     gspmd = _compiled("gspmd", gref, gspmd_params, gopt, mesh_batch)
-    plain_params = jax.device_put(host_params, device)  # its own copy: the step donates it
-    hand, hand_opt = plain_step(cfg, ocfg, plain_params)
-    plain = _compiled("plain", hand, plain_params, jax.jit(hand_opt.init)(plain_params), unsharded.batch)
+    impls = [ours, unsharded, gspmd]
+    if not cfg.arch.moe:  # the hand-written plain model has no mixture of experts: no yardstick there
+        plain_params = jax.device_put(host_params, device)  # its own copy: the step donates it
+        hand, hand_opt = plain_step(cfg, ocfg, plain_params)
+        opt_state = jax.jit(hand_opt.init)(plain_params)
+        impls.append(_compiled("plain", hand, plain_params, opt_state, unsharded.batch))
     if layout.pipelined:  # the same model and batch on the dp x mp mesh without the pipeline
-        return [ours, unsharded, gspmd, plain, _without_pp(cfg, ocfg, layout, host_params, host)]
+        return [*impls, _without_pp(cfg, ocfg, layout, host_params, host)]
     if layout.experts_split:  # the same model and batch on the dp x mp mesh, experts not split
-        return [ours, unsharded, gspmd, plain, _without_pp(cfg, ocfg, layout, host_params, host, NO_EP)]
-    return [ours, unsharded, gspmd, plain]
+        return [*impls, _without_pp(cfg, ocfg, layout, host_params, host, NO_EP)]
+    return impls
 
 
 def _without_pp(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params, host, name=NO_PP) -> Impl:
@@ -236,9 +239,8 @@ def step_time_ratios(seconds: dict[str, list[float]]) -> dict[str, dict[str, flo
     the ratio of the medians, and the median of the per-repetition ratios. The second pairs steps that
     ran seconds apart, so slow drifts in the machine's load cancel; on a shared machine it is the
     steadier of the two."""
-    pairs = [("meshlm", other) for other in (*IMPLS[1:], NO_PP, NO_EP) if other in seconds] + [
-        ("unsharded", "plain")
-    ]
+    pairs = [("meshlm", other) for other in (*IMPLS[1:], NO_PP, NO_EP) if other in seconds]
+    pairs += [("unsharded", "plain")] if "plain" in seconds else []
     return {f"{a}/{b}": _ratio(seconds[a], seconds[b]) for a, b in pairs}
 
 

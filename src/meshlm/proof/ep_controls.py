@@ -5,7 +5,10 @@ with the unsharded reference, by JAX's varying-axis type check, or by the commun
                                              every token computed by the wrong experts
   an expert's gradient not summed over the   each expert weight keeps the gradient of the data shards
   data shards outside ep                     at DP index 0 (the sum over the rest of dp lost)
-  all-to-all sent twice                      the send there, back and there again: the same values,
+  aux-loss statistics not summed over ep      the routing statistics summed over the batch axes but
+                                             ep: each ep group forms the aux and z losses of its own
+                                             tokens
+  all-to-all sent three times                the send there, back and there again: the same values,
                                              three times the all-to-alls (communication check)
 
 Each is a ``Parallel`` subclass overriding one method (``parallel.ep.ExpertAxis``) or one tap
@@ -17,7 +20,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.parallel.axes import DP
+from meshlm.model.moe import moe_losses
+from meshlm.parallel.axes import DP, EP, MP
 from meshlm.parallel.context import Parallel
 from meshlm.proof.control_record import Control, Where
 from meshlm.proof.taps import Tapped
@@ -40,6 +44,14 @@ class ExpertGradOneDataShard(Tapped):
         return lax.stop_gradient(w) + jnp.where(keep, w - lax.stop_gradient(w), jnp.zeros_like(w))
 
 
+class StatisticsNotSummedOverEp(Parallel):
+    """The routing statistics summed over every batch axis but ep (and mp under sp)."""
+
+    def moe_sum(self, stats):
+        axes = tuple(a for a in self.layout.batch_axes if a != EP) + ((MP,) if self.layout.sp else ())
+        return lax.psum(stats, axes) if axes else stats
+
+
 class AllToAllThrice(Parallel):
     """Each dispatch's all-to-all travels there, back and there again: same values, three times the
     all-to-alls (detected by the communication check only)."""
@@ -59,6 +71,11 @@ EP_CONTROLS: tuple[Control, ...] = (
         name="an expert's gradient not summed over the data shards outside ep",
         applies=lambda w: _ep(w) and w.layout.mesh_shape[DP] > 1,
         par_cls=ExpertGradOneDataShard,
+    ),
+    Control(
+        name="aux-loss statistics not summed over ep",
+        applies=lambda w: _ep(w) and moe_losses(w.cfg),
+        par_cls=StatisticsNotSummedOverEp,
     ),
     Control(
         name="all-to-all sent three times",
