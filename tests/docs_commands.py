@@ -345,6 +345,9 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-mixtral --mesh 4x2 --ep 2 --devices 8 --fsdp --sp --steps 2 --x64": verify(
         costly=EP
     ),
+    "meshlm bench --config tiny-mixtral --mesh 2x1 --ep 2 --devices 2 --steps 5": Shown(
+        "a measurement (5 implementations compiled and timed, ~1 min of CPU); bench's path: " + BENCH
+    ),
     "meshlm plan --config mixtral-8x7b --mesh 8x8 --ep 8 --devices 64 --fsdp --sp": run(
         "--config mixtral-8x7b => --config tiny-mixtral",
         "--mesh 8x8 --ep 8 --devices 64 => --mesh 2x2 --ep 2 --devices 4",
