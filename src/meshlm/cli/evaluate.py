@@ -23,7 +23,7 @@ from meshlm.settings import MESH_OPTIONS, MeshFlags
 from meshlm.train.eval_settings import EvalConfig, check_split
 
 # The mesh options eval runs without (a checkpoint written under any of them loads on any mesh).
-REFUSED = MESH_OPTIONS
+REFUSED = tuple(o for o in MESH_OPTIONS if o != "ep")  # --ep: the experts split, rows over dp
 PIPELINE = ("pp", "microbatches", "pp_schedule", "virtual_stages")
 
 
