@@ -345,6 +345,10 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-mixtral --mesh 4x2 --ep 2 --devices 8 --fsdp --sp --steps 2 --x64": verify(
         costly=EP
     ),
+    "meshlm train --config tiny-mixtral --ep 2 --mesh 2x1 --devices 2": Shown(
+        "a measurement (a run on the default data: its tokenizer alone takes minutes); the ep step's path: "
+        + EP
+    ),
     "meshlm bench --config tiny-mixtral --mesh 2x1 --ep 2 --devices 2 --steps 5": Shown(
         "a measurement (5 implementations compiled and timed, ~1 min of CPU); bench's path: " + BENCH
     ),
