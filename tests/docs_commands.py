@@ -43,6 +43,7 @@ CK = "tests/test_multiprocess.py::test_two_processes_train_like_one_and_checkpoi
 MATRIX = "tests/test_prover.py::test_matrix_rows_and_table"
 QK = MARGIN  # its tiny-qwen3 and tiny-olmo2 cases
 EP = "tests/test_ep.py::test_ep_with_fsdp_and_sp_equals_the_unsharded_model_and_its_faults_show"
+MOE = "tests/test_moe.py::test_moe_proven_sharded_with_its_controls_detected"
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,7 @@ COMMANDS: dict[str, Run | Shown] = {
     # docs/models.md
     "meshlm verify --config tiny-qwen3 --mesh 2x2 --devices 4 --steps 2 --x64": verify(costly=QK),
     "meshlm verify --config tiny-olmo2 --mesh 2x2 --devices 4 --steps 2 --x64": verify(costly=QK),
+    "meshlm verify --config tiny-mixtral --mesh 2x2 --devices 4 --steps 3 --x64": verify(costly=MOE),
     "meshlm train --config cpu --seq-len 4096 --mesh 1x1 --cp 4 --devices 4 --attention blockwise "
     "--batch-size 1 "
     "--steps 3 --warmup-steps 1 --eval-every 0 --save-every 0 --sample-tokens 40 --out runs/long": run(

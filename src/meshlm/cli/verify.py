@@ -147,6 +147,8 @@ def _verify(args, vs: VerifySettings, planned) -> int:
         cfg = cfg.replace(z_loss=vs.z_loss)
     if vs.remat is not None:
         cfg = cfg.replace(remat=vs.remat)
+    if vs.moe_aux_loss is not None:  # a dense model refuses it (ModelConfig: a MoE field)
+        cfg = cfg.replace(moe_aux_loss=vs.moe_aux_loss)
     from meshlm.proof import defaults
 
     seq_len, block = _shapes(vs, cfg, layout)

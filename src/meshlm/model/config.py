@@ -188,10 +188,12 @@ MOE_AUX_LOSSES = ("hf", "per-layer")  # ``model.moe.balance_loss``
 def _check_moe(cfg: ModelConfig) -> None:
     """The MoE fields agree with the family: sized where it has experts, zero where it has none."""
     if not cfg.arch.moe:
-        if cfg.n_experts or cfg.experts_per_token or cfg.moe_d_ff or cfg.shared_expert_d_ff:
+        sized = cfg.n_experts or cfg.experts_per_token or cfg.moe_d_ff or cfg.shared_expert_d_ff
+        if sized or cfg.moe_aux_loss != MOE_AUX_LOSSES[0]:
             raise ConfigError(
                 f"family {cfg.family!r} has a dense feed-forward; set n_experts, experts_per_token, "
-                "moe_d_ff and shared_expert_d_ff to 0 (or use a mixture-of-experts family: mixtral)"
+                "moe_d_ff and shared_expert_d_ff to 0 and drop --moe-aux-loss (or use a mixture-of-experts "
+                "family: mixtral)"
             )
         return
     if not (cfg.n_experts >= 1 and 1 <= cfg.experts_per_token <= cfg.n_experts and cfg.moe_d_ff >= 1):
