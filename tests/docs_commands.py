@@ -58,6 +58,8 @@ SOFTCAP_BW = (
     "meshlm verify --config tiny-gemma-softcap --attention blockwise --attn-block 8 "
     "--seq-len 64 --x64 --steps 2"
 )
+EP = "tests/test_ep.py::test_ep_with_fsdp_and_sp_equals_the_unsharded_model_and_its_faults_show"
+MOE = "tests/test_moe.py::test_moe_proven_sharded_with_its_controls_detected"
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,7 @@ COMMANDS: dict[str, Run | Shown] = {
         "meshlm bench --pp",
         "meshlm plan --schedule-png",
         "meshlm verify --doc-mask",
+        "meshlm bench --ep 2",
     ),
     **_names(
         "a placeholder, not a value (DIR, N, ring|allgather, ...): the forms with values are run",
@@ -255,6 +258,7 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-gemma3 --x64 --steps 2": verify(costly=QK),
     "meshlm verify --config tiny-gemma3 --mesh 1x1 --pp 2 --devices 2 --pp-schedule 1f1b "
     "--steps 2 --x64": verify(costly=PP),
+    "meshlm verify --config tiny-mixtral --mesh 2x2 --devices 4 --steps 3 --x64": verify(costly=MOE),
     "meshlm train --config cpu --seq-len 4096 --mesh 1x1 --cp 4 --devices 4 --attention blockwise "
     "--batch-size 1 "
     "--steps 3 --warmup-steps 1 --eval-every 0 --save-every 0 --sample-tokens 40 --out runs/long": run(
@@ -380,6 +384,23 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-llama --mesh 2x2 --cp 2 --cp-strategy allgather --devices 8 "
     "--seq-len 64 --fsdp "
     "--sp --steps 2 --x64": verify(costly=CPCOMM),
+    "meshlm verify --config tiny-mixtral --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
+    "meshlm verify --config tiny-mixtral --mesh 4x1 --ep 4 --devices 4 --steps 3 --x64": verify(costly=EP),
+    "meshlm verify --config tiny-mixtral --mesh 4x2 --ep 2 --devices 8 --fsdp --sp --steps 2 --x64": verify(
+        costly=EP
+    ),
+    "meshlm train --config tiny-mixtral --ep 2 --mesh 2x1 --devices 2": Shown(
+        "a measurement (a run on the default data: its tokenizer alone takes minutes); the ep step's path: "
+        + EP
+    ),
+    "meshlm bench --config tiny-mixtral --mesh 2x1 --ep 2 --devices 2 --steps 5": Shown(
+        "a measurement (5 implementations compiled and timed, ~1 min of CPU); bench's path: " + BENCH
+    ),
+    "meshlm plan --config mixtral-8x7b --mesh 8x8 --ep 8 --devices 64 --fsdp --sp": run(
+        "--config mixtral-8x7b => --config tiny-mixtral",
+        "--mesh 8x8 --ep 8 --devices 64 => --mesh 2x2 --ep 2 --devices 4",
+        expect=("ep=2",),
+    ),
     "meshlm convert --from-hf HF_DIR --out ck": run(),
     "meshlm verify --checkpoint ck --mesh 1x4 --devices 4": verify(
         costly=CK, after=("meshlm convert --from-hf HF_DIR --out ck",)

@@ -31,6 +31,7 @@ OLD_RECORDS = (
         "virtual_stages": 1,
     },
     {"dp": 2, "cp": 2, "mp": 1, "fsdp": True, "sp": False, "cp_strategy": "allgather"},
+    {"dp": 4, "ep": 2, "mp": 2, "fsdp": True, "sp": True},  # ep: the batch shards dp, ep of them experts
 )
 
 
@@ -46,7 +47,7 @@ def test_every_axis_is_a_layout_field_with_its_options_and_flags():
         assert {axis.name, *axis.options} <= fields
         assert axis.flags[0] == f"--{axis.name}"
         assert set(axis.dims) <= set(LOGICAL_DIMS)
-    assert [a.name for a in AXES] == ["pp", "dp", "cp", "mp"]  # the mesh order
+    assert [a.name for a in AXES] == ["pp", "dp", "ep", "cp", "mp"]  # the mesh order
     assert Layout(dp=2, mp=2, cp=2, fsdp=True).label() == "2x2 + CP2 ring + FSDP"
     assert Layout(mp=2, pp=2, microbatches=4, sp=True).label() == "pp2x1x2 + SP (1f1b, M=4)"
 

@@ -8,9 +8,9 @@ there, exactly as ``run_control`` and ``pipeline_controls`` build it. A crash is
 JAX's varying-axis type check rejecting the program is what verify counts as a detection, and passes.
 The configurations cover plain and blockwise attention, both cp strategies (ring on 2 and 3 shards),
 each pp schedule, pp x cp and the document mask under pp (their controls through the pipeline), a
-sliding window in the kernel and the ring, soft-capping in the kernel and the ring, FSDP and SP, and
-every tiny family preset; the last test requires every control to apply on at least one of them, so a
-new control cannot go untested here."""
+sliding window in the kernel and the ring, soft-capping in the kernel and the ring, experts over ep
+(with FSDP over the rest of dp and SP), FSDP and SP, and every tiny family preset; the last test
+requires every control to apply on at least one of them, so a new control cannot go untested here."""
 
 import jax.numpy as jnp
 import pytest
@@ -21,6 +21,7 @@ from meshlm.proof import model_problem
 from meshlm.proof.control_runs import trace_control
 from meshlm.proof.controls import CONTROLS
 from meshlm.proof.cp_controls import CP_CONTROLS
+from meshlm.proof.ep_controls import EP_CONTROLS
 from meshlm.proof.pipeline_proof import CONTROLS as PIPELINE_CONTROLS
 from meshlm.proof.pipeline_proof import applicable_controls
 from meshlm.proof.pipeline_verify import permute_controls, pipeline_control_fn, trace_model_control
@@ -28,6 +29,7 @@ from meshlm.proof.prover import control_set, where_of
 from meshlm.proof.rule_errors import is_vma_rejection
 from meshlm.proof.runs import Runs
 
+ALL_CONTROLS = CONTROLS + CP_CONTROLS + EP_CONTROLS  # the prover's default list
 BW = dict(attention="blockwise", attn_block=4)  # several K/V blocks per shard, a ragged last one
 FSDP_SP = Layout(dp=2, mp=2, fsdp=True, sp=True)
 # name: (preset, config changes, layout, batch, seq_len). Shapes tiny: only traced.
@@ -51,6 +53,7 @@ CONFIGS = {
     "tiny-qwen3 1x2 (per-head q/k norm)": ("tiny-qwen3", {}, Layout(mp=2), 1, 8),
     "tiny-olmo2 2x2 (q/k norm over the projection)": ("tiny-olmo2", {}, Layout(dp=2, mp=2), 2, 8),
     "tiny-phi3 1x2 (fused q/k/v and gate/up, window)": ("tiny-phi3", {}, Layout(mp=2), 1, 18),
+    "tiny-mixtral 2x2 (mixture of experts)": ("tiny-mixtral", {}, Layout(dp=2, mp=2), 2, 8),
     "tiny-gemma 1x2 soft-capped": (
         "tiny-gemma",
         {"attn_softcap": 50.0, "final_softcap": 30.0},
@@ -77,6 +80,7 @@ CONFIGS = {
         20,
     ),
     "tiny-lm 1x1 cp3 ring": ("tiny-lm", {"attn_block": 4}, Layout(cp=3), 1, 30),
+    "tiny-mixtral 4x2 ep2 fsdp sp": ("tiny-mixtral", {}, Layout(dp=4, mp=2, ep=2, fsdp=True, sp=True), 4, 8),
     "tiny-llama pp2 gpipe": ("tiny-llama", {}, Layout(pp=2, microbatches=4, pp_schedule="gpipe"), 4, 8),
     "tiny-llama pp2x1x2 sp 1f1b": ("tiny-llama", {}, Layout(pp=2, mp=2, sp=True, microbatches=4), 4, 8),
     "tiny-llama pp2x1x2 cp2 ring gpipe": (  # the ring's kernel on several K/V blocks (12 > 4 per shard)
@@ -106,16 +110,16 @@ CONFIGS = {
 def _problem(name):
     preset, changes, layout, batch, seq = CONFIGS[name]
     cfg = get_config(preset).replace(**changes)
-    kw = dict(dp=layout.dp, fsdp=layout.fsdp, sp=layout.sp, pp=layout.pp)
+    kw = dict(dp=layout.dp, fsdp=layout.fsdp, sp=layout.sp, pp=layout.pp, ep=layout.ep)
     return model_problem(cfg, name, layout.mp, batch, seq, **kw), layout
 
 
 def _applicable(problem, layout) -> list:
     """(name, trace) of each control verify runs on this configuration (``prover.verify``'s choice)."""
     where = where_of(problem, layout, collectives=True)
-    chosen = [(c.name, c) for c in control_set(where)]
+    chosen = [(c.name, c) for c in control_set(where, ALL_CONTROLS)]
     if layout.pipelined:  # the model's controls through the pipeline, the ring's by its permute count
-        chosen += [(c.name, c) for c in permute_controls(CONTROLS + CP_CONTROLS, where, True)]
+        chosen += [(c.name, c) for c in permute_controls(ALL_CONTROLS, where, True)]
         chosen += [(f"pipeline: {n}", n) for n in applicable_controls(layout.pipeline)]
     return chosen
 
@@ -140,7 +144,7 @@ def test_every_applicable_control_runs(name):
 
 
 def test_every_control_applies_on_some_configuration():
-    every = {c.name for c in CONTROLS + CP_CONTROLS} | {f"pipeline: {n}" for n in PIPELINE_CONTROLS}
+    every = {c.name for c in ALL_CONTROLS} | {f"pipeline: {n}" for n in PIPELINE_CONTROLS}
     applied = set()
     for name in CONFIGS:
         applied |= {label for label, _ in _applicable(*_problem(name))}

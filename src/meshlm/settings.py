@@ -103,6 +103,7 @@ WITHOUT = {
     "cp_strategy": "context parallelism",
     "fsdp": "FSDP",
     "sp": "sequence parallelism",
+    "ep": "expert parallelism",
 }
 
 
@@ -110,7 +111,7 @@ WITHOUT = {
 class MeshFlags:
     """The mesh's options, one base of every mesh-taking command's settings (train, verify, bench,
     plan; eval, generate and memory use it alone): --pp and its schedule, --cp and its strategy,
-    --fsdp, --sp. The mesh's DPxMP sizes are --mesh (``cli.common.add_common``). ``layout_options``
+    --fsdp, --sp, --ep. The mesh's DPxMP sizes are --mesh (``cli.common.add_common``). ``layout_options``
     is what ``Layout(dp, mp, **options)`` takes: the one place these fields become a layout's.
     They change speed and memory, not the model: a run resumes under other values."""
 
@@ -138,6 +139,13 @@ class MeshFlags:
     )
     fsdp: bool = setting(False, "FSDP (ZeRO-3): weights and AdamW moments also split over dp")
     sp: bool = setting(False, "sequence parallelism: activations between blocks split over mp")
+    # expert-parallel shards: ep of the dp data shards hold different experts (ep divides dp)
+    ep: int = setting(
+        1,
+        "expert-parallel shards: the experts split over ep of the dp data shards (ep divides dp; "
+        "--mesh 2x2 --ep 2: 4 devices)",
+        valid=POSITIVE_INT,
+    )
 
     def layout_options(self) -> dict[str, Any]:
         """The Layout's fields these flags set. ``microbatches`` defaults to pp: 1 without --pp, the
@@ -151,6 +159,7 @@ class MeshFlags:
             "cp_strategy": self.cp_strategy,
             "fsdp": self.fsdp,
             "sp": self.sp,
+            "ep": self.ep,
         }
 
     def given(self) -> list[str]:

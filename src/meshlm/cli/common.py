@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -182,7 +183,8 @@ def flag_layout(args, flags: MeshFlags | None = None) -> Layout | None:
     options = flags.layout_options() if flags is not None else {}
     if args.mesh:
         return Layout(*parse_mesh(args.mesh), **options)
-    options_alone = Layout(**options)  # their own rules (e.g. --microbatches without --pp), no devices
+    # their own rules (e.g. --microbatches without --pp), no devices; ep's needs a dp (``_setup``'s)
+    options_alone = Layout(**{**options, "ep": 1})
     return options_alone if options_alone.pipelined else None
 
 
@@ -222,9 +224,10 @@ def _setup(args, flags: MeshFlags | None, planned: Layout | None, default_dp: in
         layout = planned if planned is not None else flag_layout(args, flags)
     else:
         options = flags.layout_options() if flags is not None else {}
-        alone = Layout(**options)  # devices = pp x dp x cp x mp
+        alone = Layout(**{**options, "ep": 1})  # devices = pp x dp x cp x mp
         n = jax.device_count() // alone.pp
         dp = default_dp if n % (default_dp * alone.cp) == 0 and not alone.pipelined else 1
+        dp = math.lcm(dp, options.get("ep", 1))  # ep's shards are data shards: ep divides dp
         layout = Layout(dp=dp, mp=max(n // (dp * alone.cp), 1), **options)
     layout.mesh  # noqa: B018 -- built now (a device-count error before any work)
     return layout

@@ -26,7 +26,7 @@ from meshlm.settings import MESH_OPTIONS, MeshFlags
 
 DEFAULT_MAX_NEW = 128  # without --max-new-tokens: this many, or as many as the context still holds
 # The mesh options generate runs without (a checkpoint written under any of them loads on any mesh).
-REFUSED = MESH_OPTIONS
+REFUSED = tuple(o for o in MESH_OPTIONS if o != "ep")  # --ep: the experts split, rows over dp
 
 
 def add_parser(sub) -> None:

@@ -156,6 +156,8 @@ def _verify(args, vs: VerifySettings, planned) -> int:
         cfg = cfg.replace(z_loss=vs.z_loss)
     if vs.remat is not None:
         cfg = cfg.replace(remat=vs.remat)
+    if vs.moe_aux_loss is not None:  # a dense model refuses it (ModelConfig: a MoE field)
+        cfg = cfg.replace(moe_aux_loss=vs.moe_aux_loss)
     from meshlm.proof import defaults
 
     seq_len, block = _shapes(vs, cfg, layout)
@@ -168,7 +170,17 @@ def _verify(args, vs: VerifySettings, planned) -> int:
     print0(f"shapes: batch {batch} x {seq_len} tokens{kernel}", file=sys.stderr)
     strategy(layout).check(cfg, layout)  # e.g. layers a pipeline cannot split
     problem = model_problem(
-        cfg, name, mp, batch, seq_len, vs.seed, dp=dp, fsdp=layout.fsdp, sp=layout.sp, pp=layout.pp
+        cfg,
+        name,
+        mp,
+        batch,
+        seq_len,
+        vs.seed,
+        dp=dp,
+        fsdp=layout.fsdp,
+        sp=layout.sp,
+        pp=layout.pp,
+        ep=layout.ep,
     )
     if vs.checkpoint:
         problem = dataclasses.replace(problem, load_params=lambda m: load_model(vs.checkpoint, m)[1])

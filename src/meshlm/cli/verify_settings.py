@@ -47,6 +47,13 @@ class VerifySettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: t
     )
     checkpoint: str | None = setting(None, "prove with these parameters (run dir or step dir)")
     z_loss: float | None = setting(None, "prove with this z-loss coefficient", valid=NON_NEGATIVE_FLOAT)
+    moe_aux_loss: str | None = setting(
+        None,
+        "a mixture of experts' load-balancing convention: hf (pooled over layers, ~k balanced) or "
+        "per-layer (Megatron's, ~1)",
+        shown_default="the config's",
+        choices=("hf", "per-layer"),
+    )
     collectives: bool = setting(
         True,
         "the communication check",

@@ -33,8 +33,10 @@ from meshlm.parallel.layout import Layout
 CACHE_SPEC = P(None, DP, None, MP, None)  # global [L, B, S, Kc, E]
 
 
-def cache_specs(cfg: ModelConfig) -> dict:
-    return {"k": CACHE_SPEC, "v": CACHE_SPEC} if cfg.arch.attention else {}
+def cache_specs(cfg: ModelConfig, rows=DP) -> dict:
+    """The K and V caches' specs, rows over ``rows`` (``Layout.rows``: DP, or (DP, EP) with ep on)."""
+    spec = CACHE_SPEC if rows == DP else P(None, rows, None, MP, None)
+    return {"k": spec, "v": spec} if cfg.arch.attention else {}
 
 
 def cache_heads(cfg: ModelConfig, mp: int) -> tuple[int, int]:

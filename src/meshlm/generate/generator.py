@@ -44,7 +44,6 @@ from meshlm.generate.streaming import (
     push_tokens,
 )
 from meshlm.model.config import ModelConfig
-from meshlm.parallel.axes import DP
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import to_host
 from meshlm.sharding.rules import model_specs, shardings
@@ -89,7 +88,7 @@ class Generator:
     def _constants(self, sampling: Sampling, batch: int) -> tuple:
         """(rows, key, sampling) on device for this call: placed once per generate, not per step."""
         if self._last_constants[0] != (sampling, batch):
-            rows = self._put(np.arange(batch, dtype=np.int32), P(DP))
+            rows = self._put(np.arange(batch, dtype=np.int32), P(self.layout.rows))
             key = self._put(jax.random.PRNGKey(sampling.seed), P())
             self._last_constants = ((sampling, batch), (rows, key, self._put(sampling.args(), P())))
         return self._last_constants[1]
@@ -97,15 +96,15 @@ class Generator:
     def prefill(self, tokens: np.ndarray, lengths: np.ndarray, sampling: Sampling):
         """tokens [B, S] right-padded host ids, lengths [B] -> device (next [B], logits [B, V], cache)."""
         rows, key, settings = self._constants(sampling, tokens.shape[0])
-        tokens_d = self._put(tokens.astype(np.int32), P(DP, None))
-        lengths_d = self._put(lengths.astype(np.int32), P(DP))
+        tokens_d = self._put(tokens.astype(np.int32), P(self.layout.rows, None))
+        lengths_d = self._put(lengths.astype(np.int32), P(self.layout.rows))
         run = self._executables(tokens.shape[0])["prefill"]
         return run(self.params, tokens_d, lengths_d, rows, key, settings)
 
     def decode_step(self, tokens, positions, cache, sampling: Sampling, step: int, starts):
         """tokens, positions, doc starts [B] host ids -> device (next [B], logits [B, V], cache: donated)."""
         rows, key, settings = self._constants(sampling, len(tokens))
-        put = lambda x: self._put(np.asarray(x, np.int32), P(DP))
+        put = lambda x: self._put(np.asarray(x, np.int32), P(self.layout.rows))
         at = np.minimum(positions, self.max_len - 1)
         run, step_d = self._executables(len(tokens))["decode"], self._put(np.int32(step), P())
         return run(self.params, put(tokens), put(at), rows, cache, key, step_d, settings, put(starts))

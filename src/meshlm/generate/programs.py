@@ -33,7 +33,6 @@ from meshlm.generate.inputs import Sampling
 from meshlm.model.config import ModelConfig
 from meshlm.model.layers import upcast
 from meshlm.model.transformer import local_logits
-from meshlm.parallel.axes import DP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 
@@ -107,9 +106,10 @@ def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype):
         logits, cache = apply(params, tokens[:, None], positions[:, None], last, cache, starts[:, None])
         return sample(logits, key, rows, step, sampling), logits, cache
 
-    row, cspec = P(DP), cache_specs(cfg)
-    out = (row, P(DP, None), cspec)
-    prefill_in = (specs, P(DP, None), row, row, P(), P())
+    rows = layout.rows  # DP, or (DP, EP): ep's shards are data shards
+    row, cspec = P(rows), cache_specs(cfg, rows)
+    out = (row, P(rows, None), cspec)
+    prefill_in = (specs, P(rows, None), row, row, P(), P())
     decode_in = (specs, row, row, row, cspec, P(), P(), P(), row)
     return (
         jax.shard_map(prefill, mesh=mesh, in_specs=prefill_in, out_specs=out),
@@ -137,12 +137,15 @@ class Programs:
     def executables(self, params, batch: int) -> dict:
         """Compile prefill and decode for a global ``batch`` (ahead of time: never inside a timing)."""
         if batch not in self.by_batch:
-            row = self._abstract((batch,), jnp.int32, P(DP))
+            rows = self.layout.rows
+            row = self._abstract((batch,), jnp.int32, P(rows))
             key = self._abstract(jax.eval_shape(jax.random.PRNGKey, 0).shape, jnp.uint32, P())
             sampling = tuple(self._abstract((), x.dtype, P()) for x in Sampling().args())
-            tokens = self._abstract((batch, self.max_len), jnp.int32, P(DP, None))
+            tokens = self._abstract((batch, self.max_len), jnp.int32, P(rows, None))
             cshape = cache_shape(self.cfg, self.layout.mp, batch, self.max_len)
-            cache = {k: self._abstract(cshape, self.cache_dtype, s) for k, s in cache_specs(self.cfg).items()}
+            cache = {
+                k: self._abstract(cshape, self.cache_dtype, s) for k, s in cache_specs(self.cfg, rows).items()
+            }
             step = self._abstract((), jnp.int32, P())
             prefill = self.jit["prefill"].lower(params, tokens, row, row, key, sampling)
             decode = self.jit["decode"].lower(params, row, row, row, cache, key, step, sampling, row)

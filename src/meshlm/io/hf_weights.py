@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from meshlm.errors import CheckpointError, ConfigError
+from meshlm.io import hf_experts
 from meshlm.io.hf_config import architectures, config_from_hf, config_to_hf
 from meshlm.model.config import ModelConfig
 from meshlm.model.padding import VOCAB_AXIS, resize, resize_flat
@@ -96,6 +97,8 @@ def _torch_shape(shape: tuple[int, ...], kind: str) -> tuple[int, ...]:
         return (shape[2], shape[0] * shape[1])
     if kind == "heads":  # ours [heads, E]
         return (shape[0] * shape[1],)
+    if kind == hf_experts.EXPERTS:  # ours [E, in, out]
+        return (shape[0], shape[2], shape[1])
     return shape
 
 
@@ -105,10 +108,14 @@ def _from_torch(w: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:
         return w
     if kind == "heads":
         return w.reshape(shape)
+    if kind == hf_experts.EXPERTS:
+        return w.transpose(0, 2, 1)
     return w.T.reshape(shape)  # heads split head-major, as HF's view(..., -1, head_dim)
 
 
 def _to_torch(w: np.ndarray, kind: str) -> np.ndarray:
+    if kind == hf_experts.EXPERTS:
+        return w.transpose(0, 2, 1)
     if kind == "heads":
         return w.reshape(-1)
     if kind in ("q", "kv"):
@@ -267,7 +274,7 @@ def _convert(tensors: dict, hf_names: list[str], kind: str, shape, dtype, stacke
     one = shape[1:] if stacked else shape
     parts = []
     for name in hf_names:
-        w = tensors.pop(name)
+        w = hf_experts.pop(tensors, name, kind, one[0] if kind == hf_experts.EXPERTS else 0)
         if tuple(w.shape) != _torch_shape(one, kind):
             raise CheckpointError(
                 f"{where}: tensor {name} has shape {tuple(w.shape)} but config.json implies "
@@ -293,8 +300,12 @@ def load_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     tensors = _read_tensors(directory)
     if cfg.tie_embeddings:
         _untie(cfg, tensors, directory)
+    hf_experts.unfuse(tensors, cfg.arch.hf.fused, cfg.arch.hf.layer_prefix, cfg.n_layers)
     names = name_map(cfg)
-    _check_names(tensors, {n for hf_names, _ in names.values() for n in hf_names}, directory)
+    wanted = {
+        n for hf_names, kind in names.values() for n in hf_experts.expand(hf_names, kind, cfg.n_experts)
+    }
+    _check_names(tensors, wanted, directory)
     shapes, flat = expected_shapes(cfg.replace(vocab_multiple=1)), {}  # HF: unpadded
     _split_fused(tensors, names, shapes, directory)
     for path, (shape, dtype) in shapes.items():
@@ -330,8 +341,8 @@ def save_hf(cfg: ModelConfig, flat_params: dict[str, Any], out_dir: str | Path) 
         for name, part in zip(hf_names, parts, strict=True):
             if kind.startswith(FUSED):  # a row slice: the fused tensor is its slices in map order
                 tensors.setdefault(name, []).append(_to_torch(part, kind[len(FUSED) :]))
-            else:
-                tensors[name] = _to_torch(part, kind)
+            else:  # experts stacked on a leading E dim are split into per-expert tensors
+                tensors.update(hf_experts.split(name, _to_torch(part, kind), kind))
     tensors = {
         n: np.ascontiguousarray(np.concatenate(t) if isinstance(t, list) else t) for n, t in tensors.items()
     }

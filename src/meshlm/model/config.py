@@ -22,7 +22,27 @@ ATTENTION = ("plain", "blockwise")  # see meshlm.model.attention and meshlm.mode
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class MoEFields:
+    """``ModelConfig``'s mixture-of-experts fields (a base: its fields come first in the dataclass)."""
+
+    # A mixture-of-experts feed-forward (families with ``Family.moe``: ``model.moe``), 0 elsewhere: E
+    # experts, k of them per token, each a gated MLP of ``moe_d_ff`` hidden units; the top-k weights
+    # renormalised to sum to 1 (``norm_topk_prob``); Qwen2-MoE's shared expert (its width; 0: none);
+    # the load-balancing loss (``moe_aux_loss``: "hf", transformers' pooled over layers, ~k when
+    # balanced, or "per-layer", Megatron's mean over layers, ~1) and router z-loss coefficients. A saved
+    # config without these fields predates them: a dense model, exactly as it was.
+    n_experts: int = 0
+    experts_per_token: int = 0
+    moe_d_ff: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_d_ff: int = 0
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
+    moe_aux_loss: str = "hf"
+
+
+@dataclass(frozen=True)
+class ModelConfig(MoEFields):
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
     d_model: int = 128  # residual stream width
@@ -99,6 +119,7 @@ class ModelConfig:
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
         _check_plain_only(self)
+        _check_moe(self)
 
     @property
     def arch(self) -> Family:
@@ -183,6 +204,33 @@ def _check_plain_only(cfg: ModelConfig) -> None:
             raise ConfigError(f"{name}={value} needs a family with attention; set {name}=0")
 
 
+MOE_AUX_LOSSES = ("hf", "per-layer")  # ``model.moe.balance_loss``
+
+
+def _check_moe(cfg: ModelConfig) -> None:
+    """The MoE fields agree with the family: sized where it has experts, zero where it has none."""
+    if not cfg.arch.moe:
+        sized = cfg.n_experts or cfg.experts_per_token or cfg.moe_d_ff or cfg.shared_expert_d_ff
+        if sized or cfg.moe_aux_loss != MOE_AUX_LOSSES[0]:
+            raise ConfigError(
+                f"family {cfg.family!r} has a dense feed-forward; set n_experts, experts_per_token, "
+                "moe_d_ff and shared_expert_d_ff to 0 and drop --moe-aux-loss (or use a mixture-of-experts "
+                "family: mixtral)"
+            )
+        return
+    if not (cfg.n_experts >= 1 and 1 <= cfg.experts_per_token <= cfg.n_experts and cfg.moe_d_ff >= 1):
+        raise ConfigError(
+            f"family {cfg.family!r} needs n_experts >= 1, 1 <= experts_per_token <= n_experts and "
+            f"moe_d_ff >= 1; got {cfg.n_experts}, {cfg.experts_per_token}, {cfg.moe_d_ff}"
+        )
+    if cfg.shared_expert_d_ff:  # the layer has one (``model.moe._shared``); its proof is still to come
+        raise ConfigError(
+            f"shared_expert_d_ff={cfg.shared_expert_d_ff}: a shared expert is not proven yet; set it to 0"
+        )
+    if cfg.moe_aux_loss not in MOE_AUX_LOSSES:
+        raise ConfigError(f"moe_aux_loss is one of {', '.join(MOE_AUX_LOSSES)}; got {cfg.moe_aux_loss!r}")
+
+
 # What each numeric field accepts; the others must just have their annotated type (str or bool).
 RANGES: dict[str, Range] = {
     **dict.fromkeys(("vocab_size", "d_model", "n_layers", "d_ff", "max_seq_len"), POSITIVE_INT),
@@ -204,6 +252,10 @@ RANGES: dict[str, Range] = {
     "global_every": Range(int, 0, note="0: every layer alike"),
     "rope_local_theta": Range(float, 0, note="0: rope_theta"),
     "rope_linear": Range(float, 0, note="0: none"),
+    **dict.fromkeys(("n_experts", "experts_per_token", "moe_d_ff"), Range(int, 0, note="0: dense")),
+    "shared_expert_d_ff": Range(int, 0, note="0: none"),
+    "router_aux_loss_coef": NON_NEGATIVE_FLOAT,
+    "router_z_loss_coef": NON_NEGATIVE_FLOAT,
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 

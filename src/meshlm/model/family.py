@@ -49,6 +49,10 @@ class HFNames:
     top: dict = field(default_factory=dict)  # tensors outside the layer stack
     layer: dict = field(default_factory=dict)  # tensors of one layer, under ``layer_prefix``
     layer_prefix: str = ""  # e.g. "model.layers.{i}."
+    # A mixture of experts: layer tensors per expert are named with "{e}" (layout "experts": [E, out,
+    # in] <-> ours [E, in, out]); ``fused``: transformers 5's in-memory names -> the per-expert names
+    # each concatenates along dim 1 (``io.hf_experts``), or a plain rename (one name without "{e}").
+    fused: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,11 @@ class Family:
     # heads; its mean square gathered over mp) or "head_plus_one" (Gemma 3: as "head", times (1 + w)).
     # None: none.
     qk_norm: str | None = None
+    # The feed-forward is a mixture of experts (``model.moe``: a router, top-k of ``n_experts`` gated
+    # MLPs; ``ModelConfig``'s MoE fields size it); False: the dense MLP.
+    moe: bool = False
 
     def per_layer_text(self) -> str:
         """The minimum's per-layer all-reduces, as the communication check words them."""
-        return f"{self.row_sums} forward, {self.row_sums} backward"
+        moe = " + 1 backward: the MoE combine weights" if self.moe else ""
+        return f"{self.row_sums} forward, {self.row_sums} backward{moe}"

@@ -20,6 +20,7 @@ from meshlm.model.params import leaf_name
 from meshlm.parallel.context import Parallel
 
 NORM_PARAMS = ("scale", "offset")
+EXPERTS_MODULE = "experts"  # a MoE layer's expert weights [E, ...] live in a module of this name
 
 
 def _policy(remat: str):
@@ -43,10 +44,14 @@ def remat_body(remat: str, body):
 
 def parallel_getter(par: Parallel):
     """A Haiku custom getter: each parameter as ``par`` has the layers use it (``Parallel.param``);
-    the value a layer asked for has the shape it requested, so layers are unchanged."""
+    the value a layer asked for has the shape it requested, so layers are unchanged. Expert weights
+    pass the ``expert_weight`` tap (identity: where the proof plants an expert-gradient fault)."""
 
     def getter(next_getter, value, context):
         shape = context.original_shape
-        return next_getter(par.param(value, shape, leaf_name(context.full_name) in NORM_PARAMS))
+        used = par.param(value, shape, leaf_name(context.full_name) in NORM_PARAMS)
+        if context.module_name.rsplit("/", 1)[-1] == EXPERTS_MODULE:
+            used = par.tap("expert_weight", used)
+        return next_getter(used)
 
     return getter

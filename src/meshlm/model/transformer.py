@@ -32,6 +32,7 @@ from meshlm.model.layers import (
     vocab_parallel_xent,
 )
 from meshlm.model.memory import parallel_getter, remat_body
+from meshlm.model.moe import aux_loss, moe_layer, moe_losses
 from meshlm.parallel.context import Parallel
 
 GPT_STDDEV = 0.02  # GPT-J / Llama initialisation
@@ -116,10 +117,20 @@ def _sandwich_layer(cfg: ModelConfig, par: Parallel):
     return layer
 
 
+def _block(cfg: ModelConfig, par: Parallel):
+    """The family's layer: x -> (x, cache), or with a mixture of experts (x, cache, statistics)."""
+    if cfg.arch.moe:
+        attention = lambda: Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)
+        return moe_layer(cfg, par, norm=lambda name: _norm(cfg, name), attention=attention, stddev=GPT_STDDEV)
+    return BLOCKS[cfg.arch.block](cfg, par)
+
+
 def _stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
     """Apply n_layers copies of ``layer`` with stacked parameters [L, ...] (flat compile time). The
     per-layer inputs: the KV cache (generation) and each layer's kind (Gemma 2/3's local and global
     layers, ``attention.layer_kinds``): traced values, so the parameters stay uniform."""
+    if cfg.arch.moe:
+        return _moe_stack(cfg, layer, x, positions, cache, starts)
     kinds = attention.layer_kinds(cfg)
     body = remat_body(cfg.remat, lambda x, c, k: layer(x, positions, c, starts, k))
     if cache is None and kinds is None:
@@ -135,6 +146,22 @@ def _stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
     if cache is None:
         return stacked(lambda x, k: (body(x, None, k)[0], None))(x, kinds)[0], None
     return stacked(body)(x, cache, kinds)
+
+
+def _moe_stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
+    """``_stack`` of mixture-of-experts layers -> (x, cache, routing statistics [L, 2E + 2]): each
+    layer's statistics leave the stack as its per-layer output (``model.moe``)."""
+
+    def step(x, c):
+        y, c, stats = layer(x, positions, c, starts)
+        return y, (c, stats)
+
+    body = remat_body(cfg.remat, step)
+    stacked = hk.experimental.layer_stack(
+        cfg.n_layers, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers"
+    )
+    x, (cache, stats) = stacked(body)(x, cache)
+    return x, cache, stats
 
 
 BLOCKS = {  # Family.block
@@ -157,6 +184,13 @@ def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=
     (``cfg.padded_vocab``): columns from ``cfg.vocab_size`` on are padding, for callers to mask.
     With ``cfg.doc_mask``: ``starts`` [B, T], where each token's document starts (absolute positions;
     default: from the EOD ids in ``tokens``, a window whose first token is at position 0)."""
+    logits, cache, _ = local_logits_stats(cfg, par, tokens, positions, cache, starts)
+    return logits, cache
+
+
+def local_logits_stats(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=None, starts=None):
+    """``local_logits`` and the layers' routing statistics of this shard's tokens ([L, 2E + 2] with a
+    mixture of experts, ``model.moe``; None without)."""
     _check_seq_len(cfg, tokens.shape[-1])
     _check_context_parallel(cfg, par)
     par.seq_len_check(tokens.shape[-1])
@@ -171,8 +205,8 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, sta
         starts = par.tap("doc_starts", doc_starts(tokens, cfg.doc_mask) if starts is None else starts)
     embed = _embed(cfg, par)
     x = _scaled(cfg, embed(tokens))  # [B, T, D]; with sp [B, T/mp, D] per shard
-    x, cache = _stack(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, cache, starts)
-    return _head_logits(cfg, par, x, embed), cache
+    x, cache, *stats = _stack(cfg, _block(cfg, par), x, positions, cache, starts)
+    return _head_logits(cfg, par, x, embed), cache, (stats[0] if stats else None)
 
 
 def _check_seq_len(cfg: ModelConfig, seq_len: int) -> None:
@@ -292,11 +326,14 @@ def loss_fn(cfg: ModelConfig, par: Parallel):
     """A Haiku function: batch {"inputs", "targets": [B, T]} -> mean loss over the global batch."""
 
     def loss(batch):  # with cp, each shard computes its own chunks of the sequence (``parallel.cp``)
-        logits, _ = local_logits(cfg, par, par.seq_local(batch["inputs"]))
+        logits, _, stats = local_logits_stats(cfg, par, par.seq_local(batch["inputs"]))
         logits = mask_vocab_padding(par, par.seq_out(logits), cfg.vocab_size)  # padded ids never chosen
         targets = par.seq_local(batch["targets"])
         per_token = vocab_parallel_xent(par, logits, targets, cfg.z_loss)  # [B, T] (with cp: [B, T/cp])
-        return par.batch_mean(jnp.mean(per_token))
+        loss = jnp.mean(per_token)
+        if stats is not None and moe_losses(cfg):  # of the whole global batch's statistics (``model.moe``)
+            loss = loss + aux_loss(cfg, par.moe_sum(stats)).astype(loss.dtype)
+        return par.batch_mean(loss)
 
     return loss
 

@@ -27,15 +27,19 @@ MP = "mp"  # model-parallel axis: heads, hidden units and the vocabulary are spl
 MESH_AXES = (DP, MP)  # the axes every mesh has (a (dp, mp) mesh: ``make_mesh``'s default)
 CP = "cp"  # context-parallel axis: the sequence split over it (a mesh has it only when cp > 1: ``Layout``)
 PP = "pp"  # pipeline axis: consecutive layer chunks over it (``parallel.pipeline``); outermost when present
+EP = "ep"  # expert-parallel axis: the experts split over it; its devices are data shards (``Layout.ep``)
 # A layout with pp > 1 has the mesh (pp, dp, mp); without, (dp, mp) as always (``Layout.shape``);
 # cp > 1 adds CP between DP and MP: (pp, dp, cp, mp), each axis present only when its size > 1.
+# ep > 1 adds EP after DP: (dp, ep, cp, mp). ep borrows devices from the data axis: ``Layout.dp`` stays
+# the number of batch shards and the mesh's DP axis holds the rest, dp / ep (``AxisFacts.mesh_shape``).
 PIPELINE_MESH_AXES = (PP, DP, MP)
 
 CP_STRATEGIES = ("ring", "allgather")  # how attention reaches the other cp shards' keys and values
 PIPELINE_OPTIONS = ("microbatches", "pp_schedule", "virtual_stages")
 PIPELINE_DEFAULTS = {"microbatches": 1, "pp_schedule": "1f1b", "virtual_stages": 1}
 # The logical dimensions of parameters (``sharding.rules``' rows name them); ``Axis.dims`` maps them.
-LOGICAL_DIMS = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers")
+# "experts": a mixture-of-experts weight's leading [E] dim (no axis splits it without ``ep``; mp never).
+LOGICAL_DIMS = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "experts")
 
 
 def _nothing(layout) -> None:
@@ -96,6 +100,29 @@ def _check_context(layout) -> None:
         )
 
 
+def _check_experts(layout) -> None:
+    """ep borrows devices from the data axis: it must divide dp; what it does not combine with."""
+    from meshlm.errors import ConfigError
+
+    if layout.dp % layout.ep:
+        raise ConfigError(
+            f"--ep {layout.ep} must divide dp={layout.dp}: ep borrows its devices from the data axis "
+            f"(--mesh {layout.dp}x{layout.mp} --ep {layout.ep}); use an --ep that divides {layout.dp}"
+        )
+    if layout.ep > 1 and layout.pp > 1:
+        raise ConfigError(
+            f"--ep {layout.ep} cannot be combined with --pp {layout.pp}: the pipeline's stages do not "
+            "yet dispatch tokens to experts over ep; drop --ep (or --pp)"
+        )
+    # --fsdp splits weights over the mesh's DP axis: the data shards outside ep (dp / ep). With dp = ep
+    # that axis has size 1 and the weights stay whole on every data shard (docs/proof.md, "Expert
+    # parallelism"): accepted, so a plan can compare it, not refused.
+
+
+def _expert_label(layout) -> tuple[str, str, str]:
+    return ("", f" + EP{layout.ep}", "") if layout.ep > 1 else ("", "", "")
+
+
 def _pipeline_label(layout) -> tuple[str, str, str]:
     if layout.pp == 1:
         return "", "", ""
@@ -125,6 +152,14 @@ AXES: tuple[Axis, ...] = (  # in mesh order
         option_dims=(("fsdp", "embed"),),  # FSDP: each weight's model-width dim, never one mp splits
     ),
     Axis(
+        EP,
+        "the experts (MoE layers' expert weights); its devices are data shards: dp = (dp / ep) x ep",
+        check=_check_experts,
+        label=_expert_label,
+        batch=True,
+        dims=("experts",),
+    ),
+    Axis(
         CP,
         "the sequence, in 2 x cp load-balanced chunks (each shard holds chunks i and 2cp-1-i)",
         options=("cp_strategy",),
@@ -148,7 +183,7 @@ class AxisFacts:
 
     @property
     def devices(self) -> int:
-        return math.prod(self.shape.values())
+        return math.prod(self.mesh_shape.values())
 
     @property
     def shape(self) -> dict[str, int]:
@@ -156,6 +191,24 @@ class AxisFacts:
         {"dp": 2, "mp": 2}; pp and cp only when > 1: {"pp": 2, "dp": 2, "mp": 2}, {"dp": 1, "cp": 2,
         "mp": 2} (so 2-D meshes are unchanged)."""
         return {a.name: getattr(self, a.name) for a in AXES if a.always or self.on(a.name)}
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """{axis name: size} of the jax mesh: ``shape`` but the DP axis holds the data shards outside
+        ep, dp / ep (ep borrows devices from the data axis): --mesh 4x2 --ep 2 is the mesh
+        {"dp": 2, "ep": 2, "mp": 2} of 8 devices, 4 batch shards."""
+        return {a: s // self.ep if a == DP else s for a, s in self.shape.items()}
+
+    @property
+    def rows(self):
+        """The mesh axes the batch's rows are split over (a PartitionSpec entry): DP, or (DP, EP) with
+        ep on (batch shard d x ep + e on mesh position (d, e)); cp shards each get whole rows."""
+        return (DP, EP) if self.on(EP) else DP
+
+    @property
+    def experts_split(self) -> bool:
+        """The experts are split over an ep axis (ep > 1)."""
+        return self.on(EP)
 
     def on(self, axis: str) -> bool:
         """Whether ``axis`` splits anything here (its size is > 1)."""
@@ -199,7 +252,7 @@ class AxisFacts:
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        """The mesh axes the batch's tokens are split over (dp, and cp when on)."""
+        """The mesh axes the batch's tokens are split over (dp, and ep and cp when on)."""
         return tuple(a for a in self.shape if a in {x.name for x in AXES if x.batch})
 
     def logical_axes(self) -> dict[str, str]:

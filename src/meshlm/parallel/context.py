@@ -33,11 +33,13 @@ from jax import lax
 
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.cp import ContextParallel
+from meshlm.parallel.ep import ExpertAxis
+from meshlm.parallel.experts import ExpertParallel
 from meshlm.parallel.layout import Layout
 
 
 @dataclass(frozen=True)
-class Parallel(ContextParallel):
+class Parallel(ContextParallel, ExpertAxis, ExpertParallel):  # ExpertAxis: ep's, before the all-local
     # The mesh's sizes and options (mp shards, sp, cp, ...); the default, 1x1, is the unsharded model.
     layout: Layout = field(default_factory=Layout)
     sharded: bool = False  # True inside shard_map over the layout's mesh
@@ -136,5 +138,5 @@ class Parallel(ContextParallel):
         every token of the global batch (each shard holds as many tokens)."""
         if not self.sharded:
             return x
-        axes = self.layout.batch_axes  # dp, and cp when on (``Axis.batch``)
+        axes = self.layout.batch_axes  # dp, and ep and cp when on (``Axis.batch``)
         return lax.pmean(x, axes if len(axes) > 1 else axes[0])

@@ -41,6 +41,8 @@ from meshlm.parallel.axes import (
     AXIS_NAMES,
     CP,
     CP_STRATEGIES,
+    DP,
+    EP,
     MESH_AXES,
     PIPELINE_OPTIONS,
     PP,
@@ -65,6 +67,9 @@ class Layout(AxisFacts):
     virtual_stages: int = 1  # with pp > 1 and interleaved: layer chunks per device
     cp: int = 1  # context-parallel shards: the sequence split over them (load-balanced chunks i, 2cp-1-i)
     cp_strategy: str = "ring"  # ring: K/V passed around cp (ppermute); allgather: K/V gathered per layer
+    # expert-parallel shards: of the dp data shards, ep hold different experts (ep divides dp; the
+    # mesh's DP axis is then dp / ep: ``mesh_shape``)
+    ep: int = 1
     # The mesh this layout was built from (``of``), or made on first use: not part of the value.
     built_mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -98,12 +103,12 @@ class Layout(AxisFacts):
 
     @property
     def mesh(self):
-        """The jax Mesh (dp, mp), (pp, dp, mp) or (dp, cp, mp) of this layout (``parallel.mesh.make_mesh``
-        on first use)."""
+        """The jax Mesh (dp, mp), (pp, dp, mp), (dp, cp, mp) or (dp / ep, ep, mp) of this layout
+        (``parallel.mesh.make_mesh`` on first use)."""
         if self.built_mesh is None:
             from meshlm.parallel.mesh import make_mesh
 
-            shape = self.shape
+            shape = self.mesh_shape
             object.__setattr__(self, "built_mesh", make_mesh(*shape.values(), axes=tuple(shape)))
         return self.built_mesh
 
@@ -112,7 +117,7 @@ class Layout(AxisFacts):
 
     def label(self) -> str:
         """The mesh and the options that are on: "2x2", "2x2 + FSDP + SP", "1x2 + CP2 ring",
-        "pp2x1x2 (1f1b, M=4)"."""
+        "pp2x1x2 (1f1b, M=4)", "2x2 + EP2"."""
         return _label(self)
 
     def to_dict(self) -> dict[str, Any]:
@@ -155,9 +160,14 @@ def _from_mesh(cls, mesh, options: dict) -> Layout:
     if pp != sizes.get(PP, 1):
         raise MeshError(f"pp={pp} but the mesh has {sizes.get(PP, 1)} pipeline stage(s); make them equal")
     cp = {CP: sizes[CP]} if CP in sizes else {}
+    # ep borrows devices from the data axis: the layout's dp counts every batch shard, dp x ep here
+    ep = sizes.get(EP, 1)
+    if (asked := options.pop(EP, ep)) != ep:
+        raise MeshError(f"ep={asked} but the mesh has {ep} expert shard(s); make them equal")
+    dims = {axis: sizes[axis] * (ep if axis == DP else 1) for axis in MESH_AXES}
     # A cp the mesh lacks: a (dp, cp, mp) mesh of the same dp and mp, made on first use.
     built = mesh if options.get(CP, sizes.get(CP, 1)) == sizes.get(CP, 1) else None
-    return cls(**{axis: sizes[axis] for axis in MESH_AXES}, pp=pp, **{**cp, **options}, built_mesh=built)
+    return cls(**dims, pp=pp, **({EP: ep} if ep > 1 else {}), **{**cp, **options}, built_mesh=built)
 
 
 def _label(layout: Layout) -> str:

@@ -18,10 +18,17 @@ BATCH_SPEC = P(DP, None)  # inputs / targets [B, T]: rows split over data-parall
 ACCUM_BATCH_SPEC = P(None, DP, None)  # [A, B, T] with gradient accumulation: micro-batch major
 
 
+def batch_spec(layout, accum_steps: int = 1) -> P:
+    """[B, T] (or [A, B, T] with accumulation) rows split over the ``Layout``'s data shards: DP, or
+    (DP, EP) where ep borrows data shards (``Layout.rows``)."""
+    rows = layout.rows
+    return P(rows, None) if accum_steps == 1 else P(None, rows, None)
+
+
 def batch_sharding(layout, accum_steps: int) -> NamedSharding:
     """Host batches are [B, T], or [A, B, T] with gradient accumulation, on the ``Layout``'s mesh;
-    rows split over DP."""
-    return NamedSharding(layout.mesh, BATCH_SPEC if accum_steps == 1 else ACCUM_BATCH_SPEC)
+    rows split over the data shards (``batch_spec``)."""
+    return NamedSharding(layout.mesh, batch_spec(layout, accum_steps))
 
 
 def put_global(value, sharding) -> jax.Array:

@@ -57,6 +57,7 @@ from meshlm.train.step import init_model, init_opt_state, reference_step, sharde
 
 IMPLS = ("meshlm", "unsharded", "gspmd", "plain")
 NO_PP = "no-pp"  # with --pp: the same model on the dp x mp mesh without the pipeline
+NO_EP = "no-ep"  # with --ep: the same model on the same devices, every expert on every data shard
 
 
 # --- the three implementations --------------------------------------------------------------------
@@ -104,15 +105,21 @@ def build_impls(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: B
     gref, gref_opt = reference_step(cfg, ocfg, gspmd_params)
     gopt = init_opt_state(gref_opt, gspmd_params, specs, mesh)
     gspmd = _compiled("gspmd", gref, gspmd_params, gopt, mesh_batch)
-    plain_params = jax.device_put(host_params, device)  # its own copy: the step donates it
-    hand, hand_opt = plain_step(cfg, ocfg, plain_params)
-    plain = _compiled("plain", hand, plain_params, jax.jit(hand_opt.init)(plain_params), unsharded.batch)
+    impls = [ours, unsharded, gspmd]
+    if not cfg.arch.moe:  # the hand-written plain model has no mixture of experts: no yardstick there
+        plain_params = jax.device_put(host_params, device)  # its own copy: the step donates it
+        hand, hand_opt = plain_step(cfg, ocfg, plain_params)
+        opt_state = jax.jit(hand_opt.init)(plain_params)
+        impls.append(_compiled("plain", hand, plain_params, opt_state, unsharded.batch))
     if layout.pipelined:  # the same model and batch on the dp (x cp) x mp mesh without the pipeline
-        return [ours, unsharded, gspmd, plain, _without_pp(cfg, ocfg, layout, host_params, host)]
-    return [ours, unsharded, gspmd, plain]
+        return [*impls, _without_pp(cfg, ocfg, layout, host_params, host)]
+    if layout.experts_split:  # the same model and batch on the dp x mp mesh, experts not split
+        return [*impls, _without_pp(cfg, ocfg, layout, host_params, host, NO_EP)]
+    return impls
 
 
-def _without_pp(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params, host) -> Impl:
+def _without_pp(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params, host, name=NO_PP) -> Impl:
+    """The step on the dp x mp mesh of the same devices without the pipeline (or ep: ``name``)."""
     from meshlm.sharding.rules import model_specs
 
     flat = Layout(dp=layout.dp, mp=layout.mp, fsdp=layout.fsdp, cp=layout.cp, cp_strategy=layout.cp_strategy)
@@ -120,7 +127,7 @@ def _without_pp(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params
     params = jax.device_put(host_params, shardings(specs, flat.mesh))
     step, opt = sharded_step(cfg, ocfg, flat, specs, params)
     batch = jax.device_put(host, batch_sharding(flat, 1))
-    return _compiled(NO_PP, step, params, init_opt_state(opt, params, specs, flat.mesh), batch)
+    return _compiled(name, step, params, init_opt_state(opt, params, specs, flat.mesh), batch)
 
 
 def pipeline_overhead(layout: Layout, seconds: dict[str, list[float]]) -> dict | None:
@@ -232,9 +239,8 @@ def step_time_ratios(seconds: dict[str, list[float]]) -> dict[str, dict[str, flo
     the ratio of the medians, and the median of the per-repetition ratios. The second pairs steps that
     ran seconds apart, so slow drifts in the machine's load cancel; on a shared machine it is the
     steadier of the two."""
-    pairs = [("meshlm", other) for other in (*IMPLS[1:], NO_PP) if other in seconds] + [
-        ("unsharded", "plain")
-    ]
+    pairs = [("meshlm", other) for other in (*IMPLS[1:], NO_PP, NO_EP) if other in seconds]
+    pairs += [("unsharded", "plain")] if "plain" in seconds else []
     return {f"{a}/{b}": _ratio(seconds[a], seconds[b]) for a, b in pairs}
 
 
@@ -282,4 +288,26 @@ def run_bench(
         "step_time_ratios": step_time_ratios(seconds),
         "generation": generation_bench(cfg, impls[0].params, layout, settings),
         "pipeline": pipeline_overhead(layout, seconds),
+        "expert_parallel": expert_parallel(cfg, layout, settings, impls, seconds),
+    }
+
+
+def expert_parallel(cfg: ModelConfig, layout: Layout, settings: BenchSettings, impls, seconds) -> dict | None:
+    """With ep: the all-to-alls of our step (count and bytes per step, per device, against the fixed
+    size ``ep_all_to_all_bytes`` states) and its time against the same model without ep (paired)."""
+    if not layout.experts_split:
+        return None
+    from meshlm.perf.memory_collectives import ep_all_to_all_bytes, ep_all_to_alls
+
+    got = collectives_per_step(impls[0].compiled.as_text())["all-to-all"]
+    shape = dict(batch=settings.batch_size, seq_len=settings.seq_len, itemsize=4)  # float32 activations
+    paired = statistics.median(n / e for n, e in zip(seconds[NO_EP], seconds["meshlm"], strict=True))
+    return {
+        "ep": layout.ep,
+        "all_to_all_per_step": got,
+        "expected_all_to_all": {
+            "count": sum(ep_all_to_alls(cfg, layout).values()),
+            "bytes": ep_all_to_all_bytes(cfg, layout, **shape),
+        },
+        "measured_overhead": 1 - paired,  # 1 - t(no-ep) / t(ep): what the dispatch costs (or saves)
     }

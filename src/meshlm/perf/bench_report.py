@@ -22,9 +22,10 @@ def format_bench(report: dict) -> str:
 
 def _header(report: dict) -> list[str]:
     dp, mp = report["mesh"]["dp"], report["mesh"]["mp"]
+    ep = f" + EP{report['mesh']['ep']}" if "ep" in report["mesh"] else ""
     peak = report["peak_flops"]
     return [
-        f"meshlm bench: config={report['config']} mesh={dp}x{mp} batch={report['batch_size']} "
+        f"meshlm bench: config={report['config']} mesh={dp}x{mp}{ep} batch={report['batch_size']} "
         f"seq={report['seq_len']} timed steps={report['timed_steps']} (median, interleaved)",
         f"matmul peak: float32 {peak['float32'] / 1e9:.1f} GFLOP/s, bfloat16 {peak['bfloat16'] / 1e9:.1f}"
         f" GFLOP/s; model FLOPs/step {report['model_flops_per_step'] / 1e9:.2f} G",
@@ -63,6 +64,13 @@ def _summary(report: dict) -> list[str]:
             f"pipeline ({pipe['schedule']}, pp={pipe['pp']}, M={pipe['microbatches']}): measured overhead "
             f"{pipe['measured_overhead']:.1%} of the step against no-pp (1 - t(no-pp)/t(pp)); ideal bubble "
             f"{pipe['ideal_bubble']:.1%}"
+        )
+    if ep := report.get("expert_parallel"):
+        got, want = ep["all_to_all_per_step"], ep["expected_all_to_all"]
+        rows.append(
+            f"expert parallelism (ep={ep['ep']}): {got['count']} all-to-alls, {_mib(got['bytes'])} MiB "
+            f"per step and device (expected {want['count']}, {_mib(want['bytes'])} MiB: fixed-size buffers); "
+            f"overhead {ep['measured_overhead']:.1%} of the step against no-ep (1 - t(no-ep)/t(ep))"
         )
     gen = report["generation"]
     if gen is not None:

@@ -11,8 +11,10 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Fami
   the backward of every reduce-scatter: ``r`` per layer plus the embedding's (1). Reduce-scatters:
   ``r`` per layer forward (again in the backward's recomputation with remat) plus the embedding's
   (1), and the backward of every all-gather: ``f`` per layer plus the head's (1). Parameters
-  replicated over MP that meet sequence slices (norms, biases added after a row-parallel sum) have
-  their gradients all-reduced over MP (one per leaf and layer, at most).
+  replicated over MP that meet sequence slices (norms, biases added after a row-parallel sum, a MoE
+  layer's router) have their gradients all-reduced over MP (one per leaf and layer, at most). A MoE
+  layer's combine weights and expert ids are all-gathered (again in the backward), the weights'
+  gradient reduce-scattered; its routing statistics summed over MP too (one all-reduce a step).
 * FSDP (dp > 1): each DP-split weight of a layer is all-gathered in the forward and again in the
   backward (ZeRO-3; outside the layer stack XLA may keep the gathered weight or gather it again),
   and its gradient reduce-scattered once (a tied embedding table: once per use, lookup and head).
@@ -24,18 +26,26 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Fami
   DP-split gradients, reduce-scattered over dp, are then summed over cp alone (other replica groups than
   the norms' sum over dp x cp): one all-reduce for the layer stack's and, at most, one per DP-split
   weight outside it (each weight's reduce-scatter is its own; the bytes are the same ``dp_gradients``).
+* Expert parallelism (``--ep``; ``parallel.ep``), per MoE layer: two all-to-alls forward (the tokens
+  to their experts' shard and the outputs back; again with remat) and their two transposes backward,
+  each of the fixed size E x N x D (``ep_all_to_all_bytes``). The expert weights' gradients are summed
+  over the data shards outside ep alone (other replica groups than the dense weights' sum over dp):
+  one more all-reduce where that axis is > 1 (no bytes beyond ``dp_gradients``'); under FSDP the dense
+  weights' DP-split gradients are then summed over ep (and cp) as cp's are.
 """
 
 from __future__ import annotations
 
 from meshlm.model.config import ModelConfig
+from meshlm.model.moe import ROUTER, moe_losses
 from meshlm.model.params import flat_params, is_matmul_weight, is_stacked
-from meshlm.parallel.axes import MP
+from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.layout import Layout
 from meshlm.perf.collectives import theoretical_bytes, theoretical_collectives
 from meshlm.sharding.rules import dp_sharded, spec_for
 
-SP_REPLACES = ("layer_forward", "layer_backward", "embedding", "head_backward")  # all-reduce causes
+# all-reduce causes SP replaces (a MoE layer's combine weights: all-gathered, their gradient scattered)
+SP_REPLACES = ("layer_forward", "layer_backward", "embedding", "head_backward", "moe_weights_backward")
 
 
 def sp_replicated(params, n_layers: int) -> dict[str, int]:
@@ -44,7 +54,8 @@ def sp_replicated(params, n_layers: int) -> dict[str, int]:
     stacked leaves, at most). Read from the rules table, so it follows the model's parameters."""
     out = {}
     for path, p in flat_params(params).items():
-        if is_matmul_weight(path) or MP in spec_for(path, p.shape, 1):
+        router = path.endswith(ROUTER)  # a weight replicated over mp that meets the slices (``model.moe``)
+        if (is_matmul_weight(path) and not router) or MP in spec_for(path, p.shape, 1):
             continue
         out[path] = n_layers if is_stacked(path) else 1
     return out
@@ -81,22 +92,61 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
             rs.update(cp_kv_backward=n)
     if sp and mp > 1:
         for cause in SP_REPLACES:
-            ar[cause] = 0
+            if cause in ar:
+                ar[cause] = 0
         ar["sp_replicated_grads"] = sum(sp_replicated(params, n).values())
         ag.update(sp_forward=2 * pl * n + 1, sp_backward=pl * n + 1)
         rs.update(sp_forward=recompute * pl * n + 1, sp_backward=pl * n + 1)
+        if cfg.arch.moe:  # the combine weights and ids gathered (again in the backward), weights' grads
+            ag.update(moe_routing=4 * n)
+            rs.update(moe_routing=n)
+            ar["moe_statistics"] = int(moe_losses(cfg))  # over mp too: each shard routed its slice
     per_layer, outside = fsdp_weights(params)
     if cfg.tie_embeddings and outside:  # the tied table is gathered for the lookup and for the head
         outside += 1
     if dp > 1 and per_layer + outside:
         ag.update(fsdp_layers=2 * per_layer * n, fsdp_outside=2 * outside)
         rs.update(fsdp_gradients=per_layer * n + outside)
-        if layout.context_parallel:  # DP-split gradients then summed over cp alone: the stack's, each outside
+        if layout.context_parallel or layout.experts_split:  # DP-split gradients then summed over cp / ep
             ar["cp_fsdp_gradients"] = 1 + outside
-    for causes in (ar, ag, rs, cperm):
+    a2a = ep_all_to_alls(cfg, layout)
+    if a2a and layout.mesh_shape[DP] > 1 and not layout.fsdp:  # experts' gradients: over dp / ep alone
+        ar["ep_expert_gradients"] = 1
+    for causes in (ar, ag, rs, cperm, a2a):
         causes.pop("total", None)
         causes["total"] = sum(causes.values())
-    return {"all-reduce": ar, "all-gather": ag, "reduce-scatter": rs, "collective-permute": cperm}
+    return {
+        "all-reduce": ar,
+        "all-gather": ag,
+        "reduce-scatter": rs,
+        "collective-permute": cperm,
+        "all-to-all": a2a,
+    }
+
+
+def moe_layers(cfg: ModelConfig) -> int:
+    """The layers whose feed-forward is a mixture of experts."""
+    return cfg.n_layers if cfg.arch.moe else 0
+
+
+def ep_all_to_alls(cfg: ModelConfig, layout: Layout) -> dict[str, int]:
+    """The all-to-alls of expert parallelism per step, by cause ({} without ep)."""
+    if not layout.experts_split:
+        return {}
+    recompute = 2 if cfg.remat != "none" else 1
+    return {
+        "ep_dispatch_forward": 2 * recompute * moe_layers(cfg),
+        "ep_dispatch_backward": 2 * moe_layers(cfg),
+    }
+
+
+def ep_all_to_all_bytes(cfg: ModelConfig, layout: Layout, *, batch: int, seq_len: int, itemsize: int) -> int:
+    """Result bytes of those all-to-alls per step and device: each moves the fixed-size buffer
+    [ep, E / ep, N, D] = E x N x D values, N = (batch / dp) x (seq_len / cp) tokens of this shard (the
+    MoE layer's input is the column-parallel view: the whole sequence of its cp shard even under sp)."""
+    a2a = ep_all_to_alls(cfg, layout)
+    tokens = (batch // layout.dp) * (seq_len // layout.cp)
+    return sum(a2a.values()) * cfg.n_experts * tokens * cfg.d_model * itemsize
 
 
 def expected_all_reduce_bytes(cfg: ModelConfig, layout: Layout, *, params, **shape) -> int:
@@ -111,8 +161,10 @@ def expected_all_reduce_bytes(cfg: ModelConfig, layout: Layout, *, params, **sha
     )
     total = out["total"]
     if layout.sp and layout.mp > 1:
-        total -= sum(out[c] for c in SP_REPLACES)
-        replicated = sp_replicated(params, cfg.n_layers)
+        total -= sum(out.get(c, 0) for c in SP_REPLACES)
+        if moe_losses(cfg) and not out["moe_statistics"]:  # summed over mp alone (dp x cp = 1)
+            total += cfg.n_layers * (2 * cfg.n_experts + 2) * shape["itemsize"]
+        replicated = sp_replicated(params, cfg.n_layers)  # norms, row biases and the router
         total += (
             sum(p.size for path, p in flat_params(params).items() if path in replicated) * shape["itemsize"]
         )

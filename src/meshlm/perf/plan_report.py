@@ -20,6 +20,7 @@ def _header(report: dict) -> list[str]:
     total = report["unsharded"]
     pp = f"pp{mesh['pp']}x" if "pp" in mesh else ""
     cp = f", cp={mesh['cp']}" if "cp" in mesh else ""  # the context axis, where there is one
+    cp += f", ep={mesh['ep']}: the experts split over ep of the dp data shards" if "ep" in mesh else ""
     return [
         f"meshlm plan: {report['config']} on mesh {pp}{mesh['dp']}x{mesh['mp']} (dp={mesh['dp']}, "
         f"mp={mesh['mp']}{cp}), batch {s['batch_size']} x {s['seq_len']}, accum {s['accum_steps']}, "

@@ -25,7 +25,11 @@ from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 from meshlm.perf.collectives import scalar_slack
 from meshlm.perf.hlo import COLLECTIVES, collectives_per_step
-from meshlm.perf.memory_collectives import expected_all_reduce_bytes, expected_collectives
+from meshlm.perf.memory_collectives import (
+    ep_all_to_all_bytes,
+    expected_all_reduce_bytes,
+    expected_collectives,
+)
 from meshlm.proof.report import check_row
 from meshlm.sharding.spmd import sharded_value_and_grad
 from meshlm.train.optim import OptimConfig, adamw, make_step
@@ -74,4 +78,8 @@ def communication_checks(cfg, layout: Layout, got: dict, *, batch_shape, itemsiz
             ", ".join(f"{k} {v}" for k, v in causes.items() if k != "total") or "Megatron tensor parallelism"
         )
         rows.append(check_row(f"{kind}s per step", n <= limit, f"{n}, at most {limit} ({why})"))
+    if want["all-to-all"]["total"]:  # expert parallelism: fixed-size buffers, so the bytes are exact
+        a2a, a2a_bytes = got["all-to-all"]["bytes"], ep_all_to_all_bytes(cfg, layout, **shape)
+        detail = f"{a2a:,}, at most {a2a_bytes:,} (E x N x D per all-to-all, dispatch and return)"
+        rows.append(check_row("all-to-all bytes per step", a2a <= a2a_bytes, detail))
     return rows

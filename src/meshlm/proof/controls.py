@@ -34,6 +34,7 @@ from meshlm.proof.family_faults import (
     qk_norm_grad_not_summed,
     window_off_by_one,
 )
+from meshlm.proof.moe_controls import MOE_CONTROLS
 from meshlm.proof.pipeline_verify import engine_sums_over_dp
 from meshlm.proof.taps import Tapped
 
@@ -114,7 +115,7 @@ class FsdpGatherWrongOrder(Parallel):
 
     def gather_weight(self, w, dim: int):
         parts = jnp.roll(lax.all_gather(w, DP, axis=0, tiled=False), 1, axis=0)  # [dp, ...]
-        return jnp.concatenate([parts[i] for i in range(self.layout.dp)], axis=dim)
+        return jnp.concatenate(list(parts), axis=dim)  # the mesh's dp shards (dp / ep with ep on)
 
 
 class SpNormGradNotSummed(Tapped):
@@ -342,5 +343,7 @@ CONTROLS += (  # Gemma 2's soft-capping: the cap must matter (as the document ma
     ),
 )
 CONTROLS += GEMMA_CONTROLS  # the soft-cap's order, Gemma 2/3's local and global layers
+
+CONTROLS += MOE_CONTROLS  # a mixture of experts' (``proof.moe_controls``)
 
 __all__ = ["CONTROLS", "Control", "Where", "per_shard_clip"]

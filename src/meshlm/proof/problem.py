@@ -33,6 +33,8 @@ class Problem:
     sp: bool = False  # sequence parallelism over MP in the sharded run
     # (shape, seed) -> a batch like ``batch``, for the training steps; None: uniform random ids
     batch_fn: Callable | None = None
+    # params -> the parameters both runs start from (a mixture of experts': a planted router tie)
+    prepare_params: Callable | None = None
 
 
 def random_batch(vocab: int, shape: tuple[int, ...], seed: int) -> dict:
@@ -52,10 +54,11 @@ def model_problem(
     fsdp: bool = False,
     sp: bool = False,
     pp: int = 1,
+    ep: int = 1,
 ) -> Problem:
     """A Problem for a meshlm model config: random token inputs and targets (global [B, T]);
     ``fsdp`` (over ``dp``) and ``sp`` are the memory options the sharded run uses; with ``pp`` the
-    stacked layers are stored split over the pipeline's stages."""
+    stacked layers are stored split over the pipeline's stages; with ``ep`` the experts over ep."""
     from meshlm.model.padding import resize_tree
     from meshlm.model.transformer import loss_fn
     from meshlm.parallel.layout import Layout
@@ -77,9 +80,13 @@ def model_problem(
             to_reference=lambda tree: resize_tree(tree, cfg.vocab_size),
             from_reference=lambda tree: resize_tree(tree, cfg.padded_vocab),
         )
+    prepare = None
+    if cfg.arch.moe:  # a tie in every layer's routing, for the tie-breaking control (``proof.moe_controls``)
+        from meshlm.proof.moe_controls import plant_router_tie as prepare
     return Problem(
+        prepare_params=prepare,
         build_loss=rebuild(cfg),
-        specs_fn=lambda abstract: model_specs(cfg, abstract, Layout(dp=dp, mp=mp, fsdp=fsdp, pp=pp)),
+        specs_fn=lambda abstract: model_specs(cfg, abstract, Layout(dp=dp, mp=mp, fsdp=fsdp, pp=pp, ep=ep)),
         batch=(batch_fn or partial(random_batch, cfg.vocab_size))((batch_size, seq_len), seed),
         batch_fn=batch_fn,
         name=name,

@@ -26,6 +26,7 @@ from meshlm.proof.control_runs import communication_rows, run_control
 from meshlm.proof.controls import CONTROLS, Control, Where
 from meshlm.proof.cp_controls import CP_CONTROLS
 from meshlm.proof.data_pipeline import data_checks
+from meshlm.proof.ep_controls import EP_CONTROLS
 from meshlm.proof.independence import exactness_check, reference_checks, sharded_check
 from meshlm.proof.padding import padding_rows
 from meshlm.proof.pipeline_verify import permute_controls, permute_rows, pipeline_controls, run_model_control
@@ -48,7 +49,7 @@ def verify(
     dtype=jnp.float32,
     seed: int = 0,
     ocfg: OptimConfig | None = None,
-    controls: tuple[Control, ...] = CONTROLS + CP_CONTROLS,
+    controls: tuple[Control, ...] = CONTROLS + CP_CONTROLS + EP_CONTROLS,
     collectives: bool = False,
     data_steps: int = 0,
 ) -> Report:
@@ -94,7 +95,9 @@ def verify(
     return report
 
 
-def control_set(where: Where, controls: tuple[Control, ...] = CONTROLS + CP_CONTROLS) -> list[Control]:
+def control_set(
+    where: Where, controls: tuple[Control, ...] = CONTROLS + CP_CONTROLS + EP_CONTROLS
+) -> list[Control]:
     """The controls that apply to the model and options on ``where``'s layout, under pp and cp as
     without them (the pipeline's own come on top under pp: ``pipeline_verify``)."""
     return [c for c in controls if c.applies(where)]

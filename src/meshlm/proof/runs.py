@@ -43,6 +43,8 @@ class Runs:
         )
         if problem.load_params is not None:  # e.g. a checkpoint: same specs (FSDP too), on this layout
             self.params = jax.tree.map(lambda p: p.astype(dtype), problem.load_params(layout))
+        elif problem.prepare_params is not None:
+            self.params = problem.prepare_params(self.params)
         host = problem.to_reference(jax.tree.map(to_host, self.params))
         self.ref_params = jax.device_put(host, self.device)
         self.ref_loss = problem.reference_loss or problem.build_loss

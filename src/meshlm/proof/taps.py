@@ -41,3 +41,12 @@ class Tapped(Parallel):
         """[B, T] where each token's document starts (``--doc-mask``), as attention and the rotary
         positions use it."""
         return starts
+
+    def combine_weights(self, w):
+        """A mixture-of-experts layer's combine weights [B, T, k] as the column-parallel region uses
+        them (after ``f``: their gradient is the sum over mp of the experts' partial outputs)."""
+        return w
+
+    def expert_weight(self, w):
+        """An expert weight [E/ep, ...] as the MoE layer uses it (after any FSDP gather)."""
+        return w

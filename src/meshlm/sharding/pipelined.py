@@ -33,6 +33,11 @@ def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
     parallelism cannot run of the model: the pieces run inside the schedule)."""
     layout.check_layers(cfg.n_layers)
     check_context(cfg, layout)
+    if cfg.arch.moe:
+        raise ConfigError(
+            f"--pp does not carry the {cfg.family} experts' routing statistics (aux losses) between stages "
+            "yet; drop --pp (use --mp, --fsdp or --sp)"
+        )
     chunk = cfg.n_layers // (layout.pipeline.pp * layout.pipeline.virtual_stages)
     if cfg.global_every and chunk % cfg.global_every:  # each chunk numbers its layers from 0
         raise ConfigError(

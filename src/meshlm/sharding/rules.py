@@ -21,13 +21,13 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshlm.errors import ShardingError
+from meshlm.errors import ConfigError, ShardingError
 from meshlm.model.params import is_embedding, is_matmul_weight, is_stacked, param_path
-from meshlm.parallel.axes import DP, LOGICAL_DIMS, MP, PP
+from meshlm.parallel.axes import DP, EP, LOGICAL_DIMS, MP, PP
 from meshlm.parallel.layout import Layout
 
 # The logical dimensions rows name (``parallel.axes.LOGICAL_DIMS``).
-VOCAB, EMBED, HEADS, KV, HEAD_DIM, MLP, LAYERS = LOGICAL_DIMS  # KV: on MP, or replicated when mp > K
+VOCAB, EMBED, HEADS, KV, HEAD_DIM, MLP, LAYERS, EXPERTS = LOGICAL_DIMS  # KV: on MP, or replicated when mp > K
 
 # (regex on "module/param", logical dims of the parameter's own dims). Global shapes in the comments.
 RULES: tuple[tuple[str, tuple], ...] = (
@@ -47,6 +47,14 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"/mlp/b_in$", (MLP,)),  # [F]
     (r"/mlp/w_(out|down)$", (MLP, EMBED)),  # [F, D]: row-parallel
     (r"/mlp/b_out$", (EMBED,)),  # [D]: added once after the all-reduce
+    # Mixture of experts (``model.moe``): the router replicated (no axis splits its E), each expert's
+    # hidden units split as the dense MLP's, the experts' leading dim on no axis without ``ep``.
+    (r"/moe/router/w$", (EMBED, None)),  # [D, E]
+    (r"/moe/experts/w_(gate|up)$", (EXPERTS, EMBED, MLP)),  # [E, D, I]: column-parallel
+    (r"/moe/experts/w_down$", (EXPERTS, MLP, EMBED)),  # [E, I, D]: row-parallel
+    (r"/moe/shared/w_(gate|up)$", (EMBED, MLP)),  # [D, I_shared]: Qwen2-MoE's shared expert
+    (r"/moe/shared/w_down$", (MLP, EMBED)),  # [I_shared, D]
+    (r"/moe/shared_gate/w$", (EMBED, None)),  # [D, 1]
     (r"(^|/)(ln|ln2|final_ln|post_attn_ln|post_mlp_ln)/(scale|offset)$", (EMBED,)),  # [D]: replicated
 )
 # Logical dims -> mesh axes where no layout is given (``spec_for``'s default): mp's dims.
@@ -125,7 +133,7 @@ def model_specs(cfg, abstract_params, layout: Layout):
     ``layout.fsdp`` every weight is also split over dp (``fsdp_spec``)."""
     from meshlm.model.attention import kv_replicated
 
-    mp, dp = layout.mp, layout.dp
+    mp, dp = layout.mp, layout.mesh_shape[DP]  # FSDP splits over the mesh's DP axis: dp / ep shards
     kv_axis = MP
     if cfg.arch.attention:
         if cfg.n_heads % mp:
@@ -153,7 +161,29 @@ def model_specs(cfg, abstract_params, layout: Layout):
             }
             for mod, leaves in specs.items()
         }
+    if layout.experts_split:
+        check_experts_split(cfg, abstract_params, specs, layout.ep)
     return specs
+
+
+def check_experts_split(cfg, abstract_params, specs, ep: int) -> None:
+    """With --ep every expert dimension must divide over ep, and the model must have experts."""
+    split = 0
+    for mod, leaves in specs.items():
+        for name, spec in leaves.items():
+            shape = abstract_params[mod][name].shape
+            for i, axis in enumerate(spec):
+                if axis != EP:
+                    continue
+                split += 1
+                if shape[i] % ep:
+                    raise ShardingError(
+                        f"parameter {param_path(mod, name)!r} dimension {i} ({shape[i]} experts) is not "
+                        f"divisible by ep={ep}; choose an --ep that divides {shape[i]}"
+                    )
+    if not split:
+        family = getattr(cfg, "family", "this model")
+        raise ConfigError(f"--ep {ep} splits the experts, but {family} has none (no MoE layer); drop --ep")
 
 
 def without_pp(specs):
@@ -162,9 +192,14 @@ def without_pp(specs):
     return jax.tree.map(strip, specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def spec_axes(spec: P) -> set[str]:
+    """The mesh axes a parameter is stored split over."""
+    return {a for d in spec for a in (d if isinstance(d, tuple) else (d,)) if a is not None}
+
+
 def dp_sharded(spec: P) -> bool:
     """Whether a parameter is stored split over DP (FSDP)."""
-    return any(d == DP or (isinstance(d, tuple) and DP in d) for d in spec)
+    return DP in spec_axes(spec)
 
 
 def shardings(specs, mesh):

@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 from meshlm.parallel.axes import DP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.placement import BATCH_SPEC
-from meshlm.sharding.rules import dp_sharded
+from meshlm.parallel.placement import batch_spec
+from meshlm.sharding.rules import spec_axes
 
 LossBuilder = Callable[[Parallel], Callable]
 
@@ -48,11 +48,12 @@ def _dp_varying(apply, specs, batch_axes: tuple[str, ...] = (DP,)):
     this one cast is the single data-parallel gradient all-reduce. Parameters stored split over DP
     (FSDP) are DP-varying already: their gradients are reduce-scattered where they are gathered. With
     context parallelism parameters are cast to CP-varying too: one all-reduce over every axis the
-    batch's tokens are split over (``batch_axes``: ``Layout.batch_axes``)."""
-    extra = tuple(a for a in batch_axes if a != DP)
+    batch's tokens are split over (``batch_axes``: ``Layout.batch_axes``). Experts split over EP are
+    EP-varying already: their gradients come home through the all-to-all's transpose, and are summed
+    over the data shards outside ep (DP) by this cast's."""
 
     def cast(p, spec):
-        axes = extra if dp_sharded(spec) else (DP, *extra)
+        axes = tuple(a for a in batch_axes if a not in spec_axes(spec))
         return lax.pcast(p, axes, to="varying") if axes else p
 
     def wrapped(params, batch):
@@ -71,7 +72,7 @@ def sharded_value_and_grad(
     """
     apply = hk.without_apply_rng(hk.transform(build_loss(par_cls.on(layout)))).apply
     body = jax.value_and_grad(_dp_varying(with_compute_dtype(apply, compute_dtype), specs, layout.batch_axes))
-    return jax.shard_map(body, mesh=layout.mesh, in_specs=(specs, BATCH_SPEC), out_specs=(P(), specs))
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=(specs, batch_spec(layout)), out_specs=(P(), specs))
 
 
 def sharded_loss(build_loss: LossBuilder, layout: Layout, specs, compute_dtype=None):
@@ -80,6 +81,6 @@ def sharded_loss(build_loss: LossBuilder, layout: Layout, specs, compute_dtype=N
     return jax.shard_map(
         with_compute_dtype(apply, compute_dtype),
         mesh=layout.mesh,
-        in_specs=(specs, BATCH_SPEC),
+        in_specs=(specs, batch_spec(layout)),
         out_specs=P(),
     )

@@ -40,11 +40,11 @@ from meshlm.model.config import ModelConfig, default_seq_len
 from meshlm.model.layers import mask_vocab_padding, vocab_parallel_xent
 from meshlm.model.transformer import local_logits
 from meshlm.parallel import distributed
-from meshlm.parallel.axes import CP, DP
+from meshlm.parallel.axes import CP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.cp import shard_order
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.placement import BATCH_SPEC, batch_sharding, put_global, to_host
+from meshlm.parallel.placement import batch_sharding, batch_spec, put_global, to_host
 from meshlm.train.eval_settings import EvalConfig, check_split
 
 
@@ -88,8 +88,9 @@ def per_token_loss_fn(cfg: ModelConfig, layout: Layout, params):
     apply = hk.without_apply_rng(hk.transform(per_token)).apply
     # With cp each shard's [B, T/cp] (its two load-balanced chunks) is a column block of the global
     # result: [B, T] with the chunks in shard order, put back in sequence order outside the shard_map.
-    out = P(DP, CP) if par.context_parallel else BATCH_SPEC
-    sharded = jax.shard_map(apply, mesh=layout.mesh, in_specs=(specs, BATCH_SPEC), out_specs=out)
+    rows = batch_spec(layout)  # over dp (and ep: its shards are data shards)
+    out = P(rows[0], CP) if par.context_parallel else rows
+    sharded = jax.shard_map(apply, mesh=layout.mesh, in_specs=(specs, rows), out_specs=out)
     if not par.context_parallel:
         return jax.jit(sharded)
     return jax.jit(lambda p, batch: sequence_order(sharded(p, batch), layout.cp))

@@ -54,6 +54,10 @@ def start_line(tcfg: TrainConfig, cfg: ModelConfig, where, n_params: int) -> str
     )
     extra = "; weights and AdamW moments also split over dp (FSDP)" if layout.fsdp else ""
     extra += "; activations between blocks split by position over mp (sequence parallel)" if layout.sp else ""
+    if layout.experts_split:
+        extra += (
+            f"; the {cfg.n_experts} experts split over ep={layout.ep} of the dp data shards (expert parallel)"
+        )
     if layout.pipelined:
         extra += (
             f"; the {cfg.n_layers} layers in {layout.pp} pipeline stages over pp (schedule "

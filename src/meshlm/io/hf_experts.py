@@ -1,0 +1,52 @@
+"""A mixture of experts' tensors in transformers checkpoints (``io.hf_weights`` calls these).
+
+On disk a Mixtral checkpoint holds one tensor per expert (``experts.{e}.w1.weight`` [I, D], ...); our
+parameters stack them on a leading E dim (layout "experts": [E, out, in] <-> ours [E, in, out]). A
+family's ``HFNames.layer`` names the per-expert tensors with ``{e}``; its ``HFNames.fused`` lists the
+names transformers 5 uses in memory (and ``save_pretrained`` may write), each the per-expert tensors
+it concatenates along dim 1 of [E, out, in] (gate then up), or a plain rename. Both are read; the
+per-expert names are written (transformers fuses them at load).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+EXPERTS = "experts"  # the layout of stacked per-expert linear weights
+
+
+def expand(names: list[str], kind: str, n_experts: int) -> list[str]:
+    """Every tensor name ``names`` stands for: with layout "experts" one per expert."""
+    if kind != EXPERTS:
+        return names
+    return [n.format(e=e) for n in names for e in range(n_experts)]
+
+
+def pop(tensors: dict, name: str, kind: str, n_experts: int) -> np.ndarray:
+    """The tensor ``name``; with layout "experts" the per-expert tensors stacked [E, out, in]."""
+    if kind != EXPERTS:
+        return tensors.pop(name)
+    return np.stack([tensors.pop(name.format(e=e)) for e in range(n_experts)])
+
+
+def split(name: str, w: np.ndarray, kind: str) -> dict[str, np.ndarray]:
+    """One of our (per-layer, torch-layout) tensors -> {name: tensor}, per expert for "experts"."""
+    if kind != EXPERTS:
+        return {name: w}
+    return {name.format(e=e): np.ascontiguousarray(w[e]) for e in range(w.shape[0])}
+
+
+def unfuse(tensors: dict, fused: dict, prefix: str, n_layers: int) -> None:
+    """Rewrite transformers' in-memory names (``fused``: name -> the per-expert names it holds) to the
+    per-expert ones, in place; a checkpoint already per-expert is left as it is."""
+    for i in range(n_layers):
+        at = prefix.format(i=i)
+        for name, parts in fused.items():
+            w = tensors.pop(at + name, None)
+            if w is None:
+                continue
+            if "{e}" not in parts[0]:
+                tensors[at + parts[0]] = w
+                continue
+            for part, piece in zip(parts, np.split(w, len(parts), axis=1), strict=True):
+                tensors.update({at + part.format(e=e): piece[e] for e in range(piece.shape[0])})

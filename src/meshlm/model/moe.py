@@ -1,0 +1,193 @@
+"""The mixture-of-experts feed-forward (``Family.moe``: Mixtral's sparse block) and its losses.
+
+Per layer: a router (linear D -> E, computed in at least float32), softmax over the E experts, the top k
+(ties broken by the lowest expert index: ``lax.top_k``'s rule, the one rule everywhere), their weights
+renormalised to sum to 1 when ``norm_topk_prob``; each expert a gated MLP (silu(x W_gate) * (x W_up),
+then W_down) with ``moe_d_ff`` hidden units split over mp exactly as the dense MLP's; the output the
+combine-weighted sum of the k experts' outputs (partial over mp: the block adds it with ``par.row_out``).
+
+Parameters, inside the layer's module ``moe`` (global shapes; per shard the hidden units I are I/mp):
+  router/w         [D, E]   replicated over mp (the routing is computed on the replicated input)
+  experts/w_gate   [E, D, I] and experts/w_up [E, D, I]; experts/w_down [E, I, D]
+  shared/...       Qwen2-MoE's shared expert (the dense MLP module) gated by sigmoid(x @ shared_gate/w [D, 1])
+
+Where the communication is: the router runs on the normalized input *before* ``par.f`` (replicated over
+mp, or with sp this shard's sequence slice), so its weight's gradient needs no mp sum; the combine
+weights and expert ids then enter the column-parallel region with ``par.f`` like the input (an mp sum of
+the weights' gradient in the backward: the experts' partial outputs meet them). The experts are
+reached through the seam ``par.experts(x, ids, weights, expert_fn)`` (``parallel.experts``): all local
+by default, split over ``ep`` where that axis is on.
+
+Losses (``aux_loss``): per layer each shard returns the statistics of its own tokens (``STATS``); they
+leave the layer stack as per-layer outputs, are summed over the whole global batch (``par.moe_sum``)
+and only then formed into the load-balancing and z losses, so the loss does not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from meshlm.model.layers import MLP, upcast
+from meshlm.parallel.context import Parallel
+
+# The top-k of the routing: [.., E] -> (values, ids) [.., k], equal values in the order of their expert
+# ids (lax.top_k keeps the lower index first). A module attribute: the proof plants another tie rule.
+TOP_K = lax.top_k
+# The router's path suffix: a matmul weight replicated over mp (under sp its gradient is summed over mp,
+# as a norm's: ``perf.memory_collectives``).
+ROUTER = "moe/router/w"
+
+
+def _params(scope: str, shapes: dict, stddev: float) -> list:
+    """The parameters ``scope/name`` of the calling module, in the order of ``shapes`` (one scope: a
+    second would be named ``scope_1``; a function, not a method: Haiku names a method's scope after it)."""
+    init = hk.initializers.TruncatedNormal(stddev=stddev)
+    with hk.name_scope(scope):
+        return [hk.get_parameter(name, shape, init=init) for name, shape in shapes.items()]
+
+
+def route(logits, k: int, norm_topk_prob: bool):
+    """logits [.., E] (float32 or wider) -> (probs [.., E], combine weights [.., k], ids [.., k] int32):
+    softmax over all experts, then the k largest (ties: the lowest expert id first), renormalised to
+    sum to 1 when ``norm_topk_prob`` (Mixtral, Qwen3-MoE), else the softmax's own values (OLMoE)."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, ids = TOP_K(probs, k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return probs, weights, ids.astype(jnp.int32)
+
+
+def statistics(logits, probs, ids, n_experts: int):
+    """One layer's routing statistics over this shard's tokens, [2E + 2] (``STATS``): tokens sent to
+    each expert (k choices per token), the summed router probabilities of each expert, the summed
+    squared log-partition (router z-loss) and the number of tokens."""
+    flat = lambda a: a.reshape(-1, a.shape[-1])
+    counts = jnp.sum(jax.nn.one_hot(flat(ids), n_experts, dtype=probs.dtype), axis=(0, 1))
+    prob_sums = jnp.sum(flat(probs), axis=0)
+    z = jnp.sum(jnp.square(jax.nn.logsumexp(flat(logits), axis=-1)))[None]
+    tokens = jnp.full((1,), flat(ids).shape[0], probs.dtype)
+    return jnp.concatenate([lax.stop_gradient(counts), prob_sums, z, tokens])
+
+
+class Experts:
+    """The experts' gated MLPs on per-expert token buffers: [E_here, C, D] -> [E_here, C, D], partial
+    over mp (each shard holds I/mp hidden units of every expert). ``n_local``: E_here, the experts this
+    shard holds (the leading dim of its expert weights)."""
+
+    def __init__(self, w_gate, w_up, w_down):
+        self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
+        self.n_local = w_gate.shape[0]
+
+    def __call__(self, xs):
+        h = jax.nn.silu(jnp.einsum("ecd,edi->eci", xs, self.w_gate))
+        h = h * jnp.einsum("ecd,edi->eci", xs, self.w_up)
+        return jnp.einsum("eci,eid->ecd", h, self.w_down)
+
+
+class MoE(hk.Module):
+    """xn [B, T', D] (the normalized input before ``par.f``: replicated over mp, or with sp this shard's
+    slice [B, T/mp, D]) -> (partial output [B, T, D] for ``par.row_out``, statistics [2E + 2])."""
+
+    def __init__(self, *, cfg, par: Parallel, stddev: float, name: str = "moe"):
+        super().__init__(name=name)
+        self.cfg, self.par, self.stddev = cfg, par, stddev
+
+    def __call__(self, xn):
+        cfg, par = self.cfg, self.par
+        d, e, k = xn.shape[-1], cfg.n_experts, cfg.experts_per_token
+        (router,) = _params("router", {"w": [d, e]}, self.stddev)
+        logits = upcast(xn) @ upcast(router)  # [B, T', E], at least float32 (float64 under --x64)
+        probs, weights, ids = route(logits, k, cfg.norm_topk_prob)
+        stats = statistics(logits, probs, ids, e)
+        xf, ids = par.f(xn), par.f(ids)  # [B, T, ...]: the column-parallel region's view
+        weights = par.tap("combine_weights", par.f(weights))  # its gradient: the mp sum of the partials
+        el, fl = par.local_experts(e), cfg.moe_d_ff // par.layout.mp
+        shapes = {"w_gate": [el, d, fl], "w_up": [el, d, fl], "w_down": [el, fl, d]}
+        experts = Experts(*_params("experts", shapes, self.stddev))
+        b, t = xf.shape[:2]
+        out = par.experts(xf.reshape(b * t, d), ids.reshape(b * t, k), weights.reshape(b * t, k), experts)
+        out = out.reshape(b, t, d)
+        if cfg.shared_expert_d_ff:  # Qwen2-MoE's shared expert, gated (``_shared``)
+            out = out + _shared(cfg, par, xf, self.stddev)
+        return out, stats
+
+
+def _shared(cfg, par: Parallel, xf, stddev: float):
+    """Qwen2-MoE's shared expert: a dense gated MLP on every token, times sigmoid(xf @ gate) (computed on
+    the column-parallel view: its weight's gradient is summed over mp by JAX)."""
+    shared, _ = MLP(
+        hidden_dim=cfg.shared_expert_d_ff,
+        par=par,
+        kind="swiglu",
+        bias=False,
+        stddev_in=stddev,
+        stddev_out=stddev,
+        name="shared",
+    )(xf)
+    (gate,) = _params("shared_gate", {"w": [xf.shape[-1], 1]}, stddev)
+    return shared * jax.nn.sigmoid(upcast(xf) @ upcast(gate)).astype(shared.dtype)
+
+
+def stats_size(cfg) -> int:
+    """The length of one layer's statistics vector (``statistics``)."""
+    return 2 * cfg.n_experts + 2
+
+
+def split_stats(cfg, stats):
+    """[L, 2E + 2] -> (tokens per expert [L, E], summed probabilities [L, E], summed z [L], tokens [L])."""
+    e = cfg.n_experts
+    return stats[:, :e], stats[:, e : 2 * e], stats[:, 2 * e], stats[:, 2 * e + 1]
+
+
+def balance_loss(cfg, stats):
+    """The load-balancing loss of statistics summed over the whole global batch, [L, 2E + 2].
+
+    "hf" (transformers' ``load_balancing_loss_func``): every layer's tokens pooled, E * sum_e f_e P_e
+    with f_e the fraction of the L*N*... routed choices' tokens per expert (k per token: = k when
+    balanced) and P_e the mean router probability; "per-layer" (Megatron's): per layer E * sum_e f_e P_e
+    with f_e the fraction of the N*k choices (= 1 when balanced), then the mean over layers."""
+    counts, prob_sums, _, tokens = split_stats(cfg, stats)
+    e = cfg.n_experts
+    if cfg.moe_aux_loss == "hf":
+        total = jnp.sum(tokens)
+        return e * jnp.sum(jnp.sum(counts, 0) / total * (jnp.sum(prob_sums, 0) / total))
+    per_token = counts / (tokens[:, None] * cfg.experts_per_token)
+    return jnp.mean(e * jnp.sum(per_token * prob_sums / tokens[:, None], axis=-1))
+
+
+def z_loss(cfg, stats):
+    """The router z-loss: the mean over every token and layer of logsumexp(router logits)^2."""
+    _, _, z, tokens = split_stats(cfg, stats)
+    return jnp.sum(z) / jnp.sum(tokens)
+
+
+def moe_losses(cfg) -> bool:
+    """Whether the loss uses the routing statistics: a mixture of experts with an aux or z-loss on."""
+    return bool(cfg.arch.moe and (cfg.router_aux_loss_coef or cfg.router_z_loss_coef))
+
+
+def aux_loss(cfg, stats):
+    """What the MoE layers add to the loss: router_aux_loss_coef * the balance loss + router_z_loss_coef
+    * the z-loss, of statistics summed over the whole global batch ([L, 2E + 2])."""
+    out = jnp.zeros((), stats.dtype)
+    if cfg.router_aux_loss_coef:
+        out = out + cfg.router_aux_loss_coef * balance_loss(cfg, stats)
+    if cfg.router_z_loss_coef:
+        out = out + cfg.router_z_loss_coef * z_loss(cfg, stats)
+    return out
+
+
+def moe_layer(cfg, par: Parallel, *, norm, attention, stddev: float):
+    """The sequential block with the MoE feed-forward: x -> (x, cache, statistics [2E + 2]).
+    ``norm(name)`` builds the family's norm, ``attention()`` its attention module."""
+
+    def layer(x, positions, cache=None, starts=None):
+        attn, cache = attention()(par.f(norm("ln")(x)), positions, cache, starts)
+        x = x + par.row_out(attn)
+        out, stats = MoE(cfg=cfg, par=par, stddev=stddev)(norm("ln2")(x))
+        return x + par.row_out(out), cache, stats
+
+    return layer

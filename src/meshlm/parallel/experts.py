@@ -1,0 +1,62 @@
+"""``Parallel``'s expert part (a mixin, as ``parallel.cp``'s): how a mixture-of-experts layer
+(``model.moe``) reaches its experts, and how its routing statistics are summed over the batch.
+
+The seam is ``experts(x, ids, weights, expert_fn)``: x [N, D] this shard's tokens (flattened, the
+column-parallel view), ids [N, k] int32 global expert ids, weights [N, k] their combine weights, and
+``expert_fn`` mapping per-expert token buffers [E_here, C, D] -> [E_here, C, D] (partial sums over mp,
+as the dense MLP's row-parallel output; ``expert_fn.n_local`` is E_here, the leading dim of this
+shard's expert weights). It returns [N, D], partial over mp; the block then sums it with ``row_out``.
+An expert-parallel axis overrides ``experts`` (and ``local_experts``) to send each token to the shard
+holding its experts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from meshlm.parallel.axes import MP
+
+
+def combine_matrix(ids, weights, n_experts: int, first: int = 0):
+    """ids, weights [N, k] -> [N, n_experts]: each token's combine weight of experts first ..
+    first + n_experts - 1 (0 where it did not choose one; top-k ids are distinct per token)."""
+    hot = jax.nn.one_hot(ids - first, n_experts, dtype=weights.dtype)  # [N, k, n]; out of range: 0
+    return jnp.einsum("nk,nke->ne", weights, hot)
+
+
+class ExpertParallel:
+    """The experts all on this shard (no ``ep`` axis); the statistics summed over the batch axes.
+    ``Parallel`` has the fields ``layout`` and ``sharded``; controls override one method each."""
+
+    sharded: bool
+
+    def local_experts(self, n_experts: int) -> int:
+        """How many of the ``n_experts`` experts this shard holds (the leading dim of its expert
+        weights): all of them."""
+        return n_experts
+
+    def experts(self, x, ids, weights, expert_fn):
+        """The combine-weighted sum of each token's k experts, [N, D] partial over mp.
+
+        Dispatch: every expert runs on every token, and each output is multiplied by the token's
+        combine weight of that expert (0 where the token did not choose it). Why this: it is exact and
+        dropless (no capacity: a token's k experts are always computed), its shapes are static, and the
+        unchosen products are exact zeros in the value and in every gradient (0 * finite), so the sum
+        is the one the routing defines; buffers of capacity N per expert would cost the same. The price
+        is E / k times the routed FLOPs: fine for the proofs and small models; the ``ep`` axis splits
+        the experts, and a grouped (ragged) matmul is the way to cut it where XLA has one."""
+        n = expert_fn.n_local
+        ys = expert_fn(jnp.broadcast_to(x[None], (n, *x.shape)))  # [E, N, D] partial over mp
+        cw = combine_matrix(ids, weights, n).astype(ys.dtype)  # [N, E]
+        return jnp.einsum("ne,end->nd", cw, ys)
+
+    def moe_sum(self, stats):
+        """Per-layer routing statistics of this shard's tokens -> those of the whole global batch:
+        summed over the batch axes (dp, cp), and over mp under sp (each mp shard routes its own
+        sequence slice; without sp every mp shard holds the same tokens and the sum is not taken)."""
+        if not self.sharded:
+            return stats
+        axes = tuple(self.layout.batch_axes) + ((MP,) if self.layout.sp else ())
+        return lax.psum(stats, axes)

@@ -1,0 +1,86 @@
+"""Planted faults of expert parallelism (``verify --ep N``): each must be detected by the comparison
+with the unsharded reference, by JAX's varying-axis type check, or by the communication check.
+
+  tokens sent to the neighbouring ep shard   the send buffer's slot for shard s goes to shard s + 1:
+                                             every token computed by the wrong experts
+  an expert's gradient not summed over the   each expert weight keeps the gradient of the data shards
+  data shards outside ep                     at DP index 0 (the sum over the rest of dp lost)
+  aux-loss statistics not summed over ep      the routing statistics summed over the batch axes but
+                                             ep: each ep group forms the aux and z losses of its own
+                                             tokens
+  all-to-all sent three times                the send there, back and there again: the same values,
+                                             three times the all-to-alls (communication check)
+
+Each is a ``Parallel`` subclass overriding one method (``parallel.ep.ExpertAxis``) or one tap
+(``proof.taps``); layers are unchanged.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from meshlm.model.moe import moe_losses
+from meshlm.parallel.axes import DP, EP, MP
+from meshlm.parallel.context import Parallel
+from meshlm.proof.control_record import Control, Where
+from meshlm.proof.taps import Tapped
+
+
+class TokensToNeighbour(Parallel):
+    """Tokens for ep shard s are sent to shard s + 1, which runs them through its own experts."""
+
+    def ep_send(self, buf):
+        return super().ep_send(jnp.roll(buf, 1, axis=0))
+
+
+class ExpertGradOneDataShard(Tapped):
+    """Each expert weight's gradient is the one of the data shards at DP index 0 only: the weight is
+    used as is, but its gradient passes only where ``axis_index(DP) == 0`` (so the sum over the data
+    shards outside ep sums one shard's part)."""
+
+    def expert_weight(self, w):
+        keep = lax.axis_index(DP) == 0
+        return lax.stop_gradient(w) + jnp.where(keep, w - lax.stop_gradient(w), jnp.zeros_like(w))
+
+
+class StatisticsNotSummedOverEp(Parallel):
+    """The routing statistics summed over every batch axis but ep (and mp under sp)."""
+
+    def moe_sum(self, stats):
+        axes = tuple(a for a in self.layout.batch_axes if a != EP) + ((MP,) if self.layout.sp else ())
+        return lax.psum(stats, axes) if axes else stats
+
+
+class AllToAllThrice(Parallel):
+    """Each dispatch's all-to-all travels there, back and there again: same values, three times the
+    all-to-alls (detected by the communication check only)."""
+
+    def ep_send(self, buf):
+        there = super().ep_send(buf)
+        return super().ep_send(super().ep_return(there))
+
+
+def _ep(w: Where) -> bool:
+    return w.layout.experts_split
+
+
+EP_CONTROLS: tuple[Control, ...] = (
+    Control(name="tokens sent to the neighbouring ep shard", applies=_ep, par_cls=TokensToNeighbour),
+    Control(
+        name="an expert's gradient not summed over the data shards outside ep",
+        applies=lambda w: _ep(w) and w.layout.mesh_shape[DP] > 1,
+        par_cls=ExpertGradOneDataShard,
+    ),
+    Control(
+        name="aux-loss statistics not summed over ep",
+        applies=lambda w: _ep(w) and moe_losses(w.cfg),
+        par_cls=StatisticsNotSummedOverEp,
+    ),
+    Control(
+        name="all-to-all sent three times",
+        applies=lambda w: _ep(w) and w.collectives,
+        par_cls=AllToAllThrice,
+        by_collectives=True,
+    ),
+)

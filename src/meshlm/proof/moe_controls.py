@@ -1,0 +1,102 @@
+"""Planted faults of a mixture-of-experts layer (``model.moe``) that exist without an ``ep`` axis: the
+combine weights not renormalised, top-k ties broken by the higher expert id, the combine weights'
+gradient not summed over mp (the router's gradient is then wrong), and the aux-loss statistics not
+summed over the data shards. ``proof.controls`` lists them.
+
+A tie must exist for its control to show: ``plant_router_tie`` makes expert 1's router column a copy
+of expert 0's in every layer of the parameters *both* runs start from (``model_problem`` for a MoE
+config), so every token ties between the two, and where they tie for the k-th place the rule decides
+which one is computed (exact ties: the same column, the same matmul, in each run)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from meshlm.model import moe
+from meshlm.model.params import param_path
+from meshlm.parallel.axes import MP
+from meshlm.parallel.context import Parallel
+from meshlm.proof.control_record import Control, Where
+from meshlm.proof.taps import Tapped
+
+
+def plant_router_tie(params):
+    """``params`` with every layer's router column 1 set to column 0 (shardings kept)."""
+
+    def plant(path, x):
+        if not path.endswith("moe/router/w"):
+            return x
+        return jax.jit(lambda w: w.at[..., 1].set(w[..., 0]), out_shardings=x.sharding)(x)
+
+    return {m: {n: plant(param_path(m, n), x) for n, x in leaves.items()} for m, leaves in params.items()}
+
+
+def _top_k_higher_id_first(x, k: int):
+    """top-k with equal values in the order of their *higher* expert id (the wrong rule)."""
+    values, ids = lax.top_k(jnp.flip(x, axis=-1), k)
+    return values, x.shape[-1] - 1 - ids
+
+
+@contextmanager
+def ties_to_higher_id():
+    """The routing's top-k breaks ties by the higher expert id while the sharded run traces."""
+    old = moe.TOP_K
+    moe.TOP_K = _top_k_higher_id_first
+    try:
+        yield
+    finally:
+        moe.TOP_K = old
+
+
+def not_renormalised(cfg):
+    """The top-k combine weights left as the softmax's values (norm_topk_prob off) in the sharded run."""
+    return cfg.replace(norm_topk_prob=False)
+
+
+class CombineWeightGradOfShard0(Tapped):
+    """The combine weights' gradient taken from shard 0's partial expert outputs only, not their sum
+    over mp: the router (and the input through it) learns from one shard's hidden units."""
+
+    def combine_weights(self, w):
+        keep = self.shard_index() == 0
+        return lax.stop_gradient(w) + jnp.where(keep, w - lax.stop_gradient(w), jnp.zeros_like(w))
+
+
+class StatisticsNotSummedOverData(Parallel):
+    """Each data shard forms the aux and z losses from its own tokens' routing statistics (the loss
+    then averaged over the shards), not from the whole batch's."""
+
+    def moe_sum(self, stats):
+        return lax.psum(stats, MP) if self.layout.sp else stats
+
+
+def _moe(w: Where) -> bool:
+    return w.cfg is not None and w.cfg.arch.moe
+
+
+MOE_CONTROLS: tuple[Control, ...] = (
+    Control(
+        name="MoE combine weights not renormalised",
+        applies=lambda w: _moe(w) and w.cfg.norm_topk_prob and w.cfg.experts_per_token > 1,
+        cfg_change=not_renormalised,
+    ),
+    Control(
+        name="MoE top-k ties broken by the higher expert id",
+        applies=lambda w: _moe(w) and w.cfg.experts_per_token < w.cfg.n_experts,
+        plant=ties_to_higher_id,
+    ),
+    Control(
+        name="MoE combine weights' gradient not summed over mp",
+        applies=lambda w: _moe(w) and w.layout.mp > 1,
+        par_cls=CombineWeightGradOfShard0,
+    ),
+    Control(
+        name="MoE aux-loss statistics not summed over the data shards",
+        applies=lambda w: _moe(w) and w.layout.dp * w.layout.cp > 1 and moe.moe_losses(w.cfg),
+        par_cls=StatisticsNotSummedOverData,
+    ),
+)
