@@ -146,8 +146,8 @@ def balance_loss(cfg, stats):
     """The load-balancing loss of statistics summed over the whole global batch, [L, 2E + 2].
 
     "hf" (transformers' ``load_balancing_loss_func``): every layer's tokens pooled, E * sum_e f_e P_e
-    with f_e the fraction of the L*N*... routed choices' tokens per expert (k per token: = k when
-    balanced) and P_e the mean router probability; "per-layer" (Megatron's): per layer E * sum_e f_e P_e
+    with f_e the expert's chosen count over the L*N tokens (k choices per token: = k when balanced)
+    and P_e its mean router probability; "per-layer" (Megatron's): per layer E * sum_e f_e P_e
     with f_e the fraction of the N*k choices (= 1 when balanced), then the mean over layers."""
     counts, prob_sums, _, tokens = split_stats(cfg, stats)
     e = cfg.n_experts
