@@ -132,6 +132,7 @@ COMMANDS: dict[str, Run | Shown] = {
         "meshlm eval --cp N",
         "meshlm bench --pp N --compare-schedules",
         "meshlm train --pp 2 --mesh 1x2 --devices 4 ...",
+        "meshlm train --pp 2 --cp 2 --mesh 1x1 --devices 4 ...",
     ),
     **_names(
         "prose or a quoted message that starts with 'meshlm', not a command",

@@ -42,7 +42,20 @@ class MoEFields:
 
 
 @dataclass(frozen=True)
-class ModelConfig(MoEFields):
+class LayerKindFields:
+    """``ModelConfig``'s per-layer attention kinds (Gemma 2/3; a base, as ``MoEFields``)."""
+
+    # ``attention.kind_tables``; absent from a saved config: 0, as it was: scores / sqrt(attn_scalar or
+    # head_dim); layer i global (rope_theta, rope_scaling or rope_linear: positions / factor) if (i + 1)
+    # % global_every == 0, else local (sliding_window, plain RoPE of rope_local_theta); 0: layers alike.
+    attn_scalar: float = 0.0
+    global_every: int = 0
+    rope_local_theta: float = 0.0
+    rope_linear: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelConfig(LayerKindFields, MoEFields):
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
     d_model: int = 128  # residual stream width
@@ -91,13 +104,6 @@ class ModelConfig(MoEFields):
     # blockwise, --cp ring and allgather) and the KV cache cap.
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
-    # Gemma 2/3 (``attention.kind_tables``; absent from a saved config: 0, as it was): scores/sqrt(attn_scalar
-    # or head_dim); layer i global (rope_theta, rope_scaling or rope_linear: positions / factor) if (i + 1) %
-    # global_every == 0, else local (sliding_window, plain RoPE of rope_local_theta); 0: layers alike.
-    attn_scalar: float = 0.0
-    global_every: int = 0
-    rope_local_theta: float = 0.0
-    rope_linear: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies

@@ -21,7 +21,8 @@ from meshlm.errors import ConfigError
 from meshlm.model.attention import doc_starts
 from meshlm.model.config import ModelConfig
 from meshlm.model.params import STACKED_PREFIX
-from meshlm.model.transformer import check_context, embed_fn, head_loss_fn, layers_fn, loss_fn
+from meshlm.model.pieces import embed_fn, head_loss_fn, layers_fn
+from meshlm.model.transformer import check_context, loss_fn
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.pipeline import Pipeline, pipeline_value_and_grad

@@ -1,0 +1,74 @@
+"""The model in three pieces, for the pipeline (``sharding.pipelined``); the pieces reuse the model's
+own code (``model.transformer``), so a family needs nothing of its own here.
+"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax.numpy as jnp
+
+from meshlm.errors import ConfigError
+from meshlm.model.config import ModelConfig
+from meshlm.model.layers import mask_vocab_padding, vocab_parallel_xent
+from meshlm.model.memory import parallel_getter
+from meshlm.model.transformer import (
+    BLOCKS,
+    _check_context_parallel,
+    _check_seq_len,
+    _embed,
+    _head_logits,
+    _scaled,
+    _stack,
+)
+from meshlm.parallel.context import Parallel
+
+
+# Each is a Haiku function whose parameters are the whole model's of the same names: ``embed``'s the
+# embedding, ``layers``' those under ``layers/`` (as many layers as ``cfg.n_layers``: a chunk), ``head``'s
+# the final norm and output projection. Chained, they compute ``loss_fn`` (without the mean over dp,
+# which the pipeline takes); every family's, from the same code (a tied head's parameters include the
+# embedding table: the pipeline passes it to the last stage too and adds the two gradients).
+def embed_fn(cfg: ModelConfig, par: Parallel):
+    """tokens [B, T] -> hidden [B, T, D] (with ``sp`` [B, T/mp, D] per shard; with cp the tokens are
+    this cp shard's chunks first: [B, T/cp, D])."""
+
+    def embed(tokens):
+        _check_seq_len(cfg, tokens.shape[-1])  # rotary models go beyond max_seq_len, as local_logits
+        _check_context_parallel(cfg, par)
+        with hk.custom_getter(parallel_getter(par)):
+            return _scaled(cfg, _embed(cfg, par)(par.seq_local(tokens)))
+
+    return embed
+
+
+def layers_fn(cfg: ModelConfig, par: Parallel):
+    """hidden [B, T, D] -> hidden: ``cfg.n_layers`` layers at the global positions of the tokens this
+    shard holds (``Parallel.positions``: with cp its chunks'). With ``sp`` the hidden is [B, T/mp, D]
+    per shard and the positions those of the whole (cp shard's) sequence. With ``cfg.doc_mask`` the
+    layers take ``starts`` [B, T] too: where each token's document starts (``attention.doc_starts`` of
+    the inputs, computed before the pipeline and passed with each micro-batch)."""
+
+    def layers(x, starts=None):
+        t = x.shape[1] * (par.layout.mp if par.layout.sp and par.sharded else 1)
+        positions = jnp.broadcast_to(par.positions(t), (x.shape[0], t))
+        if cfg.doc_mask >= 0:
+            if starts is None:
+                raise ConfigError("--doc-mask needs the document starts of each micro-batch; pass starts")
+            starts = par.tap("doc_starts", starts)
+        with hk.custom_getter(parallel_getter(par)):
+            return _stack(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, None, starts)[0]
+
+    return layers
+
+
+def head_loss_fn(cfg: ModelConfig, par: Parallel):
+    """(hidden [B, T, D], targets [B, T]) -> the mean loss over this shard's rows (with cp: over this
+    shard's chunks of them, ``par.seq_local`` of the whole rows' targets)."""
+
+    def head_loss(y, targets):
+        with hk.custom_getter(parallel_getter(par)):
+            embed = _embed(cfg, par) if cfg.tie_embeddings else None  # a tied head reads the table
+            logits = mask_vocab_padding(par, par.seq_out(_head_logits(cfg, par, y, embed)), cfg.vocab_size)
+        return jnp.mean(vocab_parallel_xent(par, logits, par.seq_local(targets), cfg.z_loss))
+
+    return head_loss
