@@ -119,6 +119,12 @@ class Attention(hk.Module):
             q = norm_then_rotary(q, norm(eps=cfg.norm_eps, name="q_norm", **self._norm_args(False)), rotate)
             k = norm_then_rotary(k, norm(eps=cfg.norm_eps, name="k_norm", **self._norm_args(True)), rotate)
         key_pos = positions
+        if cache is not None and "index" in cache:  # Gemma 2/3's local and global caches (``kv_kinds``)
+            from meshlm.model.kv_kinds import kinds_cache_attend  # (it builds on this module)
+
+            attend = lambda q, k, v, key_pos, w: self._attend(q, k, v, positions, key_pos, starts, w)
+            out, cache = kinds_cache_attend(cfg, cache, q, k, v, positions, kind, attend)
+            return self._out(out, xf), cache
         if cache is not None:
             cache, key_pos = cache_update(cache, k, v, positions, cache_window(cfg))
             k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
@@ -128,15 +134,24 @@ class Attention(hk.Module):
             q = scaled_for_kernels(cfg, q)
             kernel.update(plain_attend=_attend, window=window)
             out = context_attention(q, k, v, positions, self.par, **kernel)
-        elif cfg.attention == "blockwise":
+        else:
+            out = self._attend(q, k, v, positions, key_pos, starts, window)
+        return self._out(out, xf), cache
+
+    def _attend(self, q, k, v, positions, key_pos, starts, window):
+        """Blockwise or plain attention on one device (no cp) -> [B, T, h, E]."""
+        cfg = self.cfg
+        if cfg.attention == "blockwise":
             kernel = dict(block=cfg.attn_block, q_start=starts, softcap=cfg.attn_softcap)
             q = scaled_for_kernels(cfg, q)
-            out = blockwise_attention(q, k, v, positions, key_pos, window=window, **kernel)
-        else:
-            scale = dict(scalar=cfg.attn_scalar) if cfg.attn_scalar else {}
-            out = _attend(q, k, v, positions, key_pos, starts, window, cfg.attn_softcap, **scale)
-        wo = hk.get_parameter("wo", [hl, cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
-        return dense_heads_out(out, wo), cache
+            return blockwise_attention(q, k, v, positions, key_pos, window=window, **kernel)
+        scale = dict(scalar=cfg.attn_scalar) if cfg.attn_scalar else {}
+        return _attend(q, k, v, positions, key_pos, starts, window, cfg.attn_softcap, **scale)
+
+    def _out(self, out, xf):  # out [B, T, H/mp, E] -> the row-parallel partial [B, T, D]
+        hl = self.cfg.n_heads // self.par.layout.mp
+        wo = hk.get_parameter("wo", [hl, self.cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
+        return dense_heads_out(out, wo)
 
 
 def layer_kinds(cfg: ModelConfig):
@@ -219,9 +234,10 @@ def doc_starts(tokens, eod: int):
 
 
 def cache_window(cfg: ModelConfig) -> int:
-    """The slots of a rolling KV cache: the sliding window when every layer has it (Mistral), else 0
-    (a full cache: a model with windowed and full layers, Gemma 2/3, keeps one in every layer)."""
-    return 0 if cfg.global_every else cfg.sliding_window
+    """The slots of a rolling KV cache in every layer: the sliding window when every layer has it
+    (Mistral, or a Gemma with fewer layers than ``global_every``), else 0 (a model with windowed and full
+    layers, Gemma 2/3, keeps a rolling cache in its windowed layers only: ``kv_kinds``)."""
+    return 0 if cfg.global_every and cfg.n_layers >= cfg.global_every else cfg.sliding_window
 
 
 def cache_update(cache, k, v, positions, window: int):

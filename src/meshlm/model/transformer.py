@@ -20,6 +20,7 @@ import meshlm.model.attention as attention
 from meshlm.errors import ConfigError
 from meshlm.model.attention import Attention, doc_starts, soft_cap
 from meshlm.model.config import ModelConfig
+from meshlm.model.kv_kinds import kinds_stack
 from meshlm.model.layers import (
     MLP,
     LayerNorm,
@@ -145,6 +146,8 @@ def _stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
     kinds = jnp.asarray(kinds)
     if cache is None:
         return stacked(lambda x, k: (body(x, None, k)[0], None))(x, kinds)[0], None
+    if "k_local" in cache:  # local and global layers' caches apart (``kv_kinds``): in the carry
+        return kinds_stack(cfg, stacked, body, x, cache)
     return stacked(body)(x, cache, kinds)
 
 
