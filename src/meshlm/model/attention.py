@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from meshlm.errors import ShardingError
-from meshlm.model.blockwise import blockwise_attention
+from meshlm.model.blockwise import blockwise_attention, varying_like
 from meshlm.model.config import ModelConfig
 from meshlm.model.context_parallel import context_attention
 from meshlm.model.dense import dense_heads_in, dense_heads_out
@@ -120,8 +120,6 @@ class Attention(hk.Module):
             k = norm_then_rotary(k, norm(eps=cfg.norm_eps, name="k_norm", **self._norm_args(True)), rotate)
         key_pos = positions
         if cache is not None and "index" in cache:  # Gemma 2/3's local and global caches (``kv_kinds``)
-            from meshlm.model.kv_kinds import kinds_cache_attend  # (it builds on this module)
-
             attend = lambda q, k, v, key_pos, w: self._attend(q, k, v, positions, key_pos, starts, w)
             out, cache = kinds_cache_attend(cfg, cache, q, k, v, positions, kind, attend)
             return self._out(out, xf), cache
@@ -233,6 +231,9 @@ def doc_starts(tokens, eod: int):
     return lax.cummax(jnp.where(tokens == eod, t, 0), axis=tokens.ndim - 1)
 
 
+LOCAL_KEYS = ("k_local", "v_local")  # the local layers' cache arrays beside "k", "v" (``kv_kinds``)
+
+
 def cache_window(cfg: ModelConfig) -> int:
     """The slots of a rolling KV cache in every layer: the sliding window when every layer has it
     (Mistral, or a Gemma with fewer layers than ``global_every``), else 0 (a model with windowed and full
@@ -260,6 +261,37 @@ def cache_update(cache, k, v, positions, window: int):
     last = positions[:, -1:]  # [B, 1]: the newest position written
     held = last - (last - slot) % slots  # [B, S]
     return cache, jnp.where(held < 0, jnp.iinfo(held.dtype).max, held)  # never written: never visible
+
+
+def kinds_cache_attend(cfg: ModelConfig, cache: dict, q, k, v, positions, kind, attend):
+    """One layer's attention with the two-array cache: (out [B, T, h, E], new cache).
+
+    cache (per shard, ``kv_kinds``): the global layers' "k", "v" [L_global, B, S, Kc, E], the local
+    ones' "k_local", "v_local" [L_local, B, W (S in the prefill), Kc, E], and "index", this layer's
+    index among the layers of its kind (traced). ``kind`` (traced,
+    0 local) picks the branch: a local layer writes k, v [B, T, Kc, E] into its W-slot slice (rolling,
+    or full while the prefill holds all S slots: the generator's ``keep_window`` cuts them after) and
+    attends with the window; a global one into its S-slot slice, without one. ``attend(q, k, v,
+    key_pos, window)``: this layer's attention on one device."""
+    index = cache["index"]
+    # both branches return all four arrays: typed alike (inside shard_map), varying as k and v do
+    stacks = varying_like({name: cache[name] for name in ("k", "v", *LOCAL_KEYS)}, k, v)
+
+    def branch(names, window):
+        def run(stacks):
+            pairs = list(zip("kv", names, strict=True))  # ("k", its array's name), ("v", ...)
+            own = {n: lax.dynamic_index_in_dim(stacks[name], index, 0, False) for n, name in pairs}
+            own, key_pos = cache_update(own, k, v, positions, window)
+            new = dict(stacks)
+            for n, name in pairs:
+                new[name] = lax.dynamic_update_index_in_dim(stacks[name], own[n], index, 0)
+            return attend(q, own["k"].astype(q.dtype), own["v"].astype(q.dtype), key_pos, window), new
+
+        return run
+
+    local, full = branch(LOCAL_KEYS, cfg.sliding_window), branch(("k", "v"), 0)
+    out, stacks = lax.cond(kind == 0, local, full, stacks)
+    return out, {**stacks, "index": index}
 
 
 def window_visible(q_pos, k_pos, window):
