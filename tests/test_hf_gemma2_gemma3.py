@@ -3,8 +3,11 @@ soft-capping) and Gemma 3 (per-head (1 + w) q/k norm, local/global layers with t
 scaling on the global ones) from transformers: a tiny random model of each (eager attention, no
 download, every weight perturbed: the norm weights away from 0) converts with logits equal to
 transformers' on 16 tokens, 4 times the window (float32, unsharded and on 2x2), `meshlm generate
---temperature 0` prints transformers' greedy text on 1x1 and 1x2, and the export loads back with equal
+--temperature 0` prints transformers' greedy text on 1x1 and 1x2 (4 windows long: the local layers' KV
+cache rolls over the window), and the export loads back with equal
 logits."""
+
+import json
 
 import numpy as np
 import pytest
@@ -26,7 +29,7 @@ from meshlm.model.params import unflatten  # noqa: E402
 RTOL = 1e-5  # float32: worst |ours - theirs| relative to the largest |logit|
 VOCAB = 280
 PROMPT = "def héllo(wörld):\n    ret"
-NEW = 10
+NEW = 16  # 4 windows: the local layers' rolling caches wrap several times
 CORPUS = ["def héllo(wörld):\n    return wörld + 1  # ünïcode\n" * 30, "import os\nclass A:\n    pass\n" * 20]
 WINDOW = 4  # < the 16 tokens compared and the prompt: every local layer's window matters
 SMALL = dict(
@@ -117,10 +120,14 @@ def test_logits_equal_transformers(family, tokens):
 
 @pytest.mark.parametrize("mesh", ["1x1", "1x2"])
 def test_generate_prints_transformers_text(family, mesh, capsys):
+    """Past several windows; the local layers' KV cache holds their window (rolling), the global
+    layers' the whole context (``model.kv_kinds``), as generate --json reports."""
     capsys.readouterr()
-    argv = ["generate", "--checkpoint", str(family["ckpt"]), "--mesh", mesh, "--temperature", "0"]
+    argv = ["generate", "--checkpoint", str(family["ckpt"]), "--mesh", mesh, "--temperature", "0", "--json"]
     assert run_cli(*argv, "--prompt", PROMPT, "--max-new-tokens", str(NEW)) == 0
-    assert capsys.readouterr().out == PROMPT + family["text"] + "\n"
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == family["text"] and NEW >= 3 * WINDOW
+    assert out["kv_cache"]["local_slots"] == WINDOW and out["kv_cache"]["slots"] > 3 * WINDOW
 
 
 def test_export_loads_in_transformers(family, tokens, tmp_path):

@@ -158,3 +158,32 @@ def test_rolling_cache_holds_the_window_and_equals_the_full_forward(attention):
     )
     for b, n in enumerate((3, 11)):
         np.testing.assert_allclose(got[b], want[b, n - 1 :], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("preset,attention", [("tiny-gemma2", "blockwise")])
+def test_local_layers_cache_holds_the_window(preset, attention):
+    """Local and global layers (Gemma 2/3), window 4, a 32-slot context: the local layers' decode cache
+    has 4 slots, the global ones' 32; teacher-forced cached logits from prompts of 3 and 11 tokens up to
+    position 19 (several windows on) equal the full forward's, on 1x1 and 1x2."""
+    from meshlm.generate.generator import Generator, cache_memory
+    from meshlm.generate.inputs import Sampling
+    from meshlm.model.kv_kinds import kind_counts
+    from meshlm.parallel.mesh import make_mesh
+
+    cfg = get_config(preset).replace(sliding_window=4, attention=attention, attn_block=4)
+    tokens = np.random.default_rng(1).integers(1, 64, (2, 20))
+    params = hk.transform(loss_fn(cfg, Parallel())).init(
+        jax.random.PRNGKey(0), {k: jnp.asarray(tokens, jnp.int32) for k in ("inputs", "targets")}
+    )
+    want = np.asarray(
+        jax.jit(hk.without_apply_rng(hk.transform(logits_fn(cfg, Parallel()))).apply)(params, tokens)
+    )
+    (n_local, n_global), lengths = kind_counts(cfg), np.array([3, 11])
+    for mesh in (make_mesh(1, 1), make_mesh(1, 2)):
+        gen = Generator(cfg, params, mesh, max_len=32)
+        _, _, cache = gen.prefill(np.zeros((2, 32), np.int32), lengths, Sampling())
+        assert cache["k_local"].shape[:3] == (n_local, 2, 4) and cache["k"].shape[:3] == (n_global, 2, 32)
+        assert cache_memory(gen, 2)["local_slots"] == 4 and cache_memory(gen, 2)["slots"] == 32
+        got = gen.logits_with_cache(tokens, lengths)
+        for b, n in enumerate(lengths):
+            np.testing.assert_allclose(got[b], want[b, n - 1 :], rtol=1e-5, atol=1e-5 * np.abs(want).max())

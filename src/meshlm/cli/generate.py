@@ -158,10 +158,11 @@ def run(args) -> int:
             print0(f"--- prompt {i} ({r.finish_reason}) ---\n{r.prompt}{r.text}")
     r = results[0]
     if is_main():
+        local = f" ({cache['local_slots']} in local layers)" if "local_slots" in cache else ""
         print(
             f"[{sum(len(x.tokens) for x in results)} tokens; prefill {r.prefill_tokens_per_s:.0f} tok/s, "
             f"decode {r.decode_tokens_per_s:.0f} tok/s; mesh {layout.label()}; KV cache {cache['slots']} "
-            f"positions per layer, {cache['total']:,} bytes]",
+            f"positions per layer{local}, {cache['total']:,} bytes]",
             file=sys.stderr,
         )
     return 0

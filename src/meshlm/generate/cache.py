@@ -13,6 +13,11 @@ the window's, not the context's. The prefill still runs the whole padded prompt 
 slots, lives only inside the prefill program) and keeps each row's last W prompt positions
 (``keep_window``): exactly the keys a later query can see.
 
+Local and global layers (Gemma 2/3, ``model.kv_kinds``): the global layers' cache "k", "v" [L_global,
+B, S, Kc, E] and the local layers' "k_local", "v_local" [L_local, B, W, Kc, E] (W = min(window, S)),
+both laid out as above: each local layer holds its window (rolling), each global one the context. The
+prefill holds S slots in both and keeps each row's last W prompt positions in the local ones.
+
 The "ff" family has no attention and no positions, so it needs no cache (an empty dict): see
 ``programs`` for why running it on the last token alone is exact.
 """
@@ -26,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.model.attention import cache_window, kv_replicated
 from meshlm.model.config import ModelConfig
+from meshlm.model.kv_kinds import LOCAL_KEYS, kind_counts, mixed_kinds
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
@@ -36,7 +42,7 @@ CACHE_SPEC = P(None, DP, None, MP, None)  # global [L, B, S, Kc, E]
 def cache_specs(cfg: ModelConfig, rows=DP) -> dict:
     """The K and V caches' specs, rows over ``rows`` (``Layout.rows``: DP, or (DP, EP) with ep on)."""
     spec = CACHE_SPEC if rows == DP else P(None, rows, None, MP, None)
-    return {"k": spec, "v": spec} if cfg.arch.attention else {}
+    return {name: spec for name in cache_shapes(cfg, 1, 1, 1)}
 
 
 def cache_heads(cfg: ModelConfig, mp: int) -> tuple[int, int]:
@@ -52,40 +58,53 @@ def cache_len(cfg: ModelConfig, max_len: int) -> int:
     return min(window, max_len) if window else max_len
 
 
-def cache_shape(cfg: ModelConfig, mp: int, batch: int, max_len: int) -> tuple[int, ...]:
-    """Global shape [L, B, S, Kc, E] of the K (and of the V) decode cache for a global ``batch``
-    (S = ``cache_len``: the window for a rolling cache)."""
-    return (cfg.n_layers, batch, cache_len(cfg, max_len), cache_heads(cfg, mp)[0], cfg.dim_per_head)
+def cache_shapes(cfg: ModelConfig, mp: int, batch: int, max_len: int, slots=None) -> dict:
+    """Global shape [L, B, S, Kc, E] of each decode cache array for a global ``batch`` (S =
+    ``cache_len``: the window for a rolling cache), by name: "k", "v", and with local and global layers
+    (``mixed_kinds``) the local ones' "k_local", "v_local" of min(window, max_len) slots. ``slots``:
+    every array's S instead (the prefill's), and ``mp``'s Kc replaced by Kc/mp (per shard)."""
+    if not cfg.arch.attention:
+        return {}
+    heads = cache_heads(cfg, mp)[0 if slots is None else 1]
+    if not mixed_kinds(cfg):
+        s = cache_len(cfg, max_len) if slots is None else slots
+        return {n: (cfg.n_layers, batch, s, heads, cfg.dim_per_head) for n in "kv"}
+    (n_local, n_global), local = kind_counts(cfg), min(cfg.sliding_window, max_len)
+    shapes = {n: (n_global, batch, slots or max_len, heads, cfg.dim_per_head) for n in "kv"}
+    return shapes | {n: (n_local, batch, slots or local, heads, cfg.dim_per_head) for n in LOCAL_KEYS}
 
 
 def cache_bytes(cfg: ModelConfig, where, batch: int, max_len: int, dtype=jnp.float32) -> dict:
     """{"total", "per_device"} bytes of the K and V decode caches for a global ``batch`` on ``where`` (a
-    Layout or a jax Mesh), and "slots": positions held per layer (the window for a rolling cache)."""
+    Layout or a jax Mesh), and "slots": positions held per layer (the window for a rolling cache; with
+    local and global layers the global ones', and "local_slots" the local ones': their window)."""
     if not cfg.arch.attention:
         return {"total": 0, "per_device": 0, "slots": 0}
     layout = Layout.of(where)
-    shape = cache_shape(cfg, layout.mp, batch, max_len)
-    total = 2 * math.prod(shape) * jnp.dtype(dtype).itemsize
-    return {"total": total, "per_device": total // layout.devices, "slots": shape[2]}
+    shapes = cache_shapes(cfg, layout.mp, batch, max_len)
+    total = sum(math.prod(shape) for shape in shapes.values()) * jnp.dtype(dtype).itemsize
+    out = {"total": total, "per_device": total // layout.devices, "slots": shapes["k"][2]}
+    return out | ({"local_slots": shapes["k_local"][2]} if "k_local" in shapes else {})
 
 
 def keep_window(cfg: ModelConfig, cache: dict, lengths) -> dict:
     """A prefill's per-shard cache [L, B/dp, S, Kc/mp, E] -> the rolling one [L, B/dp, W, ...] when
     S > W: slot s gets each row's newest prompt position congruent to s, (n - 1) - ((n - 1 - s) mod W)
-    for a row of ``lengths`` [B/dp] = n (one below 0: a slot no query sees, left as position 0's)."""
-    window, s = cache_window(cfg), cache["k"].shape[2] if cache else 0
+    for a row of ``lengths`` [B/dp] = n (one below 0: a slot no query sees, left as position 0's).
+    With local and global layers (``mixed_kinds``) only the local layers' arrays roll."""
+    mixed = mixed_kinds(cfg)
+    window, s = cfg.sliding_window if mixed else cache_window(cfg), cache["k"].shape[2] if cache else 0
     if not window or s <= window:
         return cache
     last = lengths[:, None] - 1  # [B, 1]
     held = last - (last - jnp.arange(window)) % window  # [B, W]
     index = jnp.maximum(held, 0)[None, :, :, None, None]
-    return {name: jnp.take_along_axis(c, index, axis=2) for name, c in cache.items()}
+    rolls = LOCAL_KEYS if mixed else tuple(cache)
+    return {n: jnp.take_along_axis(c, index, axis=2) if n in rolls else c for n, c in cache.items()}
 
 
 def empty_cache(cfg: ModelConfig, par: Parallel, shard_batch: int, max_len: int, dtype) -> dict:
-    """Zeros of the per-shard shape [L, B/dp, S, Kc/mp, E], ``shard_batch`` = B/dp (made on device,
-    inside shard_map)."""
-    if not cfg.arch.attention:
-        return {}
-    shape = (cfg.n_layers, shard_batch, max_len, cache_heads(cfg, par.layout.mp)[1], cfg.dim_per_head)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    """Zeros of the per-shard shapes [L, B/dp, S, Kc/mp, E] (the prefill's: S = ``max_len`` slots in
+    every array, local layers' included), ``shard_batch`` = B/dp (made on device, inside shard_map)."""
+    shapes = cache_shapes(cfg, par.layout.mp, shard_batch, max_len, slots=max_len)
+    return {name: jnp.zeros(shape, dtype) for name, shape in shapes.items()}

@@ -28,8 +28,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshlm.generate.cache import cache_shape, cache_specs, empty_cache, keep_window
+from meshlm.generate.cache import cache_shapes, cache_specs, empty_cache, keep_window
 from meshlm.generate.inputs import Sampling
+from meshlm.model.blockwise import varying_like
 from meshlm.model.config import ModelConfig
 from meshlm.model.layers import upcast
 from meshlm.model.transformer import local_logits
@@ -98,6 +99,7 @@ def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype):
     def prefill(params, tokens, lengths, rows, key, sampling):  # tokens [B/dp, S], lengths [B/dp] per shard
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         cache = empty_cache(cfg, par, tokens.shape[0], tokens.shape[1], cache_dtype)
+        cache = varying_like(cache, tokens, params)  # as the keys it will hold (a carry: ``kv_kinds``)
         logits, cache = apply(params, tokens, positions, lengths - 1, cache)
         return sample(logits, key, rows, 0, sampling), logits, keep_window(cfg, cache, lengths)
 
@@ -142,10 +144,9 @@ class Programs:
             key = self._abstract(jax.eval_shape(jax.random.PRNGKey, 0).shape, jnp.uint32, P())
             sampling = tuple(self._abstract((), x.dtype, P()) for x in Sampling().args())
             tokens = self._abstract((batch, self.max_len), jnp.int32, P(rows, None))
-            cshape = cache_shape(self.cfg, self.layout.mp, batch, self.max_len)
-            cache = {
-                k: self._abstract(cshape, self.cache_dtype, s) for k, s in cache_specs(self.cfg, rows).items()
-            }
+            cshapes = cache_shapes(self.cfg, self.layout.mp, batch, self.max_len)
+            specs = cache_specs(self.cfg, rows)
+            cache = {k: self._abstract(cshapes[k], self.cache_dtype, s) for k, s in specs.items()}
             step = self._abstract((), jnp.int32, P())
             prefill = self.jit["prefill"].lower(params, tokens, row, row, key, sampling)
             decode = self.jit["decode"].lower(params, row, row, row, cache, key, step, sampling, row)

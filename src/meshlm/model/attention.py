@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from meshlm.errors import ShardingError
-from meshlm.model.blockwise import blockwise_attention
+from meshlm.model.blockwise import blockwise_attention, varying_like
 from meshlm.model.config import ModelConfig
 from meshlm.model.context_parallel import context_attention
 from meshlm.model.dense import dense_heads_in, dense_heads_out
@@ -119,6 +119,10 @@ class Attention(hk.Module):
             q = norm_then_rotary(q, norm(eps=cfg.norm_eps, name="q_norm", **self._norm_args(False)), rotate)
             k = norm_then_rotary(k, norm(eps=cfg.norm_eps, name="k_norm", **self._norm_args(True)), rotate)
         key_pos = positions
+        if cache is not None and "index" in cache:  # Gemma 2/3's local and global caches (``kv_kinds``)
+            attend = lambda q, k, v, key_pos, w: self._attend(q, k, v, positions, key_pos, starts, w)
+            out, cache = kinds_cache_attend(cfg, cache, q, k, v, positions, kind, attend)
+            return self._out(out, xf), cache
         if cache is not None:
             cache, key_pos = cache_update(cache, k, v, positions, cache_window(cfg))
             k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
@@ -128,15 +132,24 @@ class Attention(hk.Module):
             q = scaled_for_kernels(cfg, q)
             kernel.update(plain_attend=_attend, window=window)
             out = context_attention(q, k, v, positions, self.par, **kernel)
-        elif cfg.attention == "blockwise":
+        else:
+            out = self._attend(q, k, v, positions, key_pos, starts, window)
+        return self._out(out, xf), cache
+
+    def _attend(self, q, k, v, positions, key_pos, starts, window):
+        """Blockwise or plain attention on one device (no cp) -> [B, T, h, E]."""
+        cfg = self.cfg
+        if cfg.attention == "blockwise":
             kernel = dict(block=cfg.attn_block, q_start=starts, softcap=cfg.attn_softcap)
             q = scaled_for_kernels(cfg, q)
-            out = blockwise_attention(q, k, v, positions, key_pos, window=window, **kernel)
-        else:
-            scale = dict(scalar=cfg.attn_scalar) if cfg.attn_scalar else {}
-            out = _attend(q, k, v, positions, key_pos, starts, window, cfg.attn_softcap, **scale)
-        wo = hk.get_parameter("wo", [hl, cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
-        return dense_heads_out(out, wo), cache
+            return blockwise_attention(q, k, v, positions, key_pos, window=window, **kernel)
+        scale = dict(scalar=cfg.attn_scalar) if cfg.attn_scalar else {}
+        return _attend(q, k, v, positions, key_pos, starts, window, cfg.attn_softcap, **scale)
+
+    def _out(self, out, xf):  # out [B, T, H/mp, E] -> the row-parallel partial [B, T, D]
+        hl = self.cfg.n_heads // self.par.layout.mp
+        wo = hk.get_parameter("wo", [hl, self.cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
+        return dense_heads_out(out, wo)
 
 
 def layer_kinds(cfg: ModelConfig):
@@ -218,10 +231,14 @@ def doc_starts(tokens, eod: int):
     return lax.cummax(jnp.where(tokens == eod, t, 0), axis=tokens.ndim - 1)
 
 
+LOCAL_KEYS = ("k_local", "v_local")  # the local layers' cache arrays beside "k", "v" (``kv_kinds``)
+
+
 def cache_window(cfg: ModelConfig) -> int:
-    """The slots of a rolling KV cache: the sliding window when every layer has it (Mistral), else 0
-    (a full cache: a model with windowed and full layers, Gemma 2/3, keeps one in every layer)."""
-    return 0 if cfg.global_every else cfg.sliding_window
+    """The slots of a rolling KV cache in every layer: the sliding window when every layer has it
+    (Mistral, or a Gemma with fewer layers than ``global_every``), else 0 (a model with windowed and full
+    layers, Gemma 2/3, keeps a rolling cache in its windowed layers only: ``kv_kinds``)."""
+    return 0 if cfg.global_every and cfg.n_layers >= cfg.global_every else cfg.sliding_window
 
 
 def cache_update(cache, k, v, positions, window: int):
@@ -244,6 +261,37 @@ def cache_update(cache, k, v, positions, window: int):
     last = positions[:, -1:]  # [B, 1]: the newest position written
     held = last - (last - slot) % slots  # [B, S]
     return cache, jnp.where(held < 0, jnp.iinfo(held.dtype).max, held)  # never written: never visible
+
+
+def kinds_cache_attend(cfg: ModelConfig, cache: dict, q, k, v, positions, kind, attend):
+    """One layer's attention with the two-array cache: (out [B, T, h, E], new cache).
+
+    cache (per shard, ``kv_kinds``): the global layers' "k", "v" [L_global, B, S, Kc, E], the local
+    ones' "k_local", "v_local" [L_local, B, W (S in the prefill), Kc, E], and "index", this layer's
+    index among the layers of its kind (traced). ``kind`` (traced,
+    0 local) picks the branch: a local layer writes k, v [B, T, Kc, E] into its W-slot slice (rolling,
+    or full while the prefill holds all S slots: the generator's ``keep_window`` cuts them after) and
+    attends with the window; a global one into its S-slot slice, without one. ``attend(q, k, v,
+    key_pos, window)``: this layer's attention on one device."""
+    index = cache["index"]
+    # both branches return all four arrays: typed alike (inside shard_map), varying as k and v do
+    stacks = varying_like({name: cache[name] for name in ("k", "v", *LOCAL_KEYS)}, k, v)
+
+    def branch(names, window):
+        def run(stacks):
+            pairs = list(zip("kv", names, strict=True))  # ("k", its array's name), ("v", ...)
+            own = {n: lax.dynamic_index_in_dim(stacks[name], index, 0, False) for n, name in pairs}
+            own, key_pos = cache_update(own, k, v, positions, window)
+            new = dict(stacks)
+            for n, name in pairs:
+                new[name] = lax.dynamic_update_index_in_dim(stacks[name], own[n], index, 0)
+            return attend(q, own["k"].astype(q.dtype), own["v"].astype(q.dtype), key_pos, window), new
+
+        return run
+
+    local, full = branch(LOCAL_KEYS, cfg.sliding_window), branch(("k", "v"), 0)
+    out, stacks = lax.cond(kind == 0, local, full, stacks)
+    return out, {**stacks, "index": index}
 
 
 def window_visible(q_pos, k_pos, window):

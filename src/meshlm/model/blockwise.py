@@ -71,7 +71,7 @@ def _safe_inv(x):
     return jnp.where(x > 0, 1.0 / jnp.where(x > 0, x, 1.0), 0.0)
 
 
-def _varying_like(tree, *refs):
+def varying_like(tree, *refs):
     """``tree`` typed as varying over every manual mesh axis that one of ``refs`` varies over (inside
     ``shard_map`` a loop carry and both branches of a cond must agree; outside it: unchanged)."""
     varying = lambda x: jax.typeof(x).manual_axis_type.varying
@@ -168,7 +168,7 @@ def _attend_qblock(q_i, qp_i, kb, vb, kpb, kvb, causal, scale, qs_i=None, window
         jnp.full((b, kh, g, bq), -jnp.inf, f),
         jnp.zeros((b, kh, g, bq), f),
     )
-    init = _varying_like(init, q_i, qp_i, kb, vb, kpb, kvb, qs_i)
+    init = varying_like(init, q_i, qp_i, kb, vb, kpb, kvb, qs_i)
 
     def body(j, state):
         def compute(state):
@@ -258,11 +258,11 @@ def partial_grads(
             needed = _needed(x.qpb[i], kp_j, kvalid_j, causal, qs(i), **_win(window))
             return lax.cond(needed, compute, lambda c: c, carry)
 
-        zeros = _varying_like(jnp.zeros(k_j.shape, f), x, dob, lse_b, d_b)
+        zeros = varying_like(jnp.zeros(k_j.shape, f), x, dob, lse_b, d_b)
         dk_j, dv_j, dq = lax.fori_loop(0, x.qb.shape[0], q_step, (zeros, zeros, dq))
         return dq, (dk_j, dv_j)
 
-    dq0 = _varying_like(jnp.zeros(x.qb.shape, f), x, dob, lse_b, d_b)
+    dq0 = varying_like(jnp.zeros(x.qb.shape, f), x, dob, lse_b, d_b)
     dq, (dkb, dvb) = lax.scan(kv_step, dq0, (x.kb, x.vb, x.kpb, x.kvb))
     tq, tk = q.shape[1], k.shape[1]
     dq = _unblock(dq, tq).reshape(q.shape)

@@ -11,6 +11,7 @@ from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig
 from meshlm.model.layers import mask_vocab_padding, vocab_parallel_xent
 from meshlm.model.memory import parallel_getter
+from meshlm.model.stack import stack_layers
 from meshlm.model.transformer import (
     BLOCKS,
     _check_context_parallel,
@@ -18,7 +19,6 @@ from meshlm.model.transformer import (
     _embed,
     _head_logits,
     _scaled,
-    _stack,
 )
 from meshlm.parallel.context import Parallel
 
@@ -56,7 +56,7 @@ def layers_fn(cfg: ModelConfig, par: Parallel):
                 raise ConfigError("--doc-mask needs the document starts of each micro-batch; pass starts")
             starts = par.tap("doc_starts", starts)
         with hk.custom_getter(parallel_getter(par)):
-            return _stack(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, None, starts)[0]
+            return stack_layers(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, None, starts)[0]
 
     return layers
 

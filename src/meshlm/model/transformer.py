@@ -16,7 +16,6 @@ import haiku as hk
 import jax.numpy as jnp
 import numpy as np
 
-import meshlm.model.attention as attention
 from meshlm.errors import ConfigError
 from meshlm.model.attention import Attention, doc_starts, soft_cap
 from meshlm.model.config import ModelConfig
@@ -31,8 +30,9 @@ from meshlm.model.layers import (
     mask_vocab_padding,
     vocab_parallel_xent,
 )
-from meshlm.model.memory import parallel_getter, remat_body
+from meshlm.model.memory import parallel_getter
 from meshlm.model.moe import aux_loss, moe_layer, moe_losses
+from meshlm.model.stack import stack_layers
 from meshlm.parallel.context import Parallel
 
 GPT_STDDEV = 0.02  # GPT-J / Llama initialisation
@@ -125,45 +125,6 @@ def _block(cfg: ModelConfig, par: Parallel):
     return BLOCKS[cfg.arch.block](cfg, par)
 
 
-def _stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
-    """Apply n_layers copies of ``layer`` with stacked parameters [L, ...] (flat compile time). The
-    per-layer inputs: the KV cache (generation) and each layer's kind (Gemma 2/3's local and global
-    layers, ``attention.layer_kinds``): traced values, so the parameters stay uniform."""
-    if cfg.arch.moe:
-        return _moe_stack(cfg, layer, x, positions, cache, starts)
-    kinds = attention.layer_kinds(cfg)
-    body = remat_body(cfg.remat, lambda x, c, k: layer(x, positions, c, starts, k))
-    if cache is None and kinds is None:
-        stack = hk.experimental.layer_stack(cfg.n_layers, unroll=cfg.layer_unroll, name="layers")
-        stacked = stack(lambda x: body(x, None, None)[0])
-        return stacked(x), None
-    stacked = hk.experimental.layer_stack(
-        cfg.n_layers, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers"
-    )
-    if kinds is None:
-        return stacked(lambda x, c: body(x, c, None))(x, cache)
-    kinds = jnp.asarray(kinds)
-    if cache is None:
-        return stacked(lambda x, k: (body(x, None, k)[0], None))(x, kinds)[0], None
-    return stacked(body)(x, cache, kinds)
-
-
-def _moe_stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
-    """``_stack`` of mixture-of-experts layers -> (x, cache, routing statistics [L, 2E + 2]): each
-    layer's statistics leave the stack as its per-layer output (``model.moe``)."""
-
-    def step(x, c):
-        y, c, stats = layer(x, positions, c, starts)
-        return y, (c, stats)
-
-    body = remat_body(cfg.remat, step)
-    stacked = hk.experimental.layer_stack(
-        cfg.n_layers, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers"
-    )
-    x, (cache, stats) = stacked(body)(x, cache)
-    return x, cache, stats
-
-
 BLOCKS = {  # Family.block
     "ff": _ff_layer,
     "parallel": _parallel_layer,
@@ -205,7 +166,7 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, sta
         starts = par.tap("doc_starts", doc_starts(tokens, cfg.doc_mask) if starts is None else starts)
     embed = _embed(cfg, par)
     x = _scaled(cfg, embed(tokens))  # [B, T, D]; with sp [B, T/mp, D] per shard
-    x, cache, *stats = _stack(cfg, _block(cfg, par), x, positions, cache, starts)
+    x, cache, *stats = stack_layers(cfg, _block(cfg, par), x, positions, cache, starts)
     return _head_logits(cfg, par, x, embed), cache, (stats[0] if stats else None)
 
 

@@ -1,0 +1,56 @@
+"""The KV cache of a model whose layers mix windowed (local) and full (global) attention, Gemma 2/3.
+
+A local layer sees only its last ``sliding_window`` = W positions, so its decode cache rolls over W
+slots (position p in slot p % W, ``attention.cache_update``); a global layer keeps the whole context.
+The two cannot share one stacked array [L, B, S, Kc, E], so the cache holds two (per shard):
+  "k", "v"              [L_global, B, S, Kc, E]   the global layers', in layer order
+  "k_local", "v_local"  [L_local, B, W, Kc, E]    the local layers', in layer order
+Each layer's per-layer inputs are its kind and its index among the layers of its kind (``kind_index``);
+the two arrays travel through the layer stack as part of its carry, and a layer reads and writes its
+own slice (``attention.kinds_cache_attend``). A model with no global layer (fewer layers than
+``global_every``) has one kind of layer: its cache is Mistral's (``attention.cache_window``).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+import meshlm.model.attention as attention
+from meshlm.model.attention import LOCAL_KEYS
+from meshlm.model.config import ModelConfig
+
+__all__ = ["LOCAL_KEYS", "kind_counts", "kind_index", "kinds_stack", "mixed_kinds"]
+
+
+def mixed_kinds(cfg: ModelConfig) -> bool:
+    """True when the layers are of both kinds, so the cache is this module's two arrays."""
+    kinds = attention.layer_kinds(cfg)
+    return kinds is not None and 0 < int(kinds.sum()) < cfg.n_layers
+
+
+def kind_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(L_local, L_global): the layers of each kind."""
+    n_global = int(attention.layer_kinds(cfg).sum())
+    return cfg.n_layers - n_global, n_global
+
+
+def kind_index(cfg: ModelConfig) -> np.ndarray:
+    """[n_layers] int32: each layer's index among the layers of its kind (its slice of its cache)."""
+    kinds = attention.layer_kinds(cfg)
+    return np.asarray([int((kinds[:i] == k).sum()) for i, k in enumerate(kinds)], np.int32)
+
+
+def kinds_stack(cfg: ModelConfig, stacked, body, x, cache):
+    """``stack.stack_layers`` with the two-array cache: ``stacked`` a layer stack with per-layer
+    inputs; ``body(x, cache, kind)`` one layer. The cache rides in the carry -> (x, new cache): inside
+    shard_map it must vary over every axis its keys and values do (``programs``' prefill types it)."""
+
+    def step(carry, kind, index):
+        x, stacks = carry
+        x, new = body(x, {**stacks, "index": index}, kind)
+        return (x, {name: new[name] for name in stacks}), None
+
+    kinds, index = jnp.asarray(attention.layer_kinds(cfg)), jnp.asarray(kind_index(cfg))
+    (x, cache), _ = stacked(step)((x, cache), kinds, index)
+    return x, cache
