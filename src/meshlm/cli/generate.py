@@ -3,6 +3,9 @@
 One prompt streams to stdout (the prompt, then the text as it is produced); several are printed one
 after another once the batch is done; --json prints the result object (a list of them for several).
 Throughput goes to stderr.
+
+--cp N splits the prefill of the (padded) prompts over N context-parallel shards, as training does
+(for long prompts); the decode then runs without cp, every cp shard repeating it on its dp x mp part.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from meshlm.settings import MESH_OPTIONS, MeshFlags
 
 DEFAULT_MAX_NEW = 128  # without --max-new-tokens: this many, or as many as the context still holds
 # The mesh options generate runs without (a checkpoint written under any of them loads on any mesh).
-REFUSED = tuple(o for o in MESH_OPTIONS if o != "ep")  # --ep: the experts split, rows over dp
+# --ep: the experts split, rows over dp; --cp: the prefill split over the sequence (``prefill_cp``).
+REFUSED = tuple(o for o in MESH_OPTIONS if o not in ("ep", "cp", "cp_strategy"))
 
 
 def add_parser(sub) -> None:
@@ -135,7 +139,7 @@ def run(args) -> int:
 
     tok = _tokenizer(args)  # the checkpoint's own: bytes, or its tokenizer.json
     cfg, params, _ = load_model(args.checkpoint, layout)
-    gen = Generator(cfg, params, layout, tokenizer=tok, eod=_stop_ids(args, tok))
+    gen = Generator(cfg, params, layout, tokenizer=tok, eod=_stop_ids(args, tok), prefill_cp=layout.cp > 1)
     streaming = not args.json and len(prompts) == 1 and is_main()
     results = gen.generate(
         prompts,
