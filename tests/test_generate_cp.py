@@ -31,13 +31,18 @@ LAYOUTS = {  # both strategies; cp with mp (the cache split by heads) and with d
 }
 
 
-def test_prefill_over_cp_equals_prefill_without_in_float64():
-    cfg = get_config("tiny-llama")
+# tiny-mistral-w10: every layer windowed (10 < 64), so the decode cache rolls (``cache.keep_window``).
+CASES = {"tiny-llama": LAYOUTS, "tiny-mistral-w10": {"ring cp2 x mp2": LAYOUTS["ring cp2 x mp2"]}}
+
+
+@pytest.mark.parametrize("model", CASES)
+def test_prefill_over_cp_equals_prefill_without_in_float64(model):
+    cfg = get_config(model)
     with jax.enable_x64(True):
-        params = jax.tree.map(lambda x: np.asarray(x, np.float64), host_params("tiny-llama"))
+        params = jax.tree.map(lambda x: np.asarray(x, np.float64), host_params(model))
         ref = Generator(cfg, params, make_mesh(1, 1), eod=None)
         want, want_tokens = ref.logits_with_cache(TOKENS, LENGTHS), ref.generate(PROMPTS, NEW)
-        for name, layout in LAYOUTS.items():
+        for name, layout in CASES[model].items():
             gen = Generator(cfg, params, layout, eod=None, prefill_cp=True)
             got = gen.logits_with_cache(TOKENS, LENGTHS)  # row b: prefill of lengths[b], then decode
             worst = max(float(np.max(np.abs(g - w))) for g, w in zip(got, want, strict=True))
