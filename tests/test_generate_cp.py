@@ -7,6 +7,7 @@ float64, and the greedy tokens the same, through the library and the CLI."""
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import run_cli
@@ -76,3 +77,25 @@ def test_cli_generate_with_cp_equals_without(tmp_path, capsys):
         assert run_cli("generate", *argv, "--max-new-tokens", "8", *cp) == 0
         out.append(json.loads(capsys.readouterr().out)["tokens"])
     assert len(out[0]) >= 2 and out[0] == out[1]  # here greedy reaches EOD after 2 tokens
+
+
+def test_kv_written_in_shard_order_is_caught(monkeypatch):
+    """The classic bug of a cp prefill: each shard's chunks written at [i T/cp, (i+1) T/cp), the order
+    the shards hold them, not at their global positions. The equality above must see it."""
+    from meshlm.generate import programs
+    from meshlm.model import attention
+
+    def shard_order(cache, k, v, positions, par, window):
+        t = positions.shape[1]
+        local = jnp.broadcast_to(par.cp_index() * t + jnp.arange(t), positions.shape)
+        return real(cache, k, v, local, par, window)
+
+    real = attention.cp_prefill_cache
+    monkeypatch.setattr(attention, "cp_prefill_cache", shard_order)
+    monkeypatch.setattr(programs, "_PROGRAMS", {})  # compile afresh with the fault
+    cfg, params = get_config("tiny-llama"), host_params("tiny-llama")
+    want = Generator(cfg, params, make_mesh(1, 1), eod=None).logits_with_cache(TOKENS, LENGTHS)
+    gen = Generator(cfg, params, LAYOUTS["ring cp2 x mp2"], eod=None, prefill_cp=True)
+    got = gen.logits_with_cache(TOKENS, LENGTHS)
+    worst = max(float(np.max(np.abs(g - w))) for g, w in zip(got, want, strict=True))
+    assert worst > 1e-2
