@@ -190,7 +190,8 @@ def check_prefill_cp(cfg: ModelConfig, layout: Layout, max_len: int, prefill_cp:
     if max_len % chunks:
         raise ConfigError(
             f"prefill over --cp {layout.cp} splits the padded prompt (cache length {max_len}, the model's "
-            f"context by default) into 2 x cp = {chunks} chunks: use a --cp that divides it so"
+            f"context by default) into 2 x cp = {chunks} chunks, which do not divide it: use a --cp N with "
+            f"2N dividing {max_len}"
         )
     check_context(cfg, layout)  # --doc-mask: refused with cp
 
