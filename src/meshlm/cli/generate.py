@@ -31,6 +31,7 @@ DEFAULT_MAX_NEW = 128  # without --max-new-tokens: this many, or as many as the 
 # The mesh options generate runs without (a checkpoint written under any of them loads on any mesh).
 # --ep: the experts split, rows over dp; --cp: the prefill split over the sequence (``prefill_cp``).
 REFUSED = tuple(o for o in MESH_OPTIONS if o not in ("ep", "cp", "cp_strategy"))
+_CP_NOTE = " (prefill over cp, decode without)"
 
 
 def add_parser(sub) -> None:
@@ -160,11 +161,11 @@ def run(args) -> int:
     else:
         for i, r in enumerate(results):
             print0(f"--- prompt {i} ({r.finish_reason}) ---\n{r.prompt}{r.text}")
-    r = results[0]
+    r, mesh = results[0], layout.label() + (_CP_NOTE if layout.cp > 1 else "")
     if is_main():
         print(
             f"[{sum(len(x.tokens) for x in results)} tokens; prefill {r.prefill_tokens_per_s:.0f} tok/s, "
-            f"decode {r.decode_tokens_per_s:.0f} tok/s; mesh {layout.label()}; KV cache {cache['slots']} "
+            f"decode {r.decode_tokens_per_s:.0f} tok/s; mesh {mesh}; KV cache {cache['slots']} "
             f"positions per layer, {cache['total']:,} bytes]",
             file=sys.stderr,
         )
