@@ -137,7 +137,6 @@ COMMANDS: dict[str, Run | Shown] = {
     **_names(
         "prose or a quoted message that starts with 'meshlm', not a command",
         "meshlm converts ['gemma', 'gptj', 'llama', 'mistral']",
-        "meshlm generate runs without context parallelism (--cp 2)",
         "meshlm data prepare was interrupted or failed)",
         "meshlm data prepare into a new or empty --out",
         "meshlm data prepare (no index.json)",
@@ -272,6 +271,9 @@ COMMANDS: dict[str, Run | Shown] = {
             "--out runs/long",
         ),
         add="--prompt 'def ' --max-new-tokens 8",  # the prose leaves the prompt out
+    ),
+    "meshlm generate --checkpoint runs/main --prompt-file long.txt --mesh 1x2 --cp 2": run(
+        "--prompt-file long.txt => --prompt 'def parse('", add="--max-new-tokens 8", after=(MAIN,)
     ),
     "meshlm generate --checkpoint runs/main --prompt 'def parse(' --max-new-tokens 100": run(
         "100 => 8", after=(MAIN,)

@@ -125,7 +125,7 @@ def test_every_mesh_command_takes_the_same_mesh_flags(command):
 
 REFUSED = {
     "eval --checkpoint c --fsdp": "meshlm eval runs without FSDP (--fsdp); drop it (a checkpoint",
-    "generate --checkpoint c --prompt x --cp 2": "meshlm generate runs without context parallelism (--cp 2)",
+    "generate --checkpoint c --prompt x --sp": "meshlm generate runs without sequence parallelism (--sp)",
     "memory --pp 2": "meshlm memory has no pipeline (--pp 2)",
     "memory --sp": "meshlm memory runs without sequence parallelism (--sp); drop it (meshlm plan counts it)",
     "bench --fsdp": "meshlm bench runs without FSDP (--fsdp); drop it (--memory-options times FSDP",

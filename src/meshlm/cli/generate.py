@@ -3,6 +3,9 @@
 One prompt streams to stdout (the prompt, then the text as it is produced); several are printed one
 after another once the batch is done; --json prints the result object (a list of them for several).
 Throughput goes to stderr.
+
+--cp N splits the prefill of the (padded) prompts over N context-parallel shards, as training does
+(for long prompts); the decode then runs without cp, every cp shard repeating it on its dp x mp part.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from meshlm.settings import MESH_OPTIONS, MeshFlags
 
 DEFAULT_MAX_NEW = 128  # without --max-new-tokens: this many, or as many as the context still holds
 # The mesh options generate runs without (a checkpoint written under any of them loads on any mesh).
-REFUSED = tuple(o for o in MESH_OPTIONS if o != "ep")  # --ep: the experts split, rows over dp
+# --ep: the experts split, rows over dp; --cp: the prefill split over the sequence (``prefill_cp``).
+REFUSED = tuple(o for o in MESH_OPTIONS if o not in ("ep", "cp", "cp_strategy"))
+_CP_NOTE = " (prefill over cp, decode without)"
 
 
 def add_parser(sub) -> None:
@@ -135,7 +140,7 @@ def run(args) -> int:
 
     tok = _tokenizer(args)  # the checkpoint's own: bytes, or its tokenizer.json
     cfg, params, _ = load_model(args.checkpoint, layout)
-    gen = Generator(cfg, params, layout, tokenizer=tok, eod=_stop_ids(args, tok))
+    gen = Generator(cfg, params, layout, tokenizer=tok, eod=_stop_ids(args, tok), prefill_cp=layout.cp > 1)
     streaming = not args.json and len(prompts) == 1 and is_main()
     results = gen.generate(
         prompts,
@@ -156,12 +161,12 @@ def run(args) -> int:
     else:
         for i, r in enumerate(results):
             print0(f"--- prompt {i} ({r.finish_reason}) ---\n{r.prompt}{r.text}")
-    r = results[0]
+    r, mesh = results[0], layout.label() + (_CP_NOTE if layout.cp > 1 else "")
     if is_main():
         local = f" ({cache['local_slots']} in local layers)" if "local_slots" in cache else ""
         print(
             f"[{sum(len(x.tokens) for x in results)} tokens; prefill {r.prefill_tokens_per_s:.0f} tok/s, "
-            f"decode {r.decode_tokens_per_s:.0f} tok/s; mesh {layout.label()}; KV cache {cache['slots']} "
+            f"decode {r.decode_tokens_per_s:.0f} tok/s; mesh {mesh}; KV cache {cache['slots']} "
             f"positions per layer{local}, {cache['total']:,} bytes]",
             file=sys.stderr,
         )

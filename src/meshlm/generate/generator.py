@@ -52,26 +52,26 @@ from meshlm.sharding.rules import model_specs, shardings
 class Generator:
     """Sharded KV-cached generation for a model ``cfg`` with ``params`` on ``where``: a Layout or a jax
     Mesh (axes dp, mp; generation keeps whole weights: a layout's memory options do not apply).
-
     ``max_len``: the cache length S (default ``cfg.max_seq_len``): prompt + new tokens must fit in it.
     ``tokenizer``: ``encode(str) -> ids`` / ``decode(ids) -> str`` (default: bytes). ``eod``: the id(s)
     ending generation (default: the tokenizer's ``eod_id``; a list: any; None: none). Compiled
     programs are shared by Generators of the same config, mesh, max_len and parameter dtypes.
+    ``prefill_cp``: prefill over the layout's cp axis, decode without it (``programs.check_prefill_cp``).
     """
 
-    def __init__(self, cfg: ModelConfig, params, where, *, max_len=None, tokenizer=None, eod="tokenizer"):
+    def __init__(
+        self, cfg, params, where, *, max_len=None, tokenizer=None, eod="tokenizer", prefill_cp=False
+    ):
         self.cfg, self.layout = cfg, Layout.of(where, fsdp=False, sp=False)
-        self.mesh = self.layout.mesh
-        tokenizer = tokenizer or ByteTokenizer()
+        self.mesh, self.dp = self.layout.mesh, self.layout.dp
+        self.tokenizer = tokenizer = tokenizer or ByteTokenizer()
         self.eod = getattr(tokenizer, "eod_id", EOD) if eod == "tokenizer" else eod
         self.max_len = cfg.max_seq_len if max_len is None else int(max_len)
         if not 1 <= self.max_len <= cfg.max_seq_len:
             raise ConfigError(f"max_len={max_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
-        self.tokenizer = tokenizer
-        self.dp = self.layout.dp
         specs = model_specs(cfg, params, self.layout)
         self.params = jax.device_put(params, shardings(specs, self.mesh))  # a no-op when already laid out
-        self._prog = programs_for(cfg, self.layout, specs, self.max_len, self.params)
+        self._prog = programs_for(cfg, self.layout, specs, self.max_len, self.params, bool(prefill_cp))
         self._last_constants: tuple = (None, None)
 
     @property

@@ -28,12 +28,14 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshlm.errors import ConfigError
 from meshlm.generate.cache import cache_shapes, cache_specs, empty_cache, keep_window
 from meshlm.generate.inputs import Sampling
 from meshlm.model.blockwise import varying_like
 from meshlm.model.config import ModelConfig
+from meshlm.model.kv_kinds import mixed_kinds
 from meshlm.model.layers import upcast
-from meshlm.model.transformer import local_logits
+from meshlm.model.transformer import check_context, local_logits
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 
@@ -60,6 +62,20 @@ def _forward(cfg: ModelConfig, par: Parallel, tokens, positions, last, cache, st
     return _full_vocab(par, cfg.padded_vocab, upcast(picked))[:, : cfg.vocab_size], cache or {}
 
 
+def _forward_cp(cfg: ModelConfig, par: Parallel, tokens, lengths, cache):
+    """Haiku fn: a prefill over cp. tokens [B, S] (the whole rows on every cp shard), lengths [B]; each
+    cp shard runs its two load-balanced chunks (``parallel.cp``) at their global positions, attending
+    across cp as in training; ``cache`` (zeros [.., S, ..]) comes back whole and in sequence order on
+    every cp shard (``attention.cp_prefill_cache``). The last prompt position's logits are on one shard,
+    zeros on the others: summed over cp, exact. Returns what ``_forward`` does."""
+    t = tokens.shape[1] // par.layout.cp
+    positions = jnp.broadcast_to(par.positions(t), (tokens.shape[0], t))  # [B, S/cp] global
+    local, cache = local_logits(cfg, par, par.seq_local(tokens), positions, cache or None)
+    mine = (positions == (lengths - 1)[:, None])[..., None]  # [B, S/cp, 1]
+    picked = par.cp_sum(jnp.sum(jnp.where(mine, upcast(local), 0), axis=1))  # [B, Vpad/mp]
+    return _full_vocab(par, cfg.padded_vocab, picked)[:, : cfg.vocab_size], cache or {}
+
+
 def _filter(logits, top_k, top_p):
     """Logits outside the top-k / top-p set -> -inf. One sort serves both cut-offs."""
     v = logits.shape[-1]
@@ -82,7 +98,7 @@ def sample(logits, key, rows, step, sampling):
     return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
 
 
-def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype):
+def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype, prefill_cp: bool = False):
     """(prefill, decode_step): ``shard_map`` functions over the layout's mesh; params laid out by
     ``specs``.
 
@@ -91,16 +107,22 @@ def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype):
     (``starts``: where each row's current document starts, for ``--doc-mask``; the prefill finds the
     prompt's documents in its tokens).
     Global shapes; rows split over DP. Only params and the cache are sharded over MP.
+    ``prefill_cp``: the prefill splits the prompt over the layout's cp axis (``_forward_cp``); the
+    decode runs without cp either way (each cp shard a copy).
     """
     # A training layout's cp axis, if any, holds copies: a prompt is not split over the sequence.
-    par, mesh = Parallel.on(Layout.of(layout, cp=1)), layout.mesh
+    par, mesh = Parallel.on(Layout.of(layout, cp=1, cp_strategy="ring")), layout.mesh
     apply = hk.without_apply_rng(hk.transform(partial(_forward, cfg, par))).apply
+    apply_cp = hk.without_apply_rng(hk.transform(partial(_forward_cp, cfg, Parallel.on(layout)))).apply
 
     def prefill(params, tokens, lengths, rows, key, sampling):  # tokens [B/dp, S], lengths [B/dp] per shard
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         cache = empty_cache(cfg, par, tokens.shape[0], tokens.shape[1], cache_dtype)
-        cache = varying_like(cache, tokens, params)  # as the keys it will hold (a carry: ``kv_kinds``)
-        logits, cache = apply(params, tokens, positions, lengths - 1, cache)
+        if prefill_cp:
+            logits, cache = apply_cp(params, tokens, lengths, cache)
+        else:
+            cache = varying_like(cache, tokens, params)  # as the keys it will hold (a carry: ``kv_kinds``)
+            logits, cache = apply(params, tokens, positions, lengths - 1, cache)
         return sample(logits, key, rows, 0, sampling), logits, keep_window(cfg, cache, lengths)
 
     def decode_step(params, tokens, positions, rows, cache, key, step, sampling, starts):  # [B/dp] per shard
@@ -126,9 +148,9 @@ class Programs:
     """The jitted prefill and decode of one (config, layout, max_len, parameter dtypes), and their
     executables per global batch size. Shared by every Generator of that model (``programs_for``)."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, specs, max_len: int, cache_dtype):
+    def __init__(self, cfg: ModelConfig, layout: Layout, specs, max_len: int, cache_dtype, prefill_cp=False):
         self.cfg, self.layout, self.max_len, self.cache_dtype = cfg, layout, max_len, cache_dtype
-        prefill, decode = sharded_fns(cfg, layout, specs, cache_dtype)
+        prefill, decode = sharded_fns(cfg, layout, specs, cache_dtype, prefill_cp)
         self.jit = {"prefill": jax.jit(prefill), "decode": jax.jit(decode, donate_argnums=(4,))}
         self.by_batch: dict[int, dict] = {}  # global batch -> {"prefill", "decode"} executables
 
@@ -154,13 +176,44 @@ class Programs:
         return self.by_batch[batch]
 
 
+def check_prefill_cp(cfg: ModelConfig, layout: Layout, max_len: int, prefill_cp: bool = True) -> None:
+    """What a prefill over cp cannot run, as one line before any compile. With ``prefill_cp`` the
+    prefill splits the (padded) prompts over the layout's cp axis as training does, each cp shard its
+    two load-balanced chunks (``programs._forward_cp``): max_len must split into 2 x cp chunks. The
+    decode then runs without cp (each cp shard repeats it on its dp x mp part of the mesh). Without
+    ``prefill_cp`` a layout's cp shards hold copies throughout."""
+    if not prefill_cp:
+        return
+    chunks = 2 * layout.cp
+    if layout.cp < 2:
+        raise ConfigError(f"prefill over cp needs a layout with cp >= 2 (it has cp={layout.cp}); add --cp")
+    if not cfg.arch.attention:
+        raise ConfigError(f"family {cfg.family!r} has no attention: nothing to split over cp; drop --cp")
+    if max_len % chunks:
+        raise ConfigError(
+            f"prefill over --cp {layout.cp} splits the padded prompt (cache length {max_len}, the model's "
+            f"context by default) into 2 x cp = {chunks} chunks, which do not divide it: use a --cp N with "
+            f"2N dividing {max_len}"
+        )
+    check_context(cfg, layout)  # --doc-mask: refused with cp
+    if mixed_kinds(cfg):
+        raise ConfigError(
+            f"prefill over --cp does not fill {cfg.family}'s local and global caches yet (local layers "
+            "keep a window, global ones the context); drop --cp"
+        )
+
+
 _PROGRAMS: dict[tuple, Programs] = {}
 
 
-def programs_for(cfg: ModelConfig, layout: Layout, specs, max_len: int, params) -> Programs:
+def programs_for(
+    cfg: ModelConfig, layout: Layout, specs, max_len: int, params, prefill_cp: bool = False
+) -> Programs:
     """The shared ``Programs`` of this model (made on first use); ``params`` give the dtypes."""
     dtypes = tuple(str(p.dtype) for p in jax.tree.leaves(params))
-    key = (cfg, layout, layout.mesh, max_len, dtypes)
+    check_prefill_cp(cfg, layout, max_len, prefill_cp)
+    key = (cfg, layout, layout.mesh, max_len, dtypes, prefill_cp)
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = Programs(cfg, layout, specs, max_len, params["embed"]["embeddings"].dtype)
+        dtype = params["embed"]["embeddings"].dtype
+        _PROGRAMS[key] = Programs(cfg, layout, specs, max_len, dtype, prefill_cp)
     return _PROGRAMS[key]

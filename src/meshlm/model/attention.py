@@ -123,10 +123,12 @@ class Attention(hk.Module):
             attend = lambda q, k, v, key_pos, w: self._attend(q, k, v, positions, key_pos, starts, w)
             out, cache = kinds_cache_attend(cfg, cache, q, k, v, positions, kind, attend)
             return self._out(out, xf), cache
-        if cache is not None:
+        if cache is not None and self.par.context_parallel:  # a prefill over cp: attend to the chunks
+            cache = cp_prefill_cache(cache, k, v, positions, self.par, cache_window(cfg))
+        elif cache is not None:
             cache, key_pos = cache_update(cache, k, v, positions, cache_window(cfg))
             k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
-        if self.par.context_parallel and cache is None:  # the sequence split over cp: positions global
+        if self.par.context_parallel:  # the sequence split over cp: positions global
             blockwise = cfg.attention == "blockwise"  # (no --doc-mask with cp: ``transformer``)
             kernel = dict(block=cfg.attn_block, blockwise=blockwise, softcap=cfg.attn_softcap)
             q = scaled_for_kernels(cfg, q)
@@ -292,6 +294,16 @@ def kinds_cache_attend(cfg: ModelConfig, cache: dict, q, k, v, positions, kind, 
     local, full = branch(LOCAL_KEYS, cfg.sliding_window), branch(("k", "v"), 0)
     out, stacks = lax.cond(kind == 0, local, full, stacks)
     return out, {**stacks, "index": index}
+
+
+def cp_prefill_cache(cache, k, v, positions, par: Parallel, window: int) -> dict:
+    """A prefill over cp (``generate.programs``): this shard's chunks' k, v [B, T/cp, K_local, E] written
+    at their global ``positions`` [B, T/cp] into ``cache`` (zeros, [B, T, K_local, E]), then summed over
+    cp (``Parallel.cp_sum``). Every slot is written by exactly one shard and is zero on the others, so
+    the sum is exact: the whole sequence's cache, in sequence order, the same on every cp shard (the
+    decode then runs without cp, each cp shard a copy)."""
+    cache, _ = cache_update(cache, k, v, positions, window)
+    return {name: par.cp_sum(c) for name, c in cache.items()}
 
 
 def window_visible(q_pos, k_pos, window):

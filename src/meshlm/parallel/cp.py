@@ -89,6 +89,10 @@ class ContextParallel:
         """[..., T/cp, K, E] -> [..., T, K, E]: every shard's keys and values, in cp-shard order."""
         return lax.all_gather(x, CP, axis=x.ndim - 3, tiled=True)
 
+    def cp_sum(self, x):
+        """Sum over the context axis (a prefill's cache and last logits: each slot from one shard)."""
+        return lax.psum(x, CP)
+
     def seq_out(self, x):
         """Per-token outputs [B, T/cp, ...] as the loss meets them: in this shard's chunk order."""
         return x
