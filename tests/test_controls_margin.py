@@ -165,7 +165,8 @@ def test_every_control_moves_the_result_by_100x_the_tolerance(case, tmp_path_fac
 def test_the_sweep_covered_every_value_control():
     if set(RAN) != set(CASES):
         pytest.skip("runs after the sweep (the whole module)")
-    value_controls = {c.name for c in CONTROLS if not c.by_collectives}
+    # The mixture of experts' controls are swept in float64 by their own proof (tests/test_moe.py).
+    value_controls = {c.name for c in CONTROLS if not c.by_collectives and not c.name.startswith("MoE ")}
     assert set().union(*RAN.values()) == value_controls
 
 

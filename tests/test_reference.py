@@ -103,14 +103,14 @@ def test_a_clip_by_the_wrong_norm_is_caught(monkeypatch):
 def test_a_remat_path_that_changes_values_is_caught(monkeypatch):
     """The reference runs without remat: a recomputed layer that differs (its input rounded to
     bfloat16 on the remat path only) is caught, where a reference sharing the remat path would agree."""
-    from meshlm.model import memory, transformer
+    from meshlm.model import memory, stack
 
     def lossy(policy, body):
         if policy == "none":
             return memory.remat_body(policy, body)
-        return memory.remat_body(policy, lambda x, c: body(x.astype(jnp.bfloat16).astype(x.dtype), c))
+        return memory.remat_body(policy, lambda x, *rest: body(x.astype(jnp.bfloat16).astype(x.dtype), *rest))
 
-    monkeypatch.setattr(transformer, "remat_body", lossy)
+    monkeypatch.setattr(stack, "remat_body", lossy)
     cfg = get_config("tiny-llama").replace(remat="selective")
     report = _verify("tiny-llama", 1, 2, cfg=cfg)
     assert not report.ok, format_report(report)

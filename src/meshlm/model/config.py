@@ -280,7 +280,11 @@ def _checked(name: str, kind: str, value: Any) -> Any:
 
 
 def field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(ModelConfig)]
+    """ModelConfig's fields, its own first (family, vocab_size, ...), then its bases' (the per-layer
+    kinds, the mixture of experts): the order messages list them in."""
+    names = [f.name for f in dataclasses.fields(ModelConfig)]
+    bases = {f.name for base in (LayerKindFields, MoEFields) for f in dataclasses.fields(base)}
+    return [n for n in names if n not in bases] + [n for n in names if n in bases]
 
 
 # A saved config without "vocab_multiple" predates vocabulary padding: its parameters are unpadded.
