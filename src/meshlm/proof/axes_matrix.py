@@ -23,9 +23,9 @@ from meshlm.parallel.axes import CP_STRATEGIES
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.pipeline_schedule import SCHEDULES
 from meshlm.proof import defaults
+from meshlm.proof.matrix import cell_row
 from meshlm.proof.problem import model_problem
 from meshlm.proof.prover import verify
-from meshlm.proof.report import worst
 
 AXES = ("pp", "cp")
 PRESET = "tiny-deep"
@@ -118,12 +118,4 @@ def _cell(label: str, fields: dict, n_devices: int, *, x64: bool, steps: int, se
         return {**row, "ok": None, "skipped": str(e)}
     except ConfigError as e:  # the model on this layout (a strategy's check): refused as above
         return {**row, "ok": None, "refused": str(e)}
-    detected = sum(c["detected"] for c in report.controls)
-    return {
-        **row,
-        "ok": report.ok,
-        "worst_rel_err": worst(*(p.max_rel_err for p in report.params)),
-        "checks": f"{sum(c['ok'] for c in report.checks)}/{len(report.checks)}",
-        "controls": f"{detected}/{len(report.controls)}",
-        "seconds": round(time.perf_counter() - start, 1),
-    }
+    return cell_row(row, report, start)

@@ -79,6 +79,12 @@ def _cell(preset, dp, mp, option, changes, *, x64, steps, seed, fsdp=False, sp=F
         )
     except ShardingError as e:
         return {**row, "ok": None, "skipped": str(e)}
+    return cell_row(row, report, start)
+
+
+def cell_row(row: dict, report, start: float) -> dict:
+    """A proven cell's row: ``row`` (what it is) with the report's verdict, worst error, checks and
+    controls, and the seconds since ``start`` (``time.perf_counter``)."""
     detected = sum(c["detected"] for c in report.controls)
     return {
         **row,
