@@ -23,9 +23,9 @@ from meshlm.parallel.axes import CP_STRATEGIES
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.pipeline_schedule import SCHEDULES
 from meshlm.proof import defaults
-from meshlm.proof.matrix import cell_row
 from meshlm.proof.problem import model_problem
 from meshlm.proof.prover import verify
+from meshlm.proof.report import cell_row
 
 AXES = ("pp", "cp")
 PRESET = "tiny-deep"

@@ -27,7 +27,7 @@ from meshlm.model.config import get_config
 from meshlm.parallel.mesh import make_mesh
 from meshlm.proof.problem import model_problem
 from meshlm.proof.prover import verify
-from meshlm.proof.report import worst
+from meshlm.proof.report import cell_row
 
 PRESETS = ("tiny", "tiny-gptj", "tiny-llama")
 OPTIONS = {"plain": {}, "z-loss + remat": {"z_loss": 1e-3, "remat": "full"}}
@@ -80,20 +80,6 @@ def _cell(preset, dp, mp, option, changes, *, x64, steps, seed, fsdp=False, sp=F
     except ShardingError as e:
         return {**row, "ok": None, "skipped": str(e)}
     return cell_row(row, report, start)
-
-
-def cell_row(row: dict, report, start: float) -> dict:
-    """A proven cell's row: ``row`` (what it is) with the report's verdict, worst error, checks and
-    controls, and the seconds since ``start`` (``time.perf_counter``)."""
-    detected = sum(c["detected"] for c in report.controls)
-    return {
-        **row,
-        "ok": report.ok,
-        "worst_rel_err": worst(*(p.max_rel_err for p in report.params)),
-        "checks": f"{sum(c['ok'] for c in report.checks)}/{len(report.checks)}",
-        "controls": f"{detected}/{len(report.controls)}",
-        "seconds": round(time.perf_counter() - start, 1),
-    }
 
 
 def format_matrix(rows: list[dict], *, markdown: bool = False) -> str:

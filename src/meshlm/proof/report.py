@@ -7,6 +7,7 @@ bound (a control's margin: how far its fault moved the result, in tolerances).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import jax
@@ -166,3 +167,17 @@ def margin_text(control: dict) -> str:
         return control.get("by", "values")
     mantissa, exponent = f"{margin:.1e}".split("e")
     return f"{mantissa}e{int(exponent)} x tolerance"
+
+
+def cell_row(row: dict, report, start: float) -> dict:
+    """A proven cell's row: ``row`` (what it is) with the report's verdict, worst error, checks and
+    controls, and the seconds since ``start`` (``time.perf_counter``)."""
+    detected = sum(c["detected"] for c in report.controls)
+    return {
+        **row,
+        "ok": report.ok,
+        "worst_rel_err": worst(*(p.max_rel_err for p in report.params)),
+        "checks": f"{sum(c['ok'] for c in report.checks)}/{len(report.checks)}",
+        "controls": f"{detected}/{len(report.controls)}",
+        "seconds": round(time.perf_counter() - start, 1),
+    }
