@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from meshlm.errors import ConfigError
+from meshlm.parallel.axes import AxisFacts
 from meshlm.ranges import POSITIVE_INT, Range
 
 # How a command exposes a field: a flag of its own, a flag the shared ``add_common`` already adds
@@ -146,6 +147,11 @@ class MeshFlags:
         "--mesh 2x2 --ep 2: 4 devices)",
         valid=POSITIVE_INT,
     )
+
+    def on(self, axis: str) -> bool:
+        """Whether these flags split over ``axis`` (before any layout exists): the layout's own rule,
+        ``parallel.axes.AxisFacts.on``."""
+        return AxisFacts.on(self, axis)
 
     def layout_options(self) -> dict[str, Any]:
         """The Layout's fields these flags set. ``microbatches`` defaults to pp: 1 without --pp, the

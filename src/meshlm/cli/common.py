@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from meshlm.parallel.axes import PP
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.mesh import DEFAULT_DEVICES, MAX_HOST_DEVICES, force_host_devices, parse_mesh
 from meshlm.ranges import (
@@ -88,7 +89,7 @@ def refuse_options(args, flags: MeshFlags, command: str, refused: tuple[str, ...
     in ``hint``; for --pp it names the mesh to use instead (the same devices as dp x mp)."""
     from meshlm.errors import ConfigError
 
-    if "pp" in refused and flags.pp > 1:
+    if "pp" in refused and flags.on(PP):
         dp, mp = parse_mesh(args.mesh) if args.mesh else (1, None)
         mesh = f"{dp}x{flags.pp * mp}" if mp else f"1x{flags.pp} (or any DPxMP)"
         raise ConfigError(

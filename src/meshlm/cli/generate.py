@@ -140,7 +140,8 @@ def run(args) -> int:
 
     tok = _tokenizer(args)  # the checkpoint's own: bytes, or its tokenizer.json
     cfg, params, _ = load_model(args.checkpoint, layout)
-    gen = Generator(cfg, params, layout, tokenizer=tok, eod=_stop_ids(args, tok), prefill_cp=layout.cp > 1)
+    eod, prefill_cp = _stop_ids(args, tok), layout.context_parallel  # with cp: the prefill over cp
+    gen = Generator(cfg, params, layout, tokenizer=tok, eod=eod, prefill_cp=prefill_cp)
     streaming = not args.json and len(prompts) == 1 and is_main()
     results = gen.generate(
         prompts,
@@ -161,7 +162,7 @@ def run(args) -> int:
     else:
         for i, r in enumerate(results):
             print0(f"--- prompt {i} ({r.finish_reason}) ---\n{r.prompt}{r.text}")
-    r, mesh = results[0], layout.label() + (_CP_NOTE if layout.cp > 1 else "")
+    r, mesh = results[0], layout.label() + (_CP_NOTE if layout.context_parallel else "")
     if is_main():
         local = f" ({cache['local_slots']} in local layers)" if "local_slots" in cache else ""
         print(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from meshlm.cli.common import add_common, add_flags, argparse_type, flag_layout, settings_from, setup
 from meshlm.errors import ConfigError
+from meshlm.parallel.axes import PP
 from meshlm.perf.plan_settings import DEFAULT_CONFIG, PlanCommand
 from meshlm.units import parse_bytes
 
@@ -48,7 +49,7 @@ def _fast_compiles() -> None:
 def run(args) -> int:
     pc = settings_from(args, PlanCommand)
     model = _preset(pc)
-    if pc.schedule_png and pc.pp == 1:
+    if pc.schedule_png and not pc.on(PP):
         raise ConfigError("--schedule-png draws a pipeline schedule; add --pp 2 (or more)")
     # --fsdp and --sp are the planned run's (``PlanSettings.on`` puts each candidate's on the layout)
     planned = flag_layout(args, pc)

@@ -12,6 +12,7 @@ from meshlm.cli.verify_settings import VerifySettings
 from meshlm.data.tokenizer import EOD
 from meshlm.errors import ConfigError, ShardingError
 from meshlm.model.config import beyond_max_seq_len, default_seq_len, get_config
+from meshlm.parallel.axes import PP
 from meshlm.settings import LongContext
 
 DATA_STEPS = 3  # steps of the data-pipeline check (cheap: host arrays only)
@@ -48,7 +49,7 @@ def _with_defaults(vs: VerifySettings) -> VerifySettings:
     Layout's options then come from ``MeshFlags.layout_options`` as for every command)."""
     from meshlm.proof import defaults
 
-    m = vs.microbatches if vs.microbatches is not None or vs.pp == 1 else defaults.microbatches(vs.pp)
+    m = vs.microbatches if vs.microbatches is not None or not vs.on(PP) else defaults.microbatches(vs.pp)
     v = vs.virtual_stages
     if v is None:
         interleaved = vs.pp_schedule == "interleaved"

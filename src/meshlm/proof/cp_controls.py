@@ -165,8 +165,10 @@ def _skip_edge_met(w: Where) -> bool:
     if not _windowed_kernel(w):
         return False
     cp, t, block, window = w.layout.cp, w.seq_len, w.cfg.attn_block, w.cfg.sliding_window
-    local = [np.asarray(chunk_positions(i, cp, t // cp)) for i in range(cp)] if cp > 1 else [np.arange(t)]
-    if w.layout.cp_ring or cp == 1:
+    local = [np.arange(t)]  # without cp: one shard holding the whole sequence
+    if w.layout.context_parallel:
+        local = [np.asarray(chunk_positions(i, cp, t // cp)) for i in range(cp)]
+    if w.layout.cp_ring or not w.layout.context_parallel:
         keys = [kb for p in local for kb in _position_blocks(p, min(block, len(p)))]
     else:
         keys = _position_blocks(np.concatenate(local), min(block, t))

@@ -78,6 +78,11 @@ def _moe(w: Where) -> bool:
     return w.cfg is not None and w.cfg.arch.moe
 
 
+def _data_shards(w: Where) -> bool:
+    """The batch's tokens are split (over dp, ep's shards among them, or cp): statistics to sum."""
+    return w.layout.dp > 1 or w.layout.context_parallel
+
+
 MOE_CONTROLS: tuple[Control, ...] = (
     Control(
         name="MoE combine weights not renormalised",
@@ -96,7 +101,7 @@ MOE_CONTROLS: tuple[Control, ...] = (
     ),
     Control(
         name="MoE aux-loss statistics not summed over the data shards",
-        applies=lambda w: _moe(w) and w.layout.dp * w.layout.cp > 1 and moe.moe_losses(w.cfg),
+        applies=lambda w: _moe(w) and _data_shards(w) and moe.moe_losses(w.cfg),
         par_cls=StatisticsNotSummedOverData,
     ),
 )
