@@ -23,3 +23,29 @@ def hf_logits(model, tokens) -> np.ndarray:
 def our_logits(cfg, flat, tokens) -> np.ndarray:
     """The unsharded model's logits [B, T, V] from flat converted parameters."""
     return np.asarray(hk.transform(logits_fn(cfg, Parallel())).apply(unflatten(flat), None, tokens))
+
+
+def export_round_trip(hf_dir, out, tokens, want, **load) -> tuple[str, float, bool]:
+    """Convert ``hf_dir`` to meshlm, export it back to ``out`` and load that in transformers (``load``:
+    from_pretrained's options): (the loaded class's name, its logits on ``tokens`` relative to
+    ``want``, the original model's, and whether the export converts back to the same config)."""
+    import transformers
+
+    from meshlm.io import hf_weights
+
+    cfg, flat = hf_weights.load_hf(hf_dir)
+    hf_weights.save_hf(cfg, flat, out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, **load).eval()
+    return type(model).__name__, rel(hf_logits(model, tokens), want), hf_weights.load_hf(out)[0] == cfg
+
+
+def bpe_tokenizer(corpus, vocab: int):
+    """A transformers fast tokenizer of meshlm's BPE trained on ``corpus`` (EOD as its eos)."""
+    import transformers
+
+    from meshlm.data.bpe import train_bpe
+    from meshlm.data.hf_tokenizer import EOD_TOKEN
+
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=train_bpe(corpus, vocab).tok, eos_token=EOD_TOKEN
+    )

@@ -16,10 +16,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import run_cli, sharded_logits  # noqa: E402
-from hf_helpers import hf_logits, our_logits, rel  # noqa: E402
+from hf_helpers import bpe_tokenizer, export_round_trip, hf_logits, our_logits, rel  # noqa: E402  # noqa: E402
 
-from meshlm.data.bpe import train_bpe  # noqa: E402
-from meshlm.data.hf_tokenizer import EOD_TOKEN  # noqa: E402
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config, hf_weights  # noqa: E402
 from meshlm.model import attention  # noqa: E402
@@ -70,9 +68,7 @@ MODEL_CLASSES = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=train_bpe(CORPUS, VOCAB).tok, eos_token=EOD_TOKEN
-    )
+    return bpe_tokenizer(CORPUS, VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +127,10 @@ def test_generate_prints_transformers_text(family, mesh, capsys):
 
 
 def test_export_loads_in_transformers(family, tokens, tmp_path):
-    cfg, flat = hf_weights.load_hf(family["hf"])
-    hf_weights.save_hf(cfg, flat, tmp_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(model).__name__ == MODEL_CLASSES[family["name"]]
-    assert rel(hf_logits(model, tokens), family["logits"]) <= RTOL
-    assert hf_weights.load_hf(tmp_path)[0] == cfg
+    name, err, same = export_round_trip(
+        family["hf"], tmp_path, tokens, family["logits"], attn_implementation="eager"
+    )
+    assert (name, same) == (MODEL_CLASSES[family["name"]], True) and err <= RTOL
 
 
 def test_each_layer_kind_matters(family, tokens):

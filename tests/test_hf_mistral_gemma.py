@@ -10,12 +10,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import run_cli, sharded_logits  # noqa: E402
+from hf_helpers import bpe_tokenizer, export_round_trip  # noqa: E402
 from hf_helpers import hf_logits as _hf_logits  # noqa: E402
 from hf_helpers import our_logits as _our_logits  # noqa: E402
 from hf_helpers import rel as _rel  # noqa: E402
 
-from meshlm.data.bpe import train_bpe  # noqa: E402
-from meshlm.data.hf_tokenizer import EOD_TOKEN  # noqa: E402
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config, hf_weights  # noqa: E402
 from meshlm.model import attention, transformer  # noqa: E402
@@ -52,9 +51,7 @@ MODEL_CLASSES = {"mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM"}
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=train_bpe(CORPUS, VOCAB).tok, eos_token=EOD_TOKEN
-    )
+    return bpe_tokenizer(CORPUS, VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +106,8 @@ def test_generate_prints_transformers_text(family, mesh, capsys):
 
 
 def test_export_loads_in_transformers(family, tokens, tmp_path):
-    cfg, flat = hf_weights.load_hf(family["hf"])
-    hf_weights.save_hf(cfg, flat, tmp_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert type(model).__name__ == MODEL_CLASSES[family["name"]]
-    assert _rel(_hf_logits(model, tokens), family["logits"]) <= RTOL
-    assert hf_weights.load_hf(tmp_path)[0] == cfg
+    name, err, same = export_round_trip(family["hf"], tmp_path, tokens, family["logits"])
+    assert (name, same) == (MODEL_CLASSES[family["name"]], True) and err <= RTOL
 
 
 # Bugs in code the sharded and the unsharded model share: verify cannot see them, transformers can.

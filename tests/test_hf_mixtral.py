@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 import haiku as hk  # noqa: E402
 from helpers import run_cli, sharded_logits  # noqa: E402
-from hf_helpers import hf_logits, our_logits, rel  # noqa: E402
+from hf_helpers import export_round_trip, hf_logits, our_logits, rel  # noqa: E402  # noqa: E402
 
 from meshlm.data.bpe import train_bpe  # noqa: E402
 from meshlm.data.hf_tokenizer import EOD_TOKEN  # noqa: E402
@@ -103,12 +103,8 @@ def test_generate_prints_transformers_text(mixtral, mesh, capsys):
 
 
 def test_export_loads_in_transformers(mixtral, tokens, tmp_path):
-    cfg, flat = hf_weights.load_hf(mixtral["hf"])
-    hf_weights.save_hf(cfg, flat, tmp_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert type(model).__name__ == "MixtralForCausalLM"
-    assert rel(hf_logits(model, tokens), mixtral["logits"]) <= RTOL
-    assert hf_weights.load_hf(tmp_path)[0] == cfg
+    name, err, same = export_round_trip(mixtral["hf"], tmp_path, tokens, mixtral["logits"])
+    assert (name, same) == ("MixtralForCausalLM", True) and err <= RTOL
 
 
 def test_hf_balance_loss_is_transformers(mixtral, tokens):
