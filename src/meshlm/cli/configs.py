@@ -1,5 +1,7 @@
-"""meshlm configs: the model presets as a table (family, layers, width, heads, vocabulary, parameters),
-or with --json one JSON object per preset: {"name", "params", "config"}."""
+"""meshlm configs: the model presets as a table (family, layers, width, heads, vocabulary, parameters and
+active parameters), or with --json one JSON object per preset: {"name", "params", "active_params",
+"config"}. Active: the parameters one token uses (a mixture of experts' k of E experts; = the total for
+a dense model), counted by ``model.accounting``."""
 
 from __future__ import annotations
 
@@ -14,17 +16,11 @@ def add_parser(sub) -> None:
 
 
 @functools.cache
-def param_count(cfg) -> int:
-    """Parameters of the real model (the vocabulary unpadded, a tied head counted once), from the
-    model's own shapes: nothing is allocated."""
-    import numpy as np
+def counts(cfg):
+    """Total and active parameters of the real model (``model.accounting.param_counts``)."""
+    from meshlm.model.accounting import param_counts
 
-    from meshlm.model.params import flat_params
-    from meshlm.model.transformer import param_shapes
-
-    return sum(
-        int(np.prod(s.shape)) for s in flat_params(param_shapes(cfg.replace(vocab_multiple=1))).values()
-    )
+    return param_counts(cfg)
 
 
 def _human(n: int) -> str:
@@ -38,12 +34,14 @@ def rows() -> list[dict]:
     from meshlm.model.config import PRESETS
 
     return [
-        {"name": name, "params": param_count(cfg), "config": cfg.to_dict()} for name, cfg in PRESETS.items()
+        {"name": name, "params": n.total, "active_params": n.active, "config": cfg.to_dict()}
+        for name, cfg in PRESETS.items()
+        for n in [counts(cfg)]
     ]
 
 
 def table(entries: list[dict]) -> str:
-    head = ("preset", "family", "layers", "d_model", "heads/KV", "vocab", "parameters")
+    head = ("preset", "family", "layers", "d_model", "heads/KV", "vocab", "parameters", "active")
     lines = [head]
     for e in entries:
         c = e["config"]
@@ -57,7 +55,8 @@ def table(entries: list[dict]) -> str:
                 str(c["d_model"]),
                 heads,
                 str(c["vocab_size"]),
-                _human(e["params"]) + extra,
+                _human(e["params"]),
+                _human(e["active_params"]) + extra,
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]

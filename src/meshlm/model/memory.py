@@ -16,11 +16,10 @@ import haiku as hk
 import jax
 
 from meshlm.model.family import REMAT  # noqa: F401 - the choices, re-exported with their meaning
-from meshlm.model.params import leaf_name
+from meshlm.model.params import EXPERTS_MODULE, leaf_name
 from meshlm.parallel.context import Parallel
 
 NORM_PARAMS = ("scale", "offset")
-EXPERTS_MODULE = "experts"  # a MoE layer's expert weights [E, ...] live in a module of this name
 
 
 def _policy(remat: str):

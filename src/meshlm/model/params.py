@@ -10,6 +10,7 @@ from __future__ import annotations
 
 STACKED_PREFIX = "layers/"  # parameters stacked by layer_stack: a leading [n_layers] dimension
 EMBED_PREFIX = "embed/"
+EXPERTS_MODULE = "experts"  # a MoE layer's expert weights [E, ...] live in a module of this name
 
 
 def param_path(module: str, name: str) -> str:
@@ -31,6 +32,11 @@ def is_embedding(path: str) -> bool:
 def is_matmul_weight(path: str) -> bool:
     """A weight used in a matmul (``w*``): never a norm's scale/offset or a bias (``b*``)."""
     return leaf_name(path).startswith("w")
+
+
+def is_expert_weight(path: str) -> bool:
+    """A mixture-of-experts layer's expert weight ([E, ...]: ``model.moe``), of any layer stack."""
+    return path.rsplit("/", 2)[-2:-1] == [EXPERTS_MODULE]
 
 
 def decays(path: str) -> bool:

@@ -5,7 +5,10 @@ Model FLOPs per step (PaLM, Chowdhery et al. 2022, appendix B; as in Chinchilla)
     6 * N * tokens  +  12 * n_layers * T * d_model * tokens
 
 N counts the weights of every matmul: attention Q/K/V/O, the MLP and the output projection (or the
-embedding table when it is tied to the output); not the embedding lookup, norms or biases. The
+embedding table when it is tied to the output); not the embedding lookup, norms or biases. Of a
+mixture of experts' expert weights N counts the k of E experts a token is routed to (the active
+parameters, ``model.accounting``): the model's FLOPs, not those of the dropless dispatch, which computes
+every expert on every token (E / k times the routed feed-forward FLOPs: ``parallel.experts``). The
 second term is attention's two T x T matmuls (QK^T and AV: 2 * 2 * T * d_model FLOPs per token per
 layer forward, x3 with the backward), counting the full score matrix although causal masking makes
 half of it unnecessary. Rematerialisation's recomputation is not counted: it is not model work.
@@ -14,18 +17,20 @@ MFU = model FLOPs per step / median step time / measured float32 matmul peak (``
 
 from __future__ import annotations
 
+from meshlm.model.accounting import active_size
 from meshlm.model.config import ModelConfig
 from meshlm.model.params import flat_params, is_embedding, is_matmul_weight, leaf_name
 
 
 def matmul_param_count(cfg: ModelConfig, params) -> int:
-    """N of the FLOPs formula: weights used in matmuls (see the module docstring); global sizes."""
+    """N of the FLOPs formula: weights used in matmuls, the experts' as a token uses them (see the
+    module docstring); global sizes."""
     total = 0
     for path, p in flat_params(params).items():
         if is_embedding(path):  # the lookup is no matmul; the table is one when tied to the output
             total += p.size if cfg.tie_embeddings and leaf_name(path) == "embeddings" else 0
         elif is_matmul_weight(path):
-            total += p.size
+            total += active_size(cfg, path, p.size)
     return int(total)
 
 

@@ -36,6 +36,7 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Fami
 
 from __future__ import annotations
 
+from meshlm.model.accounting import moe_layers
 from meshlm.model.config import ModelConfig
 from meshlm.model.moe import ROUTER, moe_losses
 from meshlm.model.params import flat_params, is_matmul_weight, is_stacked
@@ -122,11 +123,6 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
         "collective-permute": cperm,
         "all-to-all": a2a,
     }
-
-
-def moe_layers(cfg: ModelConfig) -> int:
-    """The layers whose feed-forward is a mixture of experts."""
-    return cfg.n_layers if cfg.arch.moe else 0
 
 
 def ep_all_to_alls(cfg: ModelConfig, layout: Layout) -> dict[str, int]:
