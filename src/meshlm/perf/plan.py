@@ -11,8 +11,17 @@ Compiled on host CPU devices, the temporaries are XLA *CPU*'s plan: an accelerat
 and schedules differently, and its runtime adds its own overheads (context, allocator), so on CPU
 the figure is an estimate of an accelerator's. Next to it, ``analytic`` estimates the same from
 shapes: parameters and AdamW moments from the shardings, gradients like the parameters (twice with
-gradient accumulation: the running sum), with FSDP one layer's all-gathered weights, and activations
-from Korthikanti et al. 2022 (``perf.activations``).
+gradient accumulation: the running sum), the old AdamW moments copied once (``MOMENT_COPIES``), with
+FSDP one layer's all-gathered weights, and activations from Korthikanti et al. 2022, a mixture of
+experts' dispatch buffers in place of its MLP (``perf.activations``).
+
+Why the old moments are copied: the step writes the new moments into the donated moment buffers
+(outputs aliased to inputs), and the non-finite guard ``where(finite, new, old)`` and the parameters'
+update (whose fusion recomputes the new moments from the old) still read the old ones after that: XLA's
+copy insertion copies both moments of every parameter (``copy(opt_state.mu[...])``,
+``copy(opt_state.nu[...])`` in the compiled HLO), 2 x the parameters' bytes among the temporaries. It
+was most of the gap on mixtral-8x7b (8x8 + EP8, fsdp + sp): analytic 13.66 GiB against 21.62 GiB
+compiled before it and the MoE dispatch buffers were counted.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from meshlm.perf.plan_settings import PlanSettings
 
 PARAM_DTYPE = np.float32  # master weights (and so gradients and AdamW moments) are float32
 ADAM_MOMENTS = 2
+MOMENT_COPIES = ADAM_MOMENTS  # the old moments, copied by XLA for the update (module docstring)
 
 
 def abstract_step(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
@@ -115,18 +125,21 @@ def analytic(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
         sp=settings.sp,
         remat=settings.remat,
         act_bytes=act_bytes,
+        ep=layout.experts_split,
     )
     gradients = params * (2 if settings.accum_steps > 1 else 1)  # + the accumulator's running sum
     opt_state = ADAM_MOMENTS * params
+    moment_copies = MOMENT_COPIES * params
     gathered = 0.0
     if settings.fsdp:  # ZeRO-3 gathers one layer's weights at a time: what FSDP took off, per layer
         plain = state_bytes(cfg, layout, dataclasses.replace(settings, fsdp=False))["params_per_device"]
         gathered = (plain - params) / cfg.n_layers
-    temporaries = gradients + acts["total"] + gathered
+    temporaries = gradients + moment_copies + acts["total"] + gathered
     return {
         "params": params,
         "opt_state": opt_state,
         "gradients": gradients,
+        "moment_copies": moment_copies,
         "gathered": gathered,
         "activations": acts,
         "temp": temporaries,
