@@ -201,3 +201,25 @@ def test_theoretical_collectives_documented_numbers():
     assert theoretical_collectives(llama, 1, 8)["kv_replicated_grads"] == 2
     assert theoretical_collectives(llama, 1, 1)["total"] == 0
     assert theoretical_collectives(llama, 4, 1)["total"] == 2  # pure data parallel
+
+
+def test_moe_against_the_dense_model_of_equal_active_parameters():
+    """dense-eq: one expert of k x moe_d_ff that every token takes (a dense gated MLP): the MoE's active
+    parameters (its router's D x 1 for D x E aside); the comparison's fields from paired step times."""
+    from meshlm.model.accounting import param_counts
+    from meshlm.perf.bench_moe import DENSE, dense_equivalent, moe_comparison
+    from meshlm.perf.bench_report import _moe_line
+
+    cfg = get_config("tiny-mixtral")
+    dense = dense_equivalent(cfg)
+    assert (dense.n_experts, dense.experts_per_token, dense.moe_d_ff) == (1, 1, 2 * cfg.moe_d_ff)
+    assert dense.router_aux_loss_coef == dense.router_z_loss_coef == 0
+    moe, eq = param_counts(cfg), param_counts(dense)
+    assert eq.total == eq.active and moe.active - eq.total == cfg.n_layers * cfg.d_model * (cfg.n_experts - 1)
+    seconds = {"meshlm": [2.0, 4.0, 3.0], "no-ep": [1.0, 3.0, 1.5], DENSE: [1.0, 2.0, 1.0]}
+    out = moe_comparison(cfg, seconds)
+    assert out["step_time_over_dense"] == {"meshlm": 2.0, "no-ep": 1.5}  # medians of paired ratios
+    assert out["overhead_vs_dense"] == {"meshlm": 0.5, "no-ep": pytest.approx(1 / 3)}
+    assert out["expert_compute_factor"] == 2.0 and out["active_params"] == moe.active
+    assert "meshlm/dense-eq 2.00x (overhead 50.0%)" in _moe_line(out)
+    assert moe_comparison(get_config("tiny-llama"), seconds) is None

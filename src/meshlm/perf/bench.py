@@ -10,6 +10,9 @@ the same initial parameters, on the same batch:
   plain      ``plain.plain_step``: the same model hand-written in plain JAX (no Haiku, no shard_map),
              on device 0: the speed a hand-written model gets, the yardstick for the other three.
 
+With --pp also ``no-pp``; a mixture of experts has no ``plain`` but ``dense-eq``, the dense model of
+equal active parameters, and with --ep ``no-ep`` (``bench_moe``).
+
 Timing is interleaved: every repetition runs one step of each implementation (rotating the order)
 and one float32 and one bfloat16 matmul-peak measurement, so load from other processes on a shared
 machine hits all of them alike. We report the median (and min, max) of the timed repetitions; each
@@ -44,6 +47,7 @@ from meshlm.generate.generator import bench_generation
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding, bytes_per_device, total_bytes
+from meshlm.perf.bench_moe import DENSE, NO_EP, dense_step, flat_layout, moe_comparison
 from meshlm.perf.bench_settings import BenchSettings
 from meshlm.perf.collectives import theoretical_collectives
 from meshlm.perf.flops import model_flops_per_step
@@ -57,7 +61,6 @@ from meshlm.train.step import init_model, init_opt_state, reference_step, sharde
 
 IMPLS = ("meshlm", "unsharded", "gspmd", "plain")
 NO_PP = "no-pp"  # with --pp: the same model on the dp x mp mesh without the pipeline
-NO_EP = "no-ep"  # with --ep: the same model on the same devices, every expert on every data shard
 
 
 # --- the three implementations --------------------------------------------------------------------
@@ -112,9 +115,11 @@ def build_impls(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: B
         opt_state = jax.jit(hand_opt.init)(plain_params)
         impls.append(_compiled("plain", hand, plain_params, opt_state, unsharded.batch))
     if layout.pipelined:  # the same model and batch on the dp (x cp) x mp mesh without the pipeline
-        return [*impls, _without_pp(cfg, ocfg, layout, host_params, host)]
+        impls.append(_without_pp(cfg, ocfg, layout, host_params, host))
     if layout.experts_split:  # the same model and batch on the dp x mp mesh, experts not split
-        return [*impls, _without_pp(cfg, ocfg, layout, host_params, host, NO_EP)]
+        impls.append(_without_pp(cfg, ocfg, layout, host_params, host, NO_EP))
+    if cfg.arch.moe:  # the dense model of equal active parameters, on the same batch
+        impls.append(_compiled(DENSE, *dense_step(cfg, ocfg, layout, settings, host)))
     return impls
 
 
@@ -122,7 +127,7 @@ def _without_pp(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params
     """The step on the dp x mp mesh of the same devices without the pipeline (or ep: ``name``)."""
     from meshlm.sharding.rules import model_specs
 
-    flat = Layout(dp=layout.dp, mp=layout.mp, fsdp=layout.fsdp, cp=layout.cp, cp_strategy=layout.cp_strategy)
+    flat = flat_layout(layout)
     specs = model_specs(cfg, host_params, flat)
     params = jax.device_put(host_params, shardings(specs, flat.mesh))
     step, opt = sharded_step(cfg, ocfg, flat, specs, params)
@@ -239,7 +244,7 @@ def step_time_ratios(seconds: dict[str, list[float]]) -> dict[str, dict[str, flo
     the ratio of the medians, and the median of the per-repetition ratios. The second pairs steps that
     ran seconds apart, so slow drifts in the machine's load cancel; on a shared machine it is the
     steadier of the two."""
-    pairs = [("meshlm", other) for other in (*IMPLS[1:], NO_PP, NO_EP) if other in seconds]
+    pairs = [("meshlm", other) for other in (*IMPLS[1:], NO_PP, NO_EP, DENSE) if other in seconds]
     pairs += [("unsharded", "plain")] if "plain" in seconds else []
     return {f"{a}/{b}": _ratio(seconds[a], seconds[b]) for a, b in pairs}
 
@@ -289,6 +294,7 @@ def run_bench(
         "generation": generation_bench(cfg, impls[0].params, layout, settings),
         "pipeline": pipeline_overhead(layout, seconds),
         "expert_parallel": expert_parallel(cfg, layout, settings, impls, seconds),
+        "moe": moe_comparison(cfg, seconds),
     }
 
 

@@ -72,6 +72,8 @@ def _summary(report: dict) -> list[str]:
             f"per step and device (expected {want['count']}, {_mib(want['bytes'])} MiB: fixed-size buffers); "
             f"overhead {ep['measured_overhead']:.1%} of the step against no-ep (1 - t(no-ep)/t(ep))"
         )
+    if moe := report.get("moe"):
+        rows.append(_moe_line(moe))
     gen = report["generation"]
     if gen is not None:
         rows.append(
@@ -80,6 +82,21 @@ def _summary(report: dict) -> list[str]:
             f"decode {gen['decode_tokens_per_s']:.0f} tokens/s"
         )
     return rows
+
+
+def _moe_line(moe: dict) -> str:
+    """The mixture of experts against the dense model of equal active parameters (``bench_moe``)."""
+    dense = moe["dense_equivalent"]
+    times = ", ".join(
+        f"{name}/{dense['impl']} {r:.2f}x (overhead {moe['overhead_vs_dense'][name]:.1%})"
+        for name, r in moe["step_time_over_dense"].items()
+    )
+    return (
+        f"mixture of experts (E={moe['n_experts']}, k={moe['experts_per_token']}): {moe['params']:,} "
+        f"parameters, {moe['active_params']:,} active; {dense['impl']} (dense, d_ff {dense['d_ff']}: "
+        f"{dense['params']:,} parameters): {times}; the dropless dispatch computes every expert on "
+        f"every token, {moe['expert_compute_factor']:g}x the routed expert FLOPs"
+    )
 
 
 def plot_bench(report: dict, path: str | Path) -> None:
