@@ -49,6 +49,10 @@ def test_active_parameters_count_k_of_e_experts():
     padded = sum(x.size for m in shapes.values() for x in m.values()) - embed
     norms = (2 * layers + 1) * d
     assert matmul_param_count(cfg, shapes) == padded - norms - (counts.total - counts.active)
+    from meshlm.parallel.mesh import make_mesh
+    from meshlm.perf.memory import memory_report
+
+    assert memory_report(cfg, make_mesh(1, 2))["active_params"] == counts.active  # 32000: no padding
 
 
 def test_rope_scaling_round_trips_and_old_configs_load_unscaled():

@@ -42,8 +42,10 @@ def run(args) -> int:
         return 0
     from meshlm.units import format_bytes, in_unit
 
+    active = report["active_params"]
+    active = f" ({active:,} active per token)" if active != report["params"] else ""
     print(
-        f"{args.config} on {dp}x{mp}: {report['params']:,} parameters, "
+        f"{args.config} on {dp}x{mp}: {report['params']:,} parameters{active}, "
         f"{format_bytes(report['param_bytes_total'], 'GiB')} float32 in all"
     )
     print(

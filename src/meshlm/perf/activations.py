@@ -135,4 +135,10 @@ def activation_bytes(
         layers += moe_bytes(cfg, tokens=seq * micro_batch, mp=mp, ep=ep, act_bytes=act_bytes)
     logits = LOGIT_COPIES * 4 * seq * micro_batch * cfg.vocab_size / mp
     per_layer = moe if n_moe else dense
-    return {"per_layer": per_layer, "layers": layers, "logits": logits, "total": layers + logits}
+    return {
+        "per_layer": per_layer,
+        "layers": layers,
+        "logits": logits,
+        "total": layers + logits,
+        "moe_layers": n_moe,
+    }

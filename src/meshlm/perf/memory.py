@@ -15,6 +15,7 @@ def memory_report(cfg: ModelConfig, where, param_dtype=np.float32) -> dict:
     """Bytes of parameters and AdamW state (2 moments), total and on one device, by sharding rules,
     on ``where`` (a Layout or a jax Mesh)."""
     from meshlm.io.model_io import abstract_params
+    from meshlm.model.accounting import count_params
 
     layout = Layout.of(where)
     params = abstract_params(cfg, layout, param_dtype)
@@ -24,6 +25,7 @@ def memory_report(cfg: ModelConfig, where, param_dtype=np.float32) -> dict:
     mp = layout.mp
     return {
         "params": sum(int(np.prod(p.shape)) for p in leaves),
+        "active_params": count_params(cfg, params).active,  # a token's: k of E experts (model.accounting)
         "param_bytes_total": total,
         "param_bytes_per_device": per_device,
         "param_bytes_ideal_per_device": (total - replicated) / mp + replicated,

@@ -54,7 +54,7 @@ def _breakdown(row: dict) -> list[str]:
         ("  arguments (+ batch)", gib(a["params"] + a["opt_state"]), gib(c["argument"])),
         ("gradients" + (" (+ accum. sum)" if accum else ""), gib(a["gradients"]), inside),
         ("old AdamW moments, copied", gib(a["moment_copies"]), inside),
-        ("activations (Korthikanti)", gib(a["activations"]["layers"]), inside),
+        (_activations_label(a["activations"]), gib(a["activations"]["layers"]), inside),
         ("logits", gib(a["activations"]["logits"]), inside),
         ("temporaries", gib(a["temp"]), gib(c["temp"])),
         ("peak", gib(a["peak"]), gib(c["peak"])),
@@ -69,6 +69,11 @@ def _breakdown(row: dict) -> list[str]:
         f"compiled in {c['compile_s']:.1f} s"
     )
     return out
+
+
+def _activations_label(acts: dict) -> str:
+    """The activations' line: the table's, and with MoE layers their dispatch buffers."""
+    return "activations (Korthikanti" + (" + experts)" if acts.get("moe_layers") else ")")
 
 
 def _verdict(row: dict) -> str:
