@@ -23,9 +23,10 @@ def memory_report(cfg: ModelConfig, where, param_dtype=np.float32) -> dict:
     total, per_device = total_bytes(params), bytes_per_device(params)
     replicated = total_bytes([p for p in leaves if p.sharding.is_fully_replicated])
     mp = layout.mp
+    counts = count_params(cfg, params)  # the padded vocabulary's, as stored
     return {
-        "params": sum(int(np.prod(p.shape)) for p in leaves),
-        "active_params": count_params(cfg, params).active,  # a token's: k of E experts (model.accounting)
+        "params": counts.total,
+        "active_params": counts.active,  # a token's: k of E experts (model.accounting)
         "param_bytes_total": total,
         "param_bytes_per_device": per_device,
         "param_bytes_ideal_per_device": (total - replicated) / mp + replicated,
