@@ -223,3 +223,25 @@ def test_moe_against_the_dense_model_of_equal_active_parameters():
     assert out["expert_compute_factor"] == 2.0 and out["active_params"] == moe.active
     assert "meshlm/dense-eq 2.00x (overhead 50.0%)" in _moe_line(out)
     assert moe_comparison(get_config("tiny-llama"), seconds) is None
+
+
+def test_dense_eq_is_the_dense_gated_mlp_model():
+    """dense-eq's logits are those of the dense family (mistral, mixtral's attention) with d_ff = k x
+    moe_d_ff and the same weights: its one expert, taken with weight 1, is a dense gated MLP."""
+    import haiku as hk
+    import numpy as np
+
+    from meshlm.model.transformer import init_fn, logits_fn
+    from meshlm.parallel.context import Parallel
+    from meshlm.perf.bench_moe import dense_equivalent
+
+    eq = dense_equivalent(get_config("tiny-mixtral"))
+    mlp = {"n_experts": 0, "experts_per_token": 0, "moe_d_ff": 0, "d_ff": eq.moe_d_ff}
+    dense = eq.replace(family="mistral", **mlp)
+    init, example = init_fn(eq)
+    params = init(jax.random.key(0), example)
+    moved = {k: v for k, v in params.items() if "/moe/" not in k}
+    moved["layers/mlp"] = {w: params["layers/moe/experts"][w][:, 0] for w in ("w_gate", "w_up", "w_down")}
+    tokens = np.arange(16, dtype=np.int32).reshape(2, 8) % eq.vocab_size
+    run = lambda cfg, p: jax.jit(hk.transform(logits_fn(cfg, Parallel())).apply)(p, None, tokens)
+    np.testing.assert_allclose(run(eq, params), run(dense, moved), rtol=1e-5, atol=1e-6)
