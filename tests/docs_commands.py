@@ -392,6 +392,8 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-mixtral --mesh 4x2 --ep 2 --devices 8 --fsdp --sp --steps 2 --x64": verify(
         costly=EP
     ),
+    "meshlm verify --config tiny-qwen3-moe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
+    "meshlm verify --config tiny-olmoe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
     "meshlm train --config tiny-mixtral --ep 2 --mesh 2x1 --devices 2": Shown(
         "a measurement (a run on the default data: its tokenizer alone takes minutes); the ep step's path: "
         + EP

@@ -49,3 +49,16 @@ def bpe_tokenizer(corpus, vocab: int):
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=train_bpe(corpus, vocab).tok, eos_token=EOD_TOKEN
     )
+
+
+def write_fused(model, source, out):
+    """The model's in-memory state dict (fused experts) as model.safetensors, with source's config."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    shutil.copy(source / "config.json", out / "config.json")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})

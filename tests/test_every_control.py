@@ -32,6 +32,7 @@ from meshlm.proof.runs import Runs
 ALL_CONTROLS = CONTROLS + CP_CONTROLS + EP_CONTROLS  # the prover's default list
 BW = dict(attention="blockwise", attn_block=4)  # several K/V blocks per shard, a ragged last one
 FSDP_SP = Layout(dp=2, mp=2, fsdp=True, sp=True)
+EP2, ONE = Layout(dp=2, mp=2, ep=2), {"n_layers": 1}  # a family's experts over ep: one layer is enough
 # name: (preset, config changes, layout, batch, seq_len). Shapes tiny: only traced.
 CONFIGS = {
     "seed ff 2x2 fsdp sp": ("seed", {}, FSDP_SP, 2, 8),
@@ -81,6 +82,8 @@ CONFIGS = {
     ),
     "tiny-lm 1x1 cp3 ring": ("tiny-lm", {"attn_block": 4}, Layout(cp=3), 1, 30),
     "tiny-mixtral 4x2 ep2 fsdp sp": ("tiny-mixtral", {}, Layout(dp=4, mp=2, ep=2, fsdp=True, sp=True), 4, 8),
+    "tiny-qwen3-moe 2x2 ep2 (per-head q/k norm, experts)": ("tiny-qwen3-moe", ONE, EP2, 2, 8),
+    "tiny-olmoe 2x2 ep2 (projection q/k norm, experts)": ("tiny-olmoe", ONE, EP2, 2, 8),
     "tiny-llama pp2 gpipe": ("tiny-llama", {}, Layout(pp=2, microbatches=4, pp_schedule="gpipe"), 4, 8),
     "tiny-llama pp2x1x2 sp 1f1b": ("tiny-llama", {}, Layout(pp=2, mp=2, sp=True, microbatches=4), 4, 8),
     "tiny-llama pp2x1x2 cp2 ring gpipe": (  # the ring's kernel on several K/V blocks (12 > 4 per shard)

@@ -2,7 +2,8 @@
 norm weights away from 1) converts with logits equal to transformers' (float32, unsharded and on 2x2),
 from both weight layouts (per-expert tensors, as save_pretrained writes, and transformers 5's fused
 ``gate_up_proj`` / ``down_proj``); `meshlm generate --temperature 0` prints transformers' greedy text on
-1x1 and 1x2; the export loads back with equal logits; the "hf" load-balancing loss is transformers'."""
+1x1, 1x2 and 2x1 with --ep 2; the export loads back with equal logits; the "hf" load-balancing loss is
+transformers'."""
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 import haiku as hk  # noqa: E402
 from helpers import run_cli, sharded_logits  # noqa: E402
-from hf_helpers import export_round_trip, hf_logits, our_logits, rel  # noqa: E402  # noqa: E402
+from hf_helpers import export_round_trip, hf_logits, our_logits, rel, write_fused  # noqa: E402
 
 from meshlm.data.bpe import train_bpe  # noqa: E402
 from meshlm.data.hf_tokenizer import EOD_TOKEN  # noqa: E402
@@ -58,7 +59,7 @@ def mixtral(tokens, tmp_path_factory):
     )
     model.save_pretrained(root / "hf")
     tokenizer.save_pretrained(root / "hf")
-    _write_fused(model, root / "hf", root / "fused")
+    write_fused(model, root / "hf", root / "fused")
     assert (
         run_cli("convert", "--from-hf", str(root / "hf"), "--out", str(root / "ckpt"), "--mesh", "1x1") == 0
     )
@@ -71,19 +72,6 @@ def mixtral(tokens, tmp_path_factory):
                 logits=hf_logits(model, tokens))  # fmt: skip
 
 
-def _write_fused(model, source, out):
-    """The model's in-memory state dict (fused experts) as model.safetensors, with source's config."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    out.mkdir()
-    shutil.copy(source / "config.json", out / "config.json")
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-
-
 @pytest.mark.parametrize("layout", ["hf", "fused"])
 def test_logits_equal_transformers(mixtral, tokens, layout):
     cfg, flat = hf_weights.load_hf(mixtral[layout])
@@ -94,10 +82,10 @@ def test_logits_equal_transformers(mixtral, tokens, layout):
             assert rel(copy, mixtral["logits"]) <= RTOL
 
 
-@pytest.mark.parametrize("mesh", ["1x1", "1x2"])
+@pytest.mark.parametrize("mesh", [("1x1",), ("1x2",), ("2x1", "--ep", "2")], ids=["1x1", "1x2", "ep2"])
 def test_generate_prints_transformers_text(mixtral, mesh, capsys):
     capsys.readouterr()
-    argv = ["generate", "--checkpoint", str(mixtral["ckpt"]), "--mesh", mesh, "--temperature", "0"]
+    argv = ["generate", "--checkpoint", str(mixtral["ckpt"]), "--mesh", *mesh, "--temperature", "0"]
     assert run_cli(*argv, "--prompt", PROMPT, "--max-new-tokens", str(NEW)) == 0
     assert capsys.readouterr().out == PROMPT + mixtral["text"] + "\n"
 

@@ -84,11 +84,12 @@ class Attention(hk.Module):
         cfg, par = self.cfg, self.par
         if cfg.arch.qk_norm != "proj":
             return {}
+        first = cfg.arch.norm == "rms_product_first"  # as the family's norms (OLMo 2; OLMoE: as Llama)
         if not keys:
-            return dict(par=par, heads=cfg.n_heads, index=None)
+            return dict(par=par, heads=cfg.n_heads, index=None, product_first=first)
         replicated = kv_replicated(cfg.kv_heads, par.layout.mp)
         index = par.kv_head_index(cfg.n_heads, cfg.kv_heads) if replicated else None
-        return dict(par=par, heads=cfg.kv_heads, index=index)
+        return dict(par=par, heads=cfg.kv_heads, index=index, product_first=first)
 
     def __call__(self, xf, positions, cache=None, starts=None, kind=None):
         """xf: [B, T, D] per-shard view; positions: [B, T] absolute positions.
@@ -181,20 +182,19 @@ def kind_tables(cfg: ModelConfig):
 
 
 class ProjRMSNorm(hk.Module):
-    """OLMo 2's q (or k) norm: RMSNorm over the whole projection, every head's E together, so its
-    statistic spans the shards the heads are split over.
+    """OLMo 2's (and OLMoE's) q or k norm: RMSNorm over the whole projection, all heads' E together.
 
     x [B, T, h, E] is this shard's heads (h = heads/mp; with replicated KV heads the one KV head it
     computes, ``index``); weights ``scale_heads`` [heads/mp, E] (or [heads, E] replicated, sliced at
     ``index``: as Qwen2's KV bias). The sum of squares is this shard's, summed over mp (``par.g``: its
     backward is the identity, and the transpose of the shared statistic's use sums its cotangent);
     a KV head held by mp / K shards is counted that many times, so the sum is divided by that.
-    Computed in float32 (at least), the weight product before the cast, as transformers' Olmo2RMSNorm.
+    In float32 (at least); the weight product before the cast if ``product_first`` (Olmo2RMSNorm), else after.
     """
 
-    def __init__(self, *, eps: float, par: Parallel, heads: int, index=None, name: str):
+    def __init__(self, *, eps: float, par: Parallel, heads: int, index=None, product_first=True, name: str):
         super().__init__(name=name)
-        self.eps, self.par, self.heads, self.index = eps, par, heads, index
+        self.eps, self.par, self.heads, self.index, self.product_first = eps, par, heads, index, product_first
 
     def mean_square(self, x32):
         """[B, T, 1, 1]: the mean of x^2 over the whole projection (all heads, all shards)."""
@@ -209,7 +209,7 @@ class ProjRMSNorm(hk.Module):
             w = lax.dynamic_slice_in_dim(w, self.index, 1, axis=0)  # [1, E]: this shard's KV head
         x32 = upcast(x)
         y = x32 * lax.rsqrt(self.mean_square(x32) + self.eps)
-        return (upcast(w) * y).astype(x.dtype)
+        return (upcast(w) * y if self.product_first else w * y.astype(x.dtype)).astype(x.dtype)
 
 
 # The q/k norms (``Family.qk_norm``): "head" is Qwen3's RMSNorm over each head's E, its weights [E]

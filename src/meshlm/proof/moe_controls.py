@@ -1,7 +1,7 @@
 """Planted faults of a mixture-of-experts layer (``model.moe``) that exist without an ``ep`` axis: the
-combine weights not renormalised, top-k ties broken by the higher expert id, the combine weights'
-gradient not summed over mp (the router's gradient is then wrong), and the aux-loss statistics not
-summed over the data shards. ``proof.controls`` lists them.
+combine weights not renormalised (or renormalised where ``norm_topk_prob`` is off: OLMoE), top-k ties
+broken by the higher expert id, the combine weights' gradient not summed over mp (the router's gradient
+is then wrong), and the aux-loss statistics not summed over the data shards. ``proof.controls`` lists them.
 
 A tie must exist for its control to show: ``plant_router_tie`` makes expert 1's router column a copy
 of expert 0's in every layer of the parameters *both* runs start from (``model_problem`` for a MoE
@@ -57,6 +57,12 @@ def not_renormalised(cfg):
     return cfg.replace(norm_topk_prob=False)
 
 
+def renormalised(cfg):
+    """The top-k combine weights renormalised where the family keeps the softmax's values (OLMoE: the
+    bug of a layer ported from Mixtral) in the sharded run."""
+    return cfg.replace(norm_topk_prob=True)
+
+
 class CombineWeightGradOfShard0(Tapped):
     """The combine weights' gradient taken from shard 0's partial expert outputs only, not their sum
     over mp: the router (and the input through it) learns from one shard's hidden units."""
@@ -88,6 +94,11 @@ MOE_CONTROLS: tuple[Control, ...] = (
         name="MoE combine weights not renormalised",
         applies=lambda w: _moe(w) and w.cfg.norm_topk_prob and w.cfg.experts_per_token > 1,
         cfg_change=not_renormalised,
+    ),
+    Control(
+        name="MoE combine weights renormalised against norm_topk_prob",
+        applies=lambda w: _moe(w) and not w.cfg.norm_topk_prob and w.cfg.experts_per_token > 1,
+        cfg_change=renormalised,
     ),
     Control(
         name="MoE top-k ties broken by the higher expert id",

@@ -1,9 +1,9 @@
 """The registry of families: one module each (``ff``, ``gptj``, ``llama``, ``qwen2``, ``mistral``,
-``gemma``, ``qwen3``, ``olmo2``, ``phi3``, ``gemma2``, ``gemma3``, ``mixtral``), each holding its
-``Family`` record (``model.family``), its Hugging Face names with the config.json reader and writer
-(``HFNames``: pure dict translation; the files are ``io.hf_config``'s) and its presets (``ModelConfig``
-fields). Everything else finds a family here: ``FAMILIES`` by name, ``by_model_type`` by transformers'
-model_type, ``preset_fields`` for the presets.
+``gemma``, ``qwen3``, ``olmo2``, ``phi3``, ``gemma2``, ``gemma3``, ``mixtral``, ``qwen3_moe``, ``olmoe``),
+each holding its ``Family`` record (``model.family``), its Hugging Face names with the config.json
+reader and writer (``HFNames``: pure dict translation; the files are ``io.hf_config``'s) and its presets
+(``ModelConfig`` fields). Everything else finds a family here: ``FAMILIES`` by name, ``by_model_type`` by
+transformers' model_type, ``preset_fields`` for the presets.
 
 A new family is a module here and one line in ``MODULES``. This package must not import JAX.
 """
@@ -19,14 +19,18 @@ import meshlm.model.families.llama as llama
 import meshlm.model.families.mistral as mistral
 import meshlm.model.families.mixtral as mixtral
 import meshlm.model.families.olmo2 as olmo2
+import meshlm.model.families.olmoe as olmoe
 import meshlm.model.families.phi3 as phi3
 import meshlm.model.families.qwen2 as qwen2
 import meshlm.model.families.qwen3 as qwen3
+import meshlm.model.families.qwen3_moe as qwen3_moe
 from meshlm.errors import ConfigError
 from meshlm.model.family import Family
 
 # One line per family, in the order messages list them.
-MODULES = (ff, gptj, llama, qwen2, mistral, gemma, qwen3, olmo2, phi3, gemma2, gemma3, mixtral)
+MODULES = (
+    ff, gptj, llama, qwen2, mistral, gemma, qwen3, olmo2, phi3, gemma2, gemma3, mixtral, qwen3_moe, olmoe,
+)  # fmt: skip
 
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in MODULES}
 
