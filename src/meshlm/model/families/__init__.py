@@ -1,8 +1,8 @@
 """The registry of families: one module each (``ff``, ``gptj``, ``llama``, ``qwen2``, ``mistral``,
-``gemma``, ``qwen3``, ``olmo2``, ``phi3``, ``gemma2``, ``gemma3``, ``mixtral``), each holding its
-``Family`` record (``model.family``), its Hugging Face names with the config.json reader and writer
-(``HFNames``: pure dict translation; the files are ``io.hf_config``'s) and its presets (``ModelConfig``
-fields). Everything else finds a family here: ``FAMILIES`` by name, ``by_model_type`` by transformers'
+``gemma``, ``qwen3``, ``olmo2``, ``phi3``, ``gemma2``, ``gemma3``, ``mixtral``, ``qwen2_moe``), each
+holding its ``Family`` record (``model.family``), its Hugging Face names with the config.json reader
+and writer (``HFNames``: pure dict translation; the files are ``io.hf_config``'s) and its presets
+(``ModelConfig`` fields). Everything else finds a family here: ``FAMILIES`` by name, ``by_model_type`` by transformers'
 model_type, ``preset_fields`` for the presets.
 
 A new family is a module here and one line in ``MODULES``. This package must not import JAX.
@@ -21,12 +21,13 @@ import meshlm.model.families.mixtral as mixtral
 import meshlm.model.families.olmo2 as olmo2
 import meshlm.model.families.phi3 as phi3
 import meshlm.model.families.qwen2 as qwen2
+import meshlm.model.families.qwen2_moe as qwen2_moe
 import meshlm.model.families.qwen3 as qwen3
 from meshlm.errors import ConfigError
 from meshlm.model.family import Family
 
 # One line per family, in the order messages list them.
-MODULES = (ff, gptj, llama, qwen2, mistral, gemma, qwen3, olmo2, phi3, gemma2, gemma3, mixtral)
+MODULES = (ff, gptj, llama, qwen2, mistral, gemma, qwen3, olmo2, phi3, gemma2, gemma3, mixtral, qwen2_moe)
 
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in MODULES}
 
