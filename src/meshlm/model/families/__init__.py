@@ -2,8 +2,8 @@
 ``gemma``, ``qwen3``, ``olmo2``, ``phi3``, ``gemma2``, ``gemma3``, ``mixtral``, ``qwen2_moe``), each
 holding its ``Family`` record (``model.family``), its Hugging Face names with the config.json reader
 and writer (``HFNames``: pure dict translation; the files are ``io.hf_config``'s) and its presets
-(``ModelConfig`` fields). Everything else finds a family here: ``FAMILIES`` by name, ``by_model_type`` by transformers'
-model_type, ``preset_fields`` for the presets.
+(``ModelConfig`` fields). Everything else finds a family here: ``FAMILIES`` by name,
+``by_model_type`` by transformers' model_type, ``preset_fields`` for the presets.
 
 A new family is a module here and one line in ``MODULES``. This package must not import JAX.
 """
