@@ -45,6 +45,14 @@ class MoEFields:
     moe_aux_loss: str = "hf"
     dense_layers: tuple[int, ...] = ()
 
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The indices of the layers whose feed-forward is a mixture of experts (none without one;
+        ``arch`` and ``n_layers`` are ``ModelConfig``'s)."""
+        if not self.arch.moe:
+            return ()
+        return tuple(i for i in range(self.n_layers) if i not in self.dense_layers)
+
 
 @dataclass(frozen=True)
 class LayerKindFields:
@@ -138,13 +146,6 @@ class ModelConfig(LayerKindFields, MoEFields):
     def arch(self) -> Family:
         """The record of this config's family (``model.families``): the facts that differ by family."""
         return FAMILIES[self.family]
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        """The indices of the layers whose feed-forward is a mixture of experts (none without one)."""
-        if not self.arch.moe:
-            return ()
-        return tuple(i for i in range(self.n_layers) if i not in self.dense_layers)
 
     @property
     def kv_heads(self) -> int:
