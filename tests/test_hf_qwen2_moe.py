@@ -1,6 +1,7 @@
 """Qwen2-MoE from transformers: a tiny random Qwen2MoeForCausalLM (no download; every weight perturbed,
 the norm weights away from 1) with a shared expert and a dense first layer (``mlp_only_layers=[0]``)
-converts with logits equal to transformers' (float32, unsharded and on 2x2); `meshlm generate
+converts with logits equal to transformers' (float32, unsharded and on 2x2; its fused in-memory
+expert tensors read to the same parameters); `meshlm generate
 --temperature 0` prints transformers' greedy text on 1x1 and with --ep 2; the export loads back with
 equal logits; the "hf" load-balancing loss is transformers' (the sparse layers' router logits pooled)."""
 
@@ -65,13 +66,24 @@ def qwen2_moe(tokens, tmp_path_factory):
     return dict(hf=root / "hf", ckpt=root / "ckpt", model=model, text=text, logits=hf_logits(model, tokens))
 
 
-def test_logits_equal_transformers(qwen2_moe, tokens):
+def test_logits_equal_transformers(qwen2_moe, tokens, tmp_path):
     cfg, flat = hf_weights.load_hf(qwen2_moe["hf"])
     assert cfg.family == "qwen2_moe" and cfg.dense_layers == (0,) and cfg.shared_expert_d_ff == 24
     assert not cfg.norm_topk_prob and "dense_layers/mlp/w_gate" in flat
     assert rel(our_logits(cfg, flat, tokens), qwen2_moe["logits"]) <= RTOL
     for copy in sharded_logits(cfg, unflatten(flat), tokens):
         assert rel(copy, qwen2_moe["logits"]) <= RTOL
+    # transformers 5's in-memory names (fused gate_up_proj / down_proj) read to the very same parameters
+    import shutil
+
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in qwen2_moe["model"].state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    shutil.copy(qwen2_moe["hf"] / "config.json", tmp_path / "config.json")
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    fused = hf_weights.load_hf(tmp_path)[1]
+    assert fused.keys() == flat.keys() and all(np.array_equal(fused[k], flat[k]) for k in flat)
 
 
 @pytest.mark.parametrize("mesh", [("1x1",), ("2x1", "--ep", "2", "--devices", "2")], ids=["1x1", "ep2"])
