@@ -389,6 +389,9 @@ COMMANDS: dict[str, Run | Shown] = {
     "--sp --steps 2 --x64": verify(costly=CPCOMM),
     "meshlm verify --config tiny-mixtral --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
     "meshlm verify --config tiny-mixtral --mesh 4x1 --ep 4 --devices 4 --steps 3 --x64": verify(costly=EP),
+    "meshlm verify --config tiny-qwen2-moe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=MOE),
+    "meshlm verify --config tiny-qwen2-moe --mesh 2x2 --devices 4 --fsdp --sp --remat full --steps 2 "
+    "--x64": verify(costly=MOE),
     "meshlm verify --config tiny-mixtral --mesh 4x2 --ep 2 --devices 8 --fsdp --sp --steps 2 --x64": verify(
         costly=EP
     ),

@@ -39,8 +39,21 @@ SHARED = dict(
 FAMILIES = {
     "qwen3_moe": (
         ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-        dict(moe_intermediate_size=16, head_dim=16, norm_topk_prob=True, router_aux_loss_coef=0.02),
-        dict(moe_d_ff=16, d_ff=48, head_dim=16, norm_topk_prob=True, router_aux_loss_coef=0.02),
+        dict(
+            moe_intermediate_size=16,
+            head_dim=16,
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.02,
+            mlp_only_layers=[0],
+        ),  # a dense first layer (Qwen2-MoE's rule, two parameter stacks)
+        dict(
+            moe_d_ff=16,
+            d_ff=48,
+            head_dim=16,
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.02,
+            dense_layers=(0,),
+        ),
     ),
     "olmoe": (
         ("OlmoeConfig", "OlmoeForCausalLM"),
@@ -124,8 +137,7 @@ def test_hf_balance_loss_is_transformers(family, tokens):
 @pytest.mark.parametrize(
     "preset, change, names",
     [
-        ("tiny-qwen3-moe", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]: dense layers among the"),
-        ("tiny-qwen3-moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2: dense layers among the"),
+        ("tiny-qwen3-moe", {"mlp_only_layers": "0"}, "mlp_only_layers must be a list of layer indices"),
         ("tiny-qwen3-moe", {"use_sliding_window": True}, "use_sliding_window"),
         ("tiny-olmoe", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
         ("tiny-olmoe", {"head_dim": 16}, "head_dim=16"),

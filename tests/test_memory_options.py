@@ -168,7 +168,7 @@ def test_sp_bounds_the_bias_gradients_all_reduce_too():
     cfg, layout = get_config("seed").replace(remat="selective"), Layout(dp=1, mp=4, fsdp=True, sp=True)
     problem = model_problem(cfg, "seed", 4, 2, 8, fsdp=True, sp=True)
     params, specs = init_model(cfg, layout, 0)
-    assert set(sp_replicated(params, cfg.n_layers)) == {"embed/b", "layers/mlp/b_out"}
+    assert set(sp_replicated(params)) == {"embed/b", "layers/mlp/b_out"}
     batch = put_batch(problem.batch, layout, False)
     got = step_collectives(problem.build_loss, layout, specs, params, batch)
     shape = dict(batch_shape=(2, 8), itemsize=4, params=params)

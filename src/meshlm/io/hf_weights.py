@@ -23,8 +23,9 @@ from meshlm.io import hf_experts
 from meshlm.io.hf_config import architectures, config_from_hf, config_to_hf
 from meshlm.io.hf_fused import FUSED, _split_fused, _torch_shape, _unfused
 from meshlm.model.config import ModelConfig
+from meshlm.model.layer_kinds import MOE_STACK, stacks
 from meshlm.model.padding import VOCAB_AXIS, resize, resize_flat
-from meshlm.model.params import STACKED_PREFIX, is_stacked
+from meshlm.model.params import is_stacked
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -42,9 +43,22 @@ def name_map(cfg: ModelConfig) -> dict[str, tuple[list[str], str]]:
     if cfg.tie_embeddings:
         del out["head/w"]  # logits reuse the embedding table
     prefix = names.layer_prefix
-    for path, (name, kind) in names.layer.items():
-        out[f"{STACKED_PREFIX}{path}"] = ([prefix.format(i=i) + name for i in range(cfg.n_layers)], kind)
+    for stack, indices in stacks(cfg).items():  # "layers" (and a mixture of experts' "dense_layers")
+        for path, (name, kind) in names.layer.items():
+            if _in_stack(cfg, stack, path):
+                out[f"{stack}/{path}"] = ([prefix.format(i=i) + name for i in indices], kind)
     return out
+
+
+def _in_stack(cfg: ModelConfig, stack: str, path: str) -> bool:
+    """Whether the layer tensor ``path`` is one of ``stack``'s layers': a mixture of experts' MoE layers
+    have no dense MLP (its tensors are the dense layers', ``model.layer_kinds``) and the dense layers
+    no experts; a shared expert only where the config has one."""
+    if not cfg.arch.moe:
+        return True
+    if path.startswith("moe/shared") and not cfg.shared_expert_d_ff:
+        return False
+    return not path.startswith("mlp/" if stack == MOE_STACK else "moe/")
 
 
 def _from_torch(w: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:

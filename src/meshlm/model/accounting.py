@@ -28,9 +28,9 @@ class ParamCounts:
 
 
 def moe_layers(cfg) -> int:
-    """The layers whose feed-forward is a mixture of experts: today every layer of a MoE family (a
-    config field that interleaves dense layers among them is asked here, and only here)."""
-    return cfg.n_layers if cfg.arch.moe else 0
+    """How many layers have a mixture-of-experts feed-forward: every layer of a MoE family but its
+    ``dense_layers`` (``ModelConfig.moe_layers``, the one rule)."""
+    return len(cfg.moe_layers)
 
 
 def active_share(cfg, path: str) -> float:

@@ -14,6 +14,7 @@ from typing import Any
 from meshlm.errors import ConfigError
 from meshlm.model.families import FAMILIES, preset_fields
 from meshlm.model.family import Family
+from meshlm.model.layer_kinds import check_dense_layers, layer_indices
 from meshlm.model.rope import RopeScaling
 from meshlm.model.rope import inv_freq as rope_inv_freq
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
@@ -30,7 +31,10 @@ class MoEFields:
     # renormalised to sum to 1 (``norm_topk_prob``); Qwen2-MoE's shared expert (its width; 0: none);
     # the load-balancing loss (``moe_aux_loss``: "hf", transformers' pooled over layers, ~k when
     # balanced, or "per-layer", Megatron's mean over layers, ~1) and router z-loss coefficients. A saved
-    # config without these fields predates them: a dense model, exactly as it was.
+    # config without these fields predates them: a dense model, exactly as it was. ``dense_layers``:
+    # the indices (sorted, from 0) of the layers whose feed-forward is the dense MLP of ``d_ff`` units
+    # among the MoE layers (Qwen2-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``); (): every
+    # layer sparse. Their parameters stack apart (``model.stack``).
     n_experts: int = 0
     experts_per_token: int = 0
     moe_d_ff: int = 0
@@ -39,6 +43,15 @@ class MoEFields:
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
     moe_aux_loss: str = "hf"
+    dense_layers: tuple[int, ...] = ()
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The indices of the layers whose feed-forward is a mixture of experts (none without one;
+        ``arch`` and ``n_layers`` are ``ModelConfig``'s)."""
+        if not self.arch.moe:
+            return ()
+        return tuple(i for i in range(self.n_layers) if i not in self.dense_layers)
 
 
 @dataclass(frozen=True)
@@ -109,8 +122,10 @@ class ModelConfig(LayerKindFields, MoEFields):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         object.__setattr__(self, "rope_scaling", RopeScaling.of(self.rope_scaling))  # JSON: a dict
+        dense = layer_indices("dense_layers", self.dense_layers)  # JSON: a list
+        object.__setattr__(self, "dense_layers", dense)
         for f in dataclasses.fields(self):  # every construction path: presets, JSON, HF import
-            if f.name == "rope_scaling":
+            if f.name in ("rope_scaling", "dense_layers"):
                 continue
             object.__setattr__(self, f.name, _checked(f.name, f.type, getattr(self, f.name)))
         if self.family not in FAMILIES:
@@ -217,11 +232,11 @@ def _check_moe(cfg: ModelConfig) -> None:
     """The MoE fields agree with the family: sized where it has experts, zero where it has none."""
     if not cfg.arch.moe:
         sized = cfg.n_experts or cfg.experts_per_token or cfg.moe_d_ff or cfg.shared_expert_d_ff
-        if sized or cfg.moe_aux_loss != MOE_AUX_LOSSES[0]:
+        if sized or cfg.dense_layers or cfg.moe_aux_loss != MOE_AUX_LOSSES[0]:
             raise ConfigError(
                 f"family {cfg.family!r} has a dense feed-forward; set n_experts, experts_per_token, "
-                "moe_d_ff and shared_expert_d_ff to 0 and drop --moe-aux-loss (or use a mixture-of-experts "
-                "family: mixtral)"
+                "moe_d_ff and shared_expert_d_ff to 0, dense_layers to [] and drop --moe-aux-loss (or use "
+                "a mixture-of-experts family: mixtral, qwen2_moe)"
             )
         return
     if not (cfg.n_experts >= 1 and 1 <= cfg.experts_per_token <= cfg.n_experts and cfg.moe_d_ff >= 1):
@@ -229,10 +244,7 @@ def _check_moe(cfg: ModelConfig) -> None:
             f"family {cfg.family!r} needs n_experts >= 1, 1 <= experts_per_token <= n_experts and "
             f"moe_d_ff >= 1; got {cfg.n_experts}, {cfg.experts_per_token}, {cfg.moe_d_ff}"
         )
-    if cfg.shared_expert_d_ff:  # the layer has one (``model.moe._shared``); its proof is still to come
-        raise ConfigError(
-            f"shared_expert_d_ff={cfg.shared_expert_d_ff}: a shared expert is not proven yet; set it to 0"
-        )
+    check_dense_layers(cfg)
     if cfg.moe_aux_loss not in MOE_AUX_LOSSES:
         raise ConfigError(f"moe_aux_loss is one of {', '.join(MOE_AUX_LOSSES)}; got {cfg.moe_aux_loss!r}")
 

@@ -116,8 +116,11 @@ class MoE(hk.Module):
 
 
 def _shared(cfg, par: Parallel, xf, stddev: float):
-    """Qwen2-MoE's shared expert: a dense gated MLP on every token, times sigmoid(xf @ gate) (computed on
-    the column-parallel view: its weight's gradient is summed over mp by JAX)."""
+    """Qwen2-MoE's shared expert: a dense gated MLP on every token, times sigmoid(xf @ gate) -> [B, T, D]
+    partial over mp like the experts' output (each shard holds I_shared/mp of its hidden units; the
+    block's ``par.row_out`` sums both once). The gate [D, 1] is replicated over mp and computed on the
+    column-parallel view xf (the whole sequence under sp too): each shard's gradient of it is its
+    partial's share, summed over mp by JAX (the replicated weight meets mp-varying values)."""
     shared, _ = MLP(
         hidden_dim=cfg.shared_expert_d_ff,
         par=par,
@@ -128,7 +131,8 @@ def _shared(cfg, par: Parallel, xf, stddev: float):
         name="shared",
     )(xf)
     (gate,) = _params("shared_gate", {"w": [xf.shape[-1], 1]}, stddev)
-    return shared * jax.nn.sigmoid(upcast(xf) @ upcast(gate)).astype(shared.dtype)
+    gate = par.tap("shared_gate", gate)
+    return par.tap("shared_expert", shared * jax.nn.sigmoid(upcast(xf) @ upcast(gate)).astype(shared.dtype))
 
 
 def stats_size(cfg) -> int:

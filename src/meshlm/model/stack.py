@@ -4,18 +4,24 @@ layer_stack: a scan, so compile time does not grow with depth), and its per-laye
 from __future__ import annotations
 
 import haiku as hk
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 import meshlm.model.attention as attention
 from meshlm.model.config import ModelConfig
 from meshlm.model.kv_kinds import kinds_stack
+from meshlm.model.layer_kinds import DENSE_STACK, MOE_STACK, runs, stacks
 from meshlm.model.memory import remat_body
 
 
-def stack_layers(cfg: ModelConfig, layer, x, positions, cache, starts=None):
+def stack_layers(cfg: ModelConfig, layer, x, positions, cache, starts=None, dense=None):
     """Apply n_layers copies of ``layer`` with stacked parameters [L, ...] (flat compile time). The
     per-layer inputs: the KV cache (generation) and each layer's kind (Gemma 2/3's local and global
-    layers, ``attention.layer_kinds``): traced values, so the parameters stay uniform."""
+    layers, ``attention.layer_kinds``): traced values, so the parameters stay uniform. A mixture of
+    experts with ``cfg.dense_layers`` runs ``dense`` (x -> (x, cache)) at those (``_mixed_stack``)."""
+    if cfg.arch.moe and cfg.dense_layers:
+        return _mixed_stack(cfg, {MOE_STACK: layer, DENSE_STACK: dense}, x, positions, cache, starts)
     if cfg.arch.moe:
         return _moe_stack(cfg, layer, x, positions, cache, starts)
     kinds = attention.layer_kinds(cfg)
@@ -51,3 +57,58 @@ def _moe_stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
     )
     x, (cache, stats) = stacked(body)(x, cache)
     return x, cache, stats
+
+
+def _mixed_stack(cfg: ModelConfig, layers: dict, x, positions, cache, starts=None):
+    """``_moe_stack`` of a model with dense layers among its MoE layers -> (x, cache, statistics of the
+    MoE layers [L_moe, 2E + 2], in layer order; dense layers have no routing). Each kind's parameters
+    stack apart (``layer_kinds.stacks``: [count, ...] under "layers" and "dense_layers"), and the
+    stack runs as consecutive runs of same-kind layers, one scan each over its slice of them; the
+    cache [L, ...] is sliced and rejoined in layer order."""
+    bodies = {
+        MOE_STACK: lambda x, c: layers[MOE_STACK](x, positions, c, starts),
+        DENSE_STACK: lambda x, c: (*layers[DENSE_STACK](x, positions, c, starts)[:2], None),
+    }
+    params, apply = {}, {}
+    for name, indices in stacks(cfg).items():
+        params[name], apply[name] = _stacked(name, len(indices), remat_body(cfg.remat, bodies[name]), x)
+    caches, stats = [], []
+    for name, first, start, stop in runs(cfg):
+        p = jax.tree.map(lambda a, s=slice(start, stop): a[s], params[name])
+        own = slice(first, first + stop - start)  # the run's layers' slots of the cache
+        c = None if cache is None else jax.tree.map(lambda a, s=own: a[s], cache)
+        x, (c, st) = lax.scan(_step(apply[name]), x, (p, c), unroll=min(cfg.layer_unroll, stop - start))
+        caches.append(c)
+        if st is not None:
+            stats.append(st)
+    if cache is not None:
+        cache = jax.tree.map(lambda *parts: jnp.concatenate(parts), *caches)
+    return x, cache, jnp.concatenate(stats)
+
+
+def _step(apply):
+    """One layer of a run's scan: (x, (its parameters, its cache)) -> (x, (cache, statistics))."""
+
+    def step(x, pc):
+        y, c, st = apply(pc[0], None, x, pc[1])
+        return y, (c, st)
+
+    return step
+
+
+def _stacked(name: str, count: int, body, x):
+    """The parameters [count, ...] of ``count`` layers ``body`` (x, cache) -> (x, cache, stats) under the
+    module ``name``, made as ``hk.experimental.layer_stack`` makes them (each layer initialised on the
+    previous one's output, its own key), and the layer's pure apply function."""
+    init_fn, apply_fn = hk.transform(body)
+
+    def scanned_init(x, rng):
+        def one(carry, _):
+            x, rng = carry
+            rng, next_rng, apply_rng = jax.random.split(rng, 3) if rng is not None else (None,) * 3
+            p = init_fn(rng, x, None)
+            return (apply_fn(p, apply_rng, x, None)[0], next_rng), p
+
+        return lax.scan(one, (x, rng), None, length=count)[1]
+
+    return hk.lift(scanned_init, name=name, allow_reuse=True)(x, hk.maybe_next_rng_key()), apply_fn

@@ -166,7 +166,8 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, sta
         starts = par.tap("doc_starts", doc_starts(tokens, cfg.doc_mask) if starts is None else starts)
     embed = _embed(cfg, par)
     x = _scaled(cfg, embed(tokens))  # [B, T, D]; with sp [B, T/mp, D] per shard
-    x, cache, *stats = stack_layers(cfg, _block(cfg, par), x, positions, cache, starts)
+    dense = BLOCKS[cfg.arch.block](cfg, par) if cfg.dense_layers else None  # among the MoE layers
+    x, cache, *stats = stack_layers(cfg, _block(cfg, par), x, positions, cache, starts, dense)
     return _head_logits(cfg, par, x, embed), cache, (stats[0] if stats else None)
 
 

@@ -69,8 +69,10 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> 
         "dp_loss": int(batch_shards > 1),
     }
     if cfg.arch.moe:
-        out["moe_weights_backward"] = cfg.n_layers * sharded
+        out["moe_weights_backward"] = len(cfg.moe_layers) * sharded  # dense layers have no routing
         out["moe_statistics"] = int(batch_shards > 1 and moe_losses(cfg))
+        if cfg.shared_expert_d_ff:  # Qwen2-MoE's shared gate [D, 1]: replicated, meets mp's partials
+            out["moe_shared_gate_grads"] = len(cfg.moe_layers) * sharded
     if cfg.arch.qk_norm in ("head", "head_plus_one"):
         out["qk_norm_grads"] = 2 * cfg.n_layers * sharded
     elif cfg.arch.qk_norm == "proj":
@@ -121,7 +123,9 @@ def theoretical_bytes(
         out["moe_weights_backward"] = (
             counts["moe_weights_backward"] * (batch // dp) * seq_len * (cfg.experts_per_token * itemsize)
         )
-        out["moe_statistics"] = counts["moe_statistics"] * cfg.n_layers * (2 * cfg.n_experts + 2) * itemsize
+        stats = len(cfg.moe_layers) * (2 * cfg.n_experts + 2)
+        out["moe_statistics"] = counts["moe_statistics"] * stats * itemsize
+        out["moe_shared_gate_grads"] = counts.get("moe_shared_gate_grads", 0) * cfg.d_model * itemsize
     if "qk_norm_stats" in counts:  # [B/dp, T] each
         out["qk_norm_stats"] = counts["qk_norm_stats"] * (batch // dp) * seq_len * itemsize
     out["total"] = sum(out.values())

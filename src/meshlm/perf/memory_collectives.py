@@ -49,7 +49,7 @@ from meshlm.sharding.rules import dp_sharded, spec_for
 SP_REPLACES = ("layer_forward", "layer_backward", "embedding", "head_backward", "moe_weights_backward")
 
 
-def sp_replicated(params, n_layers: int) -> dict[str, int]:
+def sp_replicated(params) -> dict[str, int]:
     """Parameters replicated over MP that meet the sequence slices under SP (norms, and biases added
     after a row-parallel sum): path -> how many gradient all-reduces over MP (once per layer for
     stacked leaves, at most). Read from the rules table, so it follows the model's parameters."""
@@ -58,19 +58,20 @@ def sp_replicated(params, n_layers: int) -> dict[str, int]:
         router = path.endswith(ROUTER)  # a weight replicated over mp that meets the slices (``model.moe``)
         if (is_matmul_weight(path) and not router) or MP in spec_for(path, p.shape, 1):
             continue
-        out[path] = n_layers if is_stacked(path) else 1
+        out[path] = p.shape[0] if is_stacked(path) else 1  # its stack's layers (a mixed stack: two)
     return out
 
 
 def fsdp_weights(params) -> tuple[int, int]:
-    """(DP-split weights per layer, DP-split weights outside the layer stack) of ``params``."""
-    split = [
-        path
+    """(DP-split weights of the layer stacks, each counted once per layer it stacks; DP-split weights
+    outside them) of ``params`` (a mixed stack's two kinds hold different weights: ``model.layer_kinds``)."""
+    split = {
+        path: p
         for path, p in flat_params(params).items()
         if dp_sharded(getattr(getattr(p, "sharding", None), "spec", ()))
-    ]
-    stacked = sum(is_stacked(path) for path in split)
-    return stacked, len(split) - stacked
+    }
+    stacked = [p.shape[0] for path, p in split.items() if is_stacked(path)]
+    return sum(stacked), len(split) - len(stacked)
 
 
 def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[str, dict]:
@@ -95,19 +96,19 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
         for cause in SP_REPLACES:
             if cause in ar:
                 ar[cause] = 0
-        ar["sp_replicated_grads"] = sum(sp_replicated(params, n).values())
+        ar["sp_replicated_grads"] = sum(sp_replicated(params).values())
         ag.update(sp_forward=2 * pl * n + 1, sp_backward=pl * n + 1)
         rs.update(sp_forward=recompute * pl * n + 1, sp_backward=pl * n + 1)
         if cfg.arch.moe:  # the combine weights and ids gathered (again in the backward), weights' grads
-            ag.update(moe_routing=4 * n)
-            rs.update(moe_routing=n)
+            ag.update(moe_routing=4 * moe_layers(cfg))
+            rs.update(moe_routing=moe_layers(cfg))
             ar["moe_statistics"] = int(moe_losses(cfg))  # over mp too: each shard routed its slice
-    per_layer, outside = fsdp_weights(params)
+    layer_weights, outside = fsdp_weights(params)
     if cfg.tie_embeddings and outside:  # the tied table is gathered for the lookup and for the head
         outside += 1
-    if dp > 1 and per_layer + outside:
-        ag.update(fsdp_layers=2 * per_layer * n, fsdp_outside=2 * outside)
-        rs.update(fsdp_gradients=per_layer * n + outside)
+    if dp > 1 and layer_weights + outside:
+        ag.update(fsdp_layers=2 * layer_weights, fsdp_outside=2 * outside)
+        rs.update(fsdp_gradients=layer_weights + outside)
         if layout.context_parallel or layout.experts_split:  # DP-split gradients then summed over cp / ep
             ar["cp_fsdp_gradients"] = 1 + outside
     a2a = ep_all_to_alls(cfg, layout)
@@ -159,8 +160,8 @@ def expected_all_reduce_bytes(cfg: ModelConfig, layout: Layout, *, params, **sha
     if layout.sp and layout.mp > 1:
         total -= sum(out.get(c, 0) for c in SP_REPLACES)
         if moe_losses(cfg) and not out["moe_statistics"]:  # summed over mp alone (dp x cp = 1)
-            total += cfg.n_layers * (2 * cfg.n_experts + 2) * shape["itemsize"]
-        replicated = sp_replicated(params, cfg.n_layers)  # norms, row biases and the router
+            total += moe_layers(cfg) * (2 * cfg.n_experts + 2) * shape["itemsize"]
+        replicated = sp_replicated(params)  # norms, row biases and the router
         total += (
             sum(p.size for path, p in flat_params(params).items() if path in replicated) * shape["itemsize"]
         )

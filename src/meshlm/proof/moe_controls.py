@@ -1,7 +1,8 @@
 """Planted faults of a mixture-of-experts layer (``model.moe``) that exist without an ``ep`` axis: the
 combine weights not renormalised (or renormalised where ``norm_topk_prob`` is off: OLMoE), top-k ties
 broken by the higher expert id, the combine weights' gradient not summed over mp (the router's gradient
-is then wrong), and the aux-loss statistics not summed over the data shards. ``proof.controls`` lists them.
+is then wrong), Qwen2-MoE's shared expert counted on every mp shard or its gate's gradient not summed
+over mp, and the aux-loss statistics not summed over the data shards. ``proof.controls`` lists them.
 
 A tie must exist for its control to show: ``plant_router_tie`` makes expert 1's router column a copy
 of expert 0's in every layer of the parameters *both* runs start from (``model_problem`` for a MoE
@@ -80,6 +81,23 @@ class StatisticsNotSummedOverData(Parallel):
         return lax.psum(stats, MP) if self.layout.sp else stats
 
 
+class SharedExpertOnEveryShard(Tapped):
+    """The shared expert's output summed over mp before it joins the experts' partial output (a full,
+    replicated output added on every shard): the row-parallel sum then counts it mp times."""
+
+    def shared_expert(self, y):
+        return lax.psum(y, MP)
+
+
+class SharedGateGradOfShard0(Tapped):
+    """The shared-expert gate's gradient from shard 0's hidden units only, not summed over mp (a
+    replicated weight whose per-shard gradients are never added up)."""
+
+    def shared_gate(self, w):
+        keep = self.shard_index() == 0
+        return lax.stop_gradient(w) + jnp.where(keep, w - lax.stop_gradient(w), jnp.zeros_like(w))
+
+
 def _moe(w: Where) -> bool:
     return w.cfg is not None and w.cfg.arch.moe
 
@@ -109,6 +127,16 @@ MOE_CONTROLS: tuple[Control, ...] = (
         name="MoE combine weights' gradient not summed over mp",
         applies=lambda w: _moe(w) and w.layout.mp > 1,
         par_cls=CombineWeightGradOfShard0,
+    ),
+    Control(
+        name="MoE shared expert's output counted on every mp shard",
+        applies=lambda w: _moe(w) and w.cfg.shared_expert_d_ff > 0 and w.layout.mp > 1,
+        par_cls=SharedExpertOnEveryShard,
+    ),
+    Control(
+        name="MoE shared expert's gate gradient not summed over mp",
+        applies=lambda w: _moe(w) and w.cfg.shared_expert_d_ff > 0 and w.layout.mp > 1,
+        par_cls=SharedGateGradOfShard0,
     ),
     Control(
         name="MoE aux-loss statistics not summed over the data shards",

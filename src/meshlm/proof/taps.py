@@ -47,6 +47,15 @@ class Tapped(Parallel):
         them (after ``f``: their gradient is the sum over mp of the experts' partial outputs)."""
         return w
 
+    def shared_gate(self, w):
+        """Qwen2-MoE's shared-expert gate weight [D, 1], replicated over mp, as the MoE layer uses it."""
+        return w
+
+    def shared_expert(self, y):
+        """A MoE layer's gated shared-expert output [B, T, D], partial over mp (this shard's hidden
+        units), as it joins the experts' partial output before the row-parallel sum."""
+        return y
+
     def expert_weight(self, w):
         """An expert weight [E/ep, ...] as the MoE layer uses it (after any FSDP gather)."""
         return w

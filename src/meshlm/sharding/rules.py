@@ -148,6 +148,8 @@ def model_specs(cfg, abstract_params, layout: Layout):
             f"mp={mp}: the padded vocabulary ({cfg.vocab_size} ids rounded up to a multiple of "
             f"vocab_multiple={cfg.vocab_multiple}); choose an mp that divides {cfg.padded_vocab}"
         )
+    if layout.pipelined and getattr(cfg, "dense_layers", ()):
+        raise ShardingError(pp_mixed_stack(cfg))
     # With a pipeline the stacked ``layers`` dimension is split over PP (consecutive layers per stage:
     # the checkpoint format is unchanged); ``without_pp`` undoes it.
     specs = param_specs(abstract_params, mp, RULES, kv_axis, layout.logical_axes())
@@ -164,6 +166,14 @@ def model_specs(cfg, abstract_params, layout: Layout):
     if layout.experts_split:
         check_experts_split(cfg, abstract_params, specs, layout.ep)
     return specs
+
+
+def pp_mixed_stack(cfg) -> str:
+    """The one line refusing --pp for a model of two layer kinds (``model.layer_kinds``)."""
+    return (
+        f"--pp: {cfg.family}'s dense layers {list(cfg.dense_layers)} among its MoE layers stack apart, and "
+        "pipeline stages hold uniform layers; drop --pp (use --mp, --ep, --fsdp or --sp)"
+    )
 
 
 def check_experts_split(cfg, abstract_params, specs, ep: int) -> None:

@@ -1,5 +1,6 @@
 """The registry of families: one module each (``ff``, ``gptj``, ``llama``, ``qwen2``, ``mistral``,
-``gemma``, ``qwen3``, ``olmo2``, ``phi3``, ``gemma2``, ``gemma3``, ``mixtral``, ``qwen3_moe``, ``olmoe``),
+``gemma``, ``qwen3``, ``olmo2``, ``phi3``, ``gemma2``, ``gemma3``, ``mixtral``, ``qwen2_moe``,
+``qwen3_moe``, ``olmoe``),
 each holding its ``Family`` record (``model.family``), its Hugging Face names with the config.json
 reader and writer (``HFNames``: pure dict translation; the files are ``io.hf_config``'s) and its presets
 (``ModelConfig`` fields). Everything else finds a family here: ``FAMILIES`` by name, ``by_model_type`` by
@@ -22,6 +23,7 @@ import meshlm.model.families.olmo2 as olmo2
 import meshlm.model.families.olmoe as olmoe
 import meshlm.model.families.phi3 as phi3
 import meshlm.model.families.qwen2 as qwen2
+import meshlm.model.families.qwen2_moe as qwen2_moe
 import meshlm.model.families.qwen3 as qwen3
 import meshlm.model.families.qwen3_moe as qwen3_moe
 from meshlm.errors import ConfigError
@@ -29,7 +31,8 @@ from meshlm.model.family import Family
 
 # One line per family, in the order messages list them.
 MODULES = (
-    ff, gptj, llama, qwen2, mistral, gemma, qwen3, olmo2, phi3, gemma2, gemma3, mixtral, qwen3_moe, olmoe,
+    ff, gptj, llama, qwen2, mistral, gemma, qwen3, olmo2, phi3, gemma2, gemma3, mixtral, qwen2_moe,
+    qwen3_moe, olmoe,
 )  # fmt: skip
 
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in MODULES}

@@ -8,10 +8,11 @@ Weights: on disk one tensor per expert (``mlp.experts.{e}.gate_proj/up_proj/down
 router ``mlp.gate.weight`` [E, D]; transformers 5 fuses the experts in memory (``mlp.experts.gate_up_proj``
 [E, 2I, D], ``mlp.experts.down_proj`` [E, D, I]). ``io.hf_weights`` reads both and writes the on-disk one.
 
-Every layer is sparse (``decoder_sparse_step`` 1, ``mlp_only_layers`` []: the released models'); other
-values are refused for now. ``intermediate_size`` (the width of those dense layers) is kept as ``d_ff`` so
-that config.json round-trips; no layer uses it. The aux-loss coefficient is ``router_aux_loss_coef``
-(transformers adds it only with ``output_router_logits``; meshlm always trains with it: 0 turns it off).
+Dense layers among the MoE layers (``mlp_only_layers``, ``decoder_sparse_step``: Qwen2-MoE's rule,
+``model.families.qwen2_moe.dense_layers``; none in the released models) are Qwen3's dense MLP of
+``intermediate_size`` (``d_ff``; kept so that config.json round-trips where no layer uses it). The
+aux-loss coefficient is ``router_aux_loss_coef`` (transformers adds it only with
+``output_router_logits``; meshlm always trains with it: 0 turns it off).
 OLMoE (``model.families.olmoe``) shares the expert tensor names (``MOE_LAYER``, ``MOE_FUSED``)."""
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from dataclasses import replace
 from typing import Any
 
 import meshlm.model.families.llama as llama
+import meshlm.model.families.qwen2_moe as qwen2_moe
 import meshlm.model.families.qwen3 as qwen3
-from meshlm.errors import ConfigError
 from meshlm.model.families.hf_fields import SIZE, field, flag, unsupported
 
 NAME = "qwen3_moe"  # the family's name and its config.json model_type
@@ -50,17 +51,6 @@ def experts(hf: dict, count: str, width: str, defaults: tuple[int, int, int]) ->
     }
 
 
-def _every_layer_sparse(hf: dict) -> None:
-    """Dense layers among the experts (``mlp_only_layers``, ``decoder_sparse_step`` > 1) are refused."""
-    step, dense = hf["decoder_sparse_step"], hf.get("mlp_only_layers") or []
-    for name, value, sparse in (("mlp_only_layers", dense, []), ("decoder_sparse_step", step, 1)):
-        if value != sparse:
-            raise ConfigError(
-                f"HF config {name}={value!r}: dense layers among the experts are not supported for {NAME} "
-                "yet; convert a model whose every layer is sparse (mlp_only_layers [], decoder_sparse_step 1)"
-            )
-
-
 def read(hf: dict) -> dict[str, Any]:
     """Qwen3MoeConfig: Llama's fields with Qwen3-MoE's defaults, the experts'; no sliding window."""
     hf = {**DEFAULTS, **hf}
@@ -68,8 +58,9 @@ def read(hf: dict) -> dict[str, Any]:
         raise unsupported("use_sliding_window", True, f"meshlm's {NAME} attends to the whole context")
     if hf.get("router_jitter_noise"):
         raise unsupported("router_jitter_noise", hf["router_jitter_noise"], "meshlm routes without noise")
-    _every_layer_sparse(hf)
-    return {**llama.read(hf), **experts(hf, "num_experts", "moe_intermediate_size", (128, 8, 768))}
+    fields = llama.read(hf)
+    moe = experts(hf, "num_experts", "moe_intermediate_size", (128, 8, 768))
+    return {**fields, **moe, "dense_layers": tuple(qwen2_moe.dense_layers(hf, fields["n_layers"]))}
 
 
 def write_experts(cfg) -> dict[str, Any]:
@@ -86,7 +77,11 @@ def write_experts(cfg) -> dict[str, Any]:
 def write(cfg) -> dict[str, Any]:
     fields = {k: v for k, v in llama.write(cfg).items() if k != "mlp_bias"}
     window = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers}
-    sparse = {"decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": cfg.moe_d_ff}
+    sparse = {
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(cfg.dense_layers),
+        "moe_intermediate_size": cfg.moe_d_ff,
+    }
     return {**fields, **window, **sparse, **write_experts(cfg)}
 
 
@@ -128,7 +123,7 @@ HF = replace(
     read=read,
     write=write,
     check_export=check_export,
-    layer=moe_layer(qwen3.HF.layer),
+    layer={**qwen3.HF.layer, **MOE_LAYER},  # the dense MLP's names: its dense layers'
     fused=MOE_FUSED,
 )
 FAMILY = replace(qwen3.FAMILY, name=NAME, hf=HF, moe=True)
