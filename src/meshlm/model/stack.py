@@ -38,7 +38,7 @@ def stack_layers(cfg: ModelConfig, layer, x, positions, cache, starts=None):
 
 
 def _moe_stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
-    """``stack_layers`` of mixture-of-experts layers -> (x, cache, routing statistics [L, 2E + 2]): each
+    """``stack_layers`` of mixture-of-experts layers -> (x, cache, routing statistics [L, 2E + 3]): each
     layer's statistics leave the stack as its per-layer output (``model.moe``)."""
 
     def step(x, c):
