@@ -73,7 +73,7 @@ def test_moe_proven_sharded_with_its_controls_detected():
     with jax.enable_x64(True):
         report = verify_preset("tiny-mixtral", 2, 2, batch=2, seq=8, dtype=jnp.float64, controls=MOE_CONTROLS)
     assert report.ok and max(p.max_rel_err for p in report.params) <= 1e-12, format_report(report)
-    assert len(report.controls) == len(MOE_CONTROLS)
+    assert len(report.controls) == len(MOE_CONTROLS) - 1  # all but the capacity's (dropless here)
 
 
 def test_capacity_drops_by_gshards_rule_on_the_whole_batch():
@@ -147,3 +147,22 @@ def test_train_moe_settings_reach_the_model_and_must_match_on_resume():
         TrainConfig(moe_capacity_factor=-1.0)
     with pytest.raises(ConfigError, match="--moe-capacity-factor"):
         with_moe_settings(TrainConfig(moe_capacity_factor=1.0), get_config("tiny-llama"))
+
+
+def test_train_step_returns_the_routing_statistics():
+    """The sharded train step of tiny-mixtral (2 data shards, 2 micro-batches, tokens dropped) returns
+    the step's routing statistics summed over the global batch and both micro-batches (the loss is
+    ``loss_fn``'s own, its statistics under stop_gradient: nothing else changes)."""
+    from meshlm.train.optim import OptimConfig
+    from meshlm.train.step import init_model, sharded_step
+
+    cfg, layout = CFG.replace(moe_capacity_factor=0.5, n_layers=1), Layout(dp=2)
+    params, specs = init_model(cfg, layout, 0)
+    rng = np.random.default_rng(0)
+    batch = {k: jnp.asarray(rng.integers(0, 64, (2, 2, 8)), jnp.int32) for k in ("inputs", "targets")}
+    step, opt = sharded_step(cfg, OptimConfig(accum_steps=2), layout, specs, params)
+    _, _, metrics = step(params, opt.init(params), batch)
+    stats = metrics["routing"]  # [L, 2E + 3]
+    assert bool(metrics["ok"]) and float(moe.split_stats(cfg, stats)[3][0]) == 2 * 2 * 8  # every token
+    assert float(jnp.sum(moe.split_stats(cfg, stats)[0])) == 2 * 2 * 8 * cfg.experts_per_token
+    assert float(moe.dropped_choices(cfg, stats)[0]) > 0
