@@ -60,6 +60,10 @@ def test_refusals_name_the_field():
         get_config("tiny-llama").replace(n_experts=4)
     with pytest.raises(ConfigError, match="--pp"):
         check_pipelined(CFG, Layout(pp=2))
+    with pytest.raises(ConfigError, match="--pp with moe_capacity_factor"):
+        check_pipelined(CFG.replace(moe_capacity_factor=1.0), Layout(pp=2))
+    with pytest.raises(ConfigError, match="moe_capacity_factor"):
+        CFG.replace(moe_capacity_factor=-0.5)
 
 
 def test_moe_proven_sharded_with_its_controls_detected():
