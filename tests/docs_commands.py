@@ -44,6 +44,8 @@ MATRIX = "tests/test_prover.py::test_matrix_rows_and_table"
 ONE_SET_PP = (
     "meshlm verify --config tiny-qwen2 --mesh 2x2 --pp 2 --devices 8 --fsdp --sp --steps 2 --x64 --seq-len 8"
 )
+ROUTING = "tests/test_moe.py::test_routing_metrics_of_the_statistics"
+CAPACITY = "tests/test_moe.py::test_capacity_proven_under_sp_with_its_control_detected"
 ONE_SET = "tests/test_control_set.py::test_the_controls_with_a_path_of_their_own_under_pp_are_detected"
 AXES_MATRIX = "tests/test_prover.py::test_matrix_axes_cells_prove_or_refuse_with_the_layouts_reason"
 QK = MARGIN  # its tiny-qwen3, tiny-olmo2, tiny-gemma softcap and tiny-gemma3 cases
@@ -397,9 +399,19 @@ COMMANDS: dict[str, Run | Shown] = {
     ),
     "meshlm verify --config tiny-qwen3-moe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
     "meshlm verify --config tiny-olmoe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
+    **{
+        f"meshlm verify --config tiny-mixtral --mesh {mesh} --devices {n} --steps 2 --x64 "
+        "--moe-capacity-factor 0.5": verify(costly=CAPACITY)
+        for mesh, n in (("2x2 --ep 2", 4), ("4x1 --ep 4", 4), ("2x2 --fsdp --sp", 4), ("1x1 --cp 2", 2))
+    },
     "meshlm train --config tiny-mixtral --ep 2 --mesh 2x1 --devices 2": Shown(
         "a measurement (a run on the default data: its tokenizer alone takes minutes); the ep step's path: "
         + EP
+    ),
+    "meshlm train --config tiny-mixtral --steps 30 --batch-size 8 --seq-len 64 --mesh 2x1 --ep 2 --devices 2 "
+    "--moe-capacity-factor 1.0 --eval-every 0 --sample-tokens 0 --out runs/moe": Shown(
+        "the run behind docs/images/expert-load.png (a BPE tokenizer trained first: minutes); the routing "
+        "metrics' path: " + ROUTING
     ),
     "meshlm bench --config tiny-mixtral --mesh 2x1 --ep 2 --devices 2 --steps 5": Shown(
         "a measurement (5 implementations compiled and timed, ~1 min of CPU); bench's path: " + BENCH

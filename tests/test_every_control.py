@@ -54,7 +54,13 @@ CONFIGS = {
     "tiny-qwen3 1x2 (per-head q/k norm)": ("tiny-qwen3", {}, Layout(mp=2), 1, 8),
     "tiny-olmo2 2x2 (q/k norm over the projection)": ("tiny-olmo2", {}, Layout(dp=2, mp=2), 2, 8),
     "tiny-phi3 1x2 (fused q/k/v and gate/up, window)": ("tiny-phi3", {}, Layout(mp=2), 1, 18),
-    "tiny-mixtral 2x2 (mixture of experts)": ("tiny-mixtral", {}, Layout(dp=2, mp=2), 2, 8),
+    "tiny-mixtral 2x2 (mixture of experts, capacity)": (
+        "tiny-mixtral",
+        {"moe_capacity_factor": 0.5},
+        Layout(dp=2, mp=2),
+        2,
+        8,
+    ),
     "tiny-gemma 1x2 soft-capped": (
         "tiny-gemma",
         {"attn_softcap": 50.0, "final_softcap": 30.0},

@@ -60,6 +60,10 @@ def test_refusals_name_the_field():
         get_config("tiny-llama").replace(n_experts=4)
     with pytest.raises(ConfigError, match="--pp"):
         check_pipelined(CFG, Layout(pp=2))
+    with pytest.raises(ConfigError, match="--pp with moe_capacity_factor"):
+        check_pipelined(CFG.replace(moe_capacity_factor=1.0), Layout(pp=2))
+    with pytest.raises(ConfigError, match="moe_capacity_factor"):
+        CFG.replace(moe_capacity_factor=-0.5)
 
 
 def test_dense_layers_among_moe_layers():
@@ -110,4 +114,97 @@ def test_moe_proven_sharded_with_its_controls_detected():
             "tiny-qwen2-moe", 2, 2, batch=2, seq=8, dtype=jnp.float64, cfg=cfg, controls=MOE_CONTROLS
         )
     assert report.ok and max(p.max_rel_err for p in report.params) <= 1e-12, format_report(report)
-    assert len(report.controls) == len(MOE_CONTROLS) - 1  # but the one of norm_topk_prob off (OLMoE)
+    # all but the capacity's (dropless here) and the one of norm_topk_prob off (OLMoE)
+    assert len(report.controls) == len(MOE_CONTROLS) - 2
+
+
+def test_capacity_drops_by_gshards_rule_on_the_whole_batch():
+    """Every token's first choice before any second one, then the tokens in (row, position) order;
+    each expert keeps its first ceil(C x N x k / E) choices (here 3 of 10 tokens x 2 choices)."""
+    import collections
+
+    from meshlm.parallel.context import Parallel
+
+    cfg = CFG.replace(moe_capacity_factor=0.5)
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.permutation(cfg.n_experts)[:2] for _ in range(10)])  # [N, k]
+    keep = np.asarray(moe.capacity_keep(cfg, Parallel(), jnp.asarray(ids.reshape(2, 5, 2), jnp.int32)))
+    cap, seen, want = moe.capacity(cfg, 10), collections.Counter(), np.zeros(ids.shape, bool)
+    for j in range(2):
+        for n in range(10):
+            want[n, j], seen[ids[n, j]] = seen[ids[n, j]] < cap, seen[ids[n, j]] + 1
+    assert cap == 3 and (keep.reshape(10, 2) == want).all() and not want.all()
+    # C read as written: 1.1 x 200 x 2 / 8 is 55 (the float product 55.00000000000001 would give 56)
+    assert moe.capacity(CFG.replace(n_experts=8, moe_capacity_factor=1.1), 200) == 55
+
+
+def test_capacity_proven_under_sp_with_its_control_detected():
+    """tiny-mixtral with tokens dropped on 2x2 + FSDP + SP in float64: equal to the unsharded model, and
+    the capacity computed per shard (each shard ranking its own tokens) detected."""
+    from meshlm.proof import format_report, model_problem, verify
+    from meshlm.proof.moe_controls import MOE_CONTROLS
+
+    cfg = CFG.replace(moe_capacity_factor=0.5)
+    control = [c for c in MOE_CONTROLS if c.name == "MoE capacity computed per shard"]
+    layout = Layout(dp=2, mp=2, fsdp=True, sp=True)
+    with jax.enable_x64(True):
+        problem = model_problem(cfg, "tiny-mixtral", 2, 2, 8, dp=2, fsdp=True, sp=True)
+        report = verify(problem, layout, dtype=jnp.float64, controls=tuple(control), collectives=False)
+    assert report.ok and max(p.max_rel_err for p in report.params) <= 1e-12, format_report(report)
+    assert len(report.controls) == 1 and report.controls[0]["detected"], format_report(report)
+
+
+def test_routing_metrics_of_the_statistics():
+    from meshlm.train.routing import routing_row
+
+    stats, _ = _stats(CFG, 2)  # 12 tokens, k = 2, dropless
+    row = routing_row(CFG.replace(moe_aux_loss="per-layer"), stats)
+    assert sum(row["expert_load"]) == 12 * CFG.experts_per_token and row["moe_dropped"] == 0
+    load = np.asarray(row["expert_load"])
+    assert row["expert_load_cv"] == pytest.approx(load.std() / load.mean())
+    assert row["expert_load_min"] == load.min() and "moe_aux_loss_per_layer" in row
+
+
+def test_accumulation_sums_the_aux_and_keeps_loss_and_grads():
+    from meshlm.train.optim import accumulate
+
+    def grad_fn(params, batch):
+        loss = jnp.sum(params["w"] * batch)
+        return (loss, jnp.sum(batch)[None]), {"w": batch}
+
+    params, batch = {"w": jnp.ones(3)}, jnp.arange(6.0).reshape(2, 3)
+    (loss, aux), grads = accumulate(grad_fn, params, batch, 2)
+    assert float(loss) == 7.5 and float(aux[0]) == 15.0 and grads["w"].tolist() == [1.5, 2.5, 3.5]
+
+
+def test_train_moe_settings_reach_the_model_and_must_match_on_resume():
+    from meshlm.train.config import TrainConfig, resume_must_match, with_moe_settings
+
+    tcfg = TrainConfig(config="tiny-mixtral", moe_aux_loss="per-layer", moe_capacity_factor=1.25)
+    cfg = with_moe_settings(tcfg, CFG)
+    assert cfg.moe_aux_loss == "per-layer" and cfg.moe_capacity_factor == 1.25
+    assert with_moe_settings(TrainConfig(), CFG) == CFG  # not given: the model's own
+    assert {"moe_aux_loss", "moe_capacity_factor"} <= set(resume_must_match())
+    with pytest.raises(ConfigError, match="moe_capacity_factor"):
+        TrainConfig(moe_capacity_factor=-1.0)
+    with pytest.raises(ConfigError, match="--moe-capacity-factor"):
+        with_moe_settings(TrainConfig(moe_capacity_factor=1.0), get_config("tiny-llama"))
+
+
+def test_train_step_returns_the_routing_statistics():
+    """The sharded train step of tiny-mixtral (2 data shards, 2 micro-batches, tokens dropped) returns
+    the step's routing statistics summed over the global batch and both micro-batches (the loss is
+    ``loss_fn``'s own, its statistics under stop_gradient: nothing else changes)."""
+    from meshlm.train.optim import OptimConfig
+    from meshlm.train.step import init_model, sharded_step
+
+    cfg, layout = CFG.replace(moe_capacity_factor=0.5, n_layers=1), Layout(dp=2)
+    params, specs = init_model(cfg, layout, 0)
+    rng = np.random.default_rng(0)
+    batch = {k: jnp.asarray(rng.integers(0, 64, (2, 2, 8)), jnp.int32) for k in ("inputs", "targets")}
+    step, opt = sharded_step(cfg, OptimConfig(accum_steps=2), layout, specs, params)
+    _, _, metrics = step(params, opt.init(params), batch)
+    stats = metrics["routing"]  # [L, 2E + 3]
+    assert bool(metrics["ok"]) and float(moe.split_stats(cfg, stats)[3][0]) == 2 * 2 * 8  # every token
+    assert float(jnp.sum(moe.split_stats(cfg, stats)[0])) == 2 * 2 * 8 * cfg.experts_per_token
+    assert float(moe.dropped_choices(cfg, stats)[0]) > 0

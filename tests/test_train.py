@@ -242,6 +242,8 @@ def test_resume_must_match_comes_from_field_metadata():
         "accum_steps",
         "compute_dtype",
         "seed",
+        "moe_aux_loss",
+        "moe_capacity_factor",
     }
 
 

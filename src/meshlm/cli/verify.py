@@ -159,6 +159,8 @@ def _verify(args, vs: VerifySettings, planned) -> int:
         cfg = cfg.replace(remat=vs.remat)
     if vs.moe_aux_loss is not None:  # a dense model refuses it (ModelConfig: a MoE field)
         cfg = cfg.replace(moe_aux_loss=vs.moe_aux_loss)
+    if vs.moe_capacity_factor is not None:  # likewise
+        cfg = cfg.replace(moe_capacity_factor=vs.moe_capacity_factor)
     from meshlm.proof import defaults
 
     seq_len, block = _shapes(vs, cfg, layout)

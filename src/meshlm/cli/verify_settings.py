@@ -54,6 +54,13 @@ class VerifySettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: t
         shown_default="the config's",
         choices=("hf", "per-layer"),
     )
+    moe_capacity_factor: float | None = setting(
+        None,
+        "a mixture of experts' capacity factor C: each expert takes at most ceil(C x tokens x k / E) "
+        "token-choices of the global batch, the rest dropped (GShard's rule); 0: dropless",
+        shown_default="the config's",
+        valid=NON_NEGATIVE_FLOAT,
+    )
     collectives: bool = setting(
         True,
         "the communication check",

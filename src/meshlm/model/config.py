@@ -30,11 +30,14 @@ class MoEFields:
     # experts, k of them per token, each a gated MLP of ``moe_d_ff`` hidden units; the top-k weights
     # renormalised to sum to 1 (``norm_topk_prob``); Qwen2-MoE's shared expert (its width; 0: none);
     # the load-balancing loss (``moe_aux_loss``: "hf", transformers' pooled over layers, ~k when
-    # balanced, or "per-layer", Megatron's mean over layers, ~1) and router z-loss coefficients. A saved
-    # config without these fields predates them: a dense model, exactly as it was. ``dense_layers``:
-    # the indices (sorted, from 0) of the layers whose feed-forward is the dense MLP of ``d_ff`` units
-    # among the MoE layers (Qwen2-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``); (): every
-    # layer sparse. Their parameters stack apart (``model.stack``).
+    # balanced, or "per-layer", Megatron's mean over layers, ~1) and router z-loss coefficients; the
+    # capacity factor C (``moe_capacity_factor``, ``model.moe.capacity_keep``): each expert takes at most
+    # ceil(C x tokens x k / E) token-choices of a forward's global batch, the rest dropped by a rule on
+    # the whole batch (GShard's); 0: dropless. A saved config without these fields predates them: a
+    # dense model, or a dropless one, exactly as it was. ``dense_layers``: the indices (sorted, from 0)
+    # of the layers whose feed-forward is the dense MLP of ``d_ff`` units among the MoE layers
+    # (Qwen2-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``); (): every layer sparse. Their
+    # parameters stack apart (``model.stack``).
     n_experts: int = 0
     experts_per_token: int = 0
     moe_d_ff: int = 0
@@ -43,6 +46,7 @@ class MoEFields:
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
     moe_aux_loss: str = "hf"
+    moe_capacity_factor: float = 0.0
     dense_layers: tuple[int, ...] = ()
 
     @property
@@ -232,11 +236,12 @@ def _check_moe(cfg: ModelConfig) -> None:
     """The MoE fields agree with the family: sized where it has experts, zero where it has none."""
     if not cfg.arch.moe:
         sized = cfg.n_experts or cfg.experts_per_token or cfg.moe_d_ff or cfg.shared_expert_d_ff
-        if sized or cfg.dense_layers or cfg.moe_aux_loss != MOE_AUX_LOSSES[0]:
+        if sized or cfg.dense_layers or cfg.moe_capacity_factor or cfg.moe_aux_loss != MOE_AUX_LOSSES[0]:
             raise ConfigError(
                 f"family {cfg.family!r} has a dense feed-forward; set n_experts, experts_per_token, "
-                "moe_d_ff and shared_expert_d_ff to 0, dense_layers to [] and drop --moe-aux-loss (or use "
-                "a mixture-of-experts family: mixtral, qwen2_moe)"
+                "moe_d_ff and shared_expert_d_ff to 0, dense_layers to [] and drop --moe-aux-loss and "
+                "--moe-capacity-factor (or use a mixture-of-experts family: mixtral, qwen2_moe, qwen3_moe, "
+                "olmoe)"
             )
         return
     if not (cfg.n_experts >= 1 and 1 <= cfg.experts_per_token <= cfg.n_experts and cfg.moe_d_ff >= 1):
@@ -274,6 +279,7 @@ RANGES: dict[str, Range] = {
     "shared_expert_d_ff": Range(int, 0, note="0: none"),
     "router_aux_loss_coef": NON_NEGATIVE_FLOAT,
     "router_z_loss_coef": NON_NEGATIVE_FLOAT,
+    "moe_capacity_factor": Range(float, 0, note="0: dropless"),
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 

@@ -18,12 +18,25 @@ the weights' gradient in the backward: the experts' partial outputs meet them). 
 reached through the seam ``par.experts(x, ids, weights, expert_fn)`` (``parallel.experts``): all local
 by default, split over ``ep`` where that axis is on.
 
+Capacity (``moe_capacity_factor`` C > 0; ``capacity_keep``): each expert takes at most
+ceil(C x N x k / E) of the N tokens' k choices of one forward's global batch; GShard's rule decides
+which, on the whole batch: every token's first choice before any second one, and within a rank the
+tokens in global order (batch row, then position). A dropped choice contributes 0 (its combine weight
+is zeroed, the others are not renormalised: GShard, Switch); the token keeps its other choices. Each
+shard gathers the routing ids of the whole batch (with each token's global place, so cp's chunk order
+does not matter) and takes its own tokens' keep mask: the result does not depend on dp, ep, sp or cp.
+The buffers do not shrink (``parallel.ep`` sends fixed-size ones): capacity changes what is computed,
+not its cost. A forward with a KV cache (generation) is dropless: a decode step has no batch to rank.
+
 Losses (``aux_loss``): per layer each shard returns the statistics of its own tokens (``STATS``); they
 leave the layer stack as per-layer outputs, are summed over the whole global batch (``par.moe_sum``)
 and only then formed into the load-balancing and z losses, so the loss does not depend on the layout.
 """
 
 from __future__ import annotations
+
+import math
+from fractions import Fraction
 
 import haiku as hk
 import jax
@@ -60,16 +73,45 @@ def route(logits, k: int, norm_topk_prob: bool):
     return probs, weights, ids.astype(jnp.int32)
 
 
-def statistics(logits, probs, ids, n_experts: int):
-    """One layer's routing statistics over this shard's tokens, [2E + 2] (``STATS``): tokens sent to
-    each expert (k choices per token), the summed router probabilities of each expert, the summed
-    squared log-partition (router z-loss) and the number of tokens."""
+def statistics(logits, probs, ids, n_experts: int, keep=None):
+    """One layer's routing statistics over this shard's tokens, [2E + 3] (``STATS``): tokens sent to
+    each expert (k choices per token, before any is dropped), the summed router probabilities of each
+    expert, the summed squared log-partition (router z-loss), the number of tokens and the number of
+    token-choices dropped by the capacity (``keep`` [.., k] bool; None: dropless, 0)."""
     flat = lambda a: a.reshape(-1, a.shape[-1])
     counts = jnp.sum(jax.nn.one_hot(flat(ids), n_experts, dtype=probs.dtype), axis=(0, 1))
     prob_sums = jnp.sum(flat(probs), axis=0)
     z = jnp.sum(jnp.square(jax.nn.logsumexp(flat(logits), axis=-1)))[None]
     tokens = jnp.full((1,), flat(ids).shape[0], probs.dtype)
-    return jnp.concatenate([lax.stop_gradient(counts), prob_sums, z, tokens])
+    dropped = jnp.zeros((1,), probs.dtype) if keep is None else jnp.sum(~keep, dtype=probs.dtype)[None]
+    return jnp.concatenate([lax.stop_gradient(counts), prob_sums, z, tokens, dropped])
+
+
+def capacity(cfg, tokens: int) -> int:
+    """Token-choices each expert takes of a forward's ``tokens`` (global): ceil(C x tokens x k / E),
+    C read as the decimal it was written as (0.1 is 1/10, not the float just above it)."""
+    c = Fraction(repr(cfg.moe_capacity_factor))
+    return math.ceil(c * tokens * cfg.experts_per_token / cfg.n_experts)
+
+
+def capacity_keep(cfg, par: Parallel, ids):
+    """ids [B, T', k] this shard's routed tokens' expert ids -> keep [B, T', k] bool, or None when
+    dropless (C = 0). GShard's rule on the whole global batch (module docstring): every shard gathers
+    all tokens' ids with their global places (``par.moe_gather``, ``par.moe_token_keys``), ranks each
+    expert's token-choices (choice rank, then global token order) and keeps the first ``capacity``;
+    then looks up its own tokens. Integer work only: exact, and no gradient."""
+    if not cfg.moe_capacity_factor:
+        return None
+    b, t, k = ids.shape
+    keys = par.moe_token_keys(b, t).reshape(-1)  # [n]
+    every = par.moe_gather(jnp.concatenate([keys[:, None], ids.reshape(-1, k)], axis=-1))  # [N, 1 + k]
+    order = jnp.argsort(every[:, 0])
+    ranked = every[order, 1:].T  # [k, N]: the choices in the rule's order, rank-major
+    hot = jax.nn.one_hot(ranked, cfg.n_experts, dtype=jnp.int32).reshape(-1, cfg.n_experts)
+    before = jnp.sum((jnp.cumsum(hot, axis=0) - hot) * hot, axis=-1)  # earlier choices of that expert
+    kept = (before < capacity(cfg, every.shape[0])).reshape(k, -1)  # [k, N] in global token order
+    mine = jnp.searchsorted(every[order, 0], keys)  # [n]: this shard's tokens among them
+    return kept[:, mine].T.reshape(b, t, k)
 
 
 class Experts:
@@ -89,11 +131,12 @@ class Experts:
 
 class MoE(hk.Module):
     """xn [B, T', D] (the normalized input before ``par.f``: replicated over mp, or with sp this shard's
-    slice [B, T/mp, D]) -> (partial output [B, T, D] for ``par.row_out``, statistics [2E + 2])."""
+    slice [B, T/mp, D]) -> (partial output [B, T, D] for ``par.row_out``, statistics [2E + 3])."""
 
-    def __init__(self, *, cfg, par: Parallel, stddev: float, name: str = "moe"):
+    def __init__(self, *, cfg, par: Parallel, stddev: float, dropping: bool = True, name: str = "moe"):
         super().__init__(name=name)
         self.cfg, self.par, self.stddev = cfg, par, stddev
+        self.dropping = dropping  # the capacity applies (not with a KV cache: module docstring)
 
     def __call__(self, xn):
         cfg, par = self.cfg, self.par
@@ -101,7 +144,10 @@ class MoE(hk.Module):
         (router,) = _params("router", {"w": [d, e]}, self.stddev)
         logits = upcast(xn) @ upcast(router)  # [B, T', E], at least float32 (float64 under --x64)
         probs, weights, ids = route(logits, k, cfg.norm_topk_prob)
-        stats = statistics(logits, probs, ids, e)
+        keep = capacity_keep(cfg, par, ids) if self.dropping else None
+        if keep is not None:  # a dropped choice's weight 0: its expert output contributes exactly 0
+            weights = jnp.where(keep, weights, jnp.zeros((), weights.dtype))
+        stats = statistics(logits, probs, ids, e, keep)
         xf, ids = par.f(xn), par.f(ids)  # [B, T, ...]: the column-parallel region's view
         weights = par.tap("combine_weights", par.f(weights))  # its gradient: the mp sum of the partials
         el, fl = par.local_experts(e), cfg.moe_d_ff // par.layout.mp
@@ -137,17 +183,22 @@ def _shared(cfg, par: Parallel, xf, stddev: float):
 
 def stats_size(cfg) -> int:
     """The length of one layer's statistics vector (``statistics``)."""
-    return 2 * cfg.n_experts + 2
+    return 2 * cfg.n_experts + 3
 
 
 def split_stats(cfg, stats):
-    """[L, 2E + 2] -> (tokens per expert [L, E], summed probabilities [L, E], summed z [L], tokens [L])."""
+    """[L, 2E + 3] -> (tokens per expert [L, E], summed probabilities [L, E], summed z [L], tokens [L])."""
     e = cfg.n_experts
     return stats[:, :e], stats[:, e : 2 * e], stats[:, 2 * e], stats[:, 2 * e + 1]
 
 
+def dropped_choices(cfg, stats):
+    """[L, 2E + 3] -> [L]: the token-choices the capacity dropped in each layer (0 dropless)."""
+    return stats[:, 2 * cfg.n_experts + 2]
+
+
 def balance_loss(cfg, stats):
-    """The load-balancing loss of statistics summed over the whole global batch, [L, 2E + 2].
+    """The load-balancing loss of statistics summed over the whole global batch, [L, 2E + 3].
 
     "hf" (transformers' ``load_balancing_loss_func``): every layer's tokens pooled, E * sum_e f_e P_e
     with f_e the expert's chosen count over the L*N tokens (k choices per token: = k when balanced)
@@ -175,7 +226,7 @@ def moe_losses(cfg) -> bool:
 
 def aux_loss(cfg, stats):
     """What the MoE layers add to the loss: router_aux_loss_coef * the balance loss + router_z_loss_coef
-    * the z-loss, of statistics summed over the whole global batch ([L, 2E + 2])."""
+    * the z-loss, of statistics summed over the whole global batch ([L, 2E + 3])."""
     out = jnp.zeros((), stats.dtype)
     if cfg.router_aux_loss_coef:
         out = out + cfg.router_aux_loss_coef * balance_loss(cfg, stats)
@@ -185,13 +236,13 @@ def aux_loss(cfg, stats):
 
 
 def moe_layer(cfg, par: Parallel, *, norm, attention, stddev: float):
-    """The sequential block with the MoE feed-forward: x -> (x, cache, statistics [2E + 2]).
+    """The sequential block with the MoE feed-forward: x -> (x, cache, statistics [2E + 3]).
     ``norm(name)`` builds the family's norm, ``attention()`` its attention module."""
 
     def layer(x, positions, cache=None, starts=None):
         attn, cache = attention()(par.f(norm("ln")(x)), positions, cache, starts)
         x = x + par.row_out(attn)
-        out, stats = MoE(cfg=cfg, par=par, stddev=stddev)(norm("ln2")(x))
+        out, stats = MoE(cfg=cfg, par=par, stddev=stddev, dropping=cache is None)(norm("ln2")(x))
         return x + par.row_out(out), cache, stats
 
     return layer

@@ -44,7 +44,7 @@ def stack_layers(cfg: ModelConfig, layer, x, positions, cache, starts=None, dens
 
 
 def _moe_stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
-    """``stack_layers`` of mixture-of-experts layers -> (x, cache, routing statistics [L, 2E + 2]): each
+    """``stack_layers`` of mixture-of-experts layers -> (x, cache, routing statistics [L, 2E + 3]): each
     layer's statistics leave the stack as its per-layer output (``model.moe``)."""
 
     def step(x, c):
@@ -61,8 +61,8 @@ def _moe_stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
 
 def _mixed_stack(cfg: ModelConfig, layers: dict, x, positions, cache, starts=None):
     """``_moe_stack`` of a model with dense layers among its MoE layers -> (x, cache, statistics of the
-    MoE layers [L_moe, 2E + 2], in layer order; dense layers have no routing). Each kind's parameters
-    stack apart (``layer_kinds.stacks``: [count, ...] under "layers" and "dense_layers"), and the
+    MoE layers [L_moe, ``moe.stats_size``], in layer order; dense layers have no routing). Each kind's
+    parameters stack apart (``layer_kinds.stacks``: [count, ...] under "layers" and "dense_layers"), and the
     stack runs as consecutive runs of same-kind layers, one scan each over its slice of them; the
     cache [L, ...] is sliced and rejoined in layer order."""
     bodies = {

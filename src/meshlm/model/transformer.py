@@ -15,6 +15,7 @@ from __future__ import annotations
 import haiku as hk
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from meshlm.errors import ConfigError
 from meshlm.model.attention import Attention, doc_starts, soft_cap
@@ -150,7 +151,7 @@ def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=
 
 
 def local_logits_stats(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=None, starts=None):
-    """``local_logits`` and the layers' routing statistics of this shard's tokens ([L, 2E + 2] with a
+    """``local_logits`` and the layers' routing statistics of this shard's tokens ([L, 2E + 3] with a
     mixture of experts, ``model.moe``; None without)."""
     _check_seq_len(cfg, tokens.shape[-1])
     _check_context_parallel(cfg, par)
@@ -232,8 +233,10 @@ def embed_scale(d_model: int) -> np.float32:
     return np.float32(np.sqrt(d_model))
 
 
-def loss_fn(cfg: ModelConfig, par: Parallel):
-    """A Haiku function: batch {"inputs", "targets": [B, T]} -> mean loss over the global batch."""
+def loss_fn(cfg: ModelConfig, par: Parallel, routing: bool = False):
+    """A Haiku function: batch {"inputs", "targets": [B, T]} -> mean loss over the global batch; with
+    ``routing`` (a mixture of experts) -> (that loss, the routing statistics of the whole global batch
+    [L, 2E + 3], ``model.moe``: the train step's metrics, outside the gradient)."""
 
     def loss(batch):  # with cp, each shard computes its own chunks of the sequence (``parallel.cp``)
         logits, _, stats = local_logits_stats(cfg, par, par.seq_local(batch["inputs"]))
@@ -241,8 +244,11 @@ def loss_fn(cfg: ModelConfig, par: Parallel):
         targets = par.seq_local(batch["targets"])
         per_token = vocab_parallel_xent(par, logits, targets, cfg.z_loss)  # [B, T] (with cp: [B, T/cp])
         loss = jnp.mean(per_token)
-        if stats is not None and moe_losses(cfg):  # of the whole global batch's statistics (``model.moe``)
-            loss = loss + aux_loss(cfg, par.moe_sum(stats)).astype(loss.dtype)
+        summed = par.moe_sum(stats) if stats is not None and (routing or moe_losses(cfg)) else None
+        if summed is not None and moe_losses(cfg):  # of the whole global batch's statistics
+            loss = loss + aux_loss(cfg, summed).astype(loss.dtype)
+        if routing:
+            return par.batch_mean(loss), lax.stop_gradient(summed)
         return par.batch_mean(loss)
 
     return loss

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.parallel.axes import MP
+from meshlm.parallel.axes import DP, EP, MP
 
 
 def combine_matrix(ids, weights, n_experts: int, first: int = 0):
@@ -51,6 +51,32 @@ class ExpertParallel:
         ys = expert_fn(jnp.broadcast_to(x[None], (n, *x.shape)))  # [E, N, D] partial over mp
         cw = combine_matrix(ids, weights, n).astype(ys.dtype)  # [N, E]
         return jnp.einsum("ne,end->nd", cw, ys)
+
+    def moe_token_keys(self, b: int, t: int):
+        """[b, t] int32: each of this shard's routed tokens' place in the global batch, row x T +
+        position (T the global sequence length): the order the capacity rule drops in
+        (``model.moe.capacity_keep``). The rows: this batch shard's (over dp, and ep: ``Layout.rows``);
+        the positions: this cp shard's chunks (``positions``), under sp this mp shard's slice of them."""
+        if not self.sharded:
+            return jnp.arange(b, dtype=jnp.int32)[:, None] * t + jnp.arange(t, dtype=jnp.int32)[None]
+        shard = lax.axis_index(DP)
+        if self.layout.experts_split:  # batch shard d x ep + e on mesh position (d, e)
+            shard = shard * self.layout.ep + lax.axis_index(EP)
+        mp = self.layout.mp if self.layout.sp else 1
+        pos = self.positions(t * mp)  # [T/cp]: this cp shard's global positions
+        if mp > 1:
+            pos = lax.dynamic_slice_in_dim(pos, self.shard_index() * t, t)
+        rows = shard * b + jnp.arange(b)
+        return (rows[:, None] * (t * mp * self.layout.cp) + pos[None]).astype(jnp.int32)
+
+    def moe_gather(self, x):
+        """[n, ...] this shard's routed tokens -> [S x n, ...] every shard's (the global batch, in no
+        particular order: ``moe_token_keys`` orders them): all-gathered over the batch axes, and over mp
+        under sp (each mp shard routes its own sequence slice)."""
+        if not self.sharded:
+            return x
+        axes = tuple(self.layout.batch_axes) + ((MP,) if self.layout.sp else ())
+        return lax.all_gather(x, axes, axis=0, tiled=True)
 
     def moe_sum(self, stats):
         """Per-layer routing statistics of this shard's tokens -> those of the whole global batch:

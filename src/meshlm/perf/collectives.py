@@ -11,7 +11,7 @@ import jax
 
 from meshlm.model.attention import kv_replicated
 from meshlm.model.config import ModelConfig
-from meshlm.model.moe import moe_losses
+from meshlm.model.moe import moe_losses, stats_size
 
 
 def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> dict[str, int]:
@@ -119,11 +119,11 @@ def theoretical_bytes(
     if "qk_norm_grads" in counts:  # [E] each (Qwen3's), or [K, E] (OLMo 2's k norm, replicated)
         width = cfg.kv_heads if cfg.arch.qk_norm == "proj" else 1
         out["qk_norm_grads"] = counts["qk_norm_grads"] * width * cfg.dim_per_head * itemsize
-    if cfg.arch.moe:  # [B/dp, T, k] per layer; [L, 2E + 2] once
+    if cfg.arch.moe:  # [B/dp, T, k] per layer; [L, 2E + 3] once
         out["moe_weights_backward"] = (
             counts["moe_weights_backward"] * (batch // dp) * seq_len * (cfg.experts_per_token * itemsize)
         )
-        stats = len(cfg.moe_layers) * (2 * cfg.n_experts + 2)
+        stats = len(cfg.moe_layers) * stats_size(cfg)
         out["moe_statistics"] = counts["moe_statistics"] * stats * itemsize
         out["moe_shared_gate_grads"] = counts.get("moe_shared_gate_grads", 0) * cfg.d_model * itemsize
     if "qk_norm_stats" in counts:  # [B/dp, T] each

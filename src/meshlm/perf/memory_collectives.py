@@ -32,13 +32,16 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Fami
   over the data shards outside ep alone (other replica groups than the dense weights' sum over dp):
   one more all-reduce where that axis is > 1 (no bytes beyond ``dp_gradients``'); under FSDP the dense
   weights' DP-split gradients are then summed over ep (and cp) as cp's are.
+* A capacity factor (``moe_capacity_factor``; ``model.moe.capacity_keep``): each MoE layer all-gathers
+  its tokens' expert ids and global places over the batch axes (and mp under sp) once forward (again
+  with remat): integers, no backward.
 """
 
 from __future__ import annotations
 
 from meshlm.model.accounting import moe_layers
 from meshlm.model.config import ModelConfig
-from meshlm.model.moe import ROUTER, moe_losses
+from meshlm.model.moe import ROUTER, moe_losses, stats_size
 from meshlm.model.params import flat_params, is_matmul_weight, is_stacked
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.layout import Layout
@@ -111,6 +114,8 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
         rs.update(fsdp_gradients=layer_weights + outside)
         if layout.context_parallel or layout.experts_split:  # DP-split gradients then summed over cp / ep
             ar["cp_fsdp_gradients"] = 1 + outside
+    if cfg.arch.moe and cfg.moe_capacity_factor and layout.dp * layout.cp * (mp if sp else 1) > 1:
+        ag["moe_capacity"] = recompute * n  # the routing ids of the whole batch (``model.moe.capacity_keep``)
     a2a = ep_all_to_alls(cfg, layout)
     if a2a and layout.mesh_shape[DP] > 1 and not layout.fsdp:  # experts' gradients: over dp / ep alone
         ar["ep_expert_gradients"] = 1
@@ -160,7 +165,7 @@ def expected_all_reduce_bytes(cfg: ModelConfig, layout: Layout, *, params, **sha
     if layout.sp and layout.mp > 1:
         total -= sum(out.get(c, 0) for c in SP_REPLACES)
         if moe_losses(cfg) and not out["moe_statistics"]:  # summed over mp alone (dp x cp = 1)
-            total += moe_layers(cfg) * (2 * cfg.n_experts + 2) * shape["itemsize"]
+            total += moe_layers(cfg) * stats_size(cfg) * shape["itemsize"]
         replicated = sp_replicated(params)  # norms, row biases and the router
         total += (
             sum(p.size for path, p in flat_params(params).items() if path in replicated) * shape["itemsize"]

@@ -2,7 +2,9 @@
 combine weights not renormalised (or renormalised where ``norm_topk_prob`` is off: OLMoE), top-k ties
 broken by the higher expert id, the combine weights' gradient not summed over mp (the router's gradient
 is then wrong), Qwen2-MoE's shared expert counted on every mp shard or its gate's gradient not summed
-over mp, and the aux-loss statistics not summed over the data shards. ``proof.controls`` lists them.
+over mp, the aux-loss statistics not summed over the data shards, and (with a capacity factor) the
+capacity computed per shard: each shard ranks and drops among its own tokens only. ``proof.controls``
+lists them.
 
 A tie must exist for its control to show: ``plant_router_tie`` makes expert 1's router column a copy
 of expert 0's in every layer of the parameters *both* runs start from (``model_problem`` for a MoE
@@ -98,6 +100,14 @@ class SharedGateGradOfShard0(Tapped):
         return lax.stop_gradient(w) + jnp.where(keep, w - lax.stop_gradient(w), jnp.zeros_like(w))
 
 
+class CapacityPerShard(Parallel):
+    """Each shard applies the capacity to its own tokens only (ceil(C x its tokens x k / E), its own
+    ranking), not to the whole global batch: ``model.moe.capacity_keep`` without the gather."""
+
+    def moe_gather(self, x):
+        return x
+
+
 def _moe(w: Where) -> bool:
     return w.cfg is not None and w.cfg.arch.moe
 
@@ -105,6 +115,11 @@ def _moe(w: Where) -> bool:
 def _data_shards(w: Where) -> bool:
     """The batch's tokens are split (over dp, ep's shards among them, or cp): statistics to sum."""
     return w.layout.dp > 1 or w.layout.context_parallel
+
+
+def _routed_apart(w: Where) -> bool:
+    """Shards route different tokens (data shards, or mp's sequence slices under sp)."""
+    return _data_shards(w) or (w.layout.sp and w.layout.mp > 1)
 
 
 MOE_CONTROLS: tuple[Control, ...] = (
@@ -142,5 +157,10 @@ MOE_CONTROLS: tuple[Control, ...] = (
         name="MoE aux-loss statistics not summed over the data shards",
         applies=lambda w: _moe(w) and _data_shards(w) and moe.moe_losses(w.cfg),
         par_cls=StatisticsNotSummedOverData,
+    ),
+    Control(
+        name="MoE capacity computed per shard",
+        applies=lambda w: _moe(w) and w.cfg.moe_capacity_factor > 0 and _routed_apart(w),
+        par_cls=CapacityPerShard,
     ),
 )

@@ -36,6 +36,11 @@ def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
         raise ConfigError(pp_mixed_stack(cfg))
     layout.check_layers(cfg.n_layers)
     check_context(cfg, layout)
+    if cfg.arch.moe and cfg.moe_capacity_factor:  # a stage sees one micro-batch, not the batch
+        raise ConfigError(
+            f"--pp with moe_capacity_factor={cfg.moe_capacity_factor}: the capacity is a rule on the whole "
+            "batch and a pipeline stage routes one micro-batch at a time; drop --pp or the capacity factor"
+        )
     if cfg.arch.moe:
         raise ConfigError(
             f"--pp does not carry the {cfg.family} experts' routing statistics (aux losses) between stages "

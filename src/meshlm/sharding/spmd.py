@@ -63,16 +63,22 @@ def _dp_varying(apply, specs, batch_axes: tuple[str, ...] = (DP,)):
 
 
 def sharded_value_and_grad(
-    build_loss: LossBuilder, layout: Layout, specs, par_cls=Parallel, compute_dtype=None
+    build_loss: LossBuilder, layout: Layout, specs, par_cls=Parallel, compute_dtype=None, has_aux=False
 ):
     """fn(params, batch) -> (loss, grads) on the layout's mesh: params laid out by ``specs``, batch rows
     over DP (``layout.sp``: activations between blocks split over the sequence on MP).
 
-    Inputs: global arrays. Outputs: the loss (replicated) and gradients in the parameters' layout.
+    Inputs: global arrays. Outputs: the loss (replicated) and gradients in the parameters' layout; with
+    ``has_aux`` the loss function returns (loss, aux), aux replicated (e.g. summed over the batch), and
+    fn returns ((loss, aux), grads).
     """
     apply = hk.without_apply_rng(hk.transform(build_loss(par_cls.on(layout)))).apply
-    body = jax.value_and_grad(_dp_varying(with_compute_dtype(apply, compute_dtype), specs, layout.batch_axes))
-    return jax.shard_map(body, mesh=layout.mesh, in_specs=(specs, batch_spec(layout)), out_specs=(P(), specs))
+    loss = _dp_varying(with_compute_dtype(apply, compute_dtype), specs, layout.batch_axes)
+    body = jax.value_and_grad(loss, has_aux=has_aux)
+    value = (P(), P()) if has_aux else P()
+    return jax.shard_map(
+        body, mesh=layout.mesh, in_specs=(specs, batch_spec(layout)), out_specs=(value, specs)
+    )
 
 
 def sharded_loss(build_loss: LossBuilder, layout: Layout, specs, compute_dtype=None):

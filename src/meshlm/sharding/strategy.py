@@ -27,13 +27,17 @@ class Sharded:
         """What the layout cannot run of ``cfg``, as one-line errors before any work (nothing here)."""
 
     def value_and_grad(
-        self, cfg, layout: Layout, specs, *, build_loss=None, par_cls=Parallel, compute_dtype=None, **_
+        self, cfg, layout: Layout, specs, *, build_loss=None, par_cls=Parallel, compute_dtype=None, **kw
     ):
-        """fn(params, batch) -> (loss, grads); ``build_loss``: par -> Haiku loss (default ``cfg``'s)."""
+        """fn(params, batch) -> (loss, grads); ``build_loss``: par -> Haiku loss (default ``cfg``'s).
+        ``routing=True`` (a mixture of experts): -> ((loss, routing statistics), grads)."""
         from meshlm.sharding.spmd import sharded_value_and_grad
 
-        build = build_loss or (lambda par: loss_fn(cfg, par))
-        return sharded_value_and_grad(build, layout, specs, par_cls, compute_dtype=compute_dtype)
+        routing = bool(kw.get("routing"))
+        build = build_loss or (lambda par: loss_fn(cfg, par, routing=routing))
+        return sharded_value_and_grad(
+            build, layout, specs, par_cls, compute_dtype=compute_dtype, has_aux=routing
+        )
 
     def loss(self, cfg: ModelConfig, layout: Layout, specs, compute_dtype=None):
         """fn(params, batch) -> loss (evaluation: no gradients)."""

@@ -44,7 +44,32 @@ _field = setting  # a field that describes itself (``meshlm.settings``)
 
 
 @dataclass(frozen=True)
-class TrainConfig(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: the bases' fields
+class MoESettings:
+    """``TrainConfig``'s mixture-of-experts settings (a base, as ``MeshFlags``): None is the model's
+    own value (``with_moe_settings`` applies them to the model config, which the checkpoint records)."""
+
+    moe_aux_loss: str | None = _field(
+        None,
+        "a mixture of experts' load-balancing convention: hf (transformers': pooled over layers, ~k "
+        "balanced) or per-layer (Megatron's: the mean over layers, ~1); its coefficient is the model's "
+        "router_aux_loss_coef (an imported config's)",
+        resume_must_match=True,
+        shown_default="the model's",
+        choices=("hf", "per-layer"),
+    )
+    moe_capacity_factor: float | None = _field(
+        None,
+        "a mixture of experts' capacity factor C: each expert takes at most ceil(C x tokens x k / E) "
+        "token-choices of a step's global batch (a micro-batch's under --accum-steps), the rest dropped "
+        "by GShard's rule; 0: dropless",
+        resume_must_match=True,
+        shown_default="the model's (0: dropless)",
+        valid=NON_NEGATIVE_FLOAT,
+    )
+
+
+@dataclass(frozen=True)
+class TrainConfig(MeshFlags, LongContext, MoESettings):  # --pp, --cp, --fsdp, --sp ...: the bases' fields
     # "": the cpu preset, or with --checkpoint the checkpoint's own model (its CLI help: cli/train.py)
     config: str = _field("", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)
     data: tuple[str, ...] = _field(
@@ -190,6 +215,16 @@ def recorded_settings(tcfg: TrainConfig, mesh: str, devices: int | None) -> dict
 def resume_must_match() -> tuple[str, ...]:
     """The fields that change the computation: a resumed run must use the values it was saved with."""
     return tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["resume_must_match"])
+
+
+def with_moe_settings(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with the run's --moe-aux-loss and --moe-capacity-factor (None: the model's own); a
+    dense model refuses them (``ModelConfig``: MoE fields). Recorded in the checkpoint's model config."""
+    if tcfg.moe_aux_loss is not None:
+        cfg = cfg.replace(moe_aux_loss=tcfg.moe_aux_loss)
+    if tcfg.moe_capacity_factor is not None:
+        cfg = cfg.replace(moe_capacity_factor=tcfg.moe_capacity_factor)
+    return cfg
 
 
 def resolve(tcfg: TrainConfig, model: ModelConfig | None = None) -> tuple[TrainConfig, ModelConfig]:

@@ -33,6 +33,7 @@ from meshlm.sharding.strategy import strategy
 from meshlm.train.config import TrainConfig
 from meshlm.train.explain import next_commands, start_line
 from meshlm.train.metrics import plot_loss_curve
+from meshlm.train.routing import routing_row
 from meshlm.train.run import Run, build_run, checkpoint_meta
 from meshlm.train.stop import Stop
 
@@ -62,13 +63,16 @@ def save(run: Run) -> None:
 def _train_row(run: Run, step: int, metrics: dict, seconds: float) -> dict:
     """Step ``step``'s metrics.jsonl row (reads its metrics: waits for that step, not later ones)."""
     tokens = run.tcfg.batch_size * run.tcfg.seq_len
-    return {
+    row = {
         "step": step,
         "loss": float(metrics["loss"]),
         "lr": float(_lr(run.tcfg)[step - 1]),
         "grad_norm": float(metrics["grad_norm"]),
         "tokens_per_s": tokens / max(seconds, 1e-9),
     }
+    if "routing" in metrics:  # a mixture of experts: expert load, dropped choices (``train.routing``)
+        row.update(routing_row(run.cfg, metrics["routing"]))
+    return row
 
 
 @functools.cache

@@ -67,27 +67,33 @@ def clip_by_global_norm(grads, max_norm: float):
 
 
 def accumulate(grad_fn, params, batch, accum_steps: int):
-    """Mean loss and gradient over ``accum_steps`` micro-batches (batch leaves [A, B, T])."""
+    """Mean loss and gradient over ``accum_steps`` micro-batches (batch leaves [A, B, T]). A grad_fn
+    whose value is (loss, aux) (a mixture of experts' routing statistics): the aux summed over them."""
     if accum_steps == 1:
         return grad_fn(params, batch)
 
     def body(carry, micro):
-        loss, grads = grad_fn(params, micro)
-        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+        return jax.tree.map(jnp.add, carry, grad_fn(params, micro)), None
 
     dtype = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
-    zero = (jnp.zeros((), dtype), jax.tree.map(jnp.zeros_like, params))
-    (loss, grads), _ = jax.lax.scan(body, zero, batch)
-    return jax.tree.map(lambda x: x / accum_steps, (loss, grads))
+    value = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch))[0]
+    loss = jnp.zeros((), dtype)
+    if isinstance(value, tuple):
+        loss = (loss, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), value[1]))
+    (value, grads), _ = jax.lax.scan(body, (loss, jax.tree.map(jnp.zeros_like, params)), batch)
+    mean = lambda x: jax.tree.map(lambda y: y / accum_steps, x)
+    return ((mean(value[0]), value[1]) if isinstance(value, tuple) else mean(value)), mean(grads)
 
 
 def make_step(grad_fn, optimizer: optax.GradientTransformation, ocfg: OptimConfig, clip_fn=None):
     """(params, opt_state, batch[, healthy]) -> (params, opt_state, metrics); jit it with donated
-    buffers. metrics: "loss", "grad_norm", and "ok" (whether this step updated the state)."""
+    buffers. metrics: "loss", "grad_norm", and "ok" (whether this step updated the state); with a
+    grad_fn whose value is (loss, aux), also "routing": the aux (not part of the loss or gradients)."""
     clip_fn = clip_fn or (lambda g: clip_by_global_norm(g, ocfg.clip_norm))
 
     def step(params, opt_state, batch, healthy=None):
         loss, grads = accumulate(grad_fn, params, batch, ocfg.accum_steps)
+        loss, aux = loss if isinstance(loss, tuple) else (loss, None)
         grads, grad_norm = clip_fn(grads)
         updates, new_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -100,6 +106,7 @@ def make_step(grad_fn, optimizer: optax.GradientTransformation, ocfg: OptimConfi
             finite = finite & healthy
         keep = lambda new, old: jnp.where(finite, new, old)
         params, opt_state = jax.tree.map(keep, (new_params, new_state), (params, opt_state))
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "ok": finite}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "ok": finite}
+        return params, opt_state, metrics if aux is None else {**metrics, "routing": aux}
 
     return step

@@ -35,7 +35,7 @@ from meshlm.settings import toml_text
 from meshlm.sharding.rules import model_specs, shardings
 from meshlm.sharding.strategy import strategy
 from meshlm.train import outputs
-from meshlm.train.config import TrainConfig, recorded_settings, resolve
+from meshlm.train.config import TrainConfig, recorded_settings, resolve, with_moe_settings
 from meshlm.train.metrics import OUTPUTS, SETTINGS, MetricsLog
 from meshlm.train.resume import check_existing, model_meta
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step, step_model
@@ -207,6 +207,7 @@ def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lamb
     a jax Mesh; the run's --fsdp and --sp are ``tcfg``'s). ``startup_check`` is called after the data
     and after the state (``Stop.check_startup``)."""
     tcfg, cfg = run_model(tcfg)
+    cfg = with_moe_settings(tcfg, cfg)
     layout = run_layout(tcfg, where)
     store = store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store (checked) or None
     specs = run_specs(tcfg, cfg, layout)  # bad --fsdp / --sp combinations fail before the data is read

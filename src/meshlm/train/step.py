@@ -55,14 +55,17 @@ def init_model(cfg: ModelConfig, where, seed: int, dtype=None, specs: dict | Non
 
 
 def sharded_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, specs, params, compute_dtype=None):
-    """(step_fn, optimizer): step_fn(params, opt_state, batch) -> (params, opt_state, metrics).
+    """(step_fn, optimizer): step_fn(params, opt_state, batch) -> (params, opt_state, metrics) (a
+    mixture of experts' metrics: also "routing", the step's routing statistics, ``train.routing``).
 
     ``params`` may be arrays or ShapeDtypeStructs (ahead-of-time compilation). With ``layout.fsdp``
     ``specs`` must split weights over DP (``model_specs`` on that layout; checked)."""
     check_fsdp_specs(specs, layout.fsdp)
     opt = adamw(ocfg, params)
     # sharded (one shard_map) or, with a pipeline, through its schedule: the layout's strategy
-    grad = strategy(layout).value_and_grad(cfg, layout, specs, compute_dtype=compute_dtype)
+    # sharded, a mixture of experts also returns its routing statistics (``make_step``: metrics)
+    routing = cfg.arch.moe and not layout.pipelined
+    grad = strategy(layout).value_and_grad(cfg, layout, specs, compute_dtype=compute_dtype, routing=routing)
     return jax.jit(make_step(grad, opt, ocfg), donate_argnums=(0, 1)), opt
 
 
