@@ -26,18 +26,15 @@ ATTENTION = ("plain", "blockwise")  # see meshlm.model.attention and meshlm.mode
 class MoEFields:
     """``ModelConfig``'s mixture-of-experts fields (a base: its fields come first in the dataclass)."""
 
-    # A mixture-of-experts feed-forward (families with ``Family.moe``: ``model.moe``), 0 elsewhere: E
-    # experts, k of them per token, each a gated MLP of ``moe_d_ff`` hidden units; the top-k weights
-    # renormalised to sum to 1 (``norm_topk_prob``); Qwen2-MoE's shared expert (its width; 0: none);
-    # the load-balancing loss (``moe_aux_loss``: "hf", transformers' pooled over layers, ~k when
-    # balanced, or "per-layer", Megatron's mean over layers, ~1) and router z-loss coefficients; the
-    # capacity factor C (``moe_capacity_factor``, ``model.moe.capacity_keep``): each expert takes at most
-    # ceil(C x tokens x k / E) token-choices of a forward's global batch, the rest dropped by a rule on
-    # the whole batch (GShard's); 0: dropless. A saved config without these fields predates them: a
-    # dense model, or a dropless one, exactly as it was. ``dense_layers``: the indices (sorted, from 0)
-    # of the layers whose feed-forward is the dense MLP of ``d_ff`` units among the MoE layers
-    # (Qwen2-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``); (): every layer sparse. Their
-    # parameters stack apart (``model.stack``).
+    # A mixture-of-experts feed-forward (``Family.moe``: ``model.moe``), 0 elsewhere: E experts, k per
+    # token, each a gated MLP of ``moe_d_ff`` units; top-k weights renormalised (``norm_topk_prob``);
+    # Qwen2-MoE's shared expert (its width; 0: none); the balance loss (``moe_aux_loss``: "hf", pooled
+    # over layers, ~k when balanced, or "per-layer", Megatron's, ~1) and z-loss coefficients; the
+    # capacity factor C (``model.moe.capacity_keep``): each expert takes at most ceil(C x tokens x k / E)
+    # choices of a forward's global batch, dropped by GShard's whole-batch rule; 0: dropless. A saved
+    # config without these fields predates them: a dense or dropless model, as it was.
+    # ``dense_layers``: the sorted indices of the layers with the dense MLP of ``d_ff`` units among the
+    # MoE layers (Qwen2-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``); their parameters stack apart.
     n_experts: int = 0
     experts_per_token: int = 0
     moe_d_ff: int = 0
