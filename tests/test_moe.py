@@ -74,3 +74,5 @@ def test_moe_proven_sharded_with_its_controls_detected():
         report = verify_preset("tiny-mixtral", 2, 2, batch=2, seq=8, dtype=jnp.float64, controls=MOE_CONTROLS)
     assert report.ok and max(p.max_rel_err for p in report.params) <= 1e-12, format_report(report)
     assert len(report.controls) == len(MOE_CONTROLS) - 1  # but the one of norm_topk_prob off (OLMoE)
+    (flips,) = [c for c in report.checks if c["name"] == "routing flips"]  # proof.routing
+    assert flips["ok"] and flips["detail"].startswith("0 of 32 token-choices routed differently"), flips
