@@ -394,6 +394,15 @@ COMMANDS: dict[str, Run | Shown] = {
     ),
     "meshlm verify --config tiny-qwen3-moe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
     "meshlm verify --config tiny-olmoe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
+    "meshlm convert --from-hf nt-hf --out nt --mesh 1x1": Shown(
+        "needs the transformers model that scripts/near_tie_mixtral.py builds (torch); "
+        "tests/test_hf_mixtral.py "
+        "converts a tiny Mixtral the same way"
+    ),
+    "meshlm verify --checkpoint nt --mesh 2x2 --ep 2 --devices 4": Shown(
+        "its checkpoint needs scripts/near_tie_mixtral.py (torch) and a 4.5-min float32 proof; "
+        "tests/test_routing_flips.py counts planted flips through the same probe"
+    ),
     "meshlm train --config tiny-mixtral --ep 2 --mesh 2x1 --devices 2": Shown(
         "a measurement (a run on the default data: its tokenizer alone takes minutes); the ep step's path: "
         + EP
