@@ -43,8 +43,8 @@ ROW = "routing flips"
 
 def _intercept(par: Parallel):
     """A Haiku method interceptor: ``MoE.__call__`` returns (its output, its routing) instead of (its
-    output, its statistics). Per shard: ids [B, T, k] and margins [B, T] of the column-parallel view
-    (``par.f``: under sp the sequence slices gathered)."""
+    output, its statistics). Per shard, of the column-parallel view (``par.f``: under sp the sequence
+    slices gathered): [B, T, k + 1], the sorted top-k ids (exact as floats) then the top-k margin."""
 
     def intercept(next_f, args, kwargs, context):
         if not (isinstance(context.module, moe.MoE) and context.method_name == "__call__"):
@@ -58,7 +58,8 @@ def _intercept(par: Parallel):
         probs, _, ids = moe.route(upcast(xn) @ upcast(router), k, cfg.norm_topk_prob)
         top = jnp.sort(probs, axis=-1)  # ascending
         margin = top[..., e - k] - (top[..., e - k - 1] if e > k else 0.0)
-        return out, (par.f(jnp.sort(ids, axis=-1)), par.f(margin))
+        # one array, as the statistics are (a stack that joins runs of layers concatenates them)
+        return out, par.f(jnp.concatenate([jnp.sort(ids, axis=-1).astype(top.dtype), margin[..., None]], -1))
 
     return intercept
 
@@ -71,7 +72,7 @@ def _record_router(seen: dict, next_getter, value, context):
 
 
 def _probe(cfg, par: Parallel):
-    """A Haiku function: batch -> (ids [L, B, T', k], margins [L, B, T']) of this shard's tokens."""
+    """A Haiku function: batch -> routing [L, B, T', k + 1] of this shard's tokens (``_intercept``)."""
     from meshlm.model.transformer import local_logits_stats
 
     def probe(batch):
@@ -86,12 +87,11 @@ def sharded_routing(runs) -> tuple[np.ndarray, np.ndarray]:
     [L, B, T]), host arrays; with cp the sequence in the cp shards' chunk order (``chunk_order``)."""
     layout = runs.layout
     apply = hk.without_apply_rng(hk.transform(_probe(runs.problem.cfg, Parallel.on(layout)))).apply
-    rows, seq = layout.rows, (CP if layout.cp > 1 else None)
-    out = (P(None, rows, seq, None), P(None, rows, seq))  # replicated over mp: any shard's copy
+    out = P(None, layout.rows, CP if layout.cp > 1 else None, None)  # replicated over mp: any copy
     fn = jax.shard_map(
         apply, mesh=layout.mesh, in_specs=(runs.specs, batch_spec(layout)), out_specs=out, check_vma=False
     )
-    return tuple(np.asarray(to_host(a)) for a in jax.jit(fn)(runs.params, runs.batch))
+    return _unpack(np.asarray(to_host(jax.jit(fn)(runs.params, runs.batch))))
 
 
 def reference_routing(runs, reference_cfg) -> tuple[np.ndarray, np.ndarray]:
@@ -99,9 +99,13 @@ def reference_routing(runs, reference_cfg) -> tuple[np.ndarray, np.ndarray]:
     output's token order."""
     apply = hk.without_apply_rng(hk.transform(_probe(reference_cfg, Parallel()))).apply
     batch = jax.device_put(runs.problem.batch, runs.device)
-    ids, margins = (np.asarray(a) for a in jax.jit(apply)(runs.ref_params, batch))
-    order = chunk_order(ids.shape[2], runs.layout.cp)
-    return ids[:, :, order], margins[:, :, order]
+    routing = np.asarray(jax.jit(apply)(runs.ref_params, batch))
+    return _unpack(routing[:, :, chunk_order(routing.shape[2], runs.layout.cp)])
+
+
+def _unpack(routing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[L, B, T, k + 1] -> (ids [L, B, T, k] int, margins [L, B, T])."""
+    return routing[..., :-1].astype(np.int64), routing[..., -1]
 
 
 def chunk_order(t: int, cp: int) -> np.ndarray:
