@@ -404,6 +404,15 @@ COMMANDS: dict[str, Run | Shown] = {
         "--moe-capacity-factor 0.5": verify(costly=CAPACITY)
         for mesh, n in (("2x2 --ep 2", 4), ("4x1 --ep 4", 4), ("2x2 --fsdp --sp", 4), ("1x1 --cp 2", 2))
     },
+    "meshlm convert --from-hf nt-hf --out nt --mesh 1x1": Shown(
+        "needs the transformers model that scripts/near_tie_mixtral.py builds (torch); "
+        "tests/test_hf_mixtral.py "
+        "converts a tiny Mixtral the same way"
+    ),
+    "meshlm verify --checkpoint nt --mesh 2x2 --ep 2 --devices 4": Shown(
+        "its checkpoint needs scripts/near_tie_mixtral.py (torch) and a 4.5-min float32 proof; "
+        "tests/test_routing_flips.py counts planted flips through the same probe"
+    ),
     "meshlm train --config tiny-mixtral --ep 2 --mesh 2x1 --devices 2": Shown(
         "a measurement (a run on the default data: its tokenizer alone takes minutes); the ep step's path: "
         + EP

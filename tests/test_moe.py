@@ -116,6 +116,8 @@ def test_moe_proven_sharded_with_its_controls_detected():
     assert report.ok and max(p.max_rel_err for p in report.params) <= 1e-12, format_report(report)
     # all but the capacity's (dropless here) and the one of norm_topk_prob off (OLMoE)
     assert len(report.controls) == len(MOE_CONTROLS) - 2
+    (flips,) = [c for c in report.checks if c["name"] == "routing flips"]  # proof.routing
+    assert flips["ok"] and flips["detail"].startswith("0 of 16 token-choices routed differently"), flips
 
 
 def test_capacity_drops_by_gshards_rule_on_the_whole_batch():
@@ -208,3 +210,20 @@ def test_train_step_returns_the_routing_statistics():
     assert bool(metrics["ok"]) and float(moe.split_stats(cfg, stats)[3][0]) == 2 * 2 * 8  # every token
     assert float(jnp.sum(moe.split_stats(cfg, stats)[0])) == 2 * 2 * 8 * cfg.experts_per_token
     assert float(moe.dropped_choices(cfg, stats)[0]) > 0
+
+
+def test_tie_control_only_where_the_proof_planted_the_tie():
+    """The proof's own parameters carry the router tie, so its tie-breaking control applies; a
+    checkpoint's parameters (``load_params``) do not, so there the control has nothing to detect and is
+    not run (it failed every MoE ``verify --checkpoint`` as "NOT DETECTED")."""
+    from dataclasses import replace
+
+    from meshlm.proof import model_problem
+    from meshlm.proof.moe_controls import MOE_CONTROLS
+    from meshlm.proof.prover import control_set, where_of
+
+    problem = model_problem(CFG, "tiny-mixtral", 1, 2, 8, dp=2)
+    tie = "MoE top-k ties broken by the higher expert id"
+    names = lambda p: {c.name for c in control_set(where_of(p, Layout(dp=2), False), MOE_CONTROLS)}
+    assert tie in names(problem)
+    assert tie not in names(replace(problem, load_params=lambda layout: None))

@@ -29,6 +29,8 @@ def run(args) -> int:
     from meshlm.errors import VERIFIER_EXIT_CODE, VerifierError
 
     vs = _with_defaults(settings_from(args, VerifySettings))
+    if vs.allow_routing_flips and vs.x64:  # before any work
+        raise ConfigError("--allow-routing-flips is for float32 (in float64 a flip is a bug); drop one")
     axes = _axes(vs)  # before any work
     if planned := flag_layout(args, vs):  # before any work
         if vs.batch_size is not None:
@@ -196,6 +198,7 @@ def _verify(args, vs: VerifySettings, planned) -> int:
         seed=vs.seed,
         collectives=vs.collectives,
         data_steps=DATA_STEPS,
+        allow_routing_flips=vs.allow_routing_flips,
     )
     print0(json.dumps(report.to_json()) if args.json else format_report(report))
     return 0 if report.ok else 1

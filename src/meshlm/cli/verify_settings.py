@@ -61,6 +61,11 @@ class VerifySettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: t
         shown_default="the config's",
         valid=NON_NEGATIVE_FLOAT,
     )
+    allow_routing_flips: bool = setting(
+        False,
+        "float32, a mixture of experts: pass the routing-flips row when tokens near a top-k tie route "
+        "differently in the two runs (still counted and printed; the tolerance unchanged; float64 refuses)",
+    )
     collectives: bool = setting(
         True,
         "the communication check",

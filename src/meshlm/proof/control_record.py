@@ -21,6 +21,8 @@ class Where:
     collectives: bool = False  # whether the communication check runs (it detects extra collectives)
     seq_len: int = 0  # positions per row of the proof's batch (0: not known; blockwise controls need
     # several blocks)
+    planted_tie: bool = False  # the proof's own parameters carry the router tie (``moe_controls``); a
+    # checkpoint's do not, so no tie-breaking control can show there
 
     @property
     def attention(self) -> bool:

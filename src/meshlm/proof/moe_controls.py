@@ -135,7 +135,7 @@ MOE_CONTROLS: tuple[Control, ...] = (
     ),
     Control(
         name="MoE top-k ties broken by the higher expert id",
-        applies=lambda w: _moe(w) and w.cfg.experts_per_token < w.cfg.n_experts,
+        applies=lambda w: _moe(w) and w.planted_tie and w.cfg.experts_per_token < w.cfg.n_experts,
         plant=ties_to_higher_id,
     ),
     Control(

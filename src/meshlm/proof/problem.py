@@ -35,6 +35,9 @@ class Problem:
     batch_fn: Callable | None = None
     # params -> the parameters both runs start from (a mixture of experts': a planted router tie)
     prepare_params: Callable | None = None
+    # The reference's model config when ``cfg`` is set (``reference_loss``'s): the routing probe's
+    # reference runs it (``proof.routing``); None: ``cfg``
+    reference_cfg: object = None
 
 
 def random_batch(vocab: int, shape: tuple[int, ...], seed: int) -> dict:
@@ -93,6 +96,7 @@ def model_problem(
         cfg=cfg,
         rebuild=rebuild,
         reference_loss=rebuild(plain),
+        reference_cfg=plain,
         has_row_bias=cfg.arch.biases or cfg.embed_bias,
         **padding,
         fsdp=fsdp,

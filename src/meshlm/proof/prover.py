@@ -32,6 +32,7 @@ from meshlm.proof.padding import padding_rows
 from meshlm.proof.pipeline_verify import permute_controls, permute_rows, pipeline_controls, run_model_control
 from meshlm.proof.problem import Problem
 from meshlm.proof.report import LeafResult, Report, check_row, compare_into
+from meshlm.proof.routing import routing_rows
 from meshlm.proof.rule_errors import rule_mismatch, vma_error
 from meshlm.proof.runs import Runs, default_optim, step_batches
 from meshlm.train.optim import OptimConfig, clip_by_global_norm
@@ -52,12 +53,15 @@ def verify(
     controls: tuple[Control, ...] = CONTROLS + CP_CONTROLS + EP_CONTROLS,
     collectives: bool = False,
     data_steps: int = 0,
+    allow_routing_flips: bool = False,
 ) -> Report:
     """Prove ``problem`` sharded on ``where`` (a jax Mesh or a Layout, with the problem's memory
     options) equals it unsharded; see the module docstring.
 
     ``collectives`` adds the communication check (needs ``problem.cfg``); ``data_steps`` > 0 adds
-    the data-pipeline check over that many steps."""
+    the data-pipeline check over that many steps. A mixture of experts' routing flips are counted
+    and decide a check row (``proof.routing``); ``allow_routing_flips`` passes that row in float32
+    (never in float64), the tolerance unchanged."""
     dname = jnp.dtype(dtype).name
     rtol, atol = TOLERANCE[dname]
     if problem.cfg is not None:
@@ -82,6 +86,7 @@ def verify(
     collectives = collectives and problem.cfg is not None
     report.checks = _checks(runs, steps, ocfg, collectives, data_steps, seed) + report.checks
     report.checks += padding_rows(problem, sharded[1])
+    report.checks += routing_rows(runs, dname, allow_routing_flips)
     report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
     report.extra["param_bytes_total"] = total_bytes(runs.params)
     where = where_of(problem, layout, collectives)
@@ -113,6 +118,7 @@ def where_of(problem: Problem, layout: Layout, collectives: bool) -> Where:
         has_row_bias=problem.has_row_bias,
         collectives=collectives and not layout.pipelined,
         seq_len=int(jnp.shape(problem.batch.get("inputs", ()))[-1]),
+        planted_tie=problem.load_params is None and problem.prepare_params is not None,
     )
 
 
