@@ -165,3 +165,27 @@ def test_ep_under_pp_equals_the_unsharded_model():
         got = jax.jit(fn)(params, batch)
         err = lambda a, b: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
         assert max(jax.tree.leaves(jax.tree.map(err, got, want))) <= 1e-12
+
+
+def test_fsdp_with_ep_splits_dense_weights_over_every_data_shard():
+    """--fsdp with ep: a dense weight over (dp, ep), all the data shards, even where dp = ep (the mesh's
+    dp axis of size 1 alone would split nothing); an expert weight (its experts over ep) over the data
+    shards outside ep where there are any, else whole on its ep shard."""
+    import haiku as hk
+
+    from meshlm.model.config import get_config
+    from meshlm.model.transformer import loss_fn
+    from meshlm.sharding.rules import model_specs
+
+    cfg = get_config("tiny-mixtral")
+    batch = {k: jnp.zeros((4, 8), jnp.int32) for k in ("inputs", "targets")}
+    abstract = jax.eval_shape(hk.transform(loss_fn(cfg, Parallel())).init, jax.random.PRNGKey(0), batch)
+    dense = lambda s: (s["layers/attn"]["wq"], s["embed"]["embeddings"], s["layers/moe/router"]["w"])
+    experts = lambda s: s["layers/moe/experts"]["w_gate"]
+    both = model_specs(cfg, abstract, Layout(dp=2, ep=2, fsdp=True))
+    every = ("dp", "ep")
+    assert dense(both) == (P(None, every, "mp", None), P("mp", every), P(None, every, None))
+    assert experts(both) == P(None, "ep", None, "mp")
+    outside = model_specs(cfg, abstract, Layout(dp=4, mp=2, ep=2, fsdp=True))
+    assert dense(outside)[0] == P(None, every, "mp", None)
+    assert experts(outside) == P(None, "ep", "dp", "mp")
