@@ -199,7 +199,7 @@ def _gpipe_loss(job: Job, head_loss, tgs, auxs, params, head, embed, xs):
         return pipe.loss_scale() * jnp.sum(each)
 
     loss = _reduce_loss(job, _on_last_stage(job, losses, head, outputs))
-    return loss if acc is None else loss + job.stats_loss(stats_of.total(acc))
+    return loss if acc is None else loss + stats_of.loss(job, acc, _vary)
 
 
 def _forward_ticks(job: Job, params, embed, xs, auxs, *, keep_outputs: bool):
@@ -261,7 +261,7 @@ def one_f_one_b(job: Job, params, head, embed, x, targets, aux, *, with_head: bo
     stats_loss, seeds = 0.0, None
     if job.stats_loss is not None:  # the step's statistics first: their loss and each chunk's cotangent
         acc = _forward_ticks(job, params, embed, xs, auxs, keep_outputs=False)[1]
-        stats_loss, seeds = stats_of.loss_and_seeds(job, acc)
+        stats_loss, seeds = stats_of.loss_and_seeds(job, acc, _vary)
     warm, both = cfg.chunks - 1, cfg.forward_ticks  # ticks [0, warm) forward only, [both, end) backward only
     phases = ((0, warm, True, False), (warm, both, True, True), (both, both + warm, False, True))
     for lo, hi, do_f, do_b in phases:

@@ -54,10 +54,19 @@ def total(acc):
     return summed.reshape(-1, *summed.shape[2:])
 
 
-def loss_and_seeds(job, acc):
-    """(``stats_loss`` of the step's statistics, its gradient w.r.t. each chunk's stats [pp V, c, ...]):
-    the cotangent 1F1B's backward slots seed their chunk's stats output with."""
-    return jax.value_and_grad(lambda a: job.stats_loss(total(a)))(acc)
+def loss(job, acc, vary):
+    """``stats_loss`` of the step's statistics, averaged over the batch's shards: the same value on each
+    (the hook sums the statistics over them), unless a fault leaves a shard's own, which the mean then
+    shows as the value it is, as ``Parallel.batch_mean`` does without pp. (``vary``: the engine's cast
+    to varying over axes, so that the mean takes one type.)"""
+    value = job.stats_loss(total(acc))
+    return lax.pmean(vary(value, job.batch_axes), job.batch_axes) if job.batch_axes else value
+
+
+def loss_and_seeds(job, acc, vary):
+    """(``loss``, its gradient w.r.t. each chunk's stats [pp V, c, ...]): the cotangent 1F1B's backward
+    slots seed their chunk's stats output with."""
+    return jax.value_and_grad(lambda a: loss(job, a, vary))(acc)
 
 
 def stats_pass_permutes(cfg) -> int:
