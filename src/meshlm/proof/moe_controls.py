@@ -31,7 +31,7 @@ def plant_router_tie(params, ep: int = 1):
     0 (shardings kept)."""
 
     def tie(w):
-        cols = sorted({1, w.shape[-1] // ep} - {0})
+        cols = sorted({1, w.shape[-1] // ep if ep > 1 else 1})  # E / ep: the first of ep shard 1
         return w.at[..., jnp.asarray(cols)].set(w[..., :1])
 
     def plant(path, x):
