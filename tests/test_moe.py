@@ -58,8 +58,7 @@ def test_refusals_name_the_field():
         CFG.replace(experts_per_token=5)
     with pytest.raises(ConfigError, match="dense feed-forward"):
         get_config("tiny-llama").replace(n_experts=4)
-    with pytest.raises(ConfigError, match="--pp"):
-        check_pipelined(CFG, Layout(pp=2))
+    check_pipelined(CFG, Layout(pp=2))  # accepted: the statistics leave the stages (parallel.pipeline_stats)
 
 
 def test_moe_proven_sharded_with_its_controls_detected():
