@@ -62,6 +62,8 @@ SOFTCAP_BW = (
 )
 EP = "tests/test_ep.py::test_ep_with_fsdp_and_sp_equals_the_unsharded_model_and_its_faults_show"
 MOE = "tests/test_moe.py::test_moe_proven_sharded_with_its_controls_detected"
+EP_PP = "tests/test_ep.py::test_ep_under_pp_equals_the_unsharded_model"
+EP_PP_CMD = "meshlm verify --config tiny-mixtral --pp 2 --mesh 2x1 --ep 2 --devices 4 --steps 2 --x64"
 
 
 @dataclass(frozen=True)
@@ -412,6 +414,13 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --checkpoint nt --mesh 2x2 --ep 2 --devices 4": Shown(
         "its checkpoint needs scripts/near_tie_mixtral.py (torch) and a 4.5-min float32 proof; "
         "tests/test_routing_flips.py counts planted flips through the same probe"
+    EP_PP_CMD: verify(costly=EP_PP),
+    EP_PP_CMD + " --pp-schedule gpipe": verify(costly=EP_PP),
+    "meshlm verify --config tiny-mixtral --mesh 2x2 --ep 2 --devices 4 --fsdp --sp --steps 2 --x64": verify(
+        costly=EP
+    ),
+    "meshlm verify --config tiny-mixtral --mesh 4x1 --ep 4 --devices 4 --fsdp --steps 2 --x64": verify(
+        costly=EP
     ),
     "meshlm train --config tiny-mixtral --ep 2 --mesh 2x1 --devices 2": Shown(
         "a measurement (a run on the default data: its tokenizer alone takes minutes); the ep step's path: "

@@ -68,8 +68,7 @@ def test_dispatch_equals_all_local(ep, dp, one_shard):
 def test_ep_layout_errors():
     with pytest.raises(ConfigError, match="must divide dp"):
         Layout(dp=3, ep=2)
-    with pytest.raises(ConfigError, match="cannot be combined with --pp"):
-        Layout(dp=2, ep=2, pp=2)
+    assert Layout(dp=2, ep=2, pp=2).mesh_shape == {"pp": 2, "dp": 1, "ep": 2, "mp": 1}  # ep under pp
     layout = Layout(dp=4, mp=2, ep=2, fsdp=True)
     assert layout.label() == "4x2 + EP2 + FSDP"
     assert layout.mesh_shape == {"dp": 2, "ep": 2, "mp": 2} and layout.devices == 8
@@ -137,3 +136,56 @@ def test_ep_with_fsdp_and_sp_equals_the_unsharded_model_and_its_faults_show(mixt
     assert _worst(mixtral, layout, TokensToNeighbour) > 1e-3
     assert _worst(mixtral, layout, ExpertGradOneDataShard) > 1e-3
     assert _worst(mixtral, layout, StatisticsNotSummedOverEp) > 1e-8  # the aux losses' small share
+
+
+def test_ep_under_pp_equals_the_unsharded_model():
+    """tiny-mixtral's 2 layers on pp 2 (one a stage) x ep 2, 1F1B on 2 micro-batches: the loss with its
+    aux and z losses (the routing statistics summed over micro-batches, stages and ep before they are
+    formed: ``parallel.pipeline_stats``; each chunk's backward seeded with their gradient from a
+    statistics pass) and every gradient equal the one-device model's in float64. (GPipe, which
+    differentiates its forward scan: ``meshlm verify --pp-schedule gpipe``, docs/proof.md.)"""
+    import haiku as hk
+
+    from meshlm.model.config import get_config
+    from meshlm.model.transformer import loss_fn
+    from meshlm.sharding.rules import model_specs
+    from meshlm.sharding.spmd import reference_value_and_grad
+    from meshlm.sharding.strategy import strategy
+
+    cfg = get_config("tiny-mixtral")
+    layout = Layout(dp=2, ep=2, pp=2, microbatches=2, pp_schedule="1f1b")
+    with jax.enable_x64(True):
+        r = np.random.default_rng(1)
+        batch = {k: jnp.asarray(r.integers(0, 64, (4, 8)), jnp.int32) for k in ("inputs", "targets")}
+        params = hk.transform(loss_fn(cfg, Parallel())).init(jax.random.PRNGKey(0), batch)
+        params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
+        want = jax.jit(reference_value_and_grad(lambda par: loss_fn(cfg, par)))(params, batch)
+        specs = model_specs(cfg, params, layout)
+        fn = strategy(layout).value_and_grad(cfg, layout, specs, fill=float("nan"))  # NaN in the bubbles
+        got = jax.jit(fn)(params, batch)
+        err = lambda a, b: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+        assert max(jax.tree.leaves(jax.tree.map(err, got, want))) <= 1e-12
+
+
+def test_fsdp_with_ep_splits_dense_weights_over_every_data_shard():
+    """--fsdp with ep: a dense weight over (dp, ep), all the data shards, even where dp = ep (the mesh's
+    dp axis of size 1 alone would split nothing); an expert weight (its experts over ep) over the data
+    shards outside ep where there are any, else whole on its ep shard."""
+    import haiku as hk
+
+    from meshlm.model.config import get_config
+    from meshlm.model.transformer import loss_fn
+    from meshlm.sharding.rules import model_specs
+
+    cfg = get_config("tiny-mixtral")
+    batch = {k: jnp.zeros((4, 8), jnp.int32) for k in ("inputs", "targets")}
+    abstract = jax.eval_shape(hk.transform(loss_fn(cfg, Parallel())).init, jax.random.PRNGKey(0), batch)
+    dense = lambda s: (s["layers/attn"]["wq"], s["embed"]["embeddings"], s["layers/moe/router"]["w"])
+    experts = lambda s: s["layers/moe/experts"]["w_gate"]
+    both = model_specs(cfg, abstract, Layout(dp=2, ep=2, fsdp=True))
+    every = ("dp", "ep")
+    assert dense(both) == (P(None, every, "mp", None), P("mp", every), P(None, every, None))
+    assert experts(both) == P(None, "ep", None, "mp")
+    outside = model_specs(cfg, abstract, Layout(dp=4, mp=2, ep=2, fsdp=True))
+    assert dense(outside)[0] == P(None, every, "mp", None)
+    assert experts(outside) == P(None, "ep", "dp", "mp")

@@ -11,9 +11,10 @@ from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig
 from meshlm.model.layers import mask_vocab_padding, vocab_parallel_xent
 from meshlm.model.memory import parallel_getter
+from meshlm.model.moe import moe_losses
 from meshlm.model.stack import stack_layers
 from meshlm.model.transformer import (
-    BLOCKS,
+    _block,
     _check_context_parallel,
     _check_seq_len,
     _embed,
@@ -46,7 +47,9 @@ def layers_fn(cfg: ModelConfig, par: Parallel):
     shard holds (``Parallel.positions``: with cp its chunks'). With ``sp`` the hidden is [B, T/mp, D]
     per shard and the positions those of the whole (cp shard's) sequence. With ``cfg.doc_mask`` the
     layers take ``starts`` [B, T] too: where each token's document starts (``attention.doc_starts`` of
-    the inputs, computed before the pipeline and passed with each micro-batch)."""
+    the inputs, computed before the pipeline and passed with each micro-batch). A mixture of experts
+    with aux or z losses returns (hidden, its layers' routing statistics of this shard's tokens
+    [n_layers, 2E + 2]): the pipeline sums them over the step before forming the losses."""
 
     def layers(x, starts=None):
         t = x.shape[1] * (par.layout.mp if par.layout.sp and par.sharded else 1)
@@ -56,7 +59,8 @@ def layers_fn(cfg: ModelConfig, par: Parallel):
                 raise ConfigError("--doc-mask needs the document starts of each micro-batch; pass starts")
             starts = par.tap("doc_starts", starts)
         with hk.custom_getter(parallel_getter(par)):
-            return stack_layers(cfg, BLOCKS[cfg.arch.block](cfg, par), x, positions, None, starts)[0]
+            out = stack_layers(cfg, _block(cfg, par), x, positions, None, starts)
+        return (out[0], out[2]) if moe_losses(cfg) else out[0]
 
     return layers
 

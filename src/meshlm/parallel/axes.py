@@ -109,14 +109,9 @@ def _check_experts(layout) -> None:
             f"--ep {layout.ep} must divide dp={layout.dp}: ep borrows its devices from the data axis "
             f"(--mesh {layout.dp}x{layout.mp} --ep {layout.ep}); use an --ep that divides {layout.dp}"
         )
-    if layout.ep > 1 and layout.pp > 1:
-        raise ConfigError(
-            f"--ep {layout.ep} cannot be combined with --pp {layout.pp}: the pipeline's stages do not "
-            "yet dispatch tokens to experts over ep; drop --ep (or --pp)"
-        )
-    # --fsdp splits weights over the mesh's DP axis: the data shards outside ep (dp / ep). With dp = ep
-    # that axis has size 1 and the weights stay whole on every data shard (docs/proof.md, "Expert
-    # parallelism"): accepted, so a plan can compare it, not refused.
+    # --fsdp splits dense weights over (DP, EP), every data shard, and expert weights (their experts over
+    # EP) over the mesh's DP axis, the data shards outside ep (``sharding.rules``; docs/proof.md, "Expert
+    # parallelism"). ep with pp: the stages dispatch over ep (``parallel.pipeline_stats``).
 
 
 def _expert_label(layout) -> tuple[str, str, str]:

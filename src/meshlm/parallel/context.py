@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.parallel.axes import DP, MP
+from meshlm.parallel.axes import DP, EP, MP
 from meshlm.parallel.cp import ContextParallel
 from meshlm.parallel.ep import ExpertAxis
 from meshlm.parallel.experts import ExpertParallel
@@ -87,20 +87,26 @@ class Parallel(ContextParallel, ExpertAxis, ExpertParallel):  # ExpertAxis: ep's
         """A parameter as a layer uses it (called by a Haiku getter for every ``get_parameter``).
 
         ``value``: what this shard stores; ``shape``: what the layer asked for. A stored slice
-        smaller than the request is an FSDP slice over DP: all-gathered along that dimension
-        (``gather_weight``). ``norm``: a norm's scale/offset, which with ``sp`` meets the sequence
-        slices of every shard, so JAX sums its gradient over MP (the ``norm_param`` tap)."""
+        smaller than the request is an FSDP slice over DP (with ep on, a dense weight's over DP and
+        EP: ``fsdp_axes``): all-gathered along that dimension (``gather_weight``). ``norm``: a norm's
+        scale/offset, which with ``sp`` meets the sequence slices of every shard, so JAX sums its
+        gradient over MP (the ``norm_param`` tap)."""
         if not self.sharded:
             return value
         if tuple(value.shape) != tuple(shape):
-            dims = [i for i, (a, b) in enumerate(zip(value.shape, shape, strict=True)) if a != b]
-            return self.gather_weight(value, dims[0])
+            d = next(i for i, (a, b) in enumerate(zip(value.shape, shape, strict=True)) if a != b)
+            return self.gather_weight(value, d, self.fsdp_axes(shape[d] // value.shape[d]))
         return self.tap("norm_param", value) if norm and self.layout.sp else value
 
-    def gather_weight(self, w, dim: int):
+    def fsdp_axes(self, shards: int):
+        """The axes an FSDP slice of 1 / ``shards`` of its weight is split over: DP, or with ep on a
+        dense weight's (DP, EP), every data shard (``sharding.rules``: an expert weight's is DP's)."""
+        return (DP, EP) if self.layout.experts_split and shards == self.layout.dp else DP
+
+    def gather_weight(self, w, dim: int, axes=DP):
         """FSDP: this shard's slice of a weight -> the whole weight along ``dim`` (all-gather over
-        DP; its transpose reduce-scatters the gradient: each shard keeps the DP sum of its slice)."""
-        return lax.all_gather(w, DP, axis=dim, tiled=True)
+        ``axes``; its transpose reduce-scatters the gradient: each shard keeps the sum of its slice)."""
+        return lax.all_gather(w, axes, axis=dim, tiled=True)
 
     def tap(self, name: str, x):
         """``x`` as the computation uses it at the point ``name`` (identity): where the proof plants a

@@ -43,7 +43,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ConfigError, MeshError
-from meshlm.parallel.axes import CP, DP, MP, PP
+from meshlm.parallel.axes import CP, DP, EP, MP, PP
 from meshlm.parallel.layout import axis_sizes
 from meshlm.parallel.pipeline_engines import Job, gpipe, one_f_one_b
 from meshlm.parallel.pipeline_schedule import PipelineConfig, check_batch, check_layers
@@ -138,6 +138,7 @@ def pipeline_value_and_grad(
     embed_fn=None,
     embed_specs=None,
     with_aux=False,
+    stats_loss=None,
 ):
     """fn(params, x, targets, head=None) -> (loss, (param_grads, x_grad)) on ``mesh``, with params' leaves
     stacked [L, ...] and x, targets' leaves [B, ...] (rows split over dp, replicated over mp). Jit it.
@@ -157,19 +158,25 @@ def pipeline_value_and_grad(
     as over mp); ``embed_fn`` and ``loss_fn`` take each shard's part of the sequence (``Parallel``'s
     ``seq_local``), the stages attend across cp, and the loss is a mean over dp and cp. With
     ``with_aux``: ``fn(..., aux=)`` takes rows [B, ...] the stages read (not differentiated: document
-    starts), split into micro-batches like ``targets``, and calls ``stage_fn(params, x, aux_rows)``."""
+    starts), split into micro-batches like ``targets``, and calls ``stage_fn(params, x, aux_rows)``. With
+    an ``ep`` axis the rows are split over (dp, ep) and the loss is a mean over both (the experts' own
+    all-to-alls run inside the stages). With ``stats_loss``: ``stage_fn`` returns ``(y, stats)`` and the
+    loss gains ``stats_loss`` of the step's statistics (``pipeline_stats``)."""
     cfg = pipe.config
     names = tuple(mesh.axis_names)
-    if PP not in names or set(names) - {PP, DP, CP, MP}:
+    if PP not in names or set(names) - {PP, DP, EP, CP, MP}:
         raise MeshError(
-            f"the pipeline needs a mesh with the axis '{PP}' and at most '{DP}', '{CP}', '{MP}'; got {names}"
+            f"the pipeline needs a mesh with the axis '{PP}' and at most '{DP}', '{EP}', '{CP}', '{MP}'; "
+            f"got {names}"
         )
     sizes = axis_sizes(mesh)
     if sizes[PP] != cfg.pp:
         raise MeshError(f"the mesh's {PP} axis has {sizes[PP]} devices but pp={cfg.pp}; make them equal")
-    has_dp = DP in names
-    job = Job(stage_fn, loss_fn, pipe, has_dp, sizes.get(DP, 1), embed_fn, sizes.get(CP, 1), with_aux)
-    data = P(DP) if has_dp else P()  # replicated over cp and mp: each cp shard slices its own chunks
+    has_dp, n_ep = DP in names, sizes.get(EP, 1)
+    n_dp = sizes.get(DP, 1) * n_ep  # the batch's shards: ep's devices are data shards too
+    job = Job(stage_fn, loss_fn, pipe, has_dp, n_dp, embed_fn, sizes.get(CP, 1), with_aux, n_ep, stats_loss)
+    rows = (DP, EP) if EP in names else DP
+    data = P(rows) if has_dp else P()  # replicated over cp and mp: each cp shard slices its own chunks
     body = partial(gpipe if cfg.schedule == "gpipe" else one_f_one_b, job)
 
     def run(params, x, targets, head=None, embed=None, aux=None):

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.parallel.axes import CP, DP, PP
+from meshlm.parallel import pipeline_stats as stats_of
+from meshlm.parallel.axes import CP, DP, EP, PP
 from meshlm.parallel.pipeline_schedule import PipelineConfig, backward_slot, forward_counter, forward_slot
 from meshlm.parallel.pipeline_stash import residuals
 
@@ -32,11 +33,14 @@ class Job:
     embed_fn: object = None  # embed(embed_params, inputs) -> x on the first stage; None: x is the input
     n_cp: int = 1  # cp shards (context parallelism: each holds its part of every row's sequence)
     with_aux: bool = False  # stage_fn(params, x, aux) with each micro-batch's rows of ``aux``
+    n_ep: int = 1  # ep shards (experts split over them; part of the data shards: n_dp counts them)
+    stats_loss: object = None  # stats [L, ...] -> scalar: chunks return (y, stats) (``pipeline_stats``)
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
         """The axes the batch's tokens are split over: the loss is a mean over them."""
-        return ((DP,) if self.has_dp else ()) + ((CP,) if self.n_cp > 1 else ())
+        on = ((DP, self.has_dp), (EP, self.n_ep > 1), (CP, self.n_cp > 1))
+        return tuple(axis for axis, split in on if split)
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -187,26 +191,44 @@ def _gpipe_loss(job: Job, head_loss, tgs, auxs, params, head, embed, xs):
     # One cast at entry each: the transposes are the one data-parallel sum of the gradients (and for the
     # replicated head and embedding, the sum over stages, all zero but one).
     params, head, embed = (_vary(tree, job.axes) for tree in (params, head, embed))
-    d = lax.axis_index(PP)
-    fill = _activation(job, embed, xs, pipe.fill)
-
-    def tick(carry, t):
-        recv, outputs = carry
-        valid, m, j, inp = _forward_input(job, embed, xs, recv, t, d)
-        y = job.stage(_chunk(params, j), inp, _at(auxs, m))
-        _, last = _ends(cfg, d, j)
-        outputs = outputs.at[m].set(jnp.where(valid & last, y, outputs[m]))
-        return (pipe.send_forward(jnp.where(valid, y, fill)), outputs), None
-
-    outputs = _vary(jnp.zeros((cfg.microbatches, *fill.shape), fill.dtype), tuple(_varying(fill)))
-    (_, outputs), _ = lax.scan(tick, (fill, outputs), jnp.arange(cfg.forward_ticks))
+    outputs, acc = _forward_ticks(job, params, embed, xs, auxs, keep_outputs=True)
 
     def losses(head, outputs):
         each = jax.vmap(head_loss, in_axes=(None, 0, 0))(head, outputs, tgs)  # [M]
         each = jnp.where(pipe.keeps_grad(jnp.arange(cfg.microbatches)), each, lax.stop_gradient(each))
         return pipe.loss_scale() * jnp.sum(each)
 
-    return _reduce_loss(job, _on_last_stage(job, losses, head, outputs))
+    loss = _reduce_loss(job, _on_last_stage(job, losses, head, outputs))
+    return loss if acc is None else loss + stats_of.loss(job, acc, _vary)
+
+
+def _forward_ticks(job: Job, params, embed, xs, auxs, *, keep_outputs: bool):
+    """The forward ticks: (the last chunk's output of each micro-batch [M, ...] (None unless
+    ``keep_outputs``), the chunks' statistics accumulated (``pipeline_stats``; None without))."""
+    pipe, cfg = job.pipe, job.pipe.config
+    d = lax.axis_index(PP)
+    fill = _activation(job, embed, xs, pipe.fill)
+
+    def tick(carry, t):
+        recv, outputs, acc = carry
+        valid, m, j, inp = _forward_input(job, embed, xs, recv, t, d)
+        y, stats = stats_of.split(job, job.stage(_chunk(params, j), inp, _at(auxs, m)))
+        if keep_outputs:
+            _, last = _ends(cfg, d, j)
+            outputs = outputs.at[m].set(jnp.where(valid & last, y, outputs[m]))
+        if acc is not None:
+            acc = stats_of.place(job, acc, stats, valid, d, j)
+        return (pipe.send_forward(jnp.where(valid, y, fill)), outputs, acc), None
+
+    outputs = None
+    if keep_outputs:
+        outputs = _vary(jnp.zeros((cfg.microbatches, *fill.shape), fill.dtype), tuple(_varying(fill)))
+    acc = None
+    if job.stats_loss is not None:  # typed as the chunks' statistics (and the accumulation makes it)
+        _, s = jax.eval_shape(job.stage, _chunk(params, 0), fill, _vary(_at(auxs, 0), (PP,)))
+        acc = stats_of.empty(job, s, _vary, tuple(sorted(set(job.axes) | set(_type_axes(s)))))
+    (_, outputs, acc), _ = lax.scan(tick, (fill, outputs, acc), jnp.arange(cfg.forward_ticks))
+    return outputs, acc
 
 
 # --- 1F1B and interleaved: an explicit schedule with per-chunk VJPs ----------------------------------------
@@ -236,10 +258,15 @@ def one_f_one_b(job: Job, params, head, embed, x, targets, aux, *, with_head: bo
             job.axes,
         ),
     }
+    stats_loss, seeds = 0.0, None
+    if job.stats_loss is not None:  # the step's statistics first: their loss and each chunk's cotangent
+        acc = _forward_ticks(job, params, embed, xs, auxs, keep_outputs=False)[1]
+        stats_loss, seeds = stats_of.loss_and_seeds(job, acc, _vary)
     warm, both = cfg.chunks - 1, cfg.forward_ticks  # ticks [0, warm) forward only, [both, end) backward only
     phases = ((0, warm, True, False), (warm, both, True, True), (both, both + warm, False, True))
     for lo, hi, do_f, do_b in phases:
-        tick = partial(_tick, job, (params, head, embed, head_loss, kept), xs, (tgs, auxs), do_f, do_b)
+        model = (params, head, embed, head_loss, kept, seeds)
+        tick = partial(_tick, job, model, xs, (tgs, auxs), do_f, do_b)
         state, _ = lax.scan(tick, state, jnp.arange(lo, hi))
     grads = _sum_where_cast(state["grads"], entry[0], job.axes)
     head_grads = _sum_where_cast(state["head_grads"], entry[1], job.axes)  # from the last stage
@@ -247,12 +274,13 @@ def one_f_one_b(job: Job, params, head, embed, x, targets, aux, *, with_head: bo
         entry_grads = lax.psum(state["entry_grads"], PP).reshape(x.shape)  # written on device 0 only
     else:
         entry_grads = _sum_where_cast(state["entry_grads"], entry[2], job.axes)  # from the first stage
-    return _reduce_loss(job, state["loss"]), (jax.tree.map(lambda g: g[None], grads), entry_grads, head_grads)
+    loss = _reduce_loss(job, state["loss"]) + stats_loss
+    return loss, (jax.tree.map(lambda g: g[None], grads), entry_grads, head_grads)
 
 
 def _tick(job: Job, model, xs, rows, do_f: bool, do_b: bool, state, t):
     pipe, (tgs, auxs) = job.pipe, rows
-    params, head, embed, head_loss, kept = model
+    params, head, embed, head_loss, kept, seeds = model
     d = lax.axis_index(PP)
     state = dict(state)
     ct_loss = jnp.zeros_like(state["recv_ct"])
@@ -260,6 +288,7 @@ def _tick(job: Job, model, xs, rows, do_f: bool, do_b: bool, state, t):
         valid, m, j, inp = _forward_input(job, embed, xs, state["recv_x"], t, d)
         stage = lambda p, x: job.stage(p, x, _at(auxs, m))  # this micro-batch's aux rows
         y, vjp = jax.vjp(stage, _chunk(params, j), inp)  # its residuals kept until the backward
+        y, _ = stats_of.split(job, y)  # the statistics' value came from the statistics pass
         slot = (t - d) % pipe.config.stash_slots
         new = zip(state["stash"], kept.split(vjp), strict=True)
         state["stash"] = [buf.at[slot].set(jnp.where(valid, r, buf[slot])) for buf, r in new]
@@ -268,7 +297,7 @@ def _tick(job: Job, model, xs, rows, do_f: bool, do_b: bool, state, t):
             ct_loss = _loss_grad(job, state, (head, head_loss), y, _at(tgs, m), last, m)
         send_x = jnp.where(valid, y, pipe.fill)
     if do_b:
-        send_ct = _backward(job, (params, embed, kept), xs, state, t, d, ct_loss)
+        send_ct = _backward(job, (params, embed, kept, seeds), xs, state, t, d, ct_loss)
     if do_f:
         state["recv_x"] = pipe.send_forward(send_x)
     if do_b:
@@ -296,12 +325,14 @@ def _backward(job: Job, model, xs, state, t, d, ct_loss):
     the first chunk also the embedding's); returns what to send back. A bubble's residuals are ``fill``
     (NaN in the proof): every value derived from them is masked."""
     pipe, cfg = job.pipe, job.pipe.config
-    params, embed, kept = model
+    params, embed, kept, seeds = model
     valid, m, j = backward_slot(cfg, t, d)
     m = jnp.clip(m, 0, cfg.microbatches - 1)
     first, last = _ends(cfg, d, j)
     slot = forward_counter(cfg, m, j) % cfg.stash_slots
     ct = pipe.mask(valid, jnp.where(last, ct_loss, state["recv_ct"]))
+    if seeds is not None:  # the chunk's statistics' cotangent beside its output's
+        ct = (ct, pipe.mask(valid, seeds[stats_of.chunk_of(job, d, j)]))
     gp, gx = kept.rebuild(params, j, _chunk(params, j), [buf[slot] for buf in state["stash"]])(ct)
     state["grads"] = jax.tree.map(lambda acc, g: acc.at[j].add(pipe.mask(valid, g)), state["grads"], gp)
     if job.embed_fn is None:

@@ -31,7 +31,8 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Fami
   each of the fixed size E x N x D (``ep_all_to_all_bytes``). The expert weights' gradients are summed
   over the data shards outside ep alone (other replica groups than the dense weights' sum over dp):
   one more all-reduce where that axis is > 1 (no bytes beyond ``dp_gradients``'); under FSDP the dense
-  weights' DP-split gradients are then summed over ep (and cp) as cp's are.
+  weights are split over (dp, ep), every data shard, and reduce-scattered over both, the expert weights
+  over dp / ep (where > 1) and reduce-scattered there: nothing left to sum over ep.
 * A capacity factor (``moe_capacity_factor``; ``model.moe.capacity_keep``): each MoE layer all-gathers
   its tokens' expert ids and global places over the batch axes (and mp under sp) once forward (again
   with remat): integers, no backward.
@@ -112,10 +113,12 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
     if dp > 1 and layer_weights + outside:
         ag.update(fsdp_layers=2 * layer_weights, fsdp_outside=2 * outside)
         rs.update(fsdp_gradients=layer_weights + outside)
-        if layout.context_parallel or layout.experts_split:  # DP-split gradients then summed over cp / ep
+        if layout.context_parallel:  # DP-split gradients then summed over cp (with ep: FSDP covers it)
             ar["cp_fsdp_gradients"] = 1 + outside
     if cfg.arch.moe and cfg.moe_capacity_factor and layout.dp * layout.cp * (mp if sp else 1) > 1:
-        ag["moe_capacity"] = recompute * n  # the routing ids of the whole batch (``model.moe.capacity_keep``)
+        ag["moe_capacity"] = recompute * moe_layers(
+            cfg
+        )  # the routing ids of the whole batch (``model.moe.capacity_keep``)
     a2a = ep_all_to_alls(cfg, layout)
     if a2a and layout.mesh_shape[DP] > 1 and not layout.fsdp:  # experts' gradients: over dp / ep alone
         ar["ep_expert_gradients"] = 1

@@ -103,19 +103,19 @@ class FsdpGradFromOneShard(Parallel):
     """FSDP: each data shard keeps its own gradient of its weight slice instead of the reduce-scatter
     (the sum over data shards): the gathered weight's gradient reaches only the local slice."""
 
-    def gather_weight(self, w, dim: int):
-        full = lax.stop_gradient(super().gather_weight(w, dim))
+    def gather_weight(self, w, dim: int, axes=DP):
+        full = lax.stop_gradient(super().gather_weight(w, dim, axes))
         own = w - lax.stop_gradient(w)  # zero, with the identity as gradient
-        start = lax.axis_index(DP) * w.shape[dim]
+        start = lax.axis_index(axes) * w.shape[dim]
         return full + lax.dynamic_update_slice_in_dim(jnp.zeros_like(full), own, start, dim)
 
 
 class FsdpGatherWrongOrder(Parallel):
     """FSDP: the all-gather concatenates the data shards' slices rotated by one."""
 
-    def gather_weight(self, w, dim: int):
-        parts = jnp.roll(lax.all_gather(w, DP, axis=0, tiled=False), 1, axis=0)  # [dp, ...]
-        return jnp.concatenate(list(parts), axis=dim)  # the mesh's dp shards (dp / ep with ep on)
+    def gather_weight(self, w, dim: int, axes=DP):
+        parts = jnp.roll(lax.all_gather(w, axes, axis=0, tiled=False), 1, axis=0)  # [shards, ...]
+        return jnp.concatenate(list(parts), axis=dim)  # the data shards it is split over
 
 
 class SpNormGradNotSummed(Tapped):

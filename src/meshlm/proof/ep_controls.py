@@ -10,16 +10,23 @@ with the unsharded reference, by JAX's varying-axis type check, or by the commun
                                              tokens
   all-to-all sent three times                the send there, back and there again: the same values,
                                              three times the all-to-alls (communication check)
+  top-k ties broken by shard-local index     each ep shard ranks tied experts its own first (then by
+                                             local index): a token on shard 1 tied between experts 0
+                                             and E/ep takes E/ep (the proof plants that tie:
+                                             ``moe_controls.plant_router_tie``)
 
 Each is a ``Parallel`` subclass overriding one method (``parallel.ep.ExpertAxis``) or one tap
-(``proof.taps``); layers are unchanged.
+(``proof.taps``), or the routing's top-k replaced while the sharded run traces; layers are unchanged.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import jax.numpy as jnp
 from jax import lax
 
+from meshlm.model import moe
 from meshlm.model.moe import moe_losses
 from meshlm.parallel.axes import DP, EP, MP
 from meshlm.parallel.context import Parallel
@@ -61,6 +68,27 @@ class AllToAllThrice(Parallel):
         return super().ep_send(super().ep_return(there))
 
 
+def _top_k_own_shard_first(x, k: int):
+    """top-k as a shard that merges its own experts' candidates first: the experts in the order of
+    this ep shard's (by local index), then the next shards'; equal values in that order (the wrong
+    rule: ties across shards go to the shard's own expert, so routing depends on where a token is)."""
+    e = x.shape[-1]
+    order = jnp.roll(jnp.arange(e), -lax.axis_index(EP) * (e // lax.axis_size(EP)))
+    values, ids = lax.top_k(x[..., order], k)
+    return values, order[ids]
+
+
+@contextmanager
+def ties_to_own_shard():
+    """The routing's top-k breaks ties by shard-local index while the sharded run traces."""
+    old = moe.TOP_K
+    moe.TOP_K = _top_k_own_shard_first
+    try:
+        yield
+    finally:
+        moe.TOP_K = old
+
+
 def _ep(w: Where) -> bool:
     return w.layout.experts_split
 
@@ -76,6 +104,11 @@ EP_CONTROLS: tuple[Control, ...] = (
         name="aux-loss statistics not summed over ep",
         applies=lambda w: _ep(w) and moe_losses(w.cfg),
         par_cls=StatisticsNotSummedOverEp,
+    ),
+    Control(
+        name="top-k ties broken by shard-local index",
+        applies=lambda w: _ep(w) and w.cfg.experts_per_token < w.cfg.n_experts,
+        plant=ties_to_own_shard,
     ),
     Control(
         name="all-to-all sent three times",

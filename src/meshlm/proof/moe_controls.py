@@ -9,7 +9,9 @@ lists them.
 A tie must exist for its control to show: ``plant_router_tie`` makes expert 1's router column a copy
 of expert 0's in every layer of the parameters *both* runs start from (``model_problem`` for a MoE
 config), so every token ties between the two, and where they tie for the k-th place the rule decides
-which one is computed (exact ties: the same column, the same matmul, in each run)."""
+which one is computed (exact ties: the same column, the same matmul, in each run). With ``ep`` it copies
+column 0 to expert E/ep's too (the first expert of ep shard 1): a tie across shards, which a rule
+ranking by shard-local index breaks differently (``proof.ep_controls``)."""
 
 from __future__ import annotations
 
@@ -27,13 +29,18 @@ from meshlm.proof.control_record import Control, Where
 from meshlm.proof.taps import Tapped
 
 
-def plant_router_tie(params):
-    """``params`` with every layer's router column 1 set to column 0 (shardings kept)."""
+def plant_router_tie(params, ep: int = 1):
+    """``params`` with every layer's router column 1 (and with ``ep`` > 1 column E / ep) set to column
+    0 (shardings kept)."""
+
+    def tie(w):
+        cols = sorted({1, w.shape[-1] // ep if ep > 1 else 1})  # E / ep: the first of ep shard 1
+        return w.at[..., jnp.asarray(cols)].set(w[..., :1])
 
     def plant(path, x):
         if not path.endswith("moe/router/w"):
             return x
-        return jax.jit(lambda w: w.at[..., 1].set(w[..., 0]), out_shardings=x.sharding)(x)
+        return jax.jit(tie, out_shardings=x.sharding)(x)
 
     return {m: {n: plant(param_path(m, n), x) for n, x in leaves.items()} for m, leaves in params.items()}
 

@@ -19,10 +19,12 @@ import dataclasses
 import jax
 import numpy as np
 
+from meshlm.model.moe import moe_losses
 from meshlm.parallel.axes import CP, PP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.pipeline import Pipeline
 from meshlm.parallel.pipeline_schedule import schedule_facts
+from meshlm.parallel.pipeline_stats import stats_pass_permutes
 from meshlm.proof.cp_controls import CP_CONTROLS
 from meshlm.proof.pipeline_proof import CONTROLS, applicable_controls
 from meshlm.proof.report import LeafResult, check_row, compare_into, worst
@@ -94,14 +96,16 @@ def permute_rows(runs, pipe_cls=None, par_cls=Parallel) -> list[dict]:
     fn = runs.value_and_grad(runs.problem.build_loss, par_cls=par_cls, pipe_cls=pipe_cls)
     jaxpr = jax.make_jaxpr(fn)(runs.params, runs.batch).jaxpr
     got = count_permutes(jaxpr)
-    cfg = runs.layout.pipeline
+    cfg, model = runs.layout.pipeline, runs.problem.cfg
     want = schedule_facts(cfg).permutes_per_step
     detail = (
         f"{got} collective-permutes per step; the {cfg.schedule} schedule needs 2 (V M + pp - 1) = {want} "
         f"(pp={cfg.pp}, M={cfg.microbatches}, V={cfg.virtual_stages})"
     )
+    if model is not None and moe_losses(model) and stats_pass_permutes(cfg):
+        want += stats_pass_permutes(cfg)
+        detail += f", + V M + pp - 1 = {stats_pass_permutes(cfg)} of the routing statistics' pass = {want}"
     rows = [check_row("pipeline communication", got == want, detail)]
-    model = runs.problem.cfg
     if runs.layout.cp_ring and model is not None and model.arch.attention:
         got, want = count_permutes(jaxpr, axis=CP), cp_ring_permutes(model, runs.layout)
         detail = (

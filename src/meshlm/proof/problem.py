@@ -85,7 +85,9 @@ def model_problem(
         )
     prepare = None
     if cfg.arch.moe:  # a tie in every layer's routing, for the tie-breaking control (``proof.moe_controls``)
-        from meshlm.proof.moe_controls import plant_router_tie as prepare
+        from meshlm.proof.moe_controls import plant_router_tie
+
+        prepare = partial(plant_router_tie, ep=ep)
     return Problem(
         prepare_params=prepare,
         build_loss=rebuild(cfg),

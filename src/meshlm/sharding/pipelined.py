@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from meshlm.errors import ConfigError
 from meshlm.model.attention import doc_starts
 from meshlm.model.config import ModelConfig
+from meshlm.model.moe import aux_loss, moe_losses
 from meshlm.model.params import STACKED_PREFIX
 from meshlm.model.pieces import embed_fn, head_loss_fn, layers_fn
 from meshlm.model.transformer import check_context, loss_fn
@@ -40,11 +41,6 @@ def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
         raise ConfigError(
             f"--pp with moe_capacity_factor={cfg.moe_capacity_factor}: the capacity is a rule on the whole "
             "batch and a pipeline stage routes one micro-batch at a time; drop --pp or the capacity factor"
-        )
-    if cfg.arch.moe:
-        raise ConfigError(
-            f"--pp does not carry the {cfg.family} experts' routing statistics (aux losses) between stages "
-            "yet; drop --pp (use --mp, --fsdp or --sp)"
         )
     chunk = cfg.n_layers // (layout.pipeline.pp * layout.pipeline.virtual_stages)
     if cfg.global_every and chunk % cfg.global_every:  # each chunk numbers its layers from 0
@@ -104,6 +100,7 @@ def pipelined_value_and_grad(
         embed_fn=embed_apply,
         embed_specs=embed_specs,
         with_aux=cfg.doc_mask >= 0,
+        stats_loss=_stats_loss(cfg, par),
     )
 
     def fn(params, batch):
@@ -123,6 +120,15 @@ def pipelined_value_and_grad(
         return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
 
     return fn
+
+
+def _stats_loss(cfg: ModelConfig, par: Parallel):
+    """A mixture of experts' aux and z losses for the pipeline: of the routing statistics every stage's
+    layers returned for every micro-batch (summed by the engine over them and the stages), summed over
+    the batch's shards (``Parallel.moe_sum``); None without those losses."""
+    if not moe_losses(cfg):
+        return None
+    return lambda stats: aux_loss(cfg, par.moe_sum(stats))
 
 
 def pipelined_loss(cfg: ModelConfig, compute_dtype=None):

@@ -133,7 +133,7 @@ def model_specs(cfg, abstract_params, layout: Layout):
     ``layout.fsdp`` every weight is also split over dp (``fsdp_spec``)."""
     from meshlm.model.attention import kv_replicated
 
-    mp, dp = layout.mp, layout.mesh_shape[DP]  # FSDP splits over the mesh's DP axis: dp / ep shards
+    mp = layout.mp
     kv_axis = MP
     if cfg.arch.attention:
         if cfg.n_heads % mp:
@@ -156,8 +156,8 @@ def model_specs(cfg, abstract_params, layout: Layout):
     for fsdp_dim, axis in layout.option_axes().items():  # --fsdp: each weight's embed dim over dp
         specs = {
             mod: {
-                name: fsdp_spec(
-                    param_path(mod, name), abstract_params[mod][name].shape, spec, dp, fsdp_dim, axis
+                name: _fsdp(
+                    layout, param_path(mod, name), abstract_params[mod][name].shape, spec, fsdp_dim, axis
                 )
                 for name, spec in leaves.items()
             }
@@ -174,6 +174,19 @@ def pp_mixed_stack(cfg) -> str:
         f"--pp: {cfg.family}'s dense layers {list(cfg.dense_layers)} among its MoE layers stack apart, and "
         "pipeline stages hold uniform layers; drop --pp (use --mp, --ep, --fsdp or --sp)"
     )
+
+
+def _fsdp(layout: Layout, path: str, shape, spec: P, fsdp_dim: str, axis: str) -> P:
+    """``fsdp_spec`` of one parameter on ``layout``. With ep on, FSDP splits over every data shard: a
+    dense weight over (dp, ep) -- the mesh's DP axis and EP, ``layout.dp`` shards --, an expert weight
+    (its experts already split over EP) over the data shards outside ep, the mesh's DP axis (dp / ep:
+    with dp = ep none, and it stays whole on its ep shard)."""
+    if axis != DP or not layout.experts_split:
+        return fsdp_spec(path, shape, spec, layout.mesh_shape[DP], fsdp_dim, axis)
+    if EP not in spec_axes(spec):
+        return fsdp_spec(path, shape, spec, layout.dp, fsdp_dim, (DP, EP))
+    outside = layout.mesh_shape[DP]
+    return fsdp_spec(path, shape, spec, outside, fsdp_dim, DP) if outside > 1 else spec
 
 
 def check_experts_split(cfg, abstract_params, specs, ep: int) -> None:
