@@ -414,6 +414,7 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --checkpoint nt --mesh 2x2 --ep 2 --devices 4": Shown(
         "its checkpoint needs scripts/near_tie_mixtral.py (torch) and a 4.5-min float32 proof; "
         "tests/test_routing_flips.py counts planted flips through the same probe"
+    ),
     EP_PP_CMD: verify(costly=EP_PP),
     EP_PP_CMD + " --pp-schedule gpipe": verify(costly=EP_PP),
     "meshlm verify --config tiny-mixtral --mesh 2x2 --ep 2 --devices 4 --fsdp --sp --steps 2 --x64": verify(
