@@ -4,7 +4,11 @@
 three scans -- forward-only warm-up, forward-and-backward ticks, backward-only drain -- each tick running
 one forward slot and one backward slot (``pipeline_schedule`` says which) with per-chunk VJPs, the
 forward's residuals kept until the backward (``pipeline_stash``). Every
-buffer starts as ``pipe.fill`` and every bubble slot is masked through ``pipe.mask``.
+buffer starts as ``pipe.fill`` and every bubble slot is masked through ``pipe.mask``; 1F1B's bubble slots
+also skip their chunk's work (``lax.cond`` on ``pipe.runs``), and the head runs only in the last chunk's
+valid slots. Per tick, what remains besides the chunk's own forward and backward: two ``ppermute``s, the
+residuals' write into the ring (``where`` + dynamic-update-slice of one slot) and read, the gradient's add
+into the accumulators (a plain add with V = 1), the conditionals.
 """
 
 from __future__ import annotations
@@ -115,17 +119,25 @@ def _only_if(pred, fn, *args):
     """``fn(*args)`` where ``pred`` (the same on every device of a stage) holds, zeros of its types
     elsewhere. Its collectives over dp and mp stay within one stage, which takes one branch."""
 
-    def zeros(*args):
-        types = jax.eval_shape(fn, *args)
-        return jax.tree.map(lambda s: _vary(jnp.zeros(s.shape, s.dtype), _type_axes(s)), types)
-
-    return lax.cond(pred, fn, zeros, *args)
+    return lax.cond(pred, fn, partial(_zeros_of, fn), *args)
 
 
-def _on_last_stage(job: Job, fn, *args):
-    """``fn(*args)`` on the last stage, zeros of its types elsewhere: the head (final norm, output
-    projection, loss) runs where it counts instead of masked on every stage."""
-    return _only_if(lax.axis_index(PP) == job.pipe.config.pp - 1, fn, *args)
+def _zeros_of(fn, *args):
+    """Zeros of ``fn(*args)``'s types (shapes, dtypes and varying axes), without running it."""
+    types = jax.eval_shape(fn, *args)
+    return jax.tree.map(lambda s: _vary(jnp.zeros(s.shape, s.dtype), _type_axes(s)), types)
+
+
+def _on_last_stage(job: Job, fn, *args, where=True):
+    """``fn(*args)`` on the last stage (and ``where``), zeros of its types elsewhere: the head (final
+    norm, output projection, loss) runs where it counts instead of masked on every stage and tick."""
+    return _only_if((lax.axis_index(PP) == job.pipe.config.pp - 1) & where, fn, *args)
+
+
+def _add_at(acc, j, g):
+    """Virtual stage j's gradient added to the [V, ...] accumulator: with V = 1 at a static index (a
+    plain add; the scatter-add of a traced index runs as a slow loop on CPU)."""
+    return acc + g[None] if acc.shape[0] == 1 else acc.at[j].add(g)
 
 
 def _enter(job: Job, embed, xs, m):
@@ -165,7 +177,7 @@ def _forward_input(job: Job, embed, xs, recv, t, d):
     valid, m, j = forward_slot(cfg, t, d)
     m = jnp.clip(m, 0, cfg.microbatches - 1)
     first, _ = _ends(cfg, d, j)
-    entered = _only_if(first, partial(_enter, job), embed, xs, m) if job.embed_fn else xs[m]
+    entered = _only_if(first & valid, partial(_enter, job), embed, xs, m) if job.embed_fn else xs[m]
     return valid, m, j, job.pipe.mask(valid, jnp.where(first, entered, recv))
 
 
@@ -259,9 +271,14 @@ def _tick(job: Job, model, xs, rows, do_f: bool, do_b: bool, state, t):
     if do_f:
         valid, m, j, inp = _forward_input(job, embed, xs, state["recv_x"], t, d)
         stage = lambda p, x: job.stage(p, x, _at(auxs, m))  # this micro-batch's aux rows
-        y, vjp = jax.vjp(stage, _chunk(params, j), inp)  # its residuals kept until the backward
+
+        def forward(params, inp):  # its residuals kept until the backward; the chunk sliced in the branch
+            y, vjp = jax.vjp(stage, _chunk(params, j), inp)
+            return y, kept.split(vjp)
+
+        y, leaves = _only_if(pipe.runs(valid), forward, params, inp)
         slot = (t - d) % pipe.config.stash_slots
-        new = zip(state["stash"], kept.split(vjp), strict=True)
+        new = zip(state["stash"], leaves, strict=True)
         state["stash"] = [buf.at[slot].set(jnp.where(valid, r, buf[slot])) for buf, r in new]
         if do_b:  # the last chunk runs a micro-batch's backward in the tick of its forward
             last = valid & _ends(pipe.config, d, j)[1]
@@ -281,7 +298,7 @@ def _loss_grad(job: Job, state, head, y, targets, last, m):
     the cotangent it seeds."""
     pipe, (head, head_loss) = job.pipe, head
     value_and_grad = jax.value_and_grad(head_loss, argnums=(0, 1))
-    value, (gh, ct) = _on_last_stage(job, value_and_grad, head, y, targets)
+    value, (gh, ct) = _on_last_stage(job, value_and_grad, head, y, targets, where=last)
     state["loss"] = state["loss"] + jnp.where(last, pipe.loss_scale() * value, 0.0)
     keep = last & pipe.keeps_grad(m)
     scale = pipe.loss_scale() / job.batch_shards  # the gradient of the mean over micro-batches, dp and cp
@@ -293,8 +310,9 @@ def _loss_grad(job: Job, state, head, y, targets, last, m):
 
 def _backward(job: Job, model, xs, state, t, d, ct_loss):
     """The backward slot at tick t: the chunk's VJP rebuilt from the residuals its forward slot kept (on
-    the first chunk also the embedding's); returns what to send back. A bubble's residuals are ``fill``
-    (NaN in the proof): every value derived from them is masked."""
+    the first chunk also the embedding's), its gradients added to the accumulators; returns what to send
+    back. A bubble's is skipped (its residuals are ``fill``, NaN in the proof; with ``runs`` overridden
+    every value derived from them is still masked)."""
     pipe, cfg = job.pipe, job.pipe.config
     params, embed, kept = model
     valid, m, j = backward_slot(cfg, t, d)
@@ -302,8 +320,16 @@ def _backward(job: Job, model, xs, state, t, d, ct_loss):
     first, last = _ends(cfg, d, j)
     slot = forward_counter(cfg, m, j) % cfg.stash_slots
     ct = pipe.mask(valid, jnp.where(last, ct_loss, state["recv_ct"]))
-    gp, gx = kept.rebuild(params, j, _chunk(params, j), [buf[slot] for buf in state["stash"]])(ct)
-    state["grads"] = jax.tree.map(lambda acc, g: acc.at[j].add(pipe.mask(valid, g)), state["grads"], gp)
+
+    def backward(params, stash, ct, grads):  # the chunk, its residuals and accumulators taken in the branch
+        gp, gx = kept.rebuild(params, j, _chunk(params, j), [buf[slot] for buf in stash])(ct)
+        return jax.tree.map(lambda acc, g: _add_at(acc, j, pipe.mask(valid, g)), grads, gp), gx
+
+    def skipped(*operands):  # a bubble: nothing computed, nothing added
+        return operands[-1], _zeros_of(backward, *operands)[1]
+
+    operands = params, state["stash"], ct, state["grads"]
+    state["grads"], gx = lax.cond(pipe.runs(valid), backward, skipped, *operands)
     if job.embed_fn is None:
         acc = state["entry_grads"]
         state["entry_grads"] = acc.at[m].set(jnp.where(valid & first, gx, acc[m]))
