@@ -267,3 +267,29 @@ def test_mesh_without_the_pipeline_axis_or_of_another_size_is_refused():
         )
     with pytest.raises(MeshError, match="pp=4"):
         pipeline_value_and_grad(stage_fn, loss_fn, _mesh(2), Pipeline(PipelineConfig(4, 4)))
+
+
+def _dots(jaxpr, in_cond=False) -> tuple[int, int]:
+    """(dot_generals outside any cond, inside one) of a jaxpr, each sub-jaxpr counted once."""
+    outside = inside = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            inside, outside = (inside + 1, outside) if in_cond else (inside, outside + 1)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    o, i = _dots(inner, in_cond or eqn.primitive.name == "cond")
+                    outside, inside = outside + o, inside + i
+    return outside, inside
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("interleaved", 2)])
+def test_1f1b_bubble_slots_skip_their_chunk(schedule, v):
+    """Every chunk matmul of 1F1B's ticks runs under a ``lax.cond`` on the slot's validity: a bubble is
+    skipped, not computed and masked (on fake CPU devices masked work costs real time)."""
+    cfg = PipelineConfig(2, 4, schedule, v)
+    params, x, targets = _problem(cfg.chunks, 8)
+    fn = pipeline_value_and_grad(stage_fn, loss_fn, _mesh(2), Pipeline(cfg))
+    outside, inside = _dots(jax.make_jaxpr(fn)(params, x, targets).jaxpr)
+    assert outside == 0 and inside > 0, (outside, inside)
