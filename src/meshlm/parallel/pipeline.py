@@ -26,10 +26,11 @@ stage on and cotangents one back with ``lax.ppermute`` once per tick.
 
 Bubbles: every device takes part in every tick (SPMD). A slot with no micro-batch is *masked*: its input
 is zeroed, its gradient contributions are zeroed, and what it sends on is ``fill``; under 1F1B and
-interleaved its chunk forward and backward are also skipped (``lax.cond`` on the slot's validity, the same
-on every device of a stage, so the stage's own collectives over dp, cp and mp stay matched; GPipe's
-forward, differentiated by JAX, runs its bubbles masked). The head (``loss_fn``) runs only where the last
-chunk has a micro-batch (``lax.cond``), the embedding only where the first chunk has one.
+interleaved without cp its chunk forward and backward are also skipped (``lax.cond`` on the slot's
+validity, the same on every device of a stage, so the stage's all-reduces over dp and mp stay matched;
+``Job.skips_bubbles`` says why not with cp; GPipe's forward, differentiated by JAX, runs them masked).
+The head (``loss_fn``) runs only where the last chunk has a micro-batch (``lax.cond``), the embedding
+only where the first chunk has one.
 Tests set ``fill`` to NaN: a result that is finite and exact shows that no bubble reaches it.
 Controls (``meshlm.proof.pipeline_proof``) override one hook of ``Pipeline`` each.
 """
@@ -80,8 +81,8 @@ class Pipeline:
         return jnp.where(valid, x, jnp.zeros_like(x))
 
     def runs(self, valid):
-        """Whether a 1F1B slot runs its chunk (``lax.cond``): a bubble's is skipped, not computed and
-        masked -- on devices that share cores (fake CPU devices) masked work costs real time."""
+        """Whether a 1F1B slot runs its chunk (``lax.cond``; not with cp): a bubble's is skipped, not
+        computed and masked -- on devices that share cores (fake CPU devices) masked work costs time."""
         return valid
 
     def loss_scale(self):

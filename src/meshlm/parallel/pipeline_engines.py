@@ -3,12 +3,9 @@
 ``gpipe``: a scan over the forward ticks, differentiated by JAX. ``one_f_one_b`` (1F1B and interleaved):
 three scans -- forward-only warm-up, forward-and-backward ticks, backward-only drain -- each tick running
 one forward slot and one backward slot (``pipeline_schedule`` says which) with per-chunk VJPs, the
-forward's residuals kept until the backward (``pipeline_stash``). Every
-buffer starts as ``pipe.fill`` and every bubble slot is masked through ``pipe.mask``; 1F1B's bubble slots
-also skip their chunk's work (``lax.cond`` on ``pipe.runs``), and the head runs only in the last chunk's
-valid slots. Per tick, what remains besides the chunk's own forward and backward: two ``ppermute``s, the
-residuals' write into the ring (``where`` + dynamic-update-slice of one slot) and read, the gradient's add
-into the accumulators (a plain add with V = 1), the conditionals.
+forward's residuals kept until the backward (``pipeline_stash``). Every buffer starts as ``pipe.fill``
+and every bubble slot is masked through ``pipe.mask``; 1F1B's also skip their chunk (``lax.cond``). Per
+tick besides the chunk's work: two ``ppermute``s, one ring slot written and read, the gradient's add.
 """
 
 from __future__ import annotations
@@ -52,6 +49,13 @@ class Job:
     def batch_shards(self) -> int:
         """Shards of each micro-batch's tokens: dp x cp."""
         return self.n_dp * self.n_cp
+
+    @property
+    def skips_bubbles(self) -> bool:
+        """Whether a 1F1B bubble slot skips its chunk (``lax.cond``). Not with cp: its chunks pass K/V
+        with ``ppermute``, and XLA:CPU's collective-permute waits for every device of the program, so
+        one inside a branch another stage does not take would deadlock; there bubbles run masked."""
+        return self.n_cp == 1
 
     def stage(self, params, x, aux):
         """The chunk on micro-batch activations ``x`` (with ``with_aux`` and its rows of ``aux``)."""
@@ -99,8 +103,7 @@ def _head_loss(job: Job, with_head: bool):
 
 
 def _split(job: Job, params, x, targets, aux=()):
-    """This device's chunks [V, c, ...] and its rows (inputs, targets, aux) as [M, rows / M, ...]
-    micro-batches."""
+    """This device's chunks [V, c, ...] and its rows (inputs, targets, aux) as [M, rows/M, ...]."""
     m = job.pipe.config.microbatches
     split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])
     rows = (split(x), *(jax.tree.map(split, t) for t in (targets, aux)))
@@ -118,7 +121,6 @@ def _chunk(params, j):
 def _only_if(pred, fn, *args):
     """``fn(*args)`` where ``pred`` (the same on every device of a stage) holds, zeros of its types
     elsewhere. Its collectives over dp and mp stay within one stage, which takes one branch."""
-
     return lax.cond(pred, fn, partial(_zeros_of, fn), *args)
 
 
@@ -132,6 +134,11 @@ def _on_last_stage(job: Job, fn, *args, where=True):
     """``fn(*args)`` on the last stage (and ``where``), zeros of its types elsewhere: the head (final
     norm, output projection, loss) runs where it counts instead of masked on every stage and tick."""
     return _only_if((lax.axis_index(PP) == job.pipe.config.pp - 1) & where, fn, *args)
+
+
+def _unless_bubble(job: Job, valid, fn, skipped, *args):
+    """``fn(*args)``, or ``skipped(*args)`` in a bubble slot (``pipe.runs``) where ``skips_bubbles``."""
+    return lax.cond(job.pipe.runs(valid), fn, skipped, *args) if job.skips_bubbles else fn(*args)
 
 
 def _add_at(acc, j, g):
@@ -276,7 +283,7 @@ def _tick(job: Job, model, xs, rows, do_f: bool, do_b: bool, state, t):
             y, vjp = jax.vjp(stage, _chunk(params, j), inp)
             return y, kept.split(vjp)
 
-        y, leaves = _only_if(pipe.runs(valid), forward, params, inp)
+        y, leaves = _unless_bubble(job, valid, forward, partial(_zeros_of, forward), params, inp)
         slot = (t - d) % pipe.config.stash_slots
         new = zip(state["stash"], leaves, strict=True)
         state["stash"] = [buf.at[slot].set(jnp.where(valid, r, buf[slot])) for buf, r in new]
@@ -325,11 +332,9 @@ def _backward(job: Job, model, xs, state, t, d, ct_loss):
         gp, gx = kept.rebuild(params, j, _chunk(params, j), [buf[slot] for buf in stash])(ct)
         return jax.tree.map(lambda acc, g: _add_at(acc, j, pipe.mask(valid, g)), grads, gp), gx
 
-    def skipped(*operands):  # a bubble: nothing computed, nothing added
-        return operands[-1], _zeros_of(backward, *operands)[1]
-
+    skipped = lambda *ops: (ops[-1], _zeros_of(backward, *ops)[1])  # a bubble: nothing computed or added
     operands = params, state["stash"], ct, state["grads"]
-    state["grads"], gx = lax.cond(pipe.runs(valid), backward, skipped, *operands)
+    state["grads"], gx = _unless_bubble(job, valid, backward, skipped, *operands)
     if job.embed_fn is None:
         acc = state["entry_grads"]
         state["entry_grads"] = acc.at[m].set(jnp.where(valid & first, gx, acc[m]))
