@@ -267,3 +267,58 @@ def test_mesh_without_the_pipeline_axis_or_of_another_size_is_refused():
         )
     with pytest.raises(MeshError, match="pp=4"):
         pipeline_value_and_grad(stage_fn, loss_fn, _mesh(2), Pipeline(PipelineConfig(4, 4)))
+
+
+def _dots(jaxpr, in_cond=False) -> tuple[int, int]:
+    """(dot_generals outside any cond, inside one) of a jaxpr, each sub-jaxpr counted once."""
+    outside = inside = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            inside, outside = (inside + 1, outside) if in_cond else (inside, outside + 1)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    o, i = _dots(inner, in_cond or eqn.primitive.name == "cond")
+                    outside, inside = outside + o, inside + i
+    return outside, inside
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("interleaved", 2)])
+def test_1f1b_bubble_slots_skip_their_chunk(schedule, v):
+    """Every chunk matmul of 1F1B's ticks runs under a ``lax.cond`` on the slot's validity: a bubble is
+    skipped, not computed and masked (on fake CPU devices masked work costs real time)."""
+    cfg = PipelineConfig(2, 4, schedule, v)
+    params, x, targets = _problem(cfg.chunks, 8)
+    fn = pipeline_value_and_grad(stage_fn, loss_fn, _mesh(2), Pipeline(cfg))
+    outside, inside = _dots(jax.make_jaxpr(fn)(params, x, targets).jaxpr)
+    assert outside == 0 and inside > 0, (outside, inside)
+
+
+def test_with_cp_no_permute_runs_under_a_bubble_cond():
+    """With a cp axis the chunk's own ``ppermute``s (the cp ring's) stay out of any ``lax.cond``: XLA:CPU's
+    collective-permute waits for every device of the program, so one in a branch another stage skips
+    deadlocks. Bubbles there run masked."""
+    from meshlm.parallel.axes import CP
+
+    def ring_stage(params, x):  # x varies over cp already (the engine casts activations to every axis)
+        return stage_fn(params, x + lax.ppermute(x, CP, [(0, 1), (1, 0)]))
+
+    cfg = PipelineConfig(2, 2, "1f1b")
+    params, x, targets = _problem(2, 4)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), (PP, CP))
+    embed = lambda e, inputs: inputs * e  # under cp the engine's input is embedded (its gradient summed)
+    fn = pipeline_value_and_grad(ring_stage, loss_fn, mesh, Pipeline(cfg), embed_fn=embed)
+
+    def permutes_in_cond(jaxpr, in_cond=False):
+        n = 0
+        for eqn in jaxpr.eqns:
+            n += in_cond and eqn.primitive.name == "ppermute"
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, tuple | list) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        n += permutes_in_cond(inner, in_cond or eqn.primitive.name == "cond")
+        return n
+
+    assert permutes_in_cond(jax.make_jaxpr(fn)(params, x, targets, None, jnp.ones(())).jaxpr) == 0

@@ -24,9 +24,13 @@ stage on and cotangents one back with ``lax.ppermute`` once per tick.
   remat policy saves) in a ring of ``2 pp V - 1`` micro-batches (memory flat in M); the backward runs
   that VJP, seeded on the last chunk by the loss's gradient. No chunk forward runs twice.
 
-Bubbles: every device runs its chunk every tick (SPMD). A slot with no micro-batch is *masked*: its input
-is zeroed before the chunk runs, its gradient contributions are zeroed, and what it sends on is ``fill``.
-The head (``loss_fn``) runs on the last stage only (``lax.cond`` on the stage index).
+Bubbles: every device takes part in every tick (SPMD). A slot with no micro-batch is *masked*: its input
+is zeroed, its gradient contributions are zeroed, and what it sends on is ``fill``; under 1F1B and
+interleaved without cp its chunk forward and backward are also skipped (``lax.cond`` on the slot's
+validity, the same on every device of a stage, so the stage's all-reduces over dp and mp stay matched;
+``Job.skips_bubbles`` says why not with cp; GPipe's forward, differentiated by JAX, runs them masked).
+The head (``loss_fn``) runs only where the last chunk has a micro-batch (``lax.cond``), the embedding
+only where the first chunk has one.
 Tests set ``fill`` to NaN: a result that is finite and exact shows that no bubble reaches it.
 Controls (``meshlm.proof.pipeline_proof``) override one hook of ``Pipeline`` each.
 """
@@ -75,6 +79,11 @@ class Pipeline:
     def mask(self, valid, x):
         """A bubble's value replaced by zeros (stage inputs, cotangents, gradient contributions)."""
         return jnp.where(valid, x, jnp.zeros_like(x))
+
+    def runs(self, valid):
+        """Whether a 1F1B slot runs its chunk (``lax.cond``; not with cp): a bubble's is skipped, not
+        computed and masked -- on devices that share cores (fake CPU devices) masked work costs time."""
+        return valid
 
     def loss_scale(self):
         """The step's loss is the mean of the micro-batch losses."""

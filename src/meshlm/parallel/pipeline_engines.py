@@ -3,8 +3,9 @@
 ``gpipe``: a scan over the forward ticks, differentiated by JAX. ``one_f_one_b`` (1F1B and interleaved):
 three scans -- forward-only warm-up, forward-and-backward ticks, backward-only drain -- each tick running
 one forward slot and one backward slot (``pipeline_schedule`` says which) with per-chunk VJPs, the
-forward's residuals kept until the backward (``pipeline_stash``). Every
-buffer starts as ``pipe.fill`` and every bubble slot is masked through ``pipe.mask``.
+forward's residuals kept until the backward (``pipeline_stash``). Every buffer starts as ``pipe.fill``
+and every bubble slot is masked through ``pipe.mask``; 1F1B's also skip their chunk (``lax.cond``). Per
+tick besides the chunk's work: two ``ppermute``s, one ring slot written and read, the gradient's add.
 """
 
 from __future__ import annotations
@@ -18,6 +19,30 @@ from jax import lax
 
 from meshlm.parallel import pipeline_stats as stats_of
 from meshlm.parallel.axes import CP, DP, EP, PP
+from meshlm.parallel.pipeline_ops import (
+    add_at as _add_at,
+)
+from meshlm.parallel.pipeline_ops import (
+    chunk as _chunk,
+)
+from meshlm.parallel.pipeline_ops import (
+    only_if as _only_if,
+)
+from meshlm.parallel.pipeline_ops import (
+    sum_where_cast as _sum_where_cast,
+)
+from meshlm.parallel.pipeline_ops import (
+    type_axes as _type_axes,
+)
+from meshlm.parallel.pipeline_ops import (
+    vary as _vary,
+)
+from meshlm.parallel.pipeline_ops import (
+    varying as _varying,
+)
+from meshlm.parallel.pipeline_ops import (
+    zeros_of as _zeros_of,
+)
 from meshlm.parallel.pipeline_schedule import PipelineConfig, backward_slot, forward_counter, forward_slot
 from meshlm.parallel.pipeline_stash import residuals
 
@@ -53,44 +78,16 @@ class Job:
         """Shards of each micro-batch's tokens: dp x cp."""
         return self.n_dp * self.n_cp
 
+    @property
+    def skips_bubbles(self) -> bool:
+        """Whether a 1F1B bubble slot skips its chunk (``lax.cond``). Not with cp: its chunks pass K/V
+        with ``ppermute``, and XLA:CPU's collective-permute waits for every device of the program, so
+        one inside a branch another stage does not take would deadlock; there bubbles run masked."""
+        return self.n_cp == 1
+
     def stage(self, params, x, aux):
         """The chunk on micro-batch activations ``x`` (with ``with_aux`` and its rows of ``aux``)."""
         return self.stage_fn(params, x, aux) if self.with_aux else self.stage_fn(params, x)
-
-
-def _varying(a) -> frozenset:
-    """The mesh axes ``a`` varies over (inside shard_map)."""
-    aval = jax.typeof(a)
-    return frozenset(aval.vma if hasattr(aval, "vma") else aval.mat.varying)  # renamed across JAX versions
-
-
-def _type_axes(s) -> tuple:
-    """The axes a ShapeDtypeStruct from ``jax.eval_shape`` inside shard_map varies over."""
-    mat = getattr(s, "manual_axis_type", None)
-    return tuple(sorted(mat.varying)) if mat is not None else tuple(getattr(s, "vma", ()))
-
-
-def _vary(tree, axes):
-    """Mark values varying over ``axes`` (scan carries must keep one type across ticks; for parameters
-    the cast's transpose is the gradient's sum over those axes)."""
-
-    def one(a):
-        missing = tuple(ax for ax in axes if ax not in _varying(a))
-        return lax.pcast(a, missing, to="varying") if missing else a
-
-    return jax.tree.map(one, tree)
-
-
-def _sum_where_cast(grads, entry, axes):
-    """Sum each gradient over the ``axes`` its parameter was cast to vary over at entry (``entry``: the
-    parameters as they came in). A parameter stored split over DP (FSDP) is DP-varying already: its
-    gradient came out of the all-gather's transpose, a reduce-scatter, summed."""
-
-    def one(g, a):
-        cast = tuple(ax for ax in axes if ax not in _varying(a))
-        return lax.psum(g, cast) if cast else g
-
-    return jax.tree.map(one, grads, entry)
 
 
 def _head_loss(job: Job, with_head: bool):
@@ -99,37 +96,22 @@ def _head_loss(job: Job, with_head: bool):
 
 
 def _split(job: Job, params, x, targets, aux=()):
-    """This device's chunks [V, c, ...] and its rows (inputs, targets, aux) as [M, rows / M, ...]
-    micro-batches."""
+    """This device's chunks [V, c, ...] and its rows (inputs, targets, aux) as [M, rows/M, ...]."""
     m = job.pipe.config.microbatches
     split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])
     rows = (split(x), *(jax.tree.map(split, t) for t in (targets, aux)))
     return jax.tree.map(lambda a: a[0], params), *rows
 
 
-def _chunk(params, j):
-    """Virtual stage j's layers [c, ...] of this device's [V, c, ...]. With V = 1 a static index: the
-    weights stay loop-invariant, so GPipe's scan does not save a copy of them per tick."""
-    if jax.tree.leaves(params)[0].shape[0] == 1:
-        return jax.tree.map(lambda a: a[0], params)
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, 0, keepdims=False), params)
+def _on_last_stage(job: Job, fn, *args, where=True):
+    """``fn(*args)`` on the last stage (and ``where``), zeros of its types elsewhere: the head (final
+    norm, output projection, loss) runs where it counts instead of masked on every stage and tick."""
+    return _only_if((lax.axis_index(PP) == job.pipe.config.pp - 1) & where, fn, *args)
 
 
-def _only_if(pred, fn, *args):
-    """``fn(*args)`` where ``pred`` (the same on every device of a stage) holds, zeros of its types
-    elsewhere. Its collectives over dp and mp stay within one stage, which takes one branch."""
-
-    def zeros(*args):
-        types = jax.eval_shape(fn, *args)
-        return jax.tree.map(lambda s: _vary(jnp.zeros(s.shape, s.dtype), _type_axes(s)), types)
-
-    return lax.cond(pred, fn, zeros, *args)
-
-
-def _on_last_stage(job: Job, fn, *args):
-    """``fn(*args)`` on the last stage, zeros of its types elsewhere: the head (final norm, output
-    projection, loss) runs where it counts instead of masked on every stage."""
-    return _only_if(lax.axis_index(PP) == job.pipe.config.pp - 1, fn, *args)
+def _unless_bubble(job: Job, valid, fn, skipped, *args):
+    """``fn(*args)``, or ``skipped(*args)`` in a bubble slot (``pipe.runs``) where ``skips_bubbles``."""
+    return lax.cond(job.pipe.runs(valid), fn, skipped, *args) if job.skips_bubbles else fn(*args)
 
 
 def _enter(job: Job, embed, xs, m):
@@ -169,7 +151,7 @@ def _forward_input(job: Job, embed, xs, recv, t, d):
     valid, m, j = forward_slot(cfg, t, d)
     m = jnp.clip(m, 0, cfg.microbatches - 1)
     first, _ = _ends(cfg, d, j)
-    entered = _only_if(first, partial(_enter, job), embed, xs, m) if job.embed_fn else xs[m]
+    entered = _only_if(first & valid, partial(_enter, job), embed, xs, m) if job.embed_fn else xs[m]
     return valid, m, j, job.pipe.mask(valid, jnp.where(first, entered, recv))
 
 
@@ -287,10 +269,15 @@ def _tick(job: Job, model, xs, rows, do_f: bool, do_b: bool, state, t):
     if do_f:
         valid, m, j, inp = _forward_input(job, embed, xs, state["recv_x"], t, d)
         stage = lambda p, x: job.stage(p, x, _at(auxs, m))  # this micro-batch's aux rows
-        y, vjp = jax.vjp(stage, _chunk(params, j), inp)  # its residuals kept until the backward
+
+        def forward(params, inp):  # its residuals kept until the backward; the chunk sliced in the branch
+            y, vjp = jax.vjp(stage, _chunk(params, j), inp)
+            return y, kept.split(vjp)
+
+        y, leaves = _unless_bubble(job, valid, forward, partial(_zeros_of, forward), params, inp)
         y, _ = stats_of.split(job, y)  # the statistics' value came from the statistics pass
         slot = (t - d) % pipe.config.stash_slots
-        new = zip(state["stash"], kept.split(vjp), strict=True)
+        new = zip(state["stash"], leaves, strict=True)
         state["stash"] = [buf.at[slot].set(jnp.where(valid, r, buf[slot])) for buf, r in new]
         if do_b:  # the last chunk runs a micro-batch's backward in the tick of its forward
             last = valid & _ends(pipe.config, d, j)[1]
@@ -310,7 +297,7 @@ def _loss_grad(job: Job, state, head, y, targets, last, m):
     the cotangent it seeds."""
     pipe, (head, head_loss) = job.pipe, head
     value_and_grad = jax.value_and_grad(head_loss, argnums=(0, 1))
-    value, (gh, ct) = _on_last_stage(job, value_and_grad, head, y, targets)
+    value, (gh, ct) = _on_last_stage(job, value_and_grad, head, y, targets, where=last)
     state["loss"] = state["loss"] + jnp.where(last, pipe.loss_scale() * value, 0.0)
     keep = last & pipe.keeps_grad(m)
     scale = pipe.loss_scale() / job.batch_shards  # the gradient of the mean over micro-batches, dp and cp
@@ -322,8 +309,9 @@ def _loss_grad(job: Job, state, head, y, targets, last, m):
 
 def _backward(job: Job, model, xs, state, t, d, ct_loss):
     """The backward slot at tick t: the chunk's VJP rebuilt from the residuals its forward slot kept (on
-    the first chunk also the embedding's); returns what to send back. A bubble's residuals are ``fill``
-    (NaN in the proof): every value derived from them is masked."""
+    the first chunk also the embedding's), its gradients added to the accumulators; returns what to send
+    back. A bubble's is skipped (its residuals are ``fill``, NaN in the proof; with ``runs`` overridden
+    every value derived from them is still masked)."""
     pipe, cfg = job.pipe, job.pipe.config
     params, embed, kept, seeds = model
     valid, m, j = backward_slot(cfg, t, d)
@@ -333,8 +321,14 @@ def _backward(job: Job, model, xs, state, t, d, ct_loss):
     ct = pipe.mask(valid, jnp.where(last, ct_loss, state["recv_ct"]))
     if seeds is not None:  # the chunk's statistics' cotangent beside its output's
         ct = (ct, pipe.mask(valid, seeds[stats_of.chunk_of(job, d, j)]))
-    gp, gx = kept.rebuild(params, j, _chunk(params, j), [buf[slot] for buf in state["stash"]])(ct)
-    state["grads"] = jax.tree.map(lambda acc, g: acc.at[j].add(pipe.mask(valid, g)), state["grads"], gp)
+
+    def backward(params, stash, ct, grads):  # the chunk, its residuals and accumulators taken in the branch
+        gp, gx = kept.rebuild(params, j, _chunk(params, j), [buf[slot] for buf in stash])(ct)
+        return jax.tree.map(lambda acc, g: _add_at(acc, j, pipe.mask(valid, g)), grads, gp), gx
+
+    skipped = lambda *ops: (ops[-1], _zeros_of(backward, *ops)[1])  # a bubble: nothing computed or added
+    operands = params, state["stash"], ct, state["grads"]
+    state["grads"], gx = _unless_bubble(job, valid, backward, skipped, *operands)
     if job.embed_fn is None:
         acc = state["entry_grads"]
         state["entry_grads"] = acc.at[m].set(jnp.where(valid & first, gx, acc[m]))

@@ -139,7 +139,7 @@ def pipeline_overhead(layout: Layout, seconds: dict[str, list[float]]) -> dict |
     """With pp: the schedule's ideal bubble next to the measured overhead, the share of the pipelined
     step's time the same model without pp does not need: 1 - t(no pp) / t(pp), medians of per-repetition
     ratios. On fake CPU devices sharing the host's cores every device's work runs on the same cores, so
-    bubbles (computed through, masked) cost their full share (``--compare-schedules`` times every
+    bubbles cost what they compute (GPipe's masked, 1F1B's skipped) (``--compare-schedules`` times every
     schedule side by side: ``perf.bench_pp``)."""
     if not layout.pipelined:
         return None

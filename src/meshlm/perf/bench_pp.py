@@ -9,8 +9,9 @@ layers split into 2 pp chunks). Round-robin timing as the main bench (``time_int
 the rest of the machine lands on all of them.
 
 Overhead: 1 - t(no-pp) / t(schedule), the median of per-repetition ratios. On fake CPU devices every
-stage's work runs on the host's cores, so a bubble's masked work costs real time: the overhead to expect
-is the ideal bubble, (pp - 1) / (V M + pp - 1), plus what each tick costs beyond its chunk's work.
+stage's work runs on the host's cores, so a bubble's work costs real time where it is computed (GPipe's,
+masked; 1F1B's bubble slots skip their chunk under ``lax.cond``): the overhead to expect is about the
+ideal bubble, (pp - 1) / (V M + pp - 1), plus what each tick costs beyond its chunk's work.
 """
 
 from __future__ import annotations

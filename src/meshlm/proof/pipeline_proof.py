@@ -56,10 +56,13 @@ class WrongVirtualStage(Pipeline):
 
 
 class BubbleLeak(Pipeline):
-    """Bubble slots unmasked: their (NaN) inputs run through the chunk and into the gradients."""
+    """Bubble slots run and unmasked: their (NaN) inputs run through the chunk and into the gradients."""
 
     def mask(self, valid, x):
         return x
+
+    def runs(self, valid):
+        return jnp.ones_like(valid)
 
 
 CONTROLS = {
