@@ -8,12 +8,14 @@ from pathlib import Path
 _flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
 # Tiny test models: XLA's compile time dominates, so skip the backend's expensive optimisations, and emit
 # fusions with XLA:CPU's older (elemental) emitters, which compile ~35% faster than the MLIR fusion emitters
-# (tests/test_core.py's 2x2 verify: 14 s -> 9 s from a cold cache). Both sides of every comparison are
-# compiled with the same flags (subprocesses inherit them); numerics are unaffected beyond rounding order.
+# (tests/test_core.py's 2x2 verify: 14 s -> 9 s from a cold cache), and in one LLVM module, not split for
+# parallel codegen: on 2 cores shared by 2 test workers the split's threads only add work (a 2x2 verify
+# of tiny-llama with controls: ~12% less CPU). Both sides of every comparison are compiled with the same
+# flags (subprocesses inherit them); numerics are unaffected beyond rounding order.
 os.environ["XLA_FLAGS"] = (
     _flags
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    + " --xla_cpu_use_fusion_emitters=false"
+    + " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
 ).strip()
 
 # Identical XLA programs recur across tests (the unsharded reference on every mesh, the same controls):
