@@ -216,13 +216,13 @@ def test_moe_against_the_dense_model_of_equal_active_parameters():
     assert dense.router_aux_loss_coef == dense.router_z_loss_coef == 0
     moe, eq = param_counts(cfg), param_counts(dense)
     assert eq.total == eq.active and moe.active - eq.total == cfg.n_layers * cfg.d_model * (cfg.n_experts - 1)
-    seconds = {"meshlm": [2.0, 4.0, 3.0], "no-ep": [1.0, 3.0, 1.5], DENSE: [1.0, 2.0, 1.0]}
-    out = moe_comparison(cfg, seconds)
+    samples = {"meshlm": [2.0, 4.0, 3.0], "no-ep": [1.0, 3.0, 1.5], DENSE: [1.0, 2.0, 1.0]}  # made-up steps
+    out = moe_comparison(cfg, samples)
     assert out["step_time_over_dense"] == {"meshlm": 2.0, "no-ep": 1.5}  # medians of paired ratios
     assert out["overhead_vs_dense"] == {"meshlm": 0.5, "no-ep": pytest.approx(1 / 3)}
     assert out["expert_compute_factor"] == 2.0 and out["active_params"] == moe.active
     assert "meshlm/dense-eq 2.00x (overhead 50.0%)" in _moe_line(out)
-    assert moe_comparison(get_config("tiny-llama"), seconds) is None
+    assert moe_comparison(get_config("tiny-llama"), samples) is None  # a dense model: no comparison
 
 
 def test_dense_eq_is_the_dense_gated_mlp_model():

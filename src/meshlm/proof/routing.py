@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.model import moe
 from meshlm.model.layers import upcast
-from meshlm.parallel.axes import CP
+from meshlm.parallel.axes import CP, MP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.placement import batch_spec, to_host
 from meshlm.proof.report import check_row
@@ -87,11 +87,12 @@ def sharded_routing(runs) -> tuple[np.ndarray, np.ndarray]:
     [L, B, T]), host arrays; with cp the sequence in the cp shards' chunk order (``chunk_order``)."""
     layout = runs.layout
     apply = hk.without_apply_rng(hk.transform(_probe(runs.problem.cfg, Parallel.on(layout)))).apply
-    out = P(None, layout.rows, CP if layout.cp > 1 else None, None)  # replicated over mp: any copy
-    fn = jax.shard_map(
-        apply, mesh=layout.mesh, in_specs=(runs.specs, batch_spec(layout)), out_specs=out, check_vma=False
-    )
-    return _unpack(np.asarray(to_host(jax.jit(fn)(runs.params, runs.batch))))
+    # every mp shard holds the whole routing (``par.f``'s view), typed varying over mp: each returns its
+    # copy on a leading mp dim (type-checked, ``check_vma``), and the host keeps the first
+    copies = lambda params, batch: apply(params, batch)[None]
+    out = P(MP, None, layout.rows, CP if layout.cp > 1 else None, None)
+    fn = jax.shard_map(copies, mesh=layout.mesh, in_specs=(runs.specs, batch_spec(layout)), out_specs=out)
+    return _unpack(np.asarray(to_host(jax.jit(fn)(runs.params, runs.batch)))[0])
 
 
 def reference_routing(runs, reference_cfg) -> tuple[np.ndarray, np.ndarray]:
