@@ -7,6 +7,19 @@ from meshlm.model.params import unflatten
 from meshlm.model.transformer import logits_fn
 from meshlm.parallel.context import Parallel
 
+# The tiny models' shared setting: float32 logits within RTOL (worst |ours - theirs| relative to the
+# largest |logit|), a BPE vocabulary of VOCAB trained on CORPUS, NEW greedy tokens after PROMPT.
+RTOL = 1e-5
+VOCAB = 280
+PROMPT = "def héllo(wörld):\n    ret"
+NEW = 10
+CORPUS = ["def héllo(wörld):\n    return wörld + 1  # ünïcode\n" * 30, "import os\nclass A:\n    pass\n" * 20]
+
+
+def random_tokens(length: int = 16) -> np.ndarray:
+    """The compared token ids [2, length] (seed 0)."""
+    return np.random.default_rng(0).integers(0, VOCAB, (2, length))
+
 
 def rel(got, want) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))

@@ -9,14 +9,24 @@ logits."""
 
 import json
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import run_cli, sharded_logits  # noqa: E402
-from hf_helpers import bpe_tokenizer, export_round_trip, hf_logits, our_logits, rel  # noqa: E402  # noqa: E402
+from hf_helpers import (  # noqa: E402  # noqa: E402
+    CORPUS,
+    PROMPT,
+    RTOL,
+    VOCAB,
+    bpe_tokenizer,
+    export_round_trip,
+    hf_logits,
+    our_logits,
+    random_tokens,
+    rel,
+)
 
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config, hf_weights  # noqa: E402
@@ -24,11 +34,7 @@ from meshlm.model import attention  # noqa: E402
 from meshlm.model.config import get_config  # noqa: E402
 from meshlm.model.params import unflatten  # noqa: E402
 
-RTOL = 1e-5  # float32: worst |ours - theirs| relative to the largest |logit|
-VOCAB = 280
-PROMPT = "def héllo(wörld):\n    ret"
 NEW = 16  # 4 windows: the local layers' rolling caches wrap several times
-CORPUS = ["def héllo(wörld):\n    return wörld + 1  # ünïcode\n" * 30, "import os\nclass A:\n    pass\n" * 20]
 WINDOW = 4  # < the 16 tokens compared and the prompt: every local layer's window matters
 SMALL = dict(
     vocab_size=VOCAB,
@@ -73,7 +79,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def tokens():
-    return np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+    return random_tokens()
 
 
 @pytest.fixture(scope="module", params=list(HF_CONFIGS))

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import run_cli, sharded_logits  # noqa: E402
-from hf_helpers import bpe_tokenizer, export_round_trip  # noqa: E402
+from hf_helpers import CORPUS, NEW, PROMPT, RTOL, VOCAB, bpe_tokenizer, export_round_trip  # noqa: E402  # noqa: E402
 from hf_helpers import hf_logits as _hf_logits  # noqa: E402
 from hf_helpers import our_logits as _our_logits  # noqa: E402
 from hf_helpers import rel as _rel  # noqa: E402
@@ -20,12 +20,7 @@ from meshlm.io import hf_config, hf_weights  # noqa: E402
 from meshlm.model import attention, transformer  # noqa: E402
 from meshlm.model.params import unflatten  # noqa: E402
 
-RTOL = 1e-5  # float32: worst |ours - theirs| relative to the largest |logit|
-VOCAB = 280
 WINDOW = 4  # smaller than the prompt, the generation and the logits test's sequence
-PROMPT = "def héllo(wörld):\n    ret"
-NEW = 10
-CORPUS = ["def héllo(wörld):\n    return wörld + 1  # ünïcode\n" * 30, "import os\nclass A:\n    pass\n" * 20]
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, intermediate_size=64, bos_token_id=0)
 HF_CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(

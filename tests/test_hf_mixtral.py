@@ -5,7 +5,6 @@ from both weight layouts (per-expert tensors, as save_pretrained writes, and tra
 1x1, 1x2 and 2x1 with --ep 2; the export loads back with equal logits; the "hf" load-balancing loss is
 transformers'."""
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,7 +12,19 @@ transformers = pytest.importorskip("transformers")
 
 import haiku as hk  # noqa: E402
 from helpers import run_cli, sharded_logits  # noqa: E402
-from hf_helpers import export_round_trip, hf_logits, our_logits, rel, write_fused  # noqa: E402
+from hf_helpers import (  # noqa: E402  # noqa: E402
+    CORPUS,
+    NEW,
+    PROMPT,
+    RTOL,
+    VOCAB,
+    export_round_trip,
+    hf_logits,
+    our_logits,
+    random_tokens,
+    rel,
+    write_fused,
+)
 
 from meshlm.data.bpe import train_bpe  # noqa: E402
 from meshlm.data.hf_tokenizer import EOD_TOKEN  # noqa: E402
@@ -25,16 +36,10 @@ from meshlm.model.params import unflatten  # noqa: E402
 from meshlm.model.transformer import local_logits_stats  # noqa: E402
 from meshlm.parallel.context import Parallel  # noqa: E402
 
-RTOL = 1e-5  # float32: worst |ours - theirs| relative to the largest |logit|
-VOCAB = 280
-PROMPT = "def héllo(wörld):\n    ret"
-NEW = 10
-CORPUS = ["def héllo(wörld):\n    return wörld + 1  # ünïcode\n" * 30, "import os\nclass A:\n    pass\n" * 20]
-
 
 @pytest.fixture(scope="module")
 def tokens():
-    return np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+    return random_tokens()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,20 @@ transformers = pytest.importorskip("transformers")
 
 import haiku as hk  # noqa: E402
 from helpers import run_cli, sharded_logits  # noqa: E402
-from hf_helpers import bpe_tokenizer, export_round_trip, hf_logits, our_logits, rel, write_fused  # noqa: E402
+from hf_helpers import (  # noqa: E402  # noqa: E402
+    CORPUS,
+    NEW,
+    PROMPT,
+    RTOL,
+    VOCAB,
+    bpe_tokenizer,
+    export_round_trip,
+    hf_logits,
+    our_logits,
+    random_tokens,
+    rel,
+    write_fused,
+)
 
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config, hf_weights  # noqa: E402
@@ -24,11 +37,6 @@ from meshlm.model.params import unflatten  # noqa: E402
 from meshlm.model.transformer import local_logits_stats  # noqa: E402
 from meshlm.parallel.context import Parallel  # noqa: E402
 
-RTOL = 1e-5  # float32: worst |ours - theirs| relative to the largest |logit|
-VOCAB = 280
-PROMPT = "def héllo(wörld):\n    ret"
-NEW = 10
-CORPUS = ["def héllo(wörld):\n    return wörld + 1  # ünïcode\n" * 30, "import os\nclass A:\n    pass\n" * 20]
 SHARED = dict(
     vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, intermediate_size=48, num_attention_heads=4,
     num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
@@ -65,7 +73,7 @@ FAMILIES = {
 
 @pytest.fixture(scope="module")
 def tokens():
-    return np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+    return random_tokens()
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import haiku as hk  # noqa: E402
 from helpers import run_cli, sharded_logits  # noqa: E402
-from hf_helpers import bpe_tokenizer, export_round_trip  # noqa: E402
+from hf_helpers import CORPUS, NEW, PROMPT, RTOL, VOCAB, bpe_tokenizer, export_round_trip, random_tokens  # noqa: E402  # noqa: E402
 from hf_helpers import hf_logits as _hf_logits  # noqa: E402
 from hf_helpers import our_logits as _our_logits  # noqa: E402
 from hf_helpers import rel as _rel  # noqa: E402
@@ -26,11 +26,6 @@ from meshlm.model import attention  # noqa: E402
 from meshlm.model.config import get_config  # noqa: E402
 from meshlm.model.params import unflatten  # noqa: E402
 
-RTOL = 1e-5  # float32: worst |ours - theirs| relative to the largest |logit|
-VOCAB = 280
-PROMPT = "def héllo(wörld):\n    ret"
-NEW = 10
-CORPUS = ["def héllo(wörld):\n    return wörld + 1  # ünïcode\n" * 30, "import os\nclass A:\n    pass\n" * 20]
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, intermediate_size=64, bos_token_id=0)
 HF_CONFIGS = {
     "qwen3": lambda: transformers.Qwen3Config(
@@ -74,7 +69,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def tokens():
-    return np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+    return random_tokens()
 
 
 @pytest.fixture(scope="module", params=list(HF_CONFIGS))
