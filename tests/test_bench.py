@@ -165,6 +165,9 @@ def test_bench_compare_schedules_times_each_schedule_against_no_pp(capsys):
     for r in rows.values():
         paired = sorted(report["no_pp_s"][i] / t for i, t in enumerate(r["step_s"]))[2]  # median of 5
         assert r["measured_overhead"] == pytest.approx(1 - paired)
+        micro = sorted(report["no_pp_micro_s"][i] / t for i, t in enumerate(r["step_s"]))[2]
+        assert r["micro_overhead"] == pytest.approx(1 - micro)  # against the M micro-batches in turn
+    assert len(report["no_pp_micro_s"]) == 5
 
 
 @pytest.mark.parametrize(

@@ -124,14 +124,15 @@ def build_impls(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: B
 
 
 def _without_pp(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params, host, name=NO_PP) -> Impl:
-    """The step on the dp x mp mesh of the same devices without the pipeline (or ep: ``name``)."""
+    """The step on the dp x mp mesh of the same devices without the pipeline (or ep: ``name``); with
+    ``ocfg.accum_steps`` > 1 ``host`` is [A, B/A, T] (gradient accumulation)."""
     from meshlm.sharding.rules import model_specs
 
     flat = flat_layout(layout)
     specs = model_specs(cfg, host_params, flat)
     params = jax.device_put(host_params, shardings(specs, flat.mesh))
     step, opt = sharded_step(cfg, ocfg, flat, specs, params)
-    batch = jax.device_put(host, batch_sharding(flat, 1))
+    batch = jax.device_put(host, batch_sharding(flat, ocfg.accum_steps))
     return _compiled(name, step, params, init_opt_state(opt, params, specs, flat.mesh), batch)
 
 

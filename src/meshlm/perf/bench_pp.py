@@ -8,10 +8,14 @@ chunk's forward in its backward slot); interleaved with V = 2 (where M is a mult
 layers split into 2 pp chunks). Round-robin timing as the main bench (``time_interleaved``): noise from
 the rest of the machine lands on all of them.
 
-Overhead: 1 - t(no-pp) / t(schedule), the median of per-repetition ratios. On fake CPU devices every
-stage's work runs on the host's cores, so a bubble's work costs real time where it is computed (GPipe's,
-masked; 1F1B's bubble slots skip their chunk under ``lax.cond``): the overhead to expect is about the
-ideal bubble, (pp - 1) / (V M + pp - 1), plus what each tick costs beyond its chunk's work.
+Overhead: 1 - t(no-pp) / t(schedule), the median of per-repetition ratios. A second yardstick,
+``no-pp x M``: the same step without the pipeline on the same M micro-batches, one after another
+(gradient accumulation): its matmuls have a micro-batch's rows, as every tick's do, so the overhead
+against it is the pipeline's alone (ticks and bubble), not micro-batching's (``micro_overhead``).
+On fake CPU devices every stage's work runs on the host's cores, so a bubble's work costs real time
+where it is computed (GPipe's, masked; 1F1B's bubble slots skip their chunk under ``lax.cond``): the
+overhead to expect is about the ideal bubble, (pp - 1) / (V M + pp - 1), plus what each tick costs
+beyond its chunk's work.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from meshlm.sharding.rules import shardings
 from meshlm.train.optim import OptimConfig
 from meshlm.train.step import init_model, init_opt_state, sharded_step
 
+NO_PP_MICRO = "no-pp x M"  # no pipeline, the M micro-batches one after another (gradient accumulation)
 # (row name, schedule, virtual stages, remat)
 VARIANTS = (
     ("gpipe", "gpipe", 1, "none"),
@@ -70,9 +75,12 @@ def compare_schedules(cfg: ModelConfig, name: str, layout: Layout, settings: Ben
         batch = jax.device_put(host, batch_sharding(lay, 1))
         impls.append(_compiled(row, step, own, init_opt_state(opt, own, specs, lay.mesh), batch))
     impls.append(_without_pp(cfg, ocfg, layout, host_params, host))
+    m = layout.microbatches
+    micro = {k: v.reshape(m, v.shape[0] // m, *v.shape[1:]) for k, v in host.items()}  # [M, B/M, T]
+    impls.append(_without_pp(cfg, OptimConfig(accum_steps=m), layout, host_params, micro, name=NO_PP_MICRO))
     seconds, _ = time_interleaved(impls, settings.steps, settings.warmup, lambda dtype: 0.0)
     layouts = [lay for _, lay, _ in variants(cfg, layout)]
-    rows = [_row(impl, lay, seconds) for impl, lay in zip(impls[:-1], layouts, strict=True)]
+    rows = [_row(impl, lay, seconds) for impl, lay in zip(impls[:-2], layouts, strict=True)]
     return {
         "config": name,
         "mesh": layout.shape,
@@ -83,13 +91,19 @@ def compare_schedules(cfg: ModelConfig, name: str, layout: Layout, settings: Ben
         "timed_steps": settings.steps,
         "no_pp_s_median": statistics.median(seconds[NO_PP]),
         "no_pp_s": seconds[NO_PP],
+        "no_pp_micro_s_median": statistics.median(seconds[NO_PP_MICRO]),
+        "no_pp_micro_s": seconds[NO_PP_MICRO],
         "schedules": rows,
     }
 
 
+def _overhead(base: list[float], own: list[float]) -> float:
+    """1 - t(base) / t(own), the median of per-repetition ratios."""
+    return 1 - statistics.median(b / o for b, o in zip(base, own, strict=True))
+
+
 def _row(impl: Impl, layout: Layout, seconds: dict[str, list[float]]) -> dict:
     facts = schedule_facts(layout.pipeline)
-    paired = statistics.median(n / p for n, p in zip(seconds[NO_PP], seconds[impl.name], strict=True))
     memory = compiled_memory(impl.compiled)
     return {
         "name": impl.name,
@@ -98,7 +112,8 @@ def _row(impl: Impl, layout: Layout, seconds: dict[str, list[float]]) -> dict:
         "step_s_median": statistics.median(seconds[impl.name]),
         "step_s": seconds[impl.name],
         "ideal_bubble": facts.bubble_fraction,
-        "measured_overhead": 1 - paired,
+        "measured_overhead": _overhead(seconds[NO_PP], seconds[impl.name]),
+        "micro_overhead": _overhead(seconds[NO_PP_MICRO], seconds[impl.name]),
         "peak_bytes": memory["peak"] if memory else None,
         "loss": float(impl.metrics["loss"]) if impl.metrics else None,
     }
@@ -111,16 +126,19 @@ def format_compare(report: dict) -> str:
         f"meshlm bench --compare-schedules: config={report['config']} pp={report['pp']} mesh="
         f"{mesh['dp']}x{mesh['mp']} M={report['microbatches']} batch={report['batch_size']} "
         f"seq={report['seq_len']} timed steps={report['timed_steps']}; no-pp median "
-        f"{report['no_pp_s_median']:.3f} s"
+        f"{report['no_pp_s_median']:.3f} s, no-pp x M (the micro-batches in turn) "
+        f"{report['no_pp_micro_s_median']:.3f} s"
     )
     cols = f"{'schedule':<12} {'median s':>9} {'overhead':>9} {'ideal bubble':>13} {'excess':>7}"
-    cols += f" {'peak MiB':>9}"
+    cols += f" {'vs no-pp x M':>13} {'excess':>7} {'peak MiB':>9}"
     lines = [head, cols, "-" * len(cols)]
     for r in report["schedules"]:
         excess = r["measured_overhead"] - r["ideal_bubble"]
+        micro = r["micro_overhead"] - r["ideal_bubble"]
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f}"
         lines.append(
             f"{r['name']:<12} {r['step_s_median']:>9.3f} {r['measured_overhead']:>9.1%} "
-            f"{r['ideal_bubble']:>13.1%} {excess * 100:>+6.1f}p {peak:>9}"
+            f"{r['ideal_bubble']:>13.1%} {excess * 100:>+6.1f}p {r['micro_overhead']:>13.1%} "
+            f"{micro * 100:>+6.1f}p {peak:>9}"
         )
     return "\n".join(lines)
