@@ -329,7 +329,7 @@ COMMANDS: dict[str, Run | Shown] = {
     "--seq-len 32 "
     "--steps 5 --gen-tokens 0": run(expect=("pipeline (1f1b, pp=2, M=4)",), costly=BENCH_PP),
     "meshlm bench --config cpu-deep --pp $pp --mesh 1x1 --devices $pp --microbatches $m --batch-size $m "
-    "--seq-len 64 --steps 5 --gen-tokens 0 --compare-schedules": run(
+    "--seq-len 64 --steps 10 --gen-tokens 0 --compare-schedules": run(
         each=tuple(  # each substitution replaces one occurrence: $pp and $m appear twice
             (
                 ("--pp $pp --mesh 1x1 --devices $pp", f"--pp {pp} --mesh 1x1 --devices {pp}"),
