@@ -16,6 +16,19 @@ NEW = 10
 CORPUS = ["def héllo(wörld):\n    return wörld + 1  # ünïcode\n" * 30, "import os\nclass A:\n    pass\n" * 20]
 
 
+def perturbed_model(model_cls, hf_cfg):
+    """A tiny transformers model of ``hf_cfg`` with peaked logits (greedy text neither degenerate nor near
+    a tie) and every weight perturbed (the norm weights away from 1), so that no tensor is its default."""
+    import torch
+
+    hf_cfg.initializer_range = 0.3
+    model = model_cls(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    return model
+
+
 def random_tokens(length: int = 16) -> np.ndarray:
     """The compared token ids [2, length] (seed 0)."""
     return np.random.default_rng(0).integers(0, VOCAB, (2, length))

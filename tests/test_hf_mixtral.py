@@ -21,6 +21,7 @@ from hf_helpers import (  # noqa: E402  # noqa: E402
     export_round_trip,
     hf_logits,
     our_logits,
+    perturbed_model,  # noqa: E402
     random_tokens,
     rel,
     write_fused,
@@ -53,11 +54,7 @@ def mixtral(tokens, tmp_path_factory):
         rope_parameters={"rope_type": "default", "rope_theta": 1e4}, bos_token_id=0, eos_token_id=0,
         router_aux_loss_coef=0.02,
     )  # fmt: skip
-    hf_cfg.initializer_range = 0.3  # peaked logits: greedy is neither degenerate nor near a tie
-    model = transformers.MixtralForCausalLM(hf_cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    model = perturbed_model(transformers.MixtralForCausalLM, hf_cfg)
     root = tmp_path_factory.mktemp("mixtral")
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=train_bpe(CORPUS, VOCAB).tok, eos_token=EOD_TOKEN

@@ -23,6 +23,7 @@ from hf_helpers import (  # noqa: E402  # noqa: E402
     export_round_trip,
     hf_logits,
     our_logits,
+    perturbed_model,  # noqa: E402
     random_tokens,
     rel,
 )
@@ -52,11 +53,7 @@ def qwen2_moe(tokens, tmp_path_factory):
         max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
         bos_token_id=0, eos_token_id=0, router_aux_loss_coef=0.02,
     )  # fmt: skip
-    hf_cfg.initializer_range = 0.3  # peaked logits: greedy is neither degenerate nor near a tie
-    model = transformers.Qwen2MoeForCausalLM(hf_cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    model = perturbed_model(transformers.Qwen2MoeForCausalLM, hf_cfg)
     root = tmp_path_factory.mktemp("qwen2_moe")
     tokenizer = bpe_tokenizer(CORPUS, VOCAB)
     model.save_pretrained(root / "hf")

@@ -24,6 +24,7 @@ from hf_helpers import (  # noqa: E402  # noqa: E402
     export_round_trip,
     hf_logits,
     our_logits,
+    perturbed_model,  # noqa: E402
     random_tokens,
     rel,
     write_fused,
@@ -83,11 +84,7 @@ def family(request, tokens, tmp_path_factory):
     (config_cls, model_cls), own, _ = FAMILIES[request.param]
     torch.manual_seed(0)
     hf_cfg = getattr(transformers, config_cls)(**SHARED, **own)
-    hf_cfg.initializer_range = 0.3  # peaked logits: greedy is neither degenerate nor near a tie
-    model = getattr(transformers, model_cls)(hf_cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    model = perturbed_model(getattr(transformers, model_cls), hf_cfg)
     root = tmp_path_factory.mktemp(request.param)
     tokenizer = bpe_tokenizer(CORPUS, VOCAB)
     model.save_pretrained(root / "hf")

@@ -15,7 +15,17 @@ transformers = pytest.importorskip("transformers")
 
 import haiku as hk  # noqa: E402
 from helpers import run_cli, sharded_logits  # noqa: E402
-from hf_helpers import CORPUS, NEW, PROMPT, RTOL, VOCAB, bpe_tokenizer, export_round_trip, random_tokens  # noqa: E402  # noqa: E402
+from hf_helpers import (  # noqa: E402  # noqa: E402
+    CORPUS,
+    NEW,
+    PROMPT,
+    RTOL,
+    VOCAB,
+    bpe_tokenizer,
+    export_round_trip,
+    perturbed_model,  # noqa: E402
+    random_tokens,
+)
 from hf_helpers import hf_logits as _hf_logits  # noqa: E402
 from hf_helpers import our_logits as _our_logits  # noqa: E402
 from hf_helpers import rel as _rel  # noqa: E402
@@ -78,11 +88,7 @@ def family(request, tokenizer, tokens, tmp_path_factory):
     perturbed, the norm weights by 0.3 (far from 1, and unequal across a head's rotary pairs)."""
     torch.manual_seed(0)
     hf_cfg = HF_CONFIGS[request.param]()
-    hf_cfg.initializer_range = 0.3  # peaked logits: greedy is neither degenerate nor near a tie
-    model = getattr(transformers, MODEL_CLASSES[request.param])(hf_cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    model = perturbed_model(getattr(transformers, MODEL_CLASSES[request.param]), hf_cfg)
     root = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(root / "hf")
     tokenizer.save_pretrained(root / "hf")
