@@ -5,6 +5,8 @@ a held-out probe, each reproduced. One owner per output directory, named; nothin
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -340,3 +342,55 @@ def test_a_refused_train_leaves_the_directory_as_it_was(
     assert run_cli(*argv) == 2
     assert "planted" in _last_error(capsys)
     assert (sorted(os.listdir(out)) == ["notes.txt"]) if out_exists else not out.exists()
+
+
+# ---------------------------------------------------------------- the fifth probe (issue 47, item 2)
+
+ROOT = Path(__file__).resolve().parent.parent
+# a line git writes where a merge left a conflict (built here, so that this file holds none itself)
+NEWLINE = b"\n"
+CONFLICT = re.compile(rb"^(%s)( |$)" % b"|".join(re.escape(c * 7) for c in (b"<", b"|", b">")), re.MULTILINE)
+
+
+def _tracked_files() -> list[Path]:
+    """The files git tracks (docs, sources, tests, configs), or every file outside hidden and build
+    directories where the tree is not a git checkout."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", ".venv", "build", "dist", "__pycache__", "node_modules"}
+        return [p for p in ROOT.rglob("*") if p.is_file() and not skip & set(p.relative_to(ROOT).parts)]
+    return [ROOT / name for name in listed.decode().split("\0") if name]
+
+
+def conflict_markers(paths) -> list[str]:
+    """``path:line`` of every merge-conflict marker line in ``paths``."""
+    found = []
+    for path in paths:
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            found += [f"{path}:{data.count(NEWLINE, 0, m.start()) + 1}" for m in CONFLICT.finditer(data)]
+    return found
+
+
+def test_no_merge_conflict_marker_anywhere_in_the_tree():
+    """docs/models.md carried an unresolved conflict (both halves shipped) and nothing noticed."""
+    files = _tracked_files()
+    assert any(p.name == "models.md" for p in files) and Path(__file__) in files
+    assert conflict_markers(files) == []
+
+
+def test_the_conflict_check_finds_a_planted_conflict(tmp_path):
+    planted = tmp_path / "page.md"
+    lines = ["text", "<" * 7 + " HEAD", "ours", "=" * 7, "theirs", ">" * 7 + " branch", "Title", "=" * 7]
+    planted.write_text("\n".join(lines) + "\n")
+    assert conflict_markers([planted]) == [f"{planted}:2", f"{planted}:6"]
+
+
+@pytest.mark.parametrize("command", ["train", "verify"])
+def test_the_capacity_factors_help_says_which_factor_keeps_every_choice(command, capsys):
+    """A factor of 1e8 or 1e30 (the probe's "never drop") overflowed int32; now it is clamped, and the
+    help says where the clamp starts (``tests/test_moe.py`` runs the keep mask at 1e8, 1e30, 1.7e308)."""
+    with pytest.raises(SystemExit):
+        run_cli(command, "--help")
+    assert "C >= E / k keeps every choice" in " ".join(capsys.readouterr().out.split())

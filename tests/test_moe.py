@@ -139,6 +139,21 @@ def test_capacity_drops_by_gshards_rule_on_the_whole_batch():
     assert moe.capacity(CFG.replace(n_experts=8, moe_capacity_factor=1.1), 200) == 55
 
 
+@pytest.mark.parametrize("factor", [1e8, 1e30, 1.7e308])
+def test_a_huge_capacity_factor_keeps_every_choice_without_overflow(factor):
+    """Issue 47: ceil(C x N x k / E) past int32 raised an OverflowError in ``capacity_keep`` (any C above
+    ~8,600 on a real batch). The capacity is at most N (an expert is among a token's k choices at most
+    once), so a factor >= E / k keeps every choice, exactly as a dropless layer computes."""
+    from meshlm.parallel.context import Parallel
+
+    cfg = CFG.replace(moe_capacity_factor=factor)
+    ids = jnp.asarray(np.stack([np.random.default_rng(n).permutation(cfg.n_experts)[:2] for n in range(10)]))
+    keep = jax.jit(lambda i: moe.capacity_keep(cfg, Parallel(), i))(ids.reshape(2, 5, 2).astype(jnp.int32))
+    assert moe.capacity(cfg, 10) == 10 and np.asarray(keep).all()
+    at_bound = CFG.replace(moe_capacity_factor=cfg.n_experts / cfg.experts_per_token)
+    assert moe.capacity(at_bound, 10) == 10  # C = E / k: every choice kept
+
+
 def test_capacity_proven_under_sp_with_its_control_detected():
     """tiny-mixtral with tokens dropped on 2x2 + FSDP + SP in float64: equal to the unsharded model, and
     the capacity computed per shard (each shard ranking its own tokens) detected."""

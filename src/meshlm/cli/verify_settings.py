@@ -57,7 +57,8 @@ class VerifySettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: t
     moe_capacity_factor: float | None = setting(
         None,
         "a mixture of experts' capacity factor C: each expert takes at most ceil(C x tokens x k / E) "
-        "token-choices of the global batch, the rest dropped (GShard's rule); 0: dropless",
+        "token-choices of the global batch, the rest dropped (GShard's rule); 0: dropless; C >= E / k keeps "
+        "every choice (any larger C is the same)",
         shown_default="the config's",
         valid=NON_NEGATIVE_FLOAT,
     )

@@ -19,7 +19,7 @@ reached through the seam ``par.experts(x, ids, weights, expert_fn)`` (``parallel
 by default, split over ``ep`` where that axis is on.
 
 Capacity (``moe_capacity_factor`` C > 0; ``capacity_keep``): each expert takes at most
-ceil(C x N x k / E) of the N tokens' k choices of one forward's global batch; GShard's rule decides
+min(N, ceil(C x N x k / E)) of the N tokens' k choices of one forward's global batch; GShard's rule decides
 which, on the whole batch: every token's first choice before any second one, and within a rank the
 tokens in global order (batch row, then position). A dropped choice contributes 0 (its combine weight
 is zeroed, the others are not renormalised: GShard, Switch); the token keeps its other choices. Each
@@ -89,9 +89,11 @@ def statistics(logits, probs, ids, n_experts: int, keep=None):
 
 def capacity(cfg, tokens: int) -> int:
     """Token-choices each expert takes of a forward's ``tokens`` (global): ceil(C x tokens x k / E),
-    C read as the decimal it was written as (0.1 is 1/10, not the float just above it)."""
+    C read as the decimal it was written as (0.1 is 1/10, not the float just above it), at most
+    ``tokens``: an expert is among a token's k choices at most once, so C >= E / k keeps every choice
+    (the clamp changes no mask, and keeps the bound an int32 whatever C: 1e30 is "never drop")."""
     c = Fraction(repr(cfg.moe_capacity_factor))
-    return math.ceil(c * tokens * cfg.experts_per_token / cfg.n_experts)
+    return min(tokens, math.ceil(c * tokens * cfg.experts_per_token / cfg.n_experts))
 
 
 def capacity_keep(cfg, par: Parallel, ids):

@@ -61,7 +61,7 @@ class MoESettings:
         None,
         "a mixture of experts' capacity factor C: each expert takes at most ceil(C x tokens x k / E) "
         "token-choices of a step's global batch (a micro-batch's under --accum-steps), the rest dropped "
-        "by GShard's rule; 0: dropless",
+        "by GShard's rule; 0: dropless; C >= E / k keeps every choice (any larger C is the same)",
         resume_must_match=True,
         shown_default="the model's (0: dropless)",
         valid=NON_NEGATIVE_FLOAT,
