@@ -394,3 +394,16 @@ def test_the_capacity_factors_help_says_which_factor_keeps_every_choice(command,
     with pytest.raises(SystemExit):
         run_cli(command, "--help")
     assert "C >= E / k keeps every choice" in " ".join(capsys.readouterr().out.split())
+
+
+def test_an_moe_run_under_pp_writes_its_routing_metrics(corpus, tmp_path):
+    """docs/training.md promises expert_load, moe_dropped and moe_aux_loss_* on every MoE row; under
+    --pp the rows had none (the pipeline's train step returned no statistics)."""
+    from helpers import train_rows
+
+    flags = "--config tiny-mixtral --tokenizer bpe-300 --steps 1 --batch-size 4 --seq-len 16 --pp 2"
+    flags += " --mesh 1x1 --devices 2 --sample-tokens 0 --eval-every 0 --warmup-steps 1"
+    assert run_cli("train", "--data", corpus, *flags.split(), "--out", str(tmp_path / "run")) == 0
+    (row,) = train_rows(tmp_path / "run")
+    assert len(row["expert_load"]) == 4 and sum(row["expert_load"]) == 4 * 16 * 2  # tokens x k
+    assert row["moe_dropped"] == 0 and row["moe_aux_loss_hf"] > 0

@@ -226,6 +226,32 @@ def test_train_step_returns_the_routing_statistics():
     assert float(moe.dropped_choices(cfg, stats)[0]) > 0
 
 
+@pytest.mark.parametrize(("schedule", "coef"), [("1f1b", None), ("gpipe", 0.0)])
+def test_pipelined_train_step_returns_the_routing_statistics(schedule, coef):
+    """Issue 47: under --pp an MoE run's metrics.jsonl rows had no expert_load / moe_dropped /
+    moe_aux_loss_*: the step returned no statistics. The pipeline's (summed over micro-batches, stages
+    and data shards by the engine) equal the sharded step's on the same batch, under 1F1B with the
+    preset's losses and under GPipe with none (the statistics then computed for the metrics alone)."""
+    from meshlm.train.optim import OptimConfig
+    from meshlm.train.step import init_model, sharded_step
+
+    cfg = CFG if coef is None else CFG.replace(router_aux_loss_coef=coef, router_z_loss_coef=coef)
+    rng = np.random.default_rng(0)
+    batch = {k: jnp.asarray(rng.integers(0, 64, (4, 8)), jnp.int32) for k in ("inputs", "targets")}
+    got = {}
+    for name, layout in [
+        ("pp", Layout(dp=2, pp=2, microbatches=2, pp_schedule=schedule)),
+        ("sharded", Layout(dp=2)),
+    ]:
+        params, specs = init_model(cfg, layout, 0)
+        step, opt = sharded_step(cfg, OptimConfig(), layout, specs, params)
+        got[name] = np.asarray(step(params, opt.init(params), batch)[2]["routing"], np.float64)
+    counts, probs, z, tokens = moe.split_stats(cfg, got["pp"])
+    assert got["pp"].shape == (cfg.n_layers, 2 * cfg.n_experts + 3) and (tokens == 4 * 8).all()
+    assert (counts.sum(axis=1) == 4 * 8 * cfg.experts_per_token).all()
+    np.testing.assert_allclose(got["pp"], got["sharded"], rtol=1e-5, atol=1e-5)
+
+
 def test_tie_control_only_where_the_proof_planted_the_tie():
     """The proof's own parameters carry the router tie, so its tie-breaking control applies; a
     checkpoint's parameters (``load_params``) do not, so there the control has nothing to detect and is

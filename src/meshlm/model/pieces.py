@@ -42,14 +42,16 @@ def embed_fn(cfg: ModelConfig, par: Parallel):
     return embed
 
 
-def layers_fn(cfg: ModelConfig, par: Parallel):
+def layers_fn(cfg: ModelConfig, par: Parallel, stats: bool | None = None):
     """hidden [B, T, D] -> hidden: ``cfg.n_layers`` layers at the global positions of the tokens this
     shard holds (``Parallel.positions``: with cp its chunks'). With ``sp`` the hidden is [B, T/mp, D]
     per shard and the positions those of the whole (cp shard's) sequence. With ``cfg.doc_mask`` the
     layers take ``starts`` [B, T] too: where each token's document starts (``attention.doc_starts`` of
     the inputs, computed before the pipeline and passed with each micro-batch). A mixture of experts
-    with aux or z losses returns (hidden, its layers' routing statistics of this shard's tokens
-    [n_layers, 2E + 2]): the pipeline sums them over the step before forming the losses."""
+    with aux or z losses (or ``stats`` True: the routing metrics) returns (hidden, its layers' routing
+    statistics of this shard's tokens [n_layers, 2E + 3]): the pipeline sums them over the step before
+    forming the losses."""
+    stats = moe_losses(cfg) if stats is None else stats
 
     def layers(x, starts=None):
         t = x.shape[1] * (par.layout.mp if par.layout.sp and par.sharded else 1)
@@ -60,7 +62,7 @@ def layers_fn(cfg: ModelConfig, par: Parallel):
             starts = par.tap("doc_starts", starts)
         with hk.custom_getter(parallel_getter(par)):
             out = stack_layers(cfg, _block(cfg, par), x, positions, None, starts)
-        return (out[0], out[2]) if moe_losses(cfg) else out[0]
+        return (out[0], out[2]) if stats else out[0]
 
     return layers
 

@@ -148,6 +148,7 @@ def pipeline_value_and_grad(
     embed_specs=None,
     with_aux=False,
     stats_loss=None,
+    stats_sum=None,
 ):
     """fn(params, x, targets, head=None) -> (loss, (param_grads, x_grad)) on ``mesh``, with params' leaves
     stacked [L, ...] and x, targets' leaves [B, ...] (rows split over dp, replicated over mp). Jit it.
@@ -170,7 +171,8 @@ def pipeline_value_and_grad(
     starts), split into micro-batches like ``targets``, and calls ``stage_fn(params, x, aux_rows)``. With
     an ``ep`` axis the rows are split over (dp, ep) and the loss is a mean over both (the experts' own
     all-to-alls run inside the stages). With ``stats_loss``: ``stage_fn`` returns ``(y, stats)`` and the
-    loss gains ``stats_loss`` of the step's statistics (``pipeline_stats``)."""
+    loss gains ``stats_loss`` of the step's statistics (``pipeline_stats``); with ``stats_sum`` too (the
+    statistics summed over the batch's shards, replicated) fn's value is (loss, those statistics)."""
     cfg = pipe.config
     names = tuple(mesh.axis_names)
     if PP not in names or set(names) - {PP, DP, EP, CP, MP}:
@@ -183,10 +185,14 @@ def pipeline_value_and_grad(
         raise MeshError(f"the mesh's {PP} axis has {sizes[PP]} devices but pp={cfg.pp}; make them equal")
     has_dp, n_ep = DP in names, sizes.get(EP, 1)
     n_dp = sizes.get(DP, 1) * n_ep  # the batch's shards: ep's devices are data shards too
-    job = Job(stage_fn, loss_fn, pipe, has_dp, n_dp, embed_fn, sizes.get(CP, 1), with_aux, n_ep, stats_loss)
+    if stats_sum is not None and stats_loss is None:
+        raise ConfigError("stats_sum returns the statistics stats_loss makes the chunks return; pass both")
+    n_cp = sizes.get(CP, 1)
+    job = Job(stage_fn, loss_fn, pipe, has_dp, n_dp, embed_fn, n_cp, with_aux, n_ep, stats_loss, stats_sum)
     rows = (DP, EP) if EP in names else DP
     data = P(rows) if has_dp else P()  # replicated over cp and mp: each cp shard slices its own chunks
     body = partial(gpipe if cfg.schedule == "gpipe" else one_f_one_b, job)
+    value_spec = P() if stats_sum is None else (P(), P())  # the loss (and the step's statistics)
 
     def run(params, x, targets, head=None, embed=None, aux=None):
         layers = {a.shape[0] for a in jax.tree.leaves(params)}
@@ -209,12 +215,12 @@ def pipeline_value_and_grad(
             partial(body, with_head=with_head),
             mesh=mesh,
             in_specs=(staged_specs, h_specs, e_specs, data, data, jax.tree.map(lambda _: data, aux)),
-            out_specs=(P(), (staged_specs, data if embed_fn is None else e_specs, h_specs)),
+            out_specs=(value_spec, (staged_specs, data if embed_fn is None else e_specs, h_specs)),
             check_vma=True,
         )
-        loss, (grads, dx, head_grads) = fn(to_stages(pipe, params), head, embed, x, targets, aux)
+        value, (grads, dx, head_grads) = fn(to_stages(pipe, params), head, embed, x, targets, aux)
         grads = from_stages(pipe, grads)
-        return loss, (grads, dx, head_grads) if with_head else (grads, dx)
+        return value, (grads, dx, head_grads) if with_head else (grads, dx)
 
     return run
 

@@ -60,6 +60,7 @@ class Job:
     with_aux: bool = False  # stage_fn(params, x, aux) with each micro-batch's rows of ``aux``
     n_ep: int = 1  # ep shards (experts split over them; part of the data shards: n_dp counts them)
     stats_loss: object = None  # stats [L, ...] -> scalar: chunks return (y, stats) (``pipeline_stats``)
+    stats_sum: object = None  # stats [L, ...] -> summed over the batch's shards: also return the step's
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -160,12 +161,14 @@ def gpipe(job: Job, params, head, embed, x, targets, aux, *, with_head: bool):
     """(loss, (param grads, the input's gradient -- with ``embed_fn`` the embedding's --, head grads))."""
     params, xs, tgs, auxs = _split(job, params, x, targets, aux)
     loss_fn = partial(_gpipe_loss, job, _head_loss(job, with_head), tgs, auxs)
+    grad_fn = partial(jax.value_and_grad, argnums=(0, 1, 2), has_aux=True)  # aux: the step's statistics
     if job.embed_fn is not None:
-        loss, (gp, gh, ge) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(params, head, embed, xs)
-        return loss, (jax.tree.map(lambda g: g[None], gp), ge, gh)
+        (loss, stats), (gp, gh, ge) = grad_fn(loss_fn)(params, head, embed, xs)
+        return stats_of.value(job, loss, stats), (jax.tree.map(lambda g: g[None], gp), ge, gh)
     run = lambda params, head, xs: loss_fn(params, head, (), xs)
-    loss, (gp, gh, gx) = jax.value_and_grad(run, argnums=(0, 1, 2))(params, head, xs)
-    return loss, (jax.tree.map(lambda g: g[None], gp), gx.reshape(-1, *gx.shape[2:]), gh)
+    (loss, stats), (gp, gh, gx) = grad_fn(run)(params, head, xs)
+    grads = (jax.tree.map(lambda g: g[None], gp), gx.reshape(-1, *gx.shape[2:]), gh)
+    return stats_of.value(job, loss, stats), grads
 
 
 def _gpipe_loss(job: Job, head_loss, tgs, auxs, params, head, embed, xs):
@@ -181,7 +184,9 @@ def _gpipe_loss(job: Job, head_loss, tgs, auxs, params, head, embed, xs):
         return pipe.loss_scale() * jnp.sum(each)
 
     loss = _reduce_loss(job, _on_last_stage(job, losses, head, outputs))
-    return loss if acc is None else loss + stats_of.loss(job, acc, _vary)
+    if acc is None:
+        return loss, None
+    return loss + stats_of.loss(job, acc, _vary), stats_of.step_stats(job, acc)
 
 
 def _forward_ticks(job: Job, params, embed, xs, auxs, *, keep_outputs: bool):
@@ -240,7 +245,7 @@ def one_f_one_b(job: Job, params, head, embed, x, targets, aux, *, with_head: bo
             job.axes,
         ),
     }
-    stats_loss, seeds = 0.0, None
+    stats_loss, seeds, acc = 0.0, None, None
     if job.stats_loss is not None:  # the step's statistics first: their loss and each chunk's cotangent
         acc = _forward_ticks(job, params, embed, xs, auxs, keep_outputs=False)[1]
         stats_loss, seeds = stats_of.loss_and_seeds(job, acc, _vary)
@@ -257,7 +262,8 @@ def one_f_one_b(job: Job, params, head, embed, x, targets, aux, *, with_head: bo
     else:
         entry_grads = _sum_where_cast(state["entry_grads"], entry[2], job.axes)  # from the first stage
     loss = _reduce_loss(job, state["loss"]) + stats_loss
-    return loss, (jax.tree.map(lambda g: g[None], grads), entry_grads, head_grads)
+    value = stats_of.value(job, loss, None if acc is None else stats_of.step_stats(job, acc))
+    return value, (jax.tree.map(lambda g: g[None], grads), entry_grads, head_grads)
 
 
 def _tick(job: Job, model, xs, rows, do_f: bool, do_b: bool, state, t):

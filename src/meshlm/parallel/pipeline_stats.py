@@ -14,7 +14,9 @@ not yet known, so it runs the forward ticks once first for the statistics alone 
 one more forward of the step, the price of exactness), takes ``g = dstats_loss / dS`` there, and each
 backward slot seeds its chunk's VJP with ``g``'s rows of that chunk beside the activations' cotangent.
 Per device (inside ``shard_map``) the accumulator is [pp V, c, ...]: every chunk's slot, filled by the
-chunks this device holds, summed over ``pp`` at the end.
+chunks this device holds, summed over ``pp`` at the end. With ``stats_sum`` the engine also returns the
+step's statistics summed over the stages and the batch (``step_stats``): the train step's routing metrics,
+values the loss computed anyway (1F1B's statistics pass, GPipe's forward).
 """
 
 from __future__ import annotations
@@ -61,6 +63,19 @@ def loss(job, acc, vary):
     to varying over axes, so that the mean takes one type.)"""
     value = job.stats_loss(total(acc))
     return lax.pmean(vary(value, job.batch_axes), job.batch_axes) if job.batch_axes else value
+
+
+def step_stats(job, acc):
+    """The step's statistics [L, ...] summed over the stages and, with ``stats_sum`` (the model's
+    ``Parallel.moe_sum``), over the batch's shards: the train step's routing metrics (not differentiated:
+    the loss holds them through ``stats_loss`` alone). None without ``stats_sum``."""
+    return None if job.stats_sum is None else lax.stop_gradient(job.stats_sum(total(acc)))
+
+
+def value(job, loss, stats):
+    """What the engine returns as the step's value: the loss, or with ``stats_sum`` (loss, the step's
+    statistics), as ``jax.value_and_grad(..., has_aux=True)`` does."""
+    return loss if job.stats_sum is None else (loss, stats)
 
 
 def loss_and_seeds(job, acc, vary):

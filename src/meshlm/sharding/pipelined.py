@@ -58,13 +58,13 @@ def split_model(tree) -> tuple[dict, dict, dict]:
     return embed, layers, head
 
 
-def stage_fn(cfg: ModelConfig, par: Parallel):
-    """One chunk of layers: as many as its parameters stack."""
+def stage_fn(cfg: ModelConfig, par: Parallel, stats: bool | None = None):
+    """One chunk of layers: as many as its parameters stack (``stats``: ``layers_fn``'s)."""
 
     def run(params, x, starts=None):  # starts: the micro-batch's document starts (``--doc-mask``)
         n = jax.tree.leaves(params)[0].shape[0]
         chunk = cfg.replace(n_layers=n, unroll=min(cfg.layer_unroll, n))
-        return hk.without_apply_rng(hk.transform(layers_fn(chunk, par))).apply(params, x, starts)
+        return hk.without_apply_rng(hk.transform(layers_fn(chunk, par, stats))).apply(params, x, starts)
 
     return run
 
@@ -78,10 +78,12 @@ def pipelined_value_and_grad(
     par_cls=Parallel,
     fill: float = 0.0,
     compute_dtype=None,
+    routing: bool = False,
 ):
     """fn(params, batch) -> (loss, grads) of ``cfg``'s model on ``layout`` (pipelined), grads in the
     parameters' layout and dtype. ``pipe_cls`` / ``par_cls``: the engine's and the stages' hooks (the
-    proof's controls override one); ``fill``: what bubbles hold (NaN in the proof)."""
+    proof's controls override one); ``fill``: what bubbles hold (NaN in the proof). ``routing`` (a
+    mixture of experts): -> ((loss, the step's routing statistics [L, 2E + 3]), grads), as without pp."""
     check_pipelined(cfg, layout)
     par = par_cls.on(layout)
     embed_apply = hk.without_apply_rng(hk.transform(embed_fn(cfg, par))).apply
@@ -90,8 +92,9 @@ def pipelined_value_and_grad(
     tied = cfg.tie_embeddings  # the head projects onto the embedding table: the last stage holds it too
     head_specs = {**head_specs, **embed_specs} if tied else head_specs
     pipe = pipe_cls(layout.pipeline, fill=fill)
+    stats_loss = _stats_loss(cfg, par, routing)
     step = pipeline_value_and_grad(
-        stage_fn(cfg, par),
+        stage_fn(cfg, par, stats_loss is not None),
         head_apply,
         layout.mesh,
         pipe,
@@ -100,7 +103,8 @@ def pipelined_value_and_grad(
         embed_fn=embed_apply,
         embed_specs=embed_specs,
         with_aux=cfg.doc_mask >= 0,
-        stats_loss=_stats_loss(cfg, par),
+        stats_loss=stats_loss,
+        stats_sum=par.moe_sum if routing else None,
     )
 
     def fn(params, batch):
@@ -122,11 +126,13 @@ def pipelined_value_and_grad(
     return fn
 
 
-def _stats_loss(cfg: ModelConfig, par: Parallel):
+def _stats_loss(cfg: ModelConfig, par: Parallel, routing: bool = False):
     """A mixture of experts' aux and z losses for the pipeline: of the routing statistics every stage's
     layers returned for every micro-batch (summed by the engine over them and the stages), summed over
-    the batch's shards (``Parallel.moe_sum``); None without those losses."""
-    if not moe_losses(cfg):
+    the batch's shards (``Parallel.moe_sum``); None without those losses, unless ``routing`` asks for
+    the statistics (the routing metrics): then a loss of 0 (under 1F1B their pass still runs: one more
+    forward of the step for metrics of a model trained without the losses)."""
+    if not moe_losses(cfg) and not routing:
         return None
     return lambda stats: aux_loss(cfg, par.moe_sum(stats))
 

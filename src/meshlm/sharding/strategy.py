@@ -62,7 +62,7 @@ class Pipelined:
         runs the model's own pieces); ``pipe_cls``, ``fill``: the engine's hooks (the proof's)."""
         from meshlm.sharding.pipelined import pipelined_value_and_grad
 
-        engine = {k: v for k, v in kw.items() if k in ("pipe_cls", "fill") and v is not None}
+        engine = {k: v for k, v in kw.items() if k in ("pipe_cls", "fill", "routing") and v is not None}
         return pipelined_value_and_grad(
             cfg, layout, specs, par_cls=par_cls, compute_dtype=compute_dtype, **engine
         )

@@ -62,9 +62,9 @@ def sharded_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, specs, par
     ``specs`` must split weights over DP (``model_specs`` on that layout; checked)."""
     check_fsdp_specs(specs, layout.fsdp)
     opt = adamw(ocfg, params)
-    # sharded (one shard_map) or, with a pipeline, through its schedule: the layout's strategy
-    # sharded, a mixture of experts also returns its routing statistics (``make_step``: metrics)
-    routing = cfg.arch.moe and not layout.pipelined
+    # sharded (one shard_map) or, with a pipeline, through its schedule: the layout's strategy; either
+    # way a mixture of experts also returns its routing statistics (``make_step``: metrics)
+    routing = cfg.arch.moe
     grad = strategy(layout).value_and_grad(cfg, layout, specs, compute_dtype=compute_dtype, routing=routing)
     return jax.jit(make_step(grad, opt, ocfg), donate_argnums=(0, 1)), opt
 
