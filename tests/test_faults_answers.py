@@ -407,3 +407,33 @@ def test_an_moe_run_under_pp_writes_its_routing_metrics(corpus, tmp_path):
     (row,) = train_rows(tmp_path / "run")
     assert len(row["expert_load"]) == 4 and sum(row["expert_load"]) == 4 * 16 * 2  # tokens x k
     assert row["moe_dropped"] == 0 and row["moe_aux_loss_hf"] > 0
+
+
+def _refused_before_setup(monkeypatch):
+    def too_late(*args, **kwargs):
+        raise AssertionError("refused too late: after setup")
+
+    monkeypatch.setattr("meshlm.cli.train.setup", too_late)
+
+
+def test_an_empty_data_list_in_a_settings_file_is_refused_like_an_empty_data_flag(
+    tmp_path, monkeypatch, capsys
+):
+    """``data = []`` trained on the default corpus while ``--data`` with no value is refused."""
+    _refused_before_setup(monkeypatch)
+    settings = tmp_path / "s.toml"
+    settings.write_text("data = []\nsteps = 1\n")
+    assert run_cli("train", "--settings", str(settings), "--out", str(tmp_path / "run")) == 2
+    line = _last_error(capsys)
+    assert f"--settings {settings}: data is an empty list, but --data takes at least one value" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_empty_data_path_is_refused_not_read_as_the_working_directory(tmp_path, monkeypatch):
+    from meshlm.data.sources import resolve_sources
+    from meshlm.errors import DataError
+
+    (tmp_path / "notes.txt").write_text("not meant as training data\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=r"a data path is empty \(''\)"):
+        resolve_sources([""])

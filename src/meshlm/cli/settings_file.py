@@ -86,6 +86,12 @@ def _value(where: str, action: argparse.Action, value: Any) -> Any:
         return _of_kind(where, value, kind, "true or false" if kind is bool else "a string")
     if action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction):
         items = _of_kind(where, value, list, "a list")
+        if not items and action.nargs == "+":  # refused as the flag with no value is, not its default
+            flag = action.option_strings[0]
+            raise ConfigError(
+                f"{where} is an empty list, but {flag} takes at least one value; list some, or drop "
+                f"the key for the default"
+            )
         return [_scalar(where, action, item) for item in items]
     return _scalar(where, action, value)
 

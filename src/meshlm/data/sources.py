@@ -140,6 +140,8 @@ def _expand_glob(pattern: str) -> list[Source]:
 
 
 def _expand(raw: str) -> list[Source]:
+    if not raw:  # Path("") is the working directory: an empty value would read it whole
+        raise DataError("a data path is empty (''); pass a file, directory or glob ('.' for this directory)")
     # An existing path is literal even if its name contains glob characters.
     if any(c in raw for c in _GLOB_CHARS) and not os.path.exists(raw):
         return _expand_glob(raw)
