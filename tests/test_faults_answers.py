@@ -396,17 +396,27 @@ def test_the_capacity_factors_help_says_which_factor_keeps_every_choice(command,
     assert "C >= E / k keeps every choice" in " ".join(capsys.readouterr().out.split())
 
 
-def test_an_moe_run_under_pp_writes_its_routing_metrics(corpus, tmp_path):
+def test_an_moe_run_under_pp_writes_its_routing_metrics(corpus, tmp_path, monkeypatch, capsys):
     """docs/training.md promises expert_load, moe_dropped and moe_aux_loss_* on every MoE row; under
-    --pp the rows had none (the pipeline's train step returned no statistics)."""
+    --pp the rows had none (the pipeline's train step returned no statistics). The same run, with a
+    relative --out: it says it starts fresh, and its settings.toml names the run by its absolute path
+    (relative, `train --settings /abs/run/settings.toml` elsewhere started a new run there unsaid)."""
+    import tomllib
+
     from helpers import train_rows
 
+    monkeypatch.chdir(tmp_path)
     flags = "--config tiny-mixtral --tokenizer bpe-300 --steps 1 --batch-size 4 --seq-len 16 --pp 2"
-    flags += " --mesh 1x1 --devices 2 --sample-tokens 0 --eval-every 0 --warmup-steps 1"
-    assert run_cli("train", "--data", corpus, *flags.split(), "--out", str(tmp_path / "run")) == 0
+    flags += " --mesh 1x1 --devices 2 --sample-tokens 0 --eval-every 0 --warmup-steps 1 --out run"
+    assert run_cli("train", "--data", corpus, *flags.split()) == 0
+    assert (
+        f"starting a fresh run in {tmp_path / 'run'} (no checkpoint there to resume)"
+        in capsys.readouterr().err
+    )
     (row,) = train_rows(tmp_path / "run")
     assert len(row["expert_load"]) == 4 and sum(row["expert_load"]) == 4 * 16 * 2  # tokens x k
     assert row["moe_dropped"] == 0 and row["moe_aux_loss_hf"] > 0
+    assert tomllib.loads((tmp_path / "run" / "settings.toml").read_text())["out"] == str(tmp_path / "run")
 
 
 def _refused_before_setup(monkeypatch):
@@ -437,3 +447,20 @@ def test_an_empty_data_path_is_refused_not_read_as_the_working_directory(tmp_pat
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError, match=r"a data path is empty \(''\)"):
         resolve_sources([""])
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_out_that_is_the_checkpoint_is_named_as_such(tmp_path, monkeypatch, capsys, inside):
+    """``train --checkpoint CK --out CK`` was refused with a list of opt_state mismatches (it tried to
+    resume CK's own run); a --checkpoint inside --out would also be rotated away by the run's saves."""
+    _refused_before_setup(monkeypatch)
+    ck = tmp_path / "ck"
+    checkpoint = ck / "2" if inside else ck
+    assert run_cli("train", "--checkpoint", str(checkpoint), "--out", str(ck), "--steps", "1") == 2
+    line = _last_error(capsys)
+    where = f"holds the --checkpoint {checkpoint}" if inside else "is the --checkpoint"
+    assert f"--out {ck} {where}: a run writes its own checkpoints into --out; to continue" in line, line
+    assert (
+        f"drop --checkpoint (meshlm train --out {ck} resumes it), to fine-tune from it pass another --out"
+        in line
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
@@ -192,11 +193,27 @@ class TrainConfig(MeshFlags, LongContext, MoESettings):  # --pp, --cp, --fsdp, -
 def _validate(tcfg: TrainConfig) -> None:
     """Every field's range and choices, and the batch split: one-line errors naming the flag."""
     check_fields(tcfg)
+    _check_out_is_not_the_checkpoint(tcfg)
     if tcfg.batch_size % tcfg.accum_steps:
         fit = (tcfg.batch_size // tcfg.accum_steps + 1) * tcfg.accum_steps
         raise ConfigError(
             f"batch_size={tcfg.batch_size} is not divisible by accum_steps={tcfg.accum_steps}; "
             f"use e.g. --batch-size {fit}"
+        )
+
+
+def _check_out_is_not_the_checkpoint(tcfg: TrainConfig) -> None:
+    """--out the --checkpoint (or a directory holding it): the run would resume the checkpoint's own
+    run instead of starting from its parameters, and its rotation could delete the checkpoint."""
+    if not tcfg.checkpoint:
+        return
+    out, ck = (os.path.realpath(p) for p in (tcfg.out, tcfg.checkpoint))
+    if ck == out or ck.startswith(out.rstrip(os.sep) + os.sep):
+        where = "is the --checkpoint" if ck == out else f"holds the --checkpoint {tcfg.checkpoint}"
+        raise ConfigError(
+            f"--out {tcfg.out} {where}: a run writes its own checkpoints into --out; to continue that run "
+            f"drop --checkpoint (meshlm train --out {tcfg.out} resumes it), to fine-tune from it pass "
+            "another --out"
         )
 
 
@@ -209,6 +226,9 @@ def recorded_settings(tcfg: TrainConfig, mesh: str, devices: int | None) -> dict
     their flags' names, with its ``--mesh`` (DPxMP) and ``--devices`` (None: left out), so that
     ``meshlm train --settings FILE`` runs it again."""
     fields = {k: v for k, v in tcfg.to_dict().items() if k not in NOT_RECORDED}
+    # --out absolute: the file names its own run from any directory (relative, `train --settings` run
+    # elsewhere started a new run there); not compared on resume, so an older run's file still resumes
+    fields["out"] = os.path.abspath(tcfg.out)
     return {"mesh": mesh, "devices": devices, **fields}
 
 

@@ -142,6 +142,12 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs: d
         state, _, step = resumed
         params, opt_state = state["params"], state["opt_state"]
         distributed.print0(f"resuming from {ckpt.step_dir(step)} (step {step})", file=sys.stderr)
+    else:  # never silent: a --out that names another directory than meant starts a new run there
+        start = f" from the parameters of --checkpoint {tcfg.checkpoint}" if tcfg.checkpoint else ""
+        distributed.print0(
+            f"starting a fresh run in {ckpt.directory.resolve()}{start} (no checkpoint there to resume)",
+            file=sys.stderr,
+        )
     return params, opt_state, step, step_fn
 
 
