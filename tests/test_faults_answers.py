@@ -464,3 +464,44 @@ def test_out_that_is_the_checkpoint_is_named_as_such(tmp_path, monkeypatch, caps
         f"drop --checkpoint (meshlm train --out {ck} resumes it), to fine-tune from it pass another --out"
         in line
     )
+
+
+def test_a_tiny_mixtral_run_exports_dropping_its_z_loss_with_a_note(tmp_path, capsys):
+    """The tiny-mixtral preset (the one docs/training.md trains) has a router z-loss, which no
+    transformers MoE config holds: `convert --to-hf` refused every run of it with no way out. It exports
+    now, says what it dropped, and transformers' model gives the checkpoint's logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import haiku as hk
+    import numpy as np
+
+    from meshlm.io.checkpoint import Checkpointer
+    from meshlm.io.model_io import FORMAT
+    from meshlm.model.config import get_config
+    from meshlm.model.transformer import logits_fn
+    from meshlm.parallel.context import Parallel
+    from meshlm.parallel.mesh import make_mesh
+    from meshlm.train.step import init_model
+
+    cfg = get_config("tiny-mixtral")
+    assert cfg.router_z_loss_coef == 0.001
+    params, _ = init_model(cfg, make_mesh(1, 1), 0)
+    meta = {"format": FORMAT, "model_config": cfg.to_dict(), "tokenizer": {"kind": "bytes"}}
+    with Checkpointer(tmp_path / "run", keep=1) as ckpt:
+        ckpt.save(1, {"params": params}, meta)
+    assert (
+        run_cli("convert", "--to-hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--mesh", "1x1")
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert (
+        "; dropped router_z_loss_coef=0.001 (the router z-loss): a training-only loss, the logits do not"
+        in out
+    )
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16))
+    want = np.asarray(hk.transform(logits_fn(cfg, Parallel())).apply(params, None, tokens))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        got = model(torch.tensor(tokens)).logits.numpy()
+    assert type(model).__name__ == "MixtralForCausalLM"
+    assert float(np.max(np.abs(got - want)) / np.max(np.abs(want))) <= 1e-5

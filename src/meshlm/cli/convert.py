@@ -60,7 +60,8 @@ def _line(s: dict) -> str:
     shape = f"{c['family']} d_model={c['d_model']} n_layers={c['n_layers']} vocab={c['vocab_size']}"
     line = f"converted {s['from']}{_which_step(s)} -> {s['to']} ({s['format']}): {shape}"
     line += f", {s['params']:,} parameters"
-    return f"{line}; tokenizer: {s['tokenizer']}"
+    line += f"; tokenizer: {s['tokenizer']}"
+    return line + (f"; {s['dropped']}" if s.get("dropped") else "")
 
 
 def _which_step(s: dict) -> str:
@@ -143,7 +144,7 @@ def _to_hf(args, layout) -> dict:
     """Load the checkpoint sharded, gather every array to the host, write on process 0 only."""
     import jax
 
-    from meshlm.io.hf_config import config_to_hf
+    from meshlm.io.hf_config import config_to_hf, dropped_note
     from meshlm.io.hf_weights import save_hf
     from meshlm.io.layout import complete_steps, resolve
     from meshlm.io.model_io import load_model, read_config
@@ -163,7 +164,8 @@ def _to_hf(args, layout) -> dict:
             eos = read_config(directory / str(step))[1].get(EOS_KEY)  # the exported step's meta
             _write_hf_tokenizer(Path(args.out), tok, cfg, eos)
     summary = _summary(args.to_hf, args.out, "transformers", cfg, flat)
-    return {**summary, "step": step, "skipped_steps": skipped, "tokenizer": _says(tok)}
+    summary |= {"step": step, "skipped_steps": skipped, "tokenizer": _says(tok), "dropped": dropped_note(cfg)}
+    return summary
 
 
 def _write_hf_tokenizer(out: Path, tok, cfg, eos: list[int] | None) -> None:

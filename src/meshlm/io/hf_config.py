@@ -76,6 +76,28 @@ def _check_exportable(cfg: ModelConfig) -> None:
 
 SOFTCAP_FINAL = "final_logit_softcapping"  # Gemma 2's config.json field
 
+# Training-only losses that no transformers config holds (MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+# and OlmoeConfig have router_aux_loss_coef, no z-loss field): the logits do not depend on them, so an
+# export drops them and says so, as the lost part of the training recipe, not of the model.
+TRAINING_ONLY = {"router_z_loss_coef": "the router z-loss"}
+
+
+def dropped_on_export(cfg: ModelConfig) -> dict[str, float]:
+    """The training-only fields (``TRAINING_ONLY``) set in ``cfg`` that its export leaves out."""
+    return {name: getattr(cfg, name) for name in TRAINING_ONLY if getattr(cfg, name)}
+
+
+def dropped_note(cfg: ModelConfig) -> str:
+    """One clause saying what the export of ``cfg`` dropped, or "" where nothing was."""
+    dropped = dropped_on_export(cfg)
+    if not dropped:
+        return ""
+    what = ", ".join(f"{name}={value} ({TRAINING_ONLY[name]})" for name, value in dropped.items())
+    return (
+        f"dropped {what}: a training-only loss, the logits do not depend on it and transformers' "
+        f"{cfg.arch.hf.architecture} has no field for it"
+    )
+
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The transformers config.json dict for ``cfg`` (float32 weights; no tokenizer ids: meshlm does

@@ -54,11 +54,11 @@ def write(cfg) -> dict[str, Any]:
 
 def check_export(cfg) -> None:
     llama.check_export(cfg)
-    if not cfg.norm_topk_prob or cfg.shared_expert_d_ff or cfg.router_z_loss_coef:
+    if not cfg.norm_topk_prob or cfg.shared_expert_d_ff:  # a z-loss is dropped (``io.hf_config``)
         raise unsupported(
-            "norm_topk_prob/shared_expert_d_ff/router_z_loss_coef",
-            (cfg.norm_topk_prob, cfg.shared_expert_d_ff, cfg.router_z_loss_coef),
-            "transformers' Mixtral renormalises, has no shared expert and no z-loss",
+            "norm_topk_prob/shared_expert_d_ff",
+            (cfg.norm_topk_prob, cfg.shared_expert_d_ff),
+            "transformers' Mixtral renormalises and has no shared expert",
         )
 
 

@@ -86,13 +86,14 @@ def write(cfg) -> dict[str, Any]:
 
 
 def check_export(cfg) -> None:
-    """What transformers' Qwen3-MoE and OLMoE cannot express beyond Llama's: a shared expert, a z-loss."""
+    """What transformers' Qwen3-MoE and OLMoE cannot express beyond Llama's: a shared expert (a z-loss
+    is dropped on export: ``io.hf_config.dropped_on_export``)."""
     llama.check_export(cfg)
-    if cfg.shared_expert_d_ff or cfg.router_z_loss_coef:
+    if cfg.shared_expert_d_ff:
         raise unsupported(
-            "shared_expert_d_ff/router_z_loss_coef",
-            (cfg.shared_expert_d_ff, cfg.router_z_loss_coef),
-            f"transformers' {cfg.family} has no shared expert and no z-loss: set both to 0 to export",
+            "shared_expert_d_ff",
+            cfg.shared_expert_d_ff,
+            f"transformers' {cfg.family} has no shared expert: set it to 0 to export",
         )
 
 
