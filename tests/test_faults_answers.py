@@ -505,3 +505,19 @@ def test_a_tiny_mixtral_run_exports_dropping_its_z_loss_with_a_note(tmp_path, ca
         got = model(torch.tensor(tokens)).logits.numpy()
     assert type(model).__name__ == "MixtralForCausalLM"
     assert float(np.max(np.abs(got - want)) / np.max(np.abs(want))) <= 1e-5
+
+
+def test_the_cp_prefill_docs_name_the_models_it_refuses():
+    """docs/models.md said the cp prefill was checked on tiny-gemma2, which `generate --cp` refuses
+    (as every model of local and global layers): the section names it among the refused, in its line."""
+    from meshlm.errors import ConfigError
+    from meshlm.generate.programs import check_prefill_cp
+    from meshlm.model.config import get_config
+    from meshlm.parallel.layout import Layout
+
+    with pytest.raises(ConfigError) as refused:
+        check_prefill_cp(get_config("tiny-gemma2"), Layout(mp=2, cp=2), 64)
+    text = (ROOT / "docs" / "models.md").read_text()
+    section = " ".join(text[text.index("### Prefill over cp") :].split("\n\n- ")[0].split())
+    assert f"`tiny-gemma2` among them: `{refused.value}`" in section
+    assert "by hand also tiny-gemma2" not in section
