@@ -154,6 +154,22 @@ def test_a_huge_capacity_factor_keeps_every_choice_without_overflow(factor):
     assert moe.capacity(at_bound, 10) == 10  # C = E / k: every choice kept
 
 
+def test_the_per_shard_capacity_control_is_not_run_where_nothing_can_drop():
+    """From C = E / k on, a shard's own capacity keeps all its tokens as the batch's does: ranking per
+    shard changes nothing, so `verify --moe-capacity-factor 1e30` would fail a correct model with the
+    control "not detected"; below it the control runs."""
+    from meshlm.proof import model_problem
+    from meshlm.proof.moe_controls import MOE_CONTROLS
+    from meshlm.proof.prover import control_set, where_of
+
+    name = "MoE capacity computed per shard"
+    for factor, runs in ((0.5, True), (1.99, True), (2.0, False), (1e30, False)):
+        cfg = CFG.replace(moe_capacity_factor=factor)  # E / k = 4 / 2
+        problem = model_problem(cfg, "tiny-mixtral", 1, 2, 8, dp=2)
+        names = {c.name for c in control_set(where_of(problem, Layout(dp=2), False), MOE_CONTROLS)}
+        assert (name in names) == runs, factor
+
+
 def test_capacity_proven_under_sp_with_its_control_detected():
     """tiny-mixtral with tokens dropped on 2x2 + FSDP + SP in float64: equal to the unsharded model, and
     the capacity computed per shard (each shard ranking its own tokens) detected."""

@@ -124,6 +124,12 @@ def _data_shards(w: Where) -> bool:
     return w.layout.dp > 1 or w.layout.context_parallel
 
 
+def _drops(cfg) -> bool:
+    """A capacity that can drop a choice: 0 < C < E / k (from E / k on every shard's capacity, like the
+    batch's, is all its tokens: ``moe.capacity``; ranking per shard would change nothing)."""
+    return 0 < cfg.moe_capacity_factor < cfg.n_experts / cfg.experts_per_token
+
+
 def _routed_apart(w: Where) -> bool:
     """Shards route different tokens (data shards, or mp's sequence slices under sp)."""
     return _data_shards(w) or (w.layout.sp and w.layout.mp > 1)
@@ -167,7 +173,7 @@ MOE_CONTROLS: tuple[Control, ...] = (
     ),
     Control(
         name="MoE capacity computed per shard",
-        applies=lambda w: _moe(w) and w.cfg.moe_capacity_factor > 0 and _routed_apart(w),
+        applies=lambda w: _moe(w) and _drops(w.cfg) and _routed_apart(w),
         par_cls=CapacityPerShard,
     ),
 )
