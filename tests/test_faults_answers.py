@@ -1,6 +1,9 @@
 """The fourth reliability pass (issue 36, cases 4 and 6): the wrong answers and unclear behaviours of
 a held-out probe, each reproduced. One owner per output directory, named; nothing written outside
---out; a refused command leaves nothing that blocks its rerun; one error line per bad flag."""
+--out; a refused command leaves nothing that blocks its rerun; one error line per bad flag. The fifth
+probe's (issue 47, item 2) at the end: the capacity factor's bound, MoE routing metrics under --pp, no
+merge-conflict marker in the tree, empty data lists and paths, settings.toml's absolute out and the
+fresh-start line, --out that is the --checkpoint, the cp prefill's docs, a z-loss model's export."""
 
 from __future__ import annotations
 
