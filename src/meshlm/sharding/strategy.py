@@ -22,6 +22,9 @@ class Sharded:
 
     name = "sharded"
     generates = True  # generation (``generate.programs``) runs on this layout
+    # What the proof's communication check counts: the compiled step's all-reduces (``proof.communication``)
+    proof_collectives = "all-reduces"
+    probes_routing = True  # the proof's routing probe (``proof.routing``) runs this strategy's model
 
     def check(self, cfg: ModelConfig, layout: Layout) -> None:
         """What the layout cannot run of ``cfg``, as one-line errors before any work (nothing here)."""
@@ -51,6 +54,8 @@ class Pipelined:
 
     name = "pipelined"
     generates = False  # generation has no pipeline
+    proof_collectives = "permutes"  # the schedule's permutes (``proof.pipeline_verify.permute_rows``)
+    probes_routing = False  # the stages run the model's pieces, not the probe's unpipelined model
 
     def check(self, cfg: ModelConfig, layout: Layout) -> None:
         from meshlm.sharding.pipelined import check_pipelined
