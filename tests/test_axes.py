@@ -56,6 +56,10 @@ def test_the_layout_picks_the_strategy_once():
     assert isinstance(strategy(Layout(dp=2, mp=2)), Sharded) and strategy(Layout()).generates
     piped = Layout(mp=2, pp=2, microbatches=2)
     assert isinstance(strategy(piped), Pipelined) and not strategy(piped).generates
+    # what the proof asks of the strategy, not of the layout (``proof.prover``, ``proof.routing``)
+    facts = lambda s: (s.proof_collectives, s.probes_routing, s.engine_faults)
+    assert facts(strategy(piped)) == ("permutes", False, True)
+    assert facts(strategy(Layout(dp=2, ep=2, cp=2))) == ("all-reduces", True, False)
     assert piped.pipelined and piped.extra_axes == ("pp",) and piped.pipeline_microbatches == 2
     ctx = Layout(dp=2, cp=2, cp_strategy="allgather")
     assert ctx.context_parallel and not ctx.cp_ring and ctx.batch_axes == ("dp", "cp")

@@ -92,7 +92,7 @@ def verify(
     report.extra["param_bytes_total"] = total_bytes(runs.params)
     where = where_of(problem, layout, collectives)
     chosen = control_set(where, controls)
-    if layout.pipelined:  # every control through the pipeline, and its own faults (``pipeline_verify``)
+    if strategy(layout).engine_faults:  # every control through the pipeline, and its own faults
         chosen += permute_controls(controls, where, collectives)
         report.controls = [run_model_control(c, runs, run_control, ocfg, rtol, atol) for c in chosen]
         report.controls += pipeline_controls(runs, rtol, atol)
