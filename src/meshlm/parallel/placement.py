@@ -12,11 +12,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshlm.parallel.axes import DP
-
-BATCH_SPEC = P(DP, None)  # inputs / targets [B, T]: rows split over data-parallel shards
-ACCUM_BATCH_SPEC = P(None, DP, None)  # [A, B, T] with gradient accumulation: micro-batch major
-
 
 def batch_spec(layout, accum_steps: int = 1) -> P:
     """[B, T] (or [A, B, T] with accumulation) rows split over the ``Layout``'s data shards: DP, or
