@@ -144,5 +144,5 @@ class Parallel(ContextParallel, ExpertAxis, ExpertParallel):  # ExpertAxis: ep's
         every token of the global batch (each shard holds as many tokens)."""
         if not self.sharded:
             return x
-        axes = self.layout.batch_axes  # dp, and ep and cp when on (``Axis.batch``)
+        axes = self.layout.batch_axes  # dp, and ep and cp when on (their "loss" use: ``Axis.uses``)
         return lax.pmean(x, axes if len(axes) > 1 else axes[0])
