@@ -11,7 +11,7 @@ import pytest
 from meshlm.errors import ConfigError
 from meshlm.parallel.axes import AXES, LOGICAL_DIMS
 from meshlm.parallel.context import Parallel
-from meshlm.parallel.layout import Layout
+from meshlm.parallel.layout import Layout, devices_layout, early_layout
 from meshlm.proof.control_record import Where
 from meshlm.proof.taps import Tapped
 from meshlm.sharding.strategy import Pipelined, Sharded, strategy
@@ -56,6 +56,10 @@ def test_the_layout_picks_the_strategy_once():
     assert isinstance(strategy(Layout(dp=2, mp=2)), Sharded) and strategy(Layout()).generates
     piped = Layout(mp=2, pp=2, microbatches=2)
     assert isinstance(strategy(piped), Pipelined) and not strategy(piped).generates
+    # what the proof asks of the strategy, not of the layout (``proof.prover``, ``proof.routing``)
+    facts = lambda s: (s.proof_collectives, s.probes_routing, s.engine_faults)
+    assert facts(strategy(piped)) == ("permutes", False, True)
+    assert facts(strategy(Layout(dp=2, ep=2, cp=2))) == ("all-reduces", True, False)
     assert piped.pipelined and piped.extra_axes == ("pp",) and piped.pipeline_microbatches == 2
     ctx = Layout(dp=2, cp=2, cp_strategy="allgather")
     assert ctx.context_parallel and not ctx.cp_ring and ctx.batch_axes == ("dp", "cp")
@@ -88,3 +92,36 @@ def test_fault_taps_live_in_the_proof():
     assert Parallel().tap("own_heads", x) is x and Tapped().tap("own_heads", x) is x
     with pytest.raises(AttributeError):
         Tapped().tap("own_head", x)
+
+
+def test_every_spec_by_role_comes_from_the_axes_uses():
+    """``Layout.spec``: a use's axes are the axes on that declare it, in mesh order; FSDP's axes and the
+    batch's rows and loss axes are those uses (one decision), on every kind of layout."""
+    from jax.sharding import PartitionSpec as P
+
+    from meshlm.parallel.specs import USES
+
+    assert {u for a in AXES for u in a.uses} == set(USES)
+    ep = Layout(dp=4, ep=2, mp=2, fsdp=True)
+    assert ep.spec("batch", "length") == P(("dp", "ep"), None) and ep.batch_axes == ("dp", "ep")
+    assert (ep.fsdp_axes(), ep.fsdp_shards(), ep.fsdp_axes(expert=True), ep.fsdp_shards(expert=True)) == (
+        ("dp", "ep"), 4, "dp", 2
+    )  # fmt: skip
+    ctx = Layout(dp=2, cp=2, mp=2)
+    assert ctx.spec("model", None, "batch", "length") == P("mp", None, "dp", "cp")
+    assert ctx.spec(None, "batch", None, "kv_heads", None) == P(None, "dp", None, "mp", None)
+    assert Layout(dp=2).fsdp_axes() == Layout(dp=2).fsdp_axes(expert=True) == "dp"
+    with pytest.raises(ValueError, match="unknown axis use 'rows'"):
+        Layout().spec("rows")
+
+
+def test_bench_baselines_and_default_layouts_come_from_the_axis_entries():
+    piped = Layout(dp=2, mp=2, pp=2, microbatches=2, ep=2, cp=2, fsdp=True, sp=True)
+    assert piped.baselines() == ("no-pp", "no-ep")
+    assert piped.flat == Layout(dp=2, mp=2, cp=2, fsdp=True)  # sp off, as bench's yardsticks were
+    assert Layout(dp=2, cp=2).blockwise and not Layout(dp=2).blockwise
+    with pytest.raises(ConfigError, match="--microbatches needs a pipeline"):  # before any device
+        early_layout({"microbatches": 2})
+    assert early_layout({"pp": 2, "ep": 2}).pp == 2 and early_layout({"fsdp": True}) is None
+    assert devices_layout(8, {"ep": 2}, default_dp=1).label() == "2x4 + EP2"
+    assert devices_layout(8, {"pp": 2}, default_dp=2).label() == "pp2x1x4 (1f1b, M=1)"

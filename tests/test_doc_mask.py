@@ -95,7 +95,7 @@ DOC_CONTROLS = tuple(c for c in CONTROLS if c.name.startswith("document mask"))
 @pytest.fixture(scope="module")
 def doc_problem():
     cfg = get_config("tiny-llama").replace(doc_mask=EOD)
-    return model_problem(cfg, "tiny-llama", mp=2, batch_size=4, seq_len=16, dp=2, fsdp=True, sp=True)
+    return model_problem(cfg, "tiny-llama", LAYOUT, batch_size=4, seq_len=16)
 
 
 def test_verify_doc_mask_passes_and_its_controls_are_detected(doc_problem):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshlm.errors import ConfigError
+from meshlm.errors import ConfigError, ShardingError
 from meshlm.model import moe
 from meshlm.model.config import get_config
 from meshlm.parallel.layout import Layout
@@ -84,7 +84,7 @@ def test_dense_layers_among_moe_layers():
     assert runs(cfg.replace(n_layers=5, dense_layers=[0, 2, 3])) == [
         ("dense_layers", 0, 0, 1), ("layers", 1, 0, 1), ("dense_layers", 2, 1, 3), ("layers", 4, 1, 2)
     ]  # fmt: skip
-    with pytest.raises(ConfigError, match="pipeline stages hold uniform layers; drop --pp"):
+    with pytest.raises(ShardingError, match="pipeline stages hold uniform layers; drop --pp"):
         check_pipelined(cfg, Layout(pp=3))
     cfg = cfg.replace(n_layers=2)  # dense layer 0, MoE layer 1
     batch = {k: jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 8))) for k in ("inputs", "targets")}

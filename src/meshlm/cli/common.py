@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from meshlm.parallel.axes import PP
-from meshlm.parallel.layout import Layout
+from meshlm.parallel.layout import Layout, devices_layout, early_layout
 from meshlm.parallel.mesh import DEFAULT_DEVICES, MAX_HOST_DEVICES, force_host_devices, parse_mesh
 from meshlm.ranges import (
     NON_NEGATIVE_FLOAT,
@@ -184,9 +183,7 @@ def flag_layout(args, flags: MeshFlags | None = None) -> Layout | None:
     options = flags.layout_options() if flags is not None else {}
     if args.mesh:
         return Layout(*parse_mesh(args.mesh), **options)
-    # their own rules (e.g. --microbatches without --pp), no devices; ep's needs a dp (``_setup``'s)
-    options_alone = Layout(**{**options, "ep": 1})
-    return options_alone if options_alone.pipelined else None
+    return early_layout(options)  # the options' own rules (e.g. --microbatches without --pp), no devices
 
 
 def setup(args, flags: MeshFlags | None = None, planned: Layout | None = None, default_dp: int = 1) -> Layout:
@@ -225,10 +222,6 @@ def _setup(args, flags: MeshFlags | None, planned: Layout | None, default_dp: in
         layout = planned if planned is not None else flag_layout(args, flags)
     else:
         options = flags.layout_options() if flags is not None else {}
-        alone = Layout(**{**options, "ep": 1})  # devices = pp x dp x cp x mp
-        n = jax.device_count() // alone.pp
-        dp = default_dp if n % (default_dp * alone.cp) == 0 and not alone.pipelined else 1
-        dp = math.lcm(dp, options.get("ep", 1))  # ep's shards are data shards: ep divides dp
-        layout = Layout(dp=dp, mp=max(n // (dp * alone.cp), 1), **options)
+        layout = devices_layout(jax.device_count(), options, default_dp)
     layout.mesh  # noqa: B018 -- built now (a device-count error before any work)
     return layout

@@ -22,7 +22,7 @@ from meshlm.settings import MESH_OPTIONS, MeshFlags
 from meshlm.train.eval_settings import EvalConfig, check_split
 
 # The mesh options eval runs without (a checkpoint written under any of them loads on any mesh); it
-# runs with --cp (the per-token losses gathered back over cp, ``train.evaluation.sequence_order``) and
+# runs with --cp (the per-token losses gathered back over cp, ``parallel.cp.sequence_order``) and
 # --ep (the experts split, rows over dp).
 REFUSED = tuple(name for name in MESH_OPTIONS if name not in ("cp", "cp_strategy", "ep"))
 PIPELINE = ("pp", "microbatches", "pp_schedule", "virtual_stages")

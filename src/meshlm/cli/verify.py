@@ -136,7 +136,6 @@ def _matrix(args, vs: VerifySettings, axes: tuple[str, ...]) -> int:
 
 def _verify(args, vs: VerifySettings, planned) -> int:
     layout = setup(args, vs, planned)
-    dp, mp = layout.dp, layout.mp
     import jax
     import jax.numpy as jnp
 
@@ -168,25 +167,15 @@ def _verify(args, vs: VerifySettings, planned) -> int:
     seq_len, block = _shapes(vs, cfg, layout)
     cfg = cfg.replace(attention=vs.attention, attn_block=block)
     batch = (
-        vs.batch_size if vs.batch_size is not None else defaults.batch_rows(dp, layout.pipeline_microbatches)
+        vs.batch_size
+        if vs.batch_size is not None
+        else defaults.batch_rows(layout.dp, layout.pipeline_microbatches)
     )
     layout.check_seq_len(seq_len)
-    kernel = f", blocks of {block}" if cfg.attention == "blockwise" or layout.context_parallel else ""
+    kernel = f", blocks of {block}" if cfg.attention == "blockwise" or layout.blockwise else ""
     print0(f"shapes: batch {batch} x {seq_len} tokens{kernel}", file=sys.stderr)
     strategy(layout).check(cfg, layout)  # e.g. layers a pipeline cannot split
-    problem = model_problem(
-        cfg,
-        name,
-        mp,
-        batch,
-        seq_len,
-        vs.seed,
-        dp=dp,
-        fsdp=layout.fsdp,
-        sp=layout.sp,
-        pp=layout.pp,
-        ep=layout.ep,
-    )
+    problem = model_problem(cfg, name, layout, batch, seq_len, vs.seed)
     if vs.checkpoint:
         problem = dataclasses.replace(problem, load_params=lambda m: load_model(vs.checkpoint, m)[1])
     dtype = jnp.float64 if vs.x64 else jnp.float32

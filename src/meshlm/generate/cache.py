@@ -27,21 +27,20 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from meshlm.model.attention import cache_window, kv_replicated
 from meshlm.model.config import ModelConfig
 from meshlm.model.kv_kinds import LOCAL_KEYS, kind_counts, mixed_kinds
-from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 
-CACHE_SPEC = P(None, DP, None, MP, None)  # global [L, B, S, Kc, E]
+CACHE_DIMS = (None, "batch", None, "kv_heads", None)  # global [L, B, S, Kc, E]: ``Layout.spec``'s names
 
 
-def cache_specs(cfg: ModelConfig, rows=DP) -> dict:
-    """The K and V caches' specs, rows over ``rows`` (``Layout.rows``: DP, or (DP, EP) with ep on)."""
-    spec = CACHE_SPEC if rows == DP else P(None, rows, None, MP, None)
+def cache_specs(cfg: ModelConfig, layout: Layout) -> dict:
+    """The K and V caches' specs on ``layout``: rows over its data shards (DP, or (DP, EP) with ep on),
+    KV heads over mp (P(None, DP, None, MP, None) on a dp x mp mesh)."""
+    spec = layout.spec(*CACHE_DIMS)
     return {name: spec for name in cache_shapes(cfg, 1, 1, 1)}
 
 

@@ -88,7 +88,7 @@ class Generator:
     def _constants(self, sampling: Sampling, batch: int) -> tuple:
         """(rows, key, sampling) on device for this call: placed once per generate, not per step."""
         if self._last_constants[0] != (sampling, batch):
-            rows = self._put(np.arange(batch, dtype=np.int32), P(self.layout.rows))
+            rows = self._put(np.arange(batch, dtype=np.int32), self.layout.spec("batch"))
             key = self._put(jax.random.PRNGKey(sampling.seed), P())
             self._last_constants = ((sampling, batch), (rows, key, self._put(sampling.args(), P())))
         return self._last_constants[1]
@@ -96,15 +96,15 @@ class Generator:
     def prefill(self, tokens: np.ndarray, lengths: np.ndarray, sampling: Sampling):
         """tokens [B, S] right-padded host ids, lengths [B] -> device (next [B], logits [B, V], cache)."""
         rows, key, settings = self._constants(sampling, tokens.shape[0])
-        tokens_d = self._put(tokens.astype(np.int32), P(self.layout.rows, None))
-        lengths_d = self._put(lengths.astype(np.int32), P(self.layout.rows))
+        tokens_d = self._put(tokens.astype(np.int32), self.layout.spec("batch", None))
+        lengths_d = self._put(lengths.astype(np.int32), self.layout.spec("batch"))
         run = self._executables(tokens.shape[0])["prefill"]
         return run(self.params, tokens_d, lengths_d, rows, key, settings)
 
     def decode_step(self, tokens, positions, cache, sampling: Sampling, step: int, starts):
         """tokens, positions, doc starts [B] host ids -> device (next [B], logits [B, V], cache: donated)."""
         rows, key, settings = self._constants(sampling, len(tokens))
-        put = lambda x: self._put(np.asarray(x, np.int32), P(self.layout.rows))
+        put = lambda x: self._put(np.asarray(x, np.int32), self.layout.spec("batch"))
         at = np.minimum(positions, self.max_len - 1)
         run, step_d = self._executables(len(tokens))["decode"], self._put(np.int32(step), P())
         return run(self.params, put(tokens), put(at), rows, cache, key, step_d, settings, put(starts))

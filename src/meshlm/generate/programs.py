@@ -130,10 +130,10 @@ def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype, prefill_cp
         logits, cache = apply(params, tokens[:, None], positions[:, None], last, cache, starts[:, None])
         return sample(logits, key, rows, step, sampling), logits, cache
 
-    rows = layout.rows  # DP, or (DP, EP): ep's shards are data shards
-    row, cspec = P(rows), cache_specs(cfg, rows)
-    out = (row, P(rows, None), cspec)
-    prefill_in = (specs, P(rows, None), row, row, P(), P())
+    # rows over the data shards: DP, or (DP, EP) (ep's shards are data shards: ``Layout.rows``)
+    row, tokens, cspec = layout.spec("batch"), layout.spec("batch", None), cache_specs(cfg, layout)
+    out = (row, tokens, cspec)
+    prefill_in = (specs, tokens, row, row, P(), P())
     decode_in = (specs, row, row, row, cspec, P(), P(), P(), row)
     return (
         jax.shard_map(prefill, mesh=mesh, in_specs=prefill_in, out_specs=out),
@@ -161,13 +161,12 @@ class Programs:
     def executables(self, params, batch: int) -> dict:
         """Compile prefill and decode for a global ``batch`` (ahead of time: never inside a timing)."""
         if batch not in self.by_batch:
-            rows = self.layout.rows
-            row = self._abstract((batch,), jnp.int32, P(rows))
+            row = self._abstract((batch,), jnp.int32, self.layout.spec("batch"))
             key = self._abstract(jax.eval_shape(jax.random.PRNGKey, 0).shape, jnp.uint32, P())
             sampling = tuple(self._abstract((), x.dtype, P()) for x in Sampling().args())
-            tokens = self._abstract((batch, self.max_len), jnp.int32, P(rows, None))
+            tokens = self._abstract((batch, self.max_len), jnp.int32, self.layout.spec("batch", None))
             cshapes = cache_shapes(self.cfg, self.layout.mp, batch, self.max_len)
-            specs = cache_specs(self.cfg, rows)
+            specs = cache_specs(self.cfg, self.layout)
             cache = {k: self._abstract(cshapes[k], self.cache_dtype, s) for k, s in specs.items()}
             step = self._abstract((), jnp.int32, P())
             prefill = self.jit["prefill"].lower(params, tokens, row, row, key, sampling)

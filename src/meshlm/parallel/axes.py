@@ -8,10 +8,13 @@ Layers never name axes; they call methods of ``meshlm.parallel.context.Parallel`
 
 ``AXES`` declares each axis once, in mesh order: what it splits, whether a mesh has it at size 1,
 its options (``Layout`` fields, with flags of the same names), its checks, its piece of the label,
-whether the batch's tokens are split over it (then the loss and the gradients are means over it: the
-communication check expects one gradient all-reduce and one loss mean over all such axes together),
-and which step strategy it needs. ``parallel.layout.Layout`` reads it for its sizes, mesh, label,
-checkpoint record and validation; ``sharding.spmd`` and ``Parallel.batch_mean`` for the batch axes.
+the uses it serves (``parallel.specs.USES``: the batch's rows, the loss mean, dense and expert FSDP,
+the sequence, a per-model-shard copy), the logical parameter dims it splits, and which step strategy
+it needs.
+``parallel.layout.Layout`` reads it for its sizes, mesh, label, checkpoint record and validation, and
+(``parallel.specs``) for every PartitionSpec outside the rules table's rows: ``Layout.spec`` turns
+logical names (a use or a parameter dim) into the spec of a batch, an activation, a cache or a
+statistic, and ``Layout.fsdp_axes`` is FSDP's one decision.
 Adding an axis (experts, ``ep``) starts with an entry here: docs/architecture.md, "Adding an axis".
 """
 
@@ -50,6 +53,10 @@ def _no_label(layout) -> tuple[str, str, str]:
     return "", "", ""
 
 
+def _no_prose(layout, cfg) -> str:
+    return ""
+
+
 @dataclass(frozen=True)
 class Axis:
     """One mesh axis. Its size is the ``Layout`` field ``name`` (flag ``--name``); callables take the
@@ -61,10 +68,15 @@ class Axis:
     options: tuple[str, ...] = ()  # Layout fields configuring it (same-named flags); recorded when on
     check: Callable[[Any], None] = _nothing  # its own one-line errors (ConfigError), given the layout
     label: Callable[[Any], tuple[str, str, str]] = _no_label  # (before the sizes, after, after options)
-    batch: bool = False  # the batch's tokens split over it: loss and gradients are means over it
+    uses: tuple[str, ...] = ()  # what it splits by role (``specs.USES``): "batch", "loss", "fsdp", ...
     step: str = ""  # the step strategy it needs when on ("pipelined"); "" the sharded step
     dims: tuple[str, ...] = ()  # the logical parameter dims it splits (``LOGICAL_DIMS``)
     option_dims: tuple[tuple[str, str], ...] = ()  # (option, logical dim) it also splits with that on
+    # what a run's start line says it splits of model ``cfg`` when on ("; the 8 experts split over ...")
+    explain: Callable[[Any, Any], str] = _no_prose
+    kernel: str = ""  # the attention kernel its shards run ("blockwise": cp's chunks), "" the model's
+    # bench's yardstick when on: the same model and batch on ``Layout.flat`` (the axis folded away)
+    baseline: str = ""
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -125,6 +137,21 @@ def _pipeline_label(layout) -> tuple[str, str, str]:
     return f"pp{layout.pp}x", "", f" ({layout.pp_schedule}, M={layout.microbatches}{v})"
 
 
+def _expert_prose(layout, cfg) -> str:
+    return f"; the {cfg.n_experts} experts split over ep={layout.ep} of the dp data shards (expert parallel)"
+
+
+def _pipeline_prose(layout, cfg) -> str:
+    return (
+        f"; the {cfg.n_layers} layers in {layout.pp} pipeline stages over pp (schedule "
+        f"{layout.pp_schedule}, {layout.microbatches} micro-batches per step)"
+    )
+
+
+def _context_prose(layout, cfg) -> str:
+    return f"; each sequence split over cp={layout.cp} ({layout.cp_strategy}; chunks i and 2cp-1-i)"
+
+
 def _context_label(layout) -> tuple[str, str, str]:
     return ("", f" + CP{layout.cp} {layout.cp_strategy}", "") if layout.cp > 1 else ("", "", "")
 
@@ -136,6 +163,8 @@ AXES: tuple[Axis, ...] = (  # in mesh order
         options=PIPELINE_OPTIONS,
         check=_check_pipeline,
         label=_pipeline_label,
+        explain=_pipeline_prose,
+        baseline="no-pp",  # the dp (x cp) x mp mesh without the pipeline
         step="pipelined",
         dims=("layers",),
     ),
@@ -143,7 +172,7 @@ AXES: tuple[Axis, ...] = (  # in mesh order
         DP,
         "the batch's rows (with --fsdp also weights and AdamW moments)",
         always=True,
-        batch=True,
+        uses=("batch", "loss", "fsdp", "expert_fsdp"),
         option_dims=(("fsdp", "embed"),),  # FSDP: each weight's model-width dim, never one mp splits
     ),
     Axis(
@@ -151,7 +180,9 @@ AXES: tuple[Axis, ...] = (  # in mesh order
         "the experts (MoE layers' expert weights); its devices are data shards: dp = (dp / ep) x ep",
         check=_check_experts,
         label=_expert_label,
-        batch=True,
+        explain=_expert_prose,
+        baseline="no-ep",  # the same devices, every expert on every data shard
+        uses=("batch", "loss", "fsdp"),  # a dense weight's FSDP slice: every data shard, dp x ep
         dims=("experts",),
     ),
     Axis(
@@ -160,16 +191,20 @@ AXES: tuple[Axis, ...] = (  # in mesh order
         options=("cp_strategy",),
         check=_check_context,
         label=_context_label,
-        batch=True,
+        explain=_context_prose,
+        kernel="blockwise",  # each shard's chunks against the others' K/V blocks (``model.context_parallel``)
+        uses=("loss", "length"),  # cp shards each get whole rows
     ),
     Axis(
         MP,
         "heads, hidden units and the vocabulary (with --sp also the sequence between blocks)",
         always=True,
+        uses=("model",),
         dims=("vocab", "heads", "kv_heads", "mlp"),
     ),
 )
 AXIS_NAMES = tuple(a.name for a in AXES)  # the mesh's axes in order; pp and cp only when > 1
+AXIS = {a.name: a for a in AXES}  # each axis's entry by name
 
 
 class AxisFacts:
@@ -195,15 +230,22 @@ class AxisFacts:
         return {a: s // self.ep if a == DP else s for a, s in self.shape.items()}
 
     @property
-    def rows(self):
-        """The mesh axes the batch's rows are split over (a PartitionSpec entry): DP, or (DP, EP) with
-        ep on (batch shard d x ep + e on mesh position (d, e)); cp shards each get whole rows."""
-        return (DP, EP) if self.on(EP) else DP
-
-    @property
     def experts_split(self) -> bool:
         """The experts are split over an ep axis (ep > 1)."""
         return self.on(EP)
+
+    def explain(self, cfg) -> str:
+        """What the axes on beyond (dp, mp) split of model ``cfg``, in mesh order (``Axis.explain``)."""
+        return "".join(a.explain(self, cfg) for a in AXES if self.on(a.name))
+
+    @property
+    def blockwise(self) -> bool:
+        """An axis on runs attention by the blockwise kernel whatever the model's ``attention`` says."""
+        return any(a.kernel == "blockwise" for a in AXES if self.on(a.name))
+
+    def baselines(self) -> tuple[str, ...]:
+        """Bench's yardsticks of the axes on (``Axis.baseline``), in mesh order: ("no-pp",), ..."""
+        return tuple(a.baseline for a in AXES if a.baseline and self.on(a.name))
 
     def on(self, axis: str) -> bool:
         """Whether ``axis`` splits anything here (its size is > 1)."""
@@ -244,11 +286,6 @@ class AxisFacts:
     def pipeline_microbatches(self) -> int:
         """Micro-batches each (accumulation) batch is cut into by the pipeline: 1 without one."""
         return self.microbatches if self.pipelined else 1
-
-    @property
-    def batch_axes(self) -> tuple[str, ...]:
-        """The mesh axes the batch's tokens are split over (dp, and ep and cp when on)."""
-        return tuple(a for a in self.shape if a in {x.name for x in AXES if x.batch})
 
     def logical_axes(self) -> dict[str, str]:
         """Logical parameter dim -> the mesh axis splitting it on this layout (``Axis.dims`` of the

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.parallel.axes import DP, EP, MP
+from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.cp import ContextParallel
 from meshlm.parallel.ep import ExpertAxis
 from meshlm.parallel.experts import ExpertParallel
@@ -100,8 +100,8 @@ class Parallel(ContextParallel, ExpertAxis, ExpertParallel):  # ExpertAxis: ep's
 
     def fsdp_axes(self, shards: int):
         """The axes an FSDP slice of 1 / ``shards`` of its weight is split over: DP, or with ep on a
-        dense weight's (DP, EP), every data shard (``sharding.rules``: an expert weight's is DP's)."""
-        return (DP, EP) if self.layout.experts_split and shards == self.layout.dp else DP
+        dense weight's (DP, EP), every data shard, an expert weight's DP: ``Layout.fsdp_axes``)."""
+        return self.layout.fsdp_axes(expert=shards != self.layout.fsdp_shards())
 
     def gather_weight(self, w, dim: int, axes=DP):
         """FSDP: this shard's slice of a weight -> the whole weight along ``dim`` (all-gather over
@@ -144,5 +144,5 @@ class Parallel(ContextParallel, ExpertAxis, ExpertParallel):  # ExpertAxis: ep's
         every token of the global batch (each shard holds as many tokens)."""
         if not self.sharded:
             return x
-        axes = self.layout.batch_axes  # dp, and ep and cp when on (``Axis.batch``)
+        axes = self.layout.batch_axes  # dp, and ep and cp when on (their "loss" use: ``Axis.uses``)
         return lax.pmean(x, axes if len(axes) > 1 else axes[0])

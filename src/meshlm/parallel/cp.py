@@ -44,6 +44,17 @@ def shard_order(cp: int) -> list[int]:
     return [j for i in range(cp) for j in (i, 2 * cp - 1 - i)]
 
 
+def sequence_order(held, cp: int):
+    """[B, T] per-token values with the 2 cp chunks in shard order (``parallel.cp.shard_order``: shard
+    i's chunks i and 2cp-1-i, one shard after another) -> the same in sequence order (itself without
+    cp: one chunk pair in order)."""
+    if cp == 1:
+        return held
+    chunks = jnp.split(held, 2 * cp, axis=1)
+    order = shard_order(cp)
+    return jnp.concatenate([chunks[order.index(j)] for j in range(2 * cp)], axis=1)
+
+
 class ContextParallel:
     """``Parallel``'s context-parallel part (a mixin: ``Parallel`` has the fields ``layout``,
     ``sharded``): the slices and collectives over the ``cp`` axis. Controls override one method each."""

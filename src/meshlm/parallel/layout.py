@@ -48,15 +48,25 @@ from meshlm.parallel.axes import (
     PP,
     AxisFacts,
 )
+from meshlm.parallel.specs import AxisUses
 
 OPTIONS = ("fsdp", "sp")  # the memory options, by their field (and flag) names
 ALL_AXES = AXIS_NAMES  # the mesh's axes in order; pp and cp only when > 1 (``Layout.shape``)
 AXIS_OPTIONS = tuple(o for a in AXES for o in a.options)  # each axis's options, in mesh order
-__all__ = ["ALL_AXES", "CP_STRATEGIES", "OPTIONS", "PIPELINE_OPTIONS", "Layout", "axis_sizes"]
+__all__ = [
+    "ALL_AXES",
+    "CP_STRATEGIES",
+    "OPTIONS",
+    "PIPELINE_OPTIONS",
+    "Layout",
+    "axis_sizes",
+    "devices_layout",
+    "early_layout",
+]
 
 
 @dataclass(frozen=True)
-class Layout(AxisFacts):
+class Layout(AxisFacts, AxisUses):
     dp: int = 1  # data-parallel shards: the batch's rows (and, with fsdp, weights) split over them
     mp: int = 1  # model-parallel shards: heads, hidden units and the vocabulary split over them
     fsdp: bool = False  # FSDP (ZeRO-3): weights and AdamW moments also split over dp
@@ -115,6 +125,19 @@ class Layout(AxisFacts):
     def replace(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def flat(self) -> Layout:
+        """The same dp (x cp) x mp with every axis that has a bench yardstick folded away (no pipeline,
+        no ep: ``Axis.baseline``): what ``baselines`` are timed on."""
+        kept = {f: getattr(self, f) for a in AXES if not a.baseline for f in (a.name, *a.options)}
+        return Layout(fsdp=self.fsdp, **kept)  # as bench's yardsticks always were: sp off
+
+    @classmethod
+    def of_options(cls, options: dict) -> Layout:
+        """The options' own layout before any mesh size is known (dp = mp = 1): their own rules (e.g.
+        --microbatches without --pp) checked without devices; ep is left out (1: it needs a dp)."""
+        return cls(**{**options, EP: 1})
+
     def label(self) -> str:
         """The mesh and the options that are on: "2x2", "2x2 + FSDP + SP", "1x2 + CP2 ring",
         "pp2x1x2 (1f1b, M=4)", "2x2 + EP2"."""
@@ -152,6 +175,24 @@ class Layout(AxisFacts):
         """With pp, the layer stack splits into pp x virtual stages chunks of equal size."""
         if self.pipelined:
             _check_layers(self.pipeline, n_layers)
+
+
+def early_layout(options: dict) -> Layout | None:
+    """What a command checks before the device count is known: with a pipeline the options' own
+    layout (``of_options``: the schedule's rules), else None (the mesh depends on the devices)."""
+    alone = Layout.of_options(options)
+    return alone if alone.pipelined else None
+
+
+def devices_layout(n_devices: int, options: dict, default_dp: int = 1) -> Layout:
+    """``options`` over ``n_devices`` (pp x dp x cp x mp): dp = ``default_dp`` where it divides the
+    devices left by pp and cp and there is no pipeline (else 1), made a multiple of ep (ep's shards
+    are data shards), mp the rest."""
+    alone = Layout.of_options(options)
+    n = n_devices // alone.pp
+    dp = default_dp if n % (default_dp * alone.cp) == 0 and not alone.pipelined else 1
+    dp = math.lcm(dp, options.get(EP, 1))
+    return Layout(dp=dp, mp=max(n // (dp * alone.cp), 1), **options)
 
 
 def _from_mesh(cls, mesh, options: dict) -> Layout:

@@ -12,17 +12,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshlm.parallel.axes import DP
-
-BATCH_SPEC = P(DP, None)  # inputs / targets [B, T]: rows split over data-parallel shards
-ACCUM_BATCH_SPEC = P(None, DP, None)  # [A, B, T] with gradient accumulation: micro-batch major
-
 
 def batch_spec(layout, accum_steps: int = 1) -> P:
     """[B, T] (or [A, B, T] with accumulation) rows split over the ``Layout``'s data shards: DP, or
     (DP, EP) where ep borrows data shards (``Layout.rows``)."""
-    rows = layout.rows
-    return P(rows, None) if accum_steps == 1 else P(None, rows, None)
+    return layout.spec("batch", None) if accum_steps == 1 else layout.spec(None, "batch", None)
 
 
 def batch_sharding(layout, accum_steps: int) -> NamedSharding:

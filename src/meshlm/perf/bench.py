@@ -45,9 +45,10 @@ import numpy as np
 
 from meshlm.generate.generator import bench_generation
 from meshlm.model.config import ModelConfig
+from meshlm.parallel.axes import AXIS, PP
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding, bytes_per_device, total_bytes
-from meshlm.perf.bench_moe import DENSE, NO_EP, dense_step, flat_layout, moe_comparison
+from meshlm.perf.bench_moe import DENSE, NO_EP, dense_step, moe_comparison
 from meshlm.perf.bench_settings import BenchSettings
 from meshlm.perf.collectives import theoretical_collectives
 from meshlm.perf.flops import model_flops_per_step
@@ -60,7 +61,7 @@ from meshlm.train.optim import OptimConfig
 from meshlm.train.step import init_model, init_opt_state, reference_step, sharded_step
 
 IMPLS = ("meshlm", "unsharded", "gspmd", "plain")
-NO_PP = "no-pp"  # with --pp: the same model on the dp x mp mesh without the pipeline
+NO_PP = AXIS[PP].baseline  # "no-pp": the same model on the dp x mp mesh without the pipeline
 
 
 # --- the three implementations --------------------------------------------------------------------
@@ -114,10 +115,8 @@ def build_impls(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: B
         hand, hand_opt = plain_step(cfg, ocfg, plain_params)
         opt_state = jax.jit(hand_opt.init)(plain_params)
         impls.append(_compiled("plain", hand, plain_params, opt_state, unsharded.batch))
-    if layout.pipelined:  # the same model and batch on the dp (x cp) x mp mesh without the pipeline
-        impls.append(_without_pp(cfg, ocfg, layout, host_params, host))
-    if layout.experts_split:  # the same model and batch on the dp x mp mesh, experts not split
-        impls.append(_without_pp(cfg, ocfg, layout, host_params, host, NO_EP))
+    for name in layout.baselines():  # no-pp, no-ep: the same model and batch on ``layout.flat``
+        impls.append(_without_pp(cfg, ocfg, layout, host_params, host, name))
     if cfg.arch.moe:  # the dense model of equal active parameters, on the same batch
         impls.append(_compiled(DENSE, *dense_step(cfg, ocfg, layout, settings, host)))
     return impls
@@ -128,7 +127,7 @@ def _without_pp(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params
     ``ocfg.accum_steps`` > 1 ``host`` is [A, B/A, T] (gradient accumulation)."""
     from meshlm.sharding.rules import model_specs
 
-    flat = flat_layout(layout)
+    flat = layout.flat
     specs = model_specs(cfg, host_params, flat)
     params = jax.device_put(host_params, shardings(specs, flat.mesh))
     step, opt = sharded_step(cfg, ocfg, flat, specs, params)
@@ -142,7 +141,7 @@ def pipeline_overhead(layout: Layout, seconds: dict[str, list[float]]) -> dict |
     ratios. On fake CPU devices sharing the host's cores every device's work runs on the same cores, so
     bubbles cost what they compute (GPipe's masked, 1F1B's skipped) (``--compare-schedules`` times every
     schedule side by side: ``perf.bench_pp``)."""
-    if not layout.pipelined:
+    if layout.pipeline is None:
         return None
     from meshlm.parallel.pipeline_schedule import schedule_facts
 

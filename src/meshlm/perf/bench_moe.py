@@ -22,13 +22,14 @@ import jax
 
 from meshlm.model.accounting import param_counts
 from meshlm.model.config import ModelConfig
+from meshlm.parallel.axes import AXIS, EP
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding
 from meshlm.perf.bench_settings import BenchSettings
 from meshlm.train.optim import OptimConfig
 from meshlm.train.step import init_model, init_opt_state, sharded_step
 
-NO_EP = "no-ep"  # with --ep: the same model on the same devices, every expert on every data shard
+NO_EP = AXIS[EP].baseline  # "no-ep": the same model on the same devices, every expert on every data shard
 DENSE = "dense-eq"  # a MoE model: the dense model of equal active parameters (``dense_equivalent``)
 
 
@@ -44,15 +45,10 @@ def dense_equivalent(cfg: ModelConfig) -> ModelConfig:
     )
 
 
-def flat_layout(layout: Layout) -> Layout:
-    """``layout``'s devices as a dp (x cp) x mp mesh: no pipeline, no ep."""
-    return Layout(dp=layout.dp, mp=layout.mp, fsdp=layout.fsdp, cp=layout.cp, cp_strategy=layout.cp_strategy)
-
-
 def dense_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: BenchSettings, host: dict):
     """dense-eq's (jitted step, params, opt_state, batch) for ``bench._compiled``: its own parameters
     (seed ``settings.seed``) on the dp x mp mesh, the same host batch ``host``."""
-    dense, flat = dense_equivalent(cfg), flat_layout(layout)
+    dense, flat = dense_equivalent(cfg), layout.flat
     params, specs = init_model(dense, flat, settings.seed)
     step, opt = sharded_step(dense, ocfg, flat, specs, params)
     batch = jax.device_put(host, batch_sharding(flat, 1))

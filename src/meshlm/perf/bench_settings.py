@@ -96,9 +96,9 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
             raise ConfigError(f"--batch-size must be >= 1, got {s.batch_size}")
         layout.check_batch(s.batch_size)
         layout.check_layers(cfg.n_layers)
-        if s.compare_schedules and not layout.pipelined:
+        if s.compare_schedules and layout.pipeline is None:
             raise ConfigError("--compare-schedules times pipeline schedules; add --pp 2 (or more)")
-        if s.memory_options and layout.pipelined:
+        if s.memory_options and layout.pipeline is not None:
             raise ConfigError("--memory-options times fsdp and sp against tp; run it without --pp")
         layout.check_seq_len(s.seq_len)
         if s.seq_len < 1:

@@ -19,6 +19,7 @@ import numpy as np
 from meshlm.errors import ConfigError
 from meshlm.model import blockwise
 from meshlm.model.config import ModelConfig
+from meshlm.parallel.axes import CP, PP
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding
 from meshlm.perf.bench import Impl, _compiled, compiled_memory, time_interleaved
@@ -48,7 +49,7 @@ def compare_window(cfg: ModelConfig, name: str, layout: Layout, settings: BenchS
     window = settings.compare_window
     if cfg.attention != "blockwise" or not cfg.arch.attention:
         raise ConfigError("--compare-window times the blockwise kernel: add --attention blockwise")
-    if layout.context_parallel or layout.pipelined:
+    if {PP, CP} & set(layout.extra_axes):
         raise ConfigError("--compare-window times the kernel on a dp x mp mesh: drop --cp and --pp")
     if not 0 < window < settings.seq_len:
         raise ConfigError(f"--compare-window {window} must be below --seq-len {settings.seq_len}")

@@ -228,7 +228,7 @@ def plan(
 
 def pipeline_facts(layout: Layout) -> dict | None:
     """With pp: the schedule and its ideal bubble, ticks, stashed micro-batch inputs and permutes."""
-    if not layout.pipelined:
+    if layout.pipeline is None:
         return None
     from meshlm.parallel.pipeline_schedule import schedule_facts
 

@@ -100,18 +100,7 @@ def _cell(label: str, fields: dict, n_devices: int, *, x64: bool, steps: int, se
     try:
         layout.check_seq_len(SEQ_LEN)
         batch = defaults.batch_rows(layout.dp, layout.pipeline_microbatches)
-        problem = model_problem(
-            cfg,
-            PRESET,
-            layout.mp,
-            batch,
-            SEQ_LEN,
-            seed,
-            dp=layout.dp,
-            fsdp=layout.fsdp,
-            sp=layout.sp,
-            pp=layout.pp,
-        )
+        problem = model_problem(cfg, PRESET, layout, batch, SEQ_LEN, seed)
         dtype = jnp.float64 if x64 else jnp.float32
         report = verify(problem, layout, steps=steps, dtype=dtype, seed=seed, collectives=True, data_steps=2)
     except ShardingError as e:

@@ -10,6 +10,7 @@ from functools import partial
 import numpy as np
 
 from meshlm.parallel.context import Parallel
+from meshlm.parallel.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -46,26 +47,17 @@ def random_batch(vocab: int, shape: tuple[int, ...], seed: int) -> dict:
 
 
 def model_problem(
-    cfg,
-    name: str,
-    mp: int,
-    batch_size: int,
-    seq_len: int,
-    seed: int = 0,
-    *,
-    dp: int = 1,
-    fsdp: bool = False,
-    sp: bool = False,
-    pp: int = 1,
-    ep: int = 1,
+    cfg, name: str, layout: Layout | int, batch_size: int, seq_len: int, seed: int = 0, **sizes
 ) -> Problem:
-    """A Problem for a meshlm model config: random token inputs and targets (global [B, T]);
-    ``fsdp`` (over ``dp``) and ``sp`` are the memory options the sharded run uses; with ``pp`` the
-    stacked layers are stored split over the pipeline's stages; with ``ep`` the experts over ep."""
+    """A Problem for a meshlm model config on ``layout``: random token inputs and targets (global
+    [B, T]); the parameters' specs are the rules table's on that layout (its memory options, pp's split
+    layers, ep's experts). An int ``layout`` is mp, with ``sizes`` (dp, fsdp, sp) the rest of a
+    dp x mp layout (the tests' shorthand)."""
     from meshlm.model.padding import resize_tree
     from meshlm.model.transformer import loss_fn
-    from meshlm.parallel.layout import Layout
     from meshlm.proof.documents import document_batch
+
+    layout = layout if isinstance(layout, Layout) else Layout(mp=layout, **sizes)
     from meshlm.sharding.rules import model_specs
 
     rebuild = lambda c: lambda par: loss_fn(c, par)
@@ -87,11 +79,11 @@ def model_problem(
     if cfg.arch.moe:  # a tie in every layer's routing, for the tie-breaking control (``proof.moe_controls``)
         from meshlm.proof.moe_controls import plant_router_tie
 
-        prepare = partial(plant_router_tie, ep=ep)
+        prepare = partial(plant_router_tie, ep=layout.ep)
     return Problem(
         prepare_params=prepare,
         build_loss=rebuild(cfg),
-        specs_fn=lambda abstract: model_specs(cfg, abstract, Layout(dp=dp, mp=mp, fsdp=fsdp, pp=pp, ep=ep)),
+        specs_fn=lambda abstract: model_specs(cfg, abstract, layout),
         batch=(batch_fn or partial(random_batch, cfg.vocab_size))((batch_size, seq_len), seed),
         batch_fn=batch_fn,
         name=name,
@@ -101,6 +93,6 @@ def model_problem(
         reference_cfg=plain,
         has_row_bias=cfg.arch.biases or cfg.embed_bias,
         **padding,
-        fsdp=fsdp,
-        sp=sp,
+        fsdp=layout.fsdp,
+        sp=layout.sp,
     )

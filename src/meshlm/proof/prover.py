@@ -35,6 +35,7 @@ from meshlm.proof.report import LeafResult, Report, check_row, compare_into
 from meshlm.proof.routing import routing_rows
 from meshlm.proof.rule_errors import rule_mismatch, vma_error
 from meshlm.proof.runs import Runs, default_optim, step_batches
+from meshlm.sharding.strategy import strategy
 from meshlm.train.optim import OptimConfig, clip_by_global_norm
 
 # (rtol, atol), normwise. float32: summation order differs between layouts and Adam's division by
@@ -91,7 +92,7 @@ def verify(
     report.extra["param_bytes_total"] = total_bytes(runs.params)
     where = where_of(problem, layout, collectives)
     chosen = control_set(where, controls)
-    if layout.pipelined:  # every control through the pipeline, and its own faults (``pipeline_verify``)
+    if strategy(layout).engine_faults:  # every control through the pipeline, and its own faults
         chosen += permute_controls(controls, where, collectives)
         report.controls = [run_model_control(c, runs, run_control, ocfg, rtol, atol) for c in chosen]
         report.controls += pipeline_controls(runs, rtol, atol)
@@ -116,7 +117,7 @@ def where_of(problem: Problem, layout: Layout, collectives: bool) -> Where:
         cfg=problem.cfg,
         layout=layout,
         has_row_bias=problem.has_row_bias,
-        collectives=collectives and not layout.pipelined,
+        collectives=collectives and strategy(layout).proof_collectives == "all-reduces",
         seq_len=int(jnp.shape(problem.batch.get("inputs", ()))[-1]),
         planted_tie=problem.load_params is None and problem.prepare_params is not None,
     )
@@ -151,6 +152,16 @@ def _compare_values(report: Report, runs: Runs, sharded, steps: int, ocfg, seed:
     return ocfg
 
 
+def _all_reduce_rows(runs: Runs) -> list[dict]:
+    """The communication check of a sharded step: its compiled collectives against the expected."""
+    p = runs.problem
+    got = step_collectives(p.build_loss, runs.layout, runs.specs, runs.params, runs.batch)
+    return communication_rows(runs, got)
+
+
+COMMUNICATION = {"all-reduces": _all_reduce_rows, "permutes": permute_rows}  # ``Sharded.proof_collectives``
+
+
 def _checks(runs: Runs, steps: int, ocfg, collectives: bool, data_steps: int, seed: int) -> list[dict]:
     """Independence of the reference, and optionally communication and the data pipeline."""
     outputs = [runs.reference_grads()]
@@ -158,12 +169,8 @@ def _checks(runs: Runs, steps: int, ocfg, collectives: bool, data_steps: int, se
         outputs.append(runs.reference_train(ocfg, step_batches(runs.problem, steps, ocfg.accum_steps, seed)))
     rows = reference_checks(runs.checked, outputs)
     rows.append(sharded_check(runs.sharded_hlo, runs.mesh.size))
-    if collectives and runs.layout.pipelined:
-        rows += permute_rows(runs)
-    elif collectives:
-        p = runs.problem
-        got = step_collectives(p.build_loss, runs.layout, runs.specs, runs.params, runs.batch)
-        rows += communication_rows(runs, got)
+    if collectives:  # what the strategy's step communicates by: all-reduces, or the pipeline's permutes
+        rows += COMMUNICATION[strategy(runs.layout).proof_collectives](runs)
     if data_steps:
         t = runs.problem.batch["inputs"].shape[1]  # its own batch: >= 3 rows per shard per micro-batch
         rows += data_checks(runs.layout, seq_len=t, steps=data_steps, seed=seed)

@@ -29,14 +29,13 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from meshlm.model import moe
 from meshlm.model.layers import upcast
-from meshlm.parallel.axes import CP, MP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.placement import batch_spec, to_host
 from meshlm.proof.report import check_row
+from meshlm.sharding.strategy import strategy
 
 ROW = "routing flips"
 
@@ -90,7 +89,7 @@ def sharded_routing(runs) -> tuple[np.ndarray, np.ndarray]:
     # every mp shard holds the whole routing (``par.f``'s view), typed varying over mp: each returns its
     # copy on a leading mp dim (type-checked, ``check_vma``), and the host keeps the first
     copies = lambda params, batch: apply(params, batch)[None]
-    out = P(MP, None, layout.rows, CP if layout.cp > 1 else None, None)
+    out = layout.spec("model", None, "batch", "length", None)  # [mp, L, B, T, k + 1]
     fn = jax.shard_map(copies, mesh=layout.mesh, in_specs=(runs.specs, batch_spec(layout)), out_specs=out)
     return _unpack(np.asarray(to_host(jax.jit(fn)(runs.params, runs.batch)))[0])
 
@@ -145,7 +144,7 @@ def routing_rows(runs, dtype: str, allow_flips: bool) -> list[dict]:
     p = runs.problem
     if p.cfg is None or not p.cfg.arch.moe:
         return []
-    if runs.layout.pipelined:
+    if not strategy(runs.layout).probes_routing:
         return [check_row(ROW, True, "not counted under pp (the probe runs the unpipelined model)")]
     flips = count_flips(sharded_routing(runs), reference_routing(runs, p.reference_cfg or p.cfg))
     return [routing_row(*flips, dtype, allow_flips)]

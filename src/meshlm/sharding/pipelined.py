@@ -27,14 +27,15 @@ from meshlm.model.transformer import check_context, loss_fn
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.pipeline import Pipeline, pipeline_value_and_grad
-from meshlm.sharding.rules import pp_mixed_stack, without_pp
+from meshlm.sharding.rules import check_uniform_stack, without_pp
 
 
 def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
     """What ``--pp`` cannot split, as one-line errors before any work (with cp also what context
     parallelism cannot run of the model: the pieces run inside the schedule)."""
-    if cfg.dense_layers:  # before the MoE refusal: it stays when the pipeline carries the statistics
-        raise ConfigError(pp_mixed_stack(cfg))
+    check_uniform_stack(
+        cfg, layout
+    )  # before the MoE refusal: it stays when the pipeline carries the statistics
     layout.check_layers(cfg.n_layers)
     check_context(cfg, layout)
     if cfg.arch.moe and cfg.moe_capacity_factor:  # a stage sees one micro-batch, not the batch

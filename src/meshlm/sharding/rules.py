@@ -148,17 +148,14 @@ def model_specs(cfg, abstract_params, layout: Layout):
             f"mp={mp}: the padded vocabulary ({cfg.vocab_size} ids rounded up to a multiple of "
             f"vocab_multiple={cfg.vocab_multiple}); choose an mp that divides {cfg.padded_vocab}"
         )
-    if layout.pipelined and getattr(cfg, "dense_layers", ()):
-        raise ShardingError(pp_mixed_stack(cfg))
+    check_uniform_stack(cfg, layout)
     # With a pipeline the stacked ``layers`` dimension is split over PP (consecutive layers per stage:
     # the checkpoint format is unchanged); ``without_pp`` undoes it.
     specs = param_specs(abstract_params, mp, RULES, kv_axis, layout.logical_axes())
-    for fsdp_dim, axis in layout.option_axes().items():  # --fsdp: each weight's embed dim over dp
+    for fsdp_dim in layout.option_axes():  # --fsdp: each weight's embed dim over dp (``_fsdp``)
         specs = {
             mod: {
-                name: _fsdp(
-                    layout, param_path(mod, name), abstract_params[mod][name].shape, spec, fsdp_dim, axis
-                )
+                name: _fsdp(layout, param_path(mod, name), abstract_params[mod][name].shape, spec, fsdp_dim)
                 for name, spec in leaves.items()
             }
             for mod, leaves in specs.items()
@@ -168,25 +165,27 @@ def model_specs(cfg, abstract_params, layout: Layout):
     return specs
 
 
-def pp_mixed_stack(cfg) -> str:
-    """The one line refusing --pp for a model of two layer kinds (``model.layer_kinds``)."""
-    return (
-        f"--pp: {cfg.family}'s dense layers {list(cfg.dense_layers)} among its MoE layers stack apart, and "
-        "pipeline stages hold uniform layers; drop --pp (use --mp, --ep, --fsdp or --sp)"
-    )
+def check_uniform_stack(cfg, layout: Layout) -> None:
+    """The one refusal of --pp for a model of two layer kinds (``model.layer_kinds``): the rules table's
+    and the pipeline's check (``pipelined.check_pipelined``) both ask here. A ShardingError, as for any
+    split the mesh cannot make (``verify --matrix`` lists such cells as skipped)."""
+    if layout.pipelined and getattr(cfg, "dense_layers", ()):
+        raise ShardingError(
+            f"--pp: {cfg.family}'s dense layers {list(cfg.dense_layers)} among its MoE layers stack apart, "
+            "and pipeline stages hold uniform layers; drop --pp (use --mp, --ep, --fsdp or --sp)"
+        )
 
 
-def _fsdp(layout: Layout, path: str, shape, spec: P, fsdp_dim: str, axis: str) -> P:
-    """``fsdp_spec`` of one parameter on ``layout``. With ep on, FSDP splits over every data shard: a
-    dense weight over (dp, ep) -- the mesh's DP axis and EP, ``layout.dp`` shards --, an expert weight
-    (its experts already split over EP) over the data shards outside ep, the mesh's DP axis (dp / ep:
-    with dp = ep none, and it stays whole on its ep shard)."""
-    if axis != DP or not layout.experts_split:
-        return fsdp_spec(path, shape, spec, layout.mesh_shape[DP], fsdp_dim, axis)
-    if EP not in spec_axes(spec):
-        return fsdp_spec(path, shape, spec, layout.dp, fsdp_dim, (DP, EP))
-    outside = layout.mesh_shape[DP]
-    return fsdp_spec(path, shape, spec, outside, fsdp_dim, DP) if outside > 1 else spec
+def _fsdp(layout: Layout, path: str, shape, spec: P, fsdp_dim: str) -> P:
+    """``fsdp_spec`` of one parameter on ``layout``, over ``Layout.fsdp_axes`` (FSDP's one decision):
+    with ep on, a dense weight over every data shard (dp, ep) -- ``layout.dp`` shards --, an expert
+    weight (its experts already split over EP) over the data shards outside ep, the mesh's DP axis
+    (dp / ep: with dp = ep none, and it stays whole on its ep shard)."""
+    expert = EP in spec_axes(spec)
+    shards = layout.fsdp_shards(expert)
+    if expert and shards == 1:
+        return spec
+    return fsdp_spec(path, shape, spec, shards, fsdp_dim, layout.fsdp_axes(expert))
 
 
 def check_experts_split(cfg, abstract_params, specs, ep: int) -> None:

@@ -22,6 +22,10 @@ class Sharded:
 
     name = "sharded"
     generates = True  # generation (``generate.programs``) runs on this layout
+    # What the proof's communication check counts: the compiled step's all-reduces (``proof.communication``)
+    proof_collectives = "all-reduces"
+    probes_routing = True  # the proof's routing probe (``proof.routing``) runs this strategy's model
+    engine_faults = False  # the proof's controls run as they are (no engine of its own to plant faults in)
 
     def check(self, cfg: ModelConfig, layout: Layout) -> None:
         """What the layout cannot run of ``cfg``, as one-line errors before any work (nothing here)."""
@@ -51,6 +55,9 @@ class Pipelined:
 
     name = "pipelined"
     generates = False  # generation has no pipeline
+    proof_collectives = "permutes"  # the schedule's permutes (``proof.pipeline_verify.permute_rows``)
+    probes_routing = False  # the stages run the model's pieces, not the probe's unpipelined model
+    engine_faults = True  # every control through the engine, and its own faults (``proof.pipeline_verify``)
 
     def check(self, cfg: ModelConfig, layout: Layout) -> None:
         from meshlm.sharding.pipelined import check_pipelined

@@ -25,9 +25,7 @@ from dataclasses import dataclass
 
 import haiku as hk
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from meshlm.data.corpus import load_all
 from meshlm.data.store import store_arg
@@ -40,9 +38,8 @@ from meshlm.model.config import ModelConfig, default_seq_len
 from meshlm.model.layers import mask_vocab_padding, vocab_parallel_xent
 from meshlm.model.transformer import local_logits
 from meshlm.parallel import distributed
-from meshlm.parallel.axes import CP
 from meshlm.parallel.context import Parallel
-from meshlm.parallel.cp import shard_order
+from meshlm.parallel.cp import sequence_order
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding, batch_spec, put_global, to_host
 from meshlm.train.eval_settings import EvalConfig, check_split
@@ -89,19 +86,9 @@ def per_token_loss_fn(cfg: ModelConfig, layout: Layout, params):
     # With cp each shard's [B, T/cp] (its two load-balanced chunks) is a column block of the global
     # result: [B, T] with the chunks in shard order, put back in sequence order outside the shard_map.
     rows = batch_spec(layout)  # over dp (and ep: its shards are data shards)
-    out = P(rows[0], CP) if par.context_parallel else rows
+    out = layout.spec("batch", "length")  # [B, T]: with cp the sequence's chunks over cp
     sharded = jax.shard_map(apply, mesh=layout.mesh, in_specs=(specs, rows), out_specs=out)
-    if not par.context_parallel:
-        return jax.jit(sharded)
     return jax.jit(lambda p, batch: sequence_order(sharded(p, batch), layout.cp))
-
-
-def sequence_order(held, cp: int):
-    """[B, T] per-token values with the 2 cp chunks in shard order (``parallel.cp.shard_order``: shard
-    i's chunks i and 2cp-1-i, one shard after another) -> the same in sequence order."""
-    chunks = jnp.split(held, 2 * cp, axis=1)
-    order = shard_order(cp)
-    return jnp.concatenate([chunks[order.index(j)] for j in range(2 * cp)], axis=1)
 
 
 def windows(tokens: np.ndarray, eod_id: int, seq_len: int, batch: int) -> Iterator[dict[str, np.ndarray]]:

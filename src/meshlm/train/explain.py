@@ -11,6 +11,7 @@ import shlex
 from meshlm.data.records import DEFAULT_FIELD
 from meshlm.data.store import is_store
 from meshlm.model.config import ModelConfig
+from meshlm.parallel.axes import AXES
 from meshlm.parallel.layout import Layout
 from meshlm.train.config import DEFAULT_PRESET, TrainConfig
 
@@ -46,7 +47,9 @@ def start_line(tcfg: TrainConfig, cfg: ModelConfig, where, n_params: int) -> str
     Mesh); what each axis splits."""
     layout = Layout.of(where) if isinstance(where, Layout) else Layout.of(where, fsdp=tcfg.fsdp, sp=tcfg.sp)
     dp, mp = layout.dp, layout.mp
-    mesh = f"pp{layout.pp}x{dp}x{mp} (pp x dp x mp)" if layout.pipelined else f"{dp}x{mp} (dp x mp)"
+    before = [(a.name, a.label(layout)[0]) for a in AXES if a.label(layout)[0]]  # as the label: "pp2x"
+    legend = " x ".join((*(name for name, _ in before), "dp", "mp"))
+    mesh = "".join(piece for _, piece in before) + f"{dp}x{mp} ({legend})"
     batch = (
         f"the batch of {tcfg.batch_size} sequences over dp={dp} ({tcfg.batch_size // dp} each)"
         if dp > 1
@@ -54,17 +57,7 @@ def start_line(tcfg: TrainConfig, cfg: ModelConfig, where, n_params: int) -> str
     )
     extra = "; weights and AdamW moments also split over dp (FSDP)" if layout.fsdp else ""
     extra += "; activations between blocks split by position over mp (sequence parallel)" if layout.sp else ""
-    if layout.experts_split:
-        extra += (
-            f"; the {cfg.n_experts} experts split over ep={layout.ep} of the dp data shards (expert parallel)"
-        )
-    if layout.pipelined:
-        extra += (
-            f"; the {cfg.n_layers} layers in {layout.pp} pipeline stages over pp (schedule "
-            f"{layout.pp_schedule}, {layout.microbatches} micro-batches per step)"
-        )
-    if layout.context_parallel:
-        extra += f"; each sequence split over cp={layout.cp} ({layout.cp_strategy}; chunks i and 2cp-1-i)"
+    extra += layout.explain(cfg)  # each further axis's own words (``parallel.axes.Axis.explain``)
     preset = f"the {tcfg.config or DEFAULT_PRESET} preset"
     model = f"the model of --checkpoint {tcfg.checkpoint}" if tcfg.checkpoint else preset
     return (
