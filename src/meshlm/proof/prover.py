@@ -76,11 +76,11 @@ def verify(
     runs = Runs(problem, layout, dtype, seed)
     collectives = collectives and problem.cfg is not None
     where = where_of(problem, layout, collectives)
-    chosen = control_set(where, controls)
+    chosen, pipeline = control_set(where, controls), []
     if layout.pipelined:  # every control through the pipeline, and its own faults (``pipeline_verify``)
         chosen += permute_controls(controls, where, collectives)
+        pipeline = applicable_controls(layout.pipeline)
     try:  # before any run: a control that changes nothing here is a prover bug (``inertness``)
-        pipeline = applicable_controls(layout.pipeline) if layout.pipelined else []
         check_not_inert(chosen + pipeline, runs, ocfg)
         sharded = runs.proven_grads()
     except ValueError as e:  # a wrong rule or a varying-axis type error: a failing row, not a traceback
