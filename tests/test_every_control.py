@@ -12,21 +12,25 @@ sliding window in the kernel and the ring, soft-capping in the kernel and the ri
 (with FSDP over the rest of dp and SP), FSDP and SP, and every tiny family preset; the last test
 requires every control to apply on at least one of them, so a new control cannot go untested here."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 
+from meshlm.errors import VerifierError
 from meshlm.model.config import get_config
 from meshlm.parallel.layout import Layout
 from meshlm.proof import model_problem
-from meshlm.proof.control_runs import trace_control
+from meshlm.proof.control_record import Control
 from meshlm.proof.controls import CONTROLS
 from meshlm.proof.cp_controls import CP_CONTROLS
 from meshlm.proof.ep_controls import EP_CONTROLS
+from meshlm.proof.family_faults import softcap_after_softmax
+from meshlm.proof.inertness import inert_controls
 from meshlm.proof.pipeline_proof import CONTROLS as PIPELINE_CONTROLS
 from meshlm.proof.pipeline_proof import applicable_controls
-from meshlm.proof.pipeline_verify import permute_controls, pipeline_control_fn, trace_model_control
-from meshlm.proof.prover import control_set, where_of
-from meshlm.proof.rule_errors import is_vma_rejection
+from meshlm.proof.pipeline_verify import permute_controls
+from meshlm.proof.prover import control_set, verify, where_of
 from meshlm.proof.runs import Runs
 
 ALL_CONTROLS = CONTROLS + CP_CONTROLS + EP_CONTROLS  # the prover's default list
@@ -78,6 +82,14 @@ CONFIGS = {
         Layout(dp=2, mp=2, cp=2, fsdp=True, sp=True),
         2,
         24,
+    ),
+    # plain attention under the ring: the ring runs the kernel, never the plain softmax (issue 47)
+    "tiny-gemma 1x2 cp2 ring plain soft-capped": (
+        "tiny-gemma",
+        {"attn_softcap": 5.0, "attn_block": 4},
+        Layout(mp=2, cp=2),
+        1,
+        16,
     ),
     "tiny-gqa 1x2 cp2 allgather blockwise": (
         "tiny-gqa",
@@ -136,22 +148,36 @@ def _applicable(problem, layout) -> list:
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_every_applicable_control_runs(name):
+def test_every_applicable_control_runs_and_changes_its_program(name):
+    """Each control's planted program traces (a crash: verify's exit 3, "control ... crashed") and
+    differs from the unplanted one (``proof.inertness``: else verify's "prover bug")."""
     problem, layout = _problem(name)
     runs = Runs(problem, layout, jnp.float32, 0)
-    crashed = []
-    for label, control in _applicable(problem, layout):
-        try:
-            if isinstance(control, str):
-                pipeline_control_fn(runs, control).trace(runs.params, runs.batch)
-            elif layout.pipelined:
-                trace_model_control(control, runs, trace_control)
-            else:
-                trace_control(control, runs)
-        except Exception as e:  # verify: exit 3, "control ... crashed"
-            if not is_vma_rejection(e):
-                crashed.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    assert not crashed, crashed
+    assert inert_controls([c for _, c in _applicable(problem, layout)], runs) == []
+
+
+def test_no_tie_control_on_a_checkpoint():
+    """A converted checkpoint's router carries no planted tie (``planted_tie`` False): neither
+    tie-breaking control applies (each would change the program and never the values), and every other
+    control changes the program."""
+    problem, layout = _problem("tiny-olmoe 2x2 ep2 (projection q/k norm, experts)")
+    problem = dataclasses.replace(problem, prepare_params=None)  # as a checkpoint: no planted tie
+    chosen = [c for _, c in _applicable(problem, layout)]
+    assert not [c.name for c in chosen if "ties" in c.name]
+    assert inert_controls(chosen, Runs(problem, layout, jnp.float32, 0)) == []
+
+
+def test_an_inert_control_is_a_prover_bug():
+    """The soft-cap control's old ``applies`` (plain attention, the cp ring included), planted on
+    purpose: verify reports a prover bug naming it and the configuration, before any run."""
+    problem, layout = _problem("tiny-gemma 1x2 cp2 ring plain soft-capped")
+    old = Control(
+        name="soft-cap after the softmax (old applies)",
+        applies=lambda w: w.cfg.attention == "plain",
+        plant=softcap_after_softmax,
+    )
+    with pytest.raises(VerifierError, match=r"prover bug: the control 'soft-cap after the softmax \(old"):
+        verify(problem, layout, controls=(old,))
 
 
 def test_every_control_applies_on_some_configuration():

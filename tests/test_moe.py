@@ -283,3 +283,10 @@ def test_tie_control_only_where_the_proof_planted_the_tie():
     names = lambda p: {c.name for c in control_set(where_of(p, Layout(dp=2), False), MOE_CONTROLS)}
     assert tie in names(problem)
     assert tie not in names(replace(problem, load_params=lambda layout: None))
+    # its twin over ep (``proof.ep_controls``) alike: it lacked the condition (issue 47)
+    from meshlm.proof.ep_controls import EP_CONTROLS
+
+    problem, ep = model_problem(CFG, "tiny-mixtral", 1, 2, 8, dp=2, ep=2), Layout(dp=2, ep=2)
+    ties = lambda p: {c.name for c in control_set(where_of(p, ep, False), EP_CONTROLS) if "ties" in c.name}
+    assert ties(problem) == {"top-k ties broken by shard-local index"}
+    assert ties(replace(problem, load_params=lambda layout: None)) == set()

@@ -40,10 +40,7 @@ def run_control(control: Control, runs: Runs, ocfg, rtol, atol) -> dict:
         results = _control_results(control, runs, ocfg, rtol, atol)
     except Exception as e:
         if not is_vma_rejection(e):
-            raise VerifierError(
-                f"control {control.name!r} crashed ({type(e).__name__}: {_first_line(e)}); "
-                "a crash is not a detection: the control or the verifier is broken"
-            ) from e
+            raise crash_error(control.name, e) from e
         how = f"rejected by JAX's check_vma: {_first_line(e)}"
         return {"name": control.name, "detected": True, "how": how, "margin": None, "by": REJECTED}
     bad = [r.path for r in results if not r.ok]
@@ -61,6 +58,14 @@ def run_control(control: Control, runs: Runs, ocfg, rtol, atol) -> dict:
 
 def _first_line(e: BaseException) -> str:
     return (str(e).splitlines() or [""])[0]
+
+
+def crash_error(name: str, e: BaseException) -> VerifierError:
+    """The verifier error of control ``name`` crashing with ``e`` (not a detection)."""
+    return VerifierError(
+        f"control {name!r} crashed ({type(e).__name__}: {_first_line(e)}); "
+        "a crash is not a detection: the control or the verifier is broken"
+    )
 
 
 def _control_results(control: Control, runs: Runs, ocfg, rtol, atol) -> list[LeafResult]:
@@ -98,15 +103,16 @@ def _planted_fn(control: Control, runs: Runs):
     return runs.sharded_fn(build, control.par_cls, pipe_cls, cfg), params
 
 
-def trace_control(control: Control, runs: Runs, ocfg=None):
+def trace_control(control: Control, runs: Runs, ocfg=None, fault: bool = True):
     """Trace, without compiling or running, the sharded program ``run_control`` runs for ``control``
     (its plant in place): a control out of step with the code it plants into (a ``TypeError`` from a
     replaced function's signature) raises here, at the cost of a trace. JAX's varying-axis type check
-    rejects a program at trace time too (``is_vma_rejection``: a detection, not a crash)."""
+    rejects a program at trace time too (``is_vma_rejection``: a detection, not a crash). ``fault``
+    False: the clipping fault's training step with the right clip (``proof.inertness``' twin)."""
     problem = runs.problem
     if control.per_shard_clip:
         ocfg = ocfg or default_optim(1, 1.0)  # the clip norm's value does not change the program
-        step, state = runs.train_step(ocfg, clip_fault=True)
+        step, state = runs.train_step(ocfg, clip_fault=fault)
         batch = step_batches(problem, 1, ocfg.accum_steps, 0)[0]
         return step.trace(*state, put_batch(batch, runs.layout, ocfg.accum_steps > 1))
     if control.by_collectives:  # the train step whose compiled collectives ``_by_collectives`` counts

@@ -107,7 +107,8 @@ EP_CONTROLS: tuple[Control, ...] = (
     ),
     Control(
         name="top-k ties broken by shard-local index",
-        applies=lambda w: _ep(w) and w.cfg.experts_per_token < w.cfg.n_experts,
+        # a tie must exist to be broken: the proof's own parameters carry one, a checkpoint's do not
+        applies=lambda w: _ep(w) and w.planted_tie and w.cfg.experts_per_token < w.cfg.n_experts,
         plant=ties_to_own_shard,
     ),
     Control(

@@ -164,6 +164,13 @@ def local_rotary_on_global():
     return _in_attention("kind_tables", planted)
 
 
+def _plain_softmax(w: Where) -> bool:
+    """Plain attention's softmax (``attention.capped_softmax``) runs: plain attention, and not the cp
+    ring, which runs the blockwise kernel's steps whatever the attention (their soft-cap order is
+    ``cp_controls``' "soft-cap applied after the softmax")."""
+    return w.cfg.attention == "plain" and not w.layout.cp_ring
+
+
 def _kinds(w: Where) -> bool:
     return w.attention and 0 < w.cfg.global_every <= w.cfg.n_layers
 
@@ -176,7 +183,7 @@ def _two_rotaries(w: Where) -> bool:
 GEMMA_CONTROLS = (  # ``proof.controls`` runs them
     Control(  # plain attention's order (``attention.capped_softmax``): cap, mask, softmax
         name="attention soft-cap applied after the softmax",
-        applies=lambda w: w.attention and w.cfg.attn_softcap > 0 and w.cfg.attention == "plain",
+        applies=lambda w: w.attention and w.cfg.attn_softcap > 0 and _plain_softmax(w),
         plant=softcap_after_softmax,
     ),
     Control(name="local and global layers swapped", applies=_kinds, plant=layer_kinds_swapped),

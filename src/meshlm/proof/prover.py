@@ -28,7 +28,9 @@ from meshlm.proof.cp_controls import CP_CONTROLS
 from meshlm.proof.data_pipeline import data_checks
 from meshlm.proof.ep_controls import EP_CONTROLS
 from meshlm.proof.independence import exactness_check, reference_checks, sharded_check
+from meshlm.proof.inertness import check_not_inert
 from meshlm.proof.padding import padding_rows
+from meshlm.proof.pipeline_proof import applicable_controls
 from meshlm.proof.pipeline_verify import permute_controls, permute_rows, pipeline_controls, run_model_control
 from meshlm.proof.problem import Problem
 from meshlm.proof.report import LeafResult, Report, check_row, compare_into
@@ -73,7 +75,15 @@ def verify(
     if layout.extra_axes:  # the header names the pipeline ("pp2x1x2 (1f1b, M=4)") or cp
         report.extra["mesh"] = layout.label()  # ("1x2 + CP2 ring")
     runs = Runs(problem, layout, dtype, seed)
-    try:
+    collectives = collectives and problem.cfg is not None
+    where = where_of(problem, layout, collectives)
+    chosen, pipeline = control_set(where, controls), []
+    engine_faults = strategy(layout).engine_faults
+    if engine_faults:  # every control through the pipeline, and its own faults (``pipeline_verify``)
+        chosen += permute_controls(controls, where, collectives)
+        pipeline = applicable_controls(layout.pipeline)
+    try:  # before any run: a control that changes nothing here is a prover bug (``inertness``)
+        check_not_inert(chosen + pipeline, runs, ocfg)
         sharded = runs.proven_grads()
     except ValueError as e:  # a wrong rule or a varying-axis type error: a failing row, not a traceback
         for name, explain in (("sharding rules", rule_mismatch), ("varying-axis types", vma_error)):
@@ -84,16 +94,12 @@ def verify(
                 return report
         raise
     ocfg = _compare_values(report, runs, sharded, steps, ocfg, seed)
-    collectives = collectives and problem.cfg is not None
     report.checks = _checks(runs, steps, ocfg, collectives, data_steps, seed) + report.checks
     report.checks += padding_rows(problem, sharded[1])
     report.checks += routing_rows(runs, dname, allow_routing_flips)
     report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
     report.extra["param_bytes_total"] = total_bytes(runs.params)
-    where = where_of(problem, layout, collectives)
-    chosen = control_set(where, controls)
-    if strategy(layout).engine_faults:  # every control through the pipeline, and its own faults
-        chosen += permute_controls(controls, where, collectives)
+    if engine_faults:
         report.controls = [run_model_control(c, runs, run_control, ocfg, rtol, atol) for c in chosen]
         report.controls += pipeline_controls(runs, rtol, atol)
         return report

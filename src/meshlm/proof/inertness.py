@@ -1,0 +1,124 @@
+"""No inert control: each control that claims to apply must change the program it plants into.
+
+A control whose ``applies`` names a configuration its fault cannot reach (the plant replaces a function
+that configuration never calls: the plain softmax's soft-cap order under the cp ring, which runs the
+blockwise kernel) changes nothing, is "not detected", and fails a correct model's proof. So before any
+run, ``verify`` traces (``jit(...).trace``: no compile, no execution) each chosen control's sharded
+program, planted, beside the same kind of program unplanted, and requires them to differ: in the jaxpr's
+text (its equations, collectives and shapes), in the constants and literals the text does not show, or
+in the parameters the control runs at (``params_change``). Identical ones are a prover bug, raised as
+``VerifierError`` (exit 3) in one line naming the control and the configuration.
+
+What tracing cannot see: a fault whose program differs but whose values cannot on these inputs (a
+tie-breaking rule where the parameters carry no tie). ``applies`` must say so itself (``planted_tie``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import partial
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from meshlm.errors import VerifierError
+from meshlm.parallel.context import Parallel
+from meshlm.proof.control_record import Control
+from meshlm.proof.control_runs import crash_error, trace_control
+from meshlm.proof.pipeline_verify import pipeline_control_fn, trace_model_control
+from meshlm.proof.rule_errors import is_vma_rejection
+
+
+def fingerprint(program) -> str:
+    """A digest of a traced program (a ``Traced`` or a ``ClosedJaxpr``): its jaxpr's text and every
+    constant and literal value in it, sub-programs included (the text shows neither a constant's value
+    nor an array literal's)."""
+    closed = getattr(program, "jaxpr", program)
+    digest = hashlib.sha256(str(closed).encode())
+    for value in _values(closed):
+        a = np.asarray(value)
+        digest.update(f"{a.dtype}{a.shape}".encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return digest.hexdigest()
+
+
+def _values(jaxpr):
+    """The constants and literals of ``jaxpr`` (a ``ClosedJaxpr`` or ``Jaxpr``) and its sub-jaxprs."""
+    if isinstance(jaxpr, ClosedJaxpr):
+        yield from jaxpr.consts
+        jaxpr = jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        yield from (v.val for v in eqn.invars if isinstance(v, Literal))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if isinstance(sub, ClosedJaxpr | Jaxpr):
+                    yield from _values(sub)
+                elif isinstance(sub, np.ndarray):
+                    yield sub
+    yield from (v.val for v in jaxpr.outvars if isinstance(v, Literal))
+
+
+def _kind(control) -> tuple[bool, bool]:
+    """Which program a control runs: the loss and gradients (a pipeline control's too), the training
+    step (the clipping fault), or the communication check's step."""
+    return (False, False) if isinstance(control, str) else (control.per_shard_clip, control.by_collectives)
+
+
+def _unplanted(kind: tuple[bool, bool]) -> Control:
+    """The program of ``kind`` with no fault in it."""
+    clip, by_collectives = kind
+    return Control(
+        name="none", applies=bool, par_cls=Parallel, per_shard_clip=clip, by_collectives=by_collectives
+    )
+
+
+def _trace(control, runs, ocfg, fault: bool = True):
+    """The program ``run_control`` (or under pp ``run_model_control``, or for a pipeline control's name
+    ``pipeline_controls``) runs for ``control``, traced."""
+    if isinstance(control, str):
+        return pipeline_control_fn(runs, control).trace(runs.params, runs.batch)
+    trace = partial(trace_control, ocfg=ocfg, fault=fault)
+    if runs.layout.pipelined:
+        return trace_model_control(control, runs, trace)
+    return trace(control, runs)
+
+
+def _changes_params(control, runs) -> bool:
+    if isinstance(control, str) or control.params_change is None:
+        return False
+    planted = control.params_change(runs.problem.cfg, runs.params)
+    same = lambda a, b: a is b or np.array_equal(np.asarray(a), np.asarray(b))
+    return not all(same(planted[m][n], x) for m, leaves in runs.params.items() for n, x in leaves.items())
+
+
+def inert_controls(controls, runs, ocfg=None) -> list[str]:
+    """The names of those of ``controls`` (``Control``s, or pipeline controls' names) whose planted
+    program and parameters equal the unplanted ones on ``runs``' configuration. A control JAX's
+    varying-axis check rejects at trace time changed the program (a detection); any other exception
+    is the crash ``run_control`` would report, raised now."""
+    bases: dict[tuple, str] = {}
+    inert = []
+    for control in controls:
+        name, kind = control if isinstance(control, str) else control.name, _kind(control)
+        if kind not in bases:  # first: the problem's own errors (a wrong rule) are not the control's
+            bases[kind] = fingerprint(_trace(_unplanted(kind), runs, ocfg, fault=False))
+        try:
+            planted = fingerprint(_trace(control, runs, ocfg))
+        except Exception as e:
+            if is_vma_rejection(e):
+                continue
+            raise crash_error(name, e) from e
+        if planted == bases[kind] and not _changes_params(control, runs):
+            inert.append(name)
+    return inert
+
+
+def check_not_inert(controls, runs, ocfg=None) -> None:
+    """Raise ``VerifierError`` naming the first inert one of ``controls`` (``inert_controls``) and the
+    configuration: a prover bug, before any run."""
+    if inert := inert_controls(controls, runs, ocfg):
+        raise VerifierError(
+            f"prover bug: the control {inert[0]!r} claims to apply to {runs.problem.name} on "
+            f"{runs.layout.label()} but changes nothing there (its plant reaches no code this "
+            "configuration runs: its `applies` is wrong)"
+        )
