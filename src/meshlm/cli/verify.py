@@ -85,18 +85,13 @@ def _shapes(vs: VerifySettings, cfg, layout) -> tuple[int, int]:
 
 
 def _window_shapes(vs: VerifySettings, cfg, layout, seq_len: int) -> tuple[int, int] | None:
-    """A windowed model's (sequence length, block): ``proof.defaults.window_shapes``, the edge judged by
-    the block-skip control's own ``applies`` (so that the control runs at the defaults)."""
+    """A windowed model's (sequence length, block): ``proof.defaults.window_shapes``, its blocks meeting
+    the window's edge where this layout's kernel cuts them (so the block-skip control runs)."""
     from meshlm.proof import defaults
-    from meshlm.proof.control_record import Where
-    from meshlm.proof.cp_controls import _skip_edge_met
 
-    kernel = cfg.replace(attention=vs.attention)
-
-    def meets(t: int, block: int) -> bool:
-        at = dataclasses.replace(kernel, attn_block=block)
-        return _skip_edge_met(Where(cfg=at, layout=layout, has_row_bias=False, seq_len=t))
-
+    cp = layout.cp if layout.context_parallel else 1
+    gathered = layout.context_parallel and not layout.cp_ring  # the all-gather: keys in one sequence
+    meets = partial(defaults.window_edge_met, window=cfg.sliding_window, cp=cp, gathered=gathered)
     lengths = [seq_len] if vs.seq_len else defaults.seq_lens(seq_len, layout.cp, partial(_fits, layout))
     return defaults.window_shapes(lengths, layout.cp, meets)
 

@@ -26,6 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
+from meshlm.parallel.cp import shard_order
+
 
 def microbatches(pp: int) -> int:
     """Micro-batches per step under ``--pp``: more than pp (2 pp: interleaved needs a multiple of pp)."""
@@ -86,7 +90,7 @@ def window_shapes(
 ) -> tuple[int, int] | None:
     """For a model with a sliding window: (sequence length, block), the length one of ``lengths`` (one
     when ``--seq-len`` is given), whose blocks meet the window's edge (``meets(t, block)``: some K/V
-    block ends at a query block's first query - W + 1, the block-skip control's ``applies``), the
+    block ends at a query block's first query - W + 1: ``window_edge_met``), the
     first rule of ``_WINDOW_TIERS`` that some pair keeps, then the largest block, then the longest
     length. None when no block meets the edge (e.g. W = 3 without cp: it needs blocks of 1)."""
     longest = max(lengths, default=0) // cp
@@ -96,3 +100,21 @@ def window_shapes(
                 if tier(t // cp // block, t // cp % block) and meets(t, block):
                     return t, block
     return None
+
+
+def window_edge_met(t: int, block: int, *, window: int, cp: int = 1, gathered: bool = False) -> bool:
+    """Whether some K/V block ends exactly at some query block's first query - ``window`` + 1 (only
+    there is the window's block-skip off-by-one visible), on T = ``t`` in blocks of ``block``: query
+    blocks each cp shard's (its two chunks, ``parallel.cp``), key blocks the ring's chunks, the
+    gathered sequence (``gathered``: the all-gather) or the whole sequence (cp 1). The positions the
+    block-skip control's ``applies`` works out (``cp_controls._skip_edge_met``, with jax arrays: this
+    runs before the devices exist); tests/test_verify_defaults.py holds the two to agreement."""
+    if not 0 < window < t:
+        return False
+    c = t // (2 * cp)
+    chunks = [np.arange(j * c, j * c + c) for j in shard_order(cp)]
+    local = [np.concatenate(chunks[2 * i : 2 * i + 2]) for i in range(cp)] if cp > 1 else [np.arange(t)]
+    cut = lambda p: [p[i : i + block] for i in range(0, len(p), min(block, len(p)))]
+    keys = cut(np.concatenate(local)) if gathered else [kb for p in local for kb in cut(p)]
+    edges = {int(qb.min()) - window + 1 for p in local for qb in cut(p)}
+    return any(int(kb.max()) in edges for kb in keys)
