@@ -84,9 +84,8 @@ def test_windowed_models_get_blocks_that_meet_the_window_edge():
                 assert t // layout.cp % block == 1, (name, given, t, block)
     cfg, vs = get_config("tiny-mistral-w10"), VerifySettings(config="tiny-mistral-w10", attention="blockwise")
     for layout in (Layout(), ring, gather, Layout(cp=4)):  # numpy, before the devices: as the control's
-        cp, gathered = (layout.cp, not layout.cp_ring) if layout.context_parallel else (1, False)
-        for t, block in ((t, b) for t in (56, 57, 64) for b in range(3, 12)):
-            mine = defaults.window_edge_met(t, block, window=10, cp=cp, gathered=gathered)
+        for t, block in ((t, b) for t in (56, 57, 63, 64) for b in range(3, 12)):
+            mine = defaults.window_edge_met(t, block, window=10, layout=layout)
             assert mine == _edge_met(cfg, vs, layout, t, block), (layout.label(), t, block)
     llama = VerifySettings(config="tiny-llama", attention="blockwise")
     assert _shapes(llama, get_config("tiny-llama"), Layout()) == (64, 21)  # no window: as before

@@ -89,9 +89,7 @@ def _window_shapes(vs: VerifySettings, cfg, layout, seq_len: int) -> tuple[int, 
     the window's edge where this layout's kernel cuts them (so the block-skip control runs)."""
     from meshlm.proof import defaults
 
-    cp = layout.cp if layout.context_parallel else 1
-    gathered = layout.context_parallel and not layout.cp_ring  # the all-gather: keys in one sequence
-    meets = partial(defaults.window_edge_met, window=cfg.sliding_window, cp=cp, gathered=gathered)
+    meets = partial(defaults.window_edge_met, window=cfg.sliding_window, layout=layout)
     lengths = [seq_len] if vs.seq_len else defaults.seq_lens(seq_len, layout.cp, partial(_fits, layout))
     return defaults.window_shapes(lengths, layout.cp, meets)
 

@@ -102,18 +102,21 @@ def window_shapes(
     return None
 
 
-def window_edge_met(t: int, block: int, *, window: int, cp: int = 1, gathered: bool = False) -> bool:
+def window_edge_met(t: int, block: int, *, window: int, layout) -> bool:
     """Whether some K/V block ends exactly at some query block's first query - ``window`` + 1 (only
     there is the window's block-skip off-by-one visible), on T = ``t`` in blocks of ``block``: query
     blocks each cp shard's (its two chunks, ``parallel.cp``), key blocks the ring's chunks, the
-    gathered sequence (``gathered``: the all-gather) or the whole sequence (cp 1). The positions the
+    gathered sequence (the all-gather) or the whole sequence (no cp) of ``layout``. The positions the
     block-skip control's ``applies`` works out (``cp_controls._skip_edge_met``, with jax arrays: this
     runs before the devices exist); tests/test_verify_defaults.py holds the two to agreement."""
     if not 0 < window < t:
         return False
+    cp = layout.cp if layout.context_parallel else 1
+    gathered = layout.context_parallel and not layout.cp_ring  # the all-gather: keys in one sequence
     c = t // (2 * cp)
     chunks = [np.arange(j * c, j * c + c) for j in shard_order(cp)]
-    local = [np.concatenate(chunks[2 * i : 2 * i + 2]) for i in range(cp)] if cp > 1 else [np.arange(t)]
+    local = [np.concatenate(chunks[2 * i : 2 * i + 2]) for i in range(cp)]
+    local = local if layout.context_parallel else [np.arange(t)]  # no cp: one shard, any T
     cut = lambda p: [p[i : i + block] for i in range(0, len(p), min(block, len(p)))]
     keys = cut(np.concatenate(local)) if gathered else [kb for p in local for kb in cut(p)]
     edges = {int(qb.min()) - window + 1 for p in local for qb in cut(p)}
