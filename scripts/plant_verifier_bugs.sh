@@ -97,6 +97,9 @@ plant_verify "causal block skip off by one (hidden by block-aligned sequences)" 
 plant_verify "document-mask block skip off by one (hidden by two rows per data shard)" $K \
   "needed = needed & (last_key >= jnp.min(qs, axis=-1))" "needed = needed & (last_key > jnp.min(qs, axis=-1))" \
   "--config tiny-llama --mesh 1x1 --devices 1 --attention blockwise --doc-mask" "--batch-size 2"
+plant_verify "window block-skip rule off by one (hidden by blocks of 21)" $K \
+  "needed = needed & ((w == 0) | (last_key > first_query - w))" "needed = needed & ((w == 0) | (last_key > first_query - w + 1))" \
+  "--config tiny-mistral-w10 --mesh 1x1 --devices 1 --attention blockwise" "--attn-block 21 --seq-len 64"
 plant_verify "ring turns the wrong way (hidden by cp 2)" src/meshlm/parallel/cp.py \
   "[(i, (i + 1) % self.layout.cp) for i in range(self.layout.cp)]" "[(i, (i - 1) % self.layout.cp) for i in range(self.layout.cp)]" \
   "--config tiny-llama --mesh 1x1 --cp 3 --devices 3 --seq-len 24" "--cp 2 --seq-len 24"

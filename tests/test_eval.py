@@ -123,3 +123,33 @@ def test_eval_cli_on_a_store(converted, tmp_path, capsys):
     assert "exceeds the model's max_seq_len=32" in capsys.readouterr().err
     assert run_cli("eval", "--checkpoint", str(root / "ck"), "--data", store, "--mesh", "1x1") == 2
     assert "no tokenizer" in capsys.readouterr().err
+
+
+def test_bits_per_byte_counts_the_targets_bytes(converted):
+    """Bits per byte on a stream whose inputs and targets differ in bytes: a BPE of multi-byte tokens,
+    the stream ending in one (no final EOD), so the inputs (EOD, then every token but the last) and the
+    targets (every token) differ by the last token's bytes less one. The figure by hand: transformers'
+    per-token losses, in bits, over the text's UTF-8 bytes (the targets are the whole text, once).
+
+    Mutant caught (issue 47, round 5): in ``evaluate_stream``, ``token_bytes[b["targets"][b["mask"]]]``
+    planted as ``token_bytes[b["inputs"][b["mask"]]]`` (every stream meshlm builds ends in a one-byte
+    EOD, where the two totals agree)."""
+    from meshlm.data.bpe import train_bpe
+    from meshlm.io.model_io import load_model
+    from meshlm.parallel.layout import Layout
+    from meshlm.train.evaluation import evaluate_stream
+
+    root, model = converted
+    tok = train_bpe(TEXT.splitlines(), 300)
+    tokens = tok.encode(TEXT).astype(np.int64)
+    token_bytes = tok.token_bytes
+    assert tok.eod_id == 0 and tok.vocab_size <= 300  # the model's EOD and ids
+    assert token_bytes[tokens[-1]] > 1 and tok.eod_id not in tokens  # inputs' bytes != targets'
+    n_bytes = len(TEXT.encode())
+    assert int(token_bytes[tokens].sum()) == n_bytes != 1 + int(token_bytes[tokens[:-1]].sum())
+    cfg, params, _ = load_model(root / "ck", Layout())
+    stream = TokenStream(tokens, vocab_size=tok.vocab_size, eod_id=tok.eod_id)
+    result = evaluate_stream(cfg, params, Layout(), stream, tok, seq_len=SEQ, batch_size=2, progress=False)
+    want = _transformers_losses(model, tokens)
+    assert result.bytes == n_bytes and len(tokens) % SEQ  # a partial last window too
+    assert result.bits_per_byte == pytest.approx(want.sum() / math.log(2) / n_bytes, rel=1e-5)

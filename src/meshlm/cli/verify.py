@@ -69,17 +69,29 @@ def _model_config(vs: VerifySettings):
 
 def _shapes(vs: VerifySettings, cfg, layout) -> tuple[int, int]:
     """(sequence length, attention block): the flags, else ``proof.defaults``' exposing choices where
-    the blockwise kernel runs (--attention blockwise, or a --cp ring)."""
+    the blockwise kernel runs (--attention blockwise, or a --cp ring); for a model with a sliding
+    window, blocks that meet the window's edge (``_window_shapes``)."""
     seq_len = _seq_len(vs, cfg)
     if not (vs.attention == "blockwise" or layout.cp_ring):
         return seq_len, vs.attn_block or LongContext.attn_block  # unused: no blockwise kernel runs
     from meshlm.proof import defaults
 
     if vs.attn_block is None:
-        return seq_len, defaults.block_for(seq_len // layout.cp)
+        windowed = _window_shapes(vs, cfg, layout, seq_len) if 0 < cfg.sliding_window < seq_len else None
+        return windowed or (seq_len, defaults.block_for(seq_len // layout.cp))
     if vs.seq_len is None:
         seq_len = defaults.ragged_seq_len(seq_len, vs.attn_block, layout.cp, partial(_fits, layout))
     return seq_len, vs.attn_block
+
+
+def _window_shapes(vs: VerifySettings, cfg, layout, seq_len: int) -> tuple[int, int] | None:
+    """A windowed model's (sequence length, block): ``proof.defaults.window_shapes``, its blocks meeting
+    the window's edge where this layout's kernel cuts them (so the block-skip control runs)."""
+    from meshlm.proof import defaults
+
+    meets = partial(defaults.window_edge_met, window=cfg.sliding_window, layout=layout)
+    lengths = [seq_len] if vs.seq_len else defaults.seq_lens(seq_len, layout.cp, partial(_fits, layout))
+    return defaults.window_shapes(lengths, layout.cp, meets)
 
 
 def _fits(layout, seq_len: int) -> bool:
