@@ -140,7 +140,7 @@ def soft_cap(x, cap: float):
 
 def score_mod(s, variant: Variant):
     """The kernels' score rule: the scaled scores soft-capped, before the mask and the online softmax."""
-    return s if not variant.softcap else jnp.tanh(s / variant.softcap) * variant.softcap
+    return soft_cap(s, variant.softcap)
 
 
 def score_mod_slope(s, variant: Variant):
