@@ -21,6 +21,7 @@ import numpy as np
 from jax import lax
 
 from meshlm.errors import ShardingError
+from meshlm.model.attention_variants import Variant, mask_mod, soft_cap, variant_of
 from meshlm.model.blockwise import blockwise_attention, varying_like
 from meshlm.model.config import ModelConfig
 from meshlm.model.context_parallel import context_attention
@@ -106,13 +107,12 @@ class Attention(hk.Module):
         hl = cfg.n_heads // self.par.layout.mp
         q = self._proj("wq", xf, hl, "own_heads")  # [B, T, H/mp, E]: this shard's query heads
         k, v = self._kv(xf)  # [B, T, K_local, E]
-        window, inv_freq = cfg.sliding_window, cfg.inv_freq()
-        if kind is not None:  # Gemma 2/3: this layer's window and frequencies, indexed by its traced kind
-            windows, freqs = kind_tables(cfg)
-            window, inv_freq = jnp.asarray(windows)[kind], jnp.asarray(freqs)[kind]
-        rotary = positions if starts is None else positions - starts
-        cos, sin = rotary_angles(rotary, inv_freq, q.dtype)
-        rotate = lambda x: apply_rotary(x, cos, sin, cfg.rot_dim, self.style)
+        variant = layer_variant(cfg, kind, hl)
+        rotate = lambda x: x  # a layer without rotary (``variant.rotary`` None)
+        if variant.rotary is not None:
+            rotary = positions if starts is None else positions - starts
+            cos, sin = rotary_angles(rotary, variant.rotary, q.dtype)
+            rotate = lambda x: apply_rotary(x, cos, sin, cfg.rot_dim, self.style)
         if cfg.arch.qk_norm is None:
             q, k = rotate(q), rotate(k)
         else:  # made here, not in a method: Haiku would scope their names under the method's
@@ -121,7 +121,9 @@ class Attention(hk.Module):
             k = norm_then_rotary(k, norm(eps=cfg.norm_eps, name="k_norm", **self._norm_args(True)), rotate)
         key_pos = positions
         if cache is not None and "index" in cache:  # Gemma 2/3's local and global caches (``kv_kinds``)
-            attend = lambda q, k, v, key_pos, w: self._attend(q, k, v, positions, key_pos, starts, w)
+            attend = lambda q, k, v, key_pos, w: self._attend(
+                q, k, v, positions, key_pos, starts, variant.replace(window=w)
+            )
             out, cache = kinds_cache_attend(cfg, cache, q, k, v, positions, kind, attend)
             return self._out(out, xf), cache
         if cache is not None and self.par.context_parallel:  # a prefill over cp: attend to the chunks
@@ -131,23 +133,18 @@ class Attention(hk.Module):
             k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
         if self.par.context_parallel:  # the sequence split over cp: positions global
             blockwise = cfg.attention == "blockwise"  # (no --doc-mask with cp: ``transformer``)
-            kernel = dict(block=cfg.attn_block, blockwise=blockwise, softcap=cfg.attn_softcap)
-            q = scaled_for_kernels(cfg, q)
-            kernel.update(plain_attend=_attend, window=window)
+            kernel = dict(block=cfg.attn_block, blockwise=blockwise, plain_attend=_attend, variant=variant)
             out = context_attention(q, k, v, positions, self.par, **kernel)
         else:
-            out = self._attend(q, k, v, positions, key_pos, starts, window)
+            out = self._attend(q, k, v, positions, key_pos, starts, variant)
         return self._out(out, xf), cache
 
-    def _attend(self, q, k, v, positions, key_pos, starts, window):
+    def _attend(self, q, k, v, positions, key_pos, starts, variant):
         """Blockwise or plain attention on one device (no cp) -> [B, T, h, E]."""
-        cfg = self.cfg
-        if cfg.attention == "blockwise":
-            kernel = dict(block=cfg.attn_block, q_start=starts, softcap=cfg.attn_softcap)
-            q = scaled_for_kernels(cfg, q)
-            return blockwise_attention(q, k, v, positions, key_pos, window=window, **kernel)
-        scale = dict(scalar=cfg.attn_scalar) if cfg.attn_scalar else {}
-        return _attend(q, k, v, positions, key_pos, starts, window, cfg.attn_softcap, **scale)
+        if self.cfg.attention == "blockwise":
+            kernel = dict(block=self.cfg.attn_block, q_start=starts, variant=variant)
+            return blockwise_attention(q, k, v, positions, key_pos, **kernel)
+        return _attend(q, k, v, positions, key_pos, starts, variant)
 
     def _out(self, out, xf):  # out [B, T, H/mp, E] -> the row-parallel partial [B, T, D]
         hl = self.cfg.n_heads // self.par.layout.mp
@@ -163,13 +160,14 @@ def layer_kinds(cfg: ModelConfig):
     return ((np.arange(cfg.n_layers) + 1) % cfg.global_every == 0).astype(np.int32)
 
 
-def scaled_for_kernels(cfg: ModelConfig, q):
-    """q as the blockwise kernel and the cp strategies take it: they divide the scores by sqrt(E); with
-    ``attn_scalar`` (Gemma 2/3's query_pre_attn_scalar) q is multiplied by sqrt(E / scalar) first, so
-    the scores are divided by sqrt(scalar), as plain attention's (``_attend``'s ``scalar``)."""
-    if not cfg.attn_scalar:
-        return q
-    return q * jnp.asarray(np.sqrt(cfg.dim_per_head / cfg.attn_scalar), q.dtype)
+def layer_variant(cfg: ModelConfig, kind, heads: int) -> Variant:
+    """This layer's attention variant (``attention_variants``) for its ``heads`` query heads on this
+    shard: the model's window and rotary, or with a traced ``kind`` (Gemma 2/3's local and global
+    layers) the kind's, from ``kind_tables``."""
+    if kind is None:
+        return Variant.of(cfg, heads, window=cfg.sliding_window, rotary=cfg.inv_freq())
+    windows, freqs = kind_tables(cfg)
+    return Variant.of(cfg, heads, window=jnp.asarray(windows)[kind], rotary=jnp.asarray(freqs)[kind])
 
 
 def kind_tables(cfg: ModelConfig):
@@ -309,18 +307,12 @@ def cp_prefill_cache(cache, k, v, positions, par: Parallel, window: int) -> dict
 def window_visible(q_pos, k_pos, window):
     """Whether a query at ``q_pos`` sees a key at ``k_pos`` (broadcast): causal, and with ``window`` > 0
     also ``q_pos - window < k_pos`` (transformers' ``sliding_window_overlay``: window keys, itself
-    included). Positions are absolute (or within a document), so the cache and every mesh agree.
-    ``window``: an int, or a traced int32 scalar (a layer's, ``kind_tables``: 0 there is no window)."""
-    visible = k_pos <= q_pos
+    included; ``attention_variants.mask_mod``). Positions are absolute (or within a document), so the
+    cache and every mesh agree. ``window``: an int, or a traced int32 scalar (a layer's, ``kind_tables``:
+    0 there is no window). Plain attention's hook (a test plants a wrong window here)."""
     if isinstance(window, int):
-        return visible & (k_pos > q_pos - window) if window else visible
-    return visible & ((window == 0) | (k_pos > q_pos - window))
-
-
-def soft_cap(x, cap: float):
-    """Gemma 2's soft-capping, ``cap * tanh(x / cap)`` (transformers' order: divide, tanh, multiply);
-    ``cap`` 0: x unchanged."""
-    return x if not cap else jnp.tanh(x / cap) * cap
+        return mask_mod(q_pos, k_pos, True, window=window or None)
+    return mask_mod(q_pos, k_pos, True, window=window)
 
 
 def capped_softmax(scores, visible, softcap: float):
@@ -330,21 +322,25 @@ def capped_softmax(scores, visible, softcap: float):
     return jax.nn.softmax(scores, axis=-1)
 
 
-def _attend(q, k, v, q_pos, k_pos, starts=None, window=0, softcap: float = 0.0, scalar: float = 0.0):
+def _attend(q, k, v, q_pos, k_pos, starts=None, variant=None, **fields):
     """Causal grouped attention, softmax in float32. q [B,T,h,E]; k, v [B,S,kv,E]; pos [B,T]/[B,S].
     ``starts`` [B, T]: where each query's document starts; it sees only keys from there on.
-    ``window`` > 0 (an int or a layer's traced scalar): a query at position i sees keys j with
-    i - window < j <= i (``window_visible``).
-    ``softcap`` > 0: the scaled scores soft-capped (``soft_cap``) before the mask, as transformers.
-    ``scalar`` > 0: scores divided by sqrt(scalar) (Gemma 2/3's query_pre_attn_scalar), else sqrt(E)."""
+    ``variant`` (``attention_variants.Variant``; or a window, with the variant's other ``fields``): what a
+    query sees (a window > 0: a query at i sees keys j with i - window < j <= i) and what happens to its
+    scores (divided by sqrt(scalar or E), then the score rule before the mask, as transformers)."""
+    variant = variant if isinstance(variant, Variant) else variant_of(window=variant, **fields)
     b, t, h, e = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, e)
     scores = upcast(jnp.einsum("btkge,bske->bkgts", qg, k))
-    scores = scores / jnp.sqrt(jnp.asarray(scalar or e, scores.dtype))
-    visible = window_visible(q_pos[:, None, None, :, None], k_pos[:, None, None, None, :], window)
-    if starts is not None:
-        visible = visible & (k_pos[:, None, None, None, :] >= starts[:, None, None, :, None])
-    probs = capped_softmax(scores, visible, softcap).astype(v.dtype)
+    scores = scores / jnp.sqrt(jnp.asarray(variant.scalar or e, scores.dtype))
+    qp, kp = q_pos[:, None, None, :, None], k_pos[:, None, None, None, :]
+    rules = variant.rules()
+    visible = window_visible(qp, kp, rules.pop("window", 0))  # causality and the window
+    if starts is not None or rules:  # document starts, and any further mask rule
+        qs = None if starts is None else starts[:, None, None, :, None]
+        visible = visible & mask_mod(qp, kp, False, qs, **rules)
+    probs = capped_softmax(scores, visible, variant.softcap)
+    probs = variant.finish_probs(probs, scores, visible).astype(v.dtype)
     out = jnp.einsum("bkgts,bske->btkge", probs, v)
     return out.reshape(b, t, h, e)

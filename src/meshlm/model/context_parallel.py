@@ -13,10 +13,10 @@ positions; the causal mask is by position, so the order in which key chunks arri
   with the configured attention (blockwise or plain); JAX's transpose reduce-scatters dK/dV.
 
 Only the collectives are ``Parallel``'s (``cp_shift``, ``gather_kv``): the controls plant faults there.
-Soft-capping (``softcap`` > 0, Gemma 2) is the kernel's (``blockwise``: each partial caps its scores
-before its online softmax, the backward carries the cap's slope); the ring asks ``_step_softcap`` for
-every step's cap, forward and backward, so the control "cap missing on the ring's remote blocks" has
-one place to plant.
+What a query sees and what happens to its scores is the ``variant``'s (``attention_variants.Variant``),
+taken as the kernel takes it; the ring asks ``_step_variant`` for every step's, forward and backward (the
+controls plant a step that forgets a rule there), and the variant's ``finish`` meets the merged partial
+once, after the last step (never once per step).
 """
 
 from __future__ import annotations
@@ -24,26 +24,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from meshlm.model.blockwise import attend_partial, blockwise_attention, combine, partial_grads, window_arg
+from meshlm.model.attention_variants import Variant
+from meshlm.model.blockwise import attend_partial, blockwise_attention, combine, partial_grads
 from meshlm.model.layers import upcast
 
 
-def context_attention(
-    q, k, v, q_pos, par, *, block: int, blockwise: bool, plain_attend, window=0, softcap: float = 0.0
-):
+def context_attention(q, k, v, q_pos, par, *, block: int, blockwise: bool, plain_attend, variant: Variant):
     """q [B, T/cp, H, E], k, v [B, T/cp, K, E] this shard's chunks; q_pos [B, T/cp] global positions.
-    ``window``: a sliding window (a Python int, 0: none, or a traced int32 scalar), by global position.
-    ``softcap`` > 0: the scaled scores capped, cap * tanh(s / cap), before the mask and softmax."""
+    ``variant``: the mask (a window by global position) and score rules."""
     if par.cp_ring:
-        return _ring(q, k, v, q_pos, par, block, float(softcap), window_arg(window))
+        return _ring(variant.query(q), k, v, q_pos, par, block, variant.folded().for_kernel())
     t = k.shape[1]
     k_pos = jnp.concatenate([par.kv_positions(o, t) for o in range(par.layout.cp)])
     k_pos = jnp.broadcast_to(k_pos, (k.shape[0], k_pos.shape[0]))
     k_all, v_all = par.gather_kv(jnp.stack([k, v]))  # one all-gather: [2, B, T/cp, K, E] -> [2, B, T, K, E]
     if blockwise:
-        kernel = dict(block=block, window=window, softcap=softcap)
-        return blockwise_attention(q, k_all, v_all, q_pos, k_pos, **kernel)
-    return plain_attend(q, k_all, v_all, q_pos, k_pos, window=window, softcap=softcap)
+        return blockwise_attention(q, k_all, v_all, q_pos, k_pos, block=block, variant=variant)
+    return plain_attend(variant.query(q), k_all, v_all, q_pos, k_pos, variant=variant.folded())
 
 
 def _origin(par, step: int):
@@ -56,27 +53,27 @@ def _kv_pos(par, step, like):
     return jnp.broadcast_to(pos, like.shape[:2])
 
 
-def _step_softcap(softcap: float, step: int) -> float:
-    """The cap ring step ``step`` applies to its K/V chunk's scores: the same on every step, the
-    shard's own chunk (step 0) and the ones from the other shards alike."""
-    return softcap
+def _step_variant(variant: Variant, step: int) -> Variant:
+    """The variant ring step ``step`` applies to its K/V chunk: the same on every step, the shard's
+    own chunk (step 0) and the ones from the other shards alike."""
+    return variant
 
 
-def _ring_fwd(q, k, v, q_pos, par, block, softcap, window):
+def _ring_fwd(q, k, v, q_pos, par, block, variant):
     kv, part = jnp.stack([k, v]), None
     for s in range(par.ring_steps()):
         if s:
             kv = par.cp_shift(kv)
-        cap = _step_softcap(softcap, s)
-        kw = dict(block=block, window=window, softcap=cap)
+        kw = dict(block=block, variant=_step_variant(variant, s))
         p = attend_partial(q, kv[0], kv[1], q_pos, _kv_pos(par, s, k), **kw)
         part = p if part is None else combine(part, p)
+    part = variant.finish(part)  # once, after the ring's last merge
     out = part.out.astype(q.dtype)
-    return out, (q, k, v, q_pos, window, out, part.lse)
+    return out, (q, k, v, q_pos, variant, out, part.lse)
 
 
-def _ring_bwd(par, block, softcap, res, dout):
-    q, k, v, q_pos, window, out, lse = res
+def _ring_bwd(par, block, res, dout):
+    q, k, v, q_pos, variant, out, lse = res
     f = upcast(q[:0]).dtype
     kv, dkv, dq = jnp.stack([k, v]), jnp.zeros((2, *k.shape), f), jnp.zeros(q.shape, f)
     steps = par.ring_steps()
@@ -84,17 +81,18 @@ def _ring_bwd(par, block, softcap, res, dout):
         if s:
             kv, dkv = par.cp_shift(kv), par.cp_shift(dkv)
         kp = _kv_pos(par, s, k)
-        kw = dict(block=block, window=window, softcap=_step_softcap(softcap, s))
+        kw = dict(block=block, variant=_step_variant(variant, s))
         dq_s, dk_s, dv_s = partial_grads(q, kv[0], kv[1], q_pos, kp, out, lse, dout, **kw)
         dq, dkv = dq + dq_s, dkv + jnp.stack([dk_s, dv_s]).astype(f)
     for _ in range(par.layout.cp - steps + 1):  # the accumulators' way home to the shard of their chunk
         dkv = par.cp_shift(dkv)
-    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None
+    dk, dv = dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+    return dq.astype(q.dtype), dk, dv, None, variant.cotangent(out, lse, dout)  # the variant's: once
 
 
-def _ring_impl(q, k, v, q_pos, par, block, softcap, window):
-    return _ring_fwd(q, k, v, q_pos, par, block, softcap, window)[0]
+def _ring_impl(q, k, v, q_pos, par, block, variant):
+    return _ring_fwd(q, k, v, q_pos, par, block, variant)[0]
 
 
-_ring = jax.custom_vjp(_ring_impl, nondiff_argnums=(4, 5, 6))
+_ring = jax.custom_vjp(_ring_impl, nondiff_argnums=(4, 5))
 _ring.defvjp(_ring_fwd, _ring_bwd)

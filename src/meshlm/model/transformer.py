@@ -18,7 +18,8 @@ import numpy as np
 from jax import lax
 
 from meshlm.errors import ConfigError
-from meshlm.model.attention import Attention, doc_starts, soft_cap
+from meshlm.model.attention import Attention, doc_starts
+from meshlm.model.attention_variants import capped_logits
 from meshlm.model.config import ModelConfig
 from meshlm.model.layers import (
     MLP,
@@ -215,7 +216,7 @@ def _head_logits(cfg: ModelConfig, par: Parallel, x, embed: VocabEmbed | None):
         x = _norm(cfg, "final_ln")(x)
     xf = par.f(x)
     if cfg.tie_embeddings:
-        return soft_cap(embed.local_logits(xf), cfg.final_softcap)  # elementwise: any vocab slice
+        return capped_logits(cfg, embed.local_logits(xf))  # elementwise: any vocab slice
     head_stddev = GPT_STDDEV if cfg.arch.gpt_init else 1.0 / np.sqrt(cfg.d_model)
     head = VocabHead(
         vocab_size=cfg.padded_vocab,
@@ -224,7 +225,7 @@ def _head_logits(cfg: ModelConfig, par: Parallel, x, embed: VocabEmbed | None):
         bias=cfg.arch.biases,
         real_vocab=cfg.vocab_size,
     )
-    return soft_cap(head.local_logits(xf), cfg.final_softcap)
+    return capped_logits(cfg, head.local_logits(xf))
 
 
 def embed_scale(d_model: int) -> np.float32:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm.model.attention import kind_tables, layer_kinds
+from meshlm.model.attention_variants import Variant, capped_logits
 from meshlm.model.config import ModelConfig
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
@@ -85,8 +86,7 @@ def _attention(cfg: ModelConfig, p, x, cos, sin, mask):
         k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     scores = jnp.einsum("bqhe,bkhe->bhqk", q, k).astype(jnp.promote_types(q.dtype, jnp.float32))
     scores = scores / np.sqrt(cfg.attn_scalar or cfg.dim_per_head)
-    if cfg.attn_softcap:  # Gemma 2: c * tanh(s / c), before the mask
-        scores = jnp.tanh(scores / cfg.attn_softcap) * cfg.attn_softcap
+    scores = Variant.of(cfg, cfg.n_heads).score(scores)  # the variant's score rule, before the mask
     scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, H, T, T]
     out = jnp.einsum("bhqk,bkhe->bqhe", probs, v)
@@ -162,8 +162,7 @@ def logits(cfg: ModelConfig, params, tokens):
     else:
         out = x @ params["head"]["w"]
         out = out + params["head"]["b"] if "b" in params["head"] else out
-    if cfg.final_softcap:  # Gemma 2: c * tanh(z / c)
-        out = jnp.tanh(out / cfg.final_softcap) * cfg.final_softcap
+    out = capped_logits(cfg, out)
     return out[..., : cfg.vocab_size]
 
 

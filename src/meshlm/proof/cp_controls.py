@@ -20,8 +20,8 @@ Blockwise attention (planted in ``model.blockwise`` while the sharded program is
   block-skip rule off by one                a K/V block skipped when its last key is the first
                                             query's oldest visible one (i - W + 1): only where a
                                             block ends exactly there (``_skip_edge_met``)
-Soft-capping in the kernel and the ring (``attn_softcap`` > 0; planted in ``model.blockwise`` and
-``model.context_parallel``):
+Soft-capping in the kernel and the ring (``attn_softcap`` > 0; planted in the variant's score rule,
+``model.attention_variants``, and in ``model.context_parallel``'s ``_step_variant``):
   soft-cap applied after the softmax        the softmax's weights exp(s) capped, not its scores s
   soft-cap not applied in the backward      dS not multiplied by the cap's slope 1 - tanh^2 (the
                                             forward is right: only the gradients tell)
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from meshlm.model import blockwise, context_parallel
+from meshlm.model import attention_variants, blockwise, context_parallel
 from meshlm.parallel.axes import CP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.cp import chunk_positions, shard_order
@@ -177,22 +177,27 @@ def _skip_edge_met(w: Where) -> bool:
     return any(int(kb.max()) in edges for kb in keys)
 
 
-def _cap_after_softmax(cap_scores):
+def _cap_after_softmax(score_mod):
     """The cap taken on the softmax's weights exp(s) instead of its scores s: the kernel then
     exponentiates log(cap(exp(s))), so each weight is cap * tanh(exp(s) / cap) (renormalised)."""
-    return lambda s, cap, *args, **kwargs: jnp.log(cap_scores(jnp.exp(s), cap, *args, **kwargs)) if cap else s
+    return lambda s, variant, *args, **kwargs: (
+        jnp.log(score_mod(jnp.exp(s), variant, *args, **kwargs)) if variant.softcap else s
+    )
 
 
 def _no_cap_slope(slope):
     """The backward's dS not multiplied by the cap's slope (the forward caps, its derivative is lost)."""
-    return lambda s, cap, *args, **kwargs: 1.0
+    return lambda s, variant, *args, **kwargs: 1.0
 
 
-def _remote_blocks_uncapped(step_softcap):
+def _remote_blocks_uncapped(step_variant):
     """The ring's own chunk (step 0) capped, every chunk from another shard not."""
-    return lambda softcap, step, *args, **kwargs: (
-        step_softcap(softcap, step, *args, **kwargs) if step == 0 else 0.0
-    )
+
+    def planted(variant, step, *args, **kwargs):
+        own = step_variant(variant, step, *args, **kwargs)
+        return own if step == 0 else own.replace(softcap=0.0)
+
+    return planted
 
 
 def _cap_in_kernel(w: Where) -> bool:
@@ -234,17 +239,17 @@ CP_CONTROLS: tuple[Control, ...] = (
     Control(
         name="soft-cap applied after the softmax",
         applies=_cap_in_kernel,
-        plant=lambda: _planted(_cap_scores=_cap_after_softmax),
+        plant=lambda: _planted(attention_variants, score_mod=_cap_after_softmax),
     ),
     Control(
         name="soft-cap not applied in the backward",
         applies=_cap_in_kernel,
-        plant=lambda: _planted(_cap_slope=_no_cap_slope),
+        plant=lambda: _planted(attention_variants, score_mod_slope=_no_cap_slope),
     ),
     Control(
         name="cap missing on the ring's remote blocks",
         applies=lambda w: w.layout.cp_ring and _cap_in_kernel(w),
-        plant=lambda: _planted(context_parallel, _step_softcap=_remote_blocks_uncapped),
+        plant=lambda: _planted(context_parallel, _step_variant=_remote_blocks_uncapped),
     ),
     Control(
         name="rotary positions restart in every chunk",

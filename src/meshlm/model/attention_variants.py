@@ -1,0 +1,190 @@
+"""An attention variant, declared once: the record every attention kernel takes and none of them names.
+
+PyTorch FlexAttention's split, as data plus small functions: a *mask rule* says which keys a query may
+see, a *score rule* what happens to a scaled score before the softmax; the block mask (which K/V blocks
+the blockwise kernel may skip) is derived from the mask rules, never written per variant. Plain attention
+(``attention._attend``), the blockwise kernel's forward and backward (``blockwise``), both cp strategies
+(``context_parallel``), the KV-cache decode and the float64 reference take a ``Variant``; they call its
+methods and pass ``Variant.rules()`` on to the mask hooks without reading it.
+
+What a variant is made of:
+  mask (what a query may see)   ``causal``; a sliding ``window`` (a Python int, or a layer's traced int32
+                                scalar, 0 there: none); document starts (data, ``q_start``: per query).
+                                A new rule (chunked attention: keys of the query's chunk only) is one more
+                                keyword of ``mask_mod`` and of ``block_needed``, and one more entry of
+                                ``rules()``: the kernels pass the keywords through.
+  score (what happens to s)     the scale, 1 / sqrt(``scalar`` or head_dim) (Gemma's query_pre_attn_scalar:
+                                folded into q for the kernels, ``query``), then ``softcap``'s c tanh(s / c)
+                                (Gemma 2): ``score_mod`` and its slope for the backward, ``score_mod_slope``.
+  normaliser (what joins the    ``finish``: applied once to the merged partial of all K/V sets (after the
+  softmax's sum)                ring's log-sum-exp merge, never per step); today no variant adds a term
+                                (room for learned sinks: a per-head logit joining ``lsum``).
+  rotary (which layers rotate)  ``rotary``: the layer's inverse frequencies (None: none, a NoPE layer).
+
+A variant is a pytree (``window`` and ``rotary`` may be traced: its leaves; the rest static), so it is an
+argument of the kernels' custom VJPs as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One layer's attention variant (see the module's docstring for each part)."""
+
+    window: Any = None  # mask: sliding window (int > 0, or a traced int32 scalar; None or 0: none)
+    causal: bool = True  # mask: a query sees keys at or before its position
+    softcap: float = 0.0  # score: c * tanh(s / c) before the mask (0: none)
+    scalar: float = 0.0  # score: divided by sqrt(scalar) (0: by sqrt(head_dim))
+    rotary: Any = None  # rotary: inverse frequencies [rot_dim / 2] (None: the layer is not rotated)
+
+    @classmethod
+    def of(cls, cfg, heads: int, window=None, rotary=None) -> Variant:
+        """The model's variant for one layer: its ``window`` and rotary frequencies (a layer kind's,
+        ``attention.kind_tables``), the model's score rules (``attn_softcap``, ``attn_scalar``).
+        ``heads``: the layer's query heads on this shard, the shape of a learned per-head term (made
+        here, inside the attention module, by ``hk.get_parameter``; none today)."""
+        return cls(window=window, softcap=cfg.attn_softcap, scalar=cfg.attn_scalar, rotary=rotary)
+
+    def replace(self, **fields) -> Variant:
+        return dataclasses.replace(self, **fields)
+
+    # ---- mask ----
+
+    def rules(self) -> dict:
+        """The mask rules' keywords beyond causality for ``mask_mod`` / ``block_needed`` (and the
+        kernels' ``_visible`` / ``_needed``, where the controls plant): only the rules that are on, so
+        a variant without them runs the program it ran before they existed."""
+        window = self.window
+        return {} if window is None or (isinstance(window, int) and not window) else {"window": window}
+
+    def for_kernel(self) -> Variant:
+        """The variant as the kernels' custom VJPs take it: a Python window an int32 scalar (a primal,
+        cotangent None), a Python 0 none (the program is as without one)."""
+        rules = self.rules()
+        window = jnp.asarray(rules["window"], jnp.int32) if rules else None
+        return self.replace(window=window, rotary=None)
+
+    # ---- score ----
+
+    def query(self, q):
+        """q as the blockwise kernel and the cp strategies take it: they divide the scores by sqrt(E);
+        with ``scalar`` q is multiplied by sqrt(E / scalar) first, so the scores are divided by
+        sqrt(scalar), as plain attention's."""
+        if not self.scalar:
+            return q
+        return q * jnp.asarray(np.sqrt(q.shape[-1] / self.scalar), q.dtype)
+
+    def folded(self) -> Variant:
+        """The variant once ``query`` has folded its scale into q (plain attention on a pre-scaled q)."""
+        return self.replace(scalar=0.0)
+
+    def score(self, s):
+        """The scaled scores as the softmax meets them (before the mask): ``score_mod``."""
+        return score_mod(s, self)
+
+    def score_slope(self, s):
+        """d score / d s at the unmodified scores s (the backward's chain rule): ``score_mod_slope``."""
+        return score_mod_slope(s, self)
+
+    # ---- normaliser ----
+
+    def finish(self, part):
+        """The merged partial of every K/V set (a ``blockwise.Partial``) with what else joins the
+        softmax's normaliser: applied once, after the last merge. No variant adds a term today."""
+        return part
+
+    def finish_probs(self, probs, scores, visible):
+        """Plain attention's probabilities [.., Tq, S] (the softmax of the scaled ``scores`` through
+        ``score``, where ``visible``) with what else joins the normaliser: ``finish``'s counterpart."""
+        return probs
+
+    def cotangent(self, out, lse, dout):
+        """The kernels' backward for the variant's own leaves (a learned normaliser term's gradient,
+        from the final ``out`` [B, Tq, H, E], ``lse`` [B, Tq, H] and ``dout``): None, none learned."""
+        return None
+
+
+jax.tree_util.register_dataclass(
+    Variant, data_fields=["window", "rotary"], meta_fields=["causal", "softcap", "scalar"]
+)
+
+CAUSAL = Variant()  # plain causal attention: no window, no score rule
+
+
+def variant_of(variant: Variant | None = None, **fields) -> Variant:
+    """``variant``, or a ``Variant`` of ``fields`` (a one-off call: ``window=``, ``causal=``, ...)."""
+    if variant is None:
+        return Variant(**fields)
+    if fields:
+        raise TypeError(f"pass either a variant or its fields, not both: {sorted(fields)}")
+    return variant
+
+
+# ---- the score rule ----
+
+
+def soft_cap(x, cap: float):
+    """Gemma 2's soft-capping, ``cap * tanh(x / cap)`` (transformers' order: divide, tanh, multiply);
+    ``cap`` 0: x unchanged. Also the output logits' cap (``capped_logits``)."""
+    return x if not cap else jnp.tanh(x / cap) * cap
+
+
+def score_mod(s, variant: Variant):
+    """The kernels' score rule: the scaled scores soft-capped, before the mask and the online softmax."""
+    return soft_cap(s, variant.softcap)
+
+
+def score_mod_slope(s, variant: Variant):
+    """d score_mod / d s at the unmodified scores s, 1 - tanh(s / cap)^2 (dS of the modified scores
+    times this is dS of the scores); no modification: 1."""
+    return 1.0 if not variant.softcap else 1.0 - jnp.square(jnp.tanh(s / variant.softcap))
+
+
+def capped_logits(cfg, logits):
+    """The output logits soft-capped (``final_softcap``; elementwise: any vocab slice)."""
+    return soft_cap(logits, cfg.final_softcap)
+
+
+# ---- the mask rules, and the block mask derived from them ----
+
+
+def mask_mod(qp, kp, causal: bool, qs=None, *, window=None):
+    """Which (query, key) pairs are visible, by absolute positions (broadcast against each other):
+    causal, keys at or before the query; ``qs`` (``--doc-mask``), keys at or after the query's
+    document start; ``window``, keys with ``qp - window < kp`` (a traced 0: no window). Python True
+    where no rule applies."""
+    vis = kp <= qp if causal else True
+    if window is not None:
+        w = jnp.asarray(window, qp.dtype)
+        vis = vis & ((w == 0) | (kp > qp - w))
+    return vis if qs is None else vis & (kp >= qs)
+
+
+def block_needed(qp, kp, kvalid, causal: bool, qs=None, *, window=None):
+    """Scalar: whether a query block (positions ``qp`` [B, bq]) meets a visible key of a K/V block
+    (``kp``, ``kvalid`` [B, bk]), derived from ``mask_mod``'s rules, each a lowest visible key that
+    grows with the query: causal, the block's first key at or before its last query; document starts,
+    its last key at or after the block's first start; a window, its last key inside the first query's
+    window (per query O(window / block) blocks are computed)."""
+    if not causal:
+        return jnp.any(kvalid)
+    imax, imin = jnp.iinfo(kp.dtype).max, jnp.iinfo(kp.dtype).min
+    first_key = jnp.min(jnp.where(kvalid, kp, imax), axis=-1)  # [B]
+    needed = first_key <= jnp.max(qp, axis=-1)
+    last_key = jnp.max(jnp.where(kvalid, kp, imin), axis=-1)
+    if qs is not None:
+        needed = needed & (last_key >= jnp.min(qs, axis=-1))
+    if window is not None:  # padded query rows (position imin) left out of the first query
+        first_query = jnp.min(jnp.where(qp == imin, imax, qp), axis=-1)
+        w = jnp.asarray(window, qp.dtype)  # 0: no window (as in ``mask_mod``)
+        needed = needed & ((w == 0) | (last_key > first_query - w))
+    return jnp.any(needed)
