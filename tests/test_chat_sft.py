@@ -144,3 +144,29 @@ def test_store_batches_carry_the_targets_mask(dirs, tmp_path):
     (tmp_path / "s" / "train.mask").write_bytes(b"\1" * train["tokens"])
     with pytest.raises(DataError, match="train.mask does not match"):
         open_store(tmp_path / "s")
+
+
+def test_eval_reports_the_masked_loss(dirs, tmp_path):
+    """``meshlm eval``'s loss on a chat store: the mean of the per-target losses where the mask is 1
+    (the same stream without its mask gives every target's loss, in order)."""
+    import jax
+
+    from meshlm.data.stream import TokenStream
+    from meshlm.model.config import get_config
+    from meshlm.train.evaluation import evaluate_stream
+    from meshlm.train.step import init_model
+
+    tok = load_template(dirs["chatml"]).tok
+    prepare_chat([CONVERSATIONS], load_template(dirs["chatml"]), tmp_path / "s", seq_len=48)
+    stream = open_store(tmp_path / "s").stream("train")
+    cfg = get_config("tiny-lm").replace(vocab_size=tok.vocab_size)
+    mesh = jax.make_mesh((1, 1), ("dp", "mp"), devices=jax.devices()[:1])
+    params, _ = init_model(cfg, mesh, seed=0)
+    kw = dict(seq_len=16, batch_size=4, keep_per_token=True, progress=False)
+    masked_result = evaluate_stream(cfg, params, mesh, stream, tok, **kw)
+    plain = TokenStream(np.asarray(stream.tokens), vocab_size=tok.vocab_size, eod_id=tok.eod_id)
+    every = evaluate_stream(cfg, params, mesh, plain, tok, **kw).per_token
+    trained = np.asarray(stream.loss_mask, bool)
+    assert masked_result.tokens == int(trained.sum()) < len(every)
+    np.testing.assert_allclose(masked_result.loss, every[trained].mean(), rtol=1e-6)
+    assert abs(masked_result.loss - every.mean()) > 1e-3  # the mask changes the number
