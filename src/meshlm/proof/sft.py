@@ -30,18 +30,20 @@ from meshlm.proof.control_record import Control, Where
 
 def sft_mask(shape: tuple[int, ...], seed: int) -> np.ndarray:
     """uint8 ``shape`` [..., T]: per row one or two spans of 1, every row's count its own (distinct
-    while there are fewer rows than positions), never all ones, never all zeros."""
+    while there are fewer rows than positions), never all ones, never all zeros. The last span ends the
+    row (a packed row's last answer runs to its end): a fault that moves only the latest positions
+    (a kernel's last block) still reaches the loss."""
     rng = np.random.default_rng([seed, 0x5F7])
     rows, t = int(np.prod(shape[:-1])), shape[-1]
     counts = rng.permutation(np.arange(1, t))[:rows] if rows < t else rng.integers(1, t, rows)
     mask = np.zeros((rows, t), np.uint8)
     for row, count in zip(mask, counts, strict=True):
         first = int(rng.integers(1, count + 1)) if count > 1 and rng.random() < 0.5 else int(count)
-        for n in (first, int(count) - first):  # a second turn where the count was split
-            free = np.flatnonzero(row == 0)
-            if n:
-                start = int(rng.integers(0, len(free) - n + 1))
-                row[free[start : start + n]] = 1
+        second = int(count) - first
+        row[t - first :] = 1  # the last turn, to the row's end
+        if second:  # an earlier turn where the count was split, before a gap of at least one
+            start = int(rng.integers(0, t - first - second))
+            row[start : start + second] = 1
     return mask.reshape(shape)
 
 
