@@ -14,6 +14,14 @@ TINY = (
     "--config tiny-lm --steps 2 --batch-size 8 --seq-len 32 --warmup-steps 1 --eval-every 0 "
     "--eval-batches 1 --save-every 1 --sample-tokens 0"
 )
+CHAT_PREPARE = (
+    "meshlm data prepare --chat --tokenizer chat-tokenizer --data examples/chat/conversations.jsonl "
+    "--seq-len 64 --val-fraction 0.2 --out data/chat"
+)
+CHAT_TRAIN = (
+    "meshlm train --data data/chat --tokenizer data/chat/tokenizer.json --config tiny-lm --seq-len 64 "
+    "--out runs/chat-sft"
+)
 MAIN = "meshlm train"  # the main job: its runs/main is read by generate, eval, verify, convert
 OK = "OK: sharded == unsharded"
 # 32 devices in a subprocess: 7 plans of the 7B model, 85 s of CPU; the same plans of a small model here
@@ -178,6 +186,17 @@ COMMANDS: dict[str, Run | Shown] = {
     ),
     WBENCH + "16384 --compare-window 1024 --batch-size 1 --steps 5 --warmup 0 --mesh 1x1": Shown(
         "the same path as the 4096 line (run, on 32 tokens); a step takes minutes at 16384"
+    ),
+    # docs/training.md: chat SFT
+    CHAT_PREPARE: run(),
+    CHAT_TRAIN: run(
+        add="--steps 2 --batch-size 8 --warmup-steps 1 --eval-every 0 --eval-batches 1 --save-every 1 "
+        "--sample-tokens 0",
+        after=(CHAT_PREPARE,),
+    ),
+    "meshlm eval --checkpoint runs/chat-sft --data data/chat": run(after=(CHAT_TRAIN,)),
+    "meshlm verify --objective sft --config tiny-qwen3 --mesh 2x2 --x64": verify(
+        costly="tests/test_chat_sft.py::test_verify_sft_loss_equal_unsharded_and_its_controls_detected"
     ),
     # docs/data.md
     "meshlm data prepare --data 'shards/*.parquet' --text-field content --out data/web": run(),

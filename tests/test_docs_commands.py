@@ -23,6 +23,7 @@ import pytest
 from docs_commands import COMMANDS, Run, Shown
 from docs_extract import ROOT, doc_commands, page_commands
 from helpers import TEXT, run_cli, run_meshlm, write_corpus
+from test_chat_sft import chat_tokenizer_dir
 
 DOCS = doc_commands()
 FIRST = {c.text: c.where for c in reversed(DOCS)}  # the page:line that shows a command first: its test id
@@ -217,6 +218,8 @@ def workspace(tmp_path_factory):
     (root / "corpus/b/two.txt").write_text(TEXT.upper())
     (root / "held_out/x.py").write_text(TEXT[:3000])
     _records(root)
+    shutil.copytree(ROOT / "examples" / "chat", root / "examples" / "chat")  # the chat SFT section's
+    chat_tokenizer_dir(root / "chat-tokenizer", (ROOT / "examples/chat/chatml.jinja").read_text())
     for page in (ROOT / "docs").glob("*.md"):
         shutil.copy(page, root / "docs" / page.name)
     cwd = os.getcwd()

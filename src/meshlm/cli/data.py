@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 from meshlm.cli.common import arg_type, non_negative_int, positive_int
+from meshlm.data.chat import TRAIN_ON
+from meshlm.data.chat_store import OVERLONG
 from meshlm.ranges import Range
 
 VAL_FRACTION = Range(float, 0.0, 1.0, low_open=True, high_open=True)  # data.sources.check_fraction's
@@ -54,6 +56,29 @@ def add_parser(sub) -> None:
         "--workers", type=non_negative_int, default=0, help="tokenizing processes (0: one per CPU)"
     )
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
+    c = t.add_argument_group("chat SFT (--chat: conversations to tokens and a loss mask, packed)")
+    c.add_argument(
+        "--chat",
+        action="store_true",
+        help="--data holds conversations (`messages`, or `prompt` and `completion`); render them with "
+        "--tokenizer DIR's chat template and store a loss mask",
+    )
+    c.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: DIR's own)")
+    c.add_argument(
+        "--train-on",
+        choices=TRAIN_ON,
+        default="assistant",
+        help="the tokens the loss counts: assistant turns (default), all, or the last assistant turn",
+    )
+    c.add_argument(
+        "--seq-len", type=positive_int, default=None, help="--chat: tokens per packed row (train's --seq-len)"
+    )
+    c.add_argument(
+        "--overlong",
+        choices=OVERLONG,
+        default="drop",
+        help="--chat: a conversation longer than a row is dropped (default) or truncated; both counted",
+    )
     t.set_defaults(fn=run)
 
 
@@ -67,6 +92,8 @@ def run(args) -> int:
     # store is not "interrupted" nor its lock "not empty": its owner is named.
     check_free(Path(args.out))
     check_out(args.out, ignore=(LOCK_FILE,))
+    if args.chat:
+        return run_chat(args)
     tok = load_tokenizer(args.tokenizer)
     plan(args.data, args.val_fraction, args.max_bytes, args.text_field)
     t0 = time.perf_counter()
@@ -120,4 +147,58 @@ def run(args) -> int:
         )
         if index["skipped_rows"]:
             print(Skipped(index["skipped_rows"]).describe(args.text_field), file=sys.stderr)
+    return 0
+
+
+def run_chat(args) -> int:
+    """``data prepare --chat``: bad input (tokenizer, template, --seq-len, files) fails before work."""
+    from meshlm.data.chat_store import load_template, prepare_chat
+    from meshlm.errors import DataError
+    from meshlm.io.run_lock import lock_new_dir
+
+    if args.seq_len is None:
+        raise DataError(
+            "--chat packs conversations into rows: pass --seq-len (the --seq-len you will train with)"
+        )
+    if not args.data:
+        raise DataError("--chat needs --data: JSONL or Parquet files of conversations")
+    missing = [p for p in args.data if not Path(p).is_file()]
+    if missing:
+        raise DataError(f"--data {missing[0]}: no such file; --chat takes conversation files")
+    template = load_template(args.tokenizer, args.chat_template)
+    t0 = time.perf_counter()
+    made = not Path(args.out).exists()
+    lock = lock_new_dir(Path(args.out), multi_process=False)
+    try:
+        index = prepare_chat(
+            args.data,
+            template,
+            Path(args.out),
+            seq_len=args.seq_len,
+            train_on=args.train_on,
+            val_fraction=args.val_fraction,
+            overlong=args.overlong,
+        )
+    except Exception:
+        lock.release()
+        if made:
+            import shutil
+
+            shutil.rmtree(args.out, ignore_errors=True)
+        raise
+    lock.release()
+    keys = ("conversations", "dropped", "truncated", "tokens", "masked_tokens")
+    summary = {"out": args.out, **{f"{s}_{k}": index["splits"][s][k] for s in ("train", "val") for k in keys}}
+    summary["seconds"] = round(time.perf_counter() - t0, 2)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        tr = {k: summary[f"train_{k}"] for k in keys}
+        print(
+            f"prepared {tr['conversations']} + {summary['val_conversations']} conversations "
+            f"({tr['tokens']:,} train tokens in rows of {args.seq_len + 1}, {tr['masked_tokens']:,} trained "
+            f"on: {args.train_on}); dropped {tr['dropped'] + summary['val_dropped']}, truncated "
+            f"{tr['truncated'] + summary['val_truncated']} longer than a row ({args.overlong}): {args.out}",
+            file=sys.stderr,
+        )
     return 0

@@ -190,6 +190,15 @@ def _verify(args, vs: VerifySettings, planned) -> int:
     problem = model_problem(cfg, name, layout, batch, seq_len, vs.seed)
     if vs.checkpoint:
         problem = dataclasses.replace(problem, load_params=lambda m: load_model(vs.checkpoint, m)[1])
+    controls = {}
+    if vs.objective == "sft":  # the chat SFT loss: a loss mask on the batch, and its controls
+        from meshlm.proof.controls import CONTROLS
+        from meshlm.proof.cp_controls import CP_CONTROLS
+        from meshlm.proof.ep_controls import EP_CONTROLS
+        from meshlm.proof.sft import SFT_CONTROLS, sft_problem
+
+        problem = sft_problem(problem)
+        controls = {"controls": CONTROLS + CP_CONTROLS + EP_CONTROLS + SFT_CONTROLS}
     dtype = jnp.float64 if vs.x64 else jnp.float32
     report = verify(
         problem,
@@ -200,6 +209,7 @@ def _verify(args, vs: VerifySettings, planned) -> int:
         collectives=vs.collectives,
         data_steps=DATA_STEPS,
         allow_routing_flips=vs.allow_routing_flips,
+        **controls,
     )
     print0(json.dumps(report.to_json()) if args.json else format_report(report))
     return 0 if report.ok else 1

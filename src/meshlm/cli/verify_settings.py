@@ -81,6 +81,12 @@ class VerifySettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: t
         "prove document masking on EOD-rich batches (EOD: a checkpoint's tokenizer's, else the byte "
         "tokenizer's 0), with its controls",
     )
+    objective: str = setting(
+        "lm",
+        "the loss to prove: lm (every target) or sft (a chat loss mask of unequal counts per row, shard "
+        "and micro-batch: sum(mask x loss) / sum(mask) over the global batch), with its controls",
+        choices=("lm", "sft"),
+    )
     remat: str | None = setting(
         None, "prove with this recomputation policy", shown_default="the config's", choices=REMAT
     )

@@ -27,7 +27,8 @@ def _rows(batcher: Batcher, step: int, rows: slice, total: int, accum: int, cach
 
 
 def device_batch(batcher: Batcher, step: int, layout, accum: int) -> dict:
-    """{"inputs", "targets"}: global [B, T] (or [A, B/A, T] with accumulation), rows over DP."""
+    """{"inputs", "targets"} (and a chat store's "loss_mask"): global [B, T] (or [A, B/A, T] with
+    accumulation), rows over DP."""
     total = batcher.global_batch // accum
     shape = (total, batcher.seq_len) if accum == 1 else (accum, total, batcher.seq_len)
     sharding = batch_sharding(layout, accum)
@@ -41,7 +42,7 @@ def device_batch(batcher: Batcher, step: int, layout, accum: int) -> dict:
 
         return jax.make_array_from_callback(shape, sharding, cb)
 
-    return {k: make(k) for k in ("inputs", "targets")}
+    return {k: make(k) for k in batcher.keys}
 
 
 def eval_arrays(batches: list[dict], layout) -> list[dict]:

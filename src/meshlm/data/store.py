@@ -108,10 +108,16 @@ class StoredStream(TokenStream):
     """One split of a store, memory-mapped read-only: a batch reads only its windows' pages, so resident
     memory does not grow with the corpus. Counts come from the index, never from a scan."""
 
-    def __init__(self, *, path: Path, split: dict, dtype: np.dtype, tokenizer: dict):
+    def __init__(self, *, path: Path, split: dict, dtype: np.dtype, tokenizer: dict, row_len: int = 0):
         count = int(split["tokens"])
         mapped = np.memmap(path, dtype=dtype, mode="r", shape=(count,)) if count else np.zeros(0, dtype)
         self.tokens = mapped  # [count] token ids, never copied
+        if "mask_file" in split:  # a chat store (``data.chat_store``): packed rows and their loss mask
+            mask = path.parent / split["mask_file"]
+            self.loss_mask = (
+                np.memmap(mask, np.uint8, mode="r", shape=(count,)) if count else np.zeros(0, np.uint8)
+            )
+            self.row_len = row_len
         self.vocab_size, self.eod_id = int(tokenizer["vocab_size"]), int(tokenizer["eod_id"])
         self.files = tuple(Path(d["path"]) for d in split["documents"])
         self.text_bytes = int(split["bytes"])
@@ -136,8 +142,13 @@ class TokenStore:
     def stream(self, split: str) -> StoredStream:
         entry = self.index["splits"][split]
         dtype = np.dtype(self.index["dtype"])
+        row_len = int(self.index.get("chat", {}).get("row_tokens", 0))
         return StoredStream(
-            path=self.directory / entry["file"], split=entry, dtype=dtype, tokenizer=self.tokenizer
+            path=self.directory / entry["file"],
+            split=entry,
+            dtype=dtype,
+            tokenizer=self.tokenizer,
+            row_len=row_len,
         )
 
     def check_tokenizer(self, tok: Tokenizer) -> None:
@@ -218,6 +229,12 @@ def _check_split(directory: Path, name: str, entry: dict, itemsize: int) -> None
         )
     if file_crc32(path) != entry["crc32"]:
         raise _damaged(directory, f"{path.name} does not match its CRC-32 in {INDEX}")
+    if "mask_file" in entry:  # a chat store's loss mask: one byte per token
+        mask = directory / entry["mask_file"]
+        if Path(entry["mask_file"]).name != entry["mask_file"] or not mask.is_file():
+            raise _damaged(directory, f"the {name} loss-mask file {entry['mask_file']!r} is missing")
+        if mask.stat().st_size != int(entry["tokens"]) or file_crc32(mask) != entry["mask_crc32"]:
+            raise _damaged(directory, f"{mask.name} does not match its size or CRC-32 in {INDEX}")
 
 
 def open_store(path: str | os.PathLike) -> TokenStore:

@@ -54,10 +54,16 @@ def note_invalid_utf8(docs: Sequence[bytes], texts: Sequence[str], tokenizer: To
 class TokenStream:
     """The tokens of one split: each document followed by EOD, served as int32.
 
+    A chat store's stream (``data.chat_store``) also has ``loss_mask`` (uint8, one per token) and
+    ``row_len``: its tokens are packed rows of that many, and batches take whole rows.
+
     Stored in the smallest dtype of the vocabulary (``token_dtype``: uint8 for bytes, uint16 when it
     fits, else uint32). ``text_bytes``: UTF-8 bytes of the text it holds, each EOD counted as one
     (default: one per token, as for bytes).
     """
+
+    loss_mask: np.ndarray | None = None  # [len] 1 where a token is trained on (chat stores only)
+    row_len: int = 0  # packed rows of this many tokens (chat stores); 0: windows at any offset
 
     def __init__(
         self,
@@ -150,13 +156,30 @@ class Batcher:
         if seed < 0:
             raise DataError(f"seed must be >= 0 (numpy seeds are non-negative), got {seed}")
         n = len(self.stream)
-        if seq_len >= n - 1:
+        if self.stream.row_len and n < self.stream.row_len:
+            raise DataError(
+                "this split of the chat store has no packed row; prepare it from more conversations"
+            )
+        if seq_len >= n - 1 and not self.stream.row_len:
             raise DataError(
                 f"seq_len={seq_len} needs at least {seq_len + 2} tokens but this split has {n};"
                 " use a shorter seq_len or more data (for validation: a larger val_fraction)"
             )
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self._num_offsets = n - seq_len  # offsets 0 .. n-seq_len-1: a window needs seq_len+1
+        row = self.stream.row_len
+        if row and seq_len != row - 1:
+            raise DataError(
+                f"this chat store packs rows of seq_len={row - 1} tokens (`data prepare --chat --seq-len`); "
+                f"train with --seq-len {row - 1}, or prepare the store again with --seq-len {seq_len}"
+            )
+        if row:  # whole rows only: offsets are multiples of the row length
+            self._num_offsets = n // row
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The batch's entries: inputs and targets, and a chat store's loss_mask (of the targets)."""
+        return ("inputs", "targets") + (() if self.stream.loss_mask is None else ("loss_mask",))
 
     def offsets(self, step: int) -> np.ndarray:
         """Start offsets of all global rows of ``step`` (cheap: B integers)."""
@@ -165,7 +188,8 @@ class Batcher:
         return self._draw(np.random.default_rng([self.seed, step]))
 
     def _draw(self, rng: np.random.Generator) -> np.ndarray:
-        return rng.integers(0, self._num_offsets, size=self.global_batch, dtype=np.int64)
+        drawn = rng.integers(0, self._num_offsets, size=self.global_batch, dtype=np.int64)
+        return drawn * self.stream.row_len if self.stream.row_len else drawn
 
     def _rows(self, shard: int, num_shards: int) -> slice:
         if num_shards < 1 or not 0 <= shard < num_shards:
@@ -181,10 +205,14 @@ class Batcher:
 
     def _make(self, offsets: np.ndarray) -> dict[str, np.ndarray]:
         window = self.stream.windows(offsets, self.seq_len + 1)
-        return {
+        out = {
             "inputs": np.ascontiguousarray(window[:, :-1]),
             "targets": np.ascontiguousarray(window[:, 1:]),
         }
+        if self.stream.loss_mask is not None:  # the targets' mask: token t + 1 is row t's target
+            at = np.asarray(offsets, np.int64)[:, None] + np.arange(1, self.seq_len + 1)
+            out["loss_mask"] = np.ascontiguousarray(self.stream.loss_mask[at])
+        return out
 
     def batch(self, step: int, *, shard: int = 0, num_shards: int = 1) -> dict[str, np.ndarray]:
         """{"inputs", "targets"}: int32[global_batch // num_shards, seq_len], rows of ``shard``.

@@ -8,6 +8,7 @@ import haiku as hk
 import jax.numpy as jnp
 
 from meshlm.errors import ConfigError
+from meshlm.model import masked
 from meshlm.model.config import ModelConfig
 from meshlm.model.layers import mask_vocab_padding, vocab_parallel_xent
 from meshlm.model.memory import parallel_getter
@@ -69,12 +70,18 @@ def layers_fn(cfg: ModelConfig, par: Parallel, stats: bool | None = None):
 
 def head_loss_fn(cfg: ModelConfig, par: Parallel):
     """(hidden [B, T, D], targets [B, T]) -> the mean loss over this shard's rows (with cp: over this
-    shard's chunks of them, ``par.seq_local`` of the whole rows' targets)."""
+    shard's chunks of them, ``par.seq_local`` of the whole rows' targets). ``targets`` may be
+    {"targets", "weights"}: the SFT loss's step-normalized weights of them (``model.masked``)."""
 
     def head_loss(y, targets):
+        weights = None
+        if isinstance(targets, dict):
+            targets, weights = targets["targets"], par.seq_local(targets[masked.WEIGHTS])
         with hk.custom_getter(parallel_getter(par)):
             embed = _embed(cfg, par) if cfg.tie_embeddings else None  # a tied head reads the table
             logits = mask_vocab_padding(par, par.seq_out(_head_logits(cfg, par, y, embed)), cfg.vocab_size)
-        return jnp.mean(vocab_parallel_xent(par, logits, par.seq_local(targets), cfg.z_loss))
+        return masked.token_mean(
+            vocab_parallel_xent(par, logits, par.seq_local(targets), cfg.z_loss), weights
+        )
 
     return head_loss

@@ -18,6 +18,7 @@ import numpy as np
 from jax import lax
 
 from meshlm.errors import ConfigError
+from meshlm.model import masked
 from meshlm.model.attention import Attention, doc_starts
 from meshlm.model.attention_variants import capped_logits
 from meshlm.model.config import ModelConfig
@@ -235,7 +236,8 @@ def embed_scale(d_model: int) -> np.float32:
 
 
 def loss_fn(cfg: ModelConfig, par: Parallel, routing: bool = False):
-    """A Haiku function: batch {"inputs", "targets": [B, T]} -> mean loss over the global batch; with
+    """A Haiku function: batch {"inputs", "targets": [B, T]} -> mean loss over the global batch (with
+    "weights" [B, T]: of the weighted losses, ``model.masked``: the SFT loss); with
     ``routing`` (a mixture of experts) -> (that loss, the routing statistics of the whole global batch
     [L, 2E + 3], ``model.moe``: the train step's metrics, outside the gradient)."""
 
@@ -244,7 +246,8 @@ def loss_fn(cfg: ModelConfig, par: Parallel, routing: bool = False):
         logits = mask_vocab_padding(par, par.seq_out(logits), cfg.vocab_size)  # padded ids never chosen
         targets = par.seq_local(batch["targets"])
         per_token = vocab_parallel_xent(par, logits, targets, cfg.z_loss)  # [B, T] (with cp: [B, T/cp])
-        loss = jnp.mean(per_token)
+        weights = par.seq_local(batch[masked.WEIGHTS]) if masked.WEIGHTS in batch else None  # SFT
+        loss = masked.token_mean(per_token, weights)
         summed = par.moe_sum(stats) if stats is not None and (routing or moe_losses(cfg)) else None
         if summed is not None and moe_losses(cfg):  # of the whole global batch's statistics
             loss = loss + aux_loss(cfg, summed).astype(loss.dtype)

@@ -17,6 +17,7 @@ from meshlm.parallel.placement import batch_sharding, put_global, to_host
 from meshlm.proof.controls import per_shard_clip
 from meshlm.proof.problem import Problem
 from meshlm.proof.reference import CheckedProgram, reference_optimizer, reference_step
+from meshlm.proof.sft import proof_batch
 from meshlm.sharding.rules import init_sharded
 from meshlm.sharding.spmd import reference_value_and_grad
 from meshlm.sharding.strategy import strategy
@@ -48,7 +49,8 @@ class Runs:
         host = problem.to_reference(jax.tree.map(to_host, self.params))
         self.ref_params = jax.device_put(host, self.device)
         self.ref_loss = problem.reference_loss or problem.build_loss
-        self.batch = put_batch(problem.batch, layout, False)  # the global batch on the mesh
+        self.host_batch = proof_batch(problem.batch)  # an SFT mask normalized over the batch (``proof.sft``)
+        self.batch = put_batch(self.host_batch, layout, False)  # the global batch on the mesh
         self.checked: list[CheckedProgram] = []  # the programs that computed the reference's values
 
     def value_and_grad(self, build_loss, par_cls=Parallel, pipe_cls=None, cfg=None):
@@ -82,7 +84,7 @@ class Runs:
     def reference_program(self):
         """(function, arguments) of the reference: the unsharded loss and gradients on one device."""
         fn = reference_value_and_grad(self.ref_loss)
-        return fn, (self.ref_params, jax.device_put(self.problem.batch, self.device))
+        return fn, (self.ref_params, jax.device_put(self.host_batch, self.device))
 
     def reference_grads(self):
         """The unsharded loss and gradients (computed once: every control compares against them), by

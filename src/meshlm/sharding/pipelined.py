@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from meshlm.errors import ConfigError
 from meshlm.model.attention import doc_starts
 from meshlm.model.config import ModelConfig
+from meshlm.model.masked import WEIGHTS
 from meshlm.model.moe import aux_loss, moe_losses
 from meshlm.model.params import STACKED_PREFIX
 from meshlm.model.pieces import embed_fn, head_loss_fn, layers_fn
@@ -118,6 +119,8 @@ def pipelined_value_and_grad(
         # whole rows and passed with each micro-batch to every stage (positions stay the global ones)
         aux = {} if cfg.doc_mask < 0 else {"aux": doc_starts(batch["inputs"], cfg.doc_mask)}
         inputs, targets = batch["inputs"], batch["targets"]
+        if WEIGHTS in batch:  # the SFT loss: each micro-batch's targets with their weights
+            targets = {"targets": targets, WEIGHTS: batch[WEIGHTS]}
         loss, (g_layers, g_embed, g_head) = step(layers, inputs, targets, head, embed, **aux)
         if tied:  # the tied table's gradient: the first stage's lookup's plus the last stage's head's
             g_embed = jax.tree.map(jnp.add, g_embed, {k: g_head.pop(k) for k in embed})

@@ -109,6 +109,17 @@ def windows(tokens: np.ndarray, eod_id: int, seq_len: int, batch: int) -> Iterat
         yield {"inputs": inputs, "targets": targets, "mask": mask}
 
 
+def _target_mask(trained: np.ndarray, valid: np.ndarray, seq_len: int, batch: int, first_window: int):
+    """bool [batch, T]: the loss mask of the windows' targets (``windows``: window k's targets are
+    tokens [k T, k T + T)); ``valid`` marks the targets that exist."""
+    out = np.zeros_like(valid)
+    for row in range(batch):
+        lo = (first_window + row) * seq_len
+        got = np.asarray(trained[lo : lo + seq_len], bool)
+        out[row, : len(got)] = got
+    return out
+
+
 def check_shape(seq_len: int, batch_size: int, cfg: ModelConfig, layout: Layout) -> None:
     if seq_len > cfg.max_seq_len and cfg.arch.attention:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}; lower it")
@@ -140,15 +151,25 @@ def evaluate_stream(
     total, n_bytes, kept = 0.0, 0, []
     count = -(-n // seq_len)
     bar = _bar(count, progress)
+    # A chat store's loss mask (``data.chat_store``): the loss is sum(mask x loss) / sum(mask), over the
+    # targets it trains on only (the windows' targets are the stream's tokens, so is its mask)
+    trained = stream.loss_mask
+    if trained is not None:
+        n = int(np.count_nonzero(trained))
+        if not n:
+            raise ConfigError("the chat store's evaluation split has no trained-on token (loss mask all 0)")
     with bar:
-        for b in windows(stream.tokens, stream.eod_id, seq_len, batch_size):
+        for i, b in enumerate(windows(stream.tokens, stream.eod_id, seq_len, batch_size)):
             placed = {k: put_global(b[k], sharding) for k in ("inputs", "targets")}
+            valid = b["mask"]
+            if trained is not None:
+                b = {**b, "mask": valid & _target_mask(trained, valid, seq_len, batch_size, i * batch_size)}
             losses = to_host(fn(params, placed)).astype(np.float64)[b["mask"]]
             total += float(losses.sum())
             n_bytes += int(token_bytes[b["targets"][b["mask"]]].sum())
             if keep_per_token:
                 kept.append(losses)
-            bar.update(int(b["mask"].any(axis=1).sum()))
+            bar.update(int(valid.any(axis=1).sum()))
     per_token = np.concatenate(kept) if keep_per_token else None
     return EvalResult(
         tokens=n, bytes=n_bytes, loss=total / n, windows=count, seq_len=seq_len, per_token=per_token

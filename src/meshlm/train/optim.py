@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from meshlm.model.masked import loss_weights
 from meshlm.model.params import decays, flat_params, unflatten
 
 
@@ -92,6 +93,7 @@ def make_step(grad_fn, optimizer: optax.GradientTransformation, ocfg: OptimConfi
     clip_fn = clip_fn or (lambda g: clip_by_global_norm(g, ocfg.clip_norm))
 
     def step(params, opt_state, batch, healthy=None):
+        batch = loss_weights(batch)  # the SFT mask, normalized over the whole step (every micro-batch)
         loss, grads = accumulate(grad_fn, params, batch, ocfg.accum_steps)
         loss, aux = loss if isinstance(loss, tuple) else (loss, None)
         grads, grad_norm = clip_fn(grads)

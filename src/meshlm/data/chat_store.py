@@ -1,0 +1,184 @@
+"""``meshlm data prepare --chat``: conversations to a packed token store with a loss mask.
+
+Each record (JSONL, .jsonl.gz/.zst, Parquet or Arrow: ``messages``, or ``prompt`` and ``completion``)
+is rendered with the chat template (``meshlm.data.chat``) into ids and a 0/1 loss mask, then ended by
+the tokenizer's EOD (mask 0). Conversations are packed in order into rows of ``seq_len + 1`` tokens (a
+row's inputs are its first ``seq_len``, its targets its last ``seq_len``): one goes into the current row
+if it fits, else starts the next; a row's unused tail is EOD with mask 0 (with ``--doc-mask EOD`` the
+attention stays inside each conversation). A conversation longer than a row is dropped
+(``overlong="drop"``, the default: a cut answer teaches the model to stop mid-sentence) or cut to its
+first ``seq_len + 1`` tokens (``"truncate"``; one whose cut keeps no trained token is dropped); both
+are counted in the index and the summary. Rows split into train and validation by the sha1 of each
+record (``records.row_is_val``), as ``data prepare`` splits one record file.
+
+The store is a token store (``meshlm.data.store``) with, per split, a mask file (``train.mask``,
+``val.mask``: one uint8 per token, CRC-32 in the index) and an index entry ``chat`` ({seq_len,
+row_tokens, train_on, template_sha256, conversations, dropped, truncated, masked_tokens}).
+
+This module must not import jax: it runs before the CLI has chosen the devices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from meshlm.data.chat import ChatTemplate, conversation, template_source
+from meshlm.data.records import ARROW_SUFFIXES, JSONL_SUFFIXES, _jsonl_stream, row_is_val
+from meshlm.data.store import (
+    FORMAT,
+    SPLITS,
+    TOKENIZER_JSON,
+    store_dtype,
+    tokenizer_entry,
+    write_index,
+    write_marker,
+)
+from meshlm.data.tokenizer import load_tokenizer
+from meshlm.errors import DataError
+
+OVERLONG = ("drop", "truncate")
+
+
+def read_records(path: Path):
+    """(where, row dict) of each record of a JSONL or Parquet/Arrow file."""
+    name = path.name.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        with open(path, "rb") as raw, _jsonl_stream(path, raw) as lines:
+            for lineno, line in enumerate(lines, 1):
+                if line.strip():
+                    try:
+                        yield f"{path} line {lineno}", json.loads(line)
+                    except ValueError as e:
+                        raise DataError(f"{path} line {lineno} is not JSON ({e}); fix it") from None
+    elif name.endswith(ARROW_SUFFIXES):
+        import pyarrow.parquet as pq
+
+        for i, row in enumerate(pq.read_table(path).to_pylist()):
+            yield f"{path} row {i}", row
+    else:
+        raise DataError(f"--chat reads .jsonl(.gz/.zst), .parquet or .arrow conversations, not {path}")
+
+
+class Packer:
+    """Conversations packed into rows of ``row`` tokens (see the module doc), for one split."""
+
+    def __init__(self, row: int, eod: int, overlong: str):
+        self.row, self.eod, self.overlong = row, eod, overlong
+        self.rows: list[tuple[np.ndarray, np.ndarray]] = []
+        self.ids, self.mask = [], []  # the row being filled
+        self.conversations = self.dropped = self.truncated = 0
+
+    def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        ids, mask = np.append(ids, self.eod), np.append(mask, 0).astype(np.uint8)
+        if len(ids) > self.row:
+            if self.overlong == "drop" or not mask[: self.row].any():
+                self.dropped += 1
+                return
+            ids, mask = ids[: self.row], mask[: self.row]
+            self.truncated += 1
+        if sum(map(len, self.ids)) + len(ids) > self.row:
+            self.flush()
+        self.ids.append(ids)
+        self.mask.append(mask)
+        self.conversations += 1
+
+    def flush(self) -> None:
+        if not self.ids:
+            return
+        ids, mask = np.concatenate(self.ids), np.concatenate(self.mask)
+        pad = self.row - len(ids)
+        self.rows.append((np.pad(ids, (0, pad), constant_values=self.eod), np.pad(mask, (0, pad))))
+        self.ids, self.mask = [], []
+
+
+def _write_split(out: Path, name: str, packer: Packer, dtype: np.dtype) -> dict:
+    packer.flush()
+    ids = np.concatenate([r[0] for r in packer.rows]) if packer.rows else np.zeros(0, np.int64)
+    mask = np.concatenate([r[1] for r in packer.rows]) if packer.rows else np.zeros(0, np.uint8)
+    data, mdata = ids.astype(dtype).tobytes(), mask.astype(np.uint8).tobytes()
+    (out / f"{name}.tokens").write_bytes(data)
+    (out / f"{name}.mask").write_bytes(mdata)
+    return {
+        "file": f"{name}.tokens",
+        "tokens": len(ids),
+        "bytes": len(ids),  # no text bytes: a chat store's bits per byte are not reported
+        "crc32": f"{zlib.crc32(data):08x}",
+        "mask_file": f"{name}.mask",
+        "mask_crc32": f"{zlib.crc32(mdata):08x}",
+        "masked_tokens": int(mask.sum()),
+        "documents": [
+            {"path": "conversations", "tokens": len(ids), "bytes": len(ids), "rows": len(packer.rows)}
+        ],
+        "conversations": packer.conversations,
+        "dropped": packer.dropped,
+        "truncated": packer.truncated,
+    }
+
+
+def load_template(tokenizer_dir: str | Path, template_file=None) -> ChatTemplate:
+    """``tokenizer_dir``'s chat template (or ``template_file``) on its tokenizer (bad input fails here)."""
+    tok = load_tokenizer(tokenizer_dir)
+    if tok.kind != "hf":
+        raise DataError("--chat needs a Hugging Face tokenizer directory (tokenizer.json), not bytes")
+    text, specials = template_source(Path(tokenizer_dir), template_file)
+    return ChatTemplate(text, tok, specials)
+
+
+def prepare_chat(
+    paths,
+    template: ChatTemplate,
+    out: Path,
+    *,
+    seq_len: int,
+    train_on="assistant",
+    val_fraction=0.05,
+    overlong="drop",
+) -> dict:
+    """Write the chat store into the (new or empty) directory ``out``; returns the index."""
+    if overlong not in OVERLONG:
+        raise DataError(f"--overlong {overlong!r}: choose one of {', '.join(OVERLONG)}")
+    tok = template.tok
+    out.mkdir(parents=True, exist_ok=True)
+    write_marker(out)
+    (out / TOKENIZER_JSON).write_text(tok.to_json(), encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": tok.eod_token}) + "\n", encoding="utf-8"
+    )
+    packers = {name: Packer(seq_len + 1, tok.eod_id, overlong) for name in SPLITS}
+    for path in map(Path, paths):
+        for where, row in read_records(path):
+            ids, mask = template.encode(conversation(row, where), train_on)
+            key = json.dumps(row, sort_keys=True).encode("utf-8")
+            packers["val" if row_is_val(key, val_fraction) else "train"].add(ids, mask)
+    dtype = store_dtype(tok.vocab_size)
+    splits = {name: _write_split(out, name, packers[name], dtype) for name in SPLITS}
+    if not splits["train"]["masked_tokens"]:
+        raise DataError(
+            f"--data {' '.join(map(str, paths))}: no conversation left to train on (see --overlong)"
+        )
+    index = {
+        "format": FORMAT,
+        "tokenizer": tokenizer_entry(tok),
+        "dtype": dtype.str,
+        "source": f"{', '.join(map(str, paths))} (conversations)",
+        "split": f"by record (sha1), about {val_fraction:.0%} validation",
+        "val_fraction": val_fraction,
+        "max_bytes": None,
+        "text_field": "messages",
+        "skipped_rows": {},
+        "splits": splits,
+        "chat": {
+            "seq_len": seq_len,
+            "row_tokens": seq_len + 1,
+            "train_on": train_on,
+            "overlong": overlong,
+            "template_sha256": hashlib.sha256(template.text.encode("utf-8")).hexdigest(),
+        },
+    }
+    write_index(out, index)
+    return index
