@@ -196,9 +196,7 @@ def test_verify_sft_loss_equal_unsharded_and_its_controls_detected(layout):
     lay = Layout(**layout)
     cfg = get_config("tiny-llama")
     rows = 2 * lay.dp * lay.pipeline_microbatches
-    problem = sft_problem(
-        model_problem(cfg, "tiny-llama", lay.mp, rows, 16, dp=lay.dp, fsdp=lay.fsdp, sp=lay.sp, pp=lay.pp)
-    )
+    problem = sft_problem(model_problem(cfg, "tiny-llama", lay, rows, 16))
     counts = problem.batch["loss_mask"].sum(axis=1)
     assert len(set(counts.tolist())) == rows and 0 < counts.min() and counts.max() < 16
     assert sft_mask((3, 16), 0).tolist() == sft_mask((3, 16), 0).tolist()

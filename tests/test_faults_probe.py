@@ -235,7 +235,7 @@ def test_a_signal_during_startup_is_one_line_and_128_plus_signal(corpus, tmp_pat
         proc.wait()
     name, text = signal.Signals(sig).name, err.read_text()
     # The run's own report lines (data, model and mesh, the progress bar) are not messages about the signal.
-    report = ("data: ", "model: ", "train:")
+    report = ("data: ", "model: ", "train:", "starting a fresh run in ")
     lines = [line for line in text.splitlines() if line.strip() and not line.startswith(report)]
     assert proc.returncode == 128 + sig, text[-3000:]  # not 139 (a segfault), not 0 (a run that went on)
     assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
@@ -308,7 +308,8 @@ def test_a_full_disk_is_one_line_then_and_on_the_rerun(corpus, tmp_path):
         rc = int((tmp_path / "logs" / f"{run}.rc").read_text())
         assert rc == 2 and lines[-1].startswith(f"meshlm: error: {says}"), err[-3000:]
         assert "no space left on device" in lines[-1].lower() and "free space" in lines[-1], lines[-1]
-        noise = [line for line in lines[:-1] if not line.startswith(("step 0: val_loss", "model: "))]
+        report = ("step 0: val_loss", "model: ", "starting a fresh run in ")  # the run's own report lines
+        noise = [line for line in lines[:-1] if not line.startswith(report)]
         assert not noise and "Traceback" not in err, err[-3000:]
 
 
@@ -322,7 +323,7 @@ def test_disk_full_while_writing_metrics_is_one_line(corpus, tmp_path, capsys, m
     err = [
         line
         for line in capsys.readouterr().err.splitlines()
-        if line.strip() and not line.startswith(("data", "model: "))
+        if line.strip() and not line.startswith(("data", "model: ", "starting a fresh run in "))
     ]
     assert code == 2 and err[-1].startswith("meshlm: error: no space left on device writing the/file"), err
     assert len([line for line in err if not line.startswith("train:")]) == 1, err

@@ -96,8 +96,18 @@ def test_canary_in_layer_code_fails_verify_when_sharded(monkeypatch, dp, mp, cau
 # ---------------------------------------------------------------- 2. controls that can fail
 
 
+class _Silent(Parallel):
+    """Changes the program (one more multiply) but not a value: traced, it is not inert (``inertness``)."""
+
+    def row_out(self, partial, bias=None):
+        return super().row_out(partial, bias) * 1.0
+
+
 def test_a_no_op_control_is_not_detected_and_fails_the_proof():
-    noop = Control(name="no-op", applies=lambda w: True, par_cls=Parallel)
+    """A control that changes no value: before any run the prover calls a plant that reaches no code a
+    prover bug (tests/test_every_control.py); one that changes the program but no value runs, is not
+    detected, and fails the proof."""
+    noop = Control(name="no-op", applies=lambda w: True, par_cls=_Silent)
     report = _verify("tiny-llama", 2, 2, controls=(noop,))
     (c,) = report.controls
     assert {k: c[k] for k in ("name", "detected", "how")} == {

@@ -1,8 +1,8 @@
 """No inert control: each control that claims to apply must change the program it plants into.
 
 A control whose ``applies`` names a configuration its fault cannot reach (the plant replaces a function
-that configuration never calls: the plain softmax's soft-cap order under the cp ring, which runs the
-blockwise kernel) changes nothing, is "not detected", and fails a correct model's proof. So before any
+that configuration never calls: a plain-softmax fault under the cp ring, which runs the blockwise
+kernel) changes nothing, is "not detected", and fails a correct model's proof. So before any
 run, ``verify`` traces (``jit(...).trace``: no compile, no execution) each chosen control's sharded
 program, planted, beside the same kind of program unplanted, and requires them to differ: in the jaxpr's
 text (its equations, collectives and shapes), in the constants and literals the text does not show, or
