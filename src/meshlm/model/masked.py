@@ -8,9 +8,6 @@ per pipeline micro-batch, over accumulation micro-batches -- is over equal token
 computes mean(weights · loss) of the whole step: exactly Σ(mask · loss) / Σ mask, under every mesh.
 Dividing by each micro-batch's or shard's own count instead (``token_mean`` with ``per_part``) is a
 different objective wherever counts differ; the proof plants it (``proof.sft``).
-
-A later objective that needs per-sequence sums of completion log-probs (DPO) takes the same mask and
-``row_sums``: the per-token values come from the same ``vocab_parallel_xent``.
 """
 
 from __future__ import annotations
@@ -39,8 +36,3 @@ def token_mean(per_token, weights=None):
     if weights is None:
         return jnp.mean(per_token)
     return jnp.mean(per_token * weights.astype(per_token.dtype))
-
-
-def row_sums(per_token, mask):
-    """Per-row sums [B] of a per-token value [B, T] where ``mask`` is 1 (a sequence's completion)."""
-    return jnp.sum(per_token * mask.astype(per_token.dtype), axis=-1)
