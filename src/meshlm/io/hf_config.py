@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshlm.errors import ConfigError
+from meshlm.model.attention_variants import EXPORTED_AS
 from meshlm.model.config import ModelConfig
 from meshlm.model.families import FAMILIES, by_model_type
 from meshlm.model.families.hf_fields import DROPOUT, field, flag, unsupported
@@ -74,8 +75,6 @@ def _check_exportable(cfg: ModelConfig) -> None:
     cfg.arch.hf.check_export(cfg)
 
 
-SOFTCAP_FINAL = "final_logit_softcapping"  # Gemma 2's config.json field
-
 # Training-only losses that no transformers config holds (MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 # and OlmoeConfig have router_aux_loss_coef, no z-loss field): the logits do not depend on them, so an
 # export drops them and says so, as the lost part of the training recipe, not of the model.
@@ -121,10 +120,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             f"sliding_window={cfg.sliding_window}: transformers' {cfg.family} has no sliding window "
             "(mistral has); set sliding_window=0 to export"
         )
-    for ours, theirs in (("attn_softcap", "attn_logit_softcapping"), ("final_softcap", SOFTCAP_FINAL)):
+    for ours, (theirs, what) in EXPORTED_AS.items():  # the attention variant's score rules
         if getattr(cfg, ours) and theirs not in fields:
-            raise ConfigError(
-                f"{ours}={getattr(cfg, ours)}: transformers' {cfg.family} has no soft-capping; set {ours}=0 "
-                "to export"
-            )
+            value, family = getattr(cfg, ours), cfg.family
+            raise ConfigError(f"{ours}={value}: transformers' {family} has no {what}; set {ours}=0 to export")
     return {**common, **fields}

@@ -154,6 +154,14 @@ def capped_logits(cfg, logits):
     return soft_cap(logits, cfg.final_softcap)
 
 
+# The score rules' config fields, their transformers config.json names (Gemma 2's) and what they are: an
+# export to a family whose config.json has no such field refuses a non-zero value (``io.hf_config``).
+EXPORTED_AS = {
+    "attn_softcap": ("attn_logit_softcapping", "soft-capping"),
+    "final_softcap": ("final_logit_softcapping", "soft-capping"),
+}
+
+
 # ---- the mask rules, and the block mask derived from them ----
 
 

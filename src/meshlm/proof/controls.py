@@ -26,9 +26,7 @@ from meshlm.proof.family_faults import (
     HeadBiasOfNextShard,
     TiedHeadGradDropped,
     TiedHeadOtherSlice,
-    attn_softcap_off,
     embedding_scaled_twice,
-    final_softcap_off,
     proj_norm_local_statistic,
     qk_norm_after_rotary,
     qk_norm_grad_not_summed,
@@ -330,19 +328,7 @@ CONTROLS += (  # the q/k norms of Qwen3 (per head) and OLMo 2 (``proof.family_fa
     ),
 )
 
-CONTROLS += (  # Gemma 2's soft-capping: the cap must matter (as the document mask's control)
-    Control(
-        name="attention soft-cap off",
-        applies=lambda w: w.attention and w.cfg.attn_softcap > 0,
-        cfg_change=attn_softcap_off,
-    ),
-    Control(
-        name="final-logit soft-cap off",
-        applies=lambda w: w.cfg is not None and w.cfg.final_softcap > 0,
-        cfg_change=final_softcap_off,
-    ),
-)
-CONTROLS += GEMMA_CONTROLS  # the soft-cap's order, Gemma 2/3's local and global layers
+CONTROLS += GEMMA_CONTROLS  # Gemma 2's score and logit caps (off, out of order), Gemma 2/3's layer kinds
 
 CONTROLS += MOE_CONTROLS  # a mixture of experts' (``proof.moe_controls``)
 

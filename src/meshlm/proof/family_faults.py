@@ -181,6 +181,17 @@ def _two_rotaries(w: Where) -> bool:
 
 
 GEMMA_CONTROLS = (  # ``proof.controls`` runs them
+    # Gemma 2's soft-capping: the cap must matter (as the document mask's control)
+    Control(
+        name="attention soft-cap off",
+        applies=lambda w: w.attention and w.cfg.attn_softcap > 0,
+        cfg_change=attn_softcap_off,
+    ),
+    Control(
+        name="final-logit soft-cap off",
+        applies=lambda w: w.cfg is not None and w.cfg.final_softcap > 0,
+        cfg_change=final_softcap_off,
+    ),
     Control(  # plain attention's order (``attention.capped_softmax``): cap, mask, softmax
         name="attention soft-cap applied after the softmax",
         applies=lambda w: w.attention and w.cfg.attn_softcap > 0 and _plain_softmax(w),
