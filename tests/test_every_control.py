@@ -105,7 +105,6 @@ CONFIGS = {
     # a shared expert (its controls under SP) and a dense layer among the MoE layers (two stacks)
     "tiny-qwen2-moe 1x2 sp": ("tiny-qwen2-moe", {"n_layers": 2}, Layout(mp=2, sp=True), 1, 8),
     "tiny-llama pp2 gpipe": ("tiny-llama", {}, Layout(pp=2, microbatches=4, pp_schedule="gpipe"), 4, 8),
-    "tiny-llama pp2x1x2 sp 1f1b": ("tiny-llama", {}, Layout(pp=2, mp=2, sp=True, microbatches=4), 4, 8),
     "tiny-llama pp2x1x2 cp2 ring gpipe": (  # the ring's kernel on several K/V blocks (12 > 4 per shard)
         "tiny-llama",
         {"attn_block": 4},
@@ -113,10 +112,12 @@ CONFIGS = {
         2,
         24,
     ),
-    "tiny-llama pp2x1x2 doc-mask 1f1b": (
+    # SP's and the document mask's controls through 1F1B in one configuration: each pp configuration traces
+    # the whole pipeline once per control (~2 s each), and the two share the model's and the pipeline's
+    "tiny-llama pp2x1x2 sp doc-mask 1f1b": (
         "tiny-llama",
         {"doc_mask": 0},
-        Layout(pp=2, mp=2, microbatches=2, pp_schedule="1f1b"),  # the stash traces the starts' types
+        Layout(pp=2, mp=2, sp=True, microbatches=2, pp_schedule="1f1b"),  # the stash traces the starts' types
         2,
         8,
     ),
