@@ -81,7 +81,7 @@ def _control_results(control: Control, runs: Runs, ocfg, rtol, atol) -> list[Lea
         lr, gr = runs.reference_grads()  # outside the plant: the reference never runs the fault
         fn, params = _planted_fn(control, runs)
         with _plant(control):
-            ls, gs = fn(params, runs.batch)
+            ls, gs = runs.run_traced(control.name, fn, params)
         compare_into(results, {"loss": {"value": ls}, **gs}, {"loss": {"value": lr}, **gr}, rtol, atol)
     return list(results.values())
 
@@ -122,7 +122,10 @@ def trace_control(control: Control, runs: Runs, ocfg=None, fault: bool = True):
         return step.trace(runs.params, opt_state, runs.batch)
     fn, params = _planted_fn(control, runs)
     with _plant(control):
-        return fn.trace(params, runs.batch)
+        traced = fn.trace(params, runs.batch)
+    if fault:  # the very program ``run_control`` runs: it lowers this trace (``Runs.run_traced``)
+        runs.traced[control.name] = (traced, params)
+    return traced
 
 
 def _by_collectives(control: Control, runs: Runs) -> dict:

@@ -75,8 +75,10 @@ def _unplanted(kind: tuple[bool, bool]) -> Control:
 def _trace(control, runs, ocfg, fault: bool = True):
     """The program ``run_control`` (or under pp ``run_model_control``, or for a pipeline control's name
     ``pipeline_controls``) runs for ``control``, traced."""
-    if isinstance(control, str):
-        return pipeline_control_fn(runs, control).trace(runs.params, runs.batch)
+    if isinstance(control, str):  # kept for its run (``Runs.run_traced``)
+        traced = pipeline_control_fn(runs, control).trace(runs.params, runs.batch)
+        runs.traced[f"pipeline: {control}"] = (traced, runs.params)
+        return traced
     trace = partial(trace_control, ocfg=ocfg, fault=fault)
     if runs.layout.pipelined:
         return trace_model_control(control, runs, trace)

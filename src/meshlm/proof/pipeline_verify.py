@@ -47,7 +47,7 @@ def pipeline_controls(runs, rtol: float, atol: float) -> list[dict]:
     rows = []
     (lr, gr) = runs.reference_grads()
     for name in applicable_controls(runs.layout.pipeline):
-        ls, gs = pipeline_control_fn(runs, name)(runs.params, runs.batch)
+        ls, gs = runs.run_traced(f"pipeline: {name}", pipeline_control_fn(runs, name), runs.params)
         results: dict[str, LeafResult] = {}
         compare_into(results, {"loss": {"value": ls}, **gs}, {"loss": {"value": lr}, **gr}, rtol, atol)
         rows.append(control_row(name, list(results.values())))

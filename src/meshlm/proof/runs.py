@@ -52,6 +52,10 @@ class Runs:
         self.host_batch = proof_batch(problem.batch)  # an SFT mask normalized over the batch (``proof.sft``)
         self.batch = put_batch(self.host_batch, layout, False)  # the global batch on the mesh
         self.checked: list[CheckedProgram] = []  # the programs that computed the reference's values
+        # A control's planted program as the inertness check traced it (``Traced``, its parameters), by
+        # the control's name: its run lowers that trace instead of tracing again (under pp a trace of
+        # the whole pipeline is seconds). Shared by the copies ``proof.pipeline_verify`` makes.
+        self.traced: dict[str, tuple] = {}
 
     def value_and_grad(self, build_loss, par_cls=Parallel, pipe_cls=None, cfg=None):
         """The sharded fn(params, batch) -> (loss, grads); with pp the problem's model (or ``cfg``, a
@@ -69,6 +73,15 @@ class Runs:
 
     def sharded_fn(self, build_loss, par_cls=Parallel, pipe_cls=None, cfg=None):
         return jax.jit(self.value_and_grad(build_loss, par_cls, pipe_cls, cfg))
+
+    def run_traced(self, name: str, fn, params):
+        """``fn(params, batch)``, lowering the program traced as ``name`` where the inertness check kept
+        it (``traced``; once: the entry goes), else by ``fn`` itself."""
+        traced = self.traced.pop(name, None)
+        if traced is None:
+            return fn(params, self.batch)
+        program, params = traced
+        return program.lower().compile()(params, self.batch)
 
     def grads(self, build_loss, par_cls=Parallel, params=None):
         """The sharded loss and gradients of ``build_loss`` (at ``params``, default the proof's)."""
