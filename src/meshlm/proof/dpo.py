@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshlm.errors import VerifierError
 from meshlm.model import preference
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.placement import batch_sharding, put_global, to_host
@@ -162,6 +163,16 @@ class DPOReport:
     def ok(self) -> bool:
         return all(ok for *_, ok in self.leaves.values()) and all(self.controls.values()) and not self.inert
 
+    def to_json(self) -> dict:
+        leaves = {k: {"max_abs_err": e, "max_abs_ref": m, "ok": ok} for k, (e, m, ok) in self.leaves.items()}
+        return {
+            "label": self.label,
+            "ok": self.ok,
+            "leaves": leaves,
+            "controls": self.controls,
+            "inert": self.inert,
+        }
+
     def lines(self) -> list[str]:
         out = [
             f"meshlm verify --objective dpo: {self.label}; tolerance "
@@ -221,9 +232,11 @@ def prove_dpo(
     for control, plant in dpo_controls(layout, rows):
         with plant():
             planted = jax.jit(sharded_program(cfg, layout, specs, beta, loss))
-            if fingerprint(planted.trace(*args)) == unplanted:
-                report.inert.append(control)
-                continue
+            if fingerprint(planted.trace(*args)) == unplanted:  # a prover bug (``proof.inertness``)
+                raise VerifierError(
+                    f"prover bug: the control {control!r} changes nothing on {layout.label()} (its plant "
+                    "reaches no code this configuration runs)"
+                )
             got = _compare(planted(*args), expected, rtol, atol)
         report.controls[control] = not all(ok for *_, ok in got.values())
     return report
