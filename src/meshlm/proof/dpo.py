@@ -58,23 +58,24 @@ def _frozen(params, reference):
     return reference
 
 
-def sharded_program(cfg, layout, specs, beta: float, loss: str):
-    """fn(params, reference params, batch) -> ({"chosen", "rejected", "loss"}, grads), training's."""
+def sharded_program(cfg, layout, specs, beta: float, loss: str, values_only: bool = False):
+    """fn(params, reference params, batch) -> ({"chosen", "rejected", "loss"}, grads), training's;
+    ``values_only``: the values of training's validation program (no gradient pass: a control's run)."""
     logps = dpo.per_token_logps(cfg.replace(z_loss=0.0), layout, specs)
-    step = dpo.dpo_value_and_grad(cfg, layout, specs, beta=beta, loss=loss, fill=float("nan"))
+    step = dpo.dpo_value_and_grad(cfg, layout, specs, beta=beta, loss=loss, sums=True, fill=float("nan"))
+    values = dpo.dpo_value(logps, beta, loss)
 
     def fn(params, ref_params, batch):
         ref = dpo.reference_logps(logps, _frozen(params, ref_params))(batch)
+        if values_only:
+            loss_value, _, _, sums = values(params, {**batch, preference.REF_LOGPS: ref})
+            chosen, rejected = preference.pairs(sums)
+            return {"chosen": chosen, "rejected": rejected, "loss": loss_value}
         (value, metrics), grads = step(params, {**batch, preference.REF_LOGPS: ref})
-        sums = _sums(logps(params, batch), dpo.completion_mask(batch))
-        return {**sums, "loss": value}, grads
+        chosen, rejected = preference.pairs(metrics["sums"])  # the step's own sums
+        return {"chosen": chosen, "rejected": rejected, "loss": value}, grads
 
     return fn
-
-
-def _sums(per_token, mask) -> dict:
-    chosen, rejected = preference.pairs(preference.sequence_logps(per_token, mask))
-    return {"chosen": chosen, "rejected": rejected}
 
 
 def reference_program(plain_cfg, beta: float, loss: str):
@@ -109,7 +110,7 @@ def _planted(module, name, value):
 
 
 def _swap_one_shard(shard_rows: int):
-    def wrap(fn):
+    def wrap(fn):  # fn: ``dpo.dpo_value``'s program, whose rows arrive swapped
         def swapped(params, batch):
             order = np.arange(batch["inputs"].shape[0])
             first = order[: shard_rows - shard_rows % 2].reshape(-1, 2)[:, ::-1].reshape(-1)
@@ -133,7 +134,7 @@ def dpo_controls(layout, rows: int):
     import meshlm.proof.dpo as here
 
     swap = _swap_one_shard(int(shard_rows))
-    real = dpo.dpo_value_and_grad
+    real = dpo.dpo_value
     return (
         (
             "DPO reference computed with the policy's weights",
@@ -141,7 +142,7 @@ def dpo_controls(layout, rows: int):
         ),
         (
             "DPO chosen and rejected swapped in one data shard",
-            lambda: _planted(dpo, "dpo_value_and_grad", lambda *a, **k: swap(real(*a, **k))),
+            lambda: _planted(dpo, "dpo_value", lambda *a, **k: swap(real(*a, **k))),
         ),
         (
             "DPO completion mask off by one (a prompt token counted)",
@@ -230,13 +231,15 @@ def prove_dpo(
     report.leaves = _compare(program(*args), expected, rtol, atol)
     unplanted = fingerprint(program.trace(*args))
     for control, plant in dpo_controls(layout, rows):
-        with plant():
+        with plant():  # traced whole (the inertness check); run for its values (no gradient pass)
             planted = jax.jit(sharded_program(cfg, layout, specs, beta, loss))
             if fingerprint(planted.trace(*args)) == unplanted:  # a prover bug (``proof.inertness``)
                 raise VerifierError(
                     f"prover bug: the control {control!r} changes nothing on {layout.label()} (its plant "
                     "reaches no code this configuration runs)"
                 )
-            got = _compare(planted(*args), expected, rtol, atol)
+            got = _compare(
+                jax.jit(sharded_program(cfg, layout, specs, beta, loss, True))(*args), expected[0], rtol, atol
+            )
         report.controls[control] = not all(ok for *_, ok in got.values())
     return report

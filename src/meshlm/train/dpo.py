@@ -65,7 +65,8 @@ def _per_token(cfg, par: Parallel):
 def per_token_logps(cfg, layout: Layout | None, specs=None):
     """fn(params, batch) -> log p(target) global [B, T] (no z-loss). ``layout`` None: the unsharded
     model (the proof's reference); under pp the plain model partitioned by XLA (``Pipelined.loss``)."""
-    if layout is None or layout.pipelined:
+    # the layout's strategy runs the whole model in one shard_map where it generates (not under pp)
+    if layout is None or not strategy(layout).generates:
         return _per_token(cfg, Parallel())
     apply = _per_token(cfg, Parallel.on(layout))
     # Each shard's [B/dp, T/cp] (with cp its two load-balanced chunks) is a block of the global
@@ -92,7 +93,8 @@ def completion_mask(batch):
 
 
 def dpo_value(logps_fn, beta: float, loss: str):
-    """fn(params, batch) -> (loss, metrics, dL/ds [B]) of the step's pairs (no gradient pass)."""
+    """fn(params, batch) -> (loss, metrics, dL/ds [B], the policy's row sums s [B]) of the step's
+    pairs (no gradient pass)."""
 
     def fn(params, batch):
         mask = completion_mask(batch)
@@ -102,24 +104,27 @@ def dpo_value(logps_fn, beta: float, loss: str):
         value, coeff = jax.value_and_grad(lambda s: preference.dpo_loss(s, reference, lengths, beta, loss))(
             policy
         )
-        return value, preference.dpo_metrics(policy, reference, beta), coeff
+        return value, preference.dpo_metrics(policy, reference, beta), coeff, policy
 
     return fn
 
 
-def dpo_value_and_grad(cfg, layout: Layout, specs, *, beta: float, loss: str, compute_dtype=None, **kw):
+def dpo_value_and_grad(
+    cfg, layout: Layout, specs, *, beta: float, loss: str, compute_dtype=None, sums=False, **kw
+):
     """fn(params, batch) -> ((loss, metrics), grads): ``batch`` {"inputs", "targets",
-    "completion_mask", "ref_logps"} global [B, T], rows in pairs. ``kw``: the strategy's (the proof's
-    ``par_cls``, ``pipe_cls``, ``fill``)."""
+    "completion_mask", "ref_logps"} global [B, T], rows in pairs. ``sums``: metrics also "sums", the
+    policy's row sums [B] (the proof's). ``kw``: the strategy's (the proof's ``par_cls``, ``pipe_cls``,
+    ``fill``)."""
     cfg = cfg.replace(z_loss=0.0)  # the gradient pass's token loss is -log p exactly
     value = dpo_value(per_token_logps(cfg, layout, specs), beta, loss)
     grad = strategy(layout).value_and_grad(cfg, layout, specs, compute_dtype=compute_dtype, **kw)
 
     def fn(params, batch):
-        loss_value, metrics, coeff = value(params, batch)
+        loss_value, metrics, coeff, policy = value(params, batch)
         mask = completion_mask(batch).astype(coeff.dtype)
         weights = lax.stop_gradient(-mask.size * coeff[:, None] * mask)  # mean(w · CE) has L's gradient
         _, grads = grad(params, {"inputs": batch["inputs"], "targets": batch["targets"], WEIGHTS: weights})
-        return (loss_value, metrics), grads
+        return (loss_value, {**metrics, "sums": policy} if sums else metrics), grads
 
     return fn

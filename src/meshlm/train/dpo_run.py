@@ -114,7 +114,7 @@ def val_batches(val: PairBatcher, count: int) -> list[dict]:
 
 
 def eval_fn(value):
-    """fn(params, batch) -> (loss, metrics): ``train.dpo.dpo_value`` without dL/ds."""
+    """fn(params, batch) -> (loss, metrics): ``train.dpo.dpo_value`` without dL/ds and the sums."""
     return jax.jit(lambda params, batch: value(params, batch)[:2])
 
 
