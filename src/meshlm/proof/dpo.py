@@ -185,7 +185,7 @@ class DPOReport:
         ]
         out += [f"  control: {k:<56} {'detected' if d else 'NOT DETECTED'}" for k, d in self.controls.items()]
         out += [f"  prover bug: control {k!r} changes nothing on this layout" for k in self.inert]
-        out.append("PASS" if self.ok else "FAIL")
+        out.append("OK: sharded == unsharded, every control detected" if self.ok else "FAIL")
         return out
 
 
@@ -195,7 +195,9 @@ def _compare(sharded, reference, rtol, atol) -> dict:
     for (path, s), r in zip(flat, jax.tree.leaves(reference), strict=True):
         s, r = np.asarray(to_host(s), np.float64), np.asarray(r, np.float64)
         err, scale = float(np.max(np.abs(s - r))), float(np.max(np.abs(r)))
-        out[jax.tree_util.keystr(path)] = (err, scale, bool(np.isfinite(err) and err <= atol + rtol * scale))
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        name = keys[-1] if keys[0] == "0" else "grad " + "/".join(keys[1:])  # (values, grads)
+        out[name] = (err, scale, bool(np.isfinite(err) and err <= atol + rtol * scale))
     return out
 
 
