@@ -178,3 +178,31 @@ def test_dpo_refuses_accumulation_and_odd_batches(tmp_path):
         build_run(_dpo_config(tmp_path / "a", accum_steps=2), make_mesh(2, 2))
     with pytest.raises(DataError, match="must be even"):
         build_run(_dpo_config(tmp_path / "b", batch_size=5), make_mesh(1, 2))
+
+
+def test_prepared_pair_store_holds_the_rows_train_makes_from_jsonl(tmp_path, capsys):
+    from helpers import run_cli
+
+    from meshlm.data.pair_store import load_pair_store
+    from meshlm.model.config import get_config
+    from meshlm.parallel.layout import Layout
+    from meshlm.train.dpo_run import load_pairs
+
+    store = tmp_path / "pairs"
+    assert (
+        run_cli("data", "prepare", "--pairs", "--data", str(PAIRS), "--seq-len", "48", "--out", str(store))
+        == 0
+    )
+    assert "prepared 23 + 1 pairs (0 dropped" in capsys.readouterr().err
+    tok = ByteTokenizer()
+    want = encode_pairs(read_pairs([PAIRS]), Renderer(tok), 48, tok.eod_id)
+    for tcfg_data in ((str(store),), (str(PAIRS),)):  # train's own reading of either
+        batcher, val, line = load_pairs(
+            _dpo_config(tmp_path, data=tcfg_data), get_config("tiny-lm"), Layout(dp=2), tok
+        )
+        assert np.array_equal(batcher.data.tokens, want[0].tokens) and np.array_equal(
+            val.data.mask, want[1].mask
+        )
+        assert "23 training and 1 validation pairs" in line and "prompt + completion + EOD" in line
+    with pytest.raises(DataError, match="--seq-len 48"):
+        load_pair_store(store, tok, 64)

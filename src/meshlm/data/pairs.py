@@ -61,6 +61,20 @@ class Renderer:
         return np.concatenate([head, tail]), mask
 
 
+def renderer_for(tok, *directories) -> Renderer:
+    """The chat template of the first of ``directories`` (a checkpoint or tokenizer directory) that
+    has one, else plain concatenation (the rule the run's ``data:`` line states)."""
+    from meshlm.data.chat_store import load_template
+
+    for directory in directories:
+        if directory and Path(directory).is_dir():
+            try:
+                return Renderer(tok, load_template(directory))
+            except DataError:  # no template there (or no HF tokenizer): the next, else plain
+                pass
+    return Renderer(tok)
+
+
 @dataclass
 class PairRows:
     """Pairs as rows: tokens [2N, T + 1] int32 and completion_mask [2N, T] uint8 (of the targets)."""

@@ -19,7 +19,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from meshlm.data.pairs import PairBatcher, Renderer, encode_pairs, read_pairs
+from meshlm.data.pair_store import is_pair_store, load_pair_store
+from meshlm.data.pairs import PairBatcher, encode_pairs, read_pairs, renderer_for
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.parallel import distributed
 from meshlm.parallel.placement import batch_sharding, put_global, to_host
@@ -32,20 +33,6 @@ def dpo_args(tcfg) -> tuple[float, str] | None:
     return (tcfg.dpo_beta, tcfg.dpo_loss) if tcfg.objective == "dpo" else None
 
 
-def _renderer(tcfg, tok) -> Renderer:
-    """The chat template of the run's tokenizer directory where it has one, else plain concatenation."""
-    from meshlm.data.chat_store import load_template
-    from meshlm.errors import DataError
-
-    for directory in (tcfg.checkpoint, tcfg.tokenizer):
-        if directory and Path(directory).is_dir():
-            try:
-                return Renderer(tok, load_template(directory))
-            except DataError:  # no template there: the plain rule (stated in the start line)
-                pass
-    return Renderer(tok)
-
-
 def load_pairs(tcfg, cfg, layout, tok):
     """(batcher, validation row indices, info) of the run's pairs (``data.pairs``)."""
     from meshlm.train.dpo import check_dpo
@@ -55,9 +42,13 @@ def load_pairs(tcfg, cfg, layout, tok):
         raise ConfigError(
             "--objective dpo needs --data: JSONL or Parquet files of (prompt, chosen, rejected)"
         )
-    records = read_pairs(tcfg.data)
-    render = _renderer(tcfg, tok)
-    train, val, dropped = encode_pairs(records, render, tcfg.seq_len, tok.eod_id)
+    if len(tcfg.data) == 1 and is_pair_store(tcfg.data[0]):  # ``data prepare --pairs``
+        train, val, index = load_pair_store(tcfg.data[0], tok, tcfg.seq_len)
+        dropped, rule = index["dropped"], index["rule"]
+    else:
+        render = renderer_for(tok, tcfg.checkpoint, tcfg.tokenizer)
+        train, val, dropped = encode_pairs(read_pairs(tcfg.data), render, tcfg.seq_len, tok.eod_id)
+        rule = render.rule
     for rows, name in ((train, "training"), (val, "validation")):
         if int(rows.tokens.max()) >= cfg.vocab_size:
             raise ConfigError(f"the {name} pairs have ids >= the model's vocabulary {cfg.vocab_size}")
@@ -66,7 +57,7 @@ def load_pairs(tcfg, cfg, layout, tok):
     val_batcher = PairBatcher(val, tcfg.batch_size, tcfg.seed)
     line = (
         f"data: {train.pairs} training and {val.pairs} validation pairs ({dropped} dropped: longer than "
-        f"--seq-len {tcfg.seq_len}); rendered as {render.rule}"
+        f"--seq-len {tcfg.seq_len}); rendered as {rule}"
     )
     return batcher, val_batcher, line
 
