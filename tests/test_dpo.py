@@ -206,3 +206,22 @@ def test_prepared_pair_store_holds_the_rows_train_makes_from_jsonl(tmp_path, cap
         assert "23 training and 1 validation pairs" in line and "prompt + completion + EOD" in line
     with pytest.raises(DataError, match="--seq-len 48"):
         load_pair_store(store, tok, 64)
+
+
+def test_pairs_render_with_a_chat_template_as_user_prompt_and_assistant_completion(tmp_path):
+    """With a chat-template tokenizer the completion's tokens are the assistant turn's (its end of turn
+    included): the masked tokens decode to exactly the completion and ChatML's ``<|im_end|>``."""
+    from test_chat_sft import EXAMPLES, chat_tokenizer_dir
+
+    from meshlm.data.pairs import renderer_for
+    from meshlm.data.tokenizer import load_tokenizer
+
+    directory = chat_tokenizer_dir(tmp_path / "tok", (EXAMPLES / "chatml.jinja").read_text())
+    tok = load_tokenizer(str(directory))
+    render = renderer_for(tok, directory)
+    assert render.template is not None and render.rule.startswith("chat template")
+    ids, mask = render("The capital of France is", " Paris.")
+    assert tok.decode(ids[mask == 1]) == " Paris.<|im_end|>\n"
+    assert tok.decode(ids[mask == 0]).endswith("<|im_start|>assistant\n")  # the prompt: user turn, then
+    train, _, _ = encode_pairs(read_pairs([PAIRS]), render, 64, tok.eod_id)
+    assert train.mask.sum(axis=1).min() > 0
