@@ -46,7 +46,9 @@ def evaluate(run: Run) -> dict:
     if run.tcfg.objective == "dpo":  # (loss, reward metrics) per batch; no bits per byte
         return dpo_run.eval_row(run.step, pending)
     losses = [float(x) for x in pending]
-    val_loss = sum(losses) / len(losses)
+    # each batch's loss is its own mean (a chat store's: over its masked targets): weighed by its count
+    counts = [float(b["loss_mask"].sum()) if "loss_mask" in b else 1.0 for b in run.val]
+    val_loss = sum(x * c for x, c in zip(losses, counts, strict=True)) / max(sum(counts), 1.0)
     bpb = bits_per_byte(val_loss, run.val_bytes_per_token)  # per byte of text, whatever the tokenizer
     return {"step": run.step, "val_loss": val_loss, "val_bpb": bpb}
 

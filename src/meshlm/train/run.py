@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from meshlm.data.corpus import load_splits
 from meshlm.data.device_batches import eval_arrays
@@ -28,6 +29,7 @@ from meshlm.io.model_io import FORMAT, load_model, read_config
 from meshlm.io.run_lock import RunLock, lock_run
 from meshlm.io.tokenizer_file import TOKENIZER_FILE
 from meshlm.model.config import ModelConfig, get_config
+from meshlm.model.masked import loss_weights
 from meshlm.model.transformer import param_shapes
 from meshlm.parallel import distributed
 from meshlm.parallel.layout import Layout
@@ -95,8 +97,13 @@ def _load_data(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, tok: Tokeniz
     layout.check_batch(tcfg.batch_size, tcfg.accum_steps)
     batcher = Batcher(train, tcfg.seq_len, tcfg.batch_size, tcfg.seed)
     val_batches = Batcher(val, tcfg.seq_len, tcfg.micro_batch, tcfg.seed).eval_batches(tcfg.eval_batches)
-    targets = sum(b["targets"].size for b in val_batches)
-    info["val_bytes_per_token"] = sum(int(tok.token_bytes[b["targets"]].sum()) for b in val_batches) / targets
+    # a chat store's validation counts the targets it trains on (its loss mask), as its loss does
+    masks = [b.get("loss_mask", np.ones(b["targets"].shape, np.uint8)) for b in val_batches]
+    targets = max(sum(int(m.sum()) for m in masks), 1)
+    info["val_bytes_per_token"] = (
+        sum(int((tok.token_bytes[b["targets"]] * m).sum()) for b, m in zip(val_batches, masks, strict=True))
+        / targets
+    )
     return batcher, val_batches, info
 
 
@@ -269,8 +276,11 @@ def _write_settings(out: Path, tcfg: TrainConfig, layout: Layout) -> None:
 
 
 def _eval_loss(cfg: ModelConfig, layout: Layout, specs, dtype):
-    """The validation loss: sharded (``shard_map``), or under pp the plain model partitioned by XLA."""
-    return strategy(layout).loss(cfg, layout, specs, dtype)
+    """The validation loss: sharded (``shard_map``), or under pp the plain model partitioned by XLA; of a
+    chat store's batch, the masked loss Σ(mask · loss) / Σ mask (``loop.evaluate`` weighs the batches
+    by their mask counts)."""
+    loss = strategy(layout).loss(cfg, layout, specs, dtype)
+    return lambda params, batch: loss(params, loss_weights(batch))
 
 
 def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs, out: Path, batcher, val, lock) -> Run:
