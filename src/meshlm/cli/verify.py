@@ -191,7 +191,10 @@ def _verify(args, vs: VerifySettings, planned) -> int:
         from meshlm.proof.dpo import prove_dpo
 
         dtype = jnp.float64 if vs.x64 else jnp.float32
-        report = prove_dpo(cfg, name, layout, 2 * batch, seq_len, vs.seed, loss=vs.dpo_loss, dtype=dtype)
+        load = (lambda m: load_model(vs.checkpoint, m)[1]) if vs.checkpoint else None  # the policy's
+        report = prove_dpo(
+            cfg, name, layout, 2 * batch, seq_len, vs.seed, loss=vs.dpo_loss, dtype=dtype, load_params=load
+        )
         print0(json.dumps(report.to_json()) if args.json else "\n".join(report.lines()))
         return 0 if report.ok else 1
     problem = model_problem(cfg, name, layout, batch, seq_len, vs.seed)

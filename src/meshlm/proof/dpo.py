@@ -196,13 +196,24 @@ def _compare(sharded, reference, rtol, atol) -> dict:
         s, r = np.asarray(to_host(s), np.float64), np.asarray(r, np.float64)
         err, scale = float(np.max(np.abs(s - r))), float(np.max(np.abs(r)))
         keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-        name = keys[-1] if keys[0] == "0" else "grad " + "/".join(keys[1:])  # (values, grads)
+        # (values, grads): "chosen", "loss", "rejected", "grad embed/embeddings", ...; values alone: theirs
+        name = {"0": keys[-1], "1": "grad " + "/".join(keys[1:])}.get(keys[0], "/".join(keys))
         out[name] = (err, scale, bool(np.isfinite(err) and err <= atol + rtol * scale))
     return out
 
 
 def prove_dpo(
-    cfg, name: str, layout, rows: int, seq_len: int, seed: int = 0, *, beta=0.1, loss="sigmoid", dtype=None
+    cfg,
+    name: str,
+    layout,
+    rows: int,
+    seq_len: int,
+    seed: int = 0,
+    *,
+    beta=0.1,
+    loss="sigmoid",
+    dtype=None,
+    load_params=None,
 ):
     """The proof on ``layout`` (see the module doc): a ``DPOReport``."""
     from meshlm.proof.problem import model_problem
@@ -220,6 +231,8 @@ def prove_dpo(
         for s in (seed, seed + 1)  # the policy; the reference: another initialisation
     ]
     (params, specs), (ref_params, _) = made
+    if load_params is not None:  # a checkpoint's weights as the policy (the reference stays an init)
+        params = jax.tree.map(lambda p: p.astype(dtype), load_params(layout))
     host = pair_batch(cfg.vocab_size, rows, seq_len, seed)
     batch = {k: put_global(v, batch_sharding(layout, 1)) for k, v in host.items()}
     device = jax.local_devices()[0]
