@@ -103,24 +103,24 @@ def test_pairs_render_by_the_plain_rule_and_drop_what_does_not_fit():
 
 
 @pytest.mark.parametrize(
-    "layout",
+    ("layout", "rows"),
     [
-        dict(dp=2, mp=2),
-        dict(dp=2, mp=2, fsdp=True, sp=True),
-        dict(dp=2, pp=2, microbatches=4),
-        dict(dp=2, cp=2),
+        (dict(dp=2, mp=2), 6),  # 3 rows a data shard: pair 1 sits across the two shards
+        (dict(dp=2, mp=2, fsdp=True, sp=True), 4),
+        (dict(dp=2, pp=2, microbatches=4), 8),  # a row per data shard per micro-batch: every pair split
+        (dict(dp=2, cp=2), 4),
     ],
     ids=["2x2", "fsdp-sp", "pp2-m4", "cp2"],
 )
-def test_verify_dpo_equal_unsharded_and_its_controls_detected(layout):
+def test_verify_dpo_equal_unsharded_and_its_controls_detected(layout, rows):
     """The proof in float64: chosen and rejected sums, the loss and every gradient within 1e-12 of the
-    unsharded autodiff; the three controls detected (and each changes the traced program)."""
+    unsharded autodiff, also where a pair's rows sit in different data shards (the pairs meet on the
+    global rows); the three controls detected (and each changes the traced program)."""
     from meshlm.model.config import get_config
     from meshlm.parallel.layout import Layout
     from meshlm.proof.dpo import prove_dpo
 
     lay = Layout(**layout)
-    rows = 2 * lay.dp * lay.pipeline_microbatches
     with jax.enable_x64(True):
         report = prove_dpo(get_config("tiny-llama"), "tiny-llama", lay, rows, 16, dtype=np.float64)
     assert report.ok, "\n".join(report.lines())
