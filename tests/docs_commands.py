@@ -22,6 +22,10 @@ CHAT_TRAIN = (
     "meshlm train --data data/chat --tokenizer data/chat/tokenizer.json --config tiny-lm --seq-len 64 "
     "--out runs/chat-sft"
 )
+DPO_TRAIN = (
+    "meshlm train --objective dpo --checkpoint runs/chat-sft --data examples/dpo/pairs.jsonl --seq-len 64 "
+    "--batch-size 32 --dpo-beta 0.5 --lr 3e-3 --steps 12 --out runs/dpo"
+)
 MAIN = "meshlm train"  # the main job: its runs/main is read by generate, eval, verify, convert
 OK = "OK: sharded == unsharded"
 # 32 devices in a subprocess: 7 plans of the 7B model, 85 s of CPU; the same plans of a small model here
@@ -199,6 +203,11 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm eval --checkpoint runs/chat-sft --data data/chat": run(after=(CHAT_TRAIN,)),
     "meshlm verify --objective sft --config tiny-qwen3 --mesh 2x2 --x64": verify(
         costly="tests/test_chat_sft.py::test_verify_sft_loss_equal_unsharded_and_its_controls_detected"
+    ),
+    # docs/training.md: DPO (after the chat SFT run, whose checkpoint it fine-tunes)
+    DPO_TRAIN: run("--steps 12 => --steps 2", add="--eval-batches 1 --sample-tokens 0", after=(CHAT_TRAIN,)),
+    "meshlm verify --objective dpo --config tiny-llama --mesh 2x2 --x64": verify(
+        costly="tests/test_dpo.py::test_verify_dpo_equal_unsharded_and_its_controls_detected"
     ),
     # docs/data.md
     "meshlm data prepare --data 'shards/*.parquet' --text-field content --out data/web": run(),

@@ -172,6 +172,30 @@ def test_eval_reports_the_masked_loss(dirs, tmp_path):
     assert abs(masked_result.loss - every.mean()) > 1e-3  # the mask changes the number
 
 
+def test_train_validation_loss_on_a_chat_store_is_the_masked_loss(dirs, tmp_path):
+    """The validation loss ``meshlm train`` logs on a chat store: Σ(mask · loss) / Σ mask over all of
+    its validation batches (not every target's mean), from each target's loss computed apart."""
+    from meshlm.parallel.mesh import make_mesh
+    from meshlm.train.config import TrainConfig
+    from meshlm.train.evaluation import per_token_loss_fn
+    from meshlm.train.loop import evaluate
+    from meshlm.train.run import build_run
+
+    prepare_chat([CONVERSATIONS], load_template(dirs["chatml"]), tmp_path / "s", seq_len=48, val_fraction=0.3)
+    tcfg = TrainConfig(
+        config="tiny-lm", data=(str(tmp_path / "s"),), tokenizer=str(tmp_path / "s" / "tokenizer.json"),
+        seq_len=48, batch_size=4, eval_batches=3, sample_tokens=0, out=str(tmp_path / "run"),
+    )  # fmt: skip
+    run = build_run(tcfg, make_mesh(2, 1))
+    per_token = per_token_loss_fn(run.cfg, run.layout, run.params)
+    losses = np.concatenate([np.asarray(per_token(run.params, b)) for b in run.val])
+    mask = np.concatenate([np.asarray(b["loss_mask"]) for b in run.val]).astype(bool)
+    got = evaluate(run)["val_loss"]
+    run.release()
+    np.testing.assert_allclose(got, losses[mask].mean(), rtol=1e-5)
+    assert abs(got - losses.mean()) > 1e-3  # the mask changes the number
+
+
 @pytest.mark.parametrize(
     "layout",
     [

@@ -219,6 +219,7 @@ def workspace(tmp_path_factory):
     (root / "held_out/x.py").write_text(TEXT[:3000])
     _records(root)
     shutil.copytree(ROOT / "examples" / "chat", root / "examples" / "chat")  # the chat SFT section's
+    shutil.copytree(ROOT / "examples" / "dpo", root / "examples" / "dpo")  # the DPO section's pairs
     chat_tokenizer_dir(root / "chat-tokenizer", (ROOT / "examples/chat/chatml.jinja").read_text())
     for page in (ROOT / "docs").glob("*.md"):
         shutil.copy(page, root / "docs" / page.name)

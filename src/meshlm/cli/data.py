@@ -65,13 +65,22 @@ def add_parser(sub) -> None:
     )
     c.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: DIR's own)")
     c.add_argument(
+        "--pairs",
+        action="store_true",
+        help="--data holds preference pairs (prompt, chosen, rejected) for `train --objective dpo`: "
+        "rendered with --tokenizer DIR's chat template if it has one, else prompt + completion + EOD",
+    )
+    c.add_argument(
         "--train-on",
         choices=TRAIN_ON,
         default="assistant",
         help="the tokens the loss counts: assistant turns (default), all, or the last assistant turn",
     )
     c.add_argument(
-        "--seq-len", type=positive_int, default=None, help="--chat: tokens per packed row (train's --seq-len)"
+        "--seq-len",
+        type=positive_int,
+        default=None,
+        help="--chat, --pairs: tokens per row (train's --seq-len)",
     )
     c.add_argument(
         "--overlong",
@@ -92,6 +101,8 @@ def run(args) -> int:
     # store is not "interrupted" nor its lock "not empty": its owner is named.
     check_free(Path(args.out))
     check_out(args.out, ignore=(LOCK_FILE,))
+    if args.pairs:
+        return run_pairs(args)
     if args.chat:
         return run_chat(args)
     tok = load_tokenizer(args.tokenizer)
@@ -201,4 +212,27 @@ def run_chat(args) -> int:
             f"{tr['truncated'] + summary['val_truncated']} longer than a row ({args.overlong}): {args.out}",
             file=sys.stderr,
         )
+    return 0
+
+
+def run_pairs(args) -> int:
+    """``data prepare --pairs`` (``data.pair_store``): bad input fails before work."""
+    from meshlm.data.pair_store import prepare_pairs
+    from meshlm.data.pairs import renderer_for
+    from meshlm.data.tokenizer import load_tokenizer
+    from meshlm.errors import DataError
+
+    if args.seq_len is None or not args.data:
+        raise DataError(
+            "--pairs needs --data (files of pairs) and --seq-len (the --seq-len you will train with)"
+        )
+    tok = load_tokenizer(args.tokenizer)
+    render = renderer_for(tok, args.tokenizer)
+    index = prepare_pairs(args.data, render, Path(args.out), args.seq_len)
+    train, val = (index["splits"][s]["pairs"] for s in ("train", "val"))
+    print(
+        f"prepared {train} + {val} pairs ({index['dropped']} dropped: longer than --seq-len "
+        f"{args.seq_len}), rendered as {render.rule}: {args.out}",
+        file=sys.stderr,
+    )
     return 0

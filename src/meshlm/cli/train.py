@@ -85,10 +85,11 @@ def _preset_checks(tcfg: TrainConfig):
 def _print_summary(summary: dict, print0) -> None:
     if summary.get("sample"):
         print0("--- sample ---\n" + summary["sample"] + "\n--------------")
-    start = summary["val_bpb_start"]
+    name = "val_bpb" if summary["val_bpb_end"] is not None else "val_loss"  # DPO: its loss
+    start = summary[f"{name}_start"]
     print0(
-        f"done: step {summary['step']} in {summary['wall_s']:.0f} s; val_bpb "
-        f"{'' if start is None else f'{start:.3f} -> '}{summary['val_bpb_end']:.3f}; "
+        f"done: step {summary['step']} in {summary['wall_s']:.0f} s; {name} "
+        f"{'' if start is None else f'{start:.3f} -> '}{summary[f'{name}_end']:.3f}; "
         f"outputs in {summary['out']}",
         file=sys.stderr,
     )

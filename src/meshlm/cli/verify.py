@@ -187,6 +187,16 @@ def _verify(args, vs: VerifySettings, planned) -> int:
     kernel = f", blocks of {block}" if cfg.attention == "blockwise" or layout.blockwise else ""
     print0(f"shapes: batch {batch} x {seq_len} tokens{kernel}", file=sys.stderr)
     strategy(layout).check(cfg, layout)  # e.g. layers a pipeline cannot split
+    if vs.objective == "dpo":  # DPO's step: its own program, reference and controls (``proof.dpo``)
+        from meshlm.proof.dpo import prove_dpo
+
+        dtype = jnp.float64 if vs.x64 else jnp.float32
+        load = (lambda m: load_model(vs.checkpoint, m)[1]) if vs.checkpoint else None  # the policy's
+        report = prove_dpo(
+            cfg, name, layout, 2 * batch, seq_len, vs.seed, loss=vs.dpo_loss, dtype=dtype, load_params=load
+        )
+        print0(json.dumps(report.to_json()) if args.json else "\n".join(report.lines()))
+        return 0 if report.ok else 1
     problem = model_problem(cfg, name, layout, batch, seq_len, vs.seed)
     if vs.checkpoint:
         problem = dataclasses.replace(problem, load_params=lambda m: load_model(vs.checkpoint, m)[1])

@@ -83,10 +83,12 @@ class VerifySettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: t
     )
     objective: str = setting(
         "lm",
-        "the loss to prove: lm (every target) or sft (a chat loss mask of unequal counts per row, shard "
-        "and micro-batch: sum(mask x loss) / sum(mask) over the global batch), with its controls",
-        choices=("lm", "sft"),
+        "the loss to prove: lm (every target), sft (a chat loss mask of unequal counts per row, shard "
+        "and micro-batch: sum(mask x loss) / sum(mask) over the global batch) or dpo (DPO's pair sums, "
+        "loss and gradients against a frozen reference), with its controls",
+        choices=("lm", "sft", "dpo"),
     )
+    dpo_loss: str = setting("sigmoid", "with --objective dpo: the loss to prove", choices=("sigmoid", "ipo"))
     remat: str | None = setting(
         None, "prove with this recomputation policy", shown_default="the config's", choices=REMAT
     )

@@ -23,7 +23,6 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import haiku as hk
 import jax
 import numpy as np
 
@@ -35,13 +34,9 @@ from meshlm.data.tokens import check_token_range
 from meshlm.errors import ConfigError
 from meshlm.io.model_io import load_model, read_config
 from meshlm.model.config import ModelConfig, default_seq_len
-from meshlm.model.layers import mask_vocab_padding, vocab_parallel_xent
-from meshlm.model.transformer import local_logits
 from meshlm.parallel import distributed
-from meshlm.parallel.context import Parallel
-from meshlm.parallel.cp import sequence_order
 from meshlm.parallel.layout import Layout
-from meshlm.parallel.placement import batch_sharding, batch_spec, put_global, to_host
+from meshlm.parallel.placement import batch_sharding, put_global, to_host
 from meshlm.train.eval_settings import EvalConfig, check_split
 
 
@@ -73,22 +68,13 @@ class EvalResult:
 def per_token_loss_fn(cfg: ModelConfig, layout: Layout, params):
     """jitted (params, {"inputs", "targets": [B, T]}) -> per-token cross-entropy [B, T] (no z-loss), on
     ``layout``: rows over dp, the model as ``params`` are laid out (their shardings' specs); with cp
-    the sequence split over cp as in training and the losses put back in sequence order."""
+    the sequence split over cp as in training and the losses put back in sequence order
+    (``train.dpo.per_token_logps``, negated: DPO's sums read the same program)."""
+    from meshlm.train.dpo import per_token_logps
+
     specs = jax.tree.map(lambda p: p.sharding.spec, params)
-    par = Parallel.on(layout)
-
-    def per_token(batch):
-        logits, _ = local_logits(cfg, par, par.seq_local(batch["inputs"]))
-        logits = mask_vocab_padding(par, par.seq_out(logits), cfg.vocab_size)
-        return vocab_parallel_xent(par, logits, par.seq_local(batch["targets"]))  # [B, T/cp] per shard
-
-    apply = hk.without_apply_rng(hk.transform(per_token)).apply
-    # With cp each shard's [B, T/cp] (its two load-balanced chunks) is a column block of the global
-    # result: [B, T] with the chunks in shard order, put back in sequence order outside the shard_map.
-    rows = batch_spec(layout)  # over dp (and ep: its shards are data shards)
-    out = layout.spec("batch", "length")  # [B, T]: with cp the sequence's chunks over cp
-    sharded = jax.shard_map(apply, mesh=layout.mesh, in_specs=(specs, rows), out_specs=out)
-    return jax.jit(lambda p, batch: sequence_order(sharded(p, batch), layout.cp))
+    logps = per_token_logps(cfg.replace(z_loss=0.0), layout, specs)
+    return jax.jit(lambda p, batch: -logps(p, batch))
 
 
 def windows(tokens: np.ndarray, eod_id: int, seq_len: int, batch: int) -> Iterator[dict[str, np.ndarray]]:

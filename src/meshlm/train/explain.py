@@ -78,6 +78,8 @@ def next_commands(tcfg: TrainConfig, where, tokenizer_file: str | None) -> list[
         f"meshlm generate --checkpoint {q(out)} --prompt {q('def ')}",
         f"meshlm verify --checkpoint {q(out)} {mesh_flag}",
     ]
+    if tcfg.objective == "dpo":  # its validation is DPO's own loss, in metrics.jsonl: no eval split
+        return lines
     if len(tcfg.data) == 1 and is_store(tcfg.data[0]):
         store = tcfg.data[0]
     else:

@@ -30,6 +30,7 @@ from meshlm.io.tokenizer_file import TOKENIZER_FILE
 from meshlm.parallel import distributed
 from meshlm.parallel.placement import put_global
 from meshlm.sharding.strategy import strategy
+from meshlm.train import dpo_run
 from meshlm.train.config import TrainConfig
 from meshlm.train.explain import next_commands, start_line
 from meshlm.train.metrics import plot_loss_curve
@@ -42,8 +43,12 @@ LAG = 1  # steps in flight beyond the one being read back (see _InFlight)
 
 def evaluate(run: Run) -> dict:
     pending = [run.eval_fn(run.params, b) for b in run.val]  # all dispatched, then read
+    if run.tcfg.objective == "dpo":  # (loss, reward metrics) per batch; no bits per byte
+        return dpo_run.eval_row(run.step, pending)
     losses = [float(x) for x in pending]
-    val_loss = sum(losses) / len(losses)
+    # each batch's loss is its own mean (a chat store's: over its masked targets): weighed by its count
+    counts = [float(b["loss_mask"].sum()) if "loss_mask" in b else 1.0 for b in run.val]
+    val_loss = sum(x * c for x, c in zip(losses, counts, strict=True)) / max(sum(counts), 1.0)
     bpb = bits_per_byte(val_loss, run.val_bytes_per_token)  # per byte of text, whatever the tokenizer
     return {"step": run.step, "val_loss": val_loss, "val_bpb": bpb}
 
@@ -72,6 +77,8 @@ def _train_row(run: Run, step: int, metrics: dict, seconds: float) -> dict:
     }
     if "routing" in metrics:  # a mixture of experts: expert load, dropped choices (``train.routing``)
         row.update(routing_row(run.cfg, metrics["routing"]))
+    if "dpo" in metrics:  # DPO's reward accuracy, margins, chosen and rejected rewards (``train.dpo``)
+        row.update({k: float(v) for k, v in metrics["dpo"].items()})
     return row
 
 
@@ -210,7 +217,8 @@ def _drain_quietly(flight: _InFlight) -> None:
 def _eval_and_log(run: Run, bar=None) -> dict:
     row = evaluate(run)
     run.log.write(row)
-    text = f"step {row['step']}: val_loss {row['val_loss']:.4f}  val_bpb {row['val_bpb']:.3f}"
+    extra = next((k for k in ("val_bpb", "val_reward_accuracy") if k in row), None)
+    text = f"step {row['step']}: val_loss {row['val_loss']:.4f}  {extra} {row[extra]:.3f}"
     (bar.write if bar is not None and distributed.is_main() else lambda t: distributed.print0(t))(text)
     return row
 
@@ -257,8 +265,10 @@ def _train(run: Run, stop: Stop) -> dict:
         "step": run.step,
         "steps_run": run.step - start_step,
         "wall_s": time.perf_counter() - t0,
-        "val_bpb_start": first["val_bpb"] if first else None,
-        "val_bpb_end": last["val_bpb"],
+        "val_bpb_start": first.get("val_bpb") if first else None,
+        "val_bpb_end": last.get("val_bpb"),  # None for DPO: its validation row is its loss and rewards
+        "val_loss_start": first["val_loss"] if first else None,
+        "val_loss_end": last["val_loss"],
         "out": str(run.ckpt.directory),
     }
     _finish(run, summary)

@@ -86,10 +86,17 @@ def accumulate(grad_fn, params, batch, accum_steps: int):
     return ((mean(value[0]), value[1]) if isinstance(value, tuple) else mean(value)), mean(grads)
 
 
-def make_step(grad_fn, optimizer: optax.GradientTransformation, ocfg: OptimConfig, clip_fn=None):
+def make_step(
+    grad_fn,
+    optimizer: optax.GradientTransformation,
+    ocfg: OptimConfig,
+    clip_fn=None,
+    aux_key: str = "routing",
+):
     """(params, opt_state, batch[, healthy]) -> (params, opt_state, metrics); jit it with donated
     buffers. metrics: "loss", "grad_norm", and "ok" (whether this step updated the state); with a
-    grad_fn whose value is (loss, aux), also "routing": the aux (not part of the loss or gradients)."""
+    grad_fn whose value is (loss, aux), also ``aux_key``: the aux (not part of the loss or gradients;
+    "routing": a mixture of experts' statistics, "dpo": DPO's reward metrics)."""
     clip_fn = clip_fn or (lambda g: clip_by_global_norm(g, ocfg.clip_norm))
 
     def step(params, opt_state, batch, healthy=None):
@@ -109,6 +116,6 @@ def make_step(grad_fn, optimizer: optax.GradientTransformation, ocfg: OptimConfi
         keep = lambda new, old: jnp.where(finite, new, old)
         params, opt_state = jax.tree.map(keep, (new_params, new_state), (params, opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "ok": finite}
-        return params, opt_state, metrics if aux is None else {**metrics, "routing": aux}
+        return params, opt_state, metrics if aux is None else {**metrics, aux_key: aux}
 
     return step

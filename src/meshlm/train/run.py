@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from meshlm.data.corpus import load_splits
 from meshlm.data.device_batches import eval_arrays
@@ -28,13 +29,14 @@ from meshlm.io.model_io import FORMAT, load_model, read_config
 from meshlm.io.run_lock import RunLock, lock_run
 from meshlm.io.tokenizer_file import TOKENIZER_FILE
 from meshlm.model.config import ModelConfig, get_config
+from meshlm.model.masked import loss_weights
 from meshlm.model.transformer import param_shapes
 from meshlm.parallel import distributed
 from meshlm.parallel.layout import Layout
 from meshlm.settings import toml_text
 from meshlm.sharding.rules import model_specs, shardings
 from meshlm.sharding.strategy import strategy
-from meshlm.train import outputs
+from meshlm.train import dpo_run, outputs
 from meshlm.train.config import TrainConfig, recorded_settings, resolve, with_moe_settings
 from meshlm.train.metrics import OUTPUTS, SETTINGS, MetricsLog
 from meshlm.train.resume import check_existing, model_meta
@@ -95,8 +97,13 @@ def _load_data(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, tok: Tokeniz
     layout.check_batch(tcfg.batch_size, tcfg.accum_steps)
     batcher = Batcher(train, tcfg.seq_len, tcfg.batch_size, tcfg.seed)
     val_batches = Batcher(val, tcfg.seq_len, tcfg.micro_batch, tcfg.seed).eval_batches(tcfg.eval_batches)
-    targets = sum(b["targets"].size for b in val_batches)
-    info["val_bytes_per_token"] = sum(int(tok.token_bytes[b["targets"]].sum()) for b in val_batches) / targets
+    # a chat store's validation counts the targets it trains on (its loss mask), as its loss does
+    masks = [b.get("loss_mask", np.ones(b["targets"].shape, np.uint8)) for b in val_batches]
+    targets = max(sum(int(m.sum()) for m in masks), 1)
+    info["val_bytes_per_token"] = (
+        sum(int((tok.token_bytes[b["targets"]] * m).sum()) for b, m in zip(val_batches, masks, strict=True))
+        / targets
+    )
     return batcher, val_batches, info
 
 
@@ -127,9 +134,8 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs: d
         params = jax.device_put(params, shardings(specs, layout.mesh))  # onto FSDP slices, if asked
     else:
         params, _ = init_model(cfg, layout, tcfg.seed, specs=specs)
-    step_fn, opt = sharded_step(
-        step_config(tcfg, cfg), tcfg.optim(), layout, specs, params, COMPUTE_DTYPES[tcfg.compute_dtype]
-    )
+    dtype, dpo = COMPUTE_DTYPES[tcfg.compute_dtype], dpo_run.dpo_args(tcfg)
+    step_fn, opt = sharded_step(step_config(tcfg, cfg), tcfg.optim(), layout, specs, params, dtype, dpo)
     opt_state = init_opt_state(opt, params, specs, layout.mesh)
     step = 0
     target = {"params": params, "opt_state": opt_state}
@@ -215,7 +221,8 @@ def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lamb
     tcfg, cfg = run_model(tcfg)
     cfg = with_moe_settings(tcfg, cfg)
     layout = run_layout(tcfg, where)
-    store = store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store (checked) or None
+    dpo = tcfg.objective == "dpo"  # --data: pairs (``train.dpo_run``)
+    store = None if dpo else store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store or None
     specs = run_specs(tcfg, cfg, layout)  # bad --fsdp / --sp combinations fail before the data is read
     if tcfg.fsdp and layout.dp == 1:
         distributed.print0(
@@ -227,13 +234,17 @@ def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lamb
     if tcfg.doc_mask:  # recorded in the checkpoint's model config: eval and verify --checkpoint apply it
         cfg = cfg.replace(doc_mask=tok.eod_id)
     out = Path(tcfg.out)
-    batcher, val, info = _load_data(tcfg, cfg, layout, tok, store)
-    distributed.print0(
-        f"data: {info['source']}; train {info['train_bytes']:,} bytes in {info['train_files']} "
-        f"files, validation {info['val_bytes']:,} bytes in {info['val_files']}; {info['tokenizer']}"
-        + (f"; {info['skipped']}" if info.get("skipped") else ""),
-        file=sys.stderr,
-    )
+    if dpo:
+        batcher, val, line = dpo_run.load_pairs(tcfg, cfg, layout, tok)
+        info = {"val_bytes_per_token": 0.0}  # no bits per byte: DPO's validation is its own loss
+    else:
+        batcher, val, info = _load_data(tcfg, cfg, layout, tok, store)
+        line = (
+            f"data: {info['source']}; train {info['train_bytes']:,} bytes in {info['train_files']} "
+            f"files, validation {info['val_bytes']:,} bytes in {info['val_files']}; {info['tokenizer']}"
+            + (f"; {info['skipped']}" if info.get("skipped") else "")
+        )
+    distributed.print0(line, file=sys.stderr)
     startup_check()
     before = outputs.entries(out)  # what a refused start leaves as it was
     lock = lock_run(out)  # before anything in `out` is read or written; creates it
@@ -265,8 +276,11 @@ def _write_settings(out: Path, tcfg: TrainConfig, layout: Layout) -> None:
 
 
 def _eval_loss(cfg: ModelConfig, layout: Layout, specs, dtype):
-    """The validation loss: sharded (``shard_map``), or under pp the plain model partitioned by XLA."""
-    return strategy(layout).loss(cfg, layout, specs, dtype)
+    """The validation loss: sharded (``shard_map``), or under pp the plain model partitioned by XLA; of a
+    chat store's batch, the masked loss Σ(mask · loss) / Σ mask (``loop.evaluate`` weighs the batches
+    by their mask counts)."""
+    loss = strategy(layout).loss(cfg, layout, specs, dtype)
+    return lambda params, batch: loss(params, loss_weights(batch))
 
 
 def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs, out: Path, batcher, val, lock) -> Run:
@@ -279,6 +293,11 @@ def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs, out: Path
     else:
         log.truncate_after(step, redo_eval=step >= tcfg.steps)
     dtype = COMPUTE_DTYPES[tcfg.compute_dtype]
+    eval_fn = jax.jit(_eval_loss(step_config(tcfg, cfg), layout, specs, dtype))
+    if tcfg.objective == "dpo":  # the reference's log-probs (computed or read back), DPO's validation
+        val, eval_fn = dpo_run.validation(
+            tcfg, step_config(tcfg, cfg), layout, specs, params, step, batcher, val
+        )
     return Run(
         tcfg=tcfg,
         cfg=cfg,
@@ -288,7 +307,7 @@ def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs, out: Path
         opt_state=opt_state,
         step=step,
         step_fn=step_fn,
-        eval_fn=jax.jit(_eval_loss(step_config(tcfg, cfg), layout, specs, dtype)),
+        eval_fn=eval_fn,
         batcher=batcher,
         val=eval_arrays(val, layout),
         ckpt=ckpt,

@@ -54,14 +54,22 @@ def init_model(cfg: ModelConfig, where, seed: int, dtype=None, specs: dict | Non
     )
 
 
-def sharded_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, specs, params, compute_dtype=None):
+def sharded_step(
+    cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, specs, params, compute_dtype=None, dpo=None
+):
     """(step_fn, optimizer): step_fn(params, opt_state, batch) -> (params, opt_state, metrics) (a
     mixture of experts' metrics: also "routing", the step's routing statistics, ``train.routing``).
 
     ``params`` may be arrays or ShapeDtypeStructs (ahead-of-time compilation). With ``layout.fsdp``
-    ``specs`` must split weights over DP (``model_specs`` on that layout; checked)."""
+    ``specs`` must split weights over DP (``model_specs`` on that layout; checked). ``dpo``: (beta,
+    loss): DPO's step instead (``train.dpo``; its metrics also "dpo", the reward statistics)."""
     check_fsdp_specs(specs, layout.fsdp)
     opt = adamw(ocfg, params)
+    if dpo is not None:
+        from meshlm.train.dpo import dpo_value_and_grad
+
+        grad = dpo_value_and_grad(cfg, layout, specs, beta=dpo[0], loss=dpo[1], compute_dtype=compute_dtype)
+        return jax.jit(make_step(grad, opt, ocfg, aux_key="dpo"), donate_argnums=(0, 1)), opt
     # sharded (one shard_map) or, with a pipeline, through its schedule: the layout's strategy; either
     # way a mixture of experts also returns its routing statistics (``make_step``: metrics)
     routing = cfg.arch.moe

@@ -1,0 +1,171 @@
+"""Preference pairs for DPO: (prompt, chosen, rejected) records to rows of tokens and a completion mask.
+
+Each record (JSONL, .jsonl.gz/.zst, Parquet or Arrow) has ``prompt``, ``chosen`` and ``rejected``
+strings. A completion is rendered with its prompt by one rule:
+
+* a tokenizer with a chat template (``--checkpoint`` or ``--tokenizer`` a directory that has one):
+  the prompt as the user turn and the completion as the assistant turn (``data.chat``'s rendering,
+  ``--train-on last``): the completion's tokens are the assistant turn's, its end-of-turn included;
+* else plain concatenation: the prompt's ids, the completion's ids, then EOD (in the completion).
+
+A completion row is ``seq_len + 1`` tokens padded with EOD: its inputs the first ``seq_len``, its
+targets the last; ``completion_mask`` [T] is 1 on the targets that are completion tokens. A pair whose
+chosen or rejected does not fit a row, or whose completion is empty, is dropped and counted (a cut
+completion would teach a preference for text that stops mid-sentence). Pairs split into train and
+validation by the sha1 of each record (``records.row_is_val``), at least one pair in each.
+
+Batches hold whole pairs: rows 2i (chosen) and 2i + 1 (rejected) of pair i; the pairs of step s are
+``default_rng([seed, s]).integers(0, pairs, B / 2)``, a pure function of (seed, step).
+
+This module must not import jax: it runs before the CLI has chosen the devices.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from meshlm.data.chat_store import read_records
+from meshlm.data.records import row_is_val
+from meshlm.errors import DataError
+
+FIELDS = ("prompt", "chosen", "rejected")
+KEYS = ("inputs", "targets", "completion_mask", "ref_logps")  # a DPO batch's entries
+VAL_FRACTION = 0.1
+
+
+class Renderer:
+    """(prompt, completion) -> (ids int32 [n], 1 on the completion's tokens uint8 [n]) by the rule above."""
+
+    def __init__(self, tok, template=None):
+        self.tok, self.template = tok, template
+
+    @property
+    def rule(self) -> str:
+        return (
+            "chat template (user prompt, assistant completion)"
+            if self.template
+            else "prompt + completion + EOD"
+        )
+
+    def __call__(self, prompt: str, completion: str) -> tuple[np.ndarray, np.ndarray]:
+        if self.template is not None:
+            turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+            return self.template.encode(turns, "last")
+        head = np.asarray(self.tok.encode(prompt), np.int32)
+        tail = np.append(np.asarray(self.tok.encode(completion), np.int32), np.int32(self.tok.eod_id))
+        mask = np.concatenate([np.zeros(len(head), np.uint8), np.ones(len(tail), np.uint8)])
+        return np.concatenate([head, tail]), mask
+
+
+def renderer_for(tok, *directories) -> Renderer:
+    """The chat template of the first of ``directories`` (a checkpoint or tokenizer directory) that
+    has one, else plain concatenation (the rule the run's ``data:`` line states)."""
+    from meshlm.data.chat_store import load_template
+
+    for directory in directories:
+        if directory and Path(directory).is_dir():
+            try:
+                return Renderer(tok, load_template(directory))
+            except DataError:  # no template there (or no HF tokenizer): the next, else plain
+                pass
+    return Renderer(tok)
+
+
+@dataclass
+class PairRows:
+    """Pairs as rows: tokens [2N, T + 1] int32 and completion_mask [2N, T] uint8 (of the targets)."""
+
+    tokens: np.ndarray
+    mask: np.ndarray
+
+    @property
+    def pairs(self) -> int:
+        return len(self.tokens) // 2
+
+    def rows(self, index: np.ndarray, ref: np.ndarray | None) -> dict:
+        out = {"inputs": self.tokens[index, :-1], "targets": self.tokens[index, 1:]}
+        out["completion_mask"] = self.mask[index]
+        if ref is not None:
+            out["ref_logps"] = ref[index]
+        return out
+
+
+def read_pairs(paths) -> list[tuple[str, dict]]:
+    """(where, record) of every pair in ``paths``; a record without the three strings is one error."""
+    out = []
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise DataError(f"--data {path}: no such file; DPO takes JSONL or Parquet files of pairs")
+        for where, row in read_records(path):
+            if not all(isinstance(row.get(k), str) for k in FIELDS):
+                raise DataError(
+                    f"{where} is not a preference pair: give it `prompt`, `chosen` and `rejected` strings"
+                )
+            out.append((where, row))
+    if not out:
+        raise DataError(f"--data {' '.join(map(str, paths))}: no preference pair in it")
+    return out
+
+
+def encode_pairs(records, render: Renderer, seq_len: int, eod: int) -> tuple[PairRows, PairRows, int]:
+    """(train rows, validation rows, pairs dropped) of ``records`` (``read_pairs``)."""
+    splits: dict[bool, list] = {False: [], True: []}
+    dropped = 0
+    for _, row in records:
+        encoded = [render(row["prompt"], row[k]) for k in ("chosen", "rejected")]
+        if any(len(ids) > seq_len + 1 or not mask[1:].any() for ids, mask in encoded):
+            dropped += 1
+            continue
+        key = json.dumps(row, sort_keys=True).encode("utf-8")
+        splits[row_is_val(key, VAL_FRACTION)].append(encoded)
+    train, val = splits[False], splits[True]
+    if len(train) + len(val) < 2:
+        raise DataError(
+            f"DPO needs at least 2 pairs that fit --seq-len {seq_len} (one to train, one to validate); "
+            f"{dropped} of {len(records)} did not fit: raise --seq-len or add pairs"
+        )
+    if not val or not train:  # a tiny file: one pair moves over
+        train, val = (train[:-1], train[-1:]) if not val else (val[-1:], val[:-1])
+    return _rows(train, seq_len, eod), _rows(val, seq_len, eod), dropped
+
+
+def _rows(pairs: list, seq_len: int, eod: int) -> PairRows:
+    tokens = np.full((2 * len(pairs), seq_len + 1), eod, np.int32)
+    mask = np.zeros((2 * len(pairs), seq_len), np.uint8)
+    for r, (ids, m) in enumerate(row for pair in pairs for row in pair):
+        tokens[r, : len(ids)] = ids
+        mask[r, : len(ids) - 1] = m[1:]  # target t is token t + 1
+    return PairRows(tokens, mask)
+
+
+class PairBatcher:
+    """The step batches of pairs (module doc), in the text ``Batcher``'s interface (``device_batch``)."""
+
+    def __init__(self, rows: PairRows, global_batch: int, seed: int):
+        if global_batch % 2:
+            raise DataError(
+                f"--objective dpo takes pairs: --batch-size {global_batch} must be even (2 rows a pair)"
+            )
+        self.data, self.global_batch, self.seed = rows, global_batch, seed
+        self.seq_len = rows.mask.shape[1]
+        self.ref: np.ndarray | None = None  # the reference's per-target log-probs [2N, T] (``train.dpo_run``)
+        self.keys = KEYS
+
+    def index(self, step: int) -> np.ndarray:
+        picked = np.random.default_rng([self.seed, step]).integers(0, self.data.pairs, self.global_batch // 2)
+        return np.stack([2 * picked, 2 * picked + 1], axis=1).reshape(-1)
+
+    def batch(self, step: int, shard: int = 0, num_shards: int = 1) -> dict:
+        width = self.global_batch // num_shards
+        rows = self.index(step)[shard * width : (shard + 1) * width]
+        return self.data.rows(rows, self.ref)
+
+    def eval_batches(self, count: int) -> list[np.ndarray]:
+        """Row indices of up to ``count`` batches covering every pair once (the last filled cyclically)."""
+        n = -(-2 * self.data.pairs // self.global_batch)
+        order = np.arange(n * self.global_batch) % (2 * self.data.pairs)
+        return [order[i * self.global_batch : (i + 1) * self.global_batch] for i in range(min(n, count))]
