@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.model import moe
+from meshlm.model import moe, routers
 from meshlm.model.params import param_path
 from meshlm.parallel.axes import MP
 from meshlm.parallel.context import Parallel
@@ -54,12 +54,12 @@ def _top_k_higher_id_first(x, k: int):
 @contextmanager
 def ties_to_higher_id():
     """The routing's top-k breaks ties by the higher expert id while the sharded run traces."""
-    old = moe.TOP_K
-    moe.TOP_K = _top_k_higher_id_first
+    old = routers.TOP_K
+    routers.TOP_K = _top_k_higher_id_first
     try:
         yield
     finally:
-        moe.TOP_K = old
+        routers.TOP_K = old
 
 
 def not_renormalised(cfg):
