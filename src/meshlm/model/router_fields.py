@@ -60,10 +60,9 @@ _DEFAULTS = RouterFields()
 
 def check_router(cfg) -> None:
     """The router fields agree with each other and with the family (``ModelConfig``'s check)."""
-    changed = [n for n in RouterFields.__dataclass_fields__ if getattr(cfg, n) != getattr(_DEFAULTS, n)]
     if not cfg.arch.moe:
-        if changed:
-            raise ConfigError(f"{', '.join(changed)} need a mixture-of-experts family; drop them")
+        if fields := changed(cfg):
+            raise ConfigError(f"{', '.join(fields)} need a mixture-of-experts family; drop them")
         return
     if cfg.router_score not in SCORES:
         raise ConfigError(f"router_score is one of {', '.join(SCORES)}; got {cfg.router_score!r}")
@@ -83,3 +82,19 @@ def check_router(cfg) -> None:
             )
     if cfg.moe_bias_rate and not cfg.balance_bias:
         raise ConfigError(f"moe_bias_rate={cfg.moe_bias_rate} needs balance_bias=true (the bias it moves)")
+
+
+def changed(cfg) -> list[str]:
+    """The router and expert fields of ``cfg`` not at their defaults (today's softmax top-k)."""
+    return [n for n in RouterFields.__dataclass_fields__ if getattr(cfg, n) != getattr(_DEFAULTS, n)]
+
+
+def check_softmax_export(cfg) -> None:
+    """Refuse to export a model whose router or experts a softmax top-k family of transformers (Mixtral,
+    Qwen2/3-MoE, OLMoE) cannot express: every ``RouterFields`` field at its default."""
+    if fields := changed(cfg):
+        raise ConfigError(
+            f"transformers' {cfg.family} routes by a softmax top-k of plain gated-SiLU experts: "
+            f"{', '.join(f'{n}={getattr(cfg, n)!r}' for n in fields)} cannot be exported; set them to "
+            "their defaults"
+        )

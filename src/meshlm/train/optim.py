@@ -86,10 +86,14 @@ def accumulate(grad_fn, params, batch, accum_steps: int):
     return ((mean(value[0]), value[1]) if isinstance(value, tuple) else mean(value)), mean(grads)
 
 
-def make_step(grad_fn, optimizer: optax.GradientTransformation, ocfg: OptimConfig, clip_fn=None):
+def make_step(
+    grad_fn, optimizer: optax.GradientTransformation, ocfg: OptimConfig, clip_fn=None, balance=None
+):
     """(params, opt_state, batch[, healthy]) -> (params, opt_state, metrics); jit it with donated
     buffers. metrics: "loss", "grad_norm", and "ok" (whether this step updated the state); with a
-    grad_fn whose value is (loss, aux), also "routing": the aux (not part of the loss or gradients)."""
+    grad_fn whose value is (loss, aux), also "routing": the aux (not part of the loss or gradients).
+    ``balance``: (params, aux) -> params after AdamW, the state it does not own (a mixture of experts'
+    selection bias, ``model.routers.balance_update``; it needs the aux)."""
     clip_fn = clip_fn or (lambda g: clip_by_global_norm(g, ocfg.clip_norm))
 
     def step(params, opt_state, batch, healthy=None):
@@ -99,6 +103,8 @@ def make_step(grad_fn, optimizer: optax.GradientTransformation, ocfg: OptimConfi
         grads, grad_norm = clip_fn(grads)
         updates, new_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
+        if balance is not None:  # from the routing of the step's whole global batch
+            new_params = balance(new_params, aux)
         # A non-finite loss or gradient leaves the state untouched, so the caller can stop and save
         # the last good state (the inputs are donated: without this they would be gone).
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
