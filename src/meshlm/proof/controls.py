@@ -36,6 +36,7 @@ from meshlm.proof.family_faults import (
 )
 from meshlm.proof.moe_controls import MOE_CONTROLS
 from meshlm.proof.pipeline_verify import engine_sums_over_dp
+from meshlm.proof.router_controls import ROUTER_CONTROLS
 from meshlm.proof.taps import Tapped
 
 
@@ -344,6 +345,6 @@ CONTROLS += (  # Gemma 2's soft-capping: the cap must matter (as the document ma
 )
 CONTROLS += GEMMA_CONTROLS  # the soft-cap's order, Gemma 2/3's local and global layers
 
-CONTROLS += MOE_CONTROLS  # a mixture of experts' (``proof.moe_controls``)
+CONTROLS += MOE_CONTROLS + ROUTER_CONTROLS  # a mixture of experts' and its router record's
 
 __all__ = ["CONTROLS", "Control", "Where", "per_shard_clip"]

@@ -4,7 +4,7 @@ broken by the higher expert id, the combine weights' gradient not summed over mp
 is then wrong), Qwen2-MoE's shared expert counted on every mp shard or its gate's gradient not summed
 over mp, the aux-loss statistics not summed over the data shards, and (with a capacity factor) the
 capacity computed per shard: each shard ranks and drops among its own tokens only. ``proof.controls``
-lists them.
+lists them (the router record's: ``proof.router_controls``).
 
 A tie must exist for its control to show: ``plant_router_tie`` makes expert 1's router column a copy
 of expert 0's in every layer of the parameters *both* runs start from (``model_problem`` for a MoE

@@ -138,9 +138,9 @@ class Runs:
         step = make_step(grad, opt, ocfg, clip, balance)
         return jax.jit(step), (self.params, jax.jit(opt.init)(self.params))
 
-    def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False):
+    def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False, par_cls=Parallel):
         """Yield ((params, opt_state, metrics) sharded, the same unsharded) after each step."""
-        step, state = self.train_step(ocfg, clip_fault)
+        step, state = self.train_step(ocfg, clip_fault, par_cls)
         accum = ocfg.accum_steps > 1
         for b, ref in zip(batches, self.reference_train(ocfg, batches), strict=True):
             *state, metrics = step(*state, put_batch(b, self.layout, accum))

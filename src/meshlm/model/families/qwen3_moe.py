@@ -163,6 +163,21 @@ PRESETS: dict[str, dict] = {
         moe_bias_rate=1e-3,
         n_shared_experts=1,
     ),
+    # cpu-moe's router at tiny-qwen3-moe's size, for the tests: 8 experts in 4 groups of 2, each token's
+    # best 2 groups then its top 2; a faster bias rate, so a few steps move the load
+    "tiny-cpu-moe": dict(
+        qwen3.PRESETS["tiny-qwen3"],
+        n_experts=8,
+        experts_per_token=2,
+        moe_d_ff=32,
+        router_score="sigmoid",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        balance_bias=True,
+        moe_bias_rate=1e-2,
+        n_shared_experts=1,
+    ),
     "qwen3-30b-a3b": dict(
         vocab_size=151936,
         d_model=2048,
