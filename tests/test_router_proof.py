@@ -17,7 +17,7 @@ from meshlm.proof.router_controls import ROUTER_CONTROLS
 CFG = get_config("tiny-cpu-moe")
 
 
-def test_router_proven_under_ep_with_its_bias_bitwise_and_its_controls_detected():
+def test_router_proven_on_ep_with_its_bias_bitwise():
     from meshlm.proof import format_report, model_problem, verify
     from meshlm.proof.moe_controls import MOE_CONTROLS
 
