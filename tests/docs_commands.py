@@ -77,6 +77,7 @@ EP = "tests/test_ep.py::test_ep_with_fsdp_and_sp_equals_the_unsharded_model_and_
 MOE = "tests/test_moe.py::test_moe_proven_sharded_with_its_controls_detected"
 EP_PP = "tests/test_ep.py::test_ep_under_pp_equals_the_unsharded_model"
 EP_PP_CMD = "meshlm verify --config tiny-mixtral --pp 2 --mesh 2x1 --ep 2 --devices 4 --steps 2 --x64"
+ROUTER = "tests/test_router_proof.py::test_router_proven_on_ep_with_its_bias_bitwise"
 
 
 @dataclass(frozen=True)
@@ -431,6 +432,7 @@ COMMANDS: dict[str, Run | Shown] = {
     ),
     "meshlm verify --config tiny-qwen3-moe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
     "meshlm verify --config tiny-olmoe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
+    "meshlm verify --config cpu-moe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=ROUTER),
     **{
         f"meshlm verify --config tiny-mixtral --mesh {mesh} --devices {n} --steps 2 --x64 "
         "--moe-capacity-factor 0.5": verify(costly=CAPACITY)
@@ -461,6 +463,11 @@ COMMANDS: dict[str, Run | Shown] = {
     "--moe-capacity-factor 1.0 --eval-every 0 --sample-tokens 0 --out runs/moe": Shown(
         "the run behind docs/images/expert-load.png (a BPE tokenizer trained first: minutes); the routing "
         "metrics' path: " + ROUTING
+    ),
+    "meshlm train --config cpu-moe --steps 40 --batch-size 8 --seq-len 64 --eval-every 0 --sample-tokens 0 "
+    "--log-every 1 --save-every 20 --moe-bias-rate 0.01 --out runs/cpu-moe": Shown(
+        "the run behind the bias-balancing table (26.9M parameters: ~15 s a step here); the bias's update "
+        "and resume: tests/test_router_proof.py::test_bias_balancing_resumes_bitwise"
     ),
     "meshlm bench --config tiny-mixtral --mesh 2x1 --ep 2 --devices 2 --steps 5": Shown(
         "a measurement (5 implementations compiled and timed, ~1 min of CPU); bench's path: " + BENCH

@@ -34,3 +34,34 @@ def test_the_axis_recipe_names_real_files_and_what_they_hold():
     fields = set(Axis.__dataclass_fields__)
     for field in ("uses", "dims", "explain", "kernel", "baseline", "step"):
         assert field in fields and f"`{field}`" in recipe
+
+
+def test_the_router_recipe_names_real_files_and_what_they_hold():
+    """docs/architecture.md's "Adding a router": its files exist, at most 5 numbered ones (a router's
+    record, config field, rules row, control and family), and each name it quotes is where it says."""
+    from meshlm.model import moe, router_fields, routers
+    from meshlm.proof import reference, router_controls, taps
+    from meshlm.sharding.rules import logical_dims
+    from meshlm.train import optim
+
+    recipe = _section("Adding a router")
+    for path in FILE.findall(recipe):
+        base = path.split("<family>")[0]
+        assert (SRC / base).exists(), f"the recipe names {path}, which does not exist"
+    numbered = re.findall(r"^\d+\. `([\w/<>]+\.py)`", recipe, re.M)
+    assert numbered[0] == "model/routers.py" and len(numbered) <= 5, numbered
+    owners = {
+        routers: ("Router", "SCORE", "TOP_K", "combine_scores", "balance_update"),
+        routers.Router: ("of", "group_mask", "__call__"),
+        moe: ("route", "_router", "expert_activation"),
+        router_fields: ("RouterFields", "ROUTER_RANGES", "check_router", "check_softmax_export"),
+        router_controls: ("ROUTER_CONTROLS",),
+        taps.Tapped: ("group_scores",),
+        optim: ("make_step",),
+        reference: ("reference_step",),
+    }
+    for owner, names in owners.items():
+        for name in names:
+            assert re.search(rf"`(Router\.)?{re.escape(name)}`", recipe), name
+            assert hasattr(owner, name), f"the recipe names {name}, which {owner} lacks"
+    assert logical_dims("layers/moe/router/balance_bias") is not None  # its rules row

@@ -102,6 +102,7 @@ CONFIGS = {
     "tiny-mixtral 4x2 ep2 fsdp sp": ("tiny-mixtral", {}, Layout(dp=4, mp=2, ep=2, fsdp=True, sp=True), 4, 8),
     "tiny-qwen3-moe 2x2 ep2 (per-head q/k norm, experts)": ("tiny-qwen3-moe", ONE, EP2, 2, 8),
     "tiny-olmoe 2x2 ep2 (projection q/k norm, experts)": ("tiny-olmoe", ONE, EP2, 2, 8),
+    "tiny-cpu-moe 2x2 ep2 (sigmoid router, groups, selection bias)": ("tiny-cpu-moe", ONE, EP2, 2, 8),
     # a shared expert (its controls under SP) and a dense layer among the MoE layers (two stacks)
     "tiny-qwen2-moe 1x2 sp": ("tiny-qwen2-moe", {"n_layers": 2}, Layout(mp=2, sp=True), 1, 8),
     "tiny-llama pp2 gpipe": ("tiny-llama", {}, Layout(pp=2, microbatches=4, pp_schedule="gpipe"), 4, 8),

@@ -9,6 +9,7 @@ import pytest
 from meshlm.errors import ConfigError, ShardingError
 from meshlm.model import moe
 from meshlm.model.config import get_config
+from meshlm.model.routers import Router
 from meshlm.parallel.layout import Layout
 from meshlm.sharding.pipelined import check_pipelined
 
@@ -17,10 +18,10 @@ CFG = get_config("tiny-mixtral")
 
 def test_ties_go_to_the_lowest_expert_id():
     logits = jnp.array([[0.0, 1.0, 1.0, 2.0], [3.0, 3.0, 3.0, 0.0]])
-    _, weights, ids = moe.route(logits, 2, True)
+    _, weights, ids = moe.route(logits, 2, Router(renormalise=True))
     assert ids.tolist() == [[3, 1], [0, 1]]
     np.testing.assert_allclose(np.sum(weights, -1), 1.0, rtol=1e-6)
-    _, raw, _ = moe.route(logits, 2, False)  # not renormalised: the softmax's own values
+    _, raw, _ = moe.route(logits, 2, Router(renormalise=False))  # not renormalised: the softmax's own values
     np.testing.assert_allclose(
         raw, np.take_along_axis(np.asarray(jax.nn.softmax(logits)), np.asarray(ids), -1)
     )
@@ -32,7 +33,7 @@ def _stats(cfg, layers):
     logits = jnp.asarray(rng.normal(size=(layers, 12, cfg.n_experts)))
     rows = []
     for lg in logits:
-        probs, _, ids = moe.route(lg, cfg.experts_per_token, cfg.norm_topk_prob)
+        probs, _, ids = moe.route(lg, cfg.experts_per_token, Router.of(cfg))
         rows.append(moe.statistics(lg, probs, ids, cfg.n_experts))
     return jnp.stack(rows), logits
 

@@ -17,6 +17,7 @@ from meshlm.model.family import Family
 from meshlm.model.layer_kinds import check_dense_layers, layer_indices
 from meshlm.model.rope import RopeScaling
 from meshlm.model.rope import inv_freq as rope_inv_freq
+from meshlm.model.router_fields import ROUTER_RANGES, RouterFields, check_router
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
 ATTENTION = ("plain", "blockwise")  # see meshlm.model.attention and meshlm.model.blockwise
@@ -69,7 +70,7 @@ class LayerKindFields:
 
 
 @dataclass(frozen=True)
-class ModelConfig(LayerKindFields, MoEFields):
+class ModelConfig(LayerKindFields, RouterFields, MoEFields):
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
     d_model: int = 128  # residual stream width
@@ -142,6 +143,7 @@ class ModelConfig(LayerKindFields, MoEFields):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
         _check_plain_only(self)
         _check_moe(self)
+        check_router(self)
 
     @property
     def arch(self) -> Family:
@@ -190,7 +192,6 @@ class ModelConfig(LayerKindFields, MoEFields):
 
 
 def _check_attention(cfg: ModelConfig) -> None:
-    """The attention fields agree (families with attention only)."""
     if cfg.n_heads < 1:
         raise ConfigError(f"family {cfg.family!r} needs n_heads >= 1")
     if not cfg.head_dim and cfg.d_model % cfg.n_heads:
@@ -211,7 +212,6 @@ def _check_attention(cfg: ModelConfig) -> None:
 
 
 def _check_kinds(cfg: ModelConfig) -> None:
-    """The per-layer fields need attention (an ff stack has no layers of two kinds)."""
     for name in ("global_every", "attn_scalar", "rope_local_theta", "rope_linear"):
         if getattr(cfg, name) and not cfg.arch.attention:
             raise ConfigError(f"{name}={getattr(cfg, name)} needs a family with attention; set {name}=0")
@@ -230,7 +230,6 @@ MOE_AUX_LOSSES = ("hf", "per-layer")  # ``model.moe.balance_loss``
 
 
 def _check_moe(cfg: ModelConfig) -> None:
-    """The MoE fields agree with the family: sized where it has experts, zero where it has none."""
     if not cfg.arch.moe:
         sized = cfg.n_experts or cfg.experts_per_token or cfg.moe_d_ff or cfg.shared_expert_d_ff
         if sized or cfg.dense_layers or cfg.moe_capacity_factor or cfg.moe_aux_loss != MOE_AUX_LOSSES[0]:
@@ -277,6 +276,7 @@ RANGES: dict[str, Range] = {
     "router_aux_loss_coef": NON_NEGATIVE_FLOAT,
     "router_z_loss_coef": NON_NEGATIVE_FLOAT,
     "moe_capacity_factor": Range(float, 0, note="0: dropless"),
+    **ROUTER_RANGES,
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 
@@ -298,7 +298,7 @@ def field_names() -> list[str]:
     """ModelConfig's fields, its own first (family, vocab_size, ...), then its bases' (the per-layer
     kinds, the mixture of experts): the order messages list them in."""
     names = [f.name for f in dataclasses.fields(ModelConfig)]
-    bases = {f.name for base in (LayerKindFields, MoEFields) for f in dataclasses.fields(base)}
+    bases = {f.name for base in (LayerKindFields, RouterFields, MoEFields) for f in dataclasses.fields(base)}
     return [n for n in names if n not in bases] + [n for n in names if n in bases]
 
 

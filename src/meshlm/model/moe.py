@@ -1,15 +1,22 @@
 """The mixture-of-experts feed-forward (``Family.moe``: Mixtral's sparse block) and its losses.
 
-Per layer: a router (linear D -> E, computed in at least float32), softmax over the E experts, the top k
-(ties broken by the lowest expert index: ``lax.top_k``'s rule, the one rule everywhere), their weights
-renormalised to sum to 1 when ``norm_topk_prob``; each expert a gated MLP (silu(x W_gate) * (x W_up),
-then W_down) with ``moe_d_ff`` hidden units split over mp exactly as the dense MLP's; the output the
-combine-weighted sum of the k experts' outputs (partial over mp: the block adds it with ``par.row_out``).
+Per layer: a router (linear D -> E, computed in at least float32; with ``router_bias`` plus a bias),
+then the family's router record (``model.routers.Router``: softmax or sigmoid scores, an optional
+selection bias and expert groups, the top k with ties broken by the lowest expert id, the weights
+renormalised where ``norm_topk_prob`` says and scaled); each expert a gated MLP (silu(x W_gate) * (x W_up),
+or gpt-oss's clamped (up + 1) * gate * sigmoid(alpha * gate): ``expert_activation``; with ``expert_bias``
+biases on both projections) with ``moe_d_ff`` hidden units split over mp exactly as the dense MLP's; the
+output the combine-weighted sum of the k experts' outputs (partial over mp: the block adds it with
+``par.row_out``), plus the shared experts' (``_shared``).
 
 Parameters, inside the layer's module ``moe`` (global shapes; per shard the hidden units I are I/mp):
   router/w         [D, E]   replicated over mp (the routing is computed on the replicated input)
+  router/b         [E]      gpt-oss's router bias (``router_bias``)
+  router/balance_bias [E]   the selection bias (``balance_bias``: no gradient, ``model.routers``)
   experts/w_gate   [E, D, I] and experts/w_up [E, D, I]; experts/w_down [E, I, D]
+  experts/b_gate, b_up [E, I]; experts/b_down [E, D] replicated (``expert_bias``, gpt-oss)
   shared/...       Qwen2-MoE's shared expert (the dense MLP module) gated by sigmoid(x @ shared_gate/w [D, 1])
+  shared_experts/... ``n_shared_experts`` always-on experts, ungated: one dense MLP of n x moe_d_ff units
 
 Where the communication is: the router runs on the normalized input *before* ``par.f`` (replicated over
 mp, or with sp this shard's sequence slice), so its weight's gradient needs no mp sum; the combine
@@ -44,11 +51,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshlm.model.layers import MLP, upcast
+from meshlm.model.routers import BIAS, Router
 from meshlm.parallel.context import Parallel
 
-# The top-k of the routing: [.., E] -> (values, ids) [.., k], equal values in the order of their expert
-# ids (lax.top_k keeps the lower index first). A module attribute: the proof plants another tie rule.
-TOP_K = lax.top_k
 # The router's path suffix: a matmul weight replicated over mp (under sp its gradient is summed over mp,
 # as a norm's: ``perf.memory_collectives``).
 ROUTER = "moe/router/w"
@@ -56,21 +61,36 @@ ROUTER = "moe/router/w"
 
 def _params(scope: str, shapes: dict, stddev: float) -> list:
     """The parameters ``scope/name`` of the calling module, in the order of ``shapes`` (one scope: a
-    second would be named ``scope_1``; a function, not a method: Haiku names a method's scope after it)."""
+    second would be named ``scope_1``; a function, not a method: Haiku names a method's scope after it).
+    Weights (``w*``) start truncated-normal, biases (the other names) at 0."""
     init = hk.initializers.TruncatedNormal(stddev=stddev)
     with hk.name_scope(scope):
-        return [hk.get_parameter(name, shape, init=init) for name, shape in shapes.items()]
+        return [
+            hk.get_parameter(name, shape, init=init if name.startswith("w") else jnp.zeros)
+            for name, shape in shapes.items()
+        ]
 
 
-def route(logits, k: int, norm_topk_prob: bool):
-    """logits [.., E] (float32 or wider) -> (probs [.., E], combine weights [.., k], ids [.., k] int32):
-    softmax over all experts, then the k largest (ties: the lowest expert id first), renormalised to
-    sum to 1 when ``norm_topk_prob`` (Mixtral, Qwen3-MoE), else the softmax's own values (OLMoE)."""
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, ids = TOP_K(probs, k)
-    if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return probs, weights, ids.astype(jnp.int32)
+def route(logits, k: int, router: Router, bias=None, tap=lambda name, x: x):
+    """logits [.., E] (float32 or wider) -> (scores [.., E], combine weights [.., k], ids [.., k] int32):
+    the family's router record (``model.routers``); ``bias`` the selection bias [E] or None."""
+    return router(logits, k, bias, tap)
+
+
+def expert_activation(cfg):
+    """(gate, up) [.., I] -> the experts' gated hidden units: silu(gate) * up; with ``swiglu_limit`` the
+    gate clamped above and up on both sides first, with ``swiglu_alpha`` gpt-oss's
+    (up + 1) * gate * sigmoid(alpha * gate) (transformers' ``GptOssExperts._apply_gate``)."""
+    limit, alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+
+    def act(gate, up):
+        if limit:
+            gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        if alpha:
+            return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+        return jax.nn.silu(gate) * up
+
+    return act
 
 
 def statistics(logits, probs, ids, n_experts: int, keep=None):
@@ -119,16 +139,21 @@ def capacity_keep(cfg, par: Parallel, ids):
 class Experts:
     """The experts' gated MLPs on per-expert token buffers: [E_here, C, D] -> [E_here, C, D], partial
     over mp (each shard holds I/mp hidden units of every expert). ``n_local``: E_here, the experts this
-    shard holds (the leading dim of its expert weights)."""
+    shard holds (the leading dim of its expert weights). ``act``: ``expert_activation``; ``b_gate``,
+    ``b_up`` [E_here, I/mp]: the projections' biases (None: none; the down bias is ``MoE``'s)."""
 
-    def __init__(self, w_gate, w_up, w_down):
+    def __init__(self, w_gate, w_up, w_down, b_gate=None, b_up=None, act=None):
         self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
+        self.b_gate, self.b_up = b_gate, b_up
+        self.act = act or (lambda gate, up: jax.nn.silu(gate) * up)
         self.n_local = w_gate.shape[0]
 
     def __call__(self, xs):
-        h = jax.nn.silu(jnp.einsum("ecd,edi->eci", xs, self.w_gate))
-        h = h * jnp.einsum("ecd,edi->eci", xs, self.w_up)
-        return jnp.einsum("eci,eid->ecd", h, self.w_down)
+        gate = jnp.einsum("ecd,edi->eci", xs, self.w_gate)
+        up = jnp.einsum("ecd,edi->eci", xs, self.w_up)
+        if self.b_gate is not None:
+            gate, up = gate + self.b_gate[:, None], up + self.b_up[:, None]
+        return jnp.einsum("eci,eid->ecd", self.act(gate, up), self.w_down)
 
 
 class MoE(hk.Module):
@@ -143,9 +168,8 @@ class MoE(hk.Module):
     def __call__(self, xn):
         cfg, par = self.cfg, self.par
         d, e, k = xn.shape[-1], cfg.n_experts, cfg.experts_per_token
-        (router,) = _params("router", {"w": [d, e]}, self.stddev)
-        logits = upcast(xn) @ upcast(router)  # [B, T', E], at least float32 (float64 under --x64)
-        probs, weights, ids = route(logits, k, cfg.norm_topk_prob)
+        logits, bias = _router(cfg, xn, self.stddev)  # [B, T', E], at least float32 (float64 under --x64)
+        probs, weights, ids = route(logits, k, Router.of(cfg), bias, par.tap)
         keep = capacity_keep(cfg, par, ids) if self.dropping else None
         if keep is not None:  # a dropped choice's weight 0: its expert output contributes exactly 0
             weights = jnp.where(keep, weights, jnp.zeros((), weights.dtype))
@@ -154,19 +178,53 @@ class MoE(hk.Module):
         weights = par.tap("combine_weights", par.f(weights))  # its gradient: the mp sum of the partials
         el, fl = par.local_experts(e), cfg.moe_d_ff // par.layout.mp
         shapes = {"w_gate": [el, d, fl], "w_up": [el, d, fl], "w_down": [el, fl, d]}
-        experts = Experts(*_params("experts", shapes, self.stddev))
+        if cfg.expert_bias:
+            shapes.update(b_gate=[el, fl], b_up=[el, fl], b_down=[e, d])
+        w_gate, w_up, w_down, *biases = _params("experts", shapes, self.stddev)
+        experts = Experts(w_gate, w_up, w_down, *biases[:2], act=expert_activation(cfg))
         b, t = xf.shape[:2]
         out = par.experts(xf.reshape(b * t, d), ids.reshape(b * t, k), weights.reshape(b * t, k), experts)
         out = out.reshape(b, t, d)
-        if cfg.shared_expert_d_ff:  # Qwen2-MoE's shared expert, gated (``_shared``)
+        if biases:  # each chosen expert's down bias, weighted: once, on mp shard 0's partial
+            down = jnp.sum(weights[..., None] * biases[2][ids].astype(weights.dtype), axis=-2)
+            out = out + jnp.where(par.shard_index() == 0, down, jnp.zeros_like(down)).astype(out.dtype)
+        if cfg.n_shared_experts or cfg.shared_expert_d_ff:
             out = out + _shared(cfg, par, xf, self.stddev)
         return out, stats
 
 
+def _router(cfg, xn, stddev: float):
+    """The router's logits [B, T', E] (at least float32) and the selection bias [E] (its gradient
+    stopped: balancing moves it, ``model.routers``; None without one). A function: Haiku would name a
+    method's scope after it."""
+    e = cfg.n_experts
+    shapes = {"w": [xn.shape[-1], e], **({"b": [e]} if cfg.router_bias else {})}
+    shapes.update({BIAS: [e]} if cfg.balance_bias else {})
+    w, *rest = _params("router", shapes, stddev)
+    logits = upcast(xn) @ upcast(w)
+    if cfg.router_bias:
+        logits = logits + upcast(rest.pop(0))
+    return logits, (lax.stop_gradient(upcast(rest[0])) if rest else None)
+
+
 def _shared(cfg, par: Parallel, xf, stddev: float):
+    """The shared experts' output [B, T, D] partial over mp like the experts' (each shard holds 1/mp of
+    their hidden units; the block's ``par.row_out`` sums both once): ``n_shared_experts`` always on,
+    ungated (one MLP of n x moe_d_ff units: the n experts' sum), and Qwen2-MoE's ``_gated_shared``."""
+    parts = []
+    if cfg.n_shared_experts:
+        width = cfg.n_shared_experts * cfg.moe_d_ff
+        mlp = MLP(hidden_dim=width, par=par, kind="swiglu", bias=False, stddev_in=stddev, stddev_out=stddev,
+                  name="shared_experts")  # fmt: skip
+        parts.append(mlp(xf)[0])
+    if cfg.shared_expert_d_ff:
+        parts.append(_gated_shared(cfg, par, xf, stddev))
+    return sum(parts[1:], parts[0])
+
+
+def _gated_shared(cfg, par: Parallel, xf, stddev: float):
     """Qwen2-MoE's shared expert: a dense gated MLP on every token, times sigmoid(xf @ gate) -> [B, T, D]
-    partial over mp like the experts' output (each shard holds I_shared/mp of its hidden units; the
-    block's ``par.row_out`` sums both once). The gate [D, 1] is replicated over mp and computed on the
+    partial over mp like the experts' output. The gate [D, 1] is replicated over mp and computed on the
     column-parallel view xf (the whole sequence under sp too): each shard's gradient of it is its
     partial's share, summed over mp by JAX (the replicated weight meets mp-varying values)."""
     shared, _ = MLP(

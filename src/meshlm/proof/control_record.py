@@ -41,6 +41,9 @@ class Control:
     par_cls: type[Parallel] = Parallel  # the sharded run's parallel context
     cfg_change: Callable | None = None  # cfg -> cfg for the sharded run
     per_shard_clip: bool = False  # clip by a per-shard gradient norm (training step)
+    # run through one training step with ``par_cls``: a fault in the state the step moves outside the
+    # gradients (a mixture of experts' selection bias, ``proof.router_controls``)
+    train_step: bool = False
     by_collectives: bool = False  # detected by the communication check, not by values
     params_change: Callable | None = None  # (cfg, params) -> the sharded run's parameters
     plant: Callable | None = None  # () -> a context manager planting the fault while the sharded run traces

@@ -71,11 +71,11 @@ def crash_error(name: str, e: BaseException) -> VerifierError:
 def _control_results(control: Control, runs: Runs, ocfg, rtol, atol) -> list[LeafResult]:
     problem = runs.problem
     results: dict[str, LeafResult] = {}
-    if control.per_shard_clip:
+    if control.per_shard_clip or control.train_step:
         (_, gr) = runs.reference_grads()
         ocfg = ocfg or default_optim(1, float(clip_by_global_norm(gr, 0)[1]))
         batches = step_batches(problem, 1, ocfg.accum_steps, 0)
-        for (ps, ss, _), (pr, sr, _) in runs.train(ocfg, batches, clip_fault=True):
+        for (ps, ss, _), (pr, sr, _) in runs.train(ocfg, batches, control.per_shard_clip, control.par_cls):
             compare_into(results, (ps, ss), (pr, sr), rtol, atol)
     else:
         lr, gr = runs.reference_grads()  # outside the plant: the reference never runs the fault
@@ -110,9 +110,9 @@ def trace_control(control: Control, runs: Runs, ocfg=None, fault: bool = True):
     rejects a program at trace time too (``is_vma_rejection``: a detection, not a crash). ``fault``
     False: the clipping fault's training step with the right clip (``proof.inertness``' twin)."""
     problem = runs.problem
-    if control.per_shard_clip:
+    if control.per_shard_clip or control.train_step:
         ocfg = ocfg or default_optim(1, 1.0)  # the clip norm's value does not change the program
-        step, state = runs.train_step(ocfg, clip_fault=fault)
+        step, state = runs.train_step(ocfg, fault and control.per_shard_clip, control.par_cls)
         batch = step_batches(problem, 1, ocfg.accum_steps, 0)[0]
         return step.trace(*state, put_batch(batch, runs.layout, ocfg.accum_steps > 1))
     if control.by_collectives:  # the train step whose compiled collectives ``_by_collectives`` counts

@@ -34,6 +34,7 @@ from meshlm.proof.family_faults import (
 )
 from meshlm.proof.moe_controls import MOE_CONTROLS
 from meshlm.proof.pipeline_verify import engine_sums_over_dp
+from meshlm.proof.router_controls import ROUTER_CONTROLS
 from meshlm.proof.taps import Tapped
 
 
@@ -330,6 +331,6 @@ CONTROLS += (  # the q/k norms of Qwen3 (per head) and OLMo 2 (``proof.family_fa
 
 CONTROLS += GEMMA_CONTROLS  # Gemma 2's score and logit caps (off, out of order), Gemma 2/3's layer kinds
 
-CONTROLS += MOE_CONTROLS  # a mixture of experts' (``proof.moe_controls``)
+CONTROLS += MOE_CONTROLS + ROUTER_CONTROLS  # a mixture of experts' and its router record's
 
 __all__ = ["CONTROLS", "Control", "Where", "per_shard_clip"]

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.model import moe
+from meshlm.model import routers
 from meshlm.model.moe import moe_losses
 from meshlm.parallel.axes import DP, EP, MP
 from meshlm.parallel.context import Parallel
@@ -81,12 +81,12 @@ def _top_k_own_shard_first(x, k: int):
 @contextmanager
 def ties_to_own_shard():
     """The routing's top-k breaks ties by shard-local index while the sharded run traces."""
-    old = moe.TOP_K
-    moe.TOP_K = _top_k_own_shard_first
+    old = routers.TOP_K
+    routers.TOP_K = _top_k_own_shard_first
     try:
         yield
     finally:
-        moe.TOP_K = old
+        routers.TOP_K = old
 
 
 def _ep(w: Where) -> bool:

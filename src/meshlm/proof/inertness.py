@@ -61,7 +61,9 @@ def _values(jaxpr):
 def _kind(control) -> tuple[bool, bool]:
     """Which program a control runs: the loss and gradients (a pipeline control's too), the training
     step (the clipping fault), or the communication check's step."""
-    return (False, False) if isinstance(control, str) else (control.per_shard_clip, control.by_collectives)
+    if isinstance(control, str):
+        return (False, False)
+    return (control.per_shard_clip or control.train_step, control.by_collectives)
 
 
 def _unplanted(kind: tuple[bool, bool]) -> Control:

@@ -4,7 +4,7 @@ broken by the higher expert id, the combine weights' gradient not summed over mp
 is then wrong), Qwen2-MoE's shared expert counted on every mp shard or its gate's gradient not summed
 over mp, the aux-loss statistics not summed over the data shards, and (with a capacity factor) the
 capacity computed per shard: each shard ranks and drops among its own tokens only. ``proof.controls``
-lists them.
+lists them (the router record's: ``proof.router_controls``).
 
 A tie must exist for its control to show: ``plant_router_tie`` makes expert 1's router column a copy
 of expert 0's in every layer of the parameters *both* runs start from (``model_problem`` for a MoE
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.model import moe
+from meshlm.model import moe, routers
 from meshlm.model.params import param_path
 from meshlm.parallel.axes import MP
 from meshlm.parallel.context import Parallel
@@ -54,12 +54,12 @@ def _top_k_higher_id_first(x, k: int):
 @contextmanager
 def ties_to_higher_id():
     """The routing's top-k breaks ties by the higher expert id while the sharded run traces."""
-    old = moe.TOP_K
-    moe.TOP_K = _top_k_higher_id_first
+    old = routers.TOP_K
+    routers.TOP_K = _top_k_higher_id_first
     try:
         yield
     finally:
-        moe.TOP_K = old
+        routers.TOP_K = old
 
 
 def not_renormalised(cfg):

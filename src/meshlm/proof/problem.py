@@ -80,6 +80,10 @@ def model_problem(
         from meshlm.proof.moe_controls import plant_router_tie
 
         prepare = partial(plant_router_tie, ep=layout.ep)
+        if cfg.balance_bias:  # a nonzero selection bias, keeping the tie (``proof.router_controls``)
+            from meshlm.proof.router_controls import plant_balance_bias
+
+            prepare = lambda p, tie=prepare: plant_balance_bias(tie(p), ep=layout.ep)
     return Problem(
         prepare_params=prepare,
         build_loss=rebuild(cfg),

@@ -50,10 +50,13 @@ def reference_optimizer(ocfg: OptimConfig, params) -> optax.GradientTransformati
     return adamw(ocfg, params)
 
 
-def reference_step(grad_fn, ocfg: OptimConfig, optimizer: optax.GradientTransformation):
+def reference_step(grad_fn, ocfg: OptimConfig, optimizer: optax.GradientTransformation, bias_rate=None):
     """(params, opt_state, batch) -> (params, opt_state, {"loss"}): mean over micro-batches (a Python
     loop), ``optax.clip_by_global_norm``, then ``optimizer``. Batch leaves are [A, B, T] with
-    accumulation (A = ``ocfg.accum_steps``), else [B, T]."""
+    accumulation (A = ``ocfg.accum_steps``), else [B, T]. ``bias_rate`` (a mixture of experts that
+    balances by a selection bias; ``grad_fn``'s value is then (loss, routing statistics [L, 2E + 3])):
+    after AdamW each layer's bias moves by rate x sign(mean load - load), the loads summed over the
+    micro-batches (``_balanced``: written here, not ``model.routers``')."""
     clip = optax.clip_by_global_norm(ocfg.clip_norm) if ocfg.clip_norm else optax.identity()
     accum = ocfg.accum_steps
 
@@ -64,10 +67,30 @@ def reference_step(grad_fn, ocfg: OptimConfig, optimizer: optax.GradientTransfor
             batch["weights"] = mask * mask.size / jnp.maximum(mask.sum(), 1)
         micro = [batch] if accum == 1 else [jax.tree.map(lambda x, a=a: x[a], batch) for a in range(accum)]
         losses, grads = zip(*(grad_fn(params, m) for m in micro), strict=True)
+        if bias_rate is not None:
+            losses, stats = zip(*losses, strict=True)
         loss = sum(losses) / accum
         grads = jax.tree.map(lambda *g: sum(g) / accum, *grads)
         grads, _ = clip.update(grads, clip.init(params))
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"loss": jnp.asarray(loss)}
+        params = optax.apply_updates(params, updates)
+        if bias_rate is not None:
+            params = _balanced(params, sum(stats), bias_rate)
+        return params, opt_state, {"loss": jnp.asarray(loss)}
 
     return step
+
+
+def _balanced(params, stats, rate: float):
+    """Every ``.../moe/router/balance_bias`` [L, E] plus rate x sign(its layer's mean load - the
+    expert's load), the loads the first E columns of ``stats`` [L, 2E + 3] (DeepSeek-V3's update)."""
+    out = {}
+    for module, leaves in params.items():
+        out[module] = dict(leaves)
+        if module.endswith("moe/router") and "balance_bias" in leaves:
+            bias = leaves["balance_bias"]
+            load = stats[:, : bias.shape[-1]]
+            out[module]["balance_bias"] = bias + (
+                rate * jnp.sign(load.mean(-1, keepdims=True) - load)
+            ).astype(bias.dtype)
+    return out

@@ -32,6 +32,7 @@ import numpy as np
 
 from meshlm.model import moe
 from meshlm.model.layers import upcast
+from meshlm.model.routers import BIAS, Router
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.placement import batch_spec, to_host
 from meshlm.proof.report import check_row
@@ -54,7 +55,9 @@ def _intercept(par: Parallel):
         xn, cfg = args[0], context.module.cfg
         k, e = cfg.experts_per_token, cfg.n_experts
         router = par.param(seen["w"], (xn.shape[-1], e), norm=False)  # an FSDP slice gathered
-        probs, _, ids = moe.route(upcast(xn) @ upcast(router), k, cfg.norm_topk_prob)
+        logits = upcast(xn) @ upcast(router) + (upcast(seen["b"]) if "b" in seen else 0)
+        bias = upcast(seen[BIAS]) if BIAS in seen else None
+        probs, _, ids = moe.route(logits, k, Router.of(cfg), bias)
         top = jnp.sort(probs, axis=-1)  # ascending
         margin = top[..., e - k] - (top[..., e - k - 1] if e > k else 0.0)
         # one array, as the statistics are (a stack that joins runs of layers concatenates them)
@@ -65,8 +68,9 @@ def _intercept(par: Parallel):
 
 def _record_router(seen: dict, next_getter, value, context):
     value = next_getter(value)
-    if context.full_name.endswith(moe.ROUTER):
-        seen["w"] = value
+    head, _, name = context.full_name.rpartition("/")
+    if head.endswith(moe.ROUTER.rpartition("/")[0]):  # moe/router: w, and b or the selection bias
+        seen[name] = value
     return value
 
 

@@ -11,6 +11,8 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from meshlm.model.routers import balance_update, balances
+from meshlm.model.transformer import loss_fn
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding, put_global, to_host
@@ -57,10 +59,11 @@ class Runs:
         # the whole pipeline is seconds). Shared by the copies ``proof.pipeline_verify`` makes.
         self.traced: dict[str, tuple] = {}
 
-    def value_and_grad(self, build_loss, par_cls=Parallel, pipe_cls=None, cfg=None):
+    def value_and_grad(self, build_loss, par_cls=Parallel, pipe_cls=None, cfg=None, routing=False):
         """The sharded fn(params, batch) -> (loss, grads); with pp the problem's model (or ``cfg``, a
         control's changed one: the pipeline runs the model's pieces, not ``build_loss``) through the
-        pipeline (``pipe_cls``: a control's engine), NaN in every bubble: it must never reach a result."""
+        pipeline (``pipe_cls``: a control's engine), NaN in every bubble: it must never reach a result.
+        ``routing``: ``build_loss`` returns (loss, routing statistics), and so does the function."""
         return strategy(self.layout).value_and_grad(
             cfg or self.problem.cfg,
             self.layout,
@@ -69,6 +72,7 @@ class Runs:
             par_cls=par_cls,
             pipe_cls=pipe_cls,
             fill=float("nan"),
+            routing=routing,
         )
 
     def sharded_fn(self, build_loss, par_cls=Parallel, pipe_cls=None, cfg=None):
@@ -120,7 +124,12 @@ class Runs:
         if key not in cache:
             opt = reference_optimizer(ocfg, self.ref_params)
             state, out = (self.ref_params, jax.jit(opt.init)(self.ref_params)), []
-            step = reference_step(reference_value_and_grad(self.ref_loss), ocfg, opt)
+            cfg = self.problem.reference_cfg or self.problem.cfg
+            if cfg is not None and balances(cfg):  # the loss returns the routing: the bias's update
+                grad = reference_value_and_grad(lambda par: loss_fn(cfg, par, True), has_aux=True)
+                step = reference_step(grad, ocfg, opt, bias_rate=cfg.moe_bias_rate)
+            else:
+                step = reference_step(reference_value_and_grad(self.ref_loss), ocfg, opt)
             first = jax.device_put(batches[0], self.device)
             program = self._checked(CheckedProgram("train step", step, *state, first))
             for b in batches:
@@ -129,16 +138,22 @@ class Runs:
             cache[key] = out
         return cache[key]
 
-    def train_step(self, ocfg: OptimConfig, clip_fault: bool = False):
-        """The sharded training step (jitted, not yet traced) and its initial (params, opt_state)."""
+    def train_step(self, ocfg: OptimConfig, clip_fault: bool = False, par_cls=Parallel):
+        """The sharded training step (jitted, not yet traced) and its initial (params, opt_state); a
+        mixture of experts that balances by a selection bias moves it after AdamW (``make_step``), from
+        the routing statistics its loss then returns. ``par_cls``: a control's parallel context."""
         opt = adamw(ocfg, self.params)
-        grad = self.value_and_grad(self.problem.build_loss)
+        cfg = self.problem.cfg
+        balance = None if cfg is None else balance_update(cfg)
+        build = self.problem.build_loss if balance is None else (lambda par: loss_fn(cfg, par, True))
+        grad = self.value_and_grad(build, par_cls, routing=balance is not None)
         clip = per_shard_clip(self.mesh, self.specs, ocfg.clip_norm) if clip_fault else None
-        return jax.jit(make_step(grad, opt, ocfg, clip)), (self.params, jax.jit(opt.init)(self.params))
+        step = make_step(grad, opt, ocfg, clip, balance=balance)
+        return jax.jit(step), (self.params, jax.jit(opt.init)(self.params))
 
-    def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False):
+    def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False, par_cls=Parallel):
         """Yield ((params, opt_state, metrics) sharded, the same unsharded) after each step."""
-        step, state = self.train_step(ocfg, clip_fault)
+        step, state = self.train_step(ocfg, clip_fault, par_cls)
         accum = ocfg.accum_steps > 1
         for b, ref in zip(batches, self.reference_train(ocfg, batches), strict=True):
             *state, metrics = step(*state, put_batch(b, self.layout, accum))

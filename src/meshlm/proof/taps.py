@@ -56,6 +56,11 @@ class Tapped(Parallel):
         units), as it joins the experts' partial output before the row-parallel sum."""
         return y
 
+    def group_scores(self, s):
+        """A MoE router's expert-group scores [.., n_group] of each token (``model.routers``: the sum of
+        each group's top-2 choice scores), as the group choice ranks them."""
+        return s
+
     def expert_weight(self, w):
         """An expert weight [E/ep, ...] as the MoE layer uses it (after any FSDP gather)."""
         return w

@@ -50,10 +50,13 @@ RULES: tuple[tuple[str, tuple], ...] = (
     # Mixture of experts (``model.moe``): the router replicated (no axis splits its E), each expert's
     # hidden units split as the dense MLP's, the experts' leading dim on no axis without ``ep``.
     (r"/moe/router/w$", (EMBED, None)),  # [D, E]
+    (r"/moe/router/(b|balance_bias)$", (None,)),  # [E]: gpt-oss's logit bias; the selection bias
     (r"/moe/experts/w_(gate|up)$", (EXPERTS, EMBED, MLP)),  # [E, D, I]: column-parallel
     (r"/moe/experts/w_down$", (EXPERTS, MLP, EMBED)),  # [E, I, D]: row-parallel
-    (r"/moe/shared/w_(gate|up)$", (EMBED, MLP)),  # [D, I_shared]: Qwen2-MoE's shared expert
-    (r"/moe/shared/w_down$", (MLP, EMBED)),  # [I_shared, D]
+    (r"/moe/experts/b_(gate|up)$", (EXPERTS, MLP)),  # [E, I]: with their columns (gpt-oss)
+    (r"/moe/experts/b_down$", (None, EMBED)),  # [E, D]: every expert's, added once (``model.moe``)
+    (r"/moe/shared(_experts)?/w_(gate|up)$", (EMBED, MLP)),  # [D, I_shared]: the shared experts
+    (r"/moe/shared(_experts)?/w_down$", (MLP, EMBED)),  # [I_shared, D]
     (r"/moe/shared_gate/w$", (EMBED, None)),  # [D, 1]
     (r"(^|/)(ln|ln2|final_ln|post_attn_ln|post_mlp_ln)/(scale|offset)$", (EMBED,)),  # [D]: replicated
 )

@@ -35,10 +35,11 @@ def with_compute_dtype(apply, dtype):
     return lambda params, batch: apply(jax.tree.map(lambda p: p.astype(dtype), params), batch)
 
 
-def reference_value_and_grad(build_loss: LossBuilder, compute_dtype=None):
-    """fn(params, batch) -> (loss, grads) of the unsharded model (run it under jit on one device)."""
+def reference_value_and_grad(build_loss: LossBuilder, compute_dtype=None, has_aux: bool = False):
+    """fn(params, batch) -> (loss, grads) of the unsharded model (run it under jit on one device);
+    ``has_aux``: the loss returns (loss, aux) (a mixture of experts' routing statistics)."""
     apply = hk.without_apply_rng(hk.transform(build_loss(Parallel()))).apply
-    return jax.value_and_grad(with_compute_dtype(apply, compute_dtype))
+    return jax.value_and_grad(with_compute_dtype(apply, compute_dtype), has_aux=has_aux)
 
 
 def _dp_varying(apply, specs, batch_axes: tuple[str, ...] = (DP,)):

@@ -68,6 +68,15 @@ class MoESettings:
         shown_default="the model's (0: dropless)",
         valid=NON_NEGATIVE_FLOAT,
     )
+    moe_bias_rate: float | None = _field(
+        None,
+        "a mixture of experts' aux-loss-free balancing rate: after each step every expert's selection "
+        "bias moves by rate x sign(mean load - its load) over the step's global batch (a model with "
+        "balance_bias: sigmoid routers, DeepSeek-V3's); 0: the bias stays",
+        resume_must_match=True,
+        shown_default="the model's",
+        valid=NON_NEGATIVE_FLOAT,
+    )
 
 
 @dataclass(frozen=True)
@@ -247,6 +256,8 @@ def with_moe_settings(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
         cfg = cfg.replace(moe_aux_loss=tcfg.moe_aux_loss)
     if tcfg.moe_capacity_factor is not None:
         cfg = cfg.replace(moe_capacity_factor=tcfg.moe_capacity_factor)
+    if tcfg.moe_bias_rate is not None:  # a model without the selection bias refuses it (RouterFields)
+        cfg = cfg.replace(moe_bias_rate=tcfg.moe_bias_rate)
     return cfg
 
 

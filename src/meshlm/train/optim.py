@@ -92,11 +92,14 @@ def make_step(
     ocfg: OptimConfig,
     clip_fn=None,
     aux_key: str = "routing",
+    balance=None,
 ):
     """(params, opt_state, batch[, healthy]) -> (params, opt_state, metrics); jit it with donated
     buffers. metrics: "loss", "grad_norm", and "ok" (whether this step updated the state); with a
     grad_fn whose value is (loss, aux), also ``aux_key``: the aux (not part of the loss or gradients;
-    "routing": a mixture of experts' statistics, "dpo": DPO's reward metrics)."""
+    "routing": a mixture of experts' statistics, "dpo": DPO's reward metrics).
+    ``balance``: (params, aux) -> params after AdamW, the state it does not own (a mixture of experts'
+    selection bias, ``model.routers.balance_update``; it needs the aux)."""
     clip_fn = clip_fn or (lambda g: clip_by_global_norm(g, ocfg.clip_norm))
 
     def step(params, opt_state, batch, healthy=None):
@@ -106,6 +109,8 @@ def make_step(
         grads, grad_norm = clip_fn(grads)
         updates, new_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
+        if balance is not None:  # from the routing of the step's whole global batch
+            new_params = balance(new_params, aux)
         # A non-finite loss or gradient leaves the state untouched, so the caller can stop and save
         # the last good state (the inputs are donated: without this they would be gone).
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

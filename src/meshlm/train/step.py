@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from meshlm.errors import ShardingError
 from meshlm.model import family
 from meshlm.model.config import ModelConfig
+from meshlm.model.routers import balance_update
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel.layout import Layout
 from meshlm.sharding.rules import dp_sharded, model_specs, shardings
@@ -74,7 +75,7 @@ def sharded_step(
     # way a mixture of experts also returns its routing statistics (``make_step``: metrics)
     routing = cfg.arch.moe
     grad = strategy(layout).value_and_grad(cfg, layout, specs, compute_dtype=compute_dtype, routing=routing)
-    return jax.jit(make_step(grad, opt, ocfg), donate_argnums=(0, 1)), opt
+    return jax.jit(make_step(grad, opt, ocfg, balance=balance_update(cfg)), donate_argnums=(0, 1)), opt
 
 
 def check_fsdp_specs(specs, fsdp: bool) -> None:
@@ -91,8 +92,10 @@ def check_fsdp_specs(specs, fsdp: bool) -> None:
 def reference_step(cfg: ModelConfig, ocfg: OptimConfig, params, compute_dtype=None):
     """The same step for the unsharded model (plain arrays; GSPMD partitions it if they're sharded)."""
     opt = adamw(ocfg, params)
-    grad = reference_value_and_grad(lambda par: loss_fn(cfg, par), compute_dtype)
-    return jax.jit(make_step(grad, opt, ocfg), donate_argnums=(0, 1)), opt
+    balance = balance_update(cfg)  # it needs the routing statistics: the loss then returns them
+    routing = balance is not None
+    grad = reference_value_and_grad(lambda par: loss_fn(cfg, par, routing), compute_dtype, has_aux=routing)
+    return jax.jit(make_step(grad, opt, ocfg, balance=balance), donate_argnums=(0, 1)), opt
 
 
 def init_opt_state(opt, params, specs, mesh):

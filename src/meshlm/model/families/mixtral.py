@@ -19,6 +19,7 @@ from typing import Any
 import meshlm.model.families.llama as llama
 import meshlm.model.families.mistral as mistral
 from meshlm.model.families.hf_fields import SIZE, field, unsupported
+from meshlm.model.router_fields import check_softmax_export
 
 DEFAULTS = {"max_position_embeddings": 4096 * 32, "router_aux_loss_coef": 0.001}  # MixtralConfig's
 
@@ -54,6 +55,7 @@ def write(cfg) -> dict[str, Any]:
 
 def check_export(cfg) -> None:
     llama.check_export(cfg)
+    check_softmax_export(cfg)
     if not cfg.norm_topk_prob or cfg.shared_expert_d_ff:  # a z-loss is dropped (``io.hf_config``)
         raise unsupported(
             "norm_topk_prob/shared_expert_d_ff",

@@ -24,6 +24,7 @@ import meshlm.model.families.llama as llama
 import meshlm.model.families.qwen2 as qwen2
 from meshlm.errors import ConfigError
 from meshlm.model.families.hf_fields import SIZE, field, flag, unsupported
+from meshlm.model.router_fields import check_softmax_export
 from meshlm.ranges import Range
 
 # Qwen2MoeConfig's defaults for the fields a config.json may leave out (transformers 5.24).
@@ -87,6 +88,7 @@ def write(cfg) -> dict[str, Any]:
 
 def check_export(cfg) -> None:
     llama.check_export(cfg)
+    check_softmax_export(cfg)
     if not cfg.shared_expert_d_ff:  # a z-loss is dropped on export (``io.hf_config.dropped_on_export``)
         raise unsupported("shared_expert_d_ff", cfg.shared_expert_d_ff, "transformers' Qwen2-MoE has one")
 

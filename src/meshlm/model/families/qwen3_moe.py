@@ -24,6 +24,7 @@ import meshlm.model.families.llama as llama
 import meshlm.model.families.qwen2_moe as qwen2_moe
 import meshlm.model.families.qwen3 as qwen3
 from meshlm.model.families.hf_fields import SIZE, field, flag, unsupported
+from meshlm.model.router_fields import check_softmax_export
 
 NAME = "qwen3_moe"  # the family's name and its config.json model_type
 # transformers' Qwen3MoeConfig defaults for fields a config.json may leave out, where they are not Llama's
@@ -89,6 +90,7 @@ def check_export(cfg) -> None:
     """What transformers' Qwen3-MoE and OLMoE cannot express beyond Llama's: a shared expert (a z-loss
     is dropped on export: ``io.hf_config.dropped_on_export``)."""
     llama.check_export(cfg)
+    check_softmax_export(cfg)
     if cfg.shared_expert_d_ff:
         raise unsupported(
             "shared_expert_d_ff",
@@ -142,6 +144,39 @@ PRESETS: dict[str, dict] = {
         moe_d_ff=32,
         router_aux_loss_coef=0.02,
         router_z_loss_coef=0.001,
+    ),
+    # Today's MoE recipe at CPU size (issue 42): 64 experts of 128 units, top 8 in each token's best 2
+    # of 4 groups of 16, sigmoid scores, a selection bias balanced without an aux loss (DeepSeek-V3's
+    # rate 1e-3), the weights renormalised and scaled by 2.5, one always-on shared expert; cpu's sizes
+    "cpu-moe": dict(
+        llama.PRESETS["cpu"],
+        n_kv_heads=4,
+        n_experts=64,
+        experts_per_token=8,
+        moe_d_ff=128,
+        norm_topk_prob=True,
+        router_score="sigmoid",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        balance_bias=True,
+        moe_bias_rate=1e-3,
+        n_shared_experts=1,
+    ),
+    # cpu-moe's router at tiny-qwen3-moe's size, for the tests: 8 experts in 4 groups of 2, each token's
+    # best 2 groups then its top 2; a faster bias rate, so a few steps move the load
+    "tiny-cpu-moe": dict(
+        qwen3.PRESETS["tiny-qwen3"],
+        n_experts=8,
+        experts_per_token=2,
+        moe_d_ff=32,
+        router_score="sigmoid",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        balance_bias=True,
+        moe_bias_rate=1e-2,
+        n_shared_experts=1,
     ),
     "qwen3-30b-a3b": dict(
         vocab_size=151936,
