@@ -118,7 +118,8 @@ def mixtral():
         batch = {k: jnp.asarray(r.integers(0, 64, (4, 8)), jnp.int32) for k in ("inputs", "targets")}
         params = hk.transform(loss_fn(cfg, Parallel())).init(jax.random.PRNGKey(0), batch)
         params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
-        want = jax.jit(reference_value_and_grad(lambda par: loss_fn(cfg, par)))(params, batch)
+        dense = cfg.replace(moe_dispatch="dense")  # the reference: every expert on every token
+        want = jax.jit(reference_value_and_grad(lambda par: loss_fn(dense, par)))(params, batch)
     return cfg, batch, params, want
 
 
@@ -171,7 +172,8 @@ def test_ep_under_pp_equals_the_unsharded_model():
         batch = {k: jnp.asarray(r.integers(0, 64, (4, 8)), jnp.int32) for k in ("inputs", "targets")}
         params = hk.transform(loss_fn(cfg, Parallel())).init(jax.random.PRNGKey(0), batch)
         params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
-        want = jax.jit(reference_value_and_grad(lambda par: loss_fn(cfg, par)))(params, batch)
+        dense = cfg.replace(moe_dispatch="dense")  # the reference: every expert on every token
+        want = jax.jit(reference_value_and_grad(lambda par: loss_fn(dense, par)))(params, batch)
         specs = model_specs(cfg, params, layout)
         fn = strategy(layout).value_and_grad(cfg, layout, specs, fill=float("nan"))  # NaN in the bubbles
         got = jax.jit(fn)(params, batch)
