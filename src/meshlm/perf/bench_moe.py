@@ -66,8 +66,7 @@ def dense_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: Be
 def today_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params, host):
     """``TODAY``'s (jitted step, params, opt_state, batch): the same parameters and batch, the "dense"
     dispatch, on the same mesh."""
-    from meshlm.parallel.placement import shardings
-    from meshlm.sharding.rules import model_specs
+    from meshlm.sharding.rules import model_specs, shardings
 
     today = cfg.replace(moe_dispatch="dense")
     specs = model_specs(today, host_params, layout)
