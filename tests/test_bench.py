@@ -210,6 +210,7 @@ def test_moe_against_the_dense_model_of_equal_active_parameters():
     """dense-eq: one expert of k x moe_d_ff that every token takes (a dense gated MLP): the MoE's active
     parameters (its router's D x 1 for D x E aside); the comparison's fields from paired step times."""
     from meshlm.model.accounting import param_counts
+    from meshlm.parallel.layout import Layout
     from meshlm.perf.bench_moe import DENSE, dense_equivalent, moe_comparison
     from meshlm.perf.bench_report import _moe_line
 
@@ -220,12 +221,15 @@ def test_moe_against_the_dense_model_of_equal_active_parameters():
     moe, eq = param_counts(cfg), param_counts(dense)
     assert eq.total == eq.active and moe.active - eq.total == cfg.n_layers * cfg.d_model * (cfg.n_experts - 1)
     samples = {"meshlm": [2.0, 4.0, 3.0], "no-ep": [1.0, 3.0, 1.5], DENSE: [1.0, 2.0, 1.0]}  # made-up steps
-    out = moe_comparison(cfg, samples)
+    out = moe_comparison(cfg, samples, Layout(), 256)
+    flops = out["expert_flops_over_routed"]  # compiled matmul FLOPs over the routed ones, 256 tokens
+    assert flops["dense"] == pytest.approx(cfg.n_experts / cfg.experts_per_token, rel=0.01)  # + the combine
+    assert 1 <= flops["blocks"] < 1.5  # padding: at most E x (BLOCK - 1) rows beyond the 512 routed
     assert out["step_time_over_dense"] == {"meshlm": 2.0, "no-ep": 1.5}  # medians of paired ratios
     assert out["overhead_vs_dense"] == {"meshlm": 0.5, "no-ep": pytest.approx(1 / 3)}
     assert out["expert_compute_factor"] == 2.0 and out["active_params"] == moe.active
     assert "meshlm/dense-eq 2.00x (overhead 50.0%)" in _moe_line(out)
-    assert moe_comparison(get_config("tiny-llama"), samples) is None  # a dense model: no comparison
+    assert moe_comparison(get_config("tiny-llama"), samples, Layout(), 256) is None  # a dense model
 
 
 def test_dense_eq_is_the_dense_gated_mlp_model():

@@ -1,7 +1,7 @@
-"""The expert-parallel dispatch (``parallel.ep``): tokens sent to their experts' ep shard by a
-fixed-size all-to-all and brought back in their order equal the all-local computation, value and
-gradients, in float64, on random routing and on routing that sends every token to one shard's experts.
-(``meshlm verify --ep`` proves the whole model: docs/parallelism.md.)"""
+"""The dispatches (``parallel.grouped``'s sorted ones, ``parallel.ep``'s gathered one under ep) equal
+the all-local reference (every expert on every token), value and gradients, in float64, on random
+routing and on routing that sends every token to one shard's experts, dropless and with dropped
+choices in capacity slots. (``meshlm verify`` proves the whole model: docs/parallelism.md.)"""
 
 import jax
 import jax.numpy as jnp
@@ -10,57 +10,69 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ConfigError
+from meshlm.model.moe import Experts
 from meshlm.parallel.axes import EP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.experts import ExpertParallel
 from meshlm.parallel.layout import Layout
 
-E, K, N, D = 8, 2, 6, 3  # experts, choices per token, tokens per batch shard, width
+E, K, N, D, H = 8, 2, 6, 3, 5  # experts, choices per token, tokens per batch shard, width, hidden
 
 
-def routing(rng, n, one_shard: bool):
-    """[n, K] distinct global expert ids per token; with ``one_shard`` all among experts 0 and 1."""
+def routing(rng, n, one_shard: bool, cap: int):
+    """[n, K] distinct global expert ids per token; with ``one_shard`` all among experts 0 and 1; with a
+    capacity ``cap`` each expert's choices after its first ``cap`` (in token order) dropped (-1:
+    ``model.moe``'s capacity on the whole batch; the buffers are [E, cap, D])."""
     pool = 2 if one_shard else E
-    return np.stack([rng.choice(pool, K, replace=False) for _ in range(n)]).astype(np.int32)
-
-
-class Linear:
-    """Expert e: x @ weights[e] on per-expert buffers [E_here, C, D] (``model.moe.Experts``' seam)."""
-
-    def __init__(self, weights):
-        self.weights, self.n_local = weights, weights.shape[0]
-
-    def __call__(self, xs):
-        return jnp.einsum("ecd,edf->ecf", xs, self.weights)
+    ids = np.stack([rng.choice(pool, K, replace=False) for _ in range(n)]).astype(np.int32)
+    if cap:
+        flat = ids.reshape(-1)
+        seen = [np.sum(flat[:i] == e) for i, e in enumerate(flat)]
+        ids = np.where(np.asarray(seen) < cap, flat, -1).reshape(ids.shape).astype(np.int32)
+    return ids
 
 
 def local(x, ids, cw, weights):
-    """The all-local default (``parallel.experts.ExpertParallel``: every expert on every token)."""
-    return ExpertParallel().experts(x, ids, cw, Linear(weights))
+    """The all-local reference (``ExpertParallel.dense_experts``: every expert on every token)."""
+    return ExpertParallel().experts(x, ids, cw, Experts(*weights, "dense"))
 
 
-@pytest.mark.parametrize("ep,dp,one_shard", [(2, 4, False), (4, 4, True)])
-def test_dispatch_equals_all_local(ep, dp, one_shard):
-    layout = Layout(dp=dp, ep=ep)
+CASES = [  # (dispatch, ep, dp, one_shard, capacity): ep 1 is the all-local sorted dispatch
+    ("blocks", 1, 4, False, 0),
+    ("ragged_dot", 1, 4, True, 3),
+    ("dense", 2, 4, False, 0),
+    ("blocks", 2, 4, False, 0),
+    ("blocks", 4, 4, True, 0),
+    ("ragged_dot", 2, 4, False, 0),
+    ("blocks", 2, 4, False, 5),
+]
+
+
+@pytest.mark.parametrize("dispatch,ep,dp,one_shard,cap", CASES)
+def test_dispatch_equals_all_local(dispatch, ep, dp, one_shard, cap):
+    layout = Layout(dp=dp, ep=ep) if ep > 1 else Layout(dp=dp)
     par = Parallel.on(layout)
-    rng = np.random.default_rng(ep + 10 * one_shard)
+    rng = np.random.default_rng(ep + 10 * one_shard + cap)
     with jax.enable_x64(True):
         x = jnp.asarray(rng.normal(size=(dp * N, D)))
-        ids = jnp.asarray(routing(rng, dp * N, one_shard))
+        ids = jnp.asarray(routing(rng, dp * N, one_shard, cap))
         cw = jnp.asarray(rng.uniform(size=(dp * N, K)))
-        weights = jnp.asarray(rng.normal(size=(E, D, D)))
+        weights = [jnp.asarray(rng.normal(size=s)) for s in ((E, D, H), (E, D, H), (E, H, D))]
         cot = jnp.asarray(rng.normal(size=(dp * N, D)))
 
-        def body(x, ids, cw, weights):
-            out = par.experts(x, ids, cw, Linear(weights))  # E / ep experts here: ``dispatch``
-            assert par.local_experts(E) == weights.shape[0] == E // ep
+        def body(x, ids, cw, *weights):
+            out = par.experts(x, ids, cw, Experts(*weights, dispatch, cap))
+            assert par.local_experts(E) == weights[0].shape[0] == E // ep
             return out
 
-        rows = P(layout.rows)
-        sharded = jax.shard_map(body, mesh=layout.mesh, in_specs=(rows, rows, rows, P(EP)), out_specs=rows)
-        loss = lambda f: lambda x, cw, w: jnp.sum(f(x, ids, cw, w) * cot)
-        got = jax.jit(jax.value_and_grad(loss(sharded), argnums=(0, 1, 2)))(x, cw, weights)
-        want = jax.value_and_grad(loss(local), argnums=(0, 1, 2))(x, cw, weights)
+        rows, experts = P(layout.rows), P(EP) if ep > 1 else P()
+        specs = (rows, rows, rows, experts, experts, experts)
+        sharded = jax.shard_map(body, mesh=layout.mesh, in_specs=specs, out_specs=rows)
+        loss = lambda f: lambda x, cw, *w: jnp.sum(f(x, ids, cw, *w) * cot)
+        got = jax.jit(jax.value_and_grad(loss(sharded), argnums=(0, 1, 2, 3, 4)))(x, cw, *weights)
+        want = jax.value_and_grad(
+            lambda x, cw, *w: jnp.sum(local(x, ids, cw, w) * cot), argnums=(0, 1, 2, 3, 4)
+        )(x, cw, *weights)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             assert float(jnp.max(jnp.abs(a - b))) <= 1e-12 * max(1.0, float(jnp.max(jnp.abs(b))))
 
@@ -106,7 +118,8 @@ def mixtral():
         batch = {k: jnp.asarray(r.integers(0, 64, (4, 8)), jnp.int32) for k in ("inputs", "targets")}
         params = hk.transform(loss_fn(cfg, Parallel())).init(jax.random.PRNGKey(0), batch)
         params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
-        want = jax.jit(reference_value_and_grad(lambda par: loss_fn(cfg, par)))(params, batch)
+        dense = cfg.replace(moe_dispatch="dense")  # the reference: every expert on every token
+        want = jax.jit(reference_value_and_grad(lambda par: loss_fn(dense, par)))(params, batch)
     return cfg, batch, params, want
 
 
@@ -159,7 +172,8 @@ def test_ep_under_pp_equals_the_unsharded_model():
         batch = {k: jnp.asarray(r.integers(0, 64, (4, 8)), jnp.int32) for k in ("inputs", "targets")}
         params = hk.transform(loss_fn(cfg, Parallel())).init(jax.random.PRNGKey(0), batch)
         params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
-        want = jax.jit(reference_value_and_grad(lambda par: loss_fn(cfg, par)))(params, batch)
+        dense = cfg.replace(moe_dispatch="dense")  # the reference: every expert on every token
+        want = jax.jit(reference_value_and_grad(lambda par: loss_fn(dense, par)))(params, batch)
         specs = model_specs(cfg, params, layout)
         fn = strategy(layout).value_and_grad(cfg, layout, specs, fill=float("nan"))  # NaN in the bubbles
         got = jax.jit(fn)(params, batch)

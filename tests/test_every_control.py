@@ -100,9 +100,22 @@ CONFIGS = {
     ),
     "tiny-lm 1x1 cp3 ring": ("tiny-lm", {"attn_block": 4}, Layout(cp=3), 1, 30),
     "tiny-mixtral 4x2 ep2 fsdp sp": ("tiny-mixtral", {}, Layout(dp=4, mp=2, ep=2, fsdp=True, sp=True), 4, 8),
-    "tiny-qwen3-moe 2x2 ep2 (per-head q/k norm, experts)": ("tiny-qwen3-moe", ONE, EP2, 2, 8),
-    "tiny-olmoe 2x2 ep2 (projection q/k norm, experts)": ("tiny-olmoe", ONE, EP2, 2, 8),
     "tiny-cpu-moe 2x2 ep2 (sigmoid router, groups, selection bias)": ("tiny-cpu-moe", ONE, EP2, 2, 8),
+    "tiny-qwen3-moe 2x2 ep2 (per-head q/k norm, experts by ragged_dot)": (
+        "tiny-qwen3-moe",
+        {**ONE, "moe_dispatch": "ragged_dot"},
+        EP2,
+        2,
+        8,
+    ),
+    # the "dense" reference dispatch under ep: its all-to-alls' controls
+    "tiny-olmoe 2x2 ep2 (projection q/k norm, dense dispatch)": (
+        "tiny-olmoe",
+        {**ONE, "moe_dispatch": "dense"},
+        EP2,
+        2,
+        8,
+    ),
     # a shared expert (its controls under SP) and a dense layer among the MoE layers (two stacks)
     "tiny-qwen2-moe 1x2 sp": ("tiny-qwen2-moe", {"n_layers": 2}, Layout(mp=2, sp=True), 1, 8),
     "tiny-llama pp2 gpipe": ("tiny-llama", {}, Layout(pp=2, microbatches=4, pp_schedule="gpipe"), 4, 8),

@@ -9,7 +9,7 @@ from helpers import run_cli
 from meshlm.model.config import get_config
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.mesh import make_mesh
-from meshlm.perf.activations import activation_bytes, layer_bytes
+from meshlm.perf.activations import activation_bytes, layer_bytes, moe_bytes
 from meshlm.perf.plan_search import plan
 from meshlm.perf.plan_settings import PlanSettings
 
@@ -213,7 +213,7 @@ def test_options_are_stacked_when_none_fits_alone():
     assert not any(row["fits"] for row in report["candidates"][:-1])
 
 
-MIXTRAL = get_config("mixtral-8x7b")
+MIXTRAL = get_config("mixtral-8x7b").replace(moe_dispatch="dense")  # the E·N-slot buffers
 
 
 def test_moe_layer_keeps_the_dispatch_buffers():
@@ -225,11 +225,18 @@ def test_moe_layer_keeps_the_dispatch_buffers():
     experts = 4 * (e * n * (d + 6 * i / 8) + k * n * d) + e * n * d
     table = (9 + 8) * n * d / 8 * 2 + 5 * 32 * n * n / 8 * 2
     assert experts == 66 * 2**20
-    assert layer_bytes(MIXTRAL, remat="none", moe=True, ep=True, **shape) == table + experts
-    acts = activation_bytes(MIXTRAL, remat="none", ep=True, **shape)
+    assert layer_bytes(MIXTRAL, remat="none", moe=True, ep=8, **shape) == table + experts
+    # the sorted dispatch: the one expert here takes at most each of the 8 x 128 gathered tokens once,
+    # rows of 2D + 2 I/mp, and the gathered tokens
+    sorted_bytes = 4 * (8 * n * (2 * d + 2 * i / 8) + 8 * n * d)
+    assert (
+        moe_bytes(MIXTRAL.replace(moe_dispatch="blocks"), tokens=n, mp=8, ep=8, act_bytes=4) == sorted_bytes
+    )
+    assert sorted_bytes < experts
+    acts = activation_bytes(MIXTRAL, remat="none", ep=8, **shape)
     assert acts["layers"] == MIXTRAL.n_layers * (table + experts)
     # selective remat recomputes the experts' batched matmuls: one layer's buffers at a time
-    sel = activation_bytes(MIXTRAL, remat="selective", ep=True, **shape)
+    sel = activation_bytes(MIXTRAL, remat="selective", ep=8, **shape)
     assert sel["layers"] == MIXTRAL.n_layers * (9 + 8) * n * d / 8 * 2 + experts
 
 
@@ -237,7 +244,8 @@ def test_moe_analytic_peak_is_close_to_the_compiled_one():
     """The analytic peak of a mixture of experts on ep counts what the compiled step holds: the
     dispatch buffers, and the old AdamW moments XLA copies for the update (2 x the parameters);
     without them it was a third of the compiled peak here (0.35)."""
-    cfg = get_config("tiny-mixtral").replace(n_layers=1, n_experts=8, moe_d_ff=128)
+    # the "dense" dispatch's buffers (the sorted dispatch's estimate: 0.69 of its compiled peak here)
+    cfg = get_config("tiny-mixtral").replace(n_layers=1, n_experts=8, moe_d_ff=128, moe_dispatch="dense")
     report = plan(cfg, "moe", Layout(dp=2, mp=2, ep=2), PlanSettings(batch_size=8, seq_len=64, sp=True))
     row = report["plan"]
     analytic, compiled = row["analytic"], row["compiled"]

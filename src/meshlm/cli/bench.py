@@ -51,6 +51,8 @@ def run(args) -> int:
     from meshlm.perf.bench_report import format_bench, write_outputs
 
     cfg = get_config(bs.config).replace(unroll=bs.unroll, attention=bs.attention, attn_block=bs.attn_block)
+    if bs.moe_dispatch is not None:  # a dense model ignores it
+        cfg = cfg.replace(moe_dispatch=bs.moe_dispatch)
     if bs.vocab_size is not None:  # the embedding and head follow (padded to vocab_multiple)
         cfg = cfg.replace(vocab_size=bs.vocab_size)
     settings = bs.resolved(cfg, layout)

@@ -174,6 +174,8 @@ def _verify(args, vs: VerifySettings, planned) -> int:
         cfg = cfg.replace(moe_aux_loss=vs.moe_aux_loss)
     if vs.moe_capacity_factor is not None:  # likewise
         cfg = cfg.replace(moe_capacity_factor=vs.moe_capacity_factor)
+    if vs.moe_dispatch is not None:  # the reference always runs "dense" (``proof.problem``)
+        cfg = cfg.replace(moe_dispatch=vs.moe_dispatch)
     from meshlm.proof import defaults
 
     seq_len, block = _shapes(vs, cfg, layout)

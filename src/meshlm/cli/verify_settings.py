@@ -62,6 +62,13 @@ class VerifySettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: t
         shown_default="the config's",
         valid=NON_NEGATIVE_FLOAT,
     )
+    moe_dispatch: str | None = setting(
+        None,
+        "how a mixture of experts reaches its experts in the sharded run: blocks (sorted, block matmuls), "
+        "ragged_dot (sorted, jax.lax.ragged_dot) or dense (every expert on every token: the reference's)",
+        shown_default="the config's",
+        choices=("blocks", "ragged_dot", "dense"),
+    )
     allow_routing_flips: bool = setting(
         False,
         "float32, a mixture of experts: pass the routing-flips row when tokens near a top-k tie route "

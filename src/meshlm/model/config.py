@@ -18,6 +18,7 @@ from meshlm.model.layer_kinds import check_dense_layers, layer_indices
 from meshlm.model.rope import RopeScaling
 from meshlm.model.rope import inv_freq as rope_inv_freq
 from meshlm.model.router_fields import ROUTER_RANGES, RouterFields, check_router
+from meshlm.parallel.grouped import DispatchFields, check_dispatch
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
 ATTENTION = ("plain", "blockwise")  # see meshlm.model.attention and meshlm.model.blockwise
@@ -70,7 +71,7 @@ class LayerKindFields:
 
 
 @dataclass(frozen=True)
-class ModelConfig(LayerKindFields, RouterFields, MoEFields):
+class ModelConfig(LayerKindFields, RouterFields, MoEFields, DispatchFields):
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
     d_model: int = 128  # residual stream width
@@ -141,9 +142,7 @@ class ModelConfig(LayerKindFields, RouterFields, MoEFields):
         _check_kinds(self)
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
-        _check_plain_only(self)
-        _check_moe(self)
-        check_router(self)
+        _check_plain_only(self), _check_moe(self), check_router(self), check_dispatch(self)
 
     @property
     def arch(self) -> Family:
@@ -298,7 +297,7 @@ def field_names() -> list[str]:
     """ModelConfig's fields, its own first (family, vocab_size, ...), then its bases' (the per-layer
     kinds, the mixture of experts): the order messages list them in."""
     names = [f.name for f in dataclasses.fields(ModelConfig)]
-    bases = {f.name for base in (LayerKindFields, RouterFields, MoEFields) for f in dataclasses.fields(base)}
+    bases = {f.name for base in ModelConfig.__bases__ for f in dataclasses.fields(base)}
     return [n for n in names if n not in bases] + [n for n in names if n in bases]
 
 

@@ -32,8 +32,9 @@ tokens in global order (batch row, then position). A dropped choice contributes 
 is zeroed, the others are not renormalised: GShard, Switch); the token keeps its other choices. Each
 shard gathers the routing ids of the whole batch (with each token's global place, so cp's chunk order
 does not matter) and takes its own tokens' keep mask: the result does not depend on dp, ep, sp or cp.
-The buffers do not shrink (``parallel.ep`` sends fixed-size ones): capacity changes what is computed,
-not its cost. A forward with a KV cache (generation) is dropless: a decode step has no batch to rank.
+The sorted dispatch then computes each expert's kept choices in buffers [E, capacity, D]
+(``parallel.grouped``): capacity cuts the compute. A forward with a KV cache (generation) is
+dropless: a decode step has no batch to rank.
 
 Losses (``aux_loss``): per layer each shard returns the statistics of its own tokens (``STATS``); they
 leave the layer stack as per-layer outputs, are summed over the whole global batch (``par.moe_sum``)
@@ -139,21 +140,25 @@ def capacity_keep(cfg, par: Parallel, ids):
 class Experts:
     """The experts' gated MLPs on per-expert token buffers: [E_here, C, D] -> [E_here, C, D], partial
     over mp (each shard holds I/mp hidden units of every expert). ``n_local``: E_here, the experts this
-    shard holds (the leading dim of its expert weights). ``act``: ``expert_activation``; ``b_gate``,
-    ``b_up`` [E_here, I/mp]: the projections' biases (None: none; the down bias is ``MoE``'s)."""
+    shard holds (the leading dim of its expert weights); ``dispatch``: how tokens reach them
+    (``parallel.grouped``); ``capacity``: each expert's bound on the global batch's choices (0: dropless);
+    ``weights`` and ``hidden`` (``expert_activation``: the gated hidden units of gate and up) for the
+    grouped matmuls; ``b_gate``, ``b_up`` [E_here, I/mp]: the projections' biases (None: none; the down
+    bias is ``MoE``'s; only the "dense" dispatch takes them: ``check_dispatch``)."""
 
-    def __init__(self, w_gate, w_up, w_down, b_gate=None, b_up=None, act=None):
-        self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
+    def __init__(self, w_gate, w_up, w_down, b_gate=None, b_up=None, act=None, dispatch="dense", capacity=0):
+        self.weights = (w_gate, w_up, w_down)
         self.b_gate, self.b_up = b_gate, b_up
-        self.act = act or (lambda gate, up: jax.nn.silu(gate) * up)
-        self.n_local = w_gate.shape[0]
+        self.hidden = act or (lambda gate, up: jax.nn.silu(gate) * up)
+        self.n_local, self.dispatch, self.capacity = w_gate.shape[0], dispatch, capacity
 
     def __call__(self, xs):
-        gate = jnp.einsum("ecd,edi->eci", xs, self.w_gate)
-        up = jnp.einsum("ecd,edi->eci", xs, self.w_up)
+        w_gate, w_up, w_down = self.weights
+        gate = jnp.einsum("ecd,edi->eci", xs, w_gate)
+        up = jnp.einsum("ecd,edi->eci", xs, w_up)
         if self.b_gate is not None:
             gate, up = gate + self.b_gate[:, None], up + self.b_up[:, None]
-        return jnp.einsum("eci,eid->ecd", self.act(gate, up), self.w_down)
+        return jnp.einsum("eci,eid->ecd", self.hidden(gate, up), w_down)
 
 
 class MoE(hk.Module):
@@ -174,6 +179,9 @@ class MoE(hk.Module):
         if keep is not None:  # a dropped choice's weight 0: its expert output contributes exactly 0
             weights = jnp.where(keep, weights, jnp.zeros((), weights.dtype))
         stats = statistics(logits, probs, ids, e, keep)
+        cap = 0
+        if keep is not None:  # a dropped choice goes to no expert (id -1); its bound on the whole batch
+            ids, cap = jnp.where(keep, ids, -1), capacity(cfg, math.prod(ids.shape[:2]) * par.moe_shards())
         xf, ids = par.f(xn), par.f(ids)  # [B, T, ...]: the column-parallel region's view
         weights = par.tap("combine_weights", par.f(weights))  # its gradient: the mp sum of the partials
         el, fl = par.local_experts(e), cfg.moe_d_ff // par.layout.mp
@@ -181,7 +189,8 @@ class MoE(hk.Module):
         if cfg.expert_bias:
             shapes.update(b_gate=[el, fl], b_up=[el, fl], b_down=[e, d])
         w_gate, w_up, w_down, *biases = _params("experts", shapes, self.stddev)
-        experts = Experts(w_gate, w_up, w_down, *biases[:2], act=expert_activation(cfg))
+        act = expert_activation(cfg)
+        experts = Experts(w_gate, w_up, w_down, *biases[:2], act=act, dispatch=cfg.moe_dispatch, capacity=cap)
         b, t = xf.shape[:2]
         out = par.experts(xf.reshape(b * t, d), ids.reshape(b * t, k), weights.reshape(b * t, k), experts)
         out = out.reshape(b, t, d)

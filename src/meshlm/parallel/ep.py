@@ -1,25 +1,34 @@
-"""Expert parallelism: the experts split over the ``ep`` axis, tokens sent to their experts' shard.
+"""Expert parallelism: the experts split over the ``ep`` axis, each ep shard brought its tokens.
 
 ep borrows devices from the data axis (``Layout.ep``): each of the ep shards of a group holds its own
 batch rows and E / ep of the E experts (shard s: global experts s x E/ep ... (s + 1) x E/ep - 1), and
 everything else (attention, the router, dense weights) as a data shard does. A MoE layer routes its
 own tokens (``x`` [N, D] per shard, ``ids`` [N, k] GLOBAL expert ids), then calls
-``Parallel.experts``; with ep on that is ``dispatch`` below, inside ``shard_map(check_vma=True)``:
+``Parallel.experts``; with ep on that is ``gathered`` below (the sorted dispatches), inside
+``shard_map(check_vma=True)``:
 
-1. send buffer [ep, E/ep, N, D] (per shard): slot (s, e, n) holds token n if it chose expert
-   s x E/ep + e, else zeros. A token chooses an expert at most once, so each (expert, token) slot is
-   written at most once: no capacity, nothing dropped (dropless), and the buffer's size is fixed.
-   XLA:CPU has no ``ragged_all_to_all`` (JAX issue 34755), so the worst case is what travels:
-   E x N x D values per shard and direction, whatever the routing.
-2. ``all_to_all`` over EP: shard s receives [ep (source), E/ep, N, D], every source's tokens for its
-   own experts; its experts run on [E/ep, ep x N, D] (capacity ep x N: all tokens of the group).
-3. the outputs go back by the reverse ``all_to_all``: [E, N, D] per shard, each expert's output for
-   each of this shard's tokens in the tokens' own order; the combine is the weighted sum over the k
-   choices, as the all-local default's.
+1. ``ep_gather``: all-gather over EP of the tokens, their ids and combine weights: [ep x N, ...], the
+   ep group's tokens, on each of its shards. ep x N x D values: no buffer grows with E.
+2. the sorted dispatch (``parallel.grouped``) of those tokens' choices of this shard's E / ep experts
+   only, each expert on its routed rows; with a capacity, the slots [E / ep, min(ep x N, capacity), D].
+3. ``ep_scatter``: a reduce-scatter over EP of the [ep x N, D] partial outputs (each shard's experts'
+   share): every token gets the sum over the shards of its experts, in its own shard, [N, D].
 
-Gradients need nothing by hand: the transpose of an ``all_to_all`` is the reverse ``all_to_all``, so an
-expert's gradient collects every ep shard's tokens; the expert weights are cast varying over the data
-shards outside ep (``sharding.spmd``) whose transpose sums them there. Controls override ``ep_send``.
+Bytes per MoE layer and device (results: what ``perf.hlo`` counts): forward the all-gathers ep x N x
+(D + 2k) values (tokens, weights; ids int32) and the reduce-scatter N x D; backward the all-gather of
+the output's gradient ep x N x D and the reduce-scatters of the tokens' and weights' gradients N x
+(D + k) (``perf.memory_collectives.ep_dispatch_bytes``). Why not all-to-alls: a sorted all-to-all
+needs a static bound per destination, N x min(k, E / ep) rows, so it sends ep x min(k, E / ep) x N
+x D (more than ep x N x D whenever k > 1), and XLA:CPU has no ``ragged_all_to_all`` (JAX issue 34755).
+
+The "dense" reference (``dispatch``) sends the fixed buffer [ep, E/ep, N, D] by an all-to-all: slot
+(s, e, n) holds token n if it chose expert s x E/ep + e, else zeros (E x N x D values per shard and
+direction, whatever the routing); the outputs come back by the reverse all-to-all.
+
+Gradients need nothing by hand: the transposes of all-gather and reduce-scatter (and of an all-to-all)
+are each other, so an expert's gradient collects every ep shard's tokens; the expert weights are cast
+varying over the data shards outside ep (``sharding.spmd``) whose transpose sums them there. Controls
+override ``ep_gather``, ``ep_scatter`` or ``ep_send``.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshlm.parallel.axes import EP
+from meshlm.parallel.grouped import sorted_experts
 
 
 def chosen(ids, n_experts: int):
@@ -42,9 +52,19 @@ def combine(y, ids, weights):
     return jnp.sum(weights[..., None].astype(y.dtype) * picked, axis=1)
 
 
+def gathered(par, x, ids, weights, expert_fn):
+    """[N, D] (partial over mp, as ``expert_fn``'s outputs): the ep group's tokens gathered, this
+    shard's experts on their routed rows, the outputs reduce-scattered back (module docstring)."""
+    here = expert_fn.n_local
+    xs, ids_all, ws = par.ep_gather(x), par.ep_gather(ids), par.ep_gather(weights)
+    cap = min(xs.shape[0], expert_fn.capacity)  # no expert takes more than the group's tokens
+    ys = sorted_experts(par, xs, ids_all, ws, expert_fn, first=par.ep_index() * here, cap=cap)
+    return par.ep_scatter(ys)
+
+
 def dispatch(par, x, ids, weights, expert_fn, n_experts: int):
-    """[N, D] (partial over mp, as ``expert_fn``'s outputs): this shard's tokens through their k
-    experts, the experts spread over ``par.layout.ep`` shards (module docstring)."""
+    """The "dense" reference under ep, [N, D] (partial over mp, as ``expert_fn``'s outputs): this
+    shard's tokens through their k experts by fixed-size all-to-alls (module docstring)."""
     ep = par.layout.ep
     here = n_experts // ep  # this shard's experts (the leading dim of its expert weights)
     n, d = x.shape
@@ -74,14 +94,25 @@ class ExpertAxis:
         return n_experts // self.layout.ep
 
     def experts(self, x, ids, weights, expert_fn):
-        """[N, D] partial over mp: with ep on, ``dispatch`` (``expert_fn.n_local``: E / ep)."""
+        """[N, D] partial over mp: with ep on, ``gathered`` (the "dense" reference: ``dispatch``;
+        ``expert_fn.n_local``: E / ep)."""
         if not self.expert_parallel:
             return super().experts(x, ids, weights, expert_fn)
+        if expert_fn.dispatch != "dense":
+            return gathered(self, x, ids, weights, expert_fn)
         return dispatch(self, x, ids, weights, expert_fn, expert_fn.n_local * self.layout.ep)
 
     def ep_index(self):
         """This shard's position on the expert axis (which E / ep experts it holds)."""
         return lax.axis_index(EP)
+
+    def ep_gather(self, x):
+        """[N, ...] this shard's -> [ep x N, ...] the ep group's, in shard order (an all-gather)."""
+        return lax.all_gather(x, EP, axis=0, tiled=True)
+
+    def ep_scatter(self, y):
+        """[ep x N, D] partial outputs -> [N, D] this shard's rows summed over EP (a reduce-scatter)."""
+        return lax.psum_scatter(y, EP, scatter_dimension=0, tiled=True)
 
     def ep_send(self, buf):
         """[ep destination, ...] -> [ep source, ...]: slice s to ep shard s (an all-to-all)."""

@@ -2,21 +2,27 @@
 (``model.moe``) reaches its experts, and how its routing statistics are summed over the batch.
 
 The seam is ``experts(x, ids, weights, expert_fn)``: x [N, D] this shard's tokens (flattened, the
-column-parallel view), ids [N, k] int32 global expert ids, weights [N, k] their combine weights, and
-``expert_fn`` mapping per-expert token buffers [E_here, C, D] -> [E_here, C, D] (partial sums over mp,
-as the dense MLP's row-parallel output; ``expert_fn.n_local`` is E_here, the leading dim of this
-shard's expert weights). It returns [N, D], partial over mp; the block then sums it with ``row_out``.
-An expert-parallel axis overrides ``experts`` (and ``local_experts``) to send each token to the shard
-holding its experts.
+column-parallel view), ids [N, k] int32 global expert ids (-1: a choice the capacity dropped), weights
+[N, k] their combine weights, and ``expert_fn`` (``model.moe.Experts``) mapping per-expert token
+buffers [E_here, C, D] -> [E_here, C, D] (partial sums over mp, as the dense MLP's row-parallel output;
+``n_local`` is E_here, the leading dim of this shard's expert weights; ``dispatch`` the
+implementation, ``capacity`` the per-expert bound of the global batch or 0; ``weights`` and
+``hidden`` for the grouped matmuls). It returns [N, D], partial over mp; the block then sums it with
+``row_out``. The default is the sorted dispatch (``parallel.grouped``); "dense" is the reference, every
+expert on every token. An expert-parallel axis overrides ``experts`` (and ``local_experts``) to bring
+each expert its tokens.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from meshlm.parallel.axes import DP, EP, MP
+from meshlm.parallel.grouped import sorted_experts
 
 
 def combine_matrix(ids, weights, n_experts: int, first: int = 0):
@@ -38,19 +44,40 @@ class ExpertParallel:
         return n_experts
 
     def experts(self, x, ids, weights, expert_fn):
-        """The combine-weighted sum of each token's k experts, [N, D] partial over mp.
+        """The combine-weighted sum of each token's k experts, [N, D] partial over mp: the sorted
+        dispatch (``parallel.grouped``: each expert on its routed rows), or "dense" (``dense_experts``)."""
+        if expert_fn.dispatch == "dense":
+            return self.dense_experts(x, ids, weights, expert_fn)
+        cap = min(x.shape[0], expert_fn.capacity)  # no expert takes more than this shard's N tokens
+        return sorted_experts(self, x, ids, weights, expert_fn, cap=cap)
+
+    def dense_experts(self, x, ids, weights, expert_fn):
+        """The reference dispatch, [N, D] partial over mp.
 
         Dispatch: every expert runs on every token, and each output is multiplied by the token's
         combine weight of that expert (0 where the token did not choose it). Why this: it is exact and
         dropless (no capacity: a token's k experts are always computed), its shapes are static, and the
         unchosen products are exact zeros in the value and in every gradient (0 * finite), so the sum
-        is the one the routing defines; buffers of capacity N per expert would cost the same. The price
-        is E / k times the routed FLOPs: fine for the proofs and small models; the ``ep`` axis splits
-        the experts, and a grouped (ragged) matmul is the way to cut it where XLA has one."""
+        is the one the routing defines (a dropped choice, id -1, has none). The price is E / k times
+        the routed FLOPs: the plainest program, the one the proof compares the sorted dispatch with."""
         n = expert_fn.n_local
         ys = expert_fn(jnp.broadcast_to(x[None], (n, *x.shape)))  # [E, N, D] partial over mp
         cw = combine_matrix(ids, weights, n).astype(ys.dtype)  # [N, E]
         return jnp.einsum("ne,end->nd", cw, ys)
+
+    def moe_rows(self, choice):
+        """[R] the flat choice each row of the sorted dispatch holds (``parallel.grouped.plan``), as the
+        rows are filled: where a control sends a token's rows to another expert."""
+        return choice
+
+    def moe_padding_choice(self, m: int):
+        """What a padding row of the sorted dispatch reads and adds to: the choice ``m`` (none)."""
+        return m
+
+    def moe_expert_grads(self, grads):
+        """The expert weights' gradients (w_gate, w_up, w_down) [E_here, ...] the block scan summed per
+        expert (``parallel.grouped.block_mlp``)."""
+        return grads
 
     def moe_token_keys(self, b: int, t: int):
         """[b, t] int32: each of this shard's routed tokens' place in the global batch, row x T +
@@ -77,6 +104,13 @@ class ExpertParallel:
             return x
         axes = tuple(self.layout.batch_axes) + ((MP,) if self.layout.sp else ())
         return lax.all_gather(x, axes, axis=0, tiled=True)
+
+    def moe_shards(self) -> int:
+        """How many shards' routed tokens ``moe_gather`` joins (its factor: a static int)."""
+        if not self.sharded:
+            return 1
+        axes = tuple(self.layout.batch_axes) + ((MP,) if self.layout.sp else ())
+        return math.prod(self.layout.mesh_shape[a] for a in axes)
 
     def moe_sum(self, stats):
         """Per-layer routing statistics of this shard's tokens -> those of the whole global batch:

@@ -36,7 +36,8 @@ A mixture-of-experts layer (``model.moe``; ``model.accounting.moe_layers`` of th
 attention and norms but not its MLP (less the MLP's dropout mask 1 and GeLU 16: replicated 9, split 8),
 and instead what the dropless dispatch keeps (``parallel.experts``, ``parallel.ep``). With N = s·b the
 tokens of the shard (the column-parallel view: the whole sequence even under SP), E experts, k chosen:
-every expert computes on every token's slot, E·N slots per device (with ep: E/ep experts on the ep·N
+the sorted dispatch keeps its routed rows (``moe_bytes``); the "dense" one: every expert computes on
+every token's slot, E·N slots per device (with ep: E/ep experts on the ep·N
 tokens of the group), each keeping its input (D values) and 6 hidden tensors of I/mp (``MOE_HIDDEN``:
 what JAX's autodiff saves of silu(x W_gate) · (x W_up), by ``jax.ad_checkpoint.print_saved_residuals``:
 both projections, three of silu's and the product); the combine keeps the k chosen outputs (k·N·D)
@@ -75,7 +76,7 @@ def layer_bytes(
     remat: str,
     act_bytes: int,
     moe: bool = False,
-    ep: bool = False,
+    ep: int = 1,
 ) -> float:
     """Bytes one device keeps for one layer's backward pass (the table above, scaled to act_bytes):
     a dense layer, or with ``moe`` a mixture-of-experts layer (its experts split over ep with ``ep``).
@@ -100,16 +101,28 @@ def layer_bytes(
     return (kept + attention) * scale + experts
 
 
-def moe_bytes(cfg: ModelConfig, *, tokens: int, mp: int, ep: bool, act_bytes: int) -> float:
+def moe_bytes(cfg: ModelConfig, *, tokens: int, mp: int, ep: int, act_bytes: int) -> float:
     """What one MoE feed-forward keeps on one device for its backward (module docstring): ``tokens``
-    N of the shard; E·N expert slots of D + 6·I/mp values, the k·N·D chosen outputs, with ep the
-    E·N·D-byte dispatch mask, and a shared expert's 6·N·I_shared/mp."""
+    N of the shard, ``ep`` the expert-parallel degree (1: none). The sorted dispatch: R rows
+    (``parallel.grouped.row_bound`` of the ep·N gathered tokens and E/ep experts) of D (the row's
+    input) + 2·I/mp (gate and up, the block scan's residuals) + D (its output, for the combine
+    weights' gradient), with ep the gathered ep·N·D tokens; "dense": E·N expert slots of D + 6·I/mp
+    values, the k·N·D chosen outputs, with ep the E·N·D-byte dispatch mask. A shared expert's
+    6·N·I_shared/mp either way."""
+    shared = tokens * MOE_HIDDEN * cfg.shared_expert_d_ff / mp * act_bytes
+    if cfg.moe_dispatch != "dense":
+        from meshlm.parallel.grouped import row_bound
+
+        rows = row_bound(ep * tokens, cfg.experts_per_token, cfg.n_experts // ep, cfg.moe_dispatch)
+        values = rows * (2 * cfg.d_model + 2 * cfg.moe_d_ff / mp) + (
+            ep * tokens * cfg.d_model if ep > 1 else 0
+        )
+        return values * act_bytes + shared
     slots = cfg.n_experts * tokens
     values = (
         slots * (cfg.d_model + MOE_HIDDEN * cfg.moe_d_ff / mp) + cfg.experts_per_token * tokens * cfg.d_model
     )
-    values += tokens * MOE_HIDDEN * cfg.shared_expert_d_ff / mp
-    return values * act_bytes + (slots * cfg.d_model if ep else 0)
+    return values * act_bytes + shared + (slots * cfg.d_model if ep > 1 else 0)
 
 
 def activation_bytes(
@@ -121,7 +134,7 @@ def activation_bytes(
     sp: bool,
     remat: str,
     act_bytes: int,
-    ep: bool = False,
+    ep: int = 1,
 ) -> dict[str, float]:
     """Activation bytes on one device for one micro-batch: per layer (a MoE layer's, if the model has
     them), all layers, the head's logits. ``ep``: the experts split over an ep axis."""

@@ -48,7 +48,7 @@ from meshlm.model.config import ModelConfig
 from meshlm.parallel.axes import AXIS, PP
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding, bytes_per_device, total_bytes
-from meshlm.perf.bench_moe import DENSE, NO_EP, dense_step, moe_comparison
+from meshlm.perf.bench_moe import DENSE, NO_EP, TODAY, dense_step, moe_comparison, today_step
 from meshlm.perf.bench_settings import BenchSettings
 from meshlm.perf.collectives import theoretical_collectives
 from meshlm.perf.flops import model_flops_per_step
@@ -119,6 +119,8 @@ def build_impls(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: B
         impls.append(_without_pp(cfg, ocfg, layout, host_params, host, name))
     if cfg.arch.moe:  # the dense model of equal active parameters, on the same batch
         impls.append(_compiled(DENSE, *dense_step(cfg, ocfg, layout, settings, host)))
+        if cfg.moe_dispatch != "dense":  # today's dispatch, every expert on every token, beside it
+            impls.append(_compiled(TODAY, *today_step(cfg, ocfg, layout, host_params, host)))
     return impls
 
 
@@ -294,7 +296,7 @@ def run_bench(
         "generation": generation_bench(cfg, impls[0].params, layout, settings),
         "pipeline": pipeline_overhead(layout, seconds),
         "expert_parallel": expert_parallel(cfg, layout, settings, impls, seconds),
-        "moe": moe_comparison(cfg, seconds),
+        "moe": moe_comparison(cfg, seconds, layout, tokens),
     }
 
 

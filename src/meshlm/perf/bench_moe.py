@@ -9,9 +9,14 @@ parameters (``model.accounting``; its router's D x 1 weight for the MoE's D x E 
 FLOPs the MoE's. It runs on the dp x mp mesh of the same devices (one expert: nothing to split over ep).
 The gap between the two steps is what the mixture costs beyond its model FLOPs: the router, the dispatch
 (with ep the all-to-alls), and -- the largest part on these meshes -- the dropless dispatch computing
-every expert on every token's slot: E / k times the routed expert FLOPs (``parallel.experts``; with ep
-each shard's E / ep experts compute on the ep x N tokens of its group: the same E / k). Reported as
-``expert_compute_factor``: a grouped (ragged) matmul would remove it where XLA has one.
+every expert on every token's slot: E / k times the routed expert FLOPs -- what the "dense" dispatch
+(the proof's reference) still costs, and the sorted dispatches (``parallel.grouped``) remove.
+
+``expert_flops_over_routed``: per dispatch (the config's and "dense", today's), the matmul FLOPs of one
+MoE layer's experts, forward and backward, read from the compiled HLO (``perf.hlo.dot_flops_per_step``:
+XLA's ``cost_analysis`` counts a loop body once) over the routed ones, 18 x D x I per token-choice of
+this shard's experts, on this shard's shapes (with ep: the ep x N gathered tokens, E / ep experts).
+"dense-dispatch" (``TODAY``): the same model with the "dense" dispatch, timed beside the others.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import statistics
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from meshlm.model.accounting import param_counts
 from meshlm.model.config import ModelConfig
@@ -29,6 +36,7 @@ from meshlm.perf.bench_settings import BenchSettings
 from meshlm.train.optim import OptimConfig
 from meshlm.train.step import init_model, init_opt_state, sharded_step
 
+TODAY = "dense-dispatch"  # the same MoE with the "dense" dispatch: every expert on every token
 NO_EP = AXIS[EP].baseline  # "no-ep": the same model on the same devices, every expert on every data shard
 DENSE = "dense-eq"  # a MoE model: the dense model of equal active parameters (``dense_equivalent``)
 
@@ -55,19 +63,57 @@ def dense_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: Be
     return step, params, init_opt_state(opt, params, specs, flat.mesh), batch
 
 
+def today_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params, host):
+    """``TODAY``'s (jitted step, params, opt_state, batch): the same parameters and batch, the "dense"
+    dispatch, on the same mesh."""
+    from meshlm.sharding.rules import model_specs, shardings
+
+    today = cfg.replace(moe_dispatch="dense")
+    specs = model_specs(today, host_params, layout)
+    params = jax.device_put(host_params, shardings(specs, layout.mesh))
+    step, opt = sharded_step(today, ocfg, layout, specs, params)
+    batch = jax.device_put(host, batch_sharding(layout, 1))
+    return step, params, init_opt_state(opt, params, specs, layout.mesh), batch
+
+
+def expert_flops_over_routed(cfg: ModelConfig, layout: Layout, tokens: int, seed: int = 0) -> dict:
+    """{dispatch: compiled expert matmul FLOPs / routed ones} for the config's dispatch and "dense", on
+    one shard's shapes: ``tokens`` global, N = tokens / (dp x cp) per shard, ep x N gathered with ep
+    (module docstring). Random router logits, the top k of them."""
+    from meshlm.model.moe import Experts
+    from meshlm.parallel.context import Parallel
+    from meshlm.perf.hlo import dot_flops_per_step
+
+    n = tokens // (layout.dp * layout.cp) * layout.ep
+    e, k, d, i = cfg.n_experts // layout.ep, cfg.experts_per_token, cfg.d_model, cfg.moe_d_ff // layout.mp
+    rng = np.random.default_rng(seed)
+    ids = jax.lax.top_k(jnp.asarray(rng.normal(size=(n, cfg.n_experts)), jnp.float32), k)[1]
+    routed = 18 * d * i * int(jnp.sum(ids < e))
+    args = [jnp.ones((n, d)), jnp.ones((n, k)), jnp.ones((e, d, i)), jnp.ones((e, d, i)), jnp.ones((e, i, d))]
+    out = {}
+    for how in dict.fromkeys((cfg.moe_dispatch, "dense")):
+        loss = lambda x, w, *ws, how=how: jnp.sum(Parallel().experts(x, ids, w, Experts(*ws, how)))
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile().as_text()
+        out[how] = dot_flops_per_step(text) / routed
+    return out
+
+
 def _paired(a: list[float], b: list[float]) -> float:
     """The median of the per-repetition ratios a / b (repetition i of each ran together)."""
     return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
-def moe_comparison(cfg: ModelConfig, seconds: dict[str, list[float]]) -> dict | None:
+def moe_comparison(
+    cfg: ModelConfig, seconds: dict[str, list[float]], layout: Layout, tokens: int
+) -> dict | None:
     """A MoE model's step against dense-eq: parameters, the compute factor of the dropless dispatch,
     and each mesh implementation's step time over dense-eq's (``step_time_over_dense``, paired) and
     overhead, 1 - t(dense-eq) / t(impl): the share of the MoE step the dense model does not need."""
     if not cfg.arch.moe or DENSE not in seconds:
         return None
     moe, dense = param_counts(cfg), param_counts(dense_equivalent(cfg))
-    ratios = {name: _paired(seconds[name], seconds[DENSE]) for name in ("meshlm", NO_EP) if name in seconds}
+    names = ("meshlm", TODAY, NO_EP)
+    ratios = {name: _paired(seconds[name], seconds[DENSE]) for name in names if name in seconds}
     return {
         "n_experts": cfg.n_experts,
         "experts_per_token": cfg.experts_per_token,
@@ -79,7 +125,9 @@ def moe_comparison(cfg: ModelConfig, seconds: dict[str, list[float]]) -> dict | 
             "shared_expert_d_ff": cfg.shared_expert_d_ff,
             "params": dense.total,
         },
-        "expert_compute_factor": cfg.n_experts / cfg.experts_per_token,
+        "dispatch": cfg.moe_dispatch,
+        "expert_compute_factor": cfg.n_experts / cfg.experts_per_token,  # the "dense" dispatch's
+        "expert_flops_over_routed": expert_flops_over_routed(cfg, layout, tokens),
         "step_time_over_dense": ratios,
         "overhead_vs_dense": {name: 1 - 1 / r for name, r in ratios.items()},
     }

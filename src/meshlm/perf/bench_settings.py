@@ -53,6 +53,13 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
     peak_n: int = setting(
         2048, "matmul size of the peak measurement (raise on accelerators)", valid=POSITIVE_INT
     )
+    moe_dispatch: str | None = setting(
+        None,
+        "a mixture of experts' dispatch: blocks, ragged_dot or dense (every expert on every token; "
+        "the bench times it beside the others as dense-dispatch)",
+        shown_default="the config's",
+        choices=("blocks", "ragged_dot", "dense"),
+    )
     unroll: int = setting(
         0,
         "layers per iteration of the layer loop (0: all, the default; 1: a rolled loop)",

@@ -221,3 +221,41 @@ def _type_end(line: str, start: int) -> int | None:
         close = line.find("}", end)
         return None if close < 0 else close + 1
     return end
+
+
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_DOT_OPERANDS = re.compile(r"\bdot\(\s*%?([\w.\-]+)")
+_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def dot_flops_per_step(hlo_text: str) -> float:
+    """Matmul FLOPs one execution runs: 2 x result elements x contracted size per ``dot``, loop bodies
+    times their known trip count, called computations followed (a conditional's every branch: the
+    bound, what runs when each branch is taken). XLA's own ``cost_analysis`` counts a loop body once."""
+    comps, entry = _computations(hlo_text)
+    memo: dict[str, float] = {}
+
+    def dims(type_text: str) -> list[int]:
+        m = _ARRAY.search(type_text)
+        return [int(d) for d in m.group(2).split(",") if d.strip()] if m else []
+
+    def total(name: str) -> float:
+        if name not in memo:
+            memo[name] = 0.0
+            types = {}
+            flops = 0.0
+            for line in comps.get(name, []):
+                parsed, named = _parse_instruction(line), _NAME.match(line)
+                if parsed is None or named is None:
+                    continue
+                types[named.group(1)] = parsed[1]
+                lhs, contract = _DOT_OPERANDS.search(line), _LHS_CONTRACTING.search(line)
+                if parsed[0] == "dot" and lhs and contract and lhs.group(1) in types:
+                    shape = dims(types[lhs.group(1)])
+                    inner = math.prod(shape[int(i)] for i in contract.group(1).split(",") if i)
+                    flops += 2.0 * math.prod(dims(parsed[1])) * inner
+                flops += sum(times * total(callee) for callee, times in _callees(line))
+            memo[name] = flops
+        return memo[name]
+
+    return total(entry)

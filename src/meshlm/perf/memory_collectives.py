@@ -26,9 +26,13 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Fami
   DP-split gradients, reduce-scattered over dp, are then summed over cp alone (other replica groups than
   the norms' sum over dp x cp): one all-reduce for the layer stack's and, at most, one per DP-split
   weight outside it (each weight's reduce-scatter is its own; the bytes are the same ``dp_gradients``).
-* Expert parallelism (``--ep``; ``parallel.ep``), per MoE layer: two all-to-alls forward (the tokens
-  to their experts' shard and the outputs back; again with remat) and their two transposes backward,
-  each of the fixed size E x N x D (``ep_all_to_all_bytes``). The expert weights' gradients are summed
+* Expert parallelism (``--ep``; ``parallel.ep``), per MoE layer, the sorted dispatches: three
+  all-gathers forward over EP (tokens, combine weights, ids; again with remat) and the output's
+  reduce-scatter (again with remat); backward, its transpose (an all-gather) and the reduce-scatters of
+  the tokens' and weights' gradients: ``ep_dispatch_bytes``, N x (ep x (D + 2k) + ...) values, no
+  E x N buffer. The "dense" reference instead: two all-to-alls forward (the tokens to their experts'
+  shard and the outputs back; again with remat) and their two transposes backward, each of the fixed
+  size E x N x D (``ep_all_to_all_bytes``). The expert weights' gradients are summed
   over the data shards outside ep alone (other replica groups than the dense weights' sum over dp):
   one more all-reduce where that axis is > 1 (no bytes beyond ``dp_gradients``'); under FSDP the dense
   weights are split over (dp, ep), every data shard, and reduce-scattered over both, the expert weights
@@ -120,7 +124,12 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
             cfg
         )  # the routing ids of the whole batch (``model.moe.capacity_keep``)
     a2a = ep_all_to_alls(cfg, layout)
-    if a2a and layout.mesh_shape[DP] > 1 and not layout.fsdp:  # experts' gradients: over dp / ep alone
+    ep_ag, ep_rs = ep_dispatch(cfg, layout)
+    ag.update(ep_ag)
+    rs.update(ep_rs)
+    if (
+        layout.experts_split and layout.mesh_shape[DP] > 1 and not layout.fsdp
+    ):  # experts' gradients: over dp / ep alone
         ar["ep_expert_gradients"] = 1
     for causes in (ar, ag, rs, cperm, a2a):
         causes.pop("total", None)
@@ -134,9 +143,35 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
     }
 
 
+def ep_dispatch(cfg: ModelConfig, layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
+    """The all-gathers and reduce-scatters of the sorted dispatches under ep per step, by cause ({}
+    without ep, or with the "dense" reference's all-to-alls)."""
+    if not layout.experts_split or cfg.moe_dispatch == "dense":
+        return {}, {}
+    recompute, layers = 2 if cfg.remat != "none" else 1, moe_layers(cfg)
+    ag = {"ep_dispatch_forward": 3 * recompute * layers, "ep_dispatch_backward": layers}
+    return ag, {"ep_dispatch_forward": recompute * layers, "ep_dispatch_backward": 2 * layers}
+
+
+def ep_dispatch_bytes(cfg: ModelConfig, layout: Layout, *, batch: int, seq_len: int, itemsize: int) -> dict:
+    """Result bytes per step and device of those all-gathers and reduce-scatters, {kind: bytes}: N =
+    (batch / dp) x (seq_len / cp) tokens per shard (the column-parallel view, as for the all-to-alls),
+    gathered [ep x N, D] tokens, [ep x N, k] weights and int32 ids, scattered [N, D] outputs; backward
+    the output's gradient gathered, the tokens' and weights' gradients scattered."""
+    if not ep_dispatch(cfg, layout)[0]:
+        return {}
+    recompute, layers = 2 if cfg.remat != "none" else 1, moe_layers(cfg)
+    n, ep, d, k = (batch // layout.dp) * (seq_len // layout.cp), layout.ep, cfg.d_model, cfg.experts_per_token
+    forward = ep * n * ((d + k) * itemsize + 4 * k)
+    gathers = layers * (recompute * forward + ep * n * d * itemsize)
+    scatters = layers * (recompute * n * d + n * (d + k)) * itemsize
+    return {"all-gather": gathers, "reduce-scatter": scatters}
+
+
 def ep_all_to_alls(cfg: ModelConfig, layout: Layout) -> dict[str, int]:
-    """The all-to-alls of expert parallelism per step, by cause ({} without ep)."""
-    if not layout.experts_split:
+    """The all-to-alls of expert parallelism per step, by cause ({} without ep or with a sorted
+    dispatch: ``ep_dispatch``)."""
+    if not layout.experts_split or cfg.moe_dispatch != "dense":
         return {}
     recompute = 2 if cfg.remat != "none" else 1
     return {

@@ -125,7 +125,7 @@ def analytic(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
         sp=settings.sp,
         remat=settings.remat,
         act_bytes=act_bytes,
-        ep=layout.experts_split,
+        ep=layout.ep if layout.experts_split else 1,
     )
     gradients = params * (2 if settings.accum_steps > 1 else 1)  # + the accumulator's running sum
     opt_state = ADAM_MOMENTS * params

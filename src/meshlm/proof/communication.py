@@ -27,6 +27,7 @@ from meshlm.perf.collectives import scalar_slack
 from meshlm.perf.hlo import COLLECTIVES, collectives_per_step
 from meshlm.perf.memory_collectives import (
     ep_all_to_all_bytes,
+    ep_dispatch_bytes,
     expected_all_reduce_bytes,
     expected_collectives,
 )
@@ -82,4 +83,9 @@ def communication_checks(cfg, layout: Layout, got: dict, *, batch_shape, itemsiz
         a2a, a2a_bytes = got["all-to-all"]["bytes"], ep_all_to_all_bytes(cfg, layout, **shape)
         detail = f"{a2a:,}, at most {a2a_bytes:,} (E x N x D per all-to-all, dispatch and return)"
         rows.append(check_row("all-to-all bytes per step", a2a <= a2a_bytes, detail))
+    for kind, nbytes in ep_dispatch_bytes(cfg, layout, **shape).items():
+        if set(want[kind]) == {"ep_dispatch_forward", "ep_dispatch_backward", "total"}:  # ep's alone
+            got_bytes = got[kind]["bytes"]
+            detail = f"{got_bytes:,}, at most {nbytes:,} (the sorted ep dispatch: ep x N tokens gathered)"
+            rows.append(check_row(f"{kind} bytes per step", got_bytes <= nbytes, detail))
     return rows

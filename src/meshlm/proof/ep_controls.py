@@ -1,15 +1,20 @@
 """Planted faults of expert parallelism (``verify --ep N``): each must be detected by the comparison
 with the unsharded reference, by JAX's varying-axis type check, or by the communication check.
 
-  tokens sent to the neighbouring ep shard   the send buffer's slot for shard s goes to shard s + 1:
-                                             every token computed by the wrong experts
+  tokens sent to the neighbouring ep shard   the gathered tokens one shard around (the sorted
+                                             dispatches), or the send buffer's slot for shard s to
+                                             shard s + 1 (the "dense" reference): every token's
+                                             outputs reach the wrong shard or the wrong experts
   an expert's gradient not summed over the   each expert weight keeps the gradient of the data shards
   data shards outside ep                     at DP index 0 (the sum over the rest of dp lost)
   aux-loss statistics not summed over ep      the routing statistics summed over the batch axes but
                                              ep: each ep group forms the aux and z losses of its own
                                              tokens
   all-to-all sent three times                the send there, back and there again: the same values,
-                                             three times the all-to-alls (communication check)
+                                             three times the all-to-alls (communication check; the
+                                             "dense" reference's dispatch)
+  ep tokens gathered twice                   the sorted dispatch's all-gather, its own slice taken
+                                             and gathered again (communication check)
   top-k ties broken by shard-local index     each ep shard ranks tied experts its own first (then by
                                              local index): a token on shard 1 tied between experts 0
                                              and E/ep takes E/ep (the proof plants that tie:
@@ -35,7 +40,11 @@ from meshlm.proof.taps import Tapped
 
 
 class TokensToNeighbour(Parallel):
-    """Tokens for ep shard s are sent to shard s + 1, which runs them through its own experts."""
+    """The ep group's tokens gathered one shard around (their outputs go back to the neighbour), or
+    with the "dense" reference's all-to-all, tokens for ep shard s sent to shard s + 1."""
+
+    def ep_gather(self, x):
+        return jnp.roll(super().ep_gather(x), x.shape[0], axis=0)
 
     def ep_send(self, buf):
         return super().ep_send(jnp.roll(buf, 1, axis=0))
@@ -57,6 +66,16 @@ class StatisticsNotSummedOverEp(Parallel):
     def moe_sum(self, stats):
         axes = tuple(a for a in self.layout.batch_axes if a != EP) + ((MP,) if self.layout.sp else ())
         return lax.psum(stats, axes) if axes else stats
+
+
+class GatherTwice(Parallel):
+    """The ep group's tokens gathered, this shard's slice taken back and gathered again: the same
+    values, twice the all-gathers and their bytes (detected by the communication check only)."""
+
+    def ep_gather(self, x):
+        once = super().ep_gather(x)
+        own = lax.dynamic_slice_in_dim(once, self.ep_index() * x.shape[0], x.shape[0])
+        return super().ep_gather(own)
 
 
 class AllToAllThrice(Parallel):
@@ -113,8 +132,14 @@ EP_CONTROLS: tuple[Control, ...] = (
     ),
     Control(
         name="all-to-all sent three times",
-        applies=lambda w: _ep(w) and w.collectives,
+        applies=lambda w: _ep(w) and w.collectives and w.cfg.moe_dispatch == "dense",
         par_cls=AllToAllThrice,
+        by_collectives=True,
+    ),
+    Control(
+        name="ep tokens gathered twice",
+        applies=lambda w: _ep(w) and w.collectives and w.cfg.moe_dispatch != "dense",
+        par_cls=GatherTwice,
         by_collectives=True,
     ),
 )

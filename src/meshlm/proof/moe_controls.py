@@ -3,8 +3,10 @@ combine weights not renormalised (or renormalised where ``norm_topk_prob`` is of
 broken by the higher expert id, the combine weights' gradient not summed over mp (the router's gradient
 is then wrong), Qwen2-MoE's shared expert counted on every mp shard or its gate's gradient not summed
 over mp, the aux-loss statistics not summed over the data shards, and (with a capacity factor) the
-capacity computed per shard: each shard ranks and drops among its own tokens only. ``proof.controls``
-lists them (the router record's: ``proof.router_controls``).
+capacity computed per shard: each shard ranks and drops among its own tokens only. The sorted
+dispatch's (``parallel.grouped``): a token's rows sent to the wrong expert after sorting, one expert's
+weight gradient added to its neighbour's in the block scan, padding rows leaking into the output.
+``proof.controls`` lists them (the router record's: ``proof.router_controls``).
 
 A tie must exist for its control to show: ``plant_router_tie`` makes expert 1's router column a copy
 of expert 0's in every layer of the parameters *both* runs start from (``model_problem`` for a MoE
@@ -25,6 +27,7 @@ from meshlm.model import moe, routers
 from meshlm.model.params import param_path
 from meshlm.parallel.axes import MP
 from meshlm.parallel.context import Parallel
+from meshlm.parallel.grouped import BLOCK
 from meshlm.proof.control_record import Control, Where
 from meshlm.proof.taps import Tapped
 
@@ -115,6 +118,33 @@ class CapacityPerShard(Parallel):
         return x
 
 
+class RowsToWrongExpert(Parallel):
+    """After sorting, every row's choice one block (``BLOCK`` rows) later: tokens computed by the
+    experts of the rows they land in (the next block's: often the next expert's)."""
+
+    def moe_rows(self, choice):
+        return jnp.roll(choice, BLOCK)
+
+
+class ExpertGradToNeighbour(Parallel):
+    """The block scan's weight gradient of expert 0 also added to expert 1's."""
+
+    def moe_expert_grads(self, grads):
+        return tuple(g.at[1].add(g[0]) for g in grads)
+
+
+class PaddingRowsLeak(Parallel):
+    """Padding rows read and add to choice 0 (a clamped index, not an out-of-range one): token 0 gets
+    one more copy of its first choice's weight times each padding row's expert."""
+
+    def moe_padding_choice(self, m: int):
+        return 0
+
+
+def _sorted(w: Where) -> bool:
+    return _moe(w) and w.cfg.moe_dispatch != "dense"
+
+
 def _moe(w: Where) -> bool:
     return w.cfg is not None and w.cfg.arch.moe
 
@@ -170,6 +200,26 @@ MOE_CONTROLS: tuple[Control, ...] = (
         name="MoE aux-loss statistics not summed over the data shards",
         applies=lambda w: _moe(w) and _data_shards(w) and moe.moe_losses(w.cfg),
         par_cls=StatisticsNotSummedOverData,
+    ),
+    Control(
+        name="MoE rows sent to the wrong expert after sorting", applies=_sorted, par_cls=RowsToWrongExpert
+    ),
+    Control(
+        name="MoE expert weight gradient added to its neighbour's",
+        # the block scan's gradient: dropless "blocks", two experts on the shard
+        applies=lambda w: (
+            _sorted(w)
+            and w.cfg.moe_dispatch == "blocks"
+            and not w.cfg.moe_capacity_factor
+            and w.cfg.n_experts // w.layout.ep >= 2
+        ),
+        par_cls=ExpertGradToNeighbour,
+    ),
+    Control(
+        name="MoE padding rows leak into the output",
+        # rows that compute (ragged_dot's rows past the groups are zeros: no value to leak)
+        applies=lambda w: _sorted(w) and (w.cfg.moe_dispatch == "blocks" or w.cfg.moe_capacity_factor > 0),
+        par_cls=PaddingRowsLeak,
     ),
     Control(
         name="MoE capacity computed per shard",

@@ -66,8 +66,9 @@ def model_problem(
         batch_fn = lambda shape, s: document_batch(cfg.vocab_size, cfg.doc_mask, shape, s)
     # The reference is the plainest program: no recomputation, every layer unrolled (the sharded
     # side's remat policy and layer loop are proven against code they do not share).
-    # Blockwise attention is proven against the plain softmax of [T, T] scores.
-    plain = cfg.replace(remat="none", unroll=0, attention="plain")
+    # Blockwise attention is proven against the plain softmax of [T, T] scores, a mixture of experts'
+    # sorted dispatch against every expert on every token (``parallel.experts.dense_experts``).
+    plain = cfg.replace(remat="none", unroll=0, attention="plain", moe_dispatch="dense")
     padding = {}
     if cfg.padded_vocab != cfg.vocab_size:  # the proof: padded sharded model == the unpadded one
         plain = plain.replace(vocab_multiple=1)

@@ -1,0 +1,203 @@
+"""Sorted dispatch: each expert computes only the rows routed to it (``ExpertParallel.experts``).
+
+A shard's N tokens make N x k choices (``ids`` [N, k]). ``plan`` sorts them by expert (stable: ties in
+token order, then choice order) and gives each kept choice a row of a buffer [R, D] (R static):
+
+* "blocks" (the default): each expert's rows padded to a multiple of ``BLOCK``; a scan over the
+  R / BLOCK blocks multiplies each block by its expert's weights (``block_mlp``), blocks past the used
+  ones skipped. R / BLOCK = min((M + E (BLOCK - 1)) // BLOCK, E x ceil(N / BLOCK)), M the most
+  choices that can reach these experts: at most E x (BLOCK - 1) padding rows beyond the routed ones,
+  whatever the routing. The weight gradient is summed per expert in the scan (a custom VJP: JAX's
+  own transpose of a dynamic slice of the weights would add a whole [E, ...] array per block).
+* "ragged_dot": the rows unpadded, ``jax.lax.ragged_dot`` per matmul (a real grouped kernel on GPU and
+  TPU; XLA:CPU lowers it to a dense batched dot, E / k times the routed FLOPs: there it is for equality).
+* with a capacity C (``cap`` > 0): the fixed slots [E, cap, D] (``model.moe.capacity``'s bound),
+  each expert's kept choices in its first slots, the experts' batched matmul over them.
+
+Rows no choice fills (padding) read no token (zeros) and add to none (``Parallel.moe_padding_choice``).
+The output is the combine-weighted scatter-add of the rows into their tokens: [N, D], partial over mp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from meshlm.errors import ConfigError
+from meshlm.parallel.pipeline_ops import varying
+
+# The dispatch implementations (``moe_dispatch``): "dense" is the all-local reference, every expert on
+# every token (``parallel.experts.dense_experts``): what the proof compares the others with.
+DISPATCHES = ("blocks", "ragged_dot", "dense")
+BLOCK = 16  # rows per block of "blocks" (not tuned yet: smaller cuts padding, larger speeds each matmul)
+
+
+@dataclass(frozen=True)
+class DispatchFields:
+    """``ModelConfig``'s dispatch field (a base, as ``MoEFields``): how a mixture of experts reaches
+    its experts (``DISPATCHES``). Not a model fact: the values are the same whichever is chosen (the
+    proof shows it), so a saved config without it loads with the default."""
+
+    moe_dispatch: str = "blocks"
+
+
+def check_dispatch(cfg) -> None:
+    if cfg.moe_dispatch not in DISPATCHES:
+        raise ConfigError(f"moe_dispatch must be one of {', '.join(DISPATCHES)}, got {cfg.moe_dispatch!r}")
+    if getattr(cfg, "expert_bias", False) and cfg.moe_dispatch != "dense":
+        # the grouped matmuls carry no per-expert bias yet (gpt-oss's): refused, never dropped
+        raise ConfigError(
+            f"expert_bias (gpt-oss's expert biases) runs with moe_dispatch='dense' only, got "
+            f'{cfg.moe_dispatch!r}; set moe_dispatch = "dense"'
+        )
+
+
+class Rows(NamedTuple):
+    """Where the sorted choices go: ``choice`` [R] the flat choice (n x k + j) each row holds (M = N x k
+    for a padding row); ``sizes`` [E] rows per expert (with "blocks" padded to BLOCK); ``block_expert``
+    [R / BLOCK] each block's expert and ``used`` the blocks holding rows ("blocks" only)."""
+
+    choice: jax.Array
+    sizes: jax.Array
+    block_expert: jax.Array | None = None
+    used: jax.Array | None = None
+
+
+def row_bound(n: int, k: int, n_local: int, how: str, cap: int = 0) -> int:
+    """R, the static number of rows of ``plan`` for N = ``n`` tokens (module docstring)."""
+    if cap:
+        return n_local * cap
+    most = n * min(k, n_local)  # a token chooses an expert at most once
+    if how == "ragged_dot":
+        return most
+    blocks = min((most + n_local * (BLOCK - 1)) // BLOCK, n_local * -(-n // BLOCK))
+    return blocks * BLOCK
+
+
+def plan(ids, n_local: int, first, how: str, cap: int = 0) -> Rows:
+    """ids [N, k] GLOBAL expert ids (-1: a choice the capacity dropped) -> the rows of the choices of
+    experts first .. first + n_local - 1, sorted by expert (stable), per ``how`` and ``cap``."""
+    n, k = ids.shape
+    m = n * k
+    local = ids.reshape(-1) - first
+    e = jnp.where((ids.reshape(-1) >= 0) & (local >= 0) & (local < n_local), local, n_local)
+    order = jnp.argsort(e, stable=True)  # ties (one expert) in flat order: token, then choice
+    es = e[order]
+    counts = jnp.zeros(n_local + 1, jnp.int32).at[e].add(1)[:n_local]
+    rank = jnp.arange(m) - _ext(jnp.cumsum(counts) - counts)[es]  # place among its expert's choices
+    if cap:
+        sizes = jnp.full(n_local, cap, jnp.int32)
+    elif how == "ragged_dot":
+        sizes = counts
+    else:
+        sizes = -(-counts // BLOCK) * BLOCK
+    r = row_bound(n, k, n_local, how, cap)
+    row = jnp.where(es < n_local, _ext(jnp.cumsum(sizes) - sizes)[es] + rank, r)
+    choice = jnp.full(r, m, jnp.int32).at[row].set(order.astype(jnp.int32), mode="drop")
+    if cap or how == "ragged_dot":
+        return Rows(choice, sizes)
+    starts = jnp.arange(r // BLOCK) * BLOCK
+    block_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), starts, side="right"), n_local - 1)
+    return Rows(choice, sizes, block_expert.astype(jnp.int32), jnp.sum(sizes) // BLOCK)
+
+
+def _ext(a):
+    """``a`` with a 0 appended: index n_local (the sentinel of a choice not here) reads 0."""
+    return jnp.concatenate([a, jnp.zeros((1,), a.dtype)])
+
+
+def sorted_experts(par, x, ids, weights, expert_fn, first=0, cap: int = 0):
+    """[N, D] partial over mp: the combine-weighted sum of each token's routed rows, the experts
+    first .. first + ``expert_fn.n_local`` - 1 only (the others' choices add nothing here)."""
+    n, k = ids.shape
+    e_here = expert_fn.n_local
+    rows = plan(ids, e_here, first, expert_fn.dispatch, cap)
+    choice = par.moe_rows(rows.choice)
+    choice = jnp.where(choice == n * k, par.moe_padding_choice(n * k), choice)
+    token = choice // k  # N for a padding row: reads zeros, adds to nothing
+    xs = jnp.take(x, token, axis=0, mode="fill", fill_value=0)
+    w = jnp.take(weights.reshape(-1), choice, mode="fill", fill_value=0).astype(x.dtype)
+    if cap:
+        ys = expert_fn(xs.reshape(e_here, cap, -1)).reshape(xs.shape[0], -1)
+    elif expert_fn.dispatch == "ragged_dot":
+        ys = ragged_mlp(xs, rows.sizes, expert_fn)
+    else:
+        blocks = xs.reshape(-1, BLOCK, xs.shape[-1])
+        hook, ws = par.moe_expert_grads, [_varying_like(w, xs) for w in expert_fn.weights]
+        ys = block_mlp(expert_fn.hidden, hook, blocks, rows.block_expert, rows.used, *ws)
+        ys = ys.reshape(xs.shape[0], -1)
+    return jnp.zeros((n, ys.shape[-1]), ys.dtype).at[token].add(w[:, None] * ys, mode="drop")
+
+
+def _varying_like(w, x):
+    """``w`` varying over every axis ``x`` varies over (inside ``shard_map``): the block scan's weight
+    gradients then have the weights' type, and JAX's transpose of the cast sums them over the rest."""
+    axes = tuple(sorted(varying(x) - varying(w)))
+    return lax.pcast(w, axes, to="varying") if axes else w
+
+
+def ragged_mlp(xs, sizes, expert_fn):
+    """[R, D] rows grouped by expert (``sizes`` [E], rows past their sum: zeros) -> [R, D]."""
+    w_gate, w_up, w_down = expert_fn.weights
+    h = expert_fn.hidden(lax.ragged_dot(xs, w_gate, sizes), lax.ragged_dot(xs, w_up, sizes))
+    return lax.ragged_dot(h, w_down, sizes)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def block_mlp(hidden, hook, xs, block_expert, used, w_gate, w_up, w_down):
+    """xs [nb, BLOCK, D] -> [nb, BLOCK, D]: block i through expert ``block_expert[i]``'s gated MLP
+    (``hidden`` its activation of (gate, up)), blocks from ``used`` on left zero. ``hook`` sees the
+    weight gradients [E, ...] (``Parallel.moe_expert_grads``: where a control plants a fault)."""
+    return _block_forward(hidden, xs, block_expert, used, w_gate, w_up, w_down)[0]
+
+
+def _block_forward(hidden, xs, block_expert, used, w_gate, w_up, w_down):
+    def body(_, item):
+        i, xb, e = item
+
+        def run():
+            g, u = xb @ w_gate[e], xb @ w_up[e]
+            return hidden(g, u) @ w_down[e], g, u
+
+        return None, lax.cond(i < used, run, lambda: _zeros_like(run()))
+
+    _, (ys, g, u) = lax.scan(body, None, (jnp.arange(xs.shape[0]), xs, block_expert))
+    return ys, (xs, block_expert, used, w_gate, w_up, w_down, g, u)
+
+
+def _zeros_like(tree):
+    """Zeros of ``tree``'s shapes and varying axes (a skipped block's: XLA drops the unused matmuls)."""
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _block_fwd(hidden, hook, xs, block_expert, used, w_gate, w_up, w_down):
+    return _block_forward(hidden, xs, block_expert, used, w_gate, w_up, w_down)
+
+
+def _block_bwd(hidden, hook, res, dys):
+    xs, block_expert, used, w_gate, w_up, w_down, g, u = res
+
+    def body(acc, item):
+        i, xb, e, gb, ub, dy = item
+
+        def run():
+            h, vjp = jax.vjp(hidden, gb, ub)
+            dg, du = vjp(dy @ w_down[e].T)
+            dx = dg @ w_gate[e].T + du @ w_up[e].T
+            grads = (xb.T @ dg, xb.T @ du, h.T @ dy)
+            return tuple(a.at[e].add(d) for a, d in zip(acc, grads, strict=True)), dx
+
+        return lax.cond(i < used, run, lambda: (acc, _zeros_like(run()[1])))
+
+    zeros = tuple(jnp.zeros_like(w) for w in (w_gate, w_up, w_down))  # typed like the weights (varying)
+    items = (jnp.arange(xs.shape[0]), xs, block_expert, g, u, dys)
+    grads, dxs = lax.scan(body, zeros, items)
+    return (dxs, None, None, *hook(grads))
+
+
+block_mlp.defvjp(_block_fwd, _block_bwd)
