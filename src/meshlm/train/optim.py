@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from meshlm.model.lora import Adapters
 from meshlm.model.masked import loss_weights
 from meshlm.model.params import decays, flat_params, unflatten
 
@@ -77,28 +78,51 @@ def accumulate(grad_fn, params, batch, accum_steps: int):
         return jax.tree.map(jnp.add, carry, grad_fn(params, micro)), None
 
     dtype = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
-    value = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch))[0]
+    value, shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch))
+    zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
     loss = jnp.zeros((), dtype)
     if isinstance(value, tuple):
-        loss = (loss, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), value[1]))
-    (value, grads), _ = jax.lax.scan(body, (loss, jax.tree.map(jnp.zeros_like, params)), batch)
+        loss = (loss, zeros(value[1]))
+    (value, grads), _ = jax.lax.scan(body, (loss, zeros(shapes)), batch)  # grads: of what is trained
     mean = lambda x: jax.tree.map(lambda y: y / accum_steps, x)
     return ((mean(value[0]), value[1]) if isinstance(value, tuple) else mean(value)), mean(grads)
 
 
-def make_step(grad_fn, optimizer: optax.GradientTransformation, ocfg: OptimConfig, clip_fn=None):
+class Whole:
+    """What a step trains of the parameters: all of them (``trainable``; LoRA: ``lora.Adapters``)."""
+
+    @staticmethod
+    def select(tree):
+        return tree
+
+    @staticmethod
+    def put(params, trained):
+        return trained
+
+
+def trainable(cfg):
+    """The part of ``cfg``'s parameters a step trains (its optimizer's state is of that part only)."""
+    return Adapters if cfg.lora_rank else Whole
+
+
+def make_step(grad_fn, optimizer: optax.GradientTransformation, ocfg: OptimConfig, clip_fn=None, part=Whole):
     """(params, opt_state, batch[, healthy]) -> (params, opt_state, metrics); jit it with donated
     buffers. metrics: "loss", "grad_norm", and "ok" (whether this step updated the state); with a
-    grad_fn whose value is (loss, aux), also "routing": the aux (not part of the loss or gradients)."""
+    grad_fn whose value is (loss, aux), also "routing": the aux (not part of the loss or gradients).
+    ``part`` (``trainable``): what is trained, what ``optimizer`` was made for; the rest stays."""
     clip_fn = clip_fn or (lambda g: clip_by_global_norm(g, ocfg.clip_norm))
+
+    def part_grad(params, batch):  # LoRA: the frozen base's gradients are zero, never used
+        value, grads = grad_fn(params, batch)
+        return value, part.select(grads)
 
     def step(params, opt_state, batch, healthy=None):
         batch = loss_weights(batch)  # the SFT mask, normalized over the whole step (every micro-batch)
-        loss, grads = accumulate(grad_fn, params, batch, ocfg.accum_steps)
+        loss, grads = accumulate(part_grad, params, batch, ocfg.accum_steps)
         loss, aux = loss if isinstance(loss, tuple) else (loss, None)
         grads, grad_norm = clip_fn(grads)
-        updates, new_state = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+        updates, new_state = optimizer.update(grads, opt_state, part.select(params))
+        new_params = part.put(params, optax.apply_updates(part.select(params), updates))
         # A non-finite loss or gradient leaves the state untouched, so the caller can stop and save
         # the last good state (the inputs are donated: without this they would be gone).
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

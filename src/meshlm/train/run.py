@@ -27,6 +27,7 @@ from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.model_io import FORMAT, load_model, read_config
 from meshlm.io.run_lock import RunLock, lock_run
 from meshlm.io.tokenizer_file import TOKENIZER_FILE
+from meshlm.model import lora
 from meshlm.model.config import ModelConfig, get_config
 from meshlm.model.transformer import param_shapes
 from meshlm.parallel import distributed
@@ -36,7 +37,10 @@ from meshlm.sharding.rules import model_specs, shardings
 from meshlm.sharding.strategy import strategy
 from meshlm.train import outputs
 from meshlm.train.config import TrainConfig, recorded_settings, resolve, with_moe_settings
+from meshlm.train.lora import META_KEY as LORA_META
+from meshlm.train.lora import check_needs_base, check_same_base, fingerprint, start_params, with_lora
 from meshlm.train.metrics import OUTPUTS, SETTINGS, MetricsLog
+from meshlm.train.optim import trainable
 from meshlm.train.resume import check_existing, model_meta
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step, step_model
 from meshlm.train.tokenizers import run_tokenizer, tokenizer_meta
@@ -67,6 +71,7 @@ class Run:
     tokenizer_meta: dict | None = None  # its checkpoint meta entry (``train.tokenizers``)
     val_bytes_per_token: float = 1.0  # UTF-8 bytes per validation target: val_bpb's denominator
     out_before: frozenset[str] | None = None  # the run directory's entries before this start
+    lora_base: str | None = None  # LoRA: the base's fingerprint (``train.lora``), saved in every meta
 
     def undo_refused_start(self) -> None:
         """A start refused before it saved (e.g. while compiling): its outputs removed, the lock
@@ -101,7 +106,12 @@ def _load_data(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, tok: Tokeniz
 
 
 def checkpoint_meta(
-    tcfg: TrainConfig, cfg: ModelConfig, step: int, layout: Layout, tokenizer: dict | None = None
+    tcfg: TrainConfig,
+    cfg: ModelConfig,
+    step: int,
+    layout: Layout,
+    tokenizer: dict | None = None,
+    lora_base: str | None = None,
 ) -> dict:
     """The meta saved with every checkpoint; ``resume.check_resumable`` reads its ``train_config`` back.
     ``tokenizer``: the entry ``tokenizer_meta`` returned (default: bytes). ``layout`` is recorded
@@ -115,6 +125,7 @@ def checkpoint_meta(
         "mesh": layout.shape,
         "layout": layout.to_dict(),
         "process_count": jax.process_count(),
+        **({LORA_META: lora_base} if lora_base else {}),  # a LoRA run's base (``train.lora``)
     }
 
 
@@ -122,25 +133,27 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs: d
     """(params, opt_state, step, step_fn): resumed from ``ckpt``'s newest checkpoint, else fresh
     (initialised, or loaded from ``tcfg.checkpoint``) at step 0; sharded per ``specs`` (``run_specs``)."""
     meta = check_existing(tcfg, ckpt)
-    if tcfg.checkpoint:  # its model is the run's (``run_model``)
+    part, expect, base_print = trainable(cfg), {"format": FORMAT, "model_config": model_meta(meta, cfg)}, None
+    if tcfg.checkpoint:  # its model is the run's (``run_model``); with LoRA, the base of the adapters
         _, params, _ = load_model(tcfg.checkpoint, layout)
-        params = jax.device_put(params, shardings(specs, layout.mesh))  # onto FSDP slices, if asked
+        params = jax.device_put(params, shardings(lora.base(specs), layout.mesh))  # onto FSDP slices
+        if cfg.lora_rank:  # checkpoints hold the adapters alone: their base must be this one
+            expect[LORA_META] = base_print = fingerprint(params)
+            check_same_base(meta, base_print, tcfg)
+            params = start_params(cfg, layout, specs, params, tcfg.seed)
     else:
         params, _ = init_model(cfg, layout, tcfg.seed, specs=specs)
     step_fn, opt = sharded_step(
         step_config(tcfg, cfg), tcfg.optim(), layout, specs, params, COMPUTE_DTYPES[tcfg.compute_dtype]
     )
-    opt_state = init_opt_state(opt, params, specs, layout.mesh)
+    opt_state = init_opt_state(opt, part.select(params), part.select(specs), layout.mesh)
     step = 0
-    target = {"params": params, "opt_state": opt_state}
+    target = {"params": part.select(params), "opt_state": opt_state}
     # resume() also moves aside newer step directories it could not use, which would block saves.
-    resumed = ckpt.resume(
-        jax.tree.map(_abstract, target),
-        expect_meta={"format": FORMAT, "model_config": model_meta(meta, cfg)},
-    )
+    resumed = ckpt.resume(jax.tree.map(_abstract, target), expect_meta=expect)
     if resumed:
         state, _, step = resumed
-        params, opt_state = state["params"], state["opt_state"]
+        params, opt_state = part.put(params, state["params"]), state["opt_state"]
         distributed.print0(f"resuming from {ckpt.step_dir(step)} (step {step})", file=sys.stderr)
     else:  # never silent: a --out that names another directory than meant starts a new run there
         start = f" from the parameters of --checkpoint {tcfg.checkpoint}" if tcfg.checkpoint else ""
@@ -148,13 +161,14 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs: d
             f"starting a fresh run in {ckpt.directory.resolve()}{start} (no checkpoint there to resume)",
             file=sys.stderr,
         )
-    return params, opt_state, step, step_fn
+    return params, opt_state, step, step_fn, base_print
 
 
 def run_model(tcfg: TrainConfig) -> tuple[TrainConfig, ModelConfig]:
     """(the resolved settings, the run's model): ``--config``'s preset, or under ``--checkpoint`` the
     checkpoint's own model (a converted one matches no preset), which ``--config``, if given, must
     name. The run's ``--doc-mask`` (not the checkpoint's) decides document masking."""
+    check_needs_base(tcfg)
     if not tcfg.checkpoint:
         return resolve(tcfg)
     model, meta = read_config(tcfg.checkpoint)
@@ -213,7 +227,7 @@ def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lamb
     a jax Mesh; the run's --fsdp and --sp are ``tcfg``'s). ``startup_check`` is called after the data
     and after the state (``Stop.check_startup``)."""
     tcfg, cfg = run_model(tcfg)
-    cfg = with_moe_settings(tcfg, cfg)
+    cfg = with_lora(tcfg, with_moe_settings(tcfg, cfg))
     layout = run_layout(tcfg, where)
     store = store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store (checked) or None
     specs = run_specs(tcfg, cfg, layout)  # bad --fsdp / --sp combinations fail before the data is read
@@ -272,7 +286,7 @@ def _eval_loss(cfg: ModelConfig, layout: Layout, specs, dtype):
 def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs, out: Path, batcher, val, lock) -> Run:
     """The state and outputs in ``out``, which this run has locked."""
     ckpt = Checkpointer(out, keep=tcfg.keep)
-    params, opt_state, step, step_fn = _initial_state(tcfg, cfg, layout, specs, ckpt)
+    params, opt_state, step, step_fn, base_print = _initial_state(tcfg, cfg, layout, specs, ckpt)
     log = MetricsLog(out, enabled=distributed.is_main())
     if step == 0:
         log.set_aside_earlier()  # rows without a checkpoint: an earlier run's, never rewritten
@@ -295,4 +309,5 @@ def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs, out: Path
         log=log,
         saved_step=step if step else -1,
         lock=lock,
+        lora_base=base_print,
     )

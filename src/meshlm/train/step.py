@@ -19,7 +19,7 @@ from meshlm.parallel.layout import Layout
 from meshlm.sharding.rules import dp_sharded, model_specs, shardings
 from meshlm.sharding.spmd import reference_value_and_grad
 from meshlm.sharding.strategy import strategy
-from meshlm.train.optim import OptimConfig, adamw, make_step
+from meshlm.train.optim import OptimConfig, adamw, make_step, trainable
 
 # The compute dtypes (``model.family.COMPUTE_DTYPES``) as arrays' dtypes; float32: the master weights'.
 COMPUTE_DTYPES = dict(zip(family.COMPUTE_DTYPES, (None, jnp.bfloat16), strict=True))
@@ -61,12 +61,13 @@ def sharded_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, specs, par
     ``params`` may be arrays or ShapeDtypeStructs (ahead-of-time compilation). With ``layout.fsdp``
     ``specs`` must split weights over DP (``model_specs`` on that layout; checked)."""
     check_fsdp_specs(specs, layout.fsdp)
-    opt = adamw(ocfg, params)
+    part = trainable(cfg)  # LoRA: the adapters alone (no AdamW state for the frozen base)
+    opt = adamw(ocfg, part.select(params))
     # sharded (one shard_map) or, with a pipeline, through its schedule: the layout's strategy; either
     # way a mixture of experts also returns its routing statistics (``make_step``: metrics)
     routing = cfg.arch.moe
     grad = strategy(layout).value_and_grad(cfg, layout, specs, compute_dtype=compute_dtype, routing=routing)
-    return jax.jit(make_step(grad, opt, ocfg), donate_argnums=(0, 1)), opt
+    return jax.jit(make_step(grad, opt, ocfg, part=part), donate_argnums=(0, 1)), opt
 
 
 def check_fsdp_specs(specs, fsdp: bool) -> None:
@@ -82,13 +83,15 @@ def check_fsdp_specs(specs, fsdp: bool) -> None:
 
 def reference_step(cfg: ModelConfig, ocfg: OptimConfig, params, compute_dtype=None):
     """The same step for the unsharded model (plain arrays; GSPMD partitions it if they're sharded)."""
-    opt = adamw(ocfg, params)
+    part = trainable(cfg)
+    opt = adamw(ocfg, part.select(params))
     grad = reference_value_and_grad(lambda par: loss_fn(cfg, par), compute_dtype)
-    return jax.jit(make_step(grad, opt, ocfg), donate_argnums=(0, 1)), opt
+    return jax.jit(make_step(grad, opt, ocfg, part=part), donate_argnums=(0, 1)), opt
 
 
 def init_opt_state(opt, params, specs, mesh):
-    """Optimizer state laid out like the parameters (moments) and replicated (counters)."""
+    """Optimizer state laid out like the parameters (moments) and replicated (counters); ``params``
+    and ``specs``: the trained part (``optim.trainable``'s ``select``)."""
     param_sh = shardings(specs, mesh)
     abstract = jax.eval_shape(opt.init, params)
     out = _like_params(abstract, param_sh, NamedSharding(mesh, P()))
