@@ -9,8 +9,6 @@ adapters are ``model.lora``'s; the step trains them alone (``train.optim.trainab
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 
 from meshlm.errors import CheckpointError, ConfigError
@@ -18,7 +16,7 @@ from meshlm.model.lora_fields import NAMES
 from meshlm.ranges import Range
 from meshlm.settings import setting
 
-META_KEY = "lora_base"  # the checkpoint meta's entry: the base's fingerprint
+META_KEY = "lora_base"  # the checkpoint meta's entry: the base's fingerprint (``io.model_io.LORA_BASE``)
 
 
 @dataclass(frozen=True)
@@ -58,17 +56,19 @@ def check_needs_base(tcfg) -> None:
         )
 
 
-def fingerprint(base_params) -> str:
-    """A digest of the base's arrays (shape, dtype and bits of each: ``io.integrity.describe``)."""
-    from meshlm.io.integrity import describe
+def base_meta(tcfg, base_params) -> dict:
+    """The meta a LoRA run's checkpoints carry: the base's fingerprint and its absolute path."""
+    from pathlib import Path
 
-    text = json.dumps(describe(base_params), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    from meshlm.io.model_io import LORA_BASE_PATH, base_fingerprint
+
+    return {META_KEY: base_fingerprint(base_params), LORA_BASE_PATH: str(Path(tcfg.checkpoint).absolute())}
 
 
-def check_same_base(meta: dict | None, base_print: str, tcfg) -> None:
-    """A LoRA run resumes only onto the base it started from (its checkpoints hold the adapters alone)."""
-    saved = (meta or {}).get(META_KEY)
+def check_same_base(meta: dict | None, base: dict, tcfg) -> None:
+    """A LoRA run resumes only onto the base it started from (its checkpoints hold the adapters alone);
+    ``base``: ``base_meta``'s."""
+    saved, base_print = (meta or {}).get(META_KEY), base[META_KEY]
     if meta is not None and saved != base_print:
         raise CheckpointError(
             f"--out {tcfg.out} holds LoRA adapters of another base (fingerprint {saved}; --checkpoint "

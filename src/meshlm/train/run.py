@@ -38,7 +38,7 @@ from meshlm.sharding.strategy import strategy
 from meshlm.train import outputs
 from meshlm.train.config import TrainConfig, recorded_settings, resolve, with_moe_settings
 from meshlm.train.lora import META_KEY as LORA_META
-from meshlm.train.lora import check_needs_base, check_same_base, fingerprint, start_params, with_lora
+from meshlm.train.lora import base_meta, check_needs_base, check_same_base, start_params, with_lora
 from meshlm.train.metrics import OUTPUTS, SETTINGS, MetricsLog
 from meshlm.train.optim import trainable
 from meshlm.train.resume import check_existing, model_meta
@@ -71,7 +71,7 @@ class Run:
     tokenizer_meta: dict | None = None  # its checkpoint meta entry (``train.tokenizers``)
     val_bytes_per_token: float = 1.0  # UTF-8 bytes per validation target: val_bpb's denominator
     out_before: frozenset[str] | None = None  # the run directory's entries before this start
-    lora_base: str | None = None  # LoRA: the base's fingerprint (``train.lora``), saved in every meta
+    lora_base: dict | None = None  # LoRA: the base's fingerprint and path (``train.lora``), in every meta
 
     def undo_refused_start(self) -> None:
         """A start refused before it saved (e.g. while compiling): its outputs removed, the lock
@@ -111,7 +111,7 @@ def checkpoint_meta(
     step: int,
     layout: Layout,
     tokenizer: dict | None = None,
-    lora_base: str | None = None,
+    lora_base: dict | None = None,
 ) -> dict:
     """The meta saved with every checkpoint; ``resume.check_resumable`` reads its ``train_config`` back.
     ``tokenizer``: the entry ``tokenizer_meta`` returned (default: bytes). ``layout`` is recorded
@@ -125,7 +125,7 @@ def checkpoint_meta(
         "mesh": layout.shape,
         "layout": layout.to_dict(),
         "process_count": jax.process_count(),
-        **({LORA_META: lora_base} if lora_base else {}),  # a LoRA run's base (``train.lora``)
+        **(lora_base or {}),  # a LoRA run's base: its fingerprint and path (``train.lora.base_meta``)
     }
 
 
@@ -138,8 +138,9 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs: d
         _, params, _ = load_model(tcfg.checkpoint, layout)
         params = jax.device_put(params, shardings(lora.base(specs), layout.mesh))  # onto FSDP slices
         if cfg.lora_rank:  # checkpoints hold the adapters alone: their base must be this one
-            expect[LORA_META] = base_print = fingerprint(params)
+            base_print = base_meta(tcfg, params)
             check_same_base(meta, base_print, tcfg)
+            expect[LORA_META] = base_print[LORA_META]
             params = start_params(cfg, layout, specs, params, tcfg.seed)
     else:
         params, _ = init_model(cfg, layout, tcfg.seed, specs=specs)
@@ -172,6 +173,11 @@ def run_model(tcfg: TrainConfig) -> tuple[TrainConfig, ModelConfig]:
     if not tcfg.checkpoint:
         return resolve(tcfg)
     model, meta = read_config(tcfg.checkpoint)
+    if model.lora_rank:  # its adapters' base is elsewhere: a run continues in its own --out
+        raise CheckpointError(
+            f"--checkpoint {tcfg.checkpoint} holds LoRA adapters; merge them into their base first "
+            "(meshlm convert --merge) or resume that run with its own --out"
+        )
     model = model.replace(doc_mask=-1)
     if tcfg.config and meta.get("train_config", {}).get("config") != tcfg.config:  # not trained from it
         _check_same_model(tcfg, get_config(tcfg.config), model)
