@@ -113,3 +113,20 @@ def test_train_saves_adapters_only_resumes_bitwise_refuses_another_base(base, tm
 def _arrays(run_dir, step) -> dict:
     """The integrity record's {array: shape, dtype, bit fingerprint} of a step (``io.integrity``)."""
     return json.loads((run_dir / str(step) / "integrity" / "metadata").read_text())["arrays"]
+
+
+def test_plan_counts_adapter_state_only():
+    """``meshlm plan``'s estimate: AdamW moments (and gradients) of the adapters alone, none for the
+    frozen base; the parameters are the base's plus the adapters'."""
+    from meshlm.parallel.layout import Layout
+    from meshlm.parallel.placement import bytes_per_device
+    from meshlm.perf.plan import analytic, planned_params
+    from meshlm.perf.plan_settings import PlanSettings
+
+    cfg = get_config("tiny-llama")
+    adapted = cfg.replace(lora_rank=4, lora_targets=TARGETS)
+    settings, lay = PlanSettings(batch_size=8, seq_len=32), Layout(dp=2, mp=2)
+    full, lo = analytic(cfg, lay, settings), analytic(adapted, lay, settings)
+    adapters = bytes_per_device(lora.adapters(planned_params(adapted, lay, settings)[1]))
+    assert lo["opt_state"] == 2 * adapters and lo["gradients"] == adapters
+    assert lo["params"] == full["params"] + adapters and lo["opt_state"] < full["opt_state"] / 5
