@@ -22,6 +22,10 @@ CHAT_TRAIN = (
     "meshlm train --data data/chat --tokenizer data/chat/tokenizer.json --config tiny-lm --seq-len 64 "
     "--out runs/chat-sft"
 )
+LORA_TRAIN = (
+    "meshlm train --checkpoint runs/llama-import --lora-rank 8 --lora-alpha 16 "
+    "--lora-targets q,k,v,o,gate,up,down --data my.txt --out runs/lora"
+)
 MAIN = "meshlm train"  # the main job: its runs/main is read by generate, eval, verify, convert
 OK = "OK: sharded == unsharded"
 # 32 devices in a subprocess: 7 plans of the 7B model, 85 s of CPU; the same plans of a small model here
@@ -134,6 +138,7 @@ COMMANDS: dict[str, Run | Shown] = {
         "meshlm plan --schedule-png",
         "meshlm verify --doc-mask",
         "meshlm bench --ep 2",
+        "meshlm plan --lora-rank",
     ),
     **_names(
         "a placeholder, not a value (DIR, N, ring|allgather, ...): the forms with values are run",
@@ -508,6 +513,17 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm generate --checkpoint runs/ft --prompt 'def '": run(
         add="--max-new-tokens 8",
         after=("meshlm train --checkpoint runs/llama-import --data my.txt --out runs/ft",),
+    ),
+    # docs/training.md: LoRA
+    LORA_TRAIN: run(add=TINY.replace("--config tiny-lm ", "")),
+    "meshlm generate --checkpoint runs/lora --prompt 'def '": run(
+        add="--max-new-tokens 4", after=(LORA_TRAIN,)
+    ),
+    "meshlm convert --to-peft runs/lora --out runs/lora-peft": run(after=(LORA_TRAIN,)),
+    "meshlm convert --merge runs/lora --out runs/lora-merged": run(after=(LORA_TRAIN,)),
+    "meshlm plan --config tiny-llama --mesh 2x2 --batch-size 8 --seq-len 32 --lora-rank 8": run(),
+    "meshlm verify --lora-rank 4 --objective sft --config tiny-llama --mesh 2x2 --x64": verify(
+        costly="tests/test_lora.py::test_verify_lora_sft_equal_unsharded_and_its_controls_detected"
     ),
     "meshlm train --settings runs/main/settings.toml": run(after=(MAIN,)),
     "meshlm train --settings runs/main/settings.toml --steps 560": run("560 => 3", after=(MAIN,)),
