@@ -22,6 +22,15 @@ CHAT_TRAIN = (
     "meshlm train --data data/chat --tokenizer data/chat/tokenizer.json --config tiny-lm --seq-len 64 "
     "--out runs/chat-sft"
 )
+FT_PREPARE = (
+    "meshlm data prepare --chat --tokenizer qwen3-tiny --data examples/chat/conversations.jsonl "
+    "--seq-len 128 --val-fraction 0.2 --out data/qwen3-chat"
+)
+FT_TRAIN = (
+    "meshlm train --checkpoint runs/qwen3 --data data/qwen3-chat --lora-rank 8 --lora-alpha 16 "
+    "--lora-targets q,k,v,o,gate,up,down --seq-len 128 --mesh 2x2 --out runs/qwen3-lora"
+)
+FT_FAST = "--steps 2 --batch-size 8 --warmup-steps 1 --eval-every 0 --eval-batches 1 --sample-tokens 0"
 LORA_TRAIN = (
     "meshlm train --checkpoint runs/llama-import --lora-rank 8 --lora-alpha 16 "
     "--lora-targets q,k,v,o,gate,up,down --data my.txt --out runs/lora"
@@ -139,6 +148,8 @@ COMMANDS: dict[str, Run | Shown] = {
         "meshlm verify --doc-mask",
         "meshlm bench --ep 2",
         "meshlm plan --lora-rank",
+        "meshlm convert --merge runs/qwen3-lora --out DIR",
+        "meshlm convert --to-hf DIR",
     ),
     **_names(
         "a placeholder, not a value (DIR, N, ring|allgather, ...): the forms with values are run",
@@ -514,6 +525,12 @@ COMMANDS: dict[str, Run | Shown] = {
         add="--max-new-tokens 8",
         after=("meshlm train --checkpoint runs/llama-import --data my.txt --out runs/ft",),
     ),
+    # docs/finetuning.md: the walk-through (the workspace's qwen3-tiny: a transformers Qwen3 with ChatML)
+    "meshlm convert --from-hf qwen3-tiny --out runs/qwen3": run(),
+    FT_PREPARE: run(),
+    FT_TRAIN: run(add=FT_FAST, after=("meshlm convert --from-hf qwen3-tiny --out runs/qwen3", FT_PREPARE)),
+    "meshlm eval --checkpoint runs/qwen3-lora --data data/qwen3-chat": run(after=(FT_TRAIN,)),
+    "meshlm convert --to-peft runs/qwen3-lora --out runs/qwen3-peft": run(after=(FT_TRAIN,)),
     # docs/training.md: LoRA
     LORA_TRAIN: run(add=TINY.replace("--config tiny-lm ", "")),
     "meshlm generate --checkpoint runs/lora --prompt 'def '": run(
