@@ -130,3 +130,24 @@ def test_plan_counts_adapter_state_only():
     adapters = bytes_per_device(lora.adapters(planned_params(adapted, lay, settings)[1]))
     assert lo["opt_state"] == 2 * adapters and lo["gradients"] == adapters
     assert lo["params"] == full["params"] + adapters and lo["opt_state"] < full["opt_state"] / 5
+
+
+def test_controls_of_frozen_gradients_apply_only_without_adapters():
+    """A fault only a frozen weight's gradient shows (FSDP's reduce-scatter, SP's norm sum) cannot be
+    detected under LoRA: ``for_lora`` keeps it off there, and on where the model has no adapters."""
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof.control_record import Where
+    from meshlm.proof.controls import CONTROLS
+    from meshlm.proof.lora import FROZEN_ONLY, for_lora
+
+    names = {c.name for c in CONTROLS}
+    assert {"FSDP gradient kept from one data shard", "SP norm gradients not summed over mp"} <= names
+    lay = Layout(dp=2, mp=2, fsdp=True, sp=True)
+    cfg = get_config("tiny-llama")
+    for adapted, want in ((cfg, True), (cfg.replace(lora_rank=2, lora_targets="q"), False)):
+        where = Where(cfg=adapted, layout=lay, has_row_bias=False)
+        chosen = {c.name for c in for_lora(CONTROLS) if c.applies(where)}
+        assert ("FSDP gradient kept from one data shard" in chosen) is want
+        assert ("SP norm gradients not summed over mp" in chosen) is want
+        assert "dropped all-reduce" in chosen
+    assert len(FROZEN_ONLY) == 6

@@ -88,8 +88,16 @@ LORA_CONTROLS = (
         par_cls=LoraScaleTwice,
     ),
 )
-# Controls whose fault reaches only a frozen weight's gradient: under LoRA nothing can show them.
-FROZEN_ONLY = ()
+# Controls whose fault reaches only a frozen weight's gradient: under LoRA nothing can show them (each
+# was seen "not detected", the others detected, by ``verify --lora-rank`` on 2x2 with --fsdp --sp).
+FROZEN_ONLY = (
+    "FSDP gradient kept from one data shard",  # a base weight's slice
+    "SP norm gradients not summed over mp",  # the norms' scales
+    "q/k norm gradient not summed over mp",  # Qwen3's q/k norm weights
+    "tied head's gradient not added to the embedding",  # the embedding table
+    "MoE shared expert's gate gradient not summed over mp",  # the shared expert's gate
+    "an expert's gradient not summed over the data shards outside ep",  # the experts
+)
 
 
 def for_lora(controls):
