@@ -260,6 +260,9 @@ def test_resume_must_match_comes_from_field_metadata():
         "seed",
         "moe_aux_loss",
         "moe_capacity_factor",
+        "lora_rank",
+        "lora_alpha",
+        "lora_targets",
     }
 
 
