@@ -68,9 +68,10 @@ def clip_by_global_norm(grads, max_norm: float):
     return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), norm
 
 
-def accumulate(grad_fn, params, batch, accum_steps: int):
+def accumulate(grad_fn, params, batch, accum_steps: int, trained=None):
     """Mean loss and gradient over ``accum_steps`` micro-batches (batch leaves [A, B, T]). A grad_fn
-    whose value is (loss, aux) (a mixture of experts' routing statistics): the aux summed over them."""
+    whose value is (loss, aux) (a mixture of experts' routing statistics): the aux summed over them.
+    ``trained``: the part of ``params`` grad_fn's gradients are of (default: all of them)."""
     if accum_steps == 1:
         return grad_fn(params, batch)
 
@@ -78,12 +79,12 @@ def accumulate(grad_fn, params, batch, accum_steps: int):
         return jax.tree.map(jnp.add, carry, grad_fn(params, micro)), None
 
     dtype = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
-    value, shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch))
-    zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+    value = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch))[0]
     loss = jnp.zeros((), dtype)
     if isinstance(value, tuple):
-        loss = (loss, zeros(value[1]))
-    (value, grads), _ = jax.lax.scan(body, (loss, zeros(shapes)), batch)  # grads: of what is trained
+        loss = (loss, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), value[1]))
+    like = params if trained is None else trained  # the gradients' tree: of what is trained
+    (value, grads), _ = jax.lax.scan(body, (loss, jax.tree.map(jnp.zeros_like, like)), batch)
     mean = lambda x: jax.tree.map(lambda y: y / accum_steps, x)
     return ((mean(value[0]), value[1]) if isinstance(value, tuple) else mean(value)), mean(grads)
 
@@ -118,7 +119,7 @@ def make_step(grad_fn, optimizer: optax.GradientTransformation, ocfg: OptimConfi
 
     def step(params, opt_state, batch, healthy=None):
         batch = loss_weights(batch)  # the SFT mask, normalized over the whole step (every micro-batch)
-        loss, grads = accumulate(part_grad, params, batch, ocfg.accum_steps)
+        loss, grads = accumulate(part_grad, params, batch, ocfg.accum_steps, part.select(params))
         loss, aux = loss if isinstance(loss, tuple) else (loss, None)
         grads, grad_norm = clip_fn(grads)
         updates, new_state = optimizer.update(grads, opt_state, part.select(params))
