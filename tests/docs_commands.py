@@ -26,6 +26,19 @@ DPO_TRAIN = (
     "meshlm train --objective dpo --checkpoint runs/chat-sft --data examples/dpo/pairs.jsonl --seq-len 64 "
     "--batch-size 32 --dpo-beta 0.5 --lr 3e-3 --steps 12 --out runs/dpo"
 )
+FT_PREPARE = (
+    "meshlm data prepare --chat --tokenizer qwen3-tiny --data examples/chat/conversations.jsonl "
+    "--seq-len 128 --val-fraction 0.2 --out data/qwen3-chat"
+)
+FT_TRAIN = (
+    "meshlm train --checkpoint runs/qwen3 --data data/qwen3-chat --lora-rank 8 --lora-alpha 16 "
+    "--lora-targets q,k,v,o,gate,up,down --seq-len 128 --mesh 2x2 --out runs/qwen3-lora"
+)
+FT_FAST = "--steps 2 --batch-size 8 --warmup-steps 1 --eval-every 0 --eval-batches 1 --sample-tokens 0"
+LORA_TRAIN = (
+    "meshlm train --checkpoint runs/llama-import --lora-rank 8 --lora-alpha 16 "
+    "--lora-targets q,k,v,o,gate,up,down --data my.txt --out runs/lora"
+)
 MAIN = "meshlm train"  # the main job: its runs/main is read by generate, eval, verify, convert
 OK = "OK: sharded == unsharded"
 # 32 devices in a subprocess: 7 plans of the 7B model, 85 s of CPU; the same plans of a small model here
@@ -140,6 +153,9 @@ COMMANDS: dict[str, Run | Shown] = {
         "meshlm plan --schedule-png",
         "meshlm verify --doc-mask",
         "meshlm bench --ep 2",
+        "meshlm plan --lora-rank",
+        "meshlm convert --merge runs/qwen3-lora --out DIR",
+        "meshlm convert --to-hf DIR",
     ),
     **_names(
         "a placeholder, not a value (DIR, N, ring|allgather, ...): the forms with values are run",
@@ -527,6 +543,23 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm generate --checkpoint runs/ft --prompt 'def '": run(
         add="--max-new-tokens 8",
         after=("meshlm train --checkpoint runs/llama-import --data my.txt --out runs/ft",),
+    ),
+    # docs/finetuning.md: the walk-through (the workspace's qwen3-tiny: a transformers Qwen3 with ChatML)
+    "meshlm convert --from-hf qwen3-tiny --out runs/qwen3": run(),
+    FT_PREPARE: run(),
+    FT_TRAIN: run(add=FT_FAST, after=("meshlm convert --from-hf qwen3-tiny --out runs/qwen3", FT_PREPARE)),
+    "meshlm eval --checkpoint runs/qwen3-lora --data data/qwen3-chat": run(after=(FT_TRAIN,)),
+    "meshlm convert --to-peft runs/qwen3-lora --out runs/qwen3-peft": run(after=(FT_TRAIN,)),
+    # docs/training.md: LoRA
+    LORA_TRAIN: run(add=TINY.replace("--config tiny-lm ", "")),
+    "meshlm generate --checkpoint runs/lora --prompt 'def '": run(
+        add="--max-new-tokens 4", after=(LORA_TRAIN,)
+    ),
+    "meshlm convert --to-peft runs/lora --out runs/lora-peft": run(after=(LORA_TRAIN,)),
+    "meshlm convert --merge runs/lora --out runs/lora-merged": run(after=(LORA_TRAIN,)),
+    "meshlm plan --config tiny-llama --mesh 2x2 --batch-size 8 --seq-len 32 --lora-rank 8": run(),
+    "meshlm verify --lora-rank 4 --objective sft --config tiny-llama --mesh 2x2 --x64": verify(
+        costly="tests/test_lora.py::test_verify_lora_sft_equal_unsharded_and_its_controls_detected"
     ),
     "meshlm train --settings runs/main/settings.toml": run(after=(MAIN,)),
     "meshlm train --settings runs/main/settings.toml --steps 560": run("560 => 3", after=(MAIN,)),

@@ -171,6 +171,23 @@ def _hf_llama(directory: Path) -> None:
     )
 
 
+def _hf_qwen3_chat(directory: Path, template: str) -> None:
+    """A tiny random Qwen3 (320 rows, tied embeddings) with the chat tests' ChatML tokenizer, as
+    transformers saves it: docs/finetuning.md's ``qwen3-tiny``."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+    chat_tokenizer_dir(directory, template)
+    tok = transformers.AutoTokenizer.from_pretrained(directory)
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=320, hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=True,
+        bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(directory)
+
+
 def _bw_checkpoint(path: Path) -> None:
     """docs/proof.md's snippet: a tiny-llama checkpoint whose config has blockwise attention."""
     import haiku as hk
@@ -221,6 +238,7 @@ def workspace(tmp_path_factory):
     shutil.copytree(ROOT / "examples" / "chat", root / "examples" / "chat")  # the chat SFT section's
     shutil.copytree(ROOT / "examples" / "dpo", root / "examples" / "dpo")  # the DPO section's pairs
     chat_tokenizer_dir(root / "chat-tokenizer", (ROOT / "examples/chat/chatml.jinja").read_text())
+    _hf_qwen3_chat(root / "qwen3-tiny", (ROOT / "examples/chat/chatml.jinja").read_text())  # finetuning.md
     for page in (ROOT / "docs").glob("*.md"):
         shutil.copy(page, root / "docs" / page.name)
     cwd = os.getcwd()

@@ -263,6 +263,9 @@ def test_resume_must_match_comes_from_field_metadata():
         "objective",
         "dpo_beta",
         "dpo_loss",
+        "lora_rank",
+        "lora_alpha",
+        "lora_targets",
     }
 
 

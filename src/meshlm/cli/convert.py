@@ -1,4 +1,5 @@
-"""meshlm convert: transformers GPT-J / Llama / Qwen2 directories to meshlm checkpoints, and back."""
+"""meshlm convert: transformers GPT-J / Llama / Qwen2 directories to meshlm checkpoints, and back; LoRA
+checkpoints to and from peft adapter directories, or merged (``convert_lora``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import json
 from pathlib import Path
 
+from meshlm.cli import convert_lora
 from meshlm.cli.common import add_common, setup
 from meshlm.errors import ConfigError
 
@@ -15,6 +17,10 @@ def add_parser(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="a transformers directory (config.json + safetensors)")
     src.add_argument("--to-hf", metavar="CKPT", help="a meshlm checkpoint (run or step directory)")
+    src.add_argument("--to-peft", metavar="CKPT", help="a LoRA checkpoint: its adapters as a peft directory")
+    src.add_argument("--from-peft", metavar="DIR", help="a peft LoRA directory, adapting --base's model")
+    src.add_argument("--merge", metavar="CKPT", help="a LoRA checkpoint: the adapters merged into the base")
+    p.add_argument("--base", metavar="CKPT", help="with --from-peft: the meshlm checkpoint of its base model")
     p.add_argument("--out", required=True, help="where to write: a new or empty directory")
     add_common(p, None)
     p.set_defaults(fn=run)
@@ -36,7 +42,14 @@ def run(args) -> int:
     layout = setup(args)
     from meshlm.parallel.distributed import print0
 
-    summary = _from_hf(args, layout) if args.from_hf else _to_hf(args, layout)
+    if args.base and not args.from_peft:
+        raise ConfigError("--base goes with --from-peft (a LoRA checkpoint names its own base)")
+    lora = {"to_peft": convert_lora.to_peft, "from_peft": convert_lora.from_peft, "merge": convert_lora.merge}
+    chosen = next((fn for name, fn in lora.items() if getattr(args, name)), None)
+    if chosen is not None:
+        summary = chosen(args, layout, _owned, _summary)
+    else:
+        summary = _from_hf(args, layout) if args.from_hf else _to_hf(args, layout)
     print0(json.dumps(summary) if args.json else _line(summary))
     return 0
 
@@ -60,7 +73,7 @@ def _line(s: dict) -> str:
     shape = f"{c['family']} d_model={c['d_model']} n_layers={c['n_layers']} vocab={c['vocab_size']}"
     line = f"converted {s['from']}{_which_step(s)} -> {s['to']} ({s['format']}): {shape}"
     line += f", {s['params']:,} parameters"
-    line += f"; tokenizer: {s['tokenizer']}"
+    line += f"; tokenizer: {s['tokenizer']}" if "tokenizer" in s else ""  # LoRA's: adapters only
     return line + (f"; {s['dropped']}" if s.get("dropped") else "")
 
 

@@ -12,6 +12,7 @@ from meshlm.cli.common import add_common, add_flags, argparse_type, flag_layout,
 from meshlm.errors import ConfigError
 from meshlm.parallel.axes import PP
 from meshlm.perf.plan_settings import DEFAULT_CONFIG, PlanCommand
+from meshlm.train.lora import with_lora
 from meshlm.units import parse_bytes
 
 memory_size = argparse_type(parse_bytes)  # --device-memory's type: "80GiB" -> bytes
@@ -67,7 +68,7 @@ def run(args) -> int:
 
         model = (read_config(pc.checkpoint)[0], f"checkpoint {pc.checkpoint}")
     cfg, name = model
-    cfg = cfg.replace(attention=pc.attention, attn_block=pc.attn_block)
+    cfg = with_lora(pc, cfg.replace(attention=pc.attention, attn_block=pc.attn_block))  # LoRA: adapters
     report = plan(
         cfg,
         name,

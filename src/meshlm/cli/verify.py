@@ -176,6 +176,7 @@ def _verify(args, vs: VerifySettings, planned) -> int:
         cfg = cfg.replace(moe_capacity_factor=vs.moe_capacity_factor)
     if vs.moe_dispatch is not None:  # the reference always runs "dense" (``proof.problem``)
         cfg = cfg.replace(moe_dispatch=vs.moe_dispatch)
+    cfg = _with_lora(vs, cfg)
     from meshlm.proof import defaults
 
     seq_len, block = _shapes(vs, cfg, layout)
@@ -202,15 +203,20 @@ def _verify(args, vs: VerifySettings, planned) -> int:
     problem = model_problem(cfg, name, layout, batch, seq_len, vs.seed)
     if vs.checkpoint:
         problem = dataclasses.replace(problem, load_params=lambda m: load_model(vs.checkpoint, m)[1])
-    controls = {}
+    from meshlm.proof.controls import CONTROLS
+    from meshlm.proof.cp_controls import CP_CONTROLS
+    from meshlm.proof.ep_controls import EP_CONTROLS
+    from meshlm.proof.lora import LORA_CONTROLS, for_lora, lora_problem
+
+    controls = CONTROLS + CP_CONTROLS + EP_CONTROLS
     if vs.objective == "sft":  # the chat SFT loss: a loss mask on the batch, and its controls
-        from meshlm.proof.controls import CONTROLS
-        from meshlm.proof.cp_controls import CP_CONTROLS
-        from meshlm.proof.ep_controls import EP_CONTROLS
         from meshlm.proof.sft import SFT_CONTROLS, sft_problem
 
         problem = sft_problem(problem)
-        controls = {"controls": CONTROLS + CP_CONTROLS + EP_CONTROLS + SFT_CONTROLS}
+        controls += SFT_CONTROLS
+    if cfg.lora_rank:  # adapters: random A and B, the LoRA rows and controls (``proof.lora``)
+        problem, controls = lora_problem(problem), for_lora(controls) + LORA_CONTROLS
+    controls = {"controls": controls}
     dtype = jnp.float64 if vs.x64 else jnp.float32
     report = verify(
         problem,
@@ -225,6 +231,19 @@ def _verify(args, vs: VerifySettings, planned) -> int:
     )
     print0(json.dumps(report.to_json()) if args.json else format_report(report))
     return 0 if report.ok else 1
+
+
+def _with_lora(vs, cfg):
+    """``cfg`` with ``--lora-rank``'s adapters; alpha defaults to 2R here, so that the proof's scale
+    is not 1 (a scale applied twice would be the same number)."""
+    if not vs.lora_rank:
+        return cfg
+    from meshlm.errors import ConfigError
+    from meshlm.train.lora import with_lora
+
+    if vs.steps:
+        raise ConfigError("verify --lora-rank proves the loss and gradients; drop --steps (not proven yet)")
+    return with_lora(dataclasses.replace(vs, lora_alpha=vs.lora_alpha or 2.0 * vs.lora_rank), cfg)
 
 
 def _check_tokenizer(checkpoint: str, print0) -> int | None:

@@ -16,6 +16,7 @@ from meshlm.settings import (
     check_fields,
     setting,
 )
+from meshlm.train.lora import LoraSettings
 
 # One token attends only to itself: the causal mask and attention across positions would go unproven
 # (and 0 tokens give a NaN loss, reported as a FAIL).
@@ -26,7 +27,7 @@ MAX_PROOF_STEPS = Range(int, 0, 10_000)
 
 
 @dataclass(frozen=True)
-class VerifySettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: the bases' fields
+class VerifySettings(MeshFlags, LongContext, LoraSettings):  # --pp, --cp, --fsdp, --lora-rank ...
     config: str = setting("seed", "model preset (see `meshlm configs`)", cli=CLI_COMMON)
     seed: int = setting(0, "random seed", cli=CLI_COMMON, valid=NON_NEGATIVE_INT)
     steps: int = setting(

@@ -59,11 +59,49 @@ def load_model(path: str | Path, where, dtype=None) -> tuple[ModelConfig, dict, 
     checkpoint) or one step's directory: ``where`` is a Layout or a jax Mesh (then no FSDP).
     Optimizer state, if saved, is not read."""
     directory, step = resolve(path)
-    cfg, _ = read_config(path)
-    target = {"params": abstract_params(cfg, where)}
+    cfg, meta = read_config(path)
+    abstract, base = abstract_params(cfg, where), None
+    if cfg.lora_rank:  # LoRA adapters alone: their base read from where the meta says, and checked
+        from meshlm.model import lora
+
+        abstract, base = lora.adapters(abstract), _lora_base(path, meta, where)
     with Checkpointer(directory) as ckpt:
-        state, _, step = ckpt.restore(target, step, expect_meta={"format": FORMAT}, partial=True)
-    params = state["params"]
+        state, _, step = ckpt.restore(
+            {"params": abstract}, step, expect_meta={"format": FORMAT}, partial=True
+        )
+    params = state["params"] if base is None else lora.combine(base, state["params"])
     if dtype is not None:
         params = jax.tree.map(lambda p: p.astype(dtype), params)
     return cfg, params, step
+
+
+# A LoRA checkpoint's meta: its base's fingerprint and where the base was read from.
+LORA_BASE, LORA_BASE_PATH = "lora_base", "lora_base_path"
+
+
+def base_fingerprint(params) -> str:
+    """A digest of a model's arrays (shape, dtype and bits of each: ``io.integrity.describe``)."""
+    import hashlib
+    import json
+
+    from meshlm.io.integrity import describe
+
+    return hashlib.sha256(json.dumps(describe(params), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _lora_base(path, meta: dict, where) -> dict:
+    """The base parameters of the LoRA checkpoint at ``path``: loaded from its meta's base path, and
+    refused in one line when their fingerprint is not the one the adapters were trained on."""
+    base_path = meta.get(LORA_BASE_PATH) or meta.get("train_config", {}).get("checkpoint")
+    if not base_path or not Path(base_path).exists():
+        raise CheckpointError(
+            f"{path} holds LoRA adapters whose base {base_path!r} is not there; restore the base checkpoint "
+            "at that path"
+        )
+    _, base, _ = load_model(base_path, where)
+    if (got := base_fingerprint(base)) != meta.get(LORA_BASE):
+        raise CheckpointError(
+            f"{path} holds LoRA adapters of a base with fingerprint {meta.get(LORA_BASE)}, but {base_path} "
+            f"is {got}: the base changed since; restore the one the adapters were trained on"
+        )
+    return base

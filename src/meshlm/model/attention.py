@@ -27,6 +27,7 @@ from meshlm.model.config import ModelConfig
 from meshlm.model.context_parallel import context_attention
 from meshlm.model.dense import dense_heads_in, dense_heads_out
 from meshlm.model.layers import RMSNorm, RMSNormPlusOne, _normal, apply_rotary, rotary_angles, upcast
+from meshlm.model.lora import adapted
 from meshlm.model.rope import inv_freq
 from meshlm.parallel.context import Parallel
 
@@ -52,7 +53,8 @@ class Attention(hk.Module):
 
     def _proj(self, name, xf, heads, tap=None):  # xf [B, T, D] -> [B, T, heads, E]
         w = hk.get_parameter(name, [xf.shape[-1], heads, self.cfg.dim_per_head], init=_normal(self.stddev))
-        return self._biased(name, dense_heads_in(xf, w if tap is None else self.par.tap(tap, w)), heads)
+        y = dense_heads_in(xf, w if tap is None else self.par.tap(tap, w))
+        return self._biased(name, adapted(self.cfg, self.par, "attn/" + name, xf, y, xf.shape[-1:]), heads)
 
     def _biased(self, name, y, heads, index=None):
         """y [B, T, h, E] plus the projection's bias (Qwen2's q/k/v; ``Family.qkv_bias``): column-
@@ -77,7 +79,8 @@ class Attention(hk.Module):
                 name, [xf.shape[-1], cfg.kv_heads, cfg.dim_per_head], init=_normal(self.stddev)
             )
             w1 = lax.dynamic_slice_in_dim(w, idx, 1, axis=1)  # [D, 1, E]: this shard's KV head
-            out.append(self._biased(name, dense_heads_in(xf, w1), cfg.kv_heads, idx))
+            y = adapted(cfg, par, "attn/" + name, xf, dense_heads_in(xf, w1), xf.shape[-1:], w.shape[1:], idx)
+            out.append(self._biased(name, y, cfg.kv_heads, idx))
         return out
 
     def _norm_args(self, keys: bool) -> dict:
@@ -149,7 +152,7 @@ class Attention(hk.Module):
     def _out(self, out, xf):  # out [B, T, H/mp, E] -> the row-parallel partial [B, T, D]
         hl = self.cfg.n_heads // self.par.layout.mp
         wo = hk.get_parameter("wo", [hl, self.cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
-        return dense_heads_out(out, wo)
+        return adapted(self.cfg, self.par, "attn/wo", out, dense_heads_out(out, wo), wo.shape[:2])
 
 
 def layer_kinds(cfg: ModelConfig):

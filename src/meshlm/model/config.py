@@ -15,6 +15,8 @@ from meshlm.errors import ConfigError
 from meshlm.model.families import FAMILIES, preset_fields
 from meshlm.model.family import Family
 from meshlm.model.layer_kinds import check_dense_layers, layer_indices
+from meshlm.model.lora_fields import RANGES as LORA_RANGES
+from meshlm.model.lora_fields import LoraFields, check_lora
 from meshlm.model.rope import RopeScaling
 from meshlm.model.rope import inv_freq as rope_inv_freq
 from meshlm.model.router_fields import ROUTER_RANGES, RouterFields, check_router
@@ -71,7 +73,7 @@ class LayerKindFields:
 
 
 @dataclass(frozen=True)
-class ModelConfig(LayerKindFields, RouterFields, MoEFields, DispatchFields):
+class ModelConfig(LoraFields, LayerKindFields, RouterFields, MoEFields, DispatchFields):
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
     d_model: int = 128  # residual stream width
@@ -89,9 +91,8 @@ class ModelConfig(LayerKindFields, RouterFields, MoEFields, DispatchFields):
     embed_bias: bool = False  # ff: the prototype's embedding had a bias (added once, after the sum)
     z_loss: float = 0.0  # coefficient of the z-loss term coeff * log(Z)^2 (0 disables it)
     remat: str = "none"  # per-layer recomputation in the backward: "none" | "full" | "selective"
-    # Embedding/head rows are padded to a multiple of this (Megatron's make-vocab-size-divisible-by),
-    # so every power-of-two mp up to it splits them; padded logits are masked out. 1: no padding. A
-    # config saved without this field (before padding existed) loads as 1: exactly as it was.
+    # Embedding/head rows are padded to a multiple of this (Megatron's make-vocab-size-divisible-by): every
+    # power-of-two mp up to it splits them; padded logits are masked. 1: none (a config saved without it).
     vocab_multiple: int = 128
     # Layers per iteration of the layer loop (scan unroll); 0: all of them, straight-line code (the
     # faster on CPU: ~1.2x on the cpu preset); a train step under FSDP or remat resolves 0 to 1
@@ -108,11 +109,9 @@ class ModelConfig(LayerKindFields, RouterFields, MoEFields, DispatchFields):
     # Sliding-window attention (Mistral): a query at position i sees the keys at positions j with
     # i - sliding_window < j <= i (transformers' definition: the window counts the query itself), in
     # plain and blockwise attention, under --cp, and in the KV cache (a rolling cache of the window's
-    # slots when the context is longer). 0: off (full causal attention). A saved
-    # config without this field predates it and loads as 0: exactly as it was.
+    # slots when the context is longer). 0: off (full causal attention; a config saved without it).
     sliding_window: int = 0
-    # Llama 3.x's rotary frequency scaling (transformers' rope_type "llama3"; ``model.rope``), or None:
-    # plain RoPE. A config saved before this field existed loads as None, exactly as it was.
+    # Llama 3.x's rotary frequency scaling (rope_type "llama3"; ``model.rope``); None: plain RoPE
     rope_scaling: RopeScaling | None = None
     # Gemma 2's soft-capping: attention scores become c * tanh(s / c) before the mask and softmax
     # (``attn_softcap``), the output logits c * tanh(z / c) (``final_softcap``). 0: off. A saved config
@@ -143,6 +142,7 @@ class ModelConfig(LayerKindFields, RouterFields, MoEFields, DispatchFields):
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
         _check_plain_only(self), _check_moe(self), check_router(self), check_dispatch(self)
+        check_lora(self)
 
     @property
     def arch(self) -> Family:
@@ -276,6 +276,7 @@ RANGES: dict[str, Range] = {
     "router_z_loss_coef": NON_NEGATIVE_FLOAT,
     "moe_capacity_factor": Range(float, 0, note="0: dropless"),
     **ROUTER_RANGES,
+    **LORA_RANGES,
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 

@@ -21,6 +21,11 @@ from typing import Any
 REMAT = ("none", "full", "selective")
 # Compute dtypes of a train step: float32, or bf16 compute with float32 master weights.
 COMPUTE_DTYPES = ("float32", "bfloat16")
+# LoRA's target names (``--lora-targets``) -> the "module/param" each names in a family's blocks
+# (``Family.lora_targets``; ``model.lora``).
+LORA_ATTENTION = {"q": "attn/wq", "k": "attn/wk", "v": "attn/wv", "o": "attn/wo"}
+LORA_GATED = {**LORA_ATTENTION, "gate": "mlp/w_gate", "up": "mlp/w_up", "down": "mlp/w_down"}
+LORA_GELU = {**LORA_ATTENTION, "up": "mlp/w_in", "down": "mlp/w_out"}
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,9 @@ class Family:
     # The feed-forward is a mixture of experts (``model.moe``: a router, top-k of ``n_experts`` gated
     # MLPs; ``ModelConfig``'s MoE fields size it); False: the dense MLP.
     moe: bool = False
+    # LoRA's target names -> parameter paths (``LORA_GATED``...); a mixture of experts' MLP names are
+    # its dense MLP's, which its MoE layers lack: there only the attention's apply (``model.lora_fields``)
+    lora_targets: dict = field(default_factory=dict)
 
     def per_layer_text(self) -> str:
         """The minimum's per-layer all-reduces, as the communication check words them."""

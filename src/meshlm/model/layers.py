@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 
 from meshlm.model.dense import dense
+from meshlm.model.lora import adapted
 from meshlm.parallel.context import Parallel
 
 
@@ -157,6 +158,7 @@ class MLP(hk.Module):
     ``kind`` is "gelu" (two matmuls, biases optional), "swiglu" (silu(gate) * up, no biases) or
     "geglu" (Gemma: gelu_tanh(gate) * up, no biases).
     Returns (partial [B, T, D], bias [D] or None): the bias is added once, after the all-reduce.
+    ``lora``: the ModelConfig whose LoRA adapters apply here (``model.lora``), or None.
     """
 
     def __init__(
@@ -168,6 +170,7 @@ class MLP(hk.Module):
         bias: bool,
         stddev_in: float,
         stddev_out: float,
+        lora=None,
         name: str = "mlp",
     ):
         super().__init__(name=name)
@@ -175,10 +178,11 @@ class MLP(hk.Module):
             raise ValueError(f"MLP kind must be 'gelu', 'swiglu' or 'geglu', got {kind!r}")
         self.d_ff, self.par, self.kind, self.bias = hidden_dim, par, kind, bias
         self.stddev_in, self.stddev_out = stddev_in, stddev_out
+        self.lora = lora  # the ModelConfig whose LoRA adapters apply here (``model.lora``), or None
 
     def _dense(self, name, x, cols, stddev, bias):
         w = hk.get_parameter(f"w_{name}", [x.shape[-1], cols], init=_normal(stddev))
-        y = dense(x, w)
+        y = adapted(self.lora, self.par, f"mlp/w_{name}", x, dense(x, w), x.shape[-1:])
         return y + hk.get_parameter(f"b_{name}", [cols], init=jnp.zeros) if bias else y
 
     def __call__(self, xf):
@@ -193,7 +197,7 @@ class MLP(hk.Module):
         d = xf.shape[-1]
         w_out = hk.get_parameter(f"w_{out_name}", [fl, d], init=_normal(self.stddev_out))
         b_out = hk.get_parameter(f"b_{out_name}", [d], init=jnp.zeros) if self.bias else None
-        return dense(h, w_out), b_out
+        return adapted(self.lora, self.par, f"mlp/w_{out_name}", h, dense(h, w_out), h.shape[-1:]), b_out
 
 
 class LayerNorm(hk.Module):

@@ -11,6 +11,7 @@ from meshlm.errors import ConfigError
 from meshlm.model import masked
 from meshlm.model.config import ModelConfig
 from meshlm.model.layers import mask_vocab_padding, vocab_parallel_xent
+from meshlm.model.lora import freeze
 from meshlm.model.memory import parallel_getter
 from meshlm.model.moe import moe_losses
 from meshlm.model.stack import stack_layers
@@ -37,7 +38,7 @@ def embed_fn(cfg: ModelConfig, par: Parallel):
     def embed(tokens):
         _check_seq_len(cfg, tokens.shape[-1])  # rotary models go beyond max_seq_len, as local_logits
         _check_context_parallel(cfg, par)
-        with hk.custom_getter(parallel_getter(par)):
+        with hk.custom_getter(parallel_getter(par)), freeze(cfg):
             return _scaled(cfg, _embed(cfg, par)(par.seq_local(tokens)))
 
     return embed
@@ -61,7 +62,7 @@ def layers_fn(cfg: ModelConfig, par: Parallel, stats: bool | None = None):
             if starts is None:
                 raise ConfigError("--doc-mask needs the document starts of each micro-batch; pass starts")
             starts = par.tap("doc_starts", starts)
-        with hk.custom_getter(parallel_getter(par)):
+        with hk.custom_getter(parallel_getter(par)), freeze(cfg):
             out = stack_layers(cfg, _block(cfg, par), x, positions, None, starts)
         return (out[0], out[2]) if stats else out[0]
 
@@ -77,7 +78,7 @@ def head_loss_fn(cfg: ModelConfig, par: Parallel):
         weights = None
         if isinstance(targets, dict):
             targets, weights = targets["targets"], par.seq_local(targets[masked.WEIGHTS])
-        with hk.custom_getter(parallel_getter(par)):
+        with hk.custom_getter(parallel_getter(par)), freeze(cfg):
             embed = _embed(cfg, par) if cfg.tie_embeddings else None  # a tied head reads the table
             logits = mask_vocab_padding(par, par.seq_out(_head_logits(cfg, par, y, embed)), cfg.vocab_size)
         return masked.token_mean(

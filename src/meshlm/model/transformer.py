@@ -33,6 +33,7 @@ from meshlm.model.layers import (
     mask_vocab_padding,
     vocab_parallel_xent,
 )
+from meshlm.model.lora import freeze
 from meshlm.model.memory import parallel_getter
 from meshlm.model.moe import aux_loss, moe_layer, moe_losses
 from meshlm.model.stack import stack_layers
@@ -63,6 +64,7 @@ def _mlp(cfg: ModelConfig, par: Parallel) -> MLP:
         bias=fam.biases,
         stddev_in=GPT_STDDEV,
         stddev_out=GPT_STDDEV,
+        lora=cfg,
     )
 
 
@@ -158,7 +160,8 @@ def local_logits_stats(cfg: ModelConfig, par: Parallel, tokens, positions=None, 
     _check_seq_len(cfg, tokens.shape[-1])
     _check_context_parallel(cfg, par)
     par.seq_len_check(tokens.shape[-1])
-    with hk.custom_getter(parallel_getter(par)):  # FSDP gathers, SP norm hook (``Parallel.param``)
+    # FSDP gathers, SP norm hook (``Parallel.param``); with LoRA the base frozen (``lora.freeze``)
+    with hk.custom_getter(parallel_getter(par)), freeze(cfg):
         return _local_logits(cfg, par, tokens, positions, cache, starts)
 
 

@@ -49,7 +49,7 @@ def abstract_step(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
     """(jitted step, params, opt_state, batch): the train step on ``layout``'s mesh with the
     settings' memory options, and ShapeDtypeStruct arguments."""
     from meshlm.parallel.placement import batch_sharding
-    from meshlm.train.optim import OptimConfig
+    from meshlm.train.optim import OptimConfig, trainable
     from meshlm.train.step import COMPUTE_DTYPES, abstract_opt_state, sharded_step, step_model
 
     cfg = step_model(cfg, remat=settings.remat, unroll=cfg.unroll, fsdp=settings.fsdp)
@@ -58,7 +58,8 @@ def abstract_step(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
     ocfg = OptimConfig(accum_steps=settings.accum_steps)
     dtype = COMPUTE_DTYPES[settings.compute_dtype]
     step, opt = sharded_step(cfg, ocfg, layout, specs, params, dtype)
-    opt_state = abstract_opt_state(opt, params, specs, layout.mesh)
+    part = trainable(cfg)  # LoRA: AdamW state for the adapters alone
+    opt_state = abstract_opt_state(opt, part.select(params), part.select(specs), layout.mesh)
     micro = settings.batch_size // settings.accum_steps
     shape = (
         (micro, settings.seq_len)
@@ -107,15 +108,25 @@ def planned_params(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
 
 
 def state_bytes(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
-    """Parameter bytes, unsharded and on one device, from the shapes and the rules table's specs."""
+    """Parameter bytes, unsharded and on one device, from the shapes and the rules table's specs; and
+    of those trained (``optim.trainable``: with LoRA the adapters, whose gradients and moments exist)."""
+    from meshlm.train.optim import trainable
+
     _, params = planned_params(cfg, layout, settings)
-    return {"params_total": total_bytes(params), "params_per_device": bytes_per_device(params)}
+    trained = trainable(cfg).select(params)
+    return {
+        "params_total": total_bytes(params),
+        "params_per_device": bytes_per_device(params),
+        "trained": bytes_per_device(trained),
+        "trained_total": total_bytes(trained),
+    }
 
 
 def analytic(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
     """One device's bytes estimated from shapes: the state, gradients and activations (see above)."""
     dp, mp = layout.dp, layout.mp
-    params = state_bytes(cfg, layout, settings)["params_per_device"]
+    state = state_bytes(cfg, layout, settings)
+    params, trained = state["params_per_device"], state["trained"]  # LoRA: trained = the adapters
     act_bytes = 2 if settings.compute_dtype == "bfloat16" else 4
     acts = activation_bytes(
         cfg,
@@ -127,9 +138,9 @@ def analytic(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
         act_bytes=act_bytes,
         ep=layout.ep if layout.experts_split else 1,
     )
-    gradients = params * (2 if settings.accum_steps > 1 else 1)  # + the accumulator's running sum
-    opt_state = ADAM_MOMENTS * params
-    moment_copies = MOMENT_COPIES * params
+    gradients = trained * (2 if settings.accum_steps > 1 else 1)  # + the accumulator's running sum
+    opt_state = ADAM_MOMENTS * trained
+    moment_copies = MOMENT_COPIES * trained
     gathered = 0.0
     if settings.fsdp:  # ZeRO-3 gathers one layer's weights at a time: what FSDP took off, per layer
         plain = state_bytes(cfg, layout, dataclasses.replace(settings, fsdp=False))["params_per_device"]

@@ -104,7 +104,9 @@ class Planner:
         self.max_compiles = max_compiles
         self.every_option = every_option  # step 1 tries every option, not only up to the first fit
         self.rows: dict[PlanSettings, dict] = {}
-        self.unsharded = state_bytes(cfg, layout, PlanSettings(batch_size=1, seq_len=1))["params_total"]
+        state = state_bytes(cfg, layout, PlanSettings(batch_size=1, seq_len=1))
+        # the unsharded state: parameters, and AdamW moments of those trained (LoRA: the adapters)
+        self.unsharded, self.unsharded_opt = state["params_total"], ADAM_MOMENTS * state["trained_total"]
 
     def evaluate(self, settings: PlanSettings, *, strict: bool = False) -> dict | None:
         """The row for ``settings`` (compiled once); None when the compile budget is spent. A
@@ -129,7 +131,7 @@ class Planner:
             return {**row, "fits": False}
         compiled = row["compiled"]
         state = compiled["params"] + compiled["opt_state"]
-        row["state_fraction"] = state / ((1 + ADAM_MOMENTS) * self.unsharded)
+        row["state_fraction"] = state / (self.unsharded + self.unsharded_opt)
         if self.device_bytes is not None:
             row["margin"] = self.device_bytes - compiled["peak"]
             row["fits"] = row["margin"] >= 0
@@ -215,7 +217,7 @@ def plan(
         "backend": jax.default_backend(),
         "note": CPU_NOTE if jax.default_backend() == "cpu" else None,
         "analytic_note": ANALYTIC_NOTE,
-        "unsharded": {"params": planner.unsharded, "opt_state": ADAM_MOMENTS * planner.unsharded},
+        "unsharded": {"params": planner.unsharded, "opt_state": planner.unsharded_opt},
         "device_memory": device_bytes,
         "plan": row,
         "candidates": candidates,

@@ -17,6 +17,7 @@ from meshlm.settings import (
     Switch,
     setting,
 )
+from meshlm.train.lora import LoraSettings
 from meshlm.units import parse_bytes
 
 DEFAULT_CONFIG = "llama2-7b"
@@ -72,7 +73,7 @@ class PlanSettings:
 
 
 @dataclass(frozen=True)
-class PlanCommand(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: the bases' fields
+class PlanCommand(MeshFlags, LongContext, LoraSettings):  # --pp, --cp, --fsdp, --lora-rank ...
     """What ``meshlm plan`` is asked: the model, one run's settings (``settings``) and the search; the
     command's flags are built from these fields (``meshlm.cli.common.add_flags``)."""
 

@@ -29,6 +29,7 @@ from meshlm.proof.data_pipeline import data_checks
 from meshlm.proof.ep_controls import EP_CONTROLS
 from meshlm.proof.independence import exactness_check, reference_checks, sharded_check
 from meshlm.proof.inertness import check_not_inert
+from meshlm.proof.lora import lora_rows
 from meshlm.proof.padding import padding_rows
 from meshlm.proof.pipeline_proof import applicable_controls
 from meshlm.proof.pipeline_verify import permute_controls, permute_rows, pipeline_controls, run_model_control
@@ -96,6 +97,7 @@ def verify(
     ocfg = _compare_values(report, runs, sharded, steps, ocfg, seed)
     report.checks = _checks(runs, steps, ocfg, collectives, data_steps, seed) + report.checks
     report.checks += padding_rows(problem, sharded[1])
+    report.checks += lora_rows(runs, sharded[1], rtol)  # with adapters: frozen base, merged forward
     report.checks += routing_rows(runs, dname, allow_routing_flips)
     report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
     report.extra["param_bytes_total"] = total_bytes(runs.params)

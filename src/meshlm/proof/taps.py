@@ -24,6 +24,14 @@ class Tapped(Parallel):
         """A replicated norm parameter under ``sp``, as layers use it."""
         return p
 
+    def lora_b(self, b):
+        """A LoRA adapter's B [R, out] as this shard uses it (``model.lora``): the stored one."""
+        return b
+
+    def lora_scale(self, s):
+        """A LoRA adapter's scale alpha / R, applied once (``model.lora``)."""
+        return s
+
     def own_heads(self, w):
         """The query-head weights [D, H/mp, E] this shard computes with: its own slice."""
         return w

@@ -59,6 +59,17 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"/moe/shared(_experts)?/w_down$", (MLP, EMBED)),  # [I_shared, D]
     (r"/moe/shared_gate/w$", (EMBED, None)),  # [D, 1]
     (r"(^|/)(ln|ln2|final_ln|post_attn_ln|post_mlp_ln)/(scale|offset)$", (EMBED,)),  # [D]: replicated
+    # LoRA adapters (``model.lora``): A [in, R], B [R, out] split as their base's in / out dims (a
+    # column-parallel base's B over mp, a row-parallel base's A); the rank R on no axis.
+    (r"/attn/lora_w[qkv]_a$", (EMBED, None)),  # [D, R]
+    (r"/attn/lora_wq_b$", (None, HEADS, HEAD_DIM)),  # [R, H, E]
+    (r"/attn/lora_w[kv]_b$", (None, KV, HEAD_DIM)),  # [R, K, E]: with the KV heads, or replicated
+    (r"/attn/lora_wo_a$", (HEADS, HEAD_DIM, None)),  # [H, E, R]: its partial sums the base's all-reduce
+    (r"/attn/lora_wo_b$", (None, EMBED)),  # [R, D]
+    (r"/mlp/lora_w_(in|gate|up)_a$", (EMBED, None)),  # [D, R]
+    (r"/mlp/lora_w_(in|gate|up)_b$", (None, MLP)),  # [R, F]
+    (r"/mlp/lora_w_(out|down)_a$", (MLP, None)),  # [F, R]
+    (r"/mlp/lora_w_(out|down)_b$", (None, EMBED)),  # [R, D]
 )
 # Logical dims -> mesh axes where no layout is given (``spec_for``'s default): mp's dims.
 TENSOR_AXES = Layout().logical_axes()

@@ -30,6 +30,7 @@ from meshlm.settings import (  # noqa: F401 - CLI_* and Switch: the train CLI re
     setting,
 )
 from meshlm.train.dpo_settings import ObjectiveSettings
+from meshlm.train.lora import LoraSettings
 
 # `meshlm train` without --mesh: DEFAULT_DP x (devices / DEFAULT_DP), 2x2 on the default 4 fake devices,
 # the fastest data x model mesh on a 2-core CPU (docs/training.md, "Choosing the main job's defaults").
@@ -81,8 +82,8 @@ class MoESettings:
 
 @dataclass(frozen=True)
 class TrainConfig(
-    MeshFlags, LongContext, MoESettings, ObjectiveSettings
-):  # --pp, --cp, --fsdp, --sp ...: the bases' fields
+    MeshFlags, LongContext, MoESettings, ObjectiveSettings, LoraSettings
+):  # --pp, --lora-rank...
     # "": the cpu preset, or with --checkpoint the checkpoint's own model (its CLI help: cli/train.py)
     config: str = _field("", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)
     data: tuple[str, ...] = _field(

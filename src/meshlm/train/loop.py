@@ -34,6 +34,7 @@ from meshlm.train import dpo_run
 from meshlm.train.config import TrainConfig
 from meshlm.train.explain import next_commands, start_line
 from meshlm.train.metrics import plot_loss_curve
+from meshlm.train.optim import trainable
 from meshlm.train.routing import routing_row
 from meshlm.train.run import Run, build_run, checkpoint_meta
 from meshlm.train.stop import Stop
@@ -58,10 +59,10 @@ def save(run: Run) -> None:
     listing, so every process of a multi-process job takes the same branch of this collective save."""
     if run.saved_step == run.step:
         return
-    state = {"params": run.params, "opt_state": run.opt_state}
-    run.ckpt.save(
-        run.step, state, checkpoint_meta(run.tcfg, run.cfg, run.step, run.layout, run.tokenizer_meta)
-    )
+    # LoRA: the adapters alone (``optim.trainable``), their base named by its fingerprint in the meta
+    state = {"params": trainable(run.cfg).select(run.params), "opt_state": run.opt_state}
+    meta = checkpoint_meta(run.tcfg, run.cfg, run.step, run.layout, run.tokenizer_meta, run.lora_base)
+    run.ckpt.save(run.step, state, meta)
     run.saved_step = run.step
 
 

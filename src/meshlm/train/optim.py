@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from meshlm.model.lora import Adapters
 from meshlm.model.masked import loss_weights
 from meshlm.model.params import decays, flat_params, unflatten
 
@@ -67,9 +68,10 @@ def clip_by_global_norm(grads, max_norm: float):
     return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), norm
 
 
-def accumulate(grad_fn, params, batch, accum_steps: int):
+def accumulate(grad_fn, params, batch, accum_steps: int, trained=None):
     """Mean loss and gradient over ``accum_steps`` micro-batches (batch leaves [A, B, T]). A grad_fn
-    whose value is (loss, aux) (a mixture of experts' routing statistics): the aux summed over them."""
+    whose value is (loss, aux) (a mixture of experts' routing statistics): the aux summed over them.
+    ``trained``: the part of ``params`` grad_fn's gradients are of (default: all of them)."""
     if accum_steps == 1:
         return grad_fn(params, batch)
 
@@ -81,9 +83,27 @@ def accumulate(grad_fn, params, batch, accum_steps: int):
     loss = jnp.zeros((), dtype)
     if isinstance(value, tuple):
         loss = (loss, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), value[1]))
-    (value, grads), _ = jax.lax.scan(body, (loss, jax.tree.map(jnp.zeros_like, params)), batch)
+    like = params if trained is None else trained  # the gradients' tree: of what is trained
+    (value, grads), _ = jax.lax.scan(body, (loss, jax.tree.map(jnp.zeros_like, like)), batch)
     mean = lambda x: jax.tree.map(lambda y: y / accum_steps, x)
     return ((mean(value[0]), value[1]) if isinstance(value, tuple) else mean(value)), mean(grads)
+
+
+class Whole:
+    """What a step trains of the parameters: all of them (``trainable``; LoRA: ``lora.Adapters``)."""
+
+    @staticmethod
+    def select(tree):
+        return tree
+
+    @staticmethod
+    def put(params, trained):
+        return trained
+
+
+def trainable(cfg):
+    """The part of ``cfg``'s parameters a step trains (its optimizer's state is of that part only)."""
+    return Adapters if cfg.lora_rank else Whole
 
 
 def make_step(
@@ -93,22 +113,28 @@ def make_step(
     clip_fn=None,
     aux_key: str = "routing",
     balance=None,
+    part=Whole,
 ):
     """(params, opt_state, batch[, healthy]) -> (params, opt_state, metrics); jit it with donated
     buffers. metrics: "loss", "grad_norm", and "ok" (whether this step updated the state); with a
     grad_fn whose value is (loss, aux), also ``aux_key``: the aux (not part of the loss or gradients;
     "routing": a mixture of experts' statistics, "dpo": DPO's reward metrics).
     ``balance``: (params, aux) -> params after AdamW, the state it does not own (a mixture of experts'
-    selection bias, ``model.routers.balance_update``; it needs the aux)."""
+    selection bias, ``model.routers.balance_update``; it needs the aux). ``part`` (``trainable``): what
+    is trained, what ``optimizer`` was made for; the rest stays."""
     clip_fn = clip_fn or (lambda g: clip_by_global_norm(g, ocfg.clip_norm))
+
+    def part_grad(params, batch):  # LoRA: the frozen base's gradients are zero, never used
+        value, grads = grad_fn(params, batch)
+        return value, part.select(grads)
 
     def step(params, opt_state, batch, healthy=None):
         batch = loss_weights(batch)  # the SFT mask, normalized over the whole step (every micro-batch)
-        loss, grads = accumulate(grad_fn, params, batch, ocfg.accum_steps)
+        loss, grads = accumulate(part_grad, params, batch, ocfg.accum_steps, part.select(params))
         loss, aux = loss if isinstance(loss, tuple) else (loss, None)
         grads, grad_norm = clip_fn(grads)
-        updates, new_state = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+        updates, new_state = optimizer.update(grads, opt_state, part.select(params))
+        new_params = part.put(params, optax.apply_updates(part.select(params), updates))
         if balance is not None:  # from the routing of the step's whole global batch
             new_params = balance(new_params, aux)
         # A non-finite loss or gradient leaves the state untouched, so the caller can stop and save

@@ -28,6 +28,7 @@ from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.model_io import FORMAT, load_model, read_config
 from meshlm.io.run_lock import RunLock, lock_run
 from meshlm.io.tokenizer_file import TOKENIZER_FILE
+from meshlm.model import lora
 from meshlm.model.config import ModelConfig, get_config
 from meshlm.model.masked import loss_weights
 from meshlm.model.transformer import param_shapes
@@ -38,7 +39,10 @@ from meshlm.sharding.rules import model_specs, shardings
 from meshlm.sharding.strategy import strategy
 from meshlm.train import dpo_run, outputs
 from meshlm.train.config import TrainConfig, recorded_settings, resolve, with_moe_settings
+from meshlm.train.lora import META_KEY as LORA_META
+from meshlm.train.lora import base_meta, check_needs_base, check_same_base, start_params, with_lora
 from meshlm.train.metrics import OUTPUTS, SETTINGS, MetricsLog
+from meshlm.train.optim import trainable
 from meshlm.train.resume import check_existing, model_meta
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step, step_model
 from meshlm.train.tokenizers import run_tokenizer, tokenizer_meta
@@ -69,6 +73,7 @@ class Run:
     tokenizer_meta: dict | None = None  # its checkpoint meta entry (``train.tokenizers``)
     val_bytes_per_token: float = 1.0  # UTF-8 bytes per validation target: val_bpb's denominator
     out_before: frozenset[str] | None = None  # the run directory's entries before this start
+    lora_base: dict | None = None  # LoRA: the base's fingerprint and path (``train.lora``), in every meta
 
     def undo_refused_start(self) -> None:
         """A start refused before it saved (e.g. while compiling): its outputs removed, the lock
@@ -108,7 +113,12 @@ def _load_data(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, tok: Tokeniz
 
 
 def checkpoint_meta(
-    tcfg: TrainConfig, cfg: ModelConfig, step: int, layout: Layout, tokenizer: dict | None = None
+    tcfg: TrainConfig,
+    cfg: ModelConfig,
+    step: int,
+    layout: Layout,
+    tokenizer: dict | None = None,
+    lora_base: dict | None = None,
 ) -> dict:
     """The meta saved with every checkpoint; ``resume.check_resumable`` reads its ``train_config`` back.
     ``tokenizer``: the entry ``tokenizer_meta`` returned (default: bytes). ``layout`` is recorded
@@ -122,6 +132,7 @@ def checkpoint_meta(
         "mesh": layout.shape,
         "layout": layout.to_dict(),
         "process_count": jax.process_count(),
+        **(lora_base or {}),  # a LoRA run's base: its fingerprint and path (``train.lora.base_meta``)
     }
 
 
@@ -129,24 +140,27 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs: d
     """(params, opt_state, step, step_fn): resumed from ``ckpt``'s newest checkpoint, else fresh
     (initialised, or loaded from ``tcfg.checkpoint``) at step 0; sharded per ``specs`` (``run_specs``)."""
     meta = check_existing(tcfg, ckpt)
-    if tcfg.checkpoint:  # its model is the run's (``run_model``)
+    part, expect, base_print = trainable(cfg), {"format": FORMAT, "model_config": model_meta(meta, cfg)}, None
+    if tcfg.checkpoint:  # its model is the run's (``run_model``); with LoRA, the base of the adapters
         _, params, _ = load_model(tcfg.checkpoint, layout)
-        params = jax.device_put(params, shardings(specs, layout.mesh))  # onto FSDP slices, if asked
+        params = jax.device_put(params, shardings(lora.base(specs), layout.mesh))  # onto FSDP slices
+        if cfg.lora_rank:  # checkpoints hold the adapters alone: their base must be this one
+            base_print = base_meta(tcfg, params)
+            check_same_base(meta, base_print, tcfg)
+            expect[LORA_META] = base_print[LORA_META]
+            params = start_params(cfg, layout, specs, params, tcfg.seed)
     else:
         params, _ = init_model(cfg, layout, tcfg.seed, specs=specs)
     dtype, dpo = COMPUTE_DTYPES[tcfg.compute_dtype], dpo_run.dpo_args(tcfg)
     step_fn, opt = sharded_step(step_config(tcfg, cfg), tcfg.optim(), layout, specs, params, dtype, dpo)
-    opt_state = init_opt_state(opt, params, specs, layout.mesh)
+    opt_state = init_opt_state(opt, part.select(params), part.select(specs), layout.mesh)
     step = 0
-    target = {"params": params, "opt_state": opt_state}
+    target = {"params": part.select(params), "opt_state": opt_state}
     # resume() also moves aside newer step directories it could not use, which would block saves.
-    resumed = ckpt.resume(
-        jax.tree.map(_abstract, target),
-        expect_meta={"format": FORMAT, "model_config": model_meta(meta, cfg)},
-    )
+    resumed = ckpt.resume(jax.tree.map(_abstract, target), expect_meta=expect)
     if resumed:
         state, _, step = resumed
-        params, opt_state = state["params"], state["opt_state"]
+        params, opt_state = part.put(params, state["params"]), state["opt_state"]
         distributed.print0(f"resuming from {ckpt.step_dir(step)} (step {step})", file=sys.stderr)
     else:  # never silent: a --out that names another directory than meant starts a new run there
         start = f" from the parameters of --checkpoint {tcfg.checkpoint}" if tcfg.checkpoint else ""
@@ -154,16 +168,22 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs: d
             f"starting a fresh run in {ckpt.directory.resolve()}{start} (no checkpoint there to resume)",
             file=sys.stderr,
         )
-    return params, opt_state, step, step_fn
+    return params, opt_state, step, step_fn, base_print
 
 
 def run_model(tcfg: TrainConfig) -> tuple[TrainConfig, ModelConfig]:
     """(the resolved settings, the run's model): ``--config``'s preset, or under ``--checkpoint`` the
     checkpoint's own model (a converted one matches no preset), which ``--config``, if given, must
     name. The run's ``--doc-mask`` (not the checkpoint's) decides document masking."""
+    check_needs_base(tcfg)
     if not tcfg.checkpoint:
         return resolve(tcfg)
     model, meta = read_config(tcfg.checkpoint)
+    if model.lora_rank:  # its adapters' base is elsewhere: a run continues in its own --out
+        raise CheckpointError(
+            f"--checkpoint {tcfg.checkpoint} holds LoRA adapters; merge them into their base first "
+            "(meshlm convert --merge) or resume that run with its own --out"
+        )
     model = model.replace(doc_mask=-1)
     if tcfg.config and meta.get("train_config", {}).get("config") != tcfg.config:  # not trained from it
         _check_same_model(tcfg, get_config(tcfg.config), model)
@@ -219,7 +239,7 @@ def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lamb
     a jax Mesh; the run's --fsdp and --sp are ``tcfg``'s). ``startup_check`` is called after the data
     and after the state (``Stop.check_startup``)."""
     tcfg, cfg = run_model(tcfg)
-    cfg = with_moe_settings(tcfg, cfg)
+    cfg = with_lora(tcfg, with_moe_settings(tcfg, cfg))
     layout = run_layout(tcfg, where)
     dpo = tcfg.objective == "dpo"  # --data: pairs (``train.dpo_run``)
     store = None if dpo else store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store or None
@@ -286,7 +306,7 @@ def _eval_loss(cfg: ModelConfig, layout: Layout, specs, dtype):
 def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs, out: Path, batcher, val, lock) -> Run:
     """The state and outputs in ``out``, which this run has locked."""
     ckpt = Checkpointer(out, keep=tcfg.keep)
-    params, opt_state, step, step_fn = _initial_state(tcfg, cfg, layout, specs, ckpt)
+    params, opt_state, step, step_fn, base_print = _initial_state(tcfg, cfg, layout, specs, ckpt)
     log = MetricsLog(out, enabled=distributed.is_main())
     if step == 0:
         log.set_aside_earlier()  # rows without a checkpoint: an earlier run's, never rewritten
@@ -314,4 +334,5 @@ def _build(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs, out: Path
         log=log,
         saved_step=step if step else -1,
         lock=lock,
+        lora_base=base_print,
     )

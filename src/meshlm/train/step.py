@@ -20,7 +20,7 @@ from meshlm.parallel.layout import Layout
 from meshlm.sharding.rules import dp_sharded, model_specs, shardings
 from meshlm.sharding.spmd import reference_value_and_grad
 from meshlm.sharding.strategy import strategy
-from meshlm.train.optim import OptimConfig, adamw, make_step
+from meshlm.train.optim import OptimConfig, adamw, make_step, trainable
 
 # The compute dtypes (``model.family.COMPUTE_DTYPES``) as arrays' dtypes; float32: the master weights'.
 COMPUTE_DTYPES = dict(zip(family.COMPUTE_DTYPES, (None, jnp.bfloat16), strict=True))
@@ -65,17 +65,19 @@ def sharded_step(
     ``specs`` must split weights over DP (``model_specs`` on that layout; checked). ``dpo``: (beta,
     loss): DPO's step instead (``train.dpo``; its metrics also "dpo", the reward statistics)."""
     check_fsdp_specs(specs, layout.fsdp)
-    opt = adamw(ocfg, params)
+    part = trainable(cfg)  # LoRA: the adapters alone (no AdamW state for the frozen base)
+    opt = adamw(ocfg, part.select(params))
     if dpo is not None:
         from meshlm.train.dpo import dpo_value_and_grad
 
         grad = dpo_value_and_grad(cfg, layout, specs, beta=dpo[0], loss=dpo[1], compute_dtype=compute_dtype)
-        return jax.jit(make_step(grad, opt, ocfg, aux_key="dpo"), donate_argnums=(0, 1)), opt
+        return jax.jit(make_step(grad, opt, ocfg, aux_key="dpo", part=part), donate_argnums=(0, 1)), opt
     # sharded (one shard_map) or, with a pipeline, through its schedule: the layout's strategy; either
     # way a mixture of experts also returns its routing statistics (``make_step``: metrics)
     routing = cfg.arch.moe
     grad = strategy(layout).value_and_grad(cfg, layout, specs, compute_dtype=compute_dtype, routing=routing)
-    return jax.jit(make_step(grad, opt, ocfg, balance=balance_update(cfg)), donate_argnums=(0, 1)), opt
+    step = make_step(grad, opt, ocfg, balance=balance_update(cfg), part=part)
+    return jax.jit(step, donate_argnums=(0, 1)), opt
 
 
 def check_fsdp_specs(specs, fsdp: bool) -> None:
@@ -91,15 +93,17 @@ def check_fsdp_specs(specs, fsdp: bool) -> None:
 
 def reference_step(cfg: ModelConfig, ocfg: OptimConfig, params, compute_dtype=None):
     """The same step for the unsharded model (plain arrays; GSPMD partitions it if they're sharded)."""
-    opt = adamw(ocfg, params)
+    part = trainable(cfg)
+    opt = adamw(ocfg, part.select(params))
     balance = balance_update(cfg)  # it needs the routing statistics: the loss then returns them
     routing = balance is not None
     grad = reference_value_and_grad(lambda par: loss_fn(cfg, par, routing), compute_dtype, has_aux=routing)
-    return jax.jit(make_step(grad, opt, ocfg, balance=balance), donate_argnums=(0, 1)), opt
+    return jax.jit(make_step(grad, opt, ocfg, balance=balance, part=part), donate_argnums=(0, 1)), opt
 
 
 def init_opt_state(opt, params, specs, mesh):
-    """Optimizer state laid out like the parameters (moments) and replicated (counters)."""
+    """Optimizer state laid out like the parameters (moments) and replicated (counters); ``params``
+    and ``specs``: the trained part (``optim.trainable``'s ``select``)."""
     param_sh = shardings(specs, mesh)
     abstract = jax.eval_shape(opt.init, params)
     out = _like_params(abstract, param_sh, NamedSharding(mesh, P()))

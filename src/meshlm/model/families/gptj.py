@@ -21,7 +21,7 @@ from meshlm.model.families.hf_fields import (
     plain_rope_theta,
     unsupported,
 )
-from meshlm.model.family import Family, HFNames
+from meshlm.model.family import LORA_GELU, Family, HFNames
 
 ROPE_THETA = 10000.0  # hard-coded in transformers' GPT-J
 _DROPOUT_FIELDS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
@@ -119,6 +119,7 @@ FAMILY = Family(
     row_sums=1,
     gpt_init=True,
     hf=HF,
+    lora_targets=LORA_GELU,
 )
 
 TINY = dict(vocab_size=64, d_model=64, n_layers=2, d_ff=256, n_heads=8, rotary_dim=4, max_seq_len=64)

@@ -15,7 +15,7 @@ from typing import Any
 
 from meshlm.errors import ConfigError
 from meshlm.model.families.hf_fields import POSITIVE, SIZE, check_heads, field, flag, rope, rope_fields
-from meshlm.model.family import Family, HFNames
+from meshlm.model.family import LORA_GATED, Family, HFNames
 from meshlm.model.rope import RopeScaling
 
 
@@ -111,6 +111,7 @@ FAMILY = Family(
     row_sums=2,
     gpt_init=True,
     hf=HF,
+    lora_targets=LORA_GATED,
 )
 
 # Llama 3.1's rope_scaling (factor 8 over its 8192-token pretraining context).

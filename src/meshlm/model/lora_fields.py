@@ -1,0 +1,60 @@
+"""``ModelConfig``'s LoRA fields and their checks (``model.lora`` computes the adapters). No JAX here:
+configs are validated before devices exist."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshlm.errors import ConfigError
+from meshlm.ranges import Range
+
+ADAPTER = "lora_"  # an adapter module's name: "lora_" + its base weight's leaf name
+NAMES = ("q", "k", "v", "o", "gate", "up", "down")  # the target names --lora-targets takes
+RANGES = {"lora_rank": Range(int, 0, note="0: off"), "lora_alpha": Range(float, 0, note="0: the rank")}
+
+
+@dataclass(frozen=True)
+class LoraFields:
+    """``ModelConfig``'s LoRA fields (a base, as ``MoEFields``): rank R (0: no adapters), alpha (0: R,
+    a scale of 1) and the comma-separated target names. Absent from a saved config: no adapters."""
+
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: str = ""
+
+    @property
+    def lora_scale(self) -> float:
+        """alpha / R, the factor of the adapters' product (peft's ``scaling``)."""
+        return (self.lora_alpha or self.lora_rank) / self.lora_rank
+
+    @property
+    def lora_paths(self) -> frozenset[str]:
+        """The "module/param" suffixes of the targeted weights (e.g. "attn/wq"): the family's names."""
+        if not self.lora_rank:
+            return frozenset()
+        return frozenset(targets(self)[t] for t in self.lora_targets.split(","))
+
+
+def targets(cfg) -> dict[str, str]:
+    """The target names ``cfg``'s model has -> their "module/param": its family's, of which a mixture
+    of experts keeps the attention's (its MoE layers have no dense MLP)."""
+    have = cfg.arch.lora_targets
+    return {k: v for k, v in have.items() if v.startswith("attn/")} if cfg.arch.moe else dict(have)
+
+
+def check_lora(cfg) -> None:
+    """The LoRA fields agree with each other and with the family, as one-line errors."""
+    if not cfg.lora_rank:
+        if cfg.lora_alpha or cfg.lora_targets:
+            raise ConfigError("--lora-alpha and --lora-targets need --lora-rank R (R >= 1)")
+        return
+    have = targets(cfg)
+    if not have:
+        raise ConfigError(f"--lora-rank: family {cfg.family!r} has no LoRA targets; drop --lora-rank")
+    names = cfg.lora_targets.split(",") if cfg.lora_targets else []
+    unknown = [n for n in names if n not in have]
+    if unknown or not names:
+        raise ConfigError(
+            f"--lora-targets {cfg.lora_targets!r}: unknown target(s) {unknown or '(none given)'} for "
+            f"{cfg.family}; valid: {','.join(have)}"
+        )

@@ -1,0 +1,98 @@
+"""LoRA fine-tuning of a checkpoint (``meshlm train --checkpoint CK --lora-rank R``): the flags, the
+adapted model, its starting state, and what its checkpoints hold.
+
+A LoRA run's checkpoints hold the adapters and their AdamW state only, plus the base's fingerprint
+(``lora_base`` in the meta: a digest of every base array's bits, ``io.integrity.describe``); the base
+is read again from ``--checkpoint`` at every start, and a resume onto another base is refused. The
+adapters are ``model.lora``'s; the step trains them alone (``train.optim.trainable``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshlm.errors import CheckpointError, ConfigError
+from meshlm.model.lora_fields import NAMES
+from meshlm.ranges import Range
+from meshlm.settings import setting
+
+META_KEY = "lora_base"  # the checkpoint meta's entry: the base's fingerprint (``io.model_io.LORA_BASE``)
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The LoRA flags (a base of ``TrainConfig`` and ``VerifySettings``, as ``MoESettings``)."""
+
+    lora_rank: int = setting(
+        0, "LoRA: train rank-R adapters of --checkpoint's frozen weights (0: train every weight)",
+        resume_must_match=True, valid=Range(int, 0, note="0: off"),
+    )  # fmt: skip
+    lora_alpha: float = setting(
+        0.0, "LoRA: the adapters' scale is alpha / rank", resume_must_match=True,
+        shown_default="the rank (a scale of 1)", valid=Range(float, 0, note="0: the rank"),
+    )  # fmt: skip
+    lora_targets: str = setting(
+        "q,k,v,o", f"LoRA: the weights adapted, comma-separated names of {','.join(NAMES)}",
+        resume_must_match=True,
+    )  # fmt: skip
+
+
+def with_lora(settings, cfg):
+    """``cfg`` with the settings' adapters (none without --lora-rank): one-line errors for unknown
+    targets or a family without any (``lora_fields.check_lora``)."""
+    if not settings.lora_rank:
+        return cfg
+    return cfg.replace(
+        lora_rank=settings.lora_rank, lora_alpha=settings.lora_alpha, lora_targets=settings.lora_targets
+    )
+
+
+def check_needs_base(tcfg) -> None:
+    """LoRA adapts a model: --lora-rank needs --checkpoint (the base), at every start and resume."""
+    if tcfg.lora_rank and not tcfg.checkpoint:
+        raise ConfigError(
+            "--lora-rank needs --checkpoint BASE: the frozen model the adapters adapt (a converted or "
+            "trained checkpoint; pass it again to resume a LoRA run)"
+        )
+
+
+def base_meta(tcfg, base_params) -> dict:
+    """The meta a LoRA run's checkpoints carry: the base's fingerprint and its absolute path."""
+    from pathlib import Path
+
+    from meshlm.io.model_io import LORA_BASE_PATH, base_fingerprint
+
+    return {META_KEY: base_fingerprint(base_params), LORA_BASE_PATH: str(Path(tcfg.checkpoint).absolute())}
+
+
+def check_same_base(meta: dict | None, base: dict, tcfg) -> None:
+    """A LoRA run resumes only onto the base it started from (its checkpoints hold the adapters alone);
+    ``base``: ``base_meta``'s."""
+    saved, base_print = (meta or {}).get(META_KEY), base[META_KEY]
+    if meta is not None and saved != base_print:
+        raise CheckpointError(
+            f"--out {tcfg.out} holds LoRA adapters of another base (fingerprint {saved}; --checkpoint "
+            f"{tcfg.checkpoint} is {base_print}); pass the base the run started from, or another --out"
+        )
+
+
+def start_params(cfg, layout, specs, base_params, seed: int):
+    """The adapted model's parameters: ``base_params`` (on their shardings) and fresh adapters (A
+    random from ``seed``, B zero), each created on its own shards; the base's part is not initialised."""
+    import jax
+
+    from meshlm.model import lora
+    from meshlm.model.transformer import init_fn
+    from meshlm.sharding.rules import init_sharded
+
+    init, example = init_fn(cfg)
+    adapters, _ = init_sharded(
+        lambda rng, ex: lora.adapters(init(rng, ex)),
+        jax.random.PRNGKey(seed),
+        example,
+        specs_fn=lambda _: lora.adapters(specs),
+        mesh=layout.mesh,
+    )
+    dtype = jax.tree.leaves(base_params)[0].dtype  # the base's (float32 master weights)
+    adapters = jax.tree.map(lambda a: a.astype(dtype), adapters)
+    return lora.combine(base_params, adapters)

@@ -1,0 +1,153 @@
+"""LoRA (``model.lora``): the adapters' gradients equal the unsharded run's in float64 under 2x2, FSDP +
+SP, pp 2 and cp 2 with the chat SFT loss, the base frozen (its gradients exactly 0), the merged weights'
+forward equal to the adapted one, B = 0 bitwise the base, and both LoRA controls detected where they
+apply; ``meshlm train --checkpoint --lora-rank`` saves the adapters alone with the base's fingerprint,
+resumes bit for bit and refuses another base; bad targets are one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from helpers import run_cli
+
+from meshlm.model import lora
+from meshlm.model.config import get_config
+
+TARGETS = "q,k,v,o,gate,up,down"
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(dp=2, mp=2),
+        dict(dp=2, mp=2, fsdp=True, sp=True),
+        dict(dp=1, mp=2, pp=2, microbatches=4),
+        dict(dp=1, mp=2, cp=2),
+    ],
+)
+def test_verify_lora_sft_equal_unsharded_and_its_controls_detected(layout):
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof import format_report, model_problem, verify
+    from meshlm.proof.lora import LORA_CONTROLS, lora_problem
+    from meshlm.proof.sft import sft_problem
+
+    lay = Layout(**layout)
+    cfg = get_config("tiny-llama").replace(lora_rank=4, lora_alpha=8.0, lora_targets=TARGETS)
+    rows = 2 * lay.dp * lay.pipeline_microbatches
+    problem = lora_problem(sft_problem(model_problem(cfg, "tiny-llama", lay, rows, 16)))
+    with jax.enable_x64(True):
+        report = verify(problem, lay, dtype=np.float64, controls=LORA_CONTROLS)
+    assert report.ok, format_report(report)
+    adapters = [p for p in report.params if lora.is_adapter(p.path)]
+    assert len(adapters) == 14 and max(p.max_rel_err for p in adapters) <= 1e-12
+    rows = {c["name"]: c for c in report.checks}
+    for name in ("only adapter gradients", "merged weights' forward", "B = 0 gives the base's output"):
+        assert rows[next(k for k in rows if name in k)]["ok"]
+    detected = {c["name"]: c["detected"] for c in report.controls}
+    assert detected["LoRA scale alpha/R applied twice"]
+    if lay.dp * lay.cp > 1:  # the batch split over data shards: B's gradient is a sum over them
+        assert detected["LoRA B gradient not summed over the data shards"]
+
+
+def test_bad_targets_are_one_line():
+    from meshlm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown target.*'x'.*valid: q,k,v,o,gate,up,down"):
+        get_config("tiny-llama").replace(lora_rank=2, lora_targets="q,x")
+    with pytest.raises(ConfigError, match="valid: q,k,v,o$"):  # a mixture of experts: no dense MLP
+        get_config("tiny-mixtral").replace(lora_rank=2, lora_targets="gate")
+    with pytest.raises(ConfigError, match="has no LoRA targets"):
+        get_config("tiny").replace(lora_rank=2, lora_targets="q")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from meshlm.io.model_io import save_model
+    from meshlm.train.step import init_model
+
+    out = tmp_path_factory.mktemp("lora") / "base"
+    cfg = get_config("tiny-lm")
+    mesh = jax.make_mesh((1, 1), ("dp", "mp"), devices=jax.devices()[:1])
+    save_model(out, cfg, init_model(cfg, mesh, seed=3)[0])
+    text = out.parent / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog; " * 120)
+    return out, text
+
+
+def test_train_saves_adapters_only_resumes_bitwise_refuses_another_base(base, tmp_path, capsys):
+    from meshlm.io.checkpoint import Checkpointer
+    from meshlm.io.model_io import save_model
+    from meshlm.train.step import init_model
+
+    ck, text = base
+    argv = ["train", "--checkpoint", str(ck), "--lora-rank", "2", "--lora-alpha", "4", "--lora-targets"]
+    argv += ["q,v,down", "--data", str(text), "--batch-size", "4", "--seq-len", "32", "--steps", "2"]
+    argv += ["--save-every", "1", "--mesh", "2x2", "--lr", "1e-2", "--warmup-steps", "0"]
+    out = tmp_path / "run"
+    assert run_cli(*argv, "--out", str(out)) == 0
+    with Checkpointer(out) as c:
+        meta = c.read_meta(2)
+    assert len(meta["lora_base"]) == 16 and meta["model_config"]["lora_rank"] == 2
+    arrays = _arrays(out, 2)  # the adapters and their AdamW moments, nothing of the base
+    params = [k for k in arrays if k.startswith("['params']")]
+    assert len(params) == 6 and all("lora_" in k for k in params), params
+    assert all("lora_" in k for k in arrays if ".mu[" in k or ".nu[" in k)
+    again = tmp_path / "again"  # resumed from step 1: step 2's adapters and AdamW state bit for bit
+    shutil.copytree(out, again)
+    shutil.rmtree(again / "2")
+    assert run_cli(*argv, "--out", str(again)) == 0
+    assert _arrays(again, 2) == arrays
+    other = tmp_path / "other"  # another base: the resume is refused in one line
+    mesh = jax.make_mesh((1, 1), ("dp", "mp"), devices=jax.devices()[:1])
+    save_model(other, get_config("tiny-lm"), init_model(get_config("tiny-lm"), mesh, seed=4)[0])
+    capsys.readouterr()
+    bad = [str(other) if a == str(ck) else a for a in argv]
+    assert run_cli(*bad, "--out", str(out), "--steps", "3") == 2
+    assert "holds LoRA adapters of another base" in capsys.readouterr().err
+
+
+def _arrays(run_dir, step) -> dict:
+    """The integrity record's {array: shape, dtype, bit fingerprint} of a step (``io.integrity``)."""
+    return json.loads((run_dir / str(step) / "integrity" / "metadata").read_text())["arrays"]
+
+
+def test_plan_counts_adapter_state_only():
+    """``meshlm plan``'s estimate: AdamW moments (and gradients) of the adapters alone, none for the
+    frozen base; the parameters are the base's plus the adapters'."""
+    from meshlm.parallel.layout import Layout
+    from meshlm.parallel.placement import bytes_per_device
+    from meshlm.perf.plan import analytic, planned_params
+    from meshlm.perf.plan_settings import PlanSettings
+
+    cfg = get_config("tiny-llama")
+    adapted = cfg.replace(lora_rank=4, lora_targets=TARGETS)
+    settings, lay = PlanSettings(batch_size=8, seq_len=32), Layout(dp=2, mp=2)
+    full, lo = analytic(cfg, lay, settings), analytic(adapted, lay, settings)
+    adapters = bytes_per_device(lora.adapters(planned_params(adapted, lay, settings)[1]))
+    assert lo["opt_state"] == 2 * adapters and lo["gradients"] == adapters
+    assert lo["params"] == full["params"] + adapters and lo["opt_state"] < full["opt_state"] / 5
+
+
+def test_controls_of_frozen_gradients_apply_only_without_adapters():
+    """A fault only a frozen weight's gradient shows (FSDP's reduce-scatter, SP's norm sum) cannot be
+    detected under LoRA: ``for_lora`` keeps it off there, and on where the model has no adapters."""
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof.control_record import Where
+    from meshlm.proof.controls import CONTROLS
+    from meshlm.proof.lora import FROZEN_ONLY, for_lora
+
+    names = {c.name for c in CONTROLS}
+    assert {"FSDP gradient kept from one data shard", "SP norm gradients not summed over mp"} <= names
+    lay = Layout(dp=2, mp=2, fsdp=True, sp=True)
+    cfg = get_config("tiny-llama")
+    for adapted, want in ((cfg, True), (cfg.replace(lora_rank=2, lora_targets="q"), False)):
+        where = Where(cfg=adapted, layout=lay, has_row_bias=False)
+        chosen = {c.name for c in for_lora(CONTROLS) if c.applies(where)}
+        assert ("FSDP gradient kept from one data shard" in chosen) is want
+        assert ("SP norm gradients not summed over mp" in chosen) is want
+        assert "dropped all-reduce" in chosen
+    assert len(FROZEN_ONLY) == 6

@@ -1,0 +1,98 @@
+"""LoRA interop: a LoRA checkpoint of a tiny random Qwen3 (built by transformers, converted) exported by
+``convert --to-peft`` loads with ``peft.PeftModel.from_pretrained`` onto the transformers base with
+logits within 1e-5 of meshlm's adapted model; ``--from-peft`` imports it back bit for bit; ``--merge``
+writes weights whose plain forward is the adapted one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import jax  # noqa: E402
+from helpers import run_cli  # noqa: E402
+from hf_helpers import RTOL, VOCAB, hf_logits, our_logits, perturbed_model, random_tokens, rel  # noqa: E402
+
+from meshlm.io import hf_weights  # noqa: E402
+from meshlm.io.model_io import LORA_BASE, LORA_BASE_PATH, base_fingerprint, load_model, save_model  # noqa: E402
+from meshlm.model import lora  # noqa: E402
+from meshlm.model.params import flat_params, unflatten  # noqa: E402
+from meshlm.model.transformer import param_shapes  # noqa: E402
+
+TARGETS = "q,k,v,o,gate,up,down"
+ONE = ("--mesh", "1x1")  # every command on one device
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(the transformers base, the meshlm base and LoRA checkpoints' directory, the adapted config,
+    its flat parameters): adapters drawn at random (B != 0)."""
+    tmp = tmp_path_factory.mktemp("peft")
+    hf_cfg = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, intermediate_size=64, bos_token_id=0,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}, eos_token_id=0,
+    )  # fmt: skip
+    model = perturbed_model(transformers.Qwen3ForCausalLM, hf_cfg)
+    model.save_pretrained(tmp / "hf")
+    cfg, flat = hf_weights.load_hf(tmp / "hf")
+    base = unflatten({k: jax.numpy.asarray(v) for k, v in flat.items()})
+    save_model(tmp / "base", cfg, base)
+    cfg = cfg.replace(lora_rank=4, lora_alpha=8.0, lora_targets=TARGETS)
+    rng = np.random.default_rng(7)
+    shapes = lora.adapters(param_shapes(cfg))
+    adapters = jax.tree.map(
+        lambda s: jax.numpy.asarray(0.2 * rng.standard_normal(s.shape), np.float32), shapes
+    )
+    meta = {LORA_BASE: base_fingerprint(base), LORA_BASE_PATH: str(tmp / "base")}
+    save_model(tmp / "lora", cfg, adapters, meta=meta)
+    return model, tmp, cfg, flat_params(lora.combine(base, adapters))
+
+
+def test_to_peft_loads_in_peft_with_equal_logits_and_imports_back(setup):
+    model, tmp, cfg, flat = setup
+    assert run_cli("convert", "--to-peft", str(tmp / "lora"), "--out", str(tmp / "peft"), *ONE) == 0
+    tokens = random_tokens()
+    ours = our_logits(cfg, flat, tokens)
+    base_only = hf_logits(model, tokens)
+    adapted = peft.PeftModel.from_pretrained(model, str(tmp / "peft")).eval()
+    theirs = hf_logits(adapted, tokens)
+    assert rel(theirs, ours) <= RTOL, rel(theirs, ours)
+    assert rel(base_only, ours) > 1e-2  # the adapters change the logits: the check has teeth
+    argv = [
+        "convert",
+        "--from-peft",
+        str(tmp / "peft"),
+        "--base",
+        str(tmp / "base"),
+        "--out",
+        str(tmp / "back"),
+    ]
+    assert run_cli(*argv, *ONE) == 0
+    mesh = jax.make_mesh((1, 1), ("dp", "mp"), devices=jax.devices()[:1])
+    back_cfg, back, _ = load_model(tmp / "back", mesh)
+    assert back_cfg == cfg
+    for path, value in flat_params(lora.adapters(back)).items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(flat[path]), err_msg=path)
+
+
+def test_merge_writes_weights_whose_plain_forward_is_the_adapted_one(setup, capsys):
+    _, tmp, cfg, flat = setup
+    assert run_cli("convert", "--merge", str(tmp / "lora"), "--out", str(tmp / "merged"), *ONE) == 0
+    mesh = jax.make_mesh((1, 1), ("dp", "mp"), devices=jax.devices()[:1])
+    plain, merged, _ = load_model(tmp / "merged", mesh)
+    assert not plain.lora_rank
+    tokens = random_tokens()
+    assert (
+        rel(
+            our_logits(plain, {k: np.asarray(v) for k, v in flat_params(merged).items()}, tokens),
+            our_logits(cfg, flat, tokens),
+        )
+        <= RTOL
+    )
+    capsys.readouterr()
+    assert run_cli("convert", "--merge", str(tmp / "base"), "--out", str(tmp / "m2"), *ONE) == 2
+    assert "not a LoRA checkpoint" in capsys.readouterr().err
