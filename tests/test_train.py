@@ -260,6 +260,7 @@ def test_resume_must_match_comes_from_field_metadata():
         "seed",
         "moe_aux_loss",
         "moe_capacity_factor",
+        "moe_bias_rate",
         "objective",
         "dpo_beta",
         "dpo_loss",

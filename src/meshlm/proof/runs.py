@@ -124,12 +124,7 @@ class Runs:
         if key not in cache:
             opt = reference_optimizer(ocfg, self.ref_params)
             state, out = (self.ref_params, jax.jit(opt.init)(self.ref_params)), []
-            cfg = self.problem.reference_cfg or self.problem.cfg
-            if cfg is not None and balances(cfg):  # the loss returns the routing: the bias's update
-                grad = reference_value_and_grad(lambda par: loss_fn(cfg, par, True), has_aux=True)
-                step = reference_step(grad, ocfg, opt, bias_rate=cfg.moe_bias_rate)
-            else:
-                step = reference_step(reference_value_and_grad(self.ref_loss), ocfg, opt)
+            step = _reference_train_step(self.problem, self.ref_loss, ocfg, opt)
             first = jax.device_put(batches[0], self.device)
             program = self._checked(CheckedProgram("train step", step, *state, first))
             for b in batches:
@@ -142,8 +137,7 @@ class Runs:
         """The sharded training step (jitted, not yet traced) and its initial (params, opt_state); a
         mixture of experts that balances by a selection bias moves it after AdamW (``make_step``), from
         the routing statistics its loss then returns. ``par_cls``: a control's parallel context."""
-        opt = adamw(ocfg, self.params)
-        cfg = self.problem.cfg
+        opt, cfg = adamw(ocfg, self.params), self.problem.cfg
         balance = None if cfg is None else balance_update(cfg)
         build = self.problem.build_loss if balance is None else (lambda par: loss_fn(cfg, par, True))
         grad = self.value_and_grad(build, par_cls, routing=balance is not None)
@@ -158,6 +152,16 @@ class Runs:
         for b, ref in zip(batches, self.reference_train(ocfg, batches), strict=True):
             *state, metrics = step(*state, put_batch(b, self.layout, accum))
             yield (*state, metrics), ref
+
+
+def _reference_train_step(problem: Problem, ref_loss, ocfg: OptimConfig, opt):
+    """The unsharded training step: a mixture of experts that balances by a selection bias has its
+    loss return the routing, from which the bias moves after AdamW."""
+    cfg = problem.reference_cfg or problem.cfg
+    if cfg is not None and balances(cfg):
+        grad = reference_value_and_grad(lambda par: loss_fn(cfg, par, True), has_aux=True)
+        return reference_step(grad, ocfg, opt, bias_rate=cfg.moe_bias_rate)
+    return reference_step(reference_value_and_grad(ref_loss), ocfg, opt)
 
 
 def step_batches(problem: Problem, steps: int, accum: int, seed: int) -> list[dict]:
