@@ -17,6 +17,7 @@ from meshlm.model.family import Family
 from meshlm.model.layer_kinds import check_dense_layers, layer_indices
 from meshlm.model.rope import RopeScaling
 from meshlm.model.rope import inv_freq as rope_inv_freq
+from meshlm.model.variant_fields import VariantFields, check_variant_fields
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
 ATTENTION = ("plain", "blockwise")  # see meshlm.model.attention and meshlm.model.blockwise
@@ -69,7 +70,7 @@ class LayerKindFields:
 
 
 @dataclass(frozen=True)
-class ModelConfig(LayerKindFields, MoEFields):
+class ModelConfig(VariantFields, LayerKindFields, MoEFields):
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
     d_model: int = 128  # residual stream width
@@ -138,6 +139,7 @@ class ModelConfig(LayerKindFields, MoEFields):
         if self.arch.attention:
             _check_attention(self)
         _check_kinds(self)
+        check_variant_fields(self)
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
         _check_plain_only(self)
@@ -203,8 +205,7 @@ def _check_attention(cfg: ModelConfig) -> None:
         raise ConfigError(f"rotary_dim={cfg.rotary_dim} must be even and <= head_dim")
     if cfg.rope_local_theta and not cfg.global_every:
         raise ConfigError(
-            f"rope_local_theta={cfg.rope_local_theta} needs local layers: set global_every, or "
-            "rope_local_theta=0"
+            f"rope_local_theta={cfg.rope_local_theta} needs local layers: set global_every, or 0"
         )
     if cfg.rope_linear and cfg.rope_scaling is not None:
         raise ConfigError("rope_linear and rope_scaling are two RoPE scalings; set one (rope_linear=0)")
@@ -298,7 +299,7 @@ def field_names() -> list[str]:
     """ModelConfig's fields, its own first (family, vocab_size, ...), then its bases' (the per-layer
     kinds, the mixture of experts): the order messages list them in."""
     names = [f.name for f in dataclasses.fields(ModelConfig)]
-    bases = {f.name for base in (LayerKindFields, MoEFields) for f in dataclasses.fields(base)}
+    bases = {f.name for base in (VariantFields, LayerKindFields, MoEFields) for f in dataclasses.fields(base)}
     return [n for n in names if n not in bases] + [n for n in names if n in bases]
 
 

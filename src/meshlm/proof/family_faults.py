@@ -1,8 +1,8 @@
 """Planted faults of the newer families' parts (``proof.controls`` runs them): Qwen2's q/k/v biases, tied
 embeddings, Mistral's sliding window, Gemma's embedding scale, Qwen3's, OLMo 2's and Gemma 3's q/k norms,
-Gemma 2's soft-caps, Gemma 2/3's local and global layers. Each changes one thing in the sharded run
-(the q/k norms', the soft-cap's order and the layer kinds' are planted in ``model.attention`` while it
-is traced)."""
+Gemma 2's soft-caps, Gemma 2/3's local and global layers, SmolLM3's NoPE layers. Each changes one thing
+in the sharded run (the q/k norms', the soft-cap's order and the layer kinds' are planted in
+``model.attention`` while it is traced)."""
 
 from __future__ import annotations
 
@@ -164,6 +164,18 @@ def local_rotary_on_global():
     return _in_attention("kind_tables", planted)
 
 
+def nope_layer_rotated():
+    """SmolLM3's NoPE layers rotated as the others (``global_nope`` ignored): the global kind's table
+    the rotary frequencies it would have."""
+    tables = attention.kind_tables
+
+    def planted(cfg):
+        windows, freqs = tables(cfg)
+        return windows, np.stack([freqs[0], cfg.inv_freq()])
+
+    return _in_attention("kind_tables", planted)
+
+
 def _plain_softmax(w: Where) -> bool:
     """Plain attention's softmax (``attention.capped_softmax``) runs: plain attention, and not the cp
     ring, which runs the blockwise kernel's steps whatever the attention (their soft-cap order is
@@ -175,9 +187,9 @@ def _kinds(w: Where) -> bool:
     return w.attention and 0 < w.cfg.global_every <= w.cfg.n_layers
 
 
-def _two_rotaries(w: Where) -> bool:
+def _two_rotaries(w: Where) -> bool:  # (NoPE layers: their own control)
     freqs = attention.kind_tables(w.cfg)[1]
-    return _kinds(w) and not np.array_equal(freqs[0], freqs[1])
+    return _kinds(w) and not w.cfg.global_nope and not np.array_equal(freqs[0], freqs[1])
 
 
 GEMMA_CONTROLS = (  # ``proof.controls`` runs them
@@ -189,5 +201,8 @@ GEMMA_CONTROLS = (  # ``proof.controls`` runs them
     Control(name="local and global layers swapped", applies=_kinds, plant=layer_kinds_swapped),
     Control(
         name="local rotary base used on a global layer", applies=_two_rotaries, plant=local_rotary_on_global
+    ),
+    Control(
+        name="NoPE layer rotated", applies=lambda w: _kinds(w) and w.cfg.global_nope, plant=nope_layer_rotated
     ),
 )
