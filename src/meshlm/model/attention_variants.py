@@ -17,12 +17,13 @@ What a variant is made of:
                                 folded into q for the kernels, ``query``), then ``softcap``'s c tanh(s / c)
                                 (Gemma 2): ``score_mod`` and its slope for the backward, ``score_mod_slope``.
   normaliser (what joins the    ``finish``: applied once to the merged partial of all K/V sets (after the
-  softmax's sum)                ring's log-sum-exp merge, never per step); today no variant adds a term
-                                (room for learned sinks: a per-head logit joining ``lsum``).
+  softmax's sum)                ring's log-sum-exp merge, never per step): learned ``sink`` logits (gpt-oss:
+                                one per head, exp(sink) joins ``lsum``; no value), their gradient from the
+                                final output and log-sum-exp (``cotangent``).
   rotary (which layers rotate)  ``rotary``: the layer's inverse frequencies (None: none, a NoPE layer).
 
-A variant is a pytree (``window`` and ``rotary`` may be traced: its leaves; the rest static), so it is an
-argument of the kernels' custom VJPs as it is.
+A variant is a pytree (``window``, ``rotary`` and ``sink`` may be traced: its leaves; the rest static), so
+it is an argument of the kernels' custom VJPs as it is.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,14 +47,17 @@ class Variant:
     softcap: float = 0.0  # score: c * tanh(s / c) before the mask (0: none)
     scalar: float = 0.0  # score: divided by sqrt(scalar) (0: by sqrt(head_dim))
     rotary: Any = None  # rotary: inverse frequencies [rot_dim / 2] (None: the layer is not rotated)
+    sink: Any = None  # normaliser: learned logits [h] of this shard's query heads (None: none)
 
     @classmethod
     def of(cls, cfg, heads: int, window=None, rotary=None) -> Variant:
         """The model's variant for one layer: its ``window`` and rotary frequencies (a layer kind's,
         ``attention.kind_tables``), the model's score rules (``attn_softcap``, ``attn_scalar``).
-        ``heads``: the layer's query heads on this shard, the shape of a learned per-head term (made
-        here, inside the attention module, by ``hk.get_parameter``; none today)."""
-        return cls(window=window, softcap=cfg.attn_softcap, scalar=cfg.attn_scalar, rotary=rotary)
+        ``heads``: the layer's query heads on this shard, the shape of the learned sinks (``attn_sinks``:
+        made here, inside the attention module, by ``hk.get_parameter``: "attn/sinks" [H], split over mp
+        with the heads)."""
+        sink = hk.get_parameter("sinks", [heads], init=jnp.zeros) if cfg.attn_sinks else None
+        return cls(window=window, softcap=cfg.attn_softcap, scalar=cfg.attn_scalar, rotary=rotary, sink=sink)
 
     def replace(self, **fields) -> Variant:
         return dataclasses.replace(self, **fields)
@@ -66,12 +71,15 @@ class Variant:
         window = self.window
         return {} if window is None or (isinstance(window, int) and not window) else {"window": window}
 
-    def for_kernel(self) -> Variant:
+    def for_kernel(self, like=None) -> Variant:
         """The variant as the kernels' custom VJPs take it: a Python window an int32 scalar (a primal,
-        cotangent None), a Python 0 none (the program is as without one)."""
+        cotangent None), a Python 0 none (the program is as without one); a sink typed as varying like
+        ``like`` (the queries: inside shard_map its cotangent then varies as theirs, and the transpose of
+        that cast, outside the kernel, sums it over the data and cp shards, as any parameter's)."""
         rules = self.rules()
         window = jnp.asarray(rules["window"], jnp.int32) if rules else None
-        return self.replace(window=window, rotary=None)
+        sink = self.sink if self.sink is None or like is None else _varying_like(self.sink, like)
+        return self.replace(window=window, rotary=None, sink=sink)
 
     # ---- score ----
 
@@ -98,24 +106,50 @@ class Variant:
     # ---- normaliser ----
 
     def finish(self, part):
-        """The merged partial of every K/V set (a ``blockwise.Partial``) with what else joins the
-        softmax's normaliser: applied once, after the last merge. No variant adds a term today."""
-        return part
+        """The merged partial of every K/V set (a ``blockwise.Partial``: out [B, Tq, H, E], m, lsum [B,
+        Tq, H]) with exp(sink) [H] in its normaliser: applied once, after the last merge."""
+        if self.sink is None:
+            return part
+        sink = self.sink.astype(part.m.dtype)
+        m = jnp.maximum(part.m, sink)  # (-inf where no key is visible: the sink's alone)
+        kept = part.lsum * jnp.exp(part.m - m)
+        lsum = kept + jnp.exp(sink - m)
+        return type(part)(part.out * (kept / lsum)[..., None].astype(part.out.dtype), m, lsum)
 
     def finish_probs(self, probs, scores, visible):
-        """Plain attention's probabilities [.., Tq, S] (the softmax of the scaled ``scores`` through
-        ``score``, where ``visible``) with what else joins the normaliser: ``finish``'s counterpart."""
-        return probs
+        """Plain attention's probabilities [B, K, G, Tq, S] (the softmax of the scaled ``scores`` through
+        ``score``, where ``visible``; head K x G + G's sink) with exp(sink) in the normaliser."""
+        if self.sink is None:
+            return probs
+        s = jnp.where(visible, self.score(scores), -jnp.inf)
+        sink = self.sink.astype(s.dtype).reshape(*s.shape[1:3])[None, :, :, None]  # [1, K, G, 1]
+        m = jnp.maximum(jnp.max(s, axis=-1), sink)
+        kept = jnp.sum(jnp.exp(s - m[..., None]), axis=-1)
+        return probs * (kept / (kept + jnp.exp(sink - m)))[..., None]
 
     def cotangent(self, out, lse, dout):
-        """The kernels' backward for the variant's own leaves (a learned normaliser term's gradient,
-        from the final ``out`` [B, Tq, H, E], ``lse`` [B, Tq, H] and ``dout``): None, none learned."""
-        return None
+        """The kernels' backward for the variant's own leaves (None where none is learned): the sinks',
+        -sum over (B, Tq) of p_sink (dout . out), p_sink = exp(sink - lse) [B, Tq, H], from the final
+        ``out`` [B, Tq, H, E] and ``lse`` (which holds the sink); the softmax's other columns, the
+        kernels' dS = P (dP - D), are unchanged (the sink has no value: its dP is 0)."""
+        if self.sink is None:
+            return None
+        d = jnp.sum(dout.astype(lse.dtype) * out.astype(lse.dtype), axis=-1)
+        dsink = -jnp.sum(jnp.exp(self.sink.astype(lse.dtype) - lse) * d, axis=(0, 1))
+        return self.replace(window=None, rotary=None, sink=dsink.astype(self.sink.dtype))
 
 
 jax.tree_util.register_dataclass(
-    Variant, data_fields=["window", "rotary"], meta_fields=["causal", "softcap", "scalar"]
+    Variant, data_fields=["window", "rotary", "sink"], meta_fields=["causal", "softcap", "scalar"]
 )
+
+
+def _varying_like(x, like):
+    """``x`` typed as varying over every manual mesh axis ``like`` varies over (outside shard_map: x)."""
+    varying = lambda a: jax.typeof(a).manual_axis_type.varying
+    missing = tuple(sorted(set(varying(like)) - set(varying(x))))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
 
 CAUSAL = Variant()  # plain causal attention: no window, no score rule
 

@@ -256,7 +256,7 @@ def chunked_attention(q, ks, vs, q_pos, k_poss, *, block: int = DEFAULT_BLOCK, v
     ``variant`` (or its ``fields``): the mask and score rules."""
     variant = variant_of(variant, **fields)
     chunks = (tuple(ks), tuple(vs), q_pos, tuple(k_poss), None)
-    return _chunked(variant.query(q), *chunks, int(block), variant.folded().for_kernel())
+    return _chunked(variant.query(q), *chunks, int(block), variant.folded().for_kernel(q))
 
 
 def blockwise_attention(
@@ -270,4 +270,4 @@ def blockwise_attention(
     window is skipped, forward and backward."""
     variant = variant_of(variant, **fields)
     args = (variant.query(q), (k,), (v,), q_pos, (k_pos,), q_start, int(block))
-    return _chunked(*args, variant.folded().for_kernel())
+    return _chunked(*args, variant.folded().for_kernel(q))

@@ -20,10 +20,15 @@ class VariantFields:
     # their kind's rotary frequencies zero (``attention.kind_tables``: the rotation is then the identity,
     # exactly: cos 0 = 1, sin 0 = 0). False: every layer rotated.
     global_nope: bool = False
+    # Learned attention sinks (gpt-oss): a logit per query head joins each softmax's normaliser
+    # (``attention_variants.Variant.finish``), the parameter "attn/sinks" [H] of every layer. False: none.
+    attn_sinks: bool = False
 
 
 def check_variant_fields(cfg) -> None:
     """The variant fields agree with the rest of the config (``cfg`` a ``ModelConfig``)."""
+    if cfg.attn_sinks and not cfg.arch.attention:
+        raise ConfigError("attn_sinks=true needs a family with attention; set attn_sinks=false")
     if cfg.global_nope and not (cfg.arch.attention and cfg.global_every):
         raise ConfigError(
             "global_nope=true needs global layers: set global_every (every N-th layer NoPE), or false"

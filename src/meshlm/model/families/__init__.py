@@ -1,6 +1,6 @@
 """The registry of families: one module each (``ff``, ``gptj``, ``llama``, ``qwen2``, ``mistral``,
 ``gemma``, ``qwen3``, ``olmo2``, ``phi3``, ``gemma2``, ``gemma3``, ``mixtral``, ``qwen2_moe``,
-``qwen3_moe``, ``olmoe``, ``smollm3``, ``olmo3``),
+``qwen3_moe``, ``olmoe``, ``smollm3``, ``olmo3``, ``gpt_oss``),
 each holding its ``Family`` record (``model.family``), its Hugging Face names with the config.json
 reader and writer (``HFNames``: pure dict translation; the files are ``io.hf_config``'s) and its presets
 (``ModelConfig`` fields). Everything else finds a family here: ``FAMILIES`` by name, ``by_model_type`` by
@@ -15,6 +15,7 @@ import meshlm.model.families.ff as ff
 import meshlm.model.families.gemma as gemma
 import meshlm.model.families.gemma2 as gemma2
 import meshlm.model.families.gemma3 as gemma3
+import meshlm.model.families.gpt_oss as gpt_oss
 import meshlm.model.families.gptj as gptj
 import meshlm.model.families.llama as llama
 import meshlm.model.families.mistral as mistral
@@ -35,7 +36,7 @@ from meshlm.model.family import Family
 MODULES = (
     ff, gptj, llama, qwen2, mistral, gemma, qwen3, olmo2, phi3, gemma2, gemma3, mixtral, qwen2_moe,
     qwen3_moe, olmoe,
-    smollm3, olmo3,
+    smollm3, olmo3, gpt_oss,
 )  # fmt: skip
 
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in MODULES}
