@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshlm.model.layers import varying_like
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -78,7 +80,7 @@ class Variant:
         that cast, outside the kernel, sums it over the data and cp shards, as any parameter's)."""
         rules = self.rules()
         window = jnp.asarray(rules["window"], jnp.int32) if rules else None
-        sink = self.sink if self.sink is None or like is None else _varying_like(self.sink, like)
+        sink = self.sink if self.sink is None or like is None else varying_like(self.sink, like)
         return self.replace(window=window, rotary=None, sink=sink)
 
     # ---- score ----
@@ -142,13 +144,6 @@ class Variant:
 jax.tree_util.register_dataclass(
     Variant, data_fields=["window", "rotary", "sink"], meta_fields=["causal", "softcap", "scalar"]
 )
-
-
-def _varying_like(x, like):
-    """``x`` typed as varying over every manual mesh axis ``like`` varies over (outside shard_map: x)."""
-    varying = lambda a: jax.typeof(a).manual_axis_type.varying
-    missing = tuple(sorted(set(varying(like)) - set(varying(x))))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 CAUSAL = Variant()  # plain causal attention: no window, no score rule
