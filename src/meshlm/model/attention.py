@@ -166,8 +166,8 @@ def layer_variant(cfg: ModelConfig, kind, heads: int) -> Variant:
     layers) the kind's, from ``kind_tables``."""
     if kind is None:
         return Variant.of(cfg, heads, window=cfg.sliding_window, rotary=cfg.inv_freq())
-    windows, freqs = kind_tables(cfg)
-    return Variant.of(cfg, heads, window=jnp.asarray(windows)[kind], rotary=jnp.asarray(freqs)[kind])
+    windows, freqs = (jnp.asarray(table)[kind] for table in kind_tables(cfg))
+    return Variant.of(cfg, heads, window=windows, rotary=freqs, kind=kind)
 
 
 def kind_tables(cfg: ModelConfig):

@@ -204,9 +204,7 @@ def _check_attention(cfg: ModelConfig) -> None:
     if cfg.rotary_dim % 2 or cfg.rotary_dim > cfg.dim_per_head:
         raise ConfigError(f"rotary_dim={cfg.rotary_dim} must be even and <= head_dim")
     if cfg.rope_local_theta and not cfg.global_every:
-        raise ConfigError(
-            f"rope_local_theta={cfg.rope_local_theta} needs local layers: set global_every, or 0"
-        )
+        raise ConfigError(f"rope_local_theta={cfg.rope_local_theta} needs global_every (local layers), or 0")
     if cfg.rope_linear and cfg.rope_scaling is not None:
         raise ConfigError("rope_linear and rope_scaling are two RoPE scalings; set one (rope_linear=0)")
 
@@ -273,6 +271,7 @@ RANGES: dict[str, Range] = {
     "global_every": Range(int, 0, note="0: every layer alike"),
     "rope_local_theta": Range(float, 0, note="0: rope_theta"),
     "rope_linear": Range(float, 0, note="0: none"),
+    "attn_chunk": Range(int, 0, note="0: off"),
     **dict.fromkeys(("n_experts", "experts_per_token", "moe_d_ff"), Range(int, 0, note="0: dense")),
     "shared_expert_d_ff": Range(int, 0, note="0: none"),
     "router_aux_loss_coef": NON_NEGATIVE_FLOAT,

@@ -1,6 +1,6 @@
 """Planted faults of the newer families' parts (``proof.controls`` runs them): Qwen2's q/k/v biases, tied
 embeddings, Mistral's sliding window, Gemma's embedding scale, Qwen3's, OLMo 2's and Gemma 3's q/k norms,
-Gemma 2's soft-caps, Gemma 2/3's local and global layers, SmolLM3's NoPE layers, learned sinks. Each
+Gemma 2's soft-caps, Gemma 2/3's local and global layers, SmolLM3's NoPE layers, sinks, chunks. Each
 changes one thing in the sharded run (the q/k norms', the soft-cap's order, the layer kinds' and the
 sinks' are planted in ``model.attention`` or ``model.context_parallel`` while it is traced)."""
 
@@ -208,6 +208,11 @@ def sink_grad_not_summed():
     return _in_attention("layer_variant", planted)
 
 
+def chunk_off_by_one(cfg):
+    """Llama 4's chunks one position longer in the sharded run: every boundary after the first moves."""
+    return cfg.replace(attn_chunk=cfg.attn_chunk + 1)
+
+
 def _plain_softmax(w: Where) -> bool:
     """Plain attention's softmax (``attention.capped_softmax``) runs: plain attention, and not the cp
     ring, which runs the blockwise kernel's steps whatever the attention (their soft-cap order is
@@ -243,6 +248,11 @@ GEMMA_CONTROLS = (  # ``proof.controls`` runs them
         name="sink's gradient not summed over the data shards",
         applies=lambda w: w.attention and w.cfg.attn_sinks and w.layout.dp > 1,
         plant=sink_grad_not_summed,
+    ),
+    Control(
+        name="chunk boundary off by one",
+        applies=lambda w: w.attention and 0 < w.cfg.attn_chunk < w.seq_len,
+        cfg_change=chunk_off_by_one,
     ),
     Control(
         name="NoPE layer rotated", applies=lambda w: _kinds(w) and w.cfg.global_nope, plant=nope_layer_rotated

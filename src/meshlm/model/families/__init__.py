@@ -1,6 +1,6 @@
 """The registry of families: one module each (``ff``, ``gptj``, ``llama``, ``qwen2``, ``mistral``,
 ``gemma``, ``qwen3``, ``olmo2``, ``phi3``, ``gemma2``, ``gemma3``, ``mixtral``, ``qwen2_moe``,
-``qwen3_moe``, ``olmoe``, ``smollm3``, ``olmo3``, ``gpt_oss``),
+``qwen3_moe``, ``olmoe``, ``smollm3``, ``olmo3``, ``gpt_oss``, ``llama4``),
 each holding its ``Family`` record (``model.family``), its Hugging Face names with the config.json
 reader and writer (``HFNames``: pure dict translation; the files are ``io.hf_config``'s) and its presets
 (``ModelConfig`` fields). Everything else finds a family here: ``FAMILIES`` by name, ``by_model_type`` by
@@ -18,6 +18,7 @@ import meshlm.model.families.gemma3 as gemma3
 import meshlm.model.families.gpt_oss as gpt_oss
 import meshlm.model.families.gptj as gptj
 import meshlm.model.families.llama as llama
+import meshlm.model.families.llama4 as llama4
 import meshlm.model.families.mistral as mistral
 import meshlm.model.families.mixtral as mixtral
 import meshlm.model.families.olmo2 as olmo2
@@ -36,7 +37,7 @@ from meshlm.model.family import Family
 MODULES = (
     ff, gptj, llama, qwen2, mistral, gemma, qwen3, olmo2, phi3, gemma2, gemma3, mixtral, qwen2_moe,
     qwen3_moe, olmoe,
-    smollm3, olmo3, gpt_oss,
+    smollm3, olmo3, gpt_oss, llama4,
 )  # fmt: skip
 
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in MODULES}
