@@ -64,3 +64,27 @@ def test_blocks_outside_the_chunk_are_skipped():
     assert [need(8, k) for k in (0, 4, 8)] == [False, False, True]
     assert [need(12, k) for k in (4, 8, 12)] == [False, True, True]
     assert [need(6, k) for k in (0, 4, 8, 12)] == [True, True, True, False]
+
+
+CHUNK_CONTROLS = ("chunk boundary off by one", "NoPE layer rotated")
+
+
+def test_verify_proves_chunks_and_nope_layers_under_the_cp_ring():
+    """tiny-llama4 (chunks of 8 on three layers, the fourth NoPE) blockwise on a cp 2 ring (chunks
+    crossing the cp shards), float64: sharded == unsharded, both controls detected."""
+    from meshlm.model.config import get_config
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof import format_report
+    from meshlm.proof.controls import CONTROLS
+    from meshlm.proof.problem import model_problem
+    from meshlm.proof.prover import verify
+
+    cfg = get_config("tiny-llama4").replace(attention="blockwise", attn_block=4)
+    controls = tuple(c for c in CONTROLS if c.name in CHUNK_CONTROLS)
+    with jax.enable_x64(True):
+        problem = model_problem(cfg, "tiny-llama4", 1, 1, 24)
+        report = verify(problem, Layout(cp=2), dtype=jnp.float64, controls=controls)
+    assert report.ok, format_report(report)
+    assert max(p.max_rel_err for p in report.params) <= 1e-12
+    assert sorted(c["name"] for c in report.controls) == sorted(CHUNK_CONTROLS)
+    assert all(c["detected"] for c in report.controls), report.controls

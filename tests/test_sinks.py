@@ -4,7 +4,7 @@ kernel (forward and backward), the ring's chunks merged on one device (``chunked
 and document starts all equal the softmax over the scores with the sink as one more column, gradients
 (the sink's own included) too; the KV-cached decode equals the full forward on 1x1 and 1x2; the sinks
 are named in at most 5 source files. The sharded proof (both cp strategies, dp x mp, both controls) is
-``meshlm verify --config tiny-gpt-oss`` (``test_verify_proves_sinks_under_the_cp_ring``)."""
+``meshlm verify --config tiny-gpt-oss``; here the cp ring's with both sink controls."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_cli
 
 from meshlm.model.attention import _attend
 from meshlm.model.attention_variants import Variant
@@ -118,11 +117,24 @@ def test_cached_decode_with_sinks_equals_the_full_forward():
         np.testing.assert_allclose(got[b], want[b, n - 1 :], rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def test_verify_proves_sinks_under_the_cp_ring(capsys):
-    """float64, blockwise, dp 2 x cp 2 (the ring): equal to the unsharded model, and both sink controls
-    (added on every ring step; the gradient not summed over the data shards) detected."""
-    argv = ["verify", "--config", "tiny-gpt-oss", "--mesh", "2x1", "--cp", "2", "--attention", "blockwise"]
-    assert run_cli(*argv, "--attn-block", "16", "--devices", "4", "--steps", "2", "--x64") == 0
-    out = capsys.readouterr().out
-    assert "control sink added on every ring step" in out and "control sink's gradient not summed" in out
-    assert "OK: sharded == unsharded" in out and "NOT detected" not in out
+SINK_CONTROLS = ("sink added on every ring step", "sink's gradient not summed over the data shards")
+
+
+def test_verify_proves_sinks_under_the_cp_ring():
+    """tiny-gpt-oss (2 layers: a windowed one and a full one, sinks on both) blockwise on dp 2 x a cp 2
+    ring, float64: sharded == unsharded (the plain reference), both sink controls detected."""
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof import format_report
+    from meshlm.proof.controls import CONTROLS
+    from meshlm.proof.problem import model_problem
+    from meshlm.proof.prover import verify
+
+    cfg = get_config("tiny-gpt-oss").replace(attention="blockwise", attn_block=4, n_layers=2)
+    controls = tuple(c for c in CONTROLS if c.name in SINK_CONTROLS)
+    with jax.enable_x64(True):
+        problem = model_problem(cfg, "tiny-gpt-oss", 1, 2, 16, dp=2)
+        report = verify(problem, Layout(dp=2, cp=2), dtype=jnp.float64, controls=controls)
+    assert report.ok, format_report(report)
+    assert max(p.max_rel_err for p in report.params) <= 1e-12
+    assert sorted(c["name"] for c in report.controls) == sorted(SINK_CONTROLS)
+    assert all(c["detected"] for c in report.controls), report.controls
