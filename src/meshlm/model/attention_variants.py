@@ -223,7 +223,8 @@ def block_needed(qp, kp, kvalid, causal: bool, qs=None, *, window=None, chunk=No
     last_key = jnp.max(jnp.where(kvalid, kp, imin), axis=-1)
     if qs is not None:
         needed = needed & (last_key >= jnp.min(qs, axis=-1))
-    first_query = jnp.min(jnp.where(qp == imin, imax, qp), axis=-1)  # padded query rows (imin) left out
+    if window is not None or chunk is not None:  # padded query rows (imin) left out of the first query
+        first_query = jnp.min(jnp.where(qp == imin, imax, qp), axis=-1)
     if window is not None:
         w = jnp.asarray(window, qp.dtype)  # 0: no window (as in ``mask_mod``)
         needed = needed & ((w == 0) | (last_key > first_query - w))
