@@ -56,6 +56,10 @@ CONFIGS = {
     "tiny-llama3 2x2 fsdp sp doc-mask (tied)": ("tiny-llama3", {"doc_mask": 0}, FSDP_SP, 2, 8),
     "tiny-qwen2 1x2 (q/k/v bias, tied)": ("tiny-qwen2", {}, Layout(mp=2), 1, 8),
     "tiny-qwen3 1x2 (per-head q/k norm)": ("tiny-qwen3", {}, Layout(mp=2), 1, 8),
+    "tiny-smollm3 1x2 (NoPE layers)": ("tiny-smollm3", {}, Layout(mp=2), 1, 8),
+    "tiny-llama4 1x2 blockwise (chunks, NoPE layers)": ("tiny-llama4", BW, Layout(mp=2), 1, 18),
+    # learned sinks under the ring (once after the merge) and over dp (their gradient summed)
+    "tiny-gpt-oss 2x1 cp2 ring blockwise (sinks, windows)": ("tiny-gpt-oss", BW, Layout(dp=2, cp=2), 2, 16),
     "tiny-olmo2 2x2 (q/k norm over the projection)": ("tiny-olmo2", {}, Layout(dp=2, mp=2), 2, 8),
     "tiny-phi3 1x2 (fused q/k/v and gate/up, window)": ("tiny-phi3", {}, Layout(mp=2), 1, 18),
     "tiny-mixtral 2x2 (mixture of experts, capacity)": (

@@ -169,17 +169,19 @@ def layer_variant(cfg: ModelConfig, kind, heads: int) -> Variant:
     layers) the kind's, from ``kind_tables``."""
     if kind is None:
         return Variant.of(cfg, heads, window=cfg.sliding_window, rotary=cfg.inv_freq())
-    windows, freqs = kind_tables(cfg)
-    return Variant.of(cfg, heads, window=jnp.asarray(windows)[kind], rotary=jnp.asarray(freqs)[kind])
+    windows, freqs = (jnp.asarray(table)[kind] for table in kind_tables(cfg))
+    return Variant.of(cfg, heads, window=windows, rotary=freqs, kind=kind)
 
 
 def kind_tables(cfg: ModelConfig):
     """(windows [2] int32, inverse frequencies [2, rot_dim / 2] float64), numpy, by kind (0 local,
     1 global): a local layer sees ``sliding_window`` keys with plain RoPE of ``rope_local_theta``, a
-    global one the whole causal context (window 0) with ``rope_theta`` and its scaling."""
+    global one the whole causal context (window 0) with ``rope_theta`` and its scaling, or none
+    (``global_nope``: a NoPE layer's rotary off, a traced kind's ``Variant.rotary`` of zeros)."""
     windows = np.asarray([cfg.sliding_window, 0], np.int32)
     local = inv_freq(cfg.rot_dim, cfg.rope_local_theta or cfg.rope_theta)  # never scaled (Gemma 3)
-    return windows, np.stack([local, cfg.inv_freq()])
+    full = cfg.inv_freq() * (0.0 if cfg.global_nope else 1.0)  # zeros: the identity (cos 0 = 1, sin 0 = 0)
+    return windows, np.stack([local, full])
 
 
 class ProjRMSNorm(hk.Module):

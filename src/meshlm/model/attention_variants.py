@@ -17,12 +17,13 @@ What a variant is made of:
                                 folded into q for the kernels, ``query``), then ``softcap``'s c tanh(s / c)
                                 (Gemma 2): ``score_mod`` and its slope for the backward, ``score_mod_slope``.
   normaliser (what joins the    ``finish``: applied once to the merged partial of all K/V sets (after the
-  softmax's sum)                ring's log-sum-exp merge, never per step); today no variant adds a term
-                                (room for learned sinks: a per-head logit joining ``lsum``).
+  softmax's sum)                ring's log-sum-exp merge, never per step): learned ``sink`` logits (gpt-oss:
+                                one per head, exp(sink) joins ``lsum``; no value), their gradient from the
+                                final output and log-sum-exp (``cotangent``).
   rotary (which layers rotate)  ``rotary``: the layer's inverse frequencies (None: none, a NoPE layer).
 
-A variant is a pytree (``window`` and ``rotary`` may be traced: its leaves; the rest static), so it is an
-argument of the kernels' custom VJPs as it is.
+A variant is a pytree (``window``, ``rotary`` and ``sink`` may be traced: its leaves; the rest static), so
+it is an argument of the kernels' custom VJPs as it is.
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from meshlm.model.layers import varying_like
 
 
 @dataclass(frozen=True)
@@ -45,14 +49,23 @@ class Variant:
     softcap: float = 0.0  # score: c * tanh(s / c) before the mask (0: none)
     scalar: float = 0.0  # score: divided by sqrt(scalar) (0: by sqrt(head_dim))
     rotary: Any = None  # rotary: inverse frequencies [rot_dim / 2] (None: the layer is not rotated)
+    sink: Any = None  # normaliser: learned logits [h] of this shard's query heads (None: none)
+    chunk: Any = None  # mask: keys of the query's chunk only (int > 0, or a traced int32; None or 0: none)
 
     @classmethod
-    def of(cls, cfg, heads: int, window=None, rotary=None) -> Variant:
+    def of(cls, cfg, heads: int, window=None, rotary=None, kind=None) -> Variant:
         """The model's variant for one layer: its ``window`` and rotary frequencies (a layer kind's,
         ``attention.kind_tables``), the model's score rules (``attn_softcap``, ``attn_scalar``).
-        ``heads``: the layer's query heads on this shard, the shape of a learned per-head term (made
-        here, inside the attention module, by ``hk.get_parameter``; none today)."""
-        return cls(window=window, softcap=cfg.attn_softcap, scalar=cfg.attn_scalar, rotary=rotary)
+        ``heads``: the layer's query heads on this shard, the shape of the learned sinks (``attn_sinks``:
+        made here, inside the attention module, by ``hk.get_parameter``: "attn/sinks" [H], split over mp
+        with the heads). ``attn_chunk``: every layer's chunk, or with a traced ``kind`` the local layers'
+        (Llama 4: chunked layers and global ones)."""
+        sink = hk.get_parameter("sinks", [heads], init=jnp.zeros) if cfg.attn_sinks else None
+        chunk = cfg.attn_chunk or None
+        if chunk and kind is not None:
+            chunk = jnp.where(kind == 0, jnp.int32(chunk), 0)
+        rules = dict(window=window, chunk=chunk, rotary=rotary, sink=sink)
+        return cls(softcap=cfg.attn_softcap, scalar=cfg.attn_scalar, **rules)
 
     def replace(self, **fields) -> Variant:
         return dataclasses.replace(self, **fields)
@@ -63,15 +76,17 @@ class Variant:
         """The mask rules' keywords beyond causality for ``mask_mod`` / ``block_needed`` (and the
         kernels' ``_visible`` / ``_needed``, where the controls plant): only the rules that are on, so
         a variant without them runs the program it ran before they existed."""
-        window = self.window
-        return {} if window is None or (isinstance(window, int) and not window) else {"window": window}
+        on = lambda v: v is not None and not (isinstance(v, int) and not v)
+        return {name: v for name, v in (("window", self.window), ("chunk", self.chunk)) if on(v)}
 
-    def for_kernel(self) -> Variant:
+    def for_kernel(self, like=None) -> Variant:
         """The variant as the kernels' custom VJPs take it: a Python window an int32 scalar (a primal,
-        cotangent None), a Python 0 none (the program is as without one)."""
-        rules = self.rules()
-        window = jnp.asarray(rules["window"], jnp.int32) if rules else None
-        return self.replace(window=window, rotary=None)
+        cotangent None), a Python 0 none (the program is as without one); a sink typed as varying like
+        ``like`` (the queries: inside shard_map its cotangent then varies as theirs, and the transpose of
+        that cast, outside the kernel, sums it over the data and cp shards, as any parameter's)."""
+        rules = {name: jnp.asarray(v, jnp.int32) for name, v in self.rules().items()}
+        sink = self.sink if self.sink is None or like is None else varying_like(self.sink, like)
+        return self.replace(window=rules.get("window"), chunk=rules.get("chunk"), rotary=None, sink=sink)
 
     # ---- score ----
 
@@ -98,24 +113,43 @@ class Variant:
     # ---- normaliser ----
 
     def finish(self, part):
-        """The merged partial of every K/V set (a ``blockwise.Partial``) with what else joins the
-        softmax's normaliser: applied once, after the last merge. No variant adds a term today."""
-        return part
+        """The merged partial of every K/V set (a ``blockwise.Partial``: out [B, Tq, H, E], m, lsum [B,
+        Tq, H]) with exp(sink) [H] in its normaliser: applied once, after the last merge."""
+        if self.sink is None:
+            return part
+        sink = self.sink.astype(part.m.dtype)
+        m = jnp.maximum(part.m, sink)  # (-inf where no key is visible: the sink's alone)
+        kept = part.lsum * jnp.exp(part.m - m)
+        lsum = kept + jnp.exp(sink - m)
+        return type(part)(part.out * (kept / lsum)[..., None].astype(part.out.dtype), m, lsum)
 
     def finish_probs(self, probs, scores, visible):
-        """Plain attention's probabilities [.., Tq, S] (the softmax of the scaled ``scores`` through
-        ``score``, where ``visible``) with what else joins the normaliser: ``finish``'s counterpart."""
-        return probs
+        """Plain attention's probabilities [B, K, G, Tq, S] (the softmax of the scaled ``scores`` through
+        ``score``, where ``visible``; head K x G + G's sink) with exp(sink) in the normaliser."""
+        if self.sink is None:
+            return probs
+        s = jnp.where(visible, self.score(scores), -jnp.inf)
+        sink = self.sink.astype(s.dtype).reshape(*s.shape[1:3])[None, :, :, None]  # [1, K, G, 1]
+        m = jnp.maximum(jnp.max(s, axis=-1), sink)
+        kept = jnp.sum(jnp.exp(s - m[..., None]), axis=-1)
+        return probs * (kept / (kept + jnp.exp(sink - m)))[..., None]
 
     def cotangent(self, out, lse, dout):
-        """The kernels' backward for the variant's own leaves (a learned normaliser term's gradient,
-        from the final ``out`` [B, Tq, H, E], ``lse`` [B, Tq, H] and ``dout``): None, none learned."""
-        return None
+        """The kernels' backward for the variant's own leaves (None where none is learned): the sinks',
+        -sum over (B, Tq) of p_sink (dout . out), p_sink = exp(sink - lse) [B, Tq, H], from the final
+        ``out`` [B, Tq, H, E] and ``lse`` (which holds the sink); the softmax's other columns, the
+        kernels' dS = P (dP - D), are unchanged (the sink has no value: its dP is 0)."""
+        if self.sink is None:
+            return None
+        d = jnp.sum(dout.astype(lse.dtype) * out.astype(lse.dtype), axis=-1)
+        dsink = -jnp.sum(jnp.exp(self.sink.astype(lse.dtype) - lse) * d, axis=(0, 1))
+        return self.replace(window=None, chunk=None, rotary=None, sink=dsink.astype(self.sink.dtype))
 
 
 jax.tree_util.register_dataclass(
-    Variant, data_fields=["window", "rotary"], meta_fields=["causal", "softcap", "scalar"]
+    Variant, data_fields=["window", "rotary", "sink", "chunk"], meta_fields=["causal", "softcap", "scalar"]
 )
+
 
 CAUSAL = Variant()  # plain causal attention: no window, no score rule
 
@@ -165,24 +199,30 @@ EXPORTED_AS = {
 # ---- the mask rules, and the block mask derived from them ----
 
 
-def mask_mod(qp, kp, causal: bool, qs=None, *, window=None):
+def mask_mod(qp, kp, causal: bool, qs=None, *, window=None, chunk=None):
     """Which (query, key) pairs are visible, by absolute positions (broadcast against each other):
     causal, keys at or before the query; ``qs`` (``--doc-mask``), keys at or after the query's
-    document start; ``window``, keys with ``qp - window < kp`` (a traced 0: no window). Python True
-    where no rule applies."""
+    document start; ``window``, keys with ``qp - window < kp`` (a traced 0: no window); ``chunk``
+    (Llama 4), keys of the query's chunk, ``kp // chunk == qp // chunk`` (a traced 0: none). Python
+    True where no rule applies."""
     vis = kp <= qp if causal else True
     if window is not None:
         w = jnp.asarray(window, qp.dtype)
         vis = vis & ((w == 0) | (kp > qp - w))
+    if chunk is not None:
+        c = jnp.asarray(chunk, qp.dtype)
+        c1 = jnp.maximum(c, 1)
+        vis = vis & ((c == 0) | (kp // c1 == qp // c1))
     return vis if qs is None else vis & (kp >= qs)
 
 
-def block_needed(qp, kp, kvalid, causal: bool, qs=None, *, window=None):
+def block_needed(qp, kp, kvalid, causal: bool, qs=None, *, window=None, chunk=None):
     """Scalar: whether a query block (positions ``qp`` [B, bq]) meets a visible key of a K/V block
     (``kp``, ``kvalid`` [B, bk]), derived from ``mask_mod``'s rules, each a lowest visible key that
     grows with the query: causal, the block's first key at or before its last query; document starts,
     its last key at or after the block's first start; a window, its last key inside the first query's
-    window (per query O(window / block) blocks are computed)."""
+    window (per query O(window / block) blocks are computed); a chunk, its last key at or after the
+    first query's chunk start (every block outside the query block's chunks is skipped)."""
     if not causal:
         return jnp.any(kvalid)
     imax, imin = jnp.iinfo(kp.dtype).max, jnp.iinfo(kp.dtype).min
@@ -191,8 +231,12 @@ def block_needed(qp, kp, kvalid, causal: bool, qs=None, *, window=None):
     last_key = jnp.max(jnp.where(kvalid, kp, imin), axis=-1)
     if qs is not None:
         needed = needed & (last_key >= jnp.min(qs, axis=-1))
-    if window is not None:  # padded query rows (position imin) left out of the first query
+    if window is not None or chunk is not None:  # padded query rows (imin) left out of the first query
         first_query = jnp.min(jnp.where(qp == imin, imax, qp), axis=-1)
+    if window is not None:
         w = jnp.asarray(window, qp.dtype)  # 0: no window (as in ``mask_mod``)
         needed = needed & ((w == 0) | (last_key > first_query - w))
+    if chunk is not None:
+        c = jnp.asarray(chunk, qp.dtype)
+        needed = needed & ((c == 0) | (last_key >= first_query - first_query % jnp.maximum(c, 1)))
     return jnp.any(needed)

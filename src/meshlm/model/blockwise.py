@@ -40,7 +40,7 @@ from jax import lax
 
 from meshlm.model.attention_variants import CAUSAL, Variant, block_needed, mask_mod, variant_of
 from meshlm.model.blockwise_blocks import _block_inputs, _blocks, _from_tokens, _to_tokens, _unblock
-from meshlm.model.layers import upcast
+from meshlm.model.layers import upcast, varying_like
 
 DEFAULT_BLOCK = 512  # rows per query block and keys per K/V block
 
@@ -73,19 +73,6 @@ def combine(a: Partial, b: Partial) -> Partial:
 def _safe_inv(x):
     """1 / x, and 0 where x == 0 (rows that see no key)."""
     return jnp.where(x > 0, 1.0 / jnp.where(x > 0, x, 1.0), 0.0)
-
-
-def varying_like(tree, *refs):
-    """``tree`` typed as varying over every manual mesh axis that one of ``refs`` varies over (inside
-    ``shard_map`` a loop carry and both branches of a cond must agree; outside it: unchanged)."""
-    varying = lambda x: jax.typeof(x).manual_axis_type.varying
-    axes = set().union(*(varying(r) for r in jax.tree.leaves(refs)))
-
-    def cast(x):
-        missing = tuple(sorted(axes - varying(x)))
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
 
 
 # ---- the per-block pieces (small and separate, so that the tests can plant the classic bugs) ----
@@ -256,7 +243,7 @@ def chunked_attention(q, ks, vs, q_pos, k_poss, *, block: int = DEFAULT_BLOCK, v
     ``variant`` (or its ``fields``): the mask and score rules."""
     variant = variant_of(variant, **fields)
     chunks = (tuple(ks), tuple(vs), q_pos, tuple(k_poss), None)
-    return _chunked(variant.query(q), *chunks, int(block), variant.folded().for_kernel())
+    return _chunked(variant.query(q), *chunks, int(block), variant.folded().for_kernel(q))
 
 
 def blockwise_attention(
@@ -270,4 +257,4 @@ def blockwise_attention(
     window is skipped, forward and backward."""
     variant = variant_of(variant, **fields)
     args = (variant.query(q), (k,), (v,), q_pos, (k_pos,), q_start, int(block))
-    return _chunked(*args, variant.folded().for_kernel())
+    return _chunked(*args, variant.folded().for_kernel(q))

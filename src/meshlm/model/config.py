@@ -21,6 +21,7 @@ from meshlm.model.rope import RopeScaling
 from meshlm.model.rope import inv_freq as rope_inv_freq
 from meshlm.model.router_fields import ROUTER_RANGES, RouterFields, check_router
 from meshlm.parallel.grouped import DispatchFields, check_dispatch
+from meshlm.model.variant_fields import VariantFields, check_variant_fields
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
 ATTENTION = ("plain", "blockwise")  # see meshlm.model.attention and meshlm.model.blockwise
@@ -73,7 +74,7 @@ class LayerKindFields:
 
 
 @dataclass(frozen=True)
-class ModelConfig(LoraFields, LayerKindFields, RouterFields, MoEFields, DispatchFields):
+class ModelConfig(VariantFields, LoraFields, LayerKindFields, RouterFields, MoEFields, DispatchFields):
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
     d_model: int = 128  # residual stream width
@@ -139,6 +140,7 @@ class ModelConfig(LoraFields, LayerKindFields, RouterFields, MoEFields, Dispatch
         if self.arch.attention:
             _check_attention(self)
         _check_kinds(self)
+        check_variant_fields(self)
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
         _check_plain_only(self), _check_moe(self), check_router(self), check_dispatch(self)
@@ -202,10 +204,7 @@ def _check_attention(cfg: ModelConfig) -> None:
     if cfg.rotary_dim % 2 or cfg.rotary_dim > cfg.dim_per_head:
         raise ConfigError(f"rotary_dim={cfg.rotary_dim} must be even and <= head_dim")
     if cfg.rope_local_theta and not cfg.global_every:
-        raise ConfigError(
-            f"rope_local_theta={cfg.rope_local_theta} needs local layers: set global_every, or "
-            "rope_local_theta=0"
-        )
+        raise ConfigError(f"rope_local_theta={cfg.rope_local_theta} needs global_every (local layers), or 0")
     if cfg.rope_linear and cfg.rope_scaling is not None:
         raise ConfigError("rope_linear and rope_scaling are two RoPE scalings; set one (rope_linear=0)")
 
@@ -270,6 +269,7 @@ RANGES: dict[str, Range] = {
     "global_every": Range(int, 0, note="0: every layer alike"),
     "rope_local_theta": Range(float, 0, note="0: rope_theta"),
     "rope_linear": Range(float, 0, note="0: none"),
+    "attn_chunk": Range(int, 0, note="0: off"),
     **dict.fromkeys(("n_experts", "experts_per_token", "moe_d_ff"), Range(int, 0, note="0: dense")),
     "shared_expert_d_ff": Range(int, 0, note="0: none"),
     "router_aux_loss_coef": NON_NEGATIVE_FLOAT,

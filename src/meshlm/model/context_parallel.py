@@ -33,7 +33,7 @@ def context_attention(q, k, v, q_pos, par, *, block: int, blockwise: bool, plain
     """q [B, T/cp, H, E], k, v [B, T/cp, K, E] this shard's chunks; q_pos [B, T/cp] global positions.
     ``variant``: the mask (a window by global position) and score rules."""
     if par.cp_ring:
-        return _ring(variant.query(q), k, v, q_pos, par, block, variant.folded().for_kernel())
+        return _ring(variant.query(q), k, v, q_pos, par, block, variant.folded().for_kernel(q))
     t = k.shape[1]
     k_pos = jnp.concatenate([par.kv_positions(o, t) for o in range(par.layout.cp)])
     k_pos = jnp.broadcast_to(k_pos, (k.shape[0], k_pos.shape[0]))

@@ -24,9 +24,10 @@ __all__ = ["LOCAL_KEYS", "kind_counts", "kind_index", "kinds_stack", "mixed_kind
 
 
 def mixed_kinds(cfg: ModelConfig) -> bool:
-    """True when the layers are of both kinds, so the cache is this module's two arrays."""
+    """True when the layers are of both kinds and the local ones have a window, so the cache is this
+    module's two arrays (kinds that differ only in rotary, SmolLM3's NoPE layers, share one full cache)."""
     kinds = attention.layer_kinds(cfg)
-    return kinds is not None and 0 < int(kinds.sum()) < cfg.n_layers
+    return kinds is not None and bool(cfg.sliding_window) and 0 < int(kinds.sum()) < cfg.n_layers
 
 
 def kind_counts(cfg: ModelConfig) -> tuple[int, int]:

@@ -31,6 +31,19 @@ def _normal(stddev: float):
     return hk.initializers.TruncatedNormal(stddev=stddev)
 
 
+def varying_like(tree, *refs):
+    """``tree`` typed as varying over every manual mesh axis that one of ``refs`` varies over (inside
+    ``shard_map`` a loop carry and both branches of a cond must agree; outside it: unchanged)."""
+    varying = lambda x: jax.typeof(x).manual_axis_type.varying
+    axes = set().union(*(varying(r) for r in jax.tree.leaves(refs)))
+
+    def cast(x):
+        missing = tuple(sorted(axes - varying(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
 def upcast(x):
     """At least float32 (float64 stays float64, so the x64 proof is exact)."""
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))

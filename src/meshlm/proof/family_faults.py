@@ -1,8 +1,8 @@
 """Planted faults of the newer families' parts (``proof.controls`` runs them): Qwen2's q/k/v biases, tied
 embeddings, Mistral's sliding window, Gemma's embedding scale, Qwen3's, OLMo 2's and Gemma 3's q/k norms,
-Gemma 2's soft-caps, Gemma 2/3's local and global layers. Each changes one thing in the sharded run
-(the q/k norms', the soft-cap's order and the layer kinds' are planted in ``model.attention`` while it
-is traced)."""
+Gemma 2's soft-caps, Gemma 2/3's local and global layers, SmolLM3's NoPE layers, sinks, chunks. Each
+changes one thing in the sharded run (the q/k norms', the soft-cap's order, the layer kinds' and the
+sinks' are planted in ``model.attention`` or ``model.context_parallel`` while it is traced)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from meshlm.model import attention
+from meshlm.model import attention, context_parallel
 from meshlm.model.layers import RMSNorm
 from meshlm.model.params import param_path
-from meshlm.parallel.axes import MP
+from meshlm.parallel.axes import DP, MP
 from meshlm.proof.control_record import Control, Where
 from meshlm.proof.taps import Tapped
 
@@ -164,6 +164,55 @@ def local_rotary_on_global():
     return _in_attention("kind_tables", planted)
 
 
+def nope_layer_rotated():
+    """SmolLM3's NoPE layers rotated as the others (``global_nope`` ignored): the global kind's table
+    the rotary frequencies it would have."""
+    tables = attention.kind_tables
+
+    def planted(cfg):
+        windows, freqs = tables(cfg)
+        return windows, np.stack([freqs[0], cfg.inv_freq()])
+
+    return _in_attention("kind_tables", planted)
+
+
+def sink_on_every_ring_step():
+    """Learned sinks added to each ring step's partial, then once more after the merge (the sink counted
+    once per K/V chunk: mistral.rs #1872), not once after the ring's last merge."""
+    real = context_parallel.attend_partial
+
+    def planted(*args, variant, **kw):
+        return variant.finish(real(*args, variant=variant, **kw))
+
+    return _in_attention("attend_partial", planted, vars(context_parallel))
+
+
+def _grad_of_data_shard0(next_getter, value, context):
+    """A Haiku getter: the sinks' value, their gradient kept from data shard 0 only."""
+    value = next_getter(value)
+    if context.name != "sinks":
+        return value
+    keep = lax.axis_index(DP) == 0
+    return lax.stop_gradient(value) + jnp.where(keep, value - lax.stop_gradient(value), 0.0)
+
+
+def sink_grad_not_summed():
+    """The sinks' gradient one data shard's, not the sum over the data shards (as a parameter made outside
+    the model's parameters, whose gradient no all-reduce meets)."""
+    real = attention.layer_variant
+
+    def planted(*args):
+        with hk.custom_getter(_grad_of_data_shard0):
+            return real(*args)
+
+    return _in_attention("layer_variant", planted)
+
+
+def chunk_off_by_one(cfg):
+    """Llama 4's chunks one position longer in the sharded run: every boundary after the first moves."""
+    return cfg.replace(attn_chunk=cfg.attn_chunk + 1)
+
+
 def _plain_softmax(w: Where) -> bool:
     """Plain attention's softmax (``attention.capped_softmax``) runs: plain attention, and not the cp
     ring, which runs the blockwise kernel's steps whatever the attention (their soft-cap order is
@@ -175,9 +224,9 @@ def _kinds(w: Where) -> bool:
     return w.attention and 0 < w.cfg.global_every <= w.cfg.n_layers
 
 
-def _two_rotaries(w: Where) -> bool:
+def _two_rotaries(w: Where) -> bool:  # (NoPE layers: their own control)
     freqs = attention.kind_tables(w.cfg)[1]
-    return _kinds(w) and not np.array_equal(freqs[0], freqs[1])
+    return _kinds(w) and not w.cfg.global_nope and not np.array_equal(freqs[0], freqs[1])
 
 
 GEMMA_CONTROLS = (  # ``proof.controls`` runs them
@@ -200,5 +249,23 @@ GEMMA_CONTROLS = (  # ``proof.controls`` runs them
     Control(name="local and global layers swapped", applies=_kinds, plant=layer_kinds_swapped),
     Control(
         name="local rotary base used on a global layer", applies=_two_rotaries, plant=local_rotary_on_global
+    ),
+    Control(  # the sinks' normaliser term, ``Variant.finish``: once, after the ring's merge
+        name="sink added on every ring step",
+        applies=lambda w: w.attention and w.cfg.attn_sinks and w.layout.cp_ring,
+        plant=sink_on_every_ring_step,
+    ),
+    Control(
+        name="sink's gradient not summed over the data shards",
+        applies=lambda w: w.attention and w.cfg.attn_sinks and w.layout.dp > 1,
+        plant=sink_grad_not_summed,
+    ),
+    Control(
+        name="chunk boundary off by one",
+        applies=lambda w: w.attention and 0 < w.cfg.attn_chunk < w.seq_len,
+        cfg_change=chunk_off_by_one,
+    ),
+    Control(
+        name="NoPE layer rotated", applies=lambda w: _kinds(w) and w.cfg.global_nope, plant=nope_layer_rotated
     ),
 )

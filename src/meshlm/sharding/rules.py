@@ -43,6 +43,7 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"/attn/[qk]_norm/scale$", (HEAD_DIM,)),  # [E]: Qwen3's per-head q/k norm, shared by every head
     (r"/attn/q_norm/scale_heads$", (HEADS, HEAD_DIM)),  # [H, E]: OLMo 2's q norm over H*E, with its heads
     (r"/attn/k_norm/scale_heads$", (KV, HEAD_DIM)),  # [K, E]: OLMo 2's k norm, with the KV heads
+    (r"/attn/sinks$", (HEADS,)),  # [H]: learned attention sinks (gpt-oss), one per query head, with it
     (r"/mlp/w_(in|gate|up)$", (EMBED, MLP)),  # [D, F]: column-parallel
     (r"/mlp/b_in$", (MLP,)),  # [F]
     (r"/mlp/w_(out|down)$", (MLP, EMBED)),  # [F, D]: row-parallel

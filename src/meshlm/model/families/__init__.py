@@ -1,6 +1,6 @@
 """The registry of families: one module each (``ff``, ``gptj``, ``llama``, ``qwen2``, ``mistral``,
 ``gemma``, ``qwen3``, ``olmo2``, ``phi3``, ``gemma2``, ``gemma3``, ``mixtral``, ``qwen2_moe``,
-``qwen3_moe``, ``olmoe``),
+``qwen3_moe``, ``olmoe``, ``smollm3``, ``olmo3``, ``gpt_oss``, ``llama4``),
 each holding its ``Family`` record (``model.family``), its Hugging Face names with the config.json
 reader and writer (``HFNames``: pure dict translation; the files are ``io.hf_config``'s) and its presets
 (``ModelConfig`` fields). Everything else finds a family here: ``FAMILIES`` by name, ``by_model_type`` by
@@ -15,17 +15,21 @@ import meshlm.model.families.ff as ff
 import meshlm.model.families.gemma as gemma
 import meshlm.model.families.gemma2 as gemma2
 import meshlm.model.families.gemma3 as gemma3
+import meshlm.model.families.gpt_oss as gpt_oss
 import meshlm.model.families.gptj as gptj
 import meshlm.model.families.llama as llama
+import meshlm.model.families.llama4 as llama4
 import meshlm.model.families.mistral as mistral
 import meshlm.model.families.mixtral as mixtral
 import meshlm.model.families.olmo2 as olmo2
+import meshlm.model.families.olmo3 as olmo3
 import meshlm.model.families.olmoe as olmoe
 import meshlm.model.families.phi3 as phi3
 import meshlm.model.families.qwen2 as qwen2
 import meshlm.model.families.qwen2_moe as qwen2_moe
 import meshlm.model.families.qwen3 as qwen3
 import meshlm.model.families.qwen3_moe as qwen3_moe
+import meshlm.model.families.smollm3 as smollm3
 from meshlm.errors import ConfigError
 from meshlm.model.family import Family
 
@@ -33,6 +37,7 @@ from meshlm.model.family import Family
 MODULES = (
     ff, gptj, llama, qwen2, mistral, gemma, qwen3, olmo2, phi3, gemma2, gemma3, mixtral, qwen2_moe,
     qwen3_moe, olmoe,
+    smollm3, olmo3, gpt_oss, llama4,
 )  # fmt: skip
 
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in MODULES}

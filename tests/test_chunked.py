@@ -1,0 +1,90 @@
+"""Chunked attention (Llama 4), a mask rule of the variant record (``attention_variants.mask_mod``'s
+``chunk``): a query sees only the keys of its chunk. Plain attention, the blockwise kernel (forward and
+backward) and the ring's chunks merged on one device equal attention under the mask written by hand,
+with a chunk boundary inside a block and a cp chunk; the block skip is derived from the mask (a block
+wholly before the query block's chunk is skipped); a traced 0 is no chunk."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshlm.model.attention import _attend
+from meshlm.model.attention_variants import Variant, block_needed
+from meshlm.model.blockwise import blockwise_attention, chunked_attention
+
+B, T, H, K, E = 2, 14, 4, 2, 8
+TOL = 1e-12
+
+
+def _by_hand(q, k, v, chunk):
+    qg = q.reshape(B, T, K, H // K, E)
+    s = jnp.einsum("btkge,bske->bkgts", qg, k) / np.sqrt(E)
+    i = np.arange(T)
+    vis = (i[None, :] <= i[:, None]) & (i[None, :] // chunk == i[:, None] // chunk)
+    p = jax.nn.softmax(jnp.where(vis, s, -jnp.inf), -1)
+    return jnp.einsum("bkgts,bske->btkge", p, v).reshape(B, T, H, E)
+
+
+@pytest.mark.parametrize("chunk", [5, 16])  # boundaries inside blocks of 4 and the ring's halves; none
+def test_every_kernel_equals_the_chunk_mask_by_hand(chunk):
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        q, k, v = (jnp.asarray(rng.normal(size=s)) for s in [(B, T, H, E), (B, T, K, E), (B, T, K, E)])
+        dout = jnp.asarray(rng.normal(size=(B, T, H, E)))
+        pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+        halves = lambda x: (x[:, :7], x[:, 7:])
+        traced = Variant(chunk=jnp.int32(chunk))  # a layer's chunk from a kind table
+        kernels = {
+            "plain": lambda q, k, v: _attend(q, k, v, pos, pos, None, Variant(chunk=chunk)),
+            "plain traced": lambda q, k, v: _attend(q, k, v, pos, pos, None, traced),
+            "blockwise": lambda q, k, v: blockwise_attention(q, k, v, pos, pos, block=4, variant=traced),
+            "ring steps": lambda q, k, v: chunked_attention(
+                q, halves(k), halves(v), pos, halves(pos), block=4, variant=Variant(chunk=chunk)
+            ),
+        }
+        want, vjp = jax.vjp(lambda *a: _by_hand(*a, chunk), q, k, v)
+        want_grads = vjp(dout)
+        for name, fn in kernels.items():
+            got, vjp = jax.vjp(fn, q, k, v)
+            assert float(jnp.max(jnp.abs(got - want))) <= TOL, name
+            for g, w in zip(vjp(dout), want_grads, strict=True):
+                assert float(jnp.max(jnp.abs(g - w))) <= TOL * float(jnp.max(jnp.abs(w))), name
+        off = blockwise_attention(q, k, v, pos, pos, block=4, variant=Variant(chunk=jnp.int32(0)))
+        assert float(jnp.max(jnp.abs(off - _by_hand(q, k, v, T)))) <= TOL  # a traced 0: no chunk
+
+
+def test_blocks_outside_the_chunk_are_skipped():
+    """Chunk 8, blocks of 4: queries 8..11 need the key blocks 8..11 only (4..7 is the previous chunk);
+    queries 12..15 need 8..15; a query block straddling a boundary (6..9) needs both chunks' keys."""
+    block = lambda lo: jnp.arange(lo, lo + 4)[None]
+    need = lambda q, k: bool(block_needed(block(q), block(k), jnp.ones((1, 4), bool), True, chunk=8))
+    assert [need(8, k) for k in (0, 4, 8)] == [False, False, True]
+    assert [need(12, k) for k in (4, 8, 12)] == [False, True, True]
+    assert [need(6, k) for k in (0, 4, 8, 12)] == [True, True, True, False]
+
+
+CHUNK_CONTROLS = ("chunk boundary off by one", "NoPE layer rotated")
+
+
+def test_verify_proves_chunks_and_nope_layers_under_the_cp_ring():
+    """tiny-llama4 (chunks of 8 on three layers, the fourth NoPE) blockwise on a cp 2 ring (chunks
+    crossing the cp shards), float64: sharded == unsharded, both controls detected."""
+    from meshlm.model.config import get_config
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof import format_report
+    from meshlm.proof.controls import CONTROLS
+    from meshlm.proof.problem import model_problem
+    from meshlm.proof.prover import verify
+
+    cfg = get_config("tiny-llama4").replace(attention="blockwise", attn_block=4)
+    controls = tuple(c for c in CONTROLS if c.name in CHUNK_CONTROLS)
+    with jax.enable_x64(True):
+        problem = model_problem(cfg, "tiny-llama4", 1, 1, 24)
+        report = verify(problem, Layout(cp=2), dtype=jnp.float64, controls=controls)
+    assert report.ok, format_report(report)
+    assert max(p.max_rel_err for p in report.params) <= 1e-12
+    assert sorted(c["name"] for c in report.controls) == sorted(CHUNK_CONTROLS)
+    assert all(c["detected"] for c in report.controls), report.controls
