@@ -25,7 +25,7 @@ VARIANT_WORDS = re.compile(r"softcap|soft_cap|sink|chunk_size|nope", re.IGNORECA
 def _recipe() -> str:
     text = (ROOT / "docs" / "architecture.md").read_text()
     start = text.index("### Adding an attention variant")
-    end = text.index("\n## ", start)
+    end = min(text.index("\n## ", start), text.index("\n### ", start + 1))
     return text[start:end]
 
 

@@ -20,8 +20,8 @@ from meshlm.model.lora_fields import LoraFields, check_lora
 from meshlm.model.rope import RopeScaling
 from meshlm.model.rope import inv_freq as rope_inv_freq
 from meshlm.model.router_fields import ROUTER_RANGES, RouterFields, check_router
-from meshlm.parallel.grouped import DispatchFields, check_dispatch
 from meshlm.model.variant_fields import VariantFields, check_variant_fields
+from meshlm.parallel.grouped import DispatchFields, check_dispatch
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
 ATTENTION = ("plain", "blockwise")  # see meshlm.model.attention and meshlm.model.blockwise
