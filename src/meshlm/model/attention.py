@@ -50,8 +50,9 @@ class Attention(hk.Module):
         self.cfg, self.par, self.stddev = cfg, par, stddev
         self.style = cfg.rotary_kind
 
-    def _proj(self, name, xf, heads, tap=None):  # xf [B, T, D] -> [B, T, heads, E]
-        w = hk.get_parameter(name, [xf.shape[-1], heads, self.cfg.dim_per_head], init=_normal(self.stddev))
+    def _proj(self, name, xf, heads, tap=None, width=1):  # xf [B, T, D] -> [B, T, heads, width * E]
+        shape = [xf.shape[-1], heads, width * self.cfg.dim_per_head]
+        w = hk.get_parameter(name, shape, init=_normal(self.stddev))
         return self._biased(name, dense_heads_in(xf, w if tap is None else self.par.tap(tap, w)), heads)
 
     def _biased(self, name, y, heads, index=None):
@@ -105,7 +106,9 @@ class Attention(hk.Module):
         """
         cfg = self.cfg
         hl = cfg.n_heads // self.par.layout.mp
-        q = self._proj("wq", xf, hl, "own_heads")  # [B, T, H/mp, E]: this shard's query heads
+        # [B, T, H/mp, E]: this shard's query heads (``Family.attn_gate``: each head's query, then its gate)
+        q = self._proj("wq", xf, hl, "own_heads", 1 + cfg.arch.attn_gate)
+        q, self.gate = q[..., : cfg.dim_per_head], q[..., cfg.dim_per_head :]
         k, v = self._kv(xf)  # [B, T, K_local, E]
         variant = layer_variant(cfg, kind, hl)
         rotate = lambda x: x  # a layer without rotary (``variant.rotary`` None)
@@ -148,6 +151,7 @@ class Attention(hk.Module):
 
     def _out(self, out, xf):  # out [B, T, H/mp, E] -> the row-parallel partial [B, T, D]
         hl = self.cfg.n_heads // self.par.layout.mp
+        out = out * jax.nn.sigmoid(self.gate) if self.cfg.arch.attn_gate else out  # Qwen3.5's output gate
         wo = hk.get_parameter("wo", [hl, self.cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
         return dense_heads_out(out, wo)
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshlm.errors import ConfigError
+from meshlm.model import layer_kinds as kinds
 from meshlm.model.families import FAMILIES, preset_fields
 from meshlm.model.family import Family
-from meshlm.model.layer_kinds import check_dense_layers, layer_indices
 from meshlm.model.rope import RopeScaling
 from meshlm.model.rope import inv_freq as rope_inv_freq
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
@@ -69,7 +69,7 @@ class LayerKindFields:
 
 
 @dataclass(frozen=True)
-class ModelConfig(LayerKindFields, MoEFields):
+class ModelConfig(kinds.LinearAttentionFields, LayerKindFields, MoEFields):
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
     d_model: int = 128  # residual stream width
@@ -123,7 +123,7 @@ class ModelConfig(LayerKindFields, MoEFields):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         object.__setattr__(self, "rope_scaling", RopeScaling.of(self.rope_scaling))  # JSON: a dict
-        dense = layer_indices("dense_layers", self.dense_layers)  # JSON: a list
+        dense = kinds.layer_indices("dense_layers", self.dense_layers)  # JSON: a list
         object.__setattr__(self, "dense_layers", dense)
         for f in dataclasses.fields(self):  # every construction path: presets, JSON, HF import
             if f.name in ("rope_scaling", "dense_layers"):
@@ -142,6 +142,7 @@ class ModelConfig(LayerKindFields, MoEFields):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
         _check_plain_only(self)
         _check_moe(self)
+        kinds.check_linear(self)
 
     @property
     def arch(self) -> Family:
@@ -218,8 +219,7 @@ def _check_kinds(cfg: ModelConfig) -> None:
 
 
 def _check_plain_only(cfg: ModelConfig) -> None:
-    """What needs attention at all (windows and soft-capping run in every attention: plain, blockwise,
-    each --cp strategy)."""
+    """What needs attention at all (windows and soft-capping run in every attention and --cp strategy)."""
     for name in ("sliding_window", "attn_softcap"):
         value = getattr(cfg, name)
         if value and not cfg.arch.attention:
@@ -246,7 +246,7 @@ def _check_moe(cfg: ModelConfig) -> None:
             f"family {cfg.family!r} needs n_experts >= 1, 1 <= experts_per_token <= n_experts and "
             f"moe_d_ff >= 1; got {cfg.n_experts}, {cfg.experts_per_token}, {cfg.moe_d_ff}"
         )
-    check_dense_layers(cfg)
+    kinds.check_dense_layers(cfg)
     if cfg.moe_aux_loss not in MOE_AUX_LOSSES:
         raise ConfigError(f"moe_aux_loss is one of {', '.join(MOE_AUX_LOSSES)}; got {cfg.moe_aux_loss!r}")
 
@@ -277,6 +277,7 @@ RANGES: dict[str, Range] = {
     "router_aux_loss_coef": NON_NEGATIVE_FLOAT,
     "router_z_loss_coef": NON_NEGATIVE_FLOAT,
     "moe_capacity_factor": Range(float, 0, note="0: dropless"),
+    **kinds.LINEAR_RANGES,
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 
@@ -295,10 +296,9 @@ def _checked(name: str, kind: str, value: Any) -> Any:
 
 
 def field_names() -> list[str]:
-    """ModelConfig's fields, its own first (family, vocab_size, ...), then its bases' (the per-layer
-    kinds, the mixture of experts): the order messages list them in."""
+    """ModelConfig's fields, its own first, then its bases' (layer kinds, experts): the order messages use."""
     names = [f.name for f in dataclasses.fields(ModelConfig)]
-    bases = {f.name for base in (LayerKindFields, MoEFields) for f in dataclasses.fields(base)}
+    bases = {f.name for base in ModelConfig.__bases__ for f in dataclasses.fields(base)}
     return [n for n in names if n not in bases] + [n for n in names if n in bases]
 
 

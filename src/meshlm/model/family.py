@@ -90,6 +90,9 @@ class Family:
     # The feed-forward is a mixture of experts (``model.moe``: a router, top-k of ``n_experts`` gated
     # MLPs; ``ModelConfig``'s MoE fields size it); False: the dense MLP.
     moe: bool = False
+    # Qwen3.5's gated attention: the query projection gives each head's query and an output gate g
+    # ([D, H, 2E]: transformers' q_proj, per head), the head's output times sigmoid(g) before ``wo``.
+    attn_gate: bool = False
 
     def per_layer_text(self) -> str:
         """The minimum's per-layer all-reduces, as the communication check words them."""
