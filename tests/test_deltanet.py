@@ -58,3 +58,24 @@ def test_documents_restart_the_state_and_the_conv(inputs):
         conv = deltanet.causal_conv(x, w, positions, starts)
         for s in parts:
             assert float(jnp.max(jnp.abs(conv[:, s] - deltanet.causal_conv(x[:, s], w)))) <= 1e-12
+
+
+def test_verify_proves_linear_attention_and_detects_its_controls():
+    """``meshlm verify --config tiny-qwen3.5 --mesh 2x2 --fsdp --sp --doc-mask``'s proof (float64, 16
+    tokens: two chunks of 8, EOD-rich rows): sharded == unsharded, key and value heads split over mp,
+    and each of the delta rule's planted faults detected (the head pairing's under mp, the reset's
+    under the document mask)."""
+    from meshlm.model.config import get_config
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof import format_report, model_problem, verify
+    from meshlm.proof.linear_controls import LINEAR_CONTROLS
+
+    layout = Layout(dp=2, mp=2, fsdp=True, sp=True)
+    cfg = get_config("tiny-qwen3.5").replace(doc_mask=0)
+    problem = model_problem(cfg, "tiny-qwen3.5", layout, batch_size=2, seq_len=16)
+    with jax.enable_x64(True):
+        report = verify(problem, layout, dtype=np.float64, controls=LINEAR_CONTROLS, steps=2)
+    assert report.ok, format_report(report)
+    assert max(p.max_rel_err for p in report.params) <= 1e-12
+    assert sorted(c["name"] for c in report.controls) == sorted(c.name for c in LINEAR_CONTROLS)
+    assert all(c["detected"] for c in report.controls), report.controls

@@ -104,3 +104,19 @@ def test_refusals_name_the_field(hf):
 
     with pytest.raises(ConfigError, match="needs a recurrent-state cache"):
         Generator(cfg, unflatten(flat), Layout())
+
+
+def test_fused_rows_in_the_wrong_order_fail_the_transformers_comparison(hf, monkeypatch):
+    """What verify cannot see (the sharded and the unsharded run share it), transformers' logits do:
+    in_proj_qkv's and conv1d's q and k rows (the same size) taken in each other's place."""
+    from dataclasses import replace
+
+    from meshlm.model.families import FAMILIES
+
+    fam = FAMILIES["qwen3_5"]
+    order = {"linear/wq": "linear/wk", "linear/wk": "linear/wq", "linear/conv_q": "linear/conv_k"}
+    order["linear/conv_k"] = "linear/conv_q"
+    swapped = {order.get(k, k): fam.hf.layer[order.get(k, k)] for k in fam.hf.layer}
+    monkeypatch.setitem(FAMILIES, "qwen3_5", replace(fam, hf=replace(fam.hf, layer=swapped)))
+    cfg, flat = hf_weights.load_hf(hf["dir"])
+    assert rel(our_logits(cfg.replace(linear_chunk=CHUNK), flat, hf["tokens"]), hf["logits"]) > 100 * TOL
