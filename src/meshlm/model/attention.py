@@ -108,7 +108,7 @@ class Attention(hk.Module):
         hl = cfg.n_heads // self.par.layout.mp
         # [B, T, H/mp, E]: this shard's query heads (``Family.attn_gate``: each head's query, then its gate)
         q = self._proj("wq", xf, hl, "own_heads", 1 + cfg.arch.attn_gate)
-        q, self.gate = q[..., : cfg.dim_per_head], q[..., cfg.dim_per_head :]
+        q, gate = q[..., : cfg.dim_per_head], q[..., cfg.dim_per_head :]  # gate: [B, T, H/mp, 0] ungated
         k, v = self._kv(xf)  # [B, T, K_local, E]
         variant = layer_variant(cfg, kind, hl)
         rotate = lambda x: x  # a layer without rotary (``variant.rotary`` None)
@@ -128,7 +128,7 @@ class Attention(hk.Module):
                 q, k, v, positions, key_pos, starts, variant.replace(window=w)
             )
             out, cache = kinds_cache_attend(cfg, cache, q, k, v, positions, kind, attend)
-            return self._out(out, xf), cache
+            return self._out(out, xf, gate), cache
         if cache is not None and self.par.context_parallel:  # a prefill over cp: attend to the chunks
             cache = cp_prefill_cache(cache, k, v, positions, self.par, cache_window(cfg))
         elif cache is not None:
@@ -140,7 +140,7 @@ class Attention(hk.Module):
             out = context_attention(q, k, v, positions, self.par, **kernel)
         else:
             out = self._attend(q, k, v, positions, key_pos, starts, variant)
-        return self._out(out, xf), cache
+        return self._out(out, xf, gate), cache
 
     def _attend(self, q, k, v, positions, key_pos, starts, variant):
         """Blockwise or plain attention on one device (no cp) -> [B, T, h, E]."""
@@ -149,9 +149,9 @@ class Attention(hk.Module):
             return blockwise_attention(q, k, v, positions, key_pos, **kernel)
         return _attend(q, k, v, positions, key_pos, starts, variant)
 
-    def _out(self, out, xf):  # out [B, T, H/mp, E] -> the row-parallel partial [B, T, D]
+    def _out(self, out, xf, gate):  # out, gate [B, T, H/mp, E] -> the row-parallel partial [B, T, D]
         hl = self.cfg.n_heads // self.par.layout.mp
-        out = out * jax.nn.sigmoid(self.gate) if self.cfg.arch.attn_gate else out  # Qwen3.5's output gate
+        out = out * jax.nn.sigmoid(gate) if self.cfg.arch.attn_gate else out  # Qwen3.5's output gate
         wo = hk.get_parameter("wo", [hl, self.cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
         return dense_heads_out(out, wo)
 
