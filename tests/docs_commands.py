@@ -89,6 +89,10 @@ SOFTCAP_BW = (
 EP = "tests/test_ep.py::test_ep_with_fsdp_and_sp_equals_the_unsharded_model_and_its_faults_show"
 MOE = "tests/test_moe.py::test_moe_proven_sharded_with_its_controls_detected"
 EP_PP = "tests/test_ep.py::test_ep_under_pp_equals_the_unsharded_model"
+LINEAR = "tests/test_deltanet.py::test_verify_proves_linear_attention_and_detects_its_controls"
+LINEAR_2X2 = (
+    "meshlm verify --config tiny-qwen3.5 --mesh 2x2 --fsdp --sp --doc-mask --devices 4 --steps 2 --x64"
+)
 EP_PP_CMD = "meshlm verify --config tiny-mixtral --pp 2 --mesh 2x1 --ep 2 --devices 4 --steps 2 --x64"
 ROUTER = "tests/test_router_proof.py::test_router_proven_on_ep_with_its_bias_bitwise"
 
@@ -449,6 +453,8 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-qwen3-moe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
     "meshlm verify --config tiny-olmoe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
     "meshlm verify --config cpu-moe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=ROUTER),
+    "meshlm verify --config tiny-qwen3.5 --mesh 1x4 --devices 4 --steps 2 --x64": verify(costly=LINEAR),
+    LINEAR_2X2: verify(costly=LINEAR),
     **{
         f"meshlm verify --config tiny-mixtral --mesh {mesh} --devices {n} --steps 2 --x64 "
         "--moe-capacity-factor 0.5": verify(costly=CAPACITY)

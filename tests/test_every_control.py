@@ -122,6 +122,8 @@ CONFIGS = {
     ),
     # a shared expert (its controls under SP) and a dense layer among the MoE layers (two stacks)
     "tiny-qwen2-moe 1x2 sp": ("tiny-qwen2-moe", {"n_layers": 2}, Layout(mp=2, sp=True), 1, 8),
+    # linear attention (Gated DeltaNet) beside full attention: its rule's controls, documents, heads over mp
+    "tiny-qwen3.5 2x2 fsdp sp doc-mask": ("tiny-qwen3.5", {"doc_mask": 0}, FSDP_SP, 2, 10),
     "tiny-llama pp2 gpipe": ("tiny-llama", {}, Layout(pp=2, microbatches=4, pp_schedule="gpipe"), 4, 8),
     "tiny-llama pp2x1x2 cp2 ring gpipe": (  # the ring's kernel on several K/V blocks (12 > 4 per shard)
         "tiny-llama",

@@ -210,6 +210,11 @@ def programs_for(
 ) -> Programs:
     """The shared ``Programs`` of this model (made on first use); ``params`` give the dtypes."""
     dtypes = tuple(str(p.dtype) for p in jax.tree.leaves(params))
+    if cfg.full_attn_every:  # a KV cache would pass the linear layers' state by (``linear_attention``)
+        raise ConfigError(
+            f"generation of {cfg.family}'s linear-attention layers needs a recurrent-state cache, which "
+            "meshlm does not have yet; score text with meshlm eval"
+        )
     check_prefill_cp(cfg, layout, max_len, prefill_cp)
     key = (cfg, layout, layout.mesh, max_len, dtypes, prefill_cp)
     if key not in _PROGRAMS:

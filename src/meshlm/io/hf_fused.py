@@ -64,6 +64,8 @@ def _torch_shape(shape: tuple[int, ...], kind: str) -> tuple[int, ...]:
         return (shape[2], shape[0] * shape[1])
     if kind == "heads":  # ours [heads, E]
         return (shape[0] * shape[1],)
+    if kind == "conv":  # ours [K, heads, E]: a depthwise Conv1d's [channels, 1, K]
+        return (shape[1] * shape[2], 1, shape[0])
     if kind == hf_experts.EXPERTS:  # ours [E, in, out]
         return (shape[0], shape[2], shape[1])
     return shape

@@ -4,6 +4,7 @@ Our conventions were chosen to be HF's, so weights map by transpose and reshape 
 conventions that make this hold are in each family's module, ``meshlm.model.families``):
   * torch Linear weights are [out, in]; ours are [in, out]. Head projections split their output
     dimension head-major (index = head * head_dim + e), as HF's ``view(..., -1, head_dim)`` does.
+  * A depthwise Conv1d weight [channels, 1, K] is ours [K, heads, E] ("conv"; Qwen3.5's).
   * A fused HF tensor (Phi-3's ``qkv_proj``) is our parameters stacked on torch's output dimension, in
     the family map's order: "fused_<layout>" is one row slice (sized by the config: q H*E, k and v K*E).
 """
@@ -23,7 +24,7 @@ from meshlm.io import hf_experts
 from meshlm.io.hf_config import architectures, config_from_hf, config_to_hf
 from meshlm.io.hf_fused import FUSED, _split_fused, _torch_shape, _unfused
 from meshlm.model.config import ModelConfig
-from meshlm.model.layer_kinds import MOE_STACK, stacks
+from meshlm.model.layer_kinds import LINEAR_STACK, MOE_STACK, stacks
 from meshlm.model.padding import VOCAB_AXIS, resize, resize_flat
 from meshlm.model.params import is_stacked
 
@@ -53,7 +54,11 @@ def name_map(cfg: ModelConfig) -> dict[str, tuple[list[str], str]]:
 def _in_stack(cfg: ModelConfig, stack: str, path: str) -> bool:
     """Whether the layer tensor ``path`` is one of ``stack``'s layers': a mixture of experts' MoE layers
     have no dense MLP (its tensors are the dense layers', ``model.layer_kinds``) and the dense layers
-    no experts; a shared expert only where the config has one."""
+    no experts; a shared expert only where the config has one. A hybrid's linear-attention layers have
+    the "linear/" mixer, its other layers the "attn/" one."""
+    mixer = path.split("/", 1)[0]
+    if mixer in ("attn", "linear"):
+        return (mixer == "linear") == (stack == LINEAR_STACK)
     if not cfg.arch.moe:
         return True
     if path.startswith("moe/shared") and not cfg.shared_expert_d_ff:
@@ -79,6 +84,8 @@ def _to_torch(w: np.ndarray, kind: str) -> np.ndarray:
         return w.reshape(-1)
     if kind in ("q", "kv"):
         return w.reshape(w.shape[0], -1).T
+    if kind == "conv":  # ours [K, heads, E] -> torch's depthwise Conv1d [channels, 1, K]
+        return w.reshape(w.shape[0], -1).T[:, None, :]
     if kind == "o":
         return w.reshape(-1, w.shape[-1]).T
     return w.T if kind == "linear" else w

@@ -7,9 +7,8 @@ Per shard (``/mp`` = per-shard size; see ``layers`` for the glossary):
   q_norm/scale_heads [H/mp, E]   k_norm/scale_heads [K/mp, E] (or [K, E])   (OLMo 2's, over H*E / K*E)
 
 Grouped-query attention: each KV head serves H/K query heads. When mp > K the KV projections are
-replicated (as Megatron does) and each shard computes only the one KV head its query heads need;
-the gradient contributions of the shards to the replicated weights are summed by JAX's transpose of
-the implicit replicated-to-per-shard cast.
+replicated (Megatron) and each shard computes only the KV head its query heads need; JAX's transpose
+of the implicit replicated-to-per-shard cast sums the shards' gradients.
 """
 
 from __future__ import annotations
@@ -51,8 +50,9 @@ class Attention(hk.Module):
         self.cfg, self.par, self.stddev = cfg, par, stddev
         self.style = cfg.rotary_kind
 
-    def _proj(self, name, xf, heads, tap=None):  # xf [B, T, D] -> [B, T, heads, E]
-        w = hk.get_parameter(name, [xf.shape[-1], heads, self.cfg.dim_per_head], init=_normal(self.stddev))
+    def _proj(self, name, xf, heads, tap=None, width=1):  # xf [B, T, D] -> [B, T, heads, width * E]
+        shape = [xf.shape[-1], heads, width * self.cfg.dim_per_head]
+        w = hk.get_parameter(name, shape, init=_normal(self.stddev))
         y = dense_heads_in(xf, w if tap is None else self.par.tap(tap, w))
         return self._biased(name, adapted(self.cfg, self.par, "attn/" + name, xf, y, xf.shape[-1:]), heads)
 
@@ -108,7 +108,9 @@ class Attention(hk.Module):
         """
         cfg = self.cfg
         hl = cfg.n_heads // self.par.layout.mp
-        q = self._proj("wq", xf, hl, "own_heads")  # [B, T, H/mp, E]: this shard's query heads
+        # [B, T, H/mp, E]: this shard's query heads (``Family.attn_gate``: each head's query, then its gate)
+        q = self._proj("wq", xf, hl, "own_heads", 1 + cfg.arch.attn_gate)
+        q, gate = q[..., : cfg.dim_per_head], q[..., cfg.dim_per_head :]  # gate: [B, T, H/mp, 0] ungated
         k, v = self._kv(xf)  # [B, T, K_local, E]
         variant = layer_variant(cfg, kind, hl)
         rotate = lambda x: x  # a layer without rotary (``variant.rotary`` None)
@@ -128,7 +130,7 @@ class Attention(hk.Module):
                 q, k, v, positions, key_pos, starts, variant.replace(window=w)
             )
             out, cache = kinds_cache_attend(cfg, cache, q, k, v, positions, kind, attend)
-            return self._out(out, xf), cache
+            return self._out(out, xf, gate), cache
         if cache is not None and self.par.context_parallel:  # a prefill over cp: attend to the chunks
             cache = cp_prefill_cache(cache, k, v, positions, self.par, cache_window(cfg))
         elif cache is not None:
@@ -140,17 +142,17 @@ class Attention(hk.Module):
             out = context_attention(q, k, v, positions, self.par, **kernel)
         else:
             out = self._attend(q, k, v, positions, key_pos, starts, variant)
-        return self._out(out, xf), cache
+        return self._out(out, xf, gate), cache
 
-    def _attend(self, q, k, v, positions, key_pos, starts, variant):
-        """Blockwise or plain attention on one device (no cp) -> [B, T, h, E]."""
+    def _attend(self, q, k, v, positions, key_pos, starts, variant):  # one device (no cp): [B, T, h, E]
         if self.cfg.attention == "blockwise":
             kernel = dict(block=self.cfg.attn_block, q_start=starts, variant=variant)
             return blockwise_attention(q, k, v, positions, key_pos, **kernel)
         return _attend(q, k, v, positions, key_pos, starts, variant)
 
-    def _out(self, out, xf):  # out [B, T, H/mp, E] -> the row-parallel partial [B, T, D]
+    def _out(self, out, xf, gate):  # out, gate [B, T, H/mp, E] -> the row-parallel partial [B, T, D]
         hl = self.cfg.n_heads // self.par.layout.mp
+        out = out * jax.nn.sigmoid(gate) if self.cfg.arch.attn_gate else out  # Qwen3.5's output gate
         wo = hk.get_parameter("wo", [hl, self.cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
         return adapted(self.cfg, self.par, "attn/wo", out, dense_heads_out(out, wo), wo.shape[:2])
 
@@ -310,19 +312,16 @@ def cp_prefill_cache(cache, k, v, positions, par: Parallel, window: int) -> dict
 
 
 def window_visible(q_pos, k_pos, window):
-    """Whether a query at ``q_pos`` sees a key at ``k_pos`` (broadcast): causal, and with ``window`` > 0
-    also ``q_pos - window < k_pos`` (transformers' ``sliding_window_overlay``: window keys, itself
-    included; ``attention_variants.mask_mod``). Positions are absolute (or within a document), so the
-    cache and every mesh agree. ``window``: an int, or a traced int32 scalar (a layer's, ``kind_tables``:
-    0 there is no window). Plain attention's hook (a test plants a wrong window here)."""
+    """Whether a query at ``q_pos`` sees a key at ``k_pos``: ``attention_variants.mask_mod``'s causal
+    window (absolute positions: the cache and every mesh agree); ``window`` an int or a layer's traced
+    int32 (0: none). Plain attention's hook (a test plants a wrong window here)."""
     if isinstance(window, int):
         return mask_mod(q_pos, k_pos, True, window=window or None)
     return mask_mod(q_pos, k_pos, True, window=window)
 
 
 def capped_softmax(scores, visible, softcap: float):
-    """The attention probabilities over the keys (last axis): the scaled scores soft-capped
-    (``soft_cap``), then masked (``visible``), then the softmax: transformers' order."""
+    """Probabilities over the keys (last axis): scores soft-capped, masked, softmax (transformers')."""
     scores = jnp.where(visible, soft_cap(scores, softcap), jnp.finfo(scores.dtype).min)
     return jax.nn.softmax(scores, axis=-1)
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshlm.errors import ConfigError
+from meshlm.model import layer_kinds as kinds
 from meshlm.model.families import FAMILIES, preset_fields
 from meshlm.model.family import Family
-from meshlm.model.layer_kinds import check_dense_layers, layer_indices
 from meshlm.model.lora_fields import RANGES as LORA_RANGES
 from meshlm.model.lora_fields import LoraFields, check_lora
 from meshlm.model.rope import RopeScaling
@@ -61,20 +61,10 @@ class MoEFields:
 
 
 @dataclass(frozen=True)
-class LayerKindFields:
-    """``ModelConfig``'s per-layer attention kinds (Gemma 2/3; a base, as ``MoEFields``)."""
-
-    # ``attention.kind_tables``; absent from a saved config: 0, as it was: scores / sqrt(attn_scalar or
-    # head_dim); layer i global (rope_theta, rope_scaling or rope_linear: positions / factor) if (i + 1)
-    # % global_every == 0, else local (sliding_window, plain RoPE of rope_local_theta); 0: layers alike.
-    attn_scalar: float = 0.0
-    global_every: int = 0
-    rope_local_theta: float = 0.0
-    rope_linear: float = 0.0
-
-
-@dataclass(frozen=True)
-class ModelConfig(VariantFields, LoraFields, LayerKindFields, RouterFields, MoEFields, DispatchFields):
+class ModelConfig(  # fields: its own, then its bases' (``field_names``)
+    kinds.LinearAttentionFields, VariantFields, LoraFields, kinds.LayerKindFields, RouterFields, MoEFields,
+    DispatchFields,
+):  # fmt: skip
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
     d_model: int = 128  # residual stream width
@@ -125,7 +115,7 @@ class ModelConfig(VariantFields, LoraFields, LayerKindFields, RouterFields, MoEF
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         object.__setattr__(self, "rope_scaling", RopeScaling.of(self.rope_scaling))  # JSON: a dict
-        dense = layer_indices("dense_layers", self.dense_layers)  # JSON: a list
+        dense = kinds.layer_indices("dense_layers", self.dense_layers)  # JSON: a list
         object.__setattr__(self, "dense_layers", dense)
         for f in dataclasses.fields(self):  # every construction path: presets, JSON, HF import
             if f.name in ("rope_scaling", "dense_layers"):
@@ -144,7 +134,7 @@ class ModelConfig(VariantFields, LoraFields, LayerKindFields, RouterFields, MoEF
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
         _check_plain_only(self), _check_moe(self), check_router(self), check_dispatch(self)
-        check_lora(self)
+        check_lora(self), kinds.check_linear(self)
 
     @property
     def arch(self) -> Family:
@@ -216,8 +206,7 @@ def _check_kinds(cfg: ModelConfig) -> None:
 
 
 def _check_plain_only(cfg: ModelConfig) -> None:
-    """What needs attention at all (windows and soft-capping run in every attention: plain, blockwise,
-    each --cp strategy)."""
+    """What needs attention at all (windows and soft-capping run in every attention and --cp strategy)."""
     for name in ("sliding_window", "attn_softcap"):
         value = getattr(cfg, name)
         if value and not cfg.arch.attention:
@@ -243,7 +232,7 @@ def _check_moe(cfg: ModelConfig) -> None:
             f"family {cfg.family!r} needs n_experts >= 1, 1 <= experts_per_token <= n_experts and "
             f"moe_d_ff >= 1; got {cfg.n_experts}, {cfg.experts_per_token}, {cfg.moe_d_ff}"
         )
-    check_dense_layers(cfg)
+    kinds.check_dense_layers(cfg)
     if cfg.moe_aux_loss not in MOE_AUX_LOSSES:
         raise ConfigError(f"moe_aux_loss is one of {', '.join(MOE_AUX_LOSSES)}; got {cfg.moe_aux_loss!r}")
 
@@ -277,6 +266,7 @@ RANGES: dict[str, Range] = {
     "moe_capacity_factor": Range(float, 0, note="0: dropless"),
     **ROUTER_RANGES,
     **LORA_RANGES,
+    **kinds.LINEAR_RANGES,
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 
@@ -295,8 +285,7 @@ def _checked(name: str, kind: str, value: Any) -> Any:
 
 
 def field_names() -> list[str]:
-    """ModelConfig's fields, its own first (family, vocab_size, ...), then its bases' (the per-layer
-    kinds, the mixture of experts): the order messages list them in."""
+    """ModelConfig's fields, its own first, then its bases' (layer kinds, experts): the order messages use."""
     names = [f.name for f in dataclasses.fields(ModelConfig)]
     bases = {f.name for base in ModelConfig.__bases__ for f in dataclasses.fields(base)}
     return [n for n in names if n not in bases] + [n for n in names if n in bases]

@@ -98,6 +98,9 @@ class Family:
     # LoRA's target names -> parameter paths (``LORA_GATED``...); a mixture of experts' MLP names are
     # its dense MLP's, which its MoE layers lack: there only the attention's apply (``model.lora_fields``)
     lora_targets: dict = field(default_factory=dict)
+    # Qwen3.5's gated attention: the query projection gives each head's query and an output gate g
+    # ([D, H, 2E]: transformers' q_proj, per head), the head's output times sigmoid(g) before ``wo``.
+    attn_gate: bool = False
 
     def per_layer_text(self) -> str:
         """The minimum's per-layer all-reduces, as the communication check words them."""

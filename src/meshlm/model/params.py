@@ -12,6 +12,7 @@ STACKED_PREFIX = "layers/"  # parameters stacked by layer_stack: a leading [n_la
 # A mixture of experts with dense layers among its MoE layers stacks those apart (``model.layer_kinds``):
 # a leading [len(dense_layers)] dimension; "layers/" then holds the MoE layers alone.
 DENSE_STACKED_PREFIX = "dense_layers/"
+LINEAR_STACKED_PREFIX = "linear_layers/"  # a hybrid's linear-attention layers (``model.layer_kinds``)
 EMBED_PREFIX = "embed/"
 EXPERTS_MODULE = "experts"  # a MoE layer's expert weights [E, ...] live in a module of this name
 
@@ -25,7 +26,7 @@ def leaf_name(path: str) -> str:
 
 
 def is_stacked(path: str) -> bool:
-    return path.startswith((STACKED_PREFIX, DENSE_STACKED_PREFIX))
+    return path.startswith((STACKED_PREFIX, DENSE_STACKED_PREFIX, LINEAR_STACKED_PREFIX))
 
 
 def is_embedding(path: str) -> bool:

@@ -11,17 +11,19 @@ from jax import lax
 import meshlm.model.attention as attention
 from meshlm.model.config import ModelConfig
 from meshlm.model.kv_kinds import kinds_stack
-from meshlm.model.layer_kinds import DENSE_STACK, MOE_STACK, runs, stacks
+from meshlm.model.layer_kinds import MOE_STACK, runs, stacks
 from meshlm.model.memory import remat_body
 
 
-def stack_layers(cfg: ModelConfig, layer, x, positions, cache, starts=None, dense=None):
+def stack_layers(cfg: ModelConfig, layer, x, positions, cache, starts=None, others=None):
     """Apply n_layers copies of ``layer`` with stacked parameters [L, ...] (flat compile time). The
     per-layer inputs: the KV cache (generation) and each layer's kind (Gemma 2/3's local and global
-    layers, ``attention.layer_kinds``): traced values, so the parameters stay uniform. A mixture of
-    experts with ``cfg.dense_layers`` runs ``dense`` (x -> (x, cache)) at those (``_mixed_stack``)."""
-    if cfg.arch.moe and cfg.dense_layers:
-        return _mixed_stack(cfg, {MOE_STACK: layer, DENSE_STACK: dense}, x, positions, cache, starts)
+    layers, ``attention.layer_kinds``): traced values, so the parameters stay uniform. Layers of a
+    second kind with parameters of their own (``layer_kinds.stacks``: a mixture of experts' dense
+    layers, a hybrid's linear-attention layers) run ``others[stack name]`` (x -> (x, cache)) at their
+    indices (``_mixed_stack``)."""
+    if others:
+        return _mixed_stack(cfg, {MOE_STACK: layer, **others}, x, positions, cache, starts)
     if cfg.arch.moe:
         return _moe_stack(cfg, layer, x, positions, cache, starts)
     kinds = attention.layer_kinds(cfg)
@@ -60,15 +62,13 @@ def _moe_stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
 
 
 def _mixed_stack(cfg: ModelConfig, layers: dict, x, positions, cache, starts=None):
-    """``_moe_stack`` of a model with dense layers among its MoE layers -> (x, cache, statistics of the
-    MoE layers [L_moe, ``moe.stats_size``], in layer order; dense layers have no routing). Each kind's
-    parameters stack apart (``layer_kinds.stacks``: [count, ...] under "layers" and "dense_layers"), and the
-    stack runs as consecutive runs of same-kind layers, one scan each over its slice of them; the
-    cache [L, ...] is sliced and rejoined in layer order."""
-    bodies = {
-        MOE_STACK: lambda x, c: layers[MOE_STACK](x, positions, c, starts),
-        DENSE_STACK: lambda x, c: (*layers[DENSE_STACK](x, positions, c, starts)[:2], None),
-    }
+    """``stack_layers`` of a model with layers of two kinds -> (x, cache), and with a mixture of experts
+    the statistics of its MoE layers [L_moe, ``moe.stats_size``], in layer order (dense layers have no
+    routing). Each kind's parameters stack apart (``layer_kinds.stacks``: [count, ...] under "layers"
+    and "dense_layers" or "linear_layers"), and the stack runs as consecutive runs of same-kind
+    layers, one scan each over its slice of them; the cache [L, ...] is sliced and rejoined in layer
+    order."""
+    bodies = {name: _three(layer, positions, starts) for name, layer in layers.items()}
     params, apply = {}, {}
     for name, indices in stacks(cfg).items():
         params[name], apply[name] = _stacked(name, len(indices), remat_body(cfg.remat, bodies[name]), x)
@@ -83,7 +83,17 @@ def _mixed_stack(cfg: ModelConfig, layers: dict, x, positions, cache, starts=Non
             stats.append(st)
     if cache is not None:
         cache = jax.tree.map(lambda *parts: jnp.concatenate(parts), *caches)
-    return x, cache, jnp.concatenate(stats)
+    return (x, cache, jnp.concatenate(stats)) if cfg.arch.moe else (x, cache)
+
+
+def _three(layer, positions, starts):
+    """A layer as (x, cache) -> (x, cache, its routing statistics or None)."""
+
+    def body(x, c):
+        out = layer(x, positions, c, starts)
+        return out if len(out) == 3 else (*out, None)
+
+    return body
 
 
 def _step(apply):

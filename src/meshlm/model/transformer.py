@@ -22,6 +22,7 @@ from meshlm.model import masked
 from meshlm.model.attention import Attention, doc_starts
 from meshlm.model.attention_variants import capped_logits
 from meshlm.model.config import ModelConfig
+from meshlm.model.layer_kinds import DENSE_STACK, LINEAR_STACK
 from meshlm.model.layers import (
     MLP,
     LayerNorm,
@@ -33,6 +34,7 @@ from meshlm.model.layers import (
     mask_vocab_padding,
     vocab_parallel_xent,
 )
+from meshlm.model.linear_attention import linear_layer
 from meshlm.model.lora import freeze
 from meshlm.model.memory import parallel_getter
 from meshlm.model.moe import aux_loss, moe_layer, moe_losses
@@ -130,6 +132,20 @@ def _block(cfg: ModelConfig, par: Parallel):
     return BLOCKS[cfg.arch.block](cfg, par)
 
 
+def _others(cfg: ModelConfig, par: Parallel) -> dict:
+    """The layers of a second kind, by stack name (``layer_kinds.stacks``): a mixture of experts' dense
+    layers, a hybrid's linear-attention layers (``model.linear_attention``); none: every layer alike."""
+    if cfg.dense_layers:
+        return {DENSE_STACK: BLOCKS[cfg.arch.block](cfg, par)}
+    if cfg.full_attn_every:
+        return {
+            LINEAR_STACK: linear_layer(
+                cfg, par, lambda name: _norm(cfg, name), lambda: _mlp(cfg, par), GPT_STDDEV
+            )
+        }
+    return {}
+
+
 BLOCKS = {  # Family.block
     "ff": _ff_layer,
     "parallel": _parallel_layer,
@@ -172,8 +188,7 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, sta
         starts = par.tap("doc_starts", doc_starts(tokens, cfg.doc_mask) if starts is None else starts)
     embed = _embed(cfg, par)
     x = _scaled(cfg, embed(tokens))  # [B, T, D]; with sp [B, T/mp, D] per shard
-    dense = BLOCKS[cfg.arch.block](cfg, par) if cfg.dense_layers else None  # among the MoE layers
-    x, cache, *stats = stack_layers(cfg, _block(cfg, par), x, positions, cache, starts, dense)
+    x, cache, *stats = stack_layers(cfg, _block(cfg, par), x, positions, cache, starts, _others(cfg, par))
     return _head_logits(cfg, par, x, embed), cache, (stats[0] if stats else None)
 
 
@@ -188,6 +203,8 @@ def _check_context_parallel(cfg: ModelConfig, par: Parallel) -> None:
         return
     if cfg.doc_mask >= 0:
         raise ConfigError("--cp does not support --doc-mask yet (documents across chunks); drop one of them")
+    if cfg.full_attn_every:
+        raise ConfigError(f"--cp does not support {cfg.family}'s linear-attention layers yet; drop --cp")
 
 
 def check_context(cfg: ModelConfig, layout) -> None:

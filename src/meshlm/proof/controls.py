@@ -32,6 +32,7 @@ from meshlm.proof.family_faults import (
     qk_norm_grad_not_summed,
     window_off_by_one,
 )
+from meshlm.proof.linear_controls import LINEAR_CONTROLS
 from meshlm.proof.moe_controls import MOE_CONTROLS
 from meshlm.proof.pipeline_verify import engine_sums_over_dp
 from meshlm.proof.router_controls import ROUTER_CONTROLS
@@ -331,6 +332,6 @@ CONTROLS += (  # the q/k norms of Qwen3 (per head) and OLMo 2 (``proof.family_fa
 
 CONTROLS += GEMMA_CONTROLS  # Gemma 2's score and logit caps (off, out of order), Gemma 2/3's layer kinds
 
-CONTROLS += MOE_CONTROLS + ROUTER_CONTROLS  # a mixture of experts' and its router record's
+CONTROLS += MOE_CONTROLS + ROUTER_CONTROLS + LINEAR_CONTROLS  # ``proof.moe_controls``, router, linear
 
 __all__ = ["CONTROLS", "Control", "Where", "per_shard_clip"]

@@ -45,6 +45,11 @@ class Tapped(Parallel):
         """The q/k/v bias [heads, E] this shard adds: its own heads' slice."""
         return b
 
+    def linear_key_heads(self, qk):
+        """A linear-attention layer's (q, k) [B, T, Kh/mp, dk] each, this shard's own key heads, as
+        the delta rule pairs them with this shard's value heads (``model.linear_attention``)."""
+        return qk
+
     def doc_starts(self, starts):
         """[B, T] where each token's document starts (``--doc-mask``), as attention and the rotary
         positions use it."""

@@ -35,7 +35,7 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"^embed/b$", (EMBED,)),  # [D]: added once after the all-reduce
     (r"^head/w$", (EMBED, VOCAB)),  # [D, V]
     (r"^head/b$", (VOCAB,)),  # [V]
-    (r"/attn/wq$", (EMBED, HEADS, HEAD_DIM)),  # [D, H, E]: by heads
+    (r"/attn/wq$", (EMBED, HEADS, HEAD_DIM)),  # [D, H, E] (gated: [D, H, 2E], query then gate): by heads
     (r"/attn/w[kv]$", (EMBED, KV, HEAD_DIM)),  # [D, K, E]: by KV heads, or replicated when mp > K
     (r"/attn/wo$", (HEADS, HEAD_DIM, EMBED)),  # [H, E, D]: row-parallel
     (r"/attn/bq$", (HEADS, HEAD_DIM)),  # [H, E]: Qwen2's q bias, sliced with its heads
@@ -59,6 +59,14 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"/moe/shared(_experts)?/w_(gate|up)$", (EMBED, MLP)),  # [D, I_shared]: the shared experts
     (r"/moe/shared(_experts)?/w_down$", (MLP, EMBED)),  # [I_shared, D]
     (r"/moe/shared_gate/w$", (EMBED, None)),  # [D, 1]
+    # Linear attention (``model.linear_attention``): key and value heads both split over mp in
+    # contiguous slices (each key head stays with the value heads it serves), the conv per channel.
+    (r"/linear/w[qkvz]$", (EMBED, HEADS, HEAD_DIM)),  # [D, Kh, dk] / [D, Vh, dv]: column-parallel
+    (r"/linear/w[ab]$", (EMBED, HEADS)),  # [D, Vh]
+    (r"/linear/conv_[qkv]$", (None, HEADS, HEAD_DIM)),  # [K, heads, e]: with their heads
+    (r"/linear/(a_log|dt_bias)$", (HEADS,)),  # [Vh]
+    (r"/linear/norm/scale$", (HEAD_DIM,)),  # [dv]: the gated norm's, shared by every head
+    (r"/linear/wo$", (HEADS, HEAD_DIM, EMBED)),  # [Vh, dv, D]: row-parallel
     (r"(^|/)(ln|ln2|final_ln|post_attn_ln|post_mlp_ln)/(scale|offset)$", (EMBED,)),  # [D]: replicated
     # LoRA adapters (``model.lora``): A [in, R], B [R, out] split as their base's in / out dims (a
     # column-parallel base's B over mp, a row-parallel base's A); the rank R on no axis.
@@ -188,6 +196,11 @@ def check_uniform_stack(cfg, layout: Layout) -> None:
         raise ShardingError(
             f"--pp: {cfg.family}'s dense layers {list(cfg.dense_layers)} among its MoE layers stack apart, "
             "and pipeline stages hold uniform layers; drop --pp (use --mp, --ep, --fsdp or --sp)"
+        )
+    if layout.pipelined and getattr(cfg, "full_attn_every", 0):
+        raise ShardingError(
+            f"--pp: {cfg.family}'s linear-attention layers stack apart from its full-attention ones, and "
+            "pipeline stages hold uniform layers; drop --pp (use --mp, --fsdp or --sp)"
         )
 
 

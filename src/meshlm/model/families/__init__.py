@@ -28,6 +28,7 @@ import meshlm.model.families.phi3 as phi3
 import meshlm.model.families.qwen2 as qwen2
 import meshlm.model.families.qwen2_moe as qwen2_moe
 import meshlm.model.families.qwen3 as qwen3
+import meshlm.model.families.qwen3_5 as qwen3_5
 import meshlm.model.families.qwen3_moe as qwen3_moe
 import meshlm.model.families.smollm3 as smollm3
 from meshlm.errors import ConfigError
@@ -37,7 +38,7 @@ from meshlm.model.family import Family
 MODULES = (
     ff, gptj, llama, qwen2, mistral, gemma, qwen3, olmo2, phi3, gemma2, gemma3, mixtral, qwen2_moe,
     qwen3_moe, olmoe,
-    smollm3, olmo3, gpt_oss, llama4,
+    smollm3, olmo3, gpt_oss, llama4, qwen3_5,
 )  # fmt: skip
 
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in MODULES}

@@ -1,0 +1,99 @@
+"""A linear-attention layer (Gated DeltaNet: Qwen3.5's ``linear_attention`` layers), sharded by heads.
+
+Per shard (``/mp`` = per-shard size; Kh key heads of dk, Vh value heads of dv, Vh a multiple of Kh;
+transformers' ``Qwen3_5GatedDeltaNet``):
+  wq, wk [D, Kh/mp, dk]   wv, wz [D, Vh/mp, dv]   wa, wb [D, Vh/mp]        (column-parallel)
+  conv_q, conv_k [K, Kh/mp, dk]   conv_v [K, Vh/mp, dv]   (depthwise: each channel its own K taps)
+  a_log, dt_bias [Vh/mp]   norm/scale [dv] replicated   wo [Vh/mp, dv, D] (row-parallel)
+
+Key head j serves value heads j*r ... j*r + r - 1 (r = Vh/Kh, transformers' ``repeat_interleave``), so
+splitting both head axes into mp contiguous slices keeps each key head on the shard of its value heads:
+no collective inside the layer, one row-parallel sum after ``wo`` (as attention). The recurrence
+runs over the whole sequence of each row (``par.f`` gathers it under sp); with ``--doc-mask`` the conv
+and the state restart at each document (``model.deltanet``).
+"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import meshlm.model.deltanet as deltanet
+from meshlm.errors import ConfigError
+from meshlm.model.config import ModelConfig
+from meshlm.model.dense import dense, dense_heads_in, dense_heads_out
+from meshlm.model.layers import RMSNorm, _normal
+from meshlm.parallel.context import Parallel
+
+
+def _a_log_init(shape, dtype):
+    """log A with A uniform in [1, 16] (transformers draws A from [0.01, 16]; a deterministic spread
+    here: the init's values matter only for training from scratch)."""
+    return jnp.log(jnp.linspace(1.0, 16.0, int(np.prod(shape)), dtype=dtype).reshape(shape))
+
+
+class GatedDeltaNet(hk.Module):
+    """Returns the per-shard partial output [B, T, D] (reduce with ``par.row_out``)."""
+
+    def __init__(self, *, cfg: ModelConfig, par: Parallel, stddev: float, name: str = "linear"):
+        super().__init__(name=name)
+        self.cfg, self.par, self.stddev = cfg, par, stddev
+
+    def _proj(self, name, xf, heads, e):  # xf [B, T, D] -> [B, T, heads, e]
+        w = hk.get_parameter(name, [xf.shape[-1], heads, e], init=_normal(self.stddev))
+        return dense_heads_in(xf, w)
+
+    def _conv(self, name, x, positions, starts):  # x [B, T, h, e] -> silu(causal conv(x)), same shape
+        kernel = self.cfg.linear_conv
+        w = hk.get_parameter(name, [kernel, *x.shape[2:]], init=_normal(1.0 / np.sqrt(kernel)))
+        flat = x.reshape(*x.shape[:2], -1)
+        return jax.nn.silu(deltanet.causal_conv(flat, w.reshape(kernel, -1), positions, starts)).reshape(
+            x.shape
+        )
+
+    def __call__(self, xf, positions, starts=None):
+        """xf [B, T, D] (the whole sequence of each row), positions [B, T] absolute, starts None or
+        [B, T] (``--doc-mask``) -> partial [B, T, D]."""
+        cfg, mp = self.cfg, self.par.layout.mp
+        kh, vh = cfg.linear_key_heads // mp, cfg.linear_value_heads // mp
+        dk, dv = cfg.linear_key_dim, cfg.linear_value_dim
+        q, k = self._proj("wq", xf, kh, dk), self._proj("wk", xf, kh, dk)
+        v = self._proj("wv", xf, vh, dv)
+        q, k, v = (
+            self._conv(f"conv_{n}", x, positions, starts) for n, x in zip("qkv", (q, k, v), strict=True)
+        )
+        z = self._proj("wz", xf, vh, dv)
+        wa, wb = (hk.get_parameter(n, [xf.shape[-1], vh], init=_normal(self.stddev)) for n in ("wa", "wb"))
+        a_log = hk.get_parameter("a_log", [vh], init=_a_log_init)
+        dt_bias = hk.get_parameter("dt_bias", [vh], init=jnp.ones)
+        dtype = jnp.promote_types(xf.dtype, jnp.float32)  # the rule in at least float32 (as transformers)
+        g = -jnp.exp(a_log.astype(dtype)) * jax.nn.softplus(
+            dense(xf, wa).astype(dtype) + dt_bias
+        )  # [B, T, h]
+        beta = deltanet.write_strength(dense(xf, wb).astype(dtype))
+        q, k = self.par.tap("linear_key_heads", (deltanet.l2norm(q), deltanet.l2norm(k)))
+        q, k = (jnp.repeat(x, vh // kh, axis=2) for x in (q, k))  # key head j -> its r value heads
+        state = jnp.zeros((xf.shape[0], vh, dk, dv), dtype)  # [B, Vh/mp, dk, dv]
+        resets = deltanet.document_resets(positions, starts)
+        out, _ = deltanet.chunked_rule(q, k, v.astype(dtype), g, beta, state, cfg.linear_chunk, resets)
+        out = RMSNorm(eps=cfg.norm_eps, name="norm")(out.astype(xf.dtype)) * jax.nn.silu(z)  # gated norm
+        wo = hk.get_parameter("wo", [vh, dv, xf.shape[-1]], init=_normal(self.stddev))
+        return dense_heads_out(out, wo)
+
+
+def linear_layer(cfg: ModelConfig, par: Parallel, norm, mlp, stddev: float):
+    """A linear-attention layer of a sequential (pre-norm) block: x + mixer(norm(x)), then x +
+    mlp(norm(x)); ``norm(name)`` and ``mlp()`` make the family's norm and MLP. No KV cache: generation
+    refuses linear-attention models before any work."""
+
+    def layer(x, positions, cache=None, starts=None, kind=None):
+        if cache is not None:  # a KV cache holds no recurrent state: never run past it
+            raise ConfigError(f"{cfg.family}'s linear-attention layers have no generation cache yet")
+        xf = par.f(norm("ln")(x))
+        x = x + par.row_out(GatedDeltaNet(cfg=cfg, par=par, stddev=stddev)(xf, positions, starts))
+        out, b = mlp()(par.f(norm("ln2")(x)))
+        return x + par.row_out(out, b), cache
+
+    return layer
