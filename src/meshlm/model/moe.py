@@ -146,7 +146,7 @@ class Experts:
     grouped matmuls; ``b_gate``, ``b_up`` [E_here, I/mp]: the projections' biases (None: none; the down
     bias is ``MoE``'s; only the "dense" dispatch takes them: ``check_dispatch``)."""
 
-    def __init__(self, w_gate, w_up, w_down, b_gate=None, b_up=None, act=None, dispatch="dense", capacity=0):
+    def __init__(self, w_gate, w_up, w_down, dispatch="dense", capacity=0, b_gate=None, b_up=None, act=None):
         self.weights = (w_gate, w_up, w_down)
         self.b_gate, self.b_up = b_gate, b_up
         self.hidden = act or (lambda gate, up: jax.nn.silu(gate) * up)
@@ -190,7 +190,7 @@ class MoE(hk.Module):
             shapes.update(b_gate=[el, fl], b_up=[el, fl], b_down=[e, d])
         w_gate, w_up, w_down, *biases = _params("experts", shapes, self.stddev)
         act = expert_activation(cfg)
-        experts = Experts(w_gate, w_up, w_down, *biases[:2], act=act, dispatch=cfg.moe_dispatch, capacity=cap)
+        experts = Experts(w_gate, w_up, w_down, cfg.moe_dispatch, cap, *biases[:2], act=act)
         b, t = xf.shape[:2]
         out = par.experts(xf.reshape(b * t, d), ids.reshape(b * t, k), weights.reshape(b * t, k), experts)
         out = out.reshape(b, t, d)
