@@ -15,7 +15,8 @@ from meshlm.errors import ConfigError
 from meshlm.model.families import FAMILIES, preset_fields
 from meshlm.model.family import Family
 from meshlm.model.layer_kinds import check_dense_layers, layer_indices
-from meshlm.model.rope import RopeScaling
+from meshlm.model.mla_fields import MLA_RANGES, MLAFields, check_mla
+from meshlm.model.rope import RopeScaling, YarnScaling, scaling_of
 from meshlm.model.rope import inv_freq as rope_inv_freq
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
@@ -69,7 +70,7 @@ class LayerKindFields:
 
 
 @dataclass(frozen=True)
-class ModelConfig(LayerKindFields, MoEFields):
+class ModelConfig(MLAFields, LayerKindFields, MoEFields):
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
     d_model: int = 128  # residual stream width
@@ -111,7 +112,7 @@ class ModelConfig(LayerKindFields, MoEFields):
     sliding_window: int = 0
     # Llama 3.x's rotary frequency scaling (transformers' rope_type "llama3"; ``model.rope``), or None:
     # plain RoPE. A config saved before this field existed loads as None, exactly as it was.
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None  # or YaRN (rope_type "yarn")
     # Gemma 2's soft-capping: attention scores become c * tanh(s / c) before the mask and softmax
     # (``attn_softcap``), the output logits c * tanh(z / c) (``final_softcap``). 0: off. A saved config
     # without these fields predates them and loads as 0: exactly as it was. Every attention (plain,
@@ -122,7 +123,7 @@ class ModelConfig(LayerKindFields, MoEFields):
     def __post_init__(self):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
             object.__setattr__(self, "remat", "full" if self.remat else "none")
-        object.__setattr__(self, "rope_scaling", RopeScaling.of(self.rope_scaling))  # JSON: a dict
+        object.__setattr__(self, "rope_scaling", scaling_of(self.rope_scaling))  # JSON: a dict
         dense = layer_indices("dense_layers", self.dense_layers)  # JSON: a list
         object.__setattr__(self, "dense_layers", dense)
         for f in dataclasses.fields(self):  # every construction path: presets, JSON, HF import
@@ -141,7 +142,7 @@ class ModelConfig(LayerKindFields, MoEFields):
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
         _check_plain_only(self)
-        _check_moe(self)
+        _check_moe(self), check_mla(self)
 
     @property
     def arch(self) -> Family:
@@ -206,8 +207,8 @@ def _check_attention(cfg: ModelConfig) -> None:
             f"rope_local_theta={cfg.rope_local_theta} needs local layers: set global_every, or "
             "rope_local_theta=0"
         )
-    if cfg.rope_linear and cfg.rope_scaling is not None:
-        raise ConfigError("rope_linear and rope_scaling are two RoPE scalings; set one (rope_linear=0)")
+    if cfg.rope_scaling is not None and (cfg.rope_linear or cfg.global_every and cfg.rope_scaling.rope_type):
+        raise ConfigError("rope_scaling with rope_linear (or YaRN with global_every) is not built; drop one")
 
 
 def _check_kinds(cfg: ModelConfig) -> None:
@@ -273,6 +274,7 @@ RANGES: dict[str, Range] = {
     "rope_local_theta": Range(float, 0, note="0: rope_theta"),
     "rope_linear": Range(float, 0, note="0: none"),
     **dict.fromkeys(("n_experts", "experts_per_token", "moe_d_ff"), Range(int, 0, note="0: dense")),
+    **MLA_RANGES,
     "shared_expert_d_ff": Range(int, 0, note="0: none"),
     "router_aux_loss_coef": NON_NEGATIVE_FLOAT,
     "router_z_loss_coef": NON_NEGATIVE_FLOAT,
@@ -295,10 +297,9 @@ def _checked(name: str, kind: str, value: Any) -> Any:
 
 
 def field_names() -> list[str]:
-    """ModelConfig's fields, its own first (family, vocab_size, ...), then its bases' (the per-layer
-    kinds, the mixture of experts): the order messages list them in."""
+    """ModelConfig's fields, its own first (family, vocab_size, ...), then its bases': messages' order."""
     names = [f.name for f in dataclasses.fields(ModelConfig)]
-    bases = {f.name for base in (LayerKindFields, MoEFields) for f in dataclasses.fields(base)}
+    bases = {f.name for base in (MLAFields, LayerKindFields, MoEFields) for f in dataclasses.fields(base)}
     return [n for n in names if n not in bases] + [n for n in names if n in bases]
 
 
