@@ -34,6 +34,7 @@ from meshlm.proof.family_faults import (
     qk_norm_grad_not_summed,
     window_off_by_one,
 )
+from meshlm.proof.mla_faults import MLA_CONTROLS
 from meshlm.proof.moe_controls import MOE_CONTROLS
 from meshlm.proof.pipeline_verify import engine_sums_over_dp
 from meshlm.proof.taps import Tapped
@@ -345,5 +346,6 @@ CONTROLS += (  # Gemma 2's soft-capping: the cap must matter (as the document ma
 CONTROLS += GEMMA_CONTROLS  # the soft-cap's order, Gemma 2/3's local and global layers
 
 CONTROLS += MOE_CONTROLS  # a mixture of experts' (``proof.moe_controls``)
+CONTROLS += MLA_CONTROLS  # multi-head latent attention's and YaRN's (``proof.mla_faults``)
 
 __all__ = ["CONTROLS", "Control", "Where", "per_shard_clip"]
