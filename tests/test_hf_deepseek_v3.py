@@ -38,6 +38,7 @@ ROPE |= {"mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 32, "beta_slow": 1}
 def _hf_config(**changes):
     fields = dict(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=4,
         q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
         first_k_dense_replace=2, max_position_embeddings=64, rope_parameters=ROPE, bos_token_id=0,
         eos_token_id=0, pad_token_id=0,

@@ -19,7 +19,7 @@ Shapes, per shard (``/mp``; r = kv_lora_rank, R = rotary_dim (qk_rope_head_dim),
 
 The kernels (plain, blockwise, the cp ring, the decode) take q, k, v of one head width: v is padded
 with zeros to E and the output sliced back to Ev (exact: the padding's outputs are zeros, their
-gradient discarded). The score scale is ``Variant.scalar`` = E / (YaRN's ``score_mscale``): DeepSeek's
+gradient discarded). The score scale is ``Variant.scalar`` = E / (YaRN's ``score_mscale``)^2: DeepSeek's
 softmax scale E^-1/2 times mscale(factor, mscale_all_dim)^2; YaRN's attention factor multiplies the
 rotary parts' cos and sin, q's and k's. Under cp the all-gather strategy gathers the latent and the
 rotated rotary key (r + R values per token; full K/V would be 2 H E) and up-projects them on every cp
@@ -70,10 +70,10 @@ def rotate_pair(x, cos, sin, scale: float, style: str, query: bool):
 
 
 def score_scalar(cfg: ModelConfig) -> float:
-    """``Variant.scalar``: scores divided by sqrt(E / m^2), i.e. times E^-1/2 m^2 (m^2 YaRN's
-    ``score_mscale``; 1 without YaRN's mscale_all_dim)."""
+    """``Variant.scalar``: scores divided by sqrt(E / m2^2), i.e. times E^-1/2 m2 (m2 YaRN's
+    ``score_mscale``, transformers' mscale(factor, mscale_all_dim)^2; 1 without mscale_all_dim)."""
     m2 = cfg.rope_scaling.score_mscale() if isinstance(cfg.rope_scaling, YarnScaling) else 1.0
-    return cfg.head_dim / m2
+    return cfg.head_dim / m2**2
 
 
 class MLA(hk.Module):

@@ -27,14 +27,13 @@ from typing import Any
 import meshlm.model.families.llama as llama
 from meshlm.errors import ConfigError
 from meshlm.model.families.hf_fields import SIZE, field, rope, rope_fields, unsupported
-from meshlm.model.family import HFNames
 from meshlm.model.rope import YarnScaling
 from meshlm.ranges import Range
 
 # DeepseekV3Config's defaults for the fields a config.json may leave out (transformers 5.24).
 DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128}
 DEFAULTS |= {"v_head_dim": 128, "first_k_dense_replace": 3, "rope_interleave": True, "rms_norm_eps": 1e-6}
-DEFAULTS |= {"max_position_embeddings": 4096, "num_key_value_heads": None}
+DEFAULTS |= {"max_position_embeddings": 4096}
 
 
 def read(hf: dict) -> dict[str, Any]:
@@ -53,13 +52,10 @@ def read(hf: dict) -> dict[str, Any]:
         raise unsupported("q_lora_rank", None, "meshlm converts DeepSeek-V3's low-rank queries only")
     if hf.get("attention_bias"):
         raise unsupported("attention_bias", True, "meshlm's MLA has no projection biases")
-    heads = field(hf, "num_attention_heads", SIZE)
-    if field(hf, "num_key_value_heads", SIZE, heads, nullable=True) != heads:
-        raise unsupported("num_key_value_heads", hf["num_key_value_heads"], "MLA has one latent per head")
     nope, rot = field(hf, "qk_nope_head_dim", SIZE), field(hf, "qk_rope_head_dim", SIZE)
     theta, scaling = rope({**hf, "head_dim": rot})
     return dict(
-        llama.read({**hf, "head_dim": nope + rot}),
+        llama.read({**hf, "head_dim": nope + rot, "num_key_value_heads": None}),  # MLA: a latent per head
         family=DENSE.name,
         n_kv_heads=0,
         head_dim=nope + rot,
