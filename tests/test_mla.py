@@ -53,7 +53,7 @@ def test_mla_proven_with_its_controls_detected(layout, attention):
     problem = model_problem(cfg, "tiny-deepseek-v3", layout, 2 * layout.dp, 16)
     controls = tuple(c for c in CONTROLS if c.name in MLA_NAMES)
     with jax.enable_x64(True):
-        report = verify(problem, layout.mesh(), steps=1, dtype=jnp.float64, controls=controls)
+        report = verify(problem, layout.mesh, steps=1, dtype=jnp.float64, controls=controls)
     assert report.ok, [c for c in report.checks if not c["ok"]]
     assert max(p.max_rel_err for p in report.params) <= 1e-12
     assert {c["name"] for c in report.controls} == MLA_NAMES

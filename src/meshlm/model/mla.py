@@ -92,15 +92,13 @@ class MLA(hk.Module):
         cfg, d, tap = self.cfg, xf.shape[-1], self.par.tap
         if not cfg.q_lora_rank:
             return dense_heads_in(xf, tap("own_heads", self._param("wq", [d, self.heads, cfg.head_dim])))
-        low = xf @ self._param("wq_a", [d, cfg.q_lora_rank])  # [B, T, Q]: every shard alike
-        low = q_norm(low)
+        low = q_norm(xf @ self._param("wq_a", [d, cfg.q_lora_rank]))  # [B, T, Q]: every shard alike
         return dense_heads_in(
             low, tap("own_heads", self._param("wq_b", [cfg.q_lora_rank, self.heads, cfg.head_dim]))
         )
 
-    def _latent(
-        self, xf, kv_norm
-    ):  # [B, T, D] -> the normed latent [B, T, r], the unrotated k_rope [B, T, R]
+    def _latent(self, xf, kv_norm):
+        """xf [B, T, D] -> the normed latent [B, T, r], the unrotated k_rope [B, T, R]: every shard alike."""
         cfg, r = self.cfg, self.cfg.kv_lora_rank
         both = xf @ self._param("wkv_a", [xf.shape[-1], r + cfg.rot_dim])
         return kv_norm(both[..., :r]), both[..., r:]
