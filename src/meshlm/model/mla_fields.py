@@ -51,6 +51,6 @@ def check_mla(cfg) -> None:
             f"MLA needs 0 < rotary_dim (qk_rope_head_dim) < head_dim and n_kv_heads 0 or n_heads; got "
             f"rotary_dim={cfg.rotary_dim}, head_dim={cfg.head_dim}, n_kv_heads={cfg.n_kv_heads}"
         )
-    for name in ("sliding_window", "global_every", "attn_scalar", "attn_softcap", "rope_linear"):
+    for name in ("sliding_window", "global_every", "attn_scalar", "rope_linear"):
         if getattr(cfg, name):
             raise ConfigError(f"{name}={getattr(cfg, name)} is not built for MLA; set {name}=0")

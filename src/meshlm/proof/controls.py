@@ -344,7 +344,6 @@ CONTROLS += (  # Gemma 2's soft-capping: the cap must matter (as the document ma
     ),
 )
 CONTROLS += GEMMA_CONTROLS  # the soft-cap's order, Gemma 2/3's local and global layers
-
 CONTROLS += MOE_CONTROLS  # a mixture of experts' (``proof.moe_controls``)
 CONTROLS += MLA_CONTROLS  # multi-head latent attention's and YaRN's (``proof.mla_faults``)
 
