@@ -575,4 +575,10 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm train --data 'docs/*.jsonl' --doc-mask --out runs/masked": run(add=TINY),
     "meshlm train --help": run(expect=("usage: meshlm train",)),
     "meshlm train --tokenizer bpe-2048": run("bpe-2048 => bpe-2048 --data code --out runs/bpe2048 " + TINY),
+    **_names(  # issue 43: each 4-15 min of CPU with every control (MoE's and MLA's compile a program each)
+        "the tiny-deepseek-v3 proof with every control; tests/test_mla.py proves MLA with its four controls "
+        "on 2x2 FSDP+SP and cp 2 (all-gather, blockwise), tests/test_hf_deepseek_v3.py the conversion",
+        "meshlm verify --config tiny-deepseek-v3 --mesh 1x4 --steps 2 --x64",
+        "meshlm plan --config deepseek-v3 --mesh 8x8 --ep 8 --fsdp --sp --devices 64",
+    ),
 }

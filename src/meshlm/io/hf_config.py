@@ -56,7 +56,7 @@ def config_from_hf(hf_cfg: dict[str, Any]) -> ModelConfig:
         raise unsupported("model_type", model_type, f"meshlm converts {sorted(known)}")
     family = known[model_type]
     _check_common(hf_cfg, family)
-    return ModelConfig(family=family.name, **family.hf.read(hf_cfg))
+    return ModelConfig(**{"family": family.name, **family.hf.read(hf_cfg)})  # a reader may name a sibling
 
 
 # --- to transformers -----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from meshlm.model.context_parallel import context_attention
 from meshlm.model.dense import dense_heads_in, dense_heads_out
 from meshlm.model.layers import RMSNorm, RMSNormPlusOne, _normal, apply_rotary, rotary_angles, upcast
 from meshlm.model.lora import adapted
-from meshlm.model.rope import inv_freq
+from meshlm.model.rope import attention_scale, inv_freq
 from meshlm.parallel.context import Parallel
 
 
@@ -116,7 +116,7 @@ class Attention(hk.Module):
         rotate = lambda x: x  # a layer without rotary (``variant.rotary`` None)
         if variant.rotary is not None:
             rotary = positions if starts is None else positions - starts
-            cos, sin = rotary_angles(rotary, variant.rotary, q.dtype)
+            cos, sin = rotary_angles(rotary, variant.rotary, q.dtype, attention_scale(cfg.rope_scaling))
             rotate = lambda x: apply_rotary(x, cos, sin, cfg.rot_dim, self.style)
         if cfg.arch.qk_norm is None:
             q, k = rotate(q), rotate(k)

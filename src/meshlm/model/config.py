@@ -17,7 +17,8 @@ from meshlm.model.families import FAMILIES, preset_fields
 from meshlm.model.family import Family
 from meshlm.model.lora_fields import RANGES as LORA_RANGES
 from meshlm.model.lora_fields import LoraFields, check_lora
-from meshlm.model.rope import RopeScaling
+from meshlm.model.mla_fields import MLA_RANGES, MLAFields, check_mla
+from meshlm.model.rope import RopeScaling, YarnScaling, scaling_of
 from meshlm.model.rope import inv_freq as rope_inv_freq
 from meshlm.model.router_fields import ROUTER_RANGES, RouterFields, check_router
 from meshlm.model.variant_fields import VariantFields, check_variant_fields
@@ -62,8 +63,8 @@ class MoEFields:
 
 @dataclass(frozen=True)
 class ModelConfig(  # fields: its own, then its bases' (``field_names``)
-    kinds.LinearAttentionFields, VariantFields, LoraFields, kinds.LayerKindFields, RouterFields, MoEFields,
-    DispatchFields,
+    kinds.LinearAttentionFields, MLAFields, VariantFields, LoraFields, kinds.LayerKindFields, RouterFields,
+    MoEFields, DispatchFields,
 ):  # fmt: skip
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
@@ -102,8 +103,8 @@ class ModelConfig(  # fields: its own, then its bases' (``field_names``)
     # plain and blockwise attention, under --cp, and in the KV cache (a rolling cache of the window's
     # slots when the context is longer). 0: off (full causal attention; a config saved without it).
     sliding_window: int = 0
-    # Llama 3.x's rotary frequency scaling (rope_type "llama3"; ``model.rope``); None: plain RoPE
-    rope_scaling: RopeScaling | None = None
+    # Llama 3.x's rotary frequency scaling (rope_type "llama3") or YaRN ("yarn"; ``model.rope``); None: plain
+    rope_scaling: RopeScaling | YarnScaling | None = None
     # Gemma 2's soft-capping: attention scores become c * tanh(s / c) before the mask and softmax
     # (``attn_softcap``), the output logits c * tanh(z / c) (``final_softcap``). 0: off. A saved config
     # without these fields predates them and loads as 0: exactly as it was. Every attention (plain,
@@ -114,7 +115,7 @@ class ModelConfig(  # fields: its own, then its bases' (``field_names``)
     def __post_init__(self):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
             object.__setattr__(self, "remat", "full" if self.remat else "none")
-        object.__setattr__(self, "rope_scaling", RopeScaling.of(self.rope_scaling))  # JSON: a dict
+        object.__setattr__(self, "rope_scaling", scaling_of(self.rope_scaling))  # JSON: a dict
         dense = kinds.layer_indices("dense_layers", self.dense_layers)  # JSON: a list
         object.__setattr__(self, "dense_layers", dense)
         for f in dataclasses.fields(self):  # every construction path: presets, JSON, HF import
@@ -134,7 +135,7 @@ class ModelConfig(  # fields: its own, then its bases' (``field_names``)
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
         _check_plain_only(self), _check_moe(self), check_router(self), check_dispatch(self)
-        check_lora(self), kinds.check_linear(self)
+        check_lora(self), kinds.check_linear(self), check_mla(self)
 
     @property
     def arch(self) -> Family:
@@ -195,8 +196,8 @@ def _check_attention(cfg: ModelConfig) -> None:
         raise ConfigError(f"rotary_dim={cfg.rotary_dim} must be even and <= head_dim")
     if cfg.rope_local_theta and not cfg.global_every:
         raise ConfigError(f"rope_local_theta={cfg.rope_local_theta} needs global_every (local layers), or 0")
-    if cfg.rope_linear and cfg.rope_scaling is not None:
-        raise ConfigError("rope_linear and rope_scaling are two RoPE scalings; set one (rope_linear=0)")
+    if cfg.rope_scaling is not None and (cfg.rope_linear or cfg.global_every and cfg.rope_scaling.rope_type):
+        raise ConfigError("rope_scaling with rope_linear (or YaRN with global_every) is not built; drop one")
 
 
 def _check_kinds(cfg: ModelConfig) -> None:
@@ -260,6 +261,7 @@ RANGES: dict[str, Range] = {
     "rope_linear": Range(float, 0, note="0: none"),
     "attn_chunk": Range(int, 0, note="0: off"),
     **dict.fromkeys(("n_experts", "experts_per_token", "moe_d_ff"), Range(int, 0, note="0: dense")),
+    **MLA_RANGES,
     "shared_expert_d_ff": Range(int, 0, note="0: none"),
     "router_aux_loss_coef": NON_NEGATIVE_FLOAT,
     "router_z_loss_coef": NON_NEGATIVE_FLOAT,

@@ -266,12 +266,15 @@ class RMSNormPlusOne(RMSNorm):
         return (self.normalized(x) * (1.0 + upcast(scale))).astype(x.dtype)
 
 
-def rotary_angles(positions, inv_freq: np.ndarray, dtype):
+def rotary_angles(positions, inv_freq: np.ndarray, dtype, scale: float = 1.0):
     """positions: [B, T] int; inv_freq [rot_dim // 2] (``ModelConfig.inv_freq``: plain or scaled
-    RoPE) -> (cos, sin) each [B, T, rot_dim // 2], at least float32."""
+    RoPE) -> (cos, sin) each [B, T, rot_dim // 2], at least float32, times ``scale`` (YaRN's attention
+    factor, ``rope.attention_scale``: 1 otherwise)."""
     dtype = jnp.promote_types(dtype, jnp.float32)
     ang = positions.astype(dtype)[..., None] * jnp.asarray(inv_freq, dtype)
-    return jnp.cos(ang), jnp.sin(ang)
+    if scale == 1.0:
+        return jnp.cos(ang), jnp.sin(ang)
+    return jnp.cos(ang) * scale, jnp.sin(ang) * scale
 
 
 def apply_rotary(x, cos, sin, rot_dim: int, style: str):

@@ -19,7 +19,7 @@ from jax import lax
 
 from meshlm.errors import ConfigError
 from meshlm.model import masked
-from meshlm.model.attention import Attention, doc_starts
+from meshlm.model.attention import doc_starts
 from meshlm.model.attention_variants import capped_logits
 from meshlm.model.config import ModelConfig
 from meshlm.model.layer_kinds import DENSE_STACK, LINEAR_STACK
@@ -37,6 +37,7 @@ from meshlm.model.layers import (
 from meshlm.model.linear_attention import linear_layer
 from meshlm.model.lora import freeze
 from meshlm.model.memory import parallel_getter
+from meshlm.model.mla import attention_module
 from meshlm.model.moe import aux_loss, moe_layer, moe_losses
 from meshlm.model.stack import stack_layers
 from meshlm.parallel.context import Parallel
@@ -77,7 +78,7 @@ def _norm(cfg: ModelConfig, name: str):
 def _parallel_layer(cfg: ModelConfig, par: Parallel):
     def layer(x, positions, cache=None, starts=None, kind=None):
         xf = par.f(_norm(cfg, "ln")(x))  # one f for both branches
-        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(xf, positions, cache, starts, kind)
+        attn, cache = attention_module(cfg, par, GPT_STDDEV)(xf, positions, cache, starts, kind)
         mlp, b = _mlp(cfg, par)(xf)
         return x + par.row_out(attn + mlp, b), cache  # one all-reduce for both branches
 
@@ -87,7 +88,7 @@ def _parallel_layer(cfg: ModelConfig, par: Parallel):
 def _sequential_layer(cfg: ModelConfig, par: Parallel):
     def layer(x, positions, cache=None, starts=None, kind=None):
         xf = par.f(_norm(cfg, "ln")(x))
-        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(xf, positions, cache, starts, kind)
+        attn, cache = attention_module(cfg, par, GPT_STDDEV)(xf, positions, cache, starts, kind)
         x = x + par.row_out(attn)
         xf = par.f(_norm(cfg, "ln2")(x))
         mlp, b = _mlp(cfg, par)(xf)
@@ -101,7 +102,7 @@ def _post_norm_layer(cfg: ModelConfig, par: Parallel):
     norms see the sequence slices the row-parallel sums scatter to: per token, as unsharded."""
 
     def layer(x, positions, cache=None, starts=None, kind=None):
-        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(par.f(x), positions, cache, starts, kind)
+        attn, cache = attention_module(cfg, par, GPT_STDDEV)(par.f(x), positions, cache, starts, kind)
         x = x + _norm(cfg, "post_attn_ln")(par.row_out(attn))
         mlp, b = _mlp(cfg, par)(par.f(x))
         return x + _norm(cfg, "post_mlp_ln")(par.row_out(mlp, b)), cache
@@ -116,7 +117,7 @@ def _sandwich_layer(cfg: ModelConfig, par: Parallel):
 
     def layer(x, positions, cache=None, starts=None, kind=None):
         xf = par.f(_norm(cfg, "ln")(x))
-        attn, cache = Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)(xf, positions, cache, starts, kind)
+        attn, cache = attention_module(cfg, par, GPT_STDDEV)(xf, positions, cache, starts, kind)
         x = x + _norm(cfg, "post_attn_ln")(par.row_out(attn))
         mlp, b = _mlp(cfg, par)(par.f(_norm(cfg, "ln2")(x)))
         return x + _norm(cfg, "post_mlp_ln")(par.row_out(mlp, b)), cache
@@ -127,7 +128,7 @@ def _sandwich_layer(cfg: ModelConfig, par: Parallel):
 def _block(cfg: ModelConfig, par: Parallel):
     """The family's layer: x -> (x, cache), or with a mixture of experts (x, cache, statistics)."""
     if cfg.arch.moe:
-        attention = lambda: Attention(cfg=cfg, par=par, stddev=GPT_STDDEV)
+        attention = lambda: attention_module(cfg, par, GPT_STDDEV)
         return moe_layer(cfg, par, norm=lambda name: _norm(cfg, name), attention=attention, stddev=GPT_STDDEV)
     return BLOCKS[cfg.arch.block](cfg, par)
 

@@ -78,8 +78,16 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> 
     elif cfg.arch.qk_norm == "proj":
         out["qk_norm_stats"] = cfg.n_layers * 2 * (3 if cfg.remat != "none" else 2) * sharded
         out["qk_norm_grads"] = cfg.n_layers * kv_rep
+    if cfg.mla:  # MLA's replicated down-projections and their norms meet mp's heads (``model.mla``)
+        out["mla_latent_grads"] = cfg.n_layers * (4 if cfg.q_lora_rank else 2) * sharded
     out["total"] = sum(out.values())
     return out
+
+
+def mla_latent_values(cfg) -> int:
+    """Values of one MLA layer's replicated latent weights: wq_a [D, Q], q_a_norm [Q], wkv_a [D, r + R],
+    kv_a_norm [r] (their gradients are summed over mp)."""
+    return (cfg.d_model + 1) * (cfg.q_lora_rank + cfg.kv_lora_rank) + cfg.d_model * cfg.rot_dim
 
 
 def theoretical_bytes(
@@ -126,6 +134,10 @@ def theoretical_bytes(
         stats = len(cfg.moe_layers) * stats_size(cfg)
         out["moe_statistics"] = counts["moe_statistics"] * stats * itemsize
         out["moe_shared_gate_grads"] = counts.get("moe_shared_gate_grads", 0) * cfg.d_model * itemsize
+    if "mla_latent_grads" in counts:
+        out["mla_latent_grads"] = (
+            bool(counts["mla_latent_grads"]) * cfg.n_layers * mla_latent_values(cfg) * itemsize
+        )
     if "qk_norm_stats" in counts:  # [B/dp, T] each
         out["qk_norm_stats"] = counts["qk_norm_stats"] * (batch // dp) * seq_len * itemsize
     out["total"] = sum(out.values())

@@ -33,6 +33,7 @@ from meshlm.proof.family_faults import (
     window_off_by_one,
 )
 from meshlm.proof.linear_controls import LINEAR_CONTROLS
+from meshlm.proof.mla_faults import MLA_CONTROLS
 from meshlm.proof.moe_controls import MOE_CONTROLS
 from meshlm.proof.pipeline_verify import engine_sums_over_dp
 from meshlm.proof.router_controls import ROUTER_CONTROLS
@@ -333,5 +334,6 @@ CONTROLS += (  # the q/k norms of Qwen3 (per head) and OLMo 2 (``proof.family_fa
 CONTROLS += GEMMA_CONTROLS  # Gemma 2's score and logit caps (off, out of order), Gemma 2/3's layer kinds
 
 CONTROLS += MOE_CONTROLS + ROUTER_CONTROLS + LINEAR_CONTROLS  # ``proof.moe_controls``, router, linear
+CONTROLS += MLA_CONTROLS  # multi-head latent attention's and YaRN's (``proof.mla_faults``)
 
 __all__ = ["CONTROLS", "Control", "Where", "per_shard_clip"]

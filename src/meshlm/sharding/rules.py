@@ -44,6 +44,12 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"/attn/q_norm/scale_heads$", (HEADS, HEAD_DIM)),  # [H, E]: OLMo 2's q norm over H*E, with its heads
     (r"/attn/k_norm/scale_heads$", (KV, HEAD_DIM)),  # [K, E]: OLMo 2's k norm, with the KV heads
     (r"/attn/sinks$", (HEADS,)),  # [H]: learned attention sinks (gpt-oss), one per query head, with it
+    # MLA (``model.mla``): the down-projections to the latents and their norms replicated, the
+    # up-projections column-parallel by heads (the output is ``/attn/wo``'s, [H, Ev, D]).
+    (r"/attn/w(q_a|kv_a)$", (EMBED, None)),  # [D, Q], [D, r + R]
+    (r"/attn/(q_a|kv_a)_norm/scale$", (None,)),  # [Q], [r]
+    (r"/attn/wq_b$", (None, HEADS, HEAD_DIM)),  # [Q, H, E]
+    (r"/attn/wkv_b$", (None, HEADS, None)),  # [r, H, N + Ev]
     (r"/mlp/w_(in|gate|up)$", (EMBED, MLP)),  # [D, F]: column-parallel
     (r"/mlp/b_in$", (MLP,)),  # [F]
     (r"/mlp/w_(out|down)$", (MLP, EMBED)),  # [F, D]: row-parallel

@@ -11,6 +11,7 @@ A new family is a module here and one line in ``MODULES``. This package must not
 
 from __future__ import annotations
 
+import meshlm.model.families.deepseek_v3 as deepseek_v3
 import meshlm.model.families.ff as ff
 import meshlm.model.families.gemma as gemma
 import meshlm.model.families.gemma2 as gemma2
@@ -37,11 +38,12 @@ from meshlm.model.family import Family
 # One line per family, in the order messages list them.
 MODULES = (
     ff, gptj, llama, qwen2, mistral, gemma, qwen3, olmo2, phi3, gemma2, gemma3, mixtral, qwen2_moe,
-    qwen3_moe, olmoe,
+    qwen3_moe, olmoe, deepseek_v3,
     smollm3, olmo3, gpt_oss, llama4, qwen3_5,
 )  # fmt: skip
 
-FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in MODULES}
+# A module's ``MORE``: further records of its family (DeepSeek-V3's all-dense one), found by name only.
+FAMILIES: dict[str, Family] = {f.name: f for m in MODULES for f in (m.FAMILY, *getattr(m, "MORE", ()))}
 
 # The order ``meshlm configs`` (and an unknown preset's message) lists the presets in, kept from before
 # families were modules; a preset not named here follows these, in ``MODULES`` order.
@@ -90,4 +92,4 @@ def preset_fields() -> dict[str, dict]:
 
 def by_model_type() -> dict[str, Family]:
     """The families transformers can express, by config.json ``model_type``."""
-    return {f.hf.model_type: f for f in FAMILIES.values() if f.hf is not None}
+    return {m.FAMILY.hf.model_type: m.FAMILY for m in MODULES if m.FAMILY.hf is not None}

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from meshlm.errors import ConfigError
-from meshlm.model.rope import RopeScaling
+from meshlm.model.rope import RopeScaling, YarnScaling
 from meshlm.ranges import Range
 
 SIZE = Range(int, 1)
@@ -22,6 +22,16 @@ _REQUIRED = object()
 ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 # Llama 3's rope_type "llama3" parameters (``model.rope.RopeScaling``), in transformers' names.
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# YaRN's (``model.rope.YarnScaling``); a null mscale / mscale_all_dim / attention_factor reads as 0.
+YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
+YARN_KEYS += ("attention_factor", "truncate")
 
 
 def field(hf: dict, key: str, valid: Range, default: Any = _REQUIRED, nullable: bool = False):
@@ -62,9 +72,11 @@ def rope(hf: dict) -> tuple[float, RopeScaling | None]:
         if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
             raise unsupported(name, params, "only one flat dict of RoPE parameters converts")
         kind = params.get("rope_type", params.get("type", "default"))
-        if kind not in ("default", "llama3"):
-            raise unsupported(f"{name}.rope_type", kind, "meshlm implements 'default' and 'llama3' RoPE")
-        known = ROPE_KEYS | (set(LLAMA3_KEYS) if kind == "llama3" else set())
+        if kind not in ("default", "llama3", "yarn"):
+            raise unsupported(
+                f"{name}.rope_type", kind, "meshlm implements 'default', 'llama3' and 'yarn' RoPE"
+            )
+        known = ROPE_KEYS | set({"llama3": LLAMA3_KEYS, "yarn": YARN_KEYS}.get(kind, ()))
         extra = sorted(set(params) - known)
         if extra:
             raise unsupported(f"{name} keys", extra, f"known keys for {kind!r}: {sorted(known)}")
@@ -72,6 +84,8 @@ def rope(hf: dict) -> tuple[float, RopeScaling | None]:
         factor = params.get("partial_rotary_factor", factor)
         if kind == "llama3":
             scaling = _llama3_scaling(params, name, hf)
+        elif kind == "yarn":
+            scaling = _yarn_scaling(params, name, hf)
     if factor is not None and (isinstance(factor, bool) or factor != 1):  # True == 1 in Python
         raise unsupported("partial_rotary_factor", factor, "Llama rotates the whole head dim in meshlm")
     return theta, scaling
@@ -100,6 +114,22 @@ def _llama3_scaling(params: dict, name: str, hf: dict) -> RopeScaling:
         raise ConfigError(f"HF config {name}: {e}; correct config.json") from None
 
 
+def _yarn_scaling(params: dict, name: str, hf: dict) -> YarnScaling:
+    """transformers' yarn parameters: a null factor is max_position_embeddings over the original
+    context (DeepSeek's note there); nulls of the optional ones are absent."""
+    values = {k: params[k] for k in YARN_KEYS if params.get(k) is not None}
+    if "original_max_position_embeddings" not in values:
+        raise ConfigError(f"HF config {name} of rope_type 'yarn' has no original_max_position_embeddings")
+    if "factor" not in values:
+        values["factor"] = (
+            field(hf, "max_position_embeddings", SIZE) / values["original_max_position_embeddings"]
+        )
+    try:
+        return YarnScaling(**values)
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"HF config {name}: {e}; correct config.json") from None
+
+
 def check_heads(d: int, heads: int, names: tuple[str, str], head_dim: int | None) -> int:
     """The per-head width; messages name HF's fields (meshlm's own checks would name ours)."""
     if head_dim is None and d % heads:
@@ -108,7 +138,12 @@ def check_heads(d: int, heads: int, names: tuple[str, str], head_dim: int | None
 
 
 def rope_fields(cfg) -> dict[str, Any]:
-    """transformers 5's rope_parameters of ``cfg``: plain RoPE, or Llama 3's scaling."""
+    """transformers 5's rope_parameters of ``cfg``: plain RoPE, Llama 3's scaling or YaRN (0s: absent)."""
     if cfg.rope_scaling is None:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if isinstance(cfg.rope_scaling, YarnScaling):
+        fields = {
+            k: v for k, v in dataclasses.asdict(cfg.rope_scaling).items() if v != 0.0 or k == "truncate"
+        }
+        return {**fields, "rope_theta": cfg.rope_theta}
     return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, **dataclasses.asdict(cfg.rope_scaling)}
