@@ -195,7 +195,7 @@ def test_no_tie_control_on_a_checkpoint():
     """A converted checkpoint's router carries no planted tie (``planted_tie`` False): neither
     tie-breaking control applies (each would change the program and never the values), and every other
     control changes the program."""
-    problem, layout = _problem("tiny-olmoe 2x2 ep2 (projection q/k norm, experts)")
+    problem, layout = _problem("tiny-olmoe 2x2 ep2 (projection q/k norm, dense dispatch)")
     problem = dataclasses.replace(problem, prepare_params=None)  # as a checkpoint: no planted tie
     chosen = [c for _, c in _applicable(problem, layout)]
     assert not [c.name for c in chosen if "ties" in c.name]
