@@ -13,6 +13,7 @@ from typing import Any
 
 from meshlm.errors import ConfigError
 from meshlm.model import layer_kinds as kinds
+from meshlm.model.dispatch_fields import DispatchFields, check_dispatch
 from meshlm.model.families import FAMILIES, preset_fields
 from meshlm.model.family import Family
 from meshlm.model.lora_fields import RANGES as LORA_RANGES
@@ -22,7 +23,6 @@ from meshlm.model.rope import RopeScaling, YarnScaling, scaling_of
 from meshlm.model.rope import inv_freq as rope_inv_freq
 from meshlm.model.router_fields import ROUTER_RANGES, RouterFields, check_router
 from meshlm.model.variant_fields import VariantFields, check_variant_fields
-from meshlm.parallel.grouped import DispatchFields, check_dispatch
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
 ATTENTION = ("plain", "blockwise")  # see meshlm.model.attention and meshlm.model.blockwise

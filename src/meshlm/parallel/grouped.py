@@ -20,7 +20,6 @@ The output is the combine-weighted scatter-add of the rows into their tokens: [N
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
@@ -28,33 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.errors import ConfigError
 from meshlm.parallel.pipeline_ops import varying
 
-# The dispatch implementations (``moe_dispatch``): "dense" is the all-local reference, every expert on
-# every token (``parallel.experts.dense_experts``): what the proof compares the others with.
-DISPATCHES = ("blocks", "ragged_dot", "dense")
 BLOCK = 16  # rows per block of "blocks" (not tuned yet: smaller cuts padding, larger speeds each matmul)
-
-
-@dataclass(frozen=True)
-class DispatchFields:
-    """``ModelConfig``'s dispatch field (a base, as ``MoEFields``): how a mixture of experts reaches
-    its experts (``DISPATCHES``). Not a model fact: the values are the same whichever is chosen (the
-    proof shows it), so a saved config without it loads with the default."""
-
-    moe_dispatch: str = "blocks"
-
-
-def check_dispatch(cfg) -> None:
-    if cfg.moe_dispatch not in DISPATCHES:
-        raise ConfigError(f"moe_dispatch must be one of {', '.join(DISPATCHES)}, got {cfg.moe_dispatch!r}")
-    if getattr(cfg, "expert_bias", False) and cfg.moe_dispatch != "dense":
-        # the grouped matmuls carry no per-expert bias yet (gpt-oss's): refused, never dropped
-        raise ConfigError(
-            f"expert_bias (gpt-oss's expert biases) runs with moe_dispatch='dense' only, got "
-            f'{cfg.moe_dispatch!r}; set moe_dispatch = "dense"'
-        )
 
 
 class Rows(NamedTuple):
