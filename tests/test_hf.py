@@ -164,7 +164,7 @@ def _llama_dict(**changes) -> dict:
     [
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling.rope_type"),
         ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5}}, "rope_parameters.rope_type"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5}}, "no original_max_position_embeddings"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5}}, "no original_max_position"),
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_parameters of rope_type"),
         ({"rope_scaling": {"rope_type": "llama3", **LLAMA3, "beta": 1.0}}, "rope_scaling keys"),
         ({"rope_scaling": {"rope_type": "llama3", **LLAMA3, "factor": -1.0}}, "factor"),
