@@ -34,6 +34,10 @@ FT_TRAIN = (
     "meshlm train --checkpoint runs/qwen3 --data data/qwen3-chat --lora-rank 8 --lora-alpha 16 "
     "--lora-targets q,k,v,o,gate,up,down --seq-len 128 --mesh 2x2 --out runs/qwen3-lora"
 )
+FT_DPO = (
+    "meshlm train --objective dpo --checkpoint runs/qwen3-sft --lora-rank 8 --lora-alpha 16 "
+    "--data examples/dpo/pairs.jsonl --seq-len 128 --batch-size 8 --dpo-beta 0.5 --out runs/qwen3-dpo"
+)
 FT_FAST = "--steps 2 --batch-size 8 --warmup-steps 1 --eval-every 0 --eval-batches 1 --sample-tokens 0"
 LORA_TRAIN = (
     "meshlm train --checkpoint runs/llama-import --lora-rank 8 --lora-alpha 16 "
@@ -556,6 +560,11 @@ COMMANDS: dict[str, Run | Shown] = {
     FT_TRAIN: run(add=FT_FAST, after=("meshlm convert --from-hf qwen3-tiny --out runs/qwen3", FT_PREPARE)),
     "meshlm eval --checkpoint runs/qwen3-lora --data data/qwen3-chat": run(after=(FT_TRAIN,)),
     "meshlm convert --to-peft runs/qwen3-lora --out runs/qwen3-peft": run(after=(FT_TRAIN,)),
+    "meshlm convert --merge runs/qwen3-lora --out runs/qwen3-sft": run(after=(FT_TRAIN,)),
+    FT_DPO: run(add=FT_FAST, after=(FT_TRAIN, "meshlm convert --merge runs/qwen3-lora --out runs/qwen3-sft")),
+    "meshlm convert --to-peft runs/qwen3-dpo --out runs/qwen3-dpo-peft": run(
+        after=(FT_TRAIN, "meshlm convert --merge runs/qwen3-lora --out runs/qwen3-sft", FT_DPO)
+    ),
     # docs/training.md: LoRA
     LORA_TRAIN: run(add=TINY.replace("--config tiny-lm ", "")),
     "meshlm generate --checkpoint runs/lora --prompt 'def '": run(
