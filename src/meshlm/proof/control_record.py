@@ -4,6 +4,7 @@ mesh), and the ``Control`` itself: which one thing it changes in the sharded run
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from meshlm.model.attention import kv_replicated
@@ -48,3 +49,15 @@ class Control:
     params_change: Callable | None = None  # (cfg, params) -> the sharded run's parameters
     plant: Callable | None = None  # () -> a context manager planting the fault while the sharded run traces
     pipe_cls: Callable | None = None  # layout -> the engine's Pipeline subclass (a fault the pipeline holds)
+
+
+@contextmanager
+def replaced(where: dict, name: str, value):
+    """``where[name]`` (a module's ``vars``, or a table of its) set to ``value`` while the sharded run
+    traces: how a control plants its fault in the model code it names."""
+    old = where[name]
+    where[name] = value
+    try:
+        yield
+    finally:
+        where[name] = old

@@ -18,7 +18,7 @@ from meshlm.model import attention, context_parallel
 from meshlm.model.layers import RMSNorm
 from meshlm.model.params import param_path
 from meshlm.parallel.axes import DP, MP
-from meshlm.proof.control_record import Control, Where
+from meshlm.proof.control_record import Control, Where, replaced
 from meshlm.proof.taps import Tapped
 
 
@@ -67,16 +67,9 @@ def embedding_scaled_twice(cfg, params):
     return {m: {n: plant(param_path(m, n), x) for n, x in leaves.items()} for m, leaves in params.items()}
 
 
-@contextmanager
 def _in_attention(name: str, value, table: dict | None = None):
     """``model.attention``'s ``name`` (or ``table[name]``) set to ``value`` while the sharded run traces."""
-    where = vars(attention) if table is None else table
-    old = where[name]
-    where[name] = value
-    try:
-        yield
-    finally:
-        where[name] = old
+    return replaced(vars(attention) if table is None else table, name, value)
 
 
 def qk_norm_after_rotary():

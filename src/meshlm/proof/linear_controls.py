@@ -5,25 +5,17 @@ head pairing is a tap (``proof.taps``)."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 from jax import lax
 
 import meshlm.model.deltanet as deltanet
 from meshlm.parallel.axes import MP
-from meshlm.proof.control_record import Control, Where
+from meshlm.proof.control_record import Control, Where, replaced
 from meshlm.proof.taps import Tapped
 
 
-@contextmanager
 def _in_deltanet(name: str, value):
     """``model.deltanet``'s ``name`` set to ``value`` while the sharded run traces."""
-    old = getattr(deltanet, name)
-    setattr(deltanet, name, value)
-    try:
-        yield
-    finally:
-        setattr(deltanet, name, old)
+    return replaced(vars(deltanet), name, value)
 
 
 def write_then_decay(state, a, k, v, beta):

@@ -6,28 +6,19 @@ rotary part only."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import haiku as hk
 import jax.numpy as jnp
 
 from meshlm.model import mla
 from meshlm.model.layers import RMSNorm
 from meshlm.model.rope import attention_scale
-from meshlm.proof.control_record import Control, Where
+from meshlm.proof.control_record import Control, Where, replaced
 from meshlm.proof.family_faults import _grad_of_shard0
 
 
-@contextmanager
 def _in_mla(name: str, value, table: dict | None = None):
     """``model.mla``'s ``name`` (or ``table[name]``) set to ``value`` while the sharded run traces."""
-    where = vars(mla) if table is None else table
-    old = where[name]
-    where[name] = value
-    try:
-        yield
-    finally:
-        where[name] = old
+    return replaced(vars(mla) if table is None else table, name, value)
 
 
 def _per_head_rotary_key(k_rope, k_nope, rotate):
