@@ -34,22 +34,26 @@ def routing(rng, n, one_shard: bool, cap: int):
 
 def local(x, ids, cw, weights):
     """The all-local reference (``ExpertParallel.dense_experts``: every expert on every token)."""
-    return ExpertParallel().experts(x, ids, cw, Experts(*weights, "dense"))
+    return ExpertParallel().experts(x, ids, cw, Experts(*weights[:3], "dense", 0, *weights[3:]))
 
 
-CASES = [  # (dispatch, ep, dp, one_shard, capacity): ep 1 is the all-local sorted dispatch
-    ("blocks", 1, 4, False, 0),
-    ("ragged_dot", 1, 4, True, 3),
-    ("dense", 2, 4, False, 0),
-    ("blocks", 2, 4, False, 0),
-    ("blocks", 4, 4, True, 0),
-    ("ragged_dot", 2, 4, False, 0),
-    ("blocks", 2, 4, False, 5),
+CASES = [  # (dispatch, ep, dp, one_shard, capacity, expert biases): ep 1 is the all-local sorted dispatch
+    ("blocks", 1, 4, False, 0, False),
+    ("blocks", 1, 4, False, 0, True),
+    ("ragged_dot", 1, 4, True, 3, True),
+    ("dense", 2, 4, False, 0, False),
+    ("blocks", 2, 4, False, 0, False),
+    ("blocks", 4, 4, True, 0, True),
+    ("ragged_dot", 2, 4, False, 0, False),
+    ("ragged_dot", 2, 4, False, 0, True),
+    ("blocks", 2, 4, False, 5, True),
 ]
 
 
-@pytest.mark.parametrize("dispatch,ep,dp,one_shard,cap", CASES)
-def test_dispatch_equals_all_local(dispatch, ep, dp, one_shard, cap):
+@pytest.mark.parametrize("dispatch,ep,dp,one_shard,cap,biased", CASES)
+def test_dispatch_equals_all_local(dispatch, ep, dp, one_shard, cap, biased):
+    """With ``biased`` gpt-oss's gate and up biases [E, H] too: each row's expert's added in the grouped
+    matmuls, their gradients summed per expert (the padding rows' weight 0 adds none)."""
     layout = Layout(dp=dp, ep=ep) if ep > 1 else Layout(dp=dp)
     par = Parallel.on(layout)
     rng = np.random.default_rng(ep + 10 * one_shard + cap)
@@ -57,22 +61,24 @@ def test_dispatch_equals_all_local(dispatch, ep, dp, one_shard, cap):
         x = jnp.asarray(rng.normal(size=(dp * N, D)))
         ids = jnp.asarray(routing(rng, dp * N, one_shard, cap))
         cw = jnp.asarray(rng.uniform(size=(dp * N, K)))
-        weights = [jnp.asarray(rng.normal(size=s)) for s in ((E, D, H), (E, D, H), (E, H, D))]
+        shapes = ((E, D, H), (E, D, H), (E, H, D)) + (((E, H), (E, H)) if biased else ())
+        weights = [jnp.asarray(rng.normal(size=s)) for s in shapes]
         cot = jnp.asarray(rng.normal(size=(dp * N, D)))
 
         def body(x, ids, cw, *weights):
-            out = par.experts(x, ids, cw, Experts(*weights, dispatch, cap))
+            out = par.experts(x, ids, cw, Experts(*weights[:3], dispatch, cap, *weights[3:]))
             assert par.local_experts(E) == weights[0].shape[0] == E // ep
             return out
 
         rows, experts = P(layout.rows), P(EP) if ep > 1 else P()
-        specs = (rows, rows, rows, experts, experts, experts)
+        specs = (rows, rows, rows) + (experts,) * len(weights)
         sharded = jax.shard_map(body, mesh=layout.mesh, in_specs=specs, out_specs=rows)
         loss = lambda f: lambda x, cw, *w: jnp.sum(f(x, ids, cw, *w) * cot)
-        got = jax.jit(jax.value_and_grad(loss(sharded), argnums=(0, 1, 2, 3, 4)))(x, cw, *weights)
-        want = jax.value_and_grad(
-            lambda x, cw, *w: jnp.sum(local(x, ids, cw, w) * cot), argnums=(0, 1, 2, 3, 4)
-        )(x, cw, *weights)
+        argnums = tuple(range(2 + len(weights)))
+        got = jax.jit(jax.value_and_grad(loss(sharded), argnums=argnums))(x, cw, *weights)
+        want = jax.value_and_grad(lambda x, cw, *w: jnp.sum(local(x, ids, cw, w) * cot), argnums=argnums)(
+            x, cw, *weights
+        )
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             assert float(jnp.max(jnp.abs(a - b))) <= 1e-12 * max(1.0, float(jnp.max(jnp.abs(b))))
 

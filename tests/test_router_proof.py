@@ -36,13 +36,14 @@ def test_router_proven_on_ep_with_its_bias_bitwise():
 def test_gpt_oss_pieces_proven_under_ep_and_mp():
     """gpt-oss's pieces on tiny-cpu-moe's experts: the router's logit bias, the experts' biases (the
     down bias added once, on mp shard 0's partial), the clamped SwiGLU with alpha; softmax scores,
-    renormalised, no groups. Loss and every gradient (the biases') equal the unsharded model's."""
+    renormalised, no groups; through the sorted dispatch (the default "blocks": each row's expert's gate
+    and up biases in the grouped matmuls). Loss and every gradient (the biases') equal the unsharded
+    model's (the prover's reference: the "dense" dispatch, every expert on every token)."""
     from meshlm.proof import format_report, model_problem, verify
 
     gpt_oss = dict(router_bias=True, expert_bias=True, swiglu_limit=0.5, swiglu_alpha=1.702)
     plain = dict(router_score="softmax", n_group=0, topk_group=0, balance_bias=False, moe_bias_rate=0.0)
-    dense = dict(moe_dispatch="dense")  # the grouped matmuls take no expert bias yet (check_dispatch)
-    cfg = CFG.replace(**gpt_oss, **plain, **dense, routed_scaling_factor=1.0, n_shared_experts=0, n_layers=1)
+    cfg = CFG.replace(**gpt_oss, **plain, routed_scaling_factor=1.0, n_shared_experts=0, n_layers=1)
     layout = Layout(dp=2, mp=2, ep=2)
     with jax.enable_x64(True):
         problem = model_problem(cfg, "gpt-oss pieces", layout, 4, 8)

@@ -26,9 +26,3 @@ class DispatchFields:
 def check_dispatch(cfg) -> None:
     if cfg.moe_dispatch not in DISPATCHES:
         raise ConfigError(f"moe_dispatch must be one of {', '.join(DISPATCHES)}, got {cfg.moe_dispatch!r}")
-    if getattr(cfg, "expert_bias", False) and cfg.moe_dispatch != "dense":
-        # the grouped matmuls carry no per-expert bias yet (gpt-oss's): refused, never dropped
-        raise ConfigError(
-            f"expert_bias (gpt-oss's expert biases) runs with moe_dispatch='dense' only, got "
-            f'{cfg.moe_dispatch!r}; set moe_dispatch = "dense"'
-        )

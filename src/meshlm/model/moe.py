@@ -144,13 +144,18 @@ class Experts:
     (``parallel.grouped``); ``capacity``: each expert's bound on the global batch's choices (0: dropless);
     ``weights`` and ``hidden`` (``expert_activation``: the gated hidden units of gate and up) for the
     grouped matmuls; ``b_gate``, ``b_up`` [E_here, I/mp]: the projections' biases (None: none; the down
-    bias is ``MoE``'s; only the "dense" dispatch takes them: ``check_dispatch``)."""
+    bias is ``MoE``'s), each row's expert's added in every dispatch (``biases``: the pair, or ())."""
 
     def __init__(self, w_gate, w_up, w_down, dispatch="dense", capacity=0, b_gate=None, b_up=None, act=None):
         self.weights = (w_gate, w_up, w_down)
         self.b_gate, self.b_up = b_gate, b_up
         self.hidden = act or (lambda gate, up: jax.nn.silu(gate) * up)
         self.n_local, self.dispatch, self.capacity = w_gate.shape[0], dispatch, capacity
+
+    @property
+    def biases(self) -> tuple:
+        """(b_gate, b_up) [E_here, I/mp], or () without expert biases."""
+        return () if self.b_gate is None else (self.b_gate, self.b_up)
 
     def __call__(self, xs):
         w_gate, w_up, w_down = self.weights

@@ -103,8 +103,9 @@ def sorted_experts(par, x, ids, weights, expert_fn, first=0, cap: int = 0):
         ys = ragged_mlp(xs, rows.sizes, expert_fn)
     else:
         blocks = xs.reshape(-1, BLOCK, xs.shape[-1])
-        hook, ws = par.moe_expert_grads, [_varying_like(w, xs) for w in expert_fn.weights]
-        ys = block_mlp(expert_fn.hidden, hook, blocks, rows.block_expert, rows.used, *ws)
+        ws = tuple(_varying_like(w, xs) for w in expert_fn.weights)
+        bs = tuple(_varying_like(b, xs) for b in expert_fn.biases)
+        ys = block_mlp(expert_fn.hidden, par.moe_expert_grads, blocks, rows.block_expert, rows.used, ws, bs)
         ys = ys.reshape(xs.shape[0], -1)
     return jnp.zeros((n, ys.shape[-1]), ys.dtype).at[token].add(w[:, None] * ys, mode="drop")
 
@@ -117,32 +118,42 @@ def _varying_like(w, x):
 
 
 def ragged_mlp(xs, sizes, expert_fn):
-    """[R, D] rows grouped by expert (``sizes`` [E], rows past their sum: zeros) -> [R, D]."""
+    """[R, D] rows grouped by expert (``sizes`` [E], rows past their sum: zeros) -> [R, D]; with expert
+    biases each row's expert's added (rows past the sum take the last expert's: their weight is 0)."""
     w_gate, w_up, w_down = expert_fn.weights
-    h = expert_fn.hidden(lax.ragged_dot(xs, w_gate, sizes), lax.ragged_dot(xs, w_up, sizes))
-    return lax.ragged_dot(h, w_down, sizes)
+    gate, up = lax.ragged_dot(xs, w_gate, sizes), lax.ragged_dot(xs, w_up, sizes)
+    if expert_fn.b_gate is not None:
+        e = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(xs.shape[0]), side="right")
+        e = jnp.minimum(e, sizes.shape[0] - 1)
+        gate, up = gate + expert_fn.b_gate[e], up + expert_fn.b_up[e]
+    return lax.ragged_dot(expert_fn.hidden(gate, up), w_down, sizes)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def block_mlp(hidden, hook, xs, block_expert, used, w_gate, w_up, w_down):
+def block_mlp(hidden, hook, xs, block_expert, used, weights, biases):
     """xs [nb, BLOCK, D] -> [nb, BLOCK, D]: block i through expert ``block_expert[i]``'s gated MLP
-    (``hidden`` its activation of (gate, up)), blocks from ``used`` on left zero. ``hook`` sees the
-    weight gradients [E, ...] (``Parallel.moe_expert_grads``: where a control plants a fault)."""
-    return _block_forward(hidden, xs, block_expert, used, w_gate, w_up, w_down)[0]
+    (``hidden`` its activation of (gate, up); ``weights`` (w_gate, w_up, w_down) [E, ...], ``biases``
+    () or (b_gate, b_up) [E, I]), blocks from ``used`` on left zero. ``hook`` sees the weight gradients
+    [E, ...] (``Parallel.moe_expert_grads``: where a control plants a fault)."""
+    return _block_forward(hidden, xs, block_expert, used, weights, biases)[0]
 
 
-def _block_forward(hidden, xs, block_expert, used, w_gate, w_up, w_down):
+def _block_forward(hidden, xs, block_expert, used, weights, biases):
+    w_gate, w_up, w_down = weights
+
     def body(_, item):
         i, xb, e = item
 
         def run():
             g, u = xb @ w_gate[e], xb @ w_up[e]
+            if biases:
+                g, u = g + biases[0][e], u + biases[1][e]
             return hidden(g, u) @ w_down[e], g, u
 
         return None, lax.cond(i < used, run, lambda: _zeros_like(run()))
 
     _, (ys, g, u) = lax.scan(body, None, (jnp.arange(xs.shape[0]), xs, block_expert))
-    return ys, (xs, block_expert, used, w_gate, w_up, w_down, g, u)
+    return ys, (xs, block_expert, used, weights, biases, g, u)
 
 
 def _zeros_like(tree):
@@ -150,29 +161,37 @@ def _zeros_like(tree):
     return jax.tree.map(jnp.zeros_like, tree)
 
 
-def _block_fwd(hidden, hook, xs, block_expert, used, w_gate, w_up, w_down):
-    return _block_forward(hidden, xs, block_expert, used, w_gate, w_up, w_down)
+def _block_fwd(hidden, hook, xs, block_expert, used, weights, biases):
+    return _block_forward(hidden, xs, block_expert, used, weights, biases)
+
+
+def _t(a):
+    """[.., m, n] -> [.., n, m] as a real row-major array (behind a barrier, else XLA folds it back into
+    the dot, which then contracts a leading dim: off XLA:CPU's fast matmul, ``model.dense``)."""
+    return lax.optimization_barrier(jnp.swapaxes(a, -1, -2))
 
 
 def _block_bwd(hidden, hook, res, dys):
-    xs, block_expert, used, w_gate, w_up, w_down, g, u = res
+    xs, block_expert, used, weights, biases, g, u = res
+    # the weights transposed once per layer, each block's matmuls then contract their operands' last dims
+    w_gate_t, w_up_t, w_down_t = (_t(w) for w in weights)
 
     def body(acc, item):
-        i, xb, e, gb, ub, dy = item
+        i, xt, e, gb, ub, dy = item
 
         def run():
             h, vjp = jax.vjp(hidden, gb, ub)
-            dg, du = vjp(dy @ w_down[e].T)
-            dx = dg @ w_gate[e].T + du @ w_up[e].T
-            grads = (xb.T @ dg, xb.T @ du, h.T @ dy)
+            dg, du = vjp(dy @ w_down_t[e])
+            dx = dg @ w_gate_t[e] + du @ w_up_t[e]
+            grads = (xt @ dg, xt @ du, _t(h) @ dy) + ((jnp.sum(dg, 0), jnp.sum(du, 0)) if biases else ())
             return tuple(a.at[e].add(d) for a, d in zip(acc, grads, strict=True)), dx
 
         return lax.cond(i < used, run, lambda: (acc, _zeros_like(run()[1])))
 
-    zeros = tuple(jnp.zeros_like(w) for w in (w_gate, w_up, w_down))  # typed like the weights (varying)
-    items = (jnp.arange(xs.shape[0]), xs, block_expert, g, u, dys)
+    zeros = tuple(jnp.zeros_like(w) for w in (*weights, *biases))  # typed like the weights (varying)
+    items = (jnp.arange(xs.shape[0]), _t(xs), block_expert, g, u, dys)
     grads, dxs = lax.scan(body, zeros, items)
-    return (dxs, None, None, *hook(grads))
+    return (dxs, None, None, hook(grads[:3]), grads[3:])
 
 
 block_mlp.defvjp(_block_fwd, _block_bwd)
