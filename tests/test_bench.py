@@ -230,6 +230,15 @@ def test_moe_against_the_dense_model_of_equal_active_parameters():
     assert out["expert_compute_factor"] == 2.0 and out["active_params"] == moe.active
     assert "meshlm/dense-eq 2.00x (overhead 50.0%)" in _moe_line(out)
     assert moe_comparison(get_config("tiny-llama"), samples, Layout(), 256) is None  # a dense model
+    # cpu-moe's dense-eq: a config (its groups of 16 would not split one expert), weight exactly 1
+    cpu = dense_equivalent(get_config("cpu-moe"))
+    assert (cpu.router_score, cpu.n_group, cpu.routed_scaling_factor, cpu.balance_bias) == (
+        "softmax",
+        0,
+        1,
+        False,
+    )
+    assert cpu.n_shared_experts == 1 and cpu.moe_d_ff == 8 * 128
 
 
 def test_dense_eq_is_the_dense_gated_mlp_model():

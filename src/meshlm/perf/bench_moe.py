@@ -43,13 +43,21 @@ DENSE = "dense-eq"  # a MoE model: the dense model of equal active parameters (`
 
 def dense_equivalent(cfg: ModelConfig) -> ModelConfig:
     """The dense model of ``cfg``'s active parameters: one expert of k x moe_d_ff hidden units, chosen
-    by every token with weight 1 (a dense gated MLP), no aux or z-loss (module docstring)."""
+    by every token with weight 1 (a dense gated MLP), no aux or z-loss (module docstring). The router
+    is made a softmax over that one expert (weight exactly 1): no groups, scaling or selection bias
+    (cpu-moe's groups of 16 cannot split one expert); the experts' biases and activation stay."""
     return cfg.replace(
         n_experts=1,
         experts_per_token=1,
         moe_d_ff=cfg.experts_per_token * cfg.moe_d_ff,
         router_aux_loss_coef=0.0,
         router_z_loss_coef=0.0,
+        router_score="softmax",
+        n_group=0,
+        topk_group=0,
+        routed_scaling_factor=1.0,
+        balance_bias=False,
+        moe_bias_rate=0.0,
     )
 
 
