@@ -225,6 +225,7 @@ def test_moe_against_the_dense_model_of_equal_active_parameters():
     flops = out["expert_flops_over_routed"]  # compiled matmul FLOPs over the routed ones, 256 tokens
     assert flops["dense"] == pytest.approx(cfg.n_experts / cfg.experts_per_token, rel=0.01)  # + the combine
     assert 1 <= flops["blocks"] < 1.5  # padding: at most E x (BLOCK - 1) rows beyond the 512 routed
+    assert 1 <= out["expert_flops_run_over_routed"] <= flops["blocks"]  # the used blocks of the bound
     assert out["step_time_over_dense"] == {"meshlm": 2.0, "no-ep": 1.5}  # medians of paired ratios
     assert out["overhead_vs_dense"] == {"meshlm": 0.5, "no-ep": pytest.approx(1 / 3)}
     assert out["expert_compute_factor"] == 2.0 and out["active_params"] == moe.active

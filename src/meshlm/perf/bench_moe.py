@@ -84,6 +84,15 @@ def today_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params,
     return step, params, init_opt_state(opt, params, specs, layout.mesh), batch
 
 
+def _routing(cfg: ModelConfig, layout: Layout, tokens: int, seed: int):
+    """(ids [N, k], E_here): one shard's routing of ``tokens`` global (N = tokens / (dp x cp), ep x N
+    gathered with ep) by random router logits, the top k of them; its experts are 0 .. E_here - 1."""
+    n = tokens // (layout.dp * layout.cp) * layout.ep
+    rng = np.random.default_rng(seed)
+    ids = jax.lax.top_k(jnp.asarray(rng.normal(size=(n, cfg.n_experts)), jnp.float32), cfg.experts_per_token)
+    return ids[1], cfg.n_experts // layout.ep
+
+
 def expert_flops_over_routed(cfg: ModelConfig, layout: Layout, tokens: int, seed: int = 0) -> dict:
     """{dispatch: compiled expert matmul FLOPs / routed ones} for the config's dispatch and "dense", on
     one shard's shapes: ``tokens`` global, N = tokens / (dp x cp) per shard, ep x N gathered with ep
@@ -92,10 +101,8 @@ def expert_flops_over_routed(cfg: ModelConfig, layout: Layout, tokens: int, seed
     from meshlm.parallel.context import Parallel
     from meshlm.perf.hlo import dot_flops_per_step
 
-    n = tokens // (layout.dp * layout.cp) * layout.ep
-    e, k, d, i = cfg.n_experts // layout.ep, cfg.experts_per_token, cfg.d_model, cfg.moe_d_ff // layout.mp
-    rng = np.random.default_rng(seed)
-    ids = jax.lax.top_k(jnp.asarray(rng.normal(size=(n, cfg.n_experts)), jnp.float32), k)[1]
+    ids, e = _routing(cfg, layout, tokens, seed)
+    (n, k), d, i = ids.shape, cfg.d_model, cfg.moe_d_ff // layout.mp
     routed = 18 * d * i * int(jnp.sum(ids < e))
     args = [jnp.ones((n, d)), jnp.ones((n, k)), jnp.ones((e, d, i)), jnp.ones((e, d, i)), jnp.ones((e, i, d))]
     out = {}
@@ -104,6 +111,22 @@ def expert_flops_over_routed(cfg: ModelConfig, layout: Layout, tokens: int, seed
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile().as_text()
         out[how] = dot_flops_per_step(text) / routed
     return out
+
+
+def expert_flops_run_over_routed(
+    cfg: ModelConfig, layout: Layout, tokens: int, seed: int = 0
+) -> float | None:
+    """ "blocks" only: the expert matmul FLOPs the block scans run over the routed ones, on the routing of
+    ``expert_flops_over_routed``. The compiled count holds the scans' static bound (R / BLOCK blocks:
+    under ep a shard's experts could take every one of the group's choices); the blocks past the used
+    ones are skipped at run time (``lax.cond``), so a run multiplies 18 x BLOCK x D x I FLOPs (the 9
+    matmuls of a block, forward and backward) by the used blocks only."""
+    from meshlm.parallel.grouped import BLOCK, plan
+
+    if cfg.moe_dispatch != "blocks":
+        return None
+    ids, e = _routing(cfg, layout, tokens, seed)
+    return int(plan(ids, e, 0, "blocks").used) * BLOCK / int(jnp.sum(ids < e))
 
 
 def _paired(a: list[float], b: list[float]) -> float:
@@ -136,6 +159,7 @@ def moe_comparison(
         "dispatch": cfg.moe_dispatch,
         "expert_compute_factor": cfg.n_experts / cfg.experts_per_token,  # the "dense" dispatch's
         "expert_flops_over_routed": expert_flops_over_routed(cfg, layout, tokens),
+        "expert_flops_run_over_routed": expert_flops_run_over_routed(cfg, layout, tokens),
         "step_time_over_dense": ratios,
         "overhead_vs_dense": {name: 1 - 1 / r for name, r in ratios.items()},
     }

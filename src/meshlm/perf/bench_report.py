@@ -91,11 +91,12 @@ def _moe_line(moe: dict) -> str:
         f"{name}/{dense['impl']} {r:.2f}x (overhead {moe['overhead_vs_dense'][name]:.1%})"
         for name, r in moe["step_time_over_dense"].items()
     )
+    flops = ", ".join(f"{how} {r:.2f}" for how, r in moe["expert_flops_over_routed"].items())
     return (
         f"mixture of experts (E={moe['n_experts']}, k={moe['experts_per_token']}): {moe['params']:,} "
         f"parameters, {moe['active_params']:,} active; {dense['impl']} (dense, d_ff {dense['d_ff']}: "
-        f"{dense['params']:,} parameters): {times}; the dropless dispatch computes every expert on "
-        f"every token, {moe['expert_compute_factor']:g}x the routed expert FLOPs"
+        f'{dense["params"]:,} parameters): {times}; expert FLOPs / routed: {flops} (the "dense" '
+        f"dispatch, every expert on every token: E / k = {moe['expert_compute_factor']:g})"
     )
 
 
