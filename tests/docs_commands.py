@@ -498,6 +498,17 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm bench --config tiny-mixtral --mesh 2x1 --ep 2 --devices 2 --steps 5": Shown(
         "a measurement (5 implementations compiled and timed, ~1 min of CPU); bench's path: " + BENCH
     ),
+    "meshlm bench --config cpu-moe --json --gen-tokens 0": run(
+        "cpu-moe => tiny-cpu-moe", "--gen-tokens 0 => --gen-tokens 0 --seq-len 16 --warmup 0", costly=BENCH
+    ),
+    "meshlm bench --config cpu-moe --mesh 2x1 --ep 2 --devices 2 --json --gen-tokens 0": run(
+        "cpu-moe => tiny-cpu-moe", "--gen-tokens 0 => --gen-tokens 0 --seq-len 16 --warmup 0", costly=BENCH
+    ),
+    "meshlm plan --config qwen3-30b-a3b --mesh 8x8 --ep 8 --devices 64 --fsdp --sp": run(
+        "--config qwen3-30b-a3b => --config tiny-qwen3-moe",
+        "--mesh 8x8 --ep 8 --devices 64 => --mesh 2x2 --ep 2 --devices 4",
+        expect=("ep=2",),
+    ),
     "meshlm plan --config mixtral-8x7b --mesh 8x8 --ep 8 --devices 64 --fsdp --sp": run(
         "--config mixtral-8x7b => --config tiny-mixtral",
         "--mesh 8x8 --ep 8 --devices 64 => --mesh 2x2 --ep 2 --devices 4",
