@@ -116,11 +116,11 @@ def expert_flops_over_routed(cfg: ModelConfig, layout: Layout, tokens: int, seed
 def expert_flops_run_over_routed(
     cfg: ModelConfig, layout: Layout, tokens: int, seed: int = 0
 ) -> float | None:
-    """ "blocks" only: the expert matmul FLOPs the block scans run over the routed ones, on the routing of
-    ``expert_flops_over_routed``. The compiled count holds the scans' static bound (R / BLOCK blocks:
-    under ep a shard's experts could take every one of the group's choices); the blocks past the used
-    ones are skipped at run time (``lax.cond``), so a run multiplies 18 x BLOCK x D x I FLOPs (the 9
-    matmuls of a block, forward and backward) by the used blocks only."""
+    """The expert matmul FLOPs the block scans run over the routed ones ("blocks" only; else None), on
+    the routing of ``expert_flops_over_routed``. The compiled count holds the scans' static bound
+    (R / BLOCK blocks: under ep a shard's experts could take every one of the group's choices); the
+    blocks past the used ones are skipped at run time (``lax.cond``), so a run multiplies 18 x BLOCK
+    x D x I FLOPs (the 9 matmuls of a block, forward and backward) by the used blocks only."""
     from meshlm.parallel.grouped import BLOCK, plan
 
     if cfg.moe_dispatch != "blocks":
