@@ -133,6 +133,18 @@ def family_fixture(cases):
     return family
 
 
+def kv_slots(local: int | None, more_than: int):
+    """A ``Case.generated`` check: generate --json's ``kv_cache`` holds ``local`` slots (rolling) in
+    the windowed layers (None: no windowed layer) and more than ``more_than`` (the context) in the
+    full ones."""
+
+    def check(out):
+        cache = out["kv_cache"]
+        assert cache.get("local_slots") == local and cache["slots"] > more_than
+
+    return check
+
+
 def drift(family: dict, **changes) -> float:
     """Our unsharded logits' distance from transformers' (read afresh from the directory, so a planted
     reader or model change applies), with ``changes`` to the read config."""

@@ -13,6 +13,10 @@ RTOL = 1e-5
 VOCAB = 280
 PROMPT = "def héllo(wörld):\n    ret"
 NEW = 10
+# The tiny transformers configs' common fields (a family's file adds its own: layers, MLP width, pad id)
+TINY = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+TINY |= dict(max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+ROPE = {"rope_type": "default", "rope_theta": 1e4}
 CORPUS = ["def héllo(wörld):\n    return wörld + 1  # ünïcode\n" * 30, "import os\nclass A:\n    pass\n" * 20]
 
 

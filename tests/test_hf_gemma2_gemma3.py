@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_harness import Case, Comparison, GreedyText, drift, family_fixture  # noqa: E402
-from hf_helpers import RTOL, VOCAB  # noqa: E402
+from hf_harness import Case, Comparison, GreedyText, drift, family_fixture, kv_slots  # noqa: E402
+from hf_helpers import ROPE, RTOL, TINY  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config  # noqa: E402
@@ -22,32 +22,15 @@ from meshlm.model.config import get_config  # noqa: E402
 
 NEW = 16  # 4 windows: the local layers' rolling caches wrap several times
 WINDOW = 4  # < the 16 tokens compared and the prompt: every local layer's window matters
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    query_pre_attn_scalar=12,  # != head_dim: the scale matters
-    sliding_window=WINDOW,
-    max_position_embeddings=64,
-    bos_token_id=0,
-    eos_token_id=0,
-    pad_token_id=0,
-)
+SMALL = dict(**TINY, intermediate_size=64, head_dim=16, sliding_window=WINDOW, pad_token_id=0)
+SMALL |= dict(query_pre_attn_scalar=12)  # != head_dim: the scale matters
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 
 
-def _rolling(out):
-    """The local layers' KV cache holds their window (rolling), the global layers' the whole context
-    (``model.kv_kinds``), as generate --json reports."""
-    assert out["kv_cache"]["local_slots"] == WINDOW and out["kv_cache"]["slots"] > 3 * WINDOW
-
-
 # initializer_range 0.1: greedy neither degenerate (0.3: one token repeated) nor near a tie; every
-# parameter perturbed, the norm weights by 0.3 (far from 0: their (1 + w) far from 1)
-GEMMA = dict(init=0.1, seed=1, eager=True, new=NEW, generated=_rolling)
+# parameter perturbed, the norm weights by 0.3 (far from 0: their (1 + w) far from 1); the local layers'
+# KV cache holds their window (rolling), the global layers' the whole context (``model.kv_kinds``)
+GEMMA = dict(init=0.1, seed=1, eager=True, new=NEW, generated=kv_slots(WINDOW, 3 * WINDOW))
 family = family_fixture(
     [
         Case(
@@ -57,7 +40,7 @@ family = family_fixture(
                 num_hidden_layers=4,  # local, global, local, global
                 attn_logit_softcapping=10.0,  # small enough to bend the perturbed model's scores and logits
                 final_logit_softcapping=15.0,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                rope_parameters=ROPE,
                 **SMALL,
             ),
             reads=dict(global_every=2, sliding_window=WINDOW),

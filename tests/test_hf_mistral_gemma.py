@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hf_harness import Case, Comparison, GreedyText, drift, family_fixture  # noqa: E402
-from hf_helpers import RTOL, VOCAB, rel  # noqa: E402
+from hf_helpers import RTOL, TINY, rel  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config  # noqa: E402
@@ -18,8 +18,7 @@ from meshlm.model import attention, transformer  # noqa: E402
 from meshlm.model.params import unflatten  # noqa: E402
 
 WINDOW = 4  # smaller than the prompt, the generation and the logits test's sequence (16 = 4 windows)
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, intermediate_size=64, bos_token_id=0)
-SMALL |= dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, eos_token_id=0)
+SMALL = dict(**TINY, num_hidden_layers=2, intermediate_size=64)
 
 
 def _window_cache(out):

@@ -11,32 +11,20 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hf_harness import Case, Comparison, GreedyText, family_fixture  # noqa: E402
-from hf_helpers import VOCAB, balance_loss_equal_transformers  # noqa: E402
+from hf_helpers import ROPE, TINY, balance_loss_equal_transformers  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config  # noqa: E402
 from meshlm.model.config import get_config  # noqa: E402
 
+MIXTRAL = dict(**TINY, num_hidden_layers=2, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+MIXTRAL |= dict(rope_parameters=ROPE, router_aux_loss_coef=0.02)
 family = family_fixture(
     [
         Case(
             "mixtral",
             "MixtralForCausalLM",
-            lambda: transformers.MixtralConfig(
-                vocab_size=VOCAB,
-                hidden_size=32,
-                num_hidden_layers=2,
-                intermediate_size=32,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                num_local_experts=4,
-                num_experts_per_tok=2,
-                max_position_embeddings=64,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e4},
-                bos_token_id=0,
-                eos_token_id=0,
-                router_aux_loss_coef=0.02,
-            ),  # fmt: skip
+            lambda: transformers.MixtralConfig(**MIXTRAL),
             reads=dict(n_experts=4, router_aux_loss_coef=0.02),
             fused=True,
             sharded=("--mesh", "2x1", "--ep", "2"),

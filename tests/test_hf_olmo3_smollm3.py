@@ -11,8 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_harness import Case, Comparison, GreedyText, drift, family_fixture  # noqa: E402
-from hf_helpers import RTOL, VOCAB  # noqa: E402
+from hf_harness import Case, Comparison, GreedyText, drift, family_fixture, kv_slots  # noqa: E402
+from hf_helpers import ROPE, RTOL, TINY  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config  # noqa: E402
@@ -21,29 +21,8 @@ from meshlm.model.config import get_config  # noqa: E402
 
 NEW = 16  # 4 windows: OLMo 3's sliding layers' rolling caches wrap several times
 WINDOW = 4
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    bos_token_id=0,
-    eos_token_id=0,
-    pad_token_id=0,
-)
+SMALL = dict(**TINY, intermediate_size=64, num_hidden_layers=4, pad_token_id=0)
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
-
-
-def _caches(local):
-    """OLMo 3's sliding layers keep a rolling cache of their window, its full layer the context;
-    SmolLM3's layers all keep the context (NoPE changes no cache), as generate --json reports."""
-
-    def check(out):
-        assert out["kv_cache"].get("local_slots") == local and out["kv_cache"]["slots"] > 3 * WINDOW
-
-    return check
 
 
 # initializer_range per family: greedy neither degenerate (one token repeated) nor near a tie
@@ -63,18 +42,18 @@ family = family_fixture(
             ),
             reads=dict(global_every=4, sliding_window=WINDOW, rope_local_theta=1e4, rope_theta=5e5),
             init=0.1,
-            generated=_caches(WINDOW),
+            generated=kv_slots(WINDOW, 3 * WINDOW),  # sliding layers roll, the full one not
             **BOTH,
         ),
         Case(
             "smollm3",
             "SmolLM3ForCausalLM",
             lambda: transformers.SmolLM3Config(
-                rope_parameters={"rope_type": "default", "rope_theta": 1e4}, **SMALL
+                rope_parameters=ROPE, **SMALL
             ),  # no_rope_layers from the interval 4: the fourth layer NoPE; tied embeddings
             reads=dict(global_every=4, global_nope=True, tie_embeddings=True, sliding_window=0),
             init=0.3,
-            generated=_caches(None),
+            generated=kv_slots(None, 3 * WINDOW),  # NoPE changes no cache
             **BOTH,
         ),
     ]

@@ -11,36 +11,22 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hf_harness import Case, Comparison, GreedyText, family_fixture  # noqa: E402
-from hf_helpers import VOCAB, balance_loss_equal_transformers  # noqa: E402
+from hf_helpers import ROPE, TINY, balance_loss_equal_transformers  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config, hf_weights  # noqa: E402
 from meshlm.model.config import get_config  # noqa: E402
 
+# a shared expert, a dense first layer (mlp_only_layers), no top-k renormalisation
+QWEN2_MOE = dict(**TINY, num_hidden_layers=3, intermediate_size=48, num_experts=4, num_experts_per_tok=2)
+QWEN2_MOE |= dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, mlp_only_layers=[0])
+QWEN2_MOE |= dict(norm_topk_prob=False, rope_parameters=ROPE, router_aux_loss_coef=0.02)
 family = family_fixture(
     [
         Case(
             "qwen2_moe",
             "Qwen2MoeForCausalLM",
-            lambda: transformers.Qwen2MoeConfig(
-                vocab_size=VOCAB,
-                hidden_size=32,
-                num_hidden_layers=3,
-                intermediate_size=48,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                num_experts=4,
-                num_experts_per_tok=2,
-                moe_intermediate_size=16,
-                shared_expert_intermediate_size=24,
-                mlp_only_layers=[0],
-                norm_topk_prob=False,
-                max_position_embeddings=64,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e4},
-                bos_token_id=0,
-                eos_token_id=0,
-                router_aux_loss_coef=0.02,
-            ),  # fmt: skip
+            lambda: transformers.Qwen2MoeConfig(**QWEN2_MOE),
             reads=dict(dense_layers=(0,), shared_expert_d_ff=24, norm_topk_prob=False),
             fused=True,
             sharded=("--mesh", "2x1", "--ep", "2", "--devices", "2"),

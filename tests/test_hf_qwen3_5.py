@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hf_harness import Case, Comparison, drift, family_fixture  # noqa: E402
-from hf_helpers import RTOL, VOCAB, rel  # noqa: E402
+from hf_helpers import ROPE, RTOL, TINY, rel  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config, hf_weights  # noqa: E402
@@ -26,33 +26,15 @@ TOL = 2 * RTOL
 
 # layers linear, linear, linear, full (transformers' default interval 4); 2 key heads serving 4 value
 # heads; a quarter of each full-attention head rotated
+QWEN3_5 = dict(**TINY, num_hidden_layers=4, intermediate_size=64, head_dim=16, linear_num_key_heads=2)
+QWEN3_5 |= dict(linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+QWEN3_5 |= dict(rope_parameters={**ROPE, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]})
 family = family_fixture(
     [
         Case(
             "qwen3_5",
             "Qwen3_5ForCausalLM",
-            lambda: transformers.Qwen3_5TextConfig(
-                vocab_size=VOCAB,
-                hidden_size=32,
-                num_hidden_layers=4,
-                intermediate_size=64,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                max_position_embeddings=64,
-                linear_num_key_heads=2,
-                linear_num_value_heads=4,
-                linear_key_head_dim=8,
-                linear_value_head_dim=8,
-                rope_parameters={
-                    "rope_type": "default",
-                    "rope_theta": 1e4,
-                    "partial_rotary_factor": 0.25,
-                    "mrope_section": [1, 1, 0],
-                },
-                bos_token_id=0,
-                eos_token_id=0,
-            ),  # fmt: skip
+            lambda: transformers.Qwen3_5TextConfig(**QWEN3_5),
             reads=dict(full_attn_every=4, linear_layers=(0, 1, 2), rot_dim=4),
             length=20,
             change=dict(linear_chunk=CHUNK),

@@ -14,19 +14,15 @@ transformers = pytest.importorskip("transformers")
 
 import haiku as hk  # noqa: E402
 from hf_harness import Case, Comparison, GreedyText, family_fixture  # noqa: E402
-from hf_helpers import VOCAB, balance_loss_equal_transformers  # noqa: E402
+from hf_helpers import ROPE, TINY, balance_loss_equal_transformers  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config  # noqa: E402
 from meshlm.model.config import get_config  # noqa: E402
 from meshlm.parallel.context import Parallel  # noqa: E402
 
-SHARED = dict(
-    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, intermediate_size=48, num_attention_heads=4,
-    num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e4}, bos_token_id=0, eos_token_id=0,
-    pad_token_id=0,
-)  # fmt: skip
+SHARED = dict(**TINY, num_hidden_layers=2, intermediate_size=48, num_experts=4, num_experts_per_tok=2)
+SHARED |= dict(rope_parameters=ROPE, pad_token_id=0)
 MOE = dict(fused=True, sharded=("--mesh", "2x1", "--ep", "2"))
 family = family_fixture(
     [

@@ -15,16 +15,14 @@ transformers = pytest.importorskip("transformers")
 
 import haiku as hk  # noqa: E402
 from hf_harness import Case, Comparison, GreedyText, drift, family_fixture  # noqa: E402
-from hf_helpers import RTOL, VOCAB  # noqa: E402
+from hf_helpers import ROPE, RTOL, TINY  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config, hf_weights  # noqa: E402
 from meshlm.model import attention  # noqa: E402
 from meshlm.model.config import get_config  # noqa: E402
 
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, intermediate_size=64, bos_token_id=0)
-SMALL |= dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, eos_token_id=0)
-ROPE = {"rope_type": "default", "rope_theta": 1e4}
+SMALL = dict(**TINY, num_hidden_layers=2, intermediate_size=64)
 family = family_fixture(
     [
         Case(
