@@ -42,7 +42,7 @@ plant "the tied head's gradient not added to the embedding's" src/meshlm/shardin
   "g_embed = jax.tree.map(jnp.add, g_embed," "g_embed = jax.tree.map(lambda a, b: a, g_embed," \
   "tests/test_pp_verify.py"
 plant "the stacked layers stored unsplit over pp" src/meshlm/sharding/rules.py \
-  "P(PP, *spec[1:]) if is_stacked" "spec if is_stacked" "tests/test_pp_train.py"
+  "P(PP, *spec[1:]) if is_stacked" "spec if is_stacked" "tests/test_resume.py -k pp"
 plant "the batch check ignoring the micro-batches" src/meshlm/parallel/layout.py \
   "m = layout.microbatches if layout.pp > 1 else 1" "m = 1" "tests/test_pp_cli.py"
 

@@ -79,7 +79,8 @@ def finish(proc: subprocess.Popen, timeout: float) -> int:
 
 
 def train_cmd(out: Path, corpus: Path, steps: int) -> list[str]:
-    """The command of tests/test_train.py::test_sigkill_then_resume_is_bitwise_identical."""
+    """The command of tests/test_resume.py::test_sigkill_then_resume_is_bitwise_identical (whose cells
+    add --fsdp --sp or --pp)."""
     flags = (
         "--config tiny-lm --batch-size 8 --seq-len 32 --warmup-steps 2 --eval-every 0 "
         f"--save-every {SAVE_EVERY} --sample-tokens 0 --mesh 2x2 --devices 4"

@@ -42,6 +42,7 @@ jax.devices()
 # whose tests take a minute or more in all belongs here. The other files follow in name order.
 SLOW_FIRST = (
     "test_train.py",
+    "test_resume.py",
     "test_multiprocess.py",
     "test_core.py",
     "test_transformer.py",
@@ -56,7 +57,6 @@ SLOW_FIRST = (
     "test_distributed.py",
     "test_plan.py",
     "test_pipeline.py",
-    "test_pp_train.py",
     "test_pp_cli.py",
     "test_finetune.py",
 )

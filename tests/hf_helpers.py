@@ -13,19 +13,24 @@ RTOL = 1e-5
 VOCAB = 280
 PROMPT = "def héllo(wörld):\n    ret"
 NEW = 10
+# The tiny transformers configs' common fields (a family's file adds its own: layers, MLP width, pad id)
+TINY = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+TINY |= dict(max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+ROPE = {"rope_type": "default", "rope_theta": 1e4}
 CORPUS = ["def héllo(wörld):\n    return wörld + 1  # ünïcode\n" * 30, "import os\nclass A:\n    pass\n" * 20]
 
 
-def perturbed_model(model_cls, hf_cfg):
-    """A tiny transformers model of ``hf_cfg`` with peaked logits (greedy text neither degenerate nor near
-    a tie) and every weight perturbed (the norm weights away from 1), so that no tensor is its default."""
+def perturbed_model(model_cls, hf_cfg, init: float = 0.3, norm_noise: float = 0.3):
+    """A tiny transformers model of ``hf_cfg`` with peaked logits (``init``, its initializer_range: greedy
+    text neither degenerate nor near a tie) and every weight perturbed (by 0.05, the norm weights by
+    ``norm_noise``: away from their 1 or 0), so that no tensor is its default."""
     import torch
 
-    hf_cfg.initializer_range = 0.3
+    hf_cfg.initializer_range = init
     model = model_cls(hf_cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+            p.add_(torch.randn_like(p) * (norm_noise if "norm" in name else 0.05))
     return model
 
 
@@ -88,3 +93,25 @@ def write_fused(model, source, out):
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def balance_loss_equal_transformers(hf_dir, model, tokens, loss_func, experts=4, k=2) -> int:
+    """Our "hf" balance loss of the converted model's own routing equals transformers' ``loss_func``
+    (its load_balancing_loss_func) of the model's router logits, every routed layer's tokens pooled;
+    returns how many routed layers both saw."""
+    import pytest
+    import torch
+
+    from meshlm.io import hf_weights
+    from meshlm.model import moe
+    from meshlm.model.transformer import local_logits_stats
+
+    cfg, flat = hf_weights.load_hf(hf_dir)
+    run = lambda t: local_logits_stats(cfg, Parallel(), t)[2]
+    stats = hk.transform(run).apply(unflatten(flat), None, tokens)
+    with torch.no_grad():
+        router = model(torch.tensor(tokens), output_router_logits=True).router_logits
+    want = float(loss_func(router, experts, k))
+    assert stats.shape[0] == len(router)
+    assert float(moe.balance_loss(cfg, stats)) == pytest.approx(want, rel=1e-5)
+    return len(router)

@@ -10,26 +10,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import run_cli, sharded_logits  # noqa: E402
-from hf_helpers import (  # noqa: E402
-    CORPUS,
-    NEW,
-    PROMPT,
-    RTOL,
-    VOCAB,
-    bpe_tokenizer,
-    export_round_trip,
-    hf_logits,
-    our_logits,
-    perturbed_model,
-    random_tokens,
-    rel,
-)
+from hf_harness import Case, Comparison, GreedyText, drift, family_fixture  # noqa: E402
+from hf_helpers import RTOL, VOCAB  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
-from meshlm.io import hf_config, hf_weights  # noqa: E402
+from meshlm.io import hf_config  # noqa: E402
 from meshlm.model import mla  # noqa: E402
-from meshlm.model.params import unflatten  # noqa: E402
 
 ROPE = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}
 ROPE |= {"mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 32, "beta_slow": 1}
@@ -46,61 +32,29 @@ def _hf_config(**changes):
     return transformers.DeepseekV3Config(**{**fields, **changes})
 
 
-@pytest.fixture(scope="module")
-def tokens():
-    return random_tokens()
+family = family_fixture(
+    [
+        Case(
+            "deepseek_v3",
+            "DeepseekV3ForCausalLM",
+            _hf_config,
+            reads=dict(family="deepseek_v3_dense", mla=True, head_dim=12, rot_dim=4, v_head_dim=6),
+        )
+    ]
+)
 
 
-@pytest.fixture(scope="module")
-def converted(tokens, tmp_path_factory):
-    """{hf (directory), ckpt (converted, 1x1), model, logits, text (greedy)}; every weight perturbed."""
-    torch.manual_seed(0)
-    tokenizer = bpe_tokenizer(CORPUS, VOCAB)
-    model = perturbed_model(transformers.DeepseekV3ForCausalLM, _hf_config())
-    root = tmp_path_factory.mktemp("deepseek_v3")
-    model.save_pretrained(root / "hf")
-    tokenizer.save_pretrained(root / "hf")
-    argv = ("convert", "--from-hf", str(root / "hf"), "--out", str(root / "ckpt"), "--mesh", "1x1")
-    assert run_cli(*argv) == 0
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-    assert len(set(out[0, ids.shape[1] :].tolist())) > 3
-    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    return dict(hf=root / "hf", ckpt=root / "ckpt", model=model, text=text, logits=hf_logits(model, tokens))
+class TestTransformers(Comparison, GreedyText):
+    """Logits unsharded and on 2x2, the export, greedy text on 1x1 and 1x2 (tests/hf_harness.py)."""
 
 
-def test_logits_equal_transformers_and_a_shared_bug_does_not(converted, tokens, monkeypatch):
-    cfg, flat = hf_weights.load_hf(converted["hf"])
-    assert (cfg.family, cfg.mla, cfg.head_dim, cfg.rot_dim, cfg.v_head_dim) == (
-        "deepseek_v3_dense",
-        True,
-        12,
-        4,
-        6,
-    )
-    assert rel(our_logits(cfg, flat, tokens), converted["logits"]) <= RTOL
-    for copy in sharded_logits(cfg, unflatten(flat), tokens):  # 2x2
-        assert rel(copy, converted["logits"]) <= RTOL
-    # the YaRN attention factor on q only: both runs would share it, transformers' logits tell
+def test_a_shared_yarn_bug_fails_the_transformers_comparison(family, monkeypatch):
+    """The YaRN attention factor on q only: both verify's runs would share it, transformers' logits tell."""
     planted = lambda x, cos, sin, scale, style, query: mla.apply_rotary(
         x, cos * (scale if query else 1.0), sin * (scale if query else 1.0), x.shape[-1], style
     )
     monkeypatch.setattr(mla, "rotate_pair", planted)
-    assert rel(our_logits(cfg, flat, tokens), converted["logits"]) > 100 * RTOL
-
-
-@pytest.mark.parametrize("mesh", ["1x1", "1x2"])
-def test_generate_prints_transformers_text(converted, mesh, capsys):
-    capsys.readouterr()
-    argv = ["generate", "--checkpoint", str(converted["ckpt"]), "--mesh", mesh, "--temperature", "0"]
-    assert run_cli(*argv, "--prompt", PROMPT, "--max-new-tokens", str(NEW)) == 0
-    assert capsys.readouterr().out == PROMPT + converted["text"] + "\n"
-
-
-def test_export_loads_in_transformers(converted, tokens, tmp_path):
-    name, err, same = export_round_trip(converted["hf"], tmp_path, tokens, converted["logits"])
-    assert (name, same) == ("DeepseekV3ForCausalLM", True) and err <= RTOL
+    assert drift(family) > 100 * RTOL
 
 
 def test_moe_router_and_plain_queries_are_one_line():

@@ -7,144 +7,73 @@ transformers' on 16 tokens, 4 times the window (float32, unsharded and on 2x2), 
 cache rolls over the window), and the export loads back with equal
 logits."""
 
-import json
-
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import run_cli, sharded_logits  # noqa: E402
-from hf_helpers import (  # noqa: E402  # noqa: E402
-    CORPUS,
-    PROMPT,
-    RTOL,
-    VOCAB,
-    bpe_tokenizer,
-    export_round_trip,
-    hf_logits,
-    our_logits,
-    random_tokens,
-    rel,
-)
+from hf_harness import Case, Comparison, GreedyText, drift, family_fixture, kv_slots  # noqa: E402
+from hf_helpers import ROPE, RTOL, TINY  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
-from meshlm.io import hf_config, hf_weights  # noqa: E402
+from meshlm.io import hf_config  # noqa: E402
 from meshlm.model import attention  # noqa: E402
 from meshlm.model.config import get_config  # noqa: E402
-from meshlm.model.params import unflatten  # noqa: E402
 
 NEW = 16  # 4 windows: the local layers' rolling caches wrap several times
 WINDOW = 4  # < the 16 tokens compared and the prompt: every local layer's window matters
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    query_pre_attn_scalar=12,  # != head_dim: the scale matters
-    sliding_window=WINDOW,
-    max_position_embeddings=64,
-    bos_token_id=0,
-    eos_token_id=0,
-    pad_token_id=0,
-)
+SMALL = dict(**TINY, intermediate_size=64, head_dim=16, sliding_window=WINDOW, pad_token_id=0)
+SMALL |= dict(query_pre_attn_scalar=12)  # != head_dim: the scale matters
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
-HF_CONFIGS = {
-    "gemma2": lambda: transformers.Gemma2Config(
-        num_hidden_layers=4,  # local, global, local, global
-        attn_logit_softcapping=10.0,  # small enough to bend the perturbed model's scores and logits
-        final_logit_softcapping=15.0,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
-        **SMALL,
-    ),
-    "gemma3": lambda: transformers.Gemma3TextConfig(
-        num_hidden_layers=6,
-        layer_types=[LOCAL, LOCAL, GLOBAL] * 2,
-        rope_parameters={
-            GLOBAL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-            LOCAL: {"rope_type": "default", "rope_theta": 1e4},
-        },
-        **SMALL,
-    ),
-}
-MODEL_CLASSES = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return bpe_tokenizer(CORPUS, VOCAB)
+# initializer_range 0.1: greedy neither degenerate (0.3: one token repeated) nor near a tie; every
+# parameter perturbed, the norm weights by 0.3 (far from 0: their (1 + w) far from 1); the local layers'
+# KV cache holds their window (rolling), the global layers' the whole context (``model.kv_kinds``)
+GEMMA = dict(init=0.1, seed=1, eager=True, new=NEW, generated=kv_slots(WINDOW, 3 * WINDOW))
+family = family_fixture(
+    [
+        Case(
+            "gemma2",
+            "Gemma2ForCausalLM",
+            lambda: transformers.Gemma2Config(
+                num_hidden_layers=4,  # local, global, local, global
+                attn_logit_softcapping=10.0,  # small enough to bend the perturbed model's scores and logits
+                final_logit_softcapping=15.0,
+                rope_parameters=ROPE,
+                **SMALL,
+            ),
+            reads=dict(global_every=2, sliding_window=WINDOW),
+            **GEMMA,
+        ),
+        Case(
+            "gemma3",
+            "Gemma3ForCausalLM",
+            lambda: transformers.Gemma3TextConfig(
+                num_hidden_layers=6,
+                layer_types=[LOCAL, LOCAL, GLOBAL] * 2,
+                rope_parameters={
+                    GLOBAL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                    LOCAL: {"rope_type": "default", "rope_theta": 1e4},
+                },
+                **SMALL,
+            ),
+            reads=dict(global_every=3, sliding_window=WINDOW),
+            **GEMMA,
+        ),
+    ]
+)
 
 
-@pytest.fixture(scope="module")
-def tokens():
-    return random_tokens()
+class TestTransformers(Comparison, GreedyText):
+    """Logits unsharded and on 2x2, the export, greedy text on 1x1 and 1x2 past several windows
+    (tests/hf_harness.py)."""
 
 
-@pytest.fixture(scope="module", params=list(HF_CONFIGS))
-def family(request, tokenizer, tokens, tmp_path_factory):
-    """{name, hf (directory), ckpt (converted, 1x1), model, logits, text (greedy)}; every parameter
-    perturbed, the norm weights by 0.3 (far from 0: their (1 + w) far from 1)."""
-    torch.manual_seed(1)
-    hf_cfg = HF_CONFIGS[request.param]()
-    hf_cfg.initializer_range = 0.1  # greedy neither degenerate (0.3: one token repeated) nor near a tie
-    hf_cfg._attn_implementation = "eager"
-    model = getattr(transformers, MODEL_CLASSES[request.param])(hf_cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
-    root = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(root / "hf")
-    tokenizer.save_pretrained(root / "hf")
-    assert (
-        run_cli("convert", "--from-hf", str(root / "hf"), "--out", str(root / "ckpt"), "--mesh", "1x1") == 0
-    )
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    assert ids.shape[1] > WINDOW
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    assert len(set(out[0, ids.shape[1] :].tolist())) > 3
-    return dict(
-        name=request.param, hf=root / "hf", ckpt=root / "ckpt", model=model, text=text,
-        logits=hf_logits(model, tokens),
-    )  # fmt: skip
-
-
-def test_logits_equal_transformers(family, tokens):
-    cfg, flat = hf_weights.load_hf(family["hf"])
-    assert cfg.family == family["name"] and cfg.global_every in (2, 3) and cfg.sliding_window == WINDOW
-    assert rel(our_logits(cfg, flat, tokens), family["logits"]) <= RTOL
-    for copy in sharded_logits(cfg, unflatten(flat), tokens):
-        assert rel(copy, family["logits"]) <= RTOL
-
-
-@pytest.mark.parametrize("mesh", ["1x1", "1x2"])
-def test_generate_prints_transformers_text(family, mesh, capsys):
-    """Past several windows; the local layers' KV cache holds their window (rolling), the global
-    layers' the whole context (``model.kv_kinds``), as generate --json reports."""
-    capsys.readouterr()
-    argv = ["generate", "--checkpoint", str(family["ckpt"]), "--mesh", mesh, "--temperature", "0", "--json"]
-    assert run_cli(*argv, "--prompt", PROMPT, "--max-new-tokens", str(NEW)) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["text"] == family["text"] and NEW >= 3 * WINDOW
-    assert out["kv_cache"]["local_slots"] == WINDOW and out["kv_cache"]["slots"] > 3 * WINDOW
-
-
-def test_export_loads_in_transformers(family, tokens, tmp_path):
-    name, err, same = export_round_trip(
-        family["hf"], tmp_path, tokens, family["logits"], attn_implementation="eager"
-    )
-    assert (name, same) == (MODEL_CLASSES[family["name"]], True) and err <= RTOL
-
-
-def test_each_layer_kind_matters(family, tokens):
+def test_each_layer_kind_matters(family):
     """The same weights with every layer global (no window, the global rotary) are far from
     transformers': the comparison above sees the kinds."""
-    cfg, flat = hf_weights.load_hf(family["hf"])
-    every_global = cfg.replace(global_every=1, rope_local_theta=0.0)
-    assert rel(our_logits(every_global, flat, tokens), family["logits"]) > 100 * RTOL
+    assert drift(family, global_every=1, rope_local_theta=0.0) > 100 * RTOL
 
 
 def test_released_gemma3_config_reads_as_transformers():

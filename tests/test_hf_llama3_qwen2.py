@@ -121,7 +121,8 @@ def test_logits_equal_transformers_unsharded_and_2x2(family, tokens):
         assert _rel(copy, want) <= RTOL
 
 
-@pytest.mark.parametrize("mesh", ["1x1", "1x2", "2x2"])
+# 1x1 and one sharded mesh (test_generation_stops_at_either_eos_id reuses 2x2's compiled programs)
+@pytest.mark.parametrize("mesh", ["1x1", "2x2"])
 def test_greedy_text_equal_and_stops_at_an_eos_id(family, mesh, capsys):
     capsys.readouterr()
     argv = ["generate", "--checkpoint", str(family["root"] / "ckpt"), "--mesh", mesh, "--temperature", "0"]

@@ -6,145 +6,71 @@ logits equal to transformers' on 16 tokens, 4 times OLMo 3's window (float32, un
 windows: the sliding layers' cache rolls), and the export loads back with equal logits. A NoPE layer
 rotated in code both runs would share fails the comparison (shown); YaRN is refused in one line."""
 
-import json
-
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import run_cli, sharded_logits  # noqa: E402
-from hf_helpers import (  # noqa: E402
-    CORPUS,
-    PROMPT,
-    RTOL,
-    VOCAB,
-    bpe_tokenizer,
-    export_round_trip,
-    hf_logits,
-    our_logits,
-    random_tokens,
-    rel,
-)
+from hf_harness import Case, Comparison, GreedyText, drift, family_fixture, kv_slots  # noqa: E402
+from hf_helpers import ROPE, RTOL, TINY  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
-from meshlm.io import hf_config, hf_weights  # noqa: E402
+from meshlm.io import hf_config  # noqa: E402
 from meshlm.model import attention  # noqa: E402
 from meshlm.model.config import get_config  # noqa: E402
-from meshlm.model.params import unflatten  # noqa: E402
 
 NEW = 16  # 4 windows: OLMo 3's sliding layers' rolling caches wrap several times
 WINDOW = 4
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    bos_token_id=0,
-    eos_token_id=0,
-    pad_token_id=0,
-)
+SMALL = dict(**TINY, intermediate_size=64, num_hidden_layers=4, pad_token_id=0)
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
-HF_CONFIGS = {
-    "olmo3": lambda: transformers.Olmo3Config(
-        sliding_window=WINDOW,
-        rope_parameters={  # the two kinds' bases differ: each layer must take its own
-            LOCAL: {"rope_type": "default", "rope_theta": 1e4},
-            GLOBAL: {"rope_type": "default", "rope_theta": 5e5},
-        },
-        **SMALL,
-    ),
-    "smollm3": lambda: transformers.SmolLM3Config(
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4}, **SMALL
-    ),  # no_rope_layers from the interval 4: the fourth layer NoPE; tied embeddings
-}
-MODEL_CLASSES = {"olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
-INIT = {"olmo3": 0.1, "smollm3": 0.3}  # greedy neither degenerate (one token repeated) nor near a tie
-EXPECTED = {
-    "olmo3": dict(global_every=4, sliding_window=WINDOW, rope_local_theta=1e4, rope_theta=5e5),
-    "smollm3": dict(global_every=4, global_nope=True, tie_embeddings=True, sliding_window=0),
-}
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return bpe_tokenizer(CORPUS, VOCAB)
+# initializer_range per family: greedy neither degenerate (one token repeated) nor near a tie
+BOTH = dict(seed=1, eager=True, new=NEW)
+family = family_fixture(
+    [
+        Case(
+            "olmo3",
+            "Olmo3ForCausalLM",
+            lambda: transformers.Olmo3Config(
+                sliding_window=WINDOW,
+                rope_parameters={  # the two kinds' bases differ: each layer must take its own
+                    LOCAL: {"rope_type": "default", "rope_theta": 1e4},
+                    GLOBAL: {"rope_type": "default", "rope_theta": 5e5},
+                },
+                **SMALL,
+            ),
+            reads=dict(global_every=4, sliding_window=WINDOW, rope_local_theta=1e4, rope_theta=5e5),
+            init=0.1,
+            generated=kv_slots(WINDOW, 3 * WINDOW),  # sliding layers roll, the full one not
+            **BOTH,
+        ),
+        Case(
+            "smollm3",
+            "SmolLM3ForCausalLM",
+            lambda: transformers.SmolLM3Config(
+                rope_parameters=ROPE, **SMALL
+            ),  # no_rope_layers from the interval 4: the fourth layer NoPE; tied embeddings
+            reads=dict(global_every=4, global_nope=True, tie_embeddings=True, sliding_window=0),
+            init=0.3,
+            generated=kv_slots(None, 3 * WINDOW),  # NoPE changes no cache
+            **BOTH,
+        ),
+    ]
+)
 
 
-@pytest.fixture(scope="module")
-def tokens():
-    return random_tokens()
-
-
-@pytest.fixture(scope="module", params=list(HF_CONFIGS))
-def family(request, tokenizer, tokens, tmp_path_factory):
-    """{name, hf (directory), ckpt (converted, 1x1), model, logits, text (greedy)}."""
-    torch.manual_seed(1)
-    hf_cfg = HF_CONFIGS[request.param]()
-    hf_cfg.initializer_range = INIT[request.param]
-    hf_cfg._attn_implementation = "eager"
-    model = getattr(transformers, MODEL_CLASSES[request.param])(hf_cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
-    root = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(root / "hf")
-    tokenizer.save_pretrained(root / "hf")
-    assert (
-        run_cli("convert", "--from-hf", str(root / "hf"), "--out", str(root / "ckpt"), "--mesh", "1x1") == 0
-    )
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    assert ids.shape[1] > WINDOW
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    assert len(set(out[0, ids.shape[1] :].tolist())) > 3
-    return dict(
-        name=request.param, hf=root / "hf", ckpt=root / "ckpt", model=model, text=text,
-        logits=hf_logits(model, tokens),
-    )  # fmt: skip
-
-
-def test_logits_equal_transformers(family, tokens):
-    cfg, flat = hf_weights.load_hf(family["hf"])
-    assert cfg.family == family["name"]
-    assert {k: getattr(cfg, k) for k in EXPECTED[family["name"]]} == EXPECTED[family["name"]]
-    assert rel(our_logits(cfg, flat, tokens), family["logits"]) <= RTOL
-    for copy in sharded_logits(cfg, unflatten(flat), tokens):
-        assert rel(copy, family["logits"]) <= RTOL
-
-
-@pytest.mark.parametrize("mesh", ["1x1", "1x2"])
-def test_generate_prints_transformers_text(family, mesh, capsys):
-    """OLMo 3's sliding layers keep a rolling cache of their window, its full layer the context;
-    SmolLM3's layers all keep the context (NoPE changes no cache), as generate --json reports."""
-    capsys.readouterr()
-    argv = ["generate", "--checkpoint", str(family["ckpt"]), "--mesh", mesh, "--temperature", "0", "--json"]
-    assert run_cli(*argv, "--prompt", PROMPT, "--max-new-tokens", str(NEW)) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["text"] == family["text"]
-    local = out["kv_cache"].get("local_slots")
-    assert local == (WINDOW if family["name"] == "olmo3" else None) and out["kv_cache"]["slots"] > 3 * WINDOW
-
-
-def test_export_loads_in_transformers(family, tokens, tmp_path):
-    name, err, same = export_round_trip(
-        family["hf"], tmp_path, tokens, family["logits"], attn_implementation="eager"
-    )
-    assert (name, same) == (MODEL_CLASSES[family["name"]], True) and err <= RTOL
+class TestTransformers(Comparison, GreedyText):
+    """Logits unsharded and on 2x2, the export, greedy text on 1x1 and 1x2 (tests/hf_harness.py)."""
 
 
 @pytest.mark.parametrize("family", ["smollm3"], indirect=True)
-def test_a_rotated_nope_layer_fails_the_transformers_comparison(family, tokens, monkeypatch):
+def test_a_rotated_nope_layer_fails_the_transformers_comparison(family, monkeypatch):
     """The NoPE layer rotated as the others (``global_nope`` dropped from the kind tables), in code both
     verify's runs would share: only transformers' logits see it."""
-    cfg, flat = hf_weights.load_hf(family["hf"])
     tables = attention.kind_tables
     monkeypatch.setattr(attention, "kind_tables", lambda c: tables(c.replace(global_nope=False)))
-    assert rel(our_logits(cfg, flat, tokens), family["logits"]) > 100 * RTOL
+    assert drift(family) > 100 * RTOL
 
 
 @pytest.mark.parametrize(

@@ -10,17 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import sharded_logits  # noqa: E402
-from hf_helpers import (  # noqa: E402
-    RTOL,
-    VOCAB,
-    export_round_trip,
-    hf_logits,
-    our_logits,
-    perturbed_model,
-    random_tokens,
-    rel,
-)
+from hf_harness import Case, Comparison, drift, family_fixture  # noqa: E402
+from hf_helpers import ROPE, RTOL, TINY, rel  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config, hf_weights  # noqa: E402
@@ -33,34 +24,30 @@ CHUNK = 8  # our chunk: the 20 compared tokens span three (transformers' torch f
 # proven equal to the recurrence to 1e-12 in float64 (tests/test_deltanet.py).
 TOL = 2 * RTOL
 
+# layers linear, linear, linear, full (transformers' default interval 4); 2 key heads serving 4 value
+# heads; a quarter of each full-attention head rotated
+QWEN3_5 = dict(**TINY, num_hidden_layers=4, intermediate_size=64, head_dim=16, linear_num_key_heads=2)
+QWEN3_5 |= dict(linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+QWEN3_5 |= dict(rope_parameters={**ROPE, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]})
+family = family_fixture(
+    [
+        Case(
+            "qwen3_5",
+            "Qwen3_5ForCausalLM",
+            lambda: transformers.Qwen3_5TextConfig(**QWEN3_5),
+            reads=dict(full_attn_every=4, linear_layers=(0, 1, 2), rot_dim=4),
+            length=20,
+            change=dict(linear_chunk=CHUNK),
+            tol=TOL,
+            generate=False,
+        )
+    ]
+)
 
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory):
-    """{dir, model, tokens, logits}: layers linear, linear, linear, full (transformers' default
-    interval 4); 2 key heads serving 4 value heads; a quarter of each full-attention head rotated."""
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, intermediate_size=64,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25,
-                         "mrope_section": [1, 1, 0]},
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    model = perturbed_model(transformers.Qwen3_5ForCausalLM, cfg)
-    root = tmp_path_factory.mktemp("qwen3_5")
-    model.save_pretrained(root / "hf")
-    tokens = random_tokens(20)
-    return dict(dir=root / "hf", model=model, tokens=tokens, logits=hf_logits(model, tokens))
 
-
-def test_converts_with_transformers_logits_unsharded_and_on_2x2(hf):
-    cfg, flat = hf_weights.load_hf(hf["dir"])
-    assert (cfg.family, cfg.full_attn_every, cfg.linear_layers, cfg.rot_dim) == ("qwen3_5", 4, (0, 1, 2), 4)
-    cfg = cfg.replace(linear_chunk=CHUNK)
-    assert rel(our_logits(cfg, flat, hf["tokens"]), hf["logits"]) <= TOL
-    for copy in sharded_logits(cfg, unflatten(flat), hf["tokens"]):
-        assert rel(copy, hf["logits"]) <= TOL
+class TestTransformers(Comparison):
+    """Logits unsharded and on 2x2, the export (the fused in_proj_qkv and conv1d joined again)
+    (tests/hf_harness.py); no greedy text: generation refuses the hybrid (below)."""
 
 
 def test_the_rule_is_transformers_rule():
@@ -88,13 +75,8 @@ def test_the_rule_is_transformers_rule():
     assert rel(np.asarray(got), want.numpy()) <= 1e-6
 
 
-def test_export_loads_back_equal(hf, tmp_path):
-    name, err, same = export_round_trip(hf["dir"], tmp_path, hf["tokens"], hf["logits"])
-    assert (name, same) == ("Qwen3_5ForCausalLM", True) and err <= TOL
-
-
-def test_refusals_name_the_field(hf):
-    cfg, flat = hf_weights.load_hf(hf["dir"])
+def test_refusals_name_the_field(family):
+    cfg, flat = hf_weights.load_hf(family["hf"])
     out = hf_config.config_to_hf(cfg)
     kinds = ["linear_attention", "full_attention", "full_attention", "linear_attention"]
     with pytest.raises(ConfigError, match="layer_types=.*a full-attention layer every N layers"):
@@ -106,7 +88,7 @@ def test_refusals_name_the_field(hf):
         Generator(cfg, unflatten(flat), Layout())
 
 
-def test_fused_rows_in_the_wrong_order_fail_the_transformers_comparison(hf, monkeypatch):
+def test_fused_rows_in_the_wrong_order_fail_the_transformers_comparison(family, monkeypatch):
     """What verify cannot see (the sharded and the unsharded run share it), transformers' logits do:
     in_proj_qkv's and conv1d's q and k rows (the same size) taken in each other's place."""
     from dataclasses import replace
@@ -118,5 +100,4 @@ def test_fused_rows_in_the_wrong_order_fail_the_transformers_comparison(hf, monk
     order["linear/conv_k"] = "linear/conv_q"
     swapped = {order.get(k, k): fam.hf.layer[order.get(k, k)] for k in fam.hf.layer}
     monkeypatch.setitem(FAMILIES, "qwen3_5", replace(fam, hf=replace(fam.hf, layer=swapped)))
-    cfg, flat = hf_weights.load_hf(hf["dir"])
-    assert rel(our_logits(cfg.replace(linear_chunk=CHUNK), flat, hf["tokens"]), hf["logits"]) > 100 * TOL
+    assert drift(family) > 100 * TOL

@@ -14,131 +14,54 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import haiku as hk  # noqa: E402
-from helpers import run_cli, sharded_logits  # noqa: E402
-from hf_helpers import (  # noqa: E402  # noqa: E402
-    CORPUS,
-    NEW,
-    PROMPT,
-    RTOL,
-    VOCAB,
-    bpe_tokenizer,
-    export_round_trip,
-    perturbed_model,  # noqa: E402
-    random_tokens,
-)
-from hf_helpers import hf_logits as _hf_logits  # noqa: E402
-from hf_helpers import our_logits as _our_logits  # noqa: E402
-from hf_helpers import rel as _rel  # noqa: E402
+from hf_harness import Case, Comparison, GreedyText, drift, family_fixture  # noqa: E402
+from hf_helpers import ROPE, RTOL, TINY  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config, hf_weights  # noqa: E402
 from meshlm.model import attention  # noqa: E402
 from meshlm.model.config import get_config  # noqa: E402
-from meshlm.model.params import unflatten  # noqa: E402
 
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, intermediate_size=64, bos_token_id=0)
-HF_CONFIGS = {
-    "qwen3": lambda: transformers.Qwen3Config(
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,  # not hidden_size / heads (Qwen3-32B: 128 x 64 heads on 5120)
-        max_position_embeddings=64,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
-        eos_token_id=0,
-        **SMALL,
-    ),
-    "olmo2": lambda: transformers.Olmo2Config(
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
-        eos_token_id=0,
-        pad_token_id=0,
-        **SMALL,
-    ),
-    # A window of 6 (the generation runs past it), 2 KV heads (the fused q/k/v rows: 16 + 8 + 8),
-    # half of each head rotated (Phi-4-mini's partial rotary).
-    "phi3": lambda: transformers.Phi3Config(
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        sliding_window=6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
-        eos_token_id=0,
-        pad_token_id=0,
-        **SMALL,
-    ),
-}
-MODEL_CLASSES = {"qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+SMALL = dict(**TINY, num_hidden_layers=2, intermediate_size=64)
+family = family_fixture(
+    [
+        Case(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            # head_dim not hidden_size / heads (Qwen3-32B: 128 x 64 heads on 5120)
+            lambda: transformers.Qwen3Config(head_dim=16, rope_parameters=ROPE, **SMALL),
+        ),
+        Case(
+            "olmo2",
+            "Olmo2ForCausalLM",
+            lambda: transformers.Olmo2Config(rope_parameters=ROPE, pad_token_id=0, **SMALL),
+        ),
+        # A window of 6 (the generation runs past it), 2 KV heads (the fused q/k/v rows: 16 + 8 + 8),
+        # half of each head rotated (Phi-4-mini's partial rotary).
+        Case(
+            "phi3",
+            "Phi3ForCausalLM",
+            lambda: transformers.Phi3Config(
+                sliding_window=6,
+                rope_parameters={**ROPE, "partial_rotary_factor": 0.5},
+                pad_token_id=0,
+                **SMALL,
+            ),
+        ),
+    ]
+)  # every parameter perturbed, the norm weights by 0.3 (far from 1, unequal across a head's rotary pairs)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return bpe_tokenizer(CORPUS, VOCAB)
+class TestTransformers(Comparison, GreedyText):
+    """Logits unsharded and on 2x2, the export, greedy text on 1x1 and 1x2 (tests/hf_harness.py)."""
 
 
-@pytest.fixture(scope="module")
-def tokens():
-    return random_tokens()
-
-
-@pytest.fixture(scope="module", params=list(HF_CONFIGS))
-def family(request, tokenizer, tokens, tmp_path_factory):
-    """{name, hf (directory), ckpt (converted, 1x1), model, logits, text (greedy)}; every parameter
-    perturbed, the norm weights by 0.3 (far from 1, and unequal across a head's rotary pairs)."""
-    torch.manual_seed(0)
-    hf_cfg = HF_CONFIGS[request.param]()
-    model = perturbed_model(getattr(transformers, MODEL_CLASSES[request.param]), hf_cfg)
-    root = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(root / "hf")
-    tokenizer.save_pretrained(root / "hf")
-    assert (
-        run_cli("convert", "--from-hf", str(root / "hf"), "--out", str(root / "ckpt"), "--mesh", "1x1") == 0
-    )
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    assert len(set(out[0, ids.shape[1] :].tolist())) > 3
-    return dict(
-        name=request.param, hf=root / "hf", ckpt=root / "ckpt", model=model, text=text,
-        logits=_hf_logits(model, tokens),
-    )  # fmt: skip
-
-
-def test_logits_equal_transformers(family, tokens):
-    cfg, flat = hf_weights.load_hf(family["hf"])
-    assert cfg.family == family["name"]
-    assert _rel(_our_logits(cfg, flat, tokens), family["logits"]) <= RTOL
-    for copy in sharded_logits(cfg, unflatten(flat), tokens):
-        assert _rel(copy, family["logits"]) <= RTOL
-
-
-@pytest.mark.parametrize("mesh", ["1x1", "1x2"])
-def test_generate_prints_transformers_text(family, mesh, capsys):
-    capsys.readouterr()
-    argv = ["generate", "--checkpoint", str(family["ckpt"]), "--mesh", mesh, "--temperature", "0"]
-    assert run_cli(*argv, "--prompt", PROMPT, "--max-new-tokens", str(NEW)) == 0
-    assert capsys.readouterr().out == PROMPT + family["text"] + "\n"
-
-
-def test_export_loads_in_transformers(family, tokens, tmp_path):
-    name, err, same = export_round_trip(family["hf"], tmp_path, tokens, family["logits"])
-    assert (name, same) == (MODEL_CLASSES[family["name"]], True) and err <= RTOL
-
-
-# Bugs in code the sharded and the unsharded model share: verify cannot see them, transformers can.
-SHARED_BUGS = {
-    # Qwen3's q/k norm after rotary: equal at weights 1, not at transformers' perturbed ones
-    "qwen3": (attention, "norm_then_rotary", lambda x, norm, rotate: norm(rotate(x))),
-}
-
-
-@pytest.mark.parametrize("family", list(SHARED_BUGS), indirect=True)
-def test_a_bug_common_to_both_runs_fails_the_transformers_comparison(family, tokens, monkeypatch):
-    cfg, flat = hf_weights.load_hf(family["hf"])
-    monkeypatch.setattr(*SHARED_BUGS[family["name"]])
-    assert _rel(_our_logits(cfg, flat, tokens), family["logits"]) > 100 * RTOL
+@pytest.mark.parametrize("family", ["qwen3"], indirect=True)
+def test_a_bug_common_to_both_runs_fails_the_transformers_comparison(family, monkeypatch):
+    """Qwen3's q/k norm after rotary, in code both verify's runs share: equal at weights 1, not at
+    transformers' perturbed ones."""
+    monkeypatch.setattr(attention, "norm_then_rotary", lambda x, norm, rotate: norm(rotate(x)))
+    assert drift(family) > 100 * RTOL
 
 
 def _swapped(layer: dict, a: str, b: str) -> dict:
@@ -149,9 +72,7 @@ def _swapped(layer: dict, a: str, b: str) -> dict:
 
 @pytest.mark.parametrize("family", ["phi3"], indirect=True)
 @pytest.mark.parametrize("a, b", [("attn/wk", "attn/wv"), ("mlp/w_gate", "mlp/w_up")])
-def test_fused_rows_split_in_the_wrong_order_fail_the_transformers_comparison(
-    family, tokens, a, b, monkeypatch
-):
+def test_fused_rows_split_in_the_wrong_order_fail_the_transformers_comparison(family, a, b, monkeypatch):
     """k and v (gate and up) have the same shape: taking each other's rows of qkv_proj (gate_up_proj)
     converts without an error, and both runs would share it; transformers' logits tell."""
     from dataclasses import replace
@@ -162,8 +83,7 @@ def test_fused_rows_split_in_the_wrong_order_fail_the_transformers_comparison(
     monkeypatch.setitem(
         FAMILIES, "phi3", replace(phi3, hf=replace(phi3.hf, layer=_swapped(phi3.hf.layer, a, b)))
     )
-    cfg, flat = hf_weights.load_hf(family["hf"])
-    assert _rel(_our_logits(cfg, flat, tokens), family["logits"]) > 100 * RTOL
+    assert drift(family) > 100 * RTOL
 
 
 @pytest.mark.parametrize("family", ["phi3"], indirect=True)

@@ -1,13 +1,11 @@
 """FSDP over dp, sequence parallelism over mp and remat policies: specs, bytes, the proof with its
-controls, exact resume and restore onto a mesh without them, and the one-line errors."""
-
-from functools import partial
+controls, and the one-line errors. (Exact resume under fsdp and sp, and the restore onto a mesh without
+them: tests/test_resume.py's fsdp-sp cell.)"""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from helpers import run_cli, tiny_lm_config, write_corpus
+from helpers import run_cli
 from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ConfigError, ShardingError
@@ -23,8 +21,6 @@ from meshlm.proof.problem import model_problem
 from meshlm.proof.prover import verify
 from meshlm.sharding.rules import model_specs
 from meshlm.train.config import TrainConfig
-from meshlm.train.loop import _one_step, save
-from meshlm.train.run import build_run
 from meshlm.train.step import init_model, init_opt_state, sharded_step
 
 NEW_CONTROLS = (
@@ -98,39 +94,6 @@ def test_old_boolean_remat_loads_and_bad_values_are_one_line_errors(capsys):
     assert "--seq-len 30 is not divisible" in capsys.readouterr().err
     assert run_cli("train", "--config", "tiny-lm", "--mesh", "1x4", "--sp", "--seq-len", "30") == 2
     assert "--seq-len 30 is not divisible by it" in capsys.readouterr().err
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-_tcfg = partial(tiny_lm_config, steps=4, batch_size=4, seq_len=16, save_every=TrainConfig.save_every)
-
-
-def _state(run):
-    return [np.asarray(x) for x in jax.tree.leaves((run.params, run.opt_state))]
-
-
-def test_fsdp_sp_training_resumes_bitwise_and_restores_onto_a_mesh_without_them(corpus, tmp_path):
-    mesh = make_mesh(2, 2)
-    opts = dict(fsdp=True, sp=True, remat="selective")
-    ref = build_run(_tcfg(corpus, tmp_path / "ref", **opts), mesh)
-    ref_losses = [float(_one_step(ref)["loss"]) for _ in range(4)]
-    cut = build_run(_tcfg(corpus, tmp_path / "cut", **opts), mesh)
-    [_one_step(cut) for _ in range(2)]
-    save(cut)  # the checkpoint a killed run leaves; nothing after it survives
-    cut.ckpt.close()
-    cut.release()
-    resumed = build_run(_tcfg(corpus, tmp_path / "cut", **opts), mesh)
-    assert resumed.step == 2
-    assert [float(_one_step(resumed)["loss"]) for _ in range(2)] == ref_losses[2:]
-    assert all(np.array_equal(a, b) for a, b in zip(_state(resumed), _state(ref), strict=True))
-    resumed.ckpt.close()
-    resumed.release()
-    plain = build_run(_tcfg(corpus, tmp_path / "cut"), make_mesh(1, 4))  # no fsdp, no sp, other mesh
-    assert plain.step == 2 and plain.specs["layers/attn"]["wq"] == P(None, None, MP, None)
-    np.testing.assert_allclose([float(_one_step(plain)["loss"]) for _ in range(2)], ref_losses[2:], rtol=1e-5)
 
 
 def test_sharded_step_compiles_ahead_of_time_from_abstract_params():
