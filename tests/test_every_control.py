@@ -124,9 +124,15 @@ CONFIGS = {
     "tiny-qwen2-moe 1x2 sp": ("tiny-qwen2-moe", {"n_layers": 2}, Layout(mp=2, sp=True), 1, 8),
     # linear attention (Gated DeltaNet) beside full attention: its rule's controls, documents, heads over mp
     "tiny-qwen3.5 2x2 fsdp sp doc-mask": ("tiny-qwen3.5", {"doc_mask": 0}, FSDP_SP, 2, 10),
-    # multi-head latent attention with YaRN and DeepSeek's MoE after a dense layer (issue 43): the MLA
-    # controls on mp, the router's (sigmoid, groups, selection bias) and the experts' over ep
-    "tiny-deepseek-v3 2x2 ep2 (MLA, YaRN, DeepSeek's MoE)": ("tiny-deepseek-v3", {}, EP2, 2, 8),
+    # multi-head latent attention with YaRN and DeepSeek's MoE (issue 43), one MoE layer (the dense
+    # layer's stack is tiny-qwen2-moe's): the MLA controls on mp, the router's and the experts' over ep
+    "tiny-deepseek-v3 2x2 ep2 (MLA, YaRN, DeepSeek's MoE)": (
+        "tiny-deepseek-v3",
+        {**ONE, "dense_layers": []},
+        EP2,
+        2,
+        8,
+    ),
     "tiny-llama pp2 gpipe": ("tiny-llama", {}, Layout(pp=2, microbatches=4, pp_schedule="gpipe"), 4, 8),
     "tiny-llama pp2x1x2 cp2 ring gpipe": (  # the ring's kernel on several K/V blocks (12 > 4 per shard)
         "tiny-llama",

@@ -7,6 +7,8 @@ expert of moe_intermediate_size != intermediate_size) converts with logits equal
 transformers' greedy text on 1x1, 1x2 and 2x1 --ep 2 (the prompt and text longer than a block), and the
 export loads back with equal logits. An all-dense config.json reads as the dense record."""
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -101,10 +103,18 @@ def test_logits_equal_transformers_and_a_shared_bug_does_not(converted, tokens, 
     "mesh", [("1x1",), ("1x2",), ("2x1", "--ep", "2", "--devices", "2")], ids=["1x1", "1x2", "ep2"]
 )
 def test_generate_prints_transformers_text(converted, mesh, capsys):
+    """1x2 with --json: its kv_cache reports the latent cache, r + R = 16 + 4 values per token and layer
+    against full K/V's 4 heads x (12 + 6)."""
     capsys.readouterr()
     argv = ["generate", "--checkpoint", str(converted["ckpt"]), "--mesh", *mesh, "--temperature", "0"]
-    assert run_cli(*argv, "--prompt", PROMPT, "--max-new-tokens", str(NEW)) == 0
-    assert capsys.readouterr().out == PROMPT + converted["text"] + "\n"
+    as_json = ("--json",) if mesh == ("1x2",) else ()
+    assert run_cli(*argv, "--prompt", PROMPT, "--max-new-tokens", str(NEW), *as_json) == 0
+    if not as_json:
+        assert capsys.readouterr().out == PROMPT + converted["text"] + "\n"
+        return
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == converted["text"]
+    assert out["kv_cache"]["per_token_layer"] == {"values": 20, "full_kv": 72, "ratio": 3.6}
 
 
 def test_export_loads_in_transformers(converted, tokens, tmp_path):
