@@ -25,6 +25,9 @@ rotary parts' cos and sin, q's and k's. Under cp the all-gather strategy gathers
 rotated rotary key (r + R values per token; full K/V would be 2 H E) and up-projects them on every cp
 shard; the ring passes each step's per-head K/V chunk as for every attention (``context_parallel``).
 
+Generation caches the latent and the rotated rotary key (r + R values per token and layer, replicated
+over mp), not K/V, and applies ``wkv_b`` to the cache at each step (``MLA._cached``; ``generate.cache``).
+
 The module-level functions (``rotary_key``, ``key_halves``, ``rotate_pair``, ``NORMS``) are the points
 the proof's controls replace while the sharded run traces (``proof.mla_faults``).
 """

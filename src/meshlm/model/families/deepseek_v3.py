@@ -12,14 +12,15 @@ it, rotate-half ("half").
 Its MoE (layers ``first_k_dense_replace`` onwards; the first ones dense, Llama's MLP of
 ``intermediate_size``: ``ModelConfig.dense_layers``, their parameters stacked apart) is the router
 record's (``model.routers``): sigmoid scores, ``e_score_correction_bias`` as the selection bias
-(``moe/router/balance_bias``: frozen on import, ``moe_bias_rate`` 0; DeepSeek-V3 trained it at 1e-3
-then froze it), the top ``topk_group`` of ``n_group`` groups by their top-2 sums, ``norm_topk_prob``
-with its 1e-20, ``routed_scaling_factor``; ``n_routed_experts`` gated-SiLU experts of
-``moe_intermediate_size`` and ``n_shared_experts`` always-on ungated ones (one MLP of
-n x ``moe_intermediate_size``: ``model.moe``'s ``shared_experts``). transformers' DeepseekV3 computes
-no balance loss: ``router_aux_loss_coef`` is meshlm's, written beside the model's fields so an export
-keeps it (transformers ignores the key). Multi-token prediction (``num_nextn_predict_layers``) is not
-built: its layers are not read.
+(``moe/router/balance_bias``: frozen on import of a config without meshlm's ``moe_bias_rate``;
+DeepSeek-V3 trained it at 1e-3 then froze it), the top ``topk_group`` of ``n_group`` groups by
+their top-2 sums, ``norm_topk_prob`` with its 1e-20, ``routed_scaling_factor``;
+``n_routed_experts`` gated-SiLU experts of ``moe_intermediate_size`` and ``n_shared_experts``
+always-on ungated ones (one MLP of n x ``moe_intermediate_size``: ``model.moe``'s
+``shared_experts``). transformers' DeepseekV3 computes no balance loss and moves no bias:
+``router_aux_loss_coef`` and ``moe_bias_rate`` are meshlm's, written beside the model's fields so
+an export keeps them (transformers ignores the keys).
+Multi-token prediction (``num_nextn_predict_layers``) is not built: its layers are not read.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def _read_moe(hf: dict, dense: int) -> dict[str, Any]:
         n_group=field(hf, "n_group", SIZE),
         topk_group=field(hf, "topk_group", SIZE),
         routed_scaling_factor=float(field(hf, "routed_scaling_factor", POSITIVE)),
-        balance_bias=True,  # e_score_correction_bias; frozen (moe_bias_rate 0)
+        balance_bias=True,  # e_score_correction_bias; frozen unless meshlm's own export set a rate
+        moe_bias_rate=float(field(hf, "moe_bias_rate", Range(float, 0), 0.0)),
         n_shared_experts=field(hf, "n_shared_experts", SIZE),
         router_aux_loss_coef=float(field(hf, "router_aux_loss_coef", Range(float, 0), 0.0)),
         dense_layers=tuple(range(dense)),
@@ -144,7 +146,9 @@ def write(cfg) -> dict[str, Any]:
         "topk_group": cfg.topk_group,
         "routed_scaling_factor": cfg.routed_scaling_factor,
         "n_shared_experts": cfg.n_shared_experts,
-        "router_aux_loss_coef": cfg.router_aux_loss_coef,  # meshlm's (``read``); transformers ignores it
+        # meshlm's training fields (``read``), kept for the round trip; transformers ignores them
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+        "moe_bias_rate": cfg.moe_bias_rate,
     }
 
 
