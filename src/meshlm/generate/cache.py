@@ -21,7 +21,7 @@ prefill holds S slots in both and keeps each row's last W prompt positions in th
 Multi-head latent attention (``model.mla``: ``cfg.mla``) caches what its keys and values are made of,
 not them: "k" the normed latent [L, B, S, Kc, r] (kv_lora_rank) and "v" the rotated rotary key [L, B,
 S, Kc, R] (qk_rope_head_dim), r + R values per token and layer (DeepSeek-V3: 512 + 64 = 576, against
-full K/V's 2 x 128 heads x 128 = 32768 per mp shard group: ``cache_bytes``' "ratio"). Each decode step
+full K/V's 128 heads x (192 + 128) = 40960: ``values_per_token``' "ratio", 71.11). Each decode step
 applies the up-projection ``wkv_b`` to the cached latents (exact; not absorbed into q and ``wo``: the
 same values, one more matmul per step over the context). The latent is per token, the same for every
 head: it is replicated over mp, Kc = mp with one copy per shard (as replicated KV heads are), so every
@@ -89,9 +89,9 @@ def latent_widths(cfg: ModelConfig) -> tuple[int, int] | None:
 
 
 def values_per_token(cfg: ModelConfig) -> dict:
-    """The cache's values per token and layer, on the whole mesh's one copy ("values": K/V's 2 x Kc x E,
-    MLA's r + R) and, for MLA, full K/V's ("full_kv": 2 x H x E, v unpadded: H x (E + Ev)) and their
-    ratio full_kv / values (DeepSeek-V3: 576 against 2 x 128 x 128 if v were E wide; its Ev = 128)."""
+    """The cache's values per token and layer, one copy ("values": K/V's 2 x K x E, MLA's r + R) and,
+    for MLA, full K/V's ("full_kv": H x (E + Ev), v unpadded) and their ratio full_kv / values
+    (DeepSeek-V3: 576 against 128 x (192 + 128) = 40960, 71.11)."""
     if not cfg.mla:
         return {"values": 2 * cfg.kv_heads * cfg.dim_per_head}
     values, full = sum(latent_widths(cfg)), cfg.n_heads * (cfg.head_dim + cfg.v_head_dim)
