@@ -93,8 +93,9 @@ def verify_preset(
     return verify(problem, make_mesh(dp, mp), steps=steps, dtype=dtype or jnp.float32, **kw)
 
 
-def sharded_logits(cfg, params, tokens, mesh=(2, 2)):
-    """[mp, B, T, V] numpy: each model shard's gathered copy of the full logits."""
+def sharded_logits(cfg, params, tokens, mesh=(2, 2), **axes):
+    """[mp, B, T, V] numpy: each model shard's gathered copy of the full logits (``axes``: more of the
+    ``Layout``'s, e.g. ep=2)."""
     import haiku as hk
     import jax
     import numpy as np
@@ -105,13 +106,13 @@ def sharded_logits(cfg, params, tokens, mesh=(2, 2)):
     from meshlm.parallel.layout import Layout
     from meshlm.sharding.rules import model_specs, shardings
 
-    layout = Layout(*mesh)
+    layout = Layout(*mesh, **axes)
     specs = model_specs(cfg, params, layout)
     apply = hk.transform(logits_fn(cfg, Parallel.on(layout))).apply
     fn = jax.shard_map(
         lambda p, t: apply(p, None, t)[None],
         mesh=layout.mesh,
-        in_specs=(specs, P("dp", None)),
-        out_specs=P("mp", "dp", None, None),
+        in_specs=(specs, layout.spec("batch", None)),
+        out_specs=P("mp", *layout.spec("batch", None, None)),
     )
     return np.asarray(jax.jit(fn)(jax.device_put(params, shardings(specs, layout.mesh)), tokens))

@@ -76,6 +76,7 @@ class Case:
     tol: float = RTOL  # float32 logits: max |ours - theirs| / max |theirs|
     generate: bool = True  # False: no tokenizer, checkpoint or greedy text (generation refused)
     generated: Callable[[dict], None] | None = None  # more checks of 1x1 generate --json's object
+    prepare: Callable[[Any], None] | None = None  # sets what perturbed_model leaves (buffers), in place
 
     def load(self, hf_dir, **changes):
         """(cfg, flat) read from ``hf_dir`` with ``change`` and ``changes`` applied."""
@@ -98,6 +99,9 @@ def convert(case: Case, root) -> dict:
     if case.eager:
         hf_cfg._attn_implementation = "eager"
     model = perturbed_model(getattr(transformers, case.model_cls), hf_cfg, case.init, case.norm_noise)
+    if case.prepare is not None:
+        with torch.no_grad():
+            case.prepare(model)
     tokens = random_tokens(case.length)
     model.save_pretrained(root / "hf")
     out = dict(case=case, hf=root / "hf", ckpt=root / "ckpt", fused=None, model=model, tokens=tokens)

@@ -124,18 +124,13 @@ CONFIGS = {
     "tiny-qwen2-moe 1x2 sp": ("tiny-qwen2-moe", {"n_layers": 2}, Layout(mp=2, sp=True), 1, 8),
     # linear attention (Gated DeltaNet) beside full attention: its rule's controls, documents, heads over mp
     "tiny-qwen3.5 2x2 fsdp sp doc-mask": ("tiny-qwen3.5", {"doc_mask": 0}, FSDP_SP, 2, 10),
-    # multi-head latent attention with YaRN (issue 43; dense: the MoE controls are tiny-mixtral's)
-    "tiny-deepseek-v3 1x2 dense (MLA, YaRN)": (
+    # multi-head latent attention with YaRN and DeepSeek's MoE (issue 43), one MoE layer (the dense
+    # layer's stack is tiny-qwen2-moe's): the MLA controls on mp, the router's and the experts' over ep
+    "tiny-deepseek-v3 2x2 ep2 (MLA, YaRN, DeepSeek's MoE)": (
         "tiny-deepseek-v3",
-        {
-            "family": "deepseek_v3_dense",
-            "n_experts": 0,
-            "experts_per_token": 0,
-            "moe_d_ff": 0,
-            "dense_layers": [],
-        },
-        Layout(mp=2),
-        1,
+        {**ONE, "dense_layers": []},
+        EP2,
+        2,
         8,
     ),
     "tiny-llama pp2 gpipe": ("tiny-llama", {}, Layout(pp=2, microbatches=4, pp_schedule="gpipe"), 4, 8),

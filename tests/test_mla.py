@@ -10,6 +10,7 @@ import pytest
 
 from meshlm.model.config import get_config
 from meshlm.model.params import flat_params
+from meshlm.model.router_fields import RouterFields
 from meshlm.model.transformer import param_shapes
 from meshlm.parallel.axes import MP
 from meshlm.parallel.layout import Layout
@@ -22,7 +23,9 @@ from meshlm.sharding.rules import model_specs
 
 MLA_NAMES = {c.name for c in MLA_CONTROLS}
 DENSE = dict(family="deepseek_v3_dense", n_experts=0, experts_per_token=0, moe_d_ff=0, dense_layers=[])
-DENSE |= dict(router_aux_loss_coef=0.0)
+DENSE |= dict(
+    router_aux_loss_coef=0.0, **{n: getattr(RouterFields(), n) for n in RouterFields.__dataclass_fields__}
+)
 
 
 def _dense_mla(**changes):

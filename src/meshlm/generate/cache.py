@@ -18,6 +18,15 @@ B, S, Kc, E] and the local layers' "k_local", "v_local" [L_local, B, W, Kc, E] (
 both laid out as above: each local layer holds its window (rolling), each global one the context. The
 prefill holds S slots in both and keeps each row's last W prompt positions in the local ones.
 
+Multi-head latent attention (``model.mla``: ``cfg.mla``) caches what its keys and values are made of,
+not them: "k" the normed latent [L, B, S, Kc, r] (kv_lora_rank) and "v" the rotated rotary key [L, B,
+S, Kc, R] (qk_rope_head_dim), r + R values per token and layer (DeepSeek-V3: 512 + 64 = 576, against
+full K/V's 128 heads x (192 + 128) = 40960: ``values_per_token``' "ratio", 71.11). Each decode step
+applies the up-projection ``wkv_b`` to the cached latents (exact; not absorbed into q and ``wo``: the
+same values, one more matmul per step over the context). The latent is per token, the same for every
+head: it is replicated over mp, Kc = mp with one copy per shard (as replicated KV heads are), so every
+device holds r + R values per token and layer of its rows.
+
 The "ff" family has no attention and no positions, so it needs no cache (an empty dict): see
 ``programs`` for why running it on the last token alone is exact.
 """
@@ -46,7 +55,7 @@ def cache_specs(cfg: ModelConfig, layout: Layout) -> dict:
 
 def cache_heads(cfg: ModelConfig, mp: int) -> tuple[int, int]:
     """(global Kc, per-shard Kc/mp) of the cache's KV-head dimension."""
-    if kv_replicated(cfg.kv_heads, mp):
+    if cfg.mla or kv_replicated(cfg.kv_heads, mp):  # MLA: the latent, one copy per mp shard
         return mp, 1  # one stored KV head per shard: the one its queries use
     return cfg.kv_heads, cfg.kv_heads // mp
 
@@ -67,22 +76,40 @@ def cache_shapes(cfg: ModelConfig, mp: int, batch: int, max_len: int, slots=None
     heads = cache_heads(cfg, mp)[0 if slots is None else 1]
     if not mixed_kinds(cfg):
         s = cache_len(cfg, max_len) if slots is None else slots
-        return {n: (cfg.n_layers, batch, s, heads, cfg.dim_per_head) for n in "kv"}
+        widths = latent_widths(cfg) or (cfg.dim_per_head,) * 2
+        return {n: (cfg.n_layers, batch, s, heads, w) for n, w in zip("kv", widths, strict=True)}
     (n_local, n_global), local = kind_counts(cfg), min(cfg.sliding_window, max_len)
     shapes = {n: (n_global, batch, slots or max_len, heads, cfg.dim_per_head) for n in "kv"}
     return shapes | {n: (n_local, batch, slots or local, heads, cfg.dim_per_head) for n in LOCAL_KEYS}
 
 
+def latent_widths(cfg: ModelConfig) -> tuple[int, int] | None:
+    """MLA's cache widths: ("k" the latent's r, "v" the rotary key's R); None for K/V caches."""
+    return (cfg.kv_lora_rank, cfg.rot_dim) if cfg.mla else None
+
+
+def values_per_token(cfg: ModelConfig) -> dict:
+    """The cache's values per token and layer, one copy ("values": K/V's 2 x K x E, MLA's r + R) and,
+    for MLA, full K/V's ("full_kv": H x (E + Ev), v unpadded) and their ratio full_kv / values
+    (DeepSeek-V3: 576 against 128 x (192 + 128) = 40960, 71.11)."""
+    if not cfg.mla:
+        return {"values": 2 * cfg.kv_heads * cfg.dim_per_head}
+    values, full = sum(latent_widths(cfg)), cfg.n_heads * (cfg.head_dim + cfg.v_head_dim)
+    return {"values": values, "full_kv": full, "ratio": round(full / values, 2)}
+
+
 def cache_bytes(cfg: ModelConfig, where, batch: int, max_len: int, dtype=jnp.float32) -> dict:
     """{"total", "per_device"} bytes of the K and V decode caches for a global ``batch`` on ``where`` (a
-    Layout or a jax Mesh), and "slots": positions held per layer (the window for a rolling cache; with
-    local and global layers the global ones', and "local_slots" the local ones': their window)."""
+    Layout or a jax Mesh), "slots": positions held per layer (the window for a rolling cache; with
+    local and global layers the global ones', and "local_slots" the local ones': their window), and
+    "per_token_layer": the values cached per token and layer (``values_per_token``)."""
     if not cfg.arch.attention:
         return {"total": 0, "per_device": 0, "slots": 0}
     layout = Layout.of(where)
     shapes = cache_shapes(cfg, layout.mp, batch, max_len)
     total = sum(math.prod(shape) for shape in shapes.values()) * jnp.dtype(dtype).itemsize
     out = {"total": total, "per_device": total // layout.devices, "slots": shapes["k"][2]}
+    out |= {"per_token_layer": values_per_token(cfg)}
     return out | ({"local_slots": shapes["k_local"][2]} if "k_local" in shapes else {})
 
 

@@ -61,9 +61,20 @@ def _in_stack(cfg: ModelConfig, stack: str, path: str) -> bool:
         return (mixer == "linear") == (stack == LINEAR_STACK)
     if not cfg.arch.moe:
         return True
-    if path.startswith("moe/shared") and not cfg.shared_expert_d_ff:
+    if any(path.startswith(piece) and not on for piece, on in _optional(cfg).items()):
         return False
     return not path.startswith("mlp/" if stack == MOE_STACK else "moe/")
+
+
+def _optional(cfg: ModelConfig) -> dict[str, bool]:
+    """A mixture of experts' optional pieces (path prefixes) -> whether ``cfg`` has them."""
+    shared = bool(cfg.shared_expert_d_ff)  # Qwen2-MoE's gated one; DeepSeek's ungated ``shared_experts``
+    return {
+        "moe/shared/": shared,
+        "moe/shared_gate/": shared,
+        "moe/shared_experts/": bool(cfg.n_shared_experts),
+        "moe/router/balance_bias": cfg.balance_bias,
+    }
 
 
 def _from_torch(w: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:

@@ -25,6 +25,9 @@ rotary parts' cos and sin, q's and k's. Under cp the all-gather strategy gathers
 rotated rotary key (r + R values per token; full K/V would be 2 H E) and up-projects them on every cp
 shard; the ring passes each step's per-head K/V chunk as for every attention (``context_parallel``).
 
+Generation caches the latent and the rotated rotary key (r + R values per token and layer, replicated
+over mp), not K/V, and applies ``wkv_b`` to the cache at each step (``MLA._cached``; ``generate.cache``).
+
 The module-level functions (``rotary_key``, ``key_halves``, ``rotate_pair``, ``NORMS``) are the points
 the proof's controls replace while the sharded run traces (``proof.mla_faults``).
 """
@@ -114,8 +117,8 @@ class MLA(hk.Module):
         return k, jnp.pad(v, [(0, 0)] * 3 + [(0, cfg.head_dim - cfg.v_head_dim)])
 
     def __call__(self, xf, positions, cache=None, starts=None, kind=None):
-        """As ``Attention.__call__`` (no layer kinds: ``kind`` is None). cache: {"k", "v": [B, S,
-        H/mp, E]}, the expanded keys and values (v zero-padded)."""
+        """As ``Attention.__call__`` (no layer kinds: ``kind`` is None). cache: the latent cache
+        {"k": [B, S, 1, r] the normed latents, "v": [B, S, 1, R] the rotated rotary keys} (``_cached``)."""
         cfg, par = self.cfg, self.par
         # the norms made here, not in a method: Haiku would scope their names under the method's
         q_norm = NORMS["query"](eps=cfg.norm_eps, name="q_a_norm") if cfg.q_lora_rank else None
@@ -129,19 +132,37 @@ class MLA(hk.Module):
         if par.context_parallel and not par.cp_ring and cache is None:  # gather the latent, not K/V
             out = self._gathered(q, latent, rotate(k_rope[:, :, None, :])[:, :, 0], positions, variant)
             return self._out(out, xf), cache
+        if cache is not None:
+            out, cache = self._cached(
+                q, latent, rotate(k_rope[:, :, None, :]), positions, starts, variant, cache
+            )
+            return self._out(out, xf), cache
         k, v = self._keys_values(latent, k_rope, rotate)
-        key_pos = positions
-        if cache is not None and par.context_parallel:  # a prefill over cp
-            cache = cp_prefill_cache(cache, k, v, positions, par, 0)
-        elif cache is not None:
-            cache, key_pos = cache_update(cache, k, v, positions, 0)
-            k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
         if par.context_parallel:
             kernel = dict(block=cfg.attn_block, blockwise=cfg.attention == "blockwise", plain_attend=_attend)
             out = context_attention(q, k, v, positions, par, variant=variant, **kernel)
         else:
-            out = self._attend(q, k, v, positions, key_pos, starts, variant)
+            out = self._attend(q, k, v, positions, positions, starts, variant)
         return self._out(out, xf), cache
+
+    def _cached(self, q, latent, k_rope, positions, starts, variant, cache):
+        """Generation's latent cache (``generate.cache``): this call's latent [B, T, r] and rotated
+        k_rope [B, T, 1, R] written at ``positions`` into cache {"k": [B, S, 1, r], "v": [B, S, 1, R]}
+        (per shard: each mp shard its own copy), then every slot's keys and values up-projected by
+        ``wkv_b`` from the cache (the up-projection applied to the cache, not absorbed into q and
+        ``wo``: exact either way) and attended to on this device -> (out [B, T, h, E], cache). A prefill
+        over cp writes each shard's chunks and sums the cache over cp (``cp_prefill_cache``): every cp
+        shard then holds the whole sequence's latents and attends its queries to them."""
+        new = (latent[:, :, None, :], k_rope)
+        if self.par.context_parallel:
+            cache = cp_prefill_cache(cache, *new, positions, self.par, 0)
+            slots = jnp.arange(cache["k"].shape[1], dtype=positions.dtype)
+            key_pos = jnp.broadcast_to(slots, (positions.shape[0], slots.shape[0]))
+        else:
+            cache, key_pos = cache_update(cache, *new, positions, 0)
+        held = [cache[n][:, :, 0].astype(q.dtype) for n in "kv"]
+        k, v = self._keys_values(*held, lambda x: x)
+        return self._attend(q, k, v, positions, key_pos, starts, variant), cache
 
     def _gathered(self, q, latent, k_rope, positions, variant):
         """cp by all-gather: this shard's latent [B, T/cp, r] and rotated k_rope [B, T/cp, R] gathered
