@@ -2,18 +2,24 @@
 partial rotary) from transformers 5: a tiny random ``Qwen3_5ForCausalLM`` (no download, every weight
 perturbed) converts with logits equal to transformers' (float32; unsharded and on 2x2, the rule in
 chunks of 8 over 20 tokens: three chunks, the last ragged), and its export (the fused in_proj_qkv and
-conv1d joined again) loads back in transformers with equal logits and the same config. Generation
-refuses the hybrid in one line (no recurrent-state cache yet). One conversion, module-scoped."""
+conv1d joined again) loads back in transformers with equal logits and the same config. `meshlm generate
+--temperature 0` (the recurrent-state cache: prefill by the chunked rule, decode by the recurrence)
+prints transformers' greedy text on 1x1 and 1x2, and `--json` reports the linear layers' state size.
+One conversion, module-scoped."""
 
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import sharded_logits  # noqa: E402
+from helpers import run_cli, sharded_logits  # noqa: E402
 from hf_helpers import (  # noqa: E402
+    CORPUS,
+    NEW,
+    PROMPT,
     RTOL,
     VOCAB,
+    bpe_tokenizer,
     export_round_trip,
     hf_logits,
     our_logits,
@@ -36,8 +42,9 @@ TOL = 2 * RTOL
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    """{dir, model, tokens, logits}: layers linear, linear, linear, full (transformers' default
-    interval 4); 2 key heads serving 4 value heads; a quarter of each full-attention head rotated."""
+    """{dir, ckpt (converted, 1x1), model, tokens, logits, text (greedy)}: layers linear, linear,
+    linear, full (transformers' default interval 4); 2 key heads serving 4 value heads; a quarter of
+    each full-attention head rotated."""
     torch.manual_seed(0)
     cfg = transformers.Qwen3_5TextConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, intermediate_size=64,
@@ -48,10 +55,19 @@ def hf(tmp_path_factory):
         bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     model = perturbed_model(transformers.Qwen3_5ForCausalLM, cfg)
-    root = tmp_path_factory.mktemp("qwen3_5")
+    root, tokenizer = tmp_path_factory.mktemp("qwen3_5"), bpe_tokenizer(CORPUS, VOCAB)
     model.save_pretrained(root / "hf")
+    tokenizer.save_pretrained(root / "hf")
+    argv = ("convert", "--from-hf", str(root / "hf"), "--out", str(root / "ckpt"), "--mesh", "1x1")
+    assert run_cli(*argv) == 0
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert len(set(out[0, ids.shape[1] :].tolist())) > 3
+    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     tokens = random_tokens(20)
-    return dict(dir=root / "hf", model=model, tokens=tokens, logits=hf_logits(model, tokens))
+    logits = hf_logits(model, tokens)
+    return dict(dir=root / "hf", ckpt=root / "ckpt", model=model, tokens=tokens, logits=logits, text=text)
 
 
 def test_converts_with_transformers_logits_unsharded_and_on_2x2(hf):
@@ -99,11 +115,26 @@ def test_refusals_name_the_field(hf):
     kinds = ["linear_attention", "full_attention", "full_attention", "linear_attention"]
     with pytest.raises(ConfigError, match="layer_types=.*a full-attention layer every N layers"):
         hf_config.config_from_hf({**out, "layer_types": kinds})
-    from meshlm.generate.generator import Generator
-    from meshlm.parallel.layout import Layout
 
-    with pytest.raises(ConfigError, match="needs a recurrent-state cache"):
-        Generator(cfg, unflatten(flat), Layout())
+
+@pytest.mark.parametrize("mesh", ["1x1", "1x2"])
+def test_generate_prints_transformers_text(hf, mesh, capsys):
+    """Greedy text through the recurrent-state cache (linear value heads split over mp on 1x2); with
+    ``--json`` the cache's linear-layer state reported: 3 layers x (state 4 x 8 x 8 + conv 3 x 64 float32
+    + the length) for the one row."""
+    import json
+
+    capsys.readouterr()
+    argv = ["generate", "--checkpoint", str(hf["ckpt"]), "--mesh", mesh, "--temperature", "0"]
+    argv += ["--prompt", PROMPT, "--max-new-tokens", str(NEW)] + (["--json"] if mesh == "1x2" else [])
+    assert run_cli(*argv) == 0
+    out = capsys.readouterr().out
+    if mesh == "1x1":
+        assert out == PROMPT + hf["text"] + "\n"
+        return
+    got = json.loads(out)
+    assert got["text"] == hf["text"]
+    assert got["kv_cache"]["linear_state"] == 3 * (4 * 8 * 8 * 4 + 3 * 64 * 4 + 4)
 
 
 def test_fused_rows_in_the_wrong_order_fail_the_transformers_comparison(hf, monkeypatch):

@@ -204,8 +204,6 @@ def _check_context_parallel(cfg: ModelConfig, par: Parallel) -> None:
         return
     if cfg.doc_mask >= 0:
         raise ConfigError("--cp does not support --doc-mask yet (documents across chunks); drop one of them")
-    if cfg.full_attn_every:
-        raise ConfigError(f"--cp does not support {cfg.family}'s linear-attention layers yet; drop --cp")
 
 
 def check_context(cfg: ModelConfig, layout) -> None:
