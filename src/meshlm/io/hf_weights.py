@@ -24,7 +24,7 @@ from meshlm.io import hf_experts
 from meshlm.io.hf_config import architectures, config_from_hf, config_to_hf
 from meshlm.io.hf_fused import FUSED, _split_fused, _torch_shape, _unfused
 from meshlm.model.config import ModelConfig
-from meshlm.model.layer_kinds import LINEAR_STACK, MOE_STACK, stacks
+from meshlm.model.layer_kinds import DENSE_STACK, LINEAR_STACK, stacks
 from meshlm.model.padding import VOCAB_AXIS, resize, resize_flat
 from meshlm.model.params import is_stacked
 
@@ -63,7 +63,7 @@ def _in_stack(cfg: ModelConfig, stack: str, path: str) -> bool:
         return True
     if path.startswith("moe/shared") and not cfg.shared_expert_d_ff:
         return False
-    return not path.startswith("mlp/" if stack == MOE_STACK else "moe/")
+    return not path.startswith("moe/" if stack == DENSE_STACK else "mlp/")  # a hybrid's both stacks: MoE
 
 
 def _from_torch(w: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:

@@ -113,6 +113,13 @@ class GatedDeltaNet(hk.Module):
         return dense_heads_out(out, wo), cache
 
 
+def linear_mixer(cfg: ModelConfig, par: Parallel, stddev: float):
+    """The layer's mixer as an attention module is called (``model.moe.moe_layer``'s ``attention()``):
+    (xf, positions, cache, starts) -> (partial [B, T, D], cache)."""
+    net = GatedDeltaNet(cfg=cfg, par=par, stddev=stddev)
+    return lambda xf, positions, cache=None, starts=None: net(xf, positions, starts, cache)
+
+
 def linear_layer(cfg: ModelConfig, par: Parallel, norm, mlp, stddev: float):
     """A linear-attention layer of a sequential (pre-norm) block: x + mixer(norm(x)), then x +
     mlp(norm(x)); ``norm(name)`` and ``mlp()`` make the family's norm and MLP. ``cache``: the layer's
