@@ -47,9 +47,9 @@ def cp_conv(x, w, par):
             f"--cp {par.layout.cp}: chunks of {c} tokens are shorter than linear_conv - 1 = {kernel - 1}"
             " (the conv's history comes from one chunk); use a longer sequence or a smaller --cp"
         )
-    halves = x.reshape(b, 2, c, ch)
-    if kernel == 1:
+    if kernel == 1:  # no history
         return deltanet.causal_conv(x, w)
+    halves = x.reshape(b, 2, c, ch)
     tails = par.conv_tails(halves[:, :, c - kernel + 1 :])  # [2cp, B, K-1, C] in sequence order
     before = jnp.concatenate([jnp.zeros_like(tails[:1]), tails[:-1]])  # before[j]: chunk j-1's tail
     joined = jnp.concatenate([_mine(par, before), halves], axis=2)  # [B, 2, K-1+c, C]
