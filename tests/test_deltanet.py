@@ -79,3 +79,66 @@ def test_verify_proves_linear_attention_and_detects_its_controls():
     assert max(p.max_rel_err for p in report.params) <= 1e-12
     assert sorted(c["name"] for c in report.controls) == sorted(c.name for c in LINEAR_CONTROLS)
     assert all(c["detected"] for c in report.controls), report.controls
+
+
+def test_context_parallel_chunks_equal_the_whole_sequence(inputs, cp=3):
+    """Under cp = 3 (``model.linear_context``; a middle shard's chunks both follow other shards') each
+    shard's two load-balanced chunks, run from the conv tails and the composed state maps of the chunks
+    before them, equal the whole sequence's rule and conv (float64, 1e-12); the state passed matters:
+    the rule from zeros at the second chunk differs there."""
+    from jax.sharding import PartitionSpec as P
+
+    from meshlm.model import linear_context
+    from meshlm.parallel.axes import CP
+    from meshlm.parallel.context import Parallel
+    from meshlm.parallel.cp import sequence_order
+    from meshlm.parallel.layout import Layout
+
+    with jax.enable_x64(True):
+        q, k, v, g, beta = (a[:, : 6 * cp] for a in inputs[:5])  # 2cp chunks of 3 tokens
+        t, zeros = q.shape[1], jnp.zeros((B, H, DK, DV))
+        x, w = v.reshape(B, t, -1), jnp.asarray(np.random.default_rng(3).normal(size=(3, H * DV)))
+        want, _ = deltanet.chunked_rule(q, k, v, g, beta, zeros, 2)
+        layout = Layout(cp=cp)
+        par = Parallel.on(layout)
+
+        def body(*xs):
+            q, k, v, g, beta, x = (par.seq_local(a) for a in xs)
+            return linear_context.cp_rule(q, k, v, g, beta, 2, par), linear_context.cp_conv(x, w, par)
+
+        run = jax.jit(jax.shard_map(body, mesh=layout.mesh, in_specs=P(), out_specs=P(None, CP)))
+        out, conv = (sequence_order(a, cp) for a in run(q, k, v, g, beta, x))
+        assert float(jnp.max(jnp.abs(out - want))) <= 1e-12
+        assert float(jnp.max(jnp.abs(conv - deltanet.causal_conv(x, w)))) <= 1e-12
+        alone, _ = deltanet.chunked_rule(*(a[:, 3:] for a in (q, k, v, g, beta)), zeros, 2)
+        assert float(jnp.max(jnp.abs(alone - want[:, 3:]))) > 1e-3  # the state from chunk 0 matters
+
+
+def test_generation_cache_logits_equal_the_full_forward_in_float64():
+    """The recurrent-state cache (``model.linear_cache``): rows of 3 and 11 prompt tokens (a right-padded
+    prefill by the chunked rule: the padding must not reach the state), then each token by one decode
+    step (the recurrence), give the full forward's logits (float64, 1e-12 of their scale); the state's
+    bytes do not grow with the context, the K/V's do."""
+    import haiku as hk
+
+    from meshlm.generate.cache import cache_bytes
+    from meshlm.generate.generator import Generator
+    from meshlm.model.config import get_config
+    from meshlm.model.transformer import init_fn, logits_fn
+    from meshlm.parallel.context import Parallel
+    from meshlm.parallel.layout import Layout
+
+    cfg = get_config("tiny-qwen3.5")
+    tokens, lengths = np.random.default_rng(1).integers(1, 64, (2, 20)), np.array([3, 11])
+    with jax.enable_x64(True):
+        init, example = init_fn(cfg)
+        params = jax.tree.map(lambda p: p.astype(jnp.float64), init(jax.random.PRNGKey(0), example))
+        forward = hk.without_apply_rng(hk.transform(logits_fn(cfg, Parallel()))).apply
+        want = np.asarray(jax.jit(forward)(params, jnp.asarray(tokens, jnp.int32)))
+        got = Generator(cfg, params, Layout(), max_len=32).logits_with_cache(tokens, lengths)
+    for b, n in enumerate(lengths):
+        assert float(np.max(np.abs(got[b] - want[b, n - 1 :]))) <= 1e-12 * np.abs(want).max()
+    short, long = (cache_bytes(cfg, Layout(), 2, s, jnp.float32) for s in (32, 64))
+    assert short["linear_state"] == long["linear_state"] > 0  # 1 layer: 8 x 8 x 8 state, 3 x 128 conv, length
+    assert short["linear_state"] == 2 * (8 * 8 * 8 * 4 + 3 * 128 * 4 + 4)
+    assert long["total"] - short["total"] == 2 * 32 * 2 * (2 * 16) * 4  # K and V: 32 more slots

@@ -2,20 +2,21 @@
 partial rotary) from transformers 5: a tiny random ``Qwen3_5ForCausalLM`` (no download, every weight
 perturbed) converts with logits equal to transformers' (float32; unsharded and on 2x2, the rule in
 chunks of 8 over 20 tokens: three chunks, the last ragged), and its export (the fused in_proj_qkv and
-conv1d joined again) loads back in transformers with equal logits and the same config. Generation
-refuses the hybrid in one line (no recurrent-state cache yet). One conversion, module-scoped."""
+conv1d joined again) loads back in transformers with equal logits and the same config. `meshlm generate
+--temperature 0` (the recurrent-state cache: prefill by the chunked rule, decode by the recurrence)
+prints transformers' greedy text on 1x1 and 1x2, and `--json` reports the linear layers' state size.
+One conversion, module-scoped."""
 
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_harness import Case, Comparison, drift, family_fixture  # noqa: E402
+from hf_harness import Case, Comparison, GreedyText, drift, family_fixture  # noqa: E402
 from hf_helpers import ROPE, RTOL, TINY, rel  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config, hf_weights  # noqa: E402
-from meshlm.model.params import unflatten  # noqa: E402
 
 CHUNK = 8  # our chunk: the 20 compared tokens span three (transformers' torch fallback uses 64)
 # Twice the other families' RTOL: on this model transformers' own float32 logits differ from its float64
@@ -23,6 +24,13 @@ CHUNK = 8  # our chunk: the 20 compared tokens span three (transformers' torch f
 # ours from its float32 ones by 1.1e-5. The rule itself matches transformers' to 2e-7 (below) and is
 # proven equal to the recurrence to 1e-12 in float64 (tests/test_deltanet.py).
 TOL = 2 * RTOL
+
+
+def _linear_state(out):
+    """generate --json's cache reports the linear layers' state: 3 layers x (state 4 x 8 x 8 + conv
+    3 x 64 float32 + the length) for the one row, whatever the context."""
+    assert out["kv_cache"]["linear_state"] == 3 * (4 * 8 * 8 * 4 + 3 * 64 * 4 + 4)
+
 
 # layers linear, linear, linear, full (transformers' default interval 4); 2 key heads serving 4 value
 # heads; a quarter of each full-attention head rotated
@@ -39,15 +47,16 @@ family = family_fixture(
             length=20,
             change=dict(linear_chunk=CHUNK),
             tol=TOL,
-            generate=False,
+            generated=_linear_state,
         )
     ]
 )
 
 
-class TestTransformers(Comparison):
-    """Logits unsharded and on 2x2, the export (the fused in_proj_qkv and conv1d joined again)
-    (tests/hf_harness.py); no greedy text: generation refuses the hybrid (below)."""
+class TestTransformers(Comparison, GreedyText):
+    """Logits unsharded and on 2x2, the export (the fused in_proj_qkv and conv1d joined again), greedy
+    text through the recurrent-state cache on 1x1 and 1x2 (linear value heads split over mp)
+    (tests/hf_harness.py)."""
 
 
 def test_the_rule_is_transformers_rule():
@@ -81,11 +90,6 @@ def test_refusals_name_the_field(family):
     kinds = ["linear_attention", "full_attention", "full_attention", "linear_attention"]
     with pytest.raises(ConfigError, match="layer_types=.*a full-attention layer every N layers"):
         hf_config.config_from_hf({**out, "layer_types": kinds})
-    from meshlm.generate.generator import Generator
-    from meshlm.parallel.layout import Layout
-
-    with pytest.raises(ConfigError, match="needs a recurrent-state cache"):
-        Generator(cfg, unflatten(flat), Layout())
 
 
 def test_fused_rows_in_the_wrong_order_fail_the_transformers_comparison(family, monkeypatch):

@@ -27,6 +27,12 @@ same values, one more matmul per step over the context). The latent is per token
 head: it is replicated over mp, Kc = mp with one copy per shard (as replicated KV heads are), so every
 device holds r + R values per token and layer of its rows.
 
+Linear-attention layers (a hybrid's Gated DeltaNet, ``model.linear_cache``): the full-attention layers'
+"k", "v" [L_full, B, S, Kc, E] as above, and per linear layer its recurrent state "state" [L_lin, B, Vh,
+dk, dv] (at least float32; value heads over mp), the conv's history "conv" [L_lin, B, K-1, C] (C = the
+q, k, v channels, over mp: each shard's own side by side) and each row's token count "length" [L_lin,
+B] (int32, set by ``programs`` before each call): constant in the context length.
+
 The "ff" family has no attention and no positions, so it needs no cache (an empty dict): see
 ``programs`` for why running it on the last token alone is exact.
 """
@@ -44,13 +50,17 @@ from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 
 CACHE_DIMS = (None, "batch", None, "kv_heads", None)  # global [L, B, S, Kc, E]: ``Layout.spec``'s names
+LINEAR_DIMS = {  # the linear layers' arrays (``model.linear_cache``)
+    "state": (None, "batch", "heads", None, None),
+    "conv": (None, "batch", None, "heads"),
+    "length": (None, "batch"),
+}
 
 
 def cache_specs(cfg: ModelConfig, layout: Layout) -> dict:
     """The K and V caches' specs on ``layout``: rows over its data shards (DP, or (DP, EP) with ep on),
     KV heads over mp (P(None, DP, None, MP, None) on a dp x mp mesh)."""
-    spec = layout.spec(*CACHE_DIMS)
-    return {name: spec for name in cache_shapes(cfg, 1, 1, 1)}
+    return {name: layout.spec(*LINEAR_DIMS.get(name, CACHE_DIMS)) for name in cache_shapes(cfg, 1, 1, 1)}
 
 
 def cache_heads(cfg: ModelConfig, mp: int) -> tuple[int, int]:
@@ -77,7 +87,9 @@ def cache_shapes(cfg: ModelConfig, mp: int, batch: int, max_len: int, slots=None
     if not mixed_kinds(cfg):
         s = cache_len(cfg, max_len) if slots is None else slots
         widths = latent_widths(cfg) or (cfg.dim_per_head,) * 2
-        return {n: (cfg.n_layers, batch, s, heads, w) for n, w in zip("kv", widths, strict=True)}
+        n_linear = len(cfg.linear_layers) if cfg.full_attn_every else 0
+        kv = {n: (cfg.n_layers - n_linear, batch, s, heads, w) for n, w in zip("kv", widths, strict=True)}
+        return kv | (_linear_shapes(cfg, n_linear, 1 if slots is None else mp, batch) if n_linear else {})
     (n_local, n_global), local = kind_counts(cfg), min(cfg.sliding_window, max_len)
     shapes = {n: (n_global, batch, slots or max_len, heads, cfg.dim_per_head) for n in "kv"}
     return shapes | {n: (n_local, batch, slots or local, heads, cfg.dim_per_head) for n in LOCAL_KEYS}
@@ -98,18 +110,38 @@ def values_per_token(cfg: ModelConfig) -> dict:
     return {"values": values, "full_kv": full, "ratio": round(full / values, 2)}
 
 
+def _linear_shapes(cfg: ModelConfig, layers: int, mp: int, batch: int) -> dict:
+    """The linear layers' arrays (global shapes; per shard with ``mp``'s head split)."""
+    vh, dk, dv = cfg.linear_value_heads // mp, cfg.linear_key_dim, cfg.linear_value_dim
+    channels = (2 * cfg.linear_key_heads * dk + cfg.linear_value_heads * dv) // mp
+    state = (layers, batch, vh, dk, dv)
+    return {"state": state, "conv": (layers, batch, cfg.linear_conv - 1, channels), "length": (layers, batch)}
+
+
+def cache_dtypes(cfg: ModelConfig, dtype) -> dict:
+    """Each cache array's dtype: ``dtype`` (the parameters'), the recurrent state in at least float32
+    and the row lengths int32."""
+    out = dict.fromkeys(cache_shapes(cfg, 1, 1, 1), jnp.dtype(dtype))
+    linear = {"state": jnp.promote_types(dtype, jnp.float32), "length": jnp.dtype(jnp.int32)}
+    return out | {k: v for k, v in linear.items() if k in out}
+
+
 def cache_bytes(cfg: ModelConfig, where, batch: int, max_len: int, dtype=jnp.float32) -> dict:
     """{"total", "per_device"} bytes of the K and V decode caches for a global ``batch`` on ``where`` (a
     Layout or a jax Mesh), "slots": positions held per layer (the window for a rolling cache; with
-    local and global layers the global ones', and "local_slots" the local ones': their window), and
-    "per_token_layer": the values cached per token and layer (``values_per_token``)."""
+    local and global layers the global ones', and "local_slots" the local ones': their window),
+    "per_token_layer": the values cached per token and layer (``values_per_token``), and with
+    linear-attention layers "linear_state": their arrays' bytes (in "total"; constant in ``max_len``)."""
     if not cfg.arch.attention:
         return {"total": 0, "per_device": 0, "slots": 0}
     layout = Layout.of(where)
-    shapes = cache_shapes(cfg, layout.mp, batch, max_len)
-    total = sum(math.prod(shape) for shape in shapes.values()) * jnp.dtype(dtype).itemsize
+    shapes, dtypes = cache_shapes(cfg, layout.mp, batch, max_len), cache_dtypes(cfg, dtype)
+    size = {n: math.prod(shape) * dtypes[n].itemsize for n, shape in shapes.items()}
+    total = sum(size.values())
     out = {"total": total, "per_device": total // layout.devices, "slots": shapes["k"][2]}
     out |= {"per_token_layer": values_per_token(cfg)}
+    if "state" in shapes:  # the linear layers': the same at any context length
+        out["linear_state"] = sum(size[n] for n in LINEAR_DIMS)
     return out | ({"local_slots": shapes["k_local"][2]} if "k_local" in shapes else {})
 
 
@@ -132,5 +164,8 @@ def keep_window(cfg: ModelConfig, cache: dict, lengths) -> dict:
 def empty_cache(cfg: ModelConfig, par: Parallel, shard_batch: int, max_len: int, dtype) -> dict:
     """Zeros of the per-shard shapes [L, B/dp, S, Kc/mp, E] (the prefill's: S = ``max_len`` slots in
     every array, local layers' included), ``shard_batch`` = B/dp (made on device, inside shard_map)."""
-    shapes = cache_shapes(cfg, par.layout.mp, shard_batch, max_len, slots=max_len)
-    return {name: jnp.zeros(shape, dtype) for name, shape in shapes.items()}
+    shapes, dtypes = (
+        cache_shapes(cfg, par.layout.mp, shard_batch, max_len, slots=max_len),
+        cache_dtypes(cfg, dtype),
+    )
+    return {name: jnp.zeros(shape, dtypes[name]) for name, shape in shapes.items()}

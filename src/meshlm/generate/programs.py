@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ConfigError
-from meshlm.generate.cache import cache_shapes, cache_specs, empty_cache, keep_window
+from meshlm.generate.cache import cache_dtypes, cache_shapes, cache_specs, empty_cache, keep_window
 from meshlm.generate.inputs import Sampling
 from meshlm.model.blockwise import varying_like
 from meshlm.model.config import ModelConfig
@@ -98,6 +98,15 @@ def sample(logits, key, rows, step, sampling):
     return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
 
 
+def _lengths(cache: dict, lengths) -> dict:
+    """The linear layers' row lengths [L_lin, B] set to ``lengths`` [B] (the tokens each row has after
+    this call; ``model.linear_cache``: the prefill's padding must not reach the state); other caches
+    as they are."""
+    if "length" not in cache:
+        return cache
+    return {**cache, "length": jnp.broadcast_to(lengths.astype(jnp.int32), cache["length"].shape)}
+
+
 def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype, prefill_cp: bool = False):
     """(prefill, decode_step): ``shard_map`` functions over the layout's mesh; params laid out by
     ``specs``.
@@ -117,18 +126,19 @@ def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype, prefill_cp
 
     def prefill(params, tokens, lengths, rows, key, sampling):  # tokens [B/dp, S], lengths [B/dp] per shard
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        cache = empty_cache(cfg, par, tokens.shape[0], tokens.shape[1], cache_dtype)
+        cache = _lengths(empty_cache(cfg, par, tokens.shape[0], tokens.shape[1], cache_dtype), lengths)
         if prefill_cp:
             logits, cache = apply_cp(params, tokens, lengths, cache)
         else:
             cache = varying_like(cache, tokens, params)  # as the keys it will hold (a carry: ``kv_kinds``)
             logits, cache = apply(params, tokens, positions, lengths - 1, cache)
-        return sample(logits, key, rows, 0, sampling), logits, keep_window(cfg, cache, lengths)
+        cache = _lengths(keep_window(cfg, cache, lengths), lengths)  # the lengths as given: rows', not mp's
+        return sample(logits, key, rows, 0, sampling), logits, cache
 
     def decode_step(params, tokens, positions, rows, cache, key, step, sampling, starts):  # [B/dp] per shard
-        last = jnp.zeros_like(positions)
+        last, cache = jnp.zeros_like(positions), _lengths(cache, positions + 1)
         logits, cache = apply(params, tokens[:, None], positions[:, None], last, cache, starts[:, None])
-        return sample(logits, key, rows, step, sampling), logits, cache
+        return sample(logits, key, rows, step, sampling), logits, _lengths(cache, positions + 1)
 
     # rows over the data shards: DP, or (DP, EP) (ep's shards are data shards: ``Layout.rows``)
     row, tokens, cspec = layout.spec("batch"), layout.spec("batch", None), cache_specs(cfg, layout)
@@ -167,7 +177,8 @@ class Programs:
             tokens = self._abstract((batch, self.max_len), jnp.int32, self.layout.spec("batch", None))
             cshapes = cache_shapes(self.cfg, self.layout.mp, batch, self.max_len)
             specs = cache_specs(self.cfg, self.layout)
-            cache = {k: self._abstract(cshapes[k], self.cache_dtype, s) for k, s in specs.items()}
+            dtypes = cache_dtypes(self.cfg, self.cache_dtype)
+            cache = {k: self._abstract(cshapes[k], dtypes[k], s) for k, s in specs.items()}
             step = self._abstract((), jnp.int32, P())
             prefill = self.jit["prefill"].lower(params, tokens, row, row, key, sampling)
             decode = self.jit["decode"].lower(params, row, row, row, cache, key, step, sampling, row)
@@ -195,6 +206,11 @@ def check_prefill_cp(cfg: ModelConfig, layout: Layout, max_len: int, prefill_cp:
             f"2N dividing {max_len}"
         )
     check_context(cfg, layout)  # --doc-mask: refused with cp
+    if cfg.full_attn_every:
+        raise ConfigError(
+            f"prefill over --cp does not fill {cfg.family}'s recurrent-state cache yet (each linear layer's "
+            "state comes from the last chunk's shard); drop --cp"
+        )
     if mixed_kinds(cfg):
         raise ConfigError(
             f"prefill over --cp does not fill {cfg.family}'s local and global caches yet (local layers "
@@ -210,11 +226,6 @@ def programs_for(
 ) -> Programs:
     """The shared ``Programs`` of this model (made on first use); ``params`` give the dtypes."""
     dtypes = tuple(str(p.dtype) for p in jax.tree.leaves(params))
-    if cfg.full_attn_every:  # a KV cache would pass the linear layers' state by (``linear_attention``)
-        raise ConfigError(
-            f"generation of {cfg.family}'s linear-attention layers needs a recurrent-state cache, which "
-            "meshlm does not have yet; score text with meshlm eval"
-        )
     check_prefill_cp(cfg, layout, max_len, prefill_cp)
     key = (cfg, layout, layout.mesh, max_len, dtypes, prefill_cp)
     if key not in _PROGRAMS:

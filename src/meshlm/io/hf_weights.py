@@ -24,7 +24,7 @@ from meshlm.io import hf_experts
 from meshlm.io.hf_config import architectures, config_from_hf, config_to_hf
 from meshlm.io.hf_fused import FUSED, _split_fused, _torch_shape, _unfused
 from meshlm.model.config import ModelConfig
-from meshlm.model.layer_kinds import LINEAR_STACK, MOE_STACK, stacks
+from meshlm.model.layer_kinds import DENSE_STACK, LINEAR_STACK, stacks
 from meshlm.model.padding import VOCAB_AXIS, resize, resize_flat
 from meshlm.model.params import is_stacked
 
@@ -63,7 +63,7 @@ def _in_stack(cfg: ModelConfig, stack: str, path: str) -> bool:
         return True
     if any(path.startswith(piece) and not on for piece, on in _optional(cfg).items()):
         return False
-    return not path.startswith("mlp/" if stack == MOE_STACK else "moe/")
+    return not path.startswith("moe/" if stack == DENSE_STACK else "mlp/")  # a hybrid's both stacks: MoE
 
 
 def _optional(cfg: ModelConfig) -> dict[str, bool]:
@@ -284,6 +284,8 @@ def load_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     }
     _check_names(tensors, wanted, directory)
     shapes, flat = expected_shapes(cfg.replace(vocab_multiple=1)), {}  # HF: unpadded
+    if cfg.arch.hf.regroup is not None:  # rows grouped per head group -> the parts one after another
+        cfg.arch.hf.regroup(cfg, tensors, to_hf=False)
     _split_fused(tensors, names, shapes, directory)
     for path, (shape, dtype) in shapes.items():
         hf_names, kind = _unfused(*names[path], path)
@@ -320,9 +322,10 @@ def save_hf(cfg: ModelConfig, flat_params: dict[str, Any], out_dir: str | Path) 
                 tensors.setdefault(name, []).append(_to_torch(part, kind[len(FUSED) :]))
             else:  # experts stacked on a leading E dim are split into per-expert tensors
                 tensors.update(hf_experts.split(name, _to_torch(part, kind), kind))
-    tensors = {
-        n: np.ascontiguousarray(np.concatenate(t) if isinstance(t, list) else t) for n, t in tensors.items()
-    }
+    tensors = {n: np.concatenate(t) if isinstance(t, list) else t for n, t in tensors.items()}
+    if cfg.arch.hf.regroup is not None:
+        cfg.arch.hf.regroup(cfg, tensors, to_hf=True)
+    tensors = {n: np.ascontiguousarray(t) for n, t in tensors.items()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")

@@ -10,7 +10,8 @@ Key head j serves value heads j*r ... j*r + r - 1 (r = Vh/Kh, transformers' ``re
 splitting both head axes into mp contiguous slices keeps each key head on the shard of its value heads:
 no collective inside the layer, one row-parallel sum after ``wo`` (as attention). The recurrence
 runs over the whole sequence of each row (``par.f`` gathers it under sp); with ``--doc-mask`` the conv
-and the state restart at each document (``model.deltanet``).
+and the state restart at each document (``model.deltanet``); under cp each shard's chunks start from
+the conv tails and the states of the chunks before them (``model.linear_context``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import meshlm.model.deltanet as deltanet
-from meshlm.errors import ConfigError
+import meshlm.model.linear_cache as linear_cache
+import meshlm.model.linear_context as linear_context
 from meshlm.model.config import ModelConfig
 from meshlm.model.dense import dense, dense_heads_in, dense_heads_out
 from meshlm.model.layers import RMSNorm, _normal
@@ -48,25 +50,46 @@ class GatedDeltaNet(hk.Module):
         w = hk.get_parameter(name, [xf.shape[-1], heads, e], init=_normal(self.stddev))
         return dense_heads_in(xf, w)
 
-    def _conv(self, name, x, positions, starts):  # x [B, T, h, e] -> silu(causal conv(x)), same shape
-        kernel = self.cfg.linear_conv
-        w = hk.get_parameter(name, [kernel, *x.shape[2:]], init=_normal(1.0 / np.sqrt(kernel)))
-        flat = x.reshape(*x.shape[:2], -1)
-        return jax.nn.silu(deltanet.causal_conv(flat, w.reshape(kernel, -1), positions, starts)).reshape(
-            x.shape
-        )
+    def _convs(self, xs, positions, starts, cache):
+        """(q, k, v) [B, T, h, e] each -> (silu(causal conv(.)) of each, the conv's new cached history or
+        None): one depthwise conv over their channels side by side (as transformers' fused ``conv1d``),
+        each channel its own K taps."""
+        kernel, flat = self.cfg.linear_conv, [x.reshape(*x.shape[:2], -1) for x in xs]
+        ws = [
+            hk.get_parameter(f"conv_{n}", [kernel, *x.shape[2:]], init=_normal(1.0 / np.sqrt(kernel)))
+            for n, x in zip("qkv", xs, strict=True)
+        ]
+        x, w = jnp.concatenate(flat, -1), jnp.concatenate([w.reshape(kernel, -1) for w in ws], -1)
+        history = None
+        if cache is not None:  # generation: after the cached inputs (``model.linear_cache``)
+            out, history = linear_cache.cached_conv(x, w, positions, starts, cache)
+        elif self.par.context_parallel:  # each chunk after the tail of the one before it (another shard's)
+            out = linear_context.cp_conv(x, w, self.par)
+        else:
+            out = deltanet.causal_conv(x, w, positions, starts)
+        parts = jnp.split(jax.nn.silu(out), np.cumsum([f.shape[-1] for f in flat[:-1]]), axis=-1)
+        return tuple(p.reshape(x.shape) for p, x in zip(parts, xs, strict=True)), history
 
-    def __call__(self, xf, positions, starts=None):
+    def _rule(self, q, k, v, g, beta, positions, starts, cache):  # -> (out [B, T, h, dv], state or None)
+        chunk = self.cfg.linear_chunk
+        if cache is not None:  # generation: from the cached state (``model.linear_cache``)
+            return linear_cache.cached_rule(q, k, v, g, beta, positions, starts, cache, chunk)
+        if self.par.context_parallel:  # each chunk from the state the chunks before it leave
+            return linear_context.cp_rule(q, k, v, g, beta, chunk, self.par), None
+        state = jnp.zeros((*v.shape[:1], *v.shape[2:3], k.shape[-1], v.shape[-1]), v.dtype)  # [B, h, dk, dv]
+        resets = deltanet.document_resets(positions, starts)
+        return deltanet.chunked_rule(q, k, v, g, beta, state, chunk, resets)[0], None
+
+    def __call__(self, xf, positions, starts=None, cache=None):
         """xf [B, T, D] (the whole sequence of each row), positions [B, T] absolute, starts None or
-        [B, T] (``--doc-mask``) -> partial [B, T, D]."""
+        [B, T] (``--doc-mask``), cache None or this layer's (``model.linear_cache``) -> (partial
+        [B, T, D], the new cache or None)."""
         cfg, mp = self.cfg, self.par.layout.mp
         kh, vh = cfg.linear_key_heads // mp, cfg.linear_value_heads // mp
         dk, dv = cfg.linear_key_dim, cfg.linear_value_dim
         q, k = self._proj("wq", xf, kh, dk), self._proj("wk", xf, kh, dk)
         v = self._proj("wv", xf, vh, dv)
-        q, k, v = (
-            self._conv(f"conv_{n}", x, positions, starts) for n, x in zip("qkv", (q, k, v), strict=True)
-        )
+        (q, k, v), history = self._convs((q, k, v), positions, starts, cache)
         z = self._proj("wz", xf, vh, dv)
         wa, wb = (hk.get_parameter(n, [xf.shape[-1], vh], init=_normal(self.stddev)) for n in ("wa", "wb"))
         a_log = hk.get_parameter("a_log", [vh], init=_a_log_init)
@@ -78,24 +101,34 @@ class GatedDeltaNet(hk.Module):
         beta = deltanet.write_strength(dense(xf, wb).astype(dtype))
         q, k = self.par.tap("linear_key_heads", (deltanet.l2norm(q), deltanet.l2norm(k)))
         q, k = (jnp.repeat(x, vh // kh, axis=2) for x in (q, k))  # key head j -> its r value heads
-        state = jnp.zeros((xf.shape[0], vh, dk, dv), dtype)  # [B, Vh/mp, dk, dv]
-        resets = deltanet.document_resets(positions, starts)
-        out, _ = deltanet.chunked_rule(q, k, v.astype(dtype), g, beta, state, cfg.linear_chunk, resets)
+        out, state = self._rule(q, k, v.astype(dtype), g, beta, positions, starts, cache)
         out = RMSNorm(eps=cfg.norm_eps, name="norm")(out.astype(xf.dtype)) * jax.nn.silu(z)  # gated norm
         wo = hk.get_parameter("wo", [vh, dv, xf.shape[-1]], init=_normal(self.stddev))
-        return dense_heads_out(out, wo)
+        if cache is not None:  # stored in the cache's own dtypes (the state in at least float32)
+            cache = {
+                **cache,
+                "state": state.astype(cache["state"].dtype),
+                "conv": history.astype(cache["conv"].dtype),
+            }
+        return dense_heads_out(out, wo), cache
+
+
+def linear_mixer(cfg: ModelConfig, par: Parallel, stddev: float):
+    """The layer's mixer as an attention module is called (``model.moe.moe_layer``'s ``attention()``):
+    (xf, positions, cache, starts) -> (partial [B, T, D], cache)."""
+    net = GatedDeltaNet(cfg=cfg, par=par, stddev=stddev)
+    return lambda xf, positions, cache=None, starts=None: net(xf, positions, starts, cache)
 
 
 def linear_layer(cfg: ModelConfig, par: Parallel, norm, mlp, stddev: float):
     """A linear-attention layer of a sequential (pre-norm) block: x + mixer(norm(x)), then x +
-    mlp(norm(x)); ``norm(name)`` and ``mlp()`` make the family's norm and MLP. No KV cache: generation
-    refuses linear-attention models before any work."""
+    mlp(norm(x)); ``norm(name)`` and ``mlp()`` make the family's norm and MLP. ``cache``: the layer's
+    recurrent state and conv history in generation (``model.linear_cache``)."""
 
     def layer(x, positions, cache=None, starts=None, kind=None):
-        if cache is not None:  # a KV cache holds no recurrent state: never run past it
-            raise ConfigError(f"{cfg.family}'s linear-attention layers have no generation cache yet")
         xf = par.f(norm("ln")(x))
-        x = x + par.row_out(GatedDeltaNet(cfg=cfg, par=par, stddev=stddev)(xf, positions, starts))
+        partial, cache = GatedDeltaNet(cfg=cfg, par=par, stddev=stddev)(xf, positions, starts, cache)
+        x = x + par.row_out(partial)
         out, b = mlp()(par.f(norm("ln2")(x)))
         return x + par.row_out(out, b), cache
 

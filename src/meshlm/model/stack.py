@@ -11,7 +11,8 @@ from jax import lax
 import meshlm.model.attention as attention
 from meshlm.model.config import ModelConfig
 from meshlm.model.kv_kinds import kinds_stack
-from meshlm.model.layer_kinds import MOE_STACK, runs, stacks
+from meshlm.model.layer_kinds import LINEAR_STACK, MOE_STACK, runs, stacks
+from meshlm.model.linear_cache import LINEAR_KEYS
 from meshlm.model.memory import remat_body
 
 
@@ -72,18 +73,30 @@ def _mixed_stack(cfg: ModelConfig, layers: dict, x, positions, cache, starts=Non
     params, apply = {}, {}
     for name, indices in stacks(cfg).items():
         params[name], apply[name] = _stacked(name, len(indices), remat_body(cfg.remat, bodies[name]), x)
-    caches, stats = [], []
+    parts, stats = {}, []
     for name, first, start, stop in runs(cfg):
         p = jax.tree.map(lambda a, s=slice(start, stop): a[s], params[name])
-        own = slice(first, first + stop - start)  # the run's layers' slots of the cache
-        c = None if cache is None else jax.tree.map(lambda a, s=own: a[s], cache)
+        c = _run_cache(cache, name, first, start, stop)
         x, (c, st) = lax.scan(_step(apply[name]), x, (p, c), unroll=min(cfg.layer_unroll, stop - start))
-        caches.append(c)
+        for key, part in (c or {}).items():
+            parts.setdefault(key, []).append(part)
         if st is not None:
             stats.append(st)
     if cache is not None:
-        cache = jax.tree.map(lambda *parts: jnp.concatenate(parts), *caches)
+        cache = {key: jnp.concatenate(part) for key, part in parts.items()}
     return (x, cache, jnp.concatenate(stats)) if cfg.arch.moe else (x, cache)
+
+
+def _run_cache(cache, name: str, first: int, start: int, stop: int):
+    """A run's slice of the cache: a hybrid's (``linear_cache.LINEAR_KEYS`` beside "k", "v") holds
+    each kind's arrays apart, [count, ...] in that kind's order (``[start, stop)``); any other cache
+    is [L, ...] in layer order (the run's layers from ``first``)."""
+    if cache is None:
+        return None
+    if LINEAR_KEYS[0] not in cache:
+        return {key: a[first : first + stop - start] for key, a in cache.items()}
+    keys = [key for key in cache if (key in LINEAR_KEYS) == (name == LINEAR_STACK)]
+    return {key: cache[key][start:stop] for key in keys}
 
 
 def _three(layer, positions, starts):

@@ -34,7 +34,7 @@ from meshlm.model.layers import (
     mask_vocab_padding,
     vocab_parallel_xent,
 )
-from meshlm.model.linear_attention import linear_layer
+from meshlm.model.linear_attention import linear_layer, linear_mixer
 from meshlm.model.lora import freeze
 from meshlm.model.memory import parallel_getter
 from meshlm.model.mla import attention_module
@@ -138,12 +138,12 @@ def _others(cfg: ModelConfig, par: Parallel) -> dict:
     layers, a hybrid's linear-attention layers (``model.linear_attention``); none: every layer alike."""
     if cfg.dense_layers:
         return {DENSE_STACK: BLOCKS[cfg.arch.block](cfg, par)}
+    norm = lambda name: _norm(cfg, name)
+    if cfg.full_attn_every and cfg.arch.moe:  # the experts after the linear mixer too (Qwen3.5-MoE)
+        mixer = lambda: linear_mixer(cfg, par, GPT_STDDEV)
+        return {LINEAR_STACK: moe_layer(cfg, par, norm=norm, attention=mixer, stddev=GPT_STDDEV)}
     if cfg.full_attn_every:
-        return {
-            LINEAR_STACK: linear_layer(
-                cfg, par, lambda name: _norm(cfg, name), lambda: _mlp(cfg, par), GPT_STDDEV
-            )
-        }
+        return {LINEAR_STACK: linear_layer(cfg, par, norm, lambda: _mlp(cfg, par), GPT_STDDEV)}
     return {}
 
 
@@ -204,8 +204,6 @@ def _check_context_parallel(cfg: ModelConfig, par: Parallel) -> None:
         return
     if cfg.doc_mask >= 0:
         raise ConfigError("--cp does not support --doc-mask yet (documents across chunks); drop one of them")
-    if cfg.full_attn_every:
-        raise ConfigError(f"--cp does not support {cfg.family}'s linear-attention layers yet; drop --cp")
 
 
 def check_context(cfg: ModelConfig, layout) -> None:

@@ -100,6 +100,22 @@ class ContextParallel:
         """[..., T/cp, K, E] -> [..., T, K, E]: every shard's keys and values, in cp-shard order."""
         return lax.all_gather(x, CP, axis=x.ndim - 3, tiled=True)
 
+    def gather_chunks(self, x):
+        """[B, 2, ...] a value per chunk this shard holds -> [2cp, B, ...] every chunk's, in sequence
+        order (one all-gather over cp; its transpose reduce-scatters the gradients)."""
+        held = lax.all_gather(x, CP)  # [cp, B, 2, ...]: shard i's chunks i and 2cp-1-i
+        return jnp.concatenate([held[:, :, 0], held[::-1, :, 1]])
+
+    def conv_tails(self, x):
+        """Linear attention's conv history: each chunk's last K-1 inputs, every chunk's ([B, 2, K-1, C]
+        -> [2cp, B, K-1, C], ``model.linear_context``)."""
+        return self.gather_chunks(x)
+
+    def chunk_states(self, x):
+        """Linear attention's state maps [B | A] of each chunk, every chunk's ([B, 2, h, dk, dv + dk] ->
+        [2cp, B, h, dk, dv + dk], ``model.linear_context``)."""
+        return self.gather_chunks(x)
+
     def cp_sum(self, x):
         """Sum over the context axis (a prefill's cache and last logits: each slot from one shard)."""
         return lax.psum(x, CP)

@@ -26,6 +26,10 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Fami
   DP-split gradients, reduce-scattered over dp, are then summed over cp alone (other replica groups than
   the norms' sum over dp x cp): one all-reduce for the layer stack's and, at most, one per DP-split
   weight outside it (each weight's reduce-scatter is its own; the bytes are the same ``dp_gradients``).
+  A hybrid's linear-attention layers (``model.linear_context``) instead all-gather, per layer, the conv's
+  tails and the delta rule's state maps (two forward, again with remat; their transposes, two
+  reduce-scatters, backward: ``cp_linear``, bytes ``cp_linear_bytes``); its full-attention layers count
+  as above.
 * Expert parallelism (``--ep``; ``parallel.ep``), per MoE layer, the sorted dispatches: three
   all-gathers forward over EP (tokens, combine weights, ids; again with remat) and the output's
   reduce-scatter (again with remat); backward, its transpose (an all-gather) and the reduce-scatters of
@@ -93,13 +97,15 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
     n, pl = cfg.n_layers, cfg.arch.row_sums  # f entries = r exits per layer
     recompute = 2 if cfg.remat != "none" else 1
     if layout.context_parallel and cfg.arch.attention:
+        full = cfg.n_layers - _linear_count(cfg)  # the full-attention layers
         if layout.cp_ring:
             cperm.update(
-                cp_ring_forward=recompute * (layout.cp - 1) * n, cp_ring_backward=(2 * layout.cp - 1) * n
+                cp_ring_forward=recompute * (layout.cp - 1) * full,
+                cp_ring_backward=(2 * layout.cp - 1) * full,
             )
         else:
-            ag.update(cp_kv_forward=recompute * n)
-            rs.update(cp_kv_backward=n)
+            ag.update(cp_kv_forward=recompute * full)
+            rs.update(cp_kv_backward=full)
     if sp and mp > 1:
         for cause in SP_REPLACES:
             if cause in ar:
@@ -124,9 +130,9 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
             cfg
         )  # the routing ids of the whole batch (``model.moe.capacity_keep``)
     a2a = ep_all_to_alls(cfg, layout)
-    ep_ag, ep_rs = ep_dispatch(cfg, layout)
-    ag.update(ep_ag)
-    rs.update(ep_rs)
+    for more_ag, more_rs in (ep_dispatch(cfg, layout), cp_linear(cfg, layout)):
+        ag.update(more_ag)
+        rs.update(more_rs)
     if (
         layout.experts_split and layout.mesh_shape[DP] > 1 and not layout.fsdp
     ):  # experts' gradients: over dp / ep alone
@@ -141,6 +147,35 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
         "collective-permute": cperm,
         "all-to-all": a2a,
     }
+
+
+def _linear_count(cfg: ModelConfig) -> int:
+    """A hybrid's linear-attention layers (``model.layer_kinds``), 0 for a model without."""
+    return len(cfg.linear_layers) if getattr(cfg, "full_attn_every", 0) else 0
+
+
+def cp_linear(cfg: ModelConfig, layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
+    """The all-gathers and reduce-scatters of linear-attention layers under cp per step, by cause."""
+    n = _linear_count(cfg) if layout.context_parallel else 0
+    if not n:
+        return {}, {}
+    recompute = 2 if cfg.remat != "none" else 1
+    return {"cp_linear_forward": 2 * recompute * n}, {"cp_linear_backward": 2 * n}
+
+
+def cp_linear_bytes(cfg: ModelConfig, layout: Layout, *, batch: int, seq_len: int, itemsize: int) -> int:
+    """Result bytes per step and device of ``cp_linear``'s all-gathers: per layer (again with remat)
+    the tails [cp, B, 2, K-1, C] of the C = (2 Kh dk + Vh dv) / mp conv channels, in the activations'
+    dtype, and the maps [cp, B, 2, Vh / mp, dk, dv + dk] in at least float32 (B = batch / dp;
+    constant in seq_len)."""
+    if not cp_linear(cfg, layout)[0]:
+        return 0
+    recompute = 2 if cfg.remat != "none" else 1
+    rows, dk, dv = layout.cp * (batch // layout.dp) * 2, cfg.linear_key_dim, cfg.linear_value_dim
+    channels = (2 * cfg.linear_key_heads * dk + cfg.linear_value_heads * dv) // layout.mp
+    tails = rows * (cfg.linear_conv - 1) * channels * itemsize
+    maps = rows * cfg.linear_value_heads // layout.mp * dk * (dv + dk) * max(itemsize, 4)
+    return recompute * _linear_count(cfg) * (tails + maps)
 
 
 def ep_dispatch(cfg: ModelConfig, layout: Layout) -> tuple[dict[str, int], dict[str, int]]:

@@ -26,6 +26,7 @@ from meshlm.parallel.layout import Layout
 from meshlm.perf.collectives import scalar_slack
 from meshlm.perf.hlo import COLLECTIVES, collectives_per_step
 from meshlm.perf.memory_collectives import (
+    cp_linear_bytes,
     ep_all_to_all_bytes,
     ep_dispatch_bytes,
     expected_all_reduce_bytes,
@@ -88,4 +89,9 @@ def communication_checks(cfg, layout: Layout, got: dict, *, batch_shape, itemsiz
             got_bytes = got[kind]["bytes"]
             detail = f"{got_bytes:,}, at most {nbytes:,} (the sorted ep dispatch: ep x N tokens gathered)"
             rows.append(check_row(f"{kind} bytes per step", got_bytes <= nbytes, detail))
+    linear = cp_linear_bytes(cfg, layout, **shape)
+    if linear and set(want["all-gather"]) == {"cp_linear_forward", "total"}:  # the linear layers' alone
+        got_bytes = got["all-gather"]["bytes"]
+        detail = f"{got_bytes:,}, at most {linear:,} (cp: the linear layers' conv tails and state maps)"
+        rows.append(check_row("all-gather bytes per step", got_bytes <= linear, detail))
     return rows

@@ -5,6 +5,7 @@ head pairing is a tap (``proof.taps``)."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import lax
 
 import meshlm.model.deltanet as deltanet
@@ -53,6 +54,22 @@ class KeyHeadsOfNextShard(Tapped):
         return tuple(lax.ppermute(x, MP, pairs) for x in qk)
 
 
+class StateNotPassed(Tapped):
+    """Under cp every chunk's delta rule starts from a zero state: the maps of the chunks before it
+    (another shard's, or this shard's first chunk for its second) never reach it."""
+
+    def chunk_states(self, x):
+        return jnp.zeros_like(super().chunk_states(x))
+
+
+class ConvTailNotSent(Tapped):
+    """Under cp every chunk's conv starts from zeros: the last K-1 inputs of the chunk before it
+    (held by another shard) never reach it."""
+
+    def conv_tails(self, x):
+        return jnp.zeros_like(super().conv_tails(x))
+
+
 def _linear(w: Where) -> bool:
     """The model has linear-attention layers."""
     return w.attention and bool(w.cfg.full_attn_every) and bool(w.cfg.linear_layers)
@@ -70,5 +87,15 @@ LINEAR_CONTROLS: tuple[Control, ...] = (
         name="linear attention's key heads paired with another shard's value heads",
         applies=lambda w: _linear(w) and w.layout.mp > 1,
         par_cls=KeyHeadsOfNextShard,
+    ),
+    Control(
+        name="delta rule's state not passed between cp chunks",
+        applies=lambda w: _linear(w) and w.layout.context_parallel,
+        par_cls=StateNotPassed,
+    ),
+    Control(
+        name="linear attention's conv history not passed between cp chunks",
+        applies=lambda w: _linear(w) and w.layout.context_parallel and w.cfg.linear_conv > 1,
+        par_cls=ConvTailNotSent,
     ),
 )

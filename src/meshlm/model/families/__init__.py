@@ -30,7 +30,9 @@ import meshlm.model.families.qwen2 as qwen2
 import meshlm.model.families.qwen2_moe as qwen2_moe
 import meshlm.model.families.qwen3 as qwen3
 import meshlm.model.families.qwen3_5 as qwen3_5
+import meshlm.model.families.qwen3_5_moe as qwen3_5_moe
 import meshlm.model.families.qwen3_moe as qwen3_moe
+import meshlm.model.families.qwen3_next as qwen3_next
 import meshlm.model.families.smollm3 as smollm3
 from meshlm.errors import ConfigError
 from meshlm.model.family import Family
@@ -40,6 +42,7 @@ MODULES = (
     ff, gptj, llama, qwen2, mistral, gemma, qwen3, olmo2, phi3, gemma2, gemma3, mixtral, qwen2_moe,
     qwen3_moe, olmoe, deepseek_v3,
     smollm3, olmo3, gpt_oss, llama4, qwen3_5,
+    qwen3_5_moe, qwen3_next,
 )  # fmt: skip
 
 # A module's ``MORE``: further records of its family (DeepSeek-V3's all-dense one), found by name only.
