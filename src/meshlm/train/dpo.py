@@ -42,6 +42,11 @@ from meshlm.sharding.strategy import strategy
 
 def check_dpo(cfg, accum_steps: int = 1) -> None:
     """What DPO does not run, as one line before any work."""
+    if cfg.lora_dropout:
+        raise ConfigError(
+            "--objective dpo compares the policy's log-probs with the reference's, so it trains without "
+            "dropout (as trl's disable_dropout); drop --lora-dropout"
+        )
     if cfg.arch.moe:
         raise ConfigError("--objective dpo trains dense models; a mixture of experts is not supported yet")
     if cfg.doc_mask >= 0:
