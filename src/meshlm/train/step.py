@@ -70,7 +70,9 @@ def sharded_step(
     if dpo is not None:
         from meshlm.train.dpo import dpo_value_and_grad
 
-        grad = dpo_value_and_grad(cfg, layout, specs, beta=dpo[0], loss=dpo[1], compute_dtype=compute_dtype)
+        grad = dpo_value_and_grad(
+            cfg, layout, specs, beta=dpo[0], loss=dpo[1], compute_dtype=compute_dtype, accum=ocfg.accum_steps
+        )
         return jax.jit(make_step(grad, opt, ocfg, aux_key="dpo", part=part), donate_argnums=(0, 1)), opt
     # sharded (one shard_map) or, with a pipeline, through its schedule: the layout's strategy; either
     # way a mixture of experts also returns its routing statistics (``make_step``: metrics)
