@@ -584,6 +584,9 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm convert --to-peft runs/lora --out runs/lora-peft": run(after=(LORA_TRAIN,)),
     "meshlm convert --merge runs/lora --out runs/lora-merged": run(after=(LORA_TRAIN,)),
     "meshlm plan --config tiny-llama --mesh 2x2 --batch-size 8 --seq-len 32 --lora-rank 8": run(),
+    "meshlm verify --config tiny-llama --mesh 2x2 --x64 --lora-rank 4 --lora-dropout 0.1": verify(
+        costly="tests/test_lora.py::test_verify_lora_sft_equal_unsharded_and_its_controls_detected"
+    ),
     "meshlm verify --lora-rank 4 --objective sft --config tiny-llama --mesh 2x2 --x64": verify(
         costly="tests/test_lora.py::test_verify_lora_sft_equal_unsharded_and_its_controls_detected"
     ),

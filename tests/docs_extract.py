@@ -83,3 +83,8 @@ def page_commands(page: pathlib.Path) -> list[DocCommand]:
 def doc_commands() -> list[DocCommand]:
     """Every occurrence, page by page."""
     return [command for page in PAGES for command in page_commands(page)]
+
+
+def python_blocks(page: pathlib.Path) -> list[str]:
+    """The ```python blocks of ``page``, each as written."""
+    return re.findall(r"^```python\n(.*?)^```$", page.read_text(), flags=re.S | re.M)

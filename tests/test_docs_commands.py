@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import pytest
 from docs_commands import COMMANDS, Run, Shown
-from docs_extract import ROOT, doc_commands, page_commands
+from docs_extract import ROOT, doc_commands, page_commands, python_blocks
 from helpers import TEXT, run_cli, run_meshlm, write_corpus
 from test_chat_sft import chat_tokenizer_dir
 
@@ -282,3 +282,26 @@ def test_documented_command_runs(workspace, text, capfd, children_import_meshlm)
         assert code == entry.code, f"meshlm {shlex.join(argv)}: exit {code}\n{output[-3000:]}"
         for want in entry.expect:
             assert want in output, f"meshlm {shlex.join(argv)}: no {want!r} in\n{output[-3000:]}"
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_finetuning_python_loads_the_peft_export_in_transformers_and_chats(workspace, capfd):
+    """docs/finetuning.md's Python, as written, in the workspace after the walk-through's step 4: peft
+    loads the export onto the transformers model (its trained adapters, B != 0) and generates."""
+    peft = pytest.importorskip("peft")
+    export = "meshlm convert --to-peft runs/qwen3-lora --out runs/qwen3-peft"
+    assert all(code == 0 for _, code, _ in _run(workspace, export, capfd))
+    (block,) = python_blocks(ROOT / "docs" / "finetuning.md")
+    names: dict = {}
+    cwd = os.getcwd()
+    os.chdir(workspace.root)
+    try:
+        capfd.readouterr()
+        exec(compile(block, "docs/finetuning.md", "exec"), names)
+    finally:
+        os.chdir(cwd)
+    model, ids = names["model"], names["ids"]
+    assert isinstance(model, peft.PeftModel) and ids.shape[0] == 1
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert len(lora_b) == 14 and all(float(p.abs().max()) > 0 for p in lora_b)  # 7 targets x 2 layers
+    assert capfd.readouterr().out.endswith("\n")  # the decoded reply, printed

@@ -103,29 +103,34 @@ def test_pairs_render_by_the_plain_rule_and_drop_what_does_not_fit():
 
 
 @pytest.mark.parametrize(
-    ("layout", "rows"),
+    ("layout", "rows", "accum"),
     [
-        (dict(dp=2, mp=2), 6),  # 3 rows a data shard: pair 1 sits across the two shards
-        (dict(dp=2, mp=2, fsdp=True, sp=True), 4),
-        (dict(dp=2, pp=2, microbatches=4), 8),  # a row per data shard per micro-batch: every pair split
-        (dict(dp=2, cp=2), 4),
+        (dict(dp=2, mp=2), 6, 1),  # 3 rows a data shard: pair 1 sits across the two shards
+        (dict(dp=2, mp=2, fsdp=True, sp=True), 8, 2),  # --accum-steps 2: 2 pairs a micro-batch
+        (dict(dp=2, pp=2, microbatches=4), 8, 1),  # a row per data shard per micro-batch: every pair split
+        (dict(dp=2, cp=2), 4, 1),
     ],
-    ids=["2x2", "fsdp-sp", "pp2-m4", "cp2"],
+    ids=["2x2", "fsdp-sp-accum2", "pp2-m4", "cp2"],
 )
-def test_verify_dpo_equal_unsharded_and_its_controls_detected(layout, rows):
+def test_verify_dpo_equal_unsharded_and_its_controls_detected(layout, rows, accum):
     """The proof in float64: chosen and rejected sums, the loss and every gradient within 1e-12 of the
     unsharded autodiff, also where a pair's rows sit in different data shards (the pairs meet on the
-    global rows); the three controls detected (and each changes the traced program)."""
+    global rows) and under gradient accumulation (the step's mean over its pairs, not per micro-batch);
+    the three controls detected (and each changes the traced program), with accumulation a fourth: a
+    pair's rows dealt to two micro-batches."""
     from meshlm.model.config import get_config
     from meshlm.parallel.layout import Layout
     from meshlm.proof.dpo import prove_dpo
 
     lay = Layout(**layout)
     with jax.enable_x64(True):
-        report = prove_dpo(get_config("tiny-llama"), "tiny-llama", lay, rows, 16, dtype=np.float64)
+        report = prove_dpo(
+            get_config("tiny-llama"), "tiny-llama", lay, rows, 16, dtype=np.float64, accum=accum
+        )
     assert report.ok, "\n".join(report.lines())
     assert {"chosen", "rejected", "loss", "grad head/w"} <= set(report.leaves)
-    assert len(report.controls) == 3 and all(report.controls.values()), report.controls
+    assert max(e for e, *_ in report.leaves.values()) > 0  # two programs: not the same numbers by chance
+    assert len(report.controls) == 3 + (accum > 1) and all(report.controls.values()), report.controls
 
 
 def _dpo_config(out, **kw):
@@ -170,12 +175,34 @@ def test_train_dpo_learns_and_resumes_bitwise_from_its_cached_reference(tmp_path
         train(_dpo_config(tmp_path / "cut", steps=steps), make_mesh(2, 2))
 
 
-def test_dpo_refuses_accumulation_and_odd_batches(tmp_path):
+def test_dpo_accumulation_deals_whole_pairs_and_refuses_odd_batches(tmp_path):
+    """With --accum-steps A the device batch's micro-batch a is rows [a B / A, (a + 1) B / A) of the
+    step's pairs (whole pairs, on every data shard), and a run trains as with one; a batch whose
+    micro-batches would split a pair is one line."""
+    from meshlm.data.device_batches import device_batch
+    from meshlm.data.pairs import PairBatcher, PairRows
+    from meshlm.parallel.layout import Layout
     from meshlm.parallel.mesh import make_mesh
+    from meshlm.train.loop import train
     from meshlm.train.run import build_run
 
-    with pytest.raises(ConfigError, match="--accum-steps 1"):
-        build_run(_dpo_config(tmp_path / "a", accum_steps=2), make_mesh(2, 2))
+    rows = PairRows(np.arange(40 * 9, dtype=np.int32).reshape(40, 9), np.ones((40, 8), np.uint8))
+    one, two = PairBatcher(rows, 8, 0), PairBatcher(rows, 8, 0, accum=2)
+    one.ref = two.ref = np.arange(40 * 8, dtype=np.float32).reshape(40, 8)
+    whole = one.batch(3)
+    got = device_batch(two, 3, Layout.of(make_mesh(2, 2)), 2)
+    for key in ("inputs", "targets", "completion_mask", "ref_logps"):
+        np.testing.assert_array_equal(np.asarray(got[key]), whole[key].reshape(2, 4, 8))
+    runs = {}  # the whole run: the same losses and reward metrics with 2 micro-batches as with one
+    for a in (1, 2):
+        train(_dpo_config(tmp_path / f"acc{a}", steps=3, batch_size=8, accum_steps=a), make_mesh(2, 2))
+        runs[a] = train_rows(tmp_path / f"acc{a}")
+    assert runs[2][-1]["reward_margin"] != 0
+    for r1, r2 in zip(runs[1], runs[2], strict=True):
+        for k in ("loss", "reward_accuracy", "reward_margin", "reward_chosen", "logps_rejected"):
+            assert r2[k] == pytest.approx(r1[k], rel=1e-4, abs=1e-6), (r1["step"], k)
+    with pytest.raises(DataError, match="multiple of 2 x 2"):
+        build_run(_dpo_config(tmp_path / "a", accum_steps=2, batch_size=6), make_mesh(1, 2))
     with pytest.raises(DataError, match="must be even"):
         build_run(_dpo_config(tmp_path / "b", batch_size=5), make_mesh(1, 2))
 
@@ -225,3 +252,13 @@ def test_pairs_render_with_a_chat_template_as_user_prompt_and_assistant_completi
     assert tok.decode(ids[mask == 0]).endswith("<|im_start|>assistant\n")  # the prompt: user turn, then
     train, _, _ = encode_pairs(read_pairs([PAIRS]), render, 64, tok.eod_id)
     assert train.mask.sum(axis=1).min() > 0
+
+
+def test_dpo_refuses_experts_and_doc_mask_saying_why():
+    from meshlm.model.config import get_config
+    from meshlm.train.dpo import check_dpo
+
+    with pytest.raises(ConfigError, match="router losses .* not part of DPO's gradient pass.*--objective lm"):
+        check_dpo(get_config("tiny-mixtral"))
+    with pytest.raises(ConfigError, match="nothing packed.*leave out --doc-mask"):
+        check_dpo(get_config("tiny-llama").replace(doc_mask=0))

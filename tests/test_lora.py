@@ -21,22 +21,24 @@ TARGETS = "q,k,v,o,gate,up,down"
 
 
 @pytest.mark.parametrize(
-    "layout",
+    "layout,dropout",
     [
-        dict(dp=2, mp=2),
-        dict(dp=2, mp=2, fsdp=True, sp=True),
-        dict(dp=1, mp=2, pp=2, microbatches=4),
-        dict(dp=1, mp=2, cp=2),
+        (dict(dp=2, mp=2), 0.0),
+        (dict(dp=2, mp=2, fsdp=True, sp=True), 0.1),  # --lora-dropout: its masks of the global tokens
+        (dict(dp=1, mp=2, pp=2, microbatches=4), 0.0),  # (--pp refuses dropout)
+        (dict(dp=1, mp=2, cp=2), 0.1),
     ],
 )
-def test_verify_lora_sft_equal_unsharded_and_its_controls_detected(layout):
+def test_verify_lora_sft_equal_unsharded_and_its_controls_detected(layout, dropout):
     from meshlm.parallel.layout import Layout
     from meshlm.proof import format_report, model_problem, verify
     from meshlm.proof.lora import LORA_CONTROLS, lora_problem
     from meshlm.proof.sft import sft_problem
 
     lay = Layout(**layout)
-    cfg = get_config("tiny-llama").replace(lora_rank=4, lora_alpha=8.0, lora_targets=TARGETS)
+    cfg = get_config("tiny-llama").replace(
+        lora_rank=4, lora_alpha=8.0, lora_targets=TARGETS, lora_dropout=dropout
+    )
     rows = 2 * lay.dp * lay.pipeline_microbatches
     problem = lora_problem(sft_problem(model_problem(cfg, "tiny-llama", lay, rows, 16)))
     with jax.enable_x64(True):
@@ -51,6 +53,9 @@ def test_verify_lora_sft_equal_unsharded_and_its_controls_detected(layout):
     assert detected["LoRA scale alpha/R applied twice"]
     if lay.dp * lay.cp > 1:  # the batch split over data shards: B's gradient is a sum over them
         assert detected["LoRA B gradient not summed over the data shards"]
+    if dropout:  # each mask of the global token and feature: a per-shard numbering is detected
+        assert detected["LoRA dropout: the same mask on every data shard"]
+        assert detected["LoRA dropout: a row-parallel input's features numbered per mp shard"]
 
 
 def test_bad_targets_are_one_line():
@@ -62,6 +67,74 @@ def test_bad_targets_are_one_line():
         get_config("tiny-mixtral").replace(lora_rank=2, lora_targets="gate")
     with pytest.raises(ConfigError, match="has no LoRA targets"):
         get_config("tiny").replace(lora_rank=2, lora_targets="q")
+
+
+def test_bad_dropout_is_one_line_and_refused_where_its_mask_cannot_go():
+    from meshlm.errors import ConfigError
+    from meshlm.parallel.layout import Layout
+    from meshlm.sharding.pipelined import check_pipelined
+    from meshlm.train.dpo import check_dpo
+
+    llama = get_config("tiny-llama")
+    for p in (1.0, -0.1, float("nan")):
+        with pytest.raises(ConfigError, match=r"lora_dropout must be .*\[0, 1\)"):
+            llama.replace(lora_rank=2, lora_targets="q", lora_dropout=p)
+    with pytest.raises(ConfigError, match="--lora-dropout need --lora-rank"):
+        llama.replace(lora_dropout=0.1)
+    with pytest.raises(ConfigError, match="more than one kind.*drop --lora-dropout"):
+        get_config("tiny-mixtral").replace(lora_rank=2, lora_targets="q", lora_dropout=0.1)
+    cfg = llama.replace(lora_rank=2, lora_targets="q", lora_dropout=0.1)
+    with pytest.raises(ConfigError, match="--pp does not take --lora-dropout"):
+        check_pipelined(cfg, Layout(pp=2, microbatches=2))
+    with pytest.raises(ConfigError, match="trains without dropout.*drop --lora-dropout"):
+        check_dpo(cfg)
+
+
+def test_dropout_masks_and_changes_the_gradient_in_the_train_step_only():
+    """P of the adapters' inputs dropped (the rest scaled by 1 / (1 - P)), another mask per layer,
+    target and step; the gradient differs from P = 0's; a batch without the train step's seeds (eval,
+    generate) computes P = 0's loss and gradients bitwise."""
+    import haiku as hk
+    import jax.numpy as jnp
+
+    from meshlm.model import lora_dropout
+    from meshlm.model.transformer import loss_fn
+    from meshlm.parallel.context import Parallel
+    from meshlm.sharding.spmd import reference_value_and_grad
+
+    cfg = get_config("tiny-llama").replace(lora_rank=2, lora_alpha=4.0, lora_targets="q,o", lora_dropout=0.25)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 17), 0, cfg.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    seeded = lora_dropout.with_seeds(batch, 0, 0)
+    x = jnp.ones((2, 16, cfg.d_model))
+    masks = {}
+    for layer, path, step in ((0, "attn/wq", 0), (1, "attn/wq", 0), (0, "attn/wo", 0), (0, "attn/wq", 1)):
+        with lora_dropout.scope(cfg, lora_dropout.with_seeds(batch, 0, step)[lora_dropout.SEEDS]):
+            lora_dropout._scopes[-1]["layer"] = jnp.uint32(layer)
+            masks[layer, path, step] = np.asarray(
+                lora_dropout.dropped(cfg, Parallel(), path, x, x.shape[-1:])
+            )
+    one = masks[0, "attn/wq", 0]
+    assert abs((one == 0).mean() - 0.25) < 0.02  # 2048 draws: 4.5 standard deviations
+    np.testing.assert_array_equal(np.unique(one), np.asarray([0.0, 1 / 0.75], np.float32))
+    assert all((m != one).mean() > 0.2 for k, m in masks.items() if k != (0, "attn/wq", 0))
+    init = hk.transform(loss_fn(cfg, Parallel())).init
+    params = init(jax.random.PRNGKey(0), batch)
+    drawn = jax.tree.map(
+        lambda a: 0.5 * jax.random.normal(jax.random.PRNGKey(2), a.shape), lora.adapters(params)
+    )
+    params = lora.combine(lora.base(params), drawn)  # B != 0: A's gradient too
+    grad = jax.jit(reference_value_and_grad(lambda par: loss_fn(cfg, par)))
+    off = jax.jit(reference_value_and_grad(lambda par: loss_fn(cfg.replace(lora_dropout=0.0), par)))
+    (_, g_on), (l_eval, g_eval), (l_off, g_off) = (
+        grad(params, seeded),
+        grad(params, batch),
+        off(params, seeded),
+    )
+    assert l_eval == l_off and jax.tree.all(jax.tree.map(np.array_equal, g_eval, g_off))
+    for name, g in lora.adapters(g_on)["layers/attn"].items():
+        ref = np.asarray(g_off["layers/attn"][name])
+        assert np.abs(np.asarray(g) - ref).max() > 1e-2 * np.abs(ref).max(), name
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +152,7 @@ def base(tmp_path_factory):
 
 
 def test_train_saves_adapters_only_resumes_bitwise_refuses_another_base(base, tmp_path, capsys):
+    """With --lora-dropout: the masks are of the step's count, so the resumed step draws the same."""
     from meshlm.io.checkpoint import Checkpointer
     from meshlm.io.model_io import save_model
     from meshlm.train.step import init_model
@@ -86,12 +160,24 @@ def test_train_saves_adapters_only_resumes_bitwise_refuses_another_base(base, tm
     ck, text = base
     argv = ["train", "--checkpoint", str(ck), "--lora-rank", "2", "--lora-alpha", "4", "--lora-targets"]
     argv += ["q,v,down", "--data", str(text), "--batch-size", "4", "--seq-len", "32", "--steps", "2"]
-    argv += ["--save-every", "1", "--mesh", "2x2", "--lr", "1e-2", "--warmup-steps", "0"]
+    argv += [
+        "--save-every",
+        "1",
+        "--mesh",
+        "2x2",
+        "--lr",
+        "1e-2",
+        "--warmup-steps",
+        "0",
+        "--lora-dropout",
+        "0.1",
+    ]
     out = tmp_path / "run"
     assert run_cli(*argv, "--out", str(out)) == 0
     with Checkpointer(out) as c:
         meta = c.read_meta(2)
     assert len(meta["lora_base"]) == 16 and meta["model_config"]["lora_rank"] == 2
+    assert meta["model_config"]["lora_dropout"] == 0.1
     arrays = _arrays(out, 2)  # the adapters and their AdamW moments, nothing of the base
     params = [k for k in arrays if k.startswith("['params']")]
     assert len(params) == 6 and all("lora_" in k for k in params), params
@@ -101,6 +187,9 @@ def test_train_saves_adapters_only_resumes_bitwise_refuses_another_base(base, tm
     shutil.rmtree(again / "2")
     assert run_cli(*argv, "--out", str(again)) == 0
     assert _arrays(again, 2) == arrays
+    peft = tmp_path / "peft"  # the export names the dropout the adapters were trained with
+    assert run_cli("convert", "--to-peft", str(out), "--out", str(peft), "--mesh", "1x1") == 0
+    assert json.loads((peft / "adapter_config.json").read_text())["lora_dropout"] == 0.1
     other = tmp_path / "other"  # another base: the resume is refused in one line
     mesh = jax.make_mesh((1, 1), ("dp", "mp"), devices=jax.devices()[:1])
     save_model(other, get_config("tiny-lm"), init_model(get_config("tiny-lm"), mesh, seed=4)[0])

@@ -39,7 +39,7 @@ def merge(args, layout, owned, summary) -> dict:
 
     cfg, meta = _lora_checkpoint(args.merge, "--merge")
     cfg, params, step = load_model(args.merge, layout)
-    plain = cfg.replace(lora_rank=0, lora_alpha=0.0, lora_targets="")
+    plain = lora.without_lora(cfg)
     merged = lora.merged(cfg, params)
     with owned(args.out):
         save_model(args.out, plain, merged, meta={"merged_from": str(Path(args.merge).absolute())})

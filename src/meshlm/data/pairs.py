@@ -15,7 +15,10 @@ completion would teach a preference for text that stops mid-sentence). Pairs spl
 validation by the sha1 of each record (``records.row_is_val``), at least one pair in each.
 
 Batches hold whole pairs: rows 2i (chosen) and 2i + 1 (rejected) of pair i; the pairs of step s are
-``default_rng([seed, s]).integers(0, pairs, B / 2)``, a pure function of (seed, step).
+``default_rng([seed, s]).integers(0, pairs, B / 2)``, a pure function of (seed, step). With gradient
+accumulation over A micro-batches, micro-batch a holds the step's rows [a B / A, (a + 1) B / A): whole
+pairs (B / A even), as DPO's loss needs (``PairBatcher.batch`` orders a shard's rows so that
+``data.device_batches`` deals them out so).
 
 This module must not import jax: it runs before the CLI has chosen the devices.
 """
@@ -145,12 +148,17 @@ def _rows(pairs: list, seq_len: int, eod: int) -> PairRows:
 class PairBatcher:
     """The step batches of pairs (module doc), in the text ``Batcher``'s interface (``device_batch``)."""
 
-    def __init__(self, rows: PairRows, global_batch: int, seed: int):
+    def __init__(self, rows: PairRows, global_batch: int, seed: int, accum: int = 1):
         if global_batch % 2:
             raise DataError(
                 f"--objective dpo takes pairs: --batch-size {global_batch} must be even (2 rows a pair)"
             )
-        self.data, self.global_batch, self.seed = rows, global_batch, seed
+        if global_batch % (2 * accum):
+            raise DataError(
+                f"--objective dpo with --accum-steps {accum}: each micro-batch holds whole pairs, so "
+                f"--batch-size {global_batch} must be a multiple of 2 x {accum}"
+            )
+        self.data, self.global_batch, self.seed, self.accum = rows, global_batch, seed, accum
         self.seq_len = rows.mask.shape[1]
         self.ref: np.ndarray | None = None  # the reference's per-target log-probs [2N, T] (``train.dpo_run``)
         self.keys = KEYS
@@ -160,9 +168,15 @@ class PairBatcher:
         return np.stack([2 * picked, 2 * picked + 1], axis=1).reshape(-1)
 
     def batch(self, step: int, shard: int = 0, num_shards: int = 1) -> dict:
+        """A data shard's rows; with accumulation ``device_batch``'s order: the shard's row r·A + a is
+        row r of its part of micro-batch a (the step's rows [a B / A, (a + 1) B / A): whole pairs)."""
         width = self.global_batch // num_shards
-        rows = self.index(step)[shard * width : (shard + 1) * width]
-        return self.data.rows(rows, self.ref)
+        index = self.index(step)
+        if self.accum > 1:
+            w = width // self.accum  # the shard's rows of each micro-batch
+            index = index.reshape(self.accum, -1)[:, shard * w : (shard + 1) * w].T.reshape(-1)
+            return self.data.rows(index, self.ref)
+        return self.data.rows(index[shard * width : (shard + 1) * width], self.ref)
 
     def eval_batches(self, count: int) -> list[np.ndarray]:
         """Row indices of up to ``count`` batches covering every pair once (the last filled cyclically)."""

@@ -64,7 +64,7 @@ def to_peft(cfg, flat: dict, out: str | Path) -> Path:
         "task_type": "CAUSAL_LM",
         "r": cfg.lora_rank,
         "lora_alpha": cfg.lora_alpha or cfg.lora_rank,
-        "lora_dropout": 0.0,
+        "lora_dropout": cfg.lora_dropout,
         "target_modules": sorted(modules),
         "inference_mode": True,
         "init_lora_weights": True,

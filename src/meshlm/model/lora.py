@@ -1,5 +1,6 @@
 """LoRA adapters (Hu et al. 2021): a targeted weight W [in, out] gains A [in, R] and B [R, out], and its
-layer computes ``dense(x, W) + (alpha / R) * (x A) B``; the base weights are frozen.
+layer computes ``dense(x, W) + (alpha / R) * (x A) B``; the base weights are frozen. With
+``--lora-dropout P`` the train step's adapters take ``dropout(x)`` (``model.lora_dropout``).
 
 The delta lives here alone (``delta``), called by the attention's projections and the MLP's matmuls
 after their own ``dense``. Per-shard shapes inside ``shard_map``: an adapter is requested with its base
@@ -28,7 +29,8 @@ import haiku as hk
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.model.lora_fields import ADAPTER, LoraFields, check_lora  # noqa: F401 - re-exported
+from meshlm.model.lora_dropout import dropped
+from meshlm.model.lora_fields import ADAPTER, LoraFields, check_lora, without_lora  # noqa: F401 - re-exported
 from meshlm.model.params import is_stacked, param_path
 
 _KAIMING = hk.initializers.VarianceScaling(1 / 3, "fan_in", "uniform")
@@ -51,6 +53,7 @@ def delta(cfg, par, path: str, x, in_shape, out_shape, kv_index=None):
     b = par.tap("lora_b", b)  # B as this shard uses it (the proof's data-shard-sum control plants here)
     if kv_index is not None:
         b = lax.dynamic_slice_in_dim(b, kv_index, 1, axis=1)  # [R, 1, E]: this shard's KV head
+    x = dropped(cfg, par, path, x, in_shape)  # --lora-dropout, in the train step only
     k = math.prod(in_shape)
     lead = x.shape[: x.ndim - len(in_shape)]
     # plain matmuls, not ``dense``: an adapter replicated over mp meets mp-varying activations (a

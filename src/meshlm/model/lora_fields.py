@@ -10,17 +10,24 @@ from meshlm.ranges import Range
 
 ADAPTER = "lora_"  # an adapter module's name: "lora_" + its base weight's leaf name
 NAMES = ("q", "k", "v", "o", "gate", "up", "down")  # the target names --lora-targets takes
-RANGES = {"lora_rank": Range(int, 0, note="0: off"), "lora_alpha": Range(float, 0, note="0: the rank")}
+RANGES = {
+    "lora_rank": Range(int, 0, note="0: off"),
+    "lora_alpha": Range(float, 0, note="0: the rank"),
+    "lora_dropout": Range(float, 0, 1, high_open=True, note="0: off"),
+}
 
 
 @dataclass(frozen=True)
 class LoraFields:
     """``ModelConfig``'s LoRA fields (a base, as ``MoEFields``): rank R (0: no adapters), alpha (0: R,
-    a scale of 1) and the comma-separated target names. Absent from a saved config: no adapters."""
+    a scale of 1), the comma-separated target names and the dropout probability of the adapters'
+    input (0: off; the train step's alone, ``model.lora_dropout``). Absent from a saved config: no
+    adapters."""
 
     lora_rank: int = 0
     lora_alpha: float = 0.0
     lora_targets: str = ""
+    lora_dropout: float = 0.0
 
     @property
     def lora_scale(self) -> float:
@@ -35,6 +42,11 @@ class LoraFields:
         return frozenset(targets(self)[t] for t in self.lora_targets.split(","))
 
 
+def without_lora(cfg):
+    """``cfg``'s model without adapters (every LoRA field at its default)."""
+    return cfg.replace(lora_rank=0, lora_alpha=0.0, lora_targets="", lora_dropout=0.0)
+
+
 def targets(cfg) -> dict[str, str]:
     """The target names ``cfg``'s model has -> their "module/param": its family's, of which a mixture
     of experts keeps the attention's (its MoE layers have no dense MLP)."""
@@ -45,9 +57,11 @@ def targets(cfg) -> dict[str, str]:
 def check_lora(cfg) -> None:
     """The LoRA fields agree with each other and with the family, as one-line errors."""
     if not cfg.lora_rank:
-        if cfg.lora_alpha or cfg.lora_targets:
-            raise ConfigError("--lora-alpha and --lora-targets need --lora-rank R (R >= 1)")
+        if cfg.lora_alpha or cfg.lora_targets or cfg.lora_dropout:
+            raise ConfigError("--lora-alpha, --lora-targets and --lora-dropout need --lora-rank R (R >= 1)")
         return
+    if not 0 <= cfg.lora_dropout < 1:
+        raise ConfigError(f"--lora-dropout must be in [0, 1) (0: off), got {cfg.lora_dropout!r}")
     have = targets(cfg)
     if not have:
         raise ConfigError(f"--lora-rank: family {cfg.family!r} has no LoRA targets; drop --lora-rank")
@@ -57,4 +71,17 @@ def check_lora(cfg) -> None:
         raise ConfigError(
             f"--lora-targets {cfg.lora_targets!r}: unknown target(s) {unknown or '(none given)'} for "
             f"{cfg.family}; valid: {','.join(have)}"
+        )
+    _check_dropout(cfg)
+
+
+def _check_dropout(cfg) -> None:
+    """Dropout's mask numbers each layer by its place in the one plain layer stack
+    (``model.lora_dropout``): a mixture of experts' or a hybrid's stacks are refused."""
+    from meshlm.model.layer_kinds import stacks
+
+    if cfg.lora_dropout and (cfg.arch.moe or len(stacks(cfg)) > 1):
+        raise ConfigError(
+            f"--lora-dropout: {cfg.family}'s layers stack in more than one kind (a mixture of experts or "
+            "a hybrid), whose layer numbering the dropout mask does not take yet; drop --lora-dropout"
         )

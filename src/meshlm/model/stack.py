@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import meshlm.model.attention as attention
+from meshlm.model import lora_dropout
 from meshlm.model.config import ModelConfig
 from meshlm.model.kv_kinds import kinds_stack
 from meshlm.model.layer_kinds import LINEAR_STACK, MOE_STACK, runs, stacks
@@ -27,7 +28,8 @@ def stack_layers(cfg: ModelConfig, layer, x, positions, cache, starts=None, othe
         return _mixed_stack(cfg, {MOE_STACK: layer, **others}, x, positions, cache, starts)
     if cfg.arch.moe:
         return _moe_stack(cfg, layer, x, positions, cache, starts)
-    kinds = attention.layer_kinds(cfg)
+    # --lora-dropout in a train step: each layer's index beside its kind (its dropout mask's)
+    layer, kinds = lora_dropout.indexed(layer, attention.layer_kinds(cfg), cfg.n_layers)
     body = remat_body(cfg.remat, lambda x, c, k: layer(x, positions, c, starts, k))
     if cache is None and kinds is None:
         stack = hk.experimental.layer_stack(cfg.n_layers, unroll=cfg.layer_unroll, name="layers")
@@ -38,7 +40,7 @@ def stack_layers(cfg: ModelConfig, layer, x, positions, cache, starts=None, othe
     )
     if kinds is None:
         return stacked(lambda x, c: body(x, c, None))(x, cache)
-    kinds = jnp.asarray(kinds)
+    kinds = jax.tree.map(jnp.asarray, kinds)
     if cache is None:
         return stacked(lambda x, k: (body(x, None, k)[0], None))(x, kinds)[0], None
     if "k_local" in cache:  # local and global layers' caches apart (``kv_kinds``): in the carry

@@ -36,6 +36,7 @@ from meshlm.model.layers import (
 )
 from meshlm.model.linear_attention import linear_layer, linear_mixer
 from meshlm.model.lora import freeze
+from meshlm.model.lora_dropout import SEEDS, scope
 from meshlm.model.memory import parallel_getter
 from meshlm.model.mla import attention_module
 from meshlm.model.moe import aux_loss, moe_layer, moe_losses
@@ -256,12 +257,15 @@ def embed_scale(d_model: int) -> np.float32:
 
 def loss_fn(cfg: ModelConfig, par: Parallel, routing: bool = False):
     """A Haiku function: batch {"inputs", "targets": [B, T]} -> mean loss over the global batch (with
-    "weights" [B, T]: of the weighted losses, ``model.masked``: the SFT loss); with
+    "weights" [B, T]: of the weighted losses, ``model.masked``: the SFT loss; with ``lora_dropout.SEEDS``
+    the adapters' dropout); with
     ``routing`` (a mixture of experts) -> (that loss, the routing statistics of the whole global batch
     [L, 2E + 3], ``model.moe``: the train step's metrics, outside the gradient)."""
 
     def loss(batch):  # with cp, each shard computes its own chunks of the sequence (``parallel.cp``)
-        logits, _, stats = local_logits_stats(cfg, par, par.seq_local(batch["inputs"]))
+        seeds = par.seq_local(batch[SEEDS]) if SEEDS in batch else None  # the train step's, for dropout
+        with scope(cfg, seeds):
+            logits, _, stats = local_logits_stats(cfg, par, par.seq_local(batch["inputs"]))
         logits = mask_vocab_padding(par, par.seq_out(logits), cfg.vocab_size)  # padded ids never chosen
         targets = par.seq_local(batch["targets"])
         per_token = vocab_parallel_xent(par, logits, targets, cfg.z_loss)  # [B, T] (with cp: [B, T/cp])

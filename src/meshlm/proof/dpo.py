@@ -58,9 +58,43 @@ def _frozen(params, reference):
     return reference
 
 
-def sharded_program(cfg, layout, specs, beta: float, loss: str, values_only: bool = False):
+def _micro_batches(v, accum: int):
+    """[B, ...] -> [A, B / A, ...]: micro-batch a the rows [a B / A, (a + 1) B / A), whole pairs (as
+    ``data.pairs.PairBatcher`` deals them; a control plants a pair's rows in two micro-batches)."""
+    return v.reshape(accum, -1, *v.shape[1:])
+
+
+def _accumulated(cfg, layout, specs, beta: float, loss: str, accum: int, values_only: bool):
+    """fn(params, ref params, batch) of training's step with ``accum`` micro-batches: the loss and
+    gradients ``optim.accumulate``'s; chosen and rejected the validation program's on the whole batch."""
+    from meshlm.train.optim import accumulate
+
+    logps = dpo.per_token_logps(cfg.replace(z_loss=0.0), layout, specs)
+    step = dpo.dpo_value_and_grad(cfg, layout, specs, beta=beta, loss=loss, accum=accum, fill=float("nan"))
+    values = dpo.dpo_value(logps, beta, loss)
+
+    def fn(params, ref_params, batch):
+        batch = {
+            **batch,
+            preference.REF_LOGPS: dpo.reference_logps(logps, _frozen(params, ref_params))(batch),
+        }
+        chosen, rejected = preference.pairs(values(params, batch)[3])
+        micro = jax.tree.map(lambda v: _micro_batches(v, accum), batch)
+        if values_only:  # a control's run: the micro-batches' mean loss, no gradient pass
+            losses = [values(params, jax.tree.map(lambda v, a=a: v[a], micro))[0] for a in range(accum)]
+            return {"chosen": chosen, "rejected": rejected, "loss": sum(losses) / accum}
+        (value, _), grads = accumulate(step, params, micro, accum)
+        return {"chosen": chosen, "rejected": rejected, "loss": value}, grads
+
+    return fn
+
+
+def sharded_program(cfg, layout, specs, beta: float, loss: str, values_only: bool = False, accum: int = 1):
     """fn(params, reference params, batch) -> ({"chosen", "rejected", "loss"}, grads), training's;
-    ``values_only``: the values of training's validation program (no gradient pass: a control's run)."""
+    ``values_only``: the values of training's validation program (no gradient pass: a control's run);
+    ``accum``: gradient accumulation over that many micro-batches (``_accumulated``)."""
+    if accum > 1:
+        return _accumulated(cfg, layout, specs, beta, loss, accum, values_only)
     logps = dpo.per_token_logps(cfg.replace(z_loss=0.0), layout, specs)
     step = dpo.dpo_value_and_grad(cfg, layout, specs, beta=beta, loss=loss, sums=True, fill=float("nan"))
     values = dpo.dpo_value(logps, beta, loss)
@@ -127,9 +161,17 @@ def _mask_off_by_one(batch):
     return jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=-1)  # on the inputs
 
 
-def dpo_controls(layout, rows: int):
+def _pair_split(v, accum: int):
+    """The rows dealt out as ``data.device_batches`` deals text rows (row r·A + a to micro-batch a): a
+    pair's chosen and rejected in two micro-batches."""
+    return jnp.swapaxes(v.reshape(-1, accum, *v.shape[1:]), 0, 1)
+
+
+def dpo_controls(layout, rows: int, accum: int = 1):
     """(name, plant) of each control on ``layout`` for a batch of ``rows``: the swap takes the first data
-    shard's pairs (its first pair where a shard holds one row)."""
+    shard's pairs (its first pair where a shard holds one row); with ``accum`` > 1 also a pair's rows
+    dealt to two micro-batches. (Each micro-batch holds B / A rows, so the mean of the micro-batches'
+    means is the mean over the step's pairs: SFT's "loss divided per micro-batch" cannot differ here.)"""
     shard_rows = max(rows // layout.dp, 2)  # dp counts every data shard (with ep: dp x ep)
     import meshlm.proof.dpo as here
 
@@ -148,6 +190,15 @@ def dpo_controls(layout, rows: int):
             "DPO completion mask off by one (a prompt token counted)",
             lambda: _planted(dpo, "completion_mask", _mask_off_by_one),
         ),
+    ) + (
+        (
+            (
+                "DPO pair's rows in two accumulation micro-batches",
+                lambda: _planted(here, "_micro_batches", _pair_split),
+            ),
+        )
+        if accum > 1
+        else ()
     )
 
 
@@ -214,8 +265,10 @@ def prove_dpo(
     loss="sigmoid",
     dtype=None,
     load_params=None,
+    accum: int = 1,
 ):
-    """The proof on ``layout`` (see the module doc): a ``DPOReport``."""
+    """The proof on ``layout`` (see the module doc): a ``DPOReport``; ``accum``: the sharded step
+    accumulates over that many micro-batches of whole pairs (the reference: one mean over the pairs)."""
     from meshlm.proof.problem import model_problem
     from meshlm.sharding.rules import init_sharded
 
@@ -240,21 +293,27 @@ def prove_dpo(
     reference = jax.jit(reference_program(problem.reference_cfg or cfg, beta, loss))
     values, grads = reference(one(params), one(ref_params), jax.device_put(host, device))
     expected = (jax.tree.map(np.asarray, values), problem.from_reference(jax.tree.map(np.asarray, grads)))
-    report = DPOReport(label=f"{name} on {layout.label()}, {loss} loss, beta {beta:g}", rtol=rtol, atol=atol)
+    label = f"{name} on {layout.label()}, {loss} loss, beta {beta:g}" + (
+        f", {accum} micro-batches" if accum > 1 else ""
+    )
+    report = DPOReport(label=label, rtol=rtol, atol=atol)
     args = (params, ref_params, batch)
-    program = jax.jit(sharded_program(cfg, layout, specs, beta, loss))
+    program = jax.jit(sharded_program(cfg, layout, specs, beta, loss, accum=accum))
     report.leaves = _compare(program(*args), expected, rtol, atol)
     unplanted = fingerprint(program.trace(*args))
-    for control, plant in dpo_controls(layout, rows):
+    for control, plant in dpo_controls(layout, rows, accum):
         with plant():  # traced whole (the inertness check); run for its values (no gradient pass)
-            planted = jax.jit(sharded_program(cfg, layout, specs, beta, loss))
+            planted = jax.jit(sharded_program(cfg, layout, specs, beta, loss, accum=accum))
             if fingerprint(planted.trace(*args)) == unplanted:  # a prover bug (``proof.inertness``)
                 raise VerifierError(
                     f"prover bug: the control {control!r} changes nothing on {layout.label()} (its plant "
                     "reaches no code this configuration runs)"
                 )
             got = _compare(
-                jax.jit(sharded_program(cfg, layout, specs, beta, loss, True))(*args), expected[0], rtol, atol
+                jax.jit(sharded_program(cfg, layout, specs, beta, loss, True, accum))(*args),
+                expected[0],
+                rtol,
+                atol,
             )
         report.controls[control] = not all(ok for *_, ok in got.values())
     return report

@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from meshlm.model import lora
+from meshlm.model.lora_dropout import ROW_PARALLEL
 from meshlm.parallel.context import Parallel
 from meshlm.proof.control_record import Control
 from meshlm.proof.report import check_row
@@ -61,6 +62,22 @@ class LoraBNotSummedOverDp(Tapped):
         return lax.stop_gradient(b) + jnp.where(first, b - lax.stop_gradient(b), jnp.zeros_like(b))
 
 
+class LoraDropoutSameOnEveryDataShard(Tapped):
+    """Each data shard numbers its tokens' dropout seeds as the first shard does: the same masks on
+    every data shard (a key drawn per shard, not per global token)."""
+
+    def lora_seeds(self, s):
+        first = s.reshape(-1)[0]
+        return s - first + lax.pmin(first, self.layout.batch_axes)
+
+
+class LoraDropoutFeaturesFromZero(Tapped):
+    """A row-parallel target's input features (split over mp) numbered from 0 on every mp shard."""
+
+    def lora_feature_offset(self, offset):
+        return jnp.zeros_like(offset)
+
+
 class LoraScaleTwice(Tapped):
     """The adapter's scale alpha / R applied twice."""
 
@@ -72,6 +89,10 @@ def _lora(w) -> bool:
     return w.cfg is not None and bool(w.cfg.lora_rank)
 
 
+def _dropout(w) -> bool:
+    return _lora(w) and bool(w.cfg.lora_dropout)
+
+
 def _data_shards(w) -> int:
     return math.prod(w.layout.shape[a] for a in w.layout.batch_axes)
 
@@ -81,6 +102,18 @@ LORA_CONTROLS = (
         name="LoRA B gradient not summed over the data shards",
         applies=lambda w: _lora(w) and _data_shards(w) > 1,
         par_cls=LoraBNotSummedOverDp,
+    ),
+    Control(
+        name="LoRA dropout: the same mask on every data shard",
+        applies=lambda w: _dropout(w) and _data_shards(w) > 1,
+        par_cls=LoraDropoutSameOnEveryDataShard,
+    ),
+    Control(
+        name="LoRA dropout: a row-parallel input's features numbered per mp shard",
+        applies=lambda w: (
+            _dropout(w) and w.layout.mp > 1 and bool(ROW_PARALLEL & set(w.cfg.lora_targets.split(",")))
+        ),
+        par_cls=LoraDropoutFeaturesFromZero,
     ),
     Control(
         name="LoRA scale alpha/R applied twice",
@@ -139,7 +172,7 @@ def lora_rows(runs, sharded_grads, rtol: float) -> list[dict]:
         if base_nonzero
         else f"every base gradient exactly 0; adapters' up to {adapter_max:.3g}",
     )
-    plain = cfg.replace(lora_rank=0, lora_alpha=0.0, lora_targets="")
+    plain = lora.without_lora(cfg)
     params, tokens = runs.ref_params, jnp.asarray(runs.host_batch["inputs"])
     with jax.default_device(runs.device):
         adapted = np.asarray(jax.jit(lambda p, t: _logits(cfg, p, t))(params, tokens))

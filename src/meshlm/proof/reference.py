@@ -63,7 +63,7 @@ def reference_step(grad_fn, ocfg: OptimConfig, optimizer: optax.GradientTransfor
     def step(params, opt_state, batch):
         if "loss_mask" in batch:  # the SFT loss over the whole step: its definition, written out here
             mask = batch["loss_mask"].astype(jnp.asarray(1.0).dtype)
-            batch = {"inputs": batch["inputs"], "targets": batch["targets"]}
+            batch = {k: v for k, v in batch.items() if k != "loss_mask"}  # (LoRA dropout's seeds kept)
             batch["weights"] = mask * mask.size / jnp.maximum(mask.sum(), 1)
         micro = [batch] if accum == 1 else [jax.tree.map(lambda x, a=a: x[a], batch) for a in range(accum)]
         losses, grads = zip(*(grad_fn(params, m) for m in micro), strict=True)

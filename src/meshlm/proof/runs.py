@@ -10,7 +10,9 @@ from __future__ import annotations
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from meshlm.model.lora_dropout import with_seeds
 from meshlm.model.routers import balance_update, balances
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel.context import Parallel
@@ -51,7 +53,7 @@ class Runs:
         host = problem.to_reference(jax.tree.map(to_host, self.params))
         self.ref_params = jax.device_put(host, self.device)
         self.ref_loss = problem.reference_loss or problem.build_loss
-        self.host_batch = proof_batch(problem.batch)  # an SFT mask normalized over the batch (``proof.sft``)
+        self.host_batch = proof_batch(problem.batch, problem.cfg)  # the SFT mask normalized (``proof.sft``)
         self.batch = put_batch(self.host_batch, layout, False)  # the global batch on the mesh
         self.checked: list[CheckedProgram] = []  # the programs that computed the reference's values
         # A control's planted program as the inertness check traced it (``Traced``, its parameters), by
@@ -173,7 +175,12 @@ def step_batches(problem: Problem, steps: int, accum: int, seed: int) -> list[di
     vocab = int(problem.batch["inputs"].max()) + 1 if problem.cfg is None else problem.cfg.vocab_size
     shape = (accum, b, t) if accum > 1 else (b, t)
     make = problem.batch_fn or (lambda shape, s: random_batch(vocab, shape, s))
-    return [make(shape, seed + 1000 + k) for k in range(steps)]
+    batches = [make(shape, seed + 1000 + k) for k in range(steps)]
+    if problem.cfg is not None and problem.cfg.lora_dropout:  # each step's own dropout seeds
+        batches = [
+            {n: np.asarray(v) for n, v in with_seeds(b, seed, k).items()} for k, b in enumerate(batches)
+        ]
+    return batches
 
 
 def default_optim(steps: int, ref_grad_norm: float) -> OptimConfig:

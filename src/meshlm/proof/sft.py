@@ -64,9 +64,15 @@ def sft_problem(problem):
     return dataclasses.replace(problem, batch=batch, batch_fn=batch_fn, name=f"{problem.name} (SFT mask)")
 
 
-def proof_batch(batch: dict) -> dict:
-    """The host batch both runs' loss and gradients take: the mask normalized over it (``loss_weights``)."""
-    return {k: np.asarray(v) for k, v in masked.loss_weights(batch).items()}
+def proof_batch(batch: dict, cfg=None) -> dict:
+    """The host batch both runs' loss and gradients take: the mask normalized over it (``loss_weights``);
+    with ``cfg``'s LoRA dropout, each token's dropout seed as the train step's first step gives it."""
+    batch = masked.loss_weights(batch)
+    if cfg is not None and cfg.lora_dropout:
+        from meshlm.model.lora_dropout import with_seeds
+
+        batch = with_seeds(batch, 0, 0)
+    return {k: np.asarray(v) for k, v in batch.items()}
 
 
 @contextlib.contextmanager

@@ -32,6 +32,14 @@ class Tapped(Parallel):
         """A LoRA adapter's scale alpha / R, applied once (``model.lora``)."""
         return s
 
+    def lora_seeds(self, s):
+        """This shard's tokens' dropout seeds [B, T] (``model.lora_dropout``): their global numbers."""
+        return s
+
+    def lora_feature_offset(self, offset):
+        """The global index of this shard's first input feature of a LoRA target (``lora_dropout``)."""
+        return offset
+
     def own_heads(self, w):
         """The query-head weights [D, H/mp, E] this shard computes with: its own slice."""
         return w

@@ -44,6 +44,8 @@ def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
             f"--pp with moe_capacity_factor={cfg.moe_capacity_factor}: the capacity is a rule on the whole "
             "batch and a pipeline stage routes one micro-batch at a time; drop --pp or the capacity factor"
         )
+    if cfg.lora_dropout:  # its mask is of each layer's index; a stage numbers its chunk's from 0
+        raise ConfigError("--pp does not take --lora-dropout yet (its masks number the layers); drop one")
     chunk = cfg.n_layers // (layout.pipeline.pp * layout.pipeline.virtual_stages)
     if cfg.global_every and chunk % cfg.global_every:  # each chunk numbers its layers from 0
         raise ConfigError(

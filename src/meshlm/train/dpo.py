@@ -40,16 +40,22 @@ from meshlm.parallel.placement import batch_spec
 from meshlm.sharding.strategy import strategy
 
 
-def check_dpo(cfg, accum_steps: int = 1) -> None:
+def check_dpo(cfg) -> None:
     """What DPO does not run, as one line before any work."""
-    if cfg.arch.moe:
-        raise ConfigError("--objective dpo trains dense models; a mixture of experts is not supported yet")
-    if cfg.doc_mask >= 0:
-        raise ConfigError("--objective dpo holds one sequence per row; leave out --doc-mask")
-    if accum_steps != 1:
+    if cfg.lora_dropout:
         raise ConfigError(
-            "--objective dpo takes --accum-steps 1 (a pair's rows in one micro-batch); raise --batch-size "
-            "or use more devices instead"
+            "--objective dpo compares the policy's log-probs with the reference's, so it trains without "
+            "dropout (as trl's disable_dropout); drop --lora-dropout"
+        )
+    if cfg.arch.moe:
+        raise ConfigError(
+            "--objective dpo trains dense models: a mixture of experts' router losses and load balancing "
+            "are not part of DPO's gradient pass yet; use a dense model, or --objective lm for this one"
+        )
+    if cfg.doc_mask >= 0:
+        raise ConfigError(
+            "--objective dpo holds one prompt and completion per row (nothing packed): a document mask "
+            "has nothing to separate; leave out --doc-mask"
         )
 
 
@@ -110,12 +116,14 @@ def dpo_value(logps_fn, beta: float, loss: str):
 
 
 def dpo_value_and_grad(
-    cfg, layout: Layout, specs, *, beta: float, loss: str, compute_dtype=None, sums=False, **kw
+    cfg, layout: Layout, specs, *, beta: float, loss: str, compute_dtype=None, sums=False, accum=1, **kw
 ):
     """fn(params, batch) -> ((loss, metrics), grads): ``batch`` {"inputs", "targets",
     "completion_mask", "ref_logps"} global [B, T], rows in pairs. ``sums``: metrics also "sums", the
-    policy's row sums [B] (the proof's). ``kw``: the strategy's (the proof's ``par_cls``, ``pipe_cls``,
-    ``fill``)."""
+    policy's row sums [B] (the proof's). ``accum``: fn is one of A micro-batches of whole pairs (equal
+    counts), whose losses and gradients ``optim.accumulate`` averages -- Σ over the step's pairs / their
+    number, exactly -- and whose metrics it sums: they come out as 1/A of this micro-batch's means.
+    ``kw``: the strategy's (the proof's ``par_cls``, ``pipe_cls``, ``fill``)."""
     cfg = cfg.replace(z_loss=0.0)  # the gradient pass's token loss is -log p exactly
     value = dpo_value(per_token_logps(cfg, layout, specs), beta, loss)
     grad = strategy(layout).value_and_grad(cfg, layout, specs, compute_dtype=compute_dtype, **kw)
@@ -125,6 +133,7 @@ def dpo_value_and_grad(
         mask = completion_mask(batch).astype(coeff.dtype)
         weights = lax.stop_gradient(-mask.size * coeff[:, None] * mask)  # mean(w · CE) has L's gradient
         _, grads = grad(params, {"inputs": batch["inputs"], "targets": batch["targets"], WEIGHTS: weights})
+        metrics = {k: m / accum for k, m in metrics.items()}  # summed over the A micro-batches
         return (loss_value, {**metrics, "sums": policy} if sums else metrics), grads
 
     return fn

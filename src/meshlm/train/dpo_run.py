@@ -37,7 +37,7 @@ def load_pairs(tcfg, cfg, layout, tok):
     """(batcher, validation row indices, info) of the run's pairs (``data.pairs``)."""
     from meshlm.train.dpo import check_dpo
 
-    check_dpo(cfg, tcfg.accum_steps)
+    check_dpo(cfg)
     if not tcfg.data:
         raise ConfigError(
             "--objective dpo needs --data: JSONL or Parquet files of (prompt, chosen, rejected)"
@@ -53,7 +53,7 @@ def load_pairs(tcfg, cfg, layout, tok):
         if int(rows.tokens.max()) >= cfg.vocab_size:
             raise ConfigError(f"the {name} pairs have ids >= the model's vocabulary {cfg.vocab_size}")
     layout.check_batch(tcfg.batch_size, tcfg.accum_steps)
-    batcher = PairBatcher(train, tcfg.batch_size, tcfg.seed)
+    batcher = PairBatcher(train, tcfg.batch_size, tcfg.seed, tcfg.accum_steps)
     val_batcher = PairBatcher(val, tcfg.batch_size, tcfg.seed)
     line = (
         f"data: {train.pairs} training and {val.pairs} validation pairs ({dropped} dropped: longer than "

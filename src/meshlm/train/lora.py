@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.model.lora_fields import NAMES
+from meshlm.model.lora_fields import NAMES, RANGES
 from meshlm.ranges import Range
 from meshlm.settings import setting
 
@@ -35,6 +35,10 @@ class LoraSettings:
         "q,k,v,o", f"LoRA: the weights adapted, comma-separated names of {','.join(NAMES)}",
         resume_must_match=True,
     )  # fmt: skip
+    lora_dropout: float = setting(
+        0.0, "LoRA: dropout probability of the adapters' input, in training only (peft's lora_dropout)",
+        resume_must_match=True, valid=RANGES["lora_dropout"],
+    )  # fmt: skip
 
 
 def with_lora(settings, cfg):
@@ -43,7 +47,10 @@ def with_lora(settings, cfg):
     if not settings.lora_rank:
         return cfg
     return cfg.replace(
-        lora_rank=settings.lora_rank, lora_alpha=settings.lora_alpha, lora_targets=settings.lora_targets
+        lora_rank=settings.lora_rank,
+        lora_alpha=settings.lora_alpha,
+        lora_targets=settings.lora_targets,
+        lora_dropout=settings.lora_dropout,
     )
 
 

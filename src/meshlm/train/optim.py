@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from meshlm.model import lora_dropout
 from meshlm.model.lora import Adapters
 from meshlm.model.masked import loss_weights
 from meshlm.model.params import decays, flat_params, unflatten
@@ -101,6 +102,16 @@ class Whole:
         return trained
 
 
+def step_count(opt_state):
+    """The optimizer's step count (AdamW's ``count``: the steps it has applied), an int32 scalar."""
+    return next(x for x in jax.tree.leaves(opt_state) if x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.integer))
+
+
+def dropout_seed(cfg, seed: int) -> int | None:
+    """``make_step``'s ``dropout_seed``: ``seed`` where ``cfg`` has LoRA dropout, else None."""
+    return seed if cfg.lora_dropout else None
+
+
 def trainable(cfg):
     """The part of ``cfg``'s parameters a step trains (its optimizer's state is of that part only)."""
     return Adapters if cfg.lora_rank else Whole
@@ -114,6 +125,7 @@ def make_step(
     aux_key: str = "routing",
     balance=None,
     part=Whole,
+    dropout_seed: int | None = None,
 ):
     """(params, opt_state, batch[, healthy]) -> (params, opt_state, metrics); jit it with donated
     buffers. metrics: "loss", "grad_norm", and "ok" (whether this step updated the state); with a
@@ -121,7 +133,9 @@ def make_step(
     "routing": a mixture of experts' statistics, "dpo": DPO's reward metrics).
     ``balance``: (params, aux) -> params after AdamW, the state it does not own (a mixture of experts'
     selection bias, ``model.routers.balance_update``; it needs the aux). ``part`` (``trainable``): what
-    is trained, what ``optimizer`` was made for; the rest stays."""
+    is trained, what ``optimizer`` was made for; the rest stays. ``dropout_seed`` (``--lora-dropout``):
+    the batch gains each token's dropout seed, of this seed and the optimizer's step count (a resumed
+    run draws the masks it would have drawn; ``model.lora_dropout``); None: no dropout."""
     clip_fn = clip_fn or (lambda g: clip_by_global_norm(g, ocfg.clip_norm))
 
     def part_grad(params, batch):  # LoRA: the frozen base's gradients are zero, never used
@@ -130,6 +144,8 @@ def make_step(
 
     def step(params, opt_state, batch, healthy=None):
         batch = loss_weights(batch)  # the SFT mask, normalized over the whole step (every micro-batch)
+        if dropout_seed is not None:
+            batch = lora_dropout.with_seeds(batch, dropout_seed, step_count(opt_state))
         loss, grads = accumulate(part_grad, params, batch, ocfg.accum_steps, part.select(params))
         loss, aux = loss if isinstance(loss, tuple) else (loss, None)
         grads, grad_norm = clip_fn(grads)

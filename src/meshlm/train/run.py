@@ -152,7 +152,9 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs: d
     else:
         params, _ = init_model(cfg, layout, tcfg.seed, specs=specs)
     dtype, dpo = COMPUTE_DTYPES[tcfg.compute_dtype], dpo_run.dpo_args(tcfg)
-    step_fn, opt = sharded_step(step_config(tcfg, cfg), tcfg.optim(), layout, specs, params, dtype, dpo)
+    step_fn, opt = sharded_step(
+        step_config(tcfg, cfg), tcfg.optim(), layout, specs, params, dtype, dpo, tcfg.seed
+    )
     opt_state = init_opt_state(opt, part.select(params), part.select(specs), layout.mesh)
     step = 0
     target = {"params": part.select(params), "opt_state": opt_state}

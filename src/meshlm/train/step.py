@@ -20,7 +20,7 @@ from meshlm.parallel.layout import Layout
 from meshlm.sharding.rules import dp_sharded, model_specs, shardings
 from meshlm.sharding.spmd import reference_value_and_grad
 from meshlm.sharding.strategy import strategy
-from meshlm.train.optim import OptimConfig, adamw, make_step, trainable
+from meshlm.train.optim import OptimConfig, adamw, dropout_seed, make_step, trainable
 
 # The compute dtypes (``model.family.COMPUTE_DTYPES``) as arrays' dtypes; float32: the master weights'.
 COMPUTE_DTYPES = dict(zip(family.COMPUTE_DTYPES, (None, jnp.bfloat16), strict=True))
@@ -56,7 +56,7 @@ def init_model(cfg: ModelConfig, where, seed: int, dtype=None, specs: dict | Non
 
 
 def sharded_step(
-    cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, specs, params, compute_dtype=None, dpo=None
+    cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, specs, params, compute_dtype=None, dpo=None, seed=0
 ):
     """(step_fn, optimizer): step_fn(params, opt_state, batch) -> (params, opt_state, metrics) (a
     mixture of experts' metrics: also "routing", the step's routing statistics, ``train.routing``).
@@ -70,13 +70,17 @@ def sharded_step(
     if dpo is not None:
         from meshlm.train.dpo import dpo_value_and_grad
 
-        grad = dpo_value_and_grad(cfg, layout, specs, beta=dpo[0], loss=dpo[1], compute_dtype=compute_dtype)
+        grad = dpo_value_and_grad(
+            cfg, layout, specs, beta=dpo[0], loss=dpo[1], compute_dtype=compute_dtype, accum=ocfg.accum_steps
+        )
         return jax.jit(make_step(grad, opt, ocfg, aux_key="dpo", part=part), donate_argnums=(0, 1)), opt
     # sharded (one shard_map) or, with a pipeline, through its schedule: the layout's strategy; either
     # way a mixture of experts also returns its routing statistics (``make_step``: metrics)
     routing = cfg.arch.moe
     grad = strategy(layout).value_and_grad(cfg, layout, specs, compute_dtype=compute_dtype, routing=routing)
-    step = make_step(grad, opt, ocfg, balance=balance_update(cfg), part=part)
+    step = make_step(
+        grad, opt, ocfg, balance=balance_update(cfg), part=part, dropout_seed=dropout_seed(cfg, seed)
+    )
     return jax.jit(step, donate_argnums=(0, 1)), opt
 
 
@@ -91,14 +95,15 @@ def check_fsdp_specs(specs, fsdp: bool) -> None:
         )
 
 
-def reference_step(cfg: ModelConfig, ocfg: OptimConfig, params, compute_dtype=None):
+def reference_step(cfg: ModelConfig, ocfg: OptimConfig, params, compute_dtype=None, seed=0):
     """The same step for the unsharded model (plain arrays; GSPMD partitions it if they're sharded)."""
     part = trainable(cfg)
     opt = adamw(ocfg, part.select(params))
     balance = balance_update(cfg)  # it needs the routing statistics: the loss then returns them
     routing = balance is not None
     grad = reference_value_and_grad(lambda par: loss_fn(cfg, par, routing), compute_dtype, has_aux=routing)
-    return jax.jit(make_step(grad, opt, ocfg, balance=balance, part=part), donate_argnums=(0, 1)), opt
+    step = make_step(grad, opt, ocfg, balance=balance, part=part, dropout_seed=dropout_seed(cfg, seed))
+    return jax.jit(step, donate_argnums=(0, 1)), opt
 
 
 def init_opt_state(opt, params, specs, mesh):
