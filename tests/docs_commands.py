@@ -352,7 +352,7 @@ COMMANDS: dict[str, Run | Shown] = {
         costly=LAUNCH, expect=('"ok": true',)
     ),
     "meshlm launch -n 2 --devices-per-process 2 -- train --mesh 2x2 --out runs/mp": run(
-        "-- train => -- train --data code " + TINY
+        "-- train => -- train --data code " + TINY, costly=MP_CKPT
     ),
     **_names(
         "two hosts with 8 GPUs each (10.0.0.1); the same flags on one host: tests/test_multiprocess.py",

@@ -9,7 +9,10 @@ conversion (module-scoped) and three tests::
     family = family_fixture(CASES)  # the module's ``family`` fixture: one conversion per case
 
     class TestTransformers(Comparison, GreedyText):  # GreedyText left out where generate is refused
-        pass
+        pass  # (a Test* name: pytest collects the inherited tests in the family's module)
+
+A config starts from ``hf_helpers.TINY`` (and ``ROPE``) plus the family's own fields;
+``kv_slots(local, more_than)`` is the ``Case.generated`` check of a windowed family's KV cache.
 
 - ``Comparison.test_logits_equal_transformers``: the config reads ``Case.reads``; our logits equal
   transformers' within ``Case.tol`` unsharded and on every model shard of 2x2; with ``Case.fused``,
@@ -24,7 +27,8 @@ What is truly the family's stays in its file and takes the same ``family`` fixtu
 hf (directory), ckpt (converted 1x1, where ``Case.generate``), fused, model, tokens [2, length],
 logits (transformers'), text (greedy). ``drift(family, **changes)`` is our unsharded logits' distance
 from transformers': the check that a bug common to the sharded and the unsharded run (invisible to
-verify) must fail.
+verify) must fail. A family-specific test picks its cases by name:
+``@pytest.mark.parametrize("family", ["phi3"], indirect=True)``.
 """
 
 import json

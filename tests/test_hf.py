@@ -9,22 +9,16 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import haiku as hk  # noqa: E402
 import jax  # noqa: E402
-from helpers import run_cli  # noqa: E402
+from helpers import run_cli, sharded_logits  # noqa: E402
 from hf_helpers import hf_logits as _hf_logits  # noqa: E402
 from hf_helpers import our_logits as _our_logits  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from meshlm.errors import CheckpointError, ConfigError  # noqa: E402
 from meshlm.io import hf_config, hf_weights  # noqa: E402
 from meshlm.model.config import get_config  # noqa: E402
 from meshlm.model.params import unflatten  # noqa: E402
-from meshlm.model.transformer import logits_fn  # noqa: E402
-from meshlm.parallel.context import Parallel  # noqa: E402
-from meshlm.parallel.layout import Layout  # noqa: E402
 from meshlm.parallel.mesh import make_mesh  # noqa: E402
-from meshlm.sharding.rules import model_specs, shardings  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 64
@@ -90,27 +84,10 @@ def test_import_matches_transformers(hf_model, tokens):
 def test_import_matches_transformers_sharded(hf_model, tokens, mesh_shape):
     _, path, want = hf_model
     cfg, flat = hf_weights.load_hf(path)
-    got = _sharded_logits(cfg, unflatten(flat), mesh_shape, tokens)
+    got = sharded_logits(cfg, unflatten(flat), tokens, mesh_shape)  # each model shard's copy
     assert got.shape == (mesh_shape[1], *want.shape)
     for copy in got:
         np.testing.assert_allclose(copy, want, atol=ATOL, rtol=0)
-
-
-def _sharded_logits(cfg, params, mesh_shape, tokens) -> np.ndarray:
-    """[mp, B, T, V]: the full logits as each model shard returns them (params placed on the mesh)."""
-    layout = Layout(*mesh_shape)
-    mesh = layout.mesh
-    specs = model_specs(cfg, params, layout)
-    apply = hk.transform(logits_fn(cfg, Parallel.on(layout))).apply
-    # Each model shard returns its own gathered copy of the logits (a leading axis over mp), so
-    # every copy is compared, not just the first.
-    fn = jax.shard_map(
-        lambda p, t: apply(p, None, t)[None],
-        mesh=mesh,
-        in_specs=(specs, P("dp", None)),
-        out_specs=P("mp", "dp", None, None),
-    )
-    return np.asarray(jax.jit(fn)(jax.device_put(params, shardings(specs, mesh)), tokens))
 
 
 def test_export_loads_in_transformers(hf_model, tokens, tmp_path):
@@ -258,7 +235,7 @@ def test_gpt2_vocabulary_converts_and_runs_on_mp_2_and_4(tmp_path, tokens, capsy
         assert params["embed"]["embeddings"].shape == (50304, 32)
         assert not np.any(np.asarray(params["head"]["w"])[:, 50257:])  # the padding is zeros
         host = jax.tree.map(np.asarray, params)
-        for copy in _sharded_logits(cfg, host, mesh_shape, ids):
+        for copy in sharded_logits(cfg, host, ids, mesh_shape):
             np.testing.assert_allclose(copy, want, atol=ATOL, rtol=0)
     assert run_cli("convert", "--to-hf", str(ckpt), "--out", str(tmp_path / "back"), "--mesh", "1x4") == 0
     tensors = load_file(tmp_path / "back" / hf_weights.WEIGHTS_FILE)

@@ -85,9 +85,11 @@ def test_bad_newest_step_is_moved_aside_and_saved_again(corpus, tmp_path, damage
 
 
 def test_two_processes_move_aside_together(corpus, tmp_path):
-    """Process 0 renames, the other waits for it: both then save step 6 (a collective) again."""
+    """Process 0 renames, the other waits for it: both then save step 6 (a collective) again. (The run
+    that leaves steps 2 and 4 is one process on the same 2x2 mesh: a checkpoint restores onto any
+    process count, and only the resumed run's two processes move aside.)"""
     launch = ["launch", "-n", "2", "--devices-per-process", "2", "--"]
-    first = run_meshlm(*launch, *train_args(corpus, tmp_path, 4, save_every=2))
+    first = run_meshlm(*train_args(corpus, tmp_path, 4, save_every=2), "--devices", "4")
     assert first.returncode == 0, first.stderr[-2000:]
     (tmp_path / "6").mkdir()
     second = run_meshlm(*launch, *train_args(corpus, tmp_path, 6, save_every=2))
