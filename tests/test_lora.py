@@ -72,8 +72,10 @@ def test_bad_targets_are_one_line():
 def test_bad_dropout_is_one_line_and_refused_where_its_mask_cannot_go():
     from meshlm.errors import ConfigError
     from meshlm.parallel.layout import Layout
+    from meshlm.proof.dpo import prove_dpo
     from meshlm.sharding.pipelined import check_pipelined
     from meshlm.train.dpo import check_dpo
+    from meshlm.train.lora import LoraSettings, with_lora
 
     llama = get_config("tiny-llama")
     for p in (1.0, -0.1, float("nan")):
@@ -81,6 +83,8 @@ def test_bad_dropout_is_one_line_and_refused_where_its_mask_cannot_go():
             llama.replace(lora_rank=2, lora_targets="q", lora_dropout=p)
     with pytest.raises(ConfigError, match="--lora-dropout need --lora-rank"):
         llama.replace(lora_dropout=0.1)
+    with pytest.raises(ConfigError, match="--lora-dropout needs --lora-rank"):  # the flags alike
+        with_lora(LoraSettings(lora_dropout=0.1), llama)
     with pytest.raises(ConfigError, match="more than one kind.*drop --lora-dropout"):
         get_config("tiny-mixtral").replace(lora_rank=2, lora_targets="q", lora_dropout=0.1)
     cfg = llama.replace(lora_rank=2, lora_targets="q", lora_dropout=0.1)
@@ -88,6 +92,8 @@ def test_bad_dropout_is_one_line_and_refused_where_its_mask_cannot_go():
         check_pipelined(cfg, Layout(pp=2, microbatches=2))
     with pytest.raises(ConfigError, match="trains without dropout.*drop --lora-dropout"):
         check_dpo(cfg)
+    with pytest.raises(ConfigError, match="trains without dropout"):  # nor does its proof take it
+        prove_dpo(cfg, "tiny-llama", Layout(dp=2), 4, 8)
 
 
 def test_dropout_masks_and_changes_the_gradient_in_the_train_step_only():
