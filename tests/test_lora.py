@@ -72,8 +72,10 @@ def test_bad_targets_are_one_line():
 def test_bad_dropout_is_one_line_and_refused_where_its_mask_cannot_go():
     from meshlm.errors import ConfigError
     from meshlm.parallel.layout import Layout
+    from meshlm.proof.dpo import prove_dpo
     from meshlm.sharding.pipelined import check_pipelined
     from meshlm.train.dpo import check_dpo
+    from meshlm.train.lora import LoraSettings, with_lora
 
     llama = get_config("tiny-llama")
     for p in (1.0, -0.1, float("nan")):
@@ -81,6 +83,8 @@ def test_bad_dropout_is_one_line_and_refused_where_its_mask_cannot_go():
             llama.replace(lora_rank=2, lora_targets="q", lora_dropout=p)
     with pytest.raises(ConfigError, match="--lora-dropout need --lora-rank"):
         llama.replace(lora_dropout=0.1)
+    with pytest.raises(ConfigError, match="--lora-dropout needs --lora-rank"):  # the flags alike
+        with_lora(LoraSettings(lora_dropout=0.1), llama)
     with pytest.raises(ConfigError, match="more than one kind.*drop --lora-dropout"):
         get_config("tiny-mixtral").replace(lora_rank=2, lora_targets="q", lora_dropout=0.1)
     cfg = llama.replace(lora_rank=2, lora_targets="q", lora_dropout=0.1)
@@ -88,6 +92,8 @@ def test_bad_dropout_is_one_line_and_refused_where_its_mask_cannot_go():
         check_pipelined(cfg, Layout(pp=2, microbatches=2))
     with pytest.raises(ConfigError, match="trains without dropout.*drop --lora-dropout"):
         check_dpo(cfg)
+    with pytest.raises(ConfigError, match="trains without dropout"):  # nor does its proof take it
+        prove_dpo(cfg, "tiny-llama", Layout(dp=2), 4, 8)
 
 
 def test_dropout_masks_and_changes_the_gradient_in_the_train_step_only():
@@ -202,6 +208,65 @@ def test_train_saves_adapters_only_resumes_bitwise_refuses_another_base(base, tm
 def _arrays(run_dir, step) -> dict:
     """The integrity record's {array: shape, dtype, bit fingerprint} of a step (``io.integrity``)."""
     return json.loads((run_dir / str(step) / "integrity" / "metadata").read_text())["arrays"]
+
+
+def test_lora_sft_trains_on_a_chat_store_under_pp(tmp_path):
+    """SFT + LoRA on a chat store (the masked loss) through the pipeline, --pp 2 with 4 micro-batches:
+    the loss moves and only the adapters are saved."""
+    from helpers import train_rows
+    from test_chat_sft import CONVERSATIONS, EXAMPLES, chat_tokenizer_dir
+
+    from meshlm.io.model_io import save_model
+    from meshlm.train.step import init_model
+
+    tok = chat_tokenizer_dir(tmp_path / "tok", (EXAMPLES / "chatml.jinja").read_text())
+    store = str(tmp_path / "chat")
+    prepare = ["data", "prepare", "--chat", "--tokenizer", str(tok), "--data", str(CONVERSATIONS)]
+    assert run_cli(*prepare, "--seq-len", "64", "--val-fraction", "0.2", "--out", store) == 0
+    cfg = get_config("tiny-llama").replace(vocab_size=320)
+    mesh = jax.make_mesh((1, 1), ("dp", "mp"), devices=jax.devices()[:1])
+    save_model(tmp_path / "base", cfg, init_model(cfg, mesh, seed=0)[0], meta={"tokenizer": {"kind": "none"}})
+    argv = [
+        "train",
+        "--checkpoint",
+        str(tmp_path / "base"),
+        "--data",
+        store,
+        "--tokenizer",
+        f"{store}/tokenizer.json",
+    ]
+    argv += [
+        "--lora-rank",
+        "2",
+        "--lora-targets",
+        "q,v,down",
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "4",
+        "--lr",
+        "3e-2",
+    ]
+    argv += [
+        "--steps",
+        "3",
+        "--warmup-steps",
+        "0",
+        "--eval-every",
+        "0",
+        "--sample-tokens",
+        "0",
+        "--save-every",
+        "3",
+    ]
+    assert (
+        run_cli(*argv, "--pp", "2", "--microbatches", "4", "--mesh", "1x2", "--out", str(tmp_path / "run"))
+        == 0
+    )
+    losses = [r["loss"] for r in train_rows(tmp_path / "run")]
+    assert len(losses) == 3 and np.isfinite(losses).all() and losses[-1] != losses[0]
+    params = [k for k in _arrays(tmp_path / "run", 3) if k.startswith("['params']")]
+    assert len(params) == 6 and all("lora_" in k for k in params), params
 
 
 def test_plan_counts_adapter_state_only():

@@ -236,11 +236,11 @@ def _verify(args, vs: VerifySettings, planned) -> int:
 def _with_lora(vs, cfg):
     """``cfg`` with ``--lora-rank``'s adapters; alpha defaults to 2R here, so that the proof's scale
     is not 1 (a scale applied twice would be the same number)."""
-    if not vs.lora_rank:
-        return cfg
     from meshlm.errors import ConfigError
     from meshlm.train.lora import with_lora
 
+    if not vs.lora_rank:
+        return with_lora(vs, cfg)  # (--lora-dropout alone: one line)
     if vs.steps:
         raise ConfigError("verify --lora-rank proves the loss and gradients; drop --steps (not proven yet)")
     return with_lora(dataclasses.replace(vs, lora_alpha=vs.lora_alpha or 2.0 * vs.lora_rank), cfg)

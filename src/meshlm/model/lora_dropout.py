@@ -93,5 +93,5 @@ def dropped(cfg, par, path: str, x, in_shape):
         return jax.vmap(lambda f: jax.random.fold_in(own, f)[0])(features)  # [k] uint32 bits
 
     bits = jax.vmap(token)(seeds.reshape(-1)).reshape(x.shape)  # x's lead: the seeds' [B, T]
-    keep = bits >= jnp.uint32(int(cfg.lora_dropout * 2**32))  # P(keep) = 1 - P
+    keep = bits >= jnp.uint32(int(cfg.lora_dropout * 2**32))  # kept with probability 1 - p
     return jnp.where(keep, x / jnp.asarray(1 - cfg.lora_dropout, x.dtype), jnp.zeros_like(x))

@@ -272,6 +272,7 @@ def prove_dpo(
     from meshlm.proof.problem import model_problem
     from meshlm.sharding.rules import init_sharded
 
+    dpo.check_dpo(cfg)  # what DPO's training refuses (experts, --doc-mask, --lora-dropout) is not proven
     dtype = dtype or jnp.float64
     rtol, atol = TOLERANCE[jnp.dtype(dtype).name]
     problem = model_problem(cfg, name, layout, rows, seq_len, seed)

@@ -45,6 +45,8 @@ def with_lora(settings, cfg):
     """``cfg`` with the settings' adapters (none without --lora-rank): one-line errors for unknown
     targets or a family without any (``lora_fields.check_lora``)."""
     if not settings.lora_rank:
+        if settings.lora_dropout:  # not silently dropped
+            raise ConfigError("--lora-dropout needs --lora-rank R (R >= 1): it drops the adapters' input")
         return cfg
     return cfg.replace(
         lora_rank=settings.lora_rank,
