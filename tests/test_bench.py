@@ -239,7 +239,10 @@ def test_moe_against_the_dense_model_of_equal_active_parameters():
         1,
         False,
     )
-    assert cpu.n_shared_experts == 1 and cpu.moe_d_ff == 8 * 128
+    assert cpu.n_shared_experts == 0 and cpu.moe_d_ff == (8 + 1) * 128  # the shared expert folded in
+    full = get_config("cpu-moe")
+    router = full.n_layers * (full.d_model * (full.n_experts - 1) + full.n_experts)  # w [D, E], bias [E]
+    assert param_counts(full).active - param_counts(cpu).total == router  # the active parameters
 
 
 def test_dense_eq_is_the_dense_gated_mlp_model():

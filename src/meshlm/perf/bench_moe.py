@@ -3,10 +3,11 @@
 the one run (``bench.time_interleaved``), and the all-to-alls of ep.
 
 dense-eq (``dense_equivalent``): the same config with one expert of k x moe_d_ff hidden units, which
-every token takes with weight 1 -- a dense gated MLP of d_ff = k x moe_d_ff (a shared expert kept as it
-is), the same attention, embeddings and head, no aux or z-loss. Its parameters are the MoE's active
-parameters (``model.accounting``; its router's D x 1 weight for the MoE's D x E aside), and its model
-FLOPs the MoE's. It runs on the dp x mp mesh of the same devices (one expert: nothing to split over ep).
+every token takes with weight 1 -- a dense gated MLP of d_ff = k x moe_d_ff (n always-on shared experts
+folded in: (k + n) x moe_d_ff; Qwen2-MoE's gated one kept as it is), the same attention, embeddings
+and head, no aux or z-loss. Its parameters are the MoE's active parameters (``model.accounting``; its
+router's D x 1 weight for the MoE's D x E aside), and its model FLOPs the MoE's. It runs on the dp x mp
+mesh of the same devices (one expert: nothing to split over ep).
 The gap between the two steps is what the mixture costs beyond its model FLOPs: the router, the dispatch
 (with ep the all-to-alls), and -- the largest part on these meshes -- the dropless dispatch computing
 every expert on every token's slot: E / k times the routed expert FLOPs -- what the "dense" dispatch
@@ -45,11 +46,15 @@ def dense_equivalent(cfg: ModelConfig) -> ModelConfig:
     """The dense model of ``cfg``'s active parameters: one expert of k x moe_d_ff hidden units, chosen
     by every token with weight 1 (a dense gated MLP), no aux or z-loss (module docstring). The router
     is made a softmax over that one expert (weight exactly 1): no groups, scaling or selection bias
-    (cpu-moe's groups of 16 cannot split one expert); the experts' biases and activation stay."""
+    (cpu-moe's groups of 16 cannot split one expert); the experts' biases and activation stay; the
+    always-on shared experts (``n_shared_experts``) are folded into the one MLP."""
     return cfg.replace(
         n_experts=1,
         experts_per_token=1,
-        moe_d_ff=cfg.experts_per_token * cfg.moe_d_ff,
+        # the always-on shared experts folded in (their width is n x moe_d_ff: kept apart, they would
+        # grow with the one expert's moe_d_ff): one MLP of the k routed and n shared experts' units
+        moe_d_ff=(cfg.experts_per_token + cfg.n_shared_experts) * cfg.moe_d_ff,
+        n_shared_experts=0,
         router_aux_loss_coef=0.0,
         router_z_loss_coef=0.0,
         router_score="softmax",
@@ -152,7 +157,7 @@ def moe_comparison(
         "active_params": moe.active,
         "dense_equivalent": {
             "impl": DENSE,
-            "d_ff": cfg.experts_per_token * cfg.moe_d_ff,
+            "d_ff": dense_equivalent(cfg).moe_d_ff,
             "shared_expert_d_ff": cfg.shared_expert_d_ff,
             "params": dense.total,
         },
