@@ -219,8 +219,10 @@ _V3 = dict(
 )
 # ``ModelConfig`` fields by preset name (the registry adds ``family``): the tiny one for the proof
 # (8 heads: mp up to 8; YaRN's attention factor and score mscale both != 1; layer 0 dense, layer 1
-# DeepSeek's MoE: 8 experts of 32 units in 2 groups of 4, each token's best group then its top 2, a
-# faster bias rate so two steps move the bias, the aux loss on so the proof covers it too); the real
+# DeepSeek's MoE: 8 experts of 32 units in 4 groups of 2, each token's best 2 groups then its top 2,
+# so that the proof's planted tie between experts 0 and E/ep = 4 can decide a choice under --ep 2
+# (with 2 groups of 4 and topk_group 1 the ep shards are the groups: no cross-shard tie is ever ranked);
+# a faster bias rate so two steps move the bias, the aux loss on so the proof covers it too); the real
 # ones from the published config.json files (deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct),
 # without the MTP layer.
 PRESETS: dict[str, dict] = {
@@ -231,8 +233,8 @@ PRESETS: dict[str, dict] = {
         n_experts=8,
         experts_per_token=2,
         moe_d_ff=32,
-        n_group=2,
-        topk_group=1,
+        n_group=4,
+        topk_group=2,
         moe_bias_rate=1e-2,
         **_ROUTER,
         dense_layers=(0,),
