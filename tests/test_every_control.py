@@ -124,10 +124,8 @@ CONFIGS = {
     "tiny-qwen2-moe 1x2 sp": ("tiny-qwen2-moe", {"n_layers": 2}, Layout(mp=2, sp=True), 1, 8),
     # linear attention (Gated DeltaNet) beside full attention: its rule's controls, documents, heads over mp
     "tiny-qwen3.5 2x2 fsdp sp doc-mask": ("tiny-qwen3.5", {"doc_mask": 0}, FSDP_SP, 2, 10),
-    # under cp: the state maps and the conv tails between chunks (chunks of 4 tokens: K - 1 = 3 fit); the
-    # MoE variant's experts after the linear mixer too, over ep
+    # under cp: the state maps and the conv tails between chunks (chunks of 4 tokens: K - 1 = 3 fit)
     "tiny-qwen3.5 1x2 cp2 ring": ("tiny-qwen3.5", {}, Layout(mp=2, cp=2), 1, 16),
-    "tiny-qwen3.5-moe 2x2 ep2": ("tiny-qwen3.5-moe", {}, EP2, 2, 8),
     # multi-head latent attention with YaRN (issue 43; dense: the MoE controls are tiny-mixtral's)
     "tiny-deepseek-v3 1x2 dense (MLA, YaRN)": (
         "tiny-deepseek-v3",
