@@ -97,6 +97,7 @@ LINEAR = "tests/test_deltanet.py::test_verify_proves_linear_attention_and_detect
 LINEAR_2X2 = (
     "meshlm verify --config tiny-qwen3.5 --mesh 2x2 --fsdp --sp --doc-mask --devices 4 --steps 2 --x64"
 )
+LINEAR_CP = "tests/test_deltanet.py::test_verify_proves_linear_attention_under_cp"
 EP_PP_CMD = "meshlm verify --config tiny-mixtral --pp 2 --mesh 2x1 --ep 2 --devices 4 --steps 2 --x64"
 ROUTER = "tests/test_router_proof.py::test_router_proven_on_ep_with_its_bias_bitwise"
 
@@ -459,6 +460,9 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config cpu-moe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=ROUTER),
     "meshlm verify --config tiny-qwen3.5 --mesh 1x4 --devices 4 --steps 2 --x64": verify(costly=LINEAR),
     LINEAR_2X2: verify(costly=LINEAR),
+    "meshlm verify --config tiny-qwen3.5 --mesh 1x2 --cp 2 --devices 4 --x64 --steps 2": verify(
+        costly=LINEAR_CP
+    ),
     **{
         f"meshlm verify --config tiny-mixtral --mesh {mesh} --devices {n} --steps 2 --x64 "
         "--moe-capacity-factor 0.5": verify(costly=CAPACITY)

@@ -142,3 +142,24 @@ def test_generation_cache_logits_equal_the_full_forward_in_float64():
     assert short["linear_state"] == long["linear_state"] > 0  # 1 layer: 8 x 8 x 8 state, 3 x 128 conv, length
     assert short["linear_state"] == 2 * (8 * 8 * 8 * 4 + 3 * 128 * 4 + 4)
     assert long["total"] - short["total"] == 2 * 32 * 2 * (2 * 16) * 4  # K and V: 32 more slots
+
+
+def test_verify_proves_linear_attention_under_cp():
+    """``meshlm verify --config tiny-qwen3.5 --mesh 1x2 --cp 2``'s proof of the linear layer's cp part
+    (float64, 16 tokens: cp chunks of 4, after the K - 1 = 3 inputs and the state of the chunk before):
+    sharded == unsharded after 2 steps, the communication check holds the linear layers' all-gathers
+    and their bytes, and the state's and the conv history's controls are detected."""
+    from meshlm.model.config import get_config
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof import format_report, model_problem, verify
+    from meshlm.proof.linear_controls import LINEAR_CONTROLS
+
+    cp_controls = tuple(c for c in LINEAR_CONTROLS if "cp chunks" in c.name)
+    layout = Layout(mp=2, cp=2)
+    problem = model_problem(get_config("tiny-qwen3.5"), "tiny-qwen3.5", layout, batch_size=1, seq_len=16)
+    with jax.enable_x64(True):
+        report = verify(problem, layout, dtype=np.float64, controls=cp_controls, steps=2, collectives=True)
+    assert report.ok, format_report(report)
+    assert max(p.max_rel_err for p in report.params) <= 1e-12
+    assert len(cp_controls) == 2 and all(c["detected"] for c in report.controls), report.controls
+    assert "all-gather bytes per step" in format_report(report)

@@ -124,6 +124,8 @@ CONFIGS = {
     "tiny-qwen2-moe 1x2 sp": ("tiny-qwen2-moe", {"n_layers": 2}, Layout(mp=2, sp=True), 1, 8),
     # linear attention (Gated DeltaNet) beside full attention: its rule's controls, documents, heads over mp
     "tiny-qwen3.5 2x2 fsdp sp doc-mask": ("tiny-qwen3.5", {"doc_mask": 0}, FSDP_SP, 2, 10),
+    # under cp: the state maps and the conv tails between chunks (chunks of 4 tokens: K - 1 = 3 fit)
+    "tiny-qwen3.5 1x2 cp2 ring": ("tiny-qwen3.5", {}, Layout(mp=2, cp=2), 1, 16),
     # multi-head latent attention with YaRN and DeepSeek's MoE (issue 43), one MoE layer (the dense
     # layer's stack is tiny-qwen2-moe's): the MLA controls on mp, the router's and the experts' over ep
     "tiny-deepseek-v3 2x2 ep2 (MLA, YaRN, DeepSeek's MoE)": (

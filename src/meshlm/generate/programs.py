@@ -138,7 +138,8 @@ def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype, prefill_cp
     def decode_step(params, tokens, positions, rows, cache, key, step, sampling, starts):  # [B/dp] per shard
         last, cache = jnp.zeros_like(positions), _lengths(cache, positions + 1)
         logits, cache = apply(params, tokens[:, None], positions[:, None], last, cache, starts[:, None])
-        return sample(logits, key, rows, step, sampling), logits, _lengths(cache, positions + 1)
+        cache = _lengths(cache, positions + 1)  # again: typed as the rows, not as mp's layers' output
+        return sample(logits, key, rows, step, sampling), logits, cache
 
     # rows over the data shards: DP, or (DP, EP) (ep's shards are data shards: ``Layout.rows``)
     row, tokens, cspec = layout.spec("batch"), layout.spec("batch", None), cache_specs(cfg, layout)

@@ -76,7 +76,8 @@ class GatedDeltaNet(hk.Module):
             return linear_cache.cached_rule(q, k, v, g, beta, positions, starts, cache, chunk)
         if self.par.context_parallel:  # each chunk from the state the chunks before it leave
             return linear_context.cp_rule(q, k, v, g, beta, chunk, self.par), None
-        state = jnp.zeros((*v.shape[:1], *v.shape[2:3], k.shape[-1], v.shape[-1]), v.dtype)  # [B, h, dk, dv]
+        b, _, h, dv = v.shape
+        state = jnp.zeros((b, h, k.shape[-1], dv), v.dtype)  # [B, h, dk, dv] per shard
         resets = deltanet.document_resets(positions, starts)
         return deltanet.chunked_rule(q, k, v, g, beta, state, chunk, resets)[0], None
 
