@@ -50,3 +50,23 @@ def unfuse(tensors: dict, fused: dict, prefix: str, n_layers: int) -> None:
                 continue
             for part, piece in zip(parts, np.split(w, len(parts), axis=1), strict=True):
                 tensors.update({at + part.format(e=e): piece[e] for e in range(piece.shape[0])})
+
+
+def deinterleave(tensors: dict, interleaved: dict, prefix: str, n_layers: int) -> None:
+    """Split each tensor ``interleaved`` names (its last dim alternating its parts: gpt-oss's
+    ``gate_up_proj``, gate at the even columns) into its parts, in place; absent ones are left alone."""
+    for i in range(n_layers):
+        at = prefix.format(i=i)
+        for name, parts in interleaved.items():
+            w = tensors.pop(at + name, None)
+            if w is not None:
+                tensors.update({at + part: w[..., j :: len(parts)] for j, part in enumerate(parts)})
+
+
+def interleave(tensors: dict, interleaved: dict, prefix: str, n_layers: int) -> None:
+    """``deinterleave``'s reverse, in place: the parts joined column by column into one tensor."""
+    for i in range(n_layers):
+        at = prefix.format(i=i)
+        for name, parts in interleaved.items():
+            pieces = [tensors.pop(at + part) for part in parts]
+            tensors[at + name] = np.stack(pieces, axis=-1).reshape(*pieces[0].shape[:-1], -1)

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm.model.layers import varying_like
+from meshlm.model.rope import attention_scale
 
 
 @dataclass(frozen=True)
@@ -53,14 +54,17 @@ class Variant:
     chunk: Any = None  # mask: keys of the query's chunk only (int > 0, or a traced int32; None or 0: none)
 
     @classmethod
-    def of(cls, cfg, heads: int, window=None, rotary=None, kind=None) -> Variant:
+    def of(cls, cfg, heads: int, window=None, rotary=None, kind=None, learned=None) -> Variant:
         """The model's variant for one layer: its ``window`` and rotary frequencies (a layer kind's,
         ``attention.kind_tables``), the model's score rules (``attn_softcap``, ``attn_scalar``).
         ``heads``: the layer's query heads on this shard, the shape of the learned sinks (``attn_sinks``:
         made here, inside the attention module, by ``hk.get_parameter``: "attn/sinks" [H], split over mp
         with the heads). ``attn_chunk``: every layer's chunk, or with a traced ``kind`` the local layers'
-        (Llama 4: chunked layers and global ones)."""
-        sink = hk.get_parameter("sinks", [heads], init=jnp.zeros) if cfg.attn_sinks else None
+        (Llama 4: chunked layers and global ones). ``learned``: the layer's attention parameters, where
+        the caller is not Haiku (the bench's plain reference): the learned leaves are read from them."""
+        sink = None
+        if cfg.attn_sinks:
+            sink = hk.get_parameter("sinks", [heads], init=jnp.zeros) if learned is None else learned["sinks"]
         chunk = cfg.attn_chunk or None
         if chunk and kind is not None:
             chunk = jnp.where(kind == 0, jnp.int32(chunk), 0)
@@ -190,6 +194,20 @@ def capped_logits(cfg, logits):
 
 # The score rules' config fields, their transformers config.json names (Gemma 2's) and what they are: an
 # export to a family whose config.json has no such field refuses a non-zero value (``io.hf_config``).
+def rotary_scale(cfg, kind=None):
+    """What a layer's cos and sin are multiplied by (YaRN's attention factor, ``rope.attention_scale``;
+    1 otherwise). With a traced layer ``kind`` (0 local): a NoPE layer's 1 (it is not rotated), a local
+    layer's 1 unless its rotary is the global one's (``Family.rope_scales_local``: gpt-oss, SmolLM3),
+    as transformers' rotary per layer type (OLMo 3: YaRN on the full layers only). A Python float where
+    both kinds agree."""
+    scale = attention_scale(cfg.rope_scaling)
+    if kind is None:
+        return scale
+    local = scale if cfg.arch.rope_scales_local else 1.0
+    full = 1.0 if cfg.global_nope else scale
+    return local if local == full else jnp.where(kind == 0, local, full)
+
+
 EXPORTED_AS = {
     "attn_softcap": ("attn_logit_softcapping", "soft-capping"),
     "final_softcap": ("final_logit_softcapping", "soft-capping"),

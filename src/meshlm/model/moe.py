@@ -308,8 +308,8 @@ def moe_layer(cfg, par: Parallel, *, norm, attention, stddev: float):
     """The sequential block with the MoE feed-forward: x -> (x, cache, statistics [2E + 3]).
     ``norm(name)`` builds the family's norm, ``attention()`` its attention module."""
 
-    def layer(x, positions, cache=None, starts=None):
-        attn, cache = attention()(par.f(norm("ln")(x)), positions, cache, starts)
+    def layer(x, positions, cache=None, starts=None, kind=None):
+        attn, cache = attention()(par.f(norm("ln")(x)), positions, cache, starts, kind)
         x = x + par.row_out(attn)
         out, stats = MoE(cfg=cfg, par=par, stddev=stddev, dropping=cache is None)(norm("ln2")(x))
         return x + par.row_out(out), cache, stats

@@ -47,17 +47,24 @@ def stack_layers(cfg: ModelConfig, layer, x, positions, cache, starts=None, othe
 
 def _moe_stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
     """``stack_layers`` of mixture-of-experts layers -> (x, cache, routing statistics [L, 2E + 3]): each
-    layer's statistics leave the stack as its per-layer output (``model.moe``)."""
+    layer's statistics leave the stack as its per-layer output (``model.moe``); with layer kinds
+    (gpt-oss's windowed and full layers) each layer's kind is a per-layer input, as in a dense stack."""
 
-    def step(x, c):
-        y, c, stats = layer(x, positions, c, starts)
+    def step(x, c, kind=None):
+        y, c, stats = layer(x, positions, c, starts, kind)
         return y, (c, stats)
 
     body = remat_body(cfg.remat, step)
     stacked = hk.experimental.layer_stack(
         cfg.n_layers, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers"
     )
-    x, (cache, stats) = stacked(body)(x, cache)
+    kinds = attention.layer_kinds(cfg)
+    if kinds is None:
+        x, (cache, stats) = stacked(body)(x, cache)
+    elif cache is not None and "k_local" in cache:  # the two-array cache rides in the carry
+        return kinds_stack(cfg, stacked, body, x, cache, stats=True)
+    else:
+        x, (cache, stats) = stacked(body)(x, cache, jnp.asarray(kinds))
     return x, cache, stats
 
 
