@@ -61,7 +61,9 @@ def _in_stack(cfg: ModelConfig, stack: str, path: str) -> bool:
         return (mixer == "linear") == (stack == LINEAR_STACK)
     if not cfg.arch.moe:
         return True
-    if path.startswith("moe/shared") and not cfg.shared_expert_d_ff:
+    if path.startswith(("moe/shared/", "moe/shared_gate/")) and not cfg.shared_expert_d_ff:
+        return False
+    if path.startswith("moe/shared_experts/") and not cfg.n_shared_experts:
         return False
     return not path.startswith("mlp/" if stack == MOE_STACK else "moe/")
 
@@ -268,7 +270,7 @@ def load_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     if cfg.tie_embeddings:
         _untie(cfg, tensors, directory)
     hf_experts.unfuse(tensors, hf.fused, hf.layer_prefix, cfg.n_layers)
-    hf_experts.deinterleave(tensors, hf.interleaved, hf.layer_prefix, cfg.n_layers)
+    hf_experts.split_last(tensors, hf, cfg.n_layers)  # gate_up tensors (gpt-oss, Llama 4)
     names = name_map(cfg)
     wanted = {
         n for hf_names, kind in names.values() for n in hf_experts.expand(hf_names, kind, cfg.n_experts)
@@ -311,7 +313,7 @@ def save_hf(cfg: ModelConfig, flat_params: dict[str, Any], out_dir: str | Path) 
                 tensors.setdefault(name, []).append(_to_torch(part, kind[len(FUSED) :]))
             else:  # experts stacked on a leading E dim are split into per-expert tensors
                 tensors.update(hf_experts.split(name, _to_torch(part, kind), kind))
-    hf_experts.interleave(tensors, cfg.arch.hf.interleaved, cfg.arch.hf.layer_prefix, cfg.n_layers)
+    hf_experts.join_last(tensors, cfg.arch.hf, cfg.n_layers)
     tensors = {
         n: np.ascontiguousarray(np.concatenate(t) if isinstance(t, list) else t) for n, t in tensors.items()
     }

@@ -8,8 +8,7 @@ Per shard (``/mp`` = per-shard size; see ``layers`` for the glossary):
 
 Grouped-query attention: each KV head serves H/K query heads. When mp > K the KV projections are
 replicated (Megatron) and each shard computes only the KV head its query heads need; JAX's transpose
-of the implicit replicated-to-per-shard cast sums the shards' gradients.
-"""
+of the implicit replicated-to-per-shard cast sums the shards' gradients."""
 
 from __future__ import annotations
 
@@ -123,6 +122,7 @@ class Attention(hk.Module):
             norm = QK_NORMS[cfg.arch.qk_norm]
             q = norm_then_rotary(q, norm(eps=cfg.norm_eps, name="q_norm", **self._norm_args(False)), rotate)
             k = norm_then_rotary(k, norm(eps=cfg.norm_eps, name="k_norm", **self._norm_args(True)), rotate)
+        q, k = variant.queries(q, k, positions)  # Llama 4's L2 norm and temperature (none: as they were)
         key_pos = positions
         if cache is not None and "index" in cache:  # Gemma 2/3's local and global caches (``kv_kinds``)
             attend = lambda q, k, v, key_pos, w: self._attend(

@@ -260,6 +260,7 @@ RANGES: dict[str, Range] = {
     "rope_local_theta": Range(float, 0, note="0: rope_theta"),
     "rope_linear": Range(float, 0, note="0: none"),
     "attn_chunk": Range(int, 0, note="0: off"),
+    **dict.fromkeys(("attn_floor_scale", "attn_temp_scale"), Range(float, 0, note="0: off")),
     **dict.fromkeys(("n_experts", "experts_per_token", "moe_d_ff"), Range(int, 0, note="0: dense")),
     **MLA_RANGES,
     "shared_expert_d_ff": Range(int, 0, note="0: none"),

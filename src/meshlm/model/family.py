@@ -61,6 +61,8 @@ class HFNames:
     # transformers' tensors whose last dim interleaves several of the names ``layer`` maps (gpt-oss's
     # ``gate_up_proj``: gate at the even columns, up at the odd): name -> those names (``io.hf_experts``)
     interleaved: dict = field(default_factory=dict)
+    # ... whose last dim holds several of them one after another (Llama 4's ``gate_up_proj``: gate, up)
+    concatenated: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

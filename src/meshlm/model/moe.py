@@ -192,7 +192,10 @@ class MoE(hk.Module):
         act = expert_activation(cfg)
         experts = Experts(w_gate, w_up, w_down, cfg.moe_dispatch, cap, *biases[:2], act=act)
         b, t = xf.shape[:2]
-        out = par.experts(xf.reshape(b * t, d), ids.reshape(b * t, k), weights.reshape(b * t, k), experts)
+        xe = xf  # what the experts see: with ``weights_on_input`` (Llama 4, top-1) x times its weight
+        if cfg.weights_on_input:
+            xe, weights = xf * weights.astype(xf.dtype), jnp.ones_like(weights)
+        out = par.experts(xe.reshape(b * t, d), ids.reshape(b * t, k), weights.reshape(b * t, k), experts)
         out = out.reshape(b, t, d)
         if biases:  # each chosen expert's down bias, weighted: once, on mp shard 0's partial
             down = jnp.sum(weights[..., None] * biases[2][ids].astype(weights.dtype), axis=-2)

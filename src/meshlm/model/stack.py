@@ -76,7 +76,7 @@ def _mixed_stack(cfg: ModelConfig, layers: dict, x, positions, cache, starts=Non
     layers, one scan each over its slice of them; the cache [L, ...] is sliced and rejoined in layer
     order."""
     bodies = {name: _three(layer, positions, starts) for name, layer in layers.items()}
-    params, apply = {}, {}
+    kinds, params, apply = attention.layer_kinds(cfg), {}, {}
     for name, indices in stacks(cfg).items():
         params[name], apply[name] = _stacked(name, len(indices), remat_body(cfg.remat, bodies[name]), x)
     caches, stats = [], []
@@ -84,7 +84,8 @@ def _mixed_stack(cfg: ModelConfig, layers: dict, x, positions, cache, starts=Non
         p = jax.tree.map(lambda a, s=slice(start, stop): a[s], params[name])
         own = slice(first, first + stop - start)  # the run's layers' slots of the cache
         c = None if cache is None else jax.tree.map(lambda a, s=own: a[s], cache)
-        x, (c, st) = lax.scan(_step(apply[name]), x, (p, c), unroll=min(cfg.layer_unroll, stop - start))
+        kind = None if kinds is None else jnp.asarray(kinds[own])  # Llama 4's chunked and NoPE layers
+        x, (c, st) = lax.scan(_step(apply[name]), x, (p, c, kind), unroll=min(cfg.layer_unroll, stop - start))
         caches.append(c)
         if st is not None:
             stats.append(st)
@@ -94,10 +95,10 @@ def _mixed_stack(cfg: ModelConfig, layers: dict, x, positions, cache, starts=Non
 
 
 def _three(layer, positions, starts):
-    """A layer as (x, cache) -> (x, cache, its routing statistics or None)."""
+    """A layer as (x, cache, its kind or None) -> (x, cache, its routing statistics or None)."""
 
-    def body(x, c):
-        out = layer(x, positions, c, starts)
+    def body(x, c, kind=None):
+        out = layer(x, positions, c, starts) if kind is None else layer(x, positions, c, starts, kind)
         return out if len(out) == 3 else (*out, None)
 
     return body
@@ -107,7 +108,7 @@ def _step(apply):
     """One layer of a run's scan: (x, (its parameters, its cache)) -> (x, (cache, statistics))."""
 
     def step(x, pc):
-        y, c, st = apply(pc[0], None, x, pc[1])
+        y, c, st = apply(pc[0], None, x, pc[1], pc[2])
         return y, (c, st)
 
     return step

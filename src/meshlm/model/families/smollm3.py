@@ -24,7 +24,7 @@ def no_rope_layers(n_layers: int, every: int) -> list[int]:
     return [int(not every or (i + 1) % every != 0) for i in range(n_layers)]
 
 
-def _nope_every(hf: dict) -> int:
+def nope_every(hf: dict) -> int:
     """``no_rope_layers`` (else ``no_rope_layer_interval``) as meshlm's ``global_every``: the NoPE layers
     must repeat, every N-th; 0 where every layer is rotated."""
     n = field(hf, "num_hidden_layers", SIZE)
@@ -48,7 +48,7 @@ def read(hf: dict) -> dict[str, Any]:
     if not isinstance(kinds, list) or any(k != "full_attention" for k in kinds):
         raise unsupported("layer_types", kinds, "meshlm's SmolLM3 has only 'full_attention' layers")
     hf = {**DEFAULTS, **hf}
-    every = _nope_every(hf)
+    every = nope_every(hf)
     return {**llama.read(hf), "global_every": every, "global_nope": bool(every)}
 
 
