@@ -66,12 +66,13 @@ def test_blocks_outside_the_chunk_are_skipped():
     assert [need(6, k) for k in (0, 4, 8, 12)] == [True, True, True, False]
 
 
-CHUNK_CONTROLS = ("chunk boundary off by one", "NoPE layer rotated")
+CHUNK_CONTROLS = ("chunk boundary off by one", "NoPE layer rotated", "temperature applied on a rotated layer")
 
 
 def test_verify_proves_chunks_and_nope_layers_under_the_cp_ring():
-    """tiny-llama4 (chunks of 8 on three layers, the fourth NoPE) blockwise on a cp 2 ring (chunks
-    crossing the cp shards), float64: sharded == unsharded, both controls detected."""
+    """tiny-llama4 (chunks of 8 on three L2-normed layers, the fourth NoPE with the temperature; MoE and
+    dense layers) blockwise on a cp 2 ring (chunks crossing the cp shards), float64: sharded ==
+    unsharded, the three controls detected."""
     from meshlm.model.config import get_config
     from meshlm.parallel.layout import Layout
     from meshlm.proof import format_report

@@ -167,6 +167,7 @@ OWN_FLOAT64_PROOF = {  # control -> the test that proves it detected, in float64
     "sink's gradient not summed over the data shards": "tests/test_sinks.py",
     "chunk boundary off by one": "tests/test_chunked.py",
     "NoPE layer rotated": "tests/test_chunked.py",
+    "temperature applied on a rotated layer": "tests/test_chunked.py",
     "delta rule decays after its write": "tests/test_deltanet.py",
     "delta rule's beta without its sigmoid": "tests/test_deltanet.py",
     "delta rule's state not reset at a document start": "tests/test_deltanet.py",

@@ -23,7 +23,7 @@ CASES = {  # every family, grouped-query attention, tied embeddings, z-loss, par
     # GeGLU, RMSNorm times (1 + w), the embedding scale, head_dim != d_model / heads; and Mistral's
     # sliding window (any attention family's), inside the test's 16 positions
     "tiny-gemma": {"sliding_window": 5},
-    "tiny-qwen3": {},  # the per-head q/k norm before rotary, head_dim != d_model / heads
+    "tiny-qwen3": {"attn_sinks": True},  # per-head q/k norm before rotary, head_dim != d_model / heads; sinks
     "tiny-olmo2": {},  # norms after each branch, the q/k norm over the whole projection
     "tiny-llama3": {"attn_softcap": 0.02, "final_softcap": 0.1},  # Gemma 2's soft-capping (tied head)
     # the sandwich block, local (window 8 < 16) and global layers with two rotary bases (the global

@@ -43,7 +43,7 @@ def _check_common(hf: dict, family: Family) -> None:
         if field(hf, key, DROPOUT, 0.0):
             raise unsupported(key, hf[key], "meshlm trains without dropout; set it to 0.0 to convert")
     for key in ("attention_bias", "mlp_bias"):
-        if flag(hf, key):
+        if flag(hf, key) and not (key == "attention_bias" and family.o_bias):  # gpt-oss's q/k/v/o
             raise unsupported(key, hf[key], f"meshlm's {family.name} has no such biases")
 
 

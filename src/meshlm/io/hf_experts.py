@@ -50,3 +50,32 @@ def unfuse(tensors: dict, fused: dict, prefix: str, n_layers: int) -> None:
                 continue
             for part, piece in zip(parts, np.split(w, len(parts), axis=1), strict=True):
                 tensors.update({at + part.format(e=e): piece[e] for e in range(piece.shape[0])})
+
+
+def split_last(tensors: dict, hf, n_layers: int) -> None:
+    """Split each layer tensor the family's ``HFNames.interleaved`` (its last dim alternating its parts:
+    gpt-oss's ``gate_up_proj``, gate at the even columns) or ``HFNames.concatenated`` (its parts one
+    after another: Llama 4's, gate then up) names into those parts, in place; absent ones are left."""
+    for i in range(n_layers):
+        at = hf.layer_prefix.format(i=i)
+        for spec, alternate in ((hf.interleaved, True), (hf.concatenated, False)):
+            for name, parts in spec.items():
+                w = tensors.pop(at + name, None)
+                if w is None:
+                    continue
+                pieces = [w[..., j :: len(parts)] for j in range(len(parts))] if alternate else None
+                pieces = pieces or np.split(w, len(parts), axis=-1)
+                tensors.update({at + part: piece for part, piece in zip(parts, pieces, strict=True)})
+
+
+def join_last(tensors: dict, hf, n_layers: int) -> None:
+    """``split_last``'s reverse, in place: the parts joined column by column, or one after another."""
+    for i in range(n_layers):
+        at = hf.layer_prefix.format(i=i)
+        for spec, alternate in ((hf.interleaved, True), (hf.concatenated, False)):
+            for name, parts in spec.items():
+                if at + parts[0] not in tensors:  # a dense layer among the MoE layers
+                    continue
+                pieces = [tensors.pop(at + part) for part in parts]
+                joined = np.stack(pieces, axis=-1).reshape(*pieces[0].shape[:-1], -1) if alternate else None
+                tensors[at + name] = joined if alternate else np.concatenate(pieces, axis=-1)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.io import hf_experts
+from meshlm.io import hf_experts, mxfp4
 from meshlm.io.hf_config import architectures, config_from_hf, config_to_hf
 from meshlm.io.hf_fused import FUSED, _split_fused, _torch_shape, _unfused
 from meshlm.model.config import ModelConfig
@@ -274,10 +274,12 @@ def load_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         cfg = config_from_hf(hf_cfg)
     except ConfigError as e:  # name the file: the user edits it, not meshlm's ModelConfig
         raise ConfigError(f"{config_path}: {e}") from None
-    tensors = _read_tensors(directory)
+    tensors, hf = _read_tensors(directory), cfg.arch.hf
+    mxfp4.dequantise_all(tensors)  # gpt-oss's MXFP4 experts: the float values transformers uses
     if cfg.tie_embeddings:
         _untie(cfg, tensors, directory)
-    hf_experts.unfuse(tensors, cfg.arch.hf.fused, cfg.arch.hf.layer_prefix, cfg.n_layers)
+    hf_experts.unfuse(tensors, hf.fused, hf.layer_prefix, cfg.n_layers)
+    hf_experts.split_last(tensors, hf, cfg.n_layers)  # gate_up tensors (gpt-oss, Llama 4)
     names = name_map(cfg)
     wanted = {
         n for hf_names, kind in names.values() for n in hf_experts.expand(hf_names, kind, cfg.n_experts)
@@ -322,6 +324,7 @@ def save_hf(cfg: ModelConfig, flat_params: dict[str, Any], out_dir: str | Path) 
                 tensors.setdefault(name, []).append(_to_torch(part, kind[len(FUSED) :]))
             else:  # experts stacked on a leading E dim are split into per-expert tensors
                 tensors.update(hf_experts.split(name, _to_torch(part, kind), kind))
+    hf_experts.join_last(tensors, cfg.arch.hf, cfg.n_layers)
     tensors = {n: np.concatenate(t) if isinstance(t, list) else t for n, t in tensors.items()}
     if cfg.arch.hf.regroup is not None:
         cfg.arch.hf.regroup(cfg, tensors, to_hf=True)

@@ -2,14 +2,13 @@
 
 Per shard (``/mp`` = per-shard size; see ``layers`` for the glossary):
   wq [D, H/mp, E]    wk, wv [D, K/mp, E] (or [D, K, E] replicated when mp > K)    wo [H/mp, E, D]
-  bq [H/mp, E]       bk, bv [K/mp, E] (or [K, E] replicated)    (Qwen2's q/k/v biases; no bias on wo)
+  bq [H/mp, E]       bk, bv [K/mp, E] (or [K, E] replicated)    (Qwen2's q/k/v biases)    bo [D] (gpt-oss)
   q_norm/scale, k_norm/scale [E] replicated                      (Qwen3's per-head q/k RMSNorm)
   q_norm/scale_heads [H/mp, E]   k_norm/scale_heads [K/mp, E] (or [K, E])   (OLMo 2's, over H*E / K*E)
 
 Grouped-query attention: each KV head serves H/K query heads. When mp > K the KV projections are
 replicated (Megatron) and each shard computes only the KV head its query heads need; JAX's transpose
-of the implicit replicated-to-per-shard cast sums the shards' gradients.
-"""
+of the implicit replicated-to-per-shard cast sums the shards' gradients."""
 
 from __future__ import annotations
 
@@ -20,14 +19,14 @@ import numpy as np
 from jax import lax
 
 from meshlm.errors import ShardingError
-from meshlm.model.attention_variants import Variant, mask_mod, soft_cap, variant_of
+from meshlm.model.attention_variants import Variant, mask_mod, rotary_scale, soft_cap, variant_of
 from meshlm.model.blockwise import blockwise_attention, varying_like
 from meshlm.model.config import ModelConfig
 from meshlm.model.context_parallel import context_attention
-from meshlm.model.dense import dense_heads_in, dense_heads_out
+from meshlm.model.dense import add_once, dense_heads_in, dense_heads_out
 from meshlm.model.layers import RMSNorm, RMSNormPlusOne, _normal, apply_rotary, rotary_angles, upcast
 from meshlm.model.lora import adapted
-from meshlm.model.rope import attention_scale, inv_freq
+from meshlm.model.rope import inv_freq
 from meshlm.parallel.context import Parallel
 
 
@@ -104,8 +103,7 @@ class Attention(hk.Module):
         starts: it sees only keys at or after it, and its rotary position restarts there.
         kind: None (every layer alike), or this layer's kind, a traced int32 scalar (``layer_kinds``:
         0 local, 1 global), which picks its window and rotary frequencies (``kind_tables``).
-        Returns (partial [B, T, D], new cache or None).
-        """
+        Returns (partial [B, T, D], new cache or None)."""
         cfg = self.cfg
         hl = cfg.n_heads // self.par.layout.mp
         # [B, T, H/mp, E]: this shard's query heads (``Family.attn_gate``: each head's query, then its gate)
@@ -116,7 +114,7 @@ class Attention(hk.Module):
         rotate = lambda x: x  # a layer without rotary (``variant.rotary`` None)
         if variant.rotary is not None:
             rotary = positions if starts is None else positions - starts
-            cos, sin = rotary_angles(rotary, variant.rotary, q.dtype, attention_scale(cfg.rope_scaling))
+            cos, sin = rotary_angles(rotary, variant.rotary, q.dtype, rotary_scale(cfg, kind))
             rotate = lambda x: apply_rotary(x, cos, sin, cfg.rot_dim, self.style)
         if cfg.arch.qk_norm is None:
             q, k = rotate(q), rotate(k)
@@ -124,6 +122,7 @@ class Attention(hk.Module):
             norm = QK_NORMS[cfg.arch.qk_norm]
             q = norm_then_rotary(q, norm(eps=cfg.norm_eps, name="q_norm", **self._norm_args(False)), rotate)
             k = norm_then_rotary(k, norm(eps=cfg.norm_eps, name="k_norm", **self._norm_args(True)), rotate)
+        q, k = variant.queries(q, k, positions)  # Llama 4's L2 norm and temperature (none: as they were)
         key_pos = positions
         if cache is not None and "index" in cache:  # Gemma 2/3's local and global caches (``kv_kinds``)
             attend = lambda q, k, v, key_pos, w: self._attend(
@@ -154,7 +153,10 @@ class Attention(hk.Module):
         hl = self.cfg.n_heads // self.par.layout.mp
         out = out * jax.nn.sigmoid(gate) if self.cfg.arch.attn_gate else out  # Qwen3.5's output gate
         wo = hk.get_parameter("wo", [hl, self.cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
-        return adapted(self.cfg, self.par, "attn/wo", out, dense_heads_out(out, wo), wo.shape[:2])
+        out = adapted(self.cfg, self.par, "attn/wo", out, dense_heads_out(out, wo), wo.shape[:2])
+        if not self.cfg.arch.o_bias:  # gpt-oss's output bias [D]: once in the row sum (``add_once``)
+            return out
+        return add_once(self.par, out, hk.get_parameter("bo", [xf.shape[-1]], init=jnp.zeros))
 
 
 def layer_kinds(cfg: ModelConfig):
@@ -177,11 +179,12 @@ def layer_variant(cfg: ModelConfig, kind, heads: int) -> Variant:
 
 def kind_tables(cfg: ModelConfig):
     """(windows [2] int32, inverse frequencies [2, rot_dim / 2] float64), numpy, by kind (0 local,
-    1 global): a local layer sees ``sliding_window`` keys with plain RoPE of ``rope_local_theta``, a
-    global one the whole causal context (window 0) with ``rope_theta`` and its scaling, or none
-    (``global_nope``: a NoPE layer's rotary off, a traced kind's ``Variant.rotary`` of zeros)."""
+    1 global): a local layer sees ``sliding_window`` keys with plain RoPE of ``rope_local_theta`` (or the
+    global one's, ``Family.rope_scales_local``), a global one the whole causal context (window 0) with
+    ``rope_theta`` and its scaling, or none (``global_nope``: a traced kind's ``Variant.rotary`` of 0s)."""
     windows = np.asarray([cfg.sliding_window, 0], np.int32)
-    local = inv_freq(cfg.rot_dim, cfg.rope_local_theta or cfg.rope_theta)  # never scaled (Gemma 3)
+    plain = inv_freq(cfg.rot_dim, cfg.rope_local_theta or cfg.rope_theta)
+    local = cfg.inv_freq() if cfg.arch.rope_scales_local else plain
     full = cfg.inv_freq() * (0.0 if cfg.global_nope else 1.0)  # zeros: the identity (cos 0 = 1, sin 0 = 0)
     return windows, np.stack([local, full])
 
@@ -217,16 +220,14 @@ class ProjRMSNorm(hk.Module):
         return (upcast(w) * y if self.product_first else w * y.astype(x.dtype)).astype(x.dtype)
 
 
-# The q/k norms (``Family.qk_norm``): "head" is Qwen3's RMSNorm over each head's E, its weights [E]
-# shared by every head (replicated over mp: used on this shard's heads, so JAX sums their gradient
-# over mp, the transpose of the replicated-to-per-shard cast); "head_plus_one" is Gemma 3's, the same
-# times (1 + w) (``RMSNormPlusOne``); "proj" is OLMo 2's (``ProjRMSNorm``).
+# The q/k norms (``Family.qk_norm``): "head" is Qwen3's RMSNorm over each head's E, its weights [E] shared
+# by every head (replicated over mp: JAX sums their gradient over mp, the transpose of the replicated-to-
+# per-shard cast); "head_plus_one" is Gemma 3's, times (1 + w); "proj" is OLMo 2's (``ProjRMSNorm``).
 QK_NORMS = {"head": RMSNorm, "head_plus_one": RMSNormPlusOne, "proj": ProjRMSNorm}
 
 
 def norm_then_rotary(x, norm, rotate):
-    """x [B, T, h, E] normalized, then rotated: transformers' order for Qwen3's q and k (rotary keeps
-    each head's norm but not its coordinates, so the weights must meet the unrotated ones)."""
+    """x [B, T, h, E] normalized, then rotated (transformers' order: the weights meet unrotated heads)."""
     return rotate(norm(x))
 
 
@@ -275,11 +276,10 @@ def kinds_cache_attend(cfg: ModelConfig, cache: dict, q, k, v, positions, kind, 
 
     cache (per shard, ``kv_kinds``): the global layers' "k", "v" [L_global, B, S, Kc, E], the local
     ones' "k_local", "v_local" [L_local, B, W (S in the prefill), Kc, E], and "index", this layer's
-    index among the layers of its kind (traced). ``kind`` (traced,
-    0 local) picks the branch: a local layer writes k, v [B, T, Kc, E] into its W-slot slice (rolling,
-    or full while the prefill holds all S slots: the generator's ``keep_window`` cuts them after) and
-    attends with the window; a global one into its S-slot slice, without one. ``attend(q, k, v,
-    key_pos, window)``: this layer's attention on one device."""
+    index among the layers of its kind (traced). ``kind`` (traced, 0 local) picks the branch: a local
+    layer writes k, v [B, T, Kc, E] into its W-slot slice (rolling, or full while the prefill holds all
+    S slots: the generator's ``keep_window`` cuts them after) and attends with the window; a global one
+    into its S-slot slice, without one. ``attend(q, k, v, key_pos, window)``: its attention on one device."""
     index = cache["index"]
     # both branches return all four arrays: typed alike (inside shard_map), varying as k and v do
     stacks = varying_like({name: cache[name] for name in ("k", "v", *LOCAL_KEYS)}, k, v)

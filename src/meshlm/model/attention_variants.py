@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm.model.layers import varying_like
+from meshlm.model.rope import attention_scale
 
 
 @dataclass(frozen=True)
@@ -51,21 +52,31 @@ class Variant:
     rotary: Any = None  # rotary: inverse frequencies [rot_dim / 2] (None: the layer is not rotated)
     sink: Any = None  # normaliser: learned logits [h] of this shard's query heads (None: none)
     chunk: Any = None  # mask: keys of the query's chunk only (int > 0, or a traced int32; None or 0: none)
+    l2_qk: float = 0.0  # queries: the rotated layers' q and k heads L2-normed with this eps (0: none)
+    temperature: tuple = ()  # queries: the NoPE layers' (floor_scale, attn_scale) (): none
 
     @classmethod
-    def of(cls, cfg, heads: int, window=None, rotary=None, kind=None) -> Variant:
+    def of(cls, cfg, heads: int, window=None, rotary=None, kind=None, learned=None) -> Variant:
         """The model's variant for one layer: its ``window`` and rotary frequencies (a layer kind's,
         ``attention.kind_tables``), the model's score rules (``attn_softcap``, ``attn_scalar``).
         ``heads``: the layer's query heads on this shard, the shape of the learned sinks (``attn_sinks``:
         made here, inside the attention module, by ``hk.get_parameter``: "attn/sinks" [H], split over mp
         with the heads). ``attn_chunk``: every layer's chunk, or with a traced ``kind`` the local layers'
-        (Llama 4: chunked layers and global ones)."""
-        sink = hk.get_parameter("sinks", [heads], init=jnp.zeros) if cfg.attn_sinks else None
+        (Llama 4: chunked layers and global ones). ``learned``: the layer's attention parameters, where
+        the caller is not Haiku (the bench's plain reference): the learned leaves are read from them."""
+        sink = None
+        if cfg.attn_sinks:
+            sink = hk.get_parameter("sinks", [heads], init=jnp.zeros) if learned is None else learned["sinks"]
         chunk = cfg.attn_chunk or None
         if chunk and kind is not None:
             chunk = jnp.where(kind == 0, jnp.int32(chunk), 0)
         rules = dict(window=window, chunk=chunk, rotary=rotary, sink=sink)
-        return cls(softcap=cfg.attn_softcap, scalar=cfg.attn_scalar, **rules)
+        queries = dict(l2_qk=cfg.norm_eps if cfg.qk_l2_norm else 0.0, temperature=temperature(cfg))
+        return cls(softcap=cfg.attn_softcap, scalar=cfg.attn_scalar, **rules, **queries)
+
+    def queries(self, q, k, positions):
+        """Llama 4's rules on the rotated q and k, before any kernel or cache (``query_rules``)."""
+        return query_rules(self, q, k, positions)
 
     def replace(self, **fields) -> Variant:
         return dataclasses.replace(self, **fields)
@@ -147,7 +158,9 @@ class Variant:
 
 
 jax.tree_util.register_dataclass(
-    Variant, data_fields=["window", "rotary", "sink", "chunk"], meta_fields=["causal", "softcap", "scalar"]
+    Variant,
+    data_fields=["window", "rotary", "sink", "chunk"],
+    meta_fields=["causal", "softcap", "scalar", "l2_qk", "temperature"],
 )
 
 
@@ -190,6 +203,45 @@ def capped_logits(cfg, logits):
 
 # The score rules' config fields, their transformers config.json names (Gemma 2's) and what they are: an
 # export to a family whose config.json has no such field refuses a non-zero value (``io.hf_config``).
+def query_rules(variant: Variant, q, k, positions):
+    """Llama 4's rules on the rotated q, k [B, T, h, E] (before any kernel or cache): each head
+    L2-normed on the rotated layers (``l2_qk``, in at least float32), and on the others the queries
+    times the temperature log1p(floor((p + 1) / floor_scale)) attn_scale + 1 at absolute position p
+    [B, T]. A layer is rotated where its ``rotary`` frequencies are not all zero (NoPE's are)."""
+    if not (variant.l2_qk or variant.temperature):
+        return q, k
+    rotated = False if variant.rotary is None else jnp.any(jnp.asarray(variant.rotary) != 0)
+    if variant.l2_qk:
+        wide = lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        l2 = lambda x: wide(x) * jax.lax.rsqrt(jnp.mean(wide(x) ** 2, -1, keepdims=True) + variant.l2_qk)
+        q, k = (jnp.where(rotated, l2(x).astype(x.dtype), x) for x in (q, k))
+    if variant.temperature:
+        floor, scale = variant.temperature
+        p = positions.astype(jnp.promote_types(q.dtype, jnp.float32))
+        t = jnp.log1p(jnp.floor((p + 1.0) / floor)) * scale + 1.0  # [B, T]
+        q = jnp.where(rotated, q, (q * t[..., None, None]).astype(q.dtype))
+    return q, k
+
+
+def temperature(cfg) -> tuple:
+    """Llama 4's NoPE-layer temperature (floor_scale, attn_scale), or () where off (``Variant.queries``)."""
+    return (cfg.attn_floor_scale, cfg.attn_temp_scale) if cfg.attn_floor_scale else ()
+
+
+def rotary_scale(cfg, kind=None):
+    """What a layer's cos and sin are multiplied by (YaRN's attention factor, ``rope.attention_scale``;
+    1 otherwise). With a traced layer ``kind`` (0 local): a NoPE layer's 1 (it is not rotated), a local
+    layer's 1 unless its rotary is the global one's (``Family.rope_scales_local``: gpt-oss, SmolLM3),
+    as transformers' rotary per layer type (OLMo 3: YaRN on the full layers only). A Python float where
+    both kinds agree."""
+    scale = attention_scale(cfg.rope_scaling)
+    if kind is None:
+        return scale
+    local = scale if cfg.arch.rope_scales_local else 1.0
+    full = 1.0 if cfg.global_nope else scale
+    return local if local == full else jnp.where(kind == 0, local, full)
+
+
 EXPORTED_AS = {
     "attn_softcap": ("attn_logit_softcapping", "soft-capping"),
     "final_softcap": ("final_logit_softcapping", "soft-capping"),

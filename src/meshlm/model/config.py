@@ -196,8 +196,8 @@ def _check_attention(cfg: ModelConfig) -> None:
         raise ConfigError(f"rotary_dim={cfg.rotary_dim} must be even and <= head_dim")
     if cfg.rope_local_theta and not cfg.global_every:
         raise ConfigError(f"rope_local_theta={cfg.rope_local_theta} needs global_every (local layers), or 0")
-    if cfg.rope_scaling is not None and (cfg.rope_linear or cfg.global_every and cfg.rope_scaling.rope_type):
-        raise ConfigError("rope_scaling with rope_linear (or YaRN with global_every) is not built; drop one")
+    if cfg.rope_scaling is not None and cfg.rope_linear:
+        raise ConfigError("rope_scaling with rope_linear is not built; drop one")
 
 
 def _check_kinds(cfg: ModelConfig) -> None:
@@ -260,6 +260,7 @@ RANGES: dict[str, Range] = {
     "rope_local_theta": Range(float, 0, note="0: rope_theta"),
     "rope_linear": Range(float, 0, note="0: none"),
     "attn_chunk": Range(int, 0, note="0: off"),
+    **dict.fromkeys(("attn_floor_scale", "attn_temp_scale"), Range(float, 0, note="0: off")),
     **dict.fromkeys(("n_experts", "experts_per_token", "moe_d_ff"), Range(int, 0, note="0: dense")),
     **MLA_RANGES,
     "shared_expert_d_ff": Range(int, 0, note="0: none"),

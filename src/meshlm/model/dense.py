@@ -18,6 +18,7 @@ maths up to summation order: the float64 proof (``meshlm verify --x64``) checks 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
 @jax.custom_vjp
@@ -52,3 +53,9 @@ def dense_heads_out(x, w):
     """Projection from heads: x [B, T, H, E] @ w [H, E, D] -> [B, T, D]."""
     h, e, d = w.shape
     return dense(x.reshape(*x.shape[:-2], h * e), w.reshape(h * e, d))
+
+
+def add_once(par, partial, bias):
+    """A row-parallel partial [.., D] plus a replicated ``bias`` [D] on mp shard 0 only, so the row sum
+    that follows holds it once (gpt-oss's attention output bias; ``model.moe``'s down bias alike)."""
+    return partial + jnp.where(par.shard_index() == 0, bias, jnp.zeros_like(bias)).astype(partial.dtype)

@@ -62,6 +62,11 @@ class HFNames:
     # (Qwen3-Next's in_proj_qkvz) reorders their rows in ``tensors`` (per-layer HF names -> arrays) into
     # the parts one after another, as "fused_<layout>" slices them (to_hf: back); None: none do.
     regroup: Callable | None = None
+    # transformers' tensors whose last dim interleaves several of the names ``layer`` maps (gpt-oss's
+    # ``gate_up_proj``: gate at the even columns, up at the odd): name -> those names (``io.hf_experts``)
+    interleaved: dict = field(default_factory=dict)
+    # ... whose last dim holds several of them one after another (Llama 4's ``gate_up_proj``: gate, up)
+    concatenated: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,12 @@ class Family:
     # Biases on the q/k/v projections (Qwen2): column-parallel, sharded with their heads (the KV
     # biases replicated and sliced with their heads where the KV heads are); no output-projection bias.
     qkv_bias: bool = False
+    # A bias on the attention's output projection (gpt-oss: with ``qkv_bias``, transformers'
+    # ``attention_bias``): [D] replicated, added once (on mp shard 0's partial, before the row sum).
+    o_bias: bool = False
+    # The local (windowed) layers' rotary is the global ones', scaling included (gpt-oss: one rotary
+    # for every layer); False: plain RoPE of ``rope_local_theta`` there (Gemma 3, OLMo 3).
+    rope_scales_local: bool = False
     # RMSNorm of the queries and keys before rotary: "head" (Qwen3: over each head's E, weights [E]
     # shared by the heads, replicated; their gradient summed over mp, where the heads are split) or
     # "proj" (OLMo 2: over the whole projection, H*E or K*E, weights [H, E] / [K, E] split with the

@@ -42,16 +42,19 @@ def kind_index(cfg: ModelConfig) -> np.ndarray:
     return np.asarray([int((kinds[:i] == k).sum()) for i, k in enumerate(kinds)], np.int32)
 
 
-def kinds_stack(cfg: ModelConfig, stacked, body, x, cache):
+def kinds_stack(cfg: ModelConfig, stacked, body, x, cache, stats: bool = False):
     """``stack.stack_layers`` with the two-array cache: ``stacked`` a layer stack with per-layer
     inputs; ``body(x, cache, kind)`` one layer. The cache rides in the carry -> (x, new cache): inside
-    shard_map it must vary over every axis its keys and values do (``programs``' prefill types it)."""
+    shard_map it must vary over every axis its keys and values do (``programs``' prefill types it).
+    With ``stats`` (a mixture of experts) ``body`` returns (x, (cache, its routing statistics)), and
+    this (x, new cache, the statistics [L, ...]), a per-layer output."""
 
     def step(carry, kind, index):
         x, stacks = carry
         x, new = body(x, {**stacks, "index": index}, kind)
-        return (x, {name: new[name] for name in stacks}), None
+        new, out = new if stats else (new, None)
+        return (x, {name: new[name] for name in stacks}), out
 
     kinds, index = jnp.asarray(attention.layer_kinds(cfg)), jnp.asarray(kind_index(cfg))
-    (x, cache), _ = stacked(step)((x, cache), kinds, index)
-    return x, cache
+    (x, cache), out = stacked(step)((x, cache), kinds, index)
+    return (x, cache, out) if stats else (x, cache)

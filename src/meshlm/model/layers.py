@@ -269,11 +269,12 @@ class RMSNormPlusOne(RMSNorm):
 def rotary_angles(positions, inv_freq: np.ndarray, dtype, scale: float = 1.0):
     """positions: [B, T] int; inv_freq [rot_dim // 2] (``ModelConfig.inv_freq``: plain or scaled
     RoPE) -> (cos, sin) each [B, T, rot_dim // 2], at least float32, times ``scale`` (YaRN's attention
-    factor, ``rope.attention_scale``: 1 otherwise)."""
+    factor, ``rope.attention_scale``: 1 otherwise; a traced scalar where it is the layer kind's)."""
     dtype = jnp.promote_types(dtype, jnp.float32)
     ang = positions.astype(dtype)[..., None] * jnp.asarray(inv_freq, dtype)
-    if scale == 1.0:
+    if isinstance(scale, float | int) and scale == 1.0:
         return jnp.cos(ang), jnp.sin(ang)
+    scale = jnp.asarray(scale, dtype)
     return jnp.cos(ang) * scale, jnp.sin(ang) * scale
 
 

@@ -197,7 +197,10 @@ class MoE(hk.Module):
         act = expert_activation(cfg)
         experts = Experts(w_gate, w_up, w_down, cfg.moe_dispatch, cap, *biases[:2], act=act)
         b, t = xf.shape[:2]
-        out = par.experts(xf.reshape(b * t, d), ids.reshape(b * t, k), weights.reshape(b * t, k), experts)
+        xe = xf  # what the experts see: with ``weights_on_input`` (Llama 4, top-1) x times its weight
+        if cfg.weights_on_input:
+            xe, weights = xf * weights.astype(xf.dtype), jnp.ones_like(weights)
+        out = par.experts(xe.reshape(b * t, d), ids.reshape(b * t, k), weights.reshape(b * t, k), experts)
         out = out.reshape(b, t, d)
         if biases:  # each chosen expert's down bias, weighted: once, on mp shard 0's partial
             down = jnp.sum(weights[..., None] * biases[2][ids].astype(weights.dtype), axis=-2)
@@ -313,8 +316,8 @@ def moe_layer(cfg, par: Parallel, *, norm, attention, stddev: float):
     """The sequential block with the MoE feed-forward: x -> (x, cache, statistics [2E + 3]).
     ``norm(name)`` builds the family's norm, ``attention()`` its attention module."""
 
-    def layer(x, positions, cache=None, starts=None):
-        attn, cache = attention()(par.f(norm("ln")(x)), positions, cache, starts)
+    def layer(x, positions, cache=None, starts=None, kind=None):
+        attn, cache = attention()(par.f(norm("ln")(x)), positions, cache, starts, kind)
         x = x + par.row_out(attn)
         out, stats = MoE(cfg=cfg, par=par, stddev=stddev, dropping=cache is None)(norm("ln2")(x))
         return x + par.row_out(out), cache, stats

@@ -44,6 +44,9 @@ class RouterFields:
     # ``swiglu_alpha`` > 0 gpt-oss's (up + 1) * gate * sigmoid(alpha * gate), else silu(gate) * up
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 0.0
+    # Llama 4: the chosen expert sees the token times its combine weight, its output unweighted (top-1
+    # only: with k > 1 each choice would need its own input)
+    weights_on_input: bool = False
 
 
 ROUTER_RANGES: dict[str, Range] = {
@@ -80,6 +83,10 @@ def check_router(cfg) -> None:
                 f"topk_group={cfg.topk_group} groups of {per} experts hold fewer than experts_per_token="
                 f"{cfg.experts_per_token}; raise topk_group"
             )
+    if cfg.weights_on_input and cfg.experts_per_token != 1:
+        raise ConfigError(
+            f"weights_on_input (Llama 4's) needs experts_per_token=1, got {cfg.experts_per_token}"
+        )
     if cfg.moe_bias_rate and not cfg.balance_bias:
         raise ConfigError(f"moe_bias_rate={cfg.moe_bias_rate} needs balance_bias=true (the bias it moves)")
 

@@ -50,17 +50,24 @@ def stack_layers(cfg: ModelConfig, layer, x, positions, cache, starts=None, othe
 
 def _moe_stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
     """``stack_layers`` of mixture-of-experts layers -> (x, cache, routing statistics [L, 2E + 3]): each
-    layer's statistics leave the stack as its per-layer output (``model.moe``)."""
+    layer's statistics leave the stack as its per-layer output (``model.moe``); with layer kinds
+    (gpt-oss's windowed and full layers) each layer's kind is a per-layer input, as in a dense stack."""
 
-    def step(x, c):
-        y, c, stats = layer(x, positions, c, starts)
+    def step(x, c, kind=None):
+        y, c, stats = layer(x, positions, c, starts, kind)
         return y, (c, stats)
 
     body = remat_body(cfg.remat, step)
     stacked = hk.experimental.layer_stack(
         cfg.n_layers, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers"
     )
-    x, (cache, stats) = stacked(body)(x, cache)
+    kinds = attention.layer_kinds(cfg)
+    if kinds is None:
+        x, (cache, stats) = stacked(body)(x, cache)
+    elif cache is not None and "k_local" in cache:  # the two-array cache rides in the carry
+        return kinds_stack(cfg, stacked, body, x, cache, stats=True)
+    else:
+        x, (cache, stats) = stacked(body)(x, cache, jnp.asarray(kinds))
     return x, cache, stats
 
 
@@ -72,14 +79,16 @@ def _mixed_stack(cfg: ModelConfig, layers: dict, x, positions, cache, starts=Non
     layers, one scan each over its slice of them; the cache [L, ...] is sliced and rejoined in layer
     order."""
     bodies = {name: _three(layer, positions, starts) for name, layer in layers.items()}
-    params, apply = {}, {}
+    kinds, params, apply = attention.layer_kinds(cfg), {}, {}
     for name, indices in stacks(cfg).items():
         params[name], apply[name] = _stacked(name, len(indices), remat_body(cfg.remat, bodies[name]), x)
     parts, stats = {}, []
     for name, first, start, stop in runs(cfg):
         p = jax.tree.map(lambda a, s=slice(start, stop): a[s], params[name])
         c = _run_cache(cache, name, first, start, stop)
-        x, (c, st) = lax.scan(_step(apply[name]), x, (p, c), unroll=min(cfg.layer_unroll, stop - start))
+        own = slice(first, first + stop - start)  # the run's layers
+        kind = None if kinds is None else jnp.asarray(kinds[own])  # Llama 4's chunked and NoPE layers
+        x, (c, st) = lax.scan(_step(apply[name]), x, (p, c, kind), unroll=min(cfg.layer_unroll, stop - start))
         for key, part in (c or {}).items():
             parts.setdefault(key, []).append(part)
         if st is not None:
@@ -102,10 +111,10 @@ def _run_cache(cache, name: str, first: int, start: int, stop: int):
 
 
 def _three(layer, positions, starts):
-    """A layer as (x, cache) -> (x, cache, its routing statistics or None)."""
+    """A layer as (x, cache, its kind or None) -> (x, cache, its routing statistics or None)."""
 
-    def body(x, c):
-        out = layer(x, positions, c, starts)
+    def body(x, c, kind=None):
+        out = layer(x, positions, c, starts) if kind is None else layer(x, positions, c, starts, kind)
         return out if len(out) == 3 else (*out, None)
 
     return body
@@ -115,7 +124,7 @@ def _step(apply):
     """One layer of a run's scan: (x, (its parameters, its cache)) -> (x, (cache, statistics))."""
 
     def step(x, pc):
-        y, c, st = apply(pc[0], None, x, pc[1])
+        y, c, st = apply(pc[0], None, x, pc[1], pc[2])
         return y, (c, st)
 
     return step

@@ -27,6 +27,13 @@ class VariantFields:
     # this many positions (``attention_variants.mask_mod``), on every layer, or with layer kinds on the
     # local ones (the global ones see the whole context). 0: off.
     attn_chunk: int = 0
+    # Llama 4's L2 norm of each rotated query and key head after its rotary (``use_qk_norm``: no weight,
+    # eps ``norm_eps``), on the rotated layers only (``attention_variants.Variant.queries``). False: none.
+    qk_l2_norm: bool = False
+    # Llama 4's attention temperature on the NoPE layers (``attn_temperature_tuning``): each query times
+    # log1p(floor((p + 1) / attn_floor_scale)) x attn_temp_scale + 1 at its absolute position p. 0: off.
+    attn_floor_scale: float = 0.0
+    attn_temp_scale: float = 0.0
 
 
 def check_variant_fields(cfg) -> None:
@@ -35,6 +42,14 @@ def check_variant_fields(cfg) -> None:
         raise ConfigError("attn_chunk needs a family with attention and no sliding_window (one local rule)")
     if cfg.attn_sinks and not cfg.arch.attention:
         raise ConfigError("attn_sinks=true needs a family with attention; set attn_sinks=false")
+    if (
+        bool(cfg.attn_floor_scale) != bool(cfg.attn_temp_scale)
+        or cfg.attn_floor_scale
+        and not cfg.global_nope
+    ):
+        raise ConfigError("attn_floor_scale and attn_temp_scale go together, on NoPE layers (global_nope)")
+    if cfg.qk_l2_norm and (not cfg.arch.attention or cfg.arch.qk_norm):
+        raise ConfigError("qk_l2_norm=true needs a family with attention and no q/k norm of its own")
     if cfg.global_nope and not (cfg.arch.attention and cfg.global_every):
         raise ConfigError(
             "global_nope=true needs global layers: set global_every (every N-th layer NoPE), or false"

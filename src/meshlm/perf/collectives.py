@@ -134,6 +134,13 @@ def theoretical_bytes(
         stats = len(cfg.moe_layers) * stats_size(cfg)
         out["moe_statistics"] = counts["moe_statistics"] * stats * itemsize
         out["moe_shared_gate_grads"] = counts.get("moe_shared_gate_grads", 0) * cfg.d_model * itemsize
+    # Replicated biases added once, on mp shard 0 (``dense.add_once``: gpt-oss's attention output [D] per
+    # layer, its experts' down [E, D] per MoE layer): their gradients summed over mp
+    once = (
+        cfg.arch.o_bias * cfg.n_layers
+        + (cfg.arch.moe and cfg.expert_bias) * len(cfg.moe_layers) * cfg.n_experts
+    )
+    out["once_bias_grads"] = (mp > 1) * once * cfg.d_model * itemsize
     if "mla_latent_grads" in counts:
         out["mla_latent_grads"] = (
             bool(counts["mla_latent_grads"]) * cfg.n_layers * mla_latent_values(cfg) * itemsize

@@ -86,11 +86,13 @@ def _attention(cfg: ModelConfig, p, x, cos, sin, mask):
         k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     scores = jnp.einsum("bqhe,bkhe->bhqk", q, k).astype(jnp.promote_types(q.dtype, jnp.float32))
     scores = scores / np.sqrt(cfg.attn_scalar or cfg.dim_per_head)
-    scores = Variant.of(cfg, cfg.n_heads).score(scores)  # the variant's score rule, before the mask
-    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, H, T, T]
+    variant = Variant.of(cfg, cfg.n_heads, learned=p)  # its learned leaves from this layer's ``p``
+    capped = jnp.where(mask, variant.score(scores), jnp.finfo(scores.dtype).min)  # score rule, mask
+    probs = jax.nn.softmax(capped, axis=-1)  # [B, H, T, T]; the variant's normaliser (as [B, H, 1, ...])
+    probs = variant.finish_probs(probs[:, :, None], scores[:, :, None], mask)[:, :, 0].astype(v.dtype)
     out = jnp.einsum("bhqk,bkhe->bqhe", probs, v)
-    return jnp.einsum("bqhe,hed->bqd", out, p["wo"])
+    out = jnp.einsum("bqhe,hed->bqd", out, p["wo"])
+    return out + p["bo"] if "bo" in p else out  # gpt-oss's output bias
 
 
 def _mlp(p, x, kind: str):

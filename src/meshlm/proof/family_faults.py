@@ -1,8 +1,9 @@
 """Planted faults of the newer families' parts (``proof.controls`` runs them): Qwen2's q/k/v biases, tied
 embeddings, Mistral's sliding window, Gemma's embedding scale, Qwen3's, OLMo 2's and Gemma 3's q/k norms,
-Gemma 2's soft-caps, Gemma 2/3's local and global layers, SmolLM3's NoPE layers, sinks, chunks. Each
-changes one thing in the sharded run (the q/k norms', the soft-cap's order, the layer kinds' and the
-sinks' are planted in ``model.attention`` or ``model.context_parallel`` while it is traced)."""
+Gemma 2's soft-caps, Gemma 2/3's local and global layers, SmolLM3's NoPE layers, sinks, chunks, Llama 4's
+temperature. Each changes one thing in the sharded run (the q/k norms', the soft-cap's order, the layer
+kinds', the sinks' and the temperature's are planted in ``model.attention``, ``model.context_parallel``
+or ``model.attention_variants`` while it is traced)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from meshlm.model import attention, context_parallel
+from meshlm.model import attention, attention_variants, context_parallel
 from meshlm.model.layers import RMSNorm
 from meshlm.model.params import param_path
 from meshlm.parallel.axes import DP, MP
@@ -206,6 +207,22 @@ def chunk_off_by_one(cfg):
     return cfg.replace(attn_chunk=cfg.attn_chunk + 1)
 
 
+def temperature_on_rotated_layers():
+    """Llama 4's attention temperature applied on every layer, the rotated ones too (not on its NoPE
+    layers only): ``attention_variants.query_rules`` without it, then every query times it."""
+    real = attention_variants.query_rules
+
+    def planted(variant, q, k, positions):
+        if not variant.temperature:
+            return real(variant, q, k, positions)
+        q, k = real(variant.replace(temperature=()), q, k, positions)
+        floor, scale = variant.temperature
+        t = jnp.log1p(jnp.floor((positions.astype(q.dtype) + 1.0) / floor)) * scale + 1.0
+        return q * t[..., None, None], k
+
+    return _in_attention("query_rules", planted, vars(attention_variants))
+
+
 def _plain_softmax(w: Where) -> bool:
     """Plain attention's softmax (``attention.capped_softmax``) runs: plain attention, and not the cp
     ring, which runs the blockwise kernel's steps whatever the attention (their soft-cap order is
@@ -257,6 +274,11 @@ GEMMA_CONTROLS = (  # ``proof.controls`` runs them
         name="chunk boundary off by one",
         applies=lambda w: w.attention and 0 < w.cfg.attn_chunk < w.seq_len,
         cfg_change=chunk_off_by_one,
+    ),
+    Control(  # Llama 4's query rule (``attention_variants.query_rules``): on NoPE layers only
+        name="temperature applied on a rotated layer",
+        applies=lambda w: bool(w.cfg.attn_floor_scale),
+        plant=temperature_on_rotated_layers,
     ),
     Control(
         name="NoPE layer rotated", applies=lambda w: _kinds(w) and w.cfg.global_nope, plant=nope_layer_rotated

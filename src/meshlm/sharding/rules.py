@@ -43,6 +43,7 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"/attn/[qk]_norm/scale$", (HEAD_DIM,)),  # [E]: Qwen3's per-head q/k norm, shared by every head
     (r"/attn/q_norm/scale_heads$", (HEADS, HEAD_DIM)),  # [H, E]: OLMo 2's q norm over H*E, with its heads
     (r"/attn/k_norm/scale_heads$", (KV, HEAD_DIM)),  # [K, E]: OLMo 2's k norm, with the KV heads
+    (r"/attn/bo$", (EMBED,)),  # [D]: gpt-oss's output bias, replicated, added once (``layers.add_once``)
     (r"/attn/sinks$", (HEADS,)),  # [H]: learned attention sinks (gpt-oss), one per query head, with it
     # MLA (``model.mla``): the down-projections to the latents and their norms replicated, the
     # up-projections column-parallel by heads (the output is ``/attn/wo``'s, [H, Ev, D]).

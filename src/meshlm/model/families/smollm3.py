@@ -3,7 +3,8 @@ from ``no_rope_layer_interval`` 4: layer i is rotated unless (i + 1) % 4 == 0) a
 NoPE layers are meshlm's global layer kind with its rotary off (``global_every`` the interval,
 ``global_nope``: ``attention.kind_tables``), the others the local kind without a window; both keep the
 whole context, so the KV cache is one array (``kv_kinds.mixed_kinds``). transformers' optional sliding
-window (``use_sliding_window``, on the NoPE layers) is refused, as is YaRN (until meshlm's rope has it)."""
+window (``use_sliding_window``, on the NoPE layers) is refused. YaRN (``rope_scaling``) scales every rotated
+layer (``Family.rope_scales_local``: the local kind's rotary is the model's), as transformers' one rotary."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from typing import Any
 import meshlm.model.families.llama as llama
 from meshlm.errors import ConfigError
 from meshlm.model.families.hf_fields import SIZE, field, flag, unsupported
-from meshlm.model.families.olmo3 import refuse_yarn
 
 # transformers' SmolLM3Config defaults for fields a config.json may leave out, where they are not Llama's.
 DEFAULTS = {"tie_word_embeddings": True, "max_position_embeddings": 32768, "num_key_value_heads": 4}
@@ -24,7 +24,7 @@ def no_rope_layers(n_layers: int, every: int) -> list[int]:
     return [int(not every or (i + 1) % every != 0) for i in range(n_layers)]
 
 
-def _nope_every(hf: dict) -> int:
+def nope_every(hf: dict) -> int:
     """``no_rope_layers`` (else ``no_rope_layer_interval``) as meshlm's ``global_every``: the NoPE layers
     must repeat, every N-th; 0 where every layer is rotated."""
     n = field(hf, "num_hidden_layers", SIZE)
@@ -47,9 +47,8 @@ def read(hf: dict) -> dict[str, Any]:
     kinds = hf.get("layer_types") or []
     if not isinstance(kinds, list) or any(k != "full_attention" for k in kinds):
         raise unsupported("layer_types", kinds, "meshlm's SmolLM3 has only 'full_attention' layers")
-    refuse_yarn(hf)
     hf = {**DEFAULTS, **hf}
-    every = _nope_every(hf)
+    every = nope_every(hf)
     return {**llama.read(hf), "global_every": every, "global_nope": bool(every)}
 
 
@@ -78,7 +77,7 @@ def check_export(cfg) -> None:
 
 HF = replace(llama.HF, model_type="smollm3", architecture="SmolLM3ForCausalLM", read=read, write=write,
              check_export=check_export)  # fmt: skip
-FAMILY = replace(llama.FAMILY, name="smollm3", hf=HF)
+FAMILY = replace(llama.FAMILY, name="smollm3", hf=HF, rope_scales_local=True)
 
 # ``ModelConfig`` fields by preset name (the registry adds ``family``); smollm3-3b: HuggingFaceTB/SmolLM3-3B's
 # config.json (vocabulary 128256 = 1002 x 128: no padding; NoPE on layers 4, 8, ..., 36).
