@@ -116,9 +116,10 @@ class GatedDeltaNet(hk.Module):
 
 def linear_mixer(cfg: ModelConfig, par: Parallel, stddev: float):
     """The layer's mixer as an attention module is called (``model.moe.moe_layer``'s ``attention()``):
-    (xf, positions, cache, starts) -> (partial [B, T, D], cache)."""
+    (xf, positions, cache, starts, kind) -> (partial [B, T, D], cache); no layer kinds among linear layers
+    (``kind`` is None)."""
     net = GatedDeltaNet(cfg=cfg, par=par, stddev=stddev)
-    return lambda xf, positions, cache=None, starts=None: net(xf, positions, starts, cache)
+    return lambda xf, positions, cache=None, starts=None, kind=None: net(xf, positions, starts, cache)
 
 
 def linear_layer(cfg: ModelConfig, par: Parallel, norm, mlp, stddev: float):
