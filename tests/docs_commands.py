@@ -606,6 +606,7 @@ COMMANDS: dict[str, Run | Shown] = {
         "the tiny-deepseek-v3 proof with every control; tests/test_mla.py proves MLA with its four controls "
         "on 2x2 FSDP+SP and cp 2 (all-gather, blockwise), tests/test_hf_deepseek_v3.py the conversion",
         "meshlm verify --config tiny-deepseek-v3 --mesh 1x4 --steps 2 --x64",
+        "meshlm verify --config tiny-deepseek-v3 --mesh 2x2 --ep 2 --x64 --steps 2",
         "meshlm plan --config deepseek-v3 --mesh 8x8 --ep 8 --fsdp --sp --devices 64",
     ),
 }
