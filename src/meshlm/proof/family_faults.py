@@ -267,7 +267,8 @@ GEMMA_CONTROLS = (  # ``proof.controls`` runs them
     ),
     Control(
         name="sink's gradient not summed over the data shards",
-        applies=lambda w: w.attention and w.cfg.attn_sinks and w.layout.dp > 1,
+        # the mesh's DP axis is dp / ep (ep takes the rest): the plant keeps DP shard 0's gradient
+        applies=lambda w: w.attention and w.cfg.attn_sinks and w.layout.dp // w.layout.ep > 1,
         plant=sink_grad_not_summed,
     ),
     Control(
