@@ -12,26 +12,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import run_cli, sharded_logits  # noqa: E402
-from hf_helpers import (  # noqa: E402
-    CORPUS,
-    NEW,
-    PROMPT,
-    RTOL,
-    VOCAB,
-    bpe_tokenizer,
-    export_round_trip,
-    hf_logits,
-    our_logits,
-    perturbed_model,
-    random_tokens,
-    rel,
-)
+from hf_harness import Case, Comparison, GreedyText, drift, family_fixture  # noqa: E402
+from hf_helpers import VOCAB  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.io import hf_config, hf_weights, mxfp4  # noqa: E402
 from meshlm.model.config import get_config  # noqa: E402
-from meshlm.model.params import unflatten  # noqa: E402
 
 YARN = dict(rope_type="yarn", rope_theta=1e4, factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
             original_max_position_embeddings=8)  # fmt: skip
@@ -43,56 +29,28 @@ HF = dict(
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def tokens():
-    return random_tokens()
-
-
-@pytest.fixture(scope="module")
-def gpt_oss(tokens, tmp_path_factory):
-    """{hf (directory), ckpt (converted, 1x1), model, logits, text (greedy)}."""
-    torch.manual_seed(0)
-    model = perturbed_model(transformers.GptOssForCausalLM, transformers.GptOssConfig(**HF))
-    root = tmp_path_factory.mktemp("gpt_oss")
-    tokenizer = bpe_tokenizer(CORPUS, VOCAB)
-    model.save_pretrained(root / "hf")
-    tokenizer.save_pretrained(root / "hf")
-    argv = ("convert", "--from-hf", str(root / "hf"), "--out", str(root / "ckpt"), "--mesh", "1x1")
-    assert run_cli(*argv) == 0
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    assert len(set(out[0, ids.shape[1] :].tolist())) > 3 and ids.shape[1] + NEW > 2 * HF["sliding_window"]
-    return dict(hf=root / "hf", ckpt=root / "ckpt", model=model, text=text, logits=hf_logits(model, tokens))
-
-
-def test_logits_equal_transformers(gpt_oss, tokens):
-    cfg, flat = hf_weights.load_hf(gpt_oss["hf"])
-    want = dict(family="gpt_oss", n_experts=4, moe_d_ff=16, global_every=2, sliding_window=4)
-    want.update(attn_sinks=True, router_bias=True, expert_bias=True, swiglu_alpha=1.702, swiglu_limit=1.0)
-    assert {k: getattr(cfg, k) for k in want} == want
-    assert rel(our_logits(cfg, flat, tokens), gpt_oss["logits"]) <= RTOL
-    for copy in sharded_logits(cfg, unflatten(flat), tokens):
-        assert rel(copy, gpt_oss["logits"]) <= RTOL
-    # the clamp bites: with a limit of 7 (none of these activations reach it) the logits differ
-    loose = our_logits(cfg.replace(swiglu_limit=1e9), flat, tokens)
-    assert rel(loose, gpt_oss["logits"]) > 1e-3
-
-
-@pytest.mark.parametrize(
-    "mesh", [("--mesh", "1x1"), ("--mesh", "1x2"), ("--mesh", "2x1", "--ep", "2")], ids=["1x1", "1x2", "ep2"]
+family = family_fixture(
+    [
+        Case(
+            "gpt_oss",
+            "GptOssForCausalLM",
+            lambda: transformers.GptOssConfig(**HF),
+            reads=dict(n_experts=4, moe_d_ff=16, global_every=2, sliding_window=4, attn_sinks=True)
+            | dict(router_bias=True, expert_bias=True, swiglu_alpha=1.702, swiglu_limit=1.0),
+            sharded=("--mesh", "2x1", "--ep", "2"),  # the experts over ep; mp's split: the 2x2 logits
+        )
+    ]
 )
-def test_generate_prints_transformers_text(gpt_oss, mesh, capsys):
-    capsys.readouterr()
-    argv = ["generate", "--checkpoint", str(gpt_oss["ckpt"]), *mesh, "--temperature", "0"]
-    assert run_cli(*argv, "--prompt", PROMPT, "--max-new-tokens", str(NEW)) == 0
-    assert capsys.readouterr().out == PROMPT + gpt_oss["text"] + "\n"
 
 
-def test_export_loads_in_transformers(gpt_oss, tokens, tmp_path):
-    name, err, same = export_round_trip(gpt_oss["hf"], tmp_path, tokens, gpt_oss["logits"])
-    assert (name, same) == ("GptOssForCausalLM", True) and err <= RTOL
+class TestTransformers(Comparison, GreedyText):
+    """Logits unsharded and on 2x2, the export, greedy text on 1x1 and 2x1 --ep 2 past several windows
+    (tests/hf_harness.py)."""
+
+
+def test_the_clamp_bites(family):
+    """With a limit none of these activations reach, the logits differ from transformers'."""
+    assert drift(family, swiglu_limit=1e9) > 1e-3
 
 
 def _random_mxfp4(shape, seed=0):
@@ -112,14 +70,14 @@ def test_mxfp4_is_transformers_dequantisation():
     assert ours.shape == (3, 64, 6) and len(np.unique(np.abs(ours))) > 50  # 7 nonzero codes x 19 scales
 
 
-def test_mxfp4_checkpoint_converts_to_its_values(gpt_oss, tmp_path):
+def test_mxfp4_checkpoint_converts_to_its_values(family, tmp_path):
     """The experts as MXFP4 blocks and scales (as the released checkpoints ship them): the conversion holds
     exactly the dequantised values, and the rest of the model is the dense checkpoint's."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
 
-    tensors = load_file(gpt_oss["hf"] / "model.safetensors")
+    tensors = load_file(family["hf"] / "model.safetensors")
     values = {}
     for i in range(HF["num_hidden_layers"]):
         at = f"model.layers.{i}.mlp.experts.gate_up_proj"  # [E, D, 2I]; blocks [E, 2I, D / 32, 16]
@@ -128,9 +86,9 @@ def test_mxfp4_checkpoint_converts_to_its_values(gpt_oss, tmp_path):
         tensors[at + "_blocks"], tensors[at + "_scales"] = blocks, scales
         values[at] = mxfp4.dequantise(blocks, scales)
     (tmp_path / "q").mkdir()
-    shutil.copy(gpt_oss["hf"] / "config.json", tmp_path / "q")
+    shutil.copy(family["hf"] / "config.json", tmp_path / "q")
     save_file(tensors, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
-    _, dense = hf_weights.load_hf(gpt_oss["hf"])
+    _, dense = hf_weights.load_hf(family["hf"])
     cfg, flat = hf_weights.load_hf(tmp_path / "q")
     gate_up = values["model.layers.1.mlp.experts.gate_up_proj"]  # [E, D, 2I], gate at the even columns
     np.testing.assert_array_equal(flat["layers/moe/experts/w_gate"][1], gate_up[..., 0::2])

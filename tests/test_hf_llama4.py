@@ -11,26 +11,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import run_cli, sharded_logits  # noqa: E402
-from hf_helpers import (  # noqa: E402
-    CORPUS,
-    NEW,
-    PROMPT,
-    RTOL,
-    VOCAB,
-    bpe_tokenizer,
-    export_round_trip,
-    hf_logits,
-    our_logits,
-    perturbed_model,
-    random_tokens,
-    rel,
-)
+from hf_harness import Case, Comparison, GreedyText, drift, family_fixture  # noqa: E402
+from hf_helpers import RTOL, VOCAB  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
-from meshlm.io import hf_config, hf_weights  # noqa: E402
+from meshlm.io import hf_config  # noqa: E402
 from meshlm.model.config import get_config  # noqa: E402
-from meshlm.model.params import unflatten  # noqa: E402
 
 HF = dict(
     vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, intermediate_size=16, intermediate_size_mlp=48,
@@ -41,53 +27,26 @@ HF = dict(
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def tokens():
-    return random_tokens()
+family = family_fixture(
+    [
+        Case(
+            "llama4",
+            "Llama4ForCausalLM",
+            lambda: transformers.Llama4TextConfig(**HF),
+            reads=dict(dense_layers=(0, 2), d_ff=48, moe_d_ff=16, attn_chunk=4, global_every=4)
+            | dict(global_nope=True, qk_l2_norm=True, attn_floor_scale=4.0, weights_on_input=True),
+        )
+    ]
+)
 
 
-@pytest.fixture(scope="module")
-def llama4(tokens, tmp_path_factory):
-    """{hf (directory), ckpt (converted, 1x1), model, logits, text (greedy)}."""
-    torch.manual_seed(0)
-    model = perturbed_model(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(**HF))
-    root = tmp_path_factory.mktemp("llama4")
-    tokenizer = bpe_tokenizer(CORPUS, VOCAB)
-    model.save_pretrained(root / "hf")
-    tokenizer.save_pretrained(root / "hf")
-    argv = ("convert", "--from-hf", str(root / "hf"), "--out", str(root / "ckpt"), "--mesh", "1x1")
-    assert run_cli(*argv) == 0
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    assert len(set(out[0, ids.shape[1] :].tolist())) > 3
-    return dict(hf=root / "hf", ckpt=root / "ckpt", model=model, text=text, logits=hf_logits(model, tokens))
+class TestTransformers(Comparison, GreedyText):
+    """Logits unsharded and on 2x2, the export, greedy text on 1x1 and 1x2 (tests/hf_harness.py)."""
 
 
-def test_logits_equal_transformers(llama4, tokens):
-    cfg, flat = hf_weights.load_hf(llama4["hf"])
-    want = dict(family="llama4", dense_layers=(0, 2), d_ff=48, moe_d_ff=16, attn_chunk=4, global_every=4)
-    want.update(global_nope=True, qk_l2_norm=True, attn_floor_scale=4.0, weights_on_input=True)
-    assert {k: getattr(cfg, k) for k in want} == want
-    assert rel(our_logits(cfg, flat, tokens), llama4["logits"]) <= RTOL
-    for copy in sharded_logits(cfg, unflatten(flat), tokens):
-        assert rel(copy, llama4["logits"]) <= RTOL
+def test_the_l2_norm_and_the_temperature_each_matter(family):
     for dropped in (dict(qk_l2_norm=False), dict(attn_floor_scale=0.0, attn_temp_scale=0.0)):
-        assert rel(our_logits(cfg.replace(**dropped), flat, tokens), llama4["logits"]) > 100 * RTOL
-
-
-@pytest.mark.parametrize("mesh", ["1x1", "1x2"])
-def test_generate_prints_transformers_text(llama4, mesh, capsys):
-    capsys.readouterr()
-    argv = ["generate", "--checkpoint", str(llama4["ckpt"]), "--mesh", mesh, "--temperature", "0"]
-    assert run_cli(*argv, "--prompt", PROMPT, "--max-new-tokens", str(NEW)) == 0
-    assert capsys.readouterr().out == PROMPT + llama4["text"] + "\n"
-
-
-def test_export_loads_in_transformers(llama4, tokens, tmp_path):
-    name, err, same = export_round_trip(llama4["hf"], tmp_path, tokens, llama4["logits"])
-    assert (name, same) == ("Llama4ForCausalLM", True) and err <= RTOL
+        assert drift(family, **dropped) > 100 * RTOL
 
 
 def test_config_refusals_and_round_trip():

@@ -8,7 +8,7 @@ Every layer's feed-forward is a mixture of experts (``model.moe``) through the r
 router's logits with a bias (``router_bias``), the top k of them softmaxed (= the softmax over all E
 renormalised over the top k: ``norm_topk_prob``), each expert's clamped SwiGLU (up + 1) * gate *
 sigmoid(alpha gate) with gate <= limit, |up| <= limit (``swiglu_alpha`` 1.702, ``swiglu_limit`` 7) and
-biases on its gate/up and down projections (``expert_bias``: the dense dispatch, ``check_dispatch``).
+biases on its gate/up and down projections (``expert_bias``; every dispatch adds them per row's expert).
 
 Weights: transformers' fused ``mlp.experts.gate_up_proj`` [E, D, 2I] (x @ W, not torch's [out, in])
 interleaves gate and up on its last dim (gate at the even columns), as its bias [E, 2I] does
@@ -57,7 +57,7 @@ ROUTER = dict(
 
 def read(hf: dict) -> dict[str, Any]:
     """GptOssConfig: Llama's attention fields with gpt-oss's defaults, its windows and sinks, its
-    experts (``ROUTER``, ``swiglu_*``) on the dense dispatch (the only one with expert biases)."""
+    experts (``ROUTER``, ``swiglu_*``), through the default (sorted) dispatch."""
     if hf.get("attention_bias", True) is not True:
         raise unsupported("attention_bias", hf["attention_bias"], "gpt-oss's attention has q/k/v/o biases")
     if hf.get("rope_parameters") is None and hf.get("rope_scaling") is None:
@@ -67,7 +67,7 @@ def read(hf: dict) -> dict[str, Any]:
     moe = qwen3_moe.experts(hf, "num_local_experts", "intermediate_size", (128, 4, 2880))
     swiglu = {k: float(field(hf, k, POSITIVE)) for k in ("swiglu_alpha", "swiglu_limit")}
     window = {"sliding_window": field(hf, "sliding_window", SIZE), "global_every": gemma2.global_every(hf, 2)}
-    return {**fields, **moe, **ROUTER, **swiglu, **window, "attn_sinks": True, "moe_dispatch": "dense"}
+    return {**fields, **moe, **ROUTER, **swiglu, **window, "attn_sinks": True}
 
 
 def write(cfg) -> dict[str, Any]:
@@ -143,7 +143,7 @@ BIG = dict(
     vocab_size=201088, d_model=2880, d_ff=2880, n_heads=64, n_kv_heads=8, head_dim=64, rope_theta=150000.0,
     max_seq_len=131072, norm_eps=1e-5, sliding_window=128, global_every=2, attn_sinks=True,
     experts_per_token=4, moe_d_ff=2880, router_aux_loss_coef=0.001, swiglu_alpha=1.702, swiglu_limit=7.0,
-    moe_dispatch="dense", **{k: v for k, v in ROUTER.items() if k != "dense_layers"},
+    **{k: v for k, v in ROUTER.items() if k != "dense_layers"},
     rope_scaling=YarnScaling(factor=32.0, original_max_position_embeddings=4096, truncate=False),
 )  # fmt: skip
 # ``ModelConfig`` fields by preset name (the registry adds ``family``).
@@ -167,7 +167,6 @@ PRESETS: dict[str, dict] = {
         **{k: v for k, v in ROUTER.items() if k != "dense_layers"},
         swiglu_alpha=1.702,
         swiglu_limit=0.1,
-        moe_dispatch="dense",
         rope_scaling=YarnScaling(
             factor=4.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0
         ),  # fmt: skip
