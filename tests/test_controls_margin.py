@@ -172,6 +172,8 @@ OWN_FLOAT64_PROOF = {  # control -> the test that proves it detected, in float64
     "delta rule's beta without its sigmoid": "tests/test_deltanet.py",
     "delta rule's state not reset at a document start": "tests/test_deltanet.py",
     "linear attention's key heads paired with another shard's value heads": "tests/test_deltanet.py",
+    "delta rule's state not passed between cp chunks": "tests/test_deltanet.py",
+    "linear attention's conv history not passed between cp chunks": "tests/test_deltanet.py",
     "MLA rotary key taken per head": "tests/test_mla.py",
     "MLA latent norm gradient not summed over mp": "tests/test_mla.py",
     "MLA key halves joined rope first": "tests/test_mla.py",

@@ -226,6 +226,7 @@ def test_resume_must_match_comes_from_field_metadata():
         "lora_rank",
         "lora_alpha",
         "lora_targets",
+        "lora_dropout",
     }
 
 
