@@ -3,15 +3,16 @@ of 4 under a 16-token text on the rotated layers (L2-normed q/k, Meta's complex-
 fourth layer with the attention temperature (floor 4: it steps inside the text), and the MoE on every
 second layer (top-1, its sigmoid on the token before the expert, a shared expert; experts of 16 units,
 dense layers of 48) converts with logits equal to transformers' (float32, unsharded and on 2x2);
-`meshlm generate --temperature 0` prints transformers' greedy text on 1x1 and 1x2; the export loads
-back with equal logits. The L2 norm and the temperature each fail the comparison when dropped."""
+`meshlm generate --temperature 0` prints transformers' greedy text on 1x1 and 1x2 (the chunked layers'
+KV cache holds one chunk); the export loads back with equal logits. The L2 norm and the temperature
+each fail the comparison when dropped; Scout's llama3 rope scaling (a step) reads and writes."""
 
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_harness import Case, Comparison, GreedyText, drift, family_fixture  # noqa: E402
+from hf_harness import Case, Comparison, GreedyText, drift, family_fixture, kv_slots  # noqa: E402
 from hf_helpers import RTOL, VOCAB  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
@@ -35,6 +36,7 @@ family = family_fixture(
             lambda: transformers.Llama4TextConfig(**HF),
             reads=dict(dense_layers=(0, 2), d_ff=48, moe_d_ff=16, attn_chunk=4, global_every=4)
             | dict(global_nope=True, qk_l2_norm=True, attn_floor_scale=4.0, weights_on_input=True),
+            generated=kv_slots(4, 12),  # the chunked layers hold their chunk of 4, the NoPE one the context
         )
     ]
 )
@@ -50,8 +52,11 @@ def test_the_l2_norm_and_the_temperature_each_matter(family):
 
 
 def test_config_refusals_and_round_trip():
-    cfg = get_config("tiny-llama4")
+    cfg, scout = get_config("tiny-llama4"), get_config("llama4-scout")
     assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg
+    # Scout's llama3 rope scaling (high_freq_factor = low_freq_factor: a step, no ramp) reads and writes
+    assert hf_config.config_to_hf(scout)["rope_parameters"]["high_freq_factor"] == 1.0
+    assert hf_config.config_from_hf(hf_config.config_to_hf(scout)).rope_scaling == scout.rope_scaling
     base = hf_config.config_to_hf(cfg)
     with pytest.raises(ConfigError, match="router_jitter_noise"):
         hf_config.config_from_hf({**base, "router_jitter_noise": 0.1})

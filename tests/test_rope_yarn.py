@@ -1,7 +1,9 @@
 """YaRN (``model.rope.YarnScaling``) against transformers' own ``_compute_yarn_parameters``: the same
 float32 frequencies bit for bit and the same attention factor (float64), for DeepSeek-V3's parameters
 (mscale and mscale_all_dim), gpt-oss's (truncate false), Qwen's (factor only) and a null factor (the
-context ratio); its config.json round trip; and its bad values refused in one line."""
+context ratio); its config.json round trip; and its bad values refused in one line. Llama 3's scaling
+against ``_compute_llama3_parameters`` the same way: Llama 3.1's ramp, and Llama 4 Scout's step (its two
+frequency factors equal: no ramp)."""
 
 import math
 
@@ -50,6 +52,31 @@ def _transformers(params, head_dim, max_pos, theta=10000.0):
     cfg.rope_parameters = {"rope_type": "yarn", "rope_theta": theta, **params}
     freqs, factor = _compute_yarn_parameters(cfg)
     return freqs.numpy(), float(factor)
+
+
+LLAMA3 = {  # llama3 rope_parameters at rope_theta 5e5, head_dim 128
+    "llama3.1": dict(factor=8, low_freq_factor=1, high_freq_factor=4, original_max_position_embeddings=8192),
+    "llama4-scout": dict(
+        factor=16, low_freq_factor=1, high_freq_factor=1, original_max_position_embeddings=8192
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LLAMA3))
+def test_llama3_scaling_matches_transformers(case):
+    from transformers import PretrainedConfig
+    from transformers.modeling_rope_utils import _compute_llama3_parameters
+
+    hf = {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **LLAMA3[case]}}
+    cfg = PretrainedConfig()
+    cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.max_position_embeddings = 512, 4, 128, 8192
+    cfg.rope_parameters = hf["rope_parameters"]
+    want = _compute_llama3_parameters(cfg)[0].numpy()
+    theta, scaling = rope(hf)
+    got, plain = inv_freq(128, theta, scaling), inv_freq(128, theta)
+    assert np.array_equal(got.astype(np.float32), want)
+    kept, divided = np.isclose(got, plain, rtol=1e-6), np.isclose(got * scaling.factor, plain, rtol=1e-6)
+    assert kept.any() and divided.any() and (kept | divided).all() == (case == "llama4-scout")  # a step
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

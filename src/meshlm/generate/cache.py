@@ -13,10 +13,12 @@ the window's, not the context's. The prefill still runs the whole padded prompt 
 slots, lives only inside the prefill program) and keeps each row's last W prompt positions
 (``keep_window``): exactly the keys a later query can see.
 
-Local and global layers (Gemma 2/3, ``model.kv_kinds``): the global layers' cache "k", "v" [L_global,
-B, S, Kc, E] and the local layers' "k_local", "v_local" [L_local, B, W, Kc, E] (W = min(window, S)),
-both laid out as above: each local layer holds its window (rolling), each global one the context. The
-prefill holds S slots in both and keeps each row's last W prompt positions in the local ones.
+Local and global layers (Gemma 2/3, gpt-oss, OLMo 3; Llama 4's chunked layers, ``model.kv_kinds``): the
+global layers' cache "k", "v" [L_global, B, S, Kc, E] and the local layers' "k_local", "v_local" [L_local,
+B, W, Kc, E] (W = min(window or chunk, S): ``local_span``), both laid out as above: each local layer holds
+its window or chunk (rolling: a chunked layer's W slots hold its current chunk's keys, and the mask hides
+the previous chunk's still held), each global one the context. The prefill holds S slots in both and
+keeps each row's last W prompt positions in the local ones.
 
 Multi-head latent attention (``model.mla``: ``cfg.mla``) caches what its keys and values are made of,
 not them: "k" the normed latent [L, B, S, Kc, r] (kv_lora_rank) and "v" the rotated rotary key [L, B,
@@ -90,7 +92,7 @@ def cache_shapes(cfg: ModelConfig, mp: int, batch: int, max_len: int, slots=None
         n_linear = len(cfg.linear_layers) if cfg.full_attn_every else 0
         kv = {n: (cfg.n_layers - n_linear, batch, s, heads, w) for n, w in zip("kv", widths, strict=True)}
         return kv | (_linear_shapes(cfg, n_linear, 1 if slots is None else mp, batch) if n_linear else {})
-    (n_local, n_global), local = kind_counts(cfg), min(cfg.sliding_window, max_len)
+    (n_local, n_global), local = kind_counts(cfg), min(cfg.local_span, max_len)
     shapes = {n: (n_global, batch, slots or max_len, heads, cfg.dim_per_head) for n in "kv"}
     return shapes | {n: (n_local, batch, slots or local, heads, cfg.dim_per_head) for n in LOCAL_KEYS}
 
@@ -151,7 +153,7 @@ def keep_window(cfg: ModelConfig, cache: dict, lengths) -> dict:
     for a row of ``lengths`` [B/dp] = n (one below 0: a slot no query sees, left as position 0's).
     With local and global layers (``mixed_kinds``) only the local layers' arrays roll."""
     mixed = mixed_kinds(cfg)
-    window, s = cfg.sliding_window if mixed else cache_window(cfg), cache["k"].shape[2] if cache else 0
+    window, s = cfg.local_span if mixed else cache_window(cfg), cache["k"].shape[2] if cache else 0
     if not window or s <= window:
         return cache
     last = lengths[:, None] - 1  # [B, 1]

@@ -243,10 +243,10 @@ LOCAL_KEYS = ("k_local", "v_local")  # the local layers' cache arrays beside "k"
 
 
 def cache_window(cfg: ModelConfig) -> int:
-    """The slots of a rolling KV cache in every layer: the sliding window when every layer has it
-    (Mistral, or a Gemma with fewer layers than ``global_every``), else 0 (a model with windowed and full
-    layers, Gemma 2/3, keeps a rolling cache in its windowed layers only: ``kv_kinds``)."""
-    return 0 if cfg.global_every and cfg.n_layers >= cfg.global_every else cfg.sliding_window
+    """The slots of a rolling KV cache in every layer: the window (or chunk) when every layer has it
+    (Mistral, or a Gemma with fewer layers than ``global_every``), else 0 (a model with local and full
+    layers, Gemma 2/3, Llama 4, keeps a rolling cache in its local layers only: ``kv_kinds``)."""
+    return 0 if cfg.global_every and cfg.n_layers >= cfg.global_every else cfg.local_span
 
 
 def cache_update(cache, k, v, positions, window: int):
@@ -275,20 +275,20 @@ def kinds_cache_attend(cfg: ModelConfig, cache: dict, q, k, v, positions, kind, 
     """One layer's attention with the two-array cache: (out [B, T, h, E], new cache).
 
     cache (per shard, ``kv_kinds``): the global layers' "k", "v" [L_global, B, S, Kc, E], the local
-    ones' "k_local", "v_local" [L_local, B, W (S in the prefill), Kc, E], and "index", this layer's
+    ones' "k_local", "v_local" [L_local, B, W (``local_span``; S in the prefill), Kc, E], "index" its
     index among the layers of its kind (traced). ``kind`` (traced, 0 local) picks the branch: a local
     layer writes k, v [B, T, Kc, E] into its W-slot slice (rolling, or full while the prefill holds all
-    S slots: the generator's ``keep_window`` cuts them after) and attends with the window; a global one
+    S slots: ``keep_window`` cuts them after) and attends with its window or chunk; a global one
     into its S-slot slice, without one. ``attend(q, k, v, key_pos, window)``: its attention on one device."""
     index = cache["index"]
     # both branches return all four arrays: typed alike (inside shard_map), varying as k and v do
     stacks = varying_like({name: cache[name] for name in ("k", "v", *LOCAL_KEYS)}, k, v)
 
-    def branch(names, window):
+    def branch(names, span, window):  # span: the rolling slots (a chunk's too), window: the mask's
         def run(stacks):
             pairs = list(zip("kv", names, strict=True))  # ("k", its array's name), ("v", ...)
             own = {n: lax.dynamic_index_in_dim(stacks[name], index, 0, False) for n, name in pairs}
-            own, key_pos = cache_update(own, k, v, positions, window)
+            own, key_pos = cache_update(own, k, v, positions, span)
             new = dict(stacks)
             for n, name in pairs:
                 new[name] = lax.dynamic_update_index_in_dim(stacks[name], own[n], index, 0)
@@ -296,7 +296,7 @@ def kinds_cache_attend(cfg: ModelConfig, cache: dict, q, k, v, positions, kind, 
 
         return run
 
-    local, full = branch(LOCAL_KEYS, cfg.sliding_window), branch(("k", "v"), 0)
+    local, full = branch(LOCAL_KEYS, cfg.local_span, cfg.sliding_window), branch(("k", "v"), 0, 0)
     out, stacks = lax.cond(kind == 0, local, full, stacks)
     return out, {**stacks, "index": index}
 

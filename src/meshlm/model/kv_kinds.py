@@ -1,7 +1,10 @@
-"""The KV cache of a model whose layers mix windowed (local) and full (global) attention, Gemma 2/3.
+"""The KV cache of a model whose layers mix local and full (global) attention: Gemma 2/3, gpt-oss and
+OLMo 3 (windowed local layers), Llama 4 (chunked ones).
 
-A local layer sees only its last ``sliding_window`` = W positions, so its decode cache rolls over W
-slots (position p in slot p % W, ``attention.cache_update``); a global layer keeps the whole context.
+A local layer sees only its last ``sliding_window`` = W positions, or (chunked) the positions of its
+chunk of W = ``attn_chunk``, never more than W back (``local_span``), so its decode cache rolls over W
+slots (position p in slot p % W, ``attention.cache_update``; the mask hides a held key of a previous
+chunk, as one outside a window); a global layer keeps the whole context.
 The two cannot share one stacked array [L, B, S, Kc, E], so the cache holds two (per shard):
   "k", "v"              [L_global, B, S, Kc, E]   the global layers', in layer order
   "k_local", "v_local"  [L_local, B, W, Kc, E]    the local layers', in layer order
@@ -24,10 +27,10 @@ __all__ = ["LOCAL_KEYS", "kind_counts", "kind_index", "kinds_stack", "mixed_kind
 
 
 def mixed_kinds(cfg: ModelConfig) -> bool:
-    """True when the layers are of both kinds and the local ones have a window, so the cache is this
-    module's two arrays (kinds that differ only in rotary, SmolLM3's NoPE layers, share one full cache)."""
+    """True when the layers are of both kinds and the local ones have a window or a chunk, so the cache
+    is this module's two arrays (kinds that differ only in rotary, SmolLM3's NoPE layers, share one)."""
     kinds = attention.layer_kinds(cfg)
-    return kinds is not None and bool(cfg.sliding_window) and 0 < int(kinds.sum()) < cfg.n_layers
+    return kinds is not None and bool(cfg.local_span) and 0 < int(kinds.sum()) < cfg.n_layers
 
 
 def kind_counts(cfg: ModelConfig) -> tuple[int, int]:

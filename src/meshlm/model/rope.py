@@ -5,7 +5,8 @@
 ``layers.rotary_angles`` and the benchmark's hand-written reference both read it). Llama 3.1 scales
 the low frequencies (wavelength > original context / low_freq_factor) down by ``factor``, keeps the
 high ones (wavelength < original context / high_freq_factor) and interpolates between the two, exactly
-as transformers' ``_compute_llama3_parameters`` does (which computes in float32: so do we, then widen).
+as transformers' ``_compute_llama3_parameters`` does (which computes in float32: so do we, then widen);
+with the two factors equal (Llama 4 Scout: 1 and 1) there is no ramp, only the step.
 
 YaRN (Peng et al. 2023, transformers' ``_compute_yarn_parameters``) blends each frequency between the
 original (extrapolation) and the one divided by ``factor`` (interpolation) by a linear ramp over the
@@ -46,9 +47,9 @@ class RopeScaling:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ConfigError(f"rope_scaling.{name} must be a number > 0, got {value!r}")
-        if not self.high_freq_factor > self.low_freq_factor:
+        if not self.high_freq_factor >= self.low_freq_factor:  # equal (Llama 4 Scout): a step, no ramp
             raise ConfigError(
-                f"rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                f"rope_scaling.high_freq_factor={self.high_freq_factor} must be at least "
                 f"low_freq_factor={self.low_freq_factor}"
             )
         context = int(self.original_max_position_embeddings)
@@ -164,15 +165,20 @@ def inv_freq(rot_dim: int, theta: float, scaling: RopeScaling | YarnScaling | No
     if isinstance(scaling, YarnScaling):
         return scaling.inv_freq(rot_dim, theta).astype(np.float64)
     f32 = np.float32
-    base = f32(1.0) / (f32(theta) ** (exponents.astype(f32) / f32(rot_dim)))
+    power = np.float64(theta) ** (exponents.astype(f32) / f32(rot_dim)).astype(np.float64)
+    base = f32(1.0) / power.astype(f32)  # the power rounded from float64: torch's float32 pow, more often
     old = scaling.original_max_position_embeddings
     low_wavelen = f32(old / scaling.low_freq_factor)
     high_wavelen = f32(old / scaling.high_freq_factor)
     wavelen = f32(2 * math.pi) / base
     scaled = np.where(wavelen > low_wavelen, base / f32(scaling.factor), base)
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    if scaling.high_freq_factor == scaling.low_freq_factor:  # a step: scaled above the wavelength, kept below
+        if medium.any():  # exactly on it transformers' ramp is 0 / 0 (NaN): refused, not made up
+            raise ConfigError(f"rope_scaling: a rotary wavelength is exactly {float(low_wavelen)} (0 / 0)")
+        return scaled.astype(np.float64)
     smooth = (f32(old) / wavelen - f32(scaling.low_freq_factor)) / f32(
         scaling.high_freq_factor - scaling.low_freq_factor
     )
     smoothed = (f32(1) - smooth) * scaled / f32(scaling.factor) + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return np.where(medium, smoothed, scaled).astype(f32).astype(np.float64)

@@ -11,7 +11,7 @@ from jax import lax
 import meshlm.model.attention as attention
 from meshlm.model import lora_dropout
 from meshlm.model.config import ModelConfig
-from meshlm.model.kv_kinds import kinds_stack
+from meshlm.model.kv_kinds import LOCAL_KEYS, kind_index, kinds_stack
 from meshlm.model.layer_kinds import LINEAR_STACK, MOE_STACK, runs, stacks
 from meshlm.model.linear_cache import LINEAR_KEYS
 from meshlm.model.memory import remat_body
@@ -77,23 +77,28 @@ def _mixed_stack(cfg: ModelConfig, layers: dict, x, positions, cache, starts=Non
     routing). Each kind's parameters stack apart (``layer_kinds.stacks``: [count, ...] under "layers"
     and "dense_layers" or "linear_layers"), and the stack runs as consecutive runs of same-kind
     layers, one scan each over its slice of them; the cache [L, ...] is sliced and rejoined in layer
-    order."""
+    order, or with local and global layers (``kv_kinds``: Llama 4's chunked ones) rides in the carry."""
     bodies = {name: _three(layer, positions, starts) for name, layer in layers.items()}
     kinds, params, apply = attention.layer_kinds(cfg), {}, {}
     for name, indices in stacks(cfg).items():
         params[name], apply[name] = _stacked(name, len(indices), remat_body(cfg.remat, bodies[name]), x)
     parts, stats = {}, []
+    carried = cache is not None and LOCAL_KEYS[0] in cache  # local and global caches apart: in the carry
     for name, first, start, stop in runs(cfg):
         p = jax.tree.map(lambda a, s=slice(start, stop): a[s], params[name])
-        c = _run_cache(cache, name, first, start, stop)
-        own = slice(first, first + stop - start)  # the run's layers
+        own, unroll = slice(first, first + stop - start), min(cfg.layer_unroll, stop - start)  # its layers
         kind = None if kinds is None else jnp.asarray(kinds[own])  # Llama 4's chunked and NoPE layers
-        x, (c, st) = lax.scan(_step(apply[name]), x, (p, c, kind), unroll=min(cfg.layer_unroll, stop - start))
-        for key, part in (c or {}).items():
-            parts.setdefault(key, []).append(part)
+        if carried:  # each layer reads and writes its slice of its kind's arrays (``kv_kinds``)
+            index = jnp.asarray(kind_index(cfg)[own])
+            (x, cache), st = lax.scan(_carried_step(apply[name]), (x, cache), (p, kind, index), unroll=unroll)
+        else:
+            c = _run_cache(cache, name, first, start, stop)
+            x, (c, st) = lax.scan(_step(apply[name]), x, (p, c, kind), unroll=unroll)
+            for key, part in (c or {}).items():
+                parts.setdefault(key, []).append(part)
         if st is not None:
             stats.append(st)
-    if cache is not None:
+    if cache is not None and not carried:
         cache = {key: jnp.concatenate(part) for key, part in parts.items()}
     return (x, cache, jnp.concatenate(stats)) if cfg.arch.moe else (x, cache)
 
@@ -126,6 +131,18 @@ def _step(apply):
     def step(x, pc):
         y, c, st = apply(pc[0], None, x, pc[1], pc[2])
         return y, (c, st)
+
+    return step
+
+
+def _carried_step(apply):
+    """One layer of a run's scan with the two-array cache in the carry: ((x, cache), (its parameters,
+    kind, index among its kind's layers)) -> ((x, new cache), statistics)."""
+
+    def step(carry, pki):
+        (x, stacks), (p, kind, index) = carry, pki
+        y, c, st = apply(p, None, x, {**stacks, "index": index}, kind)
+        return (y, {name: c[name] for name in stacks}), st
 
     return step
 

@@ -35,6 +35,13 @@ class VariantFields:
     attn_floor_scale: float = 0.0
     attn_temp_scale: float = 0.0
 
+    @property
+    def local_span(self) -> int:
+        """The keys a local layer's query can reach back over: its ``sliding_window``, or its chunk
+        (``attn_chunk``: a chunked layer's query sees at most its chunk's first position): the slots of
+        the local layers' rolling KV cache (``kv_kinds``). 0: no local rule."""
+        return self.sliding_window or self.attn_chunk
+
 
 def check_variant_fields(cfg) -> None:
     """The variant fields agree with the rest of the config (``cfg`` a ``ModelConfig``)."""

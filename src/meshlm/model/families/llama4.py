@@ -24,6 +24,7 @@ import meshlm.model.families.qwen3_moe as qwen3_moe
 import meshlm.model.families.smollm3 as smollm3
 from meshlm.errors import ConfigError
 from meshlm.model.families.hf_fields import POSITIVE, SIZE, field, flag, unsupported
+from meshlm.model.rope import RopeScaling
 
 NAME = "llama4"
 # Llama4TextConfig's defaults where a config.json may leave a field out and Llama's differ.
@@ -193,8 +194,8 @@ PRESETS: dict[str, dict] = {
     ),  # fmt: skip
     # meta-llama/Llama-4-Scout-17B-16E's text config.json as written from memory (not downloaded here):
     # 48 layers, all MoE (16 experts of 8192, top-1, a shared expert), chunks of 8192, NoPE every fourth
-    # layer; planned without its llama3 rope scaling (factor 16 with high_freq_factor = low_freq_factor
-    # = 1, which meshlm's RopeScaling refuses: its config.json is refused, naming it).
+    # layer; its llama3 rope scaling has high_freq_factor = low_freq_factor = 1: no ramp, every
+    # frequency of a wavelength above 8192 divided by 16 (transformers' formula, ``rope.inv_freq``).
     "llama4-scout": dict(
         vocab_size=202048,
         d_model=5120,
@@ -204,6 +205,9 @@ PRESETS: dict[str, dict] = {
         n_kv_heads=8,
         head_dim=128,
         rope_theta=500000.0,
+        rope_scaling=RopeScaling(
+            factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0, original_max_position_embeddings=8192
+        ),
         max_seq_len=10485760,
         norm_eps=1e-5,
         attn_chunk=8192,
