@@ -29,6 +29,10 @@ CASES = {  # every family, grouped-query attention, tied embeddings, z-loss, par
     # the sandwich block, local (window 8 < 16) and global layers with two rotary bases (the global
     # one scaled), the (1 + w) q/k norm, the attention scalar (Gemma 2's soft-caps: tiny-llama3's)
     "tiny-gemma3": {"n_layers": 3},  # one pattern: local, local, global
+    # YaRN (frequencies and cos/sin scaled) on the full layers only, windows (8 < 16) on the others
+    "tiny-olmo3": {
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+    },
 }
 
 

@@ -8,7 +8,8 @@ rotary tables and the causal mask built once per step, attention as [B, H, T, T]
 is the cost of meshlm's generality (one model code for every mesh), which should be close to none.
 
 Every family is covered (``ff``, ``gptj``, ``llama``, ``mistral``'s window, ``gemma``, Gemma 2/3's
-local and global layers, grouped-query attention, tied embeddings, z-loss); its loss equals meshlm's
+local and global layers, grouped-query attention, tied embeddings, z-loss, YaRN's attention factor on
+the kinds it scales); its loss equals meshlm's
 unsharded loss up to float rounding (tests/test_plain.py).
 Shapes are global (one device): tokens [B, T], hidden x [B, T, D].
 """
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm.model.attention import kind_tables, layer_kinds
-from meshlm.model.attention_variants import Variant, capped_logits
+from meshlm.model.attention_variants import Variant, capped_logits, rotary_scale
 from meshlm.model.config import ModelConfig
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
@@ -42,12 +43,13 @@ def _layer_norm(x, scale, offset, eps):  # [B, T, D]
     return ((x32 - mean) * jax.lax.rsqrt(var + eps) * scale + offset).astype(x.dtype)
 
 
-def _rotary_tables(cfg: ModelConfig, t: int, dtype, inv_freq=None):
-    """cos, sin [T, rot_dim/2] for positions 0..T-1, once per step (not once per layer)."""
+def _rotary_tables(cfg: ModelConfig, t: int, dtype, inv_freq=None, scale: float = 1.0):
+    """cos, sin [T, rot_dim/2] for positions 0..T-1, once per step (not once per layer), times
+    ``scale`` (YaRN's attention factor: 1 otherwise)."""
     inv_freq = cfg.inv_freq() if inv_freq is None else inv_freq
     ang = np.arange(t, dtype=np.float64)[:, None] * inv_freq  # host constants
     dt = jnp.promote_types(dtype, jnp.float32)
-    return jnp.asarray(np.cos(ang), dt), jnp.asarray(np.sin(ang), dt)
+    return jnp.asarray(np.cos(ang), dt) * scale, jnp.asarray(np.sin(ang), dt) * scale
 
 
 def _rotate(cfg: ModelConfig, x, cos, sin):  # x [B, T, h, E]; cos/sin [T, r/2]
@@ -172,10 +174,11 @@ def _kinds(cfg: ModelConfig, t: int, dtype) -> list[tuple]:
     """(cos, sin, mask [T, T]) by layer kind (``attention.kind_tables``: 0 local, 1 global; without
     kinds one, every layer's), built once per step."""
     windows, freqs = kind_tables(cfg) if cfg.global_every else ([cfg.sliding_window], [cfg.inv_freq()])
+    scales = [float(rotary_scale(cfg, kind)) for kind in (0, 1)] if cfg.global_every else [rotary_scale(cfg)]
     i, j = np.arange(t)[:, None], np.arange(t)[None, :]
     out = []
-    for window, inv_freq in zip(windows, freqs, strict=True):
-        cos, sin = _rotary_tables(cfg, t, dtype, inv_freq) if cfg.arch.attention else (None, None)
+    for window, inv_freq, scale in zip(windows, freqs, scales, strict=True):
+        cos, sin = _rotary_tables(cfg, t, dtype, inv_freq, scale) if cfg.arch.attention else (None, None)
         within = (j > i - window) if window else True  # i - window < j
         out.append((cos, sin, jnp.asarray((j <= i) & within)))  # query >= key (within the window)
     return out
