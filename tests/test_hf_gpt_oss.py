@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_harness import Case, Comparison, GreedyText, drift, family_fixture  # noqa: E402
+from hf_harness import Case, Comparison, GreedyText, drift, family_fixture, kv_slots  # noqa: E402
 from hf_helpers import VOCAB  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
@@ -38,6 +38,7 @@ family = family_fixture(
             reads=dict(n_experts=4, moe_d_ff=16, global_every=2, sliding_window=4, attn_sinks=True)
             | dict(router_bias=True, expert_bias=True, swiglu_alpha=1.702, swiglu_limit=1.0),
             sharded=("--mesh", "2x1", "--ep", "2"),  # the experts over ep; mp's split: the 2x2 logits
+            generated=kv_slots(4, 12),  # the windowed layers hold their window of 4, the full ones more
         )
     ]
 )
