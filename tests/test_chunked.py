@@ -122,3 +122,14 @@ def test_cached_decode_of_the_mixed_stack_equals_the_full_forward(local):
     got = Generator(cfg, params, mesh, max_len=32).logits_with_cache(tokens, lengths)
     for b, n in enumerate(lengths):
         np.testing.assert_allclose(got[b], want[b, n - 1 :], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_prefill_over_cp_refuses_the_chunked_layers_cache():
+    """The local and global caches are not filled by a prefill over cp: one line, before any compile."""
+    from meshlm.errors import ConfigError
+    from meshlm.generate.programs import check_prefill_cp
+    from meshlm.model.config import get_config
+    from meshlm.parallel.layout import Layout
+
+    with pytest.raises(ConfigError, match="keep a window or a chunk"):
+        check_prefill_cp(get_config("tiny-llama4"), Layout(cp=2), 64)

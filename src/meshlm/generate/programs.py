@@ -215,7 +215,7 @@ def check_prefill_cp(cfg: ModelConfig, layout: Layout, max_len: int, prefill_cp:
     if mixed_kinds(cfg):
         raise ConfigError(
             f"prefill over --cp does not fill {cfg.family}'s local and global caches yet (local layers "
-            "keep a window, global ones the context); drop --cp"
+            "keep a window or a chunk, global ones the context); drop --cp"
         )
 
 
