@@ -2,7 +2,9 @@
 ``chunk``): a query sees only the keys of its chunk. Plain attention, the blockwise kernel (forward and
 backward) and the ring's chunks merged on one device equal attention under the mask written by hand,
 with a chunk boundary inside a block and a cp chunk; the block skip is derived from the mask (a block
-wholly before the query block's chunk is skipped); a traced 0 is no chunk."""
+wholly before the query block's chunk is skipped); a traced 0 is no chunk. Generation: the chunked
+layers' KV cache holds one chunk (rolling) and cached decoding equals the full forward past several
+chunks, and so does the same mixed dense/MoE stack with windows (``kv_kinds``)."""
 
 from __future__ import annotations
 
