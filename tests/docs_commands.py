@@ -100,6 +100,8 @@ LINEAR_2X2 = (
 LINEAR_CP = "tests/test_deltanet.py::test_verify_proves_linear_attention_under_cp"
 EP_PP_CMD = "meshlm verify --config tiny-mixtral --pp 2 --mesh 2x1 --ep 2 --devices 4 --steps 2 --x64"
 ROUTER = "tests/test_router_proof.py::test_router_proven_on_ep_with_its_bias_bitwise"
+SINKS = "tests/test_sinks.py::test_verify_proves_sinks_under_the_cp_ring"
+CHUNKS = "tests/test_chunked.py::test_verify_proves_chunks_and_nope_layers_under_the_cp_ring"
 
 
 @dataclass(frozen=True)
@@ -447,6 +449,7 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-llama --mesh 2x2 --cp 2 --cp-strategy allgather --devices 8 "
     "--seq-len 64 --fsdp "
     "--sp --steps 2 --x64": verify(costly=CPCOMM),
+    "meshlm verify --config tiny-gpt-oss --mesh 1x4 --devices 4 --steps 2 --x64": verify(costly=SINKS),
     "meshlm verify --config tiny-mixtral --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
     "meshlm verify --config tiny-mixtral --mesh 4x1 --ep 4 --devices 4 --steps 3 --x64": verify(costly=EP),
     "meshlm verify --config tiny-qwen2-moe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=MOE),
