@@ -154,6 +154,7 @@ COMMANDS: dict[str, Run | Shown] = {
         "meshlm train --doc-mask",
         "meshlm tokenizer train --data",
         "meshlm bench --memory-options",
+        "meshlm bench --compare-linear",
         "meshlm plan --pp",
         "meshlm generate --temperature 0",
         "meshlm verify --attention blockwise",
