@@ -156,6 +156,7 @@ COMMANDS: dict[str, Run | Shown] = {
         "meshlm train --doc-mask",
         "meshlm tokenizer train --data",
         "meshlm bench --memory-options",
+        "meshlm bench --compare-linear",
         "meshlm plan --pp",
         "meshlm generate --temperature 0",
         "meshlm verify --attention blockwise",
@@ -220,6 +221,12 @@ COMMANDS: dict[str, Run | Shown] = {
     ),
     WBENCH + "16384 --compare-window 1024 --batch-size 1 --steps 5 --warmup 0 --mesh 1x1": Shown(
         "the same path as the 4096 line (run, on 32 tokens); a step takes minutes at 16384"
+    ),
+    "meshlm bench --config tiny-qwen3.5 --attention blockwise --seq-len 16384 --compare-linear "
+    "--batch-size 1 --steps 5 --warmup 0 --mesh 1x1 --devices 1": run(
+        "16384 => 32 --attn-block 8",
+        expect=("linear/full",),
+        costly="tests/test_bench.py::test_bench_compare_linear_times_both_mixers_at_three_lengths",
     ),
     # docs/training.md: chat SFT
     CHAT_PREPARE: run(),

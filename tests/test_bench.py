@@ -265,3 +265,22 @@ def test_dense_eq_is_the_dense_gated_mlp_model():
     tokens = np.arange(16, dtype=np.int32).reshape(2, 8) % eq.vocab_size
     run = lambda cfg, p: jax.jit(hk.transform(logits_fn(cfg, Parallel())).apply)(p, None, tokens)
     np.testing.assert_allclose(run(eq, params), run(dense, moved), rtol=1e-5, atol=1e-6)
+
+
+def test_bench_compare_linear_times_both_mixers_at_three_lengths(capsys):
+    """``--compare-linear`` (a hybrid): its linear-attention layer and its full-attention layer timed
+    side by side at --seq-len / 16, / 4 and / 1, each row with both kinds' tokens per second (the batch's
+    tokens over the median step) and five timed steps; what it cannot time is one line, before any
+    compile."""
+    argv = ["--config", "tiny-qwen3.5", "--attention", "blockwise", "--attn-block", "8", "--mesh", "1x1"]
+    argv += ["--json", "--steps", "5", "--warmup", "0", "--batch-size", "1", "--seq-len", "32"]
+    report = _bench_json([*argv, "--compare-linear"], capsys)
+    assert [r["seq_len"] for r in report["rows"]] == [2, 8, 32] and report["linear_chunk"] == 8
+    for r in report["rows"]:
+        for kind in ("linear", "full"):
+            assert len(r[f"{kind}_s"]) == 5 and all(_positive(t) for t in r[f"{kind}_s"])
+            assert r[f"{kind}_tokens_per_s"] == pytest.approx(r["seq_len"] / r[f"{kind}_s_median"])
+    assert run_cli("bench", *argv, "--compare-linear", "--config", "tiny-llama") == 2
+    assert "has none: use a config with linear layers" in capsys.readouterr().err
+    assert run_cli("bench", *argv, "--compare-linear", "--attention", "plain") == 2
+    assert "add --attention blockwise" in capsys.readouterr().err

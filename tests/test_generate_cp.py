@@ -33,7 +33,13 @@ LAYOUTS = {  # both strategies; cp with mp (the cache split by heads) and with d
 
 
 # tiny-mistral-w10: every layer windowed (10 < 64), so the decode cache rolls (``cache.keep_window``).
+# tiny-qwen3.5: the hybrid's linear layer leaves its recurrent state and conv history composed from every
+# cp chunk (``model.linear_context``): on cp 4, 8 chunks of 8, the rows' last tokens in chunks 2 and 6.
 CASES = {"tiny-llama": LAYOUTS, "tiny-mistral-w10": {"ring cp2 x mp2": LAYOUTS["ring cp2 x mp2"]}}
+CASES["tiny-qwen3.5"] = {
+    "ring cp2 x mp2": LAYOUTS["ring cp2 x mp2"],
+    "allgather cp4": Layout(cp=4, cp_strategy="allgather"),
+}
 
 
 @pytest.mark.parametrize("model", CASES)
@@ -99,3 +105,24 @@ def test_kv_written_in_shard_order_is_caught(monkeypatch):
     got = gen.logits_with_cache(TOKENS, LENGTHS)
     worst = max(float(np.max(np.abs(g - w))) for g, w in zip(got, want, strict=True))
     assert worst > 1e-2
+
+
+def test_hybrid_padding_in_the_state_is_caught(monkeypatch):
+    """The classic bug of a linear layer's cp prefill: the right-padded prompt's padding decays and
+    writes the recurrent state (the rows' lengths ignored). The equality above must see it."""
+    from meshlm.generate import programs
+    from meshlm.model import linear_context
+
+    real = linear_context.cp_prefill_rule
+
+    def padding_kept(q, k, v, g, beta, positions, lengths, chunk, par):
+        return real(q, k, v, g, beta, positions, jnp.full_like(lengths, 1 << 20), chunk, par)
+
+    monkeypatch.setattr(linear_context, "cp_prefill_rule", padding_kept)
+    monkeypatch.setattr(programs, "_PROGRAMS", {})  # compile afresh with the fault
+    cfg, params = get_config("tiny-qwen3.5"), host_params("tiny-qwen3.5")
+    want = Generator(cfg, params, make_mesh(1, 1), eod=None).logits_with_cache(TOKENS, LENGTHS)
+    gen = Generator(cfg, params, LAYOUTS["ring cp2 x mp2"], eod=None, prefill_cp=True)
+    got = gen.logits_with_cache(TOKENS, LENGTHS)
+    worst = max(float(np.max(np.abs(g[1:] - w[1:]))) for g, w in zip(got, want, strict=True))
+    assert worst > 1e-2  # the decode steps' logits (the prefill's own are right)

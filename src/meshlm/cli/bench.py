@@ -71,6 +71,13 @@ def run(args) -> int:
         report = compare_window(cfg, name, layout, settings)
         print0(json.dumps(report) if args.json else format_window(report))
         return 0
+    if bs.compare_linear:
+        from meshlm.perf.bench_linear import compare_linear, format_linear
+
+        bs.check(cfg, layout)
+        report = compare_linear(cfg, name, layout, settings)
+        print0(json.dumps(report) if args.json else format_linear(report))
+        return 0
     report = run_bench(cfg, name, layout, settings)
     if bs.memory_options:
         from meshlm.perf.memory_bench import memory_options_bench

@@ -207,10 +207,11 @@ def check_prefill_cp(cfg: ModelConfig, layout: Layout, max_len: int, prefill_cp:
             f"2N dividing {max_len}"
         )
     check_context(cfg, layout)  # --doc-mask: refused with cp
-    if cfg.full_attn_every:
+    if cfg.full_attn_every and max_len // chunks < cfg.linear_conv - 1:  # (``model.linear_context``)
         raise ConfigError(
-            f"prefill over --cp does not fill {cfg.family}'s recurrent-state cache yet (each linear layer's "
-            "state comes from the last chunk's shard); drop --cp"
+            f"prefill over --cp {layout.cp}: chunks of {max_len // chunks} tokens are shorter than the "
+            f"linear layers' conv history ({cfg.linear_conv - 1} inputs, from the chunk before): "
+            "use a smaller --cp"
         )
     if mixed_kinds(cfg):
         raise ConfigError(

@@ -61,7 +61,10 @@ class GatedDeltaNet(hk.Module):
         ]
         x, w = jnp.concatenate(flat, -1), jnp.concatenate([w.reshape(kernel, -1) for w in ws], -1)
         history = None
-        if cache is not None:  # generation: after the cached inputs (``model.linear_cache``)
+        if cache is not None and self.par.context_parallel:  # a prefill over cp: history summed over cp
+            out = linear_context.cp_conv(x, w, self.par)
+            history = linear_context.cp_history(x, positions, cache["length"], kernel, self.par)
+        elif cache is not None:  # generation: after the cached inputs (``model.linear_cache``)
             out, history = linear_cache.cached_conv(x, w, positions, starts, cache)
         elif self.par.context_parallel:  # each chunk after the tail of the one before it (another shard's)
             out = linear_context.cp_conv(x, w, self.par)
@@ -71,11 +74,15 @@ class GatedDeltaNet(hk.Module):
         return tuple(p.reshape(x.shape) for p, x in zip(parts, xs, strict=True)), history
 
     def _rule(self, q, k, v, g, beta, positions, starts, cache):  # -> (out [B, T, h, dv], state or None)
-        chunk = self.cfg.linear_chunk
+        chunk, cp = self.cfg.linear_chunk, self.par.context_parallel
+        if cache is not None and cp:  # a prefill over cp (from zeros): the padding kept out of the state
+            return linear_context.cp_prefill_rule(
+                q, k, v, g, beta, positions, cache["length"], chunk, self.par
+            )
         if cache is not None:  # generation: from the cached state (``model.linear_cache``)
             return linear_cache.cached_rule(q, k, v, g, beta, positions, starts, cache, chunk)
-        if self.par.context_parallel:  # each chunk from the state the chunks before it leave
-            return linear_context.cp_rule(q, k, v, g, beta, chunk, self.par), None
+        if cp:  # each chunk from the state the chunks before it leave
+            return linear_context.cp_rule(q, k, v, g, beta, chunk, self.par)[0], None
         b, _, h, dv = v.shape
         state = jnp.zeros((b, h, k.shape[-1], dv), v.dtype)  # [B, h, dk, dv] per shard
         resets = deltanet.document_resets(positions, starts)

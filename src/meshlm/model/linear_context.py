@@ -18,7 +18,9 @@ per shard). Two things cross a chunk boundary, and each travels by one all-gathe
   dv + dk instead of dv, and 2cp x [h, dk, dv + dk] values per row gathered per layer.
 
 Shapes per shard: x [B, T/cp, C] (T/cp = 2c), q, k [B, T/cp, h, dk], v [B, T/cp, h, dv], g, beta
-[B, T/cp, h]. Documents (``--doc-mask``) are refused with cp before this runs.
+[B, T/cp, h]. Documents (``--doc-mask``) are refused with cp before this runs. A prefill over cp
+(``generate.programs``) runs the same chunks and gathers, and leaves every cp shard the cache of the
+whole prompt: the final state composed from all the maps, the conv's last inputs (``cp_history``).
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def cp_conv(x, w, par):
 
 def cp_rule(q, k, v, g, beta, chunk: int, par):
     """The delta rule over this shard's two chunks, each from the state the chunks before it leave
-    (zero before the sequence) -> out [B, 2c, h, dv] (per shard)."""
+    (zero before the sequence) -> (out [B, 2c, h, dv] per shard, the state after the whole sequence
+    [B, h, dk, dv], the same on every shard: a prefill's cache)."""
     b, t, h, dk = k.shape
     dv, c = v.shape[-1], t // 2
     pair = lambda x: x.reshape(2 * b, c, *x.shape[2:])  # [B, 2c, ...] -> [2B, c, ...]: a row per chunk
@@ -69,8 +72,30 @@ def cp_rule(q, k, v, g, beta, chunk: int, par):
     out, maps = deltanet.chunked_rule(pair(q), pair(k), pair(wide), pair(g), pair(beta), start, chunk)
     maps = par.chunk_states(maps.reshape(b, 2, h, dk, dv + dk))  # [2cp, B, h, dk, dv + dk]
     incoming = [jnp.zeros_like(maps[0, ..., :dv])]
-    for j in range(maps.shape[0] - 1):  # the last chunk's map leads nowhere
+    for j in range(maps.shape[0]):  # the last chunk's map gives the final state (unused in training)
         incoming.append(jnp.einsum("bhkl,bhlv->bhkv", maps[j, ..., dv:], incoming[-1]) + maps[j, ..., :dv])
-    states = _mine(par, jnp.stack(incoming)).reshape(2 * b, h, dk, dv)
+    states = _mine(par, jnp.stack(incoming[:-1])).reshape(2 * b, h, dk, dv)
     out = out[..., :dv] + jnp.einsum("nthk,nhkv->nthv", out[..., dv:], states)
-    return out.reshape(b, t, h, dv)
+    return out.reshape(b, t, h, dv), incoming[-1]
+
+
+def cp_prefill_rule(q, k, v, g, beta, positions, lengths, chunk: int, par):
+    """A prefill over cp (``generate.programs``): the rule over this shard's chunks of the right-padded
+    prompts (positions [B, 2c] global, lengths [B]) -> (out [B, 2c, h, dv], the state after each row's
+    last real token [B, h, dk, dv]). Padding neither decays (g = 0) nor writes (beta = 0): its maps are
+    the identity, so the composed final state is the one after the row's length. Every shard composes
+    the same state; it is taken from shard 0 and summed over cp (adding zeros: exact) so that it is
+    typed as the same on every cp shard, as the K/V cache is (``attention.cp_prefill_cache``)."""
+    valid = (positions < lengths[:, None])[..., None]  # [B, 2c, 1]
+    g, beta = jnp.where(valid, g, 0), jnp.where(valid, beta, 0)
+    out, final = cp_rule(q, k, v, g, beta, chunk, par)
+    return out, par.cp_sum(jnp.where(par.cp_index() == 0, final, jnp.zeros_like(final)))
+
+
+def cp_history(x, positions, lengths, kernel: int, par):
+    """A prefill over cp: the conv's cached history, the inputs x [B, 2c, C] (this shard's) at positions
+    length-K+1 .. length-1 (zeros before position 0, as ``linear_cache.cached_conv``) -> [B, K-1, C]
+    on every cp shard: each input is on one shard, zeros on the others, summed over cp (exact)."""
+    want = lengths[:, None] - jnp.arange(kernel - 1, 0, -1)  # [B, K-1] the history's positions
+    hit = (positions[:, None, :] == want[:, :, None]).astype(x.dtype)  # [B, K-1, 2c]: one 1 or none
+    return par.cp_sum(jnp.einsum("bjt,btc->bjc", hit, x))

@@ -85,6 +85,12 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
         "side against full attention, with the K/V block pairs each computes, instead of the implementations",
         valid=NON_NEGATIVE_INT,
     )
+    compare_linear: bool = setting(
+        False,
+        "with a hybrid and --attention blockwise: time its linear-attention layer against its full-attention "
+        "layer (forward and backward) at --seq-len / 16, / 4 and --seq-len, in tokens/s, instead of the "
+        "implementations",
+    )
 
     def resolved(self, cfg: ModelConfig, layout: Layout) -> BenchSettings:
         """The sizes left open filled in: the batch rounded up to a multiple of dp, the sequence by
