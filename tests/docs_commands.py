@@ -506,8 +506,9 @@ COMMANDS: dict[str, Run | Shown] = {
     ),
     "meshlm train --config cpu-moe --steps 40 --batch-size 8 --seq-len 64 --eval-every 0 --sample-tokens 0 "
     "--log-every 1 --save-every 20 --moe-bias-rate 0.01 --out runs/cpu-moe": Shown(
-        "the run behind the bias-balancing table (26.9M parameters: ~15 s a step here); the bias's update "
-        "and resume: tests/test_router_proof.py::test_bias_balancing_resumes_bitwise"
+        "the run behind the bias-balancing table and figure (26.9M parameters: ~15 s a step here); the "
+        "bias's SIGKILL resume: tests/test_resume.py::test_moe_bias_balancing_sigkill_then_resume_is_bitwise_"
+        "identical (which also runs scripts/expert_load_cv.py's table and figure on its metrics)"
     ),
     "meshlm bench --config tiny-mixtral --mesh 2x1 --ep 2 --devices 2 --steps 5": Shown(
         "a measurement (5 implementations compiled and timed, ~1 min of CPU); bench's path: " + BENCH

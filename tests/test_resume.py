@@ -8,6 +8,9 @@ state exactly. One uninterrupted `meshlm train` per CLI cell (module-scoped) ser
   on 4x1 continues allclose to the run's own losses (another mesh changes only the sums' order).
 - pp (2 stages, 1F1B, on 1x2): the SIGKILL resume; its checkpoint restores without a pipeline (1x2) and
   under pp 2 x cp 2 (GPipe, the ring) exactly, and a step trains there.
+- moe-bias (tiny-cpu-moe: cpu-moe's router, its selection bias balanced at 1e-2 without an aux loss, on
+  2x2 ep 2): the SIGKILL resume, its own short run; every step's loss and expert load (which the bias
+  decides) equal to a run never stopped.
 - ep (tiny-mixtral on 2x1 ep 2, in process: the CLI's launch would cost more than its two steps): two
   steps straight equal one step, a restore and one more, bitwise; the checkpoint restores without ep and
   onto ep 4 exactly.
@@ -17,10 +20,12 @@ and a restore without fsdp is checked exactly by the pp and ep chains below."""
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import shutil
 import signal
 import subprocess
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -35,6 +40,7 @@ from meshlm.parallel.mesh import make_mesh
 from meshlm.train.loop import _one_step, save
 from meshlm.train.run import build_run
 
+ROOT = Path(__file__).resolve().parents[1]
 STEPS = 14  # checkpoints every 3 steps (train_args); the victim is killed after step 6
 CELLS = {
     "fsdp-sp": ("--fsdp", "--sp", "--remat", "selective"),
@@ -175,3 +181,43 @@ def test_ep_resumes_bitwise_and_restores_without_ep_and_onto_ep4(corpus, tmp_pat
     assert _equal(_host(ep4), saved)
     last, _ = _steps(ep4, 1)
     assert np.all(np.isfinite(straight + last))
+
+
+MOE_STEPS = 6  # checkpoints every 2 steps; the victim is killed after step 3 and resumes from step 2
+
+
+def test_moe_bias_balancing_sigkill_then_resume_is_bitwise_identical(corpus, tmp_path):
+    """tiny-cpu-moe's selection bias is state outside AdamW, moved after each step from the global
+    load: a run killed mid-way resumes from its checkpoint with the bias, so each step's loss and expert
+    load (integer counts the bias's choice decides) equal the uninterrupted run's bit for bit."""
+    moe = ("--config", "tiny-cpu-moe", "--tokenizer", "bpe-300", "--ep", "2", "--save-every", "2")
+    argv = lambda out: meshlm_argv(*train_args(corpus, out, MOE_STEPS), "--devices", "4", *moe)
+    ref = subprocess.run(argv(tmp_path / "ref"), capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr
+    victim = subprocess.Popen(argv(tmp_path / "cut"), stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 4, timeout_s=600)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    resumed = subprocess.run(argv(tmp_path / "cut"), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stderr, resumed.stderr
+    rows = lambda out: [(r["step"], r["loss"], r["expert_load"]) for r in train_rows(out)]
+    got, want = rows(tmp_path / "cut"), rows(tmp_path / "ref")
+    assert [s for s, *_ in got] == list(range(1, MOE_STEPS + 1))
+    assert len({tuple(load) for *_, load in want}) > 1  # the load moves from step to step
+    assert got == want  # bitwise, the bias's choices included
+    _expert_load_cv_script(tmp_path / "ref" / "metrics.jsonl", tmp_path / "cut" / "metrics.jsonl")
+
+
+def _expert_load_cv_script(a, b):
+    """scripts/expert_load_cv.py's data path (docs/training.md's table and figure) on the two runs."""
+    spec = importlib.util.spec_from_file_location("expert_load_cv", ROOT / "scripts" / "expert_load_cv.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    runs = {"ref": script.series(a), "resumed": script.series(b)}
+    cvs = [r["cv"] for r in runs["ref"]]
+    assert len(cvs) == MOE_STEPS and all(c >= 0 for c in cvs) and runs["ref"] == runs["resumed"]
+    lines = script.table(runs, 3).splitlines()
+    assert len(lines) == 2 + MOE_STEPS // 3 and f"{sum(cvs[:3]) / 3:.2f}" in lines[2]
+    picture = script.svg(runs, "t")
+    assert picture.count("<polyline") == 2 and picture == script.svg(runs, "t")

@@ -20,9 +20,10 @@ import jax
 import numpy as np
 
 from meshlm.errors import VerifierError
+from meshlm.proof.adam_drift import AdamDrift
 from meshlm.proof.communication import collectives_step, communication_checks, step_collectives
 from meshlm.proof.controls import Control
-from meshlm.proof.report import LeafResult, compare_into, worst
+from meshlm.proof.report import LeafResult, compare_into, leaf_label, worst
 from meshlm.proof.rule_errors import VMA_REJECTIONS, is_vma_rejection  # noqa: F401 - re-exported
 from meshlm.proof.runs import Runs, default_optim, put_batch, step_batches
 from meshlm.train.optim import clip_by_global_norm
@@ -75,8 +76,10 @@ def _control_results(control: Control, runs: Runs, ocfg, rtol, atol) -> list[Lea
         (_, gr) = runs.reference_grads()
         ocfg = ocfg or default_optim(1, float(clip_by_global_norm(gr, 0)[1]))
         batches = step_batches(problem, 1, ocfg.accum_steps, 0)
+        drift = AdamDrift(ocfg, leaf_label)  # as the proof's own steps (``prover``)
         for (ps, ss, _), (pr, sr, _) in runs.train(ocfg, batches, control.per_shard_clip, control.par_cls):
-            compare_into(results, (ps, ss), (pr, sr), rtol, atol)
+            compare_into(results, ps, pr, rtol, atol, drift.step(ss, sr))
+            compare_into(results, ss, sr, rtol, atol)
     else:
         lr, gr = runs.reference_grads()  # outside the plant: the reference never runs the fault
         fn, params = _planted_fn(control, runs)
