@@ -41,6 +41,9 @@ jax.devices()
 # keeps one worker busy while the others have finished. Longest first, by the suite's --durations; a file
 # whose tests take a minute or more in all belongs here. The other files follow in name order.
 SLOW_FIRST = (
+    # the longest file (~40 traced cells, an estimated 7-10 CPU-min; 9 of the 25 slowest tests of a full
+    # run): xdist cannot split a file, so it goes first
+    "test_every_control.py",
     "test_train.py",
     "test_resume.py",
     "test_multiprocess.py",
@@ -59,6 +62,15 @@ SLOW_FIRST = (
     "test_pipeline.py",
     "test_pp_cli.py",
     "test_finetune.py",
+    # the proofs and benches added since, by their tests' durations in the full runs (1-3 min each)
+    "test_bench.py",
+    "test_deltanet.py",
+    "test_lora.py",
+    "test_generate_layouts.py",
+    "test_router_proof.py",
+    "test_moe.py",
+    "test_doc_mask.py",
+    "test_chat_sft.py",
 )
 
 

@@ -72,9 +72,10 @@ CHUNK_CONTROLS = ("chunk boundary off by one", "NoPE layer rotated", "temperatur
 
 
 def test_verify_proves_chunks_and_nope_layers_under_the_cp_ring():
-    """tiny-llama4 (chunks of 8 on three L2-normed layers, the fourth NoPE with the temperature; MoE and
-    dense layers) blockwise on a cp 2 ring (chunks crossing the cp shards), float64: sharded ==
-    unsharded, the three controls detected."""
+    """tiny-llama4 cut to two layers (a chunked, rotated, L2-normed dense layer, then a NoPE MoE layer
+    with the temperature: the preset's four layers repeat these pieces at twice the compile; its four
+    are compared with transformers in test_hf_llama4) blockwise on a cp 2 ring (24 positions: chunks of
+    8 crossing the cp shards), float64: sharded == unsharded, the three controls detected."""
     from meshlm.model.config import get_config
     from meshlm.parallel.layout import Layout
     from meshlm.proof import format_report
@@ -82,7 +83,9 @@ def test_verify_proves_chunks_and_nope_layers_under_the_cp_ring():
     from meshlm.proof.problem import model_problem
     from meshlm.proof.prover import verify
 
-    cfg = get_config("tiny-llama4").replace(attention="blockwise", attn_block=4)
+    cfg = get_config("tiny-llama4").replace(
+        attention="blockwise", attn_block=4, n_layers=2, global_every=2, dense_layers=(0,)
+    )
     controls = tuple(c for c in CONTROLS if c.name in CHUNK_CONTROLS)
     with jax.enable_x64(True):
         problem = model_problem(cfg, "tiny-llama4", 1, 1, 24)

@@ -37,6 +37,7 @@ ALL_CONTROLS = CONTROLS + CP_CONTROLS + EP_CONTROLS  # the prover's default list
 BW = dict(attention="blockwise", attn_block=4)  # several K/V blocks per shard, a ragged last one
 FSDP_SP = Layout(dp=2, mp=2, fsdp=True, sp=True)
 EP2, ONE = Layout(dp=2, mp=2, ep=2), {"n_layers": 1}  # a family's experts over ep: one layer is enough
+L4 = {"n_layers": 2, "global_every": 2, "dense_layers": (0,)}  # tiny-llama4's two kinds of layer, once
 # name: (preset, config changes, layout, batch, seq_len). Shapes tiny: only traced.
 CONFIGS = {
     "seed ff 2x2 fsdp sp": ("seed", {}, FSDP_SP, 2, 8),
@@ -57,7 +58,8 @@ CONFIGS = {
     "tiny-qwen2 1x2 (q/k/v bias, tied)": ("tiny-qwen2", {}, Layout(mp=2), 1, 8),
     "tiny-qwen3 1x2 (per-head q/k norm)": ("tiny-qwen3", {}, Layout(mp=2), 1, 8),
     "tiny-smollm3 1x2 (NoPE layers)": ("tiny-smollm3", {}, Layout(mp=2), 1, 8),
-    "tiny-llama4 1x2 blockwise (chunks, NoPE layers)": ("tiny-llama4", BW, Layout(mp=2), 1, 18),
+    # a chunked dense layer and a NoPE MoE layer: the preset's four repeat them (a trace grows per layer)
+    "tiny-llama4 1x2 blockwise (chunks, NoPE layers)": ("tiny-llama4", {**BW, **L4}, Layout(mp=2), 1, 18),
     # learned sinks under the ring (once after the merge) and over dp (their gradient summed)
     "tiny-gpt-oss 2x1 cp2 ring blockwise (sinks, windows)": ("tiny-gpt-oss", BW, Layout(dp=2, cp=2), 2, 16),
     "tiny-olmo2 2x2 (q/k norm over the projection)": ("tiny-olmo2", {}, Layout(dp=2, mp=2), 2, 8),
