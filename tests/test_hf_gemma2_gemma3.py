@@ -122,10 +122,11 @@ def test_preset_config_round_trip(preset):
 def test_pipeline_chunks_keep_the_layer_pattern():
     """Each pipeline chunk numbers its layers from 0: a chunk that splits the local/global pattern is
     refused in one line (tiny-gemma3: 6 layers, every third global; pp 2 gives chunks of 3, pp 3 of 2)."""
+    from meshlm.errors import ShardingError
     from meshlm.parallel.layout import Layout
     from meshlm.sharding.pipelined import check_pipelined
 
     cfg = get_config("tiny-gemma3")
     check_pipelined(cfg, Layout(pp=2, microbatches=2))
-    with pytest.raises(ConfigError, match="global_every=3"):
+    with pytest.raises(ShardingError, match=r"layer by layer mmMmmM; global_every=3\).*; use --pp 2$"):
         check_pipelined(cfg, Layout(pp=3, microbatches=3))

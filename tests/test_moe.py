@@ -67,8 +67,9 @@ def test_refusals_name_the_field():
 
 
 def test_dense_layers_among_moe_layers():
-    """dense_layers: one-line refusals; the stack's runs of same-kind layers; --pp refused in one line
-    naming what to use; the two stacks' parameters; the gradient under remat with a rolled scan traces."""
+    """dense_layers: one-line refusals; the stack's runs of same-kind layers; a --pp that cannot split
+    the MoE layers after the dense prefix (run with the embedding) refused in one line naming the pp
+    that works; the two stacks' parameters; the gradient under remat with a rolled scan traces."""
     import haiku as hk
 
     from meshlm.model.layer_kinds import runs
@@ -85,8 +86,10 @@ def test_dense_layers_among_moe_layers():
     assert runs(cfg.replace(n_layers=5, dense_layers=[0, 2, 3])) == [
         ("dense_layers", 0, 0, 1), ("layers", 1, 0, 1), ("dense_layers", 2, 1, 3), ("layers", 4, 1, 2)
     ]  # fmt: skip
-    with pytest.raises(ShardingError, match="pipeline stages hold uniform layers; drop --pp"):
-        check_pipelined(cfg, Layout(pp=3))
+    with pytest.raises(
+        ShardingError, match="after the 1 dense layers .* 2 layers do not split .*; use --pp 2$"
+    ):
+        check_pipelined(cfg, Layout(pp=3))  # the dense prefix with the embedding, the MoE layers over pp
     cfg = cfg.replace(n_layers=2)  # dense layer 0, MoE layer 1
     batch = {k: jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 8))) for k in ("inputs", "targets")}
     params = jax.eval_shape(hk.transform(loss_fn(cfg, Parallel())).init, jax.random.PRNGKey(0), batch)

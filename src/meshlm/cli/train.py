@@ -54,7 +54,9 @@ def _run(args, stop: Stop) -> int:
         planned.check_batch(tcfg.batch_size, tcfg.accum_steps if tcfg.accum_steps > 1 else None)
         if cfg is not None:  # else the checkpoint's model: run.py checks it once read
             planned.check_seq_len(tcfg.seq_len)
-            planned.check_layers(cfg.n_layers)
+            from meshlm.sharding.rules import check_uniform_stack  # imports JAX: here
+
+            check_uniform_stack(cfg, planned)
     layout = setup(args, tcfg, planned, default_dp=DEFAULT_DP)  # the run uses this Layout as it is
     stop.check_startup()
     from meshlm.parallel.distributed import print0

@@ -38,7 +38,9 @@ def run(args) -> int:
         if vs.seq_len is not None or vs.checkpoint is None:  # else the checkpoint's model decides
             planned.check_seq_len(_shapes(vs, get_config(vs.config), planned)[0])
         if vs.checkpoint is None:
-            planned.check_layers(get_config(vs.config).n_layers)
+            from meshlm.sharding.rules import check_uniform_stack  # imports JAX: here
+
+            check_uniform_stack(get_config(vs.config), planned)
     try:
         return _matrix(args, vs, axes) if vs.matrix else _verify(args, vs, planned)
     except VerifierError as e:

@@ -8,19 +8,22 @@ import haiku as hk
 import jax.numpy as jnp
 
 from meshlm.errors import ConfigError
-from meshlm.model import masked
+from meshlm.model import masked, stage_layers
+from meshlm.model.attention import doc_starts
 from meshlm.model.config import ModelConfig
+from meshlm.model.layer_kinds import DENSE_STACK
 from meshlm.model.layers import mask_vocab_padding, vocab_parallel_xent
 from meshlm.model.lora import freeze
 from meshlm.model.memory import parallel_getter
 from meshlm.model.moe import moe_losses
-from meshlm.model.stack import stack_layers
+from meshlm.model.stack import dense_prefix, stack_layers
 from meshlm.model.transformer import (
     _block,
     _check_context_parallel,
     _check_seq_len,
     _embed,
     _head_logits,
+    _others,
     _scaled,
 )
 from meshlm.parallel.context import Parallel
@@ -35,13 +38,29 @@ def embed_fn(cfg: ModelConfig, par: Parallel):
     """tokens [B, T] -> hidden [B, T, D] (with ``sp`` [B, T/mp, D] per shard; with cp the tokens are
     this cp shard's chunks first: [B, T/cp, D])."""
 
+    count = stage_layers.prefix(cfg)
+
     def embed(tokens):
         _check_seq_len(cfg, tokens.shape[-1])  # rotary models go beyond max_seq_len, as local_logits
         _check_context_parallel(cfg, par)
         with hk.custom_getter(parallel_getter(par)), freeze(cfg):
-            return _scaled(cfg, _embed(cfg, par)(par.seq_local(tokens)))
+            x = _scaled(cfg, _embed(cfg, par)(par.seq_local(tokens)))
+            if not count:
+                return x
+            # a MoE's dense prefix runs here, on the first stage (``model.stage_layers``); the rows are
+            # whole (cp is refused with a prefix), so their document starts are the whole model's
+            starts = None if cfg.doc_mask < 0 else par.tap("doc_starts", doc_starts(tokens, cfg.doc_mask))
+            dense = _others(cfg, par)[DENSE_STACK]
+            return dense_prefix(cfg, dense, x, _positions(par, x), starts, count)
 
     return embed
+
+
+def _positions(par: Parallel, x):
+    """[B, T]: the global positions of the tokens of hidden ``x`` on this shard (with ``sp`` x holds
+    T/mp of them, with cp its chunks': ``Parallel.positions``)."""
+    t = x.shape[1] * (par.layout.mp if par.layout.sp and par.sharded else 1)
+    return jnp.broadcast_to(par.positions(t), (x.shape[0], t))
 
 
 def layers_fn(cfg: ModelConfig, par: Parallel, stats: bool | None = None):
@@ -56,14 +75,13 @@ def layers_fn(cfg: ModelConfig, par: Parallel, stats: bool | None = None):
     stats = moe_losses(cfg) if stats is None else stats
 
     def layers(x, starts=None):
-        t = x.shape[1] * (par.layout.mp if par.layout.sp and par.sharded else 1)
-        positions = jnp.broadcast_to(par.positions(t), (x.shape[0], t))
+        positions = _positions(par, x)
         if cfg.doc_mask >= 0:
             if starts is None:
                 raise ConfigError("--doc-mask needs the document starts of each micro-batch; pass starts")
             starts = par.tap("doc_starts", starts)
         with hk.custom_getter(parallel_getter(par)), freeze(cfg):
-            out = stack_layers(cfg, _block(cfg, par), x, positions, None, starts)
+            out = stack_layers(cfg, _block(cfg, par), x, positions, None, starts, _others(cfg, par))
         return (out[0], out[2]) if stats else out[0]
 
     return layers

@@ -12,7 +12,7 @@ import meshlm.model.attention as attention
 from meshlm.model import lora_dropout
 from meshlm.model.config import ModelConfig
 from meshlm.model.kv_kinds import LOCAL_KEYS, kind_index, kinds_stack
-from meshlm.model.layer_kinds import LINEAR_STACK, MOE_STACK, runs, stacks
+from meshlm.model.layer_kinds import DENSE_STACK, LINEAR_STACK, MOE_STACK, runs, stacks
 from meshlm.model.linear_cache import LINEAR_KEYS
 from meshlm.model.memory import remat_body
 
@@ -163,3 +163,15 @@ def _stacked(name: str, count: int, body, x):
         return lax.scan(one, (x, rng), None, length=count)[1]
 
     return hk.lift(scanned_init, name=name, allow_reuse=True)(x, hk.maybe_next_rng_key()), apply_fn
+
+
+def dense_prefix(cfg: ModelConfig, layer, x, positions, starts, count: int):
+    """A mixture of experts' first ``count`` layers, all dense (``stage_layers.prefix``: run with the
+    embedding on the pipeline's first stage), as ``_mixed_stack`` runs them: one scan over the
+    "dense_layers" stack [count, ...] (the same parameters), each layer with its kind where the model
+    has kinds."""
+    kinds = attention.layer_kinds(cfg)
+    body = remat_body(cfg.remat, _three(layer, positions, starts))
+    params, apply = _stacked(DENSE_STACK, count, body, x)
+    kind = None if kinds is None else jnp.asarray(kinds[:count])
+    return lax.scan(_step(apply), x, (params, None, kind), unroll=min(cfg.layer_unroll, count))[0]

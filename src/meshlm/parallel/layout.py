@@ -171,11 +171,6 @@ class Layout(AxisFacts, AxisUses):
         the pipeline's ``microbatches``)."""
         _check_batch(self, batch_size, accum_steps)
 
-    def check_layers(self, n_layers: int) -> None:
-        """With pp, the layer stack splits into pp x virtual stages chunks of equal size."""
-        if self.pipelined:
-            _check_layers(self.pipeline, n_layers)
-
 
 def early_layout(options: dict) -> Layout | None:
     """What a command checks before the device count is known: with a pipeline the options' own
@@ -262,12 +257,6 @@ def _pipeline_config(layout: Layout):
     from meshlm.parallel.pipeline_schedule import PipelineConfig
 
     return PipelineConfig(layout.pp, layout.microbatches, layout.pp_schedule, layout.virtual_stages)
-
-
-def _check_layers(cfg, n_layers: int) -> None:
-    from meshlm.parallel.pipeline_schedule import check_layers
-
-    check_layers(cfg, n_layers)
 
 
 def _next_multiple(n: int, k: int) -> int:

@@ -2,8 +2,9 @@
 
 The caller supplies
   ``stage_fn(stage_params, x) -> y``: one chunk of consecutive layers, its parameters stacked on a leading
-      layer dimension (any chunk length: the sequential reference runs all layers as one chunk); ``y`` has
-      ``x``'s shape and dtype;
+      layer dimension (any chunk length: the sequential reference runs all layers as one chunk; stacks of
+      several lengths -- a model's layer kinds, ``model.stage_layers`` -- each split into the chunks
+      alike); ``y`` has ``x``'s shape and dtype;
   ``loss_fn(y, targets) -> scalar``: the last stage's loss of one micro-batch, a mean over its rows (so the
       mean of the M micro-batch losses is the batch's loss).
 ``pipeline_value_and_grad(...)(params, x, targets)`` returns ``(loss, (param_grads, x_grad))`` like
@@ -195,10 +196,8 @@ def pipeline_value_and_grad(
     value_spec = P() if stats_sum is None else (P(), P())  # the loss (and the step's statistics)
 
     def run(params, x, targets, head=None, embed=None, aux=None):
-        layers = {a.shape[0] for a in jax.tree.leaves(params)}
-        if len(layers) != 1:
-            raise ConfigError(f"stacked layer parameters disagree on the layer count: {sorted(layers)}")
-        check_layers(cfg, layers.pop())
+        for count in sorted({a.shape[0] for a in jax.tree.leaves(params)}):  # each kind's stack apart
+            check_layers(cfg, count)
         check_batch(cfg, x.shape[0], job.n_dp)
         rows = {a.shape[0] for a in jax.tree.leaves(targets)}
         if rows - {x.shape[0]}:

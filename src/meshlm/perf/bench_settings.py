@@ -108,7 +108,9 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
         if s.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1, got {s.batch_size}")
         layout.check_batch(s.batch_size)
-        layout.check_layers(cfg.n_layers)
+        from meshlm.sharding.rules import check_uniform_stack  # imports JAX: here
+
+        check_uniform_stack(cfg, layout)
         if s.compare_schedules and layout.pipeline is None:
             raise ConfigError("--compare-schedules times pipeline schedules; add --pp 2 (or more)")
         if s.memory_options and layout.pipeline is not None:

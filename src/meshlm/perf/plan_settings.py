@@ -64,7 +64,9 @@ class PlanSettings:
             raise ConfigError(
                 f"compute_dtype={self.compute_dtype!r}; valid: {', '.join(cfg.arch.compute_dtypes)}"
             )
-        layout.check_layers(cfg.n_layers)
+        from meshlm.sharding.rules import check_uniform_stack  # imports JAX: here
+
+        check_uniform_stack(cfg, layout)
         if self.seq_len < 1:
             raise ConfigError(f"--seq-len {self.seq_len} must be >= 1")
         beyond_max_seq_len(cfg, self.seq_len)  # above max_seq_len: accepted for rotary models

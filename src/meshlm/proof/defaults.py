@@ -38,7 +38,7 @@ def microbatches(pp: int) -> int:
 
 def virtual_stages(pp: int, n_layers: int) -> int:
     """V for the interleaved schedule: the smallest V >= 2, V != pp, whose pp V chunks split the layers;
-    2 where none does (``check_layers`` then says what fits)."""
+    2 where none does (``rules.check_uniform_stack`` then says what fits)."""
     fits = [v for v in range(2, n_layers // pp + 1) if v != pp and n_layers % (pp * v) == 0]
     return fits[0] if fits else 2
 

@@ -18,11 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from meshlm.errors import ConfigError
+from meshlm.model import stage_layers
 from meshlm.model.attention import doc_starts
 from meshlm.model.config import ModelConfig
 from meshlm.model.masked import WEIGHTS
 from meshlm.model.moe import aux_loss, moe_losses
-from meshlm.model.params import STACKED_PREFIX
+from meshlm.model.params import is_stacked
 from meshlm.model.pieces import embed_fn, head_loss_fn, layers_fn
 from meshlm.model.transformer import check_context, loss_fn
 from meshlm.parallel.context import Parallel
@@ -34,10 +35,7 @@ from meshlm.sharding.rules import check_uniform_stack, without_pp
 def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
     """What ``--pp`` cannot split, as one-line errors before any work (with cp also what context
     parallelism cannot run of the model: the pieces run inside the schedule)."""
-    check_uniform_stack(
-        cfg, layout
-    )  # before the MoE refusal: it stays when the pipeline carries the statistics
-    layout.check_layers(cfg.n_layers)
+    check_uniform_stack(cfg, layout)  # the layer kinds each chunk holds: every stage's alike
     check_context(cfg, layout)
     if cfg.arch.moe and cfg.moe_capacity_factor:  # a stage sees one micro-batch, not the batch
         raise ConfigError(
@@ -46,28 +44,32 @@ def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
         )
     if cfg.lora_dropout:  # its mask is of each layer's index; a stage numbers its chunk's from 0
         raise ConfigError("--pp does not take --lora-dropout yet (its masks number the layers); drop one")
-    chunk = cfg.n_layers // (layout.pipeline.pp * layout.pipeline.virtual_stages)
-    if cfg.global_every and chunk % cfg.global_every:  # each chunk numbers its layers from 0
-        raise ConfigError(
-            f"--pp: chunks of {chunk} layers split the local/global pattern (global_every="
-            f"{cfg.global_every}); choose pp x virtual stages so that each chunk is a multiple of it"
-        )
 
 
-def split_model(tree) -> tuple[dict, dict, dict]:
-    """A model's tree (params, specs, grads) as (embedding, stacked layers, head) by module name."""
-    embed = {k: v for k, v in tree.items() if k == "embed"}
-    layers = {k: v for k, v in tree.items() if k.startswith(STACKED_PREFIX)}
+def split_model(tree, cfg: ModelConfig) -> tuple[dict, dict, dict]:
+    """A model's tree (params, specs, grads) as (embedding, stacked layers, head) by module name: a
+    dense prefix's stack goes with the embedding (``stage_layers.prefix``), every other stack (each
+    kind's: ``layer_kinds.stacks``) is the pipelined body."""
+    first = tuple(f"{name}/" for name in ("embed", *stage_layers.prefix_stacks(cfg)))
+    embed = {k: v for k, v in tree.items() if k == "embed" or k.startswith(first)}
+    layers = {k: v for k, v in tree.items() if k not in embed and is_stacked(f"{k}/")}
     head = {k: v for k, v in tree.items() if k not in embed and k not in layers}
     return embed, layers, head
 
 
+def _table(embed: dict) -> dict:
+    """The embedding table's module of the first stage's tree (a tied head reads it on the last stage
+    too; a dense prefix's stack stays on the first)."""
+    return {k: v for k, v in embed.items() if k == "embed"}
+
+
 def stage_fn(cfg: ModelConfig, par: Parallel, stats: bool | None = None):
-    """One chunk of layers: as many as its parameters stack (``stats``: ``layers_fn``'s)."""
+    """One chunk of layers: as many as its parameters stack, each kind's stack its count of them
+    (``stats``: ``layers_fn``'s), with the kinds every chunk holds (``stage_layers.chunk_config``)."""
 
     def run(params, x, starts=None):  # starts: the micro-batch's document starts (``--doc-mask``)
-        n = jax.tree.leaves(params)[0].shape[0]
-        chunk = cfg.replace(n_layers=n, unroll=min(cfg.layer_unroll, n))
+        counts = {mod.split("/")[0]: jax.tree.leaves(leaves)[0].shape[0] for mod, leaves in params.items()}
+        chunk = stage_layers.chunk_config(cfg, sum(counts.values()))
         return hk.without_apply_rng(hk.transform(layers_fn(chunk, par, stats))).apply(params, x, starts)
 
     return run
@@ -92,9 +94,9 @@ def pipelined_value_and_grad(
     par = par_cls.on(layout)
     embed_apply = hk.without_apply_rng(hk.transform(embed_fn(cfg, par))).apply
     head_apply = hk.without_apply_rng(hk.transform(head_loss_fn(cfg, par))).apply
-    embed_specs, layer_specs, head_specs = split_model(without_pp(specs))
+    embed_specs, layer_specs, head_specs = split_model(without_pp(specs), cfg)
     tied = cfg.tie_embeddings  # the head projects onto the embedding table: the last stage holds it too
-    head_specs = {**head_specs, **embed_specs} if tied else head_specs
+    head_specs = {**head_specs, **_table(embed_specs)} if tied else head_specs
     pipe = pipe_cls(layout.pipeline, fill=fill)
     stats_loss = _stats_loss(cfg, par, routing)
     step = pipeline_value_and_grad(
@@ -115,8 +117,8 @@ def pipelined_value_and_grad(
         master = params
         if compute_dtype is not None:  # the cast's VJP is the cast back: grads in the master dtype
             params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-        embed, layers, head = split_model(params)
-        head = {**head, **embed} if tied else head
+        embed, layers, head = split_model(params, cfg)
+        head = {**head, **_table(embed)} if tied else head
         # --doc-mask: each row's document starts from its EOD ids, computed before the pipeline on the
         # whole rows and passed with each micro-batch to every stage (positions stay the global ones)
         aux = {} if cfg.doc_mask < 0 else {"aux": doc_starts(batch["inputs"], cfg.doc_mask)}
@@ -125,7 +127,7 @@ def pipelined_value_and_grad(
             targets = {"targets": targets, WEIGHTS: batch[WEIGHTS]}
         loss, (g_layers, g_embed, g_head) = step(layers, inputs, targets, head, embed, **aux)
         if tied:  # the tied table's gradient: the first stage's lookup's plus the last stage's head's
-            g_embed = jax.tree.map(jnp.add, g_embed, {k: g_head.pop(k) for k in embed})
+            g_embed = jax.tree.map(jnp.add, g_embed, {k: g_head.pop(k) for k in _table(embed)})
         grads = {**g_embed, **g_layers, **g_head}
         return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
 

@@ -22,9 +22,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ConfigError, ShardingError
+from meshlm.model import layer_kinds, stage_layers
 from meshlm.model.params import is_embedding, is_matmul_weight, is_stacked, param_path
 from meshlm.parallel.axes import DP, EP, LOGICAL_DIMS, MP, PP
 from meshlm.parallel.layout import Layout
+from meshlm.parallel.pipeline_schedule import check_layers
 
 # The logical dimensions rows name (``parallel.axes.LOGICAL_DIMS``).
 VOCAB, EMBED, HEADS, KV, HEAD_DIM, MLP, LAYERS, EXPERTS = LOGICAL_DIMS  # KV: on MP, or replicated when mp > K
@@ -182,6 +184,9 @@ def model_specs(cfg, abstract_params, layout: Layout):
     # With a pipeline the stacked ``layers`` dimension is split over PP (consecutive layers per stage:
     # the checkpoint format is unchanged); ``without_pp`` undoes it.
     specs = param_specs(abstract_params, mp, RULES, kv_axis, layout.logical_axes())
+    for mod in specs if layout.pipelined else ():  # a dense prefix: with the embedding, not over pp
+        if mod.startswith(tuple(f"{name}/" for name in stage_layers.prefix_stacks(cfg))):
+            specs[mod] = without_pp(specs[mod])
     for fsdp_dim in layout.option_axes():  # --fsdp: each weight's embed dim over dp (``_fsdp``)
         specs = {
             mod: {
@@ -196,18 +201,32 @@ def model_specs(cfg, abstract_params, layout: Layout):
 
 
 def check_uniform_stack(cfg, layout: Layout) -> None:
-    """The one refusal of --pp for a model of two layer kinds (``model.layer_kinds``): the rules table's
-    and the pipeline's check (``pipelined.check_pipelined``) both ask here. A ShardingError, as for any
-    split the mesh cannot make (``verify --matrix`` lists such cells as skipped)."""
-    if layout.pipelined and getattr(cfg, "dense_layers", ()):
+    """The one refusal of --pp for a stack its stages cannot each run alike (``model.stage_layers``: a
+    periodic stack of two layer kinds, or a MoE's dense prefix run with the embedding, passes): the
+    rules table's and the pipeline's check (``pipelined.check_pipelined``) both ask here. A
+    ShardingError, as for any split the mesh cannot make (``verify --matrix`` lists such cells as
+    skipped)."""
+    if not layout.pipelined:
+        return
+    pipe = layout.pipeline
+    if len(layer_kinds.stacks(cfg)) == 1 and not cfg.global_every:  # one kind: chunks of equal size
+        check_layers(pipe, cfg.n_layers)
+        return
+    problem = stage_layers.stage_problem(cfg, pipe.pp * pipe.virtual_stages)
+    if problem is not None:
+        v = f" x {pipe.virtual_stages} virtual stages" if pipe.virtual_stages > 1 else ""
+        works = stage_layers.working_pp(cfg, pipe.virtual_stages)
+        fix = f"use --pp {' or '.join(map(str, works[:3]))}" if works else "drop --pp"
         raise ShardingError(
-            f"--pp: {cfg.family}'s dense layers {list(cfg.dense_layers)} among its MoE layers stack apart, "
-            "and pipeline stages hold uniform layers; drop --pp (use --mp, --ep, --fsdp or --sp)"
+            f"--pp {pipe.pp}{v}: {problem}, and pipeline stages each run the same layers "
+            f"(a chunk whole periods of the kinds, a dense prefix with the embedding); {fix}"
         )
-    if layout.pipelined and getattr(cfg, "full_attn_every", 0):
+    if (
+        stage_layers.prefix(cfg) and layout.context_parallel
+    ):  # the embedding runs under a cond: no ring inside
         raise ShardingError(
-            f"--pp: {cfg.family}'s linear-attention layers stack apart from its full-attention ones, and "
-            "pipeline stages hold uniform layers; drop --pp (use --mp, --fsdp or --sp)"
+            f"--pp with --cp: {cfg.family}'s dense prefix runs with the embedding on the first stage, "
+            "where context parallelism's ring cannot run; drop --cp or --pp"
         )
 
 
