@@ -34,6 +34,7 @@ def _hf_config(**changes):
         first_k_dense_replace=1, max_position_embeddings=64, rope_parameters=ROPE, bos_token_id=0,
         eos_token_id=0, pad_token_id=0, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
         moe_intermediate_size=16, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        num_nextn_predict_layers=0,  # transformers saves no MTP tensors (tests/test_mtp.py adds them)
     )  # fmt: skip
     return transformers.DeepseekV3Config(**{**fields, **changes})
 

@@ -1,7 +1,8 @@
 """meshlm configs: the model presets as a table (family, layers, width, heads, vocabulary, parameters and
 active parameters), or with --json one JSON object per preset: {"name", "params", "active_params",
 "config"}. Active: the parameters one token uses (a mixture of experts' k of E experts; = the total for
-a dense model), counted by ``model.accounting``."""
+a dense model), counted by ``model.accounting``; a model's multi-token prediction depths (``model.mtp``)
+are counted and shown beside its layers ("61+1 MTP")."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def table(entries: list[dict]) -> str:
             (
                 e["name"],
                 c["family"],
-                str(c["n_layers"]),
+                str(c["n_layers"]) + (f"+{c['mtp_layers']} MTP" if c.get("mtp_layers") else ""),
                 str(c["d_model"]),
                 heads,
                 str(c["vocab_size"]),

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.io import hf_experts, mxfp4
+from meshlm.io import hf_experts, hf_mtp, mxfp4
 from meshlm.io.hf_config import architectures, config_from_hf, config_to_hf
 from meshlm.io.hf_fused import FUSED, _split_fused, _torch_shape, _unfused
 from meshlm.model.config import ModelConfig
@@ -48,7 +48,7 @@ def name_map(cfg: ModelConfig) -> dict[str, tuple[list[str], str]]:
         for path, (name, kind) in names.layer.items():
             if _in_stack(cfg, stack, path):
                 out[f"{stack}/{path}"] = ([prefix.format(i=i) + name for i in indices], kind)
-    return out
+    return out | hf_mtp.names(cfg, lambda stack, path: _in_stack(cfg, stack, path))  # MTP's depths
 
 
 def _in_stack(cfg: ModelConfig, stack: str, path: str) -> bool:
@@ -281,6 +281,7 @@ def load_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     hf_experts.unfuse(tensors, hf.fused, hf.layer_prefix, cfg.n_layers)
     hf_experts.split_last(tensors, hf, cfg.n_layers)  # gate_up tensors (gpt-oss, Llama 4)
     names = name_map(cfg)
+    hf_mtp.drop_copies(cfg, tensors, names, directory)  # MTP's copies of the table and the head
     wanted = {
         n for hf_names, kind in names.values() for n in hf_experts.expand(hf_names, kind, cfg.n_experts)
     }
@@ -325,6 +326,7 @@ def save_hf(cfg: ModelConfig, flat_params: dict[str, Any], out_dir: str | Path) 
             else:  # experts stacked on a leading E dim are split into per-expert tensors
                 tensors.update(hf_experts.split(name, _to_torch(part, kind), kind))
     hf_experts.join_last(tensors, cfg.arch.hf, cfg.n_layers)
+    hf_mtp.write_copies(cfg, tensors, names)
     tensors = {n: np.concatenate(t) if isinstance(t, list) else t for n, t in tensors.items()}
     if cfg.arch.hf.regroup is not None:
         cfg.arch.hf.regroup(cfg, tensors, to_hf=True)

@@ -14,6 +14,7 @@ STACKED_PREFIX = "layers/"  # parameters stacked by layer_stack: a leading [n_la
 DENSE_STACKED_PREFIX = "dense_layers/"
 LINEAR_STACKED_PREFIX = "linear_layers/"  # a hybrid's linear-attention layers (``model.layer_kinds``)
 EMBED_PREFIX = "embed/"
+MTP_PREFIX = "mtp_"  # a multi-token prediction depth's parameters: mtp_0/..., mtp_1/... (``model.mtp``)
 EXPERTS_MODULE = "experts"  # a MoE layer's expert weights [E, ...] live in a module of this name
 
 
@@ -27,6 +28,11 @@ def leaf_name(path: str) -> str:
 
 def is_stacked(path: str) -> bool:
     return path.startswith((STACKED_PREFIX, DENSE_STACKED_PREFIX, LINEAR_STACKED_PREFIX))
+
+
+def is_mtp(path: str) -> bool:
+    """A multi-token prediction depth's parameter (``model.mtp``: ``mtp_0/...``)."""
+    return path.startswith(MTP_PREFIX)
 
 
 def is_embedding(path: str) -> bool:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.model.params import param_path
+from meshlm.model.params import is_mtp, param_path
 
 # The top-k: [.., n] -> (values, ids) [.., k], equal values in the order of their ids (lax.top_k keeps
 # the lower index first). A module attribute: the proof plants another tie rule (``proof.moe_controls``).
@@ -120,7 +120,9 @@ def balance_update(cfg):
 
     def update(params, stats):
         step = bias_step(cfg.moe_bias_rate, stats[:, : cfg.n_experts])
-        move = lambda path, b: b + step.astype(b.dtype) if path.endswith(suffix) else b
+        # the main stack's biases; an MTP depth's block (``model.mtp``) keeps its bias: its routing is
+        # not in the statistics
+        move = lambda path, b: b + step.astype(b.dtype) if path.endswith(suffix) and not is_mtp(path) else b
         return {m: {n: move(param_path(m, n), b) for n, b in leaves.items()} for m, leaves in params.items()}
 
     return update

@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 
 from meshlm.errors import ConfigError
-from meshlm.model import masked
+from meshlm.model import masked, mtp
 from meshlm.model.attention import doc_starts
 from meshlm.model.attention_variants import capped_logits
 from meshlm.model.config import ModelConfig
@@ -172,18 +172,21 @@ def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=
     return logits, cache
 
 
-def local_logits_stats(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=None, starts=None):
+def local_logits_stats(
+    cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=None, starts=None, mtp_ids=None
+):
     """``local_logits`` and the layers' routing statistics of this shard's tokens ([L, 2E + 3] with a
-    mixture of experts, ``model.moe``; None without)."""
+    mixture of experts, ``model.moe``; None without). With ``mtp_ids`` (each MTP depth's tokens,
+    ``model.mtp``) also (the depths' per-shard logits, their routing statistics)."""
     _check_seq_len(cfg, tokens.shape[-1])
     _check_context_parallel(cfg, par)
     par.seq_len_check(tokens.shape[-1])
     # FSDP gathers, SP norm hook (``Parallel.param``); with LoRA the base frozen (``lora.freeze``)
     with hk.custom_getter(parallel_getter(par)), freeze(cfg):
-        return _local_logits(cfg, par, tokens, positions, cache, starts)
+        return _local_logits(cfg, par, tokens, positions, cache, starts, mtp_ids)
 
 
-def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, starts):
+def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, starts, mtp_ids=None):
     if positions is None:  # global positions: with cp, those of this shard's chunks
         positions = jnp.broadcast_to(par.positions(tokens.shape[-1]), tokens.shape)
     if cfg.doc_mask >= 0:
@@ -191,7 +194,16 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, sta
     embed = _embed(cfg, par)
     x = _scaled(cfg, embed(tokens))  # [B, T, D]; with sp [B, T/mp, D] per shard
     x, cache, *stats = stack_layers(cfg, _block(cfg, par), x, positions, cache, starts, _others(cfg, par))
-    return _head_logits(cfg, par, x, embed), cache, (stats[0] if stats else None)
+    head = _head(cfg, par, embed)  # one module: the MTP depths share it
+    out = (head(_final_norm(cfg, x)), cache, (stats[0] if stats else None))
+    if mtp_ids is None:
+        return out
+    block, norm = (lambda: _block(cfg, par)), (lambda name: _norm(cfg, name))
+    depths = mtp.depth_logits(
+        cfg, par, x, mtp_ids, embed=lambda t: _scaled(cfg, embed(t)), head=head, block=block, norm=norm,
+        stddev=GPT_STDDEV, positions=positions, starts=starts,
+    )  # fmt: skip
+    return (*out, depths)
 
 
 def _check_seq_len(cfg: ModelConfig, seq_len: int) -> None:
@@ -233,11 +245,18 @@ def _embed(cfg: ModelConfig, par: Parallel) -> VocabEmbed:
 
 def _head_logits(cfg: ModelConfig, par: Parallel, x, embed: VocabEmbed | None):
     """Final norm (if the family has one) and the output projection: per-shard logits [B, T, V/mp]."""
-    if cfg.arch.norm is not None:
-        x = _norm(cfg, "final_ln")(x)
-    xf = par.f(x)
+    return _head(cfg, par, embed)(_final_norm(cfg, x))
+
+
+def _final_norm(cfg: ModelConfig, x):
+    return x if cfg.arch.norm is None else _norm(cfg, "final_ln")(x)
+
+
+def _head(cfg: ModelConfig, par: Parallel, embed: VocabEmbed | None):
+    """The output projection, normalized x [B, T, D] -> per-shard logits [B, T, V/mp]: one module
+    (or the tied embedding), so that every use shares its parameters."""
     if cfg.tie_embeddings:
-        return capped_logits(cfg, embed.local_logits(xf))  # elementwise: any vocab slice
+        return lambda x: capped_logits(cfg, embed.local_logits(par.f(x)))  # elementwise: any vocab slice
     head_stddev = GPT_STDDEV if cfg.arch.gpt_init else 1.0 / np.sqrt(cfg.d_model)
     head = VocabHead(
         vocab_size=cfg.padded_vocab,
@@ -246,7 +265,7 @@ def _head_logits(cfg: ModelConfig, par: Parallel, x, embed: VocabEmbed | None):
         bias=cfg.arch.biases,
         real_vocab=cfg.vocab_size,
     )
-    return capped_logits(cfg, head.local_logits(xf))
+    return lambda x: capped_logits(cfg, head.local_logits(par.f(x)))
 
 
 def embed_scale(d_model: int) -> np.float32:
@@ -255,17 +274,22 @@ def embed_scale(d_model: int) -> np.float32:
     return np.float32(np.sqrt(d_model))
 
 
-def loss_fn(cfg: ModelConfig, par: Parallel, routing: bool = False):
+def loss_fn(cfg: ModelConfig, par: Parallel, routing: bool = False, metrics: bool = False):
     """A Haiku function: batch {"inputs", "targets": [B, T]} -> mean loss over the global batch (with
     "weights" [B, T]: of the weighted losses, ``model.masked``: the SFT loss; with ``lora_dropout.SEEDS``
     the adapters' dropout); with
     ``routing`` (a mixture of experts) -> (that loss, the routing statistics of the whole global batch
-    [L, 2E + 3], ``model.moe``: the train step's metrics, outside the gradient)."""
+    [L, 2E + 3], ``model.moe``: the train step's metrics, outside the gradient); with ``metrics`` and
+    multi-token prediction on -> (that loss, {"mtp": the depths' losses [D], "routing" with ``routing``}).
+    """
 
     def loss(batch):  # with cp, each shard computes its own chunks of the sequence (``parallel.cp``)
         seeds = par.seq_local(batch[SEEDS]) if SEEDS in batch else None  # the train step's, for dropout
+        ids = mtp.local_ids(cfg, par, batch) if cfg.mtp_on else None  # each MTP depth's tokens
         with scope(cfg, seeds):
-            logits, _, stats = local_logits_stats(cfg, par, par.seq_local(batch["inputs"]))
+            logits, _, stats, *depths = local_logits_stats(
+                cfg, par, par.seq_local(batch["inputs"]), mtp_ids=ids
+            )
         logits = mask_vocab_padding(par, par.seq_out(logits), cfg.vocab_size)  # padded ids never chosen
         targets = par.seq_local(batch["targets"])
         per_token = vocab_parallel_xent(par, logits, targets, cfg.z_loss)  # [B, T] (with cp: [B, T/cp])
@@ -274,6 +298,13 @@ def loss_fn(cfg: ModelConfig, par: Parallel, routing: bool = False):
         summed = par.moe_sum(stats) if stats is not None and (routing or moe_losses(cfg)) else None
         if summed is not None and moe_losses(cfg):  # of the whole global batch's statistics
             loss = loss + aux_loss(cfg, summed).astype(loss.dtype)
+        if depths:  # multi-token prediction: + lambda / D x the depths' losses (``model.mtp``)
+            mtp.check_batch(cfg, batch, masked.WEIGHTS)
+            per_depth = mtp.depth_losses(cfg, par, batch, depths[0][0])
+            loss = loss + (cfg.mtp_weight / cfg.mtp_layers) * jnp.sum(per_depth).astype(loss.dtype)
+        if metrics and depths:  # the train step's: the depths' losses beside the routing
+            aux = {"mtp": lax.stop_gradient(par.batch_mean(per_depth))}
+            return par.batch_mean(loss), aux | ({"routing": lax.stop_gradient(summed)} if routing else {})
         if routing:
             return par.batch_mean(loss), lax.stop_gradient(summed)
         return par.batch_mean(loss)

@@ -12,6 +12,7 @@ import jax
 from meshlm.model.attention import kv_replicated
 from meshlm.model.config import ModelConfig
 from meshlm.model.moe import moe_losses, stats_size
+from meshlm.model.mtp_fields import as_layers
 
 
 def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> dict[str, int]:
@@ -55,6 +56,7 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> 
     """
     per_layer = cfg.arch.row_sums
     sharded = mp > 1
+    mtp, cfg = mtp_depths(cfg), as_layers(cfg)  # MTP's blocks counted as layers, the rest below
     batch_shards = dp * cp  # the shards the loss and gradients are means over (``Axis.batch``)
     kv_rep = cfg.arch.attention and sharded and kv_replicated(cfg.kv_heads, mp)
     out = {
@@ -80,8 +82,17 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> 
         out["qk_norm_grads"] = cfg.n_layers * kv_rep
     if cfg.mla:  # MLA's replicated down-projections and their norms meet mp's heads (``model.mla``)
         out["mla_latent_grads"] = cfg.n_layers * (4 if cfg.q_lora_rank else 2) * sharded
+    if mtp:  # per MTP depth (``model.mtp``): the shifted ids' lookup, eh_proj's row-parallel pair, the
+        # head's input and the cross-entropy, as the main model's
+        out |= dict(mtp_embedding=mtp, mtp_eh_proj=2 * mtp, mtp_head_backward=mtp, mtp_loss=3 * mtp)
+        out = {k: v * sharded if k.startswith("mtp_") else v for k, v in out.items()}
     out["total"] = sum(out.values())
     return out
+
+
+def mtp_depths(cfg) -> int:
+    """The multi-token prediction depths a training step runs (0: none, or their weight 0)."""
+    return cfg.mtp_layers if cfg.mtp_on else 0
 
 
 def mla_latent_values(cfg) -> int:
@@ -108,7 +119,7 @@ def theoretical_bytes(
     send the clip's norm as one partial sum per sharded leaf and axis, a few bytes more
     (``scalar_slack``).
     """
-    counts = theoretical_collectives(cfg, dp, mp, cp)
+    counts, layers = theoretical_collectives(cfg, dp, mp, cp), as_layers(cfg).n_layers
     seq_len //= cp  # with context parallelism each device holds T/cp tokens of its rows
     act = (batch // dp) * seq_len * cfg.d_model * itemsize  # [B/dp, T, D]: one activation all-reduce
     kv_rows = cfg.d_model + cfg.arch.qkv_bias  # replicated wk, wv [D, K, E] (and Qwen2's bk, bv [K, E])
@@ -124,6 +135,10 @@ def theoretical_bytes(
         "dp_gradients": counts["dp_gradients"] * param_bytes,
         "dp_loss": counts["dp_loss"] * itemsize,
     }
+    if mtp_depths(cfg):  # eh_proj: [B/dp, T, D] forward, its joined input's [B/dp, T, 2D] backward
+        out |= {k: counts[k] * act for k in ("mtp_embedding", "mtp_head_backward")}
+        out["mtp_eh_proj"] = counts["mtp_eh_proj"] // 2 * 3 * act
+        out["mtp_loss"] = counts["mtp_loss"] * (batch // dp) * seq_len * itemsize
     if "qk_norm_grads" in counts:  # [E] each (Qwen3's), or [K, E] (OLMo 2's k norm, replicated)
         width = cfg.kv_heads if cfg.arch.qk_norm == "proj" else 1
         out["qk_norm_grads"] = counts["qk_norm_grads"] * width * cfg.dim_per_head * itemsize
@@ -136,14 +151,11 @@ def theoretical_bytes(
         out["moe_shared_gate_grads"] = counts.get("moe_shared_gate_grads", 0) * cfg.d_model * itemsize
     # Replicated biases added once, on mp shard 0 (``dense.add_once``: gpt-oss's attention output [D] per
     # layer, its experts' down [E, D] per MoE layer): their gradients summed over mp
-    once = (
-        cfg.arch.o_bias * cfg.n_layers
-        + (cfg.arch.moe and cfg.expert_bias) * len(cfg.moe_layers) * cfg.n_experts
-    )
+    once = cfg.arch.o_bias * layers + (cfg.arch.moe and cfg.expert_bias) * len(cfg.moe_layers) * cfg.n_experts
     out["once_bias_grads"] = (mp > 1) * once * cfg.d_model * itemsize
     if "mla_latent_grads" in counts:
         out["mla_latent_grads"] = (
-            bool(counts["mla_latent_grads"]) * cfg.n_layers * mla_latent_values(cfg) * itemsize
+            bool(counts["mla_latent_grads"]) * layers * mla_latent_values(cfg) * itemsize
         )
     if "qk_norm_stats" in counts:  # [B/dp, T] each
         out["qk_norm_stats"] = counts["qk_norm_stats"] * (batch // dp) * seq_len * itemsize

@@ -51,14 +51,16 @@ from __future__ import annotations
 from meshlm.model.accounting import moe_layers
 from meshlm.model.config import ModelConfig
 from meshlm.model.moe import ROUTER, moe_losses, stats_size
+from meshlm.model.mtp_fields import as_layers
 from meshlm.model.params import flat_params, is_matmul_weight, is_stacked
 from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.layout import Layout
-from meshlm.perf.collectives import theoretical_bytes, theoretical_collectives
+from meshlm.perf.collectives import mtp_depths, theoretical_bytes, theoretical_collectives
 from meshlm.sharding.rules import dp_sharded, spec_for
 
 # all-reduce causes SP replaces (a MoE layer's combine weights: all-gathered, their gradient scattered)
 SP_REPLACES = ("layer_forward", "layer_backward", "embedding", "head_backward", "moe_weights_backward")
+SP_REPLACES += ("mtp_embedding", "mtp_eh_proj", "mtp_head_backward")  # an MTP depth's (``model.mtp``)
 
 
 def sp_replicated(params) -> dict[str, int]:
@@ -91,6 +93,7 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
     ``layout`` (FSDP read from ``params``' shardings)."""
     dp, mp, sp = layout.dp, layout.mp, layout.sp
     ar = dict(theoretical_collectives(cfg, dp, mp, layout.cp))
+    mtp, cfg = mtp_depths(cfg), as_layers(cfg)  # MTP's blocks: more layers of the main kind
     ag: dict[str, int] = {}
     rs: dict[str, int] = {}
     cperm: dict[str, int] = {}
@@ -111,8 +114,10 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
             if cause in ar:
                 ar[cause] = 0
         ar["sp_replicated_grads"] = sum(sp_replicated(params).values())
-        ag.update(sp_forward=2 * pl * n + 1, sp_backward=pl * n + 1)
-        rs.update(sp_forward=recompute * pl * n + 1, sp_backward=pl * n + 1)
+        # an MTP depth: its ids' lookup scattered, eh_proj's input gathered and output scattered, the
+        # head's input gathered; each transposed in the backward
+        ag.update(sp_forward=2 * pl * n + 1 + 2 * mtp, sp_backward=pl * n + 1 + 2 * mtp)
+        rs.update(sp_forward=recompute * pl * n + 1 + 2 * mtp, sp_backward=pl * n + 1 + 2 * mtp)
         if cfg.arch.moe:  # the combine weights and ids gathered (again in the backward), weights' grads
             ag.update(moe_routing=4 * moe_layers(cfg))
             rs.update(moe_routing=moe_layers(cfg))
@@ -193,6 +198,7 @@ def ep_dispatch_bytes(cfg: ModelConfig, layout: Layout, *, batch: int, seq_len: 
     (batch / dp) x (seq_len / cp) tokens per shard (the column-parallel view, as for the all-to-alls),
     gathered [ep x N, D] tokens, [ep x N, k] weights and int32 ids, scattered [N, D] outputs; backward
     the output's gradient gathered, the tokens' and weights' gradients scattered."""
+    cfg = as_layers(cfg)  # an MTP depth's MoE block too
     if not ep_dispatch(cfg, layout)[0]:
         return {}
     recompute, layers = 2 if cfg.remat != "none" else 1, moe_layers(cfg)
@@ -219,6 +225,7 @@ def ep_all_to_all_bytes(cfg: ModelConfig, layout: Layout, *, batch: int, seq_len
     """Result bytes of those all-to-alls per step and device: each moves the fixed-size buffer
     [ep, E / ep, N, D] = E x N x D values, N = (batch / dp) x (seq_len / cp) tokens of this shard (the
     MoE layer's input is the column-parallel view: the whole sequence of its cp shard even under sp)."""
+    cfg = as_layers(cfg)  # an MTP depth's MoE block too
     a2a = ep_all_to_alls(cfg, layout)
     tokens = (batch // layout.dp) * (seq_len // layout.cp)
     return sum(a2a.values()) * cfg.n_experts * tokens * cfg.d_model * itemsize

@@ -77,6 +77,10 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"/linear/norm/scale$", (HEAD_DIM,)),  # [dv]: the gated norm's, shared by every head
     (r"/linear/wo$", (HEADS, HEAD_DIM, EMBED)),  # [Vh, dv, D]: row-parallel
     (r"(^|/)(ln|ln2|final_ln|post_attn_ln|post_mlp_ln)/(scale|offset)$", (EMBED,)),  # [D]: replicated
+    # Multi-token prediction (``model.mtp``): eh_proj row-parallel over its joined [embedding; hidden]
+    # inputs, the depth's own norms replicated; its block's parameters match the layer rows above.
+    (r"^mtp_\d+/eh_proj/w$", (MLP, EMBED)),  # [2D, D]
+    (r"^mtp_\d+/(enorm|hnorm|head_norm)/scale$", (EMBED,)),  # [D]
     # LoRA adapters (``model.lora``): A [in, R], B [R, out] split as their base's in / out dims (a
     # column-parallel base's B over mp, a row-parallel base's A); the rank R on no axis.
     (r"/attn/lora_w[qkv]_a$", (EMBED, None)),  # [D, R]

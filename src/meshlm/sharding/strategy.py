@@ -11,6 +11,7 @@ Callers (the train step, start-up's checks, evaluation, the proof's runs, bench)
 
 from __future__ import annotations
 
+from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel.context import Parallel
@@ -47,6 +48,7 @@ class Sharded:
         """fn(params, batch) -> loss (evaluation: no gradients)."""
         from meshlm.sharding.spmd import sharded_loss
 
+        cfg = cfg.replace(mtp_weight=0.0) if cfg.mtp_on else cfg  # evaluation: the next token's loss alone
         return sharded_loss(lambda par: loss_fn(cfg, par), layout, specs, compute_dtype)
 
 
@@ -62,6 +64,11 @@ class Pipelined:
     def check(self, cfg: ModelConfig, layout: Layout) -> None:
         from meshlm.sharding.pipelined import check_pipelined
 
+        if cfg.mtp_on:  # the MTP depths would sit on the last stage (``model.mtp``): not built yet
+            raise ConfigError(
+                f"--pp with multi-token prediction (mtp_layers={cfg.mtp_layers}) is not built yet; "
+                "pass --mtp-weight 0 to train without it, or drop --pp"
+            )
         check_pipelined(cfg, layout)
 
     def value_and_grad(self, cfg, layout: Layout, specs, *, par_cls=Parallel, compute_dtype=None, **kw):

@@ -78,6 +78,14 @@ class MoESettings:
         shown_default="the model's",
         valid=NON_NEGATIVE_FLOAT,
     )
+    mtp_weight: float | None = _field(
+        None,
+        "multi-token prediction's weight lambda (DeepSeek-V3): loss = main + lambda / D x the D depths' "
+        "losses; 0: the MTP layers are kept but not trained; a model without MTP layers refuses it",
+        resume_must_match=True,
+        shown_default="the model's (tiny-deepseek-v3: 0.3)",
+        valid=NON_NEGATIVE_FLOAT,
+    )
 
 
 @dataclass(frozen=True)
@@ -259,6 +267,8 @@ def with_moe_settings(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
         cfg = cfg.replace(moe_capacity_factor=tcfg.moe_capacity_factor)
     if tcfg.moe_bias_rate is not None:  # a model without the selection bias refuses it (RouterFields)
         cfg = cfg.replace(moe_bias_rate=tcfg.moe_bias_rate)
+    if tcfg.mtp_weight is not None:  # a model without MTP layers refuses a weight (``MTPFields``)
+        cfg = cfg.replace(mtp_weight=tcfg.mtp_weight)
     return cfg
 
 

@@ -78,6 +78,8 @@ def _train_row(run: Run, step: int, metrics: dict, seconds: float) -> dict:
     }
     if "routing" in metrics:  # a mixture of experts: expert load, dropped choices (``train.routing``)
         row.update(routing_row(run.cfg, metrics["routing"]))
+    if "mtp" in metrics:  # multi-token prediction: each depth's loss (``model.mtp``)
+        row.update({f"mtp_loss_{d}": float(v) for d, v in enumerate(metrics["mtp"], start=1)})
     if "dpo" in metrics:  # DPO's reward accuracy, margins, chosen and rejected rewards (``train.dpo``)
         row.update({k: float(v) for k, v in metrics["dpo"].items()})
     return row

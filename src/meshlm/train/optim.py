@@ -148,11 +148,14 @@ def make_step(
             batch = lora_dropout.with_seeds(batch, dropout_seed, step_count(opt_state))
         loss, grads = accumulate(part_grad, params, batch, ocfg.accum_steps, part.select(params))
         loss, aux = loss if isinstance(loss, tuple) else (loss, None)
+        aux = aux if isinstance(aux, dict) or aux is None else {aux_key: aux}  # MTP's: several (``loss_fn``)
+        if aux is not None and "mtp" in aux:  # the depths' losses: summed over micro-batches, as the aux
+            aux = {**aux, "mtp": aux["mtp"] / ocfg.accum_steps}
         grads, grad_norm = clip_fn(grads)
         updates, new_state = optimizer.update(grads, opt_state, part.select(params))
         new_params = part.put(params, optax.apply_updates(part.select(params), updates))
         if balance is not None:  # from the routing of the step's whole global batch
-            new_params = balance(new_params, aux)
+            new_params = balance(new_params, aux[aux_key])
         # A non-finite loss or gradient leaves the state untouched, so the caller can stop and save
         # the last good state (the inputs are donated: without this they would be gone).
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -163,6 +166,6 @@ def make_step(
         keep = lambda new, old: jnp.where(finite, new, old)
         params, opt_state = jax.tree.map(keep, (new_params, new_state), (params, opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "ok": finite}
-        return params, opt_state, metrics if aux is None else {**metrics, aux_key: aux}
+        return params, opt_state, metrics if aux is None else {**metrics, **aux}
 
     return step

@@ -77,7 +77,11 @@ def sharded_step(
     # sharded (one shard_map) or, with a pipeline, through its schedule: the layout's strategy; either
     # way a mixture of experts also returns its routing statistics (``make_step``: metrics)
     routing = cfg.arch.moe
-    grad = strategy(layout).value_and_grad(cfg, layout, specs, compute_dtype=compute_dtype, routing=routing)
+    # with multi-token prediction on, the loss also returns its depths' losses (``loss_fn``'s metrics)
+    build = (lambda par: loss_fn(cfg, par, routing, metrics=True)) if cfg.mtp_on else None
+    grad = strategy(layout).value_and_grad(
+        cfg, layout, specs, compute_dtype=compute_dtype, routing=routing or cfg.mtp_on, build_loss=build
+    )
     step = make_step(
         grad, opt, ocfg, balance=balance_update(cfg), part=part, dropout_seed=dropout_seed(cfg, seed)
     )

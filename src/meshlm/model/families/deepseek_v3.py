@@ -20,7 +20,8 @@ always-on ungated ones (one MLP of n x ``moe_intermediate_size``: ``model.moe``'
 ``shared_experts``). transformers' DeepseekV3 computes no balance loss and moves no bias:
 ``router_aux_loss_coef`` and ``moe_bias_rate`` are meshlm's, written beside the model's fields so
 an export keeps them (transformers ignores the keys).
-Multi-token prediction (``num_nextn_predict_layers``) is not built: its layers are not read.
+Multi-token prediction (``num_nextn_predict_layers``: ``model.mtp``): its layers after the main ones,
+read from and written to the safetensors by ``io.hf_mtp`` (transformers drops them).
 """
 
 from __future__ import annotations
@@ -66,9 +67,19 @@ def read(hf: dict) -> dict[str, Any]:
         q_lora_rank=field(hf, "q_lora_rank", SIZE),
         kv_lora_rank=field(hf, "kv_lora_rank", SIZE),
         v_head_dim=field(hf, "v_head_dim", SIZE),
+        **_read_mtp(hf),
     )
     dense = field(hf, "first_k_dense_replace", Range(int, 0))
     return fields if dense >= fields["n_layers"] else {**fields, **_read_moe(hf, dense)}
+
+
+def _read_mtp(hf: dict) -> dict[str, Any]:
+    """Multi-token prediction (``model.mtp``): ``num_nextn_predict_layers`` depths (transformers' default
+    1), weighted by meshlm's ``mtp_weight`` where an export wrote it, else 0.1 (DeepSeek-V3's lambda over
+    its last 4.8T tokens)."""
+    depths = field(hf, "num_nextn_predict_layers", Range(int, 0), 1)
+    weight = float(field(hf, "mtp_weight", Range(float, 0), 0.1)) if depths else 0.0
+    return dict(mtp_layers=depths, mtp_weight=weight)
 
 
 def _read_moe(hf: dict, dense: int) -> dict[str, Any]:
@@ -131,8 +142,10 @@ def write(cfg) -> dict[str, Any]:
         "rope_interleave": cfg.rotary_kind == "interleaved",
         "rope_parameters": rope_fields(cfg),
         "first_k_dense_replace": cfg.n_layers,  # every layer dense: no router is written
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.mtp_layers,  # their tensors: ``io.hf_mtp``
     }
+    if cfg.mtp_layers:  # meshlm's, kept for the round trip (``_read_mtp``); transformers ignores it
+        out["mtp_weight"] = cfg.mtp_weight
     if not cfg.arch.moe:
         return out
     return {
@@ -216,6 +229,8 @@ _V3 = dict(
     **_ROUTER,
     dense_layers=(0, 1, 2),
     router_aux_loss_coef=0.0001,
+    mtp_layers=1,
+    mtp_weight=0.1,
 )
 # ``ModelConfig`` fields by preset name (the registry adds ``family``): the tiny one for the proof
 # (8 heads: mp up to 8; YaRN's attention factor and score mscale both != 1; layer 0 dense, layer 1
@@ -224,7 +239,7 @@ _V3 = dict(
 # (with 2 groups of 4 and topk_group 1 the ep shards are the groups: no cross-shard tie is ever ranked);
 # a faster bias rate so two steps move the bias, the aux loss on so the proof covers it too); the real
 # ones from the published config.json files (deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct),
-# without the MTP layer.
+# with their one MTP layer (num_nextn_predict_layers: 1) at DeepSeek-V3's final lambda 0.1.
 PRESETS: dict[str, dict] = {
     "tiny-deepseek-v3": dict(
         llama.TINY,
@@ -239,6 +254,8 @@ PRESETS: dict[str, dict] = {
         **_ROUTER,
         dense_layers=(0,),
         router_aux_loss_coef=0.02,
+        mtp_layers=1,
+        mtp_weight=0.3,
     ),
     "deepseek-v3": _V3,
     # Kimi K2: 384 experts in one group (n_group 1, topk_group 1: plain top-8), scaling 2.827, one

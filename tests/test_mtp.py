@@ -1,0 +1,196 @@
+"""Multi-token prediction (``model.mtp``, DeepSeek-V3's; tiny-deepseek-v3 has one depth at lambda 0.3):
+the shifted tokens and labels; the loss is the main loss + lambda / D x the depths' mean cross-entropies
+over the positions with a target; proven equal to the unsharded model in float64 on 2x2 with FSDP and
+SP and on 1x2 x cp 2 with its controls detected (the token one too few ahead; the labels shifted inside
+a cp shard); trained and resumed bit for bit with the depths' losses in the step's metrics; converted
+from a tiny transformers DeepseekV3 whose safetensors carry an MTP layer added by hand, and exported
+back with every MTP tensor equal. Refusals: --mtp-weight on a model without MTP layers, --pp with MTP,
+an MTP config.json without its tensors."""
+
+import json
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import tiny_lm_config, write_corpus
+
+from meshlm.errors import ConfigError
+from meshlm.model import mtp
+from meshlm.model.config import get_config
+from meshlm.model.transformer import init_fn, local_logits_stats, loss_fn
+from meshlm.parallel.context import Parallel
+from meshlm.parallel.layout import Layout
+from meshlm.proof.controls import CONTROLS
+from meshlm.proof.mtp_faults import MTP_CONTROLS
+from meshlm.proof.problem import model_problem
+from meshlm.proof.prover import verify
+
+MTP_NAMES = {c.name for c in MTP_CONTROLS}
+CFG = get_config("tiny-deepseek-v3")
+
+
+def test_depth_tokens_and_labels_shift_on_the_whole_sequence():
+    t = np.arange(1, 9)[None]  # targets t_1..t_8 of inputs t_0..t_7
+    np.testing.assert_array_equal(mtp.depth_ids(t - 1, t, 1), t)  # depth 1 embeds t_{i+1}
+    np.testing.assert_array_equal(mtp.depth_ids(t - 1, t, 2), [[2, 3, 4, 5, 6, 7, 8, 0]])
+    cp2 = Parallel.on(Layout(cp=2))
+    chunks = lambda x: np.concatenate([x[:, :2], x[:, -2:]], 1)  # cp shard 0's chunks 0 and 3
+    cp2 = type("Shard0", (Parallel,), {"seq_local": lambda self, x: chunks(x)})(layout=Layout(cp=2))
+    # shard 0's labels of depth 1 (t_{i+2}) at positions 0, 1, 6, 7: 3 and 4 come from the next chunk
+    np.testing.assert_array_equal(mtp.depth_labels(cp2, t, 1), [[2, 3, 8, 0]])
+
+
+@pytest.fixture(scope="module")
+def unsharded():
+    """(params, a batch, the float64 loss function with its metrics) of tiny-deepseek-v3."""
+    with jax.enable_x64(True):
+        init, example = init_fn(CFG)
+        params = jax.tree.map(lambda p: p.astype(jnp.float64), jax.jit(init)(jax.random.PRNGKey(0), example))
+        toks = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 17))
+        batch = {"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:])}
+        yield params, batch
+
+
+def test_loss_is_main_plus_weighted_depth_cross_entropy_over_positions_with_a_target(unsharded):
+    params, batch = unsharded
+    with jax.enable_x64(True):
+        apply = lambda cfg, **kw: jax.jit(hk.transform(loss_fn(cfg, Parallel(), **kw)).apply)(
+            params, None, batch
+        )
+        total, aux = apply(CFG, metrics=True)
+        main = apply(CFG.replace(mtp_weight=0.0))
+
+        def depth_logits(b):
+            ids = mtp.local_ids(CFG, Parallel(), b)
+            return local_logits_stats(CFG, Parallel(), b["inputs"], mtp_ids=ids)[3][0][0]
+
+        logits = jax.jit(hk.transform(depth_logits).apply)(params, None, batch)[..., : CFG.vocab_size]
+    # depth 1 at position i predicts t_{i+2} = targets[i + 1]; the last position has no target
+    logp = jax.nn.log_softmax(np.asarray(logits[:, :-1]), -1)
+    want = -np.mean(np.take_along_axis(np.asarray(logp), np.asarray(batch["targets"][:, 1:, None]), -1))
+    np.testing.assert_allclose(aux["mtp"], [want], rtol=1e-12)
+    np.testing.assert_allclose(total, main + 0.3 / 1 * want, rtol=1e-12)
+    assert abs(total - main) > 0.1  # the depths' term is there
+
+
+@pytest.mark.parametrize(
+    "layout", [Layout(dp=2, mp=2, fsdp=True, sp=True), Layout(mp=2, cp=2)], ids=["2x2-fsdp-sp", "1x2-cp2"]
+)
+def test_mtp_proven_with_its_controls_detected(layout):
+    problem = model_problem(CFG, "tiny-deepseek-v3", layout, 2 * layout.dp, 16)
+    controls = tuple(c for c in CONTROLS if c.name in MTP_NAMES)
+    with jax.enable_x64(True):
+        report = verify(problem, layout.mesh, steps=1, dtype=jnp.float64, controls=controls)
+    assert report.ok, [c for c in report.checks if not c["ok"]]
+    assert max(p.max_rel_err for p in report.params) <= 1e-12
+    assert any(p.name.startswith("mtp_0/") for p in report.params)
+    want = MTP_NAMES if layout.context_parallel else MTP_NAMES - {MTP_CONTROLS[1].name}
+    assert {c["name"] for c in report.controls} == want
+    assert all(c["detected"] for c in report.controls), report.controls
+
+
+def test_refusals():
+    from meshlm.sharding.strategy import Pipelined
+
+    with pytest.raises(ConfigError, match="drop --mtp-weight"):
+        get_config("tiny-llama").replace(mtp_weight=0.3)
+    with pytest.raises(ConfigError, match="--pp with multi-token prediction"):
+        Pipelined().check(CFG, Layout(pp=2))
+    with pytest.raises(ConfigError, match="--seq-len 1 leaves depth 1"):
+        mtp.depth_losses(CFG, Parallel(), {"targets": jnp.zeros((1, 1), jnp.int32)}, [None])
+
+
+def test_trains_and_resumes_bitwise_with_the_depth_losses_in_metrics(tmp_path):
+    """Two steps straight equal one step, a restore and one more (losses, state: bitwise), on 1x2."""
+    from meshlm.train.loop import _one_step, _train_row, save
+    from meshlm.train.run import build_run
+
+    corpus = write_corpus(tmp_path)
+    tcfg = lambda out: tiny_lm_config(
+        corpus, tmp_path / out, config="tiny-deepseek-v3", tokenizer="bpe-300", steps=2, batch_size=2,
+        seq_len=16, mtp_weight=0.5,
+    )  # fmt: skip
+    host = lambda run: jax.tree.map(np.asarray, (run.params, run.opt_state))
+
+    def steps(run, n):
+        metrics = [_one_step(run) for _ in range(n)]
+        save(run)
+        state = host(run)
+        run.ckpt.close()
+        return [float(m["loss"]) for m in metrics], state, metrics
+
+    straight, want, metrics = steps(build_run(tcfg("straight"), Layout(mp=2)), 2)
+    row = _train_row(build_run(tcfg("straight"), Layout(mp=2)), 2, metrics[-1], 1.0)
+    assert np.isfinite(row["mtp_loss_1"]) and row["mtp_loss_1"] > 0
+    first, _, _ = steps(build_run(tcfg("cut"), Layout(mp=2)), 1)
+    resumed = build_run(tcfg("cut"), Layout(mp=2))
+    assert resumed.step == 1 and resumed.cfg.mtp_weight == 0.5
+    second, saved, _ = steps(resumed, 1)
+    assert first + second == straight
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, saved, want)))
+
+
+# --- convert both ways -----------------------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_model(tmp_path):
+    """A tiny transformers DeepseekV3 (2 layers, the first dense) saved, then its safetensors given an
+    MTP layer (layer 2) by hand: a MoE layer's tensors, enorm, hnorm, eh_proj, shared_head.norm and the
+    copies of the embedding and the head."""
+    from safetensors.numpy import load_file, save_file
+
+    hf = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=6, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+        topk_group=1, moe_intermediate_size=16, n_shared_experts=1, num_nextn_predict_layers=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.DeepseekV3ForCausalLM(hf).save_pretrained(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    rng = np.random.default_rng(1)
+    mtp_layer = {
+        k.replace("layers.1.", "layers.2."): rng.standard_normal(v.shape).astype(np.float32)
+        for k, v in tensors.items()
+        if k.startswith("model.layers.1.")
+    }
+    mtp_layer |= {
+        f"model.layers.2.{n}.weight": rng.standard_normal(32).astype(np.float32) for n in mtp.NORMS[:2]
+    }
+    mtp_layer["model.layers.2.shared_head.norm.weight"] = rng.standard_normal(32).astype(np.float32)
+    mtp_layer["model.layers.2.eh_proj.weight"] = rng.standard_normal((32, 64)).astype(np.float32)
+    mtp_layer["model.layers.2.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    mtp_layer["model.layers.2.shared_head.head.weight"] = tensors["lm_head.weight"]
+    save_file({**tensors, **mtp_layer}, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    return tmp_path / "hf", mtp_layer
+
+
+def test_convert_keeps_the_mtp_layer_and_export_writes_it_back(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from meshlm.errors import CheckpointError
+    from meshlm.io.hf_weights import load_hf, save_hf
+
+    directory, added = _hf_model(tmp_path)
+    cfg, flat = load_hf(directory)
+    assert cfg.mtp_layers == 1 and cfg.mtp_weight == 0.1 and cfg.dense_layers == (0,)
+    np.testing.assert_array_equal(flat["mtp_0/eh_proj/w"], added["model.layers.2.eh_proj.weight"].T)
+    np.testing.assert_array_equal(flat["mtp_0/hnorm/scale"], added["model.layers.2.hnorm.weight"])
+    assert "mtp_0/moe/router/balance_bias" in flat and "mtp_0/moe/shared_experts/w_gate" in flat
+    out = save_hf(cfg.replace(mtp_weight=0.3), flat, tmp_path / "export")
+    back = load_file(out / "model.safetensors")
+    for name, value in added.items():
+        np.testing.assert_array_equal(back[name], value, err_msg=name)
+    hf_cfg = json.loads((out / "config.json").read_text())
+    assert hf_cfg["num_nextn_predict_layers"] == 1 and hf_cfg["mtp_weight"] == 0.3
+    assert load_hf(out)[0].mtp_weight == 0.3
+    # transformers' own save has none of the MTP tensors: refused, naming the fix
+    tensors = {k: v for k, v in back.items() if not k.startswith("model.layers.2.")}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="set num_nextn_predict_layers to 0"):
+        load_hf(out)
