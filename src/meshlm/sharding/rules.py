@@ -75,6 +75,13 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"/linear/norm/scale$", (HEAD_DIM,)),  # [dv]: the gated norm's, shared by every head
     (r"/linear/wo$", (HEADS, HEAD_DIM, EMBED)),  # [Vh, dv, D]: row-parallel
     (r"(^|/)(ln|ln2|final_ln|post_attn_ln|post_mlp_ln)/(scale|offset)$", (EMBED,)),  # [D]: replicated
+    # Per-layer inputs (``model.per_layer``): their table vocabulary-parallel, the rest replicated.
+    (r"^embed_per_layer/embeddings$", (VOCAB, None)),  # [V', L x P]
+    (r"^ple_proj/w$", (EMBED, None)),  # [D, L x P]
+    (r"(^|/)(ple_norm|ple/ple_ln)/scale$", (None,)),  # [P], [D]
+    (r"/ple/gate/w$", (EMBED, None)),  # [D, P]
+    (r"/ple/out/w$", (None, EMBED)),  # [P, D]
+    (r"/layer_scalar/scale$", (None,)),  # [1]: Gemma 4's fixed per-layer scale
     # LoRA adapters (``model.lora``): A [in, R], B [R, out] split as their base's in / out dims (a
     # column-parallel base's B over mp, a row-parallel base's A); the rank R on no axis.
     (r"/attn/lora_w[qkv]_a$", (EMBED, None)),  # [D, R]
