@@ -48,7 +48,9 @@ def name_map(cfg: ModelConfig) -> dict[str, tuple[list[str], str]]:
         for path, (name, kind) in names.layer.items():
             if _in_stack(cfg, stack, path):
                 out[f"{stack}/{path}"] = ([prefix.format(i=i) + name for i in indices], kind)
-    return out | hf_mtp.names(cfg, lambda stack, path: _in_stack(cfg, stack, path))  # MTP's depths
+    out = out | hf_mtp.names(cfg, lambda stack, path: _in_stack(cfg, stack, path))  # MTP's depths
+    shapes = expected_shapes(cfg)  # a family's optional pieces (Gemma 4's per-layer inputs) where on
+    return {path: names for path, names in out.items() if path in shapes}
 
 
 def _in_stack(cfg: ModelConfig, stack: str, path: str) -> bool:
@@ -246,12 +248,13 @@ def _checked(name: str, w: np.ndarray, dtype, where: Path) -> np.ndarray:
     return out
 
 
-def _convert(tensors: dict, hf_names: list[str], kind: str, shape, dtype, stacked: bool, where: Path):
-    """HF tensors (one per layer when ``stacked``) -> our array of ``shape`` (global) and ``dtype``."""
+def _convert(tensors: dict, hf_names: list[str], kind: str, shape, dtype, stacked: bool, where, absent):
+    """HF tensors (one per layer when ``stacked``; zeros for those ``absent``) -> our array of ``shape``."""
     one = shape[1:] if stacked else shape
     parts = []
     for name in hf_names:
-        w = hf_experts.pop(tensors, name, kind, one[0] if kind == hf_experts.EXPERTS else 0)
+        pop = lambda n: hf_experts.pop(tensors, n, kind, one[0] if kind == hf_experts.EXPERTS else 0)
+        w = np.zeros(_torch_shape(one, kind), dtype) if name in absent else pop(name)
         if tuple(w.shape) != _torch_shape(one, kind):
             raise CheckpointError(
                 f"{where}: tensor {name} has shape {tuple(w.shape)} but config.json implies "
@@ -285,14 +288,15 @@ def load_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     wanted = {
         n for hf_names, kind in names.values() for n in hf_experts.expand(hf_names, kind, cfg.n_experts)
     }
-    _check_names(tensors, wanted, directory)
+    absent = cfg.arch.hf.absent(cfg) if cfg.arch.hf.absent else set()
+    _check_names(tensors, wanted - absent, directory)
     shapes, flat = expected_shapes(cfg.replace(vocab_multiple=1)), {}  # HF: unpadded
     if cfg.arch.hf.regroup is not None:  # rows grouped per head group -> the parts one after another
         cfg.arch.hf.regroup(cfg, tensors, to_hf=False)
     _split_fused(tensors, names, shapes, directory)
     for path, (shape, dtype) in shapes.items():
         hf_names, kind = _unfused(*names[path], path)
-        flat[path] = _convert(tensors, hf_names, kind, shape, dtype, is_stacked(path), directory)
+        flat[path] = _convert(tensors, hf_names, kind, shape, dtype, is_stacked(path), directory, absent)
     return cfg, resize_flat(flat, cfg.padded_vocab)  # zero rows: the padding is masked out
 
 
@@ -311,6 +315,7 @@ def save_hf(cfg: ModelConfig, flat_params: dict[str, Any], out_dir: str | Path) 
     if missing or unknown:
         raise CheckpointError(f"parameters do not match the config: missing {missing}, unexpected {unknown}")
     tensors: dict[str, Any] = {}
+    absent = cfg.arch.hf.absent(cfg) if cfg.arch.hf.absent else set()
     for path, (hf_names, kind) in names.items():
         value = np.asarray(flat_params[path], dtype=np.float32)
         if value.shape != shapes[path][0]:
@@ -321,6 +326,8 @@ def save_hf(cfg: ModelConfig, flat_params: dict[str, Any], out_dir: str | Path) 
             value = resize(value, VOCAB_AXIS[path], cfg.vocab_size)
         parts = list(value) if is_stacked(path) else [value]
         for name, part in zip(hf_names, parts, strict=True):
+            if name in absent:  # never read by the model: transformers has no such tensor
+                continue
             if kind.startswith(FUSED):  # a row slice: the fused tensor is its slices in map order
                 tensors.setdefault(name, []).append(_to_torch(part, kind[len(FUSED) :]))
             else:  # experts stacked on a leading E dim are split into per-expert tensors

@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 
 from meshlm.errors import ShardingError
+from meshlm.model import attention_variants as variants  # global_rotated: NoPE, proportional RoPE
 from meshlm.model.attention_variants import Variant, mask_mod, rotary_scale, soft_cap, variant_of
 from meshlm.model.blockwise import blockwise_attention, varying_like
 from meshlm.model.config import ModelConfig
@@ -178,14 +179,13 @@ def layer_variant(cfg: ModelConfig, kind, heads: int) -> Variant:
 
 
 def kind_tables(cfg: ModelConfig):
-    """(windows [2] int32, inverse frequencies [2, rot_dim / 2] float64), numpy, by kind (0 local,
-    1 global): a local layer sees ``sliding_window`` keys with plain RoPE of ``rope_local_theta`` (or the
-    global one's, ``Family.rope_scales_local``), a global one the whole causal context (window 0) with
-    ``rope_theta`` and its scaling, or none (``global_nope``: a traced kind's ``Variant.rotary`` of 0s)."""
+    """(windows [2] int32, inverse frequencies [2, rot_dim / 2] float64), numpy, by kind (0 local, 1 global):
+    a local layer sees ``sliding_window`` keys, plain RoPE of ``rope_local_theta`` (or the global one's,
+    ``Family.rope_scales_local``), a global one all, ``rope_theta`` scaled, or 0s (``global_rotated``)."""
     windows = np.asarray([cfg.sliding_window, 0], np.int32)
     plain = inv_freq(cfg.rot_dim, cfg.rope_local_theta or cfg.rope_theta)
     local = cfg.inv_freq() if cfg.arch.rope_scales_local else plain
-    full = cfg.inv_freq() * (0.0 if cfg.global_nope else 1.0)  # zeros: the identity (cos 0 = 1, sin 0 = 0)
+    full = cfg.inv_freq() * variants.global_rotated(cfg)  # zeros: the identity (cos 0 = 1, sin 0 = 0)
     return windows, np.stack([local, full])
 
 

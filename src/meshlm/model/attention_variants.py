@@ -242,6 +242,17 @@ def rotary_scale(cfg, kind=None):
     return local if local == full else jnp.where(kind == 0, local, full)
 
 
+def global_rotated(cfg):
+    """The global layers' frequencies are multiplied by this (``attention.kind_tables``): 0 on NoPE layers,
+    else 1 on the first ``rope_global_fraction`` of the pairs, 0 on the others (Gemma 4's "proportional")."""
+    if cfg.global_nope:
+        return 0.0
+    if not cfg.rope_global_fraction:
+        return 1.0
+    pairs = cfg.rot_dim // 2
+    return (np.arange(pairs) < int(cfg.rope_global_fraction * cfg.rot_dim // 2)).astype(np.float64)
+
+
 EXPORTED_AS = {
     "attn_softcap": ("attn_logit_softcapping", "soft-capping"),
     "final_softcap": ("final_logit_softcapping", "soft-capping"),

@@ -20,6 +20,7 @@ from meshlm.model.lora_fields import RANGES as LORA_RANGES
 from meshlm.model.lora_fields import LoraFields, check_lora
 from meshlm.model.mla_fields import MLA_RANGES, MLAFields, check_mla
 from meshlm.model.mtp_fields import MTP_RANGES, MTPFields, check_mtp
+from meshlm.model.per_layer_fields import PER_LAYER_RANGES, PerLayerFields, check_per_layer
 from meshlm.model.rope import RopeScaling, YarnScaling, scaling_of
 from meshlm.model.rope import inv_freq as rope_inv_freq
 from meshlm.model.router_fields import ROUTER_RANGES, RouterFields, check_router
@@ -65,7 +66,7 @@ class MoEFields:
 @dataclass(frozen=True)
 class ModelConfig(  # fields: its own, then its bases' (``field_names``)
     kinds.LinearAttentionFields, MLAFields, VariantFields, LoraFields, kinds.LayerKindFields, RouterFields,
-    MoEFields, DispatchFields, MTPFields,
+    MoEFields, DispatchFields, MTPFields, PerLayerFields,
 ):  # fmt: skip
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
@@ -136,7 +137,7 @@ class ModelConfig(  # fields: its own, then its bases' (``field_names``)
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
         _check_plain_only(self), _check_moe(self), check_router(self), check_dispatch(self)
-        check_lora(self), kinds.check_linear(self), check_mla(self), check_mtp(self)
+        check_lora(self), kinds.check_linear(self), check_mla(self), check_mtp(self), check_per_layer(self)
 
     @property
     def arch(self) -> Family:
@@ -272,6 +273,7 @@ RANGES: dict[str, Range] = {
     **ROUTER_RANGES,
     **LORA_RANGES,
     **kinds.LINEAR_RANGES,
+    **PER_LAYER_RANGES,
 }
 _TYPES = {"str": (str, "a string"), "bool": (bool, "true or false")}
 

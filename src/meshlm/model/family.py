@@ -67,6 +67,9 @@ class HFNames:
     interleaved: dict = field(default_factory=dict)
     # ... whose last dim holds several of them one after another (Llama 4's ``gate_up_proj``: gate, up)
     concatenated: dict = field(default_factory=dict)
+    # cfg -> transformers' per-layer tensor names some layers lack (Gemma 4's shared layers' k/v): our
+    # stacked parameter is zeros there on import (never read) and the name is not written on export.
+    absent: Callable | None = None
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,9 @@ def mixed_kinds(cfg: ModelConfig) -> bool:
 
 
 def kind_counts(cfg: ModelConfig) -> tuple[int, int]:
-    """(L_local, L_global): the layers of each kind."""
-    n_global = int(attention.layer_kinds(cfg).sum())
-    return cfg.n_layers - n_global, n_global
+    """(L_local, L_global): the layers of each kind that keep a cache (``per_layer``: not the reusing)."""
+    n_global = int(attention.layer_kinds(cfg)[: cfg.first_shared].sum())  # reusing layers keep none
+    return cfg.first_shared - n_global, n_global
 
 
 def kind_index(cfg: ModelConfig) -> np.ndarray:

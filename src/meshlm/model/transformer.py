@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 
 from meshlm.errors import ConfigError
-from meshlm.model import masked, mtp
+from meshlm.model import masked, mtp, per_layer
 from meshlm.model.attention import doc_starts
 from meshlm.model.attention_variants import capped_logits
 from meshlm.model.config import ModelConfig
@@ -154,6 +154,9 @@ BLOCKS = {  # Family.block
     "sequential": _sequential_layer,
     "post_norm": _post_norm_layer,
     "sandwich": _sandwich_layer,
+    "per_layer": lambda cfg, par: per_layer.block(
+        cfg, par, lambda name: _norm(cfg, name), lambda: _mlp(cfg, par)
+    ),
 }
 NORMS = {  # Family.norm
     "layer": LayerNorm,
@@ -193,6 +196,10 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, sta
         starts = par.tap("doc_starts", doc_starts(tokens, cfg.doc_mask) if starts is None else starts)
     embed = _embed(cfg, par)
     x = _scaled(cfg, embed(tokens))  # [B, T, D]; with sp [B, T/mp, D] per shard
+    if cfg.per_layer:  # Gemma 4: per-layer inputs [L, B, T, P], keys and values across layers
+        ple = per_layer.inputs(cfg, par, tokens, x)
+        x, cache = per_layer.stack(cfg, par, _block(cfg, par), x, positions, cache, starts, ple)
+        return _head_logits(cfg, par, x, embed), cache, None
     x, cache, *stats = stack_layers(cfg, _block(cfg, par), x, positions, cache, starts, _others(cfg, par))
     head = _head(cfg, par, embed)  # one module: the MTP depths share it
     out = (head(_final_norm(cfg, x)), cache, (stats[0] if stats else None))

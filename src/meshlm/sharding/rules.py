@@ -81,6 +81,13 @@ RULES: tuple[tuple[str, tuple], ...] = (
     # inputs, the depth's own norms replicated; its block's parameters match the layer rows above.
     (r"^mtp_\d+/eh_proj/w$", (MLP, EMBED)),  # [2D, D]
     (r"^mtp_\d+/(enorm|hnorm|head_norm)/scale$", (EMBED,)),  # [D]
+    # Per-layer inputs (``model.per_layer``): their table vocabulary-parallel, the rest replicated.
+    (r"^embed_per_layer/embeddings$", (VOCAB, None)),  # [V', L x P]
+    (r"^ple_proj/w$", (EMBED, None)),  # [D, L x P]
+    (r"(^|/)(ple_norm|ple/ple_ln)/scale$", (None,)),  # [P], [D]
+    (r"/ple/gate/w$", (EMBED, None)),  # [D, P]
+    (r"/ple/out/w$", (None, EMBED)),  # [P, D]
+    (r"/layer_scalar/scale$", (None,)),  # [1]: Gemma 4's fixed per-layer scale
     # LoRA adapters (``model.lora``): A [in, R], B [R, out] split as their base's in / out dims (a
     # column-parallel base's B over mp, a row-parallel base's A); the rank R on no axis.
     (r"/attn/lora_w[qkv]_a$", (EMBED, None)),  # [D, R]

@@ -16,6 +16,7 @@ import meshlm.model.families.ff as ff
 import meshlm.model.families.gemma as gemma
 import meshlm.model.families.gemma2 as gemma2
 import meshlm.model.families.gemma3 as gemma3
+import meshlm.model.families.gemma4 as gemma4
 import meshlm.model.families.gpt_oss as gpt_oss
 import meshlm.model.families.gptj as gptj
 import meshlm.model.families.llama as llama
@@ -43,6 +44,7 @@ MODULES = (
     qwen3_moe, olmoe, deepseek_v3,
     smollm3, olmo3, gpt_oss, llama4, qwen3_5,
     qwen3_5_moe, qwen3_next,
+    gemma4,
 )  # fmt: skip
 
 # A module's ``MORE``: further records of its family (DeepSeek-V3's all-dense one), found by name only.

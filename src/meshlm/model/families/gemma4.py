@@ -1,0 +1,211 @@
+"""Gemma 4 (text; transformers' ``Gemma4TextConfig`` / ``Gemma4ForCausalLM``): Gemma 3's sandwich block
+and local/global layers with their own rotary (the global ones "proportional": only the first
+``partial_rotary_factor`` of each head's pairs rotate), plus (``model.per_layer``): RMSNorms times w
+(not 1 + w), per-head q/k norms, values RMS-normed without a weight, scores unscaled (``scaling`` 1),
+each layer's output times its ``layer_scalar``, per-layer input embeddings
+(``hidden_size_per_layer_input``), keys reused as values on the global layers (``attention_k_eq_v``)
+and the last ``num_kv_shared_layers`` layers reading the keys and values of the last earlier layer of
+their kind. The final logits soft-capped (``final_logit_softcapping``).
+
+Refused in one line each (not built): global layers of another head size or KV head count
+(``global_head_dim``, ``num_global_key_value_heads``), the MoE block (``enable_moe_block``: the 26B-A4B),
+the double-wide MLP of the shared layers (``use_double_wide_mlp``), bidirectional attention.
+
+The layers' parameters are uniform (one scan): a shared layer's ``wk``, ``wv`` and a keys-as-values
+layer's ``wv`` exist but are never read; they convert from zeros (transformers has none) and are not
+written back (``HFNames.absent``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import meshlm.model.families.gemma2 as gemma2
+import meshlm.model.families.gemma3 as gemma3
+import meshlm.model.families.llama as llama
+from meshlm.errors import ConfigError
+from meshlm.model.families.hf_fields import POSITIVE, SIZE, field, flag, unsupported
+from meshlm.ranges import Range
+
+DEFAULTS = {  # Gemma4TextConfig's defaults, where a config.json may leave a field out
+    "head_dim": 256,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,
+    "sliding_window": 512,
+    "hidden_size_per_layer_input": 256,
+    "vocab_size_per_layer_input": 262144,
+}
+THETA = {gemma2.LOCAL: 1e4, gemma2.GLOBAL: 1e6}
+REFUSED = {  # field -> (the value meshlm builds, why)
+    "enable_moe_block": (False, "Gemma 4's MoE block (26B-A4B) is not built yet"),
+    "use_double_wide_mlp": (False, "the shared layers' double-wide MLP is not built yet"),
+    "use_bidirectional_attention": (None, "meshlm's Gemma attends causally"),
+    "attention_bias": (False, "Gemma 4 has no attention biases"),
+}
+
+
+def _rope(hf: dict) -> dict[str, Any]:
+    """The two kinds' rotary: plain on the local layers, plain or "proportional" on the global ones."""
+    params = hf.get("rope_parameters") or {
+        gemma2.LOCAL: {"rope_type": "default", "rope_theta": 1e4},
+        gemma2.GLOBAL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+    }
+    if not isinstance(params, dict) or set(params) != set(THETA):
+        raise unsupported("rope_parameters", params, f"give one dict per layer kind, {sorted(THETA)}")
+    fields = {}
+    for kind, one in params.items():
+        kind_type = one.get("rope_type", "default") if isinstance(one, dict) else None
+        allowed = ("default", "proportional") if kind == gemma2.GLOBAL else ("default",)
+        if kind_type not in allowed:
+            raise unsupported(f"rope_parameters.{kind}.rope_type", kind_type, f"meshlm implements {allowed}")
+        extra = sorted(set(one) - {"rope_type", "rope_theta", "partial_rotary_factor", "factor"})
+        if extra or one.get("factor", 1.0) != 1.0:
+            raise unsupported(f"rope_parameters.{kind}", one, "rope_type, rope_theta, partial_rotary_factor")
+        theta = float(field({"rope_theta": THETA[kind], **one}, "rope_theta", POSITIVE))
+        fields["rope_theta" if kind == gemma2.GLOBAL else "rope_local_theta"] = theta
+        if kind_type == "proportional":
+            fraction = float(one.get("partial_rotary_factor", 1.0))
+            fields["rope_global_fraction"] = 0.0 if fraction == 1.0 else fraction
+    return fields
+
+
+def _refused(hf: dict) -> None:
+    for key, (built, why) in REFUSED.items():
+        if hf.get(key, built) not in (built, None if built is False else built):
+            raise unsupported(key, hf[key], f"{why}; meshlm reads {built}")
+    head_dim = field(hf, "head_dim", SIZE)
+    for key, ours in (
+        ("global_head_dim", head_dim),
+        ("num_global_key_value_heads", hf["num_key_value_heads"]),
+    ):
+        if hf.get(key) not in (None, ours):
+            raise unsupported(key, hf[key], f"global layers of another shape are not built yet: give {ours}")
+
+
+def read(hf: dict) -> dict[str, Any]:
+    """Gemma4TextConfig (a multimodal config.json's ``text_config`` is not read: convert the text model)."""
+    hf = {**DEFAULTS, **hf}
+    _refused(hf)
+    fields = llama.read({**hf, "rope_parameters": None, "rope_scaling": None, "rope_theta": None})
+    ple = field(hf, "hidden_size_per_layer_input", Range(int, 0), 0, nullable=True)
+    return {
+        **fields,
+        "sliding_window": field(hf, "sliding_window", SIZE),
+        "global_every": gemma2.global_every(hf, 6),
+        "attn_scalar": 1.0,  # transformers' scaling 1.0: the q/k norms set the scale
+        "final_softcap": gemma2._softcap(hf, "final_logit_softcapping", None),
+        **_rope(hf),
+        "ple_dim": ple,
+        "ple_vocab": _ple_vocab(hf, fields["vocab_size"]) if ple else 0,
+        "kv_shared_layers": field(hf, "num_kv_shared_layers", Range(int, 0), 0),
+        "k_eq_v": flag(hf, "attention_k_eq_v"),
+        "value_norm": True,
+        "layer_scalar": True,
+    }
+
+
+def _ple_vocab(hf: dict, vocab: int) -> int:
+    """The per-layer table's rows, 0 where they are the vocabulary's (the canonical form)."""
+    rows = field(hf, "vocab_size_per_layer_input", SIZE)
+    return 0 if rows == vocab else rows
+
+
+def write(cfg) -> dict[str, Any]:
+    fields = gemma3.write(cfg)
+    for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "rope_theta", "rope_local_base_freq"):
+        fields.pop(key, None)
+    full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_global_fraction:
+        full = {"rope_type": "proportional", "rope_theta": cfg.rope_theta}
+        full["partial_rotary_factor"] = cfg.rope_global_fraction
+    local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+    return {
+        **fields,
+        "rope_parameters": {gemma2.GLOBAL: full, gemma2.LOCAL: local},
+        "use_bidirectional_attention": None,
+        "hidden_size_per_layer_input": cfg.ple_dim,
+        "vocab_size_per_layer_input": cfg.ple_vocab or cfg.vocab_size,
+        "num_kv_shared_layers": cfg.kv_shared_layers,
+        "attention_k_eq_v": cfg.k_eq_v,
+        "global_head_dim": cfg.dim_per_head,
+        "num_global_key_value_heads": cfg.kv_heads if cfg.k_eq_v else None,
+        "enable_moe_block": False,
+        "use_double_wide_mlp": False,
+    }
+
+
+def check_export(cfg) -> None:
+    """What transformers' Gemma 4 cannot express."""
+    llama.check_export(cfg)
+    if not (cfg.sliding_window and cfg.global_every and cfg.n_layers % cfg.global_every == 0):
+        raise ConfigError("transformers' Gemma 4 has local layers with a window and a global last layer")
+    if cfg.attn_softcap or cfg.attn_scalar != 1.0 or cfg.rope_scaling or cfg.rope_linear:
+        raise ConfigError("transformers' Gemma 4 has unscaled, uncapped scores and no RoPE scaling")
+    if not (cfg.value_norm and cfg.layer_scalar):
+        raise ConfigError("transformers' Gemma 4 norms the values and scales each layer: set both")
+
+
+def absent(cfg) -> set[str]:
+    """transformers' per-layer tensors a Gemma 4 layer does not have: a shared layer's k/v projections
+    and norm, a keys-as-values (global) layer's v projection (ours: never read; zeros on import)."""
+    kinds = gemma2.layer_types(cfg.n_layers, cfg.global_every)
+    out = set()
+    for i, kind in enumerate(kinds):
+        prefix = HF.layer_prefix.format(i=i) + "self_attn."
+        if i >= cfg.first_shared:
+            out |= {prefix + name for name in ("k_proj.weight", "v_proj.weight", "k_norm.weight")}
+        elif cfg.k_eq_v and kind == gemma2.GLOBAL:
+            out.add(prefix + "v_proj.weight")
+    return out
+
+
+LAYER = {  # Gemma 3's tensors; its per-layer input and scalar
+    **gemma3.HF.layer,
+    "ple/gate/w": ("per_layer_input_gate.weight", "linear"),
+    "ple/out/w": ("per_layer_projection.weight", "linear"),
+    "ple/ple_ln/scale": ("post_per_layer_input_norm.weight", "copy"),
+    "layer_scalar/scale": ("layer_scalar", "copy"),
+}
+TOP = {
+    **gemma3.HF.top,
+    "embed_per_layer/embeddings": ("model.embed_tokens_per_layer.weight", "copy"),
+    "ple_proj/w": ("model.per_layer_model_projection.weight", "linear"),
+    "ple_norm/scale": ("model.per_layer_projection_norm.weight", "copy"),
+}
+HF = replace(
+    gemma3.HF,
+    model_type="gemma4_text",
+    architecture="Gemma4ForCausalLM",
+    read=read,
+    write=write,
+    check_export=check_export,
+    top=TOP,
+    layer=LAYER,
+    absent=absent,
+)
+FAMILY = replace(
+    gemma3.FAMILY, name="gemma4", block="per_layer", norm="rms_product_first", qk_norm="head", hf=HF
+)
+
+# ``ModelConfig`` fields by preset name (the registry adds ``family``).
+PRESETS: dict[str, dict] = {
+    # 6 layers (local, local, global, twice), a window of 8 < verify's 64 positions; the last 2 layers
+    # read the KV of layers 3 (local) and 2 (global); per-layer inputs of 16; keys as values on the
+    # global layers; the global layers rotate a quarter of their pairs.
+    "tiny-gemma4": dict(
+        gemma2.TINY,
+        n_layers=6,
+        global_every=3,
+        attn_scalar=1.0,
+        rope_theta=1e6,
+        rope_local_theta=1e4,
+        rope_global_fraction=0.25,
+        final_softcap=0.5,
+        ple_dim=16,
+        kv_shared_layers=2,
+        k_eq_v=True,
+        value_norm=True,
+        layer_scalar=True,
+    ),
+}

@@ -1,0 +1,164 @@
+"""Gemma 4 (text) from transformers: a tiny random ``Gemma4ForCausalLM`` (eager attention, no download,
+every weight and each layer's ``layer_scalar`` perturbed) with local and global layers (a window of 4 on
+16 tokens; the global layers' "proportional" RoPE rotating a quarter of each head), per-layer input
+embeddings, keys as values on the global layers and the last 2 layers reading the KV of layers 3 and 2
+converts with logits equal to transformers' (float32, unsharded and on 2x2), `meshlm generate
+--temperature 0` prints transformers' greedy text on 1x1 and 1x2 (past several windows; the shared
+layers keep no cache of their own), and the export loads back with equal logits. Each new piece,
+broken in code both verify's runs would share, fails the comparison (shown)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hf_harness import Case, Comparison, GreedyText, drift, family_fixture  # noqa: E402
+from hf_helpers import RTOL, TINY, hf_logits, our_logits, rel  # noqa: E402
+
+from meshlm.errors import ConfigError  # noqa: E402
+from meshlm.io import hf_config  # noqa: E402
+from meshlm.model import per_layer  # noqa: E402
+from meshlm.model.config import get_config  # noqa: E402
+
+NEW = 16  # 4 windows: the local layers' rolling caches wrap several times
+WINDOW = 4
+LOCAL, GLOBAL = "sliding_attention", "full_attention"
+KINDS = [LOCAL, LOCAL, GLOBAL] * 2
+
+
+def _config():
+    return transformers.Gemma4TextConfig(
+        **{**TINY, "num_key_value_heads": 2},
+        head_dim=16,
+        global_head_dim=16,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        layer_types=KINDS,
+        sliding_window=WINDOW,
+        rope_parameters={
+            LOCAL: {"rope_type": "default", "rope_theta": 1e4},
+            GLOBAL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+        },
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=TINY["vocab_size"],
+        num_kv_shared_layers=2,
+        attention_k_eq_v=True,
+        final_logit_softcapping=3.0,
+        pad_token_id=0,
+    )
+
+
+def _scalars(model):
+    """transformers' ``layer_scalar`` buffers (perturbed_model leaves buffers at 1): 0.8 ... 1.3."""
+    for i, layer in enumerate(model.model.layers):
+        layer.layer_scalar.fill_(0.8 + i / 10)
+
+
+def _kv_cache(out):
+    """generate --json's ``kv_cache``: the local layers' caches roll over the window; the 2 shared
+    layers keep none (4 layers' caches)."""
+    cache = out["kv_cache"]
+    assert cache.get("local_slots") == WINDOW and cache["slots"] > 3 * WINDOW
+
+
+family = family_fixture(
+    [
+        Case(
+            "gemma4",
+            "Gemma4ForCausalLM",
+            _config,
+            reads=dict(
+                global_every=3,
+                sliding_window=WINDOW,
+                rope_global_fraction=0.25,
+                ple_dim=8,
+                kv_shared_layers=2,
+                k_eq_v=True,
+                final_softcap=3.0,
+                attn_scalar=1.0,
+            ),
+            init=0.3,
+            seed=1,
+            tol=5e-5,  # float32: transformers' order of float32 casts; exact in float64 (below)
+            eager=True,
+            new=NEW,
+            prepare=_scalars,
+            generated=_kv_cache,
+        )
+    ]
+)
+
+
+class TestTransformers(Comparison, GreedyText):
+    """Logits unsharded and on 2x2, the export, greedy text on 1x1 and 1x2 (tests/hf_harness.py)."""
+
+
+@pytest.mark.parametrize("family", ["gemma4"], indirect=True)
+def test_logits_exact_in_float64(family, monkeypatch):
+    """In float64, with transformers' own float32 steps (its rotary angles and frequencies, its norms'
+    and softmax's casts) lifted, our logits are transformers' to rounding: the float32 comparison's
+    5e-5 is the two programs' float32 order, not a difference of model."""
+    import jax
+    import numpy as np
+    from transformers.models.gemma4 import modeling_gemma4 as gemma4
+
+    def rotary(self, x, position_ids, layer_type):  # transformers': inv_freq and angles in float32
+        theta = self.config.rope_parameters[layer_type]["rope_theta"]
+        dim = getattr(self, f"{layer_type}_inv_freq").shape[0] * 2
+        inv = (1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)) * (
+            getattr(self, f"{layer_type}_inv_freq") != 0
+        )
+        angles = torch.cat([position_ids[..., None].double() * inv] * 2, dim=-1)
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+    softmax = torch.nn.functional.softmax
+    monkeypatch.setattr(gemma4.Gemma4TextRotaryEmbedding, "forward", rotary)
+    monkeypatch.setattr(
+        gemma4.Gemma4RMSNorm,
+        "forward",
+        lambda self, x: self._norm(x) * (self.weight if self.with_scale else 1),
+    )
+    monkeypatch.setattr(torch.nn.functional, "softmax", lambda x, dim=-1, dtype=None: softmax(x, dim=dim))
+    model = transformers.Gemma4ForCausalLM.from_pretrained(family["hf"], attn_implementation="eager").double()
+    cfg, flat = family["case"].load(family["hf"])
+    with jax.enable_x64(True):
+        ours = our_logits(cfg, {k: np.asarray(v, np.float64) for k, v in flat.items()}, family["tokens"])
+    assert rel(ours, hf_logits(model, family["tokens"])) < 1e-12
+
+
+@pytest.mark.parametrize("family", ["gemma4"], indirect=True)
+def test_each_piece_broken_fails_the_transformers_comparison(family, monkeypatch):
+    """A bug both verify's runs would share shows against transformers: a global layer's own values
+    (not its keys'), a shared layer's own keys and values, the per-layer inputs a layer off."""
+    plants = {
+        "keys_as_values": lambda kind, k, v: v,
+        "read_shared": lambda shared, k, v, kind, reuse: per_layer_read(shared, k, v, kind, False),
+        "in_layer_order": lambda ple: ple[::-1],
+    }
+    per_layer_read = per_layer.read_shared
+    for name, planted in plants.items():
+        with monkeypatch.context() as m:
+            m.setattr(per_layer, name, planted)
+            assert drift(family) > 100 * RTOL, name
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"enable_moe_block": True}, "MoE block"),
+        ({"use_double_wide_mlp": True}, "double-wide"),
+        ({"global_head_dim": 64}, "global_head_dim"),
+        ({"layer_types": [GLOBAL, LOCAL, LOCAL, LOCAL, LOCAL, GLOBAL]}, "repeating"),
+    ],
+)  # fmt: skip
+def test_unsupported_config_is_one_line(changes, message):
+    base = hf_config.config_to_hf(get_config("tiny-gemma4"))
+    with pytest.raises(ConfigError, match=message) as e:
+        hf_config.config_from_hf({**base, **changes})
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma4"])
+def test_preset_config_round_trip(preset):
+    cfg = get_config(preset)
+    assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg
