@@ -33,23 +33,20 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-# --- tensor names and layouts -------------------------------------------------------------------
-# Each family's tensor names and layouts are its ``HFNames`` (its module in ``model.families``).
+# --- tensor names and layouts (each family's ``HFNames``, its module in ``model.families``) ------
 
 
 def name_map(cfg: ModelConfig) -> dict[str, tuple[list[str], str]]:
     """Our path -> (HF names, one per layer for stacked parameters, layout)."""
     names = cfg.arch.hf  # the family's transformers names (``model.family.HFNames``)
     out = {path: ([name], kind) for path, (name, kind) in names.top.items()}
-    if cfg.tie_embeddings:
-        del out["head/w"]  # logits reuse the embedding table
     prefix = names.layer_prefix
     for stack, indices in stacks(cfg).items():  # "layers" (and a mixture of experts' "dense_layers")
         for path, (name, kind) in names.layer.items():
             if _in_stack(cfg, stack, path):
                 out[f"{stack}/{path}"] = ([prefix.format(i=i) + name for i in indices], kind)
     out = out | hf_mtp.names(cfg, lambda stack, path: _in_stack(cfg, stack, path))  # MTP's depths
-    shapes = expected_shapes(cfg)  # a family's optional pieces (Gemma 4's per-layer inputs) where on
+    shapes = expected_shapes(cfg)  # what the config turns on (tied embeddings: no head; Gemma 4's inputs)
     return {path: names for path, names in out.items() if path in shapes}
 
 
