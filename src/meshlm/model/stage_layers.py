@@ -33,7 +33,7 @@ from meshlm.model.layer_kinds import DENSE_STACK, LINEAR_STACK, MOE_STACK, runs
 def prefix(cfg) -> int:
     """The dense layers run with the embedding on the first stage: p when the dense layers are exactly
     0 .. p - 1 (a MoE's dense prefix), else 0."""
-    dense = tuple(getattr(cfg, "dense_layers", ()))
+    dense = cfg.dense_layers
     return len(dense) if dense and dense == tuple(range(len(dense))) else 0
 
 
@@ -45,7 +45,7 @@ def prefix_stacks(cfg) -> tuple[str, ...]:
 def signature(cfg) -> list[tuple[str, int]]:
     """Per layer: (its parameter stack, its attention kind: 1 global, 0 local, -1 alike)."""
     names = [name for name, first, start, stop in runs(cfg) for _ in range(stop - start)]
-    every = getattr(cfg, "global_every", 0)
+    every = cfg.global_every  # ``attention.layer_kinds``'s rule (that module imports JAX)
     kinds = ((np.arange(cfg.n_layers) + 1) % every == 0).astype(int) if every else [-1] * cfg.n_layers
     return list(zip(names, (int(k) for k in kinds), strict=True))
 
@@ -54,7 +54,7 @@ def chunk_config(cfg, n: int):
     """The config a pipeline chunk of ``n`` layers runs (``sharding.pipelined.stage_fn``): the body's
     first ``n`` layers' kinds, numbered from 0 (every chunk's are the same: ``stage_problem``)."""
     p = prefix(cfg)
-    dense = () if p else tuple(i for i in getattr(cfg, "dense_layers", ()) if i < n)
+    dense = () if p else tuple(i for i in cfg.dense_layers if i < n)
     return cfg.replace(n_layers=n, unroll=min(cfg.layer_unroll, n), dense_layers=dense)
 
 

@@ -8,7 +8,10 @@ forward slot, its backward in that chunk's backward slot: no whole-batch activat
 stack split into ``pp x V`` chunks run on the stages; the final norm, output projection and loss on the
 last stage (with tied embeddings the last stage holds the table too, and its gradient is the sum of the
 first stage's and the last stage's). Parameters are stored as always, the stacked layer dimension split
-over ``pp`` (``rules.pp_specs``): a checkpoint's format does not depend on pp.
+over ``pp`` (``rules.pp_specs``): a checkpoint's format does not depend on pp. A stack of two layer kinds
+(``model.stage_layers``): each kind's stack split alike when every chunk holds whole periods of the
+kinds, or a mixture of experts' dense prefix run with the embedding on the first stage (its stack
+passed and stored as the embedding's).
 """
 
 from __future__ import annotations
