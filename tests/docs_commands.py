@@ -620,4 +620,10 @@ COMMANDS: dict[str, Run | Shown] = {
         "meshlm verify --config tiny-deepseek-v3 --mesh 2x2 --ep 2 --x64 --steps 2",
         "meshlm plan --config deepseek-v3 --mesh 8x8 --ep 8 --fsdp --sp --devices 64",
     ),
+    **_names(  # issue 43's multi-token prediction: the preset's proof with every control, 15-40 min of CPU
+        "the tiny-deepseek-v3 proof with every control; tests/test_mtp.py proves MTP with its two controls "
+        "on 2x2 FSDP+SP and 1x2 x cp 2, and trains and resumes it bit for bit",
+        "meshlm verify --config tiny-deepseek-v3 --mesh 1x2 --cp 2 --steps 2 --x64",
+        "meshlm train --config tiny-deepseek-v3 --mtp-weight 0.3",
+    ),
 }

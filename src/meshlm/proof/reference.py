@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.extend.core import jaxpr_as_fun
 
+from meshlm.model.params import is_mtp
 from meshlm.train.optim import OptimConfig, adamw
 
 
@@ -87,7 +88,7 @@ def _balanced(params, stats, rate: float):
     out = {}
     for module, leaves in params.items():
         out[module] = dict(leaves)
-        if module.endswith("moe/router") and "balance_bias" in leaves:
+        if module.endswith("moe/router") and "balance_bias" in leaves and not is_mtp(module):  # ``model.mtp``
             bias = leaves["balance_bias"]
             load = stats[:, : bias.shape[-1]]
             out[module]["balance_bias"] = bias + (

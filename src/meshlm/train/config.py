@@ -48,8 +48,9 @@ _field = setting  # a field that describes itself (``meshlm.settings``)
 
 @dataclass(frozen=True)
 class MoESettings:
-    """``TrainConfig``'s mixture-of-experts settings (a base, as ``MeshFlags``): None is the model's
-    own value (``with_moe_settings`` applies them to the model config, which the checkpoint records)."""
+    """``TrainConfig``'s mixture-of-experts settings and multi-token prediction's weight (a base, as
+    ``MeshFlags``): None is the model's own value (``with_moe_settings`` applies them to the model
+    config, which the checkpoint records)."""
 
     moe_aux_loss: str | None = _field(
         None,

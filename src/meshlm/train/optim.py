@@ -148,9 +148,10 @@ def make_step(
             batch = lora_dropout.with_seeds(batch, dropout_seed, step_count(opt_state))
         loss, grads = accumulate(part_grad, params, batch, ocfg.accum_steps, part.select(params))
         loss, aux = loss if isinstance(loss, tuple) else (loss, None)
-        aux = aux if isinstance(aux, dict) or aux is None else {aux_key: aux}  # MTP's: several (``loss_fn``)
-        if aux is not None and "mtp" in aux:  # the depths' losses: summed over micro-batches, as the aux
-            aux = {**aux, "mtp": aux["mtp"] / ocfg.accum_steps}
+        if isinstance(aux, dict) and "mtp" in aux:  # MTP's depth losses (and routing): ``loss_fn``'s
+            aux = {**aux, "mtp": aux["mtp"] / ocfg.accum_steps}  # summed over micro-batches, as the aux
+        elif aux is not None:
+            aux = {aux_key: aux}
         grads, grad_norm = clip_fn(grads)
         updates, new_state = optimizer.update(grads, opt_state, part.select(params))
         new_params = part.put(params, optax.apply_updates(part.select(params), updates))
