@@ -457,6 +457,8 @@ COMMANDS: dict[str, Run | Shown] = {
     "--seq-len 64 --fsdp "
     "--sp --steps 2 --x64": verify(costly=CPCOMM),
     "meshlm verify --config tiny-gpt-oss --mesh 1x4 --devices 4 --steps 2 --x64": verify(costly=SINKS),
+    "meshlm verify --config tiny-llama4 --mesh 2x2 --devices 4 --steps 2 --x64": verify(costly=CHUNKS),
+    "meshlm verify --config tiny-gpt-oss --mesh 2x2 --devices 4 --steps 2 --x64": verify(costly=SINKS),
     "meshlm verify --config tiny-mixtral --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
     "meshlm verify --config tiny-mixtral --mesh 4x1 --ep 4 --devices 4 --steps 3 --x64": verify(costly=EP),
     "meshlm verify --config tiny-qwen2-moe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=MOE),
