@@ -475,6 +475,9 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-qwen3.5 --mesh 1x2 --cp 2 --devices 4 --x64 --steps 2": verify(
         costly=LINEAR_CP
     ),
+    "meshlm verify --config tiny-qwen3.5 --mesh 1x1 --cp 4 --devices 4 --x64 --steps 2": verify(
+        costly=LINEAR_CP
+    ),
     **{
         f"meshlm verify --config tiny-mixtral --mesh {mesh} --devices {n} --steps 2 --x64 "
         "--moe-capacity-factor 0.5": verify(costly=CAPACITY)

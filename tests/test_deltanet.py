@@ -147,19 +147,22 @@ def test_generation_cache_logits_equal_the_full_forward_in_float64():
     assert long["total"] - short["total"] == 2 * 32 * 2 * (2 * 16) * 4  # K and V: 32 more slots
 
 
-def test_verify_proves_linear_attention_under_cp():
-    """``meshlm verify --config tiny-qwen3.5 --mesh 1x2 --cp 2``'s proof of the linear layer's cp part
-    (float64, 16 tokens: cp chunks of 4, after the K - 1 = 3 inputs and the state of the chunk before):
-    sharded == unsharded after 2 steps, the communication check holds the linear layers' all-gathers
-    and their bytes, and the state's and the conv history's controls are detected."""
+@pytest.mark.parametrize(("mp", "cp", "seq_len"), [(2, 2, 16), (1, 4, 24)])
+def test_verify_proves_linear_attention_under_cp(mp, cp, seq_len):
+    """``meshlm verify --config tiny-qwen3.5 --mesh 1x2 --cp 2``'s and ``--mesh 1x1 --cp 4``'s proofs of
+    the linear layer's cp part (float64; 16 tokens: cp chunks of 4, 24 on cp 4: 8 chunks of 3, each after
+    the K - 1 = 3 inputs and the state of the chunk before, the states composed over 8 maps, middle shards'
+    chunks both after other shards'): sharded == unsharded after 2 steps, the communication check holds
+    the linear layers' all-gathers and their bytes, and the state's and the conv history's controls are
+    detected."""
     from meshlm.model.config import get_config
     from meshlm.parallel.layout import Layout
     from meshlm.proof import format_report, model_problem, verify
     from meshlm.proof.linear_controls import LINEAR_CONTROLS
 
     cp_controls = tuple(c for c in LINEAR_CONTROLS if "cp chunks" in c.name)
-    layout = Layout(mp=2, cp=2)
-    problem = model_problem(get_config("tiny-qwen3.5"), "tiny-qwen3.5", layout, batch_size=1, seq_len=16)
+    layout = Layout(mp=mp, cp=cp)
+    problem = model_problem(get_config("tiny-qwen3.5"), "tiny-qwen3.5", layout, batch_size=1, seq_len=seq_len)
     with jax.enable_x64(True):
         report = verify(problem, layout, dtype=np.float64, controls=cp_controls, steps=2, collectives=True)
     assert report.ok, format_report(report)

@@ -64,6 +64,9 @@ def test_prefill_over_cp_refusals():
         Generator(cfg, params, Layout(cp=2), max_len=30, prefill_cp=True)
     with pytest.raises(ConfigError, match=r"needs a layout with cp >= 2 \(it has cp=1\)"):
         Generator(cfg, params, make_mesh(1, 2), prefill_cp=True)
+    hybrid = get_config("tiny-qwen3.5")  # 8 chunks of 2 tokens: the conv's history is 3 inputs
+    with pytest.raises(ConfigError, match=r"--cp 4: chunks of 2 tokens are shorter than the linear layers"):
+        Generator(hybrid, host_params("tiny-qwen3.5"), Layout(cp=4), max_len=16, prefill_cp=True)
 
 
 def test_cli_generate_with_cp_equals_without(tmp_path, capsys):
