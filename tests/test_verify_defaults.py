@@ -22,7 +22,14 @@ def test_pipeline_defaults_more_microbatches_than_stages_and_v_not_pp():
     assert got["microbatches"] == 4 > got["pp"] == 2
     got = options(config="tiny-deep", pp=2, pp_schedule="interleaved")
     assert (got["virtual_stages"], got["microbatches"]) == (4, 4)  # 8 layers: V 3 does not split them
-    assert defaults.virtual_stages(3, 12) == 2 and defaults.virtual_stages(2, 12) == 3
+    twelve = get_config("tiny-deep").replace(n_layers=12)
+    assert defaults.virtual_stages(3, twelve) == 2 and defaults.virtual_stages(2, twelve) == 3
+    # 40 layers: V 4 would make chunks of 5, which a hybrid with periods of 4 layers cannot run; V 5: of 4
+    hybrid = get_config("tiny-qwen3.5").replace(n_layers=40, full_attn_every=4)
+    assert (
+        defaults.virtual_stages(2, hybrid) == 5
+        and defaults.virtual_stages(2, twelve.replace(n_layers=40)) == 4
+    )
     assert options(pp=2, microbatches=2)["microbatches"] == 2  # given: kept
     assert (options()["microbatches"], options()["virtual_stages"]) == (1, 1)  # no pipeline: none
 

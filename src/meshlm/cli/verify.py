@@ -57,7 +57,7 @@ def _with_defaults(vs: VerifySettings) -> VerifySettings:
     v = vs.virtual_stages
     if v is None:
         interleaved = vs.pp_schedule == "interleaved"
-        v = defaults.virtual_stages(vs.pp, _model_config(vs).n_layers) if interleaved else 1
+        v = defaults.virtual_stages(vs.pp, _model_config(vs)) if interleaved else 1
     return dataclasses.replace(vs, microbatches=m, virtual_stages=v)
 
 

@@ -68,7 +68,7 @@ def axes_cells(axes: tuple[str, ...]) -> list[tuple[str, dict]]:
 
 
 def _v(schedule: str) -> int:
-    return defaults.virtual_stages(2, get_config(PRESET).n_layers) if schedule == "interleaved" else 1
+    return defaults.virtual_stages(2, get_config(PRESET)) if schedule == "interleaved" else 1
 
 
 def run_axes_cells(axes: tuple[str, ...], n_devices: int, *, x64: bool, steps: int, seed: int) -> list[dict]:

@@ -36,10 +36,13 @@ def microbatches(pp: int) -> int:
     return 2 * pp
 
 
-def virtual_stages(pp: int, n_layers: int) -> int:
-    """V for the interleaved schedule: the smallest V >= 2, V != pp, whose pp V chunks split the layers;
+def virtual_stages(pp: int, cfg) -> int:
+    """V for the interleaved schedule: the smallest V >= 2, V != pp, whose pp V chunks each run the same
+    layers (``stage_layers.stage_problem``: equal chunks, and of a stack of two kinds whole periods);
     2 where none does (``rules.check_uniform_stack`` then says what fits)."""
-    fits = [v for v in range(2, n_layers // pp + 1) if v != pp and n_layers % (pp * v) == 0]
+    from meshlm.model.stage_layers import stage_problem
+
+    fits = [v for v in range(2, cfg.n_layers // pp + 1) if v != pp and stage_problem(cfg, pp * v) is None]
     return fits[0] if fits else 2
 
 
