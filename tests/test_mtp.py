@@ -88,7 +88,7 @@ def test_mtp_proven_with_its_controls_detected(layout):
         report = verify(problem, layout.mesh, steps=1, dtype=jnp.float64, controls=controls, collectives=True)
     assert report.ok, [c for c in report.checks if not c["ok"]]
     assert max(p.max_rel_err for p in report.params) <= 1e-12
-    assert any(p.name.startswith("mtp_0/") for p in report.params)
+    assert any(p.path.startswith("mtp_0/") for p in report.params)
     want = MTP_NAMES if layout.context_parallel else MTP_NAMES - {MTP_CONTROLS[1].name}
     assert {c["name"] for c in report.controls} == want
     assert all(c["detected"] and c["margin"] >= 100 for c in report.controls), report.controls
