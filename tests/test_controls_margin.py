@@ -178,6 +178,8 @@ OWN_FLOAT64_PROOF = {  # control -> the test that proves it detected, in float64
     "MLA latent norm gradient not summed over mp": "tests/test_mla.py",
     "MLA key halves joined rope first": "tests/test_mla.py",
     "YaRN attention factor on the queries only": "tests/test_mla.py",
+    "MTP token shifted by one too few": "tests/test_mtp.py",
+    "MTP labels not taken across the cp shard boundary": "tests/test_mtp.py",
 }
 
 

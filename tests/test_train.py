@@ -220,6 +220,7 @@ def test_resume_must_match_comes_from_field_metadata():
         "moe_aux_loss",
         "moe_capacity_factor",
         "moe_bias_rate",
+        "mtp_weight",
         "objective",
         "dpo_beta",
         "dpo_loss",

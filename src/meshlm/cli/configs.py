@@ -2,7 +2,7 @@
 active parameters), or with --json one JSON object per preset: {"name", "params", "active_params",
 "config"}. Active: the parameters one token uses (a mixture of experts' k of E experts; = the total for
 a dense model), counted by ``model.accounting``; a model's multi-token prediction depths (``model.mtp``)
-are counted and shown beside its layers ("61+1 MTP")."""
+are counted and shown beside its layers ("61+1": 61 layers and one MTP depth)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def table(entries: list[dict]) -> str:
             (
                 e["name"],
                 c["family"],
-                str(c["n_layers"]) + (f"+{c['mtp_layers']} MTP" if c.get("mtp_layers") else ""),
+                str(c["n_layers"]) + (f"+{c['mtp_layers']}" if c.get("mtp_layers") else ""),
                 str(c["d_model"]),
                 heads,
                 str(c["vocab_size"]),

@@ -128,6 +128,8 @@ def expected_collectives(cfg: ModelConfig, layout: Layout, *, params) -> dict[st
     if dp > 1 and layer_weights + outside:
         ag.update(fsdp_layers=2 * layer_weights, fsdp_outside=2 * outside)
         rs.update(fsdp_gradients=layer_weights + outside)
+        if mtp:  # the table and the head met again by each MTP depth: their parts scattered apart
+            rs["fsdp_mtp_shared"] = 2 * mtp
         if layout.context_parallel:  # DP-split gradients then summed over cp (with ep: FSDP covers it)
             ar["cp_fsdp_gradients"] = 1 + outside
     if cfg.arch.moe and cfg.moe_capacity_factor and layout.dp * layout.cp * (mp if sp else 1) > 1:
