@@ -56,9 +56,11 @@ def _scalars(model):
 
 def _kv_cache(out):
     """generate --json's ``kv_cache``: the local layers' caches roll over the window; the 2 shared
-    layers keep none (4 layers' caches)."""
+    layers keep none: the bytes are layers 0-3's, 3 local and 1 global (of 2 KV heads of 16, float32,
+    one row), where all 6 layers' would be 4 local and 2 global."""
     cache = out["kv_cache"]
     assert cache.get("local_slots") == WINDOW and cache["slots"] > 3 * WINDOW
+    assert cache["total"] == 2 * (3 * WINDOW + 1 * cache["slots"]) * 2 * 16 * 4
 
 
 family = family_fixture(
