@@ -53,4 +53,3 @@ PER_LAYER_CONTROLS = (
         plant=per_layer_input_of_the_next_layer,
     ),
 )
-
