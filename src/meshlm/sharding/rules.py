@@ -216,6 +216,15 @@ def check_uniform_stack(cfg, layout: Layout) -> None:
             f"--pp: {cfg.family}'s linear-attention layers stack apart from its full-attention ones, and "
             "pipeline stages hold uniform layers; drop --pp (use --mp, --fsdp or --sp)"
         )
+    if layout.pipelined and getattr(cfg, "per_layer", False):  # (Gemma 4: ``model.per_layer``)
+        raise ShardingError(
+            f"--pp: {cfg.family}'s layers carry keys and values and per-layer inputs from layer to layer, "
+            "which the pipeline's stages do not pass on; drop --pp (use --mp, --fsdp)"
+        )
+    if layout.sp and getattr(cfg, "per_layer", False):
+        raise ShardingError(
+            f"--sp: {cfg.family}'s per-layer inputs are not split over the sequence; drop --sp"
+        )
 
 
 def _fsdp(layout: Layout, path: str, shape, spec: P, fsdp_dim: str) -> P:
