@@ -175,3 +175,14 @@ def test_pipeline_and_sequence_split_refused_in_one_line(layout):
     with pytest.raises(ShardingError, match="drop --") as e:
         check_uniform_stack(get_config("tiny-gemma4"), layout)
     assert "\n" not in str(e.value)
+
+
+def test_parameter_count_is_transformers():
+    """`meshlm configs`' count (``accounting.param_counts``) is transformers' (its layer scalars, buffers
+    there, included): the never-read ``wk``, ``wv`` of the uniform stack are not counted."""
+    from meshlm.model.accounting import param_counts
+
+    model = transformers.Gemma4ForCausalLM(_config())
+    theirs = sum(p.numel() for p in model.parameters())
+    theirs += sum(b.numel() for name, b in model.named_buffers() if name.endswith("layer_scalar"))
+    assert param_counts(hf_config.config_from_hf(_config().to_dict())).total == theirs
