@@ -81,6 +81,14 @@ CONFIGS = {
     # one local/global pattern each (the trace grows with the unrolled layers)
     "tiny-gemma2 1x2 (local/global, soft-capped)": ("tiny-gemma2", {"n_layers": 2}, Layout(mp=2), 1, 10),
     "tiny-gemma3 1x2 (two rotary bases, q/k norm)": ("tiny-gemma3", {"n_layers": 3}, Layout(mp=2), 1, 10),
+    # Gemma 4's pieces: per-layer inputs, keys as values, shared KV (the stack's carry) over dp and mp
+    "tiny-gemma4 2x2 (per-layer inputs, keys as values, shared KV)": (
+        "tiny-gemma4",
+        {"n_layers": 4, "global_every": 2},  # the last two layers read layers 0 and 1's KV
+        Layout(dp=2, mp=2),
+        2,
+        10,
+    ),
     "tiny-llama 1x1 blockwise doc-mask": ("tiny-llama", {**BW, "doc_mask": 0}, Layout(), 1, 18),
     "tiny-llama 2x2 cp2 ring fsdp sp blockwise soft-capped": (
         "tiny-llama",

@@ -15,10 +15,12 @@ transformers = pytest.importorskip("transformers")
 from hf_harness import Case, Comparison, GreedyText, drift, family_fixture  # noqa: E402
 from hf_helpers import RTOL, TINY, hf_logits, our_logits, rel  # noqa: E402
 
-from meshlm.errors import ConfigError  # noqa: E402
+from meshlm.errors import ConfigError, ShardingError  # noqa: E402
 from meshlm.io import hf_config  # noqa: E402
 from meshlm.model import per_layer  # noqa: E402
 from meshlm.model.config import get_config  # noqa: E402
+from meshlm.parallel.layout import Layout  # noqa: E402
+from meshlm.sharding.rules import check_uniform_stack  # noqa: E402
 
 NEW = 16  # 4 windows: the local layers' rolling caches wrap several times
 WINDOW = 4
@@ -56,9 +58,11 @@ def _scalars(model):
 
 def _kv_cache(out):
     """generate --json's ``kv_cache``: the local layers' caches roll over the window; the 2 shared
-    layers keep none (4 layers' caches)."""
+    layers keep none: the bytes are layers 0-3's, 3 local and 1 global (of 2 KV heads of 16, float32,
+    one row), where all 6 layers' would be 4 local and 2 global."""
     cache = out["kv_cache"]
     assert cache.get("local_slots") == WINDOW and cache["slots"] > 3 * WINDOW
+    assert cache["total"] == 2 * (3 * WINDOW + 1 * cache["slots"]) * 2 * 16 * 4
 
 
 family = family_fixture(
@@ -162,3 +166,23 @@ def test_unsupported_config_is_one_line(changes, message):
 def test_preset_config_round_trip(preset):
     cfg = get_config(preset)
     assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg
+
+
+@pytest.mark.parametrize("layout", [Layout(pp=2), Layout(mp=2, sp=True)], ids=["pp", "sp"])
+def test_pipeline_and_sequence_split_refused_in_one_line(layout):
+    """The stack's carry (shared keys and values) and per-layer inputs: no pipeline stage passes them on,
+    and no sequence split slices them; each a one-line error before any work."""
+    with pytest.raises(ShardingError, match="drop --") as e:
+        check_uniform_stack(get_config("tiny-gemma4"), layout)
+    assert "\n" not in str(e.value)
+
+
+def test_parameter_count_is_transformers():
+    """`meshlm configs`' count (``accounting.param_counts``) is transformers' (its layer scalars, buffers
+    there, included): the never-read ``wk``, ``wv`` of the uniform stack are not counted."""
+    from meshlm.model.accounting import param_counts
+
+    model = transformers.Gemma4ForCausalLM(_config())
+    theirs = sum(p.numel() for p in model.parameters())
+    theirs += sum(b.numel() for name, b in model.named_buffers() if name.endswith("layer_scalar"))
+    assert param_counts(hf_config.config_from_hf(_config().to_dict())).total == theirs

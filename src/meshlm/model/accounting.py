@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshlm.model.params import flat_params, is_expert_weight
+from meshlm.model.per_layer_fields import read_size
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def active_size(cfg, path: str, size: int) -> int:
 
 def count_params(cfg, params) -> ParamCounts:
     """Total and active parameters of a parameter tree (arrays or ShapeDtypeStructs) of model ``cfg``."""
-    sizes = {path: int(np.prod(p.shape)) for path, p in flat_params(params).items()}
+    sizes = {path: read_size(cfg, path, int(np.prod(p.shape))) for path, p in flat_params(params).items()}
     return ParamCounts(
         total=sum(sizes.values()), active=sum(active_size(cfg, path, n) for path, n in sizes.items())
     )

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import meshlm.model.attention as attention
 from meshlm.model.attention import (
     QK_NORMS,
     Attention,
@@ -35,7 +36,6 @@ from meshlm.model.attention import (
     cache_update,
     cache_window,
     kinds_cache_attend,
-    layer_kinds,
     layer_variant,
 )
 from meshlm.model.attention_variants import rotary_scale
@@ -150,8 +150,9 @@ class SharedKVAttention(Attention):
         cos, sin = rotary_angles(rotary, variant.rotary, q.dtype, rotary_scale(cfg, kind))
         rotate = lambda x: apply_rotary(x, cos, sin, cfg.rot_dim, self.style)
         norm = QK_NORMS[cfg.arch.qk_norm]
-        q = rotate(norm(eps=cfg.norm_eps, name="q_norm")(q))
-        k = rotate(norm(eps=cfg.norm_eps, name="k_norm")(k))
+        # through ``attention``'s module attributes: the proof's controls plant there for every family
+        q = attention.norm_then_rotary(q, norm(eps=cfg.norm_eps, name="q_norm"), rotate)
+        k = attention.norm_then_rotary(k, norm(eps=cfg.norm_eps, name="k_norm"), rotate)
         v = value_normed(v, cfg.norm_eps) if cfg.value_norm else v
         if shared is not None:
             k, v, shared = read_shared(shared, k, v, kind, reuse)
@@ -200,7 +201,7 @@ def block(cfg, par, norm, mlp):
 def cache_index(cfg) -> np.ndarray:
     """[n_layers] int32: each layer's slice of its kind's cache (``kv_kinds.kind_index``); a reusing
     layer's is the slice of the last earlier layer of its kind, whose keys and values it reads."""
-    kinds, index = layer_kinds(cfg), kind_index(cfg).copy()
+    kinds, index = attention.layer_kinds(cfg), kind_index(cfg).copy()
     for i in range(cfg.first_shared, cfg.n_layers):
         producer = max(j for j in range(cfg.first_shared) if kinds[j] == kinds[i])
         index[i] = index[producer]
@@ -212,7 +213,7 @@ def stack(cfg, par, layer, x, positions, cache, starts, ple):
     slice and its cache index; the carry x, the shared keys and values and (generation with both kinds)
     the two-array cache (``kv_kinds``)."""
     n = cfg.n_layers
-    kinds = layer_kinds(cfg)
+    kinds = attention.layer_kinds(cfg)
     inp = {
         "kind": jnp.asarray(np.zeros(n, np.int32) if kinds is None else kinds),
         "reuse": jnp.asarray(np.arange(n) >= cfg.first_shared),

@@ -47,6 +47,17 @@ class PerLayerFields:
         return bool(self.ple_dim or self.kv_shared_layers or self.layer_scalar or self.value_norm)
 
 
+def read_size(cfg, path: str, size: int) -> int:
+    """``size`` elements of parameter ``path`` less the layers that never read theirs (counted as
+    transformers has them: not at all): a shared layer's ``wk``, ``wv`` and k norm, a keys-as-values
+    global layer's ``wv`` (the stack keeps them uniform: ``model.per_layer``)."""
+    shared = cfg.n_layers - cfg.first_shared
+    unread = {"layers/attn/wk": shared, "layers/attn/k_norm/scale": shared, "layers/attn/wv": shared}
+    if cfg.k_eq_v and cfg.global_every:
+        unread["layers/attn/wv"] += cfg.first_shared // cfg.global_every  # the global layers among them
+    return size - size // cfg.n_layers * unread.get(path, 0) if cfg.per_layer or cfg.k_eq_v else size
+
+
 PER_LAYER_RANGES = {
     **dict.fromkeys(("ple_dim", "ple_vocab", "kv_shared_layers"), Range(int, 0, note="0: none")),
     "rope_global_fraction": Range(float, 0, 1, note="0: every pair rotates"),

@@ -128,7 +128,8 @@ def theoretical_bytes(
         "layer_forward": counts["layer_forward"] * act,
         "layer_backward": counts["layer_backward"] * act,
         "kv_replicated_grads": counts["kv_replicated_grads"] * kv_grads,
-        "embedding": counts["embedding"] * act,
+        # with per-layer inputs (Gemma 4) their vocabulary-parallel table's lookup too: [B/dp, T, L x P]
+        "embedding": counts["embedding"] * (act + act // cfg.d_model * cfg.n_layers * cfg.ple_dim),
         "head_backward": counts["head_backward"] * act,
         "loss": counts["loss"] * (batch // dp) * seq_len * itemsize,  # [B/dp, T] each
         "grad_norm": counts["grad_norm"] * itemsize,

@@ -36,6 +36,7 @@ from meshlm.proof.linear_controls import LINEAR_CONTROLS
 from meshlm.proof.mla_faults import MLA_CONTROLS
 from meshlm.proof.moe_controls import MOE_CONTROLS
 from meshlm.proof.mtp_faults import MTP_CONTROLS
+from meshlm.proof.per_layer_controls import PER_LAYER_CONTROLS
 from meshlm.proof.pipeline_verify import engine_sums_over_dp
 from meshlm.proof.router_controls import ROUTER_CONTROLS
 from meshlm.proof.taps import Tapped
@@ -337,5 +338,6 @@ CONTROLS += GEMMA_CONTROLS  # Gemma 2's score and logit caps (off, out of order)
 CONTROLS += MOE_CONTROLS + ROUTER_CONTROLS + LINEAR_CONTROLS  # ``proof.moe_controls``, router, linear
 CONTROLS += MLA_CONTROLS  # multi-head latent attention's and YaRN's (``proof.mla_faults``)
 CONTROLS += MTP_CONTROLS  # multi-token prediction's shifted tokens and labels (``proof.mtp_faults``)
+CONTROLS += PER_LAYER_CONTROLS  # Gemma 4's keys as values, shared KV, per-layer inputs
 
 __all__ = ["CONTROLS", "Control", "Where", "per_shard_clip"]
