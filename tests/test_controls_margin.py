@@ -140,6 +140,16 @@ CASES = {
         ),
         _named("local and global layers swapped", "local rotary base used on a global layer"),
     ),
+    "tiny-gemma4": (  # per-layer inputs, keys as values, shared KV: the last two layers read 0 and 1's
+        lambda _: model_problem(
+            get_config("tiny-gemma4").replace(n_layers=4, global_every=2), "g4", MP, 2 * DP, SEQ_LEN, dp=DP
+        ),
+        _named(
+            "keys-as-values layer reading its own values",
+            "KV-shared layer computing and writing its own keys and values",
+            "per-layer input from the wrong layer's slice",
+        ),
+    ),
     "tiny-llama fsdp+sp doc-mask": (  # the document mask's controls on its EOD-rich batches
         _preset("tiny-llama", fsdp=True, sp=True, doc_mask=EOD),
         tuple(c for c in CONTROLS if c.name.startswith(("FSDP", "SP", "document mask"))),

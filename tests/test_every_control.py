@@ -222,9 +222,16 @@ def test_an_inert_control_is_a_prover_bug():
         verify(problem, layout, controls=(old,))
 
 
+# Controls whose configuration has no cell here: their own float64 proof plants each and sees it detected,
+# which its program changing is a part of (a cell would cost a minute of MLA, MoE and MTP traces on cp).
+OWN_PROOF = {
+    "MTP labels not taken across the cp shard boundary": "tests/test_mtp.py (1x2-cp2)",
+}
+
+
 def test_every_control_applies_on_some_configuration():
     every = {c.name for c in ALL_CONTROLS} | {f"pipeline: {n}" for n in PIPELINE_CONTROLS}
     applied = set()
     for name in CONFIGS:
         applied |= {label for label, _ in _applicable(*_problem(name))}
-    assert every - applied == set()
+    assert every - applied == set(OWN_PROOF)

@@ -72,7 +72,8 @@ def test_periodic_chunks_and_a_dense_prefix_pass_and_place_their_stacks():
     "name, changes, schedule",
     [
         ("tiny-qwen3.5", {"n_layers": 4}, "1f1b"),  # each stage: one linear and one full layer
-        ("tiny-deepseek-v3", {"n_layers": 3}, "gpipe"),  # dense layer 0 with the embedding; MoE 1, 2
+        # dense layer 0 with the embedding; MoE 1, 2 (MTP under pp: refused, ``strategy.Pipelined.check``)
+        ("tiny-deepseek-v3", {"n_layers": 3, "mtp_weight": 0.0}, "gpipe"),
     ],
     ids=["qwen3.5-periodic-1f1b", "deepseek-v3-prefix-gpipe"],
 )

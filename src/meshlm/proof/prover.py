@@ -71,9 +71,10 @@ def verify(
     (never in float64), the tolerance unchanged."""
     dname = jnp.dtype(dtype).name
     rtol, atol = TOLERANCE[dname]
-    if problem.cfg is not None:
-        check_batch(problem.batch, problem.cfg.vocab_size)
     layout = Layout.of(where, fsdp=problem.fsdp, sp=problem.sp)
+    if problem.cfg is not None:  # what the strategy cannot run (e.g. MTP under pp): one line, before any work
+        check_batch(problem.batch, problem.cfg.vocab_size)
+        strategy(layout).check(problem.cfg, layout)
     dp, mp = layout.dp, layout.mp
     report = Report(config=problem.name, dp=dp, mp=mp, steps=steps, dtype=dname, rtol=rtol, atol=atol)
     if layout.extra_axes:  # the header names the pipeline ("pp2x1x2 (1f1b, M=4)") or cp

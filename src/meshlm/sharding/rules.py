@@ -217,6 +217,15 @@ def check_uniform_stack(cfg, layout: Layout) -> None:
     rules table's and the pipeline's check (``pipelined.check_pipelined``) both ask here. A
     ShardingError, as for any split the mesh cannot make (``verify --matrix`` lists such cells as
     skipped)."""
+    if layout.pipelined and getattr(cfg, "per_layer", False):  # (Gemma 4: ``model.per_layer``)
+        raise ShardingError(
+            f"--pp: {cfg.family}'s layers carry keys and values and per-layer inputs from layer to layer, "
+            "which the pipeline's stages do not pass on; drop --pp (use --mp, --fsdp)"
+        )
+    if layout.sp and getattr(cfg, "per_layer", False):
+        raise ShardingError(
+            f"--sp: {cfg.family}'s per-layer inputs are not split over the sequence; drop --sp"
+        )
     if not layout.pipelined:
         return
     pipe = layout.pipeline
@@ -238,15 +247,6 @@ def check_uniform_stack(cfg, layout: Layout) -> None:
         raise ShardingError(
             f"--pp with --cp: {cfg.family}'s dense prefix runs with the embedding on the first stage, "
             "where context parallelism's ring cannot run; drop --cp or --pp"
-        )
-    if layout.pipelined and getattr(cfg, "per_layer", False):  # (Gemma 4: ``model.per_layer``)
-        raise ShardingError(
-            f"--pp: {cfg.family}'s layers carry keys and values and per-layer inputs from layer to layer, "
-            "which the pipeline's stages do not pass on; drop --pp (use --mp, --fsdp)"
-        )
-    if layout.sp and getattr(cfg, "per_layer", False):
-        raise ShardingError(
-            f"--sp: {cfg.family}'s per-layer inputs are not split over the sequence; drop --sp"
         )
 
 
