@@ -31,9 +31,9 @@ verify) must fail. A family-specific test picks its cases by name:
 ``@pytest.mark.parametrize("family", ["phi3"], indirect=True)``.
 """
 
-import copy
 import json
 from collections.abc import Callable
+from copy import deepcopy
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -114,7 +114,7 @@ def convert(case: Case, root) -> dict:
     model.save_pretrained(root / "hf")
     out = dict(case=case, hf=root / "hf", ckpt=root / "ckpt", fused=None, model=model, tokens=tokens)
     out.update(logits=hf_logits(model, tokens), text=None)
-    out["reference"] = hf_logits(copy.deepcopy(model).double(), tokens) if case.reference64 else out["logits"]
+    out["reference"] = hf_logits(deepcopy(model).double(), tokens) if case.reference64 else out["logits"]
     if case.fused:
         write_fused(model, root / "hf", root / "fused")
         out["fused"] = root / "fused"
