@@ -102,6 +102,8 @@ EP_PP_CMD = "meshlm verify --config tiny-mixtral --pp 2 --mesh 2x1 --ep 2 --devi
 ROUTER = "tests/test_router_proof.py::test_router_proven_on_ep_with_its_bias_bitwise"
 SINKS = "tests/test_sinks.py::test_verify_proves_sinks_under_the_cp_ring"
 CHUNKS = "tests/test_chunked.py::test_verify_proves_chunks_and_nope_layers_under_the_cp_ring"
+# every control that applies, traced on a cell of the preset's family (SmolLM3's NoPE layers)
+EVERY = "tests/test_every_control.py::test_every_applicable_control_runs_and_changes_its_program"
 
 
 @dataclass(frozen=True)
@@ -459,6 +461,17 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-gpt-oss --mesh 1x4 --devices 4 --steps 2 --x64": verify(costly=SINKS),
     "meshlm verify --config tiny-llama4 --mesh 2x2 --devices 4 --steps 2 --x64": verify(costly=CHUNKS),
     "meshlm verify --config tiny-gpt-oss --mesh 2x2 --devices 4 --steps 2 --x64": verify(costly=SINKS),
+    "meshlm verify --config tiny-gpt-oss --mesh 1x2 --cp 2 --attention blockwise --devices 4 --steps 2 "
+    "--x64": verify(costly=SINKS),
+    "meshlm verify --config tiny-gpt-oss --mesh 2x2 --ep 2 --devices 4 --steps 2 --x64": verify(costly=EP),
+    "meshlm verify --config tiny-llama4 --mesh 1x4 --devices 4 --steps 2 --x64": verify(costly=CHUNKS),
+    "meshlm verify --config tiny-llama4 --mesh 2x2 --ep 2 --devices 4 --steps 2 --x64": verify(costly=EP),
+    "meshlm verify --config tiny-olmo3 --mesh 1x4 --devices 4 --steps 2 --x64": verify(costly=MARGIN),
+    "meshlm verify --config tiny-olmo3 --mesh 2x2 --devices 4 --steps 2 --x64": verify(costly=MARGIN),
+    "meshlm verify --config tiny-smollm3 --mesh 1x4 --devices 4 --steps 2 --x64": verify(costly=EVERY),
+    "meshlm verify --config tiny-smollm3 --mesh 2x2 --devices 4 --steps 2 --x64": verify(costly=EVERY),
+    "meshlm verify --config tiny-gemma4 --mesh 1x4 --devices 4 --steps 2 --x64": verify(costly=MARGIN),
+    "meshlm verify --config tiny-gemma4 --mesh 2x2 --devices 4 --steps 2 --x64": verify(costly=MARGIN),
     "meshlm verify --config tiny-mixtral --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
     "meshlm verify --config tiny-mixtral --mesh 4x1 --ep 4 --devices 4 --steps 3 --x64": verify(costly=EP),
     "meshlm verify --config tiny-qwen2-moe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=MOE),
@@ -623,6 +636,7 @@ COMMANDS: dict[str, Run | Shown] = {
         "on 2x2 FSDP+SP and cp 2 (all-gather, blockwise), tests/test_hf_deepseek_v3.py the conversion",
         "meshlm verify --config tiny-deepseek-v3 --mesh 1x4 --steps 2 --x64",
         "meshlm verify --config tiny-deepseek-v3 --mesh 2x2 --ep 2 --x64 --steps 2",
+        "meshlm verify --config tiny-deepseek-v3 --mesh 2x2 --fsdp --sp --x64 --steps 2",
         "meshlm plan --config deepseek-v3 --mesh 8x8 --ep 8 --fsdp --sp --devices 64",
     ),
     **_names(  # issue 43's multi-token prediction: the preset's proof with every control, 15-40 min of CPU
