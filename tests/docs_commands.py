@@ -465,6 +465,8 @@ COMMANDS: dict[str, Run | Shown] = {
     "--x64": verify(costly=SINKS),
     "meshlm verify --config tiny-gpt-oss --mesh 2x2 --ep 2 --devices 4 --steps 2 --x64": verify(costly=EP),
     "meshlm verify --config tiny-llama4 --mesh 1x4 --devices 4 --steps 2 --x64": verify(costly=CHUNKS),
+    "meshlm verify --config tiny-llama4 --mesh 1x2 --cp 2 --attention blockwise --devices 4 --steps 2 "
+    "--x64": verify(costly=CHUNKS),
     "meshlm verify --config tiny-llama4 --mesh 2x2 --ep 2 --devices 4 --steps 2 --x64": verify(costly=EP),
     "meshlm verify --config tiny-olmo3 --mesh 1x4 --devices 4 --steps 2 --x64": verify(costly=MARGIN),
     "meshlm verify --config tiny-olmo3 --mesh 2x2 --devices 4 --steps 2 --x64": verify(costly=MARGIN),
