@@ -216,7 +216,7 @@ def check_uniform_stack(cfg, layout: Layout) -> None:
     periodic stack of two layer kinds, or a MoE's dense prefix run with the embedding, passes): the
     rules table's and the pipeline's check (``pipelined.check_pipelined``) both ask here. A
     ShardingError, as for any split the mesh cannot make (``verify --matrix`` lists such cells as
-    skipped)."""
+    skipped). Gemma 4's stack carry is refused first, under --sp too (every layout asks here)."""
     if layout.pipelined and getattr(cfg, "per_layer", False):  # (Gemma 4: ``model.per_layer``)
         raise ShardingError(
             f"--pp: {cfg.family}'s layers carry keys and values and per-layer inputs from layer to layer, "
