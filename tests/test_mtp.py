@@ -104,6 +104,9 @@ def test_refusals():
         get_config("tiny-llama").replace(mtp_weight=0.3)
     with pytest.raises(ConfigError, match="--pp with multi-token prediction"):
         Pipelined().check(CFG, Layout(pp=2))
+    pp = Layout(pp=2, microbatches=2, pp_schedule="gpipe")  # the library's verify: the same, before any run
+    with pytest.raises(ConfigError, match="--pp with multi-token prediction"):
+        verify(model_problem(CFG.replace(n_layers=3), "tiny-deepseek-v3", pp, 4, 16), pp, controls=())
     with pytest.raises(ConfigError, match="--seq-len 1 leaves depth 1"):
         mtp.depth_losses(CFG, Parallel(), {"targets": jnp.zeros((1, 1), jnp.int32)}, [None])
 
