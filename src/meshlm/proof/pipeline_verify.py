@@ -26,7 +26,7 @@ from meshlm.parallel.pipeline import Pipeline
 from meshlm.parallel.pipeline_schedule import schedule_facts
 from meshlm.parallel.pipeline_stats import stats_pass_permutes
 from meshlm.proof.cp_controls import CP_CONTROLS
-from meshlm.proof.pipeline_proof import CONTROLS, applicable_controls
+from meshlm.proof.pipeline_proof import CONTROLS
 from meshlm.proof.report import LeafResult, check_row, compare_into, worst
 
 
@@ -42,11 +42,12 @@ def engine_sums_over_dp(layout) -> type[Pipeline]:
     return EngineSumsOverDp
 
 
-def pipeline_controls(runs, rtol: float, atol: float) -> list[dict]:
-    """One row per pipeline control that can show a difference on this schedule."""
+def pipeline_controls(runs, rtol: float, atol: float, names: list[str]) -> list[dict]:
+    """One row per pipeline control of ``names`` (those that can show a difference on this schedule:
+    ``applicable_controls``)."""
     rows = []
     (lr, gr) = runs.reference_grads()
-    for name in applicable_controls(runs.layout.pipeline):
+    for name in names:
         ls, gs = runs.run_traced(f"pipeline: {name}", pipeline_control_fn(runs, name), runs.params)
         results: dict[str, LeafResult] = {}
         compare_into(results, {"loss": {"value": ls}, **gs}, {"loss": {"value": lr}, **gr}, rtol, atol)

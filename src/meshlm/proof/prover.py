@@ -42,7 +42,7 @@ from meshlm.proof.routing import routing_rows
 from meshlm.proof.rule_errors import rule_mismatch, vma_error
 from meshlm.proof.runs import Runs, default_optim, step_batches
 from meshlm.sharding.strategy import strategy
-from meshlm.train.optim import OptimConfig, clip_by_global_norm
+from meshlm.train.optim import OptimConfig
 
 # (rtol, atol), normwise. float32: summation order differs between layouts and Adam's division by
 # sqrt(v) amplifies rounding in near-zero gradients over steps; float64 shows the result is exact.
@@ -61,6 +61,7 @@ def verify(
     collectives: bool = False,
     data_steps: int = 0,
     allow_routing_flips: bool = False,
+    pipeline_faults: tuple[str, ...] | None = None,
 ) -> Report:
     """Prove ``problem`` sharded on ``where`` (a jax Mesh or a Layout, with the problem's memory
     options) equals it unsharded; see the module docstring.
@@ -68,7 +69,9 @@ def verify(
     ``collectives`` adds the communication check (needs ``problem.cfg``); ``data_steps`` > 0 adds
     the data-pipeline check over that many steps. A mixture of experts' routing flips are counted
     and decide a check row (``proof.routing``); ``allow_routing_flips`` passes that row in float32
-    (never in float64), the tolerance unchanged."""
+    (never in float64), the tolerance unchanged. Under pp ``pipeline_faults`` names the pipeline's own
+    controls to run (None: every one that applies; a test of another stage body runs the one its
+    body changes, the schedule's faults being proven on every schedule elsewhere)."""
     dname = jnp.dtype(dtype).name
     rtol, atol = TOLERANCE[dname]
     layout = Layout.of(where, fsdp=problem.fsdp, sp=problem.sp)
@@ -79,7 +82,6 @@ def verify(
     report = Report(config=problem.name, dp=dp, mp=mp, steps=steps, dtype=dname, rtol=rtol, atol=atol)
     if layout.extra_axes:  # the header names the pipeline ("pp2x1x2 (1f1b, M=4)") or cp
         report.extra["mesh"] = layout.label()  # ("1x2 + CP2 ring")
-    runs = Runs(problem, layout, dtype, seed)
     collectives = collectives and problem.cfg is not None
     where = where_of(problem, layout, collectives)
     chosen, pipeline = control_set(where, controls), []
@@ -87,6 +89,13 @@ def verify(
     if engine_faults:  # every control through the pipeline, and its own faults (``pipeline_verify``)
         chosen += permute_controls(controls, where, collectives)
         pipeline = applicable_controls(layout.pipeline)
+        if pipeline_faults is not None:
+            if unknown := set(pipeline_faults) - set(pipeline):
+                raise ValueError(
+                    f"pipeline controls {sorted(unknown)} do not apply here; these do: {pipeline}"
+                )
+            pipeline = [n for n in pipeline if n in pipeline_faults]
+    runs = Runs(problem, layout, dtype, seed)
     try:  # before any run: a control that changes nothing here is a prover bug (``inertness``)
         check_not_inert(chosen + pipeline, runs, ocfg)
         sharded = runs.proven_grads()
@@ -107,7 +116,7 @@ def verify(
     report.extra["param_bytes_total"] = total_bytes(runs.params)
     if engine_faults:
         report.controls = [run_model_control(c, runs, run_control, ocfg, rtol, atol) for c in chosen]
-        report.controls += pipeline_controls(runs, rtol, atol)
+        report.controls += pipeline_controls(runs, rtol, atol, pipeline)
         return report
     report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in chosen]
     return report
@@ -146,7 +155,7 @@ def _compare_values(report: Report, runs: Runs, sharded, steps: int, ocfg, seed:
     differ, total = compare_into(results, gs, gr, rtol, atol)
     counts = {"loss and gradients": (differ + (loss_check.update(ls, lr, rtol, atol) != 0), total + 1)}
     if steps:
-        ocfg = ocfg or default_optim(steps, float(clip_by_global_norm(gr, 0)[1]))
+        ocfg = ocfg or default_optim(steps, runs.reference_grad_norm())
         batches = step_batches(runs.problem, steps, ocfg.accum_steps, seed)
         differ = total = 0
         drift = AdamDrift(ocfg, leaf_label)  # what AdamW's division makes of the moments' difference

@@ -114,6 +114,12 @@ class Runs:
             self._ref_grads = self.problem.from_reference(program(*args))
         return self._ref_grads
 
+    def reference_grad_norm(self) -> float:
+        """The reference gradients' global L2 norm (the proof's clip is a tenth of it: ``default_optim``),
+        on the host: an eager norm on the device compiles a few small programs per leaf shape."""
+        leaves = jax.tree.leaves(jax.tree.map(to_host, self.reference_grads()[1]))
+        return float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in leaves)))
+
     def _checked(self, program: CheckedProgram) -> CheckedProgram:
         self.checked.append(program)
         return program
