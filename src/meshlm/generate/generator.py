@@ -71,7 +71,8 @@ class Generator:
             raise ConfigError(f"max_len={max_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
         specs = model_specs(cfg, params, self.layout)
         self.params = jax.device_put(params, shardings(specs, self.mesh))  # a no-op when already laid out
-        self._prog = programs_for(cfg, self.layout, specs, self.max_len, self.params, bool(prefill_cp))
+        self.prefill_cp = bool(prefill_cp)
+        self._prog = programs_for(cfg, self.layout, specs, self.max_len, self.params, self.prefill_cp)
         self._last_constants: tuple = (None, None)
 
     @property
@@ -147,6 +148,14 @@ class Generator:
         t2 = time.perf_counter()
         rates = (sum(map(len, ids)) / (t1 - t0), decoded / (t2 - t1) if decoded else 0.0)
         return [r.result(p, rates) for p, r in zip(prompts, rows, strict=True)]
+
+    def speculate(self, prompts, max_new_tokens: int, stop=None, on_token: OnToken | None = None) -> tuple:
+        """Greedy generation with the MTP depths' drafts verified by the main model (``speculative``):
+        (the results ``generate`` gives at temperature 0, token for token; per prompt its speculation's
+        ``SpecStats``)."""
+        from meshlm.generate.speculative_loop import generate_speculative
+
+        return generate_speculative(self, prompts, max_new_tokens, stop, on_token)
 
     def logits_with_cache(self, tokens, lengths) -> list[np.ndarray]:
         """Teacher-forced cached logits. Row b is prefilled with tokens[b, :lengths[b]], then fed
