@@ -10,11 +10,13 @@ depth's own cache proven), and a control (the depth embedding the token one too 
 there while the output stays the same: output equality alone cannot see a bad draft."""
 
 import json
+import shlex
 
 import haiku as hk
 import jax
 import numpy as np
 import pytest
+from docs_commands import SPEC_GENERATE
 from helpers import run_cli
 from test_generate import host_params
 
@@ -26,13 +28,14 @@ from meshlm.generate.speculative import check_speculative
 from meshlm.generate.speculative_loop import generate_speculative
 from meshlm.model import mtp
 from meshlm.model.config import get_config
+from meshlm.model.padding import resize_tree
 from meshlm.model.transformer import local_logits_stats
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 
 CFG = get_config("tiny-deepseek-v3")
 PROMPTS = [[1, 2, 3], [5, 9, 11, 40, 2], [7], [30, 31]]
-NEW, MAX_LEN = 20, 32
+NEW, MAX_LEN = 20, 25  # the longest prompt (5) + NEW fills the context: the last slots in use
 
 
 def planted(params: dict, alpha: float = 0.01) -> dict:
@@ -64,7 +67,9 @@ def plain():
 
 
 def _speculate(params, layout, **kw):
-    results, stats = Generator(CFG, params, layout, max_len=MAX_LEN, eod=None).speculate(PROMPTS, NEW, **kw)
+    results, stats = generate_speculative(
+        Generator(CFG, params, layout, max_len=MAX_LEN, eod=None), PROMPTS, NEW, **kw
+    )
     return [r.tokens for r in results], [s.to_json() for s in stats]
 
 
@@ -93,7 +98,9 @@ def test_two_depths_chain_their_drafts(plain):
     params, want = plain
     cfg = CFG.replace(mtp_layers=2)
     two = {**params, **{k.replace("mtp_0", "mtp_1"): v for k, v in params.items() if k.startswith("mtp_0")}}
-    results, stats = Generator(cfg, two, Layout(), max_len=MAX_LEN, eod=None).speculate(PROMPTS, NEW)
+    results, stats = generate_speculative(
+        Generator(cfg, two, Layout(), max_len=MAX_LEN, eod=None), PROMPTS, NEW
+    )
     assert [r.tokens for r in results] == want
     assert all(s.proposed == 2 * (s.forwards - 1) for s in stats)
     assert sum(s.accepted for s in stats) > 0
@@ -162,21 +169,28 @@ def _checkpoint(path, cfg, params):
     return str(path)
 
 
-def test_cli_reports_the_drafts_and_refuses_bad_input(tmp_path, capsys):
-    ckpt = _checkpoint(tmp_path / "ds", CFG, planted(host_params("tiny-deepseek-v3")))
-    # docs/models.md's command (a tiny-deepseek-v3 checkpoint; ids below its vocabulary of 64)
-    argv = ["generate", "--checkpoint", ckpt, "--prompt", "(", "--speculative", "mtp", "--json"]
-    assert run_cli(*argv, "--max-new-tokens", "8") == 0
+def test_cli_runs_the_documented_command_and_refuses_bad_input(tmp_path, monkeypatch, capsys):
+    """The docs' command on a tiny-deepseek-v3 of the docs' 300-id vocabulary (the planted weights, ids
+    from 64 on zero-padded): the tokens of plain greedy generation, and the drafts reported."""
+    cfg = CFG.replace(vocab_size=300)
+    _checkpoint(
+        tmp_path / "runs/deepseek",
+        cfg,
+        resize_tree(planted(host_params("tiny-deepseek-v3")), cfg.padded_vocab),
+    )
+    monkeypatch.chdir(tmp_path)
+    argv = [*shlex.split(SPEC_GENERATE)[1:], "--max-new-tokens", "12"]  # docs/models.md's, exactly
+    assert run_cli(*argv) == 0
     out = json.loads(capsys.readouterr().out)
-    spec = out["speculative"]
-    assert set(spec) == {
-        "method", "depths", "drafts_proposed", "drafts_accepted", "acceptance_rate", "main_forwards",
-        "tokens_per_forward",
-    }  # fmt: skip
-    assert len(out["tokens"]) == 8 and spec["tokens_per_forward"] == round(8 / spec["main_forwards"], 4)
+    keys = {"drafts_proposed", "drafts_accepted", "acceptance_rate", "main_forwards", "tokens_per_forward"}
+    assert all(keys < set(o["speculative"]) and o["speculative"]["method"] == "mtp" for o in out)
+    assert sum(o["speculative"]["drafts_accepted"] for o in out) > 0
+    assert run_cli(*[a for a in argv if a not in ("--speculative", "mtp")]) == 0
+    assert [o["tokens"] for o in json.loads(capsys.readouterr().out)] == [o["tokens"] for o in out]
     assert run_cli(*argv, "--temperature", "0.7") == 2
-    assert "greedy only" in capsys.readouterr().err
+    assert capsys.readouterr().err.count("\n") == 1  # one line
     assert run_cli(*argv, "--mesh", "1x1", "--cp", "2", "--devices", "2") == 2
-    llama = _checkpoint(tmp_path / "llama", get_config("tiny-llama"), host_params("tiny-llama"))
-    assert run_cli("generate", "--checkpoint", llama, "--prompt", "(", "--speculative", "mtp") == 2
+    assert "--cp" in capsys.readouterr().err
+    _checkpoint(tmp_path / "llama", get_config("tiny-llama"), host_params("tiny-llama"))
+    assert run_cli(*[a.replace("runs/deepseek", "llama") for a in argv]) == 2
     assert "needs MTP depths" in capsys.readouterr().err

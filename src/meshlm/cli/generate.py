@@ -187,7 +187,9 @@ def _generate(args, gen, prompts, on_token) -> tuple:
     """(results, per-prompt ``SpecStats`` with --speculative, else None)."""
     new = args.max_new_tokens if args.max_new_tokens is not None else _default_new(gen, prompts)
     if args.speculative:
-        return gen.speculate(prompts, new, stop=args.stop, on_token=on_token)
+        from meshlm.generate.speculative_loop import generate_speculative
+
+        return generate_speculative(gen, prompts, new, stop=args.stop, on_token=on_token)
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     return gen.generate(prompts, new, stop=args.stop, on_token=on_token, **kw), None
 

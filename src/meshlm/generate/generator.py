@@ -63,7 +63,7 @@ class Generator:
         self, cfg, params, where, *, max_len=None, tokenizer=None, eod="tokenizer", prefill_cp=False
     ):
         self.cfg, self.layout = cfg, Layout.of(where, fsdp=False, sp=False)
-        self.mesh, self.dp = self.layout.mesh, self.layout.dp
+        self.mesh, self.dp, self.prefill_cp = self.layout.mesh, self.layout.dp, bool(prefill_cp)
         self.tokenizer = tokenizer = tokenizer or ByteTokenizer()
         self.eod = getattr(tokenizer, "eod_id", EOD) if eod == "tokenizer" else eod
         self.max_len = cfg.max_seq_len if max_len is None else int(max_len)
@@ -71,7 +71,6 @@ class Generator:
             raise ConfigError(f"max_len={max_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
         specs = model_specs(cfg, params, self.layout)
         self.params = jax.device_put(params, shardings(specs, self.mesh))  # a no-op when already laid out
-        self.prefill_cp = bool(prefill_cp)
         self._prog = programs_for(cfg, self.layout, specs, self.max_len, self.params, self.prefill_cp)
         self._last_constants: tuple = (None, None)
 
@@ -148,14 +147,6 @@ class Generator:
         t2 = time.perf_counter()
         rates = (sum(map(len, ids)) / (t1 - t0), decoded / (t2 - t1) if decoded else 0.0)
         return [r.result(p, rates) for p, r in zip(prompts, rows, strict=True)]
-
-    def speculate(self, prompts, max_new_tokens: int, stop=None, on_token: OnToken | None = None) -> tuple:
-        """Greedy generation with the MTP depths' drafts verified by the main model (``speculative``):
-        (the results ``generate`` gives at temperature 0, token for token; per prompt its speculation's
-        ``SpecStats``)."""
-        from meshlm.generate.speculative_loop import generate_speculative
-
-        return generate_speculative(self, prompts, max_new_tokens, stop, on_token)
 
     def logits_with_cache(self, tokens, lengths) -> list[np.ndarray]:
         """Teacher-forced cached logits. Row b is prefilled with tokens[b, :lengths[b]], then fed

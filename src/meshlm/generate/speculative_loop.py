@@ -89,12 +89,12 @@ def generate_speculative(
     while any(r.finish is None for r in rows):
         fed = np.concatenate([last[:, None], drafts], axis=1)
         made, count, new_drafts, logits, cache = run["verify"](gen.params, put(fed, None), put(first), cache)
-        made, count = to_host(made), to_host(count)
+        made, count, new_drafts = to_host(made), to_host(count), to_host(new_drafts)
         _record(record, rows, first + count - 1, logits)
         for r, s in zip(rows, stats, strict=True):
             b, k = r.index, int(count[r.index])
             if r.finish is None and _step(r, s, made[b, :k], max_new_tokens) is None:
-                first[b], last[b], drafts[b] = advance(first[b], k), made[b, k - 1], to_host(new_drafts)[b]
+                first[b], last[b], drafts[b] = advance(first[b], k), made[b, k - 1], new_drafts[b]
     t2 = time.perf_counter()
     decoded = sum(s.tokens - 1 for s in stats)
     rates = (sum(map(len, ids)) / (t1 - t0), decoded / (t2 - t1) if decoded else 0.0)
