@@ -102,6 +102,15 @@ EP_PP_CMD = "meshlm verify --config tiny-mixtral --pp 2 --mesh 2x1 --ep 2 --devi
 ROUTER = "tests/test_router_proof.py::test_router_proven_on_ep_with_its_bias_bitwise"
 SINKS = "tests/test_sinks.py::test_verify_proves_sinks_under_the_cp_ring"
 CHUNKS = "tests/test_chunked.py::test_verify_proves_chunks_and_nope_layers_under_the_cp_ring"
+SPEC_TRAIN = (
+    "meshlm train --config tiny-deepseek-v3 --tokenizer bpe-300 --steps 400 --batch-size 16 --seq-len 64 "
+    "--out runs/deepseek"
+)
+SPEC_GENERATE = (
+    "meshlm generate --checkpoint runs/deepseek --prompt 'self.' --prompt 'if x' --speculative mtp --json"
+)
+MTP_TRAIN = "tests/test_mtp.py::test_trains_and_resumes_bitwise_with_the_depth_losses_in_metrics"
+SPEC_CLI = "tests/test_speculative.py::test_cli_runs_the_documented_command_and_refuses_bad_input"
 # every control that applies, traced on a cell of the preset's family (SmolLM3's NoPE layers)
 EVERY = "tests/test_every_control.py::test_every_applicable_control_runs_and_changes_its_program"
 
@@ -647,4 +656,8 @@ COMMANDS: dict[str, Run | Shown] = {
         "meshlm verify --config tiny-deepseek-v3 --mesh 1x2 --cp 2 --steps 2 --x64",
         "meshlm train --config tiny-deepseek-v3 --mtp-weight 0.3",
     ),
+    # generate --speculative mtp: the train step of MLA + MoE + MTP compiles for ~40 s; the generate
+    # command itself runs, exactly, on a saved tiny-deepseek-v3 of the same vocabulary in SPEC_CLI
+    SPEC_TRAIN: run("--steps 400 => --steps 2", add="--eval-every 0 --sample-tokens 0", costly=MTP_TRAIN),
+    SPEC_GENERATE: run(add="--max-new-tokens 8", after=(SPEC_TRAIN,), costly=SPEC_CLI),
 }

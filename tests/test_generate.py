@@ -41,10 +41,11 @@ NEW = 12
 
 
 @functools.cache
-def host_params(name: str, scale: float = 0.35) -> dict:
-    """Random parameters without init_model's compile (seconds per preset on 2 cores). ``scale`` is
-    large enough that greedy decoding does not collapse into one repeated token."""
-    cfg = get_config(name)
+def host_params(name, scale: float = 0.35) -> dict:
+    """Random parameters without init_model's compile (seconds per preset on 2 cores) of a preset (its
+    name) or a ModelConfig. ``scale`` is large enough that greedy decoding does not collapse into one
+    repeated token."""
+    cfg = get_config(name) if isinstance(name, str) else name
     example = {k: jnp.zeros((1, 8), jnp.int32) for k in ("inputs", "targets")}
     unpadded = loss_fn(cfg.replace(vocab_multiple=1), Parallel())  # drawn unpadded, then zero-padded
     shapes = jax.eval_shape(hk.transform(unpadded).init, jax.random.PRNGKey(0), example)

@@ -60,6 +60,15 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass in (0, 1] (1: all)")
     p.add_argument("--stop", action="append", default=[], help="stop at this string; repeatable")
     p.add_argument(
+        "--speculative",
+        choices=("mtp",),
+        default=None,
+        help=(
+            "mtp: self-speculative greedy decoding, the model's MTP depths drafting and the main model "
+            "verifying them in one forward (output identical to plain greedy); --json reports the drafts"
+        ),
+    )
+    p.add_argument(
         "--tokenizer",
         default=None,
         help="tokenizer.json for a checkpoint converted without one (default: the checkpoint's own)",
@@ -133,29 +142,29 @@ def run(args) -> int:
     flags = settings_from(args, MeshFlags)
     refuse_options(args, flags, "generate", REFUSED, ANY_MESH)
     prompts = _prompts(args)  # file errors before the slow parts
+    if args.speculative:  # sampling and cp: before the devices start
+        from meshlm.generate.speculative import check_speculative_run
+
+        check_speculative_run(args.temperature, flags.cp > 1)
     layout = setup(args, flags)
     from meshlm.generate.generator import Generator, cache_memory
-    from meshlm.io.model_io import load_model
+    from meshlm.io.model_io import load_model, read_config
     from meshlm.parallel.distributed import is_main, print0
 
+    if args.speculative:  # the model's MTP depths and attention: before the weights load
+        from meshlm.generate.speculative import check_speculative
+
+        check_speculative(read_config(args.checkpoint)[0], None, args.temperature, layout.context_parallel)
     tok = _tokenizer(args)  # the checkpoint's own: bytes, or its tokenizer.json
     cfg, params, _ = load_model(args.checkpoint, layout)
     eod, prefill_cp = _stop_ids(args, tok), layout.context_parallel  # with cp: the prefill over cp
     gen = Generator(cfg, params, layout, tokenizer=tok, eod=eod, prefill_cp=prefill_cp)
     streaming = not args.json and len(prompts) == 1 and is_main()
-    results = gen.generate(
-        prompts,
-        args.max_new_tokens if args.max_new_tokens is not None else _default_new(gen, prompts),
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=args.stop,
-        on_token=_streamer(prompts[0]) if streaming else None,
-    )
+    results, spec = _generate(args, gen, prompts, _streamer(prompts[0]) if streaming else None)
     cache = cache_memory(gen, len(prompts))
     if args.json:
         objs = [{**r.to_json(), "kv_cache": cache} for r in results]
+        objs = [{**o, "speculative": s.to_json()} for o, s in zip(objs, spec, strict=True)] if spec else objs
         print0(json.dumps(objs if len(objs) > 1 else objs[0]))
     elif streaming:
         print()
@@ -168,7 +177,27 @@ def run(args) -> int:
         print(
             f"[{sum(len(x.tokens) for x in results)} tokens; prefill {r.prefill_tokens_per_s:.0f} tok/s, "
             f"decode {r.decode_tokens_per_s:.0f} tok/s; mesh {mesh}; KV cache {cache['slots']} "
-            f"positions per layer{local}, {cache['total']:,} bytes]",
+            f"positions per layer{local}, {cache['total']:,} bytes{_spec_note(spec)}]",
             file=sys.stderr,
         )
     return 0
+
+
+def _generate(args, gen, prompts, on_token) -> tuple:
+    """(results, per-prompt ``SpecStats`` with --speculative, else None)."""
+    new = args.max_new_tokens if args.max_new_tokens is not None else _default_new(gen, prompts)
+    if args.speculative:
+        from meshlm.generate.speculative_loop import generate_speculative
+
+        return generate_speculative(gen, prompts, new, stop=args.stop, on_token=on_token)
+    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    return gen.generate(prompts, new, stop=args.stop, on_token=on_token, **kw), None
+
+
+def _spec_note(spec) -> str:
+    """The speculation's totals for the stderr line: drafts accepted, tokens per main-model forward."""
+    if not spec:
+        return ""
+    acc, prop = sum(s.accepted for s in spec), sum(s.proposed for s in spec)
+    per = sum(s.tokens for s in spec) / sum(s.forwards for s in spec)
+    return f"; MTP drafts accepted {acc} of {prop}, {per:.2f} tokens per main forward"

@@ -63,7 +63,7 @@ class Generator:
         self, cfg, params, where, *, max_len=None, tokenizer=None, eod="tokenizer", prefill_cp=False
     ):
         self.cfg, self.layout = cfg, Layout.of(where, fsdp=False, sp=False)
-        self.mesh, self.dp = self.layout.mesh, self.layout.dp
+        self.mesh, self.dp, self.prefill_cp = self.layout.mesh, self.layout.dp, bool(prefill_cp)
         self.tokenizer = tokenizer = tokenizer or ByteTokenizer()
         self.eod = getattr(tokenizer, "eod_id", EOD) if eod == "tokenizer" else eod
         self.max_len = cfg.max_seq_len if max_len is None else int(max_len)
@@ -71,7 +71,7 @@ class Generator:
             raise ConfigError(f"max_len={max_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
         specs = model_specs(cfg, params, self.layout)
         self.params = jax.device_put(params, shardings(specs, self.mesh))  # a no-op when already laid out
-        self._prog = programs_for(cfg, self.layout, specs, self.max_len, self.params, bool(prefill_cp))
+        self._prog = programs_for(cfg, self.layout, specs, self.max_len, self.params, self.prefill_cp)
         self._last_constants: tuple = (None, None)
 
     @property

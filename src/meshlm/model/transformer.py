@@ -176,20 +176,23 @@ def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=
 
 
 def local_logits_stats(
-    cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=None, starts=None, mtp_ids=None
+    cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=None, starts=None, mtp_ids=None, after=None
 ):
     """``local_logits`` and the layers' routing statistics of this shard's tokens ([L, 2E + 3] with a
     mixture of experts, ``model.moe``; None without). With ``mtp_ids`` (each MTP depth's tokens,
-    ``model.mtp``) also (the depths' per-shard logits, their routing statistics)."""
+    ``model.mtp``) also (the depths' per-shard logits, their routing statistics); with ``after`` also
+    ``after(x [B, T, D] before the final norm, logits, the parts MTP shares)`` (``generate.speculative``)."""
     _check_seq_len(cfg, tokens.shape[-1])
     _check_context_parallel(cfg, par)
     par.seq_len_check(tokens.shape[-1])
     # FSDP gathers, SP norm hook (``Parallel.param``); with LoRA the base frozen (``lora.freeze``)
     with hk.custom_getter(parallel_getter(par)), freeze(cfg):
-        return _local_logits(cfg, par, tokens, positions, cache, starts, mtp_ids)
+        return _local_logits(cfg, par, tokens, positions, cache, starts, mtp_ids, after)
 
 
-def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, starts, mtp_ids=None):
+def _local_logits(
+    cfg: ModelConfig, par: Parallel, tokens, positions, cache, starts, mtp_ids=None, after=None
+):
     if positions is None:  # global positions: with cp, those of this shard's chunks
         positions = jnp.broadcast_to(par.positions(tokens.shape[-1]), tokens.shape)
     if cfg.doc_mask >= 0:
@@ -203,13 +206,13 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, sta
     x, cache, *stats = stack_layers(cfg, _block(cfg, par), x, positions, cache, starts, _others(cfg, par))
     head = _head(cfg, par, embed)  # one module: the MTP depths share it
     out = (head(_final_norm(cfg, x)), cache, (stats[0] if stats else None))
+    block, norm = (lambda: _block(cfg, par)), (lambda name: _norm(cfg, name))  # the MTP depths': shared
+    parts = dict(embed=lambda t: _scaled(cfg, embed(t)), head=head, block=block, norm=norm, stddev=GPT_STDDEV)
+    if after is not None:
+        return (*out, after(x, out[0], parts))
     if mtp_ids is None:
         return out
-    block, norm = (lambda: _block(cfg, par)), (lambda name: _norm(cfg, name))
-    depths = mtp.depth_logits(
-        cfg, par, x, mtp_ids, embed=lambda t: _scaled(cfg, embed(t)), head=head, block=block, norm=norm,
-        stddev=GPT_STDDEV, positions=positions, starts=starts,
-    )  # fmt: skip
+    depths = mtp.depth_logits(cfg, par, x, mtp_ids, **parts, positions=positions, starts=starts)
     return (*out, depths)
 
 
