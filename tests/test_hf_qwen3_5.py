@@ -115,8 +115,9 @@ def test_verify_checkpoint_of_the_converted_model_under_cp(family):
     converted transformers model (3 linear layers, transformers' chunk of 64, value heads over mp),
     as the CLI builds it (the checkpoint's weights, ``proof.problem``), on 16 tokens (cp chunks of 4,
     after the K - 1 = 3 inputs and the state of the chunk before): sharded == unsharded after 2 steps
-    in float64, and the cp chunks' two controls detected (the full set runs in the CLI's proof,
-    ``docs/proof.md``)."""
+    in float64. The cp chunks' two controls are detected on the preset's weights under cp 2 and cp 4
+    (``tests/test_deltanet.py``), the full set in the CLI's proof (``docs/proof.md``); here the converted
+    model's own chunking and weights are what is proven."""
     import dataclasses
 
     import jax
@@ -125,17 +126,14 @@ def test_verify_checkpoint_of_the_converted_model_under_cp(family):
     from meshlm.io.model_io import load_model, read_config
     from meshlm.parallel.layout import Layout
     from meshlm.proof import format_report, model_problem, verify
-    from meshlm.proof.linear_controls import LINEAR_CONTROLS
 
     ckpt = str(family["ckpt"])
     cfg = read_config(ckpt)[0]
     assert cfg.linear_layers == (0, 1, 2) and cfg.linear_chunk == 64
-    controls = tuple(c for c in LINEAR_CONTROLS if "cp chunks" in c.name)
     layout = Layout(mp=2, cp=2)
     problem = model_problem(cfg, ckpt, layout, batch_size=1, seq_len=16)
     problem = dataclasses.replace(problem, load_params=lambda m: load_model(ckpt, m)[1])
     with jax.enable_x64(True):
-        report = verify(problem, layout, dtype=np.float64, controls=controls, steps=2, collectives=True)
+        report = verify(problem, layout, dtype=np.float64, controls=(), steps=2, collectives=True)
     assert report.ok, format_report(report)
     assert max(p.max_rel_err for p in report.params) <= 1e-12
-    assert len(controls) == 2 and all(c["detected"] for c in report.controls), report.controls
