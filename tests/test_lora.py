@@ -42,7 +42,10 @@ def test_verify_lora_sft_equal_unsharded_and_its_controls_detected(layout, dropo
     rows = 2 * lay.dp * lay.pipeline_microbatches
     problem = lora_problem(sft_problem(model_problem(cfg, "tiny-llama", lay, rows, 16)))
     with jax.enable_x64(True):
-        report = verify(problem, lay, dtype=np.float64, controls=LORA_CONTROLS)
+        # under pp the pipeline's controls on what SFT changes (the masked loss's and the adapters' gradients'
+        # sum over micro-batches); its schedule faults are the engine's alone (tests/test_pp_verify.py)
+        faults = ("one micro-batch's gradient dropped", "loss not divided by M")
+        report = verify(problem, lay, dtype=np.float64, controls=LORA_CONTROLS, pipeline_faults=faults)
     assert report.ok, format_report(report)
     adapters = [p for p in report.params if lora.is_adapter(p.path)]
     assert len(adapters) == 14 and max(p.max_rel_err for p in adapters) <= 1e-12
