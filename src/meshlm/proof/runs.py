@@ -22,7 +22,7 @@ from meshlm.proof.controls import per_shard_clip
 from meshlm.proof.problem import Problem
 from meshlm.proof.reference import CheckedProgram, reference_optimizer, reference_step
 from meshlm.proof.sft import proof_batch
-from meshlm.sharding.rules import init_sharded
+from meshlm.sharding.rules import shardings
 from meshlm.sharding.spmd import reference_value_and_grad
 from meshlm.sharding.strategy import strategy
 from meshlm.train.optim import OptimConfig, adamw, make_step
@@ -41,11 +41,7 @@ class Runs:
         self.problem, self.layout, self.mesh = problem, layout, layout.mesh
         mesh = self.mesh
         self.device = jax.local_devices()[0]  # the reference runs on one device of this process
-        init = hk.transform(problem.build_loss(Parallel())).init
-        example = jax.tree.map(jnp.asarray, problem.batch)
-        self.params, self.specs = init_sharded(
-            init, jax.random.PRNGKey(seed), example, specs_fn=problem.specs_fn, mesh=mesh, dtype=dtype
-        )
+        self.params, self.specs = _init(problem, mesh, dtype, seed)
         if problem.load_params is not None:  # e.g. a checkpoint: same specs (FSDP too), on this layout
             self.params = jax.tree.map(lambda p: p.astype(dtype), problem.load_params(layout))
         elif problem.prepare_params is not None:
@@ -160,6 +156,24 @@ class Runs:
         for b, ref in zip(batches, self.reference_train(ocfg, batches), strict=True):
             *state, metrics = step(*state, put_batch(b, self.layout, accum))
             yield (*state, metrics), ref
+
+
+def _init(problem: Problem, mesh, dtype, seed: int):
+    """The proof's parameters and their specs. Created by the unsharded init program on this process's
+    first device, then laid out by the specs: that program is the same on every mesh of a model (a
+    compilation-cache hit after the first mesh; a sharded init compiles one per mesh), and the values
+    are those any mesh's init gives (JAX's partitionable threefry; ``rules.init_sharded``). The example
+    batch is one row when every leaf has the rows first (the parameters do not depend on the batch)."""
+    init = hk.transform(problem.build_loss(Parallel())).init
+    example = jax.tree.map(jnp.asarray, problem.batch)
+    rows = {np.shape(v)[0] if np.ndim(v) else None for v in jax.tree.leaves(example)}
+    if len(rows) == 1 and None not in rows:
+        example = jax.tree.map(lambda v: v[:1], example)
+    key = jax.random.PRNGKey(seed)
+    specs = problem.specs_fn(jax.eval_shape(init, key, example))
+    host = jax.jit(lambda k, b: jax.tree.map(lambda p: p.astype(dtype), init(k, b)))(key, example)
+    placed = jax.tree.map(lambda x, s: put_global(np.asarray(x), s), host, shardings(specs, mesh))
+    return placed, specs
 
 
 def _reference_train_step(problem: Problem, ref_loss, ocfg: OptimConfig, opt):
