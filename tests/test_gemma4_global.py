@@ -1,0 +1,70 @@
+"""Gemma 4's global layers of their own attention shape (``model.per_layer_runs``: transformers'
+``global_head_dim`` and ``num_global_key_value_heads``), proven: float64, the sharded model against the
+unsharded one on 1x4, where the local layers' 4 KV heads split over mp and the global layers' 2 (of
+twice the width) are replicated (a window of 4 on 8 tokens), the KV-sharing and keys-as-values across
+the kinds' own carries; every Gemma 4 control and the replicated-KV one detected (on the global layers
+alone here). The transformers comparison of the same shapes is tests/test_hf_gemma4.py's
+"gemma4-global" case."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from meshlm.errors import ConfigError, ShardingError
+from meshlm.model.config import get_config
+from meshlm.parallel.layout import Layout
+from meshlm.proof import model_problem, verify
+from meshlm.proof.controls import CONTROLS
+from meshlm.proof.per_layer_controls import PER_LAYER_CONTROLS
+
+# 4 layers (local, global, twice: the last two read layers 0 and 1's keys and values); local heads of
+# 32 with 4 KV heads, global ones of 64 with 2, keys as values on them, a quarter of their pairs rotated
+GLOBAL = dict(n_layers=4, global_every=2, n_kv_heads=4, global_head_dim=64, global_kv_heads=2)
+GLOBAL |= dict(sliding_window=4)
+
+
+def _cfg(**changes):
+    return get_config("tiny-gemma4").replace(**{**GLOBAL, **changes})
+
+
+def test_global_layers_of_their_own_shape_proven_with_controls():
+    cfg = _cfg()
+    kv = [c for c in CONTROLS if c.name == "KV heads not replicated per query group"]
+    problem = model_problem(cfg, "gemma4-global", Layout(mp=4), 1, 8)
+    with jax.enable_x64(True):
+        report = verify(problem, Layout(mp=4), dtype=jnp.float64, controls=PER_LAYER_CONTROLS + tuple(kv))
+    assert {c["name"] for c in report.controls} == {c.name for c in PER_LAYER_CONTROLS + tuple(kv)}
+    assert report.ok and all(c["detected"] for c in report.controls), (report.checks, report.controls)
+
+
+def test_stacks_and_shapes():
+    """Two stacks: the local layers' [2, ...] of heads 32, the global layers' [2, ...] of 64; the
+    global rotary of their own width (a quarter of 32 pairs: 8 rotate)."""
+    from meshlm.model.attention import kind_tables
+    from meshlm.model.params import flat_params
+    from meshlm.model.transformer import param_shapes
+
+    cfg = _cfg()
+    shapes = {k: v.shape for k, v in flat_params(param_shapes(cfg)).items()}
+    assert shapes["layers/attn/wk"] == (2, 64, 4, 32) and shapes["global_layers/attn/wk"] == (2, 64, 2, 64)
+    assert shapes["global_layers/attn/wo"] == (2, 4, 64, 64) and "layers/attn/q_norm/scale" in shapes
+    freqs = kind_tables(cfg.global_view())[1][1]
+    assert freqs.shape == (32,) and int((freqs != 0).sum()) == 8
+
+
+@pytest.mark.parametrize(
+    "changes, layout, message",
+    [
+        (dict(global_kv_heads=3, n_heads=6, n_kv_heads=2), Layout(mp=2), "global_kv_heads=3 and mp=2"),
+        (dict(global_kv_heads=3), None, "n_heads=4 is not a multiple of global_kv_heads=3"),
+        (dict(sliding_window=0), None, "global_head_dim and global_kv_heads need"),
+    ],
+)  # fmt: skip
+def test_refusals_are_one_line(changes, layout, message):
+    from meshlm.model.transformer import param_shapes
+    from meshlm.sharding.rules import model_specs
+
+    with pytest.raises((ConfigError, ShardingError), match=message) as e:
+        cfg = _cfg(**changes)
+        model_specs(cfg, param_shapes(cfg), layout)
+    assert "\n" not in str(e.value)
