@@ -68,3 +68,24 @@ def test_refusals_are_one_line(changes, layout, message):
         cfg = _cfg(**changes)
         model_specs(cfg, param_shapes(cfg), layout)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("preset", ["gemma4-e4b", "gemma4-31b"])
+def test_real_presets_count_as_transformers_builds_them(preset):
+    """`meshlm configs`' totals are transformers' own: its Gemma4ForCausalLM of the exported config
+    built on the meta device (no memory), its layer scalars (buffers) included; the config reads back."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from meshlm.io import hf_config
+    from meshlm.model.accounting import param_counts
+
+    cfg = get_config(preset)
+    hf = hf_config.config_to_hf(cfg)
+    fields = {k: v for k, v in hf.items() if k not in ("dtype", "torch_dtype")}
+    hf_cfg = transformers.Gemma4TextConfig(**fields)
+    with torch.device("meta"):
+        model = transformers.Gemma4ForCausalLM(hf_cfg)
+    theirs = sum(p.numel() for p in model.parameters())
+    theirs += sum(b.numel() for name, b in model.named_buffers() if name.endswith("layer_scalar"))
+    assert param_counts(cfg).total == theirs
+    assert hf_config.config_from_hf(hf_cfg.to_dict()) == cfg  # through transformers' per_layer_config

@@ -101,9 +101,10 @@ def _per_layer_config(value, full: set[str], head: int, kv: int) -> tuple[int, i
     differ from the config's): ``head_dim`` and ``num_key_value_heads`` overrides, the same on every
     full_attention layer and none on another."""
     fix = "meshlm reads one head_dim (and num_key_value_heads) override on every full_attention layer"
-    if not isinstance(value, dict) or not {str(k) for k in value} <= full:
+    index = lambda k: str(int(k)) if isinstance(k, int) or str(k).isdigit() else str(k)  # saved: "05"
+    if not isinstance(value, dict) or not {index(k) for k in value} <= full:
         raise unsupported("per_layer_config", value, fix)
-    layers = {str(k): one for k, one in value.items()}
+    layers = {index(k): one for k, one in value.items()}
     shapes = set()
     for i in full:
         one = layers.get(i, {})
@@ -227,6 +228,21 @@ FAMILY = replace(
     gemma3.FAMILY, name="gemma4", block="per_layer", norm="rms_product_first", qk_norm="head", hf=HF
 )
 
+REAL = dict(  # what the real Gemma 4 text models share
+    vocab_size=262144,
+    head_dim=256,
+    global_head_dim=512,
+    norm_eps=1e-6,
+    tie_embeddings=True,
+    global_every=6,
+    attn_scalar=1.0,
+    rope_theta=1e6,
+    rope_local_theta=1e4,
+    rope_global_fraction=0.25,
+    final_softcap=30.0,
+    value_norm=True,
+    layer_scalar=True,
+)
 # ``ModelConfig`` fields by preset name (the registry adds ``family``).
 PRESETS: dict[str, dict] = {
     # 6 layers (local, local, global, twice), a window of 8 < verify's 64 positions; the last 2 layers
@@ -247,4 +263,15 @@ PRESETS: dict[str, dict] = {
         value_norm=True,
         layer_scalar=True,
     ),
+    # google/gemma-4-E4B and gemma-4-31B's text config.json, written from memory (no hub here): heads
+    # of 256 on the local layers (window 512 / 1024), 512 on every sixth, global layer (proportional
+    # RoPE, a quarter of its pairs); E4B per-layer inputs of 256 and the last 18 layers reading the KV
+    # of the last earlier layer of their kind; 31B 4 KV heads of its own on the global layers, keys as
+    # values there. (The E2B's shared layers have a double-wide MLP, not built: no preset.)
+    "gemma4-e4b": dict(
+        REAL, d_model=2560, n_layers=42, d_ff=10240, n_heads=8, n_kv_heads=2, sliding_window=512
+    )
+    | dict(max_seq_len=131072, ple_dim=256, kv_shared_layers=18),
+    "gemma4-31b": dict(REAL, d_model=5376, n_layers=60, d_ff=21504, n_heads=32, n_kv_heads=16)
+    | dict(max_seq_len=262144, sliding_window=1024, global_kv_heads=4, k_eq_v=True),
 }
