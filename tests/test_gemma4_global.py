@@ -89,3 +89,28 @@ def test_real_presets_count_as_transformers_builds_them(preset):
     theirs += sum(b.numel() for name, b in model.named_buffers() if name.endswith("layer_scalar"))
     assert param_counts(cfg).total == theirs
     assert hf_config.config_from_hf(hf_cfg.to_dict()) == cfg  # through transformers' per_layer_config
+
+
+def test_the_periods_scan_is_the_runs_of_each_kind():
+    """The stack's one scan over whole periods (local, global) computes what a scan per run of one
+    kind computes, on 5 layers (2 periods, then a local layer after the last global one) with the last
+    2 layers sharing KV: the logits agree to float32 rounding."""
+    import haiku as hk
+    import numpy as np
+
+    from meshlm.model import per_layer_runs
+    from meshlm.model.transformer import logits_fn
+    from meshlm.parallel.context import Parallel
+
+    cfg = _cfg(n_layers=5, kv_shared_layers=2)
+    tokens = jnp.asarray(np.arange(24).reshape(2, 12) % cfg.vocab_size)
+    model = hk.transform(logits_fn(cfg, Parallel()))
+    params = model.init(jax.random.PRNGKey(0), tokens)
+    periods = model.apply(params, None, tokens)
+    real = per_layer_runs._periods
+    try:
+        per_layer_runs._periods = lambda cfg, params, apply, xs, carry: (carry, 0)  # every run its own scan
+        runs = model.apply(params, None, tokens)
+    finally:
+        per_layer_runs._periods = real
+    np.testing.assert_allclose(periods, runs, rtol=1e-5, atol=1e-5 * float(jnp.abs(runs).max()))

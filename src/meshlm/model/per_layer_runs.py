@@ -4,14 +4,14 @@
 Two parameter stacks (``layer_kinds.stacks``): "layers" the local layers' [L_local, ...], "global_layers"
 the global layers' [L_global, ...], whose attention computes with the global view of the config
 (``PerLayerFields.global_view``: its head width E_g and KV heads K_g, so its projections, q/k norms and
-rotary, proportional RoPE included, are of that width). The stack runs as consecutive runs of one kind
-(``layer_kinds.runs``), one scan each over its slice of its stack; a run's kind is a Python constant, so
-each layer computes one attention shape (no ``lax.cond`` between shapes). The carry: x [B, T, D], each
-kind's shared keys and values apart ({"k", "v": [1, B, T, Kl, E]} local, [1, B, T, Kl_g, E_g] global,
-per shard: ``per_layer._shared_init``) and in generation the two-array cache (``kv_kinds``: its local
-and global arrays are apart already, each of its kind's shape). Per-layer inputs, the reuse flags and
-the cache indices are the uniform stack's (``per_layer.stack``), sliced by run.
-"""
+rotary, proportional RoPE included, are of that width). The stack runs as whole periods of
+``global_every`` layers, one scan over them (each a scan over its local layers, then its global layer),
+and any local layers after the last global one as a run (``layer_kinds.runs``); a layer's kind is a
+Python constant, so each computes one attention shape (no ``lax.cond`` between shapes). The carry: x [B,
+T, D], each kind's shared keys and values apart ({"k", "v": [1, B, T, Kl, E]} local, [1, B, T, Kl_g, E_g]
+global, per shard: ``per_layer._shared_init``) and in generation the two-array cache (``kv_kinds``: its
+local and global arrays are apart already, each of its kind's shape). Per-layer inputs, the reuse flags
+and the cache indices are the uniform stack's (``per_layer.stack``), sliced by run."""
 
 from __future__ import annotations
 
@@ -44,17 +44,43 @@ def split_stack(cfg, par, make_layer, x, positions, cache, starts, ple):
         one = {"reuse": jnp.asarray(False), "ple": None if ple is None else ple[indices[0]]}
         example = (None if shared is None else shared[kind], None, one)
         params[name], apply[name] = _stacked(name, len(indices), body, x, example)
-    reuse = jnp.asarray(np.arange(cfg.n_layers) >= cfg.first_shared)
-    index = None if cache is None else jnp.asarray(per_layer.cache_index(cfg))
-    for name, first, start, stop in runs(cfg):
+    xs = {"reuse": jnp.asarray(np.arange(cfg.n_layers) >= cfg.first_shared), "ple": ple}
+    xs["index"] = None if cache is None else jnp.asarray(per_layer.cache_index(cfg))
+    carry, covered = _periods(cfg, params, apply, xs, (x, shared, cache))
+    for name, first, start, stop in runs(cfg):  # the local layers after the last global one
+        if first < covered:
+            continue
         own, count = slice(first, first + stop - start), stop - start
         p = jax.tree.map(lambda a, s=slice(start, stop): a[s], params[name])
-        xs = {"reuse": reuse[own], "ple": None if ple is None else ple[own]}
-        xs["index"] = None if index is None else index[own]
         step = _step(apply[name], _kind(name))
         unroll = min(cfg.layer_unroll, count)
-        (x, shared, cache), _ = lax.scan(step, (x, shared, cache), (p, xs), unroll=unroll)
-    return x, cache
+        carry, _ = lax.scan(step, carry, (p, jax.tree.map(lambda a, s=own: a[s], xs)), unroll=unroll)
+    return carry[0], carry[2]
+
+
+def _periods(cfg, params, apply, xs, carry):
+    """The whole periods of ``global_every`` layers (every - 1 local ones, then a global one) as one
+    scan over the periods, each a scan over its local layers and its global layer: two layer bodies
+    traced, however deep the model (a scan per run would trace one per run). -> (carry, layers run)."""
+    every = cfg.global_every
+    periods = cfg.n_layers // every
+    if not periods:
+        return carry, 0
+    local, full = (name for name in sorted(params, key=_kind))
+    cut = lambda a, n, per: a[: n * per].reshape(n, per, *a.shape[1:])
+    pl = jax.tree.map(lambda a: cut(a, periods, every - 1), params[local])
+    pg = jax.tree.map(lambda a: a[:periods], params[full])
+    per = jax.tree.map(lambda a: cut(a, periods, every), xs)
+    inner = min(cfg.layer_unroll, every - 1)
+
+    def period(carry, one):
+        p_local, p_global, xs = one
+        head, tail = jax.tree.map(lambda a: a[: every - 1], xs), jax.tree.map(lambda a: a[every - 1], xs)
+        carry, _ = lax.scan(_step(apply[local], 0), carry, (p_local, head), unroll=inner)
+        return _step(apply[full], 1)(carry, (p_global, tail))
+
+    outer = max(1, min(periods, cfg.layer_unroll // every))
+    return lax.scan(period, carry, (pl, pg, per), unroll=outer)[0], periods * every
 
 
 def _kind(name: str) -> int:
