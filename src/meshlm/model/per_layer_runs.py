@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import meshlm.model.attention as attention
 from meshlm.model import per_layer
 from meshlm.model.layer_kinds import GLOBAL_STACK, runs, stacks
 from meshlm.model.memory import remat_body
@@ -37,12 +38,12 @@ def split_stack(cfg, par, make_layer, x, positions, cache, starts, ple):
     shared = None
     if cfg.kv_shared_layers:  # (local, global): each kind's own keys and values
         shared = tuple(per_layer._shared_init(views[name], par, x, 1) for name in sorted(views, key=_kind))
-    params, apply = {}, {}
+    params, apply, kinds = {}, {}, attention.layer_kinds(cfg)  # the kind each layer attends as
     for name, indices in stacks(cfg).items():
-        kind = _kind(name)
-        body = remat_body(cfg.remat, _body(make_layer(views[name]), positions, starts, kind))
+        attends = int(kinds[indices[0]])  # its stack's kind (the proof's kinds-swapped control: the other)
+        body = remat_body(cfg.remat, _body(make_layer(views[name]), positions, starts, attends))
         one = {"reuse": jnp.asarray(False), "ple": None if ple is None else ple[indices[0]]}
-        example = (None if shared is None else shared[kind], None, one)
+        example = (None if shared is None else shared[_kind(name)], None, one)
         params[name], apply[name] = _stacked(name, len(indices), body, x, example)
     xs = {"reuse": jnp.asarray(np.arange(cfg.n_layers) >= cfg.first_shared), "ple": ple}
     xs["index"] = None if cache is None else jnp.asarray(per_layer.cache_index(cfg))
