@@ -41,6 +41,11 @@ def is_embedding(path: str) -> bool:
     return path.startswith(EMBED_PREFIX)
 
 
+def is_table(path: str) -> bool:
+    """A lookup table: the embedding, or another (Gemma 4's per-layer inputs, ``embed_per_layer``)."""
+    return leaf_name(path) == "embeddings"
+
+
 def is_matmul_weight(path: str) -> bool:
     """A weight used in a matmul (``w*``): never a norm's scale/offset or a bias (``b*``)."""
     return leaf_name(path).startswith("w")

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ConfigError, ShardingError
 from meshlm.model import layer_kinds, stage_layers
-from meshlm.model.params import is_embedding, is_matmul_weight, is_stacked, param_path
+from meshlm.model.params import is_embedding, is_matmul_weight, is_stacked, is_table, param_path
 from meshlm.parallel.axes import DP, EP, LOGICAL_DIMS, MP, PP
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.pipeline_schedule import check_layers
@@ -153,7 +153,7 @@ def fsdp_spec(path: str, shape: Sequence[int], spec: P, dp: int, fsdp_dim: str =
     """``spec`` with ``axis`` (DP) added on the FSDP dimension of a weight (its logical ``fsdp_dim``: the
     model width, never a dimension MP uses; else its largest dimension MP does not use); norms and
     biases unchanged. Errors name a dimension dp cannot split."""
-    if not (is_matmul_weight(path) or is_embedding(path)):
+    if not (is_matmul_weight(path) or is_embedding(path) or is_table(path)):  # Gemma 4's per-layer table too
         return spec
     dims = list(spec) + [None] * (len(shape) - len(spec))
     offset = 1 if is_stacked(path) else 0
