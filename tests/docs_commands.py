@@ -368,6 +368,9 @@ COMMANDS: dict[str, Run | Shown] = {
     ),
     "meshlm plan --config gemma-7b --mesh 2x4 --devices 8 --batch-size 8 --seq-len 2048 --fsdp --sp --remat "
     "selective --device-memory 80GiB": run(),
+    # Gemma 4's real sizes, as written (an AOT compile of the split stack: ~15 s of CPU each)
+    "meshlm plan --config gemma4-31b --mesh 2x4 --devices 8 --fsdp": run(expect=("1/8.0",)),
+    "meshlm plan --config gemma4-e4b --mesh 2x4 --devices 8 --fsdp": run(expect=("gemma4-e4b on mesh 2x4",)),
     # docs/multiprocess.md
     "meshlm launch -n 2 --devices-per-process 2 -- verify --mesh 2x2 --json": verify(
         costly=LAUNCH, expect=('"ok": true',)

@@ -89,6 +89,15 @@ CONFIGS = {
         2,
         10,
     ),
+    # its global layers of their own shape (heads of 64, their 2 KV heads replicated beside 4 split): a
+    # stack of their own, every control through its periods scan
+    "tiny-gemma4 1x4 (global layers of their own shape)": (
+        "tiny-gemma4",
+        {"n_layers": 4, "global_every": 2, "n_kv_heads": 4, "global_head_dim": 64, "global_kv_heads": 2},
+        Layout(mp=4),
+        1,
+        10,
+    ),
     "tiny-llama 1x1 blockwise doc-mask": ("tiny-llama", {**BW, "doc_mask": 0}, Layout(), 1, 18),
     "tiny-llama 2x2 cp2 ring fsdp sp blockwise soft-capped": (
         "tiny-llama",

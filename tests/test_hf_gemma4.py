@@ -50,6 +50,32 @@ def _config():
     )
 
 
+def _global_config():
+    """Global layers of their own shape (as the real checkpoints: twice the head width, fewer KV heads,
+    keys as values): 4 layers local, global twice, heads of 16 and 32, KV heads 2 and 1, the last 2
+    layers reading the KV of layers 0 (local) and 1 (global)."""
+    return transformers.Gemma4TextConfig(
+        **{**TINY, "num_key_value_heads": 2},
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        layer_types=[LOCAL, GLOBAL] * 2,
+        sliding_window=WINDOW,
+        rope_parameters={
+            LOCAL: {"rope_type": "default", "rope_theta": 1e4},
+            GLOBAL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+        },
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=TINY["vocab_size"],
+        num_kv_shared_layers=2,
+        attention_k_eq_v=True,
+        final_logit_softcapping=3.0,
+        pad_token_id=0,
+    )
+
+
 def _scalars(model):
     """transformers' ``layer_scalar`` buffers (perturbed_model leaves buffers at 1): 0.8 ... 1.3."""
     for i, layer in enumerate(model.model.layers):
@@ -63,6 +89,14 @@ def _kv_cache(out):
     cache = out["kv_cache"]
     assert cache.get("local_slots") == WINDOW and cache["slots"] > 3 * WINDOW
     assert cache["total"] == 2 * (3 * WINDOW + 1 * cache["slots"]) * 2 * 16 * 4
+
+
+def _global_kv_cache(out):
+    """The global layer's cache holds its own KV head of 32 (layers 0 and 1 keep one; 2 and 3 share):
+    2 x (4 slots x 2 heads x 16 + S slots x 1 head x 32) x 4 bytes."""
+    cache = out["kv_cache"]
+    assert cache.get("local_slots") == WINDOW and cache["slots"] > WINDOW
+    assert cache["total"] == 2 * (WINDOW * 2 * 16 + cache["slots"] * 1 * 32) * 4
 
 
 family = family_fixture(
@@ -88,7 +122,20 @@ family = family_fixture(
             new=NEW,
             prepare=_scalars,
             generated=_kv_cache,
-        )
+        ),
+        Case(
+            "gemma4-global",
+            "Gemma4ForCausalLM",
+            _global_config,
+            reads=dict(family="gemma4", global_every=2, global_head_dim=32, global_kv_heads=1, k_eq_v=True),
+            init=0.3,
+            seed=2,
+            tol=5e-5,  # as above
+            eager=True,
+            new=NEW,
+            prepare=_scalars,
+            generated=_global_kv_cache,
+        ),
     ]
 )
 
@@ -97,7 +144,7 @@ class TestTransformers(Comparison, GreedyText):
     """Logits unsharded and on 2x2, the export, greedy text on 1x1 and 1x2 (tests/hf_harness.py)."""
 
 
-@pytest.mark.parametrize("family", ["gemma4"], indirect=True)
+@pytest.mark.parametrize("family", ["gemma4", "gemma4-global"], indirect=True)
 def test_logits_exact_in_float64(family, monkeypatch):
     """In float64, with transformers' own float32 steps (its rotary angles and frequencies, its norms'
     and softmax's casts) lifted, our logits are transformers' to rounding: the float32 comparison's
@@ -151,7 +198,8 @@ def test_each_piece_broken_fails_the_transformers_comparison(family, monkeypatch
     [
         ({"enable_moe_block": True}, "MoE block"),
         ({"use_double_wide_mlp": True}, "double-wide"),
-        ({"global_head_dim": 64}, "global_head_dim"),
+        ({"per_layer_config": {"0": {"head_dim": 64}}}, "per_layer_config"),
+        ({"per_layer_config": {"2": {"head_dim": 64, "sliding_window": 2}, "5": {}}}, "per_layer"),
         ({"layer_types": [GLOBAL, LOCAL, LOCAL, LOCAL, LOCAL, GLOBAL]}, "repeating"),
     ],
 )  # fmt: skip
@@ -160,6 +208,26 @@ def test_unsupported_config_is_one_line(changes, message):
     with pytest.raises(ConfigError, match=message) as e:
         hf_config.config_from_hf({**base, **changes})
     assert "\n" not in str(e.value)
+
+
+def test_global_shape_read_as_transformers():
+    """transformers' rules (``Gemma4TextConfig.__post_init__``): global_head_dim 512 where left out,
+    num_global_key_value_heads only with keys as values; its saved per_layer_config the same shape."""
+    base = hf_config.config_to_hf(get_config("tiny-gemma4"))
+    read = lambda **changes: hf_config.config_from_hf({**base, **changes})
+    no_width = {k: v for k, v in base.items() if k != "global_head_dim"}
+    assert hf_config.config_from_hf(no_width).global_view().dim_per_head == 512
+    assert read(num_global_key_value_heads=1).global_kv_heads == 1
+    assert read(num_global_key_value_heads=1, attention_k_eq_v=False).global_kv_heads == 0
+    saved = {"2": {"head_dim": 64, "num_key_value_heads": 1}, "5": {"head_dim": 64, "num_key_value_heads": 1}}
+    assert read(per_layer_config=saved) == read(global_head_dim=64, num_global_key_value_heads=1)
+    assert read(per_layer_config=saved).global_shape and not read().global_shape
+
+
+def test_global_kv_heads_without_keys_as_values_refused_on_export():
+    cfg = get_config("tiny-gemma4").replace(global_kv_heads=1, k_eq_v=False)
+    with pytest.raises(ConfigError, match="only with keys as values"):
+        hf_config.config_to_hf(cfg)
 
 
 @pytest.mark.parametrize("preset", ["tiny-gemma4"])
@@ -177,12 +245,13 @@ def test_pipeline_and_sequence_split_refused_in_one_line(layout):
     assert "\n" not in str(e.value)
 
 
-def test_parameter_count_is_transformers():
+@pytest.mark.parametrize("config", [_config, _global_config], ids=["gemma4", "gemma4-global"])
+def test_parameter_count_is_transformers(config):
     """`meshlm configs`' count (``accounting.param_counts``) is transformers' (its layer scalars, buffers
-    there, included): the never-read ``wk``, ``wv`` of the uniform stack are not counted."""
+    there, included): the never-read ``wk``, ``wv`` of each uniform stack are not counted."""
     from meshlm.model.accounting import param_counts
 
-    model = transformers.Gemma4ForCausalLM(_config())
+    model = transformers.Gemma4ForCausalLM(config())
     theirs = sum(p.numel() for p in model.parameters())
     theirs += sum(b.numel() for name, b in model.named_buffers() if name.endswith("layer_scalar"))
-    assert param_counts(hf_config.config_from_hf(_config().to_dict())).total == theirs
+    assert param_counts(hf_config.config_from_hf(config().to_dict())).total == theirs

@@ -93,7 +93,9 @@ def cache_shapes(cfg: ModelConfig, mp: int, batch: int, max_len: int, slots=None
         kv = {n: (cfg.n_layers - n_linear, batch, s, heads, w) for n, w in zip("kv", widths, strict=True)}
         return kv | (_linear_shapes(cfg, n_linear, 1 if slots is None else mp, batch) if n_linear else {})
     (n_local, n_global), local = kind_counts(cfg), min(cfg.local_span, max_len)
-    shapes = {n: (n_global, batch, slots or max_len, heads, cfg.dim_per_head) for n in "kv"}
+    full = cfg.global_view()  # the global layers' heads and width (Gemma 4's may be their own)
+    full_heads = cache_heads(full, mp)[0 if slots is None else 1]
+    shapes = {n: (n_global, batch, slots or max_len, full_heads, full.dim_per_head) for n in "kv"}
     return shapes | {n: (n_local, batch, slots or local, heads, cfg.dim_per_head) for n in LOCAL_KEYS}
 
 

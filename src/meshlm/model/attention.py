@@ -232,9 +232,8 @@ def norm_then_rotary(x, norm, rotate):
 
 
 def doc_starts(tokens, eod: int):
-    """[B, T] window -> where each token's document starts: an EOD starts a document (it is the first
-    input of the document it precedes, as in training on each document alone), and so does the
-    window's first token. Documents are contiguous, so [start, own position] is a token's document."""
+    """[B, T] window -> where each token's document starts (contiguous: [start, own position]): an EOD
+    starts a document (the first input of the one it precedes), and so does the window's first token."""
     t = jnp.arange(tokens.shape[-1])
     return lax.cummax(jnp.where(tokens == eod, t, 0), axis=tokens.ndim - 1)
 
@@ -279,7 +278,8 @@ def kinds_cache_attend(cfg: ModelConfig, cache: dict, q, k, v, positions, kind, 
     index among the layers of its kind (traced). ``kind`` (traced, 0 local) picks the branch: a local
     layer writes k, v [B, T, Kc, E] into its W-slot slice (rolling, or full while the prefill holds all
     S slots: ``keep_window`` cuts them after) and attends with its window or chunk; a global one
-    into its S-slot slice, without one. ``attend(q, k, v, key_pos, window)``: its attention on one device."""
+    into its S-slot slice, without one (a Python ``kind``: that branch alone). ``attend(q, k, v,
+    key_pos, window)``: its attention on one device."""
     index = cache["index"]
     # both branches return all four arrays: typed alike (inside shard_map), varying as k and v do
     stacks = varying_like({name: cache[name] for name in ("k", "v", *LOCAL_KEYS)}, k, v)
@@ -297,7 +297,8 @@ def kinds_cache_attend(cfg: ModelConfig, cache: dict, q, k, v, positions, kind, 
         return run
 
     local, full = branch(LOCAL_KEYS, cfg.local_span, cfg.sliding_window), branch(("k", "v"), 0, 0)
-    out, stacks = lax.cond(kind == 0, local, full, stacks)
+    static = isinstance(kind, int)  # a run of one kind (``per_layer_runs``: the kinds' shapes may differ)
+    out, stacks = (full if kind else local)(stacks) if static else lax.cond(kind == 0, local, full, stacks)
     return out, {**stacks, "index": index}
 
 
@@ -312,9 +313,8 @@ def cp_prefill_cache(cache, k, v, positions, par: Parallel, window: int) -> dict
 
 
 def window_visible(q_pos, k_pos, window):
-    """Whether a query at ``q_pos`` sees a key at ``k_pos``: ``attention_variants.mask_mod``'s causal
-    window (absolute positions: the cache and every mesh agree); ``window`` an int or a layer's traced
-    int32 (0: none). Plain attention's hook (a test plants a wrong window here)."""
+    """Whether a query at ``q_pos`` sees a key at ``k_pos`` (``mask_mod``'s causal window; ``window`` an
+    int or a traced int32, 0: none). Plain attention's hook (a test plants a wrong window here)."""
     if isinstance(window, int):
         return mask_mod(q_pos, k_pos, True, window=window or None)
     return mask_mod(q_pos, k_pos, True, window=window)

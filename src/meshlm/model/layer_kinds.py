@@ -1,6 +1,7 @@
 """Layers of two kinds whose parameters differ: a mixture of experts' dense layers
-(``ModelConfig.dense_layers``), or a hybrid's linear-attention layers among its full-attention ones
-(``LinearAttentionFields``: Qwen3.5's Gated DeltaNet, ``model.linear_attention``); which layer is of
+(``ModelConfig.dense_layers``), a hybrid's linear-attention layers among its full-attention ones
+(``LinearAttentionFields``: Qwen3.5's Gated DeltaNet, ``model.linear_attention``), or global layers
+of their own attention shape (``PerLayerFields.global_shape``: Gemma 4's); which layer is of
 which kind, and the runs of consecutive same-kind layers the stack runs one scan each (``model.stack``).
 
 This module must not import JAX: configs are validated before devices exist.
@@ -16,8 +17,10 @@ from meshlm.ranges import POSITIVE_INT, Range
 
 # The parameters of the MoE layers (or every layer of a homogeneous model, or a hybrid's full-attention
 # layers) stack under "layers"; the dense layers' among MoE ones under "dense_layers", a hybrid's
-# linear-attention layers' under "linear_layers" (``model.params``), each [count, ...].
+# linear-attention layers' under "linear_layers", global layers of another attention shape under
+# "global_layers" (the local ones under "layers"; ``model.params``), each [count, ...].
 MOE_STACK, DENSE_STACK, LINEAR_STACK = "layers", "dense_layers", "linear_layers"
+GLOBAL_STACK = "global_layers"
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ def _other(cfg) -> tuple[str, tuple[int, ...]] | None:
         return DENSE_STACK, cfg.dense_layers
     if getattr(cfg, "full_attn_every", 0) and cfg.linear_layers:
         return LINEAR_STACK, cfg.linear_layers
+    if getattr(cfg, "global_shape", False):
+        return GLOBAL_STACK, tuple(i for i in range(cfg.n_layers) if (i + 1) % cfg.global_every == 0)
     return None
 
 
@@ -122,7 +127,7 @@ def runs(cfg) -> list[tuple[str, int, int, int]]:
     """The stack as runs of consecutive same-kind layers: (stack name, first layer, start, stop) with
     [start, stop) the run's slice of that stack's parameters."""
     out: list[tuple[str, int, int, int]] = []
-    seen = dict.fromkeys((MOE_STACK, DENSE_STACK, LINEAR_STACK), 0)
+    seen = dict.fromkeys((MOE_STACK, DENSE_STACK, LINEAR_STACK, GLOBAL_STACK), 0)
     other = _other(cfg) or ("", ())
     for i in range(cfg.n_layers):
         name = other[0] if i in other[1] else MOE_STACK

@@ -13,6 +13,7 @@ STACKED_PREFIX = "layers/"  # parameters stacked by layer_stack: a leading [n_la
 # a leading [len(dense_layers)] dimension; "layers/" then holds the MoE layers alone.
 DENSE_STACKED_PREFIX = "dense_layers/"
 LINEAR_STACKED_PREFIX = "linear_layers/"  # a hybrid's linear-attention layers (``model.layer_kinds``)
+GLOBAL_STACKED_PREFIX = "global_layers/"  # global layers of their own attention shape (Gemma 4's)
 EMBED_PREFIX = "embed/"
 MTP_PREFIX = "mtp_"  # a multi-token prediction depth's parameters: mtp_0/..., mtp_1/... (``model.mtp``)
 EXPERTS_MODULE = "experts"  # a MoE layer's expert weights [E, ...] live in a module of this name
@@ -27,7 +28,8 @@ def leaf_name(path: str) -> str:
 
 
 def is_stacked(path: str) -> bool:
-    return path.startswith((STACKED_PREFIX, DENSE_STACKED_PREFIX, LINEAR_STACKED_PREFIX))
+    prefixes = (STACKED_PREFIX, DENSE_STACKED_PREFIX, LINEAR_STACKED_PREFIX, GLOBAL_STACKED_PREFIX)
+    return path.startswith(prefixes)
 
 
 def is_mtp(path: str) -> bool:
@@ -37,6 +39,11 @@ def is_mtp(path: str) -> bool:
 
 def is_embedding(path: str) -> bool:
     return path.startswith(EMBED_PREFIX)
+
+
+def is_table(path: str) -> bool:
+    """A lookup table: the embedding, or another (Gemma 4's per-layer inputs, ``embed_per_layer``)."""
+    return leaf_name(path) == "embeddings"
 
 
 def is_matmul_weight(path: str) -> bool:

@@ -16,8 +16,9 @@ kind (0 local, 1 global), Kl = this shard's KV heads (1 where mp > K: the head i
   kind's slot of the carry holds (the last earlier layer of its kind wrote them: transformers'
   ``shared_kv_states``); its own ``wk``, ``wv`` are not read (as above). In generation it attends over
   that layer's cache slice (``cache_index``): its write there puts back the very values already there.
-Parameters stay uniform over the layers (one scan, ``hk.experimental.layer_stack``); the pipeline
-refuses the stack in one line (``sharding.rules``).
+Parameters stay uniform over the layers (one scan, ``hk.experimental.layer_stack``), or with global
+layers of their own attention shape two stacks run in runs of one kind (``per_layer_runs``); the
+pipeline refuses the stack in one line (``sharding.rules``).
 """
 
 from __future__ import annotations
@@ -137,8 +138,10 @@ class SharedKVAttention(Attention):
     and values of an earlier layer (``shared``, ``read_shared``). Returns (partial [B, T, D], shared,
     cache)."""
 
-    def __call__(self, xf, positions, cache=None, starts=None, kind=None, shared=None, reuse=False):
-        cfg = self.cfg
+    def __call__(
+        self, xf, positions, cache=None, starts=None, kind=None, shared=None, reuse=False, slot=None
+    ):
+        cfg = self.cfg  # ``slot``: this layer's kind's slot of ``shared`` (default: ``kind``)
         hl = cfg.n_heads // self.par.layout.mp
         q = self._proj("wq", xf, hl, "own_heads")  # [B, T, H/mp, E]
         k, v = self._kv(xf)  # [B, T, Kl, E]
@@ -155,7 +158,7 @@ class SharedKVAttention(Attention):
         k = attention.norm_then_rotary(k, norm(eps=cfg.norm_eps, name="k_norm"), rotate)
         v = value_normed(v, cfg.norm_eps) if cfg.value_norm else v
         if shared is not None:
-            k, v, shared = read_shared(shared, k, v, kind, reuse)
+            k, v, shared = read_shared(shared, k, v, kind if slot is None else slot, reuse)
         out, cache = self._attention(q, k, v, positions, cache, starts, kind, variant)
         return self._out(out, xf, None), shared, cache
 
@@ -185,7 +188,8 @@ def block(cfg, par, norm, mlp):
     def layer(x, shared, positions, cache, starts, inp):
         xf = par.f(norm("ln")(x))
         attention = SharedKVAttention(cfg=cfg, par=par, stddev=STDDEV)
-        attn, shared, cache = attention(xf, positions, cache, starts, inp["kind"], shared, inp["reuse"])
+        kind, slot = inp["kind"], inp.get("slot")
+        attn, shared, cache = attention(xf, positions, cache, starts, kind, shared, inp["reuse"], slot)
         x = x + norm("post_attn_ln")(par.row_out(attn))
         out, b = mlp()(par.f(norm("ln2")(x)))
         x = x + norm("post_mlp_ln")(par.row_out(out, b))
@@ -208,11 +212,12 @@ def cache_index(cfg) -> np.ndarray:
     return index
 
 
-def stack(cfg, par, layer, x, positions, cache, starts, ple):
+def stack(cfg, par, make_layer, x, positions, cache, starts, ple):
     """The layer stack -> (x, cache): per-layer inputs each layer's kind, whether it reuses, its input
     slice and its cache index; the carry x, the shared keys and values and (generation with both kinds)
-    the two-array cache (``kv_kinds``)."""
-    n = cfg.n_layers
+    the two-array cache (``kv_kinds``). ``make_layer(cfg)``: the layer of a config (global layers of
+    their own shape run ``per_layer_runs.split_stack``, with the same arguments)."""
+    layer, n = make_layer(cfg), cfg.n_layers
     kinds = attention.layer_kinds(cfg)
     inp = {
         "kind": jnp.asarray(np.zeros(n, np.int32) if kinds is None else kinds),
@@ -245,10 +250,11 @@ def stack(cfg, par, layer, x, positions, cache, starts, ple):
     return x, (kept if kinds_cache else out)
 
 
-def _shared_init(cfg, par, x):
-    """The carry's keys and values {"k", "v": [2, B, T, Kl, E]} before the first layer: zeros typed as
-    the keys will vary (over mp, where the heads are; and every axis x varies over)."""
+def _shared_init(cfg, par, x, slots: int = 2):
+    """The carry's keys and values {"k", "v": [slots, B, T, Kl, E]} before the first layer (a slot per
+    kind; one per kind's own carry, ``per_layer_runs``): zeros typed as the keys will vary (over mp,
+    where the heads are; and every axis x varies over)."""
     mp = par.layout.mp
     kl = cfg.kv_heads // mp if cfg.kv_heads % mp == 0 else 1
-    zeros = jnp.zeros((2, *x.shape[:2], kl, cfg.dim_per_head), x.dtype)
+    zeros = jnp.zeros((slots, *x.shape[:2], kl, cfg.dim_per_head), x.dtype)
     return {name: varying_like(par.f(zeros), x) for name in ("k", "v")}

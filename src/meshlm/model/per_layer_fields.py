@@ -35,6 +35,37 @@ class PerLayerFields:
     # The global layers rotate only this fraction of each head's pairs, the rest get frequency 0
     # (transformers' "proportional" RoPE, ``partial_rotary_factor``). 0: every pair (as before).
     rope_global_fraction: float = 0.0
+    # The global layers' own attention shape (transformers' ``global_head_dim`` and, with keys as values,
+    # ``num_global_key_value_heads``): their head width and KV heads; 0: the local layers' (head_dim,
+    # n_kv_heads). Where either differs the global layers' parameters stack apart ("global_layers",
+    # ``layer_kinds``) and their rotary is of their own head width.
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+
+    @property
+    def global_shape(self) -> bool:
+        """Whether the global layers' attention is of another shape than the local layers'."""
+        head, kv = self.global_head_dim, self.global_kv_heads
+        return bool(head and head != self.dim_per_head or kv and kv != self.kv_heads)
+
+    def global_view(self):
+        """The config a global layer's attention computes with: its head width and KV heads in
+        ``head_dim`` and ``n_kv_heads`` (the rotary frequencies follow the width)."""
+        if not self.global_shape:
+            return self
+        head, kv = self.global_head_dim or self.dim_per_head, self.global_kv_heads or self.kv_heads
+        return self.replace(head_dim=head, n_kv_heads=kv, global_head_dim=0, global_kv_heads=0)
+
+    def attention_kinds(self) -> list[tuple[tuple[int, ...], int, int]]:
+        """(layer indices, KV heads, head width) of each attention shape: one entry, or with
+        ``global_shape`` the local layers' and the global layers'."""
+        every, n = self.global_every, self.n_layers
+        if not self.global_shape:
+            return [(tuple(range(n)), self.kv_heads, self.dim_per_head)]
+        local = tuple(i for i in range(n) if (i + 1) % every)
+        view = self.global_view()
+        full = tuple(i for i in range(n) if (i + 1) % every == 0)
+        return [(local, self.kv_heads, self.dim_per_head), (full, view.kv_heads, view.dim_per_head)]
 
     @property
     def first_shared(self) -> int:
@@ -47,26 +78,35 @@ class PerLayerFields:
         return bool(self.ple_dim or self.kv_shared_layers or self.layer_scalar or self.value_norm)
 
 
+UNREAD = ("attn/wk", "attn/wv", "attn/k_norm/scale")  # what a shared layer never reads (k = v: wv)
+
+
 def read_size(cfg, path: str, size: int) -> int:
     """``size`` elements of parameter ``path`` less the layers that never read theirs (counted as
     transformers has them: not at all): a shared layer's ``wk``, ``wv`` and k norm, a keys-as-values
-    global layer's ``wv`` (the stack keeps them uniform: ``model.per_layer``)."""
-    shared = cfg.n_layers - cfg.first_shared
-    unread = {"layers/attn/wk": shared, "layers/attn/k_norm/scale": shared, "layers/attn/wv": shared}
-    if cfg.k_eq_v and cfg.global_every:
-        unread["layers/attn/wv"] += cfg.first_shared // cfg.global_every  # the global layers among them
-    return size - size // cfg.n_layers * unread.get(path, 0) if cfg.per_layer or cfg.k_eq_v else size
+    global layer's ``wv`` (each stack keeps its layers uniform: ``model.per_layer``)."""
+    from meshlm.model.layer_kinds import stacks
+
+    stack, _, rest = path.partition("/")
+    layers = stacks(cfg).get(stack) if cfg.per_layer or cfg.k_eq_v else None
+    if not layers or rest not in UNREAD:
+        return size
+    kv_only = lambda i: rest == "attn/wv" and cfg.k_eq_v and (i + 1) % cfg.global_every == 0
+    unread = sum(1 for i in layers if i >= cfg.first_shared or kv_only(i))
+    return size - size // len(layers) * unread
 
 
 PER_LAYER_RANGES = {
     **dict.fromkeys(("ple_dim", "ple_vocab", "kv_shared_layers"), Range(int, 0, note="0: none")),
     "rope_global_fraction": Range(float, 0, 1, note="0: every pair rotates"),
+    "global_head_dim": Range(int, 0, note="0: head_dim"),
+    "global_kv_heads": Range(int, 0, note="0: n_kv_heads"),
 }
 
 
 def check_per_layer(cfg) -> None:
     """The fields agree with the rest of the config (``cfg`` a ``ModelConfig``)."""
-    if not cfg.per_layer and not cfg.k_eq_v and not cfg.rope_global_fraction:
+    if not cfg.per_layer and not cfg.k_eq_v and not cfg.rope_global_fraction and not cfg.global_shape:
         return
     if not cfg.arch.attention or cfg.arch.moe or cfg.mla or cfg.full_attn_every:
         raise ConfigError(
@@ -82,3 +122,16 @@ def check_per_layer(cfg) -> None:
         raise ConfigError("kv_shared_layers: a shared layer's kind has no earlier layer to read; share fewer")
     if (cfg.k_eq_v or cfg.rope_global_fraction) and not cfg.global_every:
         raise ConfigError("k_eq_v and rope_global_fraction apply to global layers: set global_every")
+    if cfg.global_shape:
+        _check_global_shape(cfg)
+
+
+def _check_global_shape(cfg) -> None:
+    """Global layers of their own shape: beside local layers with a window (the two caches apart)."""
+    if not (cfg.per_layer and cfg.sliding_window and 2 <= cfg.global_every <= cfg.n_layers):
+        raise ConfigError(
+            "global_head_dim and global_kv_heads need Gemma 4's stack (per-layer fields), a sliding_window "
+            "and both kinds of layer (2 <= global_every <= n_layers); set them to 0"
+        )
+    if cfg.n_heads % (cfg.global_kv_heads or cfg.kv_heads):
+        raise ConfigError(f"n_heads={cfg.n_heads} is not a multiple of global_kv_heads={cfg.global_kv_heads}")

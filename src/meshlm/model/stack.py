@@ -147,18 +147,19 @@ def _carried_step(apply):
     return step
 
 
-def _stacked(name: str, count: int, body, x):
+def _stacked(name: str, count: int, body, x, example=None):
     """The parameters [count, ...] of ``count`` layers ``body`` (x, cache) -> (x, cache, stats) under the
     module ``name``, made as ``hk.experimental.layer_stack`` makes them (each layer initialised on the
-    previous one's output, its own key), and the layer's pure apply function."""
+    previous one's output, its own key), and the layer's pure apply function. ``example``: the second
+    argument ``body`` is initialised with (None: no cache)."""
     init_fn, apply_fn = hk.transform(body)
 
     def scanned_init(x, rng):
         def one(carry, _):
             x, rng = carry
             rng, next_rng, apply_rng = jax.random.split(rng, 3) if rng is not None else (None,) * 3
-            p = init_fn(rng, x, None)
-            return (apply_fn(p, apply_rng, x, None)[0], next_rng), p
+            p = init_fn(rng, x, example)
+            return (apply_fn(p, apply_rng, x, example)[0], next_rng), p
 
         return lax.scan(one, (x, rng), None, length=count)[1]
 

@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 
 from meshlm.errors import ConfigError
-from meshlm.model import masked, mtp, per_layer
+from meshlm.model import masked, mtp, per_layer, per_layer_runs
 from meshlm.model.attention import doc_starts
 from meshlm.model.attention_variants import capped_logits
 from meshlm.model.config import ModelConfig
@@ -201,7 +201,8 @@ def _local_logits(
     x = _scaled(cfg, embed(tokens))  # [B, T, D]; with sp [B, T/mp, D] per shard
     if cfg.per_layer:  # Gemma 4: per-layer inputs [L, B, T, P], keys and values across layers
         ple = per_layer.inputs(cfg, par, tokens, x)
-        x, cache = per_layer.stack(cfg, par, _block(cfg, par), x, positions, cache, starts, ple)
+        stack = per_layer_runs.split_stack if cfg.global_shape else per_layer.stack  # global: own shape
+        x, cache = stack(cfg, par, lambda c: _block(c, par), x, positions, cache, starts, ple)
         return _head_logits(cfg, par, x, embed), cache, None
     x, cache, *stats = stack_layers(cfg, _block(cfg, par), x, positions, cache, starts, _others(cfg, par))
     head = _head(cfg, par, embed)  # one module: the MTP depths share it

@@ -62,7 +62,7 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> 
     out = {
         "layer_forward": cfg.n_layers * per_layer * (2 if cfg.remat != "none" else 1) * sharded,
         "layer_backward": cfg.n_layers * per_layer * sharded,
-        "kv_replicated_grads": cfg.n_layers * kv_rep,
+        "kv_replicated_grads": sum(len(layers) for layers, _, _ in _kv_replicated_kinds(cfg, mp)),
         "embedding": int(sharded),
         "head_backward": int(sharded),
         "loss": 3 * sharded,
@@ -88,6 +88,14 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> 
         out = {k: v * sharded if k.startswith("mtp_") else v for k, v in out.items()}
     out["total"] = sum(out.values())
     return out
+
+
+def _kv_replicated_kinds(cfg, mp: int) -> list:
+    """The attention shapes (``PerLayerFields.attention_kinds``: layer indices, KV heads, head width)
+    whose KV projections are replicated over mp (mp > their KV heads): their gradients are summed."""
+    if not (cfg.arch.attention and mp > 1):
+        return []
+    return [kind for kind in cfg.attention_kinds() if kv_replicated(kind[1], mp)]
 
 
 def mtp_depths(cfg) -> int:
@@ -123,11 +131,11 @@ def theoretical_bytes(
     seq_len //= cp  # with context parallelism each device holds T/cp tokens of its rows
     act = (batch // dp) * seq_len * cfg.d_model * itemsize  # [B/dp, T, D]: one activation all-reduce
     kv_rows = cfg.d_model + cfg.arch.qkv_bias  # replicated wk, wv [D, K, E] (and Qwen2's bk, bv [K, E])
-    kv_grads = 2 * kv_rows * cfg.kv_heads * cfg.dim_per_head * itemsize if cfg.arch.attention else 0
+    kv_kinds = _kv_replicated_kinds(as_layers(cfg), mp)  # each attention shape's own K, E (Gemma 4's)
     out = {
         "layer_forward": counts["layer_forward"] * act,
         "layer_backward": counts["layer_backward"] * act,
-        "kv_replicated_grads": counts["kv_replicated_grads"] * kv_grads,
+        "kv_replicated_grads": sum(2 * kv_rows * len(ls) * k * e * itemsize for ls, k, e in kv_kinds),
         # with per-layer inputs (Gemma 4) their vocabulary-parallel table's lookup too: [B/dp, T, L x P]
         "embedding": counts["embedding"] * (act + act // cfg.d_model * cfg.n_layers * cfg.ple_dim),
         "head_backward": counts["head_backward"] * act,
@@ -140,9 +148,11 @@ def theoretical_bytes(
         out |= {k: counts[k] * act for k in ("mtp_embedding", "mtp_head_backward")}
         out["mtp_eh_proj"] = counts["mtp_eh_proj"] // 2 * 3 * act
         out["mtp_loss"] = counts["mtp_loss"] * (batch // dp) * seq_len * itemsize
-    if "qk_norm_grads" in counts:  # [E] each (Qwen3's), or [K, E] (OLMo 2's k norm, replicated)
-        width = cfg.kv_heads if cfg.arch.qk_norm == "proj" else 1
-        out["qk_norm_grads"] = counts["qk_norm_grads"] * width * cfg.dim_per_head * itemsize
+    if "qk_norm_grads" in counts and cfg.arch.qk_norm == "proj":  # [K, E] (OLMo 2's k norm, replicated)
+        out["qk_norm_grads"] = counts["qk_norm_grads"] * cfg.kv_heads * cfg.dim_per_head * itemsize
+    elif "qk_norm_grads" in counts:  # [E] each (Qwen3's), of each attention shape's E (Gemma 4's)
+        widths = sum(len(ls) * e for ls, _, e in as_layers(cfg).attention_kinds())  # over the layers
+        out["qk_norm_grads"] = counts["qk_norm_grads"] // max(layers, 1) * widths * itemsize
     if cfg.arch.moe:  # [B/dp, T, k] per layer; [L, 2E + 3] once
         out["moe_weights_backward"] = (
             counts["moe_weights_backward"] * (batch // dp) * seq_len * (cfg.experts_per_token * itemsize)

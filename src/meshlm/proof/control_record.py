@@ -31,8 +31,11 @@ class Where:
 
     @property
     def kv_replicated(self) -> bool:
-        """KV heads replicated over mp (mp > n_kv_heads > 1): each shard picks its query group's head."""
-        return self.attention and self.cfg.kv_heads > 1 and kv_replicated(self.cfg.kv_heads, self.layout.mp)
+        """KV heads replicated over mp (mp > n_kv_heads > 1) in some layers (Gemma 4's global layers may
+        have KV heads of their own: ``attention_kinds``): each shard picks its query group's head."""
+        if not self.attention:
+            return False
+        return any(k > 1 and kv_replicated(k, self.layout.mp) for _, k, _ in self.cfg.attention_kinds())
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import ConfigError, ShardingError
 from meshlm.model import layer_kinds, stage_layers
-from meshlm.model.params import is_embedding, is_matmul_weight, is_stacked, param_path
+from meshlm.model.params import is_embedding, is_matmul_weight, is_stacked, is_table, param_path
 from meshlm.parallel.axes import DP, EP, LOGICAL_DIMS, MP, PP
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.pipeline_schedule import check_layers
@@ -153,7 +153,7 @@ def fsdp_spec(path: str, shape: Sequence[int], spec: P, dp: int, fsdp_dim: str =
     """``spec`` with ``axis`` (DP) added on the FSDP dimension of a weight (its logical ``fsdp_dim``: the
     model width, never a dimension MP uses; else its largest dimension MP does not use); norms and
     biases unchanged. Errors name a dimension dp cannot split."""
-    if not (is_matmul_weight(path) or is_embedding(path)):
+    if not (is_matmul_weight(path) or is_embedding(path) or is_table(path)):  # Gemma 4's per-layer table too
         return spec
     dims = list(spec) + [None] * (len(shape) - len(spec))
     offset = 1 if is_stacked(path) else 0
@@ -194,7 +194,11 @@ def model_specs(cfg, abstract_params, layout: Layout):
     check_uniform_stack(cfg, layout)
     # With a pipeline the stacked ``layers`` dimension is split over PP (consecutive layers per stage:
     # the checkpoint format is unchanged); ``without_pp`` undoes it.
-    specs = param_specs(abstract_params, mp, RULES, kv_axis, layout.logical_axes())
+    own = f"{layer_kinds.GLOBAL_STACK}/" if getattr(cfg, "global_shape", False) else None  # Gemma 4's
+    split = lambda mine: {m: leaves for m, leaves in abstract_params.items() if m.startswith(own) == mine}
+    specs = param_specs(split(False) if own else abstract_params, mp, RULES, kv_axis, layout.logical_axes())
+    if own:  # the global layers' own KV heads: split or replicated by their count
+        specs |= param_specs(split(True), mp, RULES, _global_kv_axis(cfg, mp), layout.logical_axes())
     for mod in specs if layout.pipelined else ():  # a dense prefix: with the embedding, not over pp
         if mod.startswith(tuple(f"{name}/" for name in stage_layers.prefix_stacks(cfg))):
             specs[mod] = without_pp(specs[mod])
@@ -209,6 +213,18 @@ def model_specs(cfg, abstract_params, layout: Layout):
     if layout.experts_split:
         check_experts_split(cfg, abstract_params, specs, layout.ep)
     return specs
+
+
+def _global_kv_axis(cfg, mp: int):
+    """The global layers' KV-head axis: MP where mp divides their KV heads, None (replicated) where
+    they divide mp; a one-line error otherwise."""
+    heads = cfg.global_view().kv_heads
+    if heads % mp and mp % heads:
+        raise ShardingError(
+            f"global_kv_heads={heads} and mp={mp}: mp must divide the global layers' KV heads or be a "
+            f"multiple of them; choose another mp"
+        )
+    return MP if heads % mp == 0 else None
 
 
 def check_uniform_stack(cfg, layout: Layout) -> None:

@@ -5,13 +5,15 @@ and local/global layers with their own rotary (the global ones "proportional": o
 each layer's output times its ``layer_scalar``, per-layer input embeddings
 (``hidden_size_per_layer_input``), keys reused as values on the global layers (``attention_k_eq_v``)
 and the last ``num_kv_shared_layers`` layers reading the keys and values of the last earlier layer of
-their kind. The final logits soft-capped (``final_logit_softcapping``).
+their kind. The final logits soft-capped (``final_logit_softcapping``). The global layers may have an
+attention shape of their own (``global_head_dim``: 512 where config.json leaves it out, as transformers;
+with keys as values ``num_global_key_value_heads``; or transformers' saved ``per_layer_config``): their
+parameters then stack apart (``model.per_layer_runs``), their rotary of their own head width.
 
-Refused in one line each (not built): global layers of another head size or KV head count
-(``global_head_dim``, ``num_global_key_value_heads``), the MoE block (``enable_moe_block``: the 26B-A4B),
-the double-wide MLP of the shared layers (``use_double_wide_mlp``), bidirectional attention.
+Refused in one line each (not built): the MoE block (``enable_moe_block``: the 26B-A4B), the double-wide
+MLP of the shared layers (``use_double_wide_mlp``: the E2B), bidirectional attention.
 
-The layers' parameters are uniform (one scan): a shared layer's ``wk``, ``wv`` and a keys-as-values
+Each stack's layers are uniform (one scan per run): a shared layer's ``wk``, ``wv`` and a keys-as-values
 layer's ``wv`` exist but are never read; they convert from zeros (transformers has none) and are not
 written back (``HFNames.absent``)."""
 
@@ -74,13 +76,44 @@ def _refused(hf: dict) -> None:
     for key, (built, why) in REFUSED.items():
         if hf.get(key, built) not in (built, None if built is False else built):
             raise unsupported(key, hf[key], f"{why}; meshlm reads {built}")
-    head_dim = field(hf, "head_dim", SIZE)
-    for key, ours in (
-        ("global_head_dim", head_dim),
-        ("num_global_key_value_heads", hf["num_key_value_heads"]),
-    ):
-        if hf.get(key) not in (None, ours):
-            raise unsupported(key, hf[key], f"global layers of another shape are not built yet: give {ours}")
+
+
+def _global_shape(hf: dict, every: int) -> dict[str, int]:
+    """The global layers' head width and KV heads (0: the local layers'): transformers' saved
+    ``per_layer_config``, else ``global_head_dim`` (transformers' default 512) and, only with keys as
+    values (transformers' rule), ``num_global_key_value_heads`` (the hub's config.json fields)."""
+    head, kv = field(hf, "head_dim", SIZE), field(hf, "num_key_value_heads", SIZE)
+    n = field(hf, "num_hidden_layers", SIZE)
+    full = {str(i) for i in range(n) if (i + 1) % every == 0}
+    if hf.get("per_layer_config") is not None:
+        g_head, g_kv = _per_layer_config(hf["per_layer_config"], full, head, kv)
+    else:
+        g_head = field(hf, "global_head_dim", SIZE, 512)
+        keyed = flag(hf, "attention_k_eq_v")
+        g_kv = field(hf, "num_global_key_value_heads", SIZE, kv, nullable=True) if keyed else kv
+    if not full:  # no global layer: nothing of theirs
+        g_head, g_kv = head, kv
+    return {"global_head_dim": 0 if g_head == head else g_head, "global_kv_heads": 0 if g_kv == kv else g_kv}
+
+
+def _per_layer_config(value, full: set[str], head: int, kv: int) -> tuple[int, int]:
+    """(head width, KV heads) of transformers' ``per_layer_config`` (sparse: each layer's fields that
+    differ from the config's): ``head_dim`` and ``num_key_value_heads`` overrides, the same on every
+    full_attention layer and none on another."""
+    fix = "meshlm reads one head_dim (and num_key_value_heads) override on every full_attention layer"
+    index = lambda k: str(int(k)) if isinstance(k, int) or str(k).isdigit() else str(k)  # saved: "05"
+    if not isinstance(value, dict) or not {index(k) for k in value} <= full:
+        raise unsupported("per_layer_config", value, fix)
+    layers = {index(k): one for k, one in value.items()}
+    shapes = set()
+    for i in full:
+        one = layers.get(i, {})
+        if not isinstance(one, dict) or set(one) - {"head_dim", "num_key_value_heads"}:
+            raise unsupported("per_layer_config", value, fix)
+        shapes.add((field(one, "head_dim", SIZE, head), field(one, "num_key_value_heads", SIZE, kv)))
+    if len(shapes) > 1:
+        raise unsupported("per_layer_config", value, fix)
+    return shapes.pop() if shapes else (head, kv)
 
 
 def read(hf: dict) -> dict[str, Any]:
@@ -89,10 +122,12 @@ def read(hf: dict) -> dict[str, Any]:
     _refused(hf)
     fields = llama.read({**hf, "rope_parameters": None, "rope_scaling": None, "rope_theta": None})
     ple = field(hf, "hidden_size_per_layer_input", Range(int, 0), 0, nullable=True)
+    every = gemma2.global_every(hf, 6)
     return {
         **fields,
         "sliding_window": field(hf, "sliding_window", SIZE),
-        "global_every": gemma2.global_every(hf, 6),
+        "global_every": every,
+        **_global_shape(hf, every),
         "attn_scalar": 1.0,  # transformers' scaling 1.0: the q/k norms set the scale
         "final_softcap": gemma2._softcap(hf, "final_logit_softcapping", None),
         **_rope(hf),
@@ -128,8 +163,8 @@ def write(cfg) -> dict[str, Any]:
         "vocab_size_per_layer_input": cfg.ple_vocab or cfg.vocab_size,
         "num_kv_shared_layers": cfg.kv_shared_layers,
         "attention_k_eq_v": cfg.k_eq_v,
-        "global_head_dim": cfg.dim_per_head,
-        "num_global_key_value_heads": cfg.kv_heads if cfg.k_eq_v else None,
+        "global_head_dim": cfg.global_view().dim_per_head,
+        "num_global_key_value_heads": cfg.global_view().kv_heads if cfg.k_eq_v else None,
         "enable_moe_block": False,
         "use_double_wide_mlp": False,
     }
@@ -144,6 +179,11 @@ def check_export(cfg) -> None:
         raise ConfigError("transformers' Gemma 4 has unscaled, uncapped scores and no RoPE scaling")
     if not (cfg.value_norm and cfg.layer_scalar):
         raise ConfigError("transformers' Gemma 4 norms the values and scales each layer: set both")
+    if cfg.global_view().kv_heads != cfg.kv_heads and not cfg.k_eq_v:
+        raise ConfigError(
+            "transformers' Gemma 4 gives the global layers KV heads of their own only with keys as values: "
+            "set k_eq_v, or global_kv_heads=0"
+        )
 
 
 def absent(cfg) -> set[str]:
@@ -188,6 +228,21 @@ FAMILY = replace(
     gemma3.FAMILY, name="gemma4", block="per_layer", norm="rms_product_first", qk_norm="head", hf=HF
 )
 
+REAL = dict(  # what the real Gemma 4 text models share
+    vocab_size=262144,
+    head_dim=256,
+    global_head_dim=512,
+    norm_eps=1e-6,
+    tie_embeddings=True,
+    global_every=6,
+    attn_scalar=1.0,
+    rope_theta=1e6,
+    rope_local_theta=1e4,
+    rope_global_fraction=0.25,
+    final_softcap=30.0,
+    value_norm=True,
+    layer_scalar=True,
+)
 # ``ModelConfig`` fields by preset name (the registry adds ``family``).
 PRESETS: dict[str, dict] = {
     # 6 layers (local, local, global, twice), a window of 8 < verify's 64 positions; the last 2 layers
@@ -208,4 +263,15 @@ PRESETS: dict[str, dict] = {
         value_norm=True,
         layer_scalar=True,
     ),
+    # google/gemma-4-E4B and gemma-4-31B's text config.json, written from memory (no hub here): heads
+    # of 256 on the local layers (window 512 / 1024), 512 on every sixth, global layer (proportional
+    # RoPE, a quarter of its pairs); E4B per-layer inputs of 256 and the last 18 layers reading the KV
+    # of the last earlier layer of their kind; 31B 4 KV heads of its own on the global layers, keys as
+    # values there. (The E2B's shared layers have a double-wide MLP, not built: no preset.)
+    "gemma4-e4b": dict(
+        REAL, d_model=2560, n_layers=42, d_ff=10240, n_heads=8, n_kv_heads=2, sliding_window=512
+    )
+    | dict(max_seq_len=131072, ple_dim=256, kv_shared_layers=18),
+    "gemma4-31b": dict(REAL, d_model=5376, n_layers=60, d_ff=21504, n_heads=32, n_kv_heads=16)
+    | dict(max_seq_len=262144, sliding_window=1024, global_kv_heads=4, k_eq_v=True),
 }
