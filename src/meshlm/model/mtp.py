@@ -121,6 +121,12 @@ def depth_losses(cfg, par: Parallel, batch, logits):
     return jnp.stack(out)
 
 
+def weighted(cfg, par: Parallel, per_depth):
+    """The depths' term of the training loss: lambda / D x the sum of their losses [D], added once (under
+    pp by the last stage's head alone: ``pieces.head_loss_fn``)."""
+    return (cfg.mtp_weight / cfg.mtp_layers) * jnp.sum(per_depth)
+
+
 def check_batch(cfg, batch, weights_key: str) -> None:
     """MTP's loss counts every position with a target: a loss mask (SFT) is refused, not ignored."""
     if weights_key in batch:

@@ -205,12 +205,16 @@ def _local_logits(cfg: ModelConfig, par: Parallel, tokens, positions, cache, sta
     out = (head(_final_norm(cfg, x)), cache, (stats[0] if stats else None))
     if mtp_ids is None:
         return out
+    return (*out, mtp_logits(cfg, par, x, mtp_ids, embed, head, positions, starts))
+
+
+def mtp_logits(cfg: ModelConfig, par: Parallel, x, ids, embed, head, positions, starts):
+    """``mtp.depth_logits`` of the last layer's output ``x`` (under pp on the last stage: ``pieces``)."""
     block, norm = (lambda: _block(cfg, par)), (lambda name: _norm(cfg, name))
-    depths = mtp.depth_logits(
-        cfg, par, x, mtp_ids, embed=lambda t: _scaled(cfg, embed(t)), head=head, block=block, norm=norm,
+    return mtp.depth_logits(
+        cfg, par, x, ids, embed=lambda t: _scaled(cfg, embed(t)), head=head, block=block, norm=norm,
         stddev=GPT_STDDEV, positions=positions, starts=starts,
     )  # fmt: skip
-    return (*out, depths)
 
 
 def _check_seq_len(cfg: ModelConfig, seq_len: int) -> None:
@@ -308,7 +312,7 @@ def loss_fn(cfg: ModelConfig, par: Parallel, routing: bool = False, metrics: boo
         if depths:  # multi-token prediction: + lambda / D x the depths' losses (``model.mtp``)
             mtp.check_batch(cfg, batch, masked.WEIGHTS)
             per_depth = mtp.depth_losses(cfg, par, batch, depths[0][0])
-            loss = loss + (cfg.mtp_weight / cfg.mtp_layers) * jnp.sum(per_depth).astype(loss.dtype)
+            loss = loss + mtp.weighted(cfg, par, per_depth).astype(loss.dtype)
         if metrics and depths:  # the train step's: the depths' losses beside the routing
             aux = {"mtp": lax.stop_gradient(par.batch_mean(per_depth))}
             return par.batch_mean(loss), aux | ({"routing": lax.stop_gradient(summed)} if routing else {})
