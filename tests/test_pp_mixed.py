@@ -38,7 +38,12 @@ from meshlm.sharding.rules import check_uniform_stack, model_specs
             2,
             r"layer by layer dmdM; global_every=4\).*; drop --pp",
         ),  # global_every 4 over chunks of 2
-        ("tiny-deepseek-v3", {}, 2, r"after the 1 dense layers .* 1 layers do not split into 2 chunks"),
+        (
+            "tiny-deepseek-v3",
+            {"n_layers": 2},
+            2,
+            r"after the 1 dense layers .* 1 layers do not split into 2 chunks",
+        ),
         ("deepseek-v3", {}, 4, r"after the 3 dense layers .* 58 layers .*; use --pp 2 or 29 or 58$"),
     ],
 )
@@ -72,8 +77,9 @@ def test_periodic_chunks_and_a_dense_prefix_pass_and_place_their_stacks():
     "name, changes, schedule",
     [
         ("tiny-qwen3.5", {"n_layers": 4}, "1f1b"),  # each stage: one linear and one full layer
-        # dense layer 0 with the embedding; MoE 1, 2 (MTP under pp: refused, ``strategy.Pipelined.check``)
-        ("tiny-deepseek-v3", {"n_layers": 3, "mtp_weight": 0.0}, "gpipe"),
+        # dense layer 0 with the embedding; MoE 1, 2; the MTP depth with the head on the last stage (the
+        # embedding table on both ends: its gradient the sum of theirs)
+        ("tiny-deepseek-v3", {}, "gpipe"),
     ],
     ids=["qwen3.5-periodic-1f1b", "deepseek-v3-prefix-gpipe"],
 )

@@ -61,6 +61,7 @@ def verify(
     collectives: bool = False,
     data_steps: int = 0,
     allow_routing_flips: bool = False,
+    engine_controls: bool = True,
 ) -> Report:
     """Prove ``problem`` sharded on ``where`` (a jax Mesh or a Layout, with the problem's memory
     options) equals it unsharded; see the module docstring.
@@ -68,7 +69,9 @@ def verify(
     ``collectives`` adds the communication check (needs ``problem.cfg``); ``data_steps`` > 0 adds
     the data-pipeline check over that many steps. A mixture of experts' routing flips are counted
     and decide a check row (``proof.routing``); ``allow_routing_flips`` passes that row in float32
-    (never in float64), the tolerance unchanged."""
+    (never in float64), the tolerance unchanged. Under pp the pipeline's own faults run beside
+    ``controls``; ``engine_controls`` False leaves them out (a test of a model feature under pp: the
+    engine's are proven by tests/test_pp_verify.py)."""
     dname = jnp.dtype(dtype).name
     rtol, atol = TOLERANCE[dname]
     layout = Layout.of(where, fsdp=problem.fsdp, sp=problem.sp)
@@ -86,7 +89,7 @@ def verify(
     engine_faults = strategy(layout).engine_faults
     if engine_faults:  # every control through the pipeline, and its own faults (``pipeline_verify``)
         chosen += permute_controls(controls, where, collectives)
-        pipeline = applicable_controls(layout.pipeline)
+        pipeline = applicable_controls(layout.pipeline) if engine_controls else []
     try:  # before any run: a control that changes nothing here is a prover bug (``inertness``)
         check_not_inert(chosen + pipeline, runs, ocfg)
         sharded = runs.proven_grads()
@@ -107,7 +110,7 @@ def verify(
     report.extra["param_bytes_total"] = total_bytes(runs.params)
     if engine_faults:
         report.controls = [run_model_control(c, runs, run_control, ocfg, rtol, atol) for c in chosen]
-        report.controls += pipeline_controls(runs, rtol, atol)
+        report.controls += pipeline_controls(runs, rtol, atol) if engine_controls else []
         return report
     report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in chosen]
     return report

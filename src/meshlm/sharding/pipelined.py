@@ -48,6 +48,12 @@ def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
             f"--pp with moe_capacity_factor={cfg.moe_capacity_factor}: the capacity is a rule on the whole "
             "batch and a pipeline stage routes one micro-batch at a time; drop --pp or the capacity factor"
         )
+    if cfg.mtp_on and layout.cp_ring:  # the head runs under a cond on the last stage: no ring inside
+        raise ConfigError(
+            "--pp with --cp ring and multi-token prediction: the MTP depths run with the head on the last "
+            "stage, where context parallelism's ring cannot run; pass --cp-strategy allgather (or "
+            "--mtp-weight 0, or drop --cp)"
+        )
     if cfg.lora_dropout:  # its mask is of each layer's index; a stage numbers its chunk's from 0
         raise ConfigError("--pp does not take --lora-dropout yet (its masks number the layers); drop one")
 
@@ -140,7 +146,8 @@ def pipelined_value_and_grad(
             targets = {**(targets if isinstance(targets, dict) else {"targets": targets}), "inputs": inputs}
         value, (g_layers, g_embed, g_head) = step(layers, inputs, targets, head, embed, **starts)
         if tied:  # the table's gradient: the first stage's lookup's plus the last stage's head's (or MTP's)
-            g_embed = jax.tree.map(jnp.add, g_embed, {k: g_head.pop(k) for k in _table(embed)})
+            g_table = jax.tree.map(jnp.add, _table(g_embed), {k: g_head.pop(k) for k in _table(embed)})
+            g_embed = {**g_embed, **g_table}  # a dense prefix's stack (the first stage's) as it came
         grads = {**g_embed, **g_layers, **g_head}
         return _value(value, cfg, aux, routing), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
 
