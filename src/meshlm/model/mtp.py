@@ -16,7 +16,8 @@ Sharding: ``eh_proj`` [2D, D] is row-parallel over mp (each shard its slice of t
 the partial sums all-reduced as a layer's output, or reduce-scattered under sp); the three norms are
 replicated as every norm. The shifted ids and labels need no communication: every cp shard (and mp
 shard under sp) holds its rows' whole sequence of ids and takes its own positions' after shifting
-(``Parallel.seq_local``), so the tokens across a shard boundary are already there.
+(``Parallel.seq_local``), so the tokens across a shard boundary are already there. Under pp the depths
+run on the last stage with the head (``pieces.head_loss_fn``), their parameters stored as the head's.
 Shapes: global [B, T] ids; hidden states [B, T, D] per shard ([B, T/mp, D] under sp, with cp
 [B, T/cp, D]: this shard's chunks).
 """
