@@ -322,10 +322,8 @@ def _backward(job: Job, model, xs, state, t, d, ct_loss):
         gp, gx = kept.rebuild(params, j, ops.chunk(params, j), [buf[slot] for buf in stash])(ct)
         return jax.tree.map(lambda acc, g: ops.add_at(acc, j, pipe.mask(valid, g)), grads, gp), gx
 
-    skipped = lambda *args: (
-        args[-1],
-        ops.zeros_of(backward, *args)[1],
-    )  # a bubble: nothing computed or added
+    # a bubble: nothing computed or added
+    skipped = lambda *args: (args[-1], ops.zeros_of(backward, *args)[1])
     operands = params, state["stash"], ct, state["grads"]
     state["grads"], gx = _unless_bubble(job, valid, backward, skipped, *operands)
     if job.embed_fn is None:
