@@ -520,6 +520,10 @@ COMMANDS: dict[str, Run | Shown] = {
         "tests/test_routing_flips.py counts planted flips through the same probe"
     ),
     EP_PP_CMD: verify(costly=EP_PP),
+    # issue 43's MTP under pp: the preset (dense prefix, MTP on the last stage) on pp 2 x mp 2
+    "meshlm verify --config tiny-deepseek-v3 --pp 2 --mesh 1x2 --devices 4 --steps 2 --x64": verify(
+        costly="tests/test_pp_mixed.py::test_mixed_stack_through_the_pipeline_is_proven"
+    ),
     EP_PP_CMD + " --pp-schedule gpipe": verify(costly=EP_PP),
     "meshlm verify --config tiny-mixtral --mesh 2x2 --ep 2 --devices 4 --fsdp --sp --steps 2 --x64": verify(
         costly=EP

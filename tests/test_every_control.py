@@ -232,9 +232,11 @@ def test_an_inert_control_is_a_prover_bug():
 
 
 # Controls whose configuration has no cell here: their own float64 proof plants each and sees it detected,
-# which its program changing is a part of (a cell would cost a minute of MLA, MoE and MTP traces on cp).
+# which its program changing is a part of (a cell would cost a minute of MLA, MoE and MTP traces on cp
+# or through the pipeline).
 OWN_PROOF = {
     "MTP labels not taken across the cp shard boundary": "tests/test_mtp.py (1x2-cp2)",
+    "MTP loss counted on every pp stage": "tests/test_mtp.py (pp2 x cp2)",
 }
 
 

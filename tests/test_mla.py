@@ -23,6 +23,7 @@ from meshlm.sharding.rules import model_specs
 
 MLA_NAMES = {c.name for c in MLA_CONTROLS}
 DENSE = dict(family="deepseek_v3_dense", n_experts=0, experts_per_token=0, moe_d_ff=0, dense_layers=[])
+DENSE |= dict(n_layers=2)  # the preset has 3 (one dense, two MoE: --pp 2); two dense ones serve MLA
 DENSE |= dict(
     mtp_layers=0,  # MLA alone (multi-token prediction: tests/test_mtp.py)
     mtp_weight=0.0,
@@ -43,8 +44,8 @@ def test_latent_projections_replicated_and_up_projections_by_heads():
     assert MP not in tuple(specs["layers/attn/wkv_a"]) and MP not in tuple(
         specs["layers/attn/kv_a_norm/scale"]
     )
-    # 2 layers and the MTP depth's block (``model.mtp``) x 4 replicated leaves
-    assert theoretical_collectives(cfg, 1, 2)["mla_latent_grads"] == 3 * 4
+    # 3 layers and the MTP depth's block (``model.mtp``) x 4 replicated leaves
+    assert theoretical_collectives(cfg, 1, 2)["mla_latent_grads"] == 4 * 4
 
 
 @pytest.mark.parametrize(

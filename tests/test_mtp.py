@@ -1,10 +1,12 @@
 """Multi-token prediction (``model.mtp``, DeepSeek-V3's; tiny-deepseek-v3 has one depth at lambda 0.3):
 the shifted tokens and labels; the loss is the main loss + lambda / D x the depths' mean cross-entropies
 over the positions with a target; proven equal to the unsharded model in float64 on 2x2 with FSDP and
-SP and on 1x2 x cp 2 with its controls detected (the token one too few ahead; the labels shifted inside
-a cp shard); trained and resumed bit for bit with the depths' losses in the step's metrics; converted
-from a tiny transformers DeepseekV3 whose safetensors carry an MTP layer added by hand, and exported
-back with every MTP tensor equal. Refusals: --mtp-weight on a model without MTP layers, --pp with MTP,
+SP, on 1x2 x cp 2 and through the pipeline (pp 2 x cp 2, the depths on the last stage) with its controls
+detected (the token one too few ahead; the labels shifted inside a cp shard; the loss counted on every
+pp stage); its losses out of the pipeline equal the unsharded model's (1F1B, with the document mask);
+trained and resumed bit for bit with the depths' losses in the step's metrics; converted from a tiny
+transformers DeepseekV3 whose safetensors carry an MTP layer added by hand, and exported back with every
+MTP tensor equal. Refusals: --mtp-weight on a model without MTP layers, --pp with MTP on the cp ring,
 an MTP config.json without its tensors."""
 
 import json
@@ -32,6 +34,9 @@ CFG = get_config("tiny-deepseek-v3")
 # The proofs' model: the preset's MoE layer alone (its dense layer 0 is the dense stack's, proven with
 # the preset elsewhere): the MTP depth's block is the MoE one either way, at about half the traces.
 PROOF_CFG = CFG.replace(n_layers=1, dense_layers=[])
+# Under pp: two of the preset's MoE layers, one per stage, the MTP depth on the last (the preset's dense
+# prefix, run with the embedding on the first stage, is proven with MTP on by tests/test_pp_mixed.py).
+PP_CFG = CFG.replace(n_layers=2, dense_layers=[])
 
 
 def test_depth_tokens_and_labels_shift_on_the_whole_sequence():
@@ -92,9 +97,57 @@ def test_mtp_proven_with_its_controls_detected(layout):
     assert report.ok, [c for c in report.checks if not c["ok"]]
     assert max(p.max_rel_err for p in report.params) <= 1e-12
     assert any(p.path.startswith("mtp_0/") for p in report.params)
-    want = MTP_NAMES if layout.context_parallel else MTP_NAMES - {MTP_CONTROLS[1].name}
+    want = MTP_NAMES - {MTP_CONTROLS[2].name}  # the pp one: pp only (below)
+    want = want if layout.context_parallel else want - {MTP_CONTROLS[1].name}
     assert {c["name"] for c in report.controls} == want
     assert all(c["detected"] and c["margin"] >= 100 for c in report.controls), report.controls
+
+
+def test_mtp_under_pp_and_cp_proven_with_its_controls_detected():
+    """pp 2 x cp 2 (all-gather), GPipe: the depth on the last stage, its labels across the cp shards'
+    boundaries; the three MTP controls, each by values at >= 100x the tolerance (the loss counted on
+    every stage: pp x the depth's term; measured ~5e11 - 1e12 x each). The pipeline's own controls are
+    left out here (tests/test_pp_verify.py; with MTP on, tests/test_pp_mixed.py): 72 -> 44 s of CPU."""
+    layout = Layout(pp=2, cp=2, cp_strategy="allgather", microbatches=2, pp_schedule="gpipe")
+    problem = model_problem(PP_CFG, "tiny-deepseek-v3", layout, 4, 16)
+    controls = tuple(c for c in CONTROLS if c.name in MTP_NAMES)
+    with jax.enable_x64(True):
+        report = verify(problem, layout, steps=0, dtype=jnp.float64, controls=controls, pipeline_faults=())
+    assert report.ok and report.loss_ok, [c for c in report.checks if not c["ok"]]
+    assert max(p.max_rel_err for p in report.params) <= 1e-12
+    assert any(p.path.startswith("mtp_0/") for p in report.params)
+    assert {c["name"] for c in report.controls} == MTP_NAMES
+    assert all(c["detected"] and c["margin"] >= 100 for c in report.controls), report.controls
+
+
+def test_depth_losses_come_out_of_the_pipeline_as_without_it():
+    """1F1B (its head's VJP and accumulators; the proof above runs GPipe's), the document mask on (the
+    depth's block reads the micro-batch's document starts): the loss, every gradient, the depths' losses
+    and the routing statistics the train step's metrics read equal the unsharded model's (float64, NaN
+    in every bubble)."""
+    from meshlm.sharding.rules import model_specs
+    from meshlm.sharding.spmd import reference_value_and_grad
+    from meshlm.sharding.strategy import Pipelined
+
+    cfg = PP_CFG.replace(doc_mask=3)
+    layout = Layout(pp=2, microbatches=2, pp_schedule="1f1b")
+    init, _ = init_fn(cfg)
+    with jax.enable_x64(True):
+        toks = jax.random.randint(jax.random.PRNGKey(1), (4, 17), 0, 8)  # EOD (3) frequent
+        batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+        params = jax.tree.map(lambda a: a.astype(jnp.float64), init(jax.random.PRNGKey(0), batch))
+        ref = reference_value_and_grad(lambda par: loss_fn(cfg, par, True, metrics=True), has_aux=True)
+        (ref_loss, ref_aux), ref_grads = jax.jit(ref)(params, batch)
+        fn = Pipelined().value_and_grad(
+            cfg, layout, model_specs(cfg, params, layout), routing=True, fill=np.nan
+        )
+        (loss, aux), grads = jax.jit(fn)(params, batch)
+    assert set(aux) == {"mtp", "routing"} and aux["mtp"].shape == (1,)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
+    np.testing.assert_allclose(aux["mtp"], ref_aux["mtp"], rtol=1e-12)
+    np.testing.assert_allclose(aux["routing"], ref_aux["routing"], rtol=1e-12)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.max(np.abs(want)))
 
 
 def test_refusals():
@@ -102,11 +155,13 @@ def test_refusals():
 
     with pytest.raises(ConfigError, match="drop --mtp-weight"):
         get_config("tiny-llama").replace(mtp_weight=0.3)
-    with pytest.raises(ConfigError, match="--pp with multi-token prediction"):
-        Pipelined().check(CFG, Layout(pp=2))
-    pp = Layout(pp=2, microbatches=2, pp_schedule="gpipe")  # the library's verify: the same, before any run
-    with pytest.raises(ConfigError, match="--pp with multi-token prediction"):
-        verify(model_problem(CFG.replace(n_layers=3), "tiny-deepseek-v3", pp, 4, 16), pp, controls=())
+    Pipelined().check(CFG.replace(n_layers=3), Layout(pp=2))  # MTP under pp: built
+    ring = Layout(pp=2, cp=2, microbatches=2, pp_schedule="gpipe")  # the head's cond: no ring inside it
+    with pytest.raises(ConfigError, match="--pp with --cp ring and multi-token prediction.*allgather"):
+        Pipelined().check(PP_CFG, ring)
+    with pytest.raises(ConfigError, match="--pp with --cp ring and multi-token prediction"):  # before any run
+        verify(model_problem(PP_CFG, "tiny-deepseek-v3", ring, 4, 16), ring, controls=())
+    Pipelined().check(PP_CFG.replace(mtp_weight=0.0), ring)
     with pytest.raises(ConfigError, match="--seq-len 1 leaves depth 1"):
         mtp.depth_losses(CFG, Parallel(), {"targets": jnp.zeros((1, 1), jnp.int32)}, [None])
 

@@ -17,6 +17,7 @@ from meshlm.model.transformer import param_shapes
 from meshlm.parallel.axes import PP
 from meshlm.parallel.layout import Layout
 from meshlm.proof import model_problem, verify
+from meshlm.proof.controls import CONTROLS
 from meshlm.sharding.pipelined import split_model
 from meshlm.sharding.rules import check_uniform_stack, model_specs
 
@@ -37,7 +38,12 @@ from meshlm.sharding.rules import check_uniform_stack, model_specs
             2,
             r"layer by layer dmdM; global_every=4\).*; drop --pp",
         ),  # global_every 4 over chunks of 2
-        ("tiny-deepseek-v3", {}, 2, r"after the 1 dense layers .* 1 layers do not split into 2 chunks"),
+        (
+            "tiny-deepseek-v3",
+            {"n_layers": 2},
+            2,
+            r"after the 1 dense layers .* 1 layers do not split into 2 chunks",
+        ),
         ("deepseek-v3", {}, 4, r"after the 3 dense layers .* 58 layers .*; use --pp 2 or 29 or 58$"),
     ],
 )
@@ -71,15 +77,18 @@ FAULTS = ("one micro-batch's gradient dropped", "a bubble's NaN let through")
 
 
 @pytest.mark.parametrize(
-    "name, changes, schedule",
+    "name, changes, schedule, controls",
     [
-        ("tiny-qwen3.5", {"n_layers": 4}, "1f1b"),  # each stage: one linear and one full layer
-        # dense layer 0 with the embedding; MoE 1, 2 (MTP under pp: refused, ``strategy.Pipelined.check``)
-        ("tiny-deepseek-v3", {"n_layers": 3, "mtp_weight": 0.0}, "gpipe"),
+        ("tiny-qwen3.5", {"n_layers": 4}, "1f1b", ()),  # each stage: one linear and one full layer
+        # dense layer 0 with the embedding; MoE 1, 2; the MTP depth with the head on the last stage (the
+        # embedding table on both ends: its gradient the sum of theirs). Its control of another shard's
+        # heads runs in the depth's attention, in the last stage's cond: as a permute over mp it hung
+        # (XLA:CPU's permute waits for every device), as an all-gather it is detected
+        ("tiny-deepseek-v3", {}, "gpipe", ("shard uses another shard's heads",)),
     ],
     ids=["qwen3.5-periodic-1f1b", "deepseek-v3-prefix-gpipe"],
 )
-def test_mixed_stack_through_the_pipeline_is_proven(name, changes, schedule):
+def test_mixed_stack_through_the_pipeline_is_proven(name, changes, schedule, controls):
     layout = Layout(pp=2, mp=2, microbatches=2, pp_schedule=schedule)
     cfg = get_config(name).replace(**changes)
     problem = model_problem(cfg, name, layout, 4, 16)
@@ -88,9 +97,11 @@ def test_mixed_stack_through_the_pipeline_is_proven(name, changes, schedule):
         # NaN fill (a dense prefix runs in the first chunk's slot) and each micro-batch's gradient (the
         # prefix's flows as the embedding's). The schedule's other faults (a reversed permute, the loss's
         # 1/M) are the engine's alone, proven on every schedule (tests/test_pp_verify.py, test_pp_cli.py);
-        # the model's controls under pp: the CLI runs (docs/proof.md).
-        report = verify(problem, layout, steps=1, dtype=jnp.float64, controls=(), pipeline_faults=FAULTS)
+        # ``controls``: the model's named ones; all of the model's under pp: the CLI runs (docs/proof.md).
+        chosen = tuple(c for c in CONTROLS if c.name in controls)
+        report = verify(problem, layout, steps=1, dtype=jnp.float64, controls=chosen, pipeline_faults=FAULTS)
     assert report.ok and report.loss_ok, [c for c in report.checks if not c["ok"]]
     assert max(p.max_rel_err for p in report.params) <= 1e-12
-    assert [c["name"] for c in report.controls] == [f"pipeline: {n}" for n in FAULTS]
+    names = {c["name"] for c in report.controls}
+    assert names == {f"pipeline: {n}" for n in FAULTS} | set(controls)
     assert all(c["detected"] for c in report.controls), report.controls

@@ -16,7 +16,8 @@ Sharding: ``eh_proj`` [2D, D] is row-parallel over mp (each shard its slice of t
 the partial sums all-reduced as a layer's output, or reduce-scattered under sp); the three norms are
 replicated as every norm. The shifted ids and labels need no communication: every cp shard (and mp
 shard under sp) holds its rows' whole sequence of ids and takes its own positions' after shifting
-(``Parallel.seq_local``), so the tokens across a shard boundary are already there.
+(``Parallel.seq_local``), so the tokens across a shard boundary are already there. Under pp the depths
+run on the last stage with the head (``pieces.head_loss_fn``), their parameters stored as the head's.
 Shapes: global [B, T] ids; hidden states [B, T, D] per shard ([B, T/mp, D] under sp, with cp
 [B, T/cp, D]: this shard's chunks).
 """
@@ -119,6 +120,12 @@ def depth_losses(cfg, par: Parallel, batch, logits):
         has_target = par.seq_local(jnp.broadcast_to(jnp.arange(t) < t - d, targets.shape))
         out.append(jnp.mean(jnp.where(has_target, per_token, 0)) * (t / (t - d)))
     return jnp.stack(out)
+
+
+def weighted(cfg, par: Parallel, per_depth):
+    """The depths' term of the training loss: lambda / D x the sum of their losses [D], added once (under
+    pp by the last stage's head alone: ``pieces.head_loss_fn``)."""
+    return (cfg.mtp_weight / cfg.mtp_layers) * jnp.sum(per_depth)
 
 
 def check_batch(cfg, batch, weights_key: str) -> None:

@@ -8,7 +8,7 @@ import haiku as hk
 import jax.numpy as jnp
 
 from meshlm.errors import ConfigError
-from meshlm.model import masked, stage_layers
+from meshlm.model import masked, mtp, stage_layers
 from meshlm.model.attention import doc_starts
 from meshlm.model.config import ModelConfig
 from meshlm.model.layer_kinds import DENSE_STACK
@@ -22,9 +22,11 @@ from meshlm.model.transformer import (
     _check_context_parallel,
     _check_seq_len,
     _embed,
-    _head_logits,
+    _final_norm,
+    _head,
     _others,
     _scaled,
+    mtp_logits,
 )
 from meshlm.parallel.context import Parallel
 
@@ -90,17 +92,37 @@ def layers_fn(cfg: ModelConfig, par: Parallel, stats: bool | None = None):
 def head_loss_fn(cfg: ModelConfig, par: Parallel):
     """(hidden [B, T, D], targets [B, T]) -> the mean loss over this shard's rows (with cp: over this
     shard's chunks of them, ``par.seq_local`` of the whole rows' targets). ``targets`` may be
-    {"targets", "weights"}: the SFT loss's step-normalized weights of them (``model.masked``)."""
+    {"targets", "weights"}: the SFT loss's step-normalized weights of them (``model.masked``). With
+    multi-token prediction on (``model.mtp``) the depths run here, on the last stage, after the final
+    layer: ``targets`` is {"targets", "inputs"} (the whole rows: each depth's tokens and labels are
+    shifted on them), the loss gains their term, and the value is (loss, the depths' losses [D])."""
 
     def head_loss(y, targets):
-        weights = None
-        if isinstance(targets, dict):
-            targets, weights = targets["targets"], par.seq_local(targets[masked.WEIGHTS])
+        rows = targets if isinstance(targets, dict) else {"targets": targets}
+        weights = par.seq_local(rows[masked.WEIGHTS]) if masked.WEIGHTS in rows else None
         with hk.custom_getter(parallel_getter(par)), freeze(cfg):
-            embed = _embed(cfg, par) if cfg.tie_embeddings else None  # a tied head reads the table
-            logits = mask_vocab_padding(par, par.seq_out(_head_logits(cfg, par, y, embed)), cfg.vocab_size)
-        return masked.token_mean(
-            vocab_parallel_xent(par, logits, par.seq_local(targets), cfg.z_loss), weights
+            # a tied head reads the table, and the MTP depths embed their tokens by it
+            embed = _embed(cfg, par) if cfg.tie_embeddings or cfg.mtp_on else None
+            head = _head(cfg, par, embed)
+            logits = mask_vocab_padding(par, par.seq_out(head(_final_norm(cfg, y))), cfg.vocab_size)
+            depths = _mtp_depths(cfg, par, y, rows, embed, head) if cfg.mtp_on else None
+        loss = masked.token_mean(
+            vocab_parallel_xent(par, logits, par.seq_local(rows["targets"]), cfg.z_loss), weights
         )
+        if depths is None:
+            return loss
+        per_depth = mtp.depth_losses(cfg, par, rows, depths)
+        return loss + mtp.weighted(cfg, par, per_depth).astype(loss.dtype), per_depth
 
     return head_loss
+
+
+def _mtp_depths(cfg: ModelConfig, par: Parallel, y, rows, embed, head):
+    """The MTP depths' per-shard logits [B, T, V/mp] each, from the last layer's output ``y`` of one
+    micro-batch's ``rows`` {"inputs", "targets"} (whole rows: their document starts are the model's)."""
+    mtp.check_batch(cfg, rows, masked.WEIGHTS)
+    starts = None
+    if cfg.doc_mask >= 0:
+        starts = par.tap("doc_starts", doc_starts(rows["inputs"], cfg.doc_mask))
+    ids = mtp.local_ids(cfg, par, rows)
+    return mtp_logits(cfg, par, y, ids, embed, head, _positions(par, y), starts)[0]

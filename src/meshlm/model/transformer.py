@@ -207,14 +207,23 @@ def _local_logits(
     x, cache, *stats = stack_layers(cfg, _block(cfg, par), x, positions, cache, starts, _others(cfg, par))
     head = _head(cfg, par, embed)  # one module: the MTP depths share it
     out = (head(_final_norm(cfg, x)), cache, (stats[0] if stats else None))
-    block, norm = (lambda: _block(cfg, par)), (lambda name: _norm(cfg, name))  # the MTP depths': shared
-    parts = dict(embed=lambda t: _scaled(cfg, embed(t)), head=head, block=block, norm=norm, stddev=GPT_STDDEV)
     if after is not None:
-        return (*out, after(x, out[0], parts))
+        return (*out, after(x, out[0], mtp_parts(cfg, par, embed, head)))
     if mtp_ids is None:
         return out
-    depths = mtp.depth_logits(cfg, par, x, mtp_ids, **parts, positions=positions, starts=starts)
-    return (*out, depths)
+    return (*out, mtp_logits(cfg, par, x, mtp_ids, embed, head, positions, starts))
+
+
+def mtp_parts(cfg: ModelConfig, par: Parallel, embed, head) -> dict:
+    """What the MTP depths share with the main model (``mtp.depth_logits``'s keywords)."""
+    block, norm = (lambda: _block(cfg, par)), (lambda name: _norm(cfg, name))
+    return dict(embed=lambda t: _scaled(cfg, embed(t)), head=head, block=block, norm=norm, stddev=GPT_STDDEV)
+
+
+def mtp_logits(cfg: ModelConfig, par: Parallel, x, ids, embed, head, positions, starts):
+    """``mtp.depth_logits`` of the last layer's output ``x`` (under pp on the last stage: ``pieces``)."""
+    parts = mtp_parts(cfg, par, embed, head)
+    return mtp.depth_logits(cfg, par, x, ids, **parts, positions=positions, starts=starts)
 
 
 def _check_seq_len(cfg: ModelConfig, seq_len: int) -> None:
@@ -312,7 +321,7 @@ def loss_fn(cfg: ModelConfig, par: Parallel, routing: bool = False, metrics: boo
         if depths:  # multi-token prediction: + lambda / D x the depths' losses (``model.mtp``)
             mtp.check_batch(cfg, batch, masked.WEIGHTS)
             per_depth = mtp.depth_losses(cfg, par, batch, depths[0][0])
-            loss = loss + (cfg.mtp_weight / cfg.mtp_layers) * jnp.sum(per_depth).astype(loss.dtype)
+            loss = loss + mtp.weighted(cfg, par, per_depth).astype(loss.dtype)
         if metrics and depths:  # the train step's: the depths' losses beside the routing
             aux = {"mtp": lax.stop_gradient(par.batch_mean(per_depth))}
             return par.batch_mean(loss), aux | ({"routing": lax.stop_gradient(summed)} if routing else {})

@@ -150,6 +150,7 @@ def pipeline_value_and_grad(
     with_aux=False,
     stats_loss=None,
     stats_sum=None,
+    head_aux=False,
 ):
     """fn(params, x, targets, head=None) -> (loss, (param_grads, x_grad)) on ``mesh``, with params' leaves
     stacked [L, ...] and x, targets' leaves [B, ...] (rows split over dp, replicated over mp). Jit it.
@@ -173,7 +174,10 @@ def pipeline_value_and_grad(
     an ``ep`` axis the rows are split over (dp, ep) and the loss is a mean over both (the experts' own
     all-to-alls run inside the stages). With ``stats_loss``: ``stage_fn`` returns ``(y, stats)`` and the
     loss gains ``stats_loss`` of the step's statistics (``pipeline_stats``); with ``stats_sum`` too (the
-    statistics summed over the batch's shards, replicated) fn's value is (loss, those statistics)."""
+    statistics summed over the batch's shards, replicated) fn's value is (loss, those statistics). With
+    ``head_aux``: ``loss_fn`` returns (loss, metrics: a tree of one micro-batch's values, each a mean over
+    this shard's rows like the loss) and fn's value is (loss, (the statistics or None, the metrics' mean
+    over the step: over the micro-batches and the batch's shards))."""
     cfg = pipe.config
     names = tuple(mesh.axis_names)
     if PP not in names or set(names) - {PP, DP, EP, CP, MP}:
@@ -189,11 +193,13 @@ def pipeline_value_and_grad(
     if stats_sum is not None and stats_loss is None:
         raise ConfigError("stats_sum returns the statistics stats_loss makes the chunks return; pass both")
     n_cp = sizes.get(CP, 1)
-    job = Job(stage_fn, loss_fn, pipe, has_dp, n_dp, embed_fn, n_cp, with_aux, n_ep, stats_loss, stats_sum)
+    job = Job(
+        stage_fn, loss_fn, pipe, has_dp, n_dp, embed_fn, n_cp, with_aux, n_ep, stats_loss, stats_sum, head_aux
+    )
     rows = (DP, EP) if EP in names else DP
     data = P(rows) if has_dp else P()  # replicated over cp and mp: each cp shard slices its own chunks
     body = partial(gpipe if cfg.schedule == "gpipe" else one_f_one_b, job)
-    value_spec = P() if stats_sum is None else (P(), P())  # the loss (and the step's statistics)
+    value_spec = P() if stats_sum is None or head_aux else (P(), P())  # the loss (and statistics, metrics)
 
     def run(params, x, targets, head=None, embed=None, aux=None):
         for count in sorted({a.shape[0] for a in jax.tree.leaves(params)}):  # each kind's stack apart

@@ -17,32 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from meshlm.parallel import pipeline_ops as ops
 from meshlm.parallel import pipeline_stats as stats_of
 from meshlm.parallel.axes import CP, DP, EP, PP
-from meshlm.parallel.pipeline_ops import (
-    add_at as _add_at,
-)
-from meshlm.parallel.pipeline_ops import (
-    chunk as _chunk,
-)
-from meshlm.parallel.pipeline_ops import (
-    only_if as _only_if,
-)
-from meshlm.parallel.pipeline_ops import (
-    sum_where_cast as _sum_where_cast,
-)
-from meshlm.parallel.pipeline_ops import (
-    type_axes as _type_axes,
-)
-from meshlm.parallel.pipeline_ops import (
-    vary as _vary,
-)
-from meshlm.parallel.pipeline_ops import (
-    varying as _varying,
-)
-from meshlm.parallel.pipeline_ops import (
-    zeros_of as _zeros_of,
-)
 from meshlm.parallel.pipeline_schedule import PipelineConfig, backward_slot, forward_counter, forward_slot
 from meshlm.parallel.pipeline_stash import residuals
 
@@ -61,6 +38,7 @@ class Job:
     n_ep: int = 1  # ep shards (experts split over them; part of the data shards: n_dp counts them)
     stats_loss: object = None  # stats [L, ...] -> scalar: chunks return (y, stats) (``pipeline_stats``)
     stats_sum: object = None  # stats [L, ...] -> summed over the batch's shards: also return the step's
+    head_aux: bool = False  # loss_fn returns (loss, metrics): the step's mean of them is returned too
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -92,8 +70,10 @@ class Job:
 
 
 def _head_loss(job: Job, with_head: bool):
-    """loss_fn as loss(head, y, targets) either way."""
-    return job.loss_fn if with_head else (lambda head, y, targets: job.loss_fn(y, targets))
+    """loss_fn as loss(head, y, targets) -> (loss, metrics) either way (metrics: () without
+    ``head_aux``)."""
+    fn = job.loss_fn if with_head else (lambda head, y, targets: job.loss_fn(y, targets))
+    return fn if job.head_aux else (lambda head, y, targets: (fn(head, y, targets), ()))
 
 
 def _split(job: Job, params, x, targets, aux=()):
@@ -107,7 +87,7 @@ def _split(job: Job, params, x, targets, aux=()):
 def _on_last_stage(job: Job, fn, *args, where=True):
     """``fn(*args)`` on the last stage (and ``where``), zeros of its types elsewhere: the head (final
     norm, output projection, loss) runs where it counts instead of masked on every stage and tick."""
-    return _only_if((lax.axis_index(PP) == job.pipe.config.pp - 1) & where, fn, *args)
+    return ops.only_if((lax.axis_index(PP) == job.pipe.config.pp - 1) & where, fn, *args)
 
 
 def _unless_bubble(job: Job, valid, fn, skipped, *args):
@@ -127,7 +107,7 @@ def _activation(job: Job, embed, xs, fill):
     """A micro-batch activation's buffer filled with ``fill``, typed as the chunks pass it (with sequence
     parallelism varying over mp too)."""
     s = jax.eval_shape(partial(_enter, job), embed, xs, 0)
-    return _vary(jnp.full(s.shape, fill, s.dtype), tuple(sorted(set(job.axes) | set(_type_axes(s)))))
+    return ops.vary(jnp.full(s.shape, fill, s.dtype), tuple(sorted(set(job.axes) | set(ops.type_axes(s)))))
 
 
 def _ends(cfg: PipelineConfig, d, j):
@@ -140,10 +120,16 @@ def _at(tree, m):
 
 
 def _reduce_loss(job: Job, local):
-    """The step's loss: the last stage's, a mean over the batch's shards (dp, and cp: each shard holds as
-    many tokens, so the mean over every token)."""
-    loss = lax.psum(local, PP)
-    return lax.pmean(loss, job.batch_axes) if job.batch_axes else loss
+    """The step's loss (or a tree of head metrics): the last stage's, a mean over the batch's shards (dp,
+    and cp: each shard holds as many tokens, so the mean over every token)."""
+    loss = jax.tree.map(lambda a: lax.psum(a, PP), local)
+    return jax.tree.map(lambda a: lax.pmean(a, job.batch_axes), loss) if job.batch_axes else loss
+
+
+def _metric_mean(job: Job, metrics):
+    """One micro-batch's head metrics as their share of the step's mean (1/M: not the loss's scale, a
+    hook the controls change), outside the gradient."""
+    return jax.tree.map(lambda a: lax.stop_gradient(a) / job.pipe.config.microbatches, metrics)
 
 
 def _forward_input(job: Job, embed, xs, recv, t, d):
@@ -152,7 +138,7 @@ def _forward_input(job: Job, embed, xs, recv, t, d):
     valid, m, j = forward_slot(cfg, t, d)
     m = jnp.clip(m, 0, cfg.microbatches - 1)
     first, _ = _ends(cfg, d, j)
-    entered = _only_if(first & valid, partial(_enter, job), embed, xs, m) if job.embed_fn else xs[m]
+    entered = ops.only_if(first & valid, partial(_enter, job), embed, xs, m) if job.embed_fn else xs[m]
     return valid, m, j, job.pipe.mask(valid, jnp.where(first, entered, recv))
 
 
@@ -163,30 +149,30 @@ def gpipe(job: Job, params, head, embed, x, targets, aux, *, with_head: bool):
     loss_fn = partial(_gpipe_loss, job, _head_loss(job, with_head), tgs, auxs)
     grad_fn = partial(jax.value_and_grad, argnums=(0, 1, 2), has_aux=True)  # aux: the step's statistics
     if job.embed_fn is not None:
-        (loss, stats), (gp, gh, ge) = grad_fn(loss_fn)(params, head, embed, xs)
-        return stats_of.value(job, loss, stats), (jax.tree.map(lambda g: g[None], gp), ge, gh)
+        (loss, aux), (gp, gh, ge) = grad_fn(loss_fn)(params, head, embed, xs)
+        return stats_of.value(job, loss, *aux), (jax.tree.map(lambda g: g[None], gp), ge, gh)
     run = lambda params, head, xs: loss_fn(params, head, (), xs)
-    (loss, stats), (gp, gh, gx) = grad_fn(run)(params, head, xs)
+    (loss, aux), (gp, gh, gx) = grad_fn(run)(params, head, xs)
     grads = (jax.tree.map(lambda g: g[None], gp), gx.reshape(-1, *gx.shape[2:]), gh)
-    return stats_of.value(job, loss, stats), grads
+    return stats_of.value(job, loss, *aux), grads
 
 
 def _gpipe_loss(job: Job, head_loss, tgs, auxs, params, head, embed, xs):
     pipe, cfg = job.pipe, job.pipe.config
     # One cast at entry each: the transposes are the one data-parallel sum of the gradients (and for the
     # replicated head and embedding, the sum over stages, all zero but one).
-    params, head, embed = (_vary(tree, job.axes) for tree in (params, head, embed))
+    params, head, embed = (ops.vary(tree, job.axes) for tree in (params, head, embed))
     outputs, acc = _forward_ticks(job, params, embed, xs, auxs, keep_outputs=True)
 
     def losses(head, outputs):
-        each = jax.vmap(head_loss, in_axes=(None, 0, 0))(head, outputs, tgs)  # [M]
+        each, metrics = jax.vmap(head_loss, in_axes=(None, 0, 0))(head, outputs, tgs)  # [M], [M, ...]
         each = jnp.where(pipe.keeps_grad(jnp.arange(cfg.microbatches)), each, lax.stop_gradient(each))
-        return pipe.loss_scale() * jnp.sum(each)
+        return pipe.loss_scale() * jnp.sum(each), jax.tree.map(lambda a: a.sum(0), _metric_mean(job, metrics))
 
-    loss = _reduce_loss(job, _on_last_stage(job, losses, head, outputs))
+    loss, metrics = _reduce_loss(job, _on_last_stage(job, losses, head, outputs))
     if acc is None:
-        return loss, None
-    return loss + stats_of.loss(job, acc, _vary), stats_of.step_stats(job, acc)
+        return loss, (None, metrics)
+    return loss + stats_of.loss(job, acc, ops.vary), (stats_of.step_stats(job, acc), metrics)
 
 
 def _forward_ticks(job: Job, params, embed, xs, auxs, *, keep_outputs: bool):
@@ -199,7 +185,7 @@ def _forward_ticks(job: Job, params, embed, xs, auxs, *, keep_outputs: bool):
     def tick(carry, t):
         recv, outputs, acc = carry
         valid, m, j, inp = _forward_input(job, embed, xs, recv, t, d)
-        y, stats = stats_of.split(job, job.stage(_chunk(params, j), inp, _at(auxs, m)))
+        y, stats = stats_of.split(job, job.stage(ops.chunk(params, j), inp, _at(auxs, m)))
         if keep_outputs:
             _, last = _ends(cfg, d, j)
             outputs = outputs.at[m].set(jnp.where(valid & last, y, outputs[m]))
@@ -209,11 +195,11 @@ def _forward_ticks(job: Job, params, embed, xs, auxs, *, keep_outputs: bool):
 
     outputs = None
     if keep_outputs:
-        outputs = _vary(jnp.zeros((cfg.microbatches, *fill.shape), fill.dtype), tuple(_varying(fill)))
+        outputs = ops.vary(jnp.zeros((cfg.microbatches, *fill.shape), fill.dtype), tuple(ops.varying(fill)))
     acc = None
     if job.stats_loss is not None:  # typed as the chunks' statistics (and the accumulation makes it)
-        _, s = jax.eval_shape(job.stage, _chunk(params, 0), fill, _vary(_at(auxs, 0), (PP,)))
-        acc = stats_of.empty(job, s, _vary, tuple(sorted(set(job.axes) | set(_type_axes(s)))))
+        _, s = jax.eval_shape(job.stage, ops.chunk(params, 0), fill, ops.vary(_at(auxs, 0), (PP,)))
+        acc = stats_of.empty(job, s, ops.vary, tuple(sorted(set(job.axes) | set(ops.type_axes(s)))))
     (_, outputs, acc), _ = lax.scan(tick, (fill, outputs, acc), jnp.arange(cfg.forward_ticks))
     return outputs, acc
 
@@ -224,23 +210,24 @@ def one_f_one_b(job: Job, params, head, embed, x, targets, aux, *, with_head: bo
     pipe, cfg = job.pipe, job.pipe.config
     params, xs, tgs, auxs = _split(job, params, x, targets, aux)
     entry = params, head, embed
-    params, head, embed = (_vary(tree, job.axes) for tree in entry)
+    params, head, embed = (ops.vary(tree, job.axes) for tree in entry)
     head_loss = _head_loss(job, with_head)
     fill = _activation(job, embed, xs, pipe.fill)
-    loss_type = jax.eval_shape(head_loss, head, fill, _at(tgs, 0))
+    loss_type, metrics_type = jax.eval_shape(head_loss, head, fill, _at(tgs, 0))
     # aux rows typed as a forward slot reads them (indexed by a micro-batch that depends on the stage): a
     # fault varying them over mp (a control) must give the traced VJP the schedule's structure
-    kept = residuals(job.stage, _chunk, params, fill, _vary(_at(auxs, 0), (PP,)))
+    kept = residuals(job.stage, ops.chunk, params, fill, ops.vary(_at(auxs, 0), (PP,)))
     state = {
         "recv_x": fill,
         "recv_ct": fill,
-        "stash": kept.empty(cfg.stash_slots, pipe.fill, lambda a, s: _vary(a, _type_axes(s))),
-        **_vary(
+        "stash": kept.empty(cfg.stash_slots, pipe.fill, lambda a, s: ops.vary(a, ops.type_axes(s))),
+        **ops.vary(
             {
                 "grads": jax.tree.map(jnp.zeros_like, params),
                 "head_grads": jax.tree.map(jnp.zeros_like, head),
                 "entry_grads": jax.tree.map(jnp.zeros_like, embed if job.embed_fn else xs),
                 "loss": jnp.zeros((), loss_type.dtype),
+                "metrics": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_type),
             },
             job.axes,
         ),
@@ -248,21 +235,22 @@ def one_f_one_b(job: Job, params, head, embed, x, targets, aux, *, with_head: bo
     stats_loss, seeds, acc = 0.0, None, None
     if job.stats_loss is not None:  # the step's statistics first: their loss and each chunk's cotangent
         acc = _forward_ticks(job, params, embed, xs, auxs, keep_outputs=False)[1]
-        stats_loss, seeds = stats_of.loss_and_seeds(job, acc, _vary)
+        stats_loss, seeds = stats_of.loss_and_seeds(job, acc, ops.vary)
     warm, both = cfg.chunks - 1, cfg.forward_ticks  # ticks [0, warm) forward only, [both, end) backward only
     phases = ((0, warm, True, False), (warm, both, True, True), (both, both + warm, False, True))
     for lo, hi, do_f, do_b in phases:
         model = (params, head, embed, head_loss, kept, seeds)
         tick = partial(_tick, job, model, xs, (tgs, auxs), do_f, do_b)
         state, _ = lax.scan(tick, state, jnp.arange(lo, hi))
-    grads = _sum_where_cast(state["grads"], entry[0], job.axes)
-    head_grads = _sum_where_cast(state["head_grads"], entry[1], job.axes)  # from the last stage
+    grads = ops.sum_where_cast(state["grads"], entry[0], job.axes)
+    head_grads = ops.sum_where_cast(state["head_grads"], entry[1], job.axes)  # from the last stage
     if job.embed_fn is None:
         entry_grads = lax.psum(state["entry_grads"], PP).reshape(x.shape)  # written on device 0 only
     else:
-        entry_grads = _sum_where_cast(state["entry_grads"], entry[2], job.axes)  # from the first stage
+        entry_grads = ops.sum_where_cast(state["entry_grads"], entry[2], job.axes)  # from the first stage
     loss = _reduce_loss(job, state["loss"]) + stats_loss
-    value = stats_of.value(job, loss, None if acc is None else stats_of.step_stats(job, acc))
+    stats = None if acc is None else stats_of.step_stats(job, acc)
+    value = stats_of.value(job, loss, stats, _reduce_loss(job, state["metrics"]))
     return value, (jax.tree.map(lambda g: g[None], grads), entry_grads, head_grads)
 
 
@@ -277,10 +265,10 @@ def _tick(job: Job, model, xs, rows, do_f: bool, do_b: bool, state, t):
         stage = lambda p, x: job.stage(p, x, _at(auxs, m))  # this micro-batch's aux rows
 
         def forward(params, inp):  # its residuals kept until the backward; the chunk sliced in the branch
-            y, vjp = jax.vjp(stage, _chunk(params, j), inp)
+            y, vjp = jax.vjp(stage, ops.chunk(params, j), inp)
             return y, kept.split(vjp)
 
-        y, leaves = _unless_bubble(job, valid, forward, partial(_zeros_of, forward), params, inp)
+        y, leaves = _unless_bubble(job, valid, forward, partial(ops.zeros_of, forward), params, inp)
         y, _ = stats_of.split(job, y)  # the statistics' value came from the statistics pass
         slot = (t - d) % pipe.config.stash_slots
         new = zip(state["stash"], leaves, strict=True)
@@ -302,9 +290,11 @@ def _loss_grad(job: Job, state, head, y, targets, last, m):
     """Add micro-batch m's loss (on the last chunk) to the state, and its gradient w.r.t. the head; return
     the cotangent it seeds."""
     pipe, (head, head_loss) = job.pipe, head
-    value_and_grad = jax.value_and_grad(head_loss, argnums=(0, 1))
-    value, (gh, ct) = _on_last_stage(job, value_and_grad, head, y, targets, where=last)
+    value_and_grad = jax.value_and_grad(head_loss, argnums=(0, 1), has_aux=True)
+    (value, metrics), (gh, ct) = _on_last_stage(job, value_and_grad, head, y, targets, where=last)
     state["loss"] = state["loss"] + jnp.where(last, pipe.loss_scale() * value, 0.0)
+    add = lambda acc, v: acc + jnp.where(last, v, jnp.zeros_like(v))
+    state["metrics"] = jax.tree.map(add, state["metrics"], _metric_mean(job, metrics))
     keep = last & pipe.keeps_grad(m)
     scale = pipe.loss_scale() / job.batch_shards  # the gradient of the mean over micro-batches, dp and cp
     state["head_grads"] = jax.tree.map(
@@ -329,17 +319,18 @@ def _backward(job: Job, model, xs, state, t, d, ct_loss):
         ct = (ct, pipe.mask(valid, seeds[stats_of.chunk_of(job, d, j)]))
 
     def backward(params, stash, ct, grads):  # the chunk, its residuals and accumulators taken in the branch
-        gp, gx = kept.rebuild(params, j, _chunk(params, j), [buf[slot] for buf in stash])(ct)
-        return jax.tree.map(lambda acc, g: _add_at(acc, j, pipe.mask(valid, g)), grads, gp), gx
+        gp, gx = kept.rebuild(params, j, ops.chunk(params, j), [buf[slot] for buf in stash])(ct)
+        return jax.tree.map(lambda acc, g: ops.add_at(acc, j, pipe.mask(valid, g)), grads, gp), gx
 
-    skipped = lambda *ops: (ops[-1], _zeros_of(backward, *ops)[1])  # a bubble: nothing computed or added
+    # a bubble: nothing computed or added
+    skipped = lambda *args: (args[-1], ops.zeros_of(backward, *args)[1])
     operands = params, state["stash"], ct, state["grads"]
     state["grads"], gx = _unless_bubble(job, valid, backward, skipped, *operands)
     if job.embed_fn is None:
         acc = state["entry_grads"]
         state["entry_grads"] = acc.at[m].set(jnp.where(valid & first, gx, acc[m]))
     else:
-        ge = _only_if(valid & first, partial(_embed_grad, job), embed, xs, m, gx)
+        ge = ops.only_if(valid & first, partial(_embed_grad, job), embed, xs, m, gx)
         state["entry_grads"] = jax.tree.map(jnp.add, state["entry_grads"], ge)
     return jnp.where(valid, gx, pipe.fill)
 

@@ -72,9 +72,12 @@ def step_stats(job, acc):
     return None if job.stats_sum is None else lax.stop_gradient(job.stats_sum(total(acc)))
 
 
-def value(job, loss, stats):
+def value(job, loss, stats, metrics=()):
     """What the engine returns as the step's value: the loss, or with ``stats_sum`` (loss, the step's
-    statistics), as ``jax.value_and_grad(..., has_aux=True)`` does."""
+    statistics), as ``jax.value_and_grad(..., has_aux=True)`` does; with ``head_aux`` (loss, (the
+    step's statistics or None, the head's metrics: their mean over the step))."""
+    if job.head_aux:
+        return loss, (stats, metrics)
     return loss if job.stats_sum is None else (loss, stats)
 
 

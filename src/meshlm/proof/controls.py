@@ -73,10 +73,14 @@ class MissingDpMean(Parallel):
 
 
 class OtherShardsHeads(Tapped):
-    """Each shard computes its queries with the next shard's query-head weights."""
+    """Each shard computes its queries with the next shard's query-head weights. An all-gather over mp,
+    not a permute: under pp an MTP depth's attention runs with the head on the last stage only (a branch
+    of a ``cond``), and XLA:CPU runs a permute over mp as one collective of every device, which the
+    other stages never join (a deadlock; ``family_faults.TiedHeadOtherSlice`` alike)."""
 
     def own_heads(self, w):
-        return lax.ppermute(w, MP, [(i, (i + 1) % self.layout.mp) for i in range(self.layout.mp)])
+        every = lax.all_gather(w, MP, axis=0, tiled=False)  # [mp, *w.shape]
+        return every[(self.shard_index() + 1) % self.layout.mp]
 
 
 class KvNotReplicated(Parallel):

@@ -2,7 +2,8 @@
 replacing one of ``model.mtp``'s points while the sharded run traces: the tokens a depth embeds one
 position too few ahead (t_{i+d-1}: depth 1 re-embeds the main model's own input), and the depths'
 labels shifted inside this shard's chunks of the sequence instead of on the whole sequence (the
-labels near a cp chunk's end would be the next chunk's first tokens: they become wrong ones)."""
+labels near a cp chunk's end would be the next chunk's first tokens: they become wrong ones), and under
+pp the depths' loss term counted on every pipeline stage instead of the last one's alone."""
 
 from __future__ import annotations
 
@@ -16,6 +17,15 @@ def _one_too_few(inputs, targets, d: int):
 
 def _labels_inside_the_shard(par, targets, d: int):
     return mtp.ahead(par.seq_local(targets), d)
+
+
+_WEIGHTED = mtp.weighted
+
+
+def _on_every_stage(cfg, par, per_depth):
+    # as a step whose every stage adds the depths' loss it is handed (the last stage's, sent on) before
+    # the step's sum over the stages: pp times the term (the main loss the last stage's alone)
+    return par.layout.pp * _WEIGHTED(cfg, par, per_depth)
 
 
 def _mtp(w: Where) -> bool:
@@ -32,5 +42,10 @@ MTP_CONTROLS = (
         name="MTP labels not taken across the cp shard boundary",
         applies=lambda w: _mtp(w) and w.layout.context_parallel,
         plant=lambda: replaced(vars(mtp), "depth_labels", _labels_inside_the_shard),
+    ),
+    Control(
+        name="MTP loss counted on every pp stage",
+        applies=lambda w: _mtp(w) and w.layout.pipelined,
+        plant=lambda: replaced(vars(mtp), "weighted", _on_every_stage),
     ),
 )

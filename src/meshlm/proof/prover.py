@@ -70,8 +70,9 @@ def verify(
     the data-pipeline check over that many steps. A mixture of experts' routing flips are counted
     and decide a check row (``proof.routing``); ``allow_routing_flips`` passes that row in float32
     (never in float64), the tolerance unchanged. Under pp ``pipeline_faults`` names the pipeline's own
-    controls to run (None: every one that applies; a test of another stage body runs the one its
-    body changes, the schedule's faults being proven on every schedule elsewhere)."""
+    controls to run (None: every one that applies; () none: a test of a model feature under pp runs
+    those its feature touches, the schedule's faults being proven on every schedule by
+    tests/test_pp_verify.py)."""
     dname = jnp.dtype(dtype).name
     rtol, atol = TOLERANCE[dname]
     layout = Layout.of(where, fsdp=problem.fsdp, sp=problem.sp)

@@ -7,11 +7,14 @@ included): the embedding of each micro-batch on the first stage (its lookup in t
 forward slot, its backward in that chunk's backward slot: no whole-batch activation exists); the layer
 stack split into ``pp x V`` chunks run on the stages; the final norm, output projection and loss on the
 last stage (with tied embeddings the last stage holds the table too, and its gradient is the sum of the
-first stage's and the last stage's). Parameters are stored as always, the stacked layer dimension split
-over ``pp`` (``rules.pp_specs``): a checkpoint's format does not depend on pp. A stack of two layer kinds
-(``model.stage_layers``): each kind's stack split alike when every chunk holds whole periods of the
-kinds, or a mixture of experts' dense prefix run with the embedding on the first stage (its stack
-passed and stored as the embedding's).
+first stage's and the last stage's). Multi-token prediction's depths (``model.mtp``) run on the last
+stage after the head, their parameters stored and passed like the head's (not split over pp); they embed
+their tokens by the table, which the last stage then holds as a tied head's, its gradient summed alike;
+their losses come out of the engine as the head's metrics (``head_aux``). Parameters are stored as
+always, the stacked layer dimension split over ``pp`` (``rules.pp_specs``): a checkpoint's format does
+not depend on pp. A stack of two layer kinds (``model.stage_layers``): each kind's stack split alike
+when every chunk holds whole periods of the kinds, or a mixture of experts' dense prefix run with the
+embedding on the first stage (its stack passed and stored as the embedding's).
 """
 
 from __future__ import annotations
@@ -44,6 +47,12 @@ def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
         raise ConfigError(
             f"--pp with moe_capacity_factor={cfg.moe_capacity_factor}: the capacity is a rule on the whole "
             "batch and a pipeline stage routes one micro-batch at a time; drop --pp or the capacity factor"
+        )
+    if cfg.mtp_on and layout.cp_ring:  # the head runs under a cond on the last stage: no ring inside
+        raise ConfigError(
+            "--pp with --cp ring and multi-token prediction: the MTP depths run with the head on the last "
+            "stage, where context parallelism's ring cannot run; pass --cp-strategy allgather (or "
+            "--mtp-weight 0, or drop --cp)"
         )
     if cfg.lora_dropout:  # its mask is of each layer's index; a stage numbers its chunk's from 0
         raise ConfigError("--pp does not take --lora-dropout yet (its masks number the layers); drop one")
@@ -92,15 +101,19 @@ def pipelined_value_and_grad(
     """fn(params, batch) -> (loss, grads) of ``cfg``'s model on ``layout`` (pipelined), grads in the
     parameters' layout and dtype. ``pipe_cls`` / ``par_cls``: the engine's and the stages' hooks (the
     proof's controls override one); ``fill``: what bubbles hold (NaN in the proof). ``routing`` (a
-    mixture of experts): -> ((loss, the step's routing statistics [L, 2E + 3]), grads), as without pp."""
+    mixture of experts): -> ((loss, the step's routing statistics [L, 2E + 3]), grads), as without pp;
+    with multi-token prediction on -> ((loss, {"mtp": the depths' losses [D], "routing" with a mixture
+    of experts}), grads), as ``loss_fn(..., metrics=True)``."""
     check_pipelined(cfg, layout)
     par = par_cls.on(layout)
     embed_apply = hk.without_apply_rng(hk.transform(embed_fn(cfg, par))).apply
     head_apply = hk.without_apply_rng(hk.transform(head_loss_fn(cfg, par))).apply
     embed_specs, layer_specs, head_specs = split_model(without_pp(specs), cfg)
-    tied = cfg.tie_embeddings  # the head projects onto the embedding table: the last stage holds it too
+    # the head projects onto the embedding table, or the MTP depths embed by it: the last stage holds it too
+    tied = cfg.tie_embeddings or cfg.mtp_on
     head_specs = {**head_specs, **_table(embed_specs)} if tied else head_specs
     pipe = pipe_cls(layout.pipeline, fill=fill)
+    aux, routing = routing, routing and cfg.arch.moe  # the caller's aux: routing statistics, MTP's losses
     stats_loss = _stats_loss(cfg, par, routing)
     step = pipeline_value_and_grad(
         stage_fn(cfg, par, stats_loss is not None),
@@ -114,6 +127,7 @@ def pipelined_value_and_grad(
         with_aux=cfg.doc_mask >= 0,
         stats_loss=stats_loss,
         stats_sum=par.moe_sum if routing else None,
+        head_aux=cfg.mtp_on,
     )
 
     def fn(params, batch):
@@ -124,17 +138,29 @@ def pipelined_value_and_grad(
         head = {**head, **_table(embed)} if tied else head
         # --doc-mask: each row's document starts from its EOD ids, computed before the pipeline on the
         # whole rows and passed with each micro-batch to every stage (positions stay the global ones)
-        aux = {} if cfg.doc_mask < 0 else {"aux": doc_starts(batch["inputs"], cfg.doc_mask)}
+        starts = {} if cfg.doc_mask < 0 else {"aux": doc_starts(batch["inputs"], cfg.doc_mask)}
         inputs, targets = batch["inputs"], batch["targets"]
         if WEIGHTS in batch:  # the SFT loss: each micro-batch's targets with their weights
             targets = {"targets": targets, WEIGHTS: batch[WEIGHTS]}
-        loss, (g_layers, g_embed, g_head) = step(layers, inputs, targets, head, embed, **aux)
-        if tied:  # the tied table's gradient: the first stage's lookup's plus the last stage's head's
-            g_embed = jax.tree.map(jnp.add, g_embed, {k: g_head.pop(k) for k in _table(embed)})
+        if cfg.mtp_on:  # the MTP depths shift their tokens and labels on the whole rows (``model.mtp``)
+            targets = {**(targets if isinstance(targets, dict) else {"targets": targets}), "inputs": inputs}
+        value, (g_layers, g_embed, g_head) = step(layers, inputs, targets, head, embed, **starts)
+        if tied:  # the table's gradient: the first stage's lookup's plus the last stage's head's (or MTP's)
+            g_table = jax.tree.map(jnp.add, _table(g_embed), {k: g_head.pop(k) for k in _table(embed)})
+            g_embed = {**g_embed, **g_table}  # a dense prefix's stack (the first stage's) as it came
         grads = {**g_embed, **g_layers, **g_head}
-        return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
+        return _value(value, cfg, aux, routing), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
 
     return fn
+
+
+def _value(value, cfg: ModelConfig, aux: bool, routing: bool):
+    """The engine's value as ``loss_fn``'s: with MTP on it is (loss, (statistics, the depths' losses)),
+    returned as (loss, {"mtp", "routing"}) where the caller asked for aux, else the loss alone."""
+    if not cfg.mtp_on:
+        return value
+    loss, (stats, per_depth) = value
+    return (loss, {"mtp": per_depth} | ({"routing": stats} if routing else {})) if aux else loss
 
 
 def _stats_loss(cfg: ModelConfig, par: Parallel, routing: bool = False):
@@ -151,6 +177,7 @@ def _stats_loss(cfg: ModelConfig, par: Parallel, routing: bool = False):
 def pipelined_loss(cfg: ModelConfig, compute_dtype=None):
     """fn(params, batch) -> loss for evaluation under pp: the unsharded model under ``jit``, partitioned
     by XLA from the arrays' shardings (no schedule: nothing to differentiate)."""
+    cfg = cfg.replace(mtp_weight=0.0) if cfg.mtp_on else cfg  # evaluation: the next token's loss alone
     apply = hk.without_apply_rng(hk.transform(loss_fn(cfg, Parallel()))).apply
     if compute_dtype is None:
         return apply

@@ -11,7 +11,6 @@ Callers (the train step, start-up's checks, evaluation, the proof's runs, bench)
 
 from __future__ import annotations
 
-from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import loss_fn
 from meshlm.parallel.context import Parallel
@@ -64,11 +63,6 @@ class Pipelined:
     def check(self, cfg: ModelConfig, layout: Layout) -> None:
         from meshlm.sharding.pipelined import check_pipelined
 
-        if cfg.mtp_on:  # the MTP depths would sit on the last stage (``model.mtp``): not built yet
-            raise ConfigError(
-                f"--pp with multi-token prediction (mtp_layers={cfg.mtp_layers}) is not built yet; "
-                "pass --mtp-weight 0 to train without it, or drop --pp"
-            )
         check_pipelined(cfg, layout)
 
     def value_and_grad(self, cfg, layout: Layout, specs, *, par_cls=Parallel, compute_dtype=None, **kw):

@@ -233,9 +233,10 @@ _V3 = dict(
     mtp_weight=0.1,
 )
 # ``ModelConfig`` fields by preset name (the registry adds ``family``): the tiny one for the proof
-# (8 heads: mp up to 8; YaRN's attention factor and score mscale both != 1; layer 0 dense, layer 1
-# DeepSeek's MoE: 8 experts of 32 units in 4 groups of 2, each token's best 2 groups then its top 2,
-# so that the proof's planted tie between experts 0 and E/ep = 4 can decide a choice under --ep 2
+# (8 heads: mp up to 8; YaRN's attention factor and score mscale both != 1; layer 0 dense, layers 1 and 2
+# DeepSeek's MoE, two so that --pp 2 splits them (the dense layer runs with the embedding): 8 experts
+# of 32 units in 4 groups of 2, each token's best 2 groups then its top 2, so that the proof's
+# planted tie between experts 0 and E/ep = 4 can decide a choice under --ep 2
 # (with 2 groups of 4 and topk_group 1 the ep shards are the groups: no cross-shard tie is ever ranked);
 # a faster bias rate so two steps move the bias, the aux loss on so the proof covers it too); the real
 # ones from the published config.json files (deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct),
@@ -243,6 +244,7 @@ _V3 = dict(
 PRESETS: dict[str, dict] = {
     "tiny-deepseek-v3": dict(
         llama.TINY,
+        n_layers=3,  # one dense, two MoE: --pp 2 runs one MoE layer per stage
         **_MLA_TINY,
         rope_scaling=_YARN_TINY,
         n_experts=8,
