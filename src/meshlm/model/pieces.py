@@ -19,14 +19,13 @@ from meshlm.model.moe import moe_losses
 from meshlm.model.stack import dense_prefix, stack_layers
 from meshlm.model.transformer import (
     _block,
-    _check_context_parallel,
-    _check_seq_len,
     _embed,
     _final_norm,
     _head,
     _others,
     _scaled,
-    mtp_logits,
+    check_inputs,
+    mtp_parts,
 )
 from meshlm.parallel.context import Parallel
 
@@ -43,8 +42,7 @@ def embed_fn(cfg: ModelConfig, par: Parallel):
     count = stage_layers.prefix(cfg)
 
     def embed(tokens):
-        _check_seq_len(cfg, tokens.shape[-1])  # rotary models go beyond max_seq_len, as local_logits
-        _check_context_parallel(cfg, par)
+        check_inputs(cfg, par, tokens.shape[-1])  # rotary models go beyond max_seq_len, as local_logits
         with hk.custom_getter(parallel_getter(par)), freeze(cfg):
             x = _scaled(cfg, _embed(cfg, par)(par.seq_local(tokens)))
             if not count:
@@ -125,4 +123,5 @@ def _mtp_depths(cfg: ModelConfig, par: Parallel, y, rows, embed, head):
     if cfg.doc_mask >= 0:
         starts = par.tap("doc_starts", doc_starts(rows["inputs"], cfg.doc_mask))
     ids = mtp.local_ids(cfg, par, rows)
-    return mtp_logits(cfg, par, y, ids, embed, head, _positions(par, y), starts)[0]
+    parts = mtp_parts(cfg, par, embed, head)
+    return mtp.depth_logits(cfg, par, y, ids, **parts, positions=_positions(par, y), starts=starts)[0]

@@ -182,8 +182,7 @@ def local_logits_stats(
     mixture of experts, ``model.moe``; None without). With ``mtp_ids`` (each MTP depth's tokens,
     ``model.mtp``) also (the depths' per-shard logits, their routing statistics); with ``after`` also
     ``after(x [B, T, D] before the final norm, logits, the parts MTP shares)`` (``generate.speculative``)."""
-    _check_seq_len(cfg, tokens.shape[-1])
-    _check_context_parallel(cfg, par)
+    check_inputs(cfg, par, tokens.shape[-1])
     par.seq_len_check(tokens.shape[-1])
     # FSDP gathers, SP norm hook (``Parallel.param``); with LoRA the base frozen (``lora.freeze``)
     with hk.custom_getter(parallel_getter(par)), freeze(cfg):
@@ -211,7 +210,8 @@ def _local_logits(
         return (*out, after(x, out[0], mtp_parts(cfg, par, embed, head)))
     if mtp_ids is None:
         return out
-    return (*out, mtp_logits(cfg, par, x, mtp_ids, embed, head, positions, starts))
+    parts = mtp_parts(cfg, par, embed, head)
+    return (*out, mtp.depth_logits(cfg, par, x, mtp_ids, **parts, positions=positions, starts=starts))
 
 
 def mtp_parts(cfg: ModelConfig, par: Parallel, embed, head) -> dict:
@@ -220,29 +220,19 @@ def mtp_parts(cfg: ModelConfig, par: Parallel, embed, head) -> dict:
     return dict(embed=lambda t: _scaled(cfg, embed(t)), head=head, block=block, norm=norm, stddev=GPT_STDDEV)
 
 
-def mtp_logits(cfg: ModelConfig, par: Parallel, x, ids, embed, head, positions, starts):
-    """``mtp.depth_logits`` of the last layer's output ``x`` (under pp on the last stage: ``pieces``)."""
-    parts = mtp_parts(cfg, par, embed, head)
-    return mtp.depth_logits(cfg, par, x, ids, **parts, positions=positions, starts=starts)
-
-
-def _check_seq_len(cfg: ModelConfig, seq_len: int) -> None:
-    """Learned positions end at max_seq_len; rotary ones go on (``model.config.beyond_max_seq_len``)."""
+def check_inputs(cfg: ModelConfig, par: Parallel, seq_len: int) -> None:
+    """One-line errors before the model runs: learned positions end at max_seq_len (rotary ones go on:
+    ``model.config.beyond_max_seq_len``); what context parallelism cannot run (``check_context``)."""
     if seq_len > cfg.max_seq_len and cfg.arch.attention and cfg.arch.rotary is None:  # learned
         raise ConfigError(f"sequence length {seq_len} exceeds max_seq_len={cfg.max_seq_len}")
+    check_context(cfg, par)
 
 
-def _check_context_parallel(cfg: ModelConfig, par: Parallel) -> None:
-    if not par.context_parallel:
-        return
-    if cfg.doc_mask >= 0:
+def check_context(cfg: ModelConfig, where) -> None:
+    """What context parallelism (``where``: a Parallel, or a Layout: the pipeline's start-up check, its
+    pieces run inside the schedule) cannot run of ``cfg``, as one-line errors before any work."""
+    if (where if isinstance(where, Parallel) else Parallel.on(where)).context_parallel and cfg.doc_mask >= 0:
         raise ConfigError("--cp does not support --doc-mask yet (documents across chunks); drop one of them")
-
-
-def check_context(cfg: ModelConfig, layout) -> None:
-    """What context parallelism on ``layout`` cannot run of ``cfg``, as one-line errors before any work
-    (the pipeline's start-up check: its pieces run inside the schedule)."""
-    _check_context_parallel(cfg, Parallel.on(layout))
 
 
 def _scaled(cfg: ModelConfig, x):

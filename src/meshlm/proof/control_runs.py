@@ -25,7 +25,7 @@ from meshlm.proof.communication import collectives_step, communication_checks, s
 from meshlm.proof.controls import Control
 from meshlm.proof.report import LeafResult, compare_into, leaf_label, worst
 from meshlm.proof.rule_errors import VMA_REJECTIONS, is_vma_rejection  # noqa: F401 - re-exported
-from meshlm.proof.runs import Runs, default_optim, put_batch, step_batches
+from meshlm.proof.runs import Runs, default_optim, put_batch, reference_grad_norm, step_batches
 
 REJECTED = "rejected by the type system"  # how a control refused by JAX's varying-axis check is detected
 
@@ -72,7 +72,7 @@ def _control_results(control: Control, runs: Runs, ocfg, rtol, atol) -> list[Lea
     problem = runs.problem
     results: dict[str, LeafResult] = {}
     if control.per_shard_clip or control.train_step:
-        ocfg = ocfg or default_optim(1, runs.reference_grad_norm())
+        ocfg = ocfg or default_optim(1, reference_grad_norm(runs))
         batches = step_batches(problem, 1, ocfg.accum_steps, 0)
         drift = AdamDrift(ocfg, leaf_label)  # as the proof's own steps (``prover``)
         for (ps, ss, _), (pr, sr, _) in runs.train(ocfg, batches, control.per_shard_clip, control.par_cls):

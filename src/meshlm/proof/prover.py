@@ -40,7 +40,7 @@ from meshlm.proof.problem import Problem
 from meshlm.proof.report import LeafResult, Report, check_row, compare_into, leaf_label
 from meshlm.proof.routing import routing_rows
 from meshlm.proof.rule_errors import rule_mismatch, vma_error
-from meshlm.proof.runs import Runs, default_optim, step_batches
+from meshlm.proof.runs import Runs, default_optim, reference_grad_norm, step_batches
 from meshlm.sharding.strategy import strategy
 from meshlm.train.optim import OptimConfig
 
@@ -83,6 +83,7 @@ def verify(
     report = Report(config=problem.name, dp=dp, mp=mp, steps=steps, dtype=dname, rtol=rtol, atol=atol)
     if layout.extra_axes:  # the header names the pipeline ("pp2x1x2 (1f1b, M=4)") or cp
         report.extra["mesh"] = layout.label()  # ("1x2 + CP2 ring")
+    runs = Runs(problem, layout, dtype, seed)  # first: its specs refuse a mesh the model cannot use
     collectives = collectives and problem.cfg is not None
     where = where_of(problem, layout, collectives)
     chosen, pipeline = control_set(where, controls), []
@@ -96,7 +97,6 @@ def verify(
                     f"pipeline controls {sorted(unknown)} do not apply here; these do: {pipeline}"
                 )
             pipeline = [n for n in pipeline if n in pipeline_faults]
-    runs = Runs(problem, layout, dtype, seed)
     try:  # before any run: a control that changes nothing here is a prover bug (``inertness``)
         check_not_inert(chosen + pipeline, runs, ocfg)
         sharded = runs.proven_grads()
@@ -156,7 +156,7 @@ def _compare_values(report: Report, runs: Runs, sharded, steps: int, ocfg, seed:
     differ, total = compare_into(results, gs, gr, rtol, atol)
     counts = {"loss and gradients": (differ + (loss_check.update(ls, lr, rtol, atol) != 0), total + 1)}
     if steps:
-        ocfg = ocfg or default_optim(steps, runs.reference_grad_norm())
+        ocfg = ocfg or default_optim(steps, reference_grad_norm(runs))
         batches = step_batches(runs.problem, steps, ocfg.accum_steps, seed)
         differ = total = 0
         drift = AdamDrift(ocfg, leaf_label)  # what AdamW's division makes of the moments' difference

@@ -110,12 +110,6 @@ class Runs:
             self._ref_grads = self.problem.from_reference(program(*args))
         return self._ref_grads
 
-    def reference_grad_norm(self) -> float:
-        """The reference gradients' global L2 norm (the proof's clip is a tenth of it: ``default_optim``),
-        on the host: an eager norm on the device compiles a few small programs per leaf shape."""
-        leaves = jax.tree.leaves(jax.tree.map(to_host, self.reference_grads()[1]))
-        return float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in leaves)))
-
     def _checked(self, program: CheckedProgram) -> CheckedProgram:
         self.checked.append(program)
         return program
@@ -156,6 +150,13 @@ class Runs:
         for b, ref in zip(batches, self.reference_train(ocfg, batches), strict=True):
             *state, metrics = step(*state, put_batch(b, self.layout, accum))
             yield (*state, metrics), ref
+
+
+def reference_grad_norm(runs: Runs) -> float:
+    """The reference gradients' global L2 norm (the proof's clip is a tenth of it: ``default_optim``),
+    on the host: an eager norm on the device compiles a few small programs per leaf shape."""
+    leaves = jax.tree.leaves(jax.tree.map(to_host, runs.reference_grads()[1]))
+    return float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in leaves)))
 
 
 def _init(problem: Problem, mesh, dtype, seed: int):
