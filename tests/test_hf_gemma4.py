@@ -28,25 +28,19 @@ LOCAL, GLOBAL = "sliding_attention", "full_attention"
 KINDS = [LOCAL, LOCAL, GLOBAL] * 2
 
 
-def _config():
+def _config(**changes):
+    """6 layers (5 local, 1 global), heads of 16, 2 KV heads shared by the last 2 layers, keys as values."""
+    kw = dict(head_dim=16, global_head_dim=16, intermediate_size=64, num_hidden_layers=6, layer_types=KINDS)
+    kw |= dict(
+        sliding_window=WINDOW, hidden_size_per_layer_input=8, vocab_size_per_layer_input=TINY["vocab_size"]
+    )
+    kw |= dict(num_kv_shared_layers=2, attention_k_eq_v=True, final_logit_softcapping=3.0, pad_token_id=0)
+    rope = {
+        LOCAL: {"rope_type": "default", "rope_theta": 1e4},
+        GLOBAL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+    }
     return transformers.Gemma4TextConfig(
-        **{**TINY, "num_key_value_heads": 2},
-        head_dim=16,
-        global_head_dim=16,
-        intermediate_size=64,
-        num_hidden_layers=6,
-        layer_types=KINDS,
-        sliding_window=WINDOW,
-        rope_parameters={
-            LOCAL: {"rope_type": "default", "rope_theta": 1e4},
-            GLOBAL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
-        },
-        hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=TINY["vocab_size"],
-        num_kv_shared_layers=2,
-        attention_k_eq_v=True,
-        final_logit_softcapping=3.0,
-        pad_token_id=0,
+        **{**TINY, "num_key_value_heads": 2}, rope_parameters=rope, **kw | changes
     )
 
 
@@ -54,26 +48,8 @@ def _global_config():
     """Global layers of their own shape (as the real checkpoints: twice the head width, fewer KV heads,
     keys as values): 4 layers local, global twice, heads of 16 and 32, KV heads 2 and 1, the last 2
     layers reading the KV of layers 0 (local) and 1 (global)."""
-    return transformers.Gemma4TextConfig(
-        **{**TINY, "num_key_value_heads": 2},
-        head_dim=16,
-        global_head_dim=32,
-        num_global_key_value_heads=1,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        layer_types=[LOCAL, GLOBAL] * 2,
-        sliding_window=WINDOW,
-        rope_parameters={
-            LOCAL: {"rope_type": "default", "rope_theta": 1e4},
-            GLOBAL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
-        },
-        hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=TINY["vocab_size"],
-        num_kv_shared_layers=2,
-        attention_k_eq_v=True,
-        final_logit_softcapping=3.0,
-        pad_token_id=0,
-    )
+    layers = dict(num_hidden_layers=4, layer_types=[LOCAL, GLOBAL] * 2)
+    return _config(global_head_dim=32, num_global_key_value_heads=1, **layers)
 
 
 def _scalars(model):
