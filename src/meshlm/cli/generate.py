@@ -142,22 +142,23 @@ def run(args) -> int:
     flags = settings_from(args, MeshFlags)
     refuse_options(args, flags, "generate", REFUSED, ANY_MESH)
     prompts = _prompts(args)  # file errors before the slow parts
-    if args.speculative:  # sampling and cp: before the devices start
+    if args.speculative:  # sampling: before the devices start
         from meshlm.generate.speculative import check_speculative_run
 
-        check_speculative_run(args.temperature, flags.cp > 1)
+        check_speculative_run(args.temperature)
     layout = setup(args, flags)
     from meshlm.generate.generator import Generator, cache_memory
     from meshlm.io.model_io import load_model, read_config
     from meshlm.parallel.distributed import is_main, print0
 
-    if args.speculative:  # the model's MTP depths and attention: before the weights load
+    prefill_cp = layout.context_parallel  # with cp: the prefill over cp
+    if args.speculative:  # the model's MTP depths and attention, cp: before the weights load
         from meshlm.generate.speculative import check_speculative
 
-        check_speculative(read_config(args.checkpoint)[0], None, args.temperature, layout.context_parallel)
+        check_speculative(read_config(args.checkpoint)[0], None, args.temperature, prefill_cp)
     tok = _tokenizer(args)  # the checkpoint's own: bytes, or its tokenizer.json
     cfg, params, _ = load_model(args.checkpoint, layout)
-    eod, prefill_cp = _stop_ids(args, tok), layout.context_parallel  # with cp: the prefill over cp
+    eod = _stop_ids(args, tok)
     gen = Generator(cfg, params, layout, tokenizer=tok, eod=eod, prefill_cp=prefill_cp)
     streaming = not args.json and len(prompts) == 1 and is_main()
     results, spec = _generate(args, gen, prompts, _streamer(prompts[0]) if streaming else None)
@@ -171,7 +172,7 @@ def run(args) -> int:
     else:
         for i, r in enumerate(results):
             print0(f"--- prompt {i} ({r.finish_reason}) ---\n{r.prompt}{r.text}")
-    r, mesh = results[0], layout.label() + (_CP_NOTE if layout.context_parallel else "")
+    r, mesh = results[0], layout.label() + (_CP_NOTE if prefill_cp else "")
     if is_main():
         local = f" ({cache['local_slots']} in local layers)" if "local_slots" in cache else ""
         print(

@@ -63,8 +63,9 @@ DEPTH_KEYS = {"mtp_k": "k", "mtp_v": "v"}  # each depth's block cache [D, ...], 
 FIX = "drop --speculative mtp"
 
 
-def check_speculative_run(temperature: float, prefill_cp: bool) -> None:
-    """The run's options ``--speculative mtp`` cannot combine with, as one line (before devices start)."""
+def check_speculative_run(temperature: float, prefill_cp: bool = False) -> None:
+    """The run's options ``--speculative mtp`` cannot combine with, as one line (sampling: before the
+    devices start; a prefill over cp: once the layout says, ``check_speculative``)."""
     if temperature > 0:
         raise ConfigError(
             f"--speculative mtp is greedy only (the exact rejection-sampling rule is not built): "
