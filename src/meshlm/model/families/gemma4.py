@@ -228,20 +228,25 @@ FAMILY = replace(
     gemma3.FAMILY, name="gemma4", block="per_layer", norm="rms_product_first", qk_norm="head", hf=HF
 )
 
+# Gemma 4's own pieces, in every preset: no query scaling, two rotary bases (the global layers rotate a
+# quarter of their pairs), the value norm and the layers' scalars
+ARCH = dict(
+    attn_scalar=1.0,
+    rope_theta=1e6,
+    rope_local_theta=1e4,
+    rope_global_fraction=0.25,
+    value_norm=True,
+    layer_scalar=True,
+)
 REAL = dict(  # what the real Gemma 4 text models share
+    ARCH,
     vocab_size=262144,
     head_dim=256,
     global_head_dim=512,
     norm_eps=1e-6,
     tie_embeddings=True,
     global_every=6,
-    attn_scalar=1.0,
-    rope_theta=1e6,
-    rope_local_theta=1e4,
-    rope_global_fraction=0.25,
     final_softcap=30.0,
-    value_norm=True,
-    layer_scalar=True,
 )
 # ``ModelConfig`` fields by preset name (the registry adds ``family``).
 PRESETS: dict[str, dict] = {
@@ -250,18 +255,13 @@ PRESETS: dict[str, dict] = {
     # global layers; the global layers rotate a quarter of their pairs.
     "tiny-gemma4": dict(
         gemma2.TINY,
+        **ARCH,
         n_layers=6,
         global_every=3,
-        attn_scalar=1.0,
-        rope_theta=1e6,
-        rope_local_theta=1e4,
-        rope_global_fraction=0.25,
         final_softcap=0.5,
         ple_dim=16,
         kv_shared_layers=2,
         k_eq_v=True,
-        value_norm=True,
-        layer_scalar=True,
     ),
     # google/gemma-4-E4B and gemma-4-31B's text config.json, written from memory (no hub here): heads
     # of 256 on the local layers (window 512 / 1024), 512 on every sixth, global layer (proportional
