@@ -524,6 +524,10 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-deepseek-v3 --pp 2 --mesh 1x2 --devices 4 --steps 2 --x64": verify(
         costly="tests/test_pp_mixed.py::test_mixed_stack_through_the_pipeline_is_proven"
     ),
+    # issue 45's hybrid under pp: the preset's two periods, a linear and a full layer per stage (1F1B)
+    "meshlm verify --config tiny-qwen3.5 --pp 2 --mesh 1x2 --devices 4 --steps 2 --x64": verify(
+        costly="tests/test_pp_mixed.py::test_mixed_stack_through_the_pipeline_is_proven"
+    ),
     EP_PP_CMD + " --pp-schedule gpipe": verify(costly=EP_PP),
     "meshlm verify --config tiny-mixtral --mesh 2x2 --ep 2 --devices 4 --fsdp --sp --steps 2 --x64": verify(
         costly=EP

@@ -71,7 +71,7 @@ def test_verify_proves_linear_attention_and_detects_its_controls():
     from meshlm.proof.linear_controls import LINEAR_CONTROLS
 
     layout = Layout(dp=2, mp=2, fsdp=True, sp=True)
-    cfg = get_config("tiny-qwen3.5").replace(doc_mask=0)
+    cfg = get_config("tiny-qwen3.5").replace(doc_mask=0, n_layers=2)  # one period: a linear, a full layer
     problem = model_problem(cfg, "tiny-qwen3.5", layout, batch_size=2, seq_len=16)
     with jax.enable_x64(True):
         report = verify(problem, layout, dtype=np.float64, controls=LINEAR_CONTROLS, steps=2)
@@ -131,7 +131,7 @@ def test_generation_cache_logits_equal_the_full_forward_in_float64():
     from meshlm.parallel.context import Parallel
     from meshlm.parallel.layout import Layout
 
-    cfg = get_config("tiny-qwen3.5")
+    cfg = get_config("tiny-qwen3.5").replace(n_layers=2)  # one period: a linear, a full layer
     tokens, lengths = np.random.default_rng(1).integers(1, 64, (2, 20)), np.array([3, 11])
     with jax.enable_x64(True):
         init, example = init_fn(cfg)
@@ -162,7 +162,8 @@ def test_verify_proves_linear_attention_under_cp(mp, cp, seq_len):
 
     cp_controls = tuple(c for c in LINEAR_CONTROLS if "cp chunks" in c.name)
     layout = Layout(mp=mp, cp=cp)
-    problem = model_problem(get_config("tiny-qwen3.5"), "tiny-qwen3.5", layout, batch_size=1, seq_len=seq_len)
+    cfg = get_config("tiny-qwen3.5").replace(n_layers=2)  # one period: a linear, a full layer
+    problem = model_problem(cfg, "tiny-qwen3.5", layout, batch_size=1, seq_len=seq_len)
     with jax.enable_x64(True):
         report = verify(problem, layout, dtype=np.float64, controls=cp_controls, steps=2, collectives=True)
     assert report.ok, format_report(report)

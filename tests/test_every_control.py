@@ -37,6 +37,7 @@ ALL_CONTROLS = CONTROLS + CP_CONTROLS + EP_CONTROLS  # the prover's default list
 BW = dict(attention="blockwise", attn_block=4)  # several K/V blocks per shard, a ragged last one
 FSDP_SP = Layout(dp=2, mp=2, fsdp=True, sp=True)
 EP2, ONE = Layout(dp=2, mp=2, ep=2), {"n_layers": 1}  # a family's experts over ep: one layer is enough
+PERIOD = {"n_layers": 2}  # tiny-qwen3.5's one period (a linear, a full layer) of its two
 L4 = {"n_layers": 2, "global_every": 2, "dense_layers": (0,)}  # tiny-llama4's two kinds of layer, once
 # name: (preset, config changes, layout, batch, seq_len). Shapes tiny: only traced.
 CONFIGS = {
@@ -142,9 +143,9 @@ CONFIGS = {
     # a shared expert (its controls under SP) and a dense layer among the MoE layers (two stacks)
     "tiny-qwen2-moe 1x2 sp": ("tiny-qwen2-moe", {"n_layers": 2}, Layout(mp=2, sp=True), 1, 8),
     # linear attention (Gated DeltaNet) beside full attention: its rule's controls, documents, heads over mp
-    "tiny-qwen3.5 2x2 fsdp sp doc-mask": ("tiny-qwen3.5", {"doc_mask": 0}, FSDP_SP, 2, 10),
+    "tiny-qwen3.5 2x2 fsdp sp doc-mask": ("tiny-qwen3.5", {"doc_mask": 0, **PERIOD}, FSDP_SP, 2, 10),
     # under cp: the state maps and the conv tails between chunks (chunks of 4 tokens: K - 1 = 3 fit)
-    "tiny-qwen3.5 1x2 cp2 ring": ("tiny-qwen3.5", {}, Layout(mp=2, cp=2), 1, 16),
+    "tiny-qwen3.5 1x2 cp2 ring": ("tiny-qwen3.5", PERIOD, Layout(mp=2, cp=2), 1, 16),
     # multi-head latent attention with YaRN and DeepSeek's MoE (issue 43), one MoE layer (the dense
     # layer's stack is tiny-qwen2-moe's): the MLA controls on mp, the router's and the experts' over ep
     "tiny-deepseek-v3 2x2 ep2 (MLA, YaRN, DeepSeek's MoE)": (

@@ -36,17 +36,21 @@ LAYOUTS = {  # both strategies; cp with mp (the cache split by heads) and with d
 # tiny-qwen3.5: the hybrid's linear layer leaves its recurrent state and conv history composed from every
 # cp chunk (``model.linear_context``): on cp 4, 8 chunks of 8, the rows' last tokens in chunks 2 and 6.
 CASES = {"tiny-llama": LAYOUTS, "tiny-mistral-w10": {"ring cp2 x mp2": LAYOUTS["ring cp2 x mp2"]}}
-CASES["tiny-qwen3.5"] = {
+CASES["tiny-qwen3.5"] = {  # one period of the preset's two (a linear, a full layer): the same code
     "ring cp2 x mp2": LAYOUTS["ring cp2 x mp2"],
     "allgather cp4": Layout(cp=4, cp_strategy="allgather"),
 }
 
 
+def _config(model: str):
+    return get_config(model).replace(n_layers=2) if model == "tiny-qwen3.5" else get_config(model)
+
+
 @pytest.mark.parametrize("model", CASES)
 def test_prefill_over_cp_equals_prefill_without_in_float64(model):
-    cfg = get_config(model)
+    cfg = _config(model)
     with jax.enable_x64(True):
-        params = jax.tree.map(lambda x: np.asarray(x, np.float64), host_params(model))
+        params = jax.tree.map(lambda x: np.asarray(x, np.float64), host_params(cfg))
         ref = Generator(cfg, params, make_mesh(1, 1), eod=None)
         want, want_tokens = ref.logits_with_cache(TOKENS, LENGTHS), ref.generate(PROMPTS, NEW)
         for name, layout in CASES[model].items():
@@ -64,9 +68,9 @@ def test_prefill_over_cp_refusals():
         Generator(cfg, params, Layout(cp=2), max_len=30, prefill_cp=True)
     with pytest.raises(ConfigError, match=r"needs a layout with cp >= 2 \(it has cp=1\)"):
         Generator(cfg, params, make_mesh(1, 2), prefill_cp=True)
-    hybrid = get_config("tiny-qwen3.5")  # 8 chunks of 2 tokens: the conv's history is 3 inputs
+    hybrid = _config("tiny-qwen3.5")  # 8 chunks of 2 tokens: the conv's history is 3 inputs
     with pytest.raises(ConfigError, match=r"--cp 4: chunks of 2 tokens are shorter than the linear layers"):
-        Generator(hybrid, host_params("tiny-qwen3.5"), Layout(cp=4), max_len=16, prefill_cp=True)
+        Generator(hybrid, host_params(hybrid), Layout(cp=4), max_len=16, prefill_cp=True)
 
 
 def test_cli_generate_with_cp_equals_without(tmp_path, capsys):
@@ -123,7 +127,8 @@ def test_hybrid_padding_in_the_state_is_caught(monkeypatch):
 
     monkeypatch.setattr(linear_context, "cp_prefill_rule", padding_kept)
     monkeypatch.setattr(programs, "_PROGRAMS", {})  # compile afresh with the fault
-    cfg, params = get_config("tiny-qwen3.5"), host_params("tiny-qwen3.5")
+    cfg = _config("tiny-qwen3.5")
+    params = host_params(cfg)
     want = Generator(cfg, params, make_mesh(1, 1), eod=None).logits_with_cache(TOKENS, LENGTHS)
     gen = Generator(cfg, params, LAYOUTS["ring cp2 x mp2"], eod=None, prefill_cp=True)
     got = gen.logits_with_cache(TOKENS, LENGTHS)

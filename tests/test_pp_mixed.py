@@ -27,11 +27,11 @@ from meshlm.sharding.rules import check_uniform_stack, model_specs
     [
         (
             "tiny-qwen3.5",
-            {},
+            {"n_layers": 2},  # one period: a linear and a full layer cannot be a stage each
             2,
             r"--pp 2: chunks of 1 layers hold different .* \(layer by layer lm\).*; drop --pp",
         ),
-        ("tiny-qwen3.5", {"n_layers": 4}, 4, r"layer by layer lmlm\).*; use --pp 2$"),
+        ("tiny-qwen3.5", {}, 4, r"layer by layer lmlm\).*; use --pp 2$"),
         (
             "tiny-llama4",
             {},
@@ -54,7 +54,7 @@ def test_chunks_that_would_differ_are_refused_naming_a_pp_that_works(name, chang
 
 def test_periodic_chunks_and_a_dense_prefix_pass_and_place_their_stacks():
     for name, changes, pp in (
-        ("tiny-qwen3.5", {"n_layers": 4}, 2),
+        ("tiny-qwen3.5", {}, 2),  # 4 layers: a linear and a full one per stage
         ("qwen3.5-text", {}, 4),  # 32 layers: chunks of 8, two periods of 4 each
         ("tiny-qwen2-moe", {}, 2),  # dense layer 0 with the embedding, MoE layers 1, 2 one per stage
         ("deepseek-v3", {}, 2),  # 3 dense layers with the embedding, 58 MoE layers in chunks of 29
@@ -79,7 +79,7 @@ FAULTS = ("one micro-batch's gradient dropped", "a bubble's NaN let through")
 @pytest.mark.parametrize(
     "name, changes, schedule, controls",
     [
-        ("tiny-qwen3.5", {"n_layers": 4}, "1f1b", ()),  # each stage: one linear and one full layer
+        ("tiny-qwen3.5", {}, "1f1b", ()),  # the preset: each stage one linear and one full layer
         # dense layer 0 with the embedding; MoE 1, 2; the MTP depth with the head on the last stage (the
         # embedding table on both ends: its gradient the sum of theirs). Its control of another shard's
         # heads runs in the depth's attention, in the last stage's cond: as a permute over mp it hung

@@ -117,13 +117,14 @@ FAMILY = replace(
 
 # ``ModelConfig`` fields by preset name (the registry adds ``family``).
 PRESETS: dict[str, dict] = {
-    # 2 layers: 1 linear, then 1 full (the released models' 3:1 is full_attn_every=4; one linear layer
-    # keeps the proof's compile short); 4 key heads and 8 value heads (r = 2: a key head serves two), so
-    # mp = 4 splits both; chunks of 8 tokens (verify's sequences span several); partial rotary 4 of 16;
-    # 2 KV heads (replicated on mp = 4).
+    # 4 layers: linear, full, linear, full (the released models' 3:1 is full_attn_every=4; periods of 2
+    # keep the proof's compile short, and two periods let --pp 2 give each stage a linear and a full
+    # layer); 4 key heads and 8 value heads (r = 2: a key head serves two), so mp = 4 splits both; chunks
+    # of 8 tokens (verify's sequences span several); partial rotary 4 of 16; 2 KV heads (replicated on
+    # mp = 4). The suite proves one period of it (``n_layers=2``: the same code, half the compile).
     "tiny-qwen3.5": dict(
         llama.TINY,
-        n_layers=2,
+        n_layers=4,
         n_heads=4,
         n_kv_heads=2,
         head_dim=16,

@@ -91,10 +91,11 @@ FAMILY = replace(qwen3_5.FAMILY, name="qwen3_5_moe", hf=HF, moe=True)
 
 # ``ModelConfig`` fields by preset name (the registry adds ``family``).
 PRESETS: dict[str, dict] = {
-    # tiny-qwen3.5's hybrid (1 linear, then 1 full layer) with 4 experts of 32, 2 per token and a shared
-    # expert of 48 in both: every width splits on mp = 2 and the experts on ep = 2; aux loss on.
+    # one period of tiny-qwen3.5's hybrid (1 linear, then 1 full layer) with 4 experts of 32, 2 per token
+    # and a shared expert of 48 in both: every width splits on mp = 2 and the experts on ep = 2; aux loss on.
     "tiny-qwen3.5-moe": dict(
         qwen3_5.PRESETS["tiny-qwen3.5"],
+        n_layers=2,
         d_ff=32,
         n_experts=4,
         experts_per_token=2,
