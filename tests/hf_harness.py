@@ -33,6 +33,7 @@ verify) must fail. A family-specific test picks its cases by name:
 
 import json
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from copy import deepcopy
 from dataclasses import dataclass, field
 from functools import cache
@@ -85,6 +86,9 @@ class Case:
     # our float32 logits against transformers' model run in float64 (its own float32 rounding can exceed
     # ours: Qwen3.5's delta rule in float32); the export round trip still compares its float32 logits
     reference64: bool = False
+    # with reference64: a context manager factory inside which transformers' float64 run also computes
+    # in float64 what its code casts to float32 (Gemma 4's rotary angles, norms and softmax)
+    lifted: Callable[[], AbstractContextManager] | None = None
 
     def load(self, hf_dir, **changes):
         """(cfg, flat) read from ``hf_dir`` with ``change`` and ``changes`` applied."""
@@ -114,7 +118,10 @@ def convert(case: Case, root) -> dict:
     model.save_pretrained(root / "hf")
     out = dict(case=case, hf=root / "hf", ckpt=root / "ckpt", fused=None, model=model, tokens=tokens)
     out.update(logits=hf_logits(model, tokens), text=None)
-    out["reference"] = hf_logits(deepcopy(model).double(), tokens) if case.reference64 else out["logits"]
+    out["reference"] = out["logits"]
+    if case.reference64:
+        with (case.lifted or nullcontext)():
+            out["reference"] = hf_logits(deepcopy(model).double(), tokens)
     if case.fused:
         write_fused(model, root / "hf", root / "fused")
         out["fused"] = root / "fused"

@@ -24,7 +24,6 @@ pipeline refuses the stack in one line (``sharding.rules``).
 from __future__ import annotations
 
 import haiku as hk
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -48,6 +47,7 @@ from meshlm.model.layers import (
     VocabEmbed,
     _normal,
     apply_rotary,
+    gelu_tanh,
     rotary_angles,
     upcast,
     varying_like,
@@ -92,7 +92,7 @@ class PerLayerInput(hk.Module):
         self.cfg = cfg
 
     def __call__(self, x, ple):
-        gate = jax.nn.gelu(Linear(self.cfg.ple_dim, name="gate")(x), approximate=True)
+        gate = gelu_tanh(Linear(self.cfg.ple_dim, name="gate")(x))
         out = Linear(x.shape[-1], name="out")(gate * ple.astype(x.dtype))
         return x + RMSNormProductFirst(eps=self.cfg.norm_eps, name="ple_ln")(out)
 
