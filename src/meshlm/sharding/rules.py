@@ -245,10 +245,12 @@ def check_uniform_stack(cfg, layout: Layout) -> None:
     if not layout.pipelined:
         return
     pipe = layout.pipeline
-    if len(layer_kinds.stacks(cfg)) == 1 and not cfg.global_every:  # one kind: chunks of equal size
-        check_layers(pipe, cfg.n_layers)
+    chunks = pipe.pp * pipe.virtual_stages
+    if len(layer_kinds.stacks(cfg)) == 1 and not cfg.global_every:  # one kind: equal chunks, or padded
+        if not stage_layers.slots(cfg, chunks, pipe.virtual_stages):
+            check_layers(pipe, cfg.n_layers)
         return
-    problem = stage_layers.stage_problem(cfg, pipe.pp * pipe.virtual_stages)
+    problem = stage_layers.stage_problem(cfg, chunks, pipe.virtual_stages)
     if problem is not None:
         v = f" x {pipe.virtual_stages} virtual stages" if pipe.virtual_stages > 1 else ""
         works = stage_layers.working_pp(cfg, pipe.virtual_stages)

@@ -23,7 +23,7 @@ from meshlm.data.store import TokenStore, store_arg
 from meshlm.data.stream import Batcher
 from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.data.tokens import check_token_range
-from meshlm.errors import CheckpointError, MeshlmError
+from meshlm.errors import CheckpointError, ConfigError, MeshlmError
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.model_io import FORMAT, load_model, read_config
 from meshlm.io.run_lock import RunLock, lock_run
@@ -36,6 +36,7 @@ from meshlm.parallel import distributed
 from meshlm.parallel.layout import Layout
 from meshlm.settings import toml_text
 from meshlm.sharding.rules import model_specs, shardings
+from meshlm.sharding.stage_slots import slots_of
 from meshlm.sharding.strategy import strategy
 from meshlm.train import dpo_run, outputs
 from meshlm.train.config import TrainConfig, recorded_settings, resolve, with_moe_settings
@@ -221,6 +222,13 @@ def run_specs(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout) -> dict:
     cannot split, or (``--sp``) a sequence mp cannot split, is a one-line error before any work."""
     layout.check_seq_len(tcfg.seq_len)
     strategy(layout).check(cfg, layout)
+    if slots_of(cfg, layout) is not None:  # its init and checkpoints would hold the padded stack
+        pp = layout.pipeline.pp
+        raise ConfigError(
+            f"--pp {pp}: {cfg.n_layers} layers make uneven pipeline stages (padding slots), which meshlm "
+            f"verify and plan run but train does not yet initialise or checkpoint; use a --pp whose "
+            f"stages split the layers evenly, or drop --pp"
+        )
     return model_specs(cfg, param_shapes(cfg), layout)
 
 

@@ -1,0 +1,153 @@
+"""Uneven pipeline stages' padded layer stack (``model.stage_layers.slots`` decides the slots): the one
+place that turns the canonical tree (the real layers: checkpoints, export, evaluation, the proof's
+reference) into the pipelined device layout (the body's stack [chunks x S, ...], split over pp) and back,
+and the chunk that runs the padding slots as the identity.
+
+Which trees: parameters, gradients and the optimizer's moments alike -- every leaf under a module of
+the body's stack (``layers/...``) with the real layer count leading (``pad``) or the padded one
+(``unpad``); the optimizer state follows the parameters it is initialised from, so it is padded once
+they are. Padding slots hold zeros; their gradients are exactly zero (``chunk``: a slot's output is its
+input where it holds no layer), so AdamW (decoupled weight decay of zero is zero) keeps them zero.
+
+Memory: the padded stack costs ``chunks x S - body`` more layers' parameters (DeepSeek-V3 on pp 4: 60
+slots for 58 layers, +3.4 %), spread over the stages that hold them.
+
+Where it is used: the proof (``proof.problem.model_problem``: the sharded run's parameters padded from
+the init, the reference's trees through ``unpad`` / ``pad``), the pipelined step (``chunk``, the
+statistics' ``real_rows``, ``slot_balance``), evaluation (``pipelined.pipelined_loss`` reads the real
+layers) and ``meshlm plan`` (the padded shapes per device, the real totals). Not yet: ``meshlm train``'s
+init and checkpoints (``train.run.run_specs`` refuses uneven stages in one line).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from meshlm.model import stage_layers
+from meshlm.model.layer_kinds import MOE_STACK
+from meshlm.model.pieces import layers_fn
+from meshlm.parallel.axes import PP
+
+BODY = f"{MOE_STACK}/"  # a one-kind body is the main stack (``layer_kinds.stacks``), after any prefix
+
+
+@dataclass(frozen=True)
+class Slots:
+    """The padded stack: ``layers`` real body layers in ``chunks`` chunks of ``per`` slots; ``real``:
+    each real layer's slot, in order."""
+
+    layers: int
+    chunks: int
+    per: int
+    real: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        return self.chunks * self.per
+
+    def valid(self) -> np.ndarray:
+        """[chunks, per] bool: which slots hold a layer (chunk k = stage k: no virtual stages)."""
+        out = np.zeros(self.total, bool)
+        out[list(self.real)] = True
+        return out.reshape(self.chunks, self.per)
+
+    def pad(self, tree):
+        """Canonical -> padded: each body leaf [layers, ...] -> [total, ...], zeros in the padding (host
+        arrays, traced arrays, or ShapeDtypeStructs)."""
+        return _map_body(tree, self.layers, self._pad_leaf)
+
+    def unpad(self, tree):
+        """Padded -> canonical: each body leaf [total, ...] -> its real slots [layers, ...]."""
+        return _map_body(tree, self.total, lambda a: self.real_rows(a))
+
+    def real_rows(self, a):
+        """The rows of the real layers of a [total, ...] array (the routing statistics too)."""
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((self.layers, *a.shape[1:]), a.dtype)
+        return a[np.asarray(self.real)]
+
+    def pad_rows(self, a):
+        """[layers, ...] -> [total, ...] with zero rows at the padding."""
+        return self._pad_leaf(a)
+
+    def _pad_leaf(self, a):
+        shape = (self.total, *a.shape[1:])
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(shape, a.dtype)
+        if isinstance(a, np.ndarray):
+            out = np.zeros(shape, a.dtype)
+            out[list(self.real)] = a
+            return out
+        return jnp.zeros(shape, a.dtype).at[np.asarray(self.real)].set(a)
+
+
+def slots_of(cfg, layout) -> Slots | None:
+    """``cfg``'s padded stack on ``layout``: None unless pipelined with uneven stages."""
+    if not getattr(layout, "pipelined", False):
+        return None
+    pipe = layout.pipeline
+    got = stage_layers.slots(cfg, pipe.pp * pipe.virtual_stages, pipe.virtual_stages)
+    if got is None:
+        return None
+    per, real = got
+    return Slots(len(real), pipe.pp * pipe.virtual_stages, per, real)
+
+
+def _map_body(tree, rows: int, fn):
+    """``fn`` on every leaf under a body module (a dict key ``layers/...``) with ``rows`` leading."""
+
+    def one(path, a):
+        body = any(isinstance(k, jax.tree_util.DictKey) and str(k.key).startswith(BODY) for k in path)
+        return fn(a) if body and len(a.shape) and a.shape[0] == rows else a
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def chunk(cfg, par, stats: bool, slots: Slots, params, x, starts=None):
+    """One stage's chunk of ``slots.per`` slots (inside the pipeline's shard_map): a scan of one-layer
+    steps, each slot's output its input where the slot holds no layer (``jnp.where``, not a ``cond``:
+    no collective runs under a branch), so nothing flows into a padding slot's parameters. ``stats``:
+    also each slot's routing statistics [per, ...] (the padding's rows are dropped by the caller)."""
+    one = hk.without_apply_rng(hk.transform(layers_fn(stage_layers.chunk_config(cfg, 1), par, stats))).apply
+    valid = jnp.asarray(slot_valid(slots))[lax.axis_index(PP)]  # [per]: this stage's slots with a layer
+
+    def step(h, xs):
+        p, ok = xs
+        out = one(jax.tree.map(lambda a: a[None], p), h, starts)
+        y, st = out if stats else (out, None)
+        return jnp.where(ok, y, h), (() if st is None else st[0])
+
+    y, st = lax.scan(step, x, (params, valid))
+    return (y, st) if stats else y
+
+
+def real_statistics(slots: Slots, stats):
+    """The routing statistics [total, ...] of the real layers [layers, ...]: the padding's rows dropped
+    before the aux and z losses, the routing metrics and the bias balancing (a hook: the proof's control
+    counts a padding slot's)."""
+    return slots.real_rows(stats)
+
+
+def slot_valid(slots: Slots) -> np.ndarray:
+    """[pp, per]: the slots each stage runs as layers (a hook: the proof's control makes every slot a
+    layer, the classic bug of a padding slot that is not the identity)."""
+    return slots.valid()
+
+
+def slot_balance(balance, slots: Slots | None):
+    """A selection-bias update (``routers.balance_update``: params, statistics [layers, ...]) on the
+    padded parameters: the statistics padded with zero rows, which move no bias (sign(0) = 0)."""
+    if balance is None or slots is None:
+        return balance
+    return partial(_balance, balance, slots)
+
+
+def _balance(balance, slots: Slots, params, stats):
+    return balance(params, slots.pad_rows(stats))
