@@ -62,3 +62,38 @@ def test_a_padding_slots_aux_loss_counted_is_detected(monkeypatch):
 def test_a_dense_model_with_an_odd_layer_count_is_proven():
     report = _verify("tiny-llama", {"n_layers": 3}, schedule="1f1b")
     assert _ok(report), [c for c in report.checks if not c["ok"]]
+
+
+def test_training_with_padding_saves_the_real_layers_a_run_without_pp_loads(tmp_path):
+    """cpu's 4 layers on pp 3: chunks of 2 slots, 2 of them padding. One step, saved: the checkpoint
+    holds the 4 real layers (the format of any pp), equal to the run's own, and loads without pp; the
+    padding stayed exactly zero (its gradients are); the run resumes on pp 3 to the state it saved."""
+    from helpers import tiny_lm_config, write_corpus
+
+    from meshlm.io.model_io import load_model
+    from meshlm.parallel.placement import to_host
+    from meshlm.train.loop import _one_step, save
+    from meshlm.train.run import build_run
+
+    corpus = write_corpus((tmp_path / "corpus").mkdir() or tmp_path / "corpus")
+    tcfg = tiny_lm_config(corpus, tmp_path / "run", config="cpu", steps=1, batch_size=3, seq_len=16, pp=3)
+    run = build_run(tcfg, Layout(pp=3, microbatches=3))
+    slots = stage_slots.slots_of(run.cfg, run.layout)
+    assert slots is not None and run.params["layers/attn"]["wq"].shape[0] == slots.total == 6
+    loss = float(_one_step(run)["loss"])
+    save(run)
+    run.ckpt.close()
+    state = jax.tree.map(to_host, (run.params, run.opt_state))
+    again = build_run(tcfg, Layout(pp=3, microbatches=3))  # resumed: the real layers padded again
+    again.ckpt.close()
+    resumed = jax.tree.map(to_host, (again.params, again.opt_state))
+    assert again.step == 1 and all(jax.tree.leaves(jax.tree.map(np.array_equal, resumed, state)))
+    assert np.isfinite(loss)
+    padded = jax.tree.map(to_host, run.params)
+    padding = np.ones(slots.total, bool)
+    padding[list(slots.real)] = False
+    assert all(not np.any(a[padding]) for a in jax.tree.leaves(padded["layers/attn"]))  # still zero
+    cfg, loaded, step = load_model(tmp_path / "run", Layout())
+    assert step == 1 and loaded["layers/attn"]["wq"].shape[0] == cfg.n_layers == 4
+    same = jax.tree.map(np.array_equal, jax.tree.map(to_host, loaded), slots.unpad(padded))
+    assert all(jax.tree.leaves(same))

@@ -60,6 +60,11 @@ def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
             "stage, where context parallelism's ring cannot run; pass --cp-strategy allgather (or "
             "--mtp-weight 0, or drop --cp)"
         )
+    if cfg.lora_rank and slots_of(cfg, layout):  # its adapters are initialised and saved apart
+        raise ConfigError(
+            f"--pp {layout.pipeline.pp} with --lora-rank: {cfg.n_layers} layers make uneven pipeline stages "
+            "(padding slots), which LoRA's adapters do not take yet; choose a --pp that divides the layers"
+        )
     if cfg.lora_dropout:  # its mask is of each layer's index; a stage numbers its chunk's from 0
         raise ConfigError("--pp does not take --lora-dropout yet (its masks number the layers); drop one")
 

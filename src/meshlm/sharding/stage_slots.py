@@ -15,8 +15,11 @@ slots for 58 layers, +3.4 %), spread over the stages that hold them.
 Where it is used: the proof (``proof.problem.model_problem``: the sharded run's parameters padded from
 the init, the reference's trees through ``unpad`` / ``pad``), the pipelined step (``chunk``, the
 statistics' ``real_rows``, ``slot_balance``), evaluation (``pipelined.pipelined_loss`` reads the real
-layers) and ``meshlm plan`` (the padded shapes per device, the real totals). Not yet: ``meshlm train``'s
-init and checkpoints (``train.run.run_specs`` refuses uneven stages in one line).
+layers), ``meshlm plan`` (the padded shapes per device, the real totals), and ``meshlm train``: its
+init (``rules.init_sharded``: the canonical init padded in the same program), its checkpoints
+(``to_canonical`` on save, ``canonical_abstract`` and ``to_device`` on resume) and the parameters it
+starts from (``io.model_io.load_model``). Saving holds the body's canonical stack with its layer
+dimension unsplit over pp while it is written (a transient pp-fold of the body's shard per device).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshlm.model import stage_layers
 from meshlm.model.layer_kinds import MOE_STACK
@@ -102,12 +107,68 @@ def slots_of(cfg, layout) -> Slots | None:
 
 def _map_body(tree, rows: int, fn):
     """``fn`` on every leaf under a body module (a dict key ``layers/...``) with ``rows`` leading."""
+    return jax.tree_util.tree_map_with_path(lambda path, a: fn(a) if _body_leaf(path, a, rows) else a, tree)
+
+
+def _in_body(path) -> bool:
+    """Whether a tree path runs through a body module (a dict key ``layers/...``)."""
+    return any(isinstance(k, jax.tree_util.DictKey) and str(k.key).startswith(BODY) for k in path)
+
+
+def _body_leaf(path, a, rows: int) -> bool:
+    return _in_body(path) and len(a.shape) > 0 and a.shape[0] == rows
+
+
+def _layer_axis(sharding, axis):
+    """``sharding`` with its leading (layer) dimension on ``axis`` (PP: the padded stack's; None: the
+    canonical stack's, whose real layer count pp does not divide)."""
+    spec = tuple(sharding.spec) or (None,)
+    return NamedSharding(sharding.mesh, P(axis, *spec[1:]))
+
+
+def canonical_shardings(shardings, slots: Slots | None):
+    """A tree of the canonical parameters' NamedShardings (the rules table's) with the body's layer
+    dimension unsplit: where a checkpoint's real stack is read onto before ``to_device``."""
+    if slots is None:
+        return shardings
+    unsplit = lambda path, h: _layer_axis(h, None) if _in_body(path) else h
+    return jax.tree_util.tree_map_with_path(unsplit, shardings)
+
+
+def canonical_abstract(tree, slots: Slots | None):
+    """ShapeDtypeStructs of the canonical tree of a padded one (arrays or structs with shardings): what a
+    checkpoint holds, the body's layer dimension unsplit (``[layers]`` does not divide over pp)."""
+    if slots is None:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
     def one(path, a):
-        body = any(isinstance(k, jax.tree_util.DictKey) and str(k.key).startswith(BODY) for k in path)
-        return fn(a) if body and len(a.shape) and a.shape[0] == rows else a
+        if not _body_leaf(path, a, slots.total):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        shape = (slots.layers, *a.shape[1:])
+        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=_layer_axis(a.sharding, None))
 
     return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def to_canonical(tree, slots: Slots | None):
+    """The padded device tree (parameters, optimizer state) as the canonical one, on
+    ``canonical_abstract``'s shardings: what a checkpoint saves."""
+    if slots is None:
+        return tree
+    out = jax.tree.map(lambda a: a.sharding, canonical_abstract(tree, slots))
+    return jax.jit(slots.unpad, out_shardings=out)(tree)
+
+
+def to_device(tree, slots: Slots | None):
+    """The canonical tree (loaded from a checkpoint, on ``canonical_abstract``'s shardings) padded into
+    the device layout: the body's layer dimension over pp again."""
+    if slots is None:
+        return tree
+
+    def one(path, a):
+        return _layer_axis(a.sharding, PP) if _body_leaf(path, a, slots.layers) else a.sharding
+
+    return jax.jit(slots.pad, out_shardings=jax.tree_util.tree_map_with_path(one, tree))(tree)
 
 
 def chunk(cfg, par, stats: bool, slots: Slots, params, x, starts=None):

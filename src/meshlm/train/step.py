@@ -46,6 +46,7 @@ def init_model(cfg: ModelConfig, where, seed: int, dtype=None, specs: dict | Non
 
     layout = Layout.of(where)
     init, example = init_fn(cfg)
+    slots = slots_of(cfg, layout)  # uneven pp stages: the body's stack padded (``stage_slots``)
     return init_sharded(
         init,
         jax.random.PRNGKey(seed),
@@ -53,6 +54,7 @@ def init_model(cfg: ModelConfig, where, seed: int, dtype=None, specs: dict | Non
         specs_fn=lambda a: model_specs(cfg, a, layout) if specs is None else specs,
         mesh=layout.mesh,
         dtype=dtype,
+        pad=None if slots is None else slots.pad,
     )
 
 
