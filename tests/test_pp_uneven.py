@@ -97,3 +97,17 @@ def test_training_with_padding_saves_the_real_layers_a_run_without_pp_loads(tmp_
     assert step == 1 and loaded["layers/attn"]["wq"].shape[0] == cfg.n_layers == 4
     same = jax.tree.map(np.array_equal, jax.tree.map(to_host, loaded), slots.unpad(padded))
     assert all(jax.tree.leaves(same))
+
+
+def test_plan_holds_the_padded_stack_and_counts_the_real_layers():
+    """``meshlm plan`` of uneven stages (docs/models.md's deepseek-v3 on --pp 4, on cpu's 4 layers on pp
+    3): the step compiles on the padded stack; the unsharded total counts the real layers."""
+    from meshlm.perf.plan import state_bytes
+    from meshlm.perf.plan_search import plan
+    from meshlm.perf.plan_settings import PlanSettings
+
+    cfg, run = get_config("cpu"), PlanSettings(batch_size=3, seq_len=16)
+    report = plan(cfg, "cpu", Layout(pp=3, microbatches=3), run)
+    assert report["unsharded"]["params"] == state_bytes(cfg, Layout(), run)["params_total"]
+    compiled, state = report["plan"]["compiled"], state_bytes(cfg, Layout(pp=3), run)
+    assert compiled["params"] == state["params_per_device"] > state["params_total"] // 3
