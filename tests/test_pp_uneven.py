@@ -12,6 +12,7 @@ import numpy as np
 
 from meshlm.model import stage_layers
 from meshlm.model.config import get_config
+from meshlm.parallel.axes import PP
 from meshlm.parallel.layout import Layout
 from meshlm.proof import model_problem, verify
 from meshlm.sharding import stage_slots
@@ -29,6 +30,13 @@ def test_padding_goes_to_the_first_chunks_and_the_tree_round_trips():
     assert padded["layers/attn"]["w"].tolist() == [[0, 1], [0, 0], [2, 3], [4, 5]]
     assert padded["embed"]["embeddings"].shape == (3, 2)  # not the body's: as it was
     np.testing.assert_array_equal(slots.unpad(padded)["layers/attn"]["w"], tree["layers/attn"]["w"])
+    # a checkpoint's real stack is read with pp moved to another dimension it divides (no device holds
+    # more than the padded stack's share), and padded onto the layer dimension by ``to_device``
+    from meshlm.io.model_io import abstract_params
+
+    canonical = abstract_params(get_config("tiny-deepseek-v3").replace(n_layers=4), Layout(pp=2))
+    w = canonical["layers/attn"]["wkv_b"]
+    assert w.shape[0] == 3 and w.sharding.spec[0] is None and PP in w.sharding.spec
 
 
 def _verify(name, changes, schedule="gpipe"):
@@ -84,6 +92,8 @@ def test_training_with_padding_saves_the_real_layers_a_run_without_pp_loads(tmp_
     save(run)
     run.ckpt.close()
     state = jax.tree.map(to_host, (run.params, run.opt_state))
+    # saved from the canonical stack, pp off its layer dimension (cpu's dimensions: none divides by 3)
+    assert stage_slots.canonical_abstract(run.params, slots)["layers/attn"]["wq"].sharding.spec[0] is None
     again = build_run(tcfg, Layout(pp=3, microbatches=3))  # resumed: the real layers padded again
     again.ckpt.close()
     resumed = jax.tree.map(to_host, (again.params, again.opt_state))

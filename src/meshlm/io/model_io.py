@@ -29,8 +29,10 @@ def abstract_params(cfg: ModelConfig, where, dtype=None):
 
     layout = Layout.of(where)
     shapes = param_shapes(cfg)
-    # uneven pp stages: the canonical stack (a checkpoint's), its layers not split over pp
-    sh = canonical_shardings(shardings(model_specs(cfg, shapes, layout), layout.mesh), slots_of(cfg, layout))
+    # uneven pp stages: the canonical stack (a checkpoint's), pp moved off its layer dimension
+    sh = canonical_shardings(
+        shardings(model_specs(cfg, shapes, layout), layout.mesh), shapes, slots_of(cfg, layout)
+    )
     return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, dtype or s.dtype, sharding=h), shapes, sh)
 
 

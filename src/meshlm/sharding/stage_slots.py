@@ -14,12 +14,12 @@ slots for 58 layers, +3.4 %), spread over the stages that hold them.
 
 Where it is used: the proof (``proof.problem.model_problem``: the sharded run's parameters padded from
 the init, the reference's trees through ``unpad`` / ``pad``), the pipelined step (``chunk``, the
-statistics' ``real_rows``, ``slot_balance``), evaluation (``pipelined.pipelined_loss`` reads the real
+statistics' ``real_statistics``, ``slot_balance``), evaluation (``pipelined.pipelined_loss`` reads the real
 layers), ``meshlm plan`` (the padded shapes per device, the real totals), and ``meshlm train``: its
 init (``rules.init_sharded``: the canonical init padded in the same program), its checkpoints
 (``to_canonical`` on save, ``canonical_abstract`` and ``to_device`` on resume) and the parameters it
-starts from (``io.model_io.load_model``). Saving holds the body's canonical stack with its layer
-dimension unsplit over pp while it is written (a transient pp-fold of the body's shard per device).
+starts from (``io.model_io.load_model``). The canonical stack lives on the devices with pp moved to
+another of each weight's dimensions (``_canonical``): saving and loading hold no more per device.
 """
 
 from __future__ import annotations
@@ -119,25 +119,36 @@ def _body_leaf(path, a, rows: int) -> bool:
     return _in_body(path) and len(a.shape) > 0 and a.shape[0] == rows
 
 
-def _layer_axis(sharding, axis):
-    """``sharding`` with its leading (layer) dimension on ``axis`` (PP: the padded stack's; None: the
-    canonical stack's, whose real layer count pp does not divide)."""
-    spec = tuple(sharding.spec) or (None,)
-    return NamedSharding(sharding.mesh, P(axis, *spec[1:]))
+def _canonical(sharding, shape):
+    """A body leaf's sharding in the canonical stack ``shape`` [layers, ...]: pp does not divide the
+    real layer count, so pp moves from the layer dimension to the largest other one it divides that no
+    axis splits (per device as much as the padded stack holds, not pp times it); unsplit over pp where
+    none is free (a vector per layer)."""
+    spec = [*sharding.spec, *[None] * (len(shape) - len(sharding.spec))]
+    spec[0], pp = None, sharding.mesh.shape[PP]
+    free = [i for i in range(1, len(shape)) if spec[i] is None and shape[i] % pp == 0]
+    if free:
+        spec[max(free, key=lambda i: shape[i])] = PP
+    return NamedSharding(sharding.mesh, P(*spec))
 
 
-def canonical_shardings(shardings, slots: Slots | None):
-    """A tree of the canonical parameters' NamedShardings (the rules table's) with the body's layer
-    dimension unsplit: where a checkpoint's real stack is read onto before ``to_device``."""
+def _padded(sharding):
+    """A body leaf's sharding in the padded stack: pp on the layer dimension (``_canonical`` undone)."""
+    return NamedSharding(sharding.mesh, P(PP, *(None if d == PP else d for d in tuple(sharding.spec)[1:])))
+
+
+def canonical_shardings(shardings, shapes, slots: Slots | None):
+    """The canonical parameters' NamedShardings from the padded layout's (the rules table's; ``shapes``:
+    the canonical ShapeDtypeStructs): where a checkpoint's real stack is read before ``to_device``."""
     if slots is None:
         return shardings
-    unsplit = lambda path, h: _layer_axis(h, None) if _in_body(path) else h
-    return jax.tree_util.tree_map_with_path(unsplit, shardings)
+    one = lambda path, h, s: _canonical(h, s.shape) if _in_body(path) else h
+    return jax.tree_util.tree_map_with_path(one, shardings, shapes)
 
 
 def canonical_abstract(tree, slots: Slots | None):
     """ShapeDtypeStructs of the canonical tree of a padded one (arrays or structs with shardings): what a
-    checkpoint holds, the body's layer dimension unsplit (``[layers]`` does not divide over pp)."""
+    checkpoint holds, on ``_canonical``'s shardings (``[layers]`` does not divide over pp)."""
     if slots is None:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
@@ -145,7 +156,7 @@ def canonical_abstract(tree, slots: Slots | None):
         if not _body_leaf(path, a, slots.total):
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
         shape = (slots.layers, *a.shape[1:])
-        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=_layer_axis(a.sharding, None))
+        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=_canonical(a.sharding, shape))
 
     return jax.tree_util.tree_map_with_path(one, tree)
 
@@ -166,7 +177,7 @@ def to_device(tree, slots: Slots | None):
         return tree
 
     def one(path, a):
-        return _layer_axis(a.sharding, PP) if _body_leaf(path, a, slots.layers) else a.sharding
+        return _padded(a.sharding) if _body_leaf(path, a, slots.layers) else a.sharding
 
     return jax.jit(slots.pad, out_shardings=jax.tree_util.tree_map_with_path(one, tree))(tree)
 
