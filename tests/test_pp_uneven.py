@@ -75,7 +75,8 @@ def test_a_dense_model_with_an_odd_layer_count_is_proven():
 def test_training_with_padding_saves_the_real_layers_a_run_without_pp_loads(tmp_path):
     """cpu's 4 layers on pp 3: chunks of 2 slots, 2 of them padding. One step, saved: the checkpoint
     holds the 4 real layers (the format of any pp), equal to the run's own, and loads without pp; the
-    padding stayed exactly zero (its gradients are); the run resumes on pp 3 to the state it saved."""
+    padding stayed exactly zero (its gradients are); the run resumes on pp 3 to the state it saved; its
+    evaluation under pp is the plain model's loss of the real layers."""
     from helpers import tiny_lm_config, write_corpus
 
     from meshlm.io.model_io import load_model
@@ -107,6 +108,14 @@ def test_training_with_padding_saves_the_real_layers_a_run_without_pp_loads(tmp_
     assert step == 1 and loaded["layers/attn"]["wq"].shape[0] == cfg.n_layers == 4
     same = jax.tree.map(np.array_equal, jax.tree.map(to_host, loaded), slots.unpad(padded))
     assert all(jax.tree.leaves(same))
+    # the run's evaluation under pp reads the real layers of the padded stack: the plain model's loss
+    from meshlm.sharding.pipelined import pipelined_loss
+
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16), dtype=np.int32)
+    batch = {"inputs": ids, "targets": np.roll(ids, -1, axis=1)}
+    got = jax.jit(pipelined_loss(run.cfg, None, run.layout))(run.params, batch)
+    want = jax.jit(pipelined_loss(run.cfg))(jax.device_get(loaded), batch)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
 
 
 def test_plan_holds_the_padded_stack_and_counts_the_real_layers():
