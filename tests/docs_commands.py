@@ -320,6 +320,15 @@ COMMANDS: dict[str, Run | Shown] = {
     ),
     "meshlm plan --config llama3.1-70b --mesh 8x8 --devices 64 --fsdp --sp --remat selective "
     "--device-memory 80GiB": run(),
+    "meshlm plan --config deepseek-v3 --mesh 8x8 --ep 8 --pp 4 --fsdp --sp --devices 256 "
+    "--batch-size 32": Shown(
+        "same code path as tests/test_pp_uneven.py::"
+        "test_plan_holds_the_padded_stack_and_counts_the_real_layers (uneven stages' padded stack, on cpu's "
+        "4 layers on pp 3); this one compiles the 671B pipelined step on 256 fake devices: 33-68 s of CPU"
+    ),
+    "meshlm verify --config cpu --pp 3 --mesh 1x1 --devices 3 --x64 --steps 1": verify(
+        costly="tests/test_pp_uneven.py::test_a_dense_model_with_an_odd_layer_count_is_proven"
+    ),
     "meshlm memory --config llama2-7b --mesh 1x8 --devices 8": run(expect=("3.139 GiB",)),
     "meshlm verify --fsdp --sp --remat selective --steps 3 --x64": verify(costly=MEM),
     "meshlm bench --config small --mesh 2x2 --devices 4 --memory-options --gen-tokens 0 --seq-len 256": run(

@@ -44,7 +44,13 @@ from meshlm.sharding.rules import check_uniform_stack, model_specs
             2,
             r"after the 1 dense layers .* 1 layers do not split into 2 chunks",
         ),
-        ("deepseek-v3", {}, 4, r"after the 3 dense layers .* 58 layers .*; use --pp 2 or 29 or 58$"),
+        # uneven stages are padded for a body of one kind only (``stage_layers.slots``)
+        (
+            "tiny-qwen3.5",
+            {"n_layers": 6},
+            4,
+            r"6 layers do not split into 4 chunks .*not of two layer kinds.*; use --pp 3$",
+        ),
     ],
 )
 def test_chunks_that_would_differ_are_refused_naming_a_pp_that_works(name, changes, pp, match):
@@ -58,6 +64,11 @@ def test_periodic_chunks_and_a_dense_prefix_pass_and_place_their_stacks():
         ("qwen3.5-text", {}, 4),  # 32 layers: chunks of 8, two periods of 4 each
         ("tiny-qwen2-moe", {}, 2),  # dense layer 0 with the embedding, MoE layers 1, 2 one per stage
         ("deepseek-v3", {}, 2),  # 3 dense layers with the embedding, 58 MoE layers in chunks of 29
+        (
+            "deepseek-v3",
+            {},
+            4,
+        ),  # uneven stages: 58 MoE layers in 4 chunks of 15 slots (tests/test_pp_uneven.py)
     ):
         check_uniform_stack(get_config(name).replace(**changes), Layout(pp=pp))
     hybrid = stage_layers.chunk_config(get_config("tiny-qwen3.5").replace(n_layers=8), 4)

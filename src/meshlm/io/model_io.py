@@ -17,6 +17,7 @@ from meshlm.io.layout import resolve
 from meshlm.model.config import ModelConfig, from_dict
 from meshlm.parallel.layout import Layout
 from meshlm.sharding.rules import model_specs, shardings
+from meshlm.sharding.stage_slots import canonical_shardings, slots_of, to_device
 
 FORMAT = "meshlm-checkpoint-v1"
 
@@ -28,7 +29,10 @@ def abstract_params(cfg: ModelConfig, where, dtype=None):
 
     layout = Layout.of(where)
     shapes = param_shapes(cfg)
-    sh = shardings(model_specs(cfg, shapes, layout), layout.mesh)
+    # uneven pp stages: the canonical stack (a checkpoint's), pp moved off its layer dimension
+    sh = canonical_shardings(
+        shardings(model_specs(cfg, shapes, layout), layout.mesh), shapes, slots_of(cfg, layout)
+    )
     return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, dtype or s.dtype, sharding=h), shapes, sh)
 
 
@@ -70,6 +74,7 @@ def load_model(path: str | Path, where, dtype=None) -> tuple[ModelConfig, dict, 
             {"params": abstract}, step, expect_meta={"format": FORMAT}, partial=True
         )
     params = state["params"] if base is None else lora.combine(base, state["params"])
+    params = to_device(params, slots_of(cfg, Layout.of(where)))  # uneven pp stages: padded on the devices
     if dtype is not None:
         params = jax.tree.map(lambda p: p.astype(dtype), params)
     return cfg, params, step

@@ -17,6 +17,20 @@ hold the same layers: per layer its parameter stack and its attention kind (Gemm
   the MoE layers, uniform, split over the stages. The first stage does p layers' more work per
   micro-batch (and under 1F1B their forward twice: the embedding's VJP recomputes it).
 
+**Uneven stages** (DeepSeek-V3's 58 MoE layers on 4 stages; a dense model's odd layer count on 2): when
+a body of one layer kind (after any dense prefix, no ``global_every``) does not split into the chunks,
+each chunk gets ``ceil(body / chunks)`` slots and the missing ones are *padding slots* (``slots``):
+they hold zero parameters, act as the identity (``sharding.stage_slots``: the slot's output is its
+input, so its gradients are exactly zero and AdamW keeps them zero), and their routing statistics are
+dropped before the aux and z losses, the routing metrics and the bias balancing see them. Padding goes
+to the first chunks (greedily, at most ``S - 1`` per chunk, at each chunk's end): the first stage runs
+the embedding and the dense prefix already. The padded stack exists only in the pipelined device
+layout; checkpoints, export, evaluation, the proof's reference and ``meshlm configs`` see the real
+layers (``sharding.stage_slots``: the one place that converts, both ways). Chosen over running the
+remainder layers with the embedding or the head (as the dense prefix): those would be stored replicated
+over pp on every stage (1 - 2 MoE layers of DeepSeek-V3 each ~11 B parameters) and make the first or last
+stage slower still. Uneven stages with virtual stages, or over a stack of two kinds, are refused.
+
 Anything else is refused in one line naming the rule and the pp values that work
 (``sharding.rules.check_uniform_stack``, the one place that refuses).
 
@@ -58,13 +72,44 @@ def chunk_config(cfg, n: int):
     return cfg.replace(n_layers=n, unroll=min(cfg.layer_unroll, n), dense_layers=dense)
 
 
-def stage_problem(cfg, chunks: int) -> str | None:
-    """Why ``chunks`` pipeline chunks cannot each run the same layers, or None: they can."""
+def one_kind_body(cfg) -> bool:
+    """Whether the pipelined body (after a dense prefix) is one stack of one attention kind: the body
+    uneven stages can pad (``slots``)."""
+    p = prefix(cfg)
+    return not cfg.global_every and len({name for name, _ in signature(cfg)[p:]}) == 1
+
+
+def slots(cfg, chunks: int, virtual_stages: int = 1) -> tuple[int, tuple[int, ...]] | None:
+    """Uneven stages: None where the body splits into ``chunks`` equal chunks; else (slots per chunk S,
+    each body layer's slot in the padded stack [chunks x S], in order). Chunk k's padding sits at its
+    end, the first chunks taking it (at most S - 1 each: every chunk keeps a layer)."""
+    body = cfg.n_layers - prefix(cfg)
+    if not body % chunks or body < chunks or virtual_stages > 1 or not one_kind_body(cfg):
+        return None
+    per = -(-body // chunks)
+    pads, left = [], chunks * per - body
+    for _ in range(chunks):
+        pads.append(min(left, per - 1))
+        left -= pads[-1]
+    real = tuple(k * per + i for k in range(chunks) for i in range(per - pads[k]))
+    return per, real
+
+
+def stage_problem(cfg, chunks: int, virtual_stages: int = 1) -> str | None:
+    """Why ``chunks`` pipeline chunks cannot each run the same layers, or None: they can (uneven
+    stages of a one-kind body: with padding slots, ``slots``)."""
     p = prefix(cfg)
     body = cfg.n_layers - p
     head = f"after the {p} dense layers (run with the embedding) " if p else ""
+    if body % chunks and not slots(cfg, chunks, virtual_stages):
+        why = "of two layer kinds" if not one_kind_body(cfg) else "with virtual stages"
+        why = f"more chunks than {body} layers" if body < chunks else why
+        return (
+            f"{head}{body} layers do not split into {chunks} chunks of equal size (uneven stages are "
+            f"padded for a body of one layer kind without virtual stages, not {why})"
+        )
     if body % chunks:
-        return f"{head}{body} layers do not split into {chunks} chunks of equal size"
+        return None
     c = body // chunks
     sig = signature(cfg)[p:]
     if any(sig[k * c : (k + 1) * c] != sig[:c] for k in range(chunks)):
@@ -77,7 +122,11 @@ def stage_problem(cfg, chunks: int) -> str | None:
 
 def working_pp(cfg, virtual_stages: int = 1) -> list[int]:
     """The pp values (>= 2) whose chunks pass ``stage_problem``."""
-    return [pp for pp in range(2, cfg.n_layers + 1) if stage_problem(cfg, pp * virtual_stages) is None]
+    return [
+        pp
+        for pp in range(2, cfg.n_layers + 1)
+        if stage_problem(cfg, pp * virtual_stages, virtual_stages) is None
+    ]
 
 
 _LETTERS = {MOE_STACK: "m", DENSE_STACK: "d", LINEAR_STACK: "l"}

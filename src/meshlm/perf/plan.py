@@ -92,13 +92,17 @@ def measure(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
 
 def planned_params(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
     """(specs, params): the rules table's specs on ``layout`` with the settings' memory options, and
-    float32 ShapeDtypeStructs with their shardings."""
+    float32 ShapeDtypeStructs with their shardings (uneven pp stages: the padded stack the devices hold,
+    ``sharding.stage_slots``)."""
     from meshlm.model.transformer import param_shapes
     from meshlm.sharding.rules import model_specs, shardings
+    from meshlm.sharding.stage_slots import slots_of
 
     layout = settings.on(layout)
     shapes = param_shapes(cfg)
     specs = model_specs(cfg, shapes, layout)
+    slots = slots_of(cfg, layout)
+    shapes = shapes if slots is None else slots.pad(shapes)
     params = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, PARAM_DTYPE, sharding=sh),
         shapes,
@@ -110,15 +114,18 @@ def planned_params(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
 def state_bytes(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
     """Parameter bytes, unsharded and on one device, from the shapes and the rules table's specs; and
     of those trained (``optim.trainable``: with LoRA the adapters, whose gradients and moments exist)."""
+    from meshlm.sharding.stage_slots import slots_of
     from meshlm.train.optim import trainable
 
     _, params = planned_params(cfg, layout, settings)
     trained = trainable(cfg).select(params)
+    slots = slots_of(cfg, settings.on(layout))  # the totals count the real layers, not uneven stages' padding
+    real = (lambda tree: tree) if slots is None else slots.unpad
     return {
-        "params_total": total_bytes(params),
+        "params_total": total_bytes(real(params)),
         "params_per_device": bytes_per_device(params),
         "trained": bytes_per_device(trained),
-        "trained_total": total_bytes(trained),
+        "trained_total": total_bytes(real(trained)),
     }
 
 

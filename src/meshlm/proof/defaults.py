@@ -42,7 +42,7 @@ def virtual_stages(pp: int, cfg) -> int:
     2 where none does (``rules.check_uniform_stack`` then says what fits)."""
     from meshlm.model.stage_layers import stage_problem
 
-    fits = [v for v in range(2, cfg.n_layers // pp + 1) if v != pp and stage_problem(cfg, pp * v) is None]
+    fits = [v for v in range(2, cfg.n_layers // pp + 1) if v != pp and stage_problem(cfg, pp * v, v) is None]
     return fits[0] if fits else 2
 
 

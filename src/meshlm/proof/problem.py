@@ -36,6 +36,9 @@ class Problem:
     batch_fn: Callable | None = None
     # params -> the parameters both runs start from (a mixture of experts': a planted router tie)
     prepare_params: Callable | None = None
+    # Uneven pipeline stages' padded stack (``sharding.stage_slots.Slots``): the sharded run's parameters
+    # are padded from the init, the reference's trees move through ``to_reference`` / ``from_reference``
+    slots: object = None
     # The reference's model config when ``cfg`` is set (``reference_loss``'s): the routing probe's
     # reference runs it (``proof.routing``); None: ``cfg``
     reference_cfg: object = None
@@ -44,6 +47,10 @@ class Problem:
 def random_batch(vocab: int, shape: tuple[int, ...], seed: int) -> dict:
     rng = np.random.default_rng(seed)
     return {k: rng.integers(0, vocab, size=shape, dtype=np.int32) for k in ("inputs", "targets")}
+
+
+def _same(tree):
+    return tree
 
 
 def model_problem(
@@ -59,6 +66,7 @@ def model_problem(
 
     layout = layout if isinstance(layout, Layout) else Layout(mp=layout, **sizes)
     from meshlm.sharding.rules import model_specs
+    from meshlm.sharding.stage_slots import slots_of
 
     rebuild = lambda c: lambda par: loss_fn(c, par)
     batch_fn = None  # uniform random ids; with the document mask, windows of many documents
@@ -75,6 +83,14 @@ def model_problem(
         padding = dict(
             to_reference=lambda tree: resize_tree(tree, cfg.vocab_size),
             from_reference=lambda tree: resize_tree(tree, cfg.padded_vocab),
+        )
+    slots = slots_of(cfg, layout)
+    if slots is not None:  # uneven pp stages: the reference has the real layers (``sharding.stage_slots``)
+        to_ref, from_ref = padding.get("to_reference", _same), padding.get("from_reference", _same)
+        padding = dict(
+            to_reference=lambda tree: to_ref(slots.unpad(tree)),
+            from_reference=lambda tree: slots.pad(from_ref(tree)),
+            slots=slots,
         )
     prepare = None
     if cfg.arch.moe:  # a tie in every layer's routing, for the tie-breaking control (``proof.moe_controls``)

@@ -24,6 +24,7 @@ from meshlm.proof.reference import CheckedProgram, reference_optimizer, referenc
 from meshlm.proof.sft import proof_batch
 from meshlm.sharding.rules import shardings
 from meshlm.sharding.spmd import reference_value_and_grad
+from meshlm.sharding.stage_slots import slot_balance
 from meshlm.sharding.strategy import strategy
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
@@ -46,6 +47,9 @@ class Runs:
             self.params = jax.tree.map(lambda p: p.astype(dtype), problem.load_params(layout))
         elif problem.prepare_params is not None:
             self.params = problem.prepare_params(self.params)
+            if problem.slots is not None:  # uneven pp stages: a planted bias must not fill the padding
+                redo = lambda p: problem.slots.pad(problem.slots.unpad(p))
+                self.params = jax.jit(redo, out_shardings=shardings(self.specs, mesh))(self.params)
         host = problem.to_reference(jax.tree.map(to_host, self.params))
         self.ref_params = jax.device_put(host, self.device)
         self.ref_loss = problem.reference_loss or problem.build_loss
@@ -136,7 +140,7 @@ class Runs:
         mixture of experts that balances by a selection bias moves it after AdamW (``make_step``), from
         the routing statistics its loss then returns. ``par_cls``: a control's parallel context."""
         opt, cfg = adamw(ocfg, self.params), self.problem.cfg
-        balance = None if cfg is None else balance_update(cfg)
+        balance = None if cfg is None else slot_balance(balance_update(cfg), self.problem.slots)
         build = self.problem.build_loss if balance is None else (lambda par: loss_fn(cfg, par, True))
         grad = self.value_and_grad(build, par_cls, routing=balance is not None)
         clip = per_shard_clip(self.mesh, self.specs, ocfg.clip_norm) if clip_fault else None
@@ -173,6 +177,8 @@ def _init(problem: Problem, mesh, dtype, seed: int):
     key = jax.random.PRNGKey(seed)
     specs = problem.specs_fn(jax.eval_shape(init, key, example))
     host = jax.jit(lambda k, b: jax.tree.map(lambda p: p.astype(dtype), init(k, b)))(key, example)
+    if problem.slots is not None:  # uneven pp stages: the body's stack padded (``sharding.stage_slots``)
+        host = problem.slots.pad(jax.tree.map(np.asarray, host))
     placed = jax.tree.map(lambda x, s: put_global(np.asarray(x), s), host, shardings(specs, mesh))
     return placed, specs
 

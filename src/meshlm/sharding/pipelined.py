@@ -14,10 +14,14 @@ their losses come out of the engine as the head's metrics (``head_aux``). Parame
 always, the stacked layer dimension split over ``pp`` (``rules.pp_specs``): a checkpoint's format does
 not depend on pp. A stack of two layer kinds (``model.stage_layers``): each kind's stack split alike
 when every chunk holds whole periods of the kinds, or a mixture of experts' dense prefix run with the
-embedding on the first stage (its stack passed and stored as the embedding's).
+embedding on the first stage (its stack passed and stored as the embedding's). Uneven stages: the
+body's stack arrives padded (``stage_slots``: chunks of S slots, padding slots run as the identity, their
+routing statistics dropped before the losses and the returned statistics).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import haiku as hk
 import jax
@@ -35,7 +39,9 @@ from meshlm.model.transformer import check_context, loss_fn
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.pipeline import Pipeline, pipeline_value_and_grad
+from meshlm.sharding import stage_slots
 from meshlm.sharding.rules import check_uniform_stack, without_pp
+from meshlm.sharding.stage_slots import Slots, slots_of
 
 
 def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
@@ -53,6 +59,11 @@ def check_pipelined(cfg: ModelConfig, layout: Layout) -> None:
             "--pp with --cp ring and multi-token prediction: the MTP depths run with the head on the last "
             "stage, where context parallelism's ring cannot run; pass --cp-strategy allgather (or "
             "--mtp-weight 0, or drop --cp)"
+        )
+    if cfg.lora_rank and slots_of(cfg, layout):  # its adapters are initialised and saved apart
+        raise ConfigError(
+            f"--pp {layout.pipeline.pp} with --lora-rank: {cfg.n_layers} layers make uneven pipeline stages "
+            "(padding slots), which LoRA's adapters do not take yet; choose a --pp that divides the layers"
         )
     if cfg.lora_dropout:  # its mask is of each layer's index; a stage numbers its chunk's from 0
         raise ConfigError("--pp does not take --lora-dropout yet (its masks number the layers); drop one")
@@ -75,11 +86,14 @@ def _table(embed: dict) -> dict:
     return {k: v for k, v in embed.items() if k == "embed"}
 
 
-def stage_fn(cfg: ModelConfig, par: Parallel, stats: bool | None = None):
+def stage_fn(cfg: ModelConfig, par: Parallel, stats: bool | None = None, slots: Slots | None = None):
     """One chunk of layers: as many as its parameters stack, each kind's stack its count of them
-    (``stats``: ``layers_fn``'s), with the kinds every chunk holds (``stage_layers.chunk_config``)."""
+    (``stats``: ``layers_fn``'s), with the kinds every chunk holds (``stage_layers.chunk_config``);
+    uneven stages (``slots``): the chunk's slots, padding as the identity (``stage_slots.chunk``)."""
 
     def run(params, x, starts=None):  # starts: the micro-batch's document starts (``--doc-mask``)
+        if slots is not None:
+            return stage_slots.chunk(cfg, par, bool(stats), slots, params, x, starts)
         counts = {mod.split("/")[0]: jax.tree.leaves(leaves)[0].shape[0] for mod, leaves in params.items()}
         chunk = stage_layers.chunk_config(cfg, sum(counts.values()))
         return hk.without_apply_rng(hk.transform(layers_fn(chunk, par, stats))).apply(params, x, starts)
@@ -114,9 +128,11 @@ def pipelined_value_and_grad(
     head_specs = {**head_specs, **_table(embed_specs)} if tied else head_specs
     pipe = pipe_cls(layout.pipeline, fill=fill)
     aux, routing = routing, routing and cfg.arch.moe  # the caller's aux: routing statistics, MTP's losses
-    stats_loss = _stats_loss(cfg, par, routing)
+    slots = slots_of(cfg, layout)
+    real = (lambda stats: stats) if slots is None else partial(stage_slots.real_statistics, slots)
+    stats_loss = _stats_loss(cfg, par, routing, real)
     step = pipeline_value_and_grad(
-        stage_fn(cfg, par, stats_loss is not None),
+        stage_fn(cfg, par, stats_loss is not None, slots),
         head_apply,
         layout.mesh,
         pipe,
@@ -126,7 +142,7 @@ def pipelined_value_and_grad(
         embed_specs=embed_specs,
         with_aux=cfg.doc_mask >= 0,
         stats_loss=stats_loss,
-        stats_sum=par.moe_sum if routing else None,
+        stats_sum=(lambda stats: par.moe_sum(real(stats))) if routing else None,
         head_aux=cfg.mtp_on,
     )
 
@@ -163,22 +179,25 @@ def _value(value, cfg: ModelConfig, aux: bool, routing: bool):
     return (loss, {"mtp": per_depth} | ({"routing": stats} if routing else {})) if aux else loss
 
 
-def _stats_loss(cfg: ModelConfig, par: Parallel, routing: bool = False):
+def _stats_loss(cfg: ModelConfig, par: Parallel, routing: bool = False, real=lambda stats: stats):
     """A mixture of experts' aux and z losses for the pipeline: of the routing statistics every stage's
     layers returned for every micro-batch (summed by the engine over them and the stages), summed over
     the batch's shards (``Parallel.moe_sum``); None without those losses, unless ``routing`` asks for
     the statistics (the routing metrics): then a loss of 0 (under 1F1B their pass still runs: one more
-    forward of the step for metrics of a model trained without the losses)."""
+    forward of the step for metrics of a model trained without the losses). ``real``: the statistics
+    of the real layers (uneven stages: the padding's rows dropped)."""
     if not moe_losses(cfg) and not routing:
         return None
-    return lambda stats: aux_loss(cfg, par.moe_sum(stats))
+    return lambda stats: aux_loss(cfg, par.moe_sum(real(stats)))
 
 
-def pipelined_loss(cfg: ModelConfig, compute_dtype=None):
+def pipelined_loss(cfg: ModelConfig, compute_dtype=None, layout: Layout | None = None):
     """fn(params, batch) -> loss for evaluation under pp: the unsharded model under ``jit``, partitioned
-    by XLA from the arrays' shardings (no schedule: nothing to differentiate)."""
+    by XLA from the arrays' shardings (no schedule: nothing to differentiate); uneven stages' padded
+    stack read at its real layers (``stage_slots``)."""
+    slots = None if layout is None else slots_of(cfg, layout)
     cfg = cfg.replace(mtp_weight=0.0) if cfg.mtp_on else cfg  # evaluation: the next token's loss alone
     apply = hk.without_apply_rng(hk.transform(loss_fn(cfg, Parallel()))).apply
-    if compute_dtype is None:
-        return apply
-    return lambda params, batch: apply(jax.tree.map(lambda p: p.astype(compute_dtype), params), batch)
+    real = (lambda params: params) if slots is None else slots.unpad
+    cast = (lambda p: p) if compute_dtype is None else (lambda p: p.astype(compute_dtype))
+    return lambda params, batch: apply(jax.tree.map(cast, real(params)), batch)

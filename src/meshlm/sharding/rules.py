@@ -245,10 +245,12 @@ def check_uniform_stack(cfg, layout: Layout) -> None:
     if not layout.pipelined:
         return
     pipe = layout.pipeline
-    if len(layer_kinds.stacks(cfg)) == 1 and not cfg.global_every:  # one kind: chunks of equal size
-        check_layers(pipe, cfg.n_layers)
+    chunks = pipe.pp * pipe.virtual_stages
+    if len(layer_kinds.stacks(cfg)) == 1 and not cfg.global_every:  # one kind: equal chunks, or padded
+        if not stage_layers.slots(cfg, chunks, pipe.virtual_stages):
+            check_layers(pipe, cfg.n_layers)
         return
-    problem = stage_layers.stage_problem(cfg, pipe.pp * pipe.virtual_stages)
+    problem = stage_layers.stage_problem(cfg, chunks, pipe.virtual_stages)
     if problem is not None:
         v = f" x {pipe.virtual_stages} virtual stages" if pipe.virtual_stages > 1 else ""
         works = stage_layers.working_pp(cfg, pipe.virtual_stages)
@@ -318,17 +320,20 @@ def shardings(specs, mesh):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def init_sharded(init_fn, rng, *example_args, specs_fn, mesh, dtype=None):
+def init_sharded(init_fn, rng, *example_args, specs_fn, mesh, dtype=None, pad=None):
     """Create parameters already sharded: eval_shape -> specs -> jit(init, out_shardings=...).
 
     ``init_fn`` is a Haiku ``transform(...).init``; ``specs_fn(abstract_params) -> specs``. The values
     do not depend on the mesh (JAX's partitionable threefry), so any mesh gives the one-device bits.
+    ``pad``: the canonical tree -> the device layout (uneven pp stages' padded stack,
+    ``stage_slots.Slots.pad``), in the same program.
     """
     abstract = jax.eval_shape(init_fn, rng, *example_args)
     specs = specs_fn(abstract)
 
     def init(rng, *args):
         params = init_fn(rng, *args)
+        params = params if pad is None else pad(params)
         return params if dtype is None else jax.tree.map(lambda p: p.astype(dtype), params)
 
     params = jax.jit(init, out_shardings=shardings(specs, mesh))(rng, *example_args)

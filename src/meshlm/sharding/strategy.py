@@ -78,7 +78,7 @@ class Pipelined:
     def loss(self, cfg: ModelConfig, layout: Layout, specs, compute_dtype=None):
         from meshlm.sharding.pipelined import pipelined_loss
 
-        return pipelined_loss(cfg, compute_dtype)
+        return pipelined_loss(cfg, compute_dtype, layout)
 
 
 STRATEGIES = {s.name: s for s in (Sharded(), Pipelined())}

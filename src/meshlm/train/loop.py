@@ -29,6 +29,7 @@ from meshlm.generate.generator import Generator
 from meshlm.io.tokenizer_file import TOKENIZER_FILE
 from meshlm.parallel import distributed
 from meshlm.parallel.placement import put_global
+from meshlm.sharding.stage_slots import slots_of, to_canonical
 from meshlm.sharding.strategy import strategy
 from meshlm.train import dpo_run
 from meshlm.train.config import TrainConfig
@@ -61,6 +62,7 @@ def save(run: Run) -> None:
         return
     # LoRA: the adapters alone (``optim.trainable``), their base named by its fingerprint in the meta
     state = {"params": trainable(run.cfg).select(run.params), "opt_state": run.opt_state}
+    state = to_canonical(state, slots_of(run.cfg, run.layout))  # uneven pp stages: the real layers
     meta = checkpoint_meta(run.tcfg, run.cfg, run.step, run.layout, run.tokenizer_meta, run.lora_base)
     run.ckpt.save(run.step, state, meta)
     run.saved_step = run.step

@@ -36,6 +36,7 @@ from meshlm.parallel import distributed
 from meshlm.parallel.layout import Layout
 from meshlm.settings import toml_text
 from meshlm.sharding.rules import model_specs, shardings
+from meshlm.sharding.stage_slots import canonical_abstract, slots_of, to_device
 from meshlm.sharding.strategy import strategy
 from meshlm.train import dpo_run, outputs
 from meshlm.train.config import TrainConfig, recorded_settings, resolve, with_moe_settings
@@ -159,9 +160,11 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs: d
     step = 0
     target = {"params": part.select(params), "opt_state": opt_state}
     # resume() also moves aside newer step directories it could not use, which would block saves.
-    resumed = ckpt.resume(jax.tree.map(_abstract, target), expect_meta=expect)
+    slots = slots_of(cfg, layout)  # uneven pp stages: checkpoints hold the real layers (``stage_slots``)
+    resumed = ckpt.resume(canonical_abstract(target, slots), expect_meta=expect)
     if resumed:
         state, _, step = resumed
+        state = to_device(state, slots)
         params, opt_state = part.put(params, state["params"]), state["opt_state"]
         distributed.print0(f"resuming from {ckpt.step_dir(step)} (step {step})", file=sys.stderr)
     else:  # never silent: a --out that names another directory than meant starts a new run there
@@ -230,10 +233,6 @@ def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
     compared on resume) and a run resumes under any remat or unroll."""
     step = step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp)
     return step.replace(attention=tcfg.attention, attn_block=tcfg.attn_block)
-
-
-def _abstract(x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
 def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lambda: None) -> Run:

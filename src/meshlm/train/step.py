@@ -19,6 +19,7 @@ from meshlm.model.transformer import loss_fn
 from meshlm.parallel.layout import Layout
 from meshlm.sharding.rules import dp_sharded, model_specs, shardings
 from meshlm.sharding.spmd import reference_value_and_grad
+from meshlm.sharding.stage_slots import slot_balance, slots_of
 from meshlm.sharding.strategy import strategy
 from meshlm.train.optim import OptimConfig, adamw, dropout_seed, make_step, trainable
 
@@ -45,6 +46,7 @@ def init_model(cfg: ModelConfig, where, seed: int, dtype=None, specs: dict | Non
 
     layout = Layout.of(where)
     init, example = init_fn(cfg)
+    slots = slots_of(cfg, layout)  # uneven pp stages: the body's stack padded (``stage_slots``)
     return init_sharded(
         init,
         jax.random.PRNGKey(seed),
@@ -52,6 +54,7 @@ def init_model(cfg: ModelConfig, where, seed: int, dtype=None, specs: dict | Non
         specs_fn=lambda a: model_specs(cfg, a, layout) if specs is None else specs,
         mesh=layout.mesh,
         dtype=dtype,
+        pad=None if slots is None else slots.pad,
     )
 
 
@@ -83,7 +86,12 @@ def sharded_step(
         cfg, layout, specs, compute_dtype=compute_dtype, routing=routing or cfg.mtp_on, build_loss=build
     )
     step = make_step(
-        grad, opt, ocfg, balance=balance_update(cfg), part=part, dropout_seed=dropout_seed(cfg, seed)
+        grad,
+        opt,
+        ocfg,
+        balance=slot_balance(balance_update(cfg), slots_of(cfg, layout)),
+        part=part,
+        dropout_seed=dropout_seed(cfg, seed),
     )
     return jax.jit(step, donate_argnums=(0, 1)), opt
 
