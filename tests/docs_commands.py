@@ -320,8 +320,7 @@ COMMANDS: dict[str, Run | Shown] = {
     ),
     "meshlm plan --config llama3.1-70b --mesh 8x8 --devices 64 --fsdp --sp --remat selective "
     "--device-memory 80GiB": run(),
-    "meshlm plan --config deepseek-v3 --mesh 8x8 --ep 8 --pp 4 --fsdp --sp --devices 256 "
-    "--batch-size 32": Shown(
+    "meshlm plan --config deepseek-v3 --mesh 8x8 --ep 8 --pp 4 --fsdp --sp --devices 256": Shown(
         "same code path as tests/test_pp_uneven.py::"
         "test_plan_holds_the_padded_stack_and_counts_the_real_layers (uneven stages' padded stack, on cpu's "
         "4 layers on pp 3); this one compiles the 671B pipelined step on 256 fake devices: 33-68 s of CPU"

@@ -6,6 +6,7 @@ import json
 import pytest
 from helpers import run_cli
 
+from meshlm.errors import ConfigError
 from meshlm.model.config import get_config
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.mesh import make_mesh
@@ -251,3 +252,18 @@ def test_moe_analytic_peak_is_close_to_the_compiled_one():
     analytic, compiled = row["analytic"], row["compiled"]
     assert analytic["moment_copies"] == 2 * analytic["params"]
     assert 0.9 < analytic["peak"] / compiled["peak"] < 1.1, (analytic["peak"], compiled["peak"])
+
+
+def test_plan_default_batch_is_the_fewest_rows_the_layout_splits():
+    """Without --batch-size, plan takes 8 rows, raised to what dp x accum x microbatches divide
+    (docs/models.md's deepseek-v3 on 8x8 x pp 4: 32); a given batch is kept, and checked as given."""
+    from meshlm.perf.plan_settings import PlanCommand
+
+    cfg = get_config("tiny-llama").replace(n_layers=4)
+    pipelined = Layout(dp=8, pp=4, microbatches=4)
+    assert PlanCommand().settings(cfg, pipelined).batch_size == 32
+    assert PlanCommand(accum_steps=3).settings(cfg, Layout(dp=2)).batch_size == 12
+    assert PlanCommand().settings(cfg, Layout(dp=2)).batch_size == PlanCommand().settings(cfg).batch_size == 8
+    assert PlanCommand(batch_size=12).settings(cfg, pipelined).batch_size == 12
+    with pytest.raises(ConfigError, match=r"--batch-size 12 is not a multiple .* use e.g. --batch-size 32"):
+        PlanCommand(batch_size=12).settings(cfg, pipelined).check(cfg, pipelined)

@@ -55,7 +55,7 @@ def run(args) -> int:
     # --fsdp and --sp are the planned run's (``PlanSettings.on`` puts each candidate's on the layout)
     planned = flag_layout(args, pc)
     if model is not None and planned:  # what needs no devices is checked before them
-        pc.settings(model[0]).check(model[0], planned)
+        pc.settings(model[0], planned).check(model[0], planned)
     if planned and args.devices is None:  # nothing runs: as many fake devices as the mesh needs
         args.devices = planned.devices
     _fast_compiles()
@@ -73,7 +73,7 @@ def run(args) -> int:
         cfg,
         name,
         layout,
-        pc.settings(cfg),
+        pc.settings(cfg, layout),
         device_bytes=pc.device_memory,
         max_compiles=pc.max_compiles,
         every_option=pc.every_option,

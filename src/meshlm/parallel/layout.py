@@ -166,6 +166,11 @@ class Layout(AxisFacts, AxisUses):
         it is cut into 2 x cp chunks (each shard holds chunks i and 2cp-1-i), then over mp under sp."""
         _check_seq_len(self, seq_len)
 
+    def smallest_batch(self, at_least: int, accum_steps: int = 1) -> int:
+        """The fewest global rows, ``at_least`` or more, that ``check_batch`` accepts."""
+        rows = self.dp * accum_steps * self.pipeline_microbatches
+        return -(-at_least // rows) * rows
+
     def check_batch(self, batch_size: int, accum_steps: int | None = None) -> None:
         """The global batch splits into ``accum_steps`` micro-batches, each over dp (and with pp into
         the pipeline's ``microbatches``)."""

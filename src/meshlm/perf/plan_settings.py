@@ -21,6 +21,7 @@ from meshlm.train.lora import LoraSettings
 from meshlm.units import parse_bytes
 
 DEFAULT_CONFIG = "llama2-7b"
+DEFAULT_BATCH = 8  # rows per step where --batch-size is not given (raised to what the layout splits)
 
 
 def remat_policy(cfg: ModelConfig) -> str:
@@ -83,7 +84,12 @@ class PlanCommand(MeshFlags, LongContext, LoraSettings):  # --pp, --cp, --fsdp, 
         None, "model preset name (see `meshlm configs`)", shown_default=DEFAULT_CONFIG
     )
     checkpoint: str | None = setting(None, "plan the model of this checkpoint instead of --config")
-    batch_size: int = setting(8, "global batch rows per step", valid=POSITIVE_INT)
+    batch_size: int | None = setting(
+        None,
+        "global batch rows per step",
+        shown_default=f"{DEFAULT_BATCH}, or the fewest rows above it that dp x accum x microbatches divide",
+        valid=POSITIVE_INT,
+    )
     seq_len: int | None = setting(
         None, "tokens per row", shown_default=SEQ_LEN_DEFAULT_TEXT, valid=POSITIVE_INT
     )
@@ -107,10 +113,15 @@ class PlanCommand(MeshFlags, LongContext, LoraSettings):  # --pp, --cp, --fsdp, 
     )
     schedule_png: str | None = setting(None, "with --pp: draw the schedule (stage x tick) into this PNG")
 
-    def settings(self, cfg: ModelConfig) -> PlanSettings:
-        """The run to plan for the model ``cfg``: its remat unless --remat, the default sequence rule."""
+    def settings(self, cfg: ModelConfig, layout: Layout | None = None) -> PlanSettings:
+        """The run to plan for the model ``cfg`` on ``layout``: its remat unless --remat, the default
+        sequence rule; without --batch-size, 8 rows or the fewest above that the layout splits (a
+        pipeline's micro-batches on every data shard: deepseek-v3 on 8x8 x pp 4, 32)."""
+        batch = self.batch_size
+        if batch is None:
+            batch = layout.smallest_batch(DEFAULT_BATCH, self.accum_steps) if layout else DEFAULT_BATCH
         return PlanSettings(
-            batch_size=self.batch_size,
+            batch_size=batch,
             seq_len=default_seq_len(cfg, self.seq_len or 0),
             accum_steps=self.accum_steps,
             compute_dtype=self.compute_dtype,
