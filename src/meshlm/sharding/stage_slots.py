@@ -39,6 +39,7 @@ from meshlm.model import stage_layers
 from meshlm.model.layer_kinds import MOE_STACK
 from meshlm.model.pieces import layers_fn
 from meshlm.parallel.axes import PP
+from meshlm.parallel.layout import axis_sizes
 
 BODY = f"{MOE_STACK}/"  # a one-kind body is the main stack (``layer_kinds.stacks``), after any prefix
 
@@ -125,7 +126,7 @@ def _canonical(sharding, shape):
     axis splits (per device as much as the padded stack holds, not pp times it); unsplit over pp where
     none is free (a vector per layer)."""
     spec = [*sharding.spec, *[None] * (len(shape) - len(sharding.spec))]
-    spec[0], pp = None, sharding.mesh.shape[PP]
+    spec[0], pp = None, axis_sizes(sharding.mesh)[PP]
     free = [i for i in range(1, len(shape)) if spec[i] is None and shape[i] % pp == 0]
     if free:
         spec[max(free, key=lambda i: shape[i])] = PP
