@@ -39,3 +39,16 @@ def test_moe_block_proven_on_ep2_with_controls():
         report = verify(problem, EP2, dtype=jnp.float64, controls=controls)
     assert sorted(c["name"] for c in report.controls) == sorted(NAMES)
     assert report.ok and all(c["detected"] for c in report.controls), (report.checks, report.controls)
+
+
+def test_communication_minimum_counts_the_experts_row_sum():
+    """Beside the attention's and the MLP's, the experts' partial output is a third row-parallel sum per
+    layer (``Family.row_sums``): the communication check's all-reduce bytes on 2x2 (without it the
+    measured bytes exceed the minimum by the 2 layers' [1, 8, 64] forward and backward)."""
+    cfg = get_config("tiny-gemma4-moe").replace(**SMALL)
+    layout = Layout(dp=2, mp=2)
+    with jax.enable_x64(True):
+        report = verify(model_problem(cfg, "gemma4-moe", layout, 2, 8), layout, dtype=jnp.float64,
+                        controls=(), collectives=True)  # fmt: skip
+    rows = {c["name"]: c for c in report.checks}
+    assert rows["all-reduce bytes per step"]["ok"] and report.ok, rows

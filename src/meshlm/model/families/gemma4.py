@@ -282,7 +282,8 @@ FAMILY = replace(
     gemma3.FAMILY, name="gemma4", block="per_layer", norm="rms_product_first", qk_norm="head", hf=HF
 )
 MOE_HF = replace(HF, layer=MOE_LAYER, fused=MOE_FUSED, fused_on_disk=True)
-MOE = replace(FAMILY, name=MOE_NAME, moe=True, hf=MOE_HF)  # the 26B-A4B's record (``read`` names it)
+# the 26B-A4B's record (``read`` names it): a third row-parallel sum per layer, the experts' beside the MLP's
+MOE = replace(FAMILY, name=MOE_NAME, moe=True, hf=MOE_HF, row_sums=FAMILY.row_sums + 1)
 MORE = (MOE,)  # the registry lists it beside ``FAMILY``
 
 # Gemma 4's own pieces, in every preset: no query scaling, two rotary bases (the global layers rotate a
