@@ -205,12 +205,14 @@ def test_each_piece_broken_fails_the_transformers_comparison(family, monkeypatch
 @pytest.mark.parametrize("family", ["gemma4-moe"], indirect=True)
 def test_moe_block_broken_fails_the_transformers_comparison(family, monkeypatch):
     """The MoE block's classic bugs show against transformers: the router reading the experts' normed
-    input (not the residual), SiLU experts (not gelu-tanh); the correct block does not drift."""
+    input (not the residual), SiLU experts (not gelu-tanh), the per-expert scales or the router's input
+    norm and scale left out; the correct block does not drift."""
     assert drift(family) < 100 * RTOL
     with monkeypatch.context() as m:
         m.setattr(per_layer, "router_input", lambda residual, experts_in: experts_in)
         assert drift(family) > 100 * RTOL
-    assert drift(family, expert_glu="swiglu") > 100 * RTOL
+    for change in ({"expert_glu": "swiglu"}, {"expert_scale": False}, {"router_norm": False}):
+        assert drift(family, **change) > 100 * RTOL, change
 
 
 @pytest.mark.parametrize(
