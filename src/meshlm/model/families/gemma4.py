@@ -306,40 +306,19 @@ REAL = dict(  # what the real Gemma 4 text models share
     global_every=6,
     final_softcap=30.0,
 )
+TINY = dict(gemma2.TINY, **ARCH, n_layers=6, global_every=3, final_softcap=0.5, ple_dim=16)
+TINY |= dict(kv_shared_layers=2, k_eq_v=True)
 # ``ModelConfig`` fields by preset name (the registry adds ``family``).
 PRESETS: dict[str, dict] = {
     # 6 layers (local, local, global, twice), a window of 8 < verify's 64 positions; the last 2 layers
     # read the KV of layers 3 (local) and 2 (global); per-layer inputs of 16; keys as values on the
     # global layers; the global layers rotate a quarter of their pairs.
-    "tiny-gemma4": dict(
-        gemma2.TINY,
-        **ARCH,
-        n_layers=6,
-        global_every=3,
-        final_softcap=0.5,
-        ple_dim=16,
-        kv_shared_layers=2,
-        k_eq_v=True,
-    ),
+    "tiny-gemma4": TINY,
     # tiny-gemma4's features with the MoE block beside every layer's MLP: 8 experts of 16 units, 2 per
     # token (the record ``MOE``), an aux loss so the routing statistics reach the loss (with 4 experts
     # the proof's planted 3-way router tie makes the loss blind to how the statistics are summed).
-    "tiny-gemma4-moe": dict(
-        gemma2.TINY,
-        **ARCH,
-        **ROUTER,
-        family=MOE_NAME,
-        n_layers=6,
-        global_every=3,
-        final_softcap=0.5,
-        ple_dim=16,
-        kv_shared_layers=2,
-        k_eq_v=True,
-        n_experts=8,
-        experts_per_token=2,
-        moe_d_ff=16,
-        router_aux_loss_coef=0.01,
-    ),
+    "tiny-gemma4-moe": dict(TINY, **ROUTER, family=MOE_NAME, n_experts=8, experts_per_token=2, moe_d_ff=16)
+    | dict(router_aux_loss_coef=0.01),
     # google/gemma-4-E4B and gemma-4-31B's text config.json, written from memory (no hub here): heads
     # of 256 on the local layers (window 512 / 1024), 512 on every sixth, global layer (proportional
     # RoPE, a quarter of its pairs); E4B per-layer inputs of 256 and the last 18 layers reading the KV
