@@ -99,6 +99,14 @@ CONFIGS = {
         1,
         10,
     ),
+    # Gemma 4's MoE block beside the MLP (the router on the residual), its experts over ep
+    "tiny-gemma4-moe 2x2 ep2 (MoE block beside the MLP)": (
+        "tiny-gemma4-moe",
+        {"n_layers": 2, "global_every": 2, "kv_shared_layers": 0},
+        EP2,
+        2,
+        8,
+    ),
     "tiny-llama 1x1 blockwise doc-mask": ("tiny-llama", {**BW, "doc_mask": 0}, Layout(), 1, 18),
     "tiny-llama 2x2 cp2 ring fsdp sp blockwise soft-capped": (
         "tiny-llama",

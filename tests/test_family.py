@@ -28,7 +28,9 @@ def test_every_family_names_existing_layer_code(name):
     assert fam.norm is None or fam.norm in NORMS
     assert fam.mlp in ("gelu", "swiglu", "geglu")
     assert (fam.rotary is not None) == fam.attention  # positions enter only through rotary attention
-    assert fam.row_sums == (2 if fam.block in ("sequential", "post_norm", "sandwich", "per_layer") else 1)
+    two = 2 if fam.block in ("sequential", "post_norm", "sandwich", "per_layer") else 1
+    # Gemma 4's MoE block: the experts' sum beside the MLP's
+    assert fam.row_sums == two + (fam.moe and fam.block == "per_layer")
     assert set(fam.remat) <= set(REMAT)
     if fam.hf is not None:
         assert set(fam.hf.layer) and "embed/embeddings" in fam.hf.top

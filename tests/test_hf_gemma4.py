@@ -6,7 +6,8 @@ converts with float32 logits within 1e-5 of transformers' (unsharded and on 2x2;
 where its own float32 run is 1e-5 off), `meshlm generate --temperature 0` prints transformers' greedy
 text on 1x1 and 1x2 (past several windows; the shared layers keep no cache of their own), and the
 export loads back with equal logits. Each new piece, broken in code both verify's runs would share,
-fails the comparison (shown)."""
+fails the comparison (shown). The MoE block
+(``enable_moe_block``: the 26B-A4B's) the same, on the same model with 4 experts, 2 per token."""
 
 from contextlib import ExitStack, contextmanager
 from unittest import mock
@@ -83,10 +84,20 @@ def _lifted():
         yield
 
 
+def _moe_config():
+    """``_config`` with the MoE block beside every layer's MLP: 4 experts of 32 units, 2 per token."""
+    return _config(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+
+
 def _scalars(model):
-    """transformers' ``layer_scalar`` buffers (perturbed_model leaves buffers at 1): 0.8 ... 1.3."""
+    """transformers' ``layer_scalar`` buffers (perturbed_model leaves buffers at 1): 0.8 ... 1.3; with
+    the MoE block each layer's ``per_expert_scale`` 0.5 ... 2 (not near its 1: a scale not applied shows)."""
     for i, layer in enumerate(model.model.layers):
         layer.layer_scalar.fill_(0.8 + i / 10)
+        if getattr(layer, "enable_moe_block", False):
+            layer.router.per_expert_scale.copy_(
+                torch.linspace(0.5, 2.0, layer.router.per_expert_scale.numel())
+            )
 
 
 def _kv_cache(out):
@@ -145,6 +156,27 @@ family = family_fixture(
             prepare=_scalars,
             generated=_global_kv_cache,
         ),
+        Case(
+            "gemma4-moe",
+            "Gemma4ForCausalLM",
+            _moe_config,
+            reads=dict(
+                family="gemma4_moe",
+                n_experts=4,
+                experts_per_token=2,
+                moe_d_ff=32,
+                router_norm=True,
+                expert_scale=True,
+                expert_glu="geglu",
+            ),
+            init=0.3,
+            seed=3,
+            tol=5e-5,  # as above (measured 3.5e-5); exact in float64 (below)
+            eager=True,
+            new=NEW,
+            prepare=_scalars,
+            generated=_kv_cache,
+        ),
     ]
 )
 
@@ -153,7 +185,7 @@ class TestTransformers(Comparison, GreedyText):
     """Logits unsharded and on 2x2, the export, greedy text on 1x1 and 1x2 (tests/hf_harness.py)."""
 
 
-@pytest.mark.parametrize("family", ["gemma4", "gemma4-global"], indirect=True)
+@pytest.mark.parametrize("family", ["gemma4", "gemma4-global", "gemma4-moe"], indirect=True)
 def test_logits_exact_in_float64(family):
     """In float64, with transformers' own float32 steps lifted (``_lifted``), our logits are
     transformers' to rounding: the float32 comparison's difference is the two programs' float32
@@ -161,7 +193,8 @@ def test_logits_exact_in_float64(family):
     import jax
     import numpy as np
 
-    model = transformers.Gemma4ForCausalLM.from_pretrained(family["hf"], attn_implementation="eager").double()
+    load = dict(attn_implementation="eager", experts_implementation="eager")  # torch's grouped_mm: no float64
+    model = transformers.Gemma4ForCausalLM.from_pretrained(family["hf"], **load).double()
     cfg, flat = family["case"].load(family["hf"])
     with jax.enable_x64(True):
         ours = our_logits(cfg, {k: np.asarray(v, np.float64) for k, v in flat.items()}, family["tokens"])
@@ -185,10 +218,23 @@ def test_each_piece_broken_fails_the_transformers_comparison(family, monkeypatch
             assert drift(family) > 100 * RTOL, name
 
 
+@pytest.mark.parametrize("family", ["gemma4-moe"], indirect=True)
+def test_moe_block_broken_fails_the_transformers_comparison(family, monkeypatch):
+    """The MoE block's classic bugs show against transformers: the router reading the experts' normed
+    input (not the residual), SiLU experts (not gelu-tanh), the per-expert scales or the router's input
+    norm and scale left out; the correct block does not drift."""
+    assert drift(family) < 100 * RTOL
+    with monkeypatch.context() as m:
+        m.setattr(per_layer, "router_input", lambda residual, experts_in: experts_in)
+        assert drift(family) > 100 * RTOL
+    for change in ({"expert_glu": "swiglu"}, {"expert_scale": False}, {"router_norm": False}):
+        assert drift(family, **change) > 100 * RTOL, change
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"enable_moe_block": True}, "MoE block"),
+        ({"enable_moe_block": True, "top_k_experts": 2, "moe_intermediate_size": 8}, "num_experts"),
         ({"use_double_wide_mlp": True}, "double-wide"),
         ({"per_layer_config": {"0": {"head_dim": 64}}}, "per_layer_config"),
         ({"per_layer_config": {"2": {"head_dim": 64, "sliding_window": 2}, "5": {}}}, "per_layer"),
@@ -222,7 +268,7 @@ def test_global_kv_heads_without_keys_as_values_refused_on_export():
         hf_config.config_to_hf(cfg)
 
 
-@pytest.mark.parametrize("preset", ["tiny-gemma4"])
+@pytest.mark.parametrize("preset", ["tiny-gemma4", "tiny-gemma4-moe"])
 def test_preset_config_round_trip(preset):
     cfg = get_config(preset)
     assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg
@@ -237,7 +283,9 @@ def test_pipeline_and_sequence_split_refused_in_one_line(layout):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("config", [_config, _global_config], ids=["gemma4", "gemma4-global"])
+@pytest.mark.parametrize(
+    "config", [_config, _global_config, _moe_config], ids=["gemma4", "gemma4-global", "gemma4-moe"]
+)
 def test_parameter_count_is_transformers(config):
     """`meshlm configs`' count (``accounting.param_counts``) is transformers' (its layer scalars, buffers
     there, included): the never-read ``wk``, ``wv`` of each uniform stack are not counted."""

@@ -5,7 +5,8 @@ parameters stack them on a leading E dim (layout "experts": [E, out, in] <-> our
 family's ``HFNames.layer`` names the per-expert tensors with ``{e}``; its ``HFNames.fused`` lists the
 names transformers 5 uses in memory (and ``save_pretrained`` may write), each the per-expert tensors
 it concatenates along dim 1 of [E, out, in] (gate then up), or a plain rename. Both are read; the
-per-expert names are written (transformers fuses them at load).
+per-expert names are written (transformers fuses them at load), or where transformers reads only the
+fused ones (``HFNames.fused_on_disk``: Gemma 4) the fused ones (``fuse``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,18 @@ def unfuse(tensors: dict, fused: dict, prefix: str, n_layers: int) -> None:
                 continue
             for part, piece in zip(parts, np.split(w, len(parts), axis=1), strict=True):
                 tensors.update({at + part.format(e=e): piece[e] for e in range(piece.shape[0])})
+
+
+def fuse(tensors: dict, fused: dict, prefix: str, n_layers: int, n_experts: int) -> None:
+    """``unfuse``'s reverse, in place: each layer's per-expert tensors joined into transformers' fused
+    ones (stacked on E, the parts concatenated on dim 1)."""
+    for i in range(n_layers):
+        at = prefix.format(i=i)
+        for name, parts in fused.items():
+            if "{e}" not in parts[0] or at + parts[0].format(e=0) not in tensors:
+                continue
+            stacked = [np.stack([tensors.pop(at + p.format(e=e)) for e in range(n_experts)]) for p in parts]
+            tensors[at + name] = np.concatenate(stacked, axis=1)
 
 
 def split_last(tensors: dict, hf, n_layers: int) -> None:

@@ -58,7 +58,7 @@ def _in_stack(cfg: ModelConfig, stack: str, path: str) -> bool:
     mixer = path.split("/", 1)[0]
     if mixer in ("attn", "linear"):
         return (mixer == "linear") == (stack == LINEAR_STACK)
-    if not cfg.arch.moe:
+    if not cfg.arch.moe or cfg.per_layer:  # Gemma 4's MoE layers keep their MLP beside the experts
         return True
     if any(path.startswith(piece) and not on for piece, on in _optional(cfg).items()):
         return False
@@ -330,6 +330,8 @@ def save_hf(cfg: ModelConfig, flat_params: dict[str, Any], out_dir: str | Path) 
             else:  # experts stacked on a leading E dim are split into per-expert tensors
                 tensors.update(hf_experts.split(name, _to_torch(part, kind), kind))
     hf_experts.join_last(tensors, cfg.arch.hf, cfg.n_layers)
+    if cfg.arch.hf.fused_on_disk:
+        hf_experts.fuse(tensors, cfg.arch.hf.fused, cfg.arch.hf.layer_prefix, cfg.n_layers, cfg.n_experts)
     hf_mtp.write_copies(cfg, tensors, names)
     tensors = {n: np.concatenate(t) if isinstance(t, list) else t for n, t in tensors.items()}
     if cfg.arch.hf.regroup is not None:

@@ -58,6 +58,9 @@ class HFNames:
     # in] <-> ours [E, in, out]); ``fused``: transformers 5's in-memory names -> the per-expert names
     # each concatenates along dim 1 (``io.hf_experts``), or a plain rename (one name without "{e}").
     fused: dict = field(default_factory=dict)
+    # Whether transformers also reads only the ``fused`` names from disk (Gemma 4: no per-expert loader):
+    # written fused (``io.hf_experts.fuse``); else the per-expert ones
+    fused_on_disk: bool = False
     # (cfg, tensors, to_hf) -> None: a family whose fused tensors interleave their parts per head group
     # (Qwen3-Next's in_proj_qkvz) reorders their rows in ``tensors`` (per-layer HF names -> arrays) into
     # the parts one after another, as "fused_<layout>" slices them (to_hf: back); None: none do.

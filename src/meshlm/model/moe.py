@@ -13,6 +13,8 @@ Parameters, inside the layer's module ``moe`` (global shapes; per shard the hidd
   router/w         [D, E]   replicated over mp (the routing is computed on the replicated input)
   router/b         [E]      gpt-oss's router bias (``router_bias``)
   router/balance_bias [E]   the selection bias (``balance_bias``: no gradient, ``model.routers``)
+  router/scale     [D]      Gemma 4's: the router's input RMS-normed, times it and D^-0.5 (``router_norm``)
+  router/expert_scale [E]   Gemma 4's ``per_expert_scale``: the chosen experts' weights times it
   experts/w_gate   [E, D, I] and experts/w_up [E, D, I]; experts/w_down [E, I, D]
   experts/b_gate, b_up [E, I]; experts/b_down [E, D] replicated (``expert_bias``, gpt-oss)
   shared/...       Qwen2-MoE's shared expert (the dense MLP module) gated by sigmoid(x @ shared_gate/w [D, 1])
@@ -51,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.model.layers import MLP, upcast
+from meshlm.model.layers import GATED, MLP, upcast
 from meshlm.model.routers import BIAS, Router
 from meshlm.parallel.context import Parallel
 
@@ -63,23 +65,29 @@ ROUTER = "moe/router/w"
 def _params(scope: str, shapes: dict, stddev: float) -> list:
     """The parameters ``scope/name`` of the calling module, in the order of ``shapes`` (one scope: a
     second would be named ``scope_1``; a function, not a method: Haiku names a method's scope after it).
-    Weights (``w*``) start truncated-normal, biases (the other names) at 0."""
+    Weights (``w*``) start truncated-normal, scales (``*scale``) at 1, biases (the other names) at 0."""
     init = hk.initializers.TruncatedNormal(stddev=stddev)
     with hk.name_scope(scope):
         return [
-            hk.get_parameter(name, shape, init=init if name.startswith("w") else jnp.zeros)
+            hk.get_parameter(name, shape, init=init if name.startswith("w") else _zero_or_one(name))
             for name, shape in shapes.items()
         ]
 
 
-def route(logits, k: int, router: Router, bias=None, tap=lambda name, x: x):
+def _zero_or_one(name: str):
+    return jnp.ones if name.endswith("scale") else jnp.zeros
+
+
+def route(logits, k: int, router: Router, bias=None, tap=lambda name, x: x, scale=None):
     """logits [.., E] (float32 or wider) -> (scores [.., E], combine weights [.., k], ids [.., k] int32):
-    the family's router record (``model.routers``); ``bias`` the selection bias [E] or None."""
-    return router(logits, k, bias, tap)
+    the family's router record (``model.routers``); ``bias`` the selection bias [E] or None; ``scale``
+    the experts' learned scales [E] or None."""
+    return router(logits, k, bias, tap, scale)
 
 
 def expert_activation(cfg):
-    """(gate, up) [.., I] -> the experts' gated hidden units: silu(gate) * up; with ``swiglu_limit`` the
+    """(gate, up) [.., I] -> the experts' gated hidden units: silu(gate) * up (``expert_glu`` "geglu":
+    gelu_tanh(gate) * up, Gemma 4's); with ``swiglu_limit`` the
     gate clamped above and up on both sides first, with ``swiglu_alpha`` gpt-oss's
     (up + 1) * gate * sigmoid(alpha * gate) (transformers' ``GptOssExperts._apply_gate``)."""
     limit, alpha = cfg.swiglu_limit, cfg.swiglu_alpha
@@ -89,7 +97,7 @@ def expert_activation(cfg):
             gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
         if alpha:
             return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
-        return jax.nn.silu(gate) * up
+        return GATED[cfg.expert_glu](gate) * up
 
     return act
 
@@ -168,18 +176,20 @@ class Experts:
 
 class MoE(hk.Module):
     """xn [B, T', D] (the normalized input before ``par.f``: replicated over mp, or with sp this shard's
-    slice [B, T/mp, D]) -> (partial output [B, T, D] for ``par.row_out``, statistics [2E + 3])."""
+    slice [B, T/mp, D]) -> (partial output [B, T, D] for ``par.row_out``, statistics [2E + 3]). The
+    router reads ``router_in`` (of xn's shape; Gemma 4's: the residual stream), by default xn."""
 
     def __init__(self, *, cfg, par: Parallel, stddev: float, dropping: bool = True, name: str = "moe"):
         super().__init__(name=name)
         self.cfg, self.par, self.stddev = cfg, par, stddev
         self.dropping = dropping  # the capacity applies (not with a KV cache: module docstring)
 
-    def __call__(self, xn):
+    def __call__(self, xn, router_in=None):
         cfg, par = self.cfg, self.par
         d, e, k = xn.shape[-1], cfg.n_experts, cfg.experts_per_token
-        logits, bias = _router(cfg, xn, self.stddev)  # [B, T', E], at least float32 (float64 under --x64)
-        probs, weights, ids = route(logits, k, Router.of(cfg), bias, par.tap)
+        # [B, T', E], at least float32 (float64 under --x64)
+        logits, bias, scale = _router(cfg, xn if router_in is None else router_in, self.stddev)
+        probs, weights, ids = route(logits, k, Router.of(cfg), bias, par.tap, scale)
         keep = capacity_keep(cfg, par, ids) if self.dropping else None
         if keep is not None:  # a dropped choice's weight 0: its expert output contributes exactly 0
             weights = jnp.where(keep, weights, jnp.zeros((), weights.dtype))
@@ -210,18 +220,31 @@ class MoE(hk.Module):
         return out, stats
 
 
-def _router(cfg, xn, stddev: float):
-    """The router's logits [B, T', E] (at least float32) and the selection bias [E] (its gradient
-    stopped: balancing moves it, ``model.routers``; None without one). A function: Haiku would name a
-    method's scope after it."""
-    e = cfg.n_experts
-    shapes = {"w": [xn.shape[-1], e], **({"b": [e]} if cfg.router_bias else {})}
+def _router(cfg, xr, stddev: float):
+    """The router's parameters made, then ``router_logits``. A function: Haiku would name a method's
+    scope after it."""
+    e, d = cfg.n_experts, xr.shape[-1]
+    shapes = {"w": [d, e], **({"b": [e]} if cfg.router_bias else {})}
     shapes.update({BIAS: [e]} if cfg.balance_bias else {})
-    w, *rest = _params("router", shapes, stddev)
-    logits = upcast(xn) @ upcast(w)
+    shapes.update({"scale": [d]} if cfg.router_norm else {})
+    shapes.update({"expert_scale": [e]} if cfg.expert_scale else {})
+    return router_logits(cfg, xr, dict(zip(shapes, _params("router", shapes, stddev), strict=True)))
+
+
+def router_logits(cfg, xr, named: dict):
+    """The router's logits [B, T', E] (at least float32) of its input xr [B, T', D], the selection bias
+    [E] (its gradient stopped: balancing moves it, ``model.routers``) and the experts' scales [E]
+    (None without them), from its parameters ``named`` (``w`` and the optional ones, by name). With
+    ``router_norm`` xr RMS-normed without a weight, times ``scale`` [D] and D^-0.5 first (Gemma 4's)."""
+    x = upcast(xr)
+    if cfg.router_norm:
+        x = x * lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + cfg.norm_eps)
+        x = x * upcast(named["scale"]) * (x.shape[-1] ** -0.5)
+    logits = x @ upcast(named["w"])
     if cfg.router_bias:
-        logits = logits + upcast(rest.pop(0))
-    return logits, (lax.stop_gradient(upcast(rest[0])) if rest else None)
+        logits = logits + upcast(named["b"])
+    bias = lax.stop_gradient(upcast(named[BIAS])) if cfg.balance_bias else None
+    return logits, bias, named.get("expert_scale")
 
 
 def _shared(cfg, par: Parallel, xf, stddev: float):

@@ -53,6 +53,7 @@ from meshlm.model.layers import (
     varying_like,
 )
 from meshlm.model.memory import remat_body
+from meshlm.model.moe import MoE
 
 STDDEV = 0.02  # GPT-J / Llama initialisation, as ``transformer.GPT_STDDEV``
 
@@ -180,10 +181,19 @@ class SharedKVAttention(Attention):
         return self._attend(q, k, v, positions, key_pos, starts, variant), cache
 
 
+def router_input(residual, experts_in):
+    """What Gemma 4's router reads: the residual stream, not the experts' normed input (a module
+    attribute: the proof plants the other, ``proof.router_controls``)."""
+    del experts_in
+    return residual
+
+
 def block(cfg, par, norm, mlp):
     """Gemma 4's layer: the sandwich block (``transformer._sandwich_layer``), then the per-layer input
-    and the layer's scalar. (x, shared, positions, cache, starts, inp) -> (x, shared, cache); ``inp``
-    its per-layer inputs {"kind", "reuse", "ple"} (``stack``)."""
+    and the layer's scalar. (x, shared, positions, cache, starts, inp) -> (x, shared, cache, routing
+    statistics [2E + 3] or None); ``inp`` its per-layer inputs {"kind", "reuse", "ple"} (``stack``).
+    With experts (``Family.moe``: the 26B-A4B) the feed-forward is two branches, each normed before and
+    after: the dense MLP and the experts (``model.moe``, routed on the residual), their sum normed."""
 
     def layer(x, shared, positions, cache, starts, inp):
         xf = par.f(norm("ln")(x))
@@ -192,12 +202,18 @@ def block(cfg, par, norm, mlp):
         attn, shared, cache = attention(xf, positions, cache, starts, kind, shared, inp["reuse"], slot)
         x = x + norm("post_attn_ln")(par.row_out(attn))
         out, b = mlp()(par.f(norm("ln2")(x)))
-        x = x + norm("post_mlp_ln")(par.row_out(out, b))
+        out, stats = par.row_out(out, b), None
+        if cfg.arch.moe:  # transformers' post_feedforward_layernorm_1, pre_/post_feedforward_layernorm_2
+            xn = norm("moe_ln")(x)
+            experts = MoE(cfg=cfg, par=par, stddev=STDDEV, dropping=cache is None)
+            moe_out, stats = experts(xn, router_in=router_input(x, xn))
+            out = norm("post_mlp_ln1")(out) + norm("post_moe_ln")(par.row_out(moe_out))
+        x = x + norm("post_mlp_ln")(out)
         if cfg.ple_dim:
             x = PerLayerInput(cfg)(x, inp["ple"])
         if cfg.layer_scalar:  # transformers' buffer: fixed there, a parameter here (replicated)
             x = LayerScalar()(x)
-        return x, shared, cache
+        return x, shared, cache, stats
 
     return layer
 
@@ -213,10 +229,11 @@ def cache_index(cfg) -> np.ndarray:
 
 
 def stack(cfg, par, make_layer, x, positions, cache, starts, ple):
-    """The layer stack -> (x, cache): per-layer inputs each layer's kind, whether it reuses, its input
-    slice and its cache index; the carry x, the shared keys and values and (generation with both kinds)
-    the two-array cache (``kv_kinds``). ``make_layer(cfg)``: the layer of a config (global layers of
-    their own shape run ``per_layer_runs.split_stack``, with the same arguments)."""
+    """The layer stack -> (x, cache, routing statistics [L, 2E + 3] or None): per-layer inputs each
+    layer's kind, whether it reuses, its input slice and its cache index; the carry x, the shared keys
+    and values and (generation with both kinds) the two-array cache (``kv_kinds``). ``make_layer(cfg)``:
+    the layer of a config (global layers of their own shape run ``per_layer_runs.split_stack``, with
+    the same arguments)."""
     layer, n = make_layer(cfg), cfg.n_layers
     kinds = attention.layer_kinds(cfg)
     inp = {
@@ -235,10 +252,10 @@ def stack(cfg, par, make_layer, x, positions, cache, starts, ple):
             c = {**c, "index": one["index"]}
         elif cache is not None:
             c = one["cache"]
-        x, shared, c = layer(x, shared, positions, c, starts, one)
+        x, shared, c, stats = layer(x, shared, positions, c, starts, one)
         if kinds_cache:
-            return (x, shared, {name: c[name] for name in cache}), None
-        return (x, shared, None), c
+            return (x, shared, {name: c[name] for name in cache}), (None, stats)
+        return (x, shared, None), (c, stats)
 
     if cache is not None and not kinds_cache:
         inp["cache"] = cache
@@ -246,8 +263,8 @@ def stack(cfg, par, make_layer, x, positions, cache, starts, ple):
         n, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers"
     )
     carry = (x, shared, cache if kinds_cache else None)
-    (x, _, kept), out = stacked(remat_body(cfg.remat, step))(carry, inp)
-    return x, (kept if kinds_cache else out)
+    (x, _, kept), (out, stats) = stacked(remat_body(cfg.remat, step))(carry, inp)
+    return x, (kept if kinds_cache else out), stats
 
 
 def _shared_init(cfg, par, x, slots: int = 2):

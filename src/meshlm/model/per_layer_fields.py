@@ -108,11 +108,14 @@ def check_per_layer(cfg) -> None:
     """The fields agree with the rest of the config (``cfg`` a ``ModelConfig``)."""
     if not cfg.per_layer and not cfg.k_eq_v and not cfg.rope_global_fraction and not cfg.global_shape:
         return
-    if not cfg.arch.attention or cfg.arch.moe or cfg.mla or cfg.full_attn_every:
+    own_experts = cfg.arch.block == "per_layer"  # Gemma 4's MoE block (``model.per_layer.block``)
+    if not cfg.arch.attention or (cfg.arch.moe and not own_experts) or cfg.mla or cfg.full_attn_every:
         raise ConfigError(
-            "ple_dim, kv_shared_layers, k_eq_v, value_norm and layer_scalar need a dense attention family "
-            "without experts, latents or linear layers; unset them"
+            "ple_dim, kv_shared_layers, k_eq_v, value_norm and layer_scalar need an attention family "
+            "without latents or linear layers, its experts Gemma 4's; unset them"
         )
+    if cfg.arch.moe and cfg.dense_layers:
+        raise ConfigError("Gemma 4's experts are in every layer (beside the MLP): set dense_layers to []")
     if cfg.kv_shared_layers and not cfg.global_every:
         raise ConfigError("kv_shared_layers needs layer kinds (global_every): each reads its kind's KV")
     if cfg.kv_shared_layers >= cfg.n_layers:

@@ -30,7 +30,8 @@ KIND = {GLOBAL_STACK: 1}  # a stack's layer kind (1 global); the other stack's: 
 
 
 def split_stack(cfg, par, make_layer, x, positions, cache, starts, ple):
-    """``per_layer.stack`` with the two stacks -> (x, cache)."""
+    """``per_layer.stack`` with the two stacks -> (x, cache, routing statistics [L, 2E + 3] in layer
+    order, or None without experts)."""
     if cache is not None and "k_local" not in cache:
         raise ValueError("global layers of their own shape keep the two-array cache (kv_kinds)")
     views = {name: cfg.global_view() if KIND.get(name) else cfg for name in stacks(cfg)}
@@ -47,7 +48,7 @@ def split_stack(cfg, par, make_layer, x, positions, cache, starts, ple):
         params[name], apply[name] = _stacked(name, len(indices), body, x, example)
     xs = {"reuse": jnp.asarray(np.arange(cfg.n_layers) >= cfg.first_shared), "ple": ple}
     xs["index"] = None if cache is None else jnp.asarray(per_layer.cache_index(cfg))
-    carry, covered = _periods(cfg, params, apply, xs, (x, shared, cache))
+    carry, covered, stats = _periods(cfg, params, apply, xs, (x, shared, cache))
     for name, first, start, stop in runs(cfg):  # the local layers after the last global one
         if first < covered:
             continue
@@ -55,18 +56,20 @@ def split_stack(cfg, par, make_layer, x, positions, cache, starts, ple):
         p = jax.tree.map(lambda a, s=slice(start, stop): a[s], params[name])
         step = _step(apply[name], _kind(name))
         unroll = min(cfg.layer_unroll, count)
-        carry, _ = lax.scan(step, carry, (p, jax.tree.map(lambda a, s=own: a[s], xs)), unroll=unroll)
-    return carry[0], carry[2]
+        carry, more = lax.scan(step, carry, (p, jax.tree.map(lambda a, s=own: a[s], xs)), unroll=unroll)
+        stats = None if more is None else jnp.concatenate([a for a in (stats, more) if a is not None])
+    return carry[0], carry[2], stats
 
 
 def _periods(cfg, params, apply, xs, carry):
     """The whole periods of ``global_every`` layers (every - 1 local ones, then a global one) as one
     scan over the periods, each a scan over its local layers and its global layer: two layer bodies
-    traced, however deep the model (a scan per run would trace one per run). -> (carry, layers run)."""
+    traced, however deep the model (a scan per run would trace one per run). -> (carry, layers run,
+    their routing statistics [layers run, 2E + 3] in layer order, or None)."""
     every = cfg.global_every
     periods = cfg.n_layers // every
     if not periods:
-        return carry, 0
+        return carry, 0, None
     local, full = (name for name in sorted(params, key=_kind))
     cut = lambda a, n, per: a[: n * per].reshape(n, per, *a.shape[1:])
     pl = jax.tree.map(lambda a: cut(a, periods, every - 1), params[local])
@@ -77,11 +80,13 @@ def _periods(cfg, params, apply, xs, carry):
     def period(carry, one):
         p_local, p_global, xs = one
         head, tail = jax.tree.map(lambda a: a[: every - 1], xs), jax.tree.map(lambda a: a[every - 1], xs)
-        carry, _ = lax.scan(_step(apply[local], 0), carry, (p_local, head), unroll=inner)
-        return _step(apply[full], 1)(carry, (p_global, tail))
+        carry, first = lax.scan(_step(apply[local], 0), carry, (p_local, head), unroll=inner)
+        carry, last = _step(apply[full], 1)(carry, (p_global, tail))
+        return carry, None if last is None else jnp.concatenate([first, last[None]])
 
     outer = max(1, min(periods, cfg.layer_unroll // every))
-    return lax.scan(period, carry, (pl, pg, per), unroll=outer)[0], periods * every
+    carry, stats = lax.scan(period, carry, (pl, pg, per), unroll=outer)
+    return carry, periods * every, None if stats is None else stats.reshape(-1, stats.shape[-1])
 
 
 def _kind(name: str) -> int:
@@ -89,8 +94,8 @@ def _kind(name: str) -> int:
 
 
 def _body(layer, positions, starts, kind: int):
-    """A layer as (x, (its kind's shared keys and values, cache, {"reuse", "ple"})) -> (x, shared, cache),
-    its kind the constant ``kind`` and its slot of ``shared`` 0 (each kind's carry is its own)."""
+    """A layer as (x, (its kind's shared keys and values, cache, {"reuse", "ple"})) -> (x, shared, cache,
+    stats), its kind the constant ``kind`` and its slot of ``shared`` 0 (each kind's carry is its own)."""
 
     def body(x, extra):
         shared, cache, one = extra
@@ -100,15 +105,16 @@ def _body(layer, positions, starts, kind: int):
 
 
 def _step(apply, kind: int):
-    """One layer of a run's scan: ((x, shared by kind, cache), (its parameters, its inputs)) -> the carry."""
+    """One layer of a run's scan: ((x, shared by kind, cache), (its parameters, its inputs)) -> (the
+    carry, its routing statistics or None)."""
 
     def step(carry, pxs):
         (x, shared, cache), (p, xs) = carry, pxs
         c = None if cache is None else {**cache, "index": xs["index"]}
         own = None if shared is None else shared[kind]
-        x, own, c = apply(p, None, x, (own, c, {"reuse": xs["reuse"], "ple": xs["ple"]}))
+        x, own, c, stats = apply(p, None, x, (own, c, {"reuse": xs["reuse"], "ple": xs["ple"]}))
         if shared is not None:
             shared = tuple(own if i == kind else s for i, s in enumerate(shared))
-        return (x, shared, None if cache is None else {name: c[name] for name in cache}), None
+        return (x, shared, None if cache is None else {name: c[name] for name in cache}), stats
 
     return step

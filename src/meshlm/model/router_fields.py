@@ -13,6 +13,7 @@ from meshlm.errors import ConfigError
 from meshlm.ranges import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, Range
 
 SCORES = ("softmax", "sigmoid")  # ``model.routers.SCORE``
+EXPERT_GLUS = ("swiglu", "geglu")  # ``model.layers.GATED``: the experts' gate activation
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,13 @@ class RouterFields:
     # Llama 4: the chosen expert sees the token times its combine weight, its output unweighted (top-1
     # only: with k > 1 each choice would need its own input)
     weights_on_input: bool = False
+    # Gemma 4: the router reads its input RMS-normed without a weight, times a learned ``scale`` [D] and
+    # D^-0.5 (``router_norm``); the combine weights times a learned ``expert_scale`` [E] of the chosen
+    # experts, after the renormalisation (``expert_scale``)
+    router_norm: bool = False
+    expert_scale: bool = False
+    # The experts' gated activation: "swiglu" silu(gate) * up, "geglu" gelu_tanh(gate) * up (Gemma 4)
+    expert_glu: str = "swiglu"
 
 
 ROUTER_RANGES: dict[str, Range] = {
@@ -83,6 +91,10 @@ def check_router(cfg) -> None:
                 f"topk_group={cfg.topk_group} groups of {per} experts hold fewer than experts_per_token="
                 f"{cfg.experts_per_token}; raise topk_group"
             )
+    if cfg.expert_glu not in EXPERT_GLUS:
+        raise ConfigError(f"expert_glu is one of {', '.join(EXPERT_GLUS)}; got {cfg.expert_glu!r}")
+    if cfg.expert_glu != "swiglu" and (cfg.swiglu_limit or cfg.swiglu_alpha):
+        raise ConfigError("swiglu_limit and swiglu_alpha clamp SwiGLU experts: set them to 0")
     if cfg.weights_on_input and cfg.experts_per_token != 1:
         raise ConfigError(
             f"weights_on_input (Llama 4's) needs experts_per_token=1, got {cfg.experts_per_token}"

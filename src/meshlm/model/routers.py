@@ -14,7 +14,8 @@ The parts, in the order they apply (logits [.., E], at least float32: float64 un
             first: ``lax.top_k``'s rule), in the groups' ranking, the bias-shifted choice and the top-k
   weights   the chosen experts' *unbiased* scores, renormalised to sum to 1 where the family says
             (``norm_topk_prob``; a sigmoid's sum gets DeepSeek-V3's + 1e-20), times
-            ``routed_scaling_factor``
+            ``routed_scaling_factor``, times the chosen experts' learned scales where the family has
+            them (Gemma 4's ``per_expert_scale``: ``expert_scale``)
 
 The selection bias's update (after each step, from the load of the whole global batch) is
 ``balance_update``: it is state outside AdamW (its gradient is zero: the bias reaches the loss only
@@ -58,6 +59,7 @@ class Router:
     topk_group: int = 0
     renormalise: bool = True
     scaling: float = 1.0
+    expert_scale: bool = False
 
     @classmethod
     def of(cls, cfg) -> Router:
@@ -67,11 +69,13 @@ class Router:
             topk_group=cfg.topk_group,
             renormalise=cfg.norm_topk_prob,
             scaling=cfg.routed_scaling_factor,
+            expert_scale=cfg.expert_scale,
         )
 
-    def __call__(self, logits, k: int, bias=None, tap=lambda name, x: x):
+    def __call__(self, logits, k: int, bias=None, tap=lambda name, x: x, scale=None):
         """logits [.., E] -> (scores [.., E], combine weights [.., k], ids [.., k] int32). ``bias`` [E]:
-        the selection bias (None: none); ``tap``: ``Parallel.tap`` (where the proof plants a fault)."""
+        the selection bias (None: none); ``tap``: ``Parallel.tap`` (where the proof plants a fault);
+        ``scale`` [E]: the experts' learned scales (``expert_scale``; None: none)."""
         scores = SCORE[self.score](logits)
         choice = scores if bias is None else scores + bias.astype(scores.dtype)
         if self.n_group:
@@ -84,6 +88,8 @@ class Router:
             weights = weights / (total + SIGMOID_EPS if self.score == "sigmoid" else total)
         if self.scaling != 1.0:
             weights = weights * jnp.asarray(self.scaling, weights.dtype)
+        if self.expert_scale:
+            weights = weights * scale.astype(weights.dtype)[ids]
         return scores, weights, ids.astype(jnp.int32)
 
     def group_mask(self, choice, tap=lambda name, x: x):

@@ -128,7 +128,7 @@ def _sandwich_layer(cfg: ModelConfig, par: Parallel):
 
 def _block(cfg: ModelConfig, par: Parallel):
     """The family's layer: x -> (x, cache), or with a mixture of experts (x, cache, statistics)."""
-    if cfg.arch.moe:
+    if cfg.arch.moe and not cfg.per_layer:  # Gemma 4's experts: in its own block
         attention = lambda: attention_module(cfg, par, GPT_STDDEV)
         return moe_layer(cfg, par, norm=lambda name: _norm(cfg, name), attention=attention, stddev=GPT_STDDEV)
     return BLOCKS[cfg.arch.block](cfg, par)
@@ -201,8 +201,8 @@ def _local_logits(
     if cfg.per_layer:  # Gemma 4: per-layer inputs [L, B, T, P], keys and values across layers
         ple = per_layer.inputs(cfg, par, tokens, x)
         stack = per_layer_runs.split_stack if cfg.global_shape else per_layer.stack  # global: own shape
-        x, cache = stack(cfg, par, lambda c: _block(c, par), x, positions, cache, starts, ple)
-        return _head_logits(cfg, par, x, embed), cache, None
+        x, cache, stats = stack(cfg, par, lambda c: _block(c, par), x, positions, cache, starts, ple)
+        return _head_logits(cfg, par, x, embed), cache, stats
     x, cache, *stats = stack_layers(cfg, _block(cfg, par), x, positions, cache, starts, _others(cfg, par))
     head = _head(cfg, par, embed)  # one module: the MTP depths share it
     out = (head(_final_norm(cfg, x)), cache, (stats[0] if stats else None))

@@ -1,7 +1,8 @@
 """Planted faults of Gemma 4's pieces (``model.per_layer``; ``proof.controls`` runs them): a global layer
 reading its own values where its keys' projection is its values, a KV-shared layer computing and writing
-its own keys and values, a layer reading another layer's slice of the per-layer inputs. Each replaces one
-of ``model.per_layer``'s functions while the sharded run traces."""
+its own keys and values, a layer reading another layer's slice of the per-layer inputs, the MoE block's
+router reading the experts' normed input (not the residual stream). Each replaces one of
+``model.per_layer``'s functions while the sharded run traces."""
 
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ def per_layer_input_of_the_next_layer():
     return _in_per_layer("in_layer_order", lambda ple: jnp.roll(ple, -1, axis=0))
 
 
+def router_on_the_experts_input():
+    """The MoE block's router reads the experts' normed input (``pre_feedforward_layernorm_2``'s), not
+    the residual stream (a port that routes on the MLP's input, as other MoE families do)."""
+    return _in_per_layer("router_input", lambda residual, experts_in: experts_in)
+
+
 def _on(field: str):
     return lambda w: w.cfg is not None and bool(getattr(w.cfg, field, 0))
 
@@ -51,5 +58,10 @@ PER_LAYER_CONTROLS = (
         name="per-layer input from the wrong layer's slice",
         applies=_on("ple_dim"),
         plant=per_layer_input_of_the_next_layer,
+    ),
+    Control(
+        name="MoE router reading the experts' normed input, not the residual",
+        applies=lambda w: w.cfg is not None and w.cfg.arch.moe and w.cfg.per_layer,
+        plant=router_on_the_experts_input,
     ),
 )

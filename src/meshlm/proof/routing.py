@@ -31,8 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm.model import moe
-from meshlm.model.layers import upcast
-from meshlm.model.routers import BIAS, Router
+from meshlm.model.routers import Router
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.placement import batch_spec, to_host
 from meshlm.proof.report import check_row
@@ -52,12 +51,14 @@ def _intercept(par: Parallel):
         seen = {}  # the layer's router weight as the layer reads it (a getter records it)
         with hk.custom_getter(partial(_record_router, seen)):
             out, _ = next_f(*args, **kwargs)
-        xn, cfg = args[0], context.module.cfg
-        k, e = cfg.experts_per_token, cfg.n_experts
-        router = par.param(seen["w"], (xn.shape[-1], e), norm=False)  # an FSDP slice gathered
-        logits = upcast(xn) @ upcast(router) + (upcast(seen["b"]) if "b" in seen else 0)
-        bias = upcast(seen[BIAS]) if BIAS in seen else None
-        probs, _, ids = moe.route(logits, k, Router.of(cfg), bias)
+        cfg = context.module.cfg
+        xr = args[1] if len(args) > 1 else kwargs.get("router_in")  # the router's input: by default xn
+        xr = args[0] if xr is None else xr
+        k, e, d = cfg.experts_per_token, cfg.n_experts, xr.shape[-1]
+        full = {"w": (d, e), "scale": (d,)}  # the others [E]
+        named = {n: par.param(v, full.get(n, (e,)), norm=False) for n, v in seen.items()}  # FSDP: gathered
+        logits, bias, scale = moe.router_logits(cfg, xr, named)
+        probs, _, ids = moe.route(logits, k, Router.of(cfg), bias, scale=scale)
         top = jnp.sort(probs, axis=-1)  # ascending
         margin = top[..., e - k] - (top[..., e - k - 1] if e > k else 0.0)
         # one array, as the statistics are (a stack that joins runs of layers concatenates them)

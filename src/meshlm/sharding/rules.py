@@ -60,7 +60,9 @@ RULES: tuple[tuple[str, tuple], ...] = (
     # Mixture of experts (``model.moe``): the router replicated (no axis splits its E), each expert's
     # hidden units split as the dense MLP's, the experts' leading dim on no axis without ``ep``.
     (r"/moe/router/w$", (EMBED, None)),  # [D, E]
-    (r"/moe/router/(b|balance_bias)$", (None,)),  # [E]: gpt-oss's logit bias; the selection bias
+    (r"/moe/router/(b|balance_bias|expert_scale)$", (None,)),  # [E]: gpt-oss's logit bias; the selection
+    # bias; Gemma 4's per-expert scale
+    (r"/moe/router/scale$", (None,)),  # [D]: Gemma 4's router input scale, replicated (as the input)
     (r"/moe/experts/w_(gate|up)$", (EXPERTS, EMBED, MLP)),  # [E, D, I]: column-parallel
     (r"/moe/experts/w_down$", (EXPERTS, MLP, EMBED)),  # [E, I, D]: row-parallel
     (r"/moe/experts/b_(gate|up)$", (EXPERTS, MLP)),  # [E, I]: with their columns (gpt-oss)
@@ -76,7 +78,8 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"/linear/(a_log|dt_bias)$", (HEADS,)),  # [Vh]
     (r"/linear/norm/scale$", (HEAD_DIM,)),  # [dv]: the gated norm's, shared by every head
     (r"/linear/wo$", (HEADS, HEAD_DIM, EMBED)),  # [Vh, dv, D]: row-parallel
-    (r"(^|/)(ln|ln2|final_ln|post_attn_ln|post_mlp_ln)/(scale|offset)$", (EMBED,)),  # [D]: replicated
+    # [D]: replicated (Gemma 4's MoE block: post_mlp_ln1, moe_ln, post_moe_ln)
+    (r"(^|/)(ln|ln2|final_ln|post_attn_ln|post_mlp_ln1?|moe_ln|post_moe_ln)/(scale|offset)$", (EMBED,)),
     # Multi-token prediction (``model.mtp``): eh_proj row-parallel over its joined [embedding; hidden]
     # inputs, the depth's own norms replicated; its block's parameters match the layer rows above.
     (r"^mtp_\d+/eh_proj/w$", (MLP, EMBED)),  # [2D, D]

@@ -83,10 +83,11 @@ def preset_fields() -> dict[str, dict]:
     found: dict[str, dict] = {}
     for m in MODULES:
         for name, fields in m.PRESETS.items():
-            if name in found or "family" in fields:
+            own = {f.name for f in getattr(m, "MORE", ())}  # a preset may name one of its module's records
+            if name in found or fields.get("family", m.FAMILY.name) not in own | {m.FAMILY.name}:
                 raise ConfigError(
                     f"preset {name!r} of model.families.{m.__name__.rsplit('.', 1)[-1]} is defined twice or "
-                    "names a family; give each preset one module, the one of its family"
+                    "names another module's family; give each preset one module, the one of its family"
                 )
             found[name] = {"family": m.FAMILY.name, **fields}
     missing = [name for name in LISTED if name not in found]

@@ -10,8 +10,16 @@ attention shape of their own (``global_head_dim``: 512 where config.json leaves 
 with keys as values ``num_global_key_value_heads``; or transformers' saved ``per_layer_config``): their
 parameters then stack apart (``model.per_layer_runs``), their rotary of their own head width.
 
-Refused in one line each (not built): the MoE block (``enable_moe_block``: the 26B-A4B), the double-wide
-MLP of the shared layers (``use_double_wide_mlp``: the E2B), bidirectional attention.
+The MoE block (``enable_moe_block``: the 26B-A4B) is the record ``MOE`` ("gemma4_moe", the reader
+names it): every layer's feed-forward the dense MLP and ``num_experts`` experts side by side
+(``model.per_layer.block``), each branch normed before and after, their sum normed; the router
+(``model.moe``) reads the residual stream RMS-normed without a weight, times its ``scale`` [D] and
+D^-0.5, then a softmax top ``top_k_experts``, renormalised, times the chosen experts'
+``per_expert_scale``; the experts gelu-tanh gated, ``moe_intermediate_size`` units. transformers keeps
+them fused ([E, 2I, D] gate then up, [E, D, I] down) in memory and on disk: read and written fused.
+
+Refused in one line each (not built): the double-wide MLP of the shared layers
+(``use_double_wide_mlp``: the E2B), bidirectional attention.
 
 Each stack's layers are uniform (one scan per run): a shared layer's ``wk``, ``wv`` and a keys-as-values
 layer's ``wv`` exist but are never read; they convert from zeros (transformers has none) and are not
@@ -40,7 +48,6 @@ DEFAULTS = {  # Gemma4TextConfig's defaults, where a config.json may leave a fie
 }
 THETA = {gemma2.LOCAL: 1e4, gemma2.GLOBAL: 1e6}
 REFUSED = {  # field -> (the value meshlm builds, why)
-    "enable_moe_block": (False, "Gemma 4's MoE block (26B-A4B) is not built yet"),
     "use_double_wide_mlp": (False, "the shared layers' double-wide MLP is not built yet"),
     "use_bidirectional_attention": (None, "meshlm's Gemma attends causally"),
     "attention_bias": (False, "Gemma 4 has no attention biases"),
@@ -116,6 +123,21 @@ def _per_layer_config(value, full: set[str], head: int, kv: int) -> tuple[int, i
     return shapes.pop() if shapes else (head, kv)
 
 
+def _experts(hf: dict) -> dict[str, Any]:
+    """The MoE block's fields (``enable_moe_block``: the record ``MOE``), none without it."""
+    if not flag(hf, "enable_moe_block"):
+        return {}
+    return {
+        "family": MOE_NAME,
+        "n_experts": field(hf, "num_experts", SIZE),
+        "experts_per_token": field(hf, "top_k_experts", SIZE),
+        "moe_d_ff": field(hf, "moe_intermediate_size", SIZE),
+        # not a Gemma4TextConfig field (transformers computes no aux loss for it): meshlm's, kept
+        "router_aux_loss_coef": float(field(hf, "router_aux_loss_coef", Range(float, 0), 0.0)),
+        **ROUTER,
+    }
+
+
 def read(hf: dict) -> dict[str, Any]:
     """Gemma4TextConfig (a multimodal config.json's ``text_config`` is not read: convert the text model)."""
     hf = {**DEFAULTS, **hf}
@@ -125,6 +147,7 @@ def read(hf: dict) -> dict[str, Any]:
     every = gemma2.global_every(hf, 6)
     return {
         **fields,
+        **_experts(hf),
         "sliding_window": field(hf, "sliding_window", SIZE),
         "global_every": every,
         **_global_shape(hf, every),
@@ -165,7 +188,11 @@ def write(cfg) -> dict[str, Any]:
         "attention_k_eq_v": cfg.k_eq_v,
         "global_head_dim": cfg.global_view().dim_per_head,
         "num_global_key_value_heads": cfg.global_view().kv_heads if cfg.k_eq_v else None,
-        "enable_moe_block": False,
+        "enable_moe_block": cfg.arch.moe,
+        "num_experts": cfg.n_experts or None,
+        "top_k_experts": cfg.experts_per_token or None,
+        "moe_intermediate_size": cfg.moe_d_ff or None,
+        **({"router_aux_loss_coef": cfg.router_aux_loss_coef} if cfg.arch.moe else {}),
         "use_double_wide_mlp": False,
     }
 
@@ -179,6 +206,9 @@ def check_export(cfg) -> None:
         raise ConfigError("transformers' Gemma 4 has unscaled, uncapped scores and no RoPE scaling")
     if not (cfg.value_norm and cfg.layer_scalar):
         raise ConfigError("transformers' Gemma 4 norms the values and scales each layer: set both")
+    if cfg.arch.moe and (cfg.shared_expert_d_ff or any(getattr(cfg, n) != v for n, v in ROUTER.items())):
+        fixed = ", ".join(f"{n}={v!r}" for n, v in ROUTER.items())
+        raise ConfigError(f"transformers' Gemma 4 routes with {fixed} and no shared expert; set them so")
     if cfg.global_view().kv_heads != cfg.kv_heads and not cfg.k_eq_v:
         raise ConfigError(
             "transformers' Gemma 4 gives the global layers KV heads of their own only with keys as values: "
@@ -213,6 +243,30 @@ TOP = {
     "ple_proj/w": ("model.per_layer_model_projection.weight", "linear"),
     "ple_norm/scale": ("model.per_layer_projection_norm.weight", "copy"),
 }
+# The MoE block's (``MOE``): its norms, router and experts (fused in transformers' files: ``MOE_HF``)
+MOE_LAYER = {
+    **LAYER,
+    "post_mlp_ln1/scale": ("post_feedforward_layernorm_1.weight", "copy"),
+    "moe_ln/scale": ("pre_feedforward_layernorm_2.weight", "copy"),
+    "post_moe_ln/scale": ("post_feedforward_layernorm_2.weight", "copy"),
+    "moe/router/w": ("router.proj.weight", "linear"),
+    "moe/router/scale": ("router.scale", "copy"),
+    "moe/router/expert_scale": ("router.per_expert_scale", "copy"),
+    "moe/experts/w_gate": ("experts.{e}.gate_proj", "experts"),
+    "moe/experts/w_up": ("experts.{e}.up_proj", "experts"),
+    "moe/experts/w_down": ("experts.{e}.down_proj", "experts"),
+}
+MOE_FUSED = {  # transformers' tensor -> the per-expert ones it concatenates on dim 1 (gate, then up)
+    "experts.gate_up_proj": ("experts.{e}.gate_proj", "experts.{e}.up_proj"),
+    "experts.down_proj": ("experts.{e}.down_proj",),
+}
+# The router record's fields Gemma 4 fixes (``model.router_fields``)
+ROUTER = dict(
+    router_score="softmax", norm_topk_prob=True, n_group=0, topk_group=0, routed_scaling_factor=1.0,
+    router_bias=False, balance_bias=False, n_shared_experts=0, expert_bias=False, swiglu_limit=0.0,
+    swiglu_alpha=0.0, weights_on_input=False, router_norm=True, expert_scale=True, expert_glu="geglu",
+)  # fmt: skip
+MOE_NAME = "gemma4_moe"
 HF = replace(
     gemma3.HF,
     model_type="gemma4_text",
@@ -227,6 +281,10 @@ HF = replace(
 FAMILY = replace(
     gemma3.FAMILY, name="gemma4", block="per_layer", norm="rms_product_first", qk_norm="head", hf=HF
 )
+MOE_HF = replace(HF, layer=MOE_LAYER, fused=MOE_FUSED, fused_on_disk=True)
+# the 26B-A4B's record (``read`` names it): a third row-parallel sum per layer, the experts' beside the MLP's
+MOE = replace(FAMILY, name=MOE_NAME, moe=True, hf=MOE_HF, row_sums=FAMILY.row_sums + 1)
+MORE = (MOE,)  # the registry lists it beside ``FAMILY``
 
 # Gemma 4's own pieces, in every preset: no query scaling, two rotary bases (the global layers rotate a
 # quarter of their pairs), the value norm and the layers' scalars
@@ -248,21 +306,19 @@ REAL = dict(  # what the real Gemma 4 text models share
     global_every=6,
     final_softcap=30.0,
 )
+TINY = dict(gemma2.TINY, **ARCH, n_layers=6, global_every=3, final_softcap=0.5, ple_dim=16)
+TINY |= dict(kv_shared_layers=2, k_eq_v=True)
 # ``ModelConfig`` fields by preset name (the registry adds ``family``).
 PRESETS: dict[str, dict] = {
     # 6 layers (local, local, global, twice), a window of 8 < verify's 64 positions; the last 2 layers
     # read the KV of layers 3 (local) and 2 (global); per-layer inputs of 16; keys as values on the
     # global layers; the global layers rotate a quarter of their pairs.
-    "tiny-gemma4": dict(
-        gemma2.TINY,
-        **ARCH,
-        n_layers=6,
-        global_every=3,
-        final_softcap=0.5,
-        ple_dim=16,
-        kv_shared_layers=2,
-        k_eq_v=True,
-    ),
+    "tiny-gemma4": TINY,
+    # tiny-gemma4's features with the MoE block beside every layer's MLP: 8 experts of 16 units, 2 per
+    # token (the record ``MOE``), an aux loss so the routing statistics reach the loss (with 4 experts
+    # the proof's planted 3-way router tie makes the loss blind to how the statistics are summed).
+    "tiny-gemma4-moe": dict(TINY, **ROUTER, family=MOE_NAME, n_experts=8, experts_per_token=2, moe_d_ff=16)
+    | dict(router_aux_loss_coef=0.01),
     # google/gemma-4-E4B and gemma-4-31B's text config.json, written from memory (no hub here): heads
     # of 256 on the local layers (window 512 / 1024), 512 on every sixth, global layer (proportional
     # RoPE, a quarter of its pairs); E4B per-layer inputs of 256 and the last 18 layers reading the KV
@@ -272,6 +328,13 @@ PRESETS: dict[str, dict] = {
         REAL, d_model=2560, n_layers=42, d_ff=10240, n_heads=8, n_kv_heads=2, sliding_window=512
     )
     | dict(max_seq_len=131072, ple_dim=256, kv_shared_layers=18),
+    # google/gemma-4-26B-A4B's text config.json, written from memory (no hub here; `meshlm configs` gives
+    # 25.2B parameters, 3.8B active, the name's 26B and A4B): 30 layers of 2816, 16 heads, 8 KV heads of
+    # 256 local (window 1024), 2 of 512 on the global ones with keys as values; beside each layer's MLP
+    # of 2112, 128 experts of 704 units, 8 per token.
+    "gemma4-26b-a4b": dict(REAL, **ROUTER, family=MOE_NAME, d_model=2816, n_layers=30, d_ff=2112)
+    | dict(n_heads=16, n_kv_heads=8, max_seq_len=262144, sliding_window=1024, global_kv_heads=2, k_eq_v=True)
+    | dict(n_experts=128, experts_per_token=8, moe_d_ff=704),
     "gemma4-31b": dict(REAL, d_model=5376, n_layers=60, d_ff=21504, n_heads=32, n_kv_heads=16)
     | dict(max_seq_len=262144, sliding_window=1024, global_kv_heads=4, k_eq_v=True),
 }
