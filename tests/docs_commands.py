@@ -532,6 +532,9 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-deepseek-v3 --pp 2 --mesh 1x2 --devices 4 --steps 2 --x64": verify(
         costly="tests/test_pp_mixed.py::test_mixed_stack_through_the_pipeline_is_proven"
     ),
+    "meshlm verify --config tiny-gemma4-moe --mesh 2x2 --ep 2 --devices 4 --steps 2 --x64": verify(
+        costly="tests/test_gemma4_moe.py::test_moe_block_proven_on_ep2_with_controls"
+    ),
     # issue 45's hybrid under pp: the preset's two periods, a linear and a full layer per stage (1F1B)
     "meshlm verify --config tiny-qwen3.5 --pp 2 --mesh 1x2 --devices 4 --steps 2 --x64": verify(
         costly="tests/test_pp_mixed.py::test_mixed_stack_through_the_pipeline_is_proven"

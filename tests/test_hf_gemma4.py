@@ -171,7 +171,10 @@ family = family_fixture(
             ),
             init=0.3,
             seed=3,
-            tol=5e-5,  # as above (measured 3.5e-5); exact in float64 (below)
+            # measured 1.7e-5 unsharded, 1.1e-5 on 2x2 (against transformers' float64 run, its float32
+            # steps lifted, 2.8e-5: the two float32 programs share part of their error here); exact in
+            # float64 (below)
+            tol=2e-5,
             eager=True,
             new=NEW,
             prepare=_scalars,

@@ -92,3 +92,12 @@ def join_last(tensors: dict, hf, n_layers: int) -> None:
                 pieces = [tensors.pop(at + part) for part in parts]
                 joined = np.stack(pieces, axis=-1).reshape(*pieces[0].shape[:-1], -1) if alternate else None
                 tensors[at + name] = joined if alternate else np.concatenate(pieces, axis=-1)
+
+
+def join_for_disk(tensors: dict, cfg) -> None:
+    """Each layer's parts joined as transformers stores them, in place: ``split_last``'s parts, and
+    where the family keeps its experts fused on disk (Gemma 4: ``HFNames.fused_on_disk``) the experts."""
+    hf = cfg.arch.hf
+    join_last(tensors, hf, cfg.n_layers)
+    if hf.fused_on_disk:
+        fuse(tensors, hf.fused, hf.layer_prefix, cfg.n_layers, cfg.n_experts)

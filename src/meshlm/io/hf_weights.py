@@ -329,9 +329,7 @@ def save_hf(cfg: ModelConfig, flat_params: dict[str, Any], out_dir: str | Path) 
                 tensors.setdefault(name, []).append(_to_torch(part, kind[len(FUSED) :]))
             else:  # experts stacked on a leading E dim are split into per-expert tensors
                 tensors.update(hf_experts.split(name, _to_torch(part, kind), kind))
-    hf_experts.join_last(tensors, cfg.arch.hf, cfg.n_layers)
-    if cfg.arch.hf.fused_on_disk:
-        hf_experts.fuse(tensors, cfg.arch.hf.fused, cfg.arch.hf.layer_prefix, cfg.n_layers, cfg.n_experts)
+    hf_experts.join_for_disk(tensors, cfg)
     hf_mtp.write_copies(cfg, tensors, names)
     tensors = {n: np.concatenate(t) if isinstance(t, list) else t for n, t in tensors.items()}
     if cfg.arch.hf.regroup is not None:
