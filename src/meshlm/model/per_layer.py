@@ -42,6 +42,7 @@ from meshlm.model.attention_variants import rotary_scale
 from meshlm.model.context_parallel import context_attention
 from meshlm.model.dense import dense
 from meshlm.model.kv_kinds import kind_index
+from meshlm.model.layer_loop import layer_stack
 from meshlm.model.layers import (
     RMSNormProductFirst,
     VocabEmbed,
@@ -259,9 +260,7 @@ def stack(cfg, par, make_layer, x, positions, cache, starts, ple):
 
     if cache is not None and not kinds_cache:
         inp["cache"] = cache
-    stacked = hk.experimental.layer_stack(
-        n, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers"
-    )
+    stacked = layer_stack(n, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers")
     carry = (x, shared, cache if kinds_cache else None)
     (x, _, kept), (out, stats) = stacked(remat_body(cfg.remat, step))(carry, inp)
     return x, (kept if kinds_cache else out), stats

@@ -18,11 +18,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 import meshlm.model.attention as attention
 from meshlm.model import per_layer
 from meshlm.model.layer_kinds import GLOBAL_STACK, runs, stacks
+from meshlm.model.layer_loop import layer_loop
 from meshlm.model.memory import remat_body
 from meshlm.model.stack import _stacked
 
@@ -56,7 +56,7 @@ def split_stack(cfg, par, make_layer, x, positions, cache, starts, ple):
         p = jax.tree.map(lambda a, s=slice(start, stop): a[s], params[name])
         step = _step(apply[name], _kind(name))
         unroll = min(cfg.layer_unroll, count)
-        carry, more = lax.scan(step, carry, (p, jax.tree.map(lambda a, s=own: a[s], xs)), unroll=unroll)
+        carry, more = layer_loop(step, carry, (p, jax.tree.map(lambda a, s=own: a[s], xs)), unroll, count)
         stats = None if more is None else jnp.concatenate([a for a in (stats, more) if a is not None])
     return carry[0], carry[2], stats
 
@@ -80,12 +80,12 @@ def _periods(cfg, params, apply, xs, carry):
     def period(carry, one):
         p_local, p_global, xs = one
         head, tail = jax.tree.map(lambda a: a[: every - 1], xs), jax.tree.map(lambda a: a[every - 1], xs)
-        carry, first = lax.scan(_step(apply[local], 0), carry, (p_local, head), unroll=inner)
+        carry, first = layer_loop(_step(apply[local], 0), carry, (p_local, head), inner, every - 1)
         carry, last = _step(apply[full], 1)(carry, (p_global, tail))
         return carry, None if last is None else jnp.concatenate([first, last[None]])
 
     outer = max(1, min(periods, cfg.layer_unroll // every))
-    carry, stats = lax.scan(period, carry, (pl, pg, per), unroll=outer)
+    carry, stats = layer_loop(period, carry, (pl, pg, per), outer, periods)
     return carry, periods * every, None if stats is None else stats.reshape(-1, stats.shape[-1])
 
 

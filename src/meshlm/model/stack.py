@@ -13,6 +13,7 @@ from meshlm.model import lora_dropout
 from meshlm.model.config import ModelConfig
 from meshlm.model.kv_kinds import LOCAL_KEYS, kind_index, kinds_stack
 from meshlm.model.layer_kinds import DENSE_STACK, LINEAR_STACK, MOE_STACK, runs, stacks
+from meshlm.model.layer_loop import layer_loop, layer_stack
 from meshlm.model.linear_cache import LINEAR_KEYS
 from meshlm.model.memory import remat_body
 
@@ -32,12 +33,10 @@ def stack_layers(cfg: ModelConfig, layer, x, positions, cache, starts=None, othe
     layer, kinds = lora_dropout.indexed(layer, attention.layer_kinds(cfg), cfg.n_layers)
     body = remat_body(cfg.remat, lambda x, c, k: layer(x, positions, c, starts, k))
     if cache is None and kinds is None:
-        stack = hk.experimental.layer_stack(cfg.n_layers, unroll=cfg.layer_unroll, name="layers")
+        stack = layer_stack(cfg.n_layers, unroll=cfg.layer_unroll, name="layers")
         stacked = stack(lambda x: body(x, None, None)[0])
         return stacked(x), None
-    stacked = hk.experimental.layer_stack(
-        cfg.n_layers, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers"
-    )
+    stacked = layer_stack(cfg.n_layers, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers")
     if kinds is None:
         return stacked(lambda x, c: body(x, c, None))(x, cache)
     kinds = jax.tree.map(jnp.asarray, kinds)
@@ -58,9 +57,7 @@ def _moe_stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
         return y, (c, stats)
 
     body = remat_body(cfg.remat, step)
-    stacked = hk.experimental.layer_stack(
-        cfg.n_layers, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers"
-    )
+    stacked = layer_stack(cfg.n_layers, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers")
     kinds = attention.layer_kinds(cfg)
     if kinds is None:
         x, (cache, stats) = stacked(body)(x, cache)
@@ -90,10 +87,10 @@ def _mixed_stack(cfg: ModelConfig, layers: dict, x, positions, cache, starts=Non
         kind = None if kinds is None else jnp.asarray(kinds[own])  # Llama 4's chunked and NoPE layers
         if carried:  # each layer reads and writes its slice of its kind's arrays (``kv_kinds``)
             index = jnp.asarray(kind_index(cfg)[own])
-            (x, cache), st = lax.scan(_carried_step(apply[name]), (x, cache), (p, kind, index), unroll=unroll)
+            (x, cache), st = layer_loop(_carried_step(apply[name]), (x, cache), (p, kind, index), unroll)
         else:
             c = _run_cache(cache, name, first, start, stop)
-            x, (c, st) = lax.scan(_step(apply[name]), x, (p, c, kind), unroll=unroll)
+            x, (c, st) = layer_loop(_step(apply[name]), x, (p, c, kind), unroll)
             for key, part in (c or {}).items():
                 parts.setdefault(key, []).append(part)
         if st is not None:
@@ -175,4 +172,4 @@ def dense_prefix(cfg: ModelConfig, layer, x, positions, starts, count: int):
     body = remat_body(cfg.remat, _three(layer, positions, starts))
     params, apply = _stacked(DENSE_STACK, count, body, x)
     kind = None if kinds is None else jnp.asarray(kinds[:count])
-    return lax.scan(_step(apply), x, (params, None, kind), unroll=min(cfg.layer_unroll, count))[0]
+    return layer_loop(_step(apply), x, (params, None, kind), min(cfg.layer_unroll, count))[0]
