@@ -1,0 +1,72 @@
+"""The straight-line layer stack as a Python loop (``model.layer_loop``), the accelerators' form, against
+the fully unrolled scan that CPU runs: the same parameters bit for bit, the same float64 loss and
+gradients, and what it is for -- no residual stacked over the layers (the scan's, [L, B, ...], is what
+XLA could neither fuse nor free on the chip: docs/benchmarks.md)."""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.ad_checkpoint import saved_residuals  # print_saved_residuals' list (not re-exported)
+
+from meshlm.errors import ConfigError
+from meshlm.model.config import get_config
+from meshlm.model.layer_loop import ENV, straight_line_form
+from meshlm.parallel.context import Parallel
+from meshlm.parallel.layout import Layout
+from meshlm.train.step import init_model, loss_fn
+
+B, T = 2, 16
+# one preset per stack path: layer_stack (dense), its per-layer inputs (kinds), the MoE stack, the
+# hybrid's runs of two kinds (``_mixed_stack``), Gemma 4's periods (``per_layer_runs``)
+PRESETS = ("tiny-llama", "tiny-gemma3", "tiny-mixtral", "tiny-qwen3.5", "tiny-gemma4")
+
+
+def _loss_and_grads(name: str, form: str, monkeypatch):
+    monkeypatch.setenv(ENV, form)
+    cfg = get_config(name).replace(unroll=0)
+    layout = Layout.of(jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("dp", "mp")))
+    params, _ = init_model(cfg, layout, 0, dtype=jnp.float64 if jax.config.jax_enable_x64 else None)
+    rng = np.random.default_rng(0)
+    batch = {
+        k: jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32) for k in ("inputs", "targets")
+    }
+    apply = hk.without_apply_rng(hk.transform(loss_fn(cfg, Parallel(), False))).apply
+    loss = lambda p: apply(p, batch)
+    return cfg, params, jax.value_and_grad(loss)(params), loss
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_python_loop_equals_the_scan_in_float64(name, monkeypatch):
+    with jax.enable_x64(True):
+        _, p_scan, (l_scan, g_scan), _ = _loss_and_grads(name, "scan", monkeypatch)
+        _, p_loop, (l_loop, g_loop), _ = _loss_and_grads(name, "python", monkeypatch)
+    assert jax.tree.structure(p_scan) == jax.tree.structure(p_loop)
+    for a, b in zip(jax.tree.leaves(p_scan), jax.tree.leaves(p_loop), strict=True):
+        np.testing.assert_array_equal(a, b)  # Haiku's own init: checkpoints and seeds unchanged
+    assert abs(float(l_loop) - float(l_scan)) <= 1e-12 * abs(float(l_scan))
+    for a, b in zip(jax.tree.leaves(g_scan), jax.tree.leaves(g_loop), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-11, atol=1e-13)
+
+
+def _layer_stacked_residuals(form: str, monkeypatch) -> list:
+    cfg, params, _, loss = _loss_and_grads("tiny-llama", form, monkeypatch)
+    shapes = [aval.shape for aval, _ in saved_residuals(loss, params)]
+    return [s for s in shapes if len(s) >= 3 and s[0] == cfg.n_layers and s[1] == B]
+
+
+def test_python_loop_saves_no_residual_stacked_over_layers(monkeypatch):
+    assert _layer_stacked_residuals("python", monkeypatch) == []
+    # the control: the scan's residuals are [L, B, ...] (what this test exists to catch)
+    assert len(_layer_stacked_residuals("scan", monkeypatch)) >= 4
+
+
+def test_the_backend_picks_the_form_and_a_bad_override_is_refused(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert straight_line_form() == ("scan" if jax.default_backend() == "cpu" else "python")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert straight_line_form() == "python"
+    monkeypatch.setenv(ENV, "unrolled")
+    with pytest.raises(ConfigError, match="MESHLM_LAYER_LOOP='unrolled' is not a layer-loop form"):
+        straight_line_form()
