@@ -284,3 +284,47 @@ def test_bench_compare_linear_times_both_mixers_at_three_lengths(capsys):
     assert "has none: use a config with linear layers" in capsys.readouterr().err
     assert run_cli("bench", *argv, "--compare-linear", "--attention", "plain") == 2
     assert "add --attention blockwise" in capsys.readouterr().err
+
+
+def test_bench_impls_and_bf16_build_only_those_in_bf16(capsys, monkeypatch):
+    """--impls builds and times only the implementations named (ratios only between those), --bf16
+    computes in bf16 on float32 master weights in both (plain too: the same cast as train --bf16), and
+    the JSON says which were built, the dtype, and MFU over a known chip's spec peak."""
+    import meshlm.perf.bench as bench
+
+    monkeypatch.setattr(bench, "device_kind", lambda: "TPU v5 lite")  # a known chip's spec peak
+    argv = ["--config", "tiny-llama", "--mesh", "1x1", "--json", "--peak-n", "128", "--gen-tokens", "0"]
+    report = _bench_json([*argv, "--impls", "plain,meshlm", "--bf16"], capsys)
+    assert report["impls"] == ["meshlm", "plain"] == [r["impl"] for r in report["results"]]
+    assert report["compute_dtype"] == "bfloat16" and set(report["step_time_ratios"]) == {"meshlm/plain"}
+    assert report["device_kind"] == "TPU v5 lite" and report["spec_peak_flops"]["bfloat16"] == 197e12
+    cfg = get_config("tiny-llama")
+    f32_bytes = total_bytes(abstract_params(cfg, make_mesh(1, 1)))
+    for r in report["results"]:
+        _check_result(r)
+        assert r["bytes_per_device"]["params"] == f32_bytes  # float32 master weights
+        seconds = r["step_s_median"]
+        assert r["mfu_spec"] == pytest.approx(report["model_flops_per_step"] / seconds / 197e12)
+        assert r["mfu"] == pytest.approx(
+            report["model_flops_per_step"] / seconds / report["peak_flops"]["bfloat16"]
+        )
+    losses = [r["loss"] for r in report["results"]]
+    assert abs(losses[0] - losses[1]) < 2e-2 * abs(losses[0])  # bf16 rounding, same model and steps
+
+
+def test_bench_impls_unknown_name_is_one_line(capsys):
+    argv = ["--config", "tiny-llama", "--mesh", "1x1", "--impls", "meshlm,jax"]
+    assert run_cli("bench", *argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "jax" in err and "valid: meshlm,unsharded,gspmd,plain" in err
+
+
+def test_spec_peaks_of_known_chips():
+    from meshlm.perf.chips import spec_bf16_peak
+
+    assert spec_bf16_peak("TPU v5 lite") == 197e12 and spec_bf16_peak("TPU v4") == 275e12
+    assert (
+        spec_bf16_peak("NVIDIA H100 80GB HBM3") == 989e12
+        and spec_bf16_peak("NVIDIA A100-SXM4-40GB") == 312e12
+    )
+    assert spec_bf16_peak("cpu") is None and spec_bf16_peak("TPU v9 future") is None

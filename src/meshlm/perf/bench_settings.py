@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig, beyond_max_seq_len, default_seq_len
+from meshlm.model.family import COMPUTE_DTYPES
 from meshlm.parallel.layout import Layout
 from meshlm.ranges import NON_NEGATIVE_INT, POSITIVE_INT
 from meshlm.settings import (
@@ -20,6 +21,7 @@ from meshlm.settings import (
     SEQ_LEN_DEFAULT_TEXT,
     LongContext,
     MeshFlags,
+    Switch,
     setting,
 )
 
@@ -27,6 +29,15 @@ MIN_STEPS = 5  # fewer timed steps give a median that is mostly noise on a share
 # Keeps a `small` bench near 1.5 minutes on 2 CPU cores (a step takes 1.7 s on an idle machine at
 # seq 256, 4 s on a loaded one).
 DEFAULT_BATCH = 4
+
+
+def parse_impls(text: str) -> str:
+    """--impls' text as the comma list it names, spaces dropped; which names the model has is checked
+    against it later (``BenchSettings.check``: they depend on the model and the mesh)."""
+    names = [n.strip() for n in text.split(",")]
+    if not all(names):
+        raise ValueError(f"{text!r} has an empty name; give a comma list such as meshlm,plain")
+    return ",".join(names)
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,19 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
     )
     peak_n: int = setting(
         2048, "matmul size of the peak measurement (raise on accelerators)", valid=POSITIVE_INT
+    )
+    impls: str | None = setting(
+        None,
+        "comma list of the implementations to build and time, e.g. meshlm,plain: only those are held in "
+        "memory (a model that fills the device fits once, not once per implementation)",
+        shown_default="every one the model has",
+        parse=parse_impls,
+    )
+    compute_dtype: str = setting(
+        "float32",
+        "float32, or bfloat16: bf16 compute with float32 master weights",
+        switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights, as train --bf16"),
+        choices=COMPUTE_DTYPES,
     )
     moe_dispatch: str | None = setting(
         None,
@@ -99,8 +123,43 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
         batch = self.batch_size or -(-DEFAULT_BATCH // rows) * rows
         return dataclasses.replace(self, batch_size=batch, seq_len=default_seq_len(cfg, self.seq_len or 0))
 
+    def chosen(self, available: tuple[str, ...]) -> tuple[str, ...]:
+        """The implementations to build, in the bench's order: --impls' of ``available`` (every one
+        the model and mesh have), or all of them."""
+        if self.impls is None:
+            return available
+        asked = self.impls.split(",")
+        if unknown := [n for n in asked if n not in available]:
+            raise ConfigError(
+                f"--impls {self.impls}: no implementation {', '.join(unknown)} for this model and mesh; "
+                f"valid: {','.join(available)}"
+            )
+        return tuple(n for n in available if n in asked)
+
+    def check_impls(self, cfg: ModelConfig, layout: Layout) -> None:
+        """--impls names implementations this model and mesh have, --bf16 a dtype the family trains in,
+        and neither is given to a --compare-* or --memory-options run, which build steps of their own."""
+        from meshlm.perf.bench import impl_names  # imports JAX: here
+
+        self.chosen(impl_names(cfg, layout))
+        if self.compute_dtype not in cfg.arch.compute_dtypes:
+            raise ConfigError(
+                f"--bf16: {cfg.arch.name} trains in {', '.join(cfg.arch.compute_dtypes)} only; drop --bf16"
+            )
+        own = [
+            f
+            for f in ("compare_schedules", "compare_window", "compare_linear", "memory_options")
+            if getattr(self, f)
+        ]
+        given = [f for f, v in (("--impls", self.impls), ("--bf16", self.compute_dtype != "float32")) if v]
+        if own and given:
+            raise ConfigError(
+                f"--{own[0].replace('_', '-')} times steps of its own, in float32; drop {' and '.join(given)}"
+            )
+
     def check(self, cfg: ModelConfig, layout: Layout) -> None:
         s = self.resolved(cfg, layout)
+        s.check_impls(cfg, layout)
         if s.steps < MIN_STEPS:
             raise ConfigError(f"--steps must be >= {MIN_STEPS} (a median of fewer is noise), got {s.steps}")
         if s.warmup < 0:
