@@ -289,13 +289,14 @@ def test_bench_compare_linear_times_both_mixers_at_three_lengths(capsys):
 def test_bench_impls_and_bf16_build_only_those_in_bf16(capsys, monkeypatch):
     """--impls builds and times only the implementations named (ratios only between those), --bf16
     computes in bf16 on float32 master weights in both (plain too: the same cast as train --bf16), and
-    the JSON says which were built, the dtype, and MFU over a known chip's spec peak."""
+    the JSON says which were built, the dtype, remat, and MFU over a known chip's spec peak."""
     import meshlm.perf.bench as bench
 
     monkeypatch.setattr(bench, "device_kind", lambda: "TPU v5 lite")  # a known chip's spec peak
     argv = ["--config", "tiny-llama", "--mesh", "1x1", "--json", "--peak-n", "128", "--gen-tokens", "0"]
-    report = _bench_json([*argv, "--impls", "plain,meshlm", "--bf16"], capsys)
+    report = _bench_json([*argv, "--impls", "plain,meshlm", "--bf16", "--remat", "full"], capsys)
     assert report["impls"] == ["meshlm", "plain"] == [r["impl"] for r in report["results"]]
+    assert report["remat"] == "full"  # meshlm's step recomputes each layer; plain has no remat
     assert report["compute_dtype"] == "bfloat16" and set(report["step_time_ratios"]) == {"meshlm/plain"}
     assert report["device_kind"] == "TPU v5 lite" and report["spec_peak_flops"]["bfloat16"] == 197e12
     cfg = get_config("tiny-llama")

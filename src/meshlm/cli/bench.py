@@ -49,8 +49,11 @@ def run(args) -> int:
     from meshlm.parallel.distributed import is_main, print0
     from meshlm.perf.bench import run_bench
     from meshlm.perf.bench_report import format_bench, write_outputs
+    from meshlm.train.step import step_model
 
-    cfg = get_config(bs.config).replace(unroll=bs.unroll, attention=bs.attention, attn_block=bs.attn_block)
+    cfg = get_config(bs.config).replace(attention=bs.attention, attn_block=bs.attn_block)
+    # --remat and --unroll as train applies them (a rolled loop under remat, where its saving needs one)
+    cfg = step_model(cfg, remat=bs.remat, unroll=bs.unroll, fsdp=False)
     if bs.moe_dispatch is not None:  # a dense model ignores it
         cfg = cfg.replace(moe_dispatch=bs.moe_dispatch)
     if bs.vocab_size is not None:  # the embedding and head follow (padded to vocab_multiple)

@@ -57,6 +57,7 @@ from meshlm.perf.flops import model_flops_per_step
 from meshlm.perf.hlo import collectives_of, collectives_per_step
 from meshlm.perf.peak import matmul_peak_flops
 from meshlm.perf.plain import plain_step
+from meshlm.perf.plan_settings import remat_policy
 from meshlm.sharding.rules import shardings
 from meshlm.sharding.strategy import strategy
 from meshlm.train.optim import OptimConfig
@@ -357,6 +358,7 @@ def run_bench(
         "seq_len": settings.seq_len,
         "timed_steps": settings.steps,
         "compute_dtype": settings.compute_dtype,
+        "remat": remat_policy(cfg),
         "impls": [i.name for i in impls],  # the ones built (--impls), in the order of ``results``
         "device_kind": kind,
         "model_flops_per_step": flops,

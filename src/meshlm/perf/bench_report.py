@@ -27,8 +27,8 @@ def _header(report: dict) -> list[str]:
     spec_text = "not a known chip" if spec is None else f"{spec / 1e12:.0f} TFLOP/s bfloat16"
     return [
         f"meshlm bench: config={report['config']} mesh={dp}x{mp}{ep} batch={report['batch_size']} "
-        f"seq={report['seq_len']} {report['compute_dtype']} compute, timed steps={report['timed_steps']} "
-        "(median, interleaved)",
+        f"seq={report['seq_len']} {report['compute_dtype']} compute, remat {report['remat']}, "
+        f"timed steps={report['timed_steps']} (median, interleaved)",
         f"matmul peak: float32 {peak['float32'] / 1e9:.1f} GFLOP/s, bfloat16 {peak['bfloat16'] / 1e9:.1f}"
         f" GFLOP/s; model FLOPs/step {report['model_flops_per_step'] / 1e9:.2f} G",
         f"MFU: over the measured {report['compute_dtype']} matmul peak; MFU spec: over the chip's spec peak "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig, beyond_max_seq_len, default_seq_len
-from meshlm.model.family import COMPUTE_DTYPES
+from meshlm.model.family import COMPUTE_DTYPES, REMAT
 from meshlm.parallel.layout import Layout
 from meshlm.ranges import NON_NEGATIVE_INT, POSITIVE_INT
 from meshlm.settings import (
@@ -77,6 +77,12 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
         switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights, as train --bf16"),
         choices=COMPUTE_DTYPES,
     )
+    remat: str = setting(
+        "none",
+        "per-layer recomputation in the backward, as train --remat: none, full or selective (keep matmul "
+        "outputs); cuts activation memory (the plain row has none: it is the hand-written model)",
+        choices=REMAT,
+    )
     moe_dispatch: str | None = setting(
         None,
         "a mixture of experts' dispatch: blocks, ragged_dot or dense (every expert on every token; "
@@ -86,7 +92,8 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
     )
     unroll: int = setting(
         0,
-        "layers per iteration of the layer loop (0: all, the default; 1: a rolled loop)",
+        "layers per iteration of the layer loop (0: all, the default, but 1 under --remat, whose saving "
+        "needs the loop; 1: a rolled loop)",
         valid=NON_NEGATIVE_INT,
     )
     vocab_size: int | None = setting(
@@ -146,6 +153,8 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
             raise ConfigError(
                 f"--bf16: {cfg.arch.name} trains in {', '.join(cfg.arch.compute_dtypes)} only; drop --bf16"
             )
+        if self.remat not in cfg.arch.remat:
+            raise ConfigError(f"--remat {self.remat}: {cfg.arch.name} supports {', '.join(cfg.arch.remat)}")
         own = [
             f
             for f in ("compare_schedules", "compare_window", "compare_linear", "memory_options")
