@@ -24,11 +24,12 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.data.device_batches import device_batch
 from meshlm.data.tokenizer import ByteTokenizer, bits_per_byte
-from meshlm.errors import MeshlmError, TrainingError
+from meshlm.errors import MeshlmError, TrainingError, is_out_of_memory
 from meshlm.generate.generator import Generator
 from meshlm.io.tokenizer_file import TOKENIZER_FILE
 from meshlm.parallel import distributed
 from meshlm.parallel.placement import put_global
+from meshlm.perf.oom import Asked, reported
 from meshlm.sharding.stage_slots import slots_of, to_canonical
 from meshlm.sharding.strategy import strategy
 from meshlm.train import dpo_run
@@ -236,17 +237,45 @@ def train(tcfg: TrainConfig, where, stop: Stop | None = None) -> dict:
     own = stop is None
     stop = stop or Stop()
     try:
-        run = build_run(tcfg, where, startup_check=stop.check_startup)
-        try:
-            return _train(run, stop)
-        except MeshlmError:
-            run.undo_refused_start()  # refused before anything was saved: nothing left behind
-            raise
-        finally:
-            run.release()  # the run directory's lock: another run may use it now
+        # a device's out-of-memory: one line (``perf.oom``); no checkpoint is written on the way out
+        with reported(lambda: train_asked(tcfg, where)):
+            run = build_run(tcfg, where, startup_check=stop.check_startup)
+            try:
+                return _train(run, stop)
+            except BaseException as e:
+                if isinstance(e, MeshlmError) or is_out_of_memory(e):
+                    run.undo_refused_start()  # refused before anything was saved: nothing left behind
+                raise
+            finally:
+                run.release()  # the run directory's lock: another run may use it now
     finally:
         if own:
             stop.restore()
+
+
+def train_asked(tcfg: TrainConfig, where) -> Asked:
+    """The run as an out-of-memory line names it, with the flags of train that cut memory."""
+    from meshlm.train.run import run_layout, run_model
+    from meshlm.train.step import step_model
+
+    tcfg, cfg = run_model(tcfg)
+    layout = run_layout(tcfg, where)
+    cuts = ["--remat full"] if tcfg.remat != "full" else []
+    cuts += [] if tcfg.fsdp else ["--fsdp (weights and AdamW state split over dp > 1)"]
+    cuts += ["a smaller --batch-size (or --accum-steps N: the same batch in N micro-batches)"]
+    cuts += ["--bf16 (16-bit activations)"] if tcfg.compute_dtype == "float32" else []
+    return Asked(
+        "train",
+        tcfg.config or tcfg.checkpoint,
+        step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp),
+        layout,
+        tcfg.batch_size,
+        tcfg.seq_len,
+        tuple(cuts),
+        compute_dtype=tcfg.compute_dtype,
+        remat=tcfg.remat,
+        accum_steps=tcfg.accum_steps,
+    )
 
 
 def _train(run: Run, stop: Stop) -> dict:

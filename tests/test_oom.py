@@ -1,0 +1,132 @@
+"""A device's out-of-memory, in bench, train, generate and verify, is one line (exit 2): what was asked,
+the planner's estimate and what fits, and the command's flags that cut memory; train's last good
+checkpoint is left as it was. The error is injected (the runtime's own class and message, raised where
+a step runs): CPU devices do not run out of memory in a test's time."""
+
+import hashlib
+from pathlib import Path
+
+import jax
+import pytest
+from helpers import run_cli, train_args, write_corpus
+
+from meshlm.errors import is_out_of_memory
+from meshlm.io.model_io import load_model, save_model
+from meshlm.model.config import get_config
+from meshlm.parallel.mesh import make_mesh
+
+# XLA's message on a TPU that cannot allocate a step's buffers (the text is the runtime's)
+MESSAGE = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17.21G. (TPU v5 lite, 15.75G limit)"
+
+
+def _oom(*args, **kwargs):
+    raise jax.errors.JaxRuntimeError(MESSAGE)
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("meshlm: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def _files(directory: Path) -> dict[str, str]:
+    """Every file under ``directory`` by its relative path, with the SHA-256 of its bytes."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_only_the_runtimes_out_of_memory_is_recognised():
+    assert is_out_of_memory(jax.errors.JaxRuntimeError(MESSAGE))
+    assert not is_out_of_memory(jax.errors.JaxRuntimeError("INTERNAL: a failed collective"))
+    assert not is_out_of_memory(MemoryError("host memory: not a device's"))
+    try:
+        try:
+            _oom()
+        except RuntimeError as e:
+            raise ValueError("wrapped") from e
+    except ValueError as wrapped:
+        assert is_out_of_memory(wrapped)  # an error raised from it
+
+
+def test_train_out_of_memory_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):
+    (tmp_path / "corpus").mkdir()
+    corpus, out = write_corpus(tmp_path / "corpus"), tmp_path / "run"
+    assert run_cli(*train_args(corpus, out, 3)) == 0  # a checkpoint at step 3
+    capsys.readouterr()
+    before = _files(out / "3")
+    monkeypatch.setattr("meshlm.train.loop._dispatch", _oom)  # step 4 runs out of memory
+    assert run_cli(*train_args(corpus, out, 6)) == 2
+    line = _one_line(capsys)
+    assert (
+        "out of memory on" in line and "in meshlm train: asked tiny-lm on mesh 2x2, batch 8 x seq 32" in line
+    )
+    assert "meshlm plan's analytic estimate" in line and "parameters and AdamW state" in line
+    assert all(
+        f in line for f in ("--remat full", "--fsdp", "--batch-size", "--bf16", "meshlm plan --config")
+    )
+    assert sorted(p.name for p in out.iterdir() if p.name.isdigit()) == ["3"]  # no new checkpoint
+    assert _files(out / "3") == before  # the last good one, byte for byte
+    assert load_model(out, make_mesh(1, 1))[2] == 3  # and it loads (its integrity record checked)
+    fresh = tmp_path / "fresh"  # a run refused before its first checkpoint leaves nothing behind
+    assert run_cli(*train_args(corpus, fresh, 3)) == 2
+    assert "out of memory" in _one_line(capsys) and not fresh.exists()  # as it was: absent
+
+
+def test_bench_out_of_memory_names_impls(capsys, monkeypatch):
+    monkeypatch.setattr("meshlm.perf.bench.build_impls", _oom)  # compiling the steps runs out
+    assert run_cli("bench", "--config", "tiny-llama", "--mesh", "1x1", "--batch-size", "2") == 2
+    line = _one_line(capsys)
+    assert "in meshlm bench: asked tiny-llama on mesh 1x1, batch 2 x seq 64, float32 compute" in line
+    assert "(4 models' state at once)" in line and "--impls meshlm (1 implementation's state, not 4)" in line
+
+
+def test_generate_out_of_memory_names_weights_and_cache(tmp_path, capsys, monkeypatch):
+    from meshlm.generate.generator import Generator
+    from meshlm.train.step import init_model
+
+    cfg = get_config("tiny-llama")
+    save_model(tmp_path / "ckpt", cfg, init_model(cfg, make_mesh(1, 1), 0)[0], step=1)
+    monkeypatch.setattr(Generator, "generate", _oom)
+    argv = ["--checkpoint", str(tmp_path / "ckpt"), "--mesh", "1x1", "--prompt", "12", "--prompt", "3"]
+    assert run_cli("generate", *argv) == 2
+    line = _one_line(capsys)
+    assert "in meshlm generate: asked" in line and "2 prompts; its weights take" in line
+    assert "the KV cache of 64 positions per row" in line and "--mesh 1xN" in line
+
+
+def test_verify_out_of_memory_names_both_models(capsys, monkeypatch):
+    monkeypatch.setattr("meshlm.proof.verify", _oom)
+    assert run_cli("verify", "--config", "tiny-llama", "--mesh", "1x2") == 2
+    line = _one_line(capsys)
+    assert "in meshlm verify: asked tiny-llama on mesh 1x2" in line and "(2 models' state at once)" in line
+    assert "--seq-len" in line and "--remat full" in line
+
+
+def test_what_fits_on_a_16_gib_chip(monkeypatch):
+    """Against a device's memory limit the line names the largest batch that fits by the planner's
+    estimate, and with --remat full: Qwen3-0.6B at 2048 tokens on one 16 GiB chip."""
+    from meshlm.parallel.layout import Layout
+    from meshlm.perf import oom
+
+    monkeypatch.setattr(oom, "device_memory", lambda: ("TPU v5 lite", 16 * 2**30))
+    cfg = get_config("qwen3-0.6b")
+    asked = oom.Asked("train", "qwen3-0.6b", cfg, Layout.of(make_mesh(1, 1)), 64, 2048, ("--remat full",))
+    line = oom.out_of_memory_line(asked)
+    assert "out of memory on TPU v5 lite (16.00 GiB)" in line and "--device-memory 16.0GiB" in line
+    fit = oom.largest_batch(asked, 16 * 2**30, "none")
+    full = oom.largest_batch(asked, 16 * 2**30, "full")
+    assert fit is not None and full is not None and full > fit
+    assert f"fits: batch {fit} or batch {full} with --remat full" in line
+    assert oom.estimate(asked, fit, "none")[0] <= 16 * 2**30 < oom.estimate(asked, 2 * fit, "none")[0]
+
+
+def test_other_errors_pass_through():
+    """Not an out-of-memory: the error is not turned into a line (a bug keeps its traceback)."""
+    from meshlm.perf.oom import reported
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"), reported(lambda: "a line"):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
