@@ -55,11 +55,11 @@ def test_only_the_runtimes_out_of_memory_is_recognised():
 def test_train_out_of_memory_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):
     (tmp_path / "corpus").mkdir()
     corpus, out = write_corpus(tmp_path / "corpus"), tmp_path / "run"
-    assert run_cli(*train_args(corpus, out, 3)) == 0  # a checkpoint at step 3
+    assert run_cli(*train_args(corpus, out, 2, save_every=2)) == 0  # a checkpoint at step 2
     capsys.readouterr()
-    before = _files(out / "3")
-    monkeypatch.setattr("meshlm.train.loop._dispatch", _oom)  # step 4 runs out of memory
-    assert run_cli(*train_args(corpus, out, 6)) == 2
+    before = _files(out / "2")
+    monkeypatch.setattr("meshlm.train.loop._dispatch", _oom)  # step 3 runs out of memory
+    assert run_cli(*train_args(corpus, out, 4, save_every=2)) == 2
     line = _one_line(capsys)
     assert (
         "out of memory on" in line and "in meshlm train: asked tiny-lm on mesh 2x2, batch 8 x seq 32" in line
@@ -68,11 +68,11 @@ def test_train_out_of_memory_is_one_line_and_keeps_the_checkpoint(tmp_path, caps
     assert all(
         f in line for f in ("--remat full", "--fsdp", "--batch-size", "--bf16", "meshlm plan --config")
     )
-    assert sorted(p.name for p in out.iterdir() if p.name.isdigit()) == ["3"]  # no new checkpoint
-    assert _files(out / "3") == before  # the last good one, byte for byte
-    assert load_model(out, make_mesh(1, 1))[2] == 3  # and it loads (its integrity record checked)
+    assert sorted(p.name for p in out.iterdir() if p.name.isdigit()) == ["2"]  # no new checkpoint
+    assert _files(out / "2") == before  # the last good one, byte for byte
+    assert load_model(out, make_mesh(1, 1))[2] == 2  # and it loads (its integrity record checked)
     fresh = tmp_path / "fresh"  # a run refused before its first checkpoint leaves nothing behind
-    assert run_cli(*train_args(corpus, fresh, 3)) == 2
+    assert run_cli(*train_args(corpus, fresh, 2)) == 2
     assert "out of memory" in _one_line(capsys) and not fresh.exists()  # as it was: absent
 
 
@@ -108,20 +108,24 @@ def test_verify_out_of_memory_names_both_models(capsys, monkeypatch):
 
 def test_what_fits_on_a_16_gib_chip(monkeypatch):
     """Against a device's memory limit the line names the largest batch that fits by the planner's
-    estimate, and with --remat full: Qwen3-0.6B at 2048 tokens on one 16 GiB chip."""
+    estimate (its figures: ``analytic``'s), with the asked remat and with --remat full: SmolLM2-360M at
+    2048 tokens on one 16 GiB chip fits only with --remat full; Qwen3-1.7B's state alone does not."""
     from meshlm.parallel.layout import Layout
     from meshlm.perf import oom
+    from meshlm.perf.plan import analytic
 
     monkeypatch.setattr(oom, "device_memory", lambda: ("TPU v5 lite", 16 * 2**30))
-    cfg = get_config("qwen3-0.6b")
-    asked = oom.Asked("train", "qwen3-0.6b", cfg, Layout.of(make_mesh(1, 1)), 64, 2048, ("--remat full",))
+    one = Layout.of(make_mesh(1, 1))
+    asked = oom.Asked("train", "smollm2-360m", get_config("smollm2-360m"), one, 64, 2048, ("--remat full",))
     line = oom.out_of_memory_line(asked)
     assert "out of memory on TPU v5 lite (16.00 GiB)" in line and "--device-memory 16.0GiB" in line
-    fit = oom.largest_batch(asked, 16 * 2**30, "none")
-    full = oom.largest_batch(asked, 16 * 2**30, "full")
-    assert fit is not None and full is not None and full > fit
-    assert f"fits: batch {fit} or batch {full} with --remat full" in line
-    assert oom.estimate(asked, fit, "none")[0] <= 16 * 2**30 < oom.estimate(asked, 2 * fit, "none")[0]
+    assert "; fits: batch 4 with --remat full;" in line
+    est, limit = oom.Estimate.of(asked), 16 * 2**30
+    assert est.peak(4, "full") <= limit < est.peak(8, "full") and est.peak(1, "none") > limit
+    planned = analytic(asked.cfg, one, oom._settings(asked, 4, "full"))["peak"]
+    assert est.peak(4, "full") == pytest.approx(planned)  # the planner's own figure
+    big = oom.Asked("train", "qwen3-1.7b", get_config("qwen3-1.7b"), one, 8, 2048, ("--fsdp",))
+    assert "the state alone exceeds 16.00 GiB, no batch fits on this mesh" in oom.out_of_memory_line(big)
 
 
 def test_other_errors_pass_through():

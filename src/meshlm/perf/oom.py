@@ -92,13 +92,47 @@ def out_of_memory_line(asked: Asked) -> str:
     )
 
 
-def estimate(asked: Asked, batch_size: int, remat: str) -> tuple[float, float]:
-    """(peak, state) bytes per device by the planner's analytic figures at ``batch_size`` and
-    ``remat``: the state (parameters and AdamW moments) held ``copies`` times, one step's temporaries."""
-    from meshlm.perf.plan import analytic
+@dataclass(frozen=True)
+class Estimate:
+    """The planner's analytic figures of ``asked`` (``perf.plan.analytic``, computed once): the bytes
+    per device that do not depend on the batch or remat (the state ``copies`` times, gradients, XLA's
+    moment copies, FSDP's gathered layer), and the activations at any batch and remat from the same
+    formula (``perf.activations``: arithmetic, no shapes traced again)."""
+
+    asked: Asked
+    state: float  # parameters and AdamW moments, ``copies`` times
+    fixed: float  # state + gradients + moment copies + gathered weights
+
+    @classmethod
+    def of(cls, asked: Asked) -> Estimate:
+        from meshlm.perf.plan import analytic
+
+        a = analytic(asked.cfg, asked.layout, _settings(asked, asked.batch_size, asked.remat))
+        state = (a["params"] + a["opt_state"]) * asked.copies
+        return cls(asked, state, state + a["gradients"] + a["moment_copies"] + a["gathered"])
+
+    def peak(self, batch_size: int, remat: str) -> float:
+        from meshlm.perf.activations import activation_bytes
+
+        a, layout = self.asked, self.asked.layout
+        settings = _settings(a, batch_size, remat)
+        acts = activation_bytes(
+            a.cfg,
+            seq=a.seq_len,
+            micro_batch=settings.micro_batch(layout.dp),
+            mp=layout.mp,
+            sp=layout.sp,
+            remat=remat,
+            act_bytes=2 if a.compute_dtype == "bfloat16" else 4,
+            ep=layout.ep if layout.experts_split else 1,
+        )
+        return (self.fixed + acts["total"]) * a.scale
+
+
+def _settings(asked: Asked, batch_size: int, remat: str):
     from meshlm.perf.plan_settings import PlanSettings
 
-    settings = PlanSettings(
+    return PlanSettings(
         batch_size=batch_size,
         seq_len=asked.seq_len,
         accum_steps=asked.accum_steps,
@@ -107,15 +141,13 @@ def estimate(asked: Asked, batch_size: int, remat: str) -> tuple[float, float]:
         sp=asked.layout.sp,
         remat=remat,
     )
-    a = analytic(asked.cfg, asked.layout, settings)
-    state = (a["params"] + a["opt_state"]) * asked.copies
-    return (state + a["temp"]) * asked.scale, state * asked.scale
 
 
 def fits(asked: Asked, limit: int | None) -> str:
     """The estimate of what was asked and, against ``limit``, the largest batch that fits (with the
     asked remat, and with --remat full)."""
-    peak, state = estimate(asked, asked.batch_size, asked.remat)
+    est = Estimate.of(asked)
+    peak, state = est.peak(asked.batch_size, asked.remat), est.state * asked.scale
     copies = f" ({asked.copies} models' state at once)" if asked.copies > 1 else ""
     text = (
         f"meshlm plan's analytic estimate (from shapes, not a compile) is {format_bytes(peak)} per "
@@ -126,17 +158,18 @@ def fits(asked: Asked, limit: int | None) -> str:
     if state >= limit:
         return text + f": the state alone exceeds {format_bytes(limit)}, no batch fits on this mesh"
     options = [(asked.remat, "")] + ([("full", " with --remat full")] if asked.remat != "full" else [])
-    found = [f"batch {b}{label}" for remat, label in options if (b := largest_batch(asked, limit, remat))]
+    found = [f"batch {b}{label}" for remat, label in options if (b := largest_batch(est, limit, remat))]
     return text + (f"; fits: {' or '.join(found)}" if found else "; no batch fits at this sequence length")
 
 
-def largest_batch(asked: Asked, limit: int, remat: str) -> int | None:
+def largest_batch(est: Estimate, limit: int, remat: str) -> int | None:
     """The largest batch up to the asked one, halving from it (in whole rows per data shard and
     micro-batch), whose estimate fits in ``limit``; None if even the smallest does not."""
-    rows = asked.layout.dp * asked.accum_steps * asked.layout.pipeline_microbatches
-    batch = asked.batch_size
+    layout = est.asked.layout
+    rows = layout.dp * est.asked.accum_steps * layout.pipeline_microbatches
+    batch = est.asked.batch_size
     while batch >= rows:
-        if estimate(asked, batch, remat)[0] <= limit:
+        if est.peak(batch, remat) <= limit:
             return batch
         batch = batch // 2 // rows * rows
     return None
