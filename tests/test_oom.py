@@ -64,7 +64,7 @@ def test_train_out_of_memory_is_one_line_and_keeps_the_checkpoint(tmp_path, caps
     assert (
         "out of memory on" in line and "in meshlm train: asked tiny-lm on mesh 2x2, batch 8 x seq 32" in line
     )
-    assert "meshlm plan's analytic estimate" in line and "parameters and AdamW state" in line
+    assert "the planner's analytic estimate" in line and "parameters and AdamW state" in line
     assert all(
         f in line for f in ("--remat full", "--fsdp", "--batch-size", "--bf16", "meshlm plan --config")
     )

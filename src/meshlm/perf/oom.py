@@ -150,8 +150,8 @@ def fits(asked: Asked, limit: int | None) -> str:
     peak, state = est.peak(asked.batch_size, asked.remat), est.state * asked.scale
     copies = f" ({asked.copies} models' state at once)" if asked.copies > 1 else ""
     text = (
-        f"meshlm plan's analytic estimate (from shapes, not a compile) is {format_bytes(peak)} per "
-        f"device, {format_bytes(state)} of it parameters and AdamW state{copies}"
+        "the planner's analytic estimate (meshlm plan's, from shapes, not a compile) is "
+        f"{format_bytes(peak)} per device, {format_bytes(state)} of it parameters and AdamW state{copies}"
     )
     if limit is None:
         return text + " (this device reports no memory limit to compare with)"
