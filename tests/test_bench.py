@@ -313,11 +313,23 @@ def test_bench_impls_and_bf16_build_only_those_in_bf16(capsys, monkeypatch):
     assert abs(losses[0] - losses[1]) < 2e-2 * abs(losses[0])  # bf16 rounding, same model and steps
 
 
-def test_bench_impls_unknown_name_is_one_line(capsys):
+def test_bench_impls_unknown_name_is_one_line_before_setup(capsys, monkeypatch):
+    def too_late(*args, **kwargs):
+        raise AssertionError("--impls must be checked before the devices start")
+
+    monkeypatch.setattr("meshlm.cli.bench.setup", too_late)
     argv = ["--config", "tiny-llama", "--mesh", "1x1", "--impls", "meshlm,jax"]
     assert run_cli("bench", *argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "jax" in err and "valid: meshlm,unsharded,gspmd,plain" in err
+    assert run_cli("bench", "--config", "tiny-mixtral", "--mesh", "2x1", "--ep", "2", "--impls", "plain") == 2
+    err = capsys.readouterr().err  # a mixture of experts has no plain; ep adds no-ep
+    assert "valid: meshlm,unsharded,gspmd,no-ep,dense-eq,dense-dispatch" in err
+    assert (
+        run_cli("bench", "--config", "tiny-llama", "--mesh", "1x1", "--impls", "plain", "--compare-linear")
+        == 2
+    )
+    assert "--compare-linear times steps of its own, in float32; drop --impls" in capsys.readouterr().err
 
 
 def test_spec_peaks_of_known_chips():

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from meshlm.cli.common import add_common, add_flags, flag_layout, refuse_options, settings_from, setup
 from meshlm.errors import ConfigError
+from meshlm.model.config import get_config
 from meshlm.perf.bench_settings import BenchSettings
 
 # Timed with --memory-options instead (against tensor parallelism and GSPMD).
@@ -46,10 +47,12 @@ def run(args) -> int:
     bs = settings_from(args, BenchSettings)
     check_out(bs.out)
     refuse_options(args, bs, "bench", REFUSED, " (--memory-options times FSDP and SP against tp)")
-    if (planned := flag_layout(args, bs)) and bs.batch_size is not None:  # before devices, compiles
-        planned.check_batch(bs.batch_size)
+    if planned := flag_layout(args, bs):  # before devices, compiles
+        if bs.batch_size is not None:
+            planned.check_batch(bs.batch_size)
+        cfg = get_config(bs.config)
+        bs.check_impls(cfg if bs.moe_dispatch is None else cfg.replace(moe_dispatch=bs.moe_dispatch), planned)
     layout = setup(args, bs, planned)
-    from meshlm.model.config import get_config
     from meshlm.parallel.distributed import is_main, print0
     from meshlm.train.step import step_model
 
@@ -106,7 +109,7 @@ def _bench(bs, cfg, name, layout, settings) -> tuple[dict, Callable[[dict], str]
 def bench_asked(config: str, cfg, layout, settings):
     """The bench as an out-of-memory line names it, with its flags that cut memory: it holds every
     implementation's parameters and AdamW state at once (``copies``)."""
-    from meshlm.perf.bench import impl_names
+    from meshlm.perf.bench_settings import impl_names
     from meshlm.perf.oom import Asked
 
     compared = settings.compare_schedules or settings.compare_window or settings.compare_linear

@@ -46,11 +46,10 @@ import numpy as np
 from meshlm.generate.generator import bench_generation
 from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import param_shapes
-from meshlm.parallel.axes import AXIS, PP
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding, bytes_per_device, total_bytes
-from meshlm.perf.bench_moe import DENSE, NO_EP, TODAY, dense_step, moe_comparison, today_step
-from meshlm.perf.bench_settings import BenchSettings
+from meshlm.perf.bench_moe import dense_step, moe_comparison, today_step
+from meshlm.perf.bench_settings import DENSE, IMPLS, NO_EP, NO_PP, TODAY, BenchSettings, impl_names
 from meshlm.perf.chips import device_kind, spec_bf16_peak
 from meshlm.perf.collectives import theoretical_collectives
 from meshlm.perf.flops import model_flops_per_step
@@ -62,10 +61,6 @@ from meshlm.sharding.rules import shardings
 from meshlm.sharding.strategy import strategy
 from meshlm.train.optim import OptimConfig
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, reference_step, sharded_step
-
-IMPLS = ("meshlm", "unsharded", "gspmd", "plain")
-NO_PP = AXIS[PP].baseline  # "no-pp": the same model on the dp x mp mesh without the pipeline
-
 
 # --- the three implementations --------------------------------------------------------------------
 
@@ -85,15 +80,6 @@ class Impl:
         """One training step, waited for to completion of every output (not only the loss)."""
         self.params, self.opt_state, self.metrics = self.compiled(self.params, self.opt_state, self.batch)
         jax.block_until_ready((self.params, self.opt_state, self.metrics))
-
-
-def impl_names(cfg: ModelConfig, layout: Layout) -> tuple[str, ...]:
-    """Every implementation the bench has for this model and mesh, in the order it builds and reports
-    them (``--impls`` picks some of these)."""
-    names = [*IMPLS[:3], *(() if cfg.arch.moe else ("plain",)), *layout.baselines()]
-    if cfg.arch.moe:  # the dense model of equal active parameters; today's dispatch beside it
-        names += [DENSE, *((TODAY,) if cfg.moe_dispatch != "dense" else ())]
-    return tuple(names)
 
 
 @dataclass(frozen=True)

@@ -30,16 +30,13 @@ import numpy as np
 
 from meshlm.model.accounting import param_counts
 from meshlm.model.config import ModelConfig
-from meshlm.parallel.axes import AXIS, EP
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding
-from meshlm.perf.bench_settings import BenchSettings
+from meshlm.perf.bench_settings import DENSE, NO_EP, TODAY, BenchSettings
 from meshlm.train.optim import OptimConfig
 from meshlm.train.step import init_model, init_opt_state, sharded_step
 
-TODAY = "dense-dispatch"  # the same MoE with the "dense" dispatch: every expert on every token
-NO_EP = AXIS[EP].baseline  # "no-ep": the same model on the same devices, every expert on every data shard
-DENSE = "dense-eq"  # a MoE model: the dense model of equal active parameters (``dense_equivalent``)
+__all__ = ["DENSE", "NO_EP", "TODAY", "dense_equivalent", "dense_step", "moe_comparison", "today_step"]
 
 
 def dense_equivalent(cfg: ModelConfig) -> ModelConfig:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig, beyond_max_seq_len, default_seq_len
 from meshlm.model.family import COMPUTE_DTYPES, REMAT
+from meshlm.parallel.axes import AXIS, EP, PP
 from meshlm.parallel.layout import Layout
 from meshlm.ranges import NON_NEGATIVE_INT, POSITIVE_INT
 from meshlm.settings import (
@@ -29,6 +30,24 @@ MIN_STEPS = 5  # fewer timed steps give a median that is mostly noise on a share
 # Keeps a `small` bench near 1.5 minutes on 2 CPU cores (a step takes 1.7 s on an idle machine at
 # seq 256, 4 s on a loaded one).
 DEFAULT_BATCH = 4
+
+
+# The implementations' names (``perf.bench``; here, without JAX, so that --impls is checked before the
+# devices start). A mixture of experts has no ``plain`` (the hand-written model has no experts).
+IMPLS = ("meshlm", "unsharded", "gspmd", "plain")
+NO_PP = AXIS[PP].baseline  # "no-pp": the same model on the dp x mp mesh without the pipeline
+NO_EP = AXIS[EP].baseline  # "no-ep": the same model on the same devices, every expert on every data shard
+DENSE = "dense-eq"  # a MoE model: the dense model of equal active parameters (``bench_moe``)
+TODAY = "dense-dispatch"  # the same MoE with the "dense" dispatch: every expert on every token
+
+
+def impl_names(cfg: ModelConfig, layout: Layout) -> tuple[str, ...]:
+    """Every implementation the bench has for this model and mesh, in the order it builds and reports
+    them (``--impls`` picks some of these)."""
+    names = [*IMPLS[:3], *(() if cfg.arch.moe else ("plain",)), *layout.baselines()]
+    if cfg.arch.moe:  # the dense model of equal active parameters; today's dispatch beside it
+        names += [DENSE, *((TODAY,) if cfg.moe_dispatch != "dense" else ())]
+    return tuple(names)
 
 
 def parse_impls(text: str) -> str:
@@ -146,8 +165,6 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
     def check_impls(self, cfg: ModelConfig, layout: Layout) -> None:
         """--impls names implementations this model and mesh have, --bf16 a dtype the family trains in,
         and neither is given to a --compare-* or --memory-options run, which build steps of their own."""
-        from meshlm.perf.bench import impl_names  # imports JAX: here
-
         self.chosen(impl_names(cfg, layout))
         if self.compute_dtype not in cfg.arch.compute_dtypes:
             raise ConfigError(
