@@ -210,8 +210,9 @@ def _loop(run: Run, stop: Stop, mfu: Utilisation | None = None) -> None:
         flight.drain()
     except TrainingError:
         raise
-    except BaseException:
-        _drain_quietly(flight)  # rows of the steps that finished before the crash
+    except BaseException as e:
+        if not is_out_of_memory(e):  # out of memory: the steps in flight failed with it, nothing to log
+            _drain_quietly(flight)  # rows of the steps that finished before the crash
         raise
     finally:
         bar.close()
