@@ -11,7 +11,10 @@ the same initial parameters, on the same batch:
              on device 0: the speed a hand-written model gets, the yardstick for the other three.
 
 With --pp also ``no-pp``; a mixture of experts has no ``plain`` but ``dense-eq``, the dense model of
-equal active parameters, and with --ep ``no-ep`` (``bench_moe``).
+equal active parameters, and with --ep ``no-ep`` (``bench_moe``). ``--impls`` builds only the ones it
+names (``bench_settings.impl_names`` lists them), so that a model filling a device is held once, not
+once per implementation; ``--bf16`` computes every one of them in bf16 on float32 master weights (the
+cast of ``train --bf16``: ``sharding.spmd.with_compute_dtype``, the hand-written ``plain`` included).
 
 Timing is interleaved: every repetition runs one step of each implementation (rotating the order)
 and one float32 and one bfloat16 matmul-peak measurement, so load from other processes on a shared
@@ -19,9 +22,10 @@ machine hits all of them alike. We report the median (and min, max) of the timed
 step is timed to completion of all its outputs. Each implementation is compiled once, ahead of time,
 and the timed executable is the one whose HLO and memory we report.
 
-Model FLOPs and MFU: ``flops``. The fewest all-reduces a step needs, reported next to the ones XLA
-compiled (``hlo.collectives_per_step``): ``collectives``. The human-readable report, JSON and plot:
-``bench_report``.
+Model FLOPs and MFU: ``flops``; MFU over the measured matmul peak of the compute dtype, and
+``mfu_spec`` over the chip's spec bf16 peak where the chip is known (``chips``). The fewest
+all-reduces a step needs, reported next to the ones XLA compiled (``hlo.collectives_per_step``):
+``collectives``. The human-readable report, JSON and plot: ``bench_report``.
 
 Memory per device: ``params`` and ``opt_state`` are the bytes of one device's shards
 (``placement.bytes_per_device``: every sharding splits evenly, so each device holds as much).
@@ -62,7 +66,7 @@ from meshlm.sharding.strategy import strategy
 from meshlm.train.optim import OptimConfig
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, reference_step, sharded_step
 
-# --- the three implementations --------------------------------------------------------------------
+# --- the implementations ------------------------------------------------------------------------
 
 
 @dataclass
