@@ -3,6 +3,7 @@ the planner's estimate and what fits, and the command's flags that cut memory; t
 checkpoint is left as it was. The error is injected (the runtime's own class and message, raised where
 a step runs): CPU devices do not run out of memory in a test's time."""
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -128,6 +129,8 @@ def test_what_fits_on_a_16_gib_chip(monkeypatch):
     assert est.peak(4, "full") == pytest.approx(planned)  # the planner's own figure
     big = oom.Asked("train", "qwen3-1.7b", get_config("qwen3-1.7b"), one, 8, 2048, ("--fsdp",))
     assert "the state alone exceeds 16.00 GiB, no batch fits on this mesh" in oom.out_of_memory_line(big)
+    converted = dataclasses.replace(big, config="runs/qwen3", checkpoint="runs/qwen3")  # plan reads it
+    assert "`meshlm plan --checkpoint runs/qwen3 --mesh 1x1" in oom.out_of_memory_line(converted)
 
 
 def test_other_errors_pass_through():

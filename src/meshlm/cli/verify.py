@@ -218,6 +218,7 @@ def verify_asked(vs: VerifySettings, cfg, name: str, layout, batch: int, seq_len
         remat=remat,
         copies=2,
         scale=2 if vs.x64 else 1,
+        checkpoint=vs.checkpoint,
     )
 
 

@@ -44,6 +44,11 @@ class Asked:
     accum_steps: int = 1
     copies: int = 1
     scale: int = 1
+    checkpoint: str | None = None  # the model is a checkpoint's (``config`` names it): plan reads that
+
+    def plan_model(self) -> str:
+        """The model as ``meshlm plan`` takes it: ``--config NAME`` or ``--checkpoint DIR``."""
+        return f"--checkpoint {self.checkpoint}" if self.checkpoint else f"--config {self.config}"
 
 
 @contextlib.contextmanager
@@ -82,7 +87,7 @@ def out_of_memory_line(asked: Asked) -> str:
     )
     memory = f" --device-memory {limit / 2**30:.1f}GiB" if limit else " --device-memory SIZE"
     plan = (
-        f"`meshlm plan --config {asked.config} --mesh {asked.layout.dp}x{asked.layout.mp}{memory} "
+        f"`meshlm plan {asked.plan_model()} --mesh {asked.layout.dp}x{asked.layout.mp}{memory} "
         f"--batch-size {asked.batch_size} --seq-len {asked.seq_len}` compiles the step on the host and "
         "searches what fits"
     )

@@ -282,6 +282,7 @@ def train_asked(tcfg: TrainConfig, where) -> Asked:
         compute_dtype=tcfg.compute_dtype,
         remat=tcfg.remat,
         accum_steps=tcfg.accum_steps,
+        checkpoint=tcfg.checkpoint or None,
     )
 
 
