@@ -147,8 +147,8 @@ def run(args) -> int:
 
         check_speculative_run(args.temperature)
     layout = setup(args, flags)
-    from meshlm.generate.generator import Generator, cache_memory
-    from meshlm.io.model_io import load_model, read_config
+    from meshlm.generate.generator import cache_memory
+    from meshlm.io.model_io import read_config
     from meshlm.parallel.distributed import is_main, print0
 
     prefill_cp = layout.context_parallel  # with cp: the prefill over cp
@@ -157,15 +157,8 @@ def run(args) -> int:
 
         check_speculative(read_config(args.checkpoint)[0], None, args.temperature, prefill_cp)
     tok = _tokenizer(args)  # the checkpoint's own: bytes, or its tokenizer.json
-    from meshlm.perf.oom import reported
-
-    # a device's out-of-memory, loading the weights or generating: one line (``generate_asked``)
-    with reported(lambda: generate_asked(args, layout, len(prompts))):
-        cfg, params, _ = load_model(args.checkpoint, layout)
-        eod = _stop_ids(args, tok)
-        gen = Generator(cfg, params, layout, tokenizer=tok, eod=eod, prefill_cp=prefill_cp)
-        streaming = not args.json and len(prompts) == 1 and is_main()
-        results, spec = _generate(args, gen, prompts, _streamer(prompts[0]) if streaming else None)
+    streaming = not args.json and len(prompts) == 1 and is_main()
+    gen, results, spec = _load_and_generate(args, layout, tok, prompts, streaming)
     cache = cache_memory(gen, len(prompts))
     if args.json:
         objs = [{**r.to_json(), "kv_cache": cache} for r in results]
@@ -186,6 +179,22 @@ def run(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _load_and_generate(args, layout, tok, prompts, streaming: bool) -> tuple:
+    """(the Generator, its results, the speculation's stats or None): the weights loaded onto
+    ``layout`` and the prompts continued; a device's out-of-memory on the way is one line
+    (``generate_asked``)."""
+    from meshlm.generate.generator import Generator
+    from meshlm.io.model_io import load_model
+    from meshlm.perf.oom import reported
+
+    with reported(lambda: generate_asked(args, layout, len(prompts))):
+        cfg, params, _ = load_model(args.checkpoint, layout)
+        eod = _stop_ids(args, tok)
+        gen = Generator(cfg, params, layout, tokenizer=tok, eod=eod, prefill_cp=layout.context_parallel)
+        results, spec = _generate(args, gen, prompts, _streamer(prompts[0]) if streaming else None)
+    return gen, results, spec
 
 
 def generate_asked(args, layout, rows: int) -> str:
