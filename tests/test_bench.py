@@ -341,3 +341,22 @@ def test_spec_peaks_of_known_chips():
         and spec_bf16_peak("NVIDIA A100-SXM4-40GB") == 312e12
     )
     assert spec_bf16_peak("cpu") is None and spec_bf16_peak("TPU v9 future") is None
+
+
+def test_plain_bf16_computes_in_bf16_on_float32_master_weights():
+    """--bf16's plain row: the matmuls in bf16 (the cast train --bf16 applies), the parameters it
+    returns and their AdamW state in float32."""
+    import jax.numpy as jnp
+
+    from meshlm.perf.plain import plain_step
+    from meshlm.train.step import init_model
+
+    cfg = get_config("tiny-llama")
+    params = jax.device_get(init_model(cfg, make_mesh(1, 1), 0)[0])
+    step, opt = plain_step(cfg, OptimConfig(), params, compute_dtype=jnp.bfloat16)
+    batch = {k: jnp.zeros((2, 8), jnp.int32) for k in ("inputs", "targets")}
+    lowered = step.lower(params, opt.init(params), batch)
+    dots = [line for line in lowered.as_text().splitlines() if "dot_general" in line]
+    assert dots and all("bf16" in line for line in dots)
+    new_params, new_opt, _ = jax.eval_shape(step, params, opt.init(params), batch)
+    assert {x.dtype for x in jax.tree.leaves((new_params, new_opt)) if x.ndim} == {jnp.dtype("float32")}
