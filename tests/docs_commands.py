@@ -112,6 +112,7 @@ SPEC_GENERATE = (
 MTP_TRAIN = "tests/test_mtp.py::test_trains_and_resumes_bitwise_with_the_depth_losses_in_metrics"
 SPEC_CLI = "tests/test_speculative.py::test_cli_runs_the_documented_command_and_refuses_bad_input"
 # every control that applies, traced on a cell of the preset's family (SmolLM3's NoPE layers)
+FITS, NO_FIT = "device memory 16.00 GiB: fits", "device memory 16.00 GiB: does NOT fit"
 EVERY = "tests/test_every_control.py::test_every_applicable_control_runs_and_changes_its_program"
 
 
@@ -225,6 +226,18 @@ COMMANDS: dict[str, Run | Shown] = {
     ),
     "meshlm bench --config cpu --vocab-size 1024 --mesh 2x2 --devices 4 --batch-size 32 --seq-len 128 "
     "--gen-tokens 0 --json": run("cpu => tiny-lm", "32 => 4", "128 => 32 --warmup 0", costly=BENCH),
+    # the accelerator section: the chip's command on tiny-llama (its own flags, its JSON's fields)
+    "meshlm bench --config qwen3-0.6b --mesh 1x1 --impls meshlm --bf16 --remat full --batch-size 1 "
+    "--seq-len 2048 --gen-tokens 0 --peak-n 8192 --json": run(
+        "qwen3-0.6b => tiny-llama",
+        "2048 => 64",
+        "8192 => 128",
+        add="--warmup 0",
+        expect=('"impls": ["meshlm"]', '"compute_dtype": "bfloat16"', '"remat": "full"', '"mfu_spec": null'),
+    ),
+    "meshlm bench --config tiny-llama --mesh 1x1 --impls meshlm,jax": run(
+        code=2, expect=("no implementation jax for this model and mesh; valid: meshlm,unsharded,gspmd,plain",)
+    ),
     "meshlm plan --config cpu --mesh 1x1 --seq-len 16384 --batch-size 1": run(),
     WBENCH + "4096 --compare-window 1024 --batch-size 1 --steps 5 --mesh 1x1": run(
         "4096 --compare-window 1024 => 32 --compare-window 10 --attn-block 8 --warmup 0",
@@ -329,6 +342,20 @@ COMMANDS: dict[str, Run | Shown] = {
         costly="tests/test_pp_uneven.py::test_a_dense_model_with_an_odd_layer_count_is_proven"
     ),
     "meshlm memory --config llama2-7b --mesh 1x8 --devices 8": run(expect=("3.139 GiB",)),
+    # docs/memory.md: presets that fill one 16 GiB chip (each one compile of the real step, 5-15 s); the
+    # verdict, not the figures (the model code's speed work moves XLA's buffer plan by a little)
+    "meshlm plan --config smollm2-360m --mesh 1x1 --device-memory 16GiB --batch-size 4 --seq-len 2048 "
+    "--remat full --bf16": run(expect=(FITS,)),
+    "meshlm plan --config qwen3-0.6b --mesh 1x1 --device-memory 16GiB --batch-size 1 --seq-len 2048 "
+    "--remat full --bf16": run(expect=(FITS,)),
+    "meshlm plan --config llama3.2-1b --mesh 1x1 --device-memory 16GiB --batch-size 1 --seq-len 2048 "
+    "--remat full --bf16 --max-compiles 1": run(code=1, expect=(NO_FIT,)),
+    "meshlm plan --config qwen3-1.7b --mesh 1x1 --device-memory 16GiB --batch-size 1 --seq-len 2048 "
+    "--remat full --bf16 --max-compiles 1": run(code=1, expect=(NO_FIT,)),
+    "meshlm plan --config llama3.2-1b --mesh 4x1 --devices 4 --fsdp --device-memory 16GiB --batch-size 4 "
+    "--seq-len 2048 --remat full --bf16": run(expect=(FITS,)),
+    "meshlm plan --config qwen3-1.7b --mesh 4x1 --devices 4 --fsdp --device-memory 16GiB --batch-size 4 "
+    "--seq-len 2048 --remat full --bf16": run(expect=(FITS,)),
     "meshlm verify --fsdp --sp --remat selective --steps 3 --x64": verify(costly=MEM),
     "meshlm bench --config small --mesh 2x2 --devices 4 --memory-options --gen-tokens 0 --seq-len 256": run(
         "small => tiny-lm", "256 => 32 --batch-size 4 --warmup 0", costly=BENCH

@@ -284,3 +284,79 @@ def test_bench_compare_linear_times_both_mixers_at_three_lengths(capsys):
     assert "has none: use a config with linear layers" in capsys.readouterr().err
     assert run_cli("bench", *argv, "--compare-linear", "--attention", "plain") == 2
     assert "add --attention blockwise" in capsys.readouterr().err
+
+
+def test_bench_impls_and_bf16_build_only_those_in_bf16(capsys, monkeypatch):
+    """--impls builds and times only the implementations named (ratios only between those), --bf16
+    computes in bf16 on float32 master weights in both (plain too: the same cast as train --bf16), and
+    the JSON says which were built, the dtype, remat, and MFU over a known chip's spec peak."""
+    import meshlm.perf.bench as bench
+
+    monkeypatch.setattr(bench, "device_kind", lambda: "TPU v5 lite")  # a known chip's spec peak
+    argv = ["--config", "tiny-llama", "--mesh", "1x1", "--json", "--peak-n", "128", "--gen-tokens", "0"]
+    report = _bench_json([*argv, "--impls", "plain,meshlm", "--bf16", "--remat", "full"], capsys)
+    assert report["impls"] == ["meshlm", "plain"] == [r["impl"] for r in report["results"]]
+    assert report["remat"] == "full"  # meshlm's step recomputes each layer; plain has no remat
+    assert report["compute_dtype"] == "bfloat16" and set(report["step_time_ratios"]) == {"meshlm/plain"}
+    assert report["device_kind"] == "TPU v5 lite" and report["spec_peak_flops"]["bfloat16"] == 197e12
+    cfg = get_config("tiny-llama")
+    f32_bytes = total_bytes(abstract_params(cfg, make_mesh(1, 1)))
+    for r in report["results"]:
+        _check_result(r)
+        assert r["bytes_per_device"]["params"] == f32_bytes  # float32 master weights
+        seconds = r["step_s_median"]
+        assert r["mfu_spec"] == pytest.approx(report["model_flops_per_step"] / seconds / 197e12)
+        assert r["mfu"] == pytest.approx(
+            report["model_flops_per_step"] / seconds / report["peak_flops"]["bfloat16"]
+        )
+    losses = [r["loss"] for r in report["results"]]
+    assert abs(losses[0] - losses[1]) < 2e-2 * abs(losses[0])  # bf16 rounding, same model and steps
+
+
+def test_bench_impls_unknown_name_is_one_line_before_setup(capsys, monkeypatch):
+    def too_late(*args, **kwargs):
+        raise AssertionError("--impls must be checked before the devices start")
+
+    monkeypatch.setattr("meshlm.cli.bench.setup", too_late)
+    argv = ["--config", "tiny-llama", "--mesh", "1x1", "--impls", "meshlm,jax"]
+    assert run_cli("bench", *argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "jax" in err and "valid: meshlm,unsharded,gspmd,plain" in err
+    assert run_cli("bench", "--config", "tiny-mixtral", "--mesh", "2x1", "--ep", "2", "--impls", "plain") == 2
+    err = capsys.readouterr().err  # a mixture of experts has no plain; ep adds no-ep
+    assert "valid: meshlm,unsharded,gspmd,no-ep,dense-eq,dense-dispatch" in err
+    assert (
+        run_cli("bench", "--config", "tiny-llama", "--mesh", "1x1", "--impls", "plain", "--compare-linear")
+        == 2
+    )
+    assert "--compare-linear times steps of its own, in float32; drop --impls" in capsys.readouterr().err
+
+
+def test_spec_peaks_of_known_chips():
+    from meshlm.perf.chips import spec_bf16_peak
+
+    assert spec_bf16_peak("TPU v5 lite") == 197e12 and spec_bf16_peak("TPU v4") == 275e12
+    assert (
+        spec_bf16_peak("NVIDIA H100 80GB HBM3") == 989e12
+        and spec_bf16_peak("NVIDIA A100-SXM4-40GB") == 312e12
+    )
+    assert spec_bf16_peak("cpu") is None and spec_bf16_peak("TPU v9 future") is None
+
+
+def test_plain_bf16_computes_in_bf16_on_float32_master_weights():
+    """--bf16's plain row: the matmuls in bf16 (the cast train --bf16 applies), the parameters it
+    returns and their AdamW state in float32."""
+    import jax.numpy as jnp
+
+    from meshlm.perf.plain import plain_step
+    from meshlm.train.step import init_model
+
+    cfg = get_config("tiny-llama")
+    params = jax.device_get(init_model(cfg, make_mesh(1, 1), 0)[0])
+    step, opt = plain_step(cfg, OptimConfig(), params, compute_dtype=jnp.bfloat16)
+    batch = {k: jnp.zeros((2, 8), jnp.int32) for k in ("inputs", "targets")}
+    lowered = step.lower(params, opt.init(params), batch)
+    dots = [line for line in lowered.as_text().splitlines() if "dot_general" in line]
+    assert dots and all("bf16" in line for line in dots)
+    new_params, new_opt, _ = jax.eval_shape(step, params, opt.init(params), batch)
+    assert {x.dtype for x in jax.tree.leaves((new_params, new_opt)) if x.ndim} == {jnp.dtype("float32")}

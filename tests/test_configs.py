@@ -81,3 +81,69 @@ def test_rope_scaling_round_trips_and_old_configs_load_unscaled():
 def test_bad_rope_scaling_names_the_field(value, problem):
     with pytest.raises(ConfigError, match=problem):
         get_config("tiny-llama").replace(rope_scaling=value)
+
+
+# The published config.json values of the presets that fill one chip (hub ids in the comments).
+ONE_CHIP = {
+    # Qwen/Qwen3-0.6B, Qwen/Qwen3-1.7B
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28),
+    # meta-llama/Llama-3.2-1B, HuggingFaceTB/SmolLM2-360M
+    "llama3.2-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+    ),
+    "smollm2-360m": dict(
+        vocab_size=49152,
+        hidden_size=960,
+        intermediate_size=2560,
+        num_hidden_layers=32,
+        num_attention_heads=15,
+        num_key_value_heads=5,
+        head_dim=64,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    ),
+}
+QWEN3_SMALL = dict(
+    vocab_size=151936,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
+)
+
+
+@pytest.mark.parametrize("name", sorted(ONE_CHIP))
+def test_one_chip_presets_are_their_published_config(name):
+    """Written back as transformers' config.json, each is the published one (the fields it states)."""
+    from meshlm.io.hf_config import config_to_hf
+
+    hf = config_to_hf(get_config(name))
+    want = ONE_CHIP[name] | (QWEN3_SMALL if name.startswith("qwen3") else {})
+    assert {k: hf[k] for k in want} == want
+    if name == "llama3.2-1b":  # Llama 3.1's frequency scaling, factor 32 over 8192
+        scaling = {
+            k: hf["rope_scaling"][k] for k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor")
+        }
+        assert scaling == {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        }
+        assert hf["rope_scaling"]["original_max_position_embeddings"] == 8192

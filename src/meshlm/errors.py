@@ -22,6 +22,24 @@ def is_disk_full(error: BaseException) -> bool:
     return False
 
 
+# What XLA's runtime says when a device's memory runs out, at compile time (buffer assignment) or at
+# run time (an allocation): a JaxRuntimeError (XlaRuntimeError before JAX 0.4.36) with one of these.
+OUT_OF_MEMORY_TEXTS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM when allocating")
+RUNTIME_ERRORS = ("JaxRuntimeError", "XlaRuntimeError")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` (or one it was raised from) is the runtime's out-of-memory on a device; by the
+    class's name and message, so that this module imports no JAX."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if type(error).__name__ in RUNTIME_ERRORS and any(t in str(error) for t in OUT_OF_MEMORY_TEXTS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 class ConfigError(MeshlmError):
     """An unknown preset, an unknown field, or a value that cannot work."""
 
@@ -40,6 +58,11 @@ class TokenRangeError(MeshlmError):
 
 class CheckpointError(MeshlmError):
     """A missing, incomplete, corrupt or mismatched checkpoint."""
+
+
+class OutOfMemory(MeshlmError):
+    """A device ran out of memory: what was asked, what fits, and the flags that cut memory
+    (``perf.oom``); nothing saved was touched."""
 
 
 class DataError(MeshlmError):

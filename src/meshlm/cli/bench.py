@@ -4,10 +4,12 @@ per device and collectives; see ``meshlm.perf.bench`` for what is measured and h
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from meshlm.cli.common import add_common, add_flags, flag_layout, refuse_options, settings_from, setup
 from meshlm.errors import ConfigError
+from meshlm.model.config import get_config
 from meshlm.perf.bench_settings import BenchSettings
 
 # Timed with --memory-options instead (against tensor parallelism and GSPMD).
@@ -30,7 +32,10 @@ def check_out(out: str | None) -> None:
         )
 
 
-def _format(report: dict, format_bench) -> str:
+def _format(report: dict) -> str:
+    """The implementations' report as text (with --memory-options, those options' table after it)."""
+    from meshlm.perf.bench_report import format_bench
+
     if "memory_options" not in report:
         return format_bench(report)
     from meshlm.perf.memory_bench import format_memory_options
@@ -42,48 +47,88 @@ def run(args) -> int:
     bs = settings_from(args, BenchSettings)
     check_out(bs.out)
     refuse_options(args, bs, "bench", REFUSED, " (--memory-options times FSDP and SP against tp)")
-    if (planned := flag_layout(args, bs)) and bs.batch_size is not None:  # before devices, compiles
-        planned.check_batch(bs.batch_size)
+    if planned := flag_layout(args, bs):  # before devices, compiles
+        if bs.batch_size is not None:
+            planned.check_batch(bs.batch_size)
+        cfg = get_config(bs.config)
+        bs.check_impls(cfg if bs.moe_dispatch is None else cfg.replace(moe_dispatch=bs.moe_dispatch), planned)
     layout = setup(args, bs, planned)
-    from meshlm.model.config import get_config
     from meshlm.parallel.distributed import is_main, print0
-    from meshlm.perf.bench import run_bench
-    from meshlm.perf.bench_report import format_bench, write_outputs
+    from meshlm.train.step import step_model
 
-    cfg = get_config(bs.config).replace(unroll=bs.unroll, attention=bs.attention, attn_block=bs.attn_block)
+    cfg = get_config(bs.config).replace(attention=bs.attention, attn_block=bs.attn_block)
+    # --remat and --unroll as train applies them (a rolled loop under remat, where its saving needs one)
+    cfg = step_model(cfg, remat=bs.remat, unroll=bs.unroll, fsdp=False)
     if bs.moe_dispatch is not None:  # a dense model ignores it
         cfg = cfg.replace(moe_dispatch=bs.moe_dispatch)
     if bs.vocab_size is not None:  # the embedding and head follow (padded to vocab_multiple)
         cfg = cfg.replace(vocab_size=bs.vocab_size)
     settings = bs.resolved(cfg, layout)
     name = bs.config if bs.vocab_size is None else f"{bs.config} (vocab {bs.vocab_size})"
+    from meshlm.perf.oom import reported
+
+    # a device's out-of-memory, compiling or stepping: one line (``perf.oom``)
+    with reported(lambda: bench_asked(bs.config, cfg, layout, settings)):
+        report, text = _bench(bs, cfg, name, layout, settings)
+    print0(json.dumps(report) if args.json else text(report))
+    if bs.out and is_main() and text is _format:  # a --compare-* report has no bench.json or chart
+        from meshlm.perf.bench_report import write_outputs
+
+        write_outputs(report, bs.out)
+    return 0
+
+
+def _bench(bs, cfg, name, layout, settings) -> tuple[dict, Callable[[dict], str]]:
+    """(the report, its text): a --compare-* comparison's, or the implementations' (with
+    --memory-options, those too)."""
     if bs.compare_schedules:
         from meshlm.perf.bench_pp import compare_schedules, format_compare
 
         bs.check(cfg, layout)
-        report = compare_schedules(cfg, name, layout, settings)
-        print0(json.dumps(report) if args.json else format_compare(report))
-        return 0
+        return compare_schedules(cfg, name, layout, settings), format_compare
     if bs.compare_window:
         from meshlm.perf.bench_window import compare_window, format_window
 
         bs.check(cfg, layout)
-        report = compare_window(cfg, name, layout, settings)
-        print0(json.dumps(report) if args.json else format_window(report))
-        return 0
+        return compare_window(cfg, name, layout, settings), format_window
     if bs.compare_linear:
         from meshlm.perf.bench_linear import compare_linear, format_linear
 
         bs.check(cfg, layout)
-        report = compare_linear(cfg, name, layout, settings)
-        print0(json.dumps(report) if args.json else format_linear(report))
-        return 0
+        return compare_linear(cfg, name, layout, settings), format_linear
+    from meshlm.perf.bench import run_bench
+
     report = run_bench(cfg, name, layout, settings)
     if bs.memory_options:
         from meshlm.perf.memory_bench import memory_options_bench
 
         report["memory_options"] = memory_options_bench(cfg, layout, settings)
-    print0(json.dumps(report) if args.json else _format(report, format_bench))
-    if bs.out and is_main():
-        write_outputs(report, bs.out)
-    return 0
+    return report, _format
+
+
+def bench_asked(config: str, cfg, layout, settings):
+    """The bench as an out-of-memory line names it, with its flags that cut memory: it holds every
+    implementation's parameters and AdamW state at once (``copies``)."""
+    from meshlm.perf.bench_settings import impl_names
+    from meshlm.perf.oom import Asked
+
+    compared = settings.compare_schedules or settings.compare_window or settings.compare_linear
+    built = 1 if compared else len(settings.chosen(impl_names(cfg, layout)))
+    cuts = [f"--impls meshlm (1 implementation's state, not {built})"] if built > 1 else []
+    cuts += ["--remat full"] if settings.remat != "full" else []
+    cuts += [
+        "a smaller --batch-size",
+        *(["--bf16 (16-bit activations)"] if settings.compute_dtype == "float32" else []),
+    ]
+    return Asked(
+        "bench",
+        config,
+        cfg,
+        layout,
+        settings.batch_size,
+        settings.seq_len,
+        tuple(cuts),
+        compute_dtype=settings.compute_dtype,
+        remat=settings.remat,
+        copies=built,
+    )

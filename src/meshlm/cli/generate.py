@@ -147,8 +147,8 @@ def run(args) -> int:
 
         check_speculative_run(args.temperature)
     layout = setup(args, flags)
-    from meshlm.generate.generator import Generator, cache_memory
-    from meshlm.io.model_io import load_model, read_config
+    from meshlm.generate.generator import cache_memory
+    from meshlm.io.model_io import read_config
     from meshlm.parallel.distributed import is_main, print0
 
     prefill_cp = layout.context_parallel  # with cp: the prefill over cp
@@ -157,11 +157,8 @@ def run(args) -> int:
 
         check_speculative(read_config(args.checkpoint)[0], None, args.temperature, prefill_cp)
     tok = _tokenizer(args)  # the checkpoint's own: bytes, or its tokenizer.json
-    cfg, params, _ = load_model(args.checkpoint, layout)
-    eod = _stop_ids(args, tok)
-    gen = Generator(cfg, params, layout, tokenizer=tok, eod=eod, prefill_cp=prefill_cp)
     streaming = not args.json and len(prompts) == 1 and is_main()
-    results, spec = _generate(args, gen, prompts, _streamer(prompts[0]) if streaming else None)
+    gen, results, spec = _load_and_generate(args, layout, tok, prompts, streaming)
     cache = cache_memory(gen, len(prompts))
     if args.json:
         objs = [{**r.to_json(), "kv_cache": cache} for r in results]
@@ -182,6 +179,48 @@ def run(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _load_and_generate(args, layout, tok, prompts, streaming: bool) -> tuple:
+    """(the Generator, its results, the speculation's stats or None): the weights loaded onto
+    ``layout`` and the prompts continued; a device's out-of-memory on the way is one line
+    (``generate_asked``)."""
+    from meshlm.generate.generator import Generator
+    from meshlm.io.model_io import load_model
+    from meshlm.perf.oom import reported
+
+    with reported(lambda: generate_asked(args, layout, len(prompts))):
+        cfg, params, _ = load_model(args.checkpoint, layout)
+        eod = _stop_ids(args, tok)
+        gen = Generator(cfg, params, layout, tokenizer=tok, eod=eod, prefill_cp=layout.context_parallel)
+        results, spec = _generate(args, gen, prompts, _streamer(prompts[0]) if streaming else None)
+    return gen, results, spec
+
+
+def generate_asked(args, layout, rows: int) -> str:
+    """The out-of-memory line of generate: what was asked, the weights' and the KV cache's bytes per
+    device (``meshlm memory``'s count and ``cache_bytes``: float32 as stored), and what cuts memory:
+    fewer rows, or a larger mp (the weights and the cache's heads split over it). The cache holds the
+    model's whole context (max_seq_len positions) whatever --max-new-tokens is."""
+    from meshlm.generate.cache import cache_bytes
+    from meshlm.io.model_io import read_config
+    from meshlm.perf.memory import memory_report
+    from meshlm.perf.oom import device_memory
+    from meshlm.units import format_bytes
+
+    cfg = read_config(args.checkpoint)[0]
+    kind, limit = device_memory()
+    weights = memory_report(cfg, layout)["param_bytes_per_device"]
+    padded = -(-rows // layout.dp) * layout.dp  # rows padded to a multiple of dp, as generate pads them
+    cache = cache_bytes(cfg, layout, padded, cfg.max_seq_len)["per_device"]
+    of = f" of its {format_bytes(limit)}" if limit else ""
+    return (
+        f"out of memory on {kind} in meshlm generate: asked {args.checkpoint} on mesh {layout.label()}, "
+        f"{rows} prompts; its weights take {format_bytes(weights)} per device and the KV cache of "
+        f"{cfg.max_seq_len} positions per row {format_bytes(cache)}{of} (meshlm memory's counts); cut "
+        "memory with fewer prompts per run, or a larger mp (--mesh 1xN splits the weights and the cache's "
+        "heads)"
+    )
 
 
 def _generate(args, gen, prompts, on_token) -> tuple:

@@ -151,17 +151,15 @@ def _matrix(args, vs: VerifySettings, axes: tuple[str, ...]) -> int:
 def _verify(args, vs: VerifySettings, planned) -> int:
     layout = setup(args, vs, planned)
     import jax
-    import jax.numpy as jnp
 
     from meshlm.parallel.distributed import print0
-    from meshlm.proof import format_report, model_problem, verify
     from meshlm.sharding.strategy import strategy
 
     if vs.x64:
         jax.config.update("jax_enable_x64", True)
     cfg, name, eod = get_config(vs.config), vs.config, EOD
     if vs.checkpoint:
-        from meshlm.io.model_io import load_model, read_config
+        from meshlm.io.model_io import read_config
 
         cfg, name = read_config(vs.checkpoint)[0], vs.checkpoint
         if (tok_eod := _check_tokenizer(vs.checkpoint, print0)) is not None:
@@ -192,6 +190,46 @@ def _verify(args, vs: VerifySettings, planned) -> int:
     kernel = f", blocks of {block}" if cfg.attention == "blockwise" or layout.blockwise else ""
     print0(f"shapes: batch {batch} x {seq_len} tokens{kernel}", file=sys.stderr)
     strategy(layout).check(cfg, layout)  # e.g. layers a pipeline cannot split
+    from meshlm.perf.oom import reported
+
+    # a device's out-of-memory, compiling or stepping: one line (``perf.oom``)
+    with reported(lambda: verify_asked(vs, cfg, name, layout, batch, seq_len)):
+        return _prove(args, vs, cfg, name, layout, batch, seq_len)
+
+
+def verify_asked(vs: VerifySettings, cfg, name: str, layout, batch: int, seq_len: int):
+    """The proof as an out-of-memory line names it: it holds the sharded model and the unsharded
+    reference (``copies``), in float64 with --x64 (twice the bytes)."""
+    from meshlm.perf.oom import Asked
+
+    remat = cfg.remat if isinstance(cfg.remat, str) else ("full" if cfg.remat else "none")
+    cuts = ["a smaller --batch-size", "a smaller --seq-len"]
+    cuts += ["--remat full"] if remat != "full" else []
+    cuts += [] if layout.fsdp else ["--fsdp (weights and AdamW state split over dp > 1)"]
+    return Asked(
+        "verify",
+        name,
+        cfg,
+        layout,
+        batch,
+        seq_len,
+        tuple(cuts),
+        compute_dtype="float64" if vs.x64 else "float32",
+        remat=remat,
+        copies=2,
+        scale=2 if vs.x64 else 1,
+        checkpoint=vs.checkpoint,
+    )
+
+
+def _prove(args, vs: VerifySettings, cfg, name: str, layout, batch: int, seq_len: int) -> int:
+    """The proof of ``cfg`` on ``layout``: DPO's, or the model's with its controls; the exit code."""
+    import jax.numpy as jnp
+
+    from meshlm.io.model_io import load_model
+    from meshlm.parallel.distributed import print0
+    from meshlm.proof import format_report, model_problem, verify
+
     if vs.objective == "dpo":  # DPO's step: its own program, reference and controls (``proof.dpo``)
         from meshlm.proof.dpo import prove_dpo
 

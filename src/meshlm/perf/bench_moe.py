@@ -30,16 +30,13 @@ import numpy as np
 
 from meshlm.model.accounting import param_counts
 from meshlm.model.config import ModelConfig
-from meshlm.parallel.axes import AXIS, EP
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding
-from meshlm.perf.bench_settings import BenchSettings
+from meshlm.perf.bench_settings import DENSE, NO_EP, TODAY, BenchSettings
 from meshlm.train.optim import OptimConfig
 from meshlm.train.step import init_model, init_opt_state, sharded_step
 
-TODAY = "dense-dispatch"  # the same MoE with the "dense" dispatch: every expert on every token
-NO_EP = AXIS[EP].baseline  # "no-ep": the same model on the same devices, every expert on every data shard
-DENSE = "dense-eq"  # a MoE model: the dense model of equal active parameters (``dense_equivalent``)
+__all__ = ["DENSE", "NO_EP", "TODAY", "dense_equivalent", "dense_step", "moe_comparison", "today_step"]
 
 
 def dense_equivalent(cfg: ModelConfig) -> ModelConfig:
@@ -66,25 +63,28 @@ def dense_equivalent(cfg: ModelConfig) -> ModelConfig:
     )
 
 
-def dense_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: BenchSettings, host: dict):
+def dense_step(
+    cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: BenchSettings, host: dict, dtype=None
+):
     """dense-eq's (jitted step, params, opt_state, batch) for ``bench._compiled``: its own parameters
-    (seed ``settings.seed``) on the dp x mp mesh, the same host batch ``host``."""
+    (seed ``settings.seed``) on the dp x mp mesh, the same host batch ``host``; ``dtype``: the compute
+    dtype (``train.step.COMPUTE_DTYPES``)."""
     dense, flat = dense_equivalent(cfg), layout.flat
     params, specs = init_model(dense, flat, settings.seed)
-    step, opt = sharded_step(dense, ocfg, flat, specs, params)
+    step, opt = sharded_step(dense, ocfg, flat, specs, params, compute_dtype=dtype)
     batch = jax.device_put(host, batch_sharding(flat, 1))
     return step, params, init_opt_state(opt, params, specs, flat.mesh), batch
 
 
-def today_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params, host):
+def today_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params, host, dtype=None):
     """``TODAY``'s (jitted step, params, opt_state, batch): the same parameters and batch, the "dense"
-    dispatch, on the same mesh."""
+    dispatch, on the same mesh, in compute dtype ``dtype``."""
     from meshlm.sharding.rules import model_specs, shardings
 
     today = cfg.replace(moe_dispatch="dense")
     specs = model_specs(today, host_params, layout)
     params = jax.device_put(host_params, shardings(specs, layout.mesh))
-    step, opt = sharded_step(today, ocfg, layout, specs, params)
+    step, opt = sharded_step(today, ocfg, layout, specs, params, compute_dtype=dtype)
     batch = jax.device_put(host, batch_sharding(layout, 1))
     return step, params, init_opt_state(opt, params, specs, layout.mesh), batch
 

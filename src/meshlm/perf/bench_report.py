@@ -23,27 +23,32 @@ def format_bench(report: dict) -> str:
 def _header(report: dict) -> list[str]:
     dp, mp = report["mesh"]["dp"], report["mesh"]["mp"]
     ep = f" + EP{report['mesh']['ep']}" if "ep" in report["mesh"] else ""
-    peak = report["peak_flops"]
+    peak, spec = report["peak_flops"], report["spec_peak_flops"]["bfloat16"]
+    spec_text = "not a known chip" if spec is None else f"{spec / 1e12:.0f} TFLOP/s bfloat16"
     return [
         f"meshlm bench: config={report['config']} mesh={dp}x{mp}{ep} batch={report['batch_size']} "
-        f"seq={report['seq_len']} timed steps={report['timed_steps']} (median, interleaved)",
+        f"seq={report['seq_len']} {report['compute_dtype']} compute, remat {report['remat']}, "
+        f"timed steps={report['timed_steps']} (median, interleaved)",
         f"matmul peak: float32 {peak['float32'] / 1e9:.1f} GFLOP/s, bfloat16 {peak['bfloat16'] / 1e9:.1f}"
         f" GFLOP/s; model FLOPs/step {report['model_flops_per_step'] / 1e9:.2f} G",
+        f"MFU: over the measured {report['compute_dtype']} matmul peak; MFU spec: over the chip's spec peak "
+        f"({report['device_kind']}: {spec_text})",
     ]
 
 
 def _table(report: dict) -> list[str]:
     """One row per implementation: times, throughput, memory and all-reduces per step (per device)."""
     head = (
-        f"{'impl':<10} {'median s':>9} {'min s':>7} {'max s':>7} {'tokens/s':>9} {'MFU':>6} "
+        f"{'impl':<10} {'median s':>9} {'min s':>7} {'max s':>7} {'tokens/s':>9} {'MFU':>6} {'MFU spec':>8} "
         f"{'params MiB':>10} {'opt MiB':>8} {'peak MiB':>9} {'all-reduce/step':>15} {'MiB/step':>9}"
     )
     rows = [head, "-" * len(head)]
     for r in report["results"]:
         mem, ar = r["bytes_per_device"], r["collectives"]["per_step"]["all-reduce"]
+        spec = "-" if r["mfu_spec"] is None else f"{r['mfu_spec']:.3f}"
         rows.append(
             f"{r['impl']:<10} {r['step_s_median']:>9.3f} {r['step_s_min']:>7.3f} {r['step_s_max']:>7.3f} "
-            f"{r['tokens_per_s']:>9.0f} {r['mfu']:>6.3f} {_mib(mem['params']):>10} "
+            f"{r['tokens_per_s']:>9.0f} {r['mfu']:>6.3f} {spec:>8} {_mib(mem['params']):>10} "
             f"{_mib(mem['opt_state']):>8} {_mib(mem['peak']):>9} {ar['count']:>15} {_mib(ar['bytes']):>9}"
         )
     return rows
@@ -111,7 +116,7 @@ def plot_bench(report: dict, path: str | Path) -> None:
     names = [r["impl"] for r in report["results"]]
     fig = Figure(figsize=(9, 3.6), layout="constrained")
     FigureCanvasAgg(fig)
-    panels = (("tokens_per_s", "tokens / s"), ("mfu", "MFU (fp32 peak)"))
+    panels = (("tokens_per_s", "tokens / s"), ("mfu", f"MFU (measured {report['compute_dtype']} peak)"))
     for ax, (key, label) in zip(fig.subplots(1, 2), panels, strict=True):
         values = [r[key] for r in report["results"]]
         bars = ax.bar(names, values, color=["tab:blue", "tab:gray", "tab:orange", "tab:green"][: len(names)])

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig, beyond_max_seq_len, default_seq_len
+from meshlm.model.family import COMPUTE_DTYPES, REMAT
+from meshlm.parallel.axes import AXIS, EP, PP
 from meshlm.parallel.layout import Layout
 from meshlm.ranges import NON_NEGATIVE_INT, POSITIVE_INT
 from meshlm.settings import (
@@ -20,6 +22,7 @@ from meshlm.settings import (
     SEQ_LEN_DEFAULT_TEXT,
     LongContext,
     MeshFlags,
+    Switch,
     setting,
 )
 
@@ -27,6 +30,33 @@ MIN_STEPS = 5  # fewer timed steps give a median that is mostly noise on a share
 # Keeps a `small` bench near 1.5 minutes on 2 CPU cores (a step takes 1.7 s on an idle machine at
 # seq 256, 4 s on a loaded one).
 DEFAULT_BATCH = 4
+
+
+# The implementations' names (``perf.bench``; here, without JAX, so that --impls is checked before the
+# devices start). A mixture of experts has no ``plain`` (the hand-written model has no experts).
+IMPLS = ("meshlm", "unsharded", "gspmd", "plain")
+NO_PP = AXIS[PP].baseline  # "no-pp": the same model on the dp x mp mesh without the pipeline
+NO_EP = AXIS[EP].baseline  # "no-ep": the same model on the same devices, every expert on every data shard
+DENSE = "dense-eq"  # a MoE model: the dense model of equal active parameters (``bench_moe``)
+TODAY = "dense-dispatch"  # the same MoE with the "dense" dispatch: every expert on every token
+
+
+def impl_names(cfg: ModelConfig, layout: Layout) -> tuple[str, ...]:
+    """Every implementation the bench has for this model and mesh, in the order it builds and reports
+    them (``--impls`` picks some of these)."""
+    names = [*IMPLS[:3], *(() if cfg.arch.moe else ("plain",)), *layout.baselines()]
+    if cfg.arch.moe:  # the dense model of equal active parameters; today's dispatch beside it
+        names += [DENSE, *((TODAY,) if cfg.moe_dispatch != "dense" else ())]
+    return tuple(names)
+
+
+def parse_impls(text: str) -> str:
+    """--impls' text as the comma list it names, spaces dropped; which names the model has is checked
+    against it later (``BenchSettings.check``: they depend on the model and the mesh)."""
+    names = [n.strip() for n in text.split(",")]
+    if not all(names):
+        raise ValueError(f"{text!r} has an empty name; give a comma list such as meshlm,plain")
+    return ",".join(names)
 
 
 @dataclass(frozen=True)
@@ -53,6 +83,25 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
     peak_n: int = setting(
         2048, "matmul size of the peak measurement (raise on accelerators)", valid=POSITIVE_INT
     )
+    impls: str | None = setting(
+        None,
+        "comma list of the implementations to build and time, e.g. meshlm,plain: only those are held in "
+        "memory (a model that fills the device fits once, not once per implementation)",
+        shown_default="every one the model has",
+        parse=parse_impls,
+    )
+    compute_dtype: str = setting(
+        "float32",
+        "float32, or bfloat16: bf16 compute with float32 master weights",
+        switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights, as train --bf16"),
+        choices=COMPUTE_DTYPES,
+    )
+    remat: str = setting(
+        "none",
+        "per-layer recomputation in the backward, as train --remat: none, full or selective (keep matmul "
+        "outputs); cuts activation memory (the plain row has none: it is the hand-written model)",
+        choices=REMAT,
+    )
     moe_dispatch: str | None = setting(
         None,
         "a mixture of experts' dispatch: blocks, ragged_dot or dense (every expert on every token; "
@@ -62,7 +111,8 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
     )
     unroll: int = setting(
         0,
-        "layers per iteration of the layer loop (0: all, the default; 1: a rolled loop)",
+        "layers per iteration of the layer loop (0: all, the default, but 1 under --remat, whose saving "
+        "needs the loop; 1: a rolled loop)",
         valid=NON_NEGATIVE_INT,
     )
     vocab_size: int | None = setting(
@@ -99,8 +149,43 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
         batch = self.batch_size or -(-DEFAULT_BATCH // rows) * rows
         return dataclasses.replace(self, batch_size=batch, seq_len=default_seq_len(cfg, self.seq_len or 0))
 
+    def chosen(self, available: tuple[str, ...]) -> tuple[str, ...]:
+        """The implementations to build, in the bench's order: --impls' of ``available`` (every one
+        the model and mesh have), or all of them."""
+        if self.impls is None:
+            return available
+        asked = self.impls.split(",")
+        if unknown := [n for n in asked if n not in available]:
+            raise ConfigError(
+                f"--impls {self.impls}: no implementation {', '.join(unknown)} for this model and mesh; "
+                f"valid: {','.join(available)}"
+            )
+        return tuple(n for n in available if n in asked)
+
+    def check_impls(self, cfg: ModelConfig, layout: Layout) -> None:
+        """--impls names implementations this model and mesh have, --bf16 a dtype the family trains in,
+        and neither is given to a --compare-* or --memory-options run, which build steps of their own."""
+        self.chosen(impl_names(cfg, layout))
+        if self.compute_dtype not in cfg.arch.compute_dtypes:
+            raise ConfigError(
+                f"--bf16: {cfg.arch.name} trains in {', '.join(cfg.arch.compute_dtypes)} only; drop --bf16"
+            )
+        if self.remat not in cfg.arch.remat:
+            raise ConfigError(f"--remat {self.remat}: {cfg.arch.name} supports {', '.join(cfg.arch.remat)}")
+        own = [
+            f
+            for f in ("compare_schedules", "compare_window", "compare_linear", "memory_options")
+            if getattr(self, f)
+        ]
+        given = [f for f, v in (("--impls", self.impls), ("--bf16", self.compute_dtype != "float32")) if v]
+        if own and given:
+            raise ConfigError(
+                f"--{own[0].replace('_', '-')} times steps of its own, in float32; drop {' and '.join(given)}"
+            )
+
     def check(self, cfg: ModelConfig, layout: Layout) -> None:
         s = self.resolved(cfg, layout)
+        s.check_impls(cfg, layout)
         if s.steps < MIN_STEPS:
             raise ConfigError(f"--steps must be >= {MIN_STEPS} (a median of fewer is noise), got {s.steps}")
         if s.warmup < 0:

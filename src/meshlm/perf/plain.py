@@ -25,6 +25,7 @@ import numpy as np
 from meshlm.model.attention import kind_tables, layer_kinds
 from meshlm.model.attention_variants import Variant, capped_logits, rotary_scale
 from meshlm.model.config import ModelConfig
+from meshlm.sharding.spmd import with_compute_dtype
 from meshlm.train.optim import OptimConfig, adamw, make_step
 
 GELU = lambda x: jax.nn.gelu(x, approximate=True)
@@ -196,8 +197,10 @@ def loss(cfg: ModelConfig, params, batch):
     return jnp.mean(per_token)
 
 
-def plain_step(cfg: ModelConfig, ocfg: OptimConfig, params):
-    """(jitted step, optimizer): the same AdamW step as meshlm's, on the hand-written model."""
+def plain_step(cfg: ModelConfig, ocfg: OptimConfig, params, compute_dtype=None):
+    """(jitted step, optimizer): the same AdamW step as meshlm's, on the hand-written model.
+    ``compute_dtype`` (e.g. bf16): the forward and backward on parameters cast to it, gradients and
+    AdamW in the float32 master weights -- the cast ``train --bf16`` applies (``with_compute_dtype``)."""
     opt = adamw(ocfg, params)
-    grad = jax.value_and_grad(lambda p, b: loss(cfg, p, b))
+    grad = jax.value_and_grad(with_compute_dtype(lambda p, b: loss(cfg, p, b), compute_dtype))
     return jax.jit(make_step(grad, opt, ocfg), donate_argnums=(0, 1)), opt

@@ -24,17 +24,19 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.data.device_batches import device_batch
 from meshlm.data.tokenizer import ByteTokenizer, bits_per_byte
-from meshlm.errors import MeshlmError, TrainingError
+from meshlm.errors import MeshlmError, TrainingError, is_out_of_memory
 from meshlm.generate.generator import Generator
 from meshlm.io.tokenizer_file import TOKENIZER_FILE
 from meshlm.parallel import distributed
 from meshlm.parallel.placement import put_global
+from meshlm.perf.oom import Asked, reported
 from meshlm.sharding.stage_slots import slots_of, to_canonical
 from meshlm.sharding.strategy import strategy
 from meshlm.train import dpo_run
 from meshlm.train.config import TrainConfig
 from meshlm.train.explain import next_commands, start_line
 from meshlm.train.metrics import plot_loss_curve
+from meshlm.train.mfu import Utilisation, utilisation
 from meshlm.train.optim import trainable
 from meshlm.train.routing import routing_row
 from meshlm.train.run import Run, build_run, checkpoint_meta
@@ -68,8 +70,9 @@ def save(run: Run) -> None:
     run.saved_step = run.step
 
 
-def _train_row(run: Run, step: int, metrics: dict, seconds: float) -> dict:
-    """Step ``step``'s metrics.jsonl row (reads its metrics: waits for that step, not later ones)."""
+def _train_row(run: Run, step: int, metrics: dict, seconds: float, mfu: Utilisation | None = None) -> dict:
+    """Step ``step``'s metrics.jsonl row (reads its metrics: waits for that step, not later ones); on
+    an accelerator (``mfu``) also per-device TFLOP/s and MFU (``train.mfu``)."""
     tokens = run.tcfg.batch_size * run.tcfg.seq_len
     row = {
         "step": step,
@@ -77,6 +80,7 @@ def _train_row(run: Run, step: int, metrics: dict, seconds: float) -> dict:
         "lr": float(_lr(run.tcfg)[step - 1]),
         "grad_norm": float(metrics["grad_norm"]),
         "tokens_per_s": tokens / max(seconds, 1e-9),
+        **(mfu.row(seconds) if mfu is not None else {}),
     }
     if "routing" in metrics:  # a mixture of experts: expert load, dropped choices (``train.routing``)
         row.update(routing_row(run.cfg, metrics["routing"]))
@@ -150,8 +154,8 @@ class _InFlight:
     logging. Rows are written in step order; ``drain`` reads every step left (before an evaluation,
     a checkpoint, the end, or on the way out of a crash), so no row is lost."""
 
-    def __init__(self, run: Run, bar):
-        self.run, self.bar = run, bar
+    def __init__(self, run: Run, bar, mfu: Utilisation | None = None):
+        self.run, self.bar, self.mfu = run, bar, mfu
         self.steps: deque[tuple[int, dict]] = deque()  # (step, metrics on device)
         self.healthy = _healthy(run)  # the last dispatched step's metrics["ok"], on device
         self.clock = time.perf_counter()  # when the previous step was read back (or the loop began)
@@ -172,21 +176,24 @@ class _InFlight:
         step, metrics = self.steps.popleft()
         metrics["loss"].block_until_ready()  # waits for step `step` only; later ones keep running
         now = time.perf_counter()
-        row = _train_row(run, step, metrics, now - self.clock)
+        row = _train_row(run, step, metrics, now - self.clock, self.mfu)
         self.clock = now
         if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
             self.steps.clear()  # later steps kept the state (healthy was False): nothing to log
             raise _non_finite(run, step, row["loss"])
         if step % tcfg.log_every == 0 or step == tcfg.steps:
             run.log.write(row)
-        self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
+        shown = dict(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+        if "mfu" in row:  # an accelerator's: per-device TFLOP/s and MFU
+            shown |= dict(tflops=f"{row['tflops_per_device']:.1f}", mfu=f"{row['mfu']:.1%}")
+        self.bar.set_postfix(**shown, refresh=False)
         self.bar.update(1)
 
 
-def _loop(run: Run, stop: Stop) -> None:
+def _loop(run: Run, stop: Stop, mfu: Utilisation | None = None) -> None:
     tcfg = run.tcfg
     bar = _progress(run)
-    flight = _InFlight(run, bar)
+    flight = _InFlight(run, bar, mfu)
     try:
         while run.step < tcfg.steps and not stop.requested():
             flight.dispatch()
@@ -203,8 +210,9 @@ def _loop(run: Run, stop: Stop) -> None:
         flight.drain()
     except TrainingError:
         raise
-    except BaseException:
-        _drain_quietly(flight)  # rows of the steps that finished before the crash
+    except BaseException as e:
+        if not is_out_of_memory(e):  # out of memory: the steps in flight failed with it, nothing to log
+            _drain_quietly(flight)  # rows of the steps that finished before the crash
         raise
     finally:
         bar.close()
@@ -236,26 +244,56 @@ def train(tcfg: TrainConfig, where, stop: Stop | None = None) -> dict:
     own = stop is None
     stop = stop or Stop()
     try:
-        run = build_run(tcfg, where, startup_check=stop.check_startup)
-        try:
-            return _train(run, stop)
-        except MeshlmError:
-            run.undo_refused_start()  # refused before anything was saved: nothing left behind
-            raise
-        finally:
-            run.release()  # the run directory's lock: another run may use it now
+        # a device's out-of-memory: one line (``perf.oom``); no checkpoint is written on the way out
+        with reported(lambda: train_asked(tcfg, where)):
+            run = build_run(tcfg, where, startup_check=stop.check_startup)
+            try:
+                return _train(run, stop)
+            except BaseException as e:
+                if isinstance(e, MeshlmError) or is_out_of_memory(e):
+                    run.undo_refused_start()  # refused before anything was saved: nothing left behind
+                raise
+            finally:
+                run.release()  # the run directory's lock: another run may use it now
     finally:
         if own:
             stop.restore()
+
+
+def train_asked(tcfg: TrainConfig, where) -> Asked:
+    """The run as an out-of-memory line names it, with the flags of train that cut memory."""
+    from meshlm.train.run import run_layout, run_model
+    from meshlm.train.step import step_model
+
+    tcfg, cfg = run_model(tcfg)
+    layout = run_layout(tcfg, where)
+    cuts = ["--remat full"] if tcfg.remat != "full" else []
+    cuts += [] if tcfg.fsdp else ["--fsdp (weights and AdamW state split over dp > 1)"]
+    cuts += ["a smaller --batch-size (or --accum-steps N: the same batch in N micro-batches)"]
+    cuts += ["--bf16 (16-bit activations)"] if tcfg.compute_dtype == "float32" else []
+    return Asked(
+        "train",
+        tcfg.config or tcfg.checkpoint,
+        step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp),
+        layout,
+        tcfg.batch_size,
+        tcfg.seq_len,
+        tuple(cuts),
+        compute_dtype=tcfg.compute_dtype,
+        remat=tcfg.remat,
+        accum_steps=tcfg.accum_steps,
+        checkpoint=tcfg.checkpoint or None,
+    )
 
 
 def _train(run: Run, stop: Stop) -> dict:
     start_step, t0 = run.step, time.perf_counter()
     n_params = sum(int(p.size) for p in jax.tree.leaves(run.params))
     distributed.print0(start_line(run.tcfg, run.cfg, run.layout, n_params), file=sys.stderr)
+    mfu = run_utilisation(run)
     first = _eval_and_log(run) if run.step == 0 else None
     stop.check_startup()  # a signal during the first evaluation (or its compile): nothing ran yet
-    _loop(run, stop)
+    _loop(run, stop, mfu)
     save(run)
     if stop.requested():  # also a signal during the last save: stop there, saved
         name = signal.Signals(stop.agreed).name
@@ -278,6 +316,17 @@ def _train(run: Run, stop: Stop) -> dict:
     }
     _finish(run, summary)
     return summary
+
+
+def run_utilisation(run: Run) -> Utilisation | None:
+    """The run's MFU terms on an accelerator (``train.mfu``; its denominator said in one line), None on
+    CPU and for DPO (whose step runs the policy on chosen and rejected rows: not the formula's batch)."""
+    if run.tcfg.objective == "dpo":
+        return None
+    mfu = utilisation(run.cfg, run.tcfg.batch_size, run.tcfg.seq_len, run.layout.devices)
+    if mfu is not None:
+        distributed.print0(mfu.line(), file=sys.stderr)
+    return mfu
 
 
 def _finish(run: Run, summary: dict) -> None:

@@ -23,7 +23,7 @@ from meshlm.data.store import TokenStore, store_arg
 from meshlm.data.stream import Batcher
 from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
 from meshlm.data.tokens import check_token_range
-from meshlm.errors import CheckpointError, MeshlmError
+from meshlm.errors import CheckpointError, MeshlmError, is_out_of_memory
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.model_io import FORMAT, load_model, read_config
 from meshlm.io.run_lock import RunLock, lock_run
@@ -276,11 +276,10 @@ def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lamb
         _write_settings(out, tcfg, layout)
         startup_check()
         return run
-    except MeshlmError:
-        outputs.undo_refused_start(out, before, START_OUTPUTS, lock.release if lock else lambda: None)
-        raise
-    except BaseException:
-        if lock is not None:
+    except BaseException as e:
+        if isinstance(e, MeshlmError) or is_out_of_memory(e):  # refused: nothing left behind
+            outputs.undo_refused_start(out, before, START_OUTPUTS, lock.release if lock else lambda: None)
+        elif lock is not None:
             lock.release()
         raise
 

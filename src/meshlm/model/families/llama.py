@@ -175,6 +175,39 @@ PRESETS: dict[str, dict] = {
         max_seq_len=131072,
         norm_eps=1e-5,
     ),
+    # meta-llama/Llama-3.2-1B's config.json: Llama 3.1's frequency scaling with factor 32 over 8192,
+    # tied embeddings (its bos 128000 and eos 128001 are the tokenizer's, not the model's). A model
+    # that fills one 16 GiB chip (docs/memory.md).
+    "llama3.2-1b": dict(
+        vocab_size=128256,
+        d_model=2048,
+        n_layers=16,
+        d_ff=8192,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=64,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(
+            factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+        ),
+        max_seq_len=131072,
+        norm_eps=1e-5,
+        tie_embeddings=True,
+    ),
+    # HuggingFaceTB/SmolLM2-360M's config.json (a Llama): 15 heads of 64 and 5 KV heads, tied.
+    "smollm2-360m": dict(
+        vocab_size=49152,
+        d_model=960,
+        n_layers=32,
+        d_ff=2560,
+        n_heads=15,
+        n_kv_heads=5,
+        head_dim=64,
+        rope_theta=100000.0,
+        max_seq_len=8192,
+        norm_eps=1e-5,
+        tie_embeddings=True,
+    ),
     # tiny-llama with 8 layers: pipelines of pp = 4 and interleaved schedules (pp x V chunks) on 4-8
     # devices.
     "tiny-deep": dict(TINY_LLAMA, n_layers=8),

@@ -48,7 +48,9 @@ HF = replace(
 FAMILY = replace(llama.FAMILY, name="qwen3", hf=HF, qk_norm="head")
 
 # ``ModelConfig`` fields by preset name (the registry adds ``family``); qwen3-8b and qwen3-32b: the
-# config.json of Qwen/Qwen3-8B and Qwen/Qwen3-32B (vocabulary 151936, a multiple of 128: no padding).
+# config.json of Qwen/Qwen3-8B and Qwen/Qwen3-32B (vocabulary 151936, a multiple of 128: no padding);
+# qwen3-0.6b and qwen3-1.7b: Qwen/Qwen3-0.6B and Qwen3-1.7B's (tied embeddings), models that fill one
+# 16 GiB chip (docs/memory.md: `meshlm plan` on one chip).
 PRESETS: dict[str, dict] = {
     # head_dim 16 != d_model / n_heads = 8 (as Qwen3-32B's 128 != 5120 / 64), 2 KV heads (replicated
     # on mp = 4), an untied head.
@@ -75,5 +77,31 @@ PRESETS: dict[str, dict] = {
         rope_theta=1e6,
         max_seq_len=40960,
         norm_eps=1e-6,
+    ),
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        d_model=1024,
+        n_layers=28,
+        d_ff=3072,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,  # != 1024 / 16: Qwen3's explicit head_dim
+        rope_theta=1e6,
+        max_seq_len=40960,
+        norm_eps=1e-6,
+        tie_embeddings=True,
+    ),
+    "qwen3-1.7b": dict(
+        vocab_size=151936,
+        d_model=2048,
+        n_layers=28,
+        d_ff=6144,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        max_seq_len=40960,
+        norm_eps=1e-6,
+        tie_embeddings=True,
     ),
 }
