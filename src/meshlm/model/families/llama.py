@@ -208,6 +208,18 @@ PRESETS: dict[str, dict] = {
         norm_eps=1e-5,
         tie_embeddings=True,
     ),
+    # the chip's bench model (docs/benchmarks.md, "On a TPU chip"): the shape issue 56 measured meshlm
+    # against plain JAX on (a GPT-2-small-sized Llama of 8 layers, ~100M parameters; fits one 16 GiB chip
+    # in float32 with AdamW at 8 x 512 without remat, and at 2 x 8192 with blockwise or flash attention)
+    "llama-100m": dict(
+        vocab_size=16384,
+        d_model=768,
+        n_layers=8,
+        d_ff=3072,
+        n_heads=12,
+        max_seq_len=8192,
+        norm_eps=1e-5,
+    ),
     # tiny-llama with 8 layers: pipelines of pp = 4 and interleaved schedules (pp x V chunks) on 4-8
     # devices.
     "tiny-deep": dict(TINY_LLAMA, n_layers=8),
