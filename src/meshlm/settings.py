@@ -91,7 +91,7 @@ def check_fields(obj) -> None:
 
 
 # ---- the mesh: the same flags on every command that takes one (issue 32) ----
-ATTENTION_KINDS = ("plain", "blockwise")  # model.config.ATTENTION
+ATTENTION_KINDS = ("plain", "blockwise", "flash")  # model.config.ATTENTION
 CP_STRATEGY_NAMES = ("ring", "allgather")  # parallel.layout.CP_STRATEGIES
 PP_SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")  # parallel.pipeline_schedule.SCHEDULES
 # What a command that lacks an option runs without (its flag's help and its one-line refusal).

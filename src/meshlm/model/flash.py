@@ -1,0 +1,165 @@
+"""Fused flash attention on TPU: JAX's own Pallas splash-attention kernel (``--attention flash``).
+
+``jax.experimental.pallas.ops.tpu.splash_attention`` computes softmax attention block by block in one
+Pallas kernel, forward and backward (its own custom VJP), memory O(T). On a TPU it is compiled (Mosaic);
+elsewhere (CPU, where CI runs) the same kernel runs in Pallas interpret mode (``interpret=True``), so
+every test exercises the kernel's own code, not a stand-in.
+
+Shapes (as ``attention._attend``, per shard): q [B, T, h, E]; k, v [B, T, kv, E] with h a multiple of kv
+(grouped-query: query head i reads KV head i // (h / kv), which is splash's own MHA grouping, so K/V
+are neither repeated nor copied). The kernel takes one sequence, [heads, T, E]: the batch is a
+``vmap`` and the heads are transposed in front of the sequence.
+
+What the kernel is told of a ``Variant`` (it never learns the variant's name):
+
+- the mask, by token index (the queries and keys are one sequence at positions 0..T-1: training,
+  scoring; ``Attention._attend`` sends a KV-cache decode, whose keys are the cache's slots, to plain
+  attention): causal (``CausalMask``), a sliding window w (``LocalMask`` with w - 1 keys to the left,
+  none to the right: a query at i sees i - w < j <= i), Llama 4's chunks (``ChunkedCausalMask``), the
+  two together (their ``&``); document starts (``--doc-mask``) as segment ids: a key j is visible to a
+  query i >= j of the same document exactly when both tokens' document starts are equal;
+- the score: the 1 / sqrt(scalar or E) scale folded into q, then soft-capping (``attn_logits_soft_cap``:
+  c tanh(s / c) before the mask, as ``score_mod``);
+- the normaliser: learned sinks (``sinks``: exp(sink) joins the softmax's sum, one logit per query head;
+  the kernel's backward returns their gradient);
+- a layer's traced window or chunk (Gemma 2/3's, gpt-oss's, Llama 4's local and global layers in one
+  layer loop): the kernel's masks are static, so each candidate of the model's ``layer_rules`` is
+  compiled once and ``lax.switch`` picks the traced layer's.
+
+Sequence length: the kernel's blocks are multiples of 128 tokens. T is padded at the end to a multiple
+of 128 (the blocks then 512, 256 or 128, the largest that divides it): a padded key comes after every
+real query, so causality hides it; padded query rows are dropped. Nothing else changes with T.
+
+Precision: the kernel keeps its running max, sum and accumulator in float32 and multiplies in float32
+at most: float64 inputs are not computed in float64 (``meshlm verify --x64`` refuses flash in one line;
+float32 verify proves it at the float32 tolerance).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+from meshlm.model.attention_variants import CAUSAL, Variant
+from meshlm.model.layers import varying_like
+
+LANES = 128  # the kernel's blocks are multiples of this many tokens
+BLOCKS = (512, 256, 128)  # tried in order: the largest that divides the padded length
+
+
+def interpret_mode() -> bool:
+    """Pallas interpret mode everywhere but on a TPU (the compiled kernel is Mosaic, TPU only)."""
+    return jax.default_backend() != "tpu"
+
+
+def padded_length(t: int) -> int:
+    """T rounded up to the kernel's multiple of 128 tokens."""
+    return -(-t // LANES) * LANES
+
+
+def block_size(t_padded: int) -> int:
+    """Queries and keys per kernel block: the largest of ``BLOCKS`` that divides the padded length."""
+    return next(b for b in BLOCKS if t_padded % b == 0)
+
+
+def _mask(t: int, window: int, chunk: int) -> masks.Mask:
+    """One head's [T, T] mask (static, by token index): causal, inside the window, inside the chunk."""
+    mask = masks.CausalMask((t, t))
+    if window:  # a query at i sees i - window < j <= i: window - 1 keys before it, itself
+        mask = masks.LocalMask((t, t), (window - 1, 0), 0)
+    if chunk:
+        chunked = masks.ChunkedCausalMask((t, t), chunk)
+        mask = chunked if not window else mask & chunked
+    return mask
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(heads: int, t: int, window: int, chunk: int, softcap: float, interpret: bool):
+    """The splash kernel for ``heads`` query heads of one sequence of ``t`` (padded) tokens; its mask
+    information is computed once per shape and rule (numpy, at trace time), hence the cache."""
+    b = block_size(t)
+    sizes = splash.BlockSizes(
+        block_q=b, block_kv=b, block_kv_compute=b,
+        block_q_dkv=b, block_kv_dkv=b, block_kv_dkv_compute=b,
+        block_q_dq=b, block_kv_dq=b,
+    )  # fmt: skip
+    mask = masks.MultiHeadMask([_mask(t, window, chunk)] * heads)
+    with jax.ensure_compile_time_eval():  # its mask arrays constants, not the caller's trace's (cached)
+        return splash.make_splash_mha(
+            mask,
+            block_sizes=sizes,
+            head_shards=1,
+            q_seq_shards=1,
+            attn_logits_soft_cap=softcap or None,
+            interpret=interpret,
+        )
+
+
+def static_rules(variant: Variant) -> tuple[int, int]:
+    """(window, chunk) of a variant whose rules are Python ints (0: off); None if one is traced."""
+    rules = variant.rules()
+    values = [rules.get(name, 0) for name in ("window", "chunk")]
+    if not all(isinstance(v, int | np.integer) for v in values):
+        return None
+    return int(values[0]), int(values[1])
+
+
+def layer_rules(cfg) -> tuple[tuple[int, int], ...]:
+    """The (window, chunk) a layer of ``cfg`` may have (its kinds': ``attention.kind_tables``): local
+    layers the sliding window and the chunk, global ones neither."""
+    local = (cfg.sliding_window, cfg.attn_chunk)
+    return (local, (0, 0)) if cfg.global_every else (local,)
+
+
+def _segments(starts, t_padded: int):
+    """[B, T] document starts -> [B, T padded] int32 segment ids (padded tokens: one id of their own)."""
+    ids = starts.astype(jnp.int32)
+    return jnp.pad(ids, ((0, 0), (0, t_padded - ids.shape[1])), constant_values=t_padded)
+
+
+def _one_rule(q, k, v, segments, sink, window: int, chunk: int, softcap: float):
+    """q [B, h, Tp, E], k, v [B, kv, Tp, E] (padded, q scaled) -> [B, h, Tp, E] under one static mask."""
+    kernel = _kernel(q.shape[1], q.shape[2], window, chunk, float(softcap), interpret_mode())
+
+    def one(q, k, v, seg):  # one sequence: [h, Tp, E]
+        ids = None if seg is None else splash.SegmentIds(q=seg, kv=seg)
+        return kernel(q, k, v, ids, sink)
+
+    return jax.vmap(one, in_axes=(0, 0, 0, None if segments is None else 0))(q, k, v, segments)
+
+
+def _rule_index(variant: Variant, candidates) -> jax.Array:
+    """The index in ``candidates`` of the traced (window, chunk) of ``variant`` (int32 scalar)."""
+    rules = variant.rules()
+    window, chunk = (jnp.asarray(rules.get(name, 0), jnp.int32) for name in ("window", "chunk"))
+    hits = [(window == w) & (chunk == c) for w, c in candidates]
+    return jnp.argmax(jnp.stack(hits)).astype(jnp.int32)
+
+
+def flash_attention(q, k, v, q_start=None, variant: Variant = CAUSAL, *, candidates=((0, 0),)):
+    """Causal grouped softmax attention of one sequence's tokens, q [B, T, h, E], k, v [B, T, kv, E]
+    (this shard's heads) -> [B, T, h, E] in q's dtype, by the splash kernel. ``q_start`` [B, T]
+    (``--doc-mask``): where each token's document starts. ``variant``: the mask and score rules;
+    where its window or chunk is traced, ``candidates`` lists the static (window, chunk) pairs it
+    takes (``layer_rules``)."""
+    b, t, h, e = q.shape
+    tp = padded_length(t)
+    scale = 1.0 / np.sqrt(variant.scalar or e)
+    pad = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, tp - t), (0, 0)))
+    qp, kp, vp = pad(q * jnp.asarray(scale, q.dtype)), pad(k), pad(v)
+    segments = None if q_start is None else _segments(q_start, tp)
+    sink = None if variant.sink is None else varying_like(variant.sink.astype(jnp.float32), q)
+    run = lambda rule: lambda *a: _one_rule(*a, *rule, variant.softcap)
+    args = (qp, kp, vp, segments, sink)
+    rule = static_rules(variant)
+    if rule is not None:
+        out = run(rule)(*args)
+    else:
+        out = lax.switch(_rule_index(variant, candidates), [run(c) for c in candidates], *args)
+    return jnp.swapaxes(out[:, :, :t], 1, 2).astype(q.dtype)
