@@ -43,8 +43,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import config as jax_config  # shard_map's own switch of vma checking: see ``_unchecked``
+from jax._src import dispatch
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
 from meshlm.model.attention_variants import CAUSAL, Variant
 from meshlm.model.layers import varying_like
@@ -134,6 +138,87 @@ def _one_rule(q, k, v, segments, sink, window: int, chunk: int, softcap: float):
     return jax.vmap(one, in_axes=(0, 0, 0, None if segments is None else 0))(q, k, v, segments)
 
 
+def _unchecked():
+    """A region where shard_map's varying-axes (vma) typing is off, as ``shard_map(check_vma=False)``
+    sets it: the splash kernel's ``pallas_call`` declares outputs without varying axes, which
+    ``shard_map(check_vma=True)`` (every meshlm step) refuses (see ``_fwd_p``)."""
+    return jax_config._check_vma(False)
+
+
+def _plain(x):
+    """x re-typed inside ``_unchecked`` (every primitive's result there varies over nothing), so that
+    the kernel's own custom VJP finds its cotangents typed as its inputs."""
+    return x + jnp.zeros((), x.dtype)
+
+
+def _split(args, has_seg: bool):
+    """(q, k, v, segments or None, sink or None) from a primitive's operands."""
+    q, k, v, *rest = args
+    seg = rest.pop(0) if has_seg else None
+    return q, k, v, seg, (rest[0] if rest else None)
+
+
+def _fwd_impl(*args, rule, has_seg):
+    with _unchecked():
+        q, k, v, seg, sink = (None if x is None else _plain(x) for x in _split(args, has_seg))
+        return _one_rule(q, k, v, seg, sink, *rule)
+
+
+def _bwd_impl(*args, rule, has_seg):  # the kernel's forward again, then its own backward
+    *args, dout = args
+    with _unchecked():
+        q, k, v, seg, sink = (None if x is None else _plain(x) for x in _split(args, has_seg))
+        run = lambda q, k, v, s: _one_rule(q, k, v, seg, s, *rule)
+        _, vjp = jax.vjp(run, q, k, v, sink)
+        return [g for g in vjp(_plain(dout)) if g is not None]
+
+
+def _primitive(name, impl, abstract, multiple_results):
+    p = Primitive(name)
+    p.multiple_results = multiple_results
+    p.def_impl(functools.partial(dispatch.apply_primitive, p))
+    p.def_abstract_eval(abstract)
+    mlir.register_lowering(p, mlir.lower_fun(impl, multiple_results=multiple_results))
+    return p
+
+
+# The kernel as two primitives, forward and backward, opaque to every transformation: their results are
+# typed here, as shard_map(check_vma=True) types them (varying like q, which every operand is cast to
+# first: ``_bridge``), and only their lowering traces the kernel, inside ``_unchecked``. (Traced inline,
+# its equations would be re-traced with the typing on by remat or the layer scan's partial evaluation.)
+# No collective is added or dropped: the kernel is per shard, this shard's heads and batch rows.
+_fwd_p = _primitive("meshlm_flash_fwd", _fwd_impl, lambda q, *_, **__: q, False)
+_bwd_p = _primitive(
+    "meshlm_flash_bwd",
+    _bwd_impl,
+    lambda *a, rule, has_seg: [a[0], a[1], a[2], *([a[4 if has_seg else 3]] if len(a) > 4 + has_seg else [])],
+    True,
+)
+
+
+def _bridge_fwd(rule, q, k, v, segments, sink):
+    ops = [x for x in (q, k, v, segments, sink) if x is not None]
+    out = _fwd_p.bind(*ops, rule=rule, has_seg=segments is not None)
+    return out, ops
+
+
+def _bridge_bwd(rule, ops, dout):
+    has_seg = len(ops) > 3 and jnp.issubdtype(ops[3].dtype, jnp.integer)
+    grads = _bwd_p.bind(*ops, dout, rule=rule, has_seg=has_seg)
+    dq, dk, dv, *dsink = grads
+    return dq, dk, dv, None, (dsink[0] if dsink else None)
+
+
+def _bridge(rule, q, k, v, segments, sink):
+    """``_one_rule`` (``rule``: window, chunk, soft-cap) through the two primitives; every operand
+    typed as varying like q (the casts' transposes, outside, sum what they must)."""
+    return _bridge_fwd(rule, q, k, v, segments, sink)[0]
+
+
+_bridge = jax.custom_vjp(_bridge, nondiff_argnums=(0,))
+_bridge.defvjp(_bridge_fwd, _bridge_bwd)
+
+
 def _rule_index(variant: Variant, candidates) -> jax.Array:
     """The index in ``candidates`` of the traced (window, chunk) of ``variant`` (int32 scalar)."""
     rules = variant.rules()
@@ -154,8 +239,10 @@ def flash_attention(q, k, v, q_start=None, variant: Variant = CAUSAL, *, candida
     pad = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, tp - t), (0, 0)))
     qp, kp, vp = pad(q * jnp.asarray(scale, q.dtype)), pad(k), pad(v)
     segments = None if q_start is None else _segments(q_start, tp)
-    sink = None if variant.sink is None else varying_like(variant.sink.astype(jnp.float32), q)
-    run = lambda rule: lambda *a: _one_rule(*a, *rule, variant.softcap)
+    sink = None if variant.sink is None else variant.sink.astype(jnp.float32)
+    # every operand varying as q does (``_bridge``): K/V replicated over mp, sinks over dp, ...
+    kp, vp, segments, sink = (None if x is None else varying_like(x, qp) for x in (kp, vp, segments, sink))
+    run = lambda rule: lambda *a: _bridge((*rule, float(variant.softcap)), *a)
     args = (qp, kp, vp, segments, sink)
     rule = static_rules(variant)
     if rule is not None:
