@@ -31,6 +31,8 @@ def run(args) -> int:
     vs = _with_defaults(settings_from(args, VerifySettings))
     if vs.allow_routing_flips and vs.x64:  # before any work
         raise ConfigError("--allow-routing-flips is for float32 (in float64 a flip is a bug); drop one")
+    if vs.attention == "flash" and vs.x64:  # before any work (``model.flash``: float32 inside the kernel)
+        raise ConfigError("--attention flash computes in float32 inside its kernel; verify it without --x64")
     axes = _axes(vs)  # before any work
     if planned := flag_layout(args, vs):  # before any work
         if vs.batch_size is not None:

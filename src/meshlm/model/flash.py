@@ -84,16 +84,17 @@ def _mask(t: int, window: int, chunk: int) -> masks.Mask:
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(heads: int, t: int, window: int, chunk: int, softcap: float, interpret: bool):
+def _kernel(heads: int, t: int, window: int, chunk: int, softcap: float, interpret: bool, mask_of=None):
     """The splash kernel for ``heads`` query heads of one sequence of ``t`` (padded) tokens; its mask
-    information is computed once per shape and rule (numpy, at trace time), hence the cache."""
+    information is computed once per shape and rule (numpy), hence the cache. ``mask_of``: the mask
+    builder (``_mask``, as the caller traced it: a planted one is a kernel of its own)."""
     b = block_size(t)
     sizes = splash.BlockSizes(
         block_q=b, block_kv=b, block_kv_compute=b,
         block_q_dkv=b, block_kv_dkv=b, block_kv_dkv_compute=b,
         block_q_dq=b, block_kv_dq=b,
     )  # fmt: skip
-    mask = masks.MultiHeadMask([_mask(t, window, chunk)] * heads)
+    mask = masks.MultiHeadMask([(mask_of or _mask)(t, window, chunk)] * heads)
     with jax.ensure_compile_time_eval():  # its mask arrays constants, not the caller's trace's (cached)
         return splash.make_splash_mha(
             mask,
@@ -127,9 +128,9 @@ def _segments(starts, t_padded: int):
     return jnp.pad(ids, ((0, 0), (0, t_padded - ids.shape[1])), constant_values=t_padded)
 
 
-def _one_rule(q, k, v, segments, sink, window: int, chunk: int, softcap: float):
+def _one_rule(q, k, v, segments, sink, window: int, chunk: int, softcap: float, mask_of=None):
     """q [B, h, Tp, E], k, v [B, kv, Tp, E] (padded, q scaled) -> [B, h, Tp, E] under one static mask."""
-    kernel = _kernel(q.shape[1], q.shape[2], window, chunk, float(softcap), interpret_mode())
+    kernel = _kernel(q.shape[1], q.shape[2], window, chunk, float(softcap), interpret_mode(), mask_of)
 
     def one(q, k, v, seg):  # one sequence: [h, Tp, E]
         ids = None if seg is None else splash.SegmentIds(q=seg, kv=seg)
@@ -198,20 +199,18 @@ _bwd_p = _primitive(
 
 def _bridge_fwd(rule, q, k, v, segments, sink):
     ops = [x for x in (q, k, v, segments, sink) if x is not None]
-    out = _fwd_p.bind(*ops, rule=rule, has_seg=segments is not None)
-    return out, ops
+    return _fwd_p.bind(*ops, rule=rule, has_seg=segments is not None), (q, k, v, segments, sink)
 
 
-def _bridge_bwd(rule, ops, dout):
-    has_seg = len(ops) > 3 and jnp.issubdtype(ops[3].dtype, jnp.integer)
-    grads = _bwd_p.bind(*ops, dout, rule=rule, has_seg=has_seg)
-    dq, dk, dv, *dsink = grads
+def _bridge_bwd(rule, res, dout):
+    ops = [x for x in res if x is not None]
+    dq, dk, dv, *dsink = _bwd_p.bind(*ops, dout, rule=rule, has_seg=res[3] is not None)
     return dq, dk, dv, None, (dsink[0] if dsink else None)
 
 
 def _bridge(rule, q, k, v, segments, sink):
-    """``_one_rule`` (``rule``: window, chunk, soft-cap) through the two primitives; every operand
-    typed as varying like q (the casts' transposes, outside, sum what they must)."""
+    """``_one_rule`` through the two primitives (``rule``: window, chunk, soft-cap, mask builder);
+    every operand typed as varying like q (the casts' transposes, outside, sum what they must)."""
     return _bridge_fwd(rule, q, k, v, segments, sink)[0]
 
 
@@ -242,7 +241,8 @@ def flash_attention(q, k, v, q_start=None, variant: Variant = CAUSAL, *, candida
     sink = None if variant.sink is None else variant.sink.astype(jnp.float32)
     # every operand varying as q does (``_bridge``): K/V replicated over mp, sinks over dp, ...
     kp, vp, segments, sink = (None if x is None else varying_like(x, qp) for x in (kp, vp, segments, sink))
-    run = lambda rule: lambda *a: _bridge((*rule, float(variant.softcap)), *a)
+    # the rule a primitive's parameter: the mask builder looked up now, as the program is traced
+    run = lambda rule: lambda *a: _bridge((*rule, float(variant.softcap), _mask), *a)
     args = (qp, kp, vp, segments, sink)
     rule = static_rules(variant)
     if rule is not None:
