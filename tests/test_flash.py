@@ -111,3 +111,57 @@ def _cp_layout():
     from meshlm.parallel.layout import Layout
 
     return Layout(cp=2)
+
+
+def test_auto_attention_is_flash_on_a_tpu_where_it_applies(monkeypatch):
+    """``--attention auto`` (the default): flash on a TPU (a faked backend name), plain elsewhere, with
+    --cp (the ring runs the blockwise pieces) and with --x64 (the kernel computes in float32); a
+    chosen kind is kept. The train step's config takes the choice."""
+    from meshlm.cli.verify_settings import VerifySettings
+    from meshlm.train import run as train_run
+    from meshlm.train.config import TrainConfig
+
+    auto = VerifySettings()
+    assert auto.attention == "auto"
+    assert auto.attention_kind("tpu") == "flash" and auto.attention_kind("cpu") == "plain"
+    assert VerifySettings(cp=2).attention_kind("tpu") == "plain"
+    assert auto.attention_kind("tpu", x64=True) == "plain"
+    assert VerifySettings(attention="blockwise").attention_kind("tpu") == "blockwise"
+    assert VerifySettings(attention="flash").attention_kind("cpu") == "flash"
+    cfg = get_config("tiny-llama")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert train_run.step_config(TrainConfig(), cfg).attention == "flash"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert train_run.step_config(TrainConfig(), cfg).attention == "plain"
+
+
+def test_verify_refuses_flash_in_float64(capsys):
+    from helpers import run_cli
+
+    assert run_cli("verify", "--config", "tiny-llama", "--attention", "flash", "--x64") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "meshlm: error: --attention flash computes in float32 inside its kernel; verify it without --x64"
+    ]
+
+
+@pytest.mark.parametrize("doc_mask", [3, -1])
+def test_verify_proves_flash_with_its_controls_detected(doc_mask):
+    """``meshlm verify --attention flash`` (float32) on mp 2 with a window (10), with and without the
+    document mask: sharded flash equals the unsharded plain model, and each flash control that applies
+    is detected (the segments' with the mask, the window's without: the proof's documents are shorter
+    than the window)."""
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof import format_report, model_problem, verify
+    from meshlm.proof.flash_controls import FLASH_CONTROLS
+
+    cfg = get_config("tiny-mistral-w10").replace(attention="flash", doc_mask=doc_mask, n_layers=1)
+    problem = model_problem(cfg, "tiny-mistral-w10", Layout(mp=2), batch_size=1, seq_len=16)
+    report = verify(problem, Layout(mp=2), controls=FLASH_CONTROLS)
+    assert report.ok, format_report(report)
+    names = [
+        "flash mask sees the next key",
+        "flash document segments ignored" if doc_mask >= 0 else "flash window one key wider",
+    ]
+    assert [c["name"] for c in report.controls] == names
+    assert all(c["detected"] and c["margin"] > 10 for c in report.controls), report.controls

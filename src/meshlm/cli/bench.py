@@ -45,12 +45,15 @@ def run(args) -> int:
     if (planned := flag_layout(args, bs)) and bs.batch_size is not None:  # before devices, compiles
         planned.check_batch(bs.batch_size)
     layout = setup(args, bs, planned)
+    import jax
+
     from meshlm.model.config import get_config
     from meshlm.parallel.distributed import is_main, print0
     from meshlm.perf.bench import run_bench
     from meshlm.perf.bench_report import format_bench, write_outputs
 
-    cfg = get_config(bs.config).replace(unroll=bs.unroll, attention=bs.attention, attn_block=bs.attn_block)
+    attention = bs.attention_kind(jax.default_backend())  # "auto": flash on a TPU where it applies
+    cfg = get_config(bs.config).replace(unroll=bs.unroll, attention=attention, attn_block=bs.attn_block)
     if bs.moe_dispatch is not None:  # a dense model ignores it
         cfg = cfg.replace(moe_dispatch=bs.moe_dispatch)
     if bs.vocab_size is not None:  # the embedding and head follow (padded to vocab_multiple)

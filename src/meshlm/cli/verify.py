@@ -184,7 +184,7 @@ def _verify(args, vs: VerifySettings, planned) -> int:
     from meshlm.proof import defaults
 
     seq_len, block = _shapes(vs, cfg, layout)
-    cfg = cfg.replace(attention=vs.attention, attn_block=block)
+    cfg = cfg.replace(attention=vs.attention_kind(jax.default_backend(), vs.x64), attn_block=block)
     batch = (
         vs.batch_size
         if vs.batch_size is not None

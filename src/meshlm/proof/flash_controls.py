@@ -9,7 +9,8 @@ while the sharded program is traced:
   after it (the causal mask's classic off-by-one): every model with attention;
 - *flash document segments ignored*: the kernel's segment ids all one document (``--doc-mask``);
 - *flash window one key wider*: the kernel's local mask one key wider than the variant's window (a
-  model with a window shorter than the proof's sequence).
+  model with a window shorter than the proof's sequence, without ``--doc-mask``: the proof's EOD-rich
+  documents are shorter than a window, which then changes nothing).
 
 The mask builder is a parameter of the kernel's primitives (``flash._bridge``), so a planted one is a
 program of its own (the inertness check sees it) and a kernel of its own (no cached one is reused).
@@ -58,7 +59,7 @@ FLASH_CONTROLS: tuple[Control, ...] = (
     ),
     Control(
         name="flash window one key wider",
-        applies=lambda w: _flash_runs(w) and 0 < w.cfg.sliding_window < w.seq_len,
+        applies=lambda w: _flash_runs(w) and 0 < w.cfg.sliding_window < w.seq_len and w.cfg.doc_mask < 0,
         plant=lambda: _planted(flash, _mask=_window_wider),
     ),
 )
