@@ -128,15 +128,63 @@ def _segments(starts, t_padded: int):
     return jnp.pad(ids, ((0, 0), (0, t_padded - ids.shape[1])), constant_values=t_padded)
 
 
-def _one_rule(q, k, v, segments, sink, window: int, chunk: int, softcap: float, mask_of=None):
-    """q [B, h, Tp, E], k, v [B, kv, Tp, E] (padded, q scaled) -> [B, h, Tp, E] under one static mask."""
-    kernel = _kernel(q.shape[1], q.shape[2], window, chunk, float(softcap), interpret_mode(), mask_of)
+def _rule_kernel(q, rule):
+    """The kernel of ``rule`` (window, chunk, soft-cap, mask builder) for q [B, h, Tp, E]."""
+    window, chunk, softcap, mask_of = rule
+    return _kernel(q.shape[1], q.shape[2], window, chunk, float(softcap), interpret_mode(), mask_of)
 
-    def one(q, k, v, seg):  # one sequence: [h, Tp, E]
-        ids = None if seg is None else splash.SegmentIds(q=seg, kv=seg)
-        return kernel(q, k, v, ids, sink)
+
+def _ids(seg):
+    return None if seg is None else splash.SegmentIds(q=seg, kv=seg)
+
+
+def _collapsed(info):
+    """A mask's information as splash's own entry point hands it to the kernels (its partial mask
+    blocks [heads, q blocks, kv blocks, bq, bkv] as one leading axis)."""
+    if info is None or info.partial_mask_blocks is None:
+        return info
+    blocks = info.partial_mask_blocks
+    return info._replace(partial_mask_blocks=blocks.reshape(-1, *blocks.shape[-2:]))
+
+
+def _forward(q, k, v, segments, sink, rule):
+    """q [B, h, Tp, E], k, v [B, kv, Tp, E] (padded, q scaled) -> (out [B, h, Tp, E], log-sum-exp
+    [B, h, Tp] float32): the kernel with its residuals, one sequence at a time (``vmap``)."""
+    kernel = _rule_kernel(q, rule)
+    kernel = splash.SplashAttentionKernel(
+        kernel.fwd_mask_info,
+        kernel.dq_mask_info,
+        kernel.dkv_mask_info,
+        **{**kernel.kwargs, "save_residuals": True},
+    )
+
+    def one(q, k, v, seg):
+        out, (lse,) = kernel(q, k, v, _ids(seg), sink)
+        return out, lse
 
     return jax.vmap(one, in_axes=(0, 0, 0, None if segments is None else 0))(q, k, v, segments)
+
+
+def _backward(q, k, v, segments, sink, out, lse, dout, rule):
+    """The kernel's own backward (its dq and dkv kernels) from the forward's residuals, out and lse:
+    (dq, dk, dv, dsink or None). Called as splash's custom VJP calls it (``_splash_attention_bwd``, its
+    private half: the public kernel recomputes the forward to differentiate)."""
+    kernel = _rule_kernel(q, rule)
+    kw = kernel.kwargs
+    infos = (_collapsed(kernel.dq_mask_info), _collapsed(kernel.dkv_mask_info))
+    static = [
+        kw[n] for n in ("mask_value", "is_mqa", "block_sizes", "residual_checkpoint_name", "mask_function")
+    ]
+    static += [kw["attn_logits_soft_cap"], kw["interpret"]]
+
+    def one(q, k, v, seg, out, lse, dout):
+        res = (q, k, v, _ids(seg), sink, out, lse, *infos)
+        grads = splash._splash_attention_bwd(False, *static, res, dout)
+        return grads[3], grads[4], grads[5], grads[7]
+
+    axes = (0, 0, 0, None if segments is None else 0, 0, 0, 0)
+    dq, dk, dv, dsink = jax.vmap(one, in_axes=axes)(q, k, v, segments, out, lse, dout)
+    return dq, dk, dv, None if dsink is None else jnp.sum(dsink, axis=0)  # the sinks: summed over B
 
 
 def _unchecked():
@@ -144,12 +192,6 @@ def _unchecked():
     sets it: the splash kernel's ``pallas_call`` declares outputs without varying axes, which
     ``shard_map(check_vma=True)`` (every meshlm step) refuses (see ``_fwd_p``)."""
     return jax_config._check_vma(False)
-
-
-def _plain(x):
-    """x re-typed inside ``_unchecked`` (every primitive's result there varies over nothing), so that
-    the kernel's own custom VJP finds its cotangents typed as its inputs."""
-    return x + jnp.zeros((), x.dtype)
 
 
 def _split(args, has_seg: bool):
@@ -161,17 +203,14 @@ def _split(args, has_seg: bool):
 
 def _fwd_impl(*args, rule, has_seg):
     with _unchecked():
-        q, k, v, seg, sink = (None if x is None else _plain(x) for x in _split(args, has_seg))
-        return _one_rule(q, k, v, seg, sink, *rule)
+        return _forward(*_split(args, has_seg), rule)
 
 
-def _bwd_impl(*args, rule, has_seg):  # the kernel's forward again, then its own backward
-    *args, dout = args
+def _bwd_impl(*args, rule, has_seg):
+    *args, out, lse, dout = args
     with _unchecked():
-        q, k, v, seg, sink = (None if x is None else _plain(x) for x in _split(args, has_seg))
-        run = lambda q, k, v, s: _one_rule(q, k, v, seg, s, *rule)
-        _, vjp = jax.vjp(run, q, k, v, sink)
-        return [g for g in vjp(_plain(dout)) if g is not None]
+        grads = _backward(*_split(args, has_seg), out, lse, dout, rule)
+    return [g for g in grads if g is not None]
 
 
 def _primitive(name, impl, abstract, multiple_results):
@@ -188,23 +227,32 @@ def _primitive(name, impl, abstract, multiple_results):
 # first: ``_bridge``), and only their lowering traces the kernel, inside ``_unchecked``. (Traced inline,
 # its equations would be re-traced with the typing on by remat or the layer scan's partial evaluation.)
 # No collective is added or dropped: the kernel is per shard, this shard's heads and batch rows.
-_fwd_p = _primitive("meshlm_flash_fwd", _fwd_impl, lambda q, *_, **__: q, False)
-_bwd_p = _primitive(
-    "meshlm_flash_bwd",
-    _bwd_impl,
-    lambda *a, rule, has_seg: [a[0], a[1], a[2], *([a[4 if has_seg else 3]] if len(a) > 4 + has_seg else [])],
+_fwd_p = _primitive(
+    "meshlm_flash_fwd",
+    _fwd_impl,
+    lambda q, *_, **__: [q, q.update(shape=q.shape[:3], dtype=jnp.float32)],
     True,
 )
 
 
+def _bwd_avals(*avals, rule, has_seg):  # the gradients typed as q, k, v (and the sinks)
+    ops = avals[:-3]
+    return [*ops[:3], *ops[3 + has_seg :]]
+
+
+_bwd_p = _primitive("meshlm_flash_bwd", _bwd_impl, _bwd_avals, True)
+
+
 def _bridge_fwd(rule, q, k, v, segments, sink):
     ops = [x for x in (q, k, v, segments, sink) if x is not None]
-    return _fwd_p.bind(*ops, rule=rule, has_seg=segments is not None), (q, k, v, segments, sink)
+    out, lse = _fwd_p.bind(*ops, rule=rule, has_seg=segments is not None)
+    return out, (q, k, v, segments, sink, out, lse)
 
 
 def _bridge_bwd(rule, res, dout):
+    *res, out, lse = res
     ops = [x for x in res if x is not None]
-    dq, dk, dv, *dsink = _bwd_p.bind(*ops, dout, rule=rule, has_seg=res[3] is not None)
+    dq, dk, dv, *dsink = _bwd_p.bind(*ops, out, lse, dout, rule=rule, has_seg=res[3] is not None)
     return dq, dk, dv, None, (dsink[0] if dsink else None)
 
 
