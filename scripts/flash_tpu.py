@@ -160,13 +160,16 @@ def run_cells(a) -> None:
                 row.update(step_cell(kind, t, a.batch, a.steps, a.dtype, a.cpu_smoke))
             except Exception as err:  # an out-of-memory cell (compile or run) is a result, not the end
                 text = str(err)
-                oom = any(s in text for s in ("RESOURCE_EXHAUSTED", "Ran out of memory", "out of memory"))
-                row.update(
-                    error="out of memory" if oom else type(err).__name__, detail=text.splitlines()[0][:300]
-                )
+                oom = any(m in text for m in ("RESOURCE_EXHAUSTED", "Ran out of memory", "out of memory"))
+                row.update(error="out of memory" if oom else type(err).__name__, detail=_line(err))
                 if not oom:
                     traceback.print_exc(file=sys.stderr)
             emit(row)
+
+
+def _line(err) -> str:
+    """The first line of an exception's message (at most 300 characters)."""
+    return (str(err).splitlines() or [""])[0][:300]
 
 
 def parse(argv=None):
@@ -215,7 +218,11 @@ def main(argv=None) -> None:
     if not a.skip_equality:
         for case in SMOKE_CASES if a.cpu_smoke else CHIP_CASES:
             print(f"# equality: {case[0]} ...", file=sys.stderr, flush=True)
-            emit(equality_case(*case))
+            try:
+                emit(equality_case(*case))
+            except Exception as err:  # one failing case is a result; the others and the steps still run
+                traceback.print_exc(file=sys.stderr)
+                emit({"part": "equality", "case": case[0], "error": type(err).__name__, "detail": _line(err)})
     if not a.skip_steps:
         run_cells(a)
     emit({"part": "done", "seconds": round(time.perf_counter() - start, 1)})
