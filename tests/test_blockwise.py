@@ -236,8 +236,8 @@ def test_the_proof_compares_blockwise_with_plain_attention(name):
 
 def test_config_values_are_checked():
     cfg = get_config("tiny-llama")
-    with pytest.raises(ConfigError, match="attention must be one of plain, blockwise"):
-        cfg.replace(attention="flash")
+    with pytest.raises(ConfigError, match="attention must be one of plain, blockwise, flash"):
+        cfg.replace(attention="splash")
     with pytest.raises(ConfigError, match="attn_block"):
         cfg.replace(attn_block=0)
     assert cfg.attention == "plain" and cfg.replace(attention="blockwise", attn_block=7).attn_block == 7

@@ -91,7 +91,7 @@ def check_fields(obj) -> None:
 
 
 # ---- the mesh: the same flags on every command that takes one (issue 32) ----
-ATTENTION_KINDS = ("plain", "blockwise")  # model.config.ATTENTION
+ATTENTION_KINDS = ("auto", "plain", "blockwise", "flash")  # "auto", then model.config.ATTENTION
 CP_STRATEGY_NAMES = ("ring", "allgather")  # parallel.layout.CP_STRATEGIES
 PP_SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")  # parallel.pipeline_schedule.SCHEDULES
 # What a command that lacks an option runs without (its flag's help and its one-line refusal).
@@ -181,16 +181,29 @@ class LongContext:
     """The attention settings of train, verify, bench and plan, a base of their settings dataclasses.
     Like remat they change speed and memory, not the model: a run resumes under other values."""
 
-    # plain (scores [B, H, T, T]) or blockwise (flash attention in blocks: memory O(T))
+    # auto (``attention_kind``: flash on a TPU where it applies, else plain), plain (scores [B, H, T, T]),
+    # blockwise (flash attention in blocks: memory O(T)) or flash (JAX's fused Pallas kernel,
+    # ``model.flash``: compiled on a TPU, interpret mode elsewhere)
     attention: str = setting(
-        "plain",
-        "attention: plain (scores [B, H, T, T]) or blockwise (flash attention in blocks: memory O(T))",
+        "auto",
+        "attention: auto (flash on a TPU where it applies, else plain), plain (scores [B, H, T, T]), "
+        "blockwise (flash attention in blocks: memory O(T)) or flash (the fused Pallas TPU kernel; "
+        "interpret mode off a TPU)",
         choices=ATTENTION_KINDS,
     )
     # queries and keys per block of blockwise attention (and of each --cp ring step)
     attn_block: int = setting(
         512, "queries and keys per block (blockwise attention, and each --cp ring step)", valid=Range(int, 1)
     )
+
+    def attention_kind(self, backend: str, x64: bool = False) -> str:
+        """--attention as the model takes it (``ModelConfig.attention``): "auto", the default, is flash
+        on a TPU (``backend``: ``jax.default_backend()``) where the kernel applies -- no --cp (the ring
+        runs the blockwise pieces) and not float64 (--x64: the kernel computes in float32) -- else plain."""
+        if self.attention != "auto":
+            return self.attention
+        one_sequence = (getattr(self, "cp", 1) or 1) == 1  # (commands without --cp: one sequence per shard)
+        return "flash" if backend == "tpu" and one_sequence and not x64 else "plain"
 
 
 # ---- settings files (``--settings FILE``): TOML, one key per flag ----

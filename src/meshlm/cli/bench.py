@@ -53,10 +53,13 @@ def run(args) -> int:
         cfg = get_config(bs.config)
         bs.check_impls(cfg if bs.moe_dispatch is None else cfg.replace(moe_dispatch=bs.moe_dispatch), planned)
     layout = setup(args, bs, planned)
+    import jax
+
     from meshlm.parallel.distributed import is_main, print0
     from meshlm.train.step import step_model
 
-    cfg = get_config(bs.config).replace(attention=bs.attention, attn_block=bs.attn_block)
+    attention = bs.attention_kind(jax.default_backend())  # "auto": flash on a TPU where it applies
+    cfg = get_config(bs.config).replace(attention=attention, attn_block=bs.attn_block)
     # --remat and --unroll as train applies them (a rolled loop under remat, where its saving needs one)
     cfg = step_model(cfg, remat=bs.remat, unroll=bs.unroll, fsdp=False)
     if bs.moe_dispatch is not None:  # a dense model ignores it

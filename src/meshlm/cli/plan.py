@@ -68,7 +68,10 @@ def run(args) -> int:
 
         model = (read_config(pc.checkpoint)[0], f"checkpoint {pc.checkpoint}")
     cfg, name = model
-    cfg = with_lora(pc, cfg.replace(attention=pc.attention, attn_block=pc.attn_block))  # LoRA: adapters
+    import jax
+
+    attention = pc.attention_kind(jax.default_backend())  # "auto": flash on a TPU where it applies
+    cfg = with_lora(pc, cfg.replace(attention=attention, attn_block=pc.attn_block))  # LoRA: adapters
     report = plan(
         cfg,
         name,

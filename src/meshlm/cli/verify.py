@@ -31,6 +31,8 @@ def run(args) -> int:
     vs = _with_defaults(settings_from(args, VerifySettings))
     if vs.allow_routing_flips and vs.x64:  # before any work
         raise ConfigError("--allow-routing-flips is for float32 (in float64 a flip is a bug); drop one")
+    if vs.attention == "flash" and vs.x64:  # before any work (``model.flash``: float32 inside the kernel)
+        raise ConfigError("--attention flash computes in float32 inside its kernel; verify it without --x64")
     axes = _axes(vs)  # before any work
     if planned := flag_layout(args, vs):  # before any work
         if vs.batch_size is not None:
@@ -180,7 +182,7 @@ def _verify(args, vs: VerifySettings, planned) -> int:
     from meshlm.proof import defaults
 
     seq_len, block = _shapes(vs, cfg, layout)
-    cfg = cfg.replace(attention=vs.attention, attn_block=block)
+    cfg = cfg.replace(attention=vs.attention_kind(jax.default_backend(), vs.x64), attn_block=block)
     batch = (
         vs.batch_size
         if vs.batch_size is not None

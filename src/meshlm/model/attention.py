@@ -25,6 +25,7 @@ from meshlm.model.blockwise import blockwise_attention, varying_like
 from meshlm.model.config import ModelConfig
 from meshlm.model.context_parallel import context_attention
 from meshlm.model.dense import add_once, dense_heads_in, dense_heads_out
+from meshlm.model.flash import flash_attention, layer_rules
 from meshlm.model.layers import RMSNorm, RMSNormPlusOne, _normal, apply_rotary, rotary_angles, upcast
 from meshlm.model.lora import adapted
 from meshlm.model.rope import inv_freq
@@ -145,6 +146,8 @@ class Attention(hk.Module):
         return self._out(out, xf, gate), cache
 
     def _attend(self, q, k, v, positions, key_pos, starts, variant):  # one device (no cp): [B, T, h, E]
+        if self.cfg.attention == "flash" and key_pos is positions:  # no KV cache: one sequence (``flash``)
+            return flash_attention(q, k, v, starts, variant, candidates=layer_rules(self.cfg))
         if self.cfg.attention == "blockwise":
             kernel = dict(block=self.cfg.attn_block, q_start=starts, variant=variant)
             return blockwise_attention(q, k, v, positions, key_pos, **kernel)

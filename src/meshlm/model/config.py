@@ -27,7 +27,7 @@ from meshlm.model.router_fields import ROUTER_RANGES, RouterFields, check_router
 from meshlm.model.variant_fields import VariantFields, check_variant_fields
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
-ATTENTION = ("plain", "blockwise")  # see meshlm.model.attention and meshlm.model.blockwise
+ATTENTION = ("plain", "blockwise", "flash")  # see meshlm.model.attention, .blockwise and .flash
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,8 @@ class ModelConfig(  # fields: its own, then its bases' (``field_names``)
     # (train.step.step_model). Changes speed, memory and compile time, never results.
     unroll: int = 0
     # "plain": [B, H, T, T] scores; "blockwise": flash attention in blocks of attn_block queries and
-    # keys, memory O(T) (model.blockwise; a ragged last block is padded, so any block size works).
+    # keys, memory O(T) (model.blockwise; a ragged last block is padded, so any block size works);
+    # "flash": JAX's fused Pallas splash-attention kernel (model.flash; TPU, else interpret mode).
     attention: str = "plain"
     attn_block: int = 512
     # Document masking (``--doc-mask``): >= 0 is the id that ends every document (the tokenizer's EOD);

@@ -43,6 +43,7 @@ from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.config import ModelConfig
 from meshlm.model.context_parallel import context_attention
 from meshlm.model.dense import dense_heads_in, dense_heads_out
+from meshlm.model.flash import flash_attention, layer_rules
 from meshlm.model.layers import RMSNorm, _normal, apply_rotary, rotary_angles
 from meshlm.model.rope import YarnScaling, attention_scale
 from meshlm.parallel.context import Parallel
@@ -176,7 +177,9 @@ class MLA(hk.Module):
         return self._attend(q, k, v, positions, k_pos, None, variant)
 
     def _attend(self, q, k, v, positions, key_pos, starts, variant):
-        """Blockwise or plain attention on one device (no cp, or the gathered latent) -> [B, T, h, E]."""
+        """Flash, blockwise or plain attention on one device (no cp, or the gathered latent): [B, T, h, E]."""
+        if self.cfg.attention == "flash" and key_pos is positions:  # no KV cache: one sequence (``flash``)
+            return flash_attention(q, k, v, starts, variant, candidates=layer_rules(self.cfg))
         if self.cfg.attention == "blockwise":
             kernel = dict(block=self.cfg.attn_block, q_start=starts, variant=variant)
             return blockwise_attention(q, k, v, positions, key_pos, **kernel)

@@ -231,8 +231,11 @@ def check_inputs(cfg: ModelConfig, par: Parallel, seq_len: int) -> None:
 def check_context(cfg: ModelConfig, where) -> None:
     """What context parallelism (``where``: a Parallel, or a Layout: the pipeline's start-up check, its
     pieces run inside the schedule) cannot run of ``cfg``, as one-line errors before any work."""
-    if (where if isinstance(where, Parallel) else Parallel.on(where)).context_parallel and cfg.doc_mask >= 0:
+    cp = (where if isinstance(where, Parallel) else Parallel.on(where)).context_parallel
+    if cp and cfg.doc_mask >= 0:
         raise ConfigError("--cp does not support --doc-mask yet (documents across chunks); drop one of them")
+    if cp and cfg.attention == "flash":  # the splash kernel's masks are by index within one sequence
+        raise ConfigError("--attention flash does not run under --cp yet; use --attention blockwise")
 
 
 def _scaled(cfg: ModelConfig, x):

@@ -32,6 +32,7 @@ from meshlm.proof.family_faults import (
     qk_norm_grad_not_summed,
     window_off_by_one,
 )
+from meshlm.proof.flash_controls import FLASH_CONTROLS
 from meshlm.proof.linear_controls import LINEAR_CONTROLS
 from meshlm.proof.mla_faults import MLA_CONTROLS
 from meshlm.proof.moe_controls import MOE_CONTROLS
@@ -337,6 +338,7 @@ CONTROLS += (  # the q/k norms of Qwen3 (per head) and OLMo 2 (``proof.family_fa
     ),
 )
 
+CONTROLS += FLASH_CONTROLS  # the flash kernel's mask, segments and window (``proof.flash_controls``)
 CONTROLS += GEMMA_CONTROLS  # Gemma 2's score and logit caps (off, out of order), Gemma 2/3's layer kinds
 
 CONTROLS += MOE_CONTROLS + ROUTER_CONTROLS + LINEAR_CONTROLS  # ``proof.moe_controls``, router, linear

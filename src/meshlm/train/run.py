@@ -232,7 +232,8 @@ def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
     Both change memory or speed, never values, so checkpoints keep the preset's config (Run.cfg,
     compared on resume) and a run resumes under any remat or unroll."""
     step = step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp)
-    return step.replace(attention=tcfg.attention, attn_block=tcfg.attn_block)
+    attention = tcfg.attention_kind(jax.default_backend())  # "auto": flash on a TPU where it applies
+    return step.replace(attention=attention, attn_block=tcfg.attn_block)
 
 
 def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lambda: None) -> Run:
