@@ -35,10 +35,22 @@ def _all_but_gathers(prim, *_, **__) -> bool:
     return prim.name != "all_gather"
 
 
-def remat_body(remat: str, body):
+def remat_body(remat: str, body, gathers: bool = True):
     """``body`` (one layer) under the checkpoint policy of ``remat``. "none" saves everything but
-    all-gather results (without FSDP or SP there are none, and it is the plain layer)."""
+    all-gather results; where the layer has none (``gathers`` False: no FSDP, no SP) it is the plain
+    layer, not wrapped at all. Why not the save-everything checkpoint there too: ``jax.checkpoint``
+    marks the producer of every residual it saves with a ``reduce_precision`` to its own dtype (JAX
+    PR 22244), a no-op in value that XLA cannot fuse through, so every residual is materialised as
+    saved. On a TPU v5e chip that cost the llama-100m step 1.24x plain JAX's time and 1.75x its memory
+    (docs/benchmarks.md, "On a TPU chip"); on CPU it is invisible."""
+    if remat == "none" and not gathers:
+        return body
     return hk.remat(body, policy=_policy(remat))
+
+
+def layer_gathers(par: Parallel) -> bool:
+    """Whether a layer all-gathers inside (FSDP's weights, SP's sequence): what "none" must not save."""
+    return par.layout.fsdp or par.layout.sp
 
 
 def parallel_getter(par: Parallel):

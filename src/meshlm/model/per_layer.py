@@ -53,7 +53,7 @@ from meshlm.model.layers import (
     upcast,
     varying_like,
 )
-from meshlm.model.memory import remat_body
+from meshlm.model.memory import layer_gathers, remat_body
 from meshlm.model.moe import MoE
 
 STDDEV = 0.02  # GPT-J / Llama initialisation, as ``transformer.GPT_STDDEV``
@@ -262,7 +262,7 @@ def stack(cfg, par, make_layer, x, positions, cache, starts, ple):
         inp["cache"] = cache
     stacked = layer_stack(n, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers")
     carry = (x, shared, cache if kinds_cache else None)
-    (x, _, kept), (out, stats) = stacked(remat_body(cfg.remat, step))(carry, inp)
+    (x, _, kept), (out, stats) = stacked(remat_body(cfg.remat, step, layer_gathers(par)))(carry, inp)
     return x, (kept if kinds_cache else out), stats
 
 

@@ -23,7 +23,7 @@ import meshlm.model.attention as attention
 from meshlm.model import per_layer
 from meshlm.model.layer_kinds import GLOBAL_STACK, runs, stacks
 from meshlm.model.layer_loop import layer_loop
-from meshlm.model.memory import remat_body
+from meshlm.model.memory import layer_gathers, remat_body
 from meshlm.model.stack import _stacked
 
 KIND = {GLOBAL_STACK: 1}  # a stack's layer kind (1 global); the other stack's: 0, local
@@ -42,7 +42,9 @@ def split_stack(cfg, par, make_layer, x, positions, cache, starts, ple):
     params, apply, kinds = {}, {}, attention.layer_kinds(cfg)  # the kind each layer attends as
     for name, indices in stacks(cfg).items():
         attends = int(kinds[indices[0]])  # its stack's kind (the proof's kinds-swapped control: the other)
-        body = remat_body(cfg.remat, _body(make_layer(views[name]), positions, starts, attends))
+        body = remat_body(
+            cfg.remat, _body(make_layer(views[name]), positions, starts, attends), layer_gathers(par)
+        )
         one = {"reuse": jnp.asarray(False), "ple": None if ple is None else ple[indices[0]]}
         example = (None if shared is None else shared[_kind(name)], None, one)
         params[name], apply[name] = _stacked(name, len(indices), body, x, example)

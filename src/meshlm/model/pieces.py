@@ -14,7 +14,7 @@ from meshlm.model.config import ModelConfig
 from meshlm.model.layer_kinds import DENSE_STACK
 from meshlm.model.layers import mask_vocab_padding, vocab_parallel_xent
 from meshlm.model.lora import freeze
-from meshlm.model.memory import parallel_getter
+from meshlm.model.memory import layer_gathers, parallel_getter
 from meshlm.model.moe import moe_losses
 from meshlm.model.stack import dense_prefix, stack_layers
 from meshlm.model.transformer import (
@@ -51,7 +51,7 @@ def embed_fn(cfg: ModelConfig, par: Parallel):
             # whole (cp is refused with a prefix), so their document starts are the whole model's
             starts = None if cfg.doc_mask < 0 else par.tap("doc_starts", doc_starts(tokens, cfg.doc_mask))
             dense = _others(cfg, par)[DENSE_STACK]
-            return dense_prefix(cfg, dense, x, _positions(par, x), starts, count)
+            return dense_prefix(cfg, dense, x, _positions(par, x), starts, count, layer_gathers(par))
 
     return embed
 
@@ -81,7 +81,9 @@ def layers_fn(cfg: ModelConfig, par: Parallel, stats: bool | None = None):
                 raise ConfigError("--doc-mask needs the document starts of each micro-batch; pass starts")
             starts = par.tap("doc_starts", starts)
         with hk.custom_getter(parallel_getter(par)), freeze(cfg):
-            out = stack_layers(cfg, _block(cfg, par), x, positions, None, starts, _others(cfg, par))
+            out = stack_layers(
+                cfg, _block(cfg, par), x, positions, None, starts, _others(cfg, par), layer_gathers(par)
+            )
         return (out[0], out[2]) if stats else out[0]
 
     return layers

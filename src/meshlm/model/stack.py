@@ -18,20 +18,20 @@ from meshlm.model.linear_cache import LINEAR_KEYS
 from meshlm.model.memory import remat_body
 
 
-def stack_layers(cfg: ModelConfig, layer, x, positions, cache, starts=None, others=None):
+def stack_layers(cfg: ModelConfig, layer, x, positions, cache, starts=None, others=None, gathers=True):
     """Apply n_layers copies of ``layer`` with stacked parameters [L, ...] (flat compile time). The
     per-layer inputs: the KV cache (generation) and each layer's kind (Gemma 2/3's local and global
     layers, ``attention.layer_kinds``): traced values, so the parameters stay uniform. Layers of a
     second kind with parameters of their own (``layer_kinds.stacks``: a mixture of experts' dense
     layers, a hybrid's linear-attention layers) run ``others[stack name]`` (x -> (x, cache)) at their
-    indices (``_mixed_stack``)."""
+    indices (``_mixed_stack``). ``gathers``: whether a layer all-gathers inside (``memory.remat_body``)."""
     if others:
-        return _mixed_stack(cfg, {MOE_STACK: layer, **others}, x, positions, cache, starts)
+        return _mixed_stack(cfg, {MOE_STACK: layer, **others}, x, positions, cache, starts, gathers)
     if cfg.arch.moe:
-        return _moe_stack(cfg, layer, x, positions, cache, starts)
+        return _moe_stack(cfg, layer, x, positions, cache, starts, gathers)
     # --lora-dropout in a train step: each layer's index beside its kind (its dropout mask's)
     layer, kinds = lora_dropout.indexed(layer, attention.layer_kinds(cfg), cfg.n_layers)
-    body = remat_body(cfg.remat, lambda x, c, k: layer(x, positions, c, starts, k))
+    body = remat_body(cfg.remat, lambda x, c, k: layer(x, positions, c, starts, k), gathers)
     if cache is None and kinds is None:
         stack = layer_stack(cfg.n_layers, unroll=cfg.layer_unroll, name="layers")
         stacked = stack(lambda x: body(x, None, None)[0])
@@ -47,7 +47,7 @@ def stack_layers(cfg: ModelConfig, layer, x, positions, cache, starts=None, othe
     return stacked(body)(x, cache, kinds)
 
 
-def _moe_stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
+def _moe_stack(cfg: ModelConfig, layer, x, positions, cache, starts=None, gathers=True):
     """``stack_layers`` of mixture-of-experts layers -> (x, cache, routing statistics [L, 2E + 3]): each
     layer's statistics leave the stack as its per-layer output (``model.moe``); with layer kinds
     (gpt-oss's windowed and full layers) each layer's kind is a per-layer input, as in a dense stack."""
@@ -56,7 +56,7 @@ def _moe_stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
         y, c, stats = layer(x, positions, c, starts, kind)
         return y, (c, stats)
 
-    body = remat_body(cfg.remat, step)
+    body = remat_body(cfg.remat, step, gathers)
     stacked = layer_stack(cfg.n_layers, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers")
     kinds = attention.layer_kinds(cfg)
     if kinds is None:
@@ -68,7 +68,7 @@ def _moe_stack(cfg: ModelConfig, layer, x, positions, cache, starts=None):
     return x, cache, stats
 
 
-def _mixed_stack(cfg: ModelConfig, layers: dict, x, positions, cache, starts=None):
+def _mixed_stack(cfg: ModelConfig, layers: dict, x, positions, cache, starts=None, gathers=True):
     """``stack_layers`` of a model with layers of two kinds -> (x, cache), and with a mixture of experts
     the statistics of its MoE layers [L_moe, ``moe.stats_size``], in layer order (dense layers have no
     routing). Each kind's parameters stack apart (``layer_kinds.stacks``: [count, ...] under "layers"
@@ -78,7 +78,9 @@ def _mixed_stack(cfg: ModelConfig, layers: dict, x, positions, cache, starts=Non
     bodies = {name: _three(layer, positions, starts) for name, layer in layers.items()}
     kinds, params, apply = attention.layer_kinds(cfg), {}, {}
     for name, indices in stacks(cfg).items():
-        params[name], apply[name] = _stacked(name, len(indices), remat_body(cfg.remat, bodies[name]), x)
+        params[name], apply[name] = _stacked(
+            name, len(indices), remat_body(cfg.remat, bodies[name], gathers), x
+        )
     parts, stats = {}, []
     carried = cache is not None and LOCAL_KEYS[0] in cache  # local and global caches apart: in the carry
     for name, first, start, stop in runs(cfg):
@@ -163,13 +165,13 @@ def _stacked(name: str, count: int, body, x, example=None):
     return hk.lift(scanned_init, name=name, allow_reuse=True)(x, hk.maybe_next_rng_key()), apply_fn
 
 
-def dense_prefix(cfg: ModelConfig, layer, x, positions, starts, count: int):
+def dense_prefix(cfg: ModelConfig, layer, x, positions, starts, count: int, gathers=True):
     """A mixture of experts' first ``count`` layers, all dense (``stage_layers.prefix``: run with the
     embedding on the pipeline's first stage), as ``_mixed_stack`` runs them: one scan over the
     "dense_layers" stack [count, ...] (the same parameters), each layer with its kind where the model
     has kinds."""
     kinds = attention.layer_kinds(cfg)
-    body = remat_body(cfg.remat, _three(layer, positions, starts))
+    body = remat_body(cfg.remat, _three(layer, positions, starts), gathers)
     params, apply = _stacked(DENSE_STACK, count, body, x)
     kind = None if kinds is None else jnp.asarray(kinds[:count])
     return layer_loop(_step(apply), x, (params, None, kind), min(cfg.layer_unroll, count))[0]

@@ -37,7 +37,7 @@ from meshlm.model.layers import (
 from meshlm.model.linear_attention import linear_layer, linear_mixer
 from meshlm.model.lora import freeze
 from meshlm.model.lora_dropout import SEEDS, scope
-from meshlm.model.memory import parallel_getter
+from meshlm.model.memory import layer_gathers, parallel_getter
 from meshlm.model.mla import attention_module
 from meshlm.model.moe import aux_loss, moe_layer, moe_losses
 from meshlm.model.stack import stack_layers
@@ -203,7 +203,9 @@ def _local_logits(
         stack = per_layer_runs.split_stack if cfg.global_shape else per_layer.stack  # global: own shape
         x, cache, stats = stack(cfg, par, lambda c: _block(c, par), x, positions, cache, starts, ple)
         return _head_logits(cfg, par, x, embed), cache, stats
-    x, cache, *stats = stack_layers(cfg, _block(cfg, par), x, positions, cache, starts, _others(cfg, par))
+    x, cache, *stats = stack_layers(
+        cfg, _block(cfg, par), x, positions, cache, starts, _others(cfg, par), layer_gathers(par)
+    )
     head = _head(cfg, par, embed)  # one module: the MTP depths share it
     out = (head(_final_norm(cfg, x)), cache, (stats[0] if stats else None))
     if after is not None:
