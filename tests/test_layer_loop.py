@@ -1,7 +1,7 @@
-"""The straight-line layer stack as a Python loop (``model.layer_loop``), the accelerators' form, against
-the fully unrolled scan that CPU runs: the same parameters bit for bit, the same float64 loss and
-gradients, and what it is for -- no residual stacked over the layers (the scan's, [L, B, ...], is what
-XLA could neither fuse nor free on the chip: docs/benchmarks.md)."""
+"""The straight-line layer stack as a Python loop (``model.layer_loop``; the accelerators' default,
+``MESHLM_LAYER_LOOP=python``) against the fully unrolled scan (CPU's): the same parameters bit for bit,
+the same float64 loss and gradients, and what the loop is: no residual stacked over the layers (the
+scan's are [L, B, ...])."""
 
 import haiku as hk
 import jax
@@ -67,6 +67,8 @@ def test_the_backend_picks_the_form_and_a_bad_override_is_refused(monkeypatch):
     assert straight_line_form() == ("scan" if jax.default_backend() == "cpu" else "python")
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert straight_line_form() == "python"
+    monkeypatch.setenv(ENV, "scan")
+    assert straight_line_form() == "scan"
     monkeypatch.setenv(ENV, "unrolled")
     with pytest.raises(ConfigError, match="MESHLM_LAYER_LOOP='unrolled' is not a layer-loop form"):
         straight_line_form()

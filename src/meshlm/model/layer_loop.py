@@ -1,22 +1,20 @@
-"""The layer loop: a scan over stacked layers, or, where every layer is unrolled, a Python loop.
+"""The layer loop: a scan over stacked layers, or, where every layer is unrolled on an accelerator, a
+Python loop over them.
 
-Why not ``lax.scan(..., unroll=L)`` for the straight-line stack (``ModelConfig.unroll`` 0): a scan's
-backward keeps each layer's residuals as the scan's stacked outputs, [L, ...] arrays written slice by
-slice, even fully unrolled. XLA must then materialise every residual as it was saved -- the attention
-probabilities [L, B, H, T, T], the MLP's hidden [L, B, T, F] -- where with separate per-layer values it
-fuses cheap producers into their backward consumers and keeps only what it needs. Measured on a TPU v5e
-chip (docs/benchmarks.md, "Closing the gap to plain JAX"): the llama step of 8 layers at 8 x 512 in
-float32, 41.9 ms and 6.28 GB compiled peak through the unrolled scan, against plain JAX's 33.9 ms and
-3.59 GB; the Python loop is what plain JAX writes. Same values, same parameters (created by Haiku's own
-layer stack, so every checkpoint and seed is unchanged): only the program's shape differs.
+A scan's backward keeps each layer's residuals as the scan's stacked outputs, [L, ...] arrays written
+slice by slice, even fully unrolled (``ModelConfig.unroll`` 0); a Python loop keeps them per layer, as
+hand-written JAX does, so that XLA sees the same program plain JAX gives it. On a TPU v5e chip
+(docs/benchmarks.md, "On a TPU chip") the step with the loop and ``memory.remat_body``'s fix measured
+1.05x plain JAX in float32 and 0.92x in bf16: those figures are this form's. Before that fix the loop
+alone measured no better than the scan (43.75 against 41.78 ms a step, the same memory); the scan with
+the fix has not been measured on the chip, so the measured form is the default there.
 
-A scan stays where it helps: with remat (a train step resolves unroll 0 to 1: the loop would keep
-every layer's recomputation inputs alive at once), wherever ``unroll`` < L (compile time flat in
-depth), and on the CPU backend, where the fully unrolled scan is what every proof, tolerance and CPU
-figure was measured on (the loop traces each layer apart: ~10% more CPU time in a float64 proof, and
-XLA:CPU's other fusions moved Gemma 4's float32 logits from 6.6e-6 to 2.1e-5 of transformers'). The
-environment variable ``MESHLM_LAYER_LOOP`` (``python`` or ``scan``) overrides the backend's choice,
-for tests and for measuring one against the other.
+On CPU the fully unrolled scan stays: every proof, tolerance and CPU figure was measured on it, the
+loop traces each layer apart (~10% more CPU time in a float64 proof), and XLA:CPU's other fusions
+moved Gemma 4's float32 logits from 6.6e-6 to 2.1e-5 of transformers'. ``MESHLM_LAYER_LOOP``
+(``python`` or ``scan``) overrides the backend's choice, to measure one form against the other. Same
+parameters either way (created by Haiku's own layer stack) and the same values (tests/test_layer_loop.py
+proves the two forms equal in float64 on every stack path).
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from jax import lax
 
 from meshlm.errors import ConfigError
 
-ENV = "MESHLM_LAYER_LOOP"  # "python" | "scan": the straight-line stack's form, whatever the backend
+ENV = "MESHLM_LAYER_LOOP"  # "python" | "scan": the straight-line stack's form
 FORMS = ("python", "scan")
 
 
