@@ -170,3 +170,27 @@ def test_verify_proves_linear_attention_under_cp(mp, cp, seq_len):
     assert max(p.max_rel_err for p in report.params) <= 1e-12
     assert len(cp_controls) == 2 and all(c["detected"] for c in report.controls), report.controls
     assert "all-gather bytes per step" in format_report(report)
+
+
+def test_cpu_solves_one_matrix_per_lapack_call():
+    """Issue 59: jaxlib 0.10's batched LAPACK solve splits a large enough batch over XLA:CPU's intra-op
+    pool and waits for the pieces on a pool thread; under --mesh 1x2 --cp 2 four devices did so at
+    once and the step never returned (``deltanet.unit_lower_solve``). The issue's shape (a chunk of
+    64, 2 value heads a shard, dv 12 widened by dk 16, both cp chunks: a batch of 4), forward and
+    backward, lowered for CPU: every LAPACK solve is of one matrix, and the result is bitwise that
+    of the batched solve."""
+    import re
+
+    from jax import lax
+
+    with jax.enable_x64(True):
+        r = np.random.default_rng(0)
+        system = jnp.asarray(np.tril(r.normal(size=(1, 2, 2, 64, 64)) * 0.1, -1) + np.eye(64))
+        x = jnp.asarray(r.normal(size=(1, 2, 2, 64, 28)))
+        loss = lambda s, x: jnp.sum(jnp.sin(deltanet.unit_lower_solve(s, x)))
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(system, x).as_text()
+        calls = [line for line in hlo.splitlines() if re.search(r"custom_call @lapack_[sd]trsm_ffi", line)]
+        assert len(calls) == 3  # the forward's and the backward's two (d system, d x)
+        assert all('num_batch_dims = "0"' in line for line in calls)
+        batched = lax.linalg.triangular_solve(system, x, left_side=True, lower=True, unit_diagonal=True)
+        assert np.array_equal(np.asarray(deltanet.unit_lower_solve(system, x)), np.asarray(batched))
