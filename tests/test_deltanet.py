@@ -2,6 +2,8 @@
 recurrence to 1e-12 (several chunk sizes, a ragged last chunk, an incoming state), and with document
 resets each document's output equals that document run alone from a zero state (the conv's too)."""
 
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -170,3 +172,66 @@ def test_verify_proves_linear_attention_under_cp(mp, cp, seq_len):
     assert max(p.max_rel_err for p in report.params) <= 1e-12
     assert len(cp_controls) == 2 and all(c["detected"] for c in report.controls), report.controls
     assert "all-gather bytes per step" in format_report(report)
+
+
+def test_cpu_solves_one_matrix_per_lapack_call():
+    """Issue 59: jaxlib 0.10's batched LAPACK solve splits a large enough batch over XLA:CPU's intra-op
+    pool and waits for the pieces on a pool thread; under --mesh 1x2 --cp 2 four devices did so at
+    once and the step never returned (``deltanet.unit_lower_solve``). The issue's shape (a chunk of
+    64, 2 value heads a shard, dv 12 widened by dk 16, both cp chunks: a batch of 4), forward and
+    backward, lowered for CPU: every LAPACK solve is of one matrix, and the result is bitwise that
+    of the batched solve."""
+    import re
+
+    from jax import lax
+
+    with jax.enable_x64(True):
+        r = np.random.default_rng(0)
+        system = jnp.asarray(np.tril(r.normal(size=(1, 2, 2, 64, 64)) * 0.1, -1) + np.eye(64))
+        x = jnp.asarray(r.normal(size=(1, 2, 2, 64, 28)))
+        loss = lambda s, x: jnp.sum(jnp.sin(deltanet.unit_lower_solve(s, x)))
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(system, x).as_text()
+        calls = [line for line in hlo.splitlines() if re.search(r"custom_call @lapack_[sd]trsm_ffi", line)]
+        assert len(calls) == 3  # the forward's and the backward's two (d system, d x)
+        assert all('num_batch_dims = "0"' in line for line in calls)
+        batched = lax.linalg.triangular_solve(system, x, left_side=True, lower=True, unit_diagonal=True)
+        assert np.array_equal(np.asarray(deltanet.unit_lower_solve(system, x)), np.asarray(batched))
+
+
+# The issue's model as a preset change: 4 layers (three linear, one full), 2 key heads serving 4 value
+# heads (2 a shard on mp 2) of dk 16 and dv 12, transformers' chunk of 64; verified on 1x2 + cp 2 in a
+# subprocess with a stall limit, so that a regression ends (exit 3) instead of hanging the suite.
+ISSUE_59 = textwrap.dedent(
+    """
+    import jax, numpy as np
+    from meshlm.model.config import get_config
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof import format_report, model_problem, verify
+
+    jax.config.update("jax_enable_x64", True)
+    linear = dict(linear_key_heads=2, linear_value_heads=4, linear_key_dim=16, linear_value_dim=12)
+    cfg = get_config("tiny-qwen3.5").replace(full_attn_every=4, linear_chunk=64, **linear)
+    layout = Layout(mp=2, cp=2)
+    problem = model_problem(cfg, "issue 59", layout, batch_size=1, seq_len=16)
+    report = verify(problem, layout, dtype=np.float64, controls=(), steps=1)
+    print(format_report(report))
+    print("worst", max(p.max_rel_err for p in report.params))
+    """
+)
+
+
+def test_issue_59_shape_under_cp_finishes():
+    """Issue 59: ``meshlm verify`` of a converted tiny Qwen3.5 (the shape above) on --mesh 1x2 --cp 2
+    never returned (jaxlib's batched LAPACK solve deadlocked XLA:CPU's thread pool; see
+    ``test_cpu_solves_one_matrix_per_lapack_call``). It finishes, and proves, in float64."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MESHLM_STALL_TIMEOUT": "300"}
+    out = subprocess.run(
+        [sys.executable, "-c", ISSUE_59], capture_output=True, text=True, timeout=900, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "OK: sharded == unsharded" in out.stdout, out.stdout[-3000:]
+    assert float(out.stdout.split("worst")[-1]) <= 1e-12

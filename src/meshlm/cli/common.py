@@ -202,6 +202,9 @@ def setup(args, flags: MeshFlags | None = None, planned: Layout | None = None, d
 
 
 def _setup(args, flags: MeshFlags | None, planned: Layout | None, default_dp: int) -> Layout:
+    from meshlm.parallel import watchdog
+
+    watchdog.check_settings()  # a bad MESHLM_STALL_TIMEOUT: one line before any work
     force_host_devices(args.devices if args.devices is not None else DEFAULT_DEVICES)
     if args.coordinator or args.num_processes:
         # Seen here: with a persistent compilation cache, processes of one job can disagree on

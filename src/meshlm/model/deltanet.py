@@ -93,6 +93,30 @@ def recurrent_rule(q, k, v, g, beta, state, reset=None, update=decay_first):
     return jnp.moveaxis(out, 0, 1), state
 
 
+def _solve(system, x):
+    return lax.linalg.triangular_solve(system, x, left_side=True, lower=True, unit_diagonal=True)
+
+
+def _one_at_a_time(system, x):
+    """``_solve`` by a loop over the batch, one matrix per LAPACK call (see ``unit_lower_solve``)."""
+    flat = lambda a: a.reshape(-1, *a.shape[-2:])
+    return lax.map(lambda pair: _solve(*pair), (flat(system), flat(x))).reshape(x.shape)
+
+
+def unit_lower_solve(system, x):
+    """system^-1 x: system [..., C, C] unit lower-triangular, x [..., C, n] (the same batch dims).
+
+    On CPU one matrix per call, because jaxlib 0.10's batched LAPACK solve (``lapack_?trsm_ffi``)
+    splits a batch whose work passes ~2e5 flops over XLA's intra-op thread pool and blocks its own
+    pool thread until the pieces are done. Devices on XLA:CPU run on that same pool: when every pool
+    thread is such a waiting solve (the 4 devices of --mesh 1x2 --cp 2, brought to the solve together by
+    the cp all-gather before it), no thread is left to run the pieces, and the step never returns
+    (issue 59: C = 64, 2 heads of dk 16 + dv 12 a shard). A batch of one is never split. Each matrix
+    goes through the same LAPACK call as before: the results are bitwise those of the batched call.
+    Other backends solve the batch in one call (no LAPACK there)."""
+    return lax.platform_dependent(system, x, cpu=_one_at_a_time, default=_solve)
+
+
 def chunked_rule(q, k, v, g, beta, state, chunk: int, reset=None):
     """The rule in chunks of ``chunk`` tokens (transformers' chunked form; equal to ``recurrent_rule``)
     -> (out [B, T, h, dv], final state). A ragged last chunk is padded with tokens that neither decay
@@ -122,7 +146,7 @@ def chunked_rule(q, k, v, g, beta, state, chunk: int, reset=None):
     system = jnp.einsum("...ik,...jk->...ij", kb, kc) * pair
     strictly_lower = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     system = jnp.where(strictly_lower, system, 0.0) + jnp.eye(chunk, dtype=system.dtype)  # unit lower
-    solve = lambda x: lax.linalg.triangular_solve(system, x, left_side=True, lower=True, unit_diagonal=True)
+    solve = lambda x: unit_lower_solve(system, x)
     new_values, k_decayed = solve(vc * bc[..., None]), solve(kb * from_start[..., None])
     attn = jnp.einsum("...ik,...jk->...ij", qc, kc) * pair  # within the chunk, causal
     q_read = qc * from_start[..., None]

@@ -12,6 +12,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshlm.parallel import watchdog
+
 
 def batch_spec(layout, accum_steps: int = 1) -> P:
     """[B, T] (or [A, B, T] with accumulation) rows split over the ``Layout``'s data shards: DP, or
@@ -31,12 +33,14 @@ def put_global(value, sharding) -> jax.Array:
 
 
 def to_host(x) -> np.ndarray:
-    """A global array's full value on this host (gathered from all processes when multi-process)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
+    """A global array's full value on this host (gathered from all processes when multi-process). The
+    wait for the program that computes it is watched (``watchdog.waiting``: exit 3 past the stall limit)."""
+    with watchdog.waiting(watchdog.mesh_of(x)):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
 
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
 
 
 def bytes_per_device(tree) -> int:

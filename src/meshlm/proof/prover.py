@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from meshlm.data.tokens import check_batch
 from meshlm.model.params import flat_params
+from meshlm.parallel import watchdog
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import bytes_per_device, to_host, total_bytes
 from meshlm.proof.adam_drift import AdamDrift
@@ -119,7 +120,9 @@ def verify(
         report.controls = [run_model_control(c, runs, run_control, ocfg, rtol, atol) for c in chosen]
         report.controls += pipeline_controls(runs, rtol, atol, pipeline)
         return report
-    report.controls = [run_control(c, runs, ocfg, rtol, atol) for c in chosen]
+    for c in chosen:
+        with watchdog.program(f"verify's control {c.name!r}", layout.label()):
+            report.controls.append(run_control(c, runs, ocfg, rtol, atol))
     return report
 
 
@@ -150,7 +153,9 @@ def _compare_values(report: Report, runs: Runs, sharded, steps: int, ocfg, seed:
     optimizer config the steps used (the controls reuse it)."""
     rtol, atol = report.rtol, report.atol
     (ls, gs), (lr, gr) = sharded, runs.reference_grads()
-    report.loss_sharded, report.loss_reference = float(to_host(ls)), float(to_host(lr))
+    mesh = runs.layout.label()
+    with watchdog.program("verify's sharded loss and gradients", mesh):
+        report.loss_sharded, report.loss_reference = float(to_host(ls)), float(to_host(lr))
     loss_check = LeafResult(path="loss", shape=(), spec="P()")
     results: dict[str, LeafResult] = {}
     differ, total = compare_into(results, gs, gr, rtol, atol)
@@ -161,7 +166,8 @@ def _compare_values(report: Report, runs: Runs, sharded, steps: int, ocfg, seed:
         differ = total = 0
         drift = AdamDrift(ocfg, leaf_label)  # what AdamW's division makes of the moments' difference
         for (ps, ss, ms), (pr, sr, mr) in runs.train(ocfg, batches):
-            d, n = compare_into(results, ps, pr, rtol, atol, drift.step(ss, sr))
+            with watchdog.program("verify's sharded train step", mesh):  # its outputs' first read
+                d, n = compare_into(results, ps, pr, rtol, atol, drift.step(ss, sr))
             d2, n2 = compare_into(results, ss, sr, rtol, atol)
             d, n = d + d2, n + n2
             d += loss_check.update(to_host(ms["loss"]), to_host(mr["loss"]), rtol, atol) != 0

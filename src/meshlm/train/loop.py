@@ -27,7 +27,7 @@ from meshlm.data.tokenizer import ByteTokenizer, bits_per_byte
 from meshlm.errors import MeshlmError, TrainingError, is_out_of_memory
 from meshlm.generate.generator import Generator
 from meshlm.io.tokenizer_file import TOKENIZER_FILE
-from meshlm.parallel import distributed
+from meshlm.parallel import distributed, watchdog
 from meshlm.parallel.placement import put_global
 from meshlm.perf.oom import Asked, reported
 from meshlm.sharding.stage_slots import slots_of, to_canonical
@@ -174,7 +174,8 @@ class _InFlight:
     def _read_one(self) -> None:
         run, tcfg = self.run, self.run.tcfg
         step, metrics = self.steps.popleft()
-        metrics["loss"].block_until_ready()  # waits for step `step` only; later ones keep running
+        with watchdog.program("the sharded train step", run.layout.label()), watchdog.waiting():
+            metrics["loss"].block_until_ready()  # waits for step `step` only; later ones keep running
         now = time.perf_counter()
         row = _train_row(run, step, metrics, now - self.clock, self.mfu)
         self.clock = now
