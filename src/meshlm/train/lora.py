@@ -73,6 +73,29 @@ def check_lora_flags(settings) -> None:
         )
 
 
+def check_early(settings, checkpoint: str, config: str) -> None:
+    """The LoRA flags against the model before devices start (e.g. --lora-rank above its targets'
+    widths, ``lora_fields.check_lora``): ``checkpoint``'s model, read straight from its meta
+    (``io.layout.peek_model_config``; unreadable, or itself adapters: the run's checked read reports
+    it), else the preset ``config``."""
+    from meshlm.model.config import from_dict, get_config
+
+    if not settings.lora_rank:
+        return
+    if not checkpoint:
+        with_lora(settings, get_config(config))
+        return
+    from meshlm.io.layout import peek_model_config
+
+    found = peek_model_config(checkpoint)
+    try:
+        model = None if found is None else from_dict(found)
+    except ConfigError:
+        return  # an invalid saved config: the checked read names the checkpoint
+    if model is not None and not model.lora_rank:
+        with_lora(settings, model)
+
+
 def check_needs_base(tcfg) -> None:
     """LoRA adapts a model: --lora-rank needs --checkpoint (the base), at every start and resume."""
     if tcfg.lora_rank and not tcfg.checkpoint:
