@@ -86,7 +86,7 @@ def test_bad_dropout_is_one_line_and_refused_where_its_mask_cannot_go():
             llama.replace(lora_rank=2, lora_targets="q", lora_dropout=p)
     with pytest.raises(ConfigError, match="--lora-dropout need --lora-rank"):
         llama.replace(lora_dropout=0.1)
-    with pytest.raises(ConfigError, match="--lora-dropout needs --lora-rank"):  # the flags alike
+    with pytest.raises(ConfigError, match="--lora-dropout applies to LoRA adapters"):  # the flags alike
         with_lora(LoraSettings(lora_dropout=0.1), llama)
     with pytest.raises(ConfigError, match="more than one kind.*drop --lora-dropout"):
         get_config("tiny-mixtral").replace(lora_rank=2, lora_targets="q", lora_dropout=0.1)

@@ -15,6 +15,7 @@ import sys
 from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
 from meshlm.model.config import get_config
 from meshlm.train.config import DEFAULT_DP, DEFAULT_PRESET, TrainConfig, check_byte_vocab, resolve
+from meshlm.train.lora import check_early, check_needs_base
 from meshlm.train.stop import Stop
 
 D = TrainConfig()
@@ -74,7 +75,10 @@ def _run(args, stop: Stop) -> int:
 def _preset_checks(tcfg: TrainConfig):
     """Before devices, data or model: a preset that cannot train on bytes fails in a second, not after
     the corpus is read. With --checkpoint the model is the checkpoint's (read with the devices, in
-    ``train.run``): (tcfg, None), a --config name only checked to exist."""
+    ``train.run``): (tcfg, None), a --config name only checked to exist; its LoRA flags checked
+    against its model's meta (``train.lora.check_early``)."""
+    check_needs_base(tcfg)
+    check_early(tcfg, tcfg.checkpoint, tcfg.config)
     if tcfg.checkpoint:
         if tcfg.config:
             get_config(tcfg.config)

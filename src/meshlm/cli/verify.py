@@ -14,6 +14,7 @@ from meshlm.errors import ConfigError, ShardingError
 from meshlm.model.config import beyond_max_seq_len, default_seq_len, get_config
 from meshlm.parallel.axes import PP
 from meshlm.settings import LongContext
+from meshlm.train.lora import check_early
 
 DATA_STEPS = 3  # steps of the data-pipeline check (cheap: host arrays only)
 
@@ -34,6 +35,7 @@ def run(args) -> int:
     if vs.attention == "flash" and vs.x64:  # before any work (``model.flash``: float32 inside the kernel)
         raise ConfigError("--attention flash computes in float32 inside its kernel; verify it without --x64")
     axes = _axes(vs)  # before any work
+    check_early(vs, vs.checkpoint or "", vs.config)  # e.g. --lora-rank above its targets' widths
     if planned := flag_layout(args, vs):  # before any work
         if vs.batch_size is not None:
             planned.check_batch(vs.batch_size)

@@ -16,7 +16,7 @@ from meshlm.settings import (
     check_fields,
     setting,
 )
-from meshlm.train.lora import LoraSettings
+from meshlm.train.lora import LoraSettings, check_lora_flags
 
 # One token attends only to itself: the causal mask and attention across positions would go unproven
 # (and 0 tokens give a NaN loss, reported as a FAIL).
@@ -127,3 +127,4 @@ class VerifySettings(MeshFlags, LongContext, LoraSettings):  # --pp, --cp, --fsd
 
     def __post_init__(self):
         check_fields(self)  # library users never pass argparse's checks
+        check_lora_flags(self)  # --lora-alpha without --lora-rank: one line, not dropped

@@ -20,6 +20,7 @@ Layout written by orbax-checkpoint 0.12.8 on a local filesystem (``DIR`` is the 
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import warnings
@@ -130,6 +131,21 @@ def resolve(path: str | Path) -> tuple[Path, int | None]:
     if not complete_steps(p):
         raise no_checkpoint(p)
     return p, None
+
+
+def peek_model_config(path: str | Path) -> dict | None:
+    """The model config dict of the checkpoint at ``path`` (its newest complete step, or the step
+    directory given), read straight from its meta JSON: no orbax, no devices, no integrity check, for
+    checks of flags against the model before devices start. None where it cannot be read that way:
+    the checked read (``io.model_io.read_config``) then says why."""
+    try:
+        directory, step = resolve(path)
+        step = step if step is not None else complete_steps(directory)[-1]
+        meta = json.loads((directory / str(step) / META / JSON_FILE).read_text())
+    except (CheckpointError, OSError, ValueError, IndexError):
+        return None
+    found = meta.get("model_config") if isinstance(meta, dict) else None
+    return found if isinstance(found, dict) else None
 
 
 def is_checkpoint_dir(path: str | Path) -> bool:

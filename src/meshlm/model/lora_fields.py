@@ -72,7 +72,33 @@ def check_lora(cfg) -> None:
             f"--lora-targets {cfg.lora_targets!r}: unknown target(s) {unknown or '(none given)'} for "
             f"{cfg.family}; valid: {','.join(have)}"
         )
+    _check_rank(cfg, names)
     _check_dropout(cfg)
+
+
+def widths(cfg) -> dict[str, tuple[int, int]]:
+    """Each target name's weight as a matrix (inputs, outputs), per the model config: its flattened
+    dims (``model.lora.delta``: A [in, R], B [R, out])."""
+    d, ff, e = cfg.d_model, cfg.d_ff, cfg.dim_per_head
+    q, kv, heads_out = cfg.n_heads * e, cfg.kv_heads * e, cfg.n_heads * (cfg.v_head_dim or e)
+    return {
+        **{"q": (d, q * (1 + cfg.arch.attn_gate)), "k": (d, kv), "v": (d, kv), "o": (heads_out, d)},
+        **{"gate": (d, ff), "up": (d, ff), "down": (ff, d)},
+    }
+
+
+def _check_rank(cfg, names: list[str]) -> None:
+    """R at most the smallest width of the weights it adapts: a larger rank adds nothing a full-rank
+    update lacks, and its adapters outgrow their weights (a large R: out of memory)."""
+    have = widths(cfg)
+    name = min(names, key=lambda n: min(have[n]))
+    width = min(have[name])
+    if cfg.lora_rank > width:
+        rows, cols = have[name]
+        raise ConfigError(
+            f"--lora-rank {cfg.lora_rank} exceeds the smallest width of the weights it adapts: {name} "
+            f"({targets(cfg)[name]}) is {rows} x {cols}; give --lora-rank R <= {width}"
+        )
 
 
 def _check_dropout(cfg) -> None:

@@ -30,7 +30,7 @@ from meshlm.settings import (  # noqa: F401 - CLI_* and Switch: the train CLI re
     setting,
 )
 from meshlm.train.dpo_settings import ObjectiveSettings
-from meshlm.train.lora import LoraSettings
+from meshlm.train.lora import LoraSettings, check_lora_flags
 
 # `meshlm train` without --mesh: DEFAULT_DP x (devices / DEFAULT_DP), 2x2 on the default 4 fake devices,
 # the fastest data x model mesh on a 2-core CPU (docs/training.md, "Choosing the main job's defaults").
@@ -215,6 +215,7 @@ class TrainConfig(
 def _validate(tcfg: TrainConfig) -> None:
     """Every field's range and choices, and the batch split: one-line errors naming the flag."""
     check_fields(tcfg)
+    check_lora_flags(tcfg)
     _check_out_is_not_the_checkpoint(tcfg)
     if tcfg.batch_size % tcfg.accum_steps:
         fit = (tcfg.batch_size // tcfg.accum_steps + 1) * tcfg.accum_steps

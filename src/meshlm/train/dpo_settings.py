@@ -7,11 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshlm.ranges import POSITIVE_FLOAT
+from meshlm.ranges import Range
 from meshlm.settings import setting
 
 OBJECTIVES = ("lm", "dpo")
 DPO_LOSSES = ("sigmoid", "ipo")  # ``model.preference.LOSSES`` (that module imports JAX)
+# beta's range, three orders of magnitude either side of DPO's usual 0.01-0.5 (trl's default 0.1). Beyond
+# it float32 overflows: DPO's gradient is beta x sigma(-beta x margin), beta / 2 per pair at the first
+# step (the policy is the reference), and at 1e30 its weighted gradient pass and clip norm are inf;
+# IPO's loss is (margin - 1 / (2 tau))^2, inf below tau ~ 1e-19. Zero or less: no pull at all.
+DPO_BETA = Range(float, 1e-3, 1e3, note="DPO's usual 0.01-0.5")
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,7 @@ class ObjectiveSettings:
         0.1,
         "DPO's beta (IPO's tau): the strength of the pull to the reference",
         resume_must_match=True,
-        valid=POSITIVE_FLOAT,
+        valid=DPO_BETA,
     )
     dpo_loss: str = setting(
         "sigmoid",

@@ -9,7 +9,7 @@ adapters are ``model.lora``'s; the step trains them alone (``train.optim.trainab
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.model.lora_fields import NAMES, RANGES
@@ -44,9 +44,8 @@ class LoraSettings:
 def with_lora(settings, cfg):
     """``cfg`` with the settings' adapters (none without --lora-rank): one-line errors for unknown
     targets or a family without any (``lora_fields.check_lora``)."""
+    check_lora_flags(settings)
     if not settings.lora_rank:
-        if settings.lora_dropout:  # not silently dropped
-            raise ConfigError("--lora-dropout needs --lora-rank R (R >= 1): it drops the adapters' input")
         return cfg
     return cfg.replace(
         lora_rank=settings.lora_rank,
@@ -54,6 +53,47 @@ def with_lora(settings, cfg):
         lora_targets=settings.lora_targets,
         lora_dropout=settings.lora_dropout,
     )
+
+
+def check_lora_flags(settings) -> None:
+    """Without --lora-rank there are no adapters: a LoRA-only flag given (not at its default) is
+    refused in one line, not silently dropped (a full fine-tune the user did not ask for)."""
+    if settings.lora_rank:
+        return
+    given = [
+        "--" + f.name.replace("_", "-")
+        for f in fields(LoraSettings)
+        if f.name != "lora_rank" and getattr(settings, f.name) != f.default
+    ]
+    if given:
+        flags = " and ".join(given)
+        raise ConfigError(
+            f"{flags} appl{'ies' if len(given) == 1 else 'y'} to LoRA adapters; give --lora-rank R > 0, "
+            f"or drop {flags} for a full fine-tune"
+        )
+
+
+def check_early(settings, checkpoint: str, config: str) -> None:
+    """The LoRA flags against the model before devices start (e.g. --lora-rank above its targets'
+    widths, ``lora_fields.check_lora``): ``checkpoint``'s model, read straight from its meta
+    (``io.layout.peek_model_config``; unreadable, or itself adapters: the run's checked read reports
+    it), else the preset ``config``."""
+    from meshlm.model.config import from_dict, get_config
+
+    if not settings.lora_rank:
+        return
+    if not checkpoint:
+        with_lora(settings, get_config(config))
+        return
+    from meshlm.io.layout import peek_model_config
+
+    found = peek_model_config(checkpoint)
+    try:
+        model = None if found is None else from_dict(found)
+    except ConfigError:
+        return  # an invalid saved config: the checked read names the checkpoint
+    if model is not None and not model.lora_rank:
+        with_lora(settings, model)
 
 
 def check_needs_base(tcfg) -> None:
