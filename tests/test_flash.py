@@ -13,7 +13,8 @@ from meshlm.errors import ConfigError
 from meshlm.model.attention import _attend
 from meshlm.model.attention_variants import CAUSAL, Variant
 from meshlm.model.config import get_config
-from meshlm.model.flash import block_size, flash_attention, padded_length
+from meshlm.model.flash import flash_attention, padded_length
+from meshlm.model.flash_kernel import block_size
 from meshlm.model.transformer import check_context
 from meshlm.parallel.context import Parallel
 
