@@ -189,3 +189,25 @@ def test_flash_through_the_pipeline_equals_the_unsharded_plain_model():
         got = jax.jit(fn)(params, batch)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert rel_err(g, w) < 1e-4, (g, w)
+
+
+def test_flash_model_equals_plain_with_sinks_and_layer_kinds():
+    """tiny-gpt-oss (2 layers: a local one with a window of 8 and a global one in one layer loop, learned
+    sinks): the flash model's loss and every gradient equal the plain model's, float32."""
+    import haiku as hk
+
+    from meshlm.model.transformer import init_fn, loss_fn
+
+    plain = get_config("tiny-gpt-oss").replace(n_layers=2)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 25), 0, 64)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    params = init_fn(plain)[0](jax.random.PRNGKey(0), batch)
+
+    def value_and_grad(cfg):
+        apply = hk.transform(loss_fn(cfg, Parallel())).apply
+        with jax.default_matmul_precision("highest"):
+            return jax.jit(jax.value_and_grad(lambda p: apply(p, None, batch)))(params)
+
+    got, want = value_and_grad(plain.replace(attention="flash")), value_and_grad(plain)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert rel_err(g, w) < TOL
