@@ -102,6 +102,12 @@ def test_flash_traced_window():
         assert rel_err(run(jnp.int32(w)), want) < TOL
 
 
+def test_flash_is_causal_only():
+    q, k, v, _ = inputs(1, 8, 2, 1, 16)
+    with pytest.raises(ValueError, match="flash_attention is causal attention only; use plain or blockwise"):
+        flash_attention(q, k, v, None, Variant(causal=False))
+
+
 def test_flash_refuses_cp():
     cfg = get_config("tiny-llama").replace(attention="flash")
     with pytest.raises(ConfigError, match="flash does not run under --cp yet; use --attention blockwise"):

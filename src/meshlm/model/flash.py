@@ -102,7 +102,9 @@ def flash_attention(q, k, v, q_start=None, variant: Variant = CAUSAL, *, candida
     (this shard's heads) -> [B, T, h, E] in q's dtype, by the splash kernel. ``q_start`` [B, T]
     (``--doc-mask``): where each token's document starts. ``variant``: the mask and score rules;
     where its window or chunk is traced, ``candidates`` lists the static (window, chunk) pairs it
-    takes (``layer_rules``)."""
+    takes (``layer_rules``: a traced value not among them would run the first one's mask)."""
+    if not variant.causal:  # every meshlm model is causal; the splash masks here are built causal
+        raise ValueError("flash_attention is causal attention only; use plain or blockwise attention")
     b, t, h, e = q.shape
     tp = padded_length(t)
     scale = 1.0 / np.sqrt(variant.scalar or e)
