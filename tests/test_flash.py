@@ -108,10 +108,17 @@ def test_flash_is_causal_only():
         flash_attention(q, k, v, None, Variant(causal=False))
 
 
-def test_flash_refuses_cp():
+def test_flash_refuses_cp(capsys):
+    """In one line: by the model (``check_context``) and by a command before any device."""
+    from helpers import run_cli
+
     cfg = get_config("tiny-llama").replace(attention="flash")
     with pytest.raises(ConfigError, match="flash does not run under --cp yet; use --attention blockwise"):
         check_context(cfg, Parallel.on(_cp_layout()))
+    argv = ("--config", "tiny-llama", "--mesh", "1x1", "--cp", "2", "--attention", "flash")
+    assert run_cli("verify", *argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["meshlm: error: --attention flash does not run under --cp yet; use --attention blockwise"]
 
 
 def _cp_layout():

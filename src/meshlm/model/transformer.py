@@ -42,6 +42,7 @@ from meshlm.model.mla import attention_module
 from meshlm.model.moe import aux_loss, moe_layer, moe_losses
 from meshlm.model.stack import stack_layers
 from meshlm.parallel.context import Parallel
+from meshlm.settings import FLASH_UNDER_CP
 
 GPT_STDDEV = 0.02  # GPT-J / Llama initialisation
 
@@ -234,8 +235,8 @@ def check_context(cfg: ModelConfig, where) -> None:
     cp = (where if isinstance(where, Parallel) else Parallel.on(where)).context_parallel
     if cp and cfg.doc_mask >= 0:
         raise ConfigError("--cp does not support --doc-mask yet (documents across chunks); drop one of them")
-    if cp and cfg.attention == "flash":  # the splash kernel's masks are by index within one sequence
-        raise ConfigError("--attention flash does not run under --cp yet; use --attention blockwise")
+    if cp and cfg.attention == "flash":
+        raise ConfigError(FLASH_UNDER_CP)
 
 
 def _scaled(cfg: ModelConfig, x):
