@@ -92,9 +92,9 @@ def check_fields(obj) -> None:
 
 # ---- the mesh: the same flags on every command that takes one (issue 32) ----
 ATTENTION_KINDS = ("auto", "plain", "blockwise", "flash")  # "auto", then model.config.ATTENTION
-# flash's masks are by index within one sequence; the ring's steps need each block's log-sum-exp by
-# global position (``model.flash``): refused by the commands before any device, and by the model
-FLASH_UNDER_CP = "--attention flash does not run under --cp yet; use --attention blockwise"
+# flash under --cp runs the ring's steps (``model.flash_ring``), not the all-gather: refused by the
+# commands before any device, and by the model (``transformer.check_context``)
+FLASH_UNDER_CP = "--attention flash runs --cp as a ring; drop --cp-strategy allgather (or use blockwise)"
 CP_STRATEGY_NAMES = ("ring", "allgather")  # parallel.layout.CP_STRATEGIES
 PP_SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")  # parallel.pipeline_schedule.SCHEDULES
 # What a command that lacks an option runs without (its flag's help and its one-line refusal).

@@ -181,7 +181,8 @@ def flag_layout(args, flags: MeshFlags | None = None) -> Layout | None:
     None without --mesh: the mesh then depends on the device count, known after ``setup``; with --pp a
     Layout of dp=1 is built to check the pipeline's options early."""
     options = flags.layout_options() if flags is not None else {}
-    if getattr(flags, "attention", "") == "flash" and (getattr(flags, "cp", 1) or 1) > 1:
+    cp_allgather = (getattr(flags, "cp", 1) or 1) > 1 and getattr(flags, "cp_strategy", "") == "allgather"
+    if getattr(flags, "attention", "") == "flash" and cp_allgather:
         from meshlm.errors import ConfigError
 
         raise ConfigError(FLASH_UNDER_CP)

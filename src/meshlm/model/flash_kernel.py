@@ -176,6 +176,20 @@ def _bwd_avals(*avals, rule, has_seg):  # the gradients typed as q, k, v (and th
 _bwd_p = _primitive("meshlm_flash_bwd", _bwd_impl, _bwd_avals, True)
 
 
+def forward(rule, q, k, v, segments=None, sink=None):
+    """(out [B, h, Tp, E], log-sum-exp [B, h, Tp] float32) of the kernel, no VJP of its own (the --cp
+    ring's steps: the ring's custom VJP calls ``backward``); operands typed varying like q."""
+    ops = [x for x in (q, k, v, segments, sink) if x is not None]
+    return _fwd_p.bind(*ops, rule=rule, has_seg=segments is not None)
+
+
+def backward(rule, q, k, v, segments, out, lse, dout):
+    """(dq, dk, dv) of the kernel's backward from ``out`` and ``lse`` (a ring's final ones: the share of
+    this K/V set), no sinks (the ring's ``Variant.cotangent`` has theirs)."""
+    ops = [x for x in (q, k, v, segments) if x is not None]
+    return _bwd_p.bind(*ops, out, lse, dout, rule=rule, has_seg=segments is not None)
+
+
 def _bridge_fwd(rule, q, k, v, segments, sink):
     ops = [x for x in (q, k, v, segments, sink) if x is not None]
     out, lse = _fwd_p.bind(*ops, rule=rule, has_seg=segments is not None)
