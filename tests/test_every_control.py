@@ -116,6 +116,7 @@ CONFIGS = {
         1,
         16,
     ),
+    "tiny-llama 1x2 cp2 ring flash": ("tiny-llama", {"attention": "flash", **ONE}, Layout(mp=2, cp=2), 1, 16),
     "tiny-llama 2x2 flash doc-mask": (
         "tiny-llama",
         {"attention": "flash", "doc_mask": 0},
