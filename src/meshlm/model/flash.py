@@ -21,10 +21,9 @@ What the kernel is told of a ``Variant`` (it never learns the variant's name):
   none to the right: a query at i sees i - w < j <= i), Llama 4's chunks (``ChunkedCausalMask``), the
   two together (their ``&``); document starts (``--doc-mask``) as segment ids: a key j is visible to a
   query i >= j of the same document exactly when both tokens' document starts are equal;
-- the score: the 1 / sqrt(scalar or E) scale folded into q, then soft-capping (``attn_logits_soft_cap``:
-  c tanh(s / c) before the mask, as ``score_mod``);
-- the normaliser: learned sinks (``sinks``: exp(sink) joins the softmax's sum, one logit per query head;
-  the kernel's backward returns their gradient);
+- the score: the 1 / sqrt(scalar or E) scale folded into q; the variant's score rule and learned
+  normaliser become the kernel's own parameters in one place, ``flash_kernel.kernel_rule`` and
+  ``flash_kernel.kernel_normaliser`` (the one module that names them: the boundary to JAX's kernel);
 - a layer's traced window or chunk (Gemma 2/3's, gpt-oss's, Llama 4's local and global layers in one
   layer loop): the kernel's masks are static, so each candidate of the model's ``layer_rules`` is
   compiled once and ``lax.switch`` picks the traced layer's.
@@ -47,7 +46,7 @@ from jax import lax
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
 from meshlm.model.attention_variants import CAUSAL, Variant
-from meshlm.model.flash_kernel import LANES, bridge
+from meshlm.model.flash_kernel import LANES, bridge, kernel_normaliser, kernel_rule
 from meshlm.model.layers import varying_like
 
 
@@ -111,12 +110,13 @@ def flash_attention(q, k, v, q_start=None, variant: Variant = CAUSAL, *, candida
     pad = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, tp - t), (0, 0)))
     qp, kp, vp = pad(q * jnp.asarray(scale, q.dtype)), pad(k), pad(v)
     segments = None if q_start is None else _segments(q_start, tp)
-    sink = None if variant.sink is None else variant.sink.astype(jnp.float32)
-    # every operand varying as q does (``flash_kernel.bridge``): K/V replicated over mp, sinks over dp, ...
-    kp, vp, segments, sink = (None if x is None else varying_like(x, qp) for x in (kp, vp, segments, sink))
+    extra = kernel_normaliser(variant)  # [h] float32, or None
+    # every operand varying as q does (``flash_kernel.bridge``): K/V replicated over mp, the normaliser's
+    # logits over dp, ...
+    kp, vp, segments, extra = (None if x is None else varying_like(x, qp) for x in (kp, vp, segments, extra))
     # the rule a primitive's parameter: the mask builder looked up now, as the program is traced
-    run = lambda rule: lambda *a: bridge((*rule, float(variant.softcap), _mask), *a)
-    args = (qp, kp, vp, segments, sink)
+    run = lambda rule: lambda *a: bridge(kernel_rule(variant, *rule, _mask), *a)
+    args = (qp, kp, vp, segments, extra)
     rule = static_rules(variant)
     if rule is not None:
         out = run(rule)(*args)

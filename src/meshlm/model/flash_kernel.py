@@ -176,6 +176,19 @@ def _bwd_avals(*avals, rule, has_seg):  # the gradients typed as q, k, v (and th
 _bwd_p = _primitive("meshlm_flash_bwd", _bwd_impl, _bwd_avals, True)
 
 
+def kernel_rule(variant, window: int, chunk: int, mask_of) -> tuple:
+    """A primitive's ``rule``, static: (window, chunk, the variant's score rule as splash takes it --
+    ``attn_logits_soft_cap``, c tanh(s / c) of the scaled scores before the mask, as ``score_mod``; 0
+    none --, the mask builder)."""
+    return (window, chunk, float(variant.softcap), mask_of)
+
+
+def kernel_normaliser(variant):
+    """The variant's learned normaliser as splash's ``sinks`` operand: one logit per query head [h],
+    float32 (exp(sink) joins the softmax's sum; the kernel's backward returns its gradient), or None."""
+    return None if variant.sink is None else variant.sink.astype(jnp.float32)
+
+
 def forward(rule, q, k, v, segments=None, sink=None):
     """(out [B, h, Tp, E], log-sum-exp [B, h, Tp] float32) of the kernel, no VJP of its own (the --cp
     ring's steps: the ring's custom VJP calls ``backward``); operands typed varying like q."""

@@ -25,7 +25,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 
 from meshlm.model.attention_variants import Variant
 from meshlm.model.blockwise import Partial, combine
-from meshlm.model.flash_kernel import LANES, backward, forward
+from meshlm.model.flash_kernel import LANES, backward, forward, kernel_rule
 from meshlm.model.layers import upcast, varying_like
 
 
@@ -61,12 +61,12 @@ def _chunks(x):
     return x[:, :c], x[:, c:]
 
 
-def _pair(q, k, v, rel, softcap: float, c: int):
+def _pair(q, k, v, rel, variant: Variant, c: int):
     """One (query chunk, key chunk) pair: q [B, h, cp, E] padded and scaled, k, v [B, kv, cp, E] ->
     Partial over the chunk's c queries."""
     seg = _segments(q).at[:, c:].set(1)
     k, v, seg = (varying_like(x, q) for x in (k, v, seg))
-    run = lambda mask_of: lambda *a: tuple(forward((0, 0, softcap, mask_of), *a))
+    run = lambda mask_of: lambda *a: tuple(forward(kernel_rule(variant, 0, 0, mask_of), *a))
 
     def none(q, k, v, seg):
         return jnp.zeros_like(q), varying_like(jnp.full(q.shape[:3], -jnp.inf, jnp.float32), q)
@@ -80,25 +80,25 @@ def _pair(q, k, v, rel, softcap: float, c: int):
 def flash_partial(q, k, v, q_pos, k_pos, *, variant: Variant, **_) -> Partial:
     """``blockwise.attend_partial``'s contract for the ring: this shard's two query chunks q [B, 2c, H, E]
     against one K/V set k, v [B, 2c, K, E] (positions q_pos, k_pos [B, 2c]) -> Partial [B, 2c, H, ...].
-    ``variant``: the folded one (no scalar; the score divided by sqrt(E) here), its soft-cap."""
+    ``variant``: the step's, folded (no scalar; the score divided by sqrt(E) here), its score rule."""
     c = q.shape[1] // 2
     scale = jnp.asarray(1.0 / np.sqrt(q.shape[-1]), q.dtype)
     rows = []
     for qi, qp in zip(_chunks(q * scale), _chunks(q_pos), strict=True):
         part = None
         for ki, vi, kp in zip(_chunks(k), _chunks(v), _chunks(k_pos), strict=True):
-            p = _pair(_padded(qi, q), _padded(ki, q), _padded(vi, q), _relation(qp, kp), variant.softcap, c)
+            p = _pair(_padded(qi, q), _padded(ki, q), _padded(vi, q), _relation(qp, kp), variant, c)
             part = p if part is None else combine(part, p)
         rows.append(part)
     return Partial(*(jnp.concatenate(pair, axis=1) for pair in zip(*rows, strict=True)))
 
 
-def _pair_grads(q, k, v, out, lse, dout, rel, softcap: float, c: int):
+def _pair_grads(q, k, v, out, lse, dout, rel, variant: Variant, c: int):
     """The pair's share of (dq, dk, dv), all padded [B, heads, cp, E], from the final out, lse, dout of
     the query chunk (padded; lse 0 on padding rows, whose dout is 0)."""
     seg = _segments(q).at[:, c:].set(1)
     k, v, seg, out, lse, dout = (varying_like(x, q) for x in (k, v, seg, out, lse, dout))
-    run = lambda mask_of: lambda *a: tuple(backward((0, 0, softcap, mask_of), *a))
+    run = lambda mask_of: lambda *a: tuple(backward(kernel_rule(variant, 0, 0, mask_of), *a))
 
     def none(q, k, v, seg, out, lse, dout):
         return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
@@ -126,7 +126,7 @@ def flash_partial_grads(q, k, v, q_pos, k_pos, out, lse, dout, *, variant: Varia
                 pad_rows(li),
                 _padded(di, q),
             )
-            g = _pair_grads(*args, _relation(qp, kp), variant.softcap, c)
+            g = _pair_grads(*args, _relation(qp, kp), variant, c)
             dq_i = g[0] if dq_i is None else dq_i + g[0]
             dk[j] = g[1] if dk[j] is None else dk[j] + g[1]
             dv[j] = g[2] if dv[j] is None else dv[j] + g[2]

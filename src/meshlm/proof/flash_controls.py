@@ -1,9 +1,9 @@
 """Planted faults of flash attention (``--attention flash``: the Pallas splash kernel, ``model.flash``).
 
-The model's own controls (the window off by one, the document mask off, the soft-cap off, the sinks'
-gradient, ...) change the config or the model around the kernel, and so reach flash attention as they
-reach plain attention. These plant inside ``model.flash``, where only the flash kernel's run meets them,
-while the sharded program is traced:
+The model's own controls (the window off by one, the document mask off, the cap off, ...) change the
+config or the model around the kernel, and so reach flash attention as they reach plain attention.
+These plant inside ``model.flash`` (and ``model.flash_ring``), where only the flash kernel's run meets
+them, while the sharded program is traced:
 
 - *flash mask sees the next key*: each head's static mask also lets a query see the key one position
   after it (the causal mask's classic off-by-one): every model with attention;
