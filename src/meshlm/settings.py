@@ -201,8 +201,9 @@ class LongContext:
 
     def attention_kind(self, backend: str, x64: bool = False) -> str:
         """--attention as the model takes it (``ModelConfig.attention``): "auto", the default, is flash
-        on a TPU (``backend``: ``jax.default_backend()``) where the kernel applies -- no --cp (the ring
-        runs the blockwise pieces) and not float64 (--x64: the kernel computes in float32) -- else plain."""
+        on a TPU (``backend``: ``jax.default_backend()``) where the kernel applies everywhere -- no --cp
+        (flash's ring refuses windows and chunks, which a model's config decides: ``--attention flash``
+        asks for it) and not float64 (--x64: the kernel computes in float32) -- else plain."""
         if self.attention != "auto":
             return self.attention
         one_sequence = (getattr(self, "cp", 1) or 1) == 1  # (commands without --cp: one sequence per shard)
