@@ -69,6 +69,11 @@ Z = "tests/test_prover.py::test_z_loss_is_proven_sharded_and_its_bug_is_caught"
 DOC = "tests/test_doc_mask.py::test_verify_doc_mask_passes_and_its_controls_are_detected"
 BW = "tests/test_blockwise.py::test_the_proof_compares_blockwise_with_plain_attention"
 FLASH = "tests/test_flash.py::test_verify_proves_flash_with_its_controls_detected"
+FLASH_KINDS = "tests/test_flash.py::test_flash_model_equals_plain_with_sinks_and_layer_kinds"
+FLASH_RING = "tests/test_flash.py::test_flash_ring_equals_the_unsharded_plain_model"
+FLASH_CP = (
+    "meshlm verify --config tiny-llama --attention flash --mesh 1x2 --cp 2 --devices 4 --steps 1 --seq-len 64"
+)
 MP_CKPT = "tests/test_multiprocess.py::test_two_processes_train_like_one_and_checkpoint_restores_in_one"
 CK = "tests/test_multiprocess.py::test_two_processes_train_like_one_and_checkpoint_restores_in_one"
 MATRIX = "tests/test_prover.py::test_matrix_rows_and_table"
@@ -213,6 +218,10 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-llama --attention flash --mesh 1x2 --devices 2 --steps 1": verify(
         costly=FLASH
     ),
+    "meshlm verify --config tiny-gpt-oss --attention flash --mesh 2x2 --devices 4 --steps 1": verify(
+        costly=FLASH_KINDS
+    ),
+    FLASH_CP: verify(costly=FLASH_RING),
     "meshlm plan --config llama2-7b --mesh 2x4 --devices 8 --batch-size 8 --seq-len 2048 --fsdp --sp "
     "--remat selective --device-memory 80GiB": run(expect=("fits (",)),
     # docs/benchmarks.md

@@ -6,7 +6,7 @@ parameter; the planted function kept the old signature) crashes when verify runs
 (``jit(...).trace``: no compile, no execution) the planted sharded program of every control that applies
 there, exactly as ``run_control`` and ``pipeline_controls`` build it. A crash is a failure of this test;
 JAX's varying-axis type check rejecting the program is what verify counts as a detection, and passes.
-The configurations cover plain and blockwise attention, both cp strategies (ring on 2 and 3 shards),
+The configurations cover plain, blockwise and flash attention, both cp strategies (ring on 2 and 3 shards),
 each pp schedule, pp x cp and the document mask under pp (their controls through the pipeline), a
 sliding window in the kernel and the ring, soft-capping in the kernel and the ring, experts over ep
 (with FSDP over the rest of dp and SP), FSDP and SP, and every tiny family preset; the last test
@@ -108,6 +108,22 @@ CONFIGS = {
         8,
     ),
     "tiny-llama 1x1 blockwise doc-mask": ("tiny-llama", {**BW, "doc_mask": 0}, Layout(), 1, 18),
+    # the flash kernel (Pallas splash, interpret mode here): its mask, window and segments' controls
+    "tiny-mistral-w10 1x2 flash (window)": (
+        "tiny-mistral-w10",
+        {"attention": "flash", **ONE},
+        Layout(mp=2),
+        1,
+        16,
+    ),
+    "tiny-llama 1x2 cp2 ring flash": ("tiny-llama", {"attention": "flash", **ONE}, Layout(mp=2, cp=2), 1, 16),
+    "tiny-llama 2x2 flash doc-mask": (
+        "tiny-llama",
+        {"attention": "flash", "doc_mask": 0},
+        Layout(dp=2, mp=2),
+        2,
+        8,
+    ),
     "tiny-llama 2x2 cp2 ring fsdp sp blockwise soft-capped": (
         "tiny-llama",
         {**BW, "attn_block": 5, "attn_softcap": 0.05},  # the kernel's and the ring's soft-cap controls

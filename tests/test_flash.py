@@ -13,9 +13,11 @@ from meshlm.errors import ConfigError
 from meshlm.model.attention import _attend
 from meshlm.model.attention_variants import CAUSAL, Variant
 from meshlm.model.config import get_config
-from meshlm.model.flash import block_size, flash_attention, padded_length
+from meshlm.model.flash import flash_attention, padded_length
+from meshlm.model.flash_kernel import block_size
 from meshlm.model.transformer import check_context
 from meshlm.parallel.context import Parallel
+from meshlm.parallel.layout import Layout
 
 # float32 kernel against float32 plain attention (the reference's matmuls at 'highest'): both round
 # differently (blocked online softmax vs one softmax); 2e-5 of the largest value holds with room.
@@ -101,16 +103,52 @@ def test_flash_traced_window():
         assert rel_err(run(jnp.int32(w)), want) < TOL
 
 
-def test_flash_refuses_cp():
+def test_flash_is_causal_only():
+    q, k, v, _ = inputs(1, 8, 2, 1, 16)
+    with pytest.raises(ValueError, match="flash_attention is causal attention only; use plain or blockwise"):
+        flash_attention(q, k, v, None, Variant(causal=False))
+
+
+def test_flash_under_cp_refuses_what_its_ring_cannot_run(capsys):
+    """In one line each: the all-gather strategy (by the model's check and by a command before any
+    device), and windows (the ring's chunk pairs' masks would differ by global position)."""
+    from helpers import run_cli
+
     cfg = get_config("tiny-llama").replace(attention="flash")
-    with pytest.raises(ConfigError, match="flash does not run under --cp yet; use --attention blockwise"):
-        check_context(cfg, Parallel.on(_cp_layout()))
+    gather = "--attention flash runs --cp as a ring; drop --cp-strategy allgather"
+    with pytest.raises(ConfigError, match=gather):
+        check_context(cfg, Parallel.on(Layout(cp=2, cp_strategy="allgather")))
+    check_context(cfg, Parallel.on(Layout(cp=2)))  # the ring: runs
+    windowed = get_config("tiny-mistral").replace(attention="flash")
+    with pytest.raises(ConfigError, match="flash under --cp does not run sliding windows or chunks yet"):
+        check_context(windowed, Parallel.on(Layout(cp=2)))
+    argv = ("--config", "tiny-llama", "--mesh", "1x1", "--cp", "2", "--cp-strategy", "allgather")
+    assert run_cli("verify", *argv, "--attention", "flash") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"meshlm: error: {gather} (or use blockwise)"]
 
 
-def _cp_layout():
-    from meshlm.parallel.layout import Layout
+def test_flash_ring_equals_the_unsharded_plain_model():
+    """--cp ring with flash attention (``flash_ring``: each chunk pair by the kernel, three static masks,
+    chunks of 8 padded to 128): loss and every gradient equal the unsharded plain model's, float32."""
+    from meshlm.model.transformer import init_fn, loss_fn
+    from meshlm.sharding.rules import model_specs
+    from meshlm.sharding.spmd import reference_value_and_grad, sharded_value_and_grad
 
-    return Layout(cp=2)
+    layout = Layout(mp=2, cp=2)  # (cp 3 runs too: 3 ring steps, slower to compile in interpret mode)
+    plain = get_config("tiny-gqa")
+    flash = plain.replace(attention="flash")
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 8 * 2 * layout.cp + 1), 0, 64)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    params = init_fn(plain)[0](jax.random.PRNGKey(0), batch)
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(reference_value_and_grad(lambda par: loss_fn(plain, par)))(params, batch)
+        fn = sharded_value_and_grad(
+            lambda par: loss_fn(flash, par), layout, model_specs(flash, params, layout)
+        )
+        got = jax.jit(fn)(params, batch)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert rel_err(g, w) < TOL
 
 
 def test_auto_attention_is_flash_on_a_tpu_where_it_applies(monkeypatch):
@@ -151,7 +189,6 @@ def test_verify_proves_flash_with_its_controls_detected(doc_mask):
     document mask: sharded flash equals the unsharded plain model, and each flash control that applies
     is detected (the segments' with the mask, the window's without: the proof's documents are shorter
     than the window)."""
-    from meshlm.parallel.layout import Layout
     from meshlm.proof import format_report, model_problem, verify
     from meshlm.proof.flash_controls import FLASH_CONTROLS
 
@@ -171,7 +208,6 @@ def test_flash_through_the_pipeline_equals_the_unsharded_plain_model():
     """--pp 2 x --mp 2 (1F1B, NaN in every bubble) with the document mask: the stages' layers run the
     flash kernel; loss and every gradient equal the unsharded plain model's in float32."""
     from meshlm.model.transformer import init_fn, loss_fn
-    from meshlm.parallel.layout import Layout
     from meshlm.sharding.pipelined import pipelined_value_and_grad
     from meshlm.sharding.rules import model_specs
     from meshlm.sharding.spmd import reference_value_and_grad
@@ -188,3 +224,25 @@ def test_flash_through_the_pipeline_equals_the_unsharded_plain_model():
         got = jax.jit(fn)(params, batch)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert rel_err(g, w) < 1e-4, (g, w)
+
+
+def test_flash_model_equals_plain_with_sinks_and_layer_kinds():
+    """tiny-gpt-oss (2 layers: a local one with a window of 8 and a global one in one layer loop, learned
+    sinks): the flash model's loss and every gradient equal the plain model's, float32."""
+    import haiku as hk
+
+    from meshlm.model.transformer import init_fn, loss_fn
+
+    plain = get_config("tiny-gpt-oss").replace(n_layers=2)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 25), 0, 64)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    params = init_fn(plain)[0](jax.random.PRNGKey(0), batch)
+
+    def value_and_grad(cfg):
+        apply = hk.transform(loss_fn(cfg, Parallel())).apply
+        with jax.default_matmul_precision("highest"):
+            return jax.jit(jax.value_and_grad(lambda p: apply(p, None, batch)))(params)
+
+    got, want = value_and_grad(plain.replace(attention="flash")), value_and_grad(plain)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert rel_err(g, w) < TOL

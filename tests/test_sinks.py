@@ -74,13 +74,15 @@ def test_every_kernel_equals_the_softmax_with_a_sink_column(window, doc):
         assert float(jnp.max(jnp.abs(want_grads[3]))) > 1e-3  # the sink's gradient is not trivially 0
 
 
-def test_sinks_are_named_in_five_source_files():
-    """The variant, its config field, its rules row, its controls, gpt-oss's module (issue 44)."""
+def test_sinks_are_named_in_six_source_files():
+    """The variant, its config field, its rules row, its controls, gpt-oss's module (issue 44), and the
+    flash kernel's boundary (``flash_kernel.kernel_normaliser``: splash's own ``sinks`` operand)."""
     out = subprocess.run(["grep", "-rliE", "sink", str(SRC)], capture_output=True, text=True).stdout
     named = sorted(Path(p).relative_to(SRC).as_posix() for p in out.split() if p.endswith(".py"))
     assert named == [
         "model/attention_variants.py",
         "model/families/gpt_oss.py",
+        "model/flash_kernel.py",
         "model/variant_fields.py",
         "proof/family_faults.py",
         "sharding/rules.py",

@@ -92,6 +92,9 @@ def check_fields(obj) -> None:
 
 # ---- the mesh: the same flags on every command that takes one (issue 32) ----
 ATTENTION_KINDS = ("auto", "plain", "blockwise", "flash")  # "auto", then model.config.ATTENTION
+# flash under --cp runs the ring's steps (``model.flash_ring``), not the all-gather: refused by the
+# commands before any device, and by the model (``transformer.check_context``)
+FLASH_UNDER_CP = "--attention flash runs --cp as a ring; drop --cp-strategy allgather (or use blockwise)"
 CP_STRATEGY_NAMES = ("ring", "allgather")  # parallel.layout.CP_STRATEGIES
 PP_SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")  # parallel.pipeline_schedule.SCHEDULES
 # What a command that lacks an option runs without (its flag's help and its one-line refusal).
@@ -198,8 +201,9 @@ class LongContext:
 
     def attention_kind(self, backend: str, x64: bool = False) -> str:
         """--attention as the model takes it (``ModelConfig.attention``): "auto", the default, is flash
-        on a TPU (``backend``: ``jax.default_backend()``) where the kernel applies -- no --cp (the ring
-        runs the blockwise pieces) and not float64 (--x64: the kernel computes in float32) -- else plain."""
+        on a TPU (``backend``: ``jax.default_backend()``) where the kernel applies everywhere -- no --cp
+        (flash's ring refuses windows and chunks, which a model's config decides: ``--attention flash``
+        asks for it) and not float64 (--x64: the kernel computes in float32) -- else plain."""
         if self.attention != "auto":
             return self.attention
         one_sequence = (getattr(self, "cp", 1) or 1) == 1  # (commands without --cp: one sequence per shard)

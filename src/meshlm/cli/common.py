@@ -22,7 +22,7 @@ from meshlm.ranges import (
     PROBABILITY,
     Range,
 )
-from meshlm.settings import CLI_FLAG, CLI_HIDDEN, WITHOUT, MeshFlags, flag_name
+from meshlm.settings import CLI_FLAG, CLI_HIDDEN, FLASH_UNDER_CP, WITHOUT, MeshFlags, flag_name
 
 
 def arg_type(valid: Range) -> Callable[[str], int | float]:
@@ -181,6 +181,11 @@ def flag_layout(args, flags: MeshFlags | None = None) -> Layout | None:
     None without --mesh: the mesh then depends on the device count, known after ``setup``; with --pp a
     Layout of dp=1 is built to check the pipeline's options early."""
     options = flags.layout_options() if flags is not None else {}
+    cp_allgather = (getattr(flags, "cp", 1) or 1) > 1 and getattr(flags, "cp_strategy", "") == "allgather"
+    if getattr(flags, "attention", "") == "flash" and cp_allgather:
+        from meshlm.errors import ConfigError
+
+        raise ConfigError(FLASH_UNDER_CP)
     if args.mesh:
         return Layout(*parse_mesh(args.mesh), **options)
     return early_layout(options)  # the options' own rules (e.g. --microbatches without --pp), no devices

@@ -140,6 +140,7 @@ class Attention(hk.Module):
         if self.par.context_parallel:  # the sequence split over cp: positions global
             blockwise = cfg.attention == "blockwise"  # (no --doc-mask with cp: ``transformer``)
             kernel = dict(block=cfg.attn_block, blockwise=blockwise, plain_attend=_attend, variant=variant)
+            kernel["flash"] = cfg.attention == "flash"  # the ring's steps by flash (``flash_ring``)
             out = context_attention(q, k, v, positions, self.par, **kernel)
         else:
             out = self._attend(q, k, v, positions, key_pos, starts, variant)

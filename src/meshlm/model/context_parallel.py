@@ -26,14 +26,18 @@ import jax.numpy as jnp
 
 from meshlm.model.attention_variants import Variant
 from meshlm.model.blockwise import attend_partial, blockwise_attention, combine, partial_grads
+from meshlm.model.flash_ring import flash_partial, flash_partial_grads
 from meshlm.model.layers import upcast
 
 
-def context_attention(q, k, v, q_pos, par, *, block: int, blockwise: bool, plain_attend, variant: Variant):
+def context_attention(
+    q, k, v, q_pos, par, *, block: int, blockwise: bool, plain_attend, variant: Variant, flash: bool = False
+):
     """q [B, T/cp, H, E], k, v [B, T/cp, K, E] this shard's chunks; q_pos [B, T/cp] global positions.
-    ``variant``: the mask (a window by global position) and score rules."""
+    ``variant``: the mask (a window by global position) and score rules. ``flash``: the ring's steps by
+    the flash kernel (``flash_ring``), else by the blockwise pieces."""
     if par.cp_ring:
-        return _ring(variant.query(q), k, v, q_pos, par, block, variant.folded().for_kernel(q))
+        return _ring(variant.query(q), k, v, q_pos, par, block, flash, variant.folded().for_kernel(q))
     t = k.shape[1]
     k_pos = jnp.concatenate([par.kv_positions(o, t) for o in range(par.layout.cp)])
     k_pos = jnp.broadcast_to(k_pos, (k.shape[0], k_pos.shape[0]))
@@ -59,21 +63,23 @@ def _step_variant(variant: Variant, step: int) -> Variant:
     return variant
 
 
-def _ring_fwd(q, k, v, q_pos, par, block, variant):
+def _ring_fwd(q, k, v, q_pos, par, block, flash, variant):
     kv, part = jnp.stack([k, v]), None
+    step = flash_partial if flash else attend_partial
     for s in range(par.ring_steps()):
         if s:
             kv = par.cp_shift(kv)
         kw = dict(block=block, variant=_step_variant(variant, s))
-        p = attend_partial(q, kv[0], kv[1], q_pos, _kv_pos(par, s, k), **kw)
+        p = step(q, kv[0], kv[1], q_pos, _kv_pos(par, s, k), **kw)
         part = p if part is None else combine(part, p)
     part = variant.finish(part)  # once, after the ring's last merge
     out = part.out.astype(q.dtype)
     return out, (q, k, v, q_pos, variant, out, part.lse)
 
 
-def _ring_bwd(par, block, res, dout):
+def _ring_bwd(par, block, flash, res, dout):
     q, k, v, q_pos, variant, out, lse = res
+    grads = flash_partial_grads if flash else partial_grads
     f = upcast(q[:0]).dtype
     kv, dkv, dq = jnp.stack([k, v]), jnp.zeros((2, *k.shape), f), jnp.zeros(q.shape, f)
     steps = par.ring_steps()
@@ -82,7 +88,7 @@ def _ring_bwd(par, block, res, dout):
             kv, dkv = par.cp_shift(kv), par.cp_shift(dkv)
         kp = _kv_pos(par, s, k)
         kw = dict(block=block, variant=_step_variant(variant, s))
-        dq_s, dk_s, dv_s = partial_grads(q, kv[0], kv[1], q_pos, kp, out, lse, dout, **kw)
+        dq_s, dk_s, dv_s = grads(q, kv[0], kv[1], q_pos, kp, out, lse, dout, **kw)
         dq, dkv = dq + dq_s, dkv + jnp.stack([dk_s, dv_s]).astype(f)
     for _ in range(par.layout.cp - steps + 1):  # the accumulators' way home to the shard of their chunk
         dkv = par.cp_shift(dkv)
@@ -90,9 +96,9 @@ def _ring_bwd(par, block, res, dout):
     return dq.astype(q.dtype), dk, dv, None, variant.cotangent(out, lse, dout)  # the variant's: once
 
 
-def _ring_impl(q, k, v, q_pos, par, block, variant):
-    return _ring_fwd(q, k, v, q_pos, par, block, variant)[0]
+def _ring_impl(q, k, v, q_pos, par, block, flash, variant):
+    return _ring_fwd(q, k, v, q_pos, par, block, flash, variant)[0]
 
 
-_ring = jax.custom_vjp(_ring_impl, nondiff_argnums=(4, 5))
+_ring = jax.custom_vjp(_ring_impl, nondiff_argnums=(4, 5, 6))
 _ring.defvjp(_ring_fwd, _ring_bwd)

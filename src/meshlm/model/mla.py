@@ -141,6 +141,7 @@ class MLA(hk.Module):
         k, v = self._keys_values(latent, k_rope, rotate)
         if par.context_parallel:
             kernel = dict(block=cfg.attn_block, blockwise=cfg.attention == "blockwise", plain_attend=_attend)
+            kernel["flash"] = cfg.attention == "flash"  # the ring's steps by flash (``flash_ring``)
             out = context_attention(q, k, v, positions, par, variant=variant, **kernel)
         else:
             out = self._attend(q, k, v, positions, positions, starts, variant)

@@ -178,6 +178,7 @@ class SharedKVAttention(Attention):
             k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
         if self.par.context_parallel:
             kernel = dict(block=cfg.attn_block, blockwise=cfg.attention == "blockwise", variant=variant)
+            kernel["flash"] = cfg.attention == "flash"  # the ring's steps by flash (``flash_ring``)
             return context_attention(q, k, v, positions, self.par, plain_attend=_attend, **kernel), cache
         return self._attend(q, k, v, positions, key_pos, starts, variant), cache
 

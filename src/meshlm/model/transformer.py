@@ -42,6 +42,7 @@ from meshlm.model.mla import attention_module
 from meshlm.model.moe import aux_loss, moe_layer, moe_losses
 from meshlm.model.stack import stack_layers
 from meshlm.parallel.context import Parallel
+from meshlm.settings import FLASH_UNDER_CP
 
 GPT_STDDEV = 0.02  # GPT-J / Llama initialisation
 
@@ -233,11 +234,23 @@ def check_inputs(cfg: ModelConfig, par: Parallel, seq_len: int) -> None:
 def check_context(cfg: ModelConfig, where) -> None:
     """What context parallelism (``where``: a Parallel, or a Layout: the pipeline's start-up check, its
     pieces run inside the schedule) cannot run of ``cfg``, as one-line errors before any work."""
-    cp = (where if isinstance(where, Parallel) else Parallel.on(where)).context_parallel
-    if cp and cfg.doc_mask >= 0:
+    par = where if isinstance(where, Parallel) else Parallel.on(where)
+    if par.context_parallel and cfg.doc_mask >= 0:
         raise ConfigError("--cp does not support --doc-mask yet (documents across chunks); drop one of them")
-    if cp and cfg.attention == "flash":  # the splash kernel's masks are by index within one sequence
-        raise ConfigError("--attention flash does not run under --cp yet; use --attention blockwise")
+    if par.context_parallel and cfg.attention == "flash":
+        check_flash_ring(cfg, par)
+
+
+def check_flash_ring(cfg: ModelConfig, par: Parallel) -> None:
+    """What the flash kernel's ring steps (``model.flash_ring``) cannot run: the all-gather strategy, and
+    windows or chunks (their masks by global position differ per chunk pair)."""
+    if not par.cp_ring:
+        raise ConfigError(FLASH_UNDER_CP)
+    if cfg.sliding_window or cfg.attn_chunk:
+        raise ConfigError(
+            f"--attention flash under --cp does not run sliding windows or chunks yet (sliding_window="
+            f"{cfg.sliding_window}, attn_chunk={cfg.attn_chunk}); use --attention blockwise"
+        )
 
 
 def _scaled(cfg: ModelConfig, x):

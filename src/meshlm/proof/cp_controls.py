@@ -149,8 +149,7 @@ def _skip_narrower(needed):
 
 def _windowed_kernel(w: Where) -> bool:
     """The blockwise kernel runs with a window that some query's keys reach beyond."""
-    kernel = w.cfg is not None and (w.cfg.attention == "blockwise" or w.layout.cp_ring)
-    return kernel and w.attention and 0 < w.cfg.sliding_window < w.seq_len
+    return _blockwise_runs(w) and w.attention and 0 < w.cfg.sliding_window < w.seq_len
 
 
 def _position_blocks(positions: np.ndarray, block: int) -> list[np.ndarray]:
@@ -200,19 +199,28 @@ def _remote_blocks_uncapped(step_variant):
     return planted
 
 
-def _cap_in_kernel(w: Where) -> bool:
-    """Soft-capped scores meet the blockwise kernel (blockwise attention, or the ring's steps)."""
-    if w.cfg is None or not w.attention or not w.cfg.attn_softcap:
+def _blockwise_runs(w: Where) -> bool:
+    """The blockwise kernel runs: blockwise attention, or the ring's steps (but flash attention's ring
+    steps are the flash kernel's, ``model.flash_ring``: these plants never meet them)."""
+    if w.cfg is None or w.cfg.attention == "flash":
         return False
     return w.cfg.attention == "blockwise" or w.layout.cp_ring
 
 
+def _capped(w: Where) -> bool:
+    return w.cfg is not None and w.attention and bool(w.cfg.attn_softcap)
+
+
+def _cap_in_kernel(w: Where) -> bool:
+    """Soft-capped scores meet the blockwise kernel (blockwise attention, or the ring's steps)."""
+    return _capped(w) and _blockwise_runs(w)
+
+
 def _blocks_in_play(w: Where) -> bool:
     """The blockwise kernel runs (blockwise attention, or the ring's steps) on several K/V blocks."""
-    if w.cfg is None or not w.attention:
+    if not (_blockwise_runs(w) and w.attention):
         return False
-    kernel = w.cfg.attention == "blockwise" or w.layout.cp_ring
-    return kernel and w.seq_len // w.layout.cp > w.cfg.attn_block
+    return w.seq_len // w.layout.cp > w.cfg.attn_block
 
 
 CP_CONTROLS: tuple[Control, ...] = (
@@ -248,7 +256,7 @@ CP_CONTROLS: tuple[Control, ...] = (
     ),
     Control(
         name="cap missing on the ring's remote blocks",
-        applies=lambda w: w.layout.cp_ring and _cap_in_kernel(w),
+        applies=lambda w: w.layout.cp_ring and _capped(w),  # either kernel's steps take _step_variant's cap
         plant=lambda: _planted(context_parallel, _step_variant=_remote_blocks_uncapped),
     ),
     Control(

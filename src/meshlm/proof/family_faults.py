@@ -223,6 +223,9 @@ def temperature_on_rotated_layers():
     return _in_attention("query_rules", planted, vars(attention_variants))
 
 
+FLASH = "flash"  # ``--attention flash``
+
+
 def _plain_softmax(w: Where) -> bool:
     """Plain attention's softmax (``attention.capped_softmax``) runs: plain attention, and not the cp
     ring, which runs the blockwise kernel's steps whatever the attention (their soft-cap order is
@@ -262,7 +265,8 @@ GEMMA_CONTROLS = (  # ``proof.controls`` runs them
     ),
     Control(  # the sinks' normaliser term, ``Variant.finish``: once, after the ring's merge
         name="sink added on every ring step",
-        applies=lambda w: w.attention and w.cfg.attn_sinks and w.layout.cp_ring,
+        # (the blockwise steps' partials: flash's ring steps, ``flash_ring``, take no sinks)
+        applies=lambda w: w.attention and w.cfg.attn_sinks and w.layout.cp_ring and w.cfg.attention != FLASH,
         plant=sink_on_every_ring_step,
     ),
     Control(
