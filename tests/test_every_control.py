@@ -207,6 +207,9 @@ def _applicable(problem, layout) -> list:
     return chosen
 
 
+# slow: its cost is its scale (every control traced on 42 configurations, ~10 CPU-min); the quick tier
+# runs each axis's and each model kind's controls in their own proofs, and the checks below
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_applicable_control_runs_and_changes_its_program(name):
     """Each control's planted program traces (a crash: verify's exit 3, "control ... crashed") and

@@ -7,6 +7,7 @@ transformers comparison is tests/test_hf_gemma4.py's "gemma4-moe" case."""
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from meshlm.model.config import get_config
 from meshlm.parallel.layout import Layout
@@ -31,6 +32,9 @@ NAMES = (
 )
 
 
+# slow: Gemma 4's per-layer stack is proven quick (tests/test_gemma4_global.py) and a MoE block with its
+# controls too (tests/test_moe.py): this is their product on ep 2 (its cost)
+@pytest.mark.slow
 def test_moe_block_proven_on_ep2_with_controls():
     cfg = get_config("tiny-gemma4-moe").replace(**SMALL)
     controls = tuple(c for c in CONTROLS + EP_CONTROLS if c.name in NAMES)  # Gemma 4's in CONTROLS
