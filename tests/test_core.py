@@ -44,7 +44,13 @@ def test_verify_ff_every_mesh_float64_exact(dp, mp):
 # programs on another dp or mp, and the values are proven exactly by the float64 cells above: a float32
 # proof there without controls would repeat them at a 10^8 times wider tolerance (float32's own path, the
 # dtype and its tolerance, runs on these three meshes).
-CONTROL_MESHES = [(1, 8), (8, 1), (2, 2)]
+# Two tiers: 2x2 (every control of the family, dp's and mp's) quick; 1x8 and 8x1 slow (their controls
+# are 2x2's, on another dp or mp: their cost is their scale).
+CONTROL_MESHES = [
+    pytest.param(1, 8, marks=pytest.mark.slow),
+    pytest.param(8, 1, marks=pytest.mark.slow),
+    (2, 2),
+]
 
 
 @pytest.mark.parametrize("dp,mp", CONTROL_MESHES)
@@ -109,7 +115,10 @@ def test_different_inputs_give_different_gradients():
 
 
 @pytest.mark.parametrize("name", ["seed", "tiny-gptj", "tiny-llama"])
-@pytest.mark.parametrize("dp,mp", [(1, 4), (2, 2), (1, 8)])
+# 2x2 quick (dp and mp both split); 1x4 and 1x8 slow: the same init on more meshes (scale)
+@pytest.mark.parametrize(
+    "dp,mp", [pytest.param(1, 4, marks=pytest.mark.slow), (2, 2), pytest.param(1, 8, marks=pytest.mark.slow)]
+)
 def test_init_on_mesh_is_bitwise_one_device(name, dp, mp):
     cfg = get_config(name)
     if cfg.family != "ff" and cfg.n_heads % mp:
@@ -185,6 +194,9 @@ def test_seed_preset_is_the_prototype():
     assert shapes["layers/mlp/w_in"] == (2, 128, 512)
 
 
+# slow: the CLI's verify of tests/test_docs_commands.py (training.md's, quick) and the JSON report of
+# test_verify_seed_json_schema_and_table (quick), in a subprocess
+@pytest.mark.slow
 def test_cli_verify_seed_1x4_json():
     out = run_meshlm("verify", "--config", "seed", "--mesh", "1x4", "--devices", "4", "--json")
     assert out.returncode == 0, out.stderr

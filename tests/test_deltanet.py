@@ -117,6 +117,9 @@ def test_context_parallel_chunks_equal_the_whole_sequence(inputs, cp=3):
         assert float(jnp.max(jnp.abs(alone - want[:, 3:]))) > 1e-3  # the state from chunk 0 matters
 
 
+# slow: the hybrid's cached decode (its cost); cached decoding equals the full forward quick in
+# tests/test_generate.py
+@pytest.mark.slow
 def test_generation_cache_logits_equal_the_full_forward_in_float64():
     """The recurrent-state cache (``model.linear_cache``): rows of 3 and 11 prompt tokens (a right-padded
     prefill by the chunked rule: the padding must not reach the state), then each token by one decode

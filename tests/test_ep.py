@@ -172,6 +172,9 @@ def test_ep4_and_ep_with_cp_equal_the_unsharded_model(mixtral):
     assert _worst(mixtral, Layout(dp=2, ep=2, cp=2)) <= 1e-12
 
 
+# slow: capacity through the sorted dispatch (its cost); the dispatches equal the all-local reference quick
+# above (test_dispatch_equals_all_local), the capacity rule in tests/test_moe.py
+@pytest.mark.slow
 def test_ep_with_capacity_through_the_sorted_dispatch():
     """Tokens dropped (C = 0.5 of E / k = 2) on ep 2 of dp 4: the kept choices in the [E/ep, capacity, D]
     slots equal the one-device model's (the capacity decided on the whole batch); padding slots that

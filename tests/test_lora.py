@@ -166,6 +166,9 @@ def base(tmp_path_factory):
     return out, text
 
 
+# slow: LoRA training, its checkpoint and resume (its cost); LoRA training on a converted model runs quick in
+# tests/test_docs_commands.py (finetuning.md), an exact resume in tests/test_resume.py
+@pytest.mark.slow
 def test_train_saves_adapters_only_resumes_bitwise_refuses_another_base(base, tmp_path, capsys):
     """With --lora-dropout: the masks are of the step's count, so the resumed step draws the same."""
     from meshlm.io.checkpoint import Checkpointer

@@ -84,6 +84,9 @@ def test_bad_newest_step_is_moved_aside_and_saved_again(corpus, tmp_path, damage
     assert _moved_aside(out) == [aside]
 
 
+# slow: its cost (two training processes on one run directory); moving a bad step aside and saving it again:
+# the quick cells above
+@pytest.mark.slow
 def test_two_processes_move_aside_together(corpus, tmp_path):
     """Process 0 renames, the other waits for it: both then save step 6 (a collective) again. (The run
     that leaves steps 2 and 4 is one process on the same 2x2 mesh: a checkpoint restores onto any

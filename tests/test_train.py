@@ -130,6 +130,9 @@ def test_sigterm_saves_and_exits_143(corpus, tmp_path):
     assert Checkpointer(tmp_path).latest_step() == last
 
 
+# slow: its cost (two runs); verify's accumulation check (tests/test_data_check.py) and its proofs with micro-
+# batches catch a wrong accumulation, quick
+@pytest.mark.slow
 def test_accumulation_equals_one_big_batch(corpus, tmp_path):
     """2 micro-batches of 4 rows = one batch of 8 rows: same data, same mean gradient (allclose)."""
     mesh = make_mesh(2, 2)
