@@ -80,12 +80,14 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def collect_orbax_garbage():
     """After a read or write error orbax leaves coroutines un-awaited and posts to closed event loops;
     Python reports those as "unraisable" when it collects them (they are orbax's, and harmless).
-    Collecting after each test lands the reports in the modules that use this fixture and filter them
-    (``pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")``)."""
+    Collecting at the end of each module that uses this fixture lands the reports there, where they are
+    filtered (``pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")``), not in
+    a later module. Once a module, not once a test: a full collection of a test worker's heap (JAX's
+    programs, torch) took 2-5 s, paid by each of test_checkpoint's and test_faults_checkpoint's ~60 tests."""
     yield
     gc.collect()
 

@@ -19,9 +19,9 @@ A config starts from ``hf_helpers.TINY`` (and ``ROPE``) plus the family's own fi
   expert) tensors read to the very same parameters. ``..._on_2x2`` (slow): on every model shard of 2x2.
 - ``Comparison.test_export_loads_in_transformers`` (slow): the export loads as ``Case.model_cls`` with
   equal logits and converts back to the same config.
-- ``GreedyText.test_generate_prints_transformers_text[1x1|sharded]``: ``meshlm generate --temperature 0``
-  prints transformers' greedy text (1x1 with ``--json``, checked further by ``Case.generated``; the
-  sharded mesh ``Case.sharded`` streamed as a user sees it, slow).
+- ``GreedyText.test_generate_prints_transformers_text[1x1|sharded]`` (slow): ``meshlm generate
+  --temperature 0`` prints transformers' greedy text (1x1 with ``--json``, checked further by
+  ``Case.generated``; the sharded mesh ``Case.sharded`` streamed as a user sees it).
 
 What is truly the family's stays in its file and takes the same ``family`` fixture, a dict: case,
 hf (directory), ckpt (converted 1x1, where ``Case.generate``), fused, model, tokens [2, length],
@@ -209,10 +209,12 @@ class Comparison:
 
 class GreedyText:
     """``meshlm generate --temperature 0`` prints transformers' greedy text: see the module docstring.
-    On 1x1 quick; on the sharded mesh slow (sharded generation equals unsharded: tests/test_generate.py's
-    quick cells; the same check on every family is its scale)."""
+    Slow: the same check on every family (its scale); generate prints transformers' greedy text quick in
+    tests/test_hf_tokenizer.py (Llama, GPT-J, 1x1), and cached decoding equals the full forward quick in
+    tests/test_generate.py."""
 
-    @pytest.mark.parametrize("mesh", ["1x1", pytest.param("sharded", marks=pytest.mark.slow)])
+    @pytest.mark.slow
+    @pytest.mark.parametrize("mesh", ["1x1", "sharded"])
     def test_generate_prints_transformers_text(self, family, mesh, capsys):
         case = family["case"]
         capsys.readouterr()

@@ -80,6 +80,9 @@ def test_import_matches_transformers(hf_model, tokens):
     np.testing.assert_allclose(_our_logits(cfg, flat, tokens), want, atol=ATOL, rtol=0)
 
 
+# slow: the sharded logits (scale); the sharded model equals the unsharded one by the quick proofs, the
+# unsharded one equals transformers quick above
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 4)])
 def test_import_matches_transformers_sharded(hf_model, tokens, mesh_shape):
     _, path, want = hf_model

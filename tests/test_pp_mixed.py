@@ -87,6 +87,10 @@ def test_periodic_chunks_and_a_dense_prefix_pass_and_place_their_stacks():
 FAULTS = ("one micro-batch's gradient dropped", "a bubble's NaN let through")
 
 
+# slow: mixed stacks through the pipeline (their cost, ~1 CPU-min each); the hybrid's proof
+# (tests/test_deltanet.py), the pipeline's (tests/test_pp_verify.py) and the stacks' chunking
+# (test_periodic_chunks_and_a_dense_prefix_pass_and_place_their_stacks) are quick
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, changes, schedule, controls",
     [
@@ -95,10 +99,7 @@ FAULTS = ("one micro-batch's gradient dropped", "a bubble's NaN let through")
         # embedding table on both ends: its gradient the sum of theirs). Its control of another shard's
         # heads runs in the depth's attention, in the last stage's cond: as a permute over mp it hung
         # (XLA:CPU's permute waits for every device), as an all-gather it is detected
-        # slow: a second mixed stack through the pipeline (its cost is its scale: ~1 CPU-min)
-        pytest.param(
-            "tiny-deepseek-v3", {}, "gpipe", ("shard uses another shard's heads",), marks=pytest.mark.slow
-        ),
+        ("tiny-deepseek-v3", {}, "gpipe", ("shard uses another shard's heads",)),
     ],
     ids=["qwen3.5-periodic-1f1b", "deepseek-v3-prefix-gpipe"],
 )

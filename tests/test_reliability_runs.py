@@ -51,7 +51,16 @@ def _flip_byte(step_dir):
 # ---------------------------------------------------------------- a bad newest step
 
 
-@pytest.mark.parametrize("damage", ["empty", "corrupt", "unreadable"])
+# corrupt quick; empty and unreadable slow: the same move-aside for another damage, whose detection
+# tests/test_checkpoint.py proves quick
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param("empty", marks=pytest.mark.slow),
+        "corrupt",
+        pytest.param("unreadable", marks=pytest.mark.slow),
+    ],
+)
 def test_bad_newest_step_is_moved_aside_and_saved_again(corpus, tmp_path, damage):
     out = tmp_path / "run"
     if damage == "empty":  # `mkdir RUN/6` next to complete 2/ and 4/

@@ -118,6 +118,10 @@ def _losses(out):
     return [(r["step"], r["loss"]) for r in train_rows(out)]
 
 
+# slow: the same SIGTERM save as
+# tests/test_faults_multiprocess.py::test_sigterm_under_launch_saves_and_exits_143 (quick), without the
+# launcher
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_143(corpus, tmp_path):
     proc = subprocess.Popen(_cli_train(tmp_path, corpus, 200), stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"
