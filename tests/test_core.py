@@ -121,7 +121,15 @@ def test_different_inputs_give_different_gradients():
         assert not np.allclose(x, y)
 
 
-@pytest.mark.parametrize("name", ["seed", "tiny-gptj", "tiny-llama"])
+# seed and tiny-gptj slow: the same init (one haiku init sharded by the rules) on two more presets (scale)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("seed", marks=pytest.mark.slow),
+        pytest.param("tiny-gptj", marks=pytest.mark.slow),
+        "tiny-llama",
+    ],
+)
 # 2x2 quick (dp and mp both split); 1x4 and 1x8 slow: the same init on more meshes (scale)
 @pytest.mark.parametrize(
     "dp,mp", [pytest.param(1, 4, marks=pytest.mark.slow), (2, 2), pytest.param(1, 8, marks=pytest.mark.slow)]
