@@ -45,6 +45,9 @@ def test_moe_block_proven_on_ep2_with_controls():
     assert report.ok and all(c["detected"] for c in report.controls), (report.checks, report.controls)
 
 
+# slow: the collective count of the MoE block (its cost); the communication minimum and its planted extra all-
+# reduce: tests/test_prover.py, quick
+@pytest.mark.slow
 def test_communication_minimum_counts_the_experts_row_sum():
     """Beside the attention's and the MLP's, the experts' partial output is a third row-parallel sum per
     layer (``Family.row_sums``): the communication check's all-reduce bytes on 2x2 (without it the

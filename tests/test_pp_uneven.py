@@ -78,6 +78,9 @@ def test_a_dense_model_with_an_odd_layer_count_is_proven():
     assert _ok(report), [c for c in report.checks if not c["ok"]]
 
 
+# slow: a training run with padding slots and its restore without pp (its cost); the padded stack's proof is
+# quick above, a restore across layouts in tests/test_checkpoint.py
+@pytest.mark.slow
 def test_training_with_padding_saves_the_real_layers_a_run_without_pp_loads(tmp_path):
     """cpu's 4 layers on pp 3: chunks of 2 slots, 2 of them padding. One step, saved: the checkpoint
     holds the 4 real layers (the format of any pp), equal to the run's own, and loads without pp; the

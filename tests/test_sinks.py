@@ -87,6 +87,9 @@ def test_sinks_are_named_in_five_source_files():
     ]
 
 
+# slow: the cached decode with sinks (its cost); cached decoding equals the full forward quick in
+# tests/test_generate.py, the sink in every kernel quick above
+@pytest.mark.slow
 def test_cached_decode_with_sinks_equals_the_full_forward():
     """tiny-gpt-oss (sinks on every layer, window 8 on alternate layers), the sinks set away from 0:
     teacher-forced cached logits from prompts of 3 and 11 tokens up to position 27 (past several
