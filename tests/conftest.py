@@ -48,6 +48,7 @@ SLOW_FIRST = (
     # the quick tier's longest (every documented command, one workspace: ~5 CPU-min), then the proofs
     "test_docs_commands.py",
     "test_prover.py",
+    "test_plain.py",
     "test_core.py",
     "test_deltanet.py",
     "test_moe.py",
