@@ -38,37 +38,43 @@ jax.devices()
 # The longest files first. pytest-xdist (``--dist loadfile``) hands out whole files in collection order
 # (``--no-loadscope-reorder`` in pyproject.toml keeps this order; its default orders by test count, which
 # left the multi-process and pipeline files, a few long tests each, for last): a long file handed out last
-# keeps one worker busy while the others have finished. Longest first, by the suite's --durations; a file
-# whose tests take a minute or more in all belongs here. The other files follow in name order.
+# keeps one worker busy while the others have finished. Longest first, by the --durations of a cold run of
+# each tier (a file's tests of the other tier drop out of its order); a file whose tests take a minute or
+# more in all, in either tier, belongs here. The other files follow in name order.
 SLOW_FIRST = (
-    # the longest file (~40 traced cells, an estimated 7-10 CPU-min; 9 of the 25 slowest tests of a full
-    # run): xdist cannot split a file, so it goes first
+    # the slow tier's longest (every control traced on 42 configurations, ~10 CPU-min): xdist cannot split
+    # a file, so it goes first; in the quick tier it holds two short checks
     "test_every_control.py",
-    "test_train.py",
-    "test_resume.py",
-    "test_multiprocess.py",
-    "test_core.py",
-    "test_transformer.py",
-    "test_prover.py",
+    # the quick tier's longest (every documented command, one workspace: ~5 CPU-min), then the proofs
     "test_docs_commands.py",
-    "test_reliability_runs.py",
-    "test_controls_margin.py",
-    "test_memory_options.py",
+    "test_prover.py",
+    "test_plain.py",
+    "test_core.py",
+    "test_deltanet.py",
+    "test_moe.py",
     "test_cp.py",
     "test_pp_verify.py",
+    "test_transformer.py",
     "test_faults_multiprocess.py",
-    "test_distributed.py",
+    "test_train.py",
     "test_plan.py",
+    "test_memory_options.py",
+    "test_resume.py",
+    "test_multiprocess.py",
     "test_pipeline.py",
+    "test_lora.py",
+    "test_bench.py",
+    # the slow tier's other long files (1-4 min each in the full runs)
+    "test_mtp.py",
+    "test_pp_mixed.py",
+    "test_controls_margin.py",
+    "test_pp_uneven.py",
+    "test_reliability_runs.py",
+    "test_distributed.py",
     "test_pp_cli.py",
     "test_finetune.py",
-    # the proofs and benches added since, by their tests' durations in the full runs (1-3 min each)
-    "test_bench.py",
-    "test_deltanet.py",
-    "test_lora.py",
     "test_generate_layouts.py",
     "test_router_proof.py",
-    "test_moe.py",
     "test_doc_mask.py",
     "test_chat_sft.py",
 )
@@ -80,12 +86,14 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def collect_orbax_garbage():
     """After a read or write error orbax leaves coroutines un-awaited and posts to closed event loops;
     Python reports those as "unraisable" when it collects them (they are orbax's, and harmless).
-    Collecting after each test lands the reports in the modules that use this fixture and filter them
-    (``pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")``)."""
+    Collecting at the end of each module that uses this fixture lands the reports there, where they are
+    filtered (``pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")``), not in
+    a later module. Once a module, not once a test: a full collection of a test worker's heap (JAX's
+    programs, torch) took 2-5 s, paid by each of test_checkpoint's and test_faults_checkpoint's ~60 tests."""
     yield
     gc.collect()
 

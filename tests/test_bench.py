@@ -77,7 +77,9 @@ def _expected_bytes(cfg) -> dict[str, dict[str, int]]:
 
 
 @pytest.mark.parametrize(
-    ("config", "gen_tokens", "vocab"), [("tiny-llama", "4", None), ("tiny-gptj", "0", 200)]
+    ("config", "gen_tokens", "vocab"),
+    # gptj with a padded vocabulary slow: the same report on another preset (its cost is its scale)
+    [("tiny-llama", "4", None), pytest.param("tiny-gptj", "0", 200, marks=pytest.mark.slow)],
 )
 def test_bench_json_schema_and_values(config, gen_tokens, vocab, capsys, tmp_path):
     argv = ["--config", config, "--mesh", "2x2", "--json", "--steps", "5", "--peak-n", "256"]
@@ -117,6 +119,9 @@ def test_bench_json_schema_and_values(config, gen_tokens, vocab, capsys, tmp_pat
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+# slow: bench's pipeline, schedule and linear-attention comparisons time whole training steps of several
+# layouts (their cost); the report's schema and values: test_bench_json_schema_and_values, quick
+@pytest.mark.slow
 def test_bench_pp_times_the_pipeline_against_no_pp(capsys):
     """``--pp``: the pipelined step beside the others and ``no-pp`` (the same model and batch on the
     dp x mp mesh without the pipeline); the report's pipeline entry puts the measured overhead, 1 -
@@ -146,6 +151,7 @@ def test_bench_pp_times_the_pipeline_against_no_pp(capsys):
     assert pipe["measured_overhead"] == pytest.approx(1 - 1 / paired)
 
 
+@pytest.mark.slow
 def test_bench_compare_schedules_times_each_schedule_against_no_pp(capsys):
     """``--pp --compare-schedules``: every schedule of one pp and M side by side with no-pp in one run,
     each overhead (1 - t(no-pp)/t(schedule), paired) next to its ideal bubble; all start from the same
@@ -267,6 +273,7 @@ def test_dense_eq_is_the_dense_gated_mlp_model():
     np.testing.assert_allclose(run(eq, params), run(dense, moved), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bench_compare_linear_times_both_mixers_at_three_lengths(capsys):
     """``--compare-linear`` (a hybrid): its linear-attention layer and its full-attention layer timed
     side by side at --seq-len / 16, / 4 and / 1, each row with both kinds' tokens per second (the batch's

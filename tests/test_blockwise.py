@@ -194,7 +194,8 @@ def test_planted_bugs_are_detected(monkeypatch, patches):
 # ---- in the model ----
 
 
-@pytest.mark.parametrize("name", ["tiny-gqa", "tiny-gptj"])
+# tiny-gptj slow: the same comparison on another preset (scale)
+@pytest.mark.parametrize("name", ["tiny-gqa", pytest.param("tiny-gptj", marks=pytest.mark.slow)])
 def test_model_loss_and_gradients_equal_plain(name):
     """tiny-gqa (llama: 8 query heads on 2 KV heads, rotate-half rotary) and tiny-gptj (interleaved
     rotary on 4 dims), 64 tokens in blocks of 16: loss and every parameter gradient of the blockwise
@@ -267,6 +268,9 @@ def test_no_t_by_t_buffer():
     assert temp_bytes(layers) < one_score_matrix  # 1.7 MB; the hoisted masks: 11.3 MB
 
 
+# slow: cached generation through the kernel (its cost); cached decoding equals the full forward quick in
+# tests/test_generate.py
+@pytest.mark.slow
 def test_generation_with_the_kv_cache_equals_the_plain_full_forward():
     """The cached path (prefill at each row's length, then one-token decode steps into a 64-slot cache)
     with blockwise attention in blocks of 8 gives the plain model's full-forward logits."""

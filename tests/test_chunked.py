@@ -71,6 +71,9 @@ def test_blocks_outside_the_chunk_are_skipped():
 CHUNK_CONTROLS = ("chunk boundary off by one", "NoPE layer rotated", "temperature applied on a rotated layer")
 
 
+# slow: the whole model's proof under the ring (its cost, ~40 s of CPU); the chunk mask in every kernel, the
+# ring's chunks included: test_every_kernel_equals_the_chunk_mask_by_hand, quick
+@pytest.mark.slow
 def test_verify_proves_chunks_and_nope_layers_under_the_cp_ring():
     """tiny-llama4 cut to two layers (a chunked, rotated, L2-normed dense layer, then a NoPE MoE layer
     with the temperature: the preset's four layers repeat these pieces at twice the compile; its four
@@ -96,6 +99,9 @@ def test_verify_proves_chunks_and_nope_layers_under_the_cp_ring():
     assert all(c["detected"] for c in report.controls), report.controls
 
 
+# slow: the cached decode of the mixed stack (its cost); cached decoding equals the full forward quick in
+# tests/test_generate.py, the windowed cache in tests/test_windows.py
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "local", [dict(), dict(attn_chunk=0, sliding_window=8)], ids=["chunks", "dense+windows"]
 )

@@ -13,6 +13,10 @@ from meshlm.model.config import from_dict, get_config
 PUBLISHED = {"llama3-8b": "8.03B", "llama3.1-70b": "70.55B", "qwen2.5-7b": "7.62B"}
 
 
+# slow: its cost is its scale (every preset's shapes traced for its counts, ~20 s of CPU); the documented
+# meshlm configs --json runs quick (tests/test_docs_commands.py), and so does the count rule
+# (test_active_parameters_count_k_of_e_experts)
+@pytest.mark.slow
 def test_configs_prints_a_table_and_json_lines(capsys):
     assert run_cli("configs") == 0
     lines = capsys.readouterr().out.splitlines()

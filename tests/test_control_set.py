@@ -5,6 +5,7 @@ from collections import Counter
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from meshlm.model.config import get_config
 from meshlm.parallel.layout import Layout
@@ -32,6 +33,10 @@ def test_the_count_under_pp_is_the_count_without_plus_the_pipelines_own():
     assert len(applicable_controls(PP.pipeline)) == 4  # no virtual stages: 4 of the pipeline's 5
 
 
+# slow: the model's controls traced and run through the pipeline (its cost); the pipeline's own controls are
+# quick in tests/test_pp_verify.py, and any inert control fails every proof
+# (test_every_control.py::test_an_inert_control_is_a_prover_bug)
+@pytest.mark.slow
 def test_the_controls_with_a_path_of_their_own_under_pp_are_detected():
     """float64, the tiniest shapes (8 rows of 8 tokens in 4 micro-batches), no training step: the three
     controls that needed their own way under pp, each detected by values: the data-parallel mean's

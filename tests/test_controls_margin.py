@@ -158,6 +158,9 @@ CASES = {
 RAN: dict[str, set] = {}
 
 
+# slow: its cost is its scale (13 configurations' controls at 100x the tolerance); each control's detection is
+# proven quick in its feature's proof
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_control_moves_the_result_by_100x_the_tolerance(case, tmp_path_factory):
     make_problem, controls = CASES[case]
@@ -194,6 +197,8 @@ OWN_FLOAT64_PROOF = {  # control -> the test that proves it detected, in float64
 }
 
 
+# slow: reads the sweep above (skips without it)
+@pytest.mark.slow
 def test_the_sweep_covered_every_value_control():
     if set(RAN) != set(CASES):
         pytest.skip("runs after the sweep (the whole module)")

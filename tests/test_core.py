@@ -30,7 +30,14 @@ def _verify(name, dp, mp, dtype=jnp.float32, steps=0, batch=8, seq=16, **kw):
     return verify_preset(name, dp, mp, batch=batch, seq=seq, dtype=dtype, steps=steps, **kw)
 
 
-@pytest.mark.parametrize("dp,mp", MESHES)
+# 1x1, 2x2, 1x8 and 8x1 quick; 1x2, 1x4, 2x4 and 4x2 slow: the same proof on more meshes (scale)
+@pytest.mark.parametrize(
+    "dp,mp",
+    [
+        m if m in ((1, 1), (2, 2), (1, 8), (8, 1)) else pytest.param(*m, marks=pytest.mark.slow)
+        for m in MESHES
+    ],
+)
 def test_verify_ff_every_mesh_float64_exact(dp, mp):
     """Exactness: float64 worst relative error <= 1e-12 (the controls run in the float32 cells)."""
     with jax.enable_x64(True):
@@ -44,7 +51,13 @@ def test_verify_ff_every_mesh_float64_exact(dp, mp):
 # programs on another dp or mp, and the values are proven exactly by the float64 cells above: a float32
 # proof there without controls would repeat them at a 10^8 times wider tolerance (float32's own path, the
 # dtype and its tolerance, runs on these three meshes).
-CONTROL_MESHES = [(1, 8), (8, 1), (2, 2)]
+# Two tiers: 2x2 (every control of the family, dp's and mp's) quick; 1x8 and 8x1 slow (their controls
+# are 2x2's, on another dp or mp: their cost is their scale).
+CONTROL_MESHES = [
+    pytest.param(1, 8, marks=pytest.mark.slow),
+    pytest.param(8, 1, marks=pytest.mark.slow),
+    (2, 2),
+]
 
 
 @pytest.mark.parametrize("dp,mp", CONTROL_MESHES)
@@ -108,8 +121,19 @@ def test_different_inputs_give_different_gradients():
         assert not np.allclose(x, y)
 
 
-@pytest.mark.parametrize("name", ["seed", "tiny-gptj", "tiny-llama"])
-@pytest.mark.parametrize("dp,mp", [(1, 4), (2, 2), (1, 8)])
+# seed and tiny-gptj slow: the same init (one haiku init sharded by the rules) on two more presets (scale)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("seed", marks=pytest.mark.slow),
+        pytest.param("tiny-gptj", marks=pytest.mark.slow),
+        "tiny-llama",
+    ],
+)
+# 2x2 quick (dp and mp both split); 1x4 and 1x8 slow: the same init on more meshes (scale)
+@pytest.mark.parametrize(
+    "dp,mp", [pytest.param(1, 4, marks=pytest.mark.slow), (2, 2), pytest.param(1, 8, marks=pytest.mark.slow)]
+)
 def test_init_on_mesh_is_bitwise_one_device(name, dp, mp):
     cfg = get_config(name)
     if cfg.family != "ff" and cfg.n_heads % mp:
@@ -185,6 +209,9 @@ def test_seed_preset_is_the_prototype():
     assert shapes["layers/mlp/w_in"] == (2, 128, 512)
 
 
+# slow: the CLI's verify of tests/test_docs_commands.py (training.md's, quick) and the JSON report of
+# test_verify_seed_json_schema_and_table (quick), in a subprocess
+@pytest.mark.slow
 def test_cli_verify_seed_1x4_json():
     out = run_meshlm("verify", "--config", "seed", "--mesh", "1x4", "--devices", "4", "--json")
     assert out.returncode == 0, out.stderr

@@ -143,6 +143,9 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
+# slow: a training run under cp, its resume and a restore (its cost); the exact resume: tests/test_resume.py's
+# quick cell; cp's values: the quick proofs above
+@pytest.mark.slow
 def test_train_under_cp_resumes_bitwise_and_restores_onto_another_cp(corpus, tmp_path):
     """tiny-lm with blockwise attention (blocks of 8) under --cp 2 (ring): 4 steps in one go, and 2 steps
     then a resume to 4, log the same losses bit for bit; the checkpoint then restores onto cp = 1."""

@@ -119,6 +119,9 @@ def test_context_parallel_chunks_equal_the_whole_sequence(inputs, cp=3):
         assert float(jnp.max(jnp.abs(alone - want[:, 3:]))) > 1e-3  # the state from chunk 0 matters
 
 
+# slow: the hybrid's cached decode (its cost); cached decoding equals the full forward quick in
+# tests/test_generate.py
+@pytest.mark.slow
 def test_generation_cache_logits_equal_the_full_forward_in_float64():
     """The recurrent-state cache (``model.linear_cache``): rows of 3 and 11 prompt tokens (a right-padded
     prefill by the chunked rule: the padding must not reach the state), then each token by one decode
@@ -149,6 +152,9 @@ def test_generation_cache_logits_equal_the_full_forward_in_float64():
     assert long["total"] - short["total"] == 2 * 32 * 2 * (2 * 16) * 4  # K and V: 32 more slots
 
 
+# slow: the same proof under cp on two layouts (its cost is its scale); the chunks across cp shards:
+# test_context_parallel_chunks_equal_the_whole_sequence, quick
+@pytest.mark.slow
 @pytest.mark.parametrize(("mp", "cp", "seq_len"), [(2, 2, 16), (1, 4, 24)])
 def test_verify_proves_linear_attention_under_cp(mp, cp, seq_len):
     """``meshlm verify --config tiny-qwen3.5 --mesh 1x2 --cp 2``'s and ``--mesh 1x1 --cp 4``'s proofs of

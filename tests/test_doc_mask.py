@@ -194,6 +194,9 @@ def test_blockwise_skips_blocks_before_the_documents():
         assert bool(jax.numpy.all(jax.numpy.isfinite(out[:, 16:])))
 
 
+# slow: the whole model with the mask in the blockwise kernel (its cost); the kernel's mask:
+# test_blockwise_document_mask_equals_plain_and_a_mask_ignored_in_blocks_is_caught, quick
+@pytest.mark.slow
 def test_blockwise_model_with_the_mask_equals_plain():
     """tiny-gqa with --doc-mask, 64 tokens in blocks of 16 on EOD-rich rows: loss and every gradient of
     the blockwise model equal the plain one's (float64, 1e-12)."""

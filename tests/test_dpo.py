@@ -104,11 +104,17 @@ def test_pairs_render_by_the_plain_rule_and_drop_what_does_not_fit():
 
 @pytest.mark.parametrize(
     ("layout", "rows", "accum"),
+    # 2x2 quick (a pair across two data shards); the other layouts slow: the same proof on more layouts
+    # (its cost is its scale), each layout's own bug class proven quick in its axis's proof
     [
         (dict(dp=2, mp=2), 6, 1),  # 3 rows a data shard: pair 1 sits across the two shards
-        (dict(dp=2, mp=2, fsdp=True, sp=True), 8, 2),  # --accum-steps 2: 2 pairs a micro-batch
-        (dict(dp=2, pp=2, microbatches=4), 8, 1),  # a row per data shard per micro-batch: every pair split
-        (dict(dp=2, cp=2), 4, 1),
+        pytest.param(
+            dict(dp=2, mp=2, fsdp=True, sp=True), 8, 2, marks=pytest.mark.slow
+        ),  # --accum-steps 2: 2 pairs a micro-batch
+        pytest.param(
+            dict(dp=2, pp=2, microbatches=4), 8, 1, marks=pytest.mark.slow
+        ),  # a row per data shard per micro-batch
+        pytest.param(dict(dp=2, cp=2), 4, 1, marks=pytest.mark.slow),
     ],
     ids=["2x2", "fsdp-sp-accum2", "pp2-m4", "cp2"],
 )
@@ -142,6 +148,9 @@ def _dpo_config(out, **kw):
     return TrainConfig(**{**base, **kw, "out": str(out)})
 
 
+# slow: its cost (two DPO runs and a resume); DPO's loss and gradients: the quick proof on 2x2 and
+# test_loss_equals_trls_dpo_trainer; an exact resume: tests/test_resume.py's quick cell
+@pytest.mark.slow
 def test_train_dpo_learns_and_resumes_bitwise_from_its_cached_reference(tmp_path):
     from meshlm.parallel.mesh import make_mesh
     from meshlm.train.loop import _one_step, save, train

@@ -161,6 +161,9 @@ def test_ep_with_fsdp_and_sp_equals_the_unsharded_model_and_its_faults_show(mixt
     assert _worst(mixtral, layout, StatisticsNotSummedOverEp) > 1e-8  # the aux losses' small share
 
 
+# slow: ep 4 and ep x cp, ep under pp: the ep proof on more layouts (their cost is their scale); ep with FSDP
+# and SP and its faults: quick, above
+@pytest.mark.slow
 def test_ep4_and_ep_with_cp_equal_the_unsharded_model(mixtral):
     """The sorted dispatch (blocks, dropless) on ep 4 (one batch row and one expert per shard) and on
     ep 2 x cp 2 (each shard routes its two sequence chunks' tokens; the group gathers them): loss and
@@ -169,6 +172,9 @@ def test_ep4_and_ep_with_cp_equal_the_unsharded_model(mixtral):
     assert _worst(mixtral, Layout(dp=2, ep=2, cp=2)) <= 1e-12
 
 
+# slow: capacity through the sorted dispatch (its cost); the dispatches equal the all-local reference quick
+# above (test_dispatch_equals_all_local), the capacity rule in tests/test_moe.py
+@pytest.mark.slow
 def test_ep_with_capacity_through_the_sorted_dispatch():
     """Tokens dropped (C = 0.5 of E / k = 2) on ep 2 of dp 4: the kept choices in the [E/ep, capacity, D]
     slots equal the one-device model's (the capacity decided on the whole batch); padding slots that
@@ -182,6 +188,7 @@ def test_ep_with_capacity_through_the_sorted_dispatch():
     assert _worst(problem, layout, PaddingRowsLeak) > 1e-3
 
 
+@pytest.mark.slow
 def test_ep_under_pp_equals_the_unsharded_model():
     """tiny-mixtral's 2 layers on pp 2 (one a stage) x ep 2, 1F1B on 2 micro-batches: the loss with its
     aux and z losses (the routing statistics summed over micro-batches, stages and ep before they are

@@ -223,6 +223,9 @@ def _applicable(problem, layout) -> list:
     return chosen
 
 
+# slow: its cost is its scale (every control traced on 42 configurations, ~10 CPU-min); the quick tier
+# runs each axis's and each model kind's controls in their own proofs, and the checks below
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_applicable_control_runs_and_changes_its_program(name):
     """Each control's planted program traces (a crash: verify's exit 3, "control ... crashed") and
@@ -232,6 +235,9 @@ def test_every_applicable_control_runs_and_changes_its_program(name):
     assert inert_controls([c for _, c in _applicable(problem, layout)], runs) == []
 
 
+# slow: its cost (a checkpoint's traces of every control); an inert control fails every proof:
+# test_an_inert_control_is_a_prover_bug, quick
+@pytest.mark.slow
 def test_no_tie_control_on_a_checkpoint():
     """A converted checkpoint's router carries no planted tie (``planted_tie`` False): neither
     tie-breaking control applies (each would change the program and never the values), and every other

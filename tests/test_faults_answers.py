@@ -399,6 +399,9 @@ def test_the_capacity_factors_help_says_which_factor_keeps_every_choice(command,
     assert "C >= E / k keeps every choice" in " ".join(capsys.readouterr().out.split())
 
 
+# slow: a MoE run under pp (its cost); the routing metrics of a step: tests/test_moe.py's
+# test_train_step_returns_the_routing_statistics, quick
+@pytest.mark.slow
 def test_an_moe_run_under_pp_writes_its_routing_metrics(corpus, tmp_path, monkeypatch, capsys):
     """docs/training.md promises expert_load, moe_dropped and moe_aux_loss_* on every MoE row; under
     --pp the rows had none (the pipeline's train step returned no statistics). The same run, with a

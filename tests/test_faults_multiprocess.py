@@ -314,6 +314,9 @@ def _interrupt_after_two_rows(argv: list[str], out: Path) -> subprocess.Complete
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
+# slow: the same SIGTERM save as tests/test_train.py::test_sigterm_saves_and_exits_143 (quick), with another
+# corpus length
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_143_standalone(corpus, tmp_path):
     done = _interrupt_after_two_rows(
         meshlm_argv(*train_args(corpus, tmp_path, 400), "--devices", "4"), tmp_path

@@ -75,6 +75,10 @@ def _flat(path) -> dict:
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)}
 
 
+# slow: fine-tuning a converted checkpoint, then eval and generate, per family (their cost is their
+# scale); the same path runs quick in tests/test_docs_commands.py (finetuning.md's commands on a converted
+# Qwen3), each family's reader in its transformers comparison
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_fine_tune_a_converted_model_then_eval_and_generate(family, tokenizer, tmp_path, capsys):
     ck = _convert(family, tokenizer, tmp_path)

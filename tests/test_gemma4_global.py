@@ -117,6 +117,9 @@ def test_the_periods_scan_is_the_runs_of_each_kind():
     np.testing.assert_allclose(periods, runs, rtol=1e-5, atol=1e-5 * float(jnp.abs(runs).max()))
 
 
+# slow: FSDP over the per-layer input table (its cost); FSDP's proof with its controls:
+# tests/test_memory_options.py, the per-layer stack's: the proof above, both quick
+@pytest.mark.slow
 def test_fsdp_splits_the_per_layer_input_table_proven():
     """--fsdp splits the per-layer input table [V', L x P] over dp beside its vocabulary over mp (2.82B
     of the E4B's 7.46B parameters: without it the E4B's 2x4 FSDP plan held 1/5.5 of the whole per

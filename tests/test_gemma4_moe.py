@@ -7,6 +7,7 @@ transformers comparison is tests/test_hf_gemma4.py's "gemma4-moe" case."""
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from meshlm.model.config import get_config
 from meshlm.parallel.layout import Layout
@@ -31,6 +32,9 @@ NAMES = (
 )
 
 
+# slow: Gemma 4's per-layer stack is proven quick (tests/test_gemma4_global.py) and a MoE block with its
+# controls too (tests/test_moe.py): this is their product on ep 2 (its cost)
+@pytest.mark.slow
 def test_moe_block_proven_on_ep2_with_controls():
     cfg = get_config("tiny-gemma4-moe").replace(**SMALL)
     controls = tuple(c for c in CONTROLS + EP_CONTROLS if c.name in NAMES)  # Gemma 4's in CONTROLS
@@ -41,6 +45,9 @@ def test_moe_block_proven_on_ep2_with_controls():
     assert report.ok and all(c["detected"] for c in report.controls), (report.checks, report.controls)
 
 
+# slow: the collective count of the MoE block (its cost); the communication minimum and its planted extra all-
+# reduce: tests/test_prover.py, quick
+@pytest.mark.slow
 def test_communication_minimum_counts_the_experts_row_sum():
     """Beside the attention's and the MLP's, the experts' partial output is a third row-parallel sum per
     layer (``Family.row_sums``): the communication check's all-reduce bytes on 2x2 (without it the

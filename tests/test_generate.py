@@ -33,7 +33,10 @@ from meshlm.parallel.context import Parallel
 from meshlm.parallel.mesh import make_mesh
 
 MESHES = {"tiny-gptj": [(1, 1), (1, 4), (2, 2)], "tiny-llama": [(1, 1), (1, 4), (2, 2), (1, 8)]}
+# Two tiers: each preset on 2x2 (tiny: 1x4) quick; the other meshes slow, the same cached decode (scale).
+QUICK = {("tiny-gptj", (2, 2)), ("tiny-llama", (2, 2)), ("tiny", (1, 4))}
 CASES = [(n, m) for n, ms in MESHES.items() for m in ms] + [("tiny", (1, 1)), ("tiny", (1, 4))]
+CASES = [c if c in QUICK else pytest.param(*c, marks=pytest.mark.slow) for c in CASES]
 TOKENS = np.random.default_rng(1).integers(1, 64, (2, 20))  # teacher-forced rows
 LENGTHS = np.array([3, 11])  # their prefill lengths: one batch, two different lengths
 PROMPTS = [[5, 17, 33], [40, 2, 9, 61, 12, 7, 30, 44, 8, 3, 19]]
@@ -90,7 +93,9 @@ def tokens_of(results) -> list[list[int]]:
     return [r.tokens for r in results]
 
 
-@pytest.mark.parametrize(("name", "mesh"), CASES, ids=[f"{n}-{d}x{m}" for n, (d, m) in CASES])
+@pytest.mark.parametrize(
+    ("name", "mesh"), CASES, ids=lambda v: f"{v[0]}x{v[1]}" if isinstance(v, tuple) else v
+)
 def test_cached_logits_and_greedy_equal_unsharded(name, mesh):
     gen = generator(name, *mesh)
     got = gen.logits_with_cache(TOKENS, LENGTHS)

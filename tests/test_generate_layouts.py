@@ -24,6 +24,9 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
+# slow: two training runs (cp, pp) for one generate each (its cost); a checkpoint's independence of the
+# layout: tests/test_checkpoint.py's restores, quick
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_generate_from_a_checkpoint_trained_under_cp_or_pp_on_any_mesh(name, corpus, tmp_path, capsys):
     axes, model = LAYOUTS[name]

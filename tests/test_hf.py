@@ -80,6 +80,9 @@ def test_import_matches_transformers(hf_model, tokens):
     np.testing.assert_allclose(_our_logits(cfg, flat, tokens), want, atol=ATOL, rtol=0)
 
 
+# slow: the sharded logits (scale); the sharded model equals the unsharded one by the quick proofs, the
+# unsharded one equals transformers quick above
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 4)])
 def test_import_matches_transformers_sharded(hf_model, tokens, mesh_shape):
     _, path, want = hf_model
@@ -204,6 +207,9 @@ def test_missing_and_unexpected_tensors(hf_model, tmp_path):
         hf_weights.load_hf(tmp_path)
 
 
+# slow: GPT-2's vocabulary converted and run on mp 2 and 4 (its cost); the padded vocabulary's proofs:
+# tests/test_vocab_padding.py, quick
+@pytest.mark.slow
 def test_gpt2_vocabulary_converts_and_runs_on_mp_2_and_4(tmp_path, tokens, capsys):
     """Vocab 50257 (prime to every mp > 1): imported padded to 50304 rows (zeros), runs sharded with
     transformers' logits over the real vocabulary, and exports with the padding stripped."""

@@ -188,7 +188,17 @@ class TestTransformers(Comparison, GreedyText):
     """Logits unsharded and on 2x2, the export, greedy text on 1x1 and 1x2 (tests/hf_harness.py)."""
 
 
-@pytest.mark.parametrize("family", ["gemma4", "gemma4-global", "gemma4-moe"], indirect=True)
+# gemma4 quick; its global-shape and MoE variants slow: the same float64 comparison on two more cases
+# (scale; each is compared in float32 quick by the harness)
+@pytest.mark.parametrize(
+    "family",
+    [
+        "gemma4",
+        pytest.param("gemma4-global", marks=pytest.mark.slow),
+        pytest.param("gemma4-moe", marks=pytest.mark.slow),
+    ],
+    indirect=True,
+)
 def test_logits_exact_in_float64(family):
     """In float64, with transformers' own float32 steps lifted (``_lifted``), our logits are
     transformers' to rounding: the float32 comparison's difference is the two programs' float32
@@ -221,6 +231,9 @@ def test_each_piece_broken_fails_the_transformers_comparison(family, monkeypatch
             assert drift(family) > 100 * RTOL, name
 
 
+# slow: a planted MoE-block bug against transformers (its cost); the same check of every other piece quick:
+# test_each_piece_broken_fails_the_transformers_comparison
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma4-moe"], indirect=True)
 def test_moe_block_broken_fails_the_transformers_comparison(family, monkeypatch):
     """The MoE block's classic bugs show against transformers: the router reading the experts' normed

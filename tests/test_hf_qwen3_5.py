@@ -110,6 +110,10 @@ def test_fused_rows_in_the_wrong_order_fail_the_transformers_comparison(family, 
     assert drift(family) > 100 * TOL
 
 
+# slow: the converted hybrid's proof under cp (its cost, ~40 s of CPU); the hybrid's proof with its controls
+# (tests/test_deltanet.py), cp's (tests/test_cp.py) and the converted model's logits (the harness above) are
+# quick
+@pytest.mark.slow
 def test_verify_checkpoint_of_the_converted_model_under_cp(family):
     """The issue's done-when: ``meshlm verify --checkpoint CKPT --mesh 1x2 --cp 2 --x64 --steps 2`` of the
     converted transformers model (3 linear layers, transformers' chunk of 64, value heads over mp),

@@ -76,7 +76,10 @@ def converted(request, hf_tokenizer, tmp_path_factory):
     return root / "hf", root / "ckpt", text
 
 
-@pytest.mark.parametrize("mesh", ["1x1", "1x2", "2x2"])
+# 1x1 quick; 1x2 and 2x2 slow: sharded generation equals unsharded (tests/test_generate.py, quick)
+@pytest.mark.parametrize(
+    "mesh", ["1x1", pytest.param("1x2", marks=pytest.mark.slow), pytest.param("2x2", marks=pytest.mark.slow)]
+)
 def test_generate_prints_transformers_text(converted, mesh, capsys):
     _, ckpt, want = converted
     capsys.readouterr()

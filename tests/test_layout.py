@@ -27,8 +27,13 @@ ALLOWED = {
     "perf": {"model", "parallel", "sharding", "data", "train", "generate", "io"},
     "cli": {"model", "parallel", "sharding", "data", "train", "io", "generate", "proof", "perf"},
 }
-MAX_MODULE_LINES = 350
+# A module holds one concern, which a reader takes in whole: 600 lines. (The cap was 350, and a dozen
+# modules sat at 339-350, some concerns cut in two by the cap alone.) Data tables are exempt: a
+# module-level assignment of a literal table (a dict, list, tuple or set display: the rows of
+# something) is read a row at a time, so its lines do not count (``code_lines``).
+MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 120
+TABLES = (ast.Dict, ast.List, ast.Tuple, ast.Set)
 
 
 def _modules():
@@ -128,10 +133,28 @@ def test_every_subpackage_is_in_the_table():
     assert packages == set(ALLOWED)
 
 
+def code_lines(text: str) -> int:
+    """``text``'s lines less those of its module-level literal tables (``TABLES``)."""
+    tables = 0
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, TABLES):
+            tables += node.end_lineno - node.lineno + 1
+    return len(text.splitlines()) - tables
+
+
+def test_a_data_table_is_exempt_and_code_is_not():
+    """A 700-row table passes the cap; the same rows as statements, or a table inside a function, fail."""
+    rows = "".join(f"    {i}: 'row',\n" for i in range(700))
+    assert code_lines(f"import x\n\nTABLE = {{\n{rows}}}\n") == 2
+    assert code_lines(f"TABLE: dict = {{\n{rows}}}\n") == 0
+    assert code_lines("".join(f"x{i} = {i}\n" for i in range(700))) == 700  # scalars are code
+    assert code_lines(f"def f():\n    return {{\n{rows}    }}\n") == 703
+
+
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
 def test_module_and_class_sizes(path):
     text = path.read_text()
-    assert len(text.splitlines()) <= MAX_MODULE_LINES, f"{path.name}: split it where its parts separate"
+    assert code_lines(text) <= MAX_MODULE_LINES, f"{path.name}: split it where its parts separate"
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.ClassDef):
             size = node.end_lineno - node.lineno + 1

@@ -20,13 +20,19 @@ from meshlm.model.config import get_config
 TARGETS = "q,k,v,o,gate,up,down"
 
 
+# The LoRA proof on 2x2 is quick; FSDP + SP with dropout, pp and cp are slow: the same proof on more
+# layouts (its cost is its scale); dropout's masks: test_dropout_masks_and_changes_the_gradient_..., quick.
 @pytest.mark.parametrize(
     "layout,dropout",
     [
         (dict(dp=2, mp=2), 0.0),
-        (dict(dp=2, mp=2, fsdp=True, sp=True), 0.1),  # --lora-dropout: its masks of the global tokens
-        (dict(dp=1, mp=2, pp=2, microbatches=4), 0.0),  # (--pp refuses dropout)
-        (dict(dp=1, mp=2, cp=2), 0.1),
+        pytest.param(
+            dict(dp=2, mp=2, fsdp=True, sp=True), 0.1, marks=pytest.mark.slow
+        ),  # --lora-dropout: global tokens' masks
+        pytest.param(
+            dict(dp=1, mp=2, pp=2, microbatches=4), 0.0, marks=pytest.mark.slow
+        ),  # (--pp refuses dropout)
+        pytest.param(dict(dp=1, mp=2, cp=2), 0.1, marks=pytest.mark.slow),
     ],
 )
 def test_verify_lora_sft_equal_unsharded_and_its_controls_detected(layout, dropout):
@@ -160,6 +166,9 @@ def base(tmp_path_factory):
     return out, text
 
 
+# slow: LoRA training, its checkpoint and resume (its cost); LoRA training on a converted model runs quick in
+# tests/test_docs_commands.py (finetuning.md), an exact resume in tests/test_resume.py
+@pytest.mark.slow
 def test_train_saves_adapters_only_resumes_bitwise_refuses_another_base(base, tmp_path, capsys):
     """With --lora-dropout: the masks are of the step's count, so the resumed step draws the same."""
     from meshlm.io.checkpoint import Checkpointer
@@ -213,6 +222,9 @@ def _arrays(run_dir, step) -> dict:
     return json.loads((run_dir / str(step) / "integrity" / "metadata").read_text())["arrays"]
 
 
+# slow: LoRA SFT training under pp, its cost (the adapters' proof under pp is the slow layout above; LoRA
+# training and resume: test_train_saves_adapters_only_..., quick)
+@pytest.mark.slow
 def test_lora_sft_trains_on_a_chat_store_under_pp(tmp_path):
     """SFT + LoRA on a chat store (the masked loss) through the pipeline, --pp 2 with 4 micro-batches:
     the loss moves and only the adapters are saved."""

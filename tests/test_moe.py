@@ -174,6 +174,7 @@ def test_the_per_shard_capacity_control_is_not_run_where_nothing_can_drop():
         assert (name in names) == runs, factor
 
 
+@pytest.mark.slow
 def test_capacity_proven_under_sp_with_its_control_detected():
     """tiny-mixtral with tokens dropped on 2x2 + FSDP + SP in float64: equal to the unsharded model, and
     the capacity computed per shard (each shard ranking its own tokens) detected."""
@@ -246,6 +247,10 @@ def test_train_step_returns_the_routing_statistics():
     assert float(moe.dropped_choices(cfg, stats)[0]) > 0
 
 
+# slow: the routing statistics through the pipeline and capacity under SP (their cost); the statistics of a
+# step: test_train_step_returns_the_routing_statistics, the drop rule:
+# test_capacity_drops_by_gshards_rule_on_the_whole_batch, both quick
+@pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "coef"), [("1f1b", None), ("gpipe", 0.0)])
 def test_pipelined_train_step_returns_the_routing_statistics(schedule, coef):
     """Issue 47: under --pp an MoE run's metrics.jsonl rows had no expert_load / moe_dropped /

@@ -83,6 +83,9 @@ def test_loss_is_main_plus_weighted_depth_cross_entropy_over_positions_with_a_ta
     assert abs(total - main) > 0.1  # the depths' term is there
 
 
+# slow: MTP's sharded proofs, their cost (~1 CPU-min each of DeepSeek-V3's MLA, MoE and depth); the MTP
+# loss rule: test_loss_is_main_plus_weighted_depth_cross_entropy_..., quick; MLA's and MoE's proofs: quick
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout", [Layout(dp=2, mp=2, fsdp=True, sp=True), Layout(mp=2, cp=2)], ids=["2x2-fsdp-sp", "1x2-cp2"]
 )
@@ -103,6 +106,9 @@ def test_mtp_proven_with_its_controls_detected(layout):
     assert all(c["detected"] and c["margin"] >= 100 for c in report.controls), report.controls
 
 
+# slow: MTP through the pipeline, under pp x cp and in training: the same depths on more layouts and a run
+# (their cost is their scale); the MTP proof with its controls is quick (2x2 + FSDP + SP)
+@pytest.mark.slow
 def test_mtp_under_pp_and_cp_proven_with_its_controls_detected():
     """pp 2 x cp 2 (all-gather), GPipe: the depth on the last stage, its labels across the cp shards'
     boundaries; the three MTP controls, each by values at >= 100x the tolerance (the loss counted on
@@ -120,6 +126,7 @@ def test_mtp_under_pp_and_cp_proven_with_its_controls_detected():
     assert all(c["detected"] and c["margin"] >= 100 for c in report.controls), report.controls
 
 
+@pytest.mark.slow
 def test_depth_losses_come_out_of_the_pipeline_as_without_it():
     """1F1B (its head's VJP and accumulators; the proof above runs GPipe's), the document mask on (the
     depth's block reads the micro-batch's document starts): the loss, every gradient, the depths' losses
@@ -166,6 +173,7 @@ def test_refusals():
         mtp.depth_losses(CFG, Parallel(), {"targets": jnp.zeros((1, 1), jnp.int32)}, [None])
 
 
+@pytest.mark.slow
 def test_trains_and_resumes_bitwise_with_the_depth_losses_in_metrics(tmp_path):
     """Two steps straight equal one step, a restore and one more (losses, state: bitwise), on 1x2."""
     from meshlm.train.loop import _one_step, _train_row, save

@@ -45,6 +45,9 @@ def test_launch_verify_spans_both_processes():
     assert len(data) == 2 and all(c["ok"] for c in data)
 
 
+# slow: its cost (two processes train, then a restore in one: ~1 CPU-min); the multi-process bug class (one
+# mesh across processes) is test_launch_verify_spans_both_processes's, quick
+@pytest.mark.slow
 def test_two_processes_train_like_one_and_checkpoint_restores_in_one(corpus, tmp_path):
     two = run_meshlm(*LAUNCH, *train_args(corpus, tmp_path / "two", 10, save_every=5, eval_every=5))
     assert two.returncode == 0, two.stderr[-2000:]
@@ -78,6 +81,10 @@ def _children(pid):
     return {int(line.split()[0]): line for line in out.splitlines() if line.strip()}
 
 
+# slow: its cost (a two-process run trained until a checkpoint, then a kill); a dying peer stopping the
+# others: tests/test_distributed.py::test_failing_process_stops_the_others and test_faults_multiprocess.py's
+# stopped peer, quick
+@pytest.mark.slow
 def test_peer_killed_mid_run_stops_all_and_keeps_checkpoint(corpus, tmp_path):
     launcher = subprocess.Popen(
         meshlm_argv(*LAUNCH, *train_args(corpus, tmp_path, 400)),

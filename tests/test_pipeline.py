@@ -56,13 +56,15 @@ def _prove(schedule, pp, m, v=1, dp=1, controls=True, layers_per_chunk=2):
         return prove_pipeline(stage_fn, loss_fn, _mesh(pp, dp), cfg, params, x, targets, controls=controls)
 
 
+# Two tiers: pp = 2 of each schedule (with every control) quick; pp = 4 slow: the same schedules on more
+# stages (their cost is their scale).
 CASES = [  # schedule, pp, microbatches, virtual stages
     ("gpipe", 2, 4, 1),
-    ("gpipe", 4, 3, 1),  # M < pp: a larger bubble, still exact
+    pytest.param("gpipe", 4, 3, 1, marks=pytest.mark.slow),  # M < pp: a larger bubble, still exact
     ("1f1b", 2, 4, 1),
-    ("1f1b", 4, 6, 1),
+    pytest.param("1f1b", 4, 6, 1, marks=pytest.mark.slow),
     ("interleaved", 2, 4, 2),
-    ("interleaved", 4, 4, 2),
+    pytest.param("interleaved", 4, 4, 2, marks=pytest.mark.slow),
 ]
 DP_OF = {2: 2, 4: 1}  # pp = 2 runs on pp x dp = 2 x 2 (interleaved 2 x 4); pp = 4 alone, with every control
 

@@ -43,7 +43,13 @@ def _errors(config, layout: Layout, vocab: int = 64, **changes) -> dict:
     ("config", "layout", "leaves"),
     [
         # tiny-deep (8 layers): pp = 4, interleaved over 2 virtual stages, unsharded stages.
-        ("tiny-deep", Layout(pp=4, microbatches=4, pp_schedule="interleaved", virtual_stages=2), 12),
+        # slow: pp = 4 interleaved (scale; the interleaved engine with its controls: test_pipeline.py, quick)
+        pytest.param(
+            "tiny-deep",
+            Layout(pp=4, microbatches=4, pp_schedule="interleaved", virtual_stages=2),
+            12,
+            marks=pytest.mark.slow,
+        ),
         ("tiny-gptj", Layout(pp=2, mp=2, microbatches=2, pp_schedule="gpipe"), 15),
         ("tiny", Layout(pp=2, dp=2, mp=2, fsdp=True, microbatches=2, pp_schedule="1f1b"), 8),
     ],
@@ -59,10 +65,18 @@ def test_real_model_through_the_pipeline_equals_the_unsharded_model(config, layo
 
 @pytest.mark.parametrize(
     ("layout", "changes"),
+    # slow: pp x cp and pp x the document mask, products of axes each proven quick (their cost is their
+    # scale)
     [
-        (Layout(pp=2, cp=2, microbatches=2, pp_schedule="1f1b"), {}),
-        (Layout(pp=2, cp=2, mp=2, microbatches=2, pp_schedule="gpipe", cp_strategy="allgather"), {}),
-        (Layout(pp=2, mp=2, microbatches=2, pp_schedule="1f1b"), {"doc_mask": 3}),
+        pytest.param(Layout(pp=2, cp=2, microbatches=2, pp_schedule="1f1b"), {}, marks=pytest.mark.slow),
+        pytest.param(
+            Layout(pp=2, cp=2, mp=2, microbatches=2, pp_schedule="gpipe", cp_strategy="allgather"),
+            {},
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            Layout(pp=2, mp=2, microbatches=2, pp_schedule="1f1b"), {"doc_mask": 3}, marks=pytest.mark.slow
+        ),
     ],
     ids=["pp2-cp2-ring-1f1b", "pp2-cp2-mp2-allgather-gpipe", "pp2-mp2-doc-mask-1f1b"],
 )

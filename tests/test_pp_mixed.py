@@ -87,6 +87,10 @@ def test_periodic_chunks_and_a_dense_prefix_pass_and_place_their_stacks():
 FAULTS = ("one micro-batch's gradient dropped", "a bubble's NaN let through")
 
 
+# slow: mixed stacks through the pipeline (their cost, ~1 CPU-min each); the hybrid's proof
+# (tests/test_deltanet.py), the pipeline's (tests/test_pp_verify.py) and the stacks' chunking
+# (test_periodic_chunks_and_a_dense_prefix_pass_and_place_their_stacks) are quick
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, changes, schedule, controls",
     [

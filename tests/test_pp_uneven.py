@@ -9,6 +9,7 @@ gradients; ``stage_slots.chunk``'s ``where`` keeps it the identity whatever the 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from meshlm.model import stage_layers
 from meshlm.model.config import get_config
@@ -52,6 +53,9 @@ def _ok(report):
     return report.ok and report.loss_ok and max(p.max_rel_err for p in report.params) <= 1e-12
 
 
+# slow: the padded stack's proof on DeepSeek-V3's MoE body (its cost: ~1 CPU-min); the padding's proof on a
+# dense model is quick below
+@pytest.mark.slow
 def test_deepseek_with_an_odd_moe_body_is_proven():
     # 1 dense layer with the embedding, 3 MoE layers on 2 stages: slots [layer, padding], [layer, layer]
     report = _verify("tiny-deepseek-v3", {"n_layers": 4, "mtp_layers": 0, "mtp_weight": 0.0})
@@ -59,6 +63,8 @@ def test_deepseek_with_an_odd_moe_body_is_proven():
     assert all(c["detected"] for c in report.controls), report.controls
 
 
+# slow: the planted fault of the proof above, on the same MoE body (its cost)
+@pytest.mark.slow
 def test_a_padding_slots_aux_loss_counted_is_detected(monkeypatch):
     # the padding slot's (slot 1's) routing statistics counted with layer 0's: its balance loss added
     real = stage_slots.real_statistics
@@ -72,6 +78,9 @@ def test_a_dense_model_with_an_odd_layer_count_is_proven():
     assert _ok(report), [c for c in report.checks if not c["ok"]]
 
 
+# slow: a training run with padding slots and its restore without pp (its cost); the padded stack's proof is
+# quick above, a restore across layouts in tests/test_checkpoint.py
+@pytest.mark.slow
 def test_training_with_padding_saves_the_real_layers_a_run_without_pp_loads(tmp_path):
     """cpu's 4 layers on pp 3: chunks of 2 slots, 2 of them padding. One step, saved: the checkpoint
     holds the 4 real layers (the format of any pp), equal to the run's own, and loads without pp; the

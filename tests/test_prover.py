@@ -84,7 +84,10 @@ def _embed_without_mask(self, tokens):
     return self.par.row_out(rows)
 
 
-@pytest.mark.parametrize(("dp", "mp", "caught"), [(1, 1, False), (1, 2, True), (2, 2, True)])
+# 1x2 slow: 2x2 catches the canary on a model split too (scale)
+@pytest.mark.parametrize(
+    ("dp", "mp", "caught"), [(1, 1, False), pytest.param(1, 2, True, marks=pytest.mark.slow), (2, 2, True)]
+)
 def test_canary_in_layer_code_fails_verify_when_sharded(monkeypatch, dp, mp, caught):
     monkeypatch.setattr(VocabEmbed, "__call__", _embed_without_mask)
     report = _verify("tiny-llama", dp, mp, controls=())
@@ -235,7 +238,8 @@ def test_a_rule_with_the_wrong_per_shard_shape_is_a_failing_row():
     assert "P(None, 'mp', None)" in detail and "holds (32, 128)" in detail and "with (64, 64)" in detail
 
 
-@pytest.mark.parametrize("name", ["tiny-gptj", "tiny-llama"])
+# tiny-gptj slow: the same check on another family (scale)
+@pytest.mark.parametrize("name", [pytest.param("tiny-gptj", marks=pytest.mark.slow), "tiny-llama"])
 def test_communication_is_minimal_and_an_extra_all_reduce_is_caught(name):
     extra_all_reduce = "extra all-reduce after each row-parallel one"
     report = _verify(name, 2, 2, collectives=True, controls=_controls(extra_all_reduce))

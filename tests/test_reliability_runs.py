@@ -51,7 +51,16 @@ def _flip_byte(step_dir):
 # ---------------------------------------------------------------- a bad newest step
 
 
-@pytest.mark.parametrize("damage", ["empty", "corrupt", "unreadable"])
+# corrupt quick; empty and unreadable slow: the same move-aside for another damage, whose detection
+# tests/test_checkpoint.py proves quick
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param("empty", marks=pytest.mark.slow),
+        "corrupt",
+        pytest.param("unreadable", marks=pytest.mark.slow),
+    ],
+)
 def test_bad_newest_step_is_moved_aside_and_saved_again(corpus, tmp_path, damage):
     out = tmp_path / "run"
     if damage == "empty":  # `mkdir RUN/6` next to complete 2/ and 4/
@@ -84,6 +93,9 @@ def test_bad_newest_step_is_moved_aside_and_saved_again(corpus, tmp_path, damage
     assert _moved_aside(out) == [aside]
 
 
+# slow: its cost (two training processes on one run directory); moving a bad step aside and saving it again:
+# the quick cells above
+@pytest.mark.slow
 def test_two_processes_move_aside_together(corpus, tmp_path):
     """Process 0 renames, the other waits for it: both then save step 6 (a collective) again. (The run
     that leaves steps 2 and 4 is one process on the same 2x2 mesh: a checkpoint restores onto any

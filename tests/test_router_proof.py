@@ -17,6 +17,10 @@ from meshlm.proof.router_controls import ROUTER_CONTROLS
 CFG = get_config("tiny-cpu-moe")
 
 
+# slow: the router record's options (sigmoid, groups, bias) proven on ep (its cost); the router's code path
+# (model.routers) with its controls is proven quick by tests/test_moe.py, the record's math by
+# tests/test_routers.py
+@pytest.mark.slow
 def test_router_proven_on_ep_with_its_bias_bitwise():
     from meshlm.proof import format_report, model_problem, verify
     from meshlm.proof.moe_controls import MOE_CONTROLS
@@ -58,6 +62,9 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
+# slow: the bias's exact resume, the same restore path as tests/test_resume.py's quick SIGKILL cell with one
+# more leaf
+@pytest.mark.slow
 def test_bias_balancing_resumes_bitwise(corpus, tmp_path):
     """Two steps straight equal one step, a restore and one more: the losses, the parameters (the
     selection bias among them, moved by exactly +-rate per step) and AdamW's state, bitwise."""

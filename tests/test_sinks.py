@@ -89,6 +89,9 @@ def test_sinks_are_named_in_six_source_files():
     ]
 
 
+# slow: the cached decode with sinks (its cost); cached decoding equals the full forward quick in
+# tests/test_generate.py, the sink in every kernel quick above
+@pytest.mark.slow
 def test_cached_decode_with_sinks_equals_the_full_forward():
     """tiny-gpt-oss (sinks on every layer, window 8 on alternate layers), the sinks set away from 0:
     teacher-forced cached logits from prompts of 3 and 11 tokens up to position 27 (past several
@@ -122,6 +125,9 @@ def test_cached_decode_with_sinks_equals_the_full_forward():
 SINK_CONTROLS = ("sink added on every ring step", "sink's gradient not summed over the data shards")
 
 
+# slow: the whole model's proof under the ring (its cost); the sink in every kernel, the ring's included:
+# test_every_kernel_equals_the_softmax_with_a_sink_column, quick
+@pytest.mark.slow
 def test_verify_proves_sinks_under_the_cp_ring():
     """tiny-gpt-oss (2 layers: a windowed one and a full one, sinks on both) blockwise on dp 2 x a cp 2
     ring, float64: sharded == unsharded (the plain reference), both sink controls detected."""

@@ -97,6 +97,9 @@ KERNEL_CONTROLS = (
 )
 
 
+# slow: the capped model's proof under the ring (its cost); the cap in the kernel and the ring:
+# test_the_kernel_and_the_ring_cap_as_plain_attention_in_float64, the capped proof on 2x2, both quick
+@pytest.mark.slow
 def test_softcap_proven_blockwise_under_the_cp_ring_with_its_controls_detected():
     """tiny-gemma-softcap on a cp = 2 ring of blockwise attention, float64: sharded == unsharded (the
     plain [T, T] reference), each soft-cap fault of the kernel and the ring detected."""

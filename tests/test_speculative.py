@@ -87,6 +87,9 @@ def test_output_equals_plain_greedy_with_drafts_accepted_and_rejected(plain, mon
     assert _speculate(params, Layout())[0] != want
 
 
+# slow: the same speculative decode on sharded meshes (scale); sharded decoding equals unsharded:
+# tests/test_generate.py, quick
+@pytest.mark.slow
 def test_sharded_meshes_give_the_same_output_and_drafts(plain):
     params, want = plain
     one = _speculate(params, Layout())

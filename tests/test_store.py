@@ -204,6 +204,9 @@ def _write_big_store(directory, n_tokens: int) -> int:
     return 2 * n_tokens
 
 
+# slow: a memory bound over a long run (its cost is its scale); the store's batches equal the loader's quick
+# above
+@pytest.mark.slow
 def test_training_memory_does_not_grow_with_the_corpus(tmp_path):
     """A 3 GiB store trains (a subprocess, the real CLI) with a peak resident set under half its size:
     the corpus is mapped, never read into memory (it would be 3 GiB resident, plus an int32 copy)."""

@@ -118,6 +118,10 @@ def _losses(out):
     return [(r["step"], r["loss"]) for r in train_rows(out)]
 
 
+# slow: the same SIGTERM save as
+# tests/test_faults_multiprocess.py::test_sigterm_under_launch_saves_and_exits_143 (quick), without the
+# launcher
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_143(corpus, tmp_path):
     proc = subprocess.Popen(_cli_train(tmp_path, corpus, 200), stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"
@@ -130,6 +134,9 @@ def test_sigterm_saves_and_exits_143(corpus, tmp_path):
     assert Checkpointer(tmp_path).latest_step() == last
 
 
+# slow: its cost (two runs); verify's accumulation check (tests/test_data_check.py) and its proofs with micro-
+# batches catch a wrong accumulation, quick
+@pytest.mark.slow
 def test_accumulation_equals_one_big_batch(corpus, tmp_path):
     """2 micro-batches of 4 rows = one batch of 8 rows: same data, same mean gradient (allclose)."""
     mesh = make_mesh(2, 2)

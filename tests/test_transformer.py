@@ -32,7 +32,18 @@ def _verify(name, dp, mp, dtype=jnp.float32, steps=0, **kw):
 # tiny-llama on 1x8 (its 4 KV heads replicated: the KV-replication control). On other meshes the controls
 # that apply are a subset of 2x2's, the same planted programs on another dp or mp (each control compiles a
 # program of its own); a float32 proof there without controls repeated a float64 one at 10^8 the tolerance.
-@pytest.mark.parametrize("name,dp,mp", [("tiny-gptj", 2, 2), ("tiny-llama", 2, 2), ("tiny-llama", 1, 8)])
+#
+# Two tiers: tiny-llama on 2x2 (every attention control, dp's and mp's) is quick. Slow: tiny-gptj on 2x2
+# (the same controls on another family; its values: the float64 cells below) and tiny-llama on 1x8 (the
+# KV-replication control: tests/test_prover.py::test_kv_heads_replicated_on_four_devices catches it, quick).
+@pytest.mark.parametrize(
+    "name,dp,mp",
+    [
+        pytest.param("tiny-gptj", 2, 2, marks=pytest.mark.slow),
+        ("tiny-llama", 2, 2),
+        pytest.param("tiny-llama", 1, 8, marks=pytest.mark.slow),
+    ],
+)
 def test_transformer_float32(name, dp, mp):
     report = _verify(name, dp, mp)
     assert report.ok, format_report(report)
@@ -51,11 +62,18 @@ def _exact(name, dp, mp):
         return _verify(name, dp, mp, jnp.float64, controls=())
 
 
-# tiny-gptj's 8 heads one head a shard on 1x8 (tiny-llama's 1x8 is proven in float32 above, with controls)
+# tiny-gptj's 8 heads one head a shard on 1x8 (tiny-llama's 1x8 is proven in float32 above, with controls).
+# Quick: gptj on 1x8 and llama on 2x4; slow: the same proof on more meshes (its cost is its scale; every
+# mesh is proven quick on the ff model, tests/test_core.py).
 @pytest.mark.parametrize(
     "name,dp,mp",
-    [("tiny-gptj", 1, 8), ("tiny-llama", 1, 4), ("tiny-gptj", 4, 2), ("tiny-llama", 2, 4)]
-    + [(name, 8, 1) for name in ("tiny-gptj", "tiny-llama")],
+    [
+        ("tiny-gptj", 1, 8),
+        pytest.param("tiny-llama", 1, 4, marks=pytest.mark.slow),
+        pytest.param("tiny-gptj", 4, 2, marks=pytest.mark.slow),
+    ]
+    + [("tiny-llama", 2, 4)]
+    + [pytest.param(name, 8, 1, marks=pytest.mark.slow) for name in ("tiny-gptj", "tiny-llama")],
 )
 def test_transformer_float64_exact(name, dp, mp):
     report = _exact(name, dp, mp)
@@ -68,6 +86,10 @@ def test_transformer_float64_exact(name, dp, mp):
 STEP_CONTROLS = tuple(c for c in CONTROLS if c.per_shard_clip)
 
 
+# slow: the steps' proof and its one control are tests/test_core.py's
+# test_verify_with_adamw_steps_on_data_x_model_mesh (quick); a transformer's steps are proven quick under
+# FSDP + SP (tests/test_memory_options.py) and pp (tests/test_pp_verify.py): this is their cost on 2x2
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-gptj", "tiny-llama"])
 def test_transformer_training_steps_float64_on_2x2(name):
     with jax.enable_x64(True):

@@ -13,7 +13,6 @@ from typing import Any
 
 from meshlm.errors import ConfigError
 from meshlm.model import layer_kinds as kinds
-from meshlm.model.dispatch_fields import DispatchFields, check_dispatch
 from meshlm.model.families import FAMILIES, preset_fields
 from meshlm.model.family import Family
 from meshlm.model.lora_fields import RANGES as LORA_RANGES
@@ -28,6 +27,10 @@ from meshlm.model.variant_fields import VariantFields, check_variant_fields
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
 ATTENTION = ("plain", "blockwise", "flash")  # see meshlm.model.attention, .blockwise and .flash
+# How a mixture of experts reaches its experts (``moe_dispatch``, ``parallel.grouped``): "dense" is the
+# all-local reference, every expert on every token (``parallel.experts.dense_experts``): what the proof
+# compares the others with.
+DISPATCHES = ("blocks", "ragged_dot", "dense")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,10 @@ class MoEFields:
     # config without these fields predates them: a dense or dropless model, as it was.
     # ``dense_layers``: the sorted indices of the layers with the dense MLP of ``d_ff`` units among the
     # MoE layers (Qwen2-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``); their parameters stack apart.
+    # ``moe_dispatch`` (``DISPATCHES``) is not a model fact: the values are the same whichever is chosen
+    # (the proof shows it), so a saved config without it loads with the default. (First: the field order
+    # of the config, its JSON and its messages is as when it was a base of its own.)
+    moe_dispatch: str = "blocks"
     n_experts: int = 0
     experts_per_token: int = 0
     moe_d_ff: int = 0
@@ -66,7 +73,7 @@ class MoEFields:
 @dataclass(frozen=True)
 class ModelConfig(  # fields: its own, then its bases' (``field_names``)
     kinds.LinearAttentionFields, MLAFields, VariantFields, LoraFields, kinds.LayerKindFields, RouterFields,
-    MoEFields, DispatchFields, MTPFields, PerLayerFields,
+    MoEFields, MTPFields, PerLayerFields,
 ):  # fmt: skip
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
@@ -137,7 +144,7 @@ class ModelConfig(  # fields: its own, then its bases' (``field_names``)
         check_variant_fields(self)
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
-        _check_plain_only(self), _check_moe(self), check_router(self), check_dispatch(self)
+        _check_plain_only(self), _check_moe(self), check_router(self), _check_dispatch(self)
         check_lora(self), kinds.check_linear(self), check_mla(self), check_mtp(self), check_per_layer(self)
 
     @property
@@ -239,6 +246,11 @@ def _check_moe(cfg: ModelConfig) -> None:
     kinds.check_dense_layers(cfg)
     if cfg.moe_aux_loss not in MOE_AUX_LOSSES:
         raise ConfigError(f"moe_aux_loss is one of {', '.join(MOE_AUX_LOSSES)}; got {cfg.moe_aux_loss!r}")
+
+
+def _check_dispatch(cfg: ModelConfig) -> None:
+    if cfg.moe_dispatch not in DISPATCHES:
+        raise ConfigError(f"moe_dispatch must be one of {', '.join(DISPATCHES)}, got {cfg.moe_dispatch!r}")
 
 
 # What each numeric field accepts; the others must just have their annotated type (str or bool).
