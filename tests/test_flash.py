@@ -128,6 +128,9 @@ def test_flash_under_cp_refuses_what_its_ring_cannot_run(capsys):
     assert err == [f"meshlm: error: {gather} (or use blockwise)"]
 
 
+# slow: the ring's flash block on mp 2 x cp 2 (its cost: ~20 s); the kernel's causal block and its
+# masks: test_flash_equals_plain, quick; the ring itself: tests/test_cp.py, quick
+@pytest.mark.slow
 def test_flash_ring_equals_the_unsharded_plain_model():
     """--cp ring with flash attention (``flash_ring``: each chunk pair by the kernel, three static masks,
     chunks of 8 padded to 128): loss and every gradient equal the unsharded plain model's, float32."""
@@ -183,7 +186,8 @@ def test_verify_refuses_flash_in_float64(capsys):
     ]
 
 
-@pytest.mark.parametrize("doc_mask", [3, -1])
+# the doc-mask cell slow (its cost): the kernel's segment ids are test_flash_doc_mask_and_padding's, quick
+@pytest.mark.parametrize("doc_mask", [pytest.param(3, marks=pytest.mark.slow), -1])
 def test_verify_proves_flash_with_its_controls_detected(doc_mask):
     """``meshlm verify --attention flash`` (float32) on mp 2 with a window (10), with and without the
     document mask: sharded flash equals the unsharded plain model, and each flash control that applies
@@ -204,6 +208,9 @@ def test_verify_proves_flash_with_its_controls_detected(doc_mask):
     assert all(c["detected"] and c["margin"] > 10 for c in report.controls), report.controls
 
 
+# slow: flash through the pp 2 x mp 2 pipeline (its cost); the kernel inside shard_map:
+# test_verify_proves_flash_with_its_controls_detected, quick; the pipeline: tests/test_pipeline.py
+@pytest.mark.slow
 def test_flash_through_the_pipeline_equals_the_unsharded_plain_model():
     """--pp 2 x --mp 2 (1F1B, NaN in every bubble) with the document mask: the stages' layers run the
     flash kernel; loss and every gradient equal the unsharded plain model's in float32."""
