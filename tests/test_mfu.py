@@ -8,9 +8,9 @@ from helpers import read_metrics, tiny_lm_config, write_corpus
 from meshlm.model.config import get_config
 from meshlm.model.transformer import param_shapes
 from meshlm.parallel.mesh import make_mesh
+from meshlm.perf import mfu
 from meshlm.perf.flops import model_flops_per_step
-from meshlm.train import mfu
-from meshlm.train.loop import train
+from meshlm.perf.train_run import train
 
 
 def test_train_logs_tflops_and_mfu_on_a_known_chip(tmp_path, monkeypatch, capsys):

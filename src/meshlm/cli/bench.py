@@ -10,7 +10,7 @@ from pathlib import Path
 from meshlm.cli.common import add_common, add_flags, flag_layout, refuse_options, settings_from, setup
 from meshlm.errors import ConfigError
 from meshlm.model.config import get_config
-from meshlm.perf.bench_settings import BenchSettings
+from meshlm.perf.bench_settings import BenchSettings, check_impls
 
 # Timed with --memory-options instead (against tensor parallelism and GSPMD).
 REFUSED = ("fsdp", "sp")
@@ -51,7 +51,9 @@ def run(args) -> int:
         if bs.batch_size is not None:
             planned.check_batch(bs.batch_size)
         cfg = get_config(bs.config)
-        bs.check_impls(cfg if bs.moe_dispatch is None else cfg.replace(moe_dispatch=bs.moe_dispatch), planned)
+        check_impls(
+            bs, cfg if bs.moe_dispatch is None else cfg.replace(moe_dispatch=bs.moe_dispatch), planned
+        )
     layout = setup(args, bs, planned)
     import jax
 
@@ -112,11 +114,11 @@ def _bench(bs, cfg, name, layout, settings) -> tuple[dict, Callable[[dict], str]
 def bench_asked(config: str, cfg, layout, settings):
     """The bench as an out-of-memory line names it, with its flags that cut memory: it holds every
     implementation's parameters and AdamW state at once (``copies``)."""
-    from meshlm.perf.bench_settings import impl_names
+    from meshlm.perf.bench_settings import chosen, impl_names
     from meshlm.perf.oom import Asked
 
     compared = settings.compare_schedules or settings.compare_window or settings.compare_linear
-    built = 1 if compared else len(settings.chosen(impl_names(cfg, layout)))
+    built = 1 if compared else len(chosen(settings, impl_names(cfg, layout)))
     cuts = [f"--impls meshlm (1 implementation's state, not {built})"] if built > 1 else []
     cuts += ["--remat full"] if settings.remat != "full" else []
     cuts += [

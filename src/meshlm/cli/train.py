@@ -61,7 +61,7 @@ def _run(args, stop: Stop) -> int:
     layout = setup(args, tcfg, planned, default_dp=DEFAULT_DP)  # the run uses this Layout as it is
     stop.check_startup()
     from meshlm.parallel.distributed import print0
-    from meshlm.train.loop import train
+    from meshlm.perf.train_run import train
 
     summary = train(tcfg, layout, stop=stop)
     if args.json:

@@ -53,7 +53,7 @@ from meshlm.model.transformer import param_shapes
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding, bytes_per_device, total_bytes
 from meshlm.perf.bench_moe import dense_step, moe_comparison, today_step
-from meshlm.perf.bench_settings import DENSE, IMPLS, NO_EP, NO_PP, TODAY, BenchSettings, impl_names
+from meshlm.perf.bench_settings import DENSE, IMPLS, NO_EP, NO_PP, TODAY, BenchSettings, chosen, impl_names
 from meshlm.perf.chips import device_kind, spec_bf16_peak
 from meshlm.perf.collectives import theoretical_collectives
 from meshlm.perf.flops import model_flops_per_step
@@ -105,7 +105,7 @@ class Start:
 def build_impls(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: BenchSettings) -> list[Impl]:
     """The implementations ``settings`` picks (``--impls``; all by default), from one set of initial
     parameters and one random batch. Only those are built, so only their state is held on the devices."""
-    names = settings.chosen(impl_names(cfg, layout))
+    names = chosen(settings, impl_names(cfg, layout))
     params, specs = init_model(cfg, layout, settings.seed)
     # Copies through the host before anything is donated: each implementation consumes its own
     # buffers. (device_put to one device reuses a replicated leaf's device-0 shard, even with

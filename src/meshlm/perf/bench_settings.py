@@ -149,43 +149,9 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
         batch = self.batch_size or -(-DEFAULT_BATCH // rows) * rows
         return dataclasses.replace(self, batch_size=batch, seq_len=default_seq_len(cfg, self.seq_len or 0))
 
-    def chosen(self, available: tuple[str, ...]) -> tuple[str, ...]:
-        """The implementations to build, in the bench's order: --impls' of ``available`` (every one
-        the model and mesh have), or all of them."""
-        if self.impls is None:
-            return available
-        asked = self.impls.split(",")
-        if unknown := [n for n in asked if n not in available]:
-            raise ConfigError(
-                f"--impls {self.impls}: no implementation {', '.join(unknown)} for this model and mesh; "
-                f"valid: {','.join(available)}"
-            )
-        return tuple(n for n in available if n in asked)
-
-    def check_impls(self, cfg: ModelConfig, layout: Layout) -> None:
-        """--impls names implementations this model and mesh have, --bf16 a dtype the family trains in,
-        and neither is given to a --compare-* or --memory-options run, which build steps of their own."""
-        self.chosen(impl_names(cfg, layout))
-        if self.compute_dtype not in cfg.arch.compute_dtypes:
-            raise ConfigError(
-                f"--bf16: {cfg.arch.name} trains in {', '.join(cfg.arch.compute_dtypes)} only; drop --bf16"
-            )
-        if self.remat not in cfg.arch.remat:
-            raise ConfigError(f"--remat {self.remat}: {cfg.arch.name} supports {', '.join(cfg.arch.remat)}")
-        own = [
-            f
-            for f in ("compare_schedules", "compare_window", "compare_linear", "memory_options")
-            if getattr(self, f)
-        ]
-        given = [f for f, v in (("--impls", self.impls), ("--bf16", self.compute_dtype != "float32")) if v]
-        if own and given:
-            raise ConfigError(
-                f"--{own[0].replace('_', '-')} times steps of its own, in float32; drop {' and '.join(given)}"
-            )
-
     def check(self, cfg: ModelConfig, layout: Layout) -> None:
         s = self.resolved(cfg, layout)
-        s.check_impls(cfg, layout)
+        check_impls(s, cfg, layout)
         if s.steps < MIN_STEPS:
             raise ConfigError(f"--steps must be >= {MIN_STEPS} (a median of fewer is noise), got {s.steps}")
         if s.warmup < 0:
@@ -212,3 +178,40 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
             raise ConfigError(
                 f"--peak-n must be >= 1 (the matmul size of the peak measurement), got {s.peak_n}"
             )
+
+
+# --impls and the accelerator flags (module functions: the settings class stays a record of fields)
+def chosen(self: BenchSettings, available: tuple[str, ...]) -> tuple[str, ...]:
+    """The implementations to build, in the bench's order: --impls' of ``available`` (every one
+    the model and mesh have), or all of them."""
+    if self.impls is None:
+        return available
+    asked = self.impls.split(",")
+    if unknown := [n for n in asked if n not in available]:
+        raise ConfigError(
+            f"--impls {self.impls}: no implementation {', '.join(unknown)} for this model and mesh; "
+            f"valid: {','.join(available)}"
+        )
+    return tuple(n for n in available if n in asked)
+
+
+def check_impls(self: BenchSettings, cfg: ModelConfig, layout: Layout) -> None:
+    """--impls names implementations this model and mesh have, --bf16 a dtype the family trains in,
+    and neither is given to a --compare-* or --memory-options run, which build steps of their own."""
+    chosen(self, impl_names(cfg, layout))
+    if self.compute_dtype not in cfg.arch.compute_dtypes:
+        raise ConfigError(
+            f"--bf16: {cfg.arch.name} trains in {', '.join(cfg.arch.compute_dtypes)} only; drop --bf16"
+        )
+    if self.remat not in cfg.arch.remat:
+        raise ConfigError(f"--remat {self.remat}: {cfg.arch.name} supports {', '.join(cfg.arch.remat)}")
+    own = [
+        f
+        for f in ("compare_schedules", "compare_window", "compare_linear", "memory_options")
+        if getattr(self, f)
+    ]
+    given = [f for f, v in (("--impls", self.impls), ("--bf16", self.compute_dtype != "float32")) if v]
+    if own and given:
+        raise ConfigError(
+            f"--{own[0].replace('_', '-')} times steps of its own, in float32; drop {' and '.join(given)}"
+        )

@@ -29,14 +29,12 @@ from meshlm.generate.generator import Generator
 from meshlm.io.tokenizer_file import TOKENIZER_FILE
 from meshlm.parallel import distributed, watchdog
 from meshlm.parallel.placement import put_global
-from meshlm.perf.oom import Asked, reported
 from meshlm.sharding.stage_slots import slots_of, to_canonical
 from meshlm.sharding.strategy import strategy
 from meshlm.train import dpo_run
 from meshlm.train.config import TrainConfig
 from meshlm.train.explain import next_commands, start_line
 from meshlm.train.metrics import plot_loss_curve
-from meshlm.train.mfu import Utilisation, utilisation
 from meshlm.train.optim import trainable
 from meshlm.train.routing import routing_row
 from meshlm.train.run import Run, build_run, checkpoint_meta
@@ -70,9 +68,9 @@ def save(run: Run) -> None:
     run.saved_step = run.step
 
 
-def _train_row(run: Run, step: int, metrics: dict, seconds: float, mfu: Utilisation | None = None) -> dict:
+def _train_row(run: Run, step: int, metrics: dict, seconds: float, mfu=None) -> dict:
     """Step ``step``'s metrics.jsonl row (reads its metrics: waits for that step, not later ones); on
-    an accelerator (``mfu``) also per-device TFLOP/s and MFU (``train.mfu``)."""
+    an accelerator (``mfu``, a ``perf.mfu.Utilisation``) also per-device TFLOP/s and MFU."""
     tokens = run.tcfg.batch_size * run.tcfg.seq_len
     row = {
         "step": step,
@@ -154,7 +152,7 @@ class _InFlight:
     logging. Rows are written in step order; ``drain`` reads every step left (before an evaluation,
     a checkpoint, the end, or on the way out of a crash), so no row is lost."""
 
-    def __init__(self, run: Run, bar, mfu: Utilisation | None = None):
+    def __init__(self, run: Run, bar, mfu=None):
         self.run, self.bar, self.mfu = run, bar, mfu
         self.steps: deque[tuple[int, dict]] = deque()  # (step, metrics on device)
         self.healthy = _healthy(run)  # the last dispatched step's metrics["ok"], on device
@@ -191,7 +189,7 @@ class _InFlight:
         self.bar.update(1)
 
 
-def _loop(run: Run, stop: Stop, mfu: Utilisation | None = None) -> None:
+def _loop(run: Run, stop: Stop, mfu=None) -> None:
     tcfg = run.tcfg
     bar = _progress(run)
     flight = _InFlight(run, bar, mfu)
@@ -237,61 +235,35 @@ def _eval_and_log(run: Run, bar=None) -> dict:
     return row
 
 
-def train(tcfg: TrainConfig, where, stop: Stop | None = None) -> dict:
+def train(tcfg: TrainConfig, where, stop: Stop | None = None, utilisation=None) -> dict:
     """Train (or resume) per ``tcfg`` on ``where`` (a Layout or a jax Mesh; --fsdp and --sp are
     ``tcfg``'s); returns a summary dict. ``stop``: the signal flag (``meshlm.train.stop``) the caller
     installed earlier; by default one installed here, for the run. A signal during start-up raises
-    ``Interrupted``; in the loop it saves and returns."""
+    ``Interrupted``; in the loop it saves and returns. ``utilisation``: (cfg, batch, seq, devices) ->
+    the run's MFU terms or None (``perf.mfu.utilisation``: ``perf.train_run.train`` passes it, with the
+    out-of-memory line around this; the layering keeps perf out of train)."""
     own = stop is None
     stop = stop or Stop()
     try:
-        # a device's out-of-memory: one line (``perf.oom``); no checkpoint is written on the way out
-        with reported(lambda: train_asked(tcfg, where)):
-            run = build_run(tcfg, where, startup_check=stop.check_startup)
-            try:
-                return _train(run, stop)
-            except BaseException as e:
-                if isinstance(e, MeshlmError) or is_out_of_memory(e):
-                    run.undo_refused_start()  # refused before anything was saved: nothing left behind
-                raise
-            finally:
-                run.release()  # the run directory's lock: another run may use it now
+        run = build_run(tcfg, where, startup_check=stop.check_startup)
+        try:
+            return _train(run, stop, utilisation)
+        except BaseException as e:
+            if isinstance(e, MeshlmError) or is_out_of_memory(e):
+                run.undo_refused_start()  # refused before anything was saved: nothing left behind
+            raise
+        finally:
+            run.release()  # the run directory's lock: another run may use it now
     finally:
         if own:
             stop.restore()
 
 
-def train_asked(tcfg: TrainConfig, where) -> Asked:
-    """The run as an out-of-memory line names it, with the flags of train that cut memory."""
-    from meshlm.train.run import run_layout, run_model
-    from meshlm.train.step import step_model
-
-    tcfg, cfg = run_model(tcfg)
-    layout = run_layout(tcfg, where)
-    cuts = ["--remat full"] if tcfg.remat != "full" else []
-    cuts += [] if tcfg.fsdp else ["--fsdp (weights and AdamW state split over dp > 1)"]
-    cuts += ["a smaller --batch-size (or --accum-steps N: the same batch in N micro-batches)"]
-    cuts += ["--bf16 (16-bit activations)"] if tcfg.compute_dtype == "float32" else []
-    return Asked(
-        "train",
-        tcfg.config or tcfg.checkpoint,
-        step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp),
-        layout,
-        tcfg.batch_size,
-        tcfg.seq_len,
-        tuple(cuts),
-        compute_dtype=tcfg.compute_dtype,
-        remat=tcfg.remat,
-        accum_steps=tcfg.accum_steps,
-        checkpoint=tcfg.checkpoint or None,
-    )
-
-
-def _train(run: Run, stop: Stop) -> dict:
+def _train(run: Run, stop: Stop, utilisation=None) -> dict:
     start_step, t0 = run.step, time.perf_counter()
     n_params = sum(int(p.size) for p in jax.tree.leaves(run.params))
     distributed.print0(start_line(run.tcfg, run.cfg, run.layout, n_params), file=sys.stderr)
-    mfu = run_utilisation(run)
+    mfu = run_utilisation(run, utilisation)
     first = _eval_and_log(run) if run.step == 0 else None
     stop.check_startup()  # a signal during the first evaluation (or its compile): nothing ran yet
     _loop(run, stop, mfu)
@@ -319,10 +291,11 @@ def _train(run: Run, stop: Stop) -> dict:
     return summary
 
 
-def run_utilisation(run: Run) -> Utilisation | None:
-    """The run's MFU terms on an accelerator (``train.mfu``; its denominator said in one line), None on
-    CPU and for DPO (whose step runs the policy on chosen and rejected rows: not the formula's batch)."""
-    if run.tcfg.objective == "dpo":
+def run_utilisation(run: Run, utilisation=None):
+    """The run's MFU terms on an accelerator (``perf.mfu``; its denominator said in one line), None on
+    CPU, without ``utilisation`` and for DPO (whose step runs the policy on chosen and rejected rows:
+    not the formula's batch)."""
+    if run.tcfg.objective == "dpo" or utilisation is None:
         return None
     mfu = utilisation(run.cfg, run.tcfg.batch_size, run.tcfg.seq_len, run.layout.devices)
     if mfu is not None:
