@@ -248,6 +248,16 @@ COMMANDS: dict[str, Run | Shown] = {
         add="--warmup 0",
         expect=('"impls": ["meshlm"]', '"compute_dtype": "bfloat16"', '"remat": "full"', '"mfu_spec": null'),
     ),
+    # the chip's meshlm-against-plain command (docs/benchmarks.md "On a TPU chip") on tiny-llama
+    "meshlm bench --config llama-100m --mesh 1x1 --batch-size 8 --seq-len 512 --gen-tokens 0 --peak-n 8192 "
+    "--steps 10 --json --attention plain --impls meshlm,plain": run(
+        "llama-100m => tiny-llama",
+        "--batch-size 8 => --batch-size 2",
+        "512 => 32",
+        "8192 => 128",
+        "--steps 10 => --steps 5 --warmup 0",
+        expect=('"impls": ["meshlm", "plain"]', '"meshlm/plain"'),
+    ),
     "meshlm bench --config tiny-llama --mesh 1x1 --impls meshlm,jax": run(
         code=2, expect=("no implementation jax for this model and mesh; valid: meshlm,unsharded,gspmd,plain",)
     ),

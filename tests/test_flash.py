@@ -233,6 +233,9 @@ def test_flash_through_the_pipeline_equals_the_unsharded_plain_model():
         assert rel_err(g, w) < 1e-4, (g, w)
 
 
+# slow: gpt-oss's sinks and layer kinds through the whole model (its cost); the kernel's sinks:
+# test_flash_sinks, quick; the traced window of a layer kind: test_flash_traced_window, quick
+@pytest.mark.slow
 def test_flash_model_equals_plain_with_sinks_and_layer_kinds():
     """tiny-gpt-oss (2 layers: a local one with a window of 8 and a global one in one layer loop, learned
     sinks): the flash model's loss and every gradient equal the plain model's, float32."""

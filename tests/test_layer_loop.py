@@ -20,14 +20,14 @@ from meshlm.train.step import init_model, loss_fn
 B, T = 2, 16
 # one preset per stack path: layer_stack (dense), its per-layer inputs (kinds), the MoE stack, the
 # hybrid's runs of two kinds (``_mixed_stack``), Gemma 4's periods (``per_layer_runs``)
-# slow: the middle three (their cost, 20-45 s each); the dense stack and Gemma 4's periods stay quick
+# slow: all but the dense stack (their cost, 20-45 s each); tiny-llama's stays quick
 SLOW = pytest.mark.slow
 PRESETS = (
     "tiny-llama",
     pytest.param("tiny-gemma3", marks=SLOW),
     pytest.param("tiny-mixtral", marks=SLOW),
     pytest.param("tiny-qwen3.5", marks=SLOW),
-    "tiny-gemma4",
+    pytest.param("tiny-gemma4", marks=SLOW),
 )
 
 

@@ -105,10 +105,11 @@ def test_a_remat_path_that_changes_values_is_caught(monkeypatch):
     bfloat16 on the remat path only) is caught, where a reference sharing the remat path would agree."""
     from meshlm.model import memory, stack
 
-    def lossy(policy, body):
+    def lossy(policy, body, gathers=True):
         if policy == "none":
-            return memory.remat_body(policy, body)
-        return memory.remat_body(policy, lambda x, *rest: body(x.astype(jnp.bfloat16).astype(x.dtype), *rest))
+            return memory.remat_body(policy, body, gathers)
+        rounded = lambda x, *rest: body(x.astype(jnp.bfloat16).astype(x.dtype), *rest)
+        return memory.remat_body(policy, rounded, gathers)
 
     monkeypatch.setattr(stack, "remat_body", lossy)
     cfg = get_config("tiny-llama").replace(remat="selective")
