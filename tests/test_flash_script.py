@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "flash_tpu.py"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "JAX_PLATFORMS": "cpu"}
@@ -20,6 +22,8 @@ def run(*args):
     )
 
 
+# slow: the script's whole CPU smoke run (its cost); the kernel it drives: tests/test_flash.py, quick
+@pytest.mark.slow
 def test_flash_script_cpu_smoke_reports_every_cell():
     done = run("--cpu-smoke", "--kinds", "plain", "flash")
     assert done.returncode == 0, done.stderr[-2000:]
