@@ -23,8 +23,10 @@ def test_train_logs_tflops_and_mfu_on_a_known_chip(tmp_path, monkeypatch, capsys
     rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        seconds = 8 * 32 / r["tokens_per_s"]  # the step time the row's tokens/s is of
-        assert r["tflops_per_device"] == pytest.approx(flops / seconds / 2 / 1e12)  # 2 devices
+        # the FLOP rate per device over the token rate: the model's FLOPs per token over 2 devices (no
+        # step time in it, so no machine's noise)
+        per_token = r["tflops_per_device"] * 1e12 / r["tokens_per_s"]
+        assert per_token == pytest.approx(flops / (8 * 32) / 2)
         assert r["mfu"] == pytest.approx(r["tflops_per_device"] * 1e12 / 197e12)
 
 
