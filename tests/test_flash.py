@@ -208,6 +208,25 @@ def test_verify_proves_flash_with_its_controls_detected(doc_mask):
     assert all(c["detected"] and c["margin"] > 10 for c in report.controls), report.controls
 
 
+# slow: the cp ring's flash block under verify (its cost: ~30 s in interpret mode); the ring's flash
+# block equal to plain: test_flash_ring_equals_the_unsharded_plain_model (slow), the ring: tests/test_cp.py
+@pytest.mark.slow
+def test_verify_proves_the_flash_ring_with_its_control_detected():
+    """``meshlm verify --attention flash --cp 2`` (the ring, float32): the sharded program equals the
+    unsharded plain model, and the ring's own control (its diagonal chunk pair unmasked) is detected;
+    the whole-sequence kernel's controls do not apply under cp (the ring runs its chunk pairs)."""
+    from meshlm.proof import format_report, model_problem, verify
+    from meshlm.proof.flash_controls import FLASH_CONTROLS
+
+    cfg = get_config("tiny-gqa").replace(attention="flash", n_layers=1)
+    layout = Layout(cp=2)
+    problem = model_problem(cfg, "tiny-gqa", layout, batch_size=1, seq_len=16)
+    report = verify(problem, layout, controls=FLASH_CONTROLS)
+    assert report.ok, format_report(report)
+    assert [c["name"] for c in report.controls] == ["flash ring's own chunk fully visible"]
+    assert all(c["detected"] and c["margin"] > 10 for c in report.controls), report.controls
+
+
 # slow: flash through the pp 2 x mp 2 pipeline (its cost); the kernel inside shard_map:
 # test_verify_proves_flash_with_its_controls_detected, quick; the pipeline: tests/test_pipeline.py
 @pytest.mark.slow
