@@ -3,8 +3,9 @@
 Inside ``shard_map(check_vma=True)`` (every meshlm step) the kernels cannot be traced inline: their
 ``pallas_call`` declares outputs without varying mesh axes. So the forward and the backward are each
 one primitive of this module (``_fwd_p``, ``_bwd_p``, joined by a custom VJP, ``bridge``), typed as
-varying like q, and only their lowering traces the kernels, with the typing off (``_unchecked``). No
-collective is added or dropped: the kernel is per shard, this shard's heads and batch rows.
+varying like q, and only their lowering traces the kernels, as the per-device program they are
+(``_per_device``: operands typed without mesh axes). No collective is added or dropped: the kernel is
+per shard, this shard's heads and batch rows.
 
 Private to ``model.flash``: it passes q [B, h, Tp, E] (scaled, padded to a multiple of ``LANES``), k, v
 [B, kv, Tp, E], the segment ids [B, Tp] or None, the sinks [h] or None, and a rule (window, chunk,
@@ -17,7 +18,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax._src import config as jax_config  # shard_map's own switch of vma checking: see ``_unchecked``
+from jax._src import config as jax_config  # the varying-axes check's switch: see ``_per_device``
+from jax._src import core as jax_core  # ManualAxisType: see ``_untyped``
 from jax._src import dispatch
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
@@ -120,13 +122,6 @@ def _backward(q, k, v, segments, sink, out, lse, dout, rule):
     return dq, dk, dv, None if dsink is None else jnp.sum(dsink, axis=0)  # the sinks: summed over B
 
 
-def _unchecked():
-    """A region where shard_map's varying-axes (vma) typing is off, as ``shard_map(check_vma=False)``
-    sets it: the splash kernel's ``pallas_call`` declares outputs without varying axes, which
-    ``shard_map(check_vma=True)`` (every meshlm step) refuses (see ``_fwd_p``)."""
-    return jax_config._check_vma(False)
-
-
 def _split(args, has_seg: bool):
     """(q, k, v, segments or None, sink or None) from a primitive's operands."""
     q, k, v, *rest = args
@@ -135,15 +130,39 @@ def _split(args, has_seg: bool):
 
 
 def _fwd_impl(*args, rule, has_seg):
-    with _unchecked():
-        return _forward(*_split(args, has_seg), rule)
+    return _forward(*_split(args, has_seg), rule)
 
 
 def _bwd_impl(*args, rule, has_seg):
     *args, out, lse, dout = args
-    with _unchecked():
-        grads = _backward(*_split(args, has_seg), out, lse, dout, rule)
+    grads = _backward(*_split(args, has_seg), out, lse, dout, rule)
     return [g for g in grads if g is not None]
+
+
+def _untyped(aval):
+    """``aval`` without the mesh axes it varies over: a value as a per-device program sees it."""
+    return (
+        aval.update(manual_axis_type=jax_core.ManualAxisType()) if hasattr(aval, "manual_axis_type") else aval
+    )
+
+
+def _per_device(impl, multiple_results: bool):
+    """The lowering of ``impl``: the per-device program it is, traced on the operands' shapes and dtypes
+    alone (no mesh axes in their types) and without the varying-axes check, which has nothing to check
+    there. Why: inside ``shard_map(check_vma=True)`` JAX's ``pallas_call`` wants each output typed with
+    the mesh axes it varies over (``ShapeDtypeStruct.manual_axis_type``), and JAX 0.10.2's splash module
+    declares none. The check stays on everywhere it has something to type: the primitives' results
+    (``_fwd_p``, ``_bwd_p``) carry q's axes, and no collective can run inside (no operand has an axis)."""
+    lowered = mlir.lower_fun(impl, multiple_results=multiple_results)
+
+    def rule(ctx, *args, **params):
+        ctx = ctx.replace(
+            avals_in=[_untyped(a) for a in ctx.avals_in], avals_out=[_untyped(a) for a in ctx.avals_out]
+        )
+        with jax_config._check_vma(False):  # the per-device kernel: no axis in any type (above)
+            return lowered(ctx, *args, **params)
+
+    return rule
 
 
 def _primitive(name, impl, abstract, multiple_results):
@@ -151,13 +170,13 @@ def _primitive(name, impl, abstract, multiple_results):
     p.multiple_results = multiple_results
     p.def_impl(functools.partial(dispatch.apply_primitive, p))
     p.def_abstract_eval(abstract)
-    mlir.register_lowering(p, mlir.lower_fun(impl, multiple_results=multiple_results))
+    mlir.register_lowering(p, _per_device(impl, multiple_results))
     return p
 
 
 # The kernel as two primitives, forward and backward, opaque to every transformation: their results are
 # typed here, as shard_map(check_vma=True) types them (varying like q, which every operand is cast to
-# first: ``bridge``), and only their lowering traces the kernel, inside ``_unchecked``. (Traced inline,
+# first: ``bridge``), and only their lowering traces the kernel, per device (``_per_device``). (Traced inline,
 # its equations would be re-traced with the typing on by remat or the layer scan's partial evaluation.)
 # No collective is added or dropped: the kernel is per shard, this shard's heads and batch rows.
 _fwd_p = _primitive(

@@ -194,4 +194,23 @@ PRESETS: dict[str, dict] = {
         moe_d_ff=768,
         router_aux_loss_coef=0.001,
     ),
+    # the chip's MoE bench model (docs/benchmarks.md, "On a TPU chip"; issue 57): llama-100m's width and
+    # vocabulary with Qwen3's attention, 4 layers of 32 experts of 256 units, 4 per token (active width
+    # 4 x 256 = 1024 against dense-eq's): the shape issue 57 measured the dispatches on
+    "qwen3-moe-100m": dict(
+        vocab_size=16384,
+        d_model=768,
+        n_layers=4,
+        d_ff=3072,
+        n_heads=12,
+        n_kv_heads=4,
+        head_dim=64,
+        rope_theta=1e6,
+        max_seq_len=8192,
+        norm_eps=1e-6,
+        n_experts=32,
+        experts_per_token=4,
+        moe_d_ff=256,
+        router_aux_loss_coef=0.001,
+    ),
 }
