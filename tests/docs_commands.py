@@ -258,6 +258,18 @@ COMMANDS: dict[str, Run | Shown] = {
         "--steps 10 => --steps 5 --warmup 0",
         expect=('"impls": ["meshlm", "plain"]', '"meshlm/plain"'),
     ),
+    # the chip's decode-roofline command (docs/benchmarks.md "Decode: chunks of steps") on tiny-llama: a
+    # CPU's generation report has the step's time and no roofline
+    "meshlm bench --config llama-100m --mesh 1x1 --batch-size 8 --seq-len 512 --gen-tokens 64 --peak-n 8192 "
+    "--impls meshlm --json": run(
+        "llama-100m => tiny-llama",
+        "--batch-size 8 => --batch-size 2",
+        "512 => 16",
+        "--gen-tokens 64 => --gen-tokens 10",
+        "8192 => 128",
+        add="--warmup 0",
+        expect=('"decode_step_ms"', '"roofline_ms": null'),
+    ),
     "meshlm bench --config tiny-llama --mesh 1x1 --impls meshlm,jax": run(
         code=2, expect=("no implementation jax for this model and mesh; valid: meshlm,unsharded,gspmd,plain",)
     ),

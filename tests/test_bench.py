@@ -115,6 +115,10 @@ def test_bench_json_schema_and_values(config, gen_tokens, vocab, capsys, tmp_pat
             "new_tokens": 4,
         }
         assert all(_positive(gen[k]) for k in ("prefill_tokens_per_s", "decode_tokens_per_s"))
+        # a step reads every parameter and the whole cache (4 x 64 slots), each device its share
+        assert gen["decode_bytes_per_device"] > expected["meshlm"]["params"]
+        assert gen["decode_step_ms"] == pytest.approx(1e3 * 4 / gen["decode_tokens_per_s"])
+        assert gen["roofline_ms"] is None and gen["over_roofline"] is None  # a CPU: no known bandwidth
     assert json.loads((tmp_path / "bench.json").read_text())["config"] == name
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -350,6 +354,26 @@ def test_spec_peaks_of_known_chips():
         and spec_bf16_peak("NVIDIA A100-SXM4-40GB") == 312e12
     )
     assert spec_bf16_peak("cpu") is None and spec_bf16_peak("TPU v9 future") is None
+
+
+def test_decode_roofline_reads_the_parameters_and_cache_at_the_chips_bandwidth():
+    """A decode step against its memory roofline: batch / rate a step, the bytes a device reads once at
+    the chip's spec bandwidth (v5e: 819 GB/s); no roofline where the bandwidth is unknown (a CPU)."""
+    from meshlm.perf.chips import decode_roofline, hbm_bandwidth
+
+    gen = {"batch": 8, "decode_tokens_per_s": 4000.0, "decode_bytes_per_device": 819e6}
+    got = decode_roofline(gen, "TPU v5 lite")
+    assert got["decode_step_ms"] == pytest.approx(2.0) and got["roofline_ms"] == pytest.approx(1.0)
+    assert got["over_roofline"] == pytest.approx(2.0)
+    assert decode_roofline(gen, "cpu") == {
+        "decode_step_ms": pytest.approx(2.0),
+        "roofline_ms": None,
+        "over_roofline": None,
+    }
+    assert (
+        hbm_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+        and hbm_bandwidth("NVIDIA A100-SXM4-40GB") == 1.555e12
+    )
 
 
 def test_plain_bf16_computes_in_bf16_on_float32_master_weights():

@@ -208,11 +208,44 @@ def test_no_compilation_per_token_or_prompt_length():
         for prompts in ([[1, 2, 3], [4] * 9], [[7] * 30, [9]], [[3] * 44, [5] * 17]):
             out = gen.generate(prompts, 20, temperature=0.8, top_k=5, seed=len(prompts[0]))
             assert sum(map(len, tokens_of(out))) > 20
-        assert compiles == [] and gen.compilations == before and before % 2 == 0  # shared by all Generators
+        # shared by all Generators; three a batch size (prefill, a decode step, a chunk of them)
+        assert compiles == [] and gen.compilations == before and before % 3 == 0
         jax.jit(lambda x: x + 1)(np.ones(3))  # control: the listener does see a compilation
         assert compiles
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+# the greedy cell slow: the sampled one (quick) also fails on a chunk's wrong step key or document start
+@pytest.mark.parametrize(
+    "sampled", [pytest.param(False, marks=pytest.mark.slow), True], ids=["greedy", "sampled"]
+)
+def test_chunked_decode_draws_the_tokens_of_single_steps(monkeypatch, sampled):
+    """Generation runs DECODE_CHUNK steps per program while that many are left: the same tokens, row for
+    row, as single steps (the host loop of ``decode_step``), greedy and sampled (each step's key from
+    its index), with the document mask moving at an EOD a chunk feeds, and a row that stops mid-chunk
+    (its stop string) keeps only its tokens up to there."""
+    cfg = get_config("tiny-llama")
+    params, mesh = host_params("tiny-llama"), make_mesh(2, 2)
+    kw = dict(temperature=0.9, top_k=20, seed=3) if sampled else {}
+    new = 2 * generator_module.DECODE_CHUNK + 3  # two chunks, then single steps
+    free = Generator(cfg, params, mesh, eod=None).generate(PROMPTS, new, **kw)
+    eod = tokens_of(free)[0][5]  # a token row 0 feeds inside the first chunk: a document boundary
+    stop = bytes([tokens_of(free)[1][10]]).decode("latin-1")  # row 1 stops inside the second chunk
+
+    def run():
+        gen = Generator(cfg.replace(doc_mask=eod), params, mesh, eod=None)
+        return gen.generate(PROMPTS, new, stop=stop, **kw)
+
+    chunked = run()
+    monkeypatch.setattr(generator_module, "DECODE_CHUNK", 10**6)  # never a chunk: single steps only
+    single = run()
+    assert [(r.tokens, r.text, r.finish_reason) for r in chunked] == [
+        (r.tokens, r.text, r.finish_reason) for r in single
+    ]
+    assert any(r.finish_reason == "stop" for r in single) and tokens_of(single) != tokens_of(
+        free
+    )  # both bite
 
 
 def test_cache_is_sharded_by_kv_heads():

@@ -3,8 +3,10 @@
 Flow. Prompts (text, or lists of token ids) are right-padded to one fixed length ``S`` (``max_len``,
 default ``max_seq_len``) and prefilled in ONE pass, which also samples each row's first new token from
 the logits at that row's own last prompt position. ``decode_step`` then feeds one token per row at the
-row's own position. Both are ``shard_map`` functions compiled ahead of time once per batch size, so
-neither prompt lengths nor the number of new tokens ever trigger a compilation.
+row's own position, ``DECODE_CHUNK`` steps per program while at least that many are left (one host
+round trip a chunk: ``programs.decode_chunk``), single steps for the rest. All are ``shard_map``
+functions compiled ahead of time once per batch size, so neither prompt lengths nor the number of new
+tokens ever trigger a compilation.
 
 The parts: ``cache`` (the KV cache's layout and size), ``programs`` (the sharded prefill and decode
 step, sampling, their executables), ``inputs`` (sampling settings, prompts, padding) and ``streaming``
@@ -34,13 +36,14 @@ from meshlm.generate.inputs import (
     pad_prompts,
     prompt_doc_starts,
 )
-from meshlm.generate.programs import programs_for
+from meshlm.generate.programs import DECODE_CHUNK, programs_for
 from meshlm.generate.streaming import (
     ByteTokenizer,
     GenerationResult,
     OnToken,
     OutputRow,
     make_stream,
+    push_steps,
     push_tokens,
 )
 from meshlm.model.config import ModelConfig
@@ -76,8 +79,9 @@ class Generator:
 
     @property
     def compilations(self) -> int:
-        """Executables built so far for this model: two per batch size, never per length or step."""
-        return 2 * len(self._prog.by_batch)
+        """Executables built so far for this model: three per batch size (prefill, one decode step, a
+        chunk of them), never per length or step."""
+        return sum(map(len, self._prog.by_batch.values()))
 
     def _put(self, x, spec):
         return jax.device_put(x, NamedSharding(self.mesh, spec))
@@ -101,12 +105,13 @@ class Generator:
         run = self._executables(tokens.shape[0])["prefill"]
         return run(self.params, tokens_d, lengths_d, rows, key, settings)
 
-    def decode_step(self, tokens, positions, cache, sampling: Sampling, step: int, starts):
-        """tokens, positions, doc starts [B] host ids -> device (next [B], logits [B, V], cache: donated)."""
+    def decode_step(self, tokens, positions, cache, sampling: Sampling, step: int, starts, kind="decode"):
+        """tokens, positions, doc starts [B] host ids -> device (next [B], logits [B, V], cache: donated);
+        ``kind`` "chunk": ``DECODE_CHUNK`` steps from there -> (tokens [B, DECODE_CHUNK], cache, starts)."""
         rows, key, settings = self._constants(sampling, len(tokens))
         put = lambda x: self._put(np.asarray(x, np.int32), self.layout.spec("batch"))
-        at = np.minimum(positions, self.max_len - 1)
-        run, step_d = self._executables(len(tokens))["decode"], self._put(np.int32(step), P())
+        at = positions if kind == "chunk" else np.minimum(positions, self.max_len - 1)  # chunk: clamps inside
+        run, step_d = self._executables(len(tokens))[kind], self._put(np.int32(step), P())
         return run(self.params, put(tokens), put(at), rows, cache, key, step_d, settings, put(starts))
 
     def encode_prompt(self, index: int, prompt) -> np.ndarray:
@@ -137,13 +142,8 @@ class Generator:
         nxt = to_host(nxt)
         t1 = time.perf_counter()
         push_tokens(rows, nxt, max_new_tokens == 1)
-        steps, decoded, starts = 1, 0, prompt_doc_starts(tokens, lengths, self.cfg.doc_mask)
-        while steps < max_new_tokens and any(r.finish is None for r in rows):
-            starts = next_doc_starts(starts, nxt, lengths + steps - 1, self.cfg.doc_mask)
-            nxt, _, cache = self.decode_step(nxt, lengths + steps - 1, cache, sampling, steps, starts)
-            nxt = to_host(nxt)
-            steps += 1
-            decoded += push_tokens(rows, nxt, steps == max_new_tokens)
+        starts = prompt_doc_starts(tokens, lengths, self.cfg.doc_mask)
+        decoded = _decode(self, rows, (nxt, lengths, cache, starts), sampling, max_new_tokens)
         t2 = time.perf_counter()
         rates = (sum(map(len, ids)) / (t1 - t0), decoded / (t2 - t1) if decoded else 0.0)
         return [r.result(p, rates) for p, r in zip(prompts, rows, strict=True)]
@@ -171,6 +171,27 @@ class Generator:
         return [stacked[b, : t - n + 1] for b, n in enumerate(lengths)]
 
 
+def _decode(gen: Generator, rows: list[OutputRow], state: tuple, sampling: Sampling, max_new: int) -> int:
+    """The decode steps after the prefill until ``max_new`` tokens or every row stopped: chunks of
+    ``DECODE_CHUNK`` steps (one round trip each) while that many are left, then single steps. ``state``:
+    (the prefill's tokens [B'] on the host, the prompt lengths [B'], the cache, the doc starts [B']).
+    Returns the tokens pushed to running rows."""
+    nxt, lengths, cache, starts = state
+    steps, decoded = 1, 0
+    while steps < max_new and any(r.finish is None for r in rows):
+        at = lengths + steps - 1  # the fed token's position
+        if max_new - steps >= DECODE_CHUNK:
+            out, cache, starts = gen.decode_step(nxt, at, cache, sampling, steps, starts, "chunk")
+            out, starts = to_host(out), to_host(starts)  # [B', DECODE_CHUNK]
+        else:
+            starts = next_doc_starts(starts, nxt, at, gen.cfg.doc_mask)
+            out, _, cache = gen.decode_step(nxt, at, cache, sampling, steps, starts)
+            out = to_host(out)[:, None]
+        steps, pushed = push_steps(rows, out, steps, max_new)
+        nxt, decoded = out[:, -1], decoded + pushed
+    return decoded
+
+
 def cache_memory(gen: Generator, batch: int) -> dict:
     """The decode KV cache of ``gen`` for a global ``batch`` of prompts: {"slots" (positions held per
     layer: the window for a rolling cache), "total", "per_device" (bytes, K and V)}."""
@@ -185,6 +206,13 @@ def bench_generation(cfg: ModelConfig, params, where, batch: int, prompt_len: in
     gen = Generator(cfg, params, where, max_len=prompt_len + new_tokens, eod=None)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
-    gen.generate(prompts, min(2, new_tokens))
+    gen.generate(prompts, new_tokens)  # every program this run uses compiled and warm (chunks, steps)
     r = gen.generate(prompts, new_tokens)[0]
-    return {"prefill_tokens_per_s": r.prefill_tokens_per_s, "decode_tokens_per_s": r.decode_tokens_per_s}
+    params = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(gen.params))
+    return {
+        "prefill_tokens_per_s": r.prefill_tokens_per_s,
+        "decode_tokens_per_s": r.decode_tokens_per_s,
+        # What one decode step must read from memory on each device: its parameters and its whole KV
+        # cache (every slot is attended to; the cache sized to prompt + new tokens): the roofline's bytes.
+        "decode_bytes_per_device": params + cache_memory(gen, batch)["per_device"],
+    }

@@ -3,8 +3,10 @@ over the (DP, MP) mesh, with sampling inside them.
 
 Prefill runs the whole padded prompt batch [B, S] in ONE pass and samples each row's first new token
 from the logits at that row's own last prompt position; ``decode_step`` feeds one token per row at
-the row's own position. Both are compiled ahead of time once per global batch size (``Programs``),
-so neither prompt lengths nor the number of new tokens ever trigger a compilation.
+the row's own position, and ``decode_chunk`` runs ``DECODE_CHUNK`` such steps in one program (a scan:
+each step feeds the token the one before sampled), so the host dispatches, transfers and waits once
+per chunk, not once per token. All are compiled ahead of time once per global batch size
+(``Programs``), so neither prompt lengths nor the number of new tokens ever trigger a compilation.
 
 The "ff" family has no attention and no positions: the logits at a position depend on that token
 alone, so running the model on the last token IS the full recomputation (exact, O(1) per step). It
@@ -13,8 +15,9 @@ needs no cache (an empty dict).
 Sampling (inside the same ``shard_map``, on full-vocabulary logits replicated over MP): temperature 0
 is greedy (argmax); otherwise logits / temperature, restricted to the top-k tokens (0: all) and to the
 smallest set of most likely tokens whose probability reaches top-p (1.0: all). Ties at a cut-off are
-kept. Row r at step s draws with ``fold_in(fold_in(PRNGKey(seed), s), r)``: reproducible, and the same
-on every mesh. Settings are traced values: changing them does not recompile.
+kept; greedy decoding skips the cut-offs' sort (``lax.cond``). Row r at step s draws with
+``fold_in(fold_in(PRNGKey(seed), s), r)``: reproducible, and the same on every mesh. Settings are
+traced values: changing them does not recompile.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ from meshlm.model.layers import upcast
 from meshlm.model.transformer import check_context, local_logits
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
+
+# Decode steps per program (``decode_chunk``): the host's dispatch, transfers and wait once per chunk.
+# Generation streams its tokens a chunk at a time, and a row that stops mid-chunk wastes the rest of it
+# (at most DECODE_CHUNK - 1 steps); the tail of a generation shorter than a chunk runs single steps.
+DECODE_CHUNK = 8
 
 # --- sharded functions ---------------------------------------------------------------------------
 
@@ -89,13 +97,17 @@ def _filter(logits, top_k, top_p):
 
 
 def sample(logits, key, rows, step, sampling):
-    """logits [B, V] float32; rows [B] global row ids; sampling (temperature, top_k, top_p) -> [B]."""
+    """logits [B, V] float32; rows [B] global row ids; sampling (temperature, top_k, top_p) -> [B]. The
+    draw (a sort of the vocabulary for the cut-offs, a categorical) only runs with a temperature: a
+    greedy decode step does not pay for it (``lax.cond``; the settings are replicated values)."""
     temperature, top_k, top_p = sampling
-    greedy = jnp.argmax(logits, axis=-1)
-    scaled = _filter(logits / jnp.maximum(temperature, 1e-6), top_k, top_p)
-    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, step), r))(rows)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled)
-    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+
+    def drawn():
+        scaled = _filter(logits / jnp.maximum(temperature, 1e-6), top_k, top_p)
+        keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, step), r))(rows)
+        return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+
+    return lax.cond(temperature > 0, drawn, lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
 
 def _lengths(cache: dict, lengths) -> dict:
@@ -107,14 +119,21 @@ def _lengths(cache: dict, lengths) -> dict:
     return {**cache, "length": jnp.broadcast_to(lengths.astype(jnp.int32), cache["length"].shape)}
 
 
-def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype, prefill_cp: bool = False):
-    """(prefill, decode_step): ``shard_map`` functions over the layout's mesh; params laid out by
-    ``specs``.
+def sharded_fns(
+    cfg: ModelConfig, layout: Layout, specs, cache_dtype, prefill_cp: bool = False, max_len: int = 0
+):
+    """(prefill, decode_step, decode_chunk): ``shard_map`` functions over the layout's mesh; params laid
+    out by ``specs``.
 
     prefill(params, tokens [B, S], lengths [B], rows [B], key, sampling) -> (next [B], logits [B, V], cache)
     decode_step(params, tokens [B], positions [B], rows [B], cache, key, step, sampling, starts [B]) -> same
     (``starts``: where each row's current document starts, for ``--doc-mask``; the prefill finds the
     prompt's documents in its tokens).
+    decode_chunk(params, tokens [B], positions [B], rows [B], cache, key, step, sampling, starts [B]) ->
+    (tokens [B, DECODE_CHUNK], cache, starts [B]): ``decode_step`` DECODE_CHUNK times, step i feeding
+    step i - 1's token at the next position (clamped below ``max_len``, as the host clamps one step's)
+    and moving ``starts`` past an EOD it feeds (``inputs.next_doc_starts``), with step index step + i:
+    the tokens the host loop of single steps draws.
     Global shapes; rows split over DP. Only params and the cache are sharded over MP.
     ``prefill_cp``: the prefill splits the prompt over the layout's cp axis (``_forward_cp``); the
     decode runs without cp either way (each cp shard a copy).
@@ -141,6 +160,19 @@ def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype, prefill_cp
         cache = _lengths(cache, positions + 1)  # again: typed as the rows, not as mp's layers' output
         return sample(logits, key, rows, step, sampling), logits, cache
 
+    def decode_chunk(params, tokens, positions, rows, cache, key, step, sampling, starts):  # [B/dp] per shard
+        def one(carry, i):
+            fed, at, cache, starts = carry
+            starts = jnp.where((fed == cfg.doc_mask) & (cfg.doc_mask >= 0), at, starts)  # next_doc_starts
+            nxt, _, cache = decode_step(
+                params, fed, jnp.minimum(at, max_len - 1), rows, cache, key, step + i, sampling, starts
+            )
+            return (nxt, at + 1, cache, starts), nxt
+
+        carry = (tokens, positions, cache, starts)
+        (_, _, cache, starts), out = lax.scan(one, carry, jnp.arange(DECODE_CHUNK, dtype=step.dtype))
+        return jnp.swapaxes(out, 0, 1), cache, starts  # [B/dp, DECODE_CHUNK]
+
     # rows over the data shards: DP, or (DP, EP) (ep's shards are data shards: ``Layout.rows``)
     row, tokens, cspec = layout.spec("batch"), layout.spec("batch", None), cache_specs(cfg, layout)
     out = (row, tokens, cspec)
@@ -149,6 +181,7 @@ def sharded_fns(cfg: ModelConfig, layout: Layout, specs, cache_dtype, prefill_cp
     return (
         jax.shard_map(prefill, mesh=mesh, in_specs=prefill_in, out_specs=out),
         jax.shard_map(decode_step, mesh=mesh, in_specs=decode_in, out_specs=out),
+        jax.shard_map(decode_chunk, mesh=mesh, in_specs=decode_in, out_specs=(tokens, cspec, row)),
     )
 
 
@@ -161,8 +194,12 @@ class Programs:
 
     def __init__(self, cfg: ModelConfig, layout: Layout, specs, max_len: int, cache_dtype, prefill_cp=False):
         self.cfg, self.layout, self.max_len, self.cache_dtype = cfg, layout, max_len, cache_dtype
-        prefill, decode = sharded_fns(cfg, layout, specs, cache_dtype, prefill_cp)
-        self.jit = {"prefill": jax.jit(prefill), "decode": jax.jit(decode, donate_argnums=(4,))}
+        prefill, decode, chunk = sharded_fns(cfg, layout, specs, cache_dtype, prefill_cp, max_len)
+        self.jit = {
+            "prefill": jax.jit(prefill),
+            "decode": jax.jit(decode, donate_argnums=(4,)),
+            "chunk": jax.jit(chunk, donate_argnums=(4,)),
+        }
         self.by_batch: dict[int, dict] = {}  # global batch -> {"prefill", "decode"} executables
 
     def _abstract(self, shape, dtype, spec):
@@ -182,8 +219,11 @@ class Programs:
             cache = {k: self._abstract(cshapes[k], dtypes[k], s) for k, s in specs.items()}
             step = self._abstract((), jnp.int32, P())
             prefill = self.jit["prefill"].lower(params, tokens, row, row, key, sampling)
-            decode = self.jit["decode"].lower(params, row, row, row, cache, key, step, sampling, row)
-            self.by_batch[batch] = {"prefill": prefill.compile(), "decode": decode.compile()}
+            decode_in = (params, row, row, row, cache, key, step, sampling, row)
+            self.by_batch[batch] = {
+                "prefill": prefill.compile(),
+                **{kind: self.jit[kind].lower(*decode_in).compile() for kind in ("decode", "chunk")},
+            }
         return self.by_batch[batch]
 
 

@@ -149,3 +149,16 @@ def push_tokens(rows: list[OutputRow], nxt: np.ndarray, last: bool) -> int:
     for r in live:
         r.push(int(nxt[r.index]), last)
     return len(live)
+
+
+def push_steps(rows: list[OutputRow], out: np.ndarray, steps: int, max_new: int) -> tuple[int, int]:
+    """Give the rows the tokens ``out`` [B', n] of n decode steps in order (a chunk's), until every row
+    has stopped (the chunk's later tokens are then dropped): (steps after them, tokens pushed to
+    running rows). ``steps``: the steps before them; the last of ``max_new`` ends every row."""
+    pushed = 0
+    for j in range(out.shape[1]):
+        if not any(r.finish is None for r in rows):
+            break
+        steps += 1
+        pushed += push_tokens(rows, out[:, j], steps == max_new)
+    return steps, pushed

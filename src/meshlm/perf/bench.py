@@ -54,7 +54,7 @@ from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding, bytes_per_device, total_bytes
 from meshlm.perf.bench_moe import dense_step, moe_comparison, today_step
 from meshlm.perf.bench_settings import DENSE, IMPLS, NO_EP, NO_PP, TODAY, BenchSettings, chosen, impl_names
-from meshlm.perf.chips import device_kind, spec_bf16_peak
+from meshlm.perf.chips import decode_roofline, device_kind, spec_bf16_peak
 from meshlm.perf.collectives import theoretical_collectives
 from meshlm.perf.flops import model_flops_per_step
 from meshlm.perf.hlo import collectives_of, collectives_per_step
@@ -295,7 +295,8 @@ def generation_bench(
     new = min(settings.gen_new_tokens, cfg.max_seq_len // 2)
     prompt = min(settings.seq_len, cfg.max_seq_len - new)
     rates = bench_generation(cfg, params, layout, settings.batch_size, prompt, new)
-    return {"batch": settings.batch_size, "prompt_len": prompt, "new_tokens": new, **rates}
+    gen = {"batch": settings.batch_size, "prompt_len": prompt, "new_tokens": new, **rates}
+    return gen | decode_roofline(gen, device_kind())
 
 
 def step_time_ratios(seconds: dict[str, list[float]]) -> dict[str, dict[str, float]]:

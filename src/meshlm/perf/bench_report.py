@@ -85,6 +85,12 @@ def _summary(report: dict) -> list[str]:
             f"generation (meshlm, batch {gen['batch']}, prompt {gen['prompt_len']}, +{gen['new_tokens']}): "
             f"prefill {gen['prefill_tokens_per_s']:.0f} tokens/s, "
             f"decode {gen['decode_tokens_per_s']:.0f} tokens/s"
+            + (
+                f" ({gen['decode_step_ms']:.2f} ms a step; memory roofline {gen['roofline_ms']:.2f} ms, "
+                f"{gen['over_roofline']:.1f}x)"
+                if gen.get("over_roofline")
+                else ""
+            )
         )
     return rows
 

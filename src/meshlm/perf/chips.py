@@ -26,14 +26,54 @@ SPEC_BF16_PEAK = {
 }
 
 
+# device_kind -> HBM bandwidth in bytes/s per chip, from the same specs: the denominator of a decode
+# step's memory roofline (``decode_roofline``). The v5e's 819 GB/s is also what we measured there.
+SPEC_HBM_BANDWIDTH = {
+    "TPU v4": 1228e9,
+    "TPU v5 lite": 819e9,
+    "TPU v5e": 819e9,
+    "TPU v5": 2765e9,
+    "TPU v5p": 2765e9,
+    "TPU v6 lite": 1640e9,
+    "TPU v6e": 1640e9,
+    "NVIDIA H100 80GB HBM3": 3.35e12,
+    "NVIDIA H100": 3.35e12,
+    "NVIDIA A100-SXM4-80GB": 2.039e12,
+    "NVIDIA A100-SXM4-40GB": 1.555e12,
+    "NVIDIA A100": 1.555e12,
+}
+
+
+def _lookup(table: dict[str, float], device_kind: str) -> float | None:
+    if device_kind in table:
+        return table[device_kind]
+    prefixes = [k for k in table if k.startswith("NVIDIA") and device_kind.startswith(k)]
+    return table[max(prefixes, key=len)] if prefixes else None
+
+
+def hbm_bandwidth(device_kind: str) -> float | None:
+    """The chip's spec memory bandwidth in bytes/s, or None (a chip not in the table, every CPU)."""
+    return _lookup(SPEC_HBM_BANDWIDTH, device_kind)
+
+
+def decode_roofline(gen: dict, device_kind: str) -> dict:
+    """A generation bench's decode step against its memory roofline: the time to read what one step
+    must read on a device (its parameters and KV cache: ``gen["decode_bytes_per_device"]``) once at the
+    chip's spec bandwidth. {"decode_step_ms", "roofline_ms", "over_roofline"}; the last two None where
+    the chip's bandwidth is not known (every CPU)."""
+    rate = gen["decode_tokens_per_s"]
+    step_ms = 1e3 * gen["batch"] / rate if rate else None
+    bandwidth = hbm_bandwidth(device_kind)
+    roof_ms = 1e3 * gen["decode_bytes_per_device"] / bandwidth if bandwidth else None
+    over = step_ms / roof_ms if step_ms and roof_ms else None
+    return {"decode_step_ms": step_ms, "roofline_ms": roof_ms, "over_roofline": over}
+
+
 def spec_bf16_peak(device_kind: str) -> float | None:
     """The chip's spec bf16 peak in FLOP/s, or None for a chip not in the table (and every CPU). An
     exact name first, then the longest known name the device kind starts with (GPU names carry their
     memory size: "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB")."""
-    if device_kind in SPEC_BF16_PEAK:
-        return SPEC_BF16_PEAK[device_kind]
-    prefixes = [k for k in SPEC_BF16_PEAK if k.startswith("NVIDIA") and device_kind.startswith(k)]
-    return SPEC_BF16_PEAK[max(prefixes, key=len)] if prefixes else None
+    return _lookup(SPEC_BF16_PEAK, device_kind)
 
 
 def device_kind() -> str:

@@ -1,0 +1,29 @@
+"""``scripts/decode_chunks.py`` (docs/benchmarks.md, "Decode: chunks of steps") runs at tiny size: one
+JSON line with both ways' milliseconds a step, their ratio, and no roofline on a CPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "JAX_PLATFORMS": "cpu"}
+
+
+# slow: a script's run (its cost); chunked decoding itself: test_generate.py's
+# test_chunked_decode_draws_the_tokens_of_single_steps, quick
+@pytest.mark.slow
+def test_decode_script_reports_both_ways():
+    args = ["--config", "tiny-llama", "--batch", "2", "--prompt", "8", "--new", "10", "--reps", "1"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "decode_chunks.py"), *args],
+        capture_output=True, text=True, timeout=300, env=ENV,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(done.stdout.splitlines()[-1])
+    assert row["chunk"] == 8 and set(row["ms_per_step"]) == {"chunk", "single"}
+    assert all(v > 0 for v in row["ms_per_step"].values()) and row["single_over_chunk"] > 0
+    assert row["device"] == "cpu" and row["roofline_ms"] is None
