@@ -299,3 +299,16 @@ def test_tie_control_only_where_the_proof_planted_the_tie():
     ties = lambda p: {c.name for c in control_set(where_of(p, ep, False), EP_CONTROLS) if "ties" in c.name}
     assert ties(problem) == {"top-k ties broken by shard-local index"}
     assert ties(replace(problem, load_params=lambda layout: None)) == set()
+
+
+def test_the_rows_control_moves_rows_where_they_are_one_block():
+    """ragged_dot's rows are exactly the choices (16 on the proof's 2x2 shard): a roll by one block
+    (``BLOCK``, 16) moved none there and its control went undetected; it moves them on any length."""
+    from meshlm.parallel.grouped import BLOCK
+    from meshlm.proof.moe_controls import RowsToWrongExpert
+
+    for r in (8, BLOCK, 2 * BLOCK, 20):
+        rows = jnp.arange(r)
+        moved = RowsToWrongExpert().moe_rows(rows)
+        assert sorted(moved.tolist()) == rows.tolist() and bool((moved != rows).all()), r
+    assert RowsToWrongExpert().moe_rows(jnp.arange(64))[BLOCK] == 0  # the block scan's: one block

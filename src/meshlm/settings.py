@@ -210,6 +210,48 @@ class LongContext:
         return "flash" if backend == "tpu" and one_sequence and not x64 else "plain"
 
 
+# --moe-dispatch: "auto", then model.config.DISPATCHES (here: this module imports no model code)
+DISPATCH_CHOICES = ("auto", "blocks", "ragged_dot", "dense")
+FAST_DISPATCH = {"tpu": "ragged_dot", "gpu": "ragged_dot"}  # "auto" per backend; any other: "blocks"
+
+
+def dispatch_for(choice: str, backend: str) -> str:
+    """--moe-dispatch as the model takes it (``ModelConfig.moe_dispatch``): "auto", the default, is
+    "ragged_dot" on a TPU or a GPU (``backend``: ``jax.default_backend()``), XLA's grouped matmul there
+    (a TPU v5e ran the block scan's step at 4.5x ragged_dot's, docs/benchmarks.md), and "blocks"
+    elsewhere (XLA:CPU pads ragged_dot to a dense dot of every row with every expert; the block scan
+    is its fast one). A chosen one is kept.
+
+    Resolved where a command starts, as ``--attention auto`` is (``LongContext``), not inside the
+    model as ``model.layer_loop.straight_line_form`` is: the dispatch is read outside the model too
+    (the planner's row bounds and collectives, the proof's controls that apply, bench's
+    implementations), so the config every one of them reads must hold the dispatch that runs, never
+    "auto"; the loop's form is read by nothing but the loop."""
+    if choice not in DISPATCH_CHOICES:
+        raise ConfigError(f"--moe-dispatch {choice!r}; valid: {', '.join(DISPATCH_CHOICES)}")
+    return FAST_DISPATCH.get(backend, "blocks") if choice == "auto" else choice
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertDispatch:
+    """How a mixture of experts reaches its experts, for train, verify, bench and plan (a base, as
+    ``LongContext``). Like remat it changes speed and memory, not the values (the proof compares every
+    dispatch with "dense"): a run resumes under another, and a dense model ignores it."""
+
+    moe_dispatch: str = setting(
+        "auto",
+        "a mixture of experts' dispatch: auto (ragged_dot on a TPU or GPU, blocks elsewhere), blocks "
+        "(sorted, a scan of block matmuls), ragged_dot (sorted, jax.lax.ragged_dot) or dense (every "
+        "expert on every token: the proof's reference)",
+        choices=DISPATCH_CHOICES,
+    )
+
+    def dispatch_kind(self, backend: str) -> str:
+        """--moe-dispatch as the model takes it (``ModelConfig.moe_dispatch``; ``backend``:
+        ``jax.default_backend()`` where the command starts): ``dispatch_for``."""
+        return dispatch_for(self.moe_dispatch, backend)
+
+
 # ---- settings files (``--settings FILE``): TOML, one key per flag ----
 def toml_text(values: dict[str, Any], comment: str = "") -> str:
     """``values`` (str, bool, int, float or lists of them; None: left out, the flag's default) as TOML

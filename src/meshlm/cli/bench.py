@@ -50,22 +50,20 @@ def run(args) -> int:
     if planned := flag_layout(args, bs):  # before devices, compiles
         if bs.batch_size is not None:
             planned.check_batch(bs.batch_size)
-        cfg = get_config(bs.config)
-        check_impls(
-            bs, cfg if bs.moe_dispatch is None else cfg.replace(moe_dispatch=bs.moe_dispatch), planned
-        )
+        # before the backend is known: "auto" is never "dense", the one dispatch that changes the names
+        early = "blocks" if bs.moe_dispatch == "auto" else bs.moe_dispatch
+        check_impls(bs, get_config(bs.config).replace(moe_dispatch=early), planned)
     layout = setup(args, bs, planned)
     import jax
 
     from meshlm.parallel.distributed import is_main, print0
     from meshlm.train.step import step_model
 
-    attention = bs.attention_kind(jax.default_backend())  # "auto": flash on a TPU where it applies
-    cfg = get_config(bs.config).replace(attention=attention, attn_block=bs.attn_block)
+    backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU and GPU
+    attention, dispatch = bs.attention_kind(backend), bs.dispatch_kind(backend)  # a dense model ignores it
+    cfg = get_config(bs.config).replace(attention=attention, attn_block=bs.attn_block, moe_dispatch=dispatch)
     # --remat and --unroll as train applies them (a rolled loop under remat, where its saving needs one)
     cfg = step_model(cfg, remat=bs.remat, unroll=bs.unroll, fsdp=False)
-    if bs.moe_dispatch is not None:  # a dense model ignores it
-        cfg = cfg.replace(moe_dispatch=bs.moe_dispatch)
     if bs.vocab_size is not None:  # the embedding and head follow (padded to vocab_multiple)
         cfg = cfg.replace(vocab_size=bs.vocab_size)
     settings = bs.resolved(cfg, layout)

@@ -185,12 +185,13 @@ def _load_and_generate(args, layout, tok, prompts, streaming: bool) -> tuple:
     """(the Generator, its results, the speculation's stats or None): the weights loaded onto
     ``layout`` and the prompts continued; a device's out-of-memory on the way is one line
     (``generate_asked``)."""
-    from meshlm.generate.generator import Generator
+    from meshlm.generate.generator import Generator, as_run_here
     from meshlm.io.model_io import load_model
     from meshlm.perf.oom import reported
 
     with reported(lambda: generate_asked(args, layout, len(prompts))):
         cfg, params, _ = load_model(args.checkpoint, layout)
+        cfg = as_run_here(cfg)  # the backend's mixture-of-experts dispatch, not the saved config's
         eod = _stop_ids(args, tok)
         gen = Generator(cfg, params, layout, tokenizer=tok, eod=eod, prefill_cp=layout.context_parallel)
         results, spec = _generate(args, gen, prompts, _streamer(prompts[0]) if streaming else None)

@@ -70,8 +70,10 @@ def run(args) -> int:
     cfg, name = model
     import jax
 
-    attention = pc.attention_kind(jax.default_backend())  # "auto": flash on a TPU where it applies
-    cfg = with_lora(pc, cfg.replace(attention=attention, attn_block=pc.attn_block))  # LoRA: adapters
+    backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU and GPU
+    attention, dispatch = pc.attention_kind(backend), pc.dispatch_kind(backend)  # the run's: its rows
+    cfg = cfg.replace(attention=attention, attn_block=pc.attn_block, moe_dispatch=dispatch)
+    cfg = with_lora(pc, cfg)  # LoRA: adapters
     report = plan(
         cfg,
         name,

@@ -178,13 +178,13 @@ def _verify(args, vs: VerifySettings, planned) -> int:
         cfg = cfg.replace(moe_aux_loss=vs.moe_aux_loss)
     if vs.moe_capacity_factor is not None:  # likewise
         cfg = cfg.replace(moe_capacity_factor=vs.moe_capacity_factor)
-    if vs.moe_dispatch is not None:  # the reference always runs "dense" (``proof.problem``)
-        cfg = cfg.replace(moe_dispatch=vs.moe_dispatch)
     cfg = _with_lora(vs, cfg)
     from meshlm.proof import defaults
 
     seq_len, block = _shapes(vs, cfg, layout)
-    cfg = cfg.replace(attention=vs.attention_kind(jax.default_backend(), vs.x64), attn_block=block)
+    backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU and GPU
+    attention, dispatch = vs.attention_kind(backend, vs.x64), vs.dispatch_kind(backend)
+    cfg = cfg.replace(attention=attention, attn_block=block, moe_dispatch=dispatch)  # what the controls see
     batch = (
         vs.batch_size
         if vs.batch_size is not None

@@ -10,6 +10,7 @@ from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_INT, Ra
 from meshlm.settings import (
     CLI_COMMON,
     SEQ_LEN_DEFAULT_TEXT,
+    ExpertDispatch,
     LongContext,
     MeshFlags,
     Switch,
@@ -26,8 +27,9 @@ MIN_SEQ_LEN = 2
 MAX_PROOF_STEPS = Range(int, 0, 10_000)
 
 
+# --moe-dispatch (``ExpertDispatch``): the sharded run's; the reference runs "dense" (``proof.problem``)
 @dataclass(frozen=True)
-class VerifySettings(MeshFlags, LongContext, LoraSettings):  # --pp, --cp, --fsdp, --lora-rank ...
+class VerifySettings(MeshFlags, LongContext, ExpertDispatch, LoraSettings):  # --pp, --cp, --lora-rank ...
     config: str = setting("seed", "model preset (see `meshlm configs`)", cli=CLI_COMMON)
     seed: int = setting(0, "random seed", cli=CLI_COMMON, valid=NON_NEGATIVE_INT)
     steps: int = setting(
@@ -62,13 +64,6 @@ class VerifySettings(MeshFlags, LongContext, LoraSettings):  # --pp, --cp, --fsd
         "every choice (any larger C is the same)",
         shown_default="the config's",
         valid=NON_NEGATIVE_FLOAT,
-    )
-    moe_dispatch: str | None = setting(
-        None,
-        "how a mixture of experts reaches its experts in the sharded run: blocks (sorted, block matmuls), "
-        "ragged_dot (sorted, jax.lax.ragged_dot) or dense (every expert on every token: the reference's)",
-        shown_default="the config's",
-        choices=("blocks", "ragged_dot", "dense"),
     )
     allow_routing_flips: bool = setting(
         False,

@@ -49,7 +49,15 @@ from meshlm.generate.streaming import (
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import to_host
+from meshlm.settings import dispatch_for
 from meshlm.sharding.rules import model_specs, shardings
+
+
+def as_run_here(cfg: ModelConfig) -> ModelConfig:
+    """A loaded checkpoint's config as it runs on this backend: its mixture of experts' dispatch is
+    "auto"'s (``settings.dispatch_for``: ragged_dot on TPU and GPU, blocks on CPU), whatever the
+    saved config says ("blocks", or nothing before the field): the dispatch is not a model fact."""
+    return cfg.replace(moe_dispatch=dispatch_for("auto", jax.default_backend()))
 
 
 class Generator:

@@ -29,7 +29,7 @@ from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, 
 ATTENTION = ("plain", "blockwise", "flash")  # see meshlm.model.attention, .blockwise and .flash
 # How a mixture of experts reaches its experts (``moe_dispatch``, ``parallel.grouped``): "dense" is the
 # all-local reference, every expert on every token (``parallel.experts.dense_experts``): what the proof
-# compares the others with.
+# compares the others with. The commands' --moe-dispatch adds "auto" (``settings.dispatch_for``).
 DISPATCHES = ("blocks", "ragged_dot", "dense")
 
 
@@ -47,8 +47,11 @@ class MoEFields:
     # ``dense_layers``: the sorted indices of the layers with the dense MLP of ``d_ff`` units among the
     # MoE layers (Qwen2-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``); their parameters stack apart.
     # ``moe_dispatch`` (``DISPATCHES``) is not a model fact: the values are the same whichever is chosen
-    # (the proof shows it), so a saved config without it loads with the default. (First: the field order
-    # of the config, its JSON and its messages is as when it was a base of its own.)
+    # (the proof shows it). Each command puts the one it runs into the config it computes with (its
+    # --moe-dispatch, "auto" by default: ``settings.dispatch_for``); none reads a saved config's value
+    # ("blocks", or none before the field), so a saved config runs as the command's choice says. The
+    # default here is the library's (a config built in code). (First: the field order of the config,
+    # its JSON and its messages is as when it was a base of its own.)
     moe_dispatch: str = "blocks"
     n_experts: int = 0
     experts_per_token: int = 0

@@ -20,6 +20,7 @@ from meshlm.ranges import NON_NEGATIVE_INT, POSITIVE_INT
 from meshlm.settings import (
     CLI_COMMON,
     SEQ_LEN_DEFAULT_TEXT,
+    ExpertDispatch,
     LongContext,
     MeshFlags,
     Switch,
@@ -59,8 +60,9 @@ def parse_impls(text: str) -> str:
     return ",".join(names)
 
 
+# --moe-dispatch (``ExpertDispatch``): "dense" is also timed beside the others, as dense-dispatch
 @dataclass(frozen=True)
-class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: the bases' fields
+class BenchSettings(MeshFlags, LongContext, ExpertDispatch):  # --pp, --cp, --fsdp, --sp ...: the bases'
     config: str = setting("small", "model preset (see `meshlm configs`)", cli=CLI_COMMON)
     batch_size: int | None = setting(
         None,
@@ -101,13 +103,6 @@ class BenchSettings(MeshFlags, LongContext):  # --pp, --cp, --fsdp, --sp ...: th
         "per-layer recomputation in the backward, as train --remat: none, full or selective (keep matmul "
         "outputs); cuts activation memory (the plain row has none: it is the hand-written model)",
         choices=REMAT,
-    )
-    moe_dispatch: str | None = setting(
-        None,
-        "a mixture of experts' dispatch: blocks, ragged_dot or dense (every expert on every token; "
-        "the bench times it beside the others as dense-dispatch)",
-        shown_default="the config's",
-        choices=("blocks", "ragged_dot", "dense"),
     )
     unroll: int = setting(
         0,

@@ -12,6 +12,7 @@ from meshlm.parallel.layout import Layout
 from meshlm.ranges import POSITIVE_INT
 from meshlm.settings import (
     SEQ_LEN_DEFAULT_TEXT,
+    ExpertDispatch,
     LongContext,
     MeshFlags,
     Switch,
@@ -76,7 +77,7 @@ class PlanSettings:
 
 
 @dataclass(frozen=True)
-class PlanCommand(MeshFlags, LongContext, LoraSettings):  # --pp, --cp, --fsdp, --lora-rank ...
+class PlanCommand(MeshFlags, LongContext, ExpertDispatch, LoraSettings):  # --pp, --lora-rank ...
     """What ``meshlm plan`` is asked: the model, one run's settings (``settings``) and the search; the
     command's flags are built from these fields (``meshlm.cli.common.add_flags``)."""
 

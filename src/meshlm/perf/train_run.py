@@ -20,8 +20,7 @@ def train(tcfg: TrainConfig, where, stop=None) -> dict:
 
 def train_asked(tcfg: TrainConfig, where) -> Asked:
     """The run as an out-of-memory line names it, with the flags of train that cut memory."""
-    from meshlm.train.run import run_layout, run_model
-    from meshlm.train.step import step_model
+    from meshlm.train.run import run_layout, run_model, step_config
 
     tcfg, cfg = run_model(tcfg)
     layout = run_layout(tcfg, where)
@@ -32,7 +31,7 @@ def train_asked(tcfg: TrainConfig, where) -> Asked:
     return Asked(
         "train",
         tcfg.config or tcfg.checkpoint,
-        step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp),
+        step_config(tcfg, cfg),  # the step's model: its remat, attention and experts' dispatch
         layout,
         tcfg.batch_size,
         tcfg.seq_len,

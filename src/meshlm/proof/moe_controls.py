@@ -120,10 +120,13 @@ class CapacityPerShard(Parallel):
 
 class RowsToWrongExpert(Parallel):
     """After sorting, every row's choice one block (``BLOCK`` rows) later: tokens computed by the
-    experts of the rows they land in (the next block's: often the next expert's)."""
+    experts of the rows they land in (the next block's: often the next expert's). Where the rows are
+    one block or a divisor of one (ragged_dot's R is exactly the choices: 16 of them on the proof's
+    shard), a roll by BLOCK is no move at all: there one row later (a group's last choice crosses into
+    the next expert's rows)."""
 
     def moe_rows(self, choice):
-        return jnp.roll(choice, BLOCK)
+        return jnp.roll(choice, BLOCK % choice.shape[0] or 1)
 
 
 class ExpertGradToNeighbour(Parallel):

@@ -23,6 +23,7 @@ from meshlm.settings import (  # noqa: F401 - CLI_* and Switch: the train CLI re
     CLI_FLAG,
     CLI_HIDDEN,
     SEQ_LEN_DEFAULT_TEXT,
+    ExpertDispatch,
     LongContext,
     MeshFlags,
     Switch,
@@ -91,7 +92,7 @@ class MoESettings:
 
 @dataclass(frozen=True)
 class TrainConfig(
-    MeshFlags, LongContext, MoESettings, ObjectiveSettings, LoraSettings
+    MeshFlags, LongContext, ExpertDispatch, MoESettings, ObjectiveSettings, LoraSettings
 ):  # --pp, --lora-rank...
     # "": the cpu preset, or with --checkpoint the checkpoint's own model (its CLI help: cli/train.py)
     config: str = _field("", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)

@@ -32,6 +32,7 @@ from meshlm.data.stream import TokenStream
 from meshlm.data.tokenizer import Tokenizer, load_tokenizer
 from meshlm.data.tokens import check_token_range
 from meshlm.errors import ConfigError
+from meshlm.generate.generator import as_run_here
 from meshlm.io.model_io import load_model, read_config
 from meshlm.model.config import ModelConfig, default_seq_len
 from meshlm.parallel import distributed
@@ -201,6 +202,7 @@ def evaluate(ecfg: EvalConfig, where, *, keep_per_token: bool = False) -> tuple[
     check_shape(seq_len, ecfg.batch_size, cfg, layout)  # before the data and weights load
     stream, source = eval_stream(ecfg, tok, cfg)
     cfg, params, _ = load_model(ecfg.checkpoint, layout)
+    cfg = as_run_here(cfg)  # the backend's mixture-of-experts dispatch, not the saved config's
     result = evaluate_stream(
         cfg,
         params,

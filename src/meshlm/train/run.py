@@ -228,12 +228,13 @@ def run_specs(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout) -> dict:
 
 
 def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
-    """The model the jitted programs compute: the preset with the run's ``--remat`` and ``--unroll``.
-    Both change memory or speed, never values, so checkpoints keep the preset's config (Run.cfg,
-    compared on resume) and a run resumes under any remat or unroll."""
+    """The model the jitted programs compute: the preset with the run's ``--remat``, ``--unroll``,
+    ``--attention`` and ``--moe-dispatch``. They change memory or speed, never values, so checkpoints
+    keep the preset's config (Run.cfg, compared on resume) and a run resumes under any of them."""
     step = step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp)
-    attention = tcfg.attention_kind(jax.default_backend())  # "auto": flash on a TPU where it applies
-    return step.replace(attention=attention, attn_block=tcfg.attn_block)
+    backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU/GPU
+    attention, dispatch = tcfg.attention_kind(backend), tcfg.dispatch_kind(backend)
+    return step.replace(attention=attention, attn_block=tcfg.attn_block, moe_dispatch=dispatch)
 
 
 def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lambda: None) -> Run:
