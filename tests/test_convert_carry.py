@@ -33,7 +33,7 @@ FILES = {  # the tokenizer's companions as a transformers directory holds them (
         {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "chat_template": TEMPLATE}, indent=1
     ),
     "special_tokens_map.json": json.dumps({"eos_token": "<|endoftext|>"}),
-    "generation_config.json": json.dumps({"eos_token_id": 0, "do_sample": False}),
+    "generation_config.json": json.dumps({"eos_token_id": [0, 5], "do_sample": False}),
 }
 
 
@@ -91,6 +91,7 @@ def test_from_hf_to_hf_carry_the_files_and_a_changed_one_is_found(model, capsys)
 def test_a_training_run_keeps_them(model):
     """What train does with --checkpoint's tokenizer (``run_tokenizer``, then ``tokenizer_meta`` into
     the run directory): every file kept, and a resumed run reads them back from its own directory."""
+    from meshlm.cli.convert_tokenizer import stop_ids
     from meshlm.train.config import TrainConfig
     from meshlm.train.tokenizers import checkpoint_tokenizer, run_tokenizer, tokenizer_meta
 
@@ -101,11 +102,16 @@ def test_a_training_run_keeps_them(model):
     assert sorted(entry["files"]) == sorted(FILES)
     _carried(tmp / "run", tmp / "hf")
     assert checkpoint_tokenizer(tmp / "ck").files == FILES
+    # a trained run's meta names no EOS ids: generate and --to-hf stop at its generation_config's
+    assert stop_ids({}, tok) == [0, 5]
 
 
 def test_lora_conversions_carry_them_and_to_hf_exports_merged(model, capsys):
     """A LoRA checkpoint without a tokenizer of its own (the base's is taken): --merge, --to-peft,
     --from-peft carry the files; --to-hf writes the merged weights, those --merge writes."""
+    from meshlm.data.pairs import renderer_for
+    from meshlm.train.tokenizers import checkpoint_tokenizer
+
     tmp = model
     mesh = jax.make_mesh((1, 1), ("dp", "mp"), devices=jax.devices()[:1])
     base_cfg, base, _ = load_model(tmp / "ck", mesh)
@@ -126,6 +132,8 @@ def test_lora_conversions_carry_them_and_to_hf_exports_merged(model, capsys):
         assert run_cli("convert", *argv, *ONE) == 0, argv
         _carried(Path(argv[-1]), tmp / "hf")
     assert "the LoRA adapters merged" in capsys.readouterr().out
+    tok = checkpoint_tokenizer(tmp / "merged")  # generate's and DPO's: the BPE and its template, not bytes
+    assert tok.kind == "hf" and "chat template" in renderer_for(tok, str(tmp / "merged")).rule
     _, got = hf_weights.load_hf(tmp / "hf-lora")
     _, merged, _ = load_model(tmp / "merged", mesh)  # W + (alpha / R) A B, by --merge
     want = {k: np.asarray(v) for k, v in flat_params(merged).items()}

@@ -10,7 +10,6 @@ from pathlib import Path
 from meshlm.cli import convert_lora
 from meshlm.cli import convert_tokenizer as ct
 from meshlm.cli.common import add_common, setup
-from meshlm.cli.convert_tokenizer import EOS_KEY  # noqa: F401 - re-exported: generate reads it
 from meshlm.errors import ConfigError
 
 
@@ -109,7 +108,7 @@ def _from_hf(args, layout) -> dict:
         meta = {"converted_from": str(Path(args.from_hf).absolute()), "tokenizer": ct.entry(args.out, tok)}
         eos = ct.hf_eos_ids(Path(args.from_hf))
         if eos:
-            meta[EOS_KEY] = eos  # generate stops at any of them, as transformers' generate does
+            meta[ct.EOS_KEY] = eos  # generate stops at any of them, as transformers' generate does
         save_model(args.out, cfg, unflatten(placed), meta=meta)
     return {**_summary(args.from_hf, args.out, "meshlm checkpoint", cfg, flat), "tokenizer": ct.says(tok)}
 
@@ -141,7 +140,7 @@ def _to_hf(args, layout) -> dict:
     directory, asked = resolve(args.to_hf)
     skipped = [s for s in complete_steps(directory) if s > step] if asked is None else []
     flat = {path: to_host(v) for path, v in flat_params(params).items()}  # every process gathers
-    eos = read_config(directory / str(step))[1].get(EOS_KEY) or base_eos  # the exported step's meta
+    eos = ct.stop_ids(read_config(directory / str(step))[1], tok) or base_eos  # the exported step's meta
     with _owned(args.out):
         if jax.process_index() == 0:
             save_hf(cfg, flat, args.out)

@@ -28,16 +28,34 @@ def hf_eos_ids(directory: Path) -> list[int]:
     for name in ("generation_config.json", "config.json"):
         path = directory / name
         try:
-            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):  # absent or unreadable: config.json's own
-            continue  # errors were reported by load_hf already
-        ids = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
-        if eos is None:
+            text = path.read_text(encoding="utf-8")
+        except OSError:  # absent or unreadable: config.json's own errors were reported by load_hf
             continue
-        if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
-            raise ConfigError(f"{path}: eos_token_id={eos!r} must be a token id or a list of ids; correct it")
-        return ids  # an id >= the vocabulary (GPT-J's default 50256 on a small model) is never produced
+        if ids := _eos_ids(text, path):
+            return ids
     return []
+
+
+def _eos_ids(text: str, where) -> list[int]:
+    try:
+        eos = json.loads(text).get("eos_token_id")
+    except (ValueError, AttributeError):
+        return []
+    ids = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
+    if eos is None:
+        return []
+    if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
+        raise ConfigError(f"{where}: eos_token_id={eos!r} must be a token id or a list of ids; correct it")
+    return ids  # an id >= the vocabulary (GPT-J's default 50256 on a small model) is never produced
+
+
+def stop_ids(meta: dict, tok) -> list[int]:
+    """The model's own EOS ids: a conversion's record in ``meta``, else those of the
+    generation_config.json its tokenizer carries (a run trained from a converted checkpoint)."""
+    if meta.get(EOS_KEY):
+        return list(meta[EOS_KEY])
+    text = tok.files.get("generation_config.json") if tok is not None else None
+    return _eos_ids(text, "the checkpoint's generation_config.json") if text else []
 
 
 def entry(out: str | Path, tok) -> dict:
