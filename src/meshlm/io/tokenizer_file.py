@@ -118,23 +118,24 @@ def read_tokenizer_text(directory: str | Path, meta: dict) -> tuple[dict, str | 
     if entry["kind"] != "hf":
         return entry, None
     path = Path(directory) / str(entry.get("file", TOKENIZER_FILE))
+    return entry, _read_recorded(directory, path, entry.get("sha256"), "tokenizer")
+
+
+def _read_recorded(directory, path: Path, digest, what: str) -> str:
+    """The text of a checkpoint's tokenizer file, checked against the SHA-256 its meta records."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(
-            f"checkpoint {directory} needs its tokenizer {path}, which cannot be read "
+            f"checkpoint {directory} needs its {what} {path}, which cannot be read "
             f"({getattr(e, 'strerror', None) or e}); restore the file or re-create the checkpoint"
         ) from e
-    _check_digest(path, text, entry.get("sha256"))
-    return entry, text
-
-
-def _check_digest(path: Path, text: str, digest) -> None:
     if sha256(text) != digest:
         raise CheckpointError(
             f"{path} was modified or damaged after the checkpoint was saved (its SHA-256 differs from "
             "the one in the checkpoint's metadata); restore it or re-create the checkpoint"
         )
+    return text
 
 
 def read_checked_companions(directory: str | Path, entry: dict) -> dict[str, str]:
@@ -143,15 +144,7 @@ def read_checked_companions(directory: str | Path, entry: dict) -> dict[str, str
     files = entry.get("files", {})
     if not isinstance(files, dict) or any(name not in COMPANIONS for name in files):
         raise CheckpointError(f"checkpoint meta has an unknown tokenizer files entry {files!r}; re-create it")
-    out = {}
-    for name, digest in files.items():
-        path = Path(directory) / name
-        try:
-            out[name] = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise CheckpointError(
-                f"checkpoint {directory} needs its tokenizer file {path}, which cannot be read "
-                f"({getattr(e, 'strerror', None) or e}); restore the file or re-create the checkpoint"
-            ) from e
-        _check_digest(path, out[name], digest)
-    return out
+    return {
+        name: _read_recorded(directory, Path(directory) / name, d, "tokenizer file")
+        for name, d in files.items()
+    }
