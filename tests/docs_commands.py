@@ -699,8 +699,18 @@ COMMANDS: dict[str, Run | Shown] = {
     FT_TRAIN: run(add=FT_FAST, after=("meshlm convert --from-hf qwen3-tiny --out runs/qwen3", FT_PREPARE)),
     "meshlm eval --checkpoint runs/qwen3-lora --data data/qwen3-chat": run(after=(FT_TRAIN,)),
     "meshlm convert --to-peft runs/qwen3-lora --out runs/qwen3-peft": run(after=(FT_TRAIN,)),
-    "meshlm convert --merge runs/qwen3-lora --out runs/qwen3-sft": run(after=(FT_TRAIN,)),
-    FT_DPO: run(add=FT_FAST, after=(FT_TRAIN, "meshlm convert --merge runs/qwen3-lora --out runs/qwen3-sft")),
+    "meshlm convert --merge runs/qwen3-lora --out runs/qwen3-sft": run(
+        after=(FT_TRAIN,),
+        expect=("(with its chat template)",),  # the tokenizer DPO then renders with
+    ),
+    "meshlm convert --to-hf runs/qwen3-lora --out runs/qwen3-hf": run(
+        after=(FT_TRAIN,), expect=("the LoRA adapters merged", "(with its chat template)")
+    ),
+    FT_DPO: run(
+        add=FT_FAST,
+        after=(FT_TRAIN, "meshlm convert --merge runs/qwen3-lora --out runs/qwen3-sft"),
+        expect=("rendered as chat template",),  # the merged checkpoint's tokenizer and template, not bytes
+    ),
     "meshlm convert --to-peft runs/qwen3-dpo --out runs/qwen3-dpo-peft": run(
         after=(FT_TRAIN, "meshlm convert --merge runs/qwen3-lora --out runs/qwen3-sft", FT_DPO)
     ),

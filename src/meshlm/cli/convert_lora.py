@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshlm.cli import convert_tokenizer as ct
 from meshlm.errors import ConfigError
 
 
@@ -25,12 +26,15 @@ def to_peft(args, layout, owned, summary) -> dict:
     from meshlm.model.params import flat_params
     from meshlm.parallel.placement import to_host
 
-    _lora_checkpoint(args.to_peft, "--to-peft")
+    _, meta = _lora_checkpoint(args.to_peft, "--to-peft")
+    tok, _ = ct.lora_input(args.to_peft, meta, base_path(meta))
     cfg, params, step = load_model(args.to_peft, layout)  # the base too: checked against its fingerprint
     flat = {p: to_host(v) for p, v in flat_params(lora.adapters(params)).items()}
     with owned(args.out):
         write(cfg, flat, args.out)
-    return {**summary(args.to_peft, args.out, "peft adapter", cfg, flat), "step": step, "skipped_steps": []}
+        ct.write_export(Path(args.out), tok, cfg, peft=True)  # AutoTokenizer loads it from the adapter's
+    out = {**summary(args.to_peft, args.out, "peft adapter", cfg, flat), "step": step, "skipped_steps": []}
+    return out | {"tokenizer": ct.says(tok)}
 
 
 def merge(args, layout, owned, summary) -> dict:
@@ -38,13 +42,22 @@ def merge(args, layout, owned, summary) -> dict:
     from meshlm.model import lora
 
     cfg, meta = _lora_checkpoint(args.merge, "--merge")
+    tok, eos = ct.lora_input(args.merge, meta, base_path(meta))
     cfg, params, step = load_model(args.merge, layout)
     plain = lora.without_lora(cfg)
     merged = lora.merged(cfg, params)
     with owned(args.out):
-        save_model(args.out, plain, merged, meta={"merged_from": str(Path(args.merge).absolute())})
+        out_meta = {"merged_from": str(Path(args.merge).absolute()), "tokenizer": ct.entry(args.out, tok)}
+        save_model(args.out, plain, merged, meta=out_meta | ({ct.EOS_KEY: eos} if eos else {}))
     return {**summary(args.merge, args.out, "meshlm checkpoint (merged)", plain, _flat(merged)), "step": step,
-            "skipped_steps": []}  # fmt: skip
+            "skipped_steps": [], "tokenizer": ct.says(tok)}  # fmt: skip
+
+
+def base_path(meta: dict) -> str | None:
+    """Where a LoRA checkpoint's base is (its meta says; older runs: their --checkpoint)."""
+    from meshlm.io.model_io import LORA_BASE_PATH
+
+    return meta.get(LORA_BASE_PATH) or meta.get("train_config", {}).get("checkpoint")
 
 
 def from_peft(args, layout, owned, summary) -> dict:
@@ -62,6 +75,7 @@ def from_peft(args, layout, owned, summary) -> dict:
     from meshlm.model import lora
     from meshlm.model.params import flat_params, unflatten
     from meshlm.parallel.placement import put_global
+    from meshlm.train.tokenizers import check_vocab
 
     if not args.base:
         raise ConfigError(
@@ -70,13 +84,18 @@ def from_peft(args, layout, owned, summary) -> dict:
     base_cfg, base, _ = load_model(args.base, layout)
     cfg = base_cfg.replace(**read_peft_config(args.from_peft, base_cfg))
     flat = read(args.from_peft, cfg)
+    tok, eos = ct.lora_input(args.from_peft, None, args.base)  # the adapter's own tokenizer, else the base's
+    if tok is not None:
+        check_vocab(cfg, tok, f"the model of --base {args.base}")
     targets = flat_params(lora.adapters(abstract_params(cfg, layout)))
     placed = {p: put_global(v, targets[p].sharding) for p, v in flat.items()}
     meta = {LORA_BASE: base_fingerprint(base), LORA_BASE_PATH: str(Path(args.base).absolute())}
     meta["converted_from"] = str(Path(args.from_peft).absolute())
     with owned(args.out):
+        meta |= {"tokenizer": ct.entry(args.out, tok), **({ct.EOS_KEY: eos} if eos else {})}
         save_model(args.out, cfg, unflatten(placed), meta=meta)
-    return summary(args.from_peft, args.out, "meshlm LoRA checkpoint", cfg, flat)
+    out = summary(args.from_peft, args.out, "meshlm LoRA checkpoint", cfg, flat)
+    return out | {"tokenizer": ct.says(tok)}
 
 
 def _flat(params) -> dict:

@@ -7,7 +7,8 @@ This module must not import jax: it runs before the CLI has chosen the devices.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 
 import numpy as np
 
@@ -28,6 +29,10 @@ class Tokenizer:
     kind: str  # "bytes" or "hf": what checkpoint metadata records
     vocab_size: int  # ids are in [0, vocab_size)
     eod_id: int  # ends each document in a stream; generation stops on it
+    # The files a transformers tokenizer comes with (name -> text: tokenizer_config.json with its chat
+    # template and special tokens, chat_template.jinja, ...), carried verbatim wherever it is saved
+    # (``meshlm.io.tokenizer_file.COMPANIONS``); not part of the fingerprint.
+    files: Mapping[str, str] = MappingProxyType({})
 
     def encode(self, text: str) -> np.ndarray:
         """int32 ids of ``text`` (a document's tokens, no special tokens added)."""

@@ -27,7 +27,7 @@ from meshlm.errors import CheckpointError, MeshlmError, is_out_of_memory
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.model_io import FORMAT, load_model, read_config
 from meshlm.io.run_lock import RunLock, lock_run
-from meshlm.io.tokenizer_file import TOKENIZER_FILE
+from meshlm.io.tokenizer_file import COMPANIONS, TOKENIZER_FILE
 from meshlm.model import lora
 from meshlm.model.config import ModelConfig, get_config
 from meshlm.model.masked import loss_weights
@@ -48,7 +48,7 @@ from meshlm.train.resume import check_existing, model_meta
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, sharded_step, step_model
 from meshlm.train.tokenizers import run_tokenizer, tokenizer_meta
 
-START_OUTPUTS = (*OUTPUTS, TOKENIZER_FILE)  # what a refused start removes if it made them
+START_OUTPUTS = (*OUTPUTS, TOKENIZER_FILE, *COMPANIONS)  # what a refused start removes if it made them
 
 
 @dataclass(kw_only=True)

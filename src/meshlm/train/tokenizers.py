@@ -23,7 +23,13 @@ from meshlm.errors import CheckpointError, ConfigError
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.layout import complete_steps, resolve
 from meshlm.io.model_io import read_config
-from meshlm.io.tokenizer_file import TOKENIZER_FILE, read_tokenizer_text, save_tokenizer
+from meshlm.io.tokenizer_file import (
+    TOKENIZER_FILE,
+    read_checked_companions,
+    read_companions,
+    read_tokenizer_text,
+    save_tokenizer,
+)
 from meshlm.model.config import ModelConfig
 from meshlm.parallel import distributed
 from meshlm.train.config import from_scratch_tokenizer
@@ -32,11 +38,12 @@ BPE_SPEC = re.compile(r"^bpe-(\d+)$")
 
 
 def tokenizer_meta(directory: str | Path, tok: Tokenizer) -> dict:
-    """Save ``tok`` into the run directory (unless bytes) and return the checkpoint meta entry."""
+    """Save ``tok`` and the files it comes with into the run directory (unless bytes) and return the
+    checkpoint meta entry."""
     entry = {"fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size}
     if isinstance(tok, HFTokenizer):
         entry["eod_token"] = tok.eod_token
-    return save_tokenizer(directory, entry, tok.to_json())
+    return save_tokenizer(directory, entry, tok.to_json(), dict(tok.files))
 
 
 def tokenizer_from_meta(directory: str | Path, meta: dict, where: str) -> Tokenizer | None:
@@ -45,7 +52,19 @@ def tokenizer_from_meta(directory: str | Path, meta: dict, where: str) -> Tokeni
     if text is None:
         return ByteTokenizer() if entry["kind"] == "bytes" else None
     source = f"the tokenizer of checkpoint {where}"
-    return HFTokenizer.from_str(text, eod_token=entry.get("eod_token"), source=source)
+    tok = HFTokenizer.from_str(text, eod_token=entry.get("eod_token"), source=source)
+    tok.files = read_checked_companions(directory, entry)
+    return tok
+
+
+def directory_tokenizer(spec: str | Path, model: bool = False) -> Tokenizer:
+    """``load_tokenizer(spec)`` with the files next to its tokenizer.json (``COMPANIONS``; ``model``:
+    the model's generation_config.json too, for a model directory's own tokenizer)."""
+    tok = load_tokenizer(spec)
+    if isinstance(tok, HFTokenizer):
+        path = Path(spec)
+        tok.files = read_companions(path if path.is_dir() else path.parent, model=model)
+    return tok
 
 
 def check_vocab(cfg: ModelConfig, tok: Tokenizer, where: str) -> None:
@@ -115,7 +134,7 @@ def _requested(tcfg) -> Tokenizer | None:
         return None
     if match := BPE_SPEC.match(spec):
         return _train_bpe_into(tcfg, int(match.group(1)))
-    return load_tokenizer(spec) if spec == BYTES or Path(spec).exists() else _no_tokenizer(spec)
+    return directory_tokenizer(spec) if spec == BYTES or Path(spec).exists() else _no_tokenizer(spec)
 
 
 def _no_tokenizer(spec: str):
@@ -151,7 +170,7 @@ def run_tokenizer(tcfg, cfg: ModelConfig) -> tuple[Tokenizer, ModelConfig]:
         tok = _requested(tcfg)
     if existing is not None and tok is not None and tok.fingerprint != existing.fingerprint:
         _differs(tcfg, existing, where)
-    tok = tok or existing or _from_scratch(tcfg)
+    tok = existing or tok or _from_scratch(tcfg)  # the same: the one saved, with the files it carries
     if not tcfg.checkpoint and not isinstance(tok, ByteTokenizer):
         cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size)
     if tcfg.checkpoint:  # from scratch the data's own range check names the ids (bytes on a small preset)
