@@ -54,7 +54,7 @@ def run(args) -> int:
         check_impls(
             bs, cfg if bs.moe_dispatch is None else cfg.replace(moe_dispatch=bs.moe_dispatch), planned
         )
-    layout = setup(args, bs, planned)
+    layout = setup(args, bs, planned, model=lambda: get_config(bs.config))
     import jax
 
     from meshlm.parallel.distributed import is_main, print0
