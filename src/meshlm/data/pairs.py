@@ -125,7 +125,8 @@ def read_pairs(paths) -> list[tuple[str, dict]]:
             else:
                 problems.add(where, problem)
     if not out:
-        found = f" (at {problems.found[0][0]}: {problems.found[0][1]})" if problems.found else ""
+        first = problems.found[0][1].split("; give it")[0] if problems.found else ""
+        found = f" (at {problems.found[0][0]}: {first})" if problems.found else ""
         raise DataError(f"--data {' '.join(map(str, paths))} holds no preference pair{found}; {MAKE_PAIRS}")
     problems.check()
     same = [where for where, row in out if row["chosen"] == row["rejected"]]
