@@ -197,6 +197,7 @@ COMMANDS: dict[str, Run | Shown] = {
         "meshlm bench --pp N --compare-schedules",
         "meshlm train --pp 2 --mesh 1x2 --devices 4 ...",
         "meshlm train --pp 2 --cp 2 --mesh 1x1 --devices 4 ...",
+        "meshlm data prepare --pairs --tokenizer DIR --data pairs.jsonl --seq-len N --out STORE",
     ),
     **_names(
         "prose or a quoted message that starts with 'meshlm', not a command",

@@ -141,3 +141,30 @@ def test_verify_checkpoint_of_the_converted_model_under_cp(family):
         report = verify(problem, layout, dtype=np.float64, controls=(), steps=2, collectives=True)
     assert report.ok, format_report(report)
     assert max(p.max_rel_err for p in report.params) <= 1e-12
+
+
+def test_convert_needs_no_mesh(family, tmp_path, capsys):
+    """Issue 59 item 7: ``convert --from-hf DIR --out CK`` with no mesh flags on this model (2 linear
+    key heads; this process has 8 devices, a default of 1x8) converts: convert splits no dimension."""
+    from helpers import run_cli
+
+    out = tmp_path / "ck"
+    assert run_cli("convert", "--from-hf", str(family["hf"]), "--out", str(out)) == 0, capsys.readouterr().err
+    assert "not divisible" not in capsys.readouterr().err
+
+
+# slow: a generate run (its compiles, ~15 s of CPU); the default mesh's choice is quick in
+# tests/test_default_mesh.py, generate's text on given meshes in the harness
+@pytest.mark.slow
+def test_generate_without_a_mesh_fits_the_model(family, capsys):
+    """No --mesh on 8 devices: mp 8 splits neither the 4 heads nor the 2 linear key heads; mp=2, dp=4,
+    with one note, and transformers' greedy text."""
+    from helpers import run_cli
+    from hf_helpers import PROMPT
+
+    argv = ["generate", "--checkpoint", str(family["ckpt"]), "--temperature", "0", "--prompt", PROMPT]
+    assert run_cli(*argv, "--max-new-tokens", str(family["case"].new)) == 0
+    printed = capsys.readouterr()
+    assert printed.out == PROMPT + family["text"] + "\n"
+    notes = [line for line in printed.err.splitlines() if line.startswith("note: no --mesh given")]
+    assert len(notes) == 1 and notes[0].startswith("note: no --mesh given: running on 4x2 (mp=2,"), notes

@@ -203,18 +203,34 @@ def test_trains_and_resumes_bitwise_with_the_depth_losses_in_metrics(tmp_path):
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, saved, want)))
 
 
+def test_weights_without_any_mtp_depth_read_as_a_model_without_mtp():
+    """Issue 59 item 6's rule on names alone (quick; the transformers round trip below is slow): no
+    depth's tensors -> mtp_layers 0 with one warning; some depth's -> unchanged."""
+    from meshlm.io.hf_mtp import without_absent
+
+    cfg = get_config("tiny-deepseek-v3")
+    main = {f"model.layers.{i}.mlp.weight": None for i in range(cfg.n_layers)}
+    with pytest.warns(UserWarning, match=f"num_nextn_predict_layers=1 .* no model.layers.{cfg.n_layers}.. "):
+        assert without_absent(cfg, main, "DIR").mtp_layers == 0
+    depth = {f"model.layers.{cfg.n_layers}.eh_proj.weight": None}
+    assert without_absent(cfg, main | depth, "DIR") is cfg
+    assert without_absent(cfg.replace(mtp_layers=0, mtp_weight=0.0), main, "DIR").mtp_layers == 0
+
+
 # --- convert both ways -----------------------------------------------------------------------------
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
+from meshlm.io.hf_weights import load_hf, save_hf  # noqa: E402
 
 
 def _hf_model(tmp_path):
     """A tiny transformers DeepseekV3 (2 layers, the first dense) saved, then its safetensors given an
     MTP layer (layer 2) by hand: a MoE layer's tensors, enorm, hnorm, eh_proj, shared_head.norm and the
     copies of the embedding and the head."""
-    from safetensors.numpy import load_file, save_file
-
     hf = transformers.DeepseekV3Config(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
         num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -242,10 +258,7 @@ def _hf_model(tmp_path):
 
 
 def test_convert_keeps_the_mtp_layer_and_export_writes_it_back(tmp_path):
-    from safetensors.numpy import load_file, save_file
-
     from meshlm.errors import CheckpointError
-    from meshlm.io.hf_weights import load_hf, save_hf
 
     directory, added = _hf_model(tmp_path)
     cfg, flat = load_hf(directory)
@@ -260,8 +273,38 @@ def test_convert_keeps_the_mtp_layer_and_export_writes_it_back(tmp_path):
     hf_cfg = json.loads((out / "config.json").read_text())
     assert hf_cfg["num_nextn_predict_layers"] == 1 and hf_cfg["mtp_weight"] == 0.3
     assert load_hf(out)[0].mtp_weight == 0.3
-    # transformers' own save has none of the MTP tensors: refused, naming the fix
-    tensors = {k: v for k, v in back.items() if not k.startswith("model.layers.2.")}
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match="set num_nextn_predict_layers to 0"):
+    # some depths but not all: refused, naming the fix
+    hf_cfg["num_nextn_predict_layers"] = 2
+    (out / "config.json").write_text(json.dumps(hf_cfg))
+    with pytest.raises(
+        CheckpointError, match="no model.layers.3.. tensors, though they have another depth's"
+    ):
         load_hf(out)
+
+
+# slow: a transformers save and a convert (~15 s of CPU); the rule is quick in
+# test_weights_without_any_mtp_depth_read_as_a_model_without_mtp, the weight's refusal in test_refusals
+@pytest.mark.slow
+def test_a_deepseek_v3_saved_by_transformers_converts_without_mtp_and_refuses_a_weight(tmp_path, capsys):
+    """transformers' own save has none of the MTP tensors (its config.json still counts them): issue 59
+    item 6 -- converted without multi-token prediction, said in one warning (it was refused, asking the
+    user to edit config.json); ``--mtp-weight`` on the result is then one line."""
+    from helpers import run_cli
+
+    directory, added = _hf_model(tmp_path)
+    tensors = load_file(directory / "model.safetensors")
+    kept = {k: v for k, v in tensors.items() if k not in added}  # what transformers writes
+    save_file(kept, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match="no model.layers.2.. tensors .*converting without multi-token"):
+        cfg, flat = load_hf(directory)
+    assert cfg.mtp_layers == 0 and cfg.mtp_weight == 0.0 and not any(p.startswith("mtp_") for p in flat)
+    ck = tmp_path / "ck"
+    with pytest.warns(UserWarning) as warned:  # in this process pytest records the CLI's warnings
+        assert run_cli("convert", "--from-hf", str(directory), "--out", str(ck)) == 0
+    assert [str(w.message).count("converting without multi-token prediction") for w in warned] == [1]
+    capsys.readouterr()
+    argv = ("train", "--checkpoint", str(ck), "--mtp-weight", "0.3", "--out", str(tmp_path / "run"))
+    assert run_cli(*argv, "--steps", "1", "--seq-len", "16", "--batch-size", "4") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs multi-token prediction layers" in err[0], err
+    assert not (tmp_path / "run").exists()

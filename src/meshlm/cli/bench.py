@@ -53,7 +53,7 @@ def run(args) -> int:
         # before the backend is known: "auto" is never "dense", the one dispatch that changes the names
         early = "blocks" if bs.moe_dispatch == "auto" else bs.moe_dispatch
         check_impls(bs, get_config(bs.config).replace(moe_dispatch=early), planned)
-    layout = setup(args, bs, planned)
+    layout = setup(args, bs, planned, model=lambda: get_config(bs.config))
     import jax
 
     from meshlm.parallel.distributed import is_main, print0

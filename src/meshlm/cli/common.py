@@ -191,22 +191,59 @@ def flag_layout(args, flags: MeshFlags | None = None) -> Layout | None:
     return early_layout(options)  # the options' own rules (e.g. --microbatches without --pp), no devices
 
 
-def setup(args, flags: MeshFlags | None = None, planned: Layout | None = None, default_dp: int = 1) -> Layout:
+def setup(
+    args,
+    flags: MeshFlags | None = None,
+    planned: Layout | None = None,
+    default_dp: int = 1,
+    model: Callable[[], Any] | None = None,
+    replicated: bool = False,
+) -> Layout:
     """Devices, distributed runtime, mesh, in that order, before anything touches a device. A signal
     meanwhile is delivered once they are ready (``deferred_signals``).
 
     Returns the Layout: with --mesh ``planned`` (what ``flag_layout`` returned), its mesh now built;
     else default_dp x (all devices / default_dp), or 1 x (all devices) when default_dp does not divide
     the device count, with ``flags``' options (pp: the outermost axis, the mesh then pp x dp x mp and
-    1 x (devices / pp); cp: dp x cp x mp, mp = devices / (dp x cp)).
+    1 x (devices / pp); cp: dp x cp x mp, mp = devices / (dp x cp)). Without --mesh, ``model`` (the
+    command's ModelConfig, read once the devices exist) makes that default fit the model
+    (``sharding.fit``: a smaller mp, with a note); ``replicated`` (convert: no computation) splits no
+    model dimension: 1 x 1 in one process, (all devices) x 1 over several.
     """
     from meshlm.train.stop import deferred_signals
 
     with deferred_signals():
-        return _setup(args, flags, planned, default_dp)
+        return _setup(args, flags, planned, default_dp, model, replicated)
 
 
-def _setup(args, flags: MeshFlags | None, planned: Layout | None, default_dp: int) -> Layout:
+def checkpoint_model(path):
+    """The ModelConfig of the checkpoint at ``path`` (for ``setup``'s ``model``)."""
+    from meshlm.io.model_io import read_config
+
+    return read_config(path)[0]
+
+
+def _default_layout(flags, default_dp: int, model, replicated: bool) -> Layout:
+    """The Layout without --mesh (``setup``'s doc)."""
+    import jax
+
+    options = flags.layout_options() if flags is not None else {}
+    if replicated:
+        return Layout(dp=1 if jax.process_count() == 1 else jax.device_count(), mp=1)
+    if model is None:
+        return devices_layout(jax.device_count(), options, default_dp)
+    from meshlm.parallel.distributed import print0
+    from meshlm.sharding.fit import fitted_layout
+
+    layout, note = fitted_layout(model(), jax.device_count(), options, default_dp)
+    if note:
+        print0(note, file=sys.stderr)
+    return layout
+
+
+def _setup(
+    args, flags: MeshFlags | None, planned: Layout | None, default_dp: int, model, replicated
+) -> Layout:
     from meshlm.parallel import watchdog
 
     watchdog.check_settings()  # a bad MESHLM_STALL_TIMEOUT: one line before any work
@@ -220,7 +257,6 @@ def _setup(args, flags: MeshFlags | None, planned: Layout | None, default_dp: in
     distributed.initialize(
         args.coordinator, args.num_processes, args.process_id, init_timeout_s=args.init_timeout
     )
-    import jax
 
     from meshlm.parallel.mesh import accelerator_note
 
@@ -229,7 +265,6 @@ def _setup(args, flags: MeshFlags | None, planned: Layout | None, default_dp: in
     if args.mesh:
         layout = planned if planned is not None else flag_layout(args, flags)
     else:
-        options = flags.layout_options() if flags is not None else {}
-        layout = devices_layout(jax.device_count(), options, default_dp)
+        layout = _default_layout(flags, default_dp, model, replicated)
     layout.mesh  # noqa: B018 -- built now (a device-count error before any work)
     return layout

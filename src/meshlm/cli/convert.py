@@ -40,7 +40,7 @@ def _check_out(out: str) -> None:
 
 def run(args) -> int:
     _check_out(args.out)
-    layout = setup(args)
+    layout = setup(args, replicated=True)  # no computation: no model dimension split (no mesh to fit)
     from meshlm.parallel.distributed import print0
 
     if args.base and not args.from_peft:

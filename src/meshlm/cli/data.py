@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
     )
     t.add_argument(
         "--text-field",
-        default="text",
+        default=None,
         help="the field holding the text in JSONL / Parquet / saved-dataset rows (default: text)",
     )
     t.add_argument(
@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
     t.add_argument(
         "--val-fraction",
         type=arg_type(VAL_FRACTION),
-        default=0.05,
+        default=None,
         help=f"validation share, {VAL_FRACTION.describe()}, by file as train --data splits (default 0.05, "
         "train's)",
     )
@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
         "--max-bytes", type=positive_int, default=None, help="cap the corpus at about this many bytes"
     )
     t.add_argument(
-        "--workers", type=non_negative_int, default=0, help="tokenizing processes (0: one per CPU)"
+        "--workers", type=non_negative_int, default=None, help="tokenizing processes (0: one per CPU)"
     )
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
     c = t.add_argument_group("chat SFT (--chat: conversations to tokens and a loss mask, packed)")
@@ -73,7 +73,7 @@ def add_parser(sub) -> None:
     c.add_argument(
         "--train-on",
         choices=TRAIN_ON,
-        default="assistant",
+        default=None,
         help="the tokens the loss counts: assistant turns (default), all, or the last assistant turn",
     )
     c.add_argument(
@@ -85,10 +85,57 @@ def add_parser(sub) -> None:
     c.add_argument(
         "--overlong",
         choices=OVERLONG,
-        default="drop",
+        default=None,
         help="--chat: a conversation longer than a row is dropped (default) or truncated; both counted",
     )
     t.set_defaults(fn=run)
+
+
+# The flags of each kind of data (``check_flags``); --data, --tokenizer, --out and --json are every kind's.
+KINDS = ("text", "chat", "pairs")
+ONLY = {
+    "text_field": ("text",),
+    "max_bytes": ("text",),
+    "workers": ("text",),
+    "val_fraction": ("text", "chat"),  # pairs: about 10% by record (``data.pairs.VAL_FRACTION``)
+    "seq_len": ("chat", "pairs"),
+    "chat_template": ("chat",),
+    "train_on": ("chat",),
+    "overlong": ("chat",),
+}
+DEFAULTS = {
+    "text_field": "text",
+    "workers": 0,
+    "val_fraction": 0.05,
+    "train_on": "assistant",
+    "overlong": "drop",
+}
+
+
+def check_flags(args) -> None:
+    """A flag given for a kind of data it does not apply to is one error (never silently ignored);
+    then the defaults of those not given are filled in."""
+    from meshlm.errors import ConfigError
+
+    if args.chat and args.pairs:
+        raise ConfigError(
+            "--chat and --pairs are two kinds of data: --chat for conversations (SFT), --pairs for "
+            "preference pairs (DPO); pass one"
+        )
+    kind = "pairs" if args.pairs else "chat" if args.chat else "text"
+    for name, kinds in ONLY.items():
+        if getattr(args, name) is not None and kind not in kinds:
+            raise ConfigError(f"--{name.replace('_', '-')} {_applies(kinds)}, not to {_data(kind)}; drop it")
+        if getattr(args, name) is None and name in DEFAULTS:
+            setattr(args, name, DEFAULTS[name])
+
+
+def _data(kind: str) -> str:
+    return "a text corpus (no --chat, no --pairs)" if kind == "text" else f"--{kind} data"
+
+
+def _applies(kinds) -> str:
+    return "applies to " + " and ".join(map(_data, kinds))
 
 
 def run(args) -> int:
@@ -101,6 +148,7 @@ def run(args) -> int:
     # store is not "interrupted" nor its lock "not empty": its owner is named.
     check_free(Path(args.out))
     check_out(args.out, ignore=(LOCK_FILE,))
+    check_flags(args)
     if args.pairs:
         return run_pairs(args)
     if args.chat:
@@ -230,6 +278,11 @@ def run_pairs(args) -> int:
     render = renderer_for(tok, args.tokenizer)
     index = prepare_pairs(args.data, render, Path(args.out), args.seq_len)
     train, val = (index["splits"][s]["pairs"] for s in ("train", "val"))
+    if args.json:
+        print(
+            json.dumps({"out": args.out, "train_pairs": train, "val_pairs": val, "dropped": index["dropped"]})
+        )
+        return 0
     print(
         f"prepared {train} + {val} pairs ({index['dropped']} dropped: longer than --seq-len "
         f"{args.seq_len}), rendered as {render.rule}: {args.out}",

@@ -13,6 +13,7 @@ from meshlm.cli.common import (
     ANY_MESH,
     add_common,
     add_flags,
+    checkpoint_model,
     flag_layout,
     refuse_options,
     settings_from,
@@ -46,7 +47,7 @@ def run(args) -> int:
         if ecfg.seq_len:
             planned.check_seq_len(ecfg.seq_len)
     check_split(ecfg)  # before devices start
-    layout = setup(args, flags, planned)
+    layout = setup(args, flags, planned, model=lambda: checkpoint_model(ecfg.checkpoint))
     from meshlm.parallel.distributed import print0
     from meshlm.train.evaluation import evaluate
 

@@ -17,6 +17,7 @@ from meshlm.cli.common import (
     ANY_MESH,
     add_common,
     add_flags,
+    checkpoint_model,
     non_negative_float,
     non_negative_int,
     positive_int,
@@ -146,7 +147,7 @@ def run(args) -> int:
         from meshlm.generate.speculative import check_speculative_run
 
         check_speculative_run(args.temperature)
-    layout = setup(args, flags)
+    layout = setup(args, flags, model=lambda: checkpoint_model(args.checkpoint))
     from meshlm.generate.generator import cache_memory
     from meshlm.io.model_io import read_config
     from meshlm.parallel.distributed import is_main, print0

@@ -24,10 +24,16 @@ def add_parser(sub) -> None:
     p.set_defaults(fn=run)
 
 
+def _config(name: str):
+    from meshlm.model.config import get_config
+
+    return get_config(name)
+
+
 def run(args) -> int:
     flags = settings_from(args, MeshFlags)
     refuse_options(args, flags, "memory", REFUSED, " (meshlm plan counts it)")
-    layout = setup(args, flags)
+    layout = setup(args, flags, model=lambda: _config(args.config))
     dp, mp = layout.dp, layout.mp
     from meshlm.model.config import get_config
     from meshlm.perf.memory import memory_report

@@ -8,7 +8,15 @@ import json
 import os
 from pathlib import Path
 
-from meshlm.cli.common import add_common, add_flags, argparse_type, flag_layout, settings_from, setup
+from meshlm.cli.common import (
+    add_common,
+    add_flags,
+    argparse_type,
+    checkpoint_model,
+    flag_layout,
+    settings_from,
+    setup,
+)
 from meshlm.errors import ConfigError
 from meshlm.parallel.axes import PP
 from meshlm.perf.plan_settings import DEFAULT_CONFIG, PlanCommand
@@ -59,7 +67,7 @@ def run(args) -> int:
     if planned and args.devices is None:  # nothing runs: as many fake devices as the mesh needs
         args.devices = planned.devices
     _fast_compiles()
-    layout = setup(args, pc, planned)
+    layout = setup(args, pc, planned, model=lambda: model[0] if model else checkpoint_model(pc.checkpoint))
     from meshlm.perf.plan_report import format_plan
     from meshlm.perf.plan_search import plan
 

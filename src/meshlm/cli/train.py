@@ -58,7 +58,8 @@ def _run(args, stop: Stop) -> int:
             from meshlm.sharding.rules import check_uniform_stack  # imports JAX: here
 
             check_uniform_stack(cfg, planned)
-    layout = setup(args, tcfg, planned, default_dp=DEFAULT_DP)  # the run uses this Layout as it is
+    # the run uses this Layout as it is; without --mesh fitted to the run's model (``sharding.fit``)
+    layout = setup(args, tcfg, planned, default_dp=DEFAULT_DP, model=lambda: _model(tcfg))
     stop.check_startup()
     from meshlm.parallel.distributed import print0
     from meshlm.perf.train_run import train
@@ -70,6 +71,13 @@ def _run(args, stop: Stop) -> int:
         _print_summary(summary, print0)
     # 0 only for a finished run: interrupted (and saved) is 128 + the signal, as a shell reports it.
     return 128 + signal.Signals[summary["interrupted"]] if "interrupted" in summary else 0
+
+
+def _model(tcfg: TrainConfig):
+    """The run's model (``train.run.run_model``: the preset's, or --checkpoint's own)."""
+    from meshlm.train.run import run_model
+
+    return run_model(tcfg)[1]
 
 
 def _preset_checks(tcfg: TrainConfig):

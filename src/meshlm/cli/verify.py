@@ -153,7 +153,7 @@ def _matrix(args, vs: VerifySettings, axes: tuple[str, ...]) -> int:
 
 
 def _verify(args, vs: VerifySettings, planned) -> int:
-    layout = setup(args, vs, planned)
+    layout = setup(args, vs, planned, model=lambda: _model_config(vs))
     import jax
 
     from meshlm.parallel.distributed import print0

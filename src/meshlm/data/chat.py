@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from meshlm.data.hf_tokenizer import HFTokenizer
+from meshlm.data.record_check import what
 from meshlm.errors import DataError
 
 TRAIN_ON = ("assistant", "all", "last")  # which tokens a conversation trains on (``--train-on``)
@@ -120,8 +121,13 @@ class ChatTemplate:
             out = self.template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **self.specials
             )
-        except jinja2.exceptions.TemplateError as e:
-            raise DataError(f"the chat template refused a conversation: {e}") from None
+        except jinja2.exceptions.TemplateError as e:  # the template's raise_exception, or its syntax
+            raise DataError(f"the chat template refused the conversation: {e}") from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:  # in its expressions
+            raise DataError(
+                f"the chat template failed on the conversation ({type(e).__name__}: {e}); check its "
+                "messages against what the template expects"
+            ) from None
         text, spans, pos = [], [], 0
         for part in re.split(f"({GEN}|{END})", out):
             if part == GEN:
@@ -151,10 +157,19 @@ class ChatTemplate:
             spans.append((len(prompt), len(turn)))
         return spans
 
-    def encode(self, messages: list[dict], train_on: str = "assistant") -> tuple[np.ndarray, np.ndarray]:
-        """(ids int32 [n], loss mask uint8 [n]) of one conversation: 1 on the tokens it trains on."""
+    def encode(
+        self, messages: list[dict], train_on: str = "assistant", where: str | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int32 [n], loss mask uint8 [n]) of one conversation: 1 on the tokens it trains on. An
+        error names ``where`` (the record's FILE:LINE) when given."""
         if train_on not in TRAIN_ON:
             raise DataError(f"--train-on {train_on!r}: choose one of {', '.join(TRAIN_ON)}")
+        try:
+            return self._encode(messages, train_on)
+        except DataError as e:
+            raise DataError(f"{where}: {e}" if where else str(e)) from None
+
+    def _encode(self, messages: list[dict], train_on: str) -> tuple[np.ndarray, np.ndarray]:
         full, marked = self.render(messages)
         enc = self.tok.tok.encode(full, add_special_tokens=False)
         ids = np.asarray(enc.ids, np.int32)
@@ -162,8 +177,10 @@ class ChatTemplate:
             return ids, np.ones(len(ids), np.uint8)
         spans = marked if self.has_generation else self.prefix_spans(messages, full)
         if not spans:
+            roles = ", ".join(str(m.get("role")) for m in messages)
             raise DataError(
-                "a conversation has no assistant turn to train on; leave it out or use --train-on all"
+                f"a conversation with no assistant turn to train on (its roles: {roles}); leave it out "
+                "or use --train-on all"
             )
         spans = spans[-1:] if train_on == "last" else spans
         offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)  # [n, 2] characters of each token
@@ -173,25 +190,86 @@ class ChatTemplate:
         return ids, mask
 
 
-def conversation(row: dict, where: str) -> list[dict]:
-    """A record's messages: ``messages`` [{role, content}], or a prompt/completion pair (strings, or
-    lists of messages as trl's conversational form)."""
-    if isinstance(row.get("messages"), list):
-        messages = row["messages"]
-    elif "prompt" in row and "completion" in row:
-        prompt, completion = row["prompt"], row["completion"]
-        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        completion = (
-            [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
-        )
-        messages = (
-            [*prompt, *completion] if isinstance(prompt, list) and isinstance(completion, list) else None
-        )
-    else:
-        messages = None
-    if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-        raise DataError(
-            f"{where} is not a conversation: give each record `messages` (a list of {{role, content}}) "
-            "or `prompt` and `completion`"
-        )
+def conversation(row, where: str, train_on: str | None = None) -> list[dict]:
+    """A record's messages (``conversation_problem``); a bad record is one error naming ``where``."""
+    messages, problem = conversation_problem(row, train_on)
+    if problem is not None:
+        raise DataError(f"{where}: {problem}")
     return messages
+
+
+def conversation_problem(row, train_on: str | None = None) -> tuple[list[dict] | None, str | None]:
+    """(messages, None) of a record -- ``messages`` [{role, content}], or a prompt/completion pair
+    (strings, or lists of messages as trl's conversational form) -- each content a string (text-only
+    content parts joined: ``text_of``); else (None, what is wrong). With ``train_on`` other than
+    "all", a conversation without an assistant turn is wrong too (its roles named)."""
+    if not isinstance(row, dict):
+        return None, f"is {what(row)}, not an object; {SHAPE}"
+    if "messages" in row:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            return None, f"its `messages` is {what(messages)}, not a list of messages; {SHAPE}"
+    elif "prompt" in row and "completion" in row:
+        parts = []
+        for key, role in (("prompt", "user"), ("completion", "assistant")):
+            value = row[key]
+            if not isinstance(value, str | list):
+                return None, f"its `{key}` is {what(value)}, not a string or a list of messages; {SHAPE}"
+            parts += [{"role": role, "content": value}] if isinstance(value, str) else value
+        messages = parts
+    else:
+        fields = ", ".join(map(str, row)) or "none"
+        return None, f"is not a conversation (its fields: {fields}); {SHAPE}"
+    out = []
+    for i, m in enumerate(messages):
+        message, problem = _message(m, i)
+        if problem is not None:
+            return None, problem
+        out.append(message)
+    roles = [m["role"] for m in out]
+    if train_on not in (None, "all") and "assistant" not in roles:
+        return None, (
+            f"a conversation with no assistant turn to train on (its roles: {', '.join(roles)}); "
+            "leave it out or use --train-on all"
+        )
+    return out, None
+
+
+SHAPE = (
+    "give each record `messages` (a list of {role, content} with string values) or `prompt` and `completion`"
+)
+
+
+def _message(m, i: int) -> tuple[dict | None, str | None]:
+    """(message with a string content, None), or (None, what is wrong with message ``i``)."""
+    if not isinstance(m, dict):
+        return None, f"message {i} is {what(m)}, not an object with `role` and `content`; {SHAPE}"
+    missing = [k for k in ("role", "content") if k not in m]
+    if missing:
+        return None, f"message {i} has no `{missing[0]}` (its fields: {', '.join(map(str, m))}); {SHAPE}"
+    if not isinstance(m["role"], str) or not m["role"]:
+        return None, f'message {i}\'s role is {what(m["role"])}, not a role name such as "user"; {SHAPE}'
+    content, problem = text_of(m["content"])
+    if problem is not None:
+        return None, f"message {i} ({m['role']}): {problem}"
+    return {**m, "content": content}, None
+
+
+def text_of(content) -> tuple[str | None, str | None]:
+    """A message's content as text: a string as it is; OpenAI-style content parts that are all text
+    ([{"type": "text", "text": ...}]) joined with newlines (vLLM's "string" content format), so that
+    every template sees the string it renders for a plain message; else (None, what is wrong)."""
+    if isinstance(content, str):
+        return content, None
+    fix = 'give a string, or a list of {"type": "text", "text": STRING} parts'
+    if not isinstance(content, list) or not content:
+        return None, f"content is {what(content)}; {fix}"
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            found = f"of type {kind!r}" if kind is not None else what(part)
+            why = " (only text is trained on)" if isinstance(kind, str) and kind != "text" else ""
+            return None, f"content part {j} is {found}{why}; {fix}"
+        texts.append(part["text"])
+    return "\n".join(texts), None

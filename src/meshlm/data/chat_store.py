@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from meshlm.data.chat import ChatTemplate, conversation, template_source
+from meshlm.data.chat import ChatTemplate, conversation_problem, template_source
+from meshlm.data.record_check import Problems
 from meshlm.data.records import ARROW_SUFFIXES, JSONL_SUFFIXES, _jsonl_stream, row_is_val
 from meshlm.data.store import (
     FORMAT,
@@ -44,24 +45,42 @@ from meshlm.errors import DataError
 OVERLONG = ("drop", "truncate")
 
 
-def read_records(path: Path):
-    """(where, row dict) of each record of a JSONL or Parquet/Arrow file."""
+def read_records(path: Path, kind: str = "--chat reads"):
+    """(where, record) of each record of a JSONL or Parquet/Arrow file: where is ``FILE:LINE`` (JSONL)
+    or ``FILE row N`` (``data.record_check``); a JSONL line may hold any JSON value (the caller checks
+    it). ``kind`` begins the error for a file of another kind ("--chat reads")."""
     name = path.name.lower()
     if name.endswith(JSONL_SUFFIXES):
         with open(path, "rb") as raw, _jsonl_stream(path, raw) as lines:
             for lineno, line in enumerate(lines, 1):
                 if line.strip():
                     try:
-                        yield f"{path} line {lineno}", json.loads(line)
+                        yield f"{path}:{lineno}", json.loads(line)
                     except ValueError as e:
-                        raise DataError(f"{path} line {lineno} is not JSON ({e}); fix it") from None
+                        raise DataError(f"{path}:{lineno}: not JSON ({e}); fix the line") from None
     elif name.endswith(ARROW_SUFFIXES):
         import pyarrow.parquet as pq
 
         for i, row in enumerate(pq.read_table(path).to_pylist()):
             yield f"{path} row {i}", row
     else:
-        raise DataError(f"--chat reads .jsonl(.gz/.zst), .parquet or .arrow conversations, not {path}")
+        raise DataError(f"{kind} .jsonl(.gz/.zst), .parquet or .arrow files of records, not {path}")
+
+
+def read_conversations(paths, train_on: str) -> list[tuple[str, list[dict], bytes]]:
+    """(where, messages, the record's sha1 key) of every record of ``paths``, all checked before any is
+    tokenized: every bad record is found, and named in one error (``record_check.Problems``)."""
+    problems, out = Problems("conversations"), []
+    for path in map(Path, paths):
+        for where, row in read_records(path):
+            problems.seen += 1
+            messages, problem = conversation_problem(row, train_on)
+            if problem is not None:
+                problems.add(where, problem)
+            elif not problems.found:  # the rest is only looked at, not kept
+                out.append((where, messages, json.dumps(row, sort_keys=True).encode("utf-8")))
+    problems.check()
+    return out
 
 
 class Packer:
@@ -143,18 +162,24 @@ def prepare_chat(
     if overlong not in OVERLONG:
         raise DataError(f"--overlong {overlong!r}: choose one of {', '.join(OVERLONG)}")
     tok = template.tok
+    packers = {name: Packer(seq_len + 1, tok.eod_id, overlong) for name in SPLITS}
+    problems = Problems("conversations")
+    records = read_conversations(paths, train_on)  # every record checked before any is tokenized
+    problems.seen = len(records)
+    for where, messages, key in records:  # the template's own refusals, all found before any write
+        try:
+            ids, mask = template.encode(messages, train_on)
+        except DataError as e:
+            problems.add(where, str(e))
+            continue
+        packers["val" if row_is_val(key, val_fraction) else "train"].add(ids, mask)
+    problems.check()
     out.mkdir(parents=True, exist_ok=True)
     write_marker(out)
     (out / TOKENIZER_JSON).write_text(tok.to_json(), encoding="utf-8")
     (out / "tokenizer_config.json").write_text(
         json.dumps({"eos_token": tok.eod_token}) + "\n", encoding="utf-8"
     )
-    packers = {name: Packer(seq_len + 1, tok.eod_id, overlong) for name in SPLITS}
-    for path in map(Path, paths):
-        for where, row in read_records(path):
-            ids, mask = template.encode(conversation(row, where), train_on)
-            key = json.dumps(row, sort_keys=True).encode("utf-8")
-            packers["val" if row_is_val(key, val_fraction) else "train"].add(ids, mask)
     dtype = store_dtype(tok.vocab_size)
     splits = {name: _write_split(out, name, packers[name], dtype) for name in SPLITS}
     if not splits["train"]["masked_tokens"]:

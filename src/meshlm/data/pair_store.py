@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from meshlm.data.pairs import PairRows, Renderer, encode_pairs, read_pairs
-from meshlm.data.store import tokenizer_entry
+from meshlm.data.store import PAIR_FORMAT, tokenizer_entry
 from meshlm.errors import DataError
 
-FORMAT = "meshlm-pairs-1"
+FORMAT = PAIR_FORMAT
 INDEX = "index.json"
 SPLITS = ("train", "val")
 

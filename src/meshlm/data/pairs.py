@@ -26,13 +26,17 @@ This module must not import jax: it runs before the CLI has chosen the devices.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from meshlm.data.chat_store import read_records
+from meshlm.data.record_check import SHOWN, Problems, what
 from meshlm.data.records import row_is_val
+from meshlm.data.store import FORMAT as STORE_FORMAT
+from meshlm.data.store import PAIR_FORMAT
 from meshlm.errors import DataError
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -97,34 +101,96 @@ class PairRows:
         return out
 
 
+MAKE_PAIRS = (
+    "--objective dpo trains on preference pairs: JSONL or Parquet records of `prompt`, `chosen` and "
+    "`rejected` strings, or a store made from them by `meshlm data prepare --pairs --tokenizer DIR "
+    "--data pairs.jsonl --seq-len N --out STORE`"
+)
+
+
 def read_pairs(paths) -> list[tuple[str, dict]]:
-    """(where, record) of every pair in ``paths``; a record without the three strings is one error."""
-    out = []
+    """(where, record) of every pair in ``paths``, all checked before any is tokenized: data of another
+    kind (a token or chat store, text, conversations) is one error naming the kind DPO needs and how to
+    make it; bad records are one error naming each (``record_check.Problems``). Pairs whose chosen
+    equals their rejected are counted in one warning (their loss is log 2 whatever the weights: no
+    gradient, nothing learned)."""
+    problems, out = Problems("records"), []
     for path in map(Path, paths):
-        if not path.is_file():
-            raise DataError(f"--data {path}: no such file; DPO takes JSONL or Parquet files of pairs")
-        for where, row in read_records(path):
-            if not all(isinstance(row.get(k), str) for k in FIELDS):
-                raise DataError(
-                    f"{where} is not a preference pair: give it `prompt`, `chosen` and `rejected` strings"
-                )
-            out.append((where, row))
+        _check_pair_file(path)
+        for where, row in read_records(path, "--objective dpo reads"):
+            problems.seen += 1
+            problem = pair_problem(row)
+            if problem is None:
+                out.append((where, row))
+            else:
+                problems.add(where, problem)
     if not out:
-        raise DataError(f"--data {' '.join(map(str, paths))}: no preference pair in it")
+        first = problems.found[0][1].split("; give it")[0] if problems.found else ""
+        found = f" (at {problems.found[0][0]}: {first})" if problems.found else ""
+        raise DataError(f"--data {' '.join(map(str, paths))} holds no preference pair{found}; {MAKE_PAIRS}")
+    problems.check()
+    same = [where for where, row in out if row["chosen"] == row["rejected"]]
+    if same:
+        at = ", ".join(same[:SHOWN]) + (f" and {len(same) - SHOWN} more" if len(same) > SHOWN else "")
+        warnings.warn(
+            f"{len(same)} of {len(out)} preference pairs have `chosen` equal to `rejected` ({at}): "
+            "their DPO loss is constant, so they teach nothing; fix or leave them out",
+            stacklevel=2,
+        )
     return out
+
+
+def pair_problem(row) -> str | None:
+    """What is wrong with a record as a preference pair (each field's finding), or None."""
+    if not isinstance(row, dict):
+        return f"is {what(row)}, not an object with `prompt`, `chosen` and `rejected` strings"
+    bad = [
+        f"`{k}` is {what(row[k])}" if k in row else f"no `{k}`"
+        for k in FIELDS
+        if not isinstance(row.get(k), str)
+    ]
+    if not bad:
+        return None
+    kind = " (a conversation: SFT data, `data prepare --chat`)" if "messages" in row else ""
+    fields = ", ".join(map(str, row)) or "none"
+    return (
+        f"not a preference pair{kind}: {', '.join(bad)} (its fields: {fields}); give it `prompt`, "
+        "`chosen` and `rejected` strings"
+    )
+
+
+def _check_pair_file(path: Path) -> None:
+    """A --data path that cannot hold pairs: a missing file, or a token or chat store (its kind named)."""
+    if path.is_dir():
+        index = path / "index.json"
+        fmt = json.loads(index.read_text(encoding="utf-8")).get("format") if index.is_file() else None
+        kind = {
+            STORE_FORMAT: "a token store (`meshlm data prepare`, with --chat a chat store)",
+            PAIR_FORMAT: "a pair store: pass it alone as --data (`train --objective dpo --data STORE`)",
+        }.get(fmt, "a directory")
+        raise DataError(f"--data {path} is {kind}, not preference pairs; {MAKE_PAIRS}")
+    if not path.is_file():
+        raise DataError(f"--data {path}: no such file; {MAKE_PAIRS}")
 
 
 def encode_pairs(records, render: Renderer, seq_len: int, eod: int) -> tuple[PairRows, PairRows, int]:
     """(train rows, validation rows, pairs dropped) of ``records`` (``read_pairs``)."""
     splits: dict[bool, list] = {False: [], True: []}
     dropped = 0
-    for _, row in records:
-        encoded = [render(row["prompt"], row[k]) for k in ("chosen", "rejected")]
+    problems = Problems("preference pairs")
+    problems.seen = len(records)
+    for where, row in records:
+        try:
+            encoded = [render(row["prompt"], row[k]) for k in ("chosen", "rejected")]
+        except DataError as e:  # the chat template's refusal: every pair's found, then one error
+            problems.add(where, str(e))
+            continue
         if any(len(ids) > seq_len + 1 or not mask[1:].any() for ids, mask in encoded):
             dropped += 1
             continue
         key = json.dumps(row, sort_keys=True).encode("utf-8")
         splits[row_is_val(key, VAL_FRACTION)].append(encoded)
+    problems.check()
     train, val = splits[False], splits[True]
     if len(train) + len(val) < 2:
         raise DataError(

@@ -40,6 +40,7 @@ from meshlm.data.tokenizer import Tokenizer
 from meshlm.errors import DataError
 
 FORMAT = "meshlm-token-store-v1"
+PAIR_FORMAT = "meshlm-pairs-1"  # a pair store's (``data.pair_store``): refused here, by name
 INDEX = "index.json"
 MARKER = ".meshlm-token-store"  # written first; hidden, so never read as text
 TOKENIZER_JSON = "tokenizer.json"
@@ -210,6 +211,12 @@ def _read_index(directory: Path) -> dict:
         index = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise _damaged(directory, f"{INDEX} is not readable JSON ({' '.join(str(e).split())})") from None
+    if isinstance(index, dict) and index.get("format") == PAIR_FORMAT:
+        raise DataError(
+            f"{directory} is a pair store (`meshlm data prepare --pairs`): preference pairs, which only "
+            "`train --objective dpo` trains on; for language-model or chat SFT training prepare text "
+            "(`meshlm data prepare`) or conversations (`meshlm data prepare --chat`)"
+        )
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         got = index.get("format") if isinstance(index, dict) else type(index).__name__
         raise _damaged(directory, f"{INDEX} has format {got!r}, not {FORMAT!r}")

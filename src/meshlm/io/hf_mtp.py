@@ -6,11 +6,14 @@ whole decoder layer of the main kind (its attention, MoE and norms under the lay
 (``embed_tokens``) and the output head (``shared_head.head``). transformers drops these tensors on
 load; ``meshlm convert`` reads them from the safetensors (the copies must equal the model's own: meshlm
 shares one table and one head) and ``export`` writes them all back, the copies included (vLLM and
-SGLang read them).
+SGLang read them). transformers also saves none: a checkpoint it wrote (config.json still saying
+``num_nextn_predict_layers``) converts without multi-token prediction, with one warning
+(``without_absent``); one holding some depths but not all is refused.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -44,16 +47,31 @@ def names(cfg, in_stack) -> dict[str, tuple[list[str], str]]:
     return out
 
 
+def without_absent(cfg, tensors: dict, directory: Path):
+    """``cfg`` without multi-token prediction when the weights hold none of its depths' tensors (a
+    checkpoint transformers saved: it drops them), said in one warning; else ``cfg``."""
+    prefixes = _prefixes(cfg)
+    if not prefixes or any(name.startswith(tuple(prefixes)) for name in tensors):
+        return cfg
+    warnings.warn(
+        f"{directory}: config.json has num_nextn_predict_layers={cfg.mtp_layers} but the weights have no "
+        f"{prefixes[0]}* tensors (transformers drops the MTP layers on save): converting without "
+        "multi-token prediction (the checkpoint has no MTP depth; --mtp-weight is refused on it)",
+        stacklevel=2,
+    )
+    return cfg.replace(mtp_layers=0, mtp_weight=0.0)
+
+
 def drop_copies(cfg, tensors: dict, names_of: dict, directory: Path) -> None:
     """Remove each depth's copies of the embedding table and the head from ``tensors``, refusing a copy
-    that differs from the model's own, and a checkpoint without any of its MTP tensors (transformers
-    saves none)."""
+    that differs from the model's own, and a checkpoint with some of its depths' tensors but not all
+    (none at all: ``without_absent``)."""
     for prefix in _prefixes(cfg):
         if not any(name.startswith(prefix) for name in tensors):
             raise CheckpointError(
                 f"{directory}: config.json has num_nextn_predict_layers={cfg.mtp_layers} but the weights "
-                f"have no {prefix}* tensors (transformers drops them on save): set num_nextn_predict_layers "
-                "to 0 in config.json to convert without multi-token prediction"
+                f"have no {prefix}* tensors, though they have another depth's: restore them, or set "
+                "num_nextn_predict_layers to the depths the weights hold"
             )
         for path, name in COPIES.items():
             copy = tensors.pop(prefix + name, None)

@@ -275,6 +275,7 @@ def load_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     except ConfigError as e:  # name the file: the user edits it, not meshlm's ModelConfig
         raise ConfigError(f"{config_path}: {e}") from None
     tensors, hf = _read_tensors(directory), cfg.arch.hf
+    cfg = hf_mtp.without_absent(cfg, tensors, directory)  # transformers' own save: no MTP tensors
     mxfp4.dequantise_all(tensors)  # gpt-oss's MXFP4 experts: the float values transformers uses
     if cfg.tie_embeddings:
         _untie(cfg, tensors, directory)

@@ -41,7 +41,8 @@ def check_mtp(cfg) -> None:
     if cfg.mtp_weight and not cfg.mtp_layers:
         raise ConfigError(
             f"mtp_weight={cfg.mtp_weight} needs multi-token prediction layers (mtp_layers >= 1: "
-            "num_nextn_predict_layers); this model has none: drop --mtp-weight or set it to 0"
+            "num_nextn_predict_layers); this model has none (a DeepSeek-V3 that transformers saved converts "
+            "without them): drop --mtp-weight or set it to 0"
         )
     if cfg.mtp_layers and (not cfg.arch.attention or cfg.arch.norm is None or cfg.full_attn_every):
         raise ConfigError(
