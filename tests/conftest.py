@@ -45,8 +45,10 @@ SLOW_FIRST = (
     # the slow tier's longest (every control traced on 42 configurations, ~10 CPU-min): xdist cannot split
     # a file, so it goes first; in the quick tier it holds two short checks
     "test_every_control.py",
-    # the quick tier's longest (every documented command, one workspace: ~5 CPU-min), then the proofs
+    # the quick tier's longest (the documented commands, ~5 CPU-min together: split by concern in two,
+    # the tools' that read presets only apart from those sharing a workspace of inputs), then the proofs
     "test_docs_commands.py",
+    "test_docs_tool_commands.py",
     "test_prover.py",
     "test_plain.py",
     "test_core.py",

@@ -14,7 +14,6 @@ MESHLM_DOCS_ALL=1 where its entry names the test that proves its code path: all 
 import gzip
 import json
 import os
-import shlex
 import shutil
 from pathlib import Path
 
@@ -22,12 +21,16 @@ import jax
 import pytest
 from docs_commands import COMMANDS, Run, Shown
 from docs_extract import ROOT, doc_commands, page_commands, python_blocks
-from helpers import TEXT, run_cli, run_meshlm, write_corpus
+from docs_run import TOOLS, Workspace, check_entry, run_entry
+from helpers import TEXT, run_cli, write_corpus
 from test_chat_sft import chat_tokenizer_dir
 
 DOCS = doc_commands()
 FIRST = {c.text: c.where for c in reversed(DOCS)}  # the page:line that shows a command first: its test id
 RUNS = [text for text in dict.fromkeys(c.text for c in DOCS) if isinstance(COMMANDS.get(text), Run)]
+# The measuring and planning tools' commands (bench, plan, memory, configs) read presets only: they run
+# in tests/test_docs_tool_commands.py, without this file's workspace of inputs.
+RUNS = [text for text in RUNS if text.split()[1] not in TOOLS]
 
 
 def test_every_documented_command_is_run_or_shown():
@@ -69,80 +72,6 @@ def test_shown_only_says_why_and_substitutions_apply():
         for after in entry.after:
             assert after.startswith("meshlm "), after
         assert not entry.costly or os.path.exists(ROOT / entry.costly.split("::")[0]), entry.costly
-
-
-def _argv(text: str, entry: Run, loop: tuple) -> list[str]:
-    for old, new in (*entry.subs, *loop):
-        text = text.replace(old, new, 1)
-    return shlex.split(f"{text} {entry.add}")[1:]
-
-
-def _flag(argv: list[str], name: str) -> str | None:
-    return argv[argv.index(name) + 1] if name in argv[:-1] else None
-
-
-MESH_COMMANDS = ("train", "verify", "generate", "eval", "convert", "bench", "plan", "memory")
-
-
-def _with_default_mesh(argv: list[str]) -> list[str]:
-    """In this process (8 devices) a command without --mesh is given the mesh its default picks on its
-    --devices (default 4): dp x (devices / (pp dp cp)), dp 2 for train where it divides (cli/common.py)."""
-    if argv[0] not in MESH_COMMANDS or "--mesh" in argv or "--help" in argv or "--matrix" in argv:
-        return argv
-    n = int(_flag(argv, "--devices") or 4) // int(_flag(argv, "--pp") or 1)
-    cp = int(_flag(argv, "--cp") or 1)
-    dp = 2 if argv[0] == "train" and "--pp" not in argv and n % (2 * cp) == 0 else 1
-    return [*argv, "--mesh", f"{dp}x{max(n // (dp * cp), 1)}"]
-
-
-class Workspace:
-    """The directory the commands run in, and each command line's result (argv -> (code, output))."""
-
-    def __init__(self, root: Path):
-        self.root, self.results = root, {}
-
-    def run(self, argv: list[str], capfd) -> tuple[int, str]:
-        devices = int(_flag(argv, "--devices") or 0)
-        in_process = devices <= len(jax.devices())
-        if in_process:
-            argv = _with_default_mesh(argv)
-        key = tuple(argv)
-        if in_process and "--mesh" in argv and "--devices" in argv:  # the devices are this process's
-            i = argv.index("--devices")
-            key = tuple(argv[:i] + argv[i + 2 :])
-        if key not in self.results:
-            self._clear_out(argv)
-            self.results[key] = self._in_process(argv, capfd) if in_process else self._subprocess(argv)
-        return self.results[key]
-
-    def _clear_out(self, argv: list[str]) -> None:
-        """A command writes a new --out (train's default: runs/main): one left by a rerun is removed."""
-        if "--settings" in argv and not _flag(argv, "--out"):  # a run's own settings.toml: it resumes
-            return
-        out = _flag(argv, "--out") or ("runs/main" if argv[:1] == ["train"] else None)
-        path = self.root / out if out else None
-        if path is not None and path.is_dir():
-            shutil.rmtree(path)
-        elif path is not None and path.exists():
-            path.unlink()
-
-    def _in_process(self, argv: list[str], capfd) -> tuple[int, str]:
-        capfd.readouterr()
-        cwd = os.getcwd()
-        os.chdir(self.root)
-        try:
-            code = run_cli(*argv)
-        except SystemExit as e:  # --help
-            code = e.code
-        finally:
-            os.chdir(cwd)
-            jax.config.update("jax_enable_x64", False)  # --x64 sets it for the process
-        out, err = capfd.readouterr()
-        return code, out + err
-
-    def _subprocess(self, argv: list[str]) -> tuple[int, str]:
-        done = run_meshlm(*argv, cwd=self.root, timeout=600)
-        return done.returncode, done.stdout + done.stderr
 
 
 def _hf_llama(directory: Path) -> None:
@@ -262,26 +191,10 @@ def workspace(tmp_path_factory):
     return Workspace(root)
 
 
-def _run(workspace, text: str, capfd) -> list[tuple[list[str], int, str]]:
-    entry = COMMANDS[text]
-    for after in entry.after:
-        if isinstance(COMMANDS.get(after), Run):
-            _run(workspace, after, capfd)
-        else:
-            workspace.run(shlex.split(after)[1:], capfd)
-    return [(argv, *workspace.run(argv, capfd)) for argv in (_argv(text, entry, loop) for loop in entry.each)]
-
-
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("text", RUNS, ids=[FIRST[text] for text in RUNS])
 def test_documented_command_runs(workspace, text, capfd, children_import_meshlm):
-    entry = COMMANDS[text]
-    if entry.costly and not os.environ.get("MESHLM_DOCS_ALL"):
-        pytest.skip(f"over the budget (MESHLM_DOCS_ALL=1 runs it); its code path: {entry.costly}")
-    for argv, code, output in _run(workspace, text, capfd):
-        assert code == entry.code, f"meshlm {shlex.join(argv)}: exit {code}\n{output[-3000:]}"
-        for want in entry.expect:
-            assert want in output, f"meshlm {shlex.join(argv)}: no {want!r} in\n{output[-3000:]}"
+    check_entry(workspace, text, capfd)
 
 
 @pytest.mark.filterwarnings("ignore")
@@ -290,7 +203,7 @@ def test_finetuning_python_loads_the_peft_export_in_transformers_and_chats(works
     loads the export onto the transformers model (its trained adapters, B != 0) and generates."""
     peft = pytest.importorskip("peft")
     export = "meshlm convert --to-peft runs/qwen3-lora --out runs/qwen3-peft"
-    assert all(code == 0 for _, code, _ in _run(workspace, export, capfd))
+    assert all(code == 0 for _, code, _ in run_entry(workspace, export, capfd))
     (block,) = python_blocks(ROOT / "docs" / "finetuning.md")
     names: dict = {}
     cwd = os.getcwd()

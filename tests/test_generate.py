@@ -319,7 +319,11 @@ def test_cli_json_stream_and_missing_checkpoint(tmp_path, capsys):
 def test_bench_generation_reports_throughput():
     cfg, gen = get_config("tiny-gptj"), generator("tiny-gptj", 1, 1)
     out = bench_generation(cfg, gen.params, gen.mesh, batch=2, prompt_len=54, new_tokens=10)
-    assert set(out) == {"prefill_tokens_per_s", "decode_tokens_per_s"} and min(out.values()) > 0
+    assert set(out) == {"prefill_tokens_per_s", "decode_tokens_per_s", "decode_bytes_per_device"}
+    assert min(out.values()) > 0
+    # what a decode step reads on the one device: every parameter and the whole cache (64 slots a row)
+    weights = sum(x.nbytes for x in jax.tree.leaves(gen.params))
+    assert out["decode_bytes_per_device"] == weights + cache_bytes(cfg, gen.mesh, 2, 64)["per_device"]
 
 
 # Exactly the tiny-gptj / tiny-llama presets, so these reuse the programs compiled above.
