@@ -64,3 +64,27 @@ def test_a_fault_in_the_step_is_not_excused():
     reference, sharded = _run(G), _run(G_OTHER, lr_scale=1 + 1e-6)
     result = _compare(sharded, reference)
     assert not result.ok and result.tol_ratio > 10, result
+
+
+def test_a_relative_error_above_rtol_passed_by_the_absolute_floor_is_marked():
+    """Issue 59: proofs printed OK with a worst relative error of 1.4e-12 – 2.4e-12 against the README's
+    1e-12: AdamW's second moments (max|r| ~1e-4, (1 - b2) g^2) compared within 1e-15 + 1e-12 max|r|, where
+    the absolute 1e-15 decides. Such a row reads PASS+ with a footnote (its relative error and scale); a
+    leaf of scale 1 with the same relative error fails; one within rtol reads PASS."""
+    from meshlm.proof.report import LeafResult, Report, format_report
+
+    rows = {}
+    for path, scale in (("small/nu", 1e-4), ("large/w", 1.0), ("exact/w", 1e-4)):
+        rows[path] = LeafResult(path=path, shape=(2,), spec="P()")
+        rel = 0.5e-12 if path == "exact/w" else 2e-12
+        rows[path].update(np.array([scale, scale * (1 + rel)]), np.array([scale, scale]), RTOL, ATOL)
+    assert rows["small/nu"].ok and rows["small/nu"].floor_rel_err == pytest.approx(2e-12, rel=1e-3)
+    assert not rows["large/w"].ok and rows["exact/w"].ok and rows["exact/w"].floor_rel_err == 0
+    report = Report(config="c", dp=1, mp=2, steps=2, dtype="float64", rtol=RTOL, atol=ATOL)
+    report.params = [rows["small/nu"], rows["exact/w"]]
+    text = format_report(report)
+    marks = {line.split()[0]: line.split()[-1] for line in text.splitlines() if line[:2] in ("sm", "ex")}
+    assert marks == {"small/nu": "PASS+", "exact/w": "PASS"}, text
+    assert "+ small/nu: relative error 2.00e-12 where max|r| is 1.0e-04, within the tolerance's" in text
+    assert "(1e-12 + 1e-15/max|r| = 1.10e-11 relative there" in text
+    assert report.to_json()["params"][0]["floor_rel_err"] == rows["small/nu"].floor_rel_err

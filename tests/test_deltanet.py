@@ -180,6 +180,26 @@ def test_verify_proves_linear_attention_under_cp(mp, cp, seq_len):
     assert "all-gather bytes per step" in format_report(report)
 
 
+def test_the_reference_solves_the_sharded_runs_chunks():
+    """Issue 59: under cp the proof's reference runs the delta rule at the sharded run's chunk boundaries
+    (``proof.problem.reference_chunk``), so that both solve the same triangular systems: a reference in
+    chunks of 64 against the shards' cp chunks of 16 differed by the chunked form's own rounding (2.4e-12
+    on the converted model, ``tests/test_hf_qwen3_5.py``), not by the sharding. Without cp the reference
+    keeps the model's chunk, as the sharded run does."""
+    from meshlm.model.config import get_config
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof.problem import model_problem, reference_chunk
+
+    assert reference_chunk(64, 64, 2) == 16  # cp chunks of 16 tokens, each one chunk of the rule
+    assert reference_chunk(64, 24, 4) == 3
+    assert reference_chunk(8, 64, 2) == 8  # chunks of 8 inside each cp chunk of 16
+    assert reference_chunk(8, 48, 2) == 4  # cp chunks of 12 run as 8 + 4: every boundary a multiple of 4
+    cfg = get_config("tiny-qwen3.5").replace(linear_chunk=64)
+    for layout, want in ((Layout(mp=2), 64), (Layout(mp=2, cp=2), 16), (Layout(cp=4), 8)):
+        problem = model_problem(cfg, "issue 59", layout, batch_size=1, seq_len=64)
+        assert (problem.cfg.linear_chunk, problem.reference_cfg.linear_chunk) == (64, want)
+
+
 def test_cpu_solves_one_matrix_per_lapack_call():
     """Issue 59: jaxlib 0.10's batched LAPACK solve splits a large enough batch over XLA:CPU's intra-op
     pool and waits for the pieces on a pool thread; under --mesh 1x2 --cp 2 four devices did so at

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from math import gcd
 
 import numpy as np
 
@@ -49,6 +50,22 @@ def random_batch(vocab: int, shape: tuple[int, ...], seed: int) -> dict:
     return {k: rng.integers(0, vocab, size=shape, dtype=np.int32) for k in ("inputs", "targets")}
 
 
+def reference_chunk(chunk: int, seq_len: int, cp: int) -> int:
+    """The delta rule's chunk length in the reference of a proof on ``cp`` shards: one whose chunk
+    boundaries are the sharded run's. Under cp each shard runs the chunked rule on its two cp chunks of
+    c = T / 2cp tokens (``model.linear_context``), so the shards solve chunks of min(chunk, c) from every
+    cp chunk's start. The chunked form equals the recurrence for every chunk length
+    (``tests/test_deltanet.py``), but its float64 rounding grows with the length (a unit-lower-triangular
+    solve per chunk: the converted tiny Qwen3.5's gradients on 64 tokens against the recurrence, chunks
+    of 64 up to 1.5e-12, 16 up to 7.3e-13, 8 up to 7.8e-14 normwise). A reference in chunks of 64 against
+    the shards' chunks of 16 differed from them by that rounding (issue 59: 2.4e-12 after a step), not by
+    the sharding; at the shards' boundaries both solve the same systems, and the comparison sees what cp
+    adds (the state maps, the conv tails). Where the chunk length neither divides c nor exceeds it,
+    gcd(chunk, c): every boundary of the shards' is one of the reference's."""
+    c = seq_len // (2 * cp)
+    return c if chunk >= c else gcd(chunk, c)
+
+
 def _same(tree):
     return tree
 
@@ -77,6 +94,8 @@ def model_problem(
     # Blockwise attention is proven against the plain softmax of [T, T] scores, a mixture of experts'
     # sorted dispatch against every expert on every token (``parallel.experts.dense_experts``).
     plain = cfg.replace(remat="none", unroll=0, attention="plain", moe_dispatch="dense")
+    if cfg.linear_layers and layout.cp > 1:  # the delta rule solved at the sharded run's chunk boundaries
+        plain = plain.replace(linear_chunk=reference_chunk(cfg.linear_chunk, seq_len, layout.cp))
     padding = {}
     if cfg.padded_vocab != cfg.vocab_size:  # the proof: padded sharded model == the unpadded one
         plain = plain.replace(vocab_multiple=1)
