@@ -20,6 +20,7 @@ tied table's gradient sum) cannot change an adapter's gradient and are left out 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -32,7 +33,7 @@ from jax import lax
 from meshlm.model import lora
 from meshlm.model.lora_dropout import ROW_PARALLEL
 from meshlm.parallel.context import Parallel
-from meshlm.proof.control_record import Control
+from meshlm.proof.control_record import Control, replaced
 from meshlm.proof.report import check_row
 from meshlm.proof.taps import Tapped
 
@@ -131,6 +132,18 @@ FROZEN_ONLY = (
     "MoE shared expert's gate gradient not summed over mp",  # the shared expert's gate
     "an expert's gradient not summed over the data shards outside ep",  # the experts
 )
+
+
+@contextlib.contextmanager
+def thawed():
+    """While a program traces: the base read without ``lax.stop_gradient`` (``lora.freeze`` a no-op), so
+    every parameter has its gradient, the frozen ones' too (``control_runs.frozen_reach``)."""
+    import meshlm.model.pieces as pieces
+    import meshlm.model.transformer as transformer
+
+    plain = lambda cfg: contextlib.nullcontext()
+    with replaced(vars(pieces), "freeze", plain), replaced(vars(transformer), "freeze", plain):
+        yield
 
 
 def for_lora(controls):
