@@ -168,7 +168,7 @@ def _compare_values(report: Report, runs: Runs, sharded, steps: int, ocfg, seed:
         batches = step_batches(runs.problem, steps, ocfg.accum_steps, seed)
         differ = total = 0
         drift = AdamDrift(ocfg, leaf_label)  # what AdamW's division makes of the moments' difference
-        for (ps, ss, ms), (pr, sr, mr) in runs.train(ocfg, batches):
+        for (ps, ss, ms), (pr, sr, mr) in runs.train(ocfg, batches, seed=seed):
             with watchdog.program("verify's sharded train step", mesh):  # its outputs' first read
                 d, n = compare_into(results, ps, pr, rtol, atol, drift.step(ss, sr))
             d2, n2 = compare_into(results, ss, sr, rtol, atol)
@@ -176,6 +176,7 @@ def _compare_values(report: Report, runs: Runs, sharded, steps: int, ocfg, seed:
             d += loss_check.update(to_host(ms["loss"]), to_host(mr["loss"]), rtol, atol) != 0
             differ, total = differ + d, total + n + 1
         counts["training steps"] = (differ, total)
+        runs.trained = ps  # the sharded parameters after the last step (``lora_rows``: the base kept)
     report.loss_ok = loss_check.ok
     for path, spec in flat_params(runs.specs).items():
         if path in results:
