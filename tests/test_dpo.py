@@ -184,6 +184,8 @@ def test_verify_dpo_proves_k_adamw_steps(lora_rank):
             "layers/mlp/lora_w_down_a",
             "layers/mlp/lora_w_down_b",
         }
+        # A drawn with B (B = 0 would leave A's gradient 0, unproven): A's leaves moved and compared
+        assert max(leaves[p].max_abs_err for p in trained if p.endswith("_a")) > 0
         (kept,) = report.checks
         assert kept["name"] == "LoRA: frozen base unchanged by the steps" and kept["ok"], kept
     assert max(leaves[p].max_rel_err for p in trained) > 0  # the steps moved: two programs' rounding

@@ -38,7 +38,7 @@ from meshlm.parallel.context import Parallel
 from meshlm.parallel.placement import batch_sharding, put_global, to_host
 from meshlm.proof.dpo_steps import DPOSteps, dpo_steps
 from meshlm.proof.inertness import INERT, fingerprint
-from meshlm.proof.lora import base_kept
+from meshlm.proof.lora import base_kept, lora_problem
 from meshlm.proof.prover import TOLERANCE
 from meshlm.proof.report import LeafResult, Report, compare_into, skipped_row, worst
 from meshlm.train import dpo
@@ -291,6 +291,8 @@ def prove_dpo(
     (params, specs), (ref_params, _) = made
     if load_params is not None:  # a checkpoint's weights as the policy (the reference stays an init)
         params = jax.tree.map(lambda p: p.astype(dtype), load_params(layout))
+    elif cfg.lora_rank:  # the policy's A and B drawn: B = 0 would leave A's gradient 0 (``proof.lora``)
+        params = lora_problem(problem).prepare_params(params)
     host = pair_batch(cfg.vocab_size, rows, seq_len, seed)
     batch = {k: put_global(v, batch_sharding(layout, 1)) for k, v in host.items()}
     one = lambda p: jax.device_put(problem.to_reference(jax.tree.map(to_host, p)), jax.local_devices()[0])
