@@ -132,6 +132,10 @@ def test_bad_targets_are_one_line():
         get_config("tiny-mixtral").replace(lora_rank=2, lora_targets="gate")
     with pytest.raises(ConfigError, match="has no LoRA targets"):
         get_config("tiny").replace(lora_rank=2, lora_targets="q")
+    # multi-head latent attention takes no adapters (DeepSeek-V3: a mixture of experts, so none at all;
+    # it used to be accepted with no adapter created, and verify crashed on an empty adapter tree)
+    with pytest.raises(ConfigError, match="no LoRA targets .multi-head latent attention takes no adapters"):
+        get_config("tiny-deepseek-v3").replace(lora_rank=2, lora_targets="q")
 
 
 def test_bad_dropout_is_one_line_and_refused_where_its_mask_cannot_go():
