@@ -169,8 +169,33 @@ def _by_collectives(control: Control, runs: Runs) -> dict:
     )
     rows = communication_rows(runs, got)
     failed = [r for r in rows if not r["ok"]]
+    if not failed and (more := _more_than_honest(runs, got)):
+        return skipped_row(control.name, f"{LOOSE_BOUNDS} ({more})")
     how = f"{failed[0]['name']}: {failed[0]['detail']}" if failed else "communication within the minimum"
     return {"name": control.name, "detected": bool(failed), "how": how, "margin": None, "by": "communication"}
+
+
+LOOSE_BOUNDS = (
+    "with frozen weights the communication check's bounds are full training's (every weight's gradient "
+    "reduced), which this step undercuts: the fault's extra collectives stay within them"
+)
+
+
+def _more_than_honest(runs: Runs, got: dict) -> str:
+    """Where the model has frozen weights (LoRA's base, no gradient reduced): the collectives by which a
+    planted step ``got`` exceeds the honest step ("all-reduce 6 -> 14"), "" if none (a no-op: not
+    detected, a failure). The check's bounds are full training's, so such a fault can stay within them."""
+    cfg = runs.problem.cfg
+    if cfg is None or not cfg.lora_rank:
+        return ""
+    p = runs.problem
+    honest = step_collectives(p.build_loss, runs.layout, runs.specs, runs.params, runs.batch)
+    more = [
+        f"{kind} {honest[kind]['count']} -> {got[kind]['count']}"
+        for kind in honest
+        if isinstance(honest[kind], dict) and got[kind].get("count", 0) > honest[kind].get("count", 0)
+    ]
+    return ", ".join(more)
 
 
 def communication_rows(runs: Runs, got: dict) -> list[dict]:
