@@ -380,3 +380,25 @@ def test_controls_of_frozen_gradients_apply_only_without_adapters():
         assert ("SP norm gradients not summed over mp" in chosen) is want
         assert "dropped all-reduce" in chosen
     assert len(FROZEN_ONLY) == 6
+
+
+# slow: its cost (a proof with the compiled step's collectives, ~16 CPU-s); no quick test reads LoRA's bound
+@pytest.mark.slow
+def test_the_communication_bound_counts_the_adapters_replicated_factors():
+    """Seen on ``verify --config tiny-gemma3 --mesh 1x2 --lora-rank 2`` (issue 59's sweep): all-reduce
+    bytes 229,856 against a bound of 216,456. A column-parallel base's A (a row-parallel base's B) is
+    replicated over mp and its gradient a partial sum there, all-reduced: the bound now counts it
+    (``perf.memory_collectives.lora_replicated``), and the communication rows pass."""
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof import format_report, model_problem, verify
+    from meshlm.proof.lora import lora_problem
+
+    lay = Layout(mp=2)
+    cfg = get_config("tiny-gemma3").replace(lora_rank=2, lora_alpha=4.0, lora_targets="q,k,v,o")
+    report = verify(
+        lora_problem(model_problem(cfg, "tiny-gemma3", lay, 1, 16)), lay, controls=(), collectives=True
+    )
+    rows = {c["name"]: c for c in report.checks}
+    assert rows["all-reduce bytes per step"]["ok"] and rows["all-reduces per step"]["ok"], format_report(
+        report
+    )
