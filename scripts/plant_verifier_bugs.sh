@@ -50,12 +50,12 @@ plant "reference returns the sharded results moved to one device" src/meshlm/pro
   "            self._ref_grads = jax.device_put(self.grads(self.problem.build_loss), self.device)" \
   "tests/test_reference.py -k correct_reference"
 plant "reference train step not the checked program" src/meshlm/proof/runs.py \
-  '            program = self._checked(CheckedProgram("train step", step, *state, first))' \
-  '            program = CheckedProgram("train step", step, *state, first)' \
+  '    program = runs._checked(CheckedProgram("train step", step, *state, first))' \
+  '    program = CheckedProgram("train step", step, *state, first)' \
   "tests/test_reference.py -k train_step"
 plant "reference shares meshlm's clip and step" src/meshlm/proof/runs.py \
-  "            step = reference_step(reference_value_and_grad(self.ref_loss), ocfg, opt)" \
-  "            step = make_step(reference_value_and_grad(self.ref_loss), opt, ocfg)" \
+  "    return reference_step(reference_value_and_grad(ref_loss), ocfg, opt, part=part)" \
+  "    return make_step(reference_value_and_grad(ref_loss), opt, ocfg, part=part)" \
   "tests/test_reference.py -k wrong_norm"
 plant "reference shares the sharded run's remat policy" src/meshlm/proof/problem.py \
   '    plain = cfg.replace(remat="none", unroll=0)' \

@@ -304,6 +304,18 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --objective dpo --config tiny-llama --mesh 2x2 --x64": verify(
         costly="tests/test_dpo.py::test_verify_dpo_equal_unsharded_and_its_controls_detected"
     ),
+    "meshlm verify --objective dpo --config tiny-llama --mesh 2x2 --devices 4 --x64 --steps 2": verify(
+        costly="tests/test_dpo.py::test_verify_dpo_proves_k_adamw_steps"
+    ),
+    # docs/proof.md: issue 59's LoRA proof, its q/k norm control skipped with its reason
+    "meshlm verify --config tiny-qwen3 --objective sft --lora-rank 4 --mesh 2x2 --devices 4 "
+    "--seq-len 32 --x64": verify(
+        costly="tests/test_control_skips.py::"
+        "test_a_fault_only_frozen_weights_show_and_an_inert_one_are_skipped_with_their_reasons"
+    ),
+    "meshlm verify --config tiny-llama --mesh 2x2 --devices 4 --x64 --lora-rank 4 --steps 2": verify(
+        costly="tests/test_lora.py::test_verify_lora_proves_k_adamw_steps_of_the_adapters_and_the_base_kept"
+    ),
     # docs/data.md
     "meshlm data prepare --data 'shards/*.parquet' --text-field content --out data/web": run(),
     "meshlm train --data data/web --config small --out runs/web": run(

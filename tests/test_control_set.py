@@ -34,8 +34,8 @@ def test_the_count_under_pp_is_the_count_without_plus_the_pipelines_own():
 
 
 # slow: the model's controls traced and run through the pipeline (its cost); the pipeline's own controls are
-# quick in tests/test_pp_verify.py, and any inert control fails every proof
-# (test_every_control.py::test_an_inert_control_is_a_prover_bug)
+# quick in tests/test_pp_verify.py, and an inert control is named by
+# (test_every_control.py::test_an_inert_control_is_skipped_with_its_reason)
 @pytest.mark.slow
 def test_the_controls_with_a_path_of_their_own_under_pp_are_detected():
     """float64, the tiniest shapes (8 rows of 8 tokens in 4 micro-batches), no training step: the three

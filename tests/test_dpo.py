@@ -17,6 +17,7 @@ from helpers import eval_rows, train_rows
 from meshlm.data.pairs import Renderer, encode_pairs, read_pairs
 from meshlm.data.tokenizer import ByteTokenizer
 from meshlm.errors import CheckpointError, ConfigError, DataError
+from meshlm.proof import format_report
 
 PAIRS = Path(__file__).resolve().parents[1] / "examples" / "dpo" / "pairs.jsonl"
 
@@ -133,10 +134,84 @@ def test_verify_dpo_equal_unsharded_and_its_controls_detected(layout, rows, accu
         report = prove_dpo(
             get_config("tiny-llama"), "tiny-llama", lay, rows, 16, dtype=np.float64, accum=accum
         )
-    assert report.ok, "\n".join(report.lines())
-    assert {"chosen", "rejected", "loss", "grad head/w"} <= set(report.leaves)
-    assert max(e for e, *_ in report.leaves.values()) > 0  # two programs: not the same numbers by chance
-    assert len(report.controls) == 3 + (accum > 1) and all(report.controls.values()), report.controls
+    assert report.ok, format_report(report)
+    # pretraining's report (issue 59): the sums and every gradient as leaves by path, the loss its own row
+    leaves = {p.path: p for p in report.params}
+    assert {"dpo/chosen", "dpo/rejected", "head/w"} <= set(leaves) and report.loss_ok
+    assert max(p.max_abs_err for p in leaves.values()) > 0  # two programs: not the same numbers by chance
+    assert len(report.controls) == 3 + (accum > 1), report.controls
+    assert all(c["detected"] is True for c in report.controls), report.controls
+    _assert_pretraining_schema(report.to_json())
+
+
+def _assert_pretraining_schema(out: dict) -> None:
+    """``verify --json``'s keys as pretraining's proof gives them."""
+    assert out["ok"] is True and {"rtol", "atol"} <= set(out["tolerance"])
+    assert {"sharded", "reference"} <= set(out["loss"])
+    assert out["params"] and all({"path", "max_rel_err", "ok"} <= set(p) for p in out["params"])
+    assert out["controls"] and all({"name", "detected"} <= set(c) for c in out["controls"])
+
+
+# slow: its cost (two 2x2 float64 proofs with 2 AdamW steps each, ~30 CPU-s); DPO's loss and gradients:
+# test_verify_dpo_equal_unsharded_and_its_controls_detected[2x2], quick; the train step's LoRA part:
+# tests/test_lora.py::test_verify_lora_proves_k_adamw_steps_of_the_adapters_and_the_base_kept
+@pytest.mark.slow
+@pytest.mark.parametrize("lora_rank", [0, 2])
+def test_verify_dpo_proves_k_adamw_steps(lora_rank):
+    """``verify --objective dpo --steps 2`` (issue 59): training's DPO step (2 micro-batches of whole
+    pairs, the clip acting, AdamW) against the unsharded optax step on DPO's formula: every parameter and
+    AdamW-state leaf within the tolerance after each step; with LoRA the adapters' alone, and the frozen
+    base bitwise its start."""
+    from meshlm.model import lora
+    from meshlm.model.config import get_config
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof.dpo import prove_dpo
+
+    cfg = get_config("tiny-llama")
+    if lora_rank:
+        cfg = cfg.replace(lora_rank=lora_rank, lora_alpha=4.0, lora_targets="q,down")
+    with jax.enable_x64(True):
+        report = prove_dpo(cfg, "tiny-llama", Layout(dp=2, mp=2), 8, 16, dtype=np.float64, steps=2)
+    assert report.ok and report.steps == 2, format_report(report)
+    leaves = {p.path: p for p in report.params}
+    counters = [p for p in leaves if p.startswith("opt_state")]
+    assert counters and all(leaves[p].max_abs_err == 0 for p in counters)  # both took 2 steps
+    trained = [p for p in leaves if "/" in p and not p.startswith("dpo/")]
+    if lora_rank:
+        assert {p for p in trained if lora.is_adapter(p)} == {
+            "layers/attn/lora_wq_a",
+            "layers/attn/lora_wq_b",
+            "layers/mlp/lora_w_down_a",
+            "layers/mlp/lora_w_down_b",
+        }
+        # A drawn with B (B = 0 would leave A's gradient 0, unproven): A's leaves moved and compared
+        assert max(leaves[p].max_abs_err for p in trained if p.endswith("_a")) > 0
+        (kept,) = report.checks
+        assert kept["name"] == "LoRA: frozen base unchanged by the steps" and kept["ok"], kept
+    assert max(leaves[p].max_rel_err for p in trained) > 0  # the steps moved: two programs' rounding
+    _assert_pretraining_schema(report.to_json())
+
+
+def test_verify_dpo_refuses_what_training_refuses_before_any_work(capsys):
+    """Half a pair (an odd --batch-size), a batch whose 2 proof-step micro-batches would split a pair,
+    and what DPO does not train: training's one-line errors, exit 2, before any work."""
+    from helpers import run_cli
+
+    base = ("verify", "--objective", "dpo", "--config", "tiny-llama", "--mesh", "1x2", "--devices", "2")
+    cases = [
+        (
+            (*base, "--batch-size", "3"),
+            "--objective dpo takes pairs: --batch-size 3 must be even (2 rows a pair)",
+        ),
+        ((*base, "--batch-size", "6", "--steps", "2"), "--batch-size 6 must be a multiple of 2 x 2"),
+        ((*base, "--doc-mask"), "a document mask has nothing to separate; leave out --doc-mask"),
+        ((*base[:4], "tiny-mixtral", *base[5:]), "--objective dpo trains dense models"),
+        ((*base, "--lora-rank", "2", "--lora-dropout", "0.1"), "trains without dropout"),
+    ]
+    for argv, line in cases:
+        assert run_cli(*argv) == 2, argv
+        err = capsys.readouterr().err
+        assert line in err and err.count("\n") == 1 and err.startswith("meshlm: error: "), err
 
 
 def _dpo_config(out, **kw):

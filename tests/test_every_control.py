@@ -17,7 +17,6 @@ import dataclasses
 import jax.numpy as jnp
 import pytest
 
-from meshlm.errors import VerifierError
 from meshlm.model.config import get_config
 from meshlm.parallel.layout import Layout
 from meshlm.proof import model_problem
@@ -26,11 +25,11 @@ from meshlm.proof.controls import CONTROLS
 from meshlm.proof.cp_controls import CP_CONTROLS
 from meshlm.proof.ep_controls import EP_CONTROLS
 from meshlm.proof.family_faults import softcap_after_softmax
-from meshlm.proof.inertness import inert_controls
+from meshlm.proof.inertness import INERT, inert_controls, inert_skips
 from meshlm.proof.pipeline_proof import CONTROLS as PIPELINE_CONTROLS
 from meshlm.proof.pipeline_proof import applicable_controls
 from meshlm.proof.pipeline_verify import permute_controls
-from meshlm.proof.prover import control_set, verify, where_of
+from meshlm.proof.prover import control_set, where_of
 from meshlm.proof.runs import Runs
 
 ALL_CONTROLS = CONTROLS + CP_CONTROLS + EP_CONTROLS  # the prover's default list
@@ -229,7 +228,8 @@ def _applicable(problem, layout) -> list:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_applicable_control_runs_and_changes_its_program(name):
     """Each control's planted program traces (a crash: verify's exit 3, "control ... crashed") and
-    differs from the unplanted one (``proof.inertness``: else verify's "prover bug")."""
+    differs from the unplanted one (``proof.inertness``: else verify skips it, proving less than it
+    claims)."""
     problem, layout = _problem(name)
     runs = Runs(problem, layout, jnp.float32, 0)
     assert inert_controls([c for _, c in _applicable(problem, layout)], runs) == []
@@ -249,17 +249,22 @@ def test_no_tie_control_on_a_checkpoint():
     assert inert_controls(chosen, Runs(problem, layout, jnp.float32, 0)) == []
 
 
-def test_an_inert_control_is_a_prover_bug():
+def test_an_inert_control_is_skipped_with_its_reason():
     """The soft-cap control's old ``applies`` (plain attention, the cp ring included), planted on
-    purpose: verify reports a prover bug naming it and the configuration, before any run."""
+    purpose: its plant reaches no code the ring runs, so the check names it inert, and verify skips it
+    with that reason (it used to raise a prover bug, exit 3, on a correct model; issue 59: a control
+    that cannot change the program is skipped, never a failure -- the test above holds every control's
+    ``applies`` to programs it changes). Trace only: the skip's row in a proof,
+    tests/test_control_skips.py."""
     problem, layout = _problem("tiny-gemma 1x2 cp2 ring plain soft-capped")
     old = Control(
         name="soft-cap after the softmax (old applies)",
         applies=lambda w: w.cfg.attention == "plain",
         plant=softcap_after_softmax,
     )
-    with pytest.raises(VerifierError, match=r"prover bug: the control 'soft-cap after the softmax \(old"):
-        verify(problem, layout, controls=(old,))
+    runs = Runs(problem, layout, jnp.float32, 0)
+    assert inert_skips([old], runs) == {old.name: INERT}
+    assert "changes nothing" in INERT
 
 
 # Controls whose configuration has no cell here: their own float64 proof plants each and sees it detected,

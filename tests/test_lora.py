@@ -67,6 +67,62 @@ def test_verify_lora_sft_equal_unsharded_and_its_controls_detected(layout, dropo
         assert detected["LoRA dropout: a row-parallel input's features numbered per mp shard"]
 
 
+def _lora_steps_report(steps=2, dropout=0.1):
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof import model_problem, verify
+    from meshlm.proof.lora import lora_problem
+
+    lay = Layout(dp=2, mp=2)
+    cfg = get_config("tiny-llama").replace(
+        lora_rank=2, lora_alpha=4.0, lora_targets="q,down", lora_dropout=dropout
+    )
+    with jax.enable_x64(True):
+        return verify(
+            lora_problem(model_problem(cfg, "tiny-llama", lay, 2, 8)),
+            lay,
+            dtype=np.float64,
+            steps=steps,
+            controls=(),
+        )
+
+
+# slow: its cost (a 2x2 float64 proof with 2 AdamW steps, ~15 CPU-s); LoRA's loss and gradients: the 2x2
+# proof above, quick
+@pytest.mark.slow
+def test_verify_lora_proves_k_adamw_steps_of_the_adapters_and_the_base_kept():
+    """``verify --lora-rank --steps K`` (issue 59): training's step (AdamW of the adapters alone, each
+    token's dropout seed of the step's count) against the unsharded optax step of the adapters, every
+    adapter and its AdamW moments within 1e-12 after each of 2 steps, no optimizer state for the base,
+    and the sharded base bitwise its start."""
+    from meshlm.proof import format_report
+
+    report = _lora_steps_report()
+    assert report.ok, format_report(report)
+    paths = {p.path: p for p in report.params}
+    adapters = [p for p in paths if lora.is_adapter(p)]
+    assert len(adapters) == 4 and max(paths[p].max_rel_err for p in adapters) <= 1e-12
+    moments = [p for p in paths if p.startswith("opt_state")]
+    assert moments and all(paths[p].ok for p in moments)  # the counters (mu/nu fold into the adapters' rows)
+    (kept,) = [c for c in report.checks if c["name"] == "LoRA: frozen base unchanged by the steps"]
+    assert kept["ok"] and "base leaves bitwise their start" in kept["detail"], kept
+    (steps,) = [c for c in report.checks if "reference is not the sharded program" in c["name"]]
+    assert "training steps" in steps["detail"], steps
+
+
+# slow: its cost (a second 2-step LoRA proof); the row's pass: the test above
+@pytest.mark.slow
+def test_a_step_that_moves_the_frozen_base_fails_the_lora_proof(monkeypatch):
+    """The mutant: both steps put the adapters back into a base moved by 1e-3 (``Adapters.put`` is the
+    one both share, so every value agrees): only the frozen-base row can see it, and fails."""
+    moved = lambda params, trained: lora.combine(
+        jax.tree.map(lambda x: x * 1.001, lora.base(params)), trained
+    )
+    monkeypatch.setattr(lora.Adapters, "put", staticmethod(moved))
+    report = _lora_steps_report(dropout=0.0)
+    (kept,) = [c for c in report.checks if c["name"] == "LoRA: frozen base unchanged by the steps"]
+    assert not kept["ok"] and "moved: " in kept["detail"] and not report.ok
+
+
 def test_bad_targets_are_one_line():
     from meshlm.errors import ConfigError
 
@@ -76,6 +132,10 @@ def test_bad_targets_are_one_line():
         get_config("tiny-mixtral").replace(lora_rank=2, lora_targets="gate")
     with pytest.raises(ConfigError, match="has no LoRA targets"):
         get_config("tiny").replace(lora_rank=2, lora_targets="q")
+    # multi-head latent attention takes no adapters (DeepSeek-V3: a mixture of experts, so none at all;
+    # it used to be accepted with no adapter created, and verify crashed on an empty adapter tree)
+    with pytest.raises(ConfigError, match="no LoRA targets .multi-head latent attention takes no adapters"):
+        get_config("tiny-deepseek-v3").replace(lora_rank=2, lora_targets="q")
 
 
 def test_bad_dropout_is_one_line_and_refused_where_its_mask_cannot_go():
@@ -320,3 +380,25 @@ def test_controls_of_frozen_gradients_apply_only_without_adapters():
         assert ("SP norm gradients not summed over mp" in chosen) is want
         assert "dropped all-reduce" in chosen
     assert len(FROZEN_ONLY) == 6
+
+
+# slow: its cost (a proof with the compiled step's collectives, ~16 CPU-s); no quick test reads LoRA's bound
+@pytest.mark.slow
+def test_the_communication_bound_counts_the_adapters_replicated_factors():
+    """Seen on ``verify --config tiny-gemma3 --mesh 1x2 --lora-rank 2`` (issue 59's sweep): all-reduce
+    bytes 229,856 against a bound of 216,456. A column-parallel base's A (a row-parallel base's B) is
+    replicated over mp and its gradient a partial sum there, all-reduced: the bound now counts it
+    (``perf.memory_collectives.lora_replicated``), and the communication rows pass."""
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof import format_report, model_problem, verify
+    from meshlm.proof.lora import lora_problem
+
+    lay = Layout(mp=2)
+    cfg = get_config("tiny-gemma3").replace(lora_rank=2, lora_alpha=4.0, lora_targets="q,k,v,o")
+    report = verify(
+        lora_problem(model_problem(cfg, "tiny-gemma3", lay, 1, 16)), lay, controls=(), collectives=True
+    )
+    rows = {c["name"]: c for c in report.checks}
+    assert rows["all-reduce bytes per step"]["ok"] and rows["all-reduces per step"]["ok"], format_report(
+        report
+    )

@@ -69,8 +69,8 @@ def test_the_train_step_that_computes_reference_values_is_the_one_checked(monkey
     real = runs.reference_step
     one = Mesh(jax.local_devices()[:1], ("x",))
 
-    def with_shard_map(grad_fn, ocfg, opt):
-        step = real(grad_fn, ocfg, opt)
+    def with_shard_map(grad_fn, ocfg, opt, **kw):  # kw: what it trains (``part``), a bias rate
+        step = real(grad_fn, ocfg, opt, **kw)
 
         def stepped(params, opt_state, batch):
             p, s, m = step(params, opt_state, batch)

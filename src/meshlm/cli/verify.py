@@ -17,6 +17,7 @@ from meshlm.settings import LongContext
 from meshlm.train.lora import check_early
 
 DATA_STEPS = 3  # steps of the data-pipeline check (cheap: host arrays only)
+DPO_ACCUM = 2  # accumulation micro-batches of DPO's proof steps (``proof.runs.default_optim``'s)
 
 
 def add_parser(sub) -> None:
@@ -36,9 +37,11 @@ def run(args) -> int:
         raise ConfigError("--attention flash computes in float32 inside its kernel; verify it without --x64")
     axes = _axes(vs)  # before any work
     check_early(vs, vs.checkpoint or "", vs.config)  # e.g. --lora-rank above its targets' widths
+    if vs.objective == "dpo":  # before any work: what DPO's training refuses
+        _check_dpo(vs)
     if planned := flag_layout(args, vs):  # before any work
         if vs.batch_size is not None:
-            planned.check_batch(vs.batch_size)
+            planned.check_batch(vs.batch_size, DPO_ACCUM if vs.objective == "dpo" and vs.steps else 1)
         if vs.seq_len is not None or vs.checkpoint is None:  # else the checkpoint's model decides
             planned.check_seq_len(_shapes(vs, get_config(vs.config), planned)[0])
         if vs.checkpoint is None:
@@ -50,6 +53,26 @@ def run(args) -> int:
     except VerifierError as e:
         print(f"meshlm: verifier error: {e}", file=sys.stderr)
         return VERIFIER_EXIT_CODE
+
+
+def _check_dpo(vs: VerifySettings) -> None:
+    """DPO's proof refuses what its training refuses, in the same lines (``train.dpo.check_dpo``,
+    ``data.pairs``): a model or flag DPO does not train, a --batch-size of half a pair; with --steps
+    (training's step with ``DPO_ACCUM`` micro-batches of whole pairs) one they cannot split."""
+    from meshlm.data.pairs import check_pair_batch
+    from meshlm.train.dpo import check_dpo
+
+    cfg = _with_lora(vs, _model_config(vs))
+    check_dpo(cfg.replace(doc_mask=EOD) if vs.doc_mask and cfg.doc_mask < 0 else cfg)
+    if vs.batch_size is None:
+        return
+    check_pair_batch(vs.batch_size)
+    if vs.steps and vs.batch_size % (2 * DPO_ACCUM):
+        raise ConfigError(
+            f"--objective dpo with --steps: the proof's steps accumulate {DPO_ACCUM} micro-batches (as "
+            f"--accum-steps {DPO_ACCUM}), each of whole pairs, so --batch-size {vs.batch_size} must be a "
+            f"multiple of 2 x {DPO_ACCUM}"
+        )
 
 
 def _with_defaults(vs: VerifySettings) -> VerifySettings:
@@ -190,6 +213,8 @@ def _verify(args, vs: VerifySettings, planned) -> int:
         if vs.batch_size is not None
         else defaults.batch_rows(layout.dp, layout.pipeline_microbatches)
     )
+    if vs.objective == "dpo" and vs.batch_size is None:  # rows: a pair per data shard (a micro-batch's)
+        batch *= 2 * (DPO_ACCUM if vs.steps else 1)
     layout.check_seq_len(seq_len)
     kernel = f", blocks of {block}" if cfg.attention == "blockwise" or layout.blockwise else ""
     print0(f"shapes: batch {batch} x {seq_len} tokens{kernel}", file=sys.stderr)
@@ -240,9 +265,18 @@ def _prove(args, vs: VerifySettings, cfg, name: str, layout, batch: int, seq_len
         dtype = jnp.float64 if vs.x64 else jnp.float32
         load = (lambda m: load_model(vs.checkpoint, m)[1]) if vs.checkpoint else None  # the policy's
         report = prove_dpo(
-            cfg, name, layout, 2 * batch, seq_len, vs.seed, loss=vs.dpo_loss, dtype=dtype, load_params=load
+            cfg,
+            name,
+            layout,
+            batch,
+            seq_len,
+            vs.seed,
+            loss=vs.dpo_loss,
+            dtype=dtype,
+            load_params=load,
+            steps=vs.steps,
         )
-        print0(json.dumps(report.to_json()) if args.json else "\n".join(report.lines()))
+        print0(json.dumps(report.to_json()) if args.json else format_report(report))
         return 0 if report.ok else 1
     problem = model_problem(cfg, name, layout, batch, seq_len, vs.seed)
     if vs.checkpoint:
@@ -280,13 +314,10 @@ def _prove(args, vs: VerifySettings, cfg, name: str, layout, batch: int, seq_len
 def _with_lora(vs, cfg):
     """``cfg`` with ``--lora-rank``'s adapters; alpha defaults to 2R here, so that the proof's scale
     is not 1 (a scale applied twice would be the same number)."""
-    from meshlm.errors import ConfigError
     from meshlm.train.lora import with_lora
 
     if not vs.lora_rank:
         return with_lora(vs, cfg)  # (--lora-dropout alone: one line)
-    if vs.steps:
-        raise ConfigError("verify --lora-rank proves the loss and gradients; drop --steps (not proven yet)")
     return with_lora(dataclasses.replace(vs, lora_alpha=vs.lora_alpha or 2.0 * vs.lora_rank), cfg)
 
 

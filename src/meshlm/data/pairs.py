@@ -211,14 +211,19 @@ def _rows(pairs: list, seq_len: int, eod: int) -> PairRows:
     return PairRows(tokens, mask)
 
 
+def check_pair_batch(global_batch: int) -> None:
+    """A DPO step's rows are whole pairs (training's and its proof's one line: ``meshlm verify``)."""
+    if global_batch % 2:
+        raise DataError(
+            f"--objective dpo takes pairs: --batch-size {global_batch} must be even (2 rows a pair)"
+        )
+
+
 class PairBatcher:
     """The step batches of pairs (module doc), in the text ``Batcher``'s interface (``device_batch``)."""
 
     def __init__(self, rows: PairRows, global_batch: int, seed: int, accum: int = 1):
-        if global_batch % 2:
-            raise DataError(
-                f"--objective dpo takes pairs: --batch-size {global_batch} must be even (2 rows a pair)"
-            )
+        check_pair_batch(global_batch)
         if global_batch % (2 * accum):
             raise DataError(
                 f"--objective dpo with --accum-steps {accum}: each micro-batch holds whole pairs, so "

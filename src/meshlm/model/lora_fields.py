@@ -49,9 +49,13 @@ def without_lora(cfg):
 
 def targets(cfg) -> dict[str, str]:
     """The target names ``cfg``'s model has -> their "module/param": its family's, of which a mixture
-    of experts keeps the attention's (its MoE layers have no dense MLP)."""
-    have = cfg.arch.lora_targets
-    return {k: v for k, v in have.items() if v.startswith("attn/")} if cfg.arch.moe else dict(have)
+    of experts keeps the attention's (its MoE layers have no dense MLP) and multi-head latent attention
+    none of the attention's (its projections are not ``lora.delta``'s: an adapter there was never
+    created, and ``train --lora-rank`` trained nothing)."""
+    have = dict(cfg.arch.lora_targets)
+    if getattr(cfg, "mla", False):  # MLA's projections take no adapter (``model.mla``)
+        have = {k: v for k, v in have.items() if not v.startswith("attn/")}
+    return {k: v for k, v in have.items() if v.startswith("attn/")} if cfg.arch.moe else have
 
 
 def check_lora(cfg) -> None:
@@ -64,7 +68,8 @@ def check_lora(cfg) -> None:
         raise ConfigError(f"--lora-dropout must be in [0, 1) (0: off), got {cfg.lora_dropout!r}")
     have = targets(cfg)
     if not have:
-        raise ConfigError(f"--lora-rank: family {cfg.family!r} has no LoRA targets; drop --lora-rank")
+        why = " (multi-head latent attention takes no adapters yet)" if getattr(cfg, "mla", False) else ""
+        raise ConfigError(f"--lora-rank: family {cfg.family!r} has no LoRA targets{why}; drop --lora-rank")
     names = cfg.lora_targets.split(",") if cfg.lora_targets else []
     unknown = [n for n in names if n not in have]
     if unknown or not names:

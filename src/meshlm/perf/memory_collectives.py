@@ -15,6 +15,10 @@ gptj 1, ff 1) and ``r`` = row-parallel exits per layer (the same numbers: ``Fami
   layer's router) have their gradients all-reduced over MP (one per leaf and layer, at most). A MoE
   layer's combine weights and expert ids are all-gathered (again in the backward), the weights'
   gradient reduce-scattered; its routing statistics summed over MP too (one all-reduce a step).
+* LoRA (mp > 1): an adapter factor replicated over MP (a column-parallel base's A, a row-parallel
+  base's B) has its gradient all-reduced over MP: its elements' bytes (the count is not raised: XLA
+  combines those sums with the step's others, and a LoRA step reduces no base gradient, so the count
+  stays under full training's; a raised count would hide the extra all-reduce control).
 * FSDP (dp > 1): each DP-split weight of a layer is all-gathered in the forward and again in the
   backward (ZeRO-3; outside the layer stack XLA may keep the gathered weight or gather it again),
   and its gradient reduce-scattered once (a tied embedding table: once per use, lookup and head).
@@ -74,6 +78,24 @@ def sp_replicated(params) -> dict[str, int]:
             continue
         out[path] = p.shape[0] if is_stacked(path) else 1  # its stack's layers (a mixed stack: two)
     return out
+
+
+def lora_replicated(params) -> dict[str, tuple[int, int]]:
+    """LoRA's adapter factors replicated over MP (a column-parallel base's A, a row-parallel base's B:
+    ``model.lora``): their gradients are partial sums over MP's shards, all-reduced there. path ->
+    (its layers: one sum each, elements)."""
+    from meshlm.model.lora import is_adapter
+
+    out = {}
+    for path, p in flat_params(params).items():
+        spec = getattr(getattr(p, "sharding", None), "spec", None)
+        if is_adapter(path) and spec is not None and MP not in _axes(spec):
+            out[path] = (p.shape[0] if is_stacked(path) else 1, p.size)
+    return out
+
+
+def _axes(spec) -> set:
+    return {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if a}
 
 
 def fsdp_weights(params) -> tuple[int, int]:
@@ -252,4 +274,6 @@ def expected_all_reduce_bytes(cfg: ModelConfig, layout: Layout, *, params, **sha
         total += (
             sum(p.size for path, p in flat_params(params).items() if path in replicated) * shape["itemsize"]
         )
+    if cfg.lora_rank and layout.mp > 1:  # an adapter factor replicated over mp: its gradient summed there
+        total += sum(size for _, size in lora_replicated(params).values()) * shape["itemsize"]
     return total

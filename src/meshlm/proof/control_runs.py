@@ -23,7 +23,7 @@ from meshlm.errors import VerifierError
 from meshlm.proof.adam_drift import AdamDrift
 from meshlm.proof.communication import collectives_step, communication_checks, step_collectives
 from meshlm.proof.controls import Control
-from meshlm.proof.report import LeafResult, compare_into, leaf_label, worst
+from meshlm.proof.report import LeafResult, compare_into, leaf_label, skipped_row, worst
 from meshlm.proof.rule_errors import VMA_REJECTIONS, is_vma_rejection  # noqa: F401 - re-exported
 from meshlm.proof.runs import Runs, default_optim, put_batch, reference_grad_norm, step_batches
 
@@ -44,6 +44,8 @@ def run_control(control: Control, runs: Runs, ocfg, rtol, atol) -> dict:
         how = f"rejected by JAX's check_vma: {_first_line(e)}"
         return {"name": control.name, "detected": True, "how": how, "margin": None, "by": REJECTED}
     bad = [r.path for r in results if not r.ok]
+    if not bad and (frozen := frozen_reach(control, runs, rtol, atol)):
+        return skipped_row(control.name, f"{FROZEN_ONLY} ({', '.join(frozen)})")
     margin = worst(*(r.tol_ratio for r in results))
     how = f"{len(bad)} leaves differ, e.g. {bad[0]}" if bad else "no difference"
     finite = bool(np.isfinite(margin))
@@ -54,6 +56,38 @@ def run_control(control: Control, runs: Runs, ocfg, rtol, atol) -> dict:
         "margin": margin if finite else None,
         "by": "values" if finite else "non-finite values",
     }
+
+
+FROZEN_ONLY = (
+    "its fault reaches only frozen weights' gradients, which nothing trained here reads: with every weight "
+    "trainable it changes those and no loss or trained gradient"
+)
+
+
+def frozen_reach(control: Control, runs: Runs, rtol, atol) -> list[str]:
+    """Where the model has frozen weights (LoRA's base): the frozen leaves whose gradient alone
+    ``control`` changes once every weight is trainable (``lora.thawed``), the loss and the trained
+    gradients unchanged -- a fault nothing the proof compares can show (at a fresh init's uniform q/k
+    norm weights, the norm commutes with the rotary, and the order of the two shows in the weights'
+    own gradient only). [] without frozen weights, for a training-step control, or where it changes
+    the loss, a trained gradient or nothing at all (a no-op: not detected, a failure)."""
+    cfg = runs.problem.cfg
+    if cfg is None or not cfg.lora_rank or control.per_shard_clip or control.train_step:
+        return []
+    from meshlm.model.lora import is_adapter
+    from meshlm.proof.lora import thawed
+
+    with thawed():
+        if not hasattr(runs, "_thawed"):  # the unplanted program's values, once per proof
+            runs._thawed = runs.sharded_fn(runs.problem.build_loss)(runs.params, runs.batch)
+        fn, params = _planted_fn(control, runs)
+        with _plant(control):
+            planted = fn(params, runs.batch)
+    results: dict[str, LeafResult] = {}
+    (ls, gs), (lr, gr) = planted, runs._thawed
+    compare_into(results, {"loss": {"value": ls}, **gs}, {"loss": {"value": lr}, **gr}, rtol, atol)
+    bad = [r.path for r in results.values() if not r.ok]
+    return [] if not bad or any(p == "loss/value" or is_adapter(p) for p in bad) else bad
 
 
 def _first_line(e: BaseException) -> str:
@@ -135,8 +169,33 @@ def _by_collectives(control: Control, runs: Runs) -> dict:
     )
     rows = communication_rows(runs, got)
     failed = [r for r in rows if not r["ok"]]
+    if not failed and (more := _more_than_honest(runs, got)):
+        return skipped_row(control.name, f"{LOOSE_BOUNDS} ({more})")
     how = f"{failed[0]['name']}: {failed[0]['detail']}" if failed else "communication within the minimum"
     return {"name": control.name, "detected": bool(failed), "how": how, "margin": None, "by": "communication"}
+
+
+LOOSE_BOUNDS = (
+    "with frozen weights the communication check's bounds are full training's (every weight's gradient "
+    "reduced), which this step undercuts: the fault's extra collectives stay within them"
+)
+
+
+def _more_than_honest(runs: Runs, got: dict) -> str:
+    """Where the model has frozen weights (LoRA's base, no gradient reduced): the collectives by which a
+    planted step ``got`` exceeds the honest step ("all-reduce 6 -> 14"), "" if none (a no-op: not
+    detected, a failure). The check's bounds are full training's, so such a fault can stay within them."""
+    cfg = runs.problem.cfg
+    if cfg is None or not cfg.lora_rank:
+        return ""
+    p = runs.problem
+    honest = step_collectives(p.build_loss, runs.layout, runs.specs, runs.params, runs.batch)
+    more = [
+        f"{kind} {honest[kind]['count']} -> {got[kind]['count']}"
+        for kind in honest
+        if isinstance(honest[kind], dict) and got[kind].get("count", 0) > honest[kind].get("count", 0)
+    ]
+    return ", ".join(more)
 
 
 def communication_rows(runs: Runs, got: dict) -> list[dict]:

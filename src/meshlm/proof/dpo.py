@@ -9,10 +9,14 @@ numbers; the policy and the reference are two different parameter sets (the refe
 initialisation), so a reference computed with the policy's weights shows. The sharded program is
 training's: the reference's per-target log-probs from the seam (``dpo.reference_logps``) on the
 sharded model, then ``dpo_value_and_grad``. The reference program: one device, the plain model,
-``jax.value_and_grad`` of the mean pair loss.
+``jax.value_and_grad`` of the mean pair loss. With ``steps`` K, then K of training's AdamW steps
+against the unsharded ones (``proof.dpo_steps``), every parameter and optimizer-state leaf compared.
+The result is pretraining's ``proof.report.Report`` (its rows and ``--json``): the sums as the leaves
+``dpo/chosen`` and ``dpo/rejected``, the gradients (and after steps the parameters and AdamW state) by
+parameter path, the loss, the controls.
 
-Controls (each planted in the sharded program only; each must change its traced program -- the
-inertness check of ``proof.inertness`` -- and its results):
+Controls (each planted in the sharded program only, run for its values; one whose traced program is the
+honest one -- the inertness check of ``proof.inertness`` -- is skipped with that reason):
 * the reference computed with the policy's weights (the frozen copy forgotten);
 * chosen and rejected swapped in one data shard (its pairs' rows in the wrong order);
 * the completion mask off by one (on the inputs' positions: the last prompt token counted).
@@ -21,19 +25,22 @@ inertness check of ``proof.inertness`` -- and its results):
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlm.errors import VerifierError
+from meshlm.data.pairs import check_pair_batch
 from meshlm.model import preference
+from meshlm.model.params import flat_params
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.placement import batch_sharding, put_global, to_host
-from meshlm.proof.inertness import fingerprint
+from meshlm.proof.dpo_steps import DPOSteps, dpo_steps
+from meshlm.proof.inertness import INERT, fingerprint
+from meshlm.proof.lora import base_kept, lora_problem
 from meshlm.proof.prover import TOLERANCE
+from meshlm.proof.report import LeafResult, Report, compare_into, skipped_row, worst
 from meshlm.train import dpo
 
 
@@ -202,55 +209,49 @@ def dpo_controls(layout, rows: int, accum: int = 1):
     )
 
 
-@dataclass
-class DPOReport:
-    label: str
-    rtol: float
-    atol: float
-    leaves: dict = field(default_factory=dict)  # name -> (max abs err, max |r|, ok)
-    controls: dict = field(default_factory=dict)  # name -> detected
-    inert: list = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(ok for *_, ok in self.leaves.values()) and all(self.controls.values()) and not self.inert
-
-    def to_json(self) -> dict:
-        leaves = {k: {"max_abs_err": e, "max_abs_ref": m, "ok": ok} for k, (e, m, ok) in self.leaves.items()}
-        return {
-            "label": self.label,
-            "ok": self.ok,
-            "leaves": leaves,
-            "controls": self.controls,
-            "inert": self.inert,
-        }
-
-    def lines(self) -> list[str]:
-        out = [
-            f"meshlm verify --objective dpo: {self.label}; tolerance "
-            f"max|s-r| <= {self.atol:g} + {self.rtol:g}*max|r|"
-        ]
-        out += [
-            f"  {k:<40} max abs err {e:.3g} (max|r| {m:.3g})  {'ok' if ok else 'DIFFERS'}"
-            for k, (e, m, ok) in self.leaves.items()
-        ]
-        out += [f"  control: {k:<56} {'detected' if d else 'NOT DETECTED'}" for k, d in self.controls.items()]
-        out += [f"  prover bug: control {k!r} changes nothing on this layout" for k in self.inert]
-        out.append("OK: sharded == unsharded, every control detected" if self.ok else "FAIL")
-        return out
+def _values(out) -> dict:
+    """A program's chosen and rejected sums as the proof's leaves ``dpo/chosen``, ``dpo/rejected``."""
+    return {"dpo": {"chosen": out["chosen"], "rejected": out["rejected"]}}
 
 
-def _compare(sharded, reference, rtol, atol) -> dict:
-    out = {}
-    flat = jax.tree_util.tree_flatten_with_path(sharded)[0]
-    for (path, s), r in zip(flat, jax.tree.leaves(reference), strict=True):
-        s, r = np.asarray(to_host(s), np.float64), np.asarray(r, np.float64)
-        err, scale = float(np.max(np.abs(s - r))), float(np.max(np.abs(r)))
-        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-        # (values, grads): "chosen", "loss", "rejected", "grad embed/embeddings", ...; values alone: theirs
-        name = {"0": keys[-1], "1": "grad " + "/".join(keys[1:])}.get(keys[0], "/".join(keys))
-        out[name] = (err, scale, bool(np.isfinite(err) and err <= atol + rtol * scale))
-    return out
+def _into(report: Report, results: dict, loss: LeafResult, sharded, expected) -> None:
+    """Fold the sharded (values, grads) against the reference's into ``results`` and ``loss``."""
+    (vs, gs), (vr, gr) = sharded, expected
+    compare_into(results, _values(vs), _values(vr), report.rtol, report.atol)
+    compare_into(results, gs, gr, report.rtol, report.atol)
+    loss.update(to_host(vs["loss"]), vr["loss"], report.rtol, report.atol)
+    report.loss_sharded, report.loss_reference = float(to_host(vs["loss"])), float(vr["loss"])
+
+
+def _control_row(name: str, got, expected, rtol, atol) -> dict:
+    """A control's row as ``control_runs.run_control`` gives one: detected where a value differs."""
+    results: dict[str, LeafResult] = {}
+    compare_into(
+        results,
+        {**_values(got), "loss": {"value": got["loss"]}},
+        {**_values(expected), "loss": {"value": expected["loss"]}},
+        rtol,
+        atol,
+    )
+    bad = [r.path for r in results.values() if not r.ok]
+    margin = worst(*(r.tol_ratio for r in results.values()))
+    finite = bool(np.isfinite(margin))
+    how = f"{len(bad)} leaves differ, e.g. {bad[0]}" if bad else "no difference"
+    by = "values" if finite else "non-finite values"
+    return {"name": name, "detected": bool(bad), "how": how, "margin": margin if finite else None, "by": by}
+
+
+def _controls(report: Report, make, args, expected: dict, layout, rows: int, accum: int) -> None:
+    """Each control planted: skipped where its traced program is the honest one (``proof.inertness``),
+    else run for its values (no gradient pass) and detected where one differs."""
+    unplanted = fingerprint(make().trace(*args))
+    for control, plant in dpo_controls(layout, rows, accum):
+        with plant():  # traced whole (the inertness check); run for its values (no gradient pass)
+            if fingerprint(make().trace(*args)) == unplanted:
+                report.controls.append(skipped_row(control, INERT))
+                continue
+            got = make(values_only=True)(*args)
+        report.controls.append(_control_row(control, got, expected, report.rtol, report.atol))
 
 
 def prove_dpo(
@@ -266,13 +267,16 @@ def prove_dpo(
     dtype=None,
     load_params=None,
     accum: int = 1,
-):
-    """The proof on ``layout`` (see the module doc): a ``DPOReport``; ``accum``: the sharded step
-    accumulates over that many micro-batches of whole pairs (the reference: one mean over the pairs)."""
+    steps: int = 0,
+) -> Report:
+    """The proof on ``layout`` (see the module doc), a ``proof.report.Report`` (pretraining's rows and
+    ``--json``); ``accum``: the sharded step accumulates over that many micro-batches of whole pairs
+    (the reference: one mean over the pairs); ``steps``: K AdamW steps after it (``dpo_steps``)."""
     from meshlm.proof.problem import model_problem
     from meshlm.sharding.rules import init_sharded
 
     dpo.check_dpo(cfg)  # what DPO's training refuses (experts, --doc-mask, --lora-dropout) is not proven
+    check_pair_batch(rows)
     dtype = dtype or jnp.float64
     rtol, atol = TOLERANCE[jnp.dtype(dtype).name]
     problem = model_problem(cfg, name, layout, rows, seq_len, seed)
@@ -287,34 +291,46 @@ def prove_dpo(
     (params, specs), (ref_params, _) = made
     if load_params is not None:  # a checkpoint's weights as the policy (the reference stays an init)
         params = jax.tree.map(lambda p: p.astype(dtype), load_params(layout))
+    elif cfg.lora_rank:  # the policy's A and B drawn: B = 0 would leave A's gradient 0 (``proof.lora``)
+        params = lora_problem(problem).prepare_params(params)
     host = pair_batch(cfg.vocab_size, rows, seq_len, seed)
     batch = {k: put_global(v, batch_sharding(layout, 1)) for k, v in host.items()}
-    device = jax.local_devices()[0]
-    one = lambda p: jax.device_put(problem.to_reference(jax.tree.map(to_host, p)), device)
+    one = lambda p: jax.device_put(problem.to_reference(jax.tree.map(to_host, p)), jax.local_devices()[0])
     reference = jax.jit(reference_program(problem.reference_cfg or cfg, beta, loss))
-    values, grads = reference(one(params), one(ref_params), jax.device_put(host, device))
+    values, grads = reference(one(params), one(ref_params), jax.device_put(host, jax.local_devices()[0]))
     expected = (jax.tree.map(np.asarray, values), problem.from_reference(jax.tree.map(np.asarray, grads)))
-    label = f"{name} on {layout.label()}, {loss} loss, beta {beta:g}" + (
-        f", {accum} micro-batches" if accum > 1 else ""
+    report = Report(
+        config=f"{name} (DPO: {loss} loss, beta {beta:g})",
+        dp=layout.dp,
+        mp=layout.mp,
+        steps=steps,
+        dtype=jnp.dtype(dtype).name,
+        rtol=rtol,
+        atol=atol,
     )
-    report = DPOReport(label=label, rtol=rtol, atol=atol)
+    report.extra["mesh"] = layout.label() + (f", {accum} micro-batches" if accum > 1 else "")
+    results, loss_check = {}, LeafResult(path="loss", shape=(), spec="P()")
     args = (params, ref_params, batch)
-    program = jax.jit(sharded_program(cfg, layout, specs, beta, loss, accum=accum))
-    report.leaves = _compare(program(*args), expected, rtol, atol)
-    unplanted = fingerprint(program.trace(*args))
-    for control, plant in dpo_controls(layout, rows, accum):
-        with plant():  # traced whole (the inertness check); run for its values (no gradient pass)
-            planted = jax.jit(sharded_program(cfg, layout, specs, beta, loss, accum=accum))
-            if fingerprint(planted.trace(*args)) == unplanted:  # a prover bug (``proof.inertness``)
-                raise VerifierError(
-                    f"prover bug: the control {control!r} changes nothing on {layout.label()} (its plant "
-                    "reaches no code this configuration runs)"
-                )
-            got = _compare(
-                jax.jit(sharded_program(cfg, layout, specs, beta, loss, True, accum))(*args),
-                expected[0],
-                rtol,
-                atol,
-            )
-        report.controls[control] = not all(ok for *_, ok in got.values())
+    make = lambda values_only=False: jax.jit(
+        sharded_program(cfg, layout, specs, beta, loss, values_only, accum)
+    )
+    _into(report, results, loss_check, make()(*args), expected)
+    if steps:  # fresh pairs each step, as the pretraining proof's steps take fresh batches
+        run = DPOSteps(
+            cfg,
+            problem,
+            layout,
+            specs,
+            beta,
+            loss,
+            reference_program(problem.reference_cfg or cfg, beta, loss),
+        )
+        batches = [pair_batch(cfg.vocab_size, rows, seq_len, seed + 1000 + k) for k in range(steps)]
+        trained = dpo_steps(run, results, loss_check, params, ref_params, batches, expected[1], rtol, atol)
+        report.checks += base_kept(cfg, params, trained)
+    for path, spec in flat_params(specs).items():  # the spec column (the rows' other leaves: P())
+        if path in results:
+            results[path].spec = str(spec)
+    report.params, report.loss_ok = list(results.values()), loss_check.ok
+    _controls(report, make, args, expected[0], layout, rows, accum)
     return report

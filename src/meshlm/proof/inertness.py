@@ -6,8 +6,10 @@ kernel) changes nothing, is "not detected", and fails a correct model's proof. S
 run, ``verify`` traces (``jit(...).trace``: no compile, no execution) each chosen control's sharded
 program, planted, beside the same kind of program unplanted, and requires them to differ: in the jaxpr's
 text (its equations, collectives and shapes), in the constants and literals the text does not show, or
-in the parameters the control runs at (``params_change``). Identical ones are a prover bug, raised as
-``VerifierError`` (exit 3) in one line naming the control and the configuration.
+in the parameters the control runs at (``params_change``). An identical one cannot detect anything
+here: it is skipped with that reason (``inert_skips``; a row of the report, not a failure of a correct
+model's proof). That an ``applies`` names only configurations its plant reaches is a test's to hold
+(``tests/test_every_control.py`` traces every control on every configuration verify accepts).
 
 What tracing cannot see: a fault whose program differs but whose values cannot on these inputs (a
 tie-breaking rule where the parameters carry no tie). ``applies`` must say so itself (``planted_tie``).
@@ -21,7 +23,6 @@ from functools import partial
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-from meshlm.errors import VerifierError
 from meshlm.parallel.context import Parallel
 from meshlm.proof.control_record import Control
 from meshlm.proof.control_runs import crash_error, trace_control
@@ -117,12 +118,14 @@ def inert_controls(controls, runs, ocfg=None) -> list[str]:
     return inert
 
 
-def check_not_inert(controls, runs, ocfg=None) -> None:
-    """Raise ``VerifierError`` naming the first inert one of ``controls`` (``inert_controls``) and the
-    configuration: a prover bug, before any run."""
-    if inert := inert_controls(controls, runs, ocfg):
-        raise VerifierError(
-            f"prover bug: the control {inert[0]!r} claims to apply to {runs.problem.name} on "
-            f"{runs.layout.label()} but changes nothing there (its plant reaches no code this "
-            "configuration runs: its `applies` is wrong)"
-        )
+INERT = (
+    "its plant changes nothing in the program this configuration runs (traced planted and unplanted: "
+    "identical)"
+)
+
+
+def inert_skips(controls, runs, ocfg=None) -> dict[str, str]:
+    """{name: reason} of those of ``controls`` that are inert here (``inert_controls``): each is skipped
+    with its reason, never run and never a failure of a correct model's proof (``tests/test_every_control.py``
+    holds every control's ``applies`` to configurations where it changes the program)."""
+    return dict.fromkeys(inert_controls(controls, runs, ocfg), INERT)

@@ -2,7 +2,7 @@
 
 The problem is the model's own with adapters on its targets, A and B both drawn at random (B = 0, the
 training start, would leave A's gradient zero and prove nothing of it), alpha != R so that the scale
-is not 1. Beyond the values (loss and every adapter's gradient, in float64 under every mesh), three
+is not 1. Beyond the values (loss and every adapter's gradient, in float64 under every mesh), these
 rows (``lora_rows``):
 
 * only adapter gradients: every base parameter's gradient is exactly 0 in both runs (the base is read
@@ -10,7 +10,10 @@ rows (``lora_rows``):
   adapter's is not;
 * the merged weights' forward (W + (alpha / R) A B, ``lora.merged``, the model without adapters)
   equals the adapted forward at the proof's tolerance (unsharded logits);
-* with B = 0 the adapted model's logits are bitwise the base model's.
+* with B = 0 the adapted model's logits are bitwise the base model's;
+* with ``--steps K`` (AdamW of the adapters alone, as training's step: ``train.optim.trainable``; every
+  adapter and its AdamW state compared after each step like any leaf): every frozen base leaf of the
+  sharded run is bitwise its start after the K steps.
 
 Controls (each changes the sharded run only): B's gradient not summed over the data shards (one
 shard's kept: where the batch is split over dp or cp); the scale alpha / R applied twice. The
@@ -20,6 +23,7 @@ tied table's gradient sum) cannot change an adapter's gradient and are left out 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -32,7 +36,8 @@ from jax import lax
 from meshlm.model import lora
 from meshlm.model.lora_dropout import ROW_PARALLEL
 from meshlm.parallel.context import Parallel
-from meshlm.proof.control_record import Control
+from meshlm.parallel.placement import to_host
+from meshlm.proof.control_record import Control, replaced
 from meshlm.proof.report import check_row
 from meshlm.proof.taps import Tapped
 
@@ -133,6 +138,18 @@ FROZEN_ONLY = (
 )
 
 
+@contextlib.contextmanager
+def thawed():
+    """While a program traces: the base read without ``lax.stop_gradient`` (``lora.freeze`` a no-op), so
+    every parameter has its gradient, the frozen ones' too (``control_runs.frozen_reach``)."""
+    import meshlm.model.pieces as pieces
+    import meshlm.model.transformer as transformer
+
+    plain = lambda cfg: contextlib.nullcontext()
+    with replaced(vars(pieces), "freeze", plain), replaced(vars(transformer), "freeze", plain):
+        yield
+
+
 def for_lora(controls):
     """``controls`` less those that fault only a frozen base weight's gradient, where the model has
     adapters (they apply as before without)."""
@@ -150,8 +167,33 @@ def _logits(cfg, params, tokens):
     return hk.without_apply_rng(hk.transform(logits_fn(cfg, Parallel()))).apply(params, tokens)
 
 
+def _base_kept(runs) -> list[dict]:
+    """After the proof's training steps (none: []): ``base_kept`` of the sharded run."""
+    trained = getattr(runs, "trained", None)
+    return [] if trained is None else base_kept(runs.problem.cfg, runs.params, trained)
+
+
+def base_kept(cfg, start, end) -> list[dict]:
+    """With adapters (else []): a row, every frozen base leaf of ``end`` (the sharded parameters after
+    the proof's steps) bitwise its ``start``. A mixture of experts' selection bias is state its own rule
+    moves (``balance_update``), not a trained weight: left out."""
+    if cfg is None or not cfg.lora_rank:
+        return []
+    start, end = lora.base(start), lora.base(end)
+    moved = [
+        f"{m}/{n}"
+        for m, leaves in start.items()
+        for n, x in leaves.items()
+        if n != "balance_bias" and not np.array_equal(to_host(x), to_host(end[m][n]))
+    ]
+    detail = (
+        f"moved: {moved}" if moved else f"{sum(map(len, start.values()))} base leaves bitwise their start"
+    )
+    return [check_row("LoRA: frozen base unchanged by the steps", not moved, detail)]
+
+
 def lora_rows(runs, sharded_grads, rtol: float) -> list[dict]:
-    """[] without adapters; else the three rows of the module docstring (``rtol``: the proof's)."""
+    """[] without adapters; else the rows of the module docstring (``rtol``: the proof's)."""
     cfg = runs.problem.reference_cfg or runs.problem.cfg
     if cfg is None or not cfg.lora_rank:
         return []
@@ -184,6 +226,7 @@ def lora_rows(runs, sharded_grads, rtol: float) -> list[dict]:
     err = float(np.abs(adapted - merged).max() / max(np.abs(adapted).max(), 1e-300))
     return [
         only,
+        *_base_kept(runs),
         check_row("LoRA: merged weights' forward = adapted forward", err <= rtol, f"max rel err {err:.2e}"),
         check_row(
             "LoRA: B = 0 gives the base's output",

@@ -32,13 +32,13 @@ from meshlm.proof.cp_controls import CP_CONTROLS
 from meshlm.proof.data_pipeline import data_checks
 from meshlm.proof.ep_controls import EP_CONTROLS
 from meshlm.proof.independence import exactness_check, reference_checks, sharded_check
-from meshlm.proof.inertness import check_not_inert
+from meshlm.proof.inertness import inert_skips
 from meshlm.proof.lora import lora_rows
 from meshlm.proof.padding import padding_rows
 from meshlm.proof.pipeline_proof import applicable_controls
 from meshlm.proof.pipeline_verify import permute_controls, permute_rows, pipeline_controls, run_model_control
 from meshlm.proof.problem import Problem
-from meshlm.proof.report import LeafResult, Report, check_row, compare_into, leaf_label
+from meshlm.proof.report import LeafResult, Report, check_row, compare_into, leaf_label, skipped_row
 from meshlm.proof.routing import routing_rows
 from meshlm.proof.rule_errors import rule_mismatch, vma_error
 from meshlm.proof.runs import Runs, default_optim, reference_grad_norm, step_batches
@@ -98,8 +98,10 @@ def verify(
                     f"pipeline controls {sorted(unknown)} do not apply here; these do: {pipeline}"
                 )
             pipeline = [n for n in pipeline if n in pipeline_faults]
-    try:  # before any run: a control that changes nothing here is a prover bug (``inertness``)
-        check_not_inert(chosen + pipeline, runs, ocfg)
+    try:  # before any run: a control that changes nothing here is skipped, saying so (``inertness``)
+        skipped = inert_skips(chosen + pipeline, runs, ocfg)
+        chosen = [c for c in chosen if c.name not in skipped]
+        pipeline = [n for n in pipeline if n not in skipped]
         sharded = runs.proven_grads()
     except ValueError as e:  # a wrong rule or a varying-axis type error: a failing row, not a traceback
         for name, explain in (("sharding rules", rule_mismatch), ("varying-axis types", vma_error)):
@@ -114,10 +116,11 @@ def verify(
     report.checks += padding_rows(problem, sharded[1])
     report.checks += lora_rows(runs, sharded[1], rtol)  # with adapters: frozen base, merged forward
     report.checks += routing_rows(runs, dname, allow_routing_flips)
+    report.controls = [skipped_row(name, why) for name, why in skipped.items()]
     report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
     report.extra["param_bytes_total"] = total_bytes(runs.params)
     if engine_faults:
-        report.controls = [run_model_control(c, runs, run_control, ocfg, rtol, atol) for c in chosen]
+        report.controls += [run_model_control(c, runs, run_control, ocfg, rtol, atol) for c in chosen]
         report.controls += pipeline_controls(runs, rtol, atol, pipeline)
         return report
     for c in chosen:
@@ -165,7 +168,7 @@ def _compare_values(report: Report, runs: Runs, sharded, steps: int, ocfg, seed:
         batches = step_batches(runs.problem, steps, ocfg.accum_steps, seed)
         differ = total = 0
         drift = AdamDrift(ocfg, leaf_label)  # what AdamW's division makes of the moments' difference
-        for (ps, ss, ms), (pr, sr, mr) in runs.train(ocfg, batches):
+        for (ps, ss, ms), (pr, sr, mr) in runs.train(ocfg, batches, seed=seed):
             with watchdog.program("verify's sharded train step", mesh):  # its outputs' first read
                 d, n = compare_into(results, ps, pr, rtol, atol, drift.step(ss, sr))
             d2, n2 = compare_into(results, ss, sr, rtol, atol)
@@ -173,6 +176,7 @@ def _compare_values(report: Report, runs: Runs, sharded, steps: int, ocfg, seed:
             d += loss_check.update(to_host(ms["loss"]), to_host(mr["loss"]), rtol, atol) != 0
             differ, total = differ + d, total + n + 1
         counts["training steps"] = (differ, total)
+        runs.trained = ps  # the sharded parameters after the last step (``lora_rows``: the base kept)
     report.loss_ok = loss_check.ok
     for path, spec in flat_params(runs.specs).items():
         if path in results:

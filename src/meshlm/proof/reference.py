@@ -25,7 +25,7 @@ import optax
 from jax.extend.core import jaxpr_as_fun
 
 from meshlm.model.params import is_mtp
-from meshlm.train.optim import OptimConfig, adamw
+from meshlm.train.optim import OptimConfig, Whole, adamw
 
 
 class CheckedProgram:
@@ -51,13 +51,16 @@ def reference_optimizer(ocfg: OptimConfig, params) -> optax.GradientTransformati
     return adamw(ocfg, params)
 
 
-def reference_step(grad_fn, ocfg: OptimConfig, optimizer: optax.GradientTransformation, bias_rate=None):
+def reference_step(
+    grad_fn, ocfg: OptimConfig, optimizer: optax.GradientTransformation, bias_rate=None, part=Whole
+):
     """(params, opt_state, batch) -> (params, opt_state, {"loss"}): mean over micro-batches (a Python
     loop), ``optax.clip_by_global_norm``, then ``optimizer``. Batch leaves are [A, B, T] with
     accumulation (A = ``ocfg.accum_steps``), else [B, T]. ``bias_rate`` (a mixture of experts that
     balances by a selection bias; ``grad_fn``'s value is then (loss, routing statistics [L, 2E + 3])):
     after AdamW each layer's bias moves by rate x sign(mean load - load), the loads summed over the
-    micro-batches (``_balanced``: written here, not ``model.routers``')."""
+    micro-batches (``_balanced``: written here, not ``model.routers``'). ``part`` (``train.optim.trainable``,
+    the run's setting): what is clipped and moved (LoRA: the adapters; the frozen base is kept)."""
     clip = optax.clip_by_global_norm(ocfg.clip_norm) if ocfg.clip_norm else optax.identity()
     accum = ocfg.accum_steps
 
@@ -71,10 +74,10 @@ def reference_step(grad_fn, ocfg: OptimConfig, optimizer: optax.GradientTransfor
         if bias_rate is not None:
             losses, stats = zip(*losses, strict=True)
         loss = sum(losses) / accum
-        grads = jax.tree.map(lambda *g: sum(g) / accum, *grads)
-        grads, _ = clip.update(grads, clip.init(params))
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        grads = part.select(jax.tree.map(lambda *g: sum(g) / accum, *grads))
+        grads, _ = clip.update(grads, clip.init(grads))
+        updates, opt_state = optimizer.update(grads, opt_state, part.select(params))
+        params = part.put(params, optax.apply_updates(part.select(params), updates))
         if bias_rate is not None:
             params = _balanced(params, sum(stats), bias_rate)
         return params, opt_state, {"loss": jnp.asarray(loss)}

@@ -84,7 +84,8 @@ class Report:
     @property
     def ok(self) -> bool:
         values = self.loss_ok and all(p.ok for p in self.params)
-        return values and all(c["ok"] for c in self.checks) and all(c["detected"] for c in self.controls)
+        controls = all(c["detected"] or c.get("skipped") for c in self.controls)  # a skip says why
+        return values and all(c["ok"] for c in self.checks) and controls
 
     def to_json(self) -> dict:
         return {
@@ -187,6 +188,9 @@ def format_report(r: Report) -> str:
     elif not r.controls:
         rows.append("controls: none apply on this mesh (collective faults need mp > 1, dp faults dp > 1)")
     for c in r.controls:
+        if c.get("skipped"):
+            rows.append(f"control {c['name']:<42} skipped: {c['skipped']}")
+            continue
         verdict = "detected" if c["detected"] else "NOT DETECTED (verifier failure)"
         verdict = f"{verdict}: {margin_text(c)}"
         rows.append(f"control {c['name']:<42} {verdict}  ({c['how']})")
@@ -202,6 +206,12 @@ def _mark(p: LeafResult, rtol: float) -> str:
     return "PASS*" if p.adam_drift else "PASS+" if p.floor_rel_err > rtol else "PASS"
 
 
+def skipped_row(name: str, reason: str) -> dict:
+    """A control that cannot change anything the proof compares on this configuration: not run, not a
+    failure; ``reason`` says why (``proof.inertness``)."""
+    return {"name": name, "detected": None, "skipped": reason, "how": reason, "margin": None, "by": "skipped"}
+
+
 def margin_text(control: dict) -> str:
     """How far a detected control moved the result: ``3.1e5 x tolerance`` (values), or how else it
     was detected (the type check, communication, non-finite values)."""
@@ -215,12 +225,13 @@ def margin_text(control: dict) -> str:
 def cell_row(row: dict, report, start: float) -> dict:
     """A proven cell's row: ``row`` (what it is) with the report's verdict, worst error, checks and
     controls, and the seconds since ``start`` (``time.perf_counter``)."""
-    detected = sum(c["detected"] for c in report.controls)
+    detected = sum(bool(c["detected"]) for c in report.controls)
+    run = sum(not c.get("skipped") for c in report.controls)  # a skipped control is not counted
     return {
         **row,
         "ok": report.ok,
         "worst_rel_err": worst(*(p.max_rel_err for p in report.params)),
         "checks": f"{sum(c['ok'] for c in report.checks)}/{len(report.checks)}",
-        "controls": f"{detected}/{len(report.controls)}",
+        "controls": f"{detected}/{run}",
         "seconds": round(time.perf_counter() - start, 1),
     }

@@ -26,7 +26,7 @@ from meshlm.sharding.rules import shardings
 from meshlm.sharding.spmd import reference_value_and_grad
 from meshlm.sharding.stage_slots import slot_balance
 from meshlm.sharding.strategy import strategy
-from meshlm.train.optim import OptimConfig, adamw, make_step
+from meshlm.train.optim import OptimConfig, Whole, adamw, dropout_seed, make_step, trainable
 
 
 def put_batch(batch, layout: Layout, accum: bool):
@@ -120,40 +120,58 @@ class Runs:
 
     def reference_train(self, ocfg: OptimConfig, batches) -> list:
         """The unsharded (params, opt_state, metrics) after each step, computed once per config by a
-        checked program: the plain step of ``proof.reference`` (optax's clip and AdamW)."""
+        checked program (``_reference_states``)."""
         key = (ocfg, len(batches))
         cache = self.__dict__.setdefault("_ref_train", {})
         if key not in cache:
-            opt = reference_optimizer(ocfg, self.ref_params)
-            state, out = (self.ref_params, jax.jit(opt.init)(self.ref_params)), []
-            step = _reference_train_step(self.problem, self.ref_loss, ocfg, opt)
-            first = jax.device_put(batches[0], self.device)
-            program = self._checked(CheckedProgram("train step", step, *state, first))
-            for b in batches:
-                *state, metrics = program(*state, jax.device_put(b, self.device))
-                out.append(self.problem.from_reference((*state, metrics)))
-            cache[key] = out
+            cache[key] = _reference_states(self, ocfg, batches)
         return cache[key]
 
-    def train_step(self, ocfg: OptimConfig, clip_fault: bool = False, par_cls=Parallel):
+    def train_step(self, ocfg: OptimConfig, clip_fault: bool = False, par_cls=Parallel, seed: int = 0):
         """The sharded training step (jitted, not yet traced) and its initial (params, opt_state); a
         mixture of experts that balances by a selection bias moves it after AdamW (``make_step``), from
-        the routing statistics its loss then returns. ``par_cls``: a control's parallel context."""
-        opt, cfg = adamw(ocfg, self.params), self.problem.cfg
+        the routing statistics its loss then returns. ``par_cls``: a control's parallel context. As
+        training's (``train.step.sharded_step``): AdamW of what the run trains (LoRA: the adapters);
+        with ``--lora-dropout`` each token's dropout seed of ``seed`` and the step's count."""
+        part, cfg = _part(self.problem), self.problem.cfg
+        opt = adamw(ocfg, part.select(self.params))
         balance = None if cfg is None else slot_balance(balance_update(cfg), self.problem.slots)
         build = self.problem.build_loss if balance is None else (lambda par: loss_fn(cfg, par, True))
         grad = self.value_and_grad(build, par_cls, routing=balance is not None)
-        clip = per_shard_clip(self.mesh, self.specs, ocfg.clip_norm) if clip_fault else None
-        step = make_step(grad, opt, ocfg, clip, balance=balance)
-        return jax.jit(step), (self.params, jax.jit(opt.init)(self.params))
+        specs = part.select(self.specs)
+        clip = per_shard_clip(self.mesh, specs, ocfg.clip_norm) if clip_fault else None
+        drop = None if cfg is None else dropout_seed(cfg, seed)
+        step = make_step(grad, opt, ocfg, clip, balance=balance, part=part, dropout_seed=drop)
+        return jax.jit(step), (self.params, jax.jit(opt.init)(part.select(self.params)))
 
-    def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False, par_cls=Parallel):
-        """Yield ((params, opt_state, metrics) sharded, the same unsharded) after each step."""
-        step, state = self.train_step(ocfg, clip_fault, par_cls)
+    def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False, par_cls=Parallel, seed: int = 0):
+        """Yield ((params, opt_state, metrics) sharded, the same unsharded) after each step (``seed``:
+        ``step_batches``')."""
+        step, state = self.train_step(ocfg, clip_fault, par_cls, seed)
         accum = ocfg.accum_steps > 1
         for b, ref in zip(batches, self.reference_train(ocfg, batches), strict=True):
             *state, metrics = step(*state, put_batch(b, self.layout, accum))
             yield (*state, metrics), ref
+
+
+def _reference_states(runs: Runs, ocfg: OptimConfig, batches) -> list:
+    """The plain step of ``proof.reference`` (optax's clip and AdamW) over ``batches``, as one checked
+    program, training what the run trains (``trainable``: LoRA's adapters; the frozen base kept)."""
+    part = _part(runs.problem)
+    opt = reference_optimizer(ocfg, part.select(runs.ref_params))
+    state, out = (runs.ref_params, jax.jit(opt.init)(part.select(runs.ref_params))), []
+    step = _reference_train_step(runs.problem, runs.ref_loss, ocfg, opt, part)
+    first = jax.device_put(batches[0], runs.device)
+    program = runs._checked(CheckedProgram("train step", step, *state, first))
+    for b in batches:
+        *state, metrics = program(*state, jax.device_put(b, runs.device))
+        out.append(runs.problem.from_reference((*state, metrics)))
+    return out
+
+
+def _part(problem: Problem):
+    """What a step trains (``train.optim.trainable``): every parameter, or LoRA's adapters."""
+    return Whole if problem.cfg is None else trainable(problem.cfg)
 
 
 def reference_grad_norm(runs: Runs) -> float:
@@ -183,14 +201,14 @@ def _init(problem: Problem, mesh, dtype, seed: int):
     return placed, specs
 
 
-def _reference_train_step(problem: Problem, ref_loss, ocfg: OptimConfig, opt):
+def _reference_train_step(problem: Problem, ref_loss, ocfg: OptimConfig, opt, part):
     """The unsharded training step: a mixture of experts that balances by a selection bias has its
-    loss return the routing, from which the bias moves after AdamW."""
+    loss return the routing, from which the bias moves after AdamW. ``part``: what it trains."""
     cfg = problem.reference_cfg or problem.cfg
     if cfg is not None and balances(cfg):
         grad = reference_value_and_grad(lambda par: loss_fn(cfg, par, True), has_aux=True)
-        return reference_step(grad, ocfg, opt, bias_rate=cfg.moe_bias_rate)
-    return reference_step(reference_value_and_grad(ref_loss), ocfg, opt)
+        return reference_step(grad, ocfg, opt, bias_rate=cfg.moe_bias_rate, part=part)
+    return reference_step(reference_value_and_grad(ref_loss), ocfg, opt, part=part)
 
 
 def step_batches(problem: Problem, steps: int, accum: int, seed: int) -> list[dict]:
