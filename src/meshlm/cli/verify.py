@@ -41,7 +41,7 @@ def run(args) -> int:
         _check_dpo(vs)
     if planned := flag_layout(args, vs):  # before any work
         if vs.batch_size is not None:
-            planned.check_batch(vs.batch_size, DPO_ACCUM if vs.objective == "dpo" and vs.steps else 1)
+            planned.check_batch(vs.batch_size, DPO_ACCUM if vs.objective == "dpo" and vs.steps else None)
         if vs.seq_len is not None or vs.checkpoint is None:  # else the checkpoint's model decides
             planned.check_seq_len(_shapes(vs, get_config(vs.config), planned)[0])
         if vs.checkpoint is None:
