@@ -104,6 +104,9 @@ def test_streams_through_a_tokenizer(bpe, tmp_path):
 _tcfg = partial(tiny_lm_config, steps=2, batch_size=4, seq_len=16, save_every=2, sample_tokens=8)
 
 
+# slow: a whole training run (its cost); the run's tokenizer record: tests/test_convert_carry.py, and a
+# BPE run: the documented `meshlm train --tokenizer bpe-2048` (tests/test_docs_commands.py), both quick
+@pytest.mark.slow
 def test_training_run_carries_its_bpe_tokenizer(tmp_path):
     from helpers import read_metrics, write_corpus
 
