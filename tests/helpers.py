@@ -116,3 +116,23 @@ def sharded_logits(cfg, params, tokens, mesh=(2, 2), **axes):
         out_specs=P("mp", *layout.spec("batch", None, None)),
     )
     return np.asarray(jax.jit(fn)(jax.device_put(params, shardings(specs, layout.mesh)), tokens))
+
+
+def save_lora_run(cfg, base, path, base_path, seed: int = 0) -> dict:
+    """A LoRA run at ``path`` of ``cfg`` (its rank, alpha and targets) over the base checkpoint at
+    ``base_path`` (``base``: its parameters): random adapters (B nonzero, so they change the model),
+    saved with the base's fingerprint as training records it. Returns the adapters."""
+    import jax
+    import numpy as np
+
+    from meshlm.io.model_io import LORA_BASE, LORA_BASE_PATH, base_fingerprint, save_model
+    from meshlm.model import lora
+    from meshlm.model.transformer import param_shapes
+
+    rng = np.random.default_rng(seed)
+    shapes = lora.adapters(param_shapes(cfg))
+    adapters = jax.tree.map(
+        lambda s: jax.numpy.asarray(0.2 * rng.standard_normal(s.shape), np.float32), shapes
+    )
+    save_model(path, cfg, adapters, meta={LORA_BASE: base_fingerprint(base), LORA_BASE_PATH: str(base_path)})
+    return adapters

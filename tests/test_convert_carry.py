@@ -13,16 +13,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import run_cli
+from helpers import run_cli, save_lora_run
 
 from meshlm.data.bpe import train_bpe
 from meshlm.io import hf_weights
-from meshlm.io.model_io import LORA_BASE, LORA_BASE_PATH, base_fingerprint, load_model, save_model
+from meshlm.io.model_io import load_model
 from meshlm.io.tokenizer_file import COMPANIONS
-from meshlm.model import lora
 from meshlm.model.config import get_config
 from meshlm.model.params import flat_params
-from meshlm.model.transformer import param_shapes
 from meshlm.train.step import init_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "chat"
@@ -116,13 +114,7 @@ def test_lora_conversions_carry_them_and_to_hf_exports_merged(model, capsys):
     mesh = jax.make_mesh((1, 1), ("dp", "mp"), devices=jax.devices()[:1])
     base_cfg, base, _ = load_model(tmp / "ck", mesh)
     cfg = base_cfg.replace(lora_rank=2, lora_alpha=4.0, lora_targets="q,v")
-    rng = np.random.default_rng(0)
-    shapes = lora.adapters(param_shapes(cfg))
-    adapters = jax.tree.map(
-        lambda s: jax.numpy.asarray(0.2 * rng.standard_normal(s.shape), np.float32), shapes
-    )
-    meta = {LORA_BASE: base_fingerprint(base), LORA_BASE_PATH: str(tmp / "ck")}
-    save_model(tmp / "lora", cfg, adapters, meta=meta)
+    save_lora_run(cfg, base, tmp / "lora", tmp / "ck")
     for argv in (
         ("--merge", str(tmp / "lora"), "--out", str(tmp / "merged")),
         ("--to-peft", str(tmp / "lora"), "--out", str(tmp / "peft")),

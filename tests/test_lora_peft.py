@@ -13,14 +13,13 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import jax  # noqa: E402
-from helpers import run_cli  # noqa: E402
+from helpers import run_cli, save_lora_run  # noqa: E402
 from hf_helpers import RTOL, VOCAB, hf_logits, our_logits, perturbed_model, random_tokens, rel  # noqa: E402
 
 from meshlm.io import hf_weights  # noqa: E402
-from meshlm.io.model_io import LORA_BASE, LORA_BASE_PATH, base_fingerprint, load_model, save_model  # noqa: E402
+from meshlm.io.model_io import load_model, save_model  # noqa: E402
 from meshlm.model import lora  # noqa: E402
 from meshlm.model.params import flat_params, unflatten  # noqa: E402
-from meshlm.model.transformer import param_shapes  # noqa: E402
 
 TARGETS = "q,k,v,o,gate,up,down"
 ONE = ("--mesh", "1x1")  # every command on one device
@@ -42,13 +41,7 @@ def setup(tmp_path_factory):
     base = unflatten({k: jax.numpy.asarray(v) for k, v in flat.items()})
     save_model(tmp / "base", cfg, base)
     cfg = cfg.replace(lora_rank=4, lora_alpha=8.0, lora_targets=TARGETS)
-    rng = np.random.default_rng(7)
-    shapes = lora.adapters(param_shapes(cfg))
-    adapters = jax.tree.map(
-        lambda s: jax.numpy.asarray(0.2 * rng.standard_normal(s.shape), np.float32), shapes
-    )
-    meta = {LORA_BASE: base_fingerprint(base), LORA_BASE_PATH: str(tmp / "base")}
-    save_model(tmp / "lora", cfg, adapters, meta=meta)
+    adapters = save_lora_run(cfg, base, tmp / "lora", tmp / "base", seed=7)
     return model, tmp, cfg, flat_params(lora.combine(base, adapters))
 
 
