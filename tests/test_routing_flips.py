@@ -7,11 +7,12 @@ import pytest
 from helpers import run_cli
 
 from meshlm.model.config import get_config
+from meshlm.parallel.cp import held_positions
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.mesh import make_mesh
 from meshlm.proof import model_problem
 from meshlm.proof.moe_controls import ties_to_higher_id
-from meshlm.proof.routing import chunk_order, count_flips, reference_routing, routing_row, sharded_routing
+from meshlm.proof.routing import count_flips, reference_routing, routing_row, sharded_routing
 from meshlm.proof.runs import Runs
 
 
@@ -38,8 +39,9 @@ def test_a_tie_broken_otherwise_in_the_sharded_run_is_counted_and_fails():
 
 def test_cp_chunk_order():
     """cp shard i holds chunks i and 2cp-1-i of the 2cp chunks: the reference's tokens in that order."""
-    assert chunk_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
-    assert chunk_order(4, 1).tolist() == [0, 1, 2, 3]
+    assert held_positions(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert held_positions(4, 1).tolist() == [0, 1, 2, 3]
+    assert held_positions(5, 1).tolist() == [0, 1, 2, 3, 4]  # without cp any length, in order
 
 
 def test_allowance_refused_in_float64(capsys):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from meshlm.errors import ConfigError
-from meshlm.parallel.axes import AxisFacts
+from meshlm.parallel.axes import CP, AxisFacts
 from meshlm.ranges import POSITIVE_INT, Range
 
 # How a command exposes a field: a flag of its own, a flag the shared ``add_common`` already adds
@@ -206,7 +206,8 @@ class LongContext:
         asks for it) and not float64 (--x64: the kernel computes in float32) -- else plain."""
         if self.attention != "auto":
             return self.attention
-        one_sequence = (getattr(self, "cp", 1) or 1) == 1  # (commands without --cp: one sequence per shard)
+        # (commands without --cp: one sequence per shard)
+        one_sequence = not (isinstance(self, MeshFlags) and self.on(CP))
         return "flash" if backend == "tpu" and one_sequence and not x64 else "plain"
 
 

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from meshlm.parallel.axes import PP
+from meshlm.parallel.axes import CP, PP
 from meshlm.parallel.layout import Layout, devices_layout, early_layout
 from meshlm.parallel.mesh import DEFAULT_DEVICES, MAX_HOST_DEVICES, force_host_devices, parse_mesh
 from meshlm.ranges import (
@@ -181,7 +181,7 @@ def flag_layout(args, flags: MeshFlags | None = None) -> Layout | None:
     None without --mesh: the mesh then depends on the device count, known after ``setup``; with --pp a
     Layout of dp=1 is built to check the pipeline's options early."""
     options = flags.layout_options() if flags is not None else {}
-    cp_allgather = (getattr(flags, "cp", 1) or 1) > 1 and getattr(flags, "cp_strategy", "") == "allgather"
+    cp_allgather = flags is not None and flags.on(CP) and flags.cp_strategy == "allgather"
     if getattr(flags, "attention", "") == "flash" and cp_allgather:
         from meshlm.errors import ConfigError
 

@@ -207,6 +207,12 @@ AXIS_NAMES = tuple(a.name for a in AXES)  # the mesh's axes in order; pp and cp 
 AXIS = {a.name: a for a in AXES}  # each axis's entry by name
 
 
+def sizes_on(sizes: dict[str, int], axis: str) -> bool:
+    """Whether a layout of these ``sizes`` (by axis name; one absent is 1) splits over ``axis``: the one
+    rule every "is this axis on" asks (``AxisFacts.on``), also of a layout not built (a refused cell)."""
+    return sizes.get(axis, 1) > 1
+
+
 class AxisFacts:
     """What the declarations say about a layout's sizes (``Layout``'s base: it has a field per axis and
     option); code asks these instead of comparing sizes with 1."""
@@ -230,6 +236,11 @@ class AxisFacts:
         return {a: s // self.ep if a == DP else s for a, s in self.shape.items()}
 
     @property
+    def data_axis_split(self) -> bool:
+        """The mesh's DP axis (the data shards outside ep: ``mesh_shape``) has more than one shard."""
+        return self.mesh_shape[DP] > 1
+
+    @property
     def experts_split(self) -> bool:
         """The experts are split over an ep axis (ep > 1)."""
         return self.on(EP)
@@ -249,7 +260,7 @@ class AxisFacts:
 
     def on(self, axis: str) -> bool:
         """Whether ``axis`` splits anything here (its size is > 1)."""
-        return getattr(self, axis) > 1
+        return sizes_on({axis: getattr(self, axis)}, axis)
 
     @property
     def pipelined(self) -> bool:

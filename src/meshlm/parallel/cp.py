@@ -19,6 +19,7 @@ that is the mean over every token of the global batch.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from meshlm.parallel.axes import CP
@@ -42,6 +43,15 @@ def chunk_positions(index, cp: int, t_local: int):
 def shard_order(cp: int) -> list[int]:
     """The chunks in the order the cp shards hold them, one after another (an all-gather's order)."""
     return [j for i in range(cp) for j in (i, 2 * cp - 1 - i)]
+
+
+def held_positions(t: int, cp: int) -> np.ndarray:
+    """[T] host positions in the order the cp shards hold them (shard i: chunks i, 2cp-1-i), one shard
+    after another; the sequence in order without cp (any T)."""
+    if cp == 1:
+        return np.arange(t)
+    c = t // (2 * cp)
+    return np.concatenate([np.arange(j * c, (j + 1) * c) for j in shard_order(cp)])
 
 
 def sequence_order(held, cp: int):

@@ -40,6 +40,17 @@ from meshlm.parallel.axes import EP
 from meshlm.parallel.grouped import sorted_experts
 
 
+def shard_tie_experts(n_experts: int, ep: int) -> list[int]:
+    """The experts a planted tie joins to expert 0: expert 1 (its own shard) and, with the experts split
+    over ep, the first of ep shard 1 (E / ep): a tie inside a shard and one across shards."""
+    return sorted({1, n_experts // ep if ep > 1 else 1})
+
+
+def gathered_tokens(tokens: int, ep: int) -> int:
+    """Tokens an expert shard gathers from its ep group for its dispatch (ep x N), none without ep."""
+    return ep * tokens if ep > 1 else 0
+
+
 def chosen(ids, n_experts: int):
     """[E, N] bool: token n chose expert e (one of its k GLOBAL ``ids`` [N, k])."""
     return jnp.any(ids[None, :, :] == jnp.arange(n_experts, dtype=ids.dtype)[:, None, None], axis=-1)

@@ -109,20 +109,21 @@ def moe_bytes(cfg: ModelConfig, *, tokens: int, mp: int, ep: int, act_bytes: int
     weights' gradient), with ep the gathered ep·N·D tokens; "dense": E·N expert slots of D + 6·I/mp
     values, the k·N·D chosen outputs, with ep the E·N·D-byte dispatch mask. A shared expert's
     6·N·I_shared/mp either way."""
+    from meshlm.parallel.ep import gathered_tokens  # JAX's: imported when a MoE is planned
+
     shared = tokens * MOE_HIDDEN * cfg.shared_expert_d_ff / mp * act_bytes
     if cfg.moe_dispatch != "dense":
         from meshlm.parallel.grouped import row_bound
 
         rows = row_bound(ep * tokens, cfg.experts_per_token, cfg.n_experts // ep, cfg.moe_dispatch)
-        values = rows * (2 * cfg.d_model + 2 * cfg.moe_d_ff / mp) + (
-            ep * tokens * cfg.d_model if ep > 1 else 0
-        )
+        values = rows * (2 * cfg.d_model + 2 * cfg.moe_d_ff / mp) + gathered_tokens(tokens, ep) * cfg.d_model
         return values * act_bytes + shared
     slots = cfg.n_experts * tokens
     values = (
         slots * (cfg.d_model + MOE_HIDDEN * cfg.moe_d_ff / mp) + cfg.experts_per_token * tokens * cfg.d_model
     )
-    return values * act_bytes + shared + (slots * cfg.d_model if ep > 1 else 0)
+    mask = slots * cfg.d_model * bool(gathered_tokens(tokens, ep))  # the dispatch's E·N·D mask: with ep
+    return values * act_bytes + shared + mask
 
 
 def activation_bytes(

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from meshlm.errors import ConfigError, ShardingError
 from meshlm.model.config import get_config
-from meshlm.parallel.axes import CP_STRATEGIES
+from meshlm.parallel.axes import CP, CP_STRATEGIES, PP, sizes_on
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.pipeline_schedule import SCHEDULES
 from meshlm.proof import defaults
@@ -80,8 +80,8 @@ def run_axes_cells(axes: tuple[str, ...], n_devices: int, *, x64: bool, steps: i
 def _mesh_text(fields: dict) -> str:
     """The cell's mesh as the layout's label words it ("pp2x1x2 + CP2 ring"), for a layout refused."""
     mesh = f"{fields.get('dp', 1)}x{fields['mp']}"
-    mesh = f"pp{fields['pp']}x{mesh}" if fields.get("pp", 1) > 1 else mesh
-    return mesh + (f" + CP{fields['cp']} {fields['cp_strategy']}" if fields.get("cp", 1) > 1 else "")
+    mesh = f"pp{fields['pp']}x{mesh}" if sizes_on(fields, PP) else mesh
+    return mesh + (f" + CP{fields['cp']} {fields['cp_strategy']}" if sizes_on(fields, CP) else "")
 
 
 def _cell(label: str, fields: dict, n_devices: int, *, x64: bool, steps: int, seed: int) -> dict:

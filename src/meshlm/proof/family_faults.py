@@ -271,8 +271,8 @@ GEMMA_CONTROLS = (  # ``proof.controls`` runs them
     ),
     Control(
         name="sink's gradient not summed over the data shards",
-        # the mesh's DP axis is dp / ep (ep takes the rest): the plant keeps DP shard 0's gradient
-        applies=lambda w: w.attention and w.cfg.attn_sinks and w.layout.dp // w.layout.ep > 1,
+        # the mesh's DP axis (dp / ep: ep takes the rest) split: the plant keeps DP shard 0's gradient
+        applies=lambda w: w.attention and w.cfg.attn_sinks and w.layout.data_axis_split,
         plant=sink_grad_not_summed,
     ),
     Control(

@@ -27,6 +27,7 @@ from meshlm.model import moe, routers
 from meshlm.model.params import param_path
 from meshlm.parallel.axes import MP
 from meshlm.parallel.context import Parallel
+from meshlm.parallel.ep import shard_tie_experts
 from meshlm.parallel.grouped import BLOCK
 from meshlm.proof.control_record import Control, Where
 from meshlm.proof.taps import Tapped
@@ -37,7 +38,7 @@ def plant_router_tie(params, ep: int = 1):
     0 (shardings kept)."""
 
     def tie(w):
-        cols = sorted({1, w.shape[-1] // ep if ep > 1 else 1})  # E / ep: the first of ep shard 1
+        cols = shard_tie_experts(w.shape[-1], ep)  # E / ep: the first of ep shard 1
         return w.at[..., jnp.asarray(cols)].set(w[..., :1])
 
     def plant(path, x):

@@ -94,7 +94,9 @@ def model_problem(
     # Blockwise attention is proven against the plain softmax of [T, T] scores, a mixture of experts'
     # sorted dispatch against every expert on every token (``parallel.experts.dense_experts``).
     plain = cfg.replace(remat="none", unroll=0, attention="plain", moe_dispatch="dense")
-    if cfg.linear_layers and layout.cp > 1:  # the delta rule solved at the sharded run's chunk boundaries
+    if (
+        cfg.linear_layers and layout.context_parallel
+    ):  # the delta rule solved at the sharded run's chunk boundaries
         plain = plain.replace(linear_chunk=reference_chunk(cfg.linear_chunk, seq_len, layout.cp))
     padding = {}
     if cfg.padded_vocab != cfg.vocab_size:  # the proof: padded sharded model == the unpadded one

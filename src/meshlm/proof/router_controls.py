@@ -20,6 +20,7 @@ from meshlm.model import routers
 from meshlm.model.params import param_path
 from meshlm.parallel.axes import MP
 from meshlm.parallel.context import Parallel
+from meshlm.parallel.ep import shard_tie_experts
 from meshlm.proof.control_record import Control, Where
 from meshlm.proof.taps import Tapped
 
@@ -31,7 +32,7 @@ def plant_balance_bias(params, ep: int = 1):
     def pattern(b):
         e = b.shape[-1]
         values = 0.02 * (((np.arange(e) * 7) % 11) - 5) / 5
-        values[sorted({1, e // ep if ep > 1 else 1})] = values[0]
+        values[shard_tie_experts(e, ep)] = values[0]
         return jnp.broadcast_to(jnp.asarray(values, b.dtype), b.shape)
 
     def plant(path, x):

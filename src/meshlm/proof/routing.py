@@ -33,6 +33,7 @@ import numpy as np
 from meshlm.model import moe
 from meshlm.model.routers import Router
 from meshlm.parallel.context import Parallel
+from meshlm.parallel.cp import held_positions
 from meshlm.parallel.placement import batch_spec, to_host
 from meshlm.proof.report import check_row
 from meshlm.sharding.strategy import strategy
@@ -88,7 +89,8 @@ def _probe(cfg, par: Parallel):
 
 def sharded_routing(runs) -> tuple[np.ndarray, np.ndarray]:
     """The sharded run's routing on the proof's batch and parameters: (ids [L, B, T, k], margins
-    [L, B, T]), host arrays; with cp the sequence in the cp shards' chunk order (``chunk_order``)."""
+    [L, B, T]), host arrays; with cp the sequence in the cp shards' chunk order
+    (``parallel.cp.held_positions``)."""
     layout = runs.layout
     apply = hk.without_apply_rng(hk.transform(_probe(runs.problem.cfg, Parallel.on(layout)))).apply
     # every mp shard holds the whole routing (``par.f``'s view), typed varying over mp: each returns its
@@ -105,21 +107,12 @@ def reference_routing(runs, reference_cfg) -> tuple[np.ndarray, np.ndarray]:
     apply = hk.without_apply_rng(hk.transform(_probe(reference_cfg, Parallel()))).apply
     batch = jax.device_put(runs.problem.batch, runs.device)
     routing = np.asarray(jax.jit(apply)(runs.ref_params, batch))
-    return _unpack(routing[:, :, chunk_order(routing.shape[2], runs.layout.cp)])
+    return _unpack(routing[:, :, held_positions(routing.shape[2], runs.layout.cp)])
 
 
 def _unpack(routing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[L, B, T, k + 1] -> (ids [L, B, T, k] int, margins [L, B, T])."""
     return routing[..., :-1].astype(np.int64), routing[..., -1]
-
-
-def chunk_order(t: int, cp: int) -> np.ndarray:
-    """[T] the global positions in the order the cp shards hold them (shard i: chunks i, 2cp-1-i)."""
-    if cp == 1:
-        return np.arange(t)
-    c = t // (2 * cp)
-    chunks = [j for i in range(cp) for j in (i, 2 * cp - 1 - i)]
-    return np.concatenate([np.arange(j * c, (j + 1) * c) for j in chunks])
 
 
 def count_flips(sharded, reference) -> tuple[int, int, float]:
