@@ -214,7 +214,7 @@ def bench_generation(cfg: ModelConfig, params, where, batch: int, prompt_len: in
     gen = Generator(cfg, params, where, max_len=prompt_len + new_tokens, eod=None)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
-    gen.generate(prompts, new_tokens)  # every program this run uses compiled and warm (chunks, steps)
+    gen.generate(prompts, min(DECODE_CHUNK + 2, new_tokens))  # warm: the prefill, a chunk, a single step
     r = gen.generate(prompts, new_tokens)[0]
     params = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(gen.params))
     return {

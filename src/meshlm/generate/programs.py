@@ -120,7 +120,7 @@ def _lengths(cache: dict, lengths) -> dict:
 
 
 def sharded_fns(
-    cfg: ModelConfig, layout: Layout, specs, cache_dtype, prefill_cp: bool = False, max_len: int = 0
+    cfg: ModelConfig, layout: Layout, specs, cache_dtype, prefill_cp: bool = False, *, max_len: int
 ):
     """(prefill, decode_step, decode_chunk): ``shard_map`` functions over the layout's mesh; params laid
     out by ``specs``.
@@ -194,7 +194,7 @@ class Programs:
 
     def __init__(self, cfg: ModelConfig, layout: Layout, specs, max_len: int, cache_dtype, prefill_cp=False):
         self.cfg, self.layout, self.max_len, self.cache_dtype = cfg, layout, max_len, cache_dtype
-        prefill, decode, chunk = sharded_fns(cfg, layout, specs, cache_dtype, prefill_cp, max_len)
+        prefill, decode, chunk = sharded_fns(cfg, layout, specs, cache_dtype, prefill_cp, max_len=max_len)
         self.jit = {
             "prefill": jax.jit(prefill),
             "decode": jax.jit(decode, donate_argnums=(4,)),
