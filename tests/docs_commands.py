@@ -68,6 +68,7 @@ F64 = "tests/test_core.py::test_verify_ff_every_mesh_float64_exact"
 Z = "tests/test_prover.py::test_z_loss_is_proven_sharded_and_its_bug_is_caught"
 DOC = "tests/test_doc_mask.py::test_verify_doc_mask_passes_and_its_controls_are_detected"
 BW = "tests/test_blockwise.py::test_the_proof_compares_blockwise_with_plain_attention"
+BW_ONE = "tests/test_blockwise.py::test_verify_blockwise_on_one_device_detects_both_kernel_controls"
 FLASH = "tests/test_flash.py::test_verify_proves_flash_with_its_controls_detected"
 FLASH_KINDS = "tests/test_flash.py::test_flash_model_equals_plain_with_sinks_and_layer_kinds"
 FLASH_RING = "tests/test_flash.py::test_flash_ring_equals_the_unsharded_plain_model"
@@ -131,6 +132,7 @@ class Run:
     after: tuple[str, ...] = ()  # commands (table keys, or workspace-only commands) run first
     each: tuple[tuple[tuple[str, str], ...], ...] = ((),)  # a shell loop: one run per substitution set
     costly: str = ""  # over the budget: run only with MESHLM_DOCS_ALL=1; the test that proves its path
+    slow: str = ""  # run in the slow tier (``-m slow``): the quick test that proves its code path
 
 
 @dataclass(frozen=True)
@@ -138,9 +140,9 @@ class Shown:
     why: str
 
 
-def run(*subs: str, add="", code=0, expect=(), after=(), each=((),), costly="") -> Run:
+def run(*subs: str, add="", code=0, expect=(), after=(), each=((),), costly="", slow="") -> Run:
     pairs = tuple(tuple(part.strip() for part in s.split("=>")) for s in subs)
-    return Run(pairs, add, code, tuple(expect), tuple(after), each, costly)
+    return Run(pairs, add, code, tuple(expect), tuple(after), each, costly, slow)
 
 
 def verify(*subs: str, costly: str, expect=(OK,), **kw) -> Run:
@@ -241,6 +243,14 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm bench --config cpu --vocab-size 1024 --mesh 2x2 --devices 4 --batch-size 32 --seq-len 128 "
     "--gen-tokens 0 --json": run("cpu => tiny-lm", "32 => 4", "128 => 32 --warmup 0", costly=BENCH),
     # the accelerator section: the chip's command on tiny-llama (its own flags, its JSON's fields)
+    "meshlm bench --config qwen3-0.6b --mesh 1x1 --impls meshlm --bf16 --remat selective --batch-size 2 "
+    "--seq-len 2048 --gen-tokens 0 --peak-n 8192 --json": run(
+        "qwen3-0.6b => tiny-llama",
+        "2048 => 64",
+        "8192 => 128",
+        add="--warmup 0",
+        expect=('"compute_dtype": "bfloat16"', '"remat": "selective"', '"batch_size": 2'),
+    ),
     "meshlm bench --config qwen3-0.6b --mesh 1x1 --impls meshlm --bf16 --remat full --batch-size 1 "
     "--seq-len 2048 --gen-tokens 0 --peak-n 8192 --json": run(
         "qwen3-0.6b => tiny-llama",
@@ -518,8 +528,8 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm plan --config small --pp 4 --mesh 1x1 --devices 4 --microbatches $m --pp-schedule 1f1b "
     "--batch-size $((2 * m)) --seq-len 256 --remat $r": run(
         "--seq-len 256 => --seq-len 64",
-        each=tuple(
-            (("$m", str(m)), ("$((2 * m))", str(2 * m)), ("$r", r)) for r in ("none", "full") for m in (4, 8)
+        each=tuple(  # two of the loop's four plans, each remat and each micro-batch count (the same path)
+            (("$m", str(m)), ("$((2 * m))", str(2 * m)), ("$r", r)) for r, m in (("none", 4), ("full", 8))
         ),
     ),
     # docs/proof.md
@@ -683,8 +693,9 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-llama --mesh 1x1 --devices 1 --attention blockwise --attn-block 16 "
     "--seq-len 64 "
     "--steps 1 --x64": verify(costly=BW),
+    # in the slow tier (18 s of CPU): the one-device blockwise proof with both kernel controls is quick
     "meshlm verify --config tiny-llama --mesh 1x1 --devices 1 --attention blockwise --attn-block 16 "
-    "--seq-len 64 --steps 2 --x64": run(expect=(OK, "detected")),
+    "--seq-len 64 --steps 2 --x64": run(expect=(OK, "detected"), slow=BW_ONE),
     # docs/training.md
     "meshlm train --data 'docs/**/*.md' --config small --mesh 2x2 --steps 2000 --out runs/docs": run(
         "--config small => " + TINY, "--steps 2000 =>"

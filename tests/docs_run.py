@@ -100,6 +100,13 @@ def run_entry(workspace, text: str, capfd) -> list[tuple[list[str], int, str]]:
     ]
 
 
+def params(texts: list[str], first: dict) -> list:
+    """The parametrization of the documented commands ``texts`` (each test id: the page:line that shows
+    it first); an entry marked ``slow`` is in the slow tier (the quick test of its code path named)."""
+    marks = lambda text: [pytest.mark.slow] if COMMANDS[text].slow else []
+    return [pytest.param(text, id=first[text], marks=marks(text)) for text in texts]
+
+
 def check_entry(workspace: Workspace, text: str, capfd) -> None:
     """Run a documented command line as its entry says; its exit code and expected output asserted, or
     skipped where it is over the docs budget (``costly``: MESHLM_DOCS_ALL=1 runs it)."""

@@ -21,7 +21,7 @@ import jax
 import pytest
 from docs_commands import COMMANDS, Run, Shown
 from docs_extract import ROOT, doc_commands, page_commands, python_blocks
-from docs_run import TOOLS, Workspace, check_entry, run_entry
+from docs_run import TOOLS, Workspace, check_entry, params, run_entry
 from helpers import TEXT, run_cli, write_corpus
 from test_chat_sft import chat_tokenizer_dir
 
@@ -71,7 +71,8 @@ def test_shown_only_says_why_and_substitutions_apply():
             assert old in text, f"{text!r}: the substitution {old!r} is not in the command"
         for after in entry.after:
             assert after.startswith("meshlm "), after
-        assert not entry.costly or os.path.exists(ROOT / entry.costly.split("::")[0]), entry.costly
+        for path in (entry.costly, entry.slow):  # the quick test of its code path exists
+            assert not path or os.path.exists(ROOT / path.split("::")[0]), path
 
 
 def _hf_llama(directory: Path) -> None:
@@ -192,7 +193,7 @@ def workspace(tmp_path_factory):
 
 
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("text", RUNS, ids=[FIRST[text] for text in RUNS])
+@pytest.mark.parametrize("text", params(RUNS, FIRST))
 def test_documented_command_runs(workspace, text, capfd, children_import_meshlm):
     check_entry(workspace, text, capfd)
 

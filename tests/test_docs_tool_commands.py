@@ -7,7 +7,7 @@ commands share: the two files run in parallel workers)."""
 import pytest
 from docs_commands import COMMANDS, Run
 from docs_extract import doc_commands
-from docs_run import TOOLS, Workspace, check_entry
+from docs_run import TOOLS, Workspace, check_entry, params
 
 DOCS = doc_commands()
 FIRST = {c.text: c.where for c in reversed(DOCS)}  # the page:line that shows a command first: its test id
@@ -25,6 +25,6 @@ def test_the_tools_have_documented_commands():  # a control: the filter above se
 
 
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("text", RUNS, ids=[FIRST[text] for text in RUNS])
+@pytest.mark.parametrize("text", params(RUNS, FIRST))
 def test_documented_tool_command_runs(workspace, text, capfd, children_import_meshlm):
     check_entry(workspace, text, capfd)

@@ -1,20 +1,17 @@
-"""The layer loop: a scan over stacked layers, or, where every layer is unrolled on an accelerator, a
-Python loop over them.
+"""The layer loop: a scan over stacked layers, or, where ``MESHLM_LAYER_LOOP=python`` asks for it and
+every layer is unrolled, a Python loop over them.
 
 A scan's backward keeps each layer's residuals as the scan's stacked outputs, [L, ...] arrays written
 slice by slice, even fully unrolled (``ModelConfig.unroll`` 0); a Python loop keeps them per layer, as
-hand-written JAX does, so that XLA sees the same program plain JAX gives it. On a TPU v5e chip
-(docs/benchmarks.md, "On a TPU chip") the step with the loop and ``memory.remat_body``'s fix measured
-1.05x plain JAX in float32 and 0.92x in bf16: those figures are this form's. Before that fix the loop
-alone measured no better than the scan (43.75 against 41.78 ms a step, the same memory); the scan with
-the fix has not been measured on the chip, so the measured form is the default there.
-
-On CPU the fully unrolled scan stays: every proof, tolerance and CPU figure was measured on it, the
-loop traces each layer apart (~10% more CPU time in a float64 proof), and XLA:CPU's other fusions
-moved Gemma 4's float32 logits from 6.6e-6 to 2.1e-5 of transformers'. ``MESHLM_LAYER_LOOP``
-(``python`` or ``scan``) overrides the backend's choice, to measure one form against the other. Same
-parameters either way (created by Haiku's own layer stack) and the same values (tests/test_layer_loop.py
-proves the two forms equal in float64 on every stack path).
+hand-written JAX does. On a TPU v5e chip (docs/benchmarks.md, "On a TPU chip"), both with
+``memory.remat_body``'s fix and measured side by side with plain JAX, the fully unrolled scan was the
+faster: float32 1.017x plain against the loop's 1.050x, bf16 0.878x against 0.917x, the same memory
+(issue 56, 6 December 2026). So the scan is the form everywhere, as on CPU, where every proof,
+tolerance and CPU figure was measured on it (the loop also traces each layer apart: ~10% more CPU time
+in a float64 proof; and XLA:CPU's other fusions moved Gemma 4's float32 logits from 6.6e-6 to 2.1e-5 of
+transformers'). ``MESHLM_LAYER_LOOP`` (``python`` or ``scan``) picks a form, to measure one against the
+other. Same parameters either way (created by Haiku's own layer stack) and the same values
+(tests/test_layer_loop.py proves the two forms equal in float64 on every stack path).
 """
 
 from __future__ import annotations
@@ -34,14 +31,14 @@ FORMS = ("python", "scan")
 
 
 def straight_line_form() -> str:
-    """How a stack unrolled whole runs: "python" (a loop over the layers) on accelerators, "scan" (fully
-    unrolled) on CPU, or as ``MESHLM_LAYER_LOOP`` says."""
+    """How a stack unrolled whole runs: "scan" (fully unrolled: the form measured faster on a TPU, and
+    CPU's), or as ``MESHLM_LAYER_LOOP`` says ("python": a loop over the layers)."""
     form = os.environ.get(ENV, "")
     if form and form not in FORMS:
         raise ConfigError(
             f"{ENV}={form!r} is not a layer-loop form; use one of {', '.join(FORMS)} (or unset it)"
         )
-    return form or ("scan" if jax.default_backend() == "cpu" else "python")
+    return form or "scan"
 
 
 def layer_loop(step, carry, xs, unroll: int, length: int | None = None):

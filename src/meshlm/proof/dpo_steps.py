@@ -30,7 +30,7 @@ from meshlm.proof.report import compare_into, leaf_label
 from meshlm.proof.runs import default_optim, put_batch
 from meshlm.train import dpo
 from meshlm.train.optim import trainable
-from meshlm.train.step import sharded_step
+from meshlm.train.step import init_opt_state, sharded_step
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,9 @@ def dpo_steps(run: DPOSteps, results: dict, loss_check, params, ref_params, batc
     ocfg = default_optim(len(batches), _grad_norm(grads))
     accum, part = ocfg.accum_steps, trainable(run.cfg)
     step, opt = sharded_step(run.cfg, ocfg, run.layout, run.specs, params, dpo=(run.beta, run.loss))
-    state = (jax.tree.map(jnp.copy, params), jax.jit(opt.init)(part.select(params)))  # the step donates
+    # the step donates (a copy); the state laid out as the step returns it: one compilation for K steps
+    opt_state = init_opt_state(opt, part.select(params), part.select(run.specs), run.layout.mesh)
+    state = (jax.tree.map(jnp.copy, params), opt_state)
     device = jax.local_devices()[0]
     one = lambda tree: jax.device_put(run.problem.to_reference(jax.tree.map(to_host, tree)), device)
     frozen, policy = one(ref_params), one(params)
@@ -74,7 +76,7 @@ def dpo_steps(run: DPOSteps, results: dict, loss_check, params, ref_params, batc
         return values["loss"], g
 
     ref_step = jax.jit(reference_step(ref_grad, ocfg, ref_opt, part=part))
-    ref_state = (policy, jax.jit(ref_opt.init)(part.select(policy)))
+    ref_state = (policy, jax.device_put(jax.jit(ref_opt.init)(part.select(policy)), device))
     logps = dpo.per_token_logps(run.cfg.replace(z_loss=0.0), run.layout, run.specs)
     seam = jax.jit(lambda r, b: dpo.reference_logps(logps, r)(b))  # training's: from the frozen weights
     drift = AdamDrift(ocfg, leaf_label)

@@ -27,6 +27,7 @@ from meshlm.sharding.spmd import reference_value_and_grad
 from meshlm.sharding.stage_slots import slot_balance
 from meshlm.sharding.strategy import strategy
 from meshlm.train.optim import OptimConfig, Whole, adamw, dropout_seed, make_step, trainable
+from meshlm.train.step import init_opt_state
 
 
 def put_batch(batch, layout: Layout, accum: bool):
@@ -142,7 +143,9 @@ class Runs:
         clip = per_shard_clip(self.mesh, specs, ocfg.clip_norm) if clip_fault else None
         drop = None if cfg is None else dropout_seed(cfg, seed)
         step = make_step(grad, opt, ocfg, clip, balance=balance, part=part, dropout_seed=drop)
-        return jax.jit(step), (self.params, jax.jit(opt.init)(part.select(self.params)))
+        # the state laid out as the step returns it (training's ``init_opt_state``): step 2 then runs
+        # step 1's program, not a second compilation for the optimizer counters' placement
+        return jax.jit(step), (self.params, init_opt_state(opt, part.select(self.params), specs, self.mesh))
 
     def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False, par_cls=Parallel, seed: int = 0):
         """Yield ((params, opt_state, metrics) sharded, the same unsharded) after each step (``seed``:
@@ -159,7 +162,9 @@ def _reference_states(runs: Runs, ocfg: OptimConfig, batches) -> list:
     program, training what the run trains (``trainable``: LoRA's adapters; the frozen base kept)."""
     part = _part(runs.problem)
     opt = reference_optimizer(ocfg, part.select(runs.ref_params))
-    state, out = (runs.ref_params, jax.jit(opt.init)(part.select(runs.ref_params))), []
+    # committed to the reference's device, as the step's outputs are: one compilation for every step
+    opt_state = jax.device_put(jax.jit(opt.init)(part.select(runs.ref_params)), runs.device)
+    state, out = (runs.ref_params, opt_state), []
     step = _reference_train_step(runs.problem, runs.ref_loss, ocfg, opt, part)
     first = jax.device_put(batches[0], runs.device)
     program = runs._checked(CheckedProgram("train step", step, *state, first))
