@@ -23,7 +23,7 @@ from meshlm.generate import generator as generator_module
 from meshlm.generate.cache import cache_bytes
 from meshlm.generate.generator import Generator, bench_generation
 from meshlm.generate.inputs import Sampling, read_prompt_file
-from meshlm.generate.programs import sample
+from meshlm.generate.programs import kinds_for, sample
 from meshlm.generate.streaming import ByteStream, ByteTokenizer, DiffStream, OutputRow
 from meshlm.io.model_io import save_model
 from meshlm.model.config import get_config
@@ -192,6 +192,18 @@ def test_stream_decodes_utf8_incrementally_and_holds_back_stop_prefixes():
     assert (row.text, row.ids, row.finish) == ("hi", [104, 105, 0], "eod")
 
 
+def test_a_generation_compiles_only_the_programs_it_runs():
+    """Before its timing a generation compiles what its decode schedule runs (``programs.kinds_for``):
+    one new token needs no chunk of steps, 9 need one chunk and no single step; the rest on first use."""
+    gen = generator("tiny-llama", 2, 2)
+    prompts = [[1, 2, 3]] * 6  # a batch size no other test here generates: its programs are new
+    gen.generate(prompts, 2)
+    assert set(gen._prog.by_batch[6]) == {"prefill", "decode"}
+    gen.generate(prompts, 9)  # 8 decode steps: one chunk
+    assert set(gen._prog.by_batch[6]) == {"prefill", "decode", "chunk"}
+    assert kinds_for(9) == ("prefill", "chunk") and kinds_for(1) == ("prefill",)
+
+
 def test_no_compilation_per_token_or_prompt_length():
     gen = generator("tiny-llama", 2, 2)
     gen.generate(PROMPTS, 20)  # compiled and warm
@@ -208,7 +220,7 @@ def test_no_compilation_per_token_or_prompt_length():
         for prompts in ([[1, 2, 3], [4] * 9], [[7] * 30, [9]], [[3] * 44, [5] * 17]):
             out = gen.generate(prompts, 20, temperature=0.8, top_k=5, seed=len(prompts[0]))
             assert sum(map(len, tokens_of(out))) > 20
-        # shared by all Generators; three a batch size (prefill, a decode step, a chunk of them)
+        # shared by all Generators; three a batch size here (prefill, a decode step, a chunk of them)
         assert compiles == [] and gen.compilations == before and before % 3 == 0
         jax.jit(lambda x: x + 1)(np.ones(3))  # control: the listener does see a compilation
         assert compiles

@@ -36,7 +36,7 @@ from meshlm.generate.inputs import (
     pad_prompts,
     prompt_doc_starts,
 )
-from meshlm.generate.programs import DECODE_CHUNK, programs_for
+from meshlm.generate.programs import DECODE_CHUNK, KINDS, kinds_for, programs_for
 from meshlm.generate.streaming import (
     ByteTokenizer,
     GenerationResult,
@@ -87,15 +87,15 @@ class Generator:
 
     @property
     def compilations(self) -> int:
-        """Executables built so far for this model: three per batch size (prefill, one decode step, a
-        chunk of them), never per length or step."""
+        """Executables built so far for this model: up to three per batch size (prefill, one decode
+        step, a chunk of them: each when first needed), never per length or step."""
         return sum(map(len, self._prog.by_batch.values()))
 
     def _put(self, x, spec):
         return jax.device_put(x, NamedSharding(self.mesh, spec))
 
-    def _executables(self, batch: int) -> dict:
-        return self._prog.executables(self.params, batch)
+    def _executables(self, batch: int, kinds=KINDS) -> dict:
+        return self._prog.executables(self.params, batch, kinds)
 
     def _constants(self, sampling: Sampling, batch: int) -> tuple:
         """(rows, key, sampling) on device for this call: placed once per generate, not per step."""
@@ -110,7 +110,7 @@ class Generator:
         rows, key, settings = self._constants(sampling, tokens.shape[0])
         tokens_d = self._put(tokens.astype(np.int32), self.layout.spec("batch", None))
         lengths_d = self._put(lengths.astype(np.int32), self.layout.spec("batch"))
-        run = self._executables(tokens.shape[0])["prefill"]
+        run = self._executables(tokens.shape[0], ("prefill",))["prefill"]
         return run(self.params, tokens_d, lengths_d, rows, key, settings)
 
     def decode_step(self, tokens, positions, cache, sampling: Sampling, step: int, starts, kind="decode"):
@@ -119,7 +119,7 @@ class Generator:
         rows, key, settings = self._constants(sampling, len(tokens))
         put = lambda x: self._put(np.asarray(x, np.int32), self.layout.spec("batch"))
         at = positions if kind == "chunk" else np.minimum(positions, self.max_len - 1)  # chunk: clamps inside
-        run, step_d = self._executables(len(tokens))[kind], self._put(np.int32(step), P())
+        run, step_d = self._executables(len(tokens), (kind,))[kind], self._put(np.int32(step), P())
         return run(self.params, put(tokens), put(at), rows, cache, key, step_d, settings, put(starts))
 
     def encode_prompt(self, index: int, prompt) -> np.ndarray:
@@ -144,7 +144,7 @@ class Generator:
         stops = check_stops(stop)
         rows = [OutputRow(i, make_stream(self.tokenizer), stops, self.eod, on_token) for i in range(len(ids))]
         tokens, lengths = pad_prompts(ids, self.dp, self.max_len)  # global [B', S], [B']
-        self._executables(len(tokens))
+        self._executables(len(tokens), kinds_for(max_new_tokens))  # compiled before the timing
         t0 = time.perf_counter()
         nxt, _, cache = self.prefill(tokens, lengths, sampling)
         nxt = to_host(nxt)

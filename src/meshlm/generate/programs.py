@@ -188,6 +188,9 @@ def sharded_fns(
 # --- compiled, per batch size --------------------------------------------------------------------
 
 
+KINDS = ("prefill", "decode", "chunk")  # the programs of a batch size
+
+
 class Programs:
     """The jitted prefill and decode of one (config, layout, max_len, parameter dtypes), and their
     executables per global batch size. Shared by every Generator of that model (``programs_for``)."""
@@ -200,31 +203,45 @@ class Programs:
             "decode": jax.jit(decode, donate_argnums=(4,)),
             "chunk": jax.jit(chunk, donate_argnums=(4,)),
         }
-        self.by_batch: dict[int, dict] = {}  # global batch -> {"prefill", "decode"} executables
+        self.by_batch: dict[int, dict] = {}  # global batch -> {kind: its executable}, as compiled
 
     def _abstract(self, shape, dtype, spec):
         """A global ``shape`` laid out by ``spec`` on the mesh, for lowering."""
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.layout.mesh, spec))
 
-    def executables(self, params, batch: int) -> dict:
-        """Compile prefill and decode for a global ``batch`` (ahead of time: never inside a timing)."""
-        if batch not in self.by_batch:
-            row = self._abstract((batch,), jnp.int32, self.layout.spec("batch"))
-            key = self._abstract(jax.eval_shape(jax.random.PRNGKey, 0).shape, jnp.uint32, P())
-            sampling = tuple(self._abstract((), x.dtype, P()) for x in Sampling().args())
+    def executables(self, params, batch: int, kinds=KINDS) -> dict:
+        """The executables of a global ``batch`` (prefill, a decode step, a chunk of them), ``kinds`` of
+        them compiled if not yet (ahead of time: a generation asks for the ones it will run before its
+        timing starts; a short one never compiles the chunk)."""
+        done = self.by_batch.setdefault(batch, {})
+        missing = [kind for kind in kinds if kind not in done]
+        if not missing:
+            return done
+        row = self._abstract((batch,), jnp.int32, self.layout.spec("batch"))
+        key = self._abstract(jax.eval_shape(jax.random.PRNGKey, 0).shape, jnp.uint32, P())
+        sampling = tuple(self._abstract((), x.dtype, P()) for x in Sampling().args())
+        if "prefill" in missing:
             tokens = self._abstract((batch, self.max_len), jnp.int32, self.layout.spec("batch", None))
+            done["prefill"] = self.jit["prefill"].lower(params, tokens, row, row, key, sampling).compile()
+        decodes = [kind for kind in missing if kind != "prefill"]
+        if decodes:
             cshapes = cache_shapes(self.cfg, self.layout.mp, batch, self.max_len)
-            specs = cache_specs(self.cfg, self.layout)
             dtypes = cache_dtypes(self.cfg, self.cache_dtype)
+            specs = cache_specs(self.cfg, self.layout)
             cache = {k: self._abstract(cshapes[k], dtypes[k], s) for k, s in specs.items()}
-            step = self._abstract((), jnp.int32, P())
-            prefill = self.jit["prefill"].lower(params, tokens, row, row, key, sampling)
-            decode_in = (params, row, row, row, cache, key, step, sampling, row)
-            self.by_batch[batch] = {
-                "prefill": prefill.compile(),
-                **{kind: self.jit[kind].lower(*decode_in).compile() for kind in ("decode", "chunk")},
-            }
-        return self.by_batch[batch]
+            decode_in = (params, row, row, row, cache, key, self._abstract((), jnp.int32, P()), sampling, row)
+            for kind in decodes:
+                done[kind] = self.jit[kind].lower(*decode_in).compile()
+        return done
+
+
+def kinds_for(max_new_tokens: int) -> tuple[str, ...]:
+    """The programs a generation of ``max_new_tokens`` runs (``generator._decode``'s schedule): the
+    prefill (the first token), chunks of ``DECODE_CHUNK`` steps while that many are left, single steps
+    for the rest."""
+    steps = max(max_new_tokens - 1, 0)
+    chunk = ("chunk",) if steps >= DECODE_CHUNK else ()
+    return ("prefill", *chunk, *(("decode",) if steps % DECODE_CHUNK else ()))
 
 
 def check_prefill_cp(cfg: ModelConfig, layout: Layout, max_len: int, prefill_cp: bool = True) -> None:
