@@ -15,6 +15,12 @@ moved Gemma 4's float32 logits from 6.6e-6 to 2.1e-5 of transformers'. ``MESHLM_
 (``python`` or ``scan``) overrides the backend's choice, to measure one form against the other. Same
 parameters either way (created by Haiku's own layer stack) and the same values (tests/test_layer_loop.py
 proves the two forms equal in float64 on every stack path).
+
+Generation's stacked KV cache [L, ...] rides in the carry, not in ``xs`` and the stacked outputs
+(``kv_kinds.carried_stack``): as a per-layer input and output the Python loop sliced it apart and
+stacked it again, copies of the whole cache every decode step; in the carry each layer writes only its
+new tokens into the one (donated) buffer (``attention.cache_write``;
+tests/test_layer_loop.py::test_a_decode_step_writes_the_stacked_cache_in_place).
 """
 
 from __future__ import annotations
