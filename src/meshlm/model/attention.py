@@ -305,8 +305,9 @@ def stacked_write(stacks: dict, names, index, k, v, positions, window: int):
 
 def _put(stack, index, at, x):
     """``stack`` [L, B, S, ...] with x [B, T, ...] written at [index, b, at[b, t]]. One token a row (a
-    decode step): a dynamic-update-slice per row, which XLA does in place and counts as the token's
-    bytes; more (a prefill, a chunk): one scatter (in place too; cost analysis counts all of it)."""
+    decode step, its position below S: ``programs`` clamps it): a dynamic-update-slice per row, which
+    XLA does in place and counts as the token's bytes; more (a prefill, a speculative check): one
+    scatter (in place too, but cost analysis counts the whole operand)."""
     if at.shape[1] != 1:
         rows = jnp.arange(at.shape[0])[:, None]  # [B, 1]
         return stack.at[index, rows, at].set(x)
