@@ -3,6 +3,8 @@ form to measure against) and the fully unrolled scan (every backend's): the same
 the same float64 loss and gradients, and what the loop is: no residual stacked over the layers (the
 scan's are [L, B, ...])."""
 
+import re
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -83,3 +85,44 @@ def test_the_backend_picks_the_form_and_a_bad_override_is_refused(monkeypatch):
     monkeypatch.setenv(ENV, "unrolled")
     with pytest.raises(ConfigError, match="MESHLM_LAYER_LOOP='unrolled' is not a layer-loop form"):
         straight_line_form()
+
+
+IN_PLACE = ("dynamic-update-slice", "scatter")  # write into their operand's buffer
+PASSED = ("parameter", "get-tuple-element", "tuple", "bitcast", *IN_PLACE)  # make no new [L, ...] value
+
+
+def _cache_copies(hlo: str, shape: tuple, dtype: str = "f32") -> list:
+    """The instructions of an HLO module whose value has the stacked cache's ``shape`` and is a new
+    one: not a parameter, an in-place write, or a fusion rooted in one (a concatenate, a copy, a
+    fusion stacking slices: the cache copied)."""
+    full = f"{dtype}[{','.join(map(str, shape))}]"
+    roots, ops = {}, []
+    computation = None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and "{" in line:  # a computation's header
+            computation = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+        op = line.split(" = ", 1)[1] if " = " in line else ""
+        kind = m.group(1) if (m := re.search(r"([a-z][a-z\-]*)\(", op)) else ""  # the opcode
+        if line.strip().startswith("ROOT "):
+            roots[computation] = kind
+        if op.startswith(full):
+            ops.append((kind, op.split("calls=%", 1)[1].split(",")[0] if "calls=%" in op else None))
+    return [(k, c) for k, c in ops if k not in PASSED and not (k == "fusion" and roots.get(c) in IN_PLACE)]
+
+
+def test_a_decode_step_writes_the_stacked_cache_in_place(monkeypatch):
+    """The Python loop's decode step (the accelerators' form) writes each layer's new token into the
+    donated stacked cache [L, B, S, Kc, E] (``kv_kinds.carried_stack``): no op copies it (per-layer
+    inputs and outputs sliced it apart and stacked it again, a copy per step)."""
+    from meshlm.generate.cache import cache_shapes
+    from meshlm.generate.generator import Generator
+
+    monkeypatch.setenv(ENV, "python")
+    cfg = get_config("tiny-llama")
+    layout = Layout.of(jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("dp", "mp")))
+    params, _ = init_model(cfg, layout, 0)
+    gen = Generator(cfg, params, layout, max_len=64, eod=None)
+    hlo = gen._executables(2)["decode"].as_text()
+    shape = cache_shapes(cfg, 1, 2, 64)["k"]
+    assert f"f32[{','.join(map(str, shape))}]" in hlo  # the cache is there, as the step's parameter
+    assert _cache_copies(hlo, shape) == []

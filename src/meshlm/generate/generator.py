@@ -6,7 +6,9 @@ the logits at that row's own last prompt position. ``decode_step`` then feeds on
 row's own position, ``DECODE_CHUNK`` steps per program while at least that many are left (one host
 round trip a chunk: ``programs.decode_chunk``), single steps for the rest. All are ``shard_map``
 functions compiled ahead of time once per batch size, so neither prompt lengths nor the number of new
-tokens ever trigger a compilation.
+tokens ever trigger a compilation. The decode programs take the cache donated, and each layer writes
+its new tokens into it in place (``kv_kinds.carried_stack``): a step reads the parameters and the
+cache, it does not copy the cache.
 
 The parts: ``cache`` (the KV cache's layout and size), ``programs`` (the sharded prefill and decode
 step, sampling, their executables), ``inputs`` (sampling settings, prompts, padding) and ``streaming``

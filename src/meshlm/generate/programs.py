@@ -146,10 +146,12 @@ def sharded_fns(
     def prefill(params, tokens, lengths, rows, key, sampling):  # tokens [B/dp, S], lengths [B/dp] per shard
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         cache = _lengths(empty_cache(cfg, par, tokens.shape[0], tokens.shape[1], cache_dtype), lengths)
+        # typed as the keys it will hold (a carry: ``kv_kinds.carried_stack``); over cp each layer's
+        # slice is summed before it is written (``cp_prefill_cache``), so the cache never varies over cp
+        cache = varying_like(cache, tokens, params)
         if prefill_cp:
             logits, cache = apply_cp(params, tokens, lengths, cache)
         else:
-            cache = varying_like(cache, tokens, params)  # as the keys it will hold (a carry: ``kv_kinds``)
             logits, cache = apply(params, tokens, positions, lengths - 1, cache)
         cache = _lengths(keep_window(cfg, cache, lengths), lengths)  # the lengths as given: rows', not mp's
         return sample(logits, key, rows, 0, sampling), logits, cache

@@ -126,7 +126,7 @@ class Attention(hk.Module):
             k = norm_then_rotary(k, norm(eps=cfg.norm_eps, name="k_norm", **self._norm_args(True)), rotate)
         q, k = variant.queries(q, k, positions)  # Llama 4's L2 norm and temperature (none: as they were)
         key_pos = positions
-        if cache is not None and "index" in cache:  # Gemma 2/3's local and global caches (``kv_kinds``)
+        if cache is not None and LOCAL_KEYS[0] in cache:  # Gemma 2/3's local and global caches (``kv_kinds``)
             attend = lambda q, k, v, key_pos, w: self._attend(
                 q, k, v, positions, key_pos, starts, variant.replace(window=w)
             )
@@ -135,8 +135,8 @@ class Attention(hk.Module):
         if cache is not None and self.par.context_parallel:  # a prefill over cp: attend to the chunks
             cache = cp_prefill_cache(cache, k, v, positions, self.par, cache_window(cfg))
         elif cache is not None:
-            cache, key_pos = cache_update(cache, k, v, positions, cache_window(cfg))
-            k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
+            cache, own, key_pos = cache_write(cache, k, v, positions, cache_window(cfg))
+            k, v = own["k"].astype(q.dtype), own["v"].astype(q.dtype)
         if self.par.context_parallel:  # the sequence split over cp: positions global
             blockwise = cfg.attention == "blockwise"  # (no --doc-mask with cp: ``transformer``)
             kernel = dict(block=cfg.attn_block, blockwise=blockwise, plain_attend=_attend, variant=variant)
@@ -261,17 +261,61 @@ def cache_update(cache, k, v, positions, window: int):
     newest position congruent to s, q - ((q - s) mod S), every one of them inside q's window; a slot
     not yet written (that position < 0) gets a position no query sees. The two agree while positions
     are below S (slot s holds s), so a prefill of S <= window tokens fills either."""
-    slots = cache["k"].shape[1]
-    rolling = bool(window) and slots == window
-    at = positions % slots if rolling else positions
+    at, key_pos = _slots(positions, cache["k"].shape[1], window)
     write = jax.vmap(lambda c, new, p: c.at[p].set(new.astype(c.dtype)))
-    cache = {"k": write(cache["k"], k, at), "v": write(cache["v"], v, at)}
+    return {"k": write(cache["k"], k, at), "v": write(cache["v"], v, at)}, key_pos
+
+
+def _slots(positions, slots: int, window: int):
+    """(the slot [B, T] each of ``positions`` [B, T] is written at, the key positions [B, S] the slots
+    hold after the write) for a cache of ``slots`` per layer (``cache_update``)."""
+    rolling = bool(window) and slots == window
     slot = jnp.arange(slots, dtype=positions.dtype)
     if not rolling:
-        return cache, jnp.broadcast_to(slot, (positions.shape[0], slots))
+        return positions, jnp.broadcast_to(slot, (positions.shape[0], slots))
     last = positions[:, -1:]  # [B, 1]: the newest position written
     held = last - (last - slot) % slots  # [B, S]
-    return cache, jnp.where(held < 0, jnp.iinfo(held.dtype).max, held)  # never written: never visible
+    return positions % slots, jnp.where(held < 0, jnp.iinfo(held.dtype).max, held)  # never written: unseen
+
+
+def cache_write(cache, k, v, positions, window: int):
+    """``cache_update`` -> (new cache, this layer's {"k", "v"} [B, S, K_local, E], key positions).
+
+    ``cache`` is one layer's {"k", "v"} [B, S, K_local, E], or (the decode's, carried through the layer
+    loop: ``stack.carried_stack``) the stacked {"k", "v"} [L, B, S, K_local, E] and "index", this
+    layer's. The stacked arrays are written only at [index, b, positions[b]] (one scatter), so XLA
+    updates the one buffer in place: a decode step writes its new tokens, not copies of the cache."""
+    if "index" not in cache:
+        cache, key_pos = cache_update(cache, k, v, positions, window)
+        return cache, cache, key_pos
+    new, own, key_pos = stacked_write(cache, ("k", "v"), cache["index"], k, v, positions, window)
+    return {**new, "index": cache["index"]}, own, key_pos
+
+
+def stacked_write(stacks: dict, names, index, k, v, positions, window: int):
+    """Write k, v [B, T, K_local, E] at layer ``index`` of ``stacks[names[0]]``, ``stacks[names[1]]``
+    ([L, B, S, K_local, E]) -> (the stacks, the layer's {"k", "v"} [B, S, ...], key positions [B, S])."""
+    at, key_pos = _slots(positions, stacks[names[0]].shape[2], window)
+    new = dict(stacks)
+    for name, x in zip(names, (k, v), strict=True):
+        new[name] = _put(stacks[name], index, at, x.astype(stacks[name].dtype))
+    own = layer_view({"k": new[names[0]], "v": new[names[1]], "index": index})
+    return new, own, key_pos
+
+
+def _put(stack, index, at, x):
+    """``stack`` [L, B, S, ...] with x [B, T, ...] written at [index, b, at[b, t]]. One token a row (a
+    decode step, its position below S: ``programs`` clamps it): a dynamic-update-slice per row, which
+    XLA does in place and counts as the token's bytes; more (a prefill, a speculative check): one
+    scatter (in place too, but cost analysis counts the whole operand)."""
+    if at.shape[1] != 1:
+        rows = jnp.arange(at.shape[0])[:, None]  # [B, 1]
+        return stack.at[index, rows, at].set(x)
+    zero = jnp.zeros((), at.dtype)
+    for b in range(at.shape[0]):
+        start = (index.astype(at.dtype), jnp.asarray(b, at.dtype), at[b, 0]) + (zero,) * (stack.ndim - 3)
+        stack = lax.dynamic_update_slice(stack, x[b][None, None], start)
+    return stack
 
 
 def kinds_cache_attend(cfg: ModelConfig, cache: dict, q, k, v, positions, kind, attend):
@@ -290,12 +334,7 @@ def kinds_cache_attend(cfg: ModelConfig, cache: dict, q, k, v, positions, kind, 
 
     def branch(names, span, window):  # span: the rolling slots (a chunk's too), window: the mask's
         def run(stacks):
-            pairs = list(zip("kv", names, strict=True))  # ("k", its array's name), ("v", ...)
-            own = {n: lax.dynamic_index_in_dim(stacks[name], index, 0, False) for n, name in pairs}
-            own, key_pos = cache_update(own, k, v, positions, span)
-            new = dict(stacks)
-            for n, name in pairs:
-                new[name] = lax.dynamic_update_index_in_dim(stacks[name], own[n], index, 0)
+            new, own, key_pos = stacked_write(stacks, names, index, k, v, positions, span)
             return attend(q, own["k"].astype(q.dtype), own["v"].astype(q.dtype), key_pos, window), new
 
         return run
@@ -312,8 +351,21 @@ def cp_prefill_cache(cache, k, v, positions, par: Parallel, window: int) -> dict
     cp (``Parallel.cp_sum``). Every slot is written by exactly one shard and is zero on the others, so
     the sum is exact: the whole sequence's cache, in sequence order, the same on every cp shard (the
     decode then runs without cp, each cp shard a copy)."""
+    if "index" in cache:  # the stacked cache (``cache_write``): this layer's slice, summed, put back
+        index = cache["index"]
+        own = cp_prefill_cache(layer_view(cache), k, v, positions, par, window)
+        put = lambda n: lax.dynamic_update_index_in_dim(cache[n], own[n].astype(cache[n].dtype), index, 0)
+        return {"k": put("k"), "v": put("v"), "index": index}
     cache, _ = cache_update(cache, k, v, positions, window)
     return {name: par.cp_sum(c) for name, c in cache.items()}
+
+
+def layer_view(cache: dict) -> dict:
+    """This layer's {"k", "v"} [B, S, ...] of a cache: the cache itself, or its slice at "index" of the
+    stacked one (``cache_write``)."""
+    if "index" not in cache:
+        return cache
+    return {n: lax.dynamic_index_in_dim(cache[n], cache["index"], 0, False) for n in "kv"}
 
 
 def window_visible(q_pos, k_pos, window):

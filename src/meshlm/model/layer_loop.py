@@ -12,6 +12,12 @@ in a float64 proof; and XLA:CPU's other fusions moved Gemma 4's float32 logits f
 transformers'). ``MESHLM_LAYER_LOOP`` (``python`` or ``scan``) picks a form, to measure one against the
 other. Same parameters either way (created by Haiku's own layer stack) and the same values
 (tests/test_layer_loop.py proves the two forms equal in float64 on every stack path).
+
+Generation's stacked KV cache [L, ...] rides in the carry, not in ``xs`` and the stacked outputs
+(``kv_kinds.carried_stack``): as a per-layer input and output either form sliced it apart and
+stacked it again, copies of the whole cache every decode step; in the carry each layer writes only its
+new tokens into the one (donated) buffer (``attention.cache_write``;
+tests/test_layer_loop.py::test_a_decode_step_writes_the_stacked_cache_in_place).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from __future__ import annotations
 import haiku as hk
 import jax.numpy as jnp
 
-from meshlm.model.attention import Attention, _attend, cache_update, cp_prefill_cache
+from meshlm.model.attention import Attention, _attend, cache_write, cp_prefill_cache, layer_view
 from meshlm.model.attention_variants import Variant
 from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.config import ModelConfig
@@ -158,11 +158,12 @@ class MLA(hk.Module):
         new = (latent[:, :, None, :], k_rope)
         if self.par.context_parallel:
             cache = cp_prefill_cache(cache, *new, positions, self.par, 0)
-            slots = jnp.arange(cache["k"].shape[1], dtype=positions.dtype)
+            own = layer_view(cache)
+            slots = jnp.arange(own["k"].shape[1], dtype=positions.dtype)
             key_pos = jnp.broadcast_to(slots, (positions.shape[0], slots.shape[0]))
-        else:
-            cache, key_pos = cache_update(cache, *new, positions, 0)
-        held = [cache[n][:, :, 0].astype(q.dtype) for n in "kv"]
+        else:  # the stacked cache written in place (``cache_write``)
+            cache, own, key_pos = cache_write(cache, *new, positions, 0)
+        held = [own[n][:, :, 0].astype(q.dtype) for n in "kv"]
         k, v = self._keys_values(*held, lambda x: x)
         return self._attend(q, k, v, positions, key_pos, starts, variant), cache
 

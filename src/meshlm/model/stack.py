@@ -6,12 +6,13 @@ from __future__ import annotations
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import meshlm.model.attention as attention
 from meshlm.model import lora_dropout
 from meshlm.model.config import ModelConfig
-from meshlm.model.kv_kinds import LOCAL_KEYS, kind_index, kinds_stack
+from meshlm.model.kv_kinds import LOCAL_KEYS, carried_stack, kind_index
 from meshlm.model.layer_kinds import DENSE_STACK, LINEAR_STACK, MOE_STACK, runs, stacks
 from meshlm.model.layer_loop import layer_loop, layer_stack
 from meshlm.model.linear_cache import LINEAR_KEYS
@@ -20,9 +21,10 @@ from meshlm.model.memory import remat_body
 
 def stack_layers(cfg: ModelConfig, layer, x, positions, cache, starts=None, others=None, gathers=True):
     """Apply n_layers copies of ``layer`` with stacked parameters [L, ...] (flat compile time). The
-    per-layer inputs: the KV cache (generation) and each layer's kind (Gemma 2/3's local and global
-    layers, ``attention.layer_kinds``): traced values, so the parameters stay uniform. Layers of a
-    second kind with parameters of their own (``layer_kinds.stacks``: a mixture of experts' dense
+    per-layer inputs: each layer's kind (Gemma 2/3's local and global layers,
+    ``attention.layer_kinds``), traced values, so the parameters stay uniform; the KV cache
+    (generation) rides in the carry, each layer writing its new tokens in place (``carried_stack``).
+    Layers of a second kind with parameters of their own (``layer_kinds.stacks``: a mixture of experts' dense
     layers, a hybrid's linear-attention layers) run ``others[stack name]`` (x -> (x, cache)) at their
     indices (``_mixed_stack``). ``gathers``: whether a layer all-gathers inside (``memory.remat_body``)."""
     if others:
@@ -37,14 +39,10 @@ def stack_layers(cfg: ModelConfig, layer, x, positions, cache, starts=None, othe
         stacked = stack(lambda x: body(x, None, None)[0])
         return stacked(x), None
     stacked = layer_stack(cfg.n_layers, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers")
-    if kinds is None:
-        return stacked(lambda x, c: body(x, c, None))(x, cache)
+    if cache is not None:  # the stacked cache in the carry, written in place (``carried_stack``)
+        return carried_stack(cfg, stacked, body, x, cache, kinds)
     kinds = jax.tree.map(jnp.asarray, kinds)
-    if cache is None:
-        return stacked(lambda x, k: (body(x, None, k)[0], None))(x, kinds)[0], None
-    if "k_local" in cache:  # local and global layers' caches apart (``kv_kinds``): in the carry
-        return kinds_stack(cfg, stacked, body, x, cache)
-    return stacked(body)(x, cache, kinds)
+    return stacked(lambda x, k: (body(x, None, k)[0], None))(x, kinds)[0], None
 
 
 def _moe_stack(cfg: ModelConfig, layer, x, positions, cache, starts=None, gathers=True):
@@ -59,10 +57,10 @@ def _moe_stack(cfg: ModelConfig, layer, x, positions, cache, starts=None, gather
     body = remat_body(cfg.remat, step, gathers)
     stacked = layer_stack(cfg.n_layers, with_per_layer_inputs=True, unroll=cfg.layer_unroll, name="layers")
     kinds = attention.layer_kinds(cfg)
+    if cache is not None:  # the stacked cache in the carry, written in place (``carried_stack``)
+        return carried_stack(cfg, stacked, body, x, cache, kinds, stats=True)
     if kinds is None:
         x, (cache, stats) = stacked(body)(x, cache)
-    elif cache is not None and "k_local" in cache:  # the two-array cache rides in the carry
-        return kinds_stack(cfg, stacked, body, x, cache, stats=True)
     else:
         x, (cache, stats) = stacked(body)(x, cache, jnp.asarray(kinds))
     return x, cache, stats
@@ -73,8 +71,9 @@ def _mixed_stack(cfg: ModelConfig, layers: dict, x, positions, cache, starts=Non
     the statistics of its MoE layers [L_moe, ``moe.stats_size``], in layer order (dense layers have no
     routing). Each kind's parameters stack apart (``layer_kinds.stacks``: [count, ...] under "layers"
     and "dense_layers" or "linear_layers"), and the stack runs as consecutive runs of same-kind
-    layers, one scan each over its slice of them; the cache [L, ...] is sliced and rejoined in layer
-    order, or with local and global layers (``kv_kinds``: Llama 4's chunked ones) rides in the carry."""
+    layers, one scan each over its slice of them; the attention layers' cache [L, ...] (with local and
+    global layers, ``kv_kinds``: Llama 4's chunked ones, its two arrays) rides in the carry, a
+    hybrid's linear layers' arrays are sliced into their runs and rejoined (``_cache_index``)."""
     bodies = {name: _three(layer, positions, starts) for name, layer in layers.items()}
     kinds, params, apply = attention.layer_kinds(cfg), {}, {}
     for name, indices in stacks(cfg).items():
@@ -82,36 +81,38 @@ def _mixed_stack(cfg: ModelConfig, layers: dict, x, positions, cache, starts=Non
             name, len(indices), remat_body(cfg.remat, bodies[name], gathers), x
         )
     parts, stats = {}, []
-    carried = cache is not None and LOCAL_KEYS[0] in cache  # local and global caches apart: in the carry
+    # the attention layers' cache rides in the carry, written in place (``carried_stack``); a hybrid's
+    # linear layers' arrays (each step rewrites them whole) are sliced into their runs and rejoined
+    carried = None if cache is None else {k: a for k, a in cache.items() if k not in LINEAR_KEYS}
     for name, first, start, stop in runs(cfg):
         p = jax.tree.map(lambda a, s=slice(start, stop): a[s], params[name])
         own, unroll = slice(first, first + stop - start), min(cfg.layer_unroll, stop - start)  # its layers
         kind = None if kinds is None else jnp.asarray(kinds[own])  # Llama 4's chunked and NoPE layers
-        if carried:  # each layer reads and writes its slice of its kind's arrays (``kv_kinds``)
-            index = jnp.asarray(kind_index(cfg)[own])
-            (x, cache), st = layer_loop(_carried_step(apply[name]), (x, cache), (p, kind, index), unroll)
+        if carried is not None and name != LINEAR_STACK:  # each layer writes its slice of the arrays
+            index = jnp.asarray(_cache_index(cfg, cache, own, start, stop), jnp.int32)
+            (x, carried), st = layer_loop(_carried_step(apply[name]), (x, carried), (p, kind, index), unroll)
         else:
-            c = _run_cache(cache, name, first, start, stop)
+            c = None if cache is None else {key: cache[key][start:stop] for key in LINEAR_KEYS}
             x, (c, st) = layer_loop(_step(apply[name]), x, (p, c, kind), unroll)
             for key, part in (c or {}).items():
                 parts.setdefault(key, []).append(part)
         if st is not None:
             stats.append(st)
-    if cache is not None and not carried:
-        cache = {key: jnp.concatenate(part) for key, part in parts.items()}
+    if cache is not None:
+        cache = {**carried, **{key: jnp.concatenate(part) for key, part in parts.items()}}
     return (x, cache, jnp.concatenate(stats)) if cfg.arch.moe else (x, cache)
 
 
-def _run_cache(cache, name: str, first: int, start: int, stop: int):
-    """A run's slice of the cache: a hybrid's (``linear_cache.LINEAR_KEYS`` beside "k", "v") holds
-    each kind's arrays apart, [count, ...] in that kind's order (``[start, stop)``); any other cache
-    is [L, ...] in layer order (the run's layers from ``first``)."""
-    if cache is None:
-        return None
-    if LINEAR_KEYS[0] not in cache:
-        return {key: a[first : first + stop - start] for key, a in cache.items()}
-    keys = [key for key in cache if (key in LINEAR_KEYS) == (name == LINEAR_STACK)]
-    return {key: cache[key][start:stop] for key in keys}
+def _cache_index(cfg: ModelConfig, cache: dict, own: slice, start: int, stop: int) -> np.ndarray:
+    """A run's layers' slices of the carried cache: with local and global layers (``kv_kinds``) each
+    one's index among its kind's; a hybrid's attention layers ("k", "v" [L_full, ...] beside
+    ``linear_cache.LINEAR_KEYS``) ``[start, stop)``, in their own order; any other cache's layers
+    theirs (``own``), in layer order."""
+    if LOCAL_KEYS[0] in cache:
+        return kind_index(cfg)[own]
+    if LINEAR_KEYS[0] in cache:
+        return np.arange(start, stop)
+    return np.arange(cfg.n_layers)[own]
 
 
 def _three(layer, positions, starts):
