@@ -110,19 +110,20 @@ def _cache_copies(hlo: str, shape: tuple, dtype: str = "f32") -> list:
     return [(k, c) for k, c in ops if k not in PASSED and not (k == "fusion" and roots.get(c) in IN_PLACE)]
 
 
-def test_a_decode_step_writes_the_stacked_cache_in_place(monkeypatch):
-    """The Python loop's decode step (the accelerators' form) writes each layer's new token into the
-    donated stacked cache [L, B, S, Kc, E] (``kv_kinds.carried_stack``): no op copies it (per-layer
-    inputs and outputs sliced it apart and stacked it again, a copy per step)."""
+@pytest.mark.parametrize("form", ["scan", pytest.param("python", marks=SLOW)])
+def test_a_decode_step_writes_the_stacked_cache_in_place(form, monkeypatch):
+    """A decode step (the scan, every backend's form; the loop's in the slow tier) writes each layer's
+    new token into the donated stacked cache [L, B, S, Kc, E] (``kv_kinds.carried_stack``): no op
+    copies it (per-layer inputs and outputs sliced it apart and stacked it again, a copy per step)."""
     from meshlm.generate.cache import cache_shapes
     from meshlm.generate.generator import Generator
 
-    monkeypatch.setenv(ENV, "python")
+    monkeypatch.setenv(ENV, form)
     cfg = get_config("tiny-llama")
     layout = Layout.of(jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("dp", "mp")))
     params, _ = init_model(cfg, layout, 0)
     gen = Generator(cfg, params, layout, max_len=64, eod=None)
-    hlo = gen._executables(2)["decode"].as_text()
+    hlo = gen._executables(2, ("decode",))["decode"].as_text()  # the decode step alone
     shape = cache_shapes(cfg, 1, 2, 64)["k"]
     assert f"f32[{','.join(map(str, shape))}]" in hlo  # the cache is there, as the step's parameter
     assert _cache_copies(hlo, shape) == []
