@@ -69,6 +69,9 @@ Z = "tests/test_prover.py::test_z_loss_is_proven_sharded_and_its_bug_is_caught"
 DOC = "tests/test_doc_mask.py::test_verify_doc_mask_passes_and_its_controls_are_detected"
 BW = "tests/test_blockwise.py::test_the_proof_compares_blockwise_with_plain_attention"
 BW_ONE = "tests/test_blockwise.py::test_verify_blockwise_on_one_device_detects_both_kernel_controls"
+CONFIGS = "tests/test_configs.py::test_configs_table_and_json_of_two_presets"
+BPE_CLI = "tests/test_tokenizers.py::test_tokenizer_train_cli"
+GEMMA4_PLAN = "tests/test_docs_tool_commands.py::test_documented_tool_command_runs[models.md:404]"
 FLASH = "tests/test_flash.py::test_verify_proves_flash_with_its_controls_detected"
 FLASH_KINDS = "tests/test_flash.py::test_flash_model_equals_plain_with_sinks_and_layer_kinds"
 FLASH_RING = "tests/test_flash.py::test_flash_ring_equals_the_unsharded_plain_model"
@@ -348,10 +351,14 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm train --data data/my --config tiny-lm --out runs/my": run(
         "--config tiny-lm => " + TINY, after=("meshlm data prepare --data my.txt --out data/my",)
     ),
-    "meshlm tokenizer train --vocab-size 1024 --out bpe1024.json": run(),
+    # in the slow tier (12 s of CPU: a BPE trained on the 8 MB stdlib, then a run with it): the same CLI
+    # on a small corpus, and a run with a trained BPE, are quick
+    "meshlm tokenizer train --vocab-size 1024 --out bpe1024.json": run(slow=BPE_CLI),
     "meshlm tokenizer train --data 'docs/**/*.md' --vocab-size 8000 --out docs-bpe.json": run("8000 => 1000"),
     "meshlm train --tokenizer bpe1024.json --out runs/bpe": run(
-        add="--data code " + TINY, after=("meshlm tokenizer train --vocab-size 1024 --out bpe1024.json",)
+        add="--data code " + TINY,
+        after=("meshlm tokenizer train --vocab-size 1024 --out bpe1024.json",),
+        slow=BPE_CLI,
     ),
     # docs/evaluation.md
     "meshlm eval --checkpoint runs/main --data runs/main-store --split val": run(
@@ -455,7 +462,8 @@ COMMANDS: dict[str, Run | Shown] = {
     "--json": run("runs/main/600 => runs/main/2", add="--max-new-tokens 8", after=(MAIN,)),
     "meshlm convert --from-hf path/to/hf-model --out runs/imported": run(),
     "meshlm convert --to-hf runs/main --out exported-hf": run(after=(MAIN,)),
-    "meshlm configs --json": run(expect=('"name": "llama2-7b"',)),
+    # in the slow tier (17 s of CPU: every preset traced for its counts): the command on two presets is quick
+    "meshlm configs --json": run(expect=('"name": "llama2-7b"',), slow=CONFIGS),
     "meshlm verify --config tiny-gpt2vocab --mesh 1xN --devices 8 --x64 --steps 2": verify(
         "1xN => 1x8", costly=GPT2
     ),
@@ -463,7 +471,10 @@ COMMANDS: dict[str, Run | Shown] = {
     "selective --device-memory 80GiB": run(),
     # Gemma 4's real sizes, as written (an AOT compile of the split stack: ~15 s of CPU each)
     "meshlm plan --config gemma4-31b --mesh 2x4 --devices 8 --fsdp": run(expect=("1/8.0",)),
-    "meshlm plan --config gemma4-e4b --mesh 2x4 --devices 8 --fsdp": run(expect=("gemma4-e4b on mesh 2x4",)),
+    # in the slow tier: the same plan of Gemma 4's other preset (the 31B's, the line above, is quick)
+    "meshlm plan --config gemma4-e4b --mesh 2x4 --devices 8 --fsdp": run(
+        expect=("gemma4-e4b on mesh 2x4",), slow=GEMMA4_PLAN
+    ),
     # docs/multiprocess.md
     "meshlm launch -n 2 --devices-per-process 2 -- verify --mesh 2x2 --json": verify(
         costly=LAUNCH, expect=('"ok": true',)
@@ -525,9 +536,12 @@ COMMANDS: dict[str, Run | Shown] = {
         ),
     ),
     "meshlm verify --config tiny-deep --pp 2 --doc-mask --x64 --steps 2": verify(costly=PPCP),
+    # in the slow tier: pipeline plans with remat (the pp plans of pipeline.md's 7B table are quick, and
+    # so is a plan with remat: tests/test_plan.py::test_fsdp_sp_and_selective_remat_are_planned)
     "meshlm plan --config small --pp 4 --mesh 1x1 --devices 4 --microbatches $m --pp-schedule 1f1b "
     "--batch-size $((2 * m)) --seq-len 256 --remat $r": run(
         "--seq-len 256 => --seq-len 64",
+        slow="tests/test_plan.py::test_fsdp_sp_and_selective_remat_are_planned",
         each=tuple(  # two of the loop's four plans, each remat and each micro-batch count (the same path)
             (("$m", str(m)), ("$((2 * m))", str(2 * m)), ("$r", r)) for r, m in (("none", 4), ("full", 8))
         ),

@@ -35,6 +35,32 @@ def test_configs_prints_a_table_and_json_lines(capsys):
     assert objs["mixtral-8x7b"]["params"] == 46_702_792_704
 
 
+def test_configs_table_and_json_of_two_presets(capsys, monkeypatch):
+    """`meshlm configs` and `--json` on two presets (every preset's: the slow test above, and the
+    docs' command in the slow tier): the table's columns, a MoE's active count, the same rows."""
+    import meshlm.model.config as config
+
+    monkeypatch.setattr(config, "PRESETS", {n: config.PRESETS[n] for n in ("tiny-llama3", "tiny-mixtral")})
+    assert run_cli("configs") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == [
+        "preset",
+        "family",
+        "layers",
+        "d_model",
+        "heads/KV",
+        "vocab",
+        "parameters",
+        "active",
+    ]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert list(rows) == ["tiny-llama3", "tiny-mixtral"] and rows["tiny-llama3"][-1] == "tied"
+    assert run_cli("configs", "--json") == 0
+    objs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [o["name"] for o in objs] == list(rows)
+    assert objs[1]["active_params"] < objs[1]["params"]  # 2 of the experts a token
+
+
 def test_active_parameters_count_k_of_e_experts():
     """Active = total less (1 - k/E) of every expert weight [E, ...]; the FLOPs of MFU count them too."""
     from meshlm.model.accounting import param_counts

@@ -208,6 +208,9 @@ def test_big_parquet_shards_are_not_skipped_in_directories(tmp_path, monkeypatch
     assert [p.name for p in sources.resolve_files([tmp_path])] == ["a.parquet", "b.parquet"]
 
 
+# slow: a soak (its cost is its scale: a 400 MB file prepared); the same streaming code path on small
+# files is quick (test_prepare_matches_the_loader)
+@pytest.mark.slow
 def test_prepare_memory_does_not_grow_with_the_file(tmp_path):
     """``data prepare`` of a 400 MB (decompressed) JSONL.zst: the peak resident set of every process
     stays far below the text, which is read and tokenized a batch of rows at a time."""
