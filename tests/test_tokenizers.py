@@ -45,8 +45,10 @@ def test_bpe_has_all_bytes_and_eod(bpe):
     assert bpe.token_bytes[bpe.eod_id] == 1
 
 
+# Text, not the EOD token's own spelling: that is the document boundary (one byte by design, above),
+# which hypothesis once drew as the whole text (session 19: 1 byte counted against its 13)
 @settings(max_examples=150, deadline=None)
-@given(st.text())
+@given(st.text().filter(lambda t: EOD_TOKEN not in t))
 def test_bpe_round_trips_any_text(bpe, text):
     ids = bpe.encode(text)
     assert bpe.decode(ids) == text
