@@ -90,7 +90,8 @@ def pytest_xdist_auto_num_workers(config):
     overrides it, as in pytest-xdist."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
-    return len(os.sched_getaffinity(0)) + 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS
+    return (cores or 1) + 1
 
 
 def pytest_collection_modifyitems(items):

@@ -1,5 +1,6 @@
 """Core proof: sharded == unsharded on every mesh, controls detected, init bitwise, bad inputs."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -106,6 +107,44 @@ def test_verify_with_adamw_steps_on_data_x_model_mesh():
     assert report.ok, format_report(report)
     assert any(p.path.startswith("opt_state") for p in report.params)  # step counters compared too
     assert [c["name"] for c in report.controls] == ["per-shard gradient-norm clipping"]
+
+
+def test_the_proofs_training_steps_compile_once():
+    """K proof steps run step 1's programs (``Runs.train_step``: the optimizer state laid out as the
+    sharded step returns it, the reference's committed to its device): after the first step, neither
+    the sharded nor the reference step traces or compiles again."""
+    from meshlm.proof.runs import Runs, default_optim, reference_grad_norm, step_batches
+
+    cfg = get_config("tiny")
+    problem = model_problem(cfg, "tiny", 2, 8, 16)
+    events = []
+
+    def listener(event, duration, **kwargs):  # tracing counts: a persistent-cache hit skips the backend
+        if event.startswith("/jax/core/compile/"):
+            events.append(event)
+
+    with jax.enable_x64(True):
+        runs = Runs(problem, Layout(dp=2, mp=2), jnp.float64, 0)
+        ocfg = default_optim(3, reference_grad_norm(runs))
+        batches = step_batches(problem, 3, ocfg.accum_steps, 0)
+        steps = runs.train(ocfg, batches)
+        next(steps)  # the first step: the programs compiled, the reference's three steps run
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            assert len(list(steps)) == 2 and events == []
+            jax.jit(lambda x: x + 1)(np.ones(3))  # control: the listener does see a compilation
+            assert events
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+        events.clear()  # the reference: its three steps one compilation, as its one step is
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            runs.reference_train(ocfg, batches[:1])
+            one = len(events)
+            runs.reference_train(dataclasses.replace(ocfg, lr=ocfg.lr * 2), batches)  # a new key: run again
+            assert one and len(events) == 2 * one
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_different_inputs_give_different_gradients():

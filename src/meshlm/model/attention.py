@@ -281,10 +281,10 @@ def _slots(positions, slots: int, window: int):
 def cache_write(cache, k, v, positions, window: int):
     """``cache_update`` -> (new cache, this layer's {"k", "v"} [B, S, K_local, E], key positions).
 
-    ``cache`` is one layer's {"k", "v"} [B, S, K_local, E], or (the decode's, carried through the layer
-    loop: ``stack.carried_stack``) the stacked {"k", "v"} [L, B, S, K_local, E] and "index", this
-    layer's. The stacked arrays are written only at [index, b, positions[b]] (one scatter), so XLA
-    updates the one buffer in place: a decode step writes its new tokens, not copies of the cache."""
+    ``cache`` is one layer's {"k", "v"} [B, S, K_local, E], or (carried through the layer loop:
+    ``kv_kinds.carried_stack``) the stacked {"k", "v"} [L, B, S, K_local, E] and "index", this layer's.
+    The stacked arrays are written only at [index, b, positions[b]] (``_put``), so XLA updates the one
+    buffer in place: a decode step writes its new tokens, not copies of the cache."""
     if "index" not in cache:
         cache, key_pos = cache_update(cache, k, v, positions, window)
         return cache, cache, key_pos
