@@ -154,26 +154,30 @@ def test_flash_ring_equals_the_unsharded_plain_model():
         assert rel_err(g, w) < TOL
 
 
-def test_auto_attention_is_flash_on_a_tpu_where_it_applies(monkeypatch):
-    """``--attention auto`` (the default): flash on a TPU (a faked backend name), plain elsewhere, with
-    --cp (the ring runs the blockwise pieces) and with --x64 (the kernel computes in float32); a
-    chosen kind is kept. The train step's config takes the choice."""
+def test_auto_attention_is_flash_on_a_tpu_where_it_applies_and_pays(monkeypatch):
+    """``--attention auto`` (the default): flash on a TPU (a faked backend name) for rows of
+    ``FLASH_MIN_SEQ`` tokens or more, plain below it (measured faster there), plain elsewhere, with
+    --cp (the ring runs the blockwise pieces) and with --x64 (the kernel computes in float32); a chosen
+    kind is kept. The train step's config takes the choice, at the run's sequence length."""
     from meshlm.cli.verify_settings import VerifySettings
+    from meshlm.settings import FLASH_MIN_SEQ
     from meshlm.train import run as train_run
     from meshlm.train.config import TrainConfig
 
-    auto = VerifySettings()
+    auto, long = VerifySettings(), FLASH_MIN_SEQ
     assert auto.attention == "auto"
-    assert auto.attention_kind("tpu") == "flash" and auto.attention_kind("cpu") == "plain"
-    assert VerifySettings(cp=2).attention_kind("tpu") == "plain"
-    assert auto.attention_kind("tpu", x64=True) == "plain"
-    assert VerifySettings(attention="blockwise").attention_kind("tpu") == "blockwise"
-    assert VerifySettings(attention="flash").attention_kind("cpu") == "flash"
-    cfg = get_config("tiny-llama")
+    assert auto.attention_kind("tpu", long) == "flash" and auto.attention_kind("cpu", long) == "plain"
+    assert auto.attention_kind("tpu", long - 1) == "plain" and auto.attention_kind("tpu", 8 * long) == "flash"
+    assert VerifySettings(cp=2).attention_kind("tpu", long) == "plain"
+    assert auto.attention_kind("tpu", long, x64=True) == "plain"
+    assert VerifySettings(attention="blockwise").attention_kind("tpu", 64) == "blockwise"
+    assert VerifySettings(attention="flash").attention_kind("cpu", 64) == "flash"
+    cfg = get_config("tiny-llama").replace(max_seq_len=2 * long)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert train_run.step_config(TrainConfig(), cfg).attention == "flash"
+    assert train_run.step_config(TrainConfig(seq_len=long), cfg).attention == "flash"
+    assert train_run.step_config(TrainConfig(seq_len=long // 2), cfg).attention == "plain"
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert train_run.step_config(TrainConfig(), cfg).attention == "plain"
+    assert train_run.step_config(TrainConfig(seq_len=long), cfg).attention == "plain"
 
 
 def test_verify_refuses_flash_in_float64(capsys):

@@ -55,7 +55,9 @@ def test_blocks_leave_a_last_block_of_one_row():
 
 def _edge_met(cfg, vs: VerifySettings, layout: Layout, t: int, block: int) -> bool:
     """Whether the block-skip control applies (``cp_controls._skip_edge_met``) at these shapes."""
-    at = cfg.replace(attention=vs.attention_kind("cpu"), attn_block=block)  # as verify resolves "auto" on CPU
+    at = cfg.replace(
+        attention=vs.attention_kind("cpu", 64), attn_block=block
+    )  # as verify resolves "auto" on CPU
     return cp_controls._skip_edge_met(Where(cfg=at, layout=layout, has_row_bias=False, seq_len=t))
 
 

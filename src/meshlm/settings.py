@@ -179,17 +179,26 @@ class MeshFlags:
 MESH_OPTIONS = tuple(f.name for f in dataclasses.fields(MeshFlags))
 
 
+# --attention auto picks flash on a TPU from this many tokens a row. Measured on a TPU v5e (bf16, the
+# llama-100m step, 8192 tokens a step, docs/benchmarks.md "Choosing --attention auto"): plain is 1.31x
+# faster than flash at 256 tokens and 1.09x at 512; flash is 1.10x faster at 1024 and far ahead from
+# 2048 on (plain's [B, H, T, T] scores grow as T^2 and run out of memory at 8192). Blockwise was never
+# the fastest.
+FLASH_MIN_SEQ = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class LongContext:
     """The attention settings of train, verify, bench and plan, a base of their settings dataclasses.
     Like remat they change speed and memory, not the model: a run resumes under other values."""
 
-    # auto (``attention_kind``: flash on a TPU where it applies, else plain), plain (scores [B, H, T, T]),
+    # auto (``attention_kind``: flash on a TPU where it applies and pays, else plain), plain ([B, H, T, T]),
     # blockwise (flash attention in blocks: memory O(T)) or flash (JAX's fused Pallas kernel,
     # ``model.flash``: compiled on a TPU, interpret mode elsewhere)
     attention: str = setting(
         "auto",
-        "attention: auto (flash on a TPU where it applies, else plain), plain (scores [B, H, T, T]), "
+        f"attention: auto (on a TPU flash where it applies and rows are >= {FLASH_MIN_SEQ} tokens, else "
+        "plain: measured faster below), plain (scores [B, H, T, T]), "
         "blockwise (flash attention in blocks: memory O(T)) or flash (the fused Pallas TPU kernel; "
         "interpret mode off a TPU)",
         choices=ATTENTION_KINDS,
@@ -199,16 +208,18 @@ class LongContext:
         512, "queries and keys per block (blockwise attention, and each --cp ring step)", valid=Range(int, 1)
     )
 
-    def attention_kind(self, backend: str, x64: bool = False) -> str:
+    def attention_kind(self, backend: str, seq_len: int, x64: bool = False) -> str:
         """--attention as the model takes it (``ModelConfig.attention``): "auto", the default, is flash
-        on a TPU (``backend``: ``jax.default_backend()``) where the kernel applies everywhere -- no --cp
-        (flash's ring refuses windows and chunks, which a model's config decides: ``--attention flash``
-        asks for it) and not float64 (--x64: the kernel computes in float32) -- else plain."""
+        on a TPU (``backend``: ``jax.default_backend()``) for rows of ``FLASH_MIN_SEQ`` tokens or more
+        where the kernel applies everywhere -- no --cp (flash's ring refuses windows and chunks, which a
+        model's config decides: ``--attention flash`` asks for it) and not float64 (--x64: the kernel
+        computes in float32) -- else plain. ``seq_len``: the run's tokens a row (resolved)."""
         if self.attention != "auto":
             return self.attention
         # (commands without --cp: one sequence per shard)
         one_sequence = not (isinstance(self, MeshFlags) and self.on(CP))
-        return "flash" if backend == "tpu" and one_sequence and not x64 else "plain"
+        pays = seq_len >= FLASH_MIN_SEQ
+        return "flash" if backend == "tpu" and one_sequence and not x64 and pays else "plain"
 
 
 # --moe-dispatch: "auto", then model.config.DISPATCHES (here: this module imports no model code)

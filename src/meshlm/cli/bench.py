@@ -9,7 +9,7 @@ from pathlib import Path
 
 from meshlm.cli.common import add_common, add_flags, flag_layout, refuse_options, settings_from, setup
 from meshlm.errors import ConfigError
-from meshlm.model.config import get_config
+from meshlm.model.config import default_seq_len, get_config
 from meshlm.perf.bench_settings import BenchSettings, check_impls
 
 # Timed with --memory-options instead (against tensor parallelism and GSPMD).
@@ -60,7 +60,8 @@ def run(args) -> int:
     from meshlm.train.step import step_model
 
     backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU and GPU
-    attention, dispatch = bs.attention_kind(backend), bs.dispatch_kind(backend)  # a dense model ignores it
+    seq_len = default_seq_len(get_config(bs.config), bs.seq_len or 0)  # what auto decides on
+    attention, dispatch = bs.attention_kind(backend, seq_len), bs.dispatch_kind(backend)  # dense ignores it
     cfg = get_config(bs.config).replace(attention=attention, attn_block=bs.attn_block, moe_dispatch=dispatch)
     # --remat and --unroll as train applies them (a rolled loop under remat, where its saving needs one)
     cfg = step_model(cfg, remat=bs.remat, unroll=bs.unroll, fsdp=False)

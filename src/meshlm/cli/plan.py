@@ -18,6 +18,7 @@ from meshlm.cli.common import (
     setup,
 )
 from meshlm.errors import ConfigError
+from meshlm.model.config import default_seq_len
 from meshlm.parallel.axes import PP
 from meshlm.perf.plan_settings import DEFAULT_CONFIG, PlanCommand
 from meshlm.train.lora import with_lora
@@ -79,7 +80,8 @@ def run(args) -> int:
     import jax
 
     backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU and GPU
-    attention, dispatch = pc.attention_kind(backend), pc.dispatch_kind(backend)  # the run's: its rows
+    seq_len = default_seq_len(cfg, pc.seq_len or 0)  # what auto decides on
+    attention, dispatch = pc.attention_kind(backend, seq_len), pc.dispatch_kind(backend)  # the run's rows
     cfg = cfg.replace(attention=attention, attn_block=pc.attn_block, moe_dispatch=dispatch)
     cfg = with_lora(pc, cfg)  # LoRA: adapters
     report = plan(

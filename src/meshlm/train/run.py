@@ -29,7 +29,7 @@ from meshlm.io.model_io import FORMAT, load_model, read_config
 from meshlm.io.run_lock import RunLock, lock_run
 from meshlm.io.tokenizer_file import COMPANIONS, TOKENIZER_FILE
 from meshlm.model import lora
-from meshlm.model.config import ModelConfig, get_config
+from meshlm.model.config import ModelConfig, default_seq_len, get_config
 from meshlm.model.masked import loss_weights
 from meshlm.model.transformer import param_shapes
 from meshlm.parallel import distributed
@@ -233,7 +233,8 @@ def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
     keep the preset's config (Run.cfg, compared on resume) and a run resumes under any of them."""
     step = step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp)
     backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU/GPU
-    attention, dispatch = tcfg.attention_kind(backend), tcfg.dispatch_kind(backend)
+    seq_len = default_seq_len(cfg, tcfg.seq_len)  # resolved already in a run; 0 is the default's
+    attention, dispatch = tcfg.attention_kind(backend, seq_len), tcfg.dispatch_kind(backend)
     return step.replace(attention=attention, attn_block=tcfg.attn_block, moe_dispatch=dispatch)
 
 

@@ -1,0 +1,304 @@
+"""The chip report: every figure docs/benchmarks.md's chip tables quote, in one process, one call.
+
+Chip time is the scarce resource (a session gets minutes of it, one command at a time, each program
+that opens the chip pays ~15 s), so every measurement runs in this one process: each job is a
+``meshlm`` command line (``bench``, ``plan``, ...) called in-process through ``meshlm.cli.main`` with
+its ``--json`` output captured, or a Python function of a script. Jobs run in the order of their
+groups; a job that would start after ``--budget`` seconds is skipped and said so, so the report always
+comes back. It writes ``chip_report.json`` (every job's argv, wall seconds, exit code, parsed output
+or error line) and ``chip_report.md`` (one table a group: what docs/benchmarks.md's tables hold).
+
+On the device machine (the repository root; the set-up line installs what its index lacks, then this):
+
+    PYTHONPATH=src python scripts/chip_report.py --out $OUT [--groups attention,qwen3] [--budget 500]
+
+``--list`` prints the groups and their jobs; ``--cpu-smoke`` runs every group's first job at a tiny
+shape on CPU (``tests/test_chip_report.py`` runs it), so the report's plumbing is tested where CI is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# llama-100m (vocab 16384, d 768, 8 layers), 8192 tokens a step: the attention rule's sweep (issue 63, 4)
+ATTN_SEQS = (256, 512, 1024, 2048, 4096, 8192)
+ATTN_KINDS = ("plain", "flash", "blockwise")
+BENCH = ("bench", "--mesh", "1x1", "--gen-tokens", "0", "--peak-n", "8192", "--json", "--impls", "meshlm")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One measurement: a meshlm command line whose stdout's last line is its JSON."""
+
+    group: str
+    name: str
+    argv: tuple[str, ...]
+    smoke: tuple[str, ...] = ()  # the same job on CPU at a tiny shape (--cpu-smoke); () = none
+
+
+@dataclass
+class Result:
+    job: Job
+    seconds: float = 0.0
+    code: int | None = None
+    output: dict | None = None
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _attention_jobs() -> list[Job]:
+    jobs = []
+    for seq in ATTN_SEQS:
+        for kind in ATTN_KINDS:
+            if kind == "plain" and seq > 4096:
+                continue  # [B, H, T, T] scores: 48 GB of temporaries at 8192 (docs/benchmarks.md)
+            argv = (*BENCH, "--config", "llama-100m", "--bf16", "--steps", "8", "--attention", kind)
+            argv += ("--batch-size", str(8192 // seq), "--seq-len", str(seq))
+            if kind == "blockwise":
+                argv += ("--attn-block", str(min(512, seq)))
+            smoke = (*BENCH, "--config", "tiny-llama", "--peak-n", "256", "--attention", kind)
+            smoke += ("--batch-size", "2", "--seq-len", "64", "--steps", "5")
+            jobs.append(Job("attention", f"{kind} T={seq}", argv, smoke if seq == ATTN_SEQS[0] else ()))
+    auto = (*BENCH, "--config", "llama-100m", "--bf16", "--steps", "8", "--attention", "auto")
+    jobs += [
+        Job("attention", f"auto T={s}", auto + ("--batch-size", str(8192 // s), "--seq-len", str(s)))
+        for s in ATTN_SEQS
+    ]
+    return jobs
+
+
+def _plan_jobs() -> list[Job]:
+    """The chip compiler's verdicts for the one-chip presets (issue 63 item 3's calibration pairs)."""
+    jobs = []
+    for config in ("qwen3-0.6b", "llama3.2-1b"):
+        for remat in ("full", "selective"):
+            for batch in (1, 2, 4, 8):
+                argv = ("plan", "--config", config, "--mesh", "1x1", "--seq-len", "2048", "--bf16")
+                argv += ("--batch-size", str(batch), "--remat", remat, "--json", "--max-compiles", "1")
+                smoke = ("plan", "--config", "tiny-llama", "--mesh", "1x1", "--seq-len", "64")
+                smoke += ("--batch-size", "2", "--remat", remat, "--json", "--max-compiles", "1")
+                jobs.append(Job("plan", f"{config} remat={remat} batch={batch}", argv, smoke))
+    return jobs
+
+
+def _one_chip_jobs() -> list[Job]:
+    """Issue 63 item 1: the real-size presets at seq 2048, bf16, AdamW, the batches that fit."""
+    jobs = []
+    for config, batch, remat in (("qwen3-0.6b", 2, "selective"), ("qwen3-0.6b", 4, "full")):
+        argv = (*BENCH, "--config", config, "--bf16", "--remat", remat, "--steps", "5")
+        argv += ("--batch-size", str(batch), "--seq-len", "2048")
+        jobs.append(Job("one-chip", f"{config} b={batch} remat={remat}", argv))
+    f32 = (*BENCH[:-1], "meshlm,plain", "--config", "llama-100m", "--attention", "plain", "--steps", "10")
+    jobs.append(
+        Job("one-chip", "llama-100m f32 vs plain 8x512", f32 + ("--batch-size", "8", "--seq-len", "512"))
+    )
+    return jobs
+
+
+GROUPS = {"plan": _plan_jobs, "attention": _attention_jobs, "one-chip": _one_chip_jobs}
+
+
+def run_job(job: Job, argv: tuple[str, ...]) -> Result:
+    """``meshlm ARGV`` in this process; its stdout's last JSON line is the output."""
+    from meshlm.cli import main
+
+    res, out, err = Result(job), io.StringIO(), io.StringIO()
+    start = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            res.code = main(list(argv))
+    except BaseException as e:  # noqa: BLE001 - a job's failure is a row of the report, not the end of it
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        res.code = getattr(e, "code", None) if isinstance(e, SystemExit) else -1
+        res.error = f"{type(e).__name__}: {e}"[:2000]
+        res.notes.append(traceback.format_exc()[-1500:])
+    res.seconds = time.perf_counter() - start
+    lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("{")]
+    if lines:
+        try:
+            res.output = json.loads(lines[-1])
+        except json.JSONDecodeError as e:
+            res.error = res.error or f"unparsable JSON output: {e}"
+    if res.code and not res.error:
+        res.error = (err.getvalue().strip().splitlines() or ["(no message)"])[-1][:2000]
+    _release()
+    return res
+
+
+def _persistent_cache() -> None:
+    """Jobs share programs (the parameter initialisers of one preset, the peak matmuls): ``_release``
+    drops the in-memory caches, so a disk cache makes the second compile of each a read."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", "/tmp/meshlm-chip-cache")
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def _release() -> None:
+    """Drop the finished job's executables and buffers before the next one compiles."""
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+def _gb(x) -> str:
+    return "" if x is None else f"{x / 1e9:.2f}"
+
+
+def _bench_rows(res: Result) -> list[str]:
+    rows = []
+    for r in res.output.get("results", []):
+        mem = r.get("bytes_per_device", {}).get("compiled", {})
+        mfu = "" if r.get("mfu_spec") is None else f"{r['mfu_spec']:.3f}"
+        loss = r.get("loss", float("nan"))
+        rows.append(
+            f"| {res.job.name} | {r['impl']} | {r['step_s_median'] * 1e3:.2f} | {r['tokens_per_s']:,.0f} | "
+            f"{mfu} | {_gb(mem.get('peak'))} | {loss:.4f} |"
+        )
+    gen = res.output.get("generation")
+    if gen:
+        rows.append(f"| {res.job.name} | generation | {json.dumps(gen)[:300]} | | | | |")
+    return rows
+
+
+def _plan_row(res: Result) -> list[str]:
+    """A plan's compiled peak (the compiler of the machine it ran on), its parts, and the analytic one."""
+    plan = res.output.get("plan") or {}
+    c, a = plan.get("compiled") or {}, plan.get("analytic") or {}
+    parts = "/".join(_gb(c.get(k)) for k in ("argument", "output", "alias", "temp"))
+    return [
+        f"| {res.job.name} | plan ({res.output.get('backend')}) | {c.get('compile_s', 0):.0f} s compile | "
+        f"arg/out/alias/temp {parts} | analytic {_gb(a.get('peak'))} | {_gb(c.get('peak'))} | |"
+    ]
+
+
+def markdown(results: list[Result], header: str) -> str:
+    out = [header, ""]
+    for group in dict.fromkeys(r.job.group for r in results):
+        out += [f"## {group}", "", "| job | impl | step ms | tokens/s | MFU (spec) | peak GB | loss |"]
+        out.append("|---|---|---|---|---|---|---|")
+        for res in (r for r in results if r.job.group == group):
+            if res.output is None:
+                out.append(f"| {res.job.name} | {res.error or 'skipped'} | {res.seconds:.0f} s | | | | |")
+            elif "results" in res.output:
+                out += _bench_rows(res)
+            else:
+                out += _plan_row(res)
+        out.append("")
+    return "\n".join(out)
+
+
+def _environment() -> dict:
+    import jax
+
+    dev = jax.devices()[0]
+    stats = getattr(dev, "memory_stats", lambda: None)() or {}
+    return {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device_kind": dev.device_kind,
+        "device_count": jax.device_count(),
+        "bytes_limit": stats.get("bytes_limit"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="chip-report", help="directory for chip_report.json and chip_report.md")
+    p.add_argument("--groups", default=",".join(GROUPS), help=f"comma list of {', '.join(GROUPS)}")
+    p.add_argument(
+        "--only", default=None, help="comma list: run only the jobs whose name contains one of these"
+    )
+    p.add_argument("--budget", type=float, default=500.0, help="start no job after this many seconds")
+    p.add_argument("--cpu-smoke", action="store_true", help="each group's smoke jobs on CPU, tiny shapes")
+    p.add_argument("--list", action="store_true", help="print the jobs and exit")
+    args = p.parse_args(argv)
+    unknown = [g for g in args.groups.split(",") if g not in GROUPS]
+    if unknown:
+        p.error(f"--groups: unknown {', '.join(unknown)}; known: {', '.join(GROUPS)}")
+    jobs = [j for g in args.groups.split(",") for j in GROUPS[g]()]
+    if args.only:
+        jobs = [j for j in jobs if any(part in j.name for part in args.only.split(","))]
+    if args.cpu_smoke:
+        jobs = [j for j in jobs if j.smoke]
+    if args.list:
+        for j in jobs:
+            print(f"{j.group:10s} {j.name:40s} meshlm {' '.join(j.smoke if args.cpu_smoke else j.argv)}")
+        return 0
+    return _run(jobs, args)
+
+
+def _run(jobs: list[Job], args) -> int:
+    t0 = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = _environment()
+    if not args.cpu_smoke and env["backend"] == "cpu":
+        print("chip_report: no accelerator here (JAX's backend is cpu); run it on the chip, or --cpu-smoke")
+        return 2
+    if not args.cpu_smoke:
+        _persistent_cache()
+    results: list[Result] = []
+    for job in jobs:
+        if time.perf_counter() - t0 > args.budget:
+            results.append(Result(job, error=f"skipped: past the {args.budget:.0f} s budget"))
+            continue
+        res = run_job(job, job.smoke if args.cpu_smoke else job.argv)
+        results.append(res)
+        print(
+            json.dumps(
+                {
+                    "job": job.name,
+                    "group": job.group,
+                    "s": round(res.seconds, 1),
+                    "code": res.code,
+                    "error": res.error,
+                }
+            ),
+            flush=True,
+        )
+        _write(out, env, results, time.perf_counter() - t0)
+    _write(out, env, results, time.perf_counter() - t0)
+    return 0
+
+
+def _write(out: Path, env: dict, results: list[Result], seconds: float) -> None:
+    doc = {
+        "environment": env,
+        "seconds": round(seconds, 1),
+        "jobs": [
+            {
+                "group": r.job.group,
+                "name": r.job.name,
+                "argv": ["meshlm", *r.job.argv],
+                "seconds": round(r.seconds, 2),
+                "code": r.code,
+                "error": r.error,
+                "output": r.output,
+                "notes": r.notes,
+            }
+            for r in results
+        ],
+    }
+    (out / "chip_report.json").write_text(json.dumps(doc, indent=1))
+    header = f"# Chip report: {env['device_kind']}, {env['date_utc']} UTC, JAX {env['jax']}, {seconds:.0f} s"
+    (out / "chip_report.md").write_text(markdown(results, header))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

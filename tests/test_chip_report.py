@@ -1,0 +1,41 @@
+"""``scripts/chip_report.py`` (every chip figure in one process, docs/benchmarks.md "The chip report"):
+its CPU smoke runs a job in-process through ``meshlm.cli.main``, parses its JSON and writes both files;
+a job that fails is a row with its error line, not the end of the report; off a chip without
+``--cpu-smoke`` it refuses."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("chip_report", ROOT / "scripts" / "chip_report.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_chip_report_cpu_smoke_writes_every_job_and_its_failures(tmp_path):
+    script = _script()
+    out = tmp_path / "report"
+    code = script.main(
+        ["--cpu-smoke", "--out", str(out), "--groups", "plan", "--only", "0.6b remat=full batch=1"]
+    )
+    assert code == 0
+    doc = json.loads((out / "chip_report.json").read_text())
+    (job,) = doc["jobs"]
+    assert job["code"] == 0 and job["error"] is None
+    assert job["output"]["plan"]["compiled"]["peak"] > 0  # the plan's JSON, parsed
+    assert "| plan (cpu) |" in (out / "chip_report.md").read_text()
+    bad = script.Job("plan", "bad", ("plan", "--config", "no-such-model", "--json"))
+    res = script.run_job(bad, bad.argv)
+    assert res.code == 2 and "no-such-model" in res.error and res.output is None
+
+
+def test_chip_report_refuses_off_a_chip(tmp_path, capsys):
+    assert _script().main(["--out", str(tmp_path), "--groups", "plan", "--only", "batch=1"]) == 2
+    assert "no accelerator here" in capsys.readouterr().out
