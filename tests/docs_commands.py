@@ -272,6 +272,18 @@ COMMANDS: dict[str, Run | Shown] = {
         "--steps 10 => --steps 5 --warmup 0",
         expect=('"impls": ["meshlm", "plain"]', '"meshlm/plain"'),
     ),
+    # the chip's attention sweep (docs/benchmarks.md "Choosing --attention auto") on tiny-llama: the same
+    # bench path as the command above, so slow
+    "meshlm bench --config llama-100m --mesh 1x1 --bf16 --attention plain --batch-size 16 --seq-len 512 "
+    "--steps 8 --gen-tokens 0 --peak-n 8192 --impls meshlm --json": run(
+        "llama-100m => tiny-llama",
+        "--batch-size 16 => --batch-size 2",
+        "512 => 32",
+        "8192 => 128",
+        "--steps 8 => --steps 5 --warmup 0",
+        expect=('"compute_dtype": "bfloat16"',),
+        slow="tests/test_docs_tool_commands.py",
+    ),
     # the chip's decode-roofline command (docs/benchmarks.md "Decode: chunks of steps") on tiny-llama: a
     # CPU's generation report has the step's time and no roofline
     "meshlm bench --config llama-100m --mesh 1x1 --batch-size 8 --seq-len 512 --gen-tokens 64 --peak-n 8192 "
