@@ -23,6 +23,7 @@ import contextlib
 import gc
 import io
 import json
+import re
 import sys
 import time
 import traceback
@@ -49,6 +50,7 @@ class Job:
 class Result:
     job: Job
     seconds: float = 0.0
+    compile_seconds: float = 0.0  # XLA compilations in the job (jax_log_compiles), the rest is running
     code: int | None = None
     output: dict | None = None
     error: str | None = None
@@ -114,7 +116,7 @@ def run_job(job: Job, argv: tuple[str, ...]) -> Result:
     res, out, err = Result(job), io.StringIO(), io.StringIO()
     start = time.perf_counter()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _compiles() as compiles:
             res.code = main(list(argv))
     except BaseException as e:  # noqa: BLE001 - a job's failure is a row of the report, not the end of it
         if isinstance(e, KeyboardInterrupt):
@@ -123,6 +125,8 @@ def run_job(job: Job, argv: tuple[str, ...]) -> Result:
         res.error = f"{type(e).__name__}: {e}"[:2000]
         res.notes.append(traceback.format_exc()[-1500:])
     res.seconds = time.perf_counter() - start
+    res.compile_seconds = sum(t for t, _ in compiles)
+    res.notes += [f"compiled {name} in {t:.1f} s" for t, name in sorted(compiles, reverse=True)[:5]]
     lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("{")]
     if lines:
         try:
@@ -133,6 +137,33 @@ def run_job(job: Job, argv: tuple[str, ...]) -> Result:
         res.error = (err.getvalue().strip().splitlines() or ["(no message)"])[-1][:2000]
     _release()
     return res
+
+
+@contextlib.contextmanager
+def _compiles():
+    """Collect (seconds, program) of every XLA compilation inside: where a job's time goes."""
+    import logging
+
+    import jax
+
+    found: list[tuple[float, str]] = []
+    pattern = re.compile(r"Finished XLA compilation of (.+) in ([0-9.]+) sec")
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if m := pattern.search(record.getMessage()):
+                found.append((float(m.group(2)), m.group(1)[:80]))
+
+    handler, logger = Collect(logging.WARNING), logging.getLogger("jax")
+    logger.addHandler(handler)
+    was, logger.propagate = logger.propagate, False  # the lines are data here, not the log's
+    jax.config.update("jax_log_compiles", True)
+    try:
+        yield found
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(handler)
+        logger.propagate = was
 
 
 def _persistent_cache() -> None:
@@ -260,18 +291,8 @@ def _run(jobs: list[Job], args) -> int:
             continue
         res = run_job(job, job.smoke if args.cpu_smoke else job.argv)
         results.append(res)
-        print(
-            json.dumps(
-                {
-                    "job": job.name,
-                    "group": job.group,
-                    "s": round(res.seconds, 1),
-                    "code": res.code,
-                    "error": res.error,
-                }
-            ),
-            flush=True,
-        )
+        line = {"job": job.name, "s": round(res.seconds, 1), "compile_s": round(res.compile_seconds, 1)}
+        print(json.dumps({**line, "code": res.code, "error": res.error}), flush=True)
         _write(out, env, results, time.perf_counter() - t0)
     _write(out, env, results, time.perf_counter() - t0)
     return 0
@@ -287,6 +308,7 @@ def _write(out: Path, env: dict, results: list[Result], seconds: float) -> None:
                 "name": r.job.name,
                 "argv": ["meshlm", *r.job.argv],
                 "seconds": round(r.seconds, 2),
+                "compile_seconds": round(r.compile_seconds, 2),
                 "code": r.code,
                 "error": r.error,
                 "output": r.output,
