@@ -59,7 +59,9 @@ class Range:
 
 
 def _show(x: float | None) -> str:
-    return "" if x is None else f"{x:g}"
+    if x is None:
+        return ""
+    return f"{x:,}" if isinstance(x, int) and abs(x) >= 10**6 else f"{x:g}"  # never 1.67772e+07
 
 
 POSITIVE_INT = Range(int, 1)
@@ -67,3 +69,8 @@ NON_NEGATIVE_INT = Range(int, 0)
 POSITIVE_FLOAT = Range(float, 0, low_open=True)
 NON_NEGATIVE_FLOAT = Range(float, 0)
 PROBABILITY = Range(float, 0, 1, low_open=True)
+# A chat or pair store's row length (``data prepare --chat/--pairs --seq-len``): each row is padded to
+# seq_len + 1 tokens, so a row alone costs (seq_len + 1) x 9 bytes while packing (int64 ids and a mask
+# byte); 2^24 (16,777,216 tokens, 144 MiB a row) is above any model's context (the longest presets and
+# converted families: 1M-10M).
+STORE_SEQ_LEN = Range(int, 1, 2**24, note="tokens per row; no model has a longer context")

@@ -98,6 +98,7 @@ def _from_hf(args, layout) -> dict:
     from meshlm.train.tokenizers import check_vocab
 
     tok = ct.directory_tokenizer(args.from_hf)  # before any weight is read: a bad tokenizer fails fast
+    eos = ct.hf_eos_ids(Path(args.from_hf))  # and a broken generation_config.json
     cfg, flat = load_hf(args.from_hf)
     if tok is not None:
         check_vocab(cfg, tok, f"the model in {args.from_hf}")
@@ -106,7 +107,6 @@ def _from_hf(args, layout) -> dict:
     placed = {path: put_global(value, targets[path].sharding) for path, value in flat.items()}
     with _owned(args.out):  # the tokenizer is written into --out too: only once it is ours
         meta = {"converted_from": str(Path(args.from_hf).absolute()), "tokenizer": ct.entry(args.out, tok)}
-        eos = ct.hf_eos_ids(Path(args.from_hf))
         if eos:
             meta[ct.EOS_KEY] = eos  # generate stops at any of them, as transformers' generate does
         save_model(args.out, cfg, unflatten(placed), meta=meta)

@@ -24,23 +24,46 @@ def directory_tokenizer(directory: str | Path):
 
 def hf_eos_ids(directory: Path) -> list[int]:
     """The ids ``generate(do_sample=False)`` stops at: generation_config.json's eos_token_id, else
-    config.json's; an int or a list (Llama 3 Instruct: three). [] where neither names one."""
+    config.json's; an int or a list (Llama 3 Instruct: three). [] where neither names one. A
+    generation_config.json that cannot be read is an error naming it (it is carried with the model)."""
     for name in ("generation_config.json", "config.json"):
         path = directory / name
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError:  # absent or unreadable: config.json's own errors were reported by load_hf
+        if not path.is_file():
             continue
-        if ids := _eos_ids(text, path):
+        if name == "config.json":  # its own errors are reported by load_hf
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+        else:
+            text = _readable(path)
+        if ids := _eos_ids(text, path, strict=name != "config.json"):
             return ids
     return []
 
 
-def _eos_ids(text: str, where) -> list[int]:
+def _readable(path: Path) -> str:
     try:
-        eos = json.loads(text).get("eos_token_id")
-    except (ValueError, AttributeError):
-        return []
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            f"{path} cannot be read ({getattr(e, 'strerror', None) or e}); restore it, or remove it to "
+            "go without it"
+        ) from None
+
+
+def _eos_ids(text: str, where, strict: bool = False) -> list[int]:
+    """The eos_token_id of a config's ``text``; ``strict``: JSON that is not an object is an error."""
+    try:
+        config = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        config = e
+    if not isinstance(config, dict):
+        if not strict:
+            return []
+        found = f"not valid JSON ({config})" if isinstance(config, Exception) else "not a JSON object"
+        raise ConfigError(f"{where} is {found}; restore it, or remove it to go without it")
+    eos = config.get("eos_token_id")
     ids = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
     if eos is None:
         return []

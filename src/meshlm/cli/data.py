@@ -17,7 +17,7 @@ from pathlib import Path
 from meshlm.cli.common import arg_type, non_negative_int, positive_int
 from meshlm.data.chat import TRAIN_ON
 from meshlm.data.chat_store import OVERLONG
-from meshlm.ranges import Range
+from meshlm.ranges import STORE_SEQ_LEN, Range
 
 VAL_FRACTION = Range(float, 0.0, 1.0, low_open=True, high_open=True)  # data.sources.check_fraction's
 
@@ -78,7 +78,7 @@ def add_parser(sub) -> None:
     )
     c.add_argument(
         "--seq-len",
-        type=positive_int,
+        type=arg_type(STORE_SEQ_LEN),
         default=None,
         help="--chat, --pairs: tokens per row (train's --seq-len)",
     )

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshlm.data.hf_tokenizer import HFTokenizer
+from meshlm.data.hf_tokenizer import HFTokenizer, read_json_object
 from meshlm.data.record_check import what
 from meshlm.errors import DataError
 
@@ -49,7 +49,7 @@ def template_source(directory: str | Path, override: str | Path | None = None) -
     directory = Path(directory)
     config = {}
     if (directory / "tokenizer_config.json").is_file():
-        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+        config = read_json_object(directory / "tokenizer_config.json")
     specials = {k: v for k in SPECIAL_NAMES if (v := _special(config.get(k))) is not None}
     if override is not None:
         path = Path(override)

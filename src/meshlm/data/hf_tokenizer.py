@@ -48,12 +48,43 @@ def _first_line(err: Exception) -> str:
     return text[0] if text else type(err).__name__
 
 
-def _eos_from_config(path: Path) -> str | None:
-    """``eos_token`` of a tokenizer_config.json next to ``path``, if there is a readable one."""
+def json_object(text: str, path) -> dict:
+    """A tokenizer's JSON companion (tokenizer_config.json, generation_config.json, ...) as a dict:
+    JSON of anything else is one line naming the file (a tokenizer must not run on half its config)."""
     try:
-        eos = json.loads((path.parent / "tokenizer_config.json").read_text()).get("eos_token")
-    except (OSError, ValueError, AttributeError):
+        value = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise DataError(
+            f"{path} is not valid JSON ({_first_line(e)}); it goes with the tokenizer: restore it, or "
+            "remove it to go without it"
+        ) from None
+    if not isinstance(value, dict):
+        raise DataError(
+            f"{path} holds a JSON {type(value).__name__}, not an object; it goes with the tokenizer: "
+            "restore it, or remove it to go without it"
+        )
+    return value
+
+
+def read_json_object(path: Path) -> dict:
+    """``json_object`` of the file at ``path``, which must be UTF-8 (one line naming it otherwise)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(
+            f"{path} cannot be read ({getattr(e, 'strerror', None) or _first_line(e)}); it goes with the "
+            "tokenizer: restore it, or remove it to go without it"
+        ) from None
+    return json_object(text, path)
+
+
+def _eos_from_config(path: Path) -> str | None:
+    """``eos_token`` of the tokenizer_config.json next to ``path``, if there is one (a damaged one is
+    an error: its EOD is never silently replaced by a guess)."""
+    config = path.parent / "tokenizer_config.json"
+    if not config.is_file():
         return None
+    eos = read_json_object(config).get("eos_token")
     eos = eos.get("content") if isinstance(eos, dict) else eos
     return eos if isinstance(eos, str) else None
 

@@ -36,7 +36,7 @@ from meshlm.data.chat_store import read_records
 from meshlm.data.record_check import SHOWN, Problems, what
 from meshlm.data.records import row_is_val
 from meshlm.data.store import FORMAT as STORE_FORMAT
-from meshlm.data.store import PAIR_FORMAT
+from meshlm.data.store import PAIR_FORMAT, index_format
 from meshlm.errors import DataError
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -117,7 +117,7 @@ def read_pairs(paths) -> list[tuple[str, dict]]:
     problems, out = Problems("records"), []
     for path in map(Path, paths):
         _check_pair_file(path)
-        for where, row in read_records(path, "--objective dpo reads"):
+        for where, row in read_records(path, problems, "--objective dpo reads"):
             problems.seen += 1
             problem = pair_problem(row)
             if problem is None:
@@ -162,12 +162,10 @@ def pair_problem(row) -> str | None:
 def _check_pair_file(path: Path) -> None:
     """A --data path that cannot hold pairs: a missing file, or a token or chat store (its kind named)."""
     if path.is_dir():
-        index = path / "index.json"
-        fmt = json.loads(index.read_text(encoding="utf-8")).get("format") if index.is_file() else None
         kind = {
             STORE_FORMAT: "a token store (`meshlm data prepare`, with --chat a chat store)",
             PAIR_FORMAT: "a pair store: pass it alone as --data (`train --objective dpo --data STORE`)",
-        }.get(fmt, "a directory")
+        }.get(index_format(path), "a directory")
         raise DataError(f"--data {path} is {kind}, not preference pairs; {MAKE_PAIRS}")
     if not path.is_file():
         raise DataError(f"--data {path}: no such file; {MAKE_PAIRS}")

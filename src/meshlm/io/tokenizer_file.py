@@ -21,6 +21,7 @@ This module handles text and JSON only: the tokenizer objects live in ``meshlm.d
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -62,7 +63,26 @@ def read_companions(directory: str | Path, model: bool = True) -> dict[str, str]
                 f"{path} cannot be read ({getattr(e, 'strerror', None) or e}): it goes with the "
                 "tokenizer; restore it, or remove it to go without it"
             ) from e
+        if name.endswith(".json"):
+            _check_json_object(out[name], path)
     return out
+
+
+def _check_json_object(text: str, path: Path) -> None:
+    """A JSON companion is carried only if it is a JSON object: a conversion never copies a file that
+    transformers (or meshlm, on the way back) cannot read."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__}); it "
+            "goes with the tokenizer: restore it, or remove it to go without it"
+        ) from None
+    if not isinstance(value, dict):
+        raise CheckpointError(
+            f"{path} holds a JSON {type(value).__name__}, not an object; it goes with the tokenizer: "
+            "restore it, or remove it to go without it"
+        )
 
 
 def save_tokenizer(directory: str | Path, entry: dict, text: str | None, files: dict | None = None) -> dict:
