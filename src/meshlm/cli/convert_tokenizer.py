@@ -1,5 +1,5 @@
 """The tokenizer every ``meshlm convert`` direction carries: read from a transformers directory, a peft
-directory or a checkpoint with the files it comes with (``meshlm.io.tokenizer_file.COMPANIONS``: the
+directory or a checkpoint with the files it comes with (``meshlm.data.tokenizer_files.COMPANIONS``: the
 chat template, the special tokens, generation_config.json), recorded into a new checkpoint, or written
 out verbatim for transformers and peft. The only place a conversion handles a tokenizer."""
 
@@ -17,7 +17,7 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 def directory_tokenizer(directory: str | Path):
     """A model (or peft) directory's tokenizer.json with its companions (its EOD from
     tokenizer_config.json), or None: the summary line then says that the model takes token ids only."""
-    from meshlm.train.tokenizers import directory_tokenizer as load
+    from meshlm.data.tokenizer_files import directory_tokenizer as load
 
     return load(directory, model=True) if (Path(directory) / "tokenizer.json").is_file() else None
 
@@ -83,7 +83,7 @@ def stop_ids(meta: dict, tok) -> list[int]:
 
 def entry(out: str | Path, tok) -> dict:
     """The tokenizer entry of a new checkpoint at ``out``, its files written there (a collective)."""
-    from meshlm.io.tokenizer_file import NONE_ENTRY
+    from meshlm.data.tokenizer_files import NONE_ENTRY
     from meshlm.train.tokenizers import tokenizer_meta
 
     return tokenizer_meta(out, tok) if tok is not None else dict(NONE_ENTRY)

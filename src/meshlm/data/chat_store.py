@@ -48,7 +48,8 @@ from meshlm.data.store import (
     write_index,
     write_marker,
 )
-from meshlm.data.tokenizer import load_tokenizer
+from meshlm.data.tokenizer import Tokenizer
+from meshlm.data.tokenizer_files import directory_tokenizer
 from meshlm.errors import DataError
 from meshlm.ranges import STORE_SEQ_LEN
 
@@ -154,12 +155,14 @@ def _write_split(out: Path, name: str, packer: Packer, dtype: np.dtype) -> dict:
     }
 
 
-def load_template(tokenizer_dir: str | Path, template_file=None) -> ChatTemplate:
-    """``tokenizer_dir``'s chat template (or ``template_file``) on its tokenizer (bad input fails here)."""
-    tok = load_tokenizer(tokenizer_dir)
+def load_template(tokenizer, template_file=None) -> ChatTemplate:
+    """The chat template of ``tokenizer`` (a Tokenizer with the files it comes with, or a tokenizer
+    directory: ``data.tokenizer_files.directory_tokenizer``), or ``template_file``, compiled on it (bad
+    input fails here)."""
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else directory_tokenizer(tokenizer)
     if tok.kind != "hf":
         raise DataError("--chat needs a Hugging Face tokenizer directory (tokenizer.json), not bytes")
-    text, specials = template_source(Path(tokenizer_dir), template_file)
+    text, specials = template_source(tok, template_file)
     return ChatTemplate(text, tok, specials)
 
 

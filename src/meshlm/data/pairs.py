@@ -68,17 +68,15 @@ class Renderer:
         return np.concatenate([head, tail]), mask
 
 
-def renderer_for(tok, *directories) -> Renderer:
-    """The chat template of the first of ``directories`` (a checkpoint or tokenizer directory) that
-    has one, else plain concatenation (the rule the run's ``data:`` line states)."""
+def renderer_for(tok) -> Renderer:
+    """The chat template ``tok`` comes with (its files: a checkpoint's or a tokenizer directory's), else
+    plain concatenation (the rule the run's ``data:`` line states). A template that is there but does
+    not compile is an error, never a silent switch to concatenation."""
+    from meshlm.data.chat import has_template
     from meshlm.data.chat_store import load_template
 
-    for directory in directories:
-        if directory and Path(directory).is_dir():
-            try:
-                return Renderer(tok, load_template(directory))
-            except DataError:  # no template there (or no HF tokenizer): the next, else plain
-                pass
+    if tok.kind == "hf" and has_template(tok):
+        return Renderer(tok, load_template(tok))
     return Renderer(tok)
 
 

@@ -31,7 +31,7 @@ class Tokenizer:
     eod_id: int  # ends each document in a stream; generation stops on it
     # The files a transformers tokenizer comes with (name -> text: tokenizer_config.json with its chat
     # template and special tokens, chat_template.jinja, ...), carried verbatim wherever it is saved
-    # (``meshlm.io.tokenizer_file.COMPANIONS``); not part of the fingerprint.
+    # (``meshlm.data.tokenizer_files.COMPANIONS``); not part of the fingerprint.
     files: Mapping[str, str] = MappingProxyType({})
 
     def encode(self, text: str) -> np.ndarray:

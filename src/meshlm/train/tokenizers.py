@@ -1,6 +1,6 @@
 """Which tokenizer a run, or a checkpoint, uses: recorded with every checkpoint, found without being told.
 
-A checkpoint carries its tokenizer (``meshlm.io.tokenizer_file``): ``checkpoint_tokenizer`` loads it
+A checkpoint carries its tokenizer (``meshlm.data.tokenizer_files``): ``checkpoint_tokenizer`` loads it
 for ``generate``, ``verify`` and ``convert``. ``run_tokenizer`` picks a training run's: the one its run
 directory or ``--checkpoint`` already has, else ``--tokenizer`` (a tokenizer.json, a directory holding
 one, "bytes", or ``bpe-N``: a byte-level BPE of N ids trained on the run's training split and saved into
@@ -19,17 +19,17 @@ from pathlib import Path
 from meshlm.data.bpe import check_vocab_size, train_bpe
 from meshlm.data.hf_tokenizer import HFTokenizer
 from meshlm.data.tokenizer import BYTES, ByteTokenizer, Tokenizer, load_tokenizer
+from meshlm.data.tokenizer_files import (
+    TOKENIZER_FILE,
+    directory_tokenizer,
+    is_checkpoint,
+    save_tokenizer,
+    tokenizer_from_meta,
+)
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.layout import complete_steps, resolve
 from meshlm.io.model_io import read_config
-from meshlm.io.tokenizer_file import (
-    TOKENIZER_FILE,
-    read_checked_companions,
-    read_companions,
-    read_tokenizer_text,
-    save_tokenizer,
-)
 from meshlm.model.config import ModelConfig
 from meshlm.parallel import distributed
 from meshlm.train.config import from_scratch_tokenizer
@@ -38,33 +38,11 @@ BPE_SPEC = re.compile(r"^bpe-(\d+)$")
 
 
 def tokenizer_meta(directory: str | Path, tok: Tokenizer) -> dict:
-    """Save ``tok`` and the files it comes with into the run directory (unless bytes) and return the
-    checkpoint meta entry."""
-    entry = {"fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size}
-    if isinstance(tok, HFTokenizer):
-        entry["eod_token"] = tok.eod_token
-    return save_tokenizer(directory, entry, tok.to_json(), dict(tok.files))
+    """Save ``tok`` and the files it comes with into the run directory (process 0; unless bytes) and
+    return the checkpoint meta entry."""
+    import jax
 
-
-def tokenizer_from_meta(directory: str | Path, meta: dict, where: str) -> Tokenizer | None:
-    """The checkpoint's tokenizer; None for a model converted without one (it takes ids only)."""
-    entry, text = read_tokenizer_text(directory, meta)
-    if text is None:
-        return ByteTokenizer() if entry["kind"] == "bytes" else None
-    source = f"the tokenizer of checkpoint {where}"
-    tok = HFTokenizer.from_str(text, eod_token=entry.get("eod_token"), source=source)
-    tok.files = read_checked_companions(directory, entry)
-    return tok
-
-
-def directory_tokenizer(spec: str | Path, model: bool = False) -> Tokenizer:
-    """``load_tokenizer(spec)`` with the files next to its tokenizer.json (``COMPANIONS``; ``model``:
-    the model's generation_config.json too, for a model directory's own tokenizer)."""
-    tok = load_tokenizer(spec)
-    if isinstance(tok, HFTokenizer):
-        path = Path(spec)
-        tok.files = read_companions(path if path.is_dir() else path.parent, model=model)
-    return tok
+    return save_tokenizer(directory, tok, write=jax.process_index() == 0)
 
 
 def check_vocab(cfg: ModelConfig, tok: Tokenizer, where: str) -> None:
@@ -92,6 +70,31 @@ def checkpoint_tokenizer(path: str | Path, required: bool = True) -> Tokenizer |
         )
     if tok is not None:
         check_vocab(cfg, tok, f"checkpoint {path}")
+    return tok
+
+
+def tokenizer_at(spec: str | Path | None) -> Tokenizer:
+    """The tokenizer a --tokenizer names, with the files it comes with: a checkpoint's own, each file
+    checked against the SHA-256 its meta records (as --checkpoint's), else ``directory_tokenizer``
+    ("bytes", a tokenizer.json or a directory holding one). Every command's --tokenizer reads this."""
+    if is_checkpoint(spec):
+        return checkpoint_tokenizer(spec)
+    return directory_tokenizer(spec)
+
+
+def checkpoint_or_given(checkpoint: str | Path, spec: str | None) -> Tokenizer | None:
+    """``generate``'s and ``eval``'s tokenizer: the checkpoint's own; --tokenizer (``spec``, read by
+    ``tokenizer_at``) only where it has none, or the same one."""
+    own = checkpoint_tokenizer(checkpoint, required=not spec)
+    if not spec:
+        return own
+    tok = tokenizer_at(spec)
+    if own is not None and own.fingerprint != tok.fingerprint:
+        raise ConfigError(
+            f"--tokenizer {spec} differs from the tokenizer checkpoint {checkpoint} carries "
+            f"({own.describe()}); leave out --tokenizer to use that one"
+        )
+    check_vocab(read_config(checkpoint)[0], tok, f"checkpoint {checkpoint}")
     return tok
 
 
@@ -134,7 +137,7 @@ def _requested(tcfg) -> Tokenizer | None:
         return None
     if match := BPE_SPEC.match(spec):
         return _train_bpe_into(tcfg, int(match.group(1)))
-    return directory_tokenizer(spec) if spec == BYTES or Path(spec).exists() else _no_tokenizer(spec)
+    return tokenizer_at(spec) if spec == BYTES or Path(spec).exists() else _no_tokenizer(spec)
 
 
 def _no_tokenizer(spec: str):

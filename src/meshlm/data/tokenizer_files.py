@@ -15,18 +15,23 @@ generation_config.json) are carried verbatim next to tokenizer.json, each record
 (``read_companions``, ``save_tokenizer``, ``read_checked_companions``), so a chat model converted,
 fine-tuned and exported keeps its template and special tokens.
 
-This module handles text and JSON only: the tokenizer objects live in ``meshlm.data``.
+``directory_tokenizer`` loads a tokenizer.json (or a directory holding one) with the companions next
+to it, each JSON companion checked to be a JSON object; ``tokenizer_from_meta`` a checkpoint's, each
+file checked against the SHA-256 its meta records. Every reader (``data prepare``, ``train``,
+``generate``, ``convert``) takes a tokenizer and its chat template through these two.
+
+This module must not import jax: it runs before the CLI has chosen the devices (the caller says which
+process writes).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
-import jax
-
+from meshlm.data.hf_tokenizer import HFTokenizer, json_object
+from meshlm.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from meshlm.errors import CheckpointError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -64,40 +69,29 @@ def read_companions(directory: str | Path, model: bool = True) -> dict[str, str]
                 "tokenizer; restore it, or remove it to go without it"
             ) from e
         if name.endswith(".json"):
-            _check_json_object(out[name], path)
+            json_object(out[name], path)  # a file transformers (or meshlm) could not read is refused
     return out
 
 
-def _check_json_object(text: str, path: Path) -> None:
-    """A JSON companion is carried only if it is a JSON object: a conversion never copies a file that
-    transformers (or meshlm, on the way back) cannot read."""
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise CheckpointError(
-            f"{path} is not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__}); it "
-            "goes with the tokenizer: restore it, or remove it to go without it"
-        ) from None
-    if not isinstance(value, dict):
-        raise CheckpointError(
-            f"{path} holds a JSON {type(value).__name__}, not an object; it goes with the tokenizer: "
-            "restore it, or remove it to go without it"
-        )
-
-
-def save_tokenizer(directory: str | Path, entry: dict, text: str | None, files: dict | None = None) -> dict:
-    """Write ``text`` as ``directory``/tokenizer.json and ``files`` (companions: name -> text) next to
-    it (process 0, atomically) unless the same file is there; return the meta entry with its ``file``,
-    ``sha256`` and the companions' ``files`` (name -> SHA-256). ``text`` None: the byte entry."""
+def save_tokenizer(directory: str | Path, tok: Tokenizer, write: bool = True) -> dict:
+    """Write ``tok``'s tokenizer.json and the files it comes with (companions: name -> text) into
+    ``directory`` (atomically, where ``write``: process 0 of a job) unless the same file is there;
+    return the checkpoint meta entry with its ``file``, ``sha256`` and the companions' ``files`` (name
+    -> SHA-256). The byte tokenizer: the byte entry."""
+    text = tok.to_json()
     if text is None:
         return dict(BYTES_ENTRY)
-    out = {**entry, "kind": "hf", "file": TOKENIZER_FILE, "sha256": _save(directory, TOKENIZER_FILE, text)}
-    if files:
-        out["files"] = {name: _save(directory, name, files[name]) for name in sorted(files)}
+    entry = {"fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size}
+    if isinstance(tok, HFTokenizer):
+        entry["eod_token"] = tok.eod_token
+    save = lambda name, text: _save(directory, name, text, write)  # noqa: E731
+    out = {**entry, "kind": "hf", "file": TOKENIZER_FILE, "sha256": save(TOKENIZER_FILE, text)}
+    if tok.files:
+        out["files"] = {name: save(name, tok.files[name]) for name in sorted(tok.files)}
     return out
 
 
-def _save(directory: str | Path, name: str, text: str) -> str:
+def _save(directory: str | Path, name: str, text: str, write: bool) -> str:
     """``directory``/``name`` holding ``text`` (written unless the same is there); its SHA-256."""
     if name != TOKENIZER_FILE and name not in COMPANIONS:
         raise CheckpointError(f"{name!r} is not a tokenizer file ({TOKENIZER_FILE}, {', '.join(COMPANIONS)})")
@@ -108,7 +102,7 @@ def _save(directory: str | Path, name: str, text: str) -> str:
             f"{path} already holds a different tokenizer{'' if name == TOKENIZER_FILE else ' file'}; a run "
             "directory has one tokenizer: use a new --out, or the tokenizer it was made with"
         )
-    if not path.exists() and jax.process_index() == 0:
+    if not path.exists() and write:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{name}.tmp-{os.getpid()}")
         tmp.write_text(text, encoding="utf-8")
@@ -168,3 +162,39 @@ def read_checked_companions(directory: str | Path, entry: dict) -> dict[str, str
         name: _read_recorded(directory, Path(directory) / name, d, "tokenizer file")
         for name, d in files.items()
     }
+
+
+def tokenizer_from_meta(directory: str | Path, meta: dict, where: str) -> Tokenizer | None:
+    """The tokenizer a checkpoint's ``meta`` records in run directory ``directory``, its tokenizer.json
+    and companions checked against their SHA-256; None for a model converted without one (it takes
+    ids only)."""
+    entry, text = read_tokenizer_text(directory, meta)
+    if text is None:
+        return ByteTokenizer() if entry["kind"] == "bytes" else None
+    source = f"the tokenizer of checkpoint {where}"
+    tok = HFTokenizer.from_str(text, eod_token=entry.get("eod_token"), source=source)
+    tok.files = read_checked_companions(directory, entry)
+    return tok
+
+
+def directory_tokenizer(spec: str | Path | None, model: bool = False) -> Tokenizer:
+    """``load_tokenizer(spec)`` ("bytes", a tokenizer.json or a directory holding one) with the files
+    next to its tokenizer.json (``COMPANIONS``, each JSON one checked; ``model``: the model's
+    generation_config.json too, for a model directory's own tokenizer)."""
+    tok = load_tokenizer(spec)
+    if isinstance(tok, HFTokenizer):
+        path = Path(spec)
+        tok.files = read_companions(path if path.is_dir() else path.parent, model=model)
+    return tok
+
+
+def is_checkpoint(spec: str | Path | None) -> bool:
+    """Whether ``spec`` names a meshlm checkpoint (a run directory with step directories, or one step's
+    directory): its tokenizer is then read from its meta, each file checked against the SHA-256 recorded
+    there (``train.tokenizers.tokenizer_at``), never as a plain tokenizer directory. Without JAX: by
+    the step directories' names and their ``meta`` item."""
+    if spec is None:
+        return False
+    path = Path(spec)
+    steps = [path] if path.name.isdigit() else sorted(path.iterdir()) if path.is_dir() else []
+    return any(step.name.isdigit() and (step / "meta").is_dir() for step in steps)
