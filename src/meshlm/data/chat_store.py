@@ -166,6 +166,27 @@ def load_template(tokenizer, template_file=None) -> ChatTemplate:
     return ChatTemplate(text, tok, specials)
 
 
+def _nothing_to_train_on(paths, train: Packer, seq_len: int, records: int) -> DataError:
+    """No trained token in the training split: every conversation longer than a row (then --overlong
+    and --seq-len are the fix), or none in the split at all (too few records for the split)."""
+    where = f"--data {' '.join(map(str, paths))}"
+    if train.dropped:
+        return DataError(
+            f"{where}: no conversation left to train on: {train.dropped} of the training split's "
+            f"{train.dropped + train.conversations} are longer than a row of {seq_len + 1} tokens and were "
+            "dropped; pass a larger --seq-len, or --overlong truncate"
+        )
+    if train.conversations:
+        return DataError(
+            f"{where}: the training split's {train.conversations} conversations have no token to train on "
+            "(see --train-on)"
+        )
+    return DataError(
+        f"{where}: no conversation in the training split (its {records} records all hashed to "
+        "validation); pass more records, or a smaller --val-fraction"
+    )
+
+
 def prepare_chat(
     paths,
     template: ChatTemplate,
@@ -185,6 +206,11 @@ def prepare_chat(
     packers = {name: Packer(seq_len + 1, tok.eod_id, overlong) for name in SPLITS}
     problems = Problems("conversations")
     records = read_conversations(paths, train_on)  # every record checked before any is tokenized
+    if not records:  # not "see --overlong": nothing was dropped, there was nothing
+        raise DataError(
+            f"--data {' '.join(map(str, paths))} holds no conversation (no record in it); pass files of "
+            "conversations (`messages`, or `prompt` and `completion`)"
+        )
     problems.seen = len(records)
     for where, messages, key in records:  # the template's own refusals, all found before any write
         try:
@@ -203,9 +229,7 @@ def prepare_chat(
     dtype = store_dtype(tok.vocab_size)
     splits = {name: _write_split(out, name, packers[name], dtype) for name in SPLITS}
     if not splits["train"]["masked_tokens"]:
-        raise DataError(
-            f"--data {' '.join(map(str, paths))}: no conversation left to train on (see --overlong)"
-        )
+        raise _nothing_to_train_on(paths, packers["train"], seq_len, len(records))
     index = {
         "format": FORMAT,
         "tokenizer": tokenizer_entry(tok),
