@@ -89,7 +89,7 @@ def test_from_hf_to_hf_carry_the_files_and_a_changed_one_is_found(model, capsys)
 def test_a_training_run_keeps_them(model):
     """What train does with --checkpoint's tokenizer (``run_tokenizer``, then ``tokenizer_meta`` into
     the run directory): every file kept, and a resumed run reads them back from its own directory."""
-    from meshlm.cli.convert_tokenizer import stop_ids
+    from meshlm.data.tokenizer_files import stop_ids
     from meshlm.train.config import TrainConfig
     from meshlm.train.tokenizers import checkpoint_tokenizer, run_tokenizer, tokenizer_meta
 

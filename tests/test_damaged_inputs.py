@@ -125,14 +125,14 @@ def test_a_dpo_directory_with_a_damaged_index_is_one_line(tmp_path, chatml, caps
 
 
 def test_a_pair_store_index_missing_fields_is_one_line(tmp_path, chatml):
-    from meshlm.data.hf_tokenizer import HFTokenizer
     from meshlm.data.pair_store import load_pair_store
+    from meshlm.data.tokenizer_files import load_tokenizer
     from meshlm.errors import DataError
 
     store = tmp_path / "pairs"
     store.mkdir()
     (store / "index.json").write_text(json.dumps({"format": "meshlm-pair-store-1"}))
-    tok = HFTokenizer.from_file(chatml / "tokenizer.json")
+    tok = load_tokenizer(chatml / "tokenizer.json")
     with pytest.raises(DataError, match=r"its index.json lacks or mangles a field \(KeyError"):
         load_pair_store(store, tok, 64)
 

@@ -119,7 +119,7 @@ def _stop_ids(args, tok):
     """The model's own EOS ids where a conversion recorded them, or its carried generation_config.json
     names them (Llama 3: any of several ends the text, as in transformers' generate), else (or if
     none is in the vocabulary) the tokenizer's end-of-document id."""
-    from meshlm.cli.convert_tokenizer import stop_ids
+    from meshlm.data.tokenizer_files import stop_ids
     from meshlm.io.model_io import read_config
 
     cfg, meta = read_config(args.checkpoint)

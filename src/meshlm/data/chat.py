@@ -27,14 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
-from meshlm.data.hf_tokenizer import HFTokenizer, json_object
+from meshlm.data.hf_tokenizer import HFTokenizer
 from meshlm.data.record_check import what
+from meshlm.data.tokenizer_files import chat_template_of, tokenizer_config
 from meshlm.errors import DataError
 
 TRAIN_ON = ("assistant", "all", "last")  # which tokens a conversation trains on (``--train-on``)
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 GEN, END = "\x00gen\x00", "\x00end\x00"  # around a generation block's output while rendering
-CONFIG = "tokenizer_config.json"
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -46,42 +46,21 @@ def _special(value) -> str | None:
 def template_source(tok, override: str | Path | None = None) -> tuple[str, dict]:
     """(the chat template text, the special tokens it sees) of a tokenizer and the files it comes with
     (``tok.files``: read by ``data.tokenizer_files``, so a checkpoint's are checked against the SHA-256
-    its meta records): ``override`` (a .jinja file), else its chat_template.jinja, else
-    tokenizer_config.json's ``chat_template`` (a string, or named templates: "default")."""
-    config = _config(tok)
+    its meta records): ``override`` (a .jinja file), else its own (``tokenizer_files.chat_template_of``)."""
+    config = tokenizer_config(tok)
     specials = {k: v for k in SPECIAL_NAMES if (v := _special(config.get(k))) is not None}
     if override is not None:
         path = Path(override)
         if not path.is_file():
             raise DataError(f"--chat-template {override}: no such file; pass a Jinja chat template file")
         return path.read_text(encoding="utf-8"), specials
-    template = _own_template(tok)
+    template = chat_template_of(tok.files)
     if template is None:
         raise DataError(
             f"the {getattr(tok, 'source', 'tokenizer')} has no chat template (no chat_template.jinja, no "
             "chat_template in tokenizer_config.json); pass one with --chat-template FILE"
         )
     return template, specials
-
-
-def _config(tok) -> dict:
-    files = tok.files
-    return json_object(files[CONFIG], CONFIG) if CONFIG in files else {}
-
-
-def _own_template(tok) -> str | None:
-    """The chat template ``tok`` comes with: its chat_template.jinja, else tokenizer_config.json's."""
-    if "chat_template.jinja" in tok.files:
-        return tok.files["chat_template.jinja"]
-    template = _config(tok).get("chat_template")
-    if isinstance(template, list):  # named templates, as transformers saves several
-        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
-    return template if isinstance(template, str) and template else None
-
-
-def has_template(tok) -> bool:
-    """Whether ``tok`` comes with a chat template of its own."""
-    return _own_template(tok) is not None
 
 
 class ChatTemplate:

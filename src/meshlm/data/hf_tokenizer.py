@@ -1,7 +1,8 @@
 """A Hugging Face ``tokenizers`` tokenizer (a tokenizer.json) behind meshlm's ``Tokenizer`` interface.
 
 The end-of-document id is one of the tokenizer's special tokens: the one named when it is made (from
-checkpoint metadata, or ``eos_token`` in a tokenizer_config.json next to the file), else the first of
+checkpoint metadata, or ``eos_token`` in a tokenizer_config.json next to the file: read by
+``data.tokenizer_files``), else the first of
 ``EOD_NAMES`` it has. ``token_bytes`` is exact for byte-level BPE (each vocabulary entry maps back to
 its bytes) and for SentencePiece-style byte fallback (``<0xNN>`` is one byte); otherwise it is the
 UTF-8 length of the id's decoded text. Special tokens count 0 bytes, except EOD, which counts 1 like
@@ -48,47 +49,6 @@ def _first_line(err: Exception) -> str:
     return text[0] if text else type(err).__name__
 
 
-def json_object(text: str, path) -> dict:
-    """A tokenizer's JSON companion (tokenizer_config.json, generation_config.json, ...) as a dict:
-    JSON of anything else is one line naming the file (a tokenizer must not run on half its config)."""
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise DataError(
-            f"{path} is not valid JSON ({_first_line(e)}); it goes with the tokenizer: restore it, or "
-            "remove it to go without it"
-        ) from None
-    if not isinstance(value, dict):
-        raise DataError(
-            f"{path} holds a JSON {type(value).__name__}, not an object; it goes with the tokenizer: "
-            "restore it, or remove it to go without it"
-        )
-    return value
-
-
-def read_json_object(path: Path) -> dict:
-    """``json_object`` of the file at ``path``, which must be UTF-8 (one line naming it otherwise)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(
-            f"{path} cannot be read ({getattr(e, 'strerror', None) or _first_line(e)}); it goes with the "
-            "tokenizer: restore it, or remove it to go without it"
-        ) from None
-    return json_object(text, path)
-
-
-def _eos_from_config(path: Path) -> str | None:
-    """``eos_token`` of the tokenizer_config.json next to ``path``, if there is one (a damaged one is
-    an error: its EOD is never silently replaced by a guess)."""
-    config = path.parent / "tokenizer_config.json"
-    if not config.is_file():
-        return None
-    eos = read_json_object(config).get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    return eos if isinstance(eos, str) else None
-
-
 class HFTokenizer(Tokenizer):
     """A ``tokenizers.Tokenizer`` with a chosen end-of-document special token."""
 
@@ -119,7 +79,7 @@ class HFTokenizer(Tokenizer):
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise DataError(f"cannot read tokenizer {path}: {_first_line(e)}") from e
-        return cls.from_str(text, eod_token=eod_token or _eos_from_config(path), source=f"tokenizer {path}")
+        return cls.from_str(text, eod_token=eod_token, source=f"tokenizer {path}")
 
     @classmethod
     def from_str(cls, text: str, eod_token: str | None = None, source: str = "tokenizer") -> HFTokenizer:

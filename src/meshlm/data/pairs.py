@@ -72,10 +72,10 @@ def renderer_for(tok) -> Renderer:
     """The chat template ``tok`` comes with (its files: a checkpoint's or a tokenizer directory's), else
     plain concatenation (the rule the run's ``data:`` line states). A template that is there but does
     not compile is an error, never a silent switch to concatenation."""
-    from meshlm.data.chat import has_template
     from meshlm.data.chat_store import load_template
+    from meshlm.data.tokenizer_files import chat_template_of
 
-    if tok.kind == "hf" and has_template(tok):
+    if tok.kind == "hf" and chat_template_of(tok.files) is not None:
         return Renderer(tok, load_template(tok))
     return Renderer(tok)
 

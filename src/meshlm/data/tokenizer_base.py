@@ -1,5 +1,5 @@
 """The tokenizer interface every data and generation path uses (``Tokenizer``), below both of its
-implementations: ``data.tokenizer`` (the byte tokenizer, ``load_tokenizer``) and ``data.hf_tokenizer``
+implementations: ``data.tokenizer`` (the byte tokenizer) and ``data.hf_tokenizer``
 (a tokenizer.json) import it, and it imports neither, so neither imports the other back.
 
 This module must not import jax: it runs before the CLI has chosen the devices.

@@ -6,6 +6,11 @@ directory or ``--checkpoint`` already has, else ``--tokenizer`` (a tokenizer.jso
 one, "bytes", or ``bpe-N``: a byte-level BPE of N ids trained on the run's training split and saved into
 the run directory), else ``bpe-1024`` when training on the embedded stdlib corpus (the main job's
 default), else bytes. From scratch the tokenizer sets the model's ``vocab_size``.
+
+The file work (finding, reading, checking and carrying a tokenizer with its companions) is
+``data.tokenizer_files``'; this module adds what needs a checkpoint's metadata or the model: which
+tokenizer a command uses (``tokenizer_at``, ``checkpoint_or_given``, ``lora_input``), saving it into a
+run directory on process 0 (``tokenizer_meta``), and the vocabulary check.
 """
 
 from __future__ import annotations
@@ -18,11 +23,15 @@ from pathlib import Path
 
 from meshlm.data.bpe import check_vocab_size, train_bpe
 from meshlm.data.hf_tokenizer import HFTokenizer
-from meshlm.data.tokenizer import BYTES, ByteTokenizer, Tokenizer, load_tokenizer
+from meshlm.data.tokenizer import BYTES, ByteTokenizer, Tokenizer
 from meshlm.data.tokenizer_files import (
+    EOS_KEY,
+    NONE_ENTRY,
     TOKENIZER_FILE,
     directory_tokenizer,
     is_checkpoint,
+    load_tokenizer,
+    model_tokenizer,
     save_tokenizer,
     tokenizer_from_meta,
 )
@@ -37,11 +46,13 @@ from meshlm.train.config import from_scratch_tokenizer
 BPE_SPEC = re.compile(r"^bpe-(\d+)$")
 
 
-def tokenizer_meta(directory: str | Path, tok: Tokenizer) -> dict:
+def tokenizer_meta(directory: str | Path, tok: Tokenizer | None) -> dict:
     """Save ``tok`` and the files it comes with into the run directory (process 0; unless bytes) and
-    return the checkpoint meta entry."""
+    return the checkpoint meta entry; None (a model converted without a tokenizer): the "none" entry."""
     import jax
 
+    if tok is None:
+        return dict(NONE_ENTRY)
     return save_tokenizer(directory, tok, write=jax.process_index() == 0)
 
 
@@ -179,3 +190,17 @@ def run_tokenizer(tcfg, cfg: ModelConfig) -> tuple[Tokenizer, ModelConfig]:
     if tcfg.checkpoint:  # from scratch the data's own range check names the ids (bytes on a small preset)
         check_vocab(cfg, tok, f"--checkpoint {tcfg.checkpoint}")
     return tok, cfg
+
+
+def lora_input(path: str | Path, meta: dict, base: str | Path | None):
+    """(tokenizer, EOS ids) for a checkpoint made from a LoRA checkpoint or a peft directory at
+    ``path`` (``meta``: the LoRA checkpoint's, or None for a peft directory): its own where it has one,
+    else its base checkpoint's (``base``)."""
+    if meta is None:
+        tok = model_tokenizer(path)
+    else:
+        tok = checkpoint_tokenizer(path, required=False) if "tokenizer" in meta else None
+    base_meta = read_config(base)[1] if base and Path(base).exists() else {}  # gone: load_model says
+    if tok is None and base_meta:
+        tok = checkpoint_tokenizer(base, required=False)
+    return tok, (meta or {}).get(EOS_KEY) or base_meta.get(EOS_KEY)
