@@ -405,7 +405,7 @@ def test_plain_bf16_computes_in_bf16_on_float32_master_weights():
         (["--config", "small", "--peak-n", "64"], "--peak-n 64 is too small to measure a peak"),
         (["--config", "tiny-llama", "--peak-n", "1"], "use --peak-n 64 or more"),
         (["--config", "tiny-llama", "--gen-tokens", "100000"], "use --gen-tokens 32 or less"),
-        (["--config", "tiny-llama", "--seq-len", "4096"], "is above the model's max_seq_len=64"),
+        (["--config", "tiny-llama", "--seq-len", "4096"], "is above the model's max_seq_len=64 with plain"),
         (["--config", "tiny-llama", "--peak-n", "1000000"], "the peak measurement's matmul holds three"),
     ],
 )
