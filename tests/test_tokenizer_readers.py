@@ -56,10 +56,11 @@ def test_data_prepare_reads_a_checkpoints_tokenizer_checked(checkpoint, tmp_path
     with open(edited / "chat_template.jinja", "a") as f:
         f.write("{{ 'a line the checkpoint never had' }}")
     out = tmp_path / "out"
-    assert run_cli(*_prepare(kind, edited, checkpoint / DATA[kind], out)) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"{edited / 'chat_template.jinja'} {EDITED}" in err[0], err
-    assert not out.exists()
+    for spec in (edited, edited / "tokenizer.json"):  # the run directory, or the file it carries
+        assert run_cli(*_prepare(kind, spec, checkpoint / DATA[kind], out)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{edited / 'chat_template.jinja'} {EDITED}" in err[0], err
+        assert not out.exists()
     assert run_cli(*_prepare(kind, checkpoint / "ck", checkpoint / DATA[kind], out)) == 0  # intact: taken
 
 

@@ -142,9 +142,9 @@ def read_tokenizer(spec):
     """--tokenizer with the files it comes with: a checkpoint's checked against the SHA-256s its meta
     records (``train.tokenizers.tokenizer_at``, as train, generate and convert read it; JAX is imported
     only then), else a tokenizer.json or a directory holding one."""
-    from meshlm.data.tokenizer_files import directory_tokenizer, is_checkpoint
+    from meshlm.data.tokenizer_files import checkpoint_of, directory_tokenizer
 
-    if is_checkpoint(spec):
+    if checkpoint_of(spec) is not None:
         from meshlm.train.tokenizers import tokenizer_at
 
         return tokenizer_at(spec)

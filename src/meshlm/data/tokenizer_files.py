@@ -4,7 +4,7 @@ Finding: ``load_tokenizer`` turns a spec ("bytes", a tokenizer.json, or a direct
 tokenizer, its end-of-document token from the tokenizer_config.json beside it; ``directory_tokenizer``
 adds the companions next to it, ``model_tokenizer`` a model directory's (generation_config.json too),
 ``tokenizer_from_meta`` a checkpoint's. ``train.tokenizers.tokenizer_at`` picks between a checkpoint's
-(``is_checkpoint``) and a directory's for every --tokenizer.
+(``checkpoint_of``) and a directory's for every --tokenizer.
 
 The files a transformers tokenizer comes with (``COMPANIONS``: its tokenizer_config.json with the chat
 template and special tokens, chat_template.jinja, special_tokens_map.json, and the model's
@@ -196,16 +196,19 @@ def directory_tokenizer(spec: str | Path | None, model: bool = False) -> Tokeniz
     return tok
 
 
-def is_checkpoint(spec: str | Path | None) -> bool:
-    """Whether ``spec`` names a meshlm checkpoint (a run directory with step directories, or one step's
-    directory): its tokenizer is then read from its meta, each file checked against the SHA-256 recorded
-    there (``train.tokenizers.tokenizer_at``), never as a plain tokenizer directory. Without JAX: by
-    the step directories' names and their ``meta`` item."""
-    if spec is None:
-        return False
+def checkpoint_of(spec: str | Path | None) -> Path | None:
+    """The meshlm checkpoint ``spec`` names, or None: a run directory with step directories, one step's
+    directory, or the tokenizer.json in a run directory (the file a checkpoint carries). Its tokenizer
+    is then read from its meta, each file checked against the SHA-256 recorded there
+    (``train.tokenizers.tokenizer_at``), never as a plain tokenizer directory. Without JAX: by the step
+    directories' names and their ``meta`` item."""
+    if spec is None or str(spec) == BYTES:
+        return None
     path = Path(spec)
+    if path.name == TOKENIZER_FILE and path.is_file():
+        path = path.parent
     steps = [path] if path.name.isdigit() else sorted(path.iterdir()) if path.is_dir() else []
-    return any(step.name.isdigit() and (step / "meta").is_dir() for step in steps)
+    return path if any(step.name.isdigit() and (step / "meta").is_dir() for step in steps) else None
 
 
 # ---------------------------------------------------------------- finding: specs, directories, configs

@@ -28,8 +28,8 @@ from meshlm.data.tokenizer_files import (
     EOS_KEY,
     NONE_ENTRY,
     TOKENIZER_FILE,
+    checkpoint_of,
     directory_tokenizer,
-    is_checkpoint,
     load_tokenizer,
     model_tokenizer,
     save_tokenizer,
@@ -88,8 +88,8 @@ def tokenizer_at(spec: str | Path | None) -> Tokenizer:
     """The tokenizer a --tokenizer names, with the files it comes with: a checkpoint's own, each file
     checked against the SHA-256 its meta records (as --checkpoint's), else ``directory_tokenizer``
     ("bytes", a tokenizer.json or a directory holding one). Every command's --tokenizer reads this."""
-    if is_checkpoint(spec):
-        return checkpoint_tokenizer(spec)
+    if (checkpoint := checkpoint_of(spec)) is not None:
+        return checkpoint_tokenizer(checkpoint)
     return directory_tokenizer(spec)
 
 
