@@ -25,7 +25,8 @@ BAD_FLAGS = [
     ("train --eval-every -1", "--eval-every", "must be an integer >= 0 (0: only at the end), got -1"),
     ("train --save-every -1", "--save-every", "must be an integer >= 0 (0: only at the end), got -1"),
     ("train --sample-tokens -1", "--sample-tokens", "must be an integer >= 0 (0: none), got -1"),
-    ("train --seq-len -1", "--seq-len", "must be an integer >= 0 (0: the preset's default), got -1"),
+    ("train --seq-len -1", "--seq-len", "must be an integer in [0, 16,777,216] (0: the preset's default; no"),
+    ("train --seq-len 1000000000000", "--seq-len", "must be an integer in [0, 16,777,216] (0: the preset"),
     ("train --steps 0", "--steps", "must be an integer >= 1, got 0"),
     ("train --steps abc", "--steps", "must be an integer >= 1, got 'abc'"),
     ("train --seed -1", "--seed", "must be an integer >= 0, got -1"),
@@ -141,7 +142,7 @@ BAD_TRAIN_CONFIGS = [
     ({"eval_every": -1}, "eval_every must be an integer >= 0 (0: only at the end), got -1"),
     ({"save_every": -1}, "save_every must be an integer >= 0 (0: only at the end), got -1"),
     ({"sample_tokens": -1}, "sample_tokens must be an integer >= 0 (0: none), got -1"),
-    ({"seq_len": -1}, "seq_len must be an integer >= 0 (0: the preset's default), got -1"),
+    ({"seq_len": -1}, "seq_len must be an integer in [0, 16,777,216] (0: the preset's default; no model"),
     ({"steps": 0}, "steps must be an integer >= 1, got 0 (the default is --steps 280)"),
     ({"steps": 2.5}, "steps must be an integer >= 1, got 2.5"),
     ({"batch_size": 0}, "batch_size must be an integer >= 1, got 0"),
@@ -175,5 +176,5 @@ def test_bench_settings_reject_negative_gen_tokens_and_peak_n():
     with pytest.raises(ConfigError, match="--gen-tokens must be >= 0"):
         BenchSettings(seq_len=8, gen_new_tokens=-1).check(get_config("tiny-llama"), Layout(dp=2))
     # Refused before the implementations are built or compiled.
-    with pytest.raises(ConfigError, match="--peak-n must be >= 1"):
+    with pytest.raises(ConfigError, match="--peak-n 0 is too small to measure a peak"):
         run_bench(get_config("tiny-llama"), "tiny-llama", make_mesh(2, 2), BenchSettings(seq_len=8), peak_n=0)

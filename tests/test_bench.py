@@ -3,6 +3,7 @@ collective counter. No timing assertions: the machine is shared and noisy."""
 
 import json
 import math
+import re
 
 import jax
 import pytest
@@ -393,3 +394,48 @@ def test_plain_bf16_computes_in_bf16_on_float32_master_weights():
     assert dots and all("bf16" in line for line in dots)
     new_params, new_opt, _ = jax.eval_shape(step, params, opt.init(params), batch)
     assert {x.dtype for x in jax.tree.leaves((new_params, new_opt)) if x.ndim} == {jnp.dtype("float32")}
+
+
+# ---------------------------------------------------------------- figures that cannot be true (issue 66, 4)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--config", "small", "--peak-n", "64"], "--peak-n 64 is too small to measure a peak"),
+        (["--config", "tiny-llama", "--peak-n", "1"], "use --peak-n 64 or more"),
+        (["--config", "tiny-llama", "--gen-tokens", "100000"], "use --gen-tokens 32 or less"),
+        (["--config", "tiny-llama", "--seq-len", "4096"], "is above the model's max_seq_len=64 with plain"),
+        (["--config", "tiny-llama", "--peak-n", "1000000"], "the peak measurement's matmul holds three"),
+    ],
+)
+def test_a_figure_that_cannot_be_true_is_refused_before_any_work(argv, words, capsys, monkeypatch):
+    """--peak-n too small to measure (MFU 20,730), --gen-tokens past the context (silently cut before),
+    --seq-len 4096 on a 64-token preset (ran until killed), a peak matmul larger than memory (an
+    out-of-memory line that blamed the model): one line each, before anything is built."""
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("refused after the implementations were built")
+
+    monkeypatch.setattr("meshlm.perf.bench.build_impls", too_late)
+    assert run_cli("bench", *argv, "--mesh", "1x1") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("meshlm: error: ") and words in err, err
+    assert "out of memory" not in err
+
+
+def test_an_mfu_above_one_is_never_printed_as_a_measurement(capsys, monkeypatch):
+    """A peak measured too low (here: planted, 1 kFLOP/s) makes every step "faster than the peak": the
+    MFU column shows "-" and the report says why and what to do, in the text and the JSON."""
+    import meshlm.perf.bench as bench
+
+    monkeypatch.setattr(bench, "matmul_peak_flops", lambda dtype, n, repeats: 1e3)
+    argv = ["--config", "tiny-llama", "--mesh", "1x1", "--impls", "meshlm", "--batch-size", "1"]
+    argv += ["--seq-len", "8", "--gen-tokens", "0", "--warmup", "0", "--peak-n", "64"]
+    assert run_cli("bench", *argv) == 0
+    text = capsys.readouterr().out
+    row = next(line for line in text.splitlines() if re.match(r"meshlm +[0-9]", line))
+    assert row.split()[5] == "-", row  # the MFU column
+    assert "MFU over the measured peak not shown: a step ran faster than the --peak-n 64 matmul" in text
+    report = _bench_json([*argv, "--json"], capsys)
+    assert report["results"][0]["mfu"] is None and "raise --peak-n" in report["mfu_note"]

@@ -93,14 +93,14 @@ def test_train_on_last_and_all(dirs):
 def test_template_without_findable_spans_is_one_error(dirs):
     """A template that renders earlier turns differently once more follow (here: numbering turns from
     the end) has no prefix spans: a clear error naming the fix, never a mask of all ones."""
-    from meshlm.data.hf_tokenizer import HFTokenizer
+    from meshlm.data.tokenizer_files import load_tokenizer
 
     text = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ messages|length - loop.index }}\n"
         "{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant 0\n{% endif %}"
     )
-    tok = HFTokenizer.from_file(dirs["chatml"] / "tokenizer.json")
+    tok = load_tokenizer(dirs["chatml"] / "tokenizer.json")
     with pytest.raises(DataError, match="generation %}.*--train-on all"):
         ChatTemplate(text, tok).encode(conversation(rows()[0], "row"))
     with pytest.raises(DataError, match="no assistant turn"):

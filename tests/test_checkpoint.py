@@ -373,3 +373,23 @@ def test_fingerprint_ignores_sharding_but_not_bits():
     swapped = x.copy()
     swapped[[0, 1]] = swapped[[1, 0]]
     assert tuple(np.asarray(_fingerprint(swapped))) not in prints
+
+
+@pytest.mark.parametrize("where", ["root", "process"])
+def test_an_emptied_manifest_refuses_the_step_and_resume_falls_back(tmp_path, where):
+    """A zero-length manifest.ocdbt in the newest step (issue 66, item 5): the root's fails to decode;
+    a process's own restored unnoticed (orbax reads through the root index). Both refuse the step,
+    naming the file, and a resume sets it aside and continues from the step before, bit for bit."""
+    mesh = make_mesh(2, 2)
+    with saved(tmp_path) as ckpt:
+        state = ckpt.step_dir(2) / "state"
+        manifest = (
+            state / "manifest.ocdbt" if where == "root" else state / "ocdbt.process_0" / "manifest.ocdbt"
+        )
+        manifest.write_bytes(b"")
+        with pytest.raises(CheckpointError, match=f"{manifest}"):
+            ckpt.restore(abstract(mesh), step=2)
+        with pytest.warns(UserWarning, match="moved .* aside .*: corrupt"):
+            restored, _, step = ckpt.resume(abstract(mesh))
+        assert step == 1
+        assert_bitwise(restored, host_state(1), mesh)

@@ -16,9 +16,9 @@ import pytest
 from helpers import run_cli, save_lora_run
 
 from meshlm.data.bpe import train_bpe
+from meshlm.data.tokenizer_files import COMPANIONS
 from meshlm.io import hf_weights
 from meshlm.io.model_io import load_model
-from meshlm.io.tokenizer_file import COMPANIONS
 from meshlm.model.config import get_config
 from meshlm.model.params import flat_params
 from meshlm.train.step import init_model
@@ -89,7 +89,7 @@ def test_from_hf_to_hf_carry_the_files_and_a_changed_one_is_found(model, capsys)
 def test_a_training_run_keeps_them(model):
     """What train does with --checkpoint's tokenizer (``run_tokenizer``, then ``tokenizer_meta`` into
     the run directory): every file kept, and a resumed run reads them back from its own directory."""
-    from meshlm.cli.convert_tokenizer import stop_ids
+    from meshlm.data.tokenizer_files import stop_ids
     from meshlm.train.config import TrainConfig
     from meshlm.train.tokenizers import checkpoint_tokenizer, run_tokenizer, tokenizer_meta
 
@@ -125,7 +125,7 @@ def test_lora_conversions_carry_them_and_to_hf_exports_merged(model, capsys):
         _carried(Path(argv[-1]), tmp / "hf")
     assert "the LoRA adapters merged" in capsys.readouterr().out
     tok = checkpoint_tokenizer(tmp / "merged")  # generate's and DPO's: the BPE and its template, not bytes
-    assert tok.kind == "hf" and "chat template" in renderer_for(tok, str(tmp / "merged")).rule
+    assert tok.kind == "hf" and "chat template" in renderer_for(tok).rule
     _, got = hf_weights.load_hf(tmp / "hf-lora")
     _, merged, _ = load_model(tmp / "merged", mesh)  # W + (alpha / R) A B, by --merge
     want = {k: np.asarray(v) for k, v in flat_params(merged).items()}

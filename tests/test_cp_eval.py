@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from meshlm.data.stream import TokenStream
-from meshlm.data.tokenizer import load_tokenizer
+from meshlm.data.tokenizer_files import load_tokenizer
 from meshlm.model.config import get_config
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import put_global, to_host

@@ -325,11 +325,11 @@ def test_pairs_render_with_a_chat_template_as_user_prompt_and_assistant_completi
     from test_chat_sft import EXAMPLES, chat_tokenizer_dir
 
     from meshlm.data.pairs import renderer_for
-    from meshlm.data.tokenizer import load_tokenizer
+    from meshlm.data.tokenizer_files import directory_tokenizer, load_tokenizer
 
     directory = chat_tokenizer_dir(tmp_path / "tok", (EXAMPLES / "chatml.jinja").read_text())
     tok = load_tokenizer(str(directory))
-    render = renderer_for(tok, directory)
+    render = renderer_for(directory_tokenizer(directory))
     assert render.template is not None and render.rule.startswith("chat template")
     ids, mask = render("The capital of France is", " Paris.")
     assert tok.decode(ids[mask == 1]) == " Paris.<|im_end|>\n"

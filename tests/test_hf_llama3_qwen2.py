@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 import haiku as hk  # noqa: E402
 from helpers import run_cli, sharded_logits  # noqa: E402
 
-from meshlm.data.hf_tokenizer import HFTokenizer  # noqa: E402
+from meshlm.data.tokenizer_files import load_tokenizer  # noqa: E402
 from meshlm.io import hf_weights  # noqa: E402
 from meshlm.model import config as model_config  # noqa: E402
 from meshlm.model.params import unflatten  # noqa: E402
@@ -150,7 +150,7 @@ def test_generation_stops_at_either_eos_id(family):
 
 @pytest.mark.parametrize("family", ["llama3"], indirect=True)
 def test_bos_added_once_never_doubled_never_dropped(family):
-    tok = HFTokenizer.from_file(family["root"] / "hf" / "tokenizer.json")
+    tok = load_tokenizer(family["root"] / "hf" / "tokenizer.json")
     bos = tok.tok.token_to_id(BOS)
     ids = tok.encode_prompt(PROMPT).tolist()
     assert ids == family["ids"] and ids[0] == bos and ids.count(bos) == 1  # as transformers: one BOS

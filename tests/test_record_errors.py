@@ -95,7 +95,7 @@ def test_a_template_refusal_names_the_record(tmp_path, chatml):
     record's FILE:LINE and the template's words, never a Jinja traceback."""
     from meshlm.data.chat import ChatTemplate
     from meshlm.data.chat_store import prepare_chat
-    from meshlm.data.hf_tokenizer import HFTokenizer
+    from meshlm.data.tokenizer_files import load_tokenizer
 
     strict = (
         "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
@@ -103,7 +103,7 @@ def test_a_template_refusal_names_the_record(tmp_path, chatml):
         "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    tok = HFTokenizer.from_file(chatml / "tokenizer.json")
+    tok = load_tokenizer(chatml / "tokenizer.json")
     twice = {"messages": [GOOD["messages"][0], *GOOD["messages"]]}
     data = jsonl(tmp_path / "c.jsonl", [GOOD, GOOD, twice, GOOD])
     with pytest.raises(DataError, match=re.escape(f"{data}:3: the chat template refused the conversation: ")):

@@ -26,7 +26,8 @@ from meshlm.data.store import (
     write_index,
 )
 from meshlm.data.stream import Batcher
-from meshlm.data.tokenizer import ByteTokenizer, load_tokenizer
+from meshlm.data.tokenizer import ByteTokenizer
+from meshlm.data.tokenizer_files import load_tokenizer
 from meshlm.errors import DataError
 
 TEXT = "def add(a, b):\n    return a + b  # héllo wörld 日本語 🎉\n"

@@ -16,7 +16,8 @@ from meshlm.data.bpe import train_bpe
 from meshlm.data.corpus import load_splits
 from meshlm.data.hf_tokenizer import EOD_TOKEN, HFTokenizer
 from meshlm.data.stream import Batcher, TokenStream
-from meshlm.data.tokenizer import ByteTokenizer, load_tokenizer, token_dtype
+from meshlm.data.tokenizer import ByteTokenizer, token_dtype
+from meshlm.data.tokenizer_files import load_tokenizer
 from meshlm.errors import DataError
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Thing:\n    pass\n# héllo wörld, ünïcode: 日本語 🎉\n" * 20

@@ -24,6 +24,11 @@ PROGRAM = textwrap.dedent(
     from meshlm.parallel.placement import to_host
 
     sleep, reads = float(sys.argv[1]), int(sys.argv[2])
+    if sys.argv[3:] == ["bar"]:  # a progress bar on stderr, as the train loop draws one
+        from tqdm import tqdm
+
+        bar = tqdm(total=10, desc="train", unit="step", file=sys.stderr)
+        bar.update(1)
     mesh = jax.make_mesh((2,), ("mp",), devices=jax.devices()[:2])
     slow = lambda x: (time.sleep(sleep), x)[1]
     body = lambda x: jax.lax.psum(jax.pure_callback(slow, jax.ShapeDtypeStruct(x.shape, x.dtype), x), "mp")
@@ -37,17 +42,21 @@ PROGRAM = textwrap.dedent(
 )
 
 
-def _run(sleep: float, reads: int, limit: str):
+def _run(sleep: float, reads: int, limit: str, *extra: str):
     env = {**os.environ, watchdog.ENV: limit}
-    argv = [sys.executable, "-c", PROGRAM, str(sleep), str(reads)]
+    argv = [sys.executable, "-c", PROGRAM, str(sleep), str(reads), *extra]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_a_program_that_never_finishes_ends_with_one_line():
-    out = _run(sleep=600, reads=1, limit="1")
+    """The line starts a line of its own below the progress bar (issue 66, item 5: it was glued to the
+    bar's carriage-returned line), and says a step longer than the limit is the other possibility."""
+    out = _run(600, 1, "1", "bar")
     assert out.returncode == watchdog.STALL_EXIT_CODE == 3, out.stderr[-2000:]
-    lines = out.stderr.strip().splitlines()
+    lines = out.stderr.strip().split("\n")  # not splitlines: the bar's carriage returns are not lines
     assert lines[-1].startswith("meshlm: error: the test's step on mesh 1x2 made no progress for 1 s")
+    assert "train:" in lines[-2]  # the bar, ended before the error
+    assert "or one step longer than that" in lines[-1] and "raise it for steps that long" in lines[-1]
     assert f"{watchdog.ENV} sets the limit" in lines[-1] and "Traceback" not in out.stderr
     assert "finished" not in out.stdout
 

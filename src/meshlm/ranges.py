@@ -59,7 +59,9 @@ class Range:
 
 
 def _show(x: float | None) -> str:
-    return "" if x is None else f"{x:g}"
+    if x is None:
+        return ""
+    return f"{x:,}" if isinstance(x, int) and abs(x) >= 10**6 else f"{x:g}"  # never 1.67772e+07
 
 
 POSITIVE_INT = Range(int, 1)
@@ -67,3 +69,10 @@ NON_NEGATIVE_INT = Range(int, 0)
 POSITIVE_FLOAT = Range(float, 0, low_open=True)
 NON_NEGATIVE_FLOAT = Range(float, 0)
 PROBABILITY = Range(float, 0, 1, low_open=True)
+# The longest sequence a run or a store takes: 2^24 (16,777,216 tokens) is above any model's context (the
+# longest presets and converted families: 1M-10M). A row is padded to seq_len + 1 tokens (a chat or pair
+# store's, DPO's pairs from JSONL): --seq-len 1000000000000 was a 7.28 TiB allocation, refused here while
+# parsing instead. Rotary models accept a --seq-len above their max_seq_len (``beyond_max_seq_len``), so
+# the model's own limit does not bound it.
+MAX_SEQ_LEN = 2**24
+STORE_SEQ_LEN = Range(int, 1, MAX_SEQ_LEN, note="tokens per row; no model has a longer context")

@@ -8,9 +8,10 @@ import json
 from pathlib import Path
 
 from meshlm.cli import convert_lora
-from meshlm.cli import convert_tokenizer as ct
 from meshlm.cli.common import add_common, setup
+from meshlm.data import tokenizer_files as tf
 from meshlm.errors import ConfigError
+from meshlm.train import tokenizers as tt
 
 
 def add_parser(sub) -> None:
@@ -97,7 +98,8 @@ def _from_hf(args, layout) -> dict:
     from meshlm.parallel.placement import put_global
     from meshlm.train.tokenizers import check_vocab
 
-    tok = ct.directory_tokenizer(args.from_hf)  # before any weight is read: a bad tokenizer fails fast
+    tok = tf.model_tokenizer(args.from_hf)  # before any weight is read: a bad tokenizer fails fast
+    eos = tf.hf_eos_ids(Path(args.from_hf))  # and a broken generation_config.json
     cfg, flat = load_hf(args.from_hf)
     if tok is not None:
         check_vocab(cfg, tok, f"the model in {args.from_hf}")
@@ -105,12 +107,14 @@ def _from_hf(args, layout) -> dict:
     # put_global copies only each device's own slice, and works multi-process.
     placed = {path: put_global(value, targets[path].sharding) for path, value in flat.items()}
     with _owned(args.out):  # the tokenizer is written into --out too: only once it is ours
-        meta = {"converted_from": str(Path(args.from_hf).absolute()), "tokenizer": ct.entry(args.out, tok)}
-        eos = ct.hf_eos_ids(Path(args.from_hf))
+        meta = {
+            "converted_from": str(Path(args.from_hf).absolute()),
+            "tokenizer": tt.tokenizer_meta(args.out, tok),
+        }
         if eos:
-            meta[ct.EOS_KEY] = eos  # generate stops at any of them, as transformers' generate does
+            meta[tf.EOS_KEY] = eos  # generate stops at any of them, as transformers' generate does
         save_model(args.out, cfg, unflatten(placed), meta=meta)
-    return {**_summary(args.from_hf, args.out, "meshlm checkpoint", cfg, flat), "tokenizer": ct.says(tok)}
+    return {**_summary(args.from_hf, args.out, "meshlm checkpoint", cfg, flat), "tokenizer": tf.says(tok)}
 
 
 def _to_hf(args, layout) -> dict:
@@ -130,7 +134,7 @@ def _to_hf(args, layout) -> dict:
     first, first_meta = read_config(args.to_hf)
     config_to_hf(lora.without_lora(first))  # an unexportable config fails before loading weights
     if first.lora_rank:  # its own tokenizer, else its base's; the base's stop ids
-        tok, base_eos = ct.lora_input(args.to_hf, first_meta, convert_lora.base_path(first_meta))
+        tok, base_eos = tt.lora_input(args.to_hf, first_meta, convert_lora.base_path(first_meta))
     else:
         tok, base_eos = checkpoint_tokenizer(args.to_hf, required=False), None
     cfg, params, step = load_model(args.to_hf, layout)  # a run directory: its newest step that loads
@@ -140,14 +144,14 @@ def _to_hf(args, layout) -> dict:
     directory, asked = resolve(args.to_hf)
     skipped = [s for s in complete_steps(directory) if s > step] if asked is None else []
     flat = {path: to_host(v) for path, v in flat_params(params).items()}  # every process gathers
-    eos = ct.stop_ids(read_config(directory / str(step))[1], tok) or base_eos  # the exported step's meta
+    eos = tf.stop_ids(read_config(directory / str(step))[1], tok) or base_eos  # the exported step's meta
     with _owned(args.out):
         if jax.process_index() == 0:
             save_hf(cfg, flat, args.out)
-            ct.write_export(Path(args.out), tok, cfg, eos)
+            tf.write_export(Path(args.out), tok, cfg, eos)
     fmt = "transformers, the LoRA adapters merged" if adapted else "transformers"
     summary = _summary(args.to_hf, args.out, fmt, cfg, flat)
-    summary |= {"step": step, "skipped_steps": skipped, "tokenizer": ct.says(tok)}
+    summary |= {"step": step, "skipped_steps": skipped, "tokenizer": tf.says(tok)}
     summary["dropped"] = dropped_note(cfg)
     return summary
 

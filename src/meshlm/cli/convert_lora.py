@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshlm.cli import convert_tokenizer as ct
+from meshlm.data import tokenizer_files as tf
 from meshlm.errors import ConfigError
+from meshlm.train import tokenizers as tt
 
 
 def _lora_checkpoint(path: str, flag: str):
@@ -20,6 +21,8 @@ def _lora_checkpoint(path: str, flag: str):
 
 
 def to_peft(args, layout, owned, summary) -> dict:
+    import jax
+
     from meshlm.io.model_io import load_model
     from meshlm.io.peft import to_peft as write
     from meshlm.model import lora
@@ -27,14 +30,15 @@ def to_peft(args, layout, owned, summary) -> dict:
     from meshlm.parallel.placement import to_host
 
     _, meta = _lora_checkpoint(args.to_peft, "--to-peft")
-    tok, _ = ct.lora_input(args.to_peft, meta, base_path(meta))
+    tok, _ = tt.lora_input(args.to_peft, meta, base_path(meta))
     cfg, params, step = load_model(args.to_peft, layout)  # the base too: checked against its fingerprint
     flat = {p: to_host(v) for p, v in flat_params(lora.adapters(params)).items()}
     with owned(args.out):
         write(cfg, flat, args.out)
-        ct.write_export(Path(args.out), tok, cfg, peft=True)  # AutoTokenizer loads it from the adapter's
+        if jax.process_index() == 0:  # AutoTokenizer loads it from the adapter's directory
+            tf.write_export(Path(args.out), tok, cfg, peft=True)
     out = {**summary(args.to_peft, args.out, "peft adapter", cfg, flat), "step": step, "skipped_steps": []}
-    return out | {"tokenizer": ct.says(tok)}
+    return out | {"tokenizer": tf.says(tok)}
 
 
 def merge(args, layout, owned, summary) -> dict:
@@ -42,15 +46,18 @@ def merge(args, layout, owned, summary) -> dict:
     from meshlm.model import lora
 
     cfg, meta = _lora_checkpoint(args.merge, "--merge")
-    tok, eos = ct.lora_input(args.merge, meta, base_path(meta))
+    tok, eos = tt.lora_input(args.merge, meta, base_path(meta))
     cfg, params, step = load_model(args.merge, layout)
     plain = lora.without_lora(cfg)
     merged = lora.merged(cfg, params)
     with owned(args.out):
-        out_meta = {"merged_from": str(Path(args.merge).absolute()), "tokenizer": ct.entry(args.out, tok)}
-        save_model(args.out, plain, merged, meta=out_meta | ({ct.EOS_KEY: eos} if eos else {}))
+        out_meta = {
+            "merged_from": str(Path(args.merge).absolute()),
+            "tokenizer": tt.tokenizer_meta(args.out, tok),
+        }
+        save_model(args.out, plain, merged, meta=out_meta | ({tf.EOS_KEY: eos} if eos else {}))
     return {**summary(args.merge, args.out, "meshlm checkpoint (merged)", plain, _flat(merged)), "step": step,
-            "skipped_steps": [], "tokenizer": ct.says(tok)}  # fmt: skip
+            "skipped_steps": [], "tokenizer": tf.says(tok)}  # fmt: skip
 
 
 def base_path(meta: dict) -> str | None:
@@ -84,7 +91,7 @@ def from_peft(args, layout, owned, summary) -> dict:
     base_cfg, base, _ = load_model(args.base, layout)
     cfg = base_cfg.replace(**read_peft_config(args.from_peft, base_cfg))
     flat = read(args.from_peft, cfg)
-    tok, eos = ct.lora_input(args.from_peft, None, args.base)  # the adapter's own tokenizer, else the base's
+    tok, eos = tt.lora_input(args.from_peft, None, args.base)  # the adapter's own tokenizer, else the base's
     if tok is not None:
         check_vocab(cfg, tok, f"the model of --base {args.base}")
     targets = flat_params(lora.adapters(abstract_params(cfg, layout)))
@@ -92,10 +99,10 @@ def from_peft(args, layout, owned, summary) -> dict:
     meta = {LORA_BASE: base_fingerprint(base), LORA_BASE_PATH: str(Path(args.base).absolute())}
     meta["converted_from"] = str(Path(args.from_peft).absolute())
     with owned(args.out):
-        meta |= {"tokenizer": ct.entry(args.out, tok), **({ct.EOS_KEY: eos} if eos else {})}
+        meta |= {"tokenizer": tt.tokenizer_meta(args.out, tok), **({tf.EOS_KEY: eos} if eos else {})}
         save_model(args.out, cfg, unflatten(placed), meta=meta)
     out = summary(args.from_peft, args.out, "meshlm LoRA checkpoint", cfg, flat)
-    return out | {"tokenizer": ct.says(tok)}
+    return out | {"tokenizer": tf.says(tok)}
 
 
 def _flat(params) -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 from meshlm.cli.common import arg_type, non_negative_int, positive_int
 from meshlm.data.chat import TRAIN_ON
 from meshlm.data.chat_store import OVERLONG
-from meshlm.ranges import Range
+from meshlm.ranges import STORE_SEQ_LEN, Range
 
 VAL_FRACTION = Range(float, 0.0, 1.0, low_open=True, high_open=True)  # data.sources.check_fraction's
 
@@ -78,7 +78,7 @@ def add_parser(sub) -> None:
     )
     c.add_argument(
         "--seq-len",
-        type=positive_int,
+        type=arg_type(STORE_SEQ_LEN),
         default=None,
         help="--chat, --pairs: tokens per row (train's --seq-len)",
     )
@@ -138,10 +138,22 @@ def _applies(kinds) -> str:
     return "applies to " + " and ".join(map(_data, kinds))
 
 
+def read_tokenizer(spec):
+    """--tokenizer with the files it comes with: a checkpoint's checked against the SHA-256s its meta
+    records (``train.tokenizers.tokenizer_at``, as train, generate and convert read it; JAX is imported
+    only then), else a tokenizer.json or a directory holding one."""
+    from meshlm.data.tokenizer_files import checkpoint_of, directory_tokenizer
+
+    if checkpoint_of(spec) is not None:
+        from meshlm.train.tokenizers import tokenizer_at
+
+        return tokenizer_at(spec)
+    return directory_tokenizer(spec)
+
+
 def run(args) -> int:
     from meshlm.data.prepare import check_out, plan, prepare
     from meshlm.data.records import Skipped
-    from meshlm.data.tokenizer import load_tokenizer
     from meshlm.io.run_lock import LOCK_FILE, check_free, lock_new_dir
 
     # Bad input fails before any work: the output, the tokenizer, the corpus. A live prepare's
@@ -153,7 +165,7 @@ def run(args) -> int:
         return run_pairs(args)
     if args.chat:
         return run_chat(args)
-    tok = load_tokenizer(args.tokenizer)
+    tok = read_tokenizer(args.tokenizer)
     plan(args.data, args.val_fraction, args.max_bytes, args.text_field)
     t0 = time.perf_counter()
     made = not Path(args.out).exists()
@@ -224,7 +236,7 @@ def run_chat(args) -> int:
     missing = [p for p in args.data if not Path(p).is_file()]
     if missing:
         raise DataError(f"--data {missing[0]}: no such file; --chat takes conversation files")
-    template = load_template(args.tokenizer, args.chat_template)
+    template = load_template(read_tokenizer(args.tokenizer), args.chat_template)
     t0 = time.perf_counter()
     made = not Path(args.out).exists()
     lock = lock_new_dir(Path(args.out), multi_process=False)
@@ -267,15 +279,13 @@ def run_pairs(args) -> int:
     """``data prepare --pairs`` (``data.pair_store``): bad input fails before work."""
     from meshlm.data.pair_store import prepare_pairs
     from meshlm.data.pairs import renderer_for
-    from meshlm.data.tokenizer import load_tokenizer
     from meshlm.errors import DataError
 
     if args.seq_len is None or not args.data:
         raise DataError(
             "--pairs needs --data (files of pairs) and --seq-len (the --seq-len you will train with)"
         )
-    tok = load_tokenizer(args.tokenizer)
-    render = renderer_for(tok, args.tokenizer)
+    render = renderer_for(read_tokenizer(args.tokenizer))
     index = prepare_pairs(args.data, render, Path(args.out), args.seq_len)
     train, val = (index["splits"][s]["pairs"] for s in ("train", "val"))
     if args.json:

@@ -110,29 +110,16 @@ def _streamer(prompt: str):
 
 def _tokenizer(args):
     """The checkpoint's tokenizer; ``--tokenizer`` only where it has none, or the same one."""
-    from meshlm.data.tokenizer import load_tokenizer
-    from meshlm.errors import ConfigError
-    from meshlm.io.model_io import read_config
-    from meshlm.train.tokenizers import check_vocab, checkpoint_tokenizer
+    from meshlm.train.tokenizers import checkpoint_or_given
 
-    own = checkpoint_tokenizer(args.checkpoint, required=args.tokenizer is None)
-    if args.tokenizer is None:
-        return own
-    tok = load_tokenizer(args.tokenizer)
-    if own is not None and own.fingerprint != tok.fingerprint:
-        raise ConfigError(
-            f"--tokenizer {args.tokenizer} differs from the tokenizer checkpoint {args.checkpoint} "
-            f"carries ({own.describe()}); leave out --tokenizer to use that one"
-        )
-    check_vocab(read_config(args.checkpoint)[0], tok, f"checkpoint {args.checkpoint}")
-    return tok
+    return checkpoint_or_given(args.checkpoint, args.tokenizer)
 
 
 def _stop_ids(args, tok):
     """The model's own EOS ids where a conversion recorded them, or its carried generation_config.json
     names them (Llama 3: any of several ends the text, as in transformers' generate), else (or if
     none is in the vocabulary) the tokenizer's end-of-document id."""
-    from meshlm.cli.convert_tokenizer import stop_ids
+    from meshlm.data.tokenizer_files import stop_ids
     from meshlm.io.model_io import read_config
 
     cfg, meta = read_config(args.checkpoint)

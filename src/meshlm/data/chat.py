@@ -29,6 +29,7 @@ import numpy as np
 
 from meshlm.data.hf_tokenizer import HFTokenizer
 from meshlm.data.record_check import what
+from meshlm.data.tokenizer_files import chat_template_of, tokenizer_config
 from meshlm.errors import DataError
 
 TRAIN_ON = ("assistant", "all", "last")  # which tokens a conversation trains on (``--train-on``)
@@ -42,29 +43,22 @@ def _special(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def template_source(directory: str | Path, override: str | Path | None = None) -> tuple[str, dict]:
-    """(the chat template text, the special tokens it sees) of a tokenizer directory (a transformers
-    model directory or a converted checkpoint): ``override`` (a .jinja file), else DIR/chat_template.jinja,
-    else tokenizer_config.json's ``chat_template`` (a string, or named templates: "default")."""
-    directory = Path(directory)
-    config = {}
-    if (directory / "tokenizer_config.json").is_file():
-        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+def template_source(tok, override: str | Path | None = None) -> tuple[str, dict]:
+    """(the chat template text, the special tokens it sees) of a tokenizer and the files it comes with
+    (``tok.files``: read by ``data.tokenizer_files``, so a checkpoint's are checked against the SHA-256
+    its meta records): ``override`` (a .jinja file), else its own (``tokenizer_files.chat_template_of``)."""
+    config = tokenizer_config(tok)
     specials = {k: v for k in SPECIAL_NAMES if (v := _special(config.get(k))) is not None}
     if override is not None:
         path = Path(override)
         if not path.is_file():
             raise DataError(f"--chat-template {override}: no such file; pass a Jinja chat template file")
         return path.read_text(encoding="utf-8"), specials
-    if (directory / "chat_template.jinja").is_file():
-        return (directory / "chat_template.jinja").read_text(encoding="utf-8"), specials
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates, as transformers saves several
-        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
-    if not isinstance(template, str) or not template:
+    template = chat_template_of(tok.files)
+    if template is None:
         raise DataError(
-            f"{directory} has no chat template (no chat_template.jinja, no chat_template in "
-            "tokenizer_config.json); pass one with --chat-template FILE"
+            f"the {getattr(tok, 'source', 'tokenizer')} has no chat template (no chat_template.jinja, no "
+            "chat_template in tokenizer_config.json); pass one with --chat-template FILE"
         )
     return template, specials
 

@@ -29,7 +29,16 @@ import numpy as np
 
 from meshlm.data.chat import ChatTemplate, conversation_problem, template_source
 from meshlm.data.record_check import Problems
-from meshlm.data.records import ARROW_SUFFIXES, JSONL_SUFFIXES, _jsonl_stream, row_is_val
+from meshlm.data.records import (
+    ARROW_SUFFIXES,
+    JSONL_SUFFIXES,
+    _jsonl_stream,
+    arrow_table,
+    parse_line,
+    read_errors,
+    row_is_val,
+    unreadable,
+)
 from meshlm.data.store import (
     FORMAT,
     SPLITS,
@@ -39,32 +48,39 @@ from meshlm.data.store import (
     write_index,
     write_marker,
 )
-from meshlm.data.tokenizer import load_tokenizer
+from meshlm.data.tokenizer import Tokenizer
+from meshlm.data.tokenizer_files import directory_tokenizer
 from meshlm.errors import DataError
+from meshlm.ranges import STORE_SEQ_LEN
 
 OVERLONG = ("drop", "truncate")
 
 
-def read_records(path: Path, kind: str = "--chat reads"):
-    """(where, record) of each record of a JSONL or Parquet/Arrow file: where is ``FILE:LINE`` (JSONL)
+def read_records(path: Path, problems: Problems, kind: str = "--chat reads"):
+    """(where, record) of each record of a JSONL, Parquet or Arrow file: where is ``FILE:LINE`` (JSONL)
     or ``FILE row N`` (``data.record_check``); a JSONL line may hold any JSON value (the caller checks
-    it). ``kind`` begins the error for a file of another kind ("--chat reads")."""
+    it). A line that is not JSON is added to ``problems`` and reading goes on, so that every bad record
+    is named; a file that cannot be read at all (a damaged .gz, a corrupt Parquet file) is one error
+    naming it. ``kind`` begins the error for a file of another kind ("--chat reads")."""
     name = path.name.lower()
-    if name.endswith(JSONL_SUFFIXES):
+    if not name.endswith(JSONL_SUFFIXES + ARROW_SUFFIXES):
+        raise DataError(f"{kind} .jsonl(.gz/.zst), .parquet or .arrow files of records, not {path}")
+    try:
+        if name.endswith(ARROW_SUFFIXES):
+            yield from ((f"{path} row {i}", row) for i, row in enumerate(arrow_table(path).to_pylist()))
+            return
         with open(path, "rb") as raw, _jsonl_stream(path, raw) as lines:
             for lineno, line in enumerate(lines, 1):
-                if line.strip():
-                    try:
-                        yield f"{path}:{lineno}", json.loads(line)
-                    except ValueError as e:
-                        raise DataError(f"{path}:{lineno}: not JSON ({e}); fix the line") from None
-    elif name.endswith(ARROW_SUFFIXES):
-        import pyarrow.parquet as pq
-
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
-            yield f"{path} row {i}", row
-    else:
-        raise DataError(f"{kind} .jsonl(.gz/.zst), .parquet or .arrow files of records, not {path}")
+                if not line.strip():
+                    continue
+                row, problem = parse_line(line)
+                if problem is None:
+                    yield f"{path}:{lineno}", row
+                else:
+                    problems.seen += 1
+                    problems.add(f"{path}:{lineno}", f"{problem}; fix the line")
+    except read_errors() as e:
+        raise unreadable(path, e) from None
 
 
 def read_conversations(paths, train_on: str) -> list[tuple[str, list[dict], bytes]]:
@@ -72,7 +88,7 @@ def read_conversations(paths, train_on: str) -> list[tuple[str, list[dict], byte
     tokenized: every bad record is found, and named in one error (``record_check.Problems``)."""
     problems, out = Problems("conversations"), []
     for path in map(Path, paths):
-        for where, row in read_records(path):
+        for where, row in read_records(path, problems):
             problems.seen += 1
             messages, problem = conversation_problem(row, train_on)
             if problem is not None:
@@ -139,13 +155,36 @@ def _write_split(out: Path, name: str, packer: Packer, dtype: np.dtype) -> dict:
     }
 
 
-def load_template(tokenizer_dir: str | Path, template_file=None) -> ChatTemplate:
-    """``tokenizer_dir``'s chat template (or ``template_file``) on its tokenizer (bad input fails here)."""
-    tok = load_tokenizer(tokenizer_dir)
+def load_template(tokenizer, template_file=None) -> ChatTemplate:
+    """The chat template of ``tokenizer`` (a Tokenizer with the files it comes with, or a tokenizer
+    directory: ``data.tokenizer_files.directory_tokenizer``), or ``template_file``, compiled on it (bad
+    input fails here)."""
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else directory_tokenizer(tokenizer)
     if tok.kind != "hf":
         raise DataError("--chat needs a Hugging Face tokenizer directory (tokenizer.json), not bytes")
-    text, specials = template_source(Path(tokenizer_dir), template_file)
+    text, specials = template_source(tok, template_file)
     return ChatTemplate(text, tok, specials)
+
+
+def _nothing_to_train_on(paths, train: Packer, seq_len: int, records: int) -> DataError:
+    """No trained token in the training split: every conversation longer than a row (then --overlong
+    and --seq-len are the fix), or none in the split at all (too few records for the split)."""
+    where = f"--data {' '.join(map(str, paths))}"
+    if train.dropped:
+        return DataError(
+            f"{where}: no conversation left to train on: {train.dropped} of the training split's "
+            f"{train.dropped + train.conversations} are longer than a row of {seq_len + 1} tokens and were "
+            "dropped; pass a larger --seq-len, or --overlong truncate"
+        )
+    if train.conversations:
+        return DataError(
+            f"{where}: the training split's {train.conversations} conversations have no token to train on "
+            "(see --train-on)"
+        )
+    return DataError(
+        f"{where}: no conversation in the training split (its {records} records all hashed to "
+        "validation); pass more records, or a smaller --val-fraction"
+    )
 
 
 def prepare_chat(
@@ -161,10 +200,17 @@ def prepare_chat(
     """Write the chat store into the (new or empty) directory ``out``; returns the index."""
     if overlong not in OVERLONG:
         raise DataError(f"--overlong {overlong!r}: choose one of {', '.join(OVERLONG)}")
+    if problem := STORE_SEQ_LEN.problem("--seq-len", seq_len):  # library callers: the CLI checked it
+        raise DataError(problem)
     tok = template.tok
     packers = {name: Packer(seq_len + 1, tok.eod_id, overlong) for name in SPLITS}
     problems = Problems("conversations")
     records = read_conversations(paths, train_on)  # every record checked before any is tokenized
+    if not records:  # not "see --overlong": nothing was dropped, there was nothing
+        raise DataError(
+            f"--data {' '.join(map(str, paths))} holds no conversation (no record in it); pass files of "
+            "conversations (`messages`, or `prompt` and `completion`)"
+        )
     problems.seen = len(records)
     for where, messages, key in records:  # the template's own refusals, all found before any write
         try:
@@ -183,9 +229,7 @@ def prepare_chat(
     dtype = store_dtype(tok.vocab_size)
     splits = {name: _write_split(out, name, packers[name], dtype) for name in SPLITS}
     if not splits["train"]["masked_tokens"]:
-        raise DataError(
-            f"--data {' '.join(map(str, paths))}: no conversation left to train on (see --overlong)"
-        )
+        raise _nothing_to_train_on(paths, packers["train"], seq_len, len(records))
     index = {
         "format": FORMAT,
         "tokenizer": tokenizer_entry(tok),

@@ -1,7 +1,8 @@
 """A Hugging Face ``tokenizers`` tokenizer (a tokenizer.json) behind meshlm's ``Tokenizer`` interface.
 
 The end-of-document id is one of the tokenizer's special tokens: the one named when it is made (from
-checkpoint metadata, or ``eos_token`` in a tokenizer_config.json next to the file), else the first of
+checkpoint metadata, or ``eos_token`` in a tokenizer_config.json next to the file: read by
+``data.tokenizer_files``), else the first of
 ``EOD_NAMES`` it has. ``token_bytes`` is exact for byte-level BPE (each vocabulary entry maps back to
 its bytes) and for SentencePiece-style byte fallback (``<0xNN>`` is one byte); otherwise it is the
 UTF-8 length of the id's decoded text. Special tokens count 0 bytes, except EOD, which counts 1 like
@@ -48,16 +49,6 @@ def _first_line(err: Exception) -> str:
     return text[0] if text else type(err).__name__
 
 
-def _eos_from_config(path: Path) -> str | None:
-    """``eos_token`` of a tokenizer_config.json next to ``path``, if there is a readable one."""
-    try:
-        eos = json.loads((path.parent / "tokenizer_config.json").read_text()).get("eos_token")
-    except (OSError, ValueError, AttributeError):
-        return None
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    return eos if isinstance(eos, str) else None
-
-
 class HFTokenizer(Tokenizer):
     """A ``tokenizers.Tokenizer`` with a chosen end-of-document special token."""
 
@@ -88,7 +79,7 @@ class HFTokenizer(Tokenizer):
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise DataError(f"cannot read tokenizer {path}: {_first_line(e)}") from e
-        return cls.from_str(text, eod_token=eod_token or _eos_from_config(path), source=f"tokenizer {path}")
+        return cls.from_str(text, eod_token=eod_token, source=f"tokenizer {path}")
 
     @classmethod
     def from_str(cls, text: str, eod_token: str | None = None, source: str = "tokenizer") -> HFTokenizer:

@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from meshlm.data.pairs import PairRows, Renderer, encode_pairs, read_pairs
-from meshlm.data.store import PAIR_FORMAT, tokenizer_entry
+from meshlm.data.store import PAIR_FORMAT, index_format, tokenizer_entry
 from meshlm.errors import DataError
+from meshlm.ranges import STORE_SEQ_LEN
 
 FORMAT = PAIR_FORMAT
 INDEX = "index.json"
@@ -28,8 +29,8 @@ SPLITS = ("train", "val")
 
 
 def is_pair_store(path) -> bool:
-    index = Path(path) / INDEX
-    return index.is_file() and json.loads(index.read_text(encoding="utf-8")).get("format") == FORMAT
+    """Whether ``path`` is a pair store (a damaged index.json is one error naming it)."""
+    return Path(path).is_dir() and index_format(path) == FORMAT
 
 
 def _digest(rows: PairRows) -> str:
@@ -40,6 +41,8 @@ def _digest(rows: PairRows) -> str:
 
 def prepare_pairs(paths, render: Renderer, out: Path, seq_len: int) -> dict:
     """Write the store into the (new or empty) directory ``out``; returns the index."""
+    if problem := STORE_SEQ_LEN.problem("--seq-len", seq_len):  # library callers: the CLI checked it
+        raise DataError(problem)
     train, val, dropped = encode_pairs(read_pairs(paths), render, seq_len, render.tok.eod_id)
     out.mkdir(parents=True, exist_ok=True)
     splits = {}
@@ -63,20 +66,32 @@ def prepare_pairs(paths, render: Renderer, out: Path, seq_len: int) -> dict:
 def load_pair_store(path, tok, seq_len: int) -> tuple[PairRows, PairRows, dict]:
     """(train rows, validation rows, index) of the store at ``path``, memory-mapped and checked."""
     path = Path(path)
+    index_format(path)  # UTF-8 JSON of an object, else one line naming it
     index = json.loads((path / INDEX).read_text(encoding="utf-8"))
-    if index["tokenizer"]["fingerprint"] != tok.fingerprint:
+    try:
+        fingerprint, stored_len = index["tokenizer"]["fingerprint"], index["seq_len"]
+        digests = {name: index["splits"][name]["sha256"] for name in SPLITS}
+        _ = (index["dropped"], index["rule"])  # what train's data line reads
+    except (KeyError, TypeError) as e:
+        raise DataError(
+            f"--data {path}: its {INDEX} lacks or mangles a field ({type(e).__name__}: {e}); prepare it again"
+        ) from None
+    if fingerprint != tok.fingerprint:
         raise DataError(
             f"--data {path} was prepared with another tokenizer than the run's ({tok.describe()}); "
             "prepare it with the run's --tokenizer (a --checkpoint's own)"
         )
-    if index["seq_len"] != seq_len:
-        raise DataError(
-            f"--data {path} holds rows of --seq-len {index['seq_len']}; train with that --seq-len"
-        )
+    if stored_len != seq_len:
+        raise DataError(f"--data {path} holds rows of --seq-len {stored_len}; train with that --seq-len")
     rows = []
     for name in SPLITS:
-        split = PairRows(*(np.load(path / f"{name}.{k}.npy", mmap_mode="r") for k in ("tokens", "mask")))
-        if _digest(split) != index["splits"][name]["sha256"]:
+        try:
+            split = PairRows(*(np.load(path / f"{name}.{k}.npy", mmap_mode="r") for k in ("tokens", "mask")))
+        except (OSError, ValueError) as e:
+            raise DataError(
+                f"--data {path}: its {name} arrays cannot be read ({e}); prepare it again"
+            ) from None
+        if _digest(split) != digests[name]:
             raise DataError(f"--data {path}: its {name} arrays do not match index.json; prepare it again")
         rows.append(split)
     return rows[0], rows[1], index

@@ -36,7 +36,7 @@ from meshlm.data.chat_store import read_records
 from meshlm.data.record_check import SHOWN, Problems, what
 from meshlm.data.records import row_is_val
 from meshlm.data.store import FORMAT as STORE_FORMAT
-from meshlm.data.store import PAIR_FORMAT
+from meshlm.data.store import PAIR_FORMAT, index_format
 from meshlm.errors import DataError
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -68,17 +68,15 @@ class Renderer:
         return np.concatenate([head, tail]), mask
 
 
-def renderer_for(tok, *directories) -> Renderer:
-    """The chat template of the first of ``directories`` (a checkpoint or tokenizer directory) that
-    has one, else plain concatenation (the rule the run's ``data:`` line states)."""
+def renderer_for(tok) -> Renderer:
+    """The chat template ``tok`` comes with (its files: a checkpoint's or a tokenizer directory's), else
+    plain concatenation (the rule the run's ``data:`` line states). A template that is there but does
+    not compile is an error, never a silent switch to concatenation."""
     from meshlm.data.chat_store import load_template
+    from meshlm.data.tokenizer_files import chat_template_of
 
-    for directory in directories:
-        if directory and Path(directory).is_dir():
-            try:
-                return Renderer(tok, load_template(directory))
-            except DataError:  # no template there (or no HF tokenizer): the next, else plain
-                pass
+    if tok.kind == "hf" and chat_template_of(tok.files) is not None:
+        return Renderer(tok, load_template(tok))
     return Renderer(tok)
 
 
@@ -117,7 +115,7 @@ def read_pairs(paths) -> list[tuple[str, dict]]:
     problems, out = Problems("records"), []
     for path in map(Path, paths):
         _check_pair_file(path)
-        for where, row in read_records(path, "--objective dpo reads"):
+        for where, row in read_records(path, problems, "--objective dpo reads"):
             problems.seen += 1
             problem = pair_problem(row)
             if problem is None:
@@ -162,12 +160,10 @@ def pair_problem(row) -> str | None:
 def _check_pair_file(path: Path) -> None:
     """A --data path that cannot hold pairs: a missing file, or a token or chat store (its kind named)."""
     if path.is_dir():
-        index = path / "index.json"
-        fmt = json.loads(index.read_text(encoding="utf-8")).get("format") if index.is_file() else None
         kind = {
             STORE_FORMAT: "a token store (`meshlm data prepare`, with --chat a chat store)",
             PAIR_FORMAT: "a pair store: pass it alone as --data (`train --objective dpo --data STORE`)",
-        }.get(fmt, "a directory")
+        }.get(index_format(path), "a directory")
         raise DataError(f"--data {path} is {kind}, not preference pairs; {MAKE_PAIRS}")
     if not path.is_file():
         raise DataError(f"--data {path}: no such file; {MAKE_PAIRS}")

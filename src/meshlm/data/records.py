@@ -113,9 +113,31 @@ def _missing(path: Path, field: str, fields) -> DataError:
     )
 
 
-def _unreadable(path: Path, e: Exception) -> DataError:
+def unreadable(path: Path, e: Exception) -> DataError:
+    """A record file that cannot be read (a damaged or truncated .gz/.zst, a corrupt Parquet or Arrow
+    file), named in one line."""
     why = " ".join(str(e).split()) or type(e).__name__
     return DataError(f"cannot read data file {path} ({why}); fix it or leave it out of the paths")
+
+
+def parse_line(line: bytes) -> tuple[object, str | None]:
+    """(the JSON value of one JSONL line, None), or (None, what is wrong with it): not JSON, or nested
+    deeper than the parser's recursion limit (a RecursionError, never a traceback)."""
+    try:
+        return json.loads(line), None
+    except ValueError as e:
+        return None, f"not JSON ({e})"
+    except RecursionError:
+        return None, "not JSON that can be read (nested deeper than Python's recursion limit)"
+
+
+def read_errors() -> tuple[type[BaseException], ...]:
+    """What reading a damaged record file raises: OSError (gzip's BadGzipFile too), a truncated
+    stream's EOFError, zstandard's and pyarrow's errors."""
+    import pyarrow as pa
+    import zstandard
+
+    return (OSError, EOFError, zstandard.ZstdError, pa.ArrowException)
 
 
 def _jsonl_stream(path: Path, raw):
@@ -133,20 +155,17 @@ def _jsonl_stream(path: Path, raw):
 
 def _jsonl_rows(path: Path, field: str, skipped: Skipped) -> Iterator[tuple[list[bytes], int]]:
     """(documents, compressed bytes read so far) per batch of lines."""
-    import zstandard
-
     batch, first = [], True
     with open(path, "rb") as raw, _jsonl_stream(path, raw) as lines:
         try:
             for lineno, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
-                try:
-                    row = json.loads(line)
-                except ValueError as e:
+                row, problem = parse_line(line)
+                if problem is not None:
                     raise DataError(
-                        f"data file {path} line {lineno} is not JSON ({e}); fix it or leave the file out"
-                    ) from None
+                        f"data file {path} line {lineno} is {problem}; fix it or leave the file out"
+                    )
                 value = row.get(field, _MISSING) if isinstance(row, dict) else _MISSING
                 if first and value is _MISSING:  # the first row sets the schema: a wrong --text-field
                     raise _missing(path, field, row.keys() if isinstance(row, dict) else ())
@@ -155,8 +174,8 @@ def _jsonl_rows(path: Path, field: str, skipped: Skipped) -> Iterator[tuple[list
                 if len(batch) >= BATCH_ROWS:
                     yield batch, raw.tell()
                     batch = []
-        except (OSError, EOFError, zstandard.ZstdError) as e:
-            raise _unreadable(path, e) from None
+        except read_errors() as e:
+            raise unreadable(path, e) from None
         yield batch, raw.tell()
 
 
@@ -213,6 +232,22 @@ def _arrow_batches(path: Path, field: str):
         return (reader.get_batch(i) for i in range(reader.num_record_batches)), source.tell
 
 
+def arrow_table(path: Path):
+    """The whole table of a Parquet file, or of an Arrow IPC file (stream or file format, as
+    ``save_to_disk`` writes its shards): by the file name, as ``_arrow_batches`` reads them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if path.name.lower().endswith(".parquet"):
+        return pq.read_table(path)
+    with pa.memory_map(str(path)) as source:
+        try:
+            return pa.ipc.open_stream(source).read_all()
+        except pa.ArrowInvalid:  # the Arrow IPC file format, not the stream format
+            source.seek(0)
+            return pa.ipc.open_file(source).read_all()
+
+
 def _arrow_rows(path: Path, field: str, skipped: Skipped) -> Iterator[tuple[list[bytes], int]]:
     import pyarrow as pa
 
@@ -225,7 +260,7 @@ def _arrow_rows(path: Path, field: str, skipped: Skipped) -> Iterator[tuple[list
                 skipped["null"] += len(values) - len(docs)
             yield docs, position()
     except (OSError, pa.ArrowException) as e:
-        raise _unreadable(path, e) from None
+        raise unreadable(path, e) from None
 
 
 def read_rows(path: Path, field: str = DEFAULT_FIELD, skipped: Skipped | None = None):

@@ -82,6 +82,28 @@ def is_store(path: str | os.PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / INDEX).is_file()
 
 
+def index_format(directory: str | os.PathLike) -> str | None:
+    """The ``format`` of ``directory``/index.json (a token, chat or pair store), None without one. An
+    index.json that is not UTF-8 JSON of an object is one line naming it (never a traceback)."""
+    path = Path(directory) / INDEX
+    if not path.is_file():
+        return None
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise DataError(
+            f"{path} is not readable JSON ({why}): the store is damaged; re-create it with "
+            "`meshlm data prepare`"
+        ) from None
+    if not isinstance(index, dict):
+        raise DataError(
+            f"{path} holds {type(index).__name__} JSON, not a store's index (an object): the store is "
+            "damaged; re-create it with `meshlm data prepare`"
+        )
+    return index.get("format") if isinstance(index.get("format"), str) else None
+
+
 def looks_like_store(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a token store, complete or not: ``prepare`` writes ``MARKER`` before anything
     else, so a store it never sealed (killed, disk full) is never taken for a directory of text."""

@@ -1,12 +1,12 @@
-"""Tokenizers: the byte tokenizer and ``load_tokenizer``.
+"""Tokenizers: the byte tokenizer.
 
 ``Tokenizer`` (the interface, in ``meshlm.data.tokenizer_base``; re-exported here) is what the rest of
 meshlm sees: ``vocab_size``, ``eod_id`` (the end-of-document id that ends every document in a token
 stream and stops generation), ``encode``/``decode``, ``token_bytes`` (the UTF-8 length of each id's
 text, for bits per byte) and ``fingerprint`` (a stable hash of the tokenizer's definition). Two
 implementations: ``ByteTokenizer`` here (the default) and a Hugging Face ``tokenizers`` one
-(``meshlm.data.hf_tokenizer``). ``load_tokenizer`` turns a spec ("bytes", a tokenizer.json, or a
-directory holding one) into either.
+(``meshlm.data.hf_tokenizer``). ``data.tokenizer_files.load_tokenizer`` turns a spec ("bytes", a
+tokenizer.json, or a directory holding one) into either.
 
 The byte tokenizer: the vocabulary is ``VOCAB_SIZE = 256`` and one token is one byte (which is why
 ``bits_per_byte`` of its loss is just the loss in bits). Id ``EOD = 0``, the NUL byte, ends every
@@ -19,14 +19,11 @@ This module must not import jax: it runs before the CLI has chosen the devices.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable
-from pathlib import Path
 
 import numpy as np
 
 from meshlm.data.tokenizer_base import Tokenizer, token_dtype  # noqa: F401 - token_dtype: re-exported
-from meshlm.errors import DataError
 
 VOCAB_SIZE = 256
 EOD = 0  # end-of-document id: the NUL byte
@@ -90,23 +87,3 @@ class ByteTokenizer(Tokenizer):
 
     def to_json(self) -> None:
         return None
-
-
-def load_tokenizer(spec: str | os.PathLike | Tokenizer | None) -> Tokenizer:
-    """ "bytes" (or None) -> the byte tokenizer; a tokenizer.json or a directory holding one -> the
-    Hugging Face tokenizer. A file that does not load is a one-line ``DataError``."""
-    if isinstance(spec, Tokenizer):
-        return spec
-    if spec is None or str(spec) == BYTES:
-        return ByteTokenizer()
-    from meshlm.data.hf_tokenizer import HFTokenizer
-
-    path = Path(spec)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise DataError(
-            f"tokenizer {spec}: no such file; pass a tokenizer.json, a directory holding one, or "
-            f"'{BYTES}' (make one with `meshlm tokenizer train`)"
-        )
-    return HFTokenizer.from_file(path)

@@ -1,5 +1,5 @@
 """The tokenizer interface every data and generation path uses (``Tokenizer``), below both of its
-implementations: ``data.tokenizer`` (the byte tokenizer, ``load_tokenizer``) and ``data.hf_tokenizer``
+implementations: ``data.tokenizer`` (the byte tokenizer) and ``data.hf_tokenizer``
 (a tokenizer.json) import it, and it imports neither, so neither imports the other back.
 
 This module must not import jax: it runs before the CLI has chosen the devices.
@@ -31,7 +31,7 @@ class Tokenizer:
     eod_id: int  # ends each document in a stream; generation stops on it
     # The files a transformers tokenizer comes with (name -> text: tokenizer_config.json with its chat
     # template and special tokens, chat_template.jinja, ...), carried verbatim wherever it is saved
-    # (``meshlm.io.tokenizer_file.COMPANIONS``); not part of the fingerprint.
+    # (``meshlm.data.tokenizer_files.COMPANIONS``); not part of the fingerprint.
     files: Mapping[str, str] = MappingProxyType({})
 
     def encode(self, text: str) -> np.ndarray:

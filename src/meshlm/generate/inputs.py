@@ -101,6 +101,11 @@ def check_budget(ids: list[np.ndarray], max_new_tokens: int, max_len: int) -> No
     for i, row in enumerate(ids):
         if len(row) > s:
             raise GenerationError(f"prompt {i} has {len(row)} tokens, longer than the context of {s}")
+        if len(row) == s:  # no max_new_tokens fits: never advise one below 1 (refused above)
+            raise GenerationError(
+                f"prompt {i} ({len(row)} tokens) fills the whole context of {s} tokens, leaving no room "
+                "for a new token; use a shorter prompt"
+            )
         if len(row) + max_new_tokens > s:
             raise GenerationError(
                 f"prompt {i} ({len(row)} tokens) + max_new_tokens={max_new_tokens} exceeds the "

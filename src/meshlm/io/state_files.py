@@ -97,6 +97,8 @@ def missing_data(state_dir: Path, wanted: set[str] | None = None) -> str | None:
     enough, else one line naming the first that is not."""
     if not (state_dir / MANIFEST).is_file():
         return f"missing file: {state_dir / MANIFEST} (the index of the arrays; deleted or moved)"
+    if problem := _damaged_process_manifest(state_dir):
+        return problem
     try:
         kv, root = _root(state_dir)
         if root is None:
@@ -113,6 +115,21 @@ def missing_data(state_dir: Path, wanted: set[str] | None = None) -> str | None:
         return str(e)
     except Exception as e:  # a garbled manifest: tensorstore raises ValueError and others
         return f"cannot read the array index in {state_dir}: {error_line(e)}"
+    return None
+
+
+def _damaged_process_manifest(state_dir: Path) -> str | None:
+    """Each process's own OCDBT manifest (``ocdbt.process_<i>/manifest.ocdbt``) must decode too. orbax
+    reads the arrays through the root index, so a zero-length one restores unnoticed; but a step with a
+    damaged file is not trusted (an emptied file says the copy or the disk failed), so it is refused
+    here and a resume falls back past it, as for any damaged file."""
+    for manifest in sorted(state_dir.glob(f"ocdbt.process_*/{MANIFEST}")):
+        try:
+            kv = ts.KvStore.open(manifest.parent.absolute().as_uri() + "/").result()
+            ts.ocdbt.dump(kv).result()
+        except Exception as e:  # tensorstore raises ValueError and others
+            size = manifest.stat().st_size
+            return f"damaged file: {manifest} ({size} bytes: {error_line(e)})"
     return None
 
 

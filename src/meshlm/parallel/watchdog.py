@@ -109,15 +109,28 @@ _WATCH = _Watch()
 
 
 def stalled(name: str, mesh: str, limit_s: float) -> None:
-    """One line, then leave at once: the devices' threads never return, so no teardown would either."""
+    """One line, then leave at once: the devices' threads never return, so no teardown would either.
+    The line starts a line of its own (a progress bar drawn with carriage returns may hold the
+    terminal's), and says both things a read this long can be: a program that never finishes, or a
+    single step longer than the limit."""
     where = f" on mesh {mesh}" if mesh else ""
     sys.stderr.write(
-        f"meshlm: error: {name}{where} made no progress for {limit_s:g} s (a device program that never"
-        f" finishes: its devices wait on each other); stopping ({ENV} sets the limit, 0 turns it off)\n"
+        f"{_line_break()}meshlm: error: {name}{where} made no progress for {limit_s:g} s: no read of its"
+        " output returned (a device program that never finishes, its devices waiting on each other, or"
+        f" one step longer than that); stopping ({ENV} sets the limit: raise it for steps that long, 0"
+        " turns the watch off)\n"
     )
     sys.stderr.flush()
     sys.stdout.flush()
     os._exit(STALL_EXIT_CODE)
+
+
+def _line_break() -> str:
+    """A newline where a live progress bar (tqdm: the train loop's, eval's, data prepare's) holds the
+    line, so the error never reads as the end of the bar."""
+    tqdm = getattr(sys.modules.get("tqdm"), "tqdm", None)
+    bars = list(getattr(tqdm, "_instances", ()) or ())
+    return "\n" if any(not getattr(bar, "disable", True) for bar in bars) else ""
 
 
 @contextmanager

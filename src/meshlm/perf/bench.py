@@ -47,6 +47,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from meshlm.errors import ConfigError
 from meshlm.generate.generator import bench_generation
 from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import param_shapes
@@ -265,7 +266,7 @@ def impl_result(impl: Impl, seconds: list[float], flops: float, tokens: int, pea
         "step_s_max": max(seconds),
         "step_s": seconds,  # every timed repetition, in order (repetition i of each impl ran together)
         "tokens_per_s": tokens / median,
-        "mfu": flops / median / peaks["measured"],
+        "mfu": _measured_mfu(flops / median / peaks["measured"]),
         "mfu_spec": None if peaks["spec"] is None else flops / median / peaks["spec"],
         "loss": float(impl.metrics["loss"]) if impl.metrics else None,
         "bytes_per_device": {
@@ -292,11 +293,50 @@ def generation_bench(
     ):  # e.g. no pipelined generation
         return None
     params = ours[0].params
-    new = min(settings.gen_new_tokens, cfg.max_seq_len // 2)
+    new = settings.gen_new_tokens  # at most half the context (``BenchSettings.check``)
     prompt = min(settings.seq_len, cfg.max_seq_len - new)
     rates = bench_generation(cfg, params, layout, settings.batch_size, prompt, new)
     gen = {"batch": settings.batch_size, "prompt_len": prompt, "new_tokens": new, **rates}
     return gen | decode_roofline(gen, device_kind())
+
+
+def _measured_mfu(mfu: float) -> float | None:
+    """MFU over the measured peak, or None where it is above 1: the step then ran faster than the peak
+    matmul, so the peak was not this machine's (a --peak-n too small for the device, or a load spike
+    during its timing) and the figure is not a measurement (the report says so: ``mfu_note``)."""
+    return mfu if mfu <= 1.0 else None
+
+
+def mfu_note(results: list[dict], peak_n: int) -> str | None:
+    """The report's line where an MFU over the measured peak came out above 1 (``_measured_mfu``)."""
+    if all(r["mfu"] is not None for r in results):
+        return None
+    return (
+        f"MFU over the measured peak not shown: a step ran faster than the --peak-n {peak_n} matmul, so "
+        "that peak is not this machine's; raise --peak-n (e.g. 8192 on an accelerator) and run again"
+    )
+
+
+def check_peak_fits(n: int) -> None:
+    """The peak measurement holds three n x n float32 arrays (a, b and the product) on the device:
+    refused before any work where they cannot fit its memory (a CPU's: the host's), never an
+    out-of-memory that blames the model."""
+    import os
+
+    from meshlm.perf.oom import device_memory
+    from meshlm.units import format_bytes
+
+    kind, limit = device_memory()
+    if limit is None:  # a CPU reports none: the host's physical memory
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need = 3 * n * n * 4
+    if need > limit:
+        fits = int((limit / 12) ** 0.5) // 1024 * 1024
+        raise ConfigError(
+            f"--peak-n {n}: the peak measurement's matmul holds three {n:,} x {n:,} float32 arrays, "
+            f"{format_bytes(need)}, more than the {format_bytes(limit)} of the {kind}; use --peak-n "
+            f"{max(fits, 1024)} or less (8192 measures an accelerator's peak)"
+        )
 
 
 def step_time_ratios(seconds: dict[str, list[float]]) -> dict[str, dict[str, float]]:
@@ -332,6 +372,7 @@ def run_bench(
         settings = dataclasses.replace(settings, peak_n=peak_n)
     settings.check(cfg, layout)
     settings = settings.resolved(cfg, layout)
+    check_peak_fits(settings.peak_n)
     impls = build_impls(cfg, ocfg or OptimConfig(), layout, settings)
     peak_fn = lambda dtype: matmul_peak_flops(dtype, n=settings.peak_n, repeats=3)
     seconds, peaks = time_interleaved(impls, settings.steps, settings.warmup, peak_fn)
@@ -357,7 +398,8 @@ def run_bench(
         "spec_peak_flops": {"bfloat16": mfu_peaks["spec"]},  # the chip's spec; None: not a known chip
         "param_bytes": {"total": total, "ideal_per_device": total / layout.mp},
         "theoretical_collectives": theoretical_collectives(cfg, dp, mp, layout.cp),
-        "results": [impl_result(i, seconds[i.name], flops, tokens, mfu_peaks) for i in impls],
+        "results": (results := [impl_result(i, seconds[i.name], flops, tokens, mfu_peaks) for i in impls]),
+        "mfu_note": mfu_note(results, settings.peak_n),
         "step_time_ratios": step_time_ratios(seconds),
         "generation": generation_bench(cfg, impls, layout, settings),
         "pipeline": pipeline_overhead(layout, seconds),

@@ -15,6 +15,10 @@ def _mib(n: float | None) -> str:
     return "-" if n is None else f"{in_unit(n, 'MiB'):.1f}"
 
 
+def _mfu(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"  # None: above 1, not a measurement (``mfu_note``)
+
+
 def format_bench(report: dict) -> str:
     """The human-readable report: one row per implementation, then ratios, collectives, generation."""
     return "\n".join([*_header(report), "", *_table(report), "", *_summary(report)])
@@ -33,6 +37,7 @@ def _header(report: dict) -> list[str]:
         f" GFLOP/s; model FLOPs/step {report['model_flops_per_step'] / 1e9:.2f} G",
         f"MFU: over the measured {report['compute_dtype']} matmul peak; MFU spec: over the chip's spec peak "
         f"({report['device_kind']}: {spec_text})",
+        *([report["mfu_note"]] if report.get("mfu_note") else []),
     ]
 
 
@@ -48,7 +53,7 @@ def _table(report: dict) -> list[str]:
         spec = "-" if r["mfu_spec"] is None else f"{r['mfu_spec']:.3f}"
         rows.append(
             f"{r['impl']:<10} {r['step_s_median']:>9.3f} {r['step_s_min']:>7.3f} {r['step_s_max']:>7.3f} "
-            f"{r['tokens_per_s']:>9.0f} {r['mfu']:>6.3f} {spec:>8} {_mib(mem['params']):>10} "
+            f"{r['tokens_per_s']:>9.0f} {_mfu(r['mfu']):>6} {spec:>8} {_mib(mem['params']):>10} "
             f"{_mib(mem['opt_state']):>8} {_mib(mem['peak']):>9} {ar['count']:>15} {_mib(ar['bytes']):>9}"
         )
     return rows
@@ -124,7 +129,7 @@ def plot_bench(report: dict, path: str | Path) -> None:
     FigureCanvasAgg(fig)
     panels = (("tokens_per_s", "tokens / s"), ("mfu", f"MFU (measured {report['compute_dtype']} peak)"))
     for ax, (key, label) in zip(fig.subplots(1, 2), panels, strict=True):
-        values = [r[key] for r in report["results"]]
+        values = [r[key] or 0.0 for r in report["results"]]  # an MFU not measured (None): no bar
         bars = ax.bar(names, values, color=["tab:blue", "tab:gray", "tab:orange", "tab:green"][: len(names)])
         ax.bar_label(bars, fmt="%.3g")
         ax.margins(y=0.15)  # room for the labels above the tallest bar

@@ -165,14 +165,46 @@ class BenchSettings(MeshFlags, LongContext, ExpertDispatch):  # --pp, --cp, --fs
         if s.seq_len < 1:
             raise ConfigError(f"--seq-len {s.seq_len} must be >= 1")
         beyond_max_seq_len(cfg, s.seq_len)  # above max_seq_len: accepted for rotary models
+        if not (s.compare_window or s.compare_linear or s.compare_schedules):
+            _check_timed_shape(s, cfg)
         if s.gen_new_tokens < 0:
             raise ConfigError(
                 f"--gen-tokens must be >= 0 (0 skips the generation bench), got {s.gen_new_tokens}"
             )
-        if s.peak_n < 1:
+        if s.peak_n < min_peak_n(cfg):
             raise ConfigError(
-                f"--peak-n must be >= 1 (the matmul size of the peak measurement), got {s.peak_n}"
+                f"--peak-n {s.peak_n} is too small to measure a peak: a matmul narrower than the model's "
+                f"own (d_model={cfg.d_model}) runs below the rate the model's matmuls reach, so MFU over it "
+                f"overstates (--peak-n 1 gave MFU 20,730); use --peak-n {min_peak_n(cfg)} or more (2048, "
+                "the default, on a CPU; 8192 on an accelerator)"
             )
+
+
+def min_peak_n(cfg: ModelConfig) -> int:
+    """The smallest peak matmul (n x n @ n x n) whose rate bounds the model's: its projections contract
+    over d_model, [tokens, d_model] @ [d_model, ...], so a square matmul narrower than d_model is less
+    efficient than the model's own and its "peak" is below what the model reaches."""
+    return cfg.d_model
+
+
+def _check_timed_shape(s: BenchSettings, cfg: ModelConfig) -> None:
+    """Refused, never run or silently cut: a sequence above the model's max_seq_len with plain
+    attention (4096 on a 64-token preset: every implementation's [T, T] scores at 4096x the preset's,
+    hours on a CPU; a long-context bench above max_seq_len uses --attention blockwise or flash, as
+    docs/benchmarks.md's), and generation beyond the context."""
+    if s.seq_len > cfg.max_seq_len and cfg.attention == "plain":
+        raise ConfigError(
+            f"--seq-len {s.seq_len} is above the model's max_seq_len={cfg.max_seq_len} with plain "
+            f"attention (its [T, T] scores in every implementation's step); use --seq-len "
+            f"{cfg.max_seq_len} or less, or --attention blockwise for a long-context bench"
+        )
+    room = cfg.max_seq_len // 2  # the generation bench's prompt takes the other half (or --seq-len)
+    if s.gen_new_tokens > room:
+        raise ConfigError(
+            f"--gen-tokens {s.gen_new_tokens} does not fit the model's context of {cfg.max_seq_len} "
+            f"tokens with a prompt (generate refuses it too); use --gen-tokens {room} or less (half the "
+            "context: the prompt gets the rest), or 0 to skip the generation bench"
+        )
 
 
 # --impls and the accelerator flags (module functions: the settings class stays a record of fields)

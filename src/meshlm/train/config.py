@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from meshlm.errors import ConfigError
 from meshlm.model.config import PRESETS, ModelConfig, beyond_max_seq_len, default_seq_len, get_config
 from meshlm.model.family import COMPUTE_DTYPES, REMAT
-from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
+from meshlm.ranges import (
+    MAX_SEQ_LEN,
+    NON_NEGATIVE_FLOAT,
+    NON_NEGATIVE_INT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    Range,
+)
 from meshlm.settings import (  # noqa: F401 - CLI_* and Switch: the train CLI reads them from here
     CLI_COMMON,
     CLI_FLAG,
@@ -117,7 +124,7 @@ class TrainConfig(
         "tokens (bytes) per sequence",
         resume_must_match=True,
         shown_default=SEQ_LEN_DEFAULT_TEXT,
-        valid=Range(int, 0, note="0: the preset's default"),
+        valid=Range(int, 0, MAX_SEQ_LEN, note="0: the preset's default; no model has a longer context"),
     )
     lr: float = _field(
         3e-3, "peak lr: warm-up, cosine to lr * --min-lr-ratio", resume_must_match=True, valid=POSITIVE_FLOAT

@@ -46,7 +46,7 @@ def load_pairs(tcfg, cfg, layout, tok):
         train, val, index = load_pair_store(tcfg.data[0], tok, tcfg.seq_len)
         dropped, rule = index["dropped"], index["rule"]
     else:
-        render = renderer_for(tok, tcfg.checkpoint, tcfg.tokenizer)
+        render = renderer_for(tok)  # the run's tokenizer's own template, checked as it was read
         train, val, dropped = encode_pairs(read_pairs(tcfg.data), render, tcfg.seq_len, tok.eod_id)
         rule = render.rule
     for rows, name in ((train, "training"), (val, "validation")):

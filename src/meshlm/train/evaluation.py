@@ -29,7 +29,7 @@ import numpy as np
 from meshlm.data.corpus import load_all
 from meshlm.data.store import store_arg
 from meshlm.data.stream import TokenStream
-from meshlm.data.tokenizer import Tokenizer, load_tokenizer
+from meshlm.data.tokenizer import Tokenizer
 from meshlm.data.tokens import check_token_range
 from meshlm.errors import ConfigError
 from meshlm.generate.generator import as_run_here
@@ -165,19 +165,9 @@ def evaluate_stream(
 
 def eval_tokenizer(ecfg: EvalConfig) -> Tokenizer:
     """The checkpoint's tokenizer; ``ecfg.tokenizer`` only for one converted without any (or the same)."""
-    from meshlm.train.tokenizers import check_vocab, checkpoint_tokenizer
+    from meshlm.train.tokenizers import checkpoint_or_given
 
-    own = checkpoint_tokenizer(ecfg.checkpoint, required=not ecfg.tokenizer)
-    if not ecfg.tokenizer:
-        return own
-    tok = load_tokenizer(ecfg.tokenizer)
-    if own is not None and own.fingerprint != tok.fingerprint:
-        raise ConfigError(
-            f"--tokenizer {ecfg.tokenizer} differs from the tokenizer checkpoint {ecfg.checkpoint} carries "
-            f"({own.describe()}); leave out --tokenizer to use that one"
-        )
-    check_vocab(read_config(ecfg.checkpoint)[0], tok, f"checkpoint {ecfg.checkpoint}")
-    return tok
+    return checkpoint_or_given(ecfg.checkpoint, ecfg.tokenizer)
 
 
 def eval_stream(ecfg: EvalConfig, tok: Tokenizer, cfg: ModelConfig) -> tuple[TokenStream, str]:

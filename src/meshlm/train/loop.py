@@ -24,9 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm.data.device_batches import device_batch
 from meshlm.data.tokenizer import ByteTokenizer, bits_per_byte
+from meshlm.data.tokenizer_files import TOKENIZER_FILE
 from meshlm.errors import MeshlmError, TrainingError, is_out_of_memory
 from meshlm.generate.generator import Generator
-from meshlm.io.tokenizer_file import TOKENIZER_FILE
 from meshlm.parallel import distributed, watchdog
 from meshlm.parallel.placement import put_global
 from meshlm.sharding.stage_slots import slots_of, to_canonical

@@ -22,12 +22,12 @@ from meshlm.data.device_batches import eval_arrays
 from meshlm.data.store import TokenStore, store_arg
 from meshlm.data.stream import Batcher
 from meshlm.data.tokenizer import ByteTokenizer, Tokenizer
+from meshlm.data.tokenizer_files import COMPANIONS, TOKENIZER_FILE
 from meshlm.data.tokens import check_token_range
 from meshlm.errors import CheckpointError, MeshlmError, is_out_of_memory
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.model_io import FORMAT, load_model, read_config
 from meshlm.io.run_lock import RunLock, lock_run
-from meshlm.io.tokenizer_file import COMPANIONS, TOKENIZER_FILE
 from meshlm.model import lora
 from meshlm.model.config import ModelConfig, default_seq_len, get_config
 from meshlm.model.masked import loss_weights

@@ -1,11 +1,16 @@
 """Which tokenizer a run, or a checkpoint, uses: recorded with every checkpoint, found without being told.
 
-A checkpoint carries its tokenizer (``meshlm.io.tokenizer_file``): ``checkpoint_tokenizer`` loads it
+A checkpoint carries its tokenizer (``meshlm.data.tokenizer_files``): ``checkpoint_tokenizer`` loads it
 for ``generate``, ``verify`` and ``convert``. ``run_tokenizer`` picks a training run's: the one its run
 directory or ``--checkpoint`` already has, else ``--tokenizer`` (a tokenizer.json, a directory holding
 one, "bytes", or ``bpe-N``: a byte-level BPE of N ids trained on the run's training split and saved into
 the run directory), else ``bpe-1024`` when training on the embedded stdlib corpus (the main job's
 default), else bytes. From scratch the tokenizer sets the model's ``vocab_size``.
+
+The file work (finding, reading, checking and carrying a tokenizer with its companions) is
+``data.tokenizer_files``'; this module adds what needs a checkpoint's metadata or the model: which
+tokenizer a command uses (``tokenizer_at``, ``checkpoint_or_given``, ``lora_input``), saving it into a
+run directory on process 0 (``tokenizer_meta``), and the vocabulary check.
 """
 
 from __future__ import annotations
@@ -18,18 +23,22 @@ from pathlib import Path
 
 from meshlm.data.bpe import check_vocab_size, train_bpe
 from meshlm.data.hf_tokenizer import HFTokenizer
-from meshlm.data.tokenizer import BYTES, ByteTokenizer, Tokenizer, load_tokenizer
+from meshlm.data.tokenizer import BYTES, ByteTokenizer, Tokenizer
+from meshlm.data.tokenizer_files import (
+    EOS_KEY,
+    NONE_ENTRY,
+    TOKENIZER_FILE,
+    checkpoint_of,
+    directory_tokenizer,
+    load_tokenizer,
+    model_tokenizer,
+    save_tokenizer,
+    tokenizer_from_meta,
+)
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.layout import complete_steps, resolve
 from meshlm.io.model_io import read_config
-from meshlm.io.tokenizer_file import (
-    TOKENIZER_FILE,
-    read_checked_companions,
-    read_companions,
-    read_tokenizer_text,
-    save_tokenizer,
-)
 from meshlm.model.config import ModelConfig
 from meshlm.parallel import distributed
 from meshlm.train.config import from_scratch_tokenizer
@@ -37,34 +46,14 @@ from meshlm.train.config import from_scratch_tokenizer
 BPE_SPEC = re.compile(r"^bpe-(\d+)$")
 
 
-def tokenizer_meta(directory: str | Path, tok: Tokenizer) -> dict:
-    """Save ``tok`` and the files it comes with into the run directory (unless bytes) and return the
-    checkpoint meta entry."""
-    entry = {"fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size}
-    if isinstance(tok, HFTokenizer):
-        entry["eod_token"] = tok.eod_token
-    return save_tokenizer(directory, entry, tok.to_json(), dict(tok.files))
+def tokenizer_meta(directory: str | Path, tok: Tokenizer | None) -> dict:
+    """Save ``tok`` and the files it comes with into the run directory (process 0; unless bytes) and
+    return the checkpoint meta entry; None (a model converted without a tokenizer): the "none" entry."""
+    import jax
 
-
-def tokenizer_from_meta(directory: str | Path, meta: dict, where: str) -> Tokenizer | None:
-    """The checkpoint's tokenizer; None for a model converted without one (it takes ids only)."""
-    entry, text = read_tokenizer_text(directory, meta)
-    if text is None:
-        return ByteTokenizer() if entry["kind"] == "bytes" else None
-    source = f"the tokenizer of checkpoint {where}"
-    tok = HFTokenizer.from_str(text, eod_token=entry.get("eod_token"), source=source)
-    tok.files = read_checked_companions(directory, entry)
-    return tok
-
-
-def directory_tokenizer(spec: str | Path, model: bool = False) -> Tokenizer:
-    """``load_tokenizer(spec)`` with the files next to its tokenizer.json (``COMPANIONS``; ``model``:
-    the model's generation_config.json too, for a model directory's own tokenizer)."""
-    tok = load_tokenizer(spec)
-    if isinstance(tok, HFTokenizer):
-        path = Path(spec)
-        tok.files = read_companions(path if path.is_dir() else path.parent, model=model)
-    return tok
+    if tok is None:
+        return dict(NONE_ENTRY)
+    return save_tokenizer(directory, tok, write=jax.process_index() == 0)
 
 
 def check_vocab(cfg: ModelConfig, tok: Tokenizer, where: str) -> None:
@@ -92,6 +81,31 @@ def checkpoint_tokenizer(path: str | Path, required: bool = True) -> Tokenizer |
         )
     if tok is not None:
         check_vocab(cfg, tok, f"checkpoint {path}")
+    return tok
+
+
+def tokenizer_at(spec: str | Path | None) -> Tokenizer:
+    """The tokenizer a --tokenizer names, with the files it comes with: a checkpoint's own, each file
+    checked against the SHA-256 its meta records (as --checkpoint's), else ``directory_tokenizer``
+    ("bytes", a tokenizer.json or a directory holding one). Every command's --tokenizer reads this."""
+    if (checkpoint := checkpoint_of(spec)) is not None:
+        return checkpoint_tokenizer(checkpoint)
+    return directory_tokenizer(spec)
+
+
+def checkpoint_or_given(checkpoint: str | Path, spec: str | None) -> Tokenizer | None:
+    """``generate``'s and ``eval``'s tokenizer: the checkpoint's own; --tokenizer (``spec``, read by
+    ``tokenizer_at``) only where it has none, or the same one."""
+    own = checkpoint_tokenizer(checkpoint, required=not spec)
+    if not spec:
+        return own
+    tok = tokenizer_at(spec)
+    if own is not None and own.fingerprint != tok.fingerprint:
+        raise ConfigError(
+            f"--tokenizer {spec} differs from the tokenizer checkpoint {checkpoint} carries "
+            f"({own.describe()}); leave out --tokenizer to use that one"
+        )
+    check_vocab(read_config(checkpoint)[0], tok, f"checkpoint {checkpoint}")
     return tok
 
 
@@ -134,7 +148,7 @@ def _requested(tcfg) -> Tokenizer | None:
         return None
     if match := BPE_SPEC.match(spec):
         return _train_bpe_into(tcfg, int(match.group(1)))
-    return directory_tokenizer(spec) if spec == BYTES or Path(spec).exists() else _no_tokenizer(spec)
+    return tokenizer_at(spec) if spec == BYTES or Path(spec).exists() else _no_tokenizer(spec)
 
 
 def _no_tokenizer(spec: str):
@@ -176,3 +190,17 @@ def run_tokenizer(tcfg, cfg: ModelConfig) -> tuple[Tokenizer, ModelConfig]:
     if tcfg.checkpoint:  # from scratch the data's own range check names the ids (bytes on a small preset)
         check_vocab(cfg, tok, f"--checkpoint {tcfg.checkpoint}")
     return tok, cfg
+
+
+def lora_input(path: str | Path, meta: dict, base: str | Path | None):
+    """(tokenizer, EOS ids) for a checkpoint made from a LoRA checkpoint or a peft directory at
+    ``path`` (``meta``: the LoRA checkpoint's, or None for a peft directory): its own where it has one,
+    else its base checkpoint's (``base``)."""
+    if meta is None:
+        tok = model_tokenizer(path)
+    else:
+        tok = checkpoint_tokenizer(path, required=False) if "tokenizer" in meta else None
+    base_meta = read_config(base)[1] if base and Path(base).exists() else {}  # gone: load_model says
+    if tok is None and base_meta:
+        tok = checkpoint_tokenizer(base, required=False)
+    return tok, (meta or {}).get(EOS_KEY) or base_meta.get(EOS_KEY)
