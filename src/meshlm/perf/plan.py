@@ -71,17 +71,21 @@ def abstract_step(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
     return step, params, opt_state, batch
 
 
-def measure(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
-    """Compile the step ahead of time; one device's bytes by layout and by XLA's memory analysis."""
+def measure(cfg: ModelConfig, layout: Layout, settings: PlanSettings, platform: str | None = None) -> dict:
+    """Compile the step ahead of time; one device's bytes by layout and by XLA's memory analysis.
+    ``platform``: the one compiled for (``plan_target``: "tpu" for a chip's compile-only devices on
+    ``layout``'s mesh; None: JAX's backend), which picks the kernels (flash: Mosaic on a TPU)."""
+    from meshlm.parallel.compile_target import compiling_for
     from meshlm.perf.bench import compiled_memory
 
-    step, params, opt_state, batch = abstract_step(cfg, layout, settings)
-    start = time.perf_counter()
-    compiled = step.lower(params, opt_state, batch).compile()
-    seconds = time.perf_counter() - start
+    with compiling_for(platform):
+        step, params, opt_state, batch = abstract_step(cfg, layout, settings)
+        start = time.perf_counter()
+        compiled = step.lower(params, opt_state, batch).compile()
+        seconds = time.perf_counter() - start
     memory = compiled_memory(compiled)
     if memory is None:
-        raise ConfigError(f"XLA's {jax.default_backend()} compiler reports no memory analysis; plan on CPU")
+        raise ConfigError(f"XLA's {platform or jax.default_backend()} compiler reports no memory analysis")
     return {
         "params": bytes_per_device(params),
         "opt_state": bytes_per_device(opt_state),

@@ -1,0 +1,134 @@
+"""The planner's calibration cases compiled ahead of time, one JSON line each: argument, output, alias,
+temporary bytes and the peak (argument + output - alias + temp) of the real train step, as
+``meshlm plan`` compiles it (``perf.plan_calibration``: qwen3-0.6b and llama3.2-1b, 2048-token rows,
+bf16, remat full/selective/none, batch 1/2/4/8, mesh 1x1). Run the same script on a CPU host and on
+the chip: the pairs are what ``plan_calibration.CORRECTIONS`` is fitted on.
+
+    PYTHONPATH=src python scripts/plan_calibration.py                       # this host's compiler
+    PYTHONPATH=src python scripts/plan_calibration.py --chip v5e            # on the chip: its compiler
+    PYTHONPATH=src python scripts/plan_calibration.py --chip v5e --compiler chip   # libtpu, no chip
+    PYTHONPATH=src python scripts/plan_calibration.py --chip v5e --fit cpu.jsonl v5e.jsonl  # the fit
+
+Each case compiles in a process of its own (nothing runs; the cases' compiles take 2-20 s on a TPU VM
+or a quiet CPU host); one that takes more than --timeout seconds is skipped with a note line. The first
+line names the machine, JAX and libtpu; the last the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+MACHINE = "machine"  # the first line's child: the machine's facts
+
+
+def run_case(name: str, chip: str | None, compiler: str) -> dict:
+    """One case compiled ahead of time on the target (``plan_target.resolve``): its figures (bytes)."""
+    from meshlm.model.config import get_config
+    from meshlm.parallel.layout import Layout
+    from meshlm.perf.plan import measure
+    from meshlm.perf.plan_calibration import SEQ_LEN
+    from meshlm.perf.plan_settings import PlanCommand, PlanSettings
+    from meshlm.perf.plan_target import resolve
+
+    config, remat, batch = name.split("/")
+    target = resolve(chip, compiler, 1)
+    attention = PlanCommand().attention_kind(target.platform)  # --attention auto on that platform
+    cfg = get_config(config).replace(attention=attention)
+    settings = PlanSettings(batch_size=int(batch[1:]), seq_len=SEQ_LEN, compute_dtype="bfloat16", remat=remat)
+    memory = measure(cfg, target.place(Layout(dp=1, mp=1)), settings, platform=target.platform)
+    keep = ("argument", "output", "alias", "temp", "peak", "compile_s")
+    return {
+        "case": name,
+        "attention": attention,
+        "compiler": target.describe(),
+        **{k: memory[k] for k in keep},
+    }
+
+
+def one(case: str, chip: str | None, compiler: str) -> None:
+    """Compile ``case`` here and print its line (a child process: on a chip, the parent never holds
+    the TPU, which one process at a time may use)."""
+    if case == MACHINE:
+        print(json.dumps(machine(chip, compiler)), flush=True)
+        return
+    os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")  # as `meshlm plan`: the
+    # buffer plan is the same without LLVM's optimisation, in half the compile time
+    print(json.dumps(run_case(case, chip, compiler)), flush=True)
+
+
+def machine(chip: str | None, compiler: str) -> dict:
+    import jax
+
+    from meshlm.perf.plan_target import libtpu_version
+
+    device = jax.devices()[0]
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 - a CPU reports no memory statistics
+        limit = None
+    return {
+        "machine": device.device_kind,
+        "backend": jax.default_backend(),
+        "bytes_limit": limit,
+        "jax": jax.__version__,
+        "libtpu": libtpu_version(),
+        "chip": chip,
+        "compiler": compiler,
+    }
+
+
+def main() -> int:
+    from meshlm.perf.plan_calibration import case_names
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--chip", default=None, help="plan for this chip (perf.plan_target.CHIPS), e.g. v5e")
+    p.add_argument("--compiler", default="auto", help="auto | chip | host, as `meshlm plan --compiler`")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds one case may compile")
+    p.add_argument("--cases", nargs="*", default=None, help="of the cases, these (default: all)")
+    p.add_argument("--fit", nargs=2, metavar=("HOST", "CHIP"), help="fit the correction of two runs' lines")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.fit:
+        from meshlm.perf.plan_calibration import fit, read_lines
+
+        fitted = fit(read_lines(a.fit[0]), read_lines(a.fit[1]), a.chip or "v5e")
+        print(json.dumps(fitted.describe(), indent=1))
+        print(repr(fitted))
+        return 0
+    if a.one:
+        one(a.one, a.chip, a.compiler)
+        return 0
+    start = time.perf_counter()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+    }
+    for case in [MACHINE, *(a.cases or case_names())]:
+        argv = [sys.executable, __file__, "--one", case, "--compiler", a.compiler]
+        argv += ["--chip", a.chip] if a.chip else []
+        t0 = time.perf_counter()
+        try:
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            print(json.dumps({"case": case, "skipped": f"compile over {a.timeout:.0f} s"}), flush=True)
+            continue
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode or not lines:
+            error = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            print(json.dumps({"case": case, "skipped": f"failed: {error}"}), flush=True)
+            continue
+        wall = {} if case == MACHINE else {"wall_s": round(time.perf_counter() - t0, 1)}
+        print(json.dumps({**json.loads(lines[-1]), **wall}), flush=True)
+    print(json.dumps({"total_s": round(time.perf_counter() - start, 1)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

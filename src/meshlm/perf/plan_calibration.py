@@ -1,0 +1,112 @@
+"""The calibration of XLA:CPU's plan against a chip's compiler: the cases (scripts/plan_calibration.py
+compiles each and prints its figures as JSON lines, on any host and on the chip), the fit of a
+correction from those pairs, and the corrections fitted, which ``meshlm plan --chip`` applies where
+it cannot compile with the chip's own compiler (``perf.plan_target``).
+
+A correction changes the temporaries alone: the arguments, outputs and aliases are the shapes' and
+shardings' (the same on every compiler but for a TPU's padding of small arrays to its tiles: about
+1 MiB of qwen3-0.6b's 6.66 GiB of arguments), while the temporaries are the compiler's buffer plan.
+It is fitted to be an upper bound of the chip's figure on every calibration case, and its error on
+them is in the report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+from meshlm.errors import ConfigError
+
+GiB = 2**30
+SEQ_LEN = 2048
+CONFIGS = ("qwen3-0.6b", "llama3.2-1b")
+REMATS = ("full", "selective", "none")
+BATCHES = (1, 2, 4, 8)
+
+
+def case_names() -> list[str]:
+    """Every calibration case, "qwen3-0.6b/full/b4": mesh 1x1, 2048-token rows, bf16 compute."""
+    return [f"{c}/{r}/b{b}" for c in CONFIGS for r in REMATS for b in BATCHES]
+
+
+@dataclasses.dataclass(frozen=True)
+class Correction:
+    """temp_chip <= scale[remat] x temp_host + offset[remat], fitted on ``fitted``'s cases."""
+
+    chip: str
+    host: str  # the compiler corrected: "cpu"
+    scale: dict  # remat policy -> multiplier of the host's temporaries
+    offset: dict  # remat policy -> bytes added
+    fitted: str  # the cases and compilers it was fitted on
+    error: str  # its measured error on them (peak, corrected against the chip's compiled)
+
+    def apply(self, memory: dict, remat: str) -> dict:
+        """``memory`` (a compiled_memory dict) with the chip's estimated temporaries and peak."""
+        if remat not in self.scale:
+            raise ConfigError(
+                f"the {self.chip} correction is not calibrated for --remat {remat} (only "
+                f"{', '.join(self.scale)}): pip install -e '.[tpu-plan]' to compile with the chip's compiler"
+            )
+        temp = self.scale[remat] * memory["temp"] + self.offset[remat]
+        peak = memory["argument"] + memory["output"] - memory["alias"] + temp
+        return {**memory, "temp": math.ceil(temp), "peak": math.ceil(peak)}  # an upper bound: round up
+
+    def describe(self) -> dict:
+        return {
+            "name": f"{self.chip} from XLA:{self.host.upper()}",
+            "rule": "temp x scale[remat] + offset[remat] (an upper bound on every calibration case)",
+            "scale": self.scale,
+            "offset": self.offset,
+            "fitted": self.fitted,
+            "error": self.error,
+        }
+
+    def words(self) -> str:
+        return f"{self.chip}-calibrated temporaries of XLA:{self.host.upper()}'s plan; {self.error}"
+
+
+def fit(host: list[dict], chip: list[dict], name: str) -> Correction:
+    """The correction of ``host``'s temporaries to ``chip``'s (the script's lines of the same cases):
+    per remat policy, least squares of the chip's temporaries on the host's, its offset then raised
+    until no case's corrected figure is below the chip's (an upper bound on every case)."""
+    pairs: dict[str, list[tuple[int, int, int]]] = {}
+    chip_of = {line["case"]: line for line in chip if "temp" in line}
+    for line in host:
+        if "temp" in line and line["case"] in chip_of:
+            remat = line["case"].split("/")[1]
+            fixed = line["argument"] + line["output"] - line["alias"]
+            pairs.setdefault(remat, []).append((line["temp"], chip_of[line["case"]]["temp"], fixed))
+    if not pairs:
+        raise ConfigError("no case compiled on both the host and the chip: nothing to fit")
+    scale, offset = {}, {}
+    for remat, rows in pairs.items():
+        a = _slope(rows)
+        offset[remat] = max(c - a * h for h, c, _ in rows)
+        scale[remat] = a
+    over = [(scale[r] * h + offset[r] - c) / (c + fixed) for r, rows in pairs.items() for h, c, fixed in rows]
+    n = len(over)
+    error = (
+        f"on its {n} calibration cases the corrected peak is {min(over):+.1%} to {max(over):+.1%} of "
+        f"the chip's compiled peak (mean {sum(over) / n:+.1%})"
+    )
+    cases = ", ".join(sorted({line["case"] for line in host if line["case"] in chip_of}))
+    return Correction(name, "cpu", scale, {r: math.ceil(b) for r, b in offset.items()}, cases, error)
+
+
+def _slope(rows: list[tuple[int, int, int]]) -> float:
+    """Least-squares slope of the chip's temporaries on the host's (1 case: their ratio)."""
+    if len(rows) == 1:
+        return rows[0][1] / rows[0][0]
+    n = len(rows)
+    mh, mc = sum(h for h, _, _ in rows) / n, sum(c for _, c, _ in rows) / n
+    var = sum((h - mh) ** 2 for h, _, _ in rows)
+    return sum((h - mh) * (c - mc) for h, c, _ in rows) / var if var else mc / mh
+
+
+def read_lines(path) -> list[dict]:
+    """A calibration run's JSON lines (``scripts/plan_calibration.py``'s output)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+CORRECTIONS: dict[str, Correction] = {}
