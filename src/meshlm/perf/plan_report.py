@@ -94,6 +94,8 @@ def _verdict(row: dict) -> str:
     if "error" in row:
         return f"cannot be built: {row['error']}"
     margin = row["margin"]
+    if row["compiled"].get("refused"):  # the chip's compiler checks its plan against the chip's memory
+        return f"does NOT fit ({gib(-margin)} over; the chip's compiler refused it: out of memory)"
     if margin < 0:
         return f"does NOT fit ({gib(-margin)} over)"
     return f"fits, tight ({gib(margin)} free)" if row["tight"] else f"fits ({gib(margin)} free)"
