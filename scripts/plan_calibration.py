@@ -28,11 +28,15 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 MACHINE = "machine"  # the first line's child: the machine's facts
 
 
-def run_case(name: str, chip: str | None, compiler: str) -> dict:
-    """One case compiled ahead of time on the target (``plan_target.resolve``): its figures (bytes)."""
+def run_case(name: str, chip: str | None, compiler: str, run: bool = False) -> dict:
+    """One case compiled ahead of time on the target (``plan_target.resolve``) as ``perf.plan.measure``
+    compiles it: its figures (bytes); with ``run`` (on the chip), whether one step then runs."""
+    from meshlm.errors import is_out_of_memory
     from meshlm.model.config import get_config
+    from meshlm.parallel.compile_target import compiling_for
     from meshlm.parallel.layout import Layout
-    from meshlm.perf.plan import measure
+    from meshlm.perf.bench import compiled_memory
+    from meshlm.perf.plan import abstract_step, analytic, refused
     from meshlm.perf.plan_calibration import SEQ_LEN
     from meshlm.perf.plan_settings import PlanCommand, PlanSettings
     from meshlm.perf.plan_target import resolve
@@ -42,17 +46,42 @@ def run_case(name: str, chip: str | None, compiler: str) -> dict:
     attention = PlanCommand().attention_kind(target.platform)  # --attention auto on that platform
     cfg = get_config(config).replace(attention=attention)
     settings = PlanSettings(batch_size=int(batch[1:]), seq_len=SEQ_LEN, compute_dtype="bfloat16", remat=remat)
-    memory = measure(cfg, target.place(Layout(dp=1, mp=1)), settings, platform=target.platform)
-    keep = ("argument", "output", "alias", "temp", "peak", "compile_s")
-    return {
-        "case": name,
-        "attention": attention,
-        "compiler": target.describe(),
-        **{k: memory[k] for k in keep},
-    }
+    layout = target.place(Layout(dp=1, mp=1))
+    a = analytic(cfg, layout, settings)  # the state's temporaries: what a correction does not scale
+    line = {"case": name, "attention": attention, "compiler": target.describe()}
+    line["state_temp"] = a["gradients"] + a["moment_copies"] + a["gathered"]
+    with compiling_for(target.platform):
+        step, *args = abstract_step(cfg, layout, settings)
+        start = time.perf_counter()
+        try:
+            compiled = step.lower(*args).compile()
+        except Exception as e:  # noqa: BLE001 - XLA:TPU refuses a program over the chip's memory
+            if not is_out_of_memory(e):
+                raise
+            return {**line, **refused(e, *args, time.perf_counter() - start)}
+    line |= {**compiled_memory(compiled), "compile_s": round(time.perf_counter() - start, 1)}
+    return line | ({"ran": runs(compiled, args)} if run else {})
 
 
-def one(case: str, chip: str | None, compiler: str) -> None:
+def runs(compiled, args) -> bool | str:
+    """One step of ``compiled`` on zeros (the step's donated state, placed by its shardings): True,
+    or the device's out-of-memory message: whether the plan's verdict holds on the chip."""
+    import jax
+    import jax.numpy as jnp
+
+    from meshlm.errors import is_out_of_memory
+
+    try:
+        arrays = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), args)
+        jax.block_until_ready(compiled(*arrays))
+    except Exception as e:  # noqa: BLE001 - only the device's out-of-memory is an answer
+        if not is_out_of_memory(e):
+            raise
+        return str(e).strip().splitlines()[0][:300]
+    return True
+
+
+def one(case: str, chip: str | None, compiler: str, run: bool) -> None:
     """Compile ``case`` here and print its line (a child process: on a chip, the parent never holds
     the TPU, which one process at a time may use)."""
     if case == MACHINE:
@@ -60,7 +89,7 @@ def one(case: str, chip: str | None, compiler: str) -> None:
         return
     os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")  # as `meshlm plan`: the
     # buffer plan is the same without LLVM's optimisation, in half the compile time
-    print(json.dumps(run_case(case, chip, compiler)), flush=True)
+    print(json.dumps(run_case(case, chip, compiler, run)), flush=True)
 
 
 def machine(chip: str | None, compiler: str) -> dict:
@@ -92,6 +121,9 @@ def main() -> int:
     p.add_argument("--compiler", default="auto", help="auto | chip | host, as `meshlm plan --compiler`")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds one case may compile")
     p.add_argument("--cases", nargs="*", default=None, help="of the cases, these (default: all)")
+    p.add_argument(
+        "--run", action="store_true", help="on the chip: also run one step of each (ran: true or OOM)"
+    )
     p.add_argument("--fit", nargs=2, metavar=("HOST", "CHIP"), help="fit the correction of two runs' lines")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -103,7 +135,7 @@ def main() -> int:
         print(repr(fitted))
         return 0
     if a.one:
-        one(a.one, a.chip, a.compiler)
+        one(a.one, a.chip, a.compiler, a.run)
         return 0
     start = time.perf_counter()
     env = {
@@ -112,7 +144,7 @@ def main() -> int:
     }
     for case in [MACHINE, *(a.cases or case_names())]:
         argv = [sys.executable, __file__, "--one", case, "--compiler", a.compiler]
-        argv += ["--chip", a.chip] if a.chip else []
+        argv += (["--chip", a.chip] if a.chip else []) + (["--run"] if a.run else [])
         t0 = time.perf_counter()
         try:
             done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.timeout)

@@ -92,7 +92,7 @@ def _activations_label(acts: dict) -> str:
 
 def _verdict(row: dict) -> str:
     if "error" in row:
-        return f"cannot be built: {row['error']}"
+        return f"not planned: {row['error']}"
     margin = row["margin"]
     if row["compiled"].get("refused"):  # the chip's compiler checks its plan against the chip's memory
         return f"does NOT fit ({gib(-margin)} over; the chip's compiler refused it: out of memory)"

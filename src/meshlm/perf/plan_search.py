@@ -121,6 +121,10 @@ class Planner:
         try:
             row["compiled"] = measured(self.cfg, self.layout, settings, self.target.platform)
             row["analytic"] = analytic(self.cfg, self.layout, settings)
+            if self.target.correction is not None:  # the host's plan, its temporaries corrected for the chip
+                a = row["analytic"]  # the state's temporaries, the same bytes on every compiler
+                state = a["gradients"] + a["moment_copies"] + a["gathered"]
+                row["corrected"] = self.target.correction.apply(row["compiled"], settings.remat, state)
         except MeshlmError as e:
             if strict:
                 raise
@@ -131,13 +135,11 @@ class Planner:
     def _judged(self, row: dict) -> dict:
         if "error" in row:
             return {**row, "fits": False}
-        compiled, correction = row["compiled"], self.target.correction
+        compiled = row["compiled"]
         state = compiled["params"] + compiled["opt_state"]
         row["state_fraction"] = state / (self.unsharded + self.unsharded_opt)
-        if correction is not None:  # the host's plan, its temporaries corrected for the chip
-            row["corrected"] = correction.apply(compiled, row["settings"]["remat"])
         # the peak every verdict and the recommendation use: the chip's compiler's, or corrected
-        row["peak"] = row["corrected"]["peak"] if correction is not None else compiled["peak"]
+        row["peak"] = row["corrected"]["peak"] if "corrected" in row else compiled["peak"]
         if self.device_bytes is not None:
             row["margin"] = self.device_bytes - row["peak"]
             row["fits"] = row["margin"] >= 0
