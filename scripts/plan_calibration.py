@@ -1,17 +1,20 @@
 """The planner's calibration cases compiled ahead of time, one JSON line each: argument, output, alias,
 temporary bytes and the peak (argument + output - alias + temp) of the real train step, as
 ``meshlm plan`` compiles it (``perf.plan_calibration``: qwen3-0.6b and llama3.2-1b, 2048-token rows,
-bf16, remat full/selective/none, batch 1/2/4/8, mesh 1x1). Run the same script on a CPU host and on
-the chip: the pairs are what ``plan_calibration.CORRECTIONS`` is fitted on.
+bf16, remat full/selective/none, batch 1/2/4/8, and remat full's batch 8 in 4 and 8 micro-batches,
+mesh 1x1: 28 cases). Run the same script on a CPU host and on the chip: the pairs are what
+``plan_calibration.CORRECTIONS`` is fitted on.
 
     PYTHONPATH=src python scripts/plan_calibration.py                       # this host's compiler
     PYTHONPATH=src python scripts/plan_calibration.py --chip v5e            # on the chip: its compiler
     PYTHONPATH=src python scripts/plan_calibration.py --chip v5e --compiler chip   # libtpu, no chip
     PYTHONPATH=src python scripts/plan_calibration.py --chip v5e --fit cpu.jsonl v5e.jsonl  # the fit
 
-Each case compiles in a process of its own (nothing runs; the cases' compiles take 2-20 s on a TPU VM
-or a quiet CPU host); one that takes more than --timeout seconds is skipped with a note line. The first
-line names the machine, JAX and libtpu; the last the wall time.
+Each case compiles in a process of its own (nothing runs unless --run); one that takes more than
+--timeout seconds is skipped with a note line. Measured on a 2-core CPU host shared with other jobs
+(load 20): XLA:CPU 20-80 s of compile a case with remat full or selective, 240 s with none; XLA:TPU
+for compile-only devices 11 minutes a case (70 s of CPU time). The first line names the machine,
+its memory limit, JAX and libtpu; the last the wall time.
 """
 
 from __future__ import annotations
@@ -37,15 +40,17 @@ def run_case(name: str, chip: str | None, compiler: str, run: bool = False) -> d
     from meshlm.parallel.layout import Layout
     from meshlm.perf.bench import compiled_memory
     from meshlm.perf.plan import abstract_step, analytic, refused
-    from meshlm.perf.plan_calibration import SEQ_LEN
+    from meshlm.perf.plan_calibration import SEQ_LEN, parse_case
     from meshlm.perf.plan_settings import PlanCommand, PlanSettings
     from meshlm.perf.plan_target import resolve
 
-    config, remat, batch = name.split("/")
+    config, remat, batch, accum = parse_case(name)
     target = resolve(chip, compiler, 1)
     attention = PlanCommand().attention_kind(target.platform)  # --attention auto on that platform
     cfg = get_config(config).replace(attention=attention)
-    settings = PlanSettings(batch_size=int(batch[1:]), seq_len=SEQ_LEN, compute_dtype="bfloat16", remat=remat)
+    settings = PlanSettings(
+        batch_size=batch, seq_len=SEQ_LEN, accum_steps=accum, compute_dtype="bfloat16", remat=remat
+    )
     layout = target.place(Layout(dp=1, mp=1))
     a = analytic(cfg, layout, settings)  # the state's temporaries: what a correction does not scale
     line = {"case": name, "attention": attention, "compiler": target.describe()}

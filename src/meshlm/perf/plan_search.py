@@ -28,6 +28,7 @@ from meshlm.errors import MeshlmError
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.layout import Layout
 from meshlm.perf.plan import ADAM_MOMENTS, analytic, measure, state_bytes
+from meshlm.perf.plan_calibration import policy
 from meshlm.perf.plan_settings import PlanSettings
 from meshlm.perf.plan_target import Target, resolve
 
@@ -124,7 +125,8 @@ class Planner:
             if self.target.correction is not None:  # the host's plan, its temporaries corrected for the chip
                 a = row["analytic"]  # the state's temporaries, the same bytes on every compiler
                 state = a["gradients"] + a["moment_copies"] + a["gathered"]
-                row["corrected"] = self.target.correction.apply(row["compiled"], settings.remat, state)
+                key = policy(settings.remat, settings.accum_steps)
+                row["corrected"] = self.target.correction.apply(row["compiled"], key, state)
         except MeshlmError as e:
             if strict:
                 raise
