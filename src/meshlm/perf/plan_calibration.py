@@ -85,9 +85,6 @@ class Correction:
             "error": self.error,
         }
 
-    def words(self) -> str:
-        return f"{self.chip}-calibrated temporaries of XLA:{self.host.upper()}'s plan; {self.error}"
-
 
 def fit(host: list[dict], chip: list[dict], name: str) -> Correction:
     """The correction of ``host``'s temporaries to ``chip``'s (the script's lines of the same cases):
@@ -152,6 +149,6 @@ CORRECTIONS: dict[str, Correction] = {
         fitted="qwen3-0.6b, mesh 1x1, 2048-token rows, bf16, remat full: batch 1, 2, 4; batch 8 in 4 and "
         "8 micro-batches",
         error="on its 5 cases the corrected peak is +0.0% to +6.3% of the chip's compiled peak (mean "
-        "+1.4%); batch 2 held out of a fit on 1 and 4: +5.9%; not measured on other models or meshes",
+        "+1.5%); batch 2 held out of a fit on 1 and 4: +5.9%; not measured on other models or meshes",
     ),
 }

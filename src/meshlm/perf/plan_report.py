@@ -104,14 +104,14 @@ def _verdict(row: dict) -> str:
 def _candidates(report: dict) -> list[str]:
     dp = report["mesh"]["dp"]
     peak = "corrected peak" if report["compiler"]["correction"] else "compiled peak"
-    head = f"  {'options':<34}{'rows/device':>12}{'analytic peak':>15}{peak:>15}  verdict"
+    head = f"  {'options':<34}{'rows/device':>12}{'analytic peak':>15}{peak:>16}  verdict"
     out = ["candidates (each one compiled):", head]
     for row in report["candidates"]:
         s = row["settings"]
         micro = s["batch_size"] // (dp * s["accum_steps"])
         analytic = gib(row["analytic"]["peak"]) if "analytic" in row else "-"
         compiled = gib(row["peak"]) if "peak" in row else "-"
-        out.append(f"  {flags(s):<34}{micro:>12}{analytic:>15}{compiled:>15}  {_verdict(row)}")
+        out.append(f"  {flags(s):<34}{micro:>12}{analytic:>15}{compiled:>16}  {_verdict(row)}")
     return out
 
 

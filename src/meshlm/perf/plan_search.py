@@ -250,7 +250,7 @@ def compiler_note(target: Target) -> str | None:
     if target.correction is not None:
         return (
             f"compiled by XLA for host CPU devices; the verdicts use its temporaries corrected for "
-            f"{target.chip.name} ({target.correction.words()}); its own compiler gives the chip's plan: "
+            f"{target.chip.name} (the compiler line); the chip's own compiler plans it exactly: "
             "pip install -e '.[tpu-plan]'"
         )
     return CPU_NOTE if target.platform == "cpu" else None
