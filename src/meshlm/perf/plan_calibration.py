@@ -66,9 +66,11 @@ class Correction:
         """``memory`` (a compiled_memory dict) with the chip's estimated temporaries and peak; ``key``:
         ``policy(remat, accum_steps)``; ``state``: the state's temporaries (the class docstring)."""
         if key not in self.scale:
+            remat, _, accum = key.partition("+")
+            asked = f"--remat {remat}" + (" with --accum-steps" if accum else "")
             raise ConfigError(
-                f"the {self.chip} correction is not calibrated for remat {key} (only "
-                f"{', '.join(self.scale)}): pip install -e '.[tpu-plan]' to compile with the chip's compiler"
+                f"the {self.chip} correction is not calibrated for {asked} (only {', '.join(self.scale)}): "
+                "pip install -e '.[tpu-plan]' to compile with the chip's compiler"
             )
         temp = state + self.scale[key] * max(memory["temp"] - state, 0) + self.offset[key]
         peak = memory["argument"] + memory["output"] - memory["alias"] + temp
