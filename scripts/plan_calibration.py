@@ -41,12 +41,13 @@ def run_case(name: str, chip: str | None, compiler: str, run: bool = False) -> d
     from meshlm.perf.bench import compiled_memory
     from meshlm.perf.plan import abstract_step, analytic, refused
     from meshlm.perf.plan_calibration import SEQ_LEN, parse_case
-    from meshlm.perf.plan_settings import PlanCommand, PlanSettings
+    from meshlm.perf.plan_settings import PlanSettings
     from meshlm.perf.plan_target import resolve
 
     config, remat, batch, accum = parse_case(name)
     target = resolve(chip, compiler, 1)
-    attention = PlanCommand().attention_kind(target.platform)  # --attention auto on that platform
+    # --attention auto for 2048-token rows without --cp: flash on a TPU, plain elsewhere
+    attention = "flash" if target.platform == "tpu" else "plain"
     cfg = get_config(config).replace(attention=attention)
     settings = PlanSettings(
         batch_size=batch, seq_len=SEQ_LEN, accum_steps=accum, compute_dtype="bfloat16", remat=remat
