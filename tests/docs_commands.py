@@ -433,6 +433,12 @@ COMMANDS: dict[str, Run | Shown] = {
     "--seq-len 2048 --remat full --bf16": run(expect=(FITS,)),
     "meshlm plan --config qwen3-1.7b --mesh 4x1 --devices 4 --fsdp --device-memory 16GiB --batch-size 4 "
     "--seq-len 2048 --remat full --bf16": run(expect=(FITS,)),
+    # docs/memory.md, --chip: in CI (no libtpu) XLA:CPU with the v5e correction, three qwen3-0.6b compiles
+    "meshlm plan --config qwen3-0.6b --mesh 1x1 --seq-len 2048 --batch-size 8 --bf16 --remat full "
+    "--chip v5e": run(
+        expect=("compiler for v5e", "recommended: --accum-steps"),
+        slow="tests/test_plan_target.py::test_chip_sets_the_memory_and_plans_with_the_v5e_correction",
+    ),
     "meshlm verify --fsdp --sp --remat selective --steps 3 --x64": verify(costly=MEM),
     "meshlm bench --config small --mesh 2x2 --devices 4 --memory-options --gen-tokens 0 --seq-len 256": run(
         "small => tiny-lm", "256 => 32 --batch-size 4 --warmup 0", costly=BENCH

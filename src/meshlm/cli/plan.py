@@ -65,6 +65,9 @@ def run(args) -> int:
     planned = flag_layout(args, pc)
     if model is not None and planned:  # what needs no devices is checked before them
         pc.settings(model[0], planned).check(model[0], planned)
+    from meshlm.perf.plan_target import check_chip, resolve
+
+    check_chip(pc.chip, pc.compiler)
     if planned and args.devices is None:  # nothing runs: as many fake devices as the mesh needs
         args.devices = planned.devices
     _fast_compiles()
@@ -77,9 +80,10 @@ def run(args) -> int:
 
         model = (read_config(pc.checkpoint)[0], f"checkpoint {pc.checkpoint}")
     cfg, name = model
-    import jax
-
-    backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU and GPU
+    # the chip (--chip) and its compiler, or this host's; "auto" resolves for the platform compiled
+    # for: flash on a TPU where it applies and pays; ragged_dot on TPU and GPU
+    target = resolve(pc.chip, pc.compiler, layout.devices)
+    backend = target.platform
     seq_len = default_seq_len(cfg, pc.seq_len or 0)  # what auto decides on
     attention, dispatch = pc.attention_kind(backend, seq_len), pc.dispatch_kind(backend)  # the run's rows
     cfg = cfg.replace(attention=attention, attn_block=pc.attn_block, moe_dispatch=dispatch)
@@ -89,10 +93,13 @@ def run(args) -> int:
         name,
         layout,
         pc.settings(cfg, layout),
-        device_bytes=pc.device_memory,
+        device_bytes=pc.device_bytes(),
         max_compiles=pc.max_compiles,
         every_option=pc.every_option,
+        target=target,
     )
+    if pc.device_memory is None and target.chip is not None:
+        report["device_memory_from"] = f"--chip {target.chip.name}: {target.chip.memory_source}"
     if pc.schedule_png:
         from meshlm.parallel.pipeline_schedule import schedule_table
         from meshlm.perf.schedule_png import draw_schedule

@@ -26,13 +26,16 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from meshlm.parallel.compile_target import compile_platform
+
 LANES = 128  # the kernel's blocks are multiples of this many tokens
 BLOCKS = (512, 256, 128)  # tried in order: the largest that divides the padded length
 
 
 def interpret_mode() -> bool:
-    """Pallas interpret mode everywhere but on a TPU (the compiled kernel is Mosaic, TPU only)."""
-    return jax.default_backend() != "tpu"
+    """Pallas interpret mode everywhere but on a TPU (the compiled kernel is Mosaic, TPU only): the
+    platform compiled for, which ``meshlm plan --chip`` sets to a TPU from any host."""
+    return compile_platform() != "tpu"
 
 
 def block_size(t_padded: int) -> int:

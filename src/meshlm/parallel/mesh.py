@@ -66,10 +66,11 @@ def _more_devices_hint(n: int, processes: int) -> str:
     return f"pass --devices {n} (CPU)"
 
 
-def make_mesh(*sizes: int, axes: tuple[str, ...] | None = None):
+def make_mesh(*sizes: int, axes: tuple[str, ...] | None = None, devices=None):
     """A (dp, mp) mesh (one size per ``axes.MESH_AXES``, or per ``axes``: ``Layout.mesh`` passes
     (pp, dp, cp, mp), each axis present only when its size > 1) over the first prod(sizes) devices
-    (all processes' devices, process-major).
+    (all processes' devices, process-major; or of ``devices``: a chip's compile-only devices, which the
+    planner compiles for from any host).
 
     Axis types are Auto: our own code is explicit through ``shard_map``; Auto lets plain ``jit`` code
     outside it (the optimizer update, the GSPMD baseline) be partitioned by XLA from shardings.
@@ -84,7 +85,7 @@ def make_mesh(*sizes: int, axes: tuple[str, ...] | None = None):
     if len(sizes) != len(names):
         raise MeshError(f"a mesh has {len(names)} axes ({', '.join(names)}), got sizes {sizes}")
     n = math.prod(sizes)
-    devices = jax.devices()
+    devices = jax.devices() if devices is None else list(devices)
     if n > len(devices):
         raise MeshError(
             f"mesh {'x'.join(map(str, sizes))} needs {n} devices but only {len(devices)} exist; "

@@ -27,13 +27,14 @@ compiled before it and the MoE dispatch buffers were counted.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlm.errors import ConfigError
+from meshlm.errors import ConfigError, is_out_of_memory
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import bytes_per_device, total_bytes
@@ -71,22 +72,60 @@ def abstract_step(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
     return step, params, opt_state, batch
 
 
-def measure(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
-    """Compile the step ahead of time; one device's bytes by layout and by XLA's memory analysis."""
+def measure(cfg: ModelConfig, layout: Layout, settings: PlanSettings, platform: str | None = None) -> dict:
+    """Compile the step ahead of time; one device's bytes by layout and by XLA's memory analysis.
+    ``platform``: the one compiled for (``plan_target``: "tpu" for a chip's compile-only devices on
+    ``layout``'s mesh; None: JAX's backend), which picks the kernels (flash: Mosaic on a TPU)."""
+    from meshlm.parallel.compile_target import compiling_for
     from meshlm.perf.bench import compiled_memory
 
-    step, params, opt_state, batch = abstract_step(cfg, layout, settings)
-    start = time.perf_counter()
-    compiled = step.lower(params, opt_state, batch).compile()
-    seconds = time.perf_counter() - start
+    with compiling_for(platform):
+        step, params, opt_state, batch = abstract_step(cfg, layout, settings)
+        start = time.perf_counter()
+        try:
+            compiled = step.lower(params, opt_state, batch).compile()
+        except Exception as e:  # noqa: BLE001 - a TPU's compiler refuses a program over its memory
+            if not is_out_of_memory(e):
+                raise
+            return refused(e, params, opt_state, batch, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
     memory = compiled_memory(compiled)
     if memory is None:
-        raise ConfigError(f"XLA's {jax.default_backend()} compiler reports no memory analysis; plan on CPU")
+        raise ConfigError(f"XLA's {platform or jax.default_backend()} compiler reports no memory analysis")
     return {
         "params": bytes_per_device(params),
         "opt_state": bytes_per_device(opt_state),
         **memory,
         "compile_s": seconds,
+    }
+
+
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# XLA:TPU's refusal: "... the total memory required for HLO temporaries (22.34G) exceeds available HBM"
+_TEMPORARIES = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
+
+
+def refused(error: Exception, params, opt_state, batch, seconds: float) -> dict:
+    """The figures of a step the chip's compiler refused to compile (it checks its buffer plan against
+    the chip's memory, where XLA:CPU plans any size): the temporaries it names, the arguments from the
+    shapes, the donated state its outputs (aliased); ``refused``: its message. Does not fit, surely."""
+    message = str(error).strip().splitlines()[0]
+    found = _TEMPORARIES.search(message)
+    if found is None:
+        raise ConfigError(f"the chip's compiler ran out of memory and named no figure: {message}") from None
+    state = bytes_per_device(params) + bytes_per_device(opt_state)
+    argument = state + bytes_per_device(batch)
+    temp = int(float(found.group(1)) * _UNITS[found.group(2)])
+    return {
+        "params": bytes_per_device(params),
+        "opt_state": bytes_per_device(opt_state),
+        "peak": argument + temp,
+        "argument": argument,
+        "output": state,
+        "alias": state,
+        "temp": temp,
+        "compile_s": seconds,
+        "refused": message,
     }
 
 

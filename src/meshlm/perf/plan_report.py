@@ -27,8 +27,19 @@ def _header(report: dict) -> list[str]:
         f"{s['compute_dtype']} compute, options: {report['plan']['label']}",
         f"unsharded: parameters {gib(total['params'])} float32 "
         f"({total['params'] // 4:,}), AdamW moments {gib(total['opt_state'])}",
+        compiler_line(report["compiler"]),
         *_pipeline(report.get("pipeline")),
     ]
+
+
+def compiler_line(c: dict) -> str:
+    """Which compiler planned, for which chip, and the correction the verdicts use."""
+    chip = f" for {c['chip']}" if c["chip"] else ""
+    fix = c["correction"]
+    fix = (
+        f"{fix['name']}: {fix['rule']}; {fix['error']}" if fix else "none (the compiled figures as they are)"
+    )
+    return f"compiler{chip}: {c['compiler']}; correction: {fix}"
 
 
 def _pipeline(p: dict | None) -> list[str]:
@@ -45,7 +56,7 @@ def _pipeline(p: dict | None) -> list[str]:
     ]
 
 
-def _breakdown(row: dict) -> list[str]:
+def _breakdown(row: dict, platform: str) -> list[str]:
     a, c = row["analytic"], row["compiled"]
     inside, accum = "(in temporaries)", row["settings"]["accum_steps"] > 1
     lines = [
@@ -61,8 +72,11 @@ def _breakdown(row: dict) -> list[str]:
     ]
     if row["settings"]["fsdp"]:
         lines.insert(4, ("one layer's gathered weights", gib(a["gathered"]), inside))
-    out = [f"  {'per device':<28}{'analytic':>14}{'compiled (XLA)':>18}"]
-    out += [f"  {name:<28}{left:>14}{right:>18}" for name, left, right in lines]
+    if "corrected" in row:  # the host's plan corrected for the chip: what the verdict uses
+        lines += [("temporaries, corrected", "", gib(row["corrected"]["temp"]))]
+        lines += [("peak, corrected", "", gib(row["corrected"]["peak"]))]
+    out = [f"  {'per device':<28}{'analytic':>14}{f'compiled (XLA:{platform.upper()})':>20}"]
+    out += [f"  {name:<28}{left:>14}{right:>20}" for name, left, right in lines]
     frac = row["state_fraction"]
     out.append(
         f"  parameters + optimizer state: {frac:.1%} of the unsharded total (1/{1 / frac:.1f}); "
@@ -78,8 +92,10 @@ def _activations_label(acts: dict) -> str:
 
 def _verdict(row: dict) -> str:
     if "error" in row:
-        return f"cannot be built: {row['error']}"
+        return f"not planned: {row['error']}"
     margin = row["margin"]
+    if row["compiled"].get("refused"):  # the chip's compiler checks its plan against the chip's memory
+        return f"does NOT fit ({gib(-margin)} over; the chip's compiler refused it: out of memory)"
     if margin < 0:
         return f"does NOT fit ({gib(-margin)} over)"
     return f"fits, tight ({gib(margin)} free)" if row["tight"] else f"fits ({gib(margin)} free)"
@@ -87,22 +103,24 @@ def _verdict(row: dict) -> str:
 
 def _candidates(report: dict) -> list[str]:
     dp = report["mesh"]["dp"]
-    head = f"  {'options':<34}{'rows/device':>12}{'analytic peak':>15}{'compiled peak':>15}  verdict"
+    peak = "corrected peak" if report["compiler"]["correction"] else "compiled peak"
+    head = f"  {'options':<34}{'rows/device':>12}{'analytic peak':>15}{peak:>16}  verdict"
     out = ["candidates (each one compiled):", head]
     for row in report["candidates"]:
         s = row["settings"]
         micro = s["batch_size"] // (dp * s["accum_steps"])
         analytic = gib(row["analytic"]["peak"]) if "analytic" in row else "-"
-        compiled = gib(row["compiled"]["peak"]) if "compiled" in row else "-"
-        out.append(f"  {flags(s):<34}{micro:>12}{analytic:>15}{compiled:>15}  {_verdict(row)}")
+        compiled = gib(row["peak"]) if "peak" in row else "-"
+        out.append(f"  {flags(s):<34}{micro:>12}{analytic:>15}{compiled:>16}  {_verdict(row)}")
     return out
 
 
 def format_plan(report: dict) -> str:
     row, device = report["plan"], report["device_memory"]
-    lines = _header(report) + _breakdown(row)
+    lines = _header(report) + _breakdown(row, report["compiler"]["platform"])
     if device is not None:
-        lines.append(f"device memory {gib(device)}: {_verdict(row)}")
+        source = f" ({report['device_memory_from']})" if report.get("device_memory_from") else ""
+        lines.append(f"device memory {gib(device)}{source}: {_verdict(row)}")
     if report["candidates"]:
         lines += _candidates(report)
         if report["compiles"] >= report["max_compiles"]:

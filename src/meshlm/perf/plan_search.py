@@ -28,12 +28,14 @@ from meshlm.errors import MeshlmError
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.layout import Layout
 from meshlm.perf.plan import ADAM_MOMENTS, analytic, measure, state_bytes
+from meshlm.perf.plan_calibration import policy
 from meshlm.perf.plan_settings import PlanSettings
+from meshlm.perf.plan_target import Target, resolve
 
 CPU_NOTE = (
     "compiled by XLA for host CPU devices: the temporaries and peak are XLA CPU's buffer plan, an "
-    "estimate of an accelerator's (whose compiler fuses and schedules differently); runtime overheads "
-    "(CUDA context, allocator fragmentation) are not included"
+    "estimate of an accelerator's (whose compiler fuses and schedules differently; --chip v5e plans "
+    "with a TPU's); runtime overheads (CUDA context, allocator fragmentation) are not included"
 )
 ANALYTIC_NOTE = (
     "analytic activations: Korthikanti et al. 2022 per layer (a GPT block: 4h GeLU MLP, multi-head "
@@ -75,14 +77,14 @@ def cost(settings: PlanSettings, base: PlanSettings) -> int:
     return total + COSTS["accum"] * halvings
 
 
-_MEASURED: dict = {}  # (config, layout, mesh, settings) -> measure(...): compiled once per process
+_MEASURED: dict = {}  # (config, layout, mesh, settings, platform) -> measure(...): once per process
 
 
-def measured(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
+def measured(cfg: ModelConfig, layout: Layout, settings: PlanSettings, platform: str | None = None) -> dict:
     """``measure``, remembered for this process (a plan's candidates recur across plans)."""
-    key = (cfg, layout, layout.mesh, settings)
+    key = (cfg, layout, layout.mesh, settings, platform)
     if key not in _MEASURED:
-        _MEASURED[key] = measure(cfg, layout, settings)
+        _MEASURED[key] = measure(cfg, layout, settings, platform)
     return dict(_MEASURED[key])
 
 
@@ -98,8 +100,9 @@ class Planner:
         device_bytes: int | None,
         max_compiles: int,
         every_option: bool,
+        target: Target,
     ):
-        self.cfg, self.layout = cfg, layout
+        self.cfg, self.layout, self.target = cfg, layout, target
         self.device_bytes = device_bytes
         self.max_compiles = max_compiles
         self.every_option = every_option  # step 1 tries every option, not only up to the first fit
@@ -117,8 +120,13 @@ class Planner:
             return None
         row = {"label": settings.label(), "settings": dataclasses.asdict(settings)}
         try:
-            row["compiled"] = measured(self.cfg, self.layout, settings)
+            row["compiled"] = measured(self.cfg, self.layout, settings, self.target.platform)
             row["analytic"] = analytic(self.cfg, self.layout, settings)
+            if self.target.correction is not None:  # the host's plan, its temporaries corrected for the chip
+                a = row["analytic"]  # the state's temporaries, the same bytes on every compiler
+                state = a["gradients"] + a["moment_copies"] + a["gathered"]
+                key = policy(settings.remat, settings.accum_steps)
+                row["corrected"] = self.target.correction.apply(row["compiled"], key, state)
         except MeshlmError as e:
             if strict:
                 raise
@@ -132,8 +140,10 @@ class Planner:
         compiled = row["compiled"]
         state = compiled["params"] + compiled["opt_state"]
         row["state_fraction"] = state / (self.unsharded + self.unsharded_opt)
+        # the peak every verdict and the recommendation use: the chip's compiler's, or corrected
+        row["peak"] = row["corrected"]["peak"] if "corrected" in row else compiled["peak"]
         if self.device_bytes is not None:
-            row["margin"] = self.device_bytes - compiled["peak"]
+            row["margin"] = self.device_bytes - row["peak"]
             row["fits"] = row["margin"] >= 0
             row["tight"] = row["fits"] and row["margin"] < TIGHT * self.device_bytes
         return row
@@ -183,7 +193,7 @@ def recommended(rows: list[dict], base: PlanSettings) -> dict | None:
     fitting = [r for r in rows if r.get("fits")]
     if not fitting:
         return None
-    key = lambda r: (r["tight"], cost(PlanSettings(**r["settings"]), base), r["compiled"]["peak"])
+    key = lambda r: (r["tight"], cost(PlanSettings(**r["settings"]), base), r["peak"])
     return min(fitting, key=key)
 
 
@@ -196,10 +206,14 @@ def plan(
     device_bytes: int | None = None,
     max_compiles: int = DEFAULT_MAX_COMPILES,
     every_option: bool = False,
+    target: Target | None = None,
 ) -> dict:
     """The planner's report (one JSON-able dict) on ``where`` (a Layout or a jax Mesh; the memory
-    options are the settings'): the given settings, and the search if they don't fit."""
-    layout = Layout.of(where)
+    options are the settings'): the given settings, and the search if they don't fit. ``target``:
+    the chip and compiler (``plan_target.resolve``; None: this host's, uncorrected), whose devices
+    ``where``'s mesh is placed on."""
+    target = target or resolve(None, "auto", 1)
+    layout = target.place(Layout.of(where))
     settings.check(cfg, layout)
     planner = Planner(
         cfg=cfg,
@@ -207,6 +221,7 @@ def plan(
         device_bytes=device_bytes,
         max_compiles=max(1, max_compiles),
         every_option=every_option,
+        target=target,
     )
     row = planner.evaluate(settings, strict=True)
     candidates = planner.search(settings) if row.get("fits") is False else []
@@ -214,8 +229,9 @@ def plan(
     return {
         "config": name,
         "mesh": layout.shape,
-        "backend": jax.default_backend(),
-        "note": CPU_NOTE if jax.default_backend() == "cpu" else None,
+        "backend": jax.default_backend(),  # this host's; the compile's: compiler["platform"]
+        "compiler": target.describe(),
+        "note": compiler_note(target),
         "analytic_note": ANALYTIC_NOTE,
         "unsharded": {"params": planner.unsharded, "opt_state": planner.unsharded_opt},
         "device_memory": device_bytes,
@@ -226,6 +242,18 @@ def plan(
         "max_compiles": planner.max_compiles,
         "pipeline": pipeline_facts(layout),
     }
+
+
+def compiler_note(target: Target) -> str | None:
+    """What the compiled figures are: the host CPU's plan (uncorrected: an estimate of an accelerator's;
+    corrected: the chip's calibration), or None for the chip's own compiler's."""
+    if target.correction is not None:
+        return (
+            f"compiled by XLA for host CPU devices; the verdicts use its temporaries corrected for "
+            f"{target.chip.name} (the compiler line); the chip's own compiler plans it exactly: "
+            "pip install -e '.[tpu-plan]'"
+        )
+    return CPU_NOTE if target.platform == "cpu" else None
 
 
 def pipeline_facts(layout: Layout) -> dict | None:

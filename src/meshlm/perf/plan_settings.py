@@ -9,6 +9,7 @@ from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig, beyond_max_seq_len, default_seq_len
 from meshlm.model.family import REMAT
 from meshlm.parallel.layout import Layout
+from meshlm.perf.plan_target import CHIP_NAMES, COMPILERS
 from meshlm.ranges import POSITIVE_INT
 from meshlm.settings import (
     SEQ_LEN_DEFAULT_TEXT,
@@ -106,6 +107,19 @@ class PlanCommand(MeshFlags, LongContext, ExpertDispatch, LoraSettings):  # --pp
         "memory of one device, e.g. 80GiB: say whether the run fits and search options that do",
         parse=parse_bytes,
     )
+    chip: str | None = setting(
+        None,
+        "plan for this accelerator: compiled by its own compiler where it can (on the chip; anywhere "
+        "with libtpu: pip install -e '.[tpu-plan]'), else by this host's with the chip's calibrated "
+        "correction; its usable memory is --device-memory's default",
+        choices=CHIP_NAMES,
+    )
+    compiler: str = setting(
+        "auto",
+        "with --chip: auto (the chip's compiler where it can, else the host's, corrected), chip (the "
+        "chip's compiler, or an error), host (this host's compiler, corrected)",
+        choices=COMPILERS,
+    )
     max_compiles: int = setting(
         8, "most step compiles, the given settings and the candidates together", valid=POSITIVE_INT
     )
@@ -113,6 +127,14 @@ class PlanCommand(MeshFlags, LongContext, ExpertDispatch, LoraSettings):  # --pp
         False, "try each option alone, not only up to the cheapest that fits (more compiles)"
     )
     schedule_png: str | None = setting(None, "with --pp: draw the schedule (stage x tick) into this PNG")
+
+    def device_bytes(self) -> int | None:
+        """The memory a run must fit: --device-memory, else --chip's usable memory, else None."""
+        if self.device_memory is not None or self.chip is None:
+            return self.device_memory
+        from meshlm.perf.plan_target import CHIPS
+
+        return CHIPS[self.chip].usable_bytes
 
     def settings(self, cfg: ModelConfig, layout: Layout | None = None) -> PlanSettings:
         """The run to plan for the model ``cfg`` on ``layout``: its remat unless --remat, the default
