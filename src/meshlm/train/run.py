@@ -233,8 +233,8 @@ def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
     keep the preset's config (Run.cfg, compared on resume) and a run resumes under any of them."""
     step = step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp)
     backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU/GPU
-    attention, dispatch = tcfg.attention_kind(backend), tcfg.dispatch_kind(backend)
-    return step.replace(attention=attention, attn_block=tcfg.attn_block, moe_dispatch=dispatch)
+    attention, dispatch = tcfg.attention_kind(backend), tcfg.dispatch_fields(backend)
+    return step.replace(attention=attention, attn_block=tcfg.attn_block, **dispatch)
 
 
 def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lambda: None) -> Run:
