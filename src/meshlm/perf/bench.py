@@ -53,7 +53,17 @@ from meshlm.model.transformer import param_shapes
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding, bytes_per_device, total_bytes
 from meshlm.perf.bench_moe import dense_step, moe_comparison, today_step
-from meshlm.perf.bench_settings import DENSE, IMPLS, NO_EP, NO_PP, TODAY, BenchSettings, chosen, impl_names
+from meshlm.perf.bench_settings import (
+    DENSE,
+    DISPATCH_IMPLS,
+    IMPLS,
+    NO_EP,
+    NO_PP,
+    TODAY,
+    BenchSettings,
+    chosen,
+    impl_names,
+)
 from meshlm.perf.chips import decode_roofline, device_kind, spec_bf16_peak
 from meshlm.perf.collectives import theoretical_collectives
 from meshlm.perf.flops import model_flops_per_step
@@ -166,6 +176,13 @@ BUILDERS: dict[str, Callable[[Start], Impl]] = {
     NO_EP: lambda s: _without_pp(s.cfg, s.ocfg, s.layout, s.host_params, s.host, NO_EP, s.dtype),
     DENSE: lambda s: _compiled(DENSE, *dense_step(s.cfg, s.ocfg, s.layout, s.settings, s.host, s.dtype)),
     TODAY: lambda s: _compiled(TODAY, *today_step(s.cfg, s.ocfg, s.layout, s.host_params, s.host, s.dtype)),
+    # the same MoE with each sorted dispatch (--impls only: ``bench_settings.DISPATCH_IMPLS``)
+    **{
+        name: lambda s, name=name, how=how: _compiled(
+            name, *today_step(s.cfg, s.ocfg, s.layout, s.host_params, s.host, s.dtype, how)
+        )
+        for name, how in DISPATCH_IMPLS.items()
+    },
 }
 
 
@@ -304,7 +321,10 @@ def step_time_ratios(seconds: dict[str, list[float]]) -> dict[str, dict[str, flo
     the ratio of the medians, and the median of the per-repetition ratios. The second pairs steps that
     ran seconds apart, so slow drifts in the machine's load cancel; on a shared machine it is the
     steadier of the two."""
-    pairs = [("meshlm", b) for b in (*IMPLS[1:], NO_PP, NO_EP, DENSE) if b in seconds and "meshlm" in seconds]
+    others = (*IMPLS[1:], NO_PP, NO_EP, DENSE, *DISPATCH_IMPLS)
+    pairs = [("meshlm", b) for b in others if b in seconds and "meshlm" in seconds]
+    # each sorted dispatch's step over dense-eq's too: the side-by-side MoE run's figure of merit
+    pairs += [(d, DENSE) for d in DISPATCH_IMPLS if {d, DENSE} <= set(seconds)]
     pairs += [("unsharded", "plain")] if {"unsharded", "plain"} <= set(seconds) else []
     return {f"{a}/{b}": _ratio(seconds[a], seconds[b]) for a, b in pairs}
 

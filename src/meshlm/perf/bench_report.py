@@ -102,13 +102,27 @@ def _moe_line(moe: dict) -> str:
         f"{name}/{dense['impl']} {r:.2f}x (overhead {moe['overhead_vs_dense'][name]:.1%})"
         for name, r in moe["step_time_over_dense"].items()
     )
-    flops = ", ".join(f"{how} {r:.2f}" for how, r in moe["expert_flops_over_routed"].items())
+    flops = ", ".join(
+        f"{how} {r:.2f}" if r is not None else f"{how} n/a (a kernel)"
+        for how, r in moe["expert_flops_over_routed"].items()
+    )
     return (
         f"mixture of experts (E={moe['n_experts']}, k={moe['experts_per_token']}): {moe['params']:,} "
         f"parameters, {moe['active_params']:,} active; {dense['impl']} (dense, d_ff {dense['d_ff']}: "
         f'{dense["params"]:,} parameters): {times}; expert FLOPs / routed: {flops} (the "dense" '
         f"dispatch, every expert on every token: E / k = {moe['expert_compute_factor']:g})"
+        + (f"; dispatch {moe['dispatch']}, gmm tiles {_gmm_tiles(moe['gmm_tiles'])}" if _runs_gmm(moe) else "")
     )
+
+
+def _runs_gmm(moe: dict) -> bool:
+    """Whether a step of the report ran the gmm kernel (meshlm's dispatch, or gmm-dispatch)."""
+    return moe["dispatch"] == "gmm" or "gmm-dispatch" in moe["step_time_over_dense"]
+
+
+def _gmm_tiles(tiles: dict) -> str:
+    """gmm's kernel tiles as (tm, tk, tn) per forward matmul (``bench_moe.gmm_tiles``)."""
+    return f"gate/up {tuple(tiles['gate_up'])}, down {tuple(tiles['down'])} ({tiles['tiling']})"
 
 
 def plot_bench(report: dict, path: str | Path) -> None:

@@ -40,6 +40,10 @@ NO_PP = AXIS[PP].baseline  # "no-pp": the same model on the dp x mp mesh without
 NO_EP = AXIS[EP].baseline  # "no-ep": the same model on the same devices, every expert on every data shard
 DENSE = "dense-eq"  # a MoE model: the dense model of equal active parameters (``bench_moe``)
 TODAY = "dense-dispatch"  # the same MoE with the "dense" dispatch: every expert on every token
+# the same MoE with each sorted dispatch, by name (``--impls`` only: built when named, so that one run
+# times ragged_dot, gmm and dense-eq side by side; the default run times the command's dispatch alone)
+SORTED_DISPATCHES = ("blocks", "ragged_dot", "gmm")
+DISPATCH_IMPLS = {f"{d}-dispatch": d for d in SORTED_DISPATCHES}
 
 
 def impl_names(cfg: ModelConfig, layout: Layout) -> tuple[str, ...]:
@@ -47,7 +51,7 @@ def impl_names(cfg: ModelConfig, layout: Layout) -> tuple[str, ...]:
     them (``--impls`` picks some of these)."""
     names = [*IMPLS[:3], *(() if cfg.arch.moe else ("plain",)), *layout.baselines()]
     if cfg.arch.moe:  # the dense model of equal active parameters; today's dispatch beside it
-        names += [DENSE, *((TODAY,) if cfg.moe_dispatch != "dense" else ())]
+        names += [DENSE, *((TODAY,) if cfg.moe_dispatch != "dense" else ()), *DISPATCH_IMPLS]
     return tuple(names)
 
 
@@ -178,9 +182,9 @@ class BenchSettings(MeshFlags, LongContext, ExpertDispatch):  # --pp, --cp, --fs
 # --impls and the accelerator flags (module functions: the settings class stays a record of fields)
 def chosen(self: BenchSettings, available: tuple[str, ...]) -> tuple[str, ...]:
     """The implementations to build, in the bench's order: --impls' of ``available`` (every one
-    the model and mesh have), or all of them."""
+    the model and mesh have), or all of them but the sorted dispatches' (``DISPATCH_IMPLS``: named only)."""
     if self.impls is None:
-        return available
+        return tuple(n for n in available if n not in DISPATCH_IMPLS)
     asked = self.impls.split(",")
     if unknown := [n for n in asked if n not in available]:
         raise ConfigError(

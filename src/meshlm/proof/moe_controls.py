@@ -138,7 +138,7 @@ class ExpertGradToNeighbour(Parallel):
 
 
 class GroupOffsetsOneRowOff(Parallel):
-    """"gmm"'s group offsets one row off: the first expert with rows hands its last row to the next
+    """ "gmm"'s group offsets one row off: the first expert with rows hands its last row to the next
     expert's group (the last expert's: to the rows of no group, computed as zeros). The kernel's (and
     its reference path's) offsets are the sizes' cumulative sums, so every later offset stays put."""
 
