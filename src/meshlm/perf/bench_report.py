@@ -111,7 +111,7 @@ def _moe_line(moe: dict) -> str:
         f"parameters, {moe['active_params']:,} active; {dense['impl']} (dense, d_ff {dense['d_ff']}: "
         f'{dense["params"]:,} parameters): {times}; expert FLOPs / routed: {flops} (the "dense" '
         f"dispatch, every expert on every token: E / k = {moe['expert_compute_factor']:g})"
-        + (f"; dispatch {moe['dispatch']}, gmm tiles {_gmm_tiles(moe['gmm_tiles'])}" if _runs_gmm(moe) else "")
+        + (f"; gmm tiles {_gmm_tiles(moe['gmm_tiles'])}" if _runs_gmm(moe) else "")
     )
 
 
