@@ -25,14 +25,16 @@ E, K, N, D, H = 8, 2, 6, 3, 5  # test_ep's shapes: experts, choices per token, t
 
 
 def test_tiles():
-    """tm: the largest of 512, 256, 128 whose group-boundary tiles add at most a quarter (qwen3-moe-100m
-    at 8 x 512: 16384 rows over 32 experts -> 128); tk, tn: the largest dividing the dimension (768:
-    256; below 128 whole; 640: 128); --gmm-tiling fixes tm and caps tk, tn; bad text is one line."""
-    assert row_tile(16384, 32) == 128 and row_tile(65536, 8) == 512 and row_tile(48, 8) == 128
-    assert tiles(128, 768, 256, None) == (128, 256, 256) and tiles(128, 2048, 768, None) == (128, 512, 256)
+    """tm: the largest of 512, 256, 128 whose group-boundary tiles add at most half (qwen3-moe-100m at
+    8 x 512: 16384 rows over 32 experts -> 256; qwen3-30b-a3b's 32768 over 128 -> 128); tk, tn: the
+    largest multiple of 128 up to 512 dividing the dimension (768: 384; 2048: 512; below 128 whole;
+    640: 128); --gmm-tiling fixes tm and caps tk, tn; bad text is one line."""
+    assert row_tile(16384, 32) == 256 and row_tile(32768, 128) == 128 and row_tile(65536, 8) == 512
+    assert row_tile(48, 8) == 128
+    assert tiles(256, 768, 256, None) == (256, 384, 256) and tiles(128, 2048, 768, None) == (128, 512, 384)
     assert tiles(128, 3, 640, None) == (128, 3, 128)
-    fixed = parse_tiling("256,256,512")
-    assert row_tile(16384, 32, fixed) == 256 and tiles(256, 2048, 1024, fixed) == (256, 256, 512)
+    fixed = parse_tiling("256,256,1024")
+    assert row_tile(16384, 32, fixed) == 256 and tiles(256, 2048, 1024, fixed) == (256, 256, 1024)
     assert parse_tiling("auto") is None
     for bad in ("128,512", "128,100,512", "a,b,c"):
         with pytest.raises(ConfigError, match="--gmm-tiling"):

@@ -19,13 +19,12 @@ the two backward kernels are primitives of this module typed here (varying like 
 the union of their axes first), and only their lowering traces the kernel, as the per-device program it
 is. No collective is added or dropped: the kernel is per shard.
 
-Tiling (``tiling``): (tm, tk, tn) the rows, contraction and output columns of one kernel tile. A group's
-first and last tiles are partial (computed whole, stored masked), so each of the G - 1 group boundaries
-costs up to one extra tile: tm is the largest of 512, 256, 128 with (G - 1) x tm <= M / 4 (at most a
-quarter more row tiles than the rows need), else 128. tk and tn: the largest of 512, 256, 128 dividing
-the dimension (a dimension below 128 whole; else 128, the kernel masking the remainder). ``--gmm-tiling
-TM,TK,TN`` fixes tm and caps tk, tn (each still a divisor of its dimension where one of 128's multiples
-up to the cap is).
+Tiling (``parallel.gmm_tiling``): (tm, tk, tn) the rows, contraction and output columns of one kernel
+tile. A group's first and last tiles are partial (computed whole, stored masked), so each of the G - 1
+group boundaries costs up to one extra tile, and each tile a fixed cost: tm is the largest of 512,
+256, 128 with (G - 1) x tm <= M / 2 (at most half again the row tiles the rows need), else 128. tk and
+tn: the largest multiple of 128 up to 512 dividing the dimension (a dimension below 128 whole; else
+128, the kernel masking the remainder). ``--gmm-tiling TM,TK,TN`` fixes tm and caps tk, tn.
 """
 
 from __future__ import annotations

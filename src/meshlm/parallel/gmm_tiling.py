@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from meshlm.errors import ConfigError
 
-TILES = (512, 256, 128)  # the tile sizes tried, largest first (multiples of the TPU's 128 lanes)
+TILES = (512, 256, 128)  # tm's sizes tried, largest first
+LANES = 128  # tk and tn: multiples of the TPU's 128 lanes
+COLUMNS = 512  # tk and tn at most (the f32 operands' double-buffered tiles fit the default 16 MiB of VMEM)
 
 
 def parse_tiling(text: str) -> tuple[int, int, int] | None:
@@ -28,19 +30,20 @@ def row_tile(rows: int, groups: int, tiling: tuple[int, int, int] | None = None)
     """tm for ``rows`` (the static row bound before padding) over ``groups`` groups (module docstring)."""
     if tiling is not None:
         return tiling[0]
-    return next((t for t in TILES if (groups - 1) * t * 4 <= rows), TILES[-1])
+    return next((t for t in TILES if (groups - 1) * t * 2 <= rows), TILES[-1])
 
 
-def col_tile(dim: int, cap: int = TILES[0]) -> int:
-    """tk or tn for a dimension of ``dim``: the largest tile up to ``cap`` that divides it; a dimension
-    below 128 whole (a block equal to the array's dimension is always allowed)."""
-    if dim < TILES[-1]:
+def col_tile(dim: int, cap: int = COLUMNS) -> int:
+    """tk or tn for a dimension of ``dim``: the largest multiple of 128 up to ``cap`` that divides it
+    (768: 384), else 128 (the kernel masks the remainder); a dimension below 128 whole (a block equal to
+    the array's dimension is always allowed)."""
+    if dim < LANES:
         return dim
-    return next((t for t in TILES if t <= cap and dim % t == 0), TILES[-1])
+    return next((t for t in range(cap - cap % LANES, 0, -LANES) if dim % t == 0), LANES)
 
 
 def tiles(tm: int, k: int, n: int, tiling: tuple[int, int, int] | None) -> tuple[int, int, int]:
     """One kernel call's (tm, tk, tn) for a [M, k] x [k, n] product per group: tk, tn per ``col_tile``,
     capped by ``tiling``'s (None: 512)."""
-    caps = (TILES[0], TILES[0]) if tiling is None else tiling[1:]
+    caps = (COLUMNS, COLUMNS) if tiling is None else tiling[1:]
     return tm, col_tile(k, caps[0]), col_tile(n, caps[1])
