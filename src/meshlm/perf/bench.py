@@ -47,7 +47,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from meshlm.generate.generator import bench_generation
+from meshlm.generate.generator import bench_generation, in_dtype
 from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import param_shapes
 from meshlm.parallel.layout import Layout
@@ -300,20 +300,27 @@ def impl_result(impl: Impl, seconds: list[float], flops: float, tokens: int, pea
 
 def generation_bench(
     cfg: ModelConfig, impls: list[Impl], layout: Layout, settings: BenchSettings
-) -> dict | None:
-    """Prefill and decode throughput of ``generate.bench_generation`` with meshlm's parameters; None
-    when it is skipped (also when --impls leaves meshlm out)."""
+) -> list[dict] | None:
+    """Prefill and decode throughput of ``generate.bench_generation`` with meshlm's parameters, one row
+    per batch size (``BenchSettings.gen_batches``), each with its memory roofline; None when it is
+    skipped (also when --impls leaves meshlm out). Under --bf16 the weights and the KV cache are bf16
+    (``generate --bf16``): the roofline's bytes are theirs."""
     ours = [i for i in impls if i.name == "meshlm"]
     if (
         not settings.gen_new_tokens or not strategy(layout).generates or not ours
     ):  # e.g. no pipelined generation
         return None
     params = ours[0].params
+    if settings.compute_dtype != "float32":
+        params = in_dtype(params, COMPUTE_DTYPES[settings.compute_dtype])
     new = min(settings.gen_new_tokens, cfg.max_seq_len // 2)
     prompt = min(settings.seq_len, cfg.max_seq_len - new)
-    rates = bench_generation(cfg, params, layout, settings.batch_size, prompt, new)
-    gen = {"batch": settings.batch_size, "prompt_len": prompt, "new_tokens": new, **rates}
-    return gen | decode_roofline(gen, device_kind())
+    rows = []
+    for batch in settings.gen_batches():
+        rates = bench_generation(cfg, params, layout, batch, prompt, new)
+        gen = {"batch": batch, "prompt_len": prompt, "new_tokens": new, "dtype": settings.compute_dtype}
+        rows.append(gen | rates | decode_roofline(gen | rates, device_kind()))
+    return rows
 
 
 def step_time_ratios(seconds: dict[str, list[float]]) -> dict[str, dict[str, float]]:
@@ -379,11 +386,17 @@ def run_bench(
         "theoretical_collectives": theoretical_collectives(cfg, dp, mp, layout.cp),
         "results": [impl_result(i, seconds[i.name], flops, tokens, mfu_peaks) for i in impls],
         "step_time_ratios": step_time_ratios(seconds),
-        "generation": generation_bench(cfg, impls, layout, settings),
+        **_generation(generation_bench(cfg, impls, layout, settings)),
         "pipeline": pipeline_overhead(layout, seconds),
         "expert_parallel": expert_parallel(cfg, layout, settings, impls, seconds),
         "moe": moe_comparison(cfg, seconds, layout, tokens),
     }
+
+
+def _generation(rows: list[dict] | None) -> dict:
+    """The report's generation: "generation" the first batch's row (None: skipped), "generation_by_batch"
+    every --gen-batch row."""
+    return {"generation": rows[0] if rows else None, "generation_by_batch": rows}
 
 
 def expert_parallel(cfg: ModelConfig, layout: Layout, settings: BenchSettings, impls, seconds) -> dict | None:

@@ -79,10 +79,10 @@ def _summary(report: dict) -> list[str]:
         )
     if moe := report.get("moe"):
         rows.append(_moe_line(moe))
-    gen = report["generation"]
-    if gen is not None:
+    for gen in report.get("generation_by_batch") or ([report["generation"]] if report["generation"] else []):
         rows.append(
-            f"generation (meshlm, batch {gen['batch']}, prompt {gen['prompt_len']}, +{gen['new_tokens']}): "
+            f"generation (meshlm, batch {gen['batch']}, prompt {gen['prompt_len']}, +{gen['new_tokens']}"
+            f"{', bf16 weights and cache' if gen.get('dtype', 'float32') != 'float32' else ''}): "
             f"prefill {gen['prefill_tokens_per_s']:.0f} tokens/s, "
             f"decode {gen['decode_tokens_per_s']:.0f} tokens/s"
             + (

@@ -55,6 +55,14 @@ def impl_names(cfg: ModelConfig, layout: Layout) -> tuple[str, ...]:
     return tuple(names)
 
 
+def parse_batches(text: str) -> str:
+    """--gen-batch's text as the comma list of positive ints it names, spaces dropped."""
+    names = [n.strip() for n in text.split(",")]
+    if not all(n.isdigit() and int(n) > 0 for n in names):
+        raise ValueError(f"{text!r}: give a comma list of positive batch sizes such as 1,8,32,64")
+    return ",".join(names)
+
+
 def parse_impls(text: str) -> str:
     """--impls' text as the comma list it names, spaces dropped; which names the model has is checked
     against it later (``BenchSettings.check``: they depend on the model and the mesh)."""
@@ -85,6 +93,13 @@ class BenchSettings(MeshFlags, LongContext, ExpertDispatch):  # --pp, --cp, --fs
         "new tokens per row in the generation bench (0: skip)",
         valid=NON_NEGATIVE_INT,
         flag="--gen-tokens",
+    )
+    gen_batch: str | None = setting(
+        None,
+        "comma list of batch sizes for the generation bench, e.g. 1,8,32,64: each one's prefill and "
+        "decode tokens/s and memory roofline (where batching stops paying)",
+        shown_default="--batch-size",
+        parse=parse_batches,
     )
     peak_n: int = setting(
         2048, "matmul size of the peak measurement (raise on accelerators)", valid=POSITIVE_INT
@@ -140,6 +155,10 @@ class BenchSettings(MeshFlags, LongContext, ExpertDispatch):  # --pp, --cp, --fs
         "layer (forward and backward) at --seq-len / 16, / 4 and --seq-len, in tokens/s, instead of the "
         "implementations",
     )
+
+    def gen_batches(self) -> tuple[int, ...]:
+        """The generation bench's batch sizes: --gen-batch's, or --batch-size (resolved first)."""
+        return tuple(map(int, self.gen_batch.split(","))) if self.gen_batch else (self.batch_size,)
 
     def resolved(self, cfg: ModelConfig, layout: Layout) -> BenchSettings:
         """The sizes left open filled in: the batch rounded up to a multiple of dp, the sequence by
