@@ -62,6 +62,7 @@ from meshlm.perf.bench_settings import (
     TODAY,
     BenchSettings,
     chosen,
+    gen_batches,
     impl_names,
 )
 from meshlm.perf.chips import decode_roofline, device_kind, spec_bf16_peak
@@ -316,7 +317,7 @@ def generation_bench(
     new = min(settings.gen_new_tokens, cfg.max_seq_len // 2)
     prompt = min(settings.seq_len, cfg.max_seq_len - new)
     rows = []
-    for batch in settings.gen_batches():
+    for batch in gen_batches(settings):
         rates = bench_generation(cfg, params, layout, batch, prompt, new)
         gen = {"batch": batch, "prompt_len": prompt, "new_tokens": new, "dtype": settings.compute_dtype}
         rows.append(gen | rates | decode_roofline(gen | rates, device_kind()))

@@ -156,10 +156,6 @@ class BenchSettings(MeshFlags, LongContext, ExpertDispatch):  # --pp, --cp, --fs
         "implementations",
     )
 
-    def gen_batches(self) -> tuple[int, ...]:
-        """The generation bench's batch sizes: --gen-batch's, or --batch-size (resolved first)."""
-        return tuple(map(int, self.gen_batch.split(","))) if self.gen_batch else (self.batch_size,)
-
     def resolved(self, cfg: ModelConfig, layout: Layout) -> BenchSettings:
         """The sizes left open filled in: the batch rounded up to a multiple of dp, the sequence by
         every command's rule (``default_seq_len``)."""
@@ -198,7 +194,12 @@ class BenchSettings(MeshFlags, LongContext, ExpertDispatch):  # --pp, --cp, --fs
             )
 
 
-# --impls and the accelerator flags (module functions: the settings class stays a record of fields)
+# --impls, --gen-batch and the accelerator flags (module functions: the settings class stays a record)
+def gen_batches(self: BenchSettings) -> tuple[int, ...]:
+    """The generation bench's batch sizes: --gen-batch's, or --batch-size (resolved first)."""
+    return tuple(map(int, self.gen_batch.split(","))) if self.gen_batch else (self.batch_size,)
+
+
 def chosen(self: BenchSettings, available: tuple[str, ...]) -> tuple[str, ...]:
     """The implementations to build, in the bench's order: --impls' of ``available`` (every one
     the model and mesh have), or all of them but the sorted dispatches' (``DISPATCH_IMPLS``: named only)."""
