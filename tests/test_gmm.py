@@ -82,3 +82,28 @@ def test_offsets_one_row_off_change_the_output():
         planted = GroupOffsetsOneRowOff().experts(x, ids, cw, Experts(*weights, "gmm"))
         assert float(jnp.max(jnp.abs(plain - want))) <= 1e-12 * float(jnp.max(jnp.abs(want)))
         assert float(jnp.max(jnp.abs(planted - want))) > 1e-3
+
+
+# ~60 s on a loaded 2-core machine (a proof, every control compiled); gmm's values and gradients in
+# float64, quickly: tests/test_ep.py::test_dispatch_equals_all_local (its gmm cases); its offsets control:
+# test_offsets_one_row_off_change_the_output
+@pytest.mark.slow
+def test_gmm_is_proven_in_float64_on_cpu_with_its_controls():
+    """tiny-qwen2-moe (a dense layer 0, a MoE layer with a shared expert) on 2x2 in float64 by gmm (the
+    kernel's reference path), the reference "dense" as always: loss and every gradient equal the
+    unsharded model's, and gmm's own control, its group offsets one row off, is detected beside the
+    sorted dispatch's rows control."""
+    from helpers import verify_preset
+
+    from meshlm.model.config import get_config
+    from meshlm.proof import format_report
+    from meshlm.proof.moe_controls import MOE_CONTROLS
+
+    cfg = get_config("tiny-qwen2-moe").replace(n_layers=2, moe_dispatch="gmm")
+    with jax.enable_x64(True):
+        report = verify_preset(
+            "tiny-qwen2-moe", 2, 2, batch=2, seq=8, dtype=jnp.float64, cfg=cfg, controls=MOE_CONTROLS
+        )
+    assert report.ok and max(p.max_rel_err for p in report.params) <= 1e-12, format_report(report)
+    names = {c["name"] for c in report.controls}
+    assert {"MoE gmm group offsets one row off", "MoE rows sent to the wrong expert after sorting"} <= names
