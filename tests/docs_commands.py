@@ -320,6 +320,7 @@ COMMANDS: dict[str, Run | Shown] = {
         "8192 => 128",
         add="--warmup 0",
         expect=('"generation_by_batch"', '"dtype": "bfloat16"', '"roofline_ms": null'),
+        slow=GEN_BATCH,
     ),
     DECODE_BENCH + "8 --seq-len 512 --gen-tokens 64 --gen-batch 1,8,32,64 --peak-n 8192 --impls meshlm "
     "--json": run(
