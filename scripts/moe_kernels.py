@@ -12,6 +12,7 @@ I 768, 128 experts, top 8), and qwen3-moe-100m's (D 768, I 256, 32, top 4), at 4
 tiling past the chip's VMEM) with its error's first line.
 
     PYTHONPATH=src python scripts/moe_kernels.py              # on the chip, bf16, < 90 s
+    PYTHONPATH=src python scripts/moe_kernels.py --shape qwen3-30b-a3b   # one shape
     PYTHONPATH=src python scripts/moe_kernels.py --cpu-smoke  # tiny shapes, CPU (interpret mode)
 """
 
@@ -102,9 +103,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per step (default 4096: 8 x 512)")
     parser.add_argument("--reps", type=int, default=10, help="round-robin repetitions (default 10)")
     parser.add_argument("--float32", action="store_true", help="float32 instead of bfloat16")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default=None, help="one shape only (default: both)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU (interpret mode)")
     a = parser.parse_args()
-    shapes = SMOKE if a.cpu_smoke else SHAPES
+    shapes = SMOKE if a.cpu_smoke else {k: v for k, v in SHAPES.items() if a.shape in (None, k)}
     tokens, reps = (32, 1) if a.cpu_smoke else (a.tokens, a.reps)
     tilings = ("128,128,128",) if a.cpu_smoke else TILINGS
     dtype = jnp.float32 if a.float32 else jnp.bfloat16
