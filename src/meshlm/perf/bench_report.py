@@ -38,8 +38,9 @@ def _header(report: dict) -> list[str]:
 
 def _table(report: dict) -> list[str]:
     """One row per implementation: times, throughput, memory and all-reduces per step (per device)."""
+    w = max(10, *(len(r["impl"]) for r in report["results"]))  # the impl column: its longest name
     head = (
-        f"{'impl':<10} {'median s':>9} {'min s':>7} {'max s':>7} {'tokens/s':>9} {'MFU':>6} {'MFU spec':>8} "
+        f"{'impl':<{w}} {'median s':>9} {'min s':>7} {'max s':>7} {'tokens/s':>9} {'MFU':>6} {'MFU spec':>8} "
         f"{'params MiB':>10} {'opt MiB':>8} {'peak MiB':>9} {'all-reduce/step':>15} {'MiB/step':>9}"
     )
     rows = [head, "-" * len(head)]
@@ -47,7 +48,7 @@ def _table(report: dict) -> list[str]:
         mem, ar = r["bytes_per_device"], r["collectives"]["per_step"]["all-reduce"]
         spec = "-" if r["mfu_spec"] is None else f"{r['mfu_spec']:.3f}"
         rows.append(
-            f"{r['impl']:<10} {r['step_s_median']:>9.3f} {r['step_s_min']:>7.3f} {r['step_s_max']:>7.3f} "
+            f"{r['impl']:<{w}} {r['step_s_median']:>9.3f} {r['step_s_min']:>7.3f} {r['step_s_max']:>7.3f} "
             f"{r['tokens_per_s']:>9.0f} {r['mfu']:>6.3f} {spec:>8} {_mib(mem['params']):>10} "
             f"{_mib(mem['opt_state']):>8} {_mib(mem['peak']):>9} {ar['count']:>15} {_mib(ar['bytes']):>9}"
         )
