@@ -216,8 +216,8 @@ PRESETS: dict[str, dict] = {
     # qwen3-30b-a3b's expert shape on one 16 GiB chip (issue 64: the experts against dense-eq at a real
     # shape): its d_model 2048, expert width 768, attention and rotary; 2 layers of 16 experts, 2 per
     # token (the real model's k / E = 1/16 of a batch's rows per expert: groups of its size), the chip
-    # presets' 16384-token vocabulary. ~256M parameters, 4.1 GB with AdamW in float32: two MoE copies
-    # (meshlm and a second dispatch) and dense-eq fit one bench run
+    # presets' 16384-token vocabulary. 256M parameters, 2.86 GiB with AdamW's moments in float32: two MoE
+    # copies (two dispatches) and dense-eq fit one bench run
     "qwen3-moe-a3b-chip": dict(
         vocab_size=16384,
         d_model=2048,
