@@ -352,7 +352,9 @@ COMMANDS: dict[str, Run | Shown] = {
     # qwen3-moe-a3b-chip's memory (docs/benchmarks.md "Issue 64"): 45 s of CPU to compile its step; the
     # same plan of the MoE path on a tiny preset here
     "meshlm plan --config qwen3-moe-a3b-chip --mesh 1x1 --batch-size 8 --seq-len 512 "
-    "--moe-dispatch ragged_dot --bf16": run("qwen3-moe-a3b-chip => tiny-qwen3-moe", "--batch-size 8 => --batch-size 2", "512 => 16"),
+    "--moe-dispatch ragged_dot --bf16": run(
+        "qwen3-moe-a3b-chip => tiny-qwen3-moe", "--batch-size 8 => --batch-size 2", "512 => 16"
+    ),
     WBENCH + "4096 --compare-window 1024 --batch-size 1 --steps 5 --mesh 1x1": run(
         "4096 --compare-window 1024 => 32 --compare-window 10 --attn-block 8 --warmup 0",
         expect=("window 10",),
