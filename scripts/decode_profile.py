@@ -69,10 +69,10 @@ def _perfetto(trace_dir: Path) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def device_ops(events: list[dict]) -> list[tuple[str, float]]:
-    """(op name, microseconds) of every op the device ran: a "/device:" process's "XLA Ops" thread (a TPU
-    or GPU), else the XLA CPU client's threads (their thunks; "end: ..." markers and the pool's waits
-    left out)."""
+def device_ops(events: list[dict]) -> tuple[list[tuple[str, float]], dict[str, str]]:
+    """((op name, microseconds of its own) of every op the device ran, {op name: its HLO text}): a
+    "/device:" process's "XLA Ops" thread (a TPU or GPU), else the XLA CPU client's threads (their
+    thunks; "end: ..." markers and the waits left out)."""
     meta = lambda kind: {
         (e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e["args"]["name"]
         for e in events
@@ -81,21 +81,33 @@ def device_ops(events: list[dict]) -> list[tuple[str, float]]:
     procs, threads = meta("process_name"), meta("thread_name")
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
 
-    def on_device(e):
-        return procs.get(e["pid"], "").startswith("/device:") and "XLA Ops" in threads.get(
-            (e["pid"], e["tid"]), ""
-        )
-
-    ops = [e for e in spans if on_device(e)]
+    line = lambda e: threads.get((e["pid"], e["tid"]), "")
+    device = [e for e in spans if procs.get(e["pid"], "").startswith("/device:")]
+    ops = [e for e in device if "XLA Ops" in line(e)]
+    if not ops:  # a device trace without an "XLA Ops" line: every line but the steps' and modules'
+        ops = [e for e in device if not any(k in line(e) for k in ("Steps", "XLA Modules"))]
     if not ops:  # a CPU: the XLA client's threads
         cpu = ("tf_XLAPjRtCpuClient", "tf_XLAEigen")
         ops = [
             e
             for e in spans
-            if threads.get((e["pid"], e["tid"]), "").startswith(cpu)
+            if line(e).startswith(cpu)
             and not e["name"].startswith(("end: ", "SlinkyThreadPool"))
+            and "wait for" not in e["name"]  # the executor waiting on its threads: no work
         ]
-    return self_times(ops)
+    return self_times(ops), _details(ops)
+
+
+def _details(spans: list[dict]) -> dict[str, str]:
+    """Each op name's HLO text where the trace carries it (a TPU's ``long_name``, else its category),
+    cut to 160 characters: what a fusion named "fusion.42" computes."""
+    out = {}
+    for e in spans:
+        args = e.get("args") or {}
+        text = args.get("long_name") or args.get("hlo_category")
+        if text and e["name"] not in out:
+            out[e["name"]] = str(text)[:160]
+    return out
 
 
 def self_times(spans: list[dict]) -> list[tuple[str, float]]:
@@ -117,8 +129,8 @@ def self_times(spans: list[dict]) -> list[tuple[str, float]]:
     return out
 
 
-def summarise(ops: list[tuple[str, float]], steps: int) -> dict:
-    """The device's op time a step and the ``TOP`` ops by total time."""
+def summarise(ops: list[tuple[str, float]], steps: int, details: dict[str, str] | None = None) -> dict:
+    """The device's op time a step and the ``TOP`` ops by total time (with ``details``' HLO text)."""
     total, calls = collections.Counter(), collections.Counter()
     for name, us in ops:
         total[name] += us
@@ -195,7 +207,8 @@ def main() -> None:
         with jax.profiler.trace(str(where), create_perfetto_trace=True):
             wall = _decode_chunks(gen, tokens, lengths, chunks)
         steps = chunks * DECODE_CHUNK
-        trace = summarise(device_ops(_perfetto(where)), steps)
+        ops, details = device_ops(_perfetto(where))
+        trace = summarise(ops, steps, details)
     report = {
         "config": a.config,
         "batch": a.batch,
@@ -236,7 +249,9 @@ def _print(r: dict) -> None:
         f"{trace['device_ms_per_step']:.3f} ms of device ops a step (self times); top ops:"
     )
     top = trace["top_ops"]
-    lines += [f"    {o['ms_per_step']:8.4f} ms {o['share']:6.1%} x{o['calls']:<5d} {o['op']}" for o in top]
+    for o in top:
+        hlo = f"  {o['hlo'][:90]}" if "hlo" in o else ""
+        lines.append(f"    {o['ms_per_step']:8.4f} ms {o['share']:6.1%} x{o['calls']:<5d} {o['op']}{hlo}")
     print("\n".join(lines), file=sys.stderr)
 
 
