@@ -124,6 +124,10 @@ SPEC_CLI = "tests/test_speculative.py::test_cli_runs_the_documented_command_and_
 # every control that applies, traced on a cell of the preset's family (SmolLM3's NoPE layers)
 FITS, NO_FIT = "device memory 16.00 GiB: fits", "device memory 16.00 GiB: does NOT fit"
 EVERY = "tests/test_every_control.py::test_every_applicable_control_runs_and_changes_its_program"
+GMM_KERNEL = "tests/test_gmm.py::test_the_kernel_in_shard_map_equals_the_reference"
+GMM_PROOF = "tests/test_gmm.py::test_gmm_is_proven_in_float64_on_cpu_with_its_controls"
+GEN_BATCH = "tests/test_bench.py::test_bench_generation_at_several_batch_sizes_in_bf16"
+DECODE_BENCH = "meshlm bench --config llama-100m --mesh 1x1 --batch-size "
 
 
 @dataclass(frozen=True)
@@ -296,10 +300,73 @@ COMMANDS: dict[str, Run | Shown] = {
         add="--warmup 0",
         expect=('"decode_step_ms"', '"roofline_ms": null'),
     ),
+    # issue 64's chip commands (docs/benchmarks.md "Issue 64 on the chip"), on tiny models here: the MoE
+    # dispatches side by side (gmm in interpret mode: slow), decode at several batch sizes in bf16
+    "meshlm bench --config qwen3-moe-100m --mesh 1x1 --batch-size 8 --seq-len 512 --bf16 --gen-tokens 0 "
+    "--peak-n 8192 --impls ragged_dot-dispatch,gmm-dispatch,dense-eq --json": run(
+        "qwen3-moe-100m => tiny-qwen3-moe",
+        "--batch-size 8 => --batch-size 2",
+        "512 => 16",
+        "8192 => 128",
+        add="--warmup 0",
+        expect=('"gmm-dispatch/dense-eq"', '"ragged_dot-dispatch/dense-eq"'),
+        slow=GMM_KERNEL,
+    ),
+    "meshlm bench --config qwen3-moe-a3b-chip --mesh 1x1 --batch-size 8 --seq-len 512 --bf16 --gen-tokens 0 "
+    "--peak-n 8192 --impls ragged_dot-dispatch,gmm-dispatch,dense-eq --json": run(
+        "qwen3-moe-a3b-chip => tiny-qwen3-moe",
+        "--batch-size 8 => --batch-size 2",
+        "512 => 16",
+        "8192 => 128",
+        add="--warmup 0",
+        expect=('"gmm-dispatch/dense-eq"',),
+        slow=GMM_KERNEL,
+    ),
+    DECODE_BENCH + "8 --seq-len 512 --gen-tokens 64 --gen-batch 1,8,32,64 --peak-n 8192 --impls meshlm "
+    "--bf16 --json": run(
+        "llama-100m => tiny-llama",
+        "--batch-size 8 => --batch-size 2",
+        "--gen-batch 1,8,32,64 => --gen-batch 1,2",
+        "512 => 16",
+        "--gen-tokens 64 => --gen-tokens 10",
+        "8192 => 128",
+        add="--warmup 0",
+        expect=('"generation_by_batch"', '"dtype": "bfloat16"', '"roofline_ms": null'),
+        slow=GEN_BATCH,
+    ),
+    DECODE_BENCH + "8 --seq-len 512 --gen-tokens 64 --gen-batch 1,8,32,64 --peak-n 8192 --impls meshlm "
+    "--json": run(
+        "llama-100m => tiny-llama",
+        "--batch-size 8 => --batch-size 2",
+        "--gen-batch 1,8,32,64 => --gen-batch 1,2",
+        "512 => 16",
+        "--gen-tokens 64 => --gen-tokens 10",
+        "8192 => 128",
+        add="--warmup 0",
+        expect=('"generation_by_batch"', '"dtype": "float32"'),
+        slow=GEN_BATCH,
+    ),
+    DECODE_BENCH + "1 --seq-len 4096 --gen-tokens 64 --gen-batch 1,8 --peak-n 8192 --impls meshlm --bf16 "
+    "--json": run(
+        "llama-100m => tiny-llama",
+        "--gen-batch 1,8 => --gen-batch 1,2",
+        "4096 => 48",
+        "--gen-tokens 64 => --gen-tokens 10",
+        "8192 => 128",
+        add="--warmup 0",
+        expect=('"generation_by_batch"', '"prompt_len": 48'),
+        slow=GEN_BATCH,
+    ),
     "meshlm bench --config tiny-llama --mesh 1x1 --impls meshlm,jax": run(
         code=2, expect=("no implementation jax for this model and mesh; valid: meshlm,unsharded,gspmd,plain",)
     ),
     "meshlm plan --config cpu --mesh 1x1 --seq-len 16384 --batch-size 1": run(),
+    # qwen3-moe-a3b-chip's memory (docs/benchmarks.md "Issue 64"): 45 s of CPU to compile its step; the
+    # same plan of the MoE path on a tiny preset here
+    "meshlm plan --config qwen3-moe-a3b-chip --mesh 1x1 --batch-size 8 --seq-len 512 "
+    "--moe-dispatch ragged_dot --bf16": run(
+        "qwen3-moe-a3b-chip => tiny-qwen3-moe", "--batch-size 8 => --batch-size 2", "512 => 16"
+    ),
     WBENCH + "4096 --compare-window 1024 --batch-size 1 --steps 5 --mesh 1x1": run(
         "4096 --compare-window 1024 => 32 --compare-window 10 --attn-block 8 --warmup 0",
         expect=("window 10",),
@@ -620,6 +687,9 @@ COMMANDS: dict[str, Run | Shown] = {
         costly=EP
     ),
     "meshlm verify --config tiny-qwen3-moe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
+    "meshlm verify --config tiny-mixtral --mesh 2x2 --ep 2 --devices 4 --x64 --moe-dispatch gmm": verify(
+        costly=GMM_PROOF
+    ),
     "meshlm verify --config tiny-olmoe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=EP),
     "meshlm verify --config cpu-moe --mesh 2x2 --ep 2 --devices 4 --steps 3 --x64": verify(costly=ROUTER),
     "meshlm verify --config tiny-qwen3.5 --mesh 1x4 --devices 4 --steps 2 --x64": verify(costly=LINEAR),

@@ -10,6 +10,7 @@ import pytest
 from helpers import run_cli
 
 from meshlm.errors import ConfigError
+from meshlm.generate.cache import cache_bytes
 from meshlm.io.model_io import abstract_params
 from meshlm.model.config import get_config
 from meshlm.parallel.mesh import make_mesh
@@ -439,3 +440,37 @@ def test_an_mfu_above_one_is_never_printed_as_a_measurement(capsys, monkeypatch)
     assert "MFU over the measured peak not shown: a step ran faster than the --peak-n 64 matmul" in text
     report = _bench_json([*argv, "--json"], capsys)
     assert report["results"][0]["mfu"] is None and "raise --peak-n" in report["mfu_note"]
+
+
+def test_bench_generation_at_several_batch_sizes_in_bf16(capsys):
+    """``--gen-batch 2,4`` under ``--bf16``: one generation row per batch size (``generation`` the first),
+    each with bf16 weights and KV cache: a decode step reads half the float32 weights' bytes and the bf16
+    cache of its batch (prompt 60 + 4 new tokens: 64 slots a row)."""
+    argv = ["--config", "tiny-llama", "--mesh", "1x1", "--json", "--steps", "5", "--peak-n", "256"]
+    report = _bench_json(
+        [*argv, "--impls", "meshlm", "--bf16", "--gen-tokens", "4", "--gen-batch", "2,4"], capsys
+    )
+    rows = report["generation_by_batch"]
+    assert [g["batch"] for g in rows] == [2, 4] and report["generation"] == rows[0]
+    cfg, weights = get_config("tiny-llama"), report["results"][0]["bytes_per_device"]["params"]
+    for g in rows:
+        assert g["dtype"] == "bfloat16" and all(
+            _positive(g[k]) for k in ("decode_tokens_per_s", "decode_step_ms")
+        )
+        cache = cache_bytes(cfg, make_mesh(1, 1), g["batch"], 64, "bfloat16")["per_device"]
+        assert g["decode_bytes_per_device"] == weights // 2 + cache
+
+
+def test_bench_impls_name_each_sorted_dispatch():
+    """A MoE bench builds ragged_dot's, gmm's and blocks' steps beside dense-eq when --impls names them
+    (one run, side by side), never by default; a dense model has none."""
+    from meshlm.parallel.layout import Layout
+    from meshlm.perf.bench_settings import BenchSettings, chosen, impl_names
+
+    moe, one = get_config("tiny-mixtral").replace(moe_dispatch="ragged_dot"), Layout()
+    names = impl_names(moe, one)
+    assert names[-3:] == ("blocks-dispatch", "ragged_dot-dispatch", "gmm-dispatch")
+    assert chosen(BenchSettings(), names) == ("meshlm", "unsharded", "gspmd", "dense-eq", "dense-dispatch")
+    asked = BenchSettings(impls="meshlm,gmm-dispatch,dense-eq")
+    assert chosen(asked, names) == ("meshlm", "dense-eq", "gmm-dispatch")
+    assert "gmm-dispatch" not in impl_names(get_config("tiny-llama"), one)

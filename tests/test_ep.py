@@ -45,6 +45,8 @@ CASES = [  # (dispatch, ep, dp, one_shard, capacity, expert biases): ep 1 is the
     ("blocks", 2, 4, False, 0, False),
     ("blocks", 4, 4, True, 0, True),
     ("ragged_dot", 2, 4, False, 0, False),
+    ("gmm", 1, 4, False, 0, False),  # float64: the kernel's reference path (tests/test_gmm.py: the kernel)
+    ("gmm", 2, 4, True, 0, True),  # one ep shard's experts take every row: the other's groups all empty
     ("ragged_dot", 2, 4, False, 0, True),
     ("blocks", 2, 4, False, 5, True),
 ]

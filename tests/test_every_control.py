@@ -155,6 +155,8 @@ CONFIGS = {
         2,
         8,
     ),
+    # the megablox grouped matmul (interpret mode here) over ep and mp: its group offsets' control
+    "tiny-mixtral 2x2 ep2 (experts by gmm)": ("tiny-mixtral", {**ONE, "moe_dispatch": "gmm"}, EP2, 2, 8),
     # the "dense" reference dispatch under ep: its all-to-alls' controls
     "tiny-olmoe 2x2 ep2 (projection q/k norm, dense dispatch)": (
         "tiny-olmoe",

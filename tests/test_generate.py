@@ -230,15 +230,26 @@ def test_no_compilation_per_token_or_prompt_length():
 
 # the greedy cell slow: the sampled one (quick) also fails on a chunk's wrong step key or document start
 @pytest.mark.parametrize(
-    "sampled", [pytest.param(False, marks=pytest.mark.slow), True], ids=["greedy", "sampled"]
+    "sampled,bf16",
+    [pytest.param(False, False, marks=pytest.mark.slow), (True, False), (True, True)],
+    ids=["greedy", "sampled", "sampled-bf16"],
 )
-def test_chunked_decode_draws_the_tokens_of_single_steps(monkeypatch, sampled):
+def test_chunked_decode_draws_the_tokens_of_single_steps(monkeypatch, sampled, bf16):
     """Generation runs DECODE_CHUNK steps per program while that many are left: the same tokens, row for
     row, as single steps (the host loop of ``decode_step``), greedy and sampled (each step's key from
     its index), with the document mask moving at an EOD a chunk feeds, and a row that stops mid-chunk
-    (its stop string) keeps only its tokens up to there."""
+    (its stop string) keeps only its tokens up to there. ``bf16``: ``generate --bf16``'s weights (and so
+    its bf16 KV cache)."""
     cfg = get_config("tiny-llama")
     params, mesh = host_params("tiny-llama"), make_mesh(2, 2)
+    if bf16:
+        params = generator_module.in_dtype(params, jnp.bfloat16)
+        gen = Generator(cfg, params, mesh)
+        half = generator_module.cache_memory(gen, 2)["per_device"]
+        assert (
+            gen._prog.cache_dtype == jnp.bfloat16
+            and 2 * half == cache_bytes(cfg, mesh, 2, gen.max_len)["per_device"]
+        )
     kw = dict(temperature=0.9, top_k=20, seed=3) if sampled else {}
     new = 2 * generator_module.DECODE_CHUNK + 3  # two chunks, then single steps
     free = Generator(cfg, params, mesh, eod=None).generate(PROMPTS, new, **kw)
@@ -326,6 +337,12 @@ def test_cli_json_stream_and_missing_checkpoint(tmp_path, capsys):
     assert capsys.readouterr().out == "3" + expect[1].text + "\n"
     assert run_cli(*common, str(tmp_path), "--prompt", "1") == 2
     assert "no checkpoint" in capsys.readouterr().err
+    # --bf16: the weights cast, so the KV cache bf16 too (half the bytes), the tokens bf16 weights' own
+    assert run_cli(*common, str(tmp_path / "run"), "--prompt", "012", "--json", "--bf16") == 0
+    half = json.loads(capsys.readouterr().out)
+    bf16 = Generator(gen.cfg, generator_module.in_dtype(gen.params, jnp.bfloat16), gen.mesh)
+    assert half["tokens"] == tokens_of(bf16.generate(["012"], 6))[0]
+    assert 2 * 2 * half["kv_cache"]["total"] == out[0]["kv_cache"]["total"]  # 1 row, not 2; 2 bytes, not 4
 
 
 def test_bench_generation_reports_throughput():

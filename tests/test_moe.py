@@ -117,8 +117,8 @@ def test_moe_proven_sharded_with_its_controls_detected():
             "tiny-qwen2-moe", 2, 2, batch=2, seq=8, dtype=jnp.float64, cfg=cfg, controls=MOE_CONTROLS
         )
     assert report.ok and max(p.max_rel_err for p in report.params) <= 1e-12, format_report(report)
-    # all but the capacity's (dropless here) and the one of norm_topk_prob off (OLMoE)
-    assert len(report.controls) == len(MOE_CONTROLS) - 2
+    # all but the capacity's (dropless here), the one of norm_topk_prob off (OLMoE) and gmm's (its offsets)
+    assert len(report.controls) == len(MOE_CONTROLS) - 3
     (flips,) = [c for c in report.checks if c["name"] == "routing flips"]  # proof.routing
     assert flips["ok"] and flips["detail"].startswith("0 of 16 token-choices routed differently"), flips
 

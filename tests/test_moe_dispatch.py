@@ -35,7 +35,8 @@ def test_auto_is_ragged_dot_on_tpu_and_gpu_and_blocks_on_cpu(monkeypatch):
     assert ExpertDispatch().moe_dispatch == "auto" and ExpertDispatch().dispatch_kind("tpu") == "ragged_dot"
     for chosen in DISPATCHES:
         assert {dispatch_for(chosen, b) for b in ("tpu", "gpu", "cpu")} == {chosen}
-    with pytest.raises(ConfigError, match="--moe-dispatch 'grouped'; valid: auto, blocks, ragged_dot, dense"):
+    valid = "valid: auto, blocks, ragged_dot, gmm, dense"
+    with pytest.raises(ConfigError, match=f"--moe-dispatch 'grouped'; {valid}"):
         dispatch_for("grouped", "cpu")
     with pytest.raises(ConfigError, match="moe_dispatch='grouped'; valid: auto, blocks"):
         TrainConfig(moe_dispatch="grouped")
@@ -140,6 +141,7 @@ def test_ragged_dot_is_proven_in_float64_on_cpu_with_its_controls():
             "tiny-qwen2-moe", 2, 2, batch=2, seq=8, dtype=jax.numpy.float64, cfg=cfg, controls=MOE_CONTROLS
         )
     assert report.ok and max(p.max_rel_err for p in report.params) <= 1e-12, format_report(report)
-    # test_moe's proof by "blocks" runs all but 2 (the capacity's, norm_topk_prob off's); these 2 more
+    # test_moe's proof by "blocks" runs all but 3 (the capacity's, one of norm_topk_prob's two, gmm's
+    # offsets); these 2 more
     names = {c["name"] for c in report.controls}
-    assert len(names) == len(MOE_CONTROLS) - 4 and not any("neighbour" in n or "padding" in n for n in names)
+    assert len(names) == len(MOE_CONTROLS) - 5 and not any("neighbour" in n or "padding" in n for n in names)

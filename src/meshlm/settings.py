@@ -223,7 +223,7 @@ class LongContext:
 
 
 # --moe-dispatch: "auto", then model.config.DISPATCHES (here: this module imports no model code)
-DISPATCH_CHOICES = ("auto", "blocks", "ragged_dot", "dense")
+DISPATCH_CHOICES = ("auto", "blocks", "ragged_dot", "gmm", "dense")
 FAST_DISPATCH = {"tpu": "ragged_dot", "gpu": "ragged_dot"}  # "auto" per backend; any other: "blocks"
 
 
@@ -244,6 +244,17 @@ def dispatch_for(choice: str, backend: str) -> str:
     return FAST_DISPATCH.get(backend, "blocks") if choice == "auto" else choice
 
 
+def _tiling_text(text: str) -> str:
+    """--gmm-tiling's text, checked (``parallel.gmm_tiling.parse_tiling``) and kept as given."""
+    from meshlm.parallel.gmm_tiling import parse_tiling
+
+    try:
+        parse_tiling(text)
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    return text
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertDispatch:
     """How a mixture of experts reaches its experts, for train, verify, bench and plan (a base, as
@@ -253,15 +264,28 @@ class ExpertDispatch:
     moe_dispatch: str = setting(
         "auto",
         "a mixture of experts' dispatch: auto (ragged_dot on a TPU or GPU, blocks elsewhere), blocks "
-        "(sorted, a scan of block matmuls), ragged_dot (sorted, jax.lax.ragged_dot) or dense (every "
+        "(sorted, a scan of block matmuls), ragged_dot (sorted, jax.lax.ragged_dot), gmm (sorted, JAX's "
+        "Pallas megablox grouped matmul: compiled on a TPU, interpret mode elsewhere) or dense (every "
         "expert on every token: the proof's reference)",
         choices=DISPATCH_CHOICES,
+    )
+
+    gmm_tiling: str = setting(
+        "auto",
+        "--moe-dispatch gmm's kernel tiles: auto (from the shapes) or TM,TK,TN (rows, contraction and "
+        "output columns of a tile; TK, TN capped to a divisor of each matmul's dimension)",
+        parse=_tiling_text,
     )
 
     def dispatch_kind(self, backend: str) -> str:
         """--moe-dispatch as the model takes it (``ModelConfig.moe_dispatch``; ``backend``:
         ``jax.default_backend()`` where the command starts): ``dispatch_for``."""
         return dispatch_for(self.moe_dispatch, backend)
+
+    def dispatch_fields(self, backend: str) -> dict[str, str]:
+        """The model config's dispatch fields as the command runs them: ``moe_dispatch``
+        (``dispatch_kind``) and ``moe_gmm_tiling`` (--gmm-tiling)."""
+        return {"moe_dispatch": self.dispatch_kind(backend), "moe_gmm_tiling": self.gmm_tiling}
 
 
 # ---- settings files (``--settings FILE``): TOML, one key per flag ----

@@ -70,6 +70,14 @@ def add_parser(sub) -> None:
         ),
     )
     p.add_argument(
+        "--bf16",
+        action="store_true",
+        help=(
+            "weights and KV cache in bfloat16: half the bytes each decode step reads (norms, router and "
+            "logits still in float32); tokens may differ from float32's where its logits nearly tie"
+        ),
+    )
+    p.add_argument(
         "--tokenizer",
         default=None,
         help="tokenizer.json for a checkpoint converted without one (default: the checkpoint's own)",
@@ -144,6 +152,8 @@ def run(args) -> int:
         from meshlm.generate.speculative import check_speculative
 
         check_speculative(read_config(args.checkpoint)[0], None, args.temperature, prefill_cp)
+    if args.bf16:  # before the weights load
+        check_bf16(read_config(args.checkpoint)[0])
     tok = _tokenizer(args)  # the checkpoint's own: bytes, or its tokenizer.json
     streaming = not args.json and len(prompts) == 1 and is_main()
     gen, results, spec = _load_and_generate(args, layout, tok, prompts, streaming)
@@ -173,17 +183,30 @@ def _load_and_generate(args, layout, tok, prompts, streaming: bool) -> tuple:
     """(the Generator, its results, the speculation's stats or None): the weights loaded onto
     ``layout`` and the prompts continued; a device's out-of-memory on the way is one line
     (``generate_asked``)."""
-    from meshlm.generate.generator import Generator, as_run_here
+    import jax.numpy as jnp
+
+    from meshlm.generate.generator import Generator, as_run_here, in_dtype
     from meshlm.io.model_io import load_model
     from meshlm.perf.oom import reported
 
     with reported(lambda: generate_asked(args, layout, len(prompts))):
         cfg, params, _ = load_model(args.checkpoint, layout)
+        if args.bf16:  # the cache takes the weights' dtype (``generate.cache``)
+            params = in_dtype(params, jnp.bfloat16)
         cfg = as_run_here(cfg)  # the backend's mixture-of-experts dispatch, not the saved config's
         eod = _stop_ids(args, tok)
         gen = Generator(cfg, params, layout, tokenizer=tok, eod=eod, prefill_cp=layout.context_parallel)
         results, spec = _generate(args, gen, prompts, _streamer(prompts[0]) if streaming else None)
     return gen, results, spec
+
+
+def check_bf16(cfg) -> None:
+    """--bf16 only for a family that computes in bf16 (``Family.compute_dtypes``, as train --bf16)."""
+    from meshlm.errors import ConfigError
+
+    if "bfloat16" not in cfg.arch.compute_dtypes:
+        only = ", ".join(cfg.arch.compute_dtypes)
+        raise ConfigError(f"--bf16: {cfg.arch.name} computes in {only} only; drop --bf16")
 
 
 def generate_asked(args, layout, rows: int) -> str:
@@ -199,9 +222,10 @@ def generate_asked(args, layout, rows: int) -> str:
 
     cfg = read_config(args.checkpoint)[0]
     kind, limit = device_memory()
-    weights = memory_report(cfg, layout)["param_bytes_per_device"]
+    weights = memory_report(cfg, layout)["param_bytes_per_device"] // (2 if args.bf16 else 1)
     padded = -(-rows // layout.dp) * layout.dp  # rows padded to a multiple of dp, as generate pads them
-    cache = cache_bytes(cfg, layout, padded, cfg.max_seq_len)["per_device"]
+    dtype = "bfloat16" if args.bf16 else "float32"
+    cache = cache_bytes(cfg, layout, padded, cfg.max_seq_len, dtype)["per_device"]
     of = f" of its {format_bytes(limit)}" if limit else ""
     return (
         f"out of memory on {kind} in meshlm generate: asked {args.checkpoint} on mesh {layout.label()}, "

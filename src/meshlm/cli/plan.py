@@ -85,8 +85,8 @@ def run(args) -> int:
     target = resolve(pc.chip, pc.compiler, layout.devices)
     backend = target.platform
     seq_len = default_seq_len(cfg, pc.seq_len or 0)  # what auto decides on
-    attention, dispatch = pc.attention_kind(backend, seq_len), pc.dispatch_kind(backend)  # the run's rows
-    cfg = cfg.replace(attention=attention, attn_block=pc.attn_block, moe_dispatch=dispatch)
+    attention, dispatch = pc.attention_kind(backend, seq_len), pc.dispatch_fields(backend)  # the run's rows
+    cfg = cfg.replace(attention=attention, attn_block=pc.attn_block, **dispatch)
     cfg = with_lora(pc, cfg)  # LoRA: adapters
     report = plan(
         cfg,

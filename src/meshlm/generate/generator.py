@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -200,6 +201,14 @@ def _decode(gen: Generator, rows: list[OutputRow], state: tuple, sampling: Sampl
         steps, pushed = push_steps(rows, out, steps, max_new)
         nxt, decoded = out[:, -1], decoded + pushed
     return decoded
+
+
+def in_dtype(params, dtype):
+    """``params`` with every floating leaf cast to ``dtype`` (``generate --bf16``: bf16 weights, and so a
+    bf16 KV cache, the cache taking the embedding's dtype: half the bytes a decode step reads); integer
+    leaves as they are. Norms, the router and the logits compute in at least float32 all the same
+    (``model.layers.upcast``)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
 def cache_memory(gen: Generator, batch: int) -> dict:

@@ -24,13 +24,14 @@ from meshlm.model.rope import RopeScaling, YarnScaling, scaling_of
 from meshlm.model.rope import inv_freq as rope_inv_freq
 from meshlm.model.router_fields import ROUTER_RANGES, RouterFields, check_router
 from meshlm.model.variant_fields import VariantFields, check_variant_fields
+from meshlm.parallel.gmm_tiling import parse_tiling
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 
 ATTENTION = ("plain", "blockwise", "flash")  # see meshlm.model.attention, .blockwise and .flash
 # How a mixture of experts reaches its experts (``moe_dispatch``, ``parallel.grouped``): "dense" is the
 # all-local reference, every expert on every token (``parallel.experts.dense_experts``): what the proof
 # compares the others with. The commands' --moe-dispatch adds "auto" (``settings.dispatch_for``).
-DISPATCHES = ("blocks", "ragged_dot", "dense")
+DISPATCHES = ("blocks", "ragged_dot", "gmm", "dense")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class MoEFields:
     moe_aux_loss: str = "hf"
     moe_capacity_factor: float = 0.0
     dense_layers: tuple[int, ...] = ()
+    # "gmm"'s kernel tiles, like ``moe_dispatch`` not a model fact (the command's --gmm-tiling): "auto"
+    # (chosen from the shapes) or "TM,TK,TN" (``parallel.gmm_kernel``)
+    moe_gmm_tiling: str = "auto"
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -254,6 +258,7 @@ def _check_moe(cfg: ModelConfig) -> None:
 def _check_dispatch(cfg: ModelConfig) -> None:
     if cfg.moe_dispatch not in DISPATCHES:
         raise ConfigError(f"moe_dispatch must be one of {', '.join(DISPATCHES)}, got {cfg.moe_dispatch!r}")
+    parse_tiling(cfg.moe_gmm_tiling)  # "auto" or TM,TK,TN: one line naming the fix
 
 
 # What each numeric field accepts; the others must just have their annotated type (str or bool).

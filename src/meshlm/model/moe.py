@@ -56,6 +56,7 @@ from jax import lax
 from meshlm.model.layers import GATED, MLP, upcast
 from meshlm.model.routers import BIAS, Router
 from meshlm.parallel.context import Parallel
+from meshlm.parallel.gmm_tiling import parse_tiling
 
 # The router's path suffix: a matmul weight replicated over mp (under sp its gradient is summed over mp,
 # as a norm's: ``perf.memory_collectives``).
@@ -152,10 +153,22 @@ class Experts:
     (``parallel.grouped``); ``capacity``: each expert's bound on the global batch's choices (0: dropless);
     ``weights`` and ``hidden`` (``expert_activation``: the gated hidden units of gate and up) for the
     grouped matmuls; ``b_gate``, ``b_up`` [E_here, I/mp]: the projections' biases (None: none; the down
-    bias is ``MoE``'s), each row's expert's added in every dispatch (``biases``: the pair, or ())."""
+    bias is ``MoE``'s), each row's expert's added in every dispatch (``biases``: the pair, or ());
+    ``tiling``: "gmm"'s kernel tiles (tm, tk, tn), None: chosen from the shapes (``parallel.gmm_kernel``)."""
 
-    def __init__(self, w_gate, w_up, w_down, dispatch="dense", capacity=0, b_gate=None, b_up=None, act=None):
-        self.weights = (w_gate, w_up, w_down)
+    def __init__(
+        self,
+        w_gate,
+        w_up,
+        w_down,
+        dispatch="dense",
+        capacity=0,
+        b_gate=None,
+        b_up=None,
+        act=None,
+        tiling=None,
+    ):
+        self.weights, self.tiling = (w_gate, w_up, w_down), tiling
         self.b_gate, self.b_up = b_gate, b_up
         self.hidden = act or (lambda gate, up: jax.nn.silu(gate) * up)
         self.n_local, self.dispatch, self.capacity = w_gate.shape[0], dispatch, capacity
@@ -205,7 +218,8 @@ class MoE(hk.Module):
             shapes.update(b_gate=[el, fl], b_up=[el, fl], b_down=[e, d])
         w_gate, w_up, w_down, *biases = _params("experts", shapes, self.stddev)
         act = expert_activation(cfg)
-        experts = Experts(w_gate, w_up, w_down, cfg.moe_dispatch, cap, *biases[:2], act=act)
+        tiling = parse_tiling(cfg.moe_gmm_tiling)
+        experts = Experts(w_gate, w_up, w_down, cfg.moe_dispatch, cap, *biases[:2], act=act, tiling=tiling)
         b, t = xf.shape[:2]
         xe = xf  # what the experts see: with ``weights_on_input`` (Llama 4, top-1) x times its weight
         if cfg.weights_on_input:

@@ -70,6 +70,11 @@ class ExpertParallel:
         rows are filled: where a control sends a token's rows to another expert."""
         return choice
 
+    def moe_group_sizes(self, sizes):
+        """[E_here] the rows of each expert as "gmm"'s kernel takes them (their cumulative sums its group
+        offsets: ``parallel.grouped.gmm_mlp``): where a control breaks the offsets."""
+        return sizes
+
     def moe_padding_choice(self, m: int):
         """What a padding row of the sorted dispatch reads and adds to: the choice ``m`` (none)."""
         return m

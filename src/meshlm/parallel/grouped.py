@@ -11,6 +11,10 @@ token order, then choice order) and gives each kept choice a row of a buffer [R,
   own transpose of a dynamic slice of the weights would add a whole [E, ...] array per block).
 * "ragged_dot": the rows unpadded, ``jax.lax.ragged_dot`` per matmul (a real grouped kernel on GPU and
   TPU; XLA:CPU lowers it to a dense batched dot, E / k times the routed FLOPs: there it is for equality).
+* "gmm": the rows of "ragged_dot", R rounded up to a multiple of the kernel's row tile, each matmul
+  JAX's Pallas megablox grouped matmul (``parallel.gmm_kernel``: on a TPU compiled, elsewhere in
+  interpret mode; float64 its reference path). Its groups: the E experts' rows, then one more of every
+  row no expert here takes (the kernel neither reads nor computes it: zeros out).
 * with a capacity C (``cap`` > 0): the fixed slots [E, cap, D] (``model.moe.capacity``'s bound),
   each expert's kept choices in its first slots, the experts' batched matmul over them.
 
@@ -27,8 +31,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from meshlm.parallel.gmm_kernel import grouped_matmul
+from meshlm.parallel.gmm_tiling import row_tile
 from meshlm.parallel.pipeline_ops import varying
 
+UNPADDED = ("ragged_dot", "gmm")  # each expert's rows unpadded, one after another
 BLOCK = 16  # rows per block of "blocks" (not tuned yet: smaller cuts padding, larger speeds each matmul)
 
 
@@ -43,20 +50,25 @@ class Rows(NamedTuple):
     used: jax.Array | None = None
 
 
-def row_bound(n: int, k: int, n_local: int, how: str, cap: int = 0) -> int:
-    """R, the static number of rows of ``plan`` for N = ``n`` tokens (module docstring)."""
+def row_bound(n: int, k: int, n_local: int, how: str, cap: int = 0, tiling=None) -> int:
+    """R, the static number of rows of ``plan`` for N = ``n`` tokens (module docstring); ``tiling``:
+    "gmm"'s fixed (tm, tk, tn) or None (``gmm_kernel.row_tile``)."""
     if cap:
         return n_local * cap
     most = n * min(k, n_local)  # a token chooses an expert at most once
     if how == "ragged_dot":
         return most
+    if how == "gmm":
+        tm = row_tile(most, n_local, tiling)
+        return -(-most // tm) * tm
     blocks = min((most + n_local * (BLOCK - 1)) // BLOCK, n_local * -(-n // BLOCK))
     return blocks * BLOCK
 
 
-def plan(ids, n_local: int, first, how: str, cap: int = 0) -> Rows:
+def plan(ids, n_local: int, first, how: str, cap: int = 0, tiling=None) -> Rows:
     """ids [N, k] GLOBAL expert ids (-1: a choice the capacity dropped) -> the rows of the choices of
-    experts first .. first + n_local - 1, sorted by expert (stable), per ``how`` and ``cap``."""
+    experts first .. first + n_local - 1, sorted by expert (stable), per ``how``, ``cap`` (and
+    "gmm"'s ``tiling``)."""
     n, k = ids.shape
     m = n * k
     local = ids.reshape(-1) - first
@@ -67,14 +79,14 @@ def plan(ids, n_local: int, first, how: str, cap: int = 0) -> Rows:
     rank = jnp.arange(m) - _ext(jnp.cumsum(counts) - counts)[es]  # place among its expert's choices
     if cap:
         sizes = jnp.full(n_local, cap, jnp.int32)
-    elif how == "ragged_dot":
+    elif how in UNPADDED:
         sizes = counts
     else:
         sizes = -(-counts // BLOCK) * BLOCK
-    r = row_bound(n, k, n_local, how, cap)
+    r = row_bound(n, k, n_local, how, cap, tiling)
     row = jnp.where(es < n_local, _ext(jnp.cumsum(sizes) - sizes)[es] + rank, r)
     choice = jnp.full(r, m, jnp.int32).at[row].set(order.astype(jnp.int32), mode="drop")
-    if cap or how == "ragged_dot":
+    if cap or how in UNPADDED:
         return Rows(choice, sizes)
     starts = jnp.arange(r // BLOCK) * BLOCK
     block_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), starts, side="right"), n_local - 1)
@@ -91,7 +103,7 @@ def sorted_experts(par, x, ids, weights, expert_fn, first=0, cap: int = 0):
     first .. first + ``expert_fn.n_local`` - 1 only (the others' choices add nothing here)."""
     n, k = ids.shape
     e_here = expert_fn.n_local
-    rows = plan(ids, e_here, first, expert_fn.dispatch, cap)
+    rows = plan(ids, e_here, first, expert_fn.dispatch, cap, expert_fn.tiling)
     choice = par.moe_rows(rows.choice)
     choice = jnp.where(choice == n * k, par.moe_padding_choice(n * k), choice)
     token = choice // k  # N for a padding row: reads zeros, adds to nothing
@@ -101,6 +113,9 @@ def sorted_experts(par, x, ids, weights, expert_fn, first=0, cap: int = 0):
         ys = expert_fn(xs.reshape(e_here, cap, -1)).reshape(xs.shape[0], -1)
     elif expert_fn.dispatch == "ragged_dot":
         ys = ragged_mlp(xs, rows.sizes, expert_fn)
+    elif expert_fn.dispatch == "gmm":
+        tm = row_tile(n * min(k, e_here), e_here, expert_fn.tiling)  # R's multiple (``row_bound``)
+        ys = gmm_mlp(xs, par.moe_group_sizes(rows.sizes), expert_fn, tm)
     else:
         blocks = xs.reshape(-1, BLOCK, xs.shape[-1])
         ws = tuple(_varying_like(w, xs) for w in expert_fn.weights)
@@ -122,11 +137,31 @@ def ragged_mlp(xs, sizes, expert_fn):
     biases each row's expert's added (rows past the sum take the last expert's: their weight is 0)."""
     w_gate, w_up, w_down = expert_fn.weights
     gate, up = lax.ragged_dot(xs, w_gate, sizes), lax.ragged_dot(xs, w_up, sizes)
-    if expert_fn.b_gate is not None:
-        e = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(xs.shape[0]), side="right")
-        e = jnp.minimum(e, sizes.shape[0] - 1)
-        gate, up = gate + expert_fn.b_gate[e], up + expert_fn.b_up[e]
+    gate, up = _with_biases(gate, up, sizes, expert_fn)
     return lax.ragged_dot(expert_fn.hidden(gate, up), w_down, sizes)
+
+
+def _with_biases(gate, up, sizes, expert_fn):
+    """gate, up [R, I] with each row's expert's biases added (none: as they are); ``sizes`` [E] (rows
+    past their sum take the last expert's: their combine weight is 0)."""
+    if expert_fn.b_gate is None:
+        return gate, up
+    e = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(gate.shape[0]), side="right")
+    e = jnp.minimum(e, sizes.shape[0] - 1)
+    return gate + expert_fn.b_gate[e], up + expert_fn.b_up[e]
+
+
+def gmm_mlp(xs, sizes, expert_fn, tm: int):
+    """ "gmm"'s ``ragged_mlp``: [R, D] rows grouped by expert (``sizes`` [E]; R a multiple of the row tile
+    ``tm``) -> [R, D], each matmul the megablox kernel (``gmm_kernel.grouped_matmul``) on the E experts'
+    groups and one group of the rows past their sum, which no expert here takes: its rows come out
+    zeros, none of them computed."""
+    w_gate, w_up, w_down = expert_fn.weights
+    rest = (xs.shape[0] - jnp.sum(sizes))[None].astype(jnp.int32)
+    groups = jnp.concatenate([sizes.astype(jnp.int32), rest])  # [E + 1]: their cumulative sums the offsets
+    mm = lambda a, w: grouped_matmul(a, w.astype(a.dtype), groups, tm, expert_fn.tiling)
+    gate, up = _with_biases(mm(xs, w_gate), mm(xs, w_up), sizes, expert_fn)
+    return mm(expert_fn.hidden(gate, up), w_down)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -113,9 +113,11 @@ def moe_bytes(cfg: ModelConfig, *, tokens: int, mp: int, ep: int, act_bytes: int
 
     shared = tokens * MOE_HIDDEN * cfg.shared_expert_d_ff / mp * act_bytes
     if cfg.moe_dispatch != "dense":
+        from meshlm.parallel.gmm_tiling import parse_tiling
         from meshlm.parallel.grouped import row_bound
 
-        rows = row_bound(ep * tokens, cfg.experts_per_token, cfg.n_experts // ep, cfg.moe_dispatch)
+        how, tiling = cfg.moe_dispatch, parse_tiling(cfg.moe_gmm_tiling)
+        rows = row_bound(ep * tokens, cfg.experts_per_token, cfg.n_experts // ep, how, tiling=tiling)
         values = rows * (2 * cfg.d_model + 2 * cfg.moe_d_ff / mp) + gathered_tokens(tokens, ep) * cfg.d_model
         return values * act_bytes + shared
     slots = cfg.n_experts * tokens

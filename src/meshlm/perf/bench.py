@@ -48,13 +48,24 @@ import jax
 import numpy as np
 
 from meshlm.errors import ConfigError
-from meshlm.generate.generator import bench_generation
+from meshlm.generate.generator import bench_generation, in_dtype
 from meshlm.model.config import ModelConfig
 from meshlm.model.transformer import param_shapes
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding, bytes_per_device, total_bytes
 from meshlm.perf.bench_moe import dense_step, moe_comparison, today_step
-from meshlm.perf.bench_settings import DENSE, IMPLS, NO_EP, NO_PP, TODAY, BenchSettings, chosen, impl_names
+from meshlm.perf.bench_settings import (
+    DENSE,
+    DISPATCH_IMPLS,
+    IMPLS,
+    NO_EP,
+    NO_PP,
+    TODAY,
+    BenchSettings,
+    chosen,
+    gen_batches,
+    impl_names,
+)
 from meshlm.perf.chips import decode_roofline, device_kind, spec_bf16_peak
 from meshlm.perf.collectives import theoretical_collectives
 from meshlm.perf.flops import model_flops_per_step
@@ -167,6 +178,13 @@ BUILDERS: dict[str, Callable[[Start], Impl]] = {
     NO_EP: lambda s: _without_pp(s.cfg, s.ocfg, s.layout, s.host_params, s.host, NO_EP, s.dtype),
     DENSE: lambda s: _compiled(DENSE, *dense_step(s.cfg, s.ocfg, s.layout, s.settings, s.host, s.dtype)),
     TODAY: lambda s: _compiled(TODAY, *today_step(s.cfg, s.ocfg, s.layout, s.host_params, s.host, s.dtype)),
+    # the same MoE with each sorted dispatch (--impls only: ``bench_settings.DISPATCH_IMPLS``)
+    **{
+        name: lambda s, name=name, how=how: _compiled(
+            name, *today_step(s.cfg, s.ocfg, s.layout, s.host_params, s.host, s.dtype, how)
+        )
+        for name, how in DISPATCH_IMPLS.items()
+    },
 }
 
 
@@ -284,20 +302,27 @@ def impl_result(impl: Impl, seconds: list[float], flops: float, tokens: int, pea
 
 def generation_bench(
     cfg: ModelConfig, impls: list[Impl], layout: Layout, settings: BenchSettings
-) -> dict | None:
-    """Prefill and decode throughput of ``generate.bench_generation`` with meshlm's parameters; None
-    when it is skipped (also when --impls leaves meshlm out)."""
+) -> list[dict] | None:
+    """Prefill and decode throughput of ``generate.bench_generation`` with meshlm's parameters, one row
+    per batch size (``BenchSettings.gen_batches``), each with its memory roofline; None when it is
+    skipped (also when --impls leaves meshlm out). Under --bf16 the weights and the KV cache are bf16
+    (``generate --bf16``): the roofline's bytes are theirs."""
     ours = [i for i in impls if i.name == "meshlm"]
     if (
         not settings.gen_new_tokens or not strategy(layout).generates or not ours
     ):  # e.g. no pipelined generation
         return None
     params = ours[0].params
+    if settings.compute_dtype != "float32":
+        params = in_dtype(params, COMPUTE_DTYPES[settings.compute_dtype])
     new = settings.gen_new_tokens  # at most half the context (``BenchSettings.check``)
     prompt = min(settings.seq_len, cfg.max_seq_len - new)
-    rates = bench_generation(cfg, params, layout, settings.batch_size, prompt, new)
-    gen = {"batch": settings.batch_size, "prompt_len": prompt, "new_tokens": new, **rates}
-    return gen | decode_roofline(gen, device_kind())
+    rows = []
+    for batch in gen_batches(settings):
+        rates = bench_generation(cfg, params, layout, batch, prompt, new)
+        gen = {"batch": batch, "prompt_len": prompt, "new_tokens": new, "dtype": settings.compute_dtype}
+        rows.append(gen | rates | decode_roofline(gen | rates, device_kind()))
+    return rows
 
 
 def _measured_mfu(mfu: float) -> float | None:
@@ -344,7 +369,10 @@ def step_time_ratios(seconds: dict[str, list[float]]) -> dict[str, dict[str, flo
     the ratio of the medians, and the median of the per-repetition ratios. The second pairs steps that
     ran seconds apart, so slow drifts in the machine's load cancel; on a shared machine it is the
     steadier of the two."""
-    pairs = [("meshlm", b) for b in (*IMPLS[1:], NO_PP, NO_EP, DENSE) if b in seconds and "meshlm" in seconds]
+    others = (*IMPLS[1:], NO_PP, NO_EP, DENSE, *DISPATCH_IMPLS)
+    pairs = [("meshlm", b) for b in others if b in seconds and "meshlm" in seconds]
+    # each sorted dispatch's step over dense-eq's too: the side-by-side MoE run's figure of merit
+    pairs += [(d, DENSE) for d in DISPATCH_IMPLS if {d, DENSE} <= set(seconds)]
     pairs += [("unsharded", "plain")] if {"unsharded", "plain"} <= set(seconds) else []
     return {f"{a}/{b}": _ratio(seconds[a], seconds[b]) for a, b in pairs}
 
@@ -401,11 +429,17 @@ def run_bench(
         "results": (results := [impl_result(i, seconds[i.name], flops, tokens, mfu_peaks) for i in impls]),
         "mfu_note": mfu_note(results, settings.peak_n),
         "step_time_ratios": step_time_ratios(seconds),
-        "generation": generation_bench(cfg, impls, layout, settings),
+        **_generation(generation_bench(cfg, impls, layout, settings)),
         "pipeline": pipeline_overhead(layout, seconds),
         "expert_parallel": expert_parallel(cfg, layout, settings, impls, seconds),
         "moe": moe_comparison(cfg, seconds, layout, tokens),
     }
+
+
+def _generation(rows: list[dict] | None) -> dict:
+    """The report's generation: "generation" the first batch's row (None: skipped), "generation_by_batch"
+    every --gen-batch row."""
+    return {"generation": rows[0] if rows else None, "generation_by_batch": rows}
 
 
 def expert_parallel(cfg: ModelConfig, layout: Layout, settings: BenchSettings, impls, seconds) -> dict | None:

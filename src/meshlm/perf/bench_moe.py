@@ -32,7 +32,7 @@ from meshlm.model.accounting import param_counts
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_sharding
-from meshlm.perf.bench_settings import DENSE, NO_EP, TODAY, BenchSettings
+from meshlm.perf.bench_settings import DENSE, DISPATCH_IMPLS, NO_EP, TODAY, BenchSettings
 from meshlm.train.optim import OptimConfig
 from meshlm.train.step import init_model, init_opt_state, sharded_step
 
@@ -76,12 +76,14 @@ def dense_step(
     return step, params, init_opt_state(opt, params, specs, flat.mesh), batch
 
 
-def today_step(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params, host, dtype=None):
+def today_step(
+    cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, host_params, host, dtype=None, dispatch="dense"
+):
     """``TODAY``'s (jitted step, params, opt_state, batch): the same parameters and batch, the "dense"
-    dispatch, on the same mesh, in compute dtype ``dtype``."""
+    dispatch (or ``dispatch``: a ``DISPATCH_IMPLS``' one), on the same mesh, in compute dtype ``dtype``."""
     from meshlm.sharding.rules import model_specs, shardings
 
-    today = cfg.replace(moe_dispatch="dense")
+    today = cfg.replace(moe_dispatch=dispatch)
     specs = model_specs(today, host_params, layout)
     params = jax.device_put(host_params, shardings(specs, layout.mesh))
     step, opt = sharded_step(today, ocfg, layout, specs, params, compute_dtype=dtype)
@@ -112,6 +114,9 @@ def expert_flops_over_routed(cfg: ModelConfig, layout: Layout, tokens: int, seed
     args = [jnp.ones((n, d)), jnp.ones((n, k)), jnp.ones((e, d, i)), jnp.ones((e, d, i)), jnp.ones((e, i, d))]
     out = {}
     for how in dict.fromkeys((cfg.moe_dispatch, "dense")):
+        if how == "gmm":  # the kernel's matmuls are a custom call, not HLO dots: nothing to count
+            out[how] = None
+            continue
         loss = lambda x, w, *ws, how=how: jnp.sum(Parallel().experts(x, ids, w, Experts(*ws, how)))
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile().as_text()
         out[how] = dot_flops_per_step(text) / routed
@@ -134,6 +139,19 @@ def expert_flops_run_over_routed(
     return int(plan(ids, e, 0, "blocks").used) * BLOCK / int(jnp.sum(ids < e))
 
 
+def gmm_tiles(cfg: ModelConfig, layout: Layout, tokens: int) -> dict:
+    """The gmm kernel's tiles (tm, tk, tn) at this shape, per forward matmul (``parallel.gmm_tiling``;
+    --gmm-tiling's or chosen): "gate_up" ([R, D] x [D, I/mp] per expert) and "down" ([R, I/mp] x [I/mp,
+    D]); the backward's: the same tm, tk and tn per its own dimensions."""
+    from meshlm.parallel.gmm_tiling import parse_tiling, row_tile, tiles
+
+    n = tokens // (layout.dp * layout.cp) * layout.ep
+    e, d, i = cfg.n_experts // layout.ep, cfg.d_model, cfg.moe_d_ff // layout.mp
+    tiling = parse_tiling(cfg.moe_gmm_tiling)
+    tm = row_tile(n * min(cfg.experts_per_token, e), e, tiling)
+    return {"tiling": cfg.moe_gmm_tiling, "gate_up": tiles(tm, d, i, tiling), "down": tiles(tm, i, d, tiling)}
+
+
 def _paired(a: list[float], b: list[float]) -> float:
     """The median of the per-repetition ratios a / b (repetition i of each ran together)."""
     return statistics.median(x / y for x, y in zip(a, b, strict=True))
@@ -148,7 +166,7 @@ def moe_comparison(
     if not cfg.arch.moe or DENSE not in seconds:
         return None
     moe, dense = param_counts(cfg), param_counts(dense_equivalent(cfg))
-    names = ("meshlm", TODAY, NO_EP)
+    names = ("meshlm", TODAY, NO_EP, *DISPATCH_IMPLS)
     ratios = {name: _paired(seconds[name], seconds[DENSE]) for name in names if name in seconds}
     return {
         "n_experts": cfg.n_experts,
@@ -162,6 +180,7 @@ def moe_comparison(
             "params": dense.total,
         },
         "dispatch": cfg.moe_dispatch,
+        "gmm_tiles": gmm_tiles(cfg, layout, tokens),
         "expert_compute_factor": cfg.n_experts / cfg.experts_per_token,  # the "dense" dispatch's
         "expert_flops_over_routed": expert_flops_over_routed(cfg, layout, tokens),
         "expert_flops_run_over_routed": expert_flops_run_over_routed(cfg, layout, tokens),

@@ -43,8 +43,9 @@ def _header(report: dict) -> list[str]:
 
 def _table(report: dict) -> list[str]:
     """One row per implementation: times, throughput, memory and all-reduces per step (per device)."""
+    w = max(10, *(len(r["impl"]) for r in report["results"]))  # the impl column: its longest name
     head = (
-        f"{'impl':<10} {'median s':>9} {'min s':>7} {'max s':>7} {'tokens/s':>9} {'MFU':>6} {'MFU spec':>8} "
+        f"{'impl':<{w}} {'median s':>9} {'min s':>7} {'max s':>7} {'tokens/s':>9} {'MFU':>6} {'MFU spec':>8} "
         f"{'params MiB':>10} {'opt MiB':>8} {'peak MiB':>9} {'all-reduce/step':>15} {'MiB/step':>9}"
     )
     rows = [head, "-" * len(head)]
@@ -52,7 +53,7 @@ def _table(report: dict) -> list[str]:
         mem, ar = r["bytes_per_device"], r["collectives"]["per_step"]["all-reduce"]
         spec = "-" if r["mfu_spec"] is None else f"{r['mfu_spec']:.3f}"
         rows.append(
-            f"{r['impl']:<10} {r['step_s_median']:>9.3f} {r['step_s_min']:>7.3f} {r['step_s_max']:>7.3f} "
+            f"{r['impl']:<{w}} {r['step_s_median']:>9.3f} {r['step_s_min']:>7.3f} {r['step_s_max']:>7.3f} "
             f"{r['tokens_per_s']:>9.0f} {_mfu(r['mfu']):>6} {spec:>8} {_mib(mem['params']):>10} "
             f"{_mib(mem['opt_state']):>8} {_mib(mem['peak']):>9} {ar['count']:>15} {_mib(ar['bytes']):>9}"
         )
@@ -84,10 +85,10 @@ def _summary(report: dict) -> list[str]:
         )
     if moe := report.get("moe"):
         rows.append(_moe_line(moe))
-    gen = report["generation"]
-    if gen is not None:
+    for gen in report.get("generation_by_batch") or ([report["generation"]] if report["generation"] else []):
         rows.append(
-            f"generation (meshlm, batch {gen['batch']}, prompt {gen['prompt_len']}, +{gen['new_tokens']}): "
+            f"generation (meshlm, batch {gen['batch']}, prompt {gen['prompt_len']}, +{gen['new_tokens']}"
+            f"{', bf16 weights and cache' if gen.get('dtype', 'float32') != 'float32' else ''}): "
             f"prefill {gen['prefill_tokens_per_s']:.0f} tokens/s, "
             f"decode {gen['decode_tokens_per_s']:.0f} tokens/s"
             + (
@@ -107,13 +108,27 @@ def _moe_line(moe: dict) -> str:
         f"{name}/{dense['impl']} {r:.2f}x (overhead {moe['overhead_vs_dense'][name]:.1%})"
         for name, r in moe["step_time_over_dense"].items()
     )
-    flops = ", ".join(f"{how} {r:.2f}" for how, r in moe["expert_flops_over_routed"].items())
+    flops = ", ".join(
+        f"{how} {r:.2f}" if r is not None else f"{how} n/a (a kernel)"
+        for how, r in moe["expert_flops_over_routed"].items()
+    )
     return (
         f"mixture of experts (E={moe['n_experts']}, k={moe['experts_per_token']}): {moe['params']:,} "
         f"parameters, {moe['active_params']:,} active; {dense['impl']} (dense, d_ff {dense['d_ff']}: "
         f'{dense["params"]:,} parameters): {times}; expert FLOPs / routed: {flops} (the "dense" '
         f"dispatch, every expert on every token: E / k = {moe['expert_compute_factor']:g})"
+        + (f"; gmm tiles {_gmm_tiles(moe['gmm_tiles'])}" if _runs_gmm(moe) else "")
     )
+
+
+def _runs_gmm(moe: dict) -> bool:
+    """Whether a step of the report ran the gmm kernel (meshlm's dispatch, or gmm-dispatch)."""
+    return moe["dispatch"] == "gmm" or "gmm-dispatch" in moe["step_time_over_dense"]
+
+
+def _gmm_tiles(tiles: dict) -> str:
+    """gmm's kernel tiles as (tm, tk, tn) per forward matmul (``bench_moe.gmm_tiles``)."""
+    return f"gate/up {tuple(tiles['gate_up'])}, down {tuple(tiles['down'])} ({tiles['tiling']})"
 
 
 def plot_bench(report: dict, path: str | Path) -> None:

@@ -40,6 +40,10 @@ NO_PP = AXIS[PP].baseline  # "no-pp": the same model on the dp x mp mesh without
 NO_EP = AXIS[EP].baseline  # "no-ep": the same model on the same devices, every expert on every data shard
 DENSE = "dense-eq"  # a MoE model: the dense model of equal active parameters (``bench_moe``)
 TODAY = "dense-dispatch"  # the same MoE with the "dense" dispatch: every expert on every token
+# the same MoE with each sorted dispatch, by name (``--impls`` only: built when named, so that one run
+# times ragged_dot, gmm and dense-eq side by side; the default run times the command's dispatch alone)
+SORTED_DISPATCHES = ("blocks", "ragged_dot", "gmm")
+DISPATCH_IMPLS = {f"{d}-dispatch": d for d in SORTED_DISPATCHES}
 
 
 def impl_names(cfg: ModelConfig, layout: Layout) -> tuple[str, ...]:
@@ -47,8 +51,16 @@ def impl_names(cfg: ModelConfig, layout: Layout) -> tuple[str, ...]:
     them (``--impls`` picks some of these)."""
     names = [*IMPLS[:3], *(() if cfg.arch.moe else ("plain",)), *layout.baselines()]
     if cfg.arch.moe:  # the dense model of equal active parameters; today's dispatch beside it
-        names += [DENSE, *((TODAY,) if cfg.moe_dispatch != "dense" else ())]
+        names += [DENSE, *((TODAY,) if cfg.moe_dispatch != "dense" else ()), *DISPATCH_IMPLS]
     return tuple(names)
+
+
+def parse_batches(text: str) -> str:
+    """--gen-batch's text as the comma list of positive ints it names, spaces dropped."""
+    names = [n.strip() for n in text.split(",")]
+    if not all(n.isdigit() and int(n) > 0 for n in names):
+        raise ValueError(f"{text!r}: give a comma list of positive batch sizes such as 1,8,32,64")
+    return ",".join(names)
 
 
 def parse_impls(text: str) -> str:
@@ -81,6 +93,13 @@ class BenchSettings(MeshFlags, LongContext, ExpertDispatch):  # --pp, --cp, --fs
         "new tokens per row in the generation bench (0: skip)",
         valid=NON_NEGATIVE_INT,
         flag="--gen-tokens",
+    )
+    gen_batch: str | None = setting(
+        None,
+        "comma list of batch sizes for the generation bench, e.g. 1,8,32,64: each one's prefill and "
+        "decode tokens/s and memory roofline (where batching stops paying)",
+        shown_default="--batch-size",
+        parse=parse_batches,
     )
     peak_n: int = setting(
         2048, "matmul size of the peak measurement (raise on accelerators)", valid=POSITIVE_INT
@@ -207,12 +226,17 @@ def _check_timed_shape(s: BenchSettings, cfg: ModelConfig) -> None:
         )
 
 
-# --impls and the accelerator flags (module functions: the settings class stays a record of fields)
+# --impls, --gen-batch and the accelerator flags (module functions: the settings class stays a record)
+def gen_batches(self: BenchSettings) -> tuple[int, ...]:
+    """The generation bench's batch sizes: --gen-batch's, or --batch-size (resolved first)."""
+    return tuple(map(int, self.gen_batch.split(","))) if self.gen_batch else (self.batch_size,)
+
+
 def chosen(self: BenchSettings, available: tuple[str, ...]) -> tuple[str, ...]:
     """The implementations to build, in the bench's order: --impls' of ``available`` (every one
-    the model and mesh have), or all of them."""
+    the model and mesh have), or all of them but the sorted dispatches' (``DISPATCH_IMPLS``: named only)."""
     if self.impls is None:
-        return available
+        return tuple(n for n in available if n not in DISPATCH_IMPLS)
     asked = self.impls.split(",")
     if unknown := [n for n in asked if n not in available]:
         raise ConfigError(

@@ -137,6 +137,17 @@ class ExpertGradToNeighbour(Parallel):
         return tuple(g.at[1].add(g[0]) for g in grads)
 
 
+class GroupOffsetsOneRowOff(Parallel):
+    """ "gmm"'s group offsets one row off: the first expert with rows hands its last row to the next
+    expert's group (the last expert's: to the rows of no group, computed as zeros). The kernel's (and
+    its reference path's) offsets are the sizes' cumulative sums, so every later offset stays put."""
+
+    def moe_group_sizes(self, sizes):
+        j = jnp.argmax(sizes > 0)  # the first expert with rows (none: the sizes as they are)
+        moved = sizes.at[j].add(-1).at[j + 1].add(1, mode="drop")
+        return jnp.where(sizes[j] > 0, moved, sizes)
+
+
 class PaddingRowsLeak(Parallel):
     """Padding rows read and add to choice 0 (a clamped index, not an out-of-range one): token 0 gets
     one more copy of its first choice's weight times each padding row's expert."""
@@ -218,6 +229,12 @@ MOE_CONTROLS: tuple[Control, ...] = (
             and w.cfg.n_experts // w.layout.ep >= 2
         ),
         par_cls=ExpertGradToNeighbour,
+    ),
+    Control(
+        name="MoE gmm group offsets one row off",
+        # the kernel's groups: "gmm" dropless (with a capacity the slots are fixed, no groups)
+        applies=lambda w: _sorted(w) and w.cfg.moe_dispatch == "gmm" and not w.cfg.moe_capacity_factor,
+        par_cls=GroupOffsetsOneRowOff,
     ),
     Control(
         name="MoE padding rows leak into the output",

@@ -324,7 +324,7 @@ def _finish(run: Run, summary: dict) -> None:
 
 
 def _sample(run: Run) -> str:
-    cfg = run.cfg.replace(moe_dispatch=run.tcfg.dispatch_kind(jax.default_backend()))  # the step's
+    cfg = run.cfg.replace(**run.tcfg.dispatch_fields(jax.default_backend()))  # the step's
     gen = Generator(cfg, run.params, run.layout, tokenizer=run.tokenizer, eod=run.tokenizer.eod_id)
     n = min(run.tcfg.sample_tokens, run.cfg.max_seq_len - 8)
     result = gen.generate(["def "], max_new_tokens=n, temperature=0.8, top_k=40, seed=run.tcfg.seed)[0]

@@ -234,8 +234,8 @@ def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
     step = step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp)
     backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU/GPU
     seq_len = default_seq_len(cfg, tcfg.seq_len)  # resolved already in a run; 0 is the default's
-    attention, dispatch = tcfg.attention_kind(backend, seq_len), tcfg.dispatch_kind(backend)
-    return step.replace(attention=attention, attn_block=tcfg.attn_block, moe_dispatch=dispatch)
+    attention, dispatch = tcfg.attention_kind(backend, seq_len), tcfg.dispatch_fields(backend)
+    return step.replace(attention=attention, attn_block=tcfg.attn_block, **dispatch)
 
 
 def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lambda: None) -> Run:

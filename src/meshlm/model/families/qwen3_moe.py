@@ -213,4 +213,25 @@ PRESETS: dict[str, dict] = {
         moe_d_ff=256,
         router_aux_loss_coef=0.001,
     ),
+    # qwen3-30b-a3b's expert shape on one 16 GiB chip (issue 64: the experts against dense-eq at a real
+    # shape): its d_model 2048, expert width 768, attention and rotary; 2 layers of 16 experts, 2 per
+    # token (the real model's k / E = 1/16 of a batch's rows per expert: groups of its size), the chip
+    # presets' 16384-token vocabulary. 256M parameters, 2.86 GiB with AdamW's moments in float32: two MoE
+    # copies (two dispatches) and dense-eq fit one bench run
+    "qwen3-moe-a3b-chip": dict(
+        vocab_size=16384,
+        d_model=2048,
+        n_layers=2,
+        d_ff=6144,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        rope_theta=1e6,
+        max_seq_len=8192,
+        norm_eps=1e-6,
+        n_experts=16,
+        experts_per_token=2,
+        moe_d_ff=768,
+        router_aux_loss_coef=0.001,
+    ),
 }
