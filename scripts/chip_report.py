@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import io
 import json
 import re
@@ -106,18 +107,76 @@ def _one_chip_jobs() -> list[Job]:
     return jobs
 
 
-GROUPS = {"plan": _plan_jobs, "attention": _attention_jobs, "one-chip": _one_chip_jobs}
+def _kernel_jobs() -> list[Job]:
+    """Issue 64: the experts' dispatches side by side against dense-eq; decode against its roofline at
+    serving batch sizes, float32 and bf16, and at a 4096-token prompt; the decode step's profile."""
+    moe = ("--batch-size", "8", "--seq-len", "512", "--bf16", "--steps", "5")
+    impls = ("--impls", "ragged_dot-dispatch,gmm-dispatch,dense-eq")
+    base = (*BENCH[:-2], *impls)
+    jobs = [
+        Job("kernels", f"experts {c}", (*base, "--config", c, *moe))
+        for c in ("qwen3-moe-100m", "qwen3-moe-a3b-chip")
+    ]
+    gen = (
+        *BENCH[:2],
+        "1x1",
+        "--peak-n",
+        "8192",
+        "--json",
+        "--impls",
+        "meshlm",
+        "--config",
+        "llama-100m",
+        "--steps",
+        "5",
+    )
+    batches = ("--batch-size", "8", "--seq-len", "512", "--gen-tokens", "64", "--gen-batch", "1,8,32,64")
+    jobs.append(Job("kernels", "decode f32 prompt 512", (*gen, *batches)))
+    jobs.append(Job("kernels", "decode bf16 prompt 512", (*gen, *batches, "--bf16")))
+    long = ("--batch-size", "1", "--seq-len", "4096", "--gen-tokens", "64", "--gen-batch", "1,8", "--bf16")
+    jobs.append(Job("kernels", "decode bf16 prompt 4096", (*gen, *long)))
+    profile = ("scripts/decode_profile.py", "--bf16")
+    jobs.append(Job("kernels", "decode profile bf16", profile, ("scripts/decode_profile.py", "--cpu-smoke")))
+    return jobs
+
+
+GROUPS = {
+    "plan": _plan_jobs,
+    "attention": _attention_jobs,
+    "one-chip": _one_chip_jobs,
+    "kernels": _kernel_jobs,
+}
+
+
+def _script_main(path: str):
+    """``scripts/NAME.py ARGS...`` as a callable(argv) -> exit code: its ``main()`` with ``sys.argv`` set
+    (in this process: the chip admits one program at a time)."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, Path(__file__).parent / Path(path).name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+
+    def call(argv: list[str]) -> int:
+        saved, sys.argv = sys.argv, [path, *argv]
+        try:
+            return module.main() or 0
+        finally:
+            sys.argv = saved
+
+    return call
 
 
 def run_job(job: Job, argv: tuple[str, ...]) -> Result:
-    """``meshlm ARGV`` in this process; its stdout's last JSON line is the output."""
+    """``meshlm ARGV`` (or ``scripts/NAME.py ARGS``) in this process; its stdout's last JSON line is the
+    output (a script's every JSON line, when it prints several)."""
     from meshlm.cli import main
 
+    script = argv[0].startswith("scripts/")
     res, out, err = Result(job), io.StringIO(), io.StringIO()
     start = time.perf_counter()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _compiles() as compiles:
-            res.code = main(list(argv))
+            res.code = _script_main(argv[0])(list(argv[1:])) if script else main(list(argv))
     except BaseException as e:  # noqa: BLE001 - a job's failure is a row of the report, not the end of it
         if isinstance(e, KeyboardInterrupt):
             raise
@@ -130,7 +189,11 @@ def run_job(job: Job, argv: tuple[str, ...]) -> Result:
     lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("{")]
     if lines:
         try:
-            res.output = json.loads(lines[-1])
+            res.output = (
+                json.loads(lines[-1])
+                if not script or len(lines) == 1
+                else {"lines": [json.loads(line) for line in lines]}
+            )
         except json.JSONDecodeError as e:
             res.error = res.error or f"unparsable JSON output: {e}"
     if res.code and not res.error:
@@ -200,9 +263,11 @@ def _bench_rows(res: Result) -> list[str]:
             f"| {res.job.name} | {r['impl']} | {r['step_s_median'] * 1e3:.2f} | {r['tokens_per_s']:,.0f} | "
             f"{mfu} | {_gb(mem.get('peak'))} | {loss:.4f} |"
         )
-    gen = res.output.get("generation")
-    if gen:
-        rows.append(f"| {res.job.name} | generation | {json.dumps(gen)[:300]} | | | | |")
+    for key in (
+        ("generation_by_batch", "moe") if res.output.get("generation_by_batch") else ("generation", "moe")
+    ):
+        if res.output.get(key):
+            rows.append(f"| {res.job.name} | {key} | {json.dumps(res.output[key])[:600]} | | | | |")
     return rows
 
 
