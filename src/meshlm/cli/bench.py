@@ -61,7 +61,9 @@ def run(args) -> int:
 
     backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU and GPU
     attention, dispatch = bs.attention_kind(backend), bs.dispatch_kind(backend)  # a dense model ignores it
-    cfg = get_config(bs.config).replace(attention=attention, attn_block=bs.attn_block, moe_dispatch=dispatch)
+    cfg = get_config(bs.config).replace(
+        attention=attention, attn_block=bs.attn_block, moe_dispatch=dispatch, loss_chunk=bs.loss_chunk
+    )
     # --remat and --unroll as train applies them (a rolled loop under remat, where its saving needs one)
     cfg = step_model(cfg, remat=bs.remat, unroll=bs.unroll, fsdp=False)
     if bs.vocab_size is not None:  # the embedding and head follow (padded to vocab_multiple)

@@ -80,7 +80,9 @@ def run(args) -> int:
 
     backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU and GPU
     attention, dispatch = pc.attention_kind(backend), pc.dispatch_kind(backend)  # the run's: its rows
-    cfg = cfg.replace(attention=attention, attn_block=pc.attn_block, moe_dispatch=dispatch)
+    cfg = cfg.replace(
+        attention=attention, attn_block=pc.attn_block, moe_dispatch=dispatch, loss_chunk=pc.loss_chunk
+    )
     cfg = with_lora(pc, cfg)  # LoRA: adapters
     report = plan(
         cfg,

@@ -207,7 +207,8 @@ def _verify(args, vs: VerifySettings, planned) -> int:
     seq_len, block = _shapes(vs, cfg, layout)
     backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU and GPU
     attention, dispatch = vs.attention_kind(backend, vs.x64), vs.dispatch_kind(backend)
-    cfg = cfg.replace(attention=attention, attn_block=block, moe_dispatch=dispatch)  # what the controls see
+    # what the controls see
+    cfg = cfg.replace(attention=attention, attn_block=block, moe_dispatch=dispatch, loss_chunk=vs.loss_chunk)
     batch = (
         vs.batch_size
         if vs.batch_size is not None

@@ -234,7 +234,10 @@ def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
     step = step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp)
     backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU/GPU
     attention, dispatch = tcfg.attention_kind(backend), tcfg.dispatch_kind(backend)
-    return step.replace(attention=attention, attn_block=tcfg.attn_block, moe_dispatch=dispatch)
+    chunk = tcfg.loss_chunk
+    return step.replace(
+        attention=attention, attn_block=tcfg.attn_block, moe_dispatch=dispatch, loss_chunk=chunk
+    )
 
 
 def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lambda: None) -> Run:
