@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from meshlm.errors import ConfigError
 from meshlm.model import masked, mtp, stage_layers
 from meshlm.model.attention import doc_starts
+from meshlm.model.chunked_xent import HeadRows, head_xent
 from meshlm.model.config import ModelConfig
 from meshlm.model.layer_kinds import DENSE_STACK
-from meshlm.model.chunked_xent import HeadRows, head_xent
 from meshlm.model.lora import freeze
 from meshlm.model.memory import layer_gathers, parallel_getter
 from meshlm.model.moe import moe_losses
