@@ -17,6 +17,7 @@ from meshlm.model.families import FAMILIES, preset_fields
 from meshlm.model.family import Family
 from meshlm.model.lora_fields import RANGES as LORA_RANGES
 from meshlm.model.lora_fields import LoraFields, check_lora
+from meshlm.model.loss_fields import LOSS_RANGES, LossFields
 from meshlm.model.mla_fields import MLA_RANGES, MLAFields, check_mla
 from meshlm.model.mtp_fields import MTP_RANGES, MTPFields, check_mtp
 from meshlm.model.per_layer_fields import PER_LAYER_RANGES, PerLayerFields, check_per_layer
@@ -76,7 +77,7 @@ class MoEFields:
 @dataclass(frozen=True)
 class ModelConfig(  # fields: its own, then its bases' (``field_names``)
     kinds.LinearAttentionFields, MLAFields, VariantFields, LoraFields, kinds.LayerKindFields, RouterFields,
-    MoEFields, MTPFields, PerLayerFields,
+    MoEFields, MTPFields, PerLayerFields, LossFields,
 ):  # fmt: skip
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
@@ -107,10 +108,6 @@ class ModelConfig(  # fields: its own, then its bases' (``field_names``)
     # "flash": JAX's fused Pallas splash-attention kernel (model.flash; TPU, else interpret mode).
     attention: str = "plain"
     attn_block: int = 512
-    # The head's cross-entropy in chunks of at most this many tokens (``model.chunked_xent``): forward
-    # and backward, so the [B, T, V/mp] float32 logits never exist whole. 0: off (a saved config
-    # without it loads as 0). Changes memory and speed, never values (the proof compares it with 0).
-    loss_chunk: int = 0
     # Document masking (``--doc-mask``): >= 0 is the id that ends every document (the tokenizer's EOD);
     # attention then stays inside a document and positions restart at each (the EOD is the next
     # document's first input). Applies to training, evaluation and KV-cached generation. -1: off.
@@ -153,11 +150,6 @@ class ModelConfig(  # fields: its own, then its bases' (``field_names``)
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
         _check_plain_only(self), _check_moe(self), check_router(self), _check_dispatch(self)
         check_lora(self), kinds.check_linear(self), check_mla(self), check_mtp(self), check_per_layer(self)
-        if self.loss_chunk and self.mtp_on:
-            raise ConfigError(
-                f"--loss-chunk does not chunk the multi-token prediction depths' losses yet (mtp_layers="
-                f"{self.mtp_layers}); drop --loss-chunk or pass --mtp-weight 0"
-            )
 
     @property
     def arch(self) -> Family:
@@ -278,7 +270,7 @@ RANGES: dict[str, Range] = {
     "z_loss": NON_NEGATIVE_FLOAT,
     "unroll": Range(int, 0, note="0: all layers"),
     "attn_block": POSITIVE_INT,
-    "loss_chunk": Range(int, 0, note="0: off"),
+    **LOSS_RANGES,
     "doc_mask": Range(int, -1, note="-1: off"),
     "sliding_window": Range(int, 0, note="0: off"),
     "attn_softcap": Range(float, 0, note="0: off"),

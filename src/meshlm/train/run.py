@@ -229,12 +229,12 @@ def run_specs(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout) -> dict:
 
 def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
     """The model the jitted programs compute: the preset with the run's ``--remat``, ``--unroll``,
-    ``--attention`` and ``--moe-dispatch``. They change memory or speed, never values, so checkpoints
-    keep the preset's config (Run.cfg, compared on resume) and a run resumes under any of them."""
+    ``--attention``, ``--moe-dispatch`` and ``--loss-chunk``. They change memory or speed, never values,
+    so checkpoints keep the preset's config (Run.cfg, compared on resume) and a run resumes under any."""
     step = step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp)
     backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU/GPU
     attention, dispatch = tcfg.attention_kind(backend), tcfg.dispatch_kind(backend)
-    chunk = tcfg.loss_chunk
+    chunk = tcfg.loss_chunk  # the head's loss in chunks (``model.chunked_xent``): memory, not values
     return step.replace(
         attention=attention, attn_block=tcfg.attn_block, moe_dispatch=dispatch, loss_chunk=chunk
     )
