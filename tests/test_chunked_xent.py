@@ -60,14 +60,14 @@ def test_chunked_loss_and_every_gradient_equal_the_whole_loss_in_float64(preset,
 
 
 def test_verify_x64_proves_chunked_sharded_against_the_whole_loss_and_detects_the_fault():
-    """1x2: the vocabulary split over mp, 64 tokens in chunks of 24 (three chunks, the last 16)."""
+    """1x2: the vocabulary split over mp, 16 tokens in chunks of 6 (three chunks, the last 4)."""
     from meshlm.proof.loss_controls import LOSS_CONTROLS
     from tests.helpers import verify_preset
 
-    cfg = get_config("tiny-qwen2").replace(loss_chunk=24)  # tied head
+    cfg = get_config("tiny-qwen2").replace(loss_chunk=6)  # tied head
     with jax.enable_x64(True):
         report = verify_preset(
-            "tiny-qwen2", 1, 2, batch=2, seq=32, cfg=cfg, dtype=jnp.float64, controls=LOSS_CONTROLS
+            "tiny-qwen2", 1, 2, batch=1, seq=16, cfg=cfg, dtype=jnp.float64, controls=LOSS_CONTROLS
         )
     assert report.ok, report
     assert [c["name"] for c in report.controls if c["detected"]] == [LOSS_CONTROLS[0].name]
