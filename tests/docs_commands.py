@@ -492,6 +492,12 @@ COMMANDS: dict[str, Run | Shown] = {
     "--remat full --bf16": run(expect=(FITS,)),
     "meshlm plan --config qwen3-0.6b --mesh 1x1 --device-memory 16GiB --batch-size 1 --seq-len 2048 "
     "--remat full --bf16": run(expect=(FITS,)),
+    # docs/memory.md's --loss-chunk: batch 2 fits only in chunks
+    "meshlm plan --config qwen3-0.6b --mesh 1x1 --device-memory 16GiB --batch-size 2 --seq-len 2048 "
+    "--remat full --bf16 --loss-chunk 512": run(expect=(FITS,)),
+    "meshlm verify --config tiny-qwen3 --mesh 2x2 --sp --loss-chunk 7 --x64": verify(
+        costly="tests/test_chunked_xent.py::test_verify_x64_proves_chunked_sharded_against_the_whole_loss_and_detects_the_fault"
+    ),
     "meshlm plan --config llama3.2-1b --mesh 1x1 --device-memory 16GiB --batch-size 1 --seq-len 2048 "
     "--remat full --bf16 --max-compiles 1": run(code=1, expect=(NO_FIT,)),
     "meshlm plan --config qwen3-1.7b --mesh 1x1 --device-memory 16GiB --batch-size 1 --seq-len 2048 "

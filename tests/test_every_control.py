@@ -55,7 +55,8 @@ CONFIGS = {
     ),
     "tiny-gemma 1x2": ("tiny-gemma", {}, Layout(mp=2), 1, 8),
     "tiny-llama3 2x2 fsdp sp doc-mask (tied)": ("tiny-llama3", {"doc_mask": 0}, FSDP_SP, 2, 8),
-    "tiny-qwen2 1x2 (q/k/v bias, tied)": ("tiny-qwen2", {}, Layout(mp=2), 1, 8),
+    # the loss in chunks of 3 tokens: the chunked loss's fault (``proof.loss_controls``)
+    "tiny-qwen2 1x2 (q/k/v bias, tied, loss chunks)": ("tiny-qwen2", {"loss_chunk": 3}, Layout(mp=2), 1, 8),
     "tiny-qwen3 1x2 (per-head q/k norm)": ("tiny-qwen3", {}, Layout(mp=2), 1, 8),
     "tiny-smollm3 1x2 (NoPE layers)": ("tiny-smollm3", {}, Layout(mp=2), 1, 8),
     # a chunked dense layer and a NoPE MoE layer: the preset's four repeat them (a trace grows per layer)

@@ -189,7 +189,8 @@ FLASH_MIN_SEQ = 1024
 
 @dataclasses.dataclass(frozen=True)
 class LongContext:
-    """The attention settings of train, verify, bench and plan, a base of their settings dataclasses.
+    """The attention and loss-chunk settings of train, verify, bench and plan, a base of their settings
+    dataclasses.
     Like remat they change speed and memory, not the model: a run resumes under other values."""
 
     # auto (``attention_kind``: flash on a TPU where it applies and pays, else plain), plain ([B, H, T, T]),
@@ -206,6 +207,14 @@ class LongContext:
     # queries and keys per block of blockwise attention (and of each --cp ring step)
     attn_block: int = setting(
         512, "queries and keys per block (blockwise attention, and each --cp ring step)", valid=Range(int, 1)
+    )
+    # The head's cross-entropy in chunks of tokens (``model.chunked_xent``): ``ModelConfig.loss_chunk``
+    loss_chunk: int = setting(
+        0,
+        "the head's cross-entropy in chunks of at most this many tokens per shard, forward and backward, "
+        "so the [B, T, V] float32 logits and their gradient never exist whole (0: off; costs one head "
+        "matmul more; docs/memory.md)",
+        valid=Range(int, 0),
     )
 
     def attention_kind(self, backend: str, seq_len: int, x64: bool = False) -> str:

@@ -62,7 +62,9 @@ def run(args) -> int:
     backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU and GPU
     seq_len = default_seq_len(get_config(bs.config), bs.seq_len or 0)  # what auto decides on
     attention, dispatch = bs.attention_kind(backend, seq_len), bs.dispatch_fields(backend)  # dense ignores it
-    cfg = get_config(bs.config).replace(attention=attention, attn_block=bs.attn_block, **dispatch)
+    cfg = get_config(bs.config).replace(
+        attention=attention, attn_block=bs.attn_block, loss_chunk=bs.loss_chunk, **dispatch
+    )
     # --remat and --unroll as train applies them (a rolled loop under remat, where its saving needs one)
     cfg = step_model(cfg, remat=bs.remat, unroll=bs.unroll, fsdp=False)
     if bs.vocab_size is not None:  # the embedding and head follow (padded to vocab_multiple)

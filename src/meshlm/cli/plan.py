@@ -86,7 +86,7 @@ def run(args) -> int:
     backend = target.platform
     seq_len = default_seq_len(cfg, pc.seq_len or 0)  # what auto decides on
     attention, dispatch = pc.attention_kind(backend, seq_len), pc.dispatch_fields(backend)  # the run's rows
-    cfg = cfg.replace(attention=attention, attn_block=pc.attn_block, **dispatch)
+    cfg = cfg.replace(attention=attention, attn_block=pc.attn_block, loss_chunk=pc.loss_chunk, **dispatch)
     cfg = with_lora(pc, cfg)  # LoRA: adapters
     report = plan(
         cfg,

@@ -62,7 +62,7 @@ def _check_dpo(vs: VerifySettings) -> None:
     from meshlm.data.pairs import check_pair_batch
     from meshlm.train.dpo import check_dpo
 
-    cfg = _with_lora(vs, _model_config(vs))
+    cfg = _with_lora(vs, _model_config(vs)).replace(loss_chunk=vs.loss_chunk)
     check_dpo(cfg.replace(doc_mask=EOD) if vs.doc_mask and cfg.doc_mask < 0 else cfg)
     if vs.batch_size is None:
         return
@@ -207,7 +207,8 @@ def _verify(args, vs: VerifySettings, planned) -> int:
     seq_len, block = _shapes(vs, cfg, layout)
     backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU and GPU
     attention, dispatch = vs.attention_kind(backend, seq_len, vs.x64), vs.dispatch_fields(backend)
-    cfg = cfg.replace(attention=attention, attn_block=block, **dispatch)  # what the controls see
+    # what the controls see
+    cfg = cfg.replace(attention=attention, attn_block=block, loss_chunk=vs.loss_chunk, **dispatch)
     batch = (
         vs.batch_size
         if vs.batch_size is not None
@@ -217,6 +218,7 @@ def _verify(args, vs: VerifySettings, planned) -> int:
         batch *= 2 * (DPO_ACCUM if vs.steps else 1)
     layout.check_seq_len(seq_len)
     kernel = f", blocks of {block}" if cfg.attention == "blockwise" or layout.blockwise else ""
+    kernel += f", the loss in chunks of {cfg.loss_chunk} tokens" if cfg.loss_chunk else ""
     print0(f"shapes: batch {batch} x {seq_len} tokens{kernel}", file=sys.stderr)
     strategy(layout).check(cfg, layout)  # e.g. layers a pipeline cannot split
     from meshlm.perf.oom import reported

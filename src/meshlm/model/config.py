@@ -17,6 +17,7 @@ from meshlm.model.families import FAMILIES, preset_fields
 from meshlm.model.family import Family
 from meshlm.model.lora_fields import RANGES as LORA_RANGES
 from meshlm.model.lora_fields import LoraFields, check_lora
+from meshlm.model.loss_fields import LOSS_RANGES, LossFields
 from meshlm.model.mla_fields import MLA_RANGES, MLAFields, check_mla
 from meshlm.model.mtp_fields import MTP_RANGES, MTPFields, check_mtp
 from meshlm.model.per_layer_fields import PER_LAYER_RANGES, PerLayerFields, check_per_layer
@@ -80,7 +81,7 @@ class MoEFields:
 @dataclass(frozen=True)
 class ModelConfig(  # fields: its own, then its bases' (``field_names``)
     kinds.LinearAttentionFields, MLAFields, VariantFields, LoraFields, kinds.LayerKindFields, RouterFields,
-    MoEFields, MTPFields, PerLayerFields,
+    MoEFields, MTPFields, PerLayerFields, LossFields,
 ):  # fmt: skip
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
@@ -274,6 +275,7 @@ RANGES: dict[str, Range] = {
     "z_loss": NON_NEGATIVE_FLOAT,
     "unroll": Range(int, 0, note="0: all layers"),
     "attn_block": POSITIVE_INT,
+    **LOSS_RANGES,
     "doc_mask": Range(int, -1, note="-1: off"),
     "sliding_window": Range(int, 0, note="0: off"),
     "attn_softcap": Range(float, 0, note="0: off"),

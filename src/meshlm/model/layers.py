@@ -87,7 +87,11 @@ class VocabEmbed(hk.Module):
         return self.par.row_out(rows, b)
 
     def local_logits(self, xf):  # tied output projection: [B, T, D] -> [B, T, V/mp] per-shard
-        return dense(xf, self.par.tap("tied_table", self._table()).T)
+        return project(xf, *self.head_weights())
+
+    def head_weights(self):
+        """The tied output projection's (w [D, V/mp], no bias) as this shard uses them."""
+        return self.par.tap("tied_table", self._table()).T, None
 
 
 class VocabHead(hk.Module):
@@ -108,13 +112,20 @@ class VocabHead(hk.Module):
         self.real_vocab = real_vocab or vocab_size  # columns from real_vocab on are padding
 
     def local_logits(self, xf):  # [B, T, D] -> [B, T, V/mp] per-shard
+        return project(xf, *self.weights(xf.shape[-1]))
+
+    def weights(self, d_model: int):
+        """(w [D, V/mp], b [V/mp] or None) per shard."""
         vs = self.vocab // self.par.layout.mp
         init = zero_padding(_normal(self.stddev), self.par, self.real_vocab, axis=1)
-        w = hk.get_parameter("w", [xf.shape[-1], vs], init=init)
-        out = dense(xf, w)
-        if self.bias:
-            out = out + hk.get_parameter("b", [vs], init=jnp.zeros)
-        return out
+        w = hk.get_parameter("w", [d_model, vs], init=init)
+        return w, (hk.get_parameter("b", [vs], init=jnp.zeros) if self.bias else None)
+
+
+def project(xf, w, b=None):
+    """The output projection: xf [..., D] @ w [D, V/mp] (+ b [V/mp]) -> per-shard logits [..., V/mp]."""
+    out = dense(xf, w)
+    return out if b is None else out + b
 
 
 def zero_padding(init, par: Parallel, vocab: int, axis: int):

@@ -44,6 +44,11 @@ def check_mtp(cfg) -> None:
             "num_nextn_predict_layers); this model has none (a DeepSeek-V3 that transformers saved converts "
             "without them): drop --mtp-weight or set it to 0"
         )
+    if cfg.mtp_on and cfg.loss_chunk:  # ``model.loss_fields``
+        raise ConfigError(
+            f"--loss-chunk does not chunk the multi-token prediction depths' losses yet (mtp_layers="
+            f"{cfg.mtp_layers}); drop --loss-chunk or pass --mtp-weight 0"
+        )
     if cfg.mtp_layers and (not cfg.arch.attention or cfg.arch.norm is None or cfg.full_attn_every):
         raise ConfigError(
             f"mtp_layers={cfg.mtp_layers} needs a transformer family with a final norm and no linear-"

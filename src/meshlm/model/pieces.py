@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from meshlm.errors import ConfigError
 from meshlm.model import masked, mtp, stage_layers
 from meshlm.model.attention import doc_starts
+from meshlm.model.chunked_xent import HeadRows, head_xent
 from meshlm.model.config import ModelConfig
 from meshlm.model.layer_kinds import DENSE_STACK
-from meshlm.model.layers import mask_vocab_padding, vocab_parallel_xent
 from meshlm.model.lora import freeze
 from meshlm.model.memory import layer_gathers, parallel_getter
 from meshlm.model.moe import moe_losses
@@ -103,12 +103,11 @@ def head_loss_fn(cfg: ModelConfig, par: Parallel):
         with hk.custom_getter(parallel_getter(par)), freeze(cfg):
             # a tied head reads the table, and the MTP depths embed their tokens by it
             embed = _embed(cfg, par) if cfg.tie_embeddings or cfg.mtp_on else None
-            head = _head(cfg, par, embed)
-            logits = mask_vocab_padding(par, par.seq_out(head(_final_norm(cfg, y))), cfg.vocab_size)
+            head, normed = _head(cfg, par, embed), _final_norm(cfg, y)
+            # the logits, or with --loss-chunk what the chunked loss takes (``model.chunked_xent``)
+            out = HeadRows(normed, head.weights()) if cfg.loss_chunk else head(normed)
             depths = _mtp_depths(cfg, par, y, rows, embed, head) if cfg.mtp_on else None
-        loss = masked.token_mean(
-            vocab_parallel_xent(par, logits, par.seq_local(rows["targets"]), cfg.z_loss), weights
-        )
+        loss = masked.token_mean(head_xent(cfg, par, out, par.seq_local(rows["targets"])), weights)
         if depths is None:
             return loss
         per_depth = mtp.depth_losses(cfg, par, rows, depths)

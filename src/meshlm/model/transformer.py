@@ -20,7 +20,7 @@ from jax import lax
 from meshlm.errors import ConfigError
 from meshlm.model import masked, mtp, per_layer, per_layer_runs
 from meshlm.model.attention import doc_starts
-from meshlm.model.attention_variants import capped_logits
+from meshlm.model.chunked_xent import Head, HeadRows, head_xent
 from meshlm.model.config import ModelConfig
 from meshlm.model.layer_kinds import DENSE_STACK, LINEAR_STACK
 from meshlm.model.layers import (
@@ -31,8 +31,6 @@ from meshlm.model.layers import (
     RMSNormProductFirst,
     VocabEmbed,
     VocabHead,
-    mask_vocab_padding,
-    vocab_parallel_xent,
 )
 from meshlm.model.linear_attention import linear_layer, linear_mixer
 from meshlm.model.lora import freeze
@@ -177,21 +175,30 @@ def local_logits(cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=
 
 
 def local_logits_stats(
-    cfg: ModelConfig, par: Parallel, tokens, positions=None, cache=None, starts=None, mtp_ids=None, after=None
+    cfg: ModelConfig,
+    par: Parallel,
+    tokens,
+    positions=None,
+    cache=None,
+    starts=None,
+    mtp_ids=None,
+    after=None,
+    rows=False,
 ):
     """``local_logits`` and the layers' routing statistics of this shard's tokens ([L, 2E + 3] with a
     mixture of experts, ``model.moe``; None without). With ``mtp_ids`` (each MTP depth's tokens,
     ``model.mtp``) also (the depths' per-shard logits, their routing statistics); with ``after`` also
-    ``after(x [B, T, D] before the final norm, logits, the parts MTP shares)`` (``generate.speculative``)."""
+    ``after(x [B, T, D] before the final norm, logits, the parts MTP shares)`` (``generate.speculative``).
+    With ``rows`` the logits' place holds what the chunked loss takes (``chunked_xent.HeadRows``)."""
     check_inputs(cfg, par, tokens.shape[-1])
     par.seq_len_check(tokens.shape[-1])
     # FSDP gathers, SP norm hook (``Parallel.param``); with LoRA the base frozen (``lora.freeze``)
     with hk.custom_getter(parallel_getter(par)), freeze(cfg):
-        return _local_logits(cfg, par, tokens, positions, cache, starts, mtp_ids, after)
+        return _local_logits(cfg, par, tokens, positions, cache, starts, mtp_ids, after, rows)
 
 
 def _local_logits(
-    cfg: ModelConfig, par: Parallel, tokens, positions, cache, starts, mtp_ids=None, after=None
+    cfg: ModelConfig, par: Parallel, tokens, positions, cache, starts, mtp_ids=None, after=None, rows=False
 ):
     if positions is None:  # global positions: with cp, those of this shard's chunks
         positions = jnp.broadcast_to(par.positions(tokens.shape[-1]), tokens.shape)
@@ -203,10 +210,12 @@ def _local_logits(
         ple = per_layer.inputs(cfg, par, tokens, x)
         stack = per_layer_runs.split_stack if cfg.global_shape else per_layer.stack  # global: own shape
         x, cache, stats = stack(cfg, par, lambda c: _block(c, par), x, positions, cache, starts, ple)
-        return _head_logits(cfg, par, x, embed), cache, stats
+        return _head_logits(cfg, par, x, embed, rows), cache, stats
     x, cache, *stats = stack_layers(
         cfg, _block(cfg, par), x, positions, cache, starts, _others(cfg, par), layer_gathers(par)
     )
+    if rows:  # the chunked loss's (no MTP: ``ModelConfig`` refuses it with loss_chunk)
+        return _head_logits(cfg, par, x, embed, rows), cache, (stats[0] if stats else None)
     head = _head(cfg, par, embed)  # one module: the MTP depths share it
     out = (head(_final_norm(cfg, x)), cache, (stats[0] if stats else None))
     if after is not None:
@@ -271,20 +280,22 @@ def _embed(cfg: ModelConfig, par: Parallel) -> VocabEmbed:
     )
 
 
-def _head_logits(cfg: ModelConfig, par: Parallel, x, embed: VocabEmbed | None):
-    """Final norm (if the family has one) and the output projection: per-shard logits [B, T, V/mp]."""
-    return _head(cfg, par, embed)(_final_norm(cfg, x))
+def _head_logits(cfg: ModelConfig, par: Parallel, x, embed: VocabEmbed | None, rows: bool = False):
+    """Final norm (if the family has one) and the output projection: per-shard logits [B, T, V/mp];
+    with ``rows`` what the chunked loss takes instead (``chunked_xent.HeadRows``)."""
+    head = _head(cfg, par, embed)
+    return HeadRows(_final_norm(cfg, x), head.weights()) if rows else head(_final_norm(cfg, x))
 
 
 def _final_norm(cfg: ModelConfig, x):
     return x if cfg.arch.norm is None else _norm(cfg, "final_ln")(x)
 
 
-def _head(cfg: ModelConfig, par: Parallel, embed: VocabEmbed | None):
+def _head(cfg: ModelConfig, par: Parallel, embed: VocabEmbed | None) -> Head:
     """The output projection, normalized x [B, T, D] -> per-shard logits [B, T, V/mp]: one module
     (or the tied embedding), so that every use shares its parameters."""
     if cfg.tie_embeddings:
-        return lambda x: capped_logits(cfg, embed.local_logits(par.f(x)))  # elementwise: any vocab slice
+        return Head(cfg, par, embed.head_weights)
     head_stddev = GPT_STDDEV if cfg.arch.gpt_init else 1.0 / np.sqrt(cfg.d_model)
     head = VocabHead(
         vocab_size=cfg.padded_vocab,
@@ -293,7 +304,7 @@ def _head(cfg: ModelConfig, par: Parallel, embed: VocabEmbed | None):
         bias=cfg.arch.biases,
         real_vocab=cfg.vocab_size,
     )
-    return lambda x: capped_logits(cfg, head.local_logits(par.f(x)))
+    return Head(cfg, par, lambda: head.weights(cfg.d_model))
 
 
 def embed_scale(d_model: int) -> np.float32:
@@ -315,12 +326,11 @@ def loss_fn(cfg: ModelConfig, par: Parallel, routing: bool = False, metrics: boo
         seeds = par.seq_local(batch[SEEDS]) if SEEDS in batch else None  # the train step's, for dropout
         ids = mtp.local_ids(cfg, par, batch) if cfg.mtp_on else None  # each MTP depth's tokens
         with scope(cfg, seeds):
-            logits, _, stats, *depths = local_logits_stats(
-                cfg, par, par.seq_local(batch["inputs"]), mtp_ids=ids
+            out, _, stats, *depths = local_logits_stats(
+                cfg, par, par.seq_local(batch["inputs"]), mtp_ids=ids, rows=bool(cfg.loss_chunk)
             )
-        logits = mask_vocab_padding(par, par.seq_out(logits), cfg.vocab_size)  # padded ids never chosen
         targets = par.seq_local(batch["targets"])
-        per_token = vocab_parallel_xent(par, logits, targets, cfg.z_loss)  # [B, T] (with cp: [B, T/cp])
+        per_token = head_xent(cfg, par, out, targets)  # [B, T] (with cp: [B, T/cp])
         weights = par.seq_local(batch[masked.WEIGHTS]) if masked.WEIGHTS in batch else None  # SFT
         loss = masked.token_mean(per_token, weights)
         summed = par.moe_sum(stats) if stats is not None and (routing or moe_losses(cfg)) else None

@@ -30,7 +30,8 @@ What the formula assumes, and how meshlm differs:
   * The ff prototype has no attention: its layer is the MLP and one norm (replicated 5·sbh,
     split 16·sbh), from the same component list.
 Outside the layers we add the head's logits and their softmax in float32 (2 · 4 · s·b·V/t bytes,
-the vocabulary is split over mp); the paper neglects the embedding and head.
+the vocabulary is split over mp; with ``--loss-chunk c`` only one chunk's, 2 · 4 · c·V/t, and the
+float32 sum of the head's weight gradient, 4 · h·V/t); the paper neglects the embedding and head.
 
 A mixture-of-experts layer (``model.moe``; ``model.accounting.moe_layers`` of them) keeps the table's
 attention and norms but not its MLP (less the MLP's dropout mask 1 and GeLU 16: replicated 9, split 8),
@@ -64,6 +65,12 @@ LOGIT_COPIES = 2  # logits and their softmax, in float32
 # A MoE layer's table part (replicated, split): the transformer's less its MLP's dropout mask and GeLU.
 MOE_ATTENTION_COEFFS = (9, 8)
 MOE_HIDDEN = 6  # hidden tensors (I / mp wide) an expert keeps per token slot (module docstring)
+
+
+def logit_rows(cfg: ModelConfig, tokens: int) -> int:
+    """The tokens whose float32 logits live at once: all of a micro-batch's, or with ``--loss-chunk``
+    (``model.chunked_xent``) one chunk's."""
+    return min(cfg.loss_chunk, tokens) if cfg.loss_chunk else tokens
 
 
 def layer_bytes(
@@ -149,7 +156,9 @@ def activation_bytes(
         layers += layer_bytes(cfg, remat="none", moe=bool(n_moe), **shape)
     elif remat == "selective" and n_moe:  # the experts recomputed, one layer's at a time
         layers += moe_bytes(cfg, tokens=seq * micro_batch, mp=mp, ep=ep, act_bytes=act_bytes)
-    logits = LOGIT_COPIES * 4 * seq * micro_batch * cfg.vocab_size / mp
+    logits = LOGIT_COPIES * 4 * logit_rows(cfg, seq * micro_batch) * cfg.vocab_size / mp
+    if cfg.loss_chunk:  # the chunked loss's float32 sum of the head's weight gradient [D, V/mp]
+        logits += 4 * cfg.d_model * cfg.vocab_size / mp
     per_layer = moe if n_moe else dense
     return {
         "per_layer": per_layer,

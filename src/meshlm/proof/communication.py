@@ -23,7 +23,7 @@ import jax
 
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
-from meshlm.perf.collectives import scalar_slack
+from meshlm.perf.collectives import chunked_loss_extra, scalar_slack
 from meshlm.perf.hlo import COLLECTIVES, collectives_per_step
 from meshlm.perf.memory_collectives import (
     cp_linear_bytes,
@@ -61,6 +61,8 @@ def communication_checks(cfg, layout: Layout, got: dict, *, batch_shape, itemsiz
     shape = {"batch": batch_shape[0], "seq_len": batch_shape[1], "itemsize": itemsize}
     nbytes = expected_all_reduce_bytes(cfg, layout, params=params, **shape)
     slack = scalar_slack(params, itemsize)
+    extra_count, extra_bytes = chunked_loss_extra(cfg, layout, **shape)  # --loss-chunk's, per chunk
+    count, nbytes = count + extra_count, nbytes + extra_bytes
     where = f"{cfg.family} on {layout.label()} (per layer: {cfg.arch.per_layer_text()} with mp > 1)"
     ar = got["all-reduce"]
     rows = [

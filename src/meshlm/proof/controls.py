@@ -34,6 +34,7 @@ from meshlm.proof.family_faults import (
 )
 from meshlm.proof.flash_controls import FLASH_CONTROLS
 from meshlm.proof.linear_controls import LINEAR_CONTROLS
+from meshlm.proof.loss_controls import LOSS_CONTROLS
 from meshlm.proof.mla_faults import MLA_CONTROLS
 from meshlm.proof.moe_controls import MOE_CONTROLS
 from meshlm.proof.mtp_faults import MTP_CONTROLS
@@ -345,5 +346,6 @@ CONTROLS += MOE_CONTROLS + ROUTER_CONTROLS + LINEAR_CONTROLS  # ``proof.moe_cont
 CONTROLS += MLA_CONTROLS  # multi-head latent attention's and YaRN's (``proof.mla_faults``)
 CONTROLS += MTP_CONTROLS  # multi-token prediction's shifted tokens and labels (``proof.mtp_faults``)
 CONTROLS += PER_LAYER_CONTROLS  # Gemma 4's keys as values, shared KV, per-layer inputs
+CONTROLS += LOSS_CONTROLS  # the chunked cross-entropy's (``--loss-chunk``: ``proof.loss_controls``)
 
 __all__ = ["CONTROLS", "Control", "Where", "per_shard_clip"]

@@ -92,8 +92,9 @@ def model_problem(
     # The reference is the plainest program: no recomputation, every layer unrolled (the sharded
     # side's remat policy and layer loop are proven against code they do not share).
     # Blockwise attention is proven against the plain softmax of [T, T] scores, a mixture of experts'
-    # sorted dispatch against every expert on every token (``parallel.experts.dense_experts``).
-    plain = cfg.replace(remat="none", unroll=0, attention="plain", moe_dispatch="dense")
+    # sorted dispatch against every expert on every token (``parallel.experts.dense_experts``), the
+    # chunked cross-entropy (``--loss-chunk``) against the whole [B, T, V] logits' loss.
+    plain = cfg.replace(remat="none", unroll=0, attention="plain", moe_dispatch="dense", loss_chunk=0)
     if (
         cfg.linear_layers and layout.context_parallel
     ):  # the delta rule solved at the sharded run's chunk boundaries

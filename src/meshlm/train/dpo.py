@@ -52,6 +52,11 @@ def check_dpo(cfg) -> None:
             "--objective dpo trains dense models: a mixture of experts' router losses and load balancing "
             "are not part of DPO's gradient pass yet; use a dense model, or --objective lm for this one"
         )
+    if cfg.loss_chunk:
+        raise ConfigError(
+            "--objective dpo sums its own log-probabilities from whole logits; --loss-chunk chunks the "
+            "language-model loss only: leave it out"
+        )
     if cfg.doc_mask >= 0:
         raise ConfigError(
             "--objective dpo holds one prompt and completion per row (nothing packed): a document mask "

@@ -37,7 +37,7 @@ def load_pairs(tcfg, cfg, layout, tok):
     """(batcher, validation row indices, info) of the run's pairs (``data.pairs``)."""
     from meshlm.train.dpo import check_dpo
 
-    check_dpo(cfg)
+    check_dpo(cfg.replace(loss_chunk=tcfg.loss_chunk))  # the step's loss, as ``run.step_config`` sets it
     if not tcfg.data:
         raise ConfigError(
             "--objective dpo needs --data: JSONL or Parquet files of (prompt, chosen, rejected)"

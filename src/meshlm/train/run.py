@@ -229,13 +229,14 @@ def run_specs(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout) -> dict:
 
 def step_config(tcfg: TrainConfig, cfg: ModelConfig) -> ModelConfig:
     """The model the jitted programs compute: the preset with the run's ``--remat``, ``--unroll``,
-    ``--attention`` and ``--moe-dispatch``. They change memory or speed, never values, so checkpoints
-    keep the preset's config (Run.cfg, compared on resume) and a run resumes under any of them."""
+    ``--attention``, ``--moe-dispatch`` and ``--loss-chunk``. They change memory or speed, never values,
+    so checkpoints keep the preset's config (Run.cfg, compared on resume) and a run resumes under any."""
     step = step_model(cfg, remat=tcfg.remat, unroll=tcfg.unroll, fsdp=tcfg.fsdp)
     backend = jax.default_backend()  # "auto": flash on a TPU where it applies; ragged_dot on TPU/GPU
     seq_len = default_seq_len(cfg, tcfg.seq_len)  # resolved already in a run; 0 is the default's
     attention, dispatch = tcfg.attention_kind(backend, seq_len), tcfg.dispatch_fields(backend)
-    return step.replace(attention=attention, attn_block=tcfg.attn_block, **dispatch)
+    chunk = tcfg.loss_chunk  # the head's loss in chunks (``model.chunked_xent``): memory, not values
+    return step.replace(attention=attention, attn_block=tcfg.attn_block, loss_chunk=chunk, **dispatch)
 
 
 def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lambda: None) -> Run:
