@@ -60,12 +60,19 @@ def adamw(ocfg: OptimConfig, params) -> optax.GradientTransformation:
     )
 
 
-def clip_by_global_norm(grads, max_norm: float):
-    """Scale ``grads`` so their global L2 norm is at most ``max_norm`` (optax's formula)."""
+def clip_scale(grads, max_norm: float):
+    """(scale, norm): the factor that brings ``grads``' global L2 norm to at most ``max_norm`` (1 where
+    it is within it, or ``max_norm`` is 0: no clip), and that norm (optax's formula). The step
+    multiplies the gradients by it inside AdamW's update (``guarded_update``): no scaled copy."""
     norm = optax.tree.norm(grads)
     if not max_norm:
-        return grads, norm
-    scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jnp.ones((), norm.dtype), norm
+    return jnp.where(norm < max_norm, 1.0, max_norm / norm).astype(norm.dtype), norm
+
+
+def clip_by_global_norm(grads, max_norm: float):
+    """Scale ``grads`` so their global L2 norm is at most ``max_norm`` (optax's formula)."""
+    scale, norm = clip_scale(grads, max_norm)
     return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), norm
 
 
@@ -117,6 +124,32 @@ def trainable(cfg):
     return Adapters if cfg.lora_rank else Whole
 
 
+def guarded_update(optimizer, grads, scale, opt_state, params, finite, part=Whole):
+    """(params, opt_state) after ``optimizer``'s step on ``grads`` x ``scale`` (the clip's,
+    ``clip_scale``) where ``finite``, else exactly as they were; either way in their own (donated)
+    buffers, with no copy of the optimizer state.
+
+    A ``lax.cond`` over the whole update, not ``where(finite, new, old)`` after it: with the select,
+    the parameters' update (whose fusion recomputes the new moments from the old ones) and the select
+    itself read the old moments after the new ones are written into their donated buffers, so XLA's
+    copy insertion copies every moment, 2 x the trained parameters' bytes of temporaries (``copy(
+    opt_state.mu[...])`` in the compiled step). In the cond's taken branch each moment is read and
+    written by element-wise fusions that XLA orders or runs in place; the other branch returns its
+    operands, the very buffers. The clip's scale is applied in the branch too, fused into the update:
+    scaled before the cond, the gradients were a second copy (tests/test_optim_memory.py)."""
+
+    def update(operands):
+        trained, state, grads, scale = operands
+        grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+        updates, state = optimizer.update(grads, state, trained)
+        return optax.apply_updates(trained, updates), state
+
+    trained, opt_state = jax.lax.cond(
+        finite, update, lambda operands: operands[:2], (part.select(params), opt_state, grads, scale)
+    )
+    return part.put(params, trained), opt_state
+
+
 def make_step(
     grad_fn,
     optimizer: optax.GradientTransformation,
@@ -136,7 +169,7 @@ def make_step(
     is trained, what ``optimizer`` was made for; the rest stays. ``dropout_seed`` (``--lora-dropout``):
     the batch gains each token's dropout seed, of this seed and the optimizer's step count (a resumed
     run draws the masks it would have drawn; ``model.lora_dropout``); None: no dropout."""
-    clip_fn = clip_fn or (lambda g: clip_by_global_norm(g, ocfg.clip_norm))
+    clip_fn = clip_fn or (lambda g: clip_scale(g, ocfg.clip_norm))
 
     def part_grad(params, batch):  # LoRA: the frozen base's gradients are zero, never used
         value, grads = grad_fn(params, batch)
@@ -152,11 +185,7 @@ def make_step(
             aux = {**aux, "mtp": aux["mtp"] / ocfg.accum_steps}  # summed over micro-batches, as the aux
         elif aux is not None:
             aux = {aux_key: aux}
-        grads, grad_norm = clip_fn(grads)
-        updates, new_state = optimizer.update(grads, opt_state, part.select(params))
-        new_params = part.put(params, optax.apply_updates(part.select(params), updates))
-        if balance is not None:  # from the routing of the step's whole global batch
-            new_params = balance(new_params, aux[aux_key])
+        scale, grad_norm = clip_fn(grads)  # the clip's scale, applied in the update
         # A non-finite loss or gradient leaves the state untouched, so the caller can stop and save
         # the last good state (the inputs are donated: without this they would be gone).
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -164,8 +193,9 @@ def make_step(
             # ``healthy``: the previous step's metrics["ok"]. A loop that reads metrics a step late
             # passes it, so every step after a non-finite one keeps the state too (sticky).
             finite = finite & healthy
-        keep = lambda new, old: jnp.where(finite, new, old)
-        params, opt_state = jax.tree.map(keep, (new_params, new_state), (params, opt_state))
+        params, opt_state = guarded_update(optimizer, grads, scale, opt_state, params, finite, part)
+        if balance is not None:  # from the routing of the step's whole global batch
+            params = balance(params, aux[aux_key])
         metrics = {"loss": loss, "grad_norm": grad_norm, "ok": finite}
         return params, opt_state, metrics if aux is None else {**metrics, **aux}
 
