@@ -2,32 +2,51 @@
 temporaries are the gradients alone, below the same step guarded by a select (issue 63.1b); the
 update equals optax's, and a non-finite step keeps the state exactly."""
 
+import dataclasses
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
+from meshlm.errors import CheckpointError
 from meshlm.model.config import get_config
 from meshlm.model.transformer import param_shapes
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.mesh import make_mesh
 from meshlm.parallel.placement import batch_sharding, bytes_per_device
 from meshlm.sharding.rules import model_specs, shardings
+from meshlm.train.config import TrainConfig
 from meshlm.train.optim import OptimConfig, adamw, clip_by_global_norm, make_step
+from meshlm.train.resume import check_resumable
 from meshlm.train.step import abstract_opt_state, sharded_step
 
 OCFG = OptimConfig(warmup_steps=2, total_steps=10)
 
 
 def state_copies(compiled, first: int, count: int) -> list[str]:
-    """The compiled entry's copies of parameters ``first`` .. ``first + count - 1`` (its arguments)."""
+    """Copies of the optimizer state's arrays (its scalar counters aside: 4 bytes) in the compiled
+    step: the entry's of its arguments ``first`` .. ``first + count - 1``, and those inside a
+    conditional's branches (the guard's ``lax.cond``, whose operands the state is) of a value of a
+    state argument's shape and dtype."""
     hlo = compiled.as_text()
     entry = hlo[hlo.index("\nENTRY") :]
-    names = {m[1]: int(m[2]) for m in re.finditer(r"%(\S+) = \S+ parameter\((\d+)\)", entry)}
-    copied = re.findall(r"= \S+ copy\(%([^)\s]+)\)", entry)
-    return [n for n in copied if first <= names.get(n, -1) < first + count]
+    params = {
+        m[1]: (int(m[3]), m[2])
+        for m in re.finditer(r"%(\S+) = (\S+?)(?:\{[^}]*\})? parameter\((\d+)\)", entry)
+    }
+    state = {n: t for n, (i, t) in params.items() if first <= i < first + count and not t.endswith("[]")}
+    found = [n for n in re.findall(r"= \S+ copy\(%([^)\s]+)\)", entry) if n in state]
+    types = set(state.values())
+    for branch in set(re.findall(r"branch_computations=\{([^}]*)\}", entry)):
+        for name in re.findall(r"%([\w.\-]+)", branch):
+            body = hlo[hlo.index(f"\n%{name} ") :].split("\n}\n", 1)[0]
+            copied = re.findall(r"= (\S+?)(?:\{[^}]*\})? copy\(", body)
+            found += [f"{name}: {t}" for t in copied if t in types]
+    return found
 
 
 def _toy():
@@ -55,27 +74,31 @@ def _select_guarded(grad, opt):
     return step
 
 
-def test_the_step_copies_no_moment_and_saves_two_parameters_bytes():
+@pytest.mark.parametrize("opt_dtype", ["float32", "bf16"])
+def test_the_step_copies_no_moment_and_saves_two_parameters_bytes(opt_dtype):
     params, x, grad = _toy()
-    opt = adamw(OCFG, params)
+    ocfg = dataclasses.replace(OCFG, opt_dtype=opt_dtype)
+    opt = adamw(ocfg, params)
     state = opt.init(params)
     n_params, n_state = len(jax.tree.leaves(params)), len(jax.tree.leaves(state))
     compile_ = lambda fn: jax.jit(fn, donate_argnums=(0, 1)).lower(params, state, x).compile()
-    ours = compile_(lambda p, s, x: make_step(grad, opt, OCFG)(p, s, x)[:2])
+    ours = compile_(lambda p, s, x: make_step(grad, opt, ocfg)(p, s, x)[:2])
+    assert state_copies(ours, n_params, n_state) == []
+    assert ours.memory_analysis().temp_size_in_bytes < 1.1 * bytes_per_device(params)  # the gradients
+    if opt_dtype == "bf16":  # (the step reads the stored moments: no copy even under a select)
+        return
     select = compile_(_select_guarded(grad, opt))
     assert state_copies(select, n_params, n_state), "the select-guarded step should copy the moments"
-    assert state_copies(ours, n_params, n_state) == []
     # The copies are 2 x the parameters' bytes; XLA CPU makes each just before its leaf's update, as
     # the gradients already applied die, so here (two leaves) the peak falls by one parameters' bytes:
     # temporaries 2 P -> P (the gradients alone). llama-100m (scripts/step_memory.py): 1158 -> 499 MB.
     saved = select.memory_analysis().temp_size_in_bytes - ours.memory_analysis().temp_size_in_bytes
     assert saved >= 0.9 * bytes_per_device(params), saved
-    assert ours.memory_analysis().temp_size_in_bytes < 1.1 * bytes_per_device(params)  # the gradients
 
 
 def test_the_model_step_on_a_mesh_copies_no_optimizer_state():
     """meshlm's own step (tiny-llama on a 1 x 2 mesh, compiled ahead of time): no copy of any
-    optimizer-state argument (a scalar counter's included)."""
+    optimizer-state array."""
     cfg, mesh = get_config("tiny-llama"), make_mesh(1, 2)
     layout, shapes = Layout.of(mesh), param_shapes(cfg)
     specs = model_specs(cfg, shapes, layout)
@@ -118,3 +141,37 @@ def test_one_device_step_has_no_collective():
     batch = {k: jax.ShapeDtypeStruct((2, 8), jnp.int32) for k in ("inputs", "targets")}
     hlo = step.lower(params, jax.eval_shape(opt.init, params), batch).compile().as_text()
     assert "all-reduce" not in hlo and "copy(%opt_state" not in hlo
+
+
+def test_bf16_moments_are_stored_rounded_and_the_step_is_of_them():
+    """--opt-dtype bf16: mu and nu stored in bfloat16, each the float32 moment rounded to nearest;
+    the step is AdamW's of the moments as stored, computed in float32 (written out here in numpy)."""
+    params, x, grad = _toy()
+    ocfg = dataclasses.replace(OCFG, opt_dtype="bf16", clip_norm=0.0, weight_decay=0.0)
+    opt = adamw(ocfg, params)
+    state = opt.init(params)
+    new, new_state, _ = jax.jit(make_step(grad, opt, ocfg))(params, state, x)
+    g = np.asarray(grad(params, x)[1]["a"]["w"], np.float32)
+    mu, nu = new_state[0].mu["a"]["w"], new_state[0].nu["a"]["w"]
+    assert mu.dtype == nu.dtype == jnp.bfloat16
+    want_mu = jnp.asarray(np.float32(0.1) * g, jnp.bfloat16)  # the moments start at 0
+    want_nu = jnp.asarray(np.float32(0.05) * g * g, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(mu, np.float32), np.asarray(want_mu, np.float32))
+    np.testing.assert_array_equal(np.asarray(nu, np.float32), np.asarray(want_nu, np.float32))
+    m_hat = np.asarray(mu, np.float32) / np.float32(0.1)
+    v_hat = np.asarray(nu, np.float32) / np.float32(0.05)
+    lr = np.float32(optax.warmup_cosine_decay_schedule(0.0, ocfg.lr, 2, 10, ocfg.lr * 0.1)(0))
+    step = -lr * (m_hat / (np.sqrt(v_hat) + np.float32(ocfg.eps)))
+    np.testing.assert_allclose(np.asarray(new["a"]["w"]) - np.asarray(params["a"]["w"]), step, atol=1e-6)
+
+
+def test_resuming_with_another_opt_dtype_is_refused():
+    """The checkpoint's moments are of its run's dtype: a resume with another is one line (a run
+    from before --opt-dtype stored float32 moments)."""
+    meta = {"train_config": TrainConfig().to_dict()}
+    with pytest.raises(CheckpointError, match="opt_dtype: saved 'float32', now 'bf16'"):
+        check_resumable(meta, TrainConfig(opt_dtype="bf16"), Path("runs/x"))
+    del meta["train_config"]["opt_dtype"]
+    with pytest.raises(CheckpointError, match="opt_dtype: saved 'float32', now 'bf16'"):
+        check_resumable(meta, TrainConfig(opt_dtype="bf16"), Path("runs/x"))
+    check_resumable(meta, TrainConfig(), Path("runs/x"))

@@ -41,6 +41,7 @@ from meshlm.perf.plan_settings import PlanSettings
 
 PARAM_DTYPE = np.float32  # master weights (and so gradients and AdamW moments) are float32
 ADAM_MOMENTS = 2
+MOMENT_SCALE = {"float32": 1.0, "bf16": 0.5}  # --opt-dtype: a moment's bytes over a float32 parameter's
 MOMENT_COPIES = 0  # copies of the old moments XLA makes for the update: none (module docstring)
 
 
@@ -54,7 +55,7 @@ def abstract_step(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
     cfg = step_model(cfg, remat=settings.remat, unroll=cfg.unroll, fsdp=settings.fsdp)
     layout = settings.on(layout)
     specs, params = planned_params(cfg, layout, settings)
-    ocfg = OptimConfig(accum_steps=settings.accum_steps)
+    ocfg = OptimConfig(accum_steps=settings.accum_steps, opt_dtype=settings.opt_dtype)
     dtype = COMPUTE_DTYPES[settings.compute_dtype]
     step, opt = sharded_step(cfg, ocfg, layout, specs, params, dtype)
     part = trainable(cfg)  # LoRA: AdamW state for the adapters alone
@@ -145,7 +146,7 @@ def analytic(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
         ep=layout.ep if layout.experts_split else 1,
     )
     gradients = trained * (2 if settings.accum_steps > 1 else 1)  # + the accumulator's running sum
-    opt_state = ADAM_MOMENTS * trained
+    opt_state = ADAM_MOMENTS * trained * MOMENT_SCALE[settings.opt_dtype]
     moment_copies = MOMENT_COPIES * trained
     gathered = 0.0
     if settings.fsdp:  # ZeRO-3 gathers one layer's weights at a time: what FSDP took off, per layer

@@ -27,7 +27,7 @@ import jax
 from meshlm.errors import MeshlmError
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.layout import Layout
-from meshlm.perf.plan import ADAM_MOMENTS, analytic, measure, state_bytes
+from meshlm.perf.plan import ADAM_MOMENTS, MOMENT_SCALE, analytic, measure, state_bytes
 from meshlm.perf.plan_settings import PlanSettings
 
 CPU_NOTE = (
@@ -217,7 +217,10 @@ def plan(
         "backend": jax.default_backend(),
         "note": CPU_NOTE if jax.default_backend() == "cpu" else None,
         "analytic_note": ANALYTIC_NOTE,
-        "unsharded": {"params": planner.unsharded, "opt_state": planner.unsharded_opt},
+        "unsharded": {
+            "params": planner.unsharded,
+            "opt_state": planner.unsharded_opt * MOMENT_SCALE[settings.opt_dtype],
+        },
         "device_memory": device_bytes,
         "plan": row,
         "candidates": candidates,

@@ -31,6 +31,12 @@ class OptimConfig:
     eps: float = 1e-8  # Adam epsilon
     clip_norm: float = 1.0  # global gradient-norm clip (0 disables)
     accum_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    opt_dtype: str = "float32"  # AdamW's moments as stored: the master weights' dtype, or "bf16" (``adamw``)
+
+
+# --opt-dtype: the AdamW moments' storage dtype by name (None: the parameters' own, float32; float64
+# under --x64, where a bf16 moment stays bf16: x64 widens the arithmetic, not the storage)
+OPT_DTYPES = {"float32": None, "bf16": jnp.bfloat16}
 
 
 def schedule(ocfg: OptimConfig):
@@ -50,14 +56,49 @@ def decay_mask(params):
 
 
 def adamw(ocfg: OptimConfig, params) -> optax.GradientTransformation:
-    return optax.adamw(
-        schedule(ocfg),
-        b1=ocfg.b1,
-        b2=ocfg.b2,
-        eps=ocfg.eps,
-        weight_decay=ocfg.weight_decay,
-        mask=decay_mask(params),
+    """optax's AdamW with the run's schedule and decay mask; ``ocfg.opt_dtype`` "bf16": its first
+    transformation is ``scale_by_stored_adam`` (the state's structure unchanged: checkpoints load)."""
+    dtype = OPT_DTYPES[ocfg.opt_dtype]
+    adam = optax.scale_by_adam(ocfg.b1, ocfg.b2, ocfg.eps)
+    if dtype is not None:
+        adam = scale_by_stored_adam(ocfg.b1, ocfg.b2, ocfg.eps, dtype)
+    return optax.chain(  # optax.adamw's chain
+        adam,
+        optax.add_decayed_weights(ocfg.weight_decay, decay_mask(params)),
+        optax.scale_by_learning_rate(schedule(ocfg)),
     )
+
+
+def scale_by_stored_adam(b1: float, b2: float, eps: float, dtype) -> optax.GradientTransformation:
+    """optax's ``scale_by_adam`` with mu and nu stored in ``dtype`` (bfloat16): every operation in the
+    gradients' dtype (float32; float64 under --x64), the new moments rounded to ``dtype`` (to nearest
+    even, ~2^-9 relative) and the step computed from the moments *as stored*. That order is what lets
+    XLA update them in place: the step reads the new moments' buffers. (Computed from the unrounded
+    moments, as optax's ``mu_dtype`` does, the step's fusion reads the old ones too and XLA copies
+    them.) bfloat16 keeps 8 significant bits: nu's change per step, 1 - b2 = 5% of itself at the
+    default b2 0.95, is far above its rounding (a b2 above 1 - 2^-8 would leave nu stuck)."""
+
+    def init(params):
+        zeros = lambda p: jnp.zeros(p.shape, dtype)
+        return optax.ScaleByAdamState(
+            count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params), nu=jax.tree.map(zeros, params)
+        )
+
+    def update(grads, state, params=None):
+        del params
+        moment = lambda b, x, m: (b * m.astype(x.dtype) + (1 - b) * x).astype(dtype)
+        mu = jax.tree.map(lambda g, m: moment(b1, g, m), grads, state.mu)
+        nu = jax.tree.map(lambda g, v: moment(b2, g * g, v), grads, state.nu)
+        count = optax.safe_increment(state.count)
+
+        def step(g, m, v):  # optax's formula (eps_root 0), of the stored moments
+            m_hat = m.astype(g.dtype) / (1 - b1**count).astype(g.dtype)
+            v_hat = v.astype(g.dtype) / (1 - b2**count).astype(g.dtype)
+            return m_hat / (jnp.sqrt(v_hat) + eps)
+
+        return jax.tree.map(step, grads, mu, nu), optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(init, update)
 
 
 def clip_scale(grads, max_norm: float):
