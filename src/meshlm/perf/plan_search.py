@@ -38,8 +38,8 @@ CPU_NOTE = (
 ANALYTIC_NOTE = (
     "analytic activations: Korthikanti et al. 2022 per layer (a GPT block: 4h GeLU MLP, multi-head "
     "attention, dropout masks; a mixture of experts' dispatch buffers in place of its MLP), their "
-    "16-bit figures scaled to the compute dtype, + float32 logits; the old AdamW moments are copied "
-    "once by XLA for the update (2 x the parameters)"
+    "16-bit figures scaled to the compute dtype, + float32 logits; no copy of the AdamW moments (the "
+    "update writes them in place)"
 )
 COSTS = {"sp": 0, "fsdp": 1, "selective": 2, "accum": 3, "full": 4}  # step-time cost of each option
 STACK_ORDER = ("sp", "fsdp", "selective", "full", "accum")
