@@ -645,6 +645,9 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-mixtral --mesh 4x1 --ep 4 --devices 4 --fsdp --steps 2 --x64": verify(
         costly=EP
     ),
+    "meshlm verify --config tiny-llama --mesh 2x2 --remat save_qkv_mlp_in --x64": verify(
+        costly="tests/test_remat_names.py::test_a_named_policy_saves_its_names_and_changes_no_value"
+    ),
     "meshlm verify --config tiny --mesh 2x2 --steps 3 --x64 --opt-dtype bf16": verify(
         costly="tests/test_optim_memory.py::test_verify_proves_bf16_moments_sharded_equal_unsharded"
     ),

@@ -99,7 +99,8 @@ def test_a_clip_by_the_wrong_norm_is_caught(monkeypatch):
     assert any(not p.ok for p in report.params), format_report(report)  # the trained state differs
 
 
-def test_a_remat_path_that_changes_values_is_caught(monkeypatch):
+@pytest.mark.parametrize("remat", ["selective", "save_qkv_mlp_in"])
+def test_a_remat_path_that_changes_values_is_caught(monkeypatch, remat):
     """The reference runs without remat: a recomputed layer that differs (its input rounded to
     bfloat16 on the remat path only) is caught, where a reference sharing the remat path would agree."""
     from meshlm.model import memory, stack
@@ -111,7 +112,7 @@ def test_a_remat_path_that_changes_values_is_caught(monkeypatch):
         return memory.remat_body(policy, rounded, gathers)
 
     monkeypatch.setattr(stack, "remat_body", lossy)
-    cfg = get_config("tiny-llama").replace(remat="selective")
+    cfg = get_config("tiny-llama").replace(remat=remat)
     report = _verify("tiny-llama", 1, 2, cfg=cfg)
     assert not report.ok, format_report(report)
     assert _verify("tiny-llama", 1, 2).ok  # remat "none": the lossy path is not taken

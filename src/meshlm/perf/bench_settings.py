@@ -106,8 +106,9 @@ class BenchSettings(MeshFlags, LongContext, ExpertDispatch):  # --pp, --cp, --fs
     )
     remat: str = setting(
         "none",
-        "per-layer recomputation in the backward, as train --remat: none, full or selective (keep matmul "
-        "outputs); cuts activation memory (the plain row has none: it is the hand-written model)",
+        "per-layer recomputation in the backward, as train --remat: none, full, selective (keep matmul "
+        "outputs), save_qkv_proj or save_qkv_mlp_in (keep those projections); cuts activation memory "
+        "(the plain row has none: it is the hand-written model)",
         choices=REMAT,
     )
     unroll: int = setting(
