@@ -187,3 +187,22 @@ def test_verify_proves_bf16_moments_sharded_equal_unsharded():
     with jax.enable_x64(True):
         report = verify(problem, make_mesh(2, 2), steps=2, dtype=jnp.float64, controls=())
     assert report.ok and max(p.max_rel_err for p in report.params) <= 1e-12
+
+
+def test_a_non_finite_step_keeps_what_the_balance_moves_too():
+    """A mixture of experts' selection bias moves after AdamW (``make_step``'s ``balance``): on a
+    non-finite step it is kept as it was, like the rest of the state."""
+    params, x, _ = _toy()
+
+    def grad(p, b):  # value (loss, aux): the aux a routing statistic, as a mixture of experts' loss
+        loss = lambda p: (jnp.sum(jnp.tanh(b["inputs"] @ p["a"]["w"])), jnp.ones(()))
+        return jax.value_and_grad(loss, has_aux=True)(p)
+
+    balance = lambda p, aux: {**p, "b": {"w": p["b"]["w"] + aux}}  # moves b alone
+    opt = adamw(OCFG, params)
+    step = jax.jit(make_step(grad, opt, OCFG, balance=balance))
+    new, _, ok = step(params, opt.init(params), x)
+    assert bool(ok["ok"]) and not np.array_equal(new["b"]["w"], params["b"]["w"])
+    kept, _, bad = step(params, opt.init(params), {"inputs": x["inputs"].at[0, 0].set(jnp.nan)})
+    assert not bool(bad["ok"])
+    jax.tree.map(np.testing.assert_array_equal, kept, params)

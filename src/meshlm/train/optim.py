@@ -235,8 +235,9 @@ def make_step(
             # passes it, so every step after a non-finite one keeps the state too (sticky).
             finite = finite & healthy
         params, opt_state = guarded_update(optimizer, grads, scale, opt_state, params, finite, part)
-        if balance is not None:  # from the routing of the step's whole global batch
-            params = balance(params, aux[aux_key])
+        if balance is not None:  # from the routing of the step's whole global batch; kept as it was too
+            moved = balance(params, aux[aux_key])  # on a non-finite step (the leaves it moves: the biases)
+            params = jax.tree.map(lambda n, o: o if n is o else jnp.where(finite, n, o), moved, params)
         metrics = {"loss": loss, "grad_norm": grad_norm, "ok": finite}
         return params, opt_state, metrics if aux is None else {**metrics, **aux}
 
