@@ -739,6 +739,18 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-mixtral --mesh 4x1 --ep 4 --devices 4 --fsdp --steps 2 --x64": verify(
         costly=EP
     ),
+    "meshlm verify --config tiny-llama --mesh 2x2 --remat save_qkv_mlp_in --x64": verify(
+        costly="tests/test_remat_names.py::test_a_named_policy_saves_its_names_and_changes_no_value"
+    ),
+    "meshlm verify --config tiny --mesh 2x2 --steps 3 --x64 --opt-dtype bf16": verify(
+        costly="tests/test_optim_memory.py::test_verify_proves_bf16_moments_sharded_equal_unsharded"
+    ),
+    "meshlm train --config tiny-lm --steps 300 --batch-size 8 --seq-len 64 --eval-every 100 --eval-batches 4 "
+    "--tokenizer bytes --mesh 1x1 --sample-tokens 0 --opt-dtype bf16 --out runs/bf16-moments": run(
+        "--steps 300 => --steps 2",
+        "--eval-every 100 => --eval-every 0",
+        "--eval-batches 4 => --eval-batches 1",
+    ),
     "meshlm train --config tiny-mixtral --ep 2 --mesh 2x1 --devices 2": Shown(
         "a measurement (a run on the default data: its tokenizer alone takes minutes); the ep step's path: "
         + EP

@@ -51,10 +51,12 @@ def _check_collectives(report: dict) -> None:
     theory = report["theoretical_collectives"]
     per_step = {r["impl"]: r["collectives"]["per_step"] for r in report["results"]}
     ours = per_step["meshlm"]
-    # XLA's all-reduce combiner may put the scalar loss mean over DP into the DP gradient all-reduce (same
-    # devices, independent values: it did with a rolled layer loop, not unrolled); every other all-reduce
-    # of the theoretical minimum is its own op.
-    assert theory["total"] - theory["dp_loss"] <= ours["all-reduce"]["count"] <= theory["total"]
+    # XLA's all-reduce combiner may put the two scalars, the loss mean over DP and the clip's squared norm,
+    # into other all-reduces over the same devices (independent values: the loss mean did with a rolled
+    # layer loop; since the optimizer's update is a lax.cond, 14 of tiny-llama's 16 on 2x2 are separate
+    # ops); every other all-reduce of the theoretical minimum is its own op. (The bytes count each once.)
+    scalars = theory["dp_loss"] + theory["grad_norm"]
+    assert theory["total"] - scalars <= ours["all-reduce"]["count"] <= theory["total"]
     assert all(ours[kind]["count"] == 0 for kind in COLLECTIVES if kind != "all-reduce")
     for one_device in ("unsharded", "plain"):
         assert all(per_step[one_device][kind] == {"count": 0, "bytes": 0} for kind in COLLECTIVES)

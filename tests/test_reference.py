@@ -87,20 +87,20 @@ def test_the_train_step_that_computes_reference_values_is_the_one_checked(monkey
 
 
 def _norm_of_first_leaf(grads, max_norm):
-    """A clip by the wrong norm (one leaf's), shared by nothing but the sharded step."""
+    """A clip by the wrong norm (one leaf's), shared by nothing but the sharded step: its (scale, norm)."""
     norm = optax.tree.norm(jax.tree.leaves(grads)[0])
-    scale = jnp.where(norm < max_norm, 1.0, max_norm / norm) if max_norm else 1.0
-    return jax.tree.map(lambda g: g * scale, grads), norm
+    return (jnp.where(norm < max_norm, 1.0, max_norm / norm) if max_norm else jnp.ones(())), norm
 
 
 def test_a_clip_by_the_wrong_norm_is_caught(monkeypatch):
     """The reference clips with optax.clip_by_global_norm: meshlm's clip is checked against it."""
-    monkeypatch.setattr("meshlm.train.optim.clip_by_global_norm", _norm_of_first_leaf)  # correct: above
+    monkeypatch.setattr("meshlm.train.optim.clip_scale", _norm_of_first_leaf)  # correct: above
     report = _verify("tiny", 1, 2, steps=1)
     assert any(not p.ok for p in report.params), format_report(report)  # the trained state differs
 
 
-def test_a_remat_path_that_changes_values_is_caught(monkeypatch):
+@pytest.mark.parametrize("remat", ["selective", "save_qkv_mlp_in"])
+def test_a_remat_path_that_changes_values_is_caught(monkeypatch, remat):
     """The reference runs without remat: a recomputed layer that differs (its input rounded to
     bfloat16 on the remat path only) is caught, where a reference sharing the remat path would agree."""
     from meshlm.model import memory, stack
@@ -112,7 +112,7 @@ def test_a_remat_path_that_changes_values_is_caught(monkeypatch):
         return memory.remat_body(policy, rounded, gathers)
 
     monkeypatch.setattr(stack, "remat_body", lossy)
-    cfg = get_config("tiny-llama").replace(remat="selective")
+    cfg = get_config("tiny-llama").replace(remat=remat)
     report = _verify("tiny-llama", 1, 2, cfg=cfg)
     assert not report.ok, format_report(report)
     assert _verify("tiny-llama", 1, 2).ok  # remat "none": the lossy path is not taken

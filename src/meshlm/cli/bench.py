@@ -135,6 +135,7 @@ def bench_asked(config: str, cfg, layout, settings):
         settings.seq_len,
         tuple(cuts),
         compute_dtype=settings.compute_dtype,
+        opt_dtype=settings.opt_dtype,
         remat=settings.remat,
         copies=built,
     )

@@ -277,10 +277,12 @@ def _prove(args, vs: VerifySettings, cfg, name: str, layout, batch: int, seq_len
             dtype=dtype,
             load_params=load,
             steps=vs.steps,
+            opt_dtype=vs.opt_dtype,
         )
         print0(json.dumps(report.to_json()) if args.json else format_report(report))
         return 0 if report.ok else 1
     problem = model_problem(cfg, name, layout, batch, seq_len, vs.seed)
+    problem = dataclasses.replace(problem, opt_dtype=vs.opt_dtype)  # the training steps' moments
     if vs.checkpoint:
         problem = dataclasses.replace(problem, load_params=lambda m: load_model(vs.checkpoint, m)[1])
     from meshlm.proof.controls import CONTROLS

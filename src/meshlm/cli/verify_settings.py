@@ -17,6 +17,7 @@ from meshlm.settings import (
     check_fields,
     setting,
 )
+from meshlm.train.config import OPT_DTYPE_NAMES
 from meshlm.train.lora import LoraSettings, check_lora_flags
 
 # One token attends only to itself: the causal mask and attention across positions would go unproven
@@ -36,6 +37,12 @@ class VerifySettings(MeshFlags, LongContext, ExpertDispatch, LoraSettings):  # -
         0, "also compare K full training steps (each runs sharded and not; <= 10000)", valid=MAX_PROOF_STEPS
     )
     x64: bool = setting(False, "float64: worst relative error must be <= 1e-12")
+    opt_dtype: str = setting(
+        "float32",
+        "the training steps' AdamW moments as stored, as train --opt-dtype: float32 (the parameters' "
+        "dtype: float64 under --x64), or bf16 (bfloat16 under --x64 too)",
+        choices=OPT_DTYPE_NAMES,
+    )
     batch_size: int | None = setting(
         None,
         "global batch, a multiple of dp",

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from meshlm.errors import ShardingError
 from meshlm.model import attention_variants as variants  # global_rotated: NoPE, proportional RoPE
@@ -111,7 +112,7 @@ class Attention(hk.Module):
         # [B, T, H/mp, E]: this shard's query heads (``Family.attn_gate``: each head's query, then its gate)
         q = self._proj("wq", xf, hl, "own_heads", 1 + cfg.arch.attn_gate)
         q, gate = q[..., : cfg.dim_per_head], q[..., cfg.dim_per_head :]  # gate: [B, T, H/mp, 0] ungated
-        k, v = self._kv(xf)  # [B, T, K_local, E]
+        q, k, v = _named(q, *self._kv(xf))  # k, v [B, T, K_local, E]
         variant = layer_variant(cfg, kind, hl)
         rotate = lambda x: x  # a layer without rotary (``variant.rotary`` None)
         if variant.rotary is not None:
@@ -162,6 +163,12 @@ class Attention(hk.Module):
         if not self.cfg.arch.o_bias:  # gpt-oss's output bias [D]: once in the row sum (``add_once``)
             return out
         return add_once(self.par, out, hk.get_parameter("bo", [xf.shape[-1]], init=jnp.zeros))
+
+
+def _named(q, k, v):
+    """q, k, v named for the remat policies that save them (``model.memory``: --remat save_qkv_proj);
+    an identity otherwise."""
+    return (checkpoint_name(x, n) for x, n in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
 
 
 def layer_kinds(cfg: ModelConfig):

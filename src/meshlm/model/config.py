@@ -14,7 +14,7 @@ from typing import Any
 from meshlm.errors import ConfigError
 from meshlm.model import layer_kinds as kinds
 from meshlm.model.families import FAMILIES, preset_fields
-from meshlm.model.family import Family
+from meshlm.model.family import NAMED_REMAT, Family
 from meshlm.model.lora_fields import RANGES as LORA_RANGES
 from meshlm.model.lora_fields import LoraFields, check_lora
 from meshlm.model.loss_fields import LOSS_RANGES, LossFields
@@ -152,7 +152,7 @@ class ModelConfig(  # fields: its own, then its bases' (``field_names``)
         check_variant_fields(self)
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
-        _check_plain_only(self), _check_moe(self), check_router(self), _check_dispatch(self)
+        _check_plain_only(self), _check_moe(self), check_router(self), _check_dispatch(self), _remat_ok(self)
         check_lora(self), kinds.check_linear(self), check_mla(self), check_mtp(self), check_per_layer(self)
 
     @property
@@ -332,6 +332,30 @@ def from_dict(d: dict[str, Any]) -> ModelConfig:
     if unknown:
         raise ConfigError(f"unknown config field(s) {unknown}; valid: {', '.join(field_names())}")
     return ModelConfig(**{**UNPADDED_BEFORE_FIELD, **d})
+
+
+def named_remat_blockers(cfg) -> list[str]:
+    """What of ``cfg``'s layers has none of the names a named remat policy saves (empty: none)."""
+    return [
+        what
+        for what, has in (
+            ("MLA attention", cfg.kv_lora_rank > 0),
+            ("linear-attention layers", bool(cfg.full_attn_every)),
+            ("mixture-of-experts layers", cfg.n_experts > 0),
+            ("no attention", not cfg.arch.attention),
+        )
+        if has
+    ]
+
+
+def _remat_ok(cfg) -> None:
+    """A named remat policy saves what the plain attention and the dense MLP tag: a model whose layers
+    compute their projections elsewhere would silently save nothing there (a full remat)."""
+    if cfg.remat in NAMED_REMAT and (other := named_remat_blockers(cfg)):
+        raise ConfigError(
+            f"remat {cfg.remat!r} saves the q/k/v (and MLP input) projections of the standard attention "
+            f"and dense MLP; this model has {', '.join(other)}: use none, full or selective"
+        )
 
 
 # The presets, every family's (its module in ``model.families``), in the order ``meshlm configs`` lists.

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from meshlm.model.dense import dense
 from meshlm.model.lora import adapted
@@ -223,11 +224,14 @@ class MLP(hk.Module):
     def __call__(self, xf):
         fl = self.d_ff // self.par.layout.mp
         if self.kind in GATED:
-            h = GATED[self.kind](self._dense("gate", xf, fl, self.stddev_in, False))
-            h = h * self._dense("up", xf, fl, self.stddev_in, False)
+            # [B, T, F/mp]: the MLP's input projections, named for --remat save_qkv_mlp_in (``memory``)
+            gate = checkpoint_name(self._dense("gate", xf, fl, self.stddev_in, False), "mlp_in")
+            h = GATED[self.kind](gate) * checkpoint_name(
+                self._dense("up", xf, fl, self.stddev_in, False), "mlp_in"
+            )
             out_name = "down"
         else:
-            h = gelu_tanh(self._dense("in", xf, fl, self.stddev_in, self.bias))
+            h = gelu_tanh(checkpoint_name(self._dense("in", xf, fl, self.stddev_in, self.bias), "mlp_in"))
             out_name = "out"
         d = xf.shape[-1]
         w_out = hk.get_parameter(f"w_{out_name}", [fl, d], init=_normal(self.stddev_out))

@@ -8,6 +8,13 @@ Remat (``ModelConfig.remat``), per layer of the stack:
   full       keep only each layer's input; recompute the layer in the backward
   selective  keep the matmul outputs (dots without batch dimensions: the Q/K/V/O projections and the
              MLP), recompute the attention scores and softmax (batched dots) and the elementwise work
+  save_qkv_proj    keep the query, key and value projections (MaxText's policy of that name); recompute
+             the rest: attention, the output projection, the MLP
+  save_qkv_mlp_in  keep those and the MLP's input projections (gate and up, or w_in); recompute the
+             attention, the activation and the down/output projections
+The named ones save what the layers tag with ``jax.ad_checkpoint.checkpoint_name`` ("q_proj", "k_proj",
+"v_proj" in the attention, "mlp_in" in the dense MLP): a model without those layers refuses them
+(``ModelConfig``). Between selective and full: they keep 2 to 3 of a layer's ~7 matmul outputs.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from meshlm.model.params import EXPERTS_MODULE, leaf_name
 from meshlm.parallel.context import Parallel
 
 NORM_PARAMS = ("scale", "offset")
+QKV = ("q_proj", "k_proj", "v_proj")
+SAVED_NAMES = {"save_qkv_proj": QKV, "save_qkv_mlp_in": (*QKV, "mlp_in")}  # the named policies' names
 
 
 def _policy(remat: str):
@@ -27,6 +36,8 @@ def _policy(remat: str):
         return None  # jax.checkpoint's default: save nothing but the inputs
     if remat == "selective":
         return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    if remat in SAVED_NAMES:
+        return jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES[remat])
     return _all_but_gathers
 
 

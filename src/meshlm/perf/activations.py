@@ -54,7 +54,7 @@ from __future__ import annotations
 from meshlm.errors import ConfigError
 from meshlm.model.accounting import moe_layers
 from meshlm.model.config import ModelConfig
-from meshlm.model.family import REMAT
+from meshlm.model.family import NAMED_REMAT, REMAT
 
 PAPER_BYTES = 2  # the paper's activation width (16-bit)
 # Per-layer coefficients of s·b·h at 16 bits: (replicated under TP, split by t).
@@ -97,6 +97,8 @@ def layer_bytes(
     scale = act_bytes / PAPER_BYTES
     if remat == "full":
         return FULL_REMAT_COEFF * sbh / (t if sp else 1) * scale
+    if remat in NAMED_REMAT:  # full's input, and the saved projections (split over mp)
+        return (FULL_REMAT_COEFF * sbh / (t if sp else 1) + named_bytes(cfg, remat, s * b) / t) * scale
     replicated, split = COEFFS["transformer" if cfg.arch.attention else "ff"]
     if moe:
         replicated, split = MOE_ATTENTION_COEFFS
@@ -106,6 +108,15 @@ def layer_bytes(
     kept = replicated * sbh / (t if sp else 1) + split * sbh / t
     experts = moe_bytes(cfg, tokens=s * b, mp=t, ep=ep, act_bytes=act_bytes) if moe and remat == "none" else 0
     return (kept + attention) * scale + experts
+
+
+def named_bytes(cfg: ModelConfig, remat: str, tokens: int) -> float:
+    """What a named policy saves of one layer, in the paper's 16-bit bytes, before the mp split: the
+    q, k and v projections (tokens x (H + 2 K) x E), with save_qkv_mlp_in also the MLP's input
+    projections (gate and up, or w_in: tokens x d_ff each)."""
+    qkv = tokens * (cfg.n_heads + 2 * cfg.kv_heads) * cfg.dim_per_head
+    mlp_in = tokens * cfg.d_ff * (2 if cfg.arch.mlp in ("swiglu", "geglu") else 1)
+    return PAPER_BYTES * (qkv + (mlp_in if remat == "save_qkv_mlp_in" else 0))
 
 
 def moe_bytes(cfg: ModelConfig, *, tokens: int, mp: int, ep: int, act_bytes: int) -> float:
@@ -152,7 +163,7 @@ def activation_bytes(
     n_moe = moe_layers(cfg)
     dense, moe = (layer_bytes(cfg, remat=remat, moe=m, **shape) for m in (False, True))
     layers = (cfg.n_layers - n_moe) * dense + n_moe * moe
-    if remat == "full":  # the layer being recomputed holds its full activations meanwhile
+    if remat == "full" or remat in NAMED_REMAT:  # the layer being recomputed holds its full activations
         layers += layer_bytes(cfg, remat="none", moe=bool(n_moe), **shape)
     elif remat == "selective" and n_moe:  # the experts recomputed, one layer's at a time
         layers += moe_bytes(cfg, tokens=seq * micro_batch, mp=mp, ep=ep, act_bytes=act_bytes)

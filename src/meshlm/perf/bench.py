@@ -401,7 +401,7 @@ def run_bench(
     settings.check(cfg, layout)
     settings = settings.resolved(cfg, layout)
     check_peak_fits(settings.peak_n)
-    impls = build_impls(cfg, ocfg or OptimConfig(), layout, settings)
+    impls = build_impls(cfg, ocfg or OptimConfig(opt_dtype=settings.opt_dtype), layout, settings)
     peak_fn = lambda dtype: matmul_peak_flops(dtype, n=settings.peak_n, repeats=3)
     seconds, peaks = time_interleaved(impls, settings.steps, settings.warmup, peak_fn)
     peak = {dtype: statistics.median(values) for dtype, values in peaks.items()}
@@ -418,6 +418,7 @@ def run_bench(
         "seq_len": settings.seq_len,
         "timed_steps": settings.steps,
         "compute_dtype": settings.compute_dtype,
+        "opt_dtype": settings.opt_dtype,
         "remat": remat_policy(cfg),
         "impls": [i.name for i in impls],  # the ones built (--impls), in the order of ``results``
         "device_kind": kind,

@@ -62,7 +62,7 @@ def variants(cfg: ModelConfig, layout: Layout) -> list[tuple[str, Layout, ModelC
 def compare_schedules(cfg: ModelConfig, name: str, layout: Layout, settings: BenchSettings) -> dict:
     """Build every schedule's step and no-pp's from one set of parameters and one batch, time them
     round-robin; the JSON-ready report."""
-    ocfg = OptimConfig()
+    ocfg = OptimConfig(opt_dtype=settings.opt_dtype)
     params, specs = init_model(cfg, layout, settings.seed)
     host_params = jax.device_get(params)
     rng = np.random.default_rng(settings.seed)

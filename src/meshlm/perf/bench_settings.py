@@ -26,6 +26,7 @@ from meshlm.settings import (
     Switch,
     setting,
 )
+from meshlm.train.config import OPT_DTYPE_NAMES
 
 MIN_STEPS = 5  # fewer timed steps give a median that is mostly noise on a shared machine
 # Keeps a `small` bench near 1.5 minutes on 2 CPU cores (a step takes 1.7 s on an idle machine at
@@ -117,10 +118,16 @@ class BenchSettings(MeshFlags, LongContext, ExpertDispatch):  # --pp, --cp, --fs
         switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights, as train --bf16"),
         choices=COMPUTE_DTYPES,
     )
+    opt_dtype: str = setting(
+        "float32",
+        "AdamW's moments as stored, as train --opt-dtype: float32, or bf16 (both in bfloat16)",
+        choices=OPT_DTYPE_NAMES,
+    )
     remat: str = setting(
         "none",
-        "per-layer recomputation in the backward, as train --remat: none, full or selective (keep matmul "
-        "outputs); cuts activation memory (the plain row has none: it is the hand-written model)",
+        "per-layer recomputation in the backward, as train --remat: none, full, selective (keep matmul "
+        "outputs), save_qkv_proj or save_qkv_mlp_in (keep those projections); cuts activation memory "
+        "(the plain row has none: it is the hand-written model)",
         choices=REMAT,
     )
     unroll: int = setting(

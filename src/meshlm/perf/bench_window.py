@@ -62,7 +62,7 @@ def compare_window(cfg: ModelConfig, name: str, layout: Layout, settings: BenchS
     impls: list[Impl] = []
     for row, model in rows:
         own = jax.device_put(host_params, shardings(specs, layout.mesh))  # donated: each its own copy
-        step, opt = sharded_step(model, OptimConfig(), layout, specs, own)
+        step, opt = sharded_step(model, OptimConfig(opt_dtype=settings.opt_dtype), layout, specs, own)
         batch = jax.device_put(host, batch_sharding(layout, 1))
         impls.append(_compiled(row, step, own, init_opt_state(opt, own, specs, layout.mesh), batch))
     seconds, _ = time_interleaved(impls, settings.steps, settings.warmup, lambda dtype: 0.0)

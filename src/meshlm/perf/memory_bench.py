@@ -92,7 +92,8 @@ def memory_options_bench(cfg: ModelConfig, where, settings: BenchSettings, ocfg=
     memory options are the rows'); JSON-ready."""
     layout = Layout.of(where)
     settings.check(cfg, layout)
-    impls = build(cfg, ocfg or OptimConfig(), layout, settings.resolved(cfg, layout))
+    ocfg = ocfg or OptimConfig(opt_dtype=settings.opt_dtype)
+    impls = build(cfg, ocfg, layout, settings.resolved(cfg, layout))
     seconds, _ = time_interleaved(impls, settings.steps, settings.warmup, lambda dtype: 0.0)
     rows = []
     for impl in impls:

@@ -40,6 +40,7 @@ class Asked:
     seq_len: int
     cuts: tuple[str, ...]
     compute_dtype: str = "float32"
+    opt_dtype: str = "float32"  # AdamW's moments as stored (``--opt-dtype``)
     remat: str = "none"
     accum_steps: int = 1
     copies: int = 1
@@ -142,6 +143,7 @@ def _settings(asked: Asked, batch_size: int, remat: str):
         seq_len=asked.seq_len,
         accum_steps=asked.accum_steps,
         compute_dtype=asked.compute_dtype,
+        opt_dtype=asked.opt_dtype,
         fsdp=asked.layout.fsdp,
         sp=asked.layout.sp,
         remat=remat,

@@ -11,17 +11,16 @@ Compiled on host CPU devices, the temporaries are XLA *CPU*'s plan: an accelerat
 and schedules differently, and its runtime adds its own overheads (context, allocator), so on CPU
 the figure is an estimate of an accelerator's. Next to it, ``analytic`` estimates the same from
 shapes: parameters and AdamW moments from the shardings, gradients like the parameters (twice with
-gradient accumulation: the running sum), the old AdamW moments copied once (``MOMENT_COPIES``), with
-FSDP one layer's all-gathered weights, and activations from Korthikanti et al. 2022, a mixture of
-experts' dispatch buffers in place of its MLP (``perf.activations``).
+gradient accumulation: the running sum), with FSDP one layer's all-gathered weights, and activations
+from Korthikanti et al. 2022, a mixture of experts' dispatch buffers in place of its MLP
+(``perf.activations``).
 
-Why the old moments are copied: the step writes the new moments into the donated moment buffers
-(outputs aliased to inputs), and the non-finite guard ``where(finite, new, old)`` and the parameters'
-update (whose fusion recomputes the new moments from the old) still read the old ones after that: XLA's
-copy insertion copies both moments of every parameter (``copy(opt_state.mu[...])``,
-``copy(opt_state.nu[...])`` in the compiled HLO), 2 x the parameters' bytes among the temporaries. It
-was most of the gap on mixtral-8x7b (8x8 + EP8, fsdp + sp): analytic 13.66 GiB against 21.62 GiB
-compiled before it and the MoE dispatch buffers were counted.
+No copy of the optimizer state: AdamW updates its moments in place (``train.optim.guarded_update``).
+Before that, the step's non-finite guard ``where(finite, new, old)`` and the parameters' update (whose
+fusion recomputes the new moments from the old) read the old moments after the new ones were written
+into the donated buffers, and XLA's copy insertion copied both moments of every parameter (``copy(
+opt_state.mu[...])`` in the compiled HLO), 2 x the parameters' bytes among the temporaries
+(``MOMENT_COPIES``, now 0; tests/test_optim_memory.py holds the step to none).
 """
 
 from __future__ import annotations
@@ -43,7 +42,8 @@ from meshlm.perf.plan_settings import PlanSettings
 
 PARAM_DTYPE = np.float32  # master weights (and so gradients and AdamW moments) are float32
 ADAM_MOMENTS = 2
-MOMENT_COPIES = ADAM_MOMENTS  # the old moments, copied by XLA for the update (module docstring)
+MOMENT_SCALE = {"float32": 1.0, "bf16": 0.5}  # --opt-dtype: a moment's bytes over a float32 parameter's
+MOMENT_COPIES = 0  # copies of the old moments XLA makes for the update: none (module docstring)
 
 
 def abstract_step(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
@@ -56,7 +56,7 @@ def abstract_step(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
     cfg = step_model(cfg, remat=settings.remat, unroll=cfg.unroll, fsdp=settings.fsdp)
     layout = settings.on(layout)
     specs, params = planned_params(cfg, layout, settings)
-    ocfg = OptimConfig(accum_steps=settings.accum_steps)
+    ocfg = OptimConfig(accum_steps=settings.accum_steps, opt_dtype=settings.opt_dtype)
     dtype = COMPUTE_DTYPES[settings.compute_dtype]
     step, opt = sharded_step(cfg, ocfg, layout, specs, params, dtype)
     part = trainable(cfg)  # LoRA: AdamW state for the adapters alone
@@ -185,7 +185,7 @@ def analytic(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
         ep=layout.ep if layout.experts_split else 1,
     )
     gradients = trained * (2 if settings.accum_steps > 1 else 1)  # + the accumulator's running sum
-    opt_state = ADAM_MOMENTS * trained
+    opt_state = ADAM_MOMENTS * trained * MOMENT_SCALE[settings.opt_dtype]
     moment_copies = MOMENT_COPIES * trained
     gathered = 0.0
     if settings.fsdp:  # ZeRO-3 gathers one layer's weights at a time: what FSDP took off, per layer

@@ -64,7 +64,6 @@ def _breakdown(row: dict, platform: str) -> list[str]:
         ("optimizer state (AdamW)", gib(a["opt_state"]), gib(c["opt_state"])),
         ("  arguments (+ batch)", gib(a["params"] + a["opt_state"]), gib(c["argument"])),
         ("gradients" + (" (+ accum. sum)" if accum else ""), gib(a["gradients"]), inside),
-        ("old AdamW moments, copied", gib(a["moment_copies"]), inside),
         (_activations_label(a["activations"]), gib(a["activations"]["layers"]), inside),
         ("logits", gib(a["activations"]["logits"]), inside),
         ("temporaries", gib(a["temp"]), gib(c["temp"])),

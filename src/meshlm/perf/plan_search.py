@@ -25,9 +25,9 @@ import dataclasses
 import jax
 
 from meshlm.errors import MeshlmError
-from meshlm.model.config import ModelConfig
+from meshlm.model.config import ModelConfig, named_remat_blockers
 from meshlm.parallel.layout import Layout
-from meshlm.perf.plan import ADAM_MOMENTS, analytic, measure, state_bytes
+from meshlm.perf.plan import ADAM_MOMENTS, MOMENT_SCALE, analytic, measure, state_bytes
 from meshlm.perf.plan_calibration import policy
 from meshlm.perf.plan_settings import PlanSettings
 from meshlm.perf.plan_target import Target, resolve
@@ -40,10 +40,11 @@ CPU_NOTE = (
 ANALYTIC_NOTE = (
     "analytic activations: Korthikanti et al. 2022 per layer (a GPT block: 4h GeLU MLP, multi-head "
     "attention, dropout masks; a mixture of experts' dispatch buffers in place of its MLP), their "
-    "16-bit figures scaled to the compute dtype, + float32 logits; the old AdamW moments are copied "
-    "once by XLA for the update (2 x the parameters)"
+    "16-bit figures scaled to the compute dtype, + float32 logits; no copy of the AdamW moments (the "
+    "update writes them in place)"
 )
-COSTS = {"sp": 0, "fsdp": 1, "selective": 2, "accum": 3, "full": 4}  # step-time cost of each option
+# step-time cost of each option (save_qkv_mlp_in recomputes more than selective, less than full)
+COSTS = {"sp": 0, "fsdp": 1, "selective": 2, "save_qkv_mlp_in": 3, "accum": 4, "full": 5}
 STACK_ORDER = ("sp", "fsdp", "selective", "full", "accum")
 DEFAULT_MAX_COMPILES = 8
 # A fit with less than this fraction of the device free is "tight": the CPU-compiled peak is an
@@ -51,8 +52,9 @@ DEFAULT_MAX_COMPILES = 8
 TIGHT = 0.1
 
 
-def moves(settings: PlanSettings, dp: int, mp: int) -> list[tuple[str, PlanSettings]]:
-    """The single changes to ``settings`` worth trying, cheapest first: (option, new settings)."""
+def moves(settings: PlanSettings, dp: int, mp: int, named: bool = True) -> list[tuple[str, PlanSettings]]:
+    """The single changes to ``settings`` worth trying, cheapest first: (option, new settings);
+    ``named``: the model's layers have what a named remat policy saves (``named_remat_blockers``)."""
     replace = lambda **kw: dataclasses.replace(settings, **kw)
     found = []
     if not settings.sp and mp > 1 and settings.seq_len % mp == 0:
@@ -61,6 +63,8 @@ def moves(settings: PlanSettings, dp: int, mp: int) -> list[tuple[str, PlanSetti
         found.append(("fsdp", replace(fsdp=True)))
     if settings.remat == "none":
         found.append(("selective", replace(remat="selective")))
+    if named and settings.remat in ("none", "selective"):
+        found.append(("save_qkv_mlp_in", replace(remat="save_qkv_mlp_in")))
     if settings.batch_size % (dp * settings.accum_steps * 2) == 0:
         found.append(("accum", replace(accum_steps=settings.accum_steps * 2)))
     if settings.remat != "full":
@@ -72,7 +76,7 @@ def cost(settings: PlanSettings, base: PlanSettings) -> int:
     """How much step time ``settings`` gives up against ``base`` (for ranking; 0 = the same)."""
     total = COSTS["sp"] * (settings.sp > base.sp) + COSTS["fsdp"] * (settings.fsdp > base.fsdp)
     if settings.remat != base.remat:
-        total += COSTS["full" if settings.remat == "full" else "selective"]
+        total += COSTS.get(settings.remat, COSTS["selective"])
     halvings = (settings.accum_steps // base.accum_steps).bit_length() - 1
     return total + COSTS["accum"] * halvings
 
@@ -106,6 +110,7 @@ class Planner:
         self.device_bytes = device_bytes
         self.max_compiles = max_compiles
         self.every_option = every_option  # step 1 tries every option, not only up to the first fit
+        self.named = not named_remat_blockers(cfg)  # named remat policies apply to its layers
         self.rows: dict[PlanSettings, dict] = {}
         state = state_bytes(cfg, layout, PlanSettings(batch_size=1, seq_len=1))
         # the unsharded state: parameters, and AdamW moments of those trained (LoRA: the adapters)
@@ -152,7 +157,7 @@ class Planner:
         """Candidates around ``base`` (module docstring), in the order they were tried."""
         dp, mp = self.layout.dp, self.layout.mp
         tried = []
-        for _, settings in moves(base, dp, mp):
+        for _, settings in moves(base, dp, mp, self.named):
             tried.append(self.evaluate(settings))
             if not self.every_option and tried[-1] and tried[-1]["fits"] and not tried[-1]["tight"]:
                 break  # the costlier options are not needed
@@ -164,7 +169,7 @@ class Planner:
         """The options applied one after another (the micro-batch halved as often as it takes)."""
         current, rows = base, []
         for option in STACK_ORDER:
-            while (step := dict(moves(current, dp, mp)).get(option)) is not None:
+            while (step := dict(moves(current, dp, mp, self.named)).get(option)) is not None:
                 row = self.evaluate(step)
                 if row is None:
                     return rows
@@ -233,7 +238,10 @@ def plan(
         "compiler": target.describe(),
         "note": compiler_note(target),
         "analytic_note": ANALYTIC_NOTE,
-        "unsharded": {"params": planner.unsharded, "opt_state": planner.unsharded_opt},
+        "unsharded": {
+            "params": planner.unsharded,
+            "opt_state": planner.unsharded_opt * MOMENT_SCALE[settings.opt_dtype],
+        },
         "device_memory": device_bytes,
         "plan": row,
         "candidates": candidates,

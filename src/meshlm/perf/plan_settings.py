@@ -19,6 +19,7 @@ from meshlm.settings import (
     Switch,
     setting,
 )
+from meshlm.train.config import OPT_DTYPE_NAMES
 from meshlm.train.lora import LoraSettings
 from meshlm.units import parse_bytes
 
@@ -42,6 +43,7 @@ class PlanSettings:
     fsdp: bool = False  # also shard weights and AdamW moments over dp (needs a step that supports it)
     sp: bool = False  # Megatron sequence parallelism over mp (needs a step that supports it)
     remat: str = "none"  # "none" | "full" | "selective" ("selective" needs a model that supports it)
+    opt_dtype: str = "float32"  # AdamW's moments as stored: "float32" or "bf16" (``train.optim.OPT_DTYPES``)
 
     def micro_batch(self, dp: int) -> int:
         """Rows one device processes at once (its data shard of one micro-batch)."""
@@ -52,6 +54,7 @@ class PlanSettings:
         parts = [name for name in ("fsdp", "sp") if getattr(self, name)]
         parts += [f"remat={self.remat}"] if self.remat != "none" else []
         parts += [f"accum={self.accum_steps}"] if self.accum_steps > 1 else []
+        parts += [f"opt={self.opt_dtype}"] if self.opt_dtype != "float32" else []
         return "+".join(parts) or "plain"
 
     def on(self, layout: Layout) -> Layout:
@@ -102,6 +105,9 @@ class PlanCommand(MeshFlags, LongContext, ExpertDispatch, LoraSettings):  # --pp
         switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights"),
     )
     remat: str | None = setting(None, "rematerialisation", shown_default="the config's own", choices=REMAT)
+    opt_dtype: str = setting(
+        "float32", "AdamW's moments as stored, as train --opt-dtype: float32 or bf16", choices=OPT_DTYPE_NAMES
+    )
     device_memory: int | None = setting(
         None,
         "memory of one device, e.g. 80GiB: say whether the run fits and search options that do",
@@ -151,4 +157,5 @@ class PlanCommand(MeshFlags, LongContext, ExpertDispatch, LoraSettings):  # --pp
             fsdp=self.fsdp,
             sp=self.sp,
             remat=self.remat or remat_policy(cfg),
+            opt_dtype=self.opt_dtype,
         )

@@ -28,6 +28,7 @@ def train_asked(tcfg: TrainConfig, where) -> Asked:
     cuts += [] if tcfg.fsdp else ["--fsdp (weights and AdamW state split over dp > 1)"]
     cuts += ["a smaller --batch-size (or --accum-steps N: the same batch in N micro-batches)"]
     cuts += ["--bf16 (16-bit activations)"] if tcfg.compute_dtype == "float32" else []
+    cuts += ["--opt-dtype bf16 (AdamW moments in bfloat16)"] if tcfg.opt_dtype == "float32" else []
     return Asked(
         "train",
         tcfg.config or tcfg.checkpoint,
@@ -37,6 +38,7 @@ def train_asked(tcfg: TrainConfig, where) -> Asked:
         tcfg.seq_len,
         tuple(cuts),
         compute_dtype=tcfg.compute_dtype,
+        opt_dtype=tcfg.opt_dtype,
         remat=tcfg.remat,
         accum_steps=tcfg.accum_steps,
         checkpoint=tcfg.checkpoint or None,

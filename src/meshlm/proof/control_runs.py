@@ -106,7 +106,7 @@ def _control_results(control: Control, runs: Runs, ocfg, rtol, atol) -> list[Lea
     problem = runs.problem
     results: dict[str, LeafResult] = {}
     if control.per_shard_clip or control.train_step:
-        ocfg = ocfg or default_optim(1, reference_grad_norm(runs))
+        ocfg = ocfg or default_optim(1, reference_grad_norm(runs), problem.opt_dtype)
         batches = step_batches(problem, 1, ocfg.accum_steps, 0)
         drift = AdamDrift(ocfg, leaf_label)  # as the proof's own steps (``prover``)
         for (ps, ss, _), (pr, sr, _) in runs.train(ocfg, batches, control.per_shard_clip, control.par_cls):
@@ -146,7 +146,7 @@ def trace_control(control: Control, runs: Runs, ocfg=None, fault: bool = True):
     False: the clipping fault's training step with the right clip (``proof.inertness``' twin)."""
     problem = runs.problem
     if control.per_shard_clip or control.train_step:
-        ocfg = ocfg or default_optim(1, 1.0)  # the clip norm's value does not change the program
+        ocfg = ocfg or default_optim(1, 1.0, problem.opt_dtype)  # the clip norm's value: the same program
         step, state = runs.train_step(ocfg, fault and control.per_shard_clip, control.par_cls)
         batch = step_batches(problem, 1, ocfg.accum_steps, 0)[0]
         return step.trace(*state, put_batch(batch, runs.layout, ocfg.accum_steps > 1))

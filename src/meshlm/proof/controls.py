@@ -151,10 +151,9 @@ def per_shard_clip(mesh, specs, max_norm: float):
         sq = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
         sq = lax.psum(jnp.where(lax.axis_index(MP) == 0, sq, 0.0), MP)  # shard 0's view
         norm = jnp.sqrt(sq)
-        scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
-        return jax.tree.map(lambda g: g * scale, grads), norm
+        return jnp.where(norm < max_norm, 1.0, max_norm / norm).astype(norm.dtype), norm  # (scale, norm)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=(specs, P()))
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=(P(), P()))
 
 
 def _swap_rotary(cfg):

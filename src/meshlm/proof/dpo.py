@@ -25,6 +25,7 @@ honest one -- the inertness check of ``proof.inertness`` -- is skipped with that
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import haiku as hk
 import jax
@@ -268,10 +269,12 @@ def prove_dpo(
     load_params=None,
     accum: int = 1,
     steps: int = 0,
+    opt_dtype: str = "float32",
 ) -> Report:
     """The proof on ``layout`` (see the module doc), a ``proof.report.Report`` (pretraining's rows and
     ``--json``); ``accum``: the sharded step accumulates over that many micro-batches of whole pairs
-    (the reference: one mean over the pairs); ``steps``: K AdamW steps after it (``dpo_steps``)."""
+    (the reference: one mean over the pairs); ``steps``: K AdamW steps after it (``dpo_steps``), their
+    moments stored in ``opt_dtype``."""
     from meshlm.proof.problem import model_problem
     from meshlm.sharding.rules import init_sharded
 
@@ -279,7 +282,7 @@ def prove_dpo(
     check_pair_batch(rows)
     dtype = dtype or jnp.float64
     rtol, atol = TOLERANCE[jnp.dtype(dtype).name]
-    problem = model_problem(cfg, name, layout, rows, seq_len, seed)
+    problem = dataclasses.replace(model_problem(cfg, name, layout, rows, seq_len, seed), opt_dtype=opt_dtype)
     init = hk.transform(problem.build_loss(Parallel())).init
     example = jax.tree.map(jnp.asarray, problem.batch)
     made = [

@@ -60,7 +60,7 @@ def dpo_steps(run: DPOSteps, results: dict, loss_check, params, ref_params, batc
     """Fold K steps (one per host batch of ``batches``, [B, T]) into ``results`` and ``loss_check``;
     ``grads``: the reference's first gradients (the clip is a tenth of their norm, so it acts).
     Returns the sharded parameters after the last step."""
-    ocfg = default_optim(len(batches), _grad_norm(grads))
+    ocfg = default_optim(len(batches), _grad_norm(grads), run.problem.opt_dtype)
     accum, part = ocfg.accum_steps, trainable(run.cfg)
     step, opt = sharded_step(run.cfg, ocfg, run.layout, run.specs, params, dpo=(run.beta, run.loss))
     # the step donates (a copy); the state laid out as the step returns it: one compilation for K steps

@@ -43,6 +43,7 @@ class Problem:
     # The reference's model config when ``cfg`` is set (``reference_loss``'s): the routing probe's
     # reference runs it (``proof.routing``); None: ``cfg``
     reference_cfg: object = None
+    opt_dtype: str = "float32"  # AdamW's moments as stored in the training steps (``train.optim.OPT_DTYPES``)
 
 
 def random_batch(vocab: int, shape: tuple[int, ...], seed: int) -> dict:

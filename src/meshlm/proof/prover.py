@@ -164,7 +164,7 @@ def _compare_values(report: Report, runs: Runs, sharded, steps: int, ocfg, seed:
     differ, total = compare_into(results, gs, gr, rtol, atol)
     counts = {"loss and gradients": (differ + (loss_check.update(ls, lr, rtol, atol) != 0), total + 1)}
     if steps:
-        ocfg = ocfg or default_optim(steps, reference_grad_norm(runs))
+        ocfg = ocfg or default_optim(steps, reference_grad_norm(runs), runs.problem.opt_dtype)
         batches = step_batches(runs.problem, steps, ocfg.accum_steps, seed)
         differ = total = 0
         drift = AdamDrift(ocfg, leaf_label)  # what AdamW's division makes of the moments' difference

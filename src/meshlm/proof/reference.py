@@ -46,8 +46,10 @@ class CheckedProgram:
 
 
 def reference_optimizer(ocfg: OptimConfig, params) -> optax.GradientTransformation:
-    """AdamW from optax itself (``train.optim.adamw`` is optax's, no code of ours), with the proven
-    run's schedule and weight-decay mask."""
+    """AdamW from optax itself (``train.optim.adamw`` is optax.adamw's chain of optax's own pieces, no
+    code of ours), with the proven run's schedule and weight-decay mask. With ``--opt-dtype bf16`` its
+    first piece is ``train.optim.scale_by_stored_adam`` (ours, element-wise: shared, as the schedule
+    is; the sharded and unsharded moments then round to bfloat16 from values equal to ~1e-16)."""
     return adamw(ocfg, params)
 
 

@@ -233,11 +233,11 @@ def step_batches(problem: Problem, steps: int, accum: int, seed: int) -> list[di
     return batches
 
 
-def default_optim(steps: int, ref_grad_norm: float) -> OptimConfig:
+def default_optim(steps: int, ref_grad_norm: float, opt_dtype: str = "float32") -> OptimConfig:
     """The proof's optimizer: warm-up and decay inside K steps, 2 micro-batches, weight decay, and a
     clip at a tenth of the initial gradient norm, so that clipping (and its norm) is exercised on every
     step (an inactive clip would hide a wrong norm; batches of the steps can have smaller norms than
-    the first)."""
+    the first); its moments stored in ``opt_dtype`` (the problem's, ``--opt-dtype``)."""
     return OptimConfig(
         lr=1e-2,
         warmup_steps=1,
@@ -245,4 +245,5 @@ def default_optim(steps: int, ref_grad_norm: float) -> OptimConfig:
         weight_decay=0.1,
         clip_norm=0.1 * ref_grad_norm,
         accum_steps=2,
+        opt_dtype=opt_dtype,
     )

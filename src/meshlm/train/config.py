@@ -48,6 +48,9 @@ DEFAULT_DP = 2
 # trained on its training split reaches a lower val_bpb in the same time than bytes (docs/training.md).
 MAIN_JOB_TOKENIZER = "bpe-1024"
 
+# --opt-dtype's names (``train.optim.OPT_DTYPES``: this module must not import JAX)
+OPT_DTYPE_NAMES = ("float32", "bf16")
+
 # The model of a run without --config: this preset, or with --checkpoint the checkpoint's own model.
 DEFAULT_PRESET = "cpu"
 
@@ -98,8 +101,28 @@ class MoESettings:
 
 
 @dataclass(frozen=True)
+class DtypeSettings:
+    """``TrainConfig``'s dtypes (a base, as ``MoESettings``): the step's compute and AdamW's moments."""
+
+    compute_dtype: str = _field(
+        "float32",
+        "float32, or bfloat16: bf16 compute with float32 master weights",
+        resume_must_match=True,
+        switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights"),
+        choices=COMPUTE_DTYPES,
+    )
+    opt_dtype: str = _field(
+        "float32",
+        "AdamW's moments as stored: float32, or bf16 (both moments in bfloat16, the update computed in "
+        "float32 from them: 4 bytes a parameter less)",
+        resume_must_match=True,
+        choices=OPT_DTYPE_NAMES,
+    )
+
+
+@dataclass(frozen=True)
 class TrainConfig(
-    MeshFlags, LongContext, ExpertDispatch, MoESettings, ObjectiveSettings, LoraSettings
+    MeshFlags, LongContext, ExpertDispatch, MoESettings, DtypeSettings, ObjectiveSettings, LoraSettings
 ):  # --pp, --lora-rank...
     # "": the cpu preset, or with --checkpoint the checkpoint's own model (its CLI help: cli/train.py)
     config: str = _field("", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)
@@ -145,13 +168,6 @@ class TrainConfig(
     accum_steps: int = _field(
         1, "micro-batches per step, for gradient accumulation", resume_must_match=True, valid=POSITIVE_INT
     )
-    compute_dtype: str = _field(
-        "float32",
-        "float32, or bfloat16: bf16 compute with float32 master weights",
-        resume_must_match=True,
-        switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights"),
-        choices=COMPUTE_DTYPES,
-    )
     eval_every: int = _field(
         140,
         "steps between validation evaluations; 0: only at the end",
@@ -177,7 +193,8 @@ class TrainConfig(
     )
     remat: str = _field(
         "none",
-        "per-layer recomputation in the backward: none, full or selective (keep matmul outputs)",
+        "per-layer recomputation in the backward: none, full (keep each layer's input), selective (keep the "
+        "matmul outputs), save_qkv_proj (keep q/k/v), save_qkv_mlp_in (keep q/k/v and the MLP's gate/up)",
         choices=REMAT,
     )
     tokenizer: str = _field(
@@ -212,6 +229,7 @@ class TrainConfig(
             weight_decay=self.weight_decay,
             clip_norm=self.clip_norm,
             accum_steps=self.accum_steps,
+            opt_dtype=self.opt_dtype,
         )
 
     def to_dict(self) -> dict:

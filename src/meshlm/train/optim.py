@@ -31,6 +31,12 @@ class OptimConfig:
     eps: float = 1e-8  # Adam epsilon
     clip_norm: float = 1.0  # global gradient-norm clip (0 disables)
     accum_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    opt_dtype: str = "float32"  # AdamW's moments as stored: the master weights' dtype, or "bf16" (``adamw``)
+
+
+# --opt-dtype: the AdamW moments' storage dtype by name (None: the parameters' own, float32; float64
+# under --x64, where a bf16 moment stays bf16: x64 widens the arithmetic, not the storage)
+OPT_DTYPES = {"float32": None, "bf16": jnp.bfloat16}
 
 
 def schedule(ocfg: OptimConfig):
@@ -50,22 +56,64 @@ def decay_mask(params):
 
 
 def adamw(ocfg: OptimConfig, params) -> optax.GradientTransformation:
-    return optax.adamw(
-        schedule(ocfg),
-        b1=ocfg.b1,
-        b2=ocfg.b2,
-        eps=ocfg.eps,
-        weight_decay=ocfg.weight_decay,
-        mask=decay_mask(params),
+    """optax's AdamW with the run's schedule and decay mask; ``ocfg.opt_dtype`` "bf16": its first
+    transformation is ``scale_by_stored_adam`` (the state's structure unchanged: checkpoints load)."""
+    dtype = OPT_DTYPES[ocfg.opt_dtype]
+    adam = optax.scale_by_adam(ocfg.b1, ocfg.b2, ocfg.eps)
+    if dtype is not None:
+        adam = scale_by_stored_adam(ocfg.b1, ocfg.b2, ocfg.eps, dtype)
+    return optax.chain(  # optax.adamw's chain
+        adam,
+        optax.add_decayed_weights(ocfg.weight_decay, decay_mask(params)),
+        optax.scale_by_learning_rate(schedule(ocfg)),
     )
+
+
+def scale_by_stored_adam(b1: float, b2: float, eps: float, dtype) -> optax.GradientTransformation:
+    """optax's ``scale_by_adam`` with mu and nu stored in ``dtype`` (bfloat16): every operation in the
+    gradients' dtype (float32; float64 under --x64), the new moments rounded to ``dtype`` (to nearest
+    even, ~2^-9 relative) and the step computed from the moments *as stored*. That order is what lets
+    XLA update them in place: the step reads the new moments' buffers. (Computed from the unrounded
+    moments, as optax's ``mu_dtype`` does, the step's fusion reads the old ones too and XLA copies
+    them.) bfloat16 keeps 8 significant bits: nu's change per step, 1 - b2 = 5% of itself at the
+    default b2 0.95, is far above its rounding (a b2 above 1 - 2^-8 would leave nu stuck)."""
+
+    def init(params):
+        zeros = lambda p: jnp.zeros(p.shape, dtype)
+        return optax.ScaleByAdamState(
+            count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params), nu=jax.tree.map(zeros, params)
+        )
+
+    def update(grads, state, params=None):
+        del params
+        moment = lambda b, x, m: (b * m.astype(x.dtype) + (1 - b) * x).astype(dtype)
+        mu = jax.tree.map(lambda g, m: moment(b1, g, m), grads, state.mu)
+        nu = jax.tree.map(lambda g, v: moment(b2, g * g, v), grads, state.nu)
+        count = optax.safe_increment(state.count)
+
+        def step(g, m, v):  # optax's formula (eps_root 0), of the stored moments
+            m_hat = m.astype(g.dtype) / (1 - b1**count).astype(g.dtype)
+            v_hat = v.astype(g.dtype) / (1 - b2**count).astype(g.dtype)
+            return m_hat / (jnp.sqrt(v_hat) + eps)
+
+        return jax.tree.map(step, grads, mu, nu), optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def clip_scale(grads, max_norm: float):
+    """(scale, norm): the factor that brings ``grads``' global L2 norm to at most ``max_norm`` (1 where
+    it is within it, or ``max_norm`` is 0: no clip), and that norm (optax's formula). The step
+    multiplies the gradients by it inside AdamW's update (``guarded_update``): no scaled copy."""
+    norm = optax.tree.norm(grads)
+    if not max_norm:
+        return jnp.ones((), norm.dtype), norm
+    return jnp.where(norm < max_norm, 1.0, max_norm / norm).astype(norm.dtype), norm
 
 
 def clip_by_global_norm(grads, max_norm: float):
     """Scale ``grads`` so their global L2 norm is at most ``max_norm`` (optax's formula)."""
-    norm = optax.tree.norm(grads)
-    if not max_norm:
-        return grads, norm
-    scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+    scale, norm = clip_scale(grads, max_norm)
     return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), norm
 
 
@@ -117,6 +165,32 @@ def trainable(cfg):
     return Adapters if cfg.lora_rank else Whole
 
 
+def guarded_update(optimizer, grads, scale, opt_state, params, finite, part=Whole):
+    """(params, opt_state) after ``optimizer``'s step on ``grads`` x ``scale`` (the clip's,
+    ``clip_scale``) where ``finite``, else exactly as they were; either way in their own (donated)
+    buffers, with no copy of the optimizer state.
+
+    A ``lax.cond`` over the whole update, not ``where(finite, new, old)`` after it: with the select,
+    the parameters' update (whose fusion recomputes the new moments from the old ones) and the select
+    itself read the old moments after the new ones are written into their donated buffers, so XLA's
+    copy insertion copies every moment, 2 x the trained parameters' bytes of temporaries (``copy(
+    opt_state.mu[...])`` in the compiled step). In the cond's taken branch each moment is read and
+    written by element-wise fusions that XLA orders or runs in place; the other branch returns its
+    operands, the very buffers. The clip's scale is applied in the branch too, fused into the update:
+    scaled before the cond, the gradients were a second copy (tests/test_optim_memory.py)."""
+
+    def update(operands):
+        trained, state, grads, scale = operands
+        grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+        updates, state = optimizer.update(grads, state, trained)
+        return optax.apply_updates(trained, updates), state
+
+    trained, opt_state = jax.lax.cond(
+        finite, update, lambda operands: operands[:2], (part.select(params), opt_state, grads, scale)
+    )
+    return part.put(params, trained), opt_state
+
+
 def make_step(
     grad_fn,
     optimizer: optax.GradientTransformation,
@@ -136,7 +210,7 @@ def make_step(
     is trained, what ``optimizer`` was made for; the rest stays. ``dropout_seed`` (``--lora-dropout``):
     the batch gains each token's dropout seed, of this seed and the optimizer's step count (a resumed
     run draws the masks it would have drawn; ``model.lora_dropout``); None: no dropout."""
-    clip_fn = clip_fn or (lambda g: clip_by_global_norm(g, ocfg.clip_norm))
+    clip_fn = clip_fn or (lambda g: clip_scale(g, ocfg.clip_norm))
 
     def part_grad(params, batch):  # LoRA: the frozen base's gradients are zero, never used
         value, grads = grad_fn(params, batch)
@@ -152,11 +226,7 @@ def make_step(
             aux = {**aux, "mtp": aux["mtp"] / ocfg.accum_steps}  # summed over micro-batches, as the aux
         elif aux is not None:
             aux = {aux_key: aux}
-        grads, grad_norm = clip_fn(grads)
-        updates, new_state = optimizer.update(grads, opt_state, part.select(params))
-        new_params = part.put(params, optax.apply_updates(part.select(params), updates))
-        if balance is not None:  # from the routing of the step's whole global batch
-            new_params = balance(new_params, aux[aux_key])
+        scale, grad_norm = clip_fn(grads)  # the clip's scale, applied in the update
         # A non-finite loss or gradient leaves the state untouched, so the caller can stop and save
         # the last good state (the inputs are donated: without this they would be gone).
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -164,8 +234,10 @@ def make_step(
             # ``healthy``: the previous step's metrics["ok"]. A loop that reads metrics a step late
             # passes it, so every step after a non-finite one keeps the state too (sticky).
             finite = finite & healthy
-        keep = lambda new, old: jnp.where(finite, new, old)
-        params, opt_state = jax.tree.map(keep, (new_params, new_state), (params, opt_state))
+        params, opt_state = guarded_update(optimizer, grads, scale, opt_state, params, finite, part)
+        if balance is not None:  # from the routing of the step's whole global batch; kept as it was too
+            moved = balance(params, aux[aux_key])  # on a non-finite step (the leaves it moves: the biases)
+            params = jax.tree.map(lambda n, o: o if n is o else jnp.where(finite, n, o), moved, params)
         metrics = {"loss": loss, "grad_norm": grad_norm, "ok": finite}
         return params, opt_state, metrics if aux is None else {**metrics, **aux}
 

@@ -20,6 +20,7 @@ from meshlm.train.metrics import OUTPUTS
 
 def check_resumable(meta: dict, tcfg: TrainConfig, where: Path) -> None:
     saved, now = meta.get("train_config", {}), tcfg.to_dict()
+    saved = {"opt_dtype": "float32", **saved}  # runs from before --opt-dtype stored float32 moments
     if saved.get("checkpoint") and not tcfg.checkpoint:  # else its preset is compared: a misleading diff
         raise CheckpointError(
             f"cannot resume from {where}: its run fine-tunes the model of --checkpoint "
