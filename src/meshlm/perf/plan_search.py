@@ -98,13 +98,15 @@ class Planner:
         device_bytes: int | None,
         max_compiles: int,
         every_option: bool,
+        base_dtype: str = "float32",
     ):
         self.cfg, self.layout = cfg, layout
         self.device_bytes = device_bytes
         self.max_compiles = max_compiles
         self.every_option = every_option  # step 1 tries every option, not only up to the first fit
         self.rows: dict[PlanSettings, dict] = {}
-        state = state_bytes(cfg, layout, PlanSettings(batch_size=1, seq_len=1))
+        state = state_bytes(cfg, layout, PlanSettings(batch_size=1, seq_len=1, base_dtype=base_dtype))
+        self.base_dtype = base_dtype  # LoRA: the frozen base's stored dtype (its bytes above)
         # the unsharded state: parameters, and AdamW moments of those trained (LoRA: the adapters)
         self.unsharded, self.unsharded_opt = state["params_total"], ADAM_MOMENTS * state["trained_total"]
 
@@ -207,6 +209,7 @@ def plan(
         device_bytes=device_bytes,
         max_compiles=max(1, max_compiles),
         every_option=every_option,
+        base_dtype=settings.base_dtype,
     )
     row = planner.evaluate(settings, strict=True)
     candidates = planner.search(settings) if row.get("fits") is False else []
@@ -217,7 +220,11 @@ def plan(
         "backend": jax.default_backend(),
         "note": CPU_NOTE if jax.default_backend() == "cpu" else None,
         "analytic_note": ANALYTIC_NOTE,
-        "unsharded": {"params": planner.unsharded, "opt_state": planner.unsharded_opt},
+        "unsharded": {
+            "params": planner.unsharded,
+            "opt_state": planner.unsharded_opt,
+            "base_dtype": planner.base_dtype,
+        },
         "device_memory": device_bytes,
         "plan": row,
         "candidates": candidates,

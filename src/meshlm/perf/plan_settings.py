@@ -18,7 +18,7 @@ from meshlm.settings import (
     Switch,
     setting,
 )
-from meshlm.train.lora import LoraSettings
+from meshlm.train.lora import LoraSettings, base_dtype
 from meshlm.units import parse_bytes
 
 DEFAULT_CONFIG = "llama2-7b"
@@ -41,6 +41,7 @@ class PlanSettings:
     fsdp: bool = False  # also shard weights and AdamW moments over dp (needs a step that supports it)
     sp: bool = False  # Megatron sequence parallelism over mp (needs a step that supports it)
     remat: str = "none"  # "none" | "full" | "selective" ("selective" needs a model that supports it)
+    base_dtype: str = "float32"  # LoRA: the frozen base's stored dtype (``train.lora.base_dtype``)
 
     def micro_batch(self, dp: int) -> int:
         """Rows one device processes at once (its data shard of one micro-batch)."""
@@ -129,4 +130,5 @@ class PlanCommand(MeshFlags, LongContext, ExpertDispatch, LoraSettings):  # --pp
             fsdp=self.fsdp,
             sp=self.sp,
             remat=self.remat or remat_policy(cfg),
+            base_dtype=base_dtype(self),
         )
