@@ -45,6 +45,7 @@ class LoraSettings:
     base_dtype: str | None = setting(
         None, "LoRA: the frozen base's stored dtype, float32 or bf16 (the adapters and their AdamW state "
         "stay float32; a step computes in the compute dtype either way)", choices=BASE_DTYPES,
+        resume_must_match=True,
         shown_default="bf16 under --bf16 (the step casts the base to bf16 anyway: the same step, half "
         "the base's bytes), else float32",
     )  # fmt: skip
