@@ -47,7 +47,7 @@ def test_a_bf16_lora_run_holds_its_base_in_bf16_and_saves_float32_adapters(base,
     ck, text = base
     tcfg = tiny_lm_config(
         str(text), tmp_path / "run", checkpoint=str(ck), lora_rank=2, compute_dtype="bfloat16",
-        batch_size=2, steps=1, save_every=1,
+        batch_size=2, steps=1, save_every=1, sample_tokens=4,
     )  # fmt: skip
     run = build_run(tcfg, make_mesh(1, 1))
     params, opt_state = run.params, run.opt_state

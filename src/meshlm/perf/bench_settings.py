@@ -17,7 +17,6 @@ from meshlm.model.family import COMPUTE_DTYPES, REMAT
 from meshlm.parallel.axes import AXIS, EP, PP
 from meshlm.parallel.layout import Layout
 from meshlm.ranges import NON_NEGATIVE_INT, POSITIVE_INT
-from meshlm.train.lora import LoraSettings, check_lora_flags
 from meshlm.settings import (
     CLI_COMMON,
     SEQ_LEN_DEFAULT_TEXT,
@@ -27,6 +26,7 @@ from meshlm.settings import (
     Switch,
     setting,
 )
+from meshlm.train.lora import LoraSettings, check_lora_flags
 
 MIN_STEPS = 5  # fewer timed steps give a median that is mostly noise on a shared machine
 # Keeps a `small` bench near 1.5 minutes on 2 CPU cores (a step takes 1.7 s on an idle machine at

@@ -92,8 +92,8 @@ def measure(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:
 
 def planned_params(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
     """(specs, params): the rules table's specs on ``layout`` with the settings' memory options, and
-    float32 ShapeDtypeStructs with their shardings (a LoRA base stored in bf16: bfloat16; uneven pp stages: the padded stack the devices hold,
-    ``sharding.stage_slots``)."""
+    float32 ShapeDtypeStructs with their shardings (a LoRA base stored in bf16: bfloat16; uneven pp
+    stages: the padded stack the devices hold, ``sharding.stage_slots``)."""
     from meshlm.model.transformer import param_shapes
     from meshlm.sharding.rules import model_specs, shardings
     from meshlm.sharding.stage_slots import slots_of
