@@ -38,11 +38,13 @@ def _floats(tree) -> set[str]:
 
 
 def test_a_bf16_lora_run_holds_its_base_in_bf16_and_saves_float32_adapters(base, tmp_path):
-    """--bf16 (--base-dtype's default there): the step's base leaves bf16, its adapters and their AdamW
-    moments float32 (no state for the base); the checkpoint holds the adapters alone, float32."""
+    """--bf16 (--base-dtype's default there): the step's base leaves bf16, before and after a step, its
+    adapters and their AdamW moments float32 (no state for the base); the checkpoint holds the adapters
+    alone, float32; the end-of-run sample generates (one dtype: ``loop._sample_params``)."""
     from meshlm.parallel.mesh import make_mesh
-    from meshlm.train.loop import train
+    from meshlm.train.loop import _train
     from meshlm.train.run import build_run
+    from meshlm.train.stop import Stop
 
     ck, text = base
     tcfg = tiny_lm_config(
@@ -50,13 +52,23 @@ def test_a_bf16_lora_run_holds_its_base_in_bf16_and_saves_float32_adapters(base,
         batch_size=2, steps=1, save_every=1, sample_tokens=4,
     )  # fmt: skip
     run = build_run(tcfg, make_mesh(1, 1))
-    params, opt_state = run.params, run.opt_state
-    assert _floats(lora.base(params)) == {"bfloat16"} and _floats(lora.adapters(params)) == {"float32"}
-    moments = [x for x in jax.tree.leaves(opt_state) if x.ndim]
-    assert len(moments) == 2 * len(jax.tree.leaves(lora.adapters(params)))
-    assert {x.dtype for x in moments} == {np.dtype(np.float32)}
-    run.release()
-    train(tcfg, make_mesh(1, 1))
+    try:
+        for _ in range(2):  # at the start, then after the step
+            params, opt_state = run.params, run.opt_state
+            assert _floats(lora.base(params)) == {"bfloat16"}
+            assert _floats(lora.adapters(params)) == {"float32"}
+            moments = [x for x in jax.tree.leaves(opt_state) if x.ndim]
+            assert len(moments) == 2 * len(jax.tree.leaves(lora.adapters(params)))
+            assert {x.dtype for x in moments} == {np.dtype(np.float32)}
+            if run.step == 0:
+                stop = Stop()
+                try:
+                    assert _train(run, stop)["sample"].startswith("def ")
+                finally:
+                    stop.restore()
+        assert run.step == 1
+    finally:
+        run.release()
     saved = json.loads((tmp_path / "run" / "1" / "integrity" / "metadata").read_text())["arrays"]
     leaves = {k: v for k, v in saved.items() if k.startswith("['params']")}
     assert leaves and all("lora_" in k for k in leaves), leaves
