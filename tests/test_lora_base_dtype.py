@@ -75,16 +75,21 @@ def test_a_bf16_lora_run_holds_its_base_in_bf16_and_saves_float32_adapters(base,
     assert all("float32" in json.dumps(v) for v in leaves.values()), leaves
 
 
-def _weight_gradient_dots(cfg, base_dtype: str) -> list[str]:
-    """The compiled train step's (1x1, bf16 compute) dot products whose result has a frozen MLP weight's
-    shape [D, F] or [F, D]: a weight gradient (the forward's dots are [tokens, F] and [tokens, D])."""
+def _compiled_step(cfg, base_dtype: str, dp: int = 1):
+    """The train step (bf16 compute, batch 2 x 16 per data shard) compiled on a dp x 1 mesh."""
     from meshlm.parallel.layout import Layout
     from meshlm.perf.plan import abstract_step
     from meshlm.perf.plan_settings import PlanSettings
 
-    settings = PlanSettings(batch_size=2, seq_len=16, compute_dtype="bfloat16", base_dtype=base_dtype)
-    step, params, opt_state, batch = abstract_step(cfg, Layout(dp=1, mp=1), settings)
-    hlo = step.lower(params, opt_state, batch).compile().as_text()
+    settings = PlanSettings(batch_size=2 * dp, seq_len=16, compute_dtype="bfloat16", base_dtype=base_dtype)
+    step, params, opt_state, batch = abstract_step(cfg, Layout(dp=dp, mp=1), settings)
+    return step.lower(params, opt_state, batch).compile()
+
+
+def _weight_gradient_dots(cfg, base_dtype: str) -> list[str]:
+    """The compiled step's dot products whose result has a frozen MLP weight's shape [D, F] or [F, D]:
+    a weight gradient (the forward's dots are [tokens, F] and [tokens, D])."""
+    hlo = _compiled_step(cfg, base_dtype).as_text()
     d, f = cfg.d_model, cfg.d_ff
     shape = re.compile(rf"\[(\d+,)?({d},{f}|{f},{d})\]")
     return [line for line in hlo.splitlines() if " dot(" in line and shape.search(line.split("=")[1])]
@@ -92,13 +97,21 @@ def _weight_gradient_dots(cfg, base_dtype: str) -> list[str]:
 
 def test_the_compiled_lora_step_computes_no_frozen_weight_gradient():
     """With adapters on q and v only, the MLP's weights are frozen: no dot of the step makes a [D, F]
-    gradient; the full fine-tune's step (the control: the same search can find them) does."""
+    gradient; the full fine-tune's step (the control: the same search can find them) does. On dp = 2
+    the one gradient all-reduce carries the adapters' float32 gradients alone, not the base's."""
+    from meshlm.model.transformer import param_shapes
+    from meshlm.perf.hlo import collectives_per_step
+
     cfg = get_config("tiny-llama").replace(vocab_size=200)  # d 64, ffn 128, vocab 256: only the MLP is [D, F]
     assert len({cfg.d_model, cfg.d_ff, 2 * 16}) == 3
     assert _weight_gradient_dots(cfg, "float32")  # full fine-tune: the MLP's weight gradients
     adapted = cfg.replace(lora_rank=4, lora_targets="q,v")
     assert _weight_gradient_dots(adapted, "bf16") == []
     assert _weight_gradient_dots(adapted, "float32") == []
+    summed = lambda c, dtype: collectives_per_step(_compiled_step(c, dtype, dp=2).as_text())["all-reduce"]
+    adapter_bytes = 4 * sum(x.size for x in jax.tree.leaves(lora.adapters(param_shapes(adapted))))
+    assert adapter_bytes <= summed(adapted, "bf16")["bytes"] <= adapter_bytes + 64  # + the loss's scalars
+    assert summed(cfg, "float32")["bytes"] > 10 * adapter_bytes  # the full fine-tune's: every weight's
 
 
 def test_verify_proves_a_bf16_base_in_float64_and_the_controls_are_detected():
