@@ -123,6 +123,12 @@ MTP_TRAIN = "tests/test_mtp.py::test_trains_and_resumes_bitwise_with_the_depth_l
 SPEC_CLI = "tests/test_speculative.py::test_cli_runs_the_documented_command_and_refuses_bad_input"
 # every control that applies, traced on a cell of the preset's family (SmolLM3's NoPE layers)
 FITS, NO_FIT = "device memory 16.00 GiB: fits", "device memory 16.00 GiB: does NOT fit"
+LORA_BF16_STEP = (
+    "tests/test_lora_base_dtype.py::test_the_compiled_lora_step_computes_no_frozen_weight_gradient"
+)
+LORA_BF16_VERIFY = (
+    "tests/test_lora_base_dtype.py::test_verify_proves_a_bf16_base_in_float64_and_the_controls_are_detected"
+)
 EVERY = "tests/test_every_control.py::test_every_applicable_control_runs_and_changes_its_program"
 GMM_KERNEL = "tests/test_gmm.py::test_the_kernel_in_shard_map_equals_the_reference"
 GMM_PROOF = "tests/test_gmm.py::test_gmm_is_proven_in_float64_on_cpu_with_its_controls"
@@ -265,6 +271,15 @@ COMMANDS: dict[str, Run | Shown] = {
         "8192 => 128",
         add="--warmup 0",
         expect=('"impls": ["meshlm"]', '"compute_dtype": "bfloat16"', '"remat": "full"', '"mfu_spec": null'),
+    ),
+    # docs/finetuning.md: the LoRA step of qwen3-1.7b on a bf16 base, on tiny-llama (a random base)
+    "meshlm bench --config qwen3-1.7b --mesh 1x1 --impls meshlm --lora-rank 16 --bf16 --remat full "
+    "--batch-size 2 --seq-len 2048 --gen-tokens 0 --peak-n 8192 --json": run(
+        "qwen3-1.7b => tiny-llama",
+        "2048 => 64",
+        "8192 => 128",
+        add="--warmup 0",
+        expect=('"lora": {"rank": 16', '"base_dtype": "bf16"', '"impls": ["meshlm"]'),
     ),
     # the chip's meshlm-against-plain command (docs/benchmarks.md "On a TPU chip") on tiny-llama
     "meshlm bench --config llama-100m --mesh 1x1 --batch-size 8 --seq-len 512 --gen-tokens 0 --peak-n 8192 "
@@ -513,6 +528,14 @@ COMMANDS: dict[str, Run | Shown] = {
         slow="tests/test_plan_target.py::test_chip_sets_the_memory_and_plans_with_the_v5e_correction",
     ),
     "meshlm verify --fsdp --sp --remat selective --steps 3 --x64": verify(costly=MEM),
+    # one compile of the 1.7B step (20-60 s of CPU); the plan's LoRA bf16-base path is
+    # tests/test_lora_base_dtype.py's compiled step (quick)
+    "meshlm plan --config qwen3-1.7b --lora-rank 16 --base-dtype bf16 --bf16 --seq-len 2048 --batch-size 2 "
+    "--remat full --mesh 1x1 --device-memory 16GiB --max-compiles 1": run(
+        expect=(FITS,), slow=LORA_BF16_STEP
+    ),
+    "meshlm verify --config tiny-llama --mesh 2x2 --devices 4 --x64 --lora-rank 4 --base-dtype bf16 "
+    "--steps 2": verify(costly=LORA_BF16_VERIFY),
     "meshlm bench --config small --mesh 2x2 --devices 4 --memory-options --gen-tokens 0 --seq-len 256": run(
         "small => tiny-lm", "256 => 32 --batch-size 4 --warmup 0", costly=BENCH
     ),

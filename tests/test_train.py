@@ -235,6 +235,7 @@ def test_resume_must_match_comes_from_field_metadata():
         "lora_alpha",
         "lora_targets",
         "lora_dropout",
+        "base_dtype",
     }
 
 

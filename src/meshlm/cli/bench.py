@@ -11,6 +11,7 @@ from meshlm.cli.common import add_common, add_flags, flag_layout, refuse_options
 from meshlm.errors import ConfigError
 from meshlm.model.config import default_seq_len, get_config
 from meshlm.perf.bench_settings import BenchSettings, check_impls
+from meshlm.train.lora import with_lora
 
 # Timed with --memory-options instead (against tensor parallelism and GSPMD).
 REFUSED = ("fsdp", "sp")
@@ -52,7 +53,7 @@ def run(args) -> int:
             planned.check_batch(bs.batch_size)
         # before the backend is known: "auto" is never "dense", the one dispatch that changes the names
         early = "blocks" if bs.moe_dispatch == "auto" else bs.moe_dispatch
-        check_impls(bs, get_config(bs.config).replace(moe_dispatch=early), planned)
+        check_impls(bs, with_lora(bs, get_config(bs.config)).replace(moe_dispatch=early), planned)
     layout = setup(args, bs, planned, model=lambda: get_config(bs.config))
     import jax
 
@@ -69,6 +70,7 @@ def run(args) -> int:
     cfg = step_model(cfg, remat=bs.remat, unroll=bs.unroll, fsdp=False)
     if bs.vocab_size is not None:  # the embedding and head follow (padded to vocab_multiple)
         cfg = cfg.replace(vocab_size=bs.vocab_size)
+    cfg = with_lora(bs, cfg)  # --lora-rank: adapters on a random frozen base (``perf.bench``)
     settings = bs.resolved(cfg, layout)
     name = bs.config if bs.vocab_size is None else f"{bs.config} (vocab {bs.vocab_size})"
     from meshlm.perf.oom import reported

@@ -36,6 +36,7 @@ def run(args) -> int:
     if vs.attention == "flash" and vs.x64:  # before any work (``model.flash``: float32 inside the kernel)
         raise ConfigError("--attention flash computes in float32 inside its kernel; verify it without --x64")
     axes = _axes(vs)  # before any work
+    _check_base_dtype(vs)  # before any work
     check_early(vs, vs.checkpoint or "", vs.config)  # e.g. --lora-rank above its targets' widths
     if vs.objective == "dpo":  # before any work: what DPO's training refuses
         _check_dpo(vs)
@@ -289,6 +290,7 @@ def _prove(args, vs: VerifySettings, cfg, name: str, layout, batch: int, seq_len
     from meshlm.proof.cp_controls import CP_CONTROLS
     from meshlm.proof.ep_controls import EP_CONTROLS
     from meshlm.proof.lora import LORA_CONTROLS, for_lora, lora_problem
+    from meshlm.train.lora import base_dtype
 
     controls = CONTROLS + CP_CONTROLS + EP_CONTROLS
     if vs.objective == "sft":  # the chat SFT loss: a loss mask on the batch, and its controls
@@ -297,7 +299,7 @@ def _prove(args, vs: VerifySettings, cfg, name: str, layout, batch: int, seq_len
         problem = sft_problem(problem)
         controls += SFT_CONTROLS
     if cfg.lora_rank:  # adapters: random A and B, the LoRA rows and controls (``proof.lora``)
-        problem, controls = lora_problem(problem), for_lora(controls) + LORA_CONTROLS
+        problem, controls = lora_problem(problem, base_dtype(vs)), for_lora(controls) + LORA_CONTROLS
     controls = {"controls": controls}
     dtype = jnp.float64 if vs.x64 else jnp.float32
     report = verify(
@@ -313,6 +315,20 @@ def _prove(args, vs: VerifySettings, cfg, name: str, layout, batch: int, seq_len
     )
     print0(json.dumps(report.to_json()) if args.json else format_report(report))
     return 0 if report.ok else 1
+
+
+def _check_base_dtype(vs: VerifySettings) -> None:
+    """--base-dtype bf16 is proven on the model's random parameters (``proof.lora.lora_problem``): a
+    checkpoint's, DPO's and the matrix's parameters are read in the proof's dtype, so it is refused
+    there in one line, not dropped."""
+    if vs.base_dtype != "bf16":
+        return
+    other = "--checkpoint" if vs.checkpoint else "--objective dpo" if vs.objective == "dpo" else ""
+    other = other or ("--matrix" if vs.matrix else "")
+    if other:
+        raise ConfigError(
+            f"--base-dtype bf16 is proven on the model's random parameters, not with {other}; drop one"
+        )
 
 
 def _with_lora(vs, cfg):

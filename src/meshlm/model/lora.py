@@ -134,5 +134,7 @@ def merged(cfg, params: dict) -> dict:
             r = a.shape[-1]
             prod = jnp.matmul(a.reshape(*a.shape[:n], -1, r), b.reshape(*b.shape[:n], r, -1))
             new = w + (prod * jnp.asarray(cfg.lora_scale, prod.dtype)).reshape(w.shape)
-            out[mod] = {**out[mod], w_name: new.astype(w.dtype)}
+            # the wider of the two dtypes: a bf16 base (--base-dtype) merged with float32 adapters is
+            # float32, as the adapted model computes it
+            out[mod] = {**out[mod], w_name: new.astype(jnp.promote_types(w.dtype, a.dtype))}
     return out

@@ -75,7 +75,8 @@ from meshlm.perf.plain import plain_step
 from meshlm.perf.plan_settings import remat_policy
 from meshlm.sharding.rules import shardings
 from meshlm.sharding.strategy import strategy
-from meshlm.train.optim import OptimConfig
+from meshlm.train.lora import base_dtype, stored_base
+from meshlm.train.optim import OptimConfig, trainable
 from meshlm.train.step import COMPUTE_DTYPES, init_model, init_opt_state, reference_step, sharded_step
 
 # --- the implementations ------------------------------------------------------------------------
@@ -119,6 +120,7 @@ def build_impls(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: B
     parameters and one random batch. Only those are built, so only their state is held on the devices."""
     names = chosen(settings, impl_names(cfg, layout))
     params, specs = init_model(cfg, layout, settings.seed)
+    params = stored_base(params, base_dtype(settings))  # LoRA: the random base as --base-dtype stores it
     # Copies through the host before anything is donated: each implementation consumes its own
     # buffers. (device_put to one device reuses a replicated leaf's device-0 shard, even with
     # may_alias=False, and donating it would delete our parameter.)
@@ -138,7 +140,8 @@ def build_impls(cfg: ModelConfig, ocfg: OptimConfig, layout: Layout, settings: B
 
 def _meshlm(s: Start, params) -> Impl:
     step, opt = sharded_step(s.cfg, s.ocfg, s.layout, s.specs, params, compute_dtype=s.dtype)
-    opt_state = init_opt_state(opt, params, s.specs, s.layout.mesh)
+    part = trainable(s.cfg)  # LoRA: AdamW state of the adapters alone
+    opt_state = init_opt_state(opt, part.select(params), part.select(s.specs), s.layout.mesh)
     return _compiled("meshlm", step, params, opt_state, _on_mesh(s.layout, s.host))
 
 
@@ -309,8 +312,8 @@ def generation_bench(
     (``generate --bf16``): the roofline's bytes are theirs."""
     ours = [i for i in impls if i.name == "meshlm"]
     if (
-        not settings.gen_new_tokens or not strategy(layout).generates or not ours
-    ):  # e.g. no pipelined generation
+        not settings.gen_new_tokens or not strategy(layout).generates or not ours or cfg.lora_rank
+    ):  # e.g. no pipelined generation; a LoRA bench times the training step alone
         return None
     params = ours[0].params
     if settings.compute_dtype != "float32":
@@ -420,6 +423,7 @@ def run_bench(
         "compute_dtype": settings.compute_dtype,
         "opt_dtype": settings.opt_dtype,
         "remat": remat_policy(cfg),
+        "lora": lora_facts(cfg, settings),
         "impls": [i.name for i in impls],  # the ones built (--impls), in the order of ``results``
         "device_kind": kind,
         "model_flops_per_step": flops,
@@ -441,6 +445,19 @@ def _generation(rows: list[dict] | None) -> dict:
     """The report's generation: "generation" the first batch's row (None: skipped), "generation_by_batch"
     every --gen-batch row."""
     return {"generation": rows[0] if rows else None, "generation_by_batch": rows}
+
+
+def lora_facts(cfg: ModelConfig, settings: BenchSettings) -> dict | None:
+    """A LoRA bench's adapters and base (None without): rank, alpha, targets and the base's stored
+    dtype; its model FLOPs are the frozen base's forward and backward (``perf.flops``)."""
+    if not cfg.lora_rank:
+        return None
+    return {
+        "rank": cfg.lora_rank,
+        "alpha": cfg.lora_alpha or float(cfg.lora_rank),
+        "targets": cfg.lora_targets,
+        "base_dtype": base_dtype(settings),
+    }
 
 
 def expert_parallel(cfg: ModelConfig, layout: Layout, settings: BenchSettings, impls, seconds) -> dict | None:

@@ -38,6 +38,16 @@ def _header(report: dict) -> list[str]:
         f"MFU: over the measured {report['compute_dtype']} matmul peak; MFU spec: over the chip's spec peak "
         f"({report['device_kind']}: {spec_text})",
         *([report["mfu_note"]] if report.get("mfu_note") else []),
+        *_lora_line(report.get("lora")),
+    ]
+
+
+def _lora_line(lora: dict | None) -> list[str]:
+    if lora is None:
+        return []
+    return [
+        f"LoRA: rank {lora['rank']}, alpha {lora['alpha']:g}, targets {lora['targets']}, frozen base stored "
+        f"in {lora['base_dtype']} (random); model FLOPs: 4 x N_base + 6 x N_adapter a token + attention's"
     ]
 
 

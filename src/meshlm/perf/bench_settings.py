@@ -27,6 +27,7 @@ from meshlm.settings import (
     setting,
 )
 from meshlm.train.config import OPT_DTYPE_NAMES
+from meshlm.train.lora import LoraSettings, check_lora_flags
 
 MIN_STEPS = 5  # fewer timed steps give a median that is mostly noise on a shared machine
 # Keeps a `small` bench near 1.5 minutes on 2 CPU cores (a step takes 1.7 s on an idle machine at
@@ -50,6 +51,8 @@ DISPATCH_IMPLS = {f"{d}-dispatch": d for d in SORTED_DISPATCHES}
 def impl_names(cfg: ModelConfig, layout: Layout) -> tuple[str, ...]:
     """Every implementation the bench has for this model and mesh, in the order it builds and reports
     them (``--impls`` picks some of these)."""
+    if cfg.lora_rank:  # the others are full fine-tunes (``plain`` has no adapters): no yardstick here
+        return IMPLS[:1]
     names = [*IMPLS[:3], *(() if cfg.arch.moe else ("plain",)), *layout.baselines()]
     if cfg.arch.moe:  # the dense model of equal active parameters; today's dispatch beside it
         names += [DENSE, *((TODAY,) if cfg.moe_dispatch != "dense" else ()), *DISPATCH_IMPLS]
@@ -75,7 +78,9 @@ def parse_impls(text: str) -> str:
 
 # --moe-dispatch (``ExpertDispatch``): "dense" is also timed beside the others, as dense-dispatch
 @dataclass(frozen=True)
-class BenchSettings(MeshFlags, LongContext, ExpertDispatch):  # --pp, --cp, --fsdp, --sp ...: the bases'
+# --lora-rank (``LoraSettings``): a LoRA step on a random frozen base (no checkpoint: the speed and memory
+# of the step do not depend on the base's values), meshlm's implementation alone
+class BenchSettings(MeshFlags, LongContext, ExpertDispatch, LoraSettings):  # --pp, --cp, --fsdp, --sp ...
     config: str = setting("small", "model preset (see `meshlm configs`)", cli=CLI_COMMON)
     batch_size: int | None = setting(
         None,
@@ -256,6 +261,7 @@ def chosen(self: BenchSettings, available: tuple[str, ...]) -> tuple[str, ...]:
 def check_impls(self: BenchSettings, cfg: ModelConfig, layout: Layout) -> None:
     """--impls names implementations this model and mesh have, --bf16 a dtype the family trains in,
     and neither is given to a --compare-* or --memory-options run, which build steps of their own."""
+    check_lora_flags(self)  # --lora-alpha or --base-dtype without --lora-rank: one line
     chosen(self, impl_names(cfg, layout))
     if self.compute_dtype not in cfg.arch.compute_dtypes:
         raise ConfigError(
@@ -269,6 +275,8 @@ def check_impls(self: BenchSettings, cfg: ModelConfig, layout: Layout) -> None:
         if getattr(self, f)
     ]
     given = [f for f, v in (("--impls", self.impls), ("--bf16", self.compute_dtype != "float32")) if v]
+    if own and self.lora_rank:
+        raise ConfigError(f"--{own[0].replace('_', '-')} times full fine-tunes' steps; drop --lora-rank")
     if own and given:
         raise ConfigError(
             f"--{own[0].replace('_', '-')} times steps of its own, in float32; drop {' and '.join(given)}"

@@ -13,12 +13,22 @@ second term is attention's two T x T matmuls (QK^T and AV: 2 * 2 * T * d_model F
 layer forward, x3 with the backward), counting the full score matrix although causal masking makes
 half of it unnecessary. Rematerialisation's recomputation is not counted: it is not model work.
 MFU = model FLOPs per step / median step time / measured float32 matmul peak (``peak.py``).
+
+LoRA (``--lora-rank``): the frozen base's weights get no gradient, so its backward computes the
+activations' gradients through them (2 * N_base a token) and no weight gradient (the other 2 * N_base):
+the base's matmuls count 4 * N_base * tokens, N_base counted as above. The adapters train: each A
+[in, R] and B [R, out] counts 6 x its size a token (N_adapter, every adapter's parameters; the
+adapters' dropout and scale are not counted, as norms are not). Attention's term is unchanged (its
+score and value matmuls multiply activations: both backward products are needed). So
+
+    (4 * N_base + 6 * N_adapter) * tokens  +  12 * n_layers * T * d_model * tokens
 """
 
 from __future__ import annotations
 
 from meshlm.model.accounting import active_size
 from meshlm.model.config import ModelConfig
+from meshlm.model.lora import is_adapter
 from meshlm.model.params import flat_params, is_embedding, is_matmul_weight, leaf_name
 
 
@@ -38,4 +48,8 @@ def model_flops_per_step(cfg: ModelConfig, params, batch_size: int, seq_len: int
     """The formula above for a global batch of ``batch_size`` rows of ``seq_len`` tokens."""
     tokens = batch_size * seq_len
     attention = 12 * cfg.n_layers * seq_len * cfg.d_model if cfg.arch.attention else 0
-    return float((6 * matmul_param_count(cfg, params) + attention) * tokens)
+    base = matmul_param_count(cfg, params)  # an adapter is no ``w*`` weight: the base's alone
+    if not cfg.lora_rank:
+        return float((6 * base + attention) * tokens)
+    adapters = sum(p.size for path, p in flat_params(params).items() if is_adapter(path))
+    return float((4 * base + 6 * adapters + attention) * tokens)

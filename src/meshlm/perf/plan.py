@@ -131,11 +131,12 @@ def refused(error: Exception, params, opt_state, batch, seconds: float) -> dict:
 
 def planned_params(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
     """(specs, params): the rules table's specs on ``layout`` with the settings' memory options, and
-    float32 ShapeDtypeStructs with their shardings (uneven pp stages: the padded stack the devices hold,
-    ``sharding.stage_slots``)."""
+    float32 ShapeDtypeStructs with their shardings (a LoRA base stored in bf16: bfloat16; uneven pp
+    stages: the padded stack the devices hold, ``sharding.stage_slots``)."""
     from meshlm.model.transformer import param_shapes
     from meshlm.sharding.rules import model_specs, shardings
     from meshlm.sharding.stage_slots import slots_of
+    from meshlm.train.lora import stored_base
 
     layout = settings.on(layout)
     shapes = param_shapes(cfg)
@@ -147,7 +148,7 @@ def planned_params(cfg: ModelConfig, layout: Layout, settings: PlanSettings):
         shapes,
         shardings(specs, layout.mesh),
     )
-    return specs, params
+    return specs, stored_base(params, settings.base_dtype)  # LoRA: a bf16 base (--base-dtype)
 
 
 def state_bytes(cfg: ModelConfig, layout: Layout, settings: PlanSettings) -> dict:

@@ -25,8 +25,8 @@ def _header(report: dict) -> list[str]:
         f"meshlm plan: {report['config']} on mesh {pp}{mesh['dp']}x{mesh['mp']} (dp={mesh['dp']}, "
         f"mp={mesh['mp']}{cp}), batch {s['batch_size']} x {s['seq_len']}, accum {s['accum_steps']}, "
         f"{s['compute_dtype']} compute, options: {report['plan']['label']}",
-        f"unsharded: parameters {gib(total['params'])} float32 "
-        f"({total['params'] // 4:,}), AdamW moments {gib(total['opt_state'])}",
+        f"unsharded: parameters {gib(total['params'])} {_stored(total)}, AdamW moments "
+        f"{gib(total['opt_state'])}",
         compiler_line(report["compiler"]),
         *_pipeline(report.get("pipeline")),
     ]
@@ -40,6 +40,13 @@ def compiler_line(c: dict) -> str:
         f"{fix['name']}: {fix['rule']}; {fix['error']}" if fix else "none (the compiled figures as they are)"
     )
     return f"compiler{chip}: {c['compiler']}; correction: {fix}"
+
+
+def _stored(total: dict) -> str:
+    """How the parameters are stored: float32 (their count), or a LoRA base in bf16 (``--base-dtype``)."""
+    if total.get("base_dtype", "float32") == "bf16":
+        return "(the frozen base in bf16, the adapters float32)"
+    return f"float32 ({total['params'] // 4:,})"
 
 
 def _pipeline(p: dict | None) -> list[str]:

@@ -105,6 +105,7 @@ class Planner:
         max_compiles: int,
         every_option: bool,
         target: Target,
+        base_dtype: str = "float32",
     ):
         self.cfg, self.layout, self.target = cfg, layout, target
         self.device_bytes = device_bytes
@@ -112,7 +113,8 @@ class Planner:
         self.every_option = every_option  # step 1 tries every option, not only up to the first fit
         self.named = not named_remat_blockers(cfg)  # named remat policies apply to its layers
         self.rows: dict[PlanSettings, dict] = {}
-        state = state_bytes(cfg, layout, PlanSettings(batch_size=1, seq_len=1))
+        state = state_bytes(cfg, layout, PlanSettings(batch_size=1, seq_len=1, base_dtype=base_dtype))
+        self.base_dtype = base_dtype  # LoRA: the frozen base's stored dtype (its bytes above)
         # the unsharded state: parameters, and AdamW moments of those trained (LoRA: the adapters)
         self.unsharded, self.unsharded_opt = state["params_total"], ADAM_MOMENTS * state["trained_total"]
 
@@ -227,6 +229,7 @@ def plan(
         max_compiles=max(1, max_compiles),
         every_option=every_option,
         target=target,
+        base_dtype=settings.base_dtype,
     )
     row = planner.evaluate(settings, strict=True)
     candidates = planner.search(settings) if row.get("fits") is False else []
@@ -241,6 +244,7 @@ def plan(
         "unsharded": {
             "params": planner.unsharded,
             "opt_state": planner.unsharded_opt * MOMENT_SCALE[settings.opt_dtype],
+            "base_dtype": planner.base_dtype,
         },
         "device_memory": device_bytes,
         "plan": row,

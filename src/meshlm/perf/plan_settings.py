@@ -20,7 +20,7 @@ from meshlm.settings import (
     setting,
 )
 from meshlm.train.config import OPT_DTYPE_NAMES
-from meshlm.train.lora import LoraSettings
+from meshlm.train.lora import LoraSettings, base_dtype
 from meshlm.units import parse_bytes
 
 DEFAULT_CONFIG = "llama2-7b"
@@ -44,6 +44,7 @@ class PlanSettings:
     sp: bool = False  # Megatron sequence parallelism over mp (needs a step that supports it)
     remat: str = "none"  # "none" | "full" | "selective" ("selective" needs a model that supports it)
     opt_dtype: str = "float32"  # AdamW's moments as stored: "float32" or "bf16" (``train.optim.OPT_DTYPES``)
+    base_dtype: str = "float32"  # LoRA: the frozen base's stored dtype (``train.lora.base_dtype``)
 
     def micro_batch(self, dp: int) -> int:
         """Rows one device processes at once (its data shard of one micro-batch)."""
@@ -158,4 +159,5 @@ class PlanCommand(MeshFlags, LongContext, ExpertDispatch, LoraSettings):  # --pp
             sp=self.sp,
             remat=self.remat or remat_policy(cfg),
             opt_dtype=self.opt_dtype,
+            base_dtype=base_dtype(self),
         )

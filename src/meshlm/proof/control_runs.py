@@ -201,8 +201,9 @@ def _more_than_honest(runs: Runs, got: dict) -> str:
 def communication_rows(runs: Runs, got: dict) -> list[dict]:
     """The communication check's rows for this run's model, mesh and batch."""
     p = runs.problem
-    # Activations and the loss are computed at least in float32 (float64 in the x64 proof).
-    itemsize = max(jax.tree.leaves(runs.params)[0].dtype.itemsize, 4)
+    # Activations and the loss are computed at least in float32 (float64 in the x64 proof), in the
+    # widest parameter's dtype (a LoRA base stored in bf16: its adapters')
+    itemsize = max(4, *(x.dtype.itemsize for x in jax.tree.leaves(runs.params)))
     return communication_checks(
         p.cfg, runs.layout, got, batch_shape=p.batch["inputs"].shape, itemsize=itemsize, params=runs.params
     )

@@ -42,8 +42,13 @@ from meshlm.proof.report import check_row
 from meshlm.proof.taps import Tapped
 
 
-def lora_problem(problem):
-    """``problem`` (a ``model_problem`` of a config with adapters) with random A and B."""
+def lora_problem(problem, base_dtype: str = "float32"):
+    """``problem`` (a ``model_problem`` of a config with adapters) with random A and B; ``base_dtype``
+    bf16 (``--base-dtype``): the base stored in bfloat16 in both runs (``train.lora.stored_base``), the
+    adapters in the proof's dtype; each step casts the base up to it (``sharding.spmd.compute_params``):
+    under --x64 the base's values are bf16-representable and everything computes in float64."""
+    from meshlm.train.lora import stored_base
+
     before = problem.prepare_params
 
     def prepare(params):
@@ -53,9 +58,10 @@ def lora_problem(problem):
             lambda p: jax.device_put(0.5 * rng.standard_normal(p.shape), p.sharding).astype(p.dtype),
             lora.adapters(params),
         )
-        return lora.combine(lora.base(params), drawn)
+        return stored_base(lora.combine(lora.base(params), drawn), base_dtype)
 
-    return dataclasses.replace(problem, prepare_params=prepare, name=f"{problem.name} (LoRA)")
+    kind = "" if base_dtype == "float32" else f", a {base_dtype} base"
+    return dataclasses.replace(problem, prepare_params=prepare, name=f"{problem.name} (LoRA{kind})")
 
 
 class LoraBNotSummedOverDp(Tapped):
@@ -161,9 +167,12 @@ def for_lora(controls):
     )
 
 
-def _logits(cfg, params, tokens):
+def _logits(cfg, params, tokens, dtype):
+    """The unsharded logits, every parameter cast to ``dtype`` (the proof's: a bf16 base's values in
+    it, as the step computes them)."""
     from meshlm.model.transformer import logits_fn
 
+    params = jax.tree.map(lambda p: p.astype(dtype), params)
     return hk.without_apply_rng(hk.transform(logits_fn(cfg, Parallel()))).apply(params, tokens)
 
 
@@ -216,13 +225,15 @@ def lora_rows(runs, sharded_grads, rtol: float) -> list[dict]:
     )
     plain = lora.without_lora(cfg)
     params, tokens = runs.ref_params, jnp.asarray(runs.host_batch["inputs"])
+    dtype = jnp.result_type(*{p.dtype for p in jax.tree.leaves(lora.adapters(params))})  # the proof's
     with jax.default_device(runs.device):
-        adapted = np.asarray(jax.jit(lambda p, t: _logits(cfg, p, t))(params, tokens))
-        merged = np.asarray(jax.jit(lambda p, t: _logits(plain, lora.merged(cfg, p), t))(params, tokens))
+        adapted = np.asarray(jax.jit(lambda p, t: _logits(cfg, p, t, dtype))(params, tokens))
+        merged = jax.jit(lambda p, t: _logits(plain, lora.merged(cfg, p), t, dtype))
+        merged = np.asarray(merged(params, tokens))
         zero_b = {m: {n: (jnp.zeros_like(v) if n.endswith("_b") else v) for n, v in leaves.items()}
                   for m, leaves in params.items()}  # fmt: skip
-        b0 = np.asarray(jax.jit(lambda p, t: _logits(cfg, p, t))(zero_b, tokens))
-        base = np.asarray(jax.jit(lambda p, t: _logits(plain, lora.base(p), t))(zero_b, tokens))
+        b0 = np.asarray(jax.jit(lambda p, t: _logits(cfg, p, t, dtype))(zero_b, tokens))
+        base = np.asarray(jax.jit(lambda p, t: _logits(plain, lora.base(p), t, dtype))(zero_b, tokens))
     err = float(np.abs(adapted - merged).max() / max(np.abs(adapted).max(), 1e-300))
     return [
         only,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import haiku as hk
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -29,10 +30,23 @@ LossBuilder = Callable[[Parallel], Callable]
 
 def with_compute_dtype(apply, dtype):
     """Run ``apply`` on parameters cast to ``dtype`` (e.g. bf16) while gradients stay in the master
-    (float32) dtype: the cast is differentiable."""
+    (float32) dtype: the cast is differentiable. None: the master dtype, the widest of the parameters'
+    (``compute_params``: a LoRA base stored in bf16 computes in its adapters' float32, or float64)."""
     if dtype is None:
-        return apply
+        return lambda params, batch: apply(compute_params(params), batch)
     return lambda params, batch: apply(jax.tree.map(lambda p: p.astype(dtype), params), batch)
+
+
+def compute_params(params):
+    """``params`` with every floating leaf in the widest floating dtype among them; leaves already in
+    it pass as they are (a model of one dtype is returned unchanged: no cast in its program)."""
+    floats = [p.dtype for p in jax.tree.leaves(params) if jnp.issubdtype(p.dtype, jnp.floating)]
+    if len(set(floats)) < 2:
+        return params
+    wide = jnp.result_type(*floats)
+    return jax.tree.map(
+        lambda p: p.astype(wide) if jnp.issubdtype(p.dtype, jnp.floating) and p.dtype != wide else p, params
+    )
 
 
 def reference_value_and_grad(build_loss: LossBuilder, compute_dtype=None, has_aux: bool = False):

@@ -37,6 +37,7 @@ from meshlm.parallel.context import Parallel
 from meshlm.parallel.cp import sequence_order
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import batch_spec
+from meshlm.sharding.spmd import with_compute_dtype
 from meshlm.sharding.strategy import strategy
 
 
@@ -70,7 +71,8 @@ def _per_token(cfg, par: Parallel):
         logits = mask_vocab_padding(par, par.seq_out(logits), cfg.vocab_size)
         return -vocab_parallel_xent(par, logits, par.seq_local(batch["targets"]))
 
-    return hk.without_apply_rng(hk.transform(fn)).apply
+    # in the widest of the parameters' dtypes (a LoRA base stored in bf16: its adapters' float32)
+    return with_compute_dtype(hk.without_apply_rng(hk.transform(fn)).apply, None)
 
 
 def per_token_logps(cfg, layout: Layout | None, specs=None):

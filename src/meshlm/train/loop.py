@@ -323,9 +323,24 @@ def _finish(run: Run, summary: dict) -> None:
     run.ckpt.close()
 
 
+def _sample_params(run: Run):
+    """The parameters the sample generates with, in one dtype: a LoRA base stored in bf16 with float32
+    adapters (``--base-dtype``) computes as the step does, in bf16 under --bf16 (no float32 copy of the
+    base), else in float32; a model of one dtype as it is."""
+    from meshlm.sharding.spmd import compute_params
+    from meshlm.train.step import COMPUTE_DTYPES
+
+    if len({x.dtype for x in jax.tree.leaves(run.params)}) < 2:
+        return run.params
+    dtype = COMPUTE_DTYPES[run.tcfg.compute_dtype]
+    if dtype is None:
+        return compute_params(run.params)
+    return jax.tree.map(lambda p: p.astype(dtype), run.params)
+
+
 def _sample(run: Run) -> str:
     cfg = run.cfg.replace(**run.tcfg.dispatch_fields(jax.default_backend()))  # the step's
-    gen = Generator(cfg, run.params, run.layout, tokenizer=run.tokenizer, eod=run.tokenizer.eod_id)
+    gen = Generator(cfg, _sample_params(run), run.layout, tokenizer=run.tokenizer, eod=run.tokenizer.eod_id)
     n = min(run.tcfg.sample_tokens, run.cfg.max_seq_len - 8)
     result = gen.generate(["def "], max_new_tokens=n, temperature=0.8, top_k=40, seed=run.tcfg.seed)[0]
     return "def " + result.text

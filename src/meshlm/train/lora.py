@@ -16,6 +16,9 @@ from meshlm.model.lora_fields import NAMES, RANGES
 from meshlm.ranges import Range
 from meshlm.settings import setting
 
+# --base-dtype: float32 keeps the base in the master dtype (float64 under verify --x64); bf16 stores it
+# in bfloat16 (``stored_base``), and a step casts it to its compute dtype (``sharding.spmd``)
+BASE_DTYPES = ("float32", "bf16")
 META_KEY = "lora_base"  # the checkpoint meta's entry: the base's fingerprint (``io.model_io.LORA_BASE``)
 
 
@@ -38,6 +41,13 @@ class LoraSettings:
     lora_dropout: float = setting(
         0.0, "LoRA: dropout probability of the adapters' input, in training only (peft's lora_dropout)",
         resume_must_match=True, valid=RANGES["lora_dropout"],
+    )  # fmt: skip
+    base_dtype: str | None = setting(
+        None, "LoRA: the frozen base's stored dtype, float32 or bf16 (the adapters and their AdamW state "
+        "stay float32; a step computes in the compute dtype either way)", choices=BASE_DTYPES,
+        resume_must_match=True,
+        shown_default="bf16 under --bf16 (the step casts the base to bf16 anyway: the same step, half "
+        "the base's bytes), else float32",
     )  # fmt: skip
 
 
@@ -94,6 +104,41 @@ def check_early(settings, checkpoint: str, config: str) -> None:
         return  # an invalid saved config: the checked read names the checkpoint
     if model is not None and not model.lora_rank:
         with_lora(settings, model)
+
+
+def base_dtype(settings) -> str:
+    """--base-dtype resolved: as given, else bf16 when the run computes in bf16 (``compute_dtype``:
+    ``--bf16``; a command without it computes in its master dtype) and float32 otherwise. Without
+    adapters: float32 (no base is frozen)."""
+    if not settings.lora_rank:
+        return "float32"
+    if settings.base_dtype:
+        return settings.base_dtype
+    return "bf16" if getattr(settings, "compute_dtype", "float32") == "bfloat16" else "float32"
+
+
+def stored_base(params, dtype: str):
+    """``params`` with the frozen base as ``dtype`` (``BASE_DTYPES``) stores it: bf16 casts every
+    floating base leaf to bfloat16 (its sharding kept), the adapters untouched (float32 master weights,
+    as their AdamW state); float32 returns ``params``. Arrays or ShapeDtypeStructs. A mixture of experts'
+    selection bias is state its rule updates in float32 (``balance_update``), not a weight: kept."""
+    import jax
+    import jax.numpy as jnp
+
+    from meshlm.model import lora
+
+    if dtype == "float32":
+        return params
+
+    def narrow(name, p):
+        if name == "balance_bias" or not jnp.issubdtype(p.dtype, jnp.floating):
+            return p
+        if isinstance(p, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(p.shape, jnp.bfloat16, sharding=p.sharding)
+        return p.astype(jnp.bfloat16)
+
+    base = {m: {n: narrow(n, p) for n, p in leaves.items()} for m, leaves in lora.base(params).items()}
+    return lora.combine(base, lora.adapters(params))
 
 
 def check_needs_base(tcfg) -> None:

@@ -127,7 +127,8 @@ def accumulate(grad_fn, params, batch, accum_steps: int, trained=None):
     def body(carry, micro):
         return jax.tree.map(jnp.add, carry, grad_fn(params, micro)), None
 
-    dtype = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+    # the master dtype: the widest leaf's (a LoRA base stored in bf16 is narrower than its adapters)
+    dtype = jnp.result_type(*{p.dtype for p in jax.tree.leaves(params)}, jnp.float32)
     value = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch))[0]
     loss = jnp.zeros((), dtype)
     if isinstance(value, tuple):

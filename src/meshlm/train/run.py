@@ -41,7 +41,15 @@ from meshlm.sharding.strategy import strategy
 from meshlm.train import dpo_run, outputs
 from meshlm.train.config import TrainConfig, recorded_settings, resolve, with_moe_settings
 from meshlm.train.lora import META_KEY as LORA_META
-from meshlm.train.lora import base_meta, check_needs_base, check_same_base, start_params, with_lora
+from meshlm.train.lora import (
+    base_dtype,
+    base_meta,
+    check_needs_base,
+    check_same_base,
+    start_params,
+    stored_base,
+    with_lora,
+)
 from meshlm.train.metrics import OUTPUTS, SETTINGS, MetricsLog
 from meshlm.train.optim import trainable
 from meshlm.train.resume import check_existing, model_meta
@@ -150,6 +158,7 @@ def _initial_state(tcfg: TrainConfig, cfg: ModelConfig, layout: Layout, specs: d
             check_same_base(meta, base_print, tcfg)
             expect[LORA_META] = base_print[LORA_META]
             params = start_params(cfg, layout, specs, params, tcfg.seed)
+            params = stored_base(params, base_dtype(tcfg))  # --base-dtype bf16: the frozen base halved
     else:
         params, _ = init_model(cfg, layout, tcfg.seed, specs=specs)
     dtype, dpo = COMPUTE_DTYPES[tcfg.compute_dtype], dpo_run.dpo_args(tcfg)
