@@ -140,7 +140,43 @@ def _kernel_jobs() -> list[Job]:
     return jobs
 
 
+def _real_size_jobs() -> list[Job]:
+    """Issue 63 items 1 and 2 with the memory cuts: the head's loss in chunks, AdamW in place (always),
+    bf16 moments where the state alone would fill the chip, LoRA on a bf16 base for qwen3-1.7b."""
+    at = ("--seq-len", "2048", "--bf16", "--steps", "5", "--loss-chunk", "512")
+    runs = (
+        ("qwen3-0.6b b=8 full", ("--config", "qwen3-0.6b", "--batch-size", "8", "--remat", "full")),
+        ("qwen3-0.6b b=4 selective", ("--config", "qwen3-0.6b", "--batch-size", "4", "--remat", "selective")),
+        (
+            "llama3.2-1b b=4 full bf16 moments",
+            ("--config", "llama3.2-1b", "--batch-size", "4", "--remat", "full", "--opt-dtype", "bf16"),
+        ),
+        (
+            "qwen3-1.7b LoRA r16 b=4 full",
+            (
+                "--config",
+                "qwen3-1.7b",
+                "--batch-size",
+                "4",
+                "--remat",
+                "full",
+                "--lora-rank",
+                "16",
+                "--base-dtype",
+                "bf16",
+            ),
+        ),
+    )
+    smoke = (*BENCH, "--config", "tiny-llama", "--peak-n", "256", "--batch-size", "2", "--seq-len", "64")
+    smoke += ("--bf16", "--steps", "5", "--loss-chunk", "48", "--remat", "full", "--opt-dtype", "bf16")
+    return [
+        Job("real-size", name, (*BENCH, *at, *argv), smoke if i == 0 else ())
+        for i, (name, argv) in enumerate(runs)
+    ]
+
+
 GROUPS = {
+    "real-size": _real_size_jobs,
     "plan": _plan_jobs,
     "attention": _attention_jobs,
     "one-chip": _one_chip_jobs,
