@@ -167,6 +167,11 @@ def _real_size_jobs() -> list[Job]:
             ),
         ),
     )
+    runs += (
+        ("qwen3-0.6b b=2 save_qkv_mlp_in", ("--config", "qwen3-0.6b", "--batch-size", "2", "--remat", "save_qkv_mlp_in")),
+        ("qwen3-0.6b b=2 none", ("--config", "qwen3-0.6b", "--batch-size", "2", "--remat", "none")),
+        ("qwen3-0.6b b=4 only full", ("--config", "qwen3-0.6b", "--batch-size", "4", "--remat", "full")),
+    )
     smoke = (*BENCH, "--config", "tiny-llama", "--peak-n", "256", "--batch-size", "2", "--seq-len", "64")
     smoke += ("--bf16", "--steps", "5", "--loss-chunk", "48", "--remat", "full", "--opt-dtype", "bf16")
     return [
