@@ -197,6 +197,8 @@ def _verify(args, vs: VerifySettings, planned) -> int:
         cfg = cfg.replace(z_loss=vs.z_loss)
     if vs.remat is not None:
         cfg = cfg.replace(remat=vs.remat)
+    if vs.quant is not None:
+        cfg = cfg.replace(quant=vs.quant)
     if vs.moe_aux_loss is not None:  # a dense model refuses it (ModelConfig: a MoE field)
         cfg = cfg.replace(moe_aux_loss=vs.moe_aux_loss)
     if vs.moe_capacity_factor is not None:  # likewise
