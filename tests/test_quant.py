@@ -3,6 +3,7 @@ matmul and its gradients, and are exact under sharding (proof.quant_exact): the 
 the unsharded one bit for bit, and the four planted faults are caught."""
 
 import re
+from contextlib import nullcontext
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from meshlm.model.config import get_config
 from meshlm.model.quant import int8_dense
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
+from meshlm.proof.quant_controls import QUANT_CONTROLS
 from meshlm.proof.quant_exact import int8_rows
 
 
@@ -82,3 +84,18 @@ def _moe():
     from meshlm.model.config import PRESETS
 
     return get_config(next(n for n in PRESETS if get_config(n).arch.moe))
+
+
+@pytest.mark.parametrize("control", QUANT_CONTROLS, ids=lambda c: c.name)
+def test_each_int8_control_fails_the_bit_for_bit_check(control):
+    """mp=2 with one data shard: every row is bitwise unplanted (the test above), so any failing row is
+    the fault's."""
+    rows = int8_rows(Layout(mp=2), jnp.float32, 0, control.par_cls, control.plant or nullcontext)
+    assert not all(r["ok"] for r in rows), rows
+    assert control.applies(_where(Layout(mp=2))) and not control.applies(_where(Layout(mp=2), "none"))
+
+
+def _where(layout, quant="int8"):
+    from meshlm.proof.control_record import Where
+
+    return Where(cfg=get_config("cpu").replace(quant=quant), layout=layout, has_row_bias=False)

@@ -287,8 +287,9 @@ def _prove(args, vs: VerifySettings, cfg, name: str, layout, batch: int, seq_len
     from meshlm.proof.cp_controls import CP_CONTROLS
     from meshlm.proof.ep_controls import EP_CONTROLS
     from meshlm.proof.lora import LORA_CONTROLS, for_lora, lora_problem
+    from meshlm.proof.quant_controls import QUANT_CONTROLS
 
-    controls = CONTROLS + CP_CONTROLS + EP_CONTROLS
+    controls = CONTROLS + CP_CONTROLS + EP_CONTROLS + QUANT_CONTROLS
     if vs.objective == "sft":  # the chat SFT loss: a loss mask on the batch, and its controls
         from meshlm.proof.sft import SFT_CONTROLS, sft_problem
 

@@ -63,6 +63,12 @@ def weight_scale(w, axis):
     return amax(w, axis)
 
 
+def outer_scale(sa, sb):
+    """sa [1, K], sb [1, M] -> the [K, M] scales of a weight gradient (a tap for the transposed-scale
+    control: ``proof.quant_controls``)."""
+    return sa.T * sb
+
+
 def int8_dense(par, kind: str, x, w):
     """x [..., K] @ w [K, M] -> [..., M] with int8 matmuls (module docstring); ``kind``: "col" or "row"."""
     if kind not in ("col", "row"):
@@ -78,7 +84,7 @@ def int8_dense(par, kind: str, x, w):
 
     def bwd(res, g):
         x, w = res
-        return grad_dots(par, row, x, w, g)
+        return GRADS["int8"](par, row, x, w, g)  # looked up here: the dropped-quantizer control swaps it
 
     mm.defvjp(fwd, bwd)
     return mm(x, w)
@@ -108,7 +114,7 @@ def grad_dots(par, row: bool, x, w, g):
     sxt = step(par.token_max(amax(x2, 0)))  # [1, K] per input channel, over every token
     sgt = step(par.token_max(amax(g2, 0)))  # [1, M] per output channel
     qxt = lax.optimization_barrier(quantize(x2, sxt).T)  # [K, N] row-major (``model.dense``'s reason)
-    dw = int_dot(qxt, quantize(g2, sgt)).astype(sxt.dtype) * (sxt.T * sgt)  # [K, M]
+    dw = int_dot(qxt, quantize(g2, sgt)).astype(sxt.dtype) * outer_scale(sxt, sgt)  # [K, M]
     return dx.reshape(x.shape).astype(x.dtype), dw.astype(w.dtype)
 
 
@@ -117,3 +123,14 @@ def matmul(par, quant: str, kind: str, x, w):
     from meshlm.model.dense import dense
 
     return dense(x, w) if quant == "none" else int8_dense(par, kind, x, w)
+
+
+def float_grads(par, row: bool, x, w, g):
+    """(dx, dw) of the float matmul (``model.dense``'s backward): the dropped-quantizer control's."""
+    del par, row
+    k, m = w.shape
+    x2, g2 = x.reshape(-1, k), g.reshape(-1, m)
+    return (g2 @ w.T).reshape(x.shape).astype(x.dtype), (x2.T @ g2).astype(w.dtype)
+
+
+GRADS = {"int8": grad_dots}  # the backward int8_dense runs (a table, so that a control can replace it)
