@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig, beyond_max_seq_len, default_seq_len
 from meshlm.model.family import COMPUTE_DTYPES, REMAT
+from meshlm.model.quant_fields import QUANTS, check_quant
 from meshlm.parallel.axes import AXIS, EP, PP
 from meshlm.parallel.layout import Layout
 from meshlm.ranges import NON_NEGATIVE_INT, POSITIVE_INT
@@ -40,6 +41,7 @@ NO_PP = AXIS[PP].baseline  # "no-pp": the same model on the dp x mp mesh without
 NO_EP = AXIS[EP].baseline  # "no-ep": the same model on the same devices, every expert on every data shard
 DENSE = "dense-eq"  # a MoE model: the dense model of equal active parameters (``bench_moe``)
 TODAY = "dense-dispatch"  # the same MoE with the "dense" dispatch: every expert on every token
+INT8 = "meshlm-int8"  # --quant int8: meshlm's step with int8 weight matmuls (``model.quant``), beside meshlm
 
 
 def impl_names(cfg: ModelConfig, layout: Layout) -> tuple[str, ...]:
@@ -91,6 +93,12 @@ class BenchSettings(MeshFlags, LongContext, ExpertDispatch):  # --pp, --cp, --fs
         "memory (a model that fills the device fits once, not once per implementation)",
         shown_default="every one the model has",
         parse=parse_impls,
+    )
+    quant: str = setting(
+        "none",
+        f"int8: also time meshlm's step with int8 weight matmuls (docs/quantization.md) as {INT8}, beside "
+        f"the float one (--impls meshlm,{INT8}: the two side by side)",
+        choices=QUANTS,
     )
     compute_dtype: str = setting(
         "float32",
@@ -179,6 +187,8 @@ class BenchSettings(MeshFlags, LongContext, ExpertDispatch):  # --pp, --cp, --fs
 def chosen(self: BenchSettings, available: tuple[str, ...]) -> tuple[str, ...]:
     """The implementations to build, in the bench's order: --impls' of ``available`` (every one
     the model and mesh have), or all of them."""
+    if self.quant == "int8":  # beside meshlm's own float step
+        available = (*available[:1], INT8, *available[1:])
     if self.impls is None:
         return available
     asked = self.impls.split(",")
@@ -194,6 +204,8 @@ def check_impls(self: BenchSettings, cfg: ModelConfig, layout: Layout) -> None:
     """--impls names implementations this model and mesh have, --bf16 a dtype the family trains in,
     and neither is given to a --compare-* or --memory-options run, which build steps of their own."""
     chosen(self, impl_names(cfg, layout))
+    if self.quant != "none":  # what --quant int8 covers, before any work
+        check_quant(cfg.replace(quant=self.quant), layout)
     if self.compute_dtype not in cfg.arch.compute_dtypes:
         raise ConfigError(
             f"--bf16: {cfg.arch.name} trains in {', '.join(cfg.arch.compute_dtypes)} only; drop --bf16"
