@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig, beyond_max_seq_len, default_seq_len
 from meshlm.model.family import REMAT
+from meshlm.model.quant_fields import QUANTS
 from meshlm.parallel.layout import Layout
 from meshlm.ranges import POSITIVE_INT
 from meshlm.settings import (
@@ -101,6 +102,12 @@ class PlanCommand(MeshFlags, LongContext, ExpertDispatch, LoraSettings):  # --pp
         switch=Switch("--bf16", "bfloat16", "bf16 compute with float32 master weights"),
     )
     remat: str | None = setting(None, "rematerialisation", shown_default="the config's own", choices=REMAT)
+    quant: str | None = setting(
+        None,
+        "int8: plan the step with int8 weight matmuls (docs/quantization.md)",
+        shown_default="the config's own",
+        choices=QUANTS,
+    )
     device_memory: int | None = setting(
         None,
         "memory of one device, e.g. 80GiB: say whether the run fits and search options that do",
