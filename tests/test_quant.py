@@ -114,3 +114,10 @@ def test_verify_quant_int8_proves_tiny_llama_and_detects_its_controls(capsys):
     assert "int8 block output (sharded vs unsharded)" in out and "bit for bit" in out
     for control in QUANT_CONTROLS:
         assert f"control {control.name}" in out and "detected" in out.split(f"control {control.name}")[1][:60]
+
+
+def test_verify_quant_int8_asks_for_float64(capsys):
+    """float32's rounding moves values across quantization boundaries (docs/quantization.md): one line."""
+    assert run_cli("verify", "--quant", "int8") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshlm: error: --quant int8 is proven in float64") and "add --x64" in err
