@@ -46,6 +46,12 @@ def kv_replicated(n_kv_heads: int, mp: int) -> bool:
     )
 
 
+def _mm(attn, kind: str):
+    """A projection's matmul: float, or int8 under ``cfg.quant`` (``model.quant``); ``kind``: "col" (to
+    heads) or "row" (the output: heads split over mp)."""
+    return partial(matmul, attn.par, attn.cfg.quant, kind)
+
+
 class Attention(hk.Module):
     """Returns the per-shard partial output [B, T, D] (reduce with ``par.row_out``)."""
 
@@ -57,13 +63,8 @@ class Attention(hk.Module):
     def _proj(self, name, xf, heads, tap=None, width=1):  # xf [B, T, D] -> [B, T, heads, width * E]
         shape = [xf.shape[-1], heads, width * self.cfg.dim_per_head]
         w = hk.get_parameter(name, shape, init=_normal(self.stddev))
-        y = dense_heads_in(xf, w if tap is None else self.par.tap(tap, w), self._mm("col"))
+        y = dense_heads_in(xf, w if tap is None else self.par.tap(tap, w), _mm(self, "col"))
         return self._biased(name, adapted(self.cfg, self.par, "attn/" + name, xf, y, xf.shape[-1:]), heads)
-
-    def _mm(self, kind: str):
-        """The projection's matmul: float, or int8 under ``cfg.quant`` (``model.quant``); ``kind``:
-        "col" (to heads) or "row" (the output: heads split over mp)."""
-        return partial(matmul, self.par, self.cfg.quant, kind)
 
     def _biased(self, name, y, heads, index=None):
         """y [B, T, h, E] plus the projection's bias (Qwen2's q/k/v; ``Family.qkv_bias``): column-
@@ -167,7 +168,7 @@ class Attention(hk.Module):
         out = out * jax.nn.sigmoid(gate) if self.cfg.arch.attn_gate else out  # Qwen3.5's output gate
         wo = hk.get_parameter("wo", [hl, self.cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
         out = adapted(
-            self.cfg, self.par, "attn/wo", out, dense_heads_out(out, wo, self._mm("row")), wo.shape[:2]
+            self.cfg, self.par, "attn/wo", out, dense_heads_out(out, wo, _mm(self, "row")), wo.shape[:2]
         )
         if not self.cfg.arch.o_bias:  # gpt-oss's output bias [D]: once in the row sum (``add_once``)
             return out

@@ -20,7 +20,7 @@ from meshlm.model.lora_fields import LoraFields, check_lora
 from meshlm.model.mla_fields import MLA_RANGES, MLAFields, check_mla
 from meshlm.model.mtp_fields import MTP_RANGES, MTPFields, check_mtp
 from meshlm.model.per_layer_fields import PER_LAYER_RANGES, PerLayerFields, check_per_layer
-from meshlm.model.quant_fields import check_quant
+from meshlm.model.quant_fields import QuantFields, check_quant
 from meshlm.model.rope import RopeScaling, YarnScaling, scaling_of
 from meshlm.model.rope import inv_freq as rope_inv_freq
 from meshlm.model.router_fields import ROUTER_RANGES, RouterFields, check_router
@@ -77,7 +77,7 @@ class MoEFields:
 @dataclass(frozen=True)
 class ModelConfig(  # fields: its own, then its bases' (``field_names``)
     kinds.LinearAttentionFields, MLAFields, VariantFields, LoraFields, kinds.LayerKindFields, RouterFields,
-    MoEFields, MTPFields, PerLayerFields,
+    MoEFields, MTPFields, PerLayerFields, QuantFields,
 ):  # fmt: skip
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
@@ -125,11 +125,6 @@ class ModelConfig(  # fields: its own, then its bases' (``field_names``)
     # blockwise, --cp ring and allgather) and the KV cache cap.
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
-    # The weight matmuls of attention and the MLP as int8 x int8 -> int32, forward and backward
-    # (``model.quant``): "int8"; "none": float. A model fact (it trains to other weights): saved with the
-    # run, so evaluating or generating from a model so trained quantizes as it trained. A config saved
-    # without it predates it: "none".
-    quant: str = "none"
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # checkpoints written before remat had policies
@@ -153,9 +148,8 @@ class ModelConfig(  # fields: its own, then its bases' (``field_names``)
         check_variant_fields(self)
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
-        _check_plain_only(self), _check_moe(self), check_router(self), _check_dispatch(self)
-        check_lora(self), kinds.check_linear(self), check_mla(self), check_mtp(self), check_per_layer(self)
-        check_quant(self)
+        _check_plain_only(self), _check_moe(self), check_router(self), _check_dispatch(self), check_mla(self)
+        check_lora(self), kinds.check_linear(self), check_mtp(self), check_per_layer(self), check_quant(self)
 
     @property
     def arch(self) -> Family:

@@ -5,9 +5,36 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from meshlm.errors import ConfigError
+from meshlm.settings import setting
 
 QUANTS = ("none", "int8")
+
+
+@dataclass(frozen=True)
+class QuantFields:
+    """``ModelConfig``'s ``quant`` (a base, as ``MoEFields``)."""
+
+    # The weight matmuls of attention and the MLP as int8 x int8 -> int32, forward and backward
+    # (``model.quant``): "int8"; "none": float. A model fact (it trains to other weights): saved with the
+    # run, so evaluating or generating from a model so trained quantizes as it trained. A config saved
+    # without it predates it: "none".
+    quant: str = "none"
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    """train's --quant (a base of ``TrainConfig``, as ``LoraSettings``): recorded in the run's model."""
+
+    quant: str = setting(
+        "none",
+        "the weight matmuls of attention and MLP as int8 x int8 -> int32, forward and backward "
+        "(docs/quantization.md); saved with the model",
+        resume_must_match=True,
+        choices=QUANTS,
+    )
 
 
 def check_quant(cfg, layout=None) -> None:

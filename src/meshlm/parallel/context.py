@@ -35,11 +35,14 @@ from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.cp import ContextParallel
 from meshlm.parallel.ep import ExpertAxis
 from meshlm.parallel.experts import ExpertParallel
+from meshlm.parallel.int8 import Int8Collectives
 from meshlm.parallel.layout import Layout
 
 
 @dataclass(frozen=True)
-class Parallel(ContextParallel, ExpertAxis, ExpertParallel):  # ExpertAxis: ep's, before the all-local
+class Parallel(
+    ContextParallel, ExpertAxis, ExpertParallel, Int8Collectives
+):  # ExpertAxis: ep's, before the all-local
     # The mesh's sizes and options (mp shards, sp, cp, ...); the default, 1x1, is the unsharded model.
     layout: Layout = field(default_factory=Layout)
     sharded: bool = False  # True inside shard_map over the layout's mesh
@@ -115,33 +118,6 @@ class Parallel(ContextParallel, ExpertAxis, ExpertParallel):  # ExpertAxis: ep's
 
     def pmax(self, x):
         return lax.pmax(x, MP) if self.sharded else x
-
-    # --- int8 weight matmuls (``model.quant``): exact maxes and integer sums ---------------
-    def int8_max(self, m, split: bool):
-        """A quantization scale's max over a contraction dim; ``split``: that dim is split over mp, so
-        the max is the exact ``pmax`` of the shards' maxes (the unsharded max, bit for bit)."""
-        return lax.pmax(m, MP) if split and self.sharded else m
-
-    def token_max(self, m):
-        """A max over every token of the step's batch (the weight gradient's contraction): the exact
-        ``pmax`` over the batch axes (dp, and ep and cp when on)."""
-        if not self.sharded:
-            return m
-        axes = self.layout.batch_axes
-        return lax.pmax(m, axes if len(axes) > 1 else axes[0])
-
-    def int8_out(self, acc, scale, split: bool):
-        """An int8 matmul's int32 accumulator [N, M] times its scales. ``split`` (the contraction split
-        over mp): the int32 partial sums are all-reduced as integers first (exact), rescaled once, and
-        held by shard 0 alone (zeros elsewhere), so the float all-reduce that follows adds zeros."""
-        if not (split and self.sharded):
-            return acc.astype(scale.dtype) * scale
-        total = lax.psum(acc, MP).astype(scale.dtype) * scale
-        return jnp.where(self.shard_index() == 0, total, jnp.zeros_like(total))
-
-    def gather_last(self, x):
-        """Concatenate per-shard slices of the last axis into the global axis (e.g. logits)."""
-        return lax.all_gather(x, MP, axis=x.ndim - 1, tiled=True) if self.sharded else x
 
     # --- which slice this shard owns -------------------------------------------------------
     def shard_index(self):

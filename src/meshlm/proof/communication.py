@@ -117,7 +117,7 @@ def int8_all_reduces(cfg, layout: Layout, *, batch: int, seq_len: int, itemsize:
     d, f = cfg.d_model, cfg.d_ff
     attn = cfg.arch.attention
     h, kv, e = (cfg.n_heads, cfg.kv_heads, cfg.dim_per_head) if attn else (0, 0, 0)
-    gated = cfg.arch.mlp != "gelu" if cfg.family != "ff" else False
+    gated = cfg.arch.mlp != "gelu"
     cols = [f] * (2 if gated else 1) + ([h * e, kv * e, kv * e] if attn else [])  # output widths (global)
     rows = [f] + ([h * e] if attn else [])  # contraction widths (global)
     n = batch // layout.dp * seq_len // max(layout.cp, 1)  # tokens per device in a layer

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from meshlm.errors import ConfigError
 from meshlm.model.config import PRESETS, ModelConfig, beyond_max_seq_len, default_seq_len, get_config
 from meshlm.model.family import COMPUTE_DTYPES, REMAT
-from meshlm.model.quant_fields import QUANTS
+from meshlm.model.quant_fields import QuantSettings
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 from meshlm.settings import (  # noqa: F401 - CLI_* and Switch: the train CLI reads them from here
     CLI_COMMON,
@@ -93,7 +93,7 @@ class MoESettings:
 
 @dataclass(frozen=True)
 class TrainConfig(
-    MeshFlags, LongContext, ExpertDispatch, MoESettings, ObjectiveSettings, LoraSettings
+    MeshFlags, LongContext, ExpertDispatch, MoESettings, ObjectiveSettings, LoraSettings, QuantSettings
 ):  # --pp, --lora-rank...
     # "": the cpu preset, or with --checkpoint the checkpoint's own model (its CLI help: cli/train.py)
     config: str = _field("", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)
@@ -105,13 +105,6 @@ class TrainConfig(
     )
     text_field: str = _field("text", "text field of JSONL / Parquet / dataset rows", resume_must_match=True)
     doc_mask: bool = _field(False, "attention within documents, positions restart", resume_must_match=True)
-    quant: str = _field(
-        "none",
-        "the weight matmuls of attention and MLP as int8 x int8 -> int32, forward and backward "
-        "(docs/quantization.md); saved with the model",
-        resume_must_match=True,
-        choices=QUANTS,
-    )
     # Defaults of steps, batch_size, lr, warmup_steps (mesh: DEFAULT_DP): scripts/sweep_main.py's sweep.
     steps: int = _field(280, "optimizer steps; the defaults take ~5 min on a 2-core CPU", valid=POSITIVE_INT)
     batch_size: int = _field(
