@@ -33,11 +33,6 @@ def run(args) -> int:
     vs = _with_defaults(settings_from(args, VerifySettings))
     if vs.allow_routing_flips and vs.x64:  # before any work
         raise ConfigError("--allow-routing-flips is for float32 (in float64 a flip is a bug); drop one")
-    if vs.quant == "int8" and not vs.x64:  # before any work (docs/quantization.md: the bound)
-        raise ConfigError(
-            "--quant int8 is proven in float64: in float32 the two runs' rounding moves values across "
-            "quantization boundaries (3e-3 relative on the seed model, above the 2e-4 tolerance); add --x64"
-        )
     if vs.attention == "flash" and vs.x64:  # before any work (``model.flash``: float32 inside the kernel)
         raise ConfigError("--attention flash computes in float32 inside its kernel; verify it without --x64")
     axes = _axes(vs)  # before any work
@@ -204,6 +199,11 @@ def _verify(args, vs: VerifySettings, planned) -> int:
         cfg = cfg.replace(remat=vs.remat)
     if vs.quant is not None:
         cfg = cfg.replace(quant=vs.quant)
+    if cfg.quant == "int8" and not vs.x64:  # the flag's or a checkpoint's (docs/quantization.md)
+        raise ConfigError(
+            "--quant int8 is proven in float64: in float32 the two runs' rounding moves values across "
+            "quantization boundaries (3e-3 relative on the seed model, above the 2e-4 tolerance); add --x64"
+        )
     if vs.moe_aux_loss is not None:  # a dense model refuses it (ModelConfig: a MoE field)
         cfg = cfg.replace(moe_aux_loss=vs.moe_aux_loss)
     if vs.moe_capacity_factor is not None:  # likewise
