@@ -167,9 +167,8 @@ class Attention(hk.Module):
         hl = self.cfg.n_heads // self.par.layout.mp
         out = out * jax.nn.sigmoid(gate) if self.cfg.arch.attn_gate else out  # Qwen3.5's output gate
         wo = hk.get_parameter("wo", [hl, self.cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
-        out = adapted(
-            self.cfg, self.par, "attn/wo", out, dense_heads_out(out, wo, _mm(self, "row")), wo.shape[:2]
-        )
+        y = dense_heads_out(out, wo, _mm(self, "row"))  # [B, T, D] partial over mp
+        out = adapted(self.cfg, self.par, "attn/wo", out, y, wo.shape[:2])
         if not self.cfg.arch.o_bias:  # gpt-oss's output bias [D]: once in the row sum (``add_once``)
             return out
         return add_once(self.par, out, hk.get_parameter("bo", [xf.shape[-1]], init=jnp.zeros))
