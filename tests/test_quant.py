@@ -121,3 +121,20 @@ def test_verify_quant_int8_asks_for_float64(capsys):
     assert run_cli("verify", "--quant", "int8") == 2
     err = capsys.readouterr().err
     assert err.startswith("meshlm: error: --quant int8 is proven in float64") and "add --x64" in err
+
+
+def test_bench_times_int8_beside_the_float_step(capsys, monkeypatch):
+    """bench --quant int8 --impls meshlm,meshlm-int8: both steps from the same parameters and batch, their
+    ratio, and the int8 row's MFU over the chip's spec int8 peak (394 TOP/s on a v5e) beside bf16's."""
+    from test_bench import _bench_json
+
+    import meshlm.perf.bench as bench
+
+    monkeypatch.setattr(bench, "device_kind", lambda: "TPU v5 lite")  # a known chip's spec peaks
+    argv = ["--config", "tiny-llama", "--mesh", "1x1", "--json", "--peak-n", "128", "--gen-tokens", "0"]
+    report = _bench_json([*argv, "--impls", "meshlm,meshlm-int8", "--quant", "int8", "--warmup", "0"], capsys)
+    assert report["impls"] == ["meshlm", "meshlm-int8"] and "meshlm-int8/meshlm" in report["step_time_ratios"]
+    assert report["spec_peak_flops"] == {"bfloat16": 197e12, "int8": 394e12}
+    ours, int8 = report["results"]
+    assert ours["mfu_spec_int8"] is None and int8["mfu_spec_int8"] == pytest.approx(int8["mfu_spec"] / 2)
+    assert int8["loss"] == pytest.approx(ours["loss"], rel=0.01) and int8["loss"] != ours["loss"]
