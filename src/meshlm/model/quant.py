@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from meshlm.model.dense import dense
 from meshlm.model.quant_fields import QUANTS  # noqa: F401 (re-exported)
 
 QMAX = 127.0  # symmetric int8: -127 .. 127 (-128 unused, so negation is exact)
@@ -55,12 +56,6 @@ def quantize(x, scale):
 def int_dot(a, b, contract=((1,), (0,))):
     """int8 [.., n] x int8 [n, ..] -> int32: the chip's int8 matmul (exact: |sum| < 2^31 for n < 2^17)."""
     return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.int32)
-
-
-def weight_scale(w, axis):
-    """The weight's per-channel max over its contraction ``axis`` (a tap for the transposed-scale
-    control: ``proof.quant_controls``)."""
-    return amax(w, axis)
 
 
 def outer_scale(sa, sb):
@@ -94,7 +89,7 @@ def _forward(par, row: bool, x, w):
     k, m = w.shape
     x2 = x.reshape(-1, k)  # [N, K]
     sx = step(par.int8_max(amax(x2, 1), row))  # [N, 1] per token: K split over mp when row-parallel
-    sw = step(par.int8_max(weight_scale(w, 0), row))  # [1, M] per output channel
+    sw = step(par.int8_max(amax(w, 0), row))  # [1, M] per output channel
     acc = int_dot(quantize(x2, sx), quantize(w, sw))  # [N, M] int32, partial over mp when row-parallel
     y = par.int8_out(acc, sx * sw, row)
     return y.reshape(*x.shape[:-1], m).astype(x.dtype)
@@ -120,8 +115,6 @@ def grad_dots(par, row: bool, x, w, g):
 
 def matmul(par, quant: str, kind: str, x, w):
     """The weight matmul of a layer: ``dense`` in float, ``int8_dense`` under ``quant == "int8"``."""
-    from meshlm.model.dense import dense
-
     return dense(x, w) if quant == "none" else int8_dense(par, kind, x, w)
 
 
