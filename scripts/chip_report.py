@@ -168,7 +168,10 @@ def _real_size_jobs() -> list[Job]:
         ),
     )
     runs += (
-        ("qwen3-0.6b b=2 save_qkv_mlp_in", ("--config", "qwen3-0.6b", "--batch-size", "2", "--remat", "save_qkv_mlp_in")),
+        (
+            "qwen3-0.6b b=2 save_qkv_mlp_in",
+            ("--config", "qwen3-0.6b", "--batch-size", "2", "--remat", "save_qkv_mlp_in"),
+        ),
         ("qwen3-0.6b b=2 none", ("--config", "qwen3-0.6b", "--batch-size", "2", "--remat", "none")),
         ("qwen3-0.6b b=4 only full", ("--config", "qwen3-0.6b", "--batch-size", "4", "--remat", "full")),
     )

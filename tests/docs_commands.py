@@ -53,6 +53,7 @@ PP_PLAN = (
 )
 BENCH = "tests/test_bench.py::test_bench_json_schema_and_values"
 BENCH_PP = "tests/test_bench.py::test_bench_pp_times_the_pipeline_against_no_pp"
+QUANT_VERIFY = "tests/test_quant.py::test_verify_quant_int8_proves_tiny_llama_and_detects_its_controls"
 SCHEDULES = "tests/test_bench.py::test_bench_compare_schedules_times_each_schedule_against_no_pp"
 NO_RECOMPUTE = "tests/test_pipeline.py::test_no_chunk_forward_runs_twice"
 TR_STEPS = "tests/test_transformer.py::test_transformer_training_steps_float64_on_2x2"
@@ -221,6 +222,21 @@ COMMANDS: dict[str, Run | Shown] = {
         "meshlm data prepare into a new or empty --out",
         "meshlm data prepare (no index.json)",
         "meshlm train --help)",  # reliability.md: "(see meshlm train --help)" inside a quoted error
+    ),
+    # docs/quantization.md
+    **_names(NAMES, "meshlm bench --quant int8", "meshlm verify --quant int8"),
+    "meshlm train --quant int8 --out runs/int8": run(add=TINY, expect=("done",)),
+    "meshlm verify --config tiny-llama --quant int8 --mesh 2x2 --devices 4 --x64": verify(
+        costly=QUANT_VERIFY
+    ),
+    "meshlm bench --config llama-100m --mesh 1x1 --batch-size 8 --seq-len 512 --bf16 --gen-tokens 0 "
+    "--peak-n 8192 --impls meshlm,meshlm-int8 --quant int8 --json": run(
+        "llama-100m => tiny-llama",
+        "--batch-size 8 => --batch-size 2",
+        "512 => 32",
+        "8192 => 128",
+        add="--warmup 0",
+        expect=('"impls": ["meshlm", "meshlm-int8"]', '"meshlm-int8/meshlm"'),
     ),
     # README.md
     MAIN: run(add=f"--data code --tokenizer bpe-300 --mesh 2x2 {TINY}", expect=("next:",)),

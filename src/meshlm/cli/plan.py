@@ -42,7 +42,8 @@ def _preset(pc: PlanCommand):
 
     if pc.checkpoint is None:
         name = pc.config or DEFAULT_CONFIG
-        return get_config(name), name
+        cfg = get_config(name)
+        return (cfg if pc.quant is None else cfg.replace(quant=pc.quant)), name
     if pc.config is not None:
         raise ConfigError("give --config or --checkpoint, not both (a checkpoint names its own model)")
     return None
@@ -78,7 +79,8 @@ def run(args) -> int:
     if model is None:
         from meshlm.io.model_io import read_config
 
-        model = (read_config(pc.checkpoint)[0], f"checkpoint {pc.checkpoint}")
+        saved = read_config(pc.checkpoint)[0]
+        model = (saved if pc.quant is None else saved.replace(quant=pc.quant), f"checkpoint {pc.checkpoint}")
     cfg, name = model
     # the chip (--chip) and its compiler, or this host's; "auto" resolves for the platform compiled
     # for: flash on a TPU where it applies and pays; ragged_dot on TPU and GPU

@@ -198,6 +198,13 @@ def _verify(args, vs: VerifySettings, planned) -> int:
         cfg = cfg.replace(z_loss=vs.z_loss)
     if vs.remat is not None:
         cfg = cfg.replace(remat=vs.remat)
+    if vs.quant is not None:
+        cfg = cfg.replace(quant=vs.quant)
+    if cfg.quant == "int8" and not vs.x64:  # the flag's or a checkpoint's (docs/quantization.md)
+        raise ConfigError(
+            "--quant int8 is proven in float64: in float32 the two runs' rounding moves values across "
+            "quantization boundaries (3e-3 relative on the seed model, above the 2e-4 tolerance); add --x64"
+        )
     if vs.moe_aux_loss is not None:  # a dense model refuses it (ModelConfig: a MoE field)
         cfg = cfg.replace(moe_aux_loss=vs.moe_aux_loss)
     if vs.moe_capacity_factor is not None:  # likewise
@@ -290,9 +297,10 @@ def _prove(args, vs: VerifySettings, cfg, name: str, layout, batch: int, seq_len
     from meshlm.proof.cp_controls import CP_CONTROLS
     from meshlm.proof.ep_controls import EP_CONTROLS
     from meshlm.proof.lora import LORA_CONTROLS, for_lora, lora_problem
+    from meshlm.proof.quant_controls import QUANT_CONTROLS
     from meshlm.train.lora import base_dtype
 
-    controls = CONTROLS + CP_CONTROLS + EP_CONTROLS
+    controls = CONTROLS + CP_CONTROLS + EP_CONTROLS + QUANT_CONTROLS
     if vs.objective == "sft":  # the chat SFT loss: a loss mask on the batch, and its controls
         from meshlm.proof.sft import SFT_CONTROLS, sft_problem
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlm.model.family import REMAT
+from meshlm.model.quant_fields import QUANTS
 from meshlm.ranges import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_INT, Range
 from meshlm.settings import (
     CLI_COMMON,
@@ -57,6 +58,13 @@ class VerifySettings(MeshFlags, LongContext, ExpertDispatch, LoraSettings):  # -
     )
     checkpoint: str | None = setting(None, "prove with these parameters (run dir or step dir)")
     z_loss: float | None = setting(None, "prove with this z-loss coefficient", valid=NON_NEGATIVE_FLOAT)
+    quant: str | None = setting(
+        None,
+        "prove the int8 weight matmuls (docs/quantization.md): the sharded int8 step against the unsharded "
+        "int8 step, bit for bit where the integer sums make it exact",
+        shown_default="the config's (none)",
+        choices=QUANTS,
+    )
     moe_aux_loss: str | None = setting(
         None,
         "a mixture of experts' load-balancing convention: hf (pooled over layers, ~k balanced) or "

@@ -12,6 +12,8 @@ of the implicit replicated-to-per-shard cast sums the shards' gradients."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -29,6 +31,7 @@ from meshlm.model.dense import add_once, dense_heads_in, dense_heads_out
 from meshlm.model.flash import flash_attention, layer_rules
 from meshlm.model.layers import RMSNorm, RMSNormPlusOne, _normal, apply_rotary, rotary_angles, upcast
 from meshlm.model.lora import adapted
+from meshlm.model.quant import matmul
 from meshlm.model.rope import inv_freq
 from meshlm.parallel.context import Parallel
 
@@ -44,6 +47,12 @@ def kv_replicated(n_kv_heads: int, mp: int) -> bool:
     )
 
 
+def _mm(attn, kind: str):
+    """A projection's matmul: float, or int8 under ``cfg.quant`` (``model.quant``); ``kind``: "col" (to
+    heads) or "row" (the output: heads split over mp)."""
+    return partial(matmul, attn.par, attn.cfg.quant, kind)
+
+
 class Attention(hk.Module):
     """Returns the per-shard partial output [B, T, D] (reduce with ``par.row_out``)."""
 
@@ -55,7 +64,7 @@ class Attention(hk.Module):
     def _proj(self, name, xf, heads, tap=None, width=1):  # xf [B, T, D] -> [B, T, heads, width * E]
         shape = [xf.shape[-1], heads, width * self.cfg.dim_per_head]
         w = hk.get_parameter(name, shape, init=_normal(self.stddev))
-        y = dense_heads_in(xf, w if tap is None else self.par.tap(tap, w))
+        y = dense_heads_in(xf, w if tap is None else self.par.tap(tap, w), _mm(self, "col"))
         return self._biased(name, adapted(self.cfg, self.par, "attn/" + name, xf, y, xf.shape[-1:]), heads)
 
     def _biased(self, name, y, heads, index=None):
@@ -159,7 +168,8 @@ class Attention(hk.Module):
         hl = self.cfg.n_heads // self.par.layout.mp
         out = out * jax.nn.sigmoid(gate) if self.cfg.arch.attn_gate else out  # Qwen3.5's output gate
         wo = hk.get_parameter("wo", [hl, self.cfg.dim_per_head, xf.shape[-1]], init=_normal(self.stddev))
-        out = adapted(self.cfg, self.par, "attn/wo", out, dense_heads_out(out, wo), wo.shape[:2])
+        y = dense_heads_out(out, wo, _mm(self, "row"))  # [B, T, D] partial over mp
+        out = adapted(self.cfg, self.par, "attn/wo", out, y, wo.shape[:2])
         if not self.cfg.arch.o_bias:  # gpt-oss's output bias [D]: once in the row sum (``add_once``)
             return out
         return add_once(self.par, out, hk.get_parameter("bo", [xf.shape[-1]], init=jnp.zeros))

@@ -21,6 +21,7 @@ from meshlm.model.loss_fields import LOSS_RANGES, LossFields
 from meshlm.model.mla_fields import MLA_RANGES, MLAFields, check_mla
 from meshlm.model.mtp_fields import MTP_RANGES, MTPFields, check_mtp
 from meshlm.model.per_layer_fields import PER_LAYER_RANGES, PerLayerFields, check_per_layer
+from meshlm.model.quant_fields import QuantFields, check_quant
 from meshlm.model.rope import RopeScaling, YarnScaling, scaling_of
 from meshlm.model.rope import inv_freq as rope_inv_freq
 from meshlm.model.router_fields import ROUTER_RANGES, RouterFields, check_router
@@ -81,7 +82,7 @@ class MoEFields:
 @dataclass(frozen=True)
 class ModelConfig(  # fields: its own, then its bases' (``field_names``)
     kinds.LinearAttentionFields, MLAFields, VariantFields, LoraFields, kinds.LayerKindFields, RouterFields,
-    MoEFields, MTPFields, PerLayerFields, LossFields,
+    MoEFields, MTPFields, PerLayerFields, LossFields, QuantFields,
 ):  # fmt: skip
     family: str = "ff"  # "ff": the prototype's feed-forward stack; else a transformer (``model.families``)
     vocab_size: int = 256  # number of token ids; byte-level models use 256
@@ -154,6 +155,7 @@ class ModelConfig(  # fields: its own, then its bases' (``field_names``)
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
         _check_plain_only(self), _check_moe(self), check_router(self), _check_dispatch(self), _remat_ok(self)
         check_lora(self), kinds.check_linear(self), check_mla(self), check_mtp(self), check_per_layer(self)
+        check_quant(self)
 
     @property
     def arch(self) -> Family:

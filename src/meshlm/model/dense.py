@@ -43,16 +43,17 @@ def _bwd(res, g):
 dense.defvjp(_fwd, _bwd)
 
 
-def dense_heads_in(x, w):
-    """Projection to heads: x [B, T, D] @ w [D, H, E] -> [B, T, H, E]."""
+def dense_heads_in(x, w, mm=None):
+    """Projection to heads: x [B, T, D] @ w [D, H, E] -> [B, T, H, E]; ``mm``: the matmul (``dense``,
+    or an int8 one: ``model.quant.matmul``)."""
     d, h, e = w.shape
-    return dense(x, w.reshape(d, h * e)).reshape(*x.shape[:-1], h, e)
+    return (mm or dense)(x, w.reshape(d, h * e)).reshape(*x.shape[:-1], h, e)
 
 
-def dense_heads_out(x, w):
-    """Projection from heads: x [B, T, H, E] @ w [H, E, D] -> [B, T, D]."""
+def dense_heads_out(x, w, mm=None):
+    """Projection from heads: x [B, T, H, E] @ w [H, E, D] -> [B, T, D] (``mm`` as ``dense_heads_in``)."""
     h, e, d = w.shape
-    return dense(x.reshape(*x.shape[:-2], h * e), w.reshape(h * e, d))
+    return (mm or dense)(x.reshape(*x.shape[:-2], h * e), w.reshape(h * e, d))
 
 
 def add_once(par, partial, bias):

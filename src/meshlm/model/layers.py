@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshlm.model.dense import dense
 from meshlm.model.lora import adapted
+from meshlm.model.quant import matmul
 from meshlm.parallel.context import Parallel
 
 
@@ -207,6 +208,7 @@ class MLP(hk.Module):
         stddev_in: float,
         stddev_out: float,
         lora=None,
+        quant: str = "none",
         name: str = "mlp",
     ):
         super().__init__(name=name)
@@ -215,10 +217,13 @@ class MLP(hk.Module):
         self.d_ff, self.par, self.kind, self.bias = hidden_dim, par, kind, bias
         self.stddev_in, self.stddev_out = stddev_in, stddev_out
         self.lora = lora  # the ModelConfig whose LoRA adapters apply here (``model.lora``), or None
+        self.quant = quant  # "none" or "int8" (``model.quant``): how the weight matmuls multiply
 
     def _dense(self, name, x, cols, stddev, bias):
         w = hk.get_parameter(f"w_{name}", [x.shape[-1], cols], init=_normal(stddev))
-        y = adapted(self.lora, self.par, f"mlp/w_{name}", x, dense(x, w), x.shape[-1:])
+        y = adapted(
+            self.lora, self.par, f"mlp/w_{name}", x, matmul(self.par, self.quant, "col", x, w), x.shape[-1:]
+        )
         return y + hk.get_parameter(f"b_{name}", [cols], init=jnp.zeros) if bias else y
 
     def __call__(self, xf):
@@ -236,7 +241,8 @@ class MLP(hk.Module):
         d = xf.shape[-1]
         w_out = hk.get_parameter(f"w_{out_name}", [fl, d], init=_normal(self.stddev_out))
         b_out = hk.get_parameter(f"b_{out_name}", [d], init=jnp.zeros) if self.bias else None
-        return adapted(self.lora, self.par, f"mlp/w_{out_name}", h, dense(h, w_out), h.shape[-1:]), b_out
+        out = matmul(self.par, self.quant, "row", h, w_out)  # [B, T, D] partial over mp
+        return adapted(self.lora, self.par, f"mlp/w_{out_name}", h, out, h.shape[-1:]), b_out
 
 
 class LayerNorm(hk.Module):

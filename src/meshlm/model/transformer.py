@@ -49,9 +49,10 @@ def _ff_layer(cfg: ModelConfig, par: Parallel):
     s = 1.0 / np.sqrt(cfg.d_model)  # the prototype's hk.Linear default and its output init
 
     def layer(x, positions, cache=None, starts=None, kind=None):  # no attention: positions unused
-        partial, b = MLP(hidden_dim=cfg.d_ff, par=par, kind="gelu", bias=True, stddev_in=s, stddev_out=s)(
-            par.f(x)
+        mlp = MLP(
+            hidden_dim=cfg.d_ff, par=par, kind="gelu", bias=True, stddev_in=s, stddev_out=s, quant=cfg.quant
         )
+        partial, b = mlp(par.f(x))
         return x + par.row_out(partial, b), cache
 
     return layer
@@ -68,6 +69,7 @@ def _mlp(cfg: ModelConfig, par: Parallel) -> MLP:
         stddev_in=GPT_STDDEV,
         stddev_out=GPT_STDDEV,
         lora=cfg,
+        quant=cfg.quant,
     )
 
 

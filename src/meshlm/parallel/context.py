@@ -35,11 +35,14 @@ from meshlm.parallel.axes import DP, MP
 from meshlm.parallel.cp import ContextParallel
 from meshlm.parallel.ep import ExpertAxis
 from meshlm.parallel.experts import ExpertParallel
+from meshlm.parallel.int8 import Int8Collectives
 from meshlm.parallel.layout import Layout
 
 
 @dataclass(frozen=True)
-class Parallel(ContextParallel, ExpertAxis, ExpertParallel):  # ExpertAxis: ep's, before the all-local
+class Parallel(
+    ContextParallel, ExpertAxis, ExpertParallel, Int8Collectives
+):  # ExpertAxis: ep's, before the all-local
     # The mesh's sizes and options (mp shards, sp, cp, ...); the default, 1x1, is the unsharded model.
     layout: Layout = field(default_factory=Layout)
     sharded: bool = False  # True inside shard_map over the layout's mesh
@@ -115,10 +118,6 @@ class Parallel(ContextParallel, ExpertAxis, ExpertParallel):  # ExpertAxis: ep's
 
     def pmax(self, x):
         return lax.pmax(x, MP) if self.sharded else x
-
-    def gather_last(self, x):
-        """Concatenate per-shard slices of the last axis into the global axis (e.g. logits)."""
-        return lax.all_gather(x, MP, axis=x.ndim - 1, tiled=True) if self.sharded else x
 
     # --- which slice this shard owns -------------------------------------------------------
     def shard_index(self):

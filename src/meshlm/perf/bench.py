@@ -58,6 +58,7 @@ from meshlm.perf.bench_settings import (
     DENSE,
     DISPATCH_IMPLS,
     IMPLS,
+    INT8,
     NO_EP,
     NO_PP,
     TODAY,
@@ -66,7 +67,7 @@ from meshlm.perf.bench_settings import (
     gen_batches,
     impl_names,
 )
-from meshlm.perf.chips import decode_roofline, device_kind, spec_bf16_peak
+from meshlm.perf.chips import decode_roofline, device_kind, spec_bf16_peak, spec_int8_peak
 from meshlm.perf.collectives import theoretical_collectives
 from meshlm.perf.flops import model_flops_per_step
 from meshlm.perf.hlo import collectives_of, collectives_per_step
@@ -145,6 +146,15 @@ def _meshlm(s: Start, params) -> Impl:
     return _compiled("meshlm", step, params, opt_state, _on_mesh(s.layout, s.host))
 
 
+def _meshlm_int8(s: Start) -> Impl:
+    """meshlm's step with the weight matmuls in int8 (``model.quant``), from the same initial parameters."""
+    params = jax.device_put(s.host_params, shardings(s.specs, s.layout.mesh))
+    cfg = s.cfg.replace(quant="int8")
+    step, opt = sharded_step(cfg, s.ocfg, s.layout, s.specs, params, compute_dtype=s.dtype)
+    opt_state = init_opt_state(opt, params, s.specs, s.layout.mesh)
+    return _compiled(INT8, step, params, opt_state, _on_mesh(s.layout, s.host))
+
+
 def _unsharded(s: Start) -> Impl:
     device = s.layout.mesh.devices.flat[0]
     params = jax.device_put(s.host_params, device)
@@ -173,6 +183,7 @@ def _on_mesh(layout: Layout, host: dict):
 
 
 BUILDERS: dict[str, Callable[[Start], Impl]] = {
+    INT8: _meshlm_int8,
     "unsharded": _unsharded,
     "gspmd": _gspmd,
     "plain": _plain,
@@ -289,6 +300,10 @@ def impl_result(impl: Impl, seconds: list[float], flops: float, tokens: int, pea
         "tokens_per_s": tokens / median,
         "mfu": _measured_mfu(flops / median / peaks["measured"]),
         "mfu_spec": None if peaks["spec"] is None else flops / median / peaks["spec"],
+        # the int8 step against the chip's spec int8 peak (None: a float step, or a chip not in the table)
+        "mfu_spec_int8": None
+        if impl.name != INT8 or not peaks.get("int8")
+        else flops / median / peaks["int8"],
         "loss": float(impl.metrics["loss"]) if impl.metrics else None,
         "bytes_per_device": {
             "params": bytes_per_device(impl.params),
@@ -377,6 +392,7 @@ def step_time_ratios(seconds: dict[str, list[float]]) -> dict[str, dict[str, flo
     # each sorted dispatch's step over dense-eq's too: the side-by-side MoE run's figure of merit
     pairs += [(d, DENSE) for d in DISPATCH_IMPLS if {d, DENSE} <= set(seconds)]
     pairs += [("unsharded", "plain")] if {"unsharded", "plain"} <= set(seconds) else []
+    pairs += [(INT8, "meshlm")] if {INT8, "meshlm"} <= set(seconds) else []  # < 1: int8 the faster
     return {f"{a}/{b}": _ratio(seconds[a], seconds[b]) for a, b in pairs}
 
 
@@ -409,7 +425,11 @@ def run_bench(
     seconds, peaks = time_interleaved(impls, settings.steps, settings.warmup, peak_fn)
     peak = {dtype: statistics.median(values) for dtype, values in peaks.items()}
     kind = device_kind()
-    mfu_peaks = {"measured": peak[settings.compute_dtype], "spec": spec_bf16_peak(kind)}
+    mfu_peaks = {
+        "measured": peak[settings.compute_dtype],
+        "spec": spec_bf16_peak(kind),
+        "int8": spec_int8_peak(kind),
+    }
     tokens = settings.batch_size * settings.seq_len
     shapes = param_shapes(cfg)  # the model's global shapes (no pipeline padding), whichever impls ran
     flops = model_flops_per_step(cfg, shapes, settings.batch_size, settings.seq_len)
@@ -428,7 +448,8 @@ def run_bench(
         "device_kind": kind,
         "model_flops_per_step": flops,
         "peak_flops": peak,
-        "spec_peak_flops": {"bfloat16": mfu_peaks["spec"]},  # the chip's spec; None: not a known chip
+        # the chip's specs (int8: operations/s); None: not a known chip
+        "spec_peak_flops": {"bfloat16": mfu_peaks["spec"], "int8": mfu_peaks["int8"]},
         "param_bytes": {"total": total, "ideal_per_device": total / layout.mp},
         "theoretical_collectives": theoretical_collectives(cfg, dp, mp, layout.cp),
         "results": (results := [impl_result(i, seconds[i.name], flops, tokens, mfu_peaks) for i in impls]),

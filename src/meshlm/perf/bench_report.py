@@ -29,6 +29,8 @@ def _header(report: dict) -> list[str]:
     ep = f" + EP{report['mesh']['ep']}" if "ep" in report["mesh"] else ""
     peak, spec = report["peak_flops"], report["spec_peak_flops"]["bfloat16"]
     spec_text = "not a known chip" if spec is None else f"{spec / 1e12:.0f} TFLOP/s bfloat16"
+    int8 = report["spec_peak_flops"].get("int8")
+    spec_text += "" if int8 is None else f", {int8 / 1e12:.0f} TOP/s int8"
     return [
         f"meshlm bench: config={report['config']} mesh={dp}x{mp}{ep} batch={report['batch_size']} "
         f"seq={report['seq_len']} {report['compute_dtype']} compute, remat {report['remat']}, "
@@ -59,7 +61,10 @@ def _table(report: dict) -> list[str]:
         f"{'params MiB':>10} {'opt MiB':>8} {'peak MiB':>9} {'all-reduce/step':>15} {'MiB/step':>9}"
     )
     rows = [head, "-" * len(head)]
+    int8 = []
     for r in report["results"]:
+        if r.get("mfu_spec_int8") is not None:  # --quant int8 on a known chip: its spec int8 peak too
+            int8.append(f"{r['impl']}: MFU over the spec int8 peak {r['mfu_spec_int8']:.3f}")
         mem, ar = r["bytes_per_device"], r["collectives"]["per_step"]["all-reduce"]
         spec = "-" if r["mfu_spec"] is None else f"{r['mfu_spec']:.3f}"
         rows.append(
@@ -67,7 +72,7 @@ def _table(report: dict) -> list[str]:
             f"{r['tokens_per_s']:>9.0f} {_mfu(r['mfu']):>6} {spec:>8} {_mib(mem['params']):>10} "
             f"{_mib(mem['opt_state']):>8} {_mib(mem['peak']):>9} {ar['count']:>15} {_mib(ar['bytes']):>9}"
         )
-    return rows
+    return rows + int8
 
 
 def _summary(report: dict) -> list[str]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig, beyond_max_seq_len, default_seq_len
 from meshlm.model.family import COMPUTE_DTYPES, REMAT
+from meshlm.model.quant_fields import QUANTS, check_quant
 from meshlm.parallel.axes import AXIS, EP, PP
 from meshlm.parallel.layout import Layout
 from meshlm.ranges import NON_NEGATIVE_INT, POSITIVE_INT
@@ -46,6 +47,7 @@ TODAY = "dense-dispatch"  # the same MoE with the "dense" dispatch: every expert
 # times ragged_dot, gmm and dense-eq side by side; the default run times the command's dispatch alone)
 SORTED_DISPATCHES = ("blocks", "ragged_dot", "gmm")
 DISPATCH_IMPLS = {f"{d}-dispatch": d for d in SORTED_DISPATCHES}
+INT8 = "meshlm-int8"  # --quant int8: meshlm's step with int8 weight matmuls (``model.quant``), beside meshlm
 
 
 def impl_names(cfg: ModelConfig, layout: Layout) -> tuple[str, ...]:
@@ -116,6 +118,12 @@ class BenchSettings(MeshFlags, LongContext, ExpertDispatch, LoraSettings):  # --
         "memory (a model that fills the device fits once, not once per implementation)",
         shown_default="every one the model has",
         parse=parse_impls,
+    )
+    quant: str = setting(
+        "none",
+        f"int8: also time meshlm's step with int8 weight matmuls (docs/quantization.md) as {INT8}, beside "
+        f"the float one (--impls meshlm,{INT8}: the two side by side)",
+        choices=QUANTS,
     )
     compute_dtype: str = setting(
         "float32",
@@ -247,6 +255,8 @@ def gen_batches(self: BenchSettings) -> tuple[int, ...]:
 def chosen(self: BenchSettings, available: tuple[str, ...]) -> tuple[str, ...]:
     """The implementations to build, in the bench's order: --impls' of ``available`` (every one
     the model and mesh have), or all of them but the sorted dispatches' (``DISPATCH_IMPLS``: named only)."""
+    if self.quant == "int8":  # beside meshlm's own float step
+        available = (*available[:1], INT8, *available[1:])
     if self.impls is None:
         return tuple(n for n in available if n not in DISPATCH_IMPLS)
     asked = self.impls.split(",")
@@ -263,6 +273,8 @@ def check_impls(self: BenchSettings, cfg: ModelConfig, layout: Layout) -> None:
     and neither is given to a --compare-* or --memory-options run, which build steps of their own."""
     check_lora_flags(self)  # --lora-alpha or --base-dtype without --lora-rank: one line
     chosen(self, impl_names(cfg, layout))
+    if self.quant != "none":  # what --quant int8 covers, before any work
+        check_quant(cfg.replace(quant=self.quant), layout)
     if self.compute_dtype not in cfg.arch.compute_dtypes:
         raise ConfigError(
             f"--bf16: {cfg.arch.name} trains in {', '.join(cfg.arch.compute_dtypes)} only; drop --bf16"

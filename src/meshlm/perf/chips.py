@@ -26,6 +26,13 @@ SPEC_BF16_PEAK = {
 }
 
 
+# device_kind -> dense int8 operations/s per chip (int8 x int8 -> int32 matmuls: ``--quant int8``), from
+# the same specs: the denominator of an int8 step's MFU beside the bf16 one.
+SPEC_INT8_PEAK = {
+    "TPU v5 lite": 394e12,  # v5e (measured 376e12 at 8192^3, 2026-12-07)
+    "TPU v5e": 394e12,
+}
+
 # device_kind -> HBM bandwidth in bytes/s per chip, from the same specs: the denominator of a decode
 # step's memory roofline (``decode_roofline``). The v5e's 819 GB/s is also what we measured there.
 SPEC_HBM_BANDWIDTH = {
@@ -74,6 +81,11 @@ def spec_bf16_peak(device_kind: str) -> float | None:
     exact name first, then the longest known name the device kind starts with (GPU names carry their
     memory size: "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB")."""
     return _lookup(SPEC_BF16_PEAK, device_kind)
+
+
+def spec_int8_peak(device_kind: str) -> float | None:
+    """The chip's spec int8 peak in operations/s, or None for a chip not in the table (every CPU)."""
+    return _lookup(SPEC_INT8_PEAK, device_kind)
 
 
 def device_kind() -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from meshlm.errors import ConfigError
 from meshlm.model.config import ModelConfig, beyond_max_seq_len, default_seq_len
 from meshlm.model.family import REMAT
+from meshlm.model.quant_fields import QUANTS
 from meshlm.parallel.layout import Layout
 from meshlm.perf.plan_target import CHIP_NAMES, COMPILERS
 from meshlm.ranges import POSITIVE_INT
@@ -108,6 +109,12 @@ class PlanCommand(MeshFlags, LongContext, ExpertDispatch, LoraSettings):  # --pp
     remat: str | None = setting(None, "rematerialisation", shown_default="the config's own", choices=REMAT)
     opt_dtype: str = setting(
         "float32", "AdamW's moments as stored, as train --opt-dtype: float32 or bf16", choices=OPT_DTYPE_NAMES
+    )
+    quant: str | None = setting(
+        None,
+        "int8: plan the step with int8 weight matmuls (docs/quantization.md)",
+        shown_default="the config's own",
+        choices=QUANTS,
     )
     device_memory: int | None = setting(
         None,

@@ -60,10 +60,13 @@ def communication_checks(cfg, layout: Layout, got: dict, *, batch_shape, itemsiz
     count = want["all-reduce"]["total"]
     shape = {"batch": batch_shape[0], "seq_len": batch_shape[1], "itemsize": itemsize}
     nbytes = expected_all_reduce_bytes(cfg, layout, params=params, **shape)
+    extra_count, extra_bytes = int8_all_reduces(cfg, layout, **shape)
+    count, nbytes = count + extra_count, nbytes + extra_bytes
     slack = scalar_slack(params, itemsize)
     extra_count, extra_bytes = chunked_loss_extra(cfg, layout, **shape)  # --loss-chunk's, per chunk
     count, nbytes = count + extra_count, nbytes + extra_bytes
     where = f"{cfg.family} on {layout.label()} (per layer: {cfg.arch.per_layer_text()} with mp > 1)"
+    where += f"; --quant int8: +{extra_count} ({INT8_TEXT})" if extra_count else ""
     ar = got["all-reduce"]
     rows = [
         check_row(
@@ -97,3 +100,37 @@ def communication_checks(cfg, layout: Layout, got: dict, *, batch_shape, itemsiz
         detail = f"{got_bytes:,}, at most {linear:,} (cp: the linear layers' conv tails and state maps)"
         rows.append(check_row("all-gather bytes per step", got_bytes <= linear, detail))
     return rows
+
+
+INT8_TEXT = (
+    "per matmul whose contraction mp splits, 2 scale maxes and 1 int32 sum; per weight gradient with dp > 1, "
+    "2 token maxes"
+)
+
+
+def int8_all_reduces(cfg, layout: Layout, *, batch: int, seq_len: int, itemsize: int) -> tuple[int, int]:
+    """The all-reduces ``--quant int8`` adds to a step (``model.quant``): (count, bytes). Per layer, each
+    row-parallel matmul's forward and each column-parallel matmul's dx contract over mp's split: the
+    two scales' exact maxes ([N] and [M] or [K] per shard) and the int32 sum [N, D] (the float all-reduce
+    that follows stays: it adds zeros). With more than one batch shard, each weight gradient's two
+    per-channel token maxes. Recomputation (remat) repeats the forward's."""
+    if getattr(cfg, "quant", "none") == "none":
+        return 0, 0
+    d, f = cfg.d_model, cfg.d_ff
+    attn = cfg.arch.attention
+    h, kv, e = (cfg.n_heads, cfg.kv_heads, cfg.dim_per_head) if attn else (0, 0, 0)
+    gated = cfg.arch.mlp != "gelu"
+    cols = [f] * (2 if gated else 1) + ([h * e, kv * e, kv * e] if attn else [])  # output widths (global)
+    rows = [f] + ([h * e] if attn else [])  # contraction widths (global)
+    n = batch // layout.dp * seq_len // max(layout.cp, 1)  # tokens per device in a layer
+    count = nbytes = 0
+    if layout.mp > 1:
+        fwd = 2 if cfg.remat != "none" else 1
+        count += 3 * len(rows) * fwd + 3 * len(cols)
+        nbytes += fwd * sum(4 * n * d + itemsize * (n + d) for _ in rows)  # int32 [N, D], scales [N], [D]
+        nbytes += sum(4 * n * d + itemsize * (n + d) for _ in cols)  # dx: int32 [N, D], scales [N], [D]
+    if layout.dp * max(layout.cp, 1) > 1:
+        count += 2 * (len(rows) + len(cols))
+        mp = layout.mp
+        nbytes += sum(itemsize * (w // mp + d) for w in rows + cols)  # [K] and [M] per matmul
+    return count * cfg.n_layers, nbytes * cfg.n_layers

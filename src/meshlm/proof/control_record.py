@@ -49,6 +49,9 @@ class Control:
     # gradients (a mixture of experts' selection bias, ``proof.router_controls``)
     train_step: bool = False
     by_collectives: bool = False  # detected by the communication check, not by values
+    # detected by ``--quant int8``'s bit-for-bit check of an int8 block (``proof.quant_exact``): a fault
+    # whose values stay within the float tolerance (an int32 partial sum rescaled before its all-reduce)
+    by_int8_block: bool = False
     params_change: Callable | None = None  # (cfg, params) -> the sharded run's parameters
     plant: Callable | None = None  # () -> a context manager planting the fault while the sharded run traces
     pipe_cls: Callable | None = None  # layout -> the engine's Pipeline subclass (a fault the pipeline holds)

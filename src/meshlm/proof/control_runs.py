@@ -37,6 +37,8 @@ def run_control(control: Control, runs: Runs, ocfg, rtol, atol) -> dict:
     try:
         if control.by_collectives:
             return _by_collectives(control, runs)
+        if control.by_int8_block:
+            return _by_int8_block(control, runs)
         results = _control_results(control, runs, ocfg, rtol, atol)
     except Exception as e:
         if not is_vma_rejection(e):
@@ -173,6 +175,23 @@ def _by_collectives(control: Control, runs: Runs) -> dict:
         return skipped_row(control.name, f"{LOOSE_BOUNDS} ({more})")
     how = f"{failed[0]['name']}: {failed[0]['detail']}" if failed else "communication within the minimum"
     return {"name": control.name, "detected": bool(failed), "how": how, "margin": None, "by": "communication"}
+
+
+def _by_int8_block(control: Control, runs: Runs) -> dict:
+    """The int8 block's bit-for-bit check (``proof.quant_exact``) with the control's fault planted."""
+    from meshlm.proof.quant_exact import int8_rows
+
+    dtype = jax.tree.leaves(runs.params)[0].dtype
+    rows = int8_rows(runs.layout, dtype, 0, control.par_cls, lambda: _plant(control))
+    failed = [r for r in rows if not r["ok"]]
+    how = f"{failed[0]['name']}: {failed[0]['detail']}" if failed else "the int8 block unchanged"
+    return {
+        "name": control.name,
+        "detected": bool(failed),
+        "how": how,
+        "margin": None,
+        "by": "int8 exactness",
+    }
 
 
 LOOSE_BOUNDS = (

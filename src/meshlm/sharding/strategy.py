@@ -28,7 +28,10 @@ class Sharded:
     engine_faults = False  # the proof's controls run as they are (no engine of its own to plant faults in)
 
     def check(self, cfg: ModelConfig, layout: Layout) -> None:
-        """What the layout cannot run of ``cfg``, as one-line errors before any work (nothing here)."""
+        """What the layout cannot run of ``cfg``, as one-line errors before any work (``--quant``'s)."""
+        from meshlm.model.quant_fields import check_quant
+
+        check_quant(cfg, layout)
 
     def value_and_grad(
         self, cfg, layout: Layout, specs, *, build_loss=None, par_cls=Parallel, compute_dtype=None, **kw
@@ -61,8 +64,10 @@ class Pipelined:
     engine_faults = True  # every control through the engine, and its own faults (``proof.pipeline_verify``)
 
     def check(self, cfg: ModelConfig, layout: Layout) -> None:
+        from meshlm.model.quant_fields import check_quant
         from meshlm.sharding.pipelined import check_pipelined
 
+        check_quant(cfg, layout)
         check_pipelined(cfg, layout)
 
     def value_and_grad(self, cfg, layout: Layout, specs, *, par_cls=Parallel, compute_dtype=None, **kw):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from meshlm.errors import ConfigError
 from meshlm.model.config import PRESETS, ModelConfig, beyond_max_seq_len, default_seq_len, get_config
 from meshlm.model.family import COMPUTE_DTYPES, REMAT
+from meshlm.model.quant_fields import QuantSettings
 from meshlm.ranges import (
     MAX_SEQ_LEN,
     NON_NEGATIVE_FLOAT,
@@ -122,7 +123,14 @@ class DtypeSettings:
 
 @dataclass(frozen=True)
 class TrainConfig(
-    MeshFlags, LongContext, ExpertDispatch, MoESettings, DtypeSettings, ObjectiveSettings, LoraSettings
+    MeshFlags,
+    LongContext,
+    ExpertDispatch,
+    MoESettings,
+    DtypeSettings,
+    ObjectiveSettings,
+    LoraSettings,
+    QuantSettings,
 ):  # --pp, --lora-rank...
     # "": the cpu preset, or with --checkpoint the checkpoint's own model (its CLI help: cli/train.py)
     config: str = _field("", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)

@@ -76,7 +76,7 @@ def next_commands(tcfg: TrainConfig, where, tokenizer_file: str | None) -> list[
     mesh_flag = f"--mesh {layout.dp}x{layout.mp}"
     lines = [
         f"meshlm generate --checkpoint {q(out)} --prompt {q('def ')}",
-        f"meshlm verify --checkpoint {q(out)} {mesh_flag}",
+        f"meshlm verify --checkpoint {q(out)} {mesh_flag}" + (" --x64" if tcfg.quant == "int8" else ""),
     ]
     if tcfg.objective == "dpo":  # its validation is DPO's own loss, in metrics.jsonl: no eval split
         return lines

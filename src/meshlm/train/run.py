@@ -208,7 +208,7 @@ def _check_same_model(tcfg: TrainConfig, preset: ModelConfig, model: ModelConfig
     diffs = [
         f"{f.name} {getattr(preset, f.name)!r} vs {getattr(model, f.name)!r}"
         for f in dataclasses.fields(ModelConfig)
-        if f.name != "doc_mask" and getattr(preset, f.name) != getattr(model, f.name)
+        if f.name not in ("doc_mask", "quant") and getattr(preset, f.name) != getattr(model, f.name)
     ]
     if diffs:
         raise CheckpointError(
@@ -254,6 +254,7 @@ def build_run(tcfg: TrainConfig, where, startup_check: Callable[[], None] = lamb
     and after the state (``Stop.check_startup``)."""
     tcfg, cfg = run_model(tcfg)
     cfg = with_lora(tcfg, with_moe_settings(tcfg, cfg))
+    cfg = cfg.replace(quant=tcfg.quant)  # in the saved config: eval and generate quantize as it trained
     layout = run_layout(tcfg, where)
     dpo = tcfg.objective == "dpo"  # --data: pairs (``train.dpo_run``)
     store = None if dpo else store_arg(tcfg.data, tcfg.tokenizer)  # --data DIR: a token store or None

@@ -1,0 +1,65 @@
+"""``ModelConfig.quant``'s values and what they cover (no JAX here: the config imports it).
+
+``model.quant`` computes; this module only checks, before any work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshlm.errors import ConfigError
+from meshlm.settings import setting
+
+QUANTS = ("none", "int8")
+
+
+@dataclass(frozen=True)
+class QuantFields:
+    """``ModelConfig``'s ``quant`` (a base, as ``MoEFields``)."""
+
+    # The weight matmuls of attention and the MLP as int8 x int8 -> int32, forward and backward
+    # (``model.quant``): "int8"; "none": float. A model fact (it trains to other weights): saved with the
+    # run, so evaluating or generating from a model so trained quantizes as it trained. A config saved
+    # without it predates it: "none".
+    quant: str = "none"
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    """train's --quant (a base of ``TrainConfig``, as ``LoraSettings``): recorded in the run's model."""
+
+    quant: str = setting(
+        "none",
+        "the weight matmuls of attention and MLP as int8 x int8 -> int32, forward and backward "
+        "(docs/quantization.md); saved with the model",
+        resume_must_match=True,
+        choices=QUANTS,
+    )
+
+
+def check_quant(cfg, layout=None) -> None:
+    """What ``--quant int8`` covers: one line naming the problem and the fix, before any work."""
+    if cfg.quant not in QUANTS:
+        raise ConfigError(f"quant must be one of {', '.join(QUANTS)}, got {cfg.quant!r}")
+    if cfg.quant == "none":
+        return
+    unsupported = (
+        (cfg.arch.moe, "a mixture of experts (experts are not quantized yet)"),
+        (bool(cfg.lora_rank), "LoRA adapters"),
+    )
+    for bad, what in unsupported:
+        if bad:
+            raise ConfigError(f"--quant {cfg.quant} does not support {what}; use --quant none")
+    if layout is None:
+        return
+    if layout.pp > 1:
+        raise ConfigError(
+            f"--quant {cfg.quant} with --pp {layout.pp}: the gradient scales are a max over the whole "
+            "batch, which the pipeline's micro-batches split; use --pp 1"
+        )
+    kv = cfg.kv_heads
+    if cfg.arch.attention and layout.mp > kv:
+        raise ConfigError(
+            f"--quant {cfg.quant} with mp={layout.mp} > n_kv_heads={kv} (replicated KV heads): their "
+            f"gradient is a sum over shards of partial gradients, not one quantized matmul; use mp <= {kv}"
+        )

@@ -1,0 +1,76 @@
+"""``--quant int8``'s planted faults (``model.quant``): each must fail the int8 block's bit-for-bit check
+(``proof.quant_exact``), run with the fault in the sharded program only.
+
+* a scale from the local shard: the per-token max over a contraction dim split over mp taken on this
+  shard's slice, not the exact ``pmax`` (each shard quantizes on its own grid);
+* an int32 partial sum rescaled before the all-reduce: the float partials summed instead of the integers
+  (within the float tolerance of the values: only the bit-for-bit check sees it);
+* a dropped gradient quantizer: the backward's matmuls in float (the straight-through forward kept);
+* a transposed scale: the weight gradient's [K, M] scales laid out from their [M, K] transpose (a reshape
+  where a transpose was meant).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from meshlm.model import quant
+from meshlm.parallel.axes import MP
+from meshlm.parallel.context import Parallel
+from meshlm.proof.control_record import Control, Where, replaced
+
+
+class LocalInt8Scale(Parallel):
+    """The scale of a contraction split over mp from this shard's slice alone (no ``pmax``)."""
+
+    def int8_max(self, m, split: bool):
+        return m
+
+
+class Int8RescaledBeforeSum(Parallel):
+    """The row-parallel int32 partial sums rescaled to float on each shard, then all-reduced as floats."""
+
+    def int8_out(self, acc, scale, split: bool):
+        if not (split and self.sharded):
+            return super().int8_out(acc, scale, split)
+        total = lax.psum(acc.astype(scale.dtype) * scale, MP)
+        return jnp.where(self.shard_index() == 0, total, jnp.zeros_like(total))
+
+
+def _transposed(sa, sb):
+    k, m = sa.shape[1], sb.shape[1]
+    return (sb.T * sa).reshape(k, m)  # [M, K] reshaped, not transposed
+
+
+def _quantized(where: Where) -> bool:
+    return where.cfg is not None and getattr(where.cfg, "quant", "none") == "int8"
+
+
+def _split(where: Where) -> bool:
+    return _quantized(where) and where.layout.mp > 1
+
+
+QUANT_CONTROLS = (
+    Control(
+        name="int8 scale from the local shard", applies=_split, par_cls=LocalInt8Scale, by_int8_block=True
+    ),
+    Control(
+        name="int8 partial sum rescaled before the all-reduce",
+        applies=_split,
+        par_cls=Int8RescaledBeforeSum,
+        by_int8_block=True,
+    ),
+    Control(
+        name="int8 gradient quantizer dropped",
+        applies=_quantized,
+        plant=lambda: replaced(quant.GRADS, "int8", quant.float_grads),
+        by_int8_block=True,
+    ),
+    Control(
+        name="int8 weight-gradient scale transposed",
+        applies=_quantized,
+        plant=lambda: replaced(vars(quant), "outer_scale", _transposed),
+        by_int8_block=True,
+    ),
+)

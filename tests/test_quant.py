@@ -1,0 +1,140 @@
+"""--quant int8 (model.quant): the int8 matmuls lower to s8 x s8 -> s32 dots, approximate the float
+matmul and its gradients, and are exact under sharding (proof.quant_exact): the sharded int8 block equals
+the unsharded one bit for bit, and the four planted faults are caught."""
+
+import re
+from contextlib import nullcontext
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import run_cli
+
+from meshlm.errors import ConfigError
+from meshlm.model.config import get_config
+from meshlm.model.quant import int8_dense
+from meshlm.parallel.context import Parallel
+from meshlm.parallel.layout import Layout
+from meshlm.proof.quant_controls import QUANT_CONTROLS
+from meshlm.proof.quant_exact import int8_rows
+
+
+def _value_and_grads(fn, x, w, ct):
+    out, vjp = jax.vjp(fn, x, w)
+    return (out, *vjp(ct))
+
+
+def _random(shapes, seed=0):
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    return [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes, strict=True)]
+
+
+def test_int8_lowers_to_s8_dots_with_s32_accumulators():
+    """Forward, dx and dw: three dots of s8 operands into s32 in the HLO the step hands XLA, which the
+    TPU runs on its int8 unit (XLA:CPU then fuses two into YNNPACK's int8 kernels and widens one)."""
+    x, w, ct = _random([(4, 8, 32), (32, 16), (4, 8, 16)])
+    fn = jax.jit(
+        lambda x, w, ct: _value_and_grads(lambda x, w: int8_dense(Parallel(), "col", x, w), x, w, ct)
+    )
+    text = fn.lower(x, w, ct).as_text()  # StableHLO: each dot_general with its operand and result types
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    int8 = r"\(tensor<[0-9x]+xi8>, tensor<[0-9x]+xi8>\) -> tensor<[0-9x]+xi32>"
+    assert len(dots) == 3 and all(re.search(int8, line) for line in dots), dots
+
+
+def test_int8_approximates_the_float_matmul_and_its_gradients():
+    x, w, ct = _random([(4, 8, 64), (64, 32), (4, 8, 32)], seed=1)
+    got = _value_and_grads(lambda x, w: int8_dense(Parallel(), "row", x, w), x, w, ct)
+    want = _value_and_grads(jnp.matmul, x, w, ct)
+    for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        rel = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+        assert 1e-4 < rel < 0.02, (name, rel)  # quantized (not the float path), and close to it
+
+
+def test_int8_of_zeros_is_zero_and_bfloat16_keeps_its_dtype():
+    x, w = jnp.zeros((3, 8), jnp.bfloat16), jnp.ones((8, 4), jnp.bfloat16)
+    y, dx, dw = _value_and_grads(
+        lambda x, w: int8_dense(Parallel(), "col", x, w), x, w, jnp.ones((3, 4), jnp.bfloat16)
+    )
+    assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
+    assert not np.any(np.asarray(y, np.float32)) and not np.any(np.asarray(dw, np.float32))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(mp=2), Layout(dp=2, mp=2), Layout(mp=2, sp=True), Layout(dp=2, cp=2, mp=2)],
+    ids=lambda lay: lay.label(),
+)
+def test_int8_block_sharded_equals_unsharded_bit_for_bit(layout):
+    rows = int8_rows(layout, jnp.float32)
+    assert all(r["ok"] for r in rows), rows
+    bitwise = [r for r in rows if "bit for bit" in r["detail"]]
+    assert len(bitwise) == (4 if layout.dp * layout.cp == 1 else 2), rows
+
+
+def test_quant_refuses_what_it_does_not_cover():
+    with pytest.raises(ConfigError, match="mixture of experts"):
+        _moe().replace(quant="int8")
+    with pytest.raises(ConfigError, match="quant must be one of"):
+        get_config("cpu").replace(quant="int4")
+
+
+def _moe():
+    from meshlm.model.config import PRESETS
+
+    return get_config(next(n for n in PRESETS if get_config(n).arch.moe))
+
+
+@pytest.mark.parametrize("control", QUANT_CONTROLS, ids=lambda c: c.name)
+def test_each_int8_control_fails_the_bit_for_bit_check(control):
+    """mp=2 with one data shard: every row is bitwise unplanted (the test above), so any failing row is
+    the fault's."""
+    rows = int8_rows(Layout(mp=2), jnp.float32, 0, control.par_cls, control.plant or nullcontext)
+    assert not all(r["ok"] for r in rows), rows
+    assert control.applies(_where(Layout(mp=2))) and not control.applies(_where(Layout(mp=2), "none"))
+
+
+def _where(layout, quant="int8"):
+    from meshlm.proof.control_record import Where
+
+    return Where(cfg=get_config("cpu").replace(quant=quant), layout=layout, has_row_bias=False)
+
+
+@pytest.mark.slow  # the int8 block's bit-for-bit test and each control's test above catch the same bugs
+def test_verify_quant_int8_proves_tiny_llama_and_detects_its_controls(capsys):
+    """docs/quantization.md's proof as written: the sharded int8 step equals the unsharded one in float64,
+    the int8 block bit for bit, and the four int8 controls (with every other) detected."""
+    code = run_cli(
+        "verify", "--config", "tiny-llama", "--quant", "int8", "--mesh", "2x2", "--devices", "4", "--x64"
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "int8 block output (sharded vs unsharded)" in out and "bit for bit" in out
+    for control in QUANT_CONTROLS:
+        assert f"control {control.name}" in out and "detected" in out.split(f"control {control.name}")[1][:60]
+
+
+def test_verify_quant_int8_asks_for_float64(capsys):
+    """float32's rounding moves values across quantization boundaries (docs/quantization.md): one line."""
+    assert run_cli("verify", "--quant", "int8") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshlm: error: --quant int8 is proven in float64") and "add --x64" in err
+
+
+def test_bench_times_int8_beside_the_float_step(capsys, monkeypatch):
+    """bench --quant int8 --impls meshlm,meshlm-int8: both steps from the same parameters and batch, their
+    ratio, and the int8 row's MFU over the chip's spec int8 peak (394 TOP/s on a v5e) beside bf16's."""
+    from test_bench import _bench_json
+
+    import meshlm.perf.bench as bench
+
+    monkeypatch.setattr(bench, "device_kind", lambda: "TPU v5 lite")  # a known chip's spec peaks
+    argv = ["--config", "tiny-llama", "--mesh", "1x1", "--json", "--peak-n", "128", "--gen-tokens", "0"]
+    report = _bench_json([*argv, "--impls", "meshlm,meshlm-int8", "--quant", "int8", "--warmup", "0"], capsys)
+    assert report["impls"] == ["meshlm", "meshlm-int8"] and "meshlm-int8/meshlm" in report["step_time_ratios"]
+    assert report["spec_peak_flops"] == {"bfloat16": 197e12, "int8": 394e12}
+    ours, int8 = report["results"]
+    assert ours["mfu_spec_int8"] is None and int8["mfu_spec_int8"] == pytest.approx(int8["mfu_spec"] / 2)
+    assert int8["loss"] == pytest.approx(ours["loss"], rel=0.01) and int8["loss"] != ours["loss"]
