@@ -153,9 +153,7 @@ class ModelConfig(  # fields: its own, then its bases' (``field_names``)
         check_variant_fields(self)
         if self.doc_mask >= self.vocab_size or (self.doc_mask >= 0 and not self.arch.attention):
             raise ConfigError(f"doc_mask={self.doc_mask} needs attention and an id below vocab_size")
-        _check_plain_only(self), _check_moe(self), check_router(self), _check_dispatch(self), _remat_ok(self)
-        check_lora(self), kinds.check_linear(self), check_mla(self), check_mtp(self), check_per_layer(self)
-        check_quant(self)
+        _check_parts(self)
 
     @property
     def arch(self) -> Family:
@@ -201,6 +199,13 @@ class ModelConfig(  # fields: its own, then its bases' (``field_names``)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def _check_parts(cfg: ModelConfig) -> None:
+    """Each part's fields, checked by the part (a bad one is one line naming the field)."""
+    _check_plain_only(cfg), _check_moe(cfg), check_router(cfg), _check_dispatch(cfg), _remat_ok(cfg)
+    check_lora(cfg), kinds.check_linear(cfg), check_mla(cfg), check_mtp(cfg), check_per_layer(cfg)
+    check_quant(cfg)
 
 
 def _check_attention(cfg: ModelConfig) -> None:

@@ -78,11 +78,34 @@ def parse_impls(text: str) -> str:
     return ",".join(names)
 
 
-# --moe-dispatch (``ExpertDispatch``): "dense" is also timed beside the others, as dense-dispatch
 @dataclass(frozen=True)
+class BenchComparisons:
+    """bench's side-by-side modes: each times its comparison instead of the implementations."""
+
+    compare_schedules: bool = setting(
+        False,
+        "with --pp: time every schedule (gpipe, 1f1b with and without --remat full, interleaved V=2) side "
+        "by side against no-pp, each overhead next to its ideal bubble, instead of the implementations",
+    )
+    compare_window: int = setting(
+        0,
+        "with --attention blockwise: time the step with a sliding window of this many positions side by "
+        "side against full attention, with the K/V block pairs each computes, instead of the implementations",
+        valid=NON_NEGATIVE_INT,
+    )
+    compare_linear: bool = setting(
+        False,
+        "with a hybrid and --attention blockwise: time its linear-attention layer against its full-attention "
+        "layer (forward and backward) at --seq-len / 16, / 4 and --seq-len, in tokens/s, instead of the "
+        "implementations",
+    )
+
+
+# --moe-dispatch (``ExpertDispatch``): "dense" is also timed beside the others, as dense-dispatch
 # --lora-rank (``LoraSettings``): a LoRA step on a random frozen base (no checkpoint: the speed and memory
 # of the step do not depend on the base's values), meshlm's implementation alone
-class BenchSettings(MeshFlags, LongContext, ExpertDispatch, LoraSettings):  # --pp, --cp, --fsdp, --sp ...
+@dataclass(frozen=True)
+class BenchSettings(MeshFlags, LongContext, ExpertDispatch, LoraSettings, BenchComparisons):  # --pp, --cp ...
     config: str = setting("small", "model preset (see `meshlm configs`)", cli=CLI_COMMON)
     batch_size: int | None = setting(
         None,
@@ -157,23 +180,6 @@ class BenchSettings(MeshFlags, LongContext, ExpertDispatch, LoraSettings):  # --
     out: str | None = setting(None, "also write bench.json and bench.png into this directory")
     memory_options: bool = setting(
         False, "also time FSDP and sequence parallelism against tensor parallelism and GSPMD"
-    )
-    compare_schedules: bool = setting(
-        False,
-        "with --pp: time every schedule (gpipe, 1f1b with and without --remat full, interleaved V=2) side "
-        "by side against no-pp, each overhead next to its ideal bubble, instead of the implementations",
-    )
-    compare_window: int = setting(
-        0,
-        "with --attention blockwise: time the step with a sliding window of this many positions side by "
-        "side against full attention, with the K/V block pairs each computes, instead of the implementations",
-        valid=NON_NEGATIVE_INT,
-    )
-    compare_linear: bool = setting(
-        False,
-        "with a hybrid and --attention blockwise: time its linear-attention layer against its full-attention "
-        "layer (forward and backward) at --seq-len / 16, / 4 and --seq-len, in tokens/s, instead of the "
-        "implementations",
     )
 
     def resolved(self, cfg: ModelConfig, layout: Layout) -> BenchSettings:

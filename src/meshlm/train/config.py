@@ -229,16 +229,8 @@ class TrainConfig(
         """The optax-side settings (imported lazily: this module must not import JAX)."""
         from meshlm.train.optim import OptimConfig
 
-        return OptimConfig(
-            lr=self.lr,
-            warmup_steps=self.warmup_steps,
-            total_steps=self.steps,
-            min_lr_ratio=self.min_lr_ratio,
-            weight_decay=self.weight_decay,
-            clip_norm=self.clip_norm,
-            accum_steps=self.accum_steps,
-            opt_dtype=self.opt_dtype,
-        )
+        keep = ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "clip_norm", "accum_steps", "opt_dtype")
+        return OptimConfig(total_steps=self.steps, **{name: getattr(self, name) for name in keep})
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
