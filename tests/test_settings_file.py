@@ -90,7 +90,10 @@ BAD = [
     ("steps = 1.5", "steps must be an integer, got 1.5"),
     ("steps = 0", "steps: must be an integer >= 1, got 0"),
     ("fsdp = 1", "fsdp must be true or false, got 1"),
-    ('remat = "most"', "remat must be one of none, full, selective, save_qkv_proj, save_qkv_mlp_in, got 'most'"),
+    (
+        'remat = "most"',
+        "remat must be one of none, full, selective, save_qkv_proj, save_qkv_mlp_in, got 'most'",
+    ),
     ('data = "a"', "data must be a list, got 'a'"),
     ("compute_dtype = true", "compute_dtype must be a string, got True"),
     ("steps = ", "not a TOML file"),
