@@ -33,7 +33,7 @@ from meshlm.proof.data_pipeline import data_checks
 from meshlm.proof.ep_controls import EP_CONTROLS
 from meshlm.proof.independence import exactness_check, reference_checks, sharded_check
 from meshlm.proof.inertness import inert_skips
-from meshlm.proof.lora import lora_rows
+from meshlm.proof.lora import lora_rows, tolerance_factor
 from meshlm.proof.padding import padding_rows
 from meshlm.proof.pipeline_proof import applicable_controls
 from meshlm.proof.pipeline_verify import permute_controls, permute_rows, pipeline_controls, run_model_control
@@ -85,6 +85,9 @@ def verify(
     if layout.extra_axes:  # the header names the pipeline ("pp2x1x2 (1f1b, M=4)") or cp
         report.extra["mesh"] = layout.label()  # ("1x2 + CP2 ring")
     runs = Runs(problem, layout, dtype, seed)  # first: its specs refuse a mesh the model cannot use
+    if (factor := tolerance_factor(problem.cfg, runs.ref_params)) != 1:  # adapters: their conditioning
+        rtol = report.rtol = rtol * factor
+        report.extra["lora_tolerance_factor"] = factor
     collectives = collectives and problem.cfg is not None
     where = where_of(problem, layout, collectives)
     chosen, pipeline = control_set(where, controls), []
