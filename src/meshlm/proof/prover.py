@@ -32,7 +32,7 @@ from meshlm.proof.cp_controls import CP_CONTROLS
 from meshlm.proof.data_pipeline import data_checks
 from meshlm.proof.ep_controls import EP_CONTROLS
 from meshlm.proof.independence import exactness_check, reference_checks, sharded_check
-from meshlm.proof.inertness import inert_skips
+from meshlm.proof.inertness import MISJUDGED, confirmed_skips, inert_skips
 from meshlm.proof.lora import lora_rows, tolerance_factor
 from meshlm.proof.padding import padding_rows
 from meshlm.proof.pipeline_proof import applicable_controls
@@ -102,7 +102,7 @@ def verify(
                 )
             pipeline = [n for n in pipeline if n in pipeline_faults]
     try:  # before any run: a control that changes nothing here is skipped, saying so (``inertness``)
-        skipped = inert_skips(chosen + pipeline, runs, ocfg)
+        skipped, misjudged = confirmed_skips(inert_skips(chosen + pipeline, runs, ocfg), chosen, runs, ocfg)
         chosen = [c for c in chosen if c.name not in skipped]
         pipeline = [n for n in pipeline if n not in skipped]
         sharded = runs.proven_grads()
@@ -119,6 +119,7 @@ def verify(
     report.checks += padding_rows(problem, sharded[1])
     report.checks += lora_rows(runs, sharded[1], rtol)  # with adapters: frozen base, merged forward
     report.checks += routing_rows(runs, dname, allow_routing_flips)
+    report.checks += [_misjudged_row(name, what) for name, what in misjudged.items()]
     report.controls = [skipped_row(name, why) for name, why in skipped.items()]
     report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
     report.extra["param_bytes_total"] = total_bytes(runs.params)
@@ -130,6 +131,12 @@ def verify(
         with watchdog.program(f"verify's control {c.name!r}", layout.label()):
             report.controls.append(run_control(c, runs, ocfg, rtol, atol))
     return report
+
+
+def _misjudged_row(name: str, what: str) -> dict:
+    """The failing row of control ``name``, judged inert, whose planted run changed ``what``."""
+    detail = f"{name!r} was judged inert, yet its planted run changes {what}: the judgement is broken"
+    return check_row(MISJUDGED, False, detail + " (the control ran as every other)")
 
 
 def control_set(
