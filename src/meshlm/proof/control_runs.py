@@ -90,12 +90,15 @@ def frozen_reach(control: Control, runs: Runs, rtol, atol) -> list[str]:
     return [] if not bad or any(p == "loss/value" or is_adapter(p) for p in bad) else bad
 
 
-def unchanged_values(control: Control, runs: Runs, ocfg) -> str:
+def unchanged_values(control: Control, runs: Runs, ocfg, plain: Runs | None = None) -> str:
     """The evidence for a control judged inert (``proof.inertness``), which a broken judgement cannot
     fake: "" where its planted sharded run gives, bitwise, the unplanted run's values -- the loss and every
     parameter's gradient with every weight trainable (``lora.thawed``: a fault reaching only a frozen
     weight's gradient counts too), a training step's parameters and state, or the step's compiled
-    collectives; else the first thing that differs (the control is live: the judgement was wrong)."""
+    collectives; else the first thing that differs (the control is live: the judgement was wrong).
+    ``plain``: the runs whose own problem is the unplanted one (under pp a config change is made the
+    problem's model: ``pipeline_verify._under_pp``), default ``runs``."""
+    plain = plain or runs
     if control.by_collectives:
         p = runs.problem
         honest = step_collectives(p.build_loss, runs.layout, runs.specs, runs.params, runs.batch)
@@ -112,12 +115,12 @@ def unchanged_values(control: Control, runs: Runs, ocfg) -> str:
     from meshlm.proof.lora import thawed
 
     with thawed():
-        if not hasattr(runs, "_thawed"):  # the unplanted program's values, once per proof
-            runs._thawed = runs.sharded_fn(runs.problem.build_loss)(runs.params, runs.batch)
+        if not hasattr(plain, "_thawed"):  # the unplanted program's values, once per proof
+            plain._thawed = plain.sharded_fn(plain.problem.build_loss)(plain.params, plain.batch)
         fn, params = _planted_fn(control, runs)
         with _plant(control):
             planted = fn(params, runs.batch)
-    return _first_difference(planted, runs._thawed)
+    return _first_difference(planted, plain._thawed)
 
 
 def _first_difference(a, b) -> str:
