@@ -107,8 +107,7 @@ def test_b_zero_row_takes_two_programs_rounding_and_fails_a_real_term():
     """The trained checkpoint's case: with B = 0 the adapter's term is exactly 0, yet the adapted and the
     plain model are two compiled programs whose float32 matmuls may round apart (the issue's trained run
     failed its bitwise row). Planted: the plain model's logits one float32 ulp off -- passes; off by 1e-3
-    (a term left with B = 0) -- fails; unplanted: bitwise."""
-    assert _b_zero_row(0.0) == {**_b_zero_row(0.0), "ok": True, "detail": "logits bitwise equal"}
+    (a term left with B = 0) -- fails. (Unplanted, "logits bitwise equal": tests/test_lora.py's proof.)"""
     ulp = _b_zero_row(np.float32(2**-23))
     assert ulp["ok"] and "max rel err" in ulp["detail"], ulp
     assert not _b_zero_row(np.float32(1e-3))["ok"]
