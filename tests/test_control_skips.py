@@ -124,3 +124,36 @@ def test_extra_collectives_within_full_trainings_bounds_are_skipped_under_lora()
     (row,) = report.controls
     assert row["detected"] is None and row["skipped"].startswith(LOOSE_BOUNDS), row
     assert " -> " in row["skipped"] and report.ok, format_report(report)
+
+
+EMBED_TWICE = next(c for c in CONTROLS if c.name == "embedding scale applied twice")
+
+
+def test_a_broken_inertness_judgement_cannot_skip_a_live_control(monkeypatch):
+    """Issue 66: the judgement planted wrong twice -- the fingerprint hashing a constant's ndim, not its
+    bytes, and ``_changes_params`` negated -- judged tiny-gemma2's "embedding scale applied twice" (a
+    change of the parameters, not of the program) inert, and verify skipped it and passed. A skip now
+    stands only on its planted run's values equal to the unplanted run's (``confirmed_skips``): the
+    control runs, is detected, and the check row of the judgement fails the proof."""
+    import hashlib
+
+    import meshlm.proof.inertness as inertness
+    from meshlm.proof.inertness import MISJUDGED
+
+    def by_ndim(program):
+        closed = getattr(program, "jaxpr", program)
+        digest = hashlib.sha256(str(closed).encode())
+        for value in inertness._values(closed):
+            digest.update(str(np.ndim(value)).encode())
+        return digest.hexdigest()
+
+    real = inertness._changes_params
+    monkeypatch.setattr(inertness, "fingerprint", by_ndim)
+    monkeypatch.setattr(inertness, "_changes_params", lambda c, r: not real(c, r))
+    problem = model_problem(get_config("tiny-gemma2"), "tiny-gemma2", LAYOUT, 1, 8)
+    report = verify(problem, LAYOUT, dtype=jnp.float32, controls=(EMBED_TWICE,))
+    (row,) = report.controls
+    assert row["detected"] is True and "skipped" not in row, row
+    (judged,) = [c for c in report.checks if c["name"] == MISJUDGED]
+    assert not judged["ok"] and "changes the loss" in judged["detail"], judged
+    assert not report.ok, format_report(report)

@@ -346,3 +346,17 @@ def test_dpo_refuses_experts_and_doc_mask_saying_why():
         check_dpo(get_config("tiny-mixtral"))
     with pytest.raises(ConfigError, match="nothing packed.*leave out --doc-mask"):
         check_dpo(get_config("tiny-llama").replace(doc_mask=0))
+
+
+def test_dpo_step_proof_takes_reference_logps_from_the_frozen_weights():
+    """``verify --objective dpo --steps 1`` at its smallest (tiny-llama with one layer, 1x2, one pair of
+    8 tokens, float32): the sharded step's reference log-probs come from the frozen reference weights,
+    as the unsharded step's do. Catches, quick, what only the slow K-step proof did (issue 66): the seam
+    fed the trainable weights (the policy's start, another model here): the loss and every gradient move."""
+    from meshlm.model.config import get_config
+    from meshlm.parallel.layout import Layout
+    from meshlm.proof.dpo import prove_dpo
+
+    cfg = get_config("tiny-llama").replace(n_layers=1)
+    report = prove_dpo(cfg, "tiny-llama", Layout(dp=1, mp=2), 4, 8, dtype=np.float32, steps=1)
+    assert report.ok and report.steps == 1, format_report(report)

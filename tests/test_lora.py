@@ -1,6 +1,6 @@
 """LoRA (``model.lora``): the adapters' gradients equal the unsharded run's in float64 under 2x2, FSDP +
 SP, pp 2 and cp 2 with the chat SFT loss, the base frozen (its gradients exactly 0), the merged weights'
-forward equal to the adapted one, B = 0 bitwise the base, and both LoRA controls detected where they
+forward equal to the adapted one, B = 0 the base, and the LoRA controls detected where they
 apply; ``meshlm train --checkpoint --lora-rank`` saves the adapters alone with the base's fingerprint,
 resumes bit for bit and refuses another base; bad targets are one line."""
 

@@ -201,8 +201,10 @@ def conversation_problem(row, train_on: str | None = None) -> tuple[list[dict] |
         return None, f"is {what(row)}, not an object; {SHAPE}"
     if "messages" in row:
         messages = row["messages"]
-        if not isinstance(messages, list) or not messages:
+        if not isinstance(messages, list):
             return None, f"its `messages` is {what(messages)}, not a list of messages; {SHAPE}"
+        if not messages:  # its own reason, under every --train-on ("all" would train on nothing)
+            return None, "its `messages` is empty: no message to train on; give it its turns or leave it out"
     elif "prompt" in row and "completion" in row:
         parts = []
         for key, role in (("prompt", "user"), ("completion", "assistant")):

@@ -121,10 +121,12 @@ def freeze(cfg):
     return hk.custom_getter(getter)
 
 
-def merged(cfg, params: dict) -> dict:
+def merged(cfg, params: dict, scale: float | None = None) -> dict:
     """The base parameters with each adapter merged in: W + (alpha / R) A B (global arrays, a stacked
     weight's leading layer dimension kept); the model without LoRA computes with them what the adapted
-    model computes (``meshlm convert --merge``; the proof checks it in float64)."""
+    model computes (``meshlm convert --merge``; the proof checks it in float64, at its own account of
+    the scale: ``scale``, None for ``cfg.lora_scale``)."""
+    scale = cfg.lora_scale if scale is None else scale
     out = base(params)
     for mod, leaves in adapters(params).items():
         for name in [n for n in leaves if n.endswith("_a")]:
@@ -133,7 +135,7 @@ def merged(cfg, params: dict) -> dict:
             n = 1 if is_stacked(param_path(mod, w_name)) else 0  # [L, ...]: one product per layer
             r = a.shape[-1]
             prod = jnp.matmul(a.reshape(*a.shape[:n], -1, r), b.reshape(*b.shape[:n], r, -1))
-            new = w + (prod * jnp.asarray(cfg.lora_scale, prod.dtype)).reshape(w.shape)
+            new = w + (prod * jnp.asarray(scale, prod.dtype)).reshape(w.shape)
             # the wider of the two dtypes: a bf16 base (--base-dtype) merged with float32 adapters is
             # float32, as the adapted model computes it
             out[mod] = {**out[mod], w_name: new.astype(jnp.promote_types(w.dtype, a.dtype))}

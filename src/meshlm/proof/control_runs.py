@@ -92,6 +92,47 @@ def frozen_reach(control: Control, runs: Runs, rtol, atol) -> list[str]:
     return [] if not bad or any(p == "loss/value" or is_adapter(p) for p in bad) else bad
 
 
+def unchanged_values(control: Control, runs: Runs, ocfg, plain: Runs | None = None) -> str:
+    """The evidence for a control judged inert (``proof.inertness``), which a broken judgement cannot
+    fake: "" where its planted sharded run gives, bitwise, the unplanted run's values -- the loss and every
+    parameter's gradient with every weight trainable (``lora.thawed``: a fault reaching only a frozen
+    weight's gradient counts too), a training step's parameters and state, or the step's compiled
+    collectives; else the first thing that differs (the control is live: the judgement was wrong).
+    ``plain``: the runs whose own problem is the unplanted one (under pp a config change is made the
+    problem's model: ``pipeline_verify._under_pp``), default ``runs``."""
+    plain = plain or runs
+    if control.by_collectives:
+        p = runs.problem
+        honest = step_collectives(p.build_loss, runs.layout, runs.specs, runs.params, runs.batch)
+        got = step_collectives(
+            p.build_loss, runs.layout, runs.specs, runs.params, runs.batch, control.par_cls
+        )
+        return "" if honest == got else "the step's compiled collectives"
+    if control.per_shard_clip or control.train_step:
+        ocfg = ocfg or default_optim(1, reference_grad_norm(runs))
+        batches = step_batches(runs.problem, 1, ocfg.accum_steps, 0)
+        planted = next(runs.train(ocfg, batches, control.per_shard_clip, control.par_cls))[0][:2]
+        plain = next(runs.train(ocfg, batches))[0][:2]
+        return _first_difference(planted, plain)
+    from meshlm.proof.lora import thawed
+
+    with thawed():
+        if not hasattr(plain, "_thawed"):  # the unplanted program's values, once per proof
+            plain._thawed = plain.sharded_fn(plain.problem.build_loss)(plain.params, plain.batch)
+        fn, params = _planted_fn(control, runs)
+        with _plant(control):
+            planted = fn(params, runs.batch)
+    return _first_difference(planted, plain._thawed)
+
+
+def _first_difference(a, b) -> str:
+    """ "" where trees ``a`` and ``b`` are bitwise equal (NaN equal to NaN), else the first leaf's path."""
+    for (kp, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b), strict=True):
+        if not np.array_equal(np.asarray(jax.device_get(x)), np.asarray(jax.device_get(y)), equal_nan=True):
+            return leaf_label(kp) if len(kp) >= 2 else "the loss"
+    return ""
+
+
 def _first_line(e: BaseException) -> str:
     return (str(e).splitlines() or [""])[0]
 

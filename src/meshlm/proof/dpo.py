@@ -39,7 +39,7 @@ from meshlm.parallel.context import Parallel
 from meshlm.parallel.placement import batch_sharding, put_global, to_host
 from meshlm.proof.dpo_steps import DPOSteps, dpo_steps
 from meshlm.proof.inertness import INERT, fingerprint
-from meshlm.proof.lora import base_kept, lora_problem
+from meshlm.proof.lora import base_kept, lora_problem, tolerance_factor
 from meshlm.proof.prover import TOLERANCE
 from meshlm.proof.report import LeafResult, Report, compare_into, skipped_row, worst
 from meshlm.train import dpo
@@ -296,6 +296,8 @@ def prove_dpo(
         params = jax.tree.map(lambda p: p.astype(dtype), load_params(layout))
     elif cfg.lora_rank:  # the policy's A and B drawn: B = 0 would leave A's gradient 0 (``proof.lora``)
         params = lora_problem(problem).prepare_params(params)
+    factor = tolerance_factor(cfg, params)  # adapters: rtol times their kappa (``proof.lora``)
+    rtol *= factor
     host = pair_batch(cfg.vocab_size, rows, seq_len, seed)
     batch = {k: put_global(v, batch_sharding(layout, 1)) for k, v in host.items()}
     one = lambda p: jax.device_put(problem.to_reference(jax.tree.map(to_host, p)), jax.local_devices()[0])
@@ -312,6 +314,8 @@ def prove_dpo(
         atol=atol,
     )
     report.extra["mesh"] = layout.label() + (f", {accum} micro-batches" if accum > 1 else "")
+    if factor != 1:
+        report.extra["lora_tolerance_factor"] = factor
     results, loss_check = {}, LeafResult(path="loss", shape=(), spec="P()")
     args = (params, ref_params, batch)
     make = lambda values_only=False: jax.jit(

@@ -25,8 +25,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from meshlm.parallel.context import Parallel
 from meshlm.proof.control_record import Control
-from meshlm.proof.control_runs import crash_error, trace_control
-from meshlm.proof.pipeline_verify import pipeline_control_fn, trace_model_control
+from meshlm.proof.control_runs import crash_error, trace_control, unchanged_values
+from meshlm.proof.pipeline_verify import _under_pp, pipeline_control_fn, trace_model_control
 from meshlm.proof.rule_errors import is_vma_rejection
 
 
@@ -129,3 +129,30 @@ def inert_skips(controls, runs, ocfg=None) -> dict[str, str]:
     with its reason, never run and never a failure of a correct model's proof (``tests/test_every_control.py``
     holds every control's ``applies`` to configurations where it changes the program)."""
     return dict.fromkeys(inert_controls(controls, runs, ocfg), INERT)
+
+
+MISJUDGED = "inertness judgement"  # the check row of a control judged inert whose planted run changed values
+
+
+def confirmed_skips(
+    skips: dict[str, str], controls, runs, ocfg=None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """(the skips that stand, {name: what changed} of those that do not). Each skip of ``skips``
+    (``inert_skips``: a judgement from traces and fingerprints, which a bug in the judgement can get
+    wrong) is run once: it stands only where its planted run's values are bitwise the unplanted run's
+    with every weight trainable (``control_runs.unchanged_values``). One that changes a value is live:
+    it is run as every other control, and verify fails its check row ``MISJUDGED`` (a broken judgement
+    is loud, never a silent skip). A pipeline control's name (its engine's own fault) and, under pp, a
+    communication control stand on their trace alone."""
+    by_name = {c.name: c for c in controls if not isinstance(c, str)}
+    stand, live = {}, {}
+    for name, why in skips.items():
+        control, planted = by_name.get(name), runs
+        if control is not None and runs.layout.pipelined:  # as ``run_model_control`` runs it
+            control, planted = (None, runs) if control.by_collectives else _under_pp(control, runs)
+        changed = "" if control is None else unchanged_values(control, planted, ocfg, plain=runs)
+        if changed:
+            live[name] = changed
+        else:
+            stand[name] = why
+    return stand, live

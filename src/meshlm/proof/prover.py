@@ -32,8 +32,8 @@ from meshlm.proof.cp_controls import CP_CONTROLS
 from meshlm.proof.data_pipeline import data_checks
 from meshlm.proof.ep_controls import EP_CONTROLS
 from meshlm.proof.independence import exactness_check, reference_checks, sharded_check
-from meshlm.proof.inertness import inert_skips
-from meshlm.proof.lora import lora_rows
+from meshlm.proof.inertness import MISJUDGED, confirmed_skips, inert_skips
+from meshlm.proof.lora import lora_rows, tolerance_factor
 from meshlm.proof.padding import padding_rows
 from meshlm.proof.pipeline_proof import applicable_controls
 from meshlm.proof.pipeline_verify import permute_controls, permute_rows, pipeline_controls, run_model_control
@@ -86,6 +86,9 @@ def verify(
     if layout.extra_axes:  # the header names the pipeline ("pp2x1x2 (1f1b, M=4)") or cp
         report.extra["mesh"] = layout.label()  # ("1x2 + CP2 ring")
     runs = Runs(problem, layout, dtype, seed)  # first: its specs refuse a mesh the model cannot use
+    if (factor := tolerance_factor(problem.cfg, runs.ref_params)) != 1:  # adapters: their conditioning
+        rtol = report.rtol = rtol * factor
+        report.extra["lora_tolerance_factor"] = factor
     collectives = collectives and problem.cfg is not None
     where = where_of(problem, layout, collectives)
     chosen, pipeline = control_set(where, controls), []
@@ -100,7 +103,7 @@ def verify(
                 )
             pipeline = [n for n in pipeline if n in pipeline_faults]
     try:  # before any run: a control that changes nothing here is skipped, saying so (``inertness``)
-        skipped = inert_skips(chosen + pipeline, runs, ocfg)
+        skipped, misjudged = confirmed_skips(inert_skips(chosen + pipeline, runs, ocfg), chosen, runs, ocfg)
         chosen = [c for c in chosen if c.name not in skipped]
         pipeline = [n for n in pipeline if n not in skipped]
         sharded = runs.proven_grads()
@@ -119,6 +122,7 @@ def verify(
     report.checks += routing_rows(runs, dname, allow_routing_flips)
     if problem.cfg is not None and problem.cfg.quant == "int8":  # the int8 matmuls bit for bit
         report.checks += int8_rows(layout, dtype, seed)
+    report.checks += [_misjudged_row(name, what) for name, what in misjudged.items()]
     report.controls = [skipped_row(name, why) for name, why in skipped.items()]
     report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
     report.extra["param_bytes_total"] = total_bytes(runs.params)
@@ -130,6 +134,12 @@ def verify(
         with watchdog.program(f"verify's control {c.name!r}", layout.label()):
             report.controls.append(run_control(c, runs, ocfg, rtol, atol))
     return report
+
+
+def _misjudged_row(name: str, what: str) -> dict:
+    """The failing row of control ``name``, judged inert, whose planted run changed ``what``."""
+    detail = f"{name!r} was judged inert, yet its planted run changes {what}: the judgement is broken"
+    return check_row(MISJUDGED, False, detail + " (the control ran as every other)")
 
 
 def control_set(

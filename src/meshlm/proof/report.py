@@ -150,7 +150,8 @@ def format_report(r: Report) -> str:
     rows = [
         f"meshlm verify: config={r.config} mesh={r.extra.get('mesh', f'{r.dp}x{r.mp}')} dtype={r.dtype} "
         f"steps={r.steps} "
-        f"tolerance: max|s-r| <= {r.atol:g} + {r.rtol:g}*max|r| (normwise)",
+        f"tolerance: max|s-r| <= {r.atol:g} + {r.rtol:.3g}*max|r| (normwise)"
+        + (f" (rtol x {f:.3g}: the adapters' kappa)" if (f := r.extra.get("lora_tolerance_factor")) else ""),
         "",
     ]
     head = f"{'parameter':<28} {'global shape':<18} {'spec':<28} {'max abs err':>11} {'max rel err':>11}  ok"
