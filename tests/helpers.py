@@ -136,3 +136,21 @@ def save_lora_run(cfg, base, path, base_path, seed: int = 0) -> dict:
     )
     save_model(path, cfg, adapters, meta={LORA_BASE: base_fingerprint(base), LORA_BASE_PATH: str(base_path)})
     return adapters
+
+
+def saved_tiny_base(directory):
+    """A random tiny-lm saved as a checkpoint in ``directory``/base (seed 3) and a text file beside it:
+    (checkpoint path, text path), the base the LoRA tests fine-tune."""
+    import jax
+
+    from meshlm.io.model_io import save_model
+    from meshlm.model.config import get_config
+    from meshlm.train.step import init_model
+
+    out = directory / "base"
+    cfg = get_config("tiny-lm")
+    mesh = jax.make_mesh((1, 1), ("dp", "mp"), devices=jax.devices()[:1])
+    save_model(out, cfg, init_model(cfg, mesh, seed=3)[0])
+    text = directory / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog; " * 120)
+    return out, text

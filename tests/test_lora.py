@@ -12,7 +12,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from helpers import run_cli
+from helpers import run_cli, saved_tiny_base
 
 from meshlm.model import lora
 from meshlm.model.config import get_config
@@ -214,16 +214,7 @@ def test_dropout_masks_and_changes_the_gradient_in_the_train_step_only():
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    from meshlm.io.model_io import save_model
-    from meshlm.train.step import init_model
-
-    out = tmp_path_factory.mktemp("lora") / "base"
-    cfg = get_config("tiny-lm")
-    mesh = jax.make_mesh((1, 1), ("dp", "mp"), devices=jax.devices()[:1])
-    save_model(out, cfg, init_model(cfg, mesh, seed=3)[0])
-    text = out.parent / "t.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog; " * 120)
-    return out, text
+    return saved_tiny_base(tmp_path_factory.mktemp("lora"))
 
 
 # slow: LoRA training, its checkpoint and resume (its cost); LoRA training on a converted model runs quick in

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_cli, tiny_lm_config
+from helpers import run_cli, saved_tiny_base, tiny_lm_config
 
 from meshlm.model import lora
 from meshlm.model.config import get_config
@@ -21,16 +21,7 @@ from meshlm.model.config import get_config
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    from meshlm.io.model_io import save_model
-    from meshlm.train.step import init_model
-
-    out = tmp_path_factory.mktemp("lora_bf16") / "base"
-    cfg = get_config("tiny-lm")
-    mesh = jax.make_mesh((1, 1), ("dp", "mp"), devices=jax.devices()[:1])
-    save_model(out, cfg, init_model(cfg, mesh, seed=3)[0])
-    text = out.parent / "t.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog; " * 120)
-    return out, text
+    return saved_tiny_base(tmp_path_factory.mktemp("lora_bf16"))
 
 
 def _floats(tree) -> set[str]:
