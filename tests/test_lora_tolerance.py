@@ -96,7 +96,7 @@ def _b_zero_row(bump) -> dict:
         },
     )()
     real = proof_lora._logits
-    bumped = lambda c, p, t: real(c, p, t) * (1 + bump) if not c.lora_rank else real(c, p, t)
+    bumped = lambda c, p, t, d: real(c, p, t, d) * (1 + bump) if not c.lora_rank else real(c, p, t, d)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(proof_lora, "_logits", bumped)
         rows = proof_lora.lora_rows(runs, grads, rtol=2e-4)

@@ -176,7 +176,7 @@ def test_z_loss_is_proven_sharded_and_its_bug_is_caught(monkeypatch):
     with jax.enable_x64(True):
         report = _verify("z", 1, 4, cfg=cfg, dtype=jnp.float64, controls=())
         assert report.ok and max(p.max_rel_err for p in report.params) <= 1e-12, format_report(report)
-        monkeypatch.setattr("meshlm.model.transformer.vocab_parallel_xent", _xent_z_loss_summed_twice)
+        monkeypatch.setattr("meshlm.model.chunked_xent.vocab_parallel_xent", _xent_z_loss_summed_twice)
         assert not _verify("z", 1, 4, cfg=cfg, dtype=jnp.float64, controls=()).ok
         assert _verify("tiny-llama", 1, 4, dtype=jnp.float64, controls=()).ok  # the bug needs z_loss > 0
 

@@ -69,7 +69,7 @@ def test_a_chat_template_travels_with_the_tokenizer(tmp_path):
     lost the model's chat template (generate --chat and data prepare --chat then refused it; only the
     slow convert tests saw it). The companions read from a model directory and saved with the tokenizer
     keep every file, the template byte for byte."""
-    from meshlm.io.tokenizer_file import read_companions, save_tokenizer
+    from meshlm.data.tokenizer_files import read_companions, save_tokenizer
 
     src = tmp_path / "model"
     src.mkdir()
@@ -82,7 +82,15 @@ def test_a_chat_template_travels_with_the_tokenizer(tmp_path):
     for name, text in files.items():
         (src / name).write_text(text, encoding="utf-8")
     out = tmp_path / "ck"
-    entry = save_tokenizer(out, {"kind": "hf"}, "{}", read_companions(src))
+    companions = read_companions(src)
+
+    class Carried:  # what save_tokenizer reads of a tokenizer: its JSON, identity and companions
+        fingerprint, vocab_size, files = "f" * 16, 8, companions
+
+        def to_json(self):
+            return "{}"
+
+    entry = save_tokenizer(out, Carried())
     assert sorted(entry["files"]) == sorted(files)
     assert (out / "chat_template.jinja").read_text(encoding="utf-8") == files["chat_template.jinja"]
 

@@ -223,6 +223,8 @@ def test_resume_must_match_comes_from_field_metadata():
         "clip_norm",
         "accum_steps",
         "compute_dtype",
+        "opt_dtype",
+        "quant",
         "seed",
         "moe_aux_loss",
         "moe_capacity_factor",
@@ -247,10 +249,13 @@ def test_optimizer_settings_reach_the_optimizer():
     shared = {f.name for f in dataclasses.fields(OptimConfig)} & {
         f.name for f in dataclasses.fields(TrainConfig)
     }
-    assert shared == {"lr", "warmup_steps", "min_lr_ratio", "weight_decay", "clip_norm", "accum_steps"}
+    assert shared == {
+        "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "clip_norm", "accum_steps", "opt_dtype"
+    }  # fmt: skip
     tcfg = TrainConfig(
-        lr=0.5, warmup_steps=7, min_lr_ratio=0.25, weight_decay=0.3, clip_norm=2.0, accum_steps=2
-    )
+        lr=0.5, warmup_steps=7, min_lr_ratio=0.25, weight_decay=0.3, clip_norm=2.0, accum_steps=2,
+        opt_dtype="bf16",
+    )  # fmt: skip
     ocfg = tcfg.optim()
     assert {n: getattr(ocfg, n) for n in shared} == {n: getattr(tcfg, n) for n in shared}
     assert ocfg.total_steps == tcfg.steps

@@ -11,7 +11,6 @@ from meshlm.cli import convert_lora
 from meshlm.cli.common import add_common, setup
 from meshlm.data import tokenizer_files as tf
 from meshlm.errors import ConfigError
-from meshlm.train import tokenizers as tt
 
 
 def add_parser(sub) -> None:
@@ -96,6 +95,7 @@ def _from_hf(args, layout) -> dict:
     from meshlm.io.model_io import abstract_params, save_model
     from meshlm.model.params import flat_params, unflatten
     from meshlm.parallel.placement import put_global
+    from meshlm.train import tokenizers as tt  # JAX and orbax: not at the CLI's import
     from meshlm.train.tokenizers import check_vocab
 
     tok = tf.model_tokenizer(args.from_hf)  # before any weight is read: a bad tokenizer fails fast
@@ -129,6 +129,7 @@ def _to_hf(args, layout) -> dict:
     from meshlm.model import lora
     from meshlm.model.params import flat_params
     from meshlm.parallel.placement import to_host
+    from meshlm.train import tokenizers as tt  # JAX and orbax: not at the CLI's import
     from meshlm.train.tokenizers import checkpoint_tokenizer
 
     first, first_meta = read_config(args.to_hf)

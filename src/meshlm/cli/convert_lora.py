@@ -8,7 +8,6 @@ from pathlib import Path
 
 from meshlm.data import tokenizer_files as tf
 from meshlm.errors import ConfigError
-from meshlm.train import tokenizers as tt
 
 
 def _lora_checkpoint(path: str, flag: str):
@@ -28,6 +27,7 @@ def to_peft(args, layout, owned, summary) -> dict:
     from meshlm.model import lora
     from meshlm.model.params import flat_params
     from meshlm.parallel.placement import to_host
+    from meshlm.train import tokenizers as tt  # JAX and orbax: not at the CLI's import
 
     _, meta = _lora_checkpoint(args.to_peft, "--to-peft")
     tok, _ = tt.lora_input(args.to_peft, meta, base_path(meta))
@@ -44,6 +44,7 @@ def to_peft(args, layout, owned, summary) -> dict:
 def merge(args, layout, owned, summary) -> dict:
     from meshlm.io.model_io import load_model, save_model
     from meshlm.model import lora
+    from meshlm.train import tokenizers as tt  # JAX and orbax: not at the CLI's import
 
     cfg, meta = _lora_checkpoint(args.merge, "--merge")
     tok, eos = tt.lora_input(args.merge, meta, base_path(meta))
@@ -68,7 +69,6 @@ def base_path(meta: dict) -> str | None:
 
 
 def from_peft(args, layout, owned, summary) -> dict:
-
     from meshlm.io.model_io import (
         LORA_BASE,
         LORA_BASE_PATH,
@@ -82,6 +82,7 @@ def from_peft(args, layout, owned, summary) -> dict:
     from meshlm.model import lora
     from meshlm.model.params import flat_params, unflatten
     from meshlm.parallel.placement import put_global
+    from meshlm.train import tokenizers as tt  # JAX and orbax: not at the CLI's import
     from meshlm.train.tokenizers import check_vocab
 
     if not args.base:

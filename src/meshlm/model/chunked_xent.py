@@ -7,7 +7,7 @@ row, each). Chunked, the loss takes the normalized hidden rows and the head's we
 logits [c, V/mp] live at a time:
 
 * forward: a ``lax.map`` over the chunks of this shard's B x T tokens (the last one padded with zero
-  rows, whose losses are dropped) of the very code of the whole loss -- projection, soft-cap,
+  rows, whose losses are dropped) of the very code of the whole loss -- projection, the logits cap,
   padding mask, ``layers.vocab_parallel_xent`` (pmax and psums over mp) -- keeping per-token losses;
 * backward (a custom VJP): a ``lax.scan`` over the chunks that recomputes each chunk's loss under
   ``jax.vjp`` and pulls its cotangent back: the hidden rows' gradient per chunk, the head's weight
@@ -39,7 +39,7 @@ from meshlm.parallel.context import Parallel
 
 
 class Head:
-    """The output projection: normalized x [B, T, D] -> per-shard logits [B, T, V/mp], soft-capped.
+    """The output projection: normalized x [B, T, D] -> per-shard logits [B, T, V/mp], ``capped_logits``.
     ``weights`` reads (w [D, V/mp], b [V/mp] or None) as this shard uses them (one module or the tied
     embedding's table, so that every use shares them; FSDP-gathered by the model's getter)."""
 

@@ -36,7 +36,6 @@ from meshlm.data.tokenizer_files import (
     tokenizer_from_meta,
 )
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.layout import complete_steps, resolve
 from meshlm.io.model_io import read_config
 from meshlm.model.config import ModelConfig
@@ -115,6 +114,8 @@ def _existing(tcfg) -> tuple[Tokenizer | None, str]:
     # complete_steps reads the listing only: every process of a job must take the same branch, and
     # a Checkpointer (orbax syncs processes when it opens a directory) only where steps exist.
     if not tcfg.fresh and out.is_dir() and complete_steps(out):
+        from meshlm.io.checkpoint import Checkpointer  # JAX and orbax: not at the CLI's import
+
         with Checkpointer(out) as ckpt, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # resuming reports interrupted and corrupt steps, once
             return tokenizer_from_meta(out, ckpt.read_meta(), str(out)), f"--out {out}"
