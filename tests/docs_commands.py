@@ -72,6 +72,7 @@ BW = "tests/test_blockwise.py::test_the_proof_compares_blockwise_with_plain_atte
 BW_ONE = "tests/test_blockwise.py::test_verify_blockwise_on_one_device_detects_both_kernel_controls"
 CONFIGS = "tests/test_configs.py::test_configs_table_and_json_of_two_presets"
 BPE_CLI = "tests/test_tokenizers.py::test_tokenizer_train_cli"
+QUANT_BENCH = "tests/test_quant.py::test_bench_times_int8_beside_the_float_step"
 GEMMA4_PLAN = "tests/test_docs_tool_commands.py::test_documented_tool_command_runs[models.md:404]"
 FLASH = "tests/test_flash.py::test_verify_proves_flash_with_its_controls_detected"
 FLASH_KINDS = "tests/test_flash.py::test_flash_model_equals_plain_with_sinks_and_layer_kinds"
@@ -225,7 +226,8 @@ COMMANDS: dict[str, Run | Shown] = {
     ),
     # docs/quantization.md
     **_names(NAMES, "meshlm bench --quant int8", "meshlm verify --quant int8"),
-    "meshlm train --quant int8 --out runs/int8": run(add=TINY, expect=("done",)),
+    # slow: the int8 step's code path runs quick in tests/test_quant.py (its bench test trains a step)
+    "meshlm train --quant int8 --out runs/int8": run(add=TINY, expect=("done",), slow=QUANT_BENCH),
     "meshlm verify --config tiny-llama --quant int8 --mesh 2x2 --devices 4 --x64": verify(
         costly=QUANT_VERIFY
     ),
@@ -237,6 +239,7 @@ COMMANDS: dict[str, Run | Shown] = {
         "8192 => 128",
         add="--warmup 0",
         expect=('"impls": ["meshlm", "meshlm-int8"]', '"meshlm-int8/meshlm"'),
+        slow=QUANT_BENCH,
     ),
     # README.md
     MAIN: run(add=f"--data code --tokenizer bpe-300 --mesh 2x2 {TINY}", expect=("next:",)),

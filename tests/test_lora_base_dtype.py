@@ -105,6 +105,9 @@ def test_the_compiled_lora_step_computes_no_frozen_weight_gradient():
     assert summed(cfg, "float32")["bytes"] > 10 * adapter_bytes  # the full fine-tune's: every weight's
 
 
+# slow: a proof (its cost); the bf16 base's step runs quick in
+# test_a_bf16_lora_run_holds_its_base_in_bf16_and_saves_float32_adapters, LoRA's proof in tests/test_lora.py
+@pytest.mark.slow
 def test_verify_proves_a_bf16_base_in_float64_and_the_controls_are_detected():
     """The proof's base stored in bf16 in both runs (its values bf16-representable, the step computing
     in float64): sharded == unsharded at 1e-12, the LoRA rows pass, the controls detected."""
