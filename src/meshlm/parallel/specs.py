@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from meshlm.parallel.axes import AXES, LOGICAL_DIMS
+from meshlm.parallel.axes import AXES, LOGICAL_DIMS, MP
 
 # The uses an axis serves (``Axis.uses``), each also a logical name of ``AxisUses.spec``: the axes of
 # a use are those on in the mesh that serve it, in mesh order (torchtitan's mesh per use).
@@ -45,6 +45,14 @@ class AxisUses:
         dims = self.logical_axes()
         entry = lambda n: dims.get(n) if n in LOGICAL_DIMS else _entry(self.axes_for(n))
         return PartitionSpec(*(None if n is None else entry(n) for n in names))
+
+    def activation_spec(self):
+        """The PartitionSpec of [B, T, D] activations between blocks: rows over the batch's axes, tokens
+        over cp and, with sp, over mp too (Megatron's sequence parallelism)."""
+        from jax.sharding import PartitionSpec
+
+        seq = _entry(self.axes_for("length") + ((MP,) if self.sp else ()))
+        return PartitionSpec(self.rows, seq, None)
 
     @property
     def rows(self):

@@ -27,10 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from meshlm.model.quant import amax, int8_dense, step
-from meshlm.parallel.axes import CP, MP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 from meshlm.proof.report import check_row
@@ -73,10 +71,8 @@ def run_block(layout: Layout, dtype, seed: int, par_cls=Parallel, plant=nullcont
     """((y, dx, dw_in, dw_out) sharded, the same unsharded), as host arrays; ``plant`` applies while the
     sharded program traces (a control's fault)."""
     args = inputs(layout, dtype, seed)
-    batch = tuple(a for a in layout.batch_axes if a != CP)
-    seq = tuple(a for a in ((CP,) if layout.cp > 1 else ()) + ((MP,) if layout.sp else ()))
-    act = P(batch or None, seq or None, None)  # x, dx, y, ct: [B, T, D]
-    specs = (act, P(None, MP), P(MP, None))
+    act = layout.activation_spec()  # x, dx, y, ct: [B, T, D]
+    specs = (act, layout.spec(None, "mlp"), layout.spec("mlp", None))  # w_in [D, F], w_out [F, D]
     fn = partial(_outputs, par_cls.on(layout), tuple(layout.batch_axes))
     sharded = jax.shard_map(fn, mesh=layout.mesh, in_specs=(*specs, act), out_specs=(act, *specs))
     with plant():
