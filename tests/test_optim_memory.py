@@ -177,6 +177,9 @@ def test_resuming_with_another_opt_dtype_is_refused():
     check_resumable(meta, TrainConfig(), Path("runs/x"))
 
 
+# slow: a proof (its cost); bf16 moments' rounding and the step taken of them run quick in
+# test_bf16_moments_are_stored_rounded_and_the_step_is_of_them
+@pytest.mark.slow
 def test_verify_proves_bf16_moments_sharded_equal_unsharded():
     """``meshlm verify --steps K --opt-dtype bf16 --x64``'s path: tiny on 2x2, 2 training steps with
     bfloat16 moments (float64 arithmetic), sharded == unsharded to 1e-12, moments compared too."""
