@@ -72,6 +72,15 @@ BW = "tests/test_blockwise.py::test_the_proof_compares_blockwise_with_plain_atte
 BW_ONE = "tests/test_blockwise.py::test_verify_blockwise_on_one_device_detects_both_kernel_controls"
 CONFIGS = "tests/test_configs.py::test_configs_table_and_json_of_two_presets"
 BPE_CLI = "tests/test_tokenizers.py::test_tokenizer_train_cli"
+# the chip's --gen-batch decode commands on tiny-llama (docs/benchmarks.md, issue 64)
+GEN_BATCH_SUBS = (
+    "llama-100m => tiny-llama",
+    "--batch-size 8 => --batch-size 2",
+    "--gen-batch 1,8,32,64 => --gen-batch 1,2",
+    "512 => 16",
+    "--gen-tokens 64 => --gen-tokens 10",
+    "8192 => 128",
+)
 QUANT_BENCH = "tests/test_quant.py::test_bench_times_int8_beside_the_float_step"
 GEMMA4_PLAN = "tests/test_docs_tool_commands.py::test_documented_tool_command_runs[models.md:404]"
 FLASH = "tests/test_flash.py::test_verify_proves_flash_with_its_controls_detected"
@@ -358,24 +367,14 @@ COMMANDS: dict[str, Run | Shown] = {
     ),
     DECODE_BENCH + "8 --seq-len 512 --gen-tokens 64 --gen-batch 1,8,32,64 --peak-n 8192 --impls meshlm "
     "--bf16 --json": run(
-        "llama-100m => tiny-llama",
-        "--batch-size 8 => --batch-size 2",
-        "--gen-batch 1,8,32,64 => --gen-batch 1,2",
-        "512 => 16",
-        "--gen-tokens 64 => --gen-tokens 10",
-        "8192 => 128",
+        *GEN_BATCH_SUBS,
         add="--warmup 0",
         expect=('"generation_by_batch"', '"dtype": "bfloat16"', '"roofline_ms": null'),
         slow=GEN_BATCH,
     ),
     DECODE_BENCH + "8 --seq-len 512 --gen-tokens 64 --gen-batch 1,8,32,64 --peak-n 8192 --impls meshlm "
     "--json": run(
-        "llama-100m => tiny-llama",
-        "--batch-size 8 => --batch-size 2",
-        "--gen-batch 1,8,32,64 => --gen-batch 1,2",
-        "512 => 16",
-        "--gen-tokens 64 => --gen-tokens 10",
-        "8192 => 128",
+        *GEN_BATCH_SUBS,
         add="--warmup 0",
         expect=('"generation_by_batch"', '"dtype": "float32"'),
         slow=GEN_BATCH,

@@ -77,16 +77,9 @@ def frozen_reach(control: Control, runs: Runs, rtol, atol) -> list[str]:
     if cfg is None or not cfg.lora_rank or control.per_shard_clip or control.train_step:
         return []
     from meshlm.model.lora import is_adapter
-    from meshlm.proof.lora import thawed
 
-    with thawed():
-        if not hasattr(runs, "_thawed"):  # the unplanted program's values, once per proof
-            runs._thawed = runs.sharded_fn(runs.problem.build_loss)(runs.params, runs.batch)
-        fn, params = _planted_fn(control, runs)
-        with _plant(control):
-            planted = fn(params, runs.batch)
     results: dict[str, LeafResult] = {}
-    (ls, gs), (lr, gr) = planted, runs._thawed
+    (ls, gs), (lr, gr) = _thawed_values(control, runs, runs)
     compare_into(results, {"loss": {"value": ls}, **gs}, {"loss": {"value": lr}, **gr}, rtol, atol)
     bad = [r.path for r in results.values() if not r.ok]
     return [] if not bad or any(p == "loss/value" or is_adapter(p) for p in bad) else bad
@@ -114,15 +107,22 @@ def unchanged_values(control: Control, runs: Runs, ocfg, plain: Runs | None = No
         planted = next(runs.train(ocfg, batches, control.per_shard_clip, control.par_cls))[0][:2]
         plain = next(runs.train(ocfg, batches))[0][:2]
         return _first_difference(planted, plain)
+    return _first_difference(*_thawed_values(control, runs, plain))
+
+
+def _thawed_values(control: Control, runs: Runs, plain: Runs):
+    """(planted, unplanted): the loss and every gradient of ``runs``' sharded program with ``control``
+    planted and of ``plain``'s without it, every weight trainable (``lora.thawed``); the unplanted
+    values computed once per proof."""
     from meshlm.proof.lora import thawed
 
     with thawed():
-        if not hasattr(plain, "_thawed"):  # the unplanted program's values, once per proof
+        if not hasattr(plain, "_thawed"):
             plain._thawed = plain.sharded_fn(plain.problem.build_loss)(plain.params, plain.batch)
         fn, params = _planted_fn(control, runs)
         with _plant(control):
             planted = fn(params, runs.batch)
-    return _first_difference(planted, plain._thawed)
+    return planted, plain._thawed
 
 
 def _first_difference(a, b) -> str:
