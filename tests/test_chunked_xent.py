@@ -71,7 +71,7 @@ def test_verify_x64_proves_chunked_sharded_against_the_whole_loss_and_detects_th
             "tiny-qwen2", 1, 2, batch=1, seq=16, cfg=cfg, dtype=jnp.float64, controls=LOSS_CONTROLS
         )
     assert report.ok, report
-    assert [c["name"] for c in report.controls if c["detected"]] == [LOSS_CONTROLS[0].name]
+    assert [c["name"] for c in report.controls if c["detected"]] == [c.name for c in LOSS_CONTROLS]
 
 
 def test_compiled_step_temporaries_shrink_with_chunks():
@@ -106,3 +106,36 @@ def test_refused_with_mtp_and_dpo_and_a_config_saved_without_it_loads_unchunked(
     with pytest.raises(ConfigError, match="--loss-chunk does not chunk the multi-token prediction"):
         cfg.replace(loss_chunk=64, mtp_layers=1, mtp_weight=0.3)
     assert cfg.replace(loss_chunk=64, mtp_layers=1).loss_chunk == 64  # not run (weight 0): accepted
+
+
+def _vocab_dots(cfg, rows: int, t: int, grad: bool) -> list[str]:
+    """The dot ops of the compiled loss (with ``grad`` its value and gradient: the training step's) that
+    have the padded vocabulary as a dimension of an operand or of the result (the head's matmuls:
+    logits, dX = dlogits @ W^T, dW = X^T @ dlogits). XLA:CPU's text names the operands; their shapes
+    are read from their definitions (instruction names are unique in a module)."""
+    import re
+
+    init, example = init_fn(cfg)
+    params = jax.eval_shape(init, jax.random.PRNGKey(0), example)
+    batch = {k: jax.ShapeDtypeStruct((rows, t), jnp.int32) for k in ("inputs", "targets")}
+    apply = hk.without_apply_rng(hk.transform(loss_fn(cfg, Parallel()))).apply
+    text = jax.jit(jax.value_and_grad(apply) if grad else apply).lower(params, batch).compile().as_text()
+    shape = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = (\w+\[[\d,]*\])")
+    shapes = {m[1]: m[2] for m in map(shape.match, text.splitlines()) if m}
+    dot = re.compile(r"= (\w+\[[\d,]*\])\S* dot\((%[\w.\-]+), (%[\w.\-]+)\)")
+    vocab = re.compile(rf"[\[,]{cfg.padded_vocab}[\],]")
+    dots = [[m[1], shapes[m[2]], shapes[m[3]]] for m in map(dot.search, text.splitlines()) if m]
+    return [d for d in dots if any(vocab.search(s) for s in d)]
+
+
+def test_compiled_training_step_runs_three_head_matmuls_and_evaluation_one():
+    """The fused chunked loss computes the head's gradients in its forward: in the compiled training step
+    (``--remat full``: the head is outside the remat'ed layers, so nothing recomputes it) three dots
+    meet the vocabulary, each on one chunk, as the whole loss's three; the recomputing
+    backward it replaced ran four (its forward's logits again). Evaluation runs the logits' one."""
+    cfg = get_config("tiny-lm").replace(vocab_size=1000, remat="full")  # padded to 1024: no other dim
+    whole, chunked = (_vocab_dots(cfg.replace(loss_chunk=c), 2, 64, grad=True) for c in (0, 16))
+    assert len(whole) == 3, whole
+    assert len(chunked) == 3, chunked
+    assert all("[16," in " ".join(d) for d in chunked), chunked  # each on one chunk of 16 tokens
+    assert len(_vocab_dots(cfg.replace(loss_chunk=16), 2, 64, grad=False)) == 1

@@ -3,20 +3,28 @@
 Whole (``loss_chunk`` 0), the loss meets the per-shard logits [B, T, V/mp]: in float32 that is
 4 B T V / mp bytes, with their gradient as much again (Qwen3's 151,936 ids: 1.2 GiB a 2048-token
 row, each). Chunked, the loss takes the normalized hidden rows and the head's weights instead
-(``HeadRows``) and runs ``loss_chunk`` tokens at a time, forward and backward, so only one chunk's
-logits [c, V/mp] live at a time:
+(``HeadRows``) and runs ``loss_chunk`` tokens at a time, so only one chunk's logits [c, V/mp] live at
+a time, and it computes the head's gradients in its forward (as Liger's fused linear cross-entropy):
 
-* forward: a ``lax.map`` over the chunks of this shard's B x T tokens (the last one padded with zero
-  rows, whose losses are dropped) of the very code of the whole loss -- projection, the logits cap,
-  padding mask, ``layers.vocab_parallel_xent`` (pmax and psums over mp) -- keeping per-token losses;
-* backward (a custom VJP): a ``lax.scan`` over the chunks that recomputes each chunk's loss under
-  ``jax.vjp`` and pulls its cotangent back: the hidden rows' gradient per chunk, the head's weight
-  and bias gradients summed in the carry, in at least float32 (a bf16 step's partial sums are not
-  rounded chunk by chunk; the whole loss's single matmul is rounded once too).
+* primal (evaluation, nothing differentiated): a ``lax.map`` over the chunks of this shard's B x T
+  tokens (the last one padded with zero rows of weight 0) of the very code of the whole loss --
+  projection, the logits cap, padding mask, ``layers.vocab_parallel_xent`` (pmax and psums over mp)
+  -- and the weighted sum of the per-token losses: one head matmul;
+* differentiated (a custom VJP): the forward is a ``lax.scan`` that runs each chunk's loss under
+  ``jax.vjp`` and pulls the chunk's token weights back at once -- dlogits (softmax - onehot, through
+  the cap, the mask and z-loss as JAX differentiates them), the hidden rows' gradient dlogits @ W^T,
+  the head's weight and bias gradients X^T @ dlogits summed in the carry in at least float32 (a bf16
+  step's partial sums are not rounded chunk by chunk); the backward only scales what the forward
+  stored by the incoming cotangent (the mean's 1 / N, the data-parallel mean's, a pipeline's 1 / M).
 
-The cost: each chunk's logits are computed twice (the forward's, then the backward's recomputation),
-one matmul of N x D x V/mp more than the whole loss's three. The collectives inside are JAX's own (their
-transposes come from ``jax.vjp``), so ``shard_map(check_vma=True)`` types them; the weights are made
+The value is the *sum* of the weighted per-token losses; ``chunked_mean`` divides it by the tokens,
+outside the custom VJP, so its cotangent is never 1 and a backward that ignores it cannot pass the
+proof. Three head matmuls when trained (the whole loss's count; the recomputing backward this replaced
+did four), one in evaluation. What it keeps from forward to backward: the hidden rows' gradient
+(x's size, in x's dtype; x itself is not kept) and the head's gradients in float32 [D, V/mp] (the sum
+the recomputing backward held in its loop). A frozen head (LoRA: ``lax.stop_gradient``, not
+perturbed, ``symbolic_zeros``) gets no weight gradient matmul. The collectives inside are JAX's own
+(the transposes of psum under ``shard_map(check_vma=True)`` communicate nothing); the weights are made
 varying over every axis the rows vary over before the loop, so their gradient's sum over dp is one
 collective after it (that cast's transpose), not one per chunk. ``meshlm verify --x64 --loss-chunk N``
 proves the chunked sharded step equal to the whole loss, unsharded (the reference runs loss_chunk 0).
@@ -30,9 +38,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
+from jax.custom_derivatives import custom_vjp_primal_tree_values
 
+from meshlm.model import masked
 from meshlm.model.attention_variants import capped_logits
 from meshlm.model.layers import mask_vocab_padding, project, upcast, varying_like, vocab_parallel_xent
 from meshlm.parallel.context import Parallel
@@ -58,71 +67,120 @@ class HeadRows(NamedTuple):
     weights: tuple
 
 
-def head_xent(cfg, par: Parallel, out, targets):
-    """Per-token loss [B, T] (with cp [B, T/cp]; replicated over mp) of the model's output ``out``:
-    per-shard logits [B, T, V/mp], or with ``cfg.loss_chunk`` its ``HeadRows``; targets [B, T]."""
+def head_mean(cfg, par: Parallel, out, targets, weights=None):
+    """This shard's mean loss (``masked.token_mean``, with the SFT loss's ``weights`` [B, T] or None) of
+    the model's output ``out``: per-shard logits [B, T, V/mp], or with ``cfg.loss_chunk`` its
+    ``HeadRows``; targets [B, T] (with cp [B, T/cp])."""
     if isinstance(out, HeadRows):
-        return chunked_xent(cfg, par, out, targets)
-    logits = mask_vocab_padding(par, par.seq_out(out), cfg.vocab_size)  # padded ids never chosen
+        return chunked_mean(cfg, par, out, targets, weights)
+    return masked.token_mean(head_xent(cfg, par, out, targets), weights)
+
+
+def head_xent(cfg, par: Parallel, logits, targets):
+    """Per-token loss [B, T] (with cp [B, T/cp]; replicated over mp) of per-shard logits [B, T, V/mp]."""
+    logits = mask_vocab_padding(par, par.seq_out(logits), cfg.vocab_size)  # padded ids never chosen
     return vocab_parallel_xent(par, logits, targets, cfg.z_loss)
 
 
-def chunked_xent(cfg, par: Parallel, rows: HeadRows, targets):
-    """``head_xent`` of the logits ``rows`` make, ``cfg.loss_chunk`` tokens at a time (the module
-    docstring says how); the same values, up to summation order."""
+def chunked_mean(cfg, par: Parallel, rows: HeadRows, targets, weights=None):
+    """``head_mean`` of the logits ``rows`` make, ``cfg.loss_chunk`` tokens at a time (the module
+    docstring says how); the same value, up to summation order."""
     xf = par.seq_out(par.f(rows.x))  # [B, T, D] per shard: entering the vocabulary-parallel region once
     bsz, t, d = xf.shape
-    n, c = bsz * t, cfg.loss_chunk
-    k = -(-n // c)  # chunks; the last one padded to c tokens
-    chunks = _padded(xf.reshape(n, d), k * c).reshape(k, c, d)
-    ids = _padded(targets.reshape(n), k * c).reshape(k, c)
+    n = bsz * t
+    dtype = jnp.promote_types(xf.dtype, jnp.float32)  # the per-token losses' (``upcast``)
+    share = jnp.ones((n,), dtype) if weights is None else weights.reshape(n).astype(dtype)
+    ids = targets.reshape(n)
     # every axis the rows vary over (dp, cp, mp): the weight gradients' sums over them are the casts'
-    # transposes, once, after the loop
-    w, b = varying_like(rows.weights, chunks, ids)
-    per_token = _chunked(partial(_chunk_losses, cfg, par))(w, b, chunks, ids)  # [k, c]
-    return per_token.reshape(k * c)[:n].reshape(bsz, t)
+    # transposes, once, after the loop; the token weights typed as the per-token losses (their cotangent)
+    w, b = varying_like(rows.weights, xf, ids)
+    fused = _fused(partial(_chunk_losses, cfg, par), cfg.loss_chunk, (w.dtype, b if b is None else b.dtype))
+    return fused(w, b, xf.reshape(n, d), ids, varying_like(share, ids)) / n
 
 
-def _padded(x, size: int):
-    """x [N, ...] -> [size, ...], zeros after its rows (a padded chunk's rows: finite, dropped)."""
-    return jnp.pad(x, [(0, size - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-
-
-def _chunk_losses(cfg, par: Parallel, w, b, xf, ids):
-    """One chunk: xf [c, D] per shard, ids [c] -> per-token loss [c], as ``head_xent`` computes it."""
-    logits = mask_vocab_padding(par, capped_logits(cfg, project(xf, w, b)), cfg.vocab_size)  # [c, V/mp]
+def _chunk_losses(cfg, par: Parallel, w, b, x, ids):
+    """One chunk: x [c, D] per shard, ids [c] -> per-token loss [c], as ``head_xent`` computes it."""
+    logits = mask_vocab_padding(par, capped_logits(cfg, project(x, w, b)), cfg.vocab_size)  # [c, V/mp]
     return vocab_parallel_xent(par, logits, ids, cfg.z_loss)
 
 
-def _chunked(losses):
-    """``losses(w, b, xf [c, D], ids [c]) -> [c]`` over chunks [k, c, ...], as a function with the
-    custom VJP of the module docstring: (w, b, xf [k, c, D], ids [k, c]) -> [k, c]."""
+def _in_chunks(tree, c: int):
+    """Each leaf [N, ...] -> [k, c, ...], k = ceil(N / c): zero rows after the last (a padded chunk's
+    rows: finite, of weight 0)."""
+
+    def split(a):
+        k = -(-a.shape[0] // c)
+        padded = jnp.pad(a, [(0, k * c - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+        return padded.reshape(k, c, *a.shape[1:])
+
+    return jax.tree.map(split, tree)
+
+
+def _unchunked(a, n: int):
+    """[k, c, ...] -> the first n rows [n, ...]: the chunks' rows back in order, the padding dropped."""
+    return a.reshape(-1, *a.shape[2:])[:n]
+
+
+def _fused(losses, c: int, dtypes: tuple):
+    """``losses(w, b, x [c, D], ids [c]) -> [c]`` over chunks of c tokens, as a function with the
+    custom VJP of the module docstring: (w, b, x [N, D], ids [N], share [N]) -> Σ share · loss, a
+    scalar. ``dtypes``: of (w, b) (b None: no bias), what their gradients are cast to."""
 
     @jax.custom_vjp
-    def run(w, b, xf, ids):
-        return lax.map(lambda chunk: losses(w, b, *chunk), (xf, ids))
+    def run(w, b, x, ids, share):
+        per_token = lax.map(lambda chunk: losses(w, b, *chunk), _in_chunks((x, ids), c))
+        return jnp.sum(_unchunked(per_token, ids.shape[0]) * share)
 
-    def forward(w, b, xf, ids):
-        return run(w, b, xf, ids), (w, b, xf, ids)
+    def forward(*primals):  # each leaf a CustomVJPPrimal (``symbolic_zeros``): .value, .perturbed
+        w, b, x, ids, share = custom_vjp_primal_tree_values(primals)
+        wrt = tuple(k for k, p in zip("wbx", primals[:3], strict=True) if p is not None and p.perturbed)
+        acc, per_token, dx = _forward_grads(losses, c, dict(w=w, b=b, x=x), wrt, (ids, share))
+        keep = per_token if primals[4].perturbed else None  # the token weights' cotangent: data, never
+        return jnp.sum(per_token * share), (acc, dx, keep)
 
-    def backward(saved, g):  # g [k, c]: the per-token losses' cotangent
-        w, b, xf, ids = saved
+    def backward(saved, g):  # g: the summed loss's cotangent (a scalar)
+        acc, dx, per_token = saved
+        dw, db = (
+            None if acc.get(k) is None else _scaled(g, acc[k], dt) for k, dt in zip("wb", dtypes, strict=True)
+        )
+        ds = None if per_token is None else _scaled(g, per_token, per_token.dtype)
+        dx = None if dx is None else _scaled(g, dx, dx.dtype)
+        return dw, db, dx, None, ds
 
-        def step(acc, chunk):
-            x, i, gc = chunk
-            _, pull = jax.vjp(lambda w, b, x: losses(w, b, x, i), w, b, x)
-            dw, db, dx = pull(gc)
-            return _accumulate(acc, (dw, db)), dx
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, upcast(p).dtype), (w, b))
-        (dw, db), dx = lax.scan(step, varying_like(zeros, w, b), (xf, ids, g))
-        cast = lambda d, p: d.astype(p.dtype)
-        return cast(dw, w), jax.tree.map(cast, db, b), dx, np.zeros(ids.shape, jax.dtypes.float0)
-
-    run.defvjp(forward, backward)
+    run.defvjp(forward, backward, symbolic_zeros=True)
     return run
+
+
+def _forward_grads(losses, c: int, args: dict, wrt: tuple, data: tuple):
+    """The chunks' per-token losses [N] and their weighted sum's gradients w.r.t. the ``wrt`` of
+    ``args`` (w, b, x), computed chunk by chunk: ({w, b: float32 sums}, per-token [N], dx [N, D] or None).
+    ``data``: ids [N] and the token weights [N]."""
+    n = data[0].shape[0]
+    sums = {k: args[k] for k in wrt if k != "x"}  # the head's: summed over the chunks
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, upcast(p).dtype), sums)
+
+    def step(acc, chunk):
+        x, ids, share = chunk
+        per_token, pull = jax.vjp(lambda d: losses(**{**args, "x": x, **d}, ids=ids), _wrt(args, wrt, x))
+        (grads,) = pull(share.astype(per_token.dtype))
+        return _accumulate(acc, {k: grads[k] for k in acc}), (per_token, grads.get("x"))
+
+    acc, (per_token, dx) = lax.scan(
+        step, varying_like(zeros, *sums.values()), _in_chunks((args["x"], *data), c)
+    )
+    return acc, _unchunked(per_token, n), None if dx is None else _unchunked(dx, n)
+
+
+def _wrt(args: dict, wrt: tuple, x):
+    """What one chunk differentiates: ``args``' ``wrt`` entries, x this chunk's rows."""
+    return {k: (x if k == "x" else args[k]) for k in wrt}
 
 
 def _accumulate(acc, grads):
     """The weight gradients' running sum over the chunks (in ``acc``'s dtype: at least float32)."""
     return jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, grads)
+
+
+def _scaled(g, grad, dtype):
+    """A gradient the forward stored, times the cotangent ``g`` (in at least float32), as ``dtype``."""
+    return (upcast(grad) * g.astype(upcast(grad).dtype)).astype(dtype)

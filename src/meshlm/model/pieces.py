@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from meshlm.errors import ConfigError
 from meshlm.model import masked, mtp, stage_layers
 from meshlm.model.attention import doc_starts
-from meshlm.model.chunked_xent import HeadRows, head_xent
+from meshlm.model.chunked_xent import HeadRows, head_mean
 from meshlm.model.config import ModelConfig
 from meshlm.model.layer_kinds import DENSE_STACK
 from meshlm.model.lora import freeze
@@ -107,7 +107,7 @@ def head_loss_fn(cfg: ModelConfig, par: Parallel):
             # the logits, or with --loss-chunk what the chunked loss takes (``model.chunked_xent``)
             out = HeadRows(normed, head.weights()) if cfg.loss_chunk else head(normed)
             depths = _mtp_depths(cfg, par, y, rows, embed, head) if cfg.mtp_on else None
-        loss = masked.token_mean(head_xent(cfg, par, out, par.seq_local(rows["targets"])), weights)
+        loss = head_mean(cfg, par, out, par.seq_local(rows["targets"]), weights)
         if depths is None:
             return loss
         per_depth = mtp.depth_losses(cfg, par, rows, depths)

@@ -20,7 +20,7 @@ from jax import lax
 from meshlm.errors import ConfigError
 from meshlm.model import masked, mtp, per_layer, per_layer_runs
 from meshlm.model.attention import doc_starts
-from meshlm.model.chunked_xent import Head, HeadRows, head_xent
+from meshlm.model.chunked_xent import Head, HeadRows, head_mean
 from meshlm.model.config import ModelConfig
 from meshlm.model.layer_kinds import DENSE_STACK, LINEAR_STACK
 from meshlm.model.layers import (
@@ -331,10 +331,9 @@ def loss_fn(cfg: ModelConfig, par: Parallel, routing: bool = False, metrics: boo
             out, _, stats, *depths = local_logits_stats(
                 cfg, par, par.seq_local(batch["inputs"]), mtp_ids=ids, rows=bool(cfg.loss_chunk)
             )
-        targets = par.seq_local(batch["targets"])
-        per_token = head_xent(cfg, par, out, targets)  # [B, T] (with cp: [B, T/cp])
+        targets = par.seq_local(batch["targets"])  # [B, T] (with cp: [B, T/cp])
         weights = par.seq_local(batch[masked.WEIGHTS]) if masked.WEIGHTS in batch else None  # SFT
-        loss = masked.token_mean(per_token, weights)
+        loss = head_mean(cfg, par, out, targets, weights)  # this shard's mean
         summed = par.moe_sum(stats) if stats is not None and (routing or moe_losses(cfg)) else None
         if summed is not None and moe_losses(cfg):  # of the whole global batch's statistics
             loss = loss + aux_loss(cfg, summed).astype(loss.dtype)
