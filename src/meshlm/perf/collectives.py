@@ -93,13 +93,14 @@ def theoretical_collectives(cfg: ModelConfig, dp: int, mp: int, cp: int = 1) -> 
 def chunked_loss_extra(cfg, layout, *, batch: int, seq_len: int, itemsize: int) -> tuple[int, int]:
     """The all-reduces (count, bytes) that the chunked cross-entropy (``cfg.loss_chunk``,
     ``model.chunked_xent``) adds to ``theoretical_collectives``' "loss" with mp > 1: its three small
-    all-reduces run per chunk of c tokens, forward and again in the backward's recomputation: 6 k of
-    [c], k = ceil(tokens per shard / c) (the last chunk padded), for the whole loss's 3 of [N]."""
+    all-reduces run per chunk of c tokens, in the forward that also computes the gradients (their
+    transposes communicate nothing): 3 k of [c], k = ceil(tokens per shard / c) (the last chunk
+    padded), for the whole loss's 3 of [N]."""
     if not cfg.loss_chunk or layout.mp == 1:
         return 0, 0
     n = (batch // layout.dp) * (seq_len // layout.cp)  # [B/dp, T/cp]: this shard's tokens
     k = -(-n // cfg.loss_chunk)
-    return 6 * k - 3, (6 * k * cfg.loss_chunk - 3 * n) * itemsize
+    return 3 * k - 3, (3 * k * cfg.loss_chunk - 3 * n) * itemsize
 
 
 def _kv_replicated_kinds(cfg, mp: int) -> list:
