@@ -211,9 +211,9 @@ class LongContext:
     # The head's cross-entropy in chunks of tokens (``model.chunked_xent``): ``ModelConfig.loss_chunk``
     loss_chunk: int = setting(
         0,
-        "the head's cross-entropy in chunks of at most this many tokens per shard, forward and backward, "
-        "so the [B, T, V] float32 logits and their gradient never exist whole (0: off; costs one head "
-        "matmul more; docs/memory.md)",
+        "the head's cross-entropy in chunks of at most this many tokens per shard, its gradients computed "
+        "in the forward, so the [B, T, V] float32 logits and their gradient never exist whole (0: off; "
+        "the whole loss's three head matmuls; docs/memory.md)",
         valid=Range(int, 0),
     )
 
