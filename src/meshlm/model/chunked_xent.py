@@ -162,7 +162,7 @@ def _forward_grads(losses, c: int, args: dict, wrt: tuple, data: tuple):
     def step(acc, chunk):
         x, ids, share = chunk
         per_token, pull = jax.vjp(lambda d: losses(**{**args, "x": x, **d}, ids=ids), _wrt(args, wrt, x))
-        (grads,) = pull(share.astype(per_token.dtype))
+        (grads,) = pull(varying_like(share.astype(per_token.dtype), per_token))  # typed as its losses
         return _accumulate(acc, {k: grads[k] for k in acc}), (per_token, grads.get("x"))
 
     acc, (per_token, dx) = lax.scan(

@@ -60,13 +60,14 @@ def communication_checks(cfg, layout: Layout, got: dict, *, batch_shape, itemsiz
     count = want["all-reduce"]["total"]
     shape = {"batch": batch_shape[0], "seq_len": batch_shape[1], "itemsize": itemsize}
     nbytes = expected_all_reduce_bytes(cfg, layout, params=params, **shape)
-    extra_count, extra_bytes = int8_all_reduces(cfg, layout, **shape)
-    count, nbytes = count + extra_count, nbytes + extra_bytes
+    int8_count, extra_bytes = int8_all_reduces(cfg, layout, **shape)
+    count, nbytes = count + int8_count, nbytes + extra_bytes
     slack = scalar_slack(params, itemsize)
-    extra_count, extra_bytes = chunked_loss_extra(cfg, layout, **shape)  # --loss-chunk's, per chunk
-    count, nbytes = count + extra_count, nbytes + extra_bytes
+    chunk_count, extra_bytes = chunked_loss_extra(cfg, layout, **shape)  # --loss-chunk's, per chunk
+    count, nbytes = count + chunk_count, nbytes + extra_bytes
     where = f"{cfg.family} on {layout.label()} (per layer: {cfg.arch.per_layer_text()} with mp > 1)"
-    where += f"; --quant int8: +{extra_count} ({INT8_TEXT})" if extra_count else ""
+    where += f"; --quant int8: +{int8_count} ({INT8_TEXT})" if int8_count else ""
+    where += f"; --loss-chunk: +{chunk_count} (the loss's 3 per chunk)" if chunk_count else ""
     ar = got["all-reduce"]
     rows = [
         check_row(
