@@ -1,8 +1,9 @@
 """The chunked cross-entropy (``--loss-chunk``, ``model.chunked_xent``): in float64 the loss and every
 gradient equal the whole [B, T, V] logits' loss (a chunk that does not divide the tokens, a tied and
 soft-capped head, z-loss, a padded vocabulary, the SFT loss's weights); ``meshlm verify --x64`` proves it
-sharded (its reference runs the whole loss) and detects the planted fault; the compiled step's
-temporaries shrink; what it does not chunk (MTP) is refused in one line."""
+sharded (its reference runs the whole loss) and detects the planted faults; the compiled step's
+temporaries shrink and it runs the whole loss's three head matmuls (its gradients computed in the
+forward); what it does not chunk (MTP) is refused in one line."""
 
 from __future__ import annotations
 
@@ -132,10 +133,13 @@ def test_compiled_training_step_runs_three_head_matmuls_and_evaluation_one():
     """The fused chunked loss computes the head's gradients in its forward: in the compiled training step
     (``--remat full``: the head is outside the remat'ed layers, so nothing recomputes it) three dots
     meet the vocabulary, each on one chunk, as the whole loss's three; the recomputing
-    backward it replaced ran four (its forward's logits again). Evaluation runs the logits' one."""
+    backward it replaced ran four (its forward's logits again). Evaluation runs the logits' one; with
+    LoRA (a frozen head) two: no weight gradient (the recomputing backward ran three)."""
     cfg = get_config("tiny-lm").replace(vocab_size=1000, remat="full")  # padded to 1024: no other dim
     whole, chunked = (_vocab_dots(cfg.replace(loss_chunk=c), 2, 64, grad=True) for c in (0, 16))
     assert len(whole) == 3, whole
     assert len(chunked) == 3, chunked
     assert all("[16," in " ".join(d) for d in chunked), chunked  # each on one chunk of 16 tokens
     assert len(_vocab_dots(cfg.replace(loss_chunk=16), 2, 64, grad=False)) == 1
+    lora = cfg.replace(loss_chunk=16, lora_rank=4, lora_targets="q,v")
+    assert len(_vocab_dots(lora, 2, 64, grad=True)) == 2
