@@ -92,9 +92,12 @@ def chunked_mean(cfg, par: Parallel, rows: HeadRows, targets, weights=None):
     share = jnp.ones((n,), dtype) if weights is None else weights.reshape(n).astype(dtype)
     ids = targets.reshape(n)
     # every axis the rows vary over (dp, cp, mp): the weight gradients' sums over them are the casts'
-    # transposes, once, after the loop; the token weights typed as the per-token losses (their cotangent)
+    # transposes, once, after the loop; the token weights vary as the targets (a constant 1 does not)
     w, b = varying_like(rows.weights, xf, ids)
-    fused = _fused(partial(_chunk_losses, cfg, par), cfg.loss_chunk, (w.dtype, b if b is None else b.dtype))
+    fused = _fused(
+        partial(_chunk_losses, cfg, par), cfg.loss_chunk, (w.dtype, None if b is None else b.dtype)
+    )
+    # the sum over this shard's tokens, divided outside the custom VJP: its cotangent is at most 1 / n
     return fused(w, b, xf.reshape(n, d), ids, varying_like(share, ids)) / n
 
 
@@ -135,7 +138,7 @@ def _fused(losses, c: int, dtypes: tuple):
         w, b, x, ids, share = custom_vjp_primal_tree_values(primals)
         wrt = tuple(k for k, p in zip("wbx", primals[:3], strict=True) if p is not None and p.perturbed)
         acc, per_token, dx = _forward_grads(losses, c, dict(w=w, b=b, x=x), wrt, (ids, share))
-        keep = per_token if primals[4].perturbed else None  # the token weights' cotangent: data, never
+        keep = per_token if primals[4].perturbed else None  # the token weights' gradient (they are data)
         return jnp.sum(per_token * share), (acc, dx, keep)
 
     def backward(saved, g):  # g: the summed loss's cotangent (a scalar)
