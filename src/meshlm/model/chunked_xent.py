@@ -97,7 +97,7 @@ def chunked_mean(cfg, par: Parallel, rows: HeadRows, targets, weights=None):
     fused = _fused(
         partial(_chunk_losses, cfg, par), cfg.loss_chunk, (w.dtype, None if b is None else b.dtype)
     )
-    # the sum over this shard's tokens, divided outside the custom VJP: its cotangent is at most 1 / n
+    # the sum over this shard's tokens, divided outside the custom VJP: its cotangent carries the 1 / n
     return fused(w, b, xf.reshape(n, d), ids, varying_like(share, ids)) / n
 
 
