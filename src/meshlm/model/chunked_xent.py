@@ -89,7 +89,11 @@ def chunked_mean(cfg, par: Parallel, rows: HeadRows, targets, weights=None):
     bsz, t, d = xf.shape
     n = bsz * t
     dtype = jnp.promote_types(xf.dtype, jnp.float32)  # the per-token losses' (``upcast``)
-    share = jnp.ones((n,), dtype) if weights is None else weights.reshape(n).astype(dtype)
+    # each token's weight in the mean: ``masked.token_mean``'s own coefficients (it is linear in the
+    # losses; the SFT loss's weights / n), times n: the custom VJP sums, the division by n is outside it.
+    # Its argument varies as the targets: an invariant one's gradient would be summed over the shards.
+    mean = jax.grad(lambda per_token: masked.token_mean(per_token, weights))
+    share = (mean(varying_like(jnp.zeros((bsz, t), dtype), targets)) * n).reshape(n)
     ids = targets.reshape(n)
     # every axis the rows vary over (dp, cp, mp): the weight gradients' sums over them are the casts'
     # transposes, once, after the loop; the token weights vary as the targets (a constant 1 does not)
