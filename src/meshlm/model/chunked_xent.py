@@ -19,7 +19,9 @@ a time, and it computes the head's gradients in its forward (as Liger's fused li
 
 The value is the *sum* of the weighted per-token losses; ``chunked_mean`` divides it by the tokens,
 outside the custom VJP, so its cotangent is never 1 and a backward that ignores it cannot pass the
-proof. Three head matmuls when trained (the whole loss's count; the recomputing backward this replaced
+proof. (In a bf16 step the rows' gradient is scaled after its bf16 matmul: exact where the cotangent
+is a power of two, as 1 / N is for rows and batches of powers of two; else one more bf16 rounding.)
+Three head matmuls when trained (the whole loss's count; the recomputing backward this replaced
 did four), one in evaluation. What it keeps from forward to backward: the hidden rows' gradient
 (x's size, in x's dtype; x itself is not kept) and the head's gradients in float32 [D, V/mp] (the sum
 the recomputing backward held in its loop). A frozen head (LoRA: ``lax.stop_gradient``, not
