@@ -17,8 +17,9 @@ a time, and it computes the head's gradients in its forward (as Liger's fused li
   step's partial sums are not rounded chunk by chunk); the backward only scales what the forward
   stored by the incoming cotangent (the mean's 1 / N, the data-parallel mean's, a pipeline's 1 / M).
 
-The value is the *sum* of the weighted per-token losses; ``chunked_mean`` divides it by the tokens,
-outside the custom VJP, so its cotangent is never 1 and a backward that ignores it cannot pass the
+The value is the *sum* of the weighted per-token losses (each token's weight ``masked.token_mean``'s
+own coefficient times N: 1, or the SFT loss's weight); ``chunked_mean`` divides it by the N tokens
+outside the custom VJP, so its cotangent carries 1 / N and a backward that ignores it cannot pass the
 proof. (In a bf16 step the rows' gradient is scaled after its bf16 matmul: exact where the cotangent
 is a power of two, as 1 / N is for rows and batches of powers of two; else one more bf16 rounding.)
 Three head matmuls when trained (the whole loss's count; the recomputing backward this replaced
