@@ -20,8 +20,11 @@ import jax
 import numpy as np
 
 from meshlm.errors import VerifierError
+from meshlm.parallel.context import Parallel
+from meshlm.perf.hlo import collectives_per_step
 from meshlm.proof.adam_drift import AdamDrift
-from meshlm.proof.communication import collectives_step, communication_checks, step_collectives
+from meshlm.proof.ahead import Compiler, failed
+from meshlm.proof.communication import collectives_step, communication_checks
 from meshlm.proof.controls import Control
 from meshlm.proof.report import LeafResult, compare_into, leaf_label, skipped_row, worst
 from meshlm.proof.rule_errors import VMA_REJECTIONS, is_vma_rejection  # noqa: F401 - re-exported
@@ -30,16 +33,18 @@ from meshlm.proof.runs import Runs, default_optim, put_batch, reference_grad_nor
 REJECTED = "rejected by the type system"  # how a control refused by JAX's varying-axis check is detected
 
 
-def run_control(control: Control, runs: Runs, ocfg, rtol, atol) -> dict:
+def run_control(control: Control, runs: Runs, ocfg, rtol, atol, prepared=None) -> dict:
     """{"name", "detected", "how", "margin", "by"} for one planted fault run sharded against the
     reference. ``margin``: the worst leaf's error in tolerances (None where values do not decide:
-    a type-check rejection, the communication check, or non-finite values; ``by`` says which)."""
+    a type-check rejection, the communication check, or non-finite values; ``by`` says which).
+    ``prepared``: its program as ``prepare_control`` left it compiling ahead (default: prepared now)."""
     try:
+        prepared = prepared or prepare_control(control, runs, INLINE)
         if control.by_collectives:
-            return _by_collectives(control, runs)
+            return _by_collectives(control, runs, prepared)
         if control.by_int8_block:
             return _by_int8_block(control, runs)
-        results = _control_results(control, runs, ocfg, rtol, atol)
+        results = _control_results(control, runs, ocfg, rtol, atol, prepared)
     except Exception as e:
         if not is_vma_rejection(e):
             raise crash_error(control.name, e) from e
@@ -58,6 +63,61 @@ def run_control(control: Control, runs: Runs, ocfg, rtol, atol) -> dict:
         "margin": margin if finite else None,
         "by": "values" if finite else "non-finite values",
     }
+
+
+INLINE = Compiler(0)  # compiles where it is asked to: the sequential proof
+
+
+def prepare_control(control: Control, runs: Runs, compiler: Compiler) -> tuple:
+    """(the executable's future, the parameters it runs at) of the program ``run_control`` runs for
+    ``control``: traced here (or taken from the trace the inertness check kept, ``Runs.traced``) and
+    lowered under its plant, on the calling thread, then compiled on ``compiler``'s pool
+    (``proof.ahead``). An exception on the way is kept in the future: the run raises it, as it would
+    have raised it itself. (None, None) for a training step's or the int8 block's control: its run
+    builds its programs."""
+    if not compiles_ahead(control):
+        return None, None
+    try:
+        if control.by_collectives:
+            return compiler.submit(collectives_lowered(runs, control).compile), None
+        fn, params = _planted_fn(control, runs)
+        with _plant(control):
+            traced, params = runs.traced.pop(control.name, None) or (fn.trace(params, runs.batch), params)
+            lowered = traced.lower()
+    except Exception as e:
+        return failed(e), None
+    return compiler.submit(lowered.compile), params
+
+
+def compiles_ahead(control: Control) -> bool:
+    """Whether ``prepare_control`` compiles ``control``'s program (its run builds its own: a training
+    step's, needing the proof's optimizer config, or the int8 block's)."""
+    return not (control.per_shard_clip or control.train_step or control.by_int8_block)
+
+
+HONEST_STEP = "the communication check's step"  # ``Runs.traced``' key of its unplanted trace
+
+
+def collectives_lowered(runs: Runs, control: Control | None = None):
+    """The communication check's train step (``communication.collectives_step``) of the problem's loss,
+    with ``control``'s fault (None: the honest step), lowered: from the trace the inertness check kept
+    where there is one, its initial optimizer state made once per proof (``Runs.opt_state``)."""
+    kept = runs.traced.get(HONEST_STEP) if control is None else runs.traced.pop(control.name, None)
+    if kept is not None:  # (the honest step's kept: the check and a skip's evidence both lower it)
+        return kept[0].lower()
+    p, par_cls = runs.problem, Parallel if control is None else control.par_cls
+    step, state = collectives_step(
+        p.build_loss, runs.layout, runs.specs, runs.params, par_cls, runs.opt_state
+    )
+    return step.lower(runs.params, state, runs.batch)
+
+
+def honest_collectives(runs: Runs) -> dict:
+    """``communication.step_collectives`` of the problem's own step: compiled once per proof (the check,
+    and the controls' evidence against it)."""
+    if not hasattr(runs, "_honest_collectives"):
+        runs._honest_collectives = collectives_per_step(collectives_lowered(runs).compile().as_text())
+    return runs._honest_collectives
 
 
 FROZEN_ONLY = (
@@ -95,12 +155,8 @@ def unchanged_values(control: Control, runs: Runs, ocfg, plain: Runs | None = No
     problem's model: ``pipeline_verify._under_pp``), default ``runs``."""
     plain = plain or runs
     if control.by_collectives:
-        p = runs.problem
-        honest = step_collectives(p.build_loss, runs.layout, runs.specs, runs.params, runs.batch)
-        got = step_collectives(
-            p.build_loss, runs.layout, runs.specs, runs.params, runs.batch, control.par_cls
-        )
-        return "" if honest == got else "the step's compiled collectives"
+        got = collectives_per_step(collectives_lowered(runs, control).compile().as_text())
+        return "" if honest_collectives(runs) == got else "the step's compiled collectives"
     if control.per_shard_clip or control.train_step:
         ocfg = ocfg or default_optim(1, reference_grad_norm(runs))
         batches = step_batches(runs.problem, 1, ocfg.accum_steps, 0)
@@ -145,7 +201,7 @@ def crash_error(name: str, e: BaseException) -> VerifierError:
     )
 
 
-def _control_results(control: Control, runs: Runs, ocfg, rtol, atol) -> list[LeafResult]:
+def _control_results(control: Control, runs: Runs, ocfg, rtol, atol, prepared) -> list[LeafResult]:
     problem = runs.problem
     results: dict[str, LeafResult] = {}
     if control.per_shard_clip or control.train_step:
@@ -157,9 +213,8 @@ def _control_results(control: Control, runs: Runs, ocfg, rtol, atol) -> list[Lea
             compare_into(results, ss, sr, rtol, atol)
     else:
         lr, gr = runs.reference_grads()  # outside the plant: the reference never runs the fault
-        fn, params = _planted_fn(control, runs)
-        with _plant(control):
-            ls, gs = runs.run_traced(control.name, fn, params)
+        compiled, params = prepared
+        ls, gs = compiled.result()(params, runs.batch)
         compare_into(results, {"loss": {"value": ls}, **gs}, {"loss": {"value": lr}, **gr}, rtol, atol)
     return list(results.values())
 
@@ -194,10 +249,13 @@ def trace_control(control: Control, runs: Runs, ocfg=None, fault: bool = True):
         batch = step_batches(problem, 1, ocfg.accum_steps, 0)[0]
         return step.trace(*state, put_batch(batch, runs.layout, ocfg.accum_steps > 1))
     if control.by_collectives:  # the train step whose compiled collectives ``_by_collectives`` counts
-        step, opt_state = collectives_step(
-            problem.build_loss, runs.layout, runs.specs, runs.params, control.par_cls
+        step, state = collectives_step(
+            problem.build_loss, runs.layout, runs.specs, runs.params, control.par_cls, runs.opt_state
         )
-        return step.trace(runs.params, opt_state, runs.batch)
+        traced = step.trace(runs.params, state, runs.batch)
+        if fault or control.par_cls is Parallel:  # kept for its compile (``collectives_lowered``)
+            runs.traced[control.name if fault else HONEST_STEP] = (traced, runs.params)
+        return traced
     fn, params = _planted_fn(control, runs)
     with _plant(control):
         traced = fn.trace(params, runs.batch)
@@ -206,10 +264,8 @@ def trace_control(control: Control, runs: Runs, ocfg=None, fault: bool = True):
     return traced
 
 
-def _by_collectives(control: Control, runs: Runs) -> dict:
-    got = step_collectives(
-        runs.problem.build_loss, runs.layout, runs.specs, runs.params, runs.batch, control.par_cls
-    )
+def _by_collectives(control: Control, runs: Runs, prepared) -> dict:
+    got = collectives_per_step(prepared[0].result().as_text())
     rows = communication_rows(runs, got)
     failed = [r for r in rows if not r["ok"]]
     if not failed and (more := _more_than_honest(runs, got)):
@@ -248,8 +304,7 @@ def _more_than_honest(runs: Runs, got: dict) -> str:
     cfg = runs.problem.cfg
     if cfg is None or not cfg.lora_rank:
         return ""
-    p = runs.problem
-    honest = step_collectives(p.build_loss, runs.layout, runs.specs, runs.params, runs.batch)
+    honest = honest_collectives(runs)
     more = [
         f"{kind} {honest[kind]['count']} -> {got[kind]['count']}"
         for kind in honest
