@@ -150,34 +150,65 @@ def unchanged_values(control: Control, runs: Runs, ocfg, plain: Runs | None = No
     fake: "" where its planted sharded run gives, bitwise, the unplanted run's values -- the loss and every
     parameter's gradient with every weight trainable (``lora.thawed``: a fault reaching only a frozen
     weight's gradient counts too), a training step's parameters and state, or the step's compiled
-    collectives; else the first thing that differs (the control is live: the judgement was wrong).
+    collectives -- at the same parameters, from the same program (the lowered modules' text: a plant
+    that changes the program and no value, a no-op, is a control that fails, never a skip); else the
+    first thing that differs (the control is live, or a no-op: the judgement was wrong either way).
     ``plain``: the runs whose own problem is the unplanted one (under pp a config change is made the
     problem's model: ``pipeline_verify._under_pp``), default ``runs``."""
     plain = plain or runs
     if control.by_collectives:
-        got = collectives_per_step(collectives_lowered(runs, control).compile().as_text())
-        return "" if honest_collectives(runs) == got else "the step's compiled collectives"
+        planted = collectives_lowered(runs, control)
+        if collectives_per_step(planted.compile().as_text()) != honest_collectives(runs):
+            return "the step's compiled collectives"
+        return _program_difference(planted, collectives_lowered(runs))
     if control.per_shard_clip or control.train_step:
         ocfg = ocfg or default_optim(1, reference_grad_norm(runs))
         batches = step_batches(runs.problem, 1, ocfg.accum_steps, 0)
         planted = next(runs.train(ocfg, batches, control.per_shard_clip, control.par_cls))[0][:2]
-        plain = next(runs.train(ocfg, batches))[0][:2]
-        return _first_difference(planted, plain)
-    return _first_difference(*_thawed_values(control, runs, plain))
+        unplanted = next(runs.train(ocfg, batches))[0][:2]
+        programs = (_step_lowered(runs, ocfg, batches[0], c) for c in (control, None))
+        return _first_difference(planted, unplanted) or _program_difference(*programs)
+    (program, params, values), (plain_program, plain_values) = _thawed_runs(control, runs, plain)
+    if changed := _first_difference(values, plain_values):
+        return changed
+    if jax.tree.structure(params) != jax.tree.structure(plain.params):
+        return "the parameters' structure"
+    changed = _first_difference(params, plain.params)
+    return f"the parameters ({changed})" if changed else _program_difference(program, plain_program)
+
+
+def _program_difference(planted, unplanted) -> str:
+    """ "" where two lowered programs' modules read the same, else "its program"."""
+    return "" if planted.as_text() == unplanted.as_text() else "its program (the lowered module)"
+
+
+def _step_lowered(runs: Runs, ocfg, batch, control: Control | None):
+    """The training step ``runs.train`` runs with ``control``'s fault (None: none), lowered."""
+    clip, par_cls = (False, Parallel) if control is None else (control.per_shard_clip, control.par_cls)
+    step, state = runs.train_step(ocfg, clip, par_cls)
+    return step.lower(*state, put_batch(batch, runs.layout, ocfg.accum_steps > 1))
 
 
 def _thawed_values(control: Control, runs: Runs, plain: Runs):
     """(planted, unplanted): the loss and every gradient of ``runs``' sharded program with ``control``
-    planted and of ``plain``'s without it, every weight trainable (``lora.thawed``); the unplanted
-    values computed once per proof."""
+    planted and of ``plain``'s without it, every weight trainable (``lora.thawed``)."""
+    planted, unplanted = _thawed_runs(control, runs, plain)
+    return planted[2], unplanted[1]
+
+
+def _thawed_runs(control: Control, runs: Runs, plain: Runs):
+    """((lowered program, parameters, values) planted, (lowered program, values) unplanted) of
+    ``_thawed_values``; the unplanted computed once per proof."""
     from meshlm.proof.lora import thawed
 
     with thawed():
         if not hasattr(plain, "_thawed"):
-            plain._thawed = plain.sharded_fn(plain.problem.build_loss)(plain.params, plain.batch)
+            lowered = plain.sharded_fn(plain.problem.build_loss).lower(plain.params, plain.batch)
+            plain._thawed = lowered, lowered.compile()(plain.params, plain.batch)
         fn, params = _planted_fn(control, runs)
         with _plant(control):
-            planted = fn(params, runs.batch)
+            lowered = fn.lower(params, runs.batch)
+            planted = lowered, params, lowered.compile()(params, runs.batch)
     return planted, plain._thawed
 
 
