@@ -18,7 +18,11 @@ from meshlm.proof.runs import Runs
 
 LAYOUT = Layout(mp=2)
 # one of each kind: a planted loss-and-gradients program, a training step's, a communication check's
-KINDS = ("dropped all-reduce", "per-shard gradient-norm clipping", "extra all-reduce after each row-parallel one")
+KINDS = (
+    "dropped all-reduce",
+    "per-shard gradient-norm clipping",
+    "extra all-reduce after each row-parallel one",
+)
 CHOSEN = tuple(c for c in CONTROLS if c.name in KINDS)
 
 

@@ -15,6 +15,7 @@ accepts, and ``tests/test_controls_margin.py`` holds them to at least 100x in fl
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 
 import jax
 import numpy as np
@@ -28,7 +29,7 @@ from meshlm.proof.communication import collectives_step, communication_checks
 from meshlm.proof.controls import Control
 from meshlm.proof.report import LeafResult, compare_into, leaf_label, skipped_row, worst
 from meshlm.proof.rule_errors import VMA_REJECTIONS, is_vma_rejection  # noqa: F401 - re-exported
-from meshlm.proof.runs import Runs, default_optim, put_batch, reference_grad_norm, step_batches
+from meshlm.proof.runs import Runs, default_optim, initial_state, put_batch, reference_grad_norm, step_batches
 
 REJECTED = "rejected by the type system"  # how a control refused by JAX's varying-axis check is detected
 
@@ -101,13 +102,13 @@ HONEST_STEP = "the communication check's step"  # ``Runs.traced``' key of its un
 def collectives_lowered(runs: Runs, control: Control | None = None):
     """The communication check's train step (``communication.collectives_step``) of the problem's loss,
     with ``control``'s fault (None: the honest step), lowered: from the trace the inertness check kept
-    where there is one, its initial optimizer state made once per proof (``Runs.opt_state``)."""
+    where there is one, its initial optimizer state made once per proof (``runs.initial_state``)."""
     kept = runs.traced.get(HONEST_STEP) if control is None else runs.traced.pop(control.name, None)
     if kept is not None:  # (the honest step's kept: the check and a skip's evidence both lower it)
         return kept[0].lower()
     p, par_cls = runs.problem, Parallel if control is None else control.par_cls
     step, state = collectives_step(
-        p.build_loss, runs.layout, runs.specs, runs.params, par_cls, runs.opt_state
+        p.build_loss, runs.layout, runs.specs, runs.params, par_cls, partial(initial_state, runs)
     )
     return step.lower(runs.params, state, runs.batch)
 
@@ -281,7 +282,12 @@ def trace_control(control: Control, runs: Runs, ocfg=None, fault: bool = True):
         return step.trace(*state, put_batch(batch, runs.layout, ocfg.accum_steps > 1))
     if control.by_collectives:  # the train step whose compiled collectives ``_by_collectives`` counts
         step, state = collectives_step(
-            problem.build_loss, runs.layout, runs.specs, runs.params, control.par_cls, runs.opt_state
+            problem.build_loss,
+            runs.layout,
+            runs.specs,
+            runs.params,
+            control.par_cls,
+            partial(initial_state, runs),
         )
         traced = step.trace(runs.params, state, runs.batch)
         if fault or control.par_cls is Parallel:  # kept for its compile (``collectives_lowered``)

@@ -148,26 +148,7 @@ class Runs:
         # the state laid out as the step returns it (training's ``init_opt_state``): step 2 then runs
         # step 1's program, not a second compilation for the optimizer counters' placement
         selected = part.select(self.params)
-        return jax.jit(step), (self.params, self.opt_state(opt, selected, specs))
-
-    def opt_state(self, opt, params, specs=None):
-        """``opt``'s initial state at ``params``: with ``specs`` laid out as the sharded step returns it
-        (training's ``init_opt_state``), else as ``jit(opt.init)`` gives it. Made once per proof for
-        each init program at the parameters' placement (its jaxpr and constants: a learning rate or a
-        clip changes the step, not the state, which no step of the proof donates): the controls' steps
-        start from the proof's state, the reference's from the reference's."""
-        closed = jax.make_jaxpr(opt.init)(params)
-        placed = tuple(x.sharding for x in jax.tree.leaves(params))
-        key = (specs is None, placed, str(closed), *(np.asarray(c).tobytes() for c in closed.consts))
-        made = self.__dict__.setdefault("_opt_states", {})
-        if key not in made:
-            init = (
-                jax.jit(opt.init)
-                if specs is None
-                else partial(init_opt_state, opt, specs=specs, mesh=self.mesh)
-            )
-            made[key] = init(params)
-        return made[key]
+        return jax.jit(step), (self.params, initial_state(self, opt, selected, specs))
 
     def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False, par_cls=Parallel, seed: int = 0):
         """Yield ((params, opt_state, metrics) sharded, the same unsharded) after each step (``seed``:
@@ -185,7 +166,7 @@ def _reference_states(runs: Runs, ocfg: OptimConfig, batches) -> list:
     part = _part(runs.problem)
     opt = reference_optimizer(ocfg, part.select(runs.ref_params))
     # committed to the reference's device, as the step's outputs are: one compilation for every step
-    opt_state = jax.device_put(runs.opt_state(opt, part.select(runs.ref_params)), runs.device)
+    opt_state = jax.device_put(initial_state(runs, opt, part.select(runs.ref_params)), runs.device)
     state, out = (runs.ref_params, opt_state), []
     step = _reference_train_step(runs.problem, runs.ref_loss, ocfg, opt, part)
     first = jax.device_put(batches[0], runs.device)
@@ -194,6 +175,24 @@ def _reference_states(runs: Runs, ocfg: OptimConfig, batches) -> list:
         *state, metrics = program(*state, jax.device_put(b, runs.device))
         out.append(runs.problem.from_reference((*state, metrics)))
     return out
+
+
+def initial_state(runs: Runs, opt, params, specs=None):
+    """``opt``'s initial state at ``params``: with ``specs`` laid out as the sharded step returns it
+    (training's ``init_opt_state``), else as ``jit(opt.init)`` gives it. Made once per proof for each
+    init program at the parameters' placement (its jaxpr and constants: a learning rate or a clip
+    changes the step, not the state, which no step of the proof donates): the controls' steps start
+    from the proof's state, the reference's from the reference's."""
+    closed = jax.make_jaxpr(opt.init)(params)
+    placed = tuple(x.sharding for x in jax.tree.leaves(params))
+    key = (specs is None, placed, str(closed), *(np.asarray(c).tobytes() for c in closed.consts))
+    made = runs.__dict__.setdefault("_opt_states", {})
+    if key not in made:
+        init = (
+            jax.jit(opt.init) if specs is None else partial(init_opt_state, opt, specs=specs, mesh=runs.mesh)
+        )
+        made[key] = init(params)
+    return made[key]
 
 
 def _part(problem: Problem):
