@@ -12,7 +12,7 @@ from jax._src import compiler
 from meshlm.model.config import get_config
 from meshlm.parallel.layout import Layout
 from meshlm.proof import model_problem, verify
-from meshlm.proof.ahead import Compiler, cores
+from meshlm.proof.ahead import Compiler, cores, idle_workers
 from meshlm.proof.controls import CONTROLS
 from meshlm.proof.runs import Runs
 
@@ -57,9 +57,11 @@ def test_a_checkpoints_proof_compiles_each_program_once_and_concurrently_the_sam
     assert one_thread.to_json() == ahead.to_json()
 
 
-def test_the_compiling_threads_are_the_cores_less_the_main_thread():
+def test_the_compiling_threads_are_the_idle_cores_less_the_main_thread():
+    assert [idle_workers(2, load) for load in (0.0, 0.4, 1.4, 2.6, 12.0)] == [1, 1, 1, 0, 0]
+    assert idle_workers(13, 1.0) == 12 and idle_workers(1, 0.0) == 0
     with Compiler() as c:
-        assert c.workers == cores() - 1
+        assert 0 <= c.workers < cores()
     with Compiler(0) as c:  # none: each program compiled where it is asked for, its error kept
         future = c.submit(lambda: 1 / 0)
         assert isinstance(future.exception(), ZeroDivisionError)

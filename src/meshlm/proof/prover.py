@@ -82,7 +82,7 @@ def verify(
     controls to run (None: every one that applies; () none: a test of a model feature under pp runs
     those its feature touches, the schedule's faults being proven on every schedule by
     tests/test_pp_verify.py). ``compile_workers``: threads compiling the controls' programs ahead
-    (``proof.ahead``; default the cores less one, 0 none)."""
+    (``proof.ahead``; default the idle cores less one, ``idle_workers``; 0 none)."""
     dname = jnp.dtype(dtype).name
     rtol, atol = TOLERANCE[dname]
     layout = Layout.of(where, fsdp=problem.fsdp, sp=problem.sp)
