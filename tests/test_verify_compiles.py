@@ -5,6 +5,7 @@ while the proof runs (``proof.ahead``); the report is the sequential proof's, bi
 import dataclasses
 from collections import Counter
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import compiler
@@ -28,7 +29,7 @@ CHOSEN = tuple(c for c in CONTROLS if c.name in KINDS)
 
 def _checkpoint_problem():
     problem = model_problem(get_config("tiny-llama"), "tiny-llama", LAYOUT, 1, 8)
-    params = Runs(problem, LAYOUT, jnp.float32, 0).params  # as a checkpoint's, read on the layout
+    params = Runs(problem, LAYOUT, jnp.float64, 0).params  # as a checkpoint's, read on the layout
     return dataclasses.replace(problem, load_params=lambda layout: params)
 
 
@@ -37,8 +38,12 @@ def test_a_checkpoints_proof_compiles_each_program_once_and_concurrently_the_sam
     is compiled once: the optimizer's initial state, the honest step's collectives and the traces the
     inertness check made used to be compiled again by the controls that share them, and the init
     program ran for parameters the checkpoint then replaced. The rows with two compiling threads are
-    those without any, bit for bit."""
-    problem = _checkpoint_problem()
+    those without any, bit for bit (float64: the x64 switch is the calling thread's, not the pool's)."""
+    with jax.enable_x64(True):
+        _compiles_once_and_the_same(monkeypatch, _checkpoint_problem())
+
+
+def _compiles_once_and_the_same(monkeypatch, problem):
     compiled: Counter = Counter()
     real = compiler.compile_or_get_cached
 
@@ -47,13 +52,15 @@ def test_a_checkpoints_proof_compiles_each_program_once_and_concurrently_the_sam
         return real(backend, computation, devices, *args, **kwargs)
 
     monkeypatch.setattr(compiler, "compile_or_get_cached", counting)
-    ahead = verify(problem, LAYOUT, controls=CHOSEN, collectives=True, compile_workers=2)
+    ahead = verify(problem, LAYOUT, dtype=jnp.float64, controls=CHOSEN, collectives=True, compile_workers=2)
     monkeypatch.setattr(compiler, "compile_or_get_cached", real)
     assert ahead.ok and [c["name"] for c in ahead.controls] == list(KINDS), ahead.controls
     twice = [text.splitlines()[0] for (text, _), n in compiled.items() if n > 1]
     assert twice == [], twice
     assert compiled and not any("threefry" in text for text, _ in compiled), "the init program compiled"
-    one_thread = verify(problem, LAYOUT, controls=CHOSEN, collectives=True, compile_workers=0)
+    one_thread = verify(
+        problem, LAYOUT, dtype=jnp.float64, controls=CHOSEN, collectives=True, compile_workers=0
+    )
     assert one_thread.to_json() == ahead.to_json()
 
 
