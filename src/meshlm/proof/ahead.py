@@ -82,7 +82,7 @@ def settled(fn: Callable, *args) -> Future:
     return out
 
 
-def failed(e: BaseException) -> Future:
+def failure(e: BaseException) -> Future:
     """A future already holding the exception ``e``."""
     out: Future = Future()
     out.set_exception(e)

@@ -24,7 +24,7 @@ from meshlm.errors import VerifierError
 from meshlm.parallel.context import Parallel
 from meshlm.perf.hlo import collectives_per_step
 from meshlm.proof.adam_drift import AdamDrift
-from meshlm.proof.ahead import Compiler, failed
+from meshlm.proof.ahead import Compiler, failure
 from meshlm.proof.communication import collectives_step, communication_checks
 from meshlm.proof.controls import Control
 from meshlm.proof.report import LeafResult, compare_into, leaf_label, skipped_row, worst
@@ -86,7 +86,7 @@ def prepare_control(control: Control, runs: Runs, compiler: Compiler) -> tuple:
             traced, params = runs.traced.pop(control.name, None) or (fn.trace(params, runs.batch), params)
             lowered = traced.lower()
     except Exception as e:
-        return failed(e), None
+        return failure(e), None
     return compiler.submit(lowered.compile), params
 
 
