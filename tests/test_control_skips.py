@@ -157,3 +157,23 @@ def test_a_broken_inertness_judgement_cannot_skip_a_live_control(monkeypatch):
     (judged,) = [c for c in report.checks if c["name"] == MISJUDGED]
     assert not judged["ok"] and "changes the loss" in judged["detail"], judged
     assert not report.ok, format_report(report)
+
+
+def test_a_judgement_calling_every_program_the_same_cannot_skip_a_no_op(monkeypatch):
+    """A no-op control (its program changes, no value does) is NOT DETECTED: a failure. A judgement
+    planted wrong -- its fingerprint a constant, so every control is judged inert -- used to turn it
+    into a skip that stood, its values being bitwise the unplanted run's, and verify passed. The
+    evidence compares the planted and unplanted lowered programs too: the judgement's check row fails,
+    the no-op runs and fails, and a control that truly plants nothing is still skipped."""
+    import meshlm.proof.inertness as inertness
+    from meshlm.proof.inertness import MISJUDGED
+
+    monkeypatch.setattr(inertness, "fingerprint", lambda program: "every program the same")
+    problem = model_problem(get_config("tiny-gemma2"), "tiny-gemma2", LAYOUT, 1, 8)
+    report = verify(problem, LAYOUT, dtype=jnp.float32, controls=(NOOP, INERT_CONTROL))
+    rows = _rows(report)
+    assert rows[NOOP.name]["detected"] is False and "skipped" not in rows[NOOP.name], rows
+    assert rows[INERT_CONTROL.name]["skipped"] == INERT, rows
+    (judged,) = [c for c in report.checks if c["name"] == MISJUDGED]
+    assert not judged["ok"] and "its program" in judged["detail"] and NOOP.name in judged["detail"], judged
+    assert not report.ok, format_report(report)

@@ -44,13 +44,14 @@ def step_collectives(build_loss, layout: Layout, specs, params, batch, par_cls=P
     return collectives_per_step(step.lower(params, opt_state, batch).compile().as_text())
 
 
-def collectives_step(build_loss, layout: Layout, specs, params, par_cls=Parallel):
+def collectives_step(build_loss, layout: Layout, specs, params, par_cls=Parallel, init_state=None):
     """The train step whose collectives ``step_collectives`` counts (jitted, not yet traced), and its
-    initial optimizer state."""
+    initial optimizer state (``init_state(opt, params)``: a proof's, made once; default ``opt.init``)."""
     ocfg = OptimConfig(accum_steps=1)
     opt = adamw(ocfg, params)
     grad = sharded_value_and_grad(build_loss, layout, specs, par_cls)
-    return jax.jit(make_step(grad, opt, ocfg)), jax.jit(opt.init)(params)
+    state = jax.jit(opt.init)(params) if init_state is None else init_state(opt, params)
+    return jax.jit(make_step(grad, opt, ocfg)), state
 
 
 def communication_checks(cfg, layout: Layout, got: dict, *, batch_shape, itemsize, params) -> list[dict]:

@@ -15,31 +15,37 @@ accepts, and ``tests/test_controls_margin.py`` holds them to at least 100x in fl
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 
 import jax
 import numpy as np
 
 from meshlm.errors import VerifierError
+from meshlm.parallel.context import Parallel
+from meshlm.perf.hlo import collectives_per_step
 from meshlm.proof.adam_drift import AdamDrift
-from meshlm.proof.communication import collectives_step, communication_checks, step_collectives
+from meshlm.proof.ahead import Compiler, failure
+from meshlm.proof.communication import collectives_step, communication_checks
 from meshlm.proof.controls import Control
 from meshlm.proof.report import LeafResult, compare_into, leaf_label, skipped_row, worst
 from meshlm.proof.rule_errors import VMA_REJECTIONS, is_vma_rejection  # noqa: F401 - re-exported
-from meshlm.proof.runs import Runs, default_optim, put_batch, reference_grad_norm, step_batches
+from meshlm.proof.runs import Runs, default_optim, initial_state, put_batch, reference_grad_norm, step_batches
 
 REJECTED = "rejected by the type system"  # how a control refused by JAX's varying-axis check is detected
 
 
-def run_control(control: Control, runs: Runs, ocfg, rtol, atol) -> dict:
+def run_control(control: Control, runs: Runs, ocfg, rtol, atol, prepared=None) -> dict:
     """{"name", "detected", "how", "margin", "by"} for one planted fault run sharded against the
     reference. ``margin``: the worst leaf's error in tolerances (None where values do not decide:
-    a type-check rejection, the communication check, or non-finite values; ``by`` says which)."""
+    a type-check rejection, the communication check, or non-finite values; ``by`` says which).
+    ``prepared``: its program as ``prepare_control`` left it compiling ahead (default: prepared now)."""
     try:
+        prepared = prepared or prepare_control(control, runs, INLINE)
         if control.by_collectives:
-            return _by_collectives(control, runs)
+            return _by_collectives(control, runs, prepared)
         if control.by_int8_block:
             return _by_int8_block(control, runs)
-        results = _control_results(control, runs, ocfg, rtol, atol)
+        results = _control_results(control, runs, ocfg, rtol, atol, prepared)
     except Exception as e:
         if not is_vma_rejection(e):
             raise crash_error(control.name, e) from e
@@ -58,6 +64,61 @@ def run_control(control: Control, runs: Runs, ocfg, rtol, atol) -> dict:
         "margin": margin if finite else None,
         "by": "values" if finite else "non-finite values",
     }
+
+
+INLINE = Compiler(0)  # compiles where it is asked to: the sequential proof
+
+
+def prepare_control(control: Control, runs: Runs, compiler: Compiler) -> tuple:
+    """(the executable's future, the parameters it runs at) of the program ``run_control`` runs for
+    ``control``: traced here (or taken from the trace the inertness check kept, ``Runs.traced``) and
+    lowered under its plant, on the calling thread, then compiled on ``compiler``'s pool
+    (``proof.ahead``). An exception on the way is kept in the future: the run raises it, as it would
+    have raised it itself. (None, None) for a training step's or the int8 block's control: its run
+    builds its programs."""
+    if not compiles_ahead(control):
+        return None, None
+    try:
+        if control.by_collectives:
+            return compiler.submit(collectives_lowered(runs, control).compile), None
+        fn, params = _planted_fn(control, runs)
+        with _plant(control):
+            traced, params = runs.traced.pop(control.name, None) or (fn.trace(params, runs.batch), params)
+            lowered = traced.lower()
+    except Exception as e:
+        return failure(e), None
+    return compiler.submit(lowered.compile), params
+
+
+def compiles_ahead(control: Control) -> bool:
+    """Whether ``prepare_control`` compiles ``control``'s program (its run builds its own: a training
+    step's, needing the proof's optimizer config, or the int8 block's)."""
+    return not (control.per_shard_clip or control.train_step or control.by_int8_block)
+
+
+HONEST_STEP = "the communication check's step"  # ``Runs.traced``' key of its unplanted trace
+
+
+def collectives_lowered(runs: Runs, control: Control | None = None):
+    """The communication check's train step (``communication.collectives_step``) of the problem's loss,
+    with ``control``'s fault (None: the honest step), lowered: from the trace the inertness check kept
+    where there is one, its initial optimizer state made once per proof (``runs.initial_state``)."""
+    kept = runs.traced.get(HONEST_STEP) if control is None else runs.traced.pop(control.name, None)
+    if kept is not None:  # (the honest step's kept: the check and a skip's evidence both lower it)
+        return kept[0].lower()
+    p, par_cls = runs.problem, Parallel if control is None else control.par_cls
+    step, state = collectives_step(
+        p.build_loss, runs.layout, runs.specs, runs.params, par_cls, partial(initial_state, runs)
+    )
+    return step.lower(runs.params, state, runs.batch)
+
+
+def honest_collectives(runs: Runs) -> dict:
+    """``communication.step_collectives`` of the problem's own step: compiled once per proof (the check,
+    and the controls' evidence against it)."""
+    if not hasattr(runs, "_honest_collectives"):
+        runs._honest_collectives = collectives_per_step(collectives_lowered(runs).compile().as_text())
+    return runs._honest_collectives
 
 
 FROZEN_ONLY = (
@@ -90,38 +151,65 @@ def unchanged_values(control: Control, runs: Runs, ocfg, plain: Runs | None = No
     fake: "" where its planted sharded run gives, bitwise, the unplanted run's values -- the loss and every
     parameter's gradient with every weight trainable (``lora.thawed``: a fault reaching only a frozen
     weight's gradient counts too), a training step's parameters and state, or the step's compiled
-    collectives; else the first thing that differs (the control is live: the judgement was wrong).
+    collectives -- at the same parameters, from the same program (the lowered modules' text: a plant
+    that changes the program and no value, a no-op, is a control that fails, never a skip); else the
+    first thing that differs (the control is live, or a no-op: the judgement was wrong either way).
     ``plain``: the runs whose own problem is the unplanted one (under pp a config change is made the
     problem's model: ``pipeline_verify._under_pp``), default ``runs``."""
     plain = plain or runs
     if control.by_collectives:
-        p = runs.problem
-        honest = step_collectives(p.build_loss, runs.layout, runs.specs, runs.params, runs.batch)
-        got = step_collectives(
-            p.build_loss, runs.layout, runs.specs, runs.params, runs.batch, control.par_cls
-        )
-        return "" if honest == got else "the step's compiled collectives"
+        planted = collectives_lowered(runs, control)
+        if collectives_per_step(planted.compile().as_text()) != honest_collectives(runs):
+            return "the step's compiled collectives"
+        return _program_difference(planted, collectives_lowered(runs))
     if control.per_shard_clip or control.train_step:
         ocfg = ocfg or default_optim(1, reference_grad_norm(runs))
         batches = step_batches(runs.problem, 1, ocfg.accum_steps, 0)
         planted = next(runs.train(ocfg, batches, control.per_shard_clip, control.par_cls))[0][:2]
-        plain = next(runs.train(ocfg, batches))[0][:2]
-        return _first_difference(planted, plain)
-    return _first_difference(*_thawed_values(control, runs, plain))
+        unplanted = next(runs.train(ocfg, batches))[0][:2]
+        programs = (_step_lowered(runs, ocfg, batches[0], c) for c in (control, None))
+        return _first_difference(planted, unplanted) or _program_difference(*programs)
+    (program, params, values), (plain_program, plain_values) = _thawed_runs(control, runs, plain)
+    if changed := _first_difference(values, plain_values):
+        return changed
+    if jax.tree.structure(params) != jax.tree.structure(plain.params):
+        return "the parameters' structure"
+    changed = _first_difference(params, plain.params)
+    return f"the parameters ({changed})" if changed else _program_difference(program, plain_program)
+
+
+def _program_difference(planted, unplanted) -> str:
+    """ "" where two lowered programs' modules read the same, else "its program"."""
+    return "" if planted.as_text() == unplanted.as_text() else "its program (the lowered module)"
+
+
+def _step_lowered(runs: Runs, ocfg, batch, control: Control | None):
+    """The training step ``runs.train`` runs with ``control``'s fault (None: none), lowered."""
+    clip, par_cls = (False, Parallel) if control is None else (control.per_shard_clip, control.par_cls)
+    step, state = runs.train_step(ocfg, clip, par_cls)
+    return step.lower(*state, put_batch(batch, runs.layout, ocfg.accum_steps > 1))
 
 
 def _thawed_values(control: Control, runs: Runs, plain: Runs):
     """(planted, unplanted): the loss and every gradient of ``runs``' sharded program with ``control``
-    planted and of ``plain``'s without it, every weight trainable (``lora.thawed``); the unplanted
-    values computed once per proof."""
+    planted and of ``plain``'s without it, every weight trainable (``lora.thawed``)."""
+    planted, unplanted = _thawed_runs(control, runs, plain)
+    return planted[2], unplanted[1]
+
+
+def _thawed_runs(control: Control, runs: Runs, plain: Runs):
+    """((lowered program, parameters, values) planted, (lowered program, values) unplanted) of
+    ``_thawed_values``; the unplanted computed once per proof."""
     from meshlm.proof.lora import thawed
 
     with thawed():
         if not hasattr(plain, "_thawed"):
-            plain._thawed = plain.sharded_fn(plain.problem.build_loss)(plain.params, plain.batch)
+            lowered = plain.sharded_fn(plain.problem.build_loss).lower(plain.params, plain.batch)
+            plain._thawed = lowered, lowered.compile()(plain.params, plain.batch)
         fn, params = _planted_fn(control, runs)
         with _plant(control):
-            planted = fn(params, runs.batch)
+            lowered = fn.lower(params, runs.batch)
+            planted = lowered, params, lowered.compile()(params, runs.batch)
     return planted, plain._thawed
 
 
@@ -145,7 +233,7 @@ def crash_error(name: str, e: BaseException) -> VerifierError:
     )
 
 
-def _control_results(control: Control, runs: Runs, ocfg, rtol, atol) -> list[LeafResult]:
+def _control_results(control: Control, runs: Runs, ocfg, rtol, atol, prepared) -> list[LeafResult]:
     problem = runs.problem
     results: dict[str, LeafResult] = {}
     if control.per_shard_clip or control.train_step:
@@ -157,9 +245,8 @@ def _control_results(control: Control, runs: Runs, ocfg, rtol, atol) -> list[Lea
             compare_into(results, ss, sr, rtol, atol)
     else:
         lr, gr = runs.reference_grads()  # outside the plant: the reference never runs the fault
-        fn, params = _planted_fn(control, runs)
-        with _plant(control):
-            ls, gs = runs.run_traced(control.name, fn, params)
+        compiled, params = prepared
+        ls, gs = compiled.result()(params, runs.batch)
         compare_into(results, {"loss": {"value": ls}, **gs}, {"loss": {"value": lr}, **gr}, rtol, atol)
     return list(results.values())
 
@@ -194,10 +281,18 @@ def trace_control(control: Control, runs: Runs, ocfg=None, fault: bool = True):
         batch = step_batches(problem, 1, ocfg.accum_steps, 0)[0]
         return step.trace(*state, put_batch(batch, runs.layout, ocfg.accum_steps > 1))
     if control.by_collectives:  # the train step whose compiled collectives ``_by_collectives`` counts
-        step, opt_state = collectives_step(
-            problem.build_loss, runs.layout, runs.specs, runs.params, control.par_cls
+        step, state = collectives_step(
+            problem.build_loss,
+            runs.layout,
+            runs.specs,
+            runs.params,
+            control.par_cls,
+            partial(initial_state, runs),
         )
-        return step.trace(runs.params, opt_state, runs.batch)
+        traced = step.trace(runs.params, state, runs.batch)
+        if fault or control.par_cls is Parallel:  # kept for its compile (``collectives_lowered``)
+            runs.traced[control.name if fault else HONEST_STEP] = (traced, runs.params)
+        return traced
     fn, params = _planted_fn(control, runs)
     with _plant(control):
         traced = fn.trace(params, runs.batch)
@@ -206,10 +301,8 @@ def trace_control(control: Control, runs: Runs, ocfg=None, fault: bool = True):
     return traced
 
 
-def _by_collectives(control: Control, runs: Runs) -> dict:
-    got = step_collectives(
-        runs.problem.build_loss, runs.layout, runs.specs, runs.params, runs.batch, control.par_cls
-    )
+def _by_collectives(control: Control, runs: Runs, prepared) -> dict:
+    got = collectives_per_step(prepared[0].result().as_text())
     rows = communication_rows(runs, got)
     failed = [r for r in rows if not r["ok"]]
     if not failed and (more := _more_than_honest(runs, got)):
@@ -248,8 +341,7 @@ def _more_than_honest(runs: Runs, got: dict) -> str:
     cfg = runs.problem.cfg
     if cfg is None or not cfg.lora_rank:
         return ""
-    p = runs.problem
-    honest = step_collectives(p.build_loss, runs.layout, runs.specs, runs.params, runs.batch)
+    honest = honest_collectives(runs)
     more = [
         f"{kind} {honest[kind]['count']} -> {got[kind]['count']}"
         for kind in honest

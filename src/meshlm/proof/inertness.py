@@ -140,10 +140,12 @@ def confirmed_skips(
     """(the skips that stand, {name: what changed} of those that do not). Each skip of ``skips``
     (``inert_skips``: a judgement from traces and fingerprints, which a bug in the judgement can get
     wrong) is run once: it stands only where its planted run's values are bitwise the unplanted run's
-    with every weight trainable (``control_runs.unchanged_values``). One that changes a value is live:
-    it is run as every other control, and verify fails its check row ``MISJUDGED`` (a broken judgement
-    is loud, never a silent skip). A pipeline control's name (its engine's own fault) and, under pp, a
-    communication control stand on their trace alone."""
+    with every weight trainable, at the same parameters, from the same lowered program
+    (``control_runs.unchanged_values``: the judgement's own claim, checked by other means than the
+    fingerprint). One that changes a value is live, one that changes the program or the parameters and
+    no value a no-op: either is run as every other control, and verify fails its check row
+    ``MISJUDGED`` (a broken judgement is loud, never a silent skip). A pipeline control's name (its
+    engine's own fault) and, under pp, a communication control stand on their trace alone."""
     by_name = {c.name: c for c in controls if not isinstance(c, str)}
     stand, live = {}, {}
     for name, why in skips.items():

@@ -25,8 +25,14 @@ from meshlm.parallel import watchdog
 from meshlm.parallel.layout import Layout
 from meshlm.parallel.placement import bytes_per_device, to_host, total_bytes
 from meshlm.proof.adam_drift import AdamDrift
-from meshlm.proof.communication import step_collectives
-from meshlm.proof.control_runs import communication_rows, run_control
+from meshlm.proof.ahead import Ahead, Compiler
+from meshlm.proof.control_runs import (
+    communication_rows,
+    compiles_ahead,
+    honest_collectives,
+    prepare_control,
+    run_control,
+)
 from meshlm.proof.controls import CONTROLS, Control, Where
 from meshlm.proof.cp_controls import CP_CONTROLS
 from meshlm.proof.data_pipeline import data_checks
@@ -64,6 +70,7 @@ def verify(
     data_steps: int = 0,
     allow_routing_flips: bool = False,
     pipeline_faults: tuple[str, ...] | None = None,
+    compile_workers: int | None = None,
 ) -> Report:
     """Prove ``problem`` sharded on ``where`` (a jax Mesh or a Layout, with the problem's memory
     options) equals it unsharded; see the module docstring.
@@ -74,7 +81,8 @@ def verify(
     (never in float64), the tolerance unchanged. Under pp ``pipeline_faults`` names the pipeline's own
     controls to run (None: every one that applies; () none: a test of a model feature under pp runs
     those its feature touches, the schedule's faults being proven on every schedule by
-    tests/test_pp_verify.py)."""
+    tests/test_pp_verify.py). ``compile_workers``: threads compiling the controls' programs ahead
+    (``proof.ahead``; default the idle cores less one, ``idle_workers``; 0 none)."""
     dname = jnp.dtype(dtype).name
     rtol, atol = TOLERANCE[dname]
     layout = Layout.of(where, fsdp=problem.fsdp, sp=problem.sp)
@@ -102,38 +110,69 @@ def verify(
                     f"pipeline controls {sorted(unknown)} do not apply here; these do: {pipeline}"
                 )
             pipeline = [n for n in pipeline if n in pipeline_faults]
-    try:  # before any run: a control that changes nothing here is skipped, saying so (``inertness``)
-        skipped, misjudged = confirmed_skips(inert_skips(chosen + pipeline, runs, ocfg), chosen, runs, ocfg)
-        chosen = [c for c in chosen if c.name not in skipped]
-        pipeline = [n for n in pipeline if n not in skipped]
-        sharded = runs.proven_grads()
-    except ValueError as e:  # a wrong rule or a varying-axis type error: a failing row, not a traceback
-        for name, explain in (("sharding rules", rule_mismatch), ("varying-axis types", vma_error)):
-            if (found := explain(e, runs.params, runs.specs)) is not None:
-                report.params, report.loss_ok = [found[0]], False
-                report.checks = [check_row(name, False, found[1])]
-                report.halted = "the sharded program could not be traced"
-                return report
-        raise
-    ocfg = _compare_values(report, runs, sharded, steps, ocfg, seed)
-    report.checks = _checks(runs, steps, ocfg, collectives, data_steps, seed) + report.checks
-    report.checks += padding_rows(problem, sharded[1])
-    report.checks += lora_rows(runs, sharded[1], rtol)  # with adapters: frozen base, merged forward
-    report.checks += routing_rows(runs, dname, allow_routing_flips)
-    if problem.cfg is not None and problem.cfg.quant == "int8":  # the int8 matmuls bit for bit
-        report.checks += int8_rows(layout, dtype, seed)
-    report.checks += [_misjudged_row(name, what) for name, what in misjudged.items()]
-    report.controls = [skipped_row(name, why) for name, why in skipped.items()]
-    report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
-    report.extra["param_bytes_total"] = total_bytes(runs.params)
-    if engine_faults:
-        report.controls += [run_model_control(c, runs, run_control, ocfg, rtol, atol) for c in chosen]
-        report.controls += pipeline_controls(runs, rtol, atol, pipeline)
-        return report
-    for c in chosen:
-        with watchdog.program(f"verify's control {c.name!r}", layout.label()):
-            report.controls.append(run_control(c, runs, ocfg, rtol, atol))
+    with Compiler(compile_workers) as compiler:
+        try:  # before any run: a control that changes nothing here is skipped, saying so (``inertness``)
+            skips = inert_skips(chosen + pipeline, runs, ocfg)
+            skipped, misjudged = confirmed_skips(skips, chosen, runs, ocfg)
+            chosen = [c for c in chosen if c.name not in skipped]
+            pipeline = [n for n in pipeline if n not in skipped]
+            ahead = None if engine_faults else _ahead(chosen, runs, compiler)  # compiling from here on
+            sharded = runs.proven_grads()
+        except ValueError as e:  # a wrong rule or a varying-axis type error: a failing row, not a traceback
+            for name, explain in (("sharding rules", rule_mismatch), ("varying-axis types", vma_error)):
+                if (found := explain(e, runs.params, runs.specs)) is not None:
+                    report.params, report.loss_ok = [found[0]], False
+                    report.checks = [check_row(name, False, found[1])]
+                    report.halted = "the sharded program could not be traced"
+                    return report
+            raise
+        ocfg = _compare_values(report, runs, sharded, steps, ocfg, seed)
+        report.checks = _checks(runs, steps, ocfg, collectives, data_steps, seed) + report.checks
+        report.checks += padding_rows(problem, sharded[1])
+        report.checks += lora_rows(runs, sharded[1], rtol)  # with adapters: frozen base, merged forward
+        report.checks += routing_rows(runs, dname, allow_routing_flips)
+        if problem.cfg is not None and problem.cfg.quant == "int8":  # the int8 matmuls bit for bit
+            report.checks += int8_rows(layout, dtype, seed)
+        report.checks += [_misjudged_row(name, what) for name, what in misjudged.items()]
+        report.controls = [skipped_row(name, why) for name, why in skipped.items()]
+        report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)
+        report.extra["param_bytes_total"] = total_bytes(runs.params)
+        if engine_faults:
+            report.controls += [run_model_control(c, runs, run_control, ocfg, rtol, atol) for c in chosen]
+            report.controls += pipeline_controls(runs, rtol, atol, pipeline)
+            return report
+        report.controls += _control_rows(chosen, ahead, runs, ocfg, rtol, atol)
     return report
+
+
+def _ahead(chosen: list[Control], runs: Runs, compiler: Compiler) -> Ahead | None:
+    """(index, control) of the controls whose programs compile ahead on ``compiler``'s pool
+    (``proof.ahead``: at most ``AHEAD_PER_WORKER`` per worker, at least ``AHEAD_MIN``, prepared before
+    the one that runs); None without workers (each compiled in its run)."""
+    if not compiler.workers:
+        return None
+    items = [(i, c) for i, c in enumerate(chosen) if compiles_ahead(c)]
+    window = max(AHEAD_MIN, AHEAD_PER_WORKER * compiler.workers)
+    return Ahead(items, lambda item: prepare_control(item[1], runs, compiler), window)
+
+
+AHEAD_PER_WORKER, AHEAD_MIN = 2, 8  # controls' programs held compiled ahead (each its module and executable)
+
+
+def _control_rows(chosen: list[Control], ahead: Ahead | None, runs: Runs, ocfg, rtol, atol) -> list[dict]:
+    """Each control's row (``run_control``), in ``chosen``'s order. With ``ahead``: first, on this
+    thread, those whose run builds its own programs (a training step's), while the pool compiles the
+    others', then those; each row is what the control's run gives whatever runs before it."""
+    mesh = runs.layout.label()
+
+    def run(c: Control, prepared=None) -> dict:
+        with watchdog.program(f"verify's control {c.name!r}", mesh):
+            return run_control(c, runs, ocfg, rtol, atol, prepared)
+
+    rows = {i: run(c) for i, c in enumerate(chosen) if ahead is None or not compiles_ahead(c)}
+    for (i, c), prepared in ahead or ():
+        rows[i] = run(c, prepared)
+    return [rows[i] for i in range(len(chosen))]
 
 
 def _misjudged_row(name: str, what: str) -> dict:
@@ -202,9 +241,7 @@ def _compare_values(report: Report, runs: Runs, sharded, steps: int, ocfg, seed:
 
 def _all_reduce_rows(runs: Runs) -> list[dict]:
     """The communication check of a sharded step: its compiled collectives against the expected."""
-    p = runs.problem
-    got = step_collectives(p.build_loss, runs.layout, runs.specs, runs.params, runs.batch)
-    return communication_rows(runs, got)
+    return communication_rows(runs, honest_collectives(runs))
 
 
 COMMUNICATION = {"all-reduces": _all_reduce_rows, "permutes": permute_rows}  # ``Sharded.proof_collectives``

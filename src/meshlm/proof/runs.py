@@ -7,6 +7,8 @@ and run under plain ``jit`` on one device; ``independence`` checks that it reall
 
 from __future__ import annotations
 
+from functools import partial
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -145,7 +147,8 @@ class Runs:
         step = make_step(grad, opt, ocfg, clip, balance=balance, part=part, dropout_seed=drop)
         # the state laid out as the step returns it (training's ``init_opt_state``): step 2 then runs
         # step 1's program, not a second compilation for the optimizer counters' placement
-        return jax.jit(step), (self.params, init_opt_state(opt, part.select(self.params), specs, self.mesh))
+        selected = part.select(self.params)
+        return jax.jit(step), (self.params, initial_state(self, opt, selected, specs))
 
     def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False, par_cls=Parallel, seed: int = 0):
         """Yield ((params, opt_state, metrics) sharded, the same unsharded) after each step (``seed``:
@@ -163,7 +166,7 @@ def _reference_states(runs: Runs, ocfg: OptimConfig, batches) -> list:
     part = _part(runs.problem)
     opt = reference_optimizer(ocfg, part.select(runs.ref_params))
     # committed to the reference's device, as the step's outputs are: one compilation for every step
-    opt_state = jax.device_put(jax.jit(opt.init)(part.select(runs.ref_params)), runs.device)
+    opt_state = jax.device_put(initial_state(runs, opt, part.select(runs.ref_params)), runs.device)
     state, out = (runs.ref_params, opt_state), []
     step = _reference_train_step(runs.problem, runs.ref_loss, ocfg, opt, part)
     first = jax.device_put(batches[0], runs.device)
@@ -172,6 +175,24 @@ def _reference_states(runs: Runs, ocfg: OptimConfig, batches) -> list:
         *state, metrics = program(*state, jax.device_put(b, runs.device))
         out.append(runs.problem.from_reference((*state, metrics)))
     return out
+
+
+def initial_state(runs: Runs, opt, params, specs=None):
+    """``opt``'s initial state at ``params``: with ``specs`` laid out as the sharded step returns it
+    (training's ``init_opt_state``), else as ``jit(opt.init)`` gives it. Made once per proof for each
+    init program at the parameters' placement (its jaxpr and constants: a learning rate or a clip
+    changes the step, not the state, which no step of the proof donates): the controls' steps start
+    from the proof's state, the reference's from the reference's."""
+    closed = jax.make_jaxpr(opt.init)(params)
+    placed = tuple(x.sharding for x in jax.tree.leaves(params))
+    key = (specs is None, placed, str(closed), *(np.asarray(c).tobytes() for c in closed.consts))
+    made = runs.__dict__.setdefault("_opt_states", {})
+    if key not in made:
+        init = (
+            jax.jit(opt.init) if specs is None else partial(init_opt_state, opt, specs=specs, mesh=runs.mesh)
+        )
+        made[key] = init(params)
+    return made[key]
 
 
 def _part(problem: Problem):
@@ -187,12 +208,18 @@ def reference_grad_norm(runs: Runs) -> float:
 
 
 def _init(problem: Problem, mesh, dtype, seed: int):
-    """The proof's parameters and their specs. Created by the unsharded init program on this process's
-    first device, then laid out by the specs: that program is the same on every mesh of a model (a
-    compilation-cache hit after the first mesh; a sharded init compiles one per mesh), and the values
-    are those any mesh's init gives (JAX's partitionable threefry; ``rules.init_sharded``). The example
-    batch is one row when every leaf has the rows first (the parameters do not depend on the batch)."""
+    """The proof's parameters and their specs (None and the specs where ``problem.load_params`` gives
+    the parameters). Created by the unsharded init program on this process's first device, then laid
+    out by the specs: that program is the same on every mesh of a model (a compilation-cache hit after
+    the first mesh; a sharded init compiles one per mesh), and the values are those any mesh's init
+    gives (JAX's partitionable threefry; ``rules.init_sharded``). The example batch is one row when
+    every leaf has the rows first (the parameters do not depend on the batch)."""
     init = hk.transform(problem.build_loss(Parallel())).init
+    if problem.load_params is not None:  # a checkpoint's parameters replace them: no init runs, and no
+        # program compiles for it (the init's compile was the proof's largest, for values thrown away)
+        return None, problem.specs_fn(
+            jax.eval_shape(lambda b: init(jax.random.PRNGKey(seed), b), problem.batch)
+        )
     example = jax.tree.map(jnp.asarray, problem.batch)
     rows = {np.shape(v)[0] if np.ndim(v) else None for v in jax.tree.leaves(example)}
     if len(rows) == 1 and None not in rows:
