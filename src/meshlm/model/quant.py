@@ -59,9 +59,10 @@ def int_dot(a, b, contract=((1,), (0,))):
 
 
 def outer_scale(sa, sb):
-    """sa [1, K], sb [1, M] -> the [K, M] scales of a weight gradient (a tap for the transposed-scale
-    control: ``proof.quant_controls``)."""
-    return sa.T * sb
+    """sa [..., 1, K], sb [..., 1, M] -> the [..., K, M] scales of a weight gradient (one per expert
+    with a leading [E]: ``model.quant_experts``); a tap for the transposed-scale control
+    (``proof.quant_controls``)."""
+    return jnp.swapaxes(sa, -1, -2) * sb
 
 
 def int8_dense(par, kind: str, x, w):
