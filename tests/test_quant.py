@@ -75,12 +75,14 @@ def test_int8_block_sharded_equals_unsharded_bit_for_bit(layout):
 
 
 def test_quant_refuses_what_it_does_not_cover():
-    """A mixture of experts is covered (tests/test_quant_experts.py), pp not."""
+    """A mixture of experts is covered (tests/test_quant_experts.py), and pp (its micro-batches' scales,
+    proven against the reference of the same micro-batches), but not the two together."""
     from meshlm.model.quant_fields import check_quant
 
-    _moe().replace(quant="int8")
-    with pytest.raises(ConfigError, match="with --pp 2: the gradient scales"):
-        check_quant(get_config("tiny-llama").replace(quant="int8"), Layout(dp=2, pp=2, microbatches=2))
+    pp = Layout(dp=2, pp=2, microbatches=2)
+    check_quant(get_config("tiny-llama").replace(quant="int8"), pp)
+    with pytest.raises(ConfigError, match="--pp 2 on a mixture of experts: not proven"):
+        check_quant(_moe().replace(quant="int8"), pp)
     with pytest.raises(ConfigError, match="quant must be one of"):
         get_config("cpu").replace(quant="int4")
 
@@ -112,14 +114,14 @@ def _where(layout, quant="int8"):
 @pytest.mark.slow  # the int8 block's bit-for-bit test and each control's test above catch the same bugs
 def test_verify_quant_int8_proves_tiny_llama_and_detects_its_controls(capsys):
     """docs/quantization.md's proof as written: the sharded int8 step equals the unsharded one in float64,
-    the int8 block bit for bit, and the four int8 controls (with every other) detected."""
+    the int8 block bit for bit, and the five int8 controls (with every other) detected."""
     code = run_cli(
         "verify", "--config", "tiny-llama", "--quant", "int8", "--mesh", "2x2", "--devices", "4", "--x64"
     )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "int8 block output (sharded vs unsharded)" in out and "bit for bit" in out
-    for control in BLOCK_CONTROLS:
+    for control in [*BLOCK_CONTROLS, *(c for c in QUANT_CONTROLS if not c.by_int8_block)]:
         assert f"control {control.name}" in out and "detected" in out.split(f"control {control.name}")[1][:60]
 
 
@@ -145,3 +147,34 @@ def test_bench_times_int8_beside_the_float_step(capsys, monkeypatch):
     ours, int8 = report["results"]
     assert ours["mfu_spec_int8"] is None and int8["mfu_spec_int8"] == pytest.approx(int8["mfu_spec"] / 2)
     assert int8["loss"] == pytest.approx(ours["loss"], rel=0.01) and int8["loss"] != ours["loss"]
+
+
+def test_the_micro_batched_reference_splits_the_rows_as_the_pipeline():
+    """Under pp the int8 reference is the mean over the pipeline's micro-batches (``mean_of_microbatches``):
+    micro-batch j holds the j-th half of each dp shard's rows (as ``pipeline_engines`` splits a device's
+    rows), and the mean is over the M micro-batches' values."""
+    from meshlm.sharding.spmd import mean_of_microbatches
+
+    rows = jnp.arange(8.0)[:, None]  # 2 dp shards of 4 rows, 2 micro-batches of 2 rows each per shard
+    seen = mean_of_microbatches(lambda p, b: (b["x"][:, 0], p), 2, 2)(1.0, {"x": rows})
+    np.testing.assert_array_equal(seen[0], [(0 + 2) / 2, (1 + 3) / 2, (4 + 6) / 2, (5 + 7) / 2])
+    assert float(seen[1]) == 1.0
+
+
+@pytest.mark.slow  # 110 s on 2 cores; quick: test_the_micro_batched_reference_splits_the_rows_as_the_pipeline
+def test_int8_under_pp_equals_the_reference_of_its_micro_batches_and_its_control_shows():
+    """pp 2 x dp 2, 1F1B on 2 micro-batches: the pipeline's int8 step (each micro-batch's weight-gradient
+    scales its own, a pmax over dp) equals the unsharded int8 step's mean over the same micro-batches in
+    float64; the int8 controls that apply are detected, the token max from one shard's rows by the
+    values through the pipeline."""
+    from meshlm.proof import model_problem
+    from meshlm.proof.prover import verify
+
+    cfg = get_config("tiny-llama").replace(quant="int8")
+    layout = Layout(dp=2, pp=2, microbatches=2, pp_schedule="1f1b")
+    with jax.enable_x64(True):
+        problem = model_problem(cfg, "tiny-llama", layout, 4, 16)
+        report = verify(problem, layout, dtype=jnp.float64, controls=QUANT_CONTROLS, pipeline_faults=())
+    assert report.ok and max(p.max_rel_err for p in report.params) < 1e-14
+    by = {c["name"]: c["by"] for c in report.controls if c["detected"]}
+    assert by["int8 weight-gradient scale from this shard's tokens"] == "values" and len(by) == 3, by

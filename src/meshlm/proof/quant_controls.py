@@ -1,5 +1,5 @@
-"""``--quant int8``'s planted faults (``model.quant``): each must fail the int8 block's bit-for-bit check
-(``proof.quant_exact``), run with the fault in the sharded program only.
+"""``--quant int8``'s planted faults (``model.quant``), each in the sharded program only; the first four
+must fail the int8 block's bit-for-bit check (``proof.quant_exact``), the fifth the step's values.
 
 * a scale from the local shard: the per-token max over a contraction dim split over mp taken on this
   shard's slice, not the exact ``pmax`` (each shard quantizes on its own grid);
@@ -7,7 +7,9 @@
   (within the float tolerance of the values: only the bit-for-bit check sees it);
 * a dropped gradient quantizer: the backward's matmuls in float (the straight-through forward kept);
 * a transposed scale: the weight gradient's [K, M] scales laid out from their [M, K] transpose (a reshape
-  where a transpose was meant).
+  where a transpose was meant);
+* a weight gradient's scales from this shard's tokens (no ``pmax`` over the batch axes): detected by the
+  whole step's values (under pp through the pipeline, against the reference of its micro-batches).
 
 The experts' (``model.quant_experts``), each failing the int8 experts' check (``proof.quant_experts_exact``):
 
@@ -49,6 +51,14 @@ class Int8RescaledBeforeSum(Parallel):
         return jnp.where(self.shard_index() == 0, total, jnp.zeros_like(total))
 
 
+class LocalTokenMax(Parallel):
+    """A weight gradient's per-channel scales from this shard's tokens alone, not the ``pmax`` over the
+    batch axes (under pp: over the pipeline micro-batch's rows on the other data shards)."""
+
+    def token_max(self, m):
+        return m
+
+
 class ExpertScaleLocalRows(Parallel):
     """An expert weight gradient's per-channel scales from this shard's rows of the expert alone."""
 
@@ -87,6 +97,10 @@ def _split(where: Where) -> bool:
     return _quantized(where) and where.layout.mp > 1
 
 
+def _batch_split(where: Where) -> bool:
+    return _quantized(where) and math.prod(where.layout.mesh_shape[a] for a in where.layout.batch_axes) > 1
+
+
 def _experts_rows_split(where: Where) -> bool:
     """int8 experts whose rows lie on several data shards (dp outside ep, cp)."""
     if not (_quantized(where) and where.cfg.arch.moe):
@@ -119,6 +133,11 @@ QUANT_CONTROLS = (
         applies=_quantized,
         plant=lambda: replaced(vars(quant), "outer_scale", _transposed),
         by_int8_block=True,
+    ),
+    Control(  # by values: the whole step's (under pp through the pipeline, against its micro-batches)
+        name="int8 weight-gradient scale from this shard's tokens",
+        applies=_batch_split,
+        par_cls=LocalTokenMax,
     ),
     Control(
         name="int8 expert scale from this shard's rows",
