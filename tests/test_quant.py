@@ -178,3 +178,25 @@ def test_int8_under_pp_equals_the_reference_of_its_micro_batches_and_its_control
     assert report.ok and max(p.max_rel_err for p in report.params) < 1e-14
     by = {c["name"]: c["by"] for c in report.controls if c["detected"]}
     assert by["int8 weight-gradient scale from this shard's tokens"] == "values" and len(by) == 3, by
+
+
+def test_a_non_finite_value_reaches_the_int8_results():
+    """A NaN or inf in a matmul's input makes its results non-finite, not a finite integer after the int8
+    cast (the pipeline's bubbles are NaN: one let through must show, ``quant.step``); dense and expert."""
+    from meshlm.model.moe import Experts
+
+    x, w, ct = _random([(4, 8), (8, 6), (4, 6)])
+    for bad in (jnp.nan, jnp.inf):
+        xb = x.at[1, 2].set(bad)
+        y, dx, dw = _value_and_grads(lambda x, w: int8_dense(Parallel(), "col", x, w), xb, w, ct)
+        assert not np.isfinite(np.asarray(y)[1]).any() and not np.isfinite(np.asarray(dw)).all()
+        assert np.isfinite(np.asarray(y)[[0, 2, 3]]).all()
+    ids, cw = jnp.array([[0], [1], [0], [1]]), jnp.ones((4, 1))
+    weights = _random([(2, 8, 6), (2, 8, 6), (2, 6, 8)], seed=2)
+    experts = lambda x, *ws: Parallel().experts(
+        x, ids, cw, Experts(*ws, "blocks", quant="int8", par=Parallel())
+    )
+    y, vjp = jax.vjp(experts, x.at[1, 2].set(jnp.nan), *weights)
+    grads = vjp(jnp.ones_like(y))
+    assert np.isnan(np.asarray(y)[1]).all() and np.isfinite(np.asarray(y)[[0, 2, 3]]).all()
+    assert np.isnan(np.asarray(grads[1])[1]).any()  # expert 1's w_gate gradient: its NaN row's

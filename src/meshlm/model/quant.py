@@ -43,8 +43,10 @@ def amax(x, axis):
 
 
 def step(m):
-    """The quantum of a row whose max |value| is ``m``: m / 127; 1 for an all-zero row (quantizes to 0)."""
-    return jnp.where(m > 0, m / QMAX, jnp.ones_like(m))
+    """The quantum of a row whose max |value| is ``m``: m / 127; 1 for an all-zero row (quantizes to 0).
+    A NaN or inf max gives a NaN or inf quantum, so a non-finite value reaches the rescaled result (an
+    int8 cast would make it a finite integer: a NaN in a pipeline's bubble, say, would vanish)."""
+    return jnp.where(m == 0, jnp.ones_like(m), m / QMAX)
 
 
 def quantize(x, scale):

@@ -86,7 +86,7 @@ def grouped_grads(par, row: bool, x, ws, g, groups):
     qwt = jnp.concatenate([quantize(w, swt) for w in ws], -1)  # [E, K, M] int8
     acc = groups.dot(quantize(g, sg), jnp.swapaxes(qwt, 1, 2))  # [R, K] = g @ w_e^T
     dx = par.int8_out(acc, sg * swt[groups.expert, :, 0], col)
-    live = gmax > 0  # [R, 1] the rows that carry a gradient
+    live = gmax != 0  # [R, 1] the rows that carry a gradient (a NaN one too: it must reach dw)
     sxe = step(par.expert_token_max(_group_max(x, live, groups)))  # [E, 1, K] per input channel
     sge = step(par.expert_token_max(_group_max(g, live, groups)))  # [E, 1, M] per output channel
     qx, qg = quantize(x, sxe[groups.expert, 0]), quantize(g, sge[groups.expert, 0])
