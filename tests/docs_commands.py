@@ -248,6 +248,8 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm verify --config tiny-qwen3-moe --quant int8 --mesh 2x2 --ep 2 --devices 4 --x64": verify(
         costly=QUANT_MOE_VERIFY
     ),
+    "meshlm verify --config tiny-qwen3-moe --quant int8 --mesh 4x2 --ep 2 --fsdp --sp --devices 8 --x64 "
+    "--seed 1": verify(costly=QUANT_MOE_VERIFY),
     "meshlm verify --config tiny-llama --quant int8 --pp 2 --mesh 2x1 --devices 4 --x64": verify(
         costly=QUANT_PP_VERIFY
     ),
