@@ -35,6 +35,7 @@ from pathlib import Path
 ATTN_SEQS = (256, 512, 1024, 2048, 4096, 8192)
 ATTN_KINDS = ("plain", "flash", "blockwise")
 BENCH = ("bench", "--mesh", "1x1", "--gen-tokens", "0", "--peak-n", "8192", "--json", "--impls", "meshlm")
+INT8 = "meshlm-int8"  # bench's int8 implementation (``perf.bench_settings.INT8``)
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,35 @@ def _real_size_jobs() -> list[Job]:
     ]
 
 
+def _int8_jobs() -> list[Job]:
+    """Issue 65 item 3: the int8 step beside the bf16 one in one bench run each (``--impls
+    meshlm,meshlm-int8``: the same parameters and batch, interleaved; their ratio and the int8 row's MFU
+    over the spec int8 peak), at llama-100m 8 x 512 and qwen3-0.6b 8 x 2048 (the loss in chunks, full
+    remat: what fits), and a mixture of experts (qwen3-moe-100m, XLA's ragged_dot dispatch)."""
+    pair = (*BENCH[:-1], f"meshlm,{INT8}", "--quant", "int8", "--bf16")
+    runs = (
+        (
+            "llama-100m 8x512",
+            ("--config", "llama-100m", "--batch-size", "8", "--seq-len", "512", "--steps", "10"),
+        ),
+        (
+            "qwen3-0.6b 8x2048 full",
+            ("--config", "qwen3-0.6b", "--batch-size", "8", "--seq-len", "2048", "--steps", "5")
+            + ("--remat", "full", "--loss-chunk", "512"),
+        ),
+        (
+            "qwen3-moe-100m 8x512 ragged_dot",
+            ("--config", "qwen3-moe-100m", "--batch-size", "8", "--seq-len", "512", "--steps", "5")
+            + ("--moe-dispatch", "ragged_dot"),
+        ),
+    )
+    smoke = (*pair, "--config", "tiny-qwen3-moe", "--peak-n", "256", "--batch-size", "2", "--seq-len", "32")
+    smoke += ("--steps", "5", "--warmup", "0", "--moe-dispatch", "ragged_dot")
+    return [Job("int8", name, (*pair, *argv), smoke if i == 0 else ()) for i, (name, argv) in enumerate(runs)]
+
+
 GROUPS = {
+    "int8": _int8_jobs,
     "real-size": _real_size_jobs,
     "plan": _plan_jobs,
     "attention": _attention_jobs,
@@ -309,11 +338,17 @@ def _bench_rows(res: Result) -> list[str]:
     for r in res.output.get("results", []):
         mem = r.get("bytes_per_device", {}).get("compiled", {})
         mfu = "" if r.get("mfu_spec") is None else f"{r['mfu_spec']:.3f}"
+        if r.get("mfu_spec_int8") is not None:  # the int8 step: over the spec int8 peak too
+            mfu += f" (int8 peak {r['mfu_spec_int8']:.3f})"
         loss = r.get("loss", float("nan"))
         rows.append(
             f"| {res.job.name} | {r['impl']} | {r['step_s_median'] * 1e3:.2f} | {r['tokens_per_s']:,.0f} | "
             f"{mfu} | {_gb(mem.get('peak'))} | {loss:.4f} |"
         )
+    if ratio := res.output.get("step_time_ratios", {}).get(f"{INT8}/meshlm"):  # < 1: int8 the faster
+        paired = ratio["paired"]
+        speed = f"{paired:.3f} = {1 / paired:.2f}x"
+        rows.append(f"| {res.job.name} | {INT8}/meshlm step time (paired) | {speed} | | | | |")
     for key in (
         ("generation_by_batch", "moe") if res.output.get("generation_by_batch") else ("generation", "moe")
     ):

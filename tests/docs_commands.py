@@ -82,6 +82,11 @@ GEN_BATCH_SUBS = (
     "8192 => 128",
 )
 QUANT_BENCH = "tests/test_quant.py::test_bench_times_int8_beside_the_float_step"
+QUANT_MOE_VERIFY = "tests/test_quant_experts.py::test_verify_quant_int8_proves_tiny_qwen3_moe_over_ep"
+QUANT_PP_VERIFY = (
+    "tests/test_quant.py::test_int8_under_pp_equals_the_reference_of_its_micro_batches_and_its_control_shows"
+)
+QUANT_COMPARE = "tests/test_explain.py::test_compare_draws_both_runs_curves_each_labelled_with_its_run"
 GEMMA4_PLAN = "tests/test_docs_tool_commands.py::test_documented_tool_command_runs[models.md:404]"
 FLASH = "tests/test_flash.py::test_verify_proves_flash_with_its_controls_detected"
 FLASH_KINDS = "tests/test_flash.py::test_flash_model_equals_plain_with_sinks_and_layer_kinds"
@@ -239,6 +244,18 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm train --quant int8 --out runs/int8": run(add=TINY, expect=("done",), slow=QUANT_BENCH),
     "meshlm verify --config tiny-llama --quant int8 --mesh 2x2 --devices 4 --x64": verify(
         costly=QUANT_VERIFY
+    ),
+    "meshlm verify --config tiny-qwen3-moe --quant int8 --mesh 2x2 --ep 2 --devices 4 --x64": verify(
+        costly=QUANT_MOE_VERIFY
+    ),
+    "meshlm verify --config tiny-qwen3-moe --quant int8 --mesh 4x2 --ep 2 --fsdp --sp --devices 8 --x64 "
+    "--seed 1": verify(costly=QUANT_MOE_VERIFY),
+    "meshlm verify --config tiny-llama --quant int8 --pp 2 --mesh 2x1 --devices 4 --x64": verify(
+        costly=QUANT_PP_VERIFY
+    ),
+    # slow: --compare's figure is tested quick in tests/test_explain.py (the int8 step: as above)
+    "meshlm train --quant int8 --out runs/int8 --compare runs/main": run(
+        add=TINY, after=(MAIN,), expect=("done",), slow=QUANT_COMPARE
     ),
     "meshlm bench --config llama-100m --mesh 1x1 --batch-size 8 --seq-len 512 --bf16 --gen-tokens 0 "
     "--peak-n 8192 --impls meshlm,meshlm-int8 --quant int8 --json": run(

@@ -39,3 +39,17 @@ def test_chip_report_cpu_smoke_writes_every_job_and_its_failures(tmp_path):
 def test_chip_report_refuses_off_a_chip(tmp_path, capsys):
     assert _script().main(["--out", str(tmp_path), "--groups", "plan", "--only", "batch=1"]) == 2
     assert "no accelerator here" in capsys.readouterr().out
+
+
+def test_the_int8_group_times_bf16_and_int8_side_by_side_in_one_bench_run_each():
+    """Issue 65 item 3's jobs (llama-100m 8 x 512, qwen3-0.6b 8 x 2048 with the loss in chunks, a MoE):
+    each one bench command the CLI accepts, timing meshlm and meshlm-int8 together (their ratio and the
+    int8 MFU come from bench: tests/test_quant.py's bench test); its CPU smoke a MoE under int8."""
+    from meshlm.cli import build_parser
+
+    jobs = _script()._int8_jobs()
+    assert [j.name.split()[0] for j in jobs] == ["llama-100m", "qwen3-0.6b", "qwen3-moe-100m"]
+    for job in jobs:
+        args = build_parser().parse_args(list(job.argv))
+        assert (args.impls, args.quant, args.batch_size) == ("meshlm,meshlm-int8", "int8", 8), job.argv
+    assert "--loss-chunk" in jobs[1].argv and "tiny-qwen3-moe" in jobs[0].smoke

@@ -13,9 +13,9 @@ from helpers import run_cli, write_corpus
 from meshlm.cli import build_parser
 from meshlm.model.config import get_config
 from meshlm.parallel.mesh import make_mesh
-from meshlm.train.config import TrainConfig
+from meshlm.train.config import METRICS, TrainConfig
 from meshlm.train.explain import next_commands, start_line
-from meshlm.train.metrics import loss_figure
+from meshlm.train.metrics import compare_curves, loss_figure, plot_loss_curve
 
 
 def test_start_line_names_model_mesh_and_splits():
@@ -46,6 +46,35 @@ def test_loss_plot_is_per_token_with_bpb_on_its_own_axis():
     left, right = fig.axes
     assert left.get_ylabel() == "loss (nats/token)" and right.get_ylabel() == "validation bits per byte"
     assert [t.get_text() for t in left.get_legend().get_texts()][-1] == "val_bpb (right)"
+
+
+def test_compare_draws_both_runs_curves_each_labelled_with_its_run(tmp_path, capsys):
+    """--compare: loss_curve.png holds this run's series and the other run's, each series labelled with
+    its run and holding that run's points (the figure's data, not its pixels); before any work, a
+    directory without metrics.jsonl or the run's own --out is refused in one line."""
+    other = tmp_path / "float"
+    other.mkdir()
+    theirs = [{"step": 1, "loss": 5.5}, {"step": 2, "loss": 4.5, "val_loss": 4.6, "val_bpb": 2.7}]
+    (other / METRICS).write_text("".join(json.dumps(r) + "\n" for r in theirs))
+    mine = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0, "val_loss": 4.2, "val_bpb": 2.5}]
+    compare = compare_curves(str(other), str(tmp_path / "int8"))
+    fig = loss_figure(mine, "nats/token", compare)
+    series = {line.get_label(): line.get_xydata().tolist() for ax in fig.axes for line in ax.get_lines()}
+    assert series == {
+        "train loss (int8)": [[1, 5.0], [2, 4.0]],
+        "validation loss (int8)": [[2, 4.2]],
+        "val_bpb (right) (int8)": [[2, 2.5]],
+        "train loss (float)": [[1, 5.5], [2, 4.5]],
+        "validation loss (float)": [[2, 4.6]],
+        "val_bpb (right) (float)": [[2, 2.7]],
+    }
+    assert len(fig.axes[0].get_legend().get_texts()) == 6
+    (tmp_path / "int8").mkdir()
+    png = plot_loss_curve(mine, tmp_path / "int8", "nats/token", compare)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for bad, why in ((tmp_path / "nowhere", "no metrics.jsonl there"), (other, "is this run's --out")):
+        assert run_cli("train", "--compare", str(bad), "--out", str(other)) == 2
+        assert why in capsys.readouterr().err
 
 
 def test_a_run_prints_what_it_does_and_what_to_run_next(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """--quant int8 (model.quant): the int8 matmuls lower to s8 x s8 -> s32 dots, approximate the float
 matmul and its gradients, and are exact under sharding (proof.quant_exact): the sharded int8 block equals
-the unsharded one bit for bit, and the four planted faults are caught."""
+the unsharded one bit for bit, and the planted faults are caught."""
 
 import re
 from contextlib import nullcontext
@@ -75,8 +75,14 @@ def test_int8_block_sharded_equals_unsharded_bit_for_bit(layout):
 
 
 def test_quant_refuses_what_it_does_not_cover():
-    with pytest.raises(ConfigError, match="mixture of experts"):
-        _moe().replace(quant="int8")
+    """A mixture of experts is covered (tests/test_quant_experts.py), and pp (its micro-batches' scales,
+    proven against the reference of the same micro-batches), but not the two together."""
+    from meshlm.model.quant_fields import check_quant
+
+    pp = Layout(dp=2, pp=2, microbatches=2)
+    check_quant(get_config("tiny-llama").replace(quant="int8"), pp)
+    with pytest.raises(ConfigError, match="--pp 2 on a mixture of experts: not proven"):
+        check_quant(_moe().replace(quant="int8"), pp)
     with pytest.raises(ConfigError, match="quant must be one of"):
         get_config("cpu").replace(quant="int4")
 
@@ -87,7 +93,10 @@ def _moe():
     return get_config(next(n for n in PRESETS if get_config(n).arch.moe))
 
 
-@pytest.mark.parametrize("control", QUANT_CONTROLS, ids=lambda c: c.name)
+BLOCK_CONTROLS = [c for c in QUANT_CONTROLS if c.by_int8_block and "expert" not in c.name]
+
+
+@pytest.mark.parametrize("control", BLOCK_CONTROLS, ids=lambda c: c.name)
 def test_each_int8_control_fails_the_bit_for_bit_check(control):
     """mp=2 with one data shard: every row is bitwise unplanted (the test above), so any failing row is
     the fault's."""
@@ -105,14 +114,14 @@ def _where(layout, quant="int8"):
 @pytest.mark.slow  # the int8 block's bit-for-bit test and each control's test above catch the same bugs
 def test_verify_quant_int8_proves_tiny_llama_and_detects_its_controls(capsys):
     """docs/quantization.md's proof as written: the sharded int8 step equals the unsharded one in float64,
-    the int8 block bit for bit, and the four int8 controls (with every other) detected."""
+    the int8 block bit for bit, and the five int8 controls (with every other) detected."""
     code = run_cli(
         "verify", "--config", "tiny-llama", "--quant", "int8", "--mesh", "2x2", "--devices", "4", "--x64"
     )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "int8 block output (sharded vs unsharded)" in out and "bit for bit" in out
-    for control in QUANT_CONTROLS:
+    for control in [*BLOCK_CONTROLS, *(c for c in QUANT_CONTROLS if not c.by_int8_block)]:
         assert f"control {control.name}" in out and "detected" in out.split(f"control {control.name}")[1][:60]
 
 
@@ -138,3 +147,56 @@ def test_bench_times_int8_beside_the_float_step(capsys, monkeypatch):
     ours, int8 = report["results"]
     assert ours["mfu_spec_int8"] is None and int8["mfu_spec_int8"] == pytest.approx(int8["mfu_spec"] / 2)
     assert int8["loss"] == pytest.approx(ours["loss"], rel=0.01) and int8["loss"] != ours["loss"]
+
+
+def test_the_micro_batched_reference_splits_the_rows_as_the_pipeline():
+    """Under pp the int8 reference is the mean over the pipeline's micro-batches (``mean_of_microbatches``):
+    micro-batch j holds the j-th half of each dp shard's rows (as ``pipeline_engines`` splits a device's
+    rows), and the mean is over the M micro-batches' values."""
+    from meshlm.sharding.spmd import mean_of_microbatches
+
+    rows = jnp.arange(8.0)[:, None]  # 2 dp shards of 4 rows, 2 micro-batches of 2 rows each per shard
+    seen = mean_of_microbatches(lambda p, b: (b["x"][:, 0], p), 2, 2)(1.0, {"x": rows})
+    np.testing.assert_array_equal(seen[0], [(0 + 2) / 2, (1 + 3) / 2, (4 + 6) / 2, (5 + 7) / 2])
+    assert float(seen[1]) == 1.0
+
+
+@pytest.mark.slow  # 110 s on 2 cores; quick: test_the_micro_batched_reference_splits_the_rows_as_the_pipeline
+def test_int8_under_pp_equals_the_reference_of_its_micro_batches_and_its_control_shows():
+    """pp 2 x dp 2, 1F1B on 2 micro-batches: the pipeline's int8 step (each micro-batch's weight-gradient
+    scales its own, a pmax over dp) equals the unsharded int8 step's mean over the same micro-batches in
+    float64; the int8 controls that apply are detected, the token max from one shard's rows by the
+    values through the pipeline."""
+    from meshlm.proof import model_problem
+    from meshlm.proof.prover import verify
+
+    cfg = get_config("tiny-llama").replace(quant="int8")
+    layout = Layout(dp=2, pp=2, microbatches=2, pp_schedule="1f1b")
+    with jax.enable_x64(True):
+        problem = model_problem(cfg, "tiny-llama", layout, 4, 16)
+        report = verify(problem, layout, dtype=jnp.float64, controls=QUANT_CONTROLS, pipeline_faults=())
+    assert report.ok and max(p.max_rel_err for p in report.params) < 1e-14
+    by = {c["name"]: c["by"] for c in report.controls if c["detected"]}
+    assert by["int8 weight-gradient scale from this shard's tokens"] == "values" and len(by) == 3, by
+
+
+def test_a_non_finite_value_reaches_the_int8_results():
+    """A NaN or inf in a matmul's input makes its results non-finite, not a finite integer after the int8
+    cast (the pipeline's bubbles are NaN: one let through must show, ``quant.step``); dense and expert."""
+    from meshlm.model.moe import Experts
+
+    x, w, ct = _random([(4, 8), (8, 6), (4, 6)])
+    for bad in (jnp.nan, jnp.inf):
+        xb = x.at[1, 2].set(bad)
+        y, dx, dw = _value_and_grads(lambda x, w: int8_dense(Parallel(), "col", x, w), xb, w, ct)
+        assert not np.isfinite(np.asarray(y)[1]).any() and not np.isfinite(np.asarray(dw)).all()
+        assert np.isfinite(np.asarray(y)[[0, 2, 3]]).all()
+    ids, cw = jnp.array([[0], [1], [0], [1]]), jnp.ones((4, 1))
+    weights = _random([(2, 8, 6), (2, 8, 6), (2, 6, 8)], seed=2)
+    experts = lambda x, *ws: Parallel().experts(
+        x, ids, cw, Experts(*ws, "blocks", quant="int8", par=Parallel())
+    )
+    y, vjp = jax.vjp(experts, x.at[1, 2].set(jnp.nan), *weights)
+    grads = vjp(jnp.ones_like(y))
+    assert np.isnan(np.asarray(y)[1]).all() and np.isfinite(np.asarray(y)[[0, 2, 3]]).all()
+    assert np.isnan(np.asarray(grads[1])[1]).any()  # expert 1's w_gate gradient: its NaN row's

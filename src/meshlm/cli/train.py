@@ -14,7 +14,14 @@ import sys
 
 from meshlm.cli.common import add_common, add_flags, flag_layout, settings_from, setup
 from meshlm.model.config import get_config
-from meshlm.train.config import DEFAULT_DP, DEFAULT_PRESET, TrainConfig, check_byte_vocab, resolve
+from meshlm.train.config import (
+    DEFAULT_DP,
+    DEFAULT_PRESET,
+    TrainConfig,
+    check_byte_vocab,
+    check_compare,
+    resolve,
+)
 from meshlm.train.lora import check_early, check_needs_base
 from meshlm.train.stop import Stop
 
@@ -87,6 +94,7 @@ def _preset_checks(tcfg: TrainConfig):
     against its model's meta (``train.lora.check_early``)."""
     check_needs_base(tcfg)
     check_early(tcfg, tcfg.checkpoint, tcfg.config)
+    check_compare(tcfg.compare, tcfg.out)
     if tcfg.checkpoint:
         if tcfg.config:
             get_config(tcfg.config)

@@ -54,9 +54,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshlm.model.layers import GATED, MLP, upcast
+from meshlm.model.quant_experts import int8_grouped
 from meshlm.model.routers import BIAS, Router
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.gmm_tiling import parse_tiling
+from meshlm.parallel.grouped_int import equal_groups
 
 # The router's path suffix: a matmul weight replicated over mp (under sp its gradient is summed over mp,
 # as a norm's: ``perf.memory_collectives``).
@@ -154,7 +156,8 @@ class Experts:
     ``weights`` and ``hidden`` (``expert_activation``: the gated hidden units of gate and up) for the
     grouped matmuls; ``b_gate``, ``b_up`` [E_here, I/mp]: the projections' biases (None: none; the down
     bias is ``MoE``'s), each row's expert's added in every dispatch (``biases``: the pair, or ());
-    ``tiling``: "gmm"'s kernel tiles (tm, tk, tn), None: chosen from the shapes (``parallel.gmm_kernel``)."""
+    ``tiling``: "gmm"'s kernel tiles (tm, tk, tn), None: chosen from the shapes (``parallel.gmm_kernel``);
+    ``quant`` "int8": the three matmuls int8 in the ``Parallel`` context ``par`` (``rows``)."""
 
     def __init__(
         self,
@@ -167,11 +170,14 @@ class Experts:
         b_up=None,
         act=None,
         tiling=None,
+        quant="none",
+        par=None,
     ):
         self.weights, self.tiling = (w_gate, w_up, w_down), tiling
         self.b_gate, self.b_up = b_gate, b_up
         self.hidden = act or (lambda gate, up: jax.nn.silu(gate) * up)
         self.n_local, self.dispatch, self.capacity = w_gate.shape[0], dispatch, capacity
+        self.quant, self.par = quant, par
 
     @property
     def biases(self) -> tuple:
@@ -179,12 +185,25 @@ class Experts:
         return () if self.b_gate is None else (self.b_gate, self.b_up)
 
     def __call__(self, xs):
+        if self.quant == "int8":  # [E, C, D]: E groups of C rows
+            e, c, d = xs.shape
+            return self.rows(xs.reshape(e * c, d), equal_groups(e, c)).reshape(e, c, -1)
         w_gate, w_up, w_down = self.weights
         gate = jnp.einsum("ecd,edi->eci", xs, w_gate)
         up = jnp.einsum("ecd,edi->eci", xs, w_up)
         if self.b_gate is not None:
             gate, up = gate + self.b_gate[:, None], up + self.b_up[:, None]
         return jnp.einsum("eci,eid->ecd", self.hidden(gate, up), w_down)
+
+    def rows(self, xs, groups):
+        """``quant`` "int8": rows [R, D] grouped by expert (``groups``: ``parallel.grouped_int``, the
+        dispatch's integer grouped dots) through their experts' gated MLPs, each matmul int8 x int8 ->
+        int32 (``model.quant_experts``) -> [R, D] partial over mp; biases added by each row's expert."""
+        w_gate, w_up, w_down = self.weights
+        gate, up = int8_grouped(self.par, "col", xs, (w_gate, w_up), groups)  # [R, I/mp] each: one matmul
+        if self.b_gate is not None:
+            gate, up = gate + self.b_gate[groups.expert], up + self.b_up[groups.expert]
+        return int8_grouped(self.par, "row", self.hidden(gate, up), (w_down,), groups)[0]
 
 
 class MoE(hk.Module):
@@ -219,7 +238,18 @@ class MoE(hk.Module):
         w_gate, w_up, w_down, *biases = _params("experts", shapes, self.stddev)
         act = expert_activation(cfg)
         tiling = parse_tiling(cfg.moe_gmm_tiling)
-        experts = Experts(w_gate, w_up, w_down, cfg.moe_dispatch, cap, *biases[:2], act=act, tiling=tiling)
+        experts = Experts(
+            w_gate,
+            w_up,
+            w_down,
+            cfg.moe_dispatch,
+            cap,
+            *biases[:2],
+            act=act,
+            tiling=tiling,
+            quant=cfg.quant,
+            par=par,
+        )
         b, t = xf.shape[:2]
         xe = xf  # what the experts see: with ``weights_on_input`` (Llama 4, top-1) x times its weight
         if cfg.weights_on_input:
@@ -269,7 +299,7 @@ def _shared(cfg, par: Parallel, xf, stddev: float):
     if cfg.n_shared_experts:
         width = cfg.n_shared_experts * cfg.moe_d_ff
         mlp = MLP(hidden_dim=width, par=par, kind="swiglu", bias=False, stddev_in=stddev, stddev_out=stddev,
-                  name="shared_experts")  # fmt: skip
+                  quant=cfg.quant, name="shared_experts")  # fmt: skip
         parts.append(mlp(xf)[0])
     if cfg.shared_expert_d_ff:
         parts.append(_gated_shared(cfg, par, xf, stddev))
@@ -288,6 +318,7 @@ def _gated_shared(cfg, par: Parallel, xf, stddev: float):
         bias=False,
         stddev_in=stddev,
         stddev_out=stddev,
+        quant=cfg.quant,
         name="shared",
     )(xf)
     (gate,) = _params("shared_gate", {"w": [xf.shape[-1], 1]}, stddev)

@@ -43,8 +43,10 @@ def amax(x, axis):
 
 
 def step(m):
-    """The quantum of a row whose max |value| is ``m``: m / 127; 1 for an all-zero row (quantizes to 0)."""
-    return jnp.where(m > 0, m / QMAX, jnp.ones_like(m))
+    """The quantum of a row whose max |value| is ``m``: m / 127; 1 for an all-zero row (quantizes to 0).
+    A NaN or inf max gives a NaN or inf quantum, so a non-finite value reaches the rescaled result (an
+    int8 cast would make it a finite integer: a NaN in a pipeline's bubble, say, would vanish)."""
+    return jnp.where(m == 0, jnp.ones_like(m), m / QMAX)
 
 
 def quantize(x, scale):
@@ -59,9 +61,10 @@ def int_dot(a, b, contract=((1,), (0,))):
 
 
 def outer_scale(sa, sb):
-    """sa [1, K], sb [1, M] -> the [K, M] scales of a weight gradient (a tap for the transposed-scale
-    control: ``proof.quant_controls``)."""
-    return sa.T * sb
+    """sa [..., 1, K], sb [..., 1, M] -> the [..., K, M] scales of a weight gradient (one per expert
+    with a leading [E]: ``model.quant_experts``); a tap for the transposed-scale control
+    (``proof.quant_controls``)."""
+    return jnp.swapaxes(sa, -1, -2) * sb
 
 
 def int8_dense(par, kind: str, x, w):

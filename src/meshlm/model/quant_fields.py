@@ -17,7 +17,7 @@ QUANTS = ("none", "int8")
 class QuantFields:
     """``ModelConfig``'s ``quant`` (a base, as ``MoEFields``)."""
 
-    # The weight matmuls of attention and the MLP as int8 x int8 -> int32, forward and backward
+    # The weight matmuls of attention, the MLP and the experts as int8 x int8 -> int32, forward and backward
     # (``model.quant``): "int8"; "none": float. A model fact (it trains to other weights): saved with the
     # run, so evaluating or generating from a model so trained quantizes as it trained. A config saved
     # without it predates it: "none".
@@ -30,7 +30,7 @@ class QuantSettings:
 
     quant: str = setting(
         "none",
-        "the weight matmuls of attention and MLP as int8 x int8 -> int32, forward and backward "
+        "the weight matmuls of attention, MLP and experts as int8 x int8 -> int32, forward and backward "
         "(docs/quantization.md); saved with the model",
         resume_must_match=True,
         choices=QUANTS,
@@ -43,19 +43,20 @@ def check_quant(cfg, layout=None) -> None:
         raise ConfigError(f"quant must be one of {', '.join(QUANTS)}, got {cfg.quant!r}")
     if cfg.quant == "none":
         return
-    unsupported = (
-        (cfg.arch.moe, "a mixture of experts (experts are not quantized yet)"),
-        (bool(cfg.lora_rank), "LoRA adapters"),
-    )
-    for bad, what in unsupported:
-        if bad:
-            raise ConfigError(f"--quant {cfg.quant} does not support {what}; use --quant none")
+    if cfg.lora_rank:
+        raise ConfigError(f"--quant {cfg.quant} does not support LoRA adapters; use --quant none")
+    if cfg.arch.moe and cfg.moe_dispatch == "gmm":
+        raise ConfigError(
+            f"--quant {cfg.quant} with --moe-dispatch gmm: its Pallas kernel multiplies bfloat16 and "
+            "float32, not int8; use --moe-dispatch ragged_dot (or blocks, or auto)"
+        )
     if layout is None:
         return
-    if layout.pp > 1:
+    if layout.pp > 1 and cfg.arch.moe:
         raise ConfigError(
-            f"--quant {cfg.quant} with --pp {layout.pp}: the gradient scales are a max over the whole "
-            "batch, which the pipeline's micro-batches split; use --pp 1"
+            f"--quant {cfg.quant} with --pp {layout.pp} on a mixture of experts: not proven (under pp the "
+            "int8 scales are each micro-batch's, and the proof's micro-batched reference does not form the "
+            "routing losses from the whole batch's statistics as the pipeline does); use --pp 1"
         )
     kv = cfg.kv_heads
     if cfg.arch.attention and layout.mp > kv:

@@ -33,6 +33,7 @@ from jax import lax
 
 from meshlm.parallel.gmm_kernel import grouped_matmul
 from meshlm.parallel.gmm_tiling import row_tile
+from meshlm.parallel.grouped_int import IntGroups, block_groups, ragged_groups
 from meshlm.parallel.pipeline_ops import varying
 
 UNPADDED = ("ragged_dot", "gmm")  # each expert's rows unpadded, one after another
@@ -111,6 +112,8 @@ def sorted_experts(par, x, ids, weights, expert_fn, first=0, cap: int = 0):
     w = jnp.take(weights.reshape(-1), choice, mode="fill", fill_value=0).astype(x.dtype)
     if cap:
         ys = expert_fn(xs.reshape(e_here, cap, -1)).reshape(xs.shape[0], -1)
+    elif expert_fn.quant == "int8":  # int8 experts on this dispatch's integer grouped dots
+        ys = expert_fn.rows(xs, int_groups(rows, expert_fn.dispatch, e_here, xs.shape[0]))
     elif expert_fn.dispatch == "ragged_dot":
         ys = ragged_mlp(xs, rows.sizes, expert_fn)
     elif expert_fn.dispatch == "gmm":
@@ -123,6 +126,17 @@ def sorted_experts(par, x, ids, weights, expert_fn, first=0, cap: int = 0):
         ys = block_mlp(expert_fn.hidden, par.moe_expert_grads, blocks, rows.block_expert, rows.used, ws, bs)
         ys = ys.reshape(xs.shape[0], -1)
     return jnp.zeros((n, ys.shape[-1]), ys.dtype).at[token].add(w[:, None] * ys, mode="drop")
+
+
+def int_groups(rows: Rows, how: str, n_local: int, r: int) -> IntGroups:
+    """The ``r`` rows of ``plan`` as ``--quant int8``'s experts multiply them (``parallel.grouped_int``):
+    "ragged_dot"'s by ``lax.ragged_dot``, "blocks"' by the block scan. ("gmm"'s kernel multiplies
+    bfloat16 and float32 only: ``model.quant_fields`` refuses it under int8.)"""
+    if how == "ragged_dot":
+        return ragged_groups(rows.sizes, r)
+    if how == "blocks":
+        return block_groups(rows.block_expert, rows.used, n_local, BLOCK)
+    raise ValueError(f"int8 experts run the blocks, ragged_dot or dense dispatch, not {how!r}")
 
 
 def _varying_like(w, x):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.parallel.axes import MP
+from meshlm.parallel.axes import EP, MP
 
 
 class Int8Collectives:
@@ -27,6 +27,16 @@ class Int8Collectives:
             return m
         axes = self.layout.batch_axes
         return lax.pmax(m, axes if len(axes) > 1 else axes[0])
+
+    def expert_token_max(self, m):
+        """A max over the rows of each of this shard's experts (``model.quant_experts``: an expert weight
+        gradient's per-channel scales, [E_here, 1, K]): the exact ``pmax`` over the data shards that hold
+        other rows of the same experts -- the batch axes less ep, whose shards hold other experts (each
+        has its ep group's tokens gathered: ``parallel.ep``)."""
+        if not self.sharded:
+            return m
+        axes = tuple(a for a in self.layout.batch_axes if not (a == EP and self.layout.experts_split))
+        return lax.pmax(m, axes) if axes else m
 
     def int8_out(self, acc, scale, split: bool):
         """An int8 matmul's int32 accumulator [N, M] times its scales. ``split`` (the contraction split

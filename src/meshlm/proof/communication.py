@@ -19,9 +19,13 @@ A control plants one redundant all-reduce after each row-parallel one and must f
 
 from __future__ import annotations
 
+import math
+
 import jax
 
+from meshlm.model.moe import capacity
 from meshlm.parallel.context import Parallel
+from meshlm.parallel.grouped import row_bound
 from meshlm.parallel.layout import Layout
 from meshlm.perf.collectives import chunked_loss_extra, scalar_slack
 from meshlm.perf.hlo import COLLECTIVES, collectives_per_step
@@ -32,6 +36,7 @@ from meshlm.perf.memory_collectives import (
     expected_all_reduce_bytes,
     expected_collectives,
 )
+from meshlm.proof.quant_experts_exact import expert_axes
 from meshlm.proof.report import check_row
 from meshlm.sharding.spmd import sharded_value_and_grad
 from meshlm.train.optim import OptimConfig, adamw, make_step
@@ -106,7 +111,7 @@ def communication_checks(cfg, layout: Layout, got: dict, *, batch_shape, itemsiz
 
 INT8_TEXT = (
     "per matmul whose contraction mp splits, 2 scale maxes and 1 int32 sum; per weight gradient with dp > 1, "
-    "2 token maxes"
+    "2 token maxes (an expert's: with data shards outside ep or cp)"
 )
 
 
@@ -115,24 +120,71 @@ def int8_all_reduces(cfg, layout: Layout, *, batch: int, seq_len: int, itemsize:
     row-parallel matmul's forward and each column-parallel matmul's dx contract over mp's split: the
     two scales' exact maxes ([N] and [M] or [K] per shard) and the int32 sum [N, D] (the float all-reduce
     that follows stays: it adds zeros). With more than one batch shard, each weight gradient's two
-    per-channel token maxes. Recomputation (remat) repeats the forward's."""
+    per-channel token maxes. Recomputation (remat) repeats the forward's. A mixture of experts' layers:
+    the shared experts' dense matmuls and the experts' (``_expert_extras``)."""
     if getattr(cfg, "quant", "none") == "none":
         return 0, 0
     d, f = cfg.d_model, cfg.d_ff
     attn = cfg.arch.attention
     h, kv, e = (cfg.n_heads, cfg.kv_heads, cfg.dim_per_head) if attn else (0, 0, 0)
     gated = cfg.arch.mlp != "gelu"
-    cols = [f] * (2 if gated else 1) + ([h * e, kv * e, kv * e] if attn else [])  # output widths (global)
-    rows = [f] + ([h * e] if attn else [])  # contraction widths (global)
+    cols = [h * e, kv * e, kv * e] if attn else []  # output widths (global)
+    rows = [h * e] if attn else []  # contraction widths (global)
     n = batch // layout.dp * seq_len // max(layout.cp, 1)  # tokens per device in a layer
+    moe = len(cfg.moe_layers) if cfg.arch.moe else 0
+    shared = cfg.n_shared_experts * cfg.moe_d_ff + cfg.shared_expert_d_ff if moe else 0
+    kinds = (  # (layers, the MLP's output widths, its contraction widths)
+        (cfg.n_layers - moe, [f] * (2 if gated else 1), [f]),
+        (moe, [shared] * 2 if shared else [], [shared] if shared else []),
+    )
+    count = nbytes = 0
+    for layers, mlp_cols, mlp_rows in kinds:
+        c, b = _dense_extras(layout, cols + mlp_cols, rows + mlp_rows, n, d, itemsize, cfg.remat != "none")
+        count, nbytes = count + layers * c, nbytes + layers * b
+    if moe:
+        c, b = _expert_extras(cfg, layout, n, itemsize)
+        count, nbytes = count + moe * c, nbytes + moe * b
+    return count, nbytes
+
+
+def _dense_extras(layout: Layout, cols, rows, n: int, d: int, itemsize: int, remat: bool) -> tuple[int, int]:
+    """(count, bytes) of one layer's dense int8 matmuls (``int8_all_reduces``)."""
     count = nbytes = 0
     if layout.mp > 1:
-        fwd = 2 if cfg.remat != "none" else 1
+        fwd = 2 if remat else 1
         count += 3 * len(rows) * fwd + 3 * len(cols)
         nbytes += fwd * sum(4 * n * d + itemsize * (n + d) for _ in rows)  # int32 [N, D], scales [N], [D]
         nbytes += sum(4 * n * d + itemsize * (n + d) for _ in cols)  # dx: int32 [N, D], scales [N], [D]
     if layout.dp * max(layout.cp, 1) > 1:
         count += 2 * (len(rows) + len(cols))
-        mp = layout.mp
-        nbytes += sum(itemsize * (w // mp + d) for w in rows + cols)  # [K] and [M] per matmul
-    return count * cfg.n_layers, nbytes * cfg.n_layers
+        nbytes += sum(itemsize * (w // layout.mp + d) for w in rows + cols)  # [K] and [M] per matmul
+    return count, nbytes
+
+
+def _expert_extras(cfg, layout: Layout, n: int, itemsize: int) -> tuple[int, int]:
+    """(count, bytes) of one MoE layer's int8 experts (``model.quant_experts``: gate and up one matmul,
+    down one) over R rows: with mp > 1 down's forward and gate/up's dx each 2 maxes ([R], [E_here, D])
+    and 1 int32 sum [R, D]; with an expert's rows on several data shards, 2 per-expert channel maxes
+    per matmul ([E_here, D + 2I/mp] and [E_here, I/mp + D])."""
+    d, i, mp = cfg.d_model, cfg.moe_d_ff // layout.mp, layout.mp
+    here = cfg.n_experts // layout.ep if layout.experts_split else cfg.n_experts
+    r = _expert_rows(cfg, layout, n, here)
+    count = nbytes = 0
+    if mp > 1:
+        fwd = 2 if cfg.remat != "none" else 1
+        count += 3 * (fwd + 1)
+        nbytes += (fwd + 1) * (4 * r * d + itemsize * (r + here * d))
+    if math.prod(layout.mesh_shape[a] for a in expert_axes(layout)) > 1:
+        count += 4
+        nbytes += itemsize * here * (2 * d + 3 * i)
+    return count, nbytes
+
+
+def _expert_rows(cfg, layout: Layout, n: int, here: int) -> int:
+    """R, the rows of a device's expert matmuls: ``parallel.grouped.row_bound`` of the tokens the
+    dispatch sees (the ep group's with ep on), every token per expert for "dense", the capacity's slots."""
+    tokens = n * layout.ep if layout.experts_split else n
+    if cfg.moe_dispatch == "dense":
+        return here * tokens
+    cap = min(tokens, capacity(cfg, n * layout.dp * max(layout.cp, 1))) if cfg.moe_capacity_factor else 0
+    return row_bound(tokens, cfg.experts_per_token, here, cfg.moe_dispatch, cap)

@@ -313,10 +313,11 @@ def _by_collectives(control: Control, runs: Runs, prepared) -> dict:
 
 def _by_int8_block(control: Control, runs: Runs) -> dict:
     """The int8 block's bit-for-bit check (``proof.quant_exact``) with the control's fault planted."""
-    from meshlm.proof.quant_exact import int8_rows
+    from meshlm.proof.quant_exact import int8_experts, int8_rows
 
     dtype = jax.tree.leaves(runs.params)[0].dtype
-    rows = int8_rows(runs.layout, dtype, 0, control.par_cls, lambda: _plant(control))
+    experts = int8_experts(runs.problem.cfg)
+    rows = int8_rows(runs.layout, dtype, 0, control.par_cls, lambda: _plant(control), experts)
     failed = [r for r in rows if not r["ok"]]
     how = f"{failed[0]['name']}: {failed[0]['detail']}" if failed else "the int8 block unchanged"
     return {

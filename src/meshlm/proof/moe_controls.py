@@ -77,12 +77,13 @@ def renormalised(cfg):
     return cfg.replace(norm_topk_prob=True)
 
 
-class CombineWeightGradOfShard0(Tapped):
-    """The combine weights' gradient taken from shard 0's partial expert outputs only, not their sum
-    over mp: the router (and the input through it) learns from one shard's hidden units."""
+class CombineWeightGradOfLastShard(Tapped):
+    """The combine weights' gradient taken from the last mp shard's partial expert outputs only, not
+    their sum over mp: the router (and the input through it) learns from one shard's hidden units. (The
+    last: under ``--quant int8`` mp shard 0 holds the whole output, ``Parallel.int8_out``.)"""
 
     def combine_weights(self, w):
-        keep = self.shard_index() == 0
+        keep = self.shard_index() == self.layout.mp - 1
         return lax.stop_gradient(w) + jnp.where(keep, w - lax.stop_gradient(w), jnp.zeros_like(w))
 
 
@@ -102,12 +103,12 @@ class SharedExpertOnEveryShard(Tapped):
         return lax.psum(y, MP)
 
 
-class SharedGateGradOfShard0(Tapped):
-    """The shared-expert gate's gradient from shard 0's hidden units only, not summed over mp (a
-    replicated weight whose per-shard gradients are never added up)."""
+class SharedGateGradOfLastShard(Tapped):
+    """The shared-expert gate's gradient from the last mp shard's hidden units only, not summed over mp
+    (a replicated weight whose per-shard gradients are never added up; the last shard: as above)."""
 
     def shared_gate(self, w):
-        keep = self.shard_index() == 0
+        keep = self.shard_index() == self.layout.mp - 1
         return lax.stop_gradient(w) + jnp.where(keep, w - lax.stop_gradient(w), jnp.zeros_like(w))
 
 
@@ -199,7 +200,7 @@ MOE_CONTROLS: tuple[Control, ...] = (
     Control(
         name="MoE combine weights' gradient not summed over mp",
         applies=lambda w: _moe(w) and w.layout.mp > 1,
-        par_cls=CombineWeightGradOfShard0,
+        par_cls=CombineWeightGradOfLastShard,
     ),
     Control(
         name="MoE shared expert's output counted on every mp shard",
@@ -209,7 +210,7 @@ MOE_CONTROLS: tuple[Control, ...] = (
     Control(
         name="MoE shared expert's gate gradient not summed over mp",
         applies=lambda w: _moe(w) and w.cfg.shared_expert_d_ff > 0 and w.layout.mp > 1,
-        par_cls=SharedGateGradOfShard0,
+        par_cls=SharedGateGradOfLastShard,
     ),
     Control(
         name="MoE aux-loss statistics not summed over the data shards",

@@ -44,7 +44,7 @@ from meshlm.proof.padding import padding_rows
 from meshlm.proof.pipeline_proof import applicable_controls
 from meshlm.proof.pipeline_verify import permute_controls, permute_rows, pipeline_controls, run_model_control
 from meshlm.proof.problem import Problem
-from meshlm.proof.quant_exact import int8_rows
+from meshlm.proof.quant_exact import int8_experts, int8_rows
 from meshlm.proof.report import LeafResult, Report, check_row, compare_into, leaf_label, skipped_row
 from meshlm.proof.routing import routing_rows
 from meshlm.proof.rule_errors import rule_mismatch, vma_error
@@ -132,7 +132,7 @@ def verify(
         report.checks += lora_rows(runs, sharded[1], rtol)  # with adapters: frozen base, merged forward
         report.checks += routing_rows(runs, dname, allow_routing_flips)
         if problem.cfg is not None and problem.cfg.quant == "int8":  # the int8 matmuls bit for bit
-            report.checks += int8_rows(layout, dtype, seed)
+            report.checks += int8_rows(layout, dtype, seed, moe_dispatch=int8_experts(problem.cfg))
         report.checks += [_misjudged_row(name, what) for name, what in misjudged.items()]
         report.controls = [skipped_row(name, why) for name, why in skipped.items()]
         report.extra["param_bytes_per_device"] = bytes_per_device(runs.params)

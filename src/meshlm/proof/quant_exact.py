@@ -31,6 +31,7 @@ from jax import lax
 from meshlm.model.quant import amax, int8_dense, step
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
+from meshlm.proof.quant_experts_exact import expert_rows
 from meshlm.proof.report import check_row
 
 D_MODEL = 16  # small: the check is about exactness, not size (the quick tier runs it)
@@ -81,9 +82,24 @@ def run_block(layout: Layout, dtype, seed: int, par_cls=Parallel, plant=nullcont
     return [np.asarray(a) for a in got], [np.asarray(a) for a in want], args
 
 
-def int8_rows(layout: Layout, dtype, seed: int = 0, par_cls=Parallel, plant=nullcontext) -> list[dict]:
+def int8_rows(
+    layout: Layout, dtype, seed: int = 0, par_cls=Parallel, plant=nullcontext, moe_dispatch: str | None = None
+) -> list[dict]:
     """The check rows (``prover``): forward and input gradient bit for bit, weight gradients bit for bit
-    or within the batch sum's rounding bound."""
+    or within the batch sum's rounding bound; with ``moe_dispatch`` (a mixture of experts' dispatch)
+    the int8 experts' rows too (``proof.quant_experts_exact``)."""
+    rows = _block_rows(layout, dtype, seed, par_cls, plant)
+    if moe_dispatch is not None:
+        rows += expert_rows(layout, dtype, moe_dispatch, seed, par_cls, plant)
+    return rows
+
+
+def int8_experts(cfg) -> str | None:
+    """``int8_rows``' ``moe_dispatch`` for model ``cfg``: its dispatch with experts, else None."""
+    return cfg.moe_dispatch if cfg.arch.moe else None
+
+
+def _block_rows(layout: Layout, dtype, seed: int, par_cls, plant) -> list[dict]:
     got, want, (x, w_in, w_out, ct) = run_block(layout, dtype, seed, par_cls, plant)
     rows = []
     for name, i in (("output", 0), ("input gradient", 1)):

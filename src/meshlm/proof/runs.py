@@ -56,6 +56,7 @@ class Runs:
         host = problem.to_reference(jax.tree.map(to_host, self.params))
         self.ref_params = jax.device_put(host, self.device)
         self.ref_loss = problem.reference_loss or problem.build_loss
+        self.ref_split = reference_microbatches(problem.cfg, layout)  # None, or the pipeline's (S, M)
         self.host_batch = proof_batch(problem.batch, problem.cfg)  # the SFT mask normalized (``proof.sft``)
         self.batch = put_batch(self.host_batch, layout, False)  # the global batch on the mesh
         self.checked: list[CheckedProgram] = []  # the programs that computed the reference's values
@@ -105,7 +106,7 @@ class Runs:
 
     def reference_program(self):
         """(function, arguments) of the reference: the unsharded loss and gradients on one device."""
-        fn = reference_value_and_grad(self.ref_loss)
+        fn = reference_value_and_grad(self.ref_loss, microbatches=self.ref_split)
         return fn, (self.ref_params, jax.device_put(self.host_batch, self.device))
 
     def reference_grads(self):
@@ -168,7 +169,7 @@ def _reference_states(runs: Runs, ocfg: OptimConfig, batches) -> list:
     # committed to the reference's device, as the step's outputs are: one compilation for every step
     opt_state = jax.device_put(initial_state(runs, opt, part.select(runs.ref_params)), runs.device)
     state, out = (runs.ref_params, opt_state), []
-    step = _reference_train_step(runs.problem, runs.ref_loss, ocfg, opt, part)
+    step = _reference_train_step(runs.problem, runs.ref_loss, ocfg, opt, part, runs.ref_split)
     first = jax.device_put(batches[0], runs.device)
     program = runs._checked(CheckedProgram("train step", step, *state, first))
     for b in batches:
@@ -233,14 +234,24 @@ def _init(problem: Problem, mesh, dtype, seed: int):
     return placed, specs
 
 
-def _reference_train_step(problem: Problem, ref_loss, ocfg: OptimConfig, opt, part):
+def _reference_train_step(problem: Problem, ref_loss, ocfg: OptimConfig, opt, part, split=None):
     """The unsharded training step: a mixture of experts that balances by a selection bias has its
-    loss return the routing, from which the bias moves after AdamW. ``part``: what it trains."""
+    loss return the routing, from which the bias moves after AdamW. ``part``: what it trains;
+    ``split``: each (accumulation) micro-batch's gradient the mean over the pipeline's (``Runs``)."""
     cfg = problem.reference_cfg or problem.cfg
     if cfg is not None and balances(cfg):
-        grad = reference_value_and_grad(lambda par: loss_fn(cfg, par, True), has_aux=True)
+        grad = reference_value_and_grad(lambda par: loss_fn(cfg, par, True), has_aux=True, microbatches=split)
         return reference_step(grad, ocfg, opt, bias_rate=cfg.moe_bias_rate, part=part)
-    return reference_step(reference_value_and_grad(ref_loss), ocfg, opt, part=part)
+    return reference_step(reference_value_and_grad(ref_loss, microbatches=split), ocfg, opt, part=part)
+
+
+def reference_microbatches(cfg, layout: Layout):
+    """(S row shards, M micro-batches) where the step's values depend on the pipeline's micro-batches
+    (``--quant int8`` under pp: each micro-batch's weight-gradient scales its own), so the reference is
+    the mean over the same micro-batches (``sharding.spmd.mean_of_microbatches``); else None."""
+    if cfg is None or cfg.quant == "none" or layout.pp == 1:
+        return None
+    return layout.dp, layout.pipeline_microbatches
 
 
 def step_batches(problem: Problem, steps: int, accum: int, seed: int) -> list[dict]:

@@ -49,11 +49,32 @@ def compute_params(params):
     )
 
 
-def reference_value_and_grad(build_loss: LossBuilder, compute_dtype=None, has_aux: bool = False):
+def reference_value_and_grad(
+    build_loss: LossBuilder, compute_dtype=None, has_aux: bool = False, microbatches=None
+):
     """fn(params, batch) -> (loss, grads) of the unsharded model (run it under jit on one device);
-    ``has_aux``: the loss returns (loss, aux) (a mixture of experts' routing statistics)."""
+    ``has_aux``: the loss returns (loss, aux) (a mixture of experts' routing statistics);
+    ``microbatches`` (S, M): the mean of M micro-batches' (``mean_of_microbatches``)."""
     apply = hk.without_apply_rng(hk.transform(build_loss(Parallel()))).apply
-    return jax.value_and_grad(with_compute_dtype(apply, compute_dtype), has_aux=has_aux)
+    fn = jax.value_and_grad(with_compute_dtype(apply, compute_dtype), has_aux=has_aux)
+    return fn if microbatches is None else mean_of_microbatches(fn, *microbatches)
+
+
+def mean_of_microbatches(fn, shards: int, m: int):
+    """fn(params, batch) -> the mean of ``fn`` over the M micro-batches a pipeline makes of ``batch``:
+    its rows are split over S row shards, each shard's rows into M (``parallel.pipeline_engines``), so
+    micro-batch j is the j-th M-th of every shard's rows. For a step whose values depend on its
+    micro-batches (``--quant int8`` under pp: each micro-batch's weight-gradient scales are its own);
+    the pipeline's loss is the mean of its micro-batches' (``Pipeline.loss_scale``)."""
+
+    def split(a):  # [B, ...] -> [M, B / M, ...]
+        return a.reshape(shards, m, -1, *a.shape[1:]).swapaxes(0, 1).reshape(m, -1, *a.shape[1:])
+
+    def mean(params, batch):
+        each = lax.map(lambda part: fn(params, part), jax.tree.map(split, batch))
+        return jax.tree.map(lambda a: jnp.mean(a, 0), each)
+
+    return mean
 
 
 def _dp_varying(apply, specs, batch_axes: tuple[str, ...] = (DP,)):

@@ -121,6 +121,32 @@ class DtypeSettings:
     )
 
 
+METRICS = "metrics.jsonl"  # a run's metrics, one JSON object a line (``train.metrics``)
+
+
+def check_compare(compare: str, out: str) -> None:
+    """train's --compare before any work: another run's directory, holding a metrics.jsonl."""
+    if not compare:
+        return
+    if os.path.realpath(compare) == os.path.realpath(out):
+        raise ConfigError(f"--compare {compare} is this run's --out; name another run's directory")
+    if not os.path.isfile(os.path.join(compare, METRICS)):
+        raise ConfigError(
+            f"--compare {compare}: no {METRICS} there; name the --out of an earlier `meshlm train` run"
+        )
+
+
+@dataclass(frozen=True)
+class CurveSettings:
+    """train's --compare (a base of ``TrainConfig``, as ``DtypeSettings``): what loss_curve.png draws."""
+
+    compare: str = _field(
+        "",
+        "an earlier run directory whose curves (its metrics.jsonl, read only) loss_curve.png draws beside "
+        "this run's, e.g. the float run beside --quant int8's",
+    )
+
+
 @dataclass(frozen=True)
 class TrainConfig(
     MeshFlags,
@@ -131,6 +157,7 @@ class TrainConfig(
     ObjectiveSettings,
     LoraSettings,
     QuantSettings,
+    CurveSettings,
 ):  # --pp, --lora-rank...
     # "": the cpu preset, or with --checkpoint the checkpoint's own model (its CLI help: cli/train.py)
     config: str = _field("", "model preset (see `meshlm configs`)", resume_must_match=True, cli=CLI_COMMON)

@@ -34,7 +34,7 @@ from meshlm.sharding.strategy import strategy
 from meshlm.train import dpo_run
 from meshlm.train.config import TrainConfig
 from meshlm.train.explain import next_commands, start_line
-from meshlm.train.metrics import plot_loss_curve
+from meshlm.train.metrics import compare_curves, plot_loss_curve
 from meshlm.train.optim import trainable
 from meshlm.train.routing import routing_row
 from meshlm.train.run import Run, build_run, checkpoint_meta
@@ -309,7 +309,8 @@ def _finish(run: Run, summary: dict) -> None:
     byte_level = isinstance(run.tokenizer, ByteTokenizer)
     if distributed.is_main():
         unit = "nats/byte (byte tokens)" if byte_level else "nats/token"
-        summary["loss_curve"] = str(plot_loss_curve(run.log.rows(), Path(run.tcfg.out), unit=unit))
+        compare = compare_curves(run.tcfg.compare, run.tcfg.out)  # --compare: another run's beside
+        summary["loss_curve"] = str(plot_loss_curve(run.log.rows(), Path(run.tcfg.out), unit, compare))
     saved_tokenizer = None if byte_level else str(Path(run.tcfg.out) / TOKENIZER_FILE)
     summary["next"] = next_commands(run.tcfg, run.layout, saved_tokenizer)
     if run.tcfg.sample_tokens and not strategy(run.layout).generates:  # e.g. no pipelined generation

@@ -17,8 +17,9 @@ import warnings
 from pathlib import Path
 
 from meshlm.train import outputs
+from meshlm.train.config import METRICS
 
-METRICS, TENSORBOARD, LOSS_CURVE = "metrics.jsonl", "tensorboard", "loss_curve.png"
+TENSORBOARD, LOSS_CURVE = "tensorboard", "loss_curve.png"
 SETTINGS = "settings.toml"  # the run's resolved settings (``meshlm train --settings`` reads it)
 OUTPUTS = (METRICS, TENSORBOARD, LOSS_CURVE, SETTINGS)  # what a run writes besides checkpoints
 
@@ -119,10 +120,21 @@ class MetricsLog:
         return [json.loads(line) for line in outputs.lines(self.path) if line.strip()]
 
 
-def plot_loss_curve(rows: list[dict], out: Path, unit: str = "nats/token") -> Path:
+def compare_curves(compare: str, out: str) -> tuple[tuple[str, str], list[dict]] | None:
+    """((this run's label, the other's), the other run's rows) for ``plot_loss_curve``; None without
+    --compare. Labels: the directories' names, or their paths where the names are the same."""
+    if not compare:
+        return None
+    rows = [json.loads(line) for line in outputs.lines(Path(compare) / METRICS) if line.strip()]
+    names = (Path(out).name, Path(compare).name)
+    return (names if names[0] != names[1] else (out, compare)), rows
+
+
+def plot_loss_curve(rows: list[dict], out: Path, unit: str = "nats/token", compare=None) -> Path:
     """loss_curve.png: train and validation loss per token (``unit``) on the left axis, validation bits
-    per byte (comparable across tokenizers) on its own right axis."""
-    fig = loss_figure(rows, unit)  # selects the Agg backend before pyplot is imported here
+    per byte (comparable across tokenizers) on its own right axis; with ``compare``
+    (``compare_curves``) another run's the same, dashed, each series labelled with its run."""
+    fig = loss_figure(rows, unit, compare)  # selects the Agg backend before pyplot is imported here
     import matplotlib.pyplot as plt
 
     try:
@@ -133,7 +145,15 @@ def plot_loss_curve(rows: list[dict], out: Path, unit: str = "nats/token") -> Pa
         plt.close(fig)
 
 
-def loss_figure(rows: list[dict], unit: str):
+# A curve: (metrics.jsonl key, label, marker, line style, color, on the right axis)
+CURVES = (
+    ("loss", "train loss", "", "-", "tab:blue", False),
+    ("val_loss", "validation loss", "o", "-", "tab:orange", False),
+    ("val_bpb", "val_bpb (right)", "s", "--", "tab:green", True),
+)
+
+
+def loss_figure(rows: list[dict], unit: str, compare=None):
     """The loss curve's matplotlib figure (see ``plot_loss_curve``)."""
     outputs.isolate_matplotlib()  # first: nothing written under $HOME
     import matplotlib
@@ -141,22 +161,26 @@ def loss_figure(rows: list[dict], unit: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    bpb = [(r["step"], r["val_bpb"]) for r in rows if "val_bpb" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
+    runs = [("", rows, None)]
+    if compare is not None:  # each series labelled with its run; the other run's dotted and lighter
+        (mine, theirs), other = compare
+        runs = [(f" ({mine})", rows, None), (f" ({theirs})", other, ":")]
+    right = ax.twinx() if any("val_bpb" in r for _, rs, _ in runs for r in rs) else None
     lines = []
-    if train:
-        lines += ax.plot(*zip(*train, strict=True), label="train loss", lw=1)
-    if val:
-        lines += ax.plot(*zip(*val, strict=True), "o-", label="validation loss")
+    for suffix, rs, dotted in runs:
+        for key, label, marker, ls, color, on_right in CURVES:
+            points = [(r["step"], r[key]) for r in rs if key in r]
+            if points:
+                style = dict(marker=marker, ls=dotted or ls, color=color, alpha=0.6 if dotted else 1.0)
+                style.update(lw=1) if key == "loss" else None
+                axis = right if on_right else ax
+                lines += axis.plot(*zip(*points, strict=True), label=label + suffix, **style)
     ax.set_xlabel("step")
     ax.set_ylabel(f"loss ({unit})")
-    if bpb:
-        right = ax.twinx()
-        lines += right.plot(*zip(*bpb, strict=True), "s--", color="tab:green", label="val_bpb (right)")
+    if right is not None:
         right.set_ylabel("validation bits per byte")
     if lines:
-        ax.legend(lines, [line.get_label() for line in lines])
+        ax.legend(lines, [line.get_label() for line in lines], fontsize="small")
     ax.grid(alpha=0.3)
     return fig
