@@ -148,8 +148,7 @@ class Runs:
         step = make_step(grad, opt, ocfg, clip, balance=balance, part=part, dropout_seed=drop)
         # the state laid out as the step returns it (training's ``init_opt_state``): step 2 then runs
         # step 1's program, not a second compilation for the optimizer counters' placement
-        selected = part.select(self.params)
-        return jax.jit(step), (self.params, initial_state(self, opt, selected, specs))
+        return jax.jit(step), (self.params, initial_state(self, opt, part.select(self.params), specs))
 
     def train(self, ocfg: OptimConfig, batches, clip_fault: bool = False, par_cls=Parallel, seed: int = 0):
         """Yield ((params, opt_state, metrics) sharded, the same unsharded) after each step (``seed``:
