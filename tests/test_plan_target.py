@@ -13,7 +13,7 @@ from meshlm.errors import ConfigError
 from meshlm.model.config import get_config
 from meshlm.parallel.layout import Layout
 from meshlm.perf.plan import abstract_step
-from meshlm.perf.plan_calibration import CORRECTIONS, Correction, fit
+from meshlm.perf.plan_calibration import CORRECTIONS, Correction, fit, parse_case
 from meshlm.perf.plan_report import format_plan
 from meshlm.perf.plan_search import plan
 from meshlm.perf.plan_settings import PlanSettings
@@ -131,3 +131,9 @@ def test_the_fitted_correction_bounds_every_calibration_case_from_above():
     assert "on its 3 calibration cases" in correction.error and "+0.0%" in correction.error  # one exact
     with pytest.raises(ConfigError, match="not calibrated for --remat none"):
         correction.apply(host[0], "none", 100)
+    # a held-out case (another model, bf16 moments) is not fitted on; its own error is stated apart
+    other = {"case": "n/full/b2/bf16", "temp": 100 + 2000, **fixed}
+    assert parse_case(other["case"]) == ("n", "full", 2, 1, "bf16")
+    apart = fit(host + [other], chip + [{**other, "temp": 100 + 600}], "v5e", held_out=("n/",))
+    assert apart.scale == correction.scale and "n/full/b2/bf16" not in apart.fitted
+    assert "held out of the fit: n/full/b2/bf16 +" in apart.error
