@@ -13,8 +13,10 @@ output + temp - alias, as ``meshlm bench`` and ``meshlm plan`` count it), and me
 (libtpu installed: ``pip install -e '.[tpu-plan]'``; no chip is needed, ``perf.plan_target``), so the
 figures are the chip's from any host. ``--attention`` is meshlm's (plain JAX's is always the [B, H, T, T]
 scores); plain by default, as docs/benchmarks.md's float32 comparison runs it. ``--top N``: each step's
-N largest buffers live at its peak (XLA's live-range report of the compiled step: the instruction, its
-shape and the JAX operation that made it), to find the buffers that differ; ``--dump DIR``: XLA's
+N largest temporaries live at its peak (XLA's live-range report of the compiled step: the instruction, its
+shape and the JAX operation that made it) and the N largest slots of its memory heap (a slot's
+buffers live at different times; the heap, what the chip holds, is their sum: two steps' live peaks
+can be alike and their heaps not), to find the buffers that differ; ``--dump DIR``: XLA's
 whole dump of both compilations (HLO after optimizations, buffer assignment, live ranges) into
 DIR/meshlm and DIR/plain.
 """
@@ -86,7 +88,7 @@ def compiled_steps(
 
 
 def largest_buffers(folder: str, n: int) -> list[tuple[int, str]]:
-    """The ``n`` largest buffers live at the step's peak (arguments included), from XLA's dump in
+    """The ``n`` largest temporaries live at the step's peak (arguments left out), from XLA's dump in
     ``folder`` (its live-range report): (bytes, "name{index} shape op_name") each."""
     (ranges,) = glob.glob(os.path.join(folder, "*jit_step*after_optimizations-live-range.txt"))
     hlo = open(ranges.replace("-live-range.txt", ".txt")).read()
@@ -97,8 +99,26 @@ def largest_buffers(folder: str, n: int) -> list[tuple[int, str]]:
         if found is None:
             break
         name, index, size = found.groups()
+        if re.search(rf"^\s*%{re.escape(name)} = \S+ parameter\(", hlo, re.M):
+            continue  # an argument (the parameters, the optimizer state, the batch): the same in both
         live.append((int(size), f"{name}{{{index}}} {_described(hlo, name, index)}"))
     return sorted(live, reverse=True)[:n]
+
+
+def heap_slots(folder: str, n: int) -> list[tuple[int, str]]:
+    """The ``n`` largest slots of the step's memory heap (XLA's memory-usage report, main memory): a
+    slot holds buffers whose lifetimes do not meet, so the heap is the sum of the slots, what the
+    chip holds; (bytes, "the shapes it holds") each, largest first."""
+    (report,) = glob.glob(os.path.join(folder, "*jit_step*memory-usage-report.txt"))
+    text = open(report).read().split("Memory Space: ")[1]  # the first: the default (main) memory
+    slots = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split(";")]
+        if len(cells) == 5 and cells[2].isdigit():  # cumulative; size; offset; values; shapes
+            number, unit = re.match(r"([\d.]+)(\w*)", cells[1]).groups()
+            scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+            slots.append((int(float(number) * scale), cells[4]))
+    return sorted(slots, reverse=True)[:n]
 
 
 def _described(hlo: str, name: str, index: str) -> str:
@@ -156,8 +176,11 @@ def main() -> None:
     ratio = {k: mem["meshlm"][k] / mem["plain"][k] if mem["plain"][k] else float("nan") for k in parts}
     print(f"{'ratio':<8}" + "".join(f"{ratio[k]:>14.3f}" for k in parts))
     for impl in steps if a.top else ():
-        print(f"\n{impl}: the {a.top} largest buffers live at its peak (XLA's live ranges; arguments too)")
+        print(f"\n{impl}: the {a.top} largest temporaries live at its peak (XLA's live ranges)")
         for size, what in largest_buffers(os.path.join(dump, impl), a.top):
+            print(f"{size / 1e6:>10.1f} MB  {what}")
+        print(f"{impl}: the {a.top} largest slots of its memory heap (the buffers sharing each)")
+        for size, what in heap_slots(os.path.join(dump, impl), a.top):
             print(f"{size / 1e6:>10.1f} MB  {what}")
 
 
