@@ -15,8 +15,9 @@ figures are the chip's from any host. ``--attention`` is meshlm's (plain JAX's i
 scores); plain by default, as docs/benchmarks.md's float32 comparison runs it. ``--top N``: each step's
 N largest temporaries live at its peak (XLA's live-range report of the compiled step: the instruction, its
 shape and the JAX operation that made it) and the N largest slots of its memory heap (a slot's
-buffers live at different times; the heap, what the chip holds, is their sum: two steps' live peaks
-can be alike and their heaps not), to find the buffers that differ; ``--dump DIR``: XLA's
+buffers live at different times; the heap, what the chip holds, is the slots side by side: a step can
+hold less at its live peak than another and still need the larger heap), to find the buffers that
+differ; ``--dump DIR``: XLA's
 whole dump of both compilations (HLO after optimizations, buffer assignment, live ranges) into
 DIR/meshlm and DIR/plain.
 """
@@ -106,9 +107,9 @@ def largest_buffers(folder: str, n: int) -> list[tuple[int, str]]:
 
 
 def heap_slots(folder: str, n: int) -> list[tuple[int, str]]:
-    """The ``n`` largest slots of the step's memory heap (XLA's memory-usage report, main memory): a
-    slot holds buffers whose lifetimes do not meet, so the heap is the sum of the slots, what the
-    chip holds; (bytes, "the shapes it holds") each, largest first."""
+    """The ``n`` largest slots of the step's memory heap (XLA's memory-usage report, main memory, its
+    first table: the heap's slots by size, the smallest left out by XLA): a slot holds buffers whose
+    lifetimes do not meet, the heap is the slots side by side; (bytes, "the shapes it holds") each."""
     (report,) = glob.glob(os.path.join(folder, "*jit_step*memory-usage-report.txt"))
     text = open(report).read().split("Memory Space: ")[1]  # the first: the default (main) memory
     slots = []
@@ -118,6 +119,8 @@ def heap_slots(folder: str, n: int) -> list[tuple[int, str]]:
             number, unit = re.match(r"([\d.]+)(\w*)", cells[1]).groups()
             scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
             slots.append((int(float(number) * scale), cells[4]))
+        elif slots:  # the heap's table ends (the tables after it are single allocations')
+            break
     return sorted(slots, reverse=True)[:n]
 
 
@@ -159,6 +162,8 @@ def main() -> None:
     p.add_argument("--dump", default=None, help="a folder for XLA's dump of both compilations")
     a = p.parse_args()
     dump = a.dump or (tempfile.mkdtemp(prefix="step_memory_") if a.top else None)
+    if dump:  # a persistent cache's hit compiles nothing and dumps nothing: off, before JAX starts
+        os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     from meshlm.perf.bench import compiled_memory
 
     steps, target = compiled_steps(
