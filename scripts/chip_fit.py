@@ -12,7 +12,7 @@ JSON line a case: XLA's memory analysis (argument, output, alias, temp and ``pea
 memory-usage report (``hbm``: the arguments and the temporaries' allocation in the chip's main
 memory), the instructions the compiler rematerialised (``remat_clones``, their shapes
 ``remat_shapes``), or the refusal. On XLA:TPU the memory analysis's temp counts more than the heap
-holds (qwen3-0.6b's runs here: 0.7-2.1 GiB more), so ``peak`` can exceed the chip's memory where the step
+holds (the real-size runs here: 0.5-2.7 GiB more), so ``peak`` can exceed the chip's memory where the step
 runs (the selective batch-4 run above: 18.4 GB planned, 16.0 GB of heap). A case ``fits`` where it
 compiled, its ``peak_memory`` is within the chip's usable memory and nothing was rematerialised;
 ``plan_fits``: the plan's verdict (``peak`` within it).
