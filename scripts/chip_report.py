@@ -149,8 +149,18 @@ def _real_size_jobs() -> list[Job]:
     "b=4 only full" and "b=4 full whole loss" are the same step in chunks and whole, one run apart."""
     at = ("--seq-len", "2048", "--bf16", "--steps", "5")
     chunked = ("--loss-chunk", "512")
+    q, bf16 = ("--config", "qwen3-0.6b"), ("--opt-dtype", "bf16")
     runs = (
         ("qwen3-0.6b b=8 full", ("--config", "qwen3-0.6b", "--batch-size", "8", "--remat", "full")),
+        # the largest batch a policy fits at without the compiler's own remat (scripts/chip_fit.py,
+        # compile-only XLA:TPU, docs/benchmarks.md): the q/k/v kept at batch 8, also the MLP's input at 4
+        ("qwen3-0.6b b=8 save_qkv_proj", (*q, "--batch-size", "8", "--remat", "save_qkv_proj")),
+        (
+            "qwen3-0.6b b=8 save_qkv_proj bf16 moments",
+            (*q, "--batch-size", "8", "--remat", "save_qkv_proj", *bf16),
+        ),
+        ("qwen3-0.6b b=4 save_qkv_mlp_in", (*q, "--batch-size", "4", "--remat", "save_qkv_mlp_in")),
+        ("qwen3-0.6b b=4 selective bf16 moments", (*q, "--batch-size", "4", "--remat", "selective", *bf16)),
         ("qwen3-0.6b b=4 selective", ("--config", "qwen3-0.6b", "--batch-size", "4", "--remat", "selective")),
         (
             "llama3.2-1b b=4 full bf16 moments",

@@ -1,14 +1,15 @@
 """The planner's calibration cases compiled ahead of time, one JSON line each: argument, output, alias,
 temporary bytes and the peak (argument + output - alias + temp) of the real train step, as
 ``meshlm plan`` compiles it (``perf.plan_calibration``: qwen3-0.6b and llama3.2-1b, 2048-token rows,
-bf16, remat full/selective/none, batch 1/2/4/8, and remat full's batch 8 in 4 and 8 micro-batches,
-mesh 1x1: 28 cases). Run the same script on a CPU host and on the chip: the pairs are what
-``plan_calibration.CORRECTIONS`` is fitted on.
+bf16, remat full/selective/none, batch 1/2/4/8, remat full's batch 8 in 4 and 8 micro-batches, and
+llama3.2-1b's batch 2 and 4 with bf16 moments, mesh 1x1: 30 cases). Run the same script on a CPU
+host and on the chip: the pairs are what ``plan_calibration.CORRECTIONS`` is fitted on.
 
     PYTHONPATH=src python scripts/plan_calibration.py                       # this host's compiler
     PYTHONPATH=src python scripts/plan_calibration.py --chip v5e            # on the chip: its compiler
     PYTHONPATH=src python scripts/plan_calibration.py --chip v5e --compiler chip   # libtpu, no chip
     PYTHONPATH=src python scripts/plan_calibration.py --chip v5e --fit cpu.jsonl v5e.jsonl  # the fit
+    ... --fit cpu.jsonl v5e.jsonl --held-out llama3.2-1b   # fitted on the rest, its error on these apart
 
 Each case compiles in a process of its own (nothing runs unless --run); one that takes more than
 --timeout seconds is skipped with a note line. Measured on a 2-core CPU host shared with other jobs
@@ -44,13 +45,18 @@ def run_case(name: str, chip: str | None, compiler: str, run: bool = False) -> d
     from meshlm.perf.plan_settings import PlanSettings
     from meshlm.perf.plan_target import resolve
 
-    config, remat, batch, accum = parse_case(name)
+    config, remat, batch, accum, opt_dtype = parse_case(name)
     target = resolve(chip, compiler, 1)
     # --attention auto for 2048-token rows without --cp: flash on a TPU, plain elsewhere
     attention = "flash" if target.platform == "tpu" else "plain"
     cfg = get_config(config).replace(attention=attention)
     settings = PlanSettings(
-        batch_size=batch, seq_len=SEQ_LEN, accum_steps=accum, compute_dtype="bfloat16", remat=remat
+        batch_size=batch,
+        seq_len=SEQ_LEN,
+        accum_steps=accum,
+        compute_dtype="bfloat16",
+        remat=remat,
+        opt_dtype=opt_dtype,
     )
     layout = target.place(Layout(dp=1, mp=1))
     a = analytic(cfg, layout, settings)  # the state's temporaries: what a correction does not scale
@@ -131,12 +137,14 @@ def main() -> int:
         "--run", action="store_true", help="on the chip: also run one step of each (ran: true or OOM)"
     )
     p.add_argument("--fit", nargs=2, metavar=("HOST", "CHIP"), help="fit the correction of two runs' lines")
+    held = "with --fit: the cases starting so are not fitted on, their error stated apart"
+    p.add_argument("--held-out", nargs="*", default=(), help=held)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.fit:
         from meshlm.perf.plan_calibration import fit, read_lines
 
-        fitted = fit(read_lines(a.fit[0]), read_lines(a.fit[1]), a.chip or "v5e")
+        fitted = fit(read_lines(a.fit[0]), read_lines(a.fit[1]), a.chip or "v5e", tuple(a.held_out))
         print(json.dumps(fitted.describe(), indent=1))
         print(repr(fitted))
         return 0

@@ -559,7 +559,7 @@ COMMANDS: dict[str, Run | Shown] = {
     # docs/memory.md, --chip: in CI (no libtpu) XLA:CPU with the v5e correction, three qwen3-0.6b compiles
     "meshlm plan --config qwen3-0.6b --mesh 1x1 --seq-len 2048 --batch-size 8 --bf16 --remat full "
     "--chip v5e": run(
-        expect=("compiler for v5e", "recommended: --remat full --accum-steps"),
+        expect=("compiler for v5e", "recommended: --remat full --accum-steps 8"),
         slow="tests/test_plan_target.py::test_chip_sets_the_memory_and_plans_with_the_v5e_correction",
     ),
     "meshlm verify --fsdp --sp --remat selective --steps 3 --x64": verify(costly=MEM),

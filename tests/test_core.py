@@ -201,6 +201,17 @@ def test_vocab_parallel_xent_matches_log_softmax_and_z_loss():
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+def test_vocab_parallel_xent_picks_the_target_logit_from_the_logits():
+    """Gathered from the logits themselves, then shifted: gathered from the shifted logits, XLA:TPU
+    kept those as a second float32 [B, T, V] buffer (docs/benchmarks.md, issue 63.5)."""
+    from meshlm.model.layers import vocab_parallel_xent
+
+    logits, targets = jnp.zeros((2, 5, 16), jnp.float32), jnp.zeros((2, 5), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda z, t: vocab_parallel_xent(Parallel(), z, t))(logits, targets).jaxpr
+    picks = [e for e in jaxpr.eqns if e.params.get("name") == "take_along_axis"]  # jnp's nested jit
+    assert picks and all(e.invars[0] is jaxpr.invars[0] for e in picks), jaxpr
+
+
 def test_token_out_of_range_names_id_and_position():
     ids = np.array([[1, 2, 3], [4, 300, 5]])
     with pytest.raises(TokenRangeError, match=r"300 at position \(1, 1\)"):

@@ -48,3 +48,16 @@ def test_dense_keeps_bfloat16_and_jits():
     ref = _value_and_grads(jnp.matmul, x.astype(jnp.float32), w.astype(jnp.float32), ct.astype(jnp.float32))
     for a, b in zip((out, dx, dw), ref, strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=0.05, atol=0.5)
+
+
+def test_dense_off_cpu_is_jaxs_own_matmul():
+    """Compiled for a TPU (or GPU) the weight matmul is JAX's own, its backward JAX's transpose: no
+    custom VJP and no barrier (on XLA:TPU they kept more activations alive, ``model.dense``)."""
+    from meshlm.parallel.compile_target import compiling_for
+
+    x, w = jnp.zeros((2, 3, 4)), jnp.zeros((4, 5))
+    grads = lambda: jax.make_jaxpr(jax.grad(lambda x, w: dense(x, w).sum(), (0, 1)))(x, w)
+    with compiling_for("tpu"):
+        off = str(grads())
+    assert "optimization_barrier" not in off and "custom_vjp" not in off
+    assert "optimization_barrier" in str(grads())  # on CPU: the 2-D backward, behind its barrier

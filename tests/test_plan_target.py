@@ -6,14 +6,16 @@ import importlib.util
 import json
 import math
 
+import jax
+import jax.numpy as jnp
 import pytest
 from helpers import run_cli
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import get_config
 from meshlm.parallel.layout import Layout
-from meshlm.perf.plan import abstract_step
-from meshlm.perf.plan_calibration import CORRECTIONS, Correction, fit
+from meshlm.perf.plan import abstract_step, refused
+from meshlm.perf.plan_calibration import CORRECTIONS, Correction, fit, parse_case
 from meshlm.perf.plan_report import format_plan
 from meshlm.perf.plan_search import plan
 from meshlm.perf.plan_settings import PlanSettings
@@ -131,3 +133,23 @@ def test_the_fitted_correction_bounds_every_calibration_case_from_above():
     assert "on its 3 calibration cases" in correction.error and "+0.0%" in correction.error  # one exact
     with pytest.raises(ConfigError, match="not calibrated for --remat none"):
         correction.apply(host[0], "none", 100)
+    # a held-out case (another model, bf16 moments) is not fitted on; its own error is stated apart
+    other = {"case": "n/full/b2/bf16", "temp": 100 + 2000, **fixed}
+    assert parse_case(other["case"]) == ("n", "full", 2, 1, "bf16")
+    apart = fit(host + [other], chip + [{**other, "temp": 100 + 600}], "v5e", held_out=("n/",))
+    assert apart.scale == correction.scale and "n/full/b2/bf16" not in apart.fitted
+    assert "held out of the fit: n/full/b2/bf16 +" in apart.error
+
+
+def test_a_refused_step_peaks_at_the_figure_the_chips_compiler_names():
+    """XLA:TPU's refusal names the whole heap, arguments included ("HLO temporaries" though it says):
+    the planner's peak is that figure, not the arguments on top of it (``perf.plan.refused``)."""
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=one)}  # 4 MiB
+    batch = {"inputs": jax.ShapeDtypeStruct((2, 8), jnp.int32, sharding=one)}
+    message = "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+    message += "temporaries (1.5G) exceeds available HBM (15.75G)."
+    row = refused(RuntimeError(message), params, params, batch, 1.0)
+    argument = 2 * 4 * 2**20 + 64
+    assert row["peak"] == int(1.5 * 2**30) and row["argument"] == argument
+    assert row["temp"] == row["peak"] - argument and row["refused"] == message

@@ -13,6 +13,12 @@ Here x^T is made a real array behind an optimisation barrier (else XLA folds the
 the dot). Measured side by side in one process on 2 CPU cores (``cpu`` preset, batch 32 x 128): the
 2x2 sharded step 1.01 -> 0.90 s, the unsharded one 0.94 s without the barrier, 0.91 s with it. Same
 maths up to summation order: the float64 proof (``meshlm verify --x64``) checks it.
+
+Only on XLA:CPU (``parallel.compile_target``: the platform compiled for). Elsewhere the matmul is JAX's
+own, with its own backward: on XLA:TPU the barrier's x^T of every weight matmul and the dx/dw dots on
+2-D views kept more of the step's activations alive at once (llama-100m, float32, batch 8 x 512 on a
+v5e: 340 MB more temporaries than JAX's backward, 3.66 GB peak against plain JAX's 3.59 GB with it;
+scripts/step_memory.py --chip v5e, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -20,10 +26,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from meshlm.parallel.compile_target import compile_platform
+
+
+def dense(x, w):
+    """x [..., K] @ w [K, M] -> [..., M]: on XLA:CPU with the backward of the module docstring,
+    elsewhere JAX's own (decided when traced, for the platform compiled for)."""
+    return _dense_2d(x, w) if compile_platform() == "cpu" else x @ w
+
 
 @jax.custom_vjp
-def dense(x, w):
-    """x [..., K] @ w [K, M] -> [..., M] (see the module docstring for the backward)."""
+def _dense_2d(x, w):
     return x @ w
 
 
@@ -40,7 +53,7 @@ def _bwd(res, g):
     return dx, dw.astype(w.dtype)
 
 
-dense.defvjp(_fwd, _bwd)
+_dense_2d.defvjp(_fwd, _bwd)
 
 
 def dense_heads_in(x, w, mm=None):

@@ -1,7 +1,7 @@
 """What ``meshlm plan`` compiles with, for which chip, and the correction it applies.
 
 A compiled peak is one compiler's buffer plan: XLA:CPU's temporaries are not XLA:TPU's (qwen3-0.6b,
-batch 4 x 2048, bf16, --remat full: 15.79 GiB on CPU with plain attention, 8.69 GiB on a v5e with
+batch 4 x 2048, bf16, --remat full: 13.91 GiB on CPU with plain attention, 8.96 GiB on a v5e with
 its flash kernel). So ``--chip v5e`` plans with the chip's own compiler wherever it can:
 
 - on the chip itself: its runtime's compiler (``how="chip"``);
