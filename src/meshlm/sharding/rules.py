@@ -333,9 +333,10 @@ def init_sharded(init_fn, rng, *example_args, specs_fn, mesh, dtype=None, pad=No
     """
     abstract = jax.eval_shape(init_fn, rng, *example_args)
     specs = specs_fn(abstract)
+    traced = jax.jit(init_fn)  # the program eval_shape traced: the Haiku forward is traced once, not twice
 
     def init(rng, *args):
-        params = init_fn(rng, *args)
+        params = traced(rng, *args)
         params = params if pad is None else pad(params)
         return params if dtype is None else jax.tree.map(lambda p: p.astype(dtype), params)
 
