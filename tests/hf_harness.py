@@ -31,9 +31,10 @@ verify) must fail. A family-specific test picks its cases by name:
 ``@pytest.mark.parametrize("family", ["phi3"], indirect=True)``.
 """
 
+import io
 import json
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, nullcontext, redirect_stderr, redirect_stdout
 from copy import deepcopy
 from dataclasses import dataclass, field
 from functools import cache
@@ -102,7 +103,7 @@ def _tokenizer():
 
 
 def convert(case: Case, root) -> dict:
-    """Build, save, convert (1x1) and run ``case``'s model once: the dict the tests share."""
+    """Build, save and run ``case``'s model once: the dict the tests share (converted on first use)."""
     import torch
     import transformers
 
@@ -116,8 +117,8 @@ def convert(case: Case, root) -> dict:
             case.prepare(model)
     tokens = random_tokens(case.length)
     model.save_pretrained(root / "hf")
-    out = dict(case=case, hf=root / "hf", ckpt=root / "ckpt", fused=None, model=model, tokens=tokens)
-    out.update(logits=hf_logits(model, tokens), text=None)
+    out = dict(case=case, hf=root / "hf", fused=None, model=model, tokens=tokens)
+    out.update(logits=hf_logits(model, tokens))
     out["reference"] = out["logits"]
     if case.reference64:
         with (case.lifted or nullcontext)():
@@ -125,18 +126,39 @@ def convert(case: Case, root) -> dict:
     if case.fused:
         write_fused(model, root / "hf", root / "fused")
         out["fused"] = root / "fused"
-    if not case.generate:
-        return out
+    return Family(out)
+
+
+class Family(dict):
+    """The ``family`` dict, whose "ckpt" and "text" (``_generated``) are made on first use, by the tests
+    that read them (the slow tier's): a BPE training, the conversion and transformers' generate, 1-3 s
+    of CPU a case that the quick tier's comparisons never read."""
+
+    def __missing__(self, key):
+        if key not in ("ckpt", "text"):
+            raise KeyError(key)
+        ckpt = self["hf"].parent / "ckpt"
+        self.update(ckpt=ckpt, text=_generated(self, ckpt) if self["case"].generate else None)
+        return self[key]
+
+
+def _generated(out: dict, ckpt) -> str:
+    """Convert ``out``'s model to ``ckpt`` (1x1, with a tokenizer) and return transformers' greedy text
+    of its prompt."""
+    import torch
+
+    case, model = out["case"], out["model"]
     tokenizer = _tokenizer()
-    tokenizer.save_pretrained(root / "hf")
-    argv = ("convert", "--from-hf", str(root / "hf"), "--out", str(root / "ckpt"), "--mesh", "1x1")
-    assert run_cli(*argv) == 0
+    tokenizer.save_pretrained(out["hf"])
+    argv = ("convert", "--from-hf", str(out["hf"]), "--out", str(ckpt), "--mesh", "1x1")
+    said = io.StringIO()  # not into the output a test is capturing when it first reads the family's text
+    with redirect_stdout(said), redirect_stderr(said):
+        assert run_cli(*argv) == 0, said.getvalue()
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
         new = model.generate(ids, max_new_tokens=case.new, do_sample=False, pad_token_id=0)[0, ids.shape[1] :]
     assert len(set(new.tolist())) > 3  # not degenerate: a wrong token shows
-    out["text"] = tokenizer.decode(new, skip_special_tokens=True)
-    return out
+    return tokenizer.decode(new, skip_special_tokens=True)
 
 
 def family_fixture(cases):

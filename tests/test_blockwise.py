@@ -205,7 +205,7 @@ def test_model_loss_and_gradients_equal_plain(name):
     with jax.enable_x64(True):
         r = np.random.default_rng(0)
         batch = {k: jnp.asarray(r.integers(0, 64, (2, 64)), jnp.int32) for k in ("inputs", "targets")}
-        params = hk.transform(loss_fn(plain, Parallel())).init(jax.random.PRNGKey(0), batch)
+        params = jax.jit(hk.transform(loss_fn(plain, Parallel())).init)(jax.random.PRNGKey(0), batch)
         params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
 
         def grads(cfg):

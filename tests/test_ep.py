@@ -121,7 +121,7 @@ def _reference(cfg):
     with jax.enable_x64(True):
         r = np.random.default_rng(0)
         batch = {k: jnp.asarray(r.integers(0, 64, (4, 8)), jnp.int32) for k in ("inputs", "targets")}
-        params = hk.transform(loss_fn(cfg, Parallel())).init(jax.random.PRNGKey(0), batch)
+        params = jax.jit(hk.transform(loss_fn(cfg, Parallel())).init)(jax.random.PRNGKey(0), batch)
         params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
         dense = cfg.replace(moe_dispatch="dense")
         want = jax.jit(reference_value_and_grad(lambda par: loss_fn(dense, par)))(params, batch)
@@ -210,7 +210,7 @@ def test_ep_under_pp_equals_the_unsharded_model():
     with jax.enable_x64(True):
         r = np.random.default_rng(1)
         batch = {k: jnp.asarray(r.integers(0, 64, (4, 8)), jnp.int32) for k in ("inputs", "targets")}
-        params = hk.transform(loss_fn(cfg, Parallel())).init(jax.random.PRNGKey(0), batch)
+        params = jax.jit(hk.transform(loss_fn(cfg, Parallel())).init)(jax.random.PRNGKey(0), batch)
         params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
         dense = cfg.replace(moe_dispatch="dense")  # the reference: every expert on every token
         want = jax.jit(reference_value_and_grad(lambda par: loss_fn(dense, par)))(params, batch)

@@ -78,7 +78,8 @@ def _b_zero_row(bump) -> dict:
 
     cfg = get_config("tiny-llama").replace(lora_rank=4, lora_alpha=8.0, lora_targets="q,v")
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 16)).astype(np.int32)
-    params = hk.transform(logits_fn(cfg, Parallel())).init(jax.random.PRNGKey(0), jnp.asarray(tokens))
+    init = jax.jit(hk.transform(logits_fn(cfg, Parallel())).init)
+    params = init(jax.random.PRNGKey(0), jnp.asarray(tokens))
     params = lora.combine(lora.base(params), proof_lora.drawn_adapters(cfg, params))
     grads = lora.combine(
         jax.tree.map(np.zeros_like, lora.base(params)), jax.tree.map(np.ones_like, lora.adapters(params))

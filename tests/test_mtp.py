@@ -52,10 +52,12 @@ def test_depth_tokens_and_labels_shift_on_the_whole_sequence():
 
 @pytest.fixture(scope="module")
 def unsharded():
-    """(params, a batch, the float64 loss function with its metrics) of tiny-deepseek-v3."""
+    """(params, a batch, the float64 loss function with its metrics) of tiny-deepseek-v3; random
+    parameters drawn on the host (``host_params``: no init program to compile, ~4 s of CPU)."""
+    from test_generate import host_params
+
     with jax.enable_x64(True):
-        init, example = init_fn(CFG)
-        params = jax.tree.map(lambda p: p.astype(jnp.float64), jax.jit(init)(jax.random.PRNGKey(0), example))
+        params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float64), host_params(CFG))
         toks = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 17))
         batch = {"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:])}
         yield params, batch

@@ -43,7 +43,7 @@ def _problem(name, **changes):
     batch = {
         k: jnp.asarray(rng.integers(0, cfg.vocab_size, (2, t)), jnp.int32) for k in ("inputs", "targets")
     }
-    params = hk.transform(loss_fn(cfg, Parallel())).init(jax.random.PRNGKey(0), batch)
+    params = jax.jit(hk.transform(loss_fn(cfg, Parallel())).init)(jax.random.PRNGKey(0), batch)
     return cfg, jax.tree.map(lambda p: p.astype(jnp.float64), params), batch
 
 

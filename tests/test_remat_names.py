@@ -27,7 +27,7 @@ def _layer_residuals(cfg) -> set[tuple]:
     """The shapes of what the backward keeps of the layer loop (the scan's stacked residuals)."""
     f = hk.without_apply_rng(hk.transform(loss_fn(cfg, Parallel())))
     batch = {k: jnp.ones((B, T), jnp.int32) for k in ("inputs", "targets")}
-    params = f.init(jax.random.PRNGKey(0), batch)
+    params = jax.jit(f.init)(jax.random.PRNGKey(0), batch)
     found = saved_residuals(f.apply, params, batch)
     return {tuple(a.shape) for a, why in found if "output of scan" in why and a.ndim > 3}  # [L, ...]
 

@@ -12,6 +12,8 @@ Shapes: tokens [B, T] global ids; hidden x [B, T, D] replicated over the model a
 
 from __future__ import annotations
 
+import functools
+
 import haiku as hk
 import jax.numpy as jnp
 import numpy as np
@@ -367,7 +369,16 @@ def init_fn(cfg: ModelConfig):
     the batch, so a tiny one serves for ``eval_shape`` and for sharded initialisation alike."""
     t = min(cfg.max_seq_len, 8)
     example = {k: jnp.zeros((1, t), jnp.int32) for k in ("inputs", "targets")}
-    return hk.transform(loss_fn(cfg, Parallel())).init, example
+    return _haiku_init(cfg), example
+
+
+@functools.lru_cache(maxsize=64)
+def _haiku_init(cfg: ModelConfig):
+    """One init function per config: JAX's trace cache knows a function by its identity, so a config's
+    shapes (``param_shapes``) and initialisations after the first reuse its traced forward (a trace costs
+    0.06-0.5 s CPU: tiny presets to deepseek-v3; ``meshlm plan``'s search and the tests trace a config
+    again and again)."""
+    return hk.transform(loss_fn(cfg, Parallel())).init
 
 
 def param_shapes(cfg: ModelConfig):

@@ -226,7 +226,8 @@ def _init(problem: Problem, mesh, dtype, seed: int):
         example = jax.tree.map(lambda v: v[:1], example)
     key = jax.random.PRNGKey(seed)
     specs = problem.specs_fn(jax.eval_shape(init, key, example))
-    host = jax.jit(lambda k, b: jax.tree.map(lambda p: p.astype(dtype), init(k, b)))(key, example)
+    traced = jax.jit(init)  # the program eval_shape traced: the Haiku forward is traced once, not twice
+    host = jax.jit(lambda k, b: jax.tree.map(lambda p: p.astype(dtype), traced(k, b)))(key, example)
     if problem.slots is not None:  # uneven pp stages: the body's stack padded (``sharding.stage_slots``)
         host = problem.slots.pad(jax.tree.map(np.asarray, host))
     placed = jax.tree.map(lambda x, s: put_global(np.asarray(x), s), host, shardings(specs, mesh))
