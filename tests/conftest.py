@@ -35,6 +35,9 @@ import pytest  # noqa: E402
 
 jax.devices()
 
+if os.environ.get("MESHLM_CPU_TIMES"):  # each test's CPU time into that directory (tests/cpu_times.py)
+    from cpu_times import pytest_collection_finish, pytest_runtest_protocol, pytest_sessionstart  # noqa: F401
+
 # The longest files first. pytest-xdist (``--dist loadfile``) hands out whole files in collection order
 # (``--no-loadscope-reorder`` in pyproject.toml keeps this order; its default orders by test count, which
 # left the multi-process and pipeline files, a few long tests each, for last): a long file handed out last

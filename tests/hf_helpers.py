@@ -1,6 +1,8 @@
 """What the transformers comparisons share: both models' logits and their relative difference."""
 
 import haiku as hk
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from meshlm.model.params import unflatten
@@ -52,8 +54,10 @@ def hf_logits(model, tokens) -> np.ndarray:
 
 
 def our_logits(cfg, flat, tokens) -> np.ndarray:
-    """The unsharded model's logits [B, T, V] from flat converted parameters."""
-    return np.asarray(hk.transform(logits_fn(cfg, Parallel())).apply(unflatten(flat), None, tokens))
+    """The unsharded model's logits [B, T, V] from flat converted parameters: one compiled program (op by
+    op, the forward's layer scans and every small op compile a program each)."""
+    apply = jax.jit(hk.transform(logits_fn(cfg, Parallel())).apply)
+    return np.asarray(apply(unflatten(flat), None, jnp.asarray(tokens)))
 
 
 def export_round_trip(hf_dir, out, tokens, want, **load) -> tuple[str, float, bool]:
@@ -108,7 +112,7 @@ def balance_loss_equal_transformers(hf_dir, model, tokens, loss_func, experts=4,
 
     cfg, flat = hf_weights.load_hf(hf_dir)
     run = lambda t: local_logits_stats(cfg, Parallel(), t)[2]
-    stats = hk.transform(run).apply(unflatten(flat), None, tokens)
+    stats = jax.jit(hk.transform(run).apply)(unflatten(flat), None, jnp.asarray(tokens))
     with torch.no_grad():
         router = model(torch.tensor(tokens), output_router_logits=True).router_logits
     want = float(loss_func(router, experts, k))

@@ -479,6 +479,8 @@ def test_a_tiny_mixtral_run_exports_dropping_its_z_loss_with_a_note(tmp_path, ca
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     import haiku as hk
+    import jax
+    import jax.numpy as jnp
     import numpy as np
 
     from meshlm.io.checkpoint import Checkpointer
@@ -505,7 +507,9 @@ def test_a_tiny_mixtral_run_exports_dropping_its_z_loss_with_a_note(tmp_path, ca
         in out
     )
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16))
-    want = np.asarray(hk.transform(logits_fn(cfg, Parallel())).apply(params, None, tokens))
+    want = np.asarray(
+        jax.jit(hk.transform(logits_fn(cfg, Parallel())).apply)(params, None, jnp.asarray(tokens))
+    )
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         got = model(torch.tensor(tokens)).logits.numpy()

@@ -105,13 +105,13 @@ def test_the_periods_scan_is_the_runs_of_each_kind():
 
     cfg = _cfg(n_layers=5, kv_shared_layers=2)
     tokens = jnp.asarray(np.arange(24).reshape(2, 12) % cfg.vocab_size)
-    model = hk.transform(logits_fn(cfg, Parallel()))
-    params = model.init(jax.random.PRNGKey(0), tokens)
-    periods = model.apply(params, None, tokens)
+    model = hk.transform(logits_fn(cfg, Parallel()))  # jitted: op by op, each scan compiles a program
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)
+    periods = jax.jit(lambda p, t: model.apply(p, None, t))(params, tokens)
     real = per_layer_runs._periods
     try:
         per_layer_runs._periods = lambda cfg, params, apply, xs, carry: (carry, 0, None)  # each run a scan
-        runs = model.apply(params, None, tokens)
+        runs = jax.jit(lambda p, t: model.apply(p, None, t))(params, tokens)  # a new function: traced anew
     finally:
         per_layer_runs._periods = real
     np.testing.assert_allclose(periods, runs, rtol=1e-5, atol=1e-5 * float(jnp.abs(runs).max()))

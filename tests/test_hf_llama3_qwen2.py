@@ -13,15 +13,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import haiku as hk  # noqa: E402
 from helpers import run_cli, sharded_logits  # noqa: E402
+from hf_helpers import our_logits  # noqa: E402
 
 from meshlm.data.tokenizer_files import load_tokenizer  # noqa: E402
 from meshlm.io import hf_weights  # noqa: E402
 from meshlm.model import config as model_config  # noqa: E402
 from meshlm.model.params import unflatten  # noqa: E402
-from meshlm.model.transformer import logits_fn  # noqa: E402
-from meshlm.parallel.context import Parallel  # noqa: E402
 
 RTOL = 1e-5  # float32: max |ours - theirs| / max |theirs|
 CORPUS = ["def héllo(wörld):\n    return wörld + 1  # ünïcode\n" * 30, "import os\nclass A:\n    pass\n" * 20]
@@ -115,7 +113,7 @@ def test_logits_equal_transformers_unsharded_and_2x2(family, tokens):
     assert cfg.tie_embeddings and cfg.arch.qkv_bias == (family["name"] == "qwen2")
     assert (cfg.rope_scaling is not None) == (family["name"] == "llama3")
     want = _logits(family["model"], tokens)
-    got = np.asarray(hk.transform(logits_fn(cfg, Parallel())).apply(unflatten(flat), None, tokens))
+    got = our_logits(cfg, flat, tokens)
     assert _rel(got, want) <= RTOL
     for copy in sharded_logits(cfg, unflatten(flat), tokens):
         assert _rel(copy, want) <= RTOL
@@ -175,6 +173,6 @@ def test_rope_scaling_skipped_only_transformers_catches(family, tokens, monkeypa
     plain = model_config.rope_inv_freq
     monkeypatch.setattr(model_config, "rope_inv_freq", lambda dim, theta, scaling: plain(dim, theta, None))
     cfg, flat = hf_weights.load_hf(family["root"] / "hf")
-    got = np.asarray(hk.transform(logits_fn(cfg, Parallel())).apply(unflatten(flat), None, tokens))
+    got = our_logits(cfg, flat, tokens)
     assert _rel(sharded_logits(cfg, unflatten(flat), tokens)[0], got) <= RTOL
     assert _rel(got, _logits(family["model"], tokens)) > 100 * RTOL

@@ -25,7 +25,7 @@ def test_latent_cache_logits_equal_the_full_forward_in_float64():
     cfg = get_config("tiny-deepseek-v3")
     with jax.enable_x64(True):
         params = jax.tree.map(lambda x: np.asarray(x, np.float64), host_params("tiny-deepseek-v3"))
-        full = np.asarray(hk.transform(logits_fn(cfg, Parallel())).apply(params, None, TOKENS))
+        full = np.asarray(jax.jit(hk.transform(logits_fn(cfg, Parallel())).apply)(params, None, TOKENS))
         for name, layout, cp in (("1x2", Layout(mp=2), False), ("cp2 x mp2", Layout(mp=2, cp=2), True)):
             got = Generator(cfg, params, layout, eod=None, prefill_cp=cp).logits_with_cache(TOKENS, LENGTHS)
             for b, n in enumerate(LENGTHS):
