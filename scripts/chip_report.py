@@ -24,6 +24,7 @@ import gc
 import importlib.util
 import io
 import json
+import os
 import re
 import sys
 import time
@@ -46,6 +47,7 @@ class Job:
     name: str
     argv: tuple[str, ...]
     smoke: tuple[str, ...] = ()  # the same job on CPU at a tiny shape (--cpu-smoke); () = none
+    env: tuple[tuple[str, str], ...] = ()  # environment variables set while the job runs
 
 
 @dataclass
@@ -102,9 +104,11 @@ def _one_chip_jobs() -> list[Job]:
         argv += ("--batch-size", str(batch), "--seq-len", "2048")
         jobs.append(Job("one-chip", f"{config} b={batch} remat={remat}", argv))
     f32 = (*BENCH[:-1], "meshlm,plain", "--config", "llama-100m", "--attention", "plain", "--steps", "10")
-    jobs.append(
-        Job("one-chip", "llama-100m f32 vs plain 8x512", f32 + ("--batch-size", "8", "--seq-len", "512"))
-    )
+    f32 += ("--batch-size", "8", "--seq-len", "512")
+    jobs.append(Job("one-chip", "llama-100m f32 vs plain 8x512", f32))
+    # the same with XLA:CPU's 2-D matmul backward (``model.dense``): which backward is the faster here
+    two_d = (("MESHLM_DENSE_BACKWARD", "2d"),)
+    jobs.append(Job("one-chip", "llama-100m f32 vs plain 8x512 2d backward", f32, env=two_d))
     return jobs
 
 
@@ -265,7 +269,12 @@ def run_job(job: Job, argv: tuple[str, ...]) -> Result:
     res, out, err = Result(job), io.StringIO(), io.StringIO()
     start = time.perf_counter()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _compiles() as compiles:
+        with (
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+            _environ(dict(job.env)),
+            _compiles() as compiles,
+        ):
             res.code = _script_main(argv[0])(list(argv[1:])) if script else main(list(argv))
     except BaseException as e:  # noqa: BLE001 - a job's failure is a row of the report, not the end of it
         if isinstance(e, KeyboardInterrupt):
@@ -290,6 +299,21 @@ def run_job(job: Job, argv: tuple[str, ...]) -> Result:
         res.error = (err.getvalue().strip().splitlines() or ["(no message)"])[-1][:2000]
     _release()
     return res
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    """``os.environ`` with ``values`` set inside, restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextlib.contextmanager
@@ -430,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [j for j in jobs if j.smoke]
     if args.list:
         for j in jobs:
-            print(f"{j.group:10s} {j.name:40s} meshlm {' '.join(j.smoke if args.cpu_smoke else j.argv)}")
+            env = "".join(f"{k}={v} " for k, v in j.env)
+            print(f"{j.group:10s} {j.name:40s} {env}meshlm {' '.join(j.smoke if args.cpu_smoke else j.argv)}")
         return 0
     return _run(jobs, args)
 
@@ -468,6 +493,7 @@ def _write(out: Path, env: dict, results: list[Result], seconds: float) -> None:
                 "group": r.job.group,
                 "name": r.job.name,
                 "argv": ["meshlm", *r.job.argv],
+                "env": dict(r.job.env),
                 "seconds": round(r.seconds, 2),
                 "compile_seconds": round(r.compile_seconds, 2),
                 "code": r.code,

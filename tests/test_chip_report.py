@@ -5,6 +5,7 @@ a job that fails is a row with its error line, not the end of the report; off a 
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -53,3 +54,14 @@ def test_the_int8_group_times_bf16_and_int8_side_by_side_in_one_bench_run_each()
         args = build_parser().parse_args(list(job.argv))
         assert (args.impls, args.quant, args.batch_size) == ("meshlm,meshlm-int8", "int8", 8), job.argv
     assert "--loss-chunk" in jobs[1].argv and "tiny-qwen3-moe" in jobs[0].smoke
+
+
+def test_a_jobs_environment_is_set_while_it_runs_and_restored(monkeypatch):
+    script = _script()
+    monkeypatch.delenv("MESHLM_DENSE_BACKWARD", raising=False)
+    # a bad value reaches the job (its error line names it) and is gone after it
+    bad = script.Job("one-chip", "env", ("verify", "--config", "tiny", "--mesh", "1x1", "--seq-len", "8"))
+    bad = script.Job(bad.group, bad.name, bad.argv, env=(("MESHLM_DENSE_BACKWARD", "nope"),))
+    res = script.run_job(bad, bad.argv)
+    assert res.code == 2 and "MESHLM_DENSE_BACKWARD='nope'" in res.error
+    assert "MESHLM_DENSE_BACKWARD" not in os.environ

@@ -19,20 +19,40 @@ own, with its own backward: on XLA:TPU the barrier's x^T of every weight matmul 
 2-D views kept more of the step's activations alive at once (llama-100m, float32, batch 8 x 512 on a
 v5e: 340 MB more temporaries than JAX's backward, 3.66 GB peak against plain JAX's 3.59 GB with it;
 scripts/step_memory.py --chip v5e, docs/benchmarks.md).
+
+``MESHLM_DENSE_BACKWARD`` (``2d`` or ``jax``) overrides the platform's choice, to measure one backward
+against the other on the chip, and so that the CPU's float64 proof can run the backward a TPU runs
+(tests/test_dense_backward.py: ``meshlm verify`` passes with ``jax``, and its mutant fails).
 """
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
+from meshlm.errors import ConfigError
 from meshlm.parallel.compile_target import compile_platform
+
+ENV = "MESHLM_DENSE_BACKWARD"  # "2d" | "jax": the weight matmul's backward, whatever the platform
+BACKWARDS = ("2d", "jax")
+
+
+def backward_kind() -> str:
+    """ "2d" (the module docstring's, XLA:CPU's) or "jax" (JAX's own, every other platform's), or as
+    ``MESHLM_DENSE_BACKWARD`` says; decided when traced, for the platform compiled for."""
+    kind = os.environ.get(ENV, "")
+    if kind and kind not in BACKWARDS:
+        raise ConfigError(
+            f"{ENV}={kind!r} is not a dense backward; use one of {', '.join(BACKWARDS)} (or unset it)"
+        )
+    return kind or ("2d" if compile_platform() == "cpu" else "jax")
 
 
 def dense(x, w):
-    """x [..., K] @ w [K, M] -> [..., M]: on XLA:CPU with the backward of the module docstring,
-    elsewhere JAX's own (decided when traced, for the platform compiled for)."""
-    return _dense_2d(x, w) if compile_platform() == "cpu" else x @ w
+    """x [..., K] @ w [K, M] -> [..., M], its backward as ``backward_kind`` says."""
+    return _dense_2d(x, w) if backward_kind() == "2d" else x @ w
 
 
 @jax.custom_vjp
