@@ -153,3 +153,14 @@ def test_a_refused_step_peaks_at_the_figure_the_chips_compiler_names():
     argument = 2 * 4 * 2**20 + 64
     assert row["peak"] == int(1.5 * 2**30) and row["argument"] == argument
     assert row["temp"] == row["peak"] - argument and row["refused"] == message
+
+
+def test_the_verdict_uses_the_chip_compilers_heap_where_it_planned():
+    from meshlm.perf.plan_search import verdict_peak
+
+    host = {"compiled": {"peak": 18_400}}
+    chip = {"compiled": {"peak": 18_400, "compiler_peak": 14_870}}  # selective b4: summed vs held
+    corrected = {"compiled": {"peak": 9_000}, "corrected": {"peak": 12_000}}
+    assert verdict_peak(host) == (18_400, "argument + output + temp - alias")
+    assert verdict_peak(chip) == (14_870, "the chip compiler's heap")
+    assert verdict_peak(corrected) == (12_000, "host plan, corrected for the chip")

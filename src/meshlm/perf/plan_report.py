@@ -78,6 +78,8 @@ def _breakdown(row: dict, platform: str) -> list[str]:
     ]
     if row["settings"]["fsdp"]:
         lines.insert(4, ("one layer's gathered weights", gib(a["gathered"]), inside))
+    if "compiler_peak" in c:  # XLA:TPU's own heap: what the verdict uses (``plan_search.verdict_peak``)
+        lines += [("peak, the compiler's heap", "", gib(c["compiler_peak"]))]
     if "corrected" in row:  # the host's plan corrected for the chip: what the verdict uses
         lines += [("temporaries, corrected", "", gib(row["corrected"]["temp"]))]
         lines += [("peak, corrected", "", gib(row["corrected"]["peak"]))]
@@ -110,6 +112,8 @@ def _verdict(row: dict) -> str:
 def _candidates(report: dict) -> list[str]:
     dp = report["mesh"]["dp"]
     peak = "corrected peak" if report["compiler"]["correction"] else "compiled peak"
+    if any("compiler_peak" in r.get("compiled", {}) for r in report["candidates"]):
+        peak = "compiler heap"
     head = f"  {'options':<34}{'rows/device':>12}{'analytic peak':>15}{peak:>16}  verdict"
     out = ["candidates (each one compiled):", head]
     for row in report["candidates"]:
