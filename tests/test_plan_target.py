@@ -116,7 +116,11 @@ def test_the_chips_own_compiler_from_a_cpu_host(capsys):
     assert report["compiler"]["platform"] == "tpu" and report["compiler"]["how"] == "chip"
     assert report["compiler"]["correction"] is None and "libtpu" in report["compiler"]["compiler"]
     c = report["plan"]["compiled"]
-    assert report["plan"]["peak"] == c["argument"] + c["output"] - c["alias"] + c["temp"]
+    # judged by the compiler's own heap (``plan_search.verdict_peak``): here above the summed peak
+    # (tiles' padding: 6.9 against 5.9 MB), at the real sizes 0.5-2.7 GiB below it
+    assert report["plan"]["peak"] == c["compiler_peak"] > 0
+    assert report["plan"]["peak_source"] == "the chip compiler's heap"
+    assert c["peak"] == c["argument"] + c["output"] - c["alias"] + c["temp"]
 
 
 def test_the_fitted_correction_bounds_every_calibration_case_from_above():

@@ -189,9 +189,10 @@ def verdict_peak(row: dict) -> tuple[int, str]:
     """(bytes, what they are): the peak every verdict and the recommendation use. XLA:TPU's own heap
     where the chip's compiler planned the step (``compiler_peak``: what the chip holds; its refusal
     names the heap too): the plan's sum, argument + output + temp - alias, counts 0.5-2.7 GiB of
-    temporaries the heap never holds at once (qwen3-0.6b selective batch 4: 18.40 GB summed, 14.87 GiB
-    held, and it ran on the chip: docs/memory.md). The host's plan corrected for the chip where there is
-    a correction (an upper bound of the chip's sum); else the host compiler's sum."""
+    temporaries the heap never holds at once at the real sizes (qwen3-0.6b selective batch 4: 18.40 GB
+    summed, 14.87 GiB held, and it ran on the chip: docs/memory.md), while at tiny sizes the heap is
+    the larger, by its tiles' padding. The host's plan corrected for the chip where there is a
+    correction (an upper bound of the chip's sum); else the host compiler's sum."""
     compiled = row["compiled"]
     if "corrected" in row:
         return row["corrected"]["peak"], "host plan, corrected for the chip"
