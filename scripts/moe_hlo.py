@@ -203,16 +203,16 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12, help="the MoE steps' N largest instructions")
     a = p.parse_args()
     os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # a cache hit has no HLO to read
-    steps = {
-        d: instructions(compiled_text(a.config, d, a.batch_size, a.seq_len))
-        for d in ("dense-eq", *a.dispatch.split(","))
-    }
-    print(
-        f"{a.config}, batch {a.batch_size} x {a.seq_len}, bf16, XLA:TPU for a compile-only v5e; roofline ms"
-    )
-    for step, rows in steps.items():
-        total = sum(r["t"] for r in rows)
-        print(f"\n{step}: {len(rows)} instructions, roofline {total * 1e3:.2f} ms")
+    steps = ("dense-eq", *a.dispatch.split(","))
+    texts = {d: compiled_text(a.config, d, a.batch_size, a.seq_len) for d in steps}
+    print(f"{a.config}, batch {a.batch_size} x {a.seq_len}, bf16, XLA:TPU for a compile-only v5e")
+    for step, text in texts.items():
+        rows = instructions(text)
+        total, loops = sum(r["t"] for r in rows), len(re.findall(r" while\(", text))
+        print(
+            f"\n{step}: {len(rows)} instructions, {loops} while loops (a body counted once), "
+            f"roofline {total * 1e3:.2f} ms"
+        )
         for k, (n, t, size, work) in sorted(summary(rows).items(), key=lambda kv: -kv[1][1]):
             print(f"  {k:<32}{n:>6}{t * 1e3:>10.3f} ms{size / 1e6:>10.1f} MB{work / 1e9:>10.1f} GFLOP")
         if step != "dense-eq":
