@@ -41,10 +41,17 @@ def test_tiles():
             parse_tiling(bad)
 
 
-def test_the_kernel_in_shard_map_equals_the_reference():
+@pytest.mark.parametrize("dispatch", ["gmm", "ragged_dot"])
+def test_the_kernel_in_shard_map_equals_the_reference(dispatch, monkeypatch):
     """dp 2 x ep 2 (each ep shard 4 experts, the group's 2 x 6 tokens), expert biases, every token's
     choices among experts 0 and 1: ep shard 1's groups are all empty (every row in the group of no
-    expert: zeros out, zero weight gradients). Float32, the kernel in interpret mode."""
+    expert: zeros out, zero weight gradients). Float32, the kernel in interpret mode. "ragged_dot": its
+    TPU path (``grouped.ragged_matmul``: the weight gradient by tgmm), the platform check made to
+    say "tpu" while the kernel still runs interpreted."""
+    if dispatch == "ragged_dot":
+        from meshlm.parallel import grouped
+
+        monkeypatch.setattr(grouped, "compile_platform", lambda: "tpu")
     layout = Layout(dp=4, ep=2)
     par = Parallel.on(layout)
     rng = np.random.default_rng(0)
@@ -56,7 +63,7 @@ def test_the_kernel_in_shard_map_equals_the_reference():
     cot = jnp.asarray(rng.normal(size=(4 * N, D)), jnp.float32)
 
     def body(x, ids, cw, *weights):
-        return par.experts(x, ids, cw, Experts(*weights[:3], "gmm", 0, *weights[3:]))
+        return par.experts(x, ids, cw, Experts(*weights[:3], dispatch, 0, *weights[3:]))
 
     rows = P(layout.rows)
     sharded = jax.shard_map(body, mesh=layout.mesh, in_specs=(rows,) * 3 + (P(EP),) * 5, out_specs=rows)
