@@ -232,6 +232,7 @@ def test_moe_against_the_dense_model_of_equal_active_parameters():
     dense = dense_equivalent(cfg)
     assert (dense.n_experts, dense.experts_per_token, dense.moe_d_ff) == (1, 1, 2 * cfg.moe_d_ff)
     assert dense.router_aux_loss_coef == dense.router_z_loss_coef == 0
+    assert dense.moe_dispatch == "dense"  # one matmul per projection, not a scan over 16-row blocks
     moe, eq = param_counts(cfg), param_counts(dense)
     assert eq.total == eq.active and moe.active - eq.total == cfg.n_layers * cfg.d_model * (cfg.n_experts - 1)
     samples = {"meshlm": [2.0, 4.0, 3.0], "no-ep": [1.0, 3.0, 1.5], DENSE: [1.0, 2.0, 1.0]}  # made-up steps

@@ -41,6 +41,8 @@ from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from meshlm.parallel.compile_target import compile_platform
+from meshlm.parallel.gmm_tiling import row_tile
 from meshlm.parallel.gmm_tiling import tiles as kernel_tiles
 from meshlm.parallel.pipeline_ops import varying
 
@@ -50,8 +52,10 @@ KERNEL_DTYPES = (jnp.bfloat16, jnp.float32)  # what megablox takes; others (floa
 
 
 def interpret_mode() -> bool:
-    """Pallas interpret mode everywhere but on a TPU (the compiled kernel is Mosaic, TPU only)."""
-    return jax.default_backend() != "tpu"
+    """Pallas interpret mode everywhere but on a TPU (the compiled kernel is Mosaic, TPU only): the
+    platform compiled for (``parallel.compile_target``), which ``meshlm plan --chip`` and
+    scripts/moe_hlo.py set to a TPU from any host (else a chip's step would trace the interpreter)."""
+    return compile_platform() != "tpu"
 
 
 # --- the kernels as primitives (typed here; traced per device in their lowering) --------------------
@@ -140,7 +144,7 @@ def _kernel_bwd(tm, tiling, res, grad):
 _kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 
-def _same_axes(*xs):
+def same_axes(*xs):
     """``xs`` each cast to vary over the union of their mesh axes (inside ``shard_map``; outside, as
     they are): the primitives type their results like their first operand. The casts' transposes sum
     each gradient over the axes its operand did not vary over."""
@@ -157,5 +161,23 @@ def grouped_matmul(lhs, rhs, sizes, tm: int, tiling=None):
         raise ValueError(f"grouped_matmul: {lhs.shape[0]} rows are not a multiple of the row tile {tm}")
     if lhs.dtype not in KERNEL_DTYPES or rhs.dtype != lhs.dtype:
         return lax.ragged_dot(lhs, rhs, sizes[:-1], preferred_element_type=lhs.dtype)
-    lhs, rhs, sizes = _same_axes(lhs, rhs, sizes)
+    lhs, rhs, sizes = same_axes(lhs, rhs, sizes)
     return _kernel(lhs, rhs, sizes, tm, tiling)
+
+
+def group_weight_grad(lhs, grad, sizes, tiling=None):
+    """lhs [R, K], grad [R, N] rows sorted by group (``sizes`` [G] int32, rows past their sum: none) ->
+    [G, K, N]: each group's lhs^T x grad over its own rows -- the weight gradient of ``lax.ragged_dot``
+    -- by megablox's tgmm (routed FLOPs). The rows padded with zeros to a multiple of the row tile (one
+    more group takes them and the rows past the sum; tgmm computes the first G only). bfloat16 and
+    float32 (``KERNEL_DTYPES``); ``ragged_dot_tpu_grad`` chooses it."""
+    r, g = lhs.shape[0], sizes.shape[0]
+    tm = row_tile(r, g, tiling)
+    pad = -r % tm
+    if pad:
+        lhs, grad = (jnp.pad(a, ((0, pad), (0, 0))) for a in (lhs, grad))
+    rest = (r + pad - jnp.sum(sizes))[None].astype(jnp.int32)
+    groups = jnp.concatenate([sizes.astype(jnp.int32), rest])  # [G + 1]
+    lhs, grad, groups = same_axes(lhs, grad, groups)
+    tiles = kernel_tiles(tm, lhs.shape[1], grad.shape[1], tiling)
+    return _tgmm_p.bind(lhs.T, grad, groups, tiles=tiles, groups=g)

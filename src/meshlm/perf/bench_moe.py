@@ -7,7 +7,11 @@ every token takes with weight 1 -- a dense gated MLP of d_ff = k x moe_d_ff (n a
 folded in: (k + n) x moe_d_ff; Qwen2-MoE's gated one kept as it is), the same attention, embeddings
 and head, no aux or z-loss. Its parameters are the MoE's active parameters (``model.accounting``; its
 router's D x 1 weight for the MoE's D x E aside), and its model FLOPs the MoE's. It runs on the dp x mp
-mesh of the same devices (one expert: nothing to split over ep).
+mesh of the same devices (one expert: nothing to split over ep), by the "dense" dispatch: its one
+expert on every token is one [N, D] x [D, k x I] matmul per projection. (By the MoE's own dispatch it
+was not a dense MLP: "blocks" ran a scan over N / 16 blocks of 16 rows, each under a ``lax.cond`` --
+qwen3-moe-100m at 8 x 512: 8 loops of 256 trips, 28,672 instructions a step against the rest of the
+step's ~1,500, scripts/moe_hlo.py -- the baseline the MoE was measured against until 7 December 2026.)
 The gap between the two steps is what the mixture costs beyond its model FLOPs: the router, the dispatch
 (with ep the all-to-alls), and -- the largest part on these meshes -- the dropless dispatch computing
 every expert on every token's slot: E / k times the routed expert FLOPs -- what the "dense" dispatch
@@ -44,7 +48,7 @@ def dense_equivalent(cfg: ModelConfig) -> ModelConfig:
     by every token with weight 1 (a dense gated MLP), no aux or z-loss (module docstring). The router
     is made a softmax over that one expert (weight exactly 1): no groups, scaling or selection bias
     (cpu-moe's groups of 16 cannot split one expert); the experts' biases and activation stay; the
-    always-on shared experts (``n_shared_experts``) are folded into the one MLP."""
+    always-on shared experts (``n_shared_experts``) are folded into the one MLP; the "dense" dispatch."""
     return cfg.replace(
         n_experts=1,
         experts_per_token=1,
@@ -60,6 +64,7 @@ def dense_equivalent(cfg: ModelConfig) -> ModelConfig:
         routed_scaling_factor=1.0,
         balance_bias=False,
         moe_bias_rate=0.0,
+        moe_dispatch="dense",  # one expert on every token: the dense MLP itself (module docstring)
     )
 
 
