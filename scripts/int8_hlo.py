@@ -1,23 +1,29 @@
 """Where the int8 step's time goes: XLA's optimized HLO of the bf16 and the ``--quant int8`` train step,
-read as a roofline (issue 65 item 3).
+read two ways (issue 65 item 3).
 
 Both steps are compiled as ``meshlm bench --impls meshlm,meshlm-int8 --bf16`` builds them (one device,
-the bench's attention and loss for the platform; ``--chip v5e``: the chip's own compiler, XLA:TPU, on
-a compile-only device, so no chip is needed: ``perf.plan_target``), XLA dumps each optimized module,
-and every top-level instruction of it (a fusion, a convolution, a copy ...) is costed as
+bench's --attention auto for the platform, --remat and --loss-chunk as given; ``--chip v5e``: the
+chip's own compiler, XLA:TPU, on a compile-only device, so no chip is needed: ``perf.plan_target``),
+and XLA dumps each. Then:
 
-    time = max(matmul FLOPs / peak, bytes read and written / HBM bandwidth)
+* a roofline of the optimized program: every top-level instruction (a fusion, a convolution, a copy,
+  an async copy between main and on-chip memory) costed as
 
-with the peak of its matmul's operand type (int8: ``--int8-tops``, else ``--bf16-tflops``; the v5e's
-measured 376 TOP/s and 180 TFLOP/s by default) and the bytes its operands and result hold (their HLO
-shapes; an operand a fusion reads in part counts whole). The sum is the estimate of the step; the
-report prints it per step, the int8 over the bf16 ratio, the s8 matmuls (operands, int32 or float
-results), the int32 buffers written to memory (an int32 accumulator that XLA did not fuse with its
-rescale) and the ``--top`` costliest instructions that are not matmuls.
+      time = max(matmul FLOPs / peak, main-memory bytes read and written / bandwidth)
+
+  with the peak of its matmul's operands (int8: ``--int8-tops``, else ``--bf16-tflops``: the v5e's
+  measured 376 TOP/s and 180 TFLOP/s) and the bytes of its operands and result in main memory (HLO
+  shapes; data in on-chip memory, a layout's ``S(1)``, is free; an operand read in part counts
+  whole). With it: the s8 matmuls, the int32 arrays written to memory (an accumulator whose rescale
+  XLA did not fuse into the matmul), the ``--top`` costliest instructions that are not matmuls;
+* XLA:TPU's own cost model (``--chip`` only): the estimated cycles it records on each instruction
+  after code generation, which count the vector unit's work the roofline leaves out, per step and by
+  JAX operation, the ``--top`` that differ most between the two steps.
 
     PYTHONPATH=src python scripts/int8_hlo.py --chip v5e --config llama-100m --batch-size 8 --seq-len 512
 
-Without ``--chip``: this host's compiler (its HLO is not the chip's; for the script's test).
+Without ``--chip``: this host's compiler (its HLO is not the chip's; the script's test). Measured
+figures and what they showed: docs/quantization.md, "Speed".
 """
 
 from __future__ import annotations
@@ -174,6 +180,51 @@ def _costs(comps, name, times) -> list[Cost]:
     return out
 
 
+def xla_cycles(hlo: str) -> list[tuple[int, str, bool]]:
+    """XLA:TPU's own cost model of a step: (estimated cycles, JAX op name, holds a matmul) of every
+    instruction of the entry computation that carries one (the ``estimated_cycles`` of its backend
+    config, in the dump after code generation), a while loop's body once per known trip, a
+    conditional's costliest branch. On the v5e it predicted the bf16 llama-100m step within 3% of the
+    chip's time (docs/quantization.md, "Speed")."""
+    comps, entry = computations(hlo)
+    return _cycles(comps, entry, 1)
+
+
+def _cycles(comps, name, times) -> list[tuple[int, str, bool]]:
+    out = []
+    for line in comps[name]:
+        _, _, op, rest = _parts(line)
+        if op == "while":
+            body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+            out += _cycles(comps, body, times * (int(trips.group(1)) if trips else 1))
+        elif op == "conditional":
+            names = re.findall(
+                r"%?([\w.\-]+)", (re.search(r"branch_computations=\{([^}]*)\}", rest) or [""])[0]
+            )
+            names = [n for n in names if n in comps and n != "branch_computations"]
+            branches = [_cycles(comps, b, times) for b in names]
+            out += max(branches, key=lambda b: sum(c for c, _, _ in b), default=[])
+        elif found := re.search(r'"estimated_cycles":"(\d+)"', rest):
+            called = re.search(r"calls=%?([\w.\-]+)", rest)
+            inner = comps.get(called.group(1), []) if called else []
+            matmul = op == "convolution" or any(
+                _parts(x)[2] in ("convolution", "dot") for x in _flat(comps, inner)
+            )
+            source = re.search(r'op_name="([^"]*)"', line)
+            out += [(int(found.group(1)), source.group(1) if source else "", matmul)] * times
+    return out
+
+
+def _flat(comps, lines, depth=0):
+    """``lines`` and the lines of the computations they call (fusions within fusions), 3 deep."""
+    for line in lines:
+        yield line
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        if called and called.group(1) in comps and depth < 3:
+            yield from _flat(comps, comps[called.group(1)], depth + 1)
+
+
 def compile_steps(
     config: str, batch: int, seq: int, chip: str | None, dump: str, remat: str = "none", loss_chunk: int = 0
 ) -> dict[str, object]:
@@ -217,31 +268,31 @@ def compile_steps(
     return out
 
 
-def optimized_hlo(folder: str) -> str:
-    """The train step's HLO after optimizations from XLA's dump in ``folder``."""
-    (path,) = glob.glob(os.path.join(folder, "*jit_step*after_optimizations.txt"))
+def dumped(folder: str, stage: str = "after_optimizations") -> str:
+    """The train step's HLO text from XLA's dump in ``folder``: after optimizations (the program), or
+    ``stage`` "after_codegen" (XLA:TPU's: each instruction's backend config with its estimated cycles)."""
+    (path,) = glob.glob(os.path.join(folder, f"*jit_step*{stage}.txt"))
     return open(path).read()
 
 
 def report(costs: dict[str, list[Cost]], peaks: tuple[float, float, float], top: int) -> list[str]:
-    """The report's lines: per step its estimate and parts, the s8 matmuls, the int32 buffers written,
+    """The roofline's lines: per step its estimate and parts, the s8 matmuls, the int32 buffers written,
     the ``top`` costliest non-matmul instructions; then the int8 / bf16 ratio of the estimates."""
     lines, total = [], {}
     for name, cs in costs.items():
         secs = [c.seconds(*peaks) for c in cs]
         total[name] = sum(secs)
-        mm = [(c, s) for c, s in zip(cs, secs, strict=True) if c.matmuls]
+        mm = sum(s for c, s in zip(cs, secs, strict=True) if c.matmuls)
         rest = [(c, s) for c, s in zip(cs, secs, strict=True) if not c.matmuls]
         s8 = [k for c in cs for k in c.matmuls if k.startswith("s8")]
         s32 = [c for c in cs if c.shape.startswith("s32[") and shape_bytes(c.shape) > 2**16]
+        flops, int8 = sum(c.flops for c in cs) / 1e12, sum(c.int8_flops for c in cs) / 1e12
         lines.append(
-            f"{name}: estimate {total[name] * 1e3:.2f} ms = matmul fusions {sum(s for _, s in mm) * 1e3:.2f} "
-            f"ms ({len(mm)}) + others {sum(s for _, s in rest) * 1e3:.2f} ms ({len(rest)}); "
-            f"{sum(c.bytes for c in cs) / 1e9:.2f} GB moved, "
-            f"{sum(c.flops for c in cs) / 1e12:.3f} TFLOP float + {sum(c.int8_flops for c in cs) / 1e12:.3f} TOP int8"
+            f"{name}: roofline {total[name] * 1e3:.2f} ms = matmul fusions {mm * 1e3:.2f} ms + "
+            f"{len(rest)} others {sum(s for _, s in rest) * 1e3:.2f} ms; "
+            f"{sum(c.bytes for c in cs) / 1e9:.2f} GB moved, {flops:.3f} TFLOP float + {int8:.3f} TOP int8"
         )
-        kinds = sorted({k: s8.count(k) for k in s8}.items())
-        lines.append(f"  s8 matmuls: {len(s8)} {dict(kinds)}")
+        lines.append(f"  s8 matmuls: {len(s8)} {dict(sorted({k: s8.count(k) for k in s8}.items()))}")
         lines.append(
             f"  int32 arrays written to memory (> 64 KiB): {len(s32)}, "
             f"{sum(shape_bytes(c.shape) for c in s32) / 1e6:.1f} MB"
@@ -249,7 +300,30 @@ def report(costs: dict[str, list[Cost]], peaks: tuple[float, float, float], top:
         for c, s in sorted(rest, key=lambda p: -p[1])[:top]:
             lines.append(f"  {s * 1e6:8.1f} us {c.bytes / 1e6:8.1f} MB  {c.op:<12} {c.name} {c.shape}")
     if {"bf16", "int8"} <= set(total):
-        lines.append(f"estimated int8 / bf16 step: {total['int8'] / total['bf16']:.3f}")
+        lines.append(f"roofline int8 / bf16 step: {total['int8'] / total['bf16']:.3f}")
+    return lines
+
+
+def cycles_report(cycles: dict[str, list[tuple[int, str, bool]]], clock: float, top: int) -> list[str]:
+    """XLA:TPU's cost model's lines: per step its total at ``clock`` Hz, matmul fusions and the rest, and
+    the ``top`` JAX operations whose time differs most between the steps."""
+    lines, by_op = [], {}
+    for name, cy in cycles.items():
+        total, mm = sum(c for c, _, _ in cy) / clock, sum(c for c, _, m in cy if m) / clock
+        lines.append(
+            f"{name}: XLA's cost model {total * 1e3:.2f} ms = matmul fusions {mm * 1e3:.2f} ms + "
+            f"{sum(not m for _, _, m in cy)} others {(total - mm) * 1e3:.2f} ms"
+        )
+        ops = by_op[name] = {}
+        for c, op, _ in cy:
+            key = re.sub(r"jit\(step\)/|closed_call/|stack_frame.*", "", op)
+            ops[key] = ops.get(key, 0.0) + c / clock
+    if len(by_op) == 2:
+        (a, oa), (b, ob) = by_op.items()
+        diff = sorted(set(oa) | set(ob), key=lambda k: -abs(ob.get(k, 0) - oa.get(k, 0)))
+        lines.append(f"  the {top} operations whose time differs most, {a} -> {b} (ms):")
+        for k in diff[:top]:
+            lines.append(f"  {oa.get(k, 0) * 1e3:8.2f} -> {ob.get(k, 0) * 1e3:8.2f}  {k or '(no op name)'}")
     return lines
 
 
@@ -267,12 +341,13 @@ def main() -> None:
     )
     p.add_argument("--bf16-tflops", type=float, default=180.0, help="the float matmul peak (v5e measured)")
     p.add_argument("--int8-tops", type=float, default=376.0, help="the int8 matmul peak (v5e measured)")
+    p.add_argument("--clock-ghz", type=float, default=1.5, help="the chip's clock (v5e: 1.5 GHz)")
     p.add_argument("--hbm-gbs", type=float, default=819.0, help="memory bandwidth, GB/s (v5e spec)")
     a = p.parse_args()
     dump = a.dump or tempfile.mkdtemp(prefix="int8_hlo_")
     os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # a cache hit compiles (and dumps) nothing
     compiled = compile_steps(a.config, a.batch_size, a.seq_len, a.chip, dump, a.remat, a.loss_chunk)
-    costs = {name: step_costs(optimized_hlo(os.path.join(dump, name))) for name in compiled}
+    costs = {name: step_costs(dumped(os.path.join(dump, name))) for name in compiled}
     print(f"{a.config}, batch {a.batch_size} x {a.seq_len}, bf16 compute, chip {a.chip or 'none (host)'}")
     for name, c in compiled.items():
         ca = c.cost_analysis()
@@ -283,6 +358,9 @@ def main() -> None:
         )
     peaks = (a.bf16_tflops * 1e12, a.int8_tops * 1e12, a.hbm_gbs * 1e9)
     print("\n".join(report(costs, peaks, a.top)))
+    if a.chip:  # XLA:TPU's dump after code generation: its cost model's cycles
+        cycles = {name: xla_cycles(dumped(os.path.join(dump, name), "after_codegen")) for name in compiled}
+        print("\n".join(cycles_report(cycles, a.clock_ghz * 1e9, a.top)))
 
 
 if __name__ == "__main__":
