@@ -130,6 +130,19 @@ def _window_terms(rest: str) -> list[int]:
     return [n for n, p, d in zip(sizes, pads, dilate, strict=True) if p == "0_0" and d == 1]
 
 
+def trip_count(comps, rest: str) -> int:
+    """A while loop's trips: its known trip count, else its condition's ``i < N`` bound (JAX's loops
+    count from 0), else 1."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+    if known:
+        return int(known.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", rest)
+    lines = comps.get(cond.group(1), []) if cond else []
+    bounds = [re.search(r"s32\[\]\S* constant\((\d+)\)", x) for x in lines]
+    bounds = [int(b.group(1)) for b in bounds if b]
+    return bounds[0] if len(bounds) == 1 and any("direction=LT" in x for x in lines) else 1
+
+
 def step_costs(hlo: str) -> list[Cost]:
     """Every top-level instruction of the entry computation with its main-memory bytes and matmul FLOPs:
     a while loop's body once per known trip, a conditional's costliest branch (the step's update runs
@@ -148,8 +161,7 @@ def _costs(comps, name, times) -> list[Cost]:
             continue
         if op == "while":
             body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
-            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
-            out += _costs(comps, body, times * (int(trips.group(1)) if trips else 1))
+            out += _costs(comps, body, times * trip_count(comps, rest))
             continue
         if op == "conditional":
             branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
@@ -196,8 +208,7 @@ def _cycles(comps, name, times) -> list[tuple[int, str, bool]]:
         _, _, op, rest = _parts(line)
         if op == "while":
             body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
-            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
-            out += _cycles(comps, body, times * (int(trips.group(1)) if trips else 1))
+            out += _cycles(comps, body, times * trip_count(comps, rest))
         elif op == "conditional":
             names = re.findall(
                 r"%?([\w.\-]+)", (re.search(r"branch_computations=\{([^}]*)\}", rest) or [""])[0]

@@ -51,13 +51,8 @@ def step(m):
 
 
 def quantize(x, scale):
-    """round(x * (1 / scale)) as int8 (clipped to +-127: x * (127 / m) may round to 127 + 1 ulp).
-
-    A multiply by the reciprocal of the few scales, not a divide of every value: a TPU has no divider,
-    and an f32 divide per element made the quantizing fusions vector-unit bound (docs/quantization.md,
-    "Speed"). It rounds as ``x / scale`` but where that quotient lies within 2 ulp of a half-integer."""
-    inverse = lax.optimization_barrier(1 / scale)  # [N, 1] or [1, M]: once, not fused into each element
-    q = jnp.round(x.astype(scale.dtype) * inverse)
+    """round(x / scale) as int8 (clipped to +-127: x / (m / 127) may round to 127 + 1 ulp)."""
+    q = jnp.round(x.astype(scale.dtype) / scale)
     return jnp.clip(q, -QMAX, QMAX).astype(jnp.int8)
 
 
