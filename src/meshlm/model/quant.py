@@ -33,7 +33,6 @@ from jax import lax
 
 from meshlm.model.dense import dense
 from meshlm.model.quant_fields import QUANTS  # noqa: F401 (re-exported)
-from meshlm.parallel.compile_target import compile_platform
 
 QMAX = 127.0  # symmetric int8: -127 .. 127 (-128 unused, so negation is exact)
 
@@ -95,8 +94,8 @@ def _forward(par, row: bool, x, w):
     sx = step(par.int8_max(amax(x2, 1), row))  # [N, 1] per token: K split over mp when row-parallel
     sw = step(par.int8_max(amax(w, 0), row))  # [1, M] per output channel
     acc = int_dot(quantize(x2, sx), quantize(w, sw))  # [N, M] int32, partial over mp when row-parallel
-    y = par.int8_out(acc, sx * sw, row).astype(x.dtype)  # cast, then reshape: ``grad_dots``' reason
-    return y.reshape(*x.shape[:-1], m)
+    y = par.int8_out(acc, sx * sw, row)
+    return y.reshape(*x.shape[:-1], m).astype(x.dtype)
 
 
 def grad_dots(par, row: bool, x, w, g):
@@ -109,24 +108,12 @@ def grad_dots(par, row: bool, x, w, g):
     sg = step(par.int8_max(amax(g2, 1), col))  # [N, 1] per token (over M)
     swt = step(par.int8_max(amax(w, 1), col))  # [K, 1] per input row (over M)
     acc = int_dot(quantize(g2, sg), quantize(w, swt), ((1,), (1,)))  # [N, K] = g @ w^T
-    # cast to x's dtype before the reshape to x's shape: the rescale then stays the matmul's output
-    # fusion, and a relayout the reshape needs on the chip (a head-shaped x: [B, T, H, E]) copies
-    # bf16, not an f32 temporary (docs/quantization.md, "Speed")
-    dx = par.int8_out(acc, sg * swt.T, col).astype(x.dtype)
+    dx = par.int8_out(acc, sg * swt.T, col)
     sxt = step(par.token_max(amax(x2, 0)))  # [1, K] per input channel, over every token
     sgt = step(par.token_max(amax(g2, 0)))  # [1, M] per output channel
-    dw = _tokens_dot(quantize(x2, sxt), quantize(g2, sgt)).astype(sxt.dtype) * outer_scale(sxt, sgt)
-    return dx.reshape(x.shape), dw.astype(w.dtype)  # [.., K], [K, M]
-
-
-def _tokens_dot(qx, qg):
-    """qx [N, K]^T @ qg [N, M] -> [K, M] int32. On XLA:CPU through a row-major x^T behind an optimisation
-    barrier (``model.dense``'s reason: its int8 matmul library takes that form); elsewhere the dot
-    contracts both operands' token dim as it is: on XLA:TPU the barrier's materialised transpose was a
-    copy of x per matmul (an int sum is exact in any order: the same integers either way)."""
-    if compile_platform() == "cpu":
-        return int_dot(lax.optimization_barrier(qx.T), qg)
-    return int_dot(qx, qg, ((0,), (0,)))
+    qxt = lax.optimization_barrier(quantize(x2, sxt).T)  # [K, N] row-major (``model.dense``'s reason)
+    dw = int_dot(qxt, quantize(g2, sgt)).astype(sxt.dtype) * outer_scale(sxt, sgt)  # [K, M]
+    return dx.reshape(x.shape).astype(x.dtype), dw.astype(w.dtype)
 
 
 def matmul(par, quant: str, kind: str, x, w):
