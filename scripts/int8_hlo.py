@@ -21,6 +21,10 @@ and XLA dumps each. Then:
   JAX operation, the ``--top`` that differ most between the two steps.
 
     PYTHONPATH=src python scripts/int8_hlo.py --chip v5e --config llama-100m --batch-size 8 --seq-len 512
+    PYTHONPATH=src python scripts/int8_hlo.py --chip v5e --matmul 4096,768,3072
+
+``--matmul N,K,M``: one weight matmul's forward and backward alone (x [N, K] @ w [K, M]), bf16 and
+int8: a change to ``model.quant`` tried in two minutes rather than a whole step's ten.
 
 Without ``--chip``: this host's compiler (its HLO is not the chip's; the script's test). Measured
 figures and what they showed: docs/quantization.md, "Speed".
@@ -279,6 +283,37 @@ def compile_steps(
     return out
 
 
+def matmul_steps(n: int, k: int, m: int, chip: str | None) -> dict[str, str]:
+    """{"bf16": HLO text, "int8": HLO text} of one weight matmul's forward and backward, x [n, k] bf16 @
+    w [k, m] (float32 master, cast to bf16), as ``dense`` and as ``int8_dense`` (column-parallel, one
+    device), compiled for ``chip``: minutes less than a whole step, to try a change of ``model.quant``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from meshlm.model import quant
+    from meshlm.parallel.compile_target import compiling_for
+    from meshlm.parallel.context import Parallel
+    from meshlm.perf.plan_target import resolve
+
+    target = resolve(chip, "chip" if chip else "auto", 1)
+    one = SingleDeviceSharding(target.devices[0] if target.devices else jax.devices()[0])
+    args = (jax.ShapeDtypeStruct((n, k), jnp.bfloat16, sharding=one),)
+    args += (jax.ShapeDtypeStruct((k, m), jnp.float32, sharding=one),)
+
+    def loss(x, w, int8):
+        w = w.astype(jnp.bfloat16)
+        y = quant.int8_dense(Parallel(), "col", x, w) if int8 else x @ w
+        return jnp.sum(y.astype(jnp.float32) ** 2)  # a cotangent that depends on y, as a model's
+
+    out = {}
+    with compiling_for(target.platform):
+        for name in ("bf16", "int8"):
+            step = jax.jit(jax.grad(lambda x, w, q=name == "int8": loss(x, w, q), argnums=(0, 1)))
+            out[name] = step.lower(*args).compile().as_text()
+    return out
+
+
 def dumped(folder: str, stage: str = "after_optimizations") -> str:
     """The train step's HLO text from XLA's dump in ``folder``: after optimizations (the program), or
     ``stage`` "after_codegen" (XLA:TPU's: each instruction's backend config with its estimated cycles)."""
@@ -354,7 +389,18 @@ def main() -> None:
     p.add_argument("--int8-tops", type=float, default=376.0, help="the int8 matmul peak (v5e measured)")
     p.add_argument("--clock-ghz", type=float, default=1.5, help="the chip's clock (v5e: 1.5 GHz)")
     p.add_argument("--hbm-gbs", type=float, default=819.0, help="memory bandwidth, GB/s (v5e spec)")
+    p.add_argument("--matmul", default=None, help="N,K,M: one weight matmul's forward and backward only")
     a = p.parse_args()
+    peaks = (a.bf16_tflops * 1e12, a.int8_tops * 1e12, a.hbm_gbs * 1e9)
+    if a.matmul:
+        n, k, m = (int(v) for v in a.matmul.split(","))
+        texts = matmul_steps(n, k, m, a.chip)
+        print(f"one matmul [{n}, {k}] @ [{k}, {m}], forward and backward, chip {a.chip or 'none (host)'}")
+        print("\n".join(report({name: step_costs(t) for name, t in texts.items()}, peaks, a.top)))
+        if a.chip:
+            cycles = {name: xla_cycles(t) for name, t in texts.items()}
+            print("\n".join(cycles_report(cycles, a.clock_ghz * 1e9, a.top)))
+        return
     dump = a.dump or tempfile.mkdtemp(prefix="int8_hlo_")
     os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # a cache hit compiles (and dumps) nothing
     compiled = compile_steps(a.config, a.batch_size, a.seq_len, a.chip, dump, a.remat, a.loss_chunk)
@@ -367,7 +413,6 @@ def main() -> None:
             f"{name}: XLA's cost analysis: {ca.get('flops', 0) / 1e12:.3f} TFLOP, "
             f"{ca.get('bytes accessed', 0) / 1e9:.2f} GB accessed"
         )
-    peaks = (a.bf16_tflops * 1e12, a.int8_tops * 1e12, a.hbm_gbs * 1e9)
     print("\n".join(report(costs, peaks, a.top)))
     if a.chip:  # XLA:TPU's dump after code generation: its cost model's cycles
         cycles = {name: xla_cycles(dumped(os.path.join(dump, name), "after_codegen")) for name in compiled}

@@ -36,3 +36,14 @@ def test_the_roofline_counts_each_dots_flops_and_an_int32_result():
     lines = int8_hlo.report({"int8": costs}, (1e12, 2e12, 1e11), top=2)
     assert "int32 arrays written to memory (> 64 KiB): 0" in lines[2]  # 4 KiB: under the report's floor
     assert int8_hlo.shape_bytes("(s32[64,16]{1,0}, bf16[8]{0:T(1024)S(1)})", hbm=True) == 4 * 64 * 16
+
+
+def test_one_matmul_compiles_three_int8_dots_against_three_float_ones():
+    """``--matmul N,K,M`` (one weight matmul's forward and backward): the bf16 program's three matmuls
+    are float, the int8 one's int8 (forward, dx, dw), each 2 N K M FLOPs."""
+    texts = int8_hlo.matmul_steps(64, 32, 16, chip=None)
+    flops = {name: int8_hlo.step_costs(text) for name, text in texts.items()}
+    assert sum(c.flops for c in flops["bf16"]) == 3 * 2 * 64 * 32 * 16
+    int8, wide = sum(c.int8_flops for c in flops["int8"]), sum(c.flops for c in flops["int8"])
+    # XLA:CPU widens one of the three to an s32 dot (tests/test_quant.py's first test); a TPU keeps three
+    assert int8 + wide == 3 * 2 * 64 * 32 * 16 and int8 >= 2 * 2 * 64 * 32 * 16
