@@ -48,12 +48,27 @@ def test_the_int8_group_times_bf16_and_int8_side_by_side_in_one_bench_run_each()
     int8 MFU come from bench: tests/test_quant.py's bench test); its CPU smoke a MoE under int8."""
     from meshlm.cli import build_parser
 
-    jobs = _script()._int8_jobs()
-    assert [j.name.split()[0] for j in jobs] == ["llama-100m", "qwen3-0.6b", "qwen3-moe-100m"]
+    script = _script()
+    jobs = script._int8_jobs()
+    assert [j.name.split()[0] for j in jobs] == ["llama-100m", "qwen3-0.6b", "qwen3-0.6b", "qwen3-moe-100m"]
+    impls = []
     for job in jobs:
         args = build_parser().parse_args(list(job.argv))
-        assert (args.impls, args.quant, args.batch_size) == ("meshlm,meshlm-int8", "int8", 8), job.argv
+        assert (args.quant, args.batch_size, args.compute_dtype) == ("int8", 8, "bfloat16"), job.argv
+        impls.append(args.impls)
+    # qwen3-0.6b does not fit twice on the chip: each implementation alone, their ratio from the rows
+    assert impls == ["meshlm,meshlm-int8", "meshlm", "meshlm-int8", "meshlm,meshlm-int8"]
     assert "--loss-chunk" in jobs[1].argv and "tiny-qwen3-moe" in jobs[0].smoke
+    results = [
+        script.Result(
+            job, output={"results": [{"impl": job.argv[job.argv.index("--impls") + 1], "step_s_median": t}]}
+        )
+        for job, t in zip(jobs[1:3], (1.0, 0.8), strict=True)
+    ]
+    (row,) = script._alone_ratios(results)
+    assert (
+        "| qwen3-0.6b 8x2048 full | meshlm-int8/meshlm step time (alone, unpaired) | 0.800 = 1.25x |" in row
+    )
 
 
 def test_a_jobs_environment_is_set_while_it_runs_and_restored(monkeypatch):
