@@ -458,7 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="chip-report", help="directory for chip_report.json and chip_report.md")
     p.add_argument("--groups", default=",".join(GROUPS), help=f"comma list of {', '.join(GROUPS)}")
     p.add_argument(
-        "--only", default=None, help="comma list: run only the jobs whose name contains one of these"
+        "--only",
+        default=None,
+        help="comma list: run only the jobs whose name contains one of these, in this list's order",
     )
     p.add_argument("--budget", type=float, default=500.0, help="start no job after this many seconds")
     p.add_argument("--cpu-smoke", action="store_true", help="each group's smoke jobs on CPU, tiny shapes")
@@ -468,8 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--groups: unknown {', '.join(unknown)}; known: {', '.join(GROUPS)}")
     jobs = [j for g in args.groups.split(",") for j in GROUPS[g]()]
-    if args.only:
-        jobs = [j for j in jobs if any(part in j.name for part in args.only.split(","))]
+    if args.only:  # the jobs matching, in the order of the texts that name them (the priority)
+        parts = args.only.split(",")
+        first = lambda j: min((i for i, part in enumerate(parts) if part in j.name), default=None)
+        jobs = sorted((j for j in jobs if first(j) is not None), key=first)
     if args.cpu_smoke:
         jobs = [j for j in jobs if j.smoke]
     if args.list:
