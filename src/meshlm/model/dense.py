@@ -23,16 +23,32 @@ scripts/step_memory.py --chip v5e, docs/benchmarks.md).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from meshlm.parallel.compile_target import compile_platform
 
+# Rows a TPU's matrix unit takes at once (a sublane tile). XLA:TPU turns a dot of fewer rows (a decode
+# step of batch < 8: one token a row) into a multiply-reduce on the vector unit, which reads the weights
+# at ~200-300 GB/s of a v5e's 819 (llama-100m's MLP, batch 1: 441 us a step against 138 us for its
+# bytes, the compiler's own estimate); padded with zero rows to 8 the dot runs on the matrix unit,
+# streaming the weights (405 -> 132 us for 16 such matmuls, ``docs/benchmarks.md``, decode).
+MXU_ROWS = 8
+
 
 def dense(x, w):
-    """x [..., K] @ w [K, M] -> [..., M]: on XLA:CPU with the backward of the module docstring,
-    elsewhere JAX's own (decided when traced, for the platform compiled for)."""
-    return _dense_2d(x, w) if compile_platform() == "cpu" else x @ w
+    """x [..., K] @ w [K, M] -> [..., M]: on XLA:CPU with the backward of the module docstring, on
+    XLA:TPU with fewer than ``MXU_ROWS`` rows padded to them (each row's result is its own: the zero
+    rows change nothing), elsewhere JAX's own (decided when traced, for the platform compiled for)."""
+    platform, rows = compile_platform(), math.prod(x.shape[:-1])
+    if platform == "cpu":
+        return _dense_2d(x, w)
+    if platform == "tpu" and rows < MXU_ROWS:
+        padded = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, MXU_ROWS - rows), (0, 0)))  # [8, K]
+        return (padded @ w)[:rows].reshape(*x.shape[:-1], w.shape[-1])
+    return x @ w
 
 
 @jax.custom_vjp
