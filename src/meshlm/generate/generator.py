@@ -221,11 +221,14 @@ def cache_memory(gen: Generator, batch: int) -> dict:
 def bench_generation(cfg: ModelConfig, params, where, batch: int, prompt_len: int, new_tokens: int) -> dict:
     """Throughput of ``batch`` random prompts of ``prompt_len`` tokens, ``new_tokens`` each, with the
     cache sized to exactly prompt_len + new_tokens (prefill runs over all of it: fixed shapes). A first
-    short run compiles and warms up outside the timing. Never stops early (no EOD)."""
+    short run compiles and warms up outside the timing the programs the timed run needs (``kinds_for``:
+    no single-step program where new_tokens - 1 is a multiple of ``DECODE_CHUNK``, one compile fewer
+    per batch). Never stops early (no EOD)."""
     gen = Generator(cfg, params, where, max_len=prompt_len + new_tokens, eod=None)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
-    gen.generate(prompts, min(DECODE_CHUNK + 2, new_tokens))  # warm: the prefill, a chunk, a single step
+    tail = (new_tokens - 1) % DECODE_CHUNK != 0  # a single step after the chunks (``_decode``)
+    gen.generate(prompts, min(DECODE_CHUNK + 1 + tail, new_tokens))  # warm: the prefill, a chunk, a step
     r = gen.generate(prompts, new_tokens)[0]
     params = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(gen.params))
     return {
