@@ -109,8 +109,7 @@ class Attention(hk.Module):
     def __call__(self, xf, positions, cache=None, starts=None, kind=None):
         """xf: [B, T, D] per-shard view; positions: [B, T] absolute positions.
 
-        cache: None (training) or {"k", "v": [B, S, K_local * E]} (flat, ``generate.cache``; stacked
-        [L, ...] with "index" in generation): new keys/values are written at
+        cache: None (training) or {"k", "v": [B, S, K_local * E]} (flat): new keys/values are written at
         ``positions`` and queries attend to every cached slot at or before their position.
         starts: None, or [B, T] (``--doc-mask``) the absolute position where each query's document
         starts: it sees only keys at or after it, and its rotary position restarts there.
@@ -160,12 +159,10 @@ class Attention(hk.Module):
     def _attend(self, q, k, v, positions, key_pos, starts, variant):  # one device (no cp): [B, T, h, E]
         if self.cfg.attention == "flash" and key_pos is positions:  # no KV cache: one sequence (``flash``)
             return flash_attention(q, k, v, starts, variant, candidates=layer_rules(self.cfg))
-        if k.ndim == 3 and (self.cfg.attention == "blockwise" or q.shape[1] > FLAT_QUERIES):
-            k, v = as_heads(k, q.shape[-1]), as_heads(v, v.shape[-1] // (k.shape[-1] // q.shape[-1]))
         if self.cfg.attention == "blockwise":
             kernel = dict(block=self.cfg.attn_block, q_start=starts, variant=variant)
-            return blockwise_attention(q, k, v, positions, key_pos, **kernel)
-        return _attend(q, k, v, positions, key_pos, starts, variant)
+            return blockwise_attention(q, *cache_heads(q, k, v, always=True), positions, key_pos, **kernel)
+        return _attend(q, *cache_heads(q, k, v), positions, key_pos, starts, variant)
 
     def _out(self, out, xf, gate):  # out, gate [B, T, H/mp, E] -> the row-parallel partial [B, T, D]
         hl = self.cfg.n_heads // self.par.layout.mp
@@ -406,6 +403,15 @@ FLAT_QUERIES = 16
 def as_heads(x, width: int):
     """A flat cache's [B, S, Kc * E] as [B, S, Kc, E] (``width`` = E); heads as they are."""
     return x if x.ndim == 4 else x.reshape(*x.shape[:2], x.shape[2] // width, width)
+
+
+def cache_heads(q, k, v, always: bool = False):
+    """k, v as attention reads them: a flat cache's [B, S, Kc * E] as it lies for up to ``FLAT_QUERIES``
+    queries q [B, T, h, E] (``_flat_scores``), as heads [B, S, Kc, E] for more or ``always``."""
+    if k.ndim == 4 or (q.shape[1] <= FLAT_QUERIES and not always):
+        return k, v
+    kv = k.shape[-1] // q.shape[-1]
+    return as_heads(k, q.shape[-1]), as_heads(v, v.shape[-1] // kv)
 
 
 def _flat_scores(qg, k):
