@@ -168,7 +168,7 @@ def _setup(a):
     gen = Generator(cfg, params, mesh, max_len=max_len, eod=None)
     rng = np.random.default_rng(0)
     ids = [rng.integers(0, cfg.vocab_size, a.prompt).tolist() for _ in range(a.batch)]
-    tokens, lengths = pad_prompts(ids, 1, max_len)
+    tokens, lengths = pad_prompts(ids, 1, gen.slots)  # the cache's slots (``programs.slots_for``)
     return gen, tokens, lengths, chunks
 
 
