@@ -135,10 +135,12 @@ def _kernel_jobs() -> list[Job]:
         "--steps",
         "5",
     )
-    batches = ("--batch-size", "8", "--seq-len", "512", "--gen-tokens", "64", "--gen-batch", "1,8,32,64")
+    # 65 new tokens: the first from the prefill, then 8 chunks of 8 steps: two programs a batch size
+    # (prefill, chunk), no single-step one to compile (``generator.bench_generation``)
+    batches = ("--batch-size", "8", "--seq-len", "512", "--gen-tokens", "65", "--gen-batch", "1,8,32,64")
     jobs.append(Job("kernels", "decode f32 prompt 512", (*gen, *batches)))
     jobs.append(Job("kernels", "decode bf16 prompt 512", (*gen, *batches, "--bf16")))
-    long = ("--batch-size", "1", "--seq-len", "4096", "--gen-tokens", "64", "--gen-batch", "1,8", "--bf16")
+    long = ("--batch-size", "1", "--seq-len", "4096", "--gen-tokens", "65", "--gen-batch", "1,8", "--bf16")
     jobs.append(Job("kernels", "decode bf16 prompt 4096", (*gen, *long)))
     profile = ("scripts/decode_profile.py", "--bf16")
     jobs.append(Job("kernels", "decode profile bf16", profile, ("scripts/decode_profile.py", "--cpu-smoke")))

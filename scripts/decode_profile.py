@@ -2,8 +2,9 @@
 
 Issue 64 (decode at the memory roofline): the step is measured, not guessed. For one model and batch
 (default llama-100m, batch 8, prompt 512, float32; ``--bf16`` its weights and KV cache in bf16, as
-``generate --bf16``) this compiles generation's programs (``Generator._executables``: the one-step
-``decode`` and the ``chunk`` of 8 that generation runs) and prints
+``generate --bf16``) this compiles the two programs it runs (``Generator._executables``: the prefill and
+the ``chunk`` of 8 decode steps that generation runs; no single-step program: one compile fewer) and
+prints
 
 * each program's ``cost_analysis()`` (FLOPs, bytes accessed; XLA counts a loop's body once, so the
   chunk's are about one step's) and
@@ -12,7 +13,9 @@ Issue 64 (decode at the memory roofline): the step is measured, not guessed. For
   time at the chip's spec bandwidth;
 * a ``jax.profiler`` trace of ``--steps`` decode steps (chunks of 8 after a prefill, as generation runs
   them), summarised from its Perfetto JSON (no TensorBoard needed): the wall time a step, the device's
-  op time a step, and the top ops by time (name, ms a step, share, calls). On a TPU the ops are the
+  op time a step, the device ops (kernels) a step and their median time (a step of many small kernels
+  is bound by their count, not its bytes), and the top ops by time (name, ms a step, share, calls). On
+  a TPU the ops are the
   "/device:TPU:0" process's "XLA Ops"; on CPU the XLA CPU client's threads.
 
 The trace stays under --out (default: a temporary directory, deleted). One JSON line last.
@@ -135,7 +138,7 @@ def summarise(ops: list[tuple[str, float]], steps: int, details: dict[str, str] 
     for name, us in ops:
         total[name] += us
         calls[name] += 1
-    whole = sum(total.values())
+    whole, times = sum(total.values()), sorted(us for _, us in ops)
     top = [
         {
             "op": name,
@@ -145,7 +148,12 @@ def summarise(ops: list[tuple[str, float]], steps: int, details: dict[str, str] 
         }
         for name, us in total.most_common(TOP)
     ]
-    return {"device_ms_per_step": whole / 1e3 / steps, "top_ops": top}
+    return {
+        "device_ms_per_step": whole / 1e3 / steps,
+        "ops_per_step": len(ops) / steps,  # kernels a step (a chunk's loop ops shared by its steps)
+        "median_op_us": times[len(times) // 2] if times else 0.0,
+        "top_ops": top,
+    }
 
 
 def _setup(a):
@@ -160,7 +168,7 @@ def _setup(a):
     gen = Generator(cfg, params, mesh, max_len=max_len, eod=None)
     rng = np.random.default_rng(0)
     ids = [rng.integers(0, cfg.vocab_size, a.prompt).tolist() for _ in range(a.batch)]
-    tokens, lengths = pad_prompts(ids, 1, max_len)
+    tokens, lengths = pad_prompts(ids, 1, gen.slots)  # the cache's slots (``programs.slots_for``)
     return gen, tokens, lengths, chunks
 
 
@@ -194,10 +202,10 @@ def main() -> None:
     if a.cpu_smoke:
         a.config, a.batch, a.prompt, a.steps = "tiny-llama", 2, 16, 8
     gen, tokens, lengths, chunks = _setup(a)
-    exes = gen._executables(a.batch)
+    exes = gen._executables(a.batch, ("prefill", "chunk"))  # what ``_decode_chunks`` runs
     # XLA's cost analysis counts a loop's body once: the chunk's figures are one step's (its scan body)
-    cost = {"decode": _cost(exes["decode"], 1), "chunk": _cost(exes["chunk"], 1)}
-    memory = {k: _memory(exes[k]) for k in ("decode", "chunk")}
+    cost = {"chunk": _cost(exes["chunk"], 1)}
+    memory = {"chunk": _memory(exes["chunk"])}
     params = sum(x.nbytes for x in jax.tree.leaves(gen.params))
     roof = params + cache_memory(gen, a.batch)["per_device"]
     bandwidth = hbm_bandwidth(device_kind())
@@ -246,7 +254,8 @@ def _print(r: dict) -> None:
     lines.append(f"  roofline: {gb(roof['bytes'])} a step (weights {gb(roof['params_bytes'])}){at}")
     lines.append(
         f"  trace: {trace['steps']} steps, {trace['wall_ms_per_step']:.3f} ms wall a step, "
-        f"{trace['device_ms_per_step']:.3f} ms of device ops a step (self times); top ops:"
+        f"{trace['device_ms_per_step']:.3f} ms of device ops a step (self times), "
+        f"{trace['ops_per_step']:.0f} ops a step (median {trace['median_op_us']:.1f} us); top ops:"
     )
     top = trace["top_ops"]
     for o in top:

@@ -78,7 +78,7 @@ GEN_BATCH_SUBS = (
     "--batch-size 8 => --batch-size 2",
     "--gen-batch 1,8,32,64 => --gen-batch 1,2",
     "512 => 16",
-    "--gen-tokens 64 => --gen-tokens 10",
+    "--gen-tokens 65 => --gen-tokens 10",
     "8192 => 128",
 )
 QUANT_BENCH = "tests/test_quant.py::test_bench_times_int8_beside_the_float_step"
@@ -382,26 +382,26 @@ COMMANDS: dict[str, Run | Shown] = {
         expect=('"gmm-dispatch/dense-eq"',),
         slow=GMM_KERNEL,
     ),
-    DECODE_BENCH + "8 --seq-len 512 --gen-tokens 64 --gen-batch 1,8,32,64 --peak-n 8192 --impls meshlm "
+    DECODE_BENCH + "8 --seq-len 512 --gen-tokens 65 --gen-batch 1,8,32,64 --peak-n 8192 --impls meshlm "
     "--bf16 --json": run(
         *GEN_BATCH_SUBS,
         add="--warmup 0",
         expect=('"generation_by_batch"', '"dtype": "bfloat16"', '"roofline_ms": null'),
         slow=GEN_BATCH,
     ),
-    DECODE_BENCH + "8 --seq-len 512 --gen-tokens 64 --gen-batch 1,8,32,64 --peak-n 8192 --impls meshlm "
+    DECODE_BENCH + "8 --seq-len 512 --gen-tokens 65 --gen-batch 1,8,32,64 --peak-n 8192 --impls meshlm "
     "--json": run(
         *GEN_BATCH_SUBS,
         add="--warmup 0",
         expect=('"generation_by_batch"', '"dtype": "float32"'),
         slow=GEN_BATCH,
     ),
-    DECODE_BENCH + "1 --seq-len 4096 --gen-tokens 64 --gen-batch 1,8 --peak-n 8192 --impls meshlm --bf16 "
+    DECODE_BENCH + "1 --seq-len 4096 --gen-tokens 65 --gen-batch 1,8 --peak-n 8192 --impls meshlm --bf16 "
     "--json": run(
         "llama-100m => tiny-llama",
         "--gen-batch 1,8 => --gen-batch 1,2",
         "4096 => 48",
-        "--gen-tokens 64 => --gen-tokens 10",
+        "--gen-tokens 65 => --gen-tokens 10",
         "8192 => 128",
         add="--warmup 0",
         expect=('"generation_by_batch"', '"prompt_len": 48'),

@@ -61,3 +61,21 @@ def test_dense_off_cpu_is_jaxs_own_matmul():
         off = str(grads())
     assert "optimization_barrier" not in off and "custom_vjp" not in off
     assert "optimization_barrier" in str(grads())  # on CPU: the 2-D backward, behind its barrier
+
+
+def test_tpu_dense_pads_few_rows_to_the_matrix_unit():
+    """Traced for a TPU, a matmul of fewer than ``MXU_ROWS`` rows (a decode step at batch < 8) is padded
+    to them (XLA:TPU's vector multiply-reduce otherwise) and gives the rows' own results (up to the
+    summation order of another matmul kernel); 8 rows or more are the plain matmul."""
+    from meshlm.model.dense import MXU_ROWS, dense
+    from meshlm.parallel.compile_target import compiling_for
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((16, 24)), jnp.float32)
+    for rows in (1, 3, MXU_ROWS):
+        x = jnp.asarray(rng.standard_normal((rows, 1, 16)), jnp.float32)  # [B, T=1, K]
+        with compiling_for("tpu"):
+            jaxpr = str(jax.make_jaxpr(dense)(x, w))
+            got = dense(x, w)
+        assert ("pad" in jaxpr) == (rows < MXU_ROWS), rows
+        np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w), rtol=1e-5, atol=1e-5)

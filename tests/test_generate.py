@@ -275,21 +275,22 @@ def test_cache_is_sharded_by_kv_heads():
     cfg, gen = get_config("tiny-gptj"), generator("tiny-gptj", 1, 4)
     tokens = np.zeros((2, 64), np.int32)
     _, _, cache = gen.prefill(tokens, np.array([3, 5]), Sampling())
-    k = cache["k"]
-    assert k.shape == (2, 2, 64, 8, 8)
-    assert k.sharding.is_equivalent_to(NamedSharding(gen.mesh, P(None, "dp", None, "mp", None)), k.ndim)
-    assert k.addressable_shards[0].data.shape == (2, 2, 64, 2, 8)
+    k = cache["k"]  # flat [L, B, S, Kc * E] (``generate.cache``): 8 KV heads of 8, 2 a shard
+    assert k.shape == (2, 2, 64, 8 * 8)
+    assert k.sharding.is_equivalent_to(NamedSharding(gen.mesh, P(None, "dp", None, "mp")), k.ndim)
+    assert k.addressable_shards[0].data.shape == (2, 2, 64, 2 * 8)
     assert cache_bytes(cfg, gen.mesh, 2, 64)["per_device"] == 2 * k.nbytes // 4
     # Replicated KV heads (mp=8 > 4): each shard stores the one KV head its queries use.
     padded = np.zeros((2, 64), np.int32)
     padded[:, :20] = TOKENS
     _, _, c8 = generator("tiny-llama", 1, 8).prefill(padded, LENGTHS, Sampling())
     _, _, c1 = generator("tiny-llama", 1, 1).prefill(padded, LENGTHS, Sampling())
-    assert c8["k"].shape[3] == 8 and c1["k"].shape[3] == 4
+    e = get_config("tiny-llama").dim_per_head
+    assert c8["k"].shape[3] == 8 * e and c1["k"].shape[3] == 4 * e
     for shard in c8["v"].addressable_shards:
-        i = shard.index[3].start  # shard i holds KV head i // 2 (two query-head groups per KV head)
-        want = np.asarray(c1["v"])[:, :, :, i // 2]
-        np.testing.assert_allclose(shard.data[:, :, :, 0], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        i = shard.index[3].start // e  # shard i holds KV head i // 2 (two query-head groups per KV head)
+        want = np.asarray(c1["v"])[:, :, :, (i // 2) * e : (i // 2 + 1) * e]
+        np.testing.assert_allclose(shard.data, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_bad_inputs_are_clear_errors(tmp_path):

@@ -113,7 +113,7 @@ def _cache_copies(hlo: str, shape: tuple, dtype: str = "f32") -> list:
 @pytest.mark.parametrize("form", ["scan", pytest.param("python", marks=SLOW)])
 def test_a_decode_step_writes_the_stacked_cache_in_place(form, monkeypatch):
     """A decode step (the scan, every backend's form; the loop's in the slow tier) writes each layer's
-    new token into the donated stacked cache [L, B, S, Kc, E] (``kv_kinds.carried_stack``): no op
+    new token into the donated stacked cache [L, B, S, Kc * E] (``kv_kinds.carried_stack``): no op
     copies it (per-layer inputs and outputs sliced it apart and stacked it again, a copy per step)."""
     from meshlm.generate.cache import cache_shapes
     from meshlm.generate.generator import Generator

@@ -36,7 +36,8 @@ def test_latent_cache_logits_equal_the_full_forward_in_float64():
 
 def test_latent_cache_holds_the_latent_and_the_rotary_key_only():
     tiny = get_config("tiny-deepseek-v3")  # r 32, R 8; 8 heads of 24 (q/k) and 16 (v)
-    assert cache_shapes(tiny, 2, 4, 64) == {"k": (3, 4, 64, 2, 32), "v": (3, 4, 64, 2, 8)}  # a copy per mp
+    # flat [L, B, S, Kc * width], a copy per mp
+    assert cache_shapes(tiny, 2, 4, 64) == {"k": (3, 4, 64, 2 * 32), "v": (3, 4, 64, 2 * 8)}
     size = cache_bytes(tiny, Layout(dp=2, mp=2), 4, 64, np.float32)
     assert size["per_device"] == 3 * (4 // 2) * 64 * (32 + 8) * 4  # L x B/dp x S x (r + R) x 4 bytes
     assert size["per_token_layer"] == {"values": 40, "full_kv": 8 * (24 + 16), "ratio": 8.0}

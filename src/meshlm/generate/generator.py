@@ -39,7 +39,7 @@ from meshlm.generate.inputs import (
     pad_prompts,
     prompt_doc_starts,
 )
-from meshlm.generate.programs import DECODE_CHUNK, KINDS, kinds_for, programs_for
+from meshlm.generate.programs import DECODE_CHUNK, KINDS, kinds_for, programs_for, slots_for
 from meshlm.generate.streaming import (
     ByteTokenizer,
     GenerationResult,
@@ -66,7 +66,8 @@ def as_run_here(cfg: ModelConfig) -> ModelConfig:
 class Generator:
     """Sharded KV-cached generation for a model ``cfg`` with ``params`` on ``where``: a Layout or a jax
     Mesh (axes dp, mp; generation keeps whole weights: a layout's memory options do not apply).
-    ``max_len``: the cache length S (default ``cfg.max_seq_len``): prompt + new tokens must fit in it.
+    ``max_len``: prompt + new tokens must fit in it (default ``cfg.max_seq_len``); the cache holds
+    ``slots`` = max_len rounded up to ``programs.SLOT_TILE`` (``slots_for``: XLA:TPU's tiles).
     ``tokenizer``: ``encode(str) -> ids`` / ``decode(ids) -> str`` (default: bytes). ``eod``: the id(s)
     ending generation (default: the tokenizer's ``eod_id``; a list: any; None: none). Compiled
     programs are shared by Generators of the same config, mesh, max_len and parameter dtypes.
@@ -85,7 +86,8 @@ class Generator:
             raise ConfigError(f"max_len={max_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
         specs = model_specs(cfg, params, self.layout)
         self.params = jax.device_put(params, shardings(specs, self.mesh))  # a no-op when already laid out
-        self._prog = programs_for(cfg, self.layout, specs, self.max_len, self.params, self.prefill_cp)
+        self.slots = slots_for(cfg, self.max_len, self.prefill_cp)  # the cache's S: prompts padded to it
+        self._prog = programs_for(cfg, self.layout, specs, self.slots, self.params, self.prefill_cp)
         self._last_constants: tuple = (None, None)
 
     @property
@@ -146,7 +148,7 @@ class Generator:
         check_budget(ids, max_new_tokens, self.max_len)
         stops = check_stops(stop)
         rows = [OutputRow(i, make_stream(self.tokenizer), stops, self.eod, on_token) for i in range(len(ids))]
-        tokens, lengths = pad_prompts(ids, self.dp, self.max_len)  # global [B', S], [B']
+        tokens, lengths = pad_prompts(ids, self.dp, self.slots)  # global [B', S], [B']
         self._executables(len(tokens), kinds_for(max_new_tokens))  # compiled before the timing
         t0 = time.perf_counter()
         nxt, _, cache = self.prefill(tokens, lengths, sampling)
@@ -166,7 +168,7 @@ class Generator:
         tokens, lengths = check_teacher_forced(tokens, lengths, self.cfg.vocab_size, self.max_len)
         t = tokens.shape[1]
         ids = [self.encode_prompt(b, tokens[b, :n]) for b, n in enumerate(lengths)]
-        padded, lens = pad_prompts(ids, self.dp, self.max_len)  # global [B', S], [B']
+        padded, lens = pad_prompts(ids, self.dp, self.slots)  # global [B', S], [B']
         feed = np.zeros_like(padded)
         feed[: len(ids), :t] = tokens
         greedy = Sampling()
@@ -215,17 +217,20 @@ def cache_memory(gen: Generator, batch: int) -> dict:
     """The decode KV cache of ``gen`` for a global ``batch`` of prompts: {"slots" (positions held per
     layer: the window for a rolling cache), "total", "per_device" (bytes, K and V)}."""
     b = -(-batch // gen.dp) * gen.dp  # rows padded to a multiple of dp, as ``pad_prompts``
-    return cache_bytes(gen.cfg, gen.layout, b, gen.max_len, gen.params["embed"]["embeddings"].dtype)
+    return cache_bytes(gen.cfg, gen.layout, b, gen.slots, gen.params["embed"]["embeddings"].dtype)
 
 
 def bench_generation(cfg: ModelConfig, params, where, batch: int, prompt_len: int, new_tokens: int) -> dict:
     """Throughput of ``batch`` random prompts of ``prompt_len`` tokens, ``new_tokens`` each, with the
     cache sized to exactly prompt_len + new_tokens (prefill runs over all of it: fixed shapes). A first
-    short run compiles and warms up outside the timing. Never stops early (no EOD)."""
+    short run compiles and warms up outside the timing the programs the timed run needs (``kinds_for``:
+    no single-step program where new_tokens - 1 is a multiple of ``DECODE_CHUNK``, one compile fewer
+    per batch). Never stops early (no EOD)."""
     gen = Generator(cfg, params, where, max_len=prompt_len + new_tokens, eod=None)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
-    gen.generate(prompts, min(DECODE_CHUNK + 2, new_tokens))  # warm: the prefill, a chunk, a single step
+    tail = (new_tokens - 1) % DECODE_CHUNK != 0  # a single step after the chunks (``_decode``)
+    gen.generate(prompts, min(DECODE_CHUNK + 1 + tail, new_tokens))  # warm: the prefill, a chunk, a step
     r = gen.generate(prompts, new_tokens)[0]
     params = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(gen.params))
     return {

@@ -47,6 +47,22 @@ from meshlm.parallel.layout import Layout
 # (at most DECODE_CHUNK - 1 steps); the tail of a generation shorter than a chunk runs single steps.
 DECODE_CHUNK = 8
 
+# Cache slots come in multiples of this (a bf16 sublane tile): XLA:TPU lays the flat cache's [S, Kc * E]
+# planes out in (16, 128) tiles, and at S = 577 (prompt 512 + 65 tokens) it copied every layer's slice
+# of the cache out before attention read it: llama-100m, batch 64, bf16, 6.0 ms a decode step against
+# 2.6 at S = 576 by the v5e compiler's estimate (scripts/decode_hlo.py, docs/benchmarks.md).
+SLOT_TILE = 16
+
+
+def slots_for(cfg: ModelConfig, max_len: int, prefill_cp: bool = False) -> int:
+    """The cache's slots (and the prefill's padded width) for prompts plus new tokens of ``max_len``:
+    rounded up to ``SLOT_TILE`` where the context allows it (never past ``max_seq_len``: learned
+    positions) and the prefill is not split over cp (its chunks divide ``max_len``). No query of a
+    generation within ``max_len`` sees the extra slots (the causal mask: they hold positions past it)."""
+    padded = -(-max_len // SLOT_TILE) * SLOT_TILE
+    return max_len if prefill_cp or padded > cfg.max_seq_len else padded
+
+
 # --- sharded functions ---------------------------------------------------------------------------
 
 

@@ -15,7 +15,7 @@ model's last layer output) with Emb(t_{j+1}); at positions n-1+i, i <= a, t_{n+i
 runs over the D+1 positions with ids g (the ``known`` rule below). Its output at the newest committed
 position n-1+a drafts t_{n+a+1}; depth d+1 embeds depth d's ids one further ahead, with the draft just
 made at that position (DeepSeek's sequential chain). Each depth keeps a cache of its own block's keys
-("mtp_k", "mtp_v" [D, B, S', Kc, E], the main cache's layout: MLA's latent for DeepSeek-V3).
+("mtp_k", "mtp_v" [D, B, S', Kc * E], the main cache's layout: MLA's latent for DeepSeek-V3).
 
 Rejected tokens are not rolled back: their cache entries are OVERWRITTEN before any query sees them.
 Proof: a step writes positions P .. P+D (P = n-1) in the main cache and in every depth's; the entries
@@ -100,7 +100,7 @@ def check_speculative(cfg: ModelConfig, params, temperature: float, prefill_cp: 
 
 def spec_cache_shapes(cfg: ModelConfig, mp: int, batch: int, slots: int, shard: bool = False) -> dict:
     """Global (``shard``: per-shard Kc/mp) shapes of the main cache and the depths' ("mtp_k", "mtp_v":
-    [D, B, slots, Kc, E], each depth one layer of the main cache's kind)."""
+    [D, B, slots, Kc * E], each depth one layer of the main cache's kind)."""
     main = cache_shapes(cfg, mp, batch, slots, slots=slots if shard else None)
     return main | {name: (cfg.mtp_layers, *main[key][1:]) for name, key in DEPTH_KEYS.items()}
 

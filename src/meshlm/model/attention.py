@@ -109,7 +109,7 @@ class Attention(hk.Module):
     def __call__(self, xf, positions, cache=None, starts=None, kind=None):
         """xf: [B, T, D] per-shard view; positions: [B, T] absolute positions.
 
-        cache: None (training) or {"k", "v": [B, S, K_local, E]}: new keys/values are written at
+        cache: None (training) or {"k", "v": [B, S, K_local * E]} (flat): new keys/values are written at
         ``positions`` and queries attend to every cached slot at or before their position.
         starts: None, or [B, T] (``--doc-mask``) the absolute position where each query's document
         starts: it sees only keys at or after it, and its rotary position restarts there.
@@ -161,8 +161,8 @@ class Attention(hk.Module):
             return flash_attention(q, k, v, starts, variant, candidates=layer_rules(self.cfg))
         if self.cfg.attention == "blockwise":
             kernel = dict(block=self.cfg.attn_block, q_start=starts, variant=variant)
-            return blockwise_attention(q, k, v, positions, key_pos, **kernel)
-        return _attend(q, k, v, positions, key_pos, starts, variant)
+            return blockwise_attention(q, *cache_heads(q, k, v, always=True), positions, key_pos, **kernel)
+        return _attend(q, *cache_heads(q, k, v), positions, key_pos, starts, variant)
 
     def _out(self, out, xf, gate):  # out, gate [B, T, H/mp, E] -> the row-parallel partial [B, T, D]
         hl = self.cfg.n_heads // self.par.layout.mp
@@ -271,7 +271,7 @@ def cache_window(cfg: ModelConfig) -> int:
 
 def cache_update(cache, k, v, positions, window: int):
     """Write the new k, v [B, T, K_local, E] at ``positions`` [B, T] into ``cache`` {"k", "v": [B, S,
-    K_local, E]}: (new cache, key positions [B, S] of its slots).
+    K_local * E]} (flat, ``generate.cache``): (new cache, key positions [B, S] of its slots).
 
     A full cache (S != ``window``) holds position p in slot p. A rolling one (S == ``window``: memory
     O(window), not O(context)) holds p in slot p % S: after writing position q, slot s holds the
@@ -279,7 +279,7 @@ def cache_update(cache, k, v, positions, window: int):
     not yet written (that position < 0) gets a position no query sees. The two agree while positions
     are below S (slot s holds s), so a prefill of S <= window tokens fills either."""
     at, key_pos = _slots(positions, cache["k"].shape[1], window)
-    write = jax.vmap(lambda c, new, p: c.at[p].set(new.astype(c.dtype)))
+    write = jax.vmap(lambda c, new, p: c.at[p].set(new.reshape(*new.shape[:1], *c.shape[1:]).astype(c.dtype)))
     return {"k": write(cache["k"], k, at), "v": write(cache["v"], v, at)}, key_pos
 
 
@@ -296,10 +296,10 @@ def _slots(positions, slots: int, window: int):
 
 
 def cache_write(cache, k, v, positions, window: int):
-    """``cache_update`` -> (new cache, this layer's {"k", "v"} [B, S, K_local, E], key positions).
+    """``cache_update`` -> (new cache, this layer's {"k", "v"} [B, S, K_local * E], key positions).
 
-    ``cache`` is one layer's {"k", "v"} [B, S, K_local, E], or (carried through the layer loop:
-    ``kv_kinds.carried_stack``) the stacked {"k", "v"} [L, B, S, K_local, E] and "index", this layer's.
+    ``cache`` is one layer's {"k", "v"} [B, S, K_local * E], or (carried through the layer loop:
+    ``kv_kinds.carried_stack``) the stacked {"k", "v"} [L, B, S, K_local * E] and "index", this layer's.
     The stacked arrays are written only at [index, b, positions[b]] (``_put``), so XLA updates the one
     buffer in place: a decode step writes its new tokens, not copies of the cache."""
     if "index" not in cache:
@@ -311,7 +311,7 @@ def cache_write(cache, k, v, positions, window: int):
 
 def stacked_write(stacks: dict, names, index, k, v, positions, window: int):
     """Write k, v [B, T, K_local, E] at layer ``index`` of ``stacks[names[0]]``, ``stacks[names[1]]``
-    ([L, B, S, K_local, E]) -> (the stacks, the layer's {"k", "v"} [B, S, ...], key positions [B, S])."""
+    ([L, B, S, K_local * E]) -> (the stacks, the layer's {"k", "v"} [B, S, ...], key positions [B, S])."""
     at, key_pos = _slots(positions, stacks[names[0]].shape[2], window)
     new = dict(stacks)
     for name, x in zip(names, (k, v), strict=True):
@@ -321,25 +321,21 @@ def stacked_write(stacks: dict, names, index, k, v, positions, window: int):
 
 
 def _put(stack, index, at, x):
-    """``stack`` [L, B, S, ...] with x [B, T, ...] written at [index, b, at[b, t]]. One token a row (a
-    decode step, its position below S: ``programs`` clamps it): a dynamic-update-slice per row, which
-    XLA does in place and counts as the token's bytes; more (a prefill, a speculative check): one
-    scatter (in place too, but cost analysis counts the whole operand)."""
-    if at.shape[1] != 1:
-        rows = jnp.arange(at.shape[0])[:, None]  # [B, 1]
-        return stack.at[index, rows, at].set(x)
-    zero = jnp.zeros((), at.dtype)
-    for b in range(at.shape[0]):
-        start = (index.astype(at.dtype), jnp.asarray(b, at.dtype), at[b, 0]) + (zero,) * (stack.ndim - 3)
-        stack = lax.dynamic_update_slice(stack, x[b][None, None], start)
-    return stack
+    """``stack`` [L, B, S, F] (the flat cache, ``generate.cache``) with x [B, T, Kc, E] written at [index,
+    b, at[b, t]] (x flattened to [B, T, Kc * E]): ONE scatter for every row and token, done in place.
+    (A dynamic-update-slice per row was one kernel per row and layer, 2 x B x L a decode step: 1024 at
+    batch 64 on llama-100m, each ~1 us on a TPU; it also made XLA:TPU relayout the cache, see
+    ``generate.cache``.) Cost analysis counts a scatter's whole operand: its "bytes accessed" are not
+    the step's."""
+    rows = jnp.arange(at.shape[0])[:, None]  # [B, 1]
+    return stack.at[index, rows, at].set(x.reshape(*x.shape[:2], *stack.shape[3:]), unique_indices=True)
 
 
 def kinds_cache_attend(cfg: ModelConfig, cache: dict, q, k, v, positions, kind, attend):
     """One layer's attention with the two-array cache: (out [B, T, h, E], new cache).
 
-    cache (per shard, ``kv_kinds``): the global layers' "k", "v" [L_global, B, S, Kc, E], the local
-    ones' "k_local", "v_local" [L_local, B, W (``local_span``; S in the prefill), Kc, E], "index" its
+    cache (per shard, ``kv_kinds``): the global layers' "k", "v" [L_global, B, S, Kc * E], the local
+    ones' "k_local", "v_local" [L_local, B, W (``local_span``; S in the prefill), Kc * E], "index" its
     index among the layers of its kind (traced). ``kind`` (traced, 0 local) picks the branch: a local
     layer writes k, v [B, T, Kc, E] into its W-slot slice (rolling, or full while the prefill holds all
     S slots: ``keep_window`` cuts them after) and attends with its window or chunk; a global one
@@ -364,7 +360,7 @@ def kinds_cache_attend(cfg: ModelConfig, cache: dict, q, k, v, positions, kind, 
 
 def cp_prefill_cache(cache, k, v, positions, par: Parallel, window: int) -> dict:
     """A prefill over cp (``generate.programs``): this shard's chunks' k, v [B, T/cp, K_local, E] written
-    at their global ``positions`` [B, T/cp] into ``cache`` (zeros, [B, T, K_local, E]), then summed over
+    at their global ``positions`` [B, T/cp] into ``cache`` (zeros, [B, T, K_local * E]), then summed over
     cp (``Parallel.cp_sum``). Every slot is written by exactly one shard and is zero on the others, so
     the sum is exact: the whole sequence's cache, in sequence order, the same on every cp shard (the
     decode then runs without cp, each cp shard a copy)."""
@@ -378,8 +374,8 @@ def cp_prefill_cache(cache, k, v, positions, par: Parallel, window: int) -> dict
 
 
 def layer_view(cache: dict) -> dict:
-    """This layer's {"k", "v"} [B, S, ...] of a cache: the cache itself, or its slice at "index" of the
-    stacked one (``cache_write``)."""
+    """This layer's {"k", "v"} [B, S, Kc * E] (flat, ``generate.cache``) of a cache: the cache itself,
+    or its slice at "index" of the stacked one (``cache_write``)."""
     if "index" not in cache:
         return cache
     return {n: lax.dynamic_index_in_dim(cache[n], cache["index"], 0, False) for n in "kv"}
@@ -399,17 +395,62 @@ def capped_softmax(scores, visible, softcap: float):
     return jax.nn.softmax(scores, axis=-1)
 
 
+# Queries per row up to which attention reads a flat cache [B, S, Kc * E] as it is (``_flat_scores``: a
+# decode step's 1, a speculative check's few); a longer call (a prefill) views it as heads (a copy).
+FLAT_QUERIES = 16
+
+
+def as_heads(x, width: int):
+    """A flat cache's [B, S, Kc * E] as [B, S, Kc, E] (``width`` = E); heads as they are."""
+    return x if x.ndim == 4 else x.reshape(*x.shape[:2], x.shape[2] // width, width)
+
+
+def cache_heads(q, k, v, always: bool = False):
+    """k, v as attention reads them: a flat cache's [B, S, Kc * E] as it lies for up to ``FLAT_QUERIES``
+    queries q [B, T, h, E] (``_flat_scores``), as heads [B, S, Kc, E] for more or ``always``."""
+    if k.ndim == 4 or (q.shape[1] <= FLAT_QUERIES and not always):
+        return k, v
+    kv = k.shape[-1] // q.shape[-1]
+    return as_heads(k, q.shape[-1]), as_heads(v, v.shape[-1] // kv)
+
+
+def _flat_scores(qg, k):
+    """qg [B, T, Kc, g, E] against a flat cache k [B, S, Kc * E] -> [B, Kc, g, T, S] (``_attend``'s
+    "bkgts"), read as it lies: one matmul [S, Kc * E] x [Kc * E, Kc * g * T] per row with the queries
+    block-diagonal (query head (k, g) is zero outside KV head k's E columns: the zeros add exactly
+    nothing). Kc times the FLOPs of the heads' form, all on the MXU and far below the cache's bytes."""
+    b, t, kv, g, e = qg.shape
+    eye = jnp.eye(kv, dtype=bool)[:, None, :, None, None]  # [Kc (cache's), 1, Kc (queries'), 1, 1]
+    qd = jnp.where(eye, jnp.transpose(qg, (0, 4, 2, 3, 1))[:, None], jnp.zeros((), qg.dtype))
+    scores = jnp.einsum("bsf,bfn->bns", k, qd.reshape(b, kv * e, kv * g * t))  # [B, Kc * g * T, S]
+    return scores.reshape(b, kv, g, t, k.shape[1])
+
+
+def _flat_out(probs, v):
+    """probs [B, Kc, g, T, S] times a flat cache v [B, S, Kc * Ev] -> [B, T, Kc, g, Ev]: every query
+    head against every KV head's values (one matmul a row), then each head's own block kept (the
+    others dropped: a select, exact)."""
+    b, kv, g, t, s = probs.shape
+    ev = v.shape[-1] // kv
+    full = jnp.einsum("bns,bsf->bnf", probs.reshape(b, kv * g * t, s), v).reshape(b, kv, g, t, kv, ev)
+    eye = jnp.eye(kv, dtype=bool)[:, None, None, :, None]  # [Kc (queries'), 1, 1, Kc (values'), 1]
+    out = jnp.sum(jnp.where(eye, full, jnp.zeros((), full.dtype)), axis=4)  # [B, Kc, g, T, Ev]
+    return jnp.transpose(out, (0, 3, 1, 2, 4))
+
+
 def _attend(q, k, v, q_pos, k_pos, starts=None, variant=None, **fields):
-    """Causal grouped attention, softmax in float32. q [B,T,h,E]; k, v [B,S,kv,E]; pos [B,T]/[B,S].
+    """Causal grouped attention, softmax in float32. q [B,T,h,E]; k, v [B,S,kv,E], or a flat cache's
+    [B,S,kv*E] (``_flat_scores``, ``_flat_out``: the same values); pos [B,T]/[B,S].
     ``starts`` [B, T]: where each query's document starts; it sees only keys from there on.
     ``variant`` (``attention_variants.Variant``; or a window, with the variant's other ``fields``): what a
     query sees (a window > 0: a query at i sees keys j with i - window < j <= i) and what happens to its
     scores (divided by sqrt(scalar or E), then the score rule before the mask, as transformers)."""
     variant = variant if isinstance(variant, Variant) else variant_of(window=variant, **fields)
     b, t, h, e = q.shape
-    kv = k.shape[2]
+    flat = k.ndim == 3
+    kv = k.shape[2] // e if flat else k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, e)
-    scores = upcast(jnp.einsum("btkge,bske->bkgts", qg, k))
+    scores = upcast(_flat_scores(qg, k) if flat else jnp.einsum("btkge,bske->bkgts", qg, k))
     scores = scores / jnp.sqrt(jnp.asarray(variant.scalar or e, scores.dtype))
     qp, kp = q_pos[:, None, None, :, None], k_pos[:, None, None, None, :]
     rules = variant.rules()
@@ -419,5 +460,5 @@ def _attend(q, k, v, q_pos, k_pos, starts=None, variant=None, **fields):
         visible = visible & mask_mod(qp, kp, False, qs, **rules)
     probs = capped_softmax(scores, visible, variant.softcap)
     probs = variant.finish_probs(probs, scores, visible).astype(v.dtype)
-    out = jnp.einsum("bkgts,bske->btkge", probs, v)
-    return out.reshape(b, t, h, e)
+    out = _flat_out(probs, v) if flat else jnp.einsum("bkgts,bske->btkge", probs, v)
+    return out.reshape(b, t, h, out.shape[-1])

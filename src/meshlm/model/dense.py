@@ -27,6 +27,7 @@ against the other on the chip, and so that the CPU's float64 proof can run the b
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -37,6 +38,13 @@ from meshlm.parallel.compile_target import compile_platform
 
 ENV = "MESHLM_DENSE_BACKWARD"  # "2d" | "jax": the weight matmul's backward, whatever the platform
 BACKWARDS = ("2d", "jax")
+
+# Rows a TPU's matrix unit takes at once (a sublane tile). XLA:TPU turns a dot of fewer rows (a decode
+# step of batch < 8: one token a row) into a multiply-reduce on the vector unit, which reads the weights
+# at ~200-300 GB/s of a v5e's 819 (llama-100m's MLP, batch 1: 441 us a step against 138 us for its
+# bytes, the compiler's own estimate); padded with zero rows to 8 the dot runs on the matrix unit,
+# streaming the weights (405 -> 132 us for 16 such matmuls, ``docs/benchmarks.md``, decode).
+MXU_ROWS = 8
 
 
 def backward_kind() -> str:
@@ -51,8 +59,16 @@ def backward_kind() -> str:
 
 
 def dense(x, w):
-    """x [..., K] @ w [K, M] -> [..., M], its backward as ``backward_kind`` says."""
-    return _dense_2d(x, w) if backward_kind() == "2d" else x @ w
+    """x [..., K] @ w [K, M] -> [..., M], its backward as ``backward_kind`` says; on XLA:TPU a matmul
+    of fewer than ``MXU_ROWS`` rows padded to them (each row's result is its own: the zero rows change
+    nothing). Decided when traced, for the platform compiled for."""
+    if backward_kind() == "2d":
+        return _dense_2d(x, w)
+    rows = math.prod(x.shape[:-1])
+    if compile_platform() == "tpu" and rows < MXU_ROWS:
+        padded = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, MXU_ROWS - rows), (0, 0)))  # [8, K]
+        return (padded @ w)[:rows].reshape(*x.shape[:-1], w.shape[-1])
+    return x @ w
 
 
 @jax.custom_vjp

@@ -5,9 +5,9 @@ A local layer sees only its last ``sliding_window`` = W positions, or (chunked) 
 chunk of W = ``attn_chunk``, never more than W back (``local_span``), so its decode cache rolls over W
 slots (position p in slot p % W, ``attention.cache_update``; the mask hides a held key of a previous
 chunk, as one outside a window); a global layer keeps the whole context.
-The two cannot share one stacked array [L, B, S, Kc, E], so the cache holds two (per shard):
-  "k", "v"              [L_global, B, S, Kc, E]   the global layers', in layer order
-  "k_local", "v_local"  [L_local, B, W, Kc, E]    the local layers', in layer order
+The two cannot share one stacked array [L, B, S, Kc * E], so the cache holds two (per shard):
+  "k", "v"              [L_global, B, S, Kc * E]  the global layers', in layer order
+  "k_local", "v_local"  [L_local, B, W, Kc * E]   the local layers', in layer order
 Each layer's per-layer inputs are its kind and its index among the layers of its kind (``kind_index``);
 the two arrays travel through the layer stack as part of its carry (``carried_stack``, as every
 stacked cache does), and a layer reads its own slice and writes its new tokens into it

@@ -149,7 +149,7 @@ class MLA(hk.Module):
 
     def _cached(self, q, latent, k_rope, positions, starts, variant, cache):
         """Generation's latent cache (``generate.cache``): this call's latent [B, T, r] and rotated
-        k_rope [B, T, 1, R] written at ``positions`` into cache {"k": [B, S, 1, r], "v": [B, S, 1, R]}
+        k_rope [B, T, 1, R] written at ``positions`` into cache {"k": [B, S, r], "v": [B, S, R]}
         (per shard: each mp shard its own copy), then every slot's keys and values up-projected by
         ``wkv_b`` from the cache (the up-projection applied to the cache, not absorbed into q and
         ``wo``: exact either way) and attended to on this device -> (out [B, T, h, E], cache). A prefill
@@ -163,7 +163,7 @@ class MLA(hk.Module):
             key_pos = jnp.broadcast_to(slots, (positions.shape[0], slots.shape[0]))
         else:  # the stacked cache written in place (``cache_write``)
             cache, own, key_pos = cache_write(cache, *new, positions, 0)
-        held = [own[n][:, :, 0].astype(q.dtype) for n in "kv"]
+        held = [own[n].astype(q.dtype) for n in "kv"]  # [B, S, r], [B, S, R]: one copy a shard (flat)
         k, v = self._keys_values(*held, lambda x: x)
         return self._attend(q, k, v, positions, key_pos, starts, variant), cache
 

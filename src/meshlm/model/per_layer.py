@@ -179,6 +179,7 @@ class SharedKVAttention(Attention):
         if self.par.context_parallel:
             kernel = dict(block=cfg.attn_block, blockwise=cfg.attention == "blockwise", variant=variant)
             kernel["flash"] = cfg.attention == "flash"  # the ring's steps by flash (``flash_ring``)
+            k, v = attention.as_heads(k, q.shape[-1]), attention.as_heads(v, v.shape[-1] // q.shape[-1])
             return context_attention(q, k, v, positions, self.par, plain_attend=_attend, **kernel), cache
         return self._attend(q, k, v, positions, key_pos, starts, variant), cache
 
