@@ -169,10 +169,11 @@ def run_case(case: str, config: str, layers: int, chip: str, unroll: int = 0) ->
 
 def model_flops(cfg) -> float:
     """6N + 12 L T D a token (N: every parameter, the embedding too; T: the sequence)."""
-    from meshlm.model.transformer import param_shapes
     import math
 
     import jax
+
+    from meshlm.model.transformer import param_shapes
 
     n = sum(math.prod(s.shape) for s in jax.tree.leaves(param_shapes(cfg)))
     return 6 * n + 12 * cfg.n_layers * SEQ_LEN * cfg.d_model
