@@ -29,6 +29,7 @@ from meshlm.model.config import ModelConfig
 from meshlm.model.context_parallel import context_attention
 from meshlm.model.dense import add_once, dense_heads_in, dense_heads_out
 from meshlm.model.flash import flash_attention, layer_rules
+from meshlm.model.flash_kernel import ATTN_OUT
 from meshlm.model.layers import RMSNorm, RMSNormPlusOne, _normal, apply_rotary, rotary_angles, upcast
 from meshlm.model.lora import adapted
 from meshlm.model.quant import matmul
@@ -157,12 +158,13 @@ class Attention(hk.Module):
         return self._out(out, xf, gate), cache
 
     def _attend(self, q, k, v, positions, key_pos, starts, variant):  # one device (no cp): [B, T, h, E]
+        # [B, T, h, E] named for --remat save_qkv_attn (``memory``); flash names its kernel's residuals
         if self.cfg.attention == "flash" and key_pos is positions:  # no KV cache: one sequence (``flash``)
             return flash_attention(q, k, v, starts, variant, candidates=layer_rules(self.cfg))
         if self.cfg.attention == "blockwise":
             kernel = dict(block=self.cfg.attn_block, q_start=starts, variant=variant)
-            return blockwise_attention(q, k, v, positions, key_pos, **kernel)
-        return _attend(q, k, v, positions, key_pos, starts, variant)
+            return checkpoint_name(blockwise_attention(q, k, v, positions, key_pos, **kernel), ATTN_OUT)
+        return checkpoint_name(_attend(q, k, v, positions, key_pos, starts, variant), ATTN_OUT)
 
     def _out(self, out, xf, gate):  # out, gate [B, T, H/mp, E] -> the row-parallel partial [B, T, D]
         hl = self.cfg.n_heads // self.par.layout.mp
