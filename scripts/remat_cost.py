@@ -97,8 +97,9 @@ def costed(comps, name, times):
 
 def compile_dump(
     config: str, layers: int, batch: int, remat: str, opt_dtype: str, chip: str, unroll: int = 0
-) -> str:
-    """The after-codegen HLO text of the step of ``config`` cut to ``layers`` layers."""
+) -> tuple[str, int]:
+    """(the after-codegen HLO text, the compiler's peak bytes) of the step of ``config`` cut to
+    ``layers`` layers."""
     from meshlm.model.config import get_config
     from meshlm.parallel.compile_target import compiling_for
     from meshlm.parallel.layout import Layout
@@ -114,10 +115,11 @@ def compile_dump(
     dump = tempfile.mkdtemp(prefix="remat_cost_")
     with compiling_for(target.platform):
         step, *args = abstract_step(cfg, target.place(Layout(dp=1, mp=1)), settings)
-        step.lower(*args).compile({"xla_dump_to": dump})
+        compiled = step.lower(*args).compile({"xla_dump_to": dump})
+    peak = compiled.memory_analysis().peak_memory_in_bytes
     (path,) = glob.glob(os.path.join(dump, "*jit_step*after_codegen.txt"))
     print(f"dump {layers} layers: {path}", file=sys.stderr)
-    return open(path).read()
+    return open(path).read(), peak
 
 
 def kind(op: str, line: str, matmul: bool) -> str:
@@ -150,8 +152,10 @@ def run_case(case: str, config: str, layers: int, chip: str, unroll: int = 0) ->
     from meshlm.model.config import get_config
 
     full = get_config(config)
-    k1, ops1 = cycles_by_kind(compile_dump(config, layers, batch, remat, opt, chip, unroll))
-    k2, ops2 = cycles_by_kind(compile_dump(config, 2 * layers, batch, remat, opt, chip, unroll))
+    (h1, p1), (h2, p2) = (
+        compile_dump(config, n, batch, remat, opt, chip, unroll) for n in (layers, 2 * layers)
+    )
+    (k1, _), (k2, _) = cycles_by_kind(h1), cycles_by_kind(h2)
     layer = {k: (k2.get(k, 0) - k1.get(k, 0)) / layers for k in set(k1) | set(k2)}
     rest = {k: k1.get(k, 0) - layers * layer[k] for k in layer}
     step = sum(rest.values()) + full.n_layers * sum(layer.values())
@@ -162,6 +166,8 @@ def run_case(case: str, config: str, layers: int, chip: str, unroll: int = 0) ->
         "step_ms": round(step, 1),
         "us_per_token": round(step / tokens * 1e3, 3),
         "mfu": round(flops / (step / 1e3) / SPEC, 3),
+        # the compiler's peak (its heap) scaled to the preset's layers as the time is
+        "peak_gib": round((p1 + (full.n_layers - layers) * (p2 - p1) / layers) / 2**30, 2),
         "layer_ms": {k: round(v, 3) for k, v in sorted(layer.items(), key=lambda p: -p[1])},
         "rest_ms": {k: round(v, 2) for k, v in sorted(rest.items(), key=lambda p: -p[1])},
     }
