@@ -54,3 +54,13 @@ def test_a_named_policy_saves_its_names_and_changes_no_value(remat):
 def test_a_model_without_the_named_layers_refuses_them():
     with pytest.raises(ConfigError, match="has mixture-of-experts layers: use none, full or selective"):
         get_config("tiny-mixtral").replace(remat="save_qkv_proj")
+
+
+def test_save_qkv_attn_keeps_the_flash_kernels_residuals():
+    """Under flash attention the saved result is the kernel's own backward residuals, its output
+    [B, h, Tp, E] (the sequence padded to the kernel's 128) and log-sum-exp [B, h, Tp], so the backward
+    does not run the kernel's forward again (``flash_kernel._bridge_fwd``)."""
+    cfg = CFG.replace(remat="save_qkv_attn", unroll=1, attention="flash")
+    h, e, tp = CFG.n_heads, CFG.dim_per_head, 128
+    kernel = [(L, B, h, tp), (L, B, h, tp, e)]
+    assert _layer_residuals(cfg) == sorted(LAYER_INPUT + QKV + kernel)
