@@ -108,7 +108,9 @@ def compile_dump(
     from meshlm.perf.plan_target import resolve
 
     target = resolve(chip, "chip", 1)
-    cfg = get_config(config).replace(n_layers=layers, attention="flash", loss_chunk=LOSS_CHUNK, unroll=unroll)
+    cfg = get_config(config).replace(
+        n_layers=layers, attention="flash", loss_chunk=LOSS_CHUNK, unroll=layers if unroll < 0 else unroll
+    )
     settings = PlanSettings(
         batch_size=batch, seq_len=SEQ_LEN, compute_dtype="bfloat16", remat=remat, opt_dtype=opt_dtype
     )
@@ -190,7 +192,12 @@ def main() -> int:
     p.add_argument("--config", default="qwen3-0.6b")
     p.add_argument("--layers", type=int, default=2, help="the short copy's layers (and twice that)")
     p.add_argument("--chip", default="v5e")
-    p.add_argument("--unroll", type=int, default=0, help="layers an iteration of the loop (0: as train runs)")
+    p.add_argument(
+        "--unroll",
+        type=int,
+        default=0,
+        help="layers an iteration of the loop (0: as train runs; -1: every layer, no loop)",
+    )
     p.add_argument("--cases", nargs="+", default=["b8/full"], help="bBATCH/REMAT[/OPT_DTYPE]")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
