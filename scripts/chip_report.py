@@ -164,6 +164,13 @@ def _real_size_jobs() -> list[Job]:
             (*q, "--batch-size", "8", "--remat", "save_qkv_proj", *bf16),
         ),
         ("qwen3-0.6b b=4 save_qkv_mlp_in", (*q, "--batch-size", "4", "--remat", "save_qkv_mlp_in")),
+        # q/k/v and the flash kernel's output kept (no attention recomputed): 13.6 GiB compiled with bf16
+        # moments; XLA:TPU's cost model, which leaves the kernels out, puts it behind full remat
+        # (scripts/remat_cost.py, docs/benchmarks.md): the chip says what the kernel's forward saves
+        (
+            "qwen3-0.6b b=8 save_qkv_attn bf16 moments",
+            (*q, "--batch-size", "8", "--remat", "save_qkv_attn", *bf16),
+        ),
         ("qwen3-0.6b b=4 selective bf16 moments", (*q, "--batch-size", "4", "--remat", "selective", *bf16)),
         ("qwen3-0.6b b=4 selective", ("--config", "qwen3-0.6b", "--batch-size", "4", "--remat", "selective")),
         (
