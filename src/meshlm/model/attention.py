@@ -157,8 +157,7 @@ class Attention(hk.Module):
             out = self._attend(q, k, v, positions, key_pos, starts, variant)
         return self._out(out, xf, gate), cache
 
-    def _attend(self, q, k, v, positions, key_pos, starts, variant):  # one device (no cp): [B, T, h, E]
-        # [B, T, h, E] named for --remat save_qkv_attn (``memory``); flash names its kernel's residuals
+    def _attend(self, q, k, v, positions, key_pos, starts, variant):  # [B, T, h, E] "attn_out" (memory)
         if self.cfg.attention == "flash" and key_pos is positions:  # no KV cache: one sequence (``flash``)
             return flash_attention(q, k, v, starts, variant, candidates=layer_rules(self.cfg))
         if self.cfg.attention == "blockwise":
