@@ -172,6 +172,12 @@ def _real_size_jobs() -> list[Job]:
             (*q, "--batch-size", "8", "--remat", "save_qkv_attn", *bf16),
         ),
         ("qwen3-0.6b b=4 selective bf16 moments", (*q, "--batch-size", "4", "--remat", "selective", *bf16)),
+        # the layers as straight-line code: no scan stack for the saved residuals to be written into and
+        # copied out of (XLA:TPU's cost model: 540 -> 446 ms, scripts/remat_cost.py, docs/benchmarks.md)
+        (
+            "qwen3-0.6b b=4 selective bf16 moments unrolled",
+            (*q, "--batch-size", "4", "--remat", "selective", *bf16, "--unroll", "28"),
+        ),
         ("qwen3-0.6b b=4 selective", ("--config", "qwen3-0.6b", "--batch-size", "4", "--remat", "selective")),
         (
             "llama3.2-1b b=4 full bf16 moments",
