@@ -210,6 +210,10 @@ def _real_size_jobs() -> list[Job]:
     runs = tuple((name, (*argv, *chunked)) for name, argv in runs)
     whole = ("--config", "qwen3-0.6b", "--batch-size", "4", "--remat", "full", "--loss-chunk", "0")
     runs += (("qwen3-0.6b b=4 full whole loss", whole),)
+    # 8 chunks of 2048 rows, not 32 of 512: the head's weight gradient is accumulated in float32 once a
+    # chunk (1.24 GB read and written each time); XLA:TPU's cost model: -41.7 ms a step (remat_cost.py)
+    big = ("--config", "qwen3-0.6b", "--batch-size", "8", "--remat", "full", "--loss-chunk", "2048")
+    runs += (("qwen3-0.6b b=8 full loss chunk 2048", big),)
     smoke = (*BENCH, "--config", "tiny-llama", "--peak-n", "256", "--batch-size", "2", "--seq-len", "64")
     smoke += ("--bf16", "--steps", "5", "--loss-chunk", "48", "--remat", "full", "--opt-dtype", "bf16")
     return [
