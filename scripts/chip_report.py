@@ -166,7 +166,20 @@ def _real_size_jobs() -> list[Job]:
             (*q, "--batch-size", "8", "--remat", "save_qkv_proj", *bf16),
         ),
         ("qwen3-0.6b b=4 save_qkv_mlp_in", (*q, "--batch-size", "4", "--remat", "save_qkv_mlp_in")),
+        # q/k/v and the flash kernel's output kept (no attention recomputed): 13.6 GiB compiled with bf16
+        # moments; XLA:TPU's cost model, which leaves the kernels out, puts it behind full remat
+        # (scripts/remat_cost.py, docs/benchmarks.md): the chip says what the kernel's forward saves
+        (
+            "qwen3-0.6b b=8 save_qkv_attn bf16 moments",
+            (*q, "--batch-size", "8", "--remat", "save_qkv_attn", *bf16),
+        ),
         ("qwen3-0.6b b=4 selective bf16 moments", (*q, "--batch-size", "4", "--remat", "selective", *bf16)),
+        # the layers as straight-line code: no scan stack for the saved residuals to be written into and
+        # copied out of (XLA:TPU's cost model: 540 -> 446 ms, scripts/remat_cost.py, docs/benchmarks.md)
+        (
+            "qwen3-0.6b b=4 selective bf16 moments unrolled",
+            (*q, "--batch-size", "4", "--remat", "selective", *bf16, "--unroll", "28"),
+        ),
         ("qwen3-0.6b b=4 selective", ("--config", "qwen3-0.6b", "--batch-size", "4", "--remat", "selective")),
         (
             "llama3.2-1b b=4 full bf16 moments",
@@ -199,6 +212,17 @@ def _real_size_jobs() -> list[Job]:
     runs = tuple((name, (*argv, *chunked)) for name, argv in runs)
     whole = ("--config", "qwen3-0.6b", "--batch-size", "4", "--remat", "full", "--loss-chunk", "0")
     runs += (("qwen3-0.6b b=4 full whole loss", whole),)
+    # 8 chunks of 2048 rows, not 32 of 512: the head's weight gradient is accumulated in float32 once a
+    # chunk (1.24 GB read and written each time); XLA:TPU's cost model: -41.7 ms a step (remat_cost.py)
+    big = ("--config", "qwen3-0.6b", "--batch-size", "8", "--remat", "full", "--loss-chunk", "2048")
+    runs += (("qwen3-0.6b b=8 full loss chunk 2048", big),)
+    # the best of the cost model: q/k/v kept, the layers unrolled (no scan stack), 8 loss chunks
+    # (predicted ~772 ms, 0.46 of spec without the flash kernels' ~35 ms)
+    best = ("--config", "qwen3-0.6b", "--batch-size", "8", "--remat", "save_qkv_proj", "--unroll", "28")
+    runs += (
+        ("qwen3-0.6b b=8 save_qkv_proj unrolled", (*best, *chunked)),
+        ("qwen3-0.6b b=8 save_qkv_proj unrolled loss chunk 2048", (*best, "--loss-chunk", "2048")),
+    )
     smoke = (*BENCH, "--config", "tiny-llama", "--peak-n", "256", "--batch-size", "2", "--seq-len", "64")
     smoke += ("--bf16", "--steps", "5", "--loss-chunk", "48", "--remat", "full", "--opt-dtype", "bf16")
     return [

@@ -99,7 +99,10 @@ def test_a_clip_by_the_wrong_norm_is_caught(monkeypatch):
     assert any(not p.ok for p in report.params), format_report(report)  # the trained state differs
 
 
-@pytest.mark.parametrize("remat", ["selective", "save_qkv_mlp_in"])
+# save_qkv_attn slow: the same mechanism as save_qkv_mlp_in's case (a named policy), which stays quick
+@pytest.mark.parametrize(
+    "remat", ["selective", "save_qkv_mlp_in", pytest.param("save_qkv_attn", marks=pytest.mark.slow)]
+)
 def test_a_remat_path_that_changes_values_is_caught(monkeypatch, remat):
     """The reference runs without remat: a recomputed layer that differs (its input rounded to
     bfloat16 on the remat path only) is caught, where a reference sharing the remat path would agree."""

@@ -92,7 +92,8 @@ BAD = [
     ("fsdp = 1", "fsdp must be true or false, got 1"),
     (
         'remat = "most"',
-        "remat must be one of none, full, selective, save_qkv_proj, save_qkv_mlp_in, got 'most'",
+        "remat must be one of none, full, selective, save_qkv_proj, save_qkv_mlp_in, save_qkv_attn, "
+        "got 'most'",
     ),
     ('data = "a"', "data must be a list, got 'a'"),
     ("compute_dtype = true", "compute_dtype must be a string, got True"),

@@ -29,6 +29,7 @@ from meshlm.model.config import ModelConfig
 from meshlm.model.context_parallel import context_attention
 from meshlm.model.dense import add_once, dense_heads_in, dense_heads_out
 from meshlm.model.flash import flash_attention, layer_rules
+from meshlm.model.flash_kernel import ATTN_OUT
 from meshlm.model.layers import RMSNorm, RMSNormPlusOne, _normal, apply_rotary, rotary_angles, upcast
 from meshlm.model.lora import adapted
 from meshlm.model.quant import matmul
@@ -51,6 +52,16 @@ def _mm(attn, kind: str):
     """A projection's matmul: float, or int8 under ``cfg.quant`` (``model.quant``); ``kind``: "col" (to
     heads) or "row" (the output: heads split over mp)."""
     return partial(matmul, attn.par, attn.cfg.quant, kind)
+
+
+def _local(cfg, q, k, v, positions, key_pos, starts, variant):
+    """The attention of one device's heads by ``cfg.attention``'s kernel (blockwise or plain; flash and
+    cp are ``Attention._attend``'s own), reading a flat KV cache as it lies or viewed as heads
+    (``cache_heads``)."""
+    if cfg.attention == "blockwise":
+        kernel = dict(block=cfg.attn_block, q_start=starts, variant=variant)
+        return blockwise_attention(q, *cache_heads(q, k, v, always=True), positions, key_pos, **kernel)
+    return _attend(q, *cache_heads(q, k, v), positions, key_pos, starts, variant)
 
 
 class Attention(hk.Module):
@@ -156,13 +167,10 @@ class Attention(hk.Module):
             out = self._attend(q, k, v, positions, key_pos, starts, variant)
         return self._out(out, xf, gate), cache
 
-    def _attend(self, q, k, v, positions, key_pos, starts, variant):  # one device (no cp): [B, T, h, E]
+    def _attend(self, q, k, v, positions, key_pos, starts, variant):  # [B, T, h, E] "attn_out" (memory)
         if self.cfg.attention == "flash" and key_pos is positions:  # no KV cache: one sequence (``flash``)
             return flash_attention(q, k, v, starts, variant, candidates=layer_rules(self.cfg))
-        if self.cfg.attention == "blockwise":
-            kernel = dict(block=self.cfg.attn_block, q_start=starts, variant=variant)
-            return blockwise_attention(q, *cache_heads(q, k, v, always=True), positions, key_pos, **kernel)
-        return _attend(q, *cache_heads(q, k, v), positions, key_pos, starts, variant)
+        return checkpoint_name(_local(self.cfg, q, k, v, positions, key_pos, starts, variant), ATTN_OUT)
 
     def _out(self, out, xf, gate):  # out, gate [B, T, H/mp, E] -> the row-parallel partial [B, T, D]
         hl = self.cfg.n_heads // self.par.layout.mp

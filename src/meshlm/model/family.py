@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Per-layer recomputation policies (``model.memory`` says what each keeps); every family has all three.
-REMAT = ("none", "full", "selective", "save_qkv_proj", "save_qkv_mlp_in")
+REMAT = ("none", "full", "selective", "save_qkv_proj", "save_qkv_mlp_in", "save_qkv_attn")
 # The policies that save named activations (``jax.ad_checkpoint.checkpoint_name`` in the attention and
 # the dense MLP; ``model.memory``): a layer without those names (MLA, linear attention, experts) has none
-NAMED_REMAT = ("save_qkv_proj", "save_qkv_mlp_in")
+NAMED_REMAT = ("save_qkv_proj", "save_qkv_mlp_in", "save_qkv_attn")
 # Compute dtypes of a train step: float32, or bf16 compute with float32 master weights.
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # LoRA's target names (``--lora-targets``) -> the "module/param" each names in a family's blocks

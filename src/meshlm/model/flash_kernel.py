@@ -21,12 +21,15 @@ import jax.numpy as jnp
 from jax._src import config as jax_config  # the varying-axes check's switch: see ``_per_device``
 from jax._src import core as jax_core  # ManualAxisType: see ``_untyped``
 from jax._src import dispatch
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from meshlm.parallel.compile_target import compile_platform
+
+ATTN_OUT = "attn_out"  # the name --remat save_qkv_attn saves (``model.memory``)
 
 LANES = 128  # the kernel's blocks are multiples of this many tokens
 BLOCKS = (512, 256, 128)  # tried in order: the largest that divides the padded length
@@ -228,6 +231,9 @@ def backward(rule, q, k, v, segments, out, lse, dout):
 def _bridge_fwd(rule, q, k, v, segments, sink):
     ops = [x for x in (q, k, v, segments, sink) if x is not None]
     out, lse = _fwd_p.bind(*ops, rule=rule, has_seg=segments is not None)
+    # the backward's residuals named for --remat save_qkv_attn (``model.memory``): saved, the kernel's
+    # forward is not run again in the backward
+    out, lse = checkpoint_name(out, ATTN_OUT), checkpoint_name(lse, ATTN_OUT)
     return out, (q, k, v, segments, sink, out, lse)
 
 

@@ -12,9 +12,13 @@ Remat (``ModelConfig.remat``), per layer of the stack:
              the rest: attention, the output projection, the MLP
   save_qkv_mlp_in  keep those and the MLP's input projections (gate and up, or w_in); recompute the
              attention, the activation and the down/output projections
+  save_qkv_attn    keep q/k/v and the attention's output ("attn_out"; with flash attention the
+             kernel's output and log-sum-exp, its backward's residuals): no attention recomputed, only
+             the norms and rotary embedding (elementwise), the output projection and the MLP
 The named ones save what the layers tag with ``jax.ad_checkpoint.checkpoint_name`` ("q_proj", "k_proj",
-"v_proj" in the attention, "mlp_in" in the dense MLP): a model without those layers refuses them
-(``ModelConfig``). Between selective and full: they keep 2 to 3 of a layer's ~7 matmul outputs.
+"v_proj" in the attention, "mlp_in" in the dense MLP, "attn_out" on the attention's result): a model
+without those layers refuses them (``ModelConfig``). Between selective and full: they keep 2 to 3 of a
+layer's ~7 matmul outputs.
 """
 
 from __future__ import annotations
@@ -28,7 +32,13 @@ from meshlm.parallel.context import Parallel
 
 NORM_PARAMS = ("scale", "offset")
 QKV = ("q_proj", "k_proj", "v_proj")
-SAVED_NAMES = {"save_qkv_proj": QKV, "save_qkv_mlp_in": (*QKV, "mlp_in")}  # the named policies' names
+# the attention's result [B, T, h, E]; flash: the kernel's out and log-sum-exp (``flash_kernel.ATTN_OUT``)
+ATTN_OUT = "attn_out"
+SAVED_NAMES = {  # the named policies' names
+    "save_qkv_proj": QKV,
+    "save_qkv_mlp_in": (*QKV, "mlp_in"),
+    "save_qkv_attn": (*QKV, ATTN_OUT),
+}
 
 
 def _policy(remat: str):

@@ -162,7 +162,8 @@ class BenchSettings(MeshFlags, LongContext, ExpertDispatch, LoraSettings, BenchC
     remat: str = setting(
         "none",
         "per-layer recomputation in the backward, as train --remat: none, full, selective (keep matmul "
-        "outputs), save_qkv_proj or save_qkv_mlp_in (keep those projections); cuts activation memory "
+        "outputs), save_qkv_proj, save_qkv_mlp_in or save_qkv_attn (keep those projections; the last also "
+        "the attention's output); cuts activation memory "
         "(the plain row has none: it is the hand-written model)",
         choices=REMAT,
     )

@@ -229,7 +229,8 @@ class TrainConfig(
     remat: str = _field(
         "none",
         "per-layer recomputation in the backward: none, full (keep each layer's input), selective (keep the "
-        "matmul outputs), save_qkv_proj (keep q/k/v), save_qkv_mlp_in (keep q/k/v and the MLP's gate/up)",
+        "matmul outputs), save_qkv_proj (keep q/k/v), save_qkv_mlp_in (keep q/k/v and the MLP's gate/up), "
+        "save_qkv_attn (keep q/k/v and the attention's output: no attention recomputed)",
         choices=REMAT,
     )
     tokenizer: str = _field(

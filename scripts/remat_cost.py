@@ -1,0 +1,259 @@
+"""XLA:TPU's own cost model of qwen3-0.6b's train step under each remat policy, from a compile-only v5e.
+
+Each case compiles a shortened copy of the preset (``--layers`` L and 2L layers: same d_model, heads, d_ff
+and the whole 151,936-id vocabulary; seq 2048, bf16 compute, AdamW, ``--loss-chunk 512``, flash
+attention, mesh 1x1) for a compile-only chip (libtpu: ``perf.plan_target``; no chip is needed), reads the
+``estimated_cycles`` XLA:TPU writes on every instruction after code generation, and scales to the
+preset's layers: a layer = (step(2L) - step(L)) / L, the rest (embedding, head, loss, the update of the
+non-layer weights) = step(L) - L x layer. It prints one JSON line a case: the predicted step (ms), ms a
+token, the MFU at the v5e's spec 197 TFLOP/s (model FLOPs 6N + 12LTD a token), and a layer's
+milliseconds by kind (matmul fusions, the flash kernels, other fusions, copies, reduce-precision, ...).
+
+    PYTHONPATH=src python scripts/remat_cost.py --cases b8/full b8/save_qkv_proj b4/selective/bf16
+
+``--unroll -1``: the layers as straight-line code (no loop: no stacked residuals); ``--loss-chunk N``:
+the head's loss in chunks of N rows (512 as the chip report runs it). The kernels (flash attention's
+Mosaic ``tpu_custom_call``) carry no estimate and are left out: compare a prediction with the chip's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+SEQ_LEN, LOSS_CHUNK, CLOCK, SPEC = 2048, 512, 1.5e9, 197e12
+
+
+# XLA:TPU's dump after code generation: the parsing of scripts/int8_hlo.py (its ``xla_cycles``), kept
+# with each instruction's opcode and line so that the costs can be told apart by kind
+def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """({computation name: its instruction lines}, the entry computation's name) of an HLO module's text."""
+    comps, entry, name = {}, None, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            name = head.group(2)
+            comps[name] = []
+            entry = name if head.group(1) else entry
+        elif name and line.startswith("  ") and "=" in line:
+            comps[name].append(line.strip())
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
+
+
+def _parts(line: str) -> tuple[str, str, str, str]:
+    """(name, result shape, opcode, the rest) of one instruction line."""
+    found = re.match(r"(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\((.*)$", line)
+    return found.groups() if found else ("", "", "", "")
+
+
+def _trips(comps, rest: str) -> int:
+    """A while loop's trips: its known trip count, else its condition's ``i < N`` bound, else 1."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+    if known:
+        return int(known.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", rest)
+    lines = comps.get(cond.group(1), []) if cond else []
+    bounds = [b for b in (re.search(r"s32\[\]\S* constant\((\d+)\)", x) for x in lines) if b]
+    return int(bounds[0].group(1)) if len(bounds) == 1 and any("direction=LT" in x for x in lines) else 1
+
+
+def _flat(comps, lines, depth=0):
+    for line in lines:
+        yield line
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        if called and called.group(1) in comps and depth < 3:
+            yield from _flat(comps, comps[called.group(1)], depth + 1)
+
+
+def costed(comps, name, times):
+    """(cycles, opcode, line with its callees, holds a matmul, JAX op name) of every instruction that
+    carries ``estimated_cycles``: a while body once per trip, a conditional's costliest branch."""
+    out = []
+    for line in comps[name]:
+        _, _, op, rest = _parts(line)
+        if op == "while":
+            body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
+            out += costed(comps, body, times * _trips(comps, rest))
+        elif op == "conditional":
+            found = re.search(r"branch_computations=\{([^}]*)\}", rest)
+            names = [n for n in re.findall(r"%?([\w.\-]+)", found.group(1) if found else "") if n in comps]
+            branches = [costed(comps, b, times) for b in names]
+            out += max(branches, key=lambda b: sum(c[0] for c in b), default=[])
+        elif found := re.search(r'"estimated_cycles":"(\d+)"', rest):
+            called = re.search(r"calls=%?([\w.\-]+)", rest)
+            inner = list(_flat(comps, comps.get(called.group(1), []))) if called else []
+            matmul = op == "convolution" or any(_parts(x)[2] in ("convolution", "dot") for x in inner)
+            source = re.search(r'op_name="([^"]*)"', line)
+            text = line + "\n" + "\n".join(inner)
+            out += [(int(found.group(1)), op, text, matmul, source.group(1) if source else "")] * times
+    return out
+
+
+def compile_dump(
+    config: str,
+    layers: int,
+    batch: int,
+    remat: str,
+    opt_dtype: str,
+    chip: str,
+    unroll: int = 0,
+    loss_chunk: int = LOSS_CHUNK,
+) -> tuple[str, int]:
+    """(the after-codegen HLO text, the compiler's peak bytes) of the step of ``config`` cut to
+    ``layers`` layers."""
+    from meshlm.model.config import get_config
+    from meshlm.parallel.compile_target import compiling_for
+    from meshlm.parallel.layout import Layout
+    from meshlm.perf.plan import abstract_step
+    from meshlm.perf.plan_settings import PlanSettings
+    from meshlm.perf.plan_target import resolve
+
+    target = resolve(chip, "chip", 1)
+    cfg = get_config(config).replace(
+        n_layers=layers,
+        attention="flash",
+        loss_chunk=loss_chunk,
+        unroll=layers if unroll < 0 else unroll,
+    )
+    settings = PlanSettings(
+        batch_size=batch, seq_len=SEQ_LEN, compute_dtype="bfloat16", remat=remat, opt_dtype=opt_dtype
+    )
+    dump = tempfile.mkdtemp(prefix="remat_cost_")
+    with compiling_for(target.platform):
+        step, *args = abstract_step(cfg, target.place(Layout(dp=1, mp=1)), settings)
+        compiled = step.lower(*args).compile({"xla_dump_to": dump})
+    peak = compiled.memory_analysis().peak_memory_in_bytes
+    (path,) = glob.glob(os.path.join(dump, "*jit_step*after_codegen.txt"))
+    print(f"dump {layers} layers: {path}", file=sys.stderr)
+    return open(path).read(), peak
+
+
+def kind(op: str, line: str, matmul: bool) -> str:
+    """The kind of one costed instruction: matmul fusion, the flash kernel (a custom call), ..."""
+    if op == "custom-call":
+        return "kernel"
+    if matmul:
+        return "matmul"
+    if op == "fusion":
+        if "reduce-precision" in line or "reduce_precision" in line:
+            return "fusion(reduce_precision)"
+        return "fusion"
+    return op
+
+
+def cycles_by_kind(hlo: str) -> tuple[dict[str, float], list[tuple[float, str]]]:
+    """(ms by kind, [(ms, op name)]) of XLA:TPU's estimated cycles over the step (loops per trip)."""
+    comps, entry = computations(hlo)
+    out, ops = {}, []
+    for cycles, op, line, matmul, name in costed(comps, entry, 1):
+        k = kind(op, line, matmul)
+        out[k] = out.get(k, 0.0) + cycles / CLOCK * 1e3
+        ops.append((cycles / CLOCK * 1e3, f"{k} {name}"))
+    return out, ops
+
+
+def run_case(
+    case: str, config: str, layers: int, chip: str, unroll: int = 0, loss_chunk: int = LOSS_CHUNK
+) -> dict:
+    parts = case.split("/")
+    batch, remat, opt = int(parts[0][1:]), parts[1], parts[2] if len(parts) > 2 else "float32"
+    from meshlm.model.config import get_config
+
+    full = get_config(config)
+    (h1, p1), (h2, p2) = (
+        compile_dump(config, n, batch, remat, opt, chip, unroll, loss_chunk) for n in (layers, 2 * layers)
+    )
+    (k1, _), (k2, _) = cycles_by_kind(h1), cycles_by_kind(h2)
+    layer = {k: (k2.get(k, 0) - k1.get(k, 0)) / layers for k in set(k1) | set(k2)}
+    rest = {k: k1.get(k, 0) - layers * layer[k] for k in layer}
+    step = sum(rest.values()) + full.n_layers * sum(layer.values())
+    tokens = batch * SEQ_LEN
+    flops = model_flops(full) * tokens
+    return {
+        "case": case,
+        "step_ms": round(step, 1),
+        "us_per_token": round(step / tokens * 1e3, 3),
+        "mfu": round(flops / (step / 1e3) / SPEC, 3),
+        # the compiler's peak (its heap) scaled to the preset's layers as the time is
+        "peak_gib": round((p1 + (full.n_layers - layers) * (p2 - p1) / layers) / 2**30, 2),
+        "layer_ms": {k: round(v, 3) for k, v in sorted(layer.items(), key=lambda p: -p[1])},
+        "rest_ms": {k: round(v, 2) for k, v in sorted(rest.items(), key=lambda p: -p[1])},
+    }
+
+
+def model_flops(cfg) -> float:
+    """6N + 12 L T D a token (N: every parameter, the embedding too; T: the sequence)."""
+    import math
+
+    import jax
+
+    from meshlm.model.transformer import param_shapes
+
+    n = sum(math.prod(s.shape) for s in jax.tree.leaves(param_shapes(cfg)))
+    return 6 * n + 12 * cfg.n_layers * SEQ_LEN * cfg.d_model
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="qwen3-0.6b")
+    p.add_argument("--layers", type=int, default=2, help="the short copy's layers (and twice that)")
+    p.add_argument("--chip", default="v5e")
+    p.add_argument(
+        "--unroll",
+        type=int,
+        default=0,
+        help="layers an iteration of the loop (0: as train runs; -1: every layer, no loop)",
+    )
+    p.add_argument("--cases", nargs="+", default=["b8/full"], help="bBATCH/REMAT[/OPT_DTYPE]")
+    p.add_argument(
+        "--loss-chunk", type=int, default=LOSS_CHUNK, help="the head's loss in chunks of this many"
+    )
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.one:
+        print(
+            json.dumps(run_case(a.cases[0], a.config, a.layers, a.chip, a.unroll, a.loss_chunk)), flush=True
+        )
+        return 0
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(SRC), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    for case in a.cases:
+        argv = [
+            sys.executable,
+            __file__,
+            "--one",
+            "--cases",
+            case,
+            "--config",
+            a.config,
+            "--layers",
+            str(a.layers),
+            "--chip",
+            a.chip,
+            "--unroll",
+            str(a.unroll),
+            "--loss-chunk",
+            str(a.loss_chunk),
+        ]
+        done = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True)
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+        print(lines[-1] if lines else json.dumps({"case": case, "failed": done.returncode}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
