@@ -41,17 +41,11 @@ def test_tiles():
             parse_tiling(bad)
 
 
-@pytest.mark.parametrize("dispatch", ["gmm", "ragged_dot"])
-def test_the_kernel_in_shard_map_equals_the_reference(dispatch, monkeypatch):
+def test_the_kernel_in_shard_map_equals_the_reference():
     """dp 2 x ep 2 (each ep shard 4 experts, the group's 2 x 6 tokens), expert biases, every token's
     choices among experts 0 and 1: ep shard 1's groups are all empty (every row in the group of no
-    expert: zeros out, zero weight gradients). Float32, the kernel in interpret mode. "ragged_dot": its
-    TPU path (``grouped.ragged_matmul``: the weight gradient by tgmm), the platform check made to
-    say "tpu" while the kernel still runs interpreted."""
-    if dispatch == "ragged_dot":
-        from meshlm.parallel import grouped
-
-        monkeypatch.setattr(grouped, "compile_platform", lambda: "tpu")
+    expert: zeros out, zero weight gradients). Float32, the kernel in interpret mode."""
+    dispatch = "gmm"
     layout = Layout(dp=4, ep=2)
     par = Parallel.on(layout)
     rng = np.random.default_rng(0)
@@ -114,20 +108,3 @@ def test_gmm_is_proven_in_float64_on_cpu_with_its_controls():
     assert report.ok and max(p.max_rel_err for p in report.params) <= 1e-12, format_report(report)
     names = {c["name"] for c in report.controls}
     assert {"MoE gmm group offsets one row off", "MoE rows sent to the wrong expert after sorting"} <= names
-
-
-def test_ragged_dot_weight_grad_by_tgmm_equals_ragged_dots():
-    """The "ragged_dot" dispatch's weight gradient on a TPU (``gmm_kernel.group_weight_grad``: tgmm in
-    place of XLA:TPU's dense masked convolution) against ``lax.ragged_dot``'s own, float32, tgmm in
-    interpret mode: 200 rows (padded to the row tile), an empty group, rows past the sizes' sum."""
-    from jax import lax
-
-    from meshlm.parallel.gmm_kernel import group_weight_grad
-
-    rng = np.random.default_rng(1)
-    r, e, k, n = 200, 4, 3, 5
-    sizes = jnp.asarray([60, 0, 90, 30], jnp.int32)  # 180 rows grouped, 20 past them
-    lhs, grad = (jnp.asarray(rng.normal(size=(r, c)), jnp.float32) for c in (k, n))
-    rhs = jnp.zeros((e, k, n), jnp.float32)
-    _, vjp = jax.vjp(lambda w: lax.ragged_dot(lhs, w, sizes), rhs)
-    np.testing.assert_allclose(group_weight_grad(lhs, grad, sizes), vjp(grad)[0], rtol=1e-5, atol=1e-5)

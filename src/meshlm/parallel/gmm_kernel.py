@@ -42,7 +42,6 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from meshlm.parallel.compile_target import compile_platform
-from meshlm.parallel.gmm_tiling import row_tile
 from meshlm.parallel.gmm_tiling import tiles as kernel_tiles
 from meshlm.parallel.pipeline_ops import varying
 
@@ -163,21 +162,3 @@ def grouped_matmul(lhs, rhs, sizes, tm: int, tiling=None):
         return lax.ragged_dot(lhs, rhs, sizes[:-1], preferred_element_type=lhs.dtype)
     lhs, rhs, sizes = same_axes(lhs, rhs, sizes)
     return _kernel(lhs, rhs, sizes, tm, tiling)
-
-
-def group_weight_grad(lhs, grad, sizes, tiling=None):
-    """lhs [R, K], grad [R, N] rows sorted by group (``sizes`` [G] int32, rows past their sum: none) ->
-    [G, K, N]: each group's lhs^T x grad over its own rows -- the weight gradient of ``lax.ragged_dot``
-    -- by megablox's tgmm (routed FLOPs). The rows padded with zeros to a multiple of the row tile (one
-    more group takes them and the rows past the sum; tgmm computes the first G only). bfloat16 and
-    float32 (``KERNEL_DTYPES``); ``ragged_dot_tpu_grad`` chooses it."""
-    r, g = lhs.shape[0], sizes.shape[0]
-    tm = row_tile(r, g, tiling)
-    pad = -r % tm
-    if pad:
-        lhs, grad = (jnp.pad(a, ((0, pad), (0, 0))) for a in (lhs, grad))
-    rest = (r + pad - jnp.sum(sizes))[None].astype(jnp.int32)
-    groups = jnp.concatenate([sizes.astype(jnp.int32), rest])  # [G + 1]
-    lhs, grad, groups = same_axes(lhs, grad, groups)
-    tiles = kernel_tiles(tm, lhs.shape[1], grad.shape[1], tiling)
-    return _tgmm_p.bind(lhs.T, grad, groups, tiles=tiles, groups=g)

@@ -11,7 +11,8 @@ token order, then choice order) and gives each kept choice a row of a buffer [R,
   own transpose of a dynamic slice of the weights would add a whole [E, ...] array per block).
 * "ragged_dot": the rows unpadded, ``jax.lax.ragged_dot`` per matmul (a real grouped kernel on GPU and
   TPU; XLA:CPU lowers it to a dense batched dot, E / k times the routed FLOPs: there it is for equality).
-  On a TPU its weight gradient is megablox's tgmm (``ragged_matmul``: XLA:TPU's own is E times the FLOPs).
+  (A TPU weight gradient by megablox's tgmm instead of XLA:TPU's masked dense one was measured on the
+  chip no faster, 24.01 against 24.12 ms at qwen3-moe-100m, and dropped: docs/benchmarks.md.)
 * "gmm": the rows of "ragged_dot", R rounded up to a multiple of the kernel's row tile, each matmul
   JAX's Pallas megablox grouped matmul (``parallel.gmm_kernel``: on a TPU compiled, elsewhere in
   interpret mode; float64 its reference path). Its groups: the E experts' rows, then one more of every
@@ -32,8 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from meshlm.parallel.compile_target import compile_platform
-from meshlm.parallel.gmm_kernel import KERNEL_DTYPES, group_weight_grad, grouped_matmul, same_axes
+from meshlm.parallel.gmm_kernel import grouped_matmul
 from meshlm.parallel.gmm_tiling import row_tile
 from meshlm.parallel.grouped_int import IntGroups, block_groups, ragged_groups
 from meshlm.parallel.pipeline_ops import varying
@@ -152,42 +152,9 @@ def ragged_mlp(xs, sizes, expert_fn):
     """[R, D] rows grouped by expert (``sizes`` [E], rows past their sum: zeros) -> [R, D]; with expert
     biases each row's expert's added (rows past the sum take the last expert's: their weight is 0)."""
     w_gate, w_up, w_down = expert_fn.weights
-    gate, up = ragged_matmul(xs, w_gate, sizes), ragged_matmul(xs, w_up, sizes)
+    gate, up = lax.ragged_dot(xs, w_gate, sizes), lax.ragged_dot(xs, w_up, sizes)
     gate, up = _with_biases(gate, up, sizes, expert_fn)
-    return ragged_matmul(expert_fn.hidden(gate, up), w_down, sizes)
-
-
-def ragged_matmul(lhs, rhs, sizes):
-    """``lax.ragged_dot(lhs [R, K], rhs [E, K, N], sizes [E])`` -> [R, N]. Compiled for a TPU (bfloat16
-    or float32), its weight gradient is megablox's tgmm (``gmm_kernel.group_weight_grad``): XLA:TPU
-    lowers ragged_dot's own (the ragged-contraction transpose) to a dense convolution over every
-    expert and every row, a mask selecting each expert's -- E times the routed FLOPs (qwen3-moe-100m at
-    8 x 512: 206 GFLOP per weight, 12 a step, ~12.6 ms at the v5e's peak; docs/benchmarks.md). The
-    value and the lhs gradient (XLA's ragged-dot kernel) are ragged_dot's; elsewhere all of it is."""
-    if compile_platform() != "tpu" or lhs.dtype not in KERNEL_DTYPES or rhs.dtype != lhs.dtype:
-        return lax.ragged_dot(lhs, rhs, sizes)
-    lhs, rhs = same_axes(lhs, rhs)  # the gradients typed as their operands (``gmm_kernel``)
-    return _tgmm_ragged(lhs, rhs, sizes)
-
-
-@jax.custom_vjp
-def _tgmm_ragged(lhs, rhs, sizes):
-    return lax.ragged_dot(lhs, rhs, sizes)
-
-
-def _tgmm_ragged_fwd(lhs, rhs, sizes):
-    return lax.ragged_dot(lhs, rhs, sizes), (lhs, rhs, sizes)
-
-
-def _tgmm_ragged_bwd(res, grad):
-    lhs, rhs, sizes = res
-    _, lhs_vjp = jax.vjp(lambda a: lax.ragged_dot(a, rhs, sizes), lhs)  # XLA's ragged-dot kernel
-    (d_lhs,) = lhs_vjp(grad)
-    d_rhs = group_weight_grad(lhs, grad.astype(lhs.dtype), sizes).astype(rhs.dtype)
-    return d_lhs, d_rhs, None
-
-
-_tgmm_ragged.defvjp(_tgmm_ragged_fwd, _tgmm_ragged_bwd)
+    return lax.ragged_dot(expert_fn.hidden(gate, up), w_down, sizes)
 
 
 def _with_biases(gate, up, sizes, expert_fn):
