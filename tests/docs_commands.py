@@ -934,7 +934,12 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm train --settings runs/main/settings.toml --steps 560": run("560 => 3", after=(MAIN,)),
     "meshlm train --settings runs/main/settings.toml --out runs/again": run(expect=("done",), after=(MAIN,)),
     "meshlm generate --checkpoint runs/main --prompt 'def '": run(add="--max-new-tokens 8", after=(MAIN,)),
-    "meshlm verify --checkpoint runs/main --mesh 2x2": run(expect=(OK,), after=(MAIN,)),
+    "meshlm verify --checkpoint runs/main --mesh 2x2": run(
+        expect=(OK,),
+        after=(MAIN,),
+        slow="tests/test_verify_compiles.py::test_a_checkpoints_proof_compiles_each_program_once_and_"
+        "concurrently_the_same",
+    ),
     "meshlm train --data 'docs/*.jsonl' --doc-mask --out runs/masked": run(add=TINY),
     "meshlm train --help": run(expect=("usage: meshlm train",)),
     "meshlm train --tokenizer bpe-2048": run("bpe-2048 => bpe-2048 --data code --out runs/bpe2048 " + TINY),

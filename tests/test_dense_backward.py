@@ -46,7 +46,11 @@ def test_jax_backward_equals_the_2d_one_in_float64(monkeypatch):
 def test_verify_proves_the_tpus_backward_on_cpu(monkeypatch, capsys):
     monkeypatch.setenv(ENV, "jax")
     argv = ("verify", "--config", "tiny", "--mesh", "1x2", "--seq-len", "8", "--x64", "--no-collectives")
-    assert run_cli(*argv) == 0, capsys.readouterr().err
+    was = jax.config.jax_enable_x64
+    try:
+        assert run_cli(*argv) == 0, capsys.readouterr().err
+    finally:  # verify --x64 turns float64 on for the process: the worker's next tests must not inherit it
+        jax.config.update("jax_enable_x64", was)
 
 
 def test_the_platform_picks_the_backward_and_a_bad_override_is_refused(monkeypatch):

@@ -120,7 +120,13 @@ def test_verify_quant_int8_proves_tiny_qwen3_moe_over_ep(capsys):
     from helpers import run_cli
 
     argv = ["verify", "--config", "tiny-qwen3-moe", "--quant", "int8", "--mesh", "2x2", "--ep", "2"]
-    code = run_cli(*argv, "--devices", "4", "--x64")
+    import jax
+
+    was = jax.config.jax_enable_x64
+    try:
+        code = run_cli(*argv, "--devices", "4", "--x64")
+    finally:  # verify --x64 turns float64 on for the process: the worker's next tests must not inherit it
+        jax.config.update("jax_enable_x64", was)
     out = capsys.readouterr().out
     assert code == 0, out
     assert "check int8 experts output (blocks sharded vs dense unsharded) PASS  (bit for bit)" in out
