@@ -32,39 +32,10 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 SEQ_LEN, LOSS_CHUNK, CLOCK, SPEC = 2048, 512, 1.5e9, 197e12
 
 
-# XLA:TPU's dump after code generation: the parsing of scripts/int8_hlo.py (its ``xla_cycles``), kept
-# with each instruction's opcode and line so that the costs can be told apart by kind
-def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
-    """({computation name: its instruction lines}, the entry computation's name) of an HLO module's text."""
-    comps, entry, name = {}, None, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if head and not line.startswith(" "):
-            name = head.group(2)
-            comps[name] = []
-            entry = name if head.group(1) else entry
-        elif name and line.startswith("  ") and "=" in line:
-            comps[name].append(line.strip())
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    return comps, entry
-
-
-def _parts(line: str) -> tuple[str, str, str, str]:
-    """(name, result shape, opcode, the rest) of one instruction line."""
-    found = re.match(r"(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\((.*)$", line)
-    return found.groups() if found else ("", "", "", "")
-
-
-def _trips(comps, rest: str) -> int:
-    """A while loop's trips: its known trip count, else its condition's ``i < N`` bound, else 1."""
-    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
-    if known:
-        return int(known.group(1))
-    cond = re.search(r"condition=%?([\w.\-]+)", rest)
-    lines = comps.get(cond.group(1), []) if cond else []
-    bounds = [b for b in (re.search(r"s32\[\]\S* constant\((\d+)\)", x) for x in lines) if b]
-    return int(bounds[0].group(1)) if len(bounds) == 1 and any("direction=LT" in x for x in lines) else 1
+# XLA:TPU's dump after code generation, parsed as scripts/int8_hlo.py does (its module: one parser)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from int8_hlo import _parts, computations  # noqa: E402
+from int8_hlo import trip_count as _trips  # noqa: E402
 
 
 def _flat(comps, lines, depth=0):
