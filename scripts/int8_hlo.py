@@ -203,31 +203,31 @@ def xla_cycles(hlo: str) -> list[tuple[int, str, bool]]:
     conditional's costliest branch. On the v5e it predicted the bf16 llama-100m step within 3% of the
     chip's time (docs/quantization.md, "Speed")."""
     comps, entry = computations(hlo)
-    return _cycles(comps, entry, 1)
+    return [(cycles, source, matmul) for cycles, _, _, matmul, source in costed(comps, entry, 1)]
 
 
-def _cycles(comps, name, times) -> list[tuple[int, str, bool]]:
+def costed(comps, name, times) -> list[tuple[int, str, str, bool, str]]:
+    """(cycles, opcode, its line with its callees', holds a matmul, JAX op name) of every instruction
+    of computation ``name`` that carries ``estimated_cycles``, ``times`` over: a while loop's body once
+    per trip, a conditional's costliest branch (scripts/remat_cost.py sorts these by kind)."""
     out = []
     for line in comps[name]:
         _, _, op, rest = _parts(line)
         if op == "while":
             body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
-            out += _cycles(comps, body, times * trip_count(comps, rest))
+            out += costed(comps, body, times * trip_count(comps, rest))
         elif op == "conditional":
-            names = re.findall(
-                r"%?([\w.\-]+)", (re.search(r"branch_computations=\{([^}]*)\}", rest) or [""])[0]
-            )
-            names = [n for n in names if n in comps and n != "branch_computations"]
-            branches = [_cycles(comps, b, times) for b in names]
-            out += max(branches, key=lambda b: sum(c for c, _, _ in b), default=[])
+            found = re.search(r"branch_computations=\{([^}]*)\}", rest)
+            names = [n for n in re.findall(r"%?([\w.\-]+)", found.group(1) if found else "") if n in comps]
+            branches = [costed(comps, b, times) for b in names]
+            out += max(branches, key=lambda b: sum(c[0] for c in b), default=[])
         elif found := re.search(r'"estimated_cycles":"(\d+)"', rest):
             called = re.search(r"calls=%?([\w.\-]+)", rest)
-            inner = comps.get(called.group(1), []) if called else []
-            matmul = op == "convolution" or any(
-                _parts(x)[2] in ("convolution", "dot") for x in _flat(comps, inner)
-            )
+            inner = list(_flat(comps, comps.get(called.group(1), []))) if called else []
+            matmul = any(o in ("convolution", "dot") for o in (op, *(_parts(x)[2] for x in inner)))
             source = re.search(r'op_name="([^"]*)"', line)
-            out += [(int(found.group(1)), source.group(1) if source else "", matmul)] * times
+            text = line + "\n" + "\n".join(inner)
+            out += [(int(found.group(1)), op, text, matmul, source.group(1) if source else "")] * times
     return out
 
 

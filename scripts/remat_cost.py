@@ -22,7 +22,6 @@ import argparse
 import glob
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -34,40 +33,7 @@ SEQ_LEN, LOSS_CHUNK, CLOCK, SPEC = 2048, 512, 1.5e9, 197e12
 
 # XLA:TPU's dump after code generation, parsed as scripts/int8_hlo.py does (its module: one parser)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from int8_hlo import _parts, computations  # noqa: E402
-from int8_hlo import trip_count as _trips  # noqa: E402
-
-
-def _flat(comps, lines, depth=0):
-    for line in lines:
-        yield line
-        called = re.search(r"calls=%?([\w.\-]+)", line)
-        if called and called.group(1) in comps and depth < 3:
-            yield from _flat(comps, comps[called.group(1)], depth + 1)
-
-
-def costed(comps, name, times):
-    """(cycles, opcode, line with its callees, holds a matmul, JAX op name) of every instruction that
-    carries ``estimated_cycles``: a while body once per trip, a conditional's costliest branch."""
-    out = []
-    for line in comps[name]:
-        _, _, op, rest = _parts(line)
-        if op == "while":
-            body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
-            out += costed(comps, body, times * _trips(comps, rest))
-        elif op == "conditional":
-            found = re.search(r"branch_computations=\{([^}]*)\}", rest)
-            names = [n for n in re.findall(r"%?([\w.\-]+)", found.group(1) if found else "") if n in comps]
-            branches = [costed(comps, b, times) for b in names]
-            out += max(branches, key=lambda b: sum(c[0] for c in b), default=[])
-        elif found := re.search(r'"estimated_cycles":"(\d+)"', rest):
-            called = re.search(r"calls=%?([\w.\-]+)", rest)
-            inner = list(_flat(comps, comps.get(called.group(1), []))) if called else []
-            matmul = op == "convolution" or any(_parts(x)[2] in ("convolution", "dot") for x in inner)
-            source = re.search(r'op_name="([^"]*)"', line)
-            text = line + "\n" + "\n".join(inner)
-            out += [(int(found.group(1)), op, text, matmul, source.group(1) if source else "")] * times
-    return out
+from int8_hlo import computations, costed  # noqa: E402
 
 
 def compile_dump(
