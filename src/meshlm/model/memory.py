@@ -27,13 +27,12 @@ import haiku as hk
 import jax
 
 from meshlm.model.family import REMAT  # noqa: F401 - the choices, re-exported with their meaning
+from meshlm.model.flash_kernel import ATTN_OUT  # the attention's result; flash: the kernel's out, lse
 from meshlm.model.params import EXPERTS_MODULE, leaf_name
 from meshlm.parallel.context import Parallel
 
 NORM_PARAMS = ("scale", "offset")
 QKV = ("q_proj", "k_proj", "v_proj")
-# the attention's result [B, T, h, E]; flash: the kernel's out and log-sum-exp (``flash_kernel.ATTN_OUT``)
-ATTN_OUT = "attn_out"
 SAVED_NAMES = {  # the named policies' names
     "save_qkv_proj": QKV,
     "save_qkv_mlp_in": (*QKV, "mlp_in"),

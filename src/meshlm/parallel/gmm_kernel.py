@@ -143,7 +143,7 @@ def _kernel_bwd(tm, tiling, res, grad):
 _kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 
-def same_axes(*xs):
+def _same_axes(*xs):
     """``xs`` each cast to vary over the union of their mesh axes (inside ``shard_map``; outside, as
     they are): the primitives type their results like their first operand. The casts' transposes sum
     each gradient over the axes its operand did not vary over."""
@@ -160,5 +160,5 @@ def grouped_matmul(lhs, rhs, sizes, tm: int, tiling=None):
         raise ValueError(f"grouped_matmul: {lhs.shape[0]} rows are not a multiple of the row tile {tm}")
     if lhs.dtype not in KERNEL_DTYPES or rhs.dtype != lhs.dtype:
         return lax.ragged_dot(lhs, rhs, sizes[:-1], preferred_element_type=lhs.dtype)
-    lhs, rhs, sizes = same_axes(lhs, rhs, sizes)
+    lhs, rhs, sizes = _same_axes(lhs, rhs, sizes)
     return _kernel(lhs, rhs, sizes, tm, tiling)
