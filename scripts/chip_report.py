@@ -277,6 +277,22 @@ def _alone_ratios(results: list[Result]) -> list[str]:
     return rows
 
 
+def _profile_jobs() -> list[Job]:
+    """Issues 63 and 64: where the step's time goes, from a device profile (``scripts/step_profile.py``:
+    bench as it is, then a few traced steps of each implementation): the experts against their dense
+    equivalent, and Qwen3-0.6B at its best measured setting."""
+    script = ("scripts/step_profile.py", "--steps", "2", "--")
+    moe = ("--mesh", "1x1", "--batch-size", "8", "--seq-len", "512", "--bf16", "--steps", "5")
+    qwen = ("--config", "qwen3-0.6b", "--mesh", "1x1", "--batch-size", "8", "--seq-len", "2048", "--bf16")
+    qwen += ("--steps", "5", "--remat", "full", "--loss-chunk", "512", "--impls", "meshlm")
+    moe += ("--impls", "ragged_dot-dispatch,dense-eq", "--peak-n", "8192")
+    smoke = ("scripts/step_profile.py", "--cpu-smoke")
+    return [
+        Job("profile", "step qwen3-moe-100m", (*script, "--config", "qwen3-moe-100m", *moe), smoke),
+        Job("profile", "step qwen3-0.6b b=8 full", (*script, *qwen, "--peak-n", "8192")),
+    ]
+
+
 GROUPS = {
     "int8": _int8_jobs,
     "real-size": _real_size_jobs,
@@ -284,6 +300,7 @@ GROUPS = {
     "attention": _attention_jobs,
     "one-chip": _one_chip_jobs,
     "kernels": _kernel_jobs,
+    "profile": _profile_jobs,
 }
 
 
