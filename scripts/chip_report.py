@@ -6,8 +6,9 @@ that opens the chip pays ~15 s), so every measurement runs in this one process: 
 its ``--json`` output captured, or a script's ``main()`` (its arguments' ``{out}`` replaced by the
 report's ``--out``, for the small files it writes there: scripts/int8_quality.py's figure). Jobs run in
 the order of their groups; a job that would start after ``--budget`` seconds is skipped and said so, so
-the report always comes back. It writes ``chip_report.json`` (every job's argv, wall seconds, exit code, parsed output
-or error line) and ``chip_report.md`` (one table a group: what docs/benchmarks.md's tables hold).
+the report always comes back. It writes ``chip_report.json`` (every job's argv, wall seconds, exit
+code, parsed output or error line) and ``chip_report.md`` (one table a group: what docs/benchmarks.md's
+tables hold).
 
 On the device machine (the repository root; the set-up line installs what its index lacks, then this):
 

@@ -20,8 +20,9 @@ steps, their compiles and checkpoints fit ~4 minutes of one chip call (8 x 512 a
 
 The run directories (each with a checkpoint, ~5 GB) go under ``--runs`` (default: a temporary
 directory, deleted at the end); ``--out`` gets two small files: ``int8_quality.png`` (the int8 run's
-loss curve, both runs on it) and ``int8_quality.json`` (the summary and both runs' metrics rows). One
-JSON line last: the summary.
+loss curve, both runs on it) and ``int8_quality.json`` (the summary and both runs' metrics rows; the
+bf16 run's figure and rows are there from its end on, for an int8 run that fails). One JSON line last:
+the summary.
 
     PYTHONPATH=src python scripts/int8_quality.py --out OUT                # on the chip, ~200 s
     PYTHONPATH=src python scripts/int8_quality.py --out OUT --cpu-smoke    # tiny-qwen3, 4 steps, CPU
@@ -60,15 +61,31 @@ SMOKE = (
 QUIET = ("--save-every", "0", "--keep", "1", "--sample-tokens", "0", "--json")
 
 
+class _Tee(io.TextIOBase):
+    """stderr as it was (the progress bar, the run's lines), and a copy kept for a failure's message."""
+
+    def __init__(self, stream):
+        self.stream, self.kept = stream, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.kept.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def _train(argv: list[str]) -> dict:
-    """``meshlm train ARGV`` in this process; its --json summary. A failed run stops the script."""
+    """``meshlm train ARGV`` in this process; its --json summary. A failed run stops the script with its
+    last lines of stderr (its error line; the progress bar's, when it stopped in the loop)."""
     from meshlm.cli import main
 
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    out, err = io.StringIO(), _Tee(sys.stderr)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(["train", *argv])
     if code:
-        raise SystemExit(f"int8_quality: `meshlm train {' '.join(argv)}` exited {code}")
+        tail = " / ".join(err.kept.getvalue().strip().splitlines()[-3:])
+        raise SystemExit(f"int8_quality: `meshlm train {' '.join(argv)}` exited {code}: {tail}"[-2000:])
     return json.loads([ln for ln in out.getvalue().splitlines() if ln.startswith("{")][-1])
 
 
@@ -152,21 +169,29 @@ def train_argvs(cpu_smoke: bool, tokenizer: str | None, runs: Path) -> tuple[lis
     return first, second + ["--compare", str(runs / "bf16"), "--out", str(runs / "int8")]
 
 
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def _both(args, runs: Path, out: Path) -> dict:
-    """The two runs (``train_argvs``), then the two files into ``out``."""
+    """The two runs (``train_argvs``), then the two files into ``out`` (the bf16 run's already after
+    it: what a failed int8 run leaves there)."""
     first, second = train_argvs(args.cpu_smoke, args.tokenizer, runs)
-    saved = {"bf16": _train(first)}
+    argvs = {"bf16": ["meshlm", "train", *first], "int8": ["meshlm", "train", *second]}
+    wall = {"bf16": _train(first)["wall_s"]}
     _release()
+    shutil.copyfile(runs / "bf16" / "loss_curve.png", out / "int8_quality.png")
+    (out / "int8_quality.json").write_text(
+        json.dumps({"argv": argvs, "metrics": {"bf16": _rows(runs / "bf16")}})
+    )
     if args.runs is None:  # only the bf16 run's metrics and tokenizer are read from here on
         for sub in (p for p in (runs / "bf16").iterdir() if p.is_dir()):
             shutil.rmtree(sub)
-    saved["int8"] = _train(second)
+    wall["int8"] = _train(second)["wall_s"]
     _release()
-    rows = {n: [json.loads(ln) for ln in (runs / n / "metrics.jsonl").read_text().splitlines()] for n in RUNS}
+    rows = {name: _rows(runs / name) for name in RUNS}
     tokens = int(first[first.index("--batch-size") + 1]) * int(first[first.index("--seq-len") + 1])
-    summary = summarize(rows, tokens)
-    summary["argv"] = {"bf16": ["meshlm", "train", *first], "int8": ["meshlm", "train", *second]}
-    summary["wall_s"] = {n: saved[n]["wall_s"] for n in RUNS}
+    summary = {**summarize(rows, tokens), "argv": argvs, "wall_s": wall}
     shutil.copyfile(runs / "int8" / "loss_curve.png", out / "int8_quality.png")
     (out / "int8_quality.json").write_text(json.dumps({**summary, "metrics": rows}, indent=1))
     return summary

@@ -95,7 +95,7 @@ def test_the_int8_quality_job_trains_qwen3_06b_300_steps_in_bf16_then_int8_besid
     """Issue 65 item 4 on the chip (scripts/int8_quality.py): two `meshlm train` runs the CLI accepts,
     equal but for --quant int8, the int8 one on the bf16 one's tokenizer and drawing its curves
     (--compare); the summary's ratio of the last validation losses against the 2% target; the report's
-    row of it; the job writes into the report's --out (its placeholder replaced)."""
+    row of it; a failed run's error line in the script's; the job writes into the report's --out."""
     from meshlm.cli import build_parser
     from meshlm.cli.train import train_config
 
@@ -132,6 +132,8 @@ def test_the_int8_quality_job_trains_qwen3_06b_300_steps_in_bf16_then_int8_besid
     assert ok["within_target"] and ok["train_loss_tail_ratio"] == pytest.approx(3.3 / 3.2)
     with pytest.raises(SystemExit, match="no validation at step 300"):
         quality.summarize({"bf16": rows(3.0, 3.2), "int8": rows(3.0, 3.2)[:-1]}, 2048)
+    with pytest.raises(SystemExit, match="exited 2: meshlm: error: .*no-such-model"):  # its error line
+        quality._train(["--config", "no-such-model", "--out", str(tmp_path / "bad")])
     output = json.loads(json.dumps(summary))  # as the report reads it: the steps' keys are strings
     table = "\n".join(_script()._quality_rows(_script().Result(job, output=output)))
     assert "| int8 | 100.00 | | | | 3.0900 |" in table
