@@ -3,10 +3,12 @@
 Chip time is the scarce resource (a session gets minutes of it, one command at a time, each program
 that opens the chip pays ~15 s), so every measurement runs in this one process: each job is a
 ``meshlm`` command line (``bench``, ``plan``, ...) called in-process through ``meshlm.cli.main`` with
-its ``--json`` output captured, or a Python function of a script. Jobs run in the order of their
-groups; a job that would start after ``--budget`` seconds is skipped and said so, so the report always
-comes back. It writes ``chip_report.json`` (every job's argv, wall seconds, exit code, parsed output
-or error line) and ``chip_report.md`` (one table a group: what docs/benchmarks.md's tables hold).
+its ``--json`` output captured, or a script's ``main()`` (its arguments' ``{out}`` replaced by the
+report's ``--out``, for the small files it writes there: scripts/int8_quality.py's figure). Jobs run in
+the order of their groups; a job that would start after ``--budget`` seconds is skipped and said so, so
+the report always comes back. It writes ``chip_report.json`` (every job's argv, wall seconds, exit
+code, parsed output or error line) and ``chip_report.md`` (one table a group: what docs/benchmarks.md's
+tables hold).
 
 On the device machine (the repository root; the set-up line installs what its index lacks, then this):
 
@@ -231,6 +233,7 @@ def _real_size_jobs() -> list[Job]:
     ]
 
 
+OUT = "{out}"  # in a job's arguments: the report's --out (a script writing its small files beside it)
 ALONE = " alone: "  # an int8-group job timing one implementation by itself ("NAME alone: IMPL")
 
 
@@ -256,6 +259,14 @@ def _int8_jobs() -> list[Job]:
             for impl in ("meshlm", INT8)
         ),
         Job("int8", "qwen3-moe-100m 8x512 ragged_dot", (*pair, *moe, "--moe-dispatch", "ragged_dot")),
+        # item 4: 300 steps of qwen3-0.6b at 4 x 512, bf16 then int8, their loss ratio and both curves
+        # in one PNG into --out (scripts/int8_quality.py: ~200 s, the run directories in /tmp)
+        Job(
+            "int8",
+            "qwen3-0.6b quality 300 steps bf16 vs int8",
+            ("scripts/int8_quality.py", "--out", OUT),
+            ("scripts/int8_quality.py", "--out", OUT, "--cpu-smoke"),
+        ),
     ]
 
 
@@ -464,6 +475,27 @@ def _plan_row(res: Result) -> list[str]:
     ]
 
 
+def _quality_rows(res: Result) -> list[str]:
+    """scripts/int8_quality.py's two runs (step time, MFU, last validation loss) and their ratio."""
+    q, runs = res.output["quality"], res.output["runs"]
+    rows = []
+    for name, r in runs.items():
+        ms, mfu = r.get("step_ms_median"), r.get("mfu_median")
+        cells = (
+            res.job.name,
+            name,
+            "" if ms is None else f"{ms:.2f}",
+            "",
+            "" if mfu is None else f"{mfu:.3f}",
+        )
+        cells += ("", f"{r['val_loss'][str(q['step'])]:.4f}")  # the keys of parsed JSON: strings
+        rows.append("|" + "|".join(f" {c} " if c else " " for c in cells) + "|")
+    ratio = f"{q['val_loss_ratio']:.4f} (train, last steps: {q['train_loss_tail_ratio']:.4f})"
+    ok = "within" if q["within_target"] else "NOT within"
+    rows.append(f"| {res.job.name} | int8/bf16 val loss, step {q['step']} | {ratio}, {ok} 2% | | | | |")
+    return rows
+
+
 def markdown(results: list[Result], header: str) -> str:
     out = [header, ""]
     for group in dict.fromkeys(r.job.group for r in results):
@@ -474,6 +506,8 @@ def markdown(results: list[Result], header: str) -> str:
                 out.append(f"| {res.job.name} | {res.error or 'skipped'} | {res.seconds:.0f} s | | | | |")
             elif "results" in res.output:
                 out += _bench_rows(res)
+            elif "quality" in res.output:
+                out += _quality_rows(res)
             else:
                 out += _plan_row(res)
         out += _alone_ratios([r for r in results if r.job.group == group])
@@ -542,7 +576,8 @@ def _run(jobs: list[Job], args) -> int:
         if time.perf_counter() - t0 > args.budget:
             results.append(Result(job, error=f"skipped: past the {args.budget:.0f} s budget"))
             continue
-        res = run_job(job, job.smoke if args.cpu_smoke else job.argv)
+        argv = tuple(a.replace(OUT, str(out)) for a in (job.smoke if args.cpu_smoke else job.argv))
+        res = run_job(job, argv)
         results.append(res)
         line = {"job": job.name, "s": round(res.seconds, 1), "compile_s": round(res.compile_seconds, 1)}
         print(json.dumps({**line, "code": res.code, "error": res.error}), flush=True)

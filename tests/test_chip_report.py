@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -49,7 +51,7 @@ def test_the_int8_group_times_bf16_and_int8_side_by_side_in_one_bench_run_each()
     from meshlm.cli import build_parser
 
     script = _script()
-    jobs = script._int8_jobs()
+    jobs = [j for j in script._int8_jobs() if j.argv[0] == "bench"]
     assert [j.name.split()[0] for j in jobs] == ["llama-100m", "qwen3-0.6b", "qwen3-0.6b", "qwen3-moe-100m"]
     impls = []
     for job in jobs:
@@ -80,3 +82,85 @@ def test_a_jobs_environment_is_set_while_it_runs_and_restored(monkeypatch):
     res = script.run_job(bad, bad.argv)
     assert res.code == 2 and "MESHLM_DENSE_BACKWARD='nope'" in res.error
     assert "MESHLM_DENSE_BACKWARD" not in os.environ
+
+
+def _quality_script():
+    spec = importlib.util.spec_from_file_location("int8_quality", ROOT / "scripts" / "int8_quality.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_int8_quality_job_trains_qwen3_06b_300_steps_in_bf16_then_int8_beside_it(tmp_path):
+    """Issue 65 item 4 on the chip (scripts/int8_quality.py): two `meshlm train` runs the CLI accepts,
+    equal but for --quant int8, the int8 one on the bf16 one's tokenizer and drawing its curves
+    (--compare); the summary's ratio of the last validation losses against the 2% target; the report's
+    row of it; a failed run's error line in the script's; the job writes into the report's --out."""
+    from meshlm.cli import build_parser
+    from meshlm.cli.train import train_config
+
+    quality = _quality_script()
+    (job,) = [j for j in _script()._int8_jobs() if "quality" in j.name]
+    assert job.argv == ("scripts/int8_quality.py", "--out", "{out}")
+    first, second = quality.train_argvs(False, None, tmp_path)
+    f, q = (train_config(build_parser().parse_args(["train", *argv])) for argv in (first, second))
+    assert (f.config, f.steps, f.batch_size, f.seq_len, f.eval_every, f.sample_tokens) == (
+        "qwen3-0.6b",
+        300,
+        4,
+        512,
+        100,
+        0,
+    )
+    assert (f.quant, q.quant, f.compute_dtype, f.tokenizer) == ("none", "int8", "bfloat16", "")
+    assert q.compare == f.out and q.tokenizer == f"{f.out}/tokenizer.json" and q.out != f.out
+    unequal = {k for k in vars(f) if getattr(f, k) != getattr(q, k)}
+    assert unequal == {"quant", "compare", "tokenizer", "out"}, unequal
+
+    def rows(val, train):  # an eval at 0 and 300, train losses 1..300
+        return (
+            [{"step": 0, "val_loss": 7.0, "val_bpb": 4.0}]
+            + [{"step": s, "loss": train, "tokens_per_s": 2048 / 0.1} for s in range(1, 301)]
+            + [{"step": 300, "val_loss": val, "val_bpb": val / 2}]
+        )
+
+    summary = quality.summarize({"bf16": rows(3.0, 3.2), "int8": rows(3.09, 3.2)}, 2048)
+    assert summary["quality"]["val_loss_ratio"] == pytest.approx(1.03) and summary["quality"]["step"] == 300
+    assert not summary["quality"]["within_target"] and summary["quality"]["train_loss_tail_ratio"] == 1.0
+    assert summary["runs"]["int8"]["step_ms_median"] == pytest.approx(100.0)
+    ok = quality.summarize({"bf16": rows(3.0, 3.2), "int8": rows(3.05, 3.3)}, 2048)["quality"]
+    assert ok["within_target"] and ok["train_loss_tail_ratio"] == pytest.approx(3.3 / 3.2)
+    with pytest.raises(SystemExit, match="no validation at step 300"):
+        quality.summarize({"bf16": rows(3.0, 3.2), "int8": rows(3.0, 3.2)[:-1]}, 2048)
+    with pytest.raises(SystemExit, match="exited 2: meshlm: error: .*no-such-model"):  # its error line
+        quality._train(["--config", "no-such-model", "--out", str(tmp_path / "bad")])
+    output = json.loads(json.dumps(summary))  # as the report reads it: the steps' keys are strings
+    table = "\n".join(_script()._quality_rows(_script().Result(job, output=output)))
+    assert "| int8 | 100.00 | | | | 3.0900 |" in table
+    assert "| int8/bf16 val loss, step 300 | 1.0300 (train, last steps: 1.0000), NOT within 2% |" in table
+
+
+# slow: two tiny trainings in-process (~20 s quiet, over a minute under load); the quick
+# test_the_int8_quality_job_trains_qwen3_06b_300_steps_in_bf16_then_int8_beside_it catches a wrong
+# argument list, summary or report row
+@pytest.mark.slow
+def test_the_int8_quality_cpu_smoke_writes_both_curves_and_the_ratio_into_the_reports_out(tmp_path):
+    script = _script()
+    out = tmp_path / "report"
+    argv = ["--cpu-smoke", "--out", str(out), "--groups", "int8", "--only", "quality"]
+    assert script.main(argv) == 0
+    (job,) = json.loads((out / "chip_report.json").read_text())["jobs"]
+    assert job["code"] == 0 and job["error"] is None, job
+    quality = job["output"]["quality"]
+    assert quality["step"] == 4 and abs(quality["val_loss_ratio"] - 1) < 0.02
+    # only the small files come back: no run directory (checkpoints) under --out
+    assert sorted(p.name for p in out.iterdir()) == [
+        "chip_report.json",
+        "chip_report.md",
+        "int8_quality.json",
+        "int8_quality.png",
+    ]
+    assert (out / "int8_quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads((out / "int8_quality.json").read_text())
+    assert [len([r for r in saved["metrics"][n] if "loss" in r]) for n in ("bf16", "int8")] == [4, 4]
+    assert "int8/bf16 val loss, step 4" in (out / "chip_report.md").read_text()
