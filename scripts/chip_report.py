@@ -39,6 +39,7 @@ ATTN_SEQS = (256, 512, 1024, 2048, 4096, 8192)
 ATTN_KINDS = ("plain", "flash", "blockwise")
 BENCH = ("bench", "--mesh", "1x1", "--gen-tokens", "0", "--peak-n", "8192", "--json", "--impls", "meshlm")
 INT8 = "meshlm-int8"  # bench's int8 implementation (``perf.bench_settings.INT8``)
+SCATTER = (("MESHLM_KV_WRITE", "scatter"),)  # decode's cache writes by XLA's scatter (``model.cache_kernel``)
 
 
 @dataclass(frozen=True)
@@ -140,12 +141,17 @@ def _kernel_jobs() -> list[Job]:
     # 65 new tokens: the first from the prefill, then 8 chunks of 8 steps: two programs a batch size
     # (prefill, chunk), no single-step one to compile (``generator.bench_generation``)
     batches = ("--batch-size", "8", "--seq-len", "512", "--gen-tokens", "65", "--gen-batch", "1,8,32,64")
+    # the decode step's cache write alone, XLA's scatter against the Pallas kernel (``model.cache_kernel``)
+    write = ("scripts/kv_write.py",)
+    jobs.append(Job("kernels", "kv write scatter vs kernel", write, (*write, "--cpu-smoke")))
     jobs.append(Job("kernels", "decode f32 prompt 512", (*gen, *batches)))
-    jobs.append(Job("kernels", "decode bf16 prompt 512", (*gen, *batches, "--bf16")))
+    jobs.append(Job("kernels", "decode bf16 prompt 512", (*gen, *batches, "--bf16")))  # the kernel's writes
+    jobs.append(Job("kernels", "decode bf16 prompt 512 scatter", (*gen, *batches, "--bf16"), env=SCATTER))
     long = ("--batch-size", "1", "--seq-len", "4096", "--gen-tokens", "65", "--gen-batch", "1,8", "--bf16")
     jobs.append(Job("kernels", "decode bf16 prompt 4096", (*gen, *long)))
     profile = ("scripts/decode_profile.py", "--bf16")
     jobs.append(Job("kernels", "decode profile bf16", profile, ("scripts/decode_profile.py", "--cpu-smoke")))
+    jobs.append(Job("kernels", "decode profile bf16 scatter", profile, env=SCATTER))
     return jobs
 
 
@@ -475,6 +481,18 @@ def _plan_row(res: Result) -> list[str]:
     ]
 
 
+def _profile_rows(res: Result) -> list[str]:
+    """scripts/step_profile.py's profiles: wall and device ms a step, and the three largest categories."""
+    rows = []
+    for p in (line for line in res.output["lines"] if "profile" in line):
+        top = ", ".join(f"{c['category']} {c['ms_per_step']:.1f}" for c in p["categories"][:3])
+        rows.append(
+            f"| {res.job.name} | {p['profile']} profile | {p['wall_ms_per_step']:.2f} | "
+            f"device {p['device_ms_per_step']:.2f} ms, {p['ops_per_step']:.0f} ops | {top} | | |"
+        )
+    return rows
+
+
 def _quality_rows(res: Result) -> list[str]:
     """scripts/int8_quality.py's two runs (step time, MFU, last validation loss) and their ratio."""
     q, runs = res.output["quality"], res.output["runs"]
@@ -496,6 +514,16 @@ def _quality_rows(res: Result) -> list[str]:
     return rows
 
 
+def _write_rows(res: Result) -> list[str]:
+    """scripts/kv_write.py's rows: us a cache write by XLA's scatter and by the kernel, same cache or not."""
+    return [
+        f"| {res.job.name} | batch {r['batch']} {res.output['dtype']}: scatter / kernel us a write | "
+        f"{r.get('scatter_us', '')} / {r.get('kernel_us', '')} | "
+        f"same cache: {r.get('equal', r.get('error'))} | | | |"
+        for r in res.output["rows"]
+    ]
+
+
 def markdown(results: list[Result], header: str) -> str:
     out = [header, ""]
     for group in dict.fromkeys(r.job.group for r in results):
@@ -508,6 +536,10 @@ def markdown(results: list[Result], header: str) -> str:
                 out += _bench_rows(res)
             elif "quality" in res.output:
                 out += _quality_rows(res)
+            elif "rows" in res.output:  # scripts/kv_write.py: a write's time each way, by batch
+                out += _write_rows(res)
+            elif "lines" in res.output:  # scripts/step_profile.py: bench's line, then a profile an impl
+                out += _profile_rows(res)
             else:
                 out += _plan_row(res)
         out += _alone_ratios([r for r in results if r.job.group == group])

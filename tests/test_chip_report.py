@@ -164,3 +164,20 @@ def test_the_int8_quality_cpu_smoke_writes_both_curves_and_the_ratio_into_the_re
     saved = json.loads((out / "int8_quality.json").read_text())
     assert [len([r for r in saved["metrics"][n] if "loss" in r]) for n in ("bf16", "int8")] == [4, 4]
     assert "int8/bf16 val loss, step 4" in (out / "chip_report.md").read_text()
+
+
+def test_the_kv_write_job_times_scatter_and_kernel_and_decode_runs_both_ways(tmp_path):
+    """Issue 64: the cache write alone (scripts/kv_write.py: its CPU smoke, interpret mode, the two ways'
+    caches equal) and the bf16 decode with the kernel's writes (the TPU's default) and with the scatter's."""
+    script = _script()
+    code = script.main(["--cpu-smoke", "--out", str(tmp_path), "--groups", "kernels", "--only", "kv write"])
+    assert code == 0
+    (job,) = json.loads((tmp_path / "chip_report.json").read_text())["jobs"]
+    (row,) = job["output"]["rows"]
+    assert job["code"] == 0 and row["equal"] is True and row["scatter_us"] > 0 and row["kernel_us"] > 0
+    assert "scatter / kernel us a write" in (tmp_path / "chip_report.md").read_text()
+    jobs = {j.name: j for j in script._kernel_jobs()}
+    kernel, scatter = jobs["decode bf16 prompt 512"], jobs["decode bf16 prompt 512 scatter"]
+    assert (
+        kernel.argv == scatter.argv and dict(scatter.env) == {"MESHLM_KV_WRITE": "scatter"} and not kernel.env
+    )

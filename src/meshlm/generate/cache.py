@@ -6,7 +6,8 @@ mp's split of it is its split of the heads). Flat because a TPU tiles an array's
 by (8, 128) (bf16: (16, 128)): [.., Kc, E] with llama-100m's Kc = 12, E = 64 padded to 16 x 128, 2.67x
 the bytes every decode step reads, and XLA:TPU relaid the whole cache out at every decode program's
 entry and exit; [.., S, Kc * E] (576 x 768) is dense, written in place by one scatter a layer
-(``attention._put``) and read as it lies (``attention._flat_scores``). ``Kc = n_kv_heads`` when mp
+(``attention._put``; a decode step's on a TPU by a Pallas kernel, ``model.cache_kernel``) and read as it
+lies (``attention._flat_scores``). ``Kc = n_kv_heads`` when mp
 divides them, so each device holds total/(dp*mp)
 bytes. When KV heads are replicated (mp > n_kv_heads, see ``attention.kv_replicated``) ``Kc = mp``:
 each shard stores only the one KV head its query heads use (per shard Kc/mp = 1). Prefill writes all

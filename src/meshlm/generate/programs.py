@@ -35,6 +35,7 @@ from meshlm.errors import ConfigError
 from meshlm.generate.cache import cache_dtypes, cache_shapes, cache_specs, empty_cache, keep_window
 from meshlm.generate.inputs import Sampling
 from meshlm.model.blockwise import varying_like
+from meshlm.model.cache_kernel import write_mode
 from meshlm.model.config import ModelConfig
 from meshlm.model.kv_kinds import mixed_kinds
 from meshlm.model.layers import upcast
@@ -301,10 +302,11 @@ _PROGRAMS: dict[tuple, Programs] = {}
 def programs_for(
     cfg: ModelConfig, layout: Layout, specs, max_len: int, params, prefill_cp: bool = False
 ) -> Programs:
-    """The shared ``Programs`` of this model (made on first use); ``params`` give the dtypes."""
+    """The shared ``Programs`` of this model (made on first use); ``params`` give the dtypes. Programs
+    traced under another cache-write mode (``cache_kernel.write_mode``: a measurement's) are others."""
     dtypes = tuple(str(p.dtype) for p in jax.tree.leaves(params))
     check_prefill_cp(cfg, layout, max_len, prefill_cp)
-    key = (cfg, layout, layout.mesh, max_len, dtypes, prefill_cp)
+    key = (cfg, layout, layout.mesh, max_len, dtypes, prefill_cp, write_mode())
     if key not in _PROGRAMS:
         dtype = params["embed"]["embeddings"].dtype
         _PROGRAMS[key] = Programs(cfg, layout, specs, max_len, dtype, prefill_cp)

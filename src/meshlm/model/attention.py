@@ -25,6 +25,7 @@ from meshlm.errors import ShardingError
 from meshlm.model import attention_variants as variants  # global_rotated: NoPE, proportional RoPE
 from meshlm.model.attention_variants import Variant, mask_mod, rotary_scale, soft_cap, variant_of
 from meshlm.model.blockwise import blockwise_attention, varying_like
+from meshlm.model.cache_kernel import write_rows
 from meshlm.model.config import ModelConfig
 from meshlm.model.context_parallel import context_attention
 from meshlm.model.dense import add_once, dense_heads_in, dense_heads_out
@@ -330,13 +331,13 @@ def stacked_write(stacks: dict, names, index, k, v, positions, window: int):
 
 def _put(stack, index, at, x):
     """``stack`` [L, B, S, F] (the flat cache, ``generate.cache``) with x [B, T, Kc, E] written at [index,
-    b, at[b, t]] (x flattened to [B, T, Kc * E]): ONE scatter for every row and token, done in place.
-    (A dynamic-update-slice per row was one kernel per row and layer, 2 x B x L a decode step: 1024 at
-    batch 64 on llama-100m, each ~1 us on a TPU; it also made XLA:TPU relayout the cache, see
-    ``generate.cache``.) Cost analysis counts a scatter's whole operand: its "bytes accessed" are not
-    the step's."""
-    rows = jnp.arange(at.shape[0])[:, None]  # [B, 1]
-    return stack.at[index, rows, at].set(x.reshape(*x.shape[:2], *stack.shape[3:]), unique_indices=True)
+    b, at[b, t]] (x flattened to [B, T, Kc * E]), in place: ONE scatter for every row and token, or on a
+    TPU, for a decode step's one token a row, a Pallas kernel writing each row's tile block
+    (``cache_kernel.write_rows``: the same values). (A dynamic-update-slice per row was one kernel per
+    row and layer, 2 x B x L a decode step: 1024 at batch 64 on llama-100m, each ~1 us on a TPU; it also
+    made XLA:TPU relayout the cache, see ``generate.cache``.) Cost analysis counts a scatter's whole
+    operand: its "bytes accessed" are not the step's."""
+    return write_rows(stack, index, at, x.reshape(*x.shape[:2], *stack.shape[3:]))
 
 
 def kinds_cache_attend(cfg: ModelConfig, cache: dict, q, k, v, positions, kind, attend):

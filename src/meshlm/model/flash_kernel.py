@@ -171,7 +171,9 @@ def _per_device(impl, multiple_results: bool):
     return rule
 
 
-def _primitive(name, impl, abstract, multiple_results):
+def primitive(name, impl, abstract, multiple_results):
+    """A primitive typed by ``abstract`` whose lowering is ``impl`` traced per device (``_per_device``):
+    a Pallas kernel inside ``shard_map(check_vma=True)`` (here and ``model.cache_kernel``)."""
     p = Primitive(name)
     p.multiple_results = multiple_results
     p.def_impl(functools.partial(dispatch.apply_primitive, p))
@@ -185,7 +187,7 @@ def _primitive(name, impl, abstract, multiple_results):
 # first: ``bridge``), and only their lowering traces the kernel, per device (``_per_device``). (Traced inline,
 # its equations would be re-traced with the typing on by remat or the layer scan's partial evaluation.)
 # No collective is added or dropped: the kernel is per shard, this shard's heads and batch rows.
-_fwd_p = _primitive(
+_fwd_p = primitive(
     "meshlm_flash_fwd",
     _fwd_impl,
     lambda q, *_, **__: [q, q.update(shape=q.shape[:3], dtype=jnp.float32)],
@@ -198,7 +200,7 @@ def _bwd_avals(*avals, rule, has_seg):  # the gradients typed as q, k, v (and th
     return [*ops[:3], *ops[3 + has_seg :]]
 
 
-_bwd_p = _primitive("meshlm_flash_bwd", _bwd_impl, _bwd_avals, True)
+_bwd_p = primitive("meshlm_flash_bwd", _bwd_impl, _bwd_avals, True)
 
 
 def kernel_rule(variant, window: int, chunk: int, mask_of) -> tuple:
