@@ -338,14 +338,15 @@ def apply_rotary(x, cos, sin, rot_dim: int, style: str):
     style "interleaved" (GPT-J): pairs (x0, x1), (x2, x3), ...; "half" (Llama): pairs (x_i, x_{i+r/2}).
     Computed on whole vectors, x * [c, c] + (x @ P) * [s, s] (``rotation``: P the signed swap of each
     pair; interleaved: c and s repeated), never on [.., r/2]-wide halves: with E = 128 a half is half a
-    TPU vector register, and XLA:TPU's slices and concatenates of them cost a qwen3-0.6b layer at batch 8
-    1.8 ms of the vector unit and more around them, where the matmul with P runs on the matrix unit,
-    fused with the norm before it and the kernel's transpose after (docs/benchmarks.md, "Rotary on whole
-    vectors"). Each output of x @ P is exactly one input, negated or not (on a TPU too: HIGHEST
-    precision, so a float32 x is not rounded to bfloat16), so the result is today's pairs formula
-    x1 c - x2 s, x2 c + x1 s in every dtype (x1 c + (-x2) s is x1 c - x2 s in IEEE arithmetic): bitwise
-    op by op (tests/test_rope_whole.py), up to the sign of a zero and where XLA keeps a bf16 product in
-    float32 across a fusion. (An inf in x makes its head's row NaN, not its pair's: 0 x inf.)"""
+    TPU vector register, and on the halves XLA:TPU kept the q/k norm, the rotary and the flash kernel's
+    transpose in fusions of their own, 7.7 ms of a qwen3-0.6b layer at batch 8; with P they are one
+    matmul fusion, 3.4 ms in all (docs/benchmarks.md, "Rotary on whole vectors"). Each output of x @ P
+    is exactly one input, negated or not (HIGHEST precision: on a TPU a float32 x is not rounded to
+    bf16), so this is the pairs formula x1 c - x2 s, x2 c + x1 s in every dtype (x1 c + (-x2) s is
+    x1 c - x2 s in IEEE arithmetic): bit for bit op by op and compiled by XLA:CPU
+    (tests/test_rope_whole.py), up to the sign of a zero; XLA:TPU's bf16 fusions keep other products
+    in float32 than before (one bf16 rounding of a product apart). An inf in x makes its head's row
+    NaN, not only its pair (0 x inf in x @ P)."""
     rot, rest = (x, None) if rot_dim == x.shape[-1] else (x[..., :rot_dim], x[..., rot_dim:])
     c, s = (widened(t[:, :, None, :].astype(x.dtype), style) for t in (cos, sin))  # [B, T, 1, rot_dim]
     p = jnp.asarray(rotation(rot_dim, style), x.dtype)
