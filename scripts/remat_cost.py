@@ -12,8 +12,10 @@ milliseconds by kind (matmul fusions, the flash kernels, other fusions, copies, 
     PYTHONPATH=src python scripts/remat_cost.py --cases b8/full b8/save_qkv_proj b4/selective/bf16
 
 ``--unroll -1``: the layers as straight-line code (no loop: no stacked residuals); ``--loss-chunk N``:
-the head's loss in chunks of N rows (512 as the chip report runs it). The kernels (flash attention's
-Mosaic ``tpu_custom_call``) carry no estimate and are left out: compare a prediction with the chip's time.
+the head's loss in chunks of N rows (512 as the chip report runs it); ``--ops N``: also a layer's N
+costliest JAX operations, each "kind phase path" (phase: fwd, re the recomputed forward, bwd). The
+kernels (flash attention's Mosaic ``tpu_custom_call``) carry no estimate and are left out: compare a
+prediction with the chip's time.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -88,19 +91,34 @@ def kind(op: str, line: str, matmul: bool) -> str:
     return op
 
 
-def cycles_by_kind(hlo: str) -> tuple[dict[str, float], list[tuple[float, str]]]:
-    """(ms by kind, [(ms, op name)]) of XLA:TPU's estimated cycles over the step (loops per trip)."""
+def cycles_by_kind(hlo: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(ms by kind, ms by ``kind phase operation``) of XLA:TPU's estimated cycles over the step (loops
+    per trip)."""
     comps, entry = computations(hlo)
-    out, ops = {}, []
+    out, ops = {}, {}
     for cycles, op, line, matmul, name in costed(comps, entry, 1):
-        k = kind(op, line, matmul)
-        out[k] = out.get(k, 0.0) + cycles / CLOCK * 1e3
-        ops.append((cycles / CLOCK * 1e3, f"{k} {name}"))
+        k, ms = kind(op, line, matmul), cycles / CLOCK * 1e3
+        out[k] = out.get(k, 0.0) + ms
+        ops[f"{k} {operation(name)}"] = ops.get(f"{k} {operation(name)}", 0.0) + ms
     return out, ops
 
 
+def operation(name: str) -> str:
+    """A JAX op name as "phase module/op": the phase "fwd" (the forward), "re" (full remat's recomputed
+    forward) or "bwd" (the backward), then the path inside the layer ("attn/q_norm/reduce_sum")."""
+    phase = "re" if "rematted_computation" in name else "bwd" if "transpose(" in name else "fwd"
+    inner = re.sub(r".*(closed_call|checkpoint|rematted_computation)/", "", name.replace("jit(step)/", ""))
+    return f"{phase} {re.sub(r'(jvp|transpose)[(][^/]*[)]+/', '', inner)}"
+
+
 def run_case(
-    case: str, config: str, layers: int, chip: str, unroll: int = 0, loss_chunk: int = LOSS_CHUNK
+    case: str,
+    config: str,
+    layers: int,
+    chip: str,
+    unroll: int = 0,
+    loss_chunk: int = LOSS_CHUNK,
+    ops: int = 0,
 ) -> dict:
     parts = case.split("/")
     batch, remat, opt = int(parts[0][1:]), parts[1], parts[2] if len(parts) > 2 else "float32"
@@ -110,8 +128,9 @@ def run_case(
     (h1, p1), (h2, p2) = (
         compile_dump(config, n, batch, remat, opt, chip, unroll, loss_chunk) for n in (layers, 2 * layers)
     )
-    (k1, _), (k2, _) = cycles_by_kind(h1), cycles_by_kind(h2)
+    (k1, o1), (k2, o2) = cycles_by_kind(h1), cycles_by_kind(h2)
     layer = {k: (k2.get(k, 0) - k1.get(k, 0)) / layers for k in set(k1) | set(k2)}
+    by_op = {k: (o2.get(k, 0) - o1.get(k, 0)) / layers for k in set(o1) | set(o2)}
     rest = {k: k1.get(k, 0) - layers * layer[k] for k in layer}
     step = sum(rest.values()) + full.n_layers * sum(layer.values())
     tokens = batch * SEQ_LEN
@@ -125,6 +144,8 @@ def run_case(
         "peak_gib": round((p1 + (full.n_layers - layers) * (p2 - p1) / layers) / 2**30, 2),
         "layer_ms": {k: round(v, 3) for k, v in sorted(layer.items(), key=lambda p: -p[1])},
         "rest_ms": {k: round(v, 2) for k, v in sorted(rest.items(), key=lambda p: -p[1])},
+        # a layer's ms by JAX operation, the ``ops`` largest (``--ops``)
+        "layer_ops": {k: round(v, 3) for k, v in sorted(by_op.items(), key=lambda p: -abs(p[1]))[:ops]},
     }
 
 
@@ -155,11 +176,13 @@ def main() -> int:
     p.add_argument(
         "--loss-chunk", type=int, default=LOSS_CHUNK, help="the head's loss in chunks of this many"
     )
+    p.add_argument("--ops", type=int, default=0, help="also a layer's ms by JAX operation, the N largest")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
         print(
-            json.dumps(run_case(a.cases[0], a.config, a.layers, a.chip, a.unroll, a.loss_chunk)), flush=True
+            json.dumps(run_case(a.cases[0], a.config, a.layers, a.chip, a.unroll, a.loss_chunk, a.ops)),
+            flush=True,
         )
         return 0
     env = {
@@ -185,6 +208,8 @@ def main() -> int:
             str(a.unroll),
             "--loss-chunk",
             str(a.loss_chunk),
+            "--ops",
+            str(a.ops),
         ]
         done = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True)
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]

@@ -313,17 +313,49 @@ def rotary_angles(positions, inv_freq: np.ndarray, dtype, scale: float = 1.0):
     return jnp.cos(ang) * scale, jnp.sin(ang) * scale
 
 
+def rotation(rot_dim: int, style: str) -> np.ndarray:
+    """[rot_dim, rot_dim] float32 numpy, the signed permutation P with x @ P = each dim's partner in its
+    rotary pair, signed: "half" [x1, x2] -> [-x2, x1], "interleaved" (x0, x1, x2, ..) -> (-x1, x0, -x3, ..).
+    One +-1 a column: each output is one input, exactly (the rest of its sum are zeros)."""
+    h = rot_dim // 2
+    p = np.zeros((rot_dim, rot_dim), np.float32)
+    i = np.arange(h)
+    if style == "interleaved":
+        p[2 * i + 1, 2 * i], p[2 * i, 2 * i + 1] = -1, 1
+    else:
+        p[i + h, i], p[i, i + h] = -1, 1
+    return p
+
+
+def widened(t, style: str):
+    """cos or sin [..., rot_dim / 2] -> [..., rot_dim], each angle at both dims of its pair."""
+    return jnp.repeat(t, 2, axis=-1) if style == "interleaved" else jnp.concatenate([t, t], axis=-1)
+
+
 def apply_rotary(x, cos, sin, rot_dim: int, style: str):
     """Rotate the first ``rot_dim`` dims of each head. x: [B, T, h, E]; cos/sin: [B, T, rot_dim/2].
 
     style "interleaved" (GPT-J): pairs (x0, x1), (x2, x3), ...; "half" (Llama): pairs (x_i, x_{i+r/2}).
-    """
-    rot, rest = x[..., :rot_dim], x[..., rot_dim:]
-    c, s = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
-    if style == "interleaved":
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        out = jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(rot.shape)
-    else:
-        x1, x2 = rot[..., : rot_dim // 2], rot[..., rot_dim // 2 :]
-        out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-    return jnp.concatenate([out, rest], axis=-1)
+    Computed on whole vectors, x * [c, c] + (x @ P) * [s, s] (``rotation``: P the signed swap of each
+    pair; interleaved: c and s repeated), never on [.., r/2]-wide halves: with E = 128 a half is half a
+    TPU vector register, and on the halves XLA:TPU kept the q/k norm, the rotary and the flash kernel's
+    transpose in fusions of their own, 7.7 ms of a qwen3-0.6b layer at batch 8; with P they are one
+    matmul fusion, 3.4 ms in all (docs/benchmarks.md, "Rotary on whole vectors"). Each output of x @ P
+    is exactly one input, negated or not (HIGHEST precision: on a TPU a float32 x is not rounded to
+    bf16), so this is the pairs formula x1 c - x2 s, x2 c + x1 s in every dtype (x1 c + (-x2) s is
+    x1 c - x2 s in IEEE arithmetic): bit for bit op by op and compiled by XLA:CPU
+    (tests/test_rope_whole.py), up to the sign of a zero; XLA:TPU's bf16 fusions keep other products
+    in float32 than before (one bf16 rounding of a product apart). An inf in x makes its head's row
+    NaN, not only its pair (0 x inf in x @ P)."""
+    rot, rest = (x, None) if rot_dim == x.shape[-1] else (x[..., :rot_dim], x[..., rot_dim:])
+    c, s = (widened(t[:, :, None, :].astype(x.dtype), style) for t in (cos, sin))  # [B, T, 1, rot_dim]
+    p = jnp.asarray(rotation(rot_dim, style), x.dtype)
+    partner = lax.dot_general(
+        rot,
+        p,
+        (((rot.ndim - 1,), (0,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=x.dtype,
+    )  # [B, T, h, rot_dim]: (-x2, x1) or (-x1, x0, ..)
+    out = rot * c + partner * s
+    return out if rest is None else jnp.concatenate([out, rest], axis=-1)
