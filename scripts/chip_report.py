@@ -299,9 +299,9 @@ def _profile_jobs() -> list[Job]:
     bench as it is, then a few traced steps of each implementation): the experts against their dense
     equivalent, and Qwen3-0.6B at its best measured setting."""
     script = ("scripts/step_profile.py", "--steps", "2", "--")
-    moe = ("--mesh", "1x1", "--batch-size", "8", "--seq-len", "512", "--bf16", "--steps", "5")
+    moe = ("--mesh", "1x1", "--batch-size", "8", "--seq-len", "512", "--bf16", "--steps", "5", "--gen-tokens", "0")
     qwen = ("--config", "qwen3-0.6b", "--mesh", "1x1", "--batch-size", "8", "--seq-len", "2048", "--bf16")
-    qwen += ("--steps", "5", "--remat", "full", "--loss-chunk", "512", "--impls", "meshlm")
+    qwen += ("--steps", "5", "--remat", "full", "--loss-chunk", "2048", "--impls", "meshlm", "--gen-tokens", "0")
     moe += ("--impls", "ragged_dot-dispatch,dense-eq", "--peak-n", "8192")
     smoke = ("scripts/step_profile.py", "--cpu-smoke")
     return [
