@@ -32,7 +32,8 @@ from meshlm.parallel.compile_target import compile_platform
 ATTN_OUT = "attn_out"  # the name --remat save_qkv_attn saves (``model.memory``)
 
 LANES = 128  # the kernel's blocks are multiples of this many tokens
-BLOCKS = (512, 256, 128)  # tried in order: the largest that divides the padded length
+BLOCKS = (1024, 512, 256, 128)  # tried in order: the largest that divides the padded length
+COMPUTE_BLOCK = 512  # keys a kernel step computes on (of its block)
 
 
 def interpret_mode() -> bool:
@@ -52,10 +53,11 @@ def _kernel(heads: int, t: int, window: int, chunk: int, softcap: float, interpr
     information is computed once per shape and rule (numpy), hence the cache. ``mask_of``: the mask
     builder (``flash._mask``, as the caller traced it: a planted one is a kernel of its own)."""
     b = block_size(t)
+    c = min(b, COMPUTE_BLOCK)
     sizes = splash.BlockSizes(
-        block_q=b, block_kv=b, block_kv_compute=b,
-        block_q_dkv=b, block_kv_dkv=b, block_kv_dkv_compute=b,
-        block_q_dq=b, block_kv_dq=b,
+        block_q=b, block_kv=b, block_kv_compute=c,
+        block_q_dkv=b, block_kv_dkv=b, block_kv_dkv_compute=c,
+        block_q_dq=None, block_kv_dq=None, use_fused_bwd_kernel=True,
     )  # fmt: skip
     mask = masks.MultiHeadMask([mask_of(t, window, chunk)] * heads)
     with jax.ensure_compile_time_eval():  # its mask arrays constants, not the caller's trace's (cached)
