@@ -88,6 +88,7 @@ QUANT_PP_VERIFY = (
 )
 QUANT_COMPARE = "tests/test_explain.py::test_compare_draws_both_runs_curves_each_labelled_with_its_run"
 GEMMA4_PLAN = "tests/test_docs_tool_commands.py::test_documented_tool_command_runs[models.md:404]"
+TOOL_DOC = "tests/test_docs_tool_commands.py::test_documented_tool_command_runs[{}]"  # a quick docs test's id
 FLASH = "tests/test_flash.py::test_verify_proves_flash_with_its_controls_detected"
 FLASH_KINDS = "tests/test_flash.py::test_flash_model_equals_plain_with_sinks_and_layer_kinds"
 FLASH_RING = "tests/test_flash.py::test_flash_ring_equals_the_unsharded_plain_model"
@@ -137,6 +138,7 @@ SPEC_GENERATE = (
 )
 MTP_TRAIN = "tests/test_mtp.py::test_trains_and_resumes_bitwise_with_the_depth_losses_in_metrics"
 SPEC_CLI = "tests/test_speculative.py::test_cli_runs_the_documented_command_and_refuses_bad_input"
+GEN_CP = "tests/test_generate_cp.py::test_cli_generate_with_cp_equals_without"
 # every control that applies, traced on a cell of the preset's family (SmolLM3's NoPE layers)
 FITS, NO_FIT = "device memory 16.00 GiB: fits", "device memory 16.00 GiB: does NOT fit"
 LORA_BF16_STEP = (
@@ -538,8 +540,10 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm memory --config llama2-7b --mesh 1x8 --devices 8": run(expect=("3.139 GiB",)),
     # docs/memory.md: presets that fill one 16 GiB chip (each one compile of the real step, 5-15 s); the
     # verdict, not the figures (the model code's speed work moves XLA's buffer plan by a little)
+    # Each verdict's path quick once (fits: qwen3-0.6b; no fit: llama3.2-1b; fits with fsdp: llama3.2-1b);
+    # the other presets' same verdicts in the slow tier
     "meshlm plan --config smollm2-360m --mesh 1x1 --device-memory 16GiB --batch-size 4 --seq-len 2048 "
-    "--remat full --bf16": run(expect=(FITS,)),
+    "--remat full --bf16": run(expect=(FITS,), slow=TOOL_DOC.format("memory.md:605")),
     "meshlm plan --config qwen3-0.6b --mesh 1x1 --device-memory 16GiB --batch-size 1 --seq-len 2048 "
     "--remat full --bf16": run(expect=(FITS,)),
     # docs/memory.md's --loss-chunk: batch 2 fits only in chunks
@@ -551,11 +555,13 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm plan --config llama3.2-1b --mesh 1x1 --device-memory 16GiB --batch-size 1 --seq-len 2048 "
     "--remat full --bf16 --max-compiles 1": run(code=1, expect=(NO_FIT,)),
     "meshlm plan --config qwen3-1.7b --mesh 1x1 --device-memory 16GiB --batch-size 1 --seq-len 2048 "
-    "--remat full --bf16 --max-compiles 1": run(code=1, expect=(NO_FIT,)),
+    "--remat full --bf16 --max-compiles 1": run(
+        code=1, expect=(NO_FIT,), slow=TOOL_DOC.format("memory.md:606")
+    ),
     "meshlm plan --config llama3.2-1b --mesh 4x1 --devices 4 --fsdp --device-memory 16GiB --batch-size 4 "
     "--seq-len 2048 --remat full --bf16": run(expect=(FITS,)),
     "meshlm plan --config qwen3-1.7b --mesh 4x1 --devices 4 --fsdp --device-memory 16GiB --batch-size 4 "
-    "--seq-len 2048 --remat full --bf16": run(expect=(FITS,)),
+    "--seq-len 2048 --remat full --bf16": run(expect=(FITS,), slow=TOOL_DOC.format("memory.md:608")),
     # docs/memory.md, --chip: in CI (no libtpu) XLA:CPU with the v5e correction, three qwen3-0.6b compiles
     "meshlm plan --config qwen3-0.6b --mesh 1x1 --seq-len 2048 --batch-size 8 --bf16 --remat full "
     "--chip v5e": run(
@@ -601,8 +607,12 @@ COMMANDS: dict[str, Run | Shown] = {
         ),
         add="--prompt 'def ' --max-new-tokens 8",  # the prose leaves the prompt out
     ),
+    # in the slow tier: generate --cp 2 from a checkpoint, equal to generate without, is quick in GEN_CP
     "meshlm generate --checkpoint runs/main --prompt-file long.txt --mesh 1x2 --cp 2": run(
-        "--prompt-file long.txt => --prompt 'def parse('", add="--max-new-tokens 8", after=(MAIN,)
+        "--prompt-file long.txt => --prompt 'def parse('",
+        add="--max-new-tokens 8",
+        after=(MAIN,),
+        slow=GEN_CP,
     ),
     "meshlm generate --checkpoint runs/main --prompt 'def parse(' --max-new-tokens 100": run(
         "100 => 8", after=(MAIN,)
@@ -655,8 +665,10 @@ COMMANDS: dict[str, Run | Shown] = {
             (("$m", str(m)), ("$s", s), ("$((2 * m))", str(2 * m))) for s, m in (("1f1b", 32), ("gpipe", 8))
         ),
     ),
+    # in the slow tier: the pipeline plan of the loop above (quick) with --sp (the pp step with sp compiles
+    # quick in tests/test_pp_verify.py)
     "meshlm plan --config llama2-7b --pp 4 --mesh 2x4 --devices 32 --microbatches 8 --pp-schedule 1f1b "
-    "--batch-size 16 --seq-len 2048 --sp": run(*PP_PLAN),
+    "--batch-size 16 --seq-len 2048 --sp": run(*PP_PLAN, slow=TOOL_DOC.format("pipeline.md:425")),
     "meshlm bench --config tiny-deep --pp 2 --mesh 1x1 --devices 2 --microbatches 4 --batch-size 8 "
     "--seq-len 32 "
     "--steps 5 --gen-tokens 0": run(expect=("pipeline (1f1b, pp=2, M=4)",), costly=BENCH_PP),
@@ -838,10 +850,12 @@ COMMANDS: dict[str, Run | Shown] = {
         "--mesh 8x8 --ep 8 --devices 64 => --mesh 2x2 --ep 2 --devices 4",
         expect=("ep=2",),
     ),
+    # in the slow tier: the same ep plan as the qwen3-30b-a3b line above (quick), of another tiny MoE
     "meshlm plan --config mixtral-8x7b --mesh 8x8 --ep 8 --devices 64 --fsdp --sp": run(
         "--config mixtral-8x7b => --config tiny-mixtral",
         "--mesh 8x8 --ep 8 --devices 64 => --mesh 2x2 --ep 2 --devices 4",
         expect=("ep=2",),
+        slow=TOOL_DOC.format("benchmarks.md:1023"),
     ),
     "meshlm convert --from-hf HF_DIR --out ck": run(),
     "meshlm verify --checkpoint ck --mesh 1x4 --devices 4": verify(

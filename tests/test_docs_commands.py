@@ -71,8 +71,22 @@ def test_shown_only_says_why_and_substitutions_apply():
             assert old in text, f"{text!r}: the substitution {old!r} is not in the command"
         for after in entry.after:
             assert after.startswith("meshlm "), after
-        for path in (entry.costly, entry.slow):  # the quick test of its code path exists
-            assert not path or os.path.exists(ROOT / path.split("::")[0]), path
+        for path in filter(None, (entry.costly, entry.slow)):  # the quick test of its code path exists
+            _check_pointer(path)
+
+
+def _check_pointer(path: str) -> None:
+    """``path`` names a test file, a test in it, or a documented command's test by its page:line id: that
+    command's entry must then be run in the quick tier (line numbers move as the docs change)."""
+    file, _, test = path.partition("::")
+    assert os.path.exists(ROOT / file), path
+    name, _, where = test.partition("[")
+    assert not name or f"def {name}(" in (ROOT / file).read_text(), path
+    if where and file.startswith("tests/test_docs"):
+        texts = [text for text, first in FIRST.items() if first == where[:-1]]
+        assert len(texts) == 1, f"{path}: no documented command is first shown at {where[:-1]}"
+        entry = COMMANDS[texts[0]]
+        assert isinstance(entry, Run) and not entry.slow and not entry.costly, f"{path} is not quick"
 
 
 def _hf_llama(directory: Path) -> None:
