@@ -7,6 +7,7 @@ here, or an entry the docs lost, fails the test. Commands run in one workspace (
 ``workspace`` fixture); ``after`` names the commands whose outputs a command reads (run first, once).
 """
 
+import functools
 from dataclasses import dataclass
 
 # A train run small enough for a test: the tiny-lm preset, 2 steps of 8 x 32, a checkpoint each step.
@@ -87,8 +88,29 @@ QUANT_PP_VERIFY = (
     "tests/test_quant.py::test_int8_under_pp_equals_the_reference_of_its_micro_batches_and_its_control_shows"
 )
 QUANT_COMPARE = "tests/test_explain.py::test_compare_draws_both_runs_curves_each_labelled_with_its_run"
-GEMMA4_PLAN = "tests/test_docs_tool_commands.py::test_documented_tool_command_runs[models.md:404]"
 TOOL_DOC = "tests/test_docs_tool_commands.py::test_documented_tool_command_runs[{}]"  # a quick docs test's id
+
+
+@functools.cache
+def _first_shown() -> dict[str, str]:
+    from docs_extract import doc_commands
+
+    return {c.text: c.where for c in reversed(doc_commands())}
+
+
+def tool_doc(shown: str) -> str:
+    """The quick docs test of the one documented command containing ``shown``: its id is the page:line
+    that first shows it, looked up here so that an edit above the command does not stale the pointer."""
+    where = {w for text, w in _first_shown().items() if shown in text}
+    if len(where) != 1:
+        raise ValueError(f"tool_doc: {len(where)} documented commands contain {shown!r}, not one")
+    return TOOL_DOC.format(where.pop())
+
+
+QWEN3_FITS = "qwen3-0.6b --mesh 1x1 --device-memory 16GiB --batch-size 1 --seq-len 2048 --remat full --bf16"
+LLAMA_FSDP_FITS = "llama3.2-1b --mesh 4x1 --devices 4 --fsdp"
+PP_SWEEP = "llama2-7b --pp 4 --mesh 2x4 --devices 32 --microbatches $m"
+GEMMA4_PLAN = tool_doc("meshlm plan --config gemma4-31b --mesh 2x4 --devices 8 --fsdp")
 FLASH = "tests/test_flash.py::test_verify_proves_flash_with_its_controls_detected"
 FLASH_KINDS = "tests/test_flash.py::test_flash_model_equals_plain_with_sinks_and_layer_kinds"
 FLASH_RING = "tests/test_flash.py::test_flash_ring_equals_the_unsharded_plain_model"
@@ -543,7 +565,7 @@ COMMANDS: dict[str, Run | Shown] = {
     # Each verdict's path quick once (fits: qwen3-0.6b; no fit: llama3.2-1b; fits with fsdp: llama3.2-1b);
     # the other presets' same verdicts in the slow tier
     "meshlm plan --config smollm2-360m --mesh 1x1 --device-memory 16GiB --batch-size 4 --seq-len 2048 "
-    "--remat full --bf16": run(expect=(FITS,), slow=TOOL_DOC.format("memory.md:605")),
+    "--remat full --bf16": run(expect=(FITS,), slow=tool_doc(QWEN3_FITS)),
     "meshlm plan --config qwen3-0.6b --mesh 1x1 --device-memory 16GiB --batch-size 1 --seq-len 2048 "
     "--remat full --bf16": run(expect=(FITS,)),
     # docs/memory.md's --loss-chunk: batch 2 fits only in chunks
@@ -556,12 +578,12 @@ COMMANDS: dict[str, Run | Shown] = {
     "--remat full --bf16 --max-compiles 1": run(code=1, expect=(NO_FIT,)),
     "meshlm plan --config qwen3-1.7b --mesh 1x1 --device-memory 16GiB --batch-size 1 --seq-len 2048 "
     "--remat full --bf16 --max-compiles 1": run(
-        code=1, expect=(NO_FIT,), slow=TOOL_DOC.format("memory.md:606")
+        code=1, expect=(NO_FIT,), slow=tool_doc("llama3.2-1b --mesh 1x1 --device-memory 16GiB --batch-size 1")
     ),
     "meshlm plan --config llama3.2-1b --mesh 4x1 --devices 4 --fsdp --device-memory 16GiB --batch-size 4 "
     "--seq-len 2048 --remat full --bf16": run(expect=(FITS,)),
     "meshlm plan --config qwen3-1.7b --mesh 4x1 --devices 4 --fsdp --device-memory 16GiB --batch-size 4 "
-    "--seq-len 2048 --remat full --bf16": run(expect=(FITS,), slow=TOOL_DOC.format("memory.md:608")),
+    "--seq-len 2048 --remat full --bf16": run(expect=(FITS,), slow=tool_doc(LLAMA_FSDP_FITS)),
     # docs/memory.md, --chip: in CI (no libtpu) XLA:CPU with the v5e correction, three qwen3-0.6b compiles
     "meshlm plan --config qwen3-0.6b --mesh 1x1 --seq-len 2048 --batch-size 8 --bf16 --remat full "
     "--chip v5e": run(
@@ -668,7 +690,7 @@ COMMANDS: dict[str, Run | Shown] = {
     # in the slow tier: the pipeline plan of the loop above (quick) with --sp (the pp step with sp compiles
     # quick in tests/test_pp_verify.py)
     "meshlm plan --config llama2-7b --pp 4 --mesh 2x4 --devices 32 --microbatches 8 --pp-schedule 1f1b "
-    "--batch-size 16 --seq-len 2048 --sp": run(*PP_PLAN, slow=TOOL_DOC.format("pipeline.md:425")),
+    "--batch-size 16 --seq-len 2048 --sp": run(*PP_PLAN, slow=tool_doc(PP_SWEEP)),
     "meshlm bench --config tiny-deep --pp 2 --mesh 1x1 --devices 2 --microbatches 4 --batch-size 8 "
     "--seq-len 32 "
     "--steps 5 --gen-tokens 0": run(expect=("pipeline (1f1b, pp=2, M=4)",), costly=BENCH_PP),
@@ -855,7 +877,7 @@ COMMANDS: dict[str, Run | Shown] = {
         "--config mixtral-8x7b => --config tiny-mixtral",
         "--mesh 8x8 --ep 8 --devices 64 => --mesh 2x2 --ep 2 --devices 4",
         expect=("ep=2",),
-        slow=TOOL_DOC.format("benchmarks.md:1023"),
+        slow=tool_doc("qwen3-30b-a3b --mesh 8x8 --ep 8"),
     ),
     "meshlm convert --from-hf HF_DIR --out ck": run(),
     "meshlm verify --checkpoint ck --mesh 1x4 --devices 4": verify(
