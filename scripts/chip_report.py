@@ -231,6 +231,17 @@ def _real_size_jobs() -> list[Job]:
         ("qwen3-0.6b b=8 save_qkv_proj unrolled", (*best, *chunked)),
         ("qwen3-0.6b b=8 save_qkv_proj unrolled loss chunk 2048", (*best, "--loss-chunk", "2048")),
     )
+    # after splash's fused backward (7 December 2026, 15:03 UTC: b=8 full, loss chunk 2048, MFU 0.498;
+    # save_qkv_attn bf16 moments at chunk 512, 0.499): the two together, and llama3.2-1b with 8 chunks
+    attn = ("--config", "qwen3-0.6b", "--batch-size", "8", "--remat", "save_qkv_attn", "--opt-dtype", "bf16")
+    runs += (
+        ("qwen3-0.6b b=8 save_qkv_attn bf16 moments loss chunk 2048", (*attn, "--loss-chunk", "2048")),
+        (
+            "llama3.2-1b b=4 full bf16 moments loss chunk 2048",
+            ("--config", "llama3.2-1b", "--batch-size", "4", "--remat", "full", "--opt-dtype", "bf16")
+            + ("--loss-chunk", "2048"),
+        ),
+    )
     smoke = (*BENCH, "--config", "tiny-llama", "--peak-n", "256", "--batch-size", "2", "--seq-len", "64")
     smoke += ("--bf16", "--steps", "5", "--loss-chunk", "48", "--remat", "full", "--opt-dtype", "bf16")
     return [
@@ -299,9 +310,11 @@ def _profile_jobs() -> list[Job]:
     bench as it is, then a few traced steps of each implementation): the experts against their dense
     equivalent, and Qwen3-0.6B at its best measured setting."""
     script = ("scripts/step_profile.py", "--steps", "2", "--")
-    moe = ("--mesh", "1x1", "--batch-size", "8", "--seq-len", "512", "--bf16", "--steps", "5", "--gen-tokens", "0")
+    moe = ("--mesh", "1x1", "--batch-size", "8", "--seq-len", "512", "--bf16", "--steps", "5")
+    moe += ("--gen-tokens", "0")
     qwen = ("--config", "qwen3-0.6b", "--mesh", "1x1", "--batch-size", "8", "--seq-len", "2048", "--bf16")
-    qwen += ("--steps", "5", "--remat", "full", "--loss-chunk", "2048", "--impls", "meshlm", "--gen-tokens", "0")
+    qwen += ("--steps", "5", "--remat", "full", "--loss-chunk", "2048", "--impls", "meshlm")
+    qwen += ("--gen-tokens", "0")
     moe += ("--impls", "ragged_dot-dispatch,dense-eq", "--peak-n", "8192")
     smoke = ("scripts/step_profile.py", "--cpu-smoke")
     return [
