@@ -62,28 +62,49 @@ def test_documents_restart_the_state_and_the_conv(inputs):
             assert float(jnp.max(jnp.abs(conv[:, s] - deltanet.causal_conv(x[:, s], w)))) <= 1e-12
 
 
-def test_verify_proves_linear_attention_and_detects_its_controls():
+def _prove_linear_attention(names=None):
     """``meshlm verify --config tiny-qwen3.5 --mesh 2x2 --fsdp --sp --doc-mask``'s proof (float64, 16
-    tokens: two chunks of 8, EOD-rich rows): sharded == unsharded, key and value heads split over mp,
-    and each of the delta rule's planted faults detected (the head pairing's under mp, the reset's
-    under the document mask)."""
+    tokens: two chunks of 8, EOD-rich rows): sharded == unsharded, key and value heads split over mp, with
+    the delta rule's planted faults ``names`` (None: every one) each detected. The names of the controls
+    run."""
     from meshlm.model.config import get_config
     from meshlm.parallel.layout import Layout
     from meshlm.proof import format_report, model_problem, verify
     from meshlm.proof.linear_controls import LINEAR_CONTROLS
 
+    controls = tuple(c for c in LINEAR_CONTROLS if names is None or c.name in names)
     layout = Layout(dp=2, mp=2, fsdp=True, sp=True)
     cfg = get_config("tiny-qwen3.5").replace(doc_mask=0, n_layers=2)  # one period: a linear, a full layer
     problem = model_problem(cfg, "tiny-qwen3.5", layout, batch_size=2, seq_len=16)
     with jax.enable_x64(True):
-        report = verify(problem, layout, dtype=np.float64, controls=LINEAR_CONTROLS, steps=2)
+        report = verify(problem, layout, dtype=np.float64, controls=controls, steps=2)
     assert report.ok, format_report(report)
     assert max(p.max_rel_err for p in report.params) <= 1e-12
-    # the cp chunks' controls apply under cp only (test_verify_proves_linear_attention_under_cp)
-    assert sorted(c["name"] for c in report.controls) == sorted(
-        c.name for c in LINEAR_CONTROLS if "cp chunks" not in c.name
-    )
     assert all(c["detected"] for c in report.controls), report.controls
+    return sorted(c["name"] for c in report.controls)
+
+
+# The quick tier: the two faults of the sharded rule, the head pairing under mp and the state's reset
+# under the document mask (each other control recompiles the train step)
+QUICK_LINEAR = (
+    "linear attention's key heads paired with another shard's value heads",
+    "delta rule's state not reset at a document start",
+)
+
+
+def test_verify_proves_linear_attention_and_detects_its_sharding_controls():
+    assert _prove_linear_attention(QUICK_LINEAR) == sorted(QUICK_LINEAR)
+
+
+# slow: the same proof with every control (the rule's decay order and beta's sigmoid too: faults of the
+# rule itself, not of its sharding): its cost is its scale; the sharded rule's bug class is caught
+# quick by test_verify_proves_linear_attention_and_detects_its_sharding_controls
+@pytest.mark.slow
+def test_verify_proves_linear_attention_and_detects_its_controls():
+    from meshlm.proof.linear_controls import LINEAR_CONTROLS
+
+    # the cp chunks' controls apply under cp only (test_verify_proves_linear_attention_under_cp)
+    assert _prove_linear_attention() == sorted(c.name for c in LINEAR_CONTROLS if "cp chunks" not in c.name)
 
 
 def test_context_parallel_chunks_equal_the_whole_sequence(inputs, cp=3):
