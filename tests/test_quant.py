@@ -182,13 +182,16 @@ def test_int8_under_pp_equals_the_reference_of_its_micro_batches_and_its_control
 
 def test_a_non_finite_value_reaches_the_int8_results():
     """A NaN or inf in a matmul's input makes its results non-finite, not a finite integer after the int8
-    cast (the pipeline's bubbles are NaN: one let through must show, ``quant.step``); dense and expert."""
+    cast (the pipeline's bubbles are NaN: one let through must show, ``quant.step``); dense and expert.
+    Each compiled as the step compiles it (jitted: one program each, not one per operation)."""
     from meshlm.model.moe import Experts
 
     x, w, ct = _random([(4, 8), (8, 6), (4, 6)])
+    dense = jax.jit(
+        lambda x, w, ct: _value_and_grads(lambda x, w: int8_dense(Parallel(), "col", x, w), x, w, ct)
+    )
     for bad in (jnp.nan, jnp.inf):
-        xb = x.at[1, 2].set(bad)
-        y, dx, dw = _value_and_grads(lambda x, w: int8_dense(Parallel(), "col", x, w), xb, w, ct)
+        y, dx, dw = dense(x.at[1, 2].set(bad), w, ct)
         assert not np.isfinite(np.asarray(y)[1]).any() and not np.isfinite(np.asarray(dw)).all()
         assert np.isfinite(np.asarray(y)[[0, 2, 3]]).all()
     ids, cw = jnp.array([[0], [1], [0], [1]]), jnp.ones((4, 1))
@@ -196,7 +199,12 @@ def test_a_non_finite_value_reaches_the_int8_results():
     experts = lambda x, *ws: Parallel().experts(
         x, ids, cw, Experts(*ws, "blocks", quant="int8", par=Parallel())
     )
-    y, vjp = jax.vjp(experts, x.at[1, 2].set(jnp.nan), *weights)
-    grads = vjp(jnp.ones_like(y))
+
+    @jax.jit
+    def experts_and_grads(x, *ws):
+        y, vjp = jax.vjp(experts, x, *ws)
+        return y, vjp(jnp.ones_like(y))
+
+    y, grads = experts_and_grads(x.at[1, 2].set(jnp.nan), *weights)
     assert np.isnan(np.asarray(y)[1]).all() and np.isfinite(np.asarray(y)[[0, 2, 3]]).all()
     assert np.isnan(np.asarray(grads[1])[1]).any()  # expert 1's w_gate gradient: its NaN row's
