@@ -114,7 +114,7 @@ def windowed():
     with jax.enable_x64(True):
         r = np.random.default_rng(0)
         batch = {k: jnp.asarray(r.integers(0, 64, (2, 16)), jnp.int32) for k in ("inputs", "targets")}
-        params = hk.transform(loss_fn(cfg, Parallel())).init(jax.random.PRNGKey(0), batch)
+        params = jax.jit(hk.transform(loss_fn(cfg, Parallel())).init)(jax.random.PRNGKey(0), batch)
         params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
         want = jax.jit(reference_value_and_grad(lambda par: loss_fn(cfg, par)))(params, batch)
     return cfg, batch, params, want
@@ -142,7 +142,7 @@ def test_rolling_cache_holds_the_window_and_equals_the_full_forward(attention):
 
     cfg = get_config("tiny-mistral").replace(sliding_window=4, attention=attention, attn_block=4)
     tokens = np.random.default_rng(1).integers(1, 64, (2, 20))
-    params = hk.transform(loss_fn(cfg, Parallel())).init(
+    params = jax.jit(hk.transform(loss_fn(cfg, Parallel())).init)(
         jax.random.PRNGKey(0), {k: jnp.asarray(tokens, jnp.int32) for k in ("inputs", "targets")}
     )
     gen = Generator(cfg, params, make_mesh(1, 1), max_len=32)
@@ -182,7 +182,7 @@ def test_local_layers_cache_holds_the_window(preset, attention, meshes):
 
     cfg = get_config(preset).replace(sliding_window=4, attention=attention, attn_block=4)
     tokens = np.random.default_rng(1).integers(1, 64, (2, 20))
-    params = hk.transform(loss_fn(cfg, Parallel())).init(
+    params = jax.jit(hk.transform(loss_fn(cfg, Parallel())).init)(
         jax.random.PRNGKey(0), {k: jnp.asarray(tokens, jnp.int32) for k in ("inputs", "targets")}
     )
     want = np.asarray(
