@@ -25,6 +25,11 @@ def _value_and_grads(fn, x, w, ct):
     return (out, *vjp(ct))
 
 
+def _jitted_value_and_grads(fn, x, w, ct):
+    """``_value_and_grads`` as one compiled program, as the step runs it (not one per operation)."""
+    return jax.jit(lambda x, w, ct: _value_and_grads(fn, x, w, ct))(x, w, ct)
+
+
 def _random(shapes, seed=0):
     keys = jax.random.split(jax.random.key(seed), len(shapes))
     return [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes, strict=True)]
@@ -45,8 +50,8 @@ def test_int8_lowers_to_s8_dots_with_s32_accumulators():
 
 def test_int8_approximates_the_float_matmul_and_its_gradients():
     x, w, ct = _random([(4, 8, 64), (64, 32), (4, 8, 32)], seed=1)
-    got = _value_and_grads(lambda x, w: int8_dense(Parallel(), "row", x, w), x, w, ct)
-    want = _value_and_grads(jnp.matmul, x, w, ct)
+    got = _jitted_value_and_grads(lambda x, w: int8_dense(Parallel(), "row", x, w), x, w, ct)
+    want = _jitted_value_and_grads(jnp.matmul, x, w, ct)
     for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         rel = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
@@ -55,7 +60,7 @@ def test_int8_approximates_the_float_matmul_and_its_gradients():
 
 def test_int8_of_zeros_is_zero_and_bfloat16_keeps_its_dtype():
     x, w = jnp.zeros((3, 8), jnp.bfloat16), jnp.ones((8, 4), jnp.bfloat16)
-    y, dx, dw = _value_and_grads(
+    y, dx, dw = _jitted_value_and_grads(
         lambda x, w: int8_dense(Parallel(), "col", x, w), x, w, jnp.ones((3, 4), jnp.bfloat16)
     )
     assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
