@@ -855,7 +855,7 @@ COMMANDS: dict[str, Run | Shown] = {
         "--config mixtral-8x7b => --config tiny-mixtral",
         "--mesh 8x8 --ep 8 --devices 64 => --mesh 2x2 --ep 2 --devices 4",
         expect=("ep=2",),
-        slow=TOOL_DOC.format("benchmarks.md:1023"),
+        slow=TOOL_DOC.format("benchmarks.md:1065"),
     ),
     "meshlm convert --from-hf HF_DIR --out ck": run(),
     "meshlm verify --checkpoint ck --mesh 1x4 --devices 4": verify(
