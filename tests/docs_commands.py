@@ -65,7 +65,7 @@ MEM = "tests/test_memory_options.py::test_fsdp_and_sp_proven_with_every_new_cont
 GPT2 = "tests/test_controls_margin.py::test_padded_logits_control_is_seen_even_where_zero_padding_hides"
 MARGIN = "tests/test_controls_margin.py::test_every_control_moves_the_result_by_100x_the_tolerance"
 LAUNCH = "tests/test_multiprocess.py::test_launch_verify_spans_both_processes"
-PP = "tests/test_pp_verify.py::test_verify_pp_proves_the_pipeline_and_detects_its_faults"
+PP = "tests/test_pp_verify.py::test_verify_pp_proves_the_pipeline_and_detects_its_send_and_microbatch_faults"
 F64 = "tests/test_core.py::test_verify_ff_every_mesh_float64_exact"
 Z = "tests/test_prover.py::test_z_loss_is_proven_sharded_and_its_bug_is_caught"
 DOC = "tests/test_doc_mask.py::test_verify_doc_mask_passes_and_its_controls_are_detected"
@@ -140,9 +140,9 @@ SOFTCAP_BW = (
     "--seq-len 64 --x64 --steps 2"
 )
 EP = "tests/test_ep.py::test_ep_with_fsdp_and_sp_equals_the_unsharded_model_and_its_faults_show"
-MOE = "tests/test_moe.py::test_moe_proven_sharded_with_its_controls_detected"
+MOE = "tests/test_moe.py::test_moe_proven_sharded_with_its_sharding_controls_detected"
 EP_PP = "tests/test_ep.py::test_ep_under_pp_equals_the_unsharded_model"
-LINEAR = "tests/test_deltanet.py::test_verify_proves_linear_attention_and_detects_its_controls"
+LINEAR = "tests/test_deltanet.py::test_verify_proves_linear_attention_and_detects_its_sharding_controls"
 LINEAR_2X2 = (
     "meshlm verify --config tiny-qwen3.5 --mesh 2x2 --fsdp --sp --doc-mask --devices 4 --steps 2 --x64"
 )

@@ -30,6 +30,17 @@ def _by_hand(q, k, v, chunk):
     return jnp.einsum("bkgts,bske->btkge", p, v).reshape(B, T, H, E)
 
 
+def _jitted_vjp(fn, args, dout):
+    """(fn(*args), its gradients against ``dout``) as one compiled program, as the model runs a kernel
+    (one program, not one per operation)."""
+
+    def both(args, dout):
+        out, vjp = jax.vjp(fn, *args)
+        return out, vjp(dout)
+
+    return jax.jit(both)(args, dout)
+
+
 @pytest.mark.parametrize("chunk", [5, 16])  # boundaries inside blocks of 4 and the ring's halves; none
 def test_every_kernel_equals_the_chunk_mask_by_hand(chunk):
     with jax.enable_x64(True):
@@ -47,15 +58,17 @@ def test_every_kernel_equals_the_chunk_mask_by_hand(chunk):
                 q, halves(k), halves(v), pos, halves(pos), block=4, variant=Variant(chunk=chunk)
             ),
         }
-        want, vjp = jax.vjp(lambda *a: _by_hand(*a, chunk), q, k, v)
-        want_grads = vjp(dout)
+        want, want_grads = _jitted_vjp(lambda *a: _by_hand(*a, chunk), (q, k, v), dout)
         for name, fn in kernels.items():
-            got, vjp = jax.vjp(fn, q, k, v)
+            got, grads = _jitted_vjp(fn, (q, k, v), dout)
             assert float(jnp.max(jnp.abs(got - want))) <= TOL, name
-            for g, w in zip(vjp(dout), want_grads, strict=True):
+            for g, w in zip(grads, want_grads, strict=True):
                 assert float(jnp.max(jnp.abs(g - w))) <= TOL * float(jnp.max(jnp.abs(w))), name
-        off = blockwise_attention(q, k, v, pos, pos, block=4, variant=Variant(chunk=jnp.int32(0)))
-        assert float(jnp.max(jnp.abs(off - _by_hand(q, k, v, T)))) <= TOL  # a traced 0: no chunk
+        no_chunk = lambda q, k, v: blockwise_attention(
+            q, k, v, pos, pos, block=4, variant=Variant(chunk=jnp.int32(0))
+        )
+        off, whole = jax.jit(lambda *a: (no_chunk(*a), _by_hand(*a, T)))(q, k, v)
+        assert float(jnp.max(jnp.abs(off - whole))) <= TOL  # a traced 0: no chunk
 
 
 def test_blocks_outside_the_chunk_are_skipped():

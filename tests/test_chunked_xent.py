@@ -48,8 +48,13 @@ def test_chunked_loss_and_every_gradient_equal_the_whole_loss_in_float64(preset,
     with jax.enable_x64(True):
         cfg = get_config(preset).replace(**changes)
         init, example = init_fn(cfg)
-        params = jax.tree.map(lambda p: p.astype(jnp.float64), init(jax.random.PRNGKey(0), example))
-        params = jax.tree.map(lambda p: p + 0.01 * jnp.sin(jnp.arange(p.size).reshape(p.shape)), params)
+
+        @jax.jit  # one program, not one per operation
+        def start(key):
+            params = jax.tree.map(lambda p: p.astype(jnp.float64), init(key, example))
+            return jax.tree.map(lambda p: p + 0.01 * jnp.sin(jnp.arange(p.size).reshape(p.shape)), params)
+
+        params = start(jax.random.PRNGKey(0))
         batch = _batch(cfg, 3, 9, weights)  # 27 tokens: chunks of 4 leave a tail of 3
         whole, g_whole = _loss_and_grads(cfg, params, batch)
         chunked, g_chunked = _loss_and_grads(cfg.replace(loss_chunk=4), params, batch)

@@ -158,8 +158,8 @@ CASES = {
 RAN: dict[str, set] = {}
 
 
-# slow: its cost is its scale (13 configurations' controls at 100x the tolerance); each control's detection is
-# proven quick in its feature's proof
+# slow: its cost is its scale (13 configurations' controls at 100x the tolerance); each feature's proof is
+# quick with its sharding's controls (every control's detection: the feature proofs' slow halves)
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_control_moves_the_result_by_100x_the_tolerance(case, tmp_path_factory):

@@ -39,7 +39,7 @@ def problem():
     with jax.enable_x64(True):
         r = np.random.default_rng(0)
         batch = {k: jnp.asarray(r.integers(0, 64, (2, 16)), jnp.int32) for k in ("inputs", "targets")}
-        params = hk.transform(loss_fn(cfg, Parallel())).init(jax.random.PRNGKey(0), batch)
+        params = jax.jit(hk.transform(loss_fn(cfg, Parallel())).init)(jax.random.PRNGKey(0), batch)
         params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
         want = jax.jit(reference_value_and_grad(lambda par: loss_fn(cfg, par)))(params, batch)
     return cfg, batch, params, want

@@ -13,6 +13,11 @@ from meshlm.model import deltanet
 
 B, T, H, DK, DV = 2, 21, 3, 4, 5
 
+# the rule and the conv jitted, as the layer runs them (one program each, not one per operation)
+recurrent_rule = jax.jit(deltanet.recurrent_rule)
+chunked_rule = jax.jit(deltanet.chunked_rule, static_argnums=6)
+causal_conv = jax.jit(deltanet.causal_conv)
+
 
 @pytest.fixture(scope="module")
 def inputs():
@@ -30,13 +35,13 @@ def test_chunked_equals_recurrence(inputs, chunk):
     with jax.enable_x64(True):
         reset = jnp.asarray(np.random.default_rng(1).uniform(size=(B, T)) < 0.2)
         for r in (None, reset):
-            want, want_state = deltanet.recurrent_rule(*inputs, r)
-            got, state = deltanet.chunked_rule(*inputs, chunk, r)
+            want, want_state = recurrent_rule(*inputs, r)
+            got, state = chunked_rule(*inputs, chunk, r)
             assert float(jnp.max(jnp.abs(got - want))) <= 1e-12
             assert float(jnp.max(jnp.abs(state - want_state))) <= 1e-12
         # the write strength matters: beta = 0 writes nothing, so the state only decays
         zero = (*inputs[:4], jnp.zeros_like(inputs[4]), inputs[5])
-        _, state = deltanet.chunked_rule(*zero, chunk)
+        _, state = chunked_rule(*zero, chunk)
         decay = jnp.exp(jnp.sum(inputs[3], axis=1))[..., None, None]
         assert float(jnp.max(jnp.abs(state - inputs[5] * decay))) <= 1e-12
 
@@ -49,41 +54,62 @@ def test_documents_restart_the_state_and_the_conv(inputs):
         starts = jnp.where(positions >= 9, 9, 0)
         reset = deltanet.document_resets(positions, starts)
         zeros = jnp.zeros((B, H, DK, DV))
-        got, _ = deltanet.chunked_rule(q, k, v, g, beta, zeros, 4, reset)
+        got, _ = chunked_rule(q, k, v, g, beta, zeros, 4, reset)
         parts = [slice(0, 9), slice(9, T)]
         for s in parts:
-            alone, _ = deltanet.recurrent_rule(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], zeros)
+            alone, _ = recurrent_rule(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], zeros)
             assert float(jnp.max(jnp.abs(got[:, s] - alone))) <= 1e-12
-        carried, _ = deltanet.chunked_rule(q, k, v, g, beta, zeros, 4)  # without the reset: different
+        carried, _ = chunked_rule(q, k, v, g, beta, zeros, 4)  # without the reset: different
         assert float(jnp.max(jnp.abs(carried[:, 9:] - got[:, 9:]))) > 1e-3
         x, w = v.reshape(B, T, -1), jnp.asarray(np.random.default_rng(2).normal(size=(4, H * DV)))
-        conv = deltanet.causal_conv(x, w, positions, starts)
+        conv = causal_conv(x, w, positions, starts)
         for s in parts:
-            assert float(jnp.max(jnp.abs(conv[:, s] - deltanet.causal_conv(x[:, s], w)))) <= 1e-12
+            assert float(jnp.max(jnp.abs(conv[:, s] - causal_conv(x[:, s], w)))) <= 1e-12
 
 
-def test_verify_proves_linear_attention_and_detects_its_controls():
+def _prove_linear_attention(names=None):
     """``meshlm verify --config tiny-qwen3.5 --mesh 2x2 --fsdp --sp --doc-mask``'s proof (float64, 16
-    tokens: two chunks of 8, EOD-rich rows): sharded == unsharded, key and value heads split over mp,
-    and each of the delta rule's planted faults detected (the head pairing's under mp, the reset's
-    under the document mask)."""
+    tokens: two chunks of 8, EOD-rich rows): sharded == unsharded, key and value heads split over mp, with
+    the delta rule's planted faults ``names`` (None: every one) each detected. The names of the controls
+    run."""
     from meshlm.model.config import get_config
     from meshlm.parallel.layout import Layout
     from meshlm.proof import format_report, model_problem, verify
     from meshlm.proof.linear_controls import LINEAR_CONTROLS
 
+    controls = tuple(c for c in LINEAR_CONTROLS if names is None or c.name in names)
     layout = Layout(dp=2, mp=2, fsdp=True, sp=True)
     cfg = get_config("tiny-qwen3.5").replace(doc_mask=0, n_layers=2)  # one period: a linear, a full layer
     problem = model_problem(cfg, "tiny-qwen3.5", layout, batch_size=2, seq_len=16)
     with jax.enable_x64(True):
-        report = verify(problem, layout, dtype=np.float64, controls=LINEAR_CONTROLS, steps=2)
+        report = verify(problem, layout, dtype=np.float64, controls=controls, steps=2)
     assert report.ok, format_report(report)
     assert max(p.max_rel_err for p in report.params) <= 1e-12
-    # the cp chunks' controls apply under cp only (test_verify_proves_linear_attention_under_cp)
-    assert sorted(c["name"] for c in report.controls) == sorted(
-        c.name for c in LINEAR_CONTROLS if "cp chunks" not in c.name
-    )
     assert all(c["detected"] for c in report.controls), report.controls
+    return sorted(c["name"] for c in report.controls)
+
+
+# The quick tier: the two faults of the sharded rule, the head pairing under mp and the state's reset
+# under the document mask (each other control recompiles the train step)
+QUICK_LINEAR = (
+    "linear attention's key heads paired with another shard's value heads",
+    "delta rule's state not reset at a document start",
+)
+
+
+def test_verify_proves_linear_attention_and_detects_its_sharding_controls():
+    assert _prove_linear_attention(QUICK_LINEAR) == sorted(QUICK_LINEAR)
+
+
+# slow: the same proof with every control (the rule's decay order and beta's sigmoid too: faults of the
+# rule itself, not of its sharding): its cost is its scale; the sharded rule's bug class is caught
+# quick by test_verify_proves_linear_attention_and_detects_its_sharding_controls
+@pytest.mark.slow
+def test_verify_proves_linear_attention_and_detects_its_controls():
+    from meshlm.proof.linear_controls import LINEAR_CONTROLS
+
+    # the cp chunks' controls apply under cp only (test_verify_proves_linear_attention_under_cp)
+    assert _prove_linear_attention() == sorted(c.name for c in LINEAR_CONTROLS if "cp chunks" not in c.name)
 
 
 def test_context_parallel_chunks_equal_the_whole_sequence(inputs, cp=3):
@@ -103,7 +129,7 @@ def test_context_parallel_chunks_equal_the_whole_sequence(inputs, cp=3):
         q, k, v, g, beta = (a[:, : 6 * cp] for a in inputs[:5])  # 2cp chunks of 3 tokens
         t, zeros = q.shape[1], jnp.zeros((B, H, DK, DV))
         x, w = v.reshape(B, t, -1), jnp.asarray(np.random.default_rng(3).normal(size=(3, H * DV)))
-        want, _ = deltanet.chunked_rule(q, k, v, g, beta, zeros, 2)
+        want, _ = chunked_rule(q, k, v, g, beta, zeros, 2)
         layout = Layout(cp=cp)
         par = Parallel.on(layout)
 
@@ -114,8 +140,8 @@ def test_context_parallel_chunks_equal_the_whole_sequence(inputs, cp=3):
         run = jax.jit(jax.shard_map(body, mesh=layout.mesh, in_specs=P(), out_specs=P(None, CP)))
         out, conv = (sequence_order(a, cp) for a in run(q, k, v, g, beta, x))
         assert float(jnp.max(jnp.abs(out - want))) <= 1e-12
-        assert float(jnp.max(jnp.abs(conv - deltanet.causal_conv(x, w)))) <= 1e-12
-        alone, _ = deltanet.chunked_rule(*(a[:, 3:] for a in (q, k, v, g, beta)), zeros, 2)
+        assert float(jnp.max(jnp.abs(conv - causal_conv(x, w)))) <= 1e-12
+        alone, _ = chunked_rule(*(a[:, 3:] for a in (q, k, v, g, beta)), zeros, 2)
         assert float(jnp.max(jnp.abs(alone - want[:, 3:]))) > 1e-3  # the state from chunk 0 matters
 
 

@@ -28,7 +28,7 @@ def _grads(kind: str, seed: int, monkeypatch):
         k: jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 16)), jnp.int32) for k in ("inputs", "targets")
     }
     apply = hk.without_apply_rng(hk.transform(loss_fn(cfg, Parallel(), False))).apply
-    return jax.grad(lambda p: apply(p, batch))(params)
+    return jax.jit(jax.grad(apply))(params, batch)  # traced here, under ``kind``: one program, as a step
 
 
 def test_jax_backward_equals_the_2d_one_in_float64(monkeypatch):

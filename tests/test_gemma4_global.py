@@ -27,15 +27,35 @@ def _cfg(**changes):
     return get_config("tiny-gemma4").replace(**{**GLOBAL, **changes})
 
 
-def test_global_layers_of_their_own_shape_proven_with_controls():
+def _prove_global(names=None) -> set:
+    """The proof on 1x4 with the controls ``names`` of Gemma 4's and the replicated-KV one (None: every
+    one), each detected; the names of the controls run."""
     cfg = _cfg()
     kv = [c for c in CONTROLS if c.name == "KV heads not replicated per query group"]
+    controls = tuple(c for c in PER_LAYER_CONTROLS + tuple(kv) if names is None or c.name in names)
     problem = model_problem(cfg, "gemma4-global", Layout(mp=4), 1, 8)
     with jax.enable_x64(True):
-        report = verify(problem, Layout(mp=4), dtype=jnp.float64, controls=PER_LAYER_CONTROLS + tuple(kv))
-    dense = [c for c in PER_LAYER_CONTROLS + tuple(kv) if not c.name.startswith("MoE")]  # no experts here
-    assert {c["name"] for c in report.controls} == {c.name for c in dense}
+        report = verify(problem, Layout(mp=4), dtype=jnp.float64, controls=controls)
     assert report.ok and all(c["detected"] for c in report.controls), (report.checks, report.controls)
+    return {c["name"] for c in report.controls}
+
+
+# The quick tier: the two faults of the global layers' own shape, their 2 KV heads replicated over mp = 4
+# and their keys as values (each other control recompiles the train step)
+QUICK_GLOBAL = ("KV heads not replicated per query group", "keys-as-values layer reading its own values")
+
+
+def test_global_layers_of_their_own_shape_proven_with_their_shape_controls():
+    assert _prove_global(QUICK_GLOBAL) == set(QUICK_GLOBAL)
+
+
+# slow: the same proof with every Gemma 4 control (the KV sharing and the per-layer inputs too, each
+# proven on its own in tests/test_gemma4.py): its cost is its scale; the global layers' bug class is
+# caught quick by test_global_layers_of_their_own_shape_proven_with_their_shape_controls
+@pytest.mark.slow
+def test_global_layers_of_their_own_shape_proven_with_controls():
+    dense = [c for c in PER_LAYER_CONTROLS if not c.name.startswith("MoE")]  # no experts here
+    assert _prove_global() == {c.name for c in dense} | {"KV heads not replicated per query group"}
 
 
 def test_stacks_and_shapes():

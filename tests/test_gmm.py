@@ -64,7 +64,7 @@ def test_the_kernel_in_shard_map_equals_the_reference():
     loss = lambda f: lambda x, cw, *w: jnp.sum(f(x, ids, cw, *w) * cot)
     got = jax.jit(jax.value_and_grad(loss(sharded), argnums=tuple(range(7))))(x, cw, *weights)
     reference = lambda x, ids, cw, *w: local(x, ids, cw, w)
-    want = jax.value_and_grad(loss(reference), argnums=tuple(range(7)))(x, cw, *weights)
+    want = jax.jit(jax.value_and_grad(loss(reference), argnums=tuple(range(7))))(x, cw, *weights)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(b))))
 
@@ -78,9 +78,14 @@ def test_offsets_one_row_off_change_the_output():
         ids = jnp.asarray(routing(rng, N, False, 0))
         cw = jnp.asarray(rng.uniform(size=(N, K)))
         weights = [jnp.asarray(rng.normal(size=s)) for s in ((E, D, H), (E, D, H), (E, H, D))]
-        want = local(x, ids, cw, weights)
-        plain = Parallel().experts(x, ids, cw, Experts(*weights, "gmm"))
-        planted = GroupOffsetsOneRowOff().experts(x, ids, cw, Experts(*weights, "gmm"))
+        # jitted: each one program, as the layer runs (not one per operation)
+        want = jax.jit(lambda x, ids, cw, *w: local(x, ids, cw, w))(x, ids, cw, *weights)
+        plain, planted = (
+            jax.jit(lambda x, ids, cw, *w, par=par: par.experts(x, ids, cw, Experts(*w, "gmm")))(
+                x, ids, cw, *weights
+            )
+            for par in (Parallel(), GroupOffsetsOneRowOff())
+        )
         assert float(jnp.max(jnp.abs(plain - want))) <= 1e-12 * float(jnp.max(jnp.abs(want)))
         assert float(jnp.max(jnp.abs(planted - want))) > 1e-3
 

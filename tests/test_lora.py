@@ -20,28 +20,38 @@ from meshlm.model.config import get_config
 TARGETS = "q,k,v,o,gate,up,down"
 
 
-# The LoRA proof on 2x2 is quick; FSDP + SP with dropout, pp and cp are slow: the same proof on more
-# layouts (its cost is its scale); dropout's masks: test_dropout_masks_and_changes_the_gradient_..., quick.
+# The quick tier: the proof on 2x2 with the control of the adapters' sharding (B's gradient summed over
+# the data shards) and the scale's (each other control recompiles the step).
+QUICK_LORA = ("LoRA B gradient not summed over the data shards", "LoRA scale alpha/R applied twice")
+
+
+# The LoRA proof on 2x2 is quick (with QUICK_LORA); every control on 2x2, FSDP + SP with dropout, pp and cp
+# are slow: the same proof with more controls and on more layouts (its cost is its scale); the adapters'
+# sharding bug class: the 2x2 quick cell; dropout's masks: test_dropout_masks_and_changes_the_gradient_...,
+# quick.
 @pytest.mark.parametrize(
-    "layout,dropout",
+    "layout,dropout,names",
     [
-        (dict(dp=2, mp=2), 0.0),
+        (dict(dp=2, mp=2), 0.0, QUICK_LORA),
+        pytest.param(dict(dp=2, mp=2), 0.0, None, marks=pytest.mark.slow),
         pytest.param(
-            dict(dp=2, mp=2, fsdp=True, sp=True), 0.1, marks=pytest.mark.slow
+            dict(dp=2, mp=2, fsdp=True, sp=True), 0.1, None, marks=pytest.mark.slow
         ),  # --lora-dropout: global tokens' masks
         pytest.param(
-            dict(dp=1, mp=2, pp=2, microbatches=4), 0.0, marks=pytest.mark.slow
+            dict(dp=1, mp=2, pp=2, microbatches=4), 0.0, None, marks=pytest.mark.slow
         ),  # (--pp refuses dropout)
-        pytest.param(dict(dp=1, mp=2, cp=2), 0.1, marks=pytest.mark.slow),
+        pytest.param(dict(dp=1, mp=2, cp=2), 0.1, None, marks=pytest.mark.slow),
     ],
+    ids=["2x2-quick", "2x2", "fsdp-sp-dropout", "pp2", "cp2-dropout"],
 )
-def test_verify_lora_sft_equal_unsharded_and_its_controls_detected(layout, dropout):
+def test_verify_lora_sft_equal_unsharded_and_its_controls_detected(layout, dropout, names):
     from meshlm.parallel.layout import Layout
     from meshlm.proof import format_report, model_problem, verify
     from meshlm.proof.lora import LORA_CONTROLS, lora_problem
     from meshlm.proof.sft import sft_problem
 
     lay = Layout(**layout)
+    controls = tuple(c for c in LORA_CONTROLS if names is None or c.name in names)  # None: every one
     cfg = get_config("tiny-llama").replace(
         lora_rank=4, lora_alpha=8.0, lora_targets=TARGETS, lora_dropout=dropout
     )
@@ -51,7 +61,7 @@ def test_verify_lora_sft_equal_unsharded_and_its_controls_detected(layout, dropo
         # under pp the pipeline's controls on what SFT changes (the masked loss's and the adapters' gradients'
         # sum over micro-batches); its schedule faults are the engine's alone (tests/test_pp_verify.py)
         faults = ("one micro-batch's gradient dropped", "loss not divided by M")
-        report = verify(problem, lay, dtype=np.float64, controls=LORA_CONTROLS, pipeline_faults=faults)
+        report = verify(problem, lay, dtype=np.float64, controls=controls, pipeline_faults=faults)
     assert report.ok, format_report(report)
     adapters = [p for p in report.params if lora.is_adapter(p.path)]
     assert len(adapters) == 14 and max(p.max_rel_err for p in adapters) <= 1e-12

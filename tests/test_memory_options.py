@@ -57,20 +57,29 @@ def test_fsdp_parameter_and_optimizer_bytes_fall_by_dp():
     del plain_specs
 
 
+# The quick tier: one control of each strategy, FSDP's reduce-scatter of the gradient and SP's gather of
+# the sequence (each other control recompiles the train step, ~5 CPU-s)
+QUICK_CONTROLS = ("FSDP gradient kept from one data shard", "SP sequence shards gathered in the wrong order")
+
+
 @pytest.mark.parametrize(
-    ("preset", "remat", "steps", "collectives"),
-    # gptj with full remat slow: the same proof on another preset (its cost is its scale); remat's own
-    # bug class: tests/test_reference.py's remat control and test_transformer's remat proof, quick
+    ("preset", "remat", "steps", "collectives", "names"),
+    # slow: every new control on tiny-llama (the all-gather's order, the norms' gradient, the extra
+    # all-reduce too), and gptj with full remat: the same proof with more controls and on another preset
+    # (their cost is their scale); the strategies' bug class is caught quick by the tiny-llama cell with
+    # QUICK_CONTROLS; remat's own bug class: tests/test_reference.py's remat control and test_transformer's
+    # remat proof, quick
     [
-        ("tiny-llama", "selective", 1, True),
-        pytest.param("tiny-gptj", "full", 0, False, marks=pytest.mark.slow),
+        ("tiny-llama", "selective", 1, True, QUICK_CONTROLS),
+        pytest.param("tiny-llama", "selective", 1, True, NEW_CONTROLS, marks=pytest.mark.slow),
+        pytest.param("tiny-gptj", "full", 0, False, NEW_CONTROLS[:-1], marks=pytest.mark.slow),
     ],
+    ids=["tiny-llama-quick", "tiny-llama-every", "tiny-gptj-full"],
 )
-def test_fsdp_and_sp_proven_with_every_new_control_detected(preset, remat, steps, collectives):
+def test_fsdp_and_sp_proven_with_every_new_control_detected(preset, remat, steps, collectives, names):
     cfg = get_config(preset).replace(remat=remat)
     problem = model_problem(cfg, preset, 2, 4, 8, dp=2, fsdp=True, sp=True)
-    names = NEW_CONTROLS if collectives else NEW_CONTROLS[:-1]  # the last is seen by the collectives
-    controls = tuple(c for c in CONTROLS if c.name in names)
+    controls = tuple(c for c in CONTROLS if c.name in names)  # without collectives, the last is not seen
     with jax.enable_x64(True):
         report = verify(
             problem,

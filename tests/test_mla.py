@@ -48,22 +48,33 @@ def test_latent_projections_replicated_and_up_projections_by_heads():
     assert theoretical_collectives(cfg, 1, 2)["mla_latent_grads"] == 4 * 4
 
 
+# The quick tier: the 2x2 proof with the two controls of MLA's sharding, its replicated latent norm's
+# gradient summed over mp and its one rotary key shared by the heads (each other control recompiles the
+# train step)
+QUICK_MLA = {"MLA latent norm gradient not summed over mp", "MLA rotary key taken per head"}
+
+
 @pytest.mark.parametrize(
-    "layout, attention",
+    "layout, attention, names",
     [
-        (Layout(dp=2, mp=2, fsdp=True, sp=True), "plain"),
-        # slow: the same proof under cp (its cost is its scale; cp's all-gather: test_cp's, quick)
-        pytest.param(Layout(mp=2, cp=2, cp_strategy="allgather"), "blockwise", marks=pytest.mark.slow),
+        (Layout(dp=2, mp=2, fsdp=True, sp=True), "plain", QUICK_MLA),
+        # slow: every MLA control on 2x2 (the key halves' order, YaRN's factor too) and the same proof under
+        # cp (their cost is their scale): MLA's sharding bug class is caught quick by the 2x2-fsdp-sp-quick
+        # cell (cp's all-gather: test_cp's, quick)
+        pytest.param(Layout(dp=2, mp=2, fsdp=True, sp=True), "plain", MLA_NAMES, marks=pytest.mark.slow),
+        pytest.param(
+            Layout(mp=2, cp=2, cp_strategy="allgather"), "blockwise", MLA_NAMES, marks=pytest.mark.slow
+        ),
     ],
-    ids=["2x2-fsdp-sp", "cp2-allgather-blockwise"],
+    ids=["2x2-fsdp-sp-quick", "2x2-fsdp-sp", "cp2-allgather-blockwise"],
 )
-def test_mla_proven_with_its_controls_detected(layout, attention):
+def test_mla_proven_with_its_controls_detected(layout, attention, names):
     cfg = _dense_mla(attention=attention, attn_block=4)
     problem = model_problem(cfg, "tiny-deepseek-v3", layout, 2 * layout.dp, 16)
-    controls = tuple(c for c in CONTROLS if c.name in MLA_NAMES)
+    controls = tuple(c for c in CONTROLS if c.name in names)
     with jax.enable_x64(True):
         report = verify(problem, layout.mesh, steps=1, dtype=jnp.float64, controls=controls)
     assert report.ok, [c for c in report.checks if not c["ok"]]
     assert max(p.max_rel_err for p in report.params) <= 1e-12
-    assert {c["name"] for c in report.controls} == MLA_NAMES
+    assert {c["name"] for c in report.controls} == names
     assert all(c["detected"] for c in report.controls), report.controls

@@ -101,26 +101,50 @@ def test_dense_layers_among_moe_layers():
     )
 
 
-def test_moe_proven_sharded_with_its_controls_detected():
+def _prove_moe(controls):
     """A MoE model with every part (tiny-qwen2-moe's dense layer 0 and a MoE layer with a shared expert,
     its top-k renormalised) on 2x2 in float64: loss and every gradient (router, experts, shared expert
-    and its gate, the dense layer) equal the unsharded model's, and every MoE control detected (on the
-    planted tie)."""
+    and its gate, the dense layer) equal the unsharded model's, no routing flip, and each of ``controls``
+    that applies detected (on the planted tie). The names of the controls run."""
     from helpers import verify_preset
 
     from meshlm.proof import format_report
-    from meshlm.proof.moe_controls import MOE_CONTROLS
 
     cfg = get_config("tiny-qwen2-moe").replace(n_layers=2, norm_topk_prob=True)
     with jax.enable_x64(True):
         report = verify_preset(
-            "tiny-qwen2-moe", 2, 2, batch=2, seq=8, dtype=jnp.float64, cfg=cfg, controls=MOE_CONTROLS
+            "tiny-qwen2-moe", 2, 2, batch=2, seq=8, dtype=jnp.float64, cfg=cfg, controls=controls
         )
     assert report.ok and max(p.max_rel_err for p in report.params) <= 1e-12, format_report(report)
-    # all but the capacity's (dropless here), the one of norm_topk_prob off (OLMoE) and gmm's (its offsets)
-    assert len(report.controls) == len(MOE_CONTROLS) - 3
+    assert all(c["detected"] for c in report.controls), report.controls
     (flips,) = [c for c in report.checks if c["name"] == "routing flips"]  # proof.routing
     assert flips["ok"] and flips["detail"].startswith("0 of 16 token-choices routed differently"), flips
+    return {c["name"] for c in report.controls}
+
+
+# The quick tier: the two faults of the layer's sharding, a sum over mp and one over the data shards
+# missing (each other control recompiles the train step)
+QUICK_MOE = (
+    "MoE combine weights' gradient not summed over mp",
+    "MoE aux-loss statistics not summed over the data shards",
+)
+
+
+def test_moe_proven_sharded_with_its_sharding_controls_detected():
+    from meshlm.proof.moe_controls import MOE_CONTROLS
+
+    assert _prove_moe(tuple(c for c in MOE_CONTROLS if c.name in QUICK_MOE)) == set(QUICK_MOE)
+
+
+# slow: the same proof with every MoE control (the renormalisation, the tie, the shared expert's, the
+# dispatch's): its cost is its scale; the layer's sharding bug class is caught quick by
+# test_moe_proven_sharded_with_its_sharding_controls_detected
+@pytest.mark.slow
+def test_moe_proven_sharded_with_its_controls_detected():
+    from meshlm.proof.moe_controls import MOE_CONTROLS
+
+    # all but the capacity's (dropless here), the one of norm_topk_prob off (OLMoE) and gmm's (its offsets)
+    assert len(_prove_moe(MOE_CONTROLS)) == len(MOE_CONTROLS) - 3
 
 
 def test_capacity_drops_by_gshards_rule_on_the_whole_batch():

@@ -34,15 +34,34 @@ def _lone_process_zero(port: int, *extra: str) -> list[str]:
     return ["verify", "--config", "tiny", *flags.split(), *extra]
 
 
-def test_launch_verify_spans_both_processes():
-    out = run_meshlm(*LAUNCH, "verify", "--config", "tiny", "--mesh", "2x2", "--json")
+def _launched_verify(*extra: str) -> dict:
+    """``meshlm verify --config tiny --mesh 2x2`` over 2 processes: its report, passing, with its
+    controls detected and the data pipeline's rows (each process builds its own rows; assembled, they
+    equal the one-device batch)."""
+    out = run_meshlm(*LAUNCH, "verify", "--config", "tiny", "--mesh", "2x2", "--json", *extra)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["ok"] and report["mesh"] == {"dp": 2, "mp": 2}
     assert len(report["controls"]) >= 4 and all(c["detected"] for c in report["controls"])
-    # Across 2 processes: each builds its own rows; assembled, they equal the one-device batch.
     data = [c for c in report["checks"] if c["name"].startswith("data pipeline")]
     assert len(data) == 2 and all(c["ok"] for c in data)
+    return report
+
+
+# The quick tier: the proof across processes without the communication check (its train step and the
+# extra all-reduce's compiled again in each process); the check itself is quick in one process
+# (tests/test_prover.py::test_communication_is_minimal_and_an_extra_all_reduce_is_caught)
+def test_launch_verify_spans_both_processes():
+    _launched_verify("--no-collectives")
+
+
+# slow: the same proof with the communication check (its cost: two more train steps compiled in each
+# process); the multi-process bug class (one mesh across processes) is caught quick by
+# test_launch_verify_spans_both_processes
+@pytest.mark.slow
+def test_launch_verify_counts_the_collectives_across_processes():
+    report = _launched_verify()
+    assert any(c["name"] == "all-reduces per step" for c in report["checks"]), report["checks"]
 
 
 # slow: its cost (two processes train, then a restore in one: ~1 CPU-min); the multi-process bug class (one

@@ -24,7 +24,8 @@ def _errors(config, layout: Layout, vocab: int = 64, **changes) -> dict:
     with jax.enable_x64(True):
         tokens = jax.random.randint(jax.random.PRNGKey(1), (2 * layout.microbatches * layout.dp, 9), 0, vocab)
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-        params = jax.tree.map(lambda a: a.astype(jnp.float64), init(jax.random.PRNGKey(0), batch))
+        start = jax.jit(lambda key: jax.tree.map(lambda a: a.astype(jnp.float64), init(key, batch)))
+        params = start(jax.random.PRNGKey(0))  # one program, not one per operation
         ref_loss, ref_grads = jax.jit(reference_value_and_grad(lambda par: loss_fn(cfg, par)))(params, batch)
         specs = model_specs(cfg, params, layout)
         fn = pipelined_value_and_grad(cfg, layout, specs, fill=float("nan"))

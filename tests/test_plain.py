@@ -1,5 +1,6 @@
 """The hand-written ``plain`` reference of bench computes meshlm's model; unrolling the layer loop changes
-nothing but rounding; the step's ``healthy`` flag keeps the state after a non-finite step."""
+nothing but rounding; the step's ``healthy`` flag keeps the state after a non-finite step. Each model is
+compared jitted, as bench and the step run it (one program each, not one per operation)."""
 
 import haiku as hk
 import jax
@@ -69,8 +70,8 @@ QUICK = ("tiny-llama", "tiny-qwen3")
 def test_plain_equals_meshlm_in_float64(name):
     with jax.enable_x64(True):
         cfg, params, batch = _problem(name, **CASES[name])
-        want, want_g = jax.value_and_grad(_meshlm_loss(cfg))(params, batch)
-        got, got_g = jax.value_and_grad(lambda p: plain.loss(cfg, p, batch))(params)
+        want, want_g = jax.jit(jax.value_and_grad(_meshlm_loss(cfg)))(params, batch)
+        got, got_g = jax.jit(jax.value_and_grad(lambda p, b: plain.loss(cfg, p, b)))(params, batch)
         assert abs(float(got - want)) <= 1e-12 * abs(float(want))
         assert _worst_rel(want_g, got_g) <= 1e-12
 
@@ -79,13 +80,13 @@ def test_a_wrong_plain_model_is_caught():
     """The comparison can fail: plain without the causal mask differs from meshlm."""
     with jax.enable_x64(True):
         cfg, params, batch = _problem("tiny-llama")
-        want = _meshlm_loss(cfg)(params, batch)
+        want = jax.jit(_meshlm_loss(cfg))(params, batch)
         orig = plain._attention
         try:
             plain._attention = lambda cfg, p, x, cos, sin, mask: orig(
                 cfg, p, x, cos, sin, jnp.ones_like(mask)
             )
-            got = plain.loss(cfg, params, batch)
+            got = jax.jit(lambda p, b: plain.loss(cfg, p, b))(params, batch)
         finally:
             plain._attention = orig
         assert abs(float(got - want)) > 1e-6
@@ -96,9 +97,9 @@ def test_unroll_changes_only_rounding(unroll):
     with jax.enable_x64(True):
         cfg, params, batch = _problem("tiny-llama")
         assert cfg.unroll == 0 and cfg.layer_unroll == cfg.n_layers  # the default: every layer
-        want, want_g = jax.value_and_grad(_meshlm_loss(cfg))(params, batch)
+        want, want_g = jax.jit(jax.value_and_grad(_meshlm_loss(cfg)))(params, batch)
         rolled = cfg.replace(unroll=unroll)
-        got, got_g = jax.value_and_grad(_meshlm_loss(rolled))(params, batch)
+        got, got_g = jax.jit(jax.value_and_grad(_meshlm_loss(rolled)))(params, batch)
         assert abs(float(got - want)) <= 1e-12 * abs(float(want))
         assert _worst_rel(want_g, got_g) <= 1e-12
 

@@ -182,8 +182,8 @@ def test_z_loss_is_proven_sharded_and_its_bug_is_caught(monkeypatch):
 
 
 def _controls(*names):
-    """The named controls only (each compiles a program of its own; test_transformer.py runs every
-    control of gptj and llama on 2x2)."""
+    """The named controls only (each compiles a program of its own; test_transformer.py runs llama's
+    attention controls on 2x2 quick, and every control of gptj and llama on 2x2 slow)."""
     found = tuple(c for c in CONTROLS if c.name in names)
     assert len(found) == len(names), names
     return found

@@ -25,6 +25,11 @@ def _value_and_grads(fn, x, w, ct):
     return (out, *vjp(ct))
 
 
+def _jitted_value_and_grads(fn, x, w, ct):
+    """``_value_and_grads`` as one compiled program, as the step runs it (not one per operation)."""
+    return jax.jit(lambda x, w, ct: _value_and_grads(fn, x, w, ct))(x, w, ct)
+
+
 def _random(shapes, seed=0):
     keys = jax.random.split(jax.random.key(seed), len(shapes))
     return [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes, strict=True)]
@@ -45,8 +50,8 @@ def test_int8_lowers_to_s8_dots_with_s32_accumulators():
 
 def test_int8_approximates_the_float_matmul_and_its_gradients():
     x, w, ct = _random([(4, 8, 64), (64, 32), (4, 8, 32)], seed=1)
-    got = _value_and_grads(lambda x, w: int8_dense(Parallel(), "row", x, w), x, w, ct)
-    want = _value_and_grads(jnp.matmul, x, w, ct)
+    got = _jitted_value_and_grads(lambda x, w: int8_dense(Parallel(), "row", x, w), x, w, ct)
+    want = _jitted_value_and_grads(jnp.matmul, x, w, ct)
     for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         rel = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
@@ -55,7 +60,7 @@ def test_int8_approximates_the_float_matmul_and_its_gradients():
 
 def test_int8_of_zeros_is_zero_and_bfloat16_keeps_its_dtype():
     x, w = jnp.zeros((3, 8), jnp.bfloat16), jnp.ones((8, 4), jnp.bfloat16)
-    y, dx, dw = _value_and_grads(
+    y, dx, dw = _jitted_value_and_grads(
         lambda x, w: int8_dense(Parallel(), "col", x, w), x, w, jnp.ones((3, 4), jnp.bfloat16)
     )
     assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
@@ -182,13 +187,16 @@ def test_int8_under_pp_equals_the_reference_of_its_micro_batches_and_its_control
 
 def test_a_non_finite_value_reaches_the_int8_results():
     """A NaN or inf in a matmul's input makes its results non-finite, not a finite integer after the int8
-    cast (the pipeline's bubbles are NaN: one let through must show, ``quant.step``); dense and expert."""
+    cast (the pipeline's bubbles are NaN: one let through must show, ``quant.step``); dense and expert.
+    Each compiled as the step compiles it (jitted: one program each, not one per operation)."""
     from meshlm.model.moe import Experts
 
     x, w, ct = _random([(4, 8), (8, 6), (4, 6)])
+    dense = jax.jit(
+        lambda x, w, ct: _value_and_grads(lambda x, w: int8_dense(Parallel(), "col", x, w), x, w, ct)
+    )
     for bad in (jnp.nan, jnp.inf):
-        xb = x.at[1, 2].set(bad)
-        y, dx, dw = _value_and_grads(lambda x, w: int8_dense(Parallel(), "col", x, w), xb, w, ct)
+        y, dx, dw = dense(x.at[1, 2].set(bad), w, ct)
         assert not np.isfinite(np.asarray(y)[1]).any() and not np.isfinite(np.asarray(dw)).all()
         assert np.isfinite(np.asarray(y)[[0, 2, 3]]).all()
     ids, cw = jnp.array([[0], [1], [0], [1]]), jnp.ones((4, 1))
@@ -196,7 +204,12 @@ def test_a_non_finite_value_reaches_the_int8_results():
     experts = lambda x, *ws: Parallel().experts(
         x, ids, cw, Experts(*ws, "blocks", quant="int8", par=Parallel())
     )
-    y, vjp = jax.vjp(experts, x.at[1, 2].set(jnp.nan), *weights)
-    grads = vjp(jnp.ones_like(y))
+
+    @jax.jit
+    def experts_and_grads(x, *ws):
+        y, vjp = jax.vjp(experts, x, *ws)
+        return y, vjp(jnp.ones_like(y))
+
+    y, grads = experts_and_grads(x.at[1, 2].set(jnp.nan), *weights)
     assert np.isnan(np.asarray(y)[1]).all() and np.isfinite(np.asarray(y)[[0, 2, 3]]).all()
     assert np.isnan(np.asarray(grads[1])[1]).any()  # expert 1's w_gate gradient: its NaN row's

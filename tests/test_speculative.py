@@ -173,9 +173,9 @@ def _checkpoint(path, cfg, params):
     return str(path)
 
 
-def test_cli_runs_the_documented_command_and_refuses_bad_input(tmp_path, monkeypatch, capsys):
+def _documented_run(tmp_path, monkeypatch, capsys):
     """The docs' command on a tiny-deepseek-v3 of the docs' 300-id vocabulary (the planted weights, ids
-    from 64 on zero-padded): the tokens of plain greedy generation, and the drafts reported."""
+    from 64 on zero-padded), run in ``tmp_path``: (its argv, its JSON rows), the drafts reported."""
     cfg = CFG.replace(vocab_size=300)
     _checkpoint(
         tmp_path / "runs/deepseek",
@@ -189,8 +189,12 @@ def test_cli_runs_the_documented_command_and_refuses_bad_input(tmp_path, monkeyp
     keys = {"drafts_proposed", "drafts_accepted", "acceptance_rate", "main_forwards", "tokens_per_forward"}
     assert all(keys < set(o["speculative"]) and o["speculative"]["method"] == "mtp" for o in out)
     assert sum(o["speculative"]["drafts_accepted"] for o in out) > 0
-    assert run_cli(*[a for a in argv if a not in ("--speculative", "mtp")]) == 0
-    assert [o["tokens"] for o in json.loads(capsys.readouterr().out)] == [o["tokens"] for o in out]
+    return argv, out
+
+
+def test_cli_runs_the_documented_command_and_refuses_bad_input(tmp_path, monkeypatch, capsys):
+    """The docs' command (``_documented_run``), and its bad inputs refused in one line before any work."""
+    argv, _ = _documented_run(tmp_path, monkeypatch, capsys)
     assert run_cli(*argv, "--temperature", "0.7") == 2
     assert capsys.readouterr().err.count("\n") == 1  # one line
     assert run_cli(*argv, "--mesh", "1x1", "--cp", "2", "--devices", "2") == 2
@@ -198,3 +202,13 @@ def test_cli_runs_the_documented_command_and_refuses_bad_input(tmp_path, monkeyp
     _checkpoint(tmp_path / "llama", get_config("tiny-llama"), host_params("tiny-llama"))
     assert run_cli(*[a.replace("runs/deepseek", "llama") for a in argv]) == 2
     assert "needs MTP depths" in capsys.readouterr().err
+
+
+# slow: the CLI's plain generation beside its speculative one (its cost: a second generation compiled);
+# speculative tokens equal plain greedy ones, quick: test_output_equals_plain_greedy_with_drafts_accepted_
+# and_rejected (the library call the CLI makes)
+@pytest.mark.slow
+def test_cli_speculative_tokens_are_plain_greedy_generations(tmp_path, monkeypatch, capsys):
+    argv, out = _documented_run(tmp_path, monkeypatch, capsys)
+    assert run_cli(*[a for a in argv if a not in ("--speculative", "mtp")]) == 0
+    assert [o["tokens"] for o in json.loads(capsys.readouterr().out)] == [o["tokens"] for o in out]

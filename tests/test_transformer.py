@@ -33,23 +33,28 @@ def _verify(name, dp, mp, dtype=jnp.float32, steps=0, **kw):
 # that apply are a subset of 2x2's, the same planted programs on another dp or mp (each control compiles a
 # program of its own); a float32 proof there without controls repeated a float64 one at 10^8 the tolerance.
 #
-# Two tiers: tiny-llama on 2x2 (every attention control, dp's and mp's) is quick. Slow: tiny-gptj on 2x2
-# (the same controls on another family; its values: the float64 cells below) and tiny-llama on 1x8 (the
-# KV-replication control: tests/test_prover.py::test_kv_heads_replicated_on_four_devices catches it, quick).
+# Two tiers: tiny-llama on 2x2 with the attention controls (ATTENTION_CONTROLS) is quick; the others that
+# apply on 2x2 (the all-reduce's, the vocab slice's, dp's mean, the clipping's, the padded logits') are the
+# ff model's on 2x2, quick in tests/test_core.py::test_verify_ff_float32_with_controls. Slow: tiny-llama on
+# 2x2 with every control, tiny-gptj on 2x2 (the same controls on another family; its values: the float64
+# cells below) and tiny-llama on 1x8 (the KV-replication control:
+# tests/test_prover.py::test_kv_heads_replicated_on_four_devices catches it, quick).
 @pytest.mark.parametrize(
-    "name,dp,mp",
+    "name,dp,mp,every",
     [
-        pytest.param("tiny-gptj", 2, 2, marks=pytest.mark.slow),
-        ("tiny-llama", 2, 2),
-        pytest.param("tiny-llama", 1, 8, marks=pytest.mark.slow),
+        pytest.param("tiny-gptj", 2, 2, True, marks=pytest.mark.slow),
+        ("tiny-llama", 2, 2, False),
+        pytest.param("tiny-llama", 2, 2, True, marks=pytest.mark.slow),
+        pytest.param("tiny-llama", 1, 8, True, marks=pytest.mark.slow),
     ],
 )
-def test_transformer_float32(name, dp, mp):
-    report = _verify(name, dp, mp)
+def test_transformer_float32(name, dp, mp, every):
+    attention = tuple(c for c in CONTROLS if c.name in ATTENTION_CONTROLS)
+    report = _verify(name, dp, mp) if every else _verify(name, dp, mp, controls=attention)
     assert report.ok, format_report(report)
     names = {c["name"] for c in report.controls}
     assert ATTENTION_CONTROLS <= names and all(c["detected"] for c in report.controls)
-    if dp > 1:
+    if dp > 1 and every:
         assert "missing data-parallel mean" in names
     if name == "tiny-llama" and mp == 8:  # 4 KV heads on 8 shards: replicated, one per query group
         assert "KV heads not replicated per query group" in names

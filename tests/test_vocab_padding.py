@@ -67,7 +67,9 @@ def test_loss_and_gradients_equal_the_unpadded_model():
     batch = {k: rng.integers(0, cfg.vocab_size, (2, 8)).astype(np.int32) for k in ("inputs", "targets")}
     with jax.enable_x64(True):
         loss = hk.without_apply_rng(hk.transform(loss_fn(cfg, Parallel())))
-        params = jax.tree.map(lambda p: p.astype(jnp.float64), loss.init(jax.random.PRNGKey(0), batch))
+        params = jax.jit(lambda key: jax.tree.map(lambda p: p.astype(jnp.float64), loss.init(key, batch)))(
+            jax.random.PRNGKey(0)
+        )  # one program, not one per operation
         pads = padding_of(params, cfg.vocab_size)
         assert pads and all(not np.any(np.asarray(p)) for p in pads.values())  # zero at init
         params = jax.tree_util.tree_map_with_path(  # make the padding visible if it leaked

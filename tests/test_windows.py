@@ -114,7 +114,7 @@ def windowed():
     with jax.enable_x64(True):
         r = np.random.default_rng(0)
         batch = {k: jnp.asarray(r.integers(0, 64, (2, 16)), jnp.int32) for k in ("inputs", "targets")}
-        params = hk.transform(loss_fn(cfg, Parallel())).init(jax.random.PRNGKey(0), batch)
+        params = jax.jit(hk.transform(loss_fn(cfg, Parallel())).init)(jax.random.PRNGKey(0), batch)
         params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
         want = jax.jit(reference_value_and_grad(lambda par: loss_fn(cfg, par)))(params, batch)
     return cfg, batch, params, want
@@ -142,7 +142,7 @@ def test_rolling_cache_holds_the_window_and_equals_the_full_forward(attention):
 
     cfg = get_config("tiny-mistral").replace(sliding_window=4, attention=attention, attn_block=4)
     tokens = np.random.default_rng(1).integers(1, 64, (2, 20))
-    params = hk.transform(loss_fn(cfg, Parallel())).init(
+    params = jax.jit(hk.transform(loss_fn(cfg, Parallel())).init)(
         jax.random.PRNGKey(0), {k: jnp.asarray(tokens, jnp.int32) for k in ("inputs", "targets")}
     )
     gen = Generator(cfg, params, make_mesh(1, 1), max_len=32)
@@ -160,11 +160,21 @@ def test_rolling_cache_holds_the_window_and_equals_the_full_forward(attention):
         np.testing.assert_allclose(got[b], want[b, n - 1 :], rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("preset,attention", [("tiny-gemma2", "blockwise")])
-def test_local_layers_cache_holds_the_window(preset, attention):
+@pytest.mark.parametrize(
+    "preset,attention,meshes",
+    [
+        ("tiny-gemma2", "blockwise", ((1, 2),)),
+        # slow: the same cache on one device (its cost, its programs compiled again): the local layers'
+        # window with the heads split is caught quick by the 1x2 cell; one device's rolling window quick
+        # by test_rolling_cache_holds_the_window_and_equals_the_full_forward
+        pytest.param("tiny-gemma2", "blockwise", ((1, 1),), marks=pytest.mark.slow),
+    ],
+    ids=["tiny-gemma2-blockwise-1x2", "tiny-gemma2-blockwise-1x1"],
+)
+def test_local_layers_cache_holds_the_window(preset, attention, meshes):
     """Local and global layers (Gemma 2/3), window 4, a 32-slot context: the local layers' decode cache
     has 4 slots, the global ones' 32; teacher-forced cached logits from prompts of 3 and 11 tokens up to
-    position 19 (several windows on) equal the full forward's, on 1x1 and 1x2."""
+    position 19 (several windows on) equal the full forward's, on ``meshes``."""
     from meshlm.generate.generator import Generator, cache_memory
     from meshlm.generate.inputs import Sampling
     from meshlm.model.kv_kinds import kind_counts
@@ -172,14 +182,14 @@ def test_local_layers_cache_holds_the_window(preset, attention):
 
     cfg = get_config(preset).replace(sliding_window=4, attention=attention, attn_block=4)
     tokens = np.random.default_rng(1).integers(1, 64, (2, 20))
-    params = hk.transform(loss_fn(cfg, Parallel())).init(
+    params = jax.jit(hk.transform(loss_fn(cfg, Parallel())).init)(
         jax.random.PRNGKey(0), {k: jnp.asarray(tokens, jnp.int32) for k in ("inputs", "targets")}
     )
     want = np.asarray(
         jax.jit(hk.without_apply_rng(hk.transform(logits_fn(cfg, Parallel()))).apply)(params, tokens)
     )
     (n_local, n_global), lengths = kind_counts(cfg), np.array([3, 11])
-    for mesh in (make_mesh(1, 1), make_mesh(1, 2)):
+    for mesh in (make_mesh(*m) for m in meshes):
         gen = Generator(cfg, params, mesh, max_len=32)
         _, _, cache = gen.prefill(np.zeros((2, 32), np.int32), lengths, Sampling())
         assert cache["k_local"].shape[:3] == (n_local, 2, 4) and cache["k"].shape[:3] == (n_global, 2, 32)
