@@ -57,14 +57,20 @@ def inverse(choice, m: int, k: int):
 
 def gather_sum(rows, inv, weights=None):
     """[N, D]: the sum over j = 0 .. k-1, in that order, of weights[n, j] x rows[inv[n, j]] (``rows``
-    [R, D]; ``inv`` [N, k], R reads a zero row; no ``weights``: 1), accumulated in float32 at least."""
-    picked = jnp.take(rows, inv, axis=0, mode="fill", fill_value=0)  # [N, k, D]
-    if weights is not None:
-        picked = weights[..., None] * picked  # each term rounded as the scatter-add's row was
-    acc = jnp.promote_types(rows.dtype, jnp.float32)
-    out = picked[:, 0].astype(acc)
-    for j in range(1, inv.shape[1]):  # a fixed order, whatever the shard's rows (module docstring)
-        out = out + picked[:, j].astype(acc)
+    [R, D]; ``inv`` [N, k], R: a zero term; no ``weights``: 1), accumulated in float32 at least.
+
+    One gather of [N, D] rows per j, its index clamped and the term zeroed by a select the sum's
+    fusion takes in: XLA:TPU ran ``take(mode="fill")``'s [N, k, D] gather then a select-and-relayout
+    pass over all of it (the compile-only v5e's HLO), one more read and write of N x k x D values."""
+    r, acc = rows.shape[0], jnp.promote_types(rows.dtype, jnp.float32)
+    out = None
+    for j in range(inv.shape[1]):  # a fixed order, whatever the shard's rows (module docstring)
+        at = inv[:, j]  # [N]
+        term = jnp.take(rows, at, axis=0, mode="clip")  # [N, D]; R read as row R - 1, then zeroed
+        if weights is not None:
+            term = weights[:, j, None] * term  # rounded in the rows' dtype, as the scatter-add's row was
+        term = jnp.where((at < r)[:, None], term, jnp.zeros((), term.dtype)).astype(acc)
+        out = term if out is None else out + term
     return out.astype(rows.dtype)
 
 
