@@ -80,7 +80,9 @@ def plan(ids, n_local: int, first, how: str, cap: int = 0, tiling=None) -> Rows:
     e = jnp.where((ids.reshape(-1) >= 0) & (local >= 0) & (local < n_local), local, n_local)
     order = jnp.argsort(e, stable=True)  # ties (one expert) in flat order: token, then choice
     es = e[order]
-    counts = jnp.zeros(n_local + 1, jnp.int32).at[e].add(1)[:n_local]
+    # each expert's choices from where its run starts in the sorted ids, not a scatter-add of M ones (a
+    # TPU's scatters may cost by their updates, whatever their size: docs/benchmarks.md, the experts)
+    counts = jnp.diff(jnp.searchsorted(es, jnp.arange(n_local + 1), side="left")).astype(jnp.int32)
     rank = jnp.arange(m) - _ext(jnp.cumsum(counts) - counts)[es]  # place among its expert's choices
     if cap:
         sizes = jnp.full(n_local, cap, jnp.int32)
@@ -118,8 +120,8 @@ def sorted_experts(par, x, ids, weights, expert_fn, first=0, cap: int = 0):
     x = _varying_like(x, token)  # the dispatch's VJP returns dx typed as x (custom_vjp: no casts)
     xs = dispatch_rows(x, token, inv)
     ys = expert_rows(par, xs, rows, expert_fn, n * min(k, expert_fn.n_local), cap)
-    w = _varying_like(weights.astype(ys.dtype), ys)
-    return combine_rows(_varying_like(ys, w), w, token, choice, inv)
+    w = _varying_like(weights.astype(ys.dtype), ys)  # [N, k]; ys, w of one type: the VJP's dys, dw are
+    return combine_rows(_varying_like(ys, w), w, token, choice, inv)  # typed so, JAX's casts sum them
 
 
 def _scattered(par, x, choice, rows, weights, expert_fn, cap: int):
