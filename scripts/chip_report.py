@@ -40,6 +40,7 @@ ATTN_KINDS = ("plain", "flash", "blockwise")
 BENCH = ("bench", "--mesh", "1x1", "--gen-tokens", "0", "--peak-n", "8192", "--json", "--impls", "meshlm")
 INT8 = "meshlm-int8"  # bench's int8 implementation (``perf.bench_settings.INT8``)
 SCATTER = (("MESHLM_KV_WRITE", "scatter"),)  # decode's cache writes by XLA's scatter (``model.cache_kernel``)
+COMBINE_SCATTER = (("MESHLM_MOE_COMBINE", "scatter"),)  # experts' rows by scatter-adds (``grouped_gather``)
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,8 @@ def _kernel_jobs() -> list[Job]:
         Job("kernels", f"experts {c}", (*base, "--config", c, *moe))
         for c in ("qwen3-moe-100m", "qwen3-moe-a3b-chip")
     ]
+    scatter = (*base, "--config", "qwen3-moe-100m", *moe)  # the rows' moves the old way: beside the gathers
+    jobs.append(Job("kernels", "experts qwen3-moe-100m scatter combine", scatter, env=COMBINE_SCATTER))
     gen = (
         *BENCH[:2],
         "1x1",
@@ -311,14 +314,15 @@ def _profile_jobs() -> list[Job]:
     equivalent, and Qwen3-0.6B at its best measured setting."""
     script = ("scripts/step_profile.py", "--steps", "2", "--")
     moe = ("--mesh", "1x1", "--batch-size", "8", "--seq-len", "512", "--bf16", "--steps", "5")
-    moe += ("--gen-tokens", "0")
+    moe += ("--gen-tokens", "0", "--impls", "ragged_dot-dispatch,dense-eq", "--peak-n", "8192")
     qwen = ("--config", "qwen3-0.6b", "--mesh", "1x1", "--batch-size", "8", "--seq-len", "2048", "--bf16")
     qwen += ("--steps", "5", "--remat", "full", "--loss-chunk", "2048", "--impls", "meshlm")
     qwen += ("--gen-tokens", "0")
-    moe += ("--impls", "ragged_dot-dispatch,dense-eq", "--peak-n", "8192")
     smoke = ("scripts/step_profile.py", "--cpu-smoke")
+    moe_step = (*script, "--config", "qwen3-moe-100m", *moe)
     return [
-        Job("profile", "step qwen3-moe-100m", (*script, "--config", "qwen3-moe-100m", *moe), smoke),
+        Job("profile", "step qwen3-moe-100m", moe_step, smoke),
+        Job("profile", "step qwen3-moe-100m scatter combine", moe_step, env=COMBINE_SCATTER),
         Job("profile", "step qwen3-0.6b b=8 full", (*script, *qwen, "--peak-n", "8192")),
     ]
 

@@ -181,3 +181,14 @@ def test_the_kv_write_job_times_scatter_and_kernel_and_decode_runs_both_ways(tmp
     assert (
         kernel.argv == scatter.argv and dict(scatter.env) == {"MESHLM_KV_WRITE": "scatter"} and not kernel.env
     )
+
+
+def test_the_experts_jobs_run_the_scatter_combine_beside_the_gathers():
+    """Issue 64: the experts' bench and step profile with the rows moved by gathers (the default) and
+    the same command with ``MESHLM_MOE_COMBINE=scatter`` (the scatter-adds they replaced)."""
+    script = _script()
+    kernels, profile = ({j.name: j for j in f()} for f in (script._kernel_jobs, script._profile_jobs))
+    for jobs, name in ((kernels, "experts qwen3-moe-100m"), (profile, "step qwen3-moe-100m")):
+        gathers, scatters = jobs[name], jobs[f"{name} scatter combine"]
+        assert gathers.argv == scatters.argv and not gathers.env
+        assert dict(scatters.env) == {"MESHLM_MOE_COMBINE": "scatter"}

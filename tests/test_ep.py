@@ -189,15 +189,15 @@ def test_ep4_and_ep_with_cp_equal_the_unsharded_model(mixtral):
 @pytest.mark.slow
 def test_ep_with_capacity_through_the_sorted_dispatch():
     """Tokens dropped (C = 0.5 of E / k = 2) on ep 2 of dp 4: the kept choices in the [E/ep, capacity, D]
-    slots equal the one-device model's (the capacity decided on the whole batch); padding slots that
-    read and add to choice 0 move the result by far more."""
+    slots equal the one-device model's (the capacity decided on the whole batch); the choices with no
+    slot here (dropped, or another shard's experts) reading slot 0 move the result by far more."""
     from meshlm.model.config import get_config
-    from meshlm.proof.moe_controls import PaddingRowsLeak
+    from meshlm.proof.moe_controls import AbsentChoicesReadRowZero
 
     problem = _reference(get_config("tiny-mixtral").replace(n_layers=1, moe_capacity_factor=0.5))
     layout = Layout(dp=4, ep=2)
     assert _worst(problem, layout) <= 1e-12
-    assert _worst(problem, layout, PaddingRowsLeak) > 1e-3
+    assert _worst(problem, layout, AbsentChoicesReadRowZero) > 1e-3
 
 
 @pytest.mark.slow

@@ -143,8 +143,9 @@ def test_moe_proven_sharded_with_its_sharding_controls_detected():
 def test_moe_proven_sharded_with_its_controls_detected():
     from meshlm.proof.moe_controls import MOE_CONTROLS
 
-    # all but the capacity's (dropless here), the one of norm_topk_prob off (OLMoE) and gmm's (its offsets)
-    assert len(_prove_moe(MOE_CONTROLS)) == len(MOE_CONTROLS) - 3
+    # all but the capacity's (dropless here), the one of norm_topk_prob off (OLMoE), gmm's (its offsets),
+    # the scatter-add combine's padding leak and the gathers' choice with no row here (no ep, no drops)
+    assert len(_prove_moe(MOE_CONTROLS)) == len(MOE_CONTROLS) - 5
 
 
 def test_capacity_drops_by_gshards_rule_on_the_whole_batch():

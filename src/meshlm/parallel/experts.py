@@ -76,8 +76,15 @@ class ExpertParallel:
         return sizes
 
     def moe_padding_choice(self, m: int):
-        """What a padding row of the sorted dispatch reads and adds to: the choice ``m`` (none)."""
+        """What a padding row of the sorted dispatch reads and adds to: the choice ``m`` (none). The
+        scatter-add combine's only (``MESHLM_MOE_COMBINE=scatter``): the gathers never read a padding row."""
         return m
+
+    def moe_inverse(self, inv, r: int):
+        """[N, k] the row each choice's output is gathered from (and its input's gradient), ``r`` (a zero
+        row) where none here holds it (``parallel.grouped_gather.inverse``): where a control points a
+        choice at the wrong row."""
+        return inv
 
     def moe_expert_grads(self, grads):
         """The expert weights' gradients (w_gate, w_up, w_down) [E_here, ...] the block scan summed per

@@ -20,8 +20,9 @@ token order, then choice order) and gives each kept choice a row of a buffer [R,
 * with a capacity C (``cap`` > 0): the fixed slots [E, cap, D] (``model.moe.capacity``'s bound),
   each expert's kept choices in its first slots, the experts' batched matmul over them.
 
-Rows no choice fills (padding) read no token (zeros) and add to none (``Parallel.moe_padding_choice``).
-The output is the combine-weighted scatter-add of the rows into their tokens: [N, D], partial over mp.
+Rows no choice fills (padding) read no token (zeros) and no choice reads them back. The output, [N, D]
+partial over mp, is each token's combine-weighted sum of its rows: gathers both ways, forward and
+backward (``parallel.grouped_gather``: the inverse map [N, k] from each choice to its row).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from jax import lax
 
 from meshlm.parallel.gmm_kernel import grouped_matmul
 from meshlm.parallel.gmm_tiling import row_tile
+from meshlm.parallel.grouped_gather import combine_mode, combine_rows, dispatch_rows, inverse
 from meshlm.parallel.grouped_int import IntGroups, block_groups, ragged_groups
 from meshlm.parallel.pipeline_ops import varying
 
@@ -78,7 +80,9 @@ def plan(ids, n_local: int, first, how: str, cap: int = 0, tiling=None) -> Rows:
     e = jnp.where((ids.reshape(-1) >= 0) & (local >= 0) & (local < n_local), local, n_local)
     order = jnp.argsort(e, stable=True)  # ties (one expert) in flat order: token, then choice
     es = e[order]
-    counts = jnp.zeros(n_local + 1, jnp.int32).at[e].add(1)[:n_local]
+    # each expert's choices from where its run starts in the sorted ids, not a scatter-add of M ones (a
+    # TPU's scatters may cost by their updates, whatever their size: docs/benchmarks.md, the experts)
+    counts = jnp.diff(jnp.searchsorted(es, jnp.arange(n_local + 1), side="left")).astype(jnp.int32)
     rank = jnp.arange(m) - _ext(jnp.cumsum(counts) - counts)[es]  # place among its expert's choices
     if cap:
         sizes = jnp.full(n_local, cap, jnp.int32)
@@ -103,31 +107,53 @@ def _ext(a):
 
 def sorted_experts(par, x, ids, weights, expert_fn, first=0, cap: int = 0):
     """[N, D] partial over mp: the combine-weighted sum of each token's routed rows, the experts
-    first .. first + ``expert_fn.n_local`` - 1 only (the others' choices add nothing here)."""
+    first .. first + ``expert_fn.n_local`` - 1 only (the others' choices add nothing here). The rows
+    moved by gathers both ways (``parallel.grouped_gather``), or with ``MESHLM_MOE_COMBINE=scatter`` by
+    the scatter-add (``_scattered``: a measurement's baseline)."""
     n, k = ids.shape
-    e_here = expert_fn.n_local
-    rows = plan(ids, e_here, first, expert_fn.dispatch, cap, expert_fn.tiling)
+    rows = plan(ids, expert_fn.n_local, first, expert_fn.dispatch, cap, expert_fn.tiling)
     choice = par.moe_rows(rows.choice)
+    if combine_mode() == "scatter":
+        return _scattered(par, x, choice, rows, weights, expert_fn, cap)
+    token = choice // k  # N for a padding row: reads zeros; no choice's inverse points at it
+    inv = par.moe_inverse(inverse(choice, n * k, k), choice.shape[0])  # [N, k]
+    x = _varying_like(x, token)  # the dispatch's VJP returns dx typed as x (custom_vjp: no casts)
+    xs = dispatch_rows(x, token, inv)
+    ys = expert_rows(par, xs, rows, expert_fn, n * min(k, expert_fn.n_local), cap)
+    w = _varying_like(weights.astype(ys.dtype), ys)  # [N, k]; ys, w of one type: the VJP's dys, dw are
+    return combine_rows(_varying_like(ys, w), w, token, choice, inv)  # typed so, JAX's casts sum them
+
+
+def _scattered(par, x, choice, rows, weights, expert_fn, cap: int):
+    """``sorted_experts`` with the rows' moves JAX's own: the dispatch a gather (its transpose a
+    scatter-add), the combine a scatter-add of the weighted rows into their tokens."""
+    n, k = weights.shape
     choice = jnp.where(choice == n * k, par.moe_padding_choice(n * k), choice)
     token = choice // k  # N for a padding row: reads zeros, adds to nothing
     xs = jnp.take(x, token, axis=0, mode="fill", fill_value=0)
     w = jnp.take(weights.reshape(-1), choice, mode="fill", fill_value=0).astype(x.dtype)
-    if cap:
-        ys = expert_fn(xs.reshape(e_here, cap, -1)).reshape(xs.shape[0], -1)
-    elif expert_fn.quant == "int8":  # int8 experts on this dispatch's integer grouped dots
-        ys = expert_fn.rows(xs, int_groups(rows, expert_fn.dispatch, e_here, xs.shape[0]))
-    elif expert_fn.dispatch == "ragged_dot":
-        ys = ragged_mlp(xs, rows.sizes, expert_fn)
-    elif expert_fn.dispatch == "gmm":
-        tm = row_tile(n * min(k, e_here), e_here, expert_fn.tiling)  # R's multiple (``row_bound``)
-        ys = gmm_mlp(xs, par.moe_group_sizes(rows.sizes), expert_fn, tm)
-    else:
-        blocks = xs.reshape(-1, BLOCK, xs.shape[-1])
-        ws = tuple(_varying_like(w, xs) for w in expert_fn.weights)
-        bs = tuple(_varying_like(b, xs) for b in expert_fn.biases)
-        ys = block_mlp(expert_fn.hidden, par.moe_expert_grads, blocks, rows.block_expert, rows.used, ws, bs)
-        ys = ys.reshape(xs.shape[0], -1)
+    ys = expert_rows(par, xs, rows, expert_fn, n * min(k, expert_fn.n_local), cap)
     return jnp.zeros((n, ys.shape[-1]), ys.dtype).at[token].add(w[:, None] * ys, mode="drop")
+
+
+def expert_rows(par, xs, rows: Rows, expert_fn, most: int, cap: int = 0):
+    """xs [R, D] the rows of ``plan`` -> [R, D]: each row through its expert, per ``expert_fn.dispatch``
+    (``most``: the choices that can reach these experts, "gmm"'s R is its multiple of the row tile)."""
+    e_here = expert_fn.n_local
+    if cap:
+        return expert_fn(xs.reshape(e_here, cap, -1)).reshape(xs.shape[0], -1)
+    if expert_fn.quant == "int8":  # int8 experts on this dispatch's integer grouped dots
+        return expert_fn.rows(xs, int_groups(rows, expert_fn.dispatch, e_here, xs.shape[0]))
+    if expert_fn.dispatch == "ragged_dot":
+        return ragged_mlp(xs, rows.sizes, expert_fn)
+    if expert_fn.dispatch == "gmm":
+        tm = row_tile(most, e_here, expert_fn.tiling)  # R's multiple (``row_bound``)
+        return gmm_mlp(xs, par.moe_group_sizes(rows.sizes), expert_fn, tm)
+    blocks = xs.reshape(-1, BLOCK, xs.shape[-1])
+    ws = tuple(_varying_like(w, xs) for w in expert_fn.weights)
+    bs = tuple(_varying_like(b, xs) for b in expert_fn.biases)
+    ys = block_mlp(expert_fn.hidden, par.moe_expert_grads, blocks, rows.block_expert, rows.used, ws, bs)
+    return ys.reshape(xs.shape[0], -1)
 
 
 def int_groups(rows: Rows, how: str, n_local: int, r: int) -> IntGroups:

@@ -5,7 +5,8 @@ is then wrong), Qwen2-MoE's shared expert counted on every mp shard or its gate'
 over mp, the aux-loss statistics not summed over the data shards, and (with a capacity factor) the
 capacity computed per shard: each shard ranks and drops among its own tokens only. The sorted
 dispatch's (``parallel.grouped``): a token's rows sent to the wrong expert after sorting, one expert's
-weight gradient added to its neighbour's in the block scan, padding rows leaking into the output.
+weight gradient added to its neighbour's in the block scan, padding rows leaking into the output (the
+scatter-add combine's) or a choice with no row here reading a computed one (the gathers').
 ``proof.controls`` lists them (the router record's: ``proof.router_controls``).
 
 A tie must exist for its control to show: ``plant_router_tie`` makes expert 1's router column a copy
@@ -29,6 +30,7 @@ from meshlm.parallel.axes import MP
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.ep import shard_tie_experts
 from meshlm.parallel.grouped import BLOCK
+from meshlm.parallel.grouped_gather import combine_mode
 from meshlm.proof.control_record import Control, Where
 from meshlm.proof.taps import Tapped
 
@@ -157,6 +159,16 @@ class PaddingRowsLeak(Parallel):
         return 0
 
 
+class AbsentChoicesReadRowZero(Parallel):
+    """A choice no row here holds (another ep shard's expert, or dropped by the capacity) reads row 0
+    (a sentinel index replaced by a valid one), not the zero row: its token gets its weight times row
+    0's output, and row 0's input the token's gradient. The gather combine's twin of the padding leak:
+    there padding rows are read by no choice, so the fault that can reach the output is this one."""
+
+    def moe_inverse(self, inv, r: int):
+        return jnp.where(inv == r, 0, inv)
+
+
 def _sorted(w: Where) -> bool:
     return _moe(w) and w.cfg.moe_dispatch != "dense"
 
@@ -239,9 +251,22 @@ MOE_CONTROLS: tuple[Control, ...] = (
     ),
     Control(
         name="MoE padding rows leak into the output",
-        # rows that compute (ragged_dot's rows past the groups are zeros: no value to leak)
-        applies=lambda w: _sorted(w) and (w.cfg.moe_dispatch == "blocks" or w.cfg.moe_capacity_factor > 0),
+        # the scatter-add combine's rows that compute (ragged_dot's rows past the groups are zeros: no
+        # value to leak); the gathers read no padding row: their twin is the next control
+        applies=lambda w: (
+            _sorted(w)
+            and combine_mode() == "scatter"
+            and (w.cfg.moe_dispatch == "blocks" or w.cfg.moe_capacity_factor > 0)
+        ),
         par_cls=PaddingRowsLeak,
+    ),
+    Control(
+        name="MoE choices with no row here read a computed row",
+        # the gather combine where a choice can have no row on its shard: ep, or a capacity that drops
+        applies=lambda w: (
+            _sorted(w) and combine_mode() == "gather" and (w.layout.experts_split or _drops(w.cfg))
+        ),
+        par_cls=AbsentChoicesReadRowZero,
     ),
     Control(
         name="MoE capacity computed per shard",
