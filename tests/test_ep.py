@@ -187,17 +187,22 @@ def test_ep4_and_ep_with_cp_equal_the_unsharded_model(mixtral):
 # slow: capacity through the sorted dispatch (its cost); the dispatches equal the all-local reference quick
 # above (test_dispatch_equals_all_local), the capacity rule in tests/test_moe.py
 @pytest.mark.slow
-def test_ep_with_capacity_through_the_sorted_dispatch():
+def test_ep_with_capacity_through_the_sorted_dispatch(monkeypatch):
     """Tokens dropped (C = 0.5 of E / k = 2) on ep 2 of dp 4: the kept choices in the [E/ep, capacity, D]
     slots equal the one-device model's (the capacity decided on the whole batch); the choices with no
-    slot here (dropped, or another shard's experts) reading slot 0 move the result by far more."""
+    slot here (dropped, or another shard's experts) reading slot 0 move the result by far more. The same
+    with the scatter-add combine (``MESHLM_MOE_COMBINE=scatter``), where the empty slots' rows leaking
+    into the output is the fault that shows."""
     from meshlm.model.config import get_config
-    from meshlm.proof.moe_controls import AbsentChoicesReadRowZero
+    from meshlm.proof.moe_controls import AbsentChoicesReadRowZero, PaddingRowsLeak
 
     problem = _reference(get_config("tiny-mixtral").replace(n_layers=1, moe_capacity_factor=0.5))
     layout = Layout(dp=4, ep=2)
     assert _worst(problem, layout) <= 1e-12
     assert _worst(problem, layout, AbsentChoicesReadRowZero) > 1e-3
+    monkeypatch.setenv("MESHLM_MOE_COMBINE", "scatter")
+    assert _worst(problem, layout) <= 1e-12
+    assert _worst(problem, layout, PaddingRowsLeak) > 1e-3
 
 
 @pytest.mark.slow
