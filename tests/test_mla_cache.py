@@ -8,6 +8,7 @@ per token and layer (DeepSeek-V3: 576 against full K/V's 40960)."""
 import haiku as hk
 import jax
 import numpy as np
+import pytest
 from test_generate import host_params
 
 from meshlm.generate.cache import cache_bytes, cache_shapes
@@ -21,17 +22,28 @@ TOKENS = np.random.default_rng(3).integers(1, 64, (2, 40))  # teacher-forced row
 LENGTHS = np.array([5, 30])  # prefilled lengths; the rest fed one decode step at a time
 
 
-def test_latent_cache_logits_equal_the_full_forward_in_float64():
+def _cached_logits_equal_the_full_forward(cases):
     cfg = get_config("tiny-deepseek-v3")
     with jax.enable_x64(True):
         params = jax.tree.map(lambda x: np.asarray(x, np.float64), host_params("tiny-deepseek-v3"))
         full = np.asarray(jax.jit(hk.transform(logits_fn(cfg, Parallel())).apply)(params, None, TOKENS))
-        for name, layout, cp in (("1x2", Layout(mp=2), False), ("cp2 x mp2", Layout(mp=2, cp=2), True)):
+        for name, layout, cp in cases:
             got = Generator(cfg, params, layout, eod=None, prefill_cp=cp).logits_with_cache(TOKENS, LENGTHS)
             for b, n in enumerate(LENGTHS):
                 want = full[b, n - 1 :, : cfg.vocab_size]
                 worst = float(np.max(np.abs(got[b] - want)) / np.max(np.abs(want)))
                 assert worst <= 1e-12, (name, b, worst)
+
+
+def test_latent_cache_logits_equal_the_full_forward_in_float64():
+    _cached_logits_equal_the_full_forward((("1x2", Layout(mp=2), False),))
+
+
+# slow: the same latent cache with its prefill over cp (its cost: a second generator compiled); a prefill
+# over cp equal to one without is quick in tests/test_generate_cp.py, the latent cache quick above
+@pytest.mark.slow
+def test_latent_cache_with_the_prefill_over_cp_equals_the_full_forward_in_float64():
+    _cached_logits_equal_the_full_forward((("cp2 x mp2", Layout(mp=2, cp=2), True),))
 
 
 def test_latent_cache_holds_the_latent_and_the_rotary_key_only():
