@@ -154,3 +154,15 @@ def saved_tiny_base(directory):
     text = directory / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog; " * 120)
     return out, text
+
+
+def jitted_vjp(fn, args, dout):
+    """(fn(*args), its gradients against ``dout``) as one compiled program, as the model runs a kernel
+    (one program, not one per operation)."""
+    import jax
+
+    def both(args, dout):
+        out, vjp = jax.vjp(fn, *args)
+        return out, vjp(dout)
+
+    return jax.jit(both)(args, dout)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import jitted_vjp
 
 from meshlm.model.attention import _attend
 from meshlm.model.attention_variants import Variant, block_needed
@@ -28,17 +29,6 @@ def _by_hand(q, k, v, chunk):
     vis = (i[None, :] <= i[:, None]) & (i[None, :] // chunk == i[:, None] // chunk)
     p = jax.nn.softmax(jnp.where(vis, s, -jnp.inf), -1)
     return jnp.einsum("bkgts,bske->btkge", p, v).reshape(B, T, H, E)
-
-
-def _jitted_vjp(fn, args, dout):
-    """(fn(*args), its gradients against ``dout``) as one compiled program, as the model runs a kernel
-    (one program, not one per operation)."""
-
-    def both(args, dout):
-        out, vjp = jax.vjp(fn, *args)
-        return out, vjp(dout)
-
-    return jax.jit(both)(args, dout)
 
 
 @pytest.mark.parametrize("chunk", [5, 16])  # boundaries inside blocks of 4 and the ring's halves; none
@@ -58,9 +48,9 @@ def test_every_kernel_equals_the_chunk_mask_by_hand(chunk):
                 q, halves(k), halves(v), pos, halves(pos), block=4, variant=Variant(chunk=chunk)
             ),
         }
-        want, want_grads = _jitted_vjp(lambda *a: _by_hand(*a, chunk), (q, k, v), dout)
+        want, want_grads = jitted_vjp(lambda *a: _by_hand(*a, chunk), (q, k, v), dout)
         for name, fn in kernels.items():
-            got, grads = _jitted_vjp(fn, (q, k, v), dout)
+            got, grads = jitted_vjp(fn, (q, k, v), dout)
             assert float(jnp.max(jnp.abs(got - want))) <= TOL, name
             for g, w in zip(grads, want_grads, strict=True):
                 assert float(jnp.max(jnp.abs(g - w))) <= TOL * float(jnp.max(jnp.abs(w))), name

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import jitted_vjp
 
 from meshlm.model.attention import _attend
 from meshlm.model.attention_variants import Variant
@@ -42,17 +43,6 @@ def _with_sink_column(q, k, v, sink, window, starts):
     return jnp.einsum("bkgts,bske->btkge", p, v).reshape(B, T, H, E)
 
 
-def _jitted_vjp(fn, args, dout):
-    """(fn(*args), its gradients against ``dout``) as one compiled program, as the model runs a kernel
-    (one program, not one per operation)."""
-
-    def both(args, dout):
-        out, vjp = jax.vjp(fn, *args)
-        return out, vjp(dout)
-
-    return jax.jit(both)(args, dout)
-
-
 @pytest.mark.parametrize("window", [0, 4])
 @pytest.mark.parametrize("doc", [False, True])
 def test_every_kernel_equals_the_softmax_with_a_sink_column(window, doc):
@@ -75,11 +65,9 @@ def test_every_kernel_equals_the_softmax_with_a_sink_column(window, doc):
             kernels["chunked"] = lambda q, k, v, s: chunked_attention(
                 q, halves(k), halves(v), pos, halves(pos), block=4, variant=variant(s)
             )
-        want, want_grads = _jitted_vjp(
-            lambda *a: _with_sink_column(*a, window, starts), (q, k, v, sink), dout
-        )
+        want, want_grads = jitted_vjp(lambda *a: _with_sink_column(*a, window, starts), (q, k, v, sink), dout)
         for name, fn in kernels.items():
-            got, grads = _jitted_vjp(fn, (q, k, v, sink), dout)
+            got, grads = jitted_vjp(fn, (q, k, v, sink), dout)
             assert float(jnp.max(jnp.abs(got - want))) <= TOL, name
             for g, w in zip(grads, want_grads, strict=True):
                 assert float(jnp.max(jnp.abs(g - w))) <= TOL * max(1.0, float(jnp.max(jnp.abs(w)))), name
