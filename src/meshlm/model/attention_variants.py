@@ -239,6 +239,8 @@ def rotary_scale(cfg, kind=None):
         return scale
     local = scale if cfg.arch.rope_scales_local else 1.0
     full = 1.0 if cfg.global_nope else scale
+    if isinstance(kind, int):  # a Python kind (a run of one kind, the hand-written model): a Python float
+        return local if kind == 0 else full
     return local if local == full else jnp.where(kind == 0, local, full)
 
 
