@@ -76,7 +76,7 @@ def profile(impl, steps: int, dp) -> dict:
     ops, details = dp.device_ops(events)
     names = {name for name, _ in ops}
     hlo = {n: details[n] for n in names if n in details}
-    cats = {n: _category_of(events, n) for n in names}
+    cats = _categories_of(events, names)
     summary = dp.summarise(ops, steps, hlo)
     for row in summary["top_ops"]:
         row["hlo"] = hlo.get(row["op"], "")[:160]
@@ -89,12 +89,13 @@ def profile(impl, steps: int, dp) -> dict:
     }
 
 
-def _category_of(events: list[dict], name: str) -> str:
-    """The trace's ``hlo_category`` for op ``name`` (a TPU's), or "" (CPU traces have none)."""
+def _categories_of(events: list[dict], names: set[str]) -> dict[str, str]:
+    """Each op's ``hlo_category`` in the trace (a TPU's; CPU traces have none: ""), in one pass."""
+    out = dict.fromkeys(names, "")
     for e in events:
-        if e.get("name") == name and (args := e.get("args")) and "hlo_category" in args:
-            return str(args["hlo_category"])
-    return ""
+        if e.get("name") in names and not out[e["name"]] and "hlo_category" in (e.get("args") or {}):
+            out[e["name"]] = str(e["args"]["hlo_category"])
+    return out
 
 
 def main() -> int:
