@@ -180,11 +180,11 @@ MESH_OPTIONS = tuple(f.name for f in dataclasses.fields(MeshFlags))
 
 
 # --attention auto picks flash on a TPU from this many tokens a row. Measured on a TPU v5e (bf16, the
-# llama-100m step, 8192 tokens a step, docs/benchmarks.md "Choosing --attention auto"): plain is 1.31x
-# faster than flash at 256 tokens and 1.09x at 512; flash is 1.10x faster at 1024 and far ahead from
-# 2048 on (plain's [B, H, T, T] scores grow as T^2 and run out of memory at 8192). Blockwise was never
-# the fastest.
-FLASH_MIN_SEQ = 1024
+# llama-100m step, 8192 tokens a step, 7 December 2026 18:05 UTC, after splash's fused backward;
+# docs/benchmarks.md "Choosing --attention auto"): plain is 1.14x faster than flash at 256 tokens;
+# flash is 1.06x faster at 512, 1.23x at 1024 and far ahead from 2048 on (plain's [B, H, T, T] scores
+# grow as T^2 and run out of memory at 8192). Blockwise was never the fastest.
+FLASH_MIN_SEQ = 512
 
 
 @dataclasses.dataclass(frozen=True)
