@@ -118,6 +118,13 @@ def _kernel_jobs() -> list[Job]:
     profile = ("scripts/decode_profile.py", "--bf16")
     jobs.append(Job("kernels", "decode profile bf16", profile, ("scripts/decode_profile.py", "--cpu-smoke")))
     jobs.append(Job("kernels", "decode profile bf16 scatter", profile, env=SCATTER))
+    # batch 1's step against its floor: the same programs at widths that read ~nothing (``--shrink``):
+    # what the op count costs a step whatever the bytes
+    script = profile[:1]
+    for b in ("1", "8"):
+        jobs.append(Job("kernels", f"decode floor b{b}", (*script, "--batch", b, "--shrink")))
+    jobs.append(Job("kernels", "decode profile f32 b1", (*script, "--batch", "1")))
+    jobs.append(Job("kernels", "decode profile bf16 b1", (*profile, "--batch", "1")))
     return jobs
 
 
@@ -271,6 +278,8 @@ def _profile_jobs() -> list[Job]:
     return [
         Job("profile", "step qwen3-moe-100m", moe_step, smoke),
         Job("profile", "step qwen3-moe-100m scatter combine", moe_step, env=COMBINE_SCATTER),
+        # the real expert shape (qwen3-30b-a3b's widths, fewer layers and experts): where its 1.6x goes
+        Job("profile", "step qwen3-moe-a3b-chip", (*script, "--config", "qwen3-moe-a3b-chip", *moe)),
         Job("profile", "step qwen3-0.6b b=8 full", (*script, *qwen, "--peak-n", "8192")),
         Job("profile", "step llama3.2-1b b=4 full", (*script, *llama, "--peak-n", "8192")),
     ]

@@ -18,10 +18,16 @@ prints
   a TPU the ops are the
   "/device:TPU:0" process's "XLA Ops"; on CPU the XLA CPU client's threads.
 
+``--shrink`` keeps the model's layers and heads but gives them widths that read almost nothing (head dim
+8, d_ff 128, vocab 256): the same programs, the same ops a step, ~no bytes. Its step time is the floor
+that the op count alone sets (each op's launch and sync on the device), the part of a step no
+bandwidth buys back.
+
 The trace stays under --out (default: a temporary directory, deleted). One JSON line last.
 
     PYTHONPATH=src python scripts/decode_profile.py                 # on the chip, < 60 s
     PYTHONPATH=src python scripts/decode_profile.py --bf16
+    PYTHONPATH=src python scripts/decode_profile.py --batch 1 --shrink  # the floor: no bytes to read
     PYTHONPATH=src python scripts/decode_profile.py --cpu-smoke     # tiny-llama, batch 2, CPU
 """
 
@@ -156,9 +162,19 @@ def summarise(ops: list[tuple[str, float]], steps: int, details: dict[str, str] 
     }
 
 
+def shrunk(cfg):
+    """``cfg``'s layers, heads and programs at widths that read almost nothing (``--shrink``): head dim
+    8, d_ff 128, vocabulary 256 (none wider than it was)."""
+    d_model = min(cfg.d_model, 8 * cfg.n_heads)
+    d_ff, vocab = min(cfg.d_ff, 128), min(cfg.vocab_size, 256)
+    return cfg.replace(d_model=d_model, head_dim=0, d_ff=d_ff, vocab_size=vocab)
+
+
 def _setup(a):
     """(Generator, host prompts [B, S], lengths [B], prompt length, max_len)."""
     cfg = get_config(a.config)
+    if a.shrink:
+        cfg = shrunk(cfg)
     mesh = make_mesh(1, 1)
     params = init_model(cfg, mesh, 0)[0]
     if a.bf16:
@@ -172,19 +188,42 @@ def _setup(a):
     return gen, tokens, lengths, chunks
 
 
-def _decode_chunks(gen, tokens, lengths, chunks: int):
-    """A prefill, then ``chunks`` chunks of decode steps (generation's loop, ``generator._decode``):
-    the wall seconds of the chunks."""
-    sampling = Sampling()
-    nxt, _, cache = gen.prefill(tokens, lengths, sampling)
+def _prefill(gen, tokens, lengths):
+    """The prompt's prefill (outside the trace: a decode step's figures are the chunks' alone):
+    (first next tokens, KV cache, document starts)."""
+    nxt, _, cache = gen.prefill(tokens, lengths, Sampling())
     nxt, starts = np.asarray(nxt), prompt_doc_starts(tokens, lengths, gen.cfg.doc_mask)
     jax.block_until_ready(cache)
-    start, step = time.perf_counter(), 1
+    return nxt, cache, starts
+
+
+def _decode_chunks(gen, lengths, chunks: int, state) -> float:
+    """``chunks`` chunks of decode steps after a prefill's ``state`` (generation's loop,
+    ``generator._decode``): their wall seconds."""
+    nxt, cache, starts = state
+    sampling, start, step = Sampling(), time.perf_counter(), 1
     for _ in range(chunks):
         out, cache, starts = gen.decode_step(nxt, lengths + step - 1, cache, sampling, step, starts, "chunk")
         out, starts = np.asarray(out), np.asarray(starts)
         nxt, step = out[:, -1], step + DECODE_CHUNK
     return time.perf_counter() - start
+
+
+def program_us(events: list[dict]) -> float | None:
+    """Microseconds the device spent inside programs (its "XLA Modules" line: one span a program run),
+    or None where the trace has no such line (a CPU). Against the wall time: what the host adds between
+    programs; against the ops' own time: the device's idle gaps between ops inside a program."""
+    threads = {
+        (e["pid"], e.get("tid")): e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    spans = [
+        float(e["dur"])
+        for e in events
+        if e.get("ph") == "X" and "dur" in e and "XLA Modules" in threads.get((e["pid"], e.get("tid")), "")
+    ]
+    return sum(spans) if spans else None
 
 
 def main() -> None:
@@ -196,6 +235,12 @@ def main() -> None:
         "--steps", type=int, default=20, help="decode steps profiled (chunks of 8; default 20)"
     )
     parser.add_argument("--bf16", action="store_true", help="weights and KV cache in bf16 (generate --bf16)")
+    parser.add_argument(
+        "--shrink",
+        action="store_true",
+        help="the model's layers and heads at widths that read almost nothing (head dim 8, d_ff 128, "
+        "vocab 256): the step's floor from its ops, bytes aside",
+    )
     parser.add_argument("--out", default=None, help="keep the trace in this directory (default: deleted)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny-llama, batch 2, prompt 16, 8 steps")
     a = parser.parse_args()
@@ -209,16 +254,19 @@ def main() -> None:
     params = sum(x.nbytes for x in jax.tree.leaves(gen.params))
     roof = params + cache_memory(gen, a.batch)["per_device"]
     bandwidth = hbm_bandwidth(device_kind())
-    _decode_chunks(gen, tokens, lengths, 1)  # warm: every program run once
+    _decode_chunks(gen, lengths, 1, _prefill(gen, tokens, lengths))  # warm: every program run once
+    state = _prefill(gen, tokens, lengths)
     with tempfile.TemporaryDirectory() as tmp:
         where = Path(a.out or tmp)
         with jax.profiler.trace(str(where), create_perfetto_trace=True):
-            wall = _decode_chunks(gen, tokens, lengths, chunks)
-        steps = chunks * DECODE_CHUNK
-        ops, details = device_ops(_perfetto(where))
+            wall = _decode_chunks(gen, lengths, chunks, state)
+        steps, events = chunks * DECODE_CHUNK, _perfetto(where)
+        ops, details = device_ops(events)
         trace = summarise(ops, steps, details)
+        inside = program_us(events)
+        trace["program_ms_per_step"] = None if inside is None else inside / 1e3 / steps
     report = {
-        "config": a.config,
+        "config": a.config + (" shrunk" if a.shrink else ""),
         "batch": a.batch,
         "prompt": a.prompt,
         "dtype": "bfloat16" if a.bf16 else "float32",
@@ -252,9 +300,11 @@ def _print(r: dict) -> None:
         )
     at = f", {roof['ms']:.3f} ms at spec bandwidth" if roof["ms"] else ""
     lines.append(f"  roofline: {gb(roof['bytes'])} a step (weights {gb(roof['params_bytes'])}){at}")
+    inside = trace["program_ms_per_step"]
+    inside = f"{inside:.3f} ms inside programs, " if inside is not None else ""
     lines.append(
         f"  trace: {trace['steps']} steps, {trace['wall_ms_per_step']:.3f} ms wall a step, "
-        f"{trace['device_ms_per_step']:.3f} ms of device ops a step (self times), "
+        f"{trace['device_ms_per_step']:.3f} ms of device ops a step (self times), {inside}"
         f"{trace['ops_per_step']:.0f} ops a step (median {trace['median_op_us']:.1f} us); top ops:"
     )
     top = trace["top_ops"]

@@ -10,11 +10,15 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "decode_profile.py"
 
 
-def test_decode_profile_smoke(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path)])
+def _smoke(monkeypatch, capsys, *args):
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--cpu-smoke", *args])
     runpy.run_path(str(SCRIPT), run_name="__main__")
     captured = capsys.readouterr()
-    r = json.loads(captured.out.strip().splitlines()[-1])
+    return json.loads(captured.out.strip().splitlines()[-1]), captured.err
+
+
+def test_decode_profile_smoke(monkeypatch, capsys, tmp_path):
+    r, err = _smoke(monkeypatch, capsys, "--out", str(tmp_path))
     assert r["config"] == "tiny-llama" and r["trace"]["steps"] == 8
     assert list(r["cost_per_step"]) == ["chunk"]  # the programs it runs: no single-step one compiled
     assert r["cost_per_step"]["chunk"]["flops"] > 0 and r["cost_per_step"]["chunk"]["bytes_accessed"] > 0
@@ -24,7 +28,40 @@ def test_decode_profile_smoke(monkeypatch, capsys, tmp_path):
     top = r["trace"]["top_ops"]
     assert 0 < len(top) <= 15 and all(o["ms_per_step"] >= 0 and o["calls"] > 0 for o in top)
     assert 0 < r["trace"]["device_ms_per_step"] and sum(o["share"] for o in top) <= 1 + 1e-9
-    assert "top ops:" in captured.err and list(tmp_path.glob("**/*perfetto_trace.json.gz"))
+    assert r["trace"]["program_ms_per_step"] is None  # a CPU trace has no "XLA Modules" line
+    assert "top ops:" in err and list(tmp_path.glob("**/*perfetto_trace.json.gz"))
+
+
+def test_shrink_keeps_the_layers_and_drops_the_bytes(monkeypatch, capsys):
+    """``--shrink``: the model's layers and heads at widths that read almost nothing (the step's floor
+    from its ops): llama-100m's weights fall ~150x; the smoke run traces the same steps."""
+    from meshlm.model.accounting import param_counts
+    from meshlm.model.config import get_config
+
+    cfg = get_config("llama-100m")
+    small = _module("decode_profile").shrunk(cfg)
+    assert (small.n_layers, small.n_heads) == (cfg.n_layers, cfg.n_heads) and small.d_model == 96
+    assert param_counts(small).total * 100 < param_counts(cfg).total
+    r, _ = _smoke(monkeypatch, capsys, "--shrink")
+    assert r["config"] == "tiny-llama shrunk" and r["trace"]["steps"] == 8
+
+
+def _module(name):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def test_program_time_is_the_xla_modules_lines():
+    """The device's time inside programs: its "XLA Modules" line's spans, not its ops' line."""
+    program_us = _module("decode_profile").program_us
+    meta = lambda tid, name: {"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": name}}
+    events = [meta(1, "XLA Modules"), meta(2, "XLA Ops")]
+    events += [{"ph": "X", "pid": 1, "tid": 1, "ts": t, "dur": 7, "name": "jit_chunk"} for t in (0, 10)]
+    events += [{"ph": "X", "pid": 1, "tid": 2, "ts": 1, "dur": 2, "name": "fusion"}]
+    assert program_us(events) == 14.0 and program_us(events[1:]) is None
 
 
 def test_self_times_count_nested_spans_once():
