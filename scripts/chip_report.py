@@ -283,6 +283,20 @@ def _write_rows(res: Result) -> list[str]:
     ]
 
 
+def _decode_row(res: Result) -> list[str]:
+    """scripts/decode_profile.py's step: wall, device ops and inside programs a step, against the roofline."""
+    o, t = res.output, res.output["trace"]
+    roof = o["roofline"]["ms"]
+    over = f", {t['wall_ms_per_step'] / roof:.2f}x roofline {roof:.3f} ms" if roof else ""
+    inside = t.get("program_ms_per_step")
+    inside = "" if inside is None else f", {inside:.3f} ms inside programs"
+    return [
+        f"| {res.job.name} | decode {o['config']} batch {o['batch']} {o['dtype']} | "
+        f"{t['wall_ms_per_step']:.3f} | device ops {t['device_ms_per_step']:.3f} ms{inside}, "
+        f"{t['ops_per_step']:.0f} ops{over} | | | |"
+    ]
+
+
 def markdown(results: list[Result], header: str) -> str:
     out = [header, ""]
     for group in dict.fromkeys(r.job.group for r in results):
@@ -299,6 +313,8 @@ def markdown(results: list[Result], header: str) -> str:
                 out += _write_rows(res)
             elif "lines" in res.output:  # scripts/step_profile.py: bench's line, then a profile an impl
                 out += _profile_rows(res)
+            elif "trace" in res.output:  # scripts/decode_profile.py: a decode step's trace
+                out += _decode_row(res)
             else:
                 out += _plan_row(res)
         out += _alone_ratios([r for r in results if r.job.group == group])

@@ -192,3 +192,17 @@ def test_the_experts_jobs_run_the_scatter_combine_beside_the_gathers():
         gathers, scatters = jobs[name], jobs[f"{name} scatter combine"]
         assert gathers.argv == scatters.argv and not gathers.env
         assert dict(scatters.env) == {"MESHLM_MOE_COMBINE": "scatter"}
+
+
+def test_the_decode_profile_job_is_a_row_and_the_floor_jobs_shrink_the_model(tmp_path):
+    """Issue 64: scripts/decode_profile.py's step (its CPU smoke) is one markdown row with its wall and
+    device time a step; the floor jobs run the same script with ``--shrink`` at batch 1 and 8."""
+    script = _script()
+    argv = ["--cpu-smoke", "--out", str(tmp_path), "--groups", "kernels", "--only", "decode profile bf16"]
+    assert script.main(argv) == 0
+    jobs = json.loads((tmp_path / "chip_report.json").read_text())["jobs"]
+    assert [j["code"] for j in jobs if j["output"]] == [0]
+    md = (tmp_path / "chip_report.md").read_text()
+    assert "| decode profile bf16 | decode tiny-llama batch 2 float32 |" in md and "device ops" in md
+    floors = [j for j in script._kernel_jobs() if j.name.startswith("decode floor")]
+    assert [j.argv[-3:] for j in floors] == [("--batch", "1", "--shrink"), ("--batch", "8", "--shrink")]
