@@ -78,16 +78,21 @@ def _perfetto(trace_dir: Path) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def device_ops(events: list[dict]) -> tuple[list[tuple[str, float]], dict[str, str]]:
-    """((op name, microseconds of its own) of every op the device ran, {op name: its HLO text}): a
-    "/device:" process's "XLA Ops" thread (a TPU or GPU), else the XLA CPU client's threads (their
-    thunks; "end: ..." markers and the waits left out)."""
+def _names(events: list[dict]) -> tuple[dict, dict]:
+    """({pid: process name}, {(pid, tid): thread name}) of a trace's metadata events."""
     meta = lambda kind: {
         (e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e["args"]["name"]
         for e in events
         if e.get("ph") == "M" and e.get("name") == kind
     }
-    procs, threads = meta("process_name"), meta("thread_name")
+    return meta("process_name"), meta("thread_name")
+
+
+def device_ops(events: list[dict]) -> tuple[list[tuple[str, float]], dict[str, str]]:
+    """((op name, microseconds of its own) of every op the device ran, {op name: its HLO text}): a
+    "/device:" process's "XLA Ops" thread (a TPU or GPU), else the XLA CPU client's threads (their
+    thunks; "end: ..." markers and the waits left out)."""
+    procs, threads = _names(events)
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
 
     line = lambda e: threads.get((e["pid"], e["tid"]), "")
@@ -213,15 +218,11 @@ def program_us(events: list[dict]) -> float | None:
     """Microseconds the device spent inside programs (its "XLA Modules" line: one span a program run),
     or None where the trace has no such line (a CPU). Against the wall time: what the host adds between
     programs; against the ops' own time: the device's idle gaps between ops inside a program."""
-    threads = {
-        (e["pid"], e.get("tid")): e["args"]["name"]
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "thread_name"
-    }
+    procs, threads = _names(events)
+    on_device = lambda e: procs.get(e["pid"], "").startswith("/device:")
+    modules = lambda e: "XLA Modules" in threads.get((e["pid"], e.get("tid")), "")
     spans = [
-        float(e["dur"])
-        for e in events
-        if e.get("ph") == "X" and "dur" in e and "XLA Modules" in threads.get((e["pid"], e.get("tid")), "")
+        float(e["dur"]) for e in events if e.get("ph") == "X" and "dur" in e and on_device(e) and modules(e)
     ]
     return sum(spans) if spans else None
 

@@ -57,20 +57,26 @@ def _module(name):
 def test_program_time_is_the_xla_modules_lines():
     """The device's time inside programs: its "XLA Modules" line's spans, not its ops' line."""
     program_us = _module("decode_profile").program_us
-    meta = lambda tid, name: {"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": name}}
-    events = [meta(1, "XLA Modules"), meta(2, "XLA Ops")]
-    events += [{"ph": "X", "pid": 1, "tid": 1, "ts": t, "dur": 7, "name": "jit_chunk"} for t in (0, 10)]
-    events += [{"ph": "X", "pid": 1, "tid": 2, "ts": 1, "dur": 2, "name": "fusion"}]
+    meta = lambda pid, tid, name: {
+        "ph": "M",
+        "name": "thread_name",
+        "pid": pid,
+        "tid": tid,
+        "args": {"name": name},
+    }
+    procs = [
+        {"ph": "M", "name": "process_name", "pid": p, "args": {"name": n}}
+        for p, n in ((1, "/device:TPU:0"), (2, "/host:CPU"))
+    ]
+    events = [*procs, meta(1, 1, "XLA Modules"), meta(1, 2, "XLA Ops"), meta(2, 1, "XLA Modules")]
+    span = lambda pid, tid, t, dur: {"ph": "X", "pid": pid, "tid": tid, "ts": t, "dur": dur, "name": "x"}
+    events += [span(1, 1, 0, 7), span(1, 1, 10, 7), span(1, 2, 1, 2), span(2, 1, 0, 100)]  # the host's apart
     assert program_us(events) == 14.0 and program_us(events[1:]) is None
 
 
 def test_self_times_count_nested_spans_once():
     """A loop span holding two ops: the ops keep their time, the loop only its own."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from decode_profile import self_times
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    self_times = _module("decode_profile").self_times
     spans = [
         {"pid": 1, "tid": 1, "ts": 0, "dur": 10, "name": "while"},
         {"pid": 1, "tid": 1, "ts": 1, "dur": 3, "name": "a"},
