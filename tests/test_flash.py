@@ -164,6 +164,9 @@ def test_auto_attention_is_flash_on_a_tpu_where_it_applies_and_pays(monkeypatch)
     from meshlm.train import run as train_run
     from meshlm.train.config import TrainConfig
 
+    # the chip's sweep (docs/benchmarks.md "Choosing --attention auto", 7 December 2026 18:05 UTC) put
+    # the crossing between 256 and 512 tokens: a new threshold comes with a new sweep there
+    assert FLASH_MIN_SEQ == 512
     auto, long = VerifySettings(), FLASH_MIN_SEQ
     assert auto.attention == "auto"
     assert auto.attention_kind("tpu", long) == "flash" and auto.attention_kind("cpu", long) == "plain"
