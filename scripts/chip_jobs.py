@@ -125,6 +125,15 @@ def _kernel_jobs() -> list[Job]:
         jobs.append(Job("kernels", f"decode floor b{b}", (*script, "--batch", b, "--shrink")))
     jobs.append(Job("kernels", "decode profile f32 b1", (*script, "--batch", "1")))
     jobs.append(Job("kernels", "decode profile bf16 b1", (*profile, "--batch", "1")))
+    # longer chunks: one host round trip for more steps (``scripts/decode_chunks.py``, the same tokens)
+    chunks = ("scripts/decode_chunks.py", "--config", "llama-100m", "--prompt", "512", "--new", "65")
+    chunks += ("--chunks", "8,32,64", "--bf16", "--reps", "3")
+    smoke = ("scripts/decode_chunks.py", "--config", "tiny-llama", "--batch", "2", "--prompt", "8")
+    smoke += ("--new", "17", "--reps", "1", "--chunks", "8,16", "--bf16")
+    for b in ("1", "8"):
+        jobs.append(
+            Job("kernels", f"decode chunks 8,32,64 bf16 b{b}", (*chunks, "--batch", b), smoke * (b == "1"))
+        )
     return jobs
 
 

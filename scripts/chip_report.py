@@ -297,6 +297,17 @@ def _decode_row(res: Result) -> list[str]:
     ]
 
 
+def _chunks_row(res: Result) -> list[str]:
+    """scripts/decode_chunks.py's ms a decode step at each chunk length and single steps."""
+    o = res.output
+    steps = ", ".join(f"{k} {v:.3f} ms" for k, v in o["ms_per_step"].items())
+    roof = "" if o.get("roofline_ms") is None else f"roofline {o['roofline_ms']:.3f} ms"
+    return [
+        f"| {res.job.name} | decode batch {o['batch']} {o['dtype']}: {steps} | same tokens: "
+        f"{o['same_tokens']} | {roof} | | | |"
+    ]
+
+
 def markdown(results: list[Result], header: str) -> str:
     out = [header, ""]
     for group in dict.fromkeys(r.job.group for r in results):
@@ -315,6 +326,8 @@ def markdown(results: list[Result], header: str) -> str:
                 out += _profile_rows(res)
             elif "trace" in res.output:  # scripts/decode_profile.py: a decode step's trace
                 out += _decode_row(res)
+            elif "ms_per_step" in res.output:  # scripts/decode_chunks.py: chunk lengths side by side
+                out += _chunks_row(res)
             else:
                 out += _plan_row(res)
         out += _alone_ratios([r for r in results if r.job.group == group])

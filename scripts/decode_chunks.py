@@ -8,6 +8,12 @@ chip in the table of ``perf.chips`` it also prints the step's memory roofline (p
 read once at the chip's bandwidth). One JSON line.
 
     PYTHONPATH=src python scripts/decode_chunks.py --config small --batch 8 --new 65
+    PYTHONPATH=src python scripts/decode_chunks.py --config llama-100m --batch 1 --prompt 512 \
+        --chunks 8,32,64 --bf16
+
+``--chunks`` times several chunk lengths beside each other (and single steps): whether a longer chunk,
+one host round trip for more steps, cuts a small batch's per-step floor (docs/benchmarks.md, "Decode:
+the step's floor"). The tokens are the same at any length (the chunk is the single steps' loop, traced).
 
 (docs/benchmarks.md, "Decode: chunks of steps"; tests/test_decode_script.py runs it at tiny size.)
 """
@@ -26,12 +32,20 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=65, help="new tokens per row (the first from the prefill)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--chunks",
+        default=None,
+        help="decode steps a program, comma-separated (e.g. 8,32,64), each timed beside the others and "
+        "single steps; default: programs.DECODE_CHUNK",
+    )
+    ap.add_argument("--bf16", action="store_true", help="weights and KV cache in bf16 (generate --bf16)")
     a = ap.parse_args(argv)
 
     import jax
     import numpy as np
 
     import meshlm.generate.generator as generator
+    import meshlm.generate.programs as programs
     from meshlm.model.config import get_config
     from meshlm.parallel.layout import Layout
     from meshlm.perf.chips import decode_roofline, device_kind
@@ -40,25 +54,44 @@ def main(argv=None) -> None:
     cfg = get_config(a.config).replace(max_seq_len=a.prompt + a.new)
     layout = Layout.of(jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("dp", "mp")))
     params, _ = init_model(cfg, layout, 0)
+    if a.bf16:
+        params = generator.in_dtype(params, jax.numpy.bfloat16)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, a.prompt).tolist() for _ in range(a.batch)]
-    gen = generator.Generator(cfg, params, layout, max_len=a.prompt + a.new, eod=None)
-    chunk, ms = generator.DECODE_CHUNK, {"chunk": [], "single": []}
-    for mode in ms:  # compiled and warm, both ways
-        generator.DECODE_CHUNK = chunk if mode == "chunk" else 10**9
-        gen.generate(prompts, a.new)
+    chunk = programs.DECODE_CHUNK
+    sizes = [int(c) for c in a.chunks.split(",")] if a.chunks else [chunk]
+    # a mode a chunk size, "single" none taken (one step a program); each its own Generator (the
+    # chunk's length is traced into its programs), compiled and warm before any is timed
+    steps = {("chunk" if i == 0 else f"chunk {c}"): c for i, c in enumerate(sizes)} | {"single": 10**9}
+    modes, made = {}, {}
+    for name, c in steps.items():
+        _set_chunk(generator, programs, c)
+        modes[name] = (c, generator.Generator(cfg, params, layout, max_len=a.prompt + a.new, eod=None))
+        made[name] = [r.tokens for r in modes[name][1].generate(prompts, a.new)]
+    ms = {name: [] for name in modes}
     for _ in range(a.reps):
-        for mode in ms:
-            generator.DECODE_CHUNK = chunk if mode == "chunk" else 10**9
+        for name, (c, gen) in modes.items():
+            _set_chunk(generator, programs, c)
             r = gen.generate(prompts, a.new)[0]
-            ms[mode].append(1e3 * a.batch / r.decode_tokens_per_s)
-    generator.DECODE_CHUNK = chunk
+            ms[name].append(1e3 * a.batch / r.decode_tokens_per_s)
+    _set_chunk(generator, programs, chunk)
+    gen = modes["chunk"][1]
     med = {m: statistics.median(v) for m, v in ms.items()}
     rates = generator.bench_generation(cfg, gen.params, layout, a.batch, a.prompt, a.new)
     roof = decode_roofline({"batch": a.batch, **rates}, device_kind())
-    out = dict(config=a.config, batch=a.batch, prompt=a.prompt, new=a.new, chunk=chunk, device=device_kind())
+    out = dict(
+        config=a.config, batch=a.batch, prompt=a.prompt, new=a.new, chunk=sizes[0], device=device_kind()
+    )
+    out["dtype"] = "bfloat16" if a.bf16 else "float32"
+    out["same_tokens"] = all(tokens == made["single"] for tokens in made.values())  # greedy: must be
     out |= {"ms_per_step": med, "single_over_chunk": med["single"] / med["chunk"], **roof}
     print(json.dumps(out))
+
+
+def _set_chunk(generator, programs, steps: int) -> None:
+    """Decode steps a program from now on: the host loop's (``generator``) and the traced scan's
+    (``programs``), which must agree."""
+    generator.DECODE_CHUNK = programs.DECODE_CHUNK = steps
 
 
 if __name__ == "__main__":

@@ -206,3 +206,15 @@ def test_the_decode_profile_job_is_a_row_and_the_floor_jobs_shrink_the_model(tmp
     assert "| decode profile bf16 | decode tiny-llama batch 2 float32 |" in md and "device ops" in md
     floors = [j for j in script._kernel_jobs() if j.name.startswith("decode floor")]
     assert [j.argv[-3:] for j in floors] == [("--batch", "1", "--shrink"), ("--batch", "8", "--shrink")]
+
+
+def test_the_decode_chunks_job_times_each_length_with_the_same_tokens(tmp_path):
+    """Issue 64: scripts/decode_chunks.py at several chunk lengths (its CPU smoke: 8 and 16), one
+    markdown row with each length's ms a step and whether the tokens were single steps' at each."""
+    script = _script()
+    argv = ["--cpu-smoke", "--out", str(tmp_path), "--groups", "kernels", "--only", "decode chunks"]
+    assert script.main(argv) == 0
+    jobs = [j for j in json.loads((tmp_path / "chip_report.json").read_text())["jobs"] if j["output"]]
+    assert [j["code"] for j in jobs] == [0] and jobs[0]["output"]["same_tokens"] is True
+    md = (tmp_path / "chip_report.md").read_text()
+    assert "| decode chunks 8,32,64 bf16 b1 | decode batch 2 bfloat16: chunk " in md and "chunk 16 " in md

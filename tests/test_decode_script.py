@@ -24,6 +24,22 @@ def test_decode_script_reports_both_ways():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     row = json.loads(done.stdout.splitlines()[-1])
-    assert row["chunk"] == 8 and set(row["ms_per_step"]) == {"chunk", "single"}
+    assert row["chunk"] == 8 and set(row["ms_per_step"]) == {"chunk", "single"} and row["same_tokens"]
     assert all(v > 0 for v in row["ms_per_step"].values()) and row["single_over_chunk"] > 0
     assert row["device"] == "cpu" and row["roofline_ms"] is None
+
+
+# slow: as above
+@pytest.mark.slow
+def test_decode_script_times_several_chunk_lengths_with_the_same_tokens():
+    """``--chunks 8,16``: each length its own programs, timed beside the others, the tokens of single
+    steps at every length (bf16 weights and cache)."""
+    args = ["--config", "tiny-llama", "--batch", "2", "--prompt", "8", "--new", "17", "--reps", "1"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "decode_chunks.py"), *args, "--chunks", "8,16", "--bf16"],
+        capture_output=True, text=True, timeout=300, env=ENV,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(done.stdout.splitlines()[-1])
+    assert set(row["ms_per_step"]) == {"chunk", "chunk 16", "single"} and row["same_tokens"]
+    assert row["dtype"] == "bfloat16" and all(v > 0 for v in row["ms_per_step"].values())
