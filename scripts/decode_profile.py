@@ -156,6 +156,7 @@ def summarise(ops: list[tuple[str, float]], steps: int, details: dict[str, str] 
             "ms_per_step": us / 1e3 / steps,
             "share": us / whole if whole else 0.0,
             "calls": calls[name],
+            **({"hlo": details[name]} if details and name in details else {}),
         }
         for name, us in total.most_common(TOP)
     ]

@@ -84,3 +84,11 @@ def test_self_times_count_nested_spans_once():
         {"pid": 1, "tid": 2, "ts": 2, "dur": 5, "name": "c"},
     ]
     assert sorted(self_times(spans)) == [("a", 3.0), ("b", 4.0), ("c", 5.0), ("while", 3.0)]
+
+
+def test_the_top_ops_carry_their_hlo_where_the_trace_has_it():
+    """A TPU trace names each op's HLO (``long_name``): the top ops keep it, to be read beside the dump."""
+    summarise = _module("decode_profile").summarise
+    top = summarise([("a", 10.0), ("b", 5.0), ("a", 2.0)], 2, {"a": "%a = bf16[8] fusion(...)"})["top_ops"]
+    assert [o["op"] for o in top] == ["a", "b"] and top[0]["ms_per_step"] == 0.006
+    assert top[0]["hlo"] == "%a = bf16[8] fusion(...)" and "hlo" not in top[1]
