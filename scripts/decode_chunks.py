@@ -40,6 +40,9 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--bf16", action="store_true", help="weights and KV cache in bf16 (generate --bf16)")
     a = ap.parse_args(argv)
+    sizes = a.chunks.split(",") if a.chunks else []
+    if not all(c.isdigit() and int(c) >= 1 for c in sizes):
+        ap.error(f"--chunks {a.chunks!r}: give decode steps a program as whole numbers >= 1, e.g. 8,32,64")
 
     import jax
     import numpy as np
@@ -59,7 +62,7 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, a.prompt).tolist() for _ in range(a.batch)]
     chunk = programs.DECODE_CHUNK
-    sizes = [int(c) for c in a.chunks.split(",")] if a.chunks else [chunk]
+    sizes = [int(c) for c in sizes] or [chunk]
     # a mode a chunk size, "single" none taken (one step a program); each its own Generator (the
     # chunk's length is traced into its programs), compiled and warm before any is timed
     steps = {("chunk" if i == 0 else f"chunk {c}"): c for i, c in enumerate(sizes)} | {"single": 10**9}

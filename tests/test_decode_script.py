@@ -43,3 +43,13 @@ def test_decode_script_times_several_chunk_lengths_with_the_same_tokens():
     row = json.loads(done.stdout.splitlines()[-1])
     assert set(row["ms_per_step"]) == {"chunk", "chunk 16", "single"} and row["same_tokens"]
     assert row["dtype"] == "bfloat16" and all(v > 0 for v in row["ms_per_step"].values())
+
+
+def test_decode_script_refuses_a_chunk_length_that_is_not_a_whole_number_in_one_line():
+    """Bad input before any work: ``--chunks 8,0`` (or ``8,x``) is one line naming the fix."""
+    for bad in ("8,0", "8,x"):
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "decode_chunks.py"), "--chunks", bad],
+            capture_output=True, text=True, timeout=60, env=ENV,
+        )  # fmt: skip
+        assert done.returncode == 2 and "whole numbers >= 1" in done.stderr and "Traceback" not in done.stderr
