@@ -89,6 +89,14 @@ def _kernel_jobs() -> list[Job]:
         Job("kernels", f"experts {c}", (*base, "--config", c, *moe))
         for c in ("qwen3-moe-100m", "qwen3-moe-a3b-chip")
     ]
+    # what the experts add that does not grow with the tokens (AdamW over E / k times dense-eq's MLP
+    # state) against what does (dispatch, grouped matmuls): a3b with 16-bit moments, then at 2x the tokens
+    pair = (*BENCH[:-2], "--impls", "ragged_dot-dispatch,dense-eq", "--config", "qwen3-moe-a3b-chip")
+    jobs.append(Job("kernels", "experts a3b b8", (*pair, *moe)))
+    jobs.append(Job("kernels", "experts a3b bf16 moments", (*pair, *moe, "--opt-dtype", "bf16")))
+    b16 = ("--batch-size", "16", *moe[2:])
+    jobs.append(Job("kernels", "experts a3b b16", (*pair, *b16)))
+    jobs.append(Job("kernels", "experts a3b b16 bf16 moments", (*pair, *b16, "--opt-dtype", "bf16")))
     scatter = (*base, "--config", "qwen3-moe-100m", *moe)  # the rows' moves the old way: beside the gathers
     jobs.append(Job("kernels", "experts qwen3-moe-100m scatter combine", scatter, env=COMBINE_SCATTER))
     gen = (
@@ -112,7 +120,7 @@ def _kernel_jobs() -> list[Job]:
     jobs.append(Job("kernels", "kv write scatter vs kernel", write, (*write, "--cpu-smoke")))
     jobs.append(Job("kernels", "decode f32 prompt 512", (*gen, *batches)))
     jobs.append(Job("kernels", "decode bf16 prompt 512", (*gen, *batches, "--bf16")))  # the kernel's writes
-    jobs.append(Job("kernels", "decode bf16 prompt 512 scatter", (*gen, *batches, "--bf16"), env=SCATTER))
+    jobs.append(Job("kernels", "decode scatter bf16 prompt 512", (*gen, *batches, "--bf16"), env=SCATTER))
     long = ("--batch-size", "1", "--seq-len", "4096", "--gen-tokens", "65", "--gen-batch", "1,8", "--bf16")
     jobs.append(Job("kernels", "decode bf16 prompt 4096", (*gen, *long)))
     profile = ("scripts/decode_profile.py", "--bf16")
@@ -125,13 +133,14 @@ def _kernel_jobs() -> list[Job]:
         jobs.append(Job("kernels", f"decode floor b{b}", (*script, "--batch", b, "--shrink")))
     jobs.append(Job("kernels", "decode profile f32 b1", (*script, "--batch", "1")))
     jobs.append(Job("kernels", "decode profile bf16 b1", (*profile, "--batch", "1")))
-    # longer chunks: one host round trip for more steps (``scripts/decode_chunks.py``, the same tokens)
+    # chunk lengths, each dispatched before the one before is read (``scripts/decode_chunks.py``, the
+    # same tokens): which length hides the host's work behind the device's
     chunks = ("scripts/decode_chunks.py", "--config", "llama-100m", "--prompt", "512", "--new", "65")
-    chunks += ("--chunks", "8,32,64", "--bf16", "--reps", "3")
+    chunks += ("--chunks", "16,8,32,64", "--bf16", "--reps", "3")
     smoke = ("scripts/decode_chunks.py", "--config", "tiny-llama", "--batch", "2", "--prompt", "8")
     smoke += ("--new", "17", "--reps", "1", "--chunks", "8,16", "--bf16")
-    jobs.append(Job("kernels", "decode chunks 8,32,64 bf16 b1", (*chunks, "--batch", "1"), smoke))
-    jobs.append(Job("kernels", "decode chunks 8,32,64 bf16 b8", (*chunks, "--batch", "8")))
+    jobs.append(Job("kernels", "decode chunks 16,8,32,64 bf16 b1", (*chunks, "--batch", "1"), smoke))
+    jobs.append(Job("kernels", "decode chunks 16,8,32,64 bf16 b8", (*chunks, "--batch", "8")))
     return jobs
 
 

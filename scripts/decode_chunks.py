@@ -1,19 +1,21 @@
 """Decode in chunks of steps against one step a program, paired in one process.
 
-``Generator.generate`` runs ``programs.DECODE_CHUNK`` decode steps per compiled program while that many
-are left (``decode_chunk``: one dispatch, one set of transfers and one wait a chunk); this times the
-same generation both ways, interleaved (``--reps`` repetitions, medians), on a preset with random
-weights: decode milliseconds a step (batch / decode tokens per second) for each, and their ratio. On a
-chip in the table of ``perf.chips`` it also prints the step's memory roofline (parameters and KV cache
-read once at the chip's bandwidth). One JSON line.
+``Generator.generate`` runs ``programs.DECODE_CHUNK`` decode steps per compiled program
+(``decode_chunk``), each chunk dispatched from the one before's device outputs before the host reads
+that one's tokens; ``Generator(chunk=0)`` runs one step a program with the host between steps. This
+times the same generation both ways, interleaved (``--reps`` repetitions, medians), on a preset with
+random weights: decode milliseconds a step (batch / decode tokens per second) for each, and their
+ratio. On a chip in the table of ``perf.chips`` it also prints the step's memory roofline (parameters
+and KV cache read once at the chip's bandwidth). One JSON line.
 
     PYTHONPATH=src python scripts/decode_chunks.py --config small --batch 8 --new 65
     PYTHONPATH=src python scripts/decode_chunks.py --config llama-100m --batch 1 --prompt 512 \
         --chunks 8,32,64 --bf16
 
-``--chunks`` times several chunk lengths beside each other (and single steps): whether a longer chunk,
-one host round trip for more steps, cuts a small batch's per-step floor (docs/benchmarks.md, "Decode:
-the step's floor"). The tokens are the same at any length (the chunk is the single steps' loop, traced).
+``--chunks`` times several chunk lengths beside each other (and single steps), each a Generator with its
+own programs (``chunk_ran``: the tokens a row each one's chunk program returns): which length hides the
+host's work behind the device's (docs/benchmarks.md, "Decode: the step's floor"). The tokens are the
+same at any length (the chunk is the single steps' loop, traced).
 
 (docs/benchmarks.md, "Decode: chunks of steps"; tests/test_decode_script.py runs it at tiny size.)
 """
@@ -48,7 +50,6 @@ def main(argv=None) -> None:
     import numpy as np
 
     import meshlm.generate.generator as generator
-    import meshlm.generate.programs as programs
     from meshlm.model.config import get_config
     from meshlm.parallel.layout import Layout
     from meshlm.perf.chips import decode_roofline, device_kind
@@ -61,24 +62,24 @@ def main(argv=None) -> None:
         params = generator.in_dtype(params, jax.numpy.bfloat16)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, a.prompt).tolist() for _ in range(a.batch)]
-    chunk = programs.DECODE_CHUNK
-    sizes = [int(c) for c in sizes] or [chunk]
-    # a mode a chunk size, "single" none taken (one step a program); each its own Generator (the
-    # chunk's length is traced into its programs), compiled and warm before any is timed
-    steps = {("chunk" if i == 0 else f"chunk {c}"): c for i, c in enumerate(sizes)} | {"single": 10**9}
-    modes, made = {}, {}
+    sizes = [int(c) for c in sizes] or [generator.DECODE_CHUNK]
+    # a mode a chunk size, "single" one step a program (chunk 0); each its own Generator and programs
+    # (the chunk's length is traced into them), compiled and warm before any is timed
+    steps = {("chunk" if i == 0 else f"chunk {c}"): c for i, c in enumerate(sizes)} | {"single": 0}
+    modes, made, ran = {}, {}, {}
     for name, c in steps.items():
-        _set_chunk(generator, programs, c)
-        modes[name] = (c, generator.Generator(cfg, params, layout, max_len=a.prompt + a.new, eod=None))
-        made[name] = [r.tokens for r in modes[name][1].generate(prompts, a.new)]
+        modes[name] = gen = generator.Generator(
+            cfg, params, layout, max_len=a.prompt + a.new, eod=None, chunk=c
+        )
+        made[name] = [r.tokens for r in gen.generate(prompts, a.new)]
+        if c:  # the tokens a row its chunk program returns: its own length, not another mode's
+            ran[name] = gen._executables(a.batch, ("chunk",))["chunk"].out_info[0].shape[1]
     ms = {name: [] for name in modes}
     for _ in range(a.reps):
-        for name, (c, gen) in modes.items():
-            _set_chunk(generator, programs, c)
+        for name, gen in modes.items():
             r = gen.generate(prompts, a.new)[0]
             ms[name].append(1e3 * a.batch / r.decode_tokens_per_s)
-    _set_chunk(generator, programs, chunk)
-    gen = modes["chunk"][1]
+    gen = modes["chunk"]
     med = {m: statistics.median(v) for m, v in ms.items()}
     rates = generator.bench_generation(cfg, gen.params, layout, a.batch, a.prompt, a.new)
     roof = decode_roofline({"batch": a.batch, **rates}, device_kind())
@@ -87,14 +88,9 @@ def main(argv=None) -> None:
     )
     out["dtype"] = "bfloat16" if a.bf16 else "float32"
     out["same_tokens"] = all(tokens == made["single"] for tokens in made.values())  # greedy: must be
+    out["chunk_ran"] = ran
     out |= {"ms_per_step": med, "single_over_chunk": med["single"] / med["chunk"], **roof}
     print(json.dumps(out))
-
-
-def _set_chunk(generator, programs, steps: int) -> None:
-    """Decode steps a program from now on: the host loop's (``generator``) and the traced scan's
-    (``programs``), which must agree."""
-    generator.DECODE_CHUNK = programs.DECODE_CHUNK = steps
 
 
 if __name__ == "__main__":

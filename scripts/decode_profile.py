@@ -3,7 +3,7 @@
 Issue 64 (decode at the memory roofline): the step is measured, not guessed. For one model and batch
 (default llama-100m, batch 8, prompt 512, float32; ``--bf16`` its weights and KV cache in bf16, as
 ``generate --bf16``) this compiles the two programs it runs (``Generator._executables``: the prefill and
-the ``chunk`` of 8 decode steps that generation runs; no single-step program: one compile fewer) and
+the ``chunk`` of decode steps that generation runs, ``--chunk`` of them, default 8) and
 prints
 
 * each program's ``cost_analysis()`` (FLOPs, bytes accessed; XLA counts a loop's body once, so the
@@ -11,11 +11,11 @@ prints
   ``memory_analysis()`` (arguments, outputs, aliased, temporaries), next to the roofline's bytes (the
   parameters and the whole KV cache, what a step must read: ``perf.chips.decode_roofline``) and their
   time at the chip's spec bandwidth;
-* a ``jax.profiler`` trace of ``--steps`` decode steps (chunks of 8 after a prefill, as generation runs
-  them), summarised from its Perfetto JSON (no TensorBoard needed): the wall time a step, the device's
-  op time a step, the device ops (kernels) a step and their median time (a step of many small kernels
-  is bound by their count, not its bytes), and the top ops by time (name, ms a step, share, calls). On
-  a TPU the ops are the
+* a ``jax.profiler`` trace of ``--steps`` decode steps (chunks of ``--chunk`` after a prefill, each
+  dispatched before the one before is read, as generation runs them), summarised from its Perfetto
+  JSON (no TensorBoard needed): the wall time a step, the device's op time a step, the device ops
+  (kernels) a step and their median time (a step of many small kernels is bound by their count, not
+  its bytes), and the top ops by time (name, ms a step, share, calls). On a TPU the ops are the
   "/device:TPU:0" process's "XLA Ops"; on CPU the XLA CPU client's threads.
 
 ``--shrink`` keeps the model's layers and heads but gives them widths that read almost nothing (head dim
@@ -185,9 +185,9 @@ def _setup(a):
     params = init_model(cfg, mesh, 0)[0]
     if a.bf16:
         params = in_dtype(params, jnp.bfloat16)
-    chunks = -(-a.steps // DECODE_CHUNK)
-    max_len = a.prompt + 1 + chunks * DECODE_CHUNK
-    gen = Generator(cfg, params, mesh, max_len=max_len, eod=None)
+    chunks = -(-a.steps // a.chunk)
+    max_len = a.prompt + 1 + chunks * a.chunk
+    gen = Generator(cfg, params, mesh, max_len=max_len, eod=None, chunk=a.chunk)
     rng = np.random.default_rng(0)
     ids = [rng.integers(0, cfg.vocab_size, a.prompt).tolist() for _ in range(a.batch)]
     tokens, lengths = pad_prompts(ids, 1, gen.slots)  # the cache's slots (``programs.slots_for``)
@@ -204,14 +204,17 @@ def _prefill(gen, tokens, lengths):
 
 
 def _decode_chunks(gen, lengths, chunks: int, state) -> float:
-    """``chunks`` chunks of decode steps after a prefill's ``state`` (generation's loop,
-    ``generator._decode``): their wall seconds."""
+    """``chunks`` chunks of decode steps after a prefill's ``state`` as generation runs them
+    (``generator._decode``: each chunk dispatched from the one before's device outputs before the host
+    reads that one's tokens): their wall seconds."""
     nxt, cache, starts = state
-    sampling, start, step = Sampling(), time.perf_counter(), 1
-    for _ in range(chunks):
-        out, cache, starts = gen.decode_step(nxt, lengths + step - 1, cache, sampling, step, starts, "chunk")
-        out, starts = np.asarray(out), np.asarray(starts)
-        nxt, step = out[:, -1], step + DECODE_CHUNK
+    sampling, start = Sampling(), time.perf_counter()
+    running = gen.decode_step(nxt, lengths, cache, sampling, 1, starts, "chunk")
+    for i in range(chunks):
+        out, after = running
+        if i + 1 < chunks:
+            running = gen.decode_chunk(sampling, after)
+        np.asarray(out)
     return time.perf_counter() - start
 
 
@@ -234,7 +237,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens a row (default 512)")
     parser.add_argument(
-        "--steps", type=int, default=20, help="decode steps profiled (chunks of 8; default 20)"
+        "--steps", type=int, default=20, help="decode steps profiled (in whole chunks; default 20)"
+    )
+    parser.add_argument(
+        "--chunk", type=int, default=DECODE_CHUNK, help=f"decode steps a program (default {DECODE_CHUNK})"
     )
     parser.add_argument("--bf16", action="store_true", help="weights and KV cache in bf16 (generate --bf16)")
     parser.add_argument(
@@ -244,10 +250,14 @@ def main() -> None:
         "vocab 256): the step's floor from its ops, bytes aside",
     )
     parser.add_argument("--out", default=None, help="keep the trace in this directory (default: deleted)")
-    parser.add_argument("--cpu-smoke", action="store_true", help="tiny-llama, batch 2, prompt 16, 8 steps")
+    parser.add_argument(
+        "--cpu-smoke", action="store_true", help="tiny-llama, batch 2, prompt 16, 8 steps (chunks of 4)"
+    )
     a = parser.parse_args()
+    if a.chunk < 1:
+        parser.error(f"--chunk {a.chunk}: give decode steps a program as a whole number >= 1")
     if a.cpu_smoke:
-        a.config, a.batch, a.prompt, a.steps = "tiny-llama", 2, 16, 8
+        a.config, a.batch, a.prompt, a.steps, a.chunk = "tiny-llama", 2, 16, 8, 4  # two chunks
     gen, tokens, lengths, chunks = _setup(a)
     exes = gen._executables(a.batch, ("prefill", "chunk"))  # what ``_decode_chunks`` runs
     # XLA's cost analysis counts a loop's body once: the chunk's figures are one step's (its scan body)
@@ -262,7 +272,7 @@ def main() -> None:
         where = Path(a.out or tmp)
         with jax.profiler.trace(str(where), create_perfetto_trace=True):
             wall = _decode_chunks(gen, lengths, chunks, state)
-        steps, events = chunks * DECODE_CHUNK, _perfetto(where)
+        steps, events = chunks * a.chunk, _perfetto(where)
         ops, details = device_ops(events)
         trace = summarise(ops, steps, details)
         inside = program_us(events)
@@ -271,6 +281,7 @@ def main() -> None:
         "config": a.config + (" shrunk" if a.shrink else ""),
         "batch": a.batch,
         "prompt": a.prompt,
+        "chunk": a.chunk,
         "dtype": "bfloat16" if a.bf16 else "float32",
         "device_kind": device_kind(),
         "cost_per_step": cost,

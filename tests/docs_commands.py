@@ -437,6 +437,17 @@ COMMANDS: dict[str, Run | Shown] = {
     "meshlm plan --config cpu --mesh 1x1 --seq-len 16384 --batch-size 1": run(),
     # qwen3-moe-a3b-chip's memory (docs/benchmarks.md "Issue 64"): 45 s of CPU to compile its step; the
     # same plan of the MoE path on a tiny preset here
+    # the experts' fixed and per-token parts (docs/benchmarks.md): the same bench, twice the tokens
+    "meshlm bench --config qwen3-moe-a3b-chip --mesh 1x1 --batch-size 16 --seq-len 512 --bf16 --gen-tokens 0 "
+    "--peak-n 8192 --impls ragged_dot-dispatch,dense-eq --json": run(
+        "qwen3-moe-a3b-chip => tiny-qwen3-moe",
+        "--batch-size 16 => --batch-size 2",
+        "512 => 16",
+        "8192 => 128",
+        add="--warmup 0",
+        expect=('"ragged_dot-dispatch/dense-eq"',),
+        slow="tests/test_bench.py::test_moe_against_the_dense_model_of_equal_active_parameters",
+    ),
     "meshlm plan --config qwen3-moe-a3b-chip --mesh 1x1 --batch-size 8 --seq-len 512 "
     "--moe-dispatch ragged_dot --bf16": run(
         "qwen3-moe-a3b-chip => tiny-qwen3-moe", "--batch-size 8 => --batch-size 2", "512 => 16"

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from meshlm.errors import ConfigError
+from meshlm.generate.generator import logits_with_cache
 from meshlm.model import blockwise
 from meshlm.model.attention import _attend
 from meshlm.model.blockwise import attend_partial, blockwise_attention, chunked_attention, combine
@@ -284,7 +285,7 @@ def test_generation_with_the_kv_cache_equals_the_plain_full_forward():
         jax.random.PRNGKey(0), {k: jnp.asarray(tokens, jnp.int32) for k in ("inputs", "targets")}
     )
     gen = Generator(plain.replace(attention="blockwise", attn_block=8), params, make_mesh(1, 1))
-    got = gen.logits_with_cache(tokens, np.array([3, 11]))
+    got = logits_with_cache(gen, tokens, np.array([3, 11]))
     full = hk.without_apply_rng(hk.transform(logits_fn(plain, Parallel()))).apply
     want = np.asarray(jax.jit(full)(params, jnp.asarray(tokens, jnp.int32)))
     for b, n in enumerate((3, 11)):

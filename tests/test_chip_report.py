@@ -177,7 +177,7 @@ def test_the_kv_write_job_times_scatter_and_kernel_and_decode_runs_both_ways(tmp
     assert job["code"] == 0 and row["equal"] is True and row["scatter_us"] > 0 and row["kernel_us"] > 0
     assert "scatter / kernel us a write" in (tmp_path / "chip_report.md").read_text()
     jobs = {j.name: j for j in script._kernel_jobs()}
-    kernel, scatter = jobs["decode bf16 prompt 512"], jobs["decode bf16 prompt 512 scatter"]
+    kernel, scatter = jobs["decode bf16 prompt 512"], jobs["decode scatter bf16 prompt 512"]
     assert (
         kernel.argv == scatter.argv and dict(scatter.env) == {"MESHLM_KV_WRITE": "scatter"} and not kernel.env
     )
@@ -217,4 +217,4 @@ def test_the_decode_chunks_job_times_each_length_with_the_same_tokens(tmp_path):
     jobs = [j for j in json.loads((tmp_path / "chip_report.json").read_text())["jobs"] if j["output"]]
     assert [j["code"] for j in jobs] == [0] and jobs[0]["output"]["same_tokens"] is True
     md = (tmp_path / "chip_report.md").read_text()
-    assert "| decode chunks 8,32,64 bf16 b1 | decode batch 2 bfloat16: chunk " in md and "chunk 16 " in md
+    assert "| decode chunks 16,8,32,64 bf16 b1 | decode batch 2 bfloat16: chunk " in md and "chunk 16 " in md

@@ -116,7 +116,7 @@ def test_cached_decode_of_the_mixed_stack_equals_the_full_forward(local):
     import haiku as hk
 
     from meshlm.generate.cache import cache_bytes
-    from meshlm.generate.generator import Generator
+    from meshlm.generate.generator import Generator, logits_with_cache
     from meshlm.model.config import get_config
     from meshlm.model.transformer import logits_fn, loss_fn
     from meshlm.parallel.context import Parallel
@@ -133,7 +133,7 @@ def test_cached_decode_of_the_mixed_stack_equals_the_full_forward(local):
     size = cache_bytes(cfg, mesh, 2, 32)
     assert (size["local_slots"], size["slots"]) == (8, 32)
     lengths = np.array([3, 11])
-    got = Generator(cfg, params, mesh, max_len=32).logits_with_cache(tokens, lengths)
+    got = logits_with_cache(Generator(cfg, params, mesh, max_len=32), tokens, lengths)
     for b, n in enumerate(lengths):
         np.testing.assert_allclose(got[b], want[b, n - 1 :], rtol=1e-5, atol=1e-5 * np.abs(want).max())
 

@@ -19,7 +19,7 @@ def _smoke(monkeypatch, capsys, *args):
 
 def test_decode_profile_smoke(monkeypatch, capsys, tmp_path):
     r, err = _smoke(monkeypatch, capsys, "--out", str(tmp_path))
-    assert r["config"] == "tiny-llama" and r["trace"]["steps"] == 8
+    assert r["config"] == "tiny-llama" and r["trace"]["steps"] == 8 and r["chunk"] == 4  # two chunks
     assert list(r["cost_per_step"]) == ["chunk"]  # the programs it runs: no single-step one compiled
     assert r["cost_per_step"]["chunk"]["flops"] > 0 and r["cost_per_step"]["chunk"]["bytes_accessed"] > 0
     assert r["memory"]["chunk"]["argument"] >= r["roofline"]["params_bytes"]

@@ -32,8 +32,9 @@ def test_decode_script_reports_both_ways():
 # slow: as above
 @pytest.mark.slow
 def test_decode_script_times_several_chunk_lengths_with_the_same_tokens():
-    """``--chunks 8,16``: each length its own programs, timed beside the others, the tokens of single
-    steps at every length (bf16 weights and cache)."""
+    """``--chunks 8,16``: each length its own programs (their chunk programs return 8 and 16 tokens a
+    row: Generators once shared one length's), timed beside the others, the tokens of single steps at
+    every length (bf16 weights and cache)."""
     args = ["--config", "tiny-llama", "--batch", "2", "--prompt", "8", "--new", "17", "--reps", "1"]
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "decode_chunks.py"), *args, "--chunks", "8,16", "--bf16"],
@@ -42,6 +43,7 @@ def test_decode_script_times_several_chunk_lengths_with_the_same_tokens():
     assert done.returncode == 0, done.stderr[-2000:]
     row = json.loads(done.stdout.splitlines()[-1])
     assert set(row["ms_per_step"]) == {"chunk", "chunk 16", "single"} and row["same_tokens"]
+    assert row["chunk_ran"] == {"chunk": 8, "chunk 16": 16}  # each length its own programs
     assert row["dtype"] == "bfloat16" and all(v > 0 for v in row["ms_per_step"].values())
 
 

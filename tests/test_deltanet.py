@@ -156,7 +156,7 @@ def test_generation_cache_logits_equal_the_full_forward_in_float64():
     import haiku as hk
 
     from meshlm.generate.cache import cache_bytes
-    from meshlm.generate.generator import Generator
+    from meshlm.generate.generator import Generator, logits_with_cache
     from meshlm.model.config import get_config
     from meshlm.model.transformer import init_fn, logits_fn
     from meshlm.parallel.context import Parallel
@@ -169,7 +169,7 @@ def test_generation_cache_logits_equal_the_full_forward_in_float64():
         params = jax.tree.map(lambda p: p.astype(jnp.float64), init(jax.random.PRNGKey(0), example))
         forward = hk.without_apply_rng(hk.transform(logits_fn(cfg, Parallel()))).apply
         want = np.asarray(jax.jit(forward)(params, jnp.asarray(tokens, jnp.int32)))
-        got = Generator(cfg, params, Layout(), max_len=32).logits_with_cache(tokens, lengths)
+        got = logits_with_cache(Generator(cfg, params, Layout(), max_len=32), tokens, lengths)
     for b, n in enumerate(lengths):
         assert float(np.max(np.abs(got[b] - want[b, n - 1 :]))) <= 1e-12 * np.abs(want).max()
     short, long = (cache_bytes(cfg, Layout(), 2, s, jnp.float32) for s in (32, 64))

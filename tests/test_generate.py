@@ -21,7 +21,7 @@ from meshlm.data.tokenizer import EOD
 from meshlm.errors import ConfigError, GenerationError, TokenRangeError
 from meshlm.generate import generator as generator_module
 from meshlm.generate.cache import cache_bytes
-from meshlm.generate.generator import Generator, bench_generation
+from meshlm.generate.generator import Generator, bench_generation, logits_with_cache
 from meshlm.generate.inputs import Sampling, read_prompt_file
 from meshlm.generate.programs import kinds_for, sample
 from meshlm.generate.streaming import ByteStream, ByteTokenizer, DiffStream, OutputRow
@@ -98,7 +98,7 @@ def tokens_of(results) -> list[list[int]]:
 )
 def test_cached_logits_and_greedy_equal_unsharded(name, mesh):
     gen = generator(name, *mesh)
-    got = gen.logits_with_cache(TOKENS, LENGTHS)
+    got = logits_with_cache(gen, TOKENS, LENGTHS)
     ref = full_logits(name, TOKENS)
     for b, n in enumerate(LENGTHS):
         # float32: a [B, 1] step and a [B, T] forward sum in different orders, so the bound is relative
@@ -194,14 +194,26 @@ def test_stream_decodes_utf8_incrementally_and_holds_back_stop_prefixes():
 
 def test_a_generation_compiles_only_the_programs_it_runs():
     """Before its timing a generation compiles what its decode schedule runs (``programs.kinds_for``):
-    one new token needs no chunk of steps, 9 need one chunk and no single step; the rest on first use."""
+    one new token needs no decode program, more a chunk (its steps past the last token dropped) and no
+    single step; single steps (chunk 0) no chunk. Each chunk length its own programs, whose chunk
+    program returns that many tokens a row."""
     gen = generator("tiny-llama", 2, 2)
     prompts = [[1, 2, 3]] * 6  # a batch size no other test here generates: its programs are new
-    gen.generate(prompts, 2)
-    assert set(gen._prog.by_batch[6]) == {"prefill", "decode"}
-    gen.generate(prompts, 9)  # 8 decode steps: one chunk
-    assert set(gen._prog.by_batch[6]) == {"prefill", "decode", "chunk"}
+    gen.generate(prompts, 1)
+    assert set(gen._prog.by_batch[6]) == {"prefill"}
+    gen.generate(prompts, 3)  # 2 decode steps: one chunk of 8, 6 steps dropped
+    assert set(gen._prog.by_batch[6]) == {"prefill", "chunk"}
     assert kinds_for(9) == ("prefill", "chunk") and kinds_for(1) == ("prefill",)
+    assert kinds_for(9, chunk=0) == ("prefill", "decode")
+    cfg, params, mesh = get_config("tiny-llama"), host_params("tiny-llama"), make_mesh(2, 2)
+    for chunk in (0, 3):
+        other = Generator(cfg, params, mesh, chunk=chunk)
+        assert other._prog is not gen._prog and other._prog.chunk == chunk
+        other.generate(prompts, 5)
+        want = {"prefill", "chunk" if chunk else "decode"}
+        assert set(other._prog.by_batch[6]) == want
+    out = other._executables(6, ("chunk",))["chunk"].out_info[0]  # chunk 3: tokens [B, 3]
+    assert out.shape == (6, 3)
 
 
 def test_no_compilation_per_token_or_prompt_length():
@@ -220,8 +232,9 @@ def test_no_compilation_per_token_or_prompt_length():
         for prompts in ([[1, 2, 3], [4] * 9], [[7] * 30, [9]], [[3] * 44, [5] * 17]):
             out = gen.generate(prompts, 20, temperature=0.8, top_k=5, seed=len(prompts[0]))
             assert sum(map(len, tokens_of(out))) > 20
-        # shared by all Generators; three a batch size here (prefill, a decode step, a chunk of them)
-        assert compiles == [] and gen.compilations == before and before % 3 == 0
+        # shared by all Generators (other tests' programs among them): a prefill and a chunk here
+        assert compiles == [] and gen.compilations == before
+        assert {"prefill", "chunk"} <= set(gen._prog.by_batch[2])
         jax.jit(lambda x: x + 1)(np.ones(3))  # control: the listener does see a compilation
         assert compiles
     finally:
@@ -234,12 +247,13 @@ def test_no_compilation_per_token_or_prompt_length():
     [pytest.param(False, False, marks=pytest.mark.slow), (True, False), (True, True)],
     ids=["greedy", "sampled", "sampled-bf16"],
 )
-def test_chunked_decode_draws_the_tokens_of_single_steps(monkeypatch, sampled, bf16):
-    """Generation runs DECODE_CHUNK steps per program while that many are left: the same tokens, row for
-    row, as single steps (the host loop of ``decode_step``), greedy and sampled (each step's key from
-    its index), with the document mask moving at an EOD a chunk feeds, and a row that stops mid-chunk
-    (its stop string) keeps only its tokens up to there. ``bf16``: ``generate --bf16``'s weights (and so
-    its bf16 KV cache)."""
+def test_chunked_decode_draws_the_tokens_of_single_steps(sampled, bf16):
+    """Generation runs chunks of steps, each dispatched from the chunk before's device outputs: the same
+    tokens, row for row, as single steps (``chunk=0``: the host loop of ``decode_step``), greedy and
+    sampled (each step's key from its index), with the document mask moving at an EOD a chunk feeds,
+    a row that stops mid-chunk (its stop string) keeping only its tokens up to there, and the last
+    chunk's steps past the new tokens dropped. ``bf16``: ``generate --bf16``'s weights (and so its bf16
+    KV cache)."""
     cfg = get_config("tiny-llama")
     params, mesh = host_params("tiny-llama"), make_mesh(2, 2)
     if bf16:
@@ -251,18 +265,16 @@ def test_chunked_decode_draws_the_tokens_of_single_steps(monkeypatch, sampled, b
             and 2 * half == cache_bytes(cfg, mesh, 2, gen.max_len)["per_device"]
         )
     kw = dict(temperature=0.9, top_k=20, seed=3) if sampled else {}
-    new = 2 * generator_module.DECODE_CHUNK + 3  # two chunks, then single steps
+    new = 2 * generator_module.DECODE_CHUNK + 3  # three chunks, the last one's 6 steps dropped
     free = Generator(cfg, params, mesh, eod=None).generate(PROMPTS, new, **kw)
     eod = tokens_of(free)[0][5]  # a token row 0 feeds inside the first chunk: a document boundary
     stop = bytes([tokens_of(free)[1][10]]).decode("latin-1")  # row 1 stops inside the second chunk
 
-    def run():
-        gen = Generator(cfg.replace(doc_mask=eod), params, mesh, eod=None)
+    def run(chunk=generator_module.DECODE_CHUNK):
+        gen = Generator(cfg.replace(doc_mask=eod), params, mesh, eod=None, chunk=chunk)
         return gen.generate(PROMPTS, new, stop=stop, **kw)
 
-    chunked = run()
-    monkeypatch.setattr(generator_module, "DECODE_CHUNK", 10**6)  # never a chunk: single steps only
-    single = run()
+    chunked, single = run(), run(chunk=0)
     assert [(r.tokens, r.text, r.finish_reason) for r in chunked] == [
         (r.tokens, r.text, r.finish_reason) for r in single
     ]
@@ -438,7 +450,7 @@ def test_doc_mask_cached_decode_masks_the_prompts_documents(monkeypatch):
     tokens[0, [1, 8]] = tokens[1, [4, 15]] = EOD  # in each prompt (lengths 3, 11), and fed later
 
     def cached_error(gen) -> float:
-        got, want = gen.logits_with_cache(tokens, LENGTHS), full(tokens)
+        got, want = logits_with_cache(gen, tokens, LENGTHS), full(tokens)
         return max(
             np.abs(g - want[b, n - 1 :]).max() / np.abs(want).max()
             for b, (g, n) in enumerate(zip(got, LENGTHS, strict=True))

@@ -14,7 +14,7 @@ from helpers import run_cli
 from test_generate import host_params
 
 from meshlm.errors import ConfigError
-from meshlm.generate.generator import Generator
+from meshlm.generate.generator import Generator, logits_with_cache
 from meshlm.io.model_io import save_model
 from meshlm.model.config import get_config
 from meshlm.parallel.layout import Layout
@@ -56,10 +56,10 @@ def test_prefill_over_cp_equals_prefill_without_in_float64(model):
     with jax.enable_x64(True):
         params = jax.tree.map(lambda x: np.asarray(x, np.float64), host_params(cfg))
         ref = Generator(cfg, params, make_mesh(1, 1), eod=None)
-        want, want_tokens = ref.logits_with_cache(TOKENS, LENGTHS), ref.generate(PROMPTS, NEW)
+        want, want_tokens = logits_with_cache(ref, TOKENS, LENGTHS), ref.generate(PROMPTS, NEW)
         for name, layout in CASES[model].items():
             gen = Generator(cfg, params, layout, eod=None, prefill_cp=True)
-            got = gen.logits_with_cache(TOKENS, LENGTHS)  # row b: prefill of lengths[b], then decode
+            got = logits_with_cache(gen, TOKENS, LENGTHS)  # row b: prefill of lengths[b], then decode
             worst = max(float(np.max(np.abs(g - w))) for g, w in zip(got, want, strict=True))
             assert worst <= 1e-12, (name, worst)
             tokens = [r.tokens for r in gen.generate(PROMPTS, NEW)]
@@ -111,9 +111,9 @@ def test_kv_written_in_shard_order_is_caught(monkeypatch):
     monkeypatch.setattr(attention, "cp_prefill_cache", shard_order)
     monkeypatch.setattr(programs, "_PROGRAMS", {})  # compile afresh with the fault
     cfg, params = get_config("tiny-llama"), host_params("tiny-llama")
-    want = Generator(cfg, params, make_mesh(1, 1), eod=None).logits_with_cache(TOKENS, LENGTHS)
+    want = logits_with_cache(Generator(cfg, params, make_mesh(1, 1), eod=None), TOKENS, LENGTHS)
     gen = Generator(cfg, params, LAYOUTS["ring cp2 x mp2"], eod=None, prefill_cp=True)
-    got = gen.logits_with_cache(TOKENS, LENGTHS)
+    got = logits_with_cache(gen, TOKENS, LENGTHS)
     worst = max(float(np.max(np.abs(g - w))) for g, w in zip(got, want, strict=True))
     assert worst > 1e-2
 
@@ -133,8 +133,8 @@ def test_hybrid_padding_in_the_state_is_caught(monkeypatch):
     monkeypatch.setattr(programs, "_PROGRAMS", {})  # compile afresh with the fault
     cfg = _config("tiny-qwen3.5")
     params = host_params(cfg)
-    want = Generator(cfg, params, make_mesh(1, 1), eod=None).logits_with_cache(TOKENS, LENGTHS)
+    want = logits_with_cache(Generator(cfg, params, make_mesh(1, 1), eod=None), TOKENS, LENGTHS)
     gen = Generator(cfg, params, LAYOUTS["ring cp2 x mp2"], eod=None, prefill_cp=True)
-    got = gen.logits_with_cache(TOKENS, LENGTHS)
+    got = logits_with_cache(gen, TOKENS, LENGTHS)
     worst = max(float(np.max(np.abs(g[1:] - w[1:]))) for g, w in zip(got, want, strict=True))
     assert worst > 1e-2  # the decode steps' logits (the prefill's own are right)

@@ -13,6 +13,7 @@ from hf_harness import Case, Comparison, GreedyText, drift, family_fixture  # no
 from hf_helpers import RTOL, TINY, rel  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
+from meshlm.generate.generator import logits_with_cache  # noqa: E402
 from meshlm.io import hf_config  # noqa: E402
 from meshlm.model import attention, transformer  # noqa: E402
 from meshlm.model.params import unflatten  # noqa: E402
@@ -148,6 +149,6 @@ def test_rolling_cache_holds_the_window_and_equals_transformers(family):
     gen = Generator(cfg, unflatten(flat), make_mesh(1, 1))
     assert gen.max_len > 4 * WINDOW and cache_memory(gen, 2)["slots"] == WINDOW
     lengths = np.array([1, WINDOW + 1])
-    got = gen.logits_with_cache(family["tokens"], lengths)
+    got = logits_with_cache(gen, family["tokens"], lengths)
     for b, n in enumerate(lengths):
         assert rel(got[b], family["logits"][b, n - 1 :]) <= RTOL

@@ -12,7 +12,7 @@ import pytest
 from test_generate import host_params
 
 from meshlm.generate.cache import cache_bytes, cache_shapes
-from meshlm.generate.generator import Generator
+from meshlm.generate.generator import Generator, logits_with_cache
 from meshlm.model.config import get_config
 from meshlm.model.transformer import logits_fn
 from meshlm.parallel.context import Parallel
@@ -28,7 +28,8 @@ def _cached_logits_equal_the_full_forward(cases):
         params = jax.tree.map(lambda x: np.asarray(x, np.float64), host_params("tiny-deepseek-v3"))
         full = np.asarray(jax.jit(hk.transform(logits_fn(cfg, Parallel())).apply)(params, None, TOKENS))
         for name, layout, cp in cases:
-            got = Generator(cfg, params, layout, eod=None, prefill_cp=cp).logits_with_cache(TOKENS, LENGTHS)
+            gen = Generator(cfg, params, layout, eod=None, prefill_cp=cp)
+            got = logits_with_cache(gen, TOKENS, LENGTHS)
             for b, n in enumerate(LENGTHS):
                 want = full[b, n - 1 :, : cfg.vocab_size]
                 worst = float(np.max(np.abs(got[b] - want)) / np.max(np.abs(want)))

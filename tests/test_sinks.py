@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from helpers import jitted_vjp
 
+from meshlm.generate.generator import logits_with_cache
 from meshlm.model.attention import _attend
 from meshlm.model.attention_variants import Variant
 from meshlm.model.blockwise import blockwise_attention, chunked_attention
@@ -117,7 +118,7 @@ def test_cached_decode_with_sinks_equals_the_full_forward():
     assert np.abs(off - want).max() > 1e-2 * np.abs(want).max()  # the sinks change the logits
     lengths = np.array([3, 11])
     gen = Generator(cfg, params, make_mesh(1, 2), max_len=32)
-    got = gen.logits_with_cache(tokens, lengths)
+    got = logits_with_cache(gen, tokens, lengths)
     for b, n in enumerate(lengths):
         np.testing.assert_allclose(got[b], want[b, n - 1 :], rtol=1e-5, atol=1e-5 * np.abs(want).max())
 

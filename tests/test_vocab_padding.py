@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from meshlm.errors import ConfigError, ShardingError
-from meshlm.generate.generator import Generator
+from meshlm.generate.generator import Generator, logits_with_cache
 from meshlm.io.checkpoint import Checkpointer
 from meshlm.io.model_io import FORMAT, load_model, read_config
 from meshlm.model.config import PRESETS, from_dict, get_config
@@ -98,7 +98,7 @@ def test_generation_never_picks_a_padded_id():
     for temperature in (0.0, 1.0):
         out = gen.generate([[1, 2, 3], [4, 5]], 6, temperature=temperature)
         assert all(0 <= t < cfg.vocab_size for r in out for t in r.tokens)
-    logits = gen.logits_with_cache(np.array([[1, 2, 3, 4], [5, 6, 7, 8]]), np.array([2, 3]))
+    logits = logits_with_cache(gen, np.array([[1, 2, 3, 4], [5, 6, 7, 8]]), np.array([2, 3]))
     assert [x.shape for x in logits] == [(3, cfg.vocab_size), (2, cfg.vocab_size)]
 
 

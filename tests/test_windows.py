@@ -12,6 +12,7 @@ import pytest
 from test_blockwise import TOL, inputs, positions, rel_err, value_and_grads
 
 from meshlm.generate.cache import cache_bytes
+from meshlm.generate.generator import logits_with_cache
 from meshlm.model.attention import _attend
 from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.config import get_config
@@ -152,7 +153,7 @@ def test_rolling_cache_holds_the_window_and_equals_the_full_forward(attention):
         cache_bytes(cfg, gen.mesh, 2, 32)["total"] * 8
         == cache_bytes(cfg.replace(sliding_window=0), gen.mesh, 2, 32)["total"]
     )
-    got = gen.logits_with_cache(tokens, np.array([3, 11]))
+    got = logits_with_cache(gen, tokens, np.array([3, 11]))
     want = np.asarray(
         jax.jit(hk.without_apply_rng(hk.transform(logits_fn(cfg, Parallel()))).apply)(params, tokens)
     )
@@ -194,6 +195,6 @@ def test_local_layers_cache_holds_the_window(preset, attention, meshes):
         _, _, cache = gen.prefill(np.zeros((2, 32), np.int32), lengths, Sampling())
         assert cache["k_local"].shape[:3] == (n_local, 2, 4) and cache["k"].shape[:3] == (n_global, 2, 32)
         assert cache_memory(gen, 2)["local_slots"] == 4 and cache_memory(gen, 2)["slots"] == 32
-        got = gen.logits_with_cache(tokens, lengths)
+        got = logits_with_cache(gen, tokens, lengths)
         for b, n in enumerate(lengths):
             np.testing.assert_allclose(got[b], want[b, n - 1 :], rtol=1e-5, atol=1e-5 * np.abs(want).max())

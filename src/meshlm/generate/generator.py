@@ -3,8 +3,9 @@
 Flow. Prompts (text, or lists of token ids) are right-padded to one fixed length ``S`` (``max_len``,
 default ``max_seq_len``) and prefilled in ONE pass, which also samples each row's first new token from
 the logits at that row's own last prompt position. ``decode_step`` then feeds one token per row at the
-row's own position, ``DECODE_CHUNK`` steps per program while at least that many are left (one host
-round trip a chunk: ``programs.decode_chunk``), single steps for the rest. All are ``shard_map``
+row's own position, ``chunk`` steps a program (``programs.decode_chunk``), each chunk dispatched from
+the one before's outputs on the device before the host reads that one's tokens: the host's transfer,
+streaming and stop checks run while the device decodes. All are ``shard_map``
 functions compiled ahead of time once per batch size, so neither prompt lengths nor the number of new
 tokens ever trigger a compilation. The decode programs take the cache donated, and each layer writes
 its new tokens into it in place (``kv_kinds.carried_stack``): a step reads the parameters and the
@@ -72,10 +73,21 @@ class Generator:
     ending generation (default: the tokenizer's ``eod_id``; a list: any; None: none). Compiled
     programs are shared by Generators of the same config, mesh, max_len and parameter dtypes.
     ``prefill_cp``: prefill over the layout's cp axis, decode without it (``programs.check_prefill_cp``).
+    ``chunk``: decode steps a program (default ``DECODE_CHUNK``); 0 runs one step a program with the
+    host between steps (the single steps chunks are checked against, ``_single_steps``).
     """
 
     def __init__(
-        self, cfg, params, where, *, max_len=None, tokenizer=None, eod="tokenizer", prefill_cp=False
+        self,
+        cfg,
+        params,
+        where,
+        *,
+        max_len=None,
+        tokenizer=None,
+        eod="tokenizer",
+        prefill_cp=False,
+        chunk=DECODE_CHUNK,
     ):
         self.cfg, self.layout = cfg, Layout.of(where, fsdp=False, sp=False)
         self.mesh, self.dp, self.prefill_cp = self.layout.mesh, self.layout.dp, bool(prefill_cp)
@@ -84,16 +96,17 @@ class Generator:
         self.max_len = cfg.max_seq_len if max_len is None else int(max_len)
         if not 1 <= self.max_len <= cfg.max_seq_len:
             raise ConfigError(f"max_len={max_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
+        self.chunk = chunk  # checked by ``programs_for``
         specs = model_specs(cfg, params, self.layout)
         self.params = jax.device_put(params, shardings(specs, self.mesh))  # a no-op when already laid out
         self.slots = slots_for(cfg, self.max_len, self.prefill_cp)  # the cache's S: prompts padded to it
-        self._prog = programs_for(cfg, self.layout, specs, self.slots, self.params, self.prefill_cp)
+        self._prog = programs_for(cfg, self.layout, specs, self.slots, self.params, self.prefill_cp, chunk)
         self._last_constants: tuple = (None, None)
 
     @property
     def compilations(self) -> int:
-        """Executables built so far for this model: up to three per batch size (prefill, one decode
-        step, a chunk of them: each when first needed), never per length or step."""
+        """Executables built so far for this model and chunk length: up to three per batch size (prefill,
+        a chunk of decode steps, one step: each when first needed), never per length or step."""
         return sum(map(len, self._prog.by_batch.values()))
 
     def _put(self, x, spec):
@@ -120,12 +133,23 @@ class Generator:
 
     def decode_step(self, tokens, positions, cache, sampling: Sampling, step: int, starts, kind="decode"):
         """tokens, positions, doc starts [B] host ids -> device (next [B], logits [B, V], cache: donated);
-        ``kind`` "chunk": ``DECODE_CHUNK`` steps from there -> (tokens [B, DECODE_CHUNK], cache, starts)."""
-        rows, key, settings = self._constants(sampling, len(tokens))
+        ``kind`` "chunk": ``chunk`` steps from there -> (tokens [B, chunk], the next chunk's state:
+        ``decode_chunk``)."""
         put = lambda x: self._put(np.asarray(x, np.int32), self.layout.spec("batch"))
         at = positions if kind == "chunk" else np.minimum(positions, self.max_len - 1)  # chunk: clamps inside
-        run, step_d = self._executables(len(tokens), (kind,))[kind], self._put(np.int32(step), P())
-        return run(self.params, put(tokens), put(at), rows, cache, key, step_d, settings, put(starts))
+        state = (put(tokens), put(at), cache, put(starts), self._put(np.int32(step), P()))
+        return self._run(kind, sampling, state)
+
+    def decode_chunk(self, sampling: Sampling, state):
+        """A chunk from the device ``state`` (tokens, positions, cache: donated, starts, step) the chunk
+        before returned: (tokens [B, chunk], the next state), with no host value in between."""
+        return self._run("chunk", sampling, state)
+
+    def _run(self, kind: str, sampling: Sampling, state):
+        tokens, at, cache, starts, step = state
+        rows, key, settings = self._constants(sampling, tokens.shape[0])
+        run = self._executables(tokens.shape[0], (kind,))[kind]
+        return run(self.params, tokens, at, rows, cache, key, step, settings, starts)
 
     def encode_prompt(self, index: int, prompt) -> np.ndarray:
         return encode_prompt(self.tokenizer, self.cfg.vocab_size, index, prompt)
@@ -149,7 +173,7 @@ class Generator:
         stops = check_stops(stop)
         rows = [OutputRow(i, make_stream(self.tokenizer), stops, self.eod, on_token) for i in range(len(ids))]
         tokens, lengths = pad_prompts(ids, self.dp, self.slots)  # global [B', S], [B']
-        self._executables(len(tokens), kinds_for(max_new_tokens))  # compiled before the timing
+        self._executables(len(tokens), kinds_for(max_new_tokens, self.chunk))  # compiled before the timing
         t0 = time.perf_counter()
         nxt, _, cache = self.prefill(tokens, lengths, sampling)
         nxt = to_host(nxt)
@@ -161,45 +185,65 @@ class Generator:
         rates = (sum(map(len, ids)) / (t1 - t0), decoded / (t2 - t1) if decoded else 0.0)
         return [r.result(p, rates) for p, r in zip(prompts, rows, strict=True)]
 
-    def logits_with_cache(self, tokens, lengths) -> list[np.ndarray]:
-        """Teacher-forced cached logits. Row b is prefilled with tokens[b, :lengths[b]], then fed
-        tokens[b, t] one decode step at a time. Returns per row [T - lengths[b] + 1, V] float32: the
-        next-token logits at positions lengths[b] - 1 ... T - 1 (a full forward's logits there)."""
-        tokens, lengths = check_teacher_forced(tokens, lengths, self.cfg.vocab_size, self.max_len)
-        t = tokens.shape[1]
-        ids = [self.encode_prompt(b, tokens[b, :n]) for b, n in enumerate(lengths)]
-        padded, lens = pad_prompts(ids, self.dp, self.slots)  # global [B', S], [B']
-        feed = np.zeros_like(padded)
-        feed[: len(ids), :t] = tokens
-        greedy = Sampling()
-        _, logits, cache = self.prefill(padded, lens, greedy)
-        out, starts = [to_host(logits)], prompt_doc_starts(padded, lens, self.cfg.doc_mask)
-        for j in range(t - int(lengths.min())):
-            pos = np.minimum(lens + j, self.max_len - 1)
-            fed = feed[np.arange(len(pos)), pos]
-            starts = next_doc_starts(starts, fed, pos, self.cfg.doc_mask)
-            _, logits, cache = self.decode_step(fed, pos, cache, greedy, j + 1, starts)
-            out.append(to_host(logits))
-        stacked = np.stack(out, axis=1)  # [B', steps + 1, V]
-        return [stacked[b, : t - n + 1] for b, n in enumerate(lengths)]
+
+def logits_with_cache(gen: Generator, tokens, lengths) -> list[np.ndarray]:
+    """Teacher-forced cached logits of ``gen``. Row b is prefilled with tokens[b, :lengths[b]], then fed
+    tokens[b, t] one decode step at a time. Returns per row [T - lengths[b] + 1, V] float32: the
+    next-token logits at positions lengths[b] - 1 ... T - 1 (a full forward's logits there)."""
+    tokens, lengths = check_teacher_forced(tokens, lengths, gen.cfg.vocab_size, gen.max_len)
+    t = tokens.shape[1]
+    ids = [gen.encode_prompt(b, tokens[b, :n]) for b, n in enumerate(lengths)]
+    padded, lens = pad_prompts(ids, gen.dp, gen.slots)  # global [B', S], [B']
+    feed = np.zeros_like(padded)
+    feed[: len(ids), :t] = tokens
+    greedy = Sampling()
+    _, logits, cache = gen.prefill(padded, lens, greedy)
+    out, starts = [to_host(logits)], prompt_doc_starts(padded, lens, gen.cfg.doc_mask)
+    for j in range(t - int(lengths.min())):
+        pos = np.minimum(lens + j, gen.max_len - 1)
+        fed = feed[np.arange(len(pos)), pos]
+        starts = next_doc_starts(starts, fed, pos, gen.cfg.doc_mask)
+        _, logits, cache = gen.decode_step(fed, pos, cache, greedy, j + 1, starts)
+        out.append(to_host(logits))
+    stacked = np.stack(out, axis=1)  # [B', steps + 1, V]
+    return [stacked[b, : t - n + 1] for b, n in enumerate(lengths)]
 
 
 def _decode(gen: Generator, rows: list[OutputRow], state: tuple, sampling: Sampling, max_new: int) -> int:
-    """The decode steps after the prefill until ``max_new`` tokens or every row stopped: chunks of
-    ``DECODE_CHUNK`` steps (one round trip each) while that many are left, then single steps. ``state``:
-    (the prefill's tokens [B'] on the host, the prompt lengths [B'], the cache, the doc starts [B']).
-    Returns the tokens pushed to running rows."""
+    """The decode steps after the prefill until ``max_new`` tokens or every row stopped, in chunks of
+    ``gen.chunk`` steps (``_single_steps`` where it is 0): chunk i + 1 is dispatched from chunk i's
+    device outputs before the host reads chunk i's tokens, so the device runs chunk after chunk while
+    the host streams; the last chunk's steps past ``max_new`` are dropped, and so is the chunk after
+    the one where every row stopped. ``state``: (the prefill's tokens [B'] on the host, the prompt
+    lengths [B'], the cache, the doc starts [B']). Returns the tokens pushed to running rows."""
+    if gen.chunk == 0:
+        return _single_steps(gen, rows, state, sampling, max_new)
+    nxt, lengths, cache, starts = state
+    chunks = -(-(max_new - 1) // gen.chunk)
+    steps, decoded = 1, 0
+    if chunks:
+        running = gen.decode_step(nxt, lengths, cache, sampling, steps, starts, "chunk")
+    for i in range(chunks):
+        out, after = running
+        if i + 1 < chunks:
+            running = gen.decode_chunk(sampling, after)  # queued behind this chunk, before its read
+        steps, pushed = push_steps(rows, to_host(out), steps, max_new)  # [B', chunk]
+        decoded += pushed
+        if not any(r.finish is None for r in rows):
+            break
+    return decoded
+
+
+def _single_steps(gen: Generator, rows: list[OutputRow], state: tuple, sampling: Sampling, max_new: int):
+    """``_decode`` one step a program, the host between steps (its tokens, positions and document
+    starts: ``inputs.next_doc_starts``): what chunks are checked against."""
     nxt, lengths, cache, starts = state
     steps, decoded = 1, 0
     while steps < max_new and any(r.finish is None for r in rows):
         at = lengths + steps - 1  # the fed token's position
-        if max_new - steps >= DECODE_CHUNK:
-            out, cache, starts = gen.decode_step(nxt, at, cache, sampling, steps, starts, "chunk")
-            out, starts = to_host(out), to_host(starts)  # [B', DECODE_CHUNK]
-        else:
-            starts = next_doc_starts(starts, nxt, at, gen.cfg.doc_mask)
-            out, _, cache = gen.decode_step(nxt, at, cache, sampling, steps, starts)
-            out = to_host(out)[:, None]
+        starts = next_doc_starts(starts, nxt, at, gen.cfg.doc_mask)
+        out, _, cache = gen.decode_step(nxt, at, cache, sampling, steps, starts)
+        out = to_host(out)[:, None]
         steps, pushed = push_steps(rows, out, steps, max_new)
         nxt, decoded = out[:, -1], decoded + pushed
     return decoded
@@ -224,13 +268,11 @@ def bench_generation(cfg: ModelConfig, params, where, batch: int, prompt_len: in
     """Throughput of ``batch`` random prompts of ``prompt_len`` tokens, ``new_tokens`` each, with the
     cache sized to exactly prompt_len + new_tokens (prefill runs over all of it: fixed shapes). A first
     short run compiles and warms up outside the timing the programs the timed run needs (``kinds_for``:
-    no single-step program where new_tokens - 1 is a multiple of ``DECODE_CHUNK``, one compile fewer
-    per batch). Never stops early (no EOD)."""
+    the prefill and the chunk). Never stops early (no EOD)."""
     gen = Generator(cfg, params, where, max_len=prompt_len + new_tokens, eod=None)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
-    tail = (new_tokens - 1) % DECODE_CHUNK != 0  # a single step after the chunks (``_decode``)
-    gen.generate(prompts, min(DECODE_CHUNK + 1 + tail, new_tokens))  # warm: the prefill, a chunk, a step
+    gen.generate(prompts, min(2 * gen.chunk + 1, new_tokens))  # warm: the prefill, two chunks
     r = gen.generate(prompts, new_tokens)[0]
     params = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(gen.params))
     return {

@@ -139,7 +139,7 @@ def next_doc_starts(starts: np.ndarray, fed, positions, eod: int) -> np.ndarray:
 
 
 def check_teacher_forced(tokens, lengths, vocab_size: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [B, T], lengths [B]) as arrays, checked for ``Generator.logits_with_cache``."""
+    """(tokens [B, T], lengths [B]) as arrays, checked for ``generator.logits_with_cache``."""
     tokens, lengths = np.asarray(tokens), np.asarray(lengths, np.int64)
     if tokens.ndim != 2 or lengths.shape != tokens.shape[:1]:
         raise GenerationError(f"tokens must be [B, T] with lengths [B]; got {tokens.shape}, {lengths.shape}")

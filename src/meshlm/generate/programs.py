@@ -3,10 +3,12 @@ over the (DP, MP) mesh, with sampling inside them.
 
 Prefill runs the whole padded prompt batch [B, S] in ONE pass and samples each row's first new token
 from the logits at that row's own last prompt position; ``decode_step`` feeds one token per row at
-the row's own position, and ``decode_chunk`` runs ``DECODE_CHUNK`` such steps in one program (a scan:
-each step feeds the token the one before sampled), so the host dispatches, transfers and waits once
-per chunk, not once per token. All are compiled ahead of time once per global batch size
-(``Programs``), so neither prompt lengths nor the number of new tokens ever trigger a compilation.
+the row's own position, and ``decode_chunk`` runs a chunk of such steps in one program (a scan: each
+step feeds the token the one before sampled) and hands the next chunk what it starts from (the last
+token, positions, document starts, step index) on the device, so the host dispatches each chunk
+before it reads the one before (``generator._decode``): no round trip between chunks. All are compiled
+ahead of time once per global batch size (``Programs``), so neither prompt lengths nor the number of
+new tokens ever trigger a compilation.
 
 The "ff" family has no attention and no positions: the logits at a position depend on that token
 alone, so running the model on the last token IS the full recomputation (exact, O(1) per step). It
@@ -43,10 +45,12 @@ from meshlm.model.transformer import check_context, local_logits
 from meshlm.parallel.context import Parallel
 from meshlm.parallel.layout import Layout
 
-# Decode steps per program (``decode_chunk``): the host's dispatch, transfers and wait once per chunk.
-# Generation streams its tokens a chunk at a time, and a row that stops mid-chunk wastes the rest of it
-# (at most DECODE_CHUNK - 1 steps); the tail of a generation shorter than a chunk runs single steps.
-DECODE_CHUNK = 8
+# Decode steps per program (``decode_chunk``; ``Generator(chunk=...)``): each chunk is dispatched
+# while the one before runs, so the host's transfers and streaming hide behind the device's chunk
+# when a chunk outlasts them. Generation streams its tokens a chunk at a time, and a generation that
+# ends mid-chunk (its last chunk, or every row stopped) wastes the rest of it: at most one chunk more
+# (the next, dispatched before the stop was read) and DECODE_CHUNK - 1 steps.
+DECODE_CHUNK = 16
 
 # Cache slots come in multiples of this (a bf16 sublane tile): XLA:TPU lays the flat cache's [S, Kc * E]
 # planes out in (16, 128) tiles, and at S = 577 (prompt 512 + 65 tokens) it copied every layer's slice
@@ -137,7 +141,14 @@ def _lengths(cache: dict, lengths) -> dict:
 
 
 def sharded_fns(
-    cfg: ModelConfig, layout: Layout, specs, cache_dtype, prefill_cp: bool = False, *, max_len: int
+    cfg: ModelConfig,
+    layout: Layout,
+    specs,
+    cache_dtype,
+    prefill_cp: bool = False,
+    *,
+    max_len: int,
+    chunk: int = DECODE_CHUNK,
 ):
     """(prefill, decode_step, decode_chunk): ``shard_map`` functions over the layout's mesh; params laid
     out by ``specs``.
@@ -147,10 +158,11 @@ def sharded_fns(
     (``starts``: where each row's current document starts, for ``--doc-mask``; the prefill finds the
     prompt's documents in its tokens).
     decode_chunk(params, tokens [B], positions [B], rows [B], cache, key, step, sampling, starts [B]) ->
-    (tokens [B, DECODE_CHUNK], cache, starts [B]): ``decode_step`` DECODE_CHUNK times, step i feeding
-    step i - 1's token at the next position (clamped below ``max_len``, as the host clamps one step's)
-    and moving ``starts`` past an EOD it feeds (``inputs.next_doc_starts``), with step index step + i:
-    the tokens the host loop of single steps draws.
+    (tokens [B, chunk], (last token [B], positions + chunk [B], cache, starts [B], step + chunk)):
+    ``decode_step`` ``chunk`` times, step i feeding step i - 1's token at the next position (clamped
+    below ``max_len``, as the host clamps one step's) and moving ``starts`` past an EOD it feeds
+    (``inputs.next_doc_starts``), with step index step + i: the tokens the host loop of single steps
+    draws. The second part is the next chunk's (tokens, positions, cache, starts, step), on the device.
     Global shapes; rows split over DP. Only params and the cache are sharded over MP.
     ``prefill_cp``: the prefill splits the prompt over the layout's cp axis (``_forward_cp``); the
     decode runs without cp either way (each cp shard a copy).
@@ -189,8 +201,8 @@ def sharded_fns(
             return (nxt, at + 1, cache, starts), nxt
 
         carry = (tokens, positions, cache, starts)
-        (_, _, cache, starts), out = lax.scan(one, carry, jnp.arange(DECODE_CHUNK, dtype=step.dtype))
-        return jnp.swapaxes(out, 0, 1), cache, starts  # [B/dp, DECODE_CHUNK]
+        (nxt, at, cache, starts), out = lax.scan(one, carry, jnp.arange(chunk, dtype=step.dtype))
+        return jnp.swapaxes(out, 0, 1), (nxt, at, cache, starts, step + chunk)  # out [B/dp, chunk]
 
     # rows over the data shards: DP, or (DP, EP) (ep's shards are data shards: ``Layout.rows``)
     row, tokens, cspec = layout.spec("batch"), layout.spec("batch", None), cache_specs(cfg, layout)
@@ -200,7 +212,9 @@ def sharded_fns(
     return (
         jax.shard_map(prefill, mesh=mesh, in_specs=prefill_in, out_specs=out),
         jax.shard_map(decode_step, mesh=mesh, in_specs=decode_in, out_specs=out),
-        jax.shard_map(decode_chunk, mesh=mesh, in_specs=decode_in, out_specs=(tokens, cspec, row)),
+        jax.shard_map(
+            decode_chunk, mesh=mesh, in_specs=decode_in, out_specs=(tokens, (row, row, cspec, row, P()))
+        ),
     )
 
 
@@ -211,16 +225,20 @@ KINDS = ("prefill", "decode", "chunk")  # the programs of a batch size
 
 
 class Programs:
-    """The jitted prefill and decode of one (config, layout, max_len, parameter dtypes), and their
-    executables per global batch size. Shared by every Generator of that model (``programs_for``)."""
+    """The jitted prefill and decode of one (config, layout, max_len, parameter dtypes, chunk length),
+    and their executables per global batch size. Shared by every Generator of that model
+    (``programs_for``)."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, specs, max_len: int, cache_dtype, prefill_cp=False):
+    def __init__(
+        self, cfg: ModelConfig, layout: Layout, specs, max_len: int, cache_dtype, prefill_cp=False, chunk=1
+    ):
         self.cfg, self.layout, self.max_len, self.cache_dtype = cfg, layout, max_len, cache_dtype
-        prefill, decode, chunk = sharded_fns(cfg, layout, specs, cache_dtype, prefill_cp, max_len=max_len)
+        self.chunk = chunk  # decode steps a "chunk" program (0: generation runs single steps)
+        fns = sharded_fns(cfg, layout, specs, cache_dtype, prefill_cp, max_len=max_len, chunk=max(chunk, 1))
         self.jit = {
-            "prefill": jax.jit(prefill),
-            "decode": jax.jit(decode, donate_argnums=(4,)),
-            "chunk": jax.jit(chunk, donate_argnums=(4,)),
+            "prefill": jax.jit(fns[0]),
+            "decode": jax.jit(fns[1], donate_argnums=(4,)),
+            "chunk": jax.jit(fns[2], donate_argnums=(4,)),
         }
         self.by_batch: dict[int, dict] = {}  # global batch -> {kind: its executable}, as compiled
 
@@ -254,13 +272,13 @@ class Programs:
         return done
 
 
-def kinds_for(max_new_tokens: int) -> tuple[str, ...]:
+def kinds_for(max_new_tokens: int, chunk: int = DECODE_CHUNK) -> tuple[str, ...]:
     """The programs a generation of ``max_new_tokens`` runs (``generator._decode``'s schedule): the
-    prefill (the first token), chunks of ``DECODE_CHUNK`` steps while that many are left, single steps
-    for the rest."""
-    steps = max(max_new_tokens - 1, 0)
-    chunk = ("chunk",) if steps >= DECODE_CHUNK else ()
-    return ("prefill", *chunk, *(("decode",) if steps % DECODE_CHUNK else ()))
+    prefill (the first token), then chunks (the last one's steps past ``max_new_tokens`` dropped), or
+    with ``chunk`` 0 single steps."""
+    if max_new_tokens <= 1:
+        return ("prefill",)
+    return ("prefill", "chunk" if chunk else "decode")
 
 
 def check_prefill_cp(cfg: ModelConfig, layout: Layout, max_len: int, prefill_cp: bool = True) -> None:
@@ -300,14 +318,23 @@ _PROGRAMS: dict[tuple, Programs] = {}
 
 
 def programs_for(
-    cfg: ModelConfig, layout: Layout, specs, max_len: int, params, prefill_cp: bool = False
+    cfg: ModelConfig,
+    layout: Layout,
+    specs,
+    max_len: int,
+    params,
+    prefill_cp: bool = False,
+    chunk: int = DECODE_CHUNK,
 ) -> Programs:
-    """The shared ``Programs`` of this model (made on first use); ``params`` give the dtypes. Programs
-    traced under another cache-write mode (``cache_kernel.write_mode``: a measurement's) are others."""
+    """The shared ``Programs`` of this model and chunk length (made on first use); ``params`` give the
+    dtypes. Programs traced under another cache-write mode (``cache_kernel.write_mode``: a
+    measurement's) are others."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise ConfigError(f"chunk={chunk!r}: give decode steps a program as a whole number >= 0")
     dtypes = tuple(str(p.dtype) for p in jax.tree.leaves(params))
     check_prefill_cp(cfg, layout, max_len, prefill_cp)
-    key = (cfg, layout, layout.mesh, max_len, dtypes, prefill_cp, write_mode())
+    key = (cfg, layout, layout.mesh, max_len, dtypes, prefill_cp, write_mode(), chunk)
     if key not in _PROGRAMS:
         dtype = params["embed"]["embeddings"].dtype
-        _PROGRAMS[key] = Programs(cfg, layout, specs, max_len, dtype, prefill_cp)
+        _PROGRAMS[key] = Programs(cfg, layout, specs, max_len, dtype, prefill_cp, chunk)
     return _PROGRAMS[key]
