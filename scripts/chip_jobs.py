@@ -139,8 +139,8 @@ def _kernel_jobs() -> list[Job]:
     chunks += ("--chunks", "16,8,32,64", "--bf16", "--reps", "3")
     smoke = ("scripts/decode_chunks.py", "--config", "tiny-llama", "--batch", "2", "--prompt", "8")
     smoke += ("--new", "17", "--reps", "1", "--chunks", "8,16", "--bf16")
-    jobs.append(Job("kernels", "decode chunks 16,8,32,64 bf16 b1", (*chunks, "--batch", "1"), smoke))
-    jobs.append(Job("kernels", "decode chunks 16,8,32,64 bf16 b8", (*chunks, "--batch", "8")))
+    jobs.append(Job("kernels", "decode chunks 16 8 32 64 bf16 b1", (*chunks, "--batch", "1"), smoke))
+    jobs.append(Job("kernels", "decode chunks 16 8 32 64 bf16 b8", (*chunks, "--batch", "8")))
     return jobs
 
 

@@ -217,4 +217,20 @@ def test_the_decode_chunks_job_times_each_length_with_the_same_tokens(tmp_path):
     jobs = [j for j in json.loads((tmp_path / "chip_report.json").read_text())["jobs"] if j["output"]]
     assert [j["code"] for j in jobs] == [0] and jobs[0]["output"]["same_tokens"] is True
     md = (tmp_path / "chip_report.md").read_text()
-    assert "| decode chunks 16,8,32,64 bf16 b1 | decode batch 2 bfloat16: chunk " in md and "chunk 16 " in md
+    assert "| decode chunks 16 8 32 64 bf16 b1 | decode batch 2 bfloat16: chunk " in md and "chunk 16 " in md
+
+
+def test_no_job_name_holds_a_comma_and_the_experts_pairs_double_the_tokens():
+    """``--only`` splits its list on commas: a job named "chunks 16,8" would match every job naming an
+    "8" (a chip call once ran two unplanned jobs so). The a3b pairs: dense-eq beside ragged_dot at batch 8
+    and 16, float32 and bf16 moments (what grows with the tokens, what does not)."""
+    script = _script()
+    jobs = [j for f in script.GROUPS.values() for j in f()]
+    assert not [j.name for j in jobs if "," in j.name]
+    a3b = {j.name: j.argv for j in script._kernel_jobs() if j.name.startswith("experts a3b")}
+    for name, argv in a3b.items():
+        text = " ".join(argv)
+        assert "--impls ragged_dot-dispatch,dense-eq" in text and "qwen3-moe-a3b-chip" in text
+        assert ("--batch-size 16" in text) == ("b16" in name)
+        assert ("--opt-dtype bf16" in text) == ("bf16 moments" in name)
+    assert len(a3b) == 4

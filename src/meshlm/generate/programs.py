@@ -230,7 +230,14 @@ class Programs:
     (``programs_for``)."""
 
     def __init__(
-        self, cfg: ModelConfig, layout: Layout, specs, max_len: int, cache_dtype, prefill_cp=False, chunk=1
+        self,
+        cfg: ModelConfig,
+        layout: Layout,
+        specs,
+        max_len: int,
+        cache_dtype,
+        prefill_cp=False,
+        chunk=DECODE_CHUNK,
     ):
         self.cfg, self.layout, self.max_len, self.cache_dtype = cfg, layout, max_len, cache_dtype
         self.chunk = chunk  # decode steps a "chunk" program (0: generation runs single steps)
