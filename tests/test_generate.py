@@ -214,6 +214,9 @@ def test_a_generation_compiles_only_the_programs_it_runs():
         assert set(other._prog.by_batch[6]) == want
     out = other._executables(6, ("chunk",))["chunk"].out_info[0]  # chunk 3: tokens [B, 3]
     assert out.shape == (6, 3)
+    for bad in (-1, 2.5, True):  # one line before any compile
+        with pytest.raises(ConfigError, match="whole number >= 0"):
+            Generator(cfg, params, mesh, chunk=bad)
 
 
 def test_no_compilation_per_token_or_prompt_length():

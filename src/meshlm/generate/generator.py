@@ -71,7 +71,7 @@ class Generator:
     ``slots`` = max_len rounded up to ``programs.SLOT_TILE`` (``slots_for``: XLA:TPU's tiles).
     ``tokenizer``: ``encode(str) -> ids`` / ``decode(ids) -> str`` (default: bytes). ``eod``: the id(s)
     ending generation (default: the tokenizer's ``eod_id``; a list: any; None: none). Compiled
-    programs are shared by Generators of the same config, mesh, max_len and parameter dtypes.
+    programs are shared by Generators of the same config, mesh, max_len, parameter dtypes and chunk.
     ``prefill_cp``: prefill over the layout's cp axis, decode without it (``programs.check_prefill_cp``).
     ``chunk``: decode steps a program (default ``DECODE_CHUNK``); 0 runs one step a program with the
     host between steps (the single steps chunks are checked against, ``_single_steps``).
