@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from meshlm.generate.programs import DECODE_CHUNK
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "JAX_PLATFORMS": "cpu"}
 
@@ -24,7 +26,9 @@ def test_decode_script_reports_both_ways():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     row = json.loads(done.stdout.splitlines()[-1])
-    assert row["chunk"] == 8 and set(row["ms_per_step"]) == {"chunk", "single"} and row["same_tokens"]
+    assert (
+        row["chunk"] == DECODE_CHUNK and set(row["ms_per_step"]) == {"chunk", "single"} and row["same_tokens"]
+    )
     assert all(v > 0 for v in row["ms_per_step"].values()) and row["single_over_chunk"] > 0
     assert row["device"] == "cpu" and row["roofline_ms"] is None
 
