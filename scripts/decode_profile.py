@@ -3,7 +3,8 @@
 Issue 64 (decode at the memory roofline): the step is measured, not guessed. For one model and batch
 (default llama-100m, batch 8, prompt 512, float32; ``--bf16`` its weights and KV cache in bf16, as
 ``generate --bf16``) this compiles the two programs it runs (``Generator._executables``: the prefill and
-the ``chunk`` of decode steps that generation runs, ``--chunk`` of them, default 8) and
+the ``chunk`` of decode steps that generation runs, ``--chunk`` of them, default
+``programs.DECODE_CHUNK``) and
 prints
 
 * each program's ``cost_analysis()`` (FLOPs, bytes accessed; XLA counts a loop's body once, so the
@@ -44,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlm.generate.generator import Generator, cache_memory, in_dtype
+from meshlm.generate.generator import Generator, cache_memory, chunk_tokens, in_dtype
 from meshlm.generate.inputs import Sampling, pad_prompts, prompt_doc_starts
 from meshlm.generate.programs import DECODE_CHUNK
 from meshlm.model.config import get_config
@@ -205,16 +206,11 @@ def _prefill(gen, tokens, lengths):
 
 def _decode_chunks(gen, lengths, chunks: int, state) -> float:
     """``chunks`` chunks of decode steps after a prefill's ``state`` as generation runs them
-    (``generator._decode``: each chunk dispatched from the one before's device outputs before the host
-    reads that one's tokens): their wall seconds."""
+    (``generator.chunk_tokens``): their wall seconds."""
     nxt, cache, starts = state
-    sampling, start = Sampling(), time.perf_counter()
-    running = gen.decode_step(nxt, lengths, cache, sampling, 1, starts, "chunk")
-    for i in range(chunks):
-        out, after = running
-        if i + 1 < chunks:
-            running = gen.decode_chunk(sampling, after)
-        np.asarray(out)
+    start = time.perf_counter()
+    for _ in chunk_tokens(gen, (nxt, lengths, cache, starts), Sampling(), chunks):
+        pass
     return time.perf_counter() - start
 
 

@@ -201,7 +201,7 @@ def test_a_generation_compiles_only_the_programs_it_runs():
     prompts = [[1, 2, 3]] * 6  # a batch size no other test here generates: its programs are new
     gen.generate(prompts, 1)
     assert set(gen._prog.by_batch[6]) == {"prefill"}
-    gen.generate(prompts, 3)  # 2 decode steps: one chunk of 8, 6 steps dropped
+    gen.generate(prompts, 3)  # 2 decode steps: one chunk, its other steps dropped
     assert set(gen._prog.by_batch[6]) == {"prefill", "chunk"}
     assert kinds_for(9) == ("prefill", "chunk") and kinds_for(1) == ("prefill",)
     assert kinds_for(9, chunk=0) == ("prefill", "decode")

@@ -218,20 +218,27 @@ def _decode(gen: Generator, rows: list[OutputRow], state: tuple, sampling: Sampl
     lengths [B'], the cache, the doc starts [B']). Returns the tokens pushed to running rows."""
     if gen.chunk == 0:
         return _single_steps(gen, rows, state, sampling, max_new)
-    nxt, lengths, cache, starts = state
-    chunks = -(-(max_new - 1) // gen.chunk)
     steps, decoded = 1, 0
-    if chunks:
-        running = gen.decode_step(nxt, lengths, cache, sampling, steps, starts, "chunk")
-    for i in range(chunks):
-        out, after = running
-        if i + 1 < chunks:
-            running = gen.decode_chunk(sampling, after)  # queued behind this chunk, before its read
-        steps, pushed = push_steps(rows, to_host(out), steps, max_new)  # [B', chunk]
+    for out in chunk_tokens(gen, state, sampling, -(-(max_new - 1) // gen.chunk)):
+        steps, pushed = push_steps(rows, out, steps, max_new)  # [B', chunk]
         decoded += pushed
         if not any(r.finish is None for r in rows):
             break
     return decoded
+
+
+def chunk_tokens(gen: Generator, state: tuple, sampling: Sampling, chunks: int):
+    """Yields the host tokens [B', chunk] of ``chunks`` chunks after a prefill's ``state`` (``_decode``'s):
+    chunk i + 1 is dispatched from chunk i's device outputs before chunk i is read (the device runs
+    chunk after chunk while the host works); a caller that stops early drops the one queued."""
+    nxt, lengths, cache, starts = state
+    if chunks:
+        running = gen.decode_step(nxt, lengths, cache, sampling, 1, starts, "chunk")
+    for i in range(chunks):
+        out, after = running
+        if i + 1 < chunks:
+            running = gen.decode_chunk(sampling, after)  # queued behind this chunk, before its read
+        yield to_host(out)
 
 
 def _single_steps(gen: Generator, rows: list[OutputRow], state: tuple, sampling: Sampling, max_new: int):
