@@ -10,6 +10,9 @@ script reads the optimized module:
   TPU each costs at least ~1 us, so a step of many small kernels is bound by their count);
 * the ops outside the loop that make a new value of the cache's shape (a relayout of the whole
   cache at the program's entry or exit: what the flat cache removed, ``generate.cache``);
+* the step's ops that make a new value of one layer's keys or values (``layer_cache_copies``: at batch
+  1 the values' matmul fused with its head selection copied each layer's values transposed every step,
+  what ``attention._flat_out``'s barrier removed; ``MESHLM_FLAT_VALUES=fused`` compiles the form before);
 * on a TPU, XLA:TPU's own estimate of each kernel's cycles (``estimated_cycles`` after codegen, at
   ``--clock-ghz``): the step's estimated time and the ops costing most, grouped by the JAX operation
   that made them, beside the roofline (weights and cache read once at the chip's bandwidth).
@@ -103,6 +106,20 @@ def cache_copies(comps: dict[str, list[str]], shape: tuple) -> list[str]:
     ]
 
 
+def layer_copies(ops: list[dict], cache_shape: tuple) -> list[str]:
+    """The step's ops that make a new value of one layer's cache plane (a copy, fusion or transpose of
+    [B, S, F] or [S, F] elements, in any order of its dimensions: a relayout of a layer's keys or values
+    every step, as fusing ``attention._flat_out``'s matmul with its selection made at batch 1)."""
+    _, b, s, f = cache_shape
+    found = []
+    for i in ops:
+        dims = [int(d) for d in re.findall(r"\[([0-9,]*)\]", i["shape"])[0].split(",") if d]
+        plane = s in dims and f in dims and math.prod(dims) in (s * f, b * s * f)
+        if plane and i["opcode"] in ("copy", "fusion", "transpose"):
+            found.append(f"{i['opcode']} {i['shape'].split('{')[0]}")
+    return found
+
+
 def compile_chunk(config: str, batch: int, prompt: int, new: int, bf16: bool, chip: str | None, dump: str):
     """(compiled chunk, its cache shape, the roofline's bytes, target) for ``config``'s decode at
     ``batch`` rows and a cache for ``prompt + new`` tokens (``programs.slots_for``), on one device,
@@ -167,6 +184,7 @@ def report(dump: str, cache_shape: tuple, roof: int, clock_ghz: float, bandwidth
         "kernels_per_step": len(ops),
         "fusions_per_step": sum(i["opcode"] == "fusion" for i in ops),
         "cache_relayouts": cache_copies(comps, cache_shape),
+        "layer_cache_copies": layer_copies(ops, cache_shape),
         "estimated_us_per_step": total / clock_ghz / 1e3 if total else None,
         "roofline_bytes": roof,
         "roofline_us": 1e6 * roof / bandwidth if bandwidth else None,
@@ -203,6 +221,7 @@ def main() -> None:
     print(f"decode step of {what}; {target.compiler}")
     print(f"  kernels a step: {r['kernels_per_step']} ({r['fusions_per_step']} fusions)")
     print(f"  relayouts of the whole cache a chunk: {len(r['cache_relayouts'])} {r['cache_relayouts']}")
+    print(f"  copies of a layer's keys or values a step: {len(r['layer_cache_copies'])}")
     if r["estimated_us_per_step"] is not None:
         roof_us = f", roofline {r['roofline_us']:.0f} us" if r["roofline_us"] else ""
         print(f"  compiler's estimate: {r['estimated_us_per_step']:.0f} us a step{roof_us}; costliest:")

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from meshlm.errors import ConfigError
 from meshlm.generate.cache import cache_dtypes, cache_shapes, cache_specs, empty_cache, keep_window
 from meshlm.generate.inputs import Sampling
+from meshlm.model.attention import values_apart
 from meshlm.model.blockwise import varying_like
 from meshlm.model.cache_kernel import write_mode
 from meshlm.model.config import ModelConfig
@@ -334,13 +335,13 @@ def programs_for(
     chunk: int = DECODE_CHUNK,
 ) -> Programs:
     """The shared ``Programs`` of this model and chunk length (made on first use); ``params`` give the
-    dtypes. Programs traced under another cache-write mode (``cache_kernel.write_mode``: a
-    measurement's) are others."""
+    dtypes. Programs traced under another cache-write mode (``cache_kernel.write_mode``) or values
+    mode (``attention.values_apart``), a measurement's, are others."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
         raise ConfigError(f"chunk={chunk!r}: give decode steps a program as a whole number >= 0")
     dtypes = tuple(str(p.dtype) for p in jax.tree.leaves(params))
     check_prefill_cp(cfg, layout, max_len, prefill_cp)
-    key = (cfg, layout, layout.mesh, max_len, dtypes, prefill_cp, write_mode(), chunk)
+    key = (cfg, layout, layout.mesh, max_len, dtypes, prefill_cp, write_mode(), values_apart(), chunk)
     if key not in _PROGRAMS:
         dtype = params["embed"]["embeddings"].dtype
         _PROGRAMS[key] = Programs(cfg, layout, specs, max_len, dtype, prefill_cp, chunk)

@@ -12,6 +12,7 @@ of the implicit replicated-to-per-shard cast sums the shards' gradients."""
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import haiku as hk
@@ -21,7 +22,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from meshlm.errors import ShardingError
+from meshlm.errors import ConfigError, ShardingError
 from meshlm.model import attention_variants as variants  # global_rotated: NoPE, proportional RoPE
 from meshlm.model.attention_variants import Variant, mask_mod, rotary_scale, soft_cap, variant_of
 from meshlm.model.blockwise import blockwise_attention, varying_like
@@ -435,13 +436,34 @@ def _flat_scores(qg, k):
     return scores.reshape(b, kv, g, t, k.shape[1])
 
 
+# "apart" (unset): ``_flat_out``'s matmul kept apart from its block selection (an optimization barrier);
+# "fused": XLA may fuse them (the program before, to measure one against the other on a chip).
+VALUES_ENV = "MESHLM_FLAT_VALUES"
+
+
+def values_apart() -> bool:
+    """``MESHLM_FLAT_VALUES``: "apart" (unset) or "fused"; anything else is an error. Read when traced."""
+    mode = os.environ.get(VALUES_ENV, "") or "apart"
+    if mode not in ("apart", "fused"):
+        raise ConfigError(f"{VALUES_ENV}={mode!r}: use apart or fused (or leave it unset)")
+    return mode == "apart"
+
+
 def _flat_out(probs, v):
     """probs [B, Kc, g, T, S] times a flat cache v [B, S, Kc * Ev] -> [B, T, Kc, g, Ev]: every query
     head against every KV head's values (one matmul a row), then each head's own block kept (the
     others dropped: a select, exact)."""
     b, kv, g, t, s = probs.shape
     ev = v.shape[-1] // kv
-    full = jnp.einsum("bns,bsf->bnf", probs.reshape(b, kv * g * t, s), v).reshape(b, kv, g, t, kv, ev)
+    full = jnp.einsum("bns,bsf->bnf", probs.reshape(b, kv * g * t, s), v)  # [B, Kc * g * T, Kc * Ev]
+    if values_apart():
+        # Why apart: at one row (a decode step at batch 1) XLA:TPU fused the matmul with the selection
+        # into one vector-unit reduction that reads the values with S minor, so it copied each layer's
+        # values transposed out of the cache every step (4176 x 768 bf16, 6.4 MB a layer at a 4096-token
+        # prompt); apart, the matmul reads the cache as it lies, the slice of its layer fused in
+        # (scripts/decode_hlo.py, docs/benchmarks.md "Decode: the values apart"). Identity elsewhere.
+        full = lax.optimization_barrier(full)
+    full = full.reshape(b, kv, g, t, kv, ev)
     eye = jnp.eye(kv, dtype=bool)[:, None, None, :, None]  # [Kc (queries'), 1, 1, Kc (values'), 1]
     out = jnp.sum(jnp.where(eye, full, jnp.zeros((), full.dtype)), axis=4)  # [B, Kc, g, T, Ev]
     return jnp.transpose(out, (0, 3, 1, 2, 4))
