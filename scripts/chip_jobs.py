@@ -142,9 +142,9 @@ def _kernel_jobs() -> list[Job]:
     jobs.append(Job("kernels", "decode chunks 16 8 32 64 bf16 b1", (*chunks, "--batch", "1"), smoke))
     jobs.append(Job("kernels", "decode chunks 16 8 32 64 bf16 b8", (*chunks, "--batch", "8")))
     # batch 1's values' matmul kept apart from its head selection (``attention._flat_out``, the default)
-    # against the two fused (the program before): fused, XLA:TPU copied each layer's values transposed
-    # every step (compile-only). A pair a case, one after the other; chunks of 16, each with its single
-    # steps (decode_chunks.py's reference), 3 repetitions
+    # against matmul and selection fused (the program before), which at batch 1 copied each layer's values
+    # transposed every step (compile-only). A pair a case, one after the other; chunks of 16, each beside
+    # its single steps (decode_chunks.py's reference), 3 repetitions
     values = (*chunks[:3], "--new", "65", "--chunks", "16", "--reps", "3", "--batch", "1")
     for case, extra in (
         ("bf16 4096", ("--bf16", "--prompt", "4096")),
