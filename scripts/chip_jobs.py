@@ -156,6 +156,35 @@ def _kernel_jobs() -> list[Job]:
     for mode in ("apart", "fused"):
         env = (("MESHLM_FLAT_VALUES", mode),)
         jobs.append(Job("kernels", f"decode values {mode} f32 512 b1", (*values, "--prompt", "512"), env=env))
+    jobs += _vmem_jobs(values[:-2])
+    return jobs
+
+
+# The decode programs' compiler options against the default (``programs.MESHLM_DECODE_XLA_OPTIONS``):
+# compile-only, every decode missing issue 64's target moves its whole stacked cache into the v5e's VMEM
+# and back each step, none meeting it does; the copies' overlap ratio at 10 stops that at bf16 batch 8
+# and float32 batch 1, VMEM assignment off everywhere
+VMEM_OPTIONS = {
+    "default": "",
+    "overlap10": '{"xla_vf_vmem_min_overlap_to_async_copy_ratio": 10}',
+    "off": '{"xla_vf_vmem_memory_space_assignment": false}',
+}
+VMEM_CASES = {
+    "bf16 512 b8": ("--bf16", "--prompt", "512", "--batch", "8"),
+    "bf16 4096 b1": ("--bf16", "--prompt", "4096", "--batch", "1"),
+    "bf16 512 b1": ("--bf16", "--prompt", "512", "--batch", "1"),
+    "f32 512 b1": ("--prompt", "512", "--batch", "1"),
+}
+
+
+def _vmem_jobs(decode: tuple) -> list[Job]:
+    """Each case's three programs one after another (decode_chunks.py, chunks of 16 beside single steps).
+    No CPU smoke: the options are the v5e compiler's, and XLA:CPU rejects them."""
+    jobs = []
+    for case, extra in VMEM_CASES.items():
+        for name, options in VMEM_OPTIONS.items():
+            env = (("MESHLM_DECODE_XLA_OPTIONS", options),)
+            jobs.append(Job("kernels", f"decode vmem {name} {case}", (*decode, *extra), env=env))
     return jobs
 
 

@@ -13,6 +13,8 @@ script reads the optimized module:
 * the step's ops that make a new value of one layer's keys or values (``layer_cache_copies``: at batch
   1 the values' matmul fused with its head selection copied each layer's values transposed every step,
   what ``attention._flat_out``'s barrier removed; ``MESHLM_FLAT_VALUES=fused`` compiles the form before);
+* the step's moves of a whole stacked cache (``cache_moves_a_step``: async copies into the chip's VMEM
+  and back, where the cache fits it; unpriced by the cost model; ``MESHLM_DECODE_XLA_OPTIONS``);
 * on a TPU, XLA:TPU's own estimate of each kernel's cycles (``estimated_cycles`` after codegen, at
   ``--clock-ghz``): the step's estimated time and the ops costing most, grouped by the JAX operation
   that made them, beside the roofline (weights and cache read once at the chip's bandwidth).
@@ -163,7 +165,10 @@ class _Dumped:
 
     def lower(self, *args):
         lowered = self.real(*args)
-        return type("Lowered", (), {"compile": lambda _: lowered.compile({"xla_dump_to": self.dump})})()
+        dump = {"xla_dump_to": self.dump}  # with the programs' own options (MESHLM_DECODE_XLA_OPTIONS)
+        return type(
+            "Lowered", (), {"compile": lambda _, opts=None: lowered.compile({**dump, **(opts or {})})}
+        )()
 
 
 def report(dump: str, cache_shape: tuple, roof: int, clock_ghz: float, bandwidth: float | None, top: int):
@@ -185,6 +190,11 @@ def report(dump: str, cache_shape: tuple, roof: int, clock_ghz: float, bandwidth
         "fusions_per_step": sum(i["opcode"] == "fusion" for i in ops),
         "cache_relayouts": cache_copies(comps, cache_shape),
         "layer_cache_copies": layer_copies(ops, cache_shape),
+        # the whole stacked cache moved between HBM and VMEM (S(1)) inside the step: async copies the
+        # cost model leaves unpriced, the cache's bytes each way (v5e, where the cache fits its VMEM)
+        "cache_moves_a_step": sum(
+            i["opcode"] == "copy-start" and f"[{','.join(map(str, cache_shape))}]" in i["shape"] for i in ops
+        ),
         "estimated_us_per_step": total / clock_ghz / 1e3 if total else None,
         "roofline_bytes": roof,
         "roofline_us": 1e6 * roof / bandwidth if bandwidth else None,
@@ -222,6 +232,7 @@ def main() -> None:
     print(f"  kernels a step: {r['kernels_per_step']} ({r['fusions_per_step']} fusions)")
     print(f"  relayouts of the whole cache a chunk: {len(r['cache_relayouts'])} {r['cache_relayouts']}")
     print(f"  copies of a layer's keys or values a step: {len(r['layer_cache_copies'])}")
+    print(f"  moves of the whole stacked cache a step (to or from VMEM): {r['cache_moves_a_step']}")
     if r["estimated_us_per_step"] is not None:
         roof_us = f", roofline {r['roofline_us']:.0f} us" if r["roofline_us"] else ""
         print(f"  compiler's estimate: {r['estimated_us_per_step']:.0f} us a step{roof_us}; costliest:")

@@ -234,3 +234,33 @@ def test_no_job_name_holds_a_comma_and_the_experts_pairs_double_the_tokens():
         assert ("--batch-size 16" in text) == ("b16" in name)
         assert ("--opt-dtype bf16" in text) == ("bf16 moments" in name)
     assert len(a3b) == 4
+
+
+def test_the_decode_values_and_vmem_jobs_pair_each_case(tmp_path):
+    """Issue 64: batch 1's values apart against fused (``MESHLM_FLAT_VALUES``), a pair a case, and the
+    decode programs' VMEM options (``MESHLM_DECODE_XLA_OPTIONS``: default, the copies' overlap ratio,
+    VMEM assignment off), three a case; the fused one's CPU smoke runs under its environment."""
+    script = _script()
+    jobs = script._kernel_jobs()
+    values = {j.name: dict(j.env) for j in jobs if j.name.startswith("decode values")}
+    assert len(values) == 6 and all(env["MESHLM_FLAT_VALUES"] in name for name, env in values.items())
+    vmem = [j for j in jobs if j.name.startswith("decode vmem")]
+    assert len(vmem) == 12 and not any(j.smoke for j in vmem)  # the v5e compiler's options
+    for j in vmem:
+        options = dict(j.env)["MESHLM_DECODE_XLA_OPTIONS"]
+        assert (json.loads(options) if options else {}) == (
+            json.loads(script._jobs.VMEM_OPTIONS[j.name.split()[2]]) if j.name.split()[2] != "default" else {}
+        )
+    argv = [
+        "--cpu-smoke",
+        "--out",
+        str(tmp_path),
+        "--groups",
+        "kernels",
+        "--only",
+        "decode values fused bf16 512",
+    ]
+    assert script.main(argv) == 0
+    ran = [j for j in json.loads((tmp_path / "chip_report.json").read_text())["jobs"] if j["output"]]
+    assert [j["code"] for j in ran] == [0] and ran[0]["env"] == {"MESHLM_FLAT_VALUES": "fused"}
+    assert ran[0]["output"]["same_tokens"] is True

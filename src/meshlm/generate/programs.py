@@ -24,6 +24,8 @@ traced values: changing them does not recompile.
 
 from __future__ import annotations
 
+import json
+import os
 from functools import partial
 
 import haiku as hk
@@ -225,6 +227,30 @@ def sharded_fns(
 KINDS = ("prefill", "decode", "chunk")  # the programs of a batch size
 
 
+# XLA:TPU (libtpu) options for generation's decode programs, a JSON object (unset: none), to measure a
+# compiler setting against the default: '{"xla_vf_vmem_min_overlap_to_async_copy_ratio": 10}' kept a v5e's
+# compiler from copying the whole KV cache into VMEM and back every decode step (compile-only;
+# docs/benchmarks.md, "Decode: the values apart"). The compiler rejects a name it does not know.
+XLA_OPTIONS_ENV = "MESHLM_DECODE_XLA_OPTIONS"
+
+
+def decode_xla_options() -> tuple:
+    """``MESHLM_DECODE_XLA_OPTIONS`` as sorted (name, value) pairs; a bad value is one line."""
+    text = os.environ.get(XLA_OPTIONS_ENV, "")
+    try:
+        options = json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        options = None
+    if not isinstance(options, dict) or not all(
+        isinstance(v, (bool, int, float, str)) for v in options.values()
+    ):
+        raise ConfigError(
+            f"{XLA_OPTIONS_ENV}={text!r}: give a JSON object of compiler option names to numbers, booleans "
+            "or strings, e.g. '{\"xla_vf_vmem_min_overlap_to_async_copy_ratio\": 10}' (or leave it unset)"
+        )
+    return tuple(sorted(options.items()))
+
+
 class Programs:
     """The jitted prefill and decode of one (config, layout, max_len, parameter dtypes, chunk length),
     and their executables per global batch size. Shared by every Generator of that model
@@ -242,6 +268,7 @@ class Programs:
     ):
         self.cfg, self.layout, self.max_len, self.cache_dtype = cfg, layout, max_len, cache_dtype
         self.chunk = chunk  # decode steps a "chunk" program (0: generation runs single steps)
+        self.xla_options = decode_xla_options()  # the decode programs' compiler options (a measurement's)
         fns = sharded_fns(cfg, layout, specs, cache_dtype, prefill_cp, max_len=max_len, chunk=max(chunk, 1))
         self.jit = {
             "prefill": jax.jit(fns[0]),
@@ -276,7 +303,10 @@ class Programs:
             cache = {k: self._abstract(cshapes[k], dtypes[k], s) for k, s in specs.items()}
             decode_in = (params, row, row, row, cache, key, self._abstract((), jnp.int32, P()), sampling, row)
             for kind in decodes:
-                done[kind] = self.jit[kind].lower(*decode_in).compile()
+                lowered = self.jit[kind].lower(*decode_in)
+                done[kind] = (
+                    lowered.compile(dict(self.xla_options)) if self.xla_options else lowered.compile()
+                )
         return done
 
 
@@ -335,13 +365,15 @@ def programs_for(
     chunk: int = DECODE_CHUNK,
 ) -> Programs:
     """The shared ``Programs`` of this model and chunk length (made on first use); ``params`` give the
-    dtypes. Programs traced under another cache-write mode (``cache_kernel.write_mode``) or values
-    mode (``attention.values_apart``), a measurement's, are others."""
+    dtypes. Programs traced under another cache-write mode (``cache_kernel.write_mode``), values mode
+    (``attention.values_apart``) or decode compiler options (``decode_xla_options``), a measurement's,
+    are others."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
         raise ConfigError(f"chunk={chunk!r}: give decode steps a program as a whole number >= 0")
     dtypes = tuple(str(p.dtype) for p in jax.tree.leaves(params))
     check_prefill_cp(cfg, layout, max_len, prefill_cp)
-    key = (cfg, layout, layout.mesh, max_len, dtypes, prefill_cp, write_mode(), values_apart(), chunk)
+    modes = (write_mode(), values_apart(), decode_xla_options())
+    key = (cfg, layout, layout.mesh, max_len, dtypes, prefill_cp, modes, chunk)
     if key not in _PROGRAMS:
         dtype = params["embed"]["embeddings"].dtype
         _PROGRAMS[key] = Programs(cfg, layout, specs, max_len, dtype, prefill_cp, chunk)

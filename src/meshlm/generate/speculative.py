@@ -51,6 +51,8 @@ from meshlm.errors import ConfigError
 from meshlm.generate.cache import cache_dtypes, cache_shapes, cache_specs, empty_cache
 from meshlm.generate.programs import _full_vocab
 from meshlm.model import mtp
+from meshlm.model.attention import values_apart
+from meshlm.model.cache_kernel import write_mode
 from meshlm.model.config import ModelConfig
 from meshlm.model.layers import upcast, varying_like
 from meshlm.model.transformer import local_logits_stats
@@ -257,9 +259,10 @@ _PROGRAMS: dict[tuple, SpecPrograms] = {}
 
 
 def spec_programs_for(cfg: ModelConfig, layout: Layout, specs, max_len: int, params) -> SpecPrograms:
-    """The shared ``SpecPrograms`` of this model (made on first use); ``params`` give the dtypes."""
+    """The shared ``SpecPrograms`` of this model (made on first use); ``params`` give the dtypes.
+    Programs traced under another cache-write or values mode (a measurement's) are others."""
     dtypes = tuple(str(p.dtype) for p in jax.tree.leaves(params))
-    key = (cfg, layout, layout.mesh, max_len, dtypes)
+    key = (cfg, layout, layout.mesh, max_len, dtypes, write_mode(), values_apart())
     if key not in _PROGRAMS:
         _PROGRAMS[key] = SpecPrograms(cfg, layout, specs, max_len, params["embed"]["embeddings"].dtype)
     return _PROGRAMS[key]
