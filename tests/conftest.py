@@ -12,10 +12,15 @@ _flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.ge
 # parallel codegen: on 2 cores shared by 2 test workers the split's threads only add work (a 2x2 verify
 # of tiny-llama with controls: ~12% less CPU). Both sides of every comparison are compiled with the same
 # flags (subprocesses inherit them); numerics are unaffected beyond rounding order.
+# And a collective's participants may arrive late on a loaded machine (three workers on two cores, each
+# compiling): XLA:CPU aborts the process when one waits past its termination timeout (LOG(FATAL),
+# "Termination timeout ... exceeded"); a slow-tier worker died "Aborted" in a pipeline proof, in CI and
+# once locally (8 December 2026). Past 30 minutes, as meshlm's own stall watch (``parallel.watchdog``).
 os.environ["XLA_FLAGS"] = (
     _flags
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     + " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+    + " --xla_cpu_collective_call_terminate_timeout_seconds=1800"
 ).strip()
 
 # Identical XLA programs recur across tests (the unsharded reference on every mesh, the same controls):
